@@ -1,0 +1,216 @@
+// flexkvctl: look at a running flexkvd and drain it for maintenance.
+// Exit codes: 0 ok, 1 the daemon said no, 2 usage, 3 cannot connect.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include "flexkv/client.h"
+
+namespace {
+
+using flexkv::Client;
+using flexkv::Status;
+
+constexpr int kExitOk = 0;
+constexpr int kExitRefused = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitNoConnection = 3;
+
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (const unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          out += fmt::format("\\u{:04x}", c);
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string StatusJson(const flexkv::DaemonStatus& s) {
+  std::string counters;
+  for (const auto& [name, value] : s.counters) {
+    counters += fmt::format("{}{}: {}", counters.empty() ? "" : ", ", JsonString(name), value);
+  }
+  std::string backends;
+  for (const auto& b : s.backends) {
+    std::string devices;
+    for (const auto& d : b.devices) devices += (devices.empty() ? "" : ", ") + JsonString(d);
+    backends += fmt::format("{}{{\"name\": {}, \"devices\": [{}]}}", backends.empty() ? "" : ", ", JsonString(b.name),
+                            devices);
+  }
+  return fmt::format(
+      "{{\n  \"state\": {},\n  \"version\": {},\n  \"pid\": {},\n  \"uptime_s\": {},\n"
+      "  \"pool\": {{\"block_bytes\": {}, \"capacity_blocks\": {}, \"used_blocks\": {}, \"pinned_blocks\": {}, "
+      "\"backing\": {}, \"budget_bytes\": {}}},\n"
+      "  \"index\": {{\"blocks\": {}}},\n  \"sessions\": {},\n  \"counters\": {{{}}},\n  \"backends\": [{}],\n"
+      "  \"model_namespace\": {}\n}}\n",
+      JsonString(s.state), JsonString(s.version), s.pid, s.uptime_s, s.pool.block_bytes, s.pool.capacity_blocks,
+      s.pool.used_blocks, s.pool.pinned_blocks, JsonString(s.pool.backing), s.pool.budget_bytes, s.index_blocks,
+      s.sessions, counters, backends, JsonString(s.model_namespace));
+}
+
+void PrintStatus(const flexkv::DaemonStatus& s) {
+  fmt::print("flexkvd {} (pid {}), up {} s: {}\n", s.version, s.pid, s.uptime_s, s.state);
+  if (s.pool.block_bytes == 0) {
+    fmt::print("pool      budget {} bytes; block size not fixed yet (no session has attached)\n", s.pool.budget_bytes);
+  } else {
+    fmt::print("pool      {} slots of {} bytes; {} used, {} pinned; backing {}\n", s.pool.capacity_blocks,
+               s.pool.block_bytes, s.pool.used_blocks, s.pool.pinned_blocks,
+               s.pool.backing.empty() ? "-" : s.pool.backing);
+  }
+  fmt::print("domain    {}\n", s.model_namespace.empty() ? "-" : s.model_namespace);
+  fmt::print("index     {} blocks\n", s.index_blocks);
+  fmt::print("sessions  {}\n", s.sessions);
+  std::string counters;
+  for (const auto& [name, value] : s.counters) counters += fmt::format("{}{}={}", counters.empty() ? "" : " ", name, value);
+  fmt::print("counters  {}\n", counters.empty() ? "-" : counters);
+  std::string backends;
+  for (const auto& b : s.backends) {
+    backends += (backends.empty() ? "" : ", ") + b.name;
+    for (const auto& d : b.devices) backends += " " + d;
+  }
+  fmt::print("backends  {}\n", backends);
+}
+
+int Refused(const Status& s) {
+  std::fprintf(stderr, "flexkvctl: %s\n", s.ToString().c_str());
+  return kExitRefused;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"flexkvctl: inspect and drain a flexkvd"};
+  app.require_subcommand(1);
+  std::string socket;
+  bool json = false;
+  double connect_timeout_s = 1.0;
+  app.add_option("--socket", socket, "Control socket (default: $FLEXKV_SOCKET, else the default flexkvd socket)");
+  app.add_flag("--json", json, "Machine-readable output");
+  app.add_option("--connect-timeout", connect_timeout_s, "Seconds to wait for a daemon that is starting (default 1)")
+      ->check(CLI::Range(0.0, 600.0));
+  auto* status_cmd = app.add_subcommand("status", "Daemon state, pool, index, counters");
+  auto* sessions_cmd = app.add_subcommand("sessions", "Attached engine sessions");
+  auto* drain_cmd = app.add_subcommand("drain", "Stop admitting new loads/stores; finish in-flight work");
+  bool drain_wait = false;
+  double drain_timeout_s = 60;
+  drain_cmd->add_flag("--wait", drain_wait, "Return only once the daemon reports drained");
+  drain_cmd->add_option("--timeout", drain_timeout_s, "Seconds --wait waits (default 60)")->check(CLI::Range(0.0, 86400.0));
+  auto* resume_cmd = app.add_subcommand("resume", "Admit work again after a drain");
+  auto* health_cmd = app.add_subcommand("health", "gRPC health check: exit 0 when serving");
+  for (auto* sub : {status_cmd, sessions_cmd, drain_cmd, resume_cmd, health_cmd}) {
+    sub->add_flag("--json", json, "Machine-readable output");
+    sub->add_option("--socket", socket, "Control socket");
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+
+  flexkv::ConnectOptions options;
+  options.socket_path = socket;
+  options.connect_timeout = std::chrono::milliseconds(static_cast<int64_t>(connect_timeout_s * 1000));
+  auto client = Client::Connect(options);
+  if (!client.ok()) {
+    std::fprintf(stderr,
+                 "flexkvctl: cannot connect: %s\n"
+                 "  check that flexkvd is running (systemctl status flexkvd), that --socket or FLEXKV_SOCKET names\n"
+                 "  its socket, and that your user may open it (group of the socket, mode 0660)\n",
+                 client.status().message().c_str());
+    return kExitNoConnection;
+  }
+  Client& c = **client;
+
+  if (status_cmd->parsed()) {
+    auto s = c.GetStatus();
+    if (!s.ok()) return Refused(s.status());
+    if (json) {
+      fmt::print("{}", StatusJson(*s));
+    } else {
+      PrintStatus(*s);
+    }
+    return kExitOk;
+  }
+  if (sessions_cmd->parsed()) {
+    auto list = c.ListSessions();
+    if (!list.ok()) return Refused(list.status());
+    const auto now_ms = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                  std::chrono::system_clock::now().time_since_epoch())
+                                                  .count());
+    if (json) {
+      std::string out = "[";
+      for (const auto& s : *list) {
+        out += fmt::format(
+            "{}\n  {{\"session_id\": {}, \"client_name\": {}, \"pid\": {}, \"uid\": {}, \"gid\": {}, \"dp_rank\": {}, "
+            "\"tp_rank\": {}, \"model_namespace\": {}, \"state\": {}, \"attached_unix_ms\": {}, \"pinned_blocks\": {}, "
+            "\"inflight_requests\": {}}}",
+            out.size() > 1 ? "," : "", s.session_id, JsonString(s.client_name), s.pid, s.uid, s.gid, s.dp_rank,
+            s.tp_rank, JsonString(s.model_namespace), JsonString(s.state), s.attached_unix_ms, s.pinned_blocks,
+            s.inflight_requests);
+      }
+      fmt::print("{}\n]\n", out);
+    } else {
+      fmt::print("{:>6}  {:<20} {:>8} {:>6} {:>4} {:>4}  {:<10} {:>7} {:>8} {:>8}\n", "ID", "NAME", "PID", "UID", "DP",
+                 "TP", "STATE", "PINNED", "INFLIGHT", "AGE_S");
+      for (const auto& s : *list) {
+        fmt::print("{:>6}  {:<20} {:>8} {:>6} {:>4} {:>4}  {:<10} {:>7} {:>8} {:>8}\n", s.session_id,
+                   s.client_name.empty() ? "-" : s.client_name, s.pid, s.uid, s.dp_rank, s.tp_rank, s.state,
+                   s.pinned_blocks, s.inflight_requests, now_ms > s.attached_unix_ms ? (now_ms - s.attached_unix_ms) / 1000 : 0);
+      }
+      if (list->empty()) fmt::print("(no sessions)\n");
+    }
+    return kExitOk;
+  }
+  if (drain_cmd->parsed()) {
+    auto state = c.Drain();
+    if (!state.ok()) return Refused(state.status());
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::milliseconds(static_cast<int64_t>(drain_timeout_s * 1000));
+    std::string current = *state;
+    while (drain_wait && current != "drained") {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::fprintf(stderr, "flexkvctl: still %s after %.0f s; in-flight work has not finished\n", current.c_str(),
+                     drain_timeout_s);
+        return kExitRefused;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      auto s = c.GetStatus();
+      if (!s.ok()) return Refused(s.status());
+      current = s->state;
+    }
+    fmt::print("{}\n", json ? fmt::format("{{\"state\": {}}}", JsonString(current)) : current);
+    return kExitOk;
+  }
+  if (resume_cmd->parsed()) {
+    auto state = c.Resume();
+    if (!state.ok()) return Refused(state.status());
+    fmt::print("{}\n", json ? fmt::format("{{\"state\": {}}}", JsonString(*state)) : *state);
+    return kExitOk;
+  }
+  if (health_cmd->parsed()) {
+    Status h = c.CheckHealth();
+    if (json) {
+      fmt::print("{{\"serving\": {}, \"message\": {}}}\n", h.ok() ? "true" : "false", JsonString(h.message()));
+    } else {
+      fmt::print("{}\n", h.ok() ? "SERVING" : h.message());
+    }
+    return h.ok() ? kExitOk : kExitRefused;
+  }
+  return kExitUsage;
+}

@@ -1,0 +1,95 @@
+// Flag and config-file parsing for flexkvd.
+#include "daemon/config/config.h"
+
+#include <grp.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstdio>
+#include <iostream>
+
+#include "common/paths.h"
+#include "common/units.h"
+#include "common/version.h"
+
+namespace flexkv {
+
+Result<gid_t> ResolveGroup(const std::string& flag, const std::string& name) {
+  if (name.empty()) return Status::InvalidArgument(flag + " is empty; expected a group name or a numeric gid");
+  if (name.find_first_not_of("0123456789") == std::string::npos && name.size() < 10) {
+    return static_cast<gid_t>(std::stoul(name));
+  }
+  group grp{};
+  group* found = nullptr;
+  std::string buf(16384, '\0');
+  const int rc = getgrnam_r(name.c_str(), &grp, buf.data(), buf.size(), &found);
+  if (rc != 0 || found == nullptr) {
+    return Status::InvalidArgument(flag + " '" + name + "' is not a known group; expected a group name or a numeric gid");
+  }
+  return found->gr_gid;
+}
+
+ParsedArgs ParseDaemonArgs(int argc, char** argv) {
+  CLI::App app{"flexkvd: node-local KV-cache daemon for LLM inference engines"};
+  app.set_version_flag("--version", kVersion);
+  app.set_config("--config", "", "TOML file with the same keys as the long flags (socket = \"...\")");
+  app.get_config_ptr()->check(CLI::ExistingFile);
+
+  DaemonConfig cfg;
+  std::string pool_size = "1GiB";
+  std::string socket_group;
+  std::string admin_group;
+  std::string log_level = "info";
+  app.add_option("--socket", cfg.socket_path, "Control socket path (default: " + DefaultSocketPath() + ")");
+  app.add_option("--pool-size", pool_size, "Host KV pool budget, with units: 512MiB, 64GiB (default 1GiB)");
+  app.add_option("--pool-path", cfg.pool_path,
+                 "Pool file under /dev/shm or hugetlbfs (default /dev/shm/flexkvd-<uid>.pool)");
+  app.add_option("--socket-group", socket_group, "Group that may connect to the socket (mode 0660)");
+  app.add_option("--admin-group", admin_group, "Group whose members may Drain/Resume besides root and the daemon's uid");
+  app.add_option("--log-level", log_level, "debug, info, warning or error");
+  app.add_option("--drain-timeout", cfg.drain_timeout_s, "Seconds SIGTERM waits for in-flight work (default 30)")
+      ->check(CLI::Range(0.0, 3600.0));
+  app.add_option("--attach-timeout", cfg.attach_timeout_s,
+                 "Seconds a new session has to open its session channel (default 10)")
+      ->check(CLI::Range(0.1, 600.0));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return ParsedArgs{std::nullopt, app.exit(e)};
+  }
+
+  auto usage_error = [](const Status& s) {
+    std::fprintf(stderr, "flexkvd: %s\n", s.message().c_str());
+    return ParsedArgs{std::nullopt, 2};
+  };
+  auto size = ParseByteSize(pool_size);
+  if (!size.ok()) return usage_error(size.status().WithContext("--pool-size"));
+  if (*size < (1u << 20)) {
+    return usage_error(Status::InvalidArgument("--pool-size " + pool_size + " is below 1MiB; expected e.g. 512MiB or 64GiB"));
+  }
+  cfg.pool_bytes = *size;
+  auto level = log::ParseLevel(log_level);
+  if (!level.ok()) return usage_error(level.status().WithContext("--log-level"));
+  cfg.log_level = *level;
+  if (!socket_group.empty()) {
+    auto g = ResolveGroup("--socket-group", socket_group);
+    if (!g.ok()) return usage_error(g.status());
+    cfg.socket_gid = *g;
+  }
+  if (!admin_group.empty()) {
+    auto g = ResolveGroup("--admin-group", admin_group);
+    if (!g.ok()) return usage_error(g.status());
+    cfg.admin_gid = *g;
+  }
+  if (cfg.socket_path.empty()) cfg.socket_path = DefaultSocketPath();
+  if (cfg.socket_path.size() >= 108) {
+    return usage_error(Status::InvalidArgument("--socket path has " + std::to_string(cfg.socket_path.size()) +
+                                               " bytes; expected at most 107 (sun_path)"));
+  }
+  if (cfg.pool_path.empty()) cfg.pool_path = "/dev/shm/flexkvd-" + std::to_string(geteuid()) + ".pool";
+  return ParsedArgs{cfg, 0};
+}
+
+}  // namespace flexkv

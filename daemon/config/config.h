@@ -1,0 +1,38 @@
+// flexkvd's configuration: command-line flags and an optional TOML file (--config), read by CLI11.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "common/log.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+struct DaemonConfig {
+  std::string socket_path;             // --socket; default DefaultSocketPath()
+  uint64_t pool_bytes = 1ULL << 30;    // --pool-size
+  std::string pool_path;               // --pool-path; default /dev/shm/flexkvd-<uid>.pool
+  std::optional<gid_t> socket_gid;     // --socket-group; default: the daemon's own group
+  std::optional<gid_t> admin_gid;      // --admin-group; none: only root and the daemon's uid are admins
+  log::Level log_level = log::Level::kInfo;
+  double drain_timeout_s = 30;         // --drain-timeout: how long SIGTERM waits for in-flight work
+  double attach_timeout_s = 10;        // --attach-timeout: a session must open its channel within this
+};
+
+// Outcome of parsing: a config to run with, or an exit (help printed, or a usage error already reported
+// on stderr naming the flag and the accepted form).
+struct ParsedArgs {
+  std::optional<DaemonConfig> config;
+  int exit_code = 0;
+};
+
+ParsedArgs ParseDaemonArgs(int argc, char** argv);
+
+// Resolves a group name or a numeric gid. INVALID_ARGUMENT naming `flag` if unknown.
+Result<gid_t> ResolveGroup(const std::string& flag, const std::string& name);
+
+}  // namespace flexkv

@@ -1,0 +1,158 @@
+// flexkvd's assembly and main loop; see daemon.h.
+#include "daemon/daemon.h"
+
+#include <grpcpp/ext/health_check_service_server_builder_option.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server_posix.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+
+#include "common/log.h"
+#include "common/units.h"
+#include "common/version.h"
+#include "daemon/cache/cache_domain.h"
+#include "daemon/lifecycle.h"
+#include "daemon/server/acceptor.h"
+#include "daemon/server/control_service.h"
+#include "daemon/server/control_socket.h"
+#include "daemon/server/peer_table.h"
+#include "daemon/sessions/session_registry.h"
+
+namespace flexkv {
+namespace {
+
+// A worker loop that has not turned for this long is stuck; the watchdog stops being fed.
+constexpr int64_t kStuckLoopMs = 5000;
+
+void Notify(const std::string& message) { sd_notify(0, message.c_str()); }
+
+}  // namespace
+
+int RunDaemon(const DaemonConfig& config) {
+  log::SetLevel(config.log_level);
+  const int64_t started_ms = MonotonicMs();
+
+  // Signals are taken synchronously by the main loop; block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  UniqueFd signal_fd(signalfd(-1, &signals, SFD_CLOEXEC));
+  if (!signal_fd) {
+    log::Error("daemon", "signalfd: {}", ErrnoText(errno));
+    return 1;
+  }
+
+  auto activated = ControlSocket::FromSystemd(config.socket_path);
+  auto socket = (!activated.ok() && activated.status().code() == StatusCode::kNotFound)
+                    ? ControlSocket::Bind(config.socket_path, config.socket_gid)
+                    : std::move(activated);
+  if (!socket.ok()) {
+    log::Error("daemon", "cannot serve the control socket: {}", socket.status().message());
+    return 1;
+  }
+
+  CacheDomain domain(config.pool_bytes);
+  SessionRegistry sessions(static_cast<int64_t>(config.attach_timeout_s * 1000));
+  Lifecycle lifecycle;
+  PeerTable peers;
+  bool shutting_down = false;
+  lifecycle.SetListener([&](ServingState state) {
+    log::Info("daemon", "state: {}", ServingStateName(state));
+    if (state == ServingState::kServing) Notify("READY=1\nSTATUS=serving");
+    if (state == ServingState::kDraining) Notify(shutting_down ? "STOPPING=1\nSTATUS=draining" : "STATUS=draining");
+    if (state == ServingState::kDrained) Notify("STATUS=drained");
+  });
+
+  ControlService control(ControlContext{&domain, &sessions, &lifecycle, &peers, config.admin_gid, started_ms});
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&control);
+  builder.SetMaxReceiveMessageSize(16 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) {
+    log::Error("daemon", "gRPC server failed to start");
+    return 1;
+  }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  if (health != nullptr) health->SetServingStatus(true);
+
+  Status started = sessions.Start();
+  Acceptor acceptor(socket->fd(), Acceptor::Handlers{
+                                      [&](int fd, const PeerCredentials& peer) {
+                                        peers.Add(fd, peer);
+                                        grpc::AddInsecureChannelFromFd(server.get(), fd);
+                                      },
+                                      [&](UniqueFd fd, const PeerCredentials& peer) {
+                                        sessions.AdoptChannel(std::move(fd), peer);
+                                      }});
+  if (started.ok()) started = acceptor.Start();
+  if (!started.ok()) {
+    log::Error("daemon", "startup failed: {}", started.ToString());
+    server->Shutdown();
+    return 1;
+  }
+
+  log::Info("daemon", "flexkvd {} (pid {}) listening on {}{}; pool budget {}", kVersion, getpid(), socket->path(),
+            socket->activated_by_systemd() ? " (socket activation)" : "", FormatByteSize(config.pool_bytes));
+  log::Info("daemon", "ready: serving");
+  Notify("READY=1\nSTATUS=serving");
+
+  uint64_t watchdog_usec = 0;
+  const bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
+  const int tick_ms = watchdog ? static_cast<int>(std::min<uint64_t>(watchdog_usec / 4000, 1000)) : 1000;
+  int64_t drain_deadline_ms = 0;
+
+  for (;;) {
+    pollfd pfd{signal_fd.get(), POLLIN, 0};
+    const int n = poll(&pfd, 1, shutting_down ? 20 : tick_ms);
+    const int64_t now = MonotonicMs();
+    if (n > 0) {
+      signalfd_siginfo info{};
+      if (read(signal_fd.get(), &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+        if (info.ssi_signo == SIGHUP) {
+          log::Info("daemon", "SIGHUP ignored: configuration is read at start; restart to change it");
+        } else if (!shutting_down) {
+          log::Info("daemon", "{} received: draining, then exiting (at most {} s)", strsignal(static_cast<int>(info.ssi_signo)),
+                    config.drain_timeout_s);
+          shutting_down = true;
+          if (health != nullptr) health->SetServingStatus(false);
+          lifecycle.Drain();
+          drain_deadline_ms = now + static_cast<int64_t>(config.drain_timeout_s * 1000);
+        } else {
+          log::Warning("daemon", "second signal: exiting without waiting for in-flight work");
+          break;
+        }
+      }
+    }
+    if (watchdog && now - acceptor.last_turn_ms() < kStuckLoopMs && now - sessions.last_turn_ms() < kStuckLoopMs) {
+      Notify("WATCHDOG=1");
+    }
+    if (shutting_down) {
+      if (lifecycle.state() == ServingState::kDrained) break;
+      if (now >= drain_deadline_ms) {
+        log::Warning("daemon", "drain timeout: {} request(s) still in flight; exiting anyway", lifecycle.inflight());
+        break;
+      }
+    }
+  }
+
+  acceptor.Stop();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  sessions.Stop();
+  log::Info("daemon", "stopped cleanly");
+  return 0;
+}
+
+}  // namespace flexkv

@@ -1,0 +1,57 @@
+// See lifecycle.h.
+#include "daemon/lifecycle.h"
+
+namespace flexkv {
+
+const char* ServingStateName(ServingState state) {
+  switch (state) {
+    case ServingState::kServing: return "serving";
+    case ServingState::kDraining: return "draining";
+    case ServingState::kDrained: return "drained";
+  }
+  return "serving";
+}
+
+void Lifecycle::SetListener(Listener listener) { listener_ = std::move(listener); }
+
+void Lifecycle::Set(ServingState next) {
+  const ServingState prev = state_.exchange(next);
+  if (prev != next && listener_) listener_(next);
+}
+
+ServingState Lifecycle::Drain() {
+  std::lock_guard lock(mu_);
+  if (state() == ServingState::kServing) Set(ServingState::kDraining);
+  MaybeDrained();
+  return state();
+}
+
+ServingState Lifecycle::Resume() {
+  std::lock_guard lock(mu_);
+  Set(ServingState::kServing);
+  return state();
+}
+
+bool Lifecycle::TryBegin() {
+  inflight_.fetch_add(1);
+  if (state() != ServingState::kServing) {
+    Finish();
+    return false;
+  }
+  return true;
+}
+
+void Lifecycle::Finish() {
+  if (inflight_.fetch_sub(1) == 1 && state() == ServingState::kDraining) {
+    std::lock_guard lock(mu_);
+    MaybeDrained();
+  }
+}
+
+void Lifecycle::MaybeDrained() {
+  if (state() == ServingState::kDraining && inflight_.load() == 0) {
+    Set(ServingState::kDrained);
+  }
+}
+
+}  // namespace flexkv

@@ -1,0 +1,159 @@
+// flexkv.v1.Control handlers; see control_service.h.
+#include "daemon/server/control_service.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include "common/grpc_convert.h"
+#include "common/log.h"
+#include "common/version.h"
+#include "daemon/server/acceptor.h"
+
+namespace flexkv {
+namespace {
+
+constexpr uint32_t kSubmitRingEntries = 1024;
+constexpr uint32_t kCompletionRingEntries = 1024;
+constexpr uint64_t kArenaBytes = 4 << 20;
+
+}  // namespace
+
+grpc::Status ControlService::Answer(const Status& status) {
+  if (!status.ok()) errors_.fetch_add(1, std::memory_order_relaxed);
+  return ToGrpc(status);
+}
+
+bool ControlService::IsAdmin(const std::optional<PeerCredentials>& peer) const {
+  if (!peer) return false;
+  if (peer->uid == 0 || peer->uid == geteuid()) return true;
+  return ctx_.admin_gid.has_value() && peer->InGroup(*ctx_.admin_gid);
+}
+
+Status ControlService::RequireAdmin(grpc::ServerContext* context, const char* call) const {
+  const auto peer = ctx_.peers->Find(context->peer());
+  if (IsAdmin(peer)) return Status::Ok();
+  const std::string who = peer ? fmt::format("uid {} (pid {})", peer->uid, peer->pid) : std::string("an unknown peer");
+  log::Warning("control", "{} refused for {}: not an admin", call, who);
+  return Status::PermissionDenied(fmt::format(
+      "{} is an admin call; {} is neither root, the daemon's uid {} nor in the admin group{}", call, who, geteuid(),
+      ctx_.admin_gid ? fmt::format(" (gid {})", *ctx_.admin_gid) : std::string(" (none configured: --admin-group)")));
+}
+
+grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
+                                    v1::AttachResponse* response) {
+  if (request->protocol_version() != kProtocolVersion) {
+    return Answer(Status::FailedPrecondition(fmt::format(
+        "protocol_version {} is not supported; this daemon (flexkvd {}) speaks {}; use a matching libflexkv",
+        request->protocol_version(), kVersion, kProtocolVersion)));
+  }
+  if (request->client_name().size() > 128) {
+    return Answer(Status::InvalidArgument(
+        fmt::format("client_name has {} bytes; expected at most 128", request->client_name().size())));
+  }
+  if (!request->has_geometry()) return Answer(Status::InvalidArgument("geometry is missing; expected the KV cache shape"));
+  if (!ctx_.lifecycle->admitting()) {
+    return Answer(Status::Unavailable("flexkvd is draining; new sessions are refused until an admin runs Resume"));
+  }
+  const auto peer = ctx_.peers->Find(context->peer());
+  if (!peer) return Answer(Status::Internal("cannot identify the calling process (no peer credentials)"));
+  const Geometry geometry = FromProto(request->geometry());
+  Status admitted = ctx_.domain->Admit(request->model_namespace(), geometry);
+  if (!admitted.ok()) {
+    log::Info("control", "Attach from pid {} refused: {}", peer->pid, admitted.ToString());
+    return Answer(admitted);
+  }
+  SessionIdentity identity{request->client_name(), request->dp_rank(), request->tp_rank(), request->model_namespace(),
+                           geometry};
+  auto grant = ctx_.sessions->Open(std::move(identity), *peer);
+  if (!grant.ok()) return Answer(grant.status());
+  const CacheDomain::View view = ctx_.domain->Snapshot();
+  response->set_session_id(grant->session_id);
+  response->set_session_token(grant->token.data(), grant->token.size());
+  response->set_block_bytes(view.block_bytes);
+  response->set_capacity_blocks(view.capacity_blocks);
+  response->set_protocol_version(kProtocolVersion);
+  response->set_submit_ring_entries(kSubmitRingEntries);
+  response->set_completion_ring_entries(kCompletionRingEntries);
+  response->set_arena_bytes(kArenaBytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
+                                    v1::DetachResponse* /*response*/) {
+  if (request->session_id() == 0) return Answer(Status::InvalidArgument("session_id is 0; expected the id from Attach"));
+  const bool admin = IsAdmin(ctx_.peers->Find(context->peer()));
+  const std::string& token = request->session_token();
+  if (!admin && token.size() != kSessionTokenBytes) {
+    return Answer(Status::InvalidArgument(
+        fmt::format("session_token has {} bytes; expected {}", token.size(), kSessionTokenBytes)));
+  }
+  return Answer(ctx_.sessions->Close(
+      request->session_id(), std::span(reinterpret_cast<const uint8_t*>(token.data()), token.size()), admin));
+}
+
+grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v1::GetStatusRequest* /*request*/,
+                                       v1::GetStatusResponse* response) {
+  response->set_state(ServingStateName(ctx_.lifecycle->state()));
+  response->set_version(kVersion);
+  response->set_pid(static_cast<uint32_t>(getpid()));
+  response->set_uptime_s(static_cast<uint64_t>((MonotonicMs() - ctx_.started_ms) / 1000));
+  const CacheDomain::View view = ctx_.domain->Snapshot();
+  auto* pool = response->mutable_pool();
+  pool->set_block_bytes(view.block_bytes);
+  pool->set_capacity_blocks(view.capacity_blocks);
+  pool->set_used_blocks(0);
+  pool->set_pinned_blocks(0);
+  pool->set_backing("");  // no pool mapped yet
+  pool->set_budget_bytes(view.budget_bytes);
+  response->mutable_index()->set_blocks(0);
+  response->set_sessions(static_cast<uint32_t>(ctx_.sessions->Count()));
+  response->mutable_counters()->set_errors(errors());
+  auto* host = response->add_backends();
+  host->set_name("host");
+  response->set_model_namespace(view.model_namespace);
+  if (view.geometry) ToProto(*view.geometry, response->mutable_geometry());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::ListSessions(grpc::ServerContext* /*context*/, const v1::ListSessionsRequest* /*request*/,
+                                          v1::ListSessionsResponse* response) {
+  for (const SessionSnapshot& s : ctx_.sessions->List()) {
+    auto* out = response->add_sessions();
+    out->set_session_id(s.id);
+    out->set_client_name(s.identity.client_name);
+    out->set_pid(static_cast<uint32_t>(s.peer.pid));
+    out->set_uid(s.peer.uid);
+    out->set_gid(s.peer.gid);
+    out->set_dp_rank(s.identity.dp_rank);
+    out->set_tp_rank(s.identity.tp_rank);
+    out->set_model_namespace(s.identity.model_namespace);
+    out->set_state(s.channel_open ? "active" : "attaching");
+    out->set_attached_unix_ms(s.attached_unix_ms);
+    out->set_pinned_blocks(s.pinned_blocks);
+    out->set_inflight_requests(s.inflight_requests);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::Drain(grpc::ServerContext* context, const v1::DrainRequest* /*request*/,
+                                   v1::DrainResponse* response) {
+  Status allowed = RequireAdmin(context, "Drain");
+  if (!allowed.ok()) return Answer(allowed);
+  const ServingState state = ctx_.lifecycle->Drain();
+  log::Info("control", "Drain requested: state {}, {} request(s) in flight", ServingStateName(state),
+            ctx_.lifecycle->inflight());
+  response->set_state(ServingStateName(state));
+  response->set_inflight_requests(ctx_.lifecycle->inflight());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::Resume(grpc::ServerContext* context, const v1::ResumeRequest* /*request*/,
+                                    v1::ResumeResponse* response) {
+  Status allowed = RequireAdmin(context, "Resume");
+  if (!allowed.ok()) return Answer(allowed);
+  response->set_state(ServingStateName(ctx_.lifecycle->Resume()));
+  log::Info("control", "Resume requested: serving");
+  return grpc::Status::OK;
+}
+
+}  // namespace flexkv

@@ -1,0 +1,59 @@
+// ControlService: flexkv.v1.Control over gRPC. Validates every request, checks admin rights from the
+// caller's SO_PEERCRED identity (PeerTable), and answers from the daemon's parts.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+
+#include "daemon/cache/cache_domain.h"
+#include "daemon/lifecycle.h"
+#include "daemon/server/peer_table.h"
+#include "daemon/sessions/session_registry.h"
+#include "flexkv/v1/control.grpc.pb.h"
+
+namespace flexkv {
+
+// The daemon's parts the control plane answers from. All outlive the service.
+struct ControlContext {
+  CacheDomain* domain;
+  SessionRegistry* sessions;
+  Lifecycle* lifecycle;
+  PeerTable* peers;
+  std::optional<gid_t> admin_gid;
+  int64_t started_ms;  // monotonic
+};
+
+class ControlService final : public v1::Control::Service {
+ public:
+  explicit ControlService(ControlContext ctx) : ctx_(ctx) {}
+
+  grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
+                      v1::AttachResponse* response) override;
+  grpc::Status Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
+                      v1::DetachResponse* response) override;
+  grpc::Status GetStatus(grpc::ServerContext* context, const v1::GetStatusRequest* request,
+                         v1::GetStatusResponse* response) override;
+  grpc::Status ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest* request,
+                            v1::ListSessionsResponse* response) override;
+  grpc::Status Drain(grpc::ServerContext* context, const v1::DrainRequest* request,
+                     v1::DrainResponse* response) override;
+  grpc::Status Resume(grpc::ServerContext* context, const v1::ResumeRequest* request,
+                      v1::ResumeResponse* response) override;
+
+  // Requests answered with an error (the `errors` counter).
+  uint64_t errors() const { return errors_.load(std::memory_order_relaxed); }
+
+ private:
+  // Root, the daemon's own uid, or a member of --admin-group. Unknown peers are not admins.
+  bool IsAdmin(const std::optional<PeerCredentials>& peer) const;
+  Status RequireAdmin(grpc::ServerContext* context, const char* call) const;
+  grpc::Status Answer(const Status& status);
+
+  ControlContext ctx_;
+  std::atomic<uint64_t> errors_{0};
+};
+
+}  // namespace flexkv

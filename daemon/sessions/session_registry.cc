@@ -1,0 +1,252 @@
+// Sessions and their reaper; see session_registry.h.
+#include "daemon/sessions/session_registry.h"
+
+#include <fmt/format.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include "common/log.h"
+#include "common/version.h"
+#include "daemon/server/acceptor.h"
+
+namespace flexkv {
+namespace {
+
+// epoll tags: session id * 2 (+1 for the pidfd); 0 is the stop eventfd.
+constexpr uint64_t kStopTag = 0;
+uint64_t ChannelTag(uint64_t id) { return id * 2; }
+uint64_t PidfdTag(uint64_t id) { return id * 2 + 1; }
+
+bool TokensEqual(std::span<const uint8_t> a, const SessionToken& b) {
+  if (a.size() != b.size()) return false;
+  uint8_t diff = 0;
+  for (size_t i = 0; i < b.size(); ++i) diff = static_cast<uint8_t>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
+
+uint64_t UnixMs() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
+}
+
+void ReplyHello(int fd, StatusCode code, const std::string& message) {
+  SessionHelloReply reply{};
+  std::memcpy(reply.magic, kSessionChannelMagic, 4);
+  reply.status_code = static_cast<uint32_t>(code);
+  std::snprintf(reply.message, sizeof(reply.message), "%s", message.c_str());
+  Status sent = SendWithFds(fd, &reply, sizeof(reply));
+  if (!sent.ok()) log::Debug("sessions", "hello reply not delivered: {}", sent.ToString());
+}
+
+}  // namespace
+
+SessionRegistry::SessionRegistry(int64_t attach_timeout_ms) : attach_timeout_ms_(attach_timeout_ms) {}
+
+SessionRegistry::~SessionRegistry() { Stop(); }
+
+void SessionRegistry::SetEndCallback(EndCallback cb) { on_end_ = std::move(cb); }
+
+Status SessionRegistry::Start() {
+  epoll_fd_.reset(epoll_create1(EPOLL_CLOEXEC));
+  stop_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!epoll_fd_ || !stop_fd_) return Status::Internal(fmt::format("epoll/eventfd: {}", ErrnoText(errno)));
+  Watch(stop_fd_.get(), kStopTag);
+  last_turn_ms_ = MonotonicMs();
+  reaper_ = std::thread([this] { ReaperLoop(); });
+  return Status::Ok();
+}
+
+void SessionRegistry::Stop() {
+  if (!reaper_.joinable()) return;
+  uint64_t one = 1;
+  ssize_t ignored = write(stop_fd_.get(), &one, sizeof(one));
+  (void)ignored;
+  reaper_.join();
+  std::vector<uint64_t> ids;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [id, s] : sessions_) ids.push_back(id);
+  }
+  for (uint64_t id : ids) End(id, "daemon stopping");
+}
+
+void SessionRegistry::Watch(int fd, uint64_t tag) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = tag;
+  if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
+    log::Error("sessions", "epoll_ctl(add fd {}): {}", fd, ErrnoText(errno));
+  }
+}
+
+Result<SessionRegistry::Grant> SessionRegistry::Open(SessionIdentity identity, const PeerCredentials& peer) {
+  auto session = std::make_unique<Session>();
+  if (getrandom(session->token.data(), session->token.size(), 0) != static_cast<ssize_t>(session->token.size())) {
+    return Status::Internal(fmt::format("getrandom: {}", ErrnoText(errno)));
+  }
+  session->identity = std::move(identity);
+  session->peer = peer;
+  session->opened_ms = MonotonicMs();
+  session->attached_unix_ms = UnixMs();
+  if (peer.pid > 0) {
+    session->pidfd.reset(static_cast<int>(syscall(SYS_pidfd_open, peer.pid, 0)));
+    if (!session->pidfd) {
+      if (errno == ESRCH) return Status::Unavailable(fmt::format("the attaching process {} already exited", peer.pid));
+      log::Warning("sessions", "pidfd_open({}): {}; the session channel alone will detect its exit", peer.pid,
+                   ErrnoText(errno));
+    }
+  }
+  Grant grant{};
+  grant.token = session->token;
+  {
+    std::lock_guard lock(mu_);
+    grant.session_id = session->id = next_id_++;
+    if (session->pidfd) Watch(session->pidfd.get(), PidfdTag(session->id));
+    log::Info("sessions", "session {} opened: '{}' pid {} uid {} dp_rank {} tp_rank {} namespace '{}'", session->id,
+              session->identity.client_name, peer.pid, peer.uid, session->identity.dp_rank,
+              session->identity.tp_rank, session->identity.model_namespace);
+    sessions_.emplace(session->id, std::move(session));
+  }
+  return grant;
+}
+
+Status SessionRegistry::Close(uint64_t session_id, std::span<const uint8_t> token, bool admin) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return Status::NotFound(fmt::format("session {} does not exist", session_id));
+    if (!admin && !TokensEqual(token, it->second->token)) {
+      return Status::PermissionDenied(
+          fmt::format("session_token does not match session {}; only its owner or an admin may detach it", session_id));
+    }
+  }
+  End(session_id, "detached");
+  return Status::Ok();
+}
+
+void SessionRegistry::AdoptChannel(UniqueFd fd, const PeerCredentials& peer) {
+  SessionHello hello{};
+  const ssize_t n = recv(fd.get(), &hello, sizeof(hello), MSG_DONTWAIT);
+  if (n != static_cast<ssize_t>(sizeof(hello))) return;  // the acceptor saw it whole; a racing close drops it
+  if (hello.protocol_version != kProtocolVersion) {
+    ReplyHello(fd.get(), StatusCode::kFailedPrecondition,
+               fmt::format("session channel protocol_version {} is not supported; this daemon speaks {}",
+                           hello.protocol_version, kProtocolVersion));
+    return;
+  }
+  std::lock_guard lock(mu_);
+  auto it = sessions_.find(hello.session_id);
+  if (it == sessions_.end()) {
+    ReplyHello(fd.get(), StatusCode::kNotFound, fmt::format("session {} does not exist (it may have timed out)", hello.session_id));
+    return;
+  }
+  Session& s = *it->second;
+  if (peer.uid != s.peer.uid || !TokensEqual(hello.token, s.token)) {
+    ReplyHello(fd.get(), StatusCode::kPermissionDenied,
+               fmt::format("session {} belongs to another process or the token is wrong", hello.session_id));
+    return;
+  }
+  if (s.channel) {
+    ReplyHello(fd.get(), StatusCode::kAlreadyExists, fmt::format("session {} already has its channel open", s.id));
+    return;
+  }
+  ReplyHello(fd.get(), StatusCode::kOk, "");
+  s.channel = std::move(fd);
+  Watch(s.channel.get(), ChannelTag(s.id));
+  log::Debug("sessions", "session {} channel open (pid {})", s.id, peer.pid);
+}
+
+void SessionRegistry::End(uint64_t session_id, const std::string& reason) {
+  std::unique_ptr<Session> gone;
+  {
+    std::lock_guard lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return;
+    gone = std::move(it->second);
+    sessions_.erase(it);
+  }
+  // Closing the fds removes them from the epoll set.
+  if (gone->channel) epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, gone->channel.get(), nullptr);
+  if (gone->pidfd) epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, gone->pidfd.get(), nullptr);
+  if (on_end_) on_end_(session_id, reason);
+  log::Info("sessions", "session {} ('{}' pid {}) ended: {}", session_id, gone->identity.client_name, gone->peer.pid,
+            reason);
+}
+
+void SessionRegistry::ReaperLoop() {
+  epoll_event events[64];
+  for (;;) {
+    const int n = epoll_wait(epoll_fd_.get(), events, 64, 100);
+    const int64_t now = MonotonicMs();
+    last_turn_ms_.store(now, std::memory_order_relaxed);
+    for (int i = 0; i < n; ++i) {
+      const uint64_t tag = events[i].data.u64;
+      if (tag == kStopTag) return;
+      const uint64_t id = tag / 2;
+      if (tag % 2 == 1) {
+        End(id, "process exited");
+        continue;
+      }
+      // Channel: the client sends nothing after the hello in this protocol version, so any readable
+      // event is a hang-up or a protocol violation; both end the session.
+      char byte;
+      int fd = -1;
+      {
+        std::lock_guard lock(mu_);
+        auto it = sessions_.find(id);
+        if (it != sessions_.end() && it->second->channel) fd = it->second->channel.get();
+      }
+      if (fd < 0) continue;
+      const ssize_t got = recv(fd, &byte, 1, MSG_DONTWAIT | MSG_PEEK);
+      if (got == 0 || (events[i].events & (EPOLLHUP | EPOLLRDHUP | EPOLLERR)) != 0) {
+        End(id, "session channel closed");
+      } else if (got > 0) {
+        End(id, "unexpected bytes on the session channel");
+      }
+    }
+    std::vector<uint64_t> expired;
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& [id, s] : sessions_) {
+        if (!s->channel && now - s->opened_ms > attach_timeout_ms_) expired.push_back(id);
+      }
+    }
+    for (uint64_t id : expired) {
+      End(id, fmt::format("never opened its session channel within {} ms of Attach", attach_timeout_ms_));
+    }
+  }
+}
+
+std::vector<SessionSnapshot> SessionRegistry::List() const {
+  std::lock_guard lock(mu_);
+  std::vector<SessionSnapshot> out;
+  out.reserve(sessions_.size());
+  for (const auto& [id, s] : sessions_) {
+    SessionSnapshot snap;
+    snap.id = id;
+    snap.identity = s->identity;
+    snap.peer = s->peer;
+    snap.channel_open = s->channel.valid();
+    snap.attached_unix_ms = s->attached_unix_ms;
+    snap.pinned_blocks = s->pinned_blocks.load(std::memory_order_relaxed);
+    snap.inflight_requests = s->inflight_requests.load(std::memory_order_relaxed);
+    out.push_back(std::move(snap));
+  }
+  return out;
+}
+
+size_t SessionRegistry::Count() const {
+  std::lock_guard lock(mu_);
+  return sessions_.size();
+}
+
+}  // namespace flexkv

@@ -1,0 +1,113 @@
+// SessionRegistry: one Session per attached engine process, and the reaper that ends a session the
+// moment its process dies. A session is tied to two things the kernel signals: its session channel
+// (a connection the client keeps open; hang-up = gone) and a pidfd of the process that called Attach
+// (readable when it exits). Either ends the session and runs the end callback, which releases what the
+// session held. Thread-safe.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/session_channel.h"
+#include "common/uds.h"
+#include "common/unique_fd.h"
+#include "flexkv/geometry.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+// What a client says about itself in Attach (untrusted except for what the daemon validated).
+struct SessionIdentity {
+  std::string client_name;
+  uint32_t dp_rank = 0;
+  uint32_t tp_rank = 0;
+  std::string model_namespace;
+  Geometry geometry;
+};
+
+using SessionToken = std::array<uint8_t, kSessionTokenBytes>;
+
+// A point-in-time copy of one session, for ListSessions and status.
+struct SessionSnapshot {
+  uint64_t id = 0;
+  SessionIdentity identity;
+  PeerCredentials peer;
+  bool channel_open = false;  // false: "attaching"
+  uint64_t attached_unix_ms = 0;
+  uint64_t pinned_blocks = 0;
+  uint64_t inflight_requests = 0;
+};
+
+class SessionRegistry {
+ public:
+  // Runs on the reaper thread after a session was removed; releases what it held.
+  using EndCallback = std::function<void(uint64_t session_id, const std::string& reason)>;
+
+  // `attach_timeout_ms`: how long a new session may go without opening its channel.
+  explicit SessionRegistry(int64_t attach_timeout_ms);
+  ~SessionRegistry();
+  SessionRegistry(const SessionRegistry&) = delete;
+  SessionRegistry& operator=(const SessionRegistry&) = delete;
+
+  void SetEndCallback(EndCallback cb);
+  Status Start();
+  // Stops the reaper and ends every session (reason "daemon stopping"). Idempotent.
+  void Stop();
+
+  struct Grant {
+    uint64_t session_id;
+    SessionToken token;
+  };
+  // Registers a session for `peer` (the process that called Attach).
+  Result<Grant> Open(SessionIdentity identity, const PeerCredentials& peer);
+
+  // Ends a session on request. `token` must match unless `admin`. NOT_FOUND for an unknown id,
+  // PERMISSION_DENIED for a wrong token.
+  Status Close(uint64_t session_id, std::span<const uint8_t> token, bool admin);
+
+  // Takes a connection whose SessionHello is waiting to be read; answers it and, when it names a
+  // session of the same uid with the right token, makes it that session's channel.
+  void AdoptChannel(UniqueFd fd, const PeerCredentials& peer);
+
+  std::vector<SessionSnapshot> List() const;
+  size_t Count() const;
+  int64_t last_turn_ms() const { return last_turn_ms_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Session {
+    uint64_t id = 0;
+    SessionIdentity identity;
+    PeerCredentials peer;
+    SessionToken token{};
+    UniqueFd channel;
+    UniqueFd pidfd;
+    int64_t opened_ms = 0;
+    uint64_t attached_unix_ms = 0;
+    std::atomic<uint64_t> pinned_blocks{0};
+    std::atomic<uint64_t> inflight_requests{0};
+  };
+  void ReaperLoop();
+  void End(uint64_t session_id, const std::string& reason);
+  void Watch(int fd, uint64_t tag);
+
+  const int64_t attach_timeout_ms_;
+  EndCallback on_end_;
+  mutable std::mutex mu_;
+  std::map<uint64_t, std::unique_ptr<Session>> sessions_;  // guarded by mu_
+  uint64_t next_id_ = 1;                                    // guarded by mu_
+  UniqueFd epoll_fd_;
+  UniqueFd stop_fd_;
+  std::thread reaper_;
+  std::atomic<int64_t> last_turn_ms_{0};
+};
+
+}  // namespace flexkv
