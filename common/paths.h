@@ -6,11 +6,15 @@
 
 namespace flexkv {
 
+// The socket of the systemd service (systemd/flexkvd.socket).
+inline constexpr const char* kSystemSocketPath = "/run/flexkvd/flexkvd.sock";
+
 // Root: /run/flexkvd/flexkvd.sock. Others: $XDG_RUNTIME_DIR/flexkvd/flexkvd.sock, or
 // /tmp/flexkvd-<uid>/flexkvd.sock without XDG_RUNTIME_DIR.
 std::string DefaultSocketPath();
 
-// The socket a client should use: `flag` when non-empty, else $FLEXKV_SOCKET, else DefaultSocketPath().
+// The socket a client should use: `flag` when non-empty, else $FLEXKV_SOCKET, else DefaultSocketPath(),
+// else (when that does not exist but the service's does) kSystemSocketPath.
 std::string ResolveSocketPath(const std::string& flag);
 
 }  // namespace flexkv

@@ -14,7 +14,8 @@ namespace flexkv {
 // between number and unit. INVALID_ARGUMENT with the accepted form otherwise.
 Result<uint64_t> ParseByteSize(std::string_view text);
 
-// "2 MiB", "64 GiB", "1000 B": the largest binary unit that divides exactly, else one decimal place.
+// "2 MiB", "64 GiB", "1000 B" when a binary unit divides exactly below 1024 of it; else one decimal
+// place in the largest unit ("1.5 GiB").
 std::string FormatByteSize(uint64_t bytes);
 
 }  // namespace flexkv

@@ -11,6 +11,7 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -56,7 +57,7 @@ int RunDaemon(const DaemonConfig& config) {
 
   auto activated = ControlSocket::FromSystemd(config.socket_path);
   auto socket = (!activated.ok() && activated.status().code() == StatusCode::kNotFound)
-                    ? ControlSocket::Bind(config.socket_path, config.socket_gid)
+                    ? ControlSocket::Bind(config.socket_path, config.socket_gid, config.private_socket_dir ? 0700 : 0755)
                     : std::move(activated);
   if (!socket.ok()) {
     log::Error("daemon", "cannot serve the control socket: {}", socket.status().message());
@@ -67,9 +68,12 @@ int RunDaemon(const DaemonConfig& config) {
   SessionRegistry sessions(static_cast<int64_t>(config.attach_timeout_s * 1000));
   Lifecycle lifecycle;
   PeerTable peers;
-  bool shutting_down = false;
+  std::atomic<bool> shutting_down{false};
+  grpc::HealthCheckServiceInterface* health = nullptr;  // set once the server is up
   lifecycle.SetListener([&](ServingState state) {
     log::Info("daemon", "state: {}", ServingStateName(state));
+    // grpc.health.v1 answers SERVING only while new work is admitted.
+    if (health != nullptr) health->SetServingStatus(state == ServingState::kServing);
     if (state == ServingState::kServing) Notify("READY=1\nSTATUS=serving");
     if (state == ServingState::kDraining) Notify(shutting_down ? "STOPPING=1\nSTATUS=draining" : "STATUS=draining");
     if (state == ServingState::kDrained) Notify("STATUS=drained");
@@ -85,7 +89,7 @@ int RunDaemon(const DaemonConfig& config) {
     log::Error("daemon", "gRPC server failed to start");
     return 1;
   }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health = server->GetHealthCheckService();
   if (health != nullptr) health->SetServingStatus(true);
 
   Status started = sessions.Start();
@@ -127,7 +131,6 @@ int RunDaemon(const DaemonConfig& config) {
           log::Info("daemon", "{} received: draining, then exiting (at most {} s)", strsignal(static_cast<int>(info.ssi_signo)),
                     config.drain_timeout_s);
           shutting_down = true;
-          if (health != nullptr) health->SetServingStatus(false);
           lifecycle.Drain();
           drain_deadline_ms = now + static_cast<int64_t>(config.drain_timeout_s * 1000);
         } else {
@@ -149,7 +152,8 @@ int RunDaemon(const DaemonConfig& config) {
   }
 
   acceptor.Stop();
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // The data plane is drained; control calls still running get a short grace period, then are cancelled.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   sessions.Stop();
   log::Info("daemon", "stopped cleanly");
   return 0;

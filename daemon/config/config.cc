@@ -35,6 +35,7 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   app.set_version_flag("--version", kVersion);
   app.set_config("--config", "", "TOML file with the same keys as the long flags (socket = \"...\")");
   app.get_config_ptr()->check(CLI::ExistingFile);
+  app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key must not be silently ignored
 
   DaemonConfig cfg;
   std::string pool_size = "1GiB";
@@ -44,7 +45,7 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   app.add_option("--socket", cfg.socket_path, "Control socket path (default: " + DefaultSocketPath() + ")");
   app.add_option("--pool-size", pool_size, "Host KV pool budget, with units: 512MiB, 64GiB (default 1GiB)");
   app.add_option("--pool-path", cfg.pool_path,
-                 "Pool file under /dev/shm or hugetlbfs (default /dev/shm/flexkvd-<uid>.pool)");
+                 "Pool file under /dev/shm or hugetlbfs (default /dev/shm/flexkvd-<uid>/pool)");
   app.add_option("--socket-group", socket_group, "Group that may connect to the socket (mode 0660)");
   app.add_option("--admin-group", admin_group, "Group whose members may Drain/Resume besides root and the daemon's uid");
   app.add_option("--log-level", log_level, "debug, info, warning or error");
@@ -57,7 +58,8 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return ParsedArgs{std::nullopt, app.exit(e)};
+    const int rc = app.exit(e);  // prints help/version, or the error naming the flag or config key
+    return ParsedArgs{std::nullopt, rc == 0 ? 0 : 2};
   }
 
   auto usage_error = [](const Status& s) {
@@ -83,12 +85,15 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
     if (!g.ok()) return usage_error(g.status());
     cfg.admin_gid = *g;
   }
-  if (cfg.socket_path.empty()) cfg.socket_path = DefaultSocketPath();
+  if (cfg.socket_path.empty()) {
+    cfg.socket_path = DefaultSocketPath();
+    cfg.private_socket_dir = true;
+  }
   if (cfg.socket_path.size() >= 108) {
     return usage_error(Status::InvalidArgument("--socket path has " + std::to_string(cfg.socket_path.size()) +
                                                " bytes; expected at most 107 (sun_path)"));
   }
-  if (cfg.pool_path.empty()) cfg.pool_path = "/dev/shm/flexkvd-" + std::to_string(geteuid()) + ".pool";
+  if (cfg.pool_path.empty()) cfg.pool_path = "/dev/shm/flexkvd-" + std::to_string(geteuid()) + "/pool";
   return ParsedArgs{cfg, 0};
 }
 

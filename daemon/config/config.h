@@ -14,8 +14,9 @@ namespace flexkv {
 
 struct DaemonConfig {
   std::string socket_path;             // --socket; default DefaultSocketPath()
+  bool private_socket_dir = false;     // the default socket's directory is created 0700
   uint64_t pool_bytes = 1ULL << 30;    // --pool-size
-  std::string pool_path;               // --pool-path; default /dev/shm/flexkvd-<uid>.pool
+  std::string pool_path;               // --pool-path; default /dev/shm/flexkvd-<uid>/pool (dir 0700)
   std::optional<gid_t> socket_gid;     // --socket-group; default: the daemon's own group
   std::optional<gid_t> admin_gid;      // --admin-group; none: only root and the daemon's uid are admins
   log::Level log_level = log::Level::kInfo;

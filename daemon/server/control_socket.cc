@@ -21,19 +21,22 @@
 namespace flexkv {
 namespace {
 
-Status MakeParentDir(const std::string& path) {
+Status MakeParentDir(const std::string& path, mode_t mode) {
   const std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  if (dir.empty()) return Status::Ok();
+  if (dir.empty() || std::filesystem::exists(dir)) return Status::Ok();
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) return Status::FailedPrecondition(fmt::format("cannot create socket directory {}: {}", dir.string(), ec.message()));
+  if (ec || chmod(dir.c_str(), mode) != 0) {
+    return Status::FailedPrecondition(fmt::format("cannot create socket directory {}: {}", dir.string(),
+                                                  ec ? ec.message() : ErrnoText(errno)));
+  }
   return Status::Ok();
 }
 
 }  // namespace
 
-Result<ControlSocket> ControlSocket::Bind(const std::string& path, std::optional<gid_t> group) {
-  FLEXKV_RETURN_IF_ERROR(MakeParentDir(path));
+Result<ControlSocket> ControlSocket::Bind(const std::string& path, std::optional<gid_t> group, mode_t dir_mode) {
+  FLEXKV_RETURN_IF_ERROR(MakeParentDir(path, dir_mode));
   ControlSocket sock;
   sock.path_ = path;
 

@@ -16,9 +16,9 @@ namespace flexkv {
 class ControlSocket {
  public:
   // Takes `<path>.lock` (flock, holds our pid), then binds a listening socket at `path` with mode 0660
-  // and group `group` (when set). Creates the parent directory (0755 for shared paths; callers decide).
+  // and group `group` (when set). Creates a missing parent directory with `dir_mode`.
   // FAILED_PRECONDITION naming the pid when another daemon holds the lock.
-  static Result<ControlSocket> Bind(const std::string& path, std::optional<gid_t> group);
+  static Result<ControlSocket> Bind(const std::string& path, std::optional<gid_t> group, mode_t dir_mode);
 
   // Adopts the single listening socket systemd passed (LISTEN_FDS); NOT_FOUND when none was passed.
   static Result<ControlSocket> FromSystemd(const std::string& path_hint);

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs the Debian packages flexkvd needs to build and test, when any is missing. Idempotent and
+# fast when everything is there (one dpkg-query). Sourced by run.sh and test.sh.
+set -euo pipefail
+
+FLEXKV_PACKAGES=(
+  build-essential cmake ninja-build pkg-config ccache
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  libcli11-dev catch2 libfmt-dev libxxhash-dev libsystemd-dev
+  liburing-dev libibverbs-dev libboost-dev
+  python3 python3-grpcio python3-protobuf
+  systemd util-linux procps
+)
+
+flexkv_install_deps() {
+  local missing=()
+  local status
+  for p in "${FLEXKV_PACKAGES[@]}"; do
+    status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+    [[ "$status" == "install ok installed" ]] || missing+=("$p")
+  done
+  [[ ${#missing[@]} -eq 0 ]] && return 0
+  echo "flexkv: installing ${missing[*]}" >&2
+  local sudo=()
+  [[ $(id -u) -eq 0 ]] || sudo=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo[@]}" apt-get update -qq
+  "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# Configures (once) and builds the given targets (all when none) in build/.
+flexkv_build() {
+  local root
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  if [[ ! -f "$root/build/build.ninja" ]]; then
+    cmake -S "$root" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  fi
+  ninja -C "$root/build" "$@"
+}
