@@ -1,0 +1,1 @@
+// Block keys; see flexkv/block_key.h. (being written)

@@ -1,0 +1,1 @@
+// PrefixIndex; see prefix_index.h. (being written)

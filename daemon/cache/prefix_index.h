@@ -1,0 +1,75 @@
+// PrefixIndex: block key → node, one node per pool slot. Prefix-closed: a block is reachable only through
+// its parent. Not thread-safe: the owner (the cache) serializes calls.
+//
+// Node states: free (slot unused), pending (reserved by a store, bytes being copied, not matchable),
+// committed (matchable). Eviction takes committed, unpinned leaves, least recently used first, so a cached
+// prefix is never cut in the middle.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "flexkv/block_key.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+using SlotId = uint32_t;
+
+class PrefixIndex {
+ public:
+  // All `capacity` slots start free.
+  explicit PrefixIndex(uint32_t capacity);
+
+  // Called when a committed block is evicted (before its slot is reused), e.g. to clear the slot table.
+  void SetEvictionListener(std::function<void(SlotId, const BlockKey&)> listener);
+
+  // Length of the longest committed prefix of `keys` (stops at the first miss or pending node). Marks the
+  // matched nodes used (LRU). With `pin`, pins each matched node once and appends its slot to `slots`
+  // (slots may be null without pin).
+  size_t Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* slots);
+
+  // Drops one pin of each slot. Each slot must be pinned.
+  void Unpin(std::span<const SlotId> slots);
+
+  struct Reservation {
+    size_t cached = 0;           // leading keys already committed (not reserved again)
+    std::vector<SlotId> slots;   // pending slots for keys[cached .. cached + slots.size())
+    // Why fewer than keys.size() - cached were reserved: OK (all reserved), RESOURCE_EXHAUSTED (no free or
+    // evictable slot), ABORTED (the next key is pending in another store).
+    StatusCode shortfall = StatusCode::kOk;
+  };
+  // Begins a store: finds the committed prefix, then reserves pending nodes for the following keys, taking
+  // free slots first, then evicting. Never evicts a node of `keys`' own chain. Pending nodes are not
+  // matchable and not evictable until Commit or Abort.
+  Reservation Reserve(std::span<const BlockKey> keys);
+
+  // Makes pending slots committed (matchable), in the order given (parents first).
+  void Commit(std::span<const SlotId> slots);
+  // Returns pending slots to the free list (children first is not required).
+  void Abort(std::span<const SlotId> slots);
+
+  // Rebuild at restart: inserts a committed node. The parent (by key; zero key = root) must already be
+  // present. FAILED_PRECONDITION when the parent is missing, the key is present, or the slot is taken.
+  Status Restore(SlotId slot, const BlockKey& key, const BlockKey& parent);
+
+  uint32_t capacity() const;
+  uint32_t used_slots() const;       // pending + committed
+  uint32_t pinned_slots() const;     // slots with at least one pin
+  uint32_t committed_blocks() const;
+  uint64_t evicted_blocks() const;   // total evictions so far
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+
+ public:
+  ~PrefixIndex();
+  PrefixIndex(const PrefixIndex&) = delete;
+  PrefixIndex& operator=(const PrefixIndex&) = delete;
+};
+
+}  // namespace flexkv

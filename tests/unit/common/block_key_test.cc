@@ -1,0 +1,1 @@
+// Block keys: test vectors. (being written)

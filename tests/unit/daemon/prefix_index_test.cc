@@ -1,0 +1,1 @@
+// PrefixIndex against a reference model. (being written)
