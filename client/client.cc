@@ -3,13 +3,17 @@
 
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <mutex>
 #include <thread>
 
+#include "client/session_rings.h"
 #include "common/grpc_convert.h"
 #include "common/paths.h"
 #include "common/session_channel.h"
@@ -31,6 +35,20 @@ struct Client::Impl {
   uint64_t session_id = 0;         // guarded by mu; 0 = not attached
   std::string session_token;       // guarded by mu
   UniqueFd session_channel;        // guarded by mu
+  std::unique_ptr<SessionRings> rings;  // set at Attach; guarded by mu (pointer), thread-safe itself
+  uint8_t* kv_data = nullptr;      // guarded by mu
+  uint64_t kv_bytes = 0;
+  uint32_t next_fd_tag = 1;
+
+  SessionRings* Rings() {
+    std::lock_guard lock(mu);
+    return rings.get();
+  }
+  void UnmapKv() {
+    if (kv_data != nullptr) munmap(kv_data, kv_bytes);
+    kv_data = nullptr;
+    kv_bytes = 0;
+  }
 
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() + options.call_timeout);
@@ -129,10 +147,11 @@ Result<SessionInfo> Client::Attach(const AttachOptions& options) {
   Status sent = SendWithFds(fd->get(), &hello, sizeof(hello));
   if (!sent.ok()) return abandon(sent);
   SessionHelloReply reply{};
+  std::vector<UniqueFd> fds;
   timeval tv{static_cast<time_t>(impl_->options.call_timeout.count() / 1000),
              static_cast<suseconds_t>((impl_->options.call_timeout.count() % 1000) * 1000)};
   setsockopt(fd->get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  Status got = RecvWithFds(fd->get(), &reply, sizeof(reply), nullptr);
+  Status got = RecvWithFds(fd->get(), &reply, sizeof(reply), &fds);
   if (!got.ok()) return abandon(got);
   if (std::memcmp(reply.magic, kSessionChannelMagic, 4) != 0) {
     return abandon(Status::Internal("the daemon's hello reply has a bad magic"));
@@ -141,6 +160,12 @@ Result<SessionInfo> Client::Attach(const AttachOptions& options) {
     reply.message[sizeof(reply.message) - 1] = '\0';
     return abandon(Status(static_cast<StatusCode>(reply.status_code), reply.message));
   }
+  if (fds.size() != 2) {
+    return abandon(Status::Internal(fmt::format("the daemon sent {} fds with the hello reply; expected 2", fds.size())));
+  }
+  auto rings = SessionRings::Map(std::move(fds[0]), std::move(fds[1]), fd->get());
+  if (!rings.ok()) return abandon(rings.status());
+  impl_->rings = std::move(*rings);
   impl_->session_id = resp.session_id();
   impl_->session_token = resp.session_token();
   impl_->session_channel = std::move(*fd);
@@ -158,7 +183,9 @@ Status Client::Detach() {
   impl_->Prepare(&ctx);
   Status st = impl_->Call(impl_->stub->Detach(&ctx, req, &resp));
   // Closing the channel ends the session on the daemon side even when the call failed.
+  impl_->rings.reset();
   impl_->session_channel.reset();
+  impl_->UnmapKv();
   impl_->session_id = 0;
   impl_->session_token.clear();
   if (st.code() == StatusCode::kNotFound) return Status::Ok();  // already gone (e.g. timed out)
@@ -168,6 +195,116 @@ Status Client::Detach() {
 bool Client::attached() const {
   std::lock_guard lock(impl_->mu);
   return impl_->session_id != 0;
+}
+
+Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks) {
+  std::lock_guard lock(impl_->mu);
+  if (impl_->session_id == 0) return Status::FailedPrecondition("CreateHostKv before Attach");
+  if (impl_->kv_data != nullptr) return Status::AlreadyExists("this session already registered its KV buffers");
+  if (num_blocks == 0) return Status::InvalidArgument("num_blocks is 0; expected at least 1");
+  // The daemon validates the geometry; the size follows from the one this session attached with.
+  v1::GetStatusResponse st;
+  {
+    grpc::ClientContext ctx;
+    impl_->Prepare(&ctx);
+    FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->GetStatus(&ctx, v1::GetStatusRequest(), &st)));
+  }
+  const Geometry g = FromProto(st.geometry());
+  const uint64_t bytes = uint64_t{num_blocks} * g.num_layers * g.kv_planes * g.chunk_bytes_per_rank();
+  if (bytes == 0) return Status::FailedPrecondition("the daemon reports no geometry for this session's domain");
+  UniqueFd memfd(static_cast<int>(syscall(SYS_memfd_create, "flexkv-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
+  if (!memfd) return Status::ResourceExhausted(fmt::format("memfd_create: {}", ErrnoText(errno)));
+  if (ftruncate(memfd.get(), static_cast<off_t>(bytes)) != 0 ||
+      fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    return Status::ResourceExhausted(fmt::format("sizing the {}-byte KV memfd: {}", bytes, ErrnoText(errno)));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
+  if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap KV memfd: {}", ErrnoText(errno)));
+  const uint32_t tag = impl_->next_fd_tag++;
+  ChannelMessage offer{};
+  std::memcpy(offer.magic, kChannelMessageMagic, 4);
+  offer.type = static_cast<uint32_t>(ChannelMessageType::kOfferFd);
+  offer.tag = tag;
+  const int raw = memfd.get();
+  Status st_offer = SendWithFds(impl_->session_channel.get(), &offer, sizeof(offer), std::span<const int>(&raw, 1));
+  ChannelMessage ack{};
+  if (st_offer.ok()) st_offer = RecvWithFds(impl_->session_channel.get(), &ack, sizeof(ack), nullptr);
+  if (st_offer.ok() && (ack.type != static_cast<uint32_t>(ChannelMessageType::kOfferFdAck) || ack.tag != tag)) {
+    st_offer = Status::Internal("unexpected reply on the session channel");
+  }
+  if (st_offer.ok() && ack.status_code != 0) {
+    st_offer = Status(static_cast<StatusCode>(ack.status_code), "the daemon refused the KV memfd");
+  }
+  if (!st_offer.ok()) {
+    munmap(p, bytes);
+    return st_offer.WithContext("offering the KV memfd");
+  }
+  v1::RegisterKvRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_session_token(impl_->session_token);
+  req.set_layout(static_cast<v1::KvLayout>(static_cast<int>(layout)));
+  req.set_num_blocks(num_blocks);
+  req.mutable_host()->set_fd_tag(tag);
+  req.mutable_host()->set_bytes(bytes);
+  v1::RegisterKvResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  Status registered = impl_->Call(impl_->stub->RegisterKv(&ctx, req, &resp));
+  if (!registered.ok()) {
+    munmap(p, bytes);
+    return registered;
+  }
+  impl_->kv_data = static_cast<uint8_t*>(p);
+  impl_->kv_bytes = bytes;
+  return HostKvBuffers{impl_->kv_data, bytes, num_blocks, layout};
+}
+
+namespace {
+
+Status NotAttached() { return Status::FailedPrecondition("not attached: call Attach first"); }
+
+}  // namespace
+
+Result<Ticket> Client::Match(std::span<const BlockKey> keys, bool pin) {
+  SessionRings* r = impl_->Rings();
+  if (r == nullptr) return NotAttached();
+  if (keys.empty()) return Status::InvalidArgument("keys is empty; expected at least one block key");
+  return r->Submit(RingOp::kMatch, pin ? kMatchFlagPin : 0, static_cast<uint32_t>(keys.size()), keys, {}, 0);
+}
+
+Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids) {
+  SessionRings* r = impl_->Rings();
+  if (r == nullptr) return NotAttached();
+  if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
+  return r->Submit(RingOp::kLoad, 0, static_cast<uint32_t>(dst_block_ids.size()), {}, dst_block_ids, match_handle);
+}
+
+Result<Ticket> Client::Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids) {
+  SessionRings* r = impl_->Rings();
+  if (r == nullptr) return NotAttached();
+  if (keys.empty() || keys.size() != src_block_ids.size()) {
+    return Status::InvalidArgument(fmt::format("{} keys and {} source block ids; expected the same non-zero number",
+                                               keys.size(), src_block_ids.size()));
+  }
+  return r->Submit(RingOp::kStore, 0, static_cast<uint32_t>(keys.size()), keys, src_block_ids, 0);
+}
+
+Result<Ticket> Client::Release(uint64_t match_handle) {
+  SessionRings* r = impl_->Rings();
+  if (r == nullptr) return NotAttached();
+  return r->Submit(RingOp::kRelease, 0, 0, {}, {}, match_handle);
+}
+
+Result<OpResult> Client::Wait(Ticket ticket, std::chrono::microseconds timeout) {
+  SessionRings* r = impl_->Rings();
+  if (r == nullptr) return NotAttached();
+  return r->Wait(ticket, timeout);
+}
+
+std::optional<OpResult> Client::TryWait(Ticket ticket) {
+  SessionRings* r = impl_->Rings();
+  if (r == nullptr) return std::nullopt;
+  return r->TryWait(ticket);
 }
 
 Result<DaemonStatus> Client::GetStatus() {

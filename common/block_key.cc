@@ -1,1 +1,57 @@
-// Block keys; see flexkv/block_key.h. (being written)
+// Block keys; see flexkv/block_key.h and docs/protocol.md "Block keys".
+#include "flexkv/block_key.h"
+
+#include <xxhash.h>
+
+#include <cstddef>
+#include <cstdio>
+
+namespace flexkv {
+namespace {
+
+// Explicit little-endian stores: the key bytes are a wire contract, independent of the host's byte order.
+inline void StoreLe64(unsigned char* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+inline void StoreLe32(unsigned char* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+}  // namespace
+
+std::string BlockKey::ToHex() const {
+  char buf[33];
+  std::snprintf(buf, sizeof(buf), "%016llx%016llx", static_cast<unsigned long long>(hi),
+                static_cast<unsigned long long>(lo));
+  return std::string(buf, 32);
+}
+
+std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::span<const int32_t> tokens,
+                                       uint32_t tokens_per_block) {
+  std::vector<BlockKey> keys;
+  if (tokens_per_block == 0) return keys;
+  const size_t tpb = tokens_per_block;
+  const size_t num_blocks = tokens.size() / tpb;  // a trailing partial block is not keyed
+  if (num_blocks == 0) return keys;
+  keys.reserve(num_blocks);
+
+  const XXH64_hash_t seed = XXH3_64bits(model_namespace.data(), model_namespace.size());
+
+  // One buffer for every block: [prev key lo64 LE][prev key hi64 LE][tokens as int32 LE].
+  std::vector<unsigned char> buf(16 + 4 * tpb);
+  unsigned char* const data = buf.data();
+  BlockKey prev;  // key[-1] = 0
+  for (size_t b = 0; b < num_blocks; ++b) {
+    StoreLe64(data, prev.lo);
+    StoreLe64(data + 8, prev.hi);
+    const int32_t* block = tokens.data() + b * tpb;
+    for (size_t t = 0; t < tpb; ++t) StoreLe32(data + 16 + 4 * t, static_cast<uint32_t>(block[t]));
+    const XXH128_hash_t h = XXH3_128bits_withSeed(data, buf.size(), seed);
+    prev = BlockKey{.lo = h.low64, .hi = h.high64};
+    keys.push_back(prev);
+  }
+  return keys;
+}
+
+}  // namespace flexkv

@@ -22,11 +22,27 @@ struct SessionHello {
 static_assert(sizeof(SessionHello) == 32);
 
 // Daemon → client, the answer to the hello. status_code is a StatusCode; message is NUL-terminated.
+// On success two fds ride on it (SCM_RIGHTS): the sealed memfd of the session's rings and the doorbell
+// eventfd the client writes when the daemon is parked.
 struct SessionHelloReply {
   char magic[4];  // "FKVS"
   uint32_t status_code;
   char message[248];
 };
 static_assert(sizeof(SessionHelloReply) == 256);
+
+// After the hello, either side may send 16-byte channel messages; fds ride on them with SCM_RIGHTS.
+inline constexpr char kChannelMessageMagic[4] = {'F', 'K', 'V', 'M'};
+enum class ChannelMessageType : uint32_t {
+  kOfferFd = 1,     // client → daemon: one fd attached, to be named by `tag` in a later RegisterKv
+  kOfferFdAck = 2,  // daemon → client: status_code for the offer of `tag`
+};
+struct ChannelMessage {
+  char magic[4];  // "FKVM"
+  uint32_t type;  // ChannelMessageType
+  uint32_t tag;
+  uint32_t status_code;
+};
+static_assert(sizeof(ChannelMessage) == 16);
 
 }  // namespace flexkv

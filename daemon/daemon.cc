@@ -19,7 +19,8 @@
 #include "common/log.h"
 #include "common/units.h"
 #include "common/version.h"
-#include "daemon/cache/cache_domain.h"
+#include "daemon/cache/cache.h"
+#include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
 #include "daemon/server/acceptor.h"
 #include "daemon/server/control_service.h"
@@ -64,9 +65,22 @@ int RunDaemon(const DaemonConfig& config) {
     return 1;
   }
 
-  CacheDomain domain(config.pool_bytes);
-  SessionRegistry sessions(static_cast<int64_t>(config.attach_timeout_s * 1000));
+  // Parts in construction order; they are torn down in reverse (sessions before the cache they pin).
+  Cache cache(config.pool_bytes, config.pool_path);
+  Status recovered = cache.RecoverPool(config.discard_pool);
+  if (!recovered.ok()) {
+    log::Error("daemon", "cannot use the pool: {}", recovered.message());
+    return 1;
+  }
   Lifecycle lifecycle;
+  DataPlaneOptions dp_options;
+  dp_options.spin_ns = static_cast<int64_t>(config.spin_us * 1000);
+  dp_options.copy_threads = config.copy_threads;
+  DataPlane data_plane(&cache, &lifecycle, dp_options);
+  SessionRegistry sessions(static_cast<int64_t>(config.attach_timeout_s * 1000));
+  sessions.SetChannelOpenCallback(
+      [&](uint64_t id, const Geometry& g) { return data_plane.OpenSession(id, g); });
+  sessions.SetEndCallback([&](uint64_t id, const std::string&) { data_plane.EndSession(id); });
   PeerTable peers;
   std::atomic<bool> shutting_down{false};
   grpc::HealthCheckServiceInterface* health = nullptr;  // set once the server is up
@@ -79,7 +93,7 @@ int RunDaemon(const DaemonConfig& config) {
     if (state == ServingState::kDrained) Notify("STATUS=drained");
   });
 
-  ControlService control(ControlContext{&domain, &sessions, &lifecycle, &peers, config.admin_gid, started_ms});
+  ControlService control(ControlContext{&cache, &data_plane, &sessions, &lifecycle, &peers, config.admin_gid, started_ms});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);
@@ -92,7 +106,8 @@ int RunDaemon(const DaemonConfig& config) {
   health = server->GetHealthCheckService();
   if (health != nullptr) health->SetServingStatus(true);
 
-  Status started = sessions.Start();
+  Status started = data_plane.Start();
+  if (started.ok()) started = sessions.Start();
   Acceptor acceptor(socket->fd(), Acceptor::Handlers{
                                       [&](int fd, const PeerCredentials& peer) {
                                         peers.Add(fd, peer);
@@ -139,7 +154,8 @@ int RunDaemon(const DaemonConfig& config) {
         }
       }
     }
-    if (watchdog && now - acceptor.last_turn_ms() < kStuckLoopMs && now - sessions.last_turn_ms() < kStuckLoopMs) {
+    if (watchdog && now - acceptor.last_turn_ms() < kStuckLoopMs && now - sessions.last_turn_ms() < kStuckLoopMs &&
+        now - data_plane.last_turn_ms() < kStuckLoopMs) {
       Notify("WATCHDOG=1");
     }
     if (shutting_down) {
@@ -155,6 +171,7 @@ int RunDaemon(const DaemonConfig& config) {
   // The data plane is drained; control calls still running get a short grace period, then are cancelled.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   sessions.Stop();
+  data_plane.Stop();
   log::Info("daemon", "stopped cleanly");
   return 0;
 }

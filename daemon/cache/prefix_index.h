@@ -62,6 +62,15 @@ class PrefixIndex {
   uint32_t committed_blocks() const;
   uint64_t evicted_blocks() const;   // total evictions so far
 
+  // Debug and test support; each is O(capacity).
+  // Evictable slots (committed, unpinned, childless), least recently used first: the eviction order.
+  std::vector<SlotId> EvictionOrder() const;
+  // Calls fn(slot, key, parent key) for each committed node in slot order; the parent key is zero at root
+  // level.
+  void ForEachCommitted(const std::function<void(SlotId, const BlockKey&, const BlockKey&)>& fn) const;
+  // Aborts with a message when an internal invariant is broken.
+  void CheckInvariants() const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

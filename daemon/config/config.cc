@@ -55,6 +55,12 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "Seconds a new session has to open its session channel (default 10)")
       ->check(CLI::Range(0.1, 600.0));
 
+  app.add_flag("--discard-pool", cfg.discard_pool,
+               "Replace a pool file of another geometry, version or size, or a corrupt one (its blocks are lost)");
+  app.add_option("--spin-us", cfg.spin_us, "Microseconds the ring poller spins after activity before parking (default 50)")
+      ->check(CLI::Range(0.0, 100000.0));
+  app.add_option("--copy-threads", cfg.copy_threads, "Threads copying blocks (default: one per core)")
+      ->check(CLI::Range(0u, 256u));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -22,6 +22,9 @@ struct DaemonConfig {
   log::Level log_level = log::Level::kInfo;
   double drain_timeout_s = 30;         // --drain-timeout: how long SIGTERM waits for in-flight work
   double attach_timeout_s = 10;        // --attach-timeout: a session must open its channel within this
+  bool discard_pool = false;           // --discard-pool: replace a pool file that cannot be re-attached
+  double spin_us = 50;                 // --spin-us: poller spin window after activity
+  unsigned copy_threads = 0;           // --copy-threads: 0 = one per core
 };
 
 // Outcome of parsing: a config to run with, or an exit (help printed, or a usage error already reported

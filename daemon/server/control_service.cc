@@ -10,14 +10,6 @@
 #include "daemon/server/acceptor.h"
 
 namespace flexkv {
-namespace {
-
-constexpr uint32_t kSubmitRingEntries = 1024;
-constexpr uint32_t kCompletionRingEntries = 1024;
-constexpr uint64_t kArenaBytes = 4 << 20;
-
-}  // namespace
-
 grpc::Status ControlService::Answer(const Status& status) {
   if (!status.ok()) errors_.fetch_add(1, std::memory_order_relaxed);
   return ToGrpc(status);
@@ -57,7 +49,7 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   const auto peer = ctx_.peers->Find(context->peer());
   if (!peer) return Answer(Status::Internal("cannot identify the calling process (no peer credentials)"));
   const Geometry geometry = FromProto(request->geometry());
-  Status admitted = ctx_.domain->Admit(request->model_namespace(), geometry);
+  Status admitted = ctx_.cache->Admit(request->model_namespace(), geometry);
   if (!admitted.ok()) {
     log::Info("control", "Attach from pid {} refused: {}", peer->pid, admitted.ToString());
     return Answer(admitted);
@@ -66,15 +58,15 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
                            geometry};
   auto grant = ctx_.sessions->Open(std::move(identity), *peer);
   if (!grant.ok()) return Answer(grant.status());
-  const CacheDomain::View view = ctx_.domain->Snapshot();
+  const CacheDomain::View view = ctx_.cache->Domain();
   response->set_session_id(grant->session_id);
   response->set_session_token(grant->token.data(), grant->token.size());
   response->set_block_bytes(view.block_bytes);
   response->set_capacity_blocks(view.capacity_blocks);
   response->set_protocol_version(kProtocolVersion);
-  response->set_submit_ring_entries(kSubmitRingEntries);
-  response->set_completion_ring_entries(kCompletionRingEntries);
-  response->set_arena_bytes(kArenaBytes);
+  response->set_submit_ring_entries(ctx_.data_plane->options().submit_entries);
+  response->set_completion_ring_entries(ctx_.data_plane->options().completion_entries);
+  response->set_arena_bytes(ctx_.data_plane->options().arena_bytes);
   return grpc::Status::OK;
 }
 
@@ -97,17 +89,28 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   response->set_version(kVersion);
   response->set_pid(static_cast<uint32_t>(getpid()));
   response->set_uptime_s(static_cast<uint64_t>((MonotonicMs() - ctx_.started_ms) / 1000));
-  const CacheDomain::View view = ctx_.domain->Snapshot();
+  const CacheDomain::View view = ctx_.cache->Domain();
+  const Cache::Stats stats = ctx_.cache->GetStats();
   auto* pool = response->mutable_pool();
   pool->set_block_bytes(view.block_bytes);
-  pool->set_capacity_blocks(view.capacity_blocks);
-  pool->set_used_blocks(0);
-  pool->set_pinned_blocks(0);
-  pool->set_backing("");  // no pool mapped yet
+  pool->set_capacity_blocks(stats.capacity);
+  pool->set_used_blocks(stats.used);
+  pool->set_pinned_blocks(stats.pinned);
+  pool->set_backing(stats.backing);
   pool->set_budget_bytes(view.budget_bytes);
-  response->mutable_index()->set_blocks(0);
+  response->mutable_index()->set_blocks(stats.blocks);
   response->set_sessions(static_cast<uint32_t>(ctx_.sessions->Count()));
-  response->mutable_counters()->set_errors(errors());
+  const CacheCounters& c = ctx_.cache->counters();
+  auto* counters = response->mutable_counters();
+  counters->set_match_requests(c.match_requests.load());
+  counters->set_match_blocks(c.match_blocks.load());
+  counters->set_hit_blocks(c.hit_blocks.load());
+  counters->set_load_blocks(c.load_blocks.load());
+  counters->set_store_blocks(c.store_blocks.load());
+  counters->set_evicted_blocks(stats.evicted);
+  counters->set_bytes_loaded(c.bytes_loaded.load());
+  counters->set_bytes_stored(c.bytes_stored.load());
+  counters->set_errors(errors() + ctx_.data_plane->errors());
   auto* host = response->add_backends();
   host->set_name("host");
   response->set_model_namespace(view.model_namespace);
@@ -129,9 +132,37 @@ grpc::Status ControlService::ListSessions(grpc::ServerContext* /*context*/, cons
     out->set_model_namespace(s.identity.model_namespace);
     out->set_state(s.channel_open ? "active" : "attaching");
     out->set_attached_unix_ms(s.attached_unix_ms);
-    out->set_pinned_blocks(s.pinned_blocks);
-    out->set_inflight_requests(s.inflight_requests);
+    const DataPlane::SessionStats stats = ctx_.data_plane->StatsOf(s.id);
+    out->set_pinned_blocks(stats.pinned_blocks);
+    out->set_inflight_requests(stats.inflight_requests);
   }
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const v1::RegisterKvRequest* request,
+                                        v1::RegisterKvResponse* response) {
+  const std::string& token = request->session_token();
+  const std::span<const uint8_t> token_bytes(reinterpret_cast<const uint8_t*>(token.data()), token.size());
+  Status authentic = ctx_.sessions->Authenticate(request->session_id(), token_bytes);
+  if (!authentic.ok()) return Answer(authentic);
+  KvLayout layout;
+  switch (request->layout()) {
+    case v1::KV_LAYOUT_LAYER_FIRST: layout = KvLayout::kLayerFirst; break;
+    case v1::KV_LAYOUT_BLOCK_FIRST: layout = KvLayout::kBlockFirst; break;
+    case v1::KV_LAYOUT_LAYER_BLOCK: layout = KvLayout::kLayerBlock; break;
+    default:
+      return Answer(Status::InvalidArgument(fmt::format(
+          "layout {} is not valid; expected KV_LAYOUT_LAYER_FIRST, KV_LAYOUT_BLOCK_FIRST or KV_LAYOUT_LAYER_BLOCK",
+          static_cast<int>(request->layout()))));
+  }
+  if (request->memory_case() != v1::RegisterKvRequest::kHost) {
+    return Answer(Status::InvalidArgument("memory is missing; expected host (a memfd offered on the session channel)"));
+  }
+  auto fd = ctx_.sessions->TakeOfferedFd(request->session_id(), token_bytes, request->host().fd_tag());
+  if (!fd.ok()) return Answer(fd.status());
+  auto bytes = ctx_.data_plane->RegisterHostKv(request->session_id(), std::move(*fd), layout, request->num_blocks());
+  if (!bytes.ok()) return Answer(bytes.status());
+  response->set_bytes_required(*bytes);
   return grpc::Status::OK;
 }
 

@@ -8,7 +8,8 @@
 #include <cstdint>
 #include <optional>
 
-#include "daemon/cache/cache_domain.h"
+#include "daemon/cache/cache.h"
+#include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
 #include "daemon/server/peer_table.h"
 #include "daemon/sessions/session_registry.h"
@@ -18,7 +19,8 @@ namespace flexkv {
 
 // The daemon's parts the control plane answers from. All outlive the service.
 struct ControlContext {
-  CacheDomain* domain;
+  Cache* cache;
+  DataPlane* data_plane;
   SessionRegistry* sessions;
   Lifecycle* lifecycle;
   PeerTable* peers;
@@ -38,6 +40,8 @@ class ControlService final : public v1::Control::Service {
                          v1::GetStatusResponse* response) override;
   grpc::Status ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest* request,
                             v1::ListSessionsResponse* response) override;
+  grpc::Status RegisterKv(grpc::ServerContext* context, const v1::RegisterKvRequest* request,
+                          v1::RegisterKvResponse* response) override;
   grpc::Status Drain(grpc::ServerContext* context, const v1::DrainRequest* request,
                      v1::DrainResponse* response) override;
   grpc::Status Resume(grpc::ServerContext* context, const v1::ResumeRequest* request,

@@ -38,14 +38,17 @@ uint64_t UnixMs() {
           .count());
 }
 
-void ReplyHello(int fd, StatusCode code, const std::string& message) {
+bool ReplyHello(int fd, StatusCode code, const std::string& message, std::span<const int> fds = {}) {
   SessionHelloReply reply{};
   std::memcpy(reply.magic, kSessionChannelMagic, 4);
   reply.status_code = static_cast<uint32_t>(code);
   std::snprintf(reply.message, sizeof(reply.message), "%s", message.c_str());
-  Status sent = SendWithFds(fd, &reply, sizeof(reply));
+  Status sent = SendWithFds(fd, &reply, sizeof(reply), fds);
   if (!sent.ok()) log::Debug("sessions", "hello reply not delivered: {}", sent.ToString());
+  return sent.ok();
 }
+
+constexpr size_t kMaxOfferedFds = 16;
 
 }  // namespace
 
@@ -54,6 +57,8 @@ SessionRegistry::SessionRegistry(int64_t attach_timeout_ms) : attach_timeout_ms_
 SessionRegistry::~SessionRegistry() { Stop(); }
 
 void SessionRegistry::SetEndCallback(EndCallback cb) { on_end_ = std::move(cb); }
+
+void SessionRegistry::SetChannelOpenCallback(ChannelOpenCallback cb) { on_channel_open_ = std::move(cb); }
 
 Status SessionRegistry::Start() {
   epoll_fd_.reset(epoll_create1(EPOLL_CLOEXEC));
@@ -159,7 +164,18 @@ void SessionRegistry::AdoptChannel(UniqueFd fd, const PeerCredentials& peer) {
     ReplyHello(fd.get(), StatusCode::kAlreadyExists, fmt::format("session {} already has its channel open", s.id));
     return;
   }
-  ReplyHello(fd.get(), StatusCode::kOk, "");
+  std::vector<UniqueFd> fds;
+  if (on_channel_open_) {
+    auto opened = on_channel_open_(s.id, s.identity.geometry);
+    if (!opened.ok()) {
+      ReplyHello(fd.get(), opened.status().code(), opened.status().message());
+      return;
+    }
+    fds = std::move(*opened);
+  }
+  std::vector<int> raw;
+  for (const auto& f : fds) raw.push_back(f.get());
+  if (!ReplyHello(fd.get(), StatusCode::kOk, "", raw)) return;  // the reaper ends it (attach timeout)
   s.channel = std::move(fd);
   Watch(s.channel.get(), ChannelTag(s.id));
   log::Debug("sessions", "session {} channel open (pid {})", s.id, peer.pid);
@@ -196,22 +212,8 @@ void SessionRegistry::ReaperLoop() {
         End(id, "process exited");
         continue;
       }
-      // Channel: the client sends nothing after the hello in this protocol version, so any readable
-      // event is a hang-up or a protocol violation; both end the session.
-      char byte;
-      int fd = -1;
-      {
-        std::lock_guard lock(mu_);
-        auto it = sessions_.find(id);
-        if (it != sessions_.end() && it->second->channel) fd = it->second->channel.get();
-      }
-      if (fd < 0) continue;
-      const ssize_t got = recv(fd, &byte, 1, MSG_DONTWAIT | MSG_PEEK);
-      if (got == 0 || (events[i].events & (EPOLLHUP | EPOLLRDHUP | EPOLLERR)) != 0) {
-        End(id, "session channel closed");
-      } else if (got > 0) {
-        End(id, "unexpected bytes on the session channel");
-      }
+      std::string reason;
+      if (!ReadChannel(id, &reason)) End(id, reason);
     }
     std::vector<uint64_t> expired;
     {
@@ -226,6 +228,77 @@ void SessionRegistry::ReaperLoop() {
   }
 }
 
+bool SessionRegistry::ReadChannel(uint64_t session_id, std::string* reason) {
+  int fd = -1;
+  {
+    std::lock_guard lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end() || !it->second->channel) return true;  // already ended
+    fd = it->second->channel.get();
+  }
+  ChannelMessage msg{};
+  std::vector<UniqueFd> fds;
+  char peek;
+  if (recv(fd, &peek, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {
+    *reason = "session channel closed";
+    return false;
+  }
+  Status got = RecvWithFds(fd, &msg, sizeof(msg), &fds);
+  if (!got.ok()) {
+    *reason = "session channel: " + got.message();
+    return false;
+  }
+  if (std::memcmp(msg.magic, kChannelMessageMagic, 4) != 0 ||
+      msg.type != static_cast<uint32_t>(ChannelMessageType::kOfferFd) || fds.size() != 1) {
+    *reason = fmt::format("protocol violation on the session channel (type {}, {} fds)", msg.type, fds.size());
+    return false;
+  }
+  ChannelMessage ack{};
+  std::memcpy(ack.magic, kChannelMessageMagic, 4);
+  ack.type = static_cast<uint32_t>(ChannelMessageType::kOfferFdAck);
+  ack.tag = msg.tag;
+  {
+    std::lock_guard lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return true;
+    if (it->second->offered_fds.size() >= kMaxOfferedFds) {
+      ack.status_code = static_cast<uint32_t>(StatusCode::kResourceExhausted);
+    } else {
+      it->second->offered_fds[msg.tag] = std::move(fds[0]);
+    }
+  }
+  Status sent = SendWithFds(fd, &ack, sizeof(ack));
+  if (!sent.ok()) {
+    *reason = "session channel: " + sent.message();
+    return false;
+  }
+  return true;
+}
+
+Status SessionRegistry::Authenticate(uint64_t session_id, std::span<const uint8_t> token) const {
+  std::lock_guard lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return Status::NotFound(fmt::format("session {} does not exist", session_id));
+  if (!TokensEqual(token, it->second->token)) {
+    return Status::PermissionDenied(fmt::format("session_token does not match session {}", session_id));
+  }
+  return Status::Ok();
+}
+
+Result<UniqueFd> SessionRegistry::TakeOfferedFd(uint64_t session_id, std::span<const uint8_t> token, uint32_t tag) {
+  FLEXKV_RETURN_IF_ERROR(Authenticate(session_id, token));
+  std::lock_guard lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return Status::NotFound(fmt::format("session {} does not exist", session_id));
+  auto fd = it->second->offered_fds.find(tag);
+  if (fd == it->second->offered_fds.end()) {
+    return Status::NotFound(fmt::format("no fd was offered under tag {} on session {}'s channel", tag, session_id));
+  }
+  UniqueFd out = std::move(fd->second);
+  it->second->offered_fds.erase(fd);
+  return out;
+}
+
 std::vector<SessionSnapshot> SessionRegistry::List() const {
   std::lock_guard lock(mu_);
   std::vector<SessionSnapshot> out;
@@ -237,8 +310,6 @@ std::vector<SessionSnapshot> SessionRegistry::List() const {
     snap.peer = s->peer;
     snap.channel_open = s->channel.valid();
     snap.attached_unix_ms = s->attached_unix_ms;
-    snap.pinned_blocks = s->pinned_blocks.load(std::memory_order_relaxed);
-    snap.inflight_requests = s->inflight_requests.load(std::memory_order_relaxed);
     out.push_back(std::move(snap));
   }
   return out;

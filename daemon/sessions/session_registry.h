@@ -43,8 +43,6 @@ struct SessionSnapshot {
   PeerCredentials peer;
   bool channel_open = false;  // false: "attaching"
   uint64_t attached_unix_ms = 0;
-  uint64_t pinned_blocks = 0;
-  uint64_t inflight_requests = 0;
 };
 
 class SessionRegistry {
@@ -59,6 +57,10 @@ class SessionRegistry {
   SessionRegistry& operator=(const SessionRegistry&) = delete;
 
   void SetEndCallback(EndCallback cb);
+  // Runs when a session's channel is accepted, before the hello is answered; returns the fds that ride on
+  // the reply (the data plane's ring memfd and doorbell). An error refuses the channel with that status.
+  using ChannelOpenCallback = std::function<Result<std::vector<UniqueFd>>(uint64_t session_id, const Geometry&)>;
+  void SetChannelOpenCallback(ChannelOpenCallback cb);
   Status Start();
   // Stops the reaper and ends every session (reason "daemon stopping"). Idempotent.
   void Stop();
@@ -78,6 +80,12 @@ class SessionRegistry {
   // session of the same uid with the right token, makes it that session's channel.
   void AdoptChannel(UniqueFd fd, const PeerCredentials& peer);
 
+  // Takes the fd the session offered on its channel under `tag` (for RegisterKv). NOT_FOUND when there is
+  // none; PERMISSION_DENIED for a wrong token.
+  Result<UniqueFd> TakeOfferedFd(uint64_t session_id, std::span<const uint8_t> token, uint32_t tag);
+  // Checks a (session id, token) pair.
+  Status Authenticate(uint64_t session_id, std::span<const uint8_t> token) const;
+
   std::vector<SessionSnapshot> List() const;
   size_t Count() const;
   int64_t last_turn_ms() const { return last_turn_ms_.load(std::memory_order_relaxed); }
@@ -92,15 +100,17 @@ class SessionRegistry {
     UniqueFd pidfd;
     int64_t opened_ms = 0;
     uint64_t attached_unix_ms = 0;
-    std::atomic<uint64_t> pinned_blocks{0};
-    std::atomic<uint64_t> inflight_requests{0};
+    std::map<uint32_t, UniqueFd> offered_fds;
   };
   void ReaperLoop();
+  // Reads one message from a session's channel; false when the session must end (reason set).
+  bool ReadChannel(uint64_t session_id, std::string* reason);
   void End(uint64_t session_id, const std::string& reason);
   void Watch(int fd, uint64_t tag);
 
   const int64_t attach_timeout_ms_;
   EndCallback on_end_;
+  ChannelOpenCallback on_channel_open_;
   mutable std::mutex mu_;
   std::map<uint64_t, std::unique_ptr<Session>> sessions_;  // guarded by mu_
   uint64_t next_id_ = 1;                                    // guarded by mu_

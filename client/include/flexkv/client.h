@@ -13,9 +13,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "flexkv/block_key.h"
 #include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
@@ -73,6 +76,27 @@ struct SessionEntry {
   uint64_t attached_unix_ms = 0, pinned_blocks = 0, inflight_requests = 0;
 };
 
+// KV buffers the client created in shared memory and registered with the daemon (host backend).
+struct HostKvBuffers {
+  uint8_t* data = nullptr;  // valid until Detach / destruction
+  uint64_t bytes = 0;
+  uint32_t num_blocks = 0;
+  KvLayout layout = KvLayout::kBlockFirst;
+};
+
+// Names one submitted request; Wait/TryWait return its result exactly once.
+struct Ticket {
+  uint64_t id = 0;
+};
+
+// The end of one data-plane request.
+struct OpResult {
+  Status status;                // OK, or why (part of) the request was not done
+  uint32_t matched_blocks = 0;  // Match: leading blocks cached. Store: leading blocks already cached
+  uint32_t done_blocks = 0;     // Load: blocks copied. Store: blocks newly stored
+  uint64_t match_handle = 0;    // Match with pin: pass to Load / Release (0 when nothing matched)
+};
+
 class Client {
  public:
   // Connects to flexkvd. Retries only while the daemon is not up yet (no socket, or nobody listening)
@@ -92,6 +116,30 @@ class Client {
   // Ends the session; everything it held is released. OK when not attached.
   Status Detach();
   bool attached() const;
+
+  // --- Data plane (after Attach). Submissions are asynchronous: each returns a Ticket at once (or an
+  // error when the rings are full or the session is gone), many may be in flight, and one doorbell serves
+  // many requests. Every request ends: Wait returns its result, DEADLINE_EXCEEDED (ticket still valid), or
+  // UNAVAILABLE when the daemon went away (Attach again).
+
+  // Creates num_blocks blocks of KV buffers in `layout` in a sealed memfd shared with the daemon and
+  // registers them (RegisterKv). One registration per session.
+  Result<HostKvBuffers> CreateHostKv(KvLayout layout, uint32_t num_blocks);
+
+  // Leading blocks of `keys` that are cached. With `pin`, they stay pinned (never evicted) until Release,
+  // and the result carries a match handle for Load.
+  Result<Ticket> Match(std::span<const BlockKey> keys, bool pin = false);
+  // Copies the first dst_block_ids.size() blocks of a pinned match into these KV blocks.
+  Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids);
+  // Stores blocks keys[i] from KV block src_block_ids[i]; the cached prefix is skipped. A block becomes
+  // matchable only once its bytes are complete.
+  Result<Ticket> Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids);
+  // Drops the pins of a match handle.
+  Result<Ticket> Release(uint64_t match_handle);
+
+  Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout);
+  // The result if the request has ended, else nullopt (also for an unknown ticket).
+  std::optional<OpResult> TryWait(Ticket ticket);
 
   Result<DaemonStatus> GetStatus();
   Result<std::vector<SessionEntry>> ListSessions();

@@ -8,6 +8,13 @@
 
 namespace flexkv {
 
+// How an engine lays out its KV cache; `chunk` is one (layer, plane, block) of one TP rank.
+enum class KvLayout : uint32_t {
+  kLayerFirst = 1,  // [layer][plane][block][chunk] (vLLM-style per-layer tensors, as one region)
+  kBlockFirst = 2,  // [block][layer][plane][chunk]
+  kLayerBlock = 3,  // [layer][block][plane][chunk]
+};
+
 struct Geometry {
   uint32_t tokens_per_block = 16;  // power of two, 1..4096
   uint32_t num_layers = 0;         // 1..1024

@@ -1,0 +1,212 @@
+// See session_rings.h.
+#include "client/session_rings.h"
+
+#include <fmt/format.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "common/uds.h"
+
+namespace flexkv {
+namespace {
+
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+inline void CpuRelax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+}  // namespace
+
+Result<std::unique_ptr<SessionRings>> SessionRings::Map(UniqueFd ring_memfd, UniqueFd doorbell, int channel_fd) {
+  struct stat st {};
+  if (fstat(ring_memfd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < sizeof(RingHeader)) {
+    return Status::Internal("the daemon's ring memfd is too small for a ring header");
+  }
+  void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, ring_memfd.get(), 0);
+  if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap rings: {}", ErrnoText(errno)));
+  auto r = std::unique_ptr<SessionRings>(new SessionRings());
+  r->map_ = static_cast<uint8_t*>(p);
+  r->map_bytes_ = static_cast<uint64_t>(st.st_size);
+  r->hdr_ = static_cast<RingHeader*>(p);
+  r->doorbell_ = std::move(doorbell);
+  r->channel_fd_ = channel_fd;
+  const RingHeader& h = *r->hdr_;
+  const RingGeometry rg{h.submit_entries, h.completion_entries, h.arena_bytes};
+  if (h.magic != kRingMagic || h.layout_version != kRingLayoutVersion || h.submit_entries == 0 ||
+      (h.submit_entries & (h.submit_entries - 1)) != 0 || h.completion_entries == 0 ||
+      (h.completion_entries & (h.completion_entries - 1)) != 0 || h.submit_offset != rg.submit_offset() ||
+      h.completion_offset != rg.completion_offset() || h.arena_offset != rg.arena_offset() ||
+      rg.total_bytes() > r->map_bytes_) {
+    return Status::FailedPrecondition(fmt::format(
+        "the daemon's ring layout (magic 0x{:x}, version {}) is not what this libflexkv speaks (version {})", h.magic,
+        h.layout_version, kRingLayoutVersion));
+  }
+  r->submit_tail_ = h.submit_tail.value.load();
+  r->completion_head_ = h.completion_head.value.load();
+  r->free_[0] = h.arena_bytes;
+  return r;
+}
+
+SessionRings::~SessionRings() {
+  if (map_ != nullptr) munmap(map_, map_bytes_);
+}
+
+std::optional<uint64_t> SessionRings::AllocLocked(uint64_t bytes) {
+  bytes = (bytes + 63) & ~uint64_t{63};
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second < bytes) continue;
+    const uint64_t offset = it->first;
+    const uint64_t rest = it->second - bytes;
+    free_.erase(it);
+    if (rest > 0) free_[offset + bytes] = rest;
+    return offset;
+  }
+  return std::nullopt;
+}
+
+void SessionRings::FreeLocked(uint64_t offset, uint64_t bytes) {
+  bytes = (bytes + 63) & ~uint64_t{63};
+  auto [it, inserted] = free_.emplace(offset, bytes);
+  auto next = std::next(it);
+  if (next != free_.end() && it->first + it->second == next->first) {
+    it->second += next->second;
+    free_.erase(next);
+  }
+  if (it != free_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second == it->first) {
+      prev->second += it->second;
+      free_.erase(it);
+    }
+  }
+}
+
+Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
+                                    std::span<const uint32_t> ids, uint64_t match_handle) {
+  const uint64_t key_bytes = keys.size() * sizeof(BlockKey);
+  const uint64_t id_bytes = ids.size() * sizeof(uint32_t);
+  std::lock_guard lock(mu_);
+  ReapLocked();
+  if (inflight_ >= hdr_->completion_entries) {
+    return Status::ResourceExhausted(fmt::format("{} requests are in flight (the ring's limit); Wait for some first", inflight_));
+  }
+  const uint32_t head = hdr_->submit_head.value.load(std::memory_order_acquire);
+  if (submit_tail_ - head >= hdr_->submit_entries) {
+    return Status::ResourceExhausted("the submit ring is full; the daemon has not caught up yet");
+  }
+  uint64_t offset = 0;
+  const uint64_t payload = key_bytes + id_bytes;
+  if (payload > 0) {
+    auto got = AllocLocked(payload);
+    if (!got) {
+      return Status::ResourceExhausted(fmt::format("no {} bytes free in the {}-byte payload arena; Wait for requests in flight",
+                                                   payload, hdr_->arena_bytes));
+    }
+    offset = *got;
+    uint8_t* arena = map_ + hdr_->arena_offset;
+    if (key_bytes > 0) std::memcpy(arena + offset, keys.data(), key_bytes);
+    if (id_bytes > 0) std::memcpy(arena + offset + key_bytes, ids.data(), id_bytes);
+  }
+  const uint64_t ticket = next_ticket_++;
+  SubmitDescriptor d{};
+  d.user_data = ticket;
+  d.opcode = static_cast<uint16_t>(op);
+  d.flags = flags;
+  d.count = count;
+  d.keys_offset = offset;
+  d.block_ids_offset = offset + key_bytes;
+  d.match_handle = match_handle;
+  auto* entries = reinterpret_cast<SubmitDescriptor*>(map_ + hdr_->submit_offset);
+  entries[submit_tail_ & (hdr_->submit_entries - 1)] = d;
+  ++submit_tail_;
+  hdr_->submit_tail.value.store(submit_tail_, std::memory_order_seq_cst);
+  if (payload > 0) arena_of_[ticket] = {offset, payload};
+  ++inflight_;
+  if (hdr_->daemon_parked.value.load(std::memory_order_seq_cst) != 0) {
+    const uint64_t one = 1;
+    ssize_t ignored = write(doorbell_.get(), &one, sizeof(one));
+    (void)ignored;
+  }
+  return Ticket{ticket};
+}
+
+void SessionRings::ReapLocked() {
+  const uint32_t tail = hdr_->completion_tail.value.load(std::memory_order_acquire);
+  if (tail == completion_head_) return;
+  const auto* entries = reinterpret_cast<const CompletionDescriptor*>(map_ + hdr_->completion_offset);
+  while (completion_head_ != tail) {
+    CompletionDescriptor c = entries[completion_head_ & (hdr_->completion_entries - 1)];
+    ++completion_head_;
+    c.message[sizeof(c.message) - 1] = '\0';
+    OpResult r;
+    if (c.status_code != 0) r.status = Status(static_cast<StatusCode>(c.status_code), c.message);
+    r.matched_blocks = c.matched_blocks;
+    r.done_blocks = c.done_blocks;
+    r.match_handle = c.match_handle;
+    auto a = arena_of_.find(c.user_data);
+    if (a != arena_of_.end()) {
+      FreeLocked(a->second.first, a->second.second);
+      arena_of_.erase(a);
+    }
+    if (inflight_ > 0) --inflight_;
+    done_[c.user_data] = std::move(r);
+  }
+  hdr_->completion_head.value.store(completion_head_, std::memory_order_release);
+}
+
+std::optional<OpResult> SessionRings::TryWait(Ticket ticket) {
+  std::lock_guard lock(mu_);
+  ReapLocked();
+  auto it = done_.find(ticket.id);
+  if (it == done_.end()) return std::nullopt;
+  OpResult r = std::move(it->second);
+  done_.erase(it);
+  return r;
+}
+
+bool SessionRings::DaemonGone() const {
+  pollfd pfd{channel_fd_, POLLRDHUP, 0};
+  return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
+Result<OpResult> SessionRings::Wait(Ticket ticket, std::chrono::microseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto spin_until = std::chrono::steady_clock::now() + kSpin;
+  for (;;) {
+    if (auto r = TryWait(ticket)) return std::move(*r);
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      return Status::DeadlineExceeded(fmt::format("ticket {} did not complete within {} us; it is still in flight",
+                                                  ticket.id, timeout.count()));
+    }
+    const uint32_t seen = hdr_->completion_tail.value.load(std::memory_order_acquire);
+    if (now < spin_until) {
+      CpuRelax();
+      continue;
+    }
+    if (DaemonGone()) {
+      if (auto r = TryWait(ticket)) return std::move(*r);
+      return Status::Unavailable("flexkvd closed this session (daemon stopped or restarted); Attach again");
+    }
+    hdr_->client_waiting.value.fetch_add(1, std::memory_order_seq_cst);
+    if (hdr_->completion_tail.value.load(std::memory_order_seq_cst) == seen) {
+      const auto left = std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(20));
+      timespec ts{static_cast<time_t>(left.count() / 1000000000), static_cast<long>(left.count() % 1000000000)};
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hdr_->completion_tail.value), FUTEX_WAIT, seen, &ts, nullptr, 0);
+    }
+    hdr_->client_waiting.value.fetch_sub(1, std::memory_order_seq_cst);
+    spin_until = std::chrono::steady_clock::now() + kSpin;
+  }
+}
+
+}  // namespace flexkv

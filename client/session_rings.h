@@ -1,0 +1,57 @@
+// SessionRings: the client side of a session's rings — submission with an arena allocator, completion
+// reaping, and waiting (spin, then futex) for a ticket. Thread-safe. Internal to libflexkv.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <unordered_map>
+
+#include "common/ring_layout.h"
+#include "common/unique_fd.h"
+#include "flexkv/client.h"
+
+namespace flexkv {
+
+class SessionRings {
+ public:
+  // Maps the ring memfd the daemon sent and checks its header.
+  static Result<std::unique_ptr<SessionRings>> Map(UniqueFd ring_memfd, UniqueFd doorbell, int channel_fd);
+  ~SessionRings();
+  SessionRings(const SessionRings&) = delete;
+  SessionRings& operator=(const SessionRings&) = delete;
+
+  // Copies `payload` into the arena (keys at offset 0 of it, then ids), fills the descriptor's offsets
+  // and submits. RESOURCE_EXHAUSTED when the rings or the arena are full.
+  Result<Ticket> Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
+                        std::span<const uint32_t> ids, uint64_t match_handle);
+  Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout);
+  std::optional<OpResult> TryWait(Ticket ticket);
+
+ private:
+  SessionRings() = default;
+  void ReapLocked();
+  std::optional<uint64_t> AllocLocked(uint64_t bytes);
+  void FreeLocked(uint64_t offset, uint64_t bytes);
+  bool DaemonGone() const;
+
+  uint8_t* map_ = nullptr;
+  uint64_t map_bytes_ = 0;
+  RingHeader* hdr_ = nullptr;
+  UniqueFd doorbell_;
+  int channel_fd_ = -1;  // owned by the Client; watched for hang-up
+
+  std::mutex mu_;
+  uint64_t next_ticket_ = 1;                                         // guarded by mu_
+  uint32_t submit_tail_ = 0;                                         // guarded by mu_
+  uint32_t completion_head_ = 0;                                     // guarded by mu_
+  std::map<uint64_t, uint64_t> free_;                                // offset → bytes; guarded by mu_
+  std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> arena_of_;  // ticket → (offset, bytes)
+  std::unordered_map<uint64_t, OpResult> done_;                      // guarded by mu_
+  size_t inflight_ = 0;                                              // guarded by mu_
+};
+
+}  // namespace flexkv

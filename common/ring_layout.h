@@ -1,0 +1,96 @@
+// Shared-memory layout of a session's rings (DESIGN §4.3, docs/protocol.md "Session rings").
+// One sealed memfd per session, created by the daemon, mapped by both sides:
+//   header | index cache lines | submit ring | completion ring | payload arena
+// The client produces submissions and consumes completions; the daemon the reverse. Offsets, never
+// pointers. Every field the daemon reads from this memory is untrusted: it copies a descriptor once,
+// then validates the copy. Bump kRingLayoutVersion on any change.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace flexkv {
+
+inline constexpr uint32_t kRingMagic = 0x52564B46;  // "FKVR" little-endian
+inline constexpr uint32_t kRingLayoutVersion = 1;
+
+enum class RingOp : uint16_t {
+  kMatch = 1,    // keys → leading cached blocks; flag kPin pins them and returns a match handle
+  kLoad = 2,     // match handle + destination block ids → copies the matched blocks into the session's KV
+  kStore = 3,    // keys + source block ids → stores the blocks not yet cached
+  kRelease = 4,  // match handle → drops its pins
+};
+inline constexpr uint16_t kMatchFlagPin = 1;
+
+// Client → daemon. 64 bytes.
+struct SubmitDescriptor {
+  uint64_t user_data;         // echoed in the completion
+  uint16_t opcode;            // RingOp
+  uint16_t flags;
+  uint32_t count;             // blocks (keys and/or block ids)
+  uint64_t keys_offset;       // arena offset of `count` 16-byte keys (Match, Store)
+  uint64_t block_ids_offset;  // arena offset of `count` u32 block ids (Load, Store)
+  uint64_t match_handle;      // Load, Release
+  uint64_t reserved[3];       // must be zero
+};
+static_assert(sizeof(SubmitDescriptor) == 64);
+
+// Daemon → client. 128 bytes.
+struct CompletionDescriptor {
+  uint64_t user_data;
+  int32_t status_code;       // StatusCode; 0 = OK
+  uint16_t opcode;
+  uint16_t reserved0;
+  uint32_t matched_blocks;   // Match: leading blocks cached; Store: leading blocks already cached
+  uint32_t done_blocks;      // Load: blocks loaded; Store: blocks newly stored
+  uint64_t match_handle;     // Match with kMatchFlagPin: handle to Load/Release (0 when nothing pinned)
+  uint64_t reserved1;
+  char message[88];          // NUL-terminated reason when status_code != 0
+};
+static_assert(sizeof(CompletionDescriptor) == 128);
+
+// One single-producer/single-consumer index pair, each index on its own cache line. Free-running
+// 32-bit counters; the slot of index i is i & (entries - 1).
+struct alignas(64) RingIndex {
+  std::atomic<uint32_t> value;
+  char pad[60];
+};
+static_assert(sizeof(RingIndex) == 64);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
+struct RingHeader {
+  uint32_t magic;               // kRingMagic
+  uint32_t layout_version;      // kRingLayoutVersion
+  uint32_t submit_entries;      // power of two
+  uint32_t completion_entries;  // power of two
+  uint64_t submit_offset;
+  uint64_t completion_offset;
+  uint64_t arena_offset;
+  uint64_t arena_bytes;
+  uint64_t total_bytes;
+  char pad[256 - 56];
+  RingIndex submit_tail;        // written by the client
+  RingIndex submit_head;        // written by the daemon
+  RingIndex completion_tail;    // written by the daemon; clients futex-wait on it
+  RingIndex completion_head;    // written by the client
+  RingIndex daemon_parked;      // 1 while the daemon sleeps: the client then rings the doorbell (eventfd)
+  RingIndex client_waiting;     // >0 while a client thread futex-waits on completion_tail
+};
+static_assert(sizeof(RingHeader) == 256 + 6 * 64);
+
+struct RingGeometry {
+  uint32_t submit_entries;
+  uint32_t completion_entries;
+  uint64_t arena_bytes;
+
+  uint64_t submit_offset() const { return 1024; }
+  uint64_t completion_offset() const { return submit_offset() + uint64_t{submit_entries} * sizeof(SubmitDescriptor); }
+  uint64_t arena_offset() const {
+    const uint64_t end = completion_offset() + uint64_t{completion_entries} * sizeof(CompletionDescriptor);
+    return (end + 4095) & ~uint64_t{4095};
+  }
+  uint64_t total_bytes() const { return (arena_offset() + arena_bytes + 4095) & ~uint64_t{4095}; }
+};
+
+}  // namespace flexkv

@@ -1,0 +1,115 @@
+// See cache.h.
+#include "daemon/cache/cache.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include "common/log.h"
+
+namespace flexkv {
+
+Cache::Cache(uint64_t budget_bytes, std::string pool_path)
+    : budget_bytes_(budget_bytes), pool_path_(std::move(pool_path)), domain_(budget_bytes) {}
+
+Status Cache::RecoverPool(bool discard) {
+  auto pool = Pool::Open(pool_path_, budget_bytes_);
+  if (!pool.ok()) {
+    if (pool.status().code() == StatusCode::kNotFound) return Status::Ok();
+    if (!discard) return pool.status();
+    log::Warning("cache", "discarding pool file {} as asked (--discard-pool): {}", pool_path_, pool.status().message());
+    ::unlink(pool_path_.c_str());
+    return Status::Ok();
+  }
+  FLEXKV_RETURN_IF_ERROR(domain_.Admit((*pool)->model_namespace(), (*pool)->geometry()));
+  std::lock_guard lock(mu_);
+  uint64_t dropped = 0;
+  auto committed = (*pool)->Recover(&dropped);
+  auto index = std::make_unique<PrefixIndex>((*pool)->capacity());
+  for (const Pool::Committed& c : committed) {
+    Status restored = index->Restore(c.slot, c.key, c.parent);
+    if (!restored.ok()) {
+      (*pool)->MarkFree(c.slot);
+      ++dropped;
+    }
+  }
+  log::Info("cache", "re-attached pool {}: {} committed blocks restored, {} incomplete or orphaned dropped; domain '{}' {}",
+            pool_path_, index->committed_blocks(), dropped, (*pool)->model_namespace(), (*pool)->geometry().ToString());
+  pool_ = std::move(*pool);
+  index_ = std::move(index);
+  Pool* p = pool_.get();
+  index_->SetEvictionListener([p](SlotId slot, const BlockKey&) { p->MarkFree(slot); });
+  has_pool_ = true;
+  return Status::Ok();
+}
+
+Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry) {
+  FLEXKV_RETURN_IF_ERROR(domain_.Admit(model_namespace, geometry));
+  std::lock_guard lock(mu_);
+  if (pool_) return Status::Ok();
+  return CreatePoolLocked(model_namespace, geometry);
+}
+
+Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry) {
+  auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes_);
+  if (!pool.ok()) return pool.status();
+  pool_ = std::move(*pool);
+  index_ = std::make_unique<PrefixIndex>(pool_->capacity());
+  Pool* p = pool_.get();
+  index_->SetEvictionListener([p](SlotId slot, const BlockKey&) { p->MarkFree(slot); });
+  has_pool_ = true;
+  return Status::Ok();
+}
+
+bool Cache::has_pool() const { return has_pool_.load(std::memory_order_acquire); }
+
+uint64_t Cache::block_bytes() const {
+  std::lock_guard lock(mu_);
+  return pool_ ? pool_->block_bytes() : 0;
+}
+
+uint8_t* Cache::SlotData(SlotId slot) const { return pool_->SlotData(slot); }
+
+size_t Cache::Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned) {
+  std::lock_guard lock(mu_);
+  if (!index_) return 0;
+  return index_->Match(keys, pin, pinned);
+}
+
+void Cache::Unpin(std::span<const SlotId> slots) {
+  std::lock_guard lock(mu_);
+  index_->Unpin(slots);
+}
+
+PrefixIndex::Reservation Cache::Reserve(std::span<const BlockKey> keys) {
+  std::lock_guard lock(mu_);
+  return index_->Reserve(keys);
+}
+
+void Cache::Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots) {
+  std::lock_guard lock(mu_);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const size_t k = first + i;
+    pool_->MarkCommitted(slots[i], keys[k], k == 0 ? BlockKey{} : keys[k - 1]);
+  }
+  index_->Commit(slots);
+}
+
+void Cache::Abort(std::span<const SlotId> slots) {
+  std::lock_guard lock(mu_);
+  index_->Abort(slots);
+}
+
+Cache::Stats Cache::GetStats() const {
+  std::lock_guard lock(mu_);
+  Stats s;
+  if (!index_) return s;
+  s.capacity = index_->capacity();
+  s.used = index_->used_slots();
+  s.pinned = index_->pinned_slots();
+  s.blocks = index_->committed_blocks();
+  s.evicted = index_->evicted_blocks();
+  s.backing = pool_->path();
+  return s;
+}
+
+}  // namespace flexkv

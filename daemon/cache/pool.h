@@ -1,0 +1,79 @@
+// Pool: the host KV pool, one slot per block, in a file the daemon owns (under /dev/shm or hugetlbfs,
+// mode 0600) so that a restarted daemon — after SIGTERM or kill -9 — finds every committed block again.
+//
+// File layout (docs/protocol.md "Pool file"): header (4 KiB) | slot table (64 B per slot) | data (2 MiB
+// aligned, block_bytes per slot). A slot-table entry is written only after the slot's bytes are complete
+// and cleared before they are overwritten, so a block that was mid-copy at a crash is never restored.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "daemon/cache/prefix_index.h"
+#include "flexkv/block_key.h"
+#include "flexkv/geometry.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+inline constexpr uint32_t kPoolLayoutVersion = 1;
+
+class Pool {
+ public:
+  struct Committed {
+    SlotId slot;
+    BlockKey key;
+    BlockKey parent;  // zero for a first block
+  };
+
+  // Creates (or replaces) the pool file for `geometry`, sized to floor(budget / block bytes) slots.
+  // The file's space is allocated up front: a full /dev/shm fails here (RESOURCE_EXHAUSTED), not later.
+  static Result<std::unique_ptr<Pool>> Create(const std::string& path, const std::string& model_namespace,
+                                              const Geometry& geometry, uint64_t budget_bytes);
+
+  // Opens an existing pool file. NOT_FOUND when there is none. FAILED_PRECONDITION (naming the field)
+  // when its version, size or budget do not fit, DATA_LOSS when the header is corrupt.
+  static Result<std::unique_ptr<Pool>> Open(const std::string& path, uint64_t budget_bytes);
+
+  ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  const Geometry& geometry() const { return geometry_; }
+  const std::string& model_namespace() const { return namespace_; }
+  const std::string& path() const { return path_; }
+  uint64_t block_bytes() const { return block_bytes_; }
+  uint32_t capacity() const { return capacity_; }
+
+  // The slot's bytes. Valid for the pool's lifetime.
+  uint8_t* SlotData(SlotId slot) const { return data_ + uint64_t{slot} * block_bytes_; }
+
+  // Slot-table transitions. MarkCommitted publishes after the bytes are complete; MarkFree clears before
+  // the slot is reused.
+  void MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& parent);
+  void MarkFree(SlotId slot);
+
+  // Committed entries of the slot table, parents before children; entries whose checksum fails or whose
+  // parent is missing are cleared and counted in `dropped`.
+  std::vector<Committed> Recover(uint64_t* dropped);
+
+ private:
+  Pool() = default;
+  struct SlotEntry;
+  SlotEntry* entry(SlotId slot) const;
+
+  std::string path_;
+  std::string namespace_;
+  Geometry geometry_;
+  uint64_t block_bytes_ = 0;
+  uint32_t capacity_ = 0;
+  uint8_t* map_ = nullptr;
+  uint64_t map_bytes_ = 0;
+  uint8_t* table_ = nullptr;
+  uint8_t* data_ = nullptr;
+};
+
+}  // namespace flexkv

@@ -1,0 +1,641 @@
+// The session rings and their poller; see data_plane.h.
+#include "daemon/dataplane/data_plane.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <linux/futex.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+
+#include "common/log.h"
+#include "common/ring_layout.h"
+#include "common/uds.h"
+#include "daemon/server/acceptor.h"
+
+namespace flexkv {
+namespace {
+
+int64_t NowNs() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+void FutexWakeAll(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+inline void CpuRelax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Arena range check without overflow.
+bool InArena(uint64_t offset, uint64_t bytes, uint64_t arena_bytes, uint64_t align) {
+  return offset % align == 0 && offset <= arena_bytes && bytes <= arena_bytes - offset;
+}
+
+}  // namespace
+
+struct DataPlane::Session {
+  uint64_t id = 0;
+  Geometry geometry;
+  RingGeometry rg{};
+  uint8_t* ring = nullptr;
+  RingHeader* hdr = nullptr;
+  UniqueFd doorbell;
+
+  std::mutex mu;                                            // guards everything below
+  std::shared_ptr<HostKv> kv;
+  struct Handle {
+    std::vector<SlotId> slots;
+    uint32_t loads_in_flight = 0;
+    bool released = false;  // Release or session end arrived while a load was copying
+  };
+  std::map<uint64_t, Handle> handles;
+  uint64_t next_handle = 1;
+  std::deque<CompletionDescriptor> overflow;                // completions waiting for ring space
+  uint32_t completion_tail = 0;                             // our copy of the producer index
+  std::atomic<bool> dead{false};
+  std::atomic<uint64_t> inflight{0};                        // requests submitted, not yet completed
+  std::atomic<uint64_t> pinned{0};
+
+  ~Session() {
+    if (ring != nullptr) munmap(ring, rg.total_bytes());
+  }
+  const SubmitDescriptor* submit_entries() const {
+    return reinterpret_cast<const SubmitDescriptor*>(ring + rg.submit_offset());
+  }
+  CompletionDescriptor* completion_entries() const {
+    return reinterpret_cast<CompletionDescriptor*>(ring + rg.completion_offset());
+  }
+  const uint8_t* arena() const { return ring + rg.arena_offset(); }
+};
+
+DataPlane::DataPlane(Cache* cache, Lifecycle* lifecycle, DataPlaneOptions options)
+    : cache_(cache), lifecycle_(lifecycle), options_(options) {}
+
+DataPlane::~DataPlane() { Stop(); }
+
+Status DataPlane::Start() {
+  unsigned threads = options_.copy_threads;
+  if (threads == 0) threads = std::max(2u, std::thread::hardware_concurrency());
+  workers_ = std::make_unique<WorkerPool>(threads);
+  epoll_fd_.reset(epoll_create1(EPOLL_CLOEXEC));
+  wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!epoll_fd_ || !wake_fd_) return Status::Internal(fmt::format("epoll/eventfd: {}", ErrnoText(errno)));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = 0;
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev);
+  last_turn_ms_ = MonotonicMs();
+  poller_ = std::thread([this] { PollerLoop(); });
+  return Status::Ok();
+}
+
+void DataPlane::Stop() {
+  if (!poller_.joinable()) return;
+  stopping_ = true;
+  uint64_t one = 1;
+  ssize_t ignored = write(wake_fd_.get(), &one, sizeof(one));
+  (void)ignored;
+  poller_.join();
+  workers_.reset();  // runs what is queued: every accepted request ends
+}
+
+Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const Geometry& geometry) {
+  auto s = std::make_shared<Session>();
+  s->id = session_id;
+  s->geometry = geometry;
+  s->rg = RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes};
+  UniqueFd memfd(static_cast<int>(syscall(SYS_memfd_create, "flexkv-rings", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
+  if (!memfd) return Status::ResourceExhausted(fmt::format("memfd_create: {}", ErrnoText(errno)));
+  const uint64_t bytes = s->rg.total_bytes();
+  if (ftruncate(memfd.get(), static_cast<off_t>(bytes)) != 0) {
+    return Status::ResourceExhausted(fmt::format("sizing the ring memfd to {} bytes: {}", bytes, ErrnoText(errno)));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
+  if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap rings: {}", ErrnoText(errno)));
+  s->ring = static_cast<uint8_t*>(p);
+  s->hdr = new (p) RingHeader{};
+  s->hdr->magic = kRingMagic;
+  s->hdr->layout_version = kRingLayoutVersion;
+  s->hdr->submit_entries = s->rg.submit_entries;
+  s->hdr->completion_entries = s->rg.completion_entries;
+  s->hdr->submit_offset = s->rg.submit_offset();
+  s->hdr->completion_offset = s->rg.completion_offset();
+  s->hdr->arena_offset = s->rg.arena_offset();
+  s->hdr->arena_bytes = s->rg.arena_bytes;
+  s->hdr->total_bytes = bytes;
+  // The client can neither shrink nor grow the mapping under the daemon, nor remove these seals.
+  if (fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return Status::Internal(fmt::format("sealing the ring memfd: {}", ErrnoText(errno)));
+  }
+  s->doorbell.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!s->doorbell) return Status::ResourceExhausted(fmt::format("eventfd: {}", ErrnoText(errno)));
+  UniqueFd client_doorbell(fcntl(s->doorbell.get(), F_DUPFD_CLOEXEC, 0));
+  if (!client_doorbell) return Status::ResourceExhausted(fmt::format("dup: {}", ErrnoText(errno)));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = session_id;
+  if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, s->doorbell.get(), &ev) != 0) {
+    return Status::Internal(fmt::format("epoll_ctl(doorbell): {}", ErrnoText(errno)));
+  }
+  {
+    std::lock_guard lock(mu_);
+    sessions_[session_id] = s;
+  }
+  generation_.fetch_add(1);
+  std::vector<UniqueFd> fds;
+  fds.push_back(std::move(memfd));
+  fds.push_back(std::move(client_doorbell));
+  return fds;
+}
+
+Result<uint64_t> DataPlane::RegisterHostKv(uint64_t session_id, UniqueFd memfd, KvLayout layout, uint32_t num_blocks) {
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) {
+      return Status::FailedPrecondition(fmt::format("session {} has no open session channel", session_id));
+    }
+    s = it->second;
+  }
+  auto kv = HostKv::Map(std::move(memfd), s->geometry, layout, num_blocks);
+  if (!kv.ok()) return kv.status();
+  std::lock_guard lock(s->mu);
+  if (s->kv) return Status::AlreadyExists(fmt::format("session {} already registered its KV buffers", session_id));
+  s->kv = std::move(*kv);
+  log::Info("dataplane", "session {} registered host KV: {} blocks", session_id, num_blocks);
+  return KvBytesRequired(s->geometry, num_blocks);
+}
+
+void DataPlane::ReleaseHandleLocked(Session& s, uint64_t handle) {
+  auto it = s.handles.find(handle);
+  if (it == s.handles.end()) return;
+  if (it->second.loads_in_flight > 0) {
+    it->second.released = true;  // the last load copying from these slots unpins them
+    return;
+  }
+  cache_->Unpin(it->second.slots);
+  s.pinned.fetch_sub(it->second.slots.size());
+  s.handles.erase(it);
+}
+
+void DataPlane::EndSession(uint64_t session_id) {
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return;
+    s = std::move(it->second);
+    sessions_.erase(it);
+  }
+  generation_.fetch_add(1);
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, s->doorbell.get(), nullptr);
+  std::lock_guard lock(s->mu);
+  s->dead = true;
+  std::vector<uint64_t> handles;
+  for (const auto& [h, unused] : s->handles) handles.push_back(h);
+  for (uint64_t h : handles) ReleaseHandleLocked(*s, h);
+  s->overflow.clear();
+  // Copies still running hold `s` (and its KV mapping) until they finish; nothing waits for them here.
+}
+
+DataPlane::SessionStats DataPlane::StatsOf(uint64_t session_id) const {
+  std::lock_guard lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return {};
+  return {it->second->pinned.load(), it->second->inflight.load()};
+}
+
+void DataPlane::Complete(Session& s, CompletionDescriptor c) {
+  std::lock_guard lock(s.mu);
+  if (s.dead) return;
+  s.overflow.push_back(c);
+  FlushOverflow(s);
+}
+
+bool DataPlane::FlushOverflow(Session& s) {
+  // Called with s.mu held.
+  if (s.overflow.empty()) return false;
+  const uint32_t entries = s.rg.completion_entries;
+  const uint32_t head = s.hdr->completion_head.value.load(std::memory_order_acquire);
+  bool wrote = false;
+  while (!s.overflow.empty() && s.completion_tail - head < entries) {
+    s.completion_entries()[s.completion_tail & (entries - 1)] = s.overflow.front();
+    s.overflow.pop_front();
+    ++s.completion_tail;
+    s.inflight.fetch_sub(1);
+    wrote = true;
+  }
+  if (wrote) {
+    s.hdr->completion_tail.value.store(s.completion_tail, std::memory_order_seq_cst);
+    if (s.hdr->client_waiting.value.load(std::memory_order_seq_cst) != 0) FutexWakeAll(&s.hdr->completion_tail.value);
+  }
+  return wrote;
+}
+
+void DataPlane::Fail(Session& s, const SubmitDescriptor& d, const Status& status) {
+  errors_.fetch_add(1, std::memory_order_relaxed);
+  CompletionDescriptor c{};
+  c.user_data = d.user_data;
+  c.status_code = static_cast<int32_t>(status.code());
+  c.opcode = d.opcode;
+  std::snprintf(c.message, sizeof(c.message), "%s", status.message().c_str());
+  Complete(s, c);
+}
+
+bool DataPlane::PollSession(Session& s) {
+  bool work = false;
+  {
+    std::lock_guard lock(s.mu);
+    work = FlushOverflow(s);
+  }
+  RingHeader* h = s.hdr;
+  const uint32_t entries = s.rg.submit_entries;
+  uint32_t head = h->submit_head.value.load(std::memory_order_relaxed);
+  const uint32_t tail = h->submit_tail.value.load(std::memory_order_acquire);
+  if (tail == head) return work;
+  std::shared_ptr<Session> self;
+  {
+    std::lock_guard lock(mu_);
+    auto it = sessions_.find(s.id);
+    if (it == sessions_.end()) return work;
+    self = it->second;
+  }
+  if (tail - head > entries) {
+    // The client moved its tail past what the ring can hold: nothing in it can be trusted.
+    SubmitDescriptor none{};
+    s.inflight.fetch_add(1);
+    Fail(s, none,
+         Status::InvalidArgument(fmt::format("submit_tail {} is {} entries past head {}; ring holds {}", tail,
+                                             tail - head, head, entries)));
+    h->submit_head.value.store(tail, std::memory_order_release);
+    return true;
+  }
+  // Back-pressure: never accept more than the completion ring can eventually hold.
+  while (head != tail && s.inflight.load() < s.rg.completion_entries) {
+    SubmitDescriptor d;
+    std::memcpy(&d, &s.submit_entries()[head & (entries - 1)], sizeof(d));  // copied once, then validated
+    ++head;
+    h->submit_head.value.store(head, std::memory_order_release);
+    s.inflight.fetch_add(1);
+    Process(self, d);
+    work = true;
+  }
+  return work;
+}
+
+void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d) {
+  Session& s = *sp;
+  if (d.reserved[0] != 0 || d.reserved[1] != 0 || d.reserved[2] != 0) {
+    return Fail(s, d, Status::InvalidArgument("descriptor reserved fields must be zero"));
+  }
+  const auto op = static_cast<RingOp>(d.opcode);
+  const bool needs_blocks = op == RingOp::kMatch || op == RingOp::kLoad || op == RingOp::kStore;
+  if (op != RingOp::kMatch && op != RingOp::kLoad && op != RingOp::kStore && op != RingOp::kRelease) {
+    return Fail(s, d, Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..4", d.opcode)));
+  }
+  if ((op == RingOp::kMatch && (d.flags & ~kMatchFlagPin) != 0) || (op != RingOp::kMatch && d.flags != 0)) {
+    return Fail(s, d, Status::InvalidArgument(fmt::format("flags 0x{:x} are not valid for opcode {}", d.flags, d.opcode)));
+  }
+  if (needs_blocks && (d.count == 0 || d.count > options_.max_blocks_per_request)) {
+    return Fail(s, d, Status::InvalidArgument(
+                          fmt::format("count {} is out of range; expected 1..{}", d.count, options_.max_blocks_per_request)));
+  }
+  if (!cache_->has_pool()) return Fail(s, d, Status::FailedPrecondition("the pool does not exist yet"));
+  const uint64_t arena_bytes = s.rg.arena_bytes;
+  std::vector<BlockKey> keys;
+  std::vector<uint32_t> ids;
+  if (op == RingOp::kMatch || op == RingOp::kStore) {
+    const uint64_t bytes = uint64_t{d.count} * sizeof(BlockKey);
+    if (!InArena(d.keys_offset, bytes, arena_bytes, 8)) {
+      return Fail(s, d, Status::OutOfRange(fmt::format("keys [{}, +{}) are outside the {}-byte arena or unaligned",
+                                                       d.keys_offset, bytes, arena_bytes)));
+    }
+    keys.resize(d.count);
+    std::memcpy(keys.data(), s.arena() + d.keys_offset, bytes);
+  }
+  if (op == RingOp::kLoad || op == RingOp::kStore) {
+    const uint64_t bytes = uint64_t{d.count} * sizeof(uint32_t);
+    if (!InArena(d.block_ids_offset, bytes, arena_bytes, 4)) {
+      return Fail(s, d, Status::OutOfRange(fmt::format("block ids [{}, +{}) are outside the {}-byte arena or unaligned",
+                                                       d.block_ids_offset, bytes, arena_bytes)));
+    }
+    ids.resize(d.count);
+    std::memcpy(ids.data(), s.arena() + d.block_ids_offset, bytes);
+  }
+
+  switch (op) {
+    case RingOp::kMatch: {
+      const bool pin = (d.flags & kMatchFlagPin) != 0;
+      std::vector<SlotId> slots;
+      const size_t hit = cache_->Match(keys, pin, pin ? &slots : nullptr);
+      auto& counters = cache_->counters();
+      counters.match_requests.fetch_add(1, std::memory_order_relaxed);
+      counters.match_blocks.fetch_add(d.count, std::memory_order_relaxed);
+      counters.hit_blocks.fetch_add(hit, std::memory_order_relaxed);
+      CompletionDescriptor c{};
+      c.user_data = d.user_data;
+      c.opcode = d.opcode;
+      c.matched_blocks = static_cast<uint32_t>(hit);
+      if (pin && hit > 0) {
+        std::lock_guard lock(s.mu);
+        if (s.dead) {
+          cache_->Unpin(slots);
+          return;
+        }
+        c.match_handle = s.next_handle++;
+        s.pinned.fetch_add(slots.size());
+        s.handles[c.match_handle].slots = std::move(slots);
+      }
+      return Complete(s, c);
+    }
+    case RingOp::kRelease: {
+      std::lock_guard lock(s.mu);
+      auto it = s.handles.find(d.match_handle);
+      if (it == s.handles.end() || it->second.released) {
+        errors_.fetch_add(1, std::memory_order_relaxed);
+        CompletionDescriptor c{};
+        c.user_data = d.user_data;
+        c.opcode = d.opcode;
+        c.status_code = static_cast<int32_t>(StatusCode::kNotFound);
+        std::snprintf(c.message, sizeof(c.message), "match handle %llu is not held by this session",
+                      static_cast<unsigned long long>(d.match_handle));
+        s.overflow.push_back(c);
+        FlushOverflow(s);
+        return;
+      }
+      ReleaseHandleLocked(s, d.match_handle);
+      CompletionDescriptor c{};
+      c.user_data = d.user_data;
+      c.opcode = d.opcode;
+      s.overflow.push_back(c);
+      FlushOverflow(s);
+      return;
+    }
+    case RingOp::kLoad:
+      return StartLoad(sp, d, std::move(ids));
+    case RingOp::kStore:
+      return StartStore(sp, d, std::move(keys), std::move(ids));
+  }
+}
+
+// Splits `count` blocks over the workers; `done` runs once, after the last part.
+namespace {
+
+struct Fanout {
+  std::atomic<uint32_t> parts_left;
+  std::function<void()> done;
+};
+
+void RunParts(WorkerPool& pool, uint32_t count, const std::function<void(uint32_t, uint32_t)>& part,
+              std::function<void()> done) {
+  const uint32_t parts = std::max(1u, std::min(count, pool.size()));
+  auto fan = std::make_shared<Fanout>();
+  fan->parts_left = parts;
+  fan->done = std::move(done);
+  for (uint32_t i = 0; i < parts; ++i) {
+    const uint32_t begin = static_cast<uint32_t>(uint64_t{count} * i / parts);
+    const uint32_t end = static_cast<uint32_t>(uint64_t{count} * (i + 1) / parts);
+    pool.Submit([fan, part, begin, end] {
+      part(begin, end);
+      if (fan->parts_left.fetch_sub(1) == 1) fan->done();
+    });
+  }
+}
+
+}  // namespace
+
+void DataPlane::StartLoad(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, std::vector<uint32_t> ids) {
+  Session& s = *sp;
+  std::shared_ptr<HostKv> kv;
+  std::vector<SlotId> slots;
+  {
+    std::lock_guard lock(s.mu);
+    if (!s.kv) return Fail(s, d, Status::FailedPrecondition("Load before RegisterKv: no KV buffers to load into"));
+    kv = s.kv;
+    auto it = s.handles.find(d.match_handle);
+    if (it == s.handles.end() || it->second.released) {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+      CompletionDescriptor c{};
+      c.user_data = d.user_data;
+      c.opcode = d.opcode;
+      c.status_code = static_cast<int32_t>(StatusCode::kNotFound);
+      std::snprintf(c.message, sizeof(c.message), "match handle %llu is not held by this session",
+                    static_cast<unsigned long long>(d.match_handle));
+      s.overflow.push_back(c);
+      FlushOverflow(s);
+      return;
+    }
+    if (d.count > it->second.slots.size()) {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+      CompletionDescriptor c{};
+      c.user_data = d.user_data;
+      c.opcode = d.opcode;
+      c.status_code = static_cast<int32_t>(StatusCode::kOutOfRange);
+      std::snprintf(c.message, sizeof(c.message), "count %u exceeds the %zu blocks of match handle %llu", d.count,
+                    it->second.slots.size(), static_cast<unsigned long long>(d.match_handle));
+      s.overflow.push_back(c);
+      FlushOverflow(s);
+      return;
+    }
+    for (uint32_t i = 0; i < d.count; ++i) {
+      if (ids[i] >= kv->num_blocks()) {
+        errors_.fetch_add(1, std::memory_order_relaxed);
+        CompletionDescriptor c{};
+        c.user_data = d.user_data;
+        c.opcode = d.opcode;
+        c.status_code = static_cast<int32_t>(StatusCode::kOutOfRange);
+        std::snprintf(c.message, sizeof(c.message), "block id %u at %u is outside the %u registered blocks", ids[i], i,
+                      kv->num_blocks());
+        s.overflow.push_back(c);
+        FlushOverflow(s);
+        return;
+      }
+    }
+    if (!lifecycle_->TryBegin()) {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+      CompletionDescriptor c{};
+      c.user_data = d.user_data;
+      c.opcode = d.opcode;
+      c.status_code = static_cast<int32_t>(StatusCode::kUnavailable);
+      std::snprintf(c.message, sizeof(c.message), "flexkvd is draining; retry after Resume");
+      s.overflow.push_back(c);
+      FlushOverflow(s);
+      return;
+    }
+    it->second.loads_in_flight++;
+    slots.assign(it->second.slots.begin(), it->second.slots.begin() + d.count);
+  }
+  const uint64_t block_bytes = cache_->block_bytes();
+  auto ids_shared = std::make_shared<std::vector<uint32_t>>(std::move(ids));
+  auto slots_shared = std::make_shared<std::vector<SlotId>>(std::move(slots));
+  Cache* cache = cache_;
+  RunParts(
+      *workers_, d.count,
+      [kv, ids_shared, slots_shared, cache](uint32_t begin, uint32_t end) {
+        for (uint32_t i = begin; i < end; ++i) kv->CopyFromSlot(cache->SlotData((*slots_shared)[i]), (*ids_shared)[i]);
+      },
+      [this, sp, d, block_bytes] {
+        Session& ss = *sp;
+        CompletionDescriptor c{};
+        c.user_data = d.user_data;
+        c.opcode = d.opcode;
+        c.done_blocks = d.count;
+        cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
+        cache_->counters().bytes_loaded.fetch_add(uint64_t{d.count} * block_bytes, std::memory_order_relaxed);
+        {
+          std::lock_guard lock(ss.mu);
+          auto it = ss.handles.find(d.match_handle);
+          if (it != ss.handles.end() && --it->second.loads_in_flight == 0 && it->second.released) {
+            it->second.released = false;
+            ReleaseHandleLocked(ss, d.match_handle);
+          }
+          if (!ss.dead) {
+            ss.overflow.push_back(c);
+            FlushOverflow(ss);
+          }
+        }
+        lifecycle_->Finish();
+      });
+}
+
+void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, std::vector<BlockKey> keys,
+                           std::vector<uint32_t> ids) {
+  Session& s = *sp;
+  std::shared_ptr<HostKv> kv;
+  {
+    std::lock_guard lock(s.mu);
+    kv = s.kv;
+  }
+  if (!kv) return Fail(s, d, Status::FailedPrecondition("Store before RegisterKv: no KV buffers to store from"));
+  for (uint32_t i = 0; i < d.count; ++i) {
+    if (ids[i] >= kv->num_blocks()) {
+      return Fail(s, d, Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks", ids[i],
+                                                       i, kv->num_blocks())));
+    }
+  }
+  if (!lifecycle_->TryBegin()) return Fail(s, d, Status::Unavailable("flexkvd is draining; retry after Resume"));
+  PrefixIndex::Reservation r = cache_->Reserve(keys);
+  const uint32_t reserved = static_cast<uint32_t>(r.slots.size());
+  CompletionDescriptor c{};
+  c.user_data = d.user_data;
+  c.opcode = d.opcode;
+  c.matched_blocks = static_cast<uint32_t>(r.cached);
+  c.done_blocks = reserved;
+  if (r.shortfall != StatusCode::kOk) {
+    c.status_code = static_cast<int32_t>(r.shortfall);
+    const size_t stopped = r.cached + reserved;
+    if (r.shortfall == StatusCode::kResourceExhausted) {
+      std::snprintf(c.message, sizeof(c.message), "pool full of pinned blocks: stored blocks up to %zu of %u", stopped,
+                    d.count);
+    } else {
+      std::snprintf(c.message, sizeof(c.message), "block %zu is being stored by another request", stopped);
+    }
+  }
+  if (reserved == 0) {
+    if (c.status_code != 0) errors_.fetch_add(1, std::memory_order_relaxed);
+    lifecycle_->Finish();
+    return Complete(s, c);
+  }
+  auto keys_shared = std::make_shared<std::vector<BlockKey>>(std::move(keys));
+  auto ids_shared = std::make_shared<std::vector<uint32_t>>(std::move(ids));
+  auto slots_shared = std::make_shared<std::vector<SlotId>>(std::move(r.slots));
+  const size_t first = r.cached;
+  Cache* cache = cache_;
+  const uint64_t block_bytes = cache_->block_bytes();
+  RunParts(
+      *workers_, reserved,
+      [kv, ids_shared, slots_shared, cache, first](uint32_t begin, uint32_t end) {
+        for (uint32_t i = begin; i < end; ++i) kv->CopyToSlot((*ids_shared)[first + i], cache->SlotData((*slots_shared)[i]));
+      },
+      [this, sp, c, keys_shared, slots_shared, first, block_bytes]() mutable {
+        // Publish after transfer; a session that died meanwhile gets nothing committed in its name.
+        if (sp->dead) {
+          cache_->Abort(*slots_shared);
+        } else {
+          cache_->Commit(*keys_shared, first, *slots_shared);
+          cache_->counters().store_blocks.fetch_add(slots_shared->size(), std::memory_order_relaxed);
+          cache_->counters().bytes_stored.fetch_add(slots_shared->size() * block_bytes, std::memory_order_relaxed);
+        }
+        if (c.status_code != 0) errors_.fetch_add(1, std::memory_order_relaxed);
+        Complete(*sp, c);
+        lifecycle_->Finish();
+      });
+}
+
+void DataPlane::PollerLoop() {
+  std::vector<std::shared_ptr<Session>> active;
+  uint64_t seen_generation = ~0ULL;
+  int64_t last_work_ns = NowNs();
+  epoll_event events[64];
+  while (!stopping_.load(std::memory_order_relaxed)) {
+    if (seen_generation != generation_.load()) {
+      std::lock_guard lock(mu_);
+      seen_generation = generation_.load();
+      active.clear();
+      for (auto& [id, s] : sessions_) active.push_back(s);
+    }
+    bool work = false;
+    for (auto& s : active) {
+      if (!s->dead) work |= PollSession(*s);
+    }
+    const int64_t now = NowNs();
+    last_turn_ms_.store(now / 1000000, std::memory_order_relaxed);
+    if (work) {
+      last_work_ns = now;
+      continue;
+    }
+    if (now - last_work_ns < options_.spin_ns) {
+      CpuRelax();
+      continue;
+    }
+    // Park: announce it, then look once more (a client that pushed before seeing the flag is caught here;
+    // one that sees it rings the doorbell).
+    for (auto& s : active) s->hdr->daemon_parked.value.store(1, std::memory_order_seq_cst);
+    bool pending = false;   // submissions we can take now
+    bool backlog = false;   // completions waiting for the client to make room (e.g. it is stopped)
+    for (auto& s : active) {
+      if (s->inflight.load() < s->rg.completion_entries) {
+        pending |= s->hdr->submit_tail.value.load(std::memory_order_seq_cst) !=
+                   s->hdr->submit_head.value.load(std::memory_order_relaxed);
+      }
+      std::lock_guard lock(s->mu);
+      backlog |= !s->overflow.empty();
+    }
+    int n = 0;
+    if (!pending) n = epoll_wait(epoll_fd_.get(), events, 64, backlog ? 5 : 200);
+    last_turn_ms_.store(MonotonicMs(), std::memory_order_relaxed);
+    for (int i = 0; i < n; ++i) {
+      uint64_t drained;
+      if (events[i].data.u64 == 0) {
+        ssize_t ignored = read(wake_fd_.get(), &drained, sizeof(drained));
+        (void)ignored;
+        continue;
+      }
+      std::lock_guard lock(mu_);
+      auto it = sessions_.find(events[i].data.u64);
+      if (it != sessions_.end()) {
+        ssize_t ignored = read(it->second->doorbell.get(), &drained, sizeof(drained));
+        (void)ignored;
+      }
+    }
+    for (auto& s : active) s->hdr->daemon_parked.value.store(0, std::memory_order_seq_cst);
+    last_work_ns = NowNs();
+  }
+}
+
+}  // namespace flexkv

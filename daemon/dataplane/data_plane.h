@@ -1,0 +1,92 @@
+// DataPlane: the hot path. Per session, a sealed memfd with a submit ring, a completion ring and a
+// payload arena (common/ring_layout.h). One poller thread reads every active submit ring, spinning for a
+// short window after activity and parking on the sessions' doorbell eventfds when idle. Match and Release
+// are answered on the poller; Load and Store copies run on a worker pool. Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/ring_layout.h"
+#include "common/unique_fd.h"
+#include "daemon/cache/cache.h"
+#include "daemon/lifecycle.h"
+#include "daemon/transfer/host_kv.h"
+#include "daemon/transfer/worker_pool.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+struct DataPlaneOptions {
+  uint32_t submit_entries = 1024;
+  uint32_t completion_entries = 1024;
+  uint64_t arena_bytes = 8ULL << 20;
+  int64_t spin_ns = 50000;      // how long the poller keeps spinning after the last request
+  unsigned copy_threads = 0;    // 0: one per core, at least 2
+  uint32_t max_blocks_per_request = 1u << 20;
+};
+
+class DataPlane {
+ public:
+  DataPlane(Cache* cache, Lifecycle* lifecycle, DataPlaneOptions options);
+  ~DataPlane();
+  DataPlane(const DataPlane&) = delete;
+  DataPlane& operator=(const DataPlane&) = delete;
+
+  Status Start();
+  // Stops the poller; in-flight copies finish. Idempotent.
+  void Stop();
+
+  // Creates a session's rings. Returns {ring memfd (sealed), doorbell eventfd} to pass to the client.
+  Result<std::vector<UniqueFd>> OpenSession(uint64_t session_id, const Geometry& geometry);
+  // Registers host KV buffers for a session (once). Returns the bytes the layout needs.
+  Result<uint64_t> RegisterHostKv(uint64_t session_id, UniqueFd memfd, KvLayout layout, uint32_t num_blocks);
+  // The session is gone: its pins are released (after any load still copying from them), its stores in
+  // flight are aborted when their copy ends, its rings are unmapped. Returns at once.
+  void EndSession(uint64_t session_id);
+
+  struct SessionStats {
+    uint64_t pinned_blocks = 0;
+    uint64_t inflight_requests = 0;
+  };
+  SessionStats StatsOf(uint64_t session_id) const;
+  uint64_t errors() const { return errors_.load(std::memory_order_relaxed); }
+  int64_t last_turn_ms() const { return last_turn_ms_.load(std::memory_order_relaxed); }
+  const DataPlaneOptions& options() const { return options_; }
+
+ private:
+  struct Session;
+  struct Request;
+  void PollerLoop();
+  bool PollSession(Session& s);
+  void Process(const std::shared_ptr<Session>& s, const SubmitDescriptor& d);
+  void StartLoad(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, std::vector<uint32_t> ids);
+  void StartStore(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, std::vector<BlockKey> keys,
+                  std::vector<uint32_t> ids);
+  void Complete(Session& s, CompletionDescriptor c);
+  void Fail(Session& s, const SubmitDescriptor& d, const Status& status);
+  bool FlushOverflow(Session& s);
+  void ReleaseHandleLocked(Session& s, uint64_t handle);
+
+  Cache* const cache_;
+  Lifecycle* const lifecycle_;
+  const DataPlaneOptions options_;
+  std::unique_ptr<WorkerPool> workers_;
+
+  mutable std::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // guarded by mu_
+  std::atomic<uint64_t> generation_{0};                     // bumped when sessions_ changes
+  UniqueFd epoll_fd_;
+  UniqueFd wake_fd_;
+  std::atomic<bool> stopping_{false};
+  std::thread poller_;
+  std::atomic<uint64_t> errors_{0};
+  std::atomic<int64_t> last_turn_ms_{0};
+};
+
+}  // namespace flexkv

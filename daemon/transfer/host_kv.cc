@@ -1,0 +1,93 @@
+// See host_kv.h.
+#include "daemon/transfer/host_kv.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "common/uds.h"
+
+namespace flexkv {
+
+uint64_t KvBytesRequired(const Geometry& g, uint32_t num_blocks) {
+  return uint64_t{num_blocks} * g.num_layers * g.kv_planes * g.chunk_bytes_per_rank();
+}
+
+Result<std::shared_ptr<HostKv>> HostKv::Map(UniqueFd memfd, const Geometry& g, KvLayout layout, uint32_t num_blocks) {
+  if (g.tp_size > 1 && !g.is_mla()) {
+    return Status::Unimplemented(fmt::format(
+        "the host backend stores whole blocks from one process; tp_size {} with K/V planes needs per-rank shards "
+        "(CUDA backend)", g.tp_size));
+  }
+  if (layout != KvLayout::kLayerFirst && layout != KvLayout::kBlockFirst && layout != KvLayout::kLayerBlock) {
+    return Status::InvalidArgument(fmt::format("layout {} is unknown; expected LAYER_FIRST, BLOCK_FIRST or LAYER_BLOCK",
+                                               static_cast<uint32_t>(layout)));
+  }
+  if (num_blocks == 0) return Status::InvalidArgument("num_blocks is 0; expected the number of KV blocks the buffers hold");
+  const int seals = fcntl(memfd.get(), F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    return Status::FailedPrecondition(
+        "the KV memfd is not sealed with F_SEAL_SHRINK; expected memfd_create(MFD_ALLOW_SEALING) + F_ADD_SEALS so the "
+        "daemon's mapping cannot be truncated under it");
+  }
+  struct stat st {};
+  if (fstat(memfd.get(), &st) != 0) return Status::Internal(fmt::format("fstat: {}", ErrnoText(errno)));
+  const uint64_t need = KvBytesRequired(g, num_blocks);
+  if (static_cast<uint64_t>(st.st_size) < need) {
+    return Status::InvalidArgument(fmt::format("the KV memfd has {} bytes; {} blocks in this layout need {}", st.st_size,
+                                               num_blocks, need));
+  }
+  void* p = mmap(nullptr, need, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
+  if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap of the KV memfd: {}", ErrnoText(errno)));
+  auto kv = std::shared_ptr<HostKv>(new HostKv());
+  kv->base_ = static_cast<uint8_t*>(p);
+  kv->bytes_ = need;
+  kv->geometry_ = g;
+  kv->layout_ = layout;
+  kv->num_blocks_ = num_blocks;
+  return kv;
+}
+
+HostKv::~HostKv() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+}
+
+namespace {
+
+// Calls fn(client_offset, slot_offset, bytes) for each contiguous run of one block.
+template <typename Fn>
+void ForEachRun(const Geometry& g, KvLayout layout, uint32_t num_blocks, uint32_t block, Fn&& fn) {
+  const uint64_t chunk = g.chunk_bytes_per_rank();
+  const uint64_t L = g.num_layers, P = g.kv_planes, B = num_blocks, b = block;
+  switch (layout) {
+    case KvLayout::kBlockFirst:
+      fn(b * L * P * chunk, 0, L * P * chunk);
+      return;
+    case KvLayout::kLayerBlock:
+      for (uint64_t l = 0; l < L; ++l) fn((l * B + b) * P * chunk, l * P * chunk, P * chunk);
+      return;
+    case KvLayout::kLayerFirst:
+      for (uint64_t l = 0; l < L; ++l) {
+        for (uint64_t p = 0; p < P; ++p) fn(((l * P + p) * B + b) * chunk, (l * P + p) * chunk, chunk);
+      }
+      return;
+  }
+}
+
+}  // namespace
+
+void HostKv::CopyToSlot(uint32_t block, uint8_t* slot) const {
+  ForEachRun(geometry_, layout_, num_blocks_, block,
+             [&](uint64_t src, uint64_t dst, uint64_t n) { std::memcpy(slot + dst, base_ + src, n); });
+}
+
+void HostKv::CopyFromSlot(const uint8_t* slot, uint32_t block) const {
+  ForEachRun(geometry_, layout_, num_blocks_, block,
+             [&](uint64_t dst, uint64_t src, uint64_t n) { std::memcpy(base_ + dst, slot + src, n); });
+}
+
+}  // namespace flexkv

@@ -1,0 +1,42 @@
+// HostKv: an engine's KV buffers in host memory shared with the daemon (the host backend), and the
+// copies between one of its blocks and a pool slot. The pool stores a block BLOCKFIRST and contiguous:
+// [layer][plane][chunk].
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "common/unique_fd.h"
+#include "flexkv/geometry.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+// Bytes `layout` needs for `num_blocks` blocks of `g` on one TP rank.
+uint64_t KvBytesRequired(const Geometry& g, uint32_t num_blocks);
+
+class HostKv {
+ public:
+  // Maps a client's memfd. Refuses (INVALID_ARGUMENT / FAILED_PRECONDITION, naming what is wrong) a memfd
+  // that is not sealed against shrinking, is smaller than the layout needs, or a geometry this backend
+  // cannot serve (TP > 1 for K/V: per-rank shards arrive with the CUDA backend).
+  static Result<std::shared_ptr<HostKv>> Map(UniqueFd memfd, const Geometry& g, KvLayout layout, uint32_t num_blocks);
+  ~HostKv();
+  HostKv(const HostKv&) = delete;
+  HostKv& operator=(const HostKv&) = delete;
+
+  uint32_t num_blocks() const { return num_blocks_; }
+  // Copies block `block` (< num_blocks) into / out of a pool slot of host_block_bytes().
+  void CopyToSlot(uint32_t block, uint8_t* slot) const;
+  void CopyFromSlot(const uint8_t* slot, uint32_t block) const;
+
+ private:
+  HostKv() = default;
+  uint8_t* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  Geometry geometry_;
+  KvLayout layout_ = KvLayout::kBlockFirst;
+  uint32_t num_blocks_ = 0;
+};
+
+}  // namespace flexkv

@@ -1,0 +1,32 @@
+// WorkerPool: a fixed set of threads running copy tasks FIFO. Tasks must not block on each other.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace flexkv {
+
+class WorkerPool {
+ public:
+  explicit WorkerPool(unsigned threads);
+  // Runs every queued task, then joins.
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  void Submit(std::function<void()> task);
+  unsigned size() const { return static_cast<unsigned>(threads_.size()); }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace flexkv
