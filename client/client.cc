@@ -295,6 +295,22 @@ Result<Ticket> Client::Release(uint64_t match_handle) {
   return r->Submit(RingOp::kRelease, 0, 0, {}, {}, match_handle);
 }
 
+Result<uint32_t> Client::MatchViaControl(std::span<const BlockKey> keys) {
+  v1::MatchRequest req;
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->session_id == 0) return NotAttached();
+    req.set_session_id(impl_->session_id);
+    req.set_session_token(impl_->session_token);
+  }
+  req.set_keys(reinterpret_cast<const char*>(keys.data()), keys.size() * sizeof(BlockKey));
+  v1::MatchResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->Match(&ctx, req, &resp)));
+  return resp.matched_blocks();
+}
+
 Result<OpResult> Client::Wait(Ticket ticket, std::chrono::microseconds timeout) {
   SessionRings* r = impl_->Rings();
   if (r == nullptr) return NotAttached();

@@ -56,6 +56,14 @@ int RunDaemon(const DaemonConfig& config) {
     return 1;
   }
 
+  // Parts in construction order; they are torn down in reverse (sessions before the cache they pin).
+  Cache cache(config.pool_bytes, config.pool_path);
+  Status recovered = cache.RecoverPool(config.discard_pool);
+  if (!recovered.ok()) {
+    log::Error("daemon", "cannot use the pool: {}", recovered.message());
+    return 1;
+  }
+
   auto activated = ControlSocket::FromSystemd(config.socket_path);
   auto socket = (!activated.ok() && activated.status().code() == StatusCode::kNotFound)
                     ? ControlSocket::Bind(config.socket_path, config.socket_gid, config.private_socket_dir ? 0700 : 0755)
@@ -65,13 +73,6 @@ int RunDaemon(const DaemonConfig& config) {
     return 1;
   }
 
-  // Parts in construction order; they are torn down in reverse (sessions before the cache they pin).
-  Cache cache(config.pool_bytes, config.pool_path);
-  Status recovered = cache.RecoverPool(config.discard_pool);
-  if (!recovered.ok()) {
-    log::Error("daemon", "cannot use the pool: {}", recovered.message());
-    return 1;
-  }
   Lifecycle lifecycle;
   DataPlaneOptions dp_options;
   dp_options.spin_ns = static_cast<int64_t>(config.spin_us * 1000);

@@ -2,7 +2,14 @@
 #include "daemon/cache/cache.h"
 
 #include <fmt/format.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <filesystem>
+
+#include "common/uds.h"
 
 #include "common/log.h"
 
@@ -12,6 +19,27 @@ Cache::Cache(uint64_t budget_bytes, std::string pool_path)
     : budget_bytes_(budget_bytes), pool_path_(std::move(pool_path)), domain_(budget_bytes) {}
 
 Status Cache::RecoverPool(bool discard) {
+  const std::filesystem::path dir = std::filesystem::path(pool_path_).parent_path();
+  if (!dir.empty() && !std::filesystem::exists(dir)) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec || chmod(dir.c_str(), 0700) != 0) {
+      return Status::FailedPrecondition(fmt::format("cannot create pool directory {}: {}", dir.string(), ec.message()));
+    }
+  }
+  const std::string lock_path = pool_path_ + ".lock";
+  lock_fd_.reset(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!lock_fd_) return Status::FailedPrecondition(fmt::format("cannot open {}: {}", lock_path, ErrnoText(errno)));
+  if (flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0) {
+    char buf[32] = {};
+    const ssize_t n = pread(lock_fd_.get(), buf, sizeof(buf) - 1, 0);
+    return Status::FailedPrecondition(fmt::format("another flexkvd (pid {}) uses the pool {}; give each daemon its own --pool-path",
+                                                  n > 0 ? std::string(buf, static_cast<size_t>(n - (buf[n - 1] == '\n'))) : "unknown", pool_path_));
+  }
+  const std::string pid = fmt::format("{}\n", getpid());
+  if (ftruncate(lock_fd_.get(), 0) != 0 || pwrite(lock_fd_.get(), pid.data(), pid.size(), 0) < 0) {
+    return Status::Internal(fmt::format("writing {}: {}", lock_path, ErrnoText(errno)));
+  }
   auto pool = Pool::Open(pool_path_, budget_bytes_);
   if (!pool.ok()) {
     if (pool.status().code() == StatusCode::kNotFound) return Status::Ok();

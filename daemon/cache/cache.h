@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/unique_fd.h"
 #include "daemon/cache/cache_domain.h"
 #include "daemon/cache/pool.h"
 #include "daemon/cache/prefix_index.h"
@@ -26,7 +27,8 @@ class Cache {
  public:
   Cache(uint64_t budget_bytes, std::string pool_path);
 
-  // Re-attaches the pool file of an earlier run, if any, and rebuilds the index from its slot table.
+  // Takes `<pool>.lock` (a second daemon on the same pool is refused naming the holder's pid), then
+  // re-attaches the pool file of an earlier run, if any, and rebuilds the index from its slot table.
   // With `discard`, a pool file that cannot be used is replaced (its blocks are lost) instead of refused.
   Status RecoverPool(bool discard);
 
@@ -65,6 +67,7 @@ class Cache {
   std::unique_ptr<Pool> pool_;          // guarded by mu_ (set once)
   std::unique_ptr<PrefixIndex> index_;  // guarded by mu_
   std::atomic<bool> has_pool_{false};
+  UniqueFd lock_fd_;
 };
 
 }  // namespace flexkv

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <cstring>
+
 #include "common/grpc_convert.h"
 #include "common/log.h"
 #include "common/version.h"
@@ -136,6 +138,28 @@ grpc::Status ControlService::ListSessions(grpc::ServerContext* /*context*/, cons
     out->set_pinned_blocks(stats.pinned_blocks);
     out->set_inflight_requests(stats.inflight_requests);
   }
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::Match(grpc::ServerContext* /*context*/, const v1::MatchRequest* request,
+                                   v1::MatchResponse* response) {
+  const std::string& token = request->session_token();
+  Status authentic = ctx_.sessions->Authenticate(
+      request->session_id(), std::span(reinterpret_cast<const uint8_t*>(token.data()), token.size()));
+  if (!authentic.ok()) return Answer(authentic);
+  const std::string& raw = request->keys();
+  if (raw.empty() || raw.size() % sizeof(BlockKey) != 0 || raw.size() / sizeof(BlockKey) > 65536) {
+    return Answer(Status::InvalidArgument(
+        fmt::format("keys has {} bytes; expected 1..65536 keys of 16 bytes each", raw.size())));
+  }
+  std::vector<BlockKey> keys(raw.size() / sizeof(BlockKey));
+  std::memcpy(keys.data(), raw.data(), raw.size());
+  const size_t hit = ctx_.cache->Match(keys, /*pin=*/false, nullptr);
+  auto& counters = ctx_.cache->counters();
+  counters.match_requests.fetch_add(1, std::memory_order_relaxed);
+  counters.match_blocks.fetch_add(keys.size(), std::memory_order_relaxed);
+  counters.hit_blocks.fetch_add(hit, std::memory_order_relaxed);
+  response->set_matched_blocks(static_cast<uint32_t>(hit));
   return grpc::Status::OK;
 }
 

@@ -40,6 +40,8 @@ class ControlService final : public v1::Control::Service {
                          v1::GetStatusResponse* response) override;
   grpc::Status ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest* request,
                             v1::ListSessionsResponse* response) override;
+  grpc::Status Match(grpc::ServerContext* context, const v1::MatchRequest* request,
+                     v1::MatchResponse* response) override;
   grpc::Status RegisterKv(grpc::ServerContext* context, const v1::RegisterKvRequest* request,
                           v1::RegisterKvResponse* response) override;
   grpc::Status Drain(grpc::ServerContext* context, const v1::DrainRequest* request,

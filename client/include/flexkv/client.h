@@ -6,7 +6,8 @@
 //   auto session = (*client)->Attach({.client_name = "vllm-dp0", .model_namespace = "llama3-8b",
 //                                     .geometry = flexkv::Llama3_8B()});
 //
-// Thread safety: all methods may be called from several threads. No method throws.
+// Thread safety: all methods may be called from several threads, except that Detach (and destruction)
+// must not race with data-plane calls of the same client. No method throws.
 #pragma once
 
 #include <chrono>
@@ -136,6 +137,10 @@ class Client {
   Result<Ticket> Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids);
   // Drops the pins of a match handle.
   Result<Ticket> Release(uint64_t match_handle);
+
+  // The same lookup as Match without pin, as a unary gRPC call: ~50x slower than the rings. For
+  // comparison (flexkv-bench ring) and diagnostics.
+  Result<uint32_t> MatchViaControl(std::span<const BlockKey> keys);
 
   Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout);
   // The result if the request has ended, else nullopt (also for an unknown ticket).

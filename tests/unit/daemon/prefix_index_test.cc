@@ -46,7 +46,8 @@ std::vector<BlockKey> Prefix(const std::vector<BlockKey>& keys, size_t n) {
   return {keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(n)};
 }
 
-// Reserves and commits `keys`; returns all slots of the chain (cached prefix included, via a Match).
+// Reserves and commits `keys`; returns all slots of the chain, cached prefix included (via a Match, which
+// also marks the chain used).
 std::vector<SlotId> Store(PrefixIndex& index, const std::vector<BlockKey>& keys) {
   auto r = index.Reserve(keys);
   REQUIRE(r.shortfall == StatusCode::kOk);
@@ -56,10 +57,12 @@ std::vector<SlotId> Store(PrefixIndex& index, const std::vector<BlockKey>& keys)
   return slots;
 }
 
-std::set<BlockKey, bool (*)(const BlockKey&, const BlockKey&)> CommittedKeys(const PrefixIndex& index) {
-  std::set<BlockKey, bool (*)(const BlockKey&, const BlockKey&)> keys(
-      [](const BlockKey& a, const BlockKey& b) { return std::tie(a.hi, a.lo) < std::tie(b.hi, b.lo); });
-  index.ForEachCommitted([&](SlotId, const BlockKey& key, const BlockKey&) { keys.insert(key); });
+using MKey = std::pair<uint64_t, uint64_t>;  // an ordered stand-in for BlockKey
+MKey M(const BlockKey& k) { return {k.lo, k.hi}; }
+
+std::set<MKey> CommittedKeys(const PrefixIndex& index) {
+  std::set<MKey> keys;
+  index.ForEachCommitted([&](SlotId, const BlockKey& key, const BlockKey&) { keys.insert(M(key)); });
   return keys;
 }
 
@@ -68,7 +71,7 @@ bool PrefixClosed(const PrefixIndex& index) {
   auto committed = CommittedKeys(index);
   bool closed = true;
   index.ForEachCommitted([&](SlotId, const BlockKey&, const BlockKey& parent) {
-    if (parent != BlockKey{} && committed.count(parent) == 0) closed = false;
+    if (parent != BlockKey{} && committed.count(M(parent)) == 0) closed = false;
   });
   return closed;
 }
@@ -347,9 +350,6 @@ TEST_CASE("prefix index: the eviction listener sees each evicted slot and key on
 // the eviction order as an explicit std::list with the documented insertion rules, the free slots as a
 // LIFO std::list starting 0, 1, 2, ...
 
-using MKey = std::pair<uint64_t, uint64_t>;
-MKey M(const BlockKey& k) { return {k.lo, k.hi}; }
-
 class Model {
  public:
   explicit Model(uint32_t capacity) : capacity_(capacity) {
@@ -485,9 +485,9 @@ class Model {
     uint32_t pinned = 0, committed = 0;
     size_t evictable_count = 0;
     for (const auto& [k, n] : nodes_) {
-      pinned += n.pins > 0 ? 1 : 0;
-      committed += n.committed ? 1 : 0;
-      evictable_count += evictable(n) ? 1 : 0;
+      pinned += n.pins > 0 ? 1u : 0u;
+      committed += n.committed ? 1u : 0u;
+      evictable_count += evictable(n) ? 1u : 0u;
     }
     REQUIRE(nodes_.size() + free_.size() == capacity_);
     REQUIRE(index.capacity() == capacity_);
@@ -523,7 +523,7 @@ class Model {
  private:
   uint32_t Children(const MKey& k) const {
     uint32_t c = 0;
-    for (const auto& [key, n] : nodes_) c += (n.parent == k) ? 1 : 0;
+    for (const auto& [key, n] : nodes_) c += (n.parent == k) ? 1u : 0u;
     return c;
   }
   bool Evictable(const MKey& k) const {
@@ -675,8 +675,8 @@ void RunRandomized(uint32_t capacity, int prompt_count, int steps, uint64_t seed
       REQUIRE(got.shortfall == expected.shortfall);
       REQUIRE(got.cached + got.slots.size() <= keys.size());
       REQUIRE((got.shortfall == StatusCode::kOk) == (got.cached + got.slots.size() == keys.size()));
-      exhausted += got.shortfall == StatusCode::kResourceExhausted ? 1 : 0;
-      aborted += got.shortfall == StatusCode::kAborted ? 1 : 0;
+      exhausted += got.shortfall == StatusCode::kResourceExhausted ? 1u : 0u;
+      aborted += got.shortfall == StatusCode::kAborted ? 1u : 0u;
       const int how = uniform(0, 99);
       if (how < 45 || session.pending.size() >= 2) {
         finish(got.slots, how < 30 ? 0 : (how < 38 ? 1 : 2));

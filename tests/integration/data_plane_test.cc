@@ -1,0 +1,1 @@
+// Data plane end to end. (being written)

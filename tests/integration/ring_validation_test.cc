@@ -1,0 +1,1 @@
+// Malformed ring descriptors. (being written)
