@@ -8,7 +8,7 @@ FLEXKV_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libcli11-dev catch2 libfmt-dev libxxhash-dev libsystemd-dev
   liburing-dev libibverbs-dev libboost-dev
-  python3 python3-grpcio python3-protobuf
+  python3 python3-grpcio python3-protobuf python3-xxhash
   systemd util-linux procps
 )
 
