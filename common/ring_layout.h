@@ -22,6 +22,10 @@ enum class RingOp : uint16_t {
   kRelease = 4,  // match handle → drops its pins
 };
 inline constexpr uint16_t kMatchFlagPin = 1;
+// Load: post a progress completion (kCompletionFlagLayerDone, matched_blocks = layer) as each layer lands.
+inline constexpr uint16_t kLoadFlagLayerwise = 1;
+// Completion flags.
+inline constexpr uint16_t kCompletionFlagLayerDone = 1;  // progress, not the end of the request
 
 // Client → daemon. 64 bytes.
 struct SubmitDescriptor {
@@ -41,8 +45,9 @@ struct CompletionDescriptor {
   uint64_t user_data;
   int32_t status_code;       // StatusCode; 0 = OK
   uint16_t opcode;
-  uint16_t reserved0;
-  uint32_t matched_blocks;   // Match: leading blocks cached; Store: leading blocks already cached
+  uint16_t flags;            // kCompletionFlagLayerDone: progress of a layer-wise Load
+  uint32_t matched_blocks;   // Match: leading blocks cached; Store: leading blocks already cached;
+                             // layer progress: the layer that landed
   uint32_t done_blocks;      // Load: blocks loaded; Store: blocks newly stored
   uint64_t match_handle;     // Match with kMatchFlagPin: handle to Load/Release (0 when nothing pinned)
   uint64_t reserved1;

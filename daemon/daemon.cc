@@ -77,7 +77,8 @@ int RunDaemon(const DaemonConfig& config) {
   DataPlaneOptions dp_options;
   dp_options.spin_ns = static_cast<int64_t>(config.spin_us * 1000);
   dp_options.copy_threads = config.copy_threads;
-  DataPlane data_plane(&cache, &lifecycle, dp_options);
+  std::unique_ptr<CudaBackend> cuda = CudaBackend::Create(config.load_copy_engine, config.store_copy_engine);
+  DataPlane data_plane(&cache, &lifecycle, cuda.get(), dp_options);
   SessionRegistry sessions(static_cast<int64_t>(config.attach_timeout_s * 1000));
   sessions.SetChannelOpenCallback(
       [&](uint64_t id, const Geometry& g) { return data_plane.OpenSession(id, g); });
@@ -94,7 +95,8 @@ int RunDaemon(const DaemonConfig& config) {
     if (state == ServingState::kDrained) Notify("STATUS=drained");
   });
 
-  ControlService control(ControlContext{&cache, &data_plane, &sessions, &lifecycle, &peers, config.admin_gid, started_ms});
+  ControlService control(
+      ControlContext{&cache, &data_plane, cuda.get(), &sessions, &lifecycle, &peers, config.admin_gid, started_ms});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);

@@ -127,6 +127,12 @@ void Cache::Abort(std::span<const SlotId> slots) {
   index_->Abort(slots);
 }
 
+Status Cache::RegisterPoolForDma(CudaBackend& cuda) {
+  std::lock_guard lock(mu_);
+  if (!pool_) return Status::FailedPrecondition("the pool does not exist yet");
+  return cuda.RegisterPool(pool_->SlotData(0), uint64_t{pool_->capacity()} * pool_->block_bytes(), pool_->block_bytes());
+}
+
 Cache::Stats Cache::GetStats() const {
   std::lock_guard lock(mu_);
   Stats s;

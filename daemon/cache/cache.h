@@ -15,6 +15,7 @@
 #include "daemon/cache/cache_domain.h"
 #include "daemon/cache/pool.h"
 #include "daemon/cache/prefix_index.h"
+#include "daemon/transfer/cuda_backend.h"
 
 namespace flexkv {
 
@@ -48,6 +49,9 @@ class Cache {
   // `first` the index of reservation.slots[0] in them.
   void Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots);
   void Abort(std::span<const SlotId> slots);
+
+  // Registers the pool's data for DMA with the CUDA backend (once).
+  Status RegisterPoolForDma(CudaBackend& cuda);
 
   struct Stats {
     uint64_t capacity = 0, used = 0, pinned = 0, blocks = 0, evicted = 0;

@@ -61,6 +61,11 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
       ->check(CLI::Range(0.0, 100000.0));
   app.add_option("--copy-threads", cfg.copy_threads, "Threads copying blocks (default: one per core)")
       ->check(CLI::Range(0u, 256u));
+  std::string load_path = "kernel", store_path = "kernel";
+  app.add_option("--load-path", load_path, "GPU loads: kernel (gather/scatter kernels) or copy-engine (SM-free)")
+      ->check(CLI::IsMember({"kernel", "copy-engine"}));
+  app.add_option("--store-path", store_path, "GPU stores: kernel or copy-engine")
+      ->check(CLI::IsMember({"kernel", "copy-engine"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -68,6 +73,8 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
     return ParsedArgs{std::nullopt, rc == 0 ? 0 : 2};
   }
 
+  cfg.load_copy_engine = load_path == "copy-engine";
+  cfg.store_copy_engine = store_path == "copy-engine";
   auto usage_error = [](const Status& s) {
     std::fprintf(stderr, "flexkvd: %s\n", s.message().c_str());
     return ParsedArgs{std::nullopt, 2};

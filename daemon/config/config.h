@@ -25,6 +25,8 @@ struct DaemonConfig {
   bool discard_pool = false;           // --discard-pool: replace a pool file that cannot be re-attached
   double spin_us = 50;                 // --spin-us: poller spin window after activity
   unsigned copy_threads = 0;           // --copy-threads: 0 = one per core
+  bool load_copy_engine = false;       // --load-path copy-engine (default: kernel)
+  bool store_copy_engine = false;      // --store-path copy-engine (default: kernel)
 };
 
 // Outcome of parsing: a config to run with, or an exit (help printed, or a usage error already reported

@@ -57,6 +57,25 @@ struct DataPlane::Session {
 
   std::mutex mu;                                            // guards everything below
   std::shared_ptr<HostKv> kv;
+  std::vector<std::shared_ptr<GpuKv>> gpu_kv;               // by TP rank; empty without GPU registration
+
+  // The KV buffers' block count, once registered (host, or every GPU rank); 0 otherwise.
+  uint32_t RegisteredBlocksLocked(std::string* missing) const {
+    if (kv) return kv->num_blocks();
+    if (gpu_kv.empty()) {
+      *missing = "no KV buffers registered (RegisterKv)";
+      return 0;
+    }
+    uint32_t blocks = UINT32_MAX;
+    for (size_t r = 0; r < gpu_kv.size(); ++r) {
+      if (!gpu_kv[r]) {
+        *missing = fmt::format("tp rank {} of {} has not registered its GPU KV buffers", r, gpu_kv.size());
+        return 0;
+      }
+      blocks = std::min(blocks, GpuKvNumBlocks(*gpu_kv[r]));
+    }
+    return blocks;
+  }
   struct Handle {
     std::vector<SlotId> slots;
     uint32_t loads_in_flight = 0;
@@ -82,8 +101,8 @@ struct DataPlane::Session {
   const uint8_t* arena() const { return ring + rg.arena_offset(); }
 };
 
-DataPlane::DataPlane(Cache* cache, Lifecycle* lifecycle, DataPlaneOptions options)
-    : cache_(cache), lifecycle_(lifecycle), options_(options) {}
+DataPlane::DataPlane(Cache* cache, Lifecycle* lifecycle, CudaBackend* cuda, DataPlaneOptions options)
+    : cache_(cache), lifecycle_(lifecycle), cuda_(cuda), options_(options) {}
 
 DataPlane::~DataPlane() { Stop(); }
 
@@ -175,10 +194,42 @@ Result<uint64_t> DataPlane::RegisterHostKv(uint64_t session_id, UniqueFd memfd, 
   auto kv = HostKv::Map(std::move(memfd), s->geometry, layout, num_blocks);
   if (!kv.ok()) return kv.status();
   std::lock_guard lock(s->mu);
-  if (s->kv) return Status::AlreadyExists(fmt::format("session {} already registered its KV buffers", session_id));
+  if (s->kv || !s->gpu_kv.empty()) {
+    return Status::AlreadyExists(fmt::format("session {} already registered its KV buffers", session_id));
+  }
   s->kv = std::move(*kv);
   log::Info("dataplane", "session {} registered host KV: {} blocks", session_id, num_blocks);
   return KvBytesRequired(s->geometry, num_blocks);
+}
+
+Status DataPlane::RegisterGpuKv(uint64_t session_id, const GpuKvDescription& description) {
+  if (cuda_ == nullptr) {
+    return Status::FailedPrecondition("this flexkvd has no CUDA backend (no GPU visible or built without CUDA)");
+  }
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) {
+      return Status::FailedPrecondition(fmt::format("session {} has no open session channel", session_id));
+    }
+    s = it->second;
+  }
+  FLEXKV_RETURN_IF_ERROR(cache_->RegisterPoolForDma(*cuda_));
+  auto kv = cuda_->Open(description, s->geometry);
+  if (!kv.ok()) return kv.status();
+  std::lock_guard lock(s->mu);
+  if (s->kv) return Status::AlreadyExists(fmt::format("session {} registered host KV buffers already", session_id));
+  const uint32_t ranks = s->geometry.tp_size;
+  if (s->gpu_kv.empty()) s->gpu_kv.resize(ranks);
+  if (description.tp_rank >= ranks) {
+    return Status::InvalidArgument(fmt::format("tp_rank {} is not below tp_size {}", description.tp_rank, ranks));
+  }
+  if (s->gpu_kv[description.tp_rank]) {
+    return Status::AlreadyExists(fmt::format("tp rank {} of session {} is registered already", description.tp_rank, session_id));
+  }
+  s->gpu_kv[description.tp_rank] = std::move(*kv);
+  return Status::Ok();
 }
 
 void DataPlane::ReleaseHandleLocked(Session& s, uint64_t handle) {
@@ -235,9 +286,10 @@ bool DataPlane::FlushOverflow(Session& s) {
   bool wrote = false;
   while (!s.overflow.empty() && s.completion_tail - head < entries) {
     s.completion_entries()[s.completion_tail & (entries - 1)] = s.overflow.front();
+    const bool progress = (s.overflow.front().flags & kCompletionFlagLayerDone) != 0;
     s.overflow.pop_front();
     ++s.completion_tail;
-    s.inflight.fetch_sub(1);
+    if (!progress) s.inflight.fetch_sub(1);
     wrote = true;
   }
   if (wrote) {
@@ -308,7 +360,8 @@ void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescript
   if (op != RingOp::kMatch && op != RingOp::kLoad && op != RingOp::kStore && op != RingOp::kRelease) {
     return Fail(s, d, Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..4", d.opcode)));
   }
-  if ((op == RingOp::kMatch && (d.flags & ~kMatchFlagPin) != 0) || (op != RingOp::kMatch && d.flags != 0)) {
+  const uint16_t allowed_flags = op == RingOp::kMatch ? kMatchFlagPin : op == RingOp::kLoad ? kLoadFlagLayerwise : 0;
+  if ((d.flags & ~allowed_flags) != 0) {
     return Fail(s, d, Status::InvalidArgument(fmt::format("flags 0x{:x} are not valid for opcode {}", d.flags, d.opcode)));
   }
   if (needs_blocks && (d.count == 0 || d.count > options_.max_blocks_per_request)) {
@@ -419,113 +472,170 @@ void RunParts(WorkerPool& pool, uint32_t count, const std::function<void(uint32_
 
 }  // namespace
 
+void DataPlane::RunCopies(const std::shared_ptr<Session>& sp, bool to_host,
+                          std::shared_ptr<std::vector<uint32_t>> kv_blocks, std::shared_ptr<std::vector<SlotId>> slots,
+                          std::function<void(uint32_t)> layer_done, std::function<void(Status)> done) {
+  std::shared_ptr<HostKv> host;
+  std::vector<std::shared_ptr<GpuKv>> ranks;
+  {
+    std::lock_guard lock(sp->mu);
+    host = sp->kv;
+    ranks = sp->gpu_kv;
+  }
+  const uint32_t count = static_cast<uint32_t>(slots->size());
+  if (host) {
+    Cache* cache = cache_;
+    RunParts(
+        *workers_, count,
+        [host, kv_blocks, slots, cache, to_host](uint32_t begin, uint32_t end) {
+          for (uint32_t i = begin; i < end; ++i) {
+            if (to_host) {
+              host->CopyToSlot((*kv_blocks)[i], cache->SlotData((*slots)[i]));
+            } else {
+              host->CopyFromSlot(cache->SlotData((*slots)[i]), (*kv_blocks)[i]);
+            }
+          }
+        },
+        [layer_done, done, this, sp] {
+          if (layer_done) {
+            for (uint32_t l = 0; l < sp->geometry.num_layers; ++l) layer_done(l);
+          }
+          done(Status::Ok());
+        });
+    return;
+  }
+  // GPU: every TP rank copies its shard. MLA KV is identical on every rank: stored once (rank 0), loaded
+  // into every rank.
+  if (to_host && sp->geometry.is_mla()) ranks.resize(1);
+  struct FanIn {
+    std::mutex mu;
+    uint32_t left;
+    Status first_error;
+    std::vector<uint32_t> layer_left;
+  };
+  auto fan = std::make_shared<FanIn>();
+  fan->left = static_cast<uint32_t>(ranks.size());
+  fan->layer_left.assign(sp->geometry.num_layers, fan->left);
+  for (const auto& rank : ranks) {
+    std::function<void(uint32_t)> on_layer;
+    if (layer_done) {
+      on_layer = [fan, layer_done](uint32_t layer) {
+        bool all;
+        {
+          std::lock_guard lock(fan->mu);
+          all = --fan->layer_left[layer] == 0;
+        }
+        if (all) layer_done(layer);
+      };
+    }
+    cuda_->Copy(rank, to_host, *kv_blocks, *slots, std::move(on_layer), [fan, done](Status st) {
+      bool last;
+      Status result;
+      {
+        std::lock_guard lock(fan->mu);
+        if (!st.ok() && fan->first_error.ok()) fan->first_error = st;
+        last = --fan->left == 0;
+        result = fan->first_error;
+      }
+      if (last) done(result);
+    });
+  }
+}
+
 void DataPlane::StartLoad(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, std::vector<uint32_t> ids) {
   Session& s = *sp;
-  std::shared_ptr<HostKv> kv;
   std::vector<SlotId> slots;
+  auto refuse_locked = [&](StatusCode code, const std::string& message) {
+    errors_.fetch_add(1, std::memory_order_relaxed);
+    CompletionDescriptor c{};
+    c.user_data = d.user_data;
+    c.opcode = d.opcode;
+    c.status_code = static_cast<int32_t>(code);
+    std::snprintf(c.message, sizeof(c.message), "%s", message.c_str());
+    s.overflow.push_back(c);
+    FlushOverflow(s);
+  };
   {
     std::lock_guard lock(s.mu);
-    if (!s.kv) return Fail(s, d, Status::FailedPrecondition("Load before RegisterKv: no KV buffers to load into"));
-    kv = s.kv;
+    std::string missing;
+    const uint32_t blocks = s.RegisteredBlocksLocked(&missing);
+    if (blocks == 0) return refuse_locked(StatusCode::kFailedPrecondition, "Load: " + missing);
     auto it = s.handles.find(d.match_handle);
     if (it == s.handles.end() || it->second.released) {
-      errors_.fetch_add(1, std::memory_order_relaxed);
-      CompletionDescriptor c{};
-      c.user_data = d.user_data;
-      c.opcode = d.opcode;
-      c.status_code = static_cast<int32_t>(StatusCode::kNotFound);
-      std::snprintf(c.message, sizeof(c.message), "match handle %llu is not held by this session",
-                    static_cast<unsigned long long>(d.match_handle));
-      s.overflow.push_back(c);
-      FlushOverflow(s);
-      return;
+      return refuse_locked(StatusCode::kNotFound, fmt::format("match handle {} is not held by this session", d.match_handle));
     }
     if (d.count > it->second.slots.size()) {
-      errors_.fetch_add(1, std::memory_order_relaxed);
-      CompletionDescriptor c{};
-      c.user_data = d.user_data;
-      c.opcode = d.opcode;
-      c.status_code = static_cast<int32_t>(StatusCode::kOutOfRange);
-      std::snprintf(c.message, sizeof(c.message), "count %u exceeds the %zu blocks of match handle %llu", d.count,
-                    it->second.slots.size(), static_cast<unsigned long long>(d.match_handle));
-      s.overflow.push_back(c);
-      FlushOverflow(s);
-      return;
+      return refuse_locked(StatusCode::kOutOfRange, fmt::format("count {} exceeds the {} blocks of match handle {}",
+                                                                d.count, it->second.slots.size(), d.match_handle));
     }
     for (uint32_t i = 0; i < d.count; ++i) {
-      if (ids[i] >= kv->num_blocks()) {
-        errors_.fetch_add(1, std::memory_order_relaxed);
-        CompletionDescriptor c{};
-        c.user_data = d.user_data;
-        c.opcode = d.opcode;
-        c.status_code = static_cast<int32_t>(StatusCode::kOutOfRange);
-        std::snprintf(c.message, sizeof(c.message), "block id %u at %u is outside the %u registered blocks", ids[i], i,
-                      kv->num_blocks());
-        s.overflow.push_back(c);
-        FlushOverflow(s);
-        return;
+      if (ids[i] >= blocks) {
+        return refuse_locked(StatusCode::kOutOfRange,
+                             fmt::format("block id {} at {} is outside the {} registered blocks", ids[i], i, blocks));
       }
     }
-    if (!lifecycle_->TryBegin()) {
-      errors_.fetch_add(1, std::memory_order_relaxed);
-      CompletionDescriptor c{};
-      c.user_data = d.user_data;
-      c.opcode = d.opcode;
-      c.status_code = static_cast<int32_t>(StatusCode::kUnavailable);
-      std::snprintf(c.message, sizeof(c.message), "flexkvd is draining; retry after Resume");
-      s.overflow.push_back(c);
-      FlushOverflow(s);
-      return;
-    }
+    if (!lifecycle_->TryBegin()) return refuse_locked(StatusCode::kUnavailable, "flexkvd is draining; retry after Resume");
     it->second.loads_in_flight++;
     slots.assign(it->second.slots.begin(), it->second.slots.begin() + d.count);
   }
   const uint64_t block_bytes = cache_->block_bytes();
-  auto ids_shared = std::make_shared<std::vector<uint32_t>>(std::move(ids));
-  auto slots_shared = std::make_shared<std::vector<SlotId>>(std::move(slots));
-  Cache* cache = cache_;
-  RunParts(
-      *workers_, d.count,
-      [kv, ids_shared, slots_shared, cache](uint32_t begin, uint32_t end) {
-        for (uint32_t i = begin; i < end; ++i) kv->CopyFromSlot(cache->SlotData((*slots_shared)[i]), (*ids_shared)[i]);
-      },
-      [this, sp, d, block_bytes] {
-        Session& ss = *sp;
-        CompletionDescriptor c{};
-        c.user_data = d.user_data;
-        c.opcode = d.opcode;
-        c.done_blocks = d.count;
-        cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
-        cache_->counters().bytes_loaded.fetch_add(uint64_t{d.count} * block_bytes, std::memory_order_relaxed);
-        {
-          std::lock_guard lock(ss.mu);
-          auto it = ss.handles.find(d.match_handle);
-          if (it != ss.handles.end() && --it->second.loads_in_flight == 0 && it->second.released) {
-            it->second.released = false;
-            ReleaseHandleLocked(ss, d.match_handle);
-          }
-          if (!ss.dead) {
-            ss.overflow.push_back(c);
-            FlushOverflow(ss);
-          }
-        }
-        lifecycle_->Finish();
-      });
+  std::function<void(uint32_t)> layer_done;
+  if ((d.flags & kLoadFlagLayerwise) != 0) {
+    layer_done = [this, sp, d](uint32_t layer) {
+      CompletionDescriptor p{};
+      p.user_data = d.user_data;
+      p.opcode = d.opcode;
+      p.flags = kCompletionFlagLayerDone;
+      p.matched_blocks = layer;
+      Complete(*sp, p);
+    };
+  }
+  RunCopies(sp, /*to_host=*/false, std::make_shared<std::vector<uint32_t>>(std::move(ids)),
+            std::make_shared<std::vector<SlotId>>(std::move(slots)), std::move(layer_done),
+            [this, sp, d, block_bytes](Status st) {
+              Session& ss = *sp;
+              CompletionDescriptor c{};
+              c.user_data = d.user_data;
+              c.opcode = d.opcode;
+              if (st.ok()) {
+                c.done_blocks = d.count;
+                cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
+                cache_->counters().bytes_loaded.fetch_add(uint64_t{d.count} * block_bytes, std::memory_order_relaxed);
+              } else {
+                errors_.fetch_add(1, std::memory_order_relaxed);
+                c.status_code = static_cast<int32_t>(st.code());
+                std::snprintf(c.message, sizeof(c.message), "%s", st.message().c_str());
+              }
+              {
+                std::lock_guard lock(ss.mu);
+                auto it = ss.handles.find(d.match_handle);
+                if (it != ss.handles.end() && --it->second.loads_in_flight == 0 && it->second.released) {
+                  it->second.released = false;
+                  ReleaseHandleLocked(ss, d.match_handle);
+                }
+                if (!ss.dead) {
+                  ss.overflow.push_back(c);
+                  FlushOverflow(ss);
+                }
+              }
+              lifecycle_->Finish();
+            });
 }
 
 void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, std::vector<BlockKey> keys,
                            std::vector<uint32_t> ids) {
   Session& s = *sp;
-  std::shared_ptr<HostKv> kv;
+  uint32_t blocks;
+  std::string missing;
   {
     std::lock_guard lock(s.mu);
-    kv = s.kv;
+    blocks = s.RegisteredBlocksLocked(&missing);
   }
-  if (!kv) return Fail(s, d, Status::FailedPrecondition("Store before RegisterKv: no KV buffers to store from"));
+  if (blocks == 0) return Fail(s, d, Status::FailedPrecondition("Store: " + missing));
   for (uint32_t i = 0; i < d.count; ++i) {
-    if (ids[i] >= kv->num_blocks()) {
+    if (ids[i] >= blocks) {
       return Fail(s, d, Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks", ids[i],
-                                                       i, kv->num_blocks())));
+                                                       i, blocks)));
     }
   }
   if (!lifecycle_->TryBegin()) return Fail(s, d, Status::Unavailable("flexkvd is draining; retry after Resume"));
@@ -551,30 +661,31 @@ void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescr
     lifecycle_->Finish();
     return Complete(s, c);
   }
-  auto keys_shared = std::make_shared<std::vector<BlockKey>>(std::move(keys));
-  auto ids_shared = std::make_shared<std::vector<uint32_t>>(std::move(ids));
-  auto slots_shared = std::make_shared<std::vector<SlotId>>(std::move(r.slots));
   const size_t first = r.cached;
-  Cache* cache = cache_;
+  auto keys_shared = std::make_shared<std::vector<BlockKey>>(std::move(keys));
+  auto src = std::make_shared<std::vector<uint32_t>>(ids.begin() + static_cast<ptrdiff_t>(first),
+                                                     ids.begin() + static_cast<ptrdiff_t>(first + reserved));
+  auto slots_shared = std::make_shared<std::vector<SlotId>>(std::move(r.slots));
   const uint64_t block_bytes = cache_->block_bytes();
-  RunParts(
-      *workers_, reserved,
-      [kv, ids_shared, slots_shared, cache, first](uint32_t begin, uint32_t end) {
-        for (uint32_t i = begin; i < end; ++i) kv->CopyToSlot((*ids_shared)[first + i], cache->SlotData((*slots_shared)[i]));
-      },
-      [this, sp, c, keys_shared, slots_shared, first, block_bytes]() mutable {
-        // Publish after transfer; a session that died meanwhile gets nothing committed in its name.
-        if (sp->dead) {
-          cache_->Abort(*slots_shared);
-        } else {
-          cache_->Commit(*keys_shared, first, *slots_shared);
-          cache_->counters().store_blocks.fetch_add(slots_shared->size(), std::memory_order_relaxed);
-          cache_->counters().bytes_stored.fetch_add(slots_shared->size() * block_bytes, std::memory_order_relaxed);
-        }
-        if (c.status_code != 0) errors_.fetch_add(1, std::memory_order_relaxed);
-        Complete(*sp, c);
-        lifecycle_->Finish();
-      });
+  RunCopies(sp, /*to_host=*/true, src, slots_shared, nullptr,
+            [this, sp, c, keys_shared, slots_shared, first, block_bytes](Status st) mutable {
+              // Publish after transfer; a failed copy, or a session that died meanwhile, returns the slots.
+              if (!st.ok() || sp->dead) {
+                cache_->Abort(*slots_shared);
+                if (!st.ok()) {
+                  c.status_code = static_cast<int32_t>(st.code());
+                  c.done_blocks = 0;
+                  std::snprintf(c.message, sizeof(c.message), "%s", st.message().c_str());
+                }
+              } else {
+                cache_->Commit(*keys_shared, first, *slots_shared);
+                cache_->counters().store_blocks.fetch_add(slots_shared->size(), std::memory_order_relaxed);
+                cache_->counters().bytes_stored.fetch_add(slots_shared->size() * block_bytes, std::memory_order_relaxed);
+              }
+              if (c.status_code != 0) errors_.fetch_add(1, std::memory_order_relaxed);
+              Complete(*sp, c);
+              lifecycle_->Finish();
+            });
 }
 
 void DataPlane::PollerLoop() {

@@ -16,6 +16,7 @@
 #include "common/unique_fd.h"
 #include "daemon/cache/cache.h"
 #include "daemon/lifecycle.h"
+#include "daemon/transfer/cuda_backend.h"
 #include "daemon/transfer/host_kv.h"
 #include "daemon/transfer/worker_pool.h"
 #include "flexkv/status.h"
@@ -33,7 +34,8 @@ struct DataPlaneOptions {
 
 class DataPlane {
  public:
-  DataPlane(Cache* cache, Lifecycle* lifecycle, DataPlaneOptions options);
+  // `cuda` may be null (no GPU): then only host KV registrations are accepted.
+  DataPlane(Cache* cache, Lifecycle* lifecycle, CudaBackend* cuda, DataPlaneOptions options);
   ~DataPlane();
   DataPlane(const DataPlane&) = delete;
   DataPlane& operator=(const DataPlane&) = delete;
@@ -46,6 +48,9 @@ class DataPlane {
   Result<std::vector<UniqueFd>> OpenSession(uint64_t session_id, const Geometry& geometry);
   // Registers host KV buffers for a session (once). Returns the bytes the layout needs.
   Result<uint64_t> RegisterHostKv(uint64_t session_id, UniqueFd memfd, KvLayout layout, uint32_t num_blocks);
+  // Registers one TP rank's GPU KV buffers for a session (CUDA backend). Each rank once; Load/Store need
+  // every rank of the session's tp_size registered.
+  Status RegisterGpuKv(uint64_t session_id, const GpuKvDescription& description);
   // The session is gone: its pins are released (after any load still copying from them), its stores in
   // flight are aborted when their copy ends, its rings are unmapped. Returns at once.
   void EndSession(uint64_t session_id);
@@ -68,6 +73,11 @@ class DataPlane {
   void StartLoad(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, std::vector<uint32_t> ids);
   void StartStore(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, std::vector<BlockKey> keys,
                   std::vector<uint32_t> ids);
+  // Copies `count` blocks between the session's KV buffers (host or every GPU rank) and pool slots on the
+  // copy workers; `layer_done` (layer-wise loads) and then `done` run once.
+  void RunCopies(const std::shared_ptr<Session>& s, bool to_host, std::shared_ptr<std::vector<uint32_t>> kv_blocks,
+                 std::shared_ptr<std::vector<SlotId>> slots, std::function<void(uint32_t)> layer_done,
+                 std::function<void(Status)> done);
   void Complete(Session& s, CompletionDescriptor c);
   void Fail(Session& s, const SubmitDescriptor& d, const Status& status);
   bool FlushOverflow(Session& s);
@@ -75,6 +85,7 @@ class DataPlane {
 
   Cache* const cache_;
   Lifecycle* const lifecycle_;
+  CudaBackend* const cuda_;
   const DataPlaneOptions options_;
   std::unique_ptr<WorkerPool> workers_;
 

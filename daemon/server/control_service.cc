@@ -115,6 +115,11 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   counters->set_errors(errors() + ctx_.data_plane->errors());
   auto* host = response->add_backends();
   host->set_name("host");
+  if (ctx_.cuda != nullptr) {
+    auto* cuda = response->add_backends();
+    cuda->set_name("cuda");
+    for (const std::string& uuid : ctx_.cuda->DeviceUuids()) cuda->add_devices(uuid);
+  }
   response->set_model_namespace(view.model_namespace);
   if (view.geometry) ToProto(*view.geometry, response->mutable_geometry());
   return grpc::Status::OK;
@@ -179,8 +184,22 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
           "layout {} is not valid; expected KV_LAYOUT_LAYER_FIRST, KV_LAYOUT_BLOCK_FIRST or KV_LAYOUT_LAYER_BLOCK",
           static_cast<int>(request->layout()))));
   }
+  if (request->memory_case() == v1::RegisterKvRequest::kCuda) {
+    GpuKvDescription d;
+    d.gpu_uuid = request->cuda().gpu_uuid();
+    d.layout = layout;
+    d.num_blocks = request->num_blocks();
+    d.tp_rank = request->cuda().tp_rank();
+    for (const auto& r : request->cuda().regions()) d.regions.push_back({r.ipc_handle(), r.offset(), r.bytes()});
+    Status registered = ctx_.data_plane->RegisterGpuKv(request->session_id(), d);
+    if (!registered.ok()) return Answer(registered);
+    const Geometry g = ctx_.cache->Domain().geometry.value_or(Geometry{});
+    response->set_bytes_required(uint64_t{request->num_blocks()} * g.num_layers * g.kv_planes * g.chunk_bytes_per_rank());
+    return grpc::Status::OK;
+  }
   if (request->memory_case() != v1::RegisterKvRequest::kHost) {
-    return Answer(Status::InvalidArgument("memory is missing; expected host (a memfd offered on the session channel)"));
+    return Answer(Status::InvalidArgument(
+        "memory is missing; expected host (a memfd offered on the session channel) or cuda (IPC handles)"));
   }
   auto fd = ctx_.sessions->TakeOfferedFd(request->session_id(), token_bytes, request->host().fd_tag());
   if (!fd.ok()) return Answer(fd.status());

@@ -21,6 +21,7 @@ namespace flexkv {
 struct ControlContext {
   Cache* cache;
   DataPlane* data_plane;
+  CudaBackend* cuda;  // null without GPU
   SessionRegistry* sessions;
   Lifecycle* lifecycle;
   PeerTable* peers;

@@ -1,0 +1,390 @@
+// CUDA backend; see cuda_backend.h. Everything below the #if needs a CUDA toolkit.
+#include "daemon/transfer/cuda_backend.h"
+
+#include "common/log.h"
+
+#if FLEXKV_HAVE_CUDA
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "daemon/transfer/cuda/kv_copy.h"
+
+namespace flexkv {
+namespace {
+
+Status CudaError(cudaError_t e, const char* what, const char* file, int line) {
+  return Status::Internal(fmt::format("{}: {} ({}:{})", what, cudaGetErrorString(e), file, line));
+}
+
+#define FLEXKV_CUDA_TRY(expr)                                                      \
+  do {                                                                             \
+    const cudaError_t flexkv_cuda_e_ = (expr);                                     \
+    if (flexkv_cuda_e_ != cudaSuccess) return CudaError(flexkv_cuda_e_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+std::string UuidString(const cudaUUID_t& u) {
+  const auto* b = reinterpret_cast<const unsigned char*>(u.bytes);
+  std::string hex;
+  for (int i = 0; i < 16; ++i) hex += fmt::format("{:02x}", b[i]);
+  return fmt::format("GPU-{}-{}-{}-{}-{}", hex.substr(0, 8), hex.substr(8, 4), hex.substr(12, 4), hex.substr(16, 4),
+                     hex.substr(20, 12));
+}
+
+}  // namespace
+
+class GpuKv {
+ public:
+  int device = 0;
+  Geometry geometry;
+  GpuKvDescription description;
+  std::map<std::string, void*> opened;  // ipc handle bytes → mapped base of that allocation
+  std::vector<uint64_t> layer_base_host;
+  uint64_t* layer_base_dev = nullptr;
+  cuda::GpuKvView view{};
+
+  ~GpuKv() {
+    cudaSetDevice(device);
+    if (layer_base_dev != nullptr) cudaFree(layer_base_dev);
+    for (auto& [handle, ptr] : opened) cudaIpcCloseMemHandle(ptr);
+    log::Debug("cuda", "closed IPC mappings of tp rank {} on {}", description.tp_rank, description.gpu_uuid);
+  }
+};
+
+uint32_t GpuKvNumBlocks(const GpuKv& kv) { return kv.description.num_blocks; }
+uint32_t GpuKvTpRank(const GpuKv& kv) { return kv.description.tp_rank; }
+
+namespace {
+
+// One thread and one stream per (GPU, direction), so loads and stores overlap.
+class DirectionWorker {
+ public:
+  struct Job {
+    std::shared_ptr<GpuKv> kv;
+    std::vector<uint32_t> gpu_blocks, slots;
+    std::function<void(uint32_t)> on_layer;
+    std::function<void(Status)> done;
+  };
+
+  DirectionWorker(int device, bool to_host, bool copy_engine, const uint8_t* const* pool_base, const uint64_t* block_bytes)
+      : device_(device), to_host_(to_host), copy_engine_(copy_engine), pool_base_(pool_base), block_bytes_(block_bytes) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~DirectionWorker() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void Submit(Job job) {
+    {
+      std::lock_guard lock(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  Status Run(Job& job) {
+    FLEXKV_CUDA_TRY(cudaSetDevice(device_));
+    if (stream_ == nullptr) FLEXKV_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    const uint32_t n = static_cast<uint32_t>(job.gpu_blocks.size());
+    if (n > capacity_) {
+      if (pairs_dev_ != nullptr) cudaFree(pairs_dev_);
+      capacity_ = std::max<uint32_t>(n, 4096);
+      FLEXKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&pairs_dev_), sizeof(uint32_t) * 2 * capacity_));
+    }
+    const GpuKv& kv = *job.kv;
+    const Geometry& g = kv.geometry;
+    cuda::HostPoolView pool{const_cast<uint8_t*>(*pool_base_), *block_bytes_, g.is_mla() ? 1u : g.tp_size,
+                            g.is_mla() ? 0u : kv.description.tp_rank};
+    if (copy_engine_) {
+      FLEXKV_CUDA_TRY(cuda::CopyEngineBatch(kv.layer_base_host.data(), kv.view, pool, job.gpu_blocks.data(),
+                                            job.slots.data(), n, 0, g.num_layers, to_host_, stream_));
+      FLEXKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+      if (job.on_layer) {
+        for (uint32_t l = 0; l < g.num_layers; ++l) job.on_layer(l);
+      }
+      return Status::Ok();
+    }
+    FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_, job.gpu_blocks.data(), sizeof(uint32_t) * n, cudaMemcpyHostToDevice, stream_));
+    FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_ + capacity_, job.slots.data(), sizeof(uint32_t) * n,
+                                    cudaMemcpyHostToDevice, stream_));
+    if (!job.on_layer || to_host_) {
+      cuda::BlockPairs pairs{pairs_dev_, pairs_dev_ + capacity_, n, 0, g.num_layers};
+      FLEXKV_CUDA_TRY(to_host_ ? cuda::LaunchGather(kv.view, pool, pairs, stream_)
+                               : cuda::LaunchScatter(kv.view, pool, pairs, stream_));
+      FLEXKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+      return Status::Ok();
+    }
+    // Layer-wise load: one launch and one event per layer; report each layer as its event completes.
+    if (events_.size() < g.num_layers) {
+      const size_t have = events_.size();
+      events_.resize(g.num_layers);
+      for (size_t i = have; i < events_.size(); ++i) {
+        FLEXKV_CUDA_TRY(cudaEventCreateWithFlags(&events_[i], cudaEventDisableTiming | cudaEventBlockingSync));
+      }
+    }
+    for (uint32_t l = 0; l < g.num_layers; ++l) {
+      cuda::BlockPairs pairs{pairs_dev_, pairs_dev_ + capacity_, n, l, l + 1};
+      FLEXKV_CUDA_TRY(cuda::LaunchScatter(kv.view, pool, pairs, stream_));
+      FLEXKV_CUDA_TRY(cudaEventRecord(events_[l], stream_));
+    }
+    for (uint32_t l = 0; l < g.num_layers; ++l) {
+      FLEXKV_CUDA_TRY(cudaEventSynchronize(events_[l]));
+      job.on_layer(l);
+    }
+    return Status::Ok();
+  }
+
+  void Loop() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) break;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      Status s = Run(job);
+      if (!s.ok()) log::Error("cuda", "{} copy on device {} failed: {}", to_host_ ? "store" : "load", device_, s.message());
+      job.done(s);
+    }
+    if (pairs_dev_ != nullptr) cudaFree(pairs_dev_);
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  const int device_;
+  const bool to_host_;
+  const bool copy_engine_;
+  const uint8_t* const* pool_base_;
+  const uint64_t* block_bytes_;
+  cudaStream_t stream_ = nullptr;
+  uint32_t* pairs_dev_ = nullptr;
+  uint32_t capacity_ = 0;
+  std::vector<cudaEvent_t> events_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+class CudaBackendImpl final : public CudaBackend {
+ public:
+  Status Init() {
+    int count = 0;
+    FLEXKV_CUDA_TRY(cudaGetDeviceCount(&count));
+    // The driver API is reached through the runtime, so flexkvd does not link libcuda (absent on machines
+    // without a GPU, where the daemon must still start with the host backend).
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+        found == cudaDriverEntryPointSuccess) {
+      mem_get_address_range_ = reinterpret_cast<MemGetAddressRange>(fn);
+    }
+    for (int d = 0; d < count; ++d) {
+      cudaDeviceProp prop{};
+      FLEXKV_CUDA_TRY(cudaGetDeviceProperties(&prop, d));
+      uuids_.push_back(UuidString(prop.uuid));
+      log::Info("cuda", "device {}: {} {}", d, prop.name, uuids_.back());
+    }
+    return Status::Ok();
+  }
+
+  std::vector<std::string> DeviceUuids() const override { return uuids_; }
+
+  Status RegisterPool(uint8_t* base, uint64_t bytes, uint64_t block_bytes) override {
+    std::lock_guard lock(mu_);
+    if (pool_base_ != nullptr) return Status::Ok();
+    constexpr uint64_t kMaxChunk = 64ULL << 30;
+    for (uint64_t off = 0; off < bytes; off += kMaxChunk) {
+      const uint64_t n = std::min(kMaxChunk, bytes - off);
+      FLEXKV_CUDA_TRY(cudaHostRegister(base + off, n, cudaHostRegisterPortable | cudaHostRegisterMapped));
+      registered_.emplace_back(base + off, n);
+    }
+    pool_base_ = base;
+    block_bytes_ = block_bytes;
+    for (int d = 0; d < static_cast<int>(uuids_.size()); ++d) {
+      loads_.push_back(std::make_unique<DirectionWorker>(d, false, load_copy_engine_, &pool_base_, &block_bytes_));
+      stores_.push_back(std::make_unique<DirectionWorker>(d, true, store_copy_engine_, &pool_base_, &block_bytes_));
+    }
+    log::Info("cuda", "pool registered for DMA on {} GPU(s): {} bytes", uuids_.size(), bytes);
+    return Status::Ok();
+  }
+
+  Result<std::shared_ptr<GpuKv>> Open(const GpuKvDescription& d, const Geometry& g) override {
+    int device = -1;
+    for (int i = 0; i < static_cast<int>(uuids_.size()); ++i) {
+      if (uuids_[i] == d.gpu_uuid) device = i;
+    }
+    if (device < 0) {
+      std::string known;
+      for (const auto& u : uuids_) known += (known.empty() ? "" : ", ") + u;
+      return Status::NotFound(fmt::format("gpu_uuid {} is not a GPU this daemon sees ({})", d.gpu_uuid, known));
+    }
+    const uint64_t chunk = g.chunk_bytes_per_rank();
+    const uint64_t L = g.num_layers, P = g.kv_planes, B = d.num_blocks;
+    const bool per_layer = d.layout == KvLayout::kLayerFirst;
+    const size_t want_regions = per_layer ? L : 1;
+    if (d.num_blocks == 0) return Status::InvalidArgument("num_blocks is 0; expected the blocks the GPU cache holds");
+    if (d.regions.size() != want_regions) {
+      return Status::InvalidArgument(fmt::format("{} regions for this layout; expected {} ({})", d.regions.size(),
+                                                 want_regions, per_layer ? "one per layer" : "one base region"));
+    }
+    if (!g.is_mla() && d.tp_rank >= g.tp_size) {
+      return Status::InvalidArgument(fmt::format("tp_rank {} is not below tp_size {}", d.tp_rank, g.tp_size));
+    }
+    const uint64_t region_need = per_layer ? P * B * chunk : L * P * B * chunk;
+    auto kv = std::make_shared<GpuKv>();
+    kv->device = device;
+    kv->geometry = g;
+    kv->description = d;
+    FLEXKV_CUDA_TRY(cudaSetDevice(device));
+    for (size_t r = 0; r < d.regions.size(); ++r) {
+      const GpuKvRegion& region = d.regions[r];
+      if (region.ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
+        return Status::InvalidArgument(fmt::format("region {}: ipc_handle has {} bytes; expected {}", r,
+                                                   region.ipc_handle.size(), sizeof(cudaIpcMemHandle_t)));
+      }
+      if (region.bytes < region_need) {
+        return Status::InvalidArgument(
+            fmt::format("region {} has {} bytes; {} blocks of this geometry and layout need {}", r, region.bytes, B, region_need));
+      }
+      void*& base = kv->opened[region.ipc_handle];
+      if (base == nullptr) {
+        cudaIpcMemHandle_t h;
+        std::memcpy(&h, region.ipc_handle.data(), sizeof(h));
+        const cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
+        if (e != cudaSuccess) {
+          kv->opened.erase(region.ipc_handle);
+          return Status::InvalidArgument(fmt::format("region {}: cudaIpcOpenMemHandle: {}", r, cudaGetErrorString(e)));
+        }
+      }
+      CUdeviceptr alloc_base = 0;
+      size_t alloc_size = 0;
+      if (mem_get_address_range_ == nullptr ||
+          mem_get_address_range_(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS ||
+          region.offset > alloc_size || region.bytes > alloc_size - region.offset) {
+        return Status::OutOfRange(fmt::format("region {}: [{}, +{}) exceeds the {}-byte allocation its handle names", r,
+                                              region.offset, region.bytes, alloc_size));
+      }
+      const uint64_t start = reinterpret_cast<uint64_t>(base) + region.offset;
+      if (per_layer) {
+        kv->layer_base_host.push_back(start);
+      } else {
+        for (uint64_t l = 0; l < L; ++l) {
+          kv->layer_base_host.push_back(start + (d.layout == KvLayout::kBlockFirst ? l * P * chunk : l * B * P * chunk));
+        }
+      }
+    }
+    FLEXKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&kv->layer_base_dev), sizeof(uint64_t) * L));
+    FLEXKV_CUDA_TRY(cudaMemcpy(kv->layer_base_dev, kv->layer_base_host.data(), sizeof(uint64_t) * L, cudaMemcpyHostToDevice));
+    kv->view.layer_base = kv->layer_base_dev;
+    kv->view.num_layers = g.num_layers;
+    kv->view.num_planes = g.kv_planes;
+    kv->view.chunk_bytes = chunk;
+    switch (d.layout) {
+      case KvLayout::kLayerFirst:
+        kv->view.plane_stride = B * chunk;
+        kv->view.block_stride = chunk;
+        break;
+      case KvLayout::kBlockFirst:
+        kv->view.plane_stride = chunk;
+        kv->view.block_stride = L * P * chunk;
+        break;
+      case KvLayout::kLayerBlock:
+        kv->view.plane_stride = chunk;
+        kv->view.block_stride = P * chunk;
+        break;
+    }
+    log::Info("cuda", "opened GPU KV of tp rank {} on {} (device {}): {} blocks, {} region(s)", d.tp_rank, d.gpu_uuid,
+              device, d.num_blocks, d.regions.size());
+    return kv;
+  }
+
+  void Copy(std::shared_ptr<GpuKv> kv, bool to_host, std::vector<uint32_t> gpu_blocks, std::vector<uint32_t> slots,
+            std::function<void(uint32_t)> on_layer, std::function<void(Status)> done) override {
+    DirectionWorker* w = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      if (pool_base_ != nullptr) w = (to_host ? stores_ : loads_)[static_cast<size_t>(kv->device)].get();
+    }
+    if (w == nullptr) return done(Status::FailedPrecondition("the pool is not registered for DMA"));
+    w->Submit({std::move(kv), std::move(gpu_blocks), std::move(slots), std::move(on_layer), std::move(done)});
+  }
+
+  void SetPaths(bool load_copy_engine, bool store_copy_engine) {
+    load_copy_engine_ = load_copy_engine;
+    store_copy_engine_ = store_copy_engine;
+  }
+
+  ~CudaBackendImpl() override {
+    loads_.clear();  // joins the workers: no copy runs past this point
+    stores_.clear();
+    for (const auto& [ptr, n] : registered_) cudaHostUnregister(ptr);
+  }
+
+ private:
+  using MemGetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  MemGetAddressRange mem_get_address_range_ = nullptr;
+  std::vector<std::string> uuids_;
+  std::mutex mu_;
+  const uint8_t* pool_base_ = nullptr;
+  uint64_t block_bytes_ = 0;
+  bool load_copy_engine_ = false;
+  bool store_copy_engine_ = false;
+  std::vector<std::unique_ptr<DirectionWorker>> loads_, stores_;
+  std::vector<std::pair<uint8_t*, uint64_t>> registered_;
+};
+
+}  // namespace
+
+std::unique_ptr<CudaBackend> CudaBackend::Create(bool load_copy_engine, bool store_copy_engine) {
+  auto b = std::make_unique<CudaBackendImpl>();
+  Status s = b->Init();
+  if (!s.ok()) {
+    log::Info("cuda", "no CUDA backend (no usable GPU): {}; host backend only", s.message());
+    return nullptr;
+  }
+  if (b->DeviceUuids().empty()) {
+    log::Info("cuda", "no CUDA backend: no GPU visible");
+    return nullptr;
+  }
+  b->SetPaths(load_copy_engine, store_copy_engine);
+  return b;
+}
+
+}  // namespace flexkv
+
+#else  // !FLEXKV_HAVE_CUDA
+
+namespace flexkv {
+
+class GpuKv {
+ public:
+  GpuKvDescription description;
+};
+uint32_t GpuKvNumBlocks(const GpuKv& kv) { return kv.description.num_blocks; }
+uint32_t GpuKvTpRank(const GpuKv& kv) { return kv.description.tp_rank; }
+
+std::unique_ptr<CudaBackend> CudaBackend::Create(bool, bool) {
+  log::Info("cuda", "this build has no CUDA backend (no toolkit at build time): host backend only");
+  return nullptr;
+}
+
+}  // namespace flexkv
+
+#endif

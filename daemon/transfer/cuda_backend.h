@@ -1,0 +1,59 @@
+// CudaBackend: the daemon side of GPU KV caches. Opens engines' GPU buffers from CUDA IPC handles, maps
+// each GPU by UUID (never by an index that depends on CUDA_VISIBLE_DEVICES), registers the host pool for
+// DMA, and runs gather/scatter copies on one load and one store worker per GPU (separate streams, so loads
+// and stores overlap). Exists only in builds with a CUDA toolkit and on machines with a GPU.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flexkv/geometry.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+// One TP rank's GPU KV buffers as a client described them.
+struct GpuKvRegion {
+  std::string ipc_handle;  // cudaIpcMemHandle_t, 64 bytes
+  uint64_t offset = 0;     // of the region inside the allocation the handle names
+  uint64_t bytes = 0;
+};
+struct GpuKvDescription {
+  std::string gpu_uuid;              // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+  KvLayout layout = KvLayout::kLayerFirst;
+  uint32_t num_blocks = 0;
+  uint32_t tp_rank = 0;
+  std::vector<GpuKvRegion> regions;  // LAYER_FIRST: one per layer; otherwise one
+};
+
+class GpuKv;  // an opened registration; closes its IPC mappings when the last copy using it is done
+
+class CudaBackend {
+ public:
+  // nullptr when this build has no CUDA or no GPU is visible (the reason is logged). The copy-engine flags
+  // pick cudaMemcpyBatchAsync instead of the gather/scatter kernels per direction.
+  static std::unique_ptr<CudaBackend> Create(bool load_copy_engine, bool store_copy_engine);
+  virtual ~CudaBackend() = default;
+
+  virtual std::vector<std::string> DeviceUuids() const = 0;
+  // Registers [base, base+bytes) for DMA on every GPU (cudaHostRegister in chunks of at most 64 GiB).
+  virtual Status RegisterPool(uint8_t* base, uint64_t bytes, uint64_t block_bytes) = 0;
+  // Opens a registration; validates sizes against the geometry and layout.
+  virtual Result<std::shared_ptr<GpuKv>> Open(const GpuKvDescription& description, const Geometry& geometry) = 0;
+
+  // Copies blocks between one rank's GPU buffers and pool slots, asynchronously; `done` runs on a backend
+  // thread once the bytes are in place (or with the error). `on_layer` (optional, loads) runs as each layer
+  // lands, for layer-wise loads.
+  virtual void Copy(std::shared_ptr<GpuKv> kv, bool to_host, std::vector<uint32_t> gpu_blocks,
+                    std::vector<uint32_t> slots, std::function<void(uint32_t layer)> on_layer,
+                    std::function<void(Status)> done) = 0;
+};
+
+// Facts about an opened registration the data plane checks requests against.
+uint32_t GpuKvNumBlocks(const GpuKv& kv);
+uint32_t GpuKvTpRank(const GpuKv& kv);
+
+}  // namespace flexkv
