@@ -24,6 +24,12 @@
 
 namespace flexkv {
 
+namespace {
+
+Status NotAttached() { return Status::FailedPrecondition("not attached: call Attach first"); }
+
+}  // namespace
+
 struct Client::Impl {
   std::string socket_path;
   ConnectOptions options;
@@ -259,12 +265,6 @@ Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks)
   return HostKvBuffers{impl_->kv_data, bytes, num_blocks, layout};
 }
 
-namespace {
-
-Status NotAttached() { return Status::FailedPrecondition("not attached: call Attach first"); }
-
-}  // namespace
-
 Result<Ticket> Client::Match(std::span<const BlockKey> keys, bool pin) {
   SessionRings* r = impl_->Rings();
   if (r == nullptr) return NotAttached();
@@ -272,11 +272,43 @@ Result<Ticket> Client::Match(std::span<const BlockKey> keys, bool pin) {
   return r->Submit(RingOp::kMatch, pin ? kMatchFlagPin : 0, static_cast<uint32_t>(keys.size()), keys, {}, 0);
 }
 
-Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids) {
+Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise) {
   SessionRings* r = impl_->Rings();
   if (r == nullptr) return NotAttached();
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
-  return r->Submit(RingOp::kLoad, 0, static_cast<uint32_t>(dst_block_ids.size()), {}, dst_block_ids, match_handle);
+  return r->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0, static_cast<uint32_t>(dst_block_ids.size()), {},
+                   dst_block_ids, match_handle);
+}
+
+Result<uint32_t> Client::WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout) {
+  SessionRings* r = impl_->Rings();
+  if (r == nullptr) return NotAttached();
+  return r->WaitLayers(ticket, layers, timeout);
+}
+
+Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
+  v1::RegisterKvRequest req;
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->session_id == 0) return NotAttached();
+    req.set_session_id(impl_->session_id);
+    req.set_session_token(impl_->session_token);
+  }
+  req.set_layout(static_cast<v1::KvLayout>(static_cast<int>(reg.layout)));
+  req.set_num_blocks(reg.num_blocks);
+  auto* cuda = req.mutable_cuda();
+  cuda->set_gpu_uuid(reg.gpu_uuid);
+  cuda->set_tp_rank(reg.tp_rank);
+  for (const auto& region : reg.regions) {
+    auto* r = cuda->add_regions();
+    r->set_ipc_handle(region.ipc_handle);
+    r->set_offset(region.offset);
+    r->set_bytes(region.bytes);
+  }
+  v1::RegisterKvResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  return impl_->Call(impl_->stub->RegisterKv(&ctx, req, &resp));
 }
 
 Result<Ticket> Client::Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids) {

@@ -148,6 +148,12 @@ void SessionRings::ReapLocked() {
     CompletionDescriptor c = entries[completion_head_ & (hdr_->completion_entries - 1)];
     ++completion_head_;
     c.message[sizeof(c.message) - 1] = '\0';
+    if ((c.flags & kCompletionFlagLayerDone) != 0) {
+      uint32_t& landed = layers_landed_[c.user_data];
+      landed = std::max(landed, c.matched_blocks + 1);
+      continue;
+    }
+    layers_landed_.erase(c.user_data);
     OpResult r;
     if (c.status_code != 0) r.status = Status(static_cast<StatusCode>(c.status_code), c.message);
     r.matched_blocks = c.matched_blocks;
@@ -179,15 +185,18 @@ bool SessionRings::DaemonGone() const {
   return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
-Result<OpResult> SessionRings::Wait(Ticket ticket, std::chrono::microseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+Status SessionRings::WaitUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point deadline,
+                               uint64_t ticket) {
   auto spin_until = std::chrono::steady_clock::now() + kSpin;
   for (;;) {
-    if (auto r = TryWait(ticket)) return std::move(*r);
+    {
+      std::lock_guard lock(mu_);
+      ReapLocked();
+      if (ready()) return Status::Ok();
+    }
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
-      return Status::DeadlineExceeded(fmt::format("ticket {} did not complete within {} us; it is still in flight",
-                                                  ticket.id, timeout.count()));
+      return Status::DeadlineExceeded(fmt::format("ticket {} did not complete in time; it is still in flight", ticket));
     }
     const uint32_t seen = hdr_->completion_tail.value.load(std::memory_order_acquire);
     if (now < spin_until) {
@@ -195,7 +204,9 @@ Result<OpResult> SessionRings::Wait(Ticket ticket, std::chrono::microseconds tim
       continue;
     }
     if (DaemonGone()) {
-      if (auto r = TryWait(ticket)) return std::move(*r);
+      std::lock_guard lock(mu_);
+      ReapLocked();
+      if (ready()) return Status::Ok();
       return Status::Unavailable("flexkvd closed this session (daemon stopped or restarted); Attach again");
     }
     hdr_->client_waiting.value.fetch_add(1, std::memory_order_seq_cst);
@@ -207,6 +218,38 @@ Result<OpResult> SessionRings::Wait(Ticket ticket, std::chrono::microseconds tim
     hdr_->client_waiting.value.fetch_sub(1, std::memory_order_seq_cst);
     spin_until = std::chrono::steady_clock::now() + kSpin;
   }
+}
+
+Result<OpResult> SessionRings::Wait(Ticket ticket, std::chrono::microseconds timeout) {
+  OpResult result;
+  Status st = WaitUntil(
+      [&] {
+        auto it = done_.find(ticket.id);
+        if (it == done_.end()) return false;
+        result = std::move(it->second);
+        done_.erase(it);
+        return true;
+      },
+      std::chrono::steady_clock::now() + timeout, ticket.id);
+  if (!st.ok()) return st;
+  return result;
+}
+
+Result<uint32_t> SessionRings::WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout) {
+  uint32_t landed = 0;
+  Status st = WaitUntil(
+      [&] {
+        if (done_.count(ticket.id) != 0) {  // ended (success or error): Wait reports which
+          landed = layers;
+          return true;
+        }
+        auto it = layers_landed_.find(ticket.id);
+        landed = it == layers_landed_.end() ? 0 : it->second;
+        return landed >= layers;
+      },
+      std::chrono::steady_clock::now() + timeout, ticket.id);
+  if (!st.ok()) return st;
+  return landed;
 }
 
 }  // namespace flexkv

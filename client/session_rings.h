@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -29,6 +30,7 @@ class SessionRings {
   Result<Ticket> Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
                         std::span<const uint32_t> ids, uint64_t match_handle);
   Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout);
+  Result<uint32_t> WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout);
   std::optional<OpResult> TryWait(Ticket ticket);
 
  private:
@@ -37,6 +39,10 @@ class SessionRings {
   std::optional<uint64_t> AllocLocked(uint64_t bytes);
   void FreeLocked(uint64_t offset, uint64_t bytes);
   bool DaemonGone() const;
+  // Spins, then futex-waits for the completion tail to move, until `ready` (called under mu_ after a reap)
+  // returns true or the deadline passes.
+  Status WaitUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point deadline,
+                   uint64_t ticket);
 
   uint8_t* map_ = nullptr;
   uint64_t map_bytes_ = 0;
@@ -51,6 +57,7 @@ class SessionRings {
   std::map<uint64_t, uint64_t> free_;                                // offset → bytes; guarded by mu_
   std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> arena_of_;  // ticket → (offset, bytes)
   std::unordered_map<uint64_t, OpResult> done_;                      // guarded by mu_
+  std::unordered_map<uint64_t, uint32_t> layers_landed_;             // layer-wise loads; guarded by mu_
   size_t inflight_ = 0;                                              // guarded by mu_
 };
 

@@ -85,6 +85,20 @@ struct HostKvBuffers {
   KvLayout layout = KvLayout::kBlockFirst;
 };
 
+// One TP rank's KV buffers in GPU memory, as RegisterGpuKv sends them (see flexkv/cuda.h to fill it).
+struct GpuKvRegistration {
+  std::string gpu_uuid;   // "GPU-xxxxxxxx-…", never a CUDA_VISIBLE_DEVICES-dependent index
+  KvLayout layout = KvLayout::kLayerFirst;
+  uint32_t num_blocks = 0;
+  uint32_t tp_rank = 0;
+  struct Region {
+    std::string ipc_handle;  // cudaIpcMemHandle_t bytes (64)
+    uint64_t offset = 0;     // of the region inside the allocation
+    uint64_t bytes = 0;
+  };
+  std::vector<Region> regions;  // kLayerFirst: one per layer; otherwise one
+};
+
 // Names one submitted request; Wait/TryWait return its result exactly once.
 struct Ticket {
   uint64_t id = 0;
@@ -127,11 +141,17 @@ class Client {
   // registers them (RegisterKv). One registration per session.
   Result<HostKvBuffers> CreateHostKv(KvLayout layout, uint32_t num_blocks);
 
+  // Registers one TP rank's GPU KV buffers (CUDA backend), once per rank. Each TP worker describes its own
+  // buffers (DescribeGpuKv in flexkv/cuda.h; the result is plain data it can hand to the attached process);
+  // the attached process registers every rank. Load/Store need all tp_size ranks registered.
+  Status RegisterGpuKv(const GpuKvRegistration& registration);
+
   // Leading blocks of `keys` that are cached. With `pin`, they stay pinned (never evicted) until Release,
   // and the result carries a match handle for Load.
   Result<Ticket> Match(std::span<const BlockKey> keys, bool pin = false);
-  // Copies the first dst_block_ids.size() blocks of a pinned match into these KV blocks.
-  Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids);
+  // Copies the first dst_block_ids.size() blocks of a pinned match into these KV blocks. With `layerwise`,
+  // WaitLayers reports each layer as it lands, so compute on layer 0 can start while later layers copy.
+  Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise = false);
   // Stores blocks keys[i] from KV block src_block_ids[i]; the cached prefix is skipped. A block becomes
   // matchable only once its bytes are complete.
   Result<Ticket> Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids);
@@ -143,6 +163,9 @@ class Client {
   Result<uint32_t> MatchViaControl(std::span<const BlockKey> keys);
 
   Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout);
+  // For a layer-wise Load: waits until at least `layers` layers have landed (or the request ended); returns
+  // how many have. DEADLINE_EXCEEDED on timeout.
+  Result<uint32_t> WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout);
   // The result if the request has ended, else nullopt (also for an unknown ticket).
   std::optional<OpResult> TryWait(Ticket ticket);
 
