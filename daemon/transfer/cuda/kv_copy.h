@@ -40,6 +40,12 @@ struct BlockPairs {
   uint32_t layer_end;  // exclusive
 };
 
+// All launches are asynchronous on `stream` and return the launch error (cudaErrorInvalidValue, with nothing
+// enqueued, for a view that breaks the rules above: chunk_bytes, strides and pool.base 16-byte aligned,
+// tp_rank < tp_shards, layer_end <= num_layers, block_bytes >= num_layers * num_planes * tp_shards * chunk_bytes).
+// An empty request (count 0 or an empty layer range) enqueues nothing and succeeds. Block ids and slots are
+// not bounds-checked on the device: the caller validates them against the KV cache and the pool.
+//
 // Store direction: GPU blocks -> pool slots, one pass, 16-byte accesses. `ctas` 0 picks a default.
 cudaError_t LaunchGather(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs, cudaStream_t stream,
                          int ctas = 0);
@@ -47,8 +53,27 @@ cudaError_t LaunchGather(const GpuKvView& gpu, const HostPoolView& pool, const B
 cudaError_t LaunchScatter(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs, cudaStream_t stream,
                           int ctas = 0);
 
-// Copy-engine alternative (SM-free): one batched cudaMemcpyBatchAsync over all chunks. `host_pairs` arrays
-// must be host-readable. `to_host` selects the direction. Uses host-side layer_base (`layer_base_host`).
+// Launch shape of the gather/scatter kernels. Zero fields take the direction's default (DefaultLaunchShape),
+// which was picked from measurements on an H200 (docs/performance.md, "GPU <-> host copies").
+struct LaunchShape {
+  int ctas = 0;             // CTAs in the (grid-stride) grid
+  int threads = 0;          // threads per CTA: a multiple of 32, at most 1024
+  int unroll = 0;           // 16-byte loads each thread has in flight before its stores: 1, 2, 4 or 8
+  int warps_per_chunk = 0;  // warps that copy one chunk together: 1, 2 or 4, dividing threads / 32
+};
+LaunchShape DefaultLaunchShape(bool to_host);
+
+// As LaunchGather / LaunchScatter with an explicit shape (benchmarks and tests sweep it).
+cudaError_t LaunchGatherShaped(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
+                               cudaStream_t stream, const LaunchShape& shape);
+cudaError_t LaunchScatterShaped(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
+                                cudaStream_t stream, const LaunchShape& shape);
+
+// Copy-engine alternative (SM-free): one batched cudaMemcpyBatchAsync over all chunks (chunks contiguous on
+// both sides are merged). `gpu_blocks_host` / `slots_host` and `layer_base_host` must be host-readable; they are
+// read before the call returns. `to_host` selects the direction. Falls back to one cudaMemcpyAsync per chunk
+// when the driver answers cudaErrorNotSupported or `stream` is the legacy default stream (which the batch API
+// refuses).
 cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gpu, const HostPoolView& pool,
                             const uint32_t* gpu_blocks_host, const uint32_t* slots_host, uint32_t count,
                             uint32_t layer_begin, uint32_t layer_end, bool to_host, cudaStream_t stream);
