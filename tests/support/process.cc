@@ -29,9 +29,19 @@ int64_t NowMs() {
       .count();
 }
 
-std::string FlexkvdPath() { return FLEXKV_TEST_FLEXKVD; }
-std::string FlexkvctlPath() { return FLEXKV_TEST_FLEXKVCTL; }
-std::string TestClientPath() { return FLEXKV_TEST_CLIENT; }
+namespace {
+
+// The build's paths, unless the environment names others (e.g. binaries bundled for the GPU machine).
+std::string BinaryPath(const char* env, const char* built) {
+  const char* v = std::getenv(env);
+  return v != nullptr && *v != '\0' ? v : built;
+}
+
+}  // namespace
+
+std::string FlexkvdPath() { return BinaryPath("FLEXKV_TEST_FLEXKVD", FLEXKV_TEST_FLEXKVD); }
+std::string FlexkvctlPath() { return BinaryPath("FLEXKV_TEST_FLEXKVCTL", FLEXKV_TEST_FLEXKVCTL); }
+std::string TestClientPath() { return BinaryPath("FLEXKV_TEST_CLIENT", FLEXKV_TEST_CLIENT); }
 
 ChildProcess ChildProcess::Spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env) {
   int pipefd[2];
