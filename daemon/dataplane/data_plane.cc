@@ -85,6 +85,7 @@ struct DataPlane::Session {
   uint64_t next_handle = 1;
   std::deque<CompletionDescriptor> overflow;                // completions waiting for ring space
   uint32_t completion_tail = 0;                             // our copy of the producer index
+  uint32_t submit_head = 0;                                 // consumer index; poller thread only
   std::atomic<bool> dead{false};
   std::atomic<uint64_t> inflight{0};                        // requests submitted, not yet completed
   std::atomic<uint64_t> pinned{0};
@@ -309,7 +310,8 @@ void DataPlane::Fail(Session& s, const SubmitDescriptor& d, const Status& status
   Complete(s, c);
 }
 
-bool DataPlane::PollSession(Session& s) {
+bool DataPlane::PollSession(const std::shared_ptr<Session>& self) {
+  Session& s = *self;
   bool work = false;
   {
     std::lock_guard lock(s.mu);
@@ -317,24 +319,22 @@ bool DataPlane::PollSession(Session& s) {
   }
   RingHeader* h = s.hdr;
   const uint32_t entries = s.rg.submit_entries;
-  uint32_t head = h->submit_head.value.load(std::memory_order_relaxed);
+  // The head is ours: the copy in shared memory only tells the client how far we are, and is never read back
+  // (a client rewinding it cannot make us run old descriptors again).
+  uint32_t head = s.submit_head;
   const uint32_t tail = h->submit_tail.value.load(std::memory_order_acquire);
   if (tail == head) return work;
-  std::shared_ptr<Session> self;
-  {
-    std::lock_guard lock(mu_);
-    auto it = sessions_.find(s.id);
-    if (it == sessions_.end()) return work;
-    self = it->second;
-  }
   if (tail - head > entries) {
-    // The client moved its tail past what the ring can hold: nothing in it can be trusted.
+    // The client moved its tail past what the ring can hold: nothing in it can be trusted. Say so once per
+    // completion slot; a client that keeps doing it without reading completions gets no more (bounded memory).
+    s.submit_head = tail;
+    h->submit_head.value.store(tail, std::memory_order_release);
+    if (s.inflight.load() >= s.rg.completion_entries) return true;
     SubmitDescriptor none{};
     s.inflight.fetch_add(1);
     Fail(s, none,
          Status::InvalidArgument(fmt::format("submit_tail {} is {} entries past head {}; ring holds {}", tail,
                                              tail - head, head, entries)));
-    h->submit_head.value.store(tail, std::memory_order_release);
     return true;
   }
   // Back-pressure: never accept more than the completion ring can eventually hold.
@@ -342,6 +342,7 @@ bool DataPlane::PollSession(Session& s) {
     SubmitDescriptor d;
     std::memcpy(&d, &s.submit_entries()[head & (entries - 1)], sizeof(d));  // copied once, then validated
     ++head;
+    s.submit_head = head;
     h->submit_head.value.store(head, std::memory_order_release);
     s.inflight.fetch_add(1);
     Process(self, d);
@@ -702,7 +703,7 @@ void DataPlane::PollerLoop() {
     }
     bool work = false;
     for (auto& s : active) {
-      if (!s->dead) work |= PollSession(*s);
+      if (!s->dead) work |= PollSession(s);
     }
     const int64_t now = NowNs();
     last_turn_ms_.store(now / 1000000, std::memory_order_relaxed);
@@ -721,8 +722,7 @@ void DataPlane::PollerLoop() {
     bool backlog = false;   // completions waiting for the client to make room (e.g. it is stopped)
     for (auto& s : active) {
       if (s->inflight.load() < s->rg.completion_entries) {
-        pending |= s->hdr->submit_tail.value.load(std::memory_order_seq_cst) !=
-                   s->hdr->submit_head.value.load(std::memory_order_relaxed);
+        pending |= s->hdr->submit_tail.value.load(std::memory_order_seq_cst) != s->submit_head;
       }
       std::lock_guard lock(s->mu);
       backlog |= !s->overflow.empty();

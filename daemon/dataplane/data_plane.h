@@ -68,7 +68,7 @@ class DataPlane {
   struct Session;
   struct Request;
   void PollerLoop();
-  bool PollSession(Session& s);
+  bool PollSession(const std::shared_ptr<Session>& s);
   void Process(const std::shared_ptr<Session>& s, const SubmitDescriptor& d);
   void StartLoad(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, std::vector<uint32_t> ids);
   void StartStore(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, std::vector<BlockKey> keys,
