@@ -8,11 +8,16 @@
 namespace flexkv::cuda {
 namespace {
 
-// Defaults measured on an H200 (sm_90, PCIe Gen5 host link), see docs/performance.md. D2H stores to the
-// pool are posted writes: a few SMs keep the link full. H2D loads from the pool wait ~1-2 us on the link,
-// so the load side wants more bytes in flight (more CTAs, deeper unroll).
-constexpr LaunchShape kDefaultGather{16, 512, 4, 1};
-constexpr LaunchShape kDefaultScatter{32, 512, 4, 1};
+// Defaults from launch-shape sweeps on an H200 (PCIe Gen5 x16 host link), docs/performance.md. One direction
+// alone, every shape from 8 CTAs x 256 threads x 8 loads in flight up reached the same plateau (stores ~52.5
+// GB/s, loads ~51 GB/s; the bulk-copy variant too), 5-7% under the copy engine's contiguous copies: a limit of
+// SM-issued PCIe traffic, not of the launch shape. Loads with fewer bytes in flight fell off (8 x 256 threads
+// x 1: 21 GB/s). A store and a load at once reached ~75-79 GB/s together only when both sides had the same
+// weight (32 x 512 x 8 each); with a lighter store side (16 x 256 x 8) the store finished last and the pair
+// fell to ~64 GB/s.
+constexpr LaunchShape kDefaultGather{32, 512, 8, 1, 0, 0};
+constexpr LaunchShape kDefaultScatter{32, 512, 8, 1, 0, 0};
+constexpr int kMaxStages = 8;
 
 struct CopyParams {
   const uint64_t* layer_base;
@@ -32,6 +37,24 @@ struct CopyParams {
   uint32_t group_threads; // threads copying one chunk (warps_per_chunk * 32)
 };
 
+// The chunk `item` (pair, layer, plane) on both sides.
+template <bool kToHost>
+__device__ __forceinline__ void ChunkAddrs(const CopyParams& p, uint64_t item, const uint8_t*& src, uint8_t*& dst) {
+  const uint32_t plane = static_cast<uint32_t>(item % p.planes);
+  const uint64_t rest = item / p.planes;
+  const uint32_t layer = p.layer_begin + static_cast<uint32_t>(rest % p.layers);
+  const uint64_t pair = rest / p.layers;
+  const uint64_t block = __ldg(p.gpu_blocks + pair);
+  const uint64_t slot = __ldg(p.slots + pair);
+  uint8_t* gpu = reinterpret_cast<uint8_t*>(__ldg(reinterpret_cast<const unsigned long long*>(p.layer_base) + layer)) +
+                 plane * p.plane_stride + block * p.block_stride;
+  uint8_t* host = p.pool_base + slot * p.block_bytes +
+                  ((static_cast<uint64_t>(layer) * p.planes + plane) * p.tp_shards + p.tp_rank) *
+                      (static_cast<uint64_t>(p.chunk16) * 16);
+  src = kToHost ? gpu : host;
+  dst = kToHost ? host : gpu;
+}
+
 // One group of `group_threads` threads per chunk, grid-stride over chunks ordered (pair, layer, plane), so
 // groups running at the same time write neighbouring parts of the same pool slot. Each thread keeps
 // `kUnroll` 16-byte loads in flight before it stores them.
@@ -42,19 +65,11 @@ __global__ void __launch_bounds__(1024) CopyChunks(const CopyParams p) {
   const uint64_t groups = (static_cast<uint64_t>(gridDim.x) * blockDim.x) / p.group_threads;
   const uint32_t step = p.group_threads * kUnroll;
   for (uint64_t item = tid / p.group_threads; item < p.items; item += groups) {
-    const uint32_t plane = static_cast<uint32_t>(item % p.planes);
-    const uint64_t rest = item / p.planes;
-    const uint32_t layer = p.layer_begin + static_cast<uint32_t>(rest % p.layers);
-    const uint64_t pair = rest / p.layers;
-    const uint64_t block = __ldg(p.gpu_blocks + pair);
-    const uint64_t slot = __ldg(p.slots + pair);
-    uint8_t* gpu = reinterpret_cast<uint8_t*>(__ldg(reinterpret_cast<const unsigned long long*>(p.layer_base) + layer)) +
-                   plane * p.plane_stride + block * p.block_stride;
-    uint8_t* host = p.pool_base + slot * p.block_bytes +
-                    ((static_cast<uint64_t>(layer) * p.planes + plane) * p.tp_shards + p.tp_rank) *
-                        (static_cast<uint64_t>(p.chunk16) * 16);
-    const int4* src = reinterpret_cast<const int4*>(kToHost ? gpu : host);
-    int4* dst = reinterpret_cast<int4*>(kToHost ? host : gpu);
+    const uint8_t* src_bytes;
+    uint8_t* dst_bytes;
+    ChunkAddrs<kToHost>(p, item, src_bytes, dst_bytes);
+    const int4* src = reinterpret_cast<const int4*>(src_bytes);
+    int4* dst = reinterpret_cast<int4*>(dst_bytes);
     const uint32_t n = p.chunk16;
     uint32_t k = lane;
     // Full rounds: no bounds checks, all loads issued before the first store.
@@ -70,7 +85,93 @@ __global__ void __launch_bounds__(1024) CopyChunks(const CopyParams p) {
   }
 }
 
+__device__ __forceinline__ uint32_t SharedAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Bulk-copy variant: thread 0 of each CTA streams its chunks (grid-stride) through `stages` shared-memory
+// buffers of `piece` bytes: bulk load global -> shared completing on an mbarrier, then bulk store
+// shared -> global; a buffer is refilled once the store has read it.
+template <bool kToHost>
+__global__ void __launch_bounds__(32) BulkCopyChunks(const CopyParams p, uint32_t piece, uint32_t stages) {
+  extern __shared__ __align__(128) uint8_t buffers[];
+  __shared__ __align__(8) uint64_t bars[kMaxStages];
+  if (threadIdx.x != 0) return;
+  for (uint32_t s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddr(&bars[s])));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+
+  const uint32_t chunk = p.chunk16 * 16;
+  uint64_t item = blockIdx.x;
+  uint32_t off = 0;
+  const uint8_t* csrc = nullptr;
+  uint8_t* cdst = nullptr;
+  if (item < p.items) ChunkAddrs<kToHost>(p, item, csrc, cdst);
+  auto next = [&](const uint8_t*& src, uint8_t*& dst, uint32_t& n) {
+    if (item >= p.items) return false;
+    n = min(piece, chunk - off);
+    src = csrc + off;
+    dst = cdst + off;
+    off += n;
+    if (off == chunk) {
+      off = 0;
+      item += gridDim.x;
+      if (item < p.items) ChunkAddrs<kToHost>(p, item, csrc, cdst);
+    }
+    return true;
+  };
+  auto load = [&](uint32_t stage, const uint8_t* src, uint32_t n) {
+    const uint32_t bar = SharedAddr(&bars[stage]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     SharedAddr(buffers + stage * piece)),
+                 "l"(__cvta_generic_to_global(src)), "r"(n), "r"(bar)
+                 : "memory");
+  };
+
+  uint8_t* dsts[kMaxStages];
+  uint32_t sizes[kMaxStages];
+  uint32_t head = 0, tail = 0;
+  const uint8_t* src;
+  uint8_t* dst;
+  uint32_t n;
+  while (head < stages && next(src, dst, n)) {
+    load(head, src, n);
+    dsts[head] = dst;
+    sizes[head] = n;
+    ++head;
+  }
+  while (tail < head) {
+    const uint32_t stage = tail % stages;
+    const uint32_t parity = (tail / stages) & 1;
+    uint32_t done = 0;
+    do {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(SharedAddr(&bars[stage])), "r"(parity)
+          : "memory");
+    } while (!done);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(__cvta_generic_to_global(dsts[stage])),
+                 "r"(SharedAddr(buffers + stage * piece)), "r"(sizes[stage])
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    ++tail;
+    if (next(src, dst, n)) {
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      load(stage, src, n);
+      dsts[stage] = dst;
+      sizes[stage] = n;
+      ++head;
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 bool ValidShape(const LaunchShape& s) {
+  if (s.bulk_kib != 0)
+    return s.ctas > 0 && s.bulk_kib > 0 && s.bulk_kib <= 64 && s.stages > 0 && s.stages <= kMaxStages &&
+           s.bulk_kib * s.stages <= 224;
   if (s.ctas <= 0 || s.threads <= 0 || s.threads > 1024 || s.threads % 32 != 0) return false;
   if (s.unroll != 1 && s.unroll != 2 && s.unroll != 4 && s.unroll != 8) return false;
   if (s.warps_per_chunk <= 0 || (s.threads / 32) % s.warps_per_chunk != 0) return false;
@@ -83,6 +184,7 @@ LaunchShape Resolve(LaunchShape s, bool to_host) {
   if (s.threads == 0) s.threads = d.threads;
   if (s.unroll == 0) s.unroll = d.unroll;
   if (s.warps_per_chunk == 0) s.warps_per_chunk = d.warps_per_chunk;
+  if (s.bulk_kib != 0 && s.stages == 0) s.stages = 4;
   return s;
 }
 
@@ -129,6 +231,18 @@ cudaError_t Launch(const GpuKvView& gpu, const HostPoolView& pool, const BlockPa
   p.group_threads = static_cast<uint32_t>(s.warps_per_chunk) * 32;
 
   // No more CTAs than there are chunks to give their groups.
+  if (s.bulk_kib != 0) {
+    const uint32_t piece = static_cast<uint32_t>(s.bulk_kib) * 1024;
+    const size_t smem = static_cast<size_t>(piece) * static_cast<uint32_t>(s.stages);
+    const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(static_cast<uint64_t>(s.ctas), p.items));
+    if (smem > 48 * 1024) {
+      const cudaError_t e = cudaFuncSetAttribute(BulkCopyChunks<kToHost>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(smem));
+      if (e != cudaSuccess) return e;
+    }
+    BulkCopyChunks<kToHost><<<grid, 32, smem, stream>>>(p, piece, static_cast<uint32_t>(s.stages));
+    return cudaGetLastError();
+  }
   const uint64_t groups_per_cta = static_cast<uint64_t>(s.threads) / p.group_threads;
   const uint64_t useful = (p.items + groups_per_cta - 1) / groups_per_cta;
   const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(static_cast<uint64_t>(s.ctas), useful));

@@ -60,6 +60,11 @@ struct LaunchShape {
   int threads = 0;          // threads per CTA: a multiple of 32, at most 1024
   int unroll = 0;           // 16-byte loads each thread has in flight before its stores: 1, 2, 4 or 8
   int warps_per_chunk = 0;  // warps that copy one chunk together: 1, 2 or 4, dividing threads / 32
+  // > 0: instead of 16-byte loads and stores, one thread per CTA moves each chunk through shared memory
+  // with the bulk-copy (TMA) engine, in pieces of this many KiB (1..64), `stages` pieces in flight (1..8);
+  // threads, unroll and warps_per_chunk are then ignored.
+  int bulk_kib = 0;
+  int stages = 0;
 };
 LaunchShape DefaultLaunchShape(bool to_host);
 

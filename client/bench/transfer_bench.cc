@@ -1,0 +1,665 @@
+// flexkv-bench transfer: block copies between a vLLM-shaped GPU KV cache and a registered host pool
+// (DESIGN §4.6), for the gather/scatter kernels and the copy-engine batch, each next to the contiguous
+// pinned-copy ceiling measured in the same run.
+//
+//   GPU KV cache: LAYERFIRST, one cudaMalloc'ed tensor per layer of [2][blocks][chunk] (vLLM).
+//   Host pool:    `blocks` slots of layers*2*chunk bytes in anonymous page-aligned memory (like the daemon's
+//                 /dev/shm pool), cudaHostRegister'ed (portable) in pieces of at most 64 GiB.
+//   Map:          GPU block i <-> slot perm[i], perm a random permutation.
+//   store = gather (GPU -> pool), load = scatter (pool -> GPU),
+//   both  = a store of GPU blocks [0, blocks/2) and a load of blocks [blocks/2, blocks) at once on two streams
+//           (disjoint halves of the same KV cache and pool); its bytes are the sum of both directions, and its
+//           ceiling is a contiguous D2H of half the bytes and an H2D of the other half at once.
+//   GB/s = 1e9 bytes per second, bytes = blocks * layers * 2 * chunk; each figure is the median of --iters
+//   timed runs (CUDA events) after --warmup runs.
+#include "transfer_bench.h"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/transfer/cuda/kv_copy.h"
+
+namespace {
+
+namespace kv = flexkv::cuda;
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "flexkv-bench transfer: %s\n", what.c_str());
+  std::exit(1);
+}
+
+void Check(cudaError_t e, const char* expr, int line) {
+  if (e != cudaSuccess) Die(fmt::format("line {}: {}: {}", line, expr, cudaGetErrorString(e)));
+}
+#define CK(expr) Check((expr), #expr, __LINE__)
+
+// cuda_runtime_api.h takes void**; these keep the pointer types.
+template <class T>
+cudaError_t DeviceAlloc(T** p, size_t bytes) {
+  void* v = nullptr;
+  const cudaError_t e = cudaMalloc(&v, bytes);
+  *p = static_cast<T*>(v);
+  return e;
+}
+
+constexpr uint64_t kKiB = 1024;
+constexpr uint64_t kMaxRegister = 64ull << 30;  // DESIGN §4.5: register the pool in pieces of at most 64 GiB
+
+struct Options {
+  bool json = false;
+  std::vector<uint32_t> chunk_kib{8, 16, 32, 64, 128};
+  uint32_t layers = 32;
+  uint32_t blocks = 1024;
+  int iters = 7;
+  int warmup = 2;
+  bool sweep = false;
+  std::vector<uint32_t> sweep_chunk_kib{8, 32, 128};
+  std::vector<int> sweep_ctas{8, 16, 32, 66, 132};
+  std::vector<int> sweep_threads{256, 512, 1024};
+  std::vector<int> sweep_unroll{1, 2, 4, 8};
+  std::vector<int> sweep_bulk_ctas{8, 16, 32, 66, 132, 264};
+  std::vector<int> sweep_bulk_kib{4, 8, 16, 32};
+  std::vector<int> sweep_bulk_stages{2, 4};
+  uint32_t sweep_mib = 1024;  // bytes per swept copy
+  int sweep_iters = 3;
+  std::vector<int> alt_store, alt_load;  // optional second kernel shape per direction (LaunchShape fields)
+};
+
+// ---- host helpers -------------------------------------------------------------------------------------
+
+uint64_t Mix(uint64_t x) {  // splitmix64 finalizer
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Runs fn(begin, end) over [0, n) split across the machine's cores.
+void ParallelFor(uint64_t n, const std::function<void(uint64_t, uint64_t)>& fn) {
+  const uint64_t workers = std::max(1u, std::min(32u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> threads;
+  const uint64_t per = (n + workers - 1) / workers;
+  for (uint64_t w = 0; w < workers; ++w) {
+    const uint64_t b = w * per, e = std::min(n, b + per);
+    if (b >= e) break;
+    threads.emplace_back([&fn, b, e] { fn(b, e); });
+  }
+  for (auto& t : threads) t.join();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The pool: anonymous page-aligned memory, registered for DMA; unmapped and unregistered on destruction.
+class RegisteredPool {
+ public:
+  RegisteredPool(uint64_t bytes, uint64_t piece_multiple) : bytes_(bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) Die(fmt::format("mmap {} bytes: {}", bytes, std::strerror(errno)));
+    base_ = static_cast<uint8_t*>(p);
+    const uint64_t piece = std::max<uint64_t>(piece_multiple, kMaxRegister / piece_multiple * piece_multiple);
+    for (uint64_t off = 0; off < bytes; off += piece) {
+      const uint64_t n = std::min(piece, bytes - off);
+      CK(cudaHostRegister(base_ + off, n, cudaHostRegisterPortable | cudaHostRegisterMapped));
+      pieces_.push_back(off);
+    }
+    void* dev = nullptr;
+    CK(cudaHostGetDevicePointer(&dev, base_, 0));
+    if (dev != base_) Die("registered pool has a device address different from its host address (no UVA?)");
+  }
+  ~RegisteredPool() {
+    for (uint64_t off : pieces_) (void)cudaHostUnregister(base_ + off);
+    munmap(base_, bytes_);
+  }
+  RegisteredPool(const RegisteredPool&) = delete;
+  RegisteredPool& operator=(const RegisteredPool&) = delete;
+  uint8_t* base() const { return base_; }
+
+ private:
+  uint8_t* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  std::vector<uint64_t> pieces_;
+};
+
+// ---- timing -------------------------------------------------------------------------------------------
+
+struct Streams {
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr, joined = nullptr, s1_done = nullptr;
+};
+
+// Median milliseconds of `op` (which enqueues on s1 and, when `two_streams`, on s2 too; s2 starts with s1).
+// With two streams, `s1_ms` / `s2_ms` (if given) get the medians of each stream's own finish.
+double TimeMs(Streams& st, int warmup, int iters, bool two_streams, const std::function<void()>& op,
+              double* s1_ms = nullptr, double* s2_ms = nullptr) {
+  std::vector<double> ms, ms1, ms2;
+  for (int i = 0; i < warmup + iters; ++i) {
+    CK(cudaEventRecord(st.start, st.s1));
+    if (two_streams) CK(cudaStreamWaitEvent(st.s2, st.start, 0));
+    op();
+    if (two_streams) {
+      CK(cudaEventRecord(st.s1_done, st.s1));
+      CK(cudaEventRecord(st.joined, st.s2));
+      CK(cudaStreamWaitEvent(st.s1, st.joined, 0));
+    }
+    CK(cudaEventRecord(st.stop, st.s1));
+    CK(cudaEventSynchronize(st.stop));
+    CK(cudaGetLastError());
+    float t = 0, t1 = 0, t2 = 0;
+    CK(cudaEventElapsedTime(&t, st.start, st.stop));
+    if (two_streams) {
+      CK(cudaEventElapsedTime(&t1, st.start, st.s1_done));
+      CK(cudaEventElapsedTime(&t2, st.start, st.joined));
+    }
+    if (i >= warmup) {
+      ms.push_back(static_cast<double>(t));
+      ms1.push_back(static_cast<double>(t1));
+      ms2.push_back(static_cast<double>(t2));
+    }
+  }
+  if (s1_ms) *s1_ms = Median(ms1);
+  if (s2_ms) *s2_ms = Median(ms2);
+  return Median(ms);
+}
+
+double Gbps(uint64_t bytes, double ms) { return static_cast<double>(bytes) / (ms * 1e6); }
+
+// ---- the experiment -----------------------------------------------------------------------------------
+
+struct Triple {
+  double store = 0, load = 0, both = 0;              // GB/s
+  double both_store_ms = 0, both_load_ms = 0;        // when each half of `both` finished
+};
+
+struct LayerWise {
+  double first_ms = 0, all_ms = 0, oneshot_ms = 0;
+};
+
+struct ChunkResult {
+  uint32_t chunk_kib = 0;
+  uint64_t bytes = 0;
+  Triple ceiling, kernel, copy_engine, kernel_alt;
+  bool has_alt = false;
+  LayerWise lw_kernel, lw_copy_engine;
+};
+
+struct SweepRow {
+  uint32_t chunk_kib;
+  std::string dir;         // store, load, both
+  kv::LaunchShape shape;   // store / load shape; for both the store half's
+  kv::LaunchShape shape2;  // both: the load half's
+  double gbps;
+  double ceiling;
+  double store_ms = 0, load_ms = 0;  // both: when each half finished
+};
+
+class Bench {
+ public:
+  explicit Bench(const Options& o) : o_(o) {
+    auto shape = [](const std::vector<int>& v) {
+      kv::LaunchShape s;
+      int* f[] = {&s.ctas, &s.threads, &s.unroll, &s.warps_per_chunk, &s.bulk_kib, &s.stages};
+      for (size_t i = 0; i < v.size() && i < 6; ++i) *f[i] = v[i];
+      return s;
+    };
+    alt_ = !o.alt_store.empty() || !o.alt_load.empty();
+    alt_store_ = shape(o.alt_store);
+    alt_load_ = shape(o.alt_load);
+    max_chunk_ = *std::max_element(o.chunk_kib.begin(), o.chunk_kib.end()) * kKiB;
+    if (o.sweep) max_chunk_ = std::max<uint64_t>(max_chunk_, *std::max_element(o.sweep_chunk_kib.begin(), o.sweep_chunk_kib.end()) * kKiB);
+    layer_bytes_max_ = 2ull * o.blocks * max_chunk_;
+    total_max_ = layer_bytes_max_ * o.layers;
+
+    CK(cudaStreamCreateWithFlags(&st_.s1, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&st_.s2, cudaStreamNonBlocking));
+    CK(cudaEventCreate(&st_.start));
+    CK(cudaEventCreate(&st_.stop));
+    CK(cudaEventCreate(&st_.joined));
+    CK(cudaEventCreate(&st_.s1_done));
+    layer_events_.resize(o.layers);
+    for (auto& e : layer_events_) CK(cudaEventCreate(&e));
+
+    // KV cache A (timed): one allocation per layer, as vLLM does. KV cache B: one contiguous allocation cut
+    // into per-layer tensors; it is the round-trip destination and the GPU side of the ceiling copies.
+    a_layers_.resize(o.layers);
+    for (auto& p : a_layers_) CK(cudaMalloc(&p, layer_bytes_max_));
+    CK(cudaMalloc(&b_, total_max_));
+    std::vector<uint64_t> a_bases(o.layers), b_bases(o.layers);
+    for (uint32_t l = 0; l < o.layers; ++l) {
+      a_bases[l] = reinterpret_cast<uint64_t>(a_layers_[l]);
+      b_bases[l] = reinterpret_cast<uint64_t>(static_cast<uint8_t*>(b_) + l * layer_bytes_max_);
+    }
+    a_bases_host_ = a_bases;
+    b_bases_host_ = b_bases;
+    CK(DeviceAlloc(&a_bases_dev_, o.layers * sizeof(uint64_t)));
+    CK(DeviceAlloc(&b_bases_dev_, o.layers * sizeof(uint64_t)));
+    CK(cudaMemcpy(a_bases_dev_, a_bases.data(), o.layers * sizeof(uint64_t), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(b_bases_dev_, b_bases.data(), o.layers * sizeof(uint64_t), cudaMemcpyHostToDevice));
+
+    pool_ = std::make_unique<RegisteredPool>(total_max_, 2ull * o.layers * max_chunk_);
+
+    // GPU block i <-> slot perm[i].
+    blocks_host_.resize(o.blocks);
+    std::iota(blocks_host_.begin(), blocks_host_.end(), 0u);
+    slots_host_ = blocks_host_;
+    std::mt19937_64 rng(20261202);
+    std::shuffle(slots_host_.begin(), slots_host_.end(), rng);
+    CK(DeviceAlloc(&blocks_dev_, o.blocks * sizeof(uint32_t)));
+    CK(DeviceAlloc(&slots_dev_, o.blocks * sizeof(uint32_t)));
+    CK(cudaMemcpy(blocks_dev_, blocks_host_.data(), o.blocks * sizeof(uint32_t), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(slots_dev_, slots_host_.data(), o.blocks * sizeof(uint32_t), cudaMemcpyHostToDevice));
+  }
+
+  ~Bench() {
+    for (auto* p : a_layers_) (void)cudaFree(p);
+    (void)cudaFree(b_);
+    (void)cudaFree(a_bases_dev_);
+    (void)cudaFree(b_bases_dev_);
+    (void)cudaFree(blocks_dev_);
+    (void)cudaFree(slots_dev_);
+    pool_.reset();
+  }
+  Bench(const Bench&) = delete;
+  Bench& operator=(const Bench&) = delete;
+
+  const kv::LaunchShape& AltStore() const { return alt_store_; }
+  const kv::LaunchShape& AltLoad() const { return alt_load_; }
+
+  kv::GpuKvView View(bool a, uint64_t chunk) const {
+    return kv::GpuKvView{a ? a_bases_dev_ : b_bases_dev_, static_cast<uint64_t>(o_.blocks) * chunk, chunk, o_.layers, 2, chunk};
+  }
+  kv::HostPoolView Pool(uint64_t chunk) const { return kv::HostPoolView{pool_->base(), 2ull * o_.layers * chunk, 1, 0}; }
+  kv::BlockPairs Pairs(uint32_t first, uint32_t count, uint32_t lb, uint32_t le) const {
+    return kv::BlockPairs{blocks_dev_ + first, slots_dev_ + first, count, lb, le};
+  }
+
+  // Correctness before timing: random data in A, poisoned pool, gather, check every pool byte against where it
+  // came from; poisoned B, scatter, check every byte of B equals A. For the kernels and the copy engine.
+  void CheckRoundTrip(uint64_t chunk, bool copy_engine) {
+    const uint64_t layer_bytes = 2ull * o_.blocks * chunk;
+    const uint64_t total = layer_bytes * o_.layers;
+    const uint64_t seed = Mix(chunk * 2 + (copy_engine ? 1 : 0));
+    uint64_t* words = reinterpret_cast<uint64_t*>(pool_->base());
+    const uint64_t nwords = total / 8;
+    // Logical GPU offset o = layer * layer_bytes + plane * blocks * chunk + block * chunk holds Mix(seed + o/8).
+    ParallelFor(nwords, [&](uint64_t b, uint64_t e) {
+      for (uint64_t w = b; w < e; ++w) words[w] = Mix(seed + w);
+    });
+    for (uint32_t l = 0; l < o_.layers; ++l)
+      CK(cudaMemcpyAsync(a_layers_[l], pool_->base() + l * layer_bytes, layer_bytes, cudaMemcpyHostToDevice, st_.s1));
+    CK(cudaStreamSynchronize(st_.s1));
+    ParallelFor(total, [&](uint64_t b, uint64_t e) { std::memset(pool_->base() + b, 0xA5, e - b); });
+
+    const kv::GpuKvView a = View(true, chunk), bview = View(false, chunk);
+    const kv::HostPoolView pool = Pool(chunk);
+    if (copy_engine) {
+      CK(kv::CopyEngineBatch(a_bases_host_.data(), a, pool, blocks_host_.data(), slots_host_.data(), o_.blocks, 0,
+                             o_.layers, true, st_.s1));
+    } else {
+      CK(kv::LaunchGather(a, pool, Pairs(0, o_.blocks, 0, o_.layers), st_.s1));
+    }
+    CK(cudaStreamSynchronize(st_.s1));
+    const uint64_t chunk_words = chunk / 8;
+    std::atomic<uint64_t> bad{0};
+    ParallelFor(o_.blocks, [&](uint64_t b, uint64_t e) {
+      uint64_t wrong = 0;
+      for (uint64_t i = b; i < e; ++i) {
+        const uint64_t* slot = words + slots_host_[i] * (2ull * o_.layers * chunk) / 8;
+        for (uint32_t l = 0; l < o_.layers; ++l)
+          for (uint32_t p = 0; p < 2; ++p) {
+            const uint64_t* got = slot + (l * 2ull + p) * chunk_words;
+            const uint64_t first = (l * layer_bytes + p * o_.blocks * chunk + blocks_host_[i] * chunk) / 8;
+            for (uint64_t w = 0; w < chunk_words; ++w) wrong += got[w] != Mix(seed + first + w);
+          }
+      }
+      bad += wrong;
+    });
+    if (bad) Die(fmt::format("{} gather to the pool: {} of {} words wrong at chunk {} KiB",
+                             copy_engine ? "copy-engine" : "kernel", bad.load(), nwords, chunk / kKiB));
+
+    CK(cudaMemsetAsync(b_, 0x5A, total_max_, st_.s1));
+    if (copy_engine) {
+      CK(kv::CopyEngineBatch(b_bases_host_.data(), bview, pool, blocks_host_.data(), slots_host_.data(), o_.blocks, 0,
+                             o_.layers, false, st_.s1));
+    } else {
+      CK(kv::LaunchScatter(bview, pool, Pairs(0, o_.blocks, 0, o_.layers), st_.s1));
+    }
+    for (uint32_t l = 0; l < o_.layers; ++l)
+      CK(cudaMemcpyAsync(pool_->base() + l * layer_bytes, static_cast<uint8_t*>(b_) + l * layer_bytes_max_, layer_bytes,
+                         cudaMemcpyDeviceToHost, st_.s1));
+    CK(cudaStreamSynchronize(st_.s1));
+    bad = 0;
+    ParallelFor(nwords, [&](uint64_t b, uint64_t e) {
+      uint64_t wrong = 0;
+      for (uint64_t w = b; w < e; ++w) wrong += words[w] != Mix(seed + w);
+      bad += wrong;
+    });
+    if (bad) Die(fmt::format("{} round trip: {} of {} words wrong at chunk {} KiB",
+                             copy_engine ? "copy-engine" : "kernel", bad.load(), nwords, chunk / kKiB));
+  }
+
+  ChunkResult Measure(uint32_t chunk_kib) {
+    const uint64_t chunk = chunk_kib * kKiB;
+    ChunkResult r;
+    r.chunk_kib = chunk_kib;
+    r.bytes = 2ull * o_.blocks * o_.layers * chunk;
+    const uint64_t half_bytes = r.bytes / 2;
+    const uint32_t n = o_.blocks, h = o_.blocks / 2;
+    const kv::GpuKvView a = View(true, chunk);
+    const kv::HostPoolView pool = Pool(chunk);
+    uint8_t* host = pool_->base();
+    uint8_t* dev = static_cast<uint8_t*>(b_);
+    auto time = [&](bool two, const std::function<void()>& op, double* s1 = nullptr, double* s2 = nullptr) {
+      return TimeMs(st_, o_.warmup, o_.iters, two, op, s1, s2);
+    };
+
+    // Ceiling: one contiguous copy of the same bytes each way; both: half of them each way at once.
+    r.ceiling.store = Gbps(r.bytes, time(false, [&] { CK(cudaMemcpyAsync(host, dev, r.bytes, cudaMemcpyDeviceToHost, st_.s1)); }));
+    r.ceiling.load = Gbps(r.bytes, time(false, [&] { CK(cudaMemcpyAsync(dev, host, r.bytes, cudaMemcpyHostToDevice, st_.s1)); }));
+    r.ceiling.both = Gbps(r.bytes, time(true, [&] {
+      CK(cudaMemcpyAsync(host, dev, half_bytes, cudaMemcpyDeviceToHost, st_.s1));
+      CK(cudaMemcpyAsync(dev + half_bytes, host + half_bytes, r.bytes - half_bytes, cudaMemcpyHostToDevice, st_.s2));
+    }, &r.ceiling.both_store_ms, &r.ceiling.both_load_ms));
+
+    r.kernel.store = Gbps(r.bytes, time(false, [&] { CK(kv::LaunchGather(a, pool, Pairs(0, n, 0, o_.layers), st_.s1)); }));
+    r.kernel.load = Gbps(r.bytes, time(false, [&] { CK(kv::LaunchScatter(a, pool, Pairs(0, n, 0, o_.layers), st_.s1)); }));
+    r.kernel.both = Gbps(r.bytes, time(true, [&] {
+      CK(kv::LaunchGather(a, pool, Pairs(0, h, 0, o_.layers), st_.s1));
+      CK(kv::LaunchScatter(a, pool, Pairs(h, n - h, 0, o_.layers), st_.s2));
+    }, &r.kernel.both_store_ms, &r.kernel.both_load_ms));
+
+    const uint64_t* ab = a_bases_host_.data();
+    const uint32_t* bh = blocks_host_.data();
+    const uint32_t* sh = slots_host_.data();
+    if (alt_) {
+      r.has_alt = true;
+      const kv::LaunchShape gs = alt_store_, ss = alt_load_;
+      r.kernel_alt.store = Gbps(r.bytes, time(false, [&] { CK(kv::LaunchGatherShaped(a, pool, Pairs(0, n, 0, o_.layers), st_.s1, gs)); }));
+      r.kernel_alt.load = Gbps(r.bytes, time(false, [&] { CK(kv::LaunchScatterShaped(a, pool, Pairs(0, n, 0, o_.layers), st_.s1, ss)); }));
+      r.kernel_alt.both = Gbps(r.bytes, time(true, [&] {
+        CK(kv::LaunchGatherShaped(a, pool, Pairs(0, h, 0, o_.layers), st_.s1, gs));
+        CK(kv::LaunchScatterShaped(a, pool, Pairs(h, n - h, 0, o_.layers), st_.s2, ss));
+      }, &r.kernel_alt.both_store_ms, &r.kernel_alt.both_load_ms));
+    }
+    r.copy_engine.store = Gbps(r.bytes, time(false, [&] { CK(kv::CopyEngineBatch(ab, a, pool, bh, sh, n, 0, o_.layers, true, st_.s1)); }));
+    r.copy_engine.load = Gbps(r.bytes, time(false, [&] { CK(kv::CopyEngineBatch(ab, a, pool, bh, sh, n, 0, o_.layers, false, st_.s1)); }));
+    r.copy_engine.both = Gbps(r.bytes, time(true, [&] {
+      CK(kv::CopyEngineBatch(ab, a, pool, bh, sh, h, 0, o_.layers, true, st_.s1));
+      CK(kv::CopyEngineBatch(ab, a, pool, bh + h, sh + h, n - h, 0, o_.layers, false, st_.s2));
+    }, &r.copy_engine.both_store_ms, &r.copy_engine.both_load_ms));
+
+    r.lw_kernel = LayerWiseLoad(r.bytes, r.kernel.load, [&](uint32_t l) {
+      CK(kv::LaunchScatter(a, pool, Pairs(0, n, l, l + 1), st_.s1));
+    });
+    r.lw_copy_engine = LayerWiseLoad(r.bytes, r.copy_engine.load, [&](uint32_t l) {
+      CK(kv::CopyEngineBatch(ab, a, pool, bh, sh, n, l, l + 1, false, st_.s1));
+    });
+    return r;
+  }
+
+  // Load layer by layer on one stream with an event after each layer: median time to layer 0 done and to all
+  // layers done, next to the one-shot load's time.
+  LayerWise LayerWiseLoad(uint64_t bytes, double oneshot_gbps, const std::function<void(uint32_t)>& load_layer) {
+    std::vector<double> first, all;
+    for (int i = 0; i < o_.warmup + o_.iters; ++i) {
+      CK(cudaEventRecord(st_.start, st_.s1));
+      for (uint32_t l = 0; l < o_.layers; ++l) {
+        load_layer(l);
+        CK(cudaEventRecord(layer_events_[l], st_.s1));
+      }
+      CK(cudaEventSynchronize(layer_events_.back()));
+      CK(cudaGetLastError());
+      float f = 0, a = 0;
+      CK(cudaEventElapsedTime(&f, st_.start, layer_events_.front()));
+      CK(cudaEventElapsedTime(&a, st_.start, layer_events_.back()));
+      if (i >= o_.warmup) {
+        first.push_back(static_cast<double>(f));
+        all.push_back(static_cast<double>(a));
+      }
+    }
+    return LayerWise{Median(first), Median(all), static_cast<double>(bytes) / (oneshot_gbps * 1e6)};
+  }
+
+  // Launch-shape sweep for the kernels at one chunk size over about --sweep-mib bytes (a prefix of the map):
+  // each direction alone for the plain and the bulk-copy kernels, then pairs of shapes for both at once.
+  void Sweep(uint32_t chunk_kib, std::vector<SweepRow>& rows) {
+    const uint64_t chunk = chunk_kib * kKiB;
+    const uint64_t per_block = 2ull * o_.layers * chunk;
+    const uint32_t count = static_cast<uint32_t>(
+        std::clamp<uint64_t>((static_cast<uint64_t>(o_.sweep_mib) << 20) / per_block, 2, o_.blocks));
+    const uint32_t h = count / 2;
+    const uint64_t bytes = per_block * count, store_bytes = per_block * h;
+    const kv::GpuKvView a = View(true, chunk);
+    const kv::HostPoolView pool = Pool(chunk);
+    auto time = [&](bool two, const std::function<void()>& op, double* s1 = nullptr, double* s2 = nullptr) {
+      return TimeMs(st_, 1, o_.sweep_iters, two, op, s1, s2);
+    };
+    uint8_t* host = pool_->base();
+    uint8_t* dev = static_cast<uint8_t*>(b_);
+    const double ceil_d2h = Gbps(bytes, time(false, [&] { CK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, st_.s1)); }));
+    const double ceil_h2d = Gbps(bytes, time(false, [&] { CK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, st_.s1)); }));
+    const double ceil_both = Gbps(bytes, time(true, [&] {
+      CK(cudaMemcpyAsync(host, dev, store_bytes, cudaMemcpyDeviceToHost, st_.s1));
+      CK(cudaMemcpyAsync(dev + store_bytes, host + store_bytes, bytes - store_bytes, cudaMemcpyHostToDevice, st_.s2));
+    }));
+    std::vector<kv::LaunchShape> shapes;
+    for (int c : o_.sweep_ctas)
+      for (int t : o_.sweep_threads)
+        for (int u : o_.sweep_unroll) shapes.push_back({c, t, u, 1, 0, 0});
+    for (int c : o_.sweep_ctas)
+      for (int w : {2, 4}) shapes.push_back({c, 512, 4, w, 0, 0});
+    for (int c : o_.sweep_bulk_ctas)
+      for (int k : o_.sweep_bulk_kib)
+        for (int st : o_.sweep_bulk_stages) shapes.push_back({c, 32, 1, 1, k, st});
+    for (bool to_host : {true, false}) {
+      for (const auto& s : shapes) {
+        const double ms = time(false, [&] {
+          const auto pairs = Pairs(0, count, 0, o_.layers);
+          CK(to_host ? kv::LaunchGatherShaped(a, pool, pairs, st_.s1, s) : kv::LaunchScatterShaped(a, pool, pairs, st_.s1, s));
+        });
+        rows.push_back({chunk_kib, to_host ? "store" : "load", s, {}, Gbps(bytes, ms), to_host ? ceil_d2h : ceil_h2d});
+      }
+    }
+    // Both at once: store pairs [0, h) on one stream, load pairs [h, count) on the other.
+    std::vector<std::pair<kv::LaunchShape, kv::LaunchShape>> combos;
+    for (int g : {8, 16, 32})
+      for (int sc : {16, 32, 66, 132}) combos.push_back({{g, 512, 8, 1, 0, 0}, {sc, 512, 8, 1, 0, 0}});
+    for (int g : {16, 32, 66})
+      for (int sc : {32, 66, 132}) combos.push_back({{g, 32, 1, 1, 16, 4}, {sc, 32, 1, 1, 16, 4}});
+    combos.push_back({kv::DefaultLaunchShape(true), kv::DefaultLaunchShape(false)});
+    combos.push_back({{8, 256, 8, 1, 0, 0}, {66, 512, 8, 1, 0, 0}});
+    combos.push_back({{16, 512, 8, 1, 0, 0}, {66, 32, 1, 1, 16, 4}});
+    combos.push_back({{32, 32, 1, 1, 16, 4}, {32, 512, 8, 1, 0, 0}});
+    for (const auto& [g, sc] : combos) {
+      SweepRow row{chunk_kib, "both", g, sc, 0, ceil_both};
+      const double ms = time(true, [&] {
+        CK(kv::LaunchGatherShaped(a, pool, Pairs(0, h, 0, o_.layers), st_.s1, g));
+        CK(kv::LaunchScatterShaped(a, pool, Pairs(h, count - h, 0, o_.layers), st_.s2, sc));
+      }, &row.store_ms, &row.load_ms);
+      row.gbps = Gbps(bytes, ms);
+      rows.push_back(row);
+    }
+  }
+
+ private:
+  const Options& o_;
+  bool alt_ = false;
+  kv::LaunchShape alt_store_, alt_load_;
+  uint64_t max_chunk_ = 0, layer_bytes_max_ = 0, total_max_ = 0;
+  Streams st_;
+  std::vector<cudaEvent_t> layer_events_;
+  std::vector<void*> a_layers_;
+  void* b_ = nullptr;
+  std::vector<uint64_t> a_bases_host_, b_bases_host_;
+  uint64_t* a_bases_dev_ = nullptr;
+  uint64_t* b_bases_dev_ = nullptr;
+  std::unique_ptr<RegisteredPool> pool_;
+  std::vector<uint32_t> blocks_host_, slots_host_;
+  uint32_t* blocks_dev_ = nullptr;
+  uint32_t* slots_dev_ = nullptr;
+};
+
+std::string ShapeJson(const kv::LaunchShape& s) {
+  return fmt::format("{{\"ctas\": {}, \"threads\": {}, \"unroll\": {}, \"warps_per_chunk\": {}, \"bulk_kib\": {}, "
+                     "\"stages\": {}}}",
+                     s.ctas, s.threads, s.unroll, s.warps_per_chunk, s.bulk_kib, s.stages);
+}
+
+std::string TripleJson(const Triple& t, const Triple& ceil) {
+  return fmt::format("{{\"store_gbps\": {:.2f}, \"load_gbps\": {:.2f}, \"both_gbps\": {:.2f}, \"store_ratio\": {:.3f}, "
+                     "\"load_ratio\": {:.3f}, \"both_ratio\": {:.3f}, \"both_store_half_ms\": {:.3f}, "
+                     "\"both_load_half_ms\": {:.3f}}}",
+                     t.store, t.load, t.both, t.store / ceil.store, t.load / ceil.load, t.both / ceil.both,
+                     t.both_store_ms, t.both_load_ms);
+}
+
+std::string LayerWiseJson(const LayerWise& lw, uint64_t bytes) {
+  return fmt::format("{{\"first_layer_ms\": {:.3f}, \"all_layers_ms\": {:.3f}, \"oneshot_ms\": {:.3f}, "
+                     "\"all_layers_gbps\": {:.2f}, \"throughput_vs_oneshot\": {:.3f}}}",
+                     lw.first_ms, lw.all_ms, lw.oneshot_ms, Gbps(bytes, lw.all_ms), lw.oneshot_ms / lw.all_ms);
+}
+
+}  // namespace
+
+int RunTransferBench(int argc, char** argv) {
+  Options o;
+  CLI::App app{"flexkv-bench transfer: GPU <-> host pool block copies vs contiguous pinned copies", "transfer"};
+  app.add_flag("--json", o.json, "One JSON object instead of the table");
+  app.add_option("--chunk-kib", o.chunk_kib, "Chunk sizes (KiB per layer, plane and block), comma separated")
+      ->delimiter(',')
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--layers", o.layers)->check(CLI::Range(1u, 1024u));
+  app.add_option("--blocks", o.blocks)->check(CLI::Range(2u, 1u << 24));
+  app.add_option("--iters", o.iters, "Timed runs per figure (median)")->check(CLI::Range(1, 1000));
+  app.add_option("--warmup", o.warmup, "Untimed runs first")->check(CLI::Range(0, 1000));
+  app.add_flag("--sweep", o.sweep, "Also sweep the kernels' launch shapes");
+  app.add_option("--sweep-chunk-kib", o.sweep_chunk_kib)->delimiter(',')->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--sweep-ctas", o.sweep_ctas)->delimiter(',')->check(CLI::Range(1, 65535));
+  app.add_option("--sweep-threads", o.sweep_threads)->delimiter(',')->check(CLI::Range(32, 1024));
+  app.add_option("--sweep-unroll", o.sweep_unroll)->delimiter(',');
+  app.add_option("--sweep-bulk-ctas", o.sweep_bulk_ctas)->delimiter(',');
+  app.add_option("--sweep-bulk-kib", o.sweep_bulk_kib)->delimiter(',');
+  app.add_option("--sweep-bulk-stages", o.sweep_bulk_stages)->delimiter(',');
+  app.add_option("--sweep-mib", o.sweep_mib, "Bytes per swept copy")->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--sweep-iters", o.sweep_iters)->check(CLI::Range(1, 1000));
+  app.add_option("--alt-store-shape", o.alt_store,
+                 "Also time the kernels with this store shape: ctas,threads,unroll,warps_per_chunk[,bulk_kib,stages]")
+      ->delimiter(',');
+  app.add_option("--alt-load-shape", o.alt_load, "... and this load shape")->delimiter(',');
+  CLI11_PARSE(app, argc, argv);
+  for (uint32_t c : o.chunk_kib)
+    if ((c * kKiB) % 16) Die("--chunk-kib: chunks must be multiples of 16 bytes");
+
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) Die("no CUDA device visible");
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  int driver = 0, runtime = 0;
+  CK(cudaDriverGetVersion(&driver));
+  CK(cudaRuntimeGetVersion(&runtime));
+
+  Bench bench(o);
+  std::vector<ChunkResult> results;
+  for (uint32_t c : o.chunk_kib) {
+    bench.CheckRoundTrip(c * kKiB, false);
+    bench.CheckRoundTrip(c * kKiB, true);
+    results.push_back(bench.Measure(c));
+    std::fprintf(stderr, "chunk %u KiB: round trips checked (kernel, copy engine), measured\n", c);
+  }
+  std::vector<SweepRow> sweep;
+  if (o.sweep)
+    for (uint32_t c : o.sweep_chunk_kib) bench.Sweep(c, sweep);
+
+  const kv::LaunchShape dg = kv::DefaultLaunchShape(true), ds = kv::DefaultLaunchShape(false);
+  if (o.json) {
+    std::string out = fmt::format(
+        "{{\"bench\": \"transfer\", \"device\": \"{}\", \"sms\": {}, \"pci_bus\": \"{:04x}:{:02x}:{:02x}\", "
+        "\"cuda_driver\": {}, \"cuda_runtime\": {}, \"layers\": {}, \"blocks\": {}, \"planes\": 2, \"iters\": {}, "
+        "\"warmup\": {}, \"correctness\": \"ok\", \"default_gather\": {}, \"default_scatter\": {}, \"alt_store_shape\": {}, "
+        "\"alt_load_shape\": {}, \"results\": [",
+        prop.name, prop.multiProcessorCount, prop.pciDomainID, prop.pciBusID, prop.pciDeviceID, driver, runtime,
+        o.layers, o.blocks, o.iters, o.warmup, ShapeJson(dg), ShapeJson(ds), ShapeJson(bench.AltStore()),
+        ShapeJson(bench.AltLoad()));
+    for (size_t i = 0; i < results.size(); ++i) {
+      const auto& r = results[i];
+      out += fmt::format(
+          "{}{{\"chunk_kib\": {}, \"bytes\": {}, \"ceiling\": {{\"store_gbps\": {:.2f}, \"load_gbps\": {:.2f}, "
+          "\"both_gbps\": {:.2f}, \"both_store_half_ms\": {:.3f}, \"both_load_half_ms\": {:.3f}}}, \"kernel\": {}, "
+          "\"copy_engine\": {}, {}\"layerwise_kernel\": {}, \"layerwise_copy_engine\": {}}}",
+          i ? ", " : "", r.chunk_kib, r.bytes, r.ceiling.store, r.ceiling.load, r.ceiling.both,
+          r.ceiling.both_store_ms, r.ceiling.both_load_ms,
+          TripleJson(r.kernel, r.ceiling), TripleJson(r.copy_engine, r.ceiling),
+          r.has_alt ? fmt::format("\"kernel_alt\": {}, ", TripleJson(r.kernel_alt, r.ceiling)) : std::string(),
+          LayerWiseJson(r.lw_kernel, r.bytes),
+          LayerWiseJson(r.lw_copy_engine, r.bytes));
+    }
+    out += "], \"sweep\": [";
+    for (size_t i = 0; i < sweep.size(); ++i) {
+      const auto& s = sweep[i];
+      out += fmt::format("{}{{\"chunk_kib\": {}, \"dir\": \"{}\", \"shape\": {}, ", i ? ", " : "", s.chunk_kib, s.dir,
+                         ShapeJson(s.shape));
+      if (s.dir == "both")
+        out += fmt::format("\"load_shape\": {}, \"store_half_ms\": {:.3f}, \"load_half_ms\": {:.3f}, ",
+                           ShapeJson(s.shape2), s.store_ms, s.load_ms);
+      out += fmt::format("\"gbps\": {:.2f}, \"ratio\": {:.3f}}}", s.gbps, s.gbps / s.ceiling);
+    }
+    out += "]}\n";
+    std::fputs(out.c_str(), stdout);
+    return 0;
+  }
+
+  fmt::print("{} ({} SMs), driver {}, runtime {}; LAYERFIRST K/V, {} layers, {} blocks, random block->slot map; "
+             "median of {} after {} warm-up; GB/s = 1e9 B/s\n",
+             prop.name, prop.multiProcessorCount, driver, runtime, o.layers, o.blocks, o.iters, o.warmup);
+  fmt::print("kernel defaults: store {} CTAs x {} thr, unroll {}, {} warp(s)/chunk; load {} CTAs x {} thr, unroll {}, "
+             "{} warp(s)/chunk\n",
+             dg.ctas, dg.threads, dg.unroll, dg.warps_per_chunk, ds.ctas, ds.threads, ds.unroll, ds.warps_per_chunk);
+  fmt::print("{:>5} {:>6} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20}\n", "chunk", "MiB", "store kernel",
+             "store copy-engine", "load kernel", "load copy-engine", "both kernel", "both copy-engine");
+  for (const auto& r : results) {
+    auto cell = [](double v, double c) { return fmt::format("{:6.1f} / {:5.1f} {:.3f}", v, c, v / c); };
+    fmt::print("{:>4}K {:>6} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20}\n", r.chunk_kib, r.bytes >> 20,
+               cell(r.kernel.store, r.ceiling.store), cell(r.copy_engine.store, r.ceiling.store),
+               cell(r.kernel.load, r.ceiling.load), cell(r.copy_engine.load, r.ceiling.load),
+               cell(r.kernel.both, r.ceiling.both), cell(r.copy_engine.both, r.ceiling.both));
+  }
+  for (const auto& r : results) {
+    if (!r.has_alt) continue;
+    fmt::print("{:>4}K alternative kernel shapes: store {:.1f} ({:.3f}), load {:.1f} ({:.3f}), both {:.1f} ({:.3f})\n",
+               r.chunk_kib, r.kernel_alt.store, r.kernel_alt.store / r.ceiling.store, r.kernel_alt.load,
+               r.kernel_alt.load / r.ceiling.load, r.kernel_alt.both, r.kernel_alt.both / r.ceiling.both);
+  }
+  fmt::print("(cells: path GB/s / contiguous ceiling GB/s, ratio)\nlayer-wise load (one stream, event per layer):\n");
+  for (const auto& r : results) {
+    fmt::print("{:>4}K kernel: layer 0 {:.3f} ms, all {:.3f} ms vs one-shot {:.3f} ms ({:.3f}); copy-engine: layer 0 "
+               "{:.3f} ms, all {:.3f} ms vs one-shot {:.3f} ms ({:.3f})\n",
+               r.chunk_kib, r.lw_kernel.first_ms, r.lw_kernel.all_ms, r.lw_kernel.oneshot_ms,
+               r.lw_kernel.oneshot_ms / r.lw_kernel.all_ms, r.lw_copy_engine.first_ms, r.lw_copy_engine.all_ms,
+               r.lw_copy_engine.oneshot_ms, r.lw_copy_engine.oneshot_ms / r.lw_copy_engine.all_ms);
+  }
+  for (const auto& s : sweep)
+    fmt::print("sweep {:>4}K {:5} ctas {:3} thr {:4} unroll {} wpc {} bulk {} KiB x {}: {:6.1f} GB/s ({:.3f})\n",
+               s.chunk_kib, s.dir, s.shape.ctas, s.shape.threads, s.shape.unroll, s.shape.warps_per_chunk,
+               s.shape.bulk_kib, s.shape.stages, s.gbps, s.gbps / s.ceiling);
+  return 0;
+}

@@ -1,0 +1,525 @@
+// GPU <-> host-pool block copies (daemon/transfer/cuda/kv_copy.h): byte-exact round trips through a registered
+// pool for every GPU layout, K/V and MLA, TP shards, layer ranges, odd sizes and launch shapes, for the kernels
+// and the copy-engine batch. Without a visible GPU (CI) every case warns and passes.
+#include <cuda_runtime_api.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "daemon/transfer/cuda/kv_copy.h"
+
+namespace {
+
+namespace kv = flexkv::cuda;
+
+bool HaveGpu() {
+  int n = 0;
+  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  (void)cudaGetLastError();
+  return ok;
+}
+
+#define SKIP_WITHOUT_GPU()               \
+  do {                                   \
+    if (!HaveGpu()) {                    \
+      WARN("no GPU visible; skipped");   \
+      return;                            \
+    }                                    \
+  } while (0)
+
+#define CUDA_OK(expr)                                                          \
+  do {                                                                         \
+    const cudaError_t e_ = (expr);                                             \
+    INFO(#expr << ": " << cudaGetErrorString(e_));                             \
+    REQUIRE(e_ == cudaSuccess);                                                \
+  } while (0)
+
+// cuda_runtime_api.h takes void**; these keep the pointer types.
+template <class T>
+cudaError_t DeviceAlloc(T** p, size_t bytes) {
+  void* v = nullptr;
+  const cudaError_t e = cudaMalloc(&v, bytes);
+  *p = static_cast<T*>(v);
+  return e;
+}
+template <class T>
+cudaError_t PinnedAlloc(T** p, size_t bytes) {
+  void* v = nullptr;
+  const cudaError_t e = cudaMallocHost(&v, bytes);
+  *p = static_cast<T*>(v);
+  return e;
+}
+
+constexpr uint8_t kPoolPoison = 0xA5;
+constexpr uint8_t kGpuPoison = 0x5A;
+
+enum class Layout { kLayerFirst, kBlockFirst, kLayerBlock };
+
+const char* Name(Layout l) {
+  switch (l) {
+    case Layout::kLayerFirst: return "LAYERFIRST";
+    case Layout::kBlockFirst: return "BLOCKFIRST";
+    default: return "LAYERBLOCK";
+  }
+}
+
+std::mt19937_64 Rng() {
+  std::random_device rd;
+  const uint64_t seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  UNSCOPED_INFO("rng seed " << seed);
+  return std::mt19937_64(seed);
+}
+
+// One TP rank's KV cache on the GPU in `layout`, with a host mirror of every allocation. LAYERFIRST is one
+// allocation per layer ([planes][blocks][chunk], vLLM); the others are one allocation.
+class GpuKv {
+ public:
+  GpuKv(Layout layout, uint32_t layers, uint32_t planes, uint32_t blocks, uint64_t chunk)
+      : layout_(layout), layers_(layers), planes_(planes), blocks_(blocks), chunk_(chunk) {
+    const uint64_t per_layer = static_cast<uint64_t>(planes) * blocks * chunk;
+    const size_t allocs = layout == Layout::kLayerFirst ? layers : 1;
+    const uint64_t bytes = layout == Layout::kLayerFirst ? per_layer : per_layer * layers;
+    dev_.resize(allocs, nullptr);
+    mirror_.assign(allocs, std::vector<uint8_t>(bytes));
+    for (auto& d : dev_) CUDA_OK(cudaMalloc(&d, bytes));
+    bases_.resize(layers);
+    for (uint32_t l = 0; l < layers; ++l) {
+      auto* base = static_cast<uint8_t*>(dev_[layout == Layout::kLayerFirst ? l : 0]);
+      if (layout == Layout::kBlockFirst) base += static_cast<uint64_t>(l) * planes * chunk;
+      if (layout == Layout::kLayerBlock) base += static_cast<uint64_t>(l) * blocks * planes * chunk;
+      bases_[l] = reinterpret_cast<uint64_t>(base);
+    }
+    CUDA_OK(DeviceAlloc(&bases_dev_, layers * sizeof(uint64_t)));
+    CUDA_OK(cudaMemcpy(bases_dev_, bases_.data(), layers * sizeof(uint64_t), cudaMemcpyHostToDevice));
+  }
+  ~GpuKv() {
+    for (auto* d : dev_) (void)cudaFree(d);
+    (void)cudaFree(bases_dev_);
+  }
+  GpuKv(const GpuKv&) = delete;
+  GpuKv& operator=(const GpuKv&) = delete;
+
+  kv::GpuKvView View() const {
+    kv::GpuKvView v{};
+    v.layer_base = bases_dev_;
+    v.num_layers = layers_;
+    v.num_planes = planes_;
+    v.chunk_bytes = chunk_;
+    switch (layout_) {
+      case Layout::kLayerFirst: v.plane_stride = static_cast<uint64_t>(blocks_) * chunk_; v.block_stride = chunk_; break;
+      case Layout::kBlockFirst: v.plane_stride = chunk_; v.block_stride = static_cast<uint64_t>(layers_) * planes_ * chunk_; break;
+      case Layout::kLayerBlock: v.plane_stride = chunk_; v.block_stride = static_cast<uint64_t>(planes_) * chunk_; break;
+    }
+    return v;
+  }
+  const uint64_t* HostBases() const { return bases_.data(); }
+
+  // The mirror bytes of chunk (layer, plane, block).
+  uint8_t* Chunk(uint32_t l, uint32_t p, uint32_t b) {
+    const kv::GpuKvView v = View();
+    const size_t a = layout_ == Layout::kLayerFirst ? l : 0;
+    const uint64_t off = bases_[l] - reinterpret_cast<uint64_t>(dev_[a]) + p * v.plane_stride + b * v.block_stride;
+    return mirror_[a].data() + off;
+  }
+
+  void Randomize(std::mt19937_64& rng) {
+    for (auto& m : mirror_)
+      for (size_t i = 0; i + 8 <= m.size(); i += 8) {
+        const uint64_t r = rng();
+        std::memcpy(m.data() + i, &r, 8);
+      }
+    Upload();
+  }
+  void Upload() {
+    for (size_t a = 0; a < dev_.size(); ++a)
+      CUDA_OK(cudaMemcpy(dev_[a], mirror_[a].data(), mirror_[a].size(), cudaMemcpyHostToDevice));
+  }
+  void Poison() {
+    for (size_t a = 0; a < dev_.size(); ++a) CUDA_OK(cudaMemset(dev_[a], kGpuPoison, mirror_[a].size()));
+  }
+  std::vector<std::vector<uint8_t>> Download() const {
+    std::vector<std::vector<uint8_t>> out(mirror_.size());
+    for (size_t a = 0; a < dev_.size(); ++a) {
+      out[a].resize(mirror_[a].size());
+      CUDA_OK(cudaMemcpy(out[a].data(), dev_[a], out[a].size(), cudaMemcpyDeviceToHost));
+    }
+    return out;
+  }
+  // What the GPU should hold after loading `blocks` over layers [lb, le) into a poisoned cache.
+  std::vector<std::vector<uint8_t>> ExpectedAfterLoad(const std::vector<uint32_t>& blocks, uint32_t lb, uint32_t le) {
+    std::vector<std::vector<uint8_t>> want(mirror_.size());
+    for (size_t a = 0; a < want.size(); ++a) want[a].assign(mirror_[a].size(), kGpuPoison);
+    for (uint32_t b : blocks)
+      for (uint32_t l = lb; l < le; ++l)
+        for (uint32_t p = 0; p < planes_; ++p) {
+          const uint8_t* src = Chunk(l, p, b);
+          const size_t a = layout_ == Layout::kLayerFirst ? l : 0;
+          std::memcpy(want[a].data() + (src - mirror_[a].data()), src, chunk_);
+        }
+    return want;
+  }
+
+ private:
+  Layout layout_;
+  uint32_t layers_, planes_, blocks_;
+  uint64_t chunk_;
+  std::vector<void*> dev_;
+  std::vector<std::vector<uint8_t>> mirror_;
+  std::vector<uint64_t> bases_;
+  uint64_t* bases_dev_ = nullptr;
+};
+
+// The host pool as the daemon has it: anonymous page-aligned memory registered for DMA.
+class Pool {
+ public:
+  Pool(uint32_t slots, uint64_t block_bytes) : slots_(slots), block_bytes_(block_bytes), bytes_(slots * block_bytes) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(p != MAP_FAILED);
+    base_ = static_cast<uint8_t*>(p);
+    CUDA_OK(cudaHostRegister(base_, bytes_, cudaHostRegisterPortable | cudaHostRegisterMapped));
+    void* dev = nullptr;
+    CUDA_OK(cudaHostGetDevicePointer(&dev, base_, 0));
+    dev_ = static_cast<uint8_t*>(dev);
+  }
+  ~Pool() {
+    (void)cudaHostUnregister(base_);
+    munmap(base_, bytes_);
+  }
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  kv::HostPoolView View(uint32_t tp_shards, uint32_t tp_rank) const { return {dev_, block_bytes_, tp_shards, tp_rank}; }
+  void Poison() { std::memset(base_, kPoolPoison, bytes_); }
+  uint8_t* Slot(uint32_t s) { return base_ + s * block_bytes_; }
+  const uint8_t* data() const { return base_; }
+  uint64_t bytes() const { return bytes_; }
+  uint32_t slots() const { return slots_; }
+
+ private:
+  uint32_t slots_;
+  uint64_t block_bytes_, bytes_;
+  uint8_t* base_ = nullptr;
+  uint8_t* dev_ = nullptr;
+};
+
+// `count` distinct values from [0, n), in random order.
+std::vector<uint32_t> Pick(std::mt19937_64& rng, uint32_t n, uint32_t count) {
+  std::vector<uint32_t> v(n);
+  std::iota(v.begin(), v.end(), 0u);
+  std::shuffle(v.begin(), v.end(), rng);
+  v.resize(count);
+  return v;
+}
+
+// Block/slot arrays in device memory (or pinned host memory when `pinned`), freed on destruction.
+class DevicePairs {
+ public:
+  DevicePairs(const std::vector<uint32_t>& blocks, const std::vector<uint32_t>& slots, bool pinned) : pinned_(pinned) {
+    const size_t n = std::max<size_t>(1, blocks.size()) * sizeof(uint32_t);
+    if (pinned) {
+      CUDA_OK(PinnedAlloc(&b_, n));
+      CUDA_OK(PinnedAlloc(&s_, n));
+      std::memcpy(b_, blocks.data(), blocks.size() * sizeof(uint32_t));
+      std::memcpy(s_, slots.data(), slots.size() * sizeof(uint32_t));
+    } else {
+      CUDA_OK(DeviceAlloc(&b_, n));
+      CUDA_OK(DeviceAlloc(&s_, n));
+      CUDA_OK(cudaMemcpy(b_, blocks.data(), blocks.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(s_, slots.data(), slots.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
+    }
+  }
+  ~DevicePairs() {
+    if (pinned_) {
+      (void)cudaFreeHost(b_);
+      (void)cudaFreeHost(s_);
+    } else {
+      (void)cudaFree(b_);
+      (void)cudaFree(s_);
+    }
+  }
+  DevicePairs(const DevicePairs&) = delete;
+  DevicePairs& operator=(const DevicePairs&) = delete;
+  kv::BlockPairs Pairs(uint32_t count, uint32_t lb, uint32_t le) const { return {b_, s_, count, lb, le}; }
+
+ private:
+  bool pinned_;
+  uint32_t* b_ = nullptr;
+  uint32_t* s_ = nullptr;
+};
+
+enum class Path { kKernel, kCopyEngine };
+
+void Store(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t rank, const std::vector<uint32_t>& blocks,
+           const std::vector<uint32_t>& slots, uint32_t lb, uint32_t le, const kv::LaunchShape& shape, bool pinned_pairs,
+           cudaStream_t stream) {
+  const uint32_t n = static_cast<uint32_t>(blocks.size());
+  if (path == Path::kCopyEngine) {
+    CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
+                                le, true, stream));
+  } else {
+    DevicePairs dp(blocks, slots, pinned_pairs);
+    if (shape.ctas == 0 && shape.threads == 0)
+      CUDA_OK(kv::LaunchGather(gpu.View(), pool.View(shards, rank), dp.Pairs(n, lb, le), stream));
+    else
+      CUDA_OK(kv::LaunchGatherShaped(gpu.View(), pool.View(shards, rank), dp.Pairs(n, lb, le), stream, shape));
+    CUDA_OK(cudaStreamSynchronize(stream));
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaGetLastError());
+}
+
+void Load(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t rank, const std::vector<uint32_t>& blocks,
+          const std::vector<uint32_t>& slots, uint32_t lb, uint32_t le, const kv::LaunchShape& shape, bool pinned_pairs,
+          cudaStream_t stream) {
+  const uint32_t n = static_cast<uint32_t>(blocks.size());
+  if (path == Path::kCopyEngine) {
+    CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
+                                le, false, stream));
+  } else {
+    DevicePairs dp(blocks, slots, pinned_pairs);
+    if (shape.ctas == 0 && shape.threads == 0)
+      CUDA_OK(kv::LaunchScatter(gpu.View(), pool.View(shards, rank), dp.Pairs(n, lb, le), stream));
+    else
+      CUDA_OK(kv::LaunchScatterShaped(gpu.View(), pool.View(shards, rank), dp.Pairs(n, lb, le), stream, shape));
+    CUDA_OK(cudaStreamSynchronize(stream));
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaGetLastError());
+}
+
+// Byte compare with the first difference in the failure message.
+void RequireSame(const uint8_t* got, const uint8_t* want, uint64_t n, const std::string& what) {
+  if (std::memcmp(got, want, n) == 0) return;
+  uint64_t i = 0;
+  while (got[i] == want[i]) ++i;
+  uint64_t wrong = 0;
+  for (uint64_t j = 0; j < n; ++j) wrong += got[j] != want[j];
+  FAIL(what << ": " << wrong << " of " << n << " bytes differ, first at " << i << " (got 0x" << std::hex
+            << int{got[i]} << ", want 0x" << int{want[i]} << ")");
+}
+
+struct Case {
+  Layout layout = Layout::kLayerFirst;
+  uint32_t layers = 4, planes = 2, gpu_blocks = 40, slots = 48, count = 33;
+  uint64_t chunk = 4096;
+  uint32_t lb = 0, le = 0;  // le 0: all layers
+  uint64_t slot_padding = 0;
+  Path path = Path::kKernel;
+  kv::LaunchShape shape{};
+  bool pinned_pairs = false;
+  bool sequential = false;  // blocks i..i+count -> slots j..j+count (copy-engine merges)
+  cudaStream_t stream = nullptr;
+};
+
+// One rank, one shard: store into a poisoned pool, check every pool byte; load into a poisoned GPU cache,
+// check every GPU byte.
+void RoundTrip(const Case& c) {
+  CAPTURE(Name(c.layout), c.layers, c.planes, c.chunk, c.count, c.lb, c.le, static_cast<int>(c.path), c.shape.ctas,
+          c.shape.threads, c.shape.unroll, c.shape.warps_per_chunk, c.pinned_pairs, c.sequential);
+  auto rng = Rng();
+  const uint32_t le = c.le ? c.le : c.layers;
+  GpuKv gpu(c.layout, c.layers, c.planes, c.gpu_blocks, c.chunk);
+  const uint64_t block_bytes = c.layers * c.planes * c.chunk + c.slot_padding;
+  Pool pool(c.slots, block_bytes);
+  gpu.Randomize(rng);
+  pool.Poison();
+
+  std::vector<uint32_t> blocks, slots;
+  if (c.sequential) {
+    blocks.resize(c.count);
+    slots.resize(c.count);
+    std::iota(blocks.begin(), blocks.end(), c.gpu_blocks - c.count);
+    std::iota(slots.begin(), slots.end(), 1u);
+  } else {
+    blocks = Pick(rng, c.gpu_blocks, c.count);
+    slots = Pick(rng, c.slots, c.count);
+  }
+  cudaStream_t stream = c.stream;
+  Store(c.path, gpu, pool, 1, 0, blocks, slots, c.lb, le, c.shape, c.pinned_pairs, stream);
+
+  std::vector<uint8_t> want(pool.bytes(), kPoolPoison);
+  for (uint32_t i = 0; i < c.count; ++i)
+    for (uint32_t l = c.lb; l < le; ++l)
+      for (uint32_t p = 0; p < c.planes; ++p)
+        std::memcpy(want.data() + slots[i] * block_bytes + (l * c.planes + p) * c.chunk, gpu.Chunk(l, p, blocks[i]),
+                    c.chunk);
+  RequireSame(pool.data(), want.data(), pool.bytes(), "pool after store");
+
+  gpu.Poison();
+  Load(c.path, gpu, pool, 1, 0, blocks, slots, c.lb, le, c.shape, c.pinned_pairs, stream);
+  const auto got = gpu.Download();
+  const auto want_gpu = gpu.ExpectedAfterLoad(blocks, c.lb, le);
+  for (size_t a = 0; a < got.size(); ++a)
+    RequireSame(got[a].data(), want_gpu[a].data(), got[a].size(), "GPU allocation " + std::to_string(a) + " after load");
+}
+
+}  // namespace
+
+TEST_CASE("kernels round-trip every GPU layout, K/V and MLA, byte for byte", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock})
+    for (uint32_t planes : {2u, 1u})
+      for (uint64_t chunk : {uint64_t{16}, uint64_t{48}, uint64_t{528}, uint64_t{4112}, uint64_t{32768}}) {
+        Case c;
+        c.layout = layout;
+        c.planes = planes;
+        c.chunk = chunk;
+        c.layers = planes == 1 ? 5 : 4;  // MLA-like: one plane, odd layer count
+        RoundTrip(c);
+      }
+}
+
+TEST_CASE("kernels: odd counts, layer ranges, padded slots, pinned pair arrays", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  for (uint32_t count : {1u, 7u, 33u, 40u}) {
+    Case c;
+    c.count = count;
+    c.chunk = 1040;
+    RoundTrip(c);
+  }
+  Case range;
+  range.layers = 6;
+  range.lb = 2;
+  range.le = 5;
+  range.layout = Layout::kBlockFirst;
+  RoundTrip(range);
+  Case padded;
+  padded.slot_padding = 4096 + 16;
+  padded.layout = Layout::kLayerBlock;
+  RoundTrip(padded);
+  Case pinned;
+  pinned.pinned_pairs = true;
+  RoundTrip(pinned);
+}
+
+TEST_CASE("kernels: every launch shape gives the same bytes", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const kv::LaunchShape shapes[] = {
+      {1, 32, 1, 1, 0, 0},   {3, 96, 2, 1, 0, 0},    {5, 256, 8, 2, 0, 0},  {2, 128, 4, 4, 0, 0},
+      {132, 1024, 8, 1, 0, 0}, {8, 512, 4, 2, 0, 0},  {200, 64, 1, 2, 0, 0},
+      // bulk-copy kernel: one piece in flight, pieces smaller than a chunk, more than 48 KiB of shared memory
+      {1, 32, 1, 1, 1, 1},   {3, 32, 1, 1, 1, 2},    {7, 0, 0, 0, 4, 4},    {132, 32, 1, 1, 16, 4},
+      {2, 32, 1, 1, 64, 3},  {5, 32, 1, 1, 2, 8},
+  };
+  for (const auto& s : shapes)
+    for (uint64_t chunk : {uint64_t{48}, uint64_t{528}, uint64_t{8192 + 16}, uint64_t{32768}}) {
+      Case c;
+      c.shape = s;
+      c.chunk = chunk;
+      c.layout = Layout::kLayerFirst;
+      RoundTrip(c);
+    }
+}
+
+TEST_CASE("TP=2: both ranks store into one host block at their shard offsets and load back only their shard",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (Path path : {Path::kKernel, Path::kCopyEngine})
+    for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst}) {
+      CAPTURE(Name(layout), static_cast<int>(path));
+      auto rng = Rng();
+      const uint32_t layers = 3, planes = 2, nblocks = 24, nslots = 30, count = 11;
+      const uint64_t shard = 2048;  // per-rank chunk: half of a 4 KiB (layer, plane, block)
+      GpuKv r0(layout, layers, planes, nblocks, shard), r1(layout, layers, planes, nblocks, shard);
+      r0.Randomize(rng);
+      r1.Randomize(rng);
+      const uint64_t block_bytes = layers * planes * 2 * shard;
+      Pool pool(nslots, block_bytes);
+      pool.Poison();
+      // Each rank has its own GPU block ids for the same host blocks.
+      const auto b0 = Pick(rng, nblocks, count), b1 = Pick(rng, nblocks, count), slots = Pick(rng, nslots, count);
+      Store(path, r0, pool, 2, 0, b0, slots, 0, layers, {}, false, stream);
+      Store(path, r1, pool, 2, 1, b1, slots, 0, layers, {}, false, stream);
+      std::vector<uint8_t> want(pool.bytes(), kPoolPoison);
+      for (uint32_t i = 0; i < count; ++i)
+        for (uint32_t l = 0; l < layers; ++l)
+          for (uint32_t p = 0; p < planes; ++p) {
+            uint8_t* at = want.data() + slots[i] * block_bytes + (l * planes + p) * 2 * shard;
+            std::memcpy(at, r0.Chunk(l, p, b0[i]), shard);
+            std::memcpy(at + shard, r1.Chunk(l, p, b1[i]), shard);
+          }
+      RequireSame(pool.data(), want.data(), pool.bytes(), "pool after both ranks stored");
+
+      r0.Poison();
+      r1.Poison();
+      Load(path, r0, pool, 2, 0, b0, slots, 0, layers, {}, false, stream);
+      Load(path, r1, pool, 2, 1, b1, slots, 0, layers, {}, false, stream);
+      const auto g0 = r0.Download(), w0 = r0.ExpectedAfterLoad(b0, 0, layers);
+      const auto g1 = r1.Download(), w1 = r1.ExpectedAfterLoad(b1, 0, layers);
+      for (size_t a = 0; a < g0.size(); ++a) RequireSame(g0[a].data(), w0[a].data(), g0[a].size(), "rank 0 after load");
+      for (size_t a = 0; a < g1.size(); ++a) RequireSame(g1[a].data(), w1[a].data(), g1[a].size(), "rank 1 after load");
+    }
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("copy-engine batch round-trips every layout, merged runs, and the legacy-stream fallback", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock})
+    for (uint32_t planes : {2u, 1u}) {
+      Case c;
+      c.path = Path::kCopyEngine;
+      c.layout = layout;
+      c.planes = planes;
+      c.chunk = 4112;
+      c.stream = stream;
+      RoundTrip(c);
+      c.sequential = true;  // BLOCKFIRST: whole blocks contiguous on both sides, merged into one copy per run
+      RoundTrip(c);
+    }
+  Case range;
+  range.path = Path::kCopyEngine;
+  range.layers = 6;
+  range.lb = 1;
+  range.le = 4;
+  range.count = 7;
+  range.stream = stream;
+  RoundTrip(range);
+  Case legacy;  // stream 0: per-chunk cudaMemcpyAsync
+  legacy.path = Path::kCopyEngine;
+  legacy.count = 5;
+  RoundTrip(legacy);
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("bad views are refused before anything is enqueued, and empty requests succeed", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  GpuKv gpu(Layout::kLayerFirst, 2, 2, 4, 64);
+  Pool pool(4, 2 * 2 * 64);
+  const std::vector<uint32_t> blocks{0, 1}, slots{2, 3};
+  DevicePairs dp(blocks, slots, false);
+  const kv::GpuKvView good = gpu.View();
+  const kv::HostPoolView pv = pool.View(1, 0);
+
+  kv::GpuKvView odd = good;
+  odd.chunk_bytes = 40;
+  CHECK(kv::LaunchGather(odd, pv, dp.Pairs(2, 0, 2), nullptr) == cudaErrorInvalidValue);
+  CHECK(kv::LaunchScatter(good, pool.View(2, 2), dp.Pairs(2, 0, 2), nullptr) == cudaErrorInvalidValue);
+  CHECK(kv::LaunchScatter(good, pv, dp.Pairs(2, 0, 3), nullptr) == cudaErrorInvalidValue);
+  CHECK(kv::LaunchGather(good, pool.View(2, 0), dp.Pairs(2, 0, 2), nullptr) == cudaErrorInvalidValue);  // slot too small
+  kv::LaunchShape bad_shape{4, 100, 4, 1};
+  CHECK(kv::LaunchGatherShaped(good, pv, dp.Pairs(2, 0, 2), nullptr, bad_shape) == cudaErrorInvalidValue);
+  bad_shape = {4, 128, 3, 1};
+  CHECK(kv::LaunchGatherShaped(good, pv, dp.Pairs(2, 0, 2), nullptr, bad_shape) == cudaErrorInvalidValue);
+  CHECK(kv::CopyEngineBatch(gpu.HostBases(), odd, pv, blocks.data(), slots.data(), 2, 0, 2, true, nullptr) ==
+        cudaErrorInvalidValue);
+
+  pool.Poison();
+  CHECK(kv::LaunchGather(good, pv, dp.Pairs(0, 0, 2), nullptr) == cudaSuccess);
+  CHECK(kv::LaunchGather(good, pv, dp.Pairs(2, 1, 1), nullptr) == cudaSuccess);
+  CHECK(kv::CopyEngineBatch(gpu.HostBases(), good, pv, blocks.data(), slots.data(), 0, 0, 2, true, nullptr) ==
+        cudaSuccess);
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> untouched(pool.bytes(), kPoolPoison);
+  RequireSame(pool.data(), untouched.data(), pool.bytes(), "pool after empty requests");
+}
