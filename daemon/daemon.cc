@@ -57,7 +57,9 @@ int RunDaemon(const DaemonConfig& config) {
   }
 
   // Parts in construction order; they are torn down in reverse (sessions before the cache they pin).
+  std::unique_ptr<CudaBackend> cuda = CudaBackend::Create(config.load_copy_engine, config.store_copy_engine);
   Cache cache(config.pool_bytes, config.pool_path);
+  cache.SetCudaBackend(cuda.get());
   Status recovered = cache.RecoverPool(config.discard_pool);
   if (!recovered.ok()) {
     log::Error("daemon", "cannot use the pool: {}", recovered.message());
@@ -77,7 +79,6 @@ int RunDaemon(const DaemonConfig& config) {
   DataPlaneOptions dp_options;
   dp_options.spin_ns = static_cast<int64_t>(config.spin_us * 1000);
   dp_options.copy_threads = config.copy_threads;
-  std::unique_ptr<CudaBackend> cuda = CudaBackend::Create(config.load_copy_engine, config.store_copy_engine);
   DataPlane data_plane(&cache, &lifecycle, cuda.get(), dp_options);
   SessionRegistry sessions(static_cast<int64_t>(config.attach_timeout_s * 1000));
   sessions.SetChannelOpenCallback(

@@ -67,6 +67,7 @@ Status Cache::RecoverPool(bool discard) {
   Pool* p = pool_.get();
   index_->SetEvictionListener([p](SlotId slot, const BlockKey&) { p->MarkFree(slot); });
   has_pool_ = true;
+  RegisterForDmaLocked();
   return Status::Ok();
 }
 
@@ -85,6 +86,7 @@ Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometr
   Pool* p = pool_.get();
   index_->SetEvictionListener([p](SlotId slot, const BlockKey&) { p->MarkFree(slot); });
   has_pool_ = true;
+  RegisterForDmaLocked();
   return Status::Ok();
 }
 
@@ -127,10 +129,24 @@ void Cache::Abort(std::span<const SlotId> slots) {
   index_->Abort(slots);
 }
 
+void Cache::RegisterForDmaLocked() {
+  if (dma_tried_ || cuda_ == nullptr || !pool_) return;
+  dma_tried_ = true;
+  dma_status_ = cuda_->RegisterPool(pool_->SlotData(0), uint64_t{pool_->capacity()} * pool_->block_bytes(),
+                                    pool_->block_bytes());
+  if (!dma_status_.ok()) {
+    dma_status_ = dma_status_.WithContext(fmt::format(
+        "registering the pool {} for DMA (put --pool-path on /dev/shm or hugetlbfs)", pool_->path()));
+    log::Warning("cache", "{}; GPU sessions will be refused", dma_status_.message());
+  }
+}
+
 Status Cache::RegisterPoolForDma(CudaBackend& cuda) {
   std::lock_guard lock(mu_);
   if (!pool_) return Status::FailedPrecondition("the pool does not exist yet");
-  return cuda.RegisterPool(pool_->SlotData(0), uint64_t{pool_->capacity()} * pool_->block_bytes(), pool_->block_bytes());
+  if (cuda_ == nullptr) cuda_ = &cuda;
+  RegisterForDmaLocked();
+  return dma_status_;
 }
 
 Cache::Stats Cache::GetStats() const {

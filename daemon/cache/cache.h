@@ -50,7 +50,10 @@ class Cache {
   void Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots);
   void Abort(std::span<const SlotId> slots);
 
-  // Registers the pool's data for DMA with the CUDA backend (once).
+  // With a CUDA backend, the pool is registered for DMA as soon as it exists (created or re-attached), so
+  // that registering GPU buffers later is quick. Call before RecoverPool.
+  void SetCudaBackend(CudaBackend* cuda) { cuda_ = cuda; }
+  // Registers the pool's data for DMA with the CUDA backend (once); the error of the first attempt sticks.
   Status RegisterPoolForDma(CudaBackend& cuda);
 
   struct Stats {
@@ -72,6 +75,10 @@ class Cache {
   std::unique_ptr<PrefixIndex> index_;  // guarded by mu_
   std::atomic<bool> has_pool_{false};
   UniqueFd lock_fd_;
+  CudaBackend* cuda_ = nullptr;
+  Status dma_status_;  // guarded by mu_; the outcome of registering the pool for DMA
+  bool dma_tried_ = false;
+  void RegisterForDmaLocked();
 };
 
 }  // namespace flexkv

@@ -300,14 +300,25 @@ bool DataPlane::FlushOverflow(Session& s) {
   return wrote;
 }
 
-void DataPlane::Fail(Session& s, const SubmitDescriptor& d, const Status& status) {
-  errors_.fetch_add(1, std::memory_order_relaxed);
+void DataPlane::Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status) {
   CompletionDescriptor c{};
   c.user_data = d.user_data;
   c.status_code = static_cast<int32_t>(status.code());
   c.opcode = d.opcode;
   std::snprintf(c.message, sizeof(c.message), "%s", status.message().c_str());
+  RecordEnd(d.opcode, taken_ns, c.status_code);
   Complete(s, c);
+}
+
+void DataPlane::RecordCopy(OpKind op, int64_t taken_ns, int64_t copy_start_ns) {
+  metrics_.wait[Index(op)].Observe(copy_start_ns - taken_ns);
+  metrics_.transfer[Index(op)].Observe(NowNs() - copy_start_ns);
+}
+
+void DataPlane::RecordEnd(uint16_t opcode, int64_t taken_ns, int32_t status_code) {
+  const OpKind op = OpKindOf(opcode);
+  if (op != OpKind::kInvalid) metrics_.end_to_end[Index(op)].Observe(NowNs() - taken_ns);
+  if (status_code != 0) metrics_.errors[Index(op)].Add(static_cast<StatusCode>(status_code));
 }
 
 bool DataPlane::PollSession(const std::shared_ptr<Session>& self) {
@@ -332,7 +343,8 @@ bool DataPlane::PollSession(const std::shared_ptr<Session>& self) {
     if (s.inflight.load() >= s.rg.completion_entries) return true;
     SubmitDescriptor none{};
     s.inflight.fetch_add(1);
-    Fail(s, none,
+    metrics_.taken[Index(OpKind::kInvalid)].fetch_add(1, std::memory_order_relaxed);
+    Fail(s, none, NowNs(),
          Status::InvalidArgument(fmt::format("submit_tail {} is {} entries past head {}; ring holds {}", tail,
                                              tail - head, head, entries)));
     return true;
@@ -345,38 +357,40 @@ bool DataPlane::PollSession(const std::shared_ptr<Session>& self) {
     s.submit_head = head;
     h->submit_head.value.store(head, std::memory_order_release);
     s.inflight.fetch_add(1);
-    Process(self, d);
+    const int64_t taken_ns = NowNs();
+    metrics_.taken[Index(OpKindOf(d.opcode))].fetch_add(1, std::memory_order_relaxed);
+    Process(self, d, taken_ns);
     work = true;
   }
   return work;
 }
 
-void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d) {
+void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, int64_t taken_ns) {
   Session& s = *sp;
   if (d.reserved[0] != 0 || d.reserved[1] != 0 || d.reserved[2] != 0) {
-    return Fail(s, d, Status::InvalidArgument("descriptor reserved fields must be zero"));
+    return Fail(s, d, taken_ns, Status::InvalidArgument("descriptor reserved fields must be zero"));
   }
   const auto op = static_cast<RingOp>(d.opcode);
   const bool needs_blocks = op == RingOp::kMatch || op == RingOp::kLoad || op == RingOp::kStore;
   if (op != RingOp::kMatch && op != RingOp::kLoad && op != RingOp::kStore && op != RingOp::kRelease) {
-    return Fail(s, d, Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..4", d.opcode)));
+    return Fail(s, d, taken_ns, Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..4", d.opcode)));
   }
   const uint16_t allowed_flags = op == RingOp::kMatch ? kMatchFlagPin : op == RingOp::kLoad ? kLoadFlagLayerwise : 0;
   if ((d.flags & ~allowed_flags) != 0) {
-    return Fail(s, d, Status::InvalidArgument(fmt::format("flags 0x{:x} are not valid for opcode {}", d.flags, d.opcode)));
+    return Fail(s, d, taken_ns, Status::InvalidArgument(fmt::format("flags 0x{:x} are not valid for opcode {}", d.flags, d.opcode)));
   }
   if (needs_blocks && (d.count == 0 || d.count > options_.max_blocks_per_request)) {
-    return Fail(s, d, Status::InvalidArgument(
+    return Fail(s, d, taken_ns, Status::InvalidArgument(
                           fmt::format("count {} is out of range; expected 1..{}", d.count, options_.max_blocks_per_request)));
   }
-  if (!cache_->has_pool()) return Fail(s, d, Status::FailedPrecondition("the pool does not exist yet"));
+  if (!cache_->has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
   const uint64_t arena_bytes = s.rg.arena_bytes;
   std::vector<BlockKey> keys;
   std::vector<uint32_t> ids;
   if (op == RingOp::kMatch || op == RingOp::kStore) {
     const uint64_t bytes = uint64_t{d.count} * sizeof(BlockKey);
     if (!InArena(d.keys_offset, bytes, arena_bytes, 8)) {
-      return Fail(s, d, Status::OutOfRange(fmt::format("keys [{}, +{}) are outside the {}-byte arena or unaligned",
+      return Fail(s, d, taken_ns, Status::OutOfRange(fmt::format("keys [{}, +{}) are outside the {}-byte arena or unaligned",
                                                        d.keys_offset, bytes, arena_bytes)));
     }
     keys.resize(d.count);
@@ -385,7 +399,7 @@ void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescript
   if (op == RingOp::kLoad || op == RingOp::kStore) {
     const uint64_t bytes = uint64_t{d.count} * sizeof(uint32_t);
     if (!InArena(d.block_ids_offset, bytes, arena_bytes, 4)) {
-      return Fail(s, d, Status::OutOfRange(fmt::format("block ids [{}, +{}) are outside the {}-byte arena or unaligned",
+      return Fail(s, d, taken_ns, Status::OutOfRange(fmt::format("block ids [{}, +{}) are outside the {}-byte arena or unaligned",
                                                        d.block_ids_offset, bytes, arena_bytes)));
     }
     ids.resize(d.count);
@@ -415,19 +429,20 @@ void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescript
         s.pinned.fetch_add(slots.size());
         s.handles[c.match_handle].slots = std::move(slots);
       }
+      RecordEnd(d.opcode, taken_ns, 0);
       return Complete(s, c);
     }
     case RingOp::kRelease: {
       std::lock_guard lock(s.mu);
       auto it = s.handles.find(d.match_handle);
       if (it == s.handles.end() || it->second.released) {
-        errors_.fetch_add(1, std::memory_order_relaxed);
         CompletionDescriptor c{};
         c.user_data = d.user_data;
         c.opcode = d.opcode;
         c.status_code = static_cast<int32_t>(StatusCode::kNotFound);
         std::snprintf(c.message, sizeof(c.message), "match handle %llu is not held by this session",
                       static_cast<unsigned long long>(d.match_handle));
+        RecordEnd(d.opcode, taken_ns, c.status_code);
         s.overflow.push_back(c);
         FlushOverflow(s);
         return;
@@ -436,27 +451,29 @@ void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescript
       CompletionDescriptor c{};
       c.user_data = d.user_data;
       c.opcode = d.opcode;
+      RecordEnd(d.opcode, taken_ns, 0);
       s.overflow.push_back(c);
       FlushOverflow(s);
       return;
     }
     case RingOp::kLoad:
-      return StartLoad(sp, d, std::move(ids));
+      return StartLoad(sp, d, taken_ns, std::move(ids));
     case RingOp::kStore:
-      return StartStore(sp, d, std::move(keys), std::move(ids));
+      return StartStore(sp, d, taken_ns, std::move(keys), std::move(ids));
   }
 }
 
-// Splits `count` blocks over the workers; `done` runs once, after the last part.
+// Splits `count` blocks over the workers; `done` runs once, after the last part, with when the first began.
 namespace {
 
 struct Fanout {
   std::atomic<uint32_t> parts_left;
-  std::function<void()> done;
+  std::atomic<int64_t> start_ns{0};  // when the first part began
+  std::function<void(int64_t)> done;
 };
 
 void RunParts(WorkerPool& pool, uint32_t count, const std::function<void(uint32_t, uint32_t)>& part,
-              std::function<void()> done) {
+              std::function<void(int64_t start_ns)> done) {
   const uint32_t parts = std::max(1u, std::min(count, pool.size()));
   auto fan = std::make_shared<Fanout>();
   fan->parts_left = parts;
@@ -465,8 +482,12 @@ void RunParts(WorkerPool& pool, uint32_t count, const std::function<void(uint32_
     const uint32_t begin = static_cast<uint32_t>(uint64_t{count} * i / parts);
     const uint32_t end = static_cast<uint32_t>(uint64_t{count} * (i + 1) / parts);
     pool.Submit([fan, part, begin, end] {
+      if (fan->start_ns.load(std::memory_order_relaxed) == 0) {
+        int64_t unset = 0;
+        fan->start_ns.compare_exchange_strong(unset, NowNs(), std::memory_order_relaxed);
+      }
       part(begin, end);
-      if (fan->parts_left.fetch_sub(1) == 1) fan->done();
+      if (fan->parts_left.fetch_sub(1) == 1) fan->done(fan->start_ns.load(std::memory_order_relaxed));
     });
   }
 }
@@ -475,7 +496,8 @@ void RunParts(WorkerPool& pool, uint32_t count, const std::function<void(uint32_
 
 void DataPlane::RunCopies(const std::shared_ptr<Session>& sp, bool to_host,
                           std::shared_ptr<std::vector<uint32_t>> kv_blocks, std::shared_ptr<std::vector<SlotId>> slots,
-                          std::function<void(uint32_t)> layer_done, std::function<void(Status)> done) {
+                          std::function<void(uint32_t)> layer_done,
+                          std::function<void(Status, int64_t copy_start_ns)> done) {
   std::shared_ptr<HostKv> host;
   std::vector<std::shared_ptr<GpuKv>> ranks;
   {
@@ -497,11 +519,11 @@ void DataPlane::RunCopies(const std::shared_ptr<Session>& sp, bool to_host,
             }
           }
         },
-        [layer_done, done, this, sp] {
+        [layer_done, done, this, sp](int64_t start_ns) {
           if (layer_done) {
             for (uint32_t l = 0; l < sp->geometry.num_layers; ++l) layer_done(l);
           }
-          done(Status::Ok());
+          done(Status::Ok(), start_ns);
         });
     return;
   }
@@ -517,6 +539,7 @@ void DataPlane::RunCopies(const std::shared_ptr<Session>& sp, bool to_host,
   auto fan = std::make_shared<FanIn>();
   fan->left = static_cast<uint32_t>(ranks.size());
   fan->layer_left.assign(sp->geometry.num_layers, fan->left);
+  const int64_t handed_ns = NowNs();  // the backend's own queueing counts as transfer
   for (const auto& rank : ranks) {
     std::function<void(uint32_t)> on_layer;
     if (layer_done) {
@@ -529,7 +552,7 @@ void DataPlane::RunCopies(const std::shared_ptr<Session>& sp, bool to_host,
         if (all) layer_done(layer);
       };
     }
-    cuda_->Copy(rank, to_host, *kv_blocks, *slots, std::move(on_layer), [fan, done](Status st) {
+    cuda_->Copy(rank, to_host, *kv_blocks, *slots, std::move(on_layer), [fan, done, handed_ns](Status st) {
       bool last;
       Status result;
       {
@@ -538,21 +561,22 @@ void DataPlane::RunCopies(const std::shared_ptr<Session>& sp, bool to_host,
         last = --fan->left == 0;
         result = fan->first_error;
       }
-      if (last) done(result);
+      if (last) done(result, handed_ns);
     });
   }
 }
 
-void DataPlane::StartLoad(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, std::vector<uint32_t> ids) {
+void DataPlane::StartLoad(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, int64_t taken_ns,
+                          std::vector<uint32_t> ids) {
   Session& s = *sp;
   std::vector<SlotId> slots;
   auto refuse_locked = [&](StatusCode code, const std::string& message) {
-    errors_.fetch_add(1, std::memory_order_relaxed);
     CompletionDescriptor c{};
     c.user_data = d.user_data;
     c.opcode = d.opcode;
     c.status_code = static_cast<int32_t>(code);
     std::snprintf(c.message, sizeof(c.message), "%s", message.c_str());
+    RecordEnd(d.opcode, taken_ns, c.status_code);
     s.overflow.push_back(c);
     FlushOverflow(s);
   };
@@ -593,7 +617,8 @@ void DataPlane::StartLoad(const std::shared_ptr<Session>& sp, const SubmitDescri
   }
   RunCopies(sp, /*to_host=*/false, std::make_shared<std::vector<uint32_t>>(std::move(ids)),
             std::make_shared<std::vector<SlotId>>(std::move(slots)), std::move(layer_done),
-            [this, sp, d, block_bytes](Status st) {
+            [this, sp, d, block_bytes, taken_ns](Status st, int64_t copy_start_ns) {
+              RecordCopy(OpKind::kLoad, taken_ns, copy_start_ns);
               Session& ss = *sp;
               CompletionDescriptor c{};
               c.user_data = d.user_data;
@@ -603,10 +628,10 @@ void DataPlane::StartLoad(const std::shared_ptr<Session>& sp, const SubmitDescri
                 cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
                 cache_->counters().bytes_loaded.fetch_add(uint64_t{d.count} * block_bytes, std::memory_order_relaxed);
               } else {
-                errors_.fetch_add(1, std::memory_order_relaxed);
                 c.status_code = static_cast<int32_t>(st.code());
                 std::snprintf(c.message, sizeof(c.message), "%s", st.message().c_str());
               }
+              RecordEnd(d.opcode, taken_ns, c.status_code);
               {
                 std::lock_guard lock(ss.mu);
                 auto it = ss.handles.find(d.match_handle);
@@ -623,8 +648,8 @@ void DataPlane::StartLoad(const std::shared_ptr<Session>& sp, const SubmitDescri
             });
 }
 
-void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, std::vector<BlockKey> keys,
-                           std::vector<uint32_t> ids) {
+void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, int64_t taken_ns,
+                           std::vector<BlockKey> keys, std::vector<uint32_t> ids) {
   Session& s = *sp;
   uint32_t blocks;
   std::string missing;
@@ -632,14 +657,14 @@ void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescr
     std::lock_guard lock(s.mu);
     blocks = s.RegisteredBlocksLocked(&missing);
   }
-  if (blocks == 0) return Fail(s, d, Status::FailedPrecondition("Store: " + missing));
+  if (blocks == 0) return Fail(s, d, taken_ns, Status::FailedPrecondition("Store: " + missing));
   for (uint32_t i = 0; i < d.count; ++i) {
     if (ids[i] >= blocks) {
-      return Fail(s, d, Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks", ids[i],
+      return Fail(s, d, taken_ns, Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks", ids[i],
                                                        i, blocks)));
     }
   }
-  if (!lifecycle_->TryBegin()) return Fail(s, d, Status::Unavailable("flexkvd is draining; retry after Resume"));
+  if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   PrefixIndex::Reservation r = cache_->Reserve(keys);
   const uint32_t reserved = static_cast<uint32_t>(r.slots.size());
   CompletionDescriptor c{};
@@ -658,7 +683,7 @@ void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescr
     }
   }
   if (reserved == 0) {
-    if (c.status_code != 0) errors_.fetch_add(1, std::memory_order_relaxed);
+    RecordEnd(d.opcode, taken_ns, c.status_code);
     lifecycle_->Finish();
     return Complete(s, c);
   }
@@ -669,7 +694,9 @@ void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescr
   auto slots_shared = std::make_shared<std::vector<SlotId>>(std::move(r.slots));
   const uint64_t block_bytes = cache_->block_bytes();
   RunCopies(sp, /*to_host=*/true, src, slots_shared, nullptr,
-            [this, sp, c, keys_shared, slots_shared, first, block_bytes](Status st) mutable {
+            [this, sp, c, keys_shared, slots_shared, first, block_bytes, taken_ns](Status st,
+                                                                                   int64_t copy_start_ns) mutable {
+              RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
               // Publish after transfer; a failed copy, or a session that died meanwhile, returns the slots.
               if (!st.ok() || sp->dead) {
                 cache_->Abort(*slots_shared);
@@ -683,7 +710,7 @@ void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescr
                 cache_->counters().store_blocks.fetch_add(slots_shared->size(), std::memory_order_relaxed);
                 cache_->counters().bytes_stored.fetch_add(slots_shared->size() * block_bytes, std::memory_order_relaxed);
               }
-              if (c.status_code != 0) errors_.fetch_add(1, std::memory_order_relaxed);
+              RecordEnd(c.opcode, taken_ns, c.status_code);
               Complete(*sp, c);
               lifecycle_->Finish();
             });

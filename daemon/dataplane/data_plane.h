@@ -16,6 +16,7 @@
 #include "common/unique_fd.h"
 #include "daemon/cache/cache.h"
 #include "daemon/lifecycle.h"
+#include "daemon/metrics/request_metrics.h"
 #include "daemon/transfer/cuda_backend.h"
 #include "daemon/transfer/host_kv.h"
 #include "daemon/transfer/worker_pool.h"
@@ -60,7 +61,10 @@ class DataPlane {
     uint64_t inflight_requests = 0;
   };
   SessionStats StatsOf(uint64_t session_id) const;
-  uint64_t errors() const { return errors_.load(std::memory_order_relaxed); }
+  // Requests answered with an error.
+  uint64_t errors() const { return metrics_.TotalErrors(); }
+  // Per request kind: requests taken, errors by code, wait / transfer / end-to-end histograms.
+  const RequestMetrics& metrics() const { return metrics_; }
   int64_t last_turn_ms() const { return last_turn_ms_.load(std::memory_order_relaxed); }
   const DataPlaneOptions& options() const { return options_; }
 
@@ -69,17 +73,25 @@ class DataPlane {
   struct Request;
   void PollerLoop();
   bool PollSession(const std::shared_ptr<Session>& s);
-  void Process(const std::shared_ptr<Session>& s, const SubmitDescriptor& d);
-  void StartLoad(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, std::vector<uint32_t> ids);
-  void StartStore(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, std::vector<BlockKey> keys,
-                  std::vector<uint32_t> ids);
+  // `taken_ns` (monotonic): when the poller took `d` off the submit ring; the request's times count from it.
+  void Process(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, int64_t taken_ns);
+  void StartLoad(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, int64_t taken_ns,
+                 std::vector<uint32_t> ids);
+  void StartStore(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, int64_t taken_ns,
+                  std::vector<BlockKey> keys, std::vector<uint32_t> ids);
   // Copies `count` blocks between the session's KV buffers (host or every GPU rank) and pool slots on the
-  // copy workers; `layer_done` (layer-wise loads) and then `done` run once.
+  // copy workers; `layer_done` (layer-wise loads) and then `done` run once. `done` gets when the copy started
+  // (monotonic ns): when the first worker began it, or, on the CUDA backend, when it was handed over.
   void RunCopies(const std::shared_ptr<Session>& s, bool to_host, std::shared_ptr<std::vector<uint32_t>> kv_blocks,
                  std::shared_ptr<std::vector<SlotId>> slots, std::function<void(uint32_t)> layer_done,
-                 std::function<void(Status)> done);
+                 std::function<void(Status, int64_t copy_start_ns)> done);
   void Complete(Session& s, CompletionDescriptor c);
-  void Fail(Session& s, const SubmitDescriptor& d, const Status& status);
+  void Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status);
+  // Records the copy of a load or store that ends now: its wait and transfer time.
+  void RecordCopy(OpKind op, int64_t taken_ns, int64_t copy_start_ns);
+  // Records a request whose final completion is about to be posted: its end-to-end time, and its error.
+  // Called before posting, so a client that has seen the completion also sees it counted.
+  void RecordEnd(uint16_t opcode, int64_t taken_ns, int32_t status_code);
   bool FlushOverflow(Session& s);
   void ReleaseHandleLocked(Session& s, uint64_t handle);
 
@@ -96,7 +108,7 @@ class DataPlane {
   UniqueFd wake_fd_;
   std::atomic<bool> stopping_{false};
   std::thread poller_;
-  std::atomic<uint64_t> errors_{0};
+  RequestMetrics metrics_;
   std::atomic<int64_t> last_turn_ms_{0};
 };
 

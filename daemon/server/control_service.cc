@@ -192,7 +192,10 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
     d.tp_rank = request->cuda().tp_rank();
     for (const auto& r : request->cuda().regions()) d.regions.push_back({r.ipc_handle(), r.offset(), r.bytes()});
     Status registered = ctx_.data_plane->RegisterGpuKv(request->session_id(), d);
-    if (!registered.ok()) return Answer(registered);
+    if (!registered.ok()) {
+      log::Warning("control", "RegisterKv (cuda) of session {} refused: {}", request->session_id(), registered.ToString());
+      return Answer(registered);
+    }
     const Geometry g = ctx_.cache->Domain().geometry.value_or(Geometry{});
     response->set_bytes_required(uint64_t{request->num_blocks()} * g.num_layers * g.kv_planes * g.chunk_bytes_per_rank());
     return grpc::Status::OK;

@@ -4,7 +4,10 @@
 #include <signal.h>
 
 #include <catch2/catch.hpp>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <filesystem>
 #include <thread>
 
 #include "flexkv/client.h"
@@ -33,6 +36,19 @@ ChildProcess GpuClient(const DaemonUnderTest& d, const std::string& name, const 
   return ChildProcess::Spawn(argv);
 }
 
+// GPU DMA needs the pool on shared memory (cudaHostRegister refuses file-backed mappings on disk). The
+// directory is removed when the test ends.
+struct ShmPoolDir {
+  std::string dir = "/dev/shm/flexkv-gpu-test-" + std::to_string(getpid());
+  ~ShmPoolDir() { std::filesystem::remove_all(dir); }
+};
+
+std::vector<std::string> GpuDaemonArgs(const ShmPoolDir& shm, std::vector<std::string> extra) {
+  extra.push_back("--pool-path");
+  extra.push_back(shm.dir + "/pool");
+  return extra;
+}
+
 std::vector<std::string> Lines(ChildProcess& p) {
   std::vector<std::string> out;
   while (auto line = p.ReadLine(120s)) out.push_back(*line);
@@ -46,11 +62,12 @@ TEST_CASE("GPU blocks stored by one engine load byte-exact into another engine's
     WARN("no GPU visible; skipped");
     return;
   }
-  DaemonUnderTest d({"--pool-size", "2GiB"});
+  ShmPoolDir shm;
+  DaemonUnderTest d(GpuDaemonArgs(shm, {"--pool-size", "2GiB"}));
   REQUIRE(d.WaitReady());
   ChildProcess a = GpuClient(d, "rank0", {"store:11:200"});
   auto la = Lines(a);
-  INFO(a.Stderr() << d.process().Stderr());
+  INFO((la.empty() ? std::string() : la.back()) << "\n" << a.Stderr() << d.process().Stderr());
   REQUIRE(la.size() == 2);
   CHECK(la[1].rfind("STORED 0 200 OK", 0) == 0);
   ChildProcess b = GpuClient(d, "rank1", {"load:11:200", "load:12:8"});
@@ -73,10 +90,13 @@ TEST_CASE("kill -9 of a GPU engine mid-load: pins released, mappings closed, the
     WARN("no GPU visible; skipped");
     return;
   }
-  DaemonUnderTest d({"--pool-size", "2GiB", "--log-level", "debug"});
+  ShmPoolDir shm;
+  DaemonUnderTest d(GpuDaemonArgs(shm, {"--pool-size", "2GiB", "--log-level", "debug"}));
   REQUIRE(d.WaitReady());
   ChildProcess a = GpuClient(d, "writer", {"store:21:200"});
-  REQUIRE(Lines(a).size() == 2);
+  auto la = Lines(a);
+  INFO((la.empty() ? std::string() : la.back()) << "\n" << d.process().Stderr());
+  REQUIRE(la.size() == 2);
   for (int round = 0; round < 3; ++round) {
     ChildProcess victim = GpuClient(d, "victim", {"load:21:200", "load:21:200", "load:21:200", "hold"});
     REQUIRE(victim.WaitForLine("ATTACHED", 60s).has_value());
@@ -94,6 +114,13 @@ TEST_CASE("kill -9 of a GPU engine mid-load: pins released, mappings closed, the
     if (!clean) std::this_thread::sleep_for(10ms);
   }
   CHECK(clean);
+  // Every victim's IPC mappings were closed once its last copy finished.
+  const std::string log = d.process().Stderr();
+  size_t closed = 0;
+  for (size_t pos = log.find("closed IPC mappings"); pos != std::string::npos; pos = log.find("closed IPC mappings", pos + 1)) {
+    ++closed;
+  }
+  CHECK(closed >= 4);  // the writer and three victims
   ChildProcess after = GpuClient(d, "after", {"load:21:200"});
   auto lines = Lines(after);
   REQUIRE(lines.size() == 2);

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -163,7 +164,11 @@ DaemonUnderTest::DaemonUnderTest(std::vector<std::string> extra_args, std::strin
     own_dir_ = true;
   }
   socket_ = dir_ + "/flexkvd.sock";
-  std::vector<std::string> argv = {FlexkvdPath(), "--socket", socket_, "--pool-path", dir_ + "/pool"};
+  std::vector<std::string> argv = {FlexkvdPath(), "--socket", socket_};
+  if (std::find(extra_args.begin(), extra_args.end(), "--pool-path") == extra_args.end()) {
+    argv.push_back("--pool-path");
+    argv.push_back(dir_ + "/pool");
+  }
   for (auto& a : extra_args) argv.push_back(std::move(a));
   process_.emplace(ChildProcess::Spawn(argv));
 }

@@ -45,7 +45,8 @@ struct CommandResult {
 };
 CommandResult RunCommand(const std::vector<std::string>& argv, std::chrono::milliseconds timeout = std::chrono::seconds(20));
 
-// A flexkvd on a socket in a fresh temporary directory (mode 0755, so other uids can reach the socket).
+// A flexkvd on a socket in a fresh temporary directory (mode 0755, so other uids can reach the socket);
+// its pool is there too unless `extra_args` names a --pool-path.
 class DaemonUnderTest {
  public:
   explicit DaemonUnderTest(std::vector<std::string> extra_args = {}, std::string dir = "");

@@ -1,0 +1,148 @@
+// flexkvd's metric families; see daemon_metrics.h.
+#include "daemon/metrics/daemon_metrics.h"
+
+#include <prometheus/text_serializer.h>
+
+#include <limits>
+#include <span>
+#include <sstream>
+
+#include "daemon/cache/cache.h"
+#include "daemon/dataplane/data_plane.h"
+#include "daemon/lifecycle.h"
+#include "daemon/sessions/session_registry.h"
+
+namespace flexkv {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+constexpr OpKind kAllOps[] = {OpKind::kMatch, OpKind::kLoad, OpKind::kStore, OpKind::kRelease, OpKind::kInvalid};
+constexpr OpKind kRequestOps[] = {OpKind::kMatch, OpKind::kLoad, OpKind::kStore, OpKind::kRelease};
+constexpr OpKind kCopyOps[] = {OpKind::kLoad, OpKind::kStore};
+
+ClientMetric Sample(double value, std::vector<ClientMetric::Label> labels = {}) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  m.counter.value = value;
+  m.gauge.value = value;
+  return m;
+}
+
+MetricFamily Family(std::string name, std::string help, MetricType type, std::vector<ClientMetric> samples) {
+  return MetricFamily{std::move(name), std::move(help), type, std::move(samples)};
+}
+
+MetricFamily One(std::string name, std::string help, MetricType type, uint64_t value) {
+  return Family(std::move(name), std::move(help), type, {Sample(static_cast<double>(value))});
+}
+
+MetricFamily Histograms(std::string name, std::string help, const std::array<LatencyHistogram, kOpKinds>& by_op,
+                        std::span<const OpKind> ops) {
+  std::vector<ClientMetric> samples;
+  for (const OpKind op : ops) samples.push_back(HistogramSample(by_op[Index(op)].Read(), {{"op", OpKindName(op)}}));
+  return Family(std::move(name), std::move(help), MetricType::Histogram, std::move(samples));
+}
+
+}  // namespace
+
+ClientMetric HistogramSample(const LatencyHistogram::Snapshot& snapshot, std::vector<ClientMetric::Label> labels) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  m.histogram.sample_count = snapshot.count;
+  m.histogram.sample_sum = snapshot.sum_seconds;
+  for (size_t i = 0; i < LatencyHistogram::kFiniteBuckets; ++i) {
+    m.histogram.bucket.push_back(
+        {snapshot.cumulative[i], static_cast<double>(LatencyHistogram::kUpperBoundsNs[i]) / 1e9});
+  }
+  m.histogram.bucket.push_back({snapshot.count, std::numeric_limits<double>::infinity()});
+  return m;
+}
+
+std::string RenderText(const std::vector<MetricFamily>& families) {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, families);
+  return out.str();
+}
+
+std::vector<MetricFamily> DaemonMetrics::Collect() const {
+  const Cache::Stats stats = sources_.cache->GetStats();
+  const CacheCounters& counters = sources_.cache->counters();
+  const RequestMetrics& requests = sources_.data_plane->metrics();
+  std::vector<MetricFamily> out;
+
+  std::vector<ClientMetric> states;
+  const ServingState now = sources_.lifecycle->state();
+  for (const ServingState s : {ServingState::kServing, ServingState::kDraining, ServingState::kDrained}) {
+    states.push_back(Sample(s == now ? 1 : 0, {{"state", ServingStateName(s)}}));
+  }
+  out.push_back(Family("flexkv_state", "Serving state: 1 for the current one (serving, draining, drained)",
+                       MetricType::Gauge, std::move(states)));
+  out.push_back(One("flexkv_sessions", "Attached engine sessions", MetricType::Gauge, sources_.sessions->Count()));
+  out.push_back(One("flexkv_inflight_requests", "Loads and stores admitted and not yet finished (what a drain waits for)",
+                    MetricType::Gauge, sources_.lifecycle->inflight()));
+  out.push_back(One("flexkv_pool_capacity_blocks", "Slots in the host pool (0 until the first Attach)", MetricType::Gauge,
+                    stats.capacity));
+  out.push_back(One("flexkv_pool_used_blocks", "Pool slots holding a committed block or a store in progress",
+                    MetricType::Gauge, stats.used));
+  out.push_back(One("flexkv_pool_pinned_blocks", "Pool slots pinned by a match or a load (never evicted while pinned)",
+                    MetricType::Gauge, stats.pinned));
+  out.push_back(One("flexkv_index_blocks", "Blocks reachable through the prefix index", MetricType::Gauge, stats.blocks));
+
+  std::vector<ClientMetric> taken;
+  for (const OpKind op : kAllOps) {
+    taken.push_back(Sample(static_cast<double>(requests.taken[Index(op)].load(std::memory_order_relaxed)),
+                           {{"op", OpKindName(op)}}));
+  }
+  out.push_back(Family("flexkv_requests_total", "Data-plane requests taken off the submit rings, by kind",
+                       MetricType::Counter, std::move(taken)));
+  out.push_back(One("flexkv_match_blocks_total", "Blocks looked up by Match (rings and the unary call)",
+                    MetricType::Counter, counters.match_blocks.load()));
+  out.push_back(One("flexkv_hit_blocks_total", "Blocks of Match found cached (leading blocks)", MetricType::Counter,
+                    counters.hit_blocks.load()));
+  out.push_back(One("flexkv_load_blocks_total", "Blocks copied from the pool into engines' KV buffers",
+                    MetricType::Counter, counters.load_blocks.load()));
+  out.push_back(One("flexkv_store_blocks_total", "Blocks copied into the pool and published", MetricType::Counter,
+                    counters.store_blocks.load()));
+  out.push_back(One("flexkv_evicted_blocks_total", "Blocks evicted from the pool to make room", MetricType::Counter,
+                    stats.evicted));
+  out.push_back(One("flexkv_load_bytes_total", "Bytes of loaded blocks", MetricType::Counter, counters.bytes_loaded.load()));
+  out.push_back(One("flexkv_store_bytes_total", "Bytes of stored blocks", MetricType::Counter, counters.bytes_stored.load()));
+
+  std::vector<ClientMetric> request_errors;
+  for (const OpKind op : kAllOps) {
+    for (size_t code = 1; code < ErrorCounts::kCodes; ++code) {
+      const uint64_t n = requests.errors[Index(op)].Get(static_cast<StatusCode>(code));
+      if (n == 0) continue;
+      request_errors.push_back(Sample(static_cast<double>(n), {{"code", StatusCodeName(static_cast<StatusCode>(code))},
+                                                               {"op", OpKindName(op)}}));
+    }
+  }
+  out.push_back(Family("flexkv_request_errors_total", "Data-plane requests answered with an error, by kind and status code",
+                       MetricType::Counter, std::move(request_errors)));
+  std::vector<ClientMetric> control_errors;
+  for (size_t code = 1; code < ErrorCounts::kCodes; ++code) {
+    const uint64_t n = sources_.control_errors->Get(static_cast<StatusCode>(code));
+    if (n != 0) {
+      control_errors.push_back(Sample(static_cast<double>(n), {{"code", StatusCodeName(static_cast<StatusCode>(code))}}));
+    }
+  }
+  out.push_back(Family("flexkv_control_errors_total", "Control-plane (gRPC) calls answered with an error, by status code",
+                       MetricType::Counter, std::move(control_errors)));
+
+  out.push_back(Histograms("flexkv_request_wait_seconds",
+                           "Loads and stores: from the poller taking the request to the start of its copy",
+                           requests.wait, kCopyOps));
+  out.push_back(Histograms("flexkv_request_transfer_seconds", "Loads and stores: the copy between KV buffers and pool",
+                           requests.transfer, kCopyOps));
+  out.push_back(Histograms("flexkv_request_end_to_end_seconds",
+                           "From the poller taking the request to posting its completion", requests.end_to_end,
+                           kRequestOps));
+  return out;
+}
+
+std::string DaemonMetrics::Text() const { return RenderText(Collect()); }
+
+}  // namespace flexkv
