@@ -400,6 +400,14 @@ Result<std::vector<SessionEntry>> Client::ListSessions() {
   return out;
 }
 
+Result<std::string> Client::GetMetrics() {
+  v1::GetMetricsResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->GetMetrics(&ctx, v1::GetMetricsRequest(), &resp)));
+  return resp.text();
+}
+
 Result<std::string> Client::Drain() {
   v1::DrainResponse resp;
   grpc::ClientContext ctx;

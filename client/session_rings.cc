@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -18,6 +19,7 @@ namespace flexkv {
 namespace {
 
 constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr auto kPureSpin = std::chrono::microseconds(2);
 
 inline void CpuRelax() {
 #if defined(__x86_64__)
@@ -200,7 +202,14 @@ Status SessionRings::WaitUntil(const std::function<bool()>& ready, std::chrono::
     }
     const uint32_t seen = hdr_->completion_tail.value.load(std::memory_order_acquire);
     if (now < spin_until) {
-      CpuRelax();
+      // Spin a couple of microseconds, then keep polling but yield the CPU between polls: when there are
+      // more spinning threads than cores (the daemon's poller among them), yielding lets the poller run at
+      // once instead of after our whole spin window.
+      if (now + kSpin - kPureSpin < spin_until) {
+        CpuRelax();
+      } else {
+        sched_yield();
+      }
       continue;
     }
     if (DaemonGone()) {

@@ -22,6 +22,8 @@
 #include "daemon/cache/cache.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
+#include "daemon/metrics/daemon_metrics.h"
+#include "daemon/metrics/metrics_server.h"
 #include "daemon/server/acceptor.h"
 #include "daemon/server/control_service.h"
 #include "daemon/server/control_socket.h"
@@ -96,8 +98,11 @@ int RunDaemon(const DaemonConfig& config) {
     if (state == ServingState::kDrained) Notify("STATUS=drained");
   });
 
-  ControlService control(
-      ControlContext{&cache, &data_plane, cuda.get(), &sessions, &lifecycle, &peers, config.admin_gid, started_ms});
+  ErrorCounts control_errors;
+  auto metrics = std::make_shared<DaemonMetrics>(
+      MetricsSources{&cache, &data_plane, &sessions, &lifecycle, &control_errors});
+  ControlService control(ControlContext{&cache, &data_plane, cuda.get(), &sessions, &lifecycle, &peers,
+                                        config.admin_gid, started_ms, &control_errors, metrics.get()});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);
@@ -112,6 +117,16 @@ int RunDaemon(const DaemonConfig& config) {
 
   Status started = data_plane.Start();
   if (started.ok()) started = sessions.Start();
+  // Declared after the parts it reads, so it stops (joining its threads) before they go.
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (started.ok() && config.metrics_listen) {
+    auto served = MetricsServer::Start(*config.metrics_listen, metrics);
+    if (served.ok()) {
+      metrics_server = std::move(*served);
+    } else {
+      started = served.status();
+    }
+  }
   Acceptor acceptor(socket->fd(), Acceptor::Handlers{
                                       [&](int fd, const PeerCredentials& peer) {
                                         peers.Add(fd, peer);
@@ -129,6 +144,11 @@ int RunDaemon(const DaemonConfig& config) {
 
   log::Info("daemon", "flexkvd {} (pid {}) listening on {}{}; pool budget {}", kVersion, getpid(), socket->path(),
             socket->activated_by_systemd() ? " (socket activation)" : "", FormatByteSize(config.pool_bytes));
+  if (metrics_server) {
+    ListenAddress bound = *config.metrics_listen;
+    bound.port = metrics_server->port();
+    log::Info("daemon", "metrics on http://{}/metrics", bound.ToString());
+  }
   log::Info("daemon", "ready: serving");
   Notify("READY=1\nSTATUS=serving");
 

@@ -9,6 +9,7 @@ FLEXKV_PACKAGES=(
   libcli11-dev catch2 libfmt-dev libxxhash-dev libsystemd-dev
   liburing-dev libibverbs-dev libboost-dev
   python3 python3-grpcio python3-protobuf python3-xxhash
+  prometheus-cpp-dev prometheus curl  # metrics: the library; promtool (in prometheus) and curl test it
   systemd util-linux procps
 )
 
@@ -25,7 +26,16 @@ flexkv_install_deps() {
   [[ $(id -u) -eq 0 ]] || sudo=(sudo)
   export DEBIAN_FRONTEND=noninteractive
   "${sudo[@]}" apt-get update -qq
+  # Packages are installed for their tools (promtool) and libraries; never start their services here.
+  local policy=/usr/sbin/policy-rc.d created_policy=0
+  if [[ ! -e $policy ]]; then
+    printf '#!/bin/sh\nexit 101\n' | "${sudo[@]}" tee "$policy" >/dev/null
+    "${sudo[@]}" chmod +x "$policy"
+    created_policy=1
+  fi
   "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  [[ $created_policy -eq 1 ]] && "${sudo[@]}" rm -f "$policy"
+  return 0
 }
 
 # Configures (once) and builds the given targets (all when none) in build/.

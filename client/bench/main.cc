@@ -1,14 +1,47 @@
 // flexkv-bench: benchmarks that print what they measured next to a baseline from the same run.
 //   flexkv-bench control [--socket S] [--iterations N] [--json]   gRPC unary round trip (GetStatus)
+//   flexkv-bench ring [--socket S] [--clients N] [--iterations N] [--grpc-iterations N] [--blocks B] [--json]
+//                     [--sweep] [--spin-us U] [--pin] [--breakdown]
+//       Match round trip through the session rings (Match + Wait) from N concurrent client processes, and
+//       the same lookup as a gRPC unary call (MatchViaControl) from the same processes as the baseline.
+//       Without --socket it starts its own flexkvd (next to this executable) in a temporary directory, with
+//       a 256MiB pool, and stops it with SIGTERM at the end. --sweep adds runs with 1, 2, 4 and 8 clients.
+//
+// `ring` runs each client as a separate process (this executable, hidden subcommand `ring-worker`,
+// posix_spawn'ed so no gRPC state crosses a fork). Protocol between the parent and a worker:
+//   worker stdout: READY | RING_DONE | RESULT <phase> <start_ns> <end_ns> <n> <sample_ns>... | ERROR <text>
+//   worker fd 0:  ring start barrier (the parent closes the write end: EOF releases every worker at once)
+//   worker fd 3:  gRPC start barrier (same), so the two phases never overlap across workers
+// Timestamps are CLOCK_MONOTONIC (steady_clock), comparable across processes.
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "flexkv/client.h"
+#include "transfer_bench.h"
+
+extern char** environ;
 
 namespace {
 
@@ -17,6 +50,7 @@ struct Percentiles {
 };
 
 Percentiles Summarize(std::vector<double> us) {
+  if (us.empty()) return {0, 0, 0, 0};
   std::sort(us.begin(), us.end());
   auto at = [&](double q) { return us[std::min(us.size() - 1, static_cast<size_t>(q * static_cast<double>(us.size())))]; };
   double sum = 0;
@@ -55,9 +89,630 @@ int RunControl(const std::string& socket, int iterations, bool json) {
   return 0;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// ring
+
+constexpr const char* kRingNamespace = "flexkv-bench-ring";
+constexpr uint64_t kRingSeed = 20261202;
+
+// Small geometry so the setup store is quick: 16 tokens, 2 layers, K/V, 1 head of 64, bf16 = 8 KiB per block.
+flexkv::Geometry RingGeometry() {
+  flexkv::Geometry g;
+  g.tokens_per_block = 16;
+  g.num_layers = 2;
+  g.kv_planes = 2;
+  g.kv_heads_per_rank = 1;
+  g.head_dim = 64;
+  g.dtype_bytes = 2;
+  g.tp_size = 1;
+  return g;
+}
+
+std::vector<flexkv::BlockKey> RingKeys(uint32_t blocks) {
+  const flexkv::Geometry g = RingGeometry();
+  std::mt19937_64 rng(kRingSeed);
+  std::vector<int32_t> tokens(uint64_t{blocks} * g.tokens_per_block);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % 128000);
+  return flexkv::ComputeBlockKeys(kRingNamespace, tokens, g.tokens_per_block);
+}
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string SelfExe() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string() : p.string();
+}
+
+// Blocks until the write end of `fd` is closed by the parent.
+void AwaitBarrier(int fd) {
+  char buf[64];
+  for (;;) {
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n == 0) return;
+    if (n < 0 && errno != EINTR) return;
+  }
+}
+
+void Emit(const std::string& line) {
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fflush(stdout);
+}
+
+struct WorkerOptions {
+  std::string socket;
+  int index = 0;
+  int iterations = 20000;
+  int grpc_iterations = 5000;
+  int warmup = 2000;
+  uint32_t blocks = 4;
+  bool breakdown = false;  // also time Match (submit) alone, and poll with TryWait instead of Wait
+};
+
+int RunRingWorker(const WorkerOptions& o) {
+  auto fail = [](const std::string& what, const flexkv::Status& s) {
+    Emit(fmt::format("ERROR {}: {}\n", what, s.ToString()));
+    return 1;
+  };
+  auto client = flexkv::Client::Connect({o.socket, std::chrono::milliseconds(10000), std::chrono::milliseconds(10000)});
+  if (!client.ok()) return fail("Connect", client.status());
+  flexkv::Client& c = **client;
+  flexkv::AttachOptions attach;
+  attach.client_name = fmt::format("flexkv-bench-ring-{}", o.index);
+  attach.dp_rank = static_cast<uint32_t>(o.index);
+  attach.model_namespace = kRingNamespace;
+  attach.geometry = RingGeometry();
+  auto session = c.Attach(attach);
+  if (!session.ok()) return fail("Attach", session.status());
+  const std::vector<flexkv::BlockKey> keys = RingKeys(o.blocks);
+  const auto timeout = std::chrono::seconds(10);
+
+  auto one_match = [&]() -> std::optional<flexkv::Status> {
+    auto t = c.Match(keys);
+    if (!t.ok()) return t.status();
+    auto r = c.Wait(*t, timeout);
+    if (!r.ok()) return r.status();
+    if (!r->status.ok()) return r->status;
+    if (r->matched_blocks != o.blocks) {
+      return flexkv::Status::Internal(fmt::format("matched {} of {} blocks (the setup store did not stick?)",
+                                                  r->matched_blocks, o.blocks));
+    }
+    return std::nullopt;
+  };
+
+  for (int i = 0; i < o.warmup; ++i) {
+    if (auto err = one_match()) return fail("warm-up Match", *err);
+  }
+  Emit("READY\n");
+  AwaitBarrier(0);
+
+  std::vector<int64_t> ring(static_cast<size_t>(o.iterations));
+  std::vector<int64_t> submit;
+  if (o.breakdown) submit.resize(static_cast<size_t>(o.iterations));
+  const int64_t ring_start = NowNs();
+  for (int i = 0; o.breakdown && i < o.iterations; ++i) {
+    // Breakdown: Match() alone, then the wait as a TryWait poll (no futex, no Wait bookkeeping).
+    const int64_t t0 = NowNs();
+    auto t = c.Match(keys);
+    const int64_t ts = NowNs();
+    if (!t.ok()) return fail("Match", t.status());
+    std::optional<flexkv::OpResult> r;
+    while (!(r = c.TryWait(*t))) {
+    }
+    const int64_t t1 = NowNs();
+    if (!r->status.ok() || r->matched_blocks != o.blocks) return fail("Match result", r->status);
+    submit[static_cast<size_t>(i)] = ts - t0;
+    ring[static_cast<size_t>(i)] = t1 - t0;
+  }
+  for (int i = 0; !o.breakdown && i < o.iterations; ++i) {
+    const int64_t t0 = NowNs();
+    auto t = c.Match(keys);
+    if (!t.ok()) return fail("Match", t.status());
+    auto r = c.Wait(*t, timeout);
+    const int64_t t1 = NowNs();
+    if (!r.ok()) return fail("Wait", r.status());
+    if (!r->status.ok() || r->matched_blocks != o.blocks) {
+      return fail("Match result", r->status.ok() ? flexkv::Status::Internal(fmt::format("matched {} of {} blocks",
+                                                                                         r->matched_blocks, o.blocks))
+                                                 : r->status);
+    }
+    ring[static_cast<size_t>(i)] = t1 - t0;
+  }
+  const int64_t ring_end = NowNs();
+  Emit("RING_DONE\n");
+  AwaitBarrier(3);
+
+  for (int i = 0; i < std::min(o.grpc_iterations, 200); ++i) {
+    auto m = c.MatchViaControl(keys);
+    if (!m.ok()) return fail("warm-up MatchViaControl", m.status());
+  }
+  std::vector<int64_t> grpc(static_cast<size_t>(o.grpc_iterations));
+  const int64_t grpc_start = NowNs();
+  for (int i = 0; i < o.grpc_iterations; ++i) {
+    const int64_t t0 = NowNs();
+    auto m = c.MatchViaControl(keys);
+    const int64_t t1 = NowNs();
+    if (!m.ok()) return fail("MatchViaControl", m.status());
+    if (*m != o.blocks) return fail("MatchViaControl", flexkv::Status::Internal(fmt::format("matched {} of {}", *m, o.blocks)));
+    grpc[static_cast<size_t>(i)] = t1 - t0;
+  }
+  const int64_t grpc_end = NowNs();
+
+  auto result_line = [](const char* phase, int64_t start, int64_t end, const std::vector<int64_t>& s) {
+    std::string line = fmt::format("RESULT {} {} {} {}", phase, start, end, s.size());
+    line.reserve(line.size() + s.size() * 8 + 1);
+    for (int64_t v : s) fmt::format_to(std::back_inserter(line), " {}", v);
+    line += '\n';
+    return line;
+  };
+  Emit(result_line("ring", ring_start, ring_end, ring));
+  Emit(result_line("grpc", grpc_start, grpc_end, grpc));
+  if (o.breakdown) Emit(result_line("submit", ring_start, ring_end, submit));
+  (void)c.Detach();
+  return 0;
+}
+
+// A spawned child with its stdout on a pipe, read line by line.
+struct Child {
+  pid_t pid = -1;
+  int out = -1;
+  std::string buf;
+
+  // The next line, or nullopt on EOF / timeout.
+  std::optional<std::string> ReadLine(std::chrono::milliseconds timeout) {
+    const int64_t deadline = NowNs() + timeout.count() * 1000000;
+    for (;;) {
+      const size_t nl = buf.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = buf.substr(0, nl);
+        buf.erase(0, nl + 1);
+        return line;
+      }
+      const int64_t left_ms = (deadline - NowNs()) / 1000000;
+      if (left_ms <= 0 || out < 0) return std::nullopt;
+      pollfd pfd{out, POLLIN, 0};
+      const int pr = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left_ms, 1000)));
+      if (pr <= 0) continue;
+      char chunk[65536];
+      const ssize_t n = read(out, chunk, sizeof(chunk));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        close(out);
+        out = -1;
+        return std::nullopt;
+      }
+      buf.append(chunk, static_cast<size_t>(n));
+    }
+  }
+};
+
+// posix_spawn with stdout on a pipe (returned in Child::out) unless stdout_path is given, and the listed
+// fds dup2'ed onto the listed targets.
+std::optional<Child> Spawn(const std::vector<std::string>& argv, const std::vector<std::pair<int, int>>& dups,
+                           const std::string& stdout_path = "") {
+  int pipefd[2] = {-1, -1};
+  if (stdout_path.empty() && pipe2(pipefd, O_CLOEXEC) != 0) return std::nullopt;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (stdout_path.empty()) {
+    posix_spawn_file_actions_adddup2(&actions, pipefd[1], STDOUT_FILENO);
+  } else {
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  }
+  for (const auto& [from, to] : dups) posix_spawn_file_actions_adddup2(&actions, from, to);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  Child child;
+  const int rc = posix_spawn(&child.pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (pipefd[1] >= 0) close(pipefd[1]);
+  if (rc != 0) {
+    if (pipefd[0] >= 0) close(pipefd[0]);
+    std::fprintf(stderr, "flexkv-bench: posix_spawn %s: %s\n", argv[0].c_str(), std::strerror(rc));
+    return std::nullopt;
+  }
+  child.out = pipefd[0];
+  return child;
+}
+
+// The flexkvd this bench started, for the signal handler: an interrupted bench does not leave it running.
+volatile sig_atomic_t g_own_daemon_pid = -1;
+
+extern "C" void StopOwnDaemonAndExit(int sig) {
+  if (g_own_daemon_pid > 0) kill(static_cast<pid_t>(g_own_daemon_pid), SIGTERM);
+  _exit(128 + sig);
+}
+
+// The flexkvd this bench started (when --socket is not given): SIGTERM and cleanup on destruction.
+struct OwnDaemon {
+  std::string dir, socket, log;
+  pid_t pid = -1;
+
+  // The end of the daemon's log on stderr (the directory is removed at the end).
+  void DumpLog() const {
+    std::FILE* f = std::fopen(log.c_str(), "r");
+    if (f == nullptr) return;
+    std::string text;
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
+    std::fclose(f);
+    if (text.size() > 4000) text.erase(0, text.size() - 4000);
+    std::fprintf(stderr, "flexkv-bench: end of the flexkvd log:\n%s\n", text.c_str());
+  }
+
+  ~OwnDaemon() {
+    if (pid > 0) {
+      g_own_daemon_pid = -1;
+      kill(pid, SIGTERM);
+      int status = 0;
+      const int64_t deadline = NowNs() + 15LL * 1000000000;
+      while (waitpid(pid, &status, WNOHANG) == 0) {
+        if (NowNs() > deadline) {
+          std::fprintf(stderr, "flexkv-bench: flexkvd (pid %d) ignored SIGTERM for 15 s; killing it\n", pid);
+          kill(pid, SIGKILL);
+          waitpid(pid, &status, 0);
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+    if (!dir.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  }
+};
+
+struct RingOptions {
+  std::string socket;
+  int clients = 2;
+  int iterations = 20000;
+  int grpc_iterations = 5000;
+  int warmup = 2000;
+  uint32_t blocks = 4;
+  bool json = false;
+  bool sweep = false;
+  bool breakdown = false;
+  bool pin = false;     // spawned flexkvd on CPU 0, this process and the workers on the other CPUs
+  double spin_us = -1;  // < 0: the daemon's default
+};
+
+struct PhaseStats {
+  Percentiles p{};
+  double per_s = 0;
+  size_t samples = 0;
+};
+
+struct RingRun {
+  int clients = 0;
+  PhaseStats ring, grpc;
+  std::optional<PhaseStats> submit;  // --breakdown: Match() alone
+};
+
+PhaseStats Merge(const std::vector<std::vector<int64_t>>& samples, const std::vector<std::pair<int64_t, int64_t>>& spans) {
+  PhaseStats st;
+  std::vector<double> us;
+  for (const auto& s : samples) {
+    for (int64_t v : s) us.push_back(static_cast<double>(v) / 1000.0);
+  }
+  st.samples = us.size();
+  st.p = Summarize(std::move(us));
+  if (!spans.empty()) {
+    int64_t first = spans[0].first, last = spans[0].second;
+    for (const auto& [a, b] : spans) {
+      first = std::min(first, a);
+      last = std::max(last, b);
+    }
+    if (last > first) st.per_s = static_cast<double>(st.samples) / (static_cast<double>(last - first) / 1e9);
+  }
+  return st;
+}
+
+void CloseFd(int& fd) {
+  if (fd >= 0) close(fd);
+  fd = -1;
+}
+
+// One measured run with `clients` worker processes against `socket`.
+std::optional<RingRun> RunRingOnce(const std::string& self, const std::string& socket, const RingOptions& o,
+                                   int clients, int grpc_iterations) {
+  int ring_barrier[2], grpc_barrier[2];
+  if (pipe2(ring_barrier, O_CLOEXEC) != 0 || pipe2(grpc_barrier, O_CLOEXEC) != 0) {
+    std::fprintf(stderr, "flexkv-bench: pipe2: %s\n", std::strerror(errno));
+    return std::nullopt;
+  }
+  std::vector<Child> workers;
+  auto abort_all = [&](const std::string& why) -> std::optional<RingRun> {
+    std::fprintf(stderr, "flexkv-bench: %s\n", why.c_str());
+    CloseFd(ring_barrier[1]);
+    CloseFd(grpc_barrier[1]);
+    CloseFd(ring_barrier[0]);
+    CloseFd(grpc_barrier[0]);
+    for (auto& w : workers) {
+      kill(w.pid, SIGKILL);
+      waitpid(w.pid, nullptr, 0);
+      CloseFd(w.out);
+    }
+    return std::nullopt;
+  };
+  for (int i = 0; i < clients; ++i) {
+    std::vector<std::string> argv = {self,
+                                     "ring-worker",
+                                     "--socket",
+                                     socket,
+                                     "--index",
+                                     std::to_string(i),
+                                     "--iterations",
+                                     std::to_string(o.iterations),
+                                     "--grpc-iterations",
+                                     std::to_string(grpc_iterations),
+                                     "--warmup",
+                                     std::to_string(o.warmup),
+                                     "--blocks",
+                                     std::to_string(o.blocks)};
+    if (o.breakdown) argv.push_back("--breakdown");
+    auto w = Spawn(argv, {{ring_barrier[0], 0}, {grpc_barrier[0], 3}});
+    if (!w) return abort_all("could not start a ring-worker");
+    workers.push_back(std::move(*w));
+  }
+  CloseFd(ring_barrier[0]);
+  CloseFd(grpc_barrier[0]);
+
+  auto await_all = [&](const std::string& want, std::chrono::milliseconds timeout) -> std::optional<std::string> {
+    for (size_t i = 0; i < workers.size(); ++i) {
+      auto line = workers[i].ReadLine(timeout);
+      if (!line) return fmt::format("worker {} ended or timed out before {}", i, want);
+      if (*line != want) return fmt::format("worker {}: {}", i, *line);
+    }
+    return std::nullopt;
+  };
+  if (auto err = await_all("READY", std::chrono::seconds(120))) return abort_all(*err);
+  CloseFd(ring_barrier[1]);  // go
+  if (auto err = await_all("RING_DONE", std::chrono::seconds(1800))) return abort_all(*err);
+  CloseFd(grpc_barrier[1]);  // go
+  std::map<std::string, std::vector<std::vector<int64_t>>> samples;
+  std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> spans;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    while (auto line = workers[i].ReadLine(std::chrono::seconds(1800))) {
+      char phase[16] = {};
+      long long start = 0, end = 0;
+      size_t n = 0;
+      int consumed = 0;
+      if (std::sscanf(line->c_str(), "RESULT %15s %lld %lld %zu%n", phase, &start, &end, &n, &consumed) != 4) {
+        return abort_all(fmt::format("worker {}: {}", i, line->substr(0, 200)));
+      }
+      std::vector<int64_t> s;
+      s.reserve(n);
+      const char* p = line->c_str() + consumed;
+      for (size_t j = 0; j < n; ++j) {
+        char* next = nullptr;
+        s.push_back(std::strtoll(p, &next, 10));
+        p = next;
+      }
+      samples[phase].push_back(std::move(s));
+      spans[phase].emplace_back(start, end);
+    }
+  }
+  for (size_t i = 0; i < workers.size(); ++i) {
+    int status = 0;
+    waitpid(workers[i].pid, &status, 0);
+    CloseFd(workers[i].out);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::fprintf(stderr, "flexkv-bench: worker %zu exited with status 0x%x\n", i, status);
+      return std::nullopt;
+    }
+  }
+  RingRun run;
+  run.clients = clients;
+  run.ring = Merge(samples["ring"], spans["ring"]);
+  run.grpc = Merge(samples["grpc"], spans["grpc"]);
+  if (samples.count("submit") != 0) run.submit = Merge(samples["submit"], spans["submit"]);
+  if (run.ring.samples != static_cast<size_t>(clients) * static_cast<size_t>(o.iterations) ||
+      run.grpc.samples != static_cast<size_t>(clients) * static_cast<size_t>(grpc_iterations)) {
+    std::fprintf(stderr, "flexkv-bench: the workers reported %zu ring and %zu gRPC samples; expected %d and %d\n",
+                 run.ring.samples, run.grpc.samples, clients * o.iterations, clients * grpc_iterations);
+    return std::nullopt;
+  }
+  return run;
+}
+
+// Stores the prefix the workers match, from a short-lived session of this process (its own gRPC channel; the
+// workers are exec'ed, so they inherit none of it).
+bool StorePrefix(const std::string& socket, uint32_t prefix) {
+  auto client = flexkv::Client::Connect({socket, std::chrono::milliseconds(10000), std::chrono::milliseconds(10000)});
+  if (!client.ok()) {
+    std::fprintf(stderr, "flexkv-bench: %s\n", client.status().ToString().c_str());
+    return false;
+  }
+  flexkv::Client& c = **client;
+  flexkv::AttachOptions attach;
+  attach.client_name = "flexkv-bench-ring-setup";
+  attach.model_namespace = kRingNamespace;
+  attach.geometry = RingGeometry();
+  auto session = c.Attach(attach);
+  if (!session.ok()) {
+    std::fprintf(stderr, "flexkv-bench: Attach: %s\n", session.status().ToString().c_str());
+    return false;
+  }
+  auto kv = c.CreateHostKv(flexkv::KvLayout::kBlockFirst, prefix);
+  if (!kv.ok()) {
+    std::fprintf(stderr, "flexkv-bench: CreateHostKv: %s\n", kv.status().ToString().c_str());
+    return false;
+  }
+  for (uint64_t i = 0; i < kv->bytes; ++i) kv->data[i] = static_cast<uint8_t>(i * 131 + 7);
+  const auto keys = RingKeys(prefix);
+  std::vector<uint32_t> ids(prefix);
+  for (uint32_t i = 0; i < prefix; ++i) ids[i] = i;
+  auto t = c.Store(keys, ids);
+  auto r = t.ok() ? c.Wait(*t, std::chrono::seconds(30)) : flexkv::Result<flexkv::OpResult>(t.status());
+  if (!r.ok() || !r->status.ok()) {
+    std::fprintf(stderr, "flexkv-bench: Store: %s\n", (r.ok() ? r->status : r.status()).ToString().c_str());
+    return false;
+  }
+  auto m = c.MatchViaControl(keys);
+  if (!m.ok() || *m != prefix) {
+    std::fprintf(stderr, "flexkv-bench: the stored prefix does not match: %s\n",
+                 m.ok() ? fmt::format("{} of {} blocks", *m, prefix).c_str() : m.status().ToString().c_str());
+    return false;
+  }
+  (void)c.Detach();
+  return true;
+}
+
+std::string RunJson(const RingRun& r) {
+  return fmt::format("\"ring\": {{\"p50_us\": {:.3f}, \"p99_us\": {:.3f}, \"p999_us\": {:.3f}, \"mean_us\": {:.3f}, "
+                     "\"matches_per_s\": {:.0f}, \"samples\": {}}}, "
+                     "\"grpc\": {{\"p50_us\": {:.3f}, \"p99_us\": {:.3f}, \"p999_us\": {:.3f}, \"mean_us\": {:.3f}, "
+                     "\"matches_per_s\": {:.0f}, \"samples\": {}}}, \"ratio_p50\": {:.1f}, \"ratio_p99\": {:.1f}",
+                     r.ring.p.p50_us, r.ring.p.p99_us, r.ring.p.p999_us, r.ring.p.mean_us, r.ring.per_s, r.ring.samples,
+                     r.grpc.p.p50_us, r.grpc.p.p99_us, r.grpc.p.p999_us, r.grpc.p.mean_us, r.grpc.per_s, r.grpc.samples,
+                     r.ring.p.p50_us > 0 ? r.grpc.p.p50_us / r.ring.p.p50_us : 0.0,
+                     r.ring.p.p99_us > 0 ? r.grpc.p.p99_us / r.ring.p.p99_us : 0.0);
+}
+
+int RunRing(RingOptions o) {
+  const std::string self = SelfExe();
+  if (self.empty()) {
+    std::fprintf(stderr, "flexkv-bench: cannot resolve /proc/self/exe\n");
+    return 3;
+  }
+  std::optional<OwnDaemon> own;
+  std::string socket = o.socket;
+  if (socket.empty()) {
+    own.emplace();
+    char tmpl[] = "/tmp/flexkv-bench-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) {
+      std::fprintf(stderr, "flexkv-bench: mkdtemp: %s\n", std::strerror(errno));
+      return 3;
+    }
+    own->dir = tmpl;
+    chmod(own->dir.c_str(), 0755);
+    own->socket = own->dir + "/flexkvd.sock";
+    own->log = own->dir + "/flexkvd.log";
+    const std::string daemon = std::filesystem::path(self).parent_path() / "flexkvd";
+    std::vector<std::string> argv = {daemon,           "--socket",     own->socket, "--pool-path", own->dir + "/pool",
+                                     "--pool-size",    "256MiB",       "--log-level", "warning"};
+    if (o.spin_us >= 0) {
+      argv.push_back("--spin-us");
+      argv.push_back(fmt::format("{}", o.spin_us));
+    }
+    cpu_set_t all;
+    CPU_ZERO(&all);
+    if (o.pin) {
+      // The daemon inherits CPU 0 only (all its threads: the mask is set before exec); then this process,
+      // and so every worker it starts, moves to the other CPUs.
+      if (sched_getaffinity(0, sizeof(all), &all) != 0 || CPU_COUNT(&all) < 2 || !CPU_ISSET(0, &all)) {
+        std::fprintf(stderr, "flexkv-bench: --pin needs CPU 0 and at least one other CPU in this process's mask\n");
+        return 2;
+      }
+      cpu_set_t zero;
+      CPU_ZERO(&zero);
+      CPU_SET(0, &zero);
+      sched_setaffinity(0, sizeof(zero), &zero);
+    }
+    auto d = Spawn(argv, {}, own->log);
+    if (o.pin) {
+      cpu_set_t rest = all;
+      CPU_CLR(0, &rest);
+      sched_setaffinity(0, sizeof(rest), &rest);
+    }
+    if (!d) return 3;
+    own->pid = d->pid;
+    g_own_daemon_pid = d->pid;
+    std::signal(SIGINT, StopOwnDaemonAndExit);
+    std::signal(SIGTERM, StopOwnDaemonAndExit);
+    std::signal(SIGHUP, StopOwnDaemonAndExit);
+    socket = own->socket;
+  } else if (o.spin_us >= 0 || o.pin) {
+    std::fprintf(stderr, "flexkv-bench: --spin-us and --pin apply only to the flexkvd this bench starts (no --socket)\n");
+    return 2;
+  }
+  const uint32_t prefix = std::max<uint32_t>(64, o.blocks);
+  if (!StorePrefix(socket, prefix)) {
+    if (own) own->DumpLog();
+    return 3;
+  }
+  auto main_run = RunRingOnce(self, socket, o, o.clients, o.grpc_iterations);
+  if (!main_run) {
+    if (own) own->DumpLog();
+    return 1;
+  }
+  std::vector<RingRun> sweep;
+  if (o.sweep) {
+    for (int n : {1, 2, 4, 8}) {
+      auto r = RunRingOnce(self, socket, o, n, o.grpc_iterations);
+      if (!r) {
+        if (own) own->DumpLog();
+        return 1;
+      }
+      sweep.push_back(*r);
+    }
+  }
+  const RingRun& r = *main_run;
+  const double ratio = r.ring.p.p50_us > 0 ? r.grpc.p.p50_us / r.ring.p.p50_us : 0.0;
+  if (o.json) {
+    std::string out = fmt::format(
+        "{{\"bench\": \"ring\", \"clients\": {}, \"blocks_per_match\": {}, \"iterations_per_client\": {}, "
+        "\"grpc_iterations_per_client\": {}, \"daemon\": \"{}\", \"pinned\": {}, \"spin_us\": {}, {}",
+        r.clients, o.blocks, o.iterations, o.grpc_iterations, own ? "spawned" : "external", o.pin,
+        o.spin_us >= 0 && own ? fmt::format("{}", o.spin_us) : std::string("null"), RunJson(r));
+    if (r.submit) {
+      out += fmt::format(", \"breakdown\": {{\"wait\": \"TryWait poll\", \"submit_p50_us\": {:.3f}, \"submit_p99_us\": {:.3f}, "
+                         "\"submit_p999_us\": {:.3f}, \"submit_mean_us\": {:.3f}}}",
+                         r.submit->p.p50_us, r.submit->p.p99_us, r.submit->p.p999_us, r.submit->p.mean_us);
+    }
+    if (o.sweep) {
+      out += ", \"sweep\": [";
+      for (size_t i = 0; i < sweep.size(); ++i) {
+        const RingRun& s = sweep[i];
+        out += fmt::format("{}{{\"clients\": {}, \"matches_per_s\": {:.0f}, \"p50_us\": {:.3f}, \"p99_us\": {:.3f}, "
+                           "\"p999_us\": {:.3f}, \"grpc_matches_per_s\": {:.0f}, \"grpc_p50_us\": {:.3f}}}",
+                           i == 0 ? "" : ", ", s.clients, s.ring.per_s, s.ring.p.p50_us, s.ring.p.p99_us,
+                           s.ring.p.p999_us, s.grpc.per_s, s.grpc.p.p50_us);
+      }
+      out += "]";
+    }
+    out += "}\n";
+    fmt::print("{}", out);
+  } else {
+    fmt::print("Match round trip, {} keys per match, {} client process(es), {} ring / {} gRPC matches each ({} daemon{})\n",
+               o.blocks, r.clients, o.iterations, o.grpc_iterations, own ? "spawned" : "external",
+               o.pin ? ", pinned to CPU 0, clients on the other CPUs" : "");
+    fmt::print("{:<22} {:>10} {:>10} {:>10} {:>10} {:>14}\n", "path", "p50 us", "p99 us", "p99.9 us", "mean us",
+               "matches/s");
+    fmt::print("{:<22} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>14.0f}\n",
+               o.breakdown ? "rings (Match+TryWait)" : "rings (Match+Wait)", r.ring.p.p50_us,
+               r.ring.p.p99_us, r.ring.p.p999_us, r.ring.p.mean_us, r.ring.per_s);
+    fmt::print("{:<22} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>14.0f}\n", "gRPC unary (baseline)", r.grpc.p.p50_us,
+               r.grpc.p.p99_us, r.grpc.p.p999_us, r.grpc.p.mean_us, r.grpc.per_s);
+    if (r.submit) {
+      fmt::print("{:<22} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f}\n", "  of which Match()", r.submit->p.p50_us,
+                 r.submit->p.p99_us, r.submit->p.p999_us, r.submit->p.mean_us);
+    }
+    fmt::print("ratio gRPC/rings: p50 {:.1f}x, p99 {:.1f}x\n", ratio,
+               r.ring.p.p99_us > 0 ? r.grpc.p.p99_us / r.ring.p.p99_us : 0.0);
+    if (o.sweep) {
+      fmt::print("\n{:>8} {:>16} {:>10} {:>10} {:>10} {:>16}\n", "clients", "ring matches/s", "p50 us", "p99 us",
+                 "p99.9 us", "gRPC matches/s");
+      for (const RingRun& s : sweep) {
+        fmt::print("{:>8} {:>16.0f} {:>10.2f} {:>10.2f} {:>10.2f} {:>16.0f}\n", s.clients, s.ring.per_s,
+                   s.ring.p.p50_us, s.ring.p.p99_us, s.ring.p.p999_us, s.grpc.per_s);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // GPU <-> host-pool copy bench (CUDA builds; elsewhere it says so and exits 2).
+  if (argc >= 2 && std::strcmp(argv[1], "transfer") == 0) return RunTransferBench(argc - 1, argv + 1);
   CLI::App app{"flexkv-bench: flexkvd benchmarks"};
   app.require_subcommand(1);
   std::string socket;
@@ -67,7 +722,37 @@ int main(int argc, char** argv) {
   control->add_option("--socket", socket, "Control socket (default: $FLEXKV_SOCKET or the default)");
   control->add_option("--iterations", iterations)->check(CLI::Range(1, 100000000));
   control->add_flag("--json", json);
+
+  RingOptions ro;
+  auto* ring = app.add_subcommand("ring", "Match round trip through the session rings vs the same lookup over gRPC");
+  ring->add_option("--socket", ro.socket, "Use this flexkvd (default: start one in a temporary directory)");
+  ring->add_option("--clients", ro.clients, "Concurrent client processes (default 2)")->check(CLI::Range(1, 256));
+  ring->add_option("--iterations", ro.iterations, "Ring matches per client (default 20000)")->check(CLI::Range(1, 100000000));
+  ring->add_option("--grpc-iterations", ro.grpc_iterations, "gRPC matches per client (default 5000)")
+      ->check(CLI::Range(1, 100000000));
+  ring->add_option("--warmup", ro.warmup, "Untimed ring matches per client first (default 2000)")->check(CLI::Range(0, 100000000));
+  ring->add_option("--blocks", ro.blocks, "Keys per match (default 4)")->check(CLI::Range(1u, 4096u));
+  ring->add_flag("--json", ro.json, "One JSON object");
+  ring->add_flag("--sweep", ro.sweep, "Also run with 1, 2, 4 and 8 clients and report matches/s for each");
+  ring->add_flag("--pin", ro.pin, "Pin the flexkvd this bench starts to CPU 0 and the client processes to the other CPUs");
+  ring->add_flag("--breakdown", ro.breakdown,
+                 "Diagnosis: time Match() (submit) separately and poll with TryWait instead of Wait");
+  ring->add_option("--spin-us", ro.spin_us, "--spin-us of the flexkvd this bench starts")->check(CLI::Range(0.0, 100000.0));
+
+  WorkerOptions wo;
+  app.add_subcommand("transfer", "GPU <-> host-pool copies vs contiguous copies (flexkv-bench transfer --help)");
+  auto* worker = app.add_subcommand("ring-worker", "internal: one client process of `ring`");
+  worker->group("");  // hidden
+  worker->add_option("--socket", wo.socket)->required();
+  worker->add_option("--index", wo.index);
+  worker->add_option("--iterations", wo.iterations);
+  worker->add_option("--grpc-iterations", wo.grpc_iterations);
+  worker->add_option("--warmup", wo.warmup);
+  worker->add_option("--blocks", wo.blocks);
+  worker->add_flag("--breakdown", wo.breakdown);
   CLI11_PARSE(app, argc, argv);
   if (control->parsed()) return RunControl(socket, iterations, json);
+  if (ring->parsed()) return RunRing(ro);
+  if (worker->parsed()) return RunRingWorker(wo);
   return 2;
 }

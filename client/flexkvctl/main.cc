@@ -1,4 +1,4 @@
-// flexkvctl: look at a running flexkvd and drain it for maintenance.
+// flexkvctl: look at a running flexkvd (status, sessions, metrics) and drain it for maintenance.
 // Exit codes: 0 ok, 1 the daemon said no, 2 usage, 3 cannot connect.
 #include <fmt/format.h>
 #include <unistd.h>
@@ -105,6 +105,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 600.0));
   auto* status_cmd = app.add_subcommand("status", "Daemon state, pool, index, counters");
   auto* sessions_cmd = app.add_subcommand("sessions", "Attached engine sessions");
+  auto* metrics_cmd = app.add_subcommand("metrics", "Prometheus metrics, as the metrics endpoint serves them");
   auto* drain_cmd = app.add_subcommand("drain", "Stop admitting new loads/stores; finish in-flight work");
   bool drain_wait = false;
   double drain_timeout_s = 60;
@@ -112,7 +113,7 @@ int main(int argc, char** argv) {
   drain_cmd->add_option("--timeout", drain_timeout_s, "Seconds --wait waits (default 60)")->check(CLI::Range(0.0, 86400.0));
   auto* resume_cmd = app.add_subcommand("resume", "Admit work again after a drain");
   auto* health_cmd = app.add_subcommand("health", "gRPC health check: exit 0 when serving");
-  for (auto* sub : {status_cmd, sessions_cmd, drain_cmd, resume_cmd, health_cmd}) {
+  for (auto* sub : {status_cmd, sessions_cmd, metrics_cmd, drain_cmd, resume_cmd, health_cmd}) {
     sub->add_flag("--json", json, "Machine-readable output");
     sub->add_option("--socket", socket, "Control socket");
   }
@@ -175,6 +176,12 @@ int main(int argc, char** argv) {
       }
       if (list->empty()) fmt::print("(no sessions)\n");
     }
+    return kExitOk;
+  }
+  if (metrics_cmd->parsed()) {
+    auto text = c.GetMetrics();
+    if (!text.ok()) return Refused(text.status());
+    fmt::print("{}", *text);
     return kExitOk;
   }
   if (drain_cmd->parsed()) {

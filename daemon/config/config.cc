@@ -66,6 +66,12 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
       ->check(CLI::IsMember({"kernel", "copy-engine"}));
   app.add_option("--store-path", store_path, "GPU stores: kernel or copy-engine")
       ->check(CLI::IsMember({"kernel", "copy-engine"}));
+  std::string metrics_listen;
+  bool metrics_allow_remote = false;
+  app.add_option("--metrics-listen", metrics_listen,
+                 "Serve Prometheus metrics on HOST:PORT (GET /metrics), e.g. 127.0.0.1:9400 (default: off)");
+  app.add_flag("--metrics-allow-remote", metrics_allow_remote,
+               "Allow a --metrics-listen address other than loopback (the endpoint has no authentication)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -105,6 +111,17 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   if (cfg.socket_path.size() >= 108) {
     return usage_error(Status::InvalidArgument("--socket path has " + std::to_string(cfg.socket_path.size()) +
                                                " bytes; expected at most 107 (sun_path)"));
+  }
+  if (!metrics_listen.empty()) {
+    auto address = ParseListenAddress("--metrics-listen", metrics_listen);
+    if (!address.ok()) return usage_error(address.status());
+    if (!address->loopback && !metrics_allow_remote) {
+      return usage_error(Status::InvalidArgument(
+          "--metrics-listen " + metrics_listen +
+          " is not a loopback address; the endpoint has no authentication: use 127.0.0.1, or add "
+          "--metrics-allow-remote to serve it to the network"));
+    }
+    cfg.metrics_listen = *address;
   }
   if (cfg.pool_path.empty()) cfg.pool_path = "/dev/shm/flexkvd-" + std::to_string(geteuid()) + "/pool";
   return ParsedArgs{cfg, 0};

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/log.h"
+#include "daemon/metrics/listen_address.h"
 #include "flexkv/status.h"
 
 namespace flexkv {
@@ -27,6 +28,9 @@ struct DaemonConfig {
   unsigned copy_threads = 0;           // --copy-threads: 0 = one per core
   bool load_copy_engine = false;       // --load-path copy-engine (default: kernel)
   bool store_copy_engine = false;      // --store-path copy-engine (default: kernel)
+  // --metrics-listen HOST:PORT: the Prometheus endpoint; none by default. A non-loopback address needs
+  // --metrics-allow-remote (the endpoint has no authentication).
+  std::optional<ListenAddress> metrics_listen;
 };
 
 // Outcome of parsing: a config to run with, or an exit (help printed, or a usage error already reported

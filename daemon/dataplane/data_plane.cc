@@ -377,11 +377,13 @@ void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescript
   }
   const uint16_t allowed_flags = op == RingOp::kMatch ? kMatchFlagPin : op == RingOp::kLoad ? kLoadFlagLayerwise : 0;
   if ((d.flags & ~allowed_flags) != 0) {
-    return Fail(s, d, taken_ns, Status::InvalidArgument(fmt::format("flags 0x{:x} are not valid for opcode {}", d.flags, d.opcode)));
+    return Fail(s, d, taken_ns,
+                Status::InvalidArgument(fmt::format("flags 0x{:x} are not valid for opcode {}", d.flags, d.opcode)));
   }
   if (needs_blocks && (d.count == 0 || d.count > options_.max_blocks_per_request)) {
-    return Fail(s, d, taken_ns, Status::InvalidArgument(
-                          fmt::format("count {} is out of range; expected 1..{}", d.count, options_.max_blocks_per_request)));
+    return Fail(s, d, taken_ns,
+                Status::InvalidArgument(
+                    fmt::format("count {} is out of range; expected 1..{}", d.count, options_.max_blocks_per_request)));
   }
   if (!cache_->has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
   const uint64_t arena_bytes = s.rg.arena_bytes;
@@ -390,8 +392,9 @@ void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescript
   if (op == RingOp::kMatch || op == RingOp::kStore) {
     const uint64_t bytes = uint64_t{d.count} * sizeof(BlockKey);
     if (!InArena(d.keys_offset, bytes, arena_bytes, 8)) {
-      return Fail(s, d, taken_ns, Status::OutOfRange(fmt::format("keys [{}, +{}) are outside the {}-byte arena or unaligned",
-                                                       d.keys_offset, bytes, arena_bytes)));
+      return Fail(s, d, taken_ns,
+                  Status::OutOfRange(fmt::format("keys [{}, +{}) are outside the {}-byte arena or unaligned",
+                                                 d.keys_offset, bytes, arena_bytes)));
     }
     keys.resize(d.count);
     std::memcpy(keys.data(), s.arena() + d.keys_offset, bytes);
@@ -399,8 +402,9 @@ void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescript
   if (op == RingOp::kLoad || op == RingOp::kStore) {
     const uint64_t bytes = uint64_t{d.count} * sizeof(uint32_t);
     if (!InArena(d.block_ids_offset, bytes, arena_bytes, 4)) {
-      return Fail(s, d, taken_ns, Status::OutOfRange(fmt::format("block ids [{}, +{}) are outside the {}-byte arena or unaligned",
-                                                       d.block_ids_offset, bytes, arena_bytes)));
+      return Fail(s, d, taken_ns,
+                  Status::OutOfRange(fmt::format("block ids [{}, +{}) are outside the {}-byte arena or unaligned",
+                                                 d.block_ids_offset, bytes, arena_bytes)));
     }
     ids.resize(d.count);
     std::memcpy(ids.data(), s.arena() + d.block_ids_offset, bytes);
@@ -660,11 +664,14 @@ void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescr
   if (blocks == 0) return Fail(s, d, taken_ns, Status::FailedPrecondition("Store: " + missing));
   for (uint32_t i = 0; i < d.count; ++i) {
     if (ids[i] >= blocks) {
-      return Fail(s, d, taken_ns, Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks", ids[i],
-                                                       i, blocks)));
+      return Fail(
+          s, d, taken_ns,
+          Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks", ids[i], i, blocks)));
     }
   }
-  if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
+  if (!lifecycle_->TryBegin()) {
+    return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
+  }
   PrefixIndex::Reservation r = cache_->Reserve(keys);
   const uint32_t reserved = static_cast<uint32_t>(r.slots.size());
   CompletionDescriptor c{};

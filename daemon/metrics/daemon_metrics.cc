@@ -81,15 +81,17 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   out.push_back(Family("flexkv_state", "Serving state: 1 for the current one (serving, draining, drained)",
                        MetricType::Gauge, std::move(states)));
   out.push_back(One("flexkv_sessions", "Attached engine sessions", MetricType::Gauge, sources_.sessions->Count()));
-  out.push_back(One("flexkv_inflight_requests", "Loads and stores admitted and not yet finished (what a drain waits for)",
-                    MetricType::Gauge, sources_.lifecycle->inflight()));
-  out.push_back(One("flexkv_pool_capacity_blocks", "Slots in the host pool (0 until the first Attach)", MetricType::Gauge,
-                    stats.capacity));
+  out.push_back(One("flexkv_inflight_requests",
+                    "Loads and stores admitted and not yet finished (what a drain waits for)", MetricType::Gauge,
+                    sources_.lifecycle->inflight()));
+  out.push_back(One("flexkv_pool_capacity_blocks", "Slots in the host pool (0 until the first Attach)",
+                    MetricType::Gauge, stats.capacity));
   out.push_back(One("flexkv_pool_used_blocks", "Pool slots holding a committed block or a store in progress",
                     MetricType::Gauge, stats.used));
   out.push_back(One("flexkv_pool_pinned_blocks", "Pool slots pinned by a match or a load (never evicted while pinned)",
                     MetricType::Gauge, stats.pinned));
-  out.push_back(One("flexkv_index_blocks", "Blocks reachable through the prefix index", MetricType::Gauge, stats.blocks));
+  out.push_back(
+      One("flexkv_index_blocks", "Blocks reachable through the prefix index", MetricType::Gauge, stats.blocks));
 
   std::vector<ClientMetric> taken;
   for (const OpKind op : kAllOps) {
@@ -108,29 +110,34 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                     counters.store_blocks.load()));
   out.push_back(One("flexkv_evicted_blocks_total", "Blocks evicted from the pool to make room", MetricType::Counter,
                     stats.evicted));
-  out.push_back(One("flexkv_load_bytes_total", "Bytes of loaded blocks", MetricType::Counter, counters.bytes_loaded.load()));
-  out.push_back(One("flexkv_store_bytes_total", "Bytes of stored blocks", MetricType::Counter, counters.bytes_stored.load()));
+  out.push_back(
+      One("flexkv_load_bytes_total", "Bytes of loaded blocks", MetricType::Counter, counters.bytes_loaded.load()));
+  out.push_back(
+      One("flexkv_store_bytes_total", "Bytes of stored blocks", MetricType::Counter, counters.bytes_stored.load()));
 
   std::vector<ClientMetric> request_errors;
   for (const OpKind op : kAllOps) {
     for (size_t code = 1; code < ErrorCounts::kCodes; ++code) {
       const uint64_t n = requests.errors[Index(op)].Get(static_cast<StatusCode>(code));
       if (n == 0) continue;
-      request_errors.push_back(Sample(static_cast<double>(n), {{"code", StatusCodeName(static_cast<StatusCode>(code))},
-                                                               {"op", OpKindName(op)}}));
+      request_errors.push_back(Sample(
+          static_cast<double>(n), {{"code", StatusCodeName(static_cast<StatusCode>(code))}, {"op", OpKindName(op)}}));
     }
   }
-  out.push_back(Family("flexkv_request_errors_total", "Data-plane requests answered with an error, by kind and status code",
-                       MetricType::Counter, std::move(request_errors)));
+  out.push_back(Family("flexkv_request_errors_total",
+                       "Data-plane requests answered with an error, by kind and status code", MetricType::Counter,
+                       std::move(request_errors)));
   std::vector<ClientMetric> control_errors;
   for (size_t code = 1; code < ErrorCounts::kCodes; ++code) {
     const uint64_t n = sources_.control_errors->Get(static_cast<StatusCode>(code));
     if (n != 0) {
-      control_errors.push_back(Sample(static_cast<double>(n), {{"code", StatusCodeName(static_cast<StatusCode>(code))}}));
+      control_errors.push_back(
+          Sample(static_cast<double>(n), {{"code", StatusCodeName(static_cast<StatusCode>(code))}}));
     }
   }
-  out.push_back(Family("flexkv_control_errors_total", "Control-plane (gRPC) calls answered with an error, by status code",
-                       MetricType::Counter, std::move(control_errors)));
+  out.push_back(Family("flexkv_control_errors_total",
+                       "Control-plane (gRPC) calls answered with an error, by status code", MetricType::Counter,
+                       std::move(control_errors)));
 
   out.push_back(Histograms("flexkv_request_wait_seconds",
                            "Loads and stores: from the poller taking the request to the start of its copy",

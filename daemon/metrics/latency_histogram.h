@@ -49,7 +49,7 @@ class alignas(64) LatencyHistogram {
       s.cumulative[i] = running;
     }
     s.count = running;
-    s.sum_seconds = static_cast<double>(sum_ns_.load(std::memory_order_relaxed)) * 1e-9;
+    s.sum_seconds = static_cast<double>(sum_ns_.load(std::memory_order_relaxed)) / 1e9;
     return s;
   }
 

@@ -7,6 +7,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <civetweb.h>
+
 #include <cerrno>
 #include <exception>
 #include <prometheus/exposer.h>
@@ -50,6 +52,13 @@ MetricsServer::~MetricsServer() = default;
 
 Result<std::unique_ptr<MetricsServer>> MetricsServer::Start(const ListenAddress& address,
                                                             std::weak_ptr<prometheus::Collectable> metrics) {
+  constexpr unsigned kCivetwebIpv6 = 8;  // mg_check_feature: built with USE_IPV6 (Debian 12's is not)
+  if (address.host.find(':') != std::string::npos && mg_check_feature(kCivetwebIpv6) == 0) {
+    return Status::Unavailable(fmt::format(
+        "cannot serve metrics on {}: this build's HTTP server (civetweb) has no IPv6; use an IPv4 address such as "
+        "127.0.0.1",
+        address.ToString()));
+  }
   std::unique_ptr<prometheus::Exposer> exposer;
   try {
     // civetweb options. No document_root: nothing but /metrics is served.

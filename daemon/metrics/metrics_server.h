@@ -22,7 +22,7 @@ class MetricsServer {
   // Listens on `address` and serves `metrics` (weakly held: once it is gone, scrapes get no samples).
   // UNAVAILABLE naming the address and the cause when it cannot listen.
   static Result<std::unique_ptr<MetricsServer>> Start(const ListenAddress& address,
-                                                       std::weak_ptr<prometheus::Collectable> metrics);
+                                                      std::weak_ptr<prometheus::Collectable> metrics);
   // Stops listening and waits for scrapes in progress.
   ~MetricsServer();
   MetricsServer(const MetricsServer&) = delete;

@@ -13,7 +13,7 @@
 
 namespace flexkv {
 grpc::Status ControlService::Answer(const Status& status) {
-  if (!status.ok()) errors_.fetch_add(1, std::memory_order_relaxed);
+  if (!status.ok()) ctx_.errors->Add(status.code());
   return ToGrpc(status);
 }
 
@@ -143,6 +143,12 @@ grpc::Status ControlService::ListSessions(grpc::ServerContext* /*context*/, cons
     out->set_pinned_blocks(stats.pinned_blocks);
     out->set_inflight_requests(stats.inflight_requests);
   }
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::GetMetrics(grpc::ServerContext* /*context*/, const v1::GetMetricsRequest* /*request*/,
+                                        v1::GetMetricsResponse* response) {
+  response->set_text(ctx_.metrics->Text());
   return grpc::Status::OK;
 }
 

@@ -4,13 +4,14 @@
 
 #include <sys/types.h>
 
-#include <atomic>
 #include <cstdint>
 #include <optional>
 
 #include "daemon/cache/cache.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
+#include "daemon/metrics/daemon_metrics.h"
+#include "daemon/metrics/request_metrics.h"
 #include "daemon/server/peer_table.h"
 #include "daemon/sessions/session_registry.h"
 #include "flexkv/v1/control.grpc.pb.h"
@@ -27,6 +28,8 @@ struct ControlContext {
   PeerTable* peers;
   std::optional<gid_t> admin_gid;
   int64_t started_ms;  // monotonic
+  ErrorCounts* errors;  // where the service counts its answers with an error, by code
+  const DaemonMetrics* metrics;  // what GetMetrics renders
 };
 
 class ControlService final : public v1::Control::Service {
@@ -41,6 +44,8 @@ class ControlService final : public v1::Control::Service {
                          v1::GetStatusResponse* response) override;
   grpc::Status ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest* request,
                             v1::ListSessionsResponse* response) override;
+  grpc::Status GetMetrics(grpc::ServerContext* context, const v1::GetMetricsRequest* request,
+                          v1::GetMetricsResponse* response) override;
   grpc::Status Match(grpc::ServerContext* context, const v1::MatchRequest* request,
                      v1::MatchResponse* response) override;
   grpc::Status RegisterKv(grpc::ServerContext* context, const v1::RegisterKvRequest* request,
@@ -51,7 +56,7 @@ class ControlService final : public v1::Control::Service {
                       v1::ResumeResponse* response) override;
 
   // Requests answered with an error (the `errors` counter).
-  uint64_t errors() const { return errors_.load(std::memory_order_relaxed); }
+  uint64_t errors() const { return ctx_.errors->Total(); }
 
  private:
   // Root, the daemon's own uid, or a member of --admin-group. Unknown peers are not admins.
@@ -60,7 +65,6 @@ class ControlService final : public v1::Control::Service {
   grpc::Status Answer(const Status& status);
 
   ControlContext ctx_;
-  std::atomic<uint64_t> errors_{0};
 };
 
 }  // namespace flexkv

@@ -171,6 +171,8 @@ class Client {
 
   Result<DaemonStatus> GetStatus();
   Result<std::vector<SessionEntry>> ListSessions();
+  // The daemon's Prometheus metrics, in the text exposition format 0.0.4 (docs/operations.md, "Metrics").
+  Result<std::string> GetMetrics();
   // Admin calls (root, the daemon's uid, or --admin-group). Return the state after the call.
   Result<std::string> Drain();
   Result<std::string> Resume();
