@@ -58,6 +58,9 @@ Status Geometry::CheckSameHostLayout(const Geometry& pool) const {
     if (tp_size != pool.tp_size) return differ("tp_size", tp_size, pool.tp_size);
     return differ("kv_heads_per_rank", kv_heads_per_rank, pool.kv_heads_per_rank);
   }
+  // A host block holds K/V as [layer][plane][tp shard][chunk of one rank]: the same heads at another TP size
+  // sit at other offsets, so only MLA (one latent plane, the same on every rank) may mix TP sizes.
+  if (!is_mla() && tp_size != pool.tp_size) return differ("tp_size", tp_size, pool.tp_size);
   return Status::Ok();
 }
 

@@ -39,6 +39,8 @@
 #include <vector>
 
 #include "flexkv/client.h"
+#include "index_bench.h"
+#include "trace_bench.h"
 #include "transfer_bench.h"
 
 extern char** environ;
@@ -713,6 +715,10 @@ int RunRing(RingOptions o) {
 int main(int argc, char** argv) {
   // GPU <-> host-pool copy bench (CUDA builds; elsewhere it says so and exits 2).
   if (argc >= 2 && std::strcmp(argv[1], "transfer") == 0) return RunTransferBench(argc - 1, argv + 1);
+  // Trace replay through a spawned flexkvd (trace_bench.h) and the in-process index bench (index_bench.h).
+  if (argc >= 2 && std::strcmp(argv[1], "trace") == 0) return RunTraceBench(argc - 1, argv + 1);
+  if (argc >= 2 && std::strcmp(argv[1], "trace-worker") == 0) return RunTraceWorker(argc - 1, argv + 1);
+  if (argc >= 2 && std::strcmp(argv[1], "index") == 0) return RunIndexBench(argc - 1, argv + 1);
   CLI::App app{"flexkv-bench: flexkvd benchmarks"};
   app.require_subcommand(1);
   std::string socket;
@@ -741,6 +747,8 @@ int main(int argc, char** argv) {
 
   WorkerOptions wo;
   app.add_subcommand("transfer", "GPU <-> host-pool copies vs contiguous copies (flexkv-bench transfer --help)");
+  app.add_subcommand("trace", "Replay a Mooncake trace through a spawned flexkvd: hit ratio vs block LRU (trace --help)");
+  app.add_subcommand("index", "PrefixIndex throughput, memory per block and restart time at scale (index --help)");
   auto* worker = app.add_subcommand("ring-worker", "internal: one client process of `ring`");
   worker->group("");  // hidden
   worker->add_option("--socket", wo.socket)->required();

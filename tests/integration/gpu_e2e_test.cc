@@ -25,10 +25,11 @@ bool HaveGpu() {
 }
 
 ChildProcess GpuClient(const DaemonUnderTest& d, const std::string& name, const std::vector<std::string>& steps,
-                       uint32_t layers = 4, uint32_t kv_blocks = 256) {
+                       uint32_t layers = 4, uint32_t kv_blocks = 256, uint32_t tp = 1) {
   const char* env = std::getenv("FLEXKV_TEST_GPU_CLIENT");
   std::vector<std::string> argv = {env != nullptr ? env : FLEXKV_TEST_GPU_CLIENT, "--socket", d.socket(), "--name", name,
-                                   "--layers", std::to_string(layers), "--kv-blocks", std::to_string(kv_blocks)};
+                                   "--layers", std::to_string(layers), "--kv-blocks", std::to_string(kv_blocks),
+                                   "--tp", std::to_string(tp), "--heads", std::to_string(8 / tp)};
   for (const auto& s : steps) {
     argv.push_back("--do");
     argv.push_back(s);
@@ -74,6 +75,7 @@ TEST_CASE("GPU blocks stored by one engine load byte-exact into another engine's
   auto lb = Lines(b);
   REQUIRE(lb.size() == 3);
   CHECK(lb[1].rfind("LOADED 200 200 1 OK", 0) == 0);
+  CHECK(lb[1].substr(lb[1].size() - 2) == " 1");  // layers were reported in order
   CHECK(lb[2].rfind("LOADED 0 0 1 OK", 0) == 0);
   auto c = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
   REQUIRE(c.ok());
@@ -85,6 +87,35 @@ TEST_CASE("GPU blocks stored by one engine load byte-exact into another engine's
   CHECK(st->counters.at("load_blocks") == 200);
 }
 
+TEST_CASE("TP=2: two worker processes on one GPU are the two ranks of one engine; shards round-trip", "[gpu]") {
+  if (!HaveGpu()) {
+    WARN("no GPU visible; skipped");
+    return;
+  }
+  ShmPoolDir shm;
+  DaemonUnderTest d(GpuDaemonArgs(shm, {"--pool-size", "1GiB"}));
+  REQUIRE(d.WaitReady());
+  ChildProcess a = GpuClient(d, "tp2-writer", {"store:31:100"}, 4, 128, 2);
+  auto la = Lines(a);
+  INFO((la.empty() ? std::string() : la.back()) << "\n" << d.process().Stderr());
+  REQUIRE(la.size() == 2);
+  CHECK(la[1].rfind("STORED 0 100 OK", 0) == 0);
+  ChildProcess b = GpuClient(d, "tp2-reader", {"load:31:100"}, 4, 128, 2);
+  auto lb = Lines(b);
+  REQUIRE(lb.size() == 2);
+  CHECK(lb[1].rfind("LOADED 100 100 1 OK", 0) == 0);  // both ranks' shards byte-exact
+  auto c = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
+  REQUIRE(c.ok());
+  auto st = (*c)->GetStatus();
+  REQUIRE(st.ok());
+  CHECK(st->index_blocks == 100);  // one slot per block, both shards in it
+  // A TP=1 engine lays heads out differently: it is refused, not served shards in the wrong places.
+  ChildProcess tp1 = GpuClient(d, "tp1", {"load:31:100"}, 4, 128, 1);
+  auto l1 = Lines(tp1);
+  REQUIRE(!l1.empty());
+  CHECK_THAT(l1.back(), Catch::Contains("FAILED_PRECONDITION") && Catch::Contains("tp_size"));
+}
+
 TEST_CASE("kill -9 of a GPU engine mid-load: pins released, mappings closed, the daemon keeps serving", "[gpu]") {
   if (!HaveGpu()) {
     WARN("no GPU visible; skipped");
@@ -93,6 +124,8 @@ TEST_CASE("kill -9 of a GPU engine mid-load: pins released, mappings closed, the
   ShmPoolDir shm;
   DaemonUnderTest d(GpuDaemonArgs(shm, {"--pool-size", "2GiB", "--log-level", "debug"}));
   REQUIRE(d.WaitReady());
+  size_t free_before = 0, total = 0;
+  REQUIRE(cudaMemGetInfo(&free_before, &total) == cudaSuccess);
   ChildProcess a = GpuClient(d, "writer", {"store:21:200"});
   auto la = Lines(a);
   INFO((la.empty() ? std::string() : la.back()) << "\n" << d.process().Stderr());
@@ -121,6 +154,15 @@ TEST_CASE("kill -9 of a GPU engine mid-load: pins released, mappings closed, the
     ++closed;
   }
   CHECK(closed >= 4);  // the writer and three victims
+  // The dead engines' device memory is free again: nothing holds their allocations open.
+  size_t free_after = 0;
+  for (int i = 0; i < 100; ++i) {
+    REQUIRE(cudaMemGetInfo(&free_after, &total) == cudaSuccess);
+    if (free_after + (64ULL << 20) >= free_before) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  INFO("free before " << free_before << ", after " << free_after);
+  CHECK(free_after + (64ULL << 20) >= free_before);
   ChildProcess after = GpuClient(d, "after", {"load:21:200"});
   auto lines = Lines(after);
   REQUIRE(lines.size() == 2);

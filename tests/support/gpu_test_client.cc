@@ -1,23 +1,34 @@
-// flexkv-gpu-test-client: an engine stand-in with a vLLM-shaped KV cache in GPU memory (one tensor of
-// [2][blocks][chunk] per layer, LAYERFIRST). Attaches, registers the cache with CUDA IPC handles, then
-// runs --do steps, printing one line each:
+// flexkv-gpu-test-client: an engine stand-in with a vLLM-shaped KV cache in GPU memory (per TP rank, one
+// tensor of [2][blocks][chunk] per layer, LAYERFIRST). Attaches, registers every rank with CUDA IPC
+// handles, then runs --do steps, printing one line each:
 //   ATTACHED <id> <block_bytes> <capacity> <gpu uuid>
-//   STORED <already_cached> <stored> <STATUS> <us>                       (store:SEED:N)
-//   LOADED <hits> <loaded> <equal 0|1> <STATUS> <us> <first_layer_us>  (load:SEED:N, layer-wise)
-//   BENCH store_gbps=<x> load_gbps=<y> store_us=<a> load_us=<b> layer0_us=<c> blocks=<n> bytes=<m>  (bench:N)
-// Chunk (layer, plane, block) of SEED holds bytes that are a pure function of (SEED, block, layer, plane).
+//   STORED <already_cached> <stored> <STATUS> <us>                                  (store:SEED:N)
+//   LOADED <hits> <loaded> <equal 0|1> <STATUS> <us> <layer0_us> <in_order 0|1>     (load:SEED:N, layer-wise)
+//   BENCH store_gbps=… load_gbps=… store_us=… load_us=… layer0_us=… blocks=… bytes=…  (bench:N)
+// With --tp 2 the ranks live in two worker processes (this program with --worker), as TP workers of one
+// engine: each allocates its own shard, describes it (DescribeGpuKv) and hands the description to the
+// attached process, which registers both. Chunk (layer, plane, block, rank) of SEED holds bytes that are a
+// pure function of those, so any process can check them.
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "flexkv/client.h"
 #include "flexkv/cuda.h"
+
+extern char** environ;
 
 namespace {
 
@@ -29,8 +40,10 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 33);
 }
 
-void FillChunk(uint64_t seed, uint32_t block, uint32_t layer, uint32_t plane, uint8_t* dst, uint64_t bytes) {
-  uint64_t s = Mix(seed * 0x9E3779B97F4A7C15ULL + (uint64_t{block} << 20) + (uint64_t{layer} << 4) + plane);
+void FillChunk(uint64_t seed, uint32_t block, uint32_t layer, uint32_t plane, uint32_t rank, uint8_t* dst,
+               uint64_t bytes) {
+  uint64_t s = Mix(seed * 0x9E3779B97F4A7C15ULL + (uint64_t{block} << 24) + (uint64_t{layer} << 8) +
+                   (uint64_t{plane} << 4) + rank);
   for (uint64_t off = 0; off < bytes; off += 8) {
     s = Mix(s + 0x9E3779B97F4A7C15ULL);
     std::memcpy(dst + off, &s, 8);
@@ -43,17 +56,206 @@ std::vector<int32_t> Tokens(uint64_t seed, uint32_t blocks, uint32_t tokens_per_
   return t;
 }
 
-#define CHECK_CUDA(expr)                                                                     \
-  do {                                                                                       \
-    cudaError_t e_ = (expr);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::printf("ERROR INTERNAL %s: %s\n", #expr, cudaGetErrorString(e_));                 \
-      return 1;                                                                              \
-    }                                                                                        \
-  } while (0)
-
 double Us(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double, std::micro>(b - a).count();
+}
+
+// One TP rank's cache. Fill/Poison/Check return false (Check: sets *equal) on CUDA errors.
+class RankKv {
+ public:
+  virtual ~RankKv() = default;
+  virtual flexkv::Result<flexkv::GpuKvRegistration> Registration() = 0;
+  virtual bool Fill(uint64_t seed, uint32_t n) = 0;
+  virtual bool Poison() = 0;
+  virtual bool Check(uint64_t seed, uint32_t n, bool* equal) = 0;
+};
+
+class LocalRank final : public RankKv {
+ public:
+  LocalRank(const flexkv::Geometry& g, uint32_t blocks, uint32_t rank) : g_(g), blocks_(blocks), rank_(rank) {
+    chunk_ = g.chunk_bytes_per_rank();
+    region_ = uint64_t{g.kv_planes} * blocks * chunk_;
+    layers_.resize(g.num_layers, nullptr);
+    for (auto& p : layers_) ok_ &= cudaMalloc(&p, region_) == cudaSuccess;
+    host_.resize(chunk_);
+  }
+  ~LocalRank() override {
+    for (auto* p : layers_) cudaFree(p);
+  }
+  bool ok() const { return ok_; }
+  flexkv::Result<flexkv::GpuKvRegistration> Registration() override {
+    return flexkv::DescribeGpuKv(flexkv::KvLayout::kLayerFirst, layers_, region_, blocks_, rank_);
+  }
+  bool Fill(uint64_t seed, uint32_t n) override {
+    for (uint32_t l = 0; l < g_.num_layers; ++l) {
+      for (uint32_t p = 0; p < g_.kv_planes; ++p) {
+        for (uint32_t b = 0; b < n; ++b) {
+          FillChunk(seed, b, l, p, rank_, host_.data(), chunk_);
+          if (cudaMemcpy(Chunk(l, p, b), host_.data(), chunk_, cudaMemcpyHostToDevice) != cudaSuccess) return false;
+        }
+      }
+    }
+    return true;
+  }
+  bool Poison() override {
+    for (auto* p : layers_) {
+      if (cudaMemset(p, 0xA5, region_) != cudaSuccess) return false;
+    }
+    return cudaDeviceSynchronize() == cudaSuccess;
+  }
+  bool Check(uint64_t seed, uint32_t n, bool* equal) override {
+    std::vector<uint8_t> expect(chunk_);
+    *equal = true;
+    for (uint32_t l = 0; l < g_.num_layers && *equal; ++l) {
+      for (uint32_t p = 0; p < g_.kv_planes && *equal; ++p) {
+        for (uint32_t b = 0; b < n && *equal; ++b) {
+          FillChunk(seed, b, l, p, rank_, expect.data(), chunk_);
+          if (cudaMemcpy(host_.data(), Chunk(l, p, b), chunk_, cudaMemcpyDeviceToHost) != cudaSuccess) return false;
+          *equal = std::memcmp(expect.data(), host_.data(), chunk_) == 0;
+        }
+      }
+    }
+    return true;
+  }
+
+ private:
+  uint8_t* Chunk(uint32_t l, uint32_t p, uint32_t b) {
+    return static_cast<uint8_t*>(layers_[l]) + (uint64_t{p} * blocks_ + b) * chunk_;
+  }
+  flexkv::Geometry g_;
+  uint32_t blocks_, rank_;
+  uint64_t chunk_ = 0, region_ = 0;
+  std::vector<void*> layers_;
+  std::vector<uint8_t> host_;
+  bool ok_ = true;
+};
+
+std::string Hex(const std::string& bytes) {
+  std::string out;
+  char buf[3];
+  for (unsigned char c : bytes) {
+    std::snprintf(buf, sizeof(buf), "%02x", c);
+    out += buf;
+  }
+  return out;
+}
+
+std::string Unhex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) out += static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16));
+  return out;
+}
+
+// "REG uuid layout blocks rank n hex:offset:bytes ..."
+std::string Serialize(const flexkv::GpuKvRegistration& r) {
+  std::ostringstream os;
+  os << "REG " << r.gpu_uuid << ' ' << static_cast<int>(r.layout) << ' ' << r.num_blocks << ' ' << r.tp_rank << ' '
+     << r.regions.size();
+  for (const auto& region : r.regions) os << ' ' << Hex(region.ipc_handle) << ':' << region.offset << ':' << region.bytes;
+  return os.str();
+}
+
+bool Deserialize(const std::string& line, flexkv::GpuKvRegistration* r) {
+  std::istringstream is(line);
+  std::string tag;
+  int layout = 0;
+  size_t n = 0;
+  if (!(is >> tag >> r->gpu_uuid >> layout >> r->num_blocks >> r->tp_rank >> n) || tag != "REG") return false;
+  r->layout = static_cast<flexkv::KvLayout>(layout);
+  for (size_t i = 0; i < n; ++i) {
+    std::string item;
+    if (!(is >> item)) return false;
+    const size_t a = item.find(':'), b = item.rfind(':');
+    if (a == std::string::npos || a == b) return false;
+    r->regions.push_back({Unhex(item.substr(0, a)), std::stoull(item.substr(a + 1, b - a - 1)), std::stoull(item.substr(b + 1))});
+  }
+  return true;
+}
+
+// A rank in a TP worker process, driven over its stdin/stdout.
+class WorkerRank final : public RankKv {
+ public:
+  WorkerRank(const std::vector<std::string>& argv) {
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) return;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], STDIN_FILENO);
+    posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    if (posix_spawn(&pid_, "/proc/self/exe", &fa, nullptr, args.data(), environ) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&fa);
+    close(in[0]);
+    close(out[1]);
+    to_ = fdopen(in[1], "w");
+    from_ = fdopen(out[0], "r");
+  }
+  ~WorkerRank() override {
+    if (to_ != nullptr) fclose(to_);  // the worker exits on EOF
+    if (from_ != nullptr) fclose(from_);
+    if (pid_ > 0) waitpid(pid_, nullptr, 0);
+  }
+  flexkv::Result<flexkv::GpuKvRegistration> Registration() override {
+    const std::string line = ReadLine();
+    flexkv::GpuKvRegistration r;
+    if (!Deserialize(line, &r)) return flexkv::Status::Internal("worker said: " + line);
+    return r;
+  }
+  bool Fill(uint64_t seed, uint32_t n) override { return Ask("fill " + std::to_string(seed) + " " + std::to_string(n)) == "OK"; }
+  bool Poison() override { return Ask("poison") == "OK"; }
+  bool Check(uint64_t seed, uint32_t n, bool* equal) override {
+    const std::string r = Ask("check " + std::to_string(seed) + " " + std::to_string(n));
+    *equal = r == "EQUAL 1";
+    return r.rfind("EQUAL", 0) == 0;
+  }
+
+ private:
+  std::string ReadLine() {
+    char buf[65536];
+    if (from_ == nullptr || std::fgets(buf, sizeof(buf), from_) == nullptr) return "EOF";
+    std::string s = buf;
+    while (!s.empty() && s.back() == '\n') s.pop_back();
+    return s;
+  }
+  std::string Ask(const std::string& cmd) {
+    if (to_ == nullptr) return "EOF";
+    std::fprintf(to_, "%s\n", cmd.c_str());
+    std::fflush(to_);
+    return ReadLine();
+  }
+  pid_t pid_ = -1;
+  FILE* to_ = nullptr;
+  FILE* from_ = nullptr;
+};
+
+int RunWorker(const flexkv::Geometry& g, uint32_t blocks, uint32_t rank) {
+  LocalRank kv(g, blocks, rank);
+  auto reg = kv.ok() ? kv.Registration() : flexkv::Result<flexkv::GpuKvRegistration>(flexkv::Status::Internal("cudaMalloc"));
+  if (!reg.ok()) {
+    std::printf("ERROR %s\n", reg.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("%s\n", Serialize(*reg).c_str());
+  std::fflush(stdout);
+  char line[256];
+  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
+    unsigned long long seed = 0;
+    unsigned n = 0;
+    if (std::sscanf(line, "fill %llu %u", &seed, &n) == 2) {
+      std::printf("%s\n", kv.Fill(seed, n) ? "OK" : "ERROR");
+    } else if (std::strncmp(line, "poison", 6) == 0) {
+      std::printf("%s\n", kv.Poison() ? "OK" : "ERROR");
+    } else if (std::sscanf(line, "check %llu %u", &seed, &n) == 2) {
+      bool equal = false;
+      std::printf("%s\n", kv.Check(seed, n, &equal) ? (equal ? "EQUAL 1" : "EQUAL 0") : "ERROR");
+    } else {
+      std::printf("ERROR unknown command\n");
+    }
+    std::fflush(stdout);
+  }
+  return 0;
 }
 
 }  // namespace
@@ -62,14 +264,18 @@ int main(int argc, char** argv) {
   CLI::App app{"flexkv GPU test client"};
   std::string socket, name = "gpu-client", ns = "test-model";
   flexkv::Geometry g = flexkv::Llama3_8B();
-  uint32_t kv_blocks = 1024;
+  uint32_t kv_blocks = 1024, tp_rank = 0;
+  bool worker = false;
   std::vector<std::string> steps;
   app.add_option("--socket", socket);
   app.add_option("--name", name);
   app.add_option("--namespace", ns);
   app.add_option("--layers", g.num_layers);
-  app.add_option("--heads", g.kv_heads_per_rank);
+  app.add_option("--heads", g.kv_heads_per_rank, "KV heads per TP rank");
+  app.add_option("--tp", g.tp_size, "TP ranks; each > 1 runs in its own worker process");
   app.add_option("--kv-blocks", kv_blocks);
+  app.add_flag("--worker", worker, "internal: one TP rank, driven over stdin/stdout");
+  app.add_option("--tp-rank", tp_rank);
   app.add_option("--do", steps, "store:SEED:N, load:SEED:N, bench:N, hold");
   CLI11_PARSE(app, argc, argv);
   setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -79,12 +285,26 @@ int main(int argc, char** argv) {
     std::printf("NOGPU\n");
     return 0;
   }
-  const uint64_t chunk = g.chunk_bytes_per_rank();
-  const uint64_t region = uint64_t{g.kv_planes} * kv_blocks * chunk;
-  std::vector<void*> layers(g.num_layers);
-  for (auto& p : layers) CHECK_CUDA(cudaMalloc(&p, region));
+  if (worker) return RunWorker(g, kv_blocks, tp_rank);
 
-  auto client = flexkv::Client::Connect({socket, std::chrono::milliseconds(5000), std::chrono::milliseconds(10000)});
+  std::vector<std::unique_ptr<RankKv>> ranks;
+  if (g.tp_size == 1) {
+    auto local = std::make_unique<LocalRank>(g, kv_blocks, 0);
+    if (!local->ok()) {
+      std::printf("ERROR INTERNAL cudaMalloc of the KV cache failed\n");
+      return 1;
+    }
+    ranks.push_back(std::move(local));
+  } else {
+    for (uint32_t r = 0; r < g.tp_size; ++r) {
+      ranks.push_back(std::make_unique<WorkerRank>(std::vector<std::string>{
+          "flexkv-gpu-test-client", "--worker", "--tp-rank", std::to_string(r), "--tp", std::to_string(g.tp_size),
+          "--layers", std::to_string(g.num_layers), "--heads", std::to_string(g.kv_heads_per_rank), "--kv-blocks",
+          std::to_string(kv_blocks)}));
+    }
+  }
+
+  auto client = flexkv::Client::Connect({socket, std::chrono::milliseconds(5000), std::chrono::milliseconds(30000)});
   if (!client.ok()) {
     std::printf("ERROR %s %s\n", flexkv::StatusCodeName(client.status().code()), client.status().message().c_str());
     return 3;
@@ -96,17 +316,20 @@ int main(int argc, char** argv) {
     std::printf("ERROR %s %s\n", flexkv::StatusCodeName(session.status().code()), session.status().message().c_str());
     return 1;
   }
-  auto reg = flexkv::DescribeGpuKv(flexkv::KvLayout::kLayerFirst, layers, region, kv_blocks, 0);
-  flexkv::Status registered = reg.ok() ? c.RegisterGpuKv(*reg) : reg.status();
-  if (!registered.ok()) {
-    std::printf("ERROR %s %s\n", flexkv::StatusCodeName(registered.code()), registered.message().c_str());
-    return 1;
+  std::string uuid;
+  for (auto& rank : ranks) {
+    auto reg = rank->Registration();
+    flexkv::Status registered = reg.ok() ? c.RegisterGpuKv(*reg) : reg.status();
+    if (!registered.ok()) {
+      std::printf("ERROR %s %s\n", flexkv::StatusCodeName(registered.code()), registered.message().c_str());
+      return 1;
+    }
+    uuid = reg->gpu_uuid;
   }
   std::printf("ATTACHED %llu %llu %llu %s\n", static_cast<unsigned long long>(session->session_id),
               static_cast<unsigned long long>(session->block_bytes),
-              static_cast<unsigned long long>(session->capacity_blocks), reg->gpu_uuid.c_str());
+              static_cast<unsigned long long>(session->capacity_blocks), uuid.c_str());
 
-  std::vector<uint8_t> host(chunk);
   const auto timeout = std::chrono::seconds(60);
   for (const std::string& step : steps) {
     if (step == "hold") {
@@ -131,17 +354,11 @@ int main(int argc, char** argv) {
     const auto keys = flexkv::ComputeBlockKeys(ns, Tokens(seed, n, g.tokens_per_block), g.tokens_per_block);
     std::vector<uint32_t> ids(n);
     for (uint32_t i = 0; i < n; ++i) ids[i] = i;
-    auto fill = [&]() -> int {
-      for (uint32_t l = 0; l < g.num_layers; ++l) {
-        for (uint32_t p = 0; p < g.kv_planes; ++p) {
-          for (uint32_t b = 0; b < n; ++b) {
-            FillChunk(seed, b, l, p, host.data(), chunk);
-            auto* dst = static_cast<uint8_t*>(layers[l]) + (uint64_t{p} * kv_blocks + b) * chunk;
-            CHECK_CUDA(cudaMemcpy(dst, host.data(), chunk, cudaMemcpyHostToDevice));
-          }
-        }
+    auto fill = [&] {
+      for (auto& rank : ranks) {
+        if (!rank->Fill(seed, n)) return false;
       }
-      return 0;
+      return true;
     };
     auto store = [&](double* us) -> flexkv::Result<flexkv::OpResult> {
       const auto t0 = std::chrono::steady_clock::now();
@@ -151,19 +368,26 @@ int main(int argc, char** argv) {
       *us = Us(t0, std::chrono::steady_clock::now());
       return r;
     };
-    auto load = [&](double* us, double* layer0_us, uint32_t* hits) -> flexkv::Result<flexkv::OpResult> {
+    // Match (pin), layer-wise Load, Release. Checks that layers are reported in order, each at most once.
+    auto load = [&](double* us, double* layer0_us, uint32_t* hits, bool* in_order) -> flexkv::Result<flexkv::OpResult> {
       auto mt = c.Match(keys, true);
       if (!mt.ok()) return mt.status();
       auto m = c.Wait(*mt, timeout);
       if (!m.ok()) return m.status();
       *hits = m->matched_blocks;
+      *in_order = true;
       if (*hits == 0) return flexkv::OpResult{};
       const auto t0 = std::chrono::steady_clock::now();
       auto lt = c.Load(m->match_handle, std::span(ids.data(), *hits), /*layerwise=*/true);
       if (!lt.ok()) return lt.status();
-      auto first = c.WaitLayers(*lt, 1, timeout);
-      *layer0_us = Us(t0, std::chrono::steady_clock::now());
-      if (!first.ok()) return first.status();
+      uint32_t seen = 0;
+      for (uint32_t layer = 1; layer <= g.num_layers; ++layer) {
+        auto landed = c.WaitLayers(*lt, layer, timeout);
+        if (!landed.ok()) return landed.status();
+        if (layer == 1) *layer0_us = Us(t0, std::chrono::steady_clock::now());
+        *in_order &= *landed >= layer && *landed >= seen;
+        seen = *landed;
+      }
       auto l = c.Wait(*lt, timeout);
       *us = Us(t0, std::chrono::steady_clock::now());
       auto rel = c.Release(m->match_handle);
@@ -171,7 +395,10 @@ int main(int argc, char** argv) {
       return l;
     };
     if (what == "store") {
-      if (fill() != 0) return 1;
+      if (!fill()) {
+        std::printf("ERROR INTERNAL filling the GPU cache failed\n");
+        return 1;
+      }
       double us = 0;
       auto r = store(&us);
       if (!r.ok()) {
@@ -180,34 +407,38 @@ int main(int argc, char** argv) {
       }
       std::printf("STORED %u %u %s %.0f\n", r->matched_blocks, r->done_blocks, flexkv::StatusCodeName(r->status.code()), us);
     } else if (what == "load") {
-      for (auto* p : layers) CHECK_CUDA(cudaMemset(p, 0xA5, region));  // poison
+      for (auto& rank : ranks) {
+        if (!rank->Poison()) {
+          std::printf("ERROR INTERNAL poisoning the GPU cache failed\n");
+          return 1;
+        }
+      }
       double us = 0, layer0 = 0;
       uint32_t hits = 0;
-      auto r = load(&us, &layer0, &hits);
+      bool in_order = false;
+      auto r = load(&us, &layer0, &hits, &in_order);
       if (!r.ok()) {
         std::printf("ERROR %s %s\n", flexkv::StatusCodeName(r.status().code()), r.status().message().c_str());
         return 1;
       }
       bool equal = true;
-      std::vector<uint8_t> expect(chunk);
-      for (uint32_t l = 0; l < g.num_layers && equal; ++l) {
-        for (uint32_t p = 0; p < g.kv_planes && equal; ++p) {
-          for (uint32_t b = 0; b < r->done_blocks && equal; ++b) {
-            FillChunk(seed, b, l, p, expect.data(), chunk);
-            const auto* src = static_cast<uint8_t*>(layers[l]) + (uint64_t{p} * kv_blocks + b) * chunk;
-            CHECK_CUDA(cudaMemcpy(host.data(), src, chunk, cudaMemcpyDeviceToHost));
-            equal = std::memcmp(expect.data(), host.data(), chunk) == 0;
-          }
+      for (auto& rank : ranks) {
+        bool rank_equal = false;
+        if (!rank->Check(seed, r->done_blocks, &rank_equal)) {
+          std::printf("ERROR INTERNAL reading the GPU cache back failed\n");
+          return 1;
         }
+        equal &= rank_equal;
       }
-      std::printf("LOADED %u %u %d %s %.0f %.0f\n", hits, r->done_blocks, equal ? 1 : 0,
-                  flexkv::StatusCodeName(r->status.code()), us, layer0);
+      std::printf("LOADED %u %u %d %s %.0f %.0f %d\n", hits, r->done_blocks, equal ? 1 : 0,
+                  flexkv::StatusCodeName(r->status.code()), us, layer0, in_order ? 1 : 0);
     } else if (what == "bench") {
-      if (fill() != 0) return 1;
+      if (!fill()) return 1;
       double store_us = 0, load_us = 0, layer0 = 0;
       uint32_t hits = 0;
+      bool in_order = false;
       auto s = store(&store_us);
-      auto l = s.ok() ? load(&load_us, &layer0, &hits) : s;
+      auto l = s.ok() ? load(&load_us, &layer0, &hits, &in_order) : s;
       if (!s.ok() || !l.ok() || !s->status.ok() || !l->status.ok() || s->done_blocks != n || l->done_blocks != n) {
         std::printf("ERROR INTERNAL bench store/load did not complete\n");
         return 1;
@@ -220,6 +451,5 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  for (auto* p : layers) cudaFree(p);
   return 0;
 }

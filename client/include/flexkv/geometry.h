@@ -39,8 +39,9 @@ struct Geometry {
   // OK when every field is in range; otherwise INVALID_ARGUMENT naming the field and the accepted range.
   Status Validate() const;
 
-  // Two geometries can share host blocks when their host layout is identical (TP size may differ when the
-  // total KV heads agree). Returns OK, or FAILED_PRECONDITION naming the first differing field and both values.
+  // Two geometries can share host blocks when their host layout is identical: same shape and, for K/V,
+  // the same TP size (blocks hold per-rank shards); MLA may mix TP sizes. Returns OK, or
+  // FAILED_PRECONDITION naming the first differing field and both values.
   Status CheckSameHostLayout(const Geometry& pool) const;
 
   std::string ToString() const;

@@ -1,0 +1,705 @@
+// flexkv-bench trace: see trace_bench.h.
+//   flexkv-bench trace --trace FILE [--capacity-blocks N] [--clients K] [--block-bytes 4KiB] [--json]
+//                      [--sweep [--capacities 1000,2000,...] [--plot docs/trace_sweep.png]]
+// Starts its own flexkvd (next to this executable) in a temporary directory under /dev/shm with
+// --pool-size = N × block bytes, and K client processes (this executable, hidden subcommand `trace-worker`,
+// posix_spawn'ed). Requests go to worker (request index mod K) — round-robin, as a router would — and each
+// worker replays its requests in trace order as fast as it can (timestamps are not followed):
+//   Match(pin) → Load the hits → Release → Store all keys (the daemon skips the cached prefix).
+// Protocol between the parent and a worker:
+//   worker stdout: READY <capacity_blocks> | RESULT <start_ns> <end_ns> <requests> <blocks> <hits> <loaded>
+//                  <stored> <store_shortfalls> <load_mismatches> | LAT <op> <n> <ns>... | DONE | ERROR <text>
+//   worker fd 0:  start barrier (the parent closes the write end)
+#include "trace_bench.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/units.h"
+#include "daemon/cache/prefix_index.h"
+#include "flexkv/client.h"
+
+extern char** environ;
+
+namespace {
+
+using flexkv::bench::HitCount;
+using flexkv::bench::TraceRequest;
+
+constexpr const char* kTraceNamespace = "flexkv-bench-trace";
+constexpr uint32_t kTraceTokensPerBlock = 512;
+
+// The trace's semantics need 512 tokens per block; everything else is as small as Geometry allows, so that a
+// block is block_bytes = 512 × head_dim bytes (1 layer, 1 plane (MLA-style), 1 head, 1-byte dtype).
+flexkv::Geometry TraceGeometry(uint64_t block_bytes) {
+  flexkv::Geometry g;
+  g.tokens_per_block = kTraceTokensPerBlock;
+  g.num_layers = 1;
+  g.kv_planes = 1;
+  g.kv_heads_per_rank = 1;
+  g.head_dim = static_cast<uint32_t>(block_bytes / kTraceTokensPerBlock);
+  g.dtype_bytes = 1;
+  g.tp_size = 1;
+  return g;
+}
+
+std::vector<flexkv::BlockKey> TraceKeys(std::span<const uint64_t> ids) {
+  std::vector<int32_t> tokens;
+  tokens.reserve(ids.size() * kTraceTokensPerBlock);
+  for (uint64_t id : ids) flexkv::bench::AppendBlockTokens(id, kTraceTokensPerBlock, &tokens);
+  return flexkv::ComputeBlockKeys(kTraceNamespace, tokens, kTraceTokensPerBlock);
+}
+
+std::optional<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    std::fprintf(stderr, "flexkv-bench: cannot open trace %s\n", path.c_str());
+    return std::nullopt;
+  }
+  std::vector<TraceRequest> out;
+  std::string line;
+  size_t lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto r = flexkv::bench::ParseTraceLine(line);
+    if (!r) {
+      std::fprintf(stderr, "flexkv-bench: %s:%zu: no \"hash_ids\" list\n", path.c_str(), lineno);
+      return std::nullopt;
+    }
+    for (uint64_t id : r->hash_ids) {
+      if (id >= (uint64_t{1} << 22)) {
+        std::fprintf(stderr, "flexkv-bench: %s:%zu: hash id %llu is >= 2^22 (block tokens would collide)\n",
+                     path.c_str(), lineno, static_cast<unsigned long long>(id));
+        return std::nullopt;
+      }
+    }
+    out.push_back(std::move(*r));
+  }
+  if (out.empty()) {
+    std::fprintf(stderr, "flexkv-bench: %s holds no requests\n", path.c_str());
+    return std::nullopt;
+  }
+  return out;
+}
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void Emit(const std::string& line) {
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fflush(stdout);
+}
+
+void CloseFd(int& fd) {
+  if (fd >= 0) close(fd);
+  fd = -1;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Worker
+
+struct WorkerOptions {
+  std::string socket, trace;
+  int index = 0;
+  int clients = 1;
+  uint64_t block_bytes = 4096;
+};
+
+int WorkerMain(const WorkerOptions& o) {
+  auto fail = [](const std::string& what, const flexkv::Status& s) {
+    Emit(fmt::format("ERROR {}: {}\n", what, s.ToString()));
+    return 1;
+  };
+  auto trace = LoadTrace(o.trace);
+  if (!trace) return fail("trace", flexkv::Status::InvalidArgument(o.trace));
+  struct Mine {
+    std::vector<uint64_t> ids;
+    std::vector<flexkv::BlockKey> keys;
+  };
+  std::vector<Mine> mine;
+  uint32_t longest = 1;
+  for (size_t i = static_cast<size_t>(o.index); i < trace->size(); i += static_cast<size_t>(o.clients)) {
+    Mine m;
+    m.ids = std::move((*trace)[i].hash_ids);
+    m.keys = TraceKeys(m.ids);
+    longest = std::max(longest, static_cast<uint32_t>(m.ids.size()));
+    mine.push_back(std::move(m));
+  }
+  trace.reset();
+
+  auto client = flexkv::Client::Connect({o.socket, std::chrono::milliseconds(20000), std::chrono::milliseconds(20000)});
+  if (!client.ok()) return fail("Connect", client.status());
+  flexkv::Client& c = **client;
+  flexkv::AttachOptions attach;
+  attach.client_name = fmt::format("flexkv-bench-trace-{}", o.index);
+  attach.dp_rank = static_cast<uint32_t>(o.index);
+  attach.model_namespace = kTraceNamespace;
+  attach.geometry = TraceGeometry(o.block_bytes);
+  auto session = c.Attach(attach);
+  if (!session.ok()) return fail("Attach", session.status());
+  auto kv = c.CreateHostKv(flexkv::KvLayout::kBlockFirst, longest);
+  if (!kv.ok()) return fail("CreateHostKv", kv.status());
+  const uint64_t bb = session->block_bytes;
+  std::vector<uint32_t> block_ids(longest);
+  for (uint32_t i = 0; i < longest; ++i) block_ids[i] = i;
+  Emit(fmt::format("READY {}\n", session->capacity_blocks));
+  char buf[64];
+  while (true) {  // start barrier: EOF on fd 0
+    const ssize_t n = read(0, buf, sizeof(buf));
+    if (n == 0 || (n < 0 && errno != EINTR)) break;
+  }
+
+  const auto timeout = std::chrono::seconds(60);
+  auto run = [&](flexkv::Result<flexkv::Ticket> t) -> flexkv::Result<flexkv::OpResult> {
+    if (!t.ok()) return t.status();
+    return c.Wait(*t, timeout);
+  };
+  std::vector<int64_t> lat_match, lat_load, lat_release, lat_store;
+  uint64_t blocks = 0, hits = 0, loaded = 0, stored = 0, shortfalls = 0, mismatches = 0;
+  const int64_t start = NowNs();
+  for (const Mine& m : mine) {
+    const auto n = static_cast<uint32_t>(m.ids.size());
+    blocks += n;
+    int64_t t0 = NowNs();
+    auto mr = run(c.Match(m.keys, /*pin=*/true));
+    lat_match.push_back(NowNs() - t0);
+    if (!mr.ok()) return fail("Match", mr.status());
+    if (!mr->status.ok()) return fail("Match result", mr->status);
+    const uint32_t h = mr->matched_blocks;
+    hits += h;
+    if (h > 0) {
+      const uint64_t poison = ~uint64_t{0};
+      for (uint32_t i = 0; i < h; ++i) std::memcpy(kv->data + uint64_t{i} * bb, &poison, sizeof(poison));
+      t0 = NowNs();
+      auto lr = run(c.Load(mr->match_handle, std::span<const uint32_t>(block_ids.data(), h)));
+      lat_load.push_back(NowNs() - t0);
+      if (!lr.ok()) return fail("Load", lr.status());
+      if (!lr->status.ok()) return fail("Load result", lr->status);
+      loaded += lr->done_blocks;
+      for (uint32_t i = 0; i < lr->done_blocks; ++i) {
+        uint64_t tag = 0;
+        std::memcpy(&tag, kv->data + uint64_t{i} * bb, sizeof(tag));
+        if (tag != m.ids[i]) ++mismatches;
+      }
+      t0 = NowNs();
+      auto rr = run(c.Release(mr->match_handle));
+      lat_release.push_back(NowNs() - t0);
+      if (!rr.ok()) return fail("Release", rr.status());
+      if (!rr->status.ok()) return fail("Release result", rr->status);
+    }
+    if (h < n) {
+      // Each block's first 8 bytes carry its trace id, so a later Load can check what it got.
+      for (uint32_t i = 0; i < n; ++i) std::memcpy(kv->data + uint64_t{i} * bb, &m.ids[i], sizeof(uint64_t));
+      t0 = NowNs();
+      auto sr = run(c.Store(m.keys, std::span<const uint32_t>(block_ids.data(), n)));
+      lat_store.push_back(NowNs() - t0);
+      if (!sr.ok()) return fail("Store", sr.status());
+      stored += sr->done_blocks;
+      // RESOURCE_EXHAUSTED (everything pinned) or ABORTED (another rank is storing the same block): counted.
+      if (!sr->status.ok()) ++shortfalls;
+    }
+  }
+  const int64_t end = NowNs();
+  Emit(fmt::format("RESULT {} {} {} {} {} {} {} {} {}\n", start, end, mine.size(), blocks, hits, loaded, stored,
+                   shortfalls, mismatches));
+  auto lat_line = [](const char* op, const std::vector<int64_t>& s) {
+    std::string line = fmt::format("LAT {} {}", op, s.size());
+    for (int64_t v : s) fmt::format_to(std::back_inserter(line), " {}", v);
+    line += '\n';
+    return line;
+  };
+  Emit(lat_line("match", lat_match));
+  Emit(lat_line("load", lat_load));
+  Emit(lat_line("release", lat_release));
+  Emit(lat_line("store", lat_store));
+  Emit("DONE\n");
+  (void)c.Detach();
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Parent: processes (the same helpers as `ring` in main.cc)
+
+struct Child {
+  pid_t pid = -1;
+  int out = -1;
+  std::string buf;
+
+  std::optional<std::string> ReadLine(std::chrono::milliseconds timeout) {
+    const int64_t deadline = NowNs() + timeout.count() * 1000000;
+    for (;;) {
+      const size_t nl = buf.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = buf.substr(0, nl);
+        buf.erase(0, nl + 1);
+        return line;
+      }
+      const int64_t left_ms = (deadline - NowNs()) / 1000000;
+      if (left_ms <= 0 || out < 0) return std::nullopt;
+      pollfd pfd{out, POLLIN, 0};
+      if (poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left_ms, 1000))) <= 0) continue;
+      char chunk[65536];
+      const ssize_t n = read(out, chunk, sizeof(chunk));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        CloseFd(out);
+        return std::nullopt;
+      }
+      buf.append(chunk, static_cast<size_t>(n));
+    }
+  }
+};
+
+std::optional<Child> Spawn(const std::vector<std::string>& argv, const std::vector<std::pair<int, int>>& dups,
+                           const std::string& stdout_path = "") {
+  int pipefd[2] = {-1, -1};
+  if (stdout_path.empty() && pipe2(pipefd, O_CLOEXEC) != 0) return std::nullopt;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (stdout_path.empty()) {
+    posix_spawn_file_actions_adddup2(&actions, pipefd[1], STDOUT_FILENO);
+  } else {
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  }
+  for (const auto& [from, to] : dups) posix_spawn_file_actions_adddup2(&actions, from, to);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  Child child;
+  const int rc = posix_spawn(&child.pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (pipefd[1] >= 0) close(pipefd[1]);
+  if (rc != 0) {
+    if (pipefd[0] >= 0) close(pipefd[0]);
+    std::fprintf(stderr, "flexkv-bench: posix_spawn %s: %s\n", argv[0].c_str(), std::strerror(rc));
+    return std::nullopt;
+  }
+  child.out = pipefd[0];
+  return child;
+}
+
+volatile sig_atomic_t g_trace_daemon_pid = -1;
+
+extern "C" void StopTraceDaemonAndExit(int sig) {
+  if (g_trace_daemon_pid > 0) kill(static_cast<pid_t>(g_trace_daemon_pid), SIGTERM);
+  _exit(128 + sig);
+}
+
+// The flexkvd of one run: SIGTERM and directory removal on destruction.
+struct OwnDaemon {
+  std::string dir, socket, log;
+  pid_t pid = -1;
+
+  void DumpLog() const {
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string text = ss.str();
+    if (text.size() > 4000) text.erase(0, text.size() - 4000);
+    std::fprintf(stderr, "flexkv-bench: end of the flexkvd log:\n%s\n", text.c_str());
+  }
+
+  ~OwnDaemon() {
+    if (pid > 0) {
+      g_trace_daemon_pid = -1;
+      kill(pid, SIGTERM);
+      int status = 0;
+      const int64_t deadline = NowNs() + 15LL * 1000000000;
+      while (waitpid(pid, &status, WNOHANG) == 0) {
+        if (NowNs() > deadline) {
+          kill(pid, SIGKILL);
+          waitpid(pid, &status, 0);
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+    if (!dir.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  }
+};
+
+struct Percentiles {
+  double p50_us = 0, p99_us = 0, p999_us = 0, mean_us = 0;
+  size_t n = 0;
+};
+
+Percentiles Summarize(std::vector<int64_t> ns) {
+  Percentiles p;
+  p.n = ns.size();
+  if (ns.empty()) return p;
+  std::sort(ns.begin(), ns.end());
+  auto at = [&](double q) {
+    return static_cast<double>(ns[std::min(ns.size() - 1, static_cast<size_t>(q * static_cast<double>(ns.size())))]) / 1e3;
+  };
+  double sum = 0;
+  for (int64_t v : ns) sum += static_cast<double>(v);
+  p.p50_us = at(0.50);
+  p.p99_us = at(0.99);
+  p.p999_us = at(0.999);
+  p.mean_us = sum / static_cast<double>(ns.size()) / 1e3;
+  return p;
+}
+
+struct TraceOptions {
+  std::string trace;
+  uint32_t capacity = 10000;
+  int clients = 2;
+  std::string block_bytes_text = "4KiB";
+  uint64_t block_bytes = 4096;
+  bool json = false;
+  bool sweep = false;
+  std::vector<uint32_t> capacities = {1000, 2000, 5000, 10000, 20000, 50000};
+  std::string plot = "trace_sweep.png";
+};
+
+struct TraceRun {
+  uint32_t capacity = 0;
+  uint64_t daemon_capacity = 0;
+  uint64_t requests = 0, blocks = 0, hits = 0, loaded = 0, stored = 0, shortfalls = 0, mismatches = 0;
+  double seconds = 0;
+  HitCount reference, bound, sim;
+  uint64_t reference_raw_hits = 0;
+  std::map<std::string, Percentiles> lat;
+  double hit_ratio() const { return blocks == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(blocks); }
+};
+
+// The daemon's policy (prefix-closed, leaf-LRU PrefixIndex) replayed in-process, one request at a time: the
+// number a single-rank replay through flexkvd should reproduce exactly.
+HitCount SimulatePrefixIndex(const std::vector<TraceRequest>& trace, const std::vector<std::vector<flexkv::BlockKey>>& keys,
+                             uint32_t capacity) {
+  flexkv::PrefixIndex index(capacity);
+  HitCount c;
+  for (size_t i = 0; i < trace.size(); ++i) {
+    c.hits += index.Match(keys[i], /*pin=*/false, nullptr);
+    c.blocks += keys[i].size();
+    auto r = index.Reserve(keys[i]);
+    index.Commit(r.slots);
+  }
+  return c;
+}
+
+std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, uint32_t capacity,
+                                const std::vector<TraceRequest>& trace,
+                                const std::vector<std::vector<flexkv::BlockKey>>& keys) {
+  TraceRun run;
+  run.capacity = capacity;
+  run.bound = flexkv::bench::InfiniteCacheBound(trace);
+  {
+    flexkv::bench::BlockLru lru(capacity);
+    for (const TraceRequest& r : trace) {
+      run.reference.hits += lru.Access(r.hash_ids);
+      run.reference.blocks += r.hash_ids.size();
+    }
+    run.reference_raw_hits = lru.raw_hits();
+  }
+  run.sim = SimulatePrefixIndex(trace, keys, capacity);
+
+  OwnDaemon own;
+  const char* base = std::filesystem::is_directory("/dev/shm") ? "/dev/shm" : "/tmp";
+  std::string tmpl = std::string(base) + "/flexkv-bench-trace-XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    std::fprintf(stderr, "flexkv-bench: mkdtemp: %s\n", std::strerror(errno));
+    return std::nullopt;
+  }
+  own.dir = tmpl;
+  chmod(own.dir.c_str(), 0755);
+  own.socket = own.dir + "/flexkvd.sock";
+  own.log = own.dir + "/flexkvd.log";
+  const std::string daemon = std::filesystem::path(self).parent_path() / "flexkvd";
+  auto d = Spawn({daemon, "--socket", own.socket, "--pool-path", own.dir + "/pool", "--pool-size",
+                  std::to_string(uint64_t{capacity} * o.block_bytes), "--log-level", "warning"},
+                 {}, own.log);
+  if (!d) return std::nullopt;
+  own.pid = d->pid;
+  g_trace_daemon_pid = d->pid;
+
+  int barrier[2];
+  if (pipe2(barrier, O_CLOEXEC) != 0) return std::nullopt;
+  std::vector<Child> workers;
+  auto abort_all = [&](const std::string& why) -> std::optional<TraceRun> {
+    std::fprintf(stderr, "flexkv-bench: %s\n", why.c_str());
+    CloseFd(barrier[0]);
+    CloseFd(barrier[1]);
+    for (auto& w : workers) {
+      kill(w.pid, SIGKILL);
+      waitpid(w.pid, nullptr, 0);
+      CloseFd(w.out);
+    }
+    own.DumpLog();
+    return std::nullopt;
+  };
+  for (int i = 0; i < o.clients; ++i) {
+    auto w = Spawn({self, "trace-worker", "--socket", own.socket, "--trace", o.trace, "--index", std::to_string(i),
+                    "--clients", std::to_string(o.clients), "--block-bytes", std::to_string(o.block_bytes)},
+                   {{barrier[0], 0}});
+    if (!w) return abort_all("could not start a trace-worker");
+    workers.push_back(std::move(*w));
+  }
+  CloseFd(barrier[0]);
+  for (size_t i = 0; i < workers.size(); ++i) {
+    auto line = workers[i].ReadLine(std::chrono::seconds(120));
+    unsigned long long cap = 0;
+    if (!line || std::sscanf(line->c_str(), "READY %llu", &cap) != 1) {
+      return abort_all(fmt::format("worker {}: {}", i, line ? *line : std::string("ended before READY")));
+    }
+    run.daemon_capacity = cap;
+  }
+  CloseFd(barrier[1]);  // go
+  std::map<std::string, std::vector<int64_t>> lat;
+  int64_t first = 0, last = 0;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    bool done = false;
+    while (auto line = workers[i].ReadLine(std::chrono::seconds(3600))) {
+      if (*line == "DONE") {
+        done = true;
+        break;
+      }
+      long long start = 0, end = 0;
+      unsigned long long req = 0, blk = 0, hit = 0, ld = 0, st = 0, sf = 0, mm = 0;
+      char op[16] = {};
+      size_t n = 0;
+      int consumed = 0;
+      if (std::sscanf(line->c_str(), "RESULT %lld %lld %llu %llu %llu %llu %llu %llu %llu", &start, &end, &req, &blk,
+                      &hit, &ld, &st, &sf, &mm) == 9) {
+        first = first == 0 ? start : std::min<int64_t>(first, start);
+        last = std::max<int64_t>(last, end);
+        run.requests += req;
+        run.blocks += blk;
+        run.hits += hit;
+        run.loaded += ld;
+        run.stored += st;
+        run.shortfalls += sf;
+        run.mismatches += mm;
+      } else if (std::sscanf(line->c_str(), "LAT %15s %zu%n", op, &n, &consumed) == 2) {
+        auto& v = lat[op];
+        const char* p = line->c_str() + consumed;
+        for (size_t j = 0; j < n; ++j) {
+          char* next = nullptr;
+          v.push_back(std::strtoll(p, &next, 10));
+          p = next;
+        }
+      } else {
+        return abort_all(fmt::format("worker {}: {}", i, line->substr(0, 300)));
+      }
+    }
+    if (!done) return abort_all(fmt::format("worker {} ended without DONE", i));
+  }
+  for (auto& w : workers) {
+    int status = 0;
+    waitpid(w.pid, &status, 0);
+    CloseFd(w.out);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::fprintf(stderr, "flexkv-bench: trace-worker exited with status 0x%x\n", status);
+      return std::nullopt;
+    }
+  }
+  run.seconds = static_cast<double>(last - first) / 1e9;
+  for (auto& [op, v] : lat) run.lat[op] = Summarize(std::move(v));
+  if (run.requests != trace.size()) {
+    std::fprintf(stderr, "flexkv-bench: the workers replayed %llu of %zu requests\n",
+                 static_cast<unsigned long long>(run.requests), trace.size());
+    return std::nullopt;
+  }
+  return run;
+}
+
+std::string RunJson(const TraceRun& r, int clients, uint64_t block_bytes) {
+  std::string out = fmt::format(
+      "{{\"capacity_blocks\": {}, \"daemon_capacity_blocks\": {}, \"block_bytes\": {}, \"clients\": {}, "
+      "\"requests\": {}, \"blocks\": {}, \"hit_blocks\": {}, \"hit_ratio\": {:.4f}, "
+      "\"reference_lru_hit_ratio\": {:.4f}, \"reference_lru_raw_hit_ratio\": {:.4f}, "
+      "\"infinite_cache_bound\": {:.4f}, \"prefix_index_sim_hit_ratio\": {:.4f}, \"beats_reference\": {}, "
+      "\"requests_per_s\": {:.0f}, \"seconds\": {:.3f}, \"blocks_loaded\": {}, \"blocks_stored\": {}, "
+      "\"store_shortfalls\": {}, \"load_mismatches\": {}, \"latency_us\": {{",
+      r.capacity, r.daemon_capacity, block_bytes, clients, r.requests, r.blocks, r.hits, r.hit_ratio(),
+      r.reference.ratio(),
+      r.reference.blocks == 0 ? 0.0 : static_cast<double>(r.reference_raw_hits) / static_cast<double>(r.reference.blocks),
+      r.bound.ratio(), r.sim.ratio(), r.hit_ratio() >= r.reference.ratio(),
+      r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0, r.seconds, r.loaded, r.stored, r.shortfalls,
+      r.mismatches);
+  bool firstop = true;
+  for (const char* op : {"match", "load", "release", "store"}) {
+    auto it = r.lat.find(op);
+    const Percentiles p = it == r.lat.end() ? Percentiles{} : it->second;
+    out += fmt::format("{}\"{}\": {{\"n\": {}, \"p50\": {:.1f}, \"p99\": {:.1f}, \"p999\": {:.1f}, \"mean\": {:.1f}}}",
+                       firstop ? "" : ", ", op, p.n, p.p50_us, p.p99_us, p.p999_us, p.mean_us);
+    firstop = false;
+  }
+  out += "}}";
+  return out;
+}
+
+void PrintRunText(const TraceRun& r, int clients) {
+  fmt::print("capacity {} blocks ({} client processes): flexkvd hit ratio {:.4f}, reference block-LRU {:.4f}, "
+             "infinite-cache bound {:.4f} (in-process PrefixIndex replay {:.4f})\n",
+             r.capacity, clients, r.hit_ratio(), r.reference.ratio(), r.bound.ratio(), r.sim.ratio());
+  fmt::print("  {} requests, {} blocks in {:.2f} s = {:.0f} requests/s; loaded {} stored {} blocks; {} store "
+             "shortfalls; {} load mismatches\n",
+             r.requests, r.blocks, r.seconds, r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0,
+             r.loaded, r.stored, r.shortfalls, r.mismatches);
+  fmt::print("  {:<8} {:>8} {:>10} {:>10} {:>10} {:>10}\n", "op", "n", "p50 us", "p99 us", "p99.9 us", "mean us");
+  for (const auto& [op, p] : r.lat) {
+    fmt::print("  {:<8} {:>8} {:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f}\n", op, p.n, p.p50_us, p.p99_us, p.p999_us,
+               p.mean_us);
+  }
+}
+
+bool WritePlot(const std::vector<TraceRun>& runs, const std::string& png, int clients) {
+  char tmpl[] = "/tmp/flexkv-bench-plot-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return false;
+  const std::string dir = tmpl;
+  const std::string dat = dir + "/sweep.dat", gp = dir + "/sweep.gp";
+  {
+    std::ofstream d(dat);
+    d << "# capacity flexkvd reference_lru bound\n";
+    for (const TraceRun& r : runs) {
+      d << r.capacity << ' ' << r.hit_ratio() << ' ' << r.reference.ratio() << ' ' << r.bound.ratio() << '\n';
+    }
+    std::ofstream g(gp);
+    g << "set terminal pngcairo size 900,560 noenhanced\n"
+      << "set output '" << png << "'\n"
+      << "set title 'Mooncake trace replay: block hit ratio vs host pool capacity (" << clients
+      << " client processes)'\n"
+      << "set xlabel 'pool capacity (blocks of 512 tokens)'\nset ylabel 'block hit ratio'\n"
+      << "set logscale x\nset yrange [0:0.7]\nset grid\nset key bottom right\n"
+      << "plot '" << dat << "' using 1:2 with linespoints lw 2 pt 7 title 'flexkvd (prefix-closed leaf LRU)', \\\n"
+      << "     '' using 1:3 with linespoints lw 2 pt 5 title 'reference block LRU', \\\n"
+      << "     '' using 1:4 with lines lw 2 dt 2 title 'infinite-cache bound'\n";
+  }
+  const std::string cmd = "gnuplot '" + gp + "'";
+  const int rc = std::system(cmd.c_str());
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  if (rc != 0) {
+    std::fprintf(stderr, "flexkv-bench: gnuplot failed (%d); install gnuplot-nox (Debian) to get the plot\n", rc);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+int RunTraceWorker(int argc, char** argv) {
+  CLI::App app{"internal: one client process of `flexkv-bench trace`"};
+  WorkerOptions o;
+  app.add_option("--socket", o.socket)->required();
+  app.add_option("--trace", o.trace)->required();
+  app.add_option("--index", o.index);
+  app.add_option("--clients", o.clients);
+  app.add_option("--block-bytes", o.block_bytes);
+  CLI11_PARSE(app, argc, argv);
+  return WorkerMain(o);
+}
+
+int RunTraceBench(int argc, char** argv) {
+  CLI::App app{"flexkv-bench trace: replay a Mooncake-format trace through a flexkvd this bench starts"};
+  TraceOptions o;
+  app.add_option("--trace", o.trace, "Trace file (JSON lines with hash_ids)")->required();
+  app.add_option("--capacity-blocks", o.capacity, "Pool capacity in blocks (default 10000)")
+      ->check(CLI::Range(1u, 100000000u));
+  app.add_option("--clients", o.clients, "Client processes (DP ranks), requests round-robin (default 2)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--block-bytes", o.block_bytes_text,
+                 "Bytes per 512-token block, a multiple of 512 (default 4KiB; the hit ratio does not depend on it)");
+  app.add_flag("--json", o.json, "One JSON object");
+  app.add_flag("--sweep", o.sweep, "Run each of --capacities (instead of --capacity-blocks) and plot");
+  app.add_option("--capacities", o.capacities, "Capacities of --sweep (default 1000,2000,5000,10000,20000,50000)")
+      ->delimiter(',');
+  app.add_option("--plot", o.plot, "PNG written by --sweep (gnuplot; default trace_sweep.png)");
+  CLI11_PARSE(app, argc, argv);
+
+  auto bb = flexkv::ParseByteSize(o.block_bytes_text);
+  if (!bb.ok() || *bb < kTraceTokensPerBlock || *bb % kTraceTokensPerBlock != 0 ||
+      *bb / kTraceTokensPerBlock > 65536) {
+    std::fprintf(stderr, "flexkv-bench: --block-bytes %s: expected a multiple of 512 bytes, 512 B .. 32 MiB\n",
+                 o.block_bytes_text.c_str());
+    return 2;
+  }
+  o.block_bytes = *bb;
+  std::error_code ec;
+  auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) {
+    std::fprintf(stderr, "flexkv-bench: cannot resolve /proc/self/exe\n");
+    return 3;
+  }
+  o.trace = std::filesystem::absolute(o.trace).string();
+  auto trace = LoadTrace(o.trace);
+  if (!trace) return 2;
+  std::vector<uint32_t> caps = o.sweep ? o.capacities : std::vector<uint32_t>{o.capacity};
+  for (uint32_t cap : caps) {
+    if (uint64_t{cap} * o.block_bytes < (uint64_t{1} << 20)) {
+      std::fprintf(stderr, "flexkv-bench: %u blocks of %llu bytes is below flexkvd's 1MiB minimum pool; raise "
+                   "--block-bytes\n", cap, static_cast<unsigned long long>(o.block_bytes));
+      return 2;
+    }
+  }
+  std::vector<std::vector<flexkv::BlockKey>> keys;
+  keys.reserve(trace->size());
+  for (const TraceRequest& r : *trace) keys.push_back(TraceKeys(r.hash_ids));
+
+  std::signal(SIGINT, StopTraceDaemonAndExit);
+  std::signal(SIGTERM, StopTraceDaemonAndExit);
+  std::signal(SIGHUP, StopTraceDaemonAndExit);
+  std::vector<TraceRun> runs;
+  for (uint32_t cap : caps) {
+    auto r = RunOnce(self.string(), o, cap, *trace, keys);
+    if (!r) return 1;
+    if (!o.json) PrintRunText(*r, o.clients);
+    runs.push_back(std::move(*r));
+  }
+  bool plotted = false;
+  if (o.sweep) plotted = WritePlot(runs, o.plot, o.clients);
+  if (o.json) {
+    if (!o.sweep) {
+      fmt::print("{{\"bench\": \"trace\", \"trace\": \"{}\", \"daemon\": \"spawned\", {}\n", o.trace,
+                 RunJson(runs[0], o.clients, o.block_bytes).substr(1));
+    } else {
+      std::string out = fmt::format("{{\"bench\": \"trace\", \"trace\": \"{}\", \"daemon\": \"spawned\", \"sweep\": [",
+                                    o.trace);
+      for (size_t i = 0; i < runs.size(); ++i) out += (i ? ", " : "") + RunJson(runs[i], o.clients, o.block_bytes);
+      out += fmt::format("], \"plot\": {}}}\n", plotted ? fmt::format("\"{}\"", o.plot) : std::string("null"));
+      fmt::print("{}", out);
+    }
+  } else if (o.sweep) {
+    fmt::print("\n{:>10} {:>10} {:>14} {:>10} {:>10}\n", "capacity", "flexkvd", "reference LRU", "bound", "requests/s");
+    for (const TraceRun& r : runs) {
+      fmt::print("{:>10} {:>10.4f} {:>14.4f} {:>10.4f} {:>10.0f}\n", r.capacity, r.hit_ratio(), r.reference.ratio(),
+                 r.bound.ratio(), r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0);
+    }
+    if (plotted) fmt::print("plot: {}\n", o.plot);
+  }
+  bool ok = true;
+  for (const TraceRun& r : runs) ok = ok && r.mismatches == 0;
+  return ok ? 0 : 1;
+}
