@@ -124,12 +124,15 @@ TEST_CASE("kill -9 of a GPU engine mid-load: pins released, mappings closed, the
   ShmPoolDir shm;
   DaemonUnderTest d(GpuDaemonArgs(shm, {"--pool-size", "2GiB", "--log-level", "debug"}));
   REQUIRE(d.WaitReady());
-  size_t free_before = 0, total = 0;
-  REQUIRE(cudaMemGetInfo(&free_before, &total) == cudaSuccess);
   ChildProcess a = GpuClient(d, "writer", {"store:21:200"});
   auto la = Lines(a);
   INFO((la.empty() ? std::string() : la.back()) << "\n" << d.process().Stderr());
   REQUIRE(la.size() == 2);
+  // Baseline once the daemon's own CUDA context and copy workers exist (the writer's registration made them).
+  REQUIRE(a.Wait(10s).has_value());
+  size_t free_before = 0, total = 0;
+  std::this_thread::sleep_for(200ms);
+  REQUIRE(cudaMemGetInfo(&free_before, &total) == cudaSuccess);
   for (int round = 0; round < 3; ++round) {
     ChildProcess victim = GpuClient(d, "victim", {"load:21:200", "load:21:200", "load:21:200", "hold"});
     REQUIRE(victim.WaitForLine("ATTACHED", 60s).has_value());
