@@ -81,6 +81,7 @@ int RunDaemon(const DaemonConfig& config) {
   DataPlaneOptions dp_options;
   dp_options.spin_ns = static_cast<int64_t>(config.spin_us * 1000);
   dp_options.copy_threads = config.copy_threads;
+  dp_options.poller_cpu = config.poller_cpu;
   DataPlane data_plane(&cache, &lifecycle, cuda.get(), dp_options);
   SessionRegistry sessions(static_cast<int64_t>(config.attach_timeout_s * 1000));
   sessions.SetChannelOpenCallback(

@@ -61,6 +61,9 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
       ->check(CLI::Range(0.0, 100000.0));
   app.add_option("--copy-threads", cfg.copy_threads, "Threads copying blocks (default: one per core)")
       ->check(CLI::Range(0u, 256u));
+  app.add_option("--poller-cpu", cfg.poller_cpu,
+                 "Pin the ring poller thread to this CPU (keep engines off it: best p99 when cores are scarce)")
+      ->check(CLI::Range(-1, 4095));
   std::string load_path = "kernel", store_path = "kernel";
   app.add_option("--load-path", load_path, "GPU loads: kernel (gather/scatter kernels) or copy-engine (SM-free)")
       ->check(CLI::IsMember({"kernel", "copy-engine"}));

@@ -26,6 +26,7 @@ struct DaemonConfig {
   bool discard_pool = false;           // --discard-pool: replace a pool file that cannot be re-attached
   double spin_us = 50;                 // --spin-us: poller spin window after activity
   unsigned copy_threads = 0;           // --copy-threads: 0 = one per core
+  int poller_cpu = -1;                 // --poller-cpu: pin the ring poller (-1: not pinned)
   bool load_copy_engine = false;       // --load-path copy-engine (default: kernel)
   bool store_copy_engine = false;      // --store-path copy-engine (default: kernel)
   // --metrics-listen HOST:PORT: the Prometheus endpoint; none by default. A non-loopback address needs

@@ -2,6 +2,8 @@
 #include "daemon/dataplane/data_plane.h"
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <fmt/format.h>
 #include <linux/futex.h>
 #include <sys/epoll.h>
@@ -120,6 +122,18 @@ Status DataPlane::Start() {
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev);
   last_turn_ms_ = MonotonicMs();
   poller_ = std::thread([this] { PollerLoop(); });
+  if (options_.poller_cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(options_.poller_cpu, &set);
+    const int rc = pthread_setaffinity_np(poller_.native_handle(), sizeof(set), &set);
+    if (rc != 0) {
+      log::Warning("dataplane", "cannot pin the ring poller to CPU {}: {}; it runs unpinned", options_.poller_cpu,
+                   ErrnoText(rc));
+    } else {
+      log::Info("dataplane", "ring poller pinned to CPU {}", options_.poller_cpu);
+    }
+  }
   return Status::Ok();
 }
 
