@@ -6,23 +6,34 @@
 // posix_spawn'ed). Requests go to worker (request index mod K) — round-robin, as a router would — and each
 // worker replays its requests in trace order as fast as it can (timestamps are not followed):
 //   Match(pin) → Load the hits → Release → Store all keys (the daemon skips the cached prefix).
+// --order says how the workers' requests interleave (a turn counter in a shared memfd, fd 4 of a worker):
+//   strict  request i starts when request i-1 has ended (stored): the trace's order exactly, so the hit ratio is
+//           comparable with the reference simulations (which run in trace order); K ranks share one cache.
+//   match   request i's Match is submitted when request i-1's Match has returned; loads and stores overlap.
+//   free    no coordination: each worker runs through its share as fast as it can (ranks drift apart, so a
+//           request often runs before the earlier requests whose prefix it shares: fewer hits).
 // Protocol between the parent and a worker:
 //   worker stdout: READY <capacity_blocks> | RESULT <start_ns> <end_ns> <requests> <blocks> <hits> <loaded>
 //                  <stored> <store_shortfalls> <load_mismatches> | LAT <op> <n> <ns>... | DONE | ERROR <text>
 //   worker fd 0:  start barrier (the parent closes the write end)
+//   worker fd 4:  the turn page (--order strict|match): TurnPage below
 #include "trace_bench.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <linux/futex.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -123,6 +134,36 @@ void CloseFd(int& fd) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Turn page: shared by the parent and the workers (MAP_SHARED memfd), waited on with process-shared futexes.
+
+struct TurnPage {
+  std::atomic<uint32_t> turn;   // the trace index of the request whose turn it is
+  std::atomic<uint32_t> abort;  // a worker failed: everyone stops waiting
+};
+
+long Futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* timeout) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, timeout, nullptr, 0);
+}
+
+// Waits until it is request `i`'s turn; false when a worker aborted.
+bool AwaitTurn(TurnPage* page, uint32_t i) {
+  const timespec tick{0, 100000000};
+  for (;;) {
+    if (page->abort.load(std::memory_order_acquire) != 0) return false;
+    const uint32_t t = page->turn.load(std::memory_order_acquire);
+    if (t == i) return true;
+    Futex(&page->turn, FUTEX_WAIT, t, &tick);
+  }
+}
+
+void PassTurn(TurnPage* page, uint32_t next) {
+  page->turn.store(next, std::memory_order_release);
+  Futex(&page->turn, FUTEX_WAKE, INT32_MAX, nullptr);
+}
+
+enum class Order { kStrict, kMatch, kFree };
+
+// ---------------------------------------------------------------------------------------------------------------
 // Worker
 
 struct WorkerOptions {
@@ -130,16 +171,32 @@ struct WorkerOptions {
   int index = 0;
   int clients = 1;
   uint64_t block_bytes = 4096;
+  std::string order = "strict";
 };
 
 int WorkerMain(const WorkerOptions& o) {
-  auto fail = [](const std::string& what, const flexkv::Status& s) {
+  const Order order = o.order == "free" ? Order::kFree : o.order == "match" ? Order::kMatch : Order::kStrict;
+  TurnPage* page = nullptr;
+  if (order != Order::kFree) {
+    void* p = mmap(nullptr, sizeof(TurnPage), PROT_READ | PROT_WRITE, MAP_SHARED, 4, 0);
+    if (p == MAP_FAILED) {
+      Emit(fmt::format("ERROR mmap of the turn page (fd 4): {}\n", std::strerror(errno)));
+      return 1;
+    }
+    page = static_cast<TurnPage*>(p);
+  }
+  auto fail = [&](const std::string& what, const flexkv::Status& s) {
+    if (page != nullptr) {
+      page->abort.store(1, std::memory_order_release);
+      Futex(&page->turn, FUTEX_WAKE, INT32_MAX, nullptr);
+    }
     Emit(fmt::format("ERROR {}: {}\n", what, s.ToString()));
     return 1;
   };
   auto trace = LoadTrace(o.trace);
   if (!trace) return fail("trace", flexkv::Status::InvalidArgument(o.trace));
   struct Mine {
+    uint32_t index;  // in the trace
     std::vector<uint64_t> ids;
     std::vector<flexkv::BlockKey> keys;
   };
@@ -147,6 +204,7 @@ int WorkerMain(const WorkerOptions& o) {
   uint32_t longest = 1;
   for (size_t i = static_cast<size_t>(o.index); i < trace->size(); i += static_cast<size_t>(o.clients)) {
     Mine m;
+    m.index = static_cast<uint32_t>(i);
     m.ids = std::move((*trace)[i].hash_ids);
     m.keys = TraceKeys(m.ids);
     longest = std::max(longest, static_cast<uint32_t>(m.ids.size()));
@@ -187,11 +245,13 @@ int WorkerMain(const WorkerOptions& o) {
   for (const Mine& m : mine) {
     const auto n = static_cast<uint32_t>(m.ids.size());
     blocks += n;
+    if (page != nullptr && !AwaitTurn(page, m.index)) return fail("turn", flexkv::Status::Internal("another worker failed"));
     int64_t t0 = NowNs();
     auto mr = run(c.Match(m.keys, /*pin=*/true));
     lat_match.push_back(NowNs() - t0);
     if (!mr.ok()) return fail("Match", mr.status());
     if (!mr->status.ok()) return fail("Match result", mr->status);
+    if (order == Order::kMatch) PassTurn(page, m.index + 1);
     const uint32_t h = mr->matched_blocks;
     hits += h;
     if (h > 0) {
@@ -225,6 +285,7 @@ int WorkerMain(const WorkerOptions& o) {
       // RESOURCE_EXHAUSTED (everything pinned) or ABORTED (another rank is storing the same block): counted.
       if (!sr->status.ok()) ++shortfalls;
     }
+    if (order == Order::kStrict) PassTurn(page, m.index + 1);
   }
   const int64_t end = NowNs();
   Emit(fmt::format("RESULT {} {} {} {} {} {} {} {} {}\n", start, end, mine.size(), blocks, hits, loaded, stored,
@@ -381,6 +442,7 @@ struct TraceOptions {
   bool sweep = false;
   std::vector<uint32_t> capacities = {1000, 2000, 5000, 10000, 20000, 50000};
   std::string plot = "trace_sweep.png";
+  std::string order = "strict";
 };
 
 struct TraceRun {
@@ -446,6 +508,15 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
 
   int barrier[2];
   if (pipe2(barrier, O_CLOEXEC) != 0) return std::nullopt;
+  int turn_fd = memfd_create("flexkv-bench-trace-turn", MFD_CLOEXEC);
+  if (turn_fd < 0 || ftruncate(turn_fd, sizeof(TurnPage)) != 0) {
+    std::fprintf(stderr, "flexkv-bench: memfd for the turn page: %s\n", std::strerror(errno));
+    return std::nullopt;
+  }
+  struct FdCloser {
+    int& fd;
+    ~FdCloser() { CloseFd(fd); }
+  } turn_closer{turn_fd};
   std::vector<Child> workers;
   auto abort_all = [&](const std::string& why) -> std::optional<TraceRun> {
     std::fprintf(stderr, "flexkv-bench: %s\n", why.c_str());
@@ -461,8 +532,9 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   };
   for (int i = 0; i < o.clients; ++i) {
     auto w = Spawn({self, "trace-worker", "--socket", own.socket, "--trace", o.trace, "--index", std::to_string(i),
-                    "--clients", std::to_string(o.clients), "--block-bytes", std::to_string(o.block_bytes)},
-                   {{barrier[0], 0}});
+                    "--clients", std::to_string(o.clients), "--block-bytes", std::to_string(o.block_bytes),
+                    "--order", o.order},
+                   {{barrier[0], 0}, {turn_fd, 4}});
     if (!w) return abort_all("could not start a trace-worker");
     workers.push_back(std::move(*w));
   }
@@ -534,15 +606,15 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   return run;
 }
 
-std::string RunJson(const TraceRun& r, int clients, uint64_t block_bytes) {
+std::string RunJson(const TraceRun& r, int clients, const std::string& order, uint64_t block_bytes) {
   std::string out = fmt::format(
-      "{{\"capacity_blocks\": {}, \"daemon_capacity_blocks\": {}, \"block_bytes\": {}, \"clients\": {}, "
+      "{{\"capacity_blocks\": {}, \"daemon_capacity_blocks\": {}, \"block_bytes\": {}, \"clients\": {}, \"order\": \"{}\", "
       "\"requests\": {}, \"blocks\": {}, \"hit_blocks\": {}, \"hit_ratio\": {:.4f}, "
       "\"reference_lru_hit_ratio\": {:.4f}, \"reference_lru_raw_hit_ratio\": {:.4f}, "
       "\"infinite_cache_bound\": {:.4f}, \"prefix_index_sim_hit_ratio\": {:.4f}, \"beats_reference\": {}, "
       "\"requests_per_s\": {:.0f}, \"seconds\": {:.3f}, \"blocks_loaded\": {}, \"blocks_stored\": {}, "
       "\"store_shortfalls\": {}, \"load_mismatches\": {}, \"latency_us\": {{",
-      r.capacity, r.daemon_capacity, block_bytes, clients, r.requests, r.blocks, r.hits, r.hit_ratio(),
+      r.capacity, r.daemon_capacity, block_bytes, clients, order, r.requests, r.blocks, r.hits, r.hit_ratio(),
       r.reference.ratio(),
       r.reference.blocks == 0 ? 0.0 : static_cast<double>(r.reference_raw_hits) / static_cast<double>(r.reference.blocks),
       r.bound.ratio(), r.sim.ratio(), r.hit_ratio() >= r.reference.ratio(),
@@ -560,10 +632,10 @@ std::string RunJson(const TraceRun& r, int clients, uint64_t block_bytes) {
   return out;
 }
 
-void PrintRunText(const TraceRun& r, int clients) {
-  fmt::print("capacity {} blocks ({} client processes): flexkvd hit ratio {:.4f}, reference block-LRU {:.4f}, "
+void PrintRunText(const TraceRun& r, int clients, const std::string& order) {
+  fmt::print("capacity {} blocks ({} client processes, order {}): flexkvd hit ratio {:.4f}, reference block-LRU {:.4f}, "
              "infinite-cache bound {:.4f} (in-process PrefixIndex replay {:.4f})\n",
-             r.capacity, clients, r.hit_ratio(), r.reference.ratio(), r.bound.ratio(), r.sim.ratio());
+             r.capacity, clients, order, r.hit_ratio(), r.reference.ratio(), r.bound.ratio(), r.sim.ratio());
   fmt::print("  {} requests, {} blocks in {:.2f} s = {:.0f} requests/s; loaded {} stored {} blocks; {} store "
              "shortfalls; {} load mismatches\n",
              r.requests, r.blocks, r.seconds, r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0,
@@ -575,7 +647,7 @@ void PrintRunText(const TraceRun& r, int clients) {
   }
 }
 
-bool WritePlot(const std::vector<TraceRun>& runs, const std::string& png, int clients) {
+bool WritePlot(const std::vector<TraceRun>& runs, const std::string& png, int clients, const std::string& order) {
   char tmpl[] = "/tmp/flexkv-bench-plot-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) return false;
   const std::string dir = tmpl;
@@ -589,10 +661,10 @@ bool WritePlot(const std::vector<TraceRun>& runs, const std::string& png, int cl
     std::ofstream g(gp);
     g << "set terminal pngcairo size 900,560 noenhanced\n"
       << "set output '" << png << "'\n"
-      << "set title 'Mooncake trace replay: block hit ratio vs host pool capacity (" << clients
-      << " client processes)'\n"
+      << "set title 'Trace replay (" << runs.front().requests << " requests): block hit ratio vs host pool capacity (" << clients
+      << " client processes, --order " << order << ")'\n"
       << "set xlabel 'pool capacity (blocks of 512 tokens)'\nset ylabel 'block hit ratio'\n"
-      << "set logscale x\nset yrange [0:0.7]\nset grid\nset key bottom right\n"
+      << "set logscale x\nset xrange [700:70000]\nset yrange [0:0.7]\nset grid\nset key bottom right\n"
       << "plot '" << dat << "' using 1:2 with linespoints lw 2 pt 7 title 'flexkvd (prefix-closed leaf LRU)', \\\n"
       << "     '' using 1:3 with linespoints lw 2 pt 5 title 'reference block LRU', \\\n"
       << "     '' using 1:4 with lines lw 2 dt 2 title 'infinite-cache bound'\n";
@@ -618,6 +690,7 @@ int RunTraceWorker(int argc, char** argv) {
   app.add_option("--index", o.index);
   app.add_option("--clients", o.clients);
   app.add_option("--block-bytes", o.block_bytes);
+  app.add_option("--order", o.order);
   CLI11_PARSE(app, argc, argv);
   return WorkerMain(o);
 }
@@ -632,6 +705,10 @@ int RunTraceBench(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   app.add_option("--block-bytes", o.block_bytes_text,
                  "Bytes per 512-token block, a multiple of 512 (default 4KiB; the hit ratio does not depend on it)");
+  app.add_option("--order", o.order,
+                 "Interleaving of the ranks' requests: strict (trace order, one request at a time; default), match "
+                 "(lookups in trace order, loads/stores overlap) or free (no coordination)")
+      ->check(CLI::IsMember({"strict", "match", "free"}));
   app.add_flag("--json", o.json, "One JSON object");
   app.add_flag("--sweep", o.sweep, "Run each of --capacities (instead of --capacity-blocks) and plot");
   app.add_option("--capacities", o.capacities, "Capacities of --sweep (default 1000,2000,5000,10000,20000,50000)")
@@ -675,19 +752,19 @@ int RunTraceBench(int argc, char** argv) {
   for (uint32_t cap : caps) {
     auto r = RunOnce(self.string(), o, cap, *trace, keys);
     if (!r) return 1;
-    if (!o.json) PrintRunText(*r, o.clients);
+    if (!o.json) PrintRunText(*r, o.clients, o.order);
     runs.push_back(std::move(*r));
   }
   bool plotted = false;
-  if (o.sweep) plotted = WritePlot(runs, o.plot, o.clients);
+  if (o.sweep) plotted = WritePlot(runs, o.plot, o.clients, o.order);
   if (o.json) {
     if (!o.sweep) {
       fmt::print("{{\"bench\": \"trace\", \"trace\": \"{}\", \"daemon\": \"spawned\", {}\n", o.trace,
-                 RunJson(runs[0], o.clients, o.block_bytes).substr(1));
+                 RunJson(runs[0], o.clients, o.order, o.block_bytes).substr(1));
     } else {
       std::string out = fmt::format("{{\"bench\": \"trace\", \"trace\": \"{}\", \"daemon\": \"spawned\", \"sweep\": [",
                                     o.trace);
-      for (size_t i = 0; i < runs.size(); ++i) out += (i ? ", " : "") + RunJson(runs[i], o.clients, o.block_bytes);
+      for (size_t i = 0; i < runs.size(); ++i) out += (i ? ", " : "") + RunJson(runs[i], o.clients, o.order, o.block_bytes);
       out += fmt::format("], \"plot\": {}}}\n", plotted ? fmt::format("\"{}\"", o.plot) : std::string("null"));
       fmt::print("{}", out);
     }
