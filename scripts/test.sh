@@ -6,5 +6,7 @@ cd "$(dirname "$0")/.."
 source scripts/deps.sh
 flexkv_install_deps
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
+# Paths relative to the checkout: a fresh clone elsewhere (CI) reuses what an earlier build cached.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 flexkv_build
 ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600 "$@"

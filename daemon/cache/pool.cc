@@ -217,52 +217,57 @@ void Pool::MarkFree(SlotId slot) { entry(slot)->state.store(0, std::memory_order
 
 std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped) {
   *dropped = 0;
-  std::unordered_map<BlockKey, Committed, BlockKeyHash> by_key;
+  // Pass 1: valid committed entries, by key (reserved once: no rehashing at 10 M blocks).
+  size_t committed = 0;
+  for (SlotId s = 0; s < capacity_; ++s) committed += entry(s)->state.load(std::memory_order_acquire) != 0 ? 1 : 0;
+  std::unordered_map<BlockKey, SlotId, BlockKeyHash> by_key;
+  by_key.reserve(committed);
   for (SlotId s = 0; s < capacity_; ++s) {
     SlotEntry* e = entry(s);
     const uint32_t state = e->state.load(std::memory_order_acquire);
     if (state == 0) continue;
-    if (state != kSlotCommitted || e->checksum != EntryChecksum(e->key, e->parent) || by_key.count(e->key) != 0 ||
-        e->key == BlockKey{}) {
+    if (state != kSlotCommitted || e->checksum != EntryChecksum(e->key, e->parent) || e->key == BlockKey{} ||
+        !by_key.emplace(e->key, s).second) {
       e->state.store(0, std::memory_order_relaxed);
       ++*dropped;
-      continue;
     }
-    by_key.emplace(e->key, Committed{s, e->key, e->parent});
   }
-  // Order parents before children; drop chains whose root is missing.
+  // Pass 2: order parents before children; drop chains whose first block is missing. verdict per slot:
+  // 0 = not yet decided, 1 = placed, -1 = orphan.
+  std::vector<int8_t> verdict(capacity_, 0);
   std::vector<Committed> out;
   out.reserve(by_key.size());
-  std::unordered_map<BlockKey, int, BlockKeyHash> placed;  // 1 = placed, -1 = orphan
-  std::vector<const Committed*> chain;
-  for (const auto& [key, c] : by_key) {
+  std::vector<SlotId> chain;
+  for (const auto& [key, slot] : by_key) {
+    if (verdict[slot] != 0) continue;
     chain.clear();
-    const Committed* cur = &c;
-    int verdict = 0;
-    while (true) {
-      auto p = placed.find(cur->key);
-      if (p != placed.end()) {
-        verdict = p->second;
+    SlotId cur = slot;
+    int8_t result = 0;
+    for (;;) {
+      if (verdict[cur] != 0) {
+        result = verdict[cur];
         break;
       }
       chain.push_back(cur);
-      if (cur->parent == BlockKey{}) {
-        verdict = 1;
+      const BlockKey parent = entry(cur)->parent;
+      if (parent == BlockKey{}) {
+        result = 1;
         break;
       }
-      auto parent = by_key.find(cur->parent);
-      if (parent == by_key.end() || chain.size() > by_key.size()) {
-        verdict = -1;
+      auto it = by_key.find(parent);
+      if (it == by_key.end() || chain.size() > by_key.size()) {
+        result = -1;
         break;
       }
-      cur = &parent->second;
+      cur = it->second;
     }
     for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
-      placed[(*it)->key] = verdict;
-      if (verdict == 1) {
-        out.push_back(**it);
+      verdict[*it] = result;
+      if (result == 1) {
+        const SlotEntry* e = entry(*it);
+        out.push_back(Committed{*it, e->key, e->parent});
       } else {
-        MarkFree((*it)->slot);
+        MarkFree(*it);
         ++*dropped;
       }
     }
