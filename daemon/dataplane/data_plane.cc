@@ -760,7 +760,13 @@ void DataPlane::PollerLoop() {
       continue;
     }
     if (now - last_work_ns < options_.spin_ns) {
-      CpuRelax();
+      // Spin a couple of microseconds, then keep polling but yield between polls: a client that shares this
+      // CPU (more spinning threads than cores) then runs at once instead of after the whole spin window.
+      if (now - last_work_ns < 2000) {
+        CpuRelax();
+      } else {
+        sched_yield();
+      }
       continue;
     }
     // Park: announce it, then look once more (a client that pushed before seeing the flag is caught here;
