@@ -11,6 +11,7 @@ FLEXKV_PACKAGES=(
   python3 python3-grpcio python3-protobuf python3-xxhash
   prometheus-cpp-dev prometheus curl  # metrics: the library; promtool (in prometheus) and curl test it
   systemd util-linux procps
+  clang-14 libclang-rt-14-dev  # libFuzzer targets (scripts/fuzz.sh)
 )
 
 flexkv_install_deps() {

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzz targets (tests/fuzz/corpus/<target>/). Run from the repo root with
+/usr/bin/python3 (needs python3-xxhash and python3-protobuf); the output is committed."""
+import os
+import struct
+
+import xxhash
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+
+
+def write(target, name, data):
+    os.makedirs(os.path.join(ROOT, target), exist_ok=True)
+    with open(os.path.join(ROOT, target, name), "wb") as f:
+        f.write(data)
+
+
+def slot_entry(key, parent, committed=True):
+    lo, hi = key
+    plo, phi = parent
+    words = struct.pack("<4Q", lo, hi, plo, phi)
+    checksum = xxhash.xxh64_intdigest(words, seed=0x666C65786B76)
+    state = 0x434F4D54 if committed else 0
+    return struct.pack("<II", state, 0) + words + struct.pack("<Q", checksum) + b"\0" * 16
+
+
+def slot_table():
+    # Two chains sharing a first block, one orphan, one torn entry (bad checksum), free slots.
+    k = lambda i: (0x1000 + i, 0xABC0 + i)
+    zero = (0, 0)
+    entries = [slot_entry(k(1), zero), slot_entry(k(2), k(1)), slot_entry(k(3), k(2)), slot_entry(k(4), k(1)),
+               slot_entry(k(9), k(8))]
+    torn = bytearray(slot_entry(k(5), k(4)))
+    torn[40] ^= 0xFF
+    entries.append(bytes(torn))
+    table = b"".join(entries)
+    return table + b"\0" * (64 * 64 - len(table))
+
+
+def pool_file():
+    geometry = struct.pack("<7I", 1, 1, 1, 1, 8, 2, 1)
+    block, capacity = 16, 64
+    table_offset, data_offset = 4096, 2 << 20
+    header = b"FLEXKVPL" + struct.pack("<I", 1) + geometry + struct.pack(
+        "<5Q", block, capacity, table_offset, data_offset, data_offset + capacity * block)
+    header += b"fuzz".ljust(257, b"\0") + b"\0" * 7
+    header += struct.pack("<Q", xxhash.xxh64_intdigest(header, seed=0))
+    head = header.ljust(4096, b"\0")
+    return head + slot_table()
+
+
+write("pool_recovery", "table-chains", b"\x01" + slot_table())
+write("pool_recovery", "table-empty", b"\x01" + b"\0" * 64)
+write("pool_recovery", "file-valid-header", b"\x00" + pool_file())
+write("pool_recovery", "file-garbage", b"\x00" + b"FLEXKVPL" + b"\x07" * 64)
+
+try:
+    import sys
+    sys.path.insert(0, os.environ.get("FLEXKV_PY_GEN", ""))
+    from flexkv.v1 import control_pb2  # generated with protoc --python_out (see below)
+    g = control_pb2.Geometry(tokens_per_block=16, num_layers=32, kv_planes=2, kv_heads_per_rank=8, head_dim=128,
+                             dtype_bytes=2, tp_size=1)
+    write("attach_request", "llama", control_pb2.AttachRequest(model_namespace="llama3-8b", protocol_version=1,
+                                                               geometry=g).SerializeToString())
+    g.kv_planes, g.kv_heads_per_rank, g.head_dim, g.num_layers = 1, 1, 576, 61
+    write("attach_request", "mla", control_pb2.AttachRequest(model_namespace="ds", protocol_version=1,
+                                                             geometry=g).SerializeToString())
+    g.tokens_per_block = 12
+    write("attach_request", "bad-tokens", control_pb2.AttachRequest(model_namespace="x", geometry=g).SerializeToString())
+except ImportError:
+    print("skipping attach_request seeds: set FLEXKV_PY_GEN to a protoc --python_out directory")
+
+write("prefix_index", "mixed", bytes([7]) + bytes(range(1, 250)))
+write("prefix_index", "tiny-pool", bytes([0, 3, 1, 5, 3, 2, 5, 1, 1, 5, 4, 3, 0, 1, 4, 5, 0, 0, 2, 0, 0]))
+print("seeds written under", ROOT)
