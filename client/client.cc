@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -112,7 +113,17 @@ Result<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& options) {
 Result<SessionInfo> Client::Attach(const AttachOptions& options) {
   std::lock_guard lock(impl_->mu);
   if (impl_->session_id != 0) {
-    return Status::FailedPrecondition(fmt::format("this client is already attached as session {}", impl_->session_id));
+    // A session the daemon has closed (it stopped or restarted) is dropped locally, so Attach works again.
+    pollfd pfd{impl_->session_channel.get(), POLLRDHUP, 0};
+    const bool lost = poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+    if (!lost) {
+      return Status::FailedPrecondition(fmt::format("this client is already attached as session {}", impl_->session_id));
+    }
+    impl_->rings.reset();
+    impl_->session_channel.reset();
+    impl_->UnmapKv();
+    impl_->session_id = 0;
+    impl_->session_token.clear();
   }
   v1::AttachRequest req;
   req.set_client_name(options.client_name);

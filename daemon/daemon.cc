@@ -64,7 +64,7 @@ int RunDaemon(const DaemonConfig& config) {
   cache.SetCudaBackend(cuda.get());
   Status recovered = cache.RecoverPool(config.discard_pool);
   if (!recovered.ok()) {
-    log::Error("daemon", "cannot use the pool: {}", recovered.message());
+    log::Error("daemon", "cannot use the pool: {}", recovered.ToString());  // names the code
     return 1;
   }
 

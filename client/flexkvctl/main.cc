@@ -167,10 +167,10 @@ int main(int argc, char** argv) {
       }
       fmt::print("{}\n]\n", out);
     } else {
-      fmt::print("{:>6}  {:<20} {:>8} {:>6} {:>4} {:>4}  {:<10} {:>7} {:>8} {:>8}\n", "ID", "NAME", "PID", "UID", "DP",
+      fmt::print("{:>16}  {:<20} {:>8} {:>6} {:>4} {:>4}  {:<10} {:>7} {:>8} {:>8}\n", "ID", "NAME", "PID", "UID", "DP",
                  "TP", "STATE", "PINNED", "INFLIGHT", "AGE_S");
       for (const auto& s : *list) {
-        fmt::print("{:>6}  {:<20} {:>8} {:>6} {:>4} {:>4}  {:<10} {:>7} {:>8} {:>8}\n", s.session_id,
+        fmt::print("{:>16}  {:<20} {:>8} {:>6} {:>4} {:>4}  {:<10} {:>7} {:>8} {:>8}\n", s.session_id,
                    s.client_name.empty() ? "-" : s.client_name, s.pid, s.uid, s.dp_rank, s.tp_rank, s.state,
                    s.pinned_blocks, s.inflight_requests, now_ms > s.attached_unix_ms ? (now_ms - s.attached_unix_ms) / 1000 : 0);
       }

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -12,11 +13,25 @@
 #include "common/uds.h"
 
 #include "common/log.h"
+#include "common/units.h"
 
 namespace flexkv {
 
 Cache::Cache(uint64_t budget_bytes, std::string pool_path)
     : budget_bytes_(budget_bytes), pool_path_(std::move(pool_path)), domain_(budget_bytes) {}
+
+// The pool file is created at the first Attach (its geometry fixes the slot size); refuse to start when its
+// filesystem (normally /dev/shm) cannot hold the budget, rather than failing that Attach.
+Status Cache::CheckPoolSpace() const {
+  const std::filesystem::path dir = std::filesystem::path(pool_path_).parent_path();
+  struct statvfs vfs {};
+  if (statvfs(dir.empty() ? "." : dir.c_str(), &vfs) != 0) return Status::Ok();  // Create reports the real error
+  const uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+  if (free_bytes >= budget_bytes_) return Status::Ok();
+  return Status::ResourceExhausted(fmt::format(
+      "cannot allocate the {} pool file {}: only {} free in {}; free space there (df -h) or lower --pool-size",
+      FormatByteSize(budget_bytes_), pool_path_, FormatByteSize(free_bytes), dir.empty() ? "." : dir.string()));
+}
 
 Status Cache::RecoverPool(bool discard) {
   const std::filesystem::path dir = std::filesystem::path(pool_path_).parent_path();
@@ -42,11 +57,11 @@ Status Cache::RecoverPool(bool discard) {
   }
   auto pool = Pool::Open(pool_path_, budget_bytes_);
   if (!pool.ok()) {
-    if (pool.status().code() == StatusCode::kNotFound) return Status::Ok();
+    if (pool.status().code() == StatusCode::kNotFound) return CheckPoolSpace();
     if (!discard) return pool.status();
     log::Warning("cache", "discarding pool file {} as asked (--discard-pool): {}", pool_path_, pool.status().message());
     ::unlink(pool_path_.c_str());
-    return Status::Ok();
+    return CheckPoolSpace();
   }
   FLEXKV_RETURN_IF_ERROR(domain_.Admit((*pool)->model_namespace(), (*pool)->geometry()));
   std::lock_guard lock(mu_);

@@ -64,6 +64,8 @@ class Cache {
   CacheCounters& counters() { return counters_; }
 
  private:
+  // RESOURCE_EXHAUSTED (naming the pool file and what to do) when the pool's filesystem cannot hold the budget.
+  Status CheckPoolSpace() const;
   Status CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry);
 
   const uint64_t budget_bytes_;

@@ -75,8 +75,10 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
 grpc::Status ControlService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
                                     v1::DetachResponse* /*response*/) {
   if (request->session_id() == 0) return Answer(Status::InvalidArgument("session_id is 0; expected the id from Attach"));
-  const bool admin = IsAdmin(ctx_.peers->Find(context->peer()));
   const std::string& token = request->session_token();
+  // An admin may end any session by sending no token; a token, when sent, is always checked (a stale client
+  // of an earlier daemon must not end whichever session now has its old id).
+  const bool admin = token.empty() && IsAdmin(ctx_.peers->Find(context->peer()));
   if (!admin && token.size() != kSessionTokenBytes) {
     return Answer(Status::InvalidArgument(
         fmt::format("session_token has {} bytes; expected {}", token.size(), kSessionTokenBytes)));

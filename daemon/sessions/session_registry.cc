@@ -52,7 +52,10 @@ constexpr size_t kMaxOfferedFds = 16;
 
 }  // namespace
 
-SessionRegistry::SessionRegistry(int64_t attach_timeout_ms) : attach_timeout_ms_(attach_timeout_ms) {}
+// Ids start from the wall clock (ms << 8), so a restarted daemon does not hand out an id an old client may
+// still hold; 256 sessions per millisecond before two restarts could overlap.
+SessionRegistry::SessionRegistry(int64_t attach_timeout_ms)
+    : attach_timeout_ms_(attach_timeout_ms), next_id_(UnixMs() << 8) {}
 
 SessionRegistry::~SessionRegistry() { Stop(); }
 

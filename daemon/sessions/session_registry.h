@@ -113,7 +113,7 @@ class SessionRegistry {
   ChannelOpenCallback on_channel_open_;
   mutable std::mutex mu_;
   std::map<uint64_t, std::unique_ptr<Session>> sessions_;  // guarded by mu_
-  uint64_t next_id_ = 1;                                    // guarded by mu_
+  uint64_t next_id_;                                        // guarded by mu_; not reused across restarts
   UniqueFd epoll_fd_;
   UniqueFd stop_fd_;
   std::thread reaper_;

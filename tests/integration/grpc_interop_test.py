@@ -80,11 +80,16 @@ def main() -> int:
             print("FAIL:", f)
         print(f"GetStatus over unix:{sock}: state={status.state} version={status.version} pid={status.pid}")
         print(f"{len(CONTRACT_FIELDS) + len(POOL_FIELDS) + 6 - len(failures)} passed, {len(failures)} failed")
-        return 1 if failures else 0
     finally:
         daemon.terminate()
-        daemon.wait(timeout=10)
+        _, daemon_stderr = daemon.communicate(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
+    # Sanitizer builds (issue 6): a report in the daemon's stderr fails the test.
+    if b"Sanitizer:" in daemon_stderr:
+        sys.stderr.write(daemon_stderr.decode(errors="replace"))
+        failures.append("sanitizer report in flexkvd's stderr")
+        print("FAIL:", failures[-1])
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ class ChildProcess {
   static ChildProcess Spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
   ChildProcess(ChildProcess&& other) noexcept;
   ChildProcess& operator=(ChildProcess&&) = delete;
-  ~ChildProcess();  // SIGKILLs and reaps a child still running
+  ~ChildProcess();  // SIGKILLs and reaps a child still running; exits the test on a sanitizer report in its stderr
 
   pid_t pid() const { return pid_; }
   // Next line of stdout (without newline), or nullopt on EOF/timeout.

@@ -5,6 +5,9 @@
 //   LOADED <hits> <loaded> <equal 0|1> <STATUS>         (--do load:SEED:N)
 //   PINNED <hits>                                        (--do pin:SEED:N, keeps the pins)
 //   INFLIGHT                                             (--do inflight-load:SEED:N: submits, never waits)
+//   SUBMITTED <k>  then  FLOODED <k> <ok>                (--do flood:SEED:COUNT: submits up to COUNT unpinned
+//                                                         1-block Matches without waiting, until the rings refuse;
+//                                                         sleeps 300 ms (time to SIGSTOP it), then reaps them all)
 //   ERROR <CODE> <message>
 // The block contents and tokens of SEED are a pure function of SEED, so another process can check them.
 // `--do hold` keeps the session until the process is killed.
@@ -57,7 +60,7 @@ int main(int argc, char** argv) {
   app.add_option("--dtype-bytes", g.dtype_bytes);
   app.add_option("--tp", g.tp_size);
   app.add_option("--kv-blocks", kv_blocks, "KV buffer blocks (BLOCKFIRST)");
-  app.add_option("--do", steps, "store:SEED:N, load:SEED:N, pin:SEED:N, inflight-load:SEED:N, hold");
+  app.add_option("--do", steps, "store:SEED:N, load:SEED:N, pin:SEED:N, inflight-load:SEED:N, flood:SEED:COUNT, hold");
   CLI11_PARSE(app, argc, argv);
 
   setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -100,6 +103,24 @@ int main(int argc, char** argv) {
     unsigned long long seed = 0;
     unsigned n = 0;
     char op[32] = {};
+    if (std::sscanf(step.c_str(), "flood:%llu:%u", &seed, &n) == 2 && n > 0) {
+      const auto keys = flexkv::ComputeBlockKeys(ns, Tokens(seed, 1, g.tokens_per_block), g.tokens_per_block);
+      std::vector<flexkv::Ticket> tickets;
+      while (tickets.size() < n) {
+        auto t = c.Match(keys, /*pin=*/false);
+        if (!t.ok()) break;  // the rings are full (RESOURCE_EXHAUSTED): as many as they take
+        tickets.push_back(*t);
+      }
+      std::printf("SUBMITTED %zu\n", tickets.size());
+      usleep(300 * 1000);
+      size_t ok = 0;
+      for (const auto& t : tickets) {
+        auto r = c.Wait(t, timeout);
+        if (r.ok() && r->status.ok()) ++ok;
+      }
+      std::printf("FLOODED %zu %zu\n", tickets.size(), ok);
+      continue;
+    }
     if (std::sscanf(step.c_str(), "%31[a-z-]:%llu:%u", op, &seed, &n) != 3 || n == 0 || n > kv_blocks) {
       std::printf("ERROR INVALID_ARGUMENT bad step '%s'\n", step.c_str());
       return 2;
