@@ -41,3 +41,6 @@ echo "flexkv: ThreadSanitizer: the index and lifecycle concurrency tests" >&2
 san_build build-tsan thread flexkv_unit_tests
 TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
   san_ctest build-tsan -R '^unit: ?(prefix index|drain |concurrent begin/finish)'
+
+echo "flexkv: libFuzzer targets, ${FLEXKV_FUZZ_SECONDS:-20} s each" >&2
+FLEXKV_FUZZ_SECONDS=${FLEXKV_FUZZ_SECONDS:-20} bash scripts/fuzz.sh
