@@ -1,6 +1,14 @@
-/* libflexkv C ABI: connect, attach, status, close, for languages that cannot use the C++ API.
- * Every function returns a flexkv status code (0 = OK, otherwise the gRPC code number); the message of
- * the last failure on a client is flexkv_last_error(). A client is not thread-safe through this ABI. */
+/* libflexkv C ABI: the whole client API for languages that cannot use the C++ one (the Python package
+ * `flexkv` loads it with ctypes). Mirrors flexkv/client.h; read that header for the semantics of each call.
+ *
+ * Conventions:
+ *  - Every function that can fail returns a status code: 0 = OK, otherwise the gRPC code number
+ *    (FLEXKV_INVALID_ARGUMENT = 3, FLEXKV_DEADLINE_EXCEEDED = 4, FLEXKV_UNAVAILABLE = 14, ...).
+ *  - The message of the last failure *on the calling thread* is flexkv_last_error(); it stays valid until
+ *    the next call on that thread. A client may be used from several threads at once (the C++ client is
+ *    thread-safe), except that flexkv_detach / flexkv_close must not race with other calls on it.
+ *  - Nothing here blocks longer than the timeout it is given (or the client's call timeout, 10 s).
+ *  - Block keys are 16-byte {lo, hi} pairs, as flexkv_compute_block_keys writes them. */
 #ifndef FLEXKV_C_H_
 #define FLEXKV_C_H_
 
@@ -10,6 +18,19 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+enum {
+  FLEXKV_OK = 0,
+  FLEXKV_INVALID_ARGUMENT = 3,
+  FLEXKV_DEADLINE_EXCEEDED = 4,
+  FLEXKV_NOT_FOUND = 5,
+  FLEXKV_FAILED_PRECONDITION = 9,
+  FLEXKV_UNIMPLEMENTED = 12,
+  FLEXKV_UNAVAILABLE = 14,
+};
+
+/* KV layouts (flexkv::KvLayout). */
+enum { FLEXKV_LAYOUT_LAYER_FIRST = 1, FLEXKV_LAYOUT_BLOCK_FIRST = 2, FLEXKV_LAYOUT_LAYER_BLOCK = 3 };
 
 typedef struct flexkv_client flexkv_client;
 
@@ -36,15 +57,92 @@ typedef struct flexkv_daemon_status {
   uint32_t sessions;
 } flexkv_daemon_status;
 
+typedef struct flexkv_block_key {
+  uint64_t lo;
+  uint64_t hi;
+} flexkv_block_key;
+
+/* The end of one data-plane request (flexkv::OpResult). status_code 0 = done; otherwise why (part of) the
+ * request was not done, with the daemon's message. */
+typedef struct flexkv_op_result {
+  int32_t status_code;
+  uint32_t matched_blocks; /* Match: leading blocks cached. Store: leading blocks already cached */
+  uint32_t done_blocks;    /* Load: blocks copied. Store: blocks newly stored */
+  uint64_t match_handle;   /* Match with pin: for flexkv_load / flexkv_release (0 when nothing matched) */
+  char message[256];       /* NUL-terminated; empty when status_code is 0 */
+} flexkv_op_result;
+
+/* One rank's GPU KV buffers described for registration (flexkv::GpuKvRegistration); may hold file
+ * descriptors (cuMem/VMM allocations), released by flexkv_gpu_kv_free. */
+typedef struct flexkv_gpu_kv flexkv_gpu_kv;
+
+/* ---- Block keys (no daemon needed) ---- */
+
+/* Keys of the whole blocks of `tokens` in `model_namespace` (namespace_len bytes, need not be
+ * NUL-terminated). Writes min(n_tokens / tokens_per_block, capacity) keys to out and the number of whole
+ * blocks to *count. INVALID_ARGUMENT when tokens_per_block is 0 or a pointer is NULL with a non-zero size. */
+int flexkv_compute_block_keys(const char* model_namespace, size_t namespace_len, const int32_t* tokens,
+                              size_t n_tokens, uint32_t tokens_per_block, flexkv_block_key* out, size_t capacity,
+                              size_t* count);
+
+/* ---- Connection and session ---- */
+
 /* socket_path may be NULL ($FLEXKV_SOCKET or the default). On success *out owns a client. On failure
- * *out is NULL and, when error_buf is non-NULL, the reason is copied there (NUL-terminated). */
+ * *out is NULL and, when error_buf is non-NULL, the reason is copied there (NUL-terminated; also
+ * flexkv_last_error()). */
 int flexkv_connect(const char* socket_path, int timeout_ms, flexkv_client** out, char* error_buf, size_t error_len);
 int flexkv_attach(flexkv_client* client, const char* client_name, const char* model_namespace, uint32_t dp_rank,
                   uint32_t tp_rank, const flexkv_geometry* geometry, uint64_t* session_id);
 int flexkv_detach(flexkv_client* client);
 int flexkv_get_status(flexkv_client* client, flexkv_daemon_status* out);
-/* Valid until the next call on this client. Empty after a success. */
-const char* flexkv_last_error(const flexkv_client* client);
+/* Admin calls: *state_out (may be NULL, at least 16 bytes) receives the state after the call. */
+int flexkv_drain(flexkv_client* client, char* state_out, size_t state_len);
+int flexkv_resume(flexkv_client* client, char* state_out, size_t state_len);
+/* 0 when the daemon is SERVING, FLEXKV_UNAVAILABLE otherwise. */
+int flexkv_check_health(flexkv_client* client);
+
+/* ---- KV buffers ---- */
+
+/* Host backend: creates num_blocks blocks of KV buffers in `layout` in memory shared with the daemon.
+ * *data is valid until flexkv_detach / flexkv_close; *bytes is its size. */
+int flexkv_create_host_kv(flexkv_client* client, int layout, uint32_t num_blocks, void** data, uint64_t* bytes);
+
+/* CUDA backend: describes one rank's GPU KV buffers at device pointers (CUDA IPC handles for cudaMalloc
+ * memory, shareable fds for cuMem/VMM memory such as PyTorch's expandable segments). LAYER_FIRST: one
+ * pointer per layer; otherwise one. region_bytes: bytes of each region. On success *out must be freed with
+ * flexkv_gpu_kv_free. Fails with UNIMPLEMENTED in a libflexkv built without CUDA. */
+int flexkv_describe_gpu_kv(int layout, void* const* regions, size_t n_regions, uint64_t region_bytes,
+                           uint32_t num_blocks, uint32_t tp_rank, flexkv_gpu_kv** out);
+/* The GPU's UUID ("GPU-…") the description names; valid while `kv` lives. */
+const char* flexkv_gpu_kv_uuid(const flexkv_gpu_kv* kv);
+int flexkv_register_gpu_kv(flexkv_client* client, const flexkv_gpu_kv* kv);
+void flexkv_gpu_kv_free(flexkv_gpu_kv* kv);
+
+/* ---- Data plane (after attach). Each submission writes a ticket; every ticket ends exactly once. ---- */
+
+int flexkv_match(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, int pin, uint64_t* ticket);
+int flexkv_load(flexkv_client* client, uint64_t match_handle, const uint32_t* dst_block_ids, size_t n_blocks,
+                int layerwise, uint64_t* ticket);
+int flexkv_store(flexkv_client* client, const flexkv_block_key* keys, const uint32_t* src_block_ids, size_t n,
+                 uint64_t* ticket);
+int flexkv_release(flexkv_client* client, uint64_t match_handle, uint64_t* ticket);
+/* The unary gRPC match (slow path, diagnostics). */
+int flexkv_match_via_control(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, uint32_t* matched);
+
+/* Waits up to timeout_us for the request to end. 0: it ended and *out holds its result (whose own
+ * status_code may be an error). FLEXKV_DEADLINE_EXCEEDED: not ended yet, the ticket stays valid.
+ * FLEXKV_UNAVAILABLE: the daemon went away (attach again). */
+int flexkv_wait(flexkv_client* client, uint64_t ticket, int64_t timeout_us, flexkv_op_result* out);
+/* Like flexkv_wait with no waiting: FLEXKV_DEADLINE_EXCEEDED when the request has not ended (or the
+ * ticket is unknown). */
+int flexkv_try_wait(flexkv_client* client, uint64_t ticket, flexkv_op_result* out);
+/* Layer-wise load: waits until at least `layers` layers have landed or the request ended; *landed gets
+ * how many have. FLEXKV_DEADLINE_EXCEEDED on timeout. */
+int flexkv_wait_layers(flexkv_client* client, uint64_t ticket, uint32_t layers, int64_t timeout_us,
+                       uint32_t* landed);
+
+/* The calling thread's last failure message ("" after a success). */
+const char* flexkv_last_error(void);
 /* Detaches and frees. NULL is ignored. */
 void flexkv_close(flexkv_client* client);
 

@@ -86,17 +86,29 @@ struct HostKvBuffers {
 };
 
 // One TP rank's KV buffers in GPU memory, as RegisterGpuKv sends them (see flexkv/cuda.h to fill it).
+// Two kinds of memory: cudaMalloc allocations travel as CUDA IPC handles (plain bytes: a TP worker may
+// describe its buffers and hand the result to the attached process); cuMem/VMM allocations (PyTorch's
+// expandable segments) travel as shareable file descriptors, which this struct owns, so such a description
+// must be registered by the process that made it (or its fds passed on with SCM_RIGHTS).
 struct GpuKvRegistration {
-  std::string gpu_uuid;   // "GPU-xxxxxxxx-…", never a CUDA_VISIBLE_DEVICES-dependent index
+  std::string gpu_uuid;   // "GPU-xxxxxxxx-...", never a CUDA_VISIBLE_DEVICES-dependent index
   KvLayout layout = KvLayout::kLayerFirst;
   uint32_t num_blocks = 0;
   uint32_t tp_rank = 0;
+  // One physical cuMem allocation, exported as a POSIX fd (closed when the last copy of it goes).
+  struct VmmAllocation {
+    std::shared_ptr<const int> fd;
+    uint64_t bytes = 0;  // the allocation's whole size (a multiple of the allocation granularity)
+  };
   struct Region {
-    std::string ipc_handle;  // cudaIpcMemHandle_t bytes (64)
-    uint64_t offset = 0;     // of the region inside the allocation
+    std::string ipc_handle;  // cudaIpcMemHandle_t bytes (64); empty for a VMM region
+    uint64_t offset = 0;     // of the region inside the allocation (VMM: inside the first allocation)
     uint64_t bytes = 0;
+    // VMM region: indices into vmm_allocations, in address order; the allocations are mapped back to back.
+    std::vector<uint32_t> vmm_allocations;
   };
   std::vector<Region> regions;  // kLayerFirst: one per layer; otherwise one
+  std::vector<VmmAllocation> vmm_allocations;
 };
 
 // Names one submitted request; Wait/TryWait return its result exactly once.
