@@ -57,6 +57,29 @@ struct Client::Impl {
     kv_bytes = 0;
   }
 
+  // Offers one fd on the session channel and waits for the daemon's acknowledgement; returns the tag a
+  // later RegisterKv names it by. Caller holds mu.
+  Result<uint32_t> OfferFd(int fd, const char* what) {
+    if (!session_channel) return NotAttached();
+    const uint32_t tag = next_fd_tag++;
+    ChannelMessage offer{};
+    std::memcpy(offer.magic, kChannelMessageMagic, 4);
+    offer.type = static_cast<uint32_t>(ChannelMessageType::kOfferFd);
+    offer.tag = tag;
+    Status st = SendWithFds(session_channel.get(), &offer, sizeof(offer), std::span<const int>(&fd, 1));
+    ChannelMessage ack{};
+    if (st.ok()) st = RecvWithFds(session_channel.get(), &ack, sizeof(ack), nullptr);
+    if (st.ok() && (ack.type != static_cast<uint32_t>(ChannelMessageType::kOfferFdAck) || ack.tag != tag)) {
+      st = Status::Internal("unexpected reply on the session channel");
+    }
+    if (st.ok() && ack.status_code != 0) {
+      st = Status(static_cast<StatusCode>(ack.status_code),
+                  fmt::format("the daemon refused the {} (too many fds offered and not registered?)", what));
+    }
+    if (!st.ok()) return st.WithContext(fmt::format("offering the {}", what));
+    return tag;
+  }
+
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() + options.call_timeout);
   }
@@ -237,31 +260,17 @@ Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks)
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
   if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap KV memfd: {}", ErrnoText(errno)));
-  const uint32_t tag = impl_->next_fd_tag++;
-  ChannelMessage offer{};
-  std::memcpy(offer.magic, kChannelMessageMagic, 4);
-  offer.type = static_cast<uint32_t>(ChannelMessageType::kOfferFd);
-  offer.tag = tag;
-  const int raw = memfd.get();
-  Status st_offer = SendWithFds(impl_->session_channel.get(), &offer, sizeof(offer), std::span<const int>(&raw, 1));
-  ChannelMessage ack{};
-  if (st_offer.ok()) st_offer = RecvWithFds(impl_->session_channel.get(), &ack, sizeof(ack), nullptr);
-  if (st_offer.ok() && (ack.type != static_cast<uint32_t>(ChannelMessageType::kOfferFdAck) || ack.tag != tag)) {
-    st_offer = Status::Internal("unexpected reply on the session channel");
-  }
-  if (st_offer.ok() && ack.status_code != 0) {
-    st_offer = Status(static_cast<StatusCode>(ack.status_code), "the daemon refused the KV memfd");
-  }
-  if (!st_offer.ok()) {
+  auto tag = impl_->OfferFd(memfd.get(), "KV memfd");
+  if (!tag.ok()) {
     munmap(p, bytes);
-    return st_offer.WithContext("offering the KV memfd");
+    return tag.status();
   }
   v1::RegisterKvRequest req;
   req.set_session_id(impl_->session_id);
   req.set_session_token(impl_->session_token);
   req.set_layout(static_cast<v1::KvLayout>(static_cast<int>(layout)));
   req.set_num_blocks(num_blocks);
-  req.mutable_host()->set_fd_tag(tag);
+  req.mutable_host()->set_fd_tag(*tag);
   req.mutable_host()->set_bytes(bytes);
   v1::RegisterKvResponse resp;
   grpc::ClientContext ctx;
@@ -299,22 +308,39 @@ Result<uint32_t> Client::WaitLayers(Ticket ticket, uint32_t layers, std::chrono:
 
 Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
   v1::RegisterKvRequest req;
+  std::vector<uint32_t> tags;  // of reg.vmm_allocations, offered on the session channel
   {
     std::lock_guard lock(impl_->mu);
     if (impl_->session_id == 0) return NotAttached();
     req.set_session_id(impl_->session_id);
     req.set_session_token(impl_->session_token);
+    for (size_t i = 0; i < reg.vmm_allocations.size(); ++i) {
+      const auto& a = reg.vmm_allocations[i];
+      if (!a.fd || *a.fd < 0) return Status::InvalidArgument(fmt::format("vmm_allocations[{}] has no fd", i));
+      auto tag = impl_->OfferFd(*a.fd, "fd of a cuMem/VMM allocation");
+      if (!tag.ok()) return tag.status();
+      tags.push_back(*tag);
+    }
   }
   req.set_layout(static_cast<v1::KvLayout>(static_cast<int>(reg.layout)));
   req.set_num_blocks(reg.num_blocks);
   auto* cuda = req.mutable_cuda();
   cuda->set_gpu_uuid(reg.gpu_uuid);
   cuda->set_tp_rank(reg.tp_rank);
-  for (const auto& region : reg.regions) {
+  for (size_t ri = 0; ri < reg.regions.size(); ++ri) {
+    const auto& region = reg.regions[ri];
     auto* r = cuda->add_regions();
     r->set_ipc_handle(region.ipc_handle);
     r->set_offset(region.offset);
     r->set_bytes(region.bytes);
+    for (uint32_t index : region.vmm_allocations) {
+      if (index >= tags.size()) {
+        return Status::InvalidArgument(fmt::format("region {} names vmm allocation {}; there are {}", ri, index, tags.size()));
+      }
+      auto* a = r->add_vmm_allocations();
+      a->set_fd_tag(tags[index]);
+      a->set_bytes(reg.vmm_allocations[index].bytes);
+    }
   }
   v1::RegisterKvResponse resp;
   grpc::ClientContext ctx;

@@ -7,6 +7,7 @@
 #include <grpcpp/server_posix.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
@@ -38,11 +39,24 @@ constexpr int64_t kStuckLoopMs = 5000;
 
 void Notify(const std::string& message) { sd_notify(0, message.c_str()); }
 
+// Sessions offer fds (a GPU cache in cuMem/VMM memory: one per physical allocation); the default soft
+// limit of 1024 is too low for that, the hard limit is what the operator allows.
+void RaiseFdLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return;
+  const rlim_t was = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    log::Debug("daemon", "RLIMIT_NOFILE raised from {} to {}", was, limit.rlim_cur);
+  }
+}
+
 }  // namespace
 
 int RunDaemon(const DaemonConfig& config) {
   log::SetLevel(config.log_level);
   const int64_t started_ms = MonotonicMs();
+  RaiseFdLimit();
 
   // Signals are taken synchronously by the main loop; block them before any thread starts.
   sigset_t signals;

@@ -198,7 +198,17 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
     d.layout = layout;
     d.num_blocks = request->num_blocks();
     d.tp_rank = request->cuda().tp_rank();
-    for (const auto& r : request->cuda().regions()) d.regions.push_back({r.ipc_handle(), r.offset(), r.bytes()});
+    for (const auto& r : request->cuda().regions()) {
+      GpuKvRegion region{r.ipc_handle(), r.offset(), r.bytes(), {}};
+      for (const auto& a : r.vmm_allocations()) {
+        region.vmm_allocations.push_back({a.fd_tag(), a.bytes()});
+        if (d.vmm_fds.contains(a.fd_tag())) continue;
+        auto fd = ctx_.sessions->TakeOfferedFd(request->session_id(), token_bytes, a.fd_tag());
+        if (!fd.ok()) return Answer(fd.status().WithContext("cuMem/VMM allocation of a cuda region"));
+        d.vmm_fds.emplace(a.fd_tag(), std::make_shared<UniqueFd>(std::move(*fd)));
+      }
+      d.regions.push_back(std::move(region));
+    }
     Status registered = ctx_.data_plane->RegisterGpuKv(request->session_id(), d);
     if (!registered.ok()) {
       log::Warning("control", "RegisterKv (cuda) of session {} refused: {}", request->session_id(), registered.ToString());
@@ -210,7 +220,7 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
   }
   if (request->memory_case() != v1::RegisterKvRequest::kHost) {
     return Answer(Status::InvalidArgument(
-        "memory is missing; expected host (a memfd offered on the session channel) or cuda (IPC handles)"));
+        "memory is missing; expected host (a memfd offered on the session channel) or cuda (IPC handles or VMM fds)"));
   }
   auto fd = ctx_.sessions->TakeOfferedFd(request->session_id(), token_bytes, request->host().fd_tag());
   if (!fd.ok()) return Answer(fd.status());

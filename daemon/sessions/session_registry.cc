@@ -48,7 +48,10 @@ bool ReplyHello(int fd, StatusCode code, const std::string& message, std::span<c
   return sent.ok();
 }
 
-constexpr size_t kMaxOfferedFds = 16;
+// Fds a session may have offered and not yet registered: one KV memfd (host backend) or, for a GPU cache in
+// cuMem/VMM memory (PyTorch's expandable segments: 20 MiB physical allocations), one per allocation; 8192
+// covers 160 GiB of such a cache. The daemon raises its RLIMIT_NOFILE soft limit to the hard one at start.
+constexpr size_t kMaxOfferedFds = 8192;
 
 }  // namespace
 

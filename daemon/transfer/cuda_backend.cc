@@ -16,6 +16,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/cuda_driver.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
 namespace flexkv {
@@ -47,6 +48,13 @@ class GpuKv {
   Geometry geometry;
   GpuKvDescription description;
   std::map<std::string, void*> opened;  // ipc handle bytes → mapped base of that allocation
+  // VMM regions: a reserved address range per region with the client's allocations mapped in it.
+  struct VmmSpan {
+    CUdeviceptr base = 0;
+    size_t reserved = 0;
+    std::vector<std::pair<CUdeviceptr, size_t>> mapped;
+  };
+  std::vector<VmmSpan> vmm_spans;
   std::vector<uint64_t> layer_base_host;
   uint64_t* layer_base_dev = nullptr;
   cuda::GpuKvView view{};
@@ -55,7 +63,12 @@ class GpuKv {
     cudaSetDevice(device);
     if (layer_base_dev != nullptr) cudaFree(layer_base_dev);
     for (auto& [handle, ptr] : opened) cudaIpcCloseMemHandle(ptr);
-    log::Debug("cuda", "closed IPC mappings of tp rank {} on {}", description.tp_rank, description.gpu_uuid);
+    const CudaDriver& drv = CudaDriver::Get();
+    for (const VmmSpan& span : vmm_spans) {
+      for (const auto& [va, bytes] : span.mapped) drv.mem_unmap(va, bytes);
+      if (span.base != 0) drv.mem_address_free(span.base, span.reserved);
+    }
+    log::Debug("cuda", "closed IPC/VMM mappings of tp rank {} on {}", description.tp_rank, description.gpu_uuid);
   }
 };
 
@@ -189,12 +202,7 @@ class CudaBackendImpl final : public CudaBackend {
     FLEXKV_CUDA_TRY(cudaGetDeviceCount(&count));
     // The driver API is reached through the runtime, so flexkvd does not link libcuda (absent on machines
     // without a GPU, where the daemon must still start with the host backend).
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) == cudaSuccess &&
-        found == cudaDriverEntryPointSuccess) {
-      mem_get_address_range_ = reinterpret_cast<MemGetAddressRange>(fn);
-    }
+    if (!CudaDriver::Get().complete) log::Warning("cuda", "the CUDA driver lacks cuMem entry points: VMM KV caches are refused");
     for (int d = 0; d < count; ++d) {
       cudaDeviceProp prop{};
       FLEXKV_CUDA_TRY(cudaGetDeviceProperties(&prop, d));
@@ -252,36 +260,24 @@ class CudaBackendImpl final : public CudaBackend {
     kv->device = device;
     kv->geometry = g;
     kv->description = d;
+    kv->description.vmm_fds.clear();  // imported below; the fds are not needed after Open
     FLEXKV_CUDA_TRY(cudaSetDevice(device));
+    std::map<uint32_t, CUmemGenericAllocationHandle> imported;  // fd tag → handle, released when Open returns
+    struct ReleaseImported {
+      std::map<uint32_t, CUmemGenericAllocationHandle>& handles;
+      ~ReleaseImported() {
+        for (const auto& [tag, h] : handles) CudaDriver::Get().mem_release(h);
+      }
+    } release_imported{imported};
     for (size_t r = 0; r < d.regions.size(); ++r) {
       const GpuKvRegion& region = d.regions[r];
-      if (region.ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
-        return Status::InvalidArgument(fmt::format("region {}: ipc_handle has {} bytes; expected {}", r,
-                                                   region.ipc_handle.size(), sizeof(cudaIpcMemHandle_t)));
-      }
       if (region.bytes < region_need) {
         return Status::InvalidArgument(
             fmt::format("region {} has {} bytes; {} blocks of this geometry and layout need {}", r, region.bytes, B, region_need));
       }
-      void*& base = kv->opened[region.ipc_handle];
-      if (base == nullptr) {
-        cudaIpcMemHandle_t h;
-        std::memcpy(&h, region.ipc_handle.data(), sizeof(h));
-        const cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
-        if (e != cudaSuccess) {
-          kv->opened.erase(region.ipc_handle);
-          return Status::InvalidArgument(fmt::format("region {}: cudaIpcOpenMemHandle: {}", r, cudaGetErrorString(e)));
-        }
-      }
-      CUdeviceptr alloc_base = 0;
-      size_t alloc_size = 0;
-      if (mem_get_address_range_ == nullptr ||
-          mem_get_address_range_(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS ||
-          region.offset > alloc_size || region.bytes > alloc_size - region.offset) {
-        return Status::OutOfRange(fmt::format("region {}: [{}, +{}) exceeds the {}-byte allocation its handle names", r,
-                                              region.offset, region.bytes, alloc_size));
-      }
-      const uint64_t start = reinterpret_cast<uint64_t>(base) + region.offset;
+      auto base = region.vmm_allocations.empty() ? OpenIpcRegion(*kv, region, r) : MapVmmRegion(*kv, d, region, r, imported);
+      if (!base.ok()) return base.status();
+      const uint64_t start = *base + region.offset;
       if (per_layer) {
         kv->layer_base_host.push_back(start);
       } else {
@@ -315,6 +311,104 @@ class CudaBackendImpl final : public CudaBackend {
     return kv;
   }
 
+  // Opens (once per allocation) the cudaMalloc allocation an IPC handle names; returns the base address the
+  // region's offset is relative to, after checking [offset, offset + bytes) lies inside the allocation.
+  Result<uint64_t> OpenIpcRegion(GpuKv& kv, const GpuKvRegion& region, size_t r) {
+    if (region.ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
+      return Status::InvalidArgument(fmt::format("region {}: ipc_handle has {} bytes; expected {} (or VMM allocations)", r,
+                                                 region.ipc_handle.size(), sizeof(cudaIpcMemHandle_t)));
+    }
+    void*& base = kv.opened[region.ipc_handle];
+    if (base == nullptr) {
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, region.ipc_handle.data(), sizeof(h));
+      const cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess) {
+        kv.opened.erase(region.ipc_handle);
+        return Status::InvalidArgument(fmt::format("region {}: cudaIpcOpenMemHandle: {}", r, cudaGetErrorString(e)));
+      }
+    }
+    CUdeviceptr alloc_base = 0;
+    size_t alloc_size = 0;
+    const CudaDriver& drv = CudaDriver::Get();
+    if (drv.mem_get_address_range == nullptr ||
+        drv.mem_get_address_range(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS ||
+        region.offset > alloc_size || region.bytes > alloc_size - region.offset) {
+      return Status::OutOfRange(fmt::format("region {}: [{}, +{}) exceeds the {}-byte allocation its handle names", r,
+                                            region.offset, region.bytes, alloc_size));
+    }
+    return reinterpret_cast<uint64_t>(base);
+  }
+
+  // Maps a VMM region: imports each allocation's fd (once per Open, shared across regions), reserves one
+  // address range for the region's allocations and maps them back to back, readable and writable by the
+  // registration's device. Returns the range's base; the mapping is undone when `kv` goes.
+  Result<uint64_t> MapVmmRegion(GpuKv& kv, const GpuKvDescription& d, const GpuKvRegion& region, size_t r,
+                                std::map<uint32_t, CUmemGenericAllocationHandle>& imported) {
+    const CudaDriver& drv = CudaDriver::Get();
+    if (!drv.complete) {
+      return Status::Unimplemented(fmt::format("region {}: this CUDA driver lacks the cuMem entry points VMM memory needs", r));
+    }
+    if (!region.ipc_handle.empty()) {
+      return Status::InvalidArgument(fmt::format("region {} has both an ipc_handle and VMM allocations; expected one", r));
+    }
+    uint64_t total = 0;
+    for (const GpuKvVmmAllocation& a : region.vmm_allocations) {
+      if (a.bytes == 0 || a.bytes > (1ULL << 40) || total + a.bytes > (1ULL << 42)) {
+        return Status::InvalidArgument(fmt::format("region {}: VMM allocation of {} bytes (span so far {}); expected 1 B..1 TiB "
+                                                   "each, 4 TiB in all", r, a.bytes, total));
+      }
+      total += a.bytes;
+    }
+    if (region.offset > total || region.bytes > total - region.offset) {
+      return Status::OutOfRange(fmt::format("region {}: [{}, +{}) exceeds the {} bytes of its {} VMM allocation(s)", r,
+                                            region.offset, region.bytes, total, region.vmm_allocations.size()));
+    }
+    GpuKv::VmmSpan& span = kv.vmm_spans.emplace_back();
+    CUresult e = drv.mem_address_reserve(&span.base, total, 0, 0, 0);
+    if (e != CUDA_SUCCESS) {
+      span.base = 0;
+      return Status::ResourceExhausted(fmt::format("region {}: cuMemAddressReserve of {} bytes: {}", r, total, drv.ErrorText(e)));
+    }
+    span.reserved = total;
+    CUdeviceptr at = span.base;
+    for (size_t i = 0; i < region.vmm_allocations.size(); ++i) {
+      const GpuKvVmmAllocation& a = region.vmm_allocations[i];
+      auto handle = imported.find(a.fd_tag);
+      if (handle == imported.end()) {
+        auto fd = d.vmm_fds.find(a.fd_tag);
+        if (fd == d.vmm_fds.end() || !*fd->second) {
+          return Status::InvalidArgument(fmt::format("region {}: no fd was offered for VMM allocation tag {}", r, a.fd_tag));
+        }
+        CUmemGenericAllocationHandle h = 0;
+        e = drv.mem_import_from_shareable_handle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd->second->get())),
+                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        if (e != CUDA_SUCCESS) {
+          return Status::InvalidArgument(fmt::format(
+              "region {}: cuMemImportFromShareableHandle of allocation tag {}: {} (expected an fd from "
+              "cuMemExportToShareableHandle with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)", r, a.fd_tag, drv.ErrorText(e)));
+        }
+        handle = imported.emplace(a.fd_tag, h).first;
+      }
+      e = drv.mem_map(at, a.bytes, 0, handle->second, 0);
+      if (e != CUDA_SUCCESS) {
+        return Status::InvalidArgument(fmt::format("region {}: cuMemMap of allocation {} ({} bytes, tag {}): {} (is `bytes` "
+                                                   "the allocation's whole size?)", r, i, a.bytes, a.fd_tag, drv.ErrorText(e)));
+      }
+      span.mapped.emplace_back(at, a.bytes);
+      at += a.bytes;
+    }
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = kv.device;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    e = drv.mem_set_access(span.base, total, &access, 1);
+    if (e != CUDA_SUCCESS) {
+      return Status::Internal(fmt::format("region {}: cuMemSetAccess on device {}: {}", r, kv.device, drv.ErrorText(e)));
+    }
+    return static_cast<uint64_t>(span.base);
+  }
+
   void Copy(std::shared_ptr<GpuKv> kv, bool to_host, std::vector<uint32_t> gpu_blocks, std::vector<uint32_t> slots,
             std::function<void(uint32_t)> on_layer, std::function<void(Status)> done) override {
     DirectionWorker* w = nullptr;
@@ -338,8 +432,6 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
  private:
-  using MemGetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  MemGetAddressRange mem_get_address_range_ = nullptr;
   std::vector<std::string> uuids_;
   std::mutex mu_;
   const uint8_t* pool_base_ = nullptr;

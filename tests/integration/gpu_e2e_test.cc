@@ -25,11 +25,12 @@ bool HaveGpu() {
 }
 
 ChildProcess GpuClient(const DaemonUnderTest& d, const std::string& name, const std::vector<std::string>& steps,
-                       uint32_t layers = 4, uint32_t kv_blocks = 256, uint32_t tp = 1) {
+                       uint32_t layers = 4, uint32_t kv_blocks = 256, uint32_t tp = 1, bool vmm = false) {
   const char* env = std::getenv("FLEXKV_TEST_GPU_CLIENT");
   std::vector<std::string> argv = {env != nullptr ? env : FLEXKV_TEST_GPU_CLIENT, "--socket", d.socket(), "--name", name,
                                    "--layers", std::to_string(layers), "--kv-blocks", std::to_string(kv_blocks),
                                    "--tp", std::to_string(tp), "--heads", std::to_string(8 / tp)};
+  if (vmm) argv.push_back("--vmm");
   for (const auto& s : steps) {
     argv.push_back("--do");
     argv.push_back(s);
@@ -153,7 +154,7 @@ TEST_CASE("kill -9 of a GPU engine mid-load: pins released, mappings closed, the
   // Every victim's IPC mappings were closed once its last copy finished.
   const std::string log = d.process().Stderr();
   size_t closed = 0;
-  for (size_t pos = log.find("closed IPC mappings"); pos != std::string::npos; pos = log.find("closed IPC mappings", pos + 1)) {
+  for (size_t pos = log.find("closed IPC/VMM mappings"); pos != std::string::npos; pos = log.find("closed IPC/VMM mappings", pos + 1)) {
     ++closed;
   }
   CHECK(closed >= 4);  // the writer and three victims
@@ -170,4 +171,48 @@ TEST_CASE("kill -9 of a GPU engine mid-load: pins released, mappings closed, the
   auto lines = Lines(after);
   REQUIRE(lines.size() == 2);
   CHECK(lines[1].rfind("LOADED 200 200 1 OK", 0) == 0);
+}
+
+TEST_CASE("cuMem/VMM KV caches (shareable fds, as PyTorch's expandable segments) round-trip byte-exact", "[gpu]") {
+  if (!HaveGpu()) {
+    WARN("no GPU visible; skipped");
+    return;
+  }
+  ShmPoolDir shm;
+  DaemonUnderTest d(GpuDaemonArgs(shm, {"--pool-size", "2GiB", "--log-level", "debug"}));
+  REQUIRE(d.WaitReady());
+  // 4 layers x 2 planes x 200 blocks x 32 KiB: each layer spans several 4 MiB allocations and some
+  // allocations straddle two layers.
+  ChildProcess a = GpuClient(d, "vmm-writer", {"store:41:200"}, 4, 200, 1, /*vmm=*/true);
+  auto la = Lines(a);
+  INFO((la.empty() ? std::string() : la.back()) << "\n" << a.Stderr() << d.process().Stderr());
+  REQUIRE(la.size() == 2);
+  CHECK(la[1].rfind("STORED 0 200 OK", 0) == 0);
+  REQUIRE(a.Wait(10s).has_value());
+  size_t free_before = 0, total = 0;
+  std::this_thread::sleep_for(200ms);
+  REQUIRE(cudaMemGetInfo(&free_before, &total) == cudaSuccess);
+  ChildProcess b = GpuClient(d, "vmm-reader", {"load:41:200"}, 4, 200, 1, /*vmm=*/true);
+  auto lb = Lines(b);
+  REQUIRE(lb.size() == 2);
+  CHECK(lb[1].rfind("LOADED 200 200 1 OK", 0) == 0);
+  // Mixed: a cudaMalloc engine reads what the VMM engine wrote.
+  ChildProcess c = GpuClient(d, "ipc-reader", {"load:41:200"}, 4, 200, 1, /*vmm=*/false);
+  auto lc = Lines(c);
+  REQUIRE(lc.size() == 2);
+  CHECK(lc[1].rfind("LOADED 200 200 1 OK", 0) == 0);
+  // kill -9 of a VMM engine mid-load: its physical allocations are freed (the daemon unmapped them).
+  ChildProcess victim = GpuClient(d, "vmm-victim", {"load:41:200", "load:41:200", "hold"}, 4, 200, 1, /*vmm=*/true);
+  REQUIRE(victim.WaitForLine("ATTACHED", 60s).has_value());
+  victim.Signal(SIGKILL);
+  REQUIRE(victim.Wait(10s).has_value());
+  size_t free_after = 0;
+  for (int i = 0; i < 100; ++i) {
+    REQUIRE(cudaMemGetInfo(&free_after, &total) == cudaSuccess);
+    if (free_after + (64ULL << 20) >= free_before) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  INFO("free before " << free_before << ", after " << free_after);
+  CHECK(free_after + (64ULL << 20) >= free_before);
+  CHECK_THAT(d.process().Stderr(), Catch::Contains("closed IPC/VMM mappings"));
 }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "flexkv/client.h"
+#include "common/cuda_driver.h"
 #include "flexkv/cuda.h"
 
 extern char** environ;
@@ -72,15 +73,30 @@ class RankKv {
 
 class LocalRank final : public RankKv {
  public:
-  LocalRank(const flexkv::Geometry& g, uint32_t blocks, uint32_t rank) : g_(g), blocks_(blocks), rank_(rank) {
+  // vmm: the layers live back to back in one cuMem address range backed by physical allocations of two
+  // granules each (exportable as POSIX fds, like PyTorch's expandable segments), so allocations straddle
+  // layers and a layer spans several allocations.
+  LocalRank(const flexkv::Geometry& g, uint32_t blocks, uint32_t rank, bool vmm)
+      : g_(g), blocks_(blocks), rank_(rank), vmm_(vmm) {
     chunk_ = g.chunk_bytes_per_rank();
     region_ = uint64_t{g.kv_planes} * blocks * chunk_;
     layers_.resize(g.num_layers, nullptr);
-    for (auto& p : layers_) ok_ &= cudaMalloc(&p, region_) == cudaSuccess;
+    if (vmm_) {
+      ok_ = MapVmm();
+    } else {
+      for (auto& p : layers_) ok_ &= cudaMalloc(&p, region_) == cudaSuccess;
+    }
     host_.resize(chunk_);
   }
   ~LocalRank() override {
-    for (auto* p : layers_) cudaFree(p);
+    if (vmm_) {
+      const flexkv::CudaDriver& drv = flexkv::CudaDriver::Get();
+      for (size_t i = 0; i < mapped_; ++i) drv.mem_unmap(va_ + i * piece_, piece_);
+      if (va_ != 0) drv.mem_address_free(va_, reserved_);
+      for (auto h : handles_) drv.mem_release(h);
+    } else {
+      for (auto* p : layers_) cudaFree(p);
+    }
   }
   bool ok() const { return ok_; }
   flexkv::Result<flexkv::GpuKvRegistration> Registration() override {
@@ -119,15 +135,52 @@ class LocalRank final : public RankKv {
   }
 
  private:
+  bool MapVmm() {
+    const flexkv::CudaDriver& drv = flexkv::CudaDriver::Get();
+    int device = 0;
+    if (!drv.complete || cudaGetDevice(&device) != cudaSuccess || cudaFree(nullptr) != cudaSuccess) return false;
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t granule = 0;
+    if (drv.mem_get_allocation_granularity(&granule, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS) return false;
+    const size_t piece = piece_ = 2 * granule;
+    const uint64_t need = region_ * g_.num_layers;
+    reserved_ = (need + piece - 1) / piece * piece;
+    if (drv.mem_address_reserve(&va_, reserved_, 0, 0, 0) != CUDA_SUCCESS) {
+      va_ = 0;
+      return false;
+    }
+    for (size_t off = 0; off < reserved_; off += piece) {
+      CUmemGenericAllocationHandle h = 0;
+      if (drv.mem_create(&h, piece, &prop, 0) != CUDA_SUCCESS) return false;
+      handles_.push_back(h);
+      if (drv.mem_map(va_ + off, piece, 0, h, 0) != CUDA_SUCCESS) return false;
+      ++mapped_;
+    }
+    CUmemAccessDesc access{};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (drv.mem_set_access(va_, reserved_, &access, 1) != CUDA_SUCCESS) return false;
+    for (uint32_t l = 0; l < g_.num_layers; ++l) layers_[l] = reinterpret_cast<void*>(va_ + l * region_);
+    return true;
+  }
+
   uint8_t* Chunk(uint32_t l, uint32_t p, uint32_t b) {
     return static_cast<uint8_t*>(layers_[l]) + (uint64_t{p} * blocks_ + b) * chunk_;
   }
   flexkv::Geometry g_;
   uint32_t blocks_, rank_;
   uint64_t chunk_ = 0, region_ = 0;
+  bool vmm_ = false;
   std::vector<void*> layers_;
   std::vector<uint8_t> host_;
   bool ok_ = true;
+  CUdeviceptr va_ = 0;  // vmm
+  size_t reserved_ = 0, piece_ = 0, mapped_ = 0;
+  std::vector<CUmemGenericAllocationHandle> handles_;
 };
 
 std::string Hex(const std::string& bytes) {
@@ -231,7 +284,7 @@ class WorkerRank final : public RankKv {
 };
 
 int RunWorker(const flexkv::Geometry& g, uint32_t blocks, uint32_t rank) {
-  LocalRank kv(g, blocks, rank);
+  LocalRank kv(g, blocks, rank, /*vmm=*/false);  // a worker's description travels as text: IPC handles only
   auto reg = kv.ok() ? kv.Registration() : flexkv::Result<flexkv::GpuKvRegistration>(flexkv::Status::Internal("cudaMalloc"));
   if (!reg.ok()) {
     std::printf("ERROR %s\n", reg.status().ToString().c_str());
@@ -265,7 +318,7 @@ int main(int argc, char** argv) {
   std::string socket, name = "gpu-client", ns = "test-model";
   flexkv::Geometry g = flexkv::Llama3_8B();
   uint32_t kv_blocks = 1024, tp_rank = 0;
-  bool worker = false;
+  bool worker = false, vmm = false;
   std::vector<std::string> steps;
   app.add_option("--socket", socket);
   app.add_option("--name", name);
@@ -276,6 +329,7 @@ int main(int argc, char** argv) {
   app.add_option("--kv-blocks", kv_blocks);
   app.add_flag("--worker", worker, "internal: one TP rank, driven over stdin/stdout");
   app.add_option("--tp-rank", tp_rank);
+  app.add_flag("--vmm", vmm, "allocate the KV cache with cuMem (VMM, shareable fds) instead of cudaMalloc");
   app.add_option("--do", steps, "store:SEED:N, load:SEED:N, bench:N, hold");
   CLI11_PARSE(app, argc, argv);
   setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -289,9 +343,9 @@ int main(int argc, char** argv) {
 
   std::vector<std::unique_ptr<RankKv>> ranks;
   if (g.tp_size == 1) {
-    auto local = std::make_unique<LocalRank>(g, kv_blocks, 0);
+    auto local = std::make_unique<LocalRank>(g, kv_blocks, 0, vmm);
     if (!local->ok()) {
-      std::printf("ERROR INTERNAL cudaMalloc of the KV cache failed\n");
+      std::printf("ERROR INTERNAL %s of the KV cache failed\n", vmm ? "cuMem allocation" : "cudaMalloc");
       return 1;
     }
     ranks.push_back(std::move(local));
