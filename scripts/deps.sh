@@ -9,6 +9,7 @@ FLEXKV_PACKAGES=(
   libcli11-dev catch2 libfmt-dev libxxhash-dev libsystemd-dev
   liburing-dev libibverbs-dev libboost-dev
   python3 python3-grpcio python3-protobuf python3-xxhash
+  python3-pytest python3-numpy  # the Python package's tests (tests/python) and examples/vllm_dp_rank.py --host
   prometheus-cpp-dev prometheus curl  # metrics: the library; promtool (in prometheus) and curl test it
   systemd util-linux procps
   clang-14 libclang-rt-14-dev  # libFuzzer targets (scripts/fuzz.sh)

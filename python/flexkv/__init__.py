@@ -1,0 +1,25 @@
+"""flexkv: the Python client of flexkvd, the node-local KV-cache daemon (a ctypes binding of libflexkv's C ABI).
+
+    import flexkv
+    with flexkv.connect() as client:                          # $FLEXKV_SOCKET, else the default socket
+        client.attach("vllm-dp0", "llama3-8b", flexkv.Geometry.llama3_8b())
+        keys = flexkv.block_keys("llama3-8b", prompt_token_ids, 16)
+        hit = client.match(keys, pin=True).wait()
+
+See docs/python.md for the whole API and its contracts.
+"""
+from .client import Client, DaemonStatus, OpResult, Ticket, connect
+from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
+                     Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
+                     Unauthenticated, Unavailable, Unimplemented, Unknown)
+from .geometry import Geometry, Layout
+from .keys import BlockKey, BlockKeys, block_keys
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "DaemonStatus", "DataLoss",
+    "DeadlineExceeded", "Error", "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "Layout",
+    "NotFound", "OpResult", "OutOfRange", "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket",
+    "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "block_keys", "connect",
+]

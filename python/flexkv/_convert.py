@@ -1,0 +1,74 @@
+"""Turns Python sequences, buffers and NumPy arrays of integers into C arrays of int32 / uint32 for libflexkv.
+
+Never imports NumPy: a NumPy array is read through the buffer protocol, and NumPy's own functions are used only
+when the caller passed an array (so NumPy is already imported). A C-contiguous buffer of the exact C type is
+copied with one memcpy; anything else is converted element by element with a range check.
+"""
+from __future__ import annotations
+
+import array
+import ctypes
+import sys
+from typing import Any, Tuple
+
+from .errors import InvalidArgument
+
+_INT_FORMATS = set("bBhHiIlLqQnN")
+# ctypes type -> (array.array typecode, struct format chars of the same C type, min, max)
+_TARGETS = {
+    ctypes.c_int32: ("i", {"i"} if ctypes.sizeof(ctypes.c_int) == 4 else set(), -(2**31), 2**31 - 1),
+    ctypes.c_uint32: ("I", {"I"} if ctypes.sizeof(ctypes.c_uint) == 4 else set(), 0, 2**32 - 1),
+}
+if ctypes.sizeof(ctypes.c_long) == 4:  # pragma: no cover (ILP32)
+    _TARGETS[ctypes.c_int32][1].add("l")
+    _TARGETS[ctypes.c_uint32][1].add("L")
+
+
+def _range_error(what: str, lo: int, hi: int, bad: Any) -> InvalidArgument:
+    return InvalidArgument(f"{what} holds {bad}; expected integers in {lo}..{hi}")
+
+
+def c_int_array(values: Any, ctype: Any, what: str) -> Tuple[ctypes.Array, int]:
+    """A ctypes array of `ctype` (c_int32 or c_uint32) holding `values`, and its length.
+
+    `values`: a 1-D buffer of integers (NumPy array of any integer dtype, array.array, memoryview), or any
+    iterable of ints (list, tuple, range, a torch CPU tensor via tolist()). Raises InvalidArgument for values out
+    of the C type's range or a buffer that is not 1-D, TypeError for values that are not integers.
+    """
+    typecode, same_formats, lo, hi = _TARGETS[ctype]
+    if isinstance(values, ctypes.Array) and values._type_ is ctype:
+        return values, len(values)
+    try:
+        view = memoryview(values)
+    except TypeError:
+        view = None
+    if view is not None:
+        if view.ndim != 1:
+            raise InvalidArgument(f"{what} is a {view.ndim}-D buffer; expected 1-D")
+        fmt = view.format.lstrip("@=")
+        if fmt in same_formats and view.c_contiguous:  # native byte order, exactly the C type: one memcpy
+            return (ctype * len(view)).from_buffer_copy(view), len(view)
+        if fmt.lstrip("<>!") not in _INT_FORMATS:
+            raise TypeError(f"{what} has element format {view.format!r}; expected integers")
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and isinstance(values, numpy.ndarray):
+            if values.size and (int(values.min()) < lo or int(values.max()) > hi):
+                bad = int(values.min()) if int(values.min()) < lo else int(values.max())
+                raise _range_error(what, lo, hi, bad)
+            converted = numpy.ascontiguousarray(values, dtype=numpy.int32 if typecode == "i" else numpy.uint32)
+            return (ctype * converted.size).from_buffer_copy(memoryview(converted)), int(converted.size)
+        values = view.tolist()
+    elif hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()  # torch tensors and the like, without importing them
+        if values and isinstance(values[0], list):
+            raise InvalidArgument(f"{what} is nested; expected a 1-D sequence of integers")
+    if not isinstance(values, (list, tuple, range)):
+        values = list(values)
+    try:
+        arr = array.array(typecode, values)
+    except OverflowError:
+        for v in values:
+            if not lo <= int(v) <= hi:
+                raise _range_error(what, lo, hi, v) from None
+        raise
+    return (ctype * len(arr)).from_buffer(arr), len(arr)

@@ -1,0 +1,137 @@
+"""Loads libflexkv and declares the C ABI (client/include/flexkv/c.h) for ctypes.
+
+Why ctypes over the C ABI rather than a compiled extension: the package is pure Python, so one copy serves every
+CPython >= 3.10 the engine runs (no per-version build, no compiler at install time), it loads into the engine's
+own interpreter next to torch, and ctypes releases the GIL for the duration of every foreign call, so a thread
+blocked in a wait does not stop the engine's other Python threads.
+
+Where the library is looked for, first hit wins:
+  1. $FLEXKV_LIBRARY (a path to libflexkv.so.0);
+  2. next to the package: flexkv/libflexkv.so.0, then libflexkv.so.0 beside the flexkv/ directory;
+  3. the system loader ("libflexkv.so.0": ld.so.cache, $LD_LIBRARY_PATH).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import (POINTER, Structure, c_char, c_char_p, c_int, c_int32, c_int64, c_size_t, c_uint32, c_uint64,
+                    c_void_p)
+from typing import List
+
+from .errors import Error, error_for
+
+SONAME = "libflexkv.so.0"
+
+
+class BlockKeyStruct(Structure):
+    _fields_ = [("lo", c_uint64), ("hi", c_uint64)]
+
+
+class GeometryStruct(Structure):
+    _fields_ = [("tokens_per_block", c_uint32), ("num_layers", c_uint32), ("kv_planes", c_uint32),
+                ("kv_heads_per_rank", c_uint32), ("head_dim", c_uint32), ("dtype_bytes", c_uint32),
+                ("tp_size", c_uint32)]
+
+
+class DaemonStatusStruct(Structure):
+    _fields_ = [("state", c_char * 16), ("version", c_char * 32), ("pid", c_uint32), ("uptime_s", c_uint64),
+                ("block_bytes", c_uint64), ("capacity_blocks", c_uint64), ("used_blocks", c_uint64),
+                ("pinned_blocks", c_uint64), ("index_blocks", c_uint64), ("sessions", c_uint32)]
+
+
+class OpResultStruct(Structure):
+    _fields_ = [("status_code", c_int32), ("matched_blocks", c_uint32), ("done_blocks", c_uint32),
+                ("match_handle", c_uint64), ("message", c_char * 256)]
+
+
+def _candidates() -> List[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = []
+    env = os.environ.get("FLEXKV_LIBRARY")
+    if env:
+        paths.append(env)
+    paths.append(os.path.join(here, SONAME))
+    paths.append(os.path.join(os.path.dirname(here), SONAME))
+    paths.append(SONAME)
+    return paths
+
+
+def _load() -> ctypes.CDLL:
+    tried = []
+    env = os.environ.get("FLEXKV_LIBRARY")
+    for path in _candidates():
+        if os.sep in path and not os.path.exists(path):
+            tried.append(f"{path} (no such file)")
+            if path == env:  # an explicit choice that does not exist is an error, not a hint to look elsewhere
+                break
+            continue
+        try:
+            return ctypes.CDLL(path)  # CDLL (not PyDLL): every call releases the GIL
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+            if path == env:
+                break
+    raise ImportError("flexkv: cannot load libflexkv; tried " + "; ".join(tried) +
+                      ". Set FLEXKV_LIBRARY to the path of libflexkv.so.0 (build/libflexkv.so.0 in a build tree).")
+
+
+lib = _load()
+client_p = c_void_p
+gpu_kv_p = c_void_p
+
+_PROTOTYPES = {
+    "flexkv_compute_block_keys": (c_int, [c_char_p, c_size_t, POINTER(c_int32), c_size_t, c_uint32,
+                                          POINTER(BlockKeyStruct), c_size_t, POINTER(c_size_t)]),
+    "flexkv_connect": (c_int, [c_char_p, c_int, POINTER(client_p), c_char_p, c_size_t]),
+    "flexkv_attach": (c_int, [client_p, c_char_p, c_char_p, c_uint32, c_uint32, POINTER(GeometryStruct),
+                              POINTER(c_uint64)]),
+    "flexkv_detach": (c_int, [client_p]),
+    "flexkv_get_status": (c_int, [client_p, POINTER(DaemonStatusStruct)]),
+    "flexkv_drain": (c_int, [client_p, c_char_p, c_size_t]),
+    "flexkv_resume": (c_int, [client_p, c_char_p, c_size_t]),
+    "flexkv_check_health": (c_int, [client_p]),
+    "flexkv_create_host_kv": (c_int, [client_p, c_int, c_uint32, POINTER(c_void_p), POINTER(c_uint64)]),
+    "flexkv_describe_gpu_kv": (c_int, [c_int, POINTER(c_void_p), c_size_t, c_uint64, c_uint32, c_uint32,
+                                       POINTER(gpu_kv_p)]),
+    "flexkv_gpu_kv_uuid": (c_char_p, [gpu_kv_p]),
+    "flexkv_register_gpu_kv": (c_int, [client_p, gpu_kv_p]),
+    "flexkv_gpu_kv_free": (None, [gpu_kv_p]),
+    "flexkv_match": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, c_int, POINTER(c_uint64)]),
+    "flexkv_load": (c_int, [client_p, c_uint64, POINTER(c_uint32), c_size_t, c_int, POINTER(c_uint64)]),
+    "flexkv_store": (c_int, [client_p, POINTER(BlockKeyStruct), POINTER(c_uint32), c_size_t, POINTER(c_uint64)]),
+    "flexkv_release": (c_int, [client_p, c_uint64, POINTER(c_uint64)]),
+    "flexkv_match_via_control": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, POINTER(c_uint32)]),
+    "flexkv_wait": (c_int, [client_p, c_uint64, c_int64, POINTER(OpResultStruct)]),
+    "flexkv_try_wait": (c_int, [client_p, c_uint64, POINTER(OpResultStruct)]),
+    "flexkv_wait_layers": (c_int, [client_p, c_uint64, c_uint32, c_int64, POINTER(c_uint32)]),
+    "flexkv_last_error": (c_char_p, []),
+    "flexkv_close": (None, [client_p]),
+}
+
+for _name, (_restype, _argtypes) in _PROTOTYPES.items():
+    _fn = getattr(lib, _name)  # AttributeError here: a libflexkv older than this package
+    _fn.restype = _restype
+    _fn.argtypes = _argtypes
+
+
+def last_error() -> str:
+    """The calling thread's last libflexkv failure as "CODE_NAME: message" ("" after a success)."""
+    raw = lib.flexkv_last_error()
+    return raw.decode("utf-8", "replace") if raw else ""
+
+
+def error_from_last(rc: int, context: str = "") -> Error:
+    """The exception for a libflexkv call that returned `rc` on this thread, with flexkv_last_error()'s message
+    (without its "CODE_NAME: " prefix, which the exception's code carries)."""
+    text = last_error()
+    head, sep, rest = text.partition(": ")
+    message = rest if sep and head.replace("_", "").isalpha() and head.isupper() else text
+    if context:
+        message = f"{context}: {message}"
+    return error_for(rc, message)
+
+
+def check(rc: int, context: str = "") -> None:
+    """Raises the exception for `rc` unless it is 0 (OK)."""
+    if rc != 0:
+        raise error_from_last(rc, context)

@@ -1,0 +1,538 @@
+"""Client: one process's connection to the node's flexkvd (flexkv::Client), and the Tickets of its requests.
+
+Thread safety: every method may be called from several threads at once. detach() and close() wait for calls in
+progress on other threads (waits are sliced so that this takes at most ~50 ms); calls made after close() raise
+FailedPrecondition. No method holds the GIL while it blocks in libflexkv.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from . import _lib
+from ._convert import c_int_array
+from .errors import DeadlineExceeded, Error, FailedPrecondition, InvalidArgument, StatusCode, error_for
+from .geometry import Geometry, Layout
+from .keys import BlockKeys, as_block_keys
+
+# Longest single blocking call into libflexkv: bounds how long detach()/close() wait for a waiting thread and how
+# late Ctrl-C is seen by a main thread blocked in Ticket.wait.
+_WAIT_SLICE_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class OpResult:
+    """The end of one data-plane request (flexkv::OpResult).
+
+    matched_blocks: Match: leading blocks cached. Store: leading blocks already cached (skipped).
+    done_blocks: Load: blocks copied. Store: blocks newly stored.
+    match_handle: Match with pin: pass to Client.load / Client.release (0 when nothing matched).
+    status_code / message: OK and "" for a request that was done; otherwise why (part of) it was not, as the
+      daemon said (Ticket.wait raises then, with this result on the exception).
+    """
+
+    status_code: StatusCode
+    matched_blocks: int
+    done_blocks: int
+    match_handle: int
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code == StatusCode.OK
+
+    @classmethod
+    def _from_c(cls, r: _lib.OpResultStruct) -> "OpResult":
+        status = _STATUS_CODES.get(r.status_code, StatusCode.UNKNOWN)  # a dict, not StatusCode(): the hot path
+        message = r.message.decode("utf-8", "replace") if status else ""
+        return cls(status, r.matched_blocks, r.done_blocks, r.match_handle, message)
+
+
+_STATUS_CODES = {int(c): c for c in StatusCode}
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonStatus:
+    """GetStatus, as the C ABI reports it (docs/operations.md, "What each status field means")."""
+
+    state: str  # "serving" | "draining" | "drained"
+    version: str
+    pid: int
+    uptime_s: int
+    block_bytes: int
+    capacity_blocks: int
+    used_blocks: int
+    pinned_blocks: int
+    index_blocks: int
+    sessions: int
+
+
+class _Handle:
+    """Owns the flexkv_client*. Calls hold it shared; detach/close hold it exclusively, because the C ABI forbids
+    flexkv_detach / flexkv_close to race with other calls on the same client."""
+
+    __slots__ = ("ptr", "_cv", "_users", "_exclusive")
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr: Optional[int] = ptr
+        self._cv = threading.Condition(threading.Lock())
+        self._users = 0
+        self._exclusive = False
+
+    def acquire(self) -> int:
+        with self._cv:
+            while self._exclusive:
+                self._cv.wait()
+            if self.ptr is None:
+                raise FailedPrecondition("this flexkv.Client is closed")
+            self._users += 1
+            return self.ptr
+
+    def release(self) -> None:
+        with self._cv:
+            self._users -= 1
+            if self._users == 0 and self._exclusive:
+                self._cv.notify_all()
+
+    def acquire_exclusive(self) -> Optional[int]:
+        """The pointer with no other call in progress, or None when already closed."""
+        with self._cv:
+            while self._exclusive:
+                self._cv.wait()
+            if self.ptr is None:
+                return None
+            self._exclusive = True
+            while self._users:
+                self._cv.wait()
+            return self.ptr
+
+    def release_exclusive(self, closed: bool = False) -> None:
+        with self._cv:
+            if closed:
+                self.ptr = None
+            self._exclusive = False
+            self._cv.notify_all()
+
+
+def _close_pointer(ptr: int) -> None:
+    _lib.lib.flexkv_close(ptr)
+
+
+class Ticket:
+    """One submitted request. Every request ends exactly once; its outcome is kept, so wait() may be called again
+    (and from any thread) and gives the same result or raises the same error."""
+
+    __slots__ = ("_client", "_session", "id", "op", "_lock", "_outcome")
+
+    def __init__(self, client: "Client", ticket_id: int, op: str) -> None:
+        self._client = client
+        self._session = client.session_id
+        self.id = ticket_id
+        self.op = op  # "match" | "load" | "store" | "release"
+        self._lock = threading.Lock()
+        self._outcome: Union[None, OpResult, Error] = None
+
+    def __repr__(self) -> str:
+        state = "pending" if self._outcome is None else "ended"
+        return f"<flexkv.Ticket {self.op} #{self.id} {state}>"
+
+    def _settle(self, r: _lib.OpResultStruct) -> OpResult:
+        result = OpResult._from_c(r)
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = result if result.ok else error_for(result.status_code, result.message, result)
+        return self._result()
+
+    def _result(self) -> OpResult:
+        outcome = self._outcome
+        if isinstance(outcome, Error):
+            raise outcome
+        assert outcome is not None
+        return outcome
+
+    def _acquire(self) -> int:
+        """The client pointer for one call about this ticket; FailedPrecondition once its session has ended (a
+        later session of the same client does not know its id)."""
+        ptr = self._client._handle.acquire()
+        if self._client.session_id != self._session:
+            self._client._handle.release()
+            raise FailedPrecondition(f"{self.op} request (ticket {self.id}) belonged to session {self._session}, "
+                                     "which has ended")
+        return ptr
+
+    def wait(self, timeout: Optional[float] = None) -> OpResult:
+        """Waits until the request ends and returns its OpResult; the GIL is released while waiting.
+
+        timeout: seconds (None: as long as it takes; 0: just look).
+        Raises the request's error (a subclass of flexkv.Error, whose .result is the OpResult) when it ended with
+        one; DeadlineExceeded (also a TimeoutError) when it has not ended in time: it is still in flight and this
+        ticket stays valid; Unavailable when the daemon went away (attach again).
+        """
+        if self._outcome is not None:
+            return self._result()
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        out = _lib.OpResultStruct()
+        while True:
+            slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
+            ptr = self._acquire()
+            try:
+                if self._outcome is not None:  # another thread took the result
+                    return self._result()
+                rc = _lib.lib.flexkv_wait(ptr, self.id, int(slice_s * 1e6), ctypes.byref(out))
+                err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc)
+            finally:
+                self._client._handle.release()
+            if rc == 0:
+                return self._settle(out)
+            if err is not None:
+                raise err
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"{self.op} request (ticket {self.id}) did not end within {timeout} s; it is "
+                                       "still in flight and the ticket stays valid")
+
+    def try_wait(self) -> Optional[OpResult]:
+        """The OpResult if the request has ended, else None; never blocks. Raises as wait() for a request that
+        ended with an error."""
+        if self._outcome is not None:
+            return self._result()
+        out = _lib.OpResultStruct()
+        ptr = self._acquire()
+        try:
+            if self._outcome is not None:
+                return self._result()
+            rc = _lib.lib.flexkv_try_wait(ptr, self.id, ctypes.byref(out))
+            err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc)
+        finally:
+            self._client._handle.release()
+        if err is not None:
+            raise err
+        return self._settle(out) if rc == 0 else None
+
+    def done(self) -> bool:
+        """True once the request has ended (successfully or not); never blocks, never raises its error."""
+        try:
+            return self.try_wait() is not None
+        except Error:
+            return self._outcome is not None
+
+    def wait_layers(self, layers: int, timeout: Optional[float] = None) -> int:
+        """For a layer-wise load: waits until at least `layers` layers have landed in the engine's KV buffers (or
+        the request ended) and returns how many have; the GIL is released while waiting.
+
+        Raises DeadlineExceeded (ticket still valid) when fewer have landed by `timeout` seconds. Once the request
+        has ended this returns `layers`; wait() tells whether it succeeded.
+        """
+        if not 0 <= layers < 2**32:
+            raise InvalidArgument(f"layers is {layers}; expected 0..{2**32 - 1}")
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        landed = ctypes.c_uint32(0)
+        while True:
+            if self._outcome is not None:
+                return layers
+            slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
+            ptr = self._acquire()
+            try:
+                rc = _lib.lib.flexkv_wait_layers(ptr, self.id, layers, int(slice_s * 1e6), ctypes.byref(landed))
+                err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc)
+            finally:
+                self._client._handle.release()
+            if rc == 0:
+                return int(landed.value)
+            if err is not None:
+                raise err
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"{self.op} request (ticket {self.id}): fewer than {layers} layers landed "
+                                       f"within {timeout} s; it is still in flight and the ticket stays valid")
+
+
+def _device_region(obj: Any, i: int) -> tuple:
+    """(device pointer, bytes) of one KV region given as a tensor-like object or an int pointer (bytes None)."""
+    if isinstance(obj, int):
+        return obj, None
+    if hasattr(obj, "data_ptr") and hasattr(obj, "numel") and hasattr(obj, "element_size"):  # torch.Tensor & co
+        if getattr(obj, "is_cuda", True) is False:
+            raise InvalidArgument(f"tensor {i} is on {getattr(obj, 'device', 'the CPU')}; expected a CUDA tensor "
+                                  "(host KV buffers come from create_host_kv)")
+        if hasattr(obj, "is_contiguous") and not obj.is_contiguous():
+            raise InvalidArgument(f"tensor {i} is not contiguous; expected one contiguous region per tensor")
+        return int(obj.data_ptr()), int(obj.numel()) * int(obj.element_size())
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        shape = tuple(int(d) for d in cai["shape"])
+        itemsize = int(cai["typestr"][2:])
+        strides = cai.get("strides")
+        if strides is not None:
+            expected, step = [], itemsize
+            for d in reversed(shape):
+                expected.append(step)
+                step *= d
+            if tuple(strides) != tuple(reversed(expected)) and math.prod(shape) > 1:
+                raise InvalidArgument(f"tensor {i} is not contiguous (shape {shape}, strides {tuple(strides)}); "
+                                      "expected one contiguous region per tensor")
+        return int(cai["data"][0]), math.prod(shape) * itemsize
+    raise TypeError(f"KV region {i} is a {type(obj).__name__}; expected a CUDA tensor (data_ptr()+numel()+"
+                    "element_size(), or __cuda_array_interface__) or an int device pointer")
+
+
+class Client:
+    """A connection to flexkvd and, once attached, this process's session (flexkv::Client). Use connect().
+
+    One Client per engine process (per DP rank or TP worker). Closing it (close(), the with-statement, or garbage
+    collection) ends the session; everything the session held (pins, in-flight requests) is released.
+    """
+
+    def __init__(self, ptr: int, socket_path: Optional[str]) -> None:
+        self._handle = _Handle(ptr)
+        self.socket_path = socket_path  # as given to connect(); None: $FLEXKV_SOCKET or the default
+        self.session_id: Optional[int] = None
+        self.geometry: Optional[Geometry] = None
+        self._host_array: Optional[ctypes.Array] = None  # the host KV mapping, exported to the caller's views
+
+    # ---- lifetime ----
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing useful left to report
+            pass
+
+    def close(self) -> None:
+        """Detaches and frees the client; idempotent. Later calls raise FailedPrecondition.
+
+        If views of the host KV buffer (memoryviews, NumPy arrays, tensors) are still alive, the session and its
+        mapping stay until the last of them is gone (then it is closed), so a stale view never touches unmapped
+        memory. Waits for calls in progress on other threads.
+        """
+        ptr = self._handle.acquire_exclusive()
+        if ptr is None:
+            return
+        try:
+            host, self._host_array = self._host_array, None
+            if host is not None and sys.getrefcount(host) > 2:
+                fin = weakref.finalize(host, _close_pointer, ptr)
+                fin.atexit = False  # at exit the process's end closes the session anyway
+            else:
+                _close_pointer(ptr)
+            del host
+            self.session_id = None
+        finally:
+            self._handle.release_exclusive(closed=True)
+
+    # ---- control plane ----
+
+    def attach(self, name: str, namespace: str, geometry: Geometry, dp_rank: int = 0, tp_rank: int = 0) -> int:
+        """Opens this process's session and returns its id.
+
+        name: shown by `flexkvctl sessions`. namespace: the cache domain (sessions share blocks within it; keys
+        must be computed with the same namespace). geometry: the KV cache shape.
+        Raises InvalidArgument for a bad geometry (naming the field and the accepted range); FailedPrecondition
+        when already attached, for a geometry that does not match the cache domain, or a protocol mismatch;
+        Unavailable while the daemon is draining.
+        """
+        g = geometry._to_c()
+        sid = ctypes.c_uint64(0)
+        ptr = self._handle.acquire()
+        try:
+            rc = _lib.lib.flexkv_attach(ptr, name.encode(), namespace.encode(), dp_rank, tp_rank, ctypes.byref(g),
+                                        ctypes.byref(sid))
+            _lib.check(rc)
+        finally:
+            self._handle.release()
+        self.session_id = int(sid.value)
+        self.geometry = dataclasses.replace(geometry)
+        return self.session_id
+
+    @property
+    def attached(self) -> bool:
+        return self.session_id is not None
+
+    def detach(self) -> None:
+        """Ends the session; everything it held is released and the host KV buffer is unmapped. No-op when not
+        attached. Raises FailedPrecondition (and stays attached) while views of the host KV buffer are alive: drop
+        them first, or use close(), which waits for them."""
+        ptr = self._handle.acquire_exclusive()
+        if ptr is None:
+            raise FailedPrecondition("this flexkv.Client is closed")
+        try:
+            if self._host_array is not None:
+                views = sys.getrefcount(self._host_array) - 2
+                if views > 0:
+                    raise FailedPrecondition(
+                        f"the host KV buffer is still referenced ({views} views: memoryviews, NumPy arrays, "
+                        "tensors); drop them before detach() (close() detaches once they are gone)")
+            _lib.check(_lib.lib.flexkv_detach(ptr))
+            self._host_array = None
+            self.session_id = None
+        finally:
+            self._handle.release_exclusive()
+
+    def status(self) -> DaemonStatus:
+        """The daemon's status (state, pool, index, sessions)."""
+        out = _lib.DaemonStatusStruct()
+        self._call(_lib.lib.flexkv_get_status, ctypes.byref(out))
+        return DaemonStatus(out.state.decode(), out.version.decode(), int(out.pid), int(out.uptime_s),
+                            int(out.block_bytes), int(out.capacity_blocks), int(out.used_blocks),
+                            int(out.pinned_blocks), int(out.index_blocks), int(out.sessions))
+
+    def drain(self) -> str:
+        """Admin: stop admitting new sessions, loads and stores ("draining"; "drained" once nothing is in flight).
+        Returns the state after the call. PermissionDenied unless root, the daemon's uid or --admin-group."""
+        state = ctypes.create_string_buffer(32)
+        self._call(_lib.lib.flexkv_drain, state, len(state))
+        return state.value.decode()
+
+    def resume(self) -> str:
+        """Admin: serve again after drain(). Returns the state after the call."""
+        state = ctypes.create_string_buffer(32)
+        self._call(_lib.lib.flexkv_resume, state, len(state))
+        return state.value.decode()
+
+    def health(self) -> bool:
+        """True when the daemon is SERVING (grpc.health.v1); False when it is not (draining, or unreachable)."""
+        ptr = self._handle.acquire()
+        try:
+            rc = _lib.lib.flexkv_check_health(ptr)
+            err = None if rc in (0, StatusCode.UNAVAILABLE) else _lib.error_from_last(rc)
+        finally:
+            self._handle.release()
+        if err is not None:
+            raise err
+        return rc == 0
+
+    # ---- KV buffers ----
+
+    def create_host_kv(self, layout: Union[Layout, int], num_blocks: int) -> memoryview:
+        """Host backend: creates num_blocks blocks of KV buffers in `layout`, in memory shared with the daemon,
+        and registers them (once per session). Returns a writable, flat memoryview of all of it (format "B",
+        len == num_blocks * geometry.host_block_bytes); wrap it with numpy.frombuffer / torch.frombuffer.
+
+        The memory stays mapped while the session lasts and any view of it is alive (see close()).
+        Raises InvalidArgument for a bad layout or block count, FailedPrecondition when not attached or already
+        registered.
+        """
+        data = ctypes.c_void_p(0)
+        nbytes = ctypes.c_uint64(0)
+        if not 0 <= num_blocks < 2**32:
+            raise InvalidArgument(f"num_blocks is {num_blocks}; expected 1..{2**32 - 1}")
+        self._call(_lib.lib.flexkv_create_host_kv, int(layout), num_blocks, ctypes.byref(data), ctypes.byref(nbytes))
+        self._host_array = (ctypes.c_uint8 * nbytes.value).from_address(data.value)
+        return memoryview(self._host_array).cast("B")
+
+    def register_gpu_kv(self, regions: Sequence[Any], layout: Union[Layout, int], num_blocks: int, tp_rank: int = 0,
+                        *, region_bytes: Optional[int] = None) -> str:
+        """CUDA backend: registers one TP rank's KV buffers in GPU memory; returns the GPU's UUID.
+
+        regions: LAYER_FIRST: one per layer (vLLM's per-layer tensors, each [2, num_blocks, block_size, heads,
+          head_dim]); BLOCK_FIRST / LAYER_BLOCK: one. Each is a CUDA tensor (anything with data_ptr(), numel() and
+          element_size(), such as torch.Tensor, or with __cuda_array_interface__), contiguous, all of equal size;
+          or an int device pointer, with region_bytes. torch is never imported here.
+        Memory from PyTorch's caching allocator (cudaMalloc) and from expandable segments (cuMem/VMM) both work.
+        Raises InvalidArgument for non-contiguous or unequal regions, CPU tensors or pointers that are not device
+        memory; Unimplemented with a libflexkv built without CUDA.
+        """
+        items = list(regions)
+        if not items:
+            raise InvalidArgument("no KV regions given; expected one per layer (LAYER_FIRST) or one")
+        if int(layout) != Layout.LAYER_FIRST and len(items) != 1:
+            name = Layout(int(layout)).name if int(layout) in set(Layout) else str(int(layout))
+            raise InvalidArgument(f"{len(items)} KV regions for layout {name}; expected one (only LAYER_FIRST takes "
+                                  "one per layer)")
+        described = [_device_region(obj, i) for i, obj in enumerate(items)]
+        sizes = {b for _, b in described if b is not None}
+        if region_bytes is not None:
+            sizes.add(int(region_bytes))
+        if len(sizes) != 1:
+            if not sizes:
+                raise InvalidArgument("region_bytes is needed when the regions are given as int pointers")
+            raise InvalidArgument(f"KV regions have different sizes {sorted(sizes)} bytes; expected equal regions")
+        size = sizes.pop()
+        ptrs = (ctypes.c_void_p * len(described))(*[p for p, _ in described])
+        kv = ctypes.c_void_p(0)
+        rc = _lib.lib.flexkv_describe_gpu_kv(int(layout), ptrs, len(described), size, num_blocks, tp_rank,
+                                             ctypes.byref(kv))
+        _lib.check(rc)
+        try:
+            uuid = (_lib.lib.flexkv_gpu_kv_uuid(kv) or b"").decode()
+            self._call(_lib.lib.flexkv_register_gpu_kv, kv)
+        finally:
+            _lib.lib.flexkv_gpu_kv_free(kv)
+        return uuid
+
+    # ---- data plane (after attach); each returns a Ticket at once ----
+
+    def match(self, keys: Union[BlockKeys, Iterable[Any]], pin: bool = False) -> Ticket:
+        """Looks up the leading blocks of `keys` that are cached (result.matched_blocks). With pin, they stay pinned
+        (never evicted) until release(result.match_handle), and result.match_handle names them for load()."""
+        k = as_block_keys(keys)
+        return self._submit("match", _lib.lib.flexkv_match, k._array, len(k), 1 if pin else 0)
+
+    def load(self, match_handle: int, block_ids: Any, layerwise: bool = False) -> Ticket:
+        """Copies the first len(block_ids) blocks of a pinned match into these KV blocks (result.done_blocks).
+        With layerwise, Ticket.wait_layers reports each layer as it lands. block_ids: sequence or integer array,
+        each < the registered num_blocks (else the request ends with OutOfRange)."""
+        ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
+        return self._submit("load", _lib.lib.flexkv_load, match_handle, ids, n, 1 if layerwise else 0)
+
+    def store(self, keys: Union[BlockKeys, Iterable[Any]], block_ids: Any) -> Ticket:
+        """Stores block keys[i] from KV block block_ids[i]. The cached prefix is skipped (result.matched_blocks);
+        result.done_blocks were newly stored. A block becomes matchable once its bytes are in. A store that could
+        store only a prefix ends with ResourceExhausted (pool full of pinned blocks) or Aborted (another request is
+        storing the next block); the exception's .result says how many were stored."""
+        k = as_block_keys(keys)
+        ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
+        if len(k) != n or n == 0:
+            raise InvalidArgument(f"{len(k)} keys and {n} source block ids; expected the same non-zero number")
+        return self._submit("store", _lib.lib.flexkv_store, k._array, ids, n)
+
+    def release(self, match_handle: int) -> Ticket:
+        """Drops the pins of a match handle."""
+        return self._submit("release", _lib.lib.flexkv_release, match_handle)
+
+    def match_via_control(self, keys: Union[BlockKeys, Iterable[Any]]) -> int:
+        """The same lookup as match() without pin, as a unary gRPC call (~50x slower): for diagnostics."""
+        k = as_block_keys(keys)
+        matched = ctypes.c_uint32(0)
+        self._call(_lib.lib.flexkv_match_via_control, k._array, len(k), ctypes.byref(matched))
+        return int(matched.value)
+
+    # ---- helpers ----
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        ptr = self._handle.acquire()
+        try:
+            _lib.check(fn(ptr, *args))
+        finally:
+            self._handle.release()
+
+    def _submit(self, op: str, fn: Any, *args: Any) -> Ticket:
+        ticket = ctypes.c_uint64(0)
+        self._call(fn, *args, ctypes.byref(ticket))
+        return Ticket(self, int(ticket.value), op)
+
+
+def connect(socket_path: Optional[str] = None, timeout: float = 5.0) -> Client:
+    """Connects to flexkvd (flexkv::Client::Connect).
+
+    socket_path: None: $FLEXKV_SOCKET, else the default socket of a flexkvd started by the same user.
+    timeout: seconds to wait for a daemon that is not up yet (socket missing or refusing).
+    Raises Unavailable (naming the socket and what to check) when no daemon answers in time; any other failure
+    (permission denied, not a flexkvd) at once with its cause.
+    """
+    out = _lib.client_p(None)
+    path = None if socket_path is None else str(socket_path).encode()
+    rc = _lib.lib.flexkv_connect(path, max(0, int(timeout * 1000)), ctypes.byref(out), None, 0)
+    if rc != 0:
+        raise _lib.error_from_last(rc)
+    return Client(int(out.value), None if socket_path is None else str(socket_path))

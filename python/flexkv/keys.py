@@ -1,0 +1,131 @@
+"""Block keys: 128-bit chained hashes naming a block of tokens together with every token before it.
+
+Computed by libflexkv (flexkv_compute_block_keys), so they are the C++ client's keys bit for bit; the
+construction and test vectors are in docs/protocol.md ("Block keys").
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence, Tuple, Union, overload
+
+from . import _lib
+from ._convert import c_int_array
+from .errors import InvalidArgument
+
+_KEY_BYTES = ctypes.sizeof(_lib.BlockKeyStruct)
+
+
+class BlockKey(NamedTuple):
+    """One block key: the two 64-bit halves of XXH3-128 (flexkv::BlockKey)."""
+
+    lo: int
+    hi: int
+
+    def hex(self) -> str:
+        """32 lowercase hex digits, high half first (BlockKey::ToHex, XXH128's canonical form)."""
+        return f"{self.hi:016x}{self.lo:016x}"
+
+    @classmethod
+    def fromhex(cls, text: str) -> "BlockKey":
+        """The key whose hex() is `text`."""
+        if len(text) != 32:
+            raise InvalidArgument(f"block key {text!r} has {len(text)} characters; expected 32 hex digits")
+        return cls(lo=int(text[16:], 16), hi=int(text[:16], 16))
+
+
+class BlockKeys(Sequence[BlockKey]):
+    """An immutable sequence of BlockKey stored as one C array of {lo, hi} pairs.
+
+    This is what Client.match and Client.store take: the array is passed to libflexkv as it is, without a copy.
+    Indexing gives a BlockKey; slicing gives a BlockKeys (a view sharing the array for step 1, a copy otherwise).
+    Equal to any sequence of the same keys.
+    """
+
+    __slots__ = ("_array",)
+
+    def __init__(self, keys: Iterable[Union[BlockKey, Tuple[int, int]]] = ()) -> None:
+        items = list(keys)
+        arr = (_lib.BlockKeyStruct * len(items))()
+        for i, key in enumerate(items):
+            lo, hi = key
+            arr[i].lo, arr[i].hi = lo, hi
+        self._array = arr
+
+    @classmethod
+    def _wrap(cls, arr: ctypes.Array) -> "BlockKeys":
+        keys = cls.__new__(cls)
+        keys._array = arr
+        return keys
+
+    def __len__(self) -> int:
+        return len(self._array)
+
+    @overload
+    def __getitem__(self, index: int) -> BlockKey: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> "BlockKeys": ...
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self._array))
+            if step == 1:
+                n = max(0, stop - start)
+                return BlockKeys._wrap((_lib.BlockKeyStruct * n).from_buffer(self._array, start * _KEY_BYTES))
+            return BlockKeys(self[i] for i in range(start, stop, step))
+        k = self._array[index]  # IndexError past either end
+        return BlockKey(k.lo, k.hi)
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        for k in self._array:
+            yield BlockKey(k.lo, k.hi)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockKeys):
+            return len(self) == len(other) and bytes(self._array) == bytes(other._array)
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return list(self) == [tuple(k) for k in other]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  (mutable buffer underneath; compare, do not hash)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(k.hex() for k in list(self[:3]))
+        more = f", ... ({len(self)} keys)" if len(self) > 3 else ""
+        return f"BlockKeys([{shown}{more}])"
+
+    def hex(self) -> list:
+        """The keys' hex forms, in order."""
+        return [k.hex() for k in self]
+
+
+def as_block_keys(keys: Union[BlockKeys, Iterable[Any]]) -> BlockKeys:
+    """`keys` as BlockKeys (a BlockKeys is returned as is; any other sequence of (lo, hi) pairs is copied)."""
+    return keys if isinstance(keys, BlockKeys) else BlockKeys(keys)
+
+
+def block_keys(namespace: Union[str, bytes], tokens: Any, tokens_per_block: int) -> BlockKeys:
+    """The keys of the whole blocks of `tokens` under `namespace` (flexkv::ComputeBlockKeys).
+
+    namespace: the model namespace (str, encoded as UTF-8, or bytes); the empty namespace is valid.
+    tokens: token ids as any 1-D sequence of ints or buffer of integers (a NumPy array of any integer dtype
+      works, NumPy is not needed otherwise); each must fit int32.
+    tokens_per_block: > 0. A trailing partial block gets no key, so len(result) == len(tokens) // tokens_per_block.
+
+    Raises InvalidArgument for tokens_per_block == 0 or a token out of int32, TypeError for non-integers.
+    Needs no daemon.
+    """
+    if not 0 <= tokens_per_block < 2**32:
+        raise InvalidArgument(f"tokens_per_block is {tokens_per_block}; expected 1..{2**32 - 1}")
+    ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
+    toks, n = c_int_array(tokens, ctypes.c_int32, "tokens")
+    capacity = n // tokens_per_block if tokens_per_block else 0
+    out = (_lib.BlockKeyStruct * capacity)()
+    count = ctypes.c_size_t(0)
+    rc = _lib.lib.flexkv_compute_block_keys(ns, len(ns), toks, n, tokens_per_block, out, capacity,
+                                            ctypes.byref(count))
+    if rc != 0:
+        _lib.check(rc)
+    assert count.value == capacity, (count.value, capacity)
+    return BlockKeys._wrap(out)
+

@@ -1,0 +1,88 @@
+"""Client.register_gpu_kv (python/flexkv/client.py): what it accepts and refuses before libflexkv is called, and
+that it never imports torch. The GPU round trips themselves run the example engine (test_examples.py)."""
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import pytest
+
+import flexkv
+
+LAYERS = 2
+REGION = 2 * 16 * 4096  # [2 planes][16 blocks][4 KiB chunks] of the test geometry
+
+
+class FakeTensor:
+    """What register_gpu_kv reads from a torch.Tensor, nothing more."""
+
+    def __init__(self, ptr: int, nbytes: int, is_cuda: bool = True, contiguous: bool = True) -> None:
+        self.ptr, self.nbytes, self.is_cuda, self.contiguous = ptr, nbytes, is_cuda, contiguous
+        self.device = "cuda:0" if is_cuda else "cpu"
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def numel(self) -> int:
+        return self.nbytes // 2
+
+    def element_size(self) -> int:
+        return 2
+
+    def is_contiguous(self) -> bool:
+        return self.contiguous
+
+
+class FakeCudaArray:
+    """An object with only __cuda_array_interface__ (CuPy, Numba)."""
+
+    def __init__(self, ptr: int, shape: tuple, strides=None) -> None:
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": "<u2", "strides": strides,
+                                         "version": 3}
+
+
+def test_refusals_name_what_is_wrong(client):
+    t = FakeTensor(0x10000, REGION)
+    with pytest.raises(flexkv.InvalidArgument, match="tensor 1 is on cpu"):
+        client.register_gpu_kv([t, FakeTensor(0x20000, REGION, is_cuda=False)], flexkv.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkv.InvalidArgument, match="tensor 0 is not contiguous"):
+        client.register_gpu_kv([FakeTensor(0x10000, REGION, contiguous=False), t], flexkv.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkv.InvalidArgument, match="tensor 1 is not contiguous"):
+        client.register_gpu_kv([FakeCudaArray(0x10000, (2, 16, 2048)), FakeCudaArray(0x20000, (2, 16, 2048), (2, 8192, 4))],
+                               flexkv.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkv.InvalidArgument, match="different sizes"):
+        client.register_gpu_kv([t, FakeTensor(0x20000, REGION // 2)], flexkv.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkv.InvalidArgument, match="expected one"):
+        client.register_gpu_kv([t, t], flexkv.Layout.BLOCK_FIRST, 16)
+    with pytest.raises(flexkv.InvalidArgument, match="region_bytes is needed"):
+        client.register_gpu_kv([0x10000, 0x20000], flexkv.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkv.InvalidArgument, match="no KV regions"):
+        client.register_gpu_kv([], flexkv.Layout.LAYER_FIRST, 16)
+    with pytest.raises(TypeError, match="KV region 0 is a str"):
+        client.register_gpu_kv(["cuda:0"], flexkv.Layout.BLOCK_FIRST, 16)
+
+
+@pytest.mark.parametrize("regions", [
+    [FakeTensor(0, REGION), FakeTensor(0, REGION)],
+    [FakeCudaArray(0, (2, 16, 2048)), FakeCudaArray(0, (2, 16, 2048), (65536, 4096, 2))],  # explicit C strides
+    "pointers",
+])
+def test_well_formed_regions_reach_libflexkv_without_importing_torch(client, regions):
+    """Host memory posing as device memory: libflexkv refuses it (which code depends on the machine: no CUDA build,
+    no driver, or not device memory), after the package accepted the regions."""
+    host = ctypes.create_string_buffer(REGION * LAYERS)
+    base = ctypes.addressof(host)
+    if regions == "pointers":
+        regions, kwargs = [base, base + REGION], {"region_bytes": REGION}
+    else:
+        for i, r in enumerate(regions):
+            if isinstance(r, FakeTensor):
+                r.ptr = base + i * REGION
+            else:
+                r.__cuda_array_interface__["data"] = (base + i * REGION, False)
+        kwargs = {}
+    with pytest.raises(flexkv.Error) as e:
+        client.register_gpu_kv(regions, flexkv.Layout.LAYER_FIRST, 16, **kwargs)
+    assert e.value.code in (flexkv.StatusCode.INVALID_ARGUMENT, flexkv.StatusCode.UNAVAILABLE,
+                            flexkv.StatusCode.UNIMPLEMENTED), e.value
+    assert "torch" not in sys.modules

@@ -1,0 +1,153 @@
+"""Ticket waits (python/flexkv/client.py): deadlines, try_wait, and the GIL released while blocked.
+
+A request that cannot end in time is made by stopping the daemon (Daemon.freeze: SIGSTOP, and every thread seen
+stopped): the submission lands in the ring, nobody reads it until SIGCONT.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+import flexkv
+from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
+
+TPB = TEST_GEOMETRY.tokens_per_block
+
+
+@pytest.fixture
+def stored(client):
+    """The client with 4 blocks of seed 1 stored from its host KV."""
+    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(1, 4), TPB)
+    client.store(keys, range(4)).wait(5)
+    yield client, keys
+    del buf
+
+
+def test_wait_timeout_raises_deadline_exceeded_and_the_ticket_still_works(stored, daemon):
+    client, keys = stored
+    daemon.freeze()
+    try:
+        ticket = client.match(keys)
+        t0 = time.monotonic()
+        with pytest.raises(flexkv.DeadlineExceeded) as e:
+            ticket.wait(0.3)
+        waited = time.monotonic() - t0
+        assert 0.3 <= waited < 2.0
+        assert isinstance(e.value, TimeoutError) and isinstance(e.value, flexkv.Error)
+        assert "still in flight" in e.value.message
+        with pytest.raises(TimeoutError):
+            ticket.wait(0)
+        assert ticket.try_wait() is None and not ticket.done()
+    finally:
+        daemon.thaw()
+    assert ticket.wait(5).matched_blocks == 4
+    assert ticket.try_wait().matched_blocks == 4
+
+
+def test_wait_without_timeout_waits_until_the_end(stored, daemon):
+    client, keys = stored
+    daemon.freeze()
+    ticket = client.match(keys)
+    threading.Timer(0.4, daemon.thaw).start()
+    t0 = time.monotonic()
+    assert ticket.wait().matched_blocks == 4
+    assert time.monotonic() - t0 >= 0.35
+
+
+def test_waits_release_the_gil(stored, daemon):
+    """A second Python thread keeps running while the main thread is blocked in Ticket.wait."""
+    client, keys = stored
+    progress = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            progress[0] += 1
+
+    t = threading.Thread(target=spin)
+    daemon.freeze()
+    try:
+        ticket = client.match(keys)
+        t.start()
+        time.sleep(0.05)
+        before = progress[0]
+        with pytest.raises(flexkv.DeadlineExceeded):
+            ticket.wait(1.0)
+        during = progress[0] - before
+    finally:
+        stop.set()
+        daemon.thaw()
+        t.join()
+    # Pure-Python increments run at millions per second; with the GIL held by the waiting thread the spinner
+    # would be stuck for the whole second.
+    assert during > 100_000, during
+    assert ticket.wait(5).matched_blocks == 4
+
+
+def test_a_ticket_waited_from_two_threads_gives_both_the_result(stored, daemon):
+    client, keys = stored
+    daemon.freeze()
+    ticket = client.match(keys)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ticket.wait(10).matched_blocks)) for _ in range(2)]
+    for th in threads:
+        th.start()
+    time.sleep(0.2)
+    daemon.thaw()
+    for th in threads:
+        th.join(15)
+    assert results == [4, 4]
+
+
+def test_wait_layers_timeout(stored, daemon):
+    client, keys = stored
+    hit = client.match(keys, pin=True).wait(5)
+    daemon.freeze()
+    try:
+        t = client.load(hit.match_handle, range(8, 12), layerwise=True)
+        with pytest.raises(flexkv.DeadlineExceeded, match="layers"):
+            t.wait_layers(1, 0.2)
+    finally:
+        daemon.thaw()
+    assert t.wait_layers(TEST_GEOMETRY.num_layers, 5) == TEST_GEOMETRY.num_layers
+    assert t.wait(5).done_blocks == 4
+    client.release(hit.match_handle).wait(5)
+
+
+def test_close_waits_for_a_thread_blocked_in_wait(stored, daemon):
+    """close() from one thread while another waits: no crash; the waiter gets FailedPrecondition."""
+    client, keys = stored
+    daemon.freeze()
+    errors = []
+    ticket = client.match(keys)
+
+    def waiter() -> None:
+        try:
+            ticket.wait()
+        except flexkv.Error as e:
+            errors.append(e)
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.2)
+    try:
+        client.close()
+        th.join(5)
+    finally:
+        daemon.thaw()
+    assert not th.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], flexkv.FailedPrecondition)
+
+
+def test_daemon_gone_is_unavailable(stored, daemon):
+    client, keys = stored
+    daemon.freeze()
+    ticket = client.match(keys)
+    daemon.signal(signal.SIGKILL)
+    daemon.process.wait(10)
+    with pytest.raises(flexkv.Unavailable, match="Attach again"):
+        ticket.wait(5)

@@ -1,0 +1,126 @@
+"""flexkv.block_keys, BlockKey, BlockKeys (python/flexkv/keys.py): the docs/protocol.md vectors from Python."""
+from __future__ import annotations
+
+import array
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flexkv
+from conftest import REPO
+
+
+def parse_tokens(spec: str) -> list:
+    out = []
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(-?\d+)\.\.(-?\d+)", part)
+        out.extend(range(int(m.group(1)), int(m.group(2)) + 1) if m else [int(part)])
+    return out
+
+
+def protocol_vectors() -> list:
+    """(namespace, tokens_per_block, tokens, [hex keys]) of docs/protocol.md, "### Test vectors"."""
+    with open(os.path.join(REPO, "docs", "protocol.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("### Test vectors", 1)[1]
+    vectors = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].isdigit():
+            keys = [k.strip("` ") for k in cells[4].split("<br>")]
+            vectors.append((cells[1].strip("`"), int(cells[2]), parse_tokens(cells[3].strip("`")), keys))
+    return vectors
+
+
+VECTORS = protocol_vectors()
+
+
+def test_protocol_md_has_the_six_vectors():
+    assert len(VECTORS) == 6
+
+
+@pytest.mark.parametrize("namespace,tpb,tokens,expected", VECTORS, ids=[f"vector{i + 1}" for i in range(len(VECTORS))])
+def test_keys_equal_the_protocol_vectors(namespace, tpb, tokens, expected):
+    keys = flexkv.block_keys(namespace, tokens, tpb)
+    assert [k.hex() for k in keys] == expected
+    assert keys.hex() == expected
+    # The same keys from every accepted token container.
+    assert flexkv.block_keys(namespace, tuple(tokens), tpb) == keys
+    assert flexkv.block_keys(namespace, array.array("i", tokens), tpb) == keys
+    assert flexkv.block_keys(namespace, array.array("q", tokens), tpb) == keys
+    for dtype in (np.int32, np.int64):
+        assert flexkv.block_keys(namespace, np.array(tokens, dtype=dtype), tpb) == keys
+    assert flexkv.block_keys(namespace.encode(), tokens, tpb) == keys
+    big_endian = np.array(tokens, dtype=">i4")
+    assert flexkv.block_keys(namespace, big_endian, tpb) == keys
+    strided = np.zeros(2 * len(tokens), dtype=np.int32)
+    strided[::2] = tokens
+    assert flexkv.block_keys(namespace, strided[::2], tpb) == keys
+
+
+def test_small_unsigned_and_range_inputs():
+    ref = flexkv.block_keys("tiny", [7, 7, 7], 1)
+    assert flexkv.block_keys("tiny", np.array([7, 7, 7], dtype=np.uint8), 1) == ref
+    assert flexkv.block_keys("tiny", bytes([7, 7, 7]), 1) == ref
+    assert flexkv.block_keys("llama3-8b", range(64), 16) == flexkv.block_keys("llama3-8b", list(range(64)), 16)
+    assert flexkv.block_keys("llama3-8b", (t for t in range(64)), 16).hex()[0] == "153b1826ef42db47b22612177ef37a7d"
+
+
+def test_partial_block_and_empty_inputs():
+    assert len(flexkv.block_keys("ns", range(31), 16)) == 1
+    assert len(flexkv.block_keys("ns", [], 16)) == 0
+    assert len(flexkv.block_keys("", range(16), 16)) == 1  # the empty namespace is valid
+
+
+def test_bad_inputs_raise_with_the_reason():
+    with pytest.raises(flexkv.InvalidArgument, match="tokens_per_block is 0"):
+        flexkv.block_keys("ns", range(16), 0)
+    with pytest.raises(flexkv.InvalidArgument, match="2147483648"):
+        flexkv.block_keys("ns", [2**31], 1)
+    with pytest.raises(flexkv.InvalidArgument, match="2147483648"):
+        flexkv.block_keys("ns", np.array([2**31], dtype=np.int64), 1)
+    with pytest.raises(flexkv.InvalidArgument, match="2-D"):
+        flexkv.block_keys("ns", np.zeros((2, 16), dtype=np.int32), 16)
+    with pytest.raises(TypeError):
+        flexkv.block_keys("ns", [1.5] * 16, 16)
+    with pytest.raises(TypeError):
+        flexkv.block_keys("ns", np.zeros(16, dtype=np.float32), 16)
+    with pytest.raises(flexkv.InvalidArgument):
+        flexkv.block_keys("ns", range(16), -1)
+
+
+def test_block_keys_is_a_compact_sequence():
+    keys = flexkv.block_keys("llama3-8b", range(64), 16)
+    assert len(keys) == 4
+    assert keys[0] == flexkv.BlockKey.fromhex("153b1826ef42db47b22612177ef37a7d")
+    assert keys[0].hi == 0x153b1826ef42db47 and keys[0].lo == 0xb22612177ef37a7d
+    assert keys[-1].hex() == "bfd1c2a0c9e67aaad0ad930d82d99092"
+    head = keys[1:3]
+    assert isinstance(head, flexkv.BlockKeys) and head.hex() == keys.hex()[1:3]
+    assert keys[::2].hex() == [keys.hex()[0], keys.hex()[2]]
+    assert isinstance(keys[5:], flexkv.BlockKeys) and len(keys[5:]) == 0
+    assert list(keys) == [keys[i] for i in range(4)]
+    assert keys == list(keys) and keys == flexkv.BlockKeys(list(keys))
+    assert flexkv.BlockKeys((k.lo, k.hi) for k in keys) == keys
+    assert keys != flexkv.block_keys("llama3-8b", range(1, 65), 16)
+    with pytest.raises(IndexError):
+        keys[4]
+    with pytest.raises(IndexError):
+        keys[-5]
+    assert "153b1826ef42db47b22612177ef37a7d" in repr(keys)
+
+
+def test_the_package_does_not_need_numpy():
+    """block_keys works (same keys) in an interpreter where NumPy cannot be imported, and never imports it."""
+    code = ("import sys; sys.modules['numpy'] = None\n"
+            "import flexkv\n"
+            "print(flexkv.block_keys('llama3-8b', range(64), 16).hex()[3])\n"
+            "import array; print(flexkv.block_keys('tiny', array.array('l', [7, 7, 7]), 1).hex()[2])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["bfd1c2a0c9e67aaad0ad930d82d99092", "760eb60aa59c9dcdf27179800cd81f30"]
