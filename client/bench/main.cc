@@ -13,52 +13,31 @@
 //   worker fd 0:  ring start barrier (the parent closes the write end: EOF releases every worker at once)
 //   worker fd 3:  gRPC start barrier (same), so the two phases never overlap across workers
 // Timestamps are CLOCK_MONOTONIC (steady_clock), comparable across processes.
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <poll.h>
 #include <sched.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <cerrno>
-#include <csignal>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "bench_process.h"
 #include "flexkv/client.h"
 #include "index_bench.h"
 #include "trace_bench.h"
 #include "transfer_bench.h"
 
-extern char** environ;
-
 namespace {
 
-struct Percentiles {
-  double p50_us, p99_us, p999_us, mean_us;
-};
-
-Percentiles Summarize(std::vector<double> us) {
-  if (us.empty()) return {0, 0, 0, 0};
-  std::sort(us.begin(), us.end());
-  auto at = [&](double q) { return us[std::min(us.size() - 1, static_cast<size_t>(q * static_cast<double>(us.size())))]; };
-  double sum = 0;
-  for (double v : us) sum += v;
-  return {at(0.50), at(0.99), at(0.999), sum / static_cast<double>(us.size())};
-}
+using namespace flexkv::bench;  // bench_process.h
 
 int RunControl(const std::string& socket, int iterations, bool json) {
   auto client = flexkv::Client::Connect({socket, std::chrono::milliseconds(5000), std::chrono::milliseconds(10000)});
@@ -67,19 +46,19 @@ int RunControl(const std::string& socket, int iterations, bool json) {
     return 3;
   }
   for (int i = 0; i < 100; ++i) (void)(*client)->GetStatus();  // warm up
-  std::vector<double> samples;
+  std::vector<int64_t> samples;
   samples.reserve(static_cast<size_t>(iterations));
   for (int i = 0; i < iterations; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t t0 = NowNs();
     auto s = (*client)->GetStatus();
-    const auto t1 = std::chrono::steady_clock::now();
+    const int64_t t1 = NowNs();
     if (!s.ok()) {
       std::fprintf(stderr, "flexkv-bench: GetStatus: %s\n", s.status().ToString().c_str());
       return 1;
     }
-    samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    samples.push_back(t1 - t0);
   }
-  const Percentiles p = Summarize(samples);
+  const Percentiles p = Summarize(std::move(samples));
   if (json) {
     fmt::print("{{\"bench\": \"control\", \"call\": \"GetStatus\", \"iterations\": {}, \"p50_us\": {:.2f}, "
                "\"p99_us\": {:.2f}, \"p999_us\": {:.2f}, \"mean_us\": {:.2f}}}\n",
@@ -116,31 +95,6 @@ std::vector<flexkv::BlockKey> RingKeys(uint32_t blocks) {
   std::vector<int32_t> tokens(uint64_t{blocks} * g.tokens_per_block);
   for (auto& t : tokens) t = static_cast<int32_t>(rng() % 128000);
   return flexkv::ComputeBlockKeys(kRingNamespace, tokens, g.tokens_per_block);
-}
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::string SelfExe() {
-  std::error_code ec;
-  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string() : p.string();
-}
-
-// Blocks until the write end of `fd` is closed by the parent.
-void AwaitBarrier(int fd) {
-  char buf[64];
-  for (;;) {
-    const ssize_t n = read(fd, buf, sizeof(buf));
-    if (n == 0) return;
-    if (n < 0 && errno != EINTR) return;
-  }
-}
-
-void Emit(const std::string& line) {
-  std::fwrite(line.data(), 1, line.size(), stdout);
-  std::fflush(stdout);
 }
 
 struct WorkerOptions {
@@ -243,11 +197,7 @@ int RunRingWorker(const WorkerOptions& o) {
   const int64_t grpc_end = NowNs();
 
   auto result_line = [](const char* phase, int64_t start, int64_t end, const std::vector<int64_t>& s) {
-    std::string line = fmt::format("RESULT {} {} {} {}", phase, start, end, s.size());
-    line.reserve(line.size() + s.size() * 8 + 1);
-    for (int64_t v : s) fmt::format_to(std::back_inserter(line), " {}", v);
-    line += '\n';
-    return line;
+    return SampleLine(fmt::format("RESULT {} {} {}", phase, start, end), s);
   };
   Emit(result_line("ring", ring_start, ring_end, ring));
   Emit(result_line("grpc", grpc_start, grpc_end, grpc));
@@ -255,120 +205,6 @@ int RunRingWorker(const WorkerOptions& o) {
   (void)c.Detach();
   return 0;
 }
-
-// A spawned child with its stdout on a pipe, read line by line.
-struct Child {
-  pid_t pid = -1;
-  int out = -1;
-  std::string buf;
-
-  // The next line, or nullopt on EOF / timeout.
-  std::optional<std::string> ReadLine(std::chrono::milliseconds timeout) {
-    const int64_t deadline = NowNs() + timeout.count() * 1000000;
-    for (;;) {
-      const size_t nl = buf.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = buf.substr(0, nl);
-        buf.erase(0, nl + 1);
-        return line;
-      }
-      const int64_t left_ms = (deadline - NowNs()) / 1000000;
-      if (left_ms <= 0 || out < 0) return std::nullopt;
-      pollfd pfd{out, POLLIN, 0};
-      const int pr = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left_ms, 1000)));
-      if (pr <= 0) continue;
-      char chunk[65536];
-      const ssize_t n = read(out, chunk, sizeof(chunk));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        close(out);
-        out = -1;
-        return std::nullopt;
-      }
-      buf.append(chunk, static_cast<size_t>(n));
-    }
-  }
-};
-
-// posix_spawn with stdout on a pipe (returned in Child::out) unless stdout_path is given, and the listed
-// fds dup2'ed onto the listed targets.
-std::optional<Child> Spawn(const std::vector<std::string>& argv, const std::vector<std::pair<int, int>>& dups,
-                           const std::string& stdout_path = "") {
-  int pipefd[2] = {-1, -1};
-  if (stdout_path.empty() && pipe2(pipefd, O_CLOEXEC) != 0) return std::nullopt;
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  if (stdout_path.empty()) {
-    posix_spawn_file_actions_adddup2(&actions, pipefd[1], STDOUT_FILENO);
-  } else {
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  }
-  for (const auto& [from, to] : dups) posix_spawn_file_actions_adddup2(&actions, from, to);
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  Child child;
-  const int rc = posix_spawn(&child.pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (pipefd[1] >= 0) close(pipefd[1]);
-  if (rc != 0) {
-    if (pipefd[0] >= 0) close(pipefd[0]);
-    std::fprintf(stderr, "flexkv-bench: posix_spawn %s: %s\n", argv[0].c_str(), std::strerror(rc));
-    return std::nullopt;
-  }
-  child.out = pipefd[0];
-  return child;
-}
-
-// The flexkvd this bench started, for the signal handler: an interrupted bench does not leave it running.
-volatile sig_atomic_t g_own_daemon_pid = -1;
-
-extern "C" void StopOwnDaemonAndExit(int sig) {
-  if (g_own_daemon_pid > 0) kill(static_cast<pid_t>(g_own_daemon_pid), SIGTERM);
-  _exit(128 + sig);
-}
-
-// The flexkvd this bench started (when --socket is not given): SIGTERM and cleanup on destruction.
-struct OwnDaemon {
-  std::string dir, socket, log;
-  pid_t pid = -1;
-
-  // The end of the daemon's log on stderr (the directory is removed at the end).
-  void DumpLog() const {
-    std::FILE* f = std::fopen(log.c_str(), "r");
-    if (f == nullptr) return;
-    std::string text;
-    char buf[4096];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
-    std::fclose(f);
-    if (text.size() > 4000) text.erase(0, text.size() - 4000);
-    std::fprintf(stderr, "flexkv-bench: end of the flexkvd log:\n%s\n", text.c_str());
-  }
-
-  ~OwnDaemon() {
-    if (pid > 0) {
-      g_own_daemon_pid = -1;
-      kill(pid, SIGTERM);
-      int status = 0;
-      const int64_t deadline = NowNs() + 15LL * 1000000000;
-      while (waitpid(pid, &status, WNOHANG) == 0) {
-        if (NowNs() > deadline) {
-          std::fprintf(stderr, "flexkv-bench: flexkvd (pid %d) ignored SIGTERM for 15 s; killing it\n", pid);
-          kill(pid, SIGKILL);
-          waitpid(pid, &status, 0);
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-    }
-    if (!dir.empty()) {
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);
-    }
-  }
-};
 
 struct RingOptions {
   std::string socket;
@@ -398,12 +234,10 @@ struct RingRun {
 
 PhaseStats Merge(const std::vector<std::vector<int64_t>>& samples, const std::vector<std::pair<int64_t, int64_t>>& spans) {
   PhaseStats st;
-  std::vector<double> us;
-  for (const auto& s : samples) {
-    for (int64_t v : s) us.push_back(static_cast<double>(v) / 1000.0);
-  }
-  st.samples = us.size();
-  st.p = Summarize(std::move(us));
+  std::vector<int64_t> all;
+  for (const auto& s : samples) all.insert(all.end(), s.begin(), s.end());
+  st.samples = all.size();
+  st.p = Summarize(std::move(all));
   if (!spans.empty()) {
     int64_t first = spans[0].first, last = spans[0].second;
     for (const auto& [a, b] : spans) {
@@ -415,31 +249,16 @@ PhaseStats Merge(const std::vector<std::vector<int64_t>>& samples, const std::ve
   return st;
 }
 
-void CloseFd(int& fd) {
-  if (fd >= 0) close(fd);
-  fd = -1;
-}
-
 // One measured run with `clients` worker processes against `socket`.
 std::optional<RingRun> RunRingOnce(const std::string& self, const std::string& socket, const RingOptions& o,
                                    int clients, int grpc_iterations) {
-  int ring_barrier[2], grpc_barrier[2];
-  if (pipe2(ring_barrier, O_CLOEXEC) != 0 || pipe2(grpc_barrier, O_CLOEXEC) != 0) {
-    std::fprintf(stderr, "flexkv-bench: pipe2: %s\n", std::strerror(errno));
-    return std::nullopt;
-  }
+  auto ring_barrier = StartBarrier::Create();
+  auto grpc_barrier = StartBarrier::Create();
+  if (!ring_barrier || !grpc_barrier) return std::nullopt;
   std::vector<Child> workers;
   auto abort_all = [&](const std::string& why) -> std::optional<RingRun> {
     std::fprintf(stderr, "flexkv-bench: %s\n", why.c_str());
-    CloseFd(ring_barrier[1]);
-    CloseFd(grpc_barrier[1]);
-    CloseFd(ring_barrier[0]);
-    CloseFd(grpc_barrier[0]);
-    for (auto& w : workers) {
-      kill(w.pid, SIGKILL);
-      waitpid(w.pid, nullptr, 0);
-      CloseFd(w.out);
-    }
+    for (auto& w : workers) w.Kill();
     return std::nullopt;
   };
   for (int i = 0; i < clients; ++i) {
@@ -458,12 +277,10 @@ std::optional<RingRun> RunRingOnce(const std::string& self, const std::string& s
                                      "--blocks",
                                      std::to_string(o.blocks)};
     if (o.breakdown) argv.push_back("--breakdown");
-    auto w = Spawn(argv, {{ring_barrier[0], 0}, {grpc_barrier[0], 3}});
+    auto w = Spawn(argv, {{ring_barrier->read_end(), 0}, {grpc_barrier->read_end(), 3}});
     if (!w) return abort_all("could not start a ring-worker");
     workers.push_back(std::move(*w));
   }
-  CloseFd(ring_barrier[0]);
-  CloseFd(grpc_barrier[0]);
 
   auto await_all = [&](const std::string& want, std::chrono::milliseconds timeout) -> std::optional<std::string> {
     for (size_t i = 0; i < workers.size(); ++i) {
@@ -474,9 +291,9 @@ std::optional<RingRun> RunRingOnce(const std::string& self, const std::string& s
     return std::nullopt;
   };
   if (auto err = await_all("READY", std::chrono::seconds(120))) return abort_all(*err);
-  CloseFd(ring_barrier[1]);  // go
+  ring_barrier->Release();  // go
   if (auto err = await_all("RING_DONE", std::chrono::seconds(1800))) return abort_all(*err);
-  CloseFd(grpc_barrier[1]);  // go
+  grpc_barrier->Release();  // go
   std::map<std::string, std::vector<std::vector<int64_t>>> samples;
   std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> spans;
   for (size_t i = 0; i < workers.size(); ++i) {
@@ -488,22 +305,12 @@ std::optional<RingRun> RunRingOnce(const std::string& self, const std::string& s
       if (std::sscanf(line->c_str(), "RESULT %15s %lld %lld %zu%n", phase, &start, &end, &n, &consumed) != 4) {
         return abort_all(fmt::format("worker {}: {}", i, line->substr(0, 200)));
       }
-      std::vector<int64_t> s;
-      s.reserve(n);
-      const char* p = line->c_str() + consumed;
-      for (size_t j = 0; j < n; ++j) {
-        char* next = nullptr;
-        s.push_back(std::strtoll(p, &next, 10));
-        p = next;
-      }
-      samples[phase].push_back(std::move(s));
+      samples[phase].push_back(ParseSamples(line->c_str() + consumed, n));
       spans[phase].emplace_back(start, end);
     }
   }
   for (size_t i = 0; i < workers.size(); ++i) {
-    int status = 0;
-    waitpid(workers[i].pid, &status, 0);
-    CloseFd(workers[i].out);
+    const int status = workers[i].Wait();
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
       std::fprintf(stderr, "flexkv-bench: worker %zu exited with status 0x%x\n", i, status);
       return std::nullopt;
@@ -583,25 +390,13 @@ int RunRing(RingOptions o) {
     std::fprintf(stderr, "flexkv-bench: cannot resolve /proc/self/exe\n");
     return 3;
   }
-  std::optional<OwnDaemon> own;
+  std::unique_ptr<OwnDaemon> own;
   std::string socket = o.socket;
   if (socket.empty()) {
-    own.emplace();
-    char tmpl[] = "/tmp/flexkv-bench-XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) {
-      std::fprintf(stderr, "flexkv-bench: mkdtemp: %s\n", std::strerror(errno));
-      return 3;
-    }
-    own->dir = tmpl;
-    chmod(own->dir.c_str(), 0755);
-    own->socket = own->dir + "/flexkvd.sock";
-    own->log = own->dir + "/flexkvd.log";
-    const std::string daemon = std::filesystem::path(self).parent_path() / "flexkvd";
-    std::vector<std::string> argv = {daemon,           "--socket",     own->socket, "--pool-path", own->dir + "/pool",
-                                     "--pool-size",    "256MiB",       "--log-level", "warning"};
+    std::vector<std::string> args = {"--pool-size", "256MiB"};
     if (o.spin_us >= 0) {
-      argv.push_back("--spin-us");
-      argv.push_back(fmt::format("{}", o.spin_us));
+      args.push_back("--spin-us");
+      args.push_back(fmt::format("{}", o.spin_us));
     }
     cpu_set_t all;
     CPU_ZERO(&all);
@@ -617,19 +412,14 @@ int RunRing(RingOptions o) {
       CPU_SET(0, &zero);
       sched_setaffinity(0, sizeof(zero), &zero);
     }
-    auto d = Spawn(argv, {}, own->log);
+    own = OwnDaemon::Start("/tmp/flexkv-bench-XXXXXX", args);
     if (o.pin) {
       cpu_set_t rest = all;
       CPU_CLR(0, &rest);
       sched_setaffinity(0, sizeof(rest), &rest);
     }
-    if (!d) return 3;
-    own->pid = d->pid;
-    g_own_daemon_pid = d->pid;
-    std::signal(SIGINT, StopOwnDaemonAndExit);
-    std::signal(SIGTERM, StopOwnDaemonAndExit);
-    std::signal(SIGHUP, StopOwnDaemonAndExit);
-    socket = own->socket;
+    if (!own) return 3;
+    socket = own->socket();
   } else if (o.spin_us >= 0 || o.pin) {
     std::fprintf(stderr, "flexkv-bench: --spin-us and --pin apply only to the flexkvd this bench starts (no --socket)\n");
     return 2;

@@ -19,14 +19,9 @@
 //   worker fd 4:  the turn page (--order strict|match): TurnPage below
 #include "trace_bench.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <linux/futex.h>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -36,7 +31,6 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -45,21 +39,17 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "bench_process.h"
 #include "common/units.h"
 #include "daemon/cache/prefix_index.h"
 #include "flexkv/client.h"
 
-extern char** environ;
-
 namespace {
 
-using flexkv::bench::HitCount;
-using flexkv::bench::TraceRequest;
+using namespace flexkv::bench;  // bench_process.h, trace_bench.h
 
 constexpr const char* kTraceNamespace = "flexkv-bench-trace";
 constexpr uint32_t kTraceTokensPerBlock = 512;
@@ -116,21 +106,6 @@ std::optional<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
     return std::nullopt;
   }
   return out;
-}
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-void Emit(const std::string& line) {
-  std::fwrite(line.data(), 1, line.size(), stdout);
-  std::fflush(stdout);
-}
-
-void CloseFd(int& fd) {
-  if (fd >= 0) close(fd);
-  fd = -1;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -228,11 +203,7 @@ int WorkerMain(const WorkerOptions& o) {
   std::vector<uint32_t> block_ids(longest);
   for (uint32_t i = 0; i < longest; ++i) block_ids[i] = i;
   Emit(fmt::format("READY {}\n", session->capacity_blocks));
-  char buf[64];
-  while (true) {  // start barrier: EOF on fd 0
-    const ssize_t n = read(0, buf, sizeof(buf));
-    if (n == 0 || (n < 0 && errno != EINTR)) break;
-  }
+  AwaitBarrier(0);
 
   const auto timeout = std::chrono::seconds(60);
   auto run = [&](flexkv::Result<flexkv::Ticket> t) -> flexkv::Result<flexkv::OpResult> {
@@ -290,147 +261,17 @@ int WorkerMain(const WorkerOptions& o) {
   const int64_t end = NowNs();
   Emit(fmt::format("RESULT {} {} {} {} {} {} {} {} {}\n", start, end, mine.size(), blocks, hits, loaded, stored,
                    shortfalls, mismatches));
-  auto lat_line = [](const char* op, const std::vector<int64_t>& s) {
-    std::string line = fmt::format("LAT {} {}", op, s.size());
-    for (int64_t v : s) fmt::format_to(std::back_inserter(line), " {}", v);
-    line += '\n';
-    return line;
-  };
-  Emit(lat_line("match", lat_match));
-  Emit(lat_line("load", lat_load));
-  Emit(lat_line("release", lat_release));
-  Emit(lat_line("store", lat_store));
+  Emit(SampleLine("LAT match", lat_match));
+  Emit(SampleLine("LAT load", lat_load));
+  Emit(SampleLine("LAT release", lat_release));
+  Emit(SampleLine("LAT store", lat_store));
   Emit("DONE\n");
   (void)c.Detach();
   return 0;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Parent: processes (the same helpers as `ring` in main.cc)
-
-struct Child {
-  pid_t pid = -1;
-  int out = -1;
-  std::string buf;
-
-  std::optional<std::string> ReadLine(std::chrono::milliseconds timeout) {
-    const int64_t deadline = NowNs() + timeout.count() * 1000000;
-    for (;;) {
-      const size_t nl = buf.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = buf.substr(0, nl);
-        buf.erase(0, nl + 1);
-        return line;
-      }
-      const int64_t left_ms = (deadline - NowNs()) / 1000000;
-      if (left_ms <= 0 || out < 0) return std::nullopt;
-      pollfd pfd{out, POLLIN, 0};
-      if (poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left_ms, 1000))) <= 0) continue;
-      char chunk[65536];
-      const ssize_t n = read(out, chunk, sizeof(chunk));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        CloseFd(out);
-        return std::nullopt;
-      }
-      buf.append(chunk, static_cast<size_t>(n));
-    }
-  }
-};
-
-std::optional<Child> Spawn(const std::vector<std::string>& argv, const std::vector<std::pair<int, int>>& dups,
-                           const std::string& stdout_path = "") {
-  int pipefd[2] = {-1, -1};
-  if (stdout_path.empty() && pipe2(pipefd, O_CLOEXEC) != 0) return std::nullopt;
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  if (stdout_path.empty()) {
-    posix_spawn_file_actions_adddup2(&actions, pipefd[1], STDOUT_FILENO);
-  } else {
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  }
-  for (const auto& [from, to] : dups) posix_spawn_file_actions_adddup2(&actions, from, to);
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  Child child;
-  const int rc = posix_spawn(&child.pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (pipefd[1] >= 0) close(pipefd[1]);
-  if (rc != 0) {
-    if (pipefd[0] >= 0) close(pipefd[0]);
-    std::fprintf(stderr, "flexkv-bench: posix_spawn %s: %s\n", argv[0].c_str(), std::strerror(rc));
-    return std::nullopt;
-  }
-  child.out = pipefd[0];
-  return child;
-}
-
-volatile sig_atomic_t g_trace_daemon_pid = -1;
-
-extern "C" void StopTraceDaemonAndExit(int sig) {
-  if (g_trace_daemon_pid > 0) kill(static_cast<pid_t>(g_trace_daemon_pid), SIGTERM);
-  _exit(128 + sig);
-}
-
-// The flexkvd of one run: SIGTERM and directory removal on destruction.
-struct OwnDaemon {
-  std::string dir, socket, log;
-  pid_t pid = -1;
-
-  void DumpLog() const {
-    std::ifstream in(log);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    std::string text = ss.str();
-    if (text.size() > 4000) text.erase(0, text.size() - 4000);
-    std::fprintf(stderr, "flexkv-bench: end of the flexkvd log:\n%s\n", text.c_str());
-  }
-
-  ~OwnDaemon() {
-    if (pid > 0) {
-      g_trace_daemon_pid = -1;
-      kill(pid, SIGTERM);
-      int status = 0;
-      const int64_t deadline = NowNs() + 15LL * 1000000000;
-      while (waitpid(pid, &status, WNOHANG) == 0) {
-        if (NowNs() > deadline) {
-          kill(pid, SIGKILL);
-          waitpid(pid, &status, 0);
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-    }
-    if (!dir.empty()) {
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);
-    }
-  }
-};
-
-struct Percentiles {
-  double p50_us = 0, p99_us = 0, p999_us = 0, mean_us = 0;
-  size_t n = 0;
-};
-
-Percentiles Summarize(std::vector<int64_t> ns) {
-  Percentiles p;
-  p.n = ns.size();
-  if (ns.empty()) return p;
-  std::sort(ns.begin(), ns.end());
-  auto at = [&](double q) {
-    return static_cast<double>(ns[std::min(ns.size() - 1, static_cast<size_t>(q * static_cast<double>(ns.size())))]) / 1e3;
-  };
-  double sum = 0;
-  for (int64_t v : ns) sum += static_cast<double>(v);
-  p.p50_us = at(0.50);
-  p.p99_us = at(0.99);
-  p.p999_us = at(0.999);
-  p.mean_us = sum / static_cast<double>(ns.size()) / 1e3;
-  return p;
-}
+// Parent (processes and the daemon: bench_process.h)
 
 struct TraceOptions {
   std::string trace;
@@ -487,58 +328,33 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   }
   run.sim = SimulatePrefixIndex(trace, keys, capacity);
 
-  OwnDaemon own;
   const char* base = std::filesystem::is_directory("/dev/shm") ? "/dev/shm" : "/tmp";
-  std::string tmpl = std::string(base) + "/flexkv-bench-trace-XXXXXX";
-  if (mkdtemp(tmpl.data()) == nullptr) {
-    std::fprintf(stderr, "flexkv-bench: mkdtemp: %s\n", std::strerror(errno));
-    return std::nullopt;
-  }
-  own.dir = tmpl;
-  chmod(own.dir.c_str(), 0755);
-  own.socket = own.dir + "/flexkvd.sock";
-  own.log = own.dir + "/flexkvd.log";
-  const std::string daemon = std::filesystem::path(self).parent_path() / "flexkvd";
-  auto d = Spawn({daemon, "--socket", own.socket, "--pool-path", own.dir + "/pool", "--pool-size",
-                  std::to_string(uint64_t{capacity} * o.block_bytes), "--log-level", "warning"},
-                 {}, own.log);
-  if (!d) return std::nullopt;
-  own.pid = d->pid;
-  g_trace_daemon_pid = d->pid;
+  auto own = OwnDaemon::Start(std::string(base) + "/flexkv-bench-trace-XXXXXX",
+                              {"--pool-size", std::to_string(uint64_t{capacity} * o.block_bytes)});
+  if (!own) return std::nullopt;
 
-  int barrier[2];
-  if (pipe2(barrier, O_CLOEXEC) != 0) return std::nullopt;
-  int turn_fd = memfd_create("flexkv-bench-trace-turn", MFD_CLOEXEC);
-  if (turn_fd < 0 || ftruncate(turn_fd, sizeof(TurnPage)) != 0) {
+  auto barrier = StartBarrier::Create();
+  if (!barrier) return std::nullopt;
+  flexkv::UniqueFd turn_fd(memfd_create("flexkv-bench-trace-turn", MFD_CLOEXEC));
+  if (!turn_fd || ftruncate(turn_fd.get(), sizeof(TurnPage)) != 0) {
     std::fprintf(stderr, "flexkv-bench: memfd for the turn page: %s\n", std::strerror(errno));
     return std::nullopt;
   }
-  struct FdCloser {
-    int& fd;
-    ~FdCloser() { CloseFd(fd); }
-  } turn_closer{turn_fd};
   std::vector<Child> workers;
   auto abort_all = [&](const std::string& why) -> std::optional<TraceRun> {
     std::fprintf(stderr, "flexkv-bench: %s\n", why.c_str());
-    CloseFd(barrier[0]);
-    CloseFd(barrier[1]);
-    for (auto& w : workers) {
-      kill(w.pid, SIGKILL);
-      waitpid(w.pid, nullptr, 0);
-      CloseFd(w.out);
-    }
-    own.DumpLog();
+    for (auto& w : workers) w.Kill();
+    own->DumpLog();
     return std::nullopt;
   };
   for (int i = 0; i < o.clients; ++i) {
-    auto w = Spawn({self, "trace-worker", "--socket", own.socket, "--trace", o.trace, "--index", std::to_string(i),
+    auto w = Spawn({self, "trace-worker", "--socket", own->socket(), "--trace", o.trace, "--index", std::to_string(i),
                     "--clients", std::to_string(o.clients), "--block-bytes", std::to_string(o.block_bytes),
                     "--order", o.order},
-                   {{barrier[0], 0}, {turn_fd, 4}});
+                   {{barrier->read_end(), 0}, {turn_fd.get(), 4}});
     if (!w) return abort_all("could not start a trace-worker");
     workers.push_back(std::move(*w));
   }
-  CloseFd(barrier[0]);
   for (size_t i = 0; i < workers.size(); ++i) {
     auto line = workers[i].ReadLine(std::chrono::seconds(120));
     unsigned long long cap = 0;
@@ -547,7 +363,7 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
     }
     run.daemon_capacity = cap;
   }
-  CloseFd(barrier[1]);  // go
+  barrier->Release();  // go
   std::map<std::string, std::vector<int64_t>> lat;
   int64_t first = 0, last = 0;
   for (size_t i = 0; i < workers.size(); ++i) {
@@ -574,13 +390,8 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
         run.shortfalls += sf;
         run.mismatches += mm;
       } else if (std::sscanf(line->c_str(), "LAT %15s %zu%n", op, &n, &consumed) == 2) {
-        auto& v = lat[op];
-        const char* p = line->c_str() + consumed;
-        for (size_t j = 0; j < n; ++j) {
-          char* next = nullptr;
-          v.push_back(std::strtoll(p, &next, 10));
-          p = next;
-        }
+        const std::vector<int64_t> s = ParseSamples(line->c_str() + consumed, n);
+        lat[op].insert(lat[op].end(), s.begin(), s.end());
       } else {
         return abort_all(fmt::format("worker {}: {}", i, line->substr(0, 300)));
       }
@@ -588,9 +399,7 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
     if (!done) return abort_all(fmt::format("worker {} ended without DONE", i));
   }
   for (auto& w : workers) {
-    int status = 0;
-    waitpid(w.pid, &status, 0);
-    CloseFd(w.out);
+    const int status = w.Wait();
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
       std::fprintf(stderr, "flexkv-bench: trace-worker exited with status 0x%x\n", status);
       return std::nullopt;
@@ -724,9 +533,8 @@ int RunTraceBench(int argc, char** argv) {
     return 2;
   }
   o.block_bytes = *bb;
-  std::error_code ec;
-  auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) {
+  const std::string self = SelfExe();
+  if (self.empty()) {
     std::fprintf(stderr, "flexkv-bench: cannot resolve /proc/self/exe\n");
     return 3;
   }
@@ -745,12 +553,9 @@ int RunTraceBench(int argc, char** argv) {
   keys.reserve(trace->size());
   for (const TraceRequest& r : *trace) keys.push_back(TraceKeys(r.hash_ids));
 
-  std::signal(SIGINT, StopTraceDaemonAndExit);
-  std::signal(SIGTERM, StopTraceDaemonAndExit);
-  std::signal(SIGHUP, StopTraceDaemonAndExit);
   std::vector<TraceRun> runs;
   for (uint32_t cap : caps) {
-    auto r = RunOnce(self.string(), o, cap, *trace, keys);
+    auto r = RunOnce(self, o, cap, *trace, keys);
     if (!r) return 1;
     if (!o.json) PrintRunText(*r, o.clients, o.order);
     runs.push_back(std::move(*r));
