@@ -365,7 +365,7 @@ TEST_CASE("chaos: 500+ engines killed -9 at random points while survivors work: 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-TEST_CASE("chaos: a SIGSTOPped engine with full rings blocks nobody; it is served when it resumes", "[chaos]") {
+TEST_CASE("chaos: a SIGSTOPped engine with full rings blocks nobody, it is served when it resumes", "[chaos]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
   auto observer = Observer(d.socket());
@@ -651,7 +651,7 @@ TEST_CASE("chaos: a full pool and a pool of pinned blocks only, under load: stor
   g_figures.iterations += 2;
 }
 
-TEST_CASE("chaos: drain under load: every request ends (OK or UNAVAILABLE), nothing torn; resume serves again",
+TEST_CASE("chaos: drain under load: every request ends (OK or UNAVAILABLE), nothing torn, resume serves again",
           "[chaos]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());

@@ -40,7 +40,8 @@ flexkv::AttachOptions LlamaAttach(const std::string& name) {
 }
 
 ChildProcess StartHoldingClient(const DaemonUnderTest& d, const std::string& name) {
-  return ChildProcess::Spawn({TestClientPath(), "--socket", d.socket(), "--name", name, "--namespace", "llama3-8b"});
+  return ChildProcess::Spawn({TestClientPath(), "--socket", d.socket(), "--name", name, "--namespace", "llama3-8b",
+                              "--do", "hold"});
 }
 
 }  // namespace
@@ -164,7 +165,7 @@ TEST_CASE("SIGTERM drains and exits 0 within 5 s, removing socket and lock", "[i
   CHECK_FALSE(std::filesystem::exists(d.socket() + ".lock"));
 }
 
-TEST_CASE("a second daemon on the same socket is refused naming the pid; a stale socket is replaced", "[integration]") {
+TEST_CASE("a second daemon on the same socket is refused naming the pid, a stale socket is replaced", "[integration]") {
   DaemonUnderTest first;
   REQUIRE(first.WaitReady());
   auto second = RunCommand({flexkv::testing::FlexkvdPath(), "--socket", first.socket()});
@@ -184,7 +185,7 @@ TEST_CASE("a second daemon on the same socket is refused naming the pid; a stale
   CHECK_THAT(restarted.process().Stderr(), Catch::Contains("stale socket"));
 }
 
-TEST_CASE("kill -9 of an attached client ends its session within 100 ms; others keep being served", "[integration]") {
+TEST_CASE("kill -9 of an attached client ends its session within 100 ms, others keep being served", "[integration]") {
   DaemonUnderTest d;
   REQUIRE(d.WaitReady());
   ChildProcess survivor = StartHoldingClient(d, "survivor");

@@ -74,7 +74,7 @@ TEST_CASE("a prefix stored by one process is a hit with the same bytes for anoth
   CHECK(s->counters.at("bytes_loaded") == 64ULL * 128 * 1024);
 }
 
-TEST_CASE("kill -9 of a client holding pins with a load in flight leaks nothing; others see no error",
+TEST_CASE("kill -9 of a client holding pins with a load in flight leaks nothing, others see no error",
           "[integration]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
@@ -198,7 +198,7 @@ TEST_CASE("a pool of pinned blocks only: a store keeps what it can and reports R
   CHECK(st->counters.at("evicted_blocks") >= 4);
 }
 
-TEST_CASE("drain refuses new loads and stores; resume admits them again", "[integration]") {
+TEST_CASE("drain refuses new loads and stores, resume admits them again", "[integration]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
   ChildProcess a = Client(d, "A", {"store:3:4"});

@@ -88,7 +88,7 @@ TEST_CASE("GPU blocks stored by one engine load byte-exact into another engine's
   CHECK(st->counters.at("load_blocks") == 200);
 }
 
-TEST_CASE("TP=2: two worker processes on one GPU are the two ranks of one engine; shards round-trip", "[gpu]") {
+TEST_CASE("TP=2: two worker processes on one GPU are the two ranks of one engine, shards round-trip", "[gpu]") {
   if (!HaveGpu()) {
     WARN("no GPU visible; skipped");
     return;

@@ -479,7 +479,7 @@ constexpr uint64_t kHugeIdAt = 8192 + 64; // {UINT32_MAX}
 
 }  // namespace
 
-TEST_CASE("malformed ring descriptors get error completions; the daemon and other sessions are unaffected",
+TEST_CASE("malformed ring descriptors get error completions, the daemon and other sessions are unaffected",
           "[integration]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
@@ -677,7 +677,7 @@ TEST_CASE("malformed ring descriptors get error completions; the daemon and othe
   ExpectHealthyAfterAbuse(d, good, errors_before, failures);
 }
 
-TEST_CASE("a wrapped submit ring gets one INVALID_ARGUMENT completion naming the tail; the session keeps working",
+TEST_CASE("a wrapped submit ring gets one INVALID_ARGUMENT completion naming the tail, the session keeps working",
           "[integration]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
@@ -924,7 +924,7 @@ TEST_CASE("garbage over the submit ring and arena: the daemon survives and other
   ExpectHealthyAfterAbuse(d, good, errors_before, expected_errors);
 }
 
-TEST_CASE("Store and Load before RegisterKv get FAILED_PRECONDITION; the poller keeps serving others",
+TEST_CASE("Store and Load before RegisterKv get FAILED_PRECONDITION, the poller keeps serving others",
           "[integration]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());

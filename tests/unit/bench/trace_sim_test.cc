@@ -53,7 +53,7 @@ TEST_CASE("reference LRU counts leading hits and evicts the least recently used 
   CHECK(lru.size() == 3);
 }
 
-TEST_CASE("infinite-cache bound counts prefix hits only; a big LRU reaches it") {
+TEST_CASE("infinite-cache bound counts prefix hits only, and a big LRU reaches it") {
   std::vector<TraceRequest> trace(3);
   trace[0].hash_ids = {0, 1, 2};
   trace[1].hash_ids = {0, 1, 3};
