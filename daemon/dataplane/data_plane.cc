@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "common/ring_layout.h"
 #include "common/uds.h"
+#include "daemon/dataplane/descriptor_validation.h"
 #include "daemon/server/acceptor.h"
 
 namespace flexkv {
@@ -40,11 +41,6 @@ inline void CpuRelax() {
 #if defined(__x86_64__)
   __builtin_ia32_pause();
 #endif
-}
-
-// Arena range check without overflow.
-bool InArena(uint64_t offset, uint64_t bytes, uint64_t arena_bytes, uint64_t align) {
-  return offset % align == 0 && offset <= arena_bytes && bytes <= arena_bytes - offset;
 }
 
 }  // namespace
@@ -381,48 +377,23 @@ bool DataPlane::PollSession(const std::shared_ptr<Session>& self) {
 
 void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, int64_t taken_ns) {
   Session& s = *sp;
-  if (d.reserved[0] != 0 || d.reserved[1] != 0 || d.reserved[2] != 0) {
-    return Fail(s, d, taken_ns, Status::InvalidArgument("descriptor reserved fields must be zero"));
-  }
+  DescriptorLimits limits;
+  limits.max_blocks_per_request = options_.max_blocks_per_request;
+  std::string kv_missing;
   const auto op = static_cast<RingOp>(d.opcode);
-  const bool needs_blocks = op == RingOp::kMatch || op == RingOp::kLoad || op == RingOp::kStore;
-  if (op != RingOp::kMatch && op != RingOp::kLoad && op != RingOp::kStore && op != RingOp::kRelease) {
-    return Fail(s, d, taken_ns, Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..4", d.opcode)));
-  }
-  const uint16_t allowed_flags = op == RingOp::kMatch ? kMatchFlagPin : op == RingOp::kLoad ? kLoadFlagLayerwise : 0;
-  if ((d.flags & ~allowed_flags) != 0) {
-    return Fail(s, d, taken_ns,
-                Status::InvalidArgument(fmt::format("flags 0x{:x} are not valid for opcode {}", d.flags, d.opcode)));
-  }
-  if (needs_blocks && (d.count == 0 || d.count > options_.max_blocks_per_request)) {
-    return Fail(s, d, taken_ns,
-                Status::InvalidArgument(
-                    fmt::format("count {} is out of range; expected 1..{}", d.count, options_.max_blocks_per_request)));
-  }
-  if (!cache_->has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
-  const uint64_t arena_bytes = s.rg.arena_bytes;
-  std::vector<BlockKey> keys;
-  std::vector<uint32_t> ids;
-  if (op == RingOp::kMatch || op == RingOp::kStore) {
-    const uint64_t bytes = uint64_t{d.count} * sizeof(BlockKey);
-    if (!InArena(d.keys_offset, bytes, arena_bytes, 8)) {
-      return Fail(s, d, taken_ns,
-                  Status::OutOfRange(fmt::format("keys [{}, +{}) are outside the {}-byte arena or unaligned",
-                                                 d.keys_offset, bytes, arena_bytes)));
-    }
-    keys.resize(d.count);
-    std::memcpy(keys.data(), s.arena() + d.keys_offset, bytes);
-  }
   if (op == RingOp::kLoad || op == RingOp::kStore) {
-    const uint64_t bytes = uint64_t{d.count} * sizeof(uint32_t);
-    if (!InArena(d.block_ids_offset, bytes, arena_bytes, 4)) {
-      return Fail(s, d, taken_ns,
-                  Status::OutOfRange(fmt::format("block ids [{}, +{}) are outside the {}-byte arena or unaligned",
-                                                 d.block_ids_offset, bytes, arena_bytes)));
-    }
-    ids.resize(d.count);
-    std::memcpy(ids.data(), s.arena() + d.block_ids_offset, bytes);
+    // Registration only ever goes from nothing to every block (once per session, or once per GPU rank), so the
+    // count read here still holds when the copy runs.
+    std::lock_guard lock(s.mu);
+    limits.registered_blocks = s.RegisteredBlocksLocked(&kv_missing);
+    limits.kv_missing = kv_missing;
   }
+  Result<DescriptorPayload> payload =
+      ValidateDescriptor(d, std::span<const uint8_t>(s.arena(), s.rg.arena_bytes), limits);
+  if (!payload.ok()) return Fail(s, d, taken_ns, payload.status());
+  if (!cache_->has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
+  std::vector<BlockKey> keys = std::move(payload->keys);
+  std::vector<uint32_t> ids = std::move(payload->block_ids);
 
   switch (op) {
     case RingOp::kMatch: {
@@ -453,13 +424,14 @@ void DataPlane::Process(const std::shared_ptr<Session>& sp, const SubmitDescript
     case RingOp::kRelease: {
       std::lock_guard lock(s.mu);
       auto it = s.handles.find(d.match_handle);
-      if (it == s.handles.end() || it->second.released) {
+      const Status held = ValidateHandleUse(
+          d, it == s.handles.end() || it->second.released ? std::nullopt : std::optional(it->second.slots.size()));
+      if (!held.ok()) {
         CompletionDescriptor c{};
         c.user_data = d.user_data;
         c.opcode = d.opcode;
-        c.status_code = static_cast<int32_t>(StatusCode::kNotFound);
-        std::snprintf(c.message, sizeof(c.message), "match handle %llu is not held by this session",
-                      static_cast<unsigned long long>(d.match_handle));
+        c.status_code = static_cast<int32_t>(held.code());
+        std::snprintf(c.message, sizeof(c.message), "%s", held.message().c_str());
         RecordEnd(d.opcode, taken_ns, c.status_code);
         s.overflow.push_back(c);
         FlushOverflow(s);
@@ -588,36 +560,25 @@ void DataPlane::StartLoad(const std::shared_ptr<Session>& sp, const SubmitDescri
                           std::vector<uint32_t> ids) {
   Session& s = *sp;
   std::vector<SlotId> slots;
-  auto refuse_locked = [&](StatusCode code, const std::string& message) {
+  auto refuse_locked = [&](const Status& status) {
     CompletionDescriptor c{};
     c.user_data = d.user_data;
     c.opcode = d.opcode;
-    c.status_code = static_cast<int32_t>(code);
-    std::snprintf(c.message, sizeof(c.message), "%s", message.c_str());
+    c.status_code = static_cast<int32_t>(status.code());
+    std::snprintf(c.message, sizeof(c.message), "%s", status.message().c_str());
     RecordEnd(d.opcode, taken_ns, c.status_code);
     s.overflow.push_back(c);
     FlushOverflow(s);
   };
   {
+    // Process validated the descriptor and its block ids; the handle is looked up here, under the lock that
+    // also takes its slots.
     std::lock_guard lock(s.mu);
-    std::string missing;
-    const uint32_t blocks = s.RegisteredBlocksLocked(&missing);
-    if (blocks == 0) return refuse_locked(StatusCode::kFailedPrecondition, "Load: " + missing);
     auto it = s.handles.find(d.match_handle);
-    if (it == s.handles.end() || it->second.released) {
-      return refuse_locked(StatusCode::kNotFound, fmt::format("match handle {} is not held by this session", d.match_handle));
-    }
-    if (d.count > it->second.slots.size()) {
-      return refuse_locked(StatusCode::kOutOfRange, fmt::format("count {} exceeds the {} blocks of match handle {}",
-                                                                d.count, it->second.slots.size(), d.match_handle));
-    }
-    for (uint32_t i = 0; i < d.count; ++i) {
-      if (ids[i] >= blocks) {
-        return refuse_locked(StatusCode::kOutOfRange,
-                             fmt::format("block id {} at {} is outside the {} registered blocks", ids[i], i, blocks));
-      }
-    }
-    if (!lifecycle_->TryBegin()) return refuse_locked(StatusCode::kUnavailable, "flexkvd is draining; retry after Resume");
+    const Status held = ValidateHandleUse(
+        d, it == s.handles.end() || it->second.released ? std::nullopt : std::optional(it->second.slots.size()));
+    if (!held.ok()) return refuse_locked(held);
+    if (!lifecycle_->TryBegin()) return refuse_locked(Status::Unavailable("flexkvd is draining; retry after Resume"));
     it->second.loads_in_flight++;
     slots.assign(it->second.slots.begin(), it->second.slots.begin() + d.count);
   }
@@ -668,21 +629,7 @@ void DataPlane::StartLoad(const std::shared_ptr<Session>& sp, const SubmitDescri
 
 void DataPlane::StartStore(const std::shared_ptr<Session>& sp, const SubmitDescriptor& d, int64_t taken_ns,
                            std::vector<BlockKey> keys, std::vector<uint32_t> ids) {
-  Session& s = *sp;
-  uint32_t blocks;
-  std::string missing;
-  {
-    std::lock_guard lock(s.mu);
-    blocks = s.RegisteredBlocksLocked(&missing);
-  }
-  if (blocks == 0) return Fail(s, d, taken_ns, Status::FailedPrecondition("Store: " + missing));
-  for (uint32_t i = 0; i < d.count; ++i) {
-    if (ids[i] >= blocks) {
-      return Fail(
-          s, d, taken_ns,
-          Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks", ids[i], i, blocks)));
-    }
-  }
+  Session& s = *sp;  // Process validated the descriptor and the block ids against the registered blocks
   if (!lifecycle_->TryBegin()) {
     return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   }

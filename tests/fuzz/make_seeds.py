@@ -49,6 +49,27 @@ def pool_file():
     return head + slot_table()
 
 
+def ring_input(desc, arena, max_blocks=1 << 20, registered=8, gpu_missing=False, handles=(2, 4, 0, 0)):
+    """fuzz_ring_descriptor input: header (limits, held handles 1..4) | SubmitDescriptor | arena."""
+    header = struct.pack("<IIB4B3x", max_blocks - 1, registered, int(gpu_missing), *handles)
+    return header + desc + arena
+
+
+def submit(opcode, count, keys_offset=0, ids_offset=0, handle=0, flags=0, reserved=(0, 0, 0), user_data=1):
+    return struct.pack("<QHHIQQQ3Q", user_data, opcode, flags, count, keys_offset, ids_offset, handle, *reserved)
+
+
+def ring_arena():
+    # 4 keys at 0, ids 0..7 at 256, {3, 8} (8: one past 8 registered blocks) at 512; 1 KiB in all.
+    keys = b"".join(struct.pack("<QQ", 0x1000 + i, 0xABC0 + i) for i in range(4))
+    ids = struct.pack("<8I", *range(8))
+    arena = bytearray(1024)
+    arena[0:len(keys)] = keys
+    arena[256:256 + len(ids)] = ids
+    arena[512:520] = struct.pack("<II", 3, 8)
+    return bytes(arena)
+
+
 write("pool_recovery", "table-chains", b"\x01" + slot_table())
 write("pool_recovery", "table-empty", b"\x01" + b"\0" * 64)
 write("pool_recovery", "file-valid-header", b"\x00" + pool_file())
@@ -72,4 +93,19 @@ except ImportError:
 
 write("prefix_index", "mixed", bytes([7]) + bytes(range(1, 250)))
 write("prefix_index", "tiny-pool", bytes([0, 3, 1, 5, 3, 2, 5, 1, 1, 5, 4, 3, 0, 1, 4, 5, 0, 0, 2, 0, 0]))
+arena = ring_arena()
+write("ring_descriptor", "match-pin", ring_input(submit(1, 4, flags=1), arena))
+write("ring_descriptor", "store", ring_input(submit(3, 4, keys_offset=0, ids_offset=256), arena))
+write("ring_descriptor", "load", ring_input(submit(2, 2, ids_offset=256, handle=1), arena))
+write("ring_descriptor", "load-layerwise-too-many", ring_input(submit(2, 4, ids_offset=256, handle=1, flags=1), arena))
+write("ring_descriptor", "release", ring_input(submit(4, 0, handle=2), arena))
+write("ring_descriptor", "keys-8-aligned", ring_input(submit(1, 18, keys_offset=8), arena))  # keys need 8, not 16
+write("ring_descriptor", "keys-at-arena-end", ring_input(submit(1, 1, keys_offset=1024 - 16), arena))
+write("ring_descriptor", "keys-overflow", ring_input(submit(1, 2, keys_offset=(1 << 64) - 16), arena))
+write("ring_descriptor", "ids-unaligned", ring_input(submit(3, 1, ids_offset=258), arena))
+write("ring_descriptor", "id-past-registered", ring_input(submit(2, 2, ids_offset=512, handle=1), arena))
+write("ring_descriptor", "store-unregistered-gpu", ring_input(submit(3, 1, ids_offset=256), arena, registered=0,
+                                                               gpu_missing=True))
+write("ring_descriptor", "reserved-set", ring_input(submit(1, 1, reserved=(0, 7, 0)), arena))
+write("ring_descriptor", "count-max", ring_input(submit(1, 64, keys_offset=0), arena, max_blocks=64))
 print("seeds written under", ROOT)

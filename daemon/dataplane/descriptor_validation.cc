@@ -1,0 +1,105 @@
+// See descriptor_validation.h.
+#include "daemon/dataplane/descriptor_validation.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+namespace flexkv {
+namespace {
+
+// Checks that `bytes` at `offset` lie inside an arena of `arena_bytes`, aligned to `align`, without overflow.
+Status CheckArenaRange(const char* what, uint64_t offset, uint64_t bytes, uint64_t arena_bytes, uint64_t align) {
+  if (offset % align != 0) {
+    return Status::OutOfRange(fmt::format("{} at offset {} are unaligned; expected a multiple of {}", what, offset, align));
+  }
+  if (offset > arena_bytes || bytes > arena_bytes - offset) {
+    return Status::OutOfRange(fmt::format("{} [{}, +{}) are outside the {}-byte arena", what, offset, bytes, arena_bytes));
+  }
+  return Status::Ok();
+}
+
+const char* OpName(RingOp op) {
+  switch (op) {
+    case RingOp::kMatch:
+      return "Match";
+    case RingOp::kLoad:
+      return "Load";
+    case RingOp::kStore:
+      return "Store";
+    case RingOp::kRelease:
+      return "Release";
+  }
+  return "?";
+}
+
+}  // namespace
+
+Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,
+                                             const DescriptorLimits& limits) {
+  for (size_t i = 0; i < std::size(d.reserved); ++i) {
+    if (d.reserved[i] != 0) {
+      return Status::InvalidArgument(fmt::format("reserved[{}] is {}; expected 0", i, d.reserved[i]));
+    }
+  }
+  const auto op = static_cast<RingOp>(d.opcode);
+  if (op != RingOp::kMatch && op != RingOp::kLoad && op != RingOp::kStore && op != RingOp::kRelease) {
+    return Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..4", d.opcode));
+  }
+  const uint16_t allowed_flags = op == RingOp::kMatch ? kMatchFlagPin : op == RingOp::kLoad ? kLoadFlagLayerwise : 0;
+  if ((d.flags & ~allowed_flags) != 0) {
+    return Status::InvalidArgument(
+        fmt::format("flags 0x{:x} are not valid for opcode {}; expected a subset of 0x{:x}", d.flags, d.opcode,
+                    allowed_flags));
+  }
+  if (op == RingOp::kRelease) return DescriptorPayload{};  // only its match handle matters (ValidateHandleUse)
+
+  if (d.count == 0 || d.count > limits.max_blocks_per_request) {
+    return Status::InvalidArgument(
+        fmt::format("count {} is out of range; expected 1..{}", d.count, limits.max_blocks_per_request));
+  }
+  const bool has_keys = op == RingOp::kMatch || op == RingOp::kStore;
+  const bool has_ids = op == RingOp::kLoad || op == RingOp::kStore;
+  const uint64_t key_bytes = uint64_t{d.count} * sizeof(BlockKey);
+  const uint64_t id_bytes = uint64_t{d.count} * sizeof(uint32_t);
+  if (has_keys) FLEXKV_RETURN_IF_ERROR(CheckArenaRange("keys", d.keys_offset, key_bytes, arena.size(), 8));
+  if (has_ids) FLEXKV_RETURN_IF_ERROR(CheckArenaRange("block ids", d.block_ids_offset, id_bytes, arena.size(), 4));
+  if (has_ids && limits.registered_blocks == 0) {
+    return Status::FailedPrecondition(fmt::format(
+        "{}: {}", OpName(op), limits.kv_missing.empty() ? "no KV buffers registered (RegisterKv)" : limits.kv_missing));
+  }
+
+  DescriptorPayload payload;
+  if (has_keys) {
+    payload.keys.resize(d.count);
+    std::memcpy(payload.keys.data(), arena.data() + d.keys_offset, key_bytes);
+  }
+  if (has_ids) {
+    payload.block_ids.resize(d.count);
+    std::memcpy(payload.block_ids.data(), arena.data() + d.block_ids_offset, id_bytes);
+    // The copy is checked, not the arena: the client cannot change an id after this.
+    for (uint32_t i = 0; i < d.count; ++i) {
+      const uint32_t id = payload.block_ids[i];
+      if (id >= limits.registered_blocks) {
+        return Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks; expected 0..{}",
+                                              id, i, limits.registered_blocks, limits.registered_blocks - 1));
+      }
+    }
+  }
+  return payload;
+}
+
+Status ValidateHandleUse(const SubmitDescriptor& d, std::optional<size_t> handle_blocks) {
+  const auto op = static_cast<RingOp>(d.opcode);
+  if (op != RingOp::kLoad && op != RingOp::kRelease) return Status::Ok();
+  if (!handle_blocks) {
+    return Status::NotFound(fmt::format("match handle {} is not held by this session", d.match_handle));
+  }
+  if (op == RingOp::kLoad && d.count > *handle_blocks) {
+    return Status::OutOfRange(
+        fmt::format("count {} exceeds the {} blocks of match handle {}", d.count, *handle_blocks, d.match_handle));
+  }
+  return Status::Ok();
+}
+
+}  // namespace flexkv

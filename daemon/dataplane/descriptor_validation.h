@@ -1,0 +1,57 @@
+// Validation of the submit descriptors a client writes into its ring: untrusted input, checked by pure
+// functions (no state, no side effects) so that they can be fuzzed (tests/fuzz/fuzz_ring_descriptor.cc) and
+// unit-tested apart from the poller that calls them (DataPlane::Process).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "common/ring_layout.h"
+#include "flexkv/block_key.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+// What a descriptor is checked against.
+struct DescriptorLimits {
+  uint32_t max_blocks_per_request = 0;  // Match, Load and Store carry 1..this blocks
+  // KV blocks the session registered (host buffers, or the fewest of its GPU ranks). Block ids must be below
+  // it. 0 while nothing is registered: Load and Store are then refused (FAILED_PRECONDITION) with `kv_missing`
+  // as the reason ("no KV buffers registered (RegisterKv)" when empty).
+  uint32_t registered_blocks = 0;
+  std::string_view kv_missing;
+};
+
+// What a valid descriptor carries, copied out of the arena.
+struct DescriptorPayload {
+  std::vector<BlockKey> keys;       // Match, Store: `count` keys; empty otherwise
+  std::vector<uint32_t> block_ids;  // Load, Store: `count` ids, each below registered_blocks; empty otherwise
+};
+
+// Checks descriptor `d` (already copied out of the submit ring) against `limits`, and copies its keys and block
+// ids out of `arena` (the session's payload arena). The client may be writing the arena concurrently: each byte
+// is read once, and the checks apply to the copy that is returned, never to the shared bytes.
+//
+// Returns the payload, or an error naming the field, its value and what was expected:
+//   INVALID_ARGUMENT     reserved words not zero; opcode not 1..4 (RingOp); flags outside those of the opcode
+//                        (Match: kMatchFlagPin, Load: kLoadFlagLayerwise, none otherwise); count of a Match, Load
+//                        or Store not in 1..max_blocks_per_request;
+//   OUT_OF_RANGE         keys (count x 16 bytes, 8-aligned) or block ids (count x 4 bytes, 4-aligned) not inside
+//                        the arena; a block id not below registered_blocks;
+//   FAILED_PRECONDITION  Load or Store while registered_blocks is 0.
+// The checks run in that order; the first failure is returned. Match handles are not checked here: whether the
+// session holds one is state, looked up where it is used (ValidateHandleUse).
+Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,
+                                             const DescriptorLimits& limits);
+
+// The match handle of a Load or Release, once looked up: `handle_blocks` is how many blocks d.match_handle
+// pins when this session holds it (and has not released it), nullopt otherwise. Returns OK, NOT_FOUND for a
+// handle the session does not hold, or OUT_OF_RANGE for a Load of more blocks than the handle pins. OK for
+// other opcodes.
+Status ValidateHandleUse(const SubmitDescriptor& d, std::optional<size_t> handle_blocks);
+
+}  // namespace flexkv

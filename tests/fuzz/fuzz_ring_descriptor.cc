@@ -1,0 +1,124 @@
+// Fuzz target: the validation of ring submit descriptors (daemon/dataplane/descriptor_validation.h). Arbitrary
+// bytes become the session limits, the handles it holds, one descriptor and the arena contents. Whatever they
+// are, validation never crashes or reads outside the arena, and whenever it accepts a descriptor, an independent
+// check here (128-bit arithmetic, no shared helpers) confirms that every field, offset, length and block id is
+// within the limits and that the payload is exactly the arena's bytes.
+//
+// Input: 16-byte header | 64-byte SubmitDescriptor | arena (the rest, any length).
+//   header: u32 max_blocks (1 + value % 2^20), u32 registered_blocks, u8 kv_missing selector,
+//           u8 blocks[4] pinned by match handles 1..4 (0: not held), 3 bytes unused.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+
+#include "daemon/dataplane/descriptor_validation.h"
+
+namespace {
+
+using flexkv::RingOp;
+using flexkv::StatusCode;
+using flexkv::SubmitDescriptor;
+
+constexpr size_t kHeaderBytes = 16;
+
+[[noreturn]] void Violation() { __builtin_trap(); }
+void Require(bool holds) {
+  if (!holds) Violation();
+}
+
+// [offset, offset + count * width) inside `arena_bytes` and `align`-aligned, in 128 bits so nothing can wrap.
+bool InsideArena(uint64_t offset, uint32_t count, uint64_t width, uint64_t align, uint64_t arena_bytes) {
+  const unsigned __int128 end = static_cast<unsigned __int128>(offset) + static_cast<unsigned __int128>(count) * width;
+  return offset % align == 0 && end <= arena_bytes;
+}
+
+void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, const flexkv::DescriptorLimits& limits,
+                   const flexkv::DescriptorPayload& p) {
+  Require(d.reserved[0] == 0 && d.reserved[1] == 0 && d.reserved[2] == 0);
+  Require(d.opcode >= 1 && d.opcode <= 4);
+  const auto op = static_cast<RingOp>(d.opcode);
+  const uint16_t allowed = op == RingOp::kMatch ? 1 : op == RingOp::kLoad ? 1 : 0;
+  Require((d.flags | allowed) == allowed);
+  if (op == RingOp::kRelease) {
+    Require(p.keys.empty() && p.block_ids.empty());
+    return;
+  }
+  Require(d.count >= 1 && d.count <= limits.max_blocks_per_request);
+  const bool keys = op != RingOp::kLoad;
+  const bool ids = op != RingOp::kMatch;
+  if (keys) {
+    Require(InsideArena(d.keys_offset, d.count, 16, 8, arena.size()));  // 16-byte keys, 8-aligned
+    Require(p.keys.size() == d.count);
+    Require(std::memcmp(p.keys.data(), arena.data() + d.keys_offset, size_t{d.count} * 16) == 0);
+  } else {
+    Require(p.keys.empty());
+  }
+  if (ids) {
+    Require(limits.registered_blocks > 0);
+    Require(InsideArena(d.block_ids_offset, d.count, 4, 4, arena.size()));
+    Require(p.block_ids.size() == d.count);
+    Require(std::memcmp(p.block_ids.data(), arena.data() + d.block_ids_offset, size_t{d.count} * 4) == 0);
+    for (uint32_t id : p.block_ids) Require(id < limits.registered_blocks);
+  } else {
+    Require(p.block_ids.empty());
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < kHeaderBytes + sizeof(SubmitDescriptor)) return 0;
+  uint32_t max_blocks = 0;
+  flexkv::DescriptorLimits limits;
+  std::memcpy(&max_blocks, data, 4);
+  limits.max_blocks_per_request = 1 + max_blocks % (1u << 20);
+  std::memcpy(&limits.registered_blocks, data + 4, 4);
+  if (data[8] % 2 == 1) limits.kv_missing = "tp rank 1 of 2 has not registered its GPU KV buffers";
+  const uint8_t* handle_blocks = data + 9;
+  SubmitDescriptor d;
+  std::memcpy(&d, data + kHeaderBytes, sizeof(d));
+  const std::span<const uint8_t> arena(data + kHeaderBytes + sizeof(d), size - kHeaderBytes - sizeof(d));
+
+  const auto result = flexkv::ValidateDescriptor(d, arena, limits);
+  if (result.ok()) {
+    CheckAccepted(d, arena, limits, *result);
+  } else {
+    const flexkv::Status& st = result.status();
+    Require(st.code() == StatusCode::kInvalidArgument || st.code() == StatusCode::kOutOfRange ||
+            st.code() == StatusCode::kFailedPrecondition);
+    Require(!st.message().empty());
+    // FAILED_PRECONDITION only for Load/Store with nothing registered; everything else is the descriptor's fault.
+    if (st.code() == StatusCode::kFailedPrecondition) {
+      Require(limits.registered_blocks == 0 && (d.opcode == 2 || d.opcode == 3));
+    }
+  }
+  // Pure: the same input gives the same answer.
+  const auto again = flexkv::ValidateDescriptor(d, arena, limits);
+  Require(again.ok() == result.ok());
+  if (!result.ok()) {
+    Require(again.status().code() == result.status().code() && again.status().message() == result.status().message());
+  }
+
+  // The handle check, after an accepted descriptor, against a table of handles 1..4.
+  if (result.ok()) {
+    std::optional<size_t> held;
+    if (d.match_handle >= 1 && d.match_handle <= 4 && handle_blocks[d.match_handle - 1] != 0) {
+      held = handle_blocks[d.match_handle - 1];
+    }
+    const flexkv::Status use = flexkv::ValidateHandleUse(d, held);
+    const auto op = static_cast<RingOp>(d.opcode);
+    if (op == RingOp::kMatch || op == RingOp::kStore) {
+      Require(use.ok());
+    } else if (use.ok()) {
+      Require(held.has_value());
+      if (op == RingOp::kLoad) Require(d.count <= *held);
+    } else {
+      Require(!use.message().empty());
+      Require(held ? use.code() == StatusCode::kOutOfRange && op == RingOp::kLoad && d.count > *held
+                   : use.code() == StatusCode::kNotFound);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,273 @@
+// ValidateDescriptor and ValidateHandleUse (daemon/dataplane/descriptor_validation.h): valid descriptors of
+// every opcode are accepted with their payload copied out of the arena; each kind of bad field is refused
+// with its code and a message naming the field and the value.
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "daemon/dataplane/descriptor_validation.h"
+
+namespace {
+
+using flexkv::BlockKey;
+using flexkv::DescriptorLimits;
+using flexkv::DescriptorPayload;
+using flexkv::RingOp;
+using flexkv::StatusCode;
+using flexkv::SubmitDescriptor;
+
+constexpr uint64_t kArenaBytes = 4096;
+constexpr uint32_t kRegistered = 8;
+constexpr uint64_t kKeysAt = 64;   // 4 keys
+constexpr uint64_t kIdsAt = 256;   // ids 0..7
+constexpr uint64_t kBadIdAt = 512; // {3, kRegistered}
+constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+
+// An arena with four recognisable keys at kKeysAt and block ids at kIdsAt and kBadIdAt.
+struct Arena {
+  alignas(64) uint8_t bytes[kArenaBytes] = {};
+  Arena() {
+    for (uint64_t i = 0; i < 4; ++i) {
+      const BlockKey k{0x1000 + i, 0xabc0 + i};
+      std::memcpy(bytes + kKeysAt + 16 * i, &k, sizeof(k));
+    }
+    for (uint32_t i = 0; i < kRegistered; ++i) std::memcpy(bytes + kIdsAt + 4 * i, &i, 4);
+    const uint32_t bad[2] = {3, kRegistered};
+    std::memcpy(bytes + kBadIdAt, bad, sizeof(bad));
+  }
+  std::span<const uint8_t> span() const { return {bytes, kArenaBytes}; }
+};
+
+DescriptorLimits Limits(uint32_t registered = kRegistered) {
+  DescriptorLimits l;
+  l.max_blocks_per_request = 64;
+  l.registered_blocks = registered;
+  return l;
+}
+
+SubmitDescriptor Desc(RingOp op, uint32_t count, uint16_t flags = 0) {
+  SubmitDescriptor d{};
+  d.user_data = 7;
+  d.opcode = static_cast<uint16_t>(op);
+  d.flags = flags;
+  d.count = count;
+  d.keys_offset = kKeysAt;
+  d.block_ids_offset = kIdsAt;
+  d.match_handle = 1;
+  return d;
+}
+
+// The refusal of `d`, checked for its code and for `mentions` in its message.
+void ExpectRefused(const SubmitDescriptor& d, StatusCode code, const std::string& mentions,
+                   const DescriptorLimits& limits = Limits()) {
+  const Arena arena;
+  const auto r = flexkv::ValidateDescriptor(d, arena.span(), limits);
+  REQUIRE_FALSE(r.ok());
+  INFO(r.status().ToString());
+  CHECK(r.status().code() == code);
+  CHECK_THAT(r.status().message(), Catch::Contains(mentions));
+}
+
+}  // namespace
+
+TEST_CASE("descriptor validation: valid descriptors of every opcode are accepted with their payload copied",
+          "[unit]") {
+  const Arena arena;
+  SECTION("Match, with and without pin") {
+    for (const uint16_t flags : {uint16_t{0}, flexkv::kMatchFlagPin}) {
+      const auto r = flexkv::ValidateDescriptor(Desc(RingOp::kMatch, 4, flags), arena.span(), Limits());
+      REQUIRE(r.ok());
+      REQUIRE(r->keys.size() == 4);
+      CHECK(r->keys[0] == BlockKey{0x1000, 0xabc0});
+      CHECK(r->keys[3] == BlockKey{0x1003, 0xabc3});
+      CHECK(r->block_ids.empty());
+    }
+  }
+  SECTION("Store: keys and ids") {
+    const auto r = flexkv::ValidateDescriptor(Desc(RingOp::kStore, 4), arena.span(), Limits());
+    REQUIRE(r.ok());
+    CHECK(r->keys.size() == 4);
+    CHECK(r->block_ids == std::vector<uint32_t>{0, 1, 2, 3});
+  }
+  SECTION("Load, layer-wise too: ids only") {
+    for (const uint16_t flags : {uint16_t{0}, flexkv::kLoadFlagLayerwise}) {
+      const auto r = flexkv::ValidateDescriptor(Desc(RingOp::kLoad, kRegistered, flags), arena.span(), Limits());
+      REQUIRE(r.ok());
+      CHECK(r->keys.empty());
+      CHECK(r->block_ids == std::vector<uint32_t>{0, 1, 2, 3, 4, 5, 6, 7});
+    }
+  }
+  SECTION("Release: count, offsets and registration do not matter") {
+    SubmitDescriptor d = Desc(RingOp::kRelease, 0);
+    d.keys_offset = kMax;
+    d.block_ids_offset = 3;
+    const auto r = flexkv::ValidateDescriptor(d, arena.span(), Limits(/*registered=*/0));
+    REQUIRE(r.ok());
+    CHECK(r->keys.empty());
+    CHECK(r->block_ids.empty());
+  }
+  SECTION("ranges that end exactly at the arena end, and count == max") {
+    SubmitDescriptor d = Desc(RingOp::kStore, 1);
+    d.keys_offset = kArenaBytes - 16;
+    d.block_ids_offset = kArenaBytes - 4;
+    CHECK(flexkv::ValidateDescriptor(d, arena.span(), Limits()).ok());
+    DescriptorLimits wide = Limits();
+    wide.max_blocks_per_request = 4096 / 16;
+    SubmitDescriptor all = Desc(RingOp::kMatch, 4096 / 16);
+    all.keys_offset = 0;
+    CHECK(flexkv::ValidateDescriptor(all, arena.span(), wide).ok());
+  }
+  SECTION("Match needs no registered KV buffers") {
+    CHECK(flexkv::ValidateDescriptor(Desc(RingOp::kMatch, 1), arena.span(), Limits(/*registered=*/0)).ok());
+  }
+}
+
+TEST_CASE("descriptor validation: reserved words, opcodes and flags are refused with INVALID_ARGUMENT", "[unit]") {
+  for (int i = 0; i < 3; ++i) {
+    SubmitDescriptor d = Desc(RingOp::kMatch, 1);
+    d.reserved[i] = 42;
+    ExpectRefused(d, StatusCode::kInvalidArgument, "reserved[" + std::to_string(i) + "] is 42; expected 0");
+  }
+  SubmitDescriptor release = Desc(RingOp::kRelease, 0);
+  release.reserved[2] = kMax;
+  ExpectRefused(release, StatusCode::kInvalidArgument, "reserved[2]");
+
+  for (const uint16_t opcode : {uint16_t{0}, uint16_t{5}, uint16_t{0xffff}}) {
+    SubmitDescriptor d = Desc(RingOp::kMatch, 1);
+    d.opcode = opcode;
+    ExpectRefused(d, StatusCode::kInvalidArgument, "opcode " + std::to_string(opcode) + " is unknown; expected 1..4");
+  }
+
+  ExpectRefused(Desc(RingOp::kMatch, 1, 0x2), StatusCode::kInvalidArgument, "flags 0x2 are not valid for opcode 1");
+  ExpectRefused(Desc(RingOp::kLoad, 1, 0x8000), StatusCode::kInvalidArgument, "flags 0x8000");
+  ExpectRefused(Desc(RingOp::kStore, 1, flexkv::kMatchFlagPin), StatusCode::kInvalidArgument,
+                "expected a subset of 0x0");
+  ExpectRefused(Desc(RingOp::kRelease, 0, 1), StatusCode::kInvalidArgument, "flags 0x1");
+}
+
+TEST_CASE("descriptor validation: counts outside 1..max are refused with INVALID_ARGUMENT", "[unit]") {
+  for (const RingOp op : {RingOp::kMatch, RingOp::kLoad, RingOp::kStore}) {
+    ExpectRefused(Desc(op, 0), StatusCode::kInvalidArgument, "count 0 is out of range; expected 1..64");
+    ExpectRefused(Desc(op, 65), StatusCode::kInvalidArgument, "count 65");
+    ExpectRefused(Desc(op, std::numeric_limits<uint32_t>::max()), StatusCode::kInvalidArgument, "count 4294967295");
+  }
+}
+
+TEST_CASE("descriptor validation: arena ranges outside, overflowing or unaligned are refused with OUT_OF_RANGE",
+          "[unit]") {
+  struct Bad {
+    const char* what;
+    RingOp op;
+    uint32_t count;
+    uint64_t keys_offset, ids_offset;
+    const char* mentions;
+  };
+  const Bad cases[] = {
+      {"keys past the end", RingOp::kMatch, 1, kArenaBytes + 16, kIdsAt, "keys [4112, +16) are outside the 4096-byte arena"},
+      {"keys at the end", RingOp::kMatch, 1, kArenaBytes, kIdsAt, "keys [4096, +16)"},
+      {"keys straddling the end", RingOp::kStore, 2, kArenaBytes - 16, kIdsAt, "keys [4080, +32)"},
+      {"keys offset + length overflowing", RingOp::kMatch, 2, kMax - 15, kIdsAt, "keys [18446744073709551600, +32)"},
+      {"keys unaligned", RingOp::kMatch, 1, 3, kIdsAt, "keys at offset 3 are unaligned; expected a multiple of 8"},
+      {"keys 4-aligned only", RingOp::kStore, 1, 4, kIdsAt, "keys at offset 4 are unaligned"},
+      {"ids past the end", RingOp::kLoad, 1, kKeysAt, kArenaBytes, "block ids [4096, +4)"},
+      {"ids straddling the end", RingOp::kLoad, 2, kKeysAt, kArenaBytes - 4, "block ids [4092, +8)"},
+      {"ids overflowing", RingOp::kStore, 4, kKeysAt, kMax - 3, "block ids [18446744073709551612, +16)"},
+      {"ids unaligned", RingOp::kStore, 1, kKeysAt, kIdsAt + 2, "block ids at offset 258 are unaligned"},
+  };
+  for (const Bad& b : cases) {
+    INFO(b.what);
+    SubmitDescriptor d = Desc(b.op, b.count);
+    d.keys_offset = b.keys_offset;
+    d.block_ids_offset = b.ids_offset;
+    ExpectRefused(d, StatusCode::kOutOfRange, b.mentions);
+  }
+  // Offsets an opcode does not use are not looked at.
+  SubmitDescriptor match = Desc(RingOp::kMatch, 1);
+  match.block_ids_offset = kMax;
+  CHECK(flexkv::ValidateDescriptor(match, Arena().span(), Limits()).ok());
+  SubmitDescriptor load = Desc(RingOp::kLoad, 1);
+  load.keys_offset = kMax;
+  CHECK(flexkv::ValidateDescriptor(load, Arena().span(), Limits()).ok());
+}
+
+TEST_CASE("descriptor validation: block ids at or past the registered blocks are refused with OUT_OF_RANGE",
+          "[unit]") {
+  for (const RingOp op : {RingOp::kLoad, RingOp::kStore}) {
+    SubmitDescriptor d = Desc(op, 2);
+    d.block_ids_offset = kBadIdAt;
+    ExpectRefused(d, StatusCode::kOutOfRange, "block id 8 at 1 is outside the 8 registered blocks; expected 0..7");
+    // Fewer registered blocks than the ids reach.
+    ExpectRefused(Desc(op, 8), StatusCode::kOutOfRange, "block id 4 at 4 is outside the 4 registered blocks",
+                  Limits(/*registered=*/4));
+  }
+}
+
+TEST_CASE("descriptor validation: Load and Store without registered KV buffers get FAILED_PRECONDITION", "[unit]") {
+  ExpectRefused(Desc(RingOp::kStore, 1), StatusCode::kFailedPrecondition,
+                "Store: no KV buffers registered (RegisterKv)", Limits(0));
+  DescriptorLimits gpu = Limits(0);
+  gpu.kv_missing = "tp rank 1 of 2 has not registered its GPU KV buffers";
+  ExpectRefused(Desc(RingOp::kLoad, 1), StatusCode::kFailedPrecondition,
+                "Load: tp rank 1 of 2 has not registered its GPU KV buffers", gpu);
+  // The descriptor's own errors come first.
+  ExpectRefused(Desc(RingOp::kStore, 0), StatusCode::kInvalidArgument, "count 0", Limits(0));
+}
+
+TEST_CASE("descriptor validation: the first bad field is reported, in the documented order", "[unit]") {
+  SubmitDescriptor d = Desc(RingOp::kStore, 0, 1);
+  d.opcode = 9;
+  d.reserved[1] = 1;
+  d.keys_offset = 3;
+  ExpectRefused(d, StatusCode::kInvalidArgument, "reserved[1]");
+  d.reserved[1] = 0;
+  ExpectRefused(d, StatusCode::kInvalidArgument, "opcode 9");
+  d.opcode = static_cast<uint16_t>(RingOp::kStore);
+  ExpectRefused(d, StatusCode::kInvalidArgument, "flags 0x1");
+  d.flags = 0;
+  ExpectRefused(d, StatusCode::kInvalidArgument, "count 0");
+  d.count = 1;
+  ExpectRefused(d, StatusCode::kOutOfRange, "keys at offset 3");
+  d.keys_offset = kKeysAt;
+  d.block_ids_offset = kBadIdAt + 4;  // id kRegistered
+  ExpectRefused(d, StatusCode::kOutOfRange, "block id 8 at 0");
+}
+
+TEST_CASE("descriptor validation: match handles the session does not hold, or Loads past their blocks, are refused",
+          "[unit]") {
+  using flexkv::ValidateHandleUse;
+  CHECK(ValidateHandleUse(Desc(RingOp::kLoad, 2), 2).ok());
+  CHECK(ValidateHandleUse(Desc(RingOp::kLoad, 1), 2).ok());
+  CHECK(ValidateHandleUse(Desc(RingOp::kRelease, 0), 2).ok());
+  // Match and Store do not use a handle.
+  CHECK(ValidateHandleUse(Desc(RingOp::kMatch, 3), std::nullopt).ok());
+  CHECK(ValidateHandleUse(Desc(RingOp::kStore, 3), std::nullopt).ok());
+
+  SubmitDescriptor unknown = Desc(RingOp::kLoad, 1);
+  unknown.match_handle = 0xdeadbeef;
+  const flexkv::Status not_held = ValidateHandleUse(unknown, std::nullopt);
+  CHECK(not_held.code() == StatusCode::kNotFound);
+  CHECK(not_held.message() == "match handle 3735928559 is not held by this session");
+  SubmitDescriptor release = Desc(RingOp::kRelease, 0);
+  release.match_handle = 0;
+  CHECK(ValidateHandleUse(release, std::nullopt).code() == StatusCode::kNotFound);
+
+  const flexkv::Status too_many = ValidateHandleUse(Desc(RingOp::kLoad, 3), 2);
+  CHECK(too_many.code() == StatusCode::kOutOfRange);
+  CHECK(too_many.message() == "count 3 exceeds the 2 blocks of match handle 1");
+}
+
+TEST_CASE("descriptor validation: the payload is a copy, later writes to the arena do not reach it", "[unit]") {
+  // The client owns the arena and may rewrite it at any time: what was checked must be what is used.
+  Arena arena;
+  const auto r = flexkv::ValidateDescriptor(Desc(RingOp::kLoad, 2), arena.span(), Limits());
+  REQUIRE(r.ok());
+  const uint32_t huge = std::numeric_limits<uint32_t>::max();
+  std::memcpy(arena.bytes + kIdsAt, &huge, 4);
+  CHECK(r->block_ids == std::vector<uint32_t>{0, 1});
+}
