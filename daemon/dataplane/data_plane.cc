@@ -167,6 +167,10 @@ Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const 
   s->hdr->arena_offset = s->rg.arena_offset();
   s->hdr->arena_bytes = s->rg.arena_bytes;
   s->hdr->total_bytes = bytes;
+  // The poller may be parked in epoll_wait with a session list that lacks this one: until it picks the
+  // session up (and clears the flag, below in PollerLoop) the client must ring the doorbell, which epoll
+  // already watches. Starting at 0 made a new session's first request wait out the 200 ms park.
+  s->hdr->daemon_parked.value.store(1, std::memory_order_seq_cst);
   // The client can neither shrink nor grow the mapping under the daemon, nor remove these seals.
   if (fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     return Status::Internal(fmt::format("sealing the ring memfd: {}", ErrnoText(errno)));
@@ -695,6 +699,8 @@ void DataPlane::PollerLoop() {
       seen_generation = generation_.load();
       active.clear();
       for (auto& [id, s] : sessions_) active.push_back(s);
+      // Awake: new sessions (which start "parked", see OpenSession) may stop ringing the doorbell.
+      for (auto& s : active) s->hdr->daemon_parked.value.store(0, std::memory_order_seq_cst);
     }
     bool work = false;
     for (auto& s : active) {
