@@ -1,7 +1,10 @@
 // C ABI over flexkv::Client; see flexkv/c.h.
 #include "flexkv/c.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <exception>
+#include <new>
 #include <memory>
 #include <span>
 #include <string>
@@ -66,6 +69,27 @@ int BadLayout(int layout) {
       "layout " + std::to_string(layout) + " is not valid; expected 1 (LAYER_FIRST), 2 (BLOCK_FIRST) or 3 (LAYER_BLOCK)"));
 }
 
+// Every entry point runs inside this: no C++ exception (e.g. std::bad_alloc for a huge key count) may cross
+// the C ABI into the engine.
+template <typename F>
+int Guarded(F&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return Record(flexkv::Status::ResourceExhausted("out of memory in libflexkv"));
+  } catch (const std::exception& e) {
+    return Record(flexkv::Status::Internal(std::string("libflexkv: ") + e.what()));
+  } catch (...) {
+    return Record(flexkv::Status::Internal("libflexkv: unknown exception"));
+  }
+}
+
+// Waits longer than a year are taken as a year (the C idiom INT64_MAX for "forever" would overflow the clock).
+std::chrono::microseconds WaitTimeout(int64_t timeout_us) {
+  constexpr int64_t kYearUs = 365LL * 24 * 3600 * 1000000;
+  return std::chrono::microseconds(std::clamp<int64_t>(timeout_us, 0, kYearUs));
+}
+
 }  // namespace
 
 extern "C" {
@@ -73,196 +97,235 @@ extern "C" {
 int flexkv_compute_block_keys(const char* model_namespace, size_t namespace_len, const int32_t* tokens,
                               size_t n_tokens, uint32_t tokens_per_block, flexkv_block_key* out, size_t capacity,
                               size_t* count) {
-  if (count == nullptr) return NullArgument("count");
-  if (model_namespace == nullptr && namespace_len > 0) return NullArgument("model_namespace");
-  if (tokens == nullptr && n_tokens > 0) return NullArgument("tokens");
-  if (out == nullptr && capacity > 0) return NullArgument("out");
-  if (tokens_per_block == 0) return Record(flexkv::Status::InvalidArgument("tokens_per_block is 0; expected > 0"));
-  const auto keys = flexkv::ComputeBlockKeys(std::string_view(model_namespace == nullptr ? "" : model_namespace, namespace_len),
-                                             std::span<const int32_t>(tokens, n_tokens), tokens_per_block);
-  *count = keys.size();
-  for (size_t i = 0; i < keys.size() && i < capacity; ++i) out[i] = {keys[i].lo, keys[i].hi};
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (count == nullptr) return NullArgument("count");
+    if (model_namespace == nullptr && namespace_len > 0) return NullArgument("model_namespace");
+    if (tokens == nullptr && n_tokens > 0) return NullArgument("tokens");
+    if (out == nullptr && capacity > 0) return NullArgument("out");
+    if (tokens_per_block == 0) return Record(flexkv::Status::InvalidArgument("tokens_per_block is 0; expected > 0"));
+    const auto keys = flexkv::ComputeBlockKeys(std::string_view(model_namespace == nullptr ? "" : model_namespace, namespace_len),
+                                               std::span<const int32_t>(tokens, n_tokens), tokens_per_block);
+    *count = keys.size();
+    for (size_t i = 0; i < keys.size() && i < capacity; ++i) out[i] = {keys[i].lo, keys[i].hi};
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 int flexkv_connect(const char* socket_path, int timeout_ms, flexkv_client** out, char* error_buf, size_t error_len) {
-  if (out == nullptr) return NullArgument("out");
-  *out = nullptr;
-  flexkv::ConnectOptions options;
-  if (socket_path != nullptr) options.socket_path = socket_path;
-  if (timeout_ms >= 0) options.connect_timeout = std::chrono::milliseconds(timeout_ms);
-  auto client = flexkv::Client::Connect(options);
-  if (!client.ok()) {
-    CopyText(client.status().ToString(), error_buf, error_len);
-    return Record(client.status());
-  }
-  *out = new flexkv_client{std::move(*client)};
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (out == nullptr) return NullArgument("out");
+    *out = nullptr;
+    flexkv::ConnectOptions options;
+    if (socket_path != nullptr) options.socket_path = socket_path;
+    if (timeout_ms >= 0) options.connect_timeout = std::chrono::milliseconds(timeout_ms);
+    auto client = flexkv::Client::Connect(options);
+    if (!client.ok()) {
+      CopyText(client.status().ToString(), error_buf, error_len);
+      return Record(client.status());
+    }
+    *out = new flexkv_client{std::move(*client)};
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 int flexkv_attach(flexkv_client* c, const char* client_name, const char* model_namespace, uint32_t dp_rank,
                   uint32_t tp_rank, const flexkv_geometry* g, uint64_t* session_id) {
-  if (c == nullptr) return NullArgument("client");
-  if (g == nullptr) return NullArgument("geometry");
-  if (model_namespace == nullptr) return NullArgument("model_namespace");
-  flexkv::AttachOptions o;
-  o.client_name = client_name != nullptr ? client_name : "";
-  o.model_namespace = model_namespace;
-  o.dp_rank = dp_rank;
-  o.tp_rank = tp_rank;
-  o.geometry = flexkv::Geometry{g->tokens_per_block, g->num_layers,  g->kv_planes, g->kv_heads_per_rank,
-                                g->head_dim,         g->dtype_bytes, g->tp_size};
-  auto info = c->client->Attach(o);
-  if (!info.ok()) return Record(info.status());
-  if (session_id != nullptr) *session_id = info->session_id;
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (g == nullptr) return NullArgument("geometry");
+    if (model_namespace == nullptr) return NullArgument("model_namespace");
+    flexkv::AttachOptions o;
+    o.client_name = client_name != nullptr ? client_name : "";
+    o.model_namespace = model_namespace;
+    o.dp_rank = dp_rank;
+    o.tp_rank = tp_rank;
+    o.geometry = flexkv::Geometry{g->tokens_per_block, g->num_layers,  g->kv_planes, g->kv_heads_per_rank,
+                                  g->head_dim,         g->dtype_bytes, g->tp_size};
+    auto info = c->client->Attach(o);
+    if (!info.ok()) return Record(info.status());
+    if (session_id != nullptr) *session_id = info->session_id;
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 int flexkv_detach(flexkv_client* c) {
-  if (c == nullptr) return NullArgument("client");
-  return Record(c->client->Detach());
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    return Record(c->client->Detach());
+  });
 }
 
 int flexkv_get_status(flexkv_client* c, flexkv_daemon_status* out) {
-  if (c == nullptr) return NullArgument("client");
-  if (out == nullptr) return NullArgument("out");
-  auto s = c->client->GetStatus();
-  if (!s.ok()) return Record(s.status());
-  *out = flexkv_daemon_status{};
-  CopyText(s->state, out->state, sizeof(out->state));
-  CopyText(s->version, out->version, sizeof(out->version));
-  out->pid = s->pid;
-  out->uptime_s = s->uptime_s;
-  out->block_bytes = s->pool.block_bytes;
-  out->capacity_blocks = s->pool.capacity_blocks;
-  out->used_blocks = s->pool.used_blocks;
-  out->pinned_blocks = s->pool.pinned_blocks;
-  out->index_blocks = s->index_blocks;
-  out->sessions = s->sessions;
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (out == nullptr) return NullArgument("out");
+    auto s = c->client->GetStatus();
+    if (!s.ok()) return Record(s.status());
+    *out = flexkv_daemon_status{};
+    CopyText(s->state, out->state, sizeof(out->state));
+    CopyText(s->version, out->version, sizeof(out->version));
+    out->pid = s->pid;
+    out->uptime_s = s->uptime_s;
+    out->block_bytes = s->pool.block_bytes;
+    out->capacity_blocks = s->pool.capacity_blocks;
+    out->used_blocks = s->pool.used_blocks;
+    out->pinned_blocks = s->pool.pinned_blocks;
+    out->index_blocks = s->index_blocks;
+    out->sessions = s->sessions;
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 int flexkv_drain(flexkv_client* c, char* state_out, size_t state_len) {
-  if (c == nullptr) return NullArgument("client");
-  auto state = c->client->Drain();
-  if (!state.ok()) return Record(state.status());
-  CopyText(*state, state_out, state_len);
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    auto state = c->client->Drain();
+    if (!state.ok()) return Record(state.status());
+    CopyText(*state, state_out, state_len);
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 int flexkv_resume(flexkv_client* c, char* state_out, size_t state_len) {
-  if (c == nullptr) return NullArgument("client");
-  auto state = c->client->Resume();
-  if (!state.ok()) return Record(state.status());
-  CopyText(*state, state_out, state_len);
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    auto state = c->client->Resume();
+    if (!state.ok()) return Record(state.status());
+    CopyText(*state, state_out, state_len);
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 int flexkv_check_health(flexkv_client* c) {
-  if (c == nullptr) return NullArgument("client");
-  return Record(c->client->CheckHealth());
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    return Record(c->client->CheckHealth());
+  });
 }
 
 int flexkv_create_host_kv(flexkv_client* c, int layout, uint32_t num_blocks, void** data, uint64_t* bytes) {
-  if (c == nullptr) return NullArgument("client");
-  if (data == nullptr) return NullArgument("data");
-  if (bytes == nullptr) return NullArgument("bytes");
-  if (!ValidLayout(layout)) return BadLayout(layout);
-  auto kv = c->client->CreateHostKv(static_cast<flexkv::KvLayout>(layout), num_blocks);
-  if (!kv.ok()) return Record(kv.status());
-  *data = kv->data;
-  *bytes = kv->bytes;
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (data == nullptr) return NullArgument("data");
+    if (bytes == nullptr) return NullArgument("bytes");
+    if (!ValidLayout(layout)) return BadLayout(layout);
+    auto kv = c->client->CreateHostKv(static_cast<flexkv::KvLayout>(layout), num_blocks);
+    if (!kv.ok()) return Record(kv.status());
+    *data = kv->data;
+    *bytes = kv->bytes;
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 int flexkv_describe_gpu_kv(int layout, void* const* regions, size_t n_regions, uint64_t region_bytes,
                            uint32_t num_blocks, uint32_t tp_rank, flexkv_gpu_kv** out) {
-  if (out == nullptr) return NullArgument("out");
-  *out = nullptr;
-  if (regions == nullptr && n_regions > 0) return NullArgument("regions");
-  if (!ValidLayout(layout)) return BadLayout(layout);
-  auto reg = flexkv::DescribeGpuKv(static_cast<flexkv::KvLayout>(layout), std::span<void* const>(regions, n_regions),
-                                   region_bytes, num_blocks, tp_rank);
-  if (!reg.ok()) return Record(reg.status());
-  *out = new flexkv_gpu_kv{std::move(*reg)};
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (out == nullptr) return NullArgument("out");
+    *out = nullptr;
+    if (regions == nullptr && n_regions > 0) return NullArgument("regions");
+    if (!ValidLayout(layout)) return BadLayout(layout);
+    auto reg = flexkv::DescribeGpuKv(static_cast<flexkv::KvLayout>(layout), std::span<void* const>(regions, n_regions),
+                                     region_bytes, num_blocks, tp_rank);
+    if (!reg.ok()) return Record(reg.status());
+    *out = new flexkv_gpu_kv{std::move(*reg)};
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 const char* flexkv_gpu_kv_uuid(const flexkv_gpu_kv* kv) { return kv == nullptr ? "" : kv->registration.gpu_uuid.c_str(); }
 
 int flexkv_register_gpu_kv(flexkv_client* c, const flexkv_gpu_kv* kv) {
-  if (c == nullptr) return NullArgument("client");
-  if (kv == nullptr) return NullArgument("kv");
-  return Record(c->client->RegisterGpuKv(kv->registration));
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (kv == nullptr) return NullArgument("kv");
+    return Record(c->client->RegisterGpuKv(kv->registration));
+  });
 }
 
 void flexkv_gpu_kv_free(flexkv_gpu_kv* kv) { delete kv; }
 
 int flexkv_match(flexkv_client* c, const flexkv_block_key* keys, size_t n_keys, int pin, uint64_t* ticket) {
-  if (c == nullptr) return NullArgument("client");
-  if (keys == nullptr && n_keys > 0) return NullArgument("keys");
-  if (ticket == nullptr) return NullArgument("ticket");
-  return Submitted(c->client->Match(Keys(keys, n_keys), pin != 0), ticket);
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (keys == nullptr && n_keys > 0) return NullArgument("keys");
+    if (ticket == nullptr) return NullArgument("ticket");
+    return Submitted(c->client->Match(Keys(keys, n_keys), pin != 0), ticket);
+  });
 }
 
 int flexkv_load(flexkv_client* c, uint64_t match_handle, const uint32_t* dst_block_ids, size_t n_blocks, int layerwise,
                 uint64_t* ticket) {
-  if (c == nullptr) return NullArgument("client");
-  if (dst_block_ids == nullptr && n_blocks > 0) return NullArgument("dst_block_ids");
-  if (ticket == nullptr) return NullArgument("ticket");
-  return Submitted(c->client->Load(match_handle, std::span<const uint32_t>(dst_block_ids, n_blocks), layerwise != 0),
-                   ticket);
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (dst_block_ids == nullptr && n_blocks > 0) return NullArgument("dst_block_ids");
+    if (ticket == nullptr) return NullArgument("ticket");
+    return Submitted(c->client->Load(match_handle, std::span<const uint32_t>(dst_block_ids, n_blocks), layerwise != 0),
+                     ticket);
+  });
 }
 
 int flexkv_store(flexkv_client* c, const flexkv_block_key* keys, const uint32_t* src_block_ids, size_t n,
                  uint64_t* ticket) {
-  if (c == nullptr) return NullArgument("client");
-  if ((keys == nullptr || src_block_ids == nullptr) && n > 0) return NullArgument("keys and src_block_ids");
-  if (ticket == nullptr) return NullArgument("ticket");
-  return Submitted(c->client->Store(Keys(keys, n), std::span<const uint32_t>(src_block_ids, n)), ticket);
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if ((keys == nullptr || src_block_ids == nullptr) && n > 0) return NullArgument("keys and src_block_ids");
+    if (ticket == nullptr) return NullArgument("ticket");
+    return Submitted(c->client->Store(Keys(keys, n), std::span<const uint32_t>(src_block_ids, n)), ticket);
+  });
 }
 
 int flexkv_release(flexkv_client* c, uint64_t match_handle, uint64_t* ticket) {
-  if (c == nullptr) return NullArgument("client");
-  if (ticket == nullptr) return NullArgument("ticket");
-  return Submitted(c->client->Release(match_handle), ticket);
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (ticket == nullptr) return NullArgument("ticket");
+    return Submitted(c->client->Release(match_handle), ticket);
+  });
 }
 
 int flexkv_match_via_control(flexkv_client* c, const flexkv_block_key* keys, size_t n_keys, uint32_t* matched) {
-  if (c == nullptr) return NullArgument("client");
-  if (keys == nullptr && n_keys > 0) return NullArgument("keys");
-  if (matched == nullptr) return NullArgument("matched");
-  auto m = c->client->MatchViaControl(Keys(keys, n_keys));
-  if (!m.ok()) return Record(m.status());
-  *matched = *m;
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (keys == nullptr && n_keys > 0) return NullArgument("keys");
+    if (matched == nullptr) return NullArgument("matched");
+    auto m = c->client->MatchViaControl(Keys(keys, n_keys));
+    if (!m.ok()) return Record(m.status());
+    *matched = *m;
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 int flexkv_wait(flexkv_client* c, uint64_t ticket, int64_t timeout_us, flexkv_op_result* out) {
-  if (c == nullptr) return NullArgument("client");
-  if (out == nullptr) return NullArgument("out");
-  auto r = c->client->Wait(flexkv::Ticket{ticket}, std::chrono::microseconds(timeout_us < 0 ? 0 : timeout_us));
-  if (!r.ok()) return Record(r.status());
-  return FillResult(*r, out);
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (out == nullptr) return NullArgument("out");
+    auto r = c->client->Wait(flexkv::Ticket{ticket}, WaitTimeout(timeout_us));
+    if (!r.ok()) return Record(r.status());
+    return FillResult(*r, out);
+  });
 }
 
 int flexkv_try_wait(flexkv_client* c, uint64_t ticket, flexkv_op_result* out) {
-  if (c == nullptr) return NullArgument("client");
-  if (out == nullptr) return NullArgument("out");
-  auto r = c->client->TryWait(flexkv::Ticket{ticket});
-  if (!r.has_value()) {
-    return Record(flexkv::Status::DeadlineExceeded("request " + std::to_string(ticket) + " has not ended (or is unknown)"));
-  }
-  return FillResult(*r, out);
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (out == nullptr) return NullArgument("out");
+    if (!c->client->attached()) return Record(flexkv::Status::FailedPrecondition("not attached: call flexkv_attach first"));
+    auto r = c->client->TryWait(flexkv::Ticket{ticket});
+    if (!r.has_value()) {
+      return Record(flexkv::Status::DeadlineExceeded("request " + std::to_string(ticket) + " has not ended (or is unknown)"));
+    }
+    return FillResult(*r, out);
+  });
 }
 
 int flexkv_wait_layers(flexkv_client* c, uint64_t ticket, uint32_t layers, int64_t timeout_us, uint32_t* landed) {
-  if (c == nullptr) return NullArgument("client");
-  if (landed == nullptr) return NullArgument("landed");
-  auto r = c->client->WaitLayers(flexkv::Ticket{ticket}, layers, std::chrono::microseconds(timeout_us < 0 ? 0 : timeout_us));
-  if (!r.ok()) return Record(r.status());
-  *landed = *r;
-  return Record(flexkv::Status::Ok());
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (landed == nullptr) return NullArgument("landed");
+    auto r = c->client->WaitLayers(flexkv::Ticket{ticket}, layers, WaitTimeout(timeout_us));
+    if (!r.ok()) return Record(r.status());
+    *landed = *r;
+    return Record(flexkv::Status::Ok());
+  });
 }
 
 const char* flexkv_last_error(void) { return last_error.c_str(); }

@@ -42,17 +42,30 @@ struct Client::Impl {
   uint64_t session_id = 0;         // guarded by mu; 0 = not attached
   std::string session_token;       // guarded by mu
   UniqueFd session_channel;        // guarded by mu
-  std::unique_ptr<SessionRings> rings;  // set at Attach; guarded by mu (pointer), thread-safe itself
+  // Set at Attach; guarded by mu (the pointer), thread-safe itself. Each data-plane call holds its own
+  // reference, so a re-Attach that drops a lost session's rings never frees them under a running call.
+  std::shared_ptr<SessionRings> rings;
   uint8_t* kv_data = nullptr;      // guarded by mu
   uint64_t kv_bytes = 0;
+  // Host KV mappings of sessions the daemon lost: the engine may still hold pointers into them, so they stay
+  // mapped until Detach or destruction (HostKvBuffers' contract), never reused.
+  std::vector<std::pair<uint8_t*, uint64_t>> retired_kv;  // guarded by mu
   uint32_t next_fd_tag = 1;
 
-  SessionRings* Rings() {
+  std::shared_ptr<SessionRings> Rings() {
     std::lock_guard lock(mu);
-    return rings.get();
+    return rings;
   }
   void UnmapKv() {
     if (kv_data != nullptr) munmap(kv_data, kv_bytes);
+    kv_data = nullptr;
+    kv_bytes = 0;
+    for (const auto& [p, n] : retired_kv) munmap(p, n);
+    retired_kv.clear();
+  }
+  // The session is gone on the daemon's side: keep its host KV mapped (see retired_kv) but forget it.
+  void RetireKv() {
+    if (kv_data != nullptr) retired_kv.emplace_back(kv_data, kv_bytes);
     kv_data = nullptr;
     kv_bytes = 0;
   }
@@ -68,9 +81,19 @@ struct Client::Impl {
     offer.tag = tag;
     Status st = SendWithFds(session_channel.get(), &offer, sizeof(offer), std::span<const int>(&fd, 1));
     ChannelMessage ack{};
-    if (st.ok()) st = RecvWithFds(session_channel.get(), &ack, sizeof(ack), nullptr);
-    if (st.ok() && (ack.type != static_cast<uint32_t>(ChannelMessageType::kOfferFdAck) || ack.tag != tag)) {
-      st = Status::Internal("unexpected reply on the session channel");
+    // Acks come in offer order; one that arrives after its offer timed out is read (and dropped) here.
+    do {
+      if (st.ok()) st = RecvWithFds(session_channel.get(), &ack, sizeof(ack), nullptr);
+      if (st.code() == StatusCode::kDeadlineExceeded) {
+        st = Status::DeadlineExceeded(fmt::format("the daemon did not acknowledge the {} within {} ms", what,
+                                                  options.call_timeout.count()));
+      }
+    } while (st.ok() && std::memcmp(ack.magic, kChannelMessageMagic, 4) == 0 &&
+             ack.type == static_cast<uint32_t>(ChannelMessageType::kOfferFdAck) && ack.tag < tag);
+    if (st.ok() && (std::memcmp(ack.magic, kChannelMessageMagic, 4) != 0 ||
+                    ack.type != static_cast<uint32_t>(ChannelMessageType::kOfferFdAck) || ack.tag != tag)) {
+      st = Status::Internal(fmt::format("unexpected reply on the session channel (type {}, tag {}; expected the ack of {})",
+                                        ack.type, ack.tag, tag));
     }
     if (st.ok() && ack.status_code != 0) {
       st = Status(static_cast<StatusCode>(ack.status_code),
@@ -142,9 +165,10 @@ Result<SessionInfo> Client::Attach(const AttachOptions& options) {
     if (!lost) {
       return Status::FailedPrecondition(fmt::format("this client is already attached as session {}", impl_->session_id));
     }
+    if (impl_->rings) impl_->rings->Abandon();
     impl_->rings.reset();
     impl_->session_channel.reset();
-    impl_->UnmapKv();
+    impl_->RetireKv();
     impl_->session_id = 0;
     impl_->session_token.clear();
   }
@@ -223,6 +247,7 @@ Status Client::Detach() {
   impl_->Prepare(&ctx);
   Status st = impl_->Call(impl_->stub->Detach(&ctx, req, &resp));
   // Closing the channel ends the session on the daemon side even when the call failed.
+  if (impl_->rings) impl_->rings->Abandon();
   impl_->rings.reset();
   impl_->session_channel.reset();
   impl_->UnmapKv();
@@ -286,14 +311,14 @@ Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks)
 }
 
 Result<Ticket> Client::Match(std::span<const BlockKey> keys, bool pin) {
-  SessionRings* r = impl_->Rings();
+  std::shared_ptr<SessionRings> r = impl_->Rings();
   if (r == nullptr) return NotAttached();
   if (keys.empty()) return Status::InvalidArgument("keys is empty; expected at least one block key");
   return r->Submit(RingOp::kMatch, pin ? kMatchFlagPin : 0, static_cast<uint32_t>(keys.size()), keys, {}, 0);
 }
 
 Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise) {
-  SessionRings* r = impl_->Rings();
+  std::shared_ptr<SessionRings> r = impl_->Rings();
   if (r == nullptr) return NotAttached();
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
   return r->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0, static_cast<uint32_t>(dst_block_ids.size()), {},
@@ -301,7 +326,7 @@ Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst
 }
 
 Result<uint32_t> Client::WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout) {
-  SessionRings* r = impl_->Rings();
+  std::shared_ptr<SessionRings> r = impl_->Rings();
   if (r == nullptr) return NotAttached();
   return r->WaitLayers(ticket, layers, timeout);
 }
@@ -314,6 +339,14 @@ Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
     if (impl_->session_id == 0) return NotAttached();
     req.set_session_id(impl_->session_id);
     req.set_session_token(impl_->session_token);
+    for (size_t ri = 0; ri < reg.regions.size(); ++ri) {  // before any fd is offered
+      for (uint32_t index : reg.regions[ri].vmm_allocations) {
+        if (index >= reg.vmm_allocations.size()) {
+          return Status::InvalidArgument(fmt::format("region {} names vmm allocation {}; there are {}", ri, index,
+                                                     reg.vmm_allocations.size()));
+        }
+      }
+    }
     for (size_t i = 0; i < reg.vmm_allocations.size(); ++i) {
       const auto& a = reg.vmm_allocations[i];
       if (!a.fd || *a.fd < 0) return Status::InvalidArgument(fmt::format("vmm_allocations[{}] has no fd", i));
@@ -333,10 +366,7 @@ Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
     r->set_ipc_handle(region.ipc_handle);
     r->set_offset(region.offset);
     r->set_bytes(region.bytes);
-    for (uint32_t index : region.vmm_allocations) {
-      if (index >= tags.size()) {
-        return Status::InvalidArgument(fmt::format("region {} names vmm allocation {}; there are {}", ri, index, tags.size()));
-      }
+    for (uint32_t index : region.vmm_allocations) {  // indices checked above
       auto* a = r->add_vmm_allocations();
       a->set_fd_tag(tags[index]);
       a->set_bytes(reg.vmm_allocations[index].bytes);
@@ -349,7 +379,7 @@ Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
 }
 
 Result<Ticket> Client::Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids) {
-  SessionRings* r = impl_->Rings();
+  std::shared_ptr<SessionRings> r = impl_->Rings();
   if (r == nullptr) return NotAttached();
   if (keys.empty() || keys.size() != src_block_ids.size()) {
     return Status::InvalidArgument(fmt::format("{} keys and {} source block ids; expected the same non-zero number",
@@ -359,7 +389,7 @@ Result<Ticket> Client::Store(std::span<const BlockKey> keys, std::span<const uin
 }
 
 Result<Ticket> Client::Release(uint64_t match_handle) {
-  SessionRings* r = impl_->Rings();
+  std::shared_ptr<SessionRings> r = impl_->Rings();
   if (r == nullptr) return NotAttached();
   return r->Submit(RingOp::kRelease, 0, 0, {}, {}, match_handle);
 }
@@ -381,13 +411,13 @@ Result<uint32_t> Client::MatchViaControl(std::span<const BlockKey> keys) {
 }
 
 Result<OpResult> Client::Wait(Ticket ticket, std::chrono::microseconds timeout) {
-  SessionRings* r = impl_->Rings();
+  std::shared_ptr<SessionRings> r = impl_->Rings();
   if (r == nullptr) return NotAttached();
   return r->Wait(ticket, timeout);
 }
 
 std::optional<OpResult> Client::TryWait(Ticket ticket) {
-  SessionRings* r = impl_->Rings();
+  std::shared_ptr<SessionRings> r = impl_->Rings();
   if (r == nullptr) return std::nullopt;
   return r->TryWait(ticket);
 }

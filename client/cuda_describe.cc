@@ -4,6 +4,7 @@
 #include "flexkv/cuda.h"
 
 #if FLEXKV_HAVE_CUDA
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -27,6 +28,7 @@ std::string UuidOf(const cudaDeviceProp& prop) {
 }
 
 std::shared_ptr<const int> OwnFd(int fd) {
+  fcntl(fd, F_SETFD, FD_CLOEXEC);  // a child the engine spawns must not keep the GPU memory alive
   return std::shared_ptr<const int>(new int(fd), [](const int* p) {
     close(*p);
     delete p;
@@ -37,6 +39,9 @@ std::shared_ptr<const int> OwnFd(int fd) {
 // allocation once (shared across regions through `exported`, keyed by mapping base address).
 Status DescribeVmmRegion(const CudaDriver& drv, size_t i, CUdeviceptr ptr, uint64_t bytes, GpuKvRegistration& reg,
                          GpuKvRegistration::Region& region, std::map<CUdeviceptr, uint32_t>& exported) {
+  if (bytes > ~CUdeviceptr{0} - ptr) {
+    return Status::InvalidArgument(fmt::format("region {}: {} bytes from {:#x} wrap the address space", i, bytes, ptr));
+  }
   const CUdeviceptr end = ptr + bytes;
   CUdeviceptr cur = ptr;
   while (cur < end) {
@@ -121,7 +126,7 @@ Result<GpuKvRegistration> DescribeGpuKv(KvLayout layout, std::span<void* const> 
       if (drv.mem_get_address_range(&base, &size, ptr) != CUDA_SUCCESS) {
         return Status::InvalidArgument(fmt::format("region {}: cuMemGetAddressRange failed", i));
       }
-      if (ptr - base + region_bytes > size) {
+      if (region_bytes > size || ptr - base > size - region_bytes) {
         return Status::OutOfRange(fmt::format("region {}: {} bytes from offset {} exceed its {}-byte allocation", i,
                                               region_bytes, ptr - base, size));
       }

@@ -183,8 +183,10 @@ std::optional<OpResult> SessionRings::TryWait(Ticket ticket) {
 }
 
 bool SessionRings::DaemonGone() const {
+  if (abandoned_.load()) return true;
   pollfd pfd{channel_fd_, POLLRDHUP, 0};
-  return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  // POLLNVAL: the Client closed the fd right after Abandon (this call had read the flag just before).
+  return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
 Status SessionRings::WaitUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point deadline,

@@ -2,6 +2,8 @@
 // reaping, and waiting (spin, then futex) for a ticket. Thread-safe. Internal to libflexkv.
 #pragma once
 
+#include <atomic>
+
 #include <chrono>
 #include <functional>
 #include <cstdint>
@@ -32,6 +34,9 @@ class SessionRings {
   Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout);
   Result<uint32_t> WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout);
   std::optional<OpResult> TryWait(Ticket ticket);
+  // The Client dropped this session (Detach, or re-Attach after the daemon lost it) and is about to close the
+  // channel fd: waits still running on these rings end with UNAVAILABLE instead of polling that fd.
+  void Abandon() { abandoned_.store(true); }
 
  private:
   SessionRings() = default;
@@ -48,7 +53,8 @@ class SessionRings {
   uint64_t map_bytes_ = 0;
   RingHeader* hdr_ = nullptr;
   UniqueFd doorbell_;
-  int channel_fd_ = -1;  // owned by the Client; watched for hang-up
+  int channel_fd_ = -1;  // owned by the Client; watched for hang-up until Abandon
+  std::atomic<bool> abandoned_{false};
 
   std::mutex mu_;
   uint64_t next_ticket_ = 1;                                         // guarded by mu_

@@ -122,6 +122,9 @@ Status RecvWithFds(int sock, void* data, size_t len, std::vector<UniqueFd>* fds)
     ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {  // SO_RCVTIMEO expired, or nothing on a non-blocking socket
+        return Status::DeadlineExceeded("recvmsg: nothing arrived before the receive timeout");
+      }
       return Status::Unavailable(fmt::format("recvmsg: {}", ErrnoText(errno)));
     }
     for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {

@@ -38,7 +38,8 @@ Result<UniqueFd> ConnectUnix(const std::string& path);
 Status SendWithFds(int sock, const void* data, size_t len, std::span<const int> fds = {});
 
 // Receives exactly `len` bytes (blocking socket) and any fds attached to them (at most 8). Fds that
-// arrive are owned by `fds`. UNAVAILABLE on EOF; DATA_LOSS when the kernel truncated the fd list.
+// arrive are owned by `fds`. UNAVAILABLE on EOF or a socket error; DEADLINE_EXCEEDED when SO_RCVTIMEO expires
+// (or nothing is there on a non-blocking socket); DATA_LOSS when the kernel truncated the fd list.
 Status RecvWithFds(int sock, void* data, size_t len, std::vector<UniqueFd>* fds);
 
 }  // namespace flexkv

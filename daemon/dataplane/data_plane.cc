@@ -230,19 +230,28 @@ Status DataPlane::RegisterGpuKv(uint64_t session_id, const GpuKvDescription& des
     }
     s = it->second;
   }
+  // Refusals that need no driver work come first (Open maps memory: a repeated registration must not redo it).
+  auto check_slot = [&]() -> Status {
+    if (s->kv) return Status::AlreadyExists(fmt::format("session {} registered host KV buffers already", session_id));
+    const uint32_t ranks = s->geometry.tp_size;
+    if (description.tp_rank >= ranks) {
+      return Status::InvalidArgument(fmt::format("tp_rank {} is not below tp_size {}", description.tp_rank, ranks));
+    }
+    if (!s->gpu_kv.empty() && s->gpu_kv[description.tp_rank]) {
+      return Status::AlreadyExists(fmt::format("tp rank {} of session {} is registered already", description.tp_rank, session_id));
+    }
+    return Status::Ok();
+  };
+  {
+    std::lock_guard lock(s->mu);
+    FLEXKV_RETURN_IF_ERROR(check_slot());
+  }
   FLEXKV_RETURN_IF_ERROR(cache_->RegisterPoolForDma(*cuda_));
   auto kv = cuda_->Open(description, s->geometry);
   if (!kv.ok()) return kv.status();
   std::lock_guard lock(s->mu);
-  if (s->kv) return Status::AlreadyExists(fmt::format("session {} registered host KV buffers already", session_id));
-  const uint32_t ranks = s->geometry.tp_size;
-  if (s->gpu_kv.empty()) s->gpu_kv.resize(ranks);
-  if (description.tp_rank >= ranks) {
-    return Status::InvalidArgument(fmt::format("tp_rank {} is not below tp_size {}", description.tp_rank, ranks));
-  }
-  if (s->gpu_kv[description.tp_rank]) {
-    return Status::AlreadyExists(fmt::format("tp rank {} of session {} is registered already", description.tp_rank, session_id));
-  }
+  FLEXKV_RETURN_IF_ERROR(check_slot());  // again: another registration of this rank may have won meanwhile
+  if (s->gpu_kv.empty()) s->gpu_kv.resize(s->geometry.tp_size);
   s->gpu_kv[description.tp_rank] = std::move(*kv);
   return Status::Ok();
 }

@@ -9,6 +9,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <chrono>
+#include <thread>
 #include <vector>
 
 #include "common/log.h"
@@ -97,6 +99,16 @@ void Acceptor::AcceptAll() {
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE) {
+        // Out of fds: the listening socket stays readable, so back off instead of spinning, and say it once a second.
+        const int64_t now = MonotonicMs();
+        if (now - last_fd_warning_ms_ >= 1000) {
+          log::Warning("server", "accept: {}; connections wait until fds are free (raise LimitNOFILE?)", ErrnoText(errno));
+          last_fd_warning_ms_ = now;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        return;
+      }
       if (errno != EAGAIN && errno != EWOULDBLOCK) log::Warning("server", "accept: {}", ErrnoText(errno));
       return;
     }

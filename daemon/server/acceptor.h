@@ -54,6 +54,7 @@ class Acceptor {
   std::thread thread_;
   std::atomic<int64_t> last_turn_ms_{0};
   std::unordered_map<int, Pending> pending_;  // owned by the acceptor thread
+  int64_t last_fd_warning_ms_ = -1000;       // acceptor thread: the last "out of fds" warning
 };
 
 // Monotonic clock in milliseconds.

@@ -1,6 +1,8 @@
 // flexkv.v1.Control handlers; see control_service.h.
 #include "daemon/server/control_service.h"
 
+#include <map>
+
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -176,12 +178,48 @@ grpc::Status ControlService::Match(grpc::ServerContext* /*context*/, const v1::M
   return grpc::Status::OK;
 }
 
+Status ControlService::TakeVmmFds(uint64_t session_id, std::span<const uint8_t> token, const v1::CudaKvMemory& cuda,
+                                  std::map<uint32_t, std::shared_ptr<UniqueFd>>* fds) {
+  // Bounds the work one request can ask of the driver (one cuMemMap per entry).
+  constexpr size_t kMaxVmmEntries = 65536;
+  size_t entries = 0;
+  for (const auto& r : cuda.regions()) entries += static_cast<size_t>(r.vmm_allocations_size());
+  Status first_error;
+  for (const auto& r : cuda.regions()) {
+    for (const auto& a : r.vmm_allocations()) {
+      if (fds->contains(a.fd_tag())) continue;
+      auto fd = ctx_.sessions->TakeOfferedFd(session_id, token, a.fd_tag());
+      if (fd.ok()) {
+        fds->emplace(a.fd_tag(), std::make_shared<UniqueFd>(std::move(*fd)));
+      } else if (first_error.ok()) {
+        first_error = fd.status().WithContext("cuMem/VMM allocation of a cuda region");
+      }
+    }
+  }
+  if (entries > kMaxVmmEntries) {
+    return Status::InvalidArgument(fmt::format("{} VMM allocation entries in the regions; expected at most {}", entries,
+                                               kMaxVmmEntries));
+  }
+  return first_error;
+}
+
 grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const v1::RegisterKvRequest* request,
                                         v1::RegisterKvResponse* response) {
   const std::string& token = request->session_token();
   const std::span<const uint8_t> token_bytes(reinterpret_cast<const uint8_t*>(token.data()), token.size());
   Status authentic = ctx_.sessions->Authenticate(request->session_id(), token_bytes);
   if (!authentic.ok()) return Answer(authentic);
+  // The offered fds this request names are taken before anything else is checked, so that every refusal below
+  // closes them instead of leaving them parked in the session until it ends.
+  std::map<uint32_t, std::shared_ptr<UniqueFd>> vmm_fds;
+  Result<UniqueFd> host_fd = Status::NotFound("no host memory in the request");
+  if (request->memory_case() == v1::RegisterKvRequest::kCuda) {
+    Status taken = TakeVmmFds(request->session_id(), token_bytes, request->cuda(), &vmm_fds);
+    if (!taken.ok()) return Answer(taken);
+  } else if (request->memory_case() == v1::RegisterKvRequest::kHost) {
+    host_fd = ctx_.sessions->TakeOfferedFd(request->session_id(), token_bytes, request->host().fd_tag());
+    if (!host_fd.ok()) return Answer(host_fd.status());
+  }
   KvLayout layout;
   switch (request->layout()) {
     case v1::KV_LAYOUT_LAYER_FIRST: layout = KvLayout::kLayerFirst; break;
@@ -200,15 +238,10 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
     d.tp_rank = request->cuda().tp_rank();
     for (const auto& r : request->cuda().regions()) {
       GpuKvRegion region{r.ipc_handle(), r.offset(), r.bytes(), {}};
-      for (const auto& a : r.vmm_allocations()) {
-        region.vmm_allocations.push_back({a.fd_tag(), a.bytes()});
-        if (d.vmm_fds.contains(a.fd_tag())) continue;
-        auto fd = ctx_.sessions->TakeOfferedFd(request->session_id(), token_bytes, a.fd_tag());
-        if (!fd.ok()) return Answer(fd.status().WithContext("cuMem/VMM allocation of a cuda region"));
-        d.vmm_fds.emplace(a.fd_tag(), std::make_shared<UniqueFd>(std::move(*fd)));
-      }
+      for (const auto& a : r.vmm_allocations()) region.vmm_allocations.push_back({a.fd_tag(), a.bytes()});
       d.regions.push_back(std::move(region));
     }
+    d.vmm_fds = std::move(vmm_fds);
     Status registered = ctx_.data_plane->RegisterGpuKv(request->session_id(), d);
     if (!registered.ok()) {
       log::Warning("control", "RegisterKv (cuda) of session {} refused: {}", request->session_id(), registered.ToString());
@@ -222,9 +255,7 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
     return Answer(Status::InvalidArgument(
         "memory is missing; expected host (a memfd offered on the session channel) or cuda (IPC handles or VMM fds)"));
   }
-  auto fd = ctx_.sessions->TakeOfferedFd(request->session_id(), token_bytes, request->host().fd_tag());
-  if (!fd.ok()) return Answer(fd.status());
-  auto bytes = ctx_.data_plane->RegisterHostKv(request->session_id(), std::move(*fd), layout, request->num_blocks());
+  auto bytes = ctx_.data_plane->RegisterHostKv(request->session_id(), std::move(*host_fd), layout, request->num_blocks());
   if (!bytes.ok()) return Answer(bytes.status());
   response->set_bytes_required(*bytes);
   return grpc::Status::OK;

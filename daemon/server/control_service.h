@@ -5,7 +5,10 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <optional>
+#include <span>
 
 #include "daemon/cache/cache.h"
 #include "daemon/dataplane/data_plane.h"
@@ -62,6 +65,11 @@ class ControlService final : public v1::Control::Service {
   // Root, the daemon's own uid, or a member of --admin-group. Unknown peers are not admins.
   bool IsAdmin(const std::optional<PeerCredentials>& peer) const;
   Status RequireAdmin(grpc::ServerContext* context, const char* call) const;
+  // Takes every offered fd the cuda memory's VMM allocations name (each tag once) into `fds`, even when some
+  // are missing (NOT_FOUND for the first) or there are too many entries (INVALID_ARGUMENT): what was taken
+  // closes with `fds`.
+  Status TakeVmmFds(uint64_t session_id, std::span<const uint8_t> token, const v1::CudaKvMemory& cuda,
+                    std::map<uint32_t, std::shared_ptr<UniqueFd>>* fds);
   grpc::Status Answer(const Status& status);
 
   ControlContext ctx_;

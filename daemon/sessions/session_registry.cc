@@ -1,6 +1,8 @@
 // Sessions and their reaper; see session_registry.h.
 #include "daemon/sessions/session_registry.h"
 
+#include <sys/resource.h>
+
 #include <fmt/format.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -52,6 +54,14 @@ bool ReplyHello(int fd, StatusCode code, const std::string& message, std::span<c
 // cuMem/VMM memory (PyTorch's expandable segments: 20 MiB physical allocations), one per allocation; 8192
 // covers 160 GiB of such a cache. The daemon raises its RLIMIT_NOFILE soft limit to the hard one at start.
 constexpr size_t kMaxOfferedFds = 8192;
+
+// Offered fds of all sessions together: half the fd limit, so that one tenant's registrations cannot take the fds
+// every connection and session channel needs.
+size_t OfferedFdBudget() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return kMaxOfferedFds * 8;
+  return std::max<size_t>(64, static_cast<size_t>(limit.rlim_cur / 2));
+}
 
 }  // namespace
 
@@ -267,8 +277,12 @@ bool SessionRegistry::ReadChannel(uint64_t session_id, std::string* reason) {
     std::lock_guard lock(mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) return true;
-    if (it->second->offered_fds.size() >= kMaxOfferedFds) {
+    size_t offered_total = 0;
+    for (const auto& [id, other] : sessions_) offered_total += other->offered_fds.size();
+    if (it->second->offered_fds.size() >= kMaxOfferedFds || offered_total >= OfferedFdBudget()) {
       ack.status_code = static_cast<uint32_t>(StatusCode::kResourceExhausted);
+      log::Warning("sessions", "session {} offered an fd beyond the budget ({} of {} per session, {} of {} in all)",
+                   session_id, it->second->offered_fds.size(), kMaxOfferedFds, offered_total, OfferedFdBudget());
     } else {
       it->second->offered_fds[msg.tag] = std::move(fds[0]);
     }

@@ -14,6 +14,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "common/cuda_driver.h"
@@ -44,6 +45,9 @@ std::string UuidString(const cudaUUID_t& u) {
 
 class GpuKv {
  public:
+  GpuKv() = default;
+  GpuKv(const GpuKv&) = delete;  // owns mappings: a copy would unmap them twice
+  GpuKv& operator=(const GpuKv&) = delete;
   int device = 0;
   Geometry geometry;
   GpuKvDescription description;
@@ -171,7 +175,12 @@ class DirectionWorker {
         jobs_.pop_front();
       }
       Status s = Run(job);
-      if (!s.ok()) log::Error("cuda", "{} copy on device {} failed: {}", to_host_ ? "store" : "load", device_, s.message());
+      if (!s.ok()) {
+        // Run may have launched work before it failed: let it finish before `job` drops what may be the last
+        // reference to the registration (whose destructor unmaps the memory those kernels touch).
+        if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+        log::Error("cuda", "{} copy on device {} failed: {}", to_host_ ? "store" : "load", device_, s.message());
+      }
       job.done(s);
     }
     if (pairs_dev_ != nullptr) cudaFree(pairs_dev_);
@@ -352,17 +361,38 @@ class CudaBackendImpl final : public CudaBackend {
     if (!region.ipc_handle.empty()) {
       return Status::InvalidArgument(fmt::format("region {} has both an ipc_handle and VMM allocations; expected one", r));
     }
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = kv.device;
+    size_t granule = 0;
+    if (drv.mem_get_allocation_granularity(&granule, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || granule == 0) {
+      granule = 2ULL << 20;
+    }
     uint64_t total = 0;
+    std::set<uint32_t> seen;
     for (const GpuKvVmmAllocation& a : region.vmm_allocations) {
-      if (a.bytes == 0 || a.bytes > (1ULL << 40) || total + a.bytes > (1ULL << 42)) {
-        return Status::InvalidArgument(fmt::format("region {}: VMM allocation of {} bytes (span so far {}); expected 1 B..1 TiB "
-                                                   "each, 4 TiB in all", r, a.bytes, total));
+      if (a.bytes == 0 || a.bytes % granule != 0 || a.bytes > (1ULL << 40) || total + a.bytes > (1ULL << 42)) {
+        return Status::InvalidArgument(fmt::format("region {}: VMM allocation of {} bytes (span so far {}); expected a "
+                                                   "multiple of the {}-byte granularity, at most 1 TiB each and 4 TiB in all",
+                                                   r, a.bytes, total, granule));
+      }
+      if (!seen.insert(a.fd_tag).second) {
+        return Status::InvalidArgument(fmt::format("region {}: VMM allocation tag {} appears twice; expected each "
+                                                   "allocation once, in address order", r, a.fd_tag));
       }
       total += a.bytes;
     }
     if (region.offset > total || region.bytes > total - region.offset) {
       return Status::OutOfRange(fmt::format("region {}: [{}, +{}) exceeds the {} bytes of its {} VMM allocation(s)", r,
                                             region.offset, region.bytes, total, region.vmm_allocations.size()));
+    }
+    // The allocations must cover the region exactly: none wholly before it, none wholly after it.
+    const uint64_t first = region.vmm_allocations.front().bytes, last = region.vmm_allocations.back().bytes;
+    if (region.offset >= first || total - last >= region.offset + region.bytes) {
+      return Status::InvalidArgument(fmt::format("region {}: its {} VMM allocation(s) ({} bytes) reach beyond [{}, +{}); "
+                                                 "expected exactly the allocations that back the region", r,
+                                                 region.vmm_allocations.size(), total, region.offset, region.bytes));
     }
     GpuKv::VmmSpan& span = kv.vmm_spans.emplace_back();
     CUresult e = drv.mem_address_reserve(&span.base, total, 0, 0, 0);
@@ -404,7 +434,8 @@ class CudaBackendImpl final : public CudaBackend {
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     e = drv.mem_set_access(span.base, total, &access, 1);
     if (e != CUDA_SUCCESS) {
-      return Status::Internal(fmt::format("region {}: cuMemSetAccess on device {}: {}", r, kv.device, drv.ErrorText(e)));
+      return Status::InvalidArgument(fmt::format("region {}: cuMemSetAccess for device {}: {} (are the allocations on "
+                                                 "the GPU the registration names?)", r, kv.device, drv.ErrorText(e)));
     }
     return static_cast<uint64_t>(span.base);
   }

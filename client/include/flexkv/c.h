@@ -7,7 +7,10 @@
  *  - The message of the last failure *on the calling thread* is flexkv_last_error(); it stays valid until
  *    the next call on that thread. A client may be used from several threads at once (the C++ client is
  *    thread-safe), except that flexkv_detach / flexkv_close must not race with other calls on it.
- *  - Nothing here blocks longer than the timeout it is given (or the client's call timeout, 10 s).
+ *  - Waits block at most the timeout they are given (more than a year counts as a year). Every other call is
+ *    bounded by the client's call timeout (10 s) per daemon round trip it makes: attach, create_host_kv and
+ *    close make up to three, register_gpu_kv one per cuMem allocation it offers plus one.
+ *  - No C++ exception crosses this ABI: an out-of-memory inside libflexkv returns RESOURCE_EXHAUSTED.
  *  - Block keys are 16-byte {lo, hi} pairs, as flexkv_compute_block_keys writes them. */
 #ifndef FLEXKV_C_H_
 #define FLEXKV_C_H_
@@ -21,12 +24,22 @@ extern "C" {
 
 enum {
   FLEXKV_OK = 0,
+  FLEXKV_CANCELLED = 1,
+  FLEXKV_UNKNOWN = 2,
   FLEXKV_INVALID_ARGUMENT = 3,
   FLEXKV_DEADLINE_EXCEEDED = 4,
   FLEXKV_NOT_FOUND = 5,
+  FLEXKV_ALREADY_EXISTS = 6,
+  FLEXKV_PERMISSION_DENIED = 7,
+  FLEXKV_RESOURCE_EXHAUSTED = 8,
   FLEXKV_FAILED_PRECONDITION = 9,
+  FLEXKV_ABORTED = 10,
+  FLEXKV_OUT_OF_RANGE = 11,
   FLEXKV_UNIMPLEMENTED = 12,
+  FLEXKV_INTERNAL = 13,
   FLEXKV_UNAVAILABLE = 14,
+  FLEXKV_DATA_LOSS = 15,
+  FLEXKV_UNAUTHENTICATED = 16,
 };
 
 /* KV layouts (flexkv::KvLayout). */
@@ -134,7 +147,7 @@ int flexkv_match_via_control(flexkv_client* client, const flexkv_block_key* keys
  * FLEXKV_UNAVAILABLE: the daemon went away (attach again). */
 int flexkv_wait(flexkv_client* client, uint64_t ticket, int64_t timeout_us, flexkv_op_result* out);
 /* Like flexkv_wait with no waiting: FLEXKV_DEADLINE_EXCEEDED when the request has not ended (or the
- * ticket is unknown). */
+ * ticket is unknown); FLEXKV_FAILED_PRECONDITION when the client is not attached. */
 int flexkv_try_wait(flexkv_client* client, uint64_t ticket, flexkv_op_result* out);
 /* Layer-wise load: waits until at least `layers` layers have landed or the request ended; *landed gets
  * how many have. FLEXKV_DEADLINE_EXCEEDED on timeout. */

@@ -79,7 +79,7 @@ struct SessionEntry {
 
 // KV buffers the client created in shared memory and registered with the daemon (host backend).
 struct HostKvBuffers {
-  uint8_t* data = nullptr;  // valid until Detach / destruction
+  uint8_t* data = nullptr;  // valid until Detach / destruction (also across a re-Attach, see Attach)
   uint64_t bytes = 0;
   uint32_t num_blocks = 0;
   KvLayout layout = KvLayout::kBlockFirst;
@@ -139,6 +139,9 @@ class Client {
   // Opens this process's session: validates the geometry against the daemon's cache domain and opens
   // the session channel that ties the session to this process. FAILED_PRECONDITION when already
   // attached, a geometry mismatch or a version mismatch; INVALID_ARGUMENT for a bad geometry.
+  // After the daemon lost the session (it restarted), Attach opens a new one: data-plane calls still running
+  // on the old session end with UNAVAILABLE, and its host KV buffers stay mapped (unused by the daemon) until
+  // Detach or destruction, so pointers the engine still holds never dangle. Register KV buffers again.
   Result<SessionInfo> Attach(const AttachOptions& options);
   // Ends the session; everything it held is released. OK when not attached.
   Status Detach();
