@@ -156,87 +156,114 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
+def load_cached(client: flexkv.Client, match_handle: int, ids: List[int],
+                layerwise: bool) -> Tuple[int, float, Optional[float]]:
+    """Loads the pinned blocks of a match into KV blocks `ids`, then drops the pins, also when the load fails (a pin
+    left behind keeps its blocks from being evicted for the rest of the session). Returns (blocks loaded, seconds,
+    ms until layer 0 was usable with layerwise, else None)."""
+    t0 = time.perf_counter()
+    layer0_ms = None
+    try:
+        ticket = client.load(match_handle, ids, layerwise=layerwise)
+        if layerwise:
+            ticket.wait_layers(1, timeout=10.0)
+            layer0_ms = (time.perf_counter() - t0) * 1e3
+        done = ticket.wait(timeout=10.0).done_blocks
+        load_s = time.perf_counter() - t0
+    finally:
+        client.release(match_handle).wait(timeout=1.0)
+    return done, load_s, layer0_ms
+
+
 def main() -> int:
     args = parse_args()
     geometry = flexkv.Geometry(tokens_per_block=args.block_size, num_layers=args.layers, kv_planes=2,
                                kv_heads_per_rank=args.kv_heads, head_dim=args.head_dim, dtype_bytes=2, tp_size=1)
-    with flexkv.connect(args.socket) as client:
+    client = flexkv.connect(args.socket)
+    kv = None
+    try:
         client.attach(f"vllm-dp{args.dp_rank}", args.namespace, geometry, dp_rank=args.dp_rank)
         kv = KvCache(args, client, geometry)
-        print(f"rank {args.dp_rank}: KV cache {args.layers} x {tuple(kv.tensors[0].shape)} bf16 in {kv.where}; "
-              f"{geometry.host_block_bytes >> 10} KiB per block", flush=True)
-        free = list(range(args.num_blocks))
-        random.Random(args.seed + 1000 * args.dp_rank).shuffle(free)  # a paged allocator's ids are scattered
-        totals = {"requests": 0, "prompt_tokens": 0, "saved_tokens": 0, "loaded_bytes": 0, "load_s": 0.0,
-                  "stored_bytes": 0, "store_s": 0.0, "verified": True, "layer0_ms": []}
-        for label, prompt in workload(args):
-            keys = flexkv.block_keys(args.namespace, prompt, args.block_size)
-            blocks_needed = -(-len(prompt) // args.block_size)  # the partial tail block too
-            if blocks_needed > len(free):
-                print(f"{label}: needs {blocks_needed} blocks, {len(free)} free; use a larger --num-blocks")
-                return 2
-            ids = [free.pop() for _ in range(blocks_needed)]
+        return serve(args, client, kv, geometry)
+    finally:
+        # The KV buffers must outlive the session: until it ends, the daemon may still copy into or out of them
+        # (GPU tensors freed while registered are memory the allocator hands to someone else). So end the session
+        # first (close() also waits for calls in progress), then drop the tensors. Host KV views may go either way
+        # round: close() keeps the shared mapping until the last view is gone.
+        client.close()
+        del kv
 
-            hit = client.match(keys, pin=True).wait(timeout=1.0)
-            n_hit = hit.matched_blocks
-            line = f"{label}: {len(prompt)} tokens, {n_hit}/{len(keys)} blocks cached"
-            if n_hit:
-                kv.poison(ids[:n_hit])
-                t0 = time.perf_counter()
-                ticket = client.load(hit.match_handle, ids[:n_hit], layerwise=args.layerwise)
-                if args.layerwise:
-                    ticket.wait_layers(1, timeout=10.0)
-                    totals["layer0_ms"].append((time.perf_counter() - t0) * 1e3)
-                done = ticket.wait(timeout=10.0).done_blocks
-                load_s = time.perf_counter() - t0
-                client.release(hit.match_handle).wait(timeout=1.0)
-                ok = done == n_hit and kv.verify(keys[:n_hit], ids[:n_hit])
-                totals["verified"] &= ok
-                nbytes = done * kv.block_bytes
-                totals["loaded_bytes"] += nbytes
-                totals["load_s"] += load_s
-                totals["saved_tokens"] += n_hit * args.block_size
-                line += (f" ({n_hit * args.block_size} tokens saved): loaded {nbytes / 2**20:.1f} MiB in "
-                         f"{load_s * 1e3:.2f} ms ({gbps(nbytes, load_s):.1f} GB/s), "
-                         f"{'verified' if ok else 'MISMATCH'}")
 
-            kv.prefill(keys[n_hit:], ids[n_hit:len(keys)])
-            t0 = time.perf_counter()
-            stored = client.store(keys, ids[:len(keys)]).wait(timeout=10.0) if len(keys) else None
-            store_s = time.perf_counter() - t0
-            if stored is not None and stored.done_blocks:
-                nbytes = stored.done_blocks * kv.block_bytes
-                totals["stored_bytes"] += nbytes
-                totals["store_s"] += store_s
-                line += (f"; stored {stored.done_blocks} blocks, {nbytes / 2**20:.1f} MiB in {store_s * 1e3:.2f} ms "
-                         f"({gbps(nbytes, store_s):.1f} GB/s)")
-            elif stored is not None:
-                line += "; nothing new to store"
-            print(line, flush=True)
-            totals["requests"] += 1
-            totals["prompt_tokens"] += len(prompt)
-            free.extend(ids)  # the request finished: its KV blocks go back to the allocator
+def serve(args: argparse.Namespace, client: flexkv.Client, kv: KvCache, geometry: flexkv.Geometry) -> int:
+    """Runs the workload on an attached client and KV cache; prints each request and the summary."""
+    print(f"rank {args.dp_rank}: KV cache {args.layers} x {tuple(kv.tensors[0].shape)} bf16 in {kv.where}; "
+          f"{geometry.host_block_bytes >> 10} KiB per block", flush=True)
+    free = list(range(args.num_blocks))
+    random.Random(args.seed + 1000 * args.dp_rank).shuffle(free)  # a paged allocator's ids are scattered
+    totals = {"requests": 0, "prompt_tokens": 0, "saved_tokens": 0, "loaded_bytes": 0, "load_s": 0.0,
+              "stored_bytes": 0, "store_s": 0.0, "verified": True, "layer0_ms": []}
+    for label, prompt in workload(args):
+        keys = flexkv.block_keys(args.namespace, prompt, args.block_size)
+        blocks_needed = -(-len(prompt) // args.block_size)  # the partial tail block too
+        if blocks_needed > len(free):
+            print(f"{label}: needs {blocks_needed} blocks, {len(free)} free; use a larger --num-blocks")
+            return 2
+        ids = [free.pop() for _ in range(blocks_needed)]
 
-        st = client.status()
-        layer0 = totals.pop("layer0_ms")
-        summary = {
-            "rank": args.dp_rank, "backend": "gpu" if kv.torch is not None else "host",
-            "requests": totals["requests"], "prompt_tokens": totals["prompt_tokens"],
-            "saved_tokens": totals["saved_tokens"],
-            "load_gbps": round(gbps(totals["loaded_bytes"], totals["load_s"]), 2),
-            "loaded_mib": round(totals["loaded_bytes"] / 2**20, 1),
-            "store_gbps": round(gbps(totals["stored_bytes"], totals["store_s"]), 2),
-            "stored_mib": round(totals["stored_bytes"] / 2**20, 1),
-            "layer0_ms_p50": round(sorted(layer0)[len(layer0) // 2], 3) if layer0 else None,
-            "verified": totals["verified"], "daemon_index_blocks": st.index_blocks,
-        }
-        print(f"rank {args.dp_rank}: {summary['requests']} requests, {summary['saved_tokens']} of "
-              f"{summary['prompt_tokens']} prompt tokens saved ({100.0 * summary['saved_tokens'] / max(1, summary['prompt_tokens']):.1f} %); "
-              f"loads {summary['loaded_mib']} MiB at {summary['load_gbps']} GB/s, stores {summary['stored_mib']} MiB "
-              f"at {summary['store_gbps']} GB/s; every loaded block {'verified' if summary['verified'] else 'NOT verified'}")
-        print("summary: " + json.dumps(summary), flush=True)
-        del kv  # drop the views of the host KV buffer before the client closes
-        return 0 if summary["verified"] else 1
+        hit = client.match(keys, pin=True).wait(timeout=1.0)
+        n_hit = hit.matched_blocks
+        line = f"{label}: {len(prompt)} tokens, {n_hit}/{len(keys)} blocks cached"
+        if n_hit:
+            kv.poison(ids[:n_hit])
+            done, load_s, layer0_ms = load_cached(client, hit.match_handle, ids[:n_hit], args.layerwise)
+            if layer0_ms is not None:
+                totals["layer0_ms"].append(layer0_ms)
+            ok = done == n_hit and kv.verify(keys[:n_hit], ids[:n_hit])
+            totals["verified"] &= ok
+            nbytes = done * kv.block_bytes
+            totals["loaded_bytes"] += nbytes
+            totals["load_s"] += load_s
+            totals["saved_tokens"] += n_hit * args.block_size
+            line += (f" ({n_hit * args.block_size} tokens saved): loaded {nbytes / 2**20:.1f} MiB in "
+                     f"{load_s * 1e3:.2f} ms ({gbps(nbytes, load_s):.1f} GB/s), "
+                     f"{'verified' if ok else 'MISMATCH'}")
+
+        kv.prefill(keys[n_hit:], ids[n_hit:len(keys)])
+        t0 = time.perf_counter()
+        stored = client.store(keys, ids[:len(keys)]).wait(timeout=10.0) if len(keys) else None
+        store_s = time.perf_counter() - t0
+        if stored is not None and stored.done_blocks:
+            nbytes = stored.done_blocks * kv.block_bytes
+            totals["stored_bytes"] += nbytes
+            totals["store_s"] += store_s
+            line += (f"; stored {stored.done_blocks} blocks, {nbytes / 2**20:.1f} MiB in {store_s * 1e3:.2f} ms "
+                     f"({gbps(nbytes, store_s):.1f} GB/s)")
+        elif stored is not None:
+            line += "; nothing new to store"
+        print(line, flush=True)
+        totals["requests"] += 1
+        totals["prompt_tokens"] += len(prompt)
+        free.extend(ids)  # the request finished: its KV blocks go back to the allocator
+
+    st = client.status()
+    layer0 = totals.pop("layer0_ms")
+    summary = {
+        "rank": args.dp_rank, "backend": "gpu" if kv.torch is not None else "host",
+        "requests": totals["requests"], "prompt_tokens": totals["prompt_tokens"],
+        "saved_tokens": totals["saved_tokens"],
+        "load_gbps": round(gbps(totals["loaded_bytes"], totals["load_s"]), 2),
+        "loaded_mib": round(totals["loaded_bytes"] / 2**20, 1),
+        "store_gbps": round(gbps(totals["stored_bytes"], totals["store_s"]), 2),
+        "stored_mib": round(totals["stored_bytes"] / 2**20, 1),
+        "layer0_ms_p50": round(sorted(layer0)[len(layer0) // 2], 3) if layer0 else None,
+        "verified": totals["verified"], "daemon_index_blocks": st.index_blocks,
+    }
+    print(f"rank {args.dp_rank}: {summary['requests']} requests, {summary['saved_tokens']} of "
+          f"{summary['prompt_tokens']} prompt tokens saved ({100.0 * summary['saved_tokens'] / max(1, summary['prompt_tokens']):.1f} %); "
+          f"loads {summary['loaded_mib']} MiB at {summary['load_gbps']} GB/s, stores {summary['stored_mib']} MiB "
+          f"at {summary['store_gbps']} GB/s; every loaded block {'verified' if summary['verified'] else 'NOT verified'}")
+    print("summary: " + json.dumps(summary), flush=True)
+    return 0 if summary["verified"] else 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Turns Python sequences, buffers and NumPy arrays of integers into C arrays of int32 / uint32 for libflexkv.
+"""Turns Python integers, sequences, buffers and NumPy arrays of integers into C integers and arrays of int32 /
+uint32 for libflexkv, refusing what the C type cannot hold (ctypes would wrap it silently: -1 as a uint32 is
+4294967295, 2**32 is 0).
 
 Never imports NumPy: a NumPy array is read through the buffer protocol, and NumPy's own functions are used only
 when the caller passed an array (so NumPy is already imported). A C-contiguous buffer of the exact C type is
@@ -8,8 +10,11 @@ from __future__ import annotations
 
 import array
 import ctypes
+import math
+import numbers
+import operator
 import sys
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 from .errors import InvalidArgument
 
@@ -22,6 +27,39 @@ _TARGETS = {
 if ctypes.sizeof(ctypes.c_long) == 4:  # pragma: no cover (ILP32)
     _TARGETS[ctypes.c_int32][1].add("l")
     _TARGETS[ctypes.c_uint32][1].add("L")
+
+
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+INT_MAX = 2**31 - 1  # C int
+
+# Waits longer than this are taken as this long (libflexkv clamps the same way; float("inf") is "a year" too).
+MAX_WAIT_S = 365 * 24 * 3600.0
+
+
+def c_uint(value: Any, what: str, hi: int = U32_MAX, lo: int = 0) -> int:
+    """`value` as a Python int for a C integer parameter that holds lo..hi; InvalidArgument (naming `what` and the
+    range) outside it, TypeError for what is not an integer (bool and NumPy integers are integers)."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} is a {type(value).__name__}; expected an integer") from None
+    if not lo <= v <= hi:
+        raise InvalidArgument(f"{what} is {v}; expected an integer in {lo}..{hi}")
+    return v
+
+
+def wait_seconds(timeout: Optional[float], what: str = "timeout") -> Optional[float]:
+    """A wait's timeout in seconds: None stays None (no limit); negative is 0 (just look), longer than a year (inf
+    included) is a year; NaN is InvalidArgument, what is not a number TypeError."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{what} is a {type(timeout).__name__}; expected seconds as a number, or None")
+    t = float(timeout)
+    if math.isnan(t):
+        raise InvalidArgument(f"{what} is NaN; expected seconds >= 0, or None for no limit")
+    return min(max(t, 0.0), MAX_WAIT_S)
 
 
 def _range_error(what: str, lo: int, hi: int, bad: Any) -> InvalidArgument:

@@ -1,14 +1,20 @@
 """Client: one process's connection to the node's flexkvd (flexkv::Client), and the Tickets of its requests.
 
-Thread safety: every method may be called from several threads at once. detach() and close() wait for calls in
-progress on other threads (waits are sliced so that this takes at most ~50 ms); calls made after close() raise
-FailedPrecondition. No method holds the GIL while it blocks in libflexkv.
+Thread safety: every method may be called from several threads at once. attach(), detach() and close() wait for
+the calls in progress on other threads: a thread blocked in a Ticket wait lets them in within ~50 ms (waits are
+made of slices that short), but any other call in progress (status, drain, create_host_kv, register_gpu_kv,
+match_via_control, ...) holds them until it returns: up to libflexkv's call timeout (10 s) for each
+round trip it makes to a daemon that is slow to answer. Calls made after close() raise FailedPrecondition. No
+method holds the GIL while it blocks in libflexkv.
 """
 from __future__ import annotations
 
 import ctypes
 import dataclasses
 import math
+import numbers
+import operator
+import os
 import sys
 import threading
 import time
@@ -16,13 +22,13 @@ import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import _lib
-from ._convert import c_int_array
+from ._convert import INT_MAX, U64_MAX, c_int_array, c_uint, wait_seconds
 from .errors import DeadlineExceeded, Error, FailedPrecondition, InvalidArgument, StatusCode, error_for
 from .geometry import Geometry, Layout
 from .keys import BlockKeys, as_block_keys
 
-# Longest single blocking call into libflexkv: bounds how long detach()/close() wait for a waiting thread and how
-# late Ctrl-C is seen by a main thread blocked in Ticket.wait.
+# Longest single blocking call a Ticket wait makes into libflexkv: bounds how long attach()/detach()/close() wait
+# for a waiting thread and how late Ctrl-C is seen by a main thread blocked in Ticket.wait.
 _WAIT_SLICE_S = 0.05
 
 
@@ -74,8 +80,12 @@ class DaemonStatus:
 
 
 class _Handle:
-    """Owns the flexkv_client*. Calls hold it shared; detach/close hold it exclusively, because the C ABI forbids
-    flexkv_detach / flexkv_close to race with other calls on the same client."""
+    """Owns the flexkv_client*. Calls hold it shared; attach/detach/close hold it exclusively: the C ABI forbids
+    flexkv_detach / flexkv_close to race with other calls on the same client, and flexkv_attach, finding the old
+    session lost (the daemon went away), tears down that session's rings and host KV mapping.
+
+    Client state that goes with the session (session_id, _host_array) changes only under the exclusive hold, or
+    under a shared hold together with the call that makes it true (create_host_kv), never after the release."""
 
     __slots__ = ("ptr", "_cv", "_users", "_exclusive")
 
@@ -130,9 +140,9 @@ class Ticket:
 
     __slots__ = ("_client", "_session", "id", "op", "_lock", "_outcome")
 
-    def __init__(self, client: "Client", ticket_id: int, op: str) -> None:
+    def __init__(self, client: "Client", ticket_id: int, op: str, session: Optional[int]) -> None:
         self._client = client
-        self._session = client.session_id
+        self._session = session  # the session that issued it (read under the handle, with the submission)
         self.id = ticket_id
         self.op = op  # "match" | "load" | "store" | "release"
         self._lock = threading.Lock()
@@ -157,8 +167,8 @@ class Ticket:
         return outcome
 
     def _acquire(self) -> int:
-        """The client pointer for one call about this ticket; FailedPrecondition once its session has ended (a
-        later session of the same client does not know its id)."""
+        """The client pointer for one call about this ticket (release with self._client._handle.release());
+        FailedPrecondition once its session has ended (a later session of the same client does not know its id)."""
         ptr = self._client._handle.acquire()
         if self._client.session_id != self._session:
             self._client._handle.release()
@@ -166,17 +176,22 @@ class Ticket:
                                      "which has ended")
         return ptr
 
+    def _context(self) -> str:
+        return f"{self.op} request (ticket {self.id})"
+
     def wait(self, timeout: Optional[float] = None) -> OpResult:
         """Waits until the request ends and returns its OpResult; the GIL is released while waiting.
 
-        timeout: seconds (None: as long as it takes; 0: just look).
+        timeout: seconds (None: as long as it takes; 0 or less: just look; more than a year: a year).
         Raises the request's error (a subclass of flexkv.Error, whose .result is the OpResult) when it ended with
         one; DeadlineExceeded (also a TimeoutError) when it has not ended in time: it is still in flight and this
-        ticket stays valid; Unavailable when the daemon went away (attach again).
+        ticket stays valid; Unavailable when the daemon went away (attach again); FailedPrecondition when its
+        session has ended (detach, close, or a re-attach).
         """
         if self._outcome is not None:
             return self._result()
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        seconds = wait_seconds(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
         out = _lib.OpResultStruct()
         while True:
             slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
@@ -185,20 +200,25 @@ class Ticket:
                 if self._outcome is not None:  # another thread took the result
                     return self._result()
                 rc = _lib.lib.flexkv_wait(ptr, self.id, int(slice_s * 1e6), ctypes.byref(out))
-                err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc)
+                if rc == 0:  # settled before the handle is released, so a thread that sees the end sees it here
+                    return self._settle(out)
+                err = None if rc == StatusCode.DEADLINE_EXCEEDED else _lib.error_from_last(rc, self._context())
             finally:
                 self._client._handle.release()
-            if rc == 0:
-                return self._settle(out)
             if err is not None:
                 raise err
             if deadline is not None and time.monotonic() >= deadline:
-                raise DeadlineExceeded(f"{self.op} request (ticket {self.id}) did not end within {timeout} s; it is "
-                                       "still in flight and the ticket stays valid")
+                # Another thread waiting on this ticket may have taken the result during our last slice (libflexkv
+                # hands it to one waiter): the request ended, this is no timeout.
+                if self._outcome is not None:
+                    return self._result()
+                raise DeadlineExceeded(f"{self._context()} did not end within {timeout} s; it is still in flight and "
+                                       "the ticket stays valid")
 
     def try_wait(self) -> Optional[OpResult]:
         """The OpResult if the request has ended, else None; never blocks. Raises as wait() for a request that
-        ended with an error."""
+        ended with an error, and FailedPrecondition when its session has ended (so a polling loop does not poll
+        forever)."""
         if self._outcome is not None:
             return self._result()
         out = _lib.OpResultStruct()
@@ -207,19 +227,29 @@ class Ticket:
             if self._outcome is not None:
                 return self._result()
             rc = _lib.lib.flexkv_try_wait(ptr, self.id, ctypes.byref(out))
-            err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc)
+            if rc == 0:
+                return self._settle(out)
+            # DEADLINE_EXCEEDED: not ended. Anything else (FAILED_PRECONDITION: the client is not attached any more,
+            # its session is gone) is an error, never "not yet".
+            err = None if rc == StatusCode.DEADLINE_EXCEEDED else _lib.error_from_last(rc, self._context())
         finally:
             self._client._handle.release()
         if err is not None:
             raise err
-        return self._settle(out) if rc == 0 else None
+        if self._outcome is not None:  # another thread's wait took the result meanwhile
+            return self._result()
+        return None
 
     def done(self) -> bool:
-        """True once the request has ended (successfully or not); never blocks, never raises its error."""
+        """True once the request has ended (successfully or not); never blocks, never raises the request's own
+        error. Raises what try_wait raises when the end cannot be known any more (FailedPrecondition: its session
+        has ended; Unavailable), rather than answer False forever."""
         try:
             return self.try_wait() is not None
         except Error:
-            return self._outcome is not None
+            if self._outcome is not None:
+                return True
+            raise
 
     def wait_layers(self, layers: int, timeout: Optional[float] = None) -> int:
         """For a layer-wise load: waits until at least `layers` layers have landed in the engine's KV buffers (or
@@ -228,9 +258,9 @@ class Ticket:
         Raises DeadlineExceeded (ticket still valid) when fewer have landed by `timeout` seconds. Once the request
         has ended this returns `layers`; wait() tells whether it succeeded.
         """
-        if not 0 <= layers < 2**32:
-            raise InvalidArgument(f"layers is {layers}; expected 0..{2**32 - 1}")
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        layers = c_uint(layers, "layers")
+        seconds = wait_seconds(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
         landed = ctypes.c_uint32(0)
         while True:
             if self._outcome is not None:
@@ -239,7 +269,7 @@ class Ticket:
             ptr = self._acquire()
             try:
                 rc = _lib.lib.flexkv_wait_layers(ptr, self.id, layers, int(slice_s * 1e6), ctypes.byref(landed))
-                err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc)
+                err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc, self._context())
             finally:
                 self._client._handle.release()
             if rc == 0:
@@ -247,13 +277,17 @@ class Ticket:
             if err is not None:
                 raise err
             if deadline is not None and time.monotonic() >= deadline:
-                raise DeadlineExceeded(f"{self.op} request (ticket {self.id}): fewer than {layers} layers landed "
-                                       f"within {timeout} s; it is still in flight and the ticket stays valid")
+                if self._outcome is not None:  # another thread's wait() took the end meanwhile
+                    return layers
+                raise DeadlineExceeded(f"{self._context()}: fewer than {layers} layers landed within {timeout} s; it "
+                                       "is still in flight and the ticket stays valid")
 
 
 def _device_region(obj: Any, i: int) -> tuple:
     """(device pointer, bytes) of one KV region given as a tensor-like object or an int pointer (bytes None)."""
     if isinstance(obj, int):
+        if not 0 < obj <= U64_MAX:
+            raise InvalidArgument(f"KV region {i} is the pointer {obj}; expected a device address in 1..{U64_MAX}")
         return obj, None
     if hasattr(obj, "data_ptr") and hasattr(obj, "numel") and hasattr(obj, "element_size"):  # torch.Tensor & co
         if getattr(obj, "is_cuda", True) is False:
@@ -290,6 +324,7 @@ class Client:
     def __init__(self, ptr: int, socket_path: Optional[str]) -> None:
         self._handle = _Handle(ptr)
         self.socket_path = socket_path  # as given to connect(); None: $FLEXKV_SOCKET or the default
+        # Both change only while the handle is held (see _Handle), together with the call that makes them true.
         self.session_id: Optional[int] = None
         self.geometry: Optional[Geometry] = None
         self._host_array: Optional[ctypes.Array] = None  # the host KV mapping, exported to the caller's views
@@ -337,22 +372,50 @@ class Client:
 
         name: shown by `flexkvctl sessions`. namespace: the cache domain (sessions share blocks within it; keys
         must be computed with the same namespace). geometry: the KV cache shape.
-        Raises InvalidArgument for a bad geometry (naming the field and the accepted range); FailedPrecondition
-        when already attached, for a geometry that does not match the cache domain, or a protocol mismatch;
-        Unavailable while the daemon is draining.
+        Attaching again after the daemon went away (Unavailable from a wait) is the way to recover: the lost
+        session, its rings and its host KV buffer are dropped, and create_host_kv / register_gpu_kv must be called
+        again for the new one. Since that unmaps the old host KV buffer, attach() refuses (FailedPrecondition, and
+        nothing changes) while views of it are alive, as detach() does: drop them first, or close() this client
+        (which waits for them) and connect anew. Waits for calls in progress on other threads, as detach() does.
+
+        Raises InvalidArgument for a bad geometry (naming the field and the accepted range), a rank that is not a
+        uint32, or a NUL character in name or namespace; FailedPrecondition when already attached (to a live
+        session), for a geometry that does not match the cache domain, or a protocol mismatch; Unavailable while
+        the daemon is draining or not reachable.
         """
         g = geometry._to_c()
+        dp = c_uint(dp_rank, "dp_rank")
+        tp = c_uint(tp_rank, "tp_rank")
+        name_c = _c_string(name, "name")
+        namespace_c = _c_string(namespace, "namespace")
         sid = ctypes.c_uint64(0)
-        ptr = self._handle.acquire()
+        ptr = self._handle.acquire_exclusive()
+        if ptr is None:
+            raise FailedPrecondition("this flexkv.Client is closed")
         try:
-            rc = _lib.lib.flexkv_attach(ptr, name.encode(), namespace.encode(), dp_rank, tp_rank, ctypes.byref(g),
-                                        ctypes.byref(sid))
-            _lib.check(rc)
+            if self._host_array is not None:
+                views = sys.getrefcount(self._host_array) - 2
+                if views > 0:
+                    raise FailedPrecondition(
+                        f"this client is attached (session {self.session_id}) and its host KV buffer is still "
+                        f"referenced ({views} views: memoryviews, NumPy arrays, tensors); attaching again would "
+                        "unmap it under them if the daemon lost that session: drop them first (or close() this "
+                        "client, which waits for them, and connect anew)")
+                # No view is left and none can be made any more: whatever attach does to the old mapping (nothing,
+                # if the session is alive; unmapped, if it was lost), nobody can touch it through Python.
+                self._host_array = None
+            rc = _lib.lib.flexkv_attach(ptr, name_c, namespace_c, dp, tp, ctypes.byref(g), ctypes.byref(sid))
+            if rc != 0:
+                # Only a live session answers FAILED_PRECONDITION without being dropped ("already attached"); any
+                # other failure of a client that was attached means libflexkv found it lost and dropped it.
+                if rc != StatusCode.FAILED_PRECONDITION:
+                    self.session_id = None
+                raise _lib.error_from_last(rc)
+            self.session_id = int(sid.value)
+            self.geometry = dataclasses.replace(geometry)
+            return self.session_id
         finally:
-            self._handle.release()
-        self.session_id = int(sid.value)
-        self.geometry = dataclasses.replace(geometry)
-        return self.session_id
+            self._handle.release_exclusive()
 
     @property
     def attached(self) -> bool:
@@ -422,13 +485,19 @@ class Client:
         Raises InvalidArgument for a bad layout or block count, FailedPrecondition when not attached or already
         registered.
         """
+        lay = _layout(layout)
+        n = c_uint(num_blocks, "num_blocks")  # 0 is refused by libflexkv
         data = ctypes.c_void_p(0)
         nbytes = ctypes.c_uint64(0)
-        if not 0 <= num_blocks < 2**32:
-            raise InvalidArgument(f"num_blocks is {num_blocks}; expected 1..{2**32 - 1}")
-        self._call(_lib.lib.flexkv_create_host_kv, int(layout), num_blocks, ctypes.byref(data), ctypes.byref(nbytes))
-        self._host_array = (ctypes.c_uint8 * nbytes.value).from_address(data.value)
-        return memoryview(self._host_array).cast("B")
+        ptr = self._handle.acquire()
+        try:
+            _lib.check(_lib.lib.flexkv_create_host_kv(ptr, lay, n, ctypes.byref(data), ctypes.byref(nbytes)))
+            # Under the same hold as the call: a close() on another thread sees the buffer (and this view of it)
+            # and keeps the mapping, instead of unmapping it between the call and these lines.
+            self._host_array = (ctypes.c_uint8 * nbytes.value).from_address(data.value)
+            return memoryview(self._host_array).cast("B")
+        finally:
+            self._handle.release()
 
     def register_gpu_kv(self, regions: Sequence[Any], layout: Union[Layout, int], num_blocks: int, tp_rank: int = 0,
                         *, region_bytes: Optional[int] = None) -> str:
@@ -442,26 +511,29 @@ class Client:
         Raises InvalidArgument for non-contiguous or unequal regions, CPU tensors or pointers that are not device
         memory; Unimplemented with a libflexkv built without CUDA.
         """
+        lay = _layout(layout)
+        n = c_uint(num_blocks, "num_blocks")
+        tp = c_uint(tp_rank, "tp_rank")
         items = list(regions)
         if not items:
             raise InvalidArgument("no KV regions given; expected one per layer (LAYER_FIRST) or one")
-        if int(layout) != Layout.LAYER_FIRST and len(items) != 1:
-            name = Layout(int(layout)).name if int(layout) in set(Layout) else str(int(layout))
-            raise InvalidArgument(f"{len(items)} KV regions for layout {name}; expected one (only LAYER_FIRST takes "
-                                  "one per layer)")
+        if lay != Layout.LAYER_FIRST and len(items) != 1:
+            raise InvalidArgument(f"{len(items)} KV regions for layout {Layout(lay).name}; expected one (only "
+                                  "LAYER_FIRST takes one per layer)")
         described = [_device_region(obj, i) for i, obj in enumerate(items)]
         sizes = {b for _, b in described if b is not None}
         if region_bytes is not None:
-            sizes.add(int(region_bytes))
+            sizes.add(c_uint(region_bytes, "region_bytes", U64_MAX))
         if len(sizes) != 1:
             if not sizes:
                 raise InvalidArgument("region_bytes is needed when the regions are given as int pointers")
             raise InvalidArgument(f"KV regions have different sizes {sorted(sizes)} bytes; expected equal regions")
         size = sizes.pop()
+        if not 0 <= size <= U64_MAX:  # a tensor's own size; always fits in practice
+            raise InvalidArgument(f"KV regions of {size} bytes; expected at most {U64_MAX}")
         ptrs = (ctypes.c_void_p * len(described))(*[p for p, _ in described])
         kv = ctypes.c_void_p(0)
-        rc = _lib.lib.flexkv_describe_gpu_kv(int(layout), ptrs, len(described), size, num_blocks, tp_rank,
-                                             ctypes.byref(kv))
+        rc = _lib.lib.flexkv_describe_gpu_kv(lay, ptrs, len(described), size, n, tp, ctypes.byref(kv))
         _lib.check(rc)
         try:
             uuid = (_lib.lib.flexkv_gpu_kv_uuid(kv) or b"").decode()
@@ -482,8 +554,9 @@ class Client:
         """Copies the first len(block_ids) blocks of a pinned match into these KV blocks (result.done_blocks).
         With layerwise, Ticket.wait_layers reports each layer as it lands. block_ids: sequence or integer array,
         each < the registered num_blocks (else the request ends with OutOfRange)."""
+        handle = c_uint(match_handle, "match_handle", U64_MAX)
         ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
-        return self._submit("load", _lib.lib.flexkv_load, match_handle, ids, n, 1 if layerwise else 0)
+        return self._submit("load", _lib.lib.flexkv_load, handle, ids, n, 1 if layerwise else 0)
 
     def store(self, keys: Union[BlockKeys, Iterable[Any]], block_ids: Any) -> Ticket:
         """Stores block keys[i] from KV block block_ids[i]. The cached prefix is skipped (result.matched_blocks);
@@ -498,7 +571,7 @@ class Client:
 
     def release(self, match_handle: int) -> Ticket:
         """Drops the pins of a match handle."""
-        return self._submit("release", _lib.lib.flexkv_release, match_handle)
+        return self._submit("release", _lib.lib.flexkv_release, c_uint(match_handle, "match_handle", U64_MAX))
 
     def match_via_control(self, keys: Union[BlockKeys, Iterable[Any]]) -> int:
         """The same lookup as match() without pin, as a unary gRPC call (~50x slower): for diagnostics."""
@@ -518,21 +591,57 @@ class Client:
 
     def _submit(self, op: str, fn: Any, *args: Any) -> Ticket:
         ticket = ctypes.c_uint64(0)
-        self._call(fn, *args, ctypes.byref(ticket))
-        return Ticket(self, int(ticket.value), op)
+        ptr = self._handle.acquire()
+        try:
+            _lib.check(fn(ptr, *args, ctypes.byref(ticket)))
+            session = self.session_id  # the session that took the request: read before a re-attach can change it
+        finally:
+            self._handle.release()
+        return Ticket(self, int(ticket.value), op, session)
+
+
+def _layout(layout: Union[Layout, int]) -> int:
+    """A layout as the C int; InvalidArgument, as libflexkv words it, for any other value (a C int would wrap
+    2**32 + 1 to LAYER_FIRST)."""
+    try:
+        value = operator.index(layout)
+    except TypeError:
+        raise TypeError(f"layout is a {type(layout).__name__}; expected a flexkv.Layout") from None
+    if value not in _LAYOUTS:
+        raise InvalidArgument(f"layout {value} is not valid; expected 1 (LAYER_FIRST), 2 (BLOCK_FIRST) or 3 "
+                              "(LAYER_BLOCK)")
+    return value
+
+
+_LAYOUTS = frozenset(int(v) for v in Layout)
+
+
+def _c_string(text: Union[str, bytes, "os.PathLike[str]"], what: str) -> bytes:
+    """`text` as a NUL-terminated C string's bytes; InvalidArgument for a NUL inside (C would cut it there)."""
+    data = os.fsencode(text) if isinstance(text, os.PathLike) else text.encode() if isinstance(text, str) else \
+        bytes(text)
+    if b"\0" in data:
+        raise InvalidArgument(f"{what} {text!r} contains a NUL character")
+    return data
 
 
 def connect(socket_path: Optional[str] = None, timeout: float = 5.0) -> Client:
     """Connects to flexkvd (flexkv::Client::Connect).
 
     socket_path: None: $FLEXKV_SOCKET, else the default socket of a flexkvd started by the same user.
-    timeout: seconds to wait for a daemon that is not up yet (socket missing or refusing).
+    timeout: seconds to wait for a daemon that is not up yet (socket missing or refusing), 0 to 2147483 (the C
+      ABI takes milliseconds in an int).
     Raises Unavailable (naming the socket and what to check) when no daemon answers in time; any other failure
-    (permission denied, not a flexkvd) at once with its cause.
+    (permission denied, not a flexkvd) at once with its cause; InvalidArgument for a negative, NaN or too long
+    timeout, or a NUL character in socket_path.
     """
+    if not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout is a {type(timeout).__name__}; expected seconds as a number")
+    if not 0 <= timeout <= INT_MAX / 1000:  # NaN fails this too
+        raise InvalidArgument(f"timeout is {timeout} s; expected 0..{INT_MAX // 1000} s")
     out = _lib.client_p(None)
-    path = None if socket_path is None else str(socket_path).encode()
-    rc = _lib.lib.flexkv_connect(path, max(0, int(timeout * 1000)), ctypes.byref(out), None, 0)
+    path = None if socket_path is None else _c_string(socket_path, "socket_path")
+    rc = _lib.lib.flexkv_connect(path, int(timeout * 1000), ctypes.byref(out), None, 0)
     if rc != 0:
         raise _lib.error_from_last(rc)
-    return Client(int(out.value), None if socket_path is None else str(socket_path))
+    return Client(int(out.value), None if socket_path is None else os.fsdecode(socket_path))

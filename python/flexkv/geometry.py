@@ -5,7 +5,7 @@ import dataclasses
 import enum
 
 from . import _lib
-from .errors import InvalidArgument
+from ._convert import c_uint
 
 
 class Layout(enum.IntEnum):
@@ -71,8 +71,7 @@ class Geometry:
         return cls(tokens_per_block=16, num_layers=61, kv_planes=1, kv_heads_per_rank=1, head_dim=576)
 
     def _to_c(self) -> _lib.GeometryStruct:
-        values = dataclasses.astuple(self)
-        for field, v in zip(dataclasses.fields(self), values):
-            if not isinstance(v, int) or not 0 <= v < 2**32:
-                raise InvalidArgument(f"geometry.{field.name} is {v!r}; expected an integer in 0..{2**32 - 1}")
-        return _lib.GeometryStruct(*values)
+        """The C struct; InvalidArgument naming a field a uint32 cannot hold (the daemon checks the real ranges),
+        TypeError for a field that is not an integer."""
+        return _lib.GeometryStruct(*(c_uint(getattr(self, f.name), f"geometry.{f.name}")
+                                     for f in dataclasses.fields(self)))

@@ -9,10 +9,11 @@ import ctypes
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence, Tuple, Union, overload
 
 from . import _lib
-from ._convert import c_int_array
+from ._convert import U64_MAX, c_int_array, c_uint
 from .errors import InvalidArgument
 
 _KEY_BYTES = ctypes.sizeof(_lib.BlockKeyStruct)
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 
 class BlockKey(NamedTuple):
@@ -28,8 +29,8 @@ class BlockKey(NamedTuple):
     @classmethod
     def fromhex(cls, text: str) -> "BlockKey":
         """The key whose hex() is `text`."""
-        if len(text) != 32:
-            raise InvalidArgument(f"block key {text!r} has {len(text)} characters; expected 32 hex digits")
+        if len(text) != 32 or any(c not in _HEX_DIGITS for c in text):
+            raise InvalidArgument(f"block key {text!r} is not 32 hex digits")
         return cls(lo=int(text[16:], 16), hi=int(text[:16], 16))
 
 
@@ -44,11 +45,13 @@ class BlockKeys(Sequence[BlockKey]):
     __slots__ = ("_array",)
 
     def __init__(self, keys: Iterable[Union[BlockKey, Tuple[int, int]]] = ()) -> None:
+        """InvalidArgument for a half outside 0..2**64-1 (which a uint64 would wrap), naming the key."""
         items = list(keys)
         arr = (_lib.BlockKeyStruct * len(items))()
         for i, key in enumerate(items):
             lo, hi = key
-            arr[i].lo, arr[i].hi = lo, hi
+            arr[i].lo = c_uint(lo, f"block key {i}: lo", U64_MAX)
+            arr[i].hi = c_uint(hi, f"block key {i}: hi", U64_MAX)
         self._array = arr
 
     @classmethod
@@ -115,8 +118,7 @@ def block_keys(namespace: Union[str, bytes], tokens: Any, tokens_per_block: int)
     Raises InvalidArgument for tokens_per_block == 0 or a token out of int32, TypeError for non-integers.
     Needs no daemon.
     """
-    if not 0 <= tokens_per_block < 2**32:
-        raise InvalidArgument(f"tokens_per_block is {tokens_per_block}; expected 1..{2**32 - 1}")
+    tokens_per_block = c_uint(tokens_per_block, "tokens_per_block")  # 0 is refused by libflexkv, naming it
     ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
     toks, n = c_int_array(tokens, ctypes.c_int32, "tokens")
     capacity = n // tokens_per_block if tokens_per_block else 0

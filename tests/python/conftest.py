@@ -52,8 +52,12 @@ class Daemon:
         self.stderr_path = os.path.join(self.dir, "flexkvd.stderr")
         argv = [FLEXKVD, "--socket", self.socket, "--pool-path", os.path.join(self.pool_dir, "pool"),
                 "--pool-size", pool_size] + list(extra_args or [])
+        self.argv = argv
         self._stderr = open(self.stderr_path, "wb")
-        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        self._start()
+
+    def _start(self) -> None:
+        self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=self._stderr)
         self.pid = self.process.pid
 
@@ -70,6 +74,18 @@ class Daemon:
                     pass
             time.sleep(0.01)
         raise RuntimeError(f"flexkvd not ready after {timeout} s:\n{self.stderr()}")
+
+    def kill(self) -> None:
+        """SIGKILL, returning once the daemon is gone (its sockets closed: clients see their sessions lost)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def restart(self) -> None:
+        """A crash and a restart: kill(), then a new flexkvd on the same socket and pool; returns once it accepts."""
+        self.kill()
+        self._start()
+        self.wait_ready()
 
     def signal(self, sig: int) -> None:
         if self.process.poll() is None:

@@ -1,17 +1,20 @@
 """A Python engine that dies or closes (python/flexkv/client.py): the daemon reclaims its session, pins and
-in-flight stores; the host KV mapping outlives the views an engine still holds."""
+in-flight stores; the host KV mapping outlives the views an engine still holds. A daemon that dies: attaching
+again recovers, never under live views or beside other calls on the client."""
 from __future__ import annotations
 
 import gc
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import flexkv
+from flexkv import _lib
 from conftest import settled_status
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
 
@@ -171,5 +174,143 @@ def test_a_client_dropped_without_close_ends_its_session(daemon, observer):
     c.attach("dropped", TEST_NAMESPACE, TEST_GEOMETRY)
     assert observer.status().sessions == 1
     del c
+    gc.collect()
+    assert observer.status().sessions == 0
+
+
+# ---- the daemon goes away: attach again (the documented recovery), and calls racing the client's lifetime ----
+
+def reattach(c, name):
+    """attach() after a daemon restart, as an engine recovers: the first call may fail with Unavailable ("Broken
+    pipe": libflexkv's gRPC channel still held the dead daemon's connection) and leave the client not attached; the
+    next one reconnects. Anything else, or a second failure, is an error."""
+    try:
+        return c.attach(name, TEST_NAMESPACE, TEST_GEOMETRY)
+    except flexkv.Unavailable:
+        assert not c.attached
+    return c.attach(name, TEST_NAMESPACE, TEST_GEOMETRY)
+
+
+def test_reattach_after_the_daemon_went_away_refuses_while_old_host_kv_views_live(daemon):
+    c = flexkv.connect(daemon.socket)
+    c.attach("phoenix", TEST_NAMESPACE, TEST_GEOMETRY)
+    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[:] = 5
+    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(7, 4), TPB)
+    c.store(keys, range(4)).wait(5)
+    daemon.freeze()
+    pending = c.match(keys)  # never read by that daemon
+    daemon.restart()
+    with pytest.raises(flexkv.Unavailable, match="Attach again"):
+        pending.wait(5)
+    # libflexkv's re-attach drops the lost session's host KV mapping: not while a view of it is alive.
+    with pytest.raises(flexkv.FailedPrecondition, match="host KV buffer is still referenced"):
+        c.attach("phoenix", TEST_NAMESPACE, TEST_GEOMETRY)
+    assert int(arr.sum()) == 5 * arr.size  # the refused attach left the mapping alone
+    del arr, buf
+    sid = reattach(c, "phoenix")
+    assert c.session_id == sid and c.attached
+    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+        pending.wait(1)
+    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+        pending.done()  # an error, not False forever
+    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)  # the new session registers its own buffer
+    assert c.match(keys).wait(5).matched_blocks == 4  # the restarted daemon kept the pool
+    fresh = flexkv.block_keys(TEST_NAMESPACE, tokens(8, 2), TPB)
+    assert c.store(fresh, range(2)).wait(5).done_blocks == 2
+    with flexkv.connect(daemon.socket) as observer:
+        assert observer.status().sessions == 1
+        del buf
+        c.close()
+        assert observer.status().sessions == 0
+
+
+def test_a_failed_reattach_leaves_the_client_detached_and_its_tickets_ended(daemon):
+    c = flexkv.connect(daemon.socket)
+    c.attach("orphan", TEST_NAMESPACE, TEST_GEOMETRY)
+    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(9, 1), TPB)
+    daemon.freeze()
+    pending = c.match(keys)
+    daemon.kill()
+    with pytest.raises(flexkv.Unavailable):
+        c.attach("orphan", TEST_NAMESPACE, TEST_GEOMETRY)  # nobody answers; libflexkv dropped the lost session
+    assert not c.attached
+    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+        pending.try_wait()
+    with pytest.raises(flexkv.FailedPrecondition):
+        pending.done()
+    daemon.restart()
+    reattach(c, "orphan")
+    assert c.match(keys).wait(5).matched_blocks == 0
+    c.close()
+
+
+def test_attach_runs_alone_on_the_client_even_beside_a_waiting_thread(daemon, monkeypatch):
+    """libflexkv's attach tears down a lost session's rings and host KV mapping: no other call on the client (a
+    Ticket.wait on another thread included) may run while it does."""
+    c = flexkv.connect(daemon.socket)
+    c.attach("exclusive", TEST_NAMESPACE, TEST_GEOMETRY)
+    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(10, 1), TPB)
+    daemon.freeze()
+    ticket = c.match(keys)
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(ticket.wait(30).matched_blocks))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while c._handle._users == 0 and time.monotonic() < deadline:  # until the waiter is inside libflexkv
+        time.sleep(0.001)
+    real = _lib.lib.flexkv_attach
+    seen = []
+
+    def spy(ptr, *args):
+        seen.append((c._handle._exclusive, c._handle._users))
+        return real(ptr, *args)
+
+    monkeypatch.setattr(_lib.lib, "flexkv_attach", spy)
+    try:
+        with pytest.raises(flexkv.FailedPrecondition, match="already attached"):  # the session is alive
+            c.attach("exclusive", TEST_NAMESPACE, TEST_GEOMETRY)
+    finally:
+        daemon.thaw()
+    waiter.join(30)
+    assert seen == [(True, 0)], "flexkv_attach ran beside another call on the same client"
+    assert results == [0]
+    c.close()
+
+
+def test_close_racing_create_host_kv_keeps_the_new_buffer_mapped(daemon, observer, monkeypatch):
+    """close() on another thread just as create_host_kv's call into libflexkv returns: the buffer and the view handed
+    out must be seen by close(), which keeps the mapping until the view goes, not unmapped between the call and the
+    view. Forced: close() starts during the call and runs to its end as soon as create_host_kv lets go of the
+    client."""
+    c = flexkv.connect(daemon.socket)
+    c.attach("racer", TEST_NAMESPACE, TEST_GEOMETRY)
+    closer = threading.Thread(target=c.close)
+    real = _lib.lib.flexkv_create_host_kv
+
+    def then_close(*args):
+        rc = real(*args)
+        closer.start()  # blocks in close() until this call lets go of the client
+        return rc
+
+    class CloseRunsAtRelease(type(c._handle)):
+        __slots__ = ()
+
+        def release(self) -> None:
+            super().release()
+            if closer.ident is not None:
+                closer.join(10)
+
+    monkeypatch.setattr(_lib.lib, "flexkv_create_host_kv", then_close)
+    c._handle.__class__ = CloseRunsAtRelease
+    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    assert closer.ident is not None and not closer.is_alive()
+    with pytest.raises(flexkv.FailedPrecondition, match="closed"):
+        c.status()
+    assert observer.status().sessions == 1  # kept for `buf`
+    buf[:] = b"\x03" * len(buf)  # still mapped
+    assert sum(buf[:64]) == 3 * 64
+    del buf
     gc.collect()
     assert observer.status().sessions == 0

@@ -165,3 +165,64 @@ def test_a_ticket_of_an_ended_session_is_failed_precondition(daemon):
         with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
             never_waited.wait(1)
         assert c.match(keys).wait(5).matched_blocks == 0  # the new session works
+
+
+def test_integers_a_c_type_cannot_hold_are_refused_not_wrapped(client, daemon):
+    """ctypes wraps silently (-1 as a uint32 is 4294967295, 2**32 is 0, 3e9 as a C int is negative): each integer
+    that goes into a fixed-width C type is checked first, and the error names it and its range."""
+    with flexkv.connect(daemon.socket) as c:
+        for kwargs, message in [({"dp_rank": -1}, "dp_rank is -1; expected an integer in 0..4294967295"),
+                                ({"tp_rank": 2**32}, "tp_rank is 4294967296; expected an integer in 0..4294967295")]:
+            with pytest.raises(flexkv.InvalidArgument) as e:
+                c.attach("ranks", TEST_NAMESPACE, TEST_GEOMETRY, **kwargs)
+            assert e.value.message == message
+            assert not c.attached
+        with pytest.raises(flexkv.InvalidArgument, match="geometry.head_dim is 4294967296"):
+            c.attach("g", TEST_NAMESPACE, dataclasses.replace(TEST_GEOMETRY, head_dim=2**32))
+        with pytest.raises(TypeError, match="geometry.num_layers is a float"):
+            c.attach("g", TEST_NAMESPACE, dataclasses.replace(TEST_GEOMETRY, num_layers=2.0))
+        with pytest.raises(flexkv.InvalidArgument, match="NUL"):
+            c.attach("g", "pytest\0model", TEST_GEOMETRY)  # C would cut the namespace at the NUL
+        assert not c.attached
+    with pytest.raises(flexkv.InvalidArgument, match="layout 4294967297 is not valid"):
+        client.create_host_kv(2**32 + 1, 16)  # a C int would wrap it to LAYER_FIRST
+    with pytest.raises(flexkv.InvalidArgument, match="num_blocks is -1"):
+        client.create_host_kv(flexkv.Layout.BLOCK_FIRST, -1)
+    with pytest.raises(flexkv.InvalidArgument, match="num_blocks is 4294967296"):
+        client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2**32)
+    for handle in (-1, 2**64):
+        with pytest.raises(flexkv.InvalidArgument, match=f"match_handle is {handle}"):
+            client.load(handle, [0])
+        with pytest.raises(flexkv.InvalidArgument, match=f"match_handle is {handle}"):
+            client.release(handle)
+    with pytest.raises(flexkv.InvalidArgument, match="block key 1: lo is -1"):
+        client.match([(1, 2), (-1, 0)])
+    with pytest.raises(flexkv.InvalidArgument, match="block key 0: hi is 18446744073709551616"):
+        client.store([(0, 2**64)], [0])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"num_blocks": -1}, "num_blocks is -1"),
+    ({"num_blocks": 2**32}, "num_blocks is 4294967296"),
+    ({"tp_rank": -1}, "tp_rank is -1"),
+    ({"region_bytes": -1}, "region_bytes is -1"),
+    ({"region_bytes": 2**64}, "region_bytes is 18446744073709551616"),
+    ({"regions": [-1]}, "KV region 0 is the pointer -1"),
+    ({"regions": [2**64]}, "KV region 0 is the pointer 18446744073709551616"),
+    ({"layout": 2**32 + 2}, "layout 4294967298 is not valid"),
+])
+def test_register_gpu_kv_refuses_integers_out_of_their_c_range(client, kwargs, message):
+    args = {"regions": [0x10000], "layout": flexkv.Layout.BLOCK_FIRST, "num_blocks": 16, "tp_rank": 0,
+            "region_bytes": 65536, **kwargs}
+    with pytest.raises(flexkv.InvalidArgument, match=message):
+        client.register_gpu_kv(args.pop("regions"), args.pop("layout"), args.pop("num_blocks"), args.pop("tp_rank"),
+                               **args)
+
+
+@pytest.mark.parametrize("timeout", [-1, 3e6, float("nan"), float("inf")])
+def test_connect_timeout_out_of_range(daemon, timeout):
+    with pytest.raises(flexkv.InvalidArgument, match="timeout is"):
+        flexkv.connect(daemon.socket, timeout=timeout)  # 3e6 s in ms would wrap a C int to a negative number
+    with pytest.raises(flexkv.InvalidArgument, match="NUL"):
+        flexkv.connect(daemon.socket + "\0x")
+    flexkv.connect(daemon.socket, timeout=0).close()

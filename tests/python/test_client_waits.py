@@ -12,6 +12,7 @@ import time
 import pytest
 
 import flexkv
+from flexkv import _lib
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
 
 TPB = TEST_GEOMETRY.tokens_per_block
@@ -151,3 +152,82 @@ def test_daemon_gone_is_unavailable(stored, daemon):
     daemon.process.wait(10)
     with pytest.raises(flexkv.Unavailable, match="Attach again"):
         ticket.wait(5)
+
+
+@pytest.mark.parametrize("method", ["wait", "wait_layers", "try_wait"])
+def test_a_waiter_whose_result_another_thread_took_returns_it_not_a_timeout(client, monkeypatch, method):
+    """Two threads wait on one ticket; libflexkv hands the end to one of them. The other, whose call into libflexkv
+    then times out at its deadline, must find the outcome the first one kept, not raise DeadlineExceeded (or, from
+    try_wait, answer None) for a request that has ended. The interleaving is forced: thread B's call runs thread A's
+    whole wait() inside it and then reports DEADLINE_EXCEEDED, as a call that lost the result does."""
+    ticket = client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(11, 2), TPB))
+    c_name = {"wait": "flexkv_wait", "wait_layers": "flexkv_wait_layers", "try_wait": "flexkv_try_wait"}[method]
+    real = getattr(_lib.lib, c_name)
+    taken = []
+
+    def lose_the_result(*args):
+        if threading.current_thread().name == "A":
+            return real(*args)
+        a = threading.Thread(target=lambda: taken.append(ticket.wait(5)), name="A")
+        a.start()
+        a.join(10)
+        return flexkv.StatusCode.DEADLINE_EXCEEDED
+
+    monkeypatch.setattr(_lib.lib, c_name, lose_the_result)
+    if method == "wait":
+        got = ticket.wait(0).matched_blocks
+    elif method == "wait_layers":
+        got = ticket.wait_layers(1, 0)
+    else:
+        got = ticket.try_wait().matched_blocks
+    assert taken and taken[0].matched_blocks == 0  # thread A had the result
+    assert got == (1 if method == "wait_layers" else 0)
+
+
+def test_try_wait_on_a_client_that_is_not_attached_raises(client, monkeypatch):
+    """libflexkv answers flexkv_try_wait with FAILED_PRECONDITION when its client is not attached (any more): that is
+    an error naming the request, never "not ended yet", and done() raises it too instead of answering False
+    forever."""
+    ticket = client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(12, 1), TPB))
+    monkeypatch.setattr(_lib.lib, "flexkv_try_wait", lambda *args: flexkv.StatusCode.FAILED_PRECONDITION)
+    monkeypatch.setattr(_lib.lib, "flexkv_last_error",
+                        lambda: b"FAILED_PRECONDITION: not attached: call flexkv_attach first")
+    with pytest.raises(flexkv.FailedPrecondition) as e:
+        ticket.try_wait()
+    assert e.value.message == f"match request (ticket {ticket.id}): not attached: call flexkv_attach first"
+    with pytest.raises(flexkv.FailedPrecondition, match="not attached"):
+        ticket.done()
+    monkeypatch.undo()
+    assert ticket.wait(5).matched_blocks == 0 and ticket.done()
+
+
+def test_done_of_a_ticket_whose_session_ended_raises(client):
+    ticket = client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(13, 1), TPB))
+    client.detach()
+    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+        ticket.done()
+    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+        ticket.try_wait()
+
+
+def test_wait_timeouts_out_of_range(stored, daemon):
+    client, keys = stored
+    daemon.freeze()
+    try:
+        ticket = client.match(keys)
+        with pytest.raises(flexkv.InvalidArgument, match="NaN"):
+            ticket.wait(float("nan"))  # would never time out
+        with pytest.raises(flexkv.InvalidArgument, match="NaN"):
+            ticket.wait_layers(1, float("nan"))
+        with pytest.raises(TypeError):
+            ticket.wait("1")
+        t0 = time.monotonic()
+        with pytest.raises(flexkv.DeadlineExceeded):
+            ticket.wait(-5)  # negative: just look
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(flexkv.InvalidArgument, match="layers is -1"):
+            ticket.wait_layers(-1, 0)
+    finally:
+        daemon.thaw()
+    assert ticket.wait(float("inf")).matched_blocks == 4  # huge is a year: returns when the request ends
+    assert ticket.wait(1e300).matched_blocks == 4

@@ -1,11 +1,14 @@
 """flexkv.Error and its subclasses (python/flexkv/errors.py)."""
 from __future__ import annotations
 
+import os
 import pickle
+import re
 
 import pytest
 
 import flexkv
+from conftest import REPO
 from flexkv.errors import error_for
 
 
@@ -48,3 +51,27 @@ def test_subclasses_are_also_the_builtin_a_caller_would_catch():
 def test_an_unknown_code_is_still_an_error():
     e = error_for(99, "from the future")
     assert isinstance(e, flexkv.Error) and e.code == flexkv.StatusCode.UNKNOWN and e.message == "from the future"
+
+
+def test_every_code_the_c_abi_names_has_its_exception():
+    """client/include/flexkv/c.h names the codes libflexkv returns (FLEXKV_<NAME> = <n>); each is a StatusCode of
+    the same name and number with its own Error subclass, so a code the C ABI starts returning is never Unknown."""
+    with open(os.path.join(REPO, "client", "include", "flexkv", "c.h")) as f:
+        header = f.read()
+    enum = header[header.index("FLEXKV_OK"):]
+    enum = enum[:enum.index("}")]
+    named = {name: int(value) for name, value in re.findall(r"FLEXKV_([A-Z_]+)\s*=\s*(\d+)", enum)}
+    assert {"OK", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "UNAVAILABLE"} <= named.keys()
+    for name, value in named.items():
+        assert flexkv.StatusCode[name] == value, name
+        if value:
+            e = error_for(value, "m")
+            assert e.code == value and type(e).__name__ == name.title().replace("_", ""), name
+    # and every gRPC code, whether or not c.h names it yet (ALREADY_EXISTS, RESOURCE_EXHAUSTED, DATA_LOSS, ...)
+    for value, name in enumerate(["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+                                  "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
+                                  "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+                                  "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"]):
+        assert flexkv.StatusCode(value).name == name
+        if value:
+            assert type(error_for(value, "m")).__name__ == name.title().replace("_", "")

@@ -2,19 +2,23 @@
 
 The host variant runs everywhere (--host: KV in memory shared with the daemon). The GPU variants need torch with
 CUDA (the device machine) and run the same ranks with torch's caching allocator and with expandable segments
-(cuMem/VMM), checking every loaded block byte for byte."""
+(cuMem/VMM), checking every loaded block byte for byte. Its load step releases the pins also when a load fails,
+and it ends its session before it drops its KV cache."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 
 import flexkv
 from conftest import REPO
+from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
 
 EXAMPLE = os.path.join(REPO, "examples", "vllm_dp_rank.py")
 SMALL = ["--layers", "4", "--num-blocks", "128"]
@@ -87,3 +91,55 @@ def test_two_gpu_ranks_share_the_cache(make_daemon, alloc_conf):
         pytest.skip("needs torch with CUDA (the device machine)")
     daemon = make_daemon(pool_size="1GiB")
     check_two_ranks(daemon, SMALL, "gpu", {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf else None)
+
+
+def test_a_failed_load_still_releases_the_pins(client, observer):
+    """The example's load step: the pinned match handle is released even when the load raises (here OutOfRange, a
+    block id past the registered KV blocks), so the blocks do not stay pinned for the rest of the session."""
+    example = load_example()
+    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(21, 4), TEST_GEOMETRY.tokens_per_block)
+    client.store(keys, range(4)).wait(5)
+    hit = client.match(keys, pin=True).wait(5)
+    assert observer.status().pinned_blocks == 4
+    with pytest.raises(flexkv.OutOfRange):
+        example.load_cached(client, hit.match_handle, [4, 5, 6, 99], layerwise=False)
+    assert observer.status().pinned_blocks == 0
+    with pytest.raises(flexkv.NotFound):  # released: the handle is gone
+        client.load(hit.match_handle, [4]).wait(5)
+    assert example.load_cached(client, client.match(keys, pin=True).wait(5).match_handle, [4, 5, 6, 7],
+                               layerwise=True)[0] == 4
+    assert observer.status().pinned_blocks == 0
+    del buf
+
+
+def test_the_example_ends_its_session_before_it_drops_its_kv_cache(daemon, monkeypatch):
+    """The KV buffers must outlive the registration (the daemon may copy into them until the session ends; freed GPU
+    tensors go back to the allocator): main() closes the client while its KvCache is still alive, and only then
+    lets it go. Run in this process with the host backend, watching Client.close."""
+    example = load_example()
+    caches = []
+    alive_at_close = []
+    init, close = example.KvCache.__init__, flexkv.Client.close
+
+    clients = []
+
+    def tracked_init(self, args, client, geometry):
+        init(self, args, client, geometry)
+        caches.append(weakref.ref(self))
+        clients.append(client)
+
+    def watched_close(self):
+        if any(self is c for c in clients):  # not a client of another test that the GC closes meanwhile
+            alive_at_close.append([ref() is not None for ref in caches])
+        close(self)
+
+    monkeypatch.setattr(example.KvCache, "__init__", tracked_init)
+    monkeypatch.setattr(flexkv.Client, "close", watched_close)
+    monkeypatch.setattr(sys, "argv", ["vllm_dp_rank.py", "--socket", daemon.socket, "--host"] + SMALL)
+    assert example.main() == 0
+    assert len(caches) == 1 and alive_at_close[0] == [True], alive_at_close
+    gc.collect()
+    assert caches[0]() is None  # and dropped after
+    with flexkv.connect(daemon.socket) as observer:
+        assert observer.status().sessions == 0

@@ -124,3 +124,19 @@ def test_the_package_does_not_need_numpy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["bfd1c2a0c9e67aaad0ad930d82d99092", "760eb60aa59c9dcdf27179800cd81f30"]
+
+
+def test_key_halves_out_of_uint64_are_refused():
+    with pytest.raises(flexkv.InvalidArgument) as e:
+        flexkv.BlockKeys([(-1, 0)])  # a uint64 would hold it as 2**64 - 1
+    assert e.value.message == "block key 0: lo is -1; expected an integer in 0..18446744073709551615"
+    with pytest.raises(flexkv.InvalidArgument, match="block key 2: hi is 18446744073709551616"):
+        flexkv.BlockKeys([(0, 0), (1, 1), (0, 2**64)])
+    with pytest.raises(TypeError):
+        flexkv.BlockKeys([(0.5, 0)])
+    top = flexkv.BlockKeys([(2**64 - 1, 2**64 - 1)])
+    assert top[0] == flexkv.BlockKey(2**64 - 1, 2**64 - 1) and top.hex() == ["f" * 32]
+    with pytest.raises(flexkv.InvalidArgument, match="32 hex digits"):
+        flexkv.BlockKey.fromhex("-" + "0" * 31)  # int() would take the sign
+    with pytest.raises(flexkv.InvalidArgument, match="tokens_per_block is -1"):
+        flexkv.block_keys("ns", [1, 2], -1)
