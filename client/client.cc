@@ -181,9 +181,24 @@ Result<SessionInfo> Client::Attach(const AttachOptions& options) {
   ToProto(options.geometry, req.mutable_geometry());
   req.set_protocol_version(kProtocolVersion);
   v1::AttachResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->Attach(&ctx, req, &resp)));
+  grpc::Status attached;
+  {
+    grpc::ClientContext ctx;
+    impl_->Prepare(&ctx);
+    attached = impl_->stub->Attach(&ctx, req, &resp);
+  }
+  if (attached.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    // After a daemon restart the channel's first call can still go to the dead connection ("Broken pipe"):
+    // wait for the channel to reconnect (up to connect_timeout) and try once more. Should the first call have
+    // reached the daemon after all, its session never gets a session channel and the daemon reaps it.
+    if (impl_->channel->WaitForConnected(std::chrono::system_clock::now() + impl_->options.connect_timeout)) {
+      grpc::ClientContext ctx;
+      impl_->Prepare(&ctx);
+      resp.Clear();
+      attached = impl_->stub->Attach(&ctx, req, &resp);
+    }
+  }
+  FLEXKV_RETURN_IF_ERROR(impl_->Call(attached));
   if (resp.session_token().size() != kSessionTokenBytes) {
     return Status::Internal(fmt::format("daemon sent a {}-byte session token; expected {}", resp.session_token().size(),
                                         kSessionTokenBytes));
