@@ -1,9 +1,12 @@
-// flexkv-bench index [--blocks 1M,10M] [--chain 64] [--no-restart] [--json]
+// flexkv-bench index [--blocks 1M,10M] [--chain 64] [--passes 1] [--no-restart] [--json]
 // In-process, one thread (flexkvd_lib linked in), for each size N:
 //   insert   Reserve + Commit of N/chain chains of `chain` chained keys into an empty PrefixIndex(N)
 //   memory   RSS delta (/proc/self/statm) from before PrefixIndex(N) to after the inserts, per block
 //   match    Match (no pin) of every chain once, in random order: keys looked up per second
 //   match+pin  Match with pin + Unpin of the same chains (the engine path)
+//   reserve cached  Reserve of the same chains, all cached (walks and pins the prefix, reserves nothing):
+//            a repeated store
+//   The three above run `passes` times over all chains (same random order) and report the total rate.
 //   evict    Reserve + Commit of new chains into the full index: each block evicts the LRU leaf
 //   restart  a pool file with N committed slots (16-byte blocks, the smallest valid geometry), closed and
 //            reopened: Pool::Open + Pool::Recover + PrefixIndex(N) + Restore of every block, as a restarted
@@ -65,8 +68,9 @@ std::vector<flexkv::BlockKey> MakeKeys(uint64_t chains, uint32_t len, int32_t sa
 struct IndexResult {
   uint64_t blocks = 0;
   uint32_t chain = 0;
-  double insert_s = 0, match_s = 0, match_pin_s = 0, evict_s = 0;
-  uint64_t matched = 0, matched_pin = 0, evicted = 0, evict_inserts = 0;
+  uint32_t passes = 1;
+  double insert_s = 0, match_s = 0, match_pin_s = 0, reserve_cached_s = 0, evict_s = 0;
+  uint64_t matched = 0, matched_pin = 0, reserve_cached = 0, evicted = 0, evict_inserts = 0;
   uint64_t rss_delta = 0;
   // restart
   bool restart = false;
@@ -74,10 +78,11 @@ struct IndexResult {
   uint64_t restored = 0, dropped = 0, pool_file_bytes = 0;
 };
 
-std::optional<IndexResult> RunOne(uint64_t n, uint32_t chain, bool restart) {
+std::optional<IndexResult> RunOne(uint64_t n, uint32_t chain, uint32_t passes, bool restart) {
   IndexResult r;
   r.blocks = n;
   r.chain = chain;
+  r.passes = passes;
   const uint64_t chains = n / chain;
   const uint64_t used = chains * chain;  // the index holds N slots; the chains fill N rounded down
   auto keys = MakeKeys(chains, chain, 1);
@@ -104,22 +109,36 @@ std::optional<IndexResult> RunOne(uint64_t n, uint32_t chain, bool restart) {
   }
 
   t0 = Clock::now();
-  for (uint64_t c : order) {
-    r.matched += index->Match(std::span<const flexkv::BlockKey>(keys.data() + c * chain, chain), false, nullptr);
+  for (uint32_t p = 0; p < passes; ++p) {
+    for (uint64_t c : order) {
+      r.matched += index->Match(std::span<const flexkv::BlockKey>(keys.data() + c * chain, chain), false, nullptr);
+    }
   }
   t1 = Clock::now();
   r.match_s = Seconds(t0, t1);
   t0 = Clock::now();
-  for (uint64_t c : order) {
-    slots.clear();
-    r.matched_pin += index->Match(std::span<const flexkv::BlockKey>(keys.data() + c * chain, chain), true, &slots);
-    index->Unpin(slots);
+  for (uint32_t p = 0; p < passes; ++p) {
+    for (uint64_t c : order) {
+      slots.clear();
+      r.matched_pin += index->Match(std::span<const flexkv::BlockKey>(keys.data() + c * chain, chain), true, &slots);
+      index->Unpin(slots);
+    }
   }
   t1 = Clock::now();
   r.match_pin_s = Seconds(t0, t1);
-  if (r.matched != used || r.matched_pin != used) {
-    std::fprintf(stderr, "flexkv-bench: matched %llu / %llu of %llu keys\n", static_cast<unsigned long long>(r.matched),
-                 static_cast<unsigned long long>(r.matched_pin), static_cast<unsigned long long>(used));
+  t0 = Clock::now();
+  for (uint32_t p = 0; p < passes; ++p) {
+    for (uint64_t c : order) {
+      auto res = index->Reserve(std::span<const flexkv::BlockKey>(keys.data() + c * chain, chain));
+      r.reserve_cached += res.cached;
+    }
+  }
+  t1 = Clock::now();
+  r.reserve_cached_s = Seconds(t0, t1);
+  if (r.matched != used * passes || r.matched_pin != used * passes || r.reserve_cached != used * passes) {
+    std::fprintf(stderr, "flexkv-bench: matched %llu / %llu, reserve found %llu cached, of %llu keys\n",
+                 static_cast<unsigned long long>(r.matched), static_cast<unsigned long long>(r.matched_pin),
+                 static_cast<unsigned long long>(r.reserve_cached), static_cast<unsigned long long>(used * passes));
     return std::nullopt;
   }
 
@@ -244,10 +263,13 @@ int RunIndexBench(int argc, char** argv) {
   CLI::App app{"flexkv-bench index: PrefixIndex match/insert/evict throughput, memory per block, restart time"};
   std::vector<std::string> sizes = {"1M", "10M"};
   uint32_t chain = 64;
+  uint32_t passes = 1;
   bool no_restart = false, json = false;
   int cpu = -1;
   app.add_option("--blocks", sizes, "Index sizes, e.g. 1M,10M (K and M are powers of 1000)")->delimiter(',');
   app.add_option("--chain", chain, "Keys per chain (one stored prompt), default 64")->check(CLI::Range(1u, 4096u));
+  app.add_option("--passes", passes, "Passes over all chains for match, match+pin and reserve cached (default 1)")
+      ->check(CLI::Range(1u, 1000u));
   app.add_flag("--no-restart", no_restart, "Skip the pool-recovery (restart) measurement");
   app.add_option("--cpu", cpu, "Pin this thread to one CPU (default: not pinned)");
   app.add_flag("--json", json, "One JSON object");
@@ -269,15 +291,18 @@ int RunIndexBench(int argc, char** argv) {
       std::fprintf(stderr, "flexkv-bench: --blocks %s: expected a count of at least --chain (e.g. 1M)\n", s.c_str());
       return 2;
     }
-    auto r = RunOne(*n, chain, !no_restart);
+    auto r = RunOne(*n, chain, passes, !no_restart);
     if (!r) return 1;
     if (!json) {
-      fmt::print("{} blocks (chains of {}), one thread:\n", r->blocks, r->chain);
+      fmt::print("{} blocks (chains of {}, {} pass{}), one thread:\n", r->blocks, r->chain, r->passes,
+                 r->passes == 1 ? "" : "es");
       fmt::print("  insert (Reserve+Commit)  {:>12.0f} blocks/s  ({:.3f} s)\n", PerS(r->blocks / chain * chain, r->insert_s),
                  r->insert_s);
       fmt::print("  match (no pin)           {:>12.0f} keys/s    ({:.3f} s)\n", PerS(r->matched, r->match_s), r->match_s);
       fmt::print("  match+pin, unpin         {:>12.0f} keys/s    ({:.3f} s)\n", PerS(r->matched_pin, r->match_pin_s),
                  r->match_pin_s);
+      fmt::print("  reserve, all cached      {:>12.0f} keys/s    ({:.3f} s)\n",
+                 PerS(r->reserve_cached, r->reserve_cached_s), r->reserve_cached_s);
       fmt::print("  insert evicting the LRU  {:>12.0f} blocks/s  ({} evicted, {:.3f} s)\n",
                  PerS(r->evict_inserts, r->evict_s), r->evicted, r->evict_s);
       fmt::print("  memory                   {:>12.1f} bytes/block (RSS +{} MiB)\n",
@@ -298,10 +323,11 @@ int RunIndexBench(int argc, char** argv) {
       const IndexResult& r = results[i];
       out += fmt::format(
           "{}{{\"blocks\": {}, \"insert_per_s\": {:.0f}, \"match_keys_per_s\": {:.0f}, "
-          "\"match_pin_keys_per_s\": {:.0f}, \"insert_evict_per_s\": {:.0f}, \"evicted\": {}, "
-          "\"bytes_per_block\": {:.1f}, \"rss_delta_bytes\": {}",
+          "\"match_pin_keys_per_s\": {:.0f}, \"reserve_cached_keys_per_s\": {:.0f}, \"passes\": {}, "
+          "\"insert_evict_per_s\": {:.0f}, \"evicted\": {}, \"bytes_per_block\": {:.1f}, \"rss_delta_bytes\": {}",
           i ? ", " : "", r.blocks, PerS(r.blocks / chain * chain, r.insert_s), PerS(r.matched, r.match_s),
-          PerS(r.matched_pin, r.match_pin_s), PerS(r.evict_inserts, r.evict_s), r.evicted,
+          PerS(r.matched_pin, r.match_pin_s), PerS(r.reserve_cached, r.reserve_cached_s), r.passes,
+          PerS(r.evict_inserts, r.evict_s), r.evicted,
           static_cast<double>(r.rss_delta) / static_cast<double>(r.blocks), r.rss_delta);
       if (r.restart) {
         out += fmt::format(", \"restart\": {{\"open_s\": {:.3f}, \"recover_s\": {:.3f}, \"index_alloc_s\": {:.3f}, "

@@ -345,6 +345,72 @@ TEST_CASE("prefix index: the eviction listener sees each evicted slot and key on
   CHECK(index.evicted_blocks() == 2);
 }
 
+TEST_CASE("prefix index: long chains match up to the first wrong key wherever it falls", "[unit][index]") {
+  // The walk looks keys up ahead of the one it compares; a miss or a foreign key anywhere, inside or past that
+  // look-ahead, must end the match exactly there.
+  PrefixIndex index(1024);
+  std::vector<int32_t> tokens(300), other(300);
+  for (int32_t i = 0; i < 300; ++i) {
+    tokens[static_cast<size_t>(i)] = i;
+    other[static_cast<size_t>(i)] = 1000 + i;
+  }
+  const auto keys = Chain(tokens);
+  const auto foreign = Chain(other);
+  Store(index, keys);
+  Store(index, Prefix(foreign, 100));
+  for (size_t cut : {size_t{0}, size_t{1}, size_t{5}, size_t{6}, size_t{7}, size_t{11}, size_t{12}, size_t{13},
+                     size_t{16}, size_t{17}, size_t{64}, size_t{150}, size_t{299}}) {
+    INFO("cut " << cut);
+    auto missing = keys;
+    missing[cut] = BlockKey{cut + 1, 0xdead};  // not in the index
+    std::vector<SlotId> slots;
+    CHECK(index.Match(missing, false, &slots) == cut);
+    CHECK(slots.size() == cut);
+    auto crossed = keys;
+    crossed[cut] = foreign[std::clamp<size_t>(cut, 1, 99)];  // in the index, under another parent
+    CHECK(index.Match(crossed, false, nullptr) == cut);
+    auto r = index.Reserve(missing);  // the cached prefix, then `missing[cut]`, then keys already present
+    CHECK(r.cached == cut);
+    CHECK(r.slots.size() == 1);
+    CHECK(r.shortfall == (cut + 1 < keys.size() ? StatusCode::kAborted : StatusCode::kOk));
+    index.Abort(r.slots);
+    index.CheckInvariants();
+  }
+  std::vector<SlotId> all;
+  CHECK(index.Match(keys, true, &all) == keys.size());
+  CHECK(index.pinned_slots() == keys.size());
+  index.Unpin(all);
+  CHECK(index.Match(std::vector<BlockKey>(keys.begin() + 1, keys.end()), false, nullptr) == 0);  // not a root
+}
+
+TEST_CASE("prefix index: the key table stays consistent under eviction churn at its highest load",
+          "[unit][index]") {
+  // 7168 slots fill 8192 buckets to 7/8, the most the table allows; every store then evicts, so keys are
+  // removed and inserted all over the table (backward shifts, wrap-around at its end).
+  constexpr uint32_t kSlots = 7168;
+  PrefixIndex index(kSlots);
+  std::mt19937_64 rng(0x5eed0004);
+  std::vector<std::vector<BlockKey>> stored;
+  for (int32_t round = 0; round < 4000; ++round) {
+    std::vector<int32_t> tokens(1 + rng() % 40);
+    for (auto& t : tokens) t = static_cast<int32_t>(rng() & 0xFFFF);
+    tokens[0] = round;  // distinct chains
+    const auto keys = Chain(tokens);
+    auto r = index.Reserve(keys);
+    REQUIRE(r.shortfall == StatusCode::kOk);
+    index.Commit(r.slots);
+    stored.push_back(keys);
+    if (round % 500 == 499) index.CheckInvariants();
+  }
+  CHECK(index.used_slots() == kSlots);
+  CHECK(index.evicted_blocks() > 3 * kSlots);
+  // Every committed block is still found; what was evicted is not: the matched lengths add up to the index.
+  size_t matched = 0;
+  for (const auto& keys : stored) matched += index.Match(keys, false, nullptr);
+  CHECK(matched == index.committed_blocks());
+  index.CheckInvariants();
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Reference model: the same policy, written naively. Nodes in a std::map by key, child counts by scanning,
 // the eviction order as an explicit std::list with the documented insertion rules, the free slots as a
@@ -595,10 +661,10 @@ struct Session {
   std::vector<PendingStore> pending;
 };
 
-void RunRandomized(uint32_t capacity, int prompt_count, int steps, uint64_t seed) {
+void RunRandomized(uint32_t capacity, int prompt_count, int steps, uint64_t seed, int max_prompt_len = 12) {
   std::mt19937_64 rng(seed);
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
-  const auto prompts = MakePrompts(rng, prompt_count, 12);
+  const auto prompts = MakePrompts(rng, prompt_count, max_prompt_len);
   auto pick_prompt = [&]() -> const std::vector<BlockKey>& {
     return prompts[static_cast<size_t>(uniform(0, static_cast<int>(prompts.size()) - 1))];
   };
@@ -753,6 +819,12 @@ TEST_CASE("prefix index agrees with a reference model: small pool, constant evic
 
 TEST_CASE("prefix index agrees with a reference model: larger pool", "[unit][index]") {
   RunRandomized(/*capacity=*/512, /*prompt_count=*/400, /*steps=*/5000, /*seed=*/0x5eed0002);
+}
+
+// Requests longer than the walk's prefetch window (a dozen keys), so lookups run with the look-ahead in
+// flight and chains end, branch and get evicted beyond it.
+TEST_CASE("prefix index agrees with a reference model: long chains", "[unit][index]") {
+  RunRandomized(/*capacity=*/700, /*prompt_count=*/120, /*steps=*/2500, /*seed=*/0x5eed0003, /*max_prompt_len=*/90);
 }
 
 }  // namespace
