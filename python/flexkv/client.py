@@ -394,12 +394,12 @@ class Client:
             raise FailedPrecondition("this flexkv.Client is closed")
         try:
             if self._host_array is not None:
-                views = sys.getrefcount(self._host_array) - 2
+                views = self._host_views()
                 if views > 0:
                     raise FailedPrecondition(
                         f"this client is attached (session {self.session_id}) and its host KV buffer is still "
-                        f"referenced ({views} views: memoryviews, NumPy arrays, tensors); attaching again would "
-                        "unmap it under them if the daemon lost that session: drop them first (or close() this "
+                        f"referenced ({views} views: memoryviews, NumPy arrays, tensors); attaching again ends that "
+                        "buffer's use (the new session registers its own): drop them first (or close() this "
                         "client, which waits for them, and connect anew)")
                 # No view is left and none can be made any more: whatever attach does to the old mapping (nothing,
                 # if the session is alive; unmapped, if it was lost), nobody can touch it through Python.
@@ -417,6 +417,11 @@ class Client:
         finally:
             self._handle.release_exclusive()
 
+    def _host_views(self) -> int:
+        """Live views (memoryviews, NumPy arrays, tensors) of the host KV buffer; caller holds the client
+        exclusively and _host_array is set. getrefcount's own argument and our attribute are not views."""
+        return sys.getrefcount(self._host_array) - 2
+
     @property
     def attached(self) -> bool:
         return self.session_id is not None
@@ -430,7 +435,7 @@ class Client:
             raise FailedPrecondition("this flexkv.Client is closed")
         try:
             if self._host_array is not None:
-                views = sys.getrefcount(self._host_array) - 2
+                views = self._host_views()
                 if views > 0:
                     raise FailedPrecondition(
                         f"the host KV buffer is still referenced ({views} views: memoryviews, NumPy arrays, "
