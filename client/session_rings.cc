@@ -13,6 +13,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/clock.h"
 #include "common/uds.h"
 
 namespace flexkv {
@@ -20,12 +21,6 @@ namespace {
 
 constexpr auto kSpin = std::chrono::microseconds(50);
 constexpr auto kPureSpin = std::chrono::microseconds(2);
-
-inline void CpuRelax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#endif
-}
 
 }  // namespace
 

@@ -36,7 +36,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
   san_ctest build-asan -L 'unit|integration'
 
 echo "flexkv: ThreadSanitizer: the index, lifecycle and data-plane concurrency tests" >&2
-# The data plane runs in-process here, without gRPC (tests/unit/daemon/data_plane_concurrency_test.cc: DataPlane and
+# The data plane runs in-process here, without gRPC (tests/unit/daemon/dataplane/data_plane_concurrency_test.cc: DataPlane and
 # the cache driven through the client's ring code by several sessions, sessions ended under load). The integration
 # tests are not run under TSan: Debian's gRPC and abseil are not instrumented, so TSan reports every gRPC call
 # handoff (see tests/tsan.supp); that would need a TSan-built gRPC.

@@ -18,29 +18,17 @@
 #include <cstring>
 #include <deque>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "common/ring_layout.h"
 #include "common/uds.h"
 #include "daemon/dataplane/descriptor_validation.h"
-#include "daemon/server/acceptor.h"
 
 namespace flexkv {
 namespace {
 
-int64_t NowNs() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
-
 void FutexWakeAll(std::atomic<uint32_t>* addr) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-}
-
-inline void CpuRelax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#endif
 }
 
 }  // namespace

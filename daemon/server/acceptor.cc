@@ -24,12 +24,6 @@ constexpr size_t kMaxPending = 1024;       // unrouted connections kept at once
 
 }  // namespace
 
-int64_t MonotonicMs() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return int64_t{ts.tv_sec} * 1000 + ts.tv_nsec / 1000000;
-}
-
 Acceptor::Acceptor(int listen_fd, Handlers handlers) : listen_fd_(listen_fd), handlers_(std::move(handlers)) {}
 
 Acceptor::~Acceptor() { Stop(); }

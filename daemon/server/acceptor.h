@@ -9,6 +9,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/clock.h"
 #include "common/uds.h"
 #include "common/unique_fd.h"
 #include "flexkv/status.h"
@@ -56,8 +57,5 @@ class Acceptor {
   std::unordered_map<int, Pending> pending_;  // owned by the acceptor thread
   int64_t last_fd_warning_ms_ = -1000;       // acceptor thread: the last "out of fds" warning
 };
-
-// Monotonic clock in milliseconds.
-int64_t MonotonicMs();
 
 }  // namespace flexkv

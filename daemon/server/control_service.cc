@@ -11,7 +11,7 @@
 #include "common/grpc_convert.h"
 #include "common/log.h"
 #include "common/version.h"
-#include "daemon/server/acceptor.h"
+#include "common/clock.h"
 
 namespace flexkv {
 grpc::Status ControlService::Answer(const Status& status) {

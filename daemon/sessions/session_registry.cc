@@ -17,7 +17,7 @@
 
 #include "common/log.h"
 #include "common/version.h"
-#include "daemon/server/acceptor.h"
+#include "common/clock.h"
 
 namespace flexkv {
 namespace {

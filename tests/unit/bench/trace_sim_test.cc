@@ -1,5 +1,5 @@
 // flexkv-bench trace: the pure parts (trace line parsing, block tokens, the reference LRU, the bound).
-#include "client/bench/trace_bench.h"
+#include "tests/bench/trace_bench.h"
 
 #include <catch2/catch.hpp>
 #include <vector>

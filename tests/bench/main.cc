@@ -38,6 +38,7 @@
 namespace {
 
 using namespace flexkv::bench;  // bench_process.h
+using flexkv::NowNs;
 
 int RunControl(const std::string& socket, int iterations, bool json) {
   auto client = flexkv::Client::Connect({socket, std::chrono::milliseconds(5000), std::chrono::milliseconds(10000)});

@@ -16,12 +16,10 @@
 #include <utility>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/unique_fd.h"
 
 namespace flexkv::bench {
-
-// steady_clock now, in nanoseconds.
-int64_t NowNs();
 
 // The path of this executable (/proc/self/exe); empty when it cannot be resolved.
 std::string SelfExe();

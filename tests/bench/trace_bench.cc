@@ -50,6 +50,7 @@
 namespace {
 
 using namespace flexkv::bench;  // bench_process.h, trace_bench.h
+using flexkv::NowNs;
 
 constexpr const char* kTraceNamespace = "flexkv-bench-trace";
 constexpr uint32_t kTraceTokensPerBlock = 512;
