@@ -8,7 +8,9 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
+#include "common/version.h"
 #include "flexkv/client.h"
 #include "flexkv/cuda.h"
 
@@ -54,11 +56,13 @@ int FillResult(const flexkv::OpResult& r, flexkv_op_result* out) {
   return Record(flexkv::Status::Ok());
 }
 
-int Submitted(const flexkv::Result<flexkv::Ticket>& t, uint64_t* ticket) {
+int Submitted(const flexkv::Result<flexkv::Ticket>& t, flexkv_ticket* ticket) {
   if (!t.ok()) return Record(t.status());
-  *ticket = t->id;
+  *ticket = flexkv_ticket{t->id, t->generation};
   return Record(flexkv::Status::Ok());
 }
+
+flexkv::Ticket FromC(flexkv_ticket t) { return flexkv::Ticket{t.id, t.generation}; }
 
 bool ValidLayout(int layout) {
   return layout == FLEXKV_LAYOUT_LAYER_FIRST || layout == FLEXKV_LAYOUT_BLOCK_FIRST || layout == FLEXKV_LAYOUT_LAYER_BLOCK;
@@ -93,6 +97,21 @@ std::chrono::microseconds WaitTimeout(int64_t timeout_us) {
 }  // namespace
 
 extern "C" {
+
+uint32_t flexkv_abi_version(void) { return FLEXKV_ABI_VERSION; }
+
+size_t flexkv_struct_size(const char* name) {
+  if (name == nullptr) return 0;
+  const std::string_view n(name);
+  if (n == "flexkv_geometry") return sizeof(flexkv_geometry);
+  if (n == "flexkv_daemon_status") return sizeof(flexkv_daemon_status);
+  if (n == "flexkv_block_key") return sizeof(flexkv_block_key);
+  if (n == "flexkv_op_result") return sizeof(flexkv_op_result);
+  if (n == "flexkv_ticket") return sizeof(flexkv_ticket);
+  return 0;
+}
+
+const char* flexkv_version(void) { return flexkv::kVersion; }
 
 int flexkv_compute_block_keys(const char* model_namespace, size_t namespace_len, const int32_t* tokens,
                               size_t n_tokens, uint32_t tokens_per_block, flexkv_block_key* out, size_t capacity,
@@ -244,7 +263,7 @@ int flexkv_register_gpu_kv(flexkv_client* c, const flexkv_gpu_kv* kv) {
 
 void flexkv_gpu_kv_free(flexkv_gpu_kv* kv) { delete kv; }
 
-int flexkv_match(flexkv_client* c, const flexkv_block_key* keys, size_t n_keys, int pin, uint64_t* ticket) {
+int flexkv_match(flexkv_client* c, const flexkv_block_key* keys, size_t n_keys, int pin, flexkv_ticket* ticket) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if (keys == nullptr && n_keys > 0) return NullArgument("keys");
@@ -254,7 +273,7 @@ int flexkv_match(flexkv_client* c, const flexkv_block_key* keys, size_t n_keys, 
 }
 
 int flexkv_load(flexkv_client* c, uint64_t match_handle, const uint32_t* dst_block_ids, size_t n_blocks, int layerwise,
-                uint64_t* ticket) {
+                flexkv_ticket* ticket) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if (dst_block_ids == nullptr && n_blocks > 0) return NullArgument("dst_block_ids");
@@ -265,7 +284,7 @@ int flexkv_load(flexkv_client* c, uint64_t match_handle, const uint32_t* dst_blo
 }
 
 int flexkv_store(flexkv_client* c, const flexkv_block_key* keys, const uint32_t* src_block_ids, size_t n,
-                 uint64_t* ticket) {
+                 flexkv_ticket* ticket) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if ((keys == nullptr || src_block_ids == nullptr) && n > 0) return NullArgument("keys and src_block_ids");
@@ -274,7 +293,7 @@ int flexkv_store(flexkv_client* c, const flexkv_block_key* keys, const uint32_t*
   });
 }
 
-int flexkv_release(flexkv_client* c, uint64_t match_handle, uint64_t* ticket) {
+int flexkv_release(flexkv_client* c, uint64_t match_handle, flexkv_ticket* ticket) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if (ticket == nullptr) return NullArgument("ticket");
@@ -294,34 +313,35 @@ int flexkv_match_via_control(flexkv_client* c, const flexkv_block_key* keys, siz
   });
 }
 
-int flexkv_wait(flexkv_client* c, uint64_t ticket, int64_t timeout_us, flexkv_op_result* out) {
+int flexkv_wait(flexkv_client* c, flexkv_ticket ticket, int64_t timeout_us, flexkv_op_result* out) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if (out == nullptr) return NullArgument("out");
-    auto r = c->client->Wait(flexkv::Ticket{ticket}, WaitTimeout(timeout_us));
+    auto r = c->client->Wait(FromC(ticket), WaitTimeout(timeout_us));
     if (!r.ok()) return Record(r.status());
     return FillResult(*r, out);
   });
 }
 
-int flexkv_try_wait(flexkv_client* c, uint64_t ticket, flexkv_op_result* out) {
+int flexkv_try_wait(flexkv_client* c, flexkv_ticket ticket, flexkv_op_result* out) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if (out == nullptr) return NullArgument("out");
-    if (!c->client->attached()) return Record(flexkv::Status::FailedPrecondition("not attached: call flexkv_attach first"));
-    auto r = c->client->TryWait(flexkv::Ticket{ticket});
-    if (!r.has_value()) {
-      return Record(flexkv::Status::DeadlineExceeded("request " + std::to_string(ticket) + " has not ended (or is unknown)"));
+    auto r = c->client->TryWait(FromC(ticket));
+    if (!r.ok()) return Record(r.status());
+    if (!r->has_value()) {
+      return Record(flexkv::Status::DeadlineExceeded("request " + std::to_string(ticket.id) + " has not ended yet"));
     }
-    return FillResult(*r, out);
+    return FillResult(**r, out);
   });
 }
 
-int flexkv_wait_layers(flexkv_client* c, uint64_t ticket, uint32_t layers, int64_t timeout_us, uint32_t* landed) {
+int flexkv_wait_layers(flexkv_client* c, flexkv_ticket ticket, uint32_t layers, int64_t timeout_us,
+                       uint32_t* landed) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if (landed == nullptr) return NullArgument("landed");
-    auto r = c->client->WaitLayers(flexkv::Ticket{ticket}, layers, WaitTimeout(timeout_us));
+    auto r = c->client->WaitLayers(FromC(ticket), layers, WaitTimeout(timeout_us));
     if (!r.ok()) return Record(r.status());
     *landed = *r;
     return Record(flexkv::Status::Ok());

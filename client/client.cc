@@ -10,10 +10,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
-#include <mutex>
 #include <thread>
+#include <utility>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "client/session_rings.h"
 #include "common/grpc_convert.h"
 #include "common/paths.h"
@@ -29,64 +32,91 @@ namespace {
 
 Status NotAttached() { return Status::FailedPrecondition("not attached: call Attach first"); }
 
-}  // namespace
+// The last session generation issued in this process (Ticket::generation); every Attach of any Client takes the
+// next one, so a ticket names exactly one session.
+std::atomic<uint64_t> g_last_generation{0};
 
-struct Client::Impl {
-  std::string socket_path;
-  ConnectOptions options;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Control::Stub> stub;
-  std::unique_ptr<grpc::health::v1::Health::Stub> health;
-
-  std::mutex mu;
-  uint64_t session_id = 0;         // guarded by mu; 0 = not attached
-  std::string session_token;       // guarded by mu
-  UniqueFd session_channel;        // guarded by mu
-  // Set at Attach; guarded by mu (the pointer), thread-safe itself. Each data-plane call holds its own
-  // reference, so a re-Attach that drops a lost session's rings never frees them under a running call.
-  std::shared_ptr<SessionRings> rings;
-  uint8_t* kv_data = nullptr;      // guarded by mu
-  uint64_t kv_bytes = 0;
-  // Host KV mappings of sessions the daemon lost: the engine may still hold pointers into them, so they stay
-  // mapped until Detach or destruction (HostKvBuffers' contract), never reused.
-  std::vector<std::pair<uint8_t*, uint64_t>> retired_kv;  // guarded by mu
-  uint32_t next_fd_tag = 1;
-
-  std::shared_ptr<SessionRings> Rings() {
-    std::lock_guard lock(mu);
-    return rings;
+// One MAP_SHARED mapping of host KV buffers, unmapped once by its owner. Move-only.
+class KvMapping {
+ public:
+  KvMapping() = default;
+  KvMapping(uint8_t* data, uint64_t bytes) : data_(data), bytes_(bytes) {}
+  KvMapping(KvMapping&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+  KvMapping& operator=(KvMapping&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
   }
-  void UnmapKv() {
-    if (kv_data != nullptr) munmap(kv_data, kv_bytes);
-    kv_data = nullptr;
-    kv_bytes = 0;
-    for (const auto& [p, n] : retired_kv) munmap(p, n);
-    retired_kv.clear();
+  KvMapping(const KvMapping&) = delete;
+  KvMapping& operator=(const KvMapping&) = delete;
+  ~KvMapping() { Reset(); }
+
+  uint8_t* data() const { return data_; }
+  explicit operator bool() const { return data_ != nullptr; }
+  void Reset() {
+    if (data_ != nullptr) munmap(data_, bytes_);
+    data_ = nullptr;
+    bytes_ = 0;
   }
-  // The session is gone on the daemon's side: keep its host KV mapped (see retired_kv) but forget it.
-  void RetireKv() {
-    if (kv_data != nullptr) retired_kv.emplace_back(kv_data, kv_bytes);
-    kv_data = nullptr;
-    kv_bytes = 0;
+
+ private:
+  uint8_t* data_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+// Everything one attached session owns. Shared (shared_ptr) by the Client while it is the current session and by
+// every call running on it: Detach and a re-Attach swap the Client's pointer and Drop() the session; the last
+// holder frees it (rings unmapped, fds closed, KV mapping unmapped), so a call never touches freed memory.
+struct AttachedSession {
+  uint64_t generation = 0;
+  uint64_t session_id = 0;
+  std::string token;
+  UniqueFd channel;                     // the session channel; the rings watch a dup of it
+  std::unique_ptr<SessionRings> rings;  // thread-safe itself
+
+  absl::Mutex mu;  // one fd offer at a time on `channel`; the KV registration
+  uint32_t next_fd_tag ABSL_GUARDED_BY(mu) = 1;
+  KvMapping kv ABSL_GUARDED_BY(mu);
+  bool dropped ABSL_GUARDED_BY(mu) = false;
+
+  // The daemon closed the session channel (it stopped or restarted).
+  bool Lost() const {
+    pollfd pfd{channel.get(), POLLRDHUP, 0};
+    return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  }
+  // The Client let go of this session: calls running on it end with `why`, the daemon sees the channel hang up
+  // (shutdown reaches the rings' dup too), and a KV registration still in progress is refused. Returns the KV
+  // mapping, for the caller to keep or drop.
+  KvMapping Drop(const Status& why) {
+    rings->Abandon(why);
+    shutdown(channel.get(), SHUT_RDWR);
+    absl::MutexLock lock(&mu);
+    dropped = true;
+    return std::move(kv);
   }
 
   // Offers one fd on the session channel and waits for the daemon's acknowledgement; returns the tag a
-  // later RegisterKv names it by. Caller holds mu.
-  Result<uint32_t> OfferFd(int fd, const char* what) {
-    if (!session_channel) return NotAttached();
+  // later RegisterKv names it by.
+  Result<uint32_t> OfferFd(int fd, const char* what, std::chrono::milliseconds call_timeout) {
+    absl::MutexLock lock(&mu);
+    if (dropped) return NotAttached();
     const uint32_t tag = next_fd_tag++;
     ChannelMessage offer{};
     std::memcpy(offer.magic, kChannelMessageMagic, 4);
     offer.type = static_cast<uint32_t>(ChannelMessageType::kOfferFd);
     offer.tag = tag;
-    Status st = SendWithFds(session_channel.get(), &offer, sizeof(offer), std::span<const int>(&fd, 1));
+    Status st = SendWithFds(channel.get(), &offer, sizeof(offer), std::span<const int>(&fd, 1));
     ChannelMessage ack{};
     // Acks come in offer order; one that arrives after its offer timed out is read (and dropped) here.
     do {
-      if (st.ok()) st = RecvWithFds(session_channel.get(), &ack, sizeof(ack), nullptr);
+      if (st.ok()) st = RecvWithFds(channel.get(), &ack, sizeof(ack), nullptr);
       if (st.code() == StatusCode::kDeadlineExceeded) {
-        st = Status::DeadlineExceeded(fmt::format("the daemon did not acknowledge the {} within {} ms", what,
-                                                  options.call_timeout.count()));
+        st = Status::DeadlineExceeded(
+            fmt::format("the daemon did not acknowledge the {} within {} ms", what, call_timeout.count()));
       }
     } while (st.ok() && std::memcmp(ack.magic, kChannelMessageMagic, 4) == 0 &&
              ack.type == static_cast<uint32_t>(ChannelMessageType::kOfferFdAck) && ack.tag < tag);
@@ -101,6 +131,47 @@ struct Client::Impl {
     }
     if (!st.ok()) return st.WithContext(fmt::format("offering the {}", what));
     return tag;
+  }
+};
+
+}  // namespace
+
+struct Client::Impl {
+  std::string socket_path;
+  ConnectOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Control::Stub> stub;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health;
+
+  // One Attach or Detach at a time (they make daemon round trips; `mu` is never held across one).
+  absl::Mutex attach_mu;
+  absl::Mutex mu;
+  std::shared_ptr<AttachedSession> session ABSL_GUARDED_BY(mu);  // null: not attached
+  // Host KV mappings of sessions the daemon lost: the engine may still hold pointers into them, so they stay
+  // mapped until Detach or destruction (HostKvBuffers' contract), never reused.
+  std::vector<KvMapping> retired_kv ABSL_GUARDED_BY(mu);
+
+  std::shared_ptr<AttachedSession> Current() {
+    absl::MutexLock lock(&mu);
+    return session;
+  }
+  // The current session if `ticket` is one of its tickets; FAILED_PRECONDITION saying why not otherwise.
+  Result<std::shared_ptr<AttachedSession>> SessionOf(Ticket ticket) {
+    std::shared_ptr<AttachedSession> s = Current();
+    if (s != nullptr && ticket.generation == s->generation) return s;
+    if (ticket.generation == 0 || ticket.generation > g_last_generation.load()) {
+      return Status::FailedPrecondition(fmt::format(
+          "ticket {} names session generation {}, which this process never issued: not a ticket of this client",
+          ticket.id, ticket.generation));
+    }
+    if (s == nullptr) {
+      return Status::FailedPrecondition(fmt::format(
+          "not attached: ticket {} belongs to session generation {}, which has ended", ticket.id, ticket.generation));
+    }
+    return Status::FailedPrecondition(fmt::format(
+        "ticket {} belongs to session generation {}, which has ended or is another Client's; this client's session "
+        "is generation {}",
+        ticket.id, ticket.generation, s->generation));
   }
 
   void Prepare(grpc::ClientContext* ctx) const {
@@ -157,20 +228,17 @@ Result<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& options) {
 }
 
 Result<SessionInfo> Client::Attach(const AttachOptions& options) {
-  std::lock_guard lock(impl_->mu);
-  if (impl_->session_id != 0) {
+  absl::MutexLock attach_lock(&impl_->attach_mu);
+  if (std::shared_ptr<AttachedSession> old = impl_->Current()) {
     // A session the daemon has closed (it stopped or restarted) is dropped locally, so Attach works again.
-    pollfd pfd{impl_->session_channel.get(), POLLRDHUP, 0};
-    const bool lost = poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
-    if (!lost) {
-      return Status::FailedPrecondition(fmt::format("this client is already attached as session {}", impl_->session_id));
+    if (!old->Lost()) {
+      return Status::FailedPrecondition(fmt::format("this client is already attached as session {}", old->session_id));
     }
-    if (impl_->rings) impl_->rings->Abandon();
-    impl_->rings.reset();
-    impl_->session_channel.reset();
-    impl_->RetireKv();
-    impl_->session_id = 0;
-    impl_->session_token.clear();
+    KvMapping kv =
+        old->Drop(Status::Unavailable("flexkvd closed this session (daemon stopped or restarted); Attach again"));
+    absl::MutexLock lock(&impl_->mu);
+    impl_->session.reset();
+    if (kv) impl_->retired_kv.push_back(std::move(kv));
   }
   v1::AttachRequest req;
   req.set_client_name(options.client_name);
@@ -242,45 +310,59 @@ Result<SessionInfo> Client::Attach(const AttachOptions& options) {
   if (fds.size() != 2) {
     return abandon(Status::Internal(fmt::format("the daemon sent {} fds with the hello reply; expected 2", fds.size())));
   }
-  auto rings = SessionRings::Map(std::move(fds[0]), std::move(fds[1]), fd->get());
+  UniqueFd watched(fcntl(fd->get(), F_DUPFD_CLOEXEC, 0));
+  if (!watched) return abandon(Status::ResourceExhausted(fmt::format("dup of the session channel: {}", ErrnoText(errno))));
+  auto rings = SessionRings::Map(std::move(fds[0]), std::move(fds[1]), std::move(watched));
   if (!rings.ok()) return abandon(rings.status());
-  impl_->rings = std::move(*rings);
-  impl_->session_id = resp.session_id();
-  impl_->session_token = resp.session_token();
-  impl_->session_channel = std::move(*fd);
+  auto session = std::make_shared<AttachedSession>();
+  session->generation = g_last_generation.fetch_add(1) + 1;
+  session->session_id = resp.session_id();
+  session->token = resp.session_token();
+  session->channel = std::move(*fd);
+  session->rings = std::move(*rings);
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->session = std::move(session);
+  }
   return SessionInfo{resp.session_id(), resp.block_bytes(), resp.capacity_blocks()};
 }
 
 Status Client::Detach() {
-  std::lock_guard lock(impl_->mu);
-  if (impl_->session_id == 0) return Status::Ok();
+  absl::MutexLock attach_lock(&impl_->attach_mu);
+  std::shared_ptr<AttachedSession> s;
+  std::vector<KvMapping> retired;  // unmapped on return
+  {
+    absl::MutexLock lock(&impl_->mu);
+    s = std::move(impl_->session);
+    impl_->session.reset();
+    retired = std::move(impl_->retired_kv);
+    impl_->retired_kv.clear();
+  }
+  if (s == nullptr) return Status::Ok();
   v1::DetachRequest req;
-  req.set_session_id(impl_->session_id);
-  req.set_session_token(impl_->session_token);
+  req.set_session_id(s->session_id);
+  req.set_session_token(s->token);
   v1::DetachResponse resp;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx);
   Status st = impl_->Call(impl_->stub->Detach(&ctx, req, &resp));
-  // Closing the channel ends the session on the daemon side even when the call failed.
-  if (impl_->rings) impl_->rings->Abandon();
-  impl_->rings.reset();
-  impl_->session_channel.reset();
-  impl_->UnmapKv();
-  impl_->session_id = 0;
-  impl_->session_token.clear();
+  // Hanging up the channel ends the session on the daemon side even when the call failed.
+  KvMapping kv = s->Drop(Status::FailedPrecondition(
+      fmt::format("session {} (generation {}) was detached while this call ran", s->session_id, s->generation)));
+  (void)kv;  // unmapped here: Detach ends the buffers' validity
   if (st.code() == StatusCode::kNotFound) return Status::Ok();  // already gone (e.g. timed out)
   return st;
 }
 
-bool Client::attached() const {
-  std::lock_guard lock(impl_->mu);
-  return impl_->session_id != 0;
-}
+bool Client::attached() const { return impl_->Current() != nullptr; }
 
 Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks) {
-  std::lock_guard lock(impl_->mu);
-  if (impl_->session_id == 0) return Status::FailedPrecondition("CreateHostKv before Attach");
-  if (impl_->kv_data != nullptr) return Status::AlreadyExists("this session already registered its KV buffers");
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return Status::FailedPrecondition("CreateHostKv before Attach");
+  {
+    absl::MutexLock lock(&s->mu);
+    if (s->kv) return Status::AlreadyExists("this session already registered its KV buffers");
+  }
   if (num_blocks == 0) return Status::InvalidArgument("num_blocks is 0; expected at least 1");
   // The daemon validates the geometry; the size follows from the one this session attached with.
   v1::GetStatusResponse st;
@@ -300,14 +382,12 @@ Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks)
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
   if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap KV memfd: {}", ErrnoText(errno)));
-  auto tag = impl_->OfferFd(memfd.get(), "KV memfd");
-  if (!tag.ok()) {
-    munmap(p, bytes);
-    return tag.status();
-  }
+  KvMapping kv(static_cast<uint8_t*>(p), bytes);
+  auto tag = s->OfferFd(memfd.get(), "KV memfd", impl_->options.call_timeout);
+  if (!tag.ok()) return tag.status();
   v1::RegisterKvRequest req;
-  req.set_session_id(impl_->session_id);
-  req.set_session_token(impl_->session_token);
+  req.set_session_id(s->session_id);
+  req.set_session_token(s->token);
   req.set_layout(static_cast<v1::KvLayout>(static_cast<int>(layout)));
   req.set_num_blocks(num_blocks);
   req.mutable_host()->set_fd_tag(*tag);
@@ -315,60 +395,61 @@ Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks)
   v1::RegisterKvResponse resp;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx);
-  Status registered = impl_->Call(impl_->stub->RegisterKv(&ctx, req, &resp));
-  if (!registered.ok()) {
-    munmap(p, bytes);
-    return registered;
-  }
-  impl_->kv_data = static_cast<uint8_t*>(p);
-  impl_->kv_bytes = bytes;
-  return HostKvBuffers{impl_->kv_data, bytes, num_blocks, layout};
+  FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->RegisterKv(&ctx, req, &resp)));
+  absl::MutexLock lock(&s->mu);
+  // Dropped meanwhile (Detach): the buffers would be unmapped under the caller, so they are not handed out.
+  if (s->dropped) return Status::FailedPrecondition("the session was detached while CreateHostKv ran");
+  if (s->kv) return Status::AlreadyExists("this session already registered its KV buffers");
+  s->kv = std::move(kv);
+  return HostKvBuffers{s->kv.data(), bytes, num_blocks, layout};
 }
 
 Result<Ticket> Client::Match(std::span<const BlockKey> keys, bool pin) {
-  std::shared_ptr<SessionRings> r = impl_->Rings();
-  if (r == nullptr) return NotAttached();
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
   if (keys.empty()) return Status::InvalidArgument("keys is empty; expected at least one block key");
-  return r->Submit(RingOp::kMatch, pin ? kMatchFlagPin : 0, static_cast<uint32_t>(keys.size()), keys, {}, 0);
+  auto t = s->rings->Submit(RingOp::kMatch, pin ? kMatchFlagPin : 0, static_cast<uint32_t>(keys.size()), keys, {}, 0);
+  if (!t.ok()) return t.status();
+  return Ticket{t->id, s->generation};
 }
 
 Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise) {
-  std::shared_ptr<SessionRings> r = impl_->Rings();
-  if (r == nullptr) return NotAttached();
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
-  return r->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0, static_cast<uint32_t>(dst_block_ids.size()), {},
-                   dst_block_ids, match_handle);
+  auto t = s->rings->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0,
+                            static_cast<uint32_t>(dst_block_ids.size()), {}, dst_block_ids, match_handle);
+  if (!t.ok()) return t.status();
+  return Ticket{t->id, s->generation};
 }
 
 Result<uint32_t> Client::WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout) {
-  std::shared_ptr<SessionRings> r = impl_->Rings();
-  if (r == nullptr) return NotAttached();
-  return r->WaitLayers(ticket, layers, timeout);
+  auto s = impl_->SessionOf(ticket);
+  if (!s.ok()) return s.status();
+  return (*s)->rings->WaitLayers(ticket, layers, timeout);
 }
 
 Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
   v1::RegisterKvRequest req;
-  std::vector<uint32_t> tags;  // of reg.vmm_allocations, offered on the session channel
-  {
-    std::lock_guard lock(impl_->mu);
-    if (impl_->session_id == 0) return NotAttached();
-    req.set_session_id(impl_->session_id);
-    req.set_session_token(impl_->session_token);
-    for (size_t ri = 0; ri < reg.regions.size(); ++ri) {  // before any fd is offered
-      for (uint32_t index : reg.regions[ri].vmm_allocations) {
-        if (index >= reg.vmm_allocations.size()) {
-          return Status::InvalidArgument(fmt::format("region {} names vmm allocation {}; there are {}", ri, index,
-                                                     reg.vmm_allocations.size()));
-        }
+  req.set_session_id(s->session_id);
+  req.set_session_token(s->token);
+  for (size_t ri = 0; ri < reg.regions.size(); ++ri) {  // before any fd is offered
+    for (uint32_t index : reg.regions[ri].vmm_allocations) {
+      if (index >= reg.vmm_allocations.size()) {
+        return Status::InvalidArgument(fmt::format("region {} names vmm allocation {}; there are {}", ri, index,
+                                                   reg.vmm_allocations.size()));
       }
     }
-    for (size_t i = 0; i < reg.vmm_allocations.size(); ++i) {
-      const auto& a = reg.vmm_allocations[i];
-      if (!a.fd || *a.fd < 0) return Status::InvalidArgument(fmt::format("vmm_allocations[{}] has no fd", i));
-      auto tag = impl_->OfferFd(*a.fd, "fd of a cuMem/VMM allocation");
-      if (!tag.ok()) return tag.status();
-      tags.push_back(*tag);
-    }
+  }
+  std::vector<uint32_t> tags;  // of reg.vmm_allocations, offered on the session channel
+  for (size_t i = 0; i < reg.vmm_allocations.size(); ++i) {
+    const auto& a = reg.vmm_allocations[i];
+    if (!a.fd || *a.fd < 0) return Status::InvalidArgument(fmt::format("vmm_allocations[{}] has no fd", i));
+    auto tag = s->OfferFd(*a.fd, "fd of a cuMem/VMM allocation", impl_->options.call_timeout);
+    if (!tag.ok()) return tag.status();
+    tags.push_back(*tag);
   }
   req.set_layout(static_cast<v1::KvLayout>(static_cast<int>(reg.layout)));
   req.set_num_blocks(reg.num_blocks);
@@ -394,29 +475,31 @@ Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
 }
 
 Result<Ticket> Client::Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids) {
-  std::shared_ptr<SessionRings> r = impl_->Rings();
-  if (r == nullptr) return NotAttached();
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
   if (keys.empty() || keys.size() != src_block_ids.size()) {
     return Status::InvalidArgument(fmt::format("{} keys and {} source block ids; expected the same non-zero number",
                                                keys.size(), src_block_ids.size()));
   }
-  return r->Submit(RingOp::kStore, 0, static_cast<uint32_t>(keys.size()), keys, src_block_ids, 0);
+  auto t = s->rings->Submit(RingOp::kStore, 0, static_cast<uint32_t>(keys.size()), keys, src_block_ids, 0);
+  if (!t.ok()) return t.status();
+  return Ticket{t->id, s->generation};
 }
 
 Result<Ticket> Client::Release(uint64_t match_handle) {
-  std::shared_ptr<SessionRings> r = impl_->Rings();
-  if (r == nullptr) return NotAttached();
-  return r->Submit(RingOp::kRelease, 0, 0, {}, {}, match_handle);
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
+  auto t = s->rings->Submit(RingOp::kRelease, 0, 0, {}, {}, match_handle);
+  if (!t.ok()) return t.status();
+  return Ticket{t->id, s->generation};
 }
 
 Result<uint32_t> Client::MatchViaControl(std::span<const BlockKey> keys) {
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
   v1::MatchRequest req;
-  {
-    std::lock_guard lock(impl_->mu);
-    if (impl_->session_id == 0) return NotAttached();
-    req.set_session_id(impl_->session_id);
-    req.set_session_token(impl_->session_token);
-  }
+  req.set_session_id(s->session_id);
+  req.set_session_token(s->token);
   req.set_keys(reinterpret_cast<const char*>(keys.data()), keys.size() * sizeof(BlockKey));
   v1::MatchResponse resp;
   grpc::ClientContext ctx;
@@ -426,15 +509,15 @@ Result<uint32_t> Client::MatchViaControl(std::span<const BlockKey> keys) {
 }
 
 Result<OpResult> Client::Wait(Ticket ticket, std::chrono::microseconds timeout) {
-  std::shared_ptr<SessionRings> r = impl_->Rings();
-  if (r == nullptr) return NotAttached();
-  return r->Wait(ticket, timeout);
+  auto s = impl_->SessionOf(ticket);
+  if (!s.ok()) return s.status();
+  return (*s)->rings->Wait(ticket, timeout);
 }
 
-std::optional<OpResult> Client::TryWait(Ticket ticket) {
-  std::shared_ptr<SessionRings> r = impl_->Rings();
-  if (r == nullptr) return std::nullopt;
-  return r->TryWait(ticket);
+Result<std::optional<OpResult>> Client::TryWait(Ticket ticket) {
+  auto s = impl_->SessionOf(ticket);
+  if (!s.ok()) return s.status();
+  return (*s)->rings->TryWait(ticket);
 }
 
 Result<DaemonStatus> Client::GetStatus() {

@@ -24,7 +24,7 @@ constexpr auto kPureSpin = std::chrono::microseconds(2);
 
 }  // namespace
 
-Result<std::unique_ptr<SessionRings>> SessionRings::Map(UniqueFd ring_memfd, UniqueFd doorbell, int channel_fd) {
+Result<std::unique_ptr<SessionRings>> SessionRings::Map(UniqueFd ring_memfd, UniqueFd doorbell, UniqueFd channel) {
   struct stat st {};
   if (fstat(ring_memfd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < sizeof(RingHeader)) {
     return Status::Internal("the daemon's ring memfd is too small for a ring header");
@@ -36,7 +36,7 @@ Result<std::unique_ptr<SessionRings>> SessionRings::Map(UniqueFd ring_memfd, Uni
   r->map_bytes_ = static_cast<uint64_t>(st.st_size);
   r->hdr_ = static_cast<RingHeader*>(p);
   r->doorbell_ = std::move(doorbell);
-  r->channel_fd_ = channel_fd;
+  r->channel_ = std::move(channel);
   const RingHeader& h = *r->hdr_;
   const RingGeometry rg{h.submit_entries, h.completion_entries, h.arena_bytes};
   if (h.magic != kRingMagic || h.layout_version != kRingLayoutVersion || h.submit_entries == 0 ||
@@ -93,6 +93,7 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
   const uint64_t key_bytes = keys.size() * sizeof(BlockKey);
   const uint64_t id_bytes = ids.size() * sizeof(uint32_t);
   std::lock_guard lock(mu_);
+  if (abandoned_.load()) return abandon_status_;
   ReapLocked();
   if (inflight_ >= hdr_->completion_entries) {
     return Status::ResourceExhausted(fmt::format("{} requests are in flight (the ring's limit); Wait for some first", inflight_));
@@ -128,13 +129,14 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
   ++submit_tail_;
   hdr_->submit_tail.value.store(submit_tail_, std::memory_order_seq_cst);
   if (payload > 0) arena_of_[ticket] = {offset, payload};
+  pending_.insert(ticket);
   ++inflight_;
   if (hdr_->daemon_parked.value.load(std::memory_order_seq_cst) != 0) {
     const uint64_t one = 1;
     ssize_t ignored = write(doorbell_.get(), &one, sizeof(one));
     (void)ignored;
   }
-  return Ticket{ticket};
+  return Ticket{ticket, 0};
 }
 
 void SessionRings::ReapLocked() {
@@ -162,25 +164,76 @@ void SessionRings::ReapLocked() {
       arena_of_.erase(a);
     }
     if (inflight_ > 0) --inflight_;
+    if (pending_.erase(c.user_data) == 0) continue;  // not a request of ours in flight: nobody waits for it
     done_[c.user_data] = std::move(r);
   }
   hdr_->completion_head.value.store(completion_head_, std::memory_order_release);
 }
 
-std::optional<OpResult> SessionRings::TryWait(Ticket ticket) {
+SessionRings::TicketState SessionRings::StateLocked(uint64_t id) const {
+  if (done_.count(id) != 0) return TicketState::kEnded;
+  if (pending_.count(id) != 0) return TicketState::kInFlight;
+  if (id == 0 || id >= next_ticket_) return TicketState::kNeverIssued;
+  return TicketState::kTaken;
+}
+
+Status SessionRings::NoResultLocked(uint64_t id, TicketState state) const {
+  if (state == TicketState::kTaken) {
+    return Status::NotFound(fmt::format("the result of ticket {} was already taken by an earlier Wait or TryWait", id));
+  }
+  return Status::NotFound(fmt::format("ticket {} was never issued by this session (it issued tickets 1..{})", id,
+                                      next_ticket_ - 1));
+}
+
+void SessionRings::Abandon(Status why) {
+  {
+    std::lock_guard lock(mu_);
+    if (abandoned_.load()) return;
+    abandon_status_ = why.ok() ? Status::FailedPrecondition("this session was dropped") : std::move(why);
+    abandoned_.store(true);
+  }
+  // Waiters parked on the completion tail look at the flag now rather than at the end of their futex slice.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hdr_->completion_tail.value), FUTEX_WAKE, INT32_MAX, nullptr,
+          nullptr, 0);
+}
+
+Status SessionRings::GoneStatus() {
   std::lock_guard lock(mu_);
-  ReapLocked();
-  auto it = done_.find(ticket.id);
-  if (it == done_.end()) return std::nullopt;
-  OpResult r = std::move(it->second);
-  done_.erase(it);
-  return r;
+  if (abandoned_.load()) return abandon_status_;
+  return Status::Unavailable("flexkvd closed this session (daemon stopped or restarted); Attach again");
+}
+
+Result<std::optional<OpResult>> SessionRings::TryWait(Ticket ticket) {
+  {
+    std::lock_guard lock(mu_);
+    ReapLocked();
+    const TicketState state = StateLocked(ticket.id);
+    if (state == TicketState::kEnded) {
+      auto it = done_.find(ticket.id);
+      OpResult r = std::move(it->second);
+      done_.erase(it);
+      return std::optional<OpResult>(std::move(r));
+    }
+    if (state != TicketState::kInFlight) return NoResultLocked(ticket.id, state);
+  }
+  if (DaemonGone()) {
+    std::lock_guard lock(mu_);
+    ReapLocked();  // its completion may have come in just before the daemon went
+    if (StateLocked(ticket.id) != TicketState::kEnded) {
+      return abandoned_.load() ? abandon_status_
+                               : Status::Unavailable("flexkvd closed this session (daemon stopped or restarted); Attach again");
+    }
+    auto it = done_.find(ticket.id);
+    OpResult r = std::move(it->second);
+    done_.erase(it);
+    return std::optional<OpResult>(std::move(r));
+  }
+  return std::optional<OpResult>();
 }
 
 bool SessionRings::DaemonGone() const {
   if (abandoned_.load()) return true;
-  pollfd pfd{channel_fd_, POLLRDHUP, 0};
-  // POLLNVAL: the Client closed the fd right after Abandon (this call had read the flag just before).
+  pollfd pfd{channel_.get(), POLLRDHUP, 0};
   return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
@@ -210,10 +263,12 @@ Status SessionRings::WaitUntil(const std::function<bool()>& ready, std::chrono::
       continue;
     }
     if (DaemonGone()) {
-      std::lock_guard lock(mu_);
-      ReapLocked();
-      if (ready()) return Status::Ok();
-      return Status::Unavailable("flexkvd closed this session (daemon stopped or restarted); Attach again");
+      {
+        std::lock_guard lock(mu_);
+        ReapLocked();
+        if (ready()) return Status::Ok();
+      }
+      return GoneStatus();
     }
     hdr_->client_waiting.value.fetch_add(1, std::memory_order_seq_cst);
     if (hdr_->completion_tail.value.load(std::memory_order_seq_cst) == seen) {
@@ -228,24 +283,37 @@ Status SessionRings::WaitUntil(const std::function<bool()>& ready, std::chrono::
 
 Result<OpResult> SessionRings::Wait(Ticket ticket, std::chrono::microseconds timeout) {
   OpResult result;
+  Status no_result;  // set when the ticket has no result to wait for (never issued, or taken by another call)
   Status st = WaitUntil(
       [&] {
+        const TicketState state = StateLocked(ticket.id);
+        if (state == TicketState::kInFlight) return false;
+        if (state != TicketState::kEnded) {
+          no_result = NoResultLocked(ticket.id, state);
+          return true;
+        }
         auto it = done_.find(ticket.id);
-        if (it == done_.end()) return false;
         result = std::move(it->second);
         done_.erase(it);
         return true;
       },
       std::chrono::steady_clock::now() + timeout, ticket.id);
   if (!st.ok()) return st;
+  if (!no_result.ok()) return no_result;
   return result;
 }
 
 Result<uint32_t> SessionRings::WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout) {
   uint32_t landed = 0;
+  Status no_result;
   Status st = WaitUntil(
       [&] {
-        if (done_.count(ticket.id) != 0) {  // ended (success or error): Wait reports which
+        const TicketState state = StateLocked(ticket.id);
+        if (state == TicketState::kNeverIssued) {
+          no_result = NoResultLocked(ticket.id, state);
+          return true;
+        }
+        if (state != TicketState::kInFlight) {  // ended (success or error): Wait reports which
           landed = layers;
           return true;
         }
@@ -255,6 +323,7 @@ Result<uint32_t> SessionRings::WaitLayers(Ticket ticket, uint32_t layers, std::c
       },
       std::chrono::steady_clock::now() + timeout, ticket.id);
   if (!st.ok()) return st;
+  if (!no_result.ok()) return no_result;
   return landed;
 }
 

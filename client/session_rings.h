@@ -12,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "common/ring_layout.h"
 #include "common/unique_fd.h"
@@ -21,22 +22,31 @@ namespace flexkv {
 
 class SessionRings {
  public:
-  // Maps the ring memfd the daemon sent and checks its header.
-  static Result<std::unique_ptr<SessionRings>> Map(UniqueFd ring_memfd, UniqueFd doorbell, int channel_fd);
+  // Maps the ring memfd the daemon sent and checks its header. `channel` is this session's channel (a dup of it:
+  // the rings own it, so the fd a wait polls for hang-up stays this session's for as long as the rings live).
+  static Result<std::unique_ptr<SessionRings>> Map(UniqueFd ring_memfd, UniqueFd doorbell, UniqueFd channel);
   ~SessionRings();
   SessionRings(const SessionRings&) = delete;
   SessionRings& operator=(const SessionRings&) = delete;
 
   // Copies `payload` into the arena (keys at offset 0 of it, then ids), fills the descriptor's offsets
-  // and submits. RESOURCE_EXHAUSTED when the rings or the arena are full.
+  // and submits. RESOURCE_EXHAUSTED when the rings or the arena are full. The ticket's id counts from 1 per
+  // rings; its generation is left 0 (the Client stamps its session's generation and checks it before it
+  // hands a ticket back here: these calls look at ticket.id only).
   Result<Ticket> Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
                         std::span<const uint32_t> ids, uint64_t match_handle);
+  // The request's result, handed out once. Errors: NOT_FOUND for an id these rings never issued or whose
+  // result an earlier Wait/TryWait already took (the message says which); DEADLINE_EXCEEDED when it has not
+  // ended in time (still in flight); UNAVAILABLE when the daemon closed the session; the Abandon status.
   Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout);
+  // Layers landed of a layer-wise load (all of them once it ended, also when its result was taken); errors as
+  // Wait's, NOT_FOUND only for an id never issued.
   Result<uint32_t> WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout);
-  std::optional<OpResult> TryWait(Ticket ticket);
-  // The Client dropped this session (Detach, or re-Attach after the daemon lost it) and is about to close the
-  // channel fd: waits still running on these rings end with UNAVAILABLE instead of polling that fd.
-  void Abandon() { abandoned_.store(true); }
+  // Wait without waiting: the result, or nullopt while the request is in flight; errors as Wait's.
+  Result<std::optional<OpResult>> TryWait(Ticket ticket);
+  // The Client dropped this session (Detach, or re-Attach after the daemon lost it): waits running on these
+  // rings, and calls made on them later, end with `why` (not OK) unless their result is already here.
+  void Abandon(Status why);
 
  private:
   SessionRings() = default;
@@ -44,6 +54,12 @@ class SessionRings {
   std::optional<uint64_t> AllocLocked(uint64_t bytes);
   void FreeLocked(uint64_t offset, uint64_t bytes);
   bool DaemonGone() const;
+  enum class TicketState { kInFlight, kEnded, kTaken, kNeverIssued };
+  TicketState StateLocked(uint64_t id) const;
+  // NOT_FOUND naming why `id` has no result to wait for (kTaken or kNeverIssued).
+  Status NoResultLocked(uint64_t id, TicketState state) const;
+  // The status to end a call with once the session is abandoned or gone.
+  Status GoneStatus();
   // Spins, then futex-waits for the completion tail to move, until `ready` (called under mu_ after a reap)
   // returns true or the deadline passes.
   Status WaitUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point deadline,
@@ -53,8 +69,9 @@ class SessionRings {
   uint64_t map_bytes_ = 0;
   RingHeader* hdr_ = nullptr;
   UniqueFd doorbell_;
-  int channel_fd_ = -1;  // owned by the Client; watched for hang-up until Abandon
+  UniqueFd channel_;  // a dup of the session channel, watched for hang-up
   std::atomic<bool> abandoned_{false};
+  Status abandon_status_;  // guarded by mu_; set once, before abandoned_
 
   std::mutex mu_;
   uint64_t next_ticket_ = 1;                                         // guarded by mu_
@@ -63,6 +80,7 @@ class SessionRings {
   std::map<uint64_t, uint64_t> free_;                                // offset → bytes; guarded by mu_
   std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> arena_of_;  // ticket → (offset, bytes)
   std::unordered_map<uint64_t, OpResult> done_;                      // guarded by mu_
+  std::unordered_set<uint64_t> pending_;  // submitted, final completion not reaped yet; guarded by mu_
   std::unordered_map<uint64_t, uint32_t> layers_landed_;             // layer-wise loads; guarded by mu_
   size_t inflight_ = 0;                                              // guarded by mu_
 };

@@ -26,6 +26,10 @@ const char* StatusCodeName(StatusCode code) {
   return "UNKNOWN";
 }
 
+Status OkStatusWithoutValue() {
+  return Status::Internal("a Result was built from an OK status without a value (a bug in libflexkv or flexkvd)");
+}
+
 std::string Status::ToString() const {
   if (ok()) return "OK";
   return std::string(StatusCodeName(code_)) + ": " + message_;

@@ -3,10 +3,13 @@
 
 #include <cstdint>
 
+#include "common/release_version.h"  // generated from CMake's project version
+
 namespace flexkv {
 
-// The daemon's release version, reported by GetStatus.
-inline constexpr const char* kVersion = "0.1.0";
+// The release version of flexkvd and libflexkv (GetStatus, --version, flexkv_version()). Written once, in the
+// top CMakeLists.txt's project(); the Python package takes its __version__ from libflexkv.
+inline constexpr const char* kVersion = FLEXKV_RELEASE_VERSION;
 // Bumped on every control-plane or session-channel change that an older peer would misread.
 inline constexpr uint32_t kProtocolVersion = 1;
 

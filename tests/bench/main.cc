@@ -156,7 +156,10 @@ int RunRingWorker(const WorkerOptions& o) {
     const int64_t ts = NowNs();
     if (!t.ok()) return fail("Match", t.status());
     std::optional<flexkv::OpResult> r;
-    while (!(r = c.TryWait(*t))) {
+    while (!r) {
+      auto polled = c.TryWait(*t);
+      if (!polled.ok()) return fail("TryWait", polled.status());
+      r = std::move(*polled);
     }
     const int64_t t1 = NowNs();
     if (!r->status.ok() || r->matched_blocks != o.blocks) return fail("Match result", r->status);

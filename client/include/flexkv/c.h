@@ -6,12 +6,16 @@
  *    (FLEXKV_INVALID_ARGUMENT = 3, FLEXKV_DEADLINE_EXCEEDED = 4, FLEXKV_UNAVAILABLE = 14, ...).
  *  - The message of the last failure *on the calling thread* is flexkv_last_error(); it stays valid until
  *    the next call on that thread. A client may be used from several threads at once (the C++ client is
- *    thread-safe), except that flexkv_detach / flexkv_close must not race with other calls on it.
+ *    thread-safe), flexkv_attach and flexkv_detach included (a call running on a session that flexkv_detach
+ *    ends returns FLEXKV_FAILED_PRECONDITION); only flexkv_close must not race with other calls on it.
  *  - Waits block at most the timeout they are given (more than a year counts as a year). Every other call is
  *    bounded by the client's call timeout (10 s) per daemon round trip it makes: attach, create_host_kv and
  *    close make up to three, register_gpu_kv one per cuMem allocation it offers plus one.
  *  - No C++ exception crosses this ABI: an out-of-memory inside libflexkv returns RESOURCE_EXHAUSTED.
- *  - Block keys are 16-byte {lo, hi} pairs, as flexkv_compute_block_keys writes them. */
+ *  - Block keys are 16-byte {lo, hi} pairs, as flexkv_compute_block_keys writes them.
+ *  - The ABI is versioned: FLEXKV_ABI_VERSION below is this header's, flexkv_abi_version() the loaded library's.
+ *    A binding checks that they match and that flexkv_struct_size() agrees with its own structs before any
+ *    other call (the Python package refuses to import otherwise). */
 #ifndef FLEXKV_C_H_
 #define FLEXKV_C_H_
 
@@ -21,6 +25,10 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Bumped on every change that a caller built against the previous header would misread: a function's
+ * parameters or meaning, a struct's layout, a status code's meaning. 2: tickets became flexkv_ticket. */
+#define FLEXKV_ABI_VERSION 2
 
 enum {
   FLEXKV_OK = 0,
@@ -85,9 +93,28 @@ typedef struct flexkv_op_result {
   char message[256];       /* NUL-terminated; empty when status_code is 0 */
 } flexkv_op_result;
 
+/* Names one submitted request (flexkv::Ticket). generation names the session that issued it (every attach in
+ * the process gets a new one); id counts from 1 within that session. A ticket of another session (one that
+ * ended, another client's, a generation never issued) is answered with FLEXKV_FAILED_PRECONDITION, never
+ * with another request's result. */
+typedef struct flexkv_ticket {
+  uint64_t id;
+  uint64_t generation;
+} flexkv_ticket;
+
 /* One rank's GPU KV buffers described for registration (flexkv::GpuKvRegistration); may hold file
  * descriptors (cuMem/VMM allocations), released by flexkv_gpu_kv_free. */
 typedef struct flexkv_gpu_kv flexkv_gpu_kv;
+
+/* ---- Versions (no daemon needed) ---- */
+
+/* The loaded library's FLEXKV_ABI_VERSION. */
+uint32_t flexkv_abi_version(void);
+/* sizeof one struct of this header as the library was built ("flexkv_geometry", "flexkv_daemon_status",
+ * "flexkv_block_key", "flexkv_op_result", "flexkv_ticket"); 0 for a name it does not know (also NULL). */
+size_t flexkv_struct_size(const char* name);
+/* libflexkv's release version ("0.1.0"): the project version it was built as, the one flexkvd reports. */
+const char* flexkv_version(void);
 
 /* ---- Block keys (no daemon needed) ---- */
 
@@ -133,25 +160,30 @@ void flexkv_gpu_kv_free(flexkv_gpu_kv* kv);
 
 /* ---- Data plane (after attach). Each submission writes a ticket; every ticket ends exactly once. ---- */
 
-int flexkv_match(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, int pin, uint64_t* ticket);
+int flexkv_match(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, int pin, flexkv_ticket* ticket);
 int flexkv_load(flexkv_client* client, uint64_t match_handle, const uint32_t* dst_block_ids, size_t n_blocks,
-                int layerwise, uint64_t* ticket);
+                int layerwise, flexkv_ticket* ticket);
 int flexkv_store(flexkv_client* client, const flexkv_block_key* keys, const uint32_t* src_block_ids, size_t n,
-                 uint64_t* ticket);
-int flexkv_release(flexkv_client* client, uint64_t match_handle, uint64_t* ticket);
+                 flexkv_ticket* ticket);
+int flexkv_release(flexkv_client* client, uint64_t match_handle, flexkv_ticket* ticket);
 /* The unary gRPC match (slow path, diagnostics). */
 int flexkv_match_via_control(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, uint32_t* matched);
 
-/* Waits up to timeout_us for the request to end. 0: it ended and *out holds its result (whose own
- * status_code may be an error). FLEXKV_DEADLINE_EXCEEDED: not ended yet, the ticket stays valid.
- * FLEXKV_UNAVAILABLE: the daemon went away (attach again). */
-int flexkv_wait(flexkv_client* client, uint64_t ticket, int64_t timeout_us, flexkv_op_result* out);
-/* Like flexkv_wait with no waiting: FLEXKV_DEADLINE_EXCEEDED when the request has not ended (or the
- * ticket is unknown); FLEXKV_FAILED_PRECONDITION when the client is not attached. */
-int flexkv_try_wait(flexkv_client* client, uint64_t ticket, flexkv_op_result* out);
-/* Layer-wise load: waits until at least `layers` layers have landed or the request ended; *landed gets
- * how many have. FLEXKV_DEADLINE_EXCEEDED on timeout. */
-int flexkv_wait_layers(flexkv_client* client, uint64_t ticket, uint32_t layers, int64_t timeout_us,
+/* Waits up to timeout_us for the request to end. The result of a request is handed out once.
+ *   0                           it ended and *out holds its result (whose own status_code may be an error)
+ *   FLEXKV_DEADLINE_EXCEEDED    not ended yet; the ticket stays valid
+ *   FLEXKV_FAILED_PRECONDITION  not attached, or a ticket of another session (ended, another client's, or a
+ *                               generation never issued), or the session was detached while waiting
+ *   FLEXKV_NOT_FOUND            a ticket of this session that it never issued, or whose result an earlier
+ *                               wait already took (the message says which)
+ *   FLEXKV_UNAVAILABLE          the daemon went away (attach again) */
+int flexkv_wait(flexkv_client* client, flexkv_ticket ticket, int64_t timeout_us, flexkv_op_result* out);
+/* flexkv_wait without waiting: FLEXKV_DEADLINE_EXCEEDED means "not ended yet"; the other codes as there. */
+int flexkv_try_wait(flexkv_client* client, flexkv_ticket ticket, flexkv_op_result* out);
+/* Layer-wise load: waits until at least `layers` layers have landed or the request ended (also when a wait
+ * took its result); *landed gets how many have. FLEXKV_DEADLINE_EXCEEDED on timeout; other codes as
+ * flexkv_wait's. */
+int flexkv_wait_layers(flexkv_client* client, flexkv_ticket ticket, uint32_t layers, int64_t timeout_us,
                        uint32_t* landed);
 
 /* The calling thread's last failure message ("" after a success). */

@@ -6,8 +6,11 @@
 //   auto session = (*client)->Attach({.client_name = "vllm-dp0", .model_namespace = "llama3-8b",
 //                                     .geometry = flexkv::Llama3_8B()});
 //
-// Thread safety: all methods may be called from several threads, except that Detach (and destruction)
-// must not race with data-plane calls of the same client. No method throws.
+// Thread safety: all methods may be called from several threads at once, Detach and Attach included: a call
+// works on the session that was current when it started (it holds a reference to that session's state), and
+// one still running when Detach (or a re-Attach) drops that session ends with FAILED_PRECONDITION (detached)
+// or UNAVAILABLE (the daemon lost it), never on another session. Only destruction must not race other calls.
+// No method throws.
 #pragma once
 
 #include <chrono>
@@ -111,9 +114,13 @@ struct GpuKvRegistration {
   std::vector<VmmAllocation> vmm_allocations;
 };
 
-// Names one submitted request; Wait/TryWait return its result exactly once.
+// Names one submitted request; Wait/TryWait return its result exactly once. `generation` names the session
+// that issued it: every Attach in this process (of any Client) gets a new one, so a ticket never answers for a
+// request of another session: its Wait, TryWait and WaitLayers fail with FAILED_PRECONDITION instead.
+// `id` counts from 1 within its session.
 struct Ticket {
   uint64_t id = 0;
+  uint64_t generation = 0;
 };
 
 // The end of one data-plane request.
@@ -140,10 +147,12 @@ class Client {
   // the session channel that ties the session to this process. FAILED_PRECONDITION when already
   // attached, a geometry mismatch or a version mismatch; INVALID_ARGUMENT for a bad geometry.
   // After the daemon lost the session (it restarted), Attach opens a new one: data-plane calls still running
-  // on the old session end with UNAVAILABLE, and its host KV buffers stay mapped (unused by the daemon) until
-  // Detach or destruction, so pointers the engine still holds never dangle. Register KV buffers again.
+  // on the old session end with UNAVAILABLE, its tickets answer FAILED_PRECONDITION, and its host KV buffers
+  // stay mapped (unused by the daemon) until Detach or destruction, so pointers the engine still holds never
+  // dangle. Register KV buffers again.
   Result<SessionInfo> Attach(const AttachOptions& options);
-  // Ends the session; everything it held is released. OK when not attached.
+  // Ends the session; everything it held is released (calls still running on it end with FAILED_PRECONDITION;
+  // its host KV buffers are unmapped once the last of them returned). OK when not attached.
   Status Detach();
   bool attached() const;
 
@@ -151,6 +160,14 @@ class Client {
   // error when the rings are full or the session is gone), many may be in flight, and one doorbell serves
   // many requests. Every request ends: Wait returns its result, DEADLINE_EXCEEDED (ticket still valid), or
   // UNAVAILABLE when the daemon went away (Attach again).
+  //
+  // What Wait, WaitLayers and TryWait answer for a ticket that has no result (coming):
+  //   FAILED_PRECONDITION  not attached, or the ticket is of another session: one that has ended (Detach,
+  //                        re-Attach, daemon restart), another Client's, or a generation never issued;
+  //                        also a wait still running when Detach drops the session
+  //   NOT_FOUND            of this session, but never issued by it, or its result was already taken by an
+  //                        earlier Wait/TryWait (the message says which)
+  //   UNAVAILABLE          the daemon closed the session (stopped or restarted): Attach again
 
   // Creates num_blocks blocks of KV buffers in `layout` in a sealed memfd shared with the daemon and
   // registers them (RegisterKv). One registration per session.
@@ -178,11 +195,11 @@ class Client {
   Result<uint32_t> MatchViaControl(std::span<const BlockKey> keys);
 
   Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout);
-  // For a layer-wise Load: waits until at least `layers` layers have landed (or the request ended); returns
-  // how many have. DEADLINE_EXCEEDED on timeout.
+  // For a layer-wise Load: waits until at least `layers` layers have landed (or the request ended, also when
+  // its result was taken); returns how many have. DEADLINE_EXCEEDED on timeout.
   Result<uint32_t> WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout);
-  // The result if the request has ended, else nullopt (also for an unknown ticket).
-  std::optional<OpResult> TryWait(Ticket ticket);
+  // The result if the request has ended, nullopt while it is in flight ("not yet"); the errors above otherwise.
+  Result<std::optional<OpResult>> TryWait(Ticket ticket);
 
   Result<DaemonStatus> GetStatus();
   Result<std::vector<SessionEntry>> ListSessions();

@@ -67,12 +67,18 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-// A value or the Status that explains why there is none. Never holds an OK status without a value.
+// Why a Result was built from an OK status: a bug in the code that built it (it must give a value or an error).
+Status OkStatusWithoutValue();
+
+// A value or the Status that explains why there is none. Never holds an OK status without a value: one built
+// from an OK status holds INTERNAL instead (OkStatusWithoutValue), so ok() never lies and value() never throws
+// for it.
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}           // NOLINT(google-explicit-constructor)
-  Result(Status status) : v_(std::move(status)) {}    // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(Status status)                      // NOLINT(google-explicit-constructor)
+      : v_(status.ok() ? OkStatusWithoutValue() : std::move(status)) {}
 
   bool ok() const { return std::holds_alternative<T>(v_); }
   // OK when a value is held.

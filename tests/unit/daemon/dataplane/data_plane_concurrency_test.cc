@@ -172,7 +172,8 @@ class TestSession {
     REQUIRE(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
     daemon_end_.reset(sv[0]);
     client_end_.reset(sv[1]);
-    auto rings = flexkv::SessionRings::Map(std::move((*fds)[0]), std::move((*fds)[1]), client_end_.get());
+    auto rings = flexkv::SessionRings::Map(std::move((*fds)[0]), std::move((*fds)[1]),
+                                           flexkv::UniqueFd(fcntl(client_end_.get(), F_DUPFD_CLOEXEC, 0)));
     REQUIRE(rings.ok());
     rings_ = std::move(*rings);
     kv_bytes_ = flexkv::KvBytesRequired(SmallGeometry(), kKvBlocks);
