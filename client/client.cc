@@ -339,6 +339,9 @@ Status Client::Detach() {
     impl_->retired_kv.clear();
   }
   if (s == nullptr) return Status::Ok();
+  const Status detached = Status::FailedPrecondition(
+      fmt::format("session {} (generation {}) was detached while this call ran", s->session_id, s->generation));
+  s->rings->Abandon(detached);  // waits running on it end now, not after the daemon's answer
   v1::DetachRequest req;
   req.set_session_id(s->session_id);
   req.set_session_token(s->token);
@@ -347,8 +350,7 @@ Status Client::Detach() {
   impl_->Prepare(&ctx);
   Status st = impl_->Call(impl_->stub->Detach(&ctx, req, &resp));
   // Hanging up the channel ends the session on the daemon side even when the call failed.
-  KvMapping kv = s->Drop(Status::FailedPrecondition(
-      fmt::format("session {} (generation {}) was detached while this call ran", s->session_id, s->generation)));
+  KvMapping kv = s->Drop(detached);
   (void)kv;  // unmapped here: Detach ends the buffers' validity
   if (st.code() == StatusCode::kNotFound) return Status::Ok();  // already gone (e.g. timed out)
   return st;

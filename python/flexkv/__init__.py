@@ -8,6 +8,7 @@
 
 See docs/python.md for the whole API and its contracts.
 """
+from . import _lib
 from .client import Client, DaemonStatus, OpResult, Ticket, connect
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
                      Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
@@ -15,7 +16,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
 from .geometry import Geometry, Layout
 from .keys import BlockKey, BlockKeys, block_keys
 
-__version__ = "0.1.0"
+__version__ = _lib.version()  # libflexkv's, from CMake's project(): the version is written in one place
 
 __all__ = [
     "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "DaemonStatus", "DataLoss",

@@ -9,6 +9,10 @@ Where the library is looked for, first hit wins:
   1. $FLEXKV_LIBRARY (a path to libflexkv.so.0);
   2. next to the package: flexkv/libflexkv.so.0, then libflexkv.so.0 beside the flexkv/ directory;
   3. the system loader ("libflexkv.so.0": ld.so.cache, $LD_LIBRARY_PATH).
+
+The library found must speak the C ABI declared here: its flexkv_abi_version() must be ABI_VERSION and its
+flexkv_struct_size() must agree with every Structure below, or the import fails with ImportError saying what
+differs (a libflexkv from another build would otherwise read and write structs of another size).
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from typing import List
 from .errors import Error, error_for
 
 SONAME = "libflexkv.so.0"
+# FLEXKV_ABI_VERSION of the client/include/flexkv/c.h that the declarations below mirror.
+ABI_VERSION = 2
 
 
 class BlockKeyStruct(Structure):
@@ -42,6 +48,15 @@ class DaemonStatusStruct(Structure):
 class OpResultStruct(Structure):
     _fields_ = [("status_code", c_int32), ("matched_blocks", c_uint32), ("done_blocks", c_uint32),
                 ("match_handle", c_uint64), ("message", c_char * 256)]
+
+
+class TicketStruct(Structure):
+    _fields_ = [("id", c_uint64), ("generation", c_uint64)]
+
+
+# The C name of each struct, as flexkv_struct_size knows it.
+STRUCTS = {"flexkv_geometry": GeometryStruct, "flexkv_daemon_status": DaemonStatusStruct,
+           "flexkv_block_key": BlockKeyStruct, "flexkv_op_result": OpResultStruct, "flexkv_ticket": TicketStruct}
 
 
 def _candidates() -> List[str]:
@@ -75,7 +90,32 @@ def _load() -> ctypes.CDLL:
                       ". Set FLEXKV_LIBRARY to the path of libflexkv.so.0 (build/libflexkv.so.0 in a build tree).")
 
 
+def verify_abi(library: ctypes.CDLL, path: str) -> None:
+    """Raises ImportError, saying what differs, unless `library` (loaded from `path`) speaks this package's C ABI:
+    the same ABI_VERSION and the same size for every struct in STRUCTS."""
+    hint = ("use the libflexkv built from the same source as this package (build/libflexkv.so.0 in a build tree; "
+            "FLEXKV_LIBRARY names it)")
+    try:
+        abi_version = library.flexkv_abi_version
+        struct_size = library.flexkv_struct_size
+    except AttributeError:
+        raise ImportError(f"flexkv: {path} has no flexkv_abi_version(): it is older than the C ABI version "
+                          f"{ABI_VERSION} this package speaks; {hint}") from None
+    abi_version.restype, abi_version.argtypes = c_uint32, []
+    struct_size.restype, struct_size.argtypes = c_size_t, [c_char_p]
+    theirs = int(abi_version())
+    if theirs != ABI_VERSION:
+        raise ImportError(f"flexkv: {path} speaks C ABI version {theirs}; this package speaks version {ABI_VERSION}; "
+                          f"{hint}")
+    for name, struct in STRUCTS.items():
+        size = int(struct_size(name.encode()))
+        if size != ctypes.sizeof(struct):
+            raise ImportError(f"flexkv: struct {name} is {size} bytes in {path} but {ctypes.sizeof(struct)} bytes in "
+                              f"this package (both say C ABI version {ABI_VERSION}); {hint}")
+
+
 lib = _load()
+verify_abi(lib, lib._name)
 client_p = c_void_p
 gpu_kv_p = c_void_p
 
@@ -96,14 +136,16 @@ _PROTOTYPES = {
     "flexkv_gpu_kv_uuid": (c_char_p, [gpu_kv_p]),
     "flexkv_register_gpu_kv": (c_int, [client_p, gpu_kv_p]),
     "flexkv_gpu_kv_free": (None, [gpu_kv_p]),
-    "flexkv_match": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, c_int, POINTER(c_uint64)]),
-    "flexkv_load": (c_int, [client_p, c_uint64, POINTER(c_uint32), c_size_t, c_int, POINTER(c_uint64)]),
-    "flexkv_store": (c_int, [client_p, POINTER(BlockKeyStruct), POINTER(c_uint32), c_size_t, POINTER(c_uint64)]),
-    "flexkv_release": (c_int, [client_p, c_uint64, POINTER(c_uint64)]),
+    "flexkv_match": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, c_int, POINTER(TicketStruct)]),
+    "flexkv_load": (c_int, [client_p, c_uint64, POINTER(c_uint32), c_size_t, c_int, POINTER(TicketStruct)]),
+    "flexkv_store": (c_int, [client_p, POINTER(BlockKeyStruct), POINTER(c_uint32), c_size_t,
+                             POINTER(TicketStruct)]),
+    "flexkv_release": (c_int, [client_p, c_uint64, POINTER(TicketStruct)]),
     "flexkv_match_via_control": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, POINTER(c_uint32)]),
-    "flexkv_wait": (c_int, [client_p, c_uint64, c_int64, POINTER(OpResultStruct)]),
-    "flexkv_try_wait": (c_int, [client_p, c_uint64, POINTER(OpResultStruct)]),
-    "flexkv_wait_layers": (c_int, [client_p, c_uint64, c_uint32, c_int64, POINTER(c_uint32)]),
+    "flexkv_wait": (c_int, [client_p, TicketStruct, c_int64, POINTER(OpResultStruct)]),
+    "flexkv_try_wait": (c_int, [client_p, TicketStruct, POINTER(OpResultStruct)]),
+    "flexkv_wait_layers": (c_int, [client_p, TicketStruct, c_uint32, c_int64, POINTER(c_uint32)]),
+    "flexkv_version": (c_char_p, []),
     "flexkv_last_error": (c_char_p, []),
     "flexkv_close": (None, [client_p]),
 }
@@ -112,6 +154,11 @@ for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _fn = getattr(lib, _name)  # AttributeError here: a libflexkv older than this package
     _fn.restype = _restype
     _fn.argtypes = _argtypes
+
+
+def version() -> str:
+    """libflexkv's release version (the project version it was built as): the package's __version__."""
+    return lib.flexkv_version().decode()
 
 
 def last_error() -> str:

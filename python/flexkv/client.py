@@ -1,11 +1,12 @@
 """Client: one process's connection to the node's flexkvd (flexkv::Client), and the Tickets of its requests.
 
-Thread safety: every method may be called from several threads at once. attach(), detach() and close() wait for
-the calls in progress on other threads: a thread blocked in a Ticket wait lets them in within ~50 ms (waits are
-made of slices that short), but any other call in progress (status, drain, create_host_kv, register_gpu_kv,
-match_via_control, ...) holds them until it returns: up to libflexkv's call timeout (10 s) for each
-round trip it makes to a daemon that is slow to answer. Calls made after close() raise FailedPrecondition. No
-method holds the GIL while it blocks in libflexkv.
+Thread safety: every method may be called from several threads at once, attach(), detach() and close() included:
+libflexkv lets them race the other calls (a call running on a session that detach() or close() ends raises
+FailedPrecondition; a ticket of an ended session raises FailedPrecondition, never another request's result).
+Two locks are left here: attach(), detach(), close() and create_host_kv() run one at a time, for the host KV
+buffer's bookkeeping (its views must be gone before its mapping is); and the flexkv_client* is freed only once
+no call is using it (close() does not wait: the last call to return frees it). Calls made after close() raise
+FailedPrecondition. No method holds the GIL while it blocks in libflexkv.
 """
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ from .errors import DeadlineExceeded, Error, FailedPrecondition, InvalidArgument
 from .geometry import Geometry, Layout
 from .keys import BlockKeys, as_block_keys
 
-# Longest single blocking call a Ticket wait makes into libflexkv: bounds how long attach()/detach()/close() wait
-# for a waiting thread and how late Ctrl-C is seen by a main thread blocked in Ticket.wait.
+# Longest single blocking call a Ticket wait makes into libflexkv: bounds how late Ctrl-C is seen by a main thread
+# blocked in Ticket.wait.
 _WAIT_SLICE_S = 0.05
+# How long a wait that finds its ticket's result taken (NotFound) gives the thread that took it to record it.
+_SETTLE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,54 +83,59 @@ class DaemonStatus:
 
 
 class _Handle:
-    """Owns the flexkv_client*. Calls hold it shared; attach/detach/close hold it exclusively: the C ABI forbids
-    flexkv_detach / flexkv_close to race with other calls on the same client, and flexkv_attach, finding the old
-    session lost (the daemon went away), tears down that session's rings and host KV mapping.
+    """Owns the flexkv_client*. Each call holds it (acquire/release) while it uses the pointer; close() marks it
+    closed (later acquires raise FailedPrecondition) and the pointer is freed (flexkv_close) once no call holds it
+    and, when close() was given `keep_until`, that object is gone."""
 
-    Client state that goes with the session (session_id, _host_array) changes only under the exclusive hold, or
-    under a shared hold together with the call that makes it true (create_host_kv), never after the release."""
-
-    __slots__ = ("ptr", "_cv", "_users", "_exclusive")
+    __slots__ = ("ptr", "_lock", "_users", "_closed", "_kept", "__weakref__")
 
     def __init__(self, ptr: int) -> None:
         self.ptr: Optional[int] = ptr
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._users = 0
-        self._exclusive = False
+        self._closed = False
+        self._kept = False  # close(keep_until=...) and that object still lives
 
     def acquire(self) -> int:
-        with self._cv:
-            while self._exclusive:
-                self._cv.wait()
-            if self.ptr is None:
+        with self._lock:
+            if self._closed:
                 raise FailedPrecondition("this flexkv.Client is closed")
             self._users += 1
-            return self.ptr
+            return self.ptr  # type: ignore[return-value]
 
     def release(self) -> None:
-        with self._cv:
+        with self._lock:
             self._users -= 1
-            if self._users == 0 and self._exclusive:
-                self._cv.notify_all()
+            ptr = self._take_if_unused()
+        if ptr is not None:
+            _close_pointer(ptr)
 
-    def acquire_exclusive(self) -> Optional[int]:
-        """The pointer with no other call in progress, or None when already closed."""
-        with self._cv:
-            while self._exclusive:
-                self._cv.wait()
-            if self.ptr is None:
+    def close(self, keep_until: Any = None) -> Optional[int]:
+        """Marks the handle closed and returns the pointer for a last call (None when already closed); the pointer is
+        freed once no call holds it and `keep_until` (if given) is gone."""
+        with self._lock:
+            if self._closed:
                 return None
-            self._exclusive = True
-            while self._users:
-                self._cv.wait()
+            self._closed = True
+            if keep_until is not None:
+                self._kept = True
+                fin = weakref.finalize(keep_until, self._let_go)
+                fin.atexit = False  # at exit the process's end closes the session anyway
+            self._users += 1  # the caller's last call; it releases
             return self.ptr
 
-    def release_exclusive(self, closed: bool = False) -> None:
-        with self._cv:
-            if closed:
-                self.ptr = None
-            self._exclusive = False
-            self._cv.notify_all()
+    def _let_go(self) -> None:
+        with self._lock:
+            self._kept = False
+            ptr = self._take_if_unused()
+        if ptr is not None:
+            _close_pointer(ptr)
+
+    def _take_if_unused(self) -> Optional[int]:
+        if self._closed and not self._users and not self._kept and self.ptr is not None:
+            ptr, self.ptr = self.ptr, None
+            return ptr
+        return None
 
 
 def _close_pointer(ptr: int) -> None:
@@ -136,21 +144,27 @@ def _close_pointer(ptr: int) -> None:
 
 class Ticket:
     """One submitted request. Every request ends exactly once; its outcome is kept, so wait() may be called again
-    (and from any thread) and gives the same result or raises the same error."""
+    (and from any thread) and gives the same result or raises the same error.
 
-    __slots__ = ("_client", "_session", "id", "op", "_lock", "_outcome")
+    id counts from 1 within the session that issued the ticket; generation names that session (libflexkv gives
+    every attach in the process a new one). Once that session has ended (detach, close, a re-attach, the daemon
+    restarted), waiting on a ticket that had not ended raises FailedPrecondition: a ticket never gives another
+    request's result."""
 
-    def __init__(self, client: "Client", ticket_id: int, op: str, session: Optional[int]) -> None:
+    __slots__ = ("_client", "_c", "id", "generation", "op", "_lock", "_outcome")
+
+    def __init__(self, client: "Client", c_ticket: _lib.TicketStruct, op: str) -> None:
         self._client = client
-        self._session = session  # the session that issued it (read under the handle, with the submission)
-        self.id = ticket_id
+        self._c = c_ticket
+        self.id = int(c_ticket.id)
+        self.generation = int(c_ticket.generation)
         self.op = op  # "match" | "load" | "store" | "release"
         self._lock = threading.Lock()
         self._outcome: Union[None, OpResult, Error] = None
 
     def __repr__(self) -> str:
         state = "pending" if self._outcome is None else "ended"
-        return f"<flexkv.Ticket {self.op} #{self.id} {state}>"
+        return f"<flexkv.Ticket {self.op} #{self.id} of session generation {self.generation} {state}>"
 
     def _settle(self, r: _lib.OpResultStruct) -> OpResult:
         result = OpResult._from_c(r)
@@ -166,18 +180,18 @@ class Ticket:
         assert outcome is not None
         return outcome
 
-    def _acquire(self) -> int:
-        """The client pointer for one call about this ticket (release with self._client._handle.release());
-        FailedPrecondition once its session has ended (a later session of the same client does not know its id)."""
-        ptr = self._client._handle.acquire()
-        if self._client.session_id != self._session:
-            self._client._handle.release()
-            raise FailedPrecondition(f"{self.op} request (ticket {self.id}) belonged to session {self._session}, "
-                                     "which has ended")
-        return ptr
-
     def _context(self) -> str:
         return f"{self.op} request (ticket {self.id})"
+
+    def _taken_elsewhere(self, err: Error) -> OpResult:
+        """libflexkv answered NotFound: another thread's wait on this Ticket took the result and records it in a
+        moment; returns it (or raises it). Raises `err` if nobody records it (that thread died in between)."""
+        deadline = time.monotonic() + _SETTLE_S
+        while self._outcome is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        if self._outcome is None:
+            raise err
+        return self._result()
 
     def wait(self, timeout: Optional[float] = None) -> OpResult:
         """Waits until the request ends and returns its OpResult; the GIL is released while waiting.
@@ -186,7 +200,7 @@ class Ticket:
         Raises the request's error (a subclass of flexkv.Error, whose .result is the OpResult) when it ended with
         one; DeadlineExceeded (also a TimeoutError) when it has not ended in time: it is still in flight and this
         ticket stays valid; Unavailable when the daemon went away (attach again); FailedPrecondition when its
-        session has ended (detach, close, or a re-attach).
+        session has ended (detach, close, or a re-attach), also while this wait runs.
         """
         if self._outcome is not None:
             return self._result()
@@ -195,17 +209,19 @@ class Ticket:
         out = _lib.OpResultStruct()
         while True:
             slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
-            ptr = self._acquire()
+            ptr = self._client._handle.acquire()
             try:
                 if self._outcome is not None:  # another thread took the result
                     return self._result()
-                rc = _lib.lib.flexkv_wait(ptr, self.id, int(slice_s * 1e6), ctypes.byref(out))
-                if rc == 0:  # settled before the handle is released, so a thread that sees the end sees it here
+                rc = _lib.lib.flexkv_wait(ptr, self._c, int(slice_s * 1e6), ctypes.byref(out))
+                if rc == 0:
                     return self._settle(out)
                 err = None if rc == StatusCode.DEADLINE_EXCEEDED else _lib.error_from_last(rc, self._context())
             finally:
                 self._client._handle.release()
             if err is not None:
+                if rc == StatusCode.NOT_FOUND:
+                    return self._taken_elsewhere(err)
                 raise err
             if deadline is not None and time.monotonic() >= deadline:
                 # Another thread waiting on this ticket may have taken the result during our last slice (libflexkv
@@ -216,25 +232,27 @@ class Ticket:
                                        "the ticket stays valid")
 
     def try_wait(self) -> Optional[OpResult]:
-        """The OpResult if the request has ended, else None; never blocks. Raises as wait() for a request that
-        ended with an error, and FailedPrecondition when its session has ended (so a polling loop does not poll
-        forever)."""
+        """The OpResult if the request has ended, else None ("not yet"); never blocks. Raises as wait() for a request
+        that ended with an error; FailedPrecondition when its session has ended or the client is not attached;
+        Unavailable when the daemon went away (so a polling loop does not poll forever)."""
         if self._outcome is not None:
             return self._result()
         out = _lib.OpResultStruct()
-        ptr = self._acquire()
+        ptr = self._client._handle.acquire()
         try:
             if self._outcome is not None:
                 return self._result()
-            rc = _lib.lib.flexkv_try_wait(ptr, self.id, ctypes.byref(out))
+            rc = _lib.lib.flexkv_try_wait(ptr, self._c, ctypes.byref(out))
             if rc == 0:
                 return self._settle(out)
-            # DEADLINE_EXCEEDED: not ended. Anything else (FAILED_PRECONDITION: the client is not attached any more,
-            # its session is gone) is an error, never "not yet".
+            # DEADLINE_EXCEEDED: not ended. Anything else (FAILED_PRECONDITION: its session is gone; UNAVAILABLE: the
+            # daemon is) is an error, never "not yet"; NOT_FOUND: another thread's wait took the result.
             err = None if rc == StatusCode.DEADLINE_EXCEEDED else _lib.error_from_last(rc, self._context())
         finally:
             self._client._handle.release()
         if err is not None:
+            if rc == StatusCode.NOT_FOUND:
+                return self._taken_elsewhere(err)
             raise err
         if self._outcome is not None:  # another thread's wait took the result meanwhile
             return self._result()
@@ -266,9 +284,9 @@ class Ticket:
             if self._outcome is not None:
                 return layers
             slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
-            ptr = self._acquire()
+            ptr = self._client._handle.acquire()
             try:
-                rc = _lib.lib.flexkv_wait_layers(ptr, self.id, layers, int(slice_s * 1e6), ctypes.byref(landed))
+                rc = _lib.lib.flexkv_wait_layers(ptr, self._c, layers, int(slice_s * 1e6), ctypes.byref(landed))
                 err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc, self._context())
             finally:
                 self._client._handle.release()
@@ -324,7 +342,9 @@ class Client:
     def __init__(self, ptr: int, socket_path: Optional[str]) -> None:
         self._handle = _Handle(ptr)
         self.socket_path = socket_path  # as given to connect(); None: $FLEXKV_SOCKET or the default
-        # Both change only while the handle is held (see _Handle), together with the call that makes them true.
+        # attach, detach, close and create_host_kv one at a time: they change the three below together with the call
+        # that makes them true, and check the host KV buffer's views before its mapping can go.
+        self._session_lock = threading.Lock()
         self.session_id: Optional[int] = None
         self.geometry: Optional[Geometry] = None
         self._host_array: Optional[ctypes.Array] = None  # the host KV mapping, exported to the caller's views
@@ -348,22 +368,22 @@ class Client:
 
         If views of the host KV buffer (memoryviews, NumPy arrays, tensors) are still alive, the session and its
         mapping stay until the last of them is gone (then it is closed), so a stale view never touches unmapped
-        memory. Waits for calls in progress on other threads.
+        memory. Otherwise the session ends now: calls in progress on other threads end with FailedPrecondition
+        (or their own result), and the last of them frees the client; close() does not wait for them.
         """
-        ptr = self._handle.acquire_exclusive()
-        if ptr is None:
-            return
-        try:
+        with self._session_lock:
             host, self._host_array = self._host_array, None
-            if host is not None and sys.getrefcount(host) > 2:
-                fin = weakref.finalize(host, _close_pointer, ptr)
-                fin.atexit = False  # at exit the process's end closes the session anyway
-            else:
-                _close_pointer(ptr)
+            views = host is not None and sys.getrefcount(host) > 2
+            ptr = self._handle.close(keep_until=host if views else None)
             del host
-            self.session_id = None
-        finally:
-            self._handle.release_exclusive(closed=True)
+            if ptr is None:
+                return
+            try:
+                if not views:
+                    _lib.lib.flexkv_detach(ptr)  # ends the waits of other threads now; freeing it would detach too
+            finally:
+                self.session_id = None
+                self._handle.release()
 
     # ---- control plane ----
 
@@ -376,7 +396,8 @@ class Client:
         session, its rings and its host KV buffer are dropped, and create_host_kv / register_gpu_kv must be called
         again for the new one. Since that unmaps the old host KV buffer, attach() refuses (FailedPrecondition, and
         nothing changes) while views of it are alive, as detach() does: drop them first, or close() this client
-        (which waits for them) and connect anew. Waits for calls in progress on other threads, as detach() does.
+        (which waits for them) and connect anew. Calls in progress on other threads on the old session end with
+        FailedPrecondition or Unavailable, and its tickets answer FailedPrecondition from then on.
 
         Raises InvalidArgument for a bad geometry (naming the field and the accepted range), a rank that is not a
         uint32, or a NUL character in name or namespace; FailedPrecondition when already attached (to a live
@@ -389,37 +410,41 @@ class Client:
         name_c = _c_string(name, "name")
         namespace_c = _c_string(namespace, "namespace")
         sid = ctypes.c_uint64(0)
-        ptr = self._handle.acquire_exclusive()
-        if ptr is None:
-            raise FailedPrecondition("this flexkv.Client is closed")
-        try:
-            if self._host_array is not None:
-                views = self._host_views()
-                if views > 0:
-                    raise FailedPrecondition(
-                        f"this client is attached (session {self.session_id}) and its host KV buffer is still "
-                        f"referenced ({views} views: memoryviews, NumPy arrays, tensors); attaching again ends that "
-                        "buffer's use (the new session registers its own): drop them first (or close() this "
-                        "client, which waits for them, and connect anew)")
-                # No view is left and none can be made any more: whatever attach does to the old mapping (nothing,
-                # if the session is alive; unmapped, if it was lost), nobody can touch it through Python.
-                self._host_array = None
-            rc = _lib.lib.flexkv_attach(ptr, name_c, namespace_c, dp, tp, ctypes.byref(g), ctypes.byref(sid))
-            if rc != 0:
-                # Only a live session answers FAILED_PRECONDITION without being dropped ("already attached"); any
-                # other failure of a client that was attached means libflexkv found it lost and dropped it.
-                if rc != StatusCode.FAILED_PRECONDITION:
-                    self.session_id = None
-                raise _lib.error_from_last(rc)
-            self.session_id = int(sid.value)
-            self.geometry = dataclasses.replace(geometry)
-            return self.session_id
-        finally:
-            self._handle.release_exclusive()
+        with self._session_lock:
+            ptr = self._handle.acquire()
+            try:
+                return self._attach(ptr, name_c, namespace_c, dp, tp, g, sid, geometry)
+            finally:
+                self._handle.release()
+
+    def _attach(self, ptr: int, name_c: bytes, namespace_c: bytes, dp: int, tp: int, g: Any, sid: Any,
+                geometry: Geometry) -> int:
+        """attach() under the session lock and the handle."""
+        if self._host_array is not None:
+            views = self._host_views()
+            if views > 0:
+                raise FailedPrecondition(
+                    f"this client is attached (session {self.session_id}) and its host KV buffer is still "
+                    f"referenced ({views} views: memoryviews, NumPy arrays, tensors); attaching again ends that "
+                    "buffer's use (the new session registers its own): drop them first (or close() this "
+                    "client, which waits for them, and connect anew)")
+            # No view is left and none can be made any more: whatever attach does to the old mapping (nothing,
+            # if the session is alive; unmapped, if it was lost), nobody can touch it through Python.
+            self._host_array = None
+        rc = _lib.lib.flexkv_attach(ptr, name_c, namespace_c, dp, tp, ctypes.byref(g), ctypes.byref(sid))
+        if rc != 0:
+            # Only a live session answers FAILED_PRECONDITION without being dropped ("already attached"); any
+            # other failure of a client that was attached means libflexkv found it lost and dropped it.
+            if rc != StatusCode.FAILED_PRECONDITION:
+                self.session_id = None
+            raise _lib.error_from_last(rc)
+        self.session_id = int(sid.value)
+        self.geometry = dataclasses.replace(geometry)
+        return self.session_id
 
     def _host_views(self) -> int:
-        """Live views (memoryviews, NumPy arrays, tensors) of the host KV buffer; caller holds the client
-        exclusively and _host_array is set. getrefcount's own argument and our attribute are not views."""
+        """Live views (memoryviews, NumPy arrays, tensors) of the host KV buffer; caller holds the session lock and
+        _host_array is set. getrefcount's own argument and our attribute are not views."""
         return sys.getrefcount(self._host_array) - 2
 
     @property
@@ -430,21 +455,20 @@ class Client:
         """Ends the session; everything it held is released and the host KV buffer is unmapped. No-op when not
         attached. Raises FailedPrecondition (and stays attached) while views of the host KV buffer are alive: drop
         them first, or use close(), which waits for them."""
-        ptr = self._handle.acquire_exclusive()
-        if ptr is None:
-            raise FailedPrecondition("this flexkv.Client is closed")
-        try:
-            if self._host_array is not None:
-                views = self._host_views()
-                if views > 0:
-                    raise FailedPrecondition(
-                        f"the host KV buffer is still referenced ({views} views: memoryviews, NumPy arrays, "
-                        "tensors); drop them before detach() (close() detaches once they are gone)")
-            _lib.check(_lib.lib.flexkv_detach(ptr))
-            self._host_array = None
-            self.session_id = None
-        finally:
-            self._handle.release_exclusive()
+        with self._session_lock:
+            ptr = self._handle.acquire()
+            try:
+                if self._host_array is not None:
+                    views = self._host_views()
+                    if views > 0:
+                        raise FailedPrecondition(
+                            f"the host KV buffer is still referenced ({views} views: memoryviews, NumPy arrays, "
+                            "tensors); drop them before detach() (close() detaches once they are gone)")
+                _lib.check(_lib.lib.flexkv_detach(ptr))
+                self._host_array = None
+                self.session_id = None
+            finally:
+                self._handle.release()
 
     def status(self) -> DaemonStatus:
         """The daemon's status (state, pool, index, sessions)."""
@@ -494,15 +518,16 @@ class Client:
         n = c_uint(num_blocks, "num_blocks")  # 0 is refused by libflexkv
         data = ctypes.c_void_p(0)
         nbytes = ctypes.c_uint64(0)
-        ptr = self._handle.acquire()
-        try:
-            _lib.check(_lib.lib.flexkv_create_host_kv(ptr, lay, n, ctypes.byref(data), ctypes.byref(nbytes)))
-            # Under the same hold as the call: a close() on another thread sees the buffer (and this view of it)
-            # and keeps the mapping, instead of unmapping it between the call and these lines.
-            self._host_array = (ctypes.c_uint8 * nbytes.value).from_address(data.value)
-            return memoryview(self._host_array).cast("B")
-        finally:
-            self._handle.release()
+        with self._session_lock:
+            ptr = self._handle.acquire()
+            try:
+                _lib.check(_lib.lib.flexkv_create_host_kv(ptr, lay, n, ctypes.byref(data), ctypes.byref(nbytes)))
+                # Under the session lock with the call: a close() or detach() on another thread sees the buffer (and
+                # this view of it) and keeps the mapping, instead of unmapping it between the call and these lines.
+                self._host_array = (ctypes.c_uint8 * nbytes.value).from_address(data.value)
+                return memoryview(self._host_array).cast("B")
+            finally:
+                self._handle.release()
 
     def register_gpu_kv(self, regions: Sequence[Any], layout: Union[Layout, int], num_blocks: int, tp_rank: int = 0,
                         *, region_bytes: Optional[int] = None) -> str:
@@ -595,14 +620,13 @@ class Client:
             self._handle.release()
 
     def _submit(self, op: str, fn: Any, *args: Any) -> Ticket:
-        ticket = ctypes.c_uint64(0)
+        ticket = _lib.TicketStruct()
         ptr = self._handle.acquire()
         try:
             _lib.check(fn(ptr, *args, ctypes.byref(ticket)))
-            session = self.session_id  # the session that took the request: read before a re-attach can change it
         finally:
             self._handle.release()
-        return Ticket(self, int(ticket.value), op, session)
+        return Ticket(self, ticket, op)
 
 
 def _layout(layout: Union[Layout, int]) -> int:
