@@ -231,3 +231,48 @@ def test_wait_timeouts_out_of_range(stored, daemon):
         daemon.thaw()
     assert ticket.wait(float("inf")).matched_blocks == 4  # huge is a year: returns when the request ends
     assert ticket.wait(1e300).matched_blocks == 4
+
+
+# ---- tickets name their session: after a re-attach an old ticket is FailedPrecondition, never a new result ----
+
+def test_an_old_ticket_after_a_daemon_restart_and_reattach_is_failed_precondition(daemon):
+    """The old session's first ticket and the new session's first ticket have the same id (1): the old one must
+    answer FailedPrecondition (its session ended), never the new request's result."""
+    c = flexkv.connect(daemon.socket)
+    c.attach("phoenix", TEST_NAMESPACE, TEST_GEOMETRY)
+    daemon.freeze()
+    old = c.match(flexkv.block_keys(TEST_NAMESPACE, tokens(21, 2), TPB))  # never read by that daemon
+    daemon.restart()
+    with pytest.raises(flexkv.Unavailable):
+        old.try_wait()  # the daemon is gone: an error, not "not yet" forever
+    c.attach("phoenix", TEST_NAMESPACE, TEST_GEOMETRY)
+    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(22, 3), TPB)
+    new = c.store(keys, range(3))
+    assert new.id == old.id == 1 and new.generation > old.generation
+    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+        old.wait(1)
+    with pytest.raises(flexkv.FailedPrecondition):
+        old.try_wait()
+    assert new.wait(5).done_blocks == 3
+    del buf
+    c.close()
+
+
+def test_try_wait_tells_not_yet_from_ended_from_session_gone(stored, daemon):
+    client, keys = stored
+    daemon.freeze()
+    try:
+        ticket = client.match(keys)
+        assert ticket.try_wait() is None  # not yet
+    finally:
+        daemon.thaw()
+    assert ticket.wait(5).matched_blocks == 4
+    assert ticket.try_wait().matched_blocks == 4  # kept: the same result again
+    daemon.freeze()
+    pending = client.match(keys)
+    daemon.kill()
+    with pytest.raises(flexkv.Unavailable, match="Attach again"):
+        pending.try_wait()  # daemon gone
+    with pytest.raises(flexkv.Unavailable):
+        pending.done()

@@ -40,3 +40,73 @@ def test_the_library_next_to_the_package_is_found(tmp_path):
     lines = out.stdout.split()
     assert lines[1] == "5d7af4f593344df28c3ad9be7eb4acd7"
     assert lines[0] == str(tmp_path / "libflexkv.so.0")
+
+
+# ---- the C ABI check at import: a libflexkv of another ABI is refused, saying what differs ----
+
+# Loads the package with ctypes.CDLL replaced by a subclass whose `name` function answers `value` instead of the
+# library's: a libflexkv of another build, as the package would see it.
+_FAKE_LIBRARY = """
+import ctypes, sys
+real_cdll = ctypes.CDLL
+class OtherBuild(real_cdll):
+    def __getattr__(self, name):
+        if name == {name!r}:
+            value = {value!r}
+            if value is None:
+                raise AttributeError(name)
+            if name == "flexkv_abi_version":
+                fn = ctypes.CFUNCTYPE(ctypes.c_uint32)(lambda: value)
+            else:
+                fn = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_char_p)(lambda struct_name: value)
+            self.__dict__[name] = fn
+            return fn
+        return super().__getattr__(name)
+ctypes.CDLL = OtherBuild
+try:
+    import flexkv
+except ImportError as e:
+    print("REFUSED", e)
+    sys.exit(0)
+print("LOADED")
+"""
+
+
+def test_a_library_of_another_abi_version_is_refused_at_import():
+    out = run(_FAKE_LIBRARY.format(name="flexkv_abi_version", value=1))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("REFUSED"), out.stdout
+    assert "speaks C ABI version 1; this package speaks version 2" in out.stdout
+    assert os.environ["FLEXKV_LIBRARY"] in out.stdout and "FLEXKV_LIBRARY" in out.stdout
+
+
+def test_a_library_whose_struct_sizes_differ_is_refused_at_import():
+    out = run(_FAKE_LIBRARY.format(name="flexkv_struct_size", value=8))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("REFUSED"), out.stdout
+    assert "struct flexkv_geometry is 8 bytes in" in out.stdout and "but 28 bytes in this package" in out.stdout
+
+
+def test_a_library_without_abi_version_is_refused_at_import():
+    out = run(_FAKE_LIBRARY.format(name="flexkv_abi_version", value=None))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("REFUSED"), out.stdout
+    assert "has no flexkv_abi_version()" in out.stdout
+
+
+def test_verify_abi_accepts_the_library_it_was_built_with():
+    from flexkv import _lib
+    _lib.verify_abi(_lib.lib, _lib.lib._name)  # what the import did
+    assert _lib.lib.flexkv_abi_version() == _lib.ABI_VERSION
+
+
+def test_the_version_is_the_project_version_written_once_in_cmake():
+    import re
+    import flexkv
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(repo, "CMakeLists.txt")) as f:
+        project = re.search(r"project\(flexkv VERSION (\S+)", f.read()).group(1)
+    assert flexkv.__version__ == project
+    for path in ("python/flexkv/__init__.py", "common/version.h"):  # no second copy of it
+        with open(os.path.join(repo, path)) as f:
+            assert f'"{project}"' not in f.read(), path
