@@ -208,27 +208,23 @@ Result<std::optional<OpResult>> SessionRings::TryWait(Ticket ticket) {
     std::lock_guard lock(mu_);
     ReapLocked();
     const TicketState state = StateLocked(ticket.id);
-    if (state == TicketState::kEnded) {
-      auto it = done_.find(ticket.id);
-      OpResult r = std::move(it->second);
-      done_.erase(it);
-      return std::optional<OpResult>(std::move(r));
-    }
+    if (state == TicketState::kEnded) return std::optional<OpResult>(TakeLocked(ticket.id));
     if (state != TicketState::kInFlight) return NoResultLocked(ticket.id, state);
   }
-  if (DaemonGone()) {
+  if (!DaemonGone()) return std::optional<OpResult>();
+  {
     std::lock_guard lock(mu_);
     ReapLocked();  // its completion may have come in just before the daemon went
-    if (StateLocked(ticket.id) != TicketState::kEnded) {
-      return abandoned_.load() ? abandon_status_
-                               : Status::Unavailable("flexkvd closed this session (daemon stopped or restarted); Attach again");
-    }
-    auto it = done_.find(ticket.id);
-    OpResult r = std::move(it->second);
-    done_.erase(it);
-    return std::optional<OpResult>(std::move(r));
+    if (StateLocked(ticket.id) == TicketState::kEnded) return std::optional<OpResult>(TakeLocked(ticket.id));
   }
-  return std::optional<OpResult>();
+  return GoneStatus();
+}
+
+OpResult SessionRings::TakeLocked(uint64_t id) {
+  auto it = done_.find(id);
+  OpResult r = std::move(it->second);
+  done_.erase(it);
+  return r;
 }
 
 bool SessionRings::DaemonGone() const {
@@ -292,9 +288,7 @@ Result<OpResult> SessionRings::Wait(Ticket ticket, std::chrono::microseconds tim
           no_result = NoResultLocked(ticket.id, state);
           return true;
         }
-        auto it = done_.find(ticket.id);
-        result = std::move(it->second);
-        done_.erase(it);
+        result = TakeLocked(ticket.id);
         return true;
       },
       std::chrono::steady_clock::now() + timeout, ticket.id);

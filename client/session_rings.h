@@ -58,6 +58,8 @@ class SessionRings {
   TicketState StateLocked(uint64_t id) const;
   // NOT_FOUND naming why `id` has no result to wait for (kTaken or kNeverIssued).
   Status NoResultLocked(uint64_t id, TicketState state) const;
+  // Moves an ended request's result out of done_ (state kEnded).
+  OpResult TakeLocked(uint64_t id);
   // The status to end a call with once the session is abandoned or gone.
   Status GoneStatus();
   // Spins, then futex-waits for the completion tail to move, until `ready` (called under mu_ after a reap)
