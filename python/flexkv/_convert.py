@@ -5,6 +5,8 @@ uint32 for libflexkv, refusing what the C type cannot hold (ctypes would wrap it
 Never imports NumPy: a NumPy array is read through the buffer protocol, and NumPy's own functions are used only
 when the caller passed an array (so NumPy is already imported). A C-contiguous buffer of the exact C type is
 copied with one memcpy; anything else is converted element by element with a range check.
+
+device_region reads a GPU KV region (a tensor-like object or an int pointer) as (device pointer, bytes).
 """
 from __future__ import annotations
 
@@ -110,3 +112,34 @@ def c_int_array(values: Any, ctype: Any, what: str) -> Tuple[ctypes.Array, int]:
                 raise _range_error(what, lo, hi, v) from None
         raise
     return (ctype * len(arr)).from_buffer(arr), len(arr)
+
+
+def device_region(obj: Any, i: int) -> tuple:
+    """(device pointer, bytes) of one KV region given as a tensor-like object or an int pointer (bytes None)."""
+    if isinstance(obj, int):
+        if not 0 < obj <= U64_MAX:
+            raise InvalidArgument(f"KV region {i} is the pointer {obj}; expected a device address in 1..{U64_MAX}")
+        return obj, None
+    if hasattr(obj, "data_ptr") and hasattr(obj, "numel") and hasattr(obj, "element_size"):  # torch.Tensor & co
+        if getattr(obj, "is_cuda", True) is False:
+            raise InvalidArgument(f"tensor {i} is on {getattr(obj, 'device', 'the CPU')}; expected a CUDA tensor "
+                                  "(host KV buffers come from create_host_kv)")
+        if hasattr(obj, "is_contiguous") and not obj.is_contiguous():
+            raise InvalidArgument(f"tensor {i} is not contiguous; expected one contiguous region per tensor")
+        return int(obj.data_ptr()), int(obj.numel()) * int(obj.element_size())
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        shape = tuple(int(d) for d in cai["shape"])
+        itemsize = int(cai["typestr"][2:])
+        strides = cai.get("strides")
+        if strides is not None:
+            expected, step = [], itemsize
+            for d in reversed(shape):
+                expected.append(step)
+                step *= d
+            if tuple(strides) != tuple(reversed(expected)) and math.prod(shape) > 1:
+                raise InvalidArgument(f"tensor {i} is not contiguous (shape {shape}, strides {tuple(strides)}); "
+                                      "expected one contiguous region per tensor")
+        return int(cai["data"][0]), math.prod(shape) * itemsize
+    raise TypeError(f"KV region {i} is a {type(obj).__name__}; expected a CUDA tensor (data_ptr()+numel()+"
+                    "element_size(), or __cuda_array_interface__) or an int device pointer")

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import math
 import numbers
 import operator
 import os
 import sys
 import threading
 import time
-import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import _lib
-from ._convert import INT_MAX, U64_MAX, c_int_array, c_uint, wait_seconds
+from ._convert import INT_MAX, U64_MAX, c_int_array, c_uint, device_region, wait_seconds
+from ._handle import Handle
 from .errors import DeadlineExceeded, Error, FailedPrecondition, InvalidArgument, StatusCode, error_for
 from .geometry import Geometry, Layout
 from .keys import BlockKeys, as_block_keys
@@ -80,66 +79,6 @@ class DaemonStatus:
     pinned_blocks: int
     index_blocks: int
     sessions: int
-
-
-class _Handle:
-    """Owns the flexkv_client*. Each call holds it (acquire/release) while it uses the pointer; close() marks it
-    closed (later acquires raise FailedPrecondition) and the pointer is freed (flexkv_close) once no call holds it
-    and, when close() was given `keep_until`, that object is gone."""
-
-    __slots__ = ("ptr", "_lock", "_users", "_closed", "_kept", "__weakref__")
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr: Optional[int] = ptr
-        self._lock = threading.Lock()
-        self._users = 0
-        self._closed = False
-        self._kept = False  # close(keep_until=...) and that object still lives
-
-    def acquire(self) -> int:
-        with self._lock:
-            if self._closed:
-                raise FailedPrecondition("this flexkv.Client is closed")
-            self._users += 1
-            return self.ptr  # type: ignore[return-value]
-
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            ptr = self._take_if_unused()
-        if ptr is not None:
-            _close_pointer(ptr)
-
-    def close(self, keep_until: Any = None) -> Optional[int]:
-        """Marks the handle closed and returns the pointer for a last call (None when already closed); the pointer is
-        freed once no call holds it and `keep_until` (if given) is gone."""
-        with self._lock:
-            if self._closed:
-                return None
-            self._closed = True
-            if keep_until is not None:
-                self._kept = True
-                fin = weakref.finalize(keep_until, self._let_go)
-                fin.atexit = False  # at exit the process's end closes the session anyway
-            self._users += 1  # the caller's last call; it releases
-            return self.ptr
-
-    def _let_go(self) -> None:
-        with self._lock:
-            self._kept = False
-            ptr = self._take_if_unused()
-        if ptr is not None:
-            _close_pointer(ptr)
-
-    def _take_if_unused(self) -> Optional[int]:
-        if self._closed and not self._users and not self._kept and self.ptr is not None:
-            ptr, self.ptr = self.ptr, None
-            return ptr
-        return None
-
-
-def _close_pointer(ptr: int) -> None:
-    _lib.lib.flexkv_close(ptr)
 
 
 class Ticket:
@@ -301,37 +240,6 @@ class Ticket:
                                        "is still in flight and the ticket stays valid")
 
 
-def _device_region(obj: Any, i: int) -> tuple:
-    """(device pointer, bytes) of one KV region given as a tensor-like object or an int pointer (bytes None)."""
-    if isinstance(obj, int):
-        if not 0 < obj <= U64_MAX:
-            raise InvalidArgument(f"KV region {i} is the pointer {obj}; expected a device address in 1..{U64_MAX}")
-        return obj, None
-    if hasattr(obj, "data_ptr") and hasattr(obj, "numel") and hasattr(obj, "element_size"):  # torch.Tensor & co
-        if getattr(obj, "is_cuda", True) is False:
-            raise InvalidArgument(f"tensor {i} is on {getattr(obj, 'device', 'the CPU')}; expected a CUDA tensor "
-                                  "(host KV buffers come from create_host_kv)")
-        if hasattr(obj, "is_contiguous") and not obj.is_contiguous():
-            raise InvalidArgument(f"tensor {i} is not contiguous; expected one contiguous region per tensor")
-        return int(obj.data_ptr()), int(obj.numel()) * int(obj.element_size())
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None:
-        shape = tuple(int(d) for d in cai["shape"])
-        itemsize = int(cai["typestr"][2:])
-        strides = cai.get("strides")
-        if strides is not None:
-            expected, step = [], itemsize
-            for d in reversed(shape):
-                expected.append(step)
-                step *= d
-            if tuple(strides) != tuple(reversed(expected)) and math.prod(shape) > 1:
-                raise InvalidArgument(f"tensor {i} is not contiguous (shape {shape}, strides {tuple(strides)}); "
-                                      "expected one contiguous region per tensor")
-        return int(cai["data"][0]), math.prod(shape) * itemsize
-    raise TypeError(f"KV region {i} is a {type(obj).__name__}; expected a CUDA tensor (data_ptr()+numel()+"
-                    "element_size(), or __cuda_array_interface__) or an int device pointer")
-
-
 class Client:
     """A connection to flexkvd and, once attached, this process's session (flexkv::Client). Use connect().
 
@@ -340,7 +248,7 @@ class Client:
     """
 
     def __init__(self, ptr: int, socket_path: Optional[str]) -> None:
-        self._handle = _Handle(ptr)
+        self._handle = Handle(ptr)
         self.socket_path = socket_path  # as given to connect(); None: $FLEXKV_SOCKET or the default
         # attach, detach, close and create_host_kv one at a time: they change the three below together with the call
         # that makes them true, and check the host KV buffer's views before its mapping can go.
@@ -550,7 +458,7 @@ class Client:
         if lay != Layout.LAYER_FIRST and len(items) != 1:
             raise InvalidArgument(f"{len(items)} KV regions for layout {Layout(lay).name}; expected one (only "
                                   "LAYER_FIRST takes one per layer)")
-        described = [_device_region(obj, i) for i, obj in enumerate(items)]
+        described = [device_region(obj, i) for i, obj in enumerate(items)]
         sizes = {b for _, b in described if b is not None}
         if region_bytes is not None:
             sizes.add(c_uint(region_bytes, "region_bytes", U64_MAX))
