@@ -17,6 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "client/attached_session.h"
 #include "client/session_rings.h"
 #include "common/grpc_convert.h"
 #include "common/paths.h"
@@ -35,104 +36,6 @@ Status NotAttached() { return Status::FailedPrecondition("not attached: call Att
 // The last session generation issued in this process (Ticket::generation); every Attach of any Client takes the
 // next one, so a ticket names exactly one session.
 std::atomic<uint64_t> g_last_generation{0};
-
-// One MAP_SHARED mapping of host KV buffers, unmapped once by its owner. Move-only.
-class KvMapping {
- public:
-  KvMapping() = default;
-  KvMapping(uint8_t* data, uint64_t bytes) : data_(data), bytes_(bytes) {}
-  KvMapping(KvMapping&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-  KvMapping& operator=(KvMapping&& other) noexcept {
-    if (this != &other) {
-      Reset();
-      data_ = std::exchange(other.data_, nullptr);
-      bytes_ = std::exchange(other.bytes_, 0);
-    }
-    return *this;
-  }
-  KvMapping(const KvMapping&) = delete;
-  KvMapping& operator=(const KvMapping&) = delete;
-  ~KvMapping() { Reset(); }
-
-  uint8_t* data() const { return data_; }
-  explicit operator bool() const { return data_ != nullptr; }
-  void Reset() {
-    if (data_ != nullptr) munmap(data_, bytes_);
-    data_ = nullptr;
-    bytes_ = 0;
-  }
-
- private:
-  uint8_t* data_ = nullptr;
-  uint64_t bytes_ = 0;
-};
-
-// Everything one attached session owns. Shared (shared_ptr) by the Client while it is the current session and by
-// every call running on it: Detach and a re-Attach swap the Client's pointer and Drop() the session; the last
-// holder frees it (rings unmapped, fds closed, KV mapping unmapped), so a call never touches freed memory.
-struct AttachedSession {
-  uint64_t generation = 0;
-  uint64_t session_id = 0;
-  std::string token;
-  UniqueFd channel;                     // the session channel; the rings watch a dup of it
-  std::unique_ptr<SessionRings> rings;  // thread-safe itself
-
-  absl::Mutex mu;  // one fd offer at a time on `channel`; the KV registration
-  uint32_t next_fd_tag ABSL_GUARDED_BY(mu) = 1;
-  KvMapping kv ABSL_GUARDED_BY(mu);
-  bool dropped ABSL_GUARDED_BY(mu) = false;
-
-  // The daemon closed the session channel (it stopped or restarted).
-  bool Lost() const {
-    pollfd pfd{channel.get(), POLLRDHUP, 0};
-    return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
-  }
-  // The Client let go of this session: calls running on it end with `why`, the daemon sees the channel hang up
-  // (shutdown reaches the rings' dup too), and a KV registration still in progress is refused. Returns the KV
-  // mapping, for the caller to keep or drop.
-  KvMapping Drop(const Status& why) {
-    rings->Abandon(why);
-    shutdown(channel.get(), SHUT_RDWR);
-    absl::MutexLock lock(&mu);
-    dropped = true;
-    return std::move(kv);
-  }
-
-  // Offers one fd on the session channel and waits for the daemon's acknowledgement; returns the tag a
-  // later RegisterKv names it by.
-  Result<uint32_t> OfferFd(int fd, const char* what, std::chrono::milliseconds call_timeout) {
-    absl::MutexLock lock(&mu);
-    if (dropped) return NotAttached();
-    const uint32_t tag = next_fd_tag++;
-    ChannelMessage offer{};
-    std::memcpy(offer.magic, kChannelMessageMagic, 4);
-    offer.type = static_cast<uint32_t>(ChannelMessageType::kOfferFd);
-    offer.tag = tag;
-    Status st = SendWithFds(channel.get(), &offer, sizeof(offer), std::span<const int>(&fd, 1));
-    ChannelMessage ack{};
-    // Acks come in offer order; one that arrives after its offer timed out is read (and dropped) here.
-    do {
-      if (st.ok()) st = RecvWithFds(channel.get(), &ack, sizeof(ack), nullptr);
-      if (st.code() == StatusCode::kDeadlineExceeded) {
-        st = Status::DeadlineExceeded(
-            fmt::format("the daemon did not acknowledge the {} within {} ms", what, call_timeout.count()));
-      }
-    } while (st.ok() && std::memcmp(ack.magic, kChannelMessageMagic, 4) == 0 &&
-             ack.type == static_cast<uint32_t>(ChannelMessageType::kOfferFdAck) && ack.tag < tag);
-    if (st.ok() && (std::memcmp(ack.magic, kChannelMessageMagic, 4) != 0 ||
-                    ack.type != static_cast<uint32_t>(ChannelMessageType::kOfferFdAck) || ack.tag != tag)) {
-      st = Status::Internal(fmt::format("unexpected reply on the session channel (type {}, tag {}; expected the ack of {})",
-                                        ack.type, ack.tag, tag));
-    }
-    if (st.ok() && ack.status_code != 0) {
-      st = Status(static_cast<StatusCode>(ack.status_code),
-                  fmt::format("the daemon refused the {} (too many fds offered and not registered?)", what));
-    }
-    if (!st.ok()) return st.WithContext(fmt::format("offering the {}", what));
-    return tag;
-  }
-};
 
 }  // namespace
 
