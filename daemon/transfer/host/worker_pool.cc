@@ -1,5 +1,5 @@
 // See worker_pool.h.
-#include "daemon/transfer/worker_pool.h"
+#include "daemon/transfer/host/worker_pool.h"
 
 namespace flexkv {
 
