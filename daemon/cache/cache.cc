@@ -64,7 +64,7 @@ Status Cache::RecoverPool(bool discard) {
     return CheckPoolSpace();
   }
   FLEXKV_RETURN_IF_ERROR(domain_.Admit((*pool)->model_namespace(), (*pool)->geometry()));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   uint64_t dropped = 0;
   auto committed = (*pool)->Recover(&dropped);
   auto index = std::make_unique<PrefixIndex>((*pool)->capacity());
@@ -83,7 +83,7 @@ Status Cache::RecoverPool(bool discard) {
 
 Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry) {
   FLEXKV_RETURN_IF_ERROR(domain_.Admit(model_namespace, geometry));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (pool_) return Status::Ok();
   return CreatePoolLocked(model_namespace, geometry);
 }
@@ -111,13 +111,13 @@ PoolRegion Cache::RegionLocked() const {
 }
 
 std::optional<PoolRegion> Cache::pool_region() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (!pool_) return std::nullopt;
   return RegionLocked();
 }
 
 void Cache::SetPoolListener(std::function<void(const PoolRegion&)> listener) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   pool_listener_ = std::move(listener);
   if (pool_ && pool_listener_) pool_listener_(RegionLocked());
 }
@@ -125,30 +125,30 @@ void Cache::SetPoolListener(std::function<void(const PoolRegion&)> listener) {
 bool Cache::has_pool() const { return has_pool_.load(std::memory_order_acquire); }
 
 uint64_t Cache::block_bytes() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return pool_ ? pool_->block_bytes() : 0;
 }
 
 uint8_t* Cache::SlotData(SlotId slot) const { return pool_->SlotData(slot); }
 
 size_t Cache::Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (!index_) return 0;
   return index_->Match(keys, pin, pinned);
 }
 
 void Cache::Unpin(std::span<const SlotId> slots) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   index_->Unpin(slots);
 }
 
 PrefixIndex::Reservation Cache::Reserve(std::span<const BlockKey> keys) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return index_->Reserve(keys);
 }
 
 void Cache::Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (size_t i = 0; i < slots.size(); ++i) {
     const size_t k = first + i;
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? BlockKey{} : keys[k - 1]);
@@ -157,12 +157,12 @@ void Cache::Commit(std::span<const BlockKey> keys, size_t first, std::span<const
 }
 
 void Cache::Abort(std::span<const SlotId> slots) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   index_->Abort(slots);
 }
 
 Cache::Stats Cache::GetStats() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   Stats s;
   if (!index_) return s;
   s.capacity = index_->capacity();

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "daemon/cache/cache_domain.h"
 #include "daemon/cache/pool.h"
@@ -83,7 +83,7 @@ class Cache {
   const std::string pool_path_;
   CacheDomain domain_;
   CacheCounters counters_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   // Set once, under mu_, before has_pool_ turns true; read without the lock only after has_pool() (SlotData).
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<PrefixIndex> index_ ABSL_GUARDED_BY(mu_);

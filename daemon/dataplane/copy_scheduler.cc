@@ -13,7 +13,7 @@ namespace {
 
 // The parts of one request in flight.
 struct FanIn {
-  absl::Mutex mu;
+  Mutex mu;
   uint32_t parts_left ABSL_GUARDED_BY(mu) = 0;
   Status first_error ABSL_GUARDED_BY(mu);
   int64_t start_ns ABSL_GUARDED_BY(mu) = std::numeric_limits<int64_t>::max();
@@ -26,7 +26,7 @@ CopyScheduler::~CopyScheduler() { WaitIdle(); }
 
 void CopyScheduler::Submit(CopyRequest request) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     ++in_flight_;
   }
   auto done = [this, done = std::move(request.done)](Status st, int64_t start_ns) {
@@ -50,7 +50,7 @@ void CopyScheduler::Submit(CopyRequest request) {
   const bool per_layer = request.layer_done && caps.layerwise;
   auto fan = std::make_shared<FanIn>();
   {
-    absl::MutexLock lock(&fan->mu);
+    MutexLock lock(&fan->mu);
     fan->parts_left = static_cast<uint32_t>(request.targets.size());
     if (per_layer) fan->layer_parts_left.assign(request.num_layers, fan->parts_left);
   }
@@ -60,7 +60,7 @@ void CopyScheduler::Submit(CopyRequest request) {
     Status result;
     int64_t start;
     {
-      absl::MutexLock lock(&fan->mu);
+      MutexLock lock(&fan->mu);
       if (!st.ok() && fan->first_error.ok()) fan->first_error = st;
       fan->start_ns = std::min(fan->start_ns, start_ns);
       if (--fan->parts_left != 0) return;
@@ -83,7 +83,7 @@ void CopyScheduler::Submit(CopyRequest request) {
       job.on_layer = [fan, layer_done = request.layer_done](uint32_t layer) {
         bool all;
         {
-          absl::MutexLock lock(&fan->mu);
+          MutexLock lock(&fan->mu);
           all = layer < fan->layer_parts_left.size() && --fan->layer_parts_left[layer] == 0;
         }
         if (all) layer_done(layer);
@@ -95,18 +95,17 @@ void CopyScheduler::Submit(CopyRequest request) {
 }
 
 void CopyScheduler::Finished() {
-  absl::MutexLock lock(&mu_);
-  --in_flight_;
+  MutexLock lock(&mu_);
+  if (--in_flight_ == 0) idle_.notify_all();
 }
 
 void CopyScheduler::WaitIdle() {
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](uint64_t* n) { return *n == 0; }, &in_flight_));
+  MutexLock lock(&mu_);
+  while (in_flight_ != 0) mu_.Wait(&idle_);
 }
 
 uint64_t CopyScheduler::in_flight() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return in_flight_;
 }
 

@@ -5,13 +5,14 @@
 // began, for the wait/transfer metrics. Thread-safe.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "daemon/tiers/dram/dram_tier.h"
 #include "daemon/transfer/engine_memory.h"
 
@@ -50,8 +51,9 @@ class CopyScheduler {
   void Finished();
 
   const DramTier* const tier0_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   uint64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  std::condition_variable idle_;  // notified when in_flight_ drops to 0
 };
 
 }  // namespace flexkv

@@ -9,7 +9,7 @@
 namespace flexkv {
 
 uint64_t RequestSession::pinned_blocks() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return handles_.pinned_blocks();
 }
 
@@ -54,7 +54,7 @@ void RequestHandlers::Fail(RequestSession& s, const SubmitDescriptor& d, int64_t
 void RequestHandlers::EndSession(RequestSession& s) {
   std::vector<SlotId> unpin;
   {
-    absl::MutexLock lock(&s.mu_);
+    MutexLock lock(&s.mu_);
     unpin = s.handles_.ReleaseAll();
   }
   if (!unpin.empty()) cache_->Unpin(unpin);
@@ -74,7 +74,7 @@ void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_
   if (pin && hit > 0) {
     bool held = false;
     {
-      absl::MutexLock lock(&s.mu_);
+      MutexLock lock(&s.mu_);
       // EndSession sets ended() before it releases the table's handles: a handle added after that would leak.
       if (!s.ended()) {
         c.MatchHandle(s.handles_.Add(std::move(slots)));
@@ -90,7 +90,7 @@ void RequestHandlers::Release(RequestSession& s, const SubmitDescriptor& d, int6
   std::vector<SlotId> unpin;
   Status held;
   {
-    absl::MutexLock lock(&s.mu_);
+    MutexLock lock(&s.mu_);
     held = ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
     if (held.ok()) unpin = s.handles_.Release(d.match_handle);
   }
@@ -107,7 +107,7 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
   {
     // Handle validated the descriptor and its block ids; the handle is looked up here, under the lock that also
     // takes its slots.
-    absl::MutexLock lock(&s.mu_);
+    MutexLock lock(&s.mu_);
     refused = ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
     if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
     if (refused.ok()) slots = s.handles_.BeginLoad(d.match_handle, d.count);
@@ -135,7 +135,7 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
     }
     std::vector<SlotId> unpin;
     {
-      absl::MutexLock lock(&sp->mu_);
+      MutexLock lock(&sp->mu_);
       unpin = sp->handles_.EndLoad(d.match_handle);
     }
     if (!unpin.empty()) cache_->Unpin(unpin);

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "common/ring_layout.h"
 #include "daemon/cache/cache.h"
 #include "daemon/dataplane/completion_builder.h"
@@ -44,7 +44,7 @@ class RequestSession {
   const uint64_t id_;
   const Geometry geometry_;
   SessionKv kv_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   HandleTable handles_ ABSL_GUARDED_BY(mu_);
 };
 

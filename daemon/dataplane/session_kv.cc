@@ -36,12 +36,12 @@ Result<uint64_t> SessionKv::Register(EngineMemoryBackends& backends, KvRegistrat
   const uint32_t num_blocks = registration.num_blocks();
   // Refusals that need no backend work come first (Open maps memory: a repeated registration must not redo it).
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     FLEXKV_RETURN_IF_ERROR(CheckFreeLocked(backend, tp_rank));
   }
   auto opened = backend.Open(std::move(registration), geometry_);
   if (!opened.ok()) return opened.status();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   FLEXKV_RETURN_IF_ERROR(CheckFreeLocked(backend, tp_rank));  // again: another registration may have won meanwhile
   backend_ = &backend;
   if (backend.capabilities().per_tp_rank) {
@@ -56,7 +56,7 @@ Result<uint64_t> SessionKv::Register(EngineMemoryBackends& backends, KvRegistrat
 }
 
 uint32_t SessionKv::RegisteredBlocks(std::string* missing) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (registrations_.empty()) {
     *missing = "no KV buffers registered (RegisterKv)";
     return 0;
@@ -74,7 +74,7 @@ uint32_t SessionKv::RegisteredBlocks(std::string* missing) const {
 }
 
 void SessionKv::FillTargets(CopyRequest* request) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   request->backend = backend_;
   request->targets = registrations_;
   const bool sharded = backend_ != nullptr && backend_->capabilities().per_tp_rank;

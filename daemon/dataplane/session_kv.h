@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "daemon/dataplane/copy_scheduler.h"
 #include "daemon/transfer/engine_memory_backends.h"
 #include "flexkv/geometry.h"
@@ -41,7 +41,7 @@ class SessionKv {
 
   const uint64_t session_id_;
   const Geometry geometry_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   EngineMemoryBackend* backend_ ABSL_GUARDED_BY(mu_) = nullptr;
   // Whole blocks: one entry. Per TP rank: tp_size entries, null until that rank registered.
   std::vector<std::shared_ptr<EngineKv>> registrations_ ABSL_GUARDED_BY(mu_);

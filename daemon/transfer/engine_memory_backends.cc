@@ -8,12 +8,12 @@
 namespace flexkv {
 
 void EngineMemoryBackends::Add(std::unique_ptr<EngineMemoryBackend> backend) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   entries_.push_back(Entry{std::move(backend), false, Status::Ok()});
 }
 
 Result<EngineMemoryBackend*> EngineMemoryBackends::Select(std::span<const MemoryKind> kinds) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (const Entry& e : entries_) {
     const EngineMemoryCapabilities& caps = e.backend->capabilities();
     if (!std::all_of(kinds.begin(), kinds.end(), [&](MemoryKind k) { return caps.Serves(k); })) continue;
@@ -36,7 +36,7 @@ Result<EngineMemoryBackend*> EngineMemoryBackends::Select(std::span<const Memory
 }
 
 void EngineMemoryBackends::RegisterPool(const PoolRegion& pool) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (Entry& e : entries_) {
     if (e.pool_registered) continue;
     e.pool_registered = true;
@@ -49,7 +49,7 @@ void EngineMemoryBackends::RegisterPool(const PoolRegion& pool) {
 }
 
 std::vector<const EngineMemoryBackend*> EngineMemoryBackends::List() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<const EngineMemoryBackend*> list;
   for (const Entry& e : entries_) list.push_back(e.backend.get());
   return list;

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "daemon/cache/pool_region.h"
 #include "daemon/transfer/engine_memory.h"
 #include "flexkv/status.h"
@@ -41,7 +41,7 @@ class EngineMemoryBackends {
     bool pool_registered = false;
     Status pool_status;
   };
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -9,7 +9,7 @@ namespace flexkv {
 
 std::optional<PoolRegion> DramTier::region() const {
   if (region_known_.load(std::memory_order_acquire)) return known_region_;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (region_known_.load(std::memory_order_relaxed)) return known_region_;
   const std::optional<PoolRegion> r = cache_->pool_region();
   if (!r) return std::nullopt;

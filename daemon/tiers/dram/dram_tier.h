@@ -5,7 +5,7 @@
 #include <atomic>
 #include <optional>
 
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "daemon/cache/cache.h"
 #include "daemon/cache/pool_region.h"
 #include "daemon/tiers/cache_tier.h"
@@ -36,7 +36,7 @@ class DramTier final : public CacheTier {
   Result<PoolRegion> Check(SlotId slot, size_t size) const;
 
   const Cache* const cache_;
-  mutable absl::Mutex mu_;                     // serializes filling `known_region_`
+  mutable Mutex mu_;                     // serializes filling `known_region_`
   mutable std::atomic<bool> region_known_{false};
   mutable PoolRegion known_region_;            // written once, under mu_, before region_known_ turns true
 };
