@@ -25,7 +25,7 @@ std::vector<BlockKey> Keys(uint64_t chain, size_t n) {
 
 }  // namespace
 
-TEST_CASE("cache: the first Admit creates the pool; a different geometry is refused", "[unit][cache]") {
+TEST_CASE("cache: the first Admit creates the pool - a different geometry is refused", "[unit][cache]") {
   TempCache t;
   flexkv::Cache& cache = t.cache();
   REQUIRE(cache.RecoverPool(/*discard=*/false).ok());
@@ -47,7 +47,7 @@ TEST_CASE("cache: the first Admit creates the pool; a different geometry is refu
   CHECK(cache.Admit("ns", other).code() == StatusCode::kFailedPrecondition);
 }
 
-TEST_CASE("cache: a store is matchable only after Commit; Abort returns its slots", "[unit][cache]") {
+TEST_CASE("cache: a store is matchable only after Commit - Abort returns its slots", "[unit][cache]") {
   TempCache t;
   flexkv::Cache& cache = t.cache();
   REQUIRE(cache.RecoverPool(false).ok());

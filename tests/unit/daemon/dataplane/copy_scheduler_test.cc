@@ -58,7 +58,7 @@ struct Fixture {
 
 }  // namespace
 
-TEST_CASE("copy scheduler: every target gets the blocks; done runs once, with the earliest start", "[unit][dataplane]") {
+TEST_CASE("copy scheduler: every target gets the blocks - done runs once, with the earliest start", "[unit][dataplane]") {
   Fixture f;
   flexkv::CopyScheduler scheduler(&f.tier);
   FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));

@@ -61,7 +61,7 @@ struct Backends {
 
 }  // namespace
 
-TEST_CASE("session kv: whole blocks register once; the block count and bytes follow", "[unit][dataplane]") {
+TEST_CASE("session kv: whole blocks register once - the block count and bytes follow", "[unit][dataplane]") {
   Backends b;
   const flexkv::Geometry g = flexkv::Llama3_8B();
   SessionKv kv(7, g);
@@ -86,7 +86,7 @@ TEST_CASE("session kv: whole blocks register once; the block count and bytes fol
   CHECK(copy.targets.size() == 1);
 }
 
-TEST_CASE("session kv: per-rank registrations need every rank; the fewest blocks count", "[unit][dataplane]") {
+TEST_CASE("session kv: per-rank registrations need every rank - the fewest blocks count", "[unit][dataplane]") {
   Backends b;
   SessionKv kv(8, Tp2(/*mla=*/false));
   REQUIRE(kv.Register(b.set, Gpu(1, 20)).ok());

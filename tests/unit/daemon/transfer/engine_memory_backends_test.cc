@@ -54,7 +54,7 @@ TEST_CASE("engine memory: memory no backend declared is refused, naming it and w
   CHECK_THAT(chosen.status().message(), Catch::Contains("cuda_vmm") && Catch::Contains("host (host_memfd)"));
 }
 
-TEST_CASE("engine memory: the pool is registered with every backend once; a failure refuses that backend only",
+TEST_CASE("engine memory: the pool is registered with every backend once - a failure refuses that backend only",
           "[unit][transfer]") {
   EngineMemoryBackends backends;
   auto host = std::make_unique<FakeEngineMemory>("host", Caps({MemoryKind::kHostMemfd}));
