@@ -1,7 +1,8 @@
 // CudaBackend: the daemon side of GPU KV caches. Opens engines' GPU buffers from CUDA IPC handles, maps
 // each GPU by UUID (never by an index that depends on CUDA_VISIBLE_DEVICES), registers the host pool for
 // DMA, and runs gather/scatter copies on one load and one store worker per GPU (separate streams, so loads
-// and stores overlap). Exists only in builds with a CUDA toolkit and on machines with a GPU.
+// and stores overlap). Exists only in builds with a CUDA toolkit and on machines with a GPU. The data plane reaches
+// it through the engine-memory interface (CudaEngineMemory, cuda_engine_memory.h).
 #pragma once
 
 #include <cstdint>
