@@ -30,6 +30,9 @@
 #include "daemon/server/control_socket.h"
 #include "daemon/server/peer_table.h"
 #include "daemon/sessions/session_registry.h"
+#include "daemon/transfer/cuda/cuda_engine_memory.h"
+#include "daemon/transfer/engine_memory_backends.h"
+#include "daemon/transfer/host/host_backend.h"
 
 namespace flexkv {
 namespace {
@@ -73,9 +76,14 @@ int RunDaemon(const DaemonConfig& config) {
   }
 
   // Parts in construction order; they are torn down in reverse (sessions before the cache they pin).
-  std::unique_ptr<CudaBackend> cuda = CudaBackend::Create(config.load_copy_engine, config.store_copy_engine);
+  // The engine-memory backends, one line each; the data plane picks among them by what they declare.
+  EngineMemoryBackends backends;
+  backends.Add(std::make_unique<HostBackend>(config.copy_threads));
+  if (auto cuda = CudaEngineMemory::Create(config.load_copy_engine, config.store_copy_engine)) backends.Add(std::move(cuda));
   Cache cache(config.pool_bytes, config.pool_path);
-  cache.SetCudaBackend(cuda.get());
+  // The pool announces itself (now when re-attached, or at the first Attach): the backends register it for DMA
+  // before any session can copy, so that registering GPU buffers later is quick.
+  cache.SetPoolListener([&backends](const PoolRegion& pool) { backends.RegisterPool(pool); });
   Status recovered = cache.RecoverPool(config.discard_pool);
   if (!recovered.ok()) {
     log::Error("daemon", "cannot use the pool: {}", recovered.ToString());  // names the code
@@ -94,9 +102,8 @@ int RunDaemon(const DaemonConfig& config) {
   Lifecycle lifecycle;
   DataPlaneOptions dp_options;
   dp_options.spin_ns = static_cast<int64_t>(config.spin_us * 1000);
-  dp_options.copy_threads = config.copy_threads;
   dp_options.poller_cpu = config.poller_cpu;
-  DataPlane data_plane(&cache, &lifecycle, cuda.get(), dp_options);
+  DataPlane data_plane(&cache, &lifecycle, &backends, dp_options);
   SessionRegistry sessions(static_cast<int64_t>(config.attach_timeout_s * 1000));
   sessions.SetChannelOpenCallback(
       [&](uint64_t id, const Geometry& g) { return data_plane.OpenSession(id, g); });
@@ -116,7 +123,7 @@ int RunDaemon(const DaemonConfig& config) {
   ErrorCounts control_errors;
   auto metrics = std::make_shared<DaemonMetrics>(
       MetricsSources{&cache, &data_plane, &sessions, &lifecycle, &control_errors});
-  ControlService control(ControlContext{&cache, &data_plane, cuda.get(), &sessions, &lifecycle, &peers,
+  ControlService control(ControlContext{&cache, &data_plane, &backends, &sessions, &lifecycle, &peers,
                                         config.admin_gid, started_ms, &control_errors, metrics.get()});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

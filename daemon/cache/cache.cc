@@ -64,7 +64,7 @@ Status Cache::RecoverPool(bool discard) {
     return CheckPoolSpace();
   }
   FLEXKV_RETURN_IF_ERROR(domain_.Admit((*pool)->model_namespace(), (*pool)->geometry()));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   uint64_t dropped = 0;
   auto committed = (*pool)->Recover(&dropped);
   auto index = std::make_unique<PrefixIndex>((*pool)->capacity());
@@ -77,18 +77,13 @@ Status Cache::RecoverPool(bool discard) {
   }
   log::Info("cache", "re-attached pool {}: {} committed blocks restored, {} incomplete or orphaned dropped; domain '{}' {}",
             pool_path_, index->committed_blocks(), dropped, (*pool)->model_namespace(), (*pool)->geometry().ToString());
-  pool_ = std::move(*pool);
-  index_ = std::move(index);
-  Pool* p = pool_.get();
-  index_->SetEvictionListener([p](SlotId slot, const BlockKey&) { p->MarkFree(slot); });
-  has_pool_ = true;
-  RegisterForDmaLocked();
+  AdoptPoolLocked(std::move(*pool), std::move(index));
   return Status::Ok();
 }
 
 Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry) {
   FLEXKV_RETURN_IF_ERROR(domain_.Admit(model_namespace, geometry));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (pool_) return Status::Ok();
   return CreatePoolLocked(model_namespace, geometry);
 }
@@ -96,42 +91,64 @@ Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry
 Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry) {
   auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes_);
   if (!pool.ok()) return pool.status();
-  pool_ = std::move(*pool);
-  index_ = std::make_unique<PrefixIndex>(pool_->capacity());
+  auto index = std::make_unique<PrefixIndex>((*pool)->capacity());
+  AdoptPoolLocked(std::move(*pool), std::move(index));
+  return Status::Ok();
+}
+
+void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index) {
+  pool_ = std::move(pool);
+  index_ = std::move(index);
   Pool* p = pool_.get();
   index_->SetEvictionListener([p](SlotId slot, const BlockKey&) { p->MarkFree(slot); });
-  has_pool_ = true;
-  RegisterForDmaLocked();
-  return Status::Ok();
+  has_pool_.store(true, std::memory_order_release);
+  if (pool_listener_) pool_listener_(RegionLocked());
+}
+
+PoolRegion Cache::RegionLocked() const {
+  return PoolRegion{pool_->SlotData(0), uint64_t{pool_->capacity()} * pool_->block_bytes(), pool_->block_bytes(),
+                    pool_->capacity()};
+}
+
+std::optional<PoolRegion> Cache::pool_region() const {
+  MutexLock lock(&mu_);
+  if (!pool_) return std::nullopt;
+  return RegionLocked();
+}
+
+void Cache::SetPoolListener(std::function<void(const PoolRegion&)> listener) {
+  MutexLock lock(&mu_);
+  pool_listener_ = std::move(listener);
+  if (pool_ && pool_listener_) pool_listener_(RegionLocked());
 }
 
 bool Cache::has_pool() const { return has_pool_.load(std::memory_order_acquire); }
 
 uint64_t Cache::block_bytes() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return pool_ ? pool_->block_bytes() : 0;
 }
 
 uint8_t* Cache::SlotData(SlotId slot) const { return pool_->SlotData(slot); }
 
 size_t Cache::Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (!index_) return 0;
   return index_->Match(keys, pin, pinned);
 }
 
 void Cache::Unpin(std::span<const SlotId> slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   index_->Unpin(slots);
 }
 
 PrefixIndex::Reservation Cache::Reserve(std::span<const BlockKey> keys) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return index_->Reserve(keys);
 }
 
 void Cache::Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (size_t i = 0; i < slots.size(); ++i) {
     const size_t k = first + i;
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? BlockKey{} : keys[k - 1]);
@@ -140,32 +157,12 @@ void Cache::Commit(std::span<const BlockKey> keys, size_t first, std::span<const
 }
 
 void Cache::Abort(std::span<const SlotId> slots) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   index_->Abort(slots);
 }
 
-void Cache::RegisterForDmaLocked() {
-  if (dma_tried_ || cuda_ == nullptr || !pool_) return;
-  dma_tried_ = true;
-  dma_status_ = cuda_->RegisterPool(pool_->SlotData(0), uint64_t{pool_->capacity()} * pool_->block_bytes(),
-                                    pool_->block_bytes());
-  if (!dma_status_.ok()) {
-    dma_status_ = dma_status_.WithContext(fmt::format(
-        "registering the pool {} for DMA (put --pool-path on /dev/shm or hugetlbfs)", pool_->path()));
-    log::Warning("cache", "{}; GPU sessions will be refused", dma_status_.message());
-  }
-}
-
-Status Cache::RegisterPoolForDma(CudaBackend& cuda) {
-  std::lock_guard lock(mu_);
-  if (!pool_) return Status::FailedPrecondition("the pool does not exist yet");
-  if (cuda_ == nullptr) cuda_ = &cuda;
-  RegisterForDmaLocked();
-  return dma_status_;
-}
-
 Cache::Stats Cache::GetStats() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   Stats s;
   if (!index_) return s;
   s.capacity = index_->capacity();

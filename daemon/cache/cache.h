@@ -1,21 +1,25 @@
-// Cache: the cache domain, the host pool and the prefix index behind one lock, plus the counters of
-// DESIGN §4.2. Thread-safe. The pool is created when the first session fixes the geometry, or re-attached
-// at start when a pool file from an earlier run exists.
+// Cache: the cache domain, the host pool and the prefix index behind one lock, plus the request counters that
+// Status reports. Thread-safe. The pool is created when the first session fixes the geometry, or re-attached
+// at start when a pool file from an earlier run exists; either way it announces itself to the pool listener
+// (the engine-memory backends, which register it for DMA).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "daemon/cache/cache_domain.h"
 #include "daemon/cache/pool.h"
+#include "daemon/cache/pool_region.h"
 #include "daemon/cache/prefix_index.h"
-#include "daemon/transfer/cuda_backend.h"
 
 namespace flexkv {
 
@@ -39,6 +43,8 @@ class Cache {
   bool has_pool() const;
   uint64_t block_bytes() const;
   uint8_t* SlotData(SlotId slot) const;  // has_pool() must hold
+  // Where the pool's slots are; nullopt before the pool exists.
+  std::optional<PoolRegion> pool_region() const;
   CacheDomain::View Domain() const { return domain_.Snapshot(); }
 
   // See PrefixIndex. Keys are the request's; slots and reservations refer to this cache's pool.
@@ -50,11 +56,11 @@ class Cache {
   void Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots);
   void Abort(std::span<const SlotId> slots);
 
-  // With a CUDA backend, the pool is registered for DMA as soon as it exists (created or re-attached), so
-  // that registering GPU buffers later is quick. Call before RecoverPool.
-  void SetCudaBackend(CudaBackend* cuda) { cuda_ = cuda; }
-  // Registers the pool's data for DMA with the CUDA backend (once); the error of the first attempt sticks.
-  Status RegisterPoolForDma(CudaBackend& cuda);
+  // `listener` is told the pool's region once, as soon as the pool exists (created by the first Admit, or
+  // re-attached by RecoverPool): at once when it exists already. It runs under the cache's lock, so that no
+  // session uses the pool before the listener is done with it (e.g. DMA registration); it must not call back
+  // into the cache. One listener; set it before RecoverPool.
+  void SetPoolListener(std::function<void(const PoolRegion&)> listener);
 
   struct Stats {
     uint64_t capacity = 0, used = 0, pinned = 0, blocks = 0, evicted = 0;
@@ -66,21 +72,24 @@ class Cache {
  private:
   // RESOURCE_EXHAUSTED (naming the pool file and what to do) when the pool's filesystem cannot hold the budget.
   Status CheckPoolSpace() const;
-  Status CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry);
+  Status CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Installs `pool` and its index, publishes has_pool_ and tells the listener.
+  void AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  PoolRegion RegionLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint64_t budget_bytes_;
   const std::string pool_path_;
   CacheDomain domain_;
   CacheCounters counters_;
-  mutable std::mutex mu_;
-  std::unique_ptr<Pool> pool_;          // guarded by mu_ (set once)
-  std::unique_ptr<PrefixIndex> index_;  // guarded by mu_
+  mutable Mutex mu_;
+  // Set once, under mu_, before has_pool_ turns true; read without the lock only after has_pool() (SlotData).
+  std::unique_ptr<Pool> pool_;
+  std::unique_ptr<PrefixIndex> index_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> has_pool_{false};
   UniqueFd lock_fd_;
-  CudaBackend* cuda_ = nullptr;
-  Status dma_status_;  // guarded by mu_; the outcome of registering the pool for DMA
-  bool dma_tried_ = false;
-  void RegisterForDmaLocked();
+  std::function<void(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace flexkv

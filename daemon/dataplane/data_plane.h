@@ -1,7 +1,8 @@
-// DataPlane: the hot path. Per session, a sealed memfd with a submit ring, a completion ring and a
-// payload arena (common/ring_layout.h). One poller thread reads every active submit ring, spinning for a
-// short window after activity and parking on the sessions' doorbell eventfds when idle. Match and Release
-// are answered on the poller; Load and Store copies run on a worker pool. Thread-safe.
+// DataPlane: the hot path's session table, rings and poller. Per session, a sealed memfd with a submit ring, a
+// completion ring and a payload arena (common/ring_layout.h). One poller thread reads every active submit ring,
+// spinning for a short window after activity and parking on the sessions' doorbell eventfds when idle, and hands
+// each descriptor to the request handlers (request_handlers.h); Load and Store copies run on the engine-memory
+// backends through the copy scheduler (copy_scheduler.h). Every completion is posted through Complete. Thread-safe.
 #pragma once
 
 #include <atomic>
@@ -16,10 +17,12 @@
 #include "common/unique_fd.h"
 #include "daemon/cache/cache.h"
 #include "daemon/lifecycle.h"
+#include "daemon/dataplane/copy_scheduler.h"
+#include "daemon/dataplane/request_handlers.h"
 #include "daemon/metrics/request_metrics.h"
-#include "daemon/transfer/cuda_backend.h"
-#include "daemon/transfer/host_kv.h"
-#include "daemon/transfer/worker_pool.h"
+#include "daemon/tiers/dram/dram_tier.h"
+#include "daemon/transfer/engine_memory_backends.h"
+#include "daemon/transfer/kv_registration.h"
 #include "flexkv/status.h"
 
 namespace flexkv {
@@ -29,30 +32,30 @@ struct DataPlaneOptions {
   uint32_t completion_entries = 1024;
   uint64_t arena_bytes = 8ULL << 20;
   int64_t spin_ns = 50000;      // how long the poller keeps spinning after the last request
-  unsigned copy_threads = 0;    // 0: one per core, at least 2
   int poller_cpu = -1;          // >= 0: pin the ring poller to this CPU (keep engines off it for p99)
   uint32_t max_blocks_per_request = 1u << 20;
 };
 
 class DataPlane {
  public:
-  // `cuda` may be null (no GPU): then only host KV registrations are accepted.
-  DataPlane(Cache* cache, Lifecycle* lifecycle, CudaBackend* cuda, DataPlaneOptions options);
+  // Every pointer outlives the data plane. `backends` serve the sessions' KV registrations (RegisterKv); Loads and
+  // Stores copy between them and the cache's pool.
+  DataPlane(Cache* cache, Lifecycle* lifecycle, EngineMemoryBackends* backends, DataPlaneOptions options);
   ~DataPlane();
   DataPlane(const DataPlane&) = delete;
   DataPlane& operator=(const DataPlane&) = delete;
 
   Status Start();
-  // Stops the poller; in-flight copies finish. Idempotent.
+  // Stops the poller, then waits for the copies in flight to finish (each answers its request). Idempotent.
   void Stop();
 
   // Creates a session's rings. Returns {ring memfd (sealed), doorbell eventfd} to pass to the client.
   Result<std::vector<UniqueFd>> OpenSession(uint64_t session_id, const Geometry& geometry);
-  // Registers host KV buffers for a session (once). Returns the bytes the layout needs.
-  Result<uint64_t> RegisterHostKv(uint64_t session_id, UniqueFd memfd, KvLayout layout, uint32_t num_blocks);
-  // Registers one TP rank's GPU KV buffers for a session (CUDA backend). Each rank once; Load/Store need
-  // every rank of the session's tp_size registered.
-  Status RegisterGpuKv(uint64_t session_id, const GpuKvDescription& description);
+  // Registers a session's KV buffers on the backend that declared the memory kinds they need: whole blocks once,
+  // or each TP rank once on a backend that shards by rank (Load/Store then need every rank of tp_size). Returns
+  // the bytes the layout needs on one rank. Errors: FAILED_PRECONDITION for a session without rings or memory
+  // no backend serves; see SessionKv::Register for the rest.
+  Result<uint64_t> RegisterKv(uint64_t session_id, KvRegistration registration);
   // The session is gone: its pins are released (after any load still copying from them), its stores in
   // flight are aborted when their copy ends, its rings are unmapped. Returns at once.
   void EndSession(uint64_t session_id);
@@ -71,36 +74,22 @@ class DataPlane {
 
  private:
   struct Session;
-  struct Request;
   void PollerLoop();
   bool PollSession(const std::shared_ptr<Session>& s);
   // `taken_ns` (monotonic): when the poller took `d` off the submit ring; the request's times count from it.
   void Process(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, int64_t taken_ns);
-  void StartLoad(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, int64_t taken_ns,
-                 std::vector<uint32_t> ids);
-  void StartStore(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, int64_t taken_ns,
-                  std::vector<BlockKey> keys, std::vector<uint32_t> ids);
-  // Copies `count` blocks between the session's KV buffers (host or every GPU rank) and pool slots on the
-  // copy workers; `layer_done` (layer-wise loads) and then `done` run once. `done` gets when the copy started
-  // (monotonic ns): when the first worker began it, or, on the CUDA backend, when it was handed over.
-  void RunCopies(const std::shared_ptr<Session>& s, bool to_host, std::shared_ptr<std::vector<uint32_t>> kv_blocks,
-                 std::shared_ptr<std::vector<SlotId>> slots, std::function<void(uint32_t)> layer_done,
-                 std::function<void(Status, int64_t copy_start_ns)> done);
+  // Posts `c` to the session's completion ring (or its overflow queue); dropped once the session ended. The only
+  // way completions reach a ring: the request handlers post through RequestSession::Post, which calls this.
   void Complete(Session& s, CompletionDescriptor c);
   void Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status);
-  // Records the copy of a load or store that ends now: its wait and transfer time.
-  void RecordCopy(OpKind op, int64_t taken_ns, int64_t copy_start_ns);
-  // Records a request whose final completion is about to be posted: its end-to-end time, and its error.
-  // Called before posting, so a client that has seen the completion also sees it counted.
-  void RecordEnd(uint16_t opcode, int64_t taken_ns, int32_t status_code);
   bool FlushOverflow(Session& s);
-  void ReleaseHandleLocked(Session& s, uint64_t handle);
 
-  Cache* const cache_;
-  Lifecycle* const lifecycle_;
-  CudaBackend* const cuda_;
+  EngineMemoryBackends* const backends_;
   const DataPlaneOptions options_;
-  std::unique_ptr<WorkerPool> workers_;
+  RequestMetrics metrics_;
+  DramTier dram_;
+  CopyScheduler copies_;  // after dram_: waits for the copies in flight when it goes
+  RequestHandlers handlers_;
 
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // guarded by mu_
@@ -109,7 +98,6 @@ class DataPlane {
   UniqueFd wake_fd_;
   std::atomic<bool> stopping_{false};
   std::thread poller_;
-  RequestMetrics metrics_;
   std::atomic<int64_t> last_turn_ms_{0};
 };
 

@@ -117,12 +117,10 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   counters->set_bytes_loaded(c.bytes_loaded.load());
   counters->set_bytes_stored(c.bytes_stored.load());
   counters->set_errors(errors() + ctx_.data_plane->errors());
-  auto* host = response->add_backends();
-  host->set_name("host");
-  if (ctx_.cuda != nullptr) {
-    auto* cuda = response->add_backends();
-    cuda->set_name("cuda");
-    for (const std::string& uuid : ctx_.cuda->DeviceUuids()) cuda->add_devices(uuid);
+  for (const EngineMemoryBackend* backend : ctx_.backends->List()) {
+    auto* out = response->add_backends();
+    out->set_name(std::string(backend->name()));
+    for (const std::string& device : backend->devices()) out->add_devices(device);
   }
   response->set_model_namespace(view.model_namespace);
   if (view.geometry) ToProto(*view.geometry, response->mutable_geometry());
@@ -242,20 +240,20 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
       d.regions.push_back(std::move(region));
     }
     d.vmm_fds = std::move(vmm_fds);
-    Status registered = ctx_.data_plane->RegisterGpuKv(request->session_id(), d);
-    if (!registered.ok()) {
-      log::Warning("control", "RegisterKv (cuda) of session {} refused: {}", request->session_id(), registered.ToString());
-      return Answer(registered);
+    auto bytes = ctx_.data_plane->RegisterKv(request->session_id(), KvRegistration{std::move(d)});
+    if (!bytes.ok()) {
+      log::Warning("control", "RegisterKv (cuda) of session {} refused: {}", request->session_id(), bytes.status().ToString());
+      return Answer(bytes.status());
     }
-    const Geometry g = ctx_.cache->Domain().geometry.value_or(Geometry{});
-    response->set_bytes_required(uint64_t{request->num_blocks()} * g.num_layers * g.kv_planes * g.chunk_bytes_per_rank());
+    response->set_bytes_required(*bytes);
     return grpc::Status::OK;
   }
   if (request->memory_case() != v1::RegisterKvRequest::kHost) {
     return Answer(Status::InvalidArgument(
         "memory is missing; expected host (a memfd offered on the session channel) or cuda (IPC handles or VMM fds)"));
   }
-  auto bytes = ctx_.data_plane->RegisterHostKv(request->session_id(), std::move(*host_fd), layout, request->num_blocks());
+  auto bytes = ctx_.data_plane->RegisterKv(
+      request->session_id(), KvRegistration{HostKvMemory{std::move(*host_fd), layout, request->num_blocks()}});
   if (!bytes.ok()) return Answer(bytes.status());
   response->set_bytes_required(*bytes);
   return grpc::Status::OK;

@@ -17,6 +17,7 @@
 #include "daemon/metrics/request_metrics.h"
 #include "daemon/server/peer_table.h"
 #include "daemon/sessions/session_registry.h"
+#include "daemon/transfer/engine_memory_backends.h"
 #include "flexkv/v1/control.grpc.pb.h"
 
 namespace flexkv {
@@ -25,7 +26,7 @@ namespace flexkv {
 struct ControlContext {
   Cache* cache;
   DataPlane* data_plane;
-  CudaBackend* cuda;  // null without GPU
+  const EngineMemoryBackends* backends;  // what Status lists
   SessionRegistry* sessions;
   Lifecycle* lifecycle;
   PeerTable* peers;

@@ -6,7 +6,7 @@
 // requests in flight leak no pin, slot or request.
 //
 // Client and daemon map the rings and the KV memfd at different addresses, as two processes would, so TSan checks
-// the daemon's own threads (poller, copy workers, EndSession, RegisterHostKv, StatsOf) against each other, not the
+// the daemon's own threads (poller, copy workers, EndSession, RegisterKv, StatsOf) against each other, not the
 // ring protocol across the shared mapping.
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -36,7 +36,9 @@
 #include "daemon/cache/cache.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
-#include "daemon/transfer/host_kv.h"
+#include "daemon/transfer/engine_memory_backends.h"
+#include "daemon/transfer/host/host_backend.h"
+#include "daemon/transfer/host/host_kv.h"
 #include "flexkv/block_key.h"
 #include "flexkv/client.h"
 
@@ -122,7 +124,9 @@ class InProcessDaemon {
   explicit InProcessDaemon(uint64_t pool_bytes)
       : dir_(MakeDir()),
         cache_(pool_bytes, dir_ + "/pool"),
-        data_plane_(&cache_, &lifecycle_, /*cuda=*/nullptr, Options()) {
+        backends_(HostOnly()),
+        data_plane_(&cache_, &lifecycle_, backends_.get(), Options()) {
+    cache_.SetPoolListener([this](const flexkv::PoolRegion& pool) { backends_->RegisterPool(pool); });
     REQUIRE(cache_.RecoverPool(/*discard=*/false).ok());
     REQUIRE(cache_.Admit(kNamespace, SmallGeometry()).ok());
     REQUIRE(data_plane_.Start().ok());
@@ -145,8 +149,12 @@ class InProcessDaemon {
     o.submit_entries = 64;
     o.completion_entries = 64;
     o.arena_bytes = 64 << 10;
-    o.copy_threads = 2;
     return o;
+  }
+  static std::unique_ptr<flexkv::EngineMemoryBackends> HostOnly() {
+    auto backends = std::make_unique<flexkv::EngineMemoryBackends>();
+    backends->Add(std::make_unique<flexkv::HostBackend>(/*copy_threads=*/2));
+    return backends;
   }
   static std::string MakeDir() {
     std::string tmpl = (std::filesystem::exists("/dev/shm") ? "/dev/shm" : "/tmp") + std::string("/flexkv-dp-XXXXXX");
@@ -157,6 +165,7 @@ class InProcessDaemon {
   const std::string dir_;
   flexkv::Cache cache_;
   flexkv::Lifecycle lifecycle_;
+  std::unique_ptr<flexkv::EngineMemoryBackends> backends_;  // outlive the data plane, which waits for their copies
   flexkv::DataPlane data_plane_;  // last: stopped before the cache goes
 };
 
@@ -195,7 +204,7 @@ class TestSession {
   // Offers the KV memfd to the daemon (BLOCK_FIRST: block b is contiguous at b * BlockBytes()).
   flexkv::Status RegisterKv() {
     UniqueFd dup(fcntl(kv_memfd_.get(), F_DUPFD_CLOEXEC, 0));
-    auto r = dp_.RegisterHostKv(id_, std::move(dup), flexkv::KvLayout::kBlockFirst, kKvBlocks);
+    auto r = dp_.RegisterKv(id_, {flexkv::HostKvMemory{std::move(dup), flexkv::KvLayout::kBlockFirst, kKvBlocks}});
     return r.status();
   }
   // What the session registry does when a session ends: the data plane lets it go, the channel closes.

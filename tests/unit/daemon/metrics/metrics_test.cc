@@ -214,7 +214,8 @@ TEST_CASE("metrics listen address: a bad value names the flag, the value and the
 TEST_CASE("docs/operations.md lists exactly the metrics flexkvd exports, with their types", "[unit]") {
   flexkv::Cache cache(64 << 20, "/nonexistent/pool");
   flexkv::Lifecycle lifecycle;
-  flexkv::DataPlane data_plane(&cache, &lifecycle, nullptr, {});
+  flexkv::EngineMemoryBackends backends;
+  flexkv::DataPlane data_plane(&cache, &lifecycle, &backends, {});
   flexkv::SessionRegistry sessions(1000);
   ErrorCounts control_errors;
   flexkv::DaemonMetrics metrics({&cache, &data_plane, &sessions, &lifecycle, &control_errors});

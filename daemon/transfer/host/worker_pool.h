@@ -4,9 +4,11 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 
 namespace flexkv {
 
@@ -22,10 +24,12 @@ class WorkerPool {
   unsigned size() const { return static_cast<unsigned>(threads_.size()); }
 
  private:
-  std::mutex mu_;
+  void Run();
+
+  Mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;  // guarded by mu_
-  bool stopping_ = false;                    // guarded by mu_
+  std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
 

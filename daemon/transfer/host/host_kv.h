@@ -1,5 +1,5 @@
-// HostKv: an engine's KV buffers in host memory shared with the daemon (the host backend), and the
-// copies between one of its blocks and a pool slot. The pool stores a block BLOCKFIRST and contiguous:
+// HostKv: an engine's KV buffers in host memory shared with the daemon (opened by the host backend,
+// host_backend.h), and the copies between one of its blocks and a pool slot. The pool stores a block BLOCKFIRST and contiguous:
 // [layer][plane][chunk].
 #pragma once
 
@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "common/unique_fd.h"
+#include "daemon/transfer/engine_memory.h"
 #include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
@@ -15,17 +16,18 @@ namespace flexkv {
 // Bytes `layout` needs for `num_blocks` blocks of `g` on one TP rank.
 uint64_t KvBytesRequired(const Geometry& g, uint32_t num_blocks);
 
-class HostKv {
+class HostKv final : public EngineKv {
  public:
   // Maps a client's memfd. Refuses (INVALID_ARGUMENT / FAILED_PRECONDITION, naming what is wrong) a memfd
   // that is not sealed against shrinking, is smaller than the layout needs, or a geometry this backend
   // cannot serve (TP > 1 for K/V: per-rank shards arrive with the CUDA backend).
   static Result<std::shared_ptr<HostKv>> Map(UniqueFd memfd, const Geometry& g, KvLayout layout, uint32_t num_blocks);
-  ~HostKv();
+  ~HostKv() override;
   HostKv(const HostKv&) = delete;
   HostKv& operator=(const HostKv&) = delete;
 
-  uint32_t num_blocks() const { return num_blocks_; }
+  uint32_t num_blocks() const override { return num_blocks_; }
+  uint32_t tp_rank() const override { return 0; }  // whole blocks
   // Copies block `block` (< num_blocks) into / out of a pool slot of host_block_bytes().
   void CopyToSlot(uint32_t block, uint8_t* slot) const;
   void CopyFromSlot(const uint8_t* slot, uint32_t block) const;

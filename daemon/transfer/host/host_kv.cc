@@ -1,5 +1,5 @@
 // See host_kv.h.
-#include "daemon/transfer/host_kv.h"
+#include "daemon/transfer/host/host_kv.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>

@@ -1,45 +1,21 @@
 // CudaBackend: the daemon side of GPU KV caches. Opens engines' GPU buffers from CUDA IPC handles, maps
 // each GPU by UUID (never by an index that depends on CUDA_VISIBLE_DEVICES), registers the host pool for
 // DMA, and runs gather/scatter copies on one load and one store worker per GPU (separate streams, so loads
-// and stores overlap). Exists only in builds with a CUDA toolkit and on machines with a GPU.
+// and stores overlap). Exists only in builds with a CUDA toolkit and on machines with a GPU. The data plane reaches
+// it through the engine-memory interface (CudaEngineMemory, cuda_engine_memory.h).
 #pragma once
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "common/unique_fd.h"
+#include "daemon/transfer/kv_registration.h"
 #include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
 namespace flexkv {
-
-// One TP rank's GPU KV buffers as a client described them. A region is either cudaMalloc memory named by a
-// CUDA IPC handle, or cuMem/VMM memory: physical allocations (shareable fds the client offered) that the
-// daemon maps back to back.
-struct GpuKvVmmAllocation {
-  uint32_t fd_tag = 0;  // key into GpuKvDescription::vmm_fds
-  uint64_t bytes = 0;   // the allocation's whole size
-};
-struct GpuKvRegion {
-  std::string ipc_handle;  // cudaIpcMemHandle_t, 64 bytes; empty for a VMM region
-  uint64_t offset = 0;     // of the region inside the allocation the handle names (VMM: the first allocation)
-  uint64_t bytes = 0;
-  std::vector<GpuKvVmmAllocation> vmm_allocations;  // VMM only, in address order
-};
-struct GpuKvDescription {
-  std::string gpu_uuid;              // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
-  KvLayout layout = KvLayout::kLayerFirst;
-  uint32_t num_blocks = 0;
-  uint32_t tp_rank = 0;
-  std::vector<GpuKvRegion> regions;  // LAYER_FIRST: one per layer; otherwise one
-  // The fds of the VMM allocations, by tag (taken from the session's offered fds). Open imports each once;
-  // they are closed when the description goes.
-  std::map<uint32_t, std::shared_ptr<UniqueFd>> vmm_fds;
-};
 
 class GpuKv;  // an opened registration; closes its IPC / VMM mappings when the last copy using it is done
 

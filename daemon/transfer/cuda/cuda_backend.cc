@@ -1,5 +1,5 @@
 // CUDA backend; see cuda_backend.h. Everything below the #if needs a CUDA toolkit.
-#include "daemon/transfer/cuda_backend.h"
+#include "daemon/transfer/cuda/cuda_backend.h"
 
 #include "common/log.h"
 

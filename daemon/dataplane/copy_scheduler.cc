@@ -1,0 +1,112 @@
+// See copy_scheduler.h.
+#include "daemon/dataplane/copy_scheduler.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "common/clock.h"
+
+namespace flexkv {
+namespace {
+
+// The parts of one request in flight.
+struct FanIn {
+  Mutex mu;
+  uint32_t parts_left ABSL_GUARDED_BY(mu) = 0;
+  Status first_error ABSL_GUARDED_BY(mu);
+  int64_t start_ns ABSL_GUARDED_BY(mu) = std::numeric_limits<int64_t>::max();
+  std::vector<uint32_t> layer_parts_left ABSL_GUARDED_BY(mu);  // per layer: parts that have not reported it
+};
+
+}  // namespace
+
+CopyScheduler::~CopyScheduler() { WaitIdle(); }
+
+void CopyScheduler::Submit(CopyRequest request) {
+  {
+    MutexLock lock(&mu_);
+    ++in_flight_;
+  }
+  auto done = [this, done = std::move(request.done)](Status st, int64_t start_ns) {
+    done(std::move(st), start_ns);
+    Finished();
+  };
+  if (request.backend == nullptr || request.targets.empty()) {
+    return done(Status::FailedPrecondition("no KV buffers registered (RegisterKv)"), NowNs());
+  }
+  const EngineMemoryCapabilities& caps = request.backend->capabilities();
+  const std::optional<PoolRegion> pool = tier0_->region();
+  Status refused;
+  if (!caps.Copies(request.direction)) {
+    refused = Status::FailedPrecondition(fmt::format("the {} backend does not copy {}; it did not declare it",
+                                                     request.backend->name(), CopyDirectionName(request.direction)));
+  } else if (!pool) {
+    refused = Status::FailedPrecondition("the pool does not exist yet");
+  }
+  if (!refused.ok()) return done(refused, NowNs());
+
+  const bool per_layer = request.layer_done && caps.layerwise;
+  auto fan = std::make_shared<FanIn>();
+  {
+    MutexLock lock(&fan->mu);
+    fan->parts_left = static_cast<uint32_t>(request.targets.size());
+    if (per_layer) fan->layer_parts_left.assign(request.num_layers, fan->parts_left);
+  }
+  // Without layer-wise copies from the backend, a layer-wise load reports every layer once the bytes are in place.
+  auto finish = [fan, done, layer_done = per_layer ? nullptr : request.layer_done,
+                 num_layers = request.num_layers](Status st, int64_t start_ns) {
+    Status result;
+    int64_t start;
+    {
+      MutexLock lock(&fan->mu);
+      if (!st.ok() && fan->first_error.ok()) fan->first_error = st;
+      fan->start_ns = std::min(fan->start_ns, start_ns);
+      if (--fan->parts_left != 0) return;
+      result = fan->first_error;
+      start = fan->start_ns;
+    }
+    if (result.ok() && layer_done) {
+      for (uint32_t l = 0; l < num_layers; ++l) layer_done(l);
+    }
+    done(result, start);
+  };
+  for (const std::shared_ptr<EngineKv>& target : request.targets) {
+    CopyJob job;
+    job.kv = target;
+    job.direction = request.direction;
+    job.engine_blocks = request.engine_blocks;
+    job.slots = request.slots;
+    job.pool = *pool;
+    if (per_layer) {
+      job.on_layer = [fan, layer_done = request.layer_done](uint32_t layer) {
+        bool all;
+        {
+          MutexLock lock(&fan->mu);
+          all = layer < fan->layer_parts_left.size() && --fan->layer_parts_left[layer] == 0;
+        }
+        if (all) layer_done(layer);
+      };
+    }
+    job.done = finish;
+    request.backend->Copy(std::move(job));
+  }
+}
+
+void CopyScheduler::Finished() {
+  MutexLock lock(&mu_);
+  if (--in_flight_ == 0) idle_.notify_all();
+}
+
+void CopyScheduler::WaitIdle() {
+  MutexLock lock(&mu_);
+  while (in_flight_ != 0) mu_.Wait(&idle_);
+}
+
+uint64_t CopyScheduler::in_flight() const {
+  MutexLock lock(&mu_);
+  return in_flight_;
+}
+
+}  // namespace flexkv

@@ -1,0 +1,59 @@
+// CopyScheduler: runs one request's block copies between engine memory and DRAM-pool slots (tier 0). It fans
+// the copy out over the session's registrations (one, or one per TP rank) on their backend, gathers the parts
+// into one `done` with the first error, reports layer progress for layer-wise loads (per layer once every part
+// has it; all layers at the end on a backend that did not declare layer-wise copies), and says when the copy
+// began, for the wait/transfer metrics. Thread-safe.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
+#include "daemon/tiers/dram/dram_tier.h"
+#include "daemon/transfer/engine_memory.h"
+
+namespace flexkv {
+
+struct CopyRequest {
+  EngineMemoryBackend* backend = nullptr;        // opened every target
+  std::vector<std::shared_ptr<EngineKv>> targets;  // each gets every block (TP ranks copy their shards)
+  CopyDirection direction = CopyDirection::kToPool;
+  std::shared_ptr<const std::vector<uint32_t>> engine_blocks;
+  std::shared_ptr<const std::vector<SlotId>> slots;  // same length as engine_blocks
+  uint32_t num_layers = 0;
+  // Optional (layer-wise loads): once per layer, in any order, before `done`, only for layers every target copied.
+  std::function<void(uint32_t layer)> layer_done;
+  // Once, after every target finished: OK or the first error, and when the earliest part began (monotonic ns).
+  std::function<void(Status, int64_t copy_start_ns)> done;
+};
+
+class CopyScheduler {
+ public:
+  // `tier0` outlives the scheduler.
+  explicit CopyScheduler(const DramTier* tier0) : tier0_(tier0) {}
+  // Waits for the copies in flight (WaitIdle).
+  ~CopyScheduler();
+  CopyScheduler(const CopyScheduler&) = delete;
+  CopyScheduler& operator=(const CopyScheduler&) = delete;
+
+  // Starts `request`. Refused through `done` at once (FAILED_PRECONDITION) when the backend did not declare the
+  // direction, there are no targets, or the pool does not exist.
+  void Submit(CopyRequest request);
+  // Returns once every submitted copy has called its `done`.
+  void WaitIdle();
+  uint64_t in_flight() const;
+
+ private:
+  void Finished();
+
+  const DramTier* const tier0_;
+  mutable Mutex mu_;
+  uint64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  std::condition_variable idle_;  // notified when in_flight_ drops to 0
+};
+
+}  // namespace flexkv

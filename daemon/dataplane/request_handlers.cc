@@ -1,0 +1,207 @@
+// See request_handlers.h.
+#include "daemon/dataplane/request_handlers.h"
+
+#include <fmt/format.h>
+
+#include "common/clock.h"
+#include "daemon/dataplane/descriptor_validation.h"
+
+namespace flexkv {
+
+uint64_t RequestSession::pinned_blocks() const {
+  MutexLock lock(&mu_);
+  return handles_.pinned_blocks();
+}
+
+RequestHandlers::RequestHandlers(Cache* cache, Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
+                                 uint32_t max_blocks_per_request)
+    : cache_(cache),
+      lifecycle_(lifecycle),
+      copies_(copies),
+      metrics_(metrics),
+      max_blocks_per_request_(max_blocks_per_request) {}
+
+void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::span<const uint8_t> arena,
+                             const SubmitDescriptor& d, int64_t taken_ns) {
+  RequestSession& s = *sp;
+  DescriptorLimits limits;
+  limits.max_blocks_per_request = max_blocks_per_request_;
+  std::string kv_missing;
+  const auto op = static_cast<RingOp>(d.opcode);
+  if (op == RingOp::kLoad || op == RingOp::kStore) {
+    limits.registered_blocks = s.kv().RegisteredBlocks(&kv_missing);
+    limits.kv_missing = kv_missing;
+  }
+  Result<DescriptorPayload> payload = ValidateDescriptor(d, arena, limits);
+  if (!payload.ok()) return Fail(s, d, taken_ns, payload.status());
+  if (!cache_->has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
+  switch (op) {
+    case RingOp::kMatch:
+      return Match(s, d, taken_ns, payload->keys);
+    case RingOp::kRelease:
+      return Release(s, d, taken_ns);
+    case RingOp::kLoad:
+      return Load(sp, d, taken_ns, std::move(payload->block_ids));
+    case RingOp::kStore:
+      return Store(sp, d, taken_ns, std::move(payload->keys), std::move(payload->block_ids));
+  }
+}
+
+void RequestHandlers::Fail(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status) {
+  Finish(s, d, taken_ns, CompletionBuilder::Error(d, status));
+}
+
+void RequestHandlers::EndSession(RequestSession& s) {
+  std::vector<SlotId> unpin;
+  {
+    MutexLock lock(&s.mu_);
+    unpin = s.handles_.ReleaseAll();
+  }
+  if (!unpin.empty()) cache_->Unpin(unpin);
+}
+
+void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns,
+                            const std::vector<BlockKey>& keys) {
+  const bool pin = (d.flags & kMatchFlagPin) != 0;
+  std::vector<SlotId> slots;
+  const size_t hit = cache_->Match(keys, pin, pin ? &slots : nullptr);
+  CacheCounters& counters = cache_->counters();
+  counters.match_requests.fetch_add(1, std::memory_order_relaxed);
+  counters.match_blocks.fetch_add(d.count, std::memory_order_relaxed);
+  counters.hit_blocks.fetch_add(hit, std::memory_order_relaxed);
+  CompletionBuilder c(d);
+  c.MatchedBlocks(static_cast<uint32_t>(hit));
+  if (pin && hit > 0) {
+    bool held = false;
+    {
+      MutexLock lock(&s.mu_);
+      // EndSession sets ended() before it releases the table's handles: a handle added after that would leak.
+      if (!s.ended()) {
+        c.MatchHandle(s.handles_.Add(std::move(slots)));
+        held = true;
+      }
+    }
+    if (!held) return cache_->Unpin(slots);  // nobody is left to answer
+  }
+  Finish(s, d, taken_ns, c.descriptor());
+}
+
+void RequestHandlers::Release(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns) {
+  std::vector<SlotId> unpin;
+  Status held;
+  {
+    MutexLock lock(&s.mu_);
+    held = ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
+    if (held.ok()) unpin = s.handles_.Release(d.match_handle);
+  }
+  if (!held.ok()) return Fail(s, d, taken_ns, held);
+  if (!unpin.empty()) cache_->Unpin(unpin);
+  Finish(s, d, taken_ns, CompletionBuilder(d).descriptor());
+}
+
+void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
+                           std::vector<uint32_t> ids) {
+  RequestSession& s = *sp;
+  std::vector<SlotId> slots;
+  Status refused;
+  {
+    // Handle validated the descriptor and its block ids; the handle is looked up here, under the lock that also
+    // takes its slots.
+    MutexLock lock(&s.mu_);
+    refused = ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
+    if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
+    if (refused.ok()) slots = s.handles_.BeginLoad(d.match_handle, d.count);
+  }
+  if (!refused.ok()) return Fail(s, d, taken_ns, refused);
+  CopyRequest copy;
+  copy.direction = CopyDirection::kFromPool;
+  s.kv().FillTargets(&copy);
+  copy.engine_blocks = std::make_shared<const std::vector<uint32_t>>(std::move(ids));
+  copy.slots = std::make_shared<const std::vector<SlotId>>(std::move(slots));
+  copy.num_layers = s.geometry().num_layers;
+  if ((d.flags & kLoadFlagLayerwise) != 0) {
+    copy.layer_done = [sp, d](uint32_t layer) { sp->Post(CompletionBuilder::LayerDone(d, layer)); };
+  }
+  const uint64_t block_bytes = cache_->block_bytes();
+  copy.done = [this, sp, d, block_bytes, taken_ns](Status st, int64_t copy_start_ns) {
+    RecordCopy(OpKind::kLoad, taken_ns, copy_start_ns);
+    CompletionBuilder c(d);
+    if (st.ok()) {
+      c.DoneBlocks(d.count);
+      cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
+      cache_->counters().bytes_loaded.fetch_add(uint64_t{d.count} * block_bytes, std::memory_order_relaxed);
+    } else {
+      c.Status(st);
+    }
+    std::vector<SlotId> unpin;
+    {
+      MutexLock lock(&sp->mu_);
+      unpin = sp->handles_.EndLoad(d.match_handle);
+    }
+    if (!unpin.empty()) cache_->Unpin(unpin);
+    Finish(*sp, d, taken_ns, c.descriptor());
+    lifecycle_->Finish();
+  };
+  copies_->Submit(std::move(copy));
+}
+
+void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
+                            std::vector<BlockKey> keys, std::vector<uint32_t> ids) {
+  RequestSession& s = *sp;  // Handle validated the descriptor and the block ids against the registered blocks
+  if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
+  PrefixIndex::Reservation r = cache_->Reserve(keys);
+  const uint32_t reserved = static_cast<uint32_t>(r.slots.size());
+  CompletionBuilder c(d);
+  c.MatchedBlocks(static_cast<uint32_t>(r.cached)).DoneBlocks(reserved);
+  if (r.shortfall != StatusCode::kOk) {
+    const size_t stopped = r.cached + reserved;
+    c.Status(Status(r.shortfall, r.shortfall == StatusCode::kResourceExhausted
+                                     ? fmt::format("pool full of pinned blocks: stored blocks up to {} of {}", stopped, d.count)
+                                     : fmt::format("block {} is being stored by another request", stopped)));
+  }
+  if (reserved == 0) {
+    lifecycle_->Finish();
+    return Finish(s, d, taken_ns, c.descriptor());
+  }
+  const size_t first = r.cached;
+  CopyRequest copy;
+  copy.direction = CopyDirection::kToPool;
+  s.kv().FillTargets(&copy);
+  copy.engine_blocks = std::make_shared<const std::vector<uint32_t>>(ids.begin() + static_cast<ptrdiff_t>(first),
+                                                                     ids.begin() + static_cast<ptrdiff_t>(first + reserved));
+  auto slots = std::make_shared<const std::vector<SlotId>>(std::move(r.slots));
+  copy.slots = slots;
+  copy.num_layers = s.geometry().num_layers;
+  const uint64_t block_bytes = cache_->block_bytes();
+  copy.done = [this, sp, d, c, keys = std::move(keys), slots, first, block_bytes, taken_ns](
+                  Status st, int64_t copy_start_ns) mutable {
+    RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
+    // Publish after transfer; a failed copy, or a session that ended meanwhile, returns the slots.
+    if (!st.ok() || sp->ended()) {
+      cache_->Abort(*slots);
+      if (!st.ok()) c.Status(st).DoneBlocks(0);
+    } else {
+      cache_->Commit(keys, first, *slots);
+      cache_->counters().store_blocks.fetch_add(slots->size(), std::memory_order_relaxed);
+      cache_->counters().bytes_stored.fetch_add(slots->size() * block_bytes, std::memory_order_relaxed);
+    }
+    Finish(*sp, d, taken_ns, c.descriptor());
+    lifecycle_->Finish();
+  };
+  copies_->Submit(std::move(copy));
+}
+
+void RequestHandlers::Finish(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns,
+                             const CompletionDescriptor& c) {
+  const OpKind op = OpKindOf(d.opcode);
+  if (op != OpKind::kInvalid) metrics_->end_to_end[Index(op)].Observe(NowNs() - taken_ns);
+  if (c.status_code != 0) metrics_->errors[Index(op)].Add(static_cast<StatusCode>(c.status_code));
+  s.Post(c);
+}
+
+void RequestHandlers::RecordCopy(OpKind op, int64_t taken_ns, int64_t copy_start_ns) {
+  metrics_->wait[Index(op)].Observe(copy_start_ns - taken_ns);
+  metrics_->transfer[Index(op)].Observe(NowNs() - copy_start_ns);
+}
+
+}  // namespace flexkv

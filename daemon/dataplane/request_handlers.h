@@ -1,0 +1,88 @@
+// RequestHandlers: what the daemon does with each validated ring request - Match (and pin), Release, Load, Store -
+// against the cache, the session's handle table and KV registrations, and the copy scheduler; every answer is
+// built by CompletionBuilder and posted through the session (RequestSession::Post). The ring side - taking
+// descriptors off the submit ring, posting to the completion ring - is DataPlane's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
+#include "common/ring_layout.h"
+#include "daemon/cache/cache.h"
+#include "daemon/dataplane/completion_builder.h"
+#include "daemon/dataplane/copy_scheduler.h"
+#include "daemon/dataplane/handle_table.h"
+#include "daemon/dataplane/session_kv.h"
+#include "daemon/lifecycle.h"
+#include "daemon/metrics/request_metrics.h"
+#include "flexkv/geometry.h"
+
+namespace flexkv {
+
+// A session as the handlers see it: its handles, its KV registrations, and where its completions go.
+class RequestSession {
+ public:
+  RequestSession(uint64_t id, const Geometry& geometry) : id_(id), geometry_(geometry), kv_(id, geometry) {}
+  virtual ~RequestSession() = default;
+
+  // Posts a completion to the session's client; dropped once the session ended. Thread-safe.
+  virtual void Post(const CompletionDescriptor& completion) = 0;
+  // True once the session ended (EndSession): no more completions, pins go back.
+  virtual bool ended() const = 0;
+
+  uint64_t id() const { return id_; }
+  const Geometry& geometry() const { return geometry_; }
+  SessionKv& kv() { return kv_; }
+  uint64_t pinned_blocks() const;
+
+ private:
+  friend class RequestHandlers;
+  const uint64_t id_;
+  const Geometry geometry_;
+  SessionKv kv_;
+  mutable Mutex mu_;
+  HandleTable handles_ ABSL_GUARDED_BY(mu_);
+};
+
+class RequestHandlers {
+ public:
+  // Every pointer outlives the handlers; `metrics` is where requests' times and errors are counted.
+  RequestHandlers(Cache* cache, Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
+                  uint32_t max_blocks_per_request);
+
+  // Answers `d` (copied off the session's submit ring at `taken_ns`, monotonic; not yet validated; its keys and
+  // block ids are in `arena`, the session's payload arena, which the client may be writing). Match and Release
+  // are answered before it returns; Load and Store once their copy ends, on a copy thread. Ring poller only.
+  void Handle(const std::shared_ptr<RequestSession>& session, std::span<const uint8_t> arena, const SubmitDescriptor& d,
+              int64_t taken_ns);
+  // Answers `d` with `status` (an error).
+  void Fail(RequestSession& session, const SubmitDescriptor& d, int64_t taken_ns, const Status& status);
+  // The session ended (after ended() turned true): its handles go, their pins with them (after any load still
+  // copying from them).
+  void EndSession(RequestSession& session);
+
+ private:
+  void Match(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, const std::vector<BlockKey>& keys);
+  void Release(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns);
+  void Load(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
+            std::vector<uint32_t> ids);
+  void Store(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
+             std::vector<BlockKey> keys, std::vector<uint32_t> ids);
+  // Posts the request's final answer, after counting its end-to-end time and its error (first, so that a client
+  // that has seen the completion also sees it counted).
+  void Finish(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, const CompletionDescriptor& c);
+  // The copy of a load or store ends now: its wait and transfer time.
+  void RecordCopy(OpKind op, int64_t taken_ns, int64_t copy_start_ns);
+
+  Cache* const cache_;
+  Lifecycle* const lifecycle_;
+  CopyScheduler* const copies_;
+  RequestMetrics* const metrics_;
+  const uint32_t max_blocks_per_request_;
+};
+
+}  // namespace flexkv

@@ -1,0 +1,57 @@
+// See dram_tier.h.
+#include "daemon/tiers/dram/dram_tier.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+namespace flexkv {
+
+std::optional<PoolRegion> DramTier::region() const {
+  if (region_known_.load(std::memory_order_acquire)) return known_region_;
+  MutexLock lock(&mu_);
+  if (region_known_.load(std::memory_order_relaxed)) return known_region_;
+  const std::optional<PoolRegion> r = cache_->pool_region();
+  if (!r) return std::nullopt;
+  known_region_ = *r;
+  region_known_.store(true, std::memory_order_release);
+  return known_region_;
+}
+
+uint32_t DramTier::capacity_slots() const {
+  const std::optional<PoolRegion> r = region();
+  return r ? r->slots : 0;
+}
+
+uint64_t DramTier::slot_bytes() const {
+  const std::optional<PoolRegion> r = region();
+  return r ? r->slot_bytes : 0;
+}
+
+Result<PoolRegion> DramTier::Check(SlotId slot, size_t size) const {
+  const std::optional<PoolRegion> r = region();
+  if (!r) return Status::FailedPrecondition("the DRAM pool does not exist yet (the first Attach creates it)");
+  if (slot >= r->slots) {
+    return Status::OutOfRange(fmt::format("slot {} is not below the DRAM pool's {} slots", slot, r->slots));
+  }
+  if (size != r->slot_bytes) {
+    return Status::InvalidArgument(fmt::format("{} bytes for a slot; expected the slot size, {}", size, r->slot_bytes));
+  }
+  return *r;
+}
+
+Status DramTier::ReadSlot(SlotId slot, std::span<uint8_t> bytes) const {
+  Result<PoolRegion> r = Check(slot, bytes.size());
+  if (!r.ok()) return r.status();
+  std::memcpy(bytes.data(), r->SlotData(slot), bytes.size());
+  return Status::Ok();
+}
+
+Status DramTier::WriteSlot(SlotId slot, std::span<const uint8_t> bytes) {
+  Result<PoolRegion> r = Check(slot, bytes.size());
+  if (!r.ok()) return r.status();
+  std::memcpy(r->SlotData(slot), bytes.data(), bytes.size());
+  return Status::Ok();
+}
+
+}  // namespace flexkv

@@ -1,0 +1,63 @@
+// See cuda_engine_memory.h.
+#include "daemon/transfer/cuda/cuda_engine_memory.h"
+
+#include "common/clock.h"
+
+namespace flexkv {
+namespace {
+
+EngineMemoryCapabilities CudaCapabilities() {
+  EngineMemoryCapabilities caps;
+  caps.memory_kinds = {MemoryKind::kCudaIpc, MemoryKind::kCudaVmm};
+  caps.to_pool = true;
+  caps.from_pool = true;
+  caps.layerwise = true;
+  caps.per_tp_rank = true;
+  return caps;
+}
+
+// An opened GPU registration; the GpuKv (and its IPC/VMM mappings) goes with the last copy holding it.
+class CudaKv final : public EngineKv {
+ public:
+  explicit CudaKv(std::shared_ptr<GpuKv> gpu) : gpu_(std::move(gpu)) {}
+  uint32_t num_blocks() const override { return GpuKvNumBlocks(*gpu_); }
+  uint32_t tp_rank() const override { return GpuKvTpRank(*gpu_); }
+  const std::shared_ptr<GpuKv>& gpu() const { return gpu_; }
+
+ private:
+  const std::shared_ptr<GpuKv> gpu_;
+};
+
+}  // namespace
+
+std::unique_ptr<CudaEngineMemory> CudaEngineMemory::Create(bool load_copy_engine, bool store_copy_engine) {
+  std::unique_ptr<CudaBackend> cuda = CudaBackend::Create(load_copy_engine, store_copy_engine);
+  if (cuda == nullptr) return nullptr;
+  return std::make_unique<CudaEngineMemory>(std::move(cuda));
+}
+
+CudaEngineMemory::CudaEngineMemory(std::unique_ptr<CudaBackend> cuda)
+    : capabilities_(CudaCapabilities()), cuda_(std::move(cuda)) {}
+
+Status CudaEngineMemory::RegisterPool(const PoolRegion& pool) {
+  Status registered = cuda_->RegisterPool(pool.base, pool.bytes, pool.slot_bytes);
+  if (registered.ok()) return registered;
+  return registered.WithContext("registering the pool for DMA (put --pool-path on /dev/shm or hugetlbfs)");
+}
+
+Result<std::shared_ptr<EngineKv>> CudaEngineMemory::Open(KvRegistration registration, const Geometry& geometry) {
+  auto* gpu = std::get_if<GpuKvDescription>(&registration.memory);
+  if (gpu == nullptr) return Status::Internal("the cuda backend was handed a registration of another memory kind");
+  auto kv = cuda_->Open(*gpu, geometry);
+  if (!kv.ok()) return kv.status();
+  return std::shared_ptr<EngineKv>(std::make_shared<CudaKv>(std::move(*kv)));
+}
+
+void CudaEngineMemory::Copy(CopyJob job) {
+  const int64_t handed_ns = NowNs();  // the device's own queueing counts as transfer time
+  const auto& kv = static_cast<const CudaKv&>(*job.kv);  // opened by Open above
+  cuda_->Copy(kv.gpu(), job.direction == CopyDirection::kToPool, *job.engine_blocks, *job.slots, std::move(job.on_layer),
+              [done = std::move(job.done), handed_ns](Status st) { done(st, handed_ns); });
+}
+
+}  // namespace flexkv

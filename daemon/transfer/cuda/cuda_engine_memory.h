@@ -1,0 +1,34 @@
+// CudaEngineMemory: the engine-memory backend for KV buffers in GPU memory (CUDA IPC handles, cuMem/VMM fds),
+// over CudaBackend (cuda_backend.h). This file builds with or without a CUDA toolkit; without one, or without a
+// visible GPU, Create returns nullptr and the daemon runs the host backend only.
+#pragma once
+
+#include <memory>
+
+#include "daemon/transfer/cuda/cuda_backend.h"
+#include "daemon/transfer/engine_memory.h"
+
+namespace flexkv {
+
+class CudaEngineMemory final : public EngineMemoryBackend {
+ public:
+  // nullptr when there is no CUDA backend (the reason is logged). The copy-engine flags pick
+  // cudaMemcpyBatchAsync instead of the gather/scatter kernels per direction.
+  static std::unique_ptr<CudaEngineMemory> Create(bool load_copy_engine, bool store_copy_engine);
+  explicit CudaEngineMemory(std::unique_ptr<CudaBackend> cuda);
+
+  std::string_view name() const override { return "cuda"; }
+  const EngineMemoryCapabilities& capabilities() const override { return capabilities_; }
+  std::vector<std::string> devices() const override { return cuda_->DeviceUuids(); }
+  // Registers the pool for DMA on every GPU.
+  Status RegisterPool(const PoolRegion& pool) override;
+  // GpuKvDescription only: one TP rank's buffers.
+  Result<std::shared_ptr<EngineKv>> Open(KvRegistration registration, const Geometry& geometry) override;
+  void Copy(CopyJob job) override;
+
+ private:
+  const EngineMemoryCapabilities capabilities_;
+  const std::unique_ptr<CudaBackend> cuda_;
+};
+
+}  // namespace flexkv

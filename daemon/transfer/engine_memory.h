@@ -1,0 +1,83 @@
+// EngineMemoryBackend: one kind of engine KV memory (host memfds, CUDA IPC/VMM, ...) behind one interface that
+// declares what it serves, as NIXL's backends do. The data plane picks a backend by the memory kinds a
+// registration needs and asks it only for the copy directions it declared. Adding a backend means adding its
+// files and one EngineMemoryBackends::Add line in daemon/daemon.cc; no request handler changes.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "daemon/cache/pool_region.h"
+#include "daemon/transfer/kv_registration.h"
+#include "flexkv/geometry.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+// Store copies engine blocks into pool slots; Load copies pool slots into engine blocks.
+enum class CopyDirection : uint8_t { kToPool, kFromPool };
+const char* CopyDirectionName(CopyDirection direction);
+
+struct EngineMemoryCapabilities {
+  std::vector<MemoryKind> memory_kinds;  // registrations this backend can open
+  bool to_pool = false;                  // copies engine -> pool (Store)
+  bool from_pool = false;                // copies pool -> engine (Load)
+  // Reports each layer of a load as it lands. Without it the copy scheduler reports every layer when the whole
+  // copy is done, so a layer-wise Load still works, only without overlap.
+  bool layerwise = false;
+  // A registration holds one TP rank's shard and a session needs tp_size of them; otherwise one registration
+  // holds whole blocks.
+  bool per_tp_rank = false;
+
+  bool Serves(MemoryKind kind) const;
+  bool Copies(CopyDirection direction) const { return direction == CopyDirection::kToPool ? to_pool : from_pool; }
+};
+
+// A registration a backend opened: a session's KV buffers (or one TP rank's) mapped into the daemon. Shared by
+// the session and every copy using it; the mapping goes when the last holder drops it.
+class EngineKv {
+ public:
+  virtual ~EngineKv() = default;
+  virtual uint32_t num_blocks() const = 0;  // block ids a request may name are below this
+  virtual uint32_t tp_rank() const = 0;     // 0 for whole blocks
+};
+
+// One copy between one registration and pool slots.
+struct CopyJob {
+  std::shared_ptr<EngineKv> kv;  // opened by the backend the job goes to
+  CopyDirection direction = CopyDirection::kToPool;
+  std::shared_ptr<const std::vector<uint32_t>> engine_blocks;  // engine block ids, each < kv->num_blocks()
+  std::shared_ptr<const std::vector<SlotId>> slots;            // pool slots, same length
+  PoolRegion pool;                                             // where the slots' bytes are
+  // Loads of a backend that declared `layerwise` only (else empty): runs once per layer as it lands, before done.
+  std::function<void(uint32_t layer)> on_layer;
+  // Runs exactly once, on a backend thread (or inline when the job is refused at once), after the bytes are in
+  // place or with the error. `copy_start_ns` (monotonic): when the copy began, or was handed to the device.
+  std::function<void(Status, int64_t copy_start_ns)> done;
+};
+
+class EngineMemoryBackend {
+ public:
+  virtual ~EngineMemoryBackend() = default;
+
+  // Short and stable ("host", "cuda"): Status lists it, errors name it.
+  virtual std::string_view name() const = 0;
+  virtual const EngineMemoryCapabilities& capabilities() const = 0;
+  // Devices it copies with (GPU UUIDs); empty for host memory.
+  virtual std::vector<std::string> devices() const { return {}; }
+
+  // The pool exists (created or re-attached): make it reachable by this backend's copies (e.g. register it for
+  // DMA). Called once, before any copy. An error is kept by EngineMemoryBackends and refuses later registrations.
+  virtual Status RegisterPool(const PoolRegion& pool) = 0;
+  // Opens a registration whose memory kinds this backend declared, for a session of `geometry`. Errors name the
+  // field that is wrong and what was expected. Thread-safe.
+  virtual Result<std::shared_ptr<EngineKv>> Open(KvRegistration registration, const Geometry& geometry) = 0;
+  // Runs `job` asynchronously; see CopyJob for the callbacks. Only directions the backend declared. Thread-safe.
+  virtual void Copy(CopyJob job) = 0;
+};
+
+}  // namespace flexkv

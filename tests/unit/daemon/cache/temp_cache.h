@@ -1,0 +1,61 @@
+// TempCache: a Cache on a pool file in a fresh directory (under /dev/shm when there is one), removed at the end.
+// For unit tests of the cache and of what sits on it (DRAM tier, copy scheduler).
+#pragma once
+
+#include <stdlib.h>
+
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "daemon/cache/cache.h"
+
+namespace flexkv::testing {
+
+// 2 layers x K/V x 16 tokens x 1 head x 32 dims x bf16: 4 KiB blocks.
+inline Geometry SmallGeometry() {
+  Geometry g;
+  g.tokens_per_block = 16;
+  g.num_layers = 2;
+  g.kv_planes = 2;
+  g.kv_heads_per_rank = 1;
+  g.head_dim = 32;
+  g.dtype_bytes = 2;
+  g.tp_size = 1;
+  return g;
+}
+
+class TempCache {
+ public:
+  explicit TempCache(uint64_t pool_bytes = 64 * 4096) : dir_(MakeDir()), pool_bytes_(pool_bytes) { Reopen(); }
+  ~TempCache() {
+    cache_.reset();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  TempCache(const TempCache&) = delete;
+  TempCache& operator=(const TempCache&) = delete;
+
+  // A new Cache on the same pool path (what a restarted daemon does); the caller then calls RecoverPool.
+  void Reopen() {
+    cache_.reset();
+    cache_ = std::make_unique<Cache>(pool_bytes_, dir_ + "/pool");
+  }
+  Cache& cache() { return *cache_; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  static std::string MakeDir() {
+    std::string tmpl = (std::filesystem::exists("/dev/shm") ? "/dev/shm" : "/tmp") + std::string("/flexkv-unit-XXXXXX");
+    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
+    return tmpl;
+  }
+
+  const std::string dir_;
+  const uint64_t pool_bytes_;
+  std::unique_ptr<Cache> cache_;
+};
+
+}  // namespace flexkv::testing

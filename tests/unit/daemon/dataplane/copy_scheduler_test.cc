@@ -1,0 +1,201 @@
+// CopyScheduler over a fake backend: fan-out to every target, one done with the first error and the earliest
+// start, layer progress (per layer once every target has it; emulated for backends without layer-wise copies),
+// refusal of a direction the backend did not declare, and WaitIdle.
+#include <catch2/catch.hpp>
+
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "daemon/dataplane/copy_scheduler.h"
+#include "tests/unit/daemon/cache/temp_cache.h"
+#include "tests/unit/daemon/transfer/fake_engine_memory.h"
+
+using flexkv::CopyDirection;
+using flexkv::CopyRequest;
+using flexkv::MemoryKind;
+using flexkv::Status;
+using flexkv::StatusCode;
+using flexkv::testing::Caps;
+using flexkv::testing::FakeEngineMemory;
+using flexkv::testing::FakeKv;
+using flexkv::testing::SmallGeometry;
+using flexkv::testing::TempCache;
+
+namespace {
+
+struct Outcome {
+  int done_calls = 0;
+  Status status;
+  int64_t start_ns = 0;
+  std::vector<uint32_t> layers;
+};
+
+CopyRequest Request(FakeEngineMemory* backend, size_t targets, CopyDirection direction, Outcome* out) {
+  CopyRequest r;
+  r.backend = backend;
+  for (size_t i = 0; i < targets; ++i) r.targets.push_back(std::make_shared<FakeKv>(16, static_cast<uint32_t>(i)));
+  r.direction = direction;
+  r.engine_blocks = std::make_shared<const std::vector<uint32_t>>(std::vector<uint32_t>{3, 4});
+  r.slots = std::make_shared<const std::vector<flexkv::SlotId>>(std::vector<flexkv::SlotId>{10, 11});
+  r.num_layers = 2;
+  r.done = [out](Status st, int64_t start) {
+    ++out->done_calls;
+    out->status = st;
+    out->start_ns = start;
+  };
+  return r;
+}
+
+struct Fixture {
+  Fixture() {
+    REQUIRE(cache.cache().RecoverPool(false).ok());
+    REQUIRE(cache.cache().Admit("ns", SmallGeometry()).ok());
+  }
+  TempCache cache;
+  flexkv::DramTier tier{&cache.cache()};
+};
+
+}  // namespace
+
+TEST_CASE("copy scheduler: every target gets the blocks - done runs once, with the earliest start", "[unit][dataplane]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler(&f.tier);
+  FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
+  Outcome out;
+  scheduler.Submit(Request(&backend, 3, CopyDirection::kToPool, &out));
+  REQUIRE(backend.jobs.size() == 3);
+  for (const auto& job : backend.jobs) {
+    CHECK(job.direction == CopyDirection::kToPool);
+    CHECK(*job.engine_blocks == std::vector<uint32_t>{3, 4});
+    CHECK(job.pool.base == f.cache.cache().SlotData(0));
+    CHECK_FALSE(job.on_layer);  // a store asks for no layer progress
+  }
+  CHECK(scheduler.in_flight() == 1);
+  backend.Finish(1, Status::Ok(), 300);
+  backend.Finish(0, Status::Ok(), 200);
+  CHECK(out.done_calls == 0);
+  backend.Finish(2, Status::Ok(), 250);
+  CHECK(out.done_calls == 1);
+  CHECK(out.status.ok());
+  CHECK(out.start_ns == 200);
+  CHECK(scheduler.in_flight() == 0);
+}
+
+TEST_CASE("copy scheduler: the first error is the answer", "[unit][dataplane]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler(&f.tier);
+  FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
+  Outcome out;
+  scheduler.Submit(Request(&backend, 3, CopyDirection::kFromPool, &out));
+  backend.Finish(0, Status::Ok(), 1);
+  backend.Finish(1, Status::Internal("rank 1 failed"), 1);
+  backend.Finish(2, Status::DataLoss("rank 2 failed"), 1);
+  REQUIRE(out.done_calls == 1);
+  CHECK(out.status.code() == StatusCode::kInternal);
+  CHECK(out.status.message() == "rank 1 failed");
+}
+
+TEST_CASE("copy scheduler: a layer-wise backend's layer is reported once every target has it", "[unit][dataplane]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler(&f.tier);
+  FakeEngineMemory backend("fake", Caps({MemoryKind::kCudaIpc}, /*layerwise=*/true, /*per_tp_rank=*/true));
+  Outcome out;
+  CopyRequest r = Request(&backend, 2, CopyDirection::kFromPool, &out);
+  r.layer_done = [&out](uint32_t layer) { out.layers.push_back(layer); };
+  scheduler.Submit(std::move(r));
+  REQUIRE(backend.jobs.size() == 2);
+  REQUIRE(backend.jobs[0].on_layer);
+  backend.jobs[0].on_layer(0);
+  CHECK(out.layers.empty());
+  backend.jobs[1].on_layer(0);
+  CHECK(out.layers == std::vector<uint32_t>{0});
+  backend.jobs[1].on_layer(1);
+  backend.jobs[0].on_layer(1);
+  CHECK(out.layers == std::vector<uint32_t>{0, 1});
+  backend.jobs[0].done(Status::Ok(), 5);
+  backend.jobs[1].done(Status::Ok(), 6);
+  CHECK(out.done_calls == 1);
+  CHECK(out.layers.size() == 2);
+}
+
+TEST_CASE("copy scheduler: without layer-wise copies every layer is reported when the copy is done, before done",
+          "[unit][dataplane]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler(&f.tier);
+  FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
+  Outcome out;
+  CopyRequest r = Request(&backend, 1, CopyDirection::kFromPool, &out);
+  r.layer_done = [&out](uint32_t layer) {
+    CHECK(out.done_calls == 0);
+    out.layers.push_back(layer);
+  };
+  scheduler.Submit(std::move(r));
+  REQUIRE(backend.jobs.size() == 1);
+  CHECK_FALSE(backend.jobs[0].on_layer);  // never asked of a backend that did not declare it
+  backend.Finish(0, Status::Ok(), 1);
+  CHECK(out.layers == std::vector<uint32_t>{0, 1});
+  CHECK(out.done_calls == 1);
+}
+
+TEST_CASE("copy scheduler: a failed copy reports no emulated layers", "[unit][dataplane]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler(&f.tier);
+  FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
+  Outcome out;
+  CopyRequest r = Request(&backend, 1, CopyDirection::kFromPool, &out);
+  r.layer_done = [&out](uint32_t layer) { out.layers.push_back(layer); };
+  scheduler.Submit(std::move(r));
+  backend.Finish(0, Status::Internal("boom"), 1);
+  CHECK(out.layers.empty());
+  CHECK(out.status.code() == StatusCode::kInternal);
+}
+
+TEST_CASE("copy scheduler: a direction the backend did not declare is refused, and the backend never asked",
+          "[unit][dataplane]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler(&f.tier);
+  auto caps = Caps({MemoryKind::kHostMemfd});
+  caps.from_pool = false;
+  FakeEngineMemory backend("storeonly", caps);
+  Outcome out;
+  scheduler.Submit(Request(&backend, 1, CopyDirection::kFromPool, &out));
+  CHECK(backend.jobs.empty());
+  REQUIRE(out.done_calls == 1);
+  CHECK(out.status.code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(out.status.message(), Catch::Contains("storeonly") && Catch::Contains("did not declare"));
+  CHECK(scheduler.in_flight() == 0);
+}
+
+TEST_CASE("copy scheduler: no targets or no pool is refused through done", "[unit][dataplane]") {
+  FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
+  {
+    Fixture f;
+    flexkv::CopyScheduler scheduler(&f.tier);
+    Outcome out;
+    scheduler.Submit(Request(&backend, 0, CopyDirection::kToPool, &out));
+    CHECK(out.status.code() == StatusCode::kFailedPrecondition);
+    CHECK_THAT(out.status.message(), Catch::Contains("RegisterKv"));
+  }
+  TempCache empty;
+  REQUIRE(empty.cache().RecoverPool(false).ok());
+  flexkv::DramTier tier(&empty.cache());
+  flexkv::CopyScheduler scheduler(&tier);
+  Outcome out;
+  scheduler.Submit(Request(&backend, 1, CopyDirection::kToPool, &out));
+  CHECK(out.status.code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(out.status.message(), Catch::Contains("pool does not exist"));
+}
+
+TEST_CASE("copy scheduler: WaitIdle returns once the copies in flight are done", "[unit][dataplane]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler(&f.tier);
+  FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
+  Outcome out;
+  scheduler.Submit(Request(&backend, 1, CopyDirection::kToPool, &out));
+  std::thread finisher([&] { backend.Finish(0, Status::Ok(), 1); });
+  scheduler.WaitIdle();
+  finisher.join();
+  CHECK(out.done_calls == 1);
+  CHECK(scheduler.in_flight() == 0);
+}

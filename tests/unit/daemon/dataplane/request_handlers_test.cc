@@ -1,0 +1,196 @@
+// RequestHandlers over a fake engine-memory backend and a fake session (no rings, no client): the handlers work
+// with any backend that declared what the registration needs - a Store publishes only after its copy and
+// returns its slots when the copy fails, a layer-wise Load on a backend without layer-wise copies still reports
+// every layer, a Release during a Load unpins when the Load ends, and a Load is refused while draining.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "common/clock.h"
+#include "daemon/dataplane/request_handlers.h"
+#include "daemon/lifecycle.h"
+#include "daemon/tiers/dram/dram_tier.h"
+#include "tests/unit/daemon/cache/temp_cache.h"
+#include "tests/unit/daemon/transfer/fake_engine_memory.h"
+
+using flexkv::BlockKey;
+using flexkv::CompletionDescriptor;
+using flexkv::CopyDirection;
+using flexkv::MemoryKind;
+using flexkv::RingOp;
+using flexkv::Status;
+using flexkv::StatusCode;
+using flexkv::SubmitDescriptor;
+using flexkv::testing::Caps;
+using flexkv::testing::FakeEngineMemory;
+using flexkv::testing::SmallGeometry;
+using flexkv::testing::TempCache;
+
+namespace {
+
+constexpr uint64_t kKeysOffset = 0;
+constexpr uint64_t kIdsOffset = 4096;
+
+// A session whose completions land in a vector; one test thread drives it (the fake backend runs copies only
+// when the test finishes them).
+class FakeSession final : public flexkv::RequestSession {
+ public:
+  FakeSession() : RequestSession(1, SmallGeometry()) {}
+  void Post(const CompletionDescriptor& c) override { posted.push_back(c); }
+  bool ended() const override { return ended_; }
+  std::vector<CompletionDescriptor> posted;
+  bool ended_ = false;
+};
+
+struct Harness {
+  Harness() {
+    REQUIRE(cache.cache().RecoverPool(false).ok());
+    REQUIRE(cache.cache().Admit("ns", SmallGeometry()).ok());
+    auto fake = std::make_unique<FakeEngineMemory>("fake", Caps({MemoryKind::kHostMemfd}));
+    backend = fake.get();
+    backends.Add(std::move(fake));
+    REQUIRE(session->kv().Register(backends, {flexkv::HostKvMemory{{}, flexkv::KvLayout::kBlockFirst, 16}}).ok());
+  }
+
+  // Writes keys and block ids into the arena and submits a descriptor for them.
+  void Submit(RingOp op, uint16_t flags, const std::vector<BlockKey>& keys, const std::vector<uint32_t>& ids,
+              uint64_t handle = 0) {
+    SubmitDescriptor d{};
+    d.user_data = ++next_user_data;
+    d.opcode = static_cast<uint16_t>(op);
+    d.flags = flags;
+    d.count = static_cast<uint32_t>(keys.empty() ? ids.size() : keys.size());
+    d.keys_offset = kKeysOffset;
+    d.block_ids_offset = kIdsOffset;
+    d.match_handle = handle;
+    std::memcpy(arena.data() + kKeysOffset, keys.data(), keys.size() * sizeof(BlockKey));
+    std::memcpy(arena.data() + kIdsOffset, ids.data(), ids.size() * sizeof(uint32_t));
+    handlers.Handle(session, arena, d, flexkv::NowNs());
+  }
+  CompletionDescriptor Last() {
+    REQUIRE_FALSE(session->posted.empty());
+    return session->posted.back();
+  }
+
+  TempCache cache;
+  flexkv::Lifecycle lifecycle;
+  flexkv::DramTier tier{&cache.cache()};
+  flexkv::CopyScheduler copies{&tier};
+  flexkv::RequestMetrics metrics;
+  flexkv::EngineMemoryBackends backends;
+  FakeEngineMemory* backend = nullptr;
+  flexkv::RequestHandlers handlers{&cache.cache(), &lifecycle, &copies, &metrics, 1024};
+  std::shared_ptr<FakeSession> session = std::make_shared<FakeSession>();
+  std::vector<uint8_t> arena = std::vector<uint8_t>(8192);
+  uint64_t next_user_data = 0;
+};
+
+std::vector<BlockKey> Keys(size_t n) {
+  std::vector<BlockKey> keys(n);
+  for (size_t i = 0; i < n; ++i) keys[i] = BlockKey{i + 11, 3};
+  return keys;
+}
+
+}  // namespace
+
+TEST_CASE("request handlers: a Store publishes after its copy, through any backend that declared the memory",
+          "[unit][dataplane]") {
+  Harness h;
+  h.Submit(RingOp::kStore, 0, Keys(3), {5, 6, 7});
+  REQUIRE(h.backend->jobs.size() == 1);
+  CHECK(h.backend->jobs[0].direction == CopyDirection::kToPool);
+  CHECK(*h.backend->jobs[0].engine_blocks == std::vector<uint32_t>{5, 6, 7});
+  CHECK(h.session->posted.empty());  // answered when the copy ends
+  h.Submit(RingOp::kMatch, 0, Keys(3), {});
+  CHECK(h.Last().matched_blocks == 0);  // not visible before its bytes are in
+  h.backend->Finish(0, Status::Ok(), flexkv::NowNs());
+  CHECK(h.Last().status_code == 0);
+  CHECK(h.Last().done_blocks == 3);
+  h.Submit(RingOp::kMatch, 0, Keys(3), {});
+  CHECK(h.Last().matched_blocks == 3);
+  CHECK(h.lifecycle.inflight() == 0);
+}
+
+TEST_CASE("request handlers: a failed Store copy returns its slots and answers the backend's error", "[unit][dataplane]") {
+  Harness h;
+  h.Submit(RingOp::kStore, 0, Keys(2), {1, 2});
+  REQUIRE(h.backend->jobs.size() == 1);
+  h.backend->Finish(0, Status::Internal("DMA went wrong"), flexkv::NowNs());
+  const CompletionDescriptor c = h.Last();
+  CHECK(c.status_code == static_cast<int32_t>(StatusCode::kInternal));
+  CHECK(std::string(c.message) == "DMA went wrong");
+  CHECK(c.done_blocks == 0);
+  CHECK(h.cache.cache().GetStats().used == 0);
+  CHECK(h.metrics.TotalErrors() == 1);
+}
+
+TEST_CASE("request handlers: a layer-wise Load on a backend without layer-wise copies reports every layer, then ends",
+          "[unit][dataplane]") {
+  Harness h;
+  h.Submit(RingOp::kStore, 0, Keys(2), {1, 2});
+  h.backend->Finish(0, Status::Ok(), flexkv::NowNs());
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(2), {});
+  const uint64_t handle = h.Last().match_handle;
+  REQUIRE(handle != 0);
+  h.session->posted.clear();
+  h.Submit(RingOp::kLoad, flexkv::kLoadFlagLayerwise, {}, {8, 9}, handle);
+  REQUIRE(h.backend->jobs.size() == 2);
+  CHECK(h.backend->jobs[1].direction == CopyDirection::kFromPool);
+  h.backend->Finish(1, Status::Ok(), flexkv::NowNs());
+  REQUIRE(h.session->posted.size() == 3);  // layer 0, layer 1, the end
+  CHECK(h.session->posted[0].flags == flexkv::kCompletionFlagLayerDone);
+  CHECK(h.session->posted[1].matched_blocks == 1);
+  CHECK(h.session->posted[2].flags == 0);
+  CHECK(h.session->posted[2].done_blocks == 2);
+}
+
+TEST_CASE("request handlers: a Release during a Load unpins when the Load ends", "[unit][dataplane]") {
+  Harness h;
+  h.Submit(RingOp::kStore, 0, Keys(2), {1, 2});
+  h.backend->Finish(0, Status::Ok(), flexkv::NowNs());
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(2), {});
+  const uint64_t handle = h.Last().match_handle;
+  h.Submit(RingOp::kLoad, 0, {}, {3, 4}, handle);
+  h.Submit(RingOp::kRelease, 0, {}, {}, handle);
+  CHECK(h.Last().status_code == 0);
+  CHECK(h.cache.cache().GetStats().pinned == 2);  // the load still copies from them
+  CHECK(h.session->pinned_blocks() == 2);
+  h.Submit(RingOp::kRelease, 0, {}, {}, handle);
+  CHECK(h.Last().status_code == static_cast<int32_t>(StatusCode::kNotFound));
+  h.backend->Finish(1, Status::Ok(), flexkv::NowNs());
+  CHECK(h.cache.cache().GetStats().pinned == 0);
+  CHECK(h.session->pinned_blocks() == 0);
+}
+
+TEST_CASE("request handlers: a Load while draining is refused and leaves the handle held", "[unit][dataplane]") {
+  Harness h;
+  h.Submit(RingOp::kStore, 0, Keys(1), {1});
+  h.backend->Finish(0, Status::Ok(), flexkv::NowNs());
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(1), {});
+  const uint64_t handle = h.Last().match_handle;
+  h.lifecycle.Drain();
+  h.Submit(RingOp::kLoad, 0, {}, {2}, handle);
+  CHECK(h.Last().status_code == static_cast<int32_t>(StatusCode::kUnavailable));
+  CHECK(h.backend->jobs.size() == 1);  // no copy started
+  h.Submit(RingOp::kRelease, 0, {}, {}, handle);
+  CHECK(h.Last().status_code == 0);
+  CHECK(h.cache.cache().GetStats().pinned == 0);
+}
+
+TEST_CASE("request handlers: the session's end unpins its handles, and a Store finishing after it is not published",
+          "[unit][dataplane]") {
+  Harness h;
+  h.Submit(RingOp::kStore, 0, Keys(1), {1});
+  h.backend->Finish(0, Status::Ok(), flexkv::NowNs());
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(1), {});
+  h.Submit(RingOp::kStore, 0, Keys(3), {1, 2, 3});
+  REQUIRE(h.backend->jobs.size() == 2);
+  h.session->ended_ = true;
+  h.handlers.EndSession(*h.session);
+  CHECK(h.cache.cache().GetStats().pinned == 0);
+  h.backend->Finish(1, Status::Ok(), flexkv::NowNs());
+  CHECK(h.cache.cache().GetStats().blocks == 1);  // the late store's two new blocks were returned
+  CHECK(h.cache.cache().GetStats().used == 1);
+}
