@@ -16,7 +16,6 @@
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
-#include <sys/mman.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -34,11 +33,16 @@
 #include <thread>
 #include <vector>
 
+#include "bench_json.h"
+#include "common/mapped_region.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
 namespace {
 
 namespace kv = flexkv::cuda;
+using flexkv::bench::DumpLine;
+using flexkv::bench::Json;
+using flexkv::bench::Rounded;
 
 [[noreturn]] void Die(const std::string& what) {
   std::fprintf(stderr, "flexkv-bench transfer: %s\n", what.c_str());
@@ -113,10 +117,11 @@ double Median(std::vector<double> v) {
 // The pool: anonymous page-aligned memory, registered for DMA; unmapped and unregistered on destruction.
 class RegisteredPool {
  public:
-  RegisteredPool(uint64_t bytes, uint64_t piece_multiple) : bytes_(bytes) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (p == MAP_FAILED) Die(fmt::format("mmap {} bytes: {}", bytes, std::strerror(errno)));
-    base_ = static_cast<uint8_t*>(p);
+  RegisteredPool(uint64_t bytes, uint64_t piece_multiple) {
+    auto map = flexkv::MappedRegion::Anonymous("the pool", bytes, MAP_POPULATE);
+    if (!map.ok()) Die(map.status().message());
+    map_ = std::move(*map);
+    base_ = map_.bytes();
     const uint64_t piece = std::max<uint64_t>(piece_multiple, kMaxRegister / piece_multiple * piece_multiple);
     for (uint64_t off = 0; off < bytes; off += piece) {
       const uint64_t n = std::min(piece, bytes - off);
@@ -129,15 +134,14 @@ class RegisteredPool {
   }
   ~RegisteredPool() {
     for (uint64_t off : pieces_) (void)cudaHostUnregister(base_ + off);
-    munmap(base_, bytes_);
   }
   RegisteredPool(const RegisteredPool&) = delete;
   RegisteredPool& operator=(const RegisteredPool&) = delete;
   uint8_t* base() const { return base_; }
 
  private:
+  flexkv::MappedRegion map_;  // unregistered (destructor body) before it unmaps
   uint8_t* base_ = nullptr;
-  uint64_t bytes_ = 0;
   std::vector<uint64_t> pieces_;
 };
 
@@ -519,24 +523,28 @@ class Bench {
   uint32_t* slots_dev_ = nullptr;
 };
 
-std::string ShapeJson(const kv::LaunchShape& s) {
-  return fmt::format("{{\"ctas\": {}, \"threads\": {}, \"unroll\": {}, \"warps_per_chunk\": {}, \"bulk_kib\": {}, "
-                     "\"stages\": {}}}",
-                     s.ctas, s.threads, s.unroll, s.warps_per_chunk, s.bulk_kib, s.stages);
+Json ShapeJson(const kv::LaunchShape& s) {
+  return Json{{"ctas", s.ctas},        {"threads", s.threads},   {"unroll", s.unroll},
+              {"warps_per_chunk", s.warps_per_chunk}, {"bulk_kib", s.bulk_kib}, {"stages", s.stages}};
 }
 
-std::string TripleJson(const Triple& t, const Triple& ceil) {
-  return fmt::format("{{\"store_gbps\": {:.2f}, \"load_gbps\": {:.2f}, \"both_gbps\": {:.2f}, \"store_ratio\": {:.3f}, "
-                     "\"load_ratio\": {:.3f}, \"both_ratio\": {:.3f}, \"both_store_half_ms\": {:.3f}, "
-                     "\"both_load_half_ms\": {:.3f}}}",
-                     t.store, t.load, t.both, t.store / ceil.store, t.load / ceil.load, t.both / ceil.both,
-                     t.both_store_ms, t.both_load_ms);
+Json TripleJson(const Triple& t, const Triple& ceil) {
+  return Json{{"store_gbps", Rounded(t.store, 2)},
+              {"load_gbps", Rounded(t.load, 2)},
+              {"both_gbps", Rounded(t.both, 2)},
+              {"store_ratio", Rounded(t.store / ceil.store, 3)},
+              {"load_ratio", Rounded(t.load / ceil.load, 3)},
+              {"both_ratio", Rounded(t.both / ceil.both, 3)},
+              {"both_store_half_ms", Rounded(t.both_store_ms, 3)},
+              {"both_load_half_ms", Rounded(t.both_load_ms, 3)}};
 }
 
-std::string LayerWiseJson(const LayerWise& lw, uint64_t bytes) {
-  return fmt::format("{{\"first_layer_ms\": {:.3f}, \"all_layers_ms\": {:.3f}, \"oneshot_ms\": {:.3f}, "
-                     "\"all_layers_gbps\": {:.2f}, \"throughput_vs_oneshot\": {:.3f}}}",
-                     lw.first_ms, lw.all_ms, lw.oneshot_ms, Gbps(bytes, lw.all_ms), lw.oneshot_ms / lw.all_ms);
+Json LayerWiseJson(const LayerWise& lw, uint64_t bytes) {
+  return Json{{"first_layer_ms", Rounded(lw.first_ms, 3)},
+              {"all_layers_ms", Rounded(lw.all_ms, 3)},
+              {"oneshot_ms", Rounded(lw.oneshot_ms, 3)},
+              {"all_layers_gbps", Rounded(Gbps(bytes, lw.all_ms), 2)},
+              {"throughput_vs_oneshot", Rounded(lw.oneshot_ms / lw.all_ms, 3)}};
 }
 
 }  // namespace
@@ -592,39 +600,54 @@ int RunTransferBench(int argc, char** argv) {
 
   const kv::LaunchShape dg = kv::DefaultLaunchShape(true), ds = kv::DefaultLaunchShape(false);
   if (o.json) {
-    std::string out = fmt::format(
-        "{{\"bench\": \"transfer\", \"device\": \"{}\", \"sms\": {}, \"pci_bus\": \"{:04x}:{:02x}:{:02x}\", "
-        "\"cuda_driver\": {}, \"cuda_runtime\": {}, \"layers\": {}, \"blocks\": {}, \"planes\": 2, \"iters\": {}, "
-        "\"warmup\": {}, \"correctness\": \"ok\", \"default_gather\": {}, \"default_scatter\": {}, \"alt_store_shape\": {}, "
-        "\"alt_load_shape\": {}, \"results\": [",
-        prop.name, prop.multiProcessorCount, prop.pciDomainID, prop.pciBusID, prop.pciDeviceID, driver, runtime,
-        o.layers, o.blocks, o.iters, o.warmup, ShapeJson(dg), ShapeJson(ds), ShapeJson(bench.AltStore()),
-        ShapeJson(bench.AltLoad()));
-    for (size_t i = 0; i < results.size(); ++i) {
-      const auto& r = results[i];
-      out += fmt::format(
-          "{}{{\"chunk_kib\": {}, \"bytes\": {}, \"ceiling\": {{\"store_gbps\": {:.2f}, \"load_gbps\": {:.2f}, "
-          "\"both_gbps\": {:.2f}, \"both_store_half_ms\": {:.3f}, \"both_load_half_ms\": {:.3f}}}, \"kernel\": {}, "
-          "\"copy_engine\": {}, {}\"layerwise_kernel\": {}, \"layerwise_copy_engine\": {}}}",
-          i ? ", " : "", r.chunk_kib, r.bytes, r.ceiling.store, r.ceiling.load, r.ceiling.both,
-          r.ceiling.both_store_ms, r.ceiling.both_load_ms,
-          TripleJson(r.kernel, r.ceiling), TripleJson(r.copy_engine, r.ceiling),
-          r.has_alt ? fmt::format("\"kernel_alt\": {}, ", TripleJson(r.kernel_alt, r.ceiling)) : std::string(),
-          LayerWiseJson(r.lw_kernel, r.bytes),
-          LayerWiseJson(r.lw_copy_engine, r.bytes));
+    Json rows = Json::array();
+    for (const auto& r : results) {
+      Json row{{"chunk_kib", r.chunk_kib},
+               {"bytes", r.bytes},
+               {"ceiling",
+                {{"store_gbps", Rounded(r.ceiling.store, 2)},
+                 {"load_gbps", Rounded(r.ceiling.load, 2)},
+                 {"both_gbps", Rounded(r.ceiling.both, 2)},
+                 {"both_store_half_ms", Rounded(r.ceiling.both_store_ms, 3)},
+                 {"both_load_half_ms", Rounded(r.ceiling.both_load_ms, 3)}}},
+               {"kernel", TripleJson(r.kernel, r.ceiling)},
+               {"copy_engine", TripleJson(r.copy_engine, r.ceiling)}};
+      if (r.has_alt) row["kernel_alt"] = TripleJson(r.kernel_alt, r.ceiling);
+      row["layerwise_kernel"] = LayerWiseJson(r.lw_kernel, r.bytes);
+      row["layerwise_copy_engine"] = LayerWiseJson(r.lw_copy_engine, r.bytes);
+      rows.push_back(std::move(row));
     }
-    out += "], \"sweep\": [";
-    for (size_t i = 0; i < sweep.size(); ++i) {
-      const auto& s = sweep[i];
-      out += fmt::format("{}{{\"chunk_kib\": {}, \"dir\": \"{}\", \"shape\": {}, ", i ? ", " : "", s.chunk_kib, s.dir,
-                         ShapeJson(s.shape));
-      if (s.dir == "both")
-        out += fmt::format("\"load_shape\": {}, \"store_half_ms\": {:.3f}, \"load_half_ms\": {:.3f}, ",
-                           ShapeJson(s.shape2), s.store_ms, s.load_ms);
-      out += fmt::format("\"gbps\": {:.2f}, \"ratio\": {:.3f}}}", s.gbps, s.gbps / s.ceiling);
+    Json swept = Json::array();
+    for (const auto& s : sweep) {
+      Json row{{"chunk_kib", s.chunk_kib}, {"dir", s.dir}, {"shape", ShapeJson(s.shape)}};
+      if (s.dir == "both") {
+        row["load_shape"] = ShapeJson(s.shape2);
+        row["store_half_ms"] = Rounded(s.store_ms, 3);
+        row["load_half_ms"] = Rounded(s.load_ms, 3);
+      }
+      row["gbps"] = Rounded(s.gbps, 2);
+      row["ratio"] = Rounded(s.gbps / s.ceiling, 3);
+      swept.push_back(std::move(row));
     }
-    out += "]}\n";
-    std::fputs(out.c_str(), stdout);
+    const Json report{{"bench", "transfer"},
+                      {"device", prop.name},
+                      {"sms", prop.multiProcessorCount},
+                      {"pci_bus", fmt::format("{:04x}:{:02x}:{:02x}", prop.pciDomainID, prop.pciBusID, prop.pciDeviceID)},
+                      {"cuda_driver", driver},
+                      {"cuda_runtime", runtime},
+                      {"layers", o.layers},
+                      {"blocks", o.blocks},
+                      {"planes", 2},
+                      {"iters", o.iters},
+                      {"warmup", o.warmup},
+                      {"correctness", "ok"},
+                      {"default_gather", ShapeJson(dg)},
+                      {"default_scatter", ShapeJson(ds)},
+                      {"alt_store_shape", ShapeJson(bench.AltStore())},
+                      {"alt_load_shape", ShapeJson(bench.AltLoad())},
+                      {"results", rows},
+                      {"sweep", swept}};
+    std::fputs(DumpLine(report).c_str(), stdout);
     return 0;
   }
 
