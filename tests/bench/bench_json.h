@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -15,6 +16,9 @@ inline double Rounded(double value, int digits) {
   const double scale = std::pow(10.0, digits);
   return std::round(value * scale) / scale;
 }
+
+// `value` rounded to a whole number, printed without a fraction (rates: 123456, not 123456.0).
+inline int64_t Whole(double value) { return std::llround(value); }
 
 // One line; bytes that are not UTF-8 (a path) print as U+FFFD instead of failing the report.
 inline std::string DumpLine(const Json& report) {

@@ -44,6 +44,7 @@ using Clock = std::chrono::steady_clock;
 using flexkv::bench::DumpLine;
 using flexkv::bench::Json;
 using flexkv::bench::Rounded;
+using flexkv::bench::Whole;
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
@@ -325,12 +326,12 @@ int RunIndexBench(int argc, char** argv) {
     Json rows = Json::array();
     for (const IndexResult& r : results) {
       Json row{{"blocks", r.blocks},
-               {"insert_per_s", Rounded(PerS(r.blocks / chain * chain, r.insert_s), 0)},
-               {"match_keys_per_s", Rounded(PerS(r.matched, r.match_s), 0)},
-               {"match_pin_keys_per_s", Rounded(PerS(r.matched_pin, r.match_pin_s), 0)},
-               {"reserve_cached_keys_per_s", Rounded(PerS(r.reserve_cached, r.reserve_cached_s), 0)},
+               {"insert_per_s", Whole(PerS(r.blocks / chain * chain, r.insert_s))},
+               {"match_keys_per_s", Whole(PerS(r.matched, r.match_s))},
+               {"match_pin_keys_per_s", Whole(PerS(r.matched_pin, r.match_pin_s))},
+               {"reserve_cached_keys_per_s", Whole(PerS(r.reserve_cached, r.reserve_cached_s))},
                {"passes", r.passes},
-               {"insert_evict_per_s", Rounded(PerS(r.evict_inserts, r.evict_s), 0)},
+               {"insert_evict_per_s", Whole(PerS(r.evict_inserts, r.evict_s))},
                {"evicted", r.evicted},
                {"bytes_per_block", Rounded(static_cast<double>(r.rss_delta) / static_cast<double>(r.blocks), 1)},
                {"rss_delta_bytes", r.rss_delta}};

@@ -384,7 +384,7 @@ Json RunJson(const RingRun& r) {
   auto path = [](const auto& side) {
     return Json{{"p50_us", Rounded(side.p.p50_us, 3)},   {"p99_us", Rounded(side.p.p99_us, 3)},
                 {"p999_us", Rounded(side.p.p999_us, 3)}, {"mean_us", Rounded(side.p.mean_us, 3)},
-                {"matches_per_s", Rounded(side.per_s, 0)}, {"samples", side.samples}};
+                {"matches_per_s", Whole(side.per_s)}, {"samples", side.samples}};
   };
   return Json{{"ring", path(r.ring)},
               {"grpc", path(r.grpc)},
@@ -476,11 +476,11 @@ int RunRing(RingOptions o) {
       Json runs = Json::array();
       for (const RingRun& s : sweep) {
         runs.push_back({{"clients", s.clients},
-                        {"matches_per_s", Rounded(s.ring.per_s, 0)},
+                        {"matches_per_s", Whole(s.ring.per_s)},
                         {"p50_us", Rounded(s.ring.p.p50_us, 3)},
                         {"p99_us", Rounded(s.ring.p.p99_us, 3)},
                         {"p999_us", Rounded(s.ring.p.p999_us, 3)},
-                        {"grpc_matches_per_s", Rounded(s.grpc.per_s, 0)},
+                        {"grpc_matches_per_s", Whole(s.grpc.per_s)},
                         {"grpc_p50_us", Rounded(s.grpc.p.p50_us, 3)}});
       }
       report["sweep"] = std::move(runs);

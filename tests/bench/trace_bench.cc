@@ -447,7 +447,7 @@ Json RunJson(const TraceRun& r, int clients, const std::string& order, uint64_t 
               {"infinite_cache_bound", Rounded(r.bound.ratio(), 4)},
               {"prefix_index_sim_hit_ratio", Rounded(r.sim.ratio(), 4)},
               {"beats_reference", r.hit_ratio() >= r.reference.ratio()},
-              {"requests_per_s", Rounded(r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0, 0)},
+              {"requests_per_s", Whole(r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0)},
               {"seconds", Rounded(r.seconds, 3)},
               {"blocks_loaded", r.loaded},
               {"blocks_stored", r.stored},
