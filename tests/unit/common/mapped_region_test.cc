@@ -76,7 +76,7 @@ TEST_CASE("assigning over a MappedRegion unmaps what it held", "[unit]") {
   CHECK(IsMapped(first->data()));
 }
 
-TEST_CASE("release() hands the mapping to the caller; Adopt() takes one back", "[unit]") {
+TEST_CASE("release() hands the mapping to the caller and Adopt() takes one back", "[unit]") {
   auto map = MappedRegion::Anonymous("released", 4096);
   REQUIRE(map.ok());
   auto [addr, bytes] = map->release();

@@ -78,7 +78,7 @@ TEST_CASE("a budget below one block is refused", "[unit]") {
   CHECK(pool.status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE("committed slots and their bytes survive a reopen, parents before children; freed ones do not",
+TEST_CASE("committed slots and their bytes survive a reopen, parents before children, freed ones do not",
           "[unit]") {
   TempDir dir;
   const std::string path = dir.path + "/pool";

@@ -119,7 +119,7 @@ TEST_CASE("a misspelt key, a bad value or a missing file is a usage error", "[un
   }
 }
 
-TEST_CASE("a group is resolved by name or numeric gid; an unknown one names the flag", "[unit]") {
+TEST_CASE("a group is resolved by name or numeric gid, an unknown one names the flag", "[unit]") {
   auto numeric = flexkv::ResolveGroup("--socket-group", "1234");
   REQUIRE(numeric.ok());
   CHECK(*numeric == 1234);

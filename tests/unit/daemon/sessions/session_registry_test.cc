@@ -73,7 +73,7 @@ std::span<const uint8_t> TokenOf(const SessionRegistry::Grant& g) { return g.tok
 
 }  // namespace
 
-TEST_CASE("a session is reached only with its token; an admin may close any", "[unit]") {
+TEST_CASE("a session is reached only with its token, an admin may close any", "[unit]") {
   SessionRegistry reg(60000);
   Ends ends;
   reg.SetEndCallback([&](uint64_t id, const std::string& why) { ends.Record(id, why); });
