@@ -72,7 +72,7 @@ ChildProcess::ChildProcess(ChildProcess&& other) noexcept
 
 namespace {
 
-// Sanitizer builds (issue 6): a report in a child's stderr (the daemon, a test client, flexkvctl) fails the test
+// Sanitizer builds: a report in a child's stderr (the daemon, a test client, flexkvctl) fails the test
 // run, whether or not the test looked at the child's exit status. Every sanitizer's report has "<Name>Sanitizer:"
 // in its first or SUMMARY line ("ERROR: AddressSanitizer:", "ERROR: LeakSanitizer:", "WARNING: ThreadSanitizer:",
 // "SUMMARY: UndefinedBehaviorSanitizer:"). Called from a destructor, so it cannot throw: prints and exits.

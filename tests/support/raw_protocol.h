@@ -27,8 +27,8 @@ RawGrant RawAttach(flexkv::v1::Control::Stub& stub, const std::string& client_na
                    const Geometry& geometry);
 
 // Connects to `socket` as a session channel (5 s receive timeout) and sends the hello for (session_id, token);
-// returns the reply (message NUL-terminated) and stores the channel and the fds that rode on the reply. The reply is
-// zeroed (status 0 is not possible then: its magic is empty) when none arrived.
+// returns the reply (message NUL-terminated) and stores the channel and the fds that rode on the reply. When no
+// reply arrived it is all zeros, so check its magic before its status_code.
 SessionHelloReply RawHello(const std::string& socket, uint64_t session_id, const std::string& token, UniqueFd* channel,
                            std::vector<UniqueFd>* fds);
 
