@@ -20,14 +20,14 @@ void Lifecycle::Set(ServingState next) {
 }
 
 ServingState Lifecycle::Drain() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (state() == ServingState::kServing) Set(ServingState::kDraining);
   MaybeDrained();
   return state();
 }
 
 ServingState Lifecycle::Resume() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   Set(ServingState::kServing);
   return state();
 }
@@ -43,7 +43,7 @@ bool Lifecycle::TryBegin() {
 
 void Lifecycle::Finish() {
   if (inflight_.fetch_sub(1) == 1 && state() == ServingState::kDraining) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     MaybeDrained();
   }
 }

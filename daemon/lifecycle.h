@@ -1,12 +1,14 @@
 // Lifecycle: the daemon's serving state (serving → draining → drained → serving) and the count of
 // data-plane requests in flight that drain waits for. Thread-safe; transitions are reported to a
-// listener (the systemd notifier) outside the lock.
+// listener (the systemd notifier) while the transition lock is held, so the listener sees them in order.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <mutex>
+
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 
 namespace flexkv {
 
@@ -34,10 +36,10 @@ class Lifecycle {
   uint64_t inflight() const { return inflight_.load(); }
 
  private:
-  void Set(ServingState next);
-  void MaybeDrained();
+  void Set(ServingState next) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeDrained() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  std::mutex mu_;  // serializes transitions
+  Mutex mu_;  // serializes transitions; state_ and inflight_ are read without it
   std::atomic<ServingState> state_{ServingState::kServing};
   std::atomic<uint64_t> inflight_{0};
   Listener listener_;

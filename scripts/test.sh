@@ -8,10 +8,35 @@ flexkv_install_deps
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
 # Paths relative to the checkout: a fresh clone elsewhere (CI) reuses what an earlier build cached.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
-flexkv_build
-ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600 "$@"
 
-# Sanitizers (issue 6), on by default (CI); FLEXKV_SANITIZERS=0 runs the normal suite only. Each has its own build
+# Runs one stage and prints how long it took, so a slow stage shows in the CI log. Exits on failure (set -e).
+stage() {  # <name> <command...>
+  local name=$1 start=$SECONDS
+  shift
+  echo "flexkv: $name" >&2
+  "$@"
+  echo "flexkv: $name: $((SECONDS - start)) s" >&2
+}
+
+stage "build (build/)" flexkv_build
+stage "tests (build/)" ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600 "$@"
+
+# The lock annotations (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED) are checked by clang only: build-clang/
+# compiles what ships and the test binaries with -Wthread-safety, a violation is an error, the project's other
+# warnings stay warnings. Debug (-O0) because nothing runs from it. FLEXKV_THREAD_SAFETY=0 skips it.
+clang_thread_safety_build() {
+  if [[ ! -f build-clang/build.ninja ]]; then
+    CC=clang-14 CXX=clang++-14 cmake -S . -B build-clang -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFLEXKV_WITH_CUDA=OFF \
+      -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety" >/dev/null
+  fi
+  ninja -C build-clang flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests \
+    flexkv_data_plane_tests
+}
+if [[ ${FLEXKV_THREAD_SAFETY:-1} != 0 ]]; then
+  stage "clang -Wthread-safety -Werror=thread-safety build (build-clang/)" clang_thread_safety_build
+fi
+
+# Sanitizers, on by default (CI); FLEXKV_SANITIZERS=0 runs the normal suite only. Each has its own build
 # directory, CUDA off, and builds only what the tests run (no benches). A report anywhere fails: the sanitizers halt
 # on the first one, and the test harness fails a test whose daemon or client printed one (tests/support/process.cc).
 [[ ${FLEXKV_SANITIZERS:-1} == 0 ]] && exit 0
@@ -30,19 +55,23 @@ san_ctest() {  # <dir> <ctest selection...>
 }
 SAN_TARGETS=(flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests flexkv_data_plane_tests)
 
-echo "flexkv: AddressSanitizer + UndefinedBehaviorSanitizer: unit and integration tests" >&2
-san_build build-asan address,undefined "${SAN_TARGETS[@]}"
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  san_ctest build-asan -L 'unit|integration'
+asan_stage() {
+  san_build build-asan address,undefined "${SAN_TARGETS[@]}"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    san_ctest build-asan -L 'unit|integration'
+}
+stage "AddressSanitizer + UndefinedBehaviorSanitizer: unit and integration tests" asan_stage
 
-echo "flexkv: ThreadSanitizer: the index, lifecycle and data-plane concurrency tests" >&2
 # The data plane runs in-process here, without gRPC (tests/unit/daemon/dataplane/data_plane_concurrency_test.cc: DataPlane and
 # the cache driven through the client's ring code by several sessions, sessions ended under load). The integration
 # tests are not run under TSan: Debian's gRPC and abseil are not instrumented, so TSan reports every gRPC call
 # handoff (see tests/tsan.supp); that would need a TSan-built gRPC.
-san_build build-tsan thread flexkv_unit_tests
-TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
-  san_ctest build-tsan -R '^unit: ?(prefix index|drain |concurrent begin/finish|data plane: )'
+tsan_stage() {
+  san_build build-tsan thread flexkv_unit_tests
+  TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
+    san_ctest build-tsan -R '^unit: ?(prefix index|drain |concurrent begin/finish|data plane: )'
+}
+stage "ThreadSanitizer: the index, lifecycle and data-plane concurrency tests" tsan_stage
 
-echo "flexkv: libFuzzer targets, ${FLEXKV_FUZZ_SECONDS:-20} s each" >&2
-FLEXKV_FUZZ_SECONDS=${FLEXKV_FUZZ_SECONDS:-20} bash scripts/fuzz.sh
+stage "libFuzzer targets, ${FLEXKV_FUZZ_SECONDS:-20} s each" env FLEXKV_FUZZ_SECONDS="${FLEXKV_FUZZ_SECONDS:-20}" \
+  bash scripts/fuzz.sh

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -21,46 +22,42 @@ constexpr int kExitRefused = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitNoConnection = 3;
 
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (const unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          out += fmt::format("\\u{:04x}", c);
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out + "\"";
+// Key order is kept (ordered_json) so the output reads like the text form; strings that are not valid UTF-8
+// (a client names itself) are printed with U+FFFD in place of the bad bytes rather than failing the command.
+using Json = nlohmann::ordered_json;
+
+std::string Dump(const Json& j, int indent) { return j.dump(indent, ' ', false, Json::error_handler_t::replace); }
+
+Json StatusJson(const flexkv::DaemonStatus& s) {
+  Json counters = Json::object();
+  for (const auto& [name, value] : s.counters) counters[name] = value;
+  Json backends = Json::array();
+  for (const auto& b : s.backends) backends.push_back(Json{{"name", b.name}, {"devices", b.devices}});
+  return Json{{"state", s.state},
+              {"version", s.version},
+              {"pid", s.pid},
+              {"uptime_s", s.uptime_s},
+              {"pool",
+               {{"block_bytes", s.pool.block_bytes},
+                {"capacity_blocks", s.pool.capacity_blocks},
+                {"used_blocks", s.pool.used_blocks},
+                {"pinned_blocks", s.pool.pinned_blocks},
+                {"backing", s.pool.backing},
+                {"budget_bytes", s.pool.budget_bytes}}},
+              {"index", {{"blocks", s.index_blocks}}},
+              {"sessions", s.sessions},
+              {"counters", counters},
+              {"backends", backends},
+              {"model_namespace", s.model_namespace}};
 }
 
-std::string StatusJson(const flexkv::DaemonStatus& s) {
-  std::string counters;
-  for (const auto& [name, value] : s.counters) {
-    counters += fmt::format("{}{}: {}", counters.empty() ? "" : ", ", JsonString(name), value);
-  }
-  std::string backends;
-  for (const auto& b : s.backends) {
-    std::string devices;
-    for (const auto& d : b.devices) devices += (devices.empty() ? "" : ", ") + JsonString(d);
-    backends += fmt::format("{}{{\"name\": {}, \"devices\": [{}]}}", backends.empty() ? "" : ", ", JsonString(b.name),
-                            devices);
-  }
-  return fmt::format(
-      "{{\n  \"state\": {},\n  \"version\": {},\n  \"pid\": {},\n  \"uptime_s\": {},\n"
-      "  \"pool\": {{\"block_bytes\": {}, \"capacity_blocks\": {}, \"used_blocks\": {}, \"pinned_blocks\": {}, "
-      "\"backing\": {}, \"budget_bytes\": {}}},\n"
-      "  \"index\": {{\"blocks\": {}}},\n  \"sessions\": {},\n  \"counters\": {{{}}},\n  \"backends\": [{}],\n"
-      "  \"model_namespace\": {}\n}}\n",
-      JsonString(s.state), JsonString(s.version), s.pid, s.uptime_s, s.pool.block_bytes, s.pool.capacity_blocks,
-      s.pool.used_blocks, s.pool.pinned_blocks, JsonString(s.pool.backing), s.pool.budget_bytes, s.index_blocks,
-      s.sessions, counters, backends, JsonString(s.model_namespace));
+Json SessionJson(const flexkv::SessionEntry& s) {
+  return Json{{"session_id", s.session_id},     {"client_name", s.client_name},
+              {"pid", s.pid},                   {"uid", s.uid},
+              {"gid", s.gid},                   {"dp_rank", s.dp_rank},
+              {"tp_rank", s.tp_rank},           {"model_namespace", s.model_namespace},
+              {"state", s.state},               {"attached_unix_ms", s.attached_unix_ms},
+              {"pinned_blocks", s.pinned_blocks}, {"inflight_requests", s.inflight_requests}};
 }
 
 void PrintStatus(const flexkv::DaemonStatus& s) {
@@ -142,7 +139,7 @@ int main(int argc, char** argv) {
     auto s = c.GetStatus();
     if (!s.ok()) return Refused(s.status());
     if (json) {
-      fmt::print("{}", StatusJson(*s));
+      fmt::print("{}\n", Dump(StatusJson(*s), 2));
     } else {
       PrintStatus(*s);
     }
@@ -155,17 +152,9 @@ int main(int argc, char** argv) {
                                                   std::chrono::system_clock::now().time_since_epoch())
                                                   .count());
     if (json) {
-      std::string out = "[";
-      for (const auto& s : *list) {
-        out += fmt::format(
-            "{}\n  {{\"session_id\": {}, \"client_name\": {}, \"pid\": {}, \"uid\": {}, \"gid\": {}, \"dp_rank\": {}, "
-            "\"tp_rank\": {}, \"model_namespace\": {}, \"state\": {}, \"attached_unix_ms\": {}, \"pinned_blocks\": {}, "
-            "\"inflight_requests\": {}}}",
-            out.size() > 1 ? "," : "", s.session_id, JsonString(s.client_name), s.pid, s.uid, s.gid, s.dp_rank,
-            s.tp_rank, JsonString(s.model_namespace), JsonString(s.state), s.attached_unix_ms, s.pinned_blocks,
-            s.inflight_requests);
-      }
-      fmt::print("{}\n]\n", out);
+      Json out = Json::array();
+      for (const auto& s : *list) out.push_back(SessionJson(s));
+      fmt::print("{}\n", Dump(out, 2));
     } else {
       fmt::print("{:>16}  {:<20} {:>8} {:>6} {:>4} {:>4}  {:<10} {:>7} {:>8} {:>8}\n", "ID", "NAME", "PID", "UID", "DP",
                  "TP", "STATE", "PINNED", "INFLIGHT", "AGE_S");
@@ -201,19 +190,19 @@ int main(int argc, char** argv) {
       if (!s.ok()) return Refused(s.status());
       current = s->state;
     }
-    fmt::print("{}\n", json ? fmt::format("{{\"state\": {}}}", JsonString(current)) : current);
+    fmt::print("{}\n", json ? Dump(Json{{"state", current}}, -1) : current);
     return kExitOk;
   }
   if (resume_cmd->parsed()) {
     auto state = c.Resume();
     if (!state.ok()) return Refused(state.status());
-    fmt::print("{}\n", json ? fmt::format("{{\"state\": {}}}", JsonString(*state)) : *state);
+    fmt::print("{}\n", json ? Dump(Json{{"state", *state}}, -1) : *state);
     return kExitOk;
   }
   if (health_cmd->parsed()) {
     Status h = c.CheckHealth();
     if (json) {
-      fmt::print("{{\"serving\": {}, \"message\": {}}}\n", h.ok() ? "true" : "false", JsonString(h.message()));
+      fmt::print("{}\n", Dump(Json{{"serving", h.ok()}, {"message", h.message()}}, -1));
     } else {
       fmt::print("{}\n", h.ok() ? "SERVING" : h.message());
     }

@@ -3,7 +3,6 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -14,6 +13,7 @@
 #include <unordered_map>
 
 #include "common/log.h"
+#include "common/mapped_region.h"
 #include "common/uds.h"
 #include "common/units.h"
 #include "common/unique_fd.h"
@@ -67,12 +67,6 @@ uint64_t EntryChecksum(const BlockKey& key, const BlockKey& parent) {
   return XXH64(words, sizeof(words), 0x666C65786B76ULL);
 }
 
-Result<uint8_t*> MapFile(int fd, uint64_t bytes, const std::string& path) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap {} ({} bytes): {}", path, bytes, ErrnoText(errno)));
-  return static_cast<uint8_t*>(p);
-}
-
 }  // namespace
 
 Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::string& model_namespace,
@@ -108,7 +102,7 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
         "cannot allocate the {} pool file {}: {}; free space in {} (df -h) or lower --pool-size",
         FormatByteSize(file_bytes), path, ErrnoText(rc), dir.string()));
   }
-  auto map = MapFile(fd.get(), file_bytes, path);
+  auto map = MappedRegion::Shared(path, fd.get(), file_bytes);
   if (!map.ok()) {
     ::unlink(tmp.c_str());
     return map.status();
@@ -119,10 +113,9 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   pool->geometry_ = geometry;
   pool->block_bytes_ = block_bytes;
   pool->capacity_ = static_cast<uint32_t>(capacity);
-  pool->map_ = *map;
-  pool->map_bytes_ = file_bytes;
-  pool->table_ = *map + table_offset;
-  pool->data_ = *map + data_offset;
+  pool->map_ = std::move(*map);
+  pool->table_ = pool->map_.bytes() + table_offset;
+  pool->data_ = pool->map_.bytes() + data_offset;
 
   PoolHeader h{};
   std::memcpy(h.magic, kPoolMagic, sizeof(h.magic));
@@ -137,7 +130,7 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   h.file_bytes = file_bytes;
   std::snprintf(h.model_namespace, sizeof(h.model_namespace), "%s", model_namespace.c_str());
   h.checksum = HeaderChecksum(h);
-  std::memcpy(pool->map_, &h, sizeof(h));
+  std::memcpy(pool->map_.data(), &h, sizeof(h));
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     return Status::FailedPrecondition(fmt::format("rename {} -> {}: {}", tmp, path, ErrnoText(errno)));
   }
@@ -184,7 +177,7 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
         path, h.capacity, FormatByteSize(h.capacity * h.block_bytes), FormatByteSize(budget_bytes), budget_capacity,
         FormatByteSize(h.capacity * h.block_bytes), fix));
   }
-  auto map = MapFile(fd.get(), h.file_bytes, path);
+  auto map = MappedRegion::Shared(path, fd.get(), h.file_bytes);
   if (!map.ok()) return map.status();
   auto pool = std::unique_ptr<Pool>(new Pool());
   pool->path_ = path;
@@ -192,16 +185,13 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   pool->geometry_ = g;
   pool->block_bytes_ = h.block_bytes;
   pool->capacity_ = static_cast<uint32_t>(h.capacity);
-  pool->map_ = *map;
-  pool->map_bytes_ = h.file_bytes;
-  pool->table_ = *map + h.table_offset;
-  pool->data_ = *map + h.data_offset;
+  pool->map_ = std::move(*map);
+  pool->table_ = pool->map_.bytes() + h.table_offset;
+  pool->data_ = pool->map_.bytes() + h.data_offset;
   return pool;
 }
 
-Pool::~Pool() {
-  if (map_ != nullptr) munmap(map_, map_bytes_);
-}
+Pool::~Pool() = default;
 
 void Pool::MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& parent) {
   SlotEntry* e = entry(slot);

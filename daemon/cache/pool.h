@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/mapped_region.h"
 #include "daemon/cache/prefix_index.h"
 #include "flexkv/block_key.h"
 #include "flexkv/geometry.h"
@@ -70,8 +71,7 @@ class Pool {
   Geometry geometry_;
   uint64_t block_bytes_ = 0;
   uint32_t capacity_ = 0;
-  uint8_t* map_ = nullptr;
-  uint64_t map_bytes_ = 0;
+  MappedRegion map_;  // the whole file; table_ and data_ point into it
   uint8_t* table_ = nullptr;
   uint8_t* data_ = nullptr;
 };

@@ -4,8 +4,6 @@
 
 #include <absl/hash/hash.h>
 #include <fmt/format.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
@@ -17,6 +15,8 @@
 #include <new>
 #include <string>
 #include <utility>
+
+#include "daemon/cache/large_array.h"
 
 // Broken internal invariants crash loudly (CONVENTIONS: untrusted input is answered, invariants assert).
 #define PREFIX_INDEX_CHECK(cond, what)                                                                  \
@@ -40,48 +40,6 @@ enum class State : uint8_t {
   kAborting,  // only inside Abort(): pending, queued for removal
 };
 
-// Allocates the node array and the hash table; from 8 MiB up (nodes: 210 K slots), on transparent huge pages
-// where the kernel allows them (madvise mode; elsewhere the advice is a no-op). Lookups land at random in
-// these arrays, and with 4 KiB pages each would miss the TLB as well as the caches. The mapping starts on a
-// 2 MiB boundary and ends at the next 4 KiB page, so it adds no memory: a tail shorter than 2 MiB stays on
-// small pages.
-template <typename T>
-struct LargeArrayAllocator {
-  using value_type = T;
-  static constexpr size_t kHugePage = size_t{2} << 20;
-  static constexpr size_t kThreshold = size_t{8} << 20;
-
-  LargeArrayAllocator() = default;
-  template <typename U>
-  explicit LargeArrayAllocator(const LargeArrayAllocator<U>&) {}
-
-  static size_t MappedBytes(size_t n) {
-    const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    return (n * sizeof(T) + page - 1) / page * page;
-  }
-  T* allocate(size_t n) {
-    if (n * sizeof(T) < kThreshold) return std::allocator<T>().allocate(n);
-    const size_t len = MappedBytes(n);
-    void* p = mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    const auto start = reinterpret_cast<uintptr_t>(p);
-    const uintptr_t aligned = (start + kHugePage - 1) & ~(kHugePage - 1);
-    if (aligned > start) munmap(p, aligned - start);
-    if (start + kHugePage > aligned) munmap(reinterpret_cast<void*>(aligned + len), start + kHugePage - aligned);
-    madvise(reinterpret_cast<void*>(aligned), len, MADV_HUGEPAGE);  // advice only: failure leaves small pages
-    return reinterpret_cast<T*>(aligned);
-  }
-  void deallocate(T* p, size_t n) {
-    if (n * sizeof(T) < kThreshold) {
-      std::allocator<T>().deallocate(p, n);
-    } else {
-      munmap(p, MappedBytes(n));
-    }
-  }
-  friend bool operator==(const LargeArrayAllocator&, const LargeArrayAllocator&) { return true; }
-};
-template <typename T>
-using LargeArray = std::vector<T, LargeArrayAllocator<T>>;
 
 // 40 bytes. `prev`/`next` link the free list while free and the eviction list while evictable. What a
 // lookup reads (key, parent, state) comes first, in the node's first 21 bytes.

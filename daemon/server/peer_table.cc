@@ -6,7 +6,7 @@
 namespace flexkv {
 
 void PeerTable::Add(int fd, const PeerCredentials& peer) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   by_fd_[fd] = peer;
 }
 
@@ -18,7 +18,7 @@ std::optional<PeerCredentials> PeerTable::Find(std::string_view grpc_peer) const
   const char* end = grpc_peer.data() + grpc_peer.size();
   auto [ptr, ec] = std::from_chars(begin, end, fd);
   if (ec != std::errc() || ptr != end) return std::nullopt;
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = by_fd_.find(fd);
   if (it == by_fd_.end()) return std::nullopt;
   return it->second;

@@ -3,11 +3,12 @@
 // only after its connection closed, and the acceptor overwrites the entry before gRPC sees the new one.
 #pragma once
 
-#include <mutex>
 #include <optional>
 #include <string_view>
 #include <unordered_map>
 
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 #include "common/uds.h"
 
 namespace flexkv {
@@ -19,8 +20,8 @@ class PeerTable {
   std::optional<PeerCredentials> Find(std::string_view grpc_peer) const;
 
  private:
-  mutable std::mutex mu_;
-  std::unordered_map<int, PeerCredentials> by_fd_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::unordered_map<int, PeerCredentials> by_fd_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace flexkv

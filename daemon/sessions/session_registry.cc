@@ -94,7 +94,7 @@ void SessionRegistry::Stop() {
   reaper_.join();
   std::vector<uint64_t> ids;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& [id, s] : sessions_) ids.push_back(id);
   }
   for (uint64_t id : ids) End(id, "daemon stopping");
@@ -129,7 +129,7 @@ Result<SessionRegistry::Grant> SessionRegistry::Open(SessionIdentity identity, c
   Grant grant{};
   grant.token = session->token;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     grant.session_id = session->id = next_id_++;
     if (session->pidfd) Watch(session->pidfd.get(), PidfdTag(session->id));
     log::Info("sessions", "session {} opened: '{}' pid {} uid {} dp_rank {} tp_rank {} namespace '{}'", session->id,
@@ -142,7 +142,7 @@ Result<SessionRegistry::Grant> SessionRegistry::Open(SessionIdentity identity, c
 
 Status SessionRegistry::Close(uint64_t session_id, std::span<const uint8_t> token, bool admin) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) return Status::NotFound(fmt::format("session {} does not exist", session_id));
     if (!admin && !TokensEqual(token, it->second->token)) {
@@ -164,7 +164,7 @@ void SessionRegistry::AdoptChannel(UniqueFd fd, const PeerCredentials& peer) {
                            hello.protocol_version, kProtocolVersion));
     return;
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = sessions_.find(hello.session_id);
   if (it == sessions_.end()) {
     ReplyHello(fd.get(), StatusCode::kNotFound, fmt::format("session {} does not exist (it may have timed out)", hello.session_id));
@@ -200,7 +200,7 @@ void SessionRegistry::AdoptChannel(UniqueFd fd, const PeerCredentials& peer) {
 void SessionRegistry::End(uint64_t session_id, const std::string& reason) {
   std::unique_ptr<Session> gone;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) return;
     gone = std::move(it->second);
@@ -233,7 +233,7 @@ void SessionRegistry::ReaperLoop() {
     }
     std::vector<uint64_t> expired;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       for (const auto& [id, s] : sessions_) {
         if (!s->channel && now - s->opened_ms > attach_timeout_ms_) expired.push_back(id);
       }
@@ -247,7 +247,7 @@ void SessionRegistry::ReaperLoop() {
 bool SessionRegistry::ReadChannel(uint64_t session_id, std::string* reason) {
   int fd = -1;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end() || !it->second->channel) return true;  // already ended
     fd = it->second->channel.get();
@@ -274,7 +274,7 @@ bool SessionRegistry::ReadChannel(uint64_t session_id, std::string* reason) {
   ack.type = static_cast<uint32_t>(ChannelMessageType::kOfferFdAck);
   ack.tag = msg.tag;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) return true;
     size_t offered_total = 0;
@@ -296,7 +296,7 @@ bool SessionRegistry::ReadChannel(uint64_t session_id, std::string* reason) {
 }
 
 Status SessionRegistry::Authenticate(uint64_t session_id, std::span<const uint8_t> token) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return Status::NotFound(fmt::format("session {} does not exist", session_id));
   if (!TokensEqual(token, it->second->token)) {
@@ -307,7 +307,7 @@ Status SessionRegistry::Authenticate(uint64_t session_id, std::span<const uint8_
 
 Result<UniqueFd> SessionRegistry::TakeOfferedFd(uint64_t session_id, std::span<const uint8_t> token, uint32_t tag) {
   FLEXKV_RETURN_IF_ERROR(Authenticate(session_id, token));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return Status::NotFound(fmt::format("session {} does not exist", session_id));
   auto fd = it->second->offered_fds.find(tag);
@@ -320,7 +320,7 @@ Result<UniqueFd> SessionRegistry::TakeOfferedFd(uint64_t session_id, std::span<c
 }
 
 std::vector<SessionSnapshot> SessionRegistry::List() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<SessionSnapshot> out;
   out.reserve(sessions_.size());
   for (const auto& [id, s] : sessions_) {
@@ -336,7 +336,7 @@ std::vector<SessionSnapshot> SessionRegistry::List() const {
 }
 
 size_t SessionRegistry::Count() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return sessions_.size();
 }
 

@@ -11,12 +11,13 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 #include "common/session_channel.h"
 #include "common/uds.h"
 #include "common/unique_fd.h"
@@ -106,14 +107,14 @@ class SessionRegistry {
   // Reads one message from a session's channel; false when the session must end (reason set).
   bool ReadChannel(uint64_t session_id, std::string* reason);
   void End(uint64_t session_id, const std::string& reason);
-  void Watch(int fd, uint64_t tag);
+  void Watch(int fd, uint64_t tag);  // epoll_fd_ is set once in Start(), so any thread may add to it
 
   const int64_t attach_timeout_ms_;
   EndCallback on_end_;
   ChannelOpenCallback on_channel_open_;
-  mutable std::mutex mu_;
-  std::map<uint64_t, std::unique_ptr<Session>> sessions_;  // guarded by mu_
-  uint64_t next_id_;                                        // guarded by mu_; not reused across restarts
+  mutable Mutex mu_;
+  std::map<uint64_t, std::unique_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_);  // not reused across restarts
   UniqueFd epoll_fd_;
   UniqueFd stop_fd_;
   std::thread reaper_;

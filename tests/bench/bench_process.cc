@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,7 +19,7 @@
 #include <iterator>
 #include <thread>
 
-extern char** environ;
+#include "tests/support/spawn.h"
 
 namespace flexkv::bench {
 
@@ -130,25 +129,21 @@ std::optional<Child> Spawn(const std::vector<std::string>& argv, const std::vect
     return std::nullopt;
   }
   UniqueFd read_end(pipefd[0]), write_end(pipefd[1]);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
+  std::vector<flexkv::testing::ChildFd> fds;
   if (stdout_path.empty()) {
-    posix_spawn_file_actions_adddup2(&actions, write_end.get(), STDOUT_FILENO);
+    fds.push_back({STDOUT_FILENO, write_end.get(), "", 0});
   } else {
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    fds.push_back({STDOUT_FILENO, -1, stdout_path, O_WRONLY | O_CREAT | O_TRUNC});
+    fds.push_back({STDERR_FILENO, STDOUT_FILENO, "", 0});
   }
-  for (const auto& [from, to] : dups) posix_spawn_file_actions_adddup2(&actions, from, to);
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
+  for (const auto& [from, to] : dups) fds.push_back({to, from, "", 0});
   Child child;
-  const int rc = posix_spawn(&child.pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) {
-    std::fprintf(stderr, "flexkv-bench: posix_spawn %s: %s\n", argv[0].c_str(), std::strerror(rc));
+  auto pid = flexkv::testing::SpawnChild(argv, fds);
+  if (!pid.ok()) {
+    std::fprintf(stderr, "flexkv-bench: %s\n", pid.status().message().c_str());
     return std::nullopt;
   }
+  child.pid = *pid;
   child.out = std::move(read_end);
   return child;
 }

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_json.h"
 #include "common/log.h"
 #include "daemon/cache/pool.h"
 #include "daemon/cache/prefix_index.h"
@@ -40,6 +41,10 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using flexkv::bench::DumpLine;
+using flexkv::bench::Json;
+using flexkv::bench::Rounded;
+using flexkv::bench::Whole;
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
@@ -318,29 +323,31 @@ int RunIndexBench(int argc, char** argv) {
     results.push_back(*r);
   }
   if (json) {
-    std::string out = fmt::format("{{\"bench\": \"index\", \"threads\": 1, \"chain\": {}, \"results\": [", chain);
-    for (size_t i = 0; i < results.size(); ++i) {
-      const IndexResult& r = results[i];
-      out += fmt::format(
-          "{}{{\"blocks\": {}, \"insert_per_s\": {:.0f}, \"match_keys_per_s\": {:.0f}, "
-          "\"match_pin_keys_per_s\": {:.0f}, \"reserve_cached_keys_per_s\": {:.0f}, \"passes\": {}, "
-          "\"insert_evict_per_s\": {:.0f}, \"evicted\": {}, \"bytes_per_block\": {:.1f}, \"rss_delta_bytes\": {}",
-          i ? ", " : "", r.blocks, PerS(r.blocks / chain * chain, r.insert_s), PerS(r.matched, r.match_s),
-          PerS(r.matched_pin, r.match_pin_s), PerS(r.reserve_cached, r.reserve_cached_s), r.passes,
-          PerS(r.evict_inserts, r.evict_s), r.evicted,
-          static_cast<double>(r.rss_delta) / static_cast<double>(r.blocks), r.rss_delta);
+    Json rows = Json::array();
+    for (const IndexResult& r : results) {
+      Json row{{"blocks", r.blocks},
+               {"insert_per_s", Whole(PerS(r.blocks / chain * chain, r.insert_s))},
+               {"match_keys_per_s", Whole(PerS(r.matched, r.match_s))},
+               {"match_pin_keys_per_s", Whole(PerS(r.matched_pin, r.match_pin_s))},
+               {"reserve_cached_keys_per_s", Whole(PerS(r.reserve_cached, r.reserve_cached_s))},
+               {"passes", r.passes},
+               {"insert_evict_per_s", Whole(PerS(r.evict_inserts, r.evict_s))},
+               {"evicted", r.evicted},
+               {"bytes_per_block", Rounded(static_cast<double>(r.rss_delta) / static_cast<double>(r.blocks), 1)},
+               {"rss_delta_bytes", r.rss_delta}};
       if (r.restart) {
-        out += fmt::format(", \"restart\": {{\"open_s\": {:.3f}, \"recover_s\": {:.3f}, \"index_alloc_s\": {:.3f}, "
-                           "\"restore_s\": {:.3f}, \"total_s\": {:.3f}, \"restored\": {}, \"dropped\": {}, "
-                           "\"pool_file_bytes\": {}}}",
-                           r.open_s, r.recover_s, r.index_alloc_s, r.restore_s,
-                           r.open_s + r.recover_s + r.index_alloc_s + r.restore_s, r.restored, r.dropped,
-                           r.pool_file_bytes);
+        row["restart"] = {{"open_s", Rounded(r.open_s, 3)},
+                          {"recover_s", Rounded(r.recover_s, 3)},
+                          {"index_alloc_s", Rounded(r.index_alloc_s, 3)},
+                          {"restore_s", Rounded(r.restore_s, 3)},
+                          {"total_s", Rounded(r.open_s + r.recover_s + r.index_alloc_s + r.restore_s, 3)},
+                          {"restored", r.restored},
+                          {"dropped", r.dropped},
+                          {"pool_file_bytes", r.pool_file_bytes}};
       }
-      out += "}";
+      rows.push_back(std::move(row));
     }
-    out += "]}\n";
-    fmt::print("{}", out);
+    fmt::print("{}", DumpLine(Json{{"bench", "index"}, {"threads", 1}, {"chain", chain}, {"results", rows}}));
   }
   return 0;
 }

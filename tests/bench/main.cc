@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_json.h"
 #include "bench_process.h"
 #include "flexkv/client.h"
 #include "index_bench.h"
@@ -61,9 +62,13 @@ int RunControl(const std::string& socket, int iterations, bool json) {
   }
   const Percentiles p = Summarize(std::move(samples));
   if (json) {
-    fmt::print("{{\"bench\": \"control\", \"call\": \"GetStatus\", \"iterations\": {}, \"p50_us\": {:.2f}, "
-               "\"p99_us\": {:.2f}, \"p999_us\": {:.2f}, \"mean_us\": {:.2f}}}\n",
-               iterations, p.p50_us, p.p99_us, p.p999_us, p.mean_us);
+    fmt::print("{}", DumpLine(Json{{"bench", "control"},
+                                   {"call", "GetStatus"},
+                                   {"iterations", iterations},
+                                   {"p50_us", Rounded(p.p50_us, 2)},
+                                   {"p99_us", Rounded(p.p99_us, 2)},
+                                   {"p999_us", Rounded(p.p999_us, 2)},
+                                   {"mean_us", Rounded(p.mean_us, 2)}}));
   } else {
     fmt::print("gRPC GetStatus over the unix socket, {} calls: p50 {:.1f} us, p99 {:.1f} us, p99.9 {:.1f} us\n",
                iterations, p.p50_us, p.p99_us, p.p999_us);
@@ -377,15 +382,17 @@ bool StorePrefix(const std::string& socket, uint32_t prefix) {
   return true;
 }
 
-std::string RunJson(const RingRun& r) {
-  return fmt::format("\"ring\": {{\"p50_us\": {:.3f}, \"p99_us\": {:.3f}, \"p999_us\": {:.3f}, \"mean_us\": {:.3f}, "
-                     "\"matches_per_s\": {:.0f}, \"samples\": {}}}, "
-                     "\"grpc\": {{\"p50_us\": {:.3f}, \"p99_us\": {:.3f}, \"p999_us\": {:.3f}, \"mean_us\": {:.3f}, "
-                     "\"matches_per_s\": {:.0f}, \"samples\": {}}}, \"ratio_p50\": {:.1f}, \"ratio_p99\": {:.1f}",
-                     r.ring.p.p50_us, r.ring.p.p99_us, r.ring.p.p999_us, r.ring.p.mean_us, r.ring.per_s, r.ring.samples,
-                     r.grpc.p.p50_us, r.grpc.p.p99_us, r.grpc.p.p999_us, r.grpc.p.mean_us, r.grpc.per_s, r.grpc.samples,
-                     r.ring.p.p50_us > 0 ? r.grpc.p.p50_us / r.ring.p.p50_us : 0.0,
-                     r.ring.p.p99_us > 0 ? r.grpc.p.p99_us / r.ring.p.p99_us : 0.0);
+// The "ring", "grpc" and ratio fields of one run.
+Json RunJson(const RingRun& r) {
+  auto path = [](const auto& side) {
+    return Json{{"p50_us", Rounded(side.p.p50_us, 3)},   {"p99_us", Rounded(side.p.p99_us, 3)},
+                {"p999_us", Rounded(side.p.p999_us, 3)}, {"mean_us", Rounded(side.p.mean_us, 3)},
+                {"matches_per_s", Whole(side.per_s)}, {"samples", side.samples}};
+  };
+  return Json{{"ring", path(r.ring)},
+              {"grpc", path(r.grpc)},
+              {"ratio_p50", Rounded(r.ring.p.p50_us > 0 ? r.grpc.p.p50_us / r.ring.p.p50_us : 0.0, 1)},
+              {"ratio_p99", Rounded(r.ring.p.p99_us > 0 ? r.grpc.p.p99_us / r.ring.p.p99_us : 0.0, 1)}};
 }
 
 int RunRing(RingOptions o) {
@@ -452,29 +459,36 @@ int RunRing(RingOptions o) {
   const RingRun& r = *main_run;
   const double ratio = r.ring.p.p50_us > 0 ? r.grpc.p.p50_us / r.ring.p.p50_us : 0.0;
   if (o.json) {
-    std::string out = fmt::format(
-        "{{\"bench\": \"ring\", \"clients\": {}, \"blocks_per_match\": {}, \"iterations_per_client\": {}, "
-        "\"grpc_iterations_per_client\": {}, \"daemon\": \"{}\", \"pinned\": {}, \"spin_us\": {}, {}",
-        r.clients, o.blocks, o.iterations, o.grpc_iterations, own ? "spawned" : "external", o.pin,
-        o.spin_us >= 0 && own ? fmt::format("{}", o.spin_us) : std::string("null"), RunJson(r));
+    Json report{{"bench", "ring"},
+                {"clients", r.clients},
+                {"blocks_per_match", o.blocks},
+                {"iterations_per_client", o.iterations},
+                {"grpc_iterations_per_client", o.grpc_iterations},
+                {"daemon", own ? "spawned" : "external"},
+                {"pinned", o.pin},
+                {"spin_us", o.spin_us >= 0 && own ? Json(o.spin_us) : Json(nullptr)}};
+    report.update(RunJson(r));
     if (r.submit) {
-      out += fmt::format(", \"breakdown\": {{\"wait\": \"TryWait poll\", \"submit_p50_us\": {:.3f}, \"submit_p99_us\": {:.3f}, "
-                         "\"submit_p999_us\": {:.3f}, \"submit_mean_us\": {:.3f}}}",
-                         r.submit->p.p50_us, r.submit->p.p99_us, r.submit->p.p999_us, r.submit->p.mean_us);
+      report["breakdown"] = {{"wait", "TryWait poll"},
+                             {"submit_p50_us", Rounded(r.submit->p.p50_us, 3)},
+                             {"submit_p99_us", Rounded(r.submit->p.p99_us, 3)},
+                             {"submit_p999_us", Rounded(r.submit->p.p999_us, 3)},
+                             {"submit_mean_us", Rounded(r.submit->p.mean_us, 3)}};
     }
     if (o.sweep) {
-      out += ", \"sweep\": [";
-      for (size_t i = 0; i < sweep.size(); ++i) {
-        const RingRun& s = sweep[i];
-        out += fmt::format("{}{{\"clients\": {}, \"matches_per_s\": {:.0f}, \"p50_us\": {:.3f}, \"p99_us\": {:.3f}, "
-                           "\"p999_us\": {:.3f}, \"grpc_matches_per_s\": {:.0f}, \"grpc_p50_us\": {:.3f}}}",
-                           i == 0 ? "" : ", ", s.clients, s.ring.per_s, s.ring.p.p50_us, s.ring.p.p99_us,
-                           s.ring.p.p999_us, s.grpc.per_s, s.grpc.p.p50_us);
+      Json runs = Json::array();
+      for (const RingRun& s : sweep) {
+        runs.push_back({{"clients", s.clients},
+                        {"matches_per_s", Whole(s.ring.per_s)},
+                        {"p50_us", Rounded(s.ring.p.p50_us, 3)},
+                        {"p99_us", Rounded(s.ring.p.p99_us, 3)},
+                        {"p999_us", Rounded(s.ring.p.p999_us, 3)},
+                        {"grpc_matches_per_s", Whole(s.grpc.per_s)},
+                        {"grpc_p50_us", Rounded(s.grpc.p.p50_us, 3)}});
       }
-      out += "]";
+      report["sweep"] = std::move(runs);
     }
-    out += "}\n";
-    fmt::print("{}", out);
+    fmt::print("{}", DumpLine(report));
   } else {
     fmt::print("Match round trip, {} keys per match, {} client process(es), {} ring / {} gRPC matches each ({} daemon{})\n",
                o.blocks, r.clients, o.iterations, o.grpc_iterations, own ? "spawned" : "external",

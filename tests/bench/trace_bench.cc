@@ -42,7 +42,9 @@
 #include <string>
 #include <vector>
 
+#include "bench_json.h"
 #include "bench_process.h"
+#include "common/mapped_region.h"
 #include "common/units.h"
 #include "daemon/cache/prefix_index.h"
 #include "flexkv/client.h"
@@ -89,8 +91,8 @@ std::optional<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
     ++lineno;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     auto r = flexkv::bench::ParseTraceLine(line);
-    if (!r) {
-      std::fprintf(stderr, "flexkv-bench: %s:%zu: no \"hash_ids\" list\n", path.c_str(), lineno);
+    if (!r.ok()) {
+      std::fprintf(stderr, "flexkv-bench: %s:%zu: %s\n", path.c_str(), lineno, r.status().message().c_str());
       return std::nullopt;
     }
     for (uint64_t id : r->hash_ids) {
@@ -152,14 +154,16 @@ struct WorkerOptions {
 
 int WorkerMain(const WorkerOptions& o) {
   const Order order = o.order == "free" ? Order::kFree : o.order == "match" ? Order::kMatch : Order::kStrict;
+  flexkv::MappedRegion turn_map;
   TurnPage* page = nullptr;
   if (order != Order::kFree) {
-    void* p = mmap(nullptr, sizeof(TurnPage), PROT_READ | PROT_WRITE, MAP_SHARED, 4, 0);
-    if (p == MAP_FAILED) {
-      Emit(fmt::format("ERROR mmap of the turn page (fd 4): {}\n", std::strerror(errno)));
+    auto map = flexkv::MappedRegion::Shared("the turn page (fd 4)", 4, sizeof(TurnPage));
+    if (!map.ok()) {
+      Emit(fmt::format("ERROR {}\n", map.status().message()));
       return 1;
     }
-    page = static_cast<TurnPage*>(p);
+    turn_map = std::move(*map);
+    page = turn_map.as<TurnPage>();
   }
   auto fail = [&](const std::string& what, const flexkv::Status& s) {
     if (page != nullptr) {
@@ -416,30 +420,40 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   return run;
 }
 
-std::string RunJson(const TraceRun& r, int clients, const std::string& order, uint64_t block_bytes) {
-  std::string out = fmt::format(
-      "{{\"capacity_blocks\": {}, \"daemon_capacity_blocks\": {}, \"block_bytes\": {}, \"clients\": {}, \"order\": \"{}\", "
-      "\"requests\": {}, \"blocks\": {}, \"hit_blocks\": {}, \"hit_ratio\": {:.4f}, "
-      "\"reference_lru_hit_ratio\": {:.4f}, \"reference_lru_raw_hit_ratio\": {:.4f}, "
-      "\"infinite_cache_bound\": {:.4f}, \"prefix_index_sim_hit_ratio\": {:.4f}, \"beats_reference\": {}, "
-      "\"requests_per_s\": {:.0f}, \"seconds\": {:.3f}, \"blocks_loaded\": {}, \"blocks_stored\": {}, "
-      "\"store_shortfalls\": {}, \"load_mismatches\": {}, \"latency_us\": {{",
-      r.capacity, r.daemon_capacity, block_bytes, clients, order, r.requests, r.blocks, r.hits, r.hit_ratio(),
-      r.reference.ratio(),
-      r.reference.blocks == 0 ? 0.0 : static_cast<double>(r.reference_raw_hits) / static_cast<double>(r.reference.blocks),
-      r.bound.ratio(), r.sim.ratio(), r.hit_ratio() >= r.reference.ratio(),
-      r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0, r.seconds, r.loaded, r.stored, r.shortfalls,
-      r.mismatches);
-  bool firstop = true;
+Json RunJson(const TraceRun& r, int clients, const std::string& order, uint64_t block_bytes) {
+  Json latency = Json::object();
   for (const char* op : {"match", "load", "release", "store"}) {
     auto it = r.lat.find(op);
     const Percentiles p = it == r.lat.end() ? Percentiles{} : it->second;
-    out += fmt::format("{}\"{}\": {{\"n\": {}, \"p50\": {:.1f}, \"p99\": {:.1f}, \"p999\": {:.1f}, \"mean\": {:.1f}}}",
-                       firstop ? "" : ", ", op, p.n, p.p50_us, p.p99_us, p.p999_us, p.mean_us);
-    firstop = false;
+    latency[op] = {{"n", p.n},
+                   {"p50", Rounded(p.p50_us, 1)},
+                   {"p99", Rounded(p.p99_us, 1)},
+                   {"p999", Rounded(p.p999_us, 1)},
+                   {"mean", Rounded(p.mean_us, 1)}};
   }
-  out += "}}";
-  return out;
+  const double raw_ratio =
+      r.reference.blocks == 0 ? 0.0 : static_cast<double>(r.reference_raw_hits) / static_cast<double>(r.reference.blocks);
+  return Json{{"capacity_blocks", r.capacity},
+              {"daemon_capacity_blocks", r.daemon_capacity},
+              {"block_bytes", block_bytes},
+              {"clients", clients},
+              {"order", order},
+              {"requests", r.requests},
+              {"blocks", r.blocks},
+              {"hit_blocks", r.hits},
+              {"hit_ratio", Rounded(r.hit_ratio(), 4)},
+              {"reference_lru_hit_ratio", Rounded(r.reference.ratio(), 4)},
+              {"reference_lru_raw_hit_ratio", Rounded(raw_ratio, 4)},
+              {"infinite_cache_bound", Rounded(r.bound.ratio(), 4)},
+              {"prefix_index_sim_hit_ratio", Rounded(r.sim.ratio(), 4)},
+              {"beats_reference", r.hit_ratio() >= r.reference.ratio()},
+              {"requests_per_s", Whole(r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0)},
+              {"seconds", Rounded(r.seconds, 3)},
+              {"blocks_loaded", r.loaded},
+              {"blocks_stored", r.stored},
+              {"store_shortfalls", r.shortfalls},
+              {"load_mismatches", r.mismatches},
+              {"latency_us", latency}};
 }
 
 void PrintRunText(const TraceRun& r, int clients, const std::string& order) {
@@ -564,16 +578,16 @@ int RunTraceBench(int argc, char** argv) {
   bool plotted = false;
   if (o.sweep) plotted = WritePlot(runs, o.plot, o.clients, o.order);
   if (o.json) {
+    Json report{{"bench", "trace"}, {"trace", o.trace}, {"daemon", "spawned"}};
     if (!o.sweep) {
-      fmt::print("{{\"bench\": \"trace\", \"trace\": \"{}\", \"daemon\": \"spawned\", {}\n", o.trace,
-                 RunJson(runs[0], o.clients, o.order, o.block_bytes).substr(1));
+      report.update(RunJson(runs[0], o.clients, o.order, o.block_bytes));
     } else {
-      std::string out = fmt::format("{{\"bench\": \"trace\", \"trace\": \"{}\", \"daemon\": \"spawned\", \"sweep\": [",
-                                    o.trace);
-      for (size_t i = 0; i < runs.size(); ++i) out += (i ? ", " : "") + RunJson(runs[i], o.clients, o.order, o.block_bytes);
-      out += fmt::format("], \"plot\": {}}}\n", plotted ? fmt::format("\"{}\"", o.plot) : std::string("null"));
-      fmt::print("{}", out);
+      Json sweep = Json::array();
+      for (const TraceRun& r : runs) sweep.push_back(RunJson(r, o.clients, o.order, o.block_bytes));
+      report["sweep"] = std::move(sweep);
+      report["plot"] = plotted ? Json(o.plot) : Json(nullptr);
     }
+    fmt::print("{}", DumpLine(report));
   } else if (o.sweep) {
     fmt::print("\n{:>10} {:>10} {:>14} {:>10} {:>10}\n", "capacity", "flexkvd", "reference LRU", "bound", "requests/s");
     for (const TraceRun& r : runs) {

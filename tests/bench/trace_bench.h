@@ -6,14 +6,19 @@
 // can check them without a daemon.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <list>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
+
+#include "flexkv/status.h"
 
 namespace flexkv::bench {
 
@@ -22,44 +27,43 @@ struct TraceRequest {
   std::vector<uint64_t> hash_ids;  // one per 512-token block
 };
 
-// Parses the integer list after "hash_ids" (and "timestamp" if present) in one JSON line; nullopt when the line
-// has no well-formed "hash_ids" array. Not a general JSON parser: the trace lines are flat objects.
-inline std::optional<TraceRequest> ParseTraceLine(std::string_view line) {
+// Parses one trace line: a JSON object with "hash_ids" (an array of integers in 0..2^64-1) and, optionally,
+// "timestamp" (an integer in 0..2^63-1, ms); other fields are ignored. INVALID_ARGUMENT saying what was wrong:
+// not JSON (with the byte offset; this includes strings that are not UTF-8), not an object, a missing or mistyped
+// field, a number out of range. The caller adds the file and line number.
+inline Result<TraceRequest> ParseTraceLine(std::string_view line) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(line);  // the exception is the only way nlohmann says where and why
+  } catch (const nlohmann::json::parse_error& e) {
+    return Status::InvalidArgument(fmt::format("not valid JSON ({}); expected one JSON object a line", e.what()));
+  }
+  if (!j.is_object()) {
+    return Status::InvalidArgument(fmt::format("a JSON {}; expected an object with \"hash_ids\"", j.type_name()));
+  }
   TraceRequest r;
-  auto number_after = [&](std::string_view name, size_t* pos) -> std::optional<int64_t> {
-    size_t p = line.find(name);
-    if (p == std::string_view::npos) return std::nullopt;
-    p = line.find(':', p + name.size());
-    if (p == std::string_view::npos) return std::nullopt;
-    ++p;
-    while (p < line.size() && line[p] == ' ') ++p;
-    int64_t v = 0;
-    bool any = false;
-    while (p < line.size() && line[p] >= '0' && line[p] <= '9') {
-      v = v * 10 + (line[p] - '0');
-      ++p;
-      any = true;
+  if (auto ts = j.find("timestamp"); ts != j.end()) {
+    // nlohmann stores a non-negative integer as unsigned, a negative one as signed, one past 2^64-1 as a float.
+    if (!ts->is_number_unsigned() || ts->get<uint64_t>() > uint64_t{INT64_MAX}) {
+      return Status::InvalidArgument(
+          fmt::format("\"timestamp\" is {}; expected an integer in 0..2^63-1 (ms)", ts->dump()));
     }
-    if (pos != nullptr) *pos = p;
-    return any ? std::optional<int64_t>(v) : std::nullopt;
-  };
-  if (auto ts = number_after("\"timestamp\"", nullptr)) r.timestamp_ms = *ts;
-  size_t p = line.find("\"hash_ids\"");
-  if (p == std::string_view::npos) return std::nullopt;
-  p = line.find('[', p);
-  if (p == std::string_view::npos) return std::nullopt;
-  ++p;
-  for (;;) {
-    while (p < line.size() && (line[p] == ' ' || line[p] == ',')) ++p;
-    if (p >= line.size()) return std::nullopt;
-    if (line[p] == ']') break;
-    if (line[p] < '0' || line[p] > '9') return std::nullopt;
-    uint64_t v = 0;
-    while (p < line.size() && line[p] >= '0' && line[p] <= '9') {
-      v = v * 10 + static_cast<uint64_t>(line[p] - '0');
-      ++p;
+    r.timestamp_ms = static_cast<int64_t>(ts->get<uint64_t>());
+  }
+  auto ids = j.find("hash_ids");
+  if (ids == j.end()) return Status::InvalidArgument("no \"hash_ids\" field; expected an array of block ids");
+  if (!ids->is_array()) {
+    return Status::InvalidArgument(fmt::format("\"hash_ids\" is a JSON {}; expected an array of block ids",
+                                               ids->type_name()));
+  }
+  r.hash_ids.reserve(ids->size());
+  for (size_t i = 0; i < ids->size(); ++i) {
+    const nlohmann::json& id = (*ids)[i];
+    if (!id.is_number_unsigned()) {
+      return Status::InvalidArgument(
+          fmt::format("\"hash_ids\"[{}] is {}; expected an integer in 0..2^64-1", i, id.dump()));
     }
-    r.hash_ids.push_back(v);
+    r.hash_ids.push_back(id.get<uint64_t>());
   }
   return r;
 }

@@ -1,5 +1,5 @@
 // flexkv-bench transfer: block copies between a vLLM-shaped GPU KV cache and a registered host pool
-// (DESIGN §4.6), for the gather/scatter kernels and the copy-engine batch, each next to the contiguous
+// (the daemon's CUDA backend path), for the gather/scatter kernels and the copy-engine batch, each next to the contiguous
 // pinned-copy ceiling measured in the same run.
 //
 //   GPU KV cache: LAYERFIRST, one cudaMalloc'ed tensor per layer of [2][blocks][chunk] (vLLM).
@@ -16,7 +16,6 @@
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
-#include <sys/mman.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -34,33 +33,17 @@
 #include <thread>
 #include <vector>
 
+#include "bench_json.h"
+#include "transfer_cuda.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
 namespace {
 
 namespace kv = flexkv::cuda;
-
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "flexkv-bench transfer: %s\n", what.c_str());
-  std::exit(1);
-}
-
-void Check(cudaError_t e, const char* expr, int line) {
-  if (e != cudaSuccess) Die(fmt::format("line {}: {}: {}", line, expr, cudaGetErrorString(e)));
-}
-#define CK(expr) Check((expr), #expr, __LINE__)
-
-// cuda_runtime_api.h takes void**; these keep the pointer types.
-template <class T>
-cudaError_t DeviceAlloc(T** p, size_t bytes) {
-  void* v = nullptr;
-  const cudaError_t e = cudaMalloc(&v, bytes);
-  *p = static_cast<T*>(v);
-  return e;
-}
-
-constexpr uint64_t kKiB = 1024;
-constexpr uint64_t kMaxRegister = 64ull << 30;  // DESIGN §4.5: register the pool in pieces of at most 64 GiB
+using namespace flexkv::bench::transfer;  // NOLINT(google-build-using-namespace): transfer_cuda.h
+using flexkv::bench::DumpLine;
+using flexkv::bench::Json;
+using flexkv::bench::Rounded;
 
 struct Options {
   bool json = false;
@@ -81,108 +64,6 @@ struct Options {
   int sweep_iters = 3;
   std::vector<int> alt_store, alt_load;  // optional second kernel shape per direction (LaunchShape fields)
 };
-
-// ---- host helpers -------------------------------------------------------------------------------------
-
-uint64_t Mix(uint64_t x) {  // splitmix64 finalizer
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// Runs fn(begin, end) over [0, n) split across the machine's cores.
-void ParallelFor(uint64_t n, const std::function<void(uint64_t, uint64_t)>& fn) {
-  const uint64_t workers = std::max(1u, std::min(32u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> threads;
-  const uint64_t per = (n + workers - 1) / workers;
-  for (uint64_t w = 0; w < workers; ++w) {
-    const uint64_t b = w * per, e = std::min(n, b + per);
-    if (b >= e) break;
-    threads.emplace_back([&fn, b, e] { fn(b, e); });
-  }
-  for (auto& t : threads) t.join();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// The pool: anonymous page-aligned memory, registered for DMA; unmapped and unregistered on destruction.
-class RegisteredPool {
- public:
-  RegisteredPool(uint64_t bytes, uint64_t piece_multiple) : bytes_(bytes) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (p == MAP_FAILED) Die(fmt::format("mmap {} bytes: {}", bytes, std::strerror(errno)));
-    base_ = static_cast<uint8_t*>(p);
-    const uint64_t piece = std::max<uint64_t>(piece_multiple, kMaxRegister / piece_multiple * piece_multiple);
-    for (uint64_t off = 0; off < bytes; off += piece) {
-      const uint64_t n = std::min(piece, bytes - off);
-      CK(cudaHostRegister(base_ + off, n, cudaHostRegisterPortable | cudaHostRegisterMapped));
-      pieces_.push_back(off);
-    }
-    void* dev = nullptr;
-    CK(cudaHostGetDevicePointer(&dev, base_, 0));
-    if (dev != base_) Die("registered pool has a device address different from its host address (no UVA?)");
-  }
-  ~RegisteredPool() {
-    for (uint64_t off : pieces_) (void)cudaHostUnregister(base_ + off);
-    munmap(base_, bytes_);
-  }
-  RegisteredPool(const RegisteredPool&) = delete;
-  RegisteredPool& operator=(const RegisteredPool&) = delete;
-  uint8_t* base() const { return base_; }
-
- private:
-  uint8_t* base_ = nullptr;
-  uint64_t bytes_ = 0;
-  std::vector<uint64_t> pieces_;
-};
-
-// ---- timing -------------------------------------------------------------------------------------------
-
-struct Streams {
-  cudaStream_t s1 = nullptr, s2 = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr, joined = nullptr, s1_done = nullptr;
-};
-
-// Median milliseconds of `op` (which enqueues on s1 and, when `two_streams`, on s2 too; s2 starts with s1).
-// With two streams, `s1_ms` / `s2_ms` (if given) get the medians of each stream's own finish.
-double TimeMs(Streams& st, int warmup, int iters, bool two_streams, const std::function<void()>& op,
-              double* s1_ms = nullptr, double* s2_ms = nullptr) {
-  std::vector<double> ms, ms1, ms2;
-  for (int i = 0; i < warmup + iters; ++i) {
-    CK(cudaEventRecord(st.start, st.s1));
-    if (two_streams) CK(cudaStreamWaitEvent(st.s2, st.start, 0));
-    op();
-    if (two_streams) {
-      CK(cudaEventRecord(st.s1_done, st.s1));
-      CK(cudaEventRecord(st.joined, st.s2));
-      CK(cudaStreamWaitEvent(st.s1, st.joined, 0));
-    }
-    CK(cudaEventRecord(st.stop, st.s1));
-    CK(cudaEventSynchronize(st.stop));
-    CK(cudaGetLastError());
-    float t = 0, t1 = 0, t2 = 0;
-    CK(cudaEventElapsedTime(&t, st.start, st.stop));
-    if (two_streams) {
-      CK(cudaEventElapsedTime(&t1, st.start, st.s1_done));
-      CK(cudaEventElapsedTime(&t2, st.start, st.joined));
-    }
-    if (i >= warmup) {
-      ms.push_back(static_cast<double>(t));
-      ms1.push_back(static_cast<double>(t1));
-      ms2.push_back(static_cast<double>(t2));
-    }
-  }
-  if (s1_ms) *s1_ms = Median(ms1);
-  if (s2_ms) *s2_ms = Median(ms2);
-  return Median(ms);
-}
-
-double Gbps(uint64_t bytes, double ms) { return static_cast<double>(bytes) / (ms * 1e6); }
 
 // ---- the experiment -----------------------------------------------------------------------------------
 
@@ -519,24 +400,28 @@ class Bench {
   uint32_t* slots_dev_ = nullptr;
 };
 
-std::string ShapeJson(const kv::LaunchShape& s) {
-  return fmt::format("{{\"ctas\": {}, \"threads\": {}, \"unroll\": {}, \"warps_per_chunk\": {}, \"bulk_kib\": {}, "
-                     "\"stages\": {}}}",
-                     s.ctas, s.threads, s.unroll, s.warps_per_chunk, s.bulk_kib, s.stages);
+Json ShapeJson(const kv::LaunchShape& s) {
+  return Json{{"ctas", s.ctas},        {"threads", s.threads},   {"unroll", s.unroll},
+              {"warps_per_chunk", s.warps_per_chunk}, {"bulk_kib", s.bulk_kib}, {"stages", s.stages}};
 }
 
-std::string TripleJson(const Triple& t, const Triple& ceil) {
-  return fmt::format("{{\"store_gbps\": {:.2f}, \"load_gbps\": {:.2f}, \"both_gbps\": {:.2f}, \"store_ratio\": {:.3f}, "
-                     "\"load_ratio\": {:.3f}, \"both_ratio\": {:.3f}, \"both_store_half_ms\": {:.3f}, "
-                     "\"both_load_half_ms\": {:.3f}}}",
-                     t.store, t.load, t.both, t.store / ceil.store, t.load / ceil.load, t.both / ceil.both,
-                     t.both_store_ms, t.both_load_ms);
+Json TripleJson(const Triple& t, const Triple& ceil) {
+  return Json{{"store_gbps", Rounded(t.store, 2)},
+              {"load_gbps", Rounded(t.load, 2)},
+              {"both_gbps", Rounded(t.both, 2)},
+              {"store_ratio", Rounded(t.store / ceil.store, 3)},
+              {"load_ratio", Rounded(t.load / ceil.load, 3)},
+              {"both_ratio", Rounded(t.both / ceil.both, 3)},
+              {"both_store_half_ms", Rounded(t.both_store_ms, 3)},
+              {"both_load_half_ms", Rounded(t.both_load_ms, 3)}};
 }
 
-std::string LayerWiseJson(const LayerWise& lw, uint64_t bytes) {
-  return fmt::format("{{\"first_layer_ms\": {:.3f}, \"all_layers_ms\": {:.3f}, \"oneshot_ms\": {:.3f}, "
-                     "\"all_layers_gbps\": {:.2f}, \"throughput_vs_oneshot\": {:.3f}}}",
-                     lw.first_ms, lw.all_ms, lw.oneshot_ms, Gbps(bytes, lw.all_ms), lw.oneshot_ms / lw.all_ms);
+Json LayerWiseJson(const LayerWise& lw, uint64_t bytes) {
+  return Json{{"first_layer_ms", Rounded(lw.first_ms, 3)},
+              {"all_layers_ms", Rounded(lw.all_ms, 3)},
+              {"oneshot_ms", Rounded(lw.oneshot_ms, 3)},
+              {"all_layers_gbps", Rounded(Gbps(bytes, lw.all_ms), 2)},
+              {"throughput_vs_oneshot", Rounded(lw.oneshot_ms / lw.all_ms, 3)}};
 }
 
 }  // namespace
@@ -592,39 +477,54 @@ int RunTransferBench(int argc, char** argv) {
 
   const kv::LaunchShape dg = kv::DefaultLaunchShape(true), ds = kv::DefaultLaunchShape(false);
   if (o.json) {
-    std::string out = fmt::format(
-        "{{\"bench\": \"transfer\", \"device\": \"{}\", \"sms\": {}, \"pci_bus\": \"{:04x}:{:02x}:{:02x}\", "
-        "\"cuda_driver\": {}, \"cuda_runtime\": {}, \"layers\": {}, \"blocks\": {}, \"planes\": 2, \"iters\": {}, "
-        "\"warmup\": {}, \"correctness\": \"ok\", \"default_gather\": {}, \"default_scatter\": {}, \"alt_store_shape\": {}, "
-        "\"alt_load_shape\": {}, \"results\": [",
-        prop.name, prop.multiProcessorCount, prop.pciDomainID, prop.pciBusID, prop.pciDeviceID, driver, runtime,
-        o.layers, o.blocks, o.iters, o.warmup, ShapeJson(dg), ShapeJson(ds), ShapeJson(bench.AltStore()),
-        ShapeJson(bench.AltLoad()));
-    for (size_t i = 0; i < results.size(); ++i) {
-      const auto& r = results[i];
-      out += fmt::format(
-          "{}{{\"chunk_kib\": {}, \"bytes\": {}, \"ceiling\": {{\"store_gbps\": {:.2f}, \"load_gbps\": {:.2f}, "
-          "\"both_gbps\": {:.2f}, \"both_store_half_ms\": {:.3f}, \"both_load_half_ms\": {:.3f}}}, \"kernel\": {}, "
-          "\"copy_engine\": {}, {}\"layerwise_kernel\": {}, \"layerwise_copy_engine\": {}}}",
-          i ? ", " : "", r.chunk_kib, r.bytes, r.ceiling.store, r.ceiling.load, r.ceiling.both,
-          r.ceiling.both_store_ms, r.ceiling.both_load_ms,
-          TripleJson(r.kernel, r.ceiling), TripleJson(r.copy_engine, r.ceiling),
-          r.has_alt ? fmt::format("\"kernel_alt\": {}, ", TripleJson(r.kernel_alt, r.ceiling)) : std::string(),
-          LayerWiseJson(r.lw_kernel, r.bytes),
-          LayerWiseJson(r.lw_copy_engine, r.bytes));
+    Json rows = Json::array();
+    for (const auto& r : results) {
+      Json row{{"chunk_kib", r.chunk_kib},
+               {"bytes", r.bytes},
+               {"ceiling",
+                {{"store_gbps", Rounded(r.ceiling.store, 2)},
+                 {"load_gbps", Rounded(r.ceiling.load, 2)},
+                 {"both_gbps", Rounded(r.ceiling.both, 2)},
+                 {"both_store_half_ms", Rounded(r.ceiling.both_store_ms, 3)},
+                 {"both_load_half_ms", Rounded(r.ceiling.both_load_ms, 3)}}},
+               {"kernel", TripleJson(r.kernel, r.ceiling)},
+               {"copy_engine", TripleJson(r.copy_engine, r.ceiling)}};
+      if (r.has_alt) row["kernel_alt"] = TripleJson(r.kernel_alt, r.ceiling);
+      row["layerwise_kernel"] = LayerWiseJson(r.lw_kernel, r.bytes);
+      row["layerwise_copy_engine"] = LayerWiseJson(r.lw_copy_engine, r.bytes);
+      rows.push_back(std::move(row));
     }
-    out += "], \"sweep\": [";
-    for (size_t i = 0; i < sweep.size(); ++i) {
-      const auto& s = sweep[i];
-      out += fmt::format("{}{{\"chunk_kib\": {}, \"dir\": \"{}\", \"shape\": {}, ", i ? ", " : "", s.chunk_kib, s.dir,
-                         ShapeJson(s.shape));
-      if (s.dir == "both")
-        out += fmt::format("\"load_shape\": {}, \"store_half_ms\": {:.3f}, \"load_half_ms\": {:.3f}, ",
-                           ShapeJson(s.shape2), s.store_ms, s.load_ms);
-      out += fmt::format("\"gbps\": {:.2f}, \"ratio\": {:.3f}}}", s.gbps, s.gbps / s.ceiling);
+    Json swept = Json::array();
+    for (const auto& s : sweep) {
+      Json row{{"chunk_kib", s.chunk_kib}, {"dir", s.dir}, {"shape", ShapeJson(s.shape)}};
+      if (s.dir == "both") {
+        row["load_shape"] = ShapeJson(s.shape2);
+        row["store_half_ms"] = Rounded(s.store_ms, 3);
+        row["load_half_ms"] = Rounded(s.load_ms, 3);
+      }
+      row["gbps"] = Rounded(s.gbps, 2);
+      row["ratio"] = Rounded(s.gbps / s.ceiling, 3);
+      swept.push_back(std::move(row));
     }
-    out += "]}\n";
-    std::fputs(out.c_str(), stdout);
+    const Json report{{"bench", "transfer"},
+                      {"device", prop.name},
+                      {"sms", prop.multiProcessorCount},
+                      {"pci_bus", fmt::format("{:04x}:{:02x}:{:02x}", prop.pciDomainID, prop.pciBusID, prop.pciDeviceID)},
+                      {"cuda_driver", driver},
+                      {"cuda_runtime", runtime},
+                      {"layers", o.layers},
+                      {"blocks", o.blocks},
+                      {"planes", 2},
+                      {"iters", o.iters},
+                      {"warmup", o.warmup},
+                      {"correctness", "ok"},
+                      {"default_gather", ShapeJson(dg)},
+                      {"default_scatter", ShapeJson(ds)},
+                      {"alt_store_shape", ShapeJson(bench.AltStore())},
+                      {"alt_load_shape", ShapeJson(bench.AltLoad())},
+                      {"results", rows},
+                      {"sweep", swept}};
+    std::fputs(DumpLine(report).c_str(), stdout);
     return 0;
   }
 

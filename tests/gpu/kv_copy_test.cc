@@ -2,7 +2,6 @@
 // pool for every GPU layout, K/V and MLA, TP shards, layer ranges, odd sizes and launch shapes, for the kernels
 // and the copy-engine batch. Without a visible GPU (CI) every case warns and passes.
 #include <cuda_runtime_api.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>
@@ -13,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/mapped_region.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
 namespace {
@@ -180,17 +180,18 @@ class GpuKv {
 class Pool {
  public:
   Pool(uint32_t slots, uint64_t block_bytes) : slots_(slots), block_bytes_(block_bytes), bytes_(slots * block_bytes) {
-    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    REQUIRE(p != MAP_FAILED);
-    base_ = static_cast<uint8_t*>(p);
+    auto map = flexkv::MappedRegion::Anonymous("the test pool", bytes_);
+    INFO(map.status().ToString());
+    REQUIRE(map.ok());
+    map_ = std::move(*map);
+    base_ = map_.bytes();
     CUDA_OK(cudaHostRegister(base_, bytes_, cudaHostRegisterPortable | cudaHostRegisterMapped));
     void* dev = nullptr;
     CUDA_OK(cudaHostGetDevicePointer(&dev, base_, 0));
     dev_ = static_cast<uint8_t*>(dev);
   }
   ~Pool() {
-    (void)cudaHostUnregister(base_);
-    munmap(base_, bytes_);
+    (void)cudaHostUnregister(base_);  // before map_ unmaps
   }
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
@@ -205,7 +206,8 @@ class Pool {
  private:
   uint32_t slots_;
   uint64_t block_bytes_, bytes_;
-  uint8_t* base_ = nullptr;
+  flexkv::MappedRegion map_;
+  uint8_t* base_ = nullptr;  // map_'s bytes
   uint8_t* dev_ = nullptr;
 };
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A gRPC client in another language, generated from proto/flexkv/v1/control.proto alone, calls
-GetStatus on a real flexkvd's unix socket and finds the DESIGN §4.2 fields (issue 2, acceptance 3)."""
+GetStatus on a real flexkvd's unix socket and finds the status fields docs/operations.md lists."""
 import argparse
 import os
 import shutil
@@ -84,7 +84,7 @@ def main() -> int:
         daemon.terminate()
         _, daemon_stderr = daemon.communicate(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
-    # Sanitizer builds (issue 6): a report in the daemon's stderr fails the test.
+    # Sanitizer builds: a report in the daemon's stderr fails the test.
     if b"Sanitizer:" in daemon_stderr:
         sys.stderr.write(daemon_stderr.decode(errors="replace"))
         failures.append("sanitizer report in flexkvd's stderr")

@@ -1,4 +1,4 @@
-// Security (issue 6): seals on the shared mappings hold, the pool and socket have the documented modes, a session's
+// Security: seals on the shared mappings hold, the pool and socket have the documented modes, a session's
 // token is its own. Block ids, offsets and lengths outside what a session registered are refused: see
 // ring_validation_test.cc ("malformed ring descriptors get error completions; ..."), not repeated here.
 #include <fcntl.h>
@@ -23,68 +23,22 @@
 #include "flexkv/client.h"
 #include "flexkv/v1/control.grpc.pb.h"
 #include "tests/support/process.h"
+#include "tests/support/raw_protocol.h"
 
 using namespace std::chrono_literals;
 using flexkv::UniqueFd;
 using flexkv::testing::DaemonUnderTest;
+using flexkv::testing::ControlStub;
+using flexkv::testing::RawGrant;
 
 namespace {
 
 constexpr char kNamespace[] = "security";
 
-std::unique_ptr<flexkv::v1::Control::Stub> Stub(const std::string& socket) {
-  return flexkv::v1::Control::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
-}
-
-struct RawGrant {
-  uint64_t session_id = 0;
-  std::string token;
-};
-
 RawGrant RawAttach(flexkv::v1::Control::Stub& stub, const std::string& name) {
   flexkv::Geometry g = flexkv::Llama3_8B();
   g.num_layers = 2;
-  flexkv::v1::AttachRequest req;
-  req.set_client_name(name);
-  req.set_pid(static_cast<uint32_t>(getpid()));
-  req.set_model_namespace(kNamespace);
-  req.set_protocol_version(1);
-  flexkv::v1::Geometry* pg = req.mutable_geometry();
-  pg->set_tokens_per_block(g.tokens_per_block);
-  pg->set_num_layers(g.num_layers);
-  pg->set_kv_planes(g.kv_planes);
-  pg->set_kv_heads_per_rank(g.kv_heads_per_rank);
-  pg->set_head_dim(g.head_dim);
-  pg->set_dtype_bytes(g.dtype_bytes);
-  pg->set_tp_size(g.tp_size);
-  flexkv::v1::AttachResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  grpc::Status st = stub.Attach(&ctx, req, &resp);
-  INFO(st.error_message());
-  REQUIRE(st.ok());
-  REQUIRE(resp.session_token().size() == flexkv::kSessionTokenBytes);
-  return {resp.session_id(), resp.session_token()};
-}
-
-// Sends the session-channel hello for (session_id, token); returns the reply and the fds it carried.
-flexkv::SessionHelloReply Hello(const std::string& socket, uint64_t session_id, const std::string& token,
-                                UniqueFd* channel, std::vector<UniqueFd>* fds) {
-  auto fd = flexkv::ConnectUnix(socket);
-  REQUIRE(fd.ok());
-  *channel = std::move(*fd);
-  timeval tv{5, 0};
-  REQUIRE(setsockopt(channel->get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) == 0);
-  flexkv::SessionHello hello{};
-  std::memcpy(hello.magic, flexkv::kSessionChannelMagic, 4);
-  hello.protocol_version = 1;
-  hello.session_id = session_id;
-  std::memcpy(hello.token, token.data(), std::min(token.size(), sizeof(hello.token)));
-  REQUIRE(flexkv::SendWithFds(channel->get(), &hello, sizeof(hello)).ok());
-  flexkv::SessionHelloReply reply{};
-  (void)flexkv::RecvWithFds(channel->get(), &reply, sizeof(reply), fds);
-  reply.message[sizeof(reply.message) - 1] = '\0';
-  return reply;
+  return flexkv::testing::RawAttach(stub, name, kNamespace, g);
 }
 
 std::string WrongToken(const std::string& token) {
@@ -98,11 +52,11 @@ std::string WrongToken(const std::string& token) {
 TEST_CASE("a client cannot grow or shrink the ring memfd the daemon maps (seals hold)", "[integration][security]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
-  auto stub = Stub(d.socket());
+  auto stub = ControlStub(d.socket());
   const RawGrant grant = RawAttach(*stub, "sealed");
   UniqueFd channel;
   std::vector<UniqueFd> fds;
-  const auto reply = Hello(d.socket(), grant.session_id, grant.token, &channel, &fds);
+  const auto reply = flexkv::testing::RawHello(d.socket(), grant.session_id, grant.token, &channel, &fds);
   INFO(reply.message);
   REQUIRE(reply.status_code == 0);
   REQUIRE(fds.size() == 2);
@@ -143,7 +97,7 @@ TEST_CASE("a client cannot grow or shrink the ring memfd the daemon maps (seals 
 TEST_CASE("the pool file is 0600 and the socket 0660, as documented", "[integration][security]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
-  auto stub = Stub(d.socket());
+  auto stub = ControlStub(d.socket());
   (void)RawAttach(*stub, "first");  // the first Attach creates the pool file
   struct stat pool {}, sock {};
   REQUIRE(stat((d.dir() + "/pool").c_str(), &pool) == 0);
@@ -185,7 +139,7 @@ TEST_CASE("one session cannot use another's token: channel, RegisterKv and Detac
       if (setgroups(1, &nogroup) != 0 || setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) {
         _exit(10);
       }
-      auto stub = Stub(socket);
+      auto stub = ControlStub(socket);
       flexkv::v1::DetachRequest req;
       req.set_session_id(std::stoull(id_text));
       req.set_session_token(token);
@@ -203,13 +157,13 @@ TEST_CASE("one session cannot use another's token: channel, RegisterKv and Detac
   // The socket group is nogroup, so the unprivileged peer can reach it.
   DaemonUnderTest d({"--pool-size", "64MiB", "--socket-group", "nogroup"});
   REQUIRE(d.WaitReady());
-  auto stub = Stub(d.socket());
+  auto stub = ControlStub(d.socket());
   const RawGrant a = RawAttach(*stub, "A");
   const RawGrant b = RawAttach(*stub, "B");
   {  // B cannot open A's rings with its own (or any wrong) token.
     UniqueFd channel;
     std::vector<UniqueFd> fds;
-    const auto reply = Hello(d.socket(), a.session_id, b.token, &channel, &fds);
+    const auto reply = flexkv::testing::RawHello(d.socket(), a.session_id, b.token, &channel, &fds);
     INFO(reply.message);
     CHECK(reply.status_code == static_cast<uint32_t>(flexkv::StatusCode::kPermissionDenied));
     CHECK(fds.empty());

@@ -12,7 +12,6 @@
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -29,8 +28,7 @@
 #include "flexkv/client.h"
 #include "common/cuda_driver.h"
 #include "flexkv/cuda.h"
-
-extern char** environ;
+#include "tests/support/spawn.h"
 
 namespace {
 
@@ -232,15 +230,9 @@ class WorkerRank final : public RankKv {
   WorkerRank(const std::vector<std::string>& argv) {
     int in[2], out[2];
     if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) return;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], STDIN_FILENO);
-    posix_spawn_file_actions_adddup2(&fa, out[1], STDOUT_FILENO);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    if (posix_spawn(&pid_, "/proc/self/exe", &fa, nullptr, args.data(), environ) != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&fa);
+    auto pid = flexkv::testing::SpawnChild(argv, {{STDIN_FILENO, in[0], "", 0}, {STDOUT_FILENO, out[1], "", 0}}, {},
+                                           "/proc/self/exe");
+    pid_ = pid.ok() ? *pid : -1;
     close(in[0]);
     close(out[1]);
     to_ = fdopen(in[1], "w");

@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -22,7 +21,7 @@
 #include <thread>
 #include <utility>
 
-extern char** environ;
+#include "tests/support/spawn.h"
 
 namespace flexkv::testing {
 
@@ -51,26 +50,16 @@ ChildProcess ChildProcess::Spawn(const std::vector<std::string>& argv, const std
   static int counter = 0;
   ChildProcess child;
   child.stderr_path_ = "/tmp/flexkv-test-stderr-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, pipefd[1], STDOUT_FILENO);
-  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, child.stderr_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-  for (const auto& e : env) env_strings.push_back(e);
-  std::vector<char*> envp;
-  for (auto& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  const int rc = posix_spawn(&child.pid_, args[0], &actions, nullptr, args.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
+  auto pid = SpawnChild(argv,
+                        {{STDOUT_FILENO, pipefd[1], "", 0},
+                         {STDERR_FILENO, -1, child.stderr_path_, O_WRONLY | O_CREAT | O_TRUNC}},
+                        env);
   close(pipefd[1]);
-  if (rc != 0) {
+  if (!pid.ok()) {
     close(pipefd[0]);
-    throw std::runtime_error("posix_spawn " + argv[0] + ": " + std::strerror(rc));
+    throw std::runtime_error(pid.status().message());
   }
+  child.pid_ = *pid;
   child.stdout_fd_ = pipefd[0];
   return child;
 }
@@ -83,7 +72,7 @@ ChildProcess::ChildProcess(ChildProcess&& other) noexcept
 
 namespace {
 
-// Sanitizer builds (issue 6): a report in a child's stderr (the daemon, a test client, flexkvctl) fails the test
+// Sanitizer builds: a report in a child's stderr (the daemon, a test client, flexkvctl) fails the test
 // run, whether or not the test looked at the child's exit status. Every sanitizer's report has "<Name>Sanitizer:"
 // in its first or SUMMARY line ("ERROR: AddressSanitizer:", "ERROR: LeakSanitizer:", "WARNING: ThreadSanitizer:",
 // "SUMMARY: UndefinedBehaviorSanitizer:"). Called from a destructor, so it cannot throw: prints and exits.

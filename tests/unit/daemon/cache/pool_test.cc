@@ -1,0 +1,180 @@
+// Pool: the pool file is created to the budget, committed slots come back after a reopen (parents first),
+// and a file that does not fit is refused with the reason and the way out.
+#include "daemon/cache/pool.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+using flexkv::BlockKey;
+using flexkv::Geometry;
+using flexkv::Pool;
+using flexkv::StatusCode;
+
+namespace {
+
+Geometry Small() {
+  Geometry g;
+  g.tokens_per_block = 4;
+  g.num_layers = 3;
+  g.kv_planes = 2;
+  g.kv_heads_per_rank = 1;
+  g.head_dim = 4;
+  g.dtype_bytes = 2;
+  g.tp_size = 1;
+  return g;  // 192 bytes per block
+}
+
+// A fresh directory, removed with everything in it at scope exit.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/flexkv-pool-test-XXXXXX";
+    REQUIRE(mkdtemp(tmpl) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+};
+
+constexpr uint64_t kBudget = 192 * 10;
+
+// Overwrites `len` bytes of the file at `offset`.
+void Poke(const std::string& path, uint64_t offset, const void* bytes, size_t len) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  REQUIRE(pwrite(fd, bytes, len, static_cast<off_t>(offset)) == static_cast<ssize_t>(len));
+  close(fd);
+}
+
+constexpr uint64_t kTableOffset = 4096;  // docs/protocol.md "Pool file": header 4 KiB, then 64 B per slot
+
+}  // namespace
+
+TEST_CASE("a new pool holds floor(budget / block bytes) slots of distinct memory", "[unit]") {
+  TempDir dir;
+  const std::string path = dir.path + "/sub/pool";
+  auto pool = Pool::Create(path, "ns", Small(), kBudget + 100);
+  REQUIRE(pool.ok());
+  CHECK((*pool)->capacity() == 10);
+  CHECK((*pool)->block_bytes() == 192);
+  CHECK((*pool)->model_namespace() == "ns");
+  CHECK((*pool)->path() == path);
+  CHECK(std::filesystem::exists(path));
+  CHECK_FALSE(std::filesystem::exists(path + ".new"));
+  CHECK((*pool)->SlotData(1) == (*pool)->SlotData(0) + 192);
+  (*pool)->SlotData(9)[191] = 0x5A;  // the last byte of the last slot is inside the mapping
+  uint64_t dropped = 1;
+  CHECK((*pool)->Recover(&dropped).empty());
+  CHECK(dropped == 0);
+}
+
+TEST_CASE("a budget below one block is refused", "[unit]") {
+  TempDir dir;
+  auto pool = Pool::Create(dir.path + "/pool", "ns", Small(), 100);
+  CHECK(pool.status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("committed slots and their bytes survive a reopen, parents before children, freed ones do not",
+          "[unit]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  const BlockKey a{1, 1}, b{2, 2}, c{3, 3}, gone{4, 4};
+  {
+    auto pool = Pool::Create(path, "ns", Small(), kBudget);
+    REQUIRE(pool.ok());
+    // Children in lower slots than their parents: recovery must reorder.
+    (*pool)->SlotData(0)[0] = 0xC0;
+    (*pool)->MarkCommitted(0, c, b);
+    (*pool)->MarkCommitted(5, b, a);
+    (*pool)->MarkCommitted(7, a, BlockKey{});
+    (*pool)->MarkCommitted(3, gone, a);
+    (*pool)->MarkFree(3);
+  }
+  auto pool = Pool::Open(path, kBudget);
+  REQUIRE(pool.ok());
+  CHECK((*pool)->geometry().num_layers == 3);
+  CHECK((*pool)->model_namespace() == "ns");
+  uint64_t dropped = 0;
+  auto entries = (*pool)->Recover(&dropped);
+  CHECK(dropped == 0);
+  REQUIRE(entries.size() == 3);
+  CHECK((entries[0].key == a && entries[0].slot == 7));
+  CHECK((entries[1].key == b && entries[1].slot == 5 && entries[1].parent == a));
+  CHECK((entries[2].key == c && entries[2].slot == 0 && entries[2].parent == b));
+  CHECK((*pool)->SlotData(0)[0] == 0xC0);
+}
+
+TEST_CASE("a slot entry whose checksum fails is dropped, and so are its descendants", "[unit]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  const BlockKey a{1, 1}, b{2, 2}, c{3, 3}, other{9, 9};
+  {
+    auto pool = Pool::Create(path, "ns", Small(), kBudget);
+    REQUIRE(pool.ok());
+    (*pool)->MarkCommitted(0, a, BlockKey{});
+    (*pool)->MarkCommitted(1, b, a);
+    (*pool)->MarkCommitted(2, c, b);
+    (*pool)->MarkCommitted(3, other, BlockKey{});
+  }
+  const uint64_t flipped = 0xFFFF;
+  Poke(path, kTableOffset + 1 * 64 + 8, &flipped, sizeof(flipped));  // slot 1's key.lo, checksum left as it was
+  auto pool = Pool::Open(path, kBudget);
+  REQUIRE(pool.ok());
+  uint64_t dropped = 0;
+  auto entries = (*pool)->Recover(&dropped);
+  CHECK(dropped == 2);  // slot 1 (checksum) and slot 2 (its parent is gone)
+  REQUIRE(entries.size() == 2);
+  for (const auto& e : entries) CHECK((e.key == a || e.key == other));
+  // The dropped entries were cleared: a second recovery finds nothing more to drop.
+  auto again = (*pool)->Recover(&dropped);
+  CHECK(dropped == 0);
+  CHECK(again.size() == 2);
+}
+
+TEST_CASE("Pool::Open refuses a file that is missing, not a pool, corrupt, of another version or budget",
+          "[unit]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  CHECK(Pool::Open(path, kBudget).status().code() == StatusCode::kNotFound);
+  { REQUIRE(Pool::Create(path, "ns", Small(), kBudget).ok()); }
+
+  SECTION("another budget: FAILED_PRECONDITION naming --pool-size") {
+    auto r = Pool::Open(path, kBudget * 2);
+    CHECK(r.status().code() == StatusCode::kFailedPrecondition);
+    CHECK_THAT(r.status().message(), Catch::Contains("--pool-size") && Catch::Contains("--discard-pool"));
+  }
+  SECTION("bad magic: DATA_LOSS") {
+    Poke(path, 0, "NOTAPOOL", 8);
+    auto r = Pool::Open(path, kBudget);
+    CHECK(r.status().code() == StatusCode::kDataLoss);
+    CHECK_THAT(r.status().message(), Catch::Contains("not a flexkvd pool file"));
+  }
+  SECTION("another layout version: FAILED_PRECONDITION") {
+    const uint32_t version = flexkv::kPoolLayoutVersion + 1;
+    Poke(path, 8, &version, sizeof(version));
+    auto r = Pool::Open(path, kBudget);
+    CHECK(r.status().code() == StatusCode::kFailedPrecondition);
+    CHECK_THAT(r.status().message(), Catch::Contains("layout version"));
+  }
+  SECTION("a header byte changed: DATA_LOSS (checksum)") {
+    const uint32_t layers = 4;
+    Poke(path, 16, &layers, sizeof(layers));  // geometry[1] = num_layers
+    auto r = Pool::Open(path, kBudget);
+    CHECK(r.status().code() == StatusCode::kDataLoss);
+    CHECK_THAT(r.status().message(), Catch::Contains("corrupt header"));
+  }
+  SECTION("a file shorter than its header: DATA_LOSS") {
+    REQUIRE(truncate(path.c_str(), 100) == 0);
+    CHECK(Pool::Open(path, kBudget).status().code() == StatusCode::kDataLoss);
+  }
+  SECTION("a file cut short after the header: DATA_LOSS") {
+    REQUIRE(truncate(path.c_str(), 8192) == 0);
+    auto r = Pool::Open(path, kBudget);
+    CHECK(r.status().code() == StatusCode::kDataLoss);
+    CHECK_THAT(r.status().message(), Catch::Contains("inconsistent header"));
+  }
+}
