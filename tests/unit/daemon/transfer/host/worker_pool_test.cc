@@ -1,5 +1,5 @@
 // WorkerPool: every submitted task runs, on the pool's threads, and the destructor runs what is still queued.
-#include "daemon/transfer/worker_pool.h"
+#include "daemon/transfer/host/worker_pool.h"
 
 #include <atomic>
 #include <catch2/catch.hpp>

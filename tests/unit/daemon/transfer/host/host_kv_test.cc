@@ -1,6 +1,6 @@
 // The host backend's layout math: KvBytesRequired, and which client bytes make up block b in each layout. The
 // expected offsets are written out independently from docs/protocol.md's layouts, not from host_kv.cc.
-#include "daemon/transfer/host_kv.h"
+#include "daemon/transfer/host/host_kv.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
