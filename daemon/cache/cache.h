@@ -14,6 +14,7 @@
 #include "common/unique_fd.h"
 #include "daemon/cache/cache_domain.h"
 #include "daemon/cache/pool.h"
+#include "daemon/cache/pool_lock.h"
 #include "daemon/cache/prefix_index.h"
 #include "daemon/transfer/cuda_backend.h"
 
@@ -28,7 +29,8 @@ class Cache {
  public:
   Cache(uint64_t budget_bytes, std::string pool_path);
 
-  // Takes `<pool>.lock` (a second daemon on the same pool is refused naming the holder's pid), then
+  // Locks the pool (PoolLock: `<pool>.lock` and the pool file itself; a second daemon on the same pool is
+  // refused naming the holder's pid), then
   // re-attaches the pool file of an earlier run, if any, and rebuilds the index from its slot table.
   // With `discard`, a pool file that cannot be used is replaced (its blocks are lost) instead of refused.
   Status RecoverPool(bool discard);
@@ -76,7 +78,7 @@ class Cache {
   std::unique_ptr<Pool> pool_;          // guarded by mu_ (set once)
   std::unique_ptr<PrefixIndex> index_;  // guarded by mu_
   std::atomic<bool> has_pool_{false};
-  UniqueFd lock_fd_;
+  PoolLock pool_lock_;  // guarded by mu_ after RecoverPool
   CudaBackend* cuda_ = nullptr;
   Status dma_status_;  // guarded by mu_; the outcome of registering the pool for DMA
   bool dma_tried_ = false;

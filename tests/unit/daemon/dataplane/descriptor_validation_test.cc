@@ -271,3 +271,18 @@ TEST_CASE("descriptor validation: the payload is a copy, later writes to the are
   std::memcpy(arena.bytes + kIdsAt, &huge, 4);
   CHECK(r->block_ids == std::vector<uint32_t>{0, 1});
 }
+
+// Issue 13 item 10: the all-zero key is what the pool records as a root block's parent, so a chain holding
+// it matched 3 blocks before a restart and 0 after. Before the fix, this Store was accepted.
+TEST_CASE("descriptor validation: a Store of the all-zero key is refused with INVALID_ARGUMENT", "[unit][regression]") {
+  Arena arena;
+  std::memset(arena.bytes + kKeysAt + 16 * 2, 0, sizeof(BlockKey));  // key 2 of 4
+  const auto store = flexkv::ValidateDescriptor(Desc(RingOp::kStore, 4), arena.span(), Limits());
+  REQUIRE_FALSE(store.ok());
+  INFO(store.status().ToString());
+  CHECK(store.status().code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(store.status().message(), Catch::Contains("key 2 of the Store is all zero"));
+  // A Store before it is fine, and a Match of it is harmless (it finds nothing): both accepted.
+  CHECK(flexkv::ValidateDescriptor(Desc(RingOp::kStore, 2), arena.span(), Limits()).ok());
+  CHECK(flexkv::ValidateDescriptor(Desc(RingOp::kMatch, 4), arena.span(), Limits()).ok());
+}

@@ -1,0 +1,176 @@
+// Issue 13, control-plane items against a real flexkvd: odd names and namespaces (item 5), the all-zero key
+// (item 10), ListSessions for non-admins (item 11) and a second daemon on a pool whose .lock was removed (item 2).
+#include <grpcpp/grpcpp.h>
+#include <csignal>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "flexkv/client.h"
+#include "flexkv/v1/control.grpc.pb.h"
+#include "tests/support/process.h"
+
+using namespace std::chrono_literals;
+using flexkv::testing::DaemonUnderTest;
+using flexkv::testing::RunCommand;
+
+namespace {
+
+std::unique_ptr<flexkv::v1::Control::Stub> Stub(const std::string& socket) {
+  return flexkv::v1::Control::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+}
+
+flexkv::Geometry SmallGeometry() {
+  flexkv::Geometry g = flexkv::Llama3_8B();
+  g.num_layers = 2;
+  return g;
+}
+
+// An Attach as a client that does not use libflexkv would send it: any bytes in the names.
+grpc::Status RawAttach(const std::string& socket, const std::string& client_name, const std::string& model_namespace,
+                       const flexkv::Geometry& g) {
+  flexkv::v1::AttachRequest req;
+  req.set_client_name(client_name);
+  req.set_pid(static_cast<uint32_t>(getpid()));
+  req.set_model_namespace(model_namespace);
+  req.set_protocol_version(1);
+  flexkv::v1::Geometry* pg = req.mutable_geometry();
+  pg->set_tokens_per_block(g.tokens_per_block);
+  pg->set_num_layers(g.num_layers);
+  pg->set_kv_planes(g.kv_planes);
+  pg->set_kv_heads_per_rank(g.kv_heads_per_rank);
+  pg->set_head_dim(g.head_dim);
+  pg->set_dtype_bytes(g.dtype_bytes);
+  pg->set_tp_size(g.tp_size);
+  flexkv::v1::AttachResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+  return Stub(socket)->Attach(&ctx, req, &resp);
+}
+
+std::unique_ptr<flexkv::Client> Connect(const DaemonUnderTest& d) {
+  auto c = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
+  REQUIRE(c.ok());
+  return std::move(*c);
+}
+
+}  // namespace
+
+TEST_CASE("an Attach with a NUL in its namespace and a made-up geometry does not lock the engines out",
+          "[integration][security][regression]") {
+  // Before the fix the daemon accepted this Attach, and its namespace and geometry became the node's only
+  // cache domain: every real engine after it got FAILED_PRECONDITION until a restart with --discard-pool.
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  flexkv::Geometry odd = SmallGeometry();
+  odd.head_dim = 64;
+  odd.num_layers = 3;
+  const grpc::Status attacker = RawAttach(d.socket(), "x", std::string("llama\0-owned", 12), odd);
+  INFO(attacker.error_message());
+  CHECK(attacker.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(attacker.error_message(), Catch::Contains("model_namespace has control character U+0000 at byte offset 5"));
+  const grpc::Status bad_name = RawAttach(d.socket(), "vllm\x1b[2J", "llama", odd);
+  CHECK(bad_name.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(bad_name.error_message(), Catch::Contains("client_name has control character U+001B at byte offset 4"));
+  const grpc::Status not_utf8 = RawAttach(d.socket(), "x", "llama\xfe", odd);
+  CHECK(not_utf8.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(not_utf8.error_message(), Catch::Contains("model_namespace is not valid UTF-8 at byte offset 5"));
+
+  auto engine = Connect(d);
+  auto session = engine->Attach({"engine", 0, 0, "llama", SmallGeometry()});
+  INFO(session.status().ToString());
+  CHECK(session.ok());
+}
+
+TEST_CASE("a namespace survives a restart whole: all 256 bytes, non-ASCII included",
+          "[integration][regression]") {
+  // The pool file keeps the namespace as a C string: before the fix "a\0b" was accepted and came back as "a".
+  std::string ns;
+  while (ns.size() + 2 <= 256) ns += "é";  // 2 bytes each: 256 bytes of UTF-8
+  REQUIRE(ns.size() == 256);
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  CHECK(RawAttach(d.socket(), "x", "a" + std::string(1, '\0') + "b", SmallGeometry()).error_code() ==
+        grpc::StatusCode::INVALID_ARGUMENT);
+  {
+    auto c = Connect(d);
+    REQUIRE(c->Attach({"engine", 0, 0, ns, SmallGeometry()}).ok());
+    REQUIRE(c->Detach().ok());
+  }
+  d.process().Signal(SIGTERM);
+  REQUIRE(d.process().Wait(10s).has_value());
+  DaemonUnderTest restarted({"--pool-size", "64MiB"}, d.dir());
+  REQUIRE(restarted.WaitReady());
+  auto status = Connect(restarted)->GetStatus();
+  REQUIRE(status.ok());
+  CHECK(status->model_namespace == ns);
+}
+
+TEST_CASE("the client library refuses to store the all-zero key, naming it", "[integration][regression]") {
+  // A chain holding the all-zero key matched 3 blocks before a restart and 0 after (the pool records that key
+  // as a root's parent). Before the fix the Store was submitted and reported its blocks done.
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  auto c = Connect(d);
+  REQUIRE(c->Attach({"engine", 0, 0, "llama", SmallGeometry()}).ok());
+  auto kv = c->CreateHostKv(flexkv::KvLayout::kBlockFirst, 8);
+  REQUIRE(kv.ok());
+  const std::vector<flexkv::BlockKey> keys = {{1, 2}, {0, 0}, {3, 4}};
+  const std::vector<uint32_t> ids = {0, 1, 2};
+  auto ticket = c->Store(keys, ids);
+  REQUIRE_FALSE(ticket.ok());
+  INFO(ticket.status().ToString());
+  CHECK(ticket.status().code() == flexkv::StatusCode::kInvalidArgument);
+  CHECK_THAT(ticket.status().message(), Catch::Contains("key 1 of the store is all zero"));
+}
+
+TEST_CASE("ListSessions shows a non-admin caller only its own sessions", "[integration][security][regression]") {
+  if (geteuid() != 0) {
+    WARN("not root: cannot run flexkvctl as another uid; skipped");
+    return;
+  }
+  // Before the fix uid 65534 saw root's engine: its client name, pid and namespace.
+  DaemonUnderTest d({"--pool-size", "64MiB", "--socket-group", "nogroup"});
+  REQUIRE(d.WaitReady());
+  auto c = Connect(d);
+  REQUIRE(c->Attach({"secret-engine", 0, 0, "customer-a", SmallGeometry()}).ok());
+  const auto nobody = RunCommand({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                  flexkv::testing::FlexkvctlPath(), "--socket", d.socket(), "sessions", "--json"});
+  INFO(nobody.output);
+  REQUIRE(nobody.exit_code == 0);
+  CHECK(nobody.output.find("secret-engine") == std::string::npos);
+  CHECK(nobody.output.find("customer-a") == std::string::npos);
+  auto admin = c->ListSessions();  // root is an admin: it sees every session
+  REQUIRE(admin.ok());
+  REQUIRE(admin->size() == 1);
+  CHECK((*admin)[0].client_name == "secret-engine");
+}
+
+TEST_CASE("a second daemon on the same pool is refused after the .lock file was removed",
+          "[integration][regression]") {
+  // Before the fix the lock lived only in <pool>.lock: after `rm <pool>.lock` a second daemon started on the
+  // same pool file and the first then served its blocks as valid.
+  DaemonUnderTest first({"--pool-size", "64MiB"});
+  REQUIRE(first.WaitReady());
+  auto c = Connect(first);
+  REQUIRE(c->Attach({"engine", 0, 0, "llama", SmallGeometry()}).ok());  // creates the pool file
+  const std::string pool = first.dir() + "/pool";
+  REQUIRE(std::filesystem::exists(pool));
+  REQUIRE(std::filesystem::remove(pool + ".lock"));
+  const std::string other_dir = first.dir() + "/second";
+  std::filesystem::create_directory(other_dir);
+  const auto second = RunCommand({flexkv::testing::FlexkvdPath(), "--socket", other_dir + "/flexkvd.sock", "--pool-path",
+                                  pool, "--pool-size", "64MiB"},
+                                 20s);
+  INFO(second.output);
+  CHECK(second.exit_code != 0);
+  CHECK_THAT(second.output, Catch::Contains("pid " + std::to_string(first.process().pid())));
+  CHECK_THAT(second.output, Catch::Contains(pool));
+  auto status = c->GetStatus();  // the first daemon keeps serving its pool
+  REQUIRE(status.ok());
+  CHECK(status->pool.capacity_blocks > 0);
+}
