@@ -41,9 +41,9 @@ Status Cache::RecoverPool(bool discard) {
       return Status::FailedPrecondition(fmt::format("cannot create pool directory {}: {}", dir.string(), ec.message()));
     }
   }
-  auto lock = PoolLock::Acquire(pool_path_);
-  if (!lock.ok()) return lock.status();
-  pool_lock_ = std::move(*lock);
+  auto pool_lock = PoolLock::Acquire(pool_path_);
+  if (!pool_lock.ok()) return pool_lock.status();
+  pool_lock_ = std::move(*pool_lock);
   auto pool = Pool::Open(pool_path_, budget_bytes_);
   if (!pool.ok()) {
     if (pool.status().code() == StatusCode::kNotFound) return CheckPoolSpace();

@@ -73,18 +73,6 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
   if (has_keys) {
     payload.keys.resize(d.count);
     std::memcpy(payload.keys.data(), arena.data() + d.keys_offset, key_bytes);
-    // The all-zero key is what the pool records as a root block's parent, so a stored one would link
-    // differently after a restart than before it; the copy is checked, as for block ids.
-    if (op == RingOp::kStore) {
-      for (uint32_t i = 0; i < d.count; ++i) {
-        if (payload.keys[i] == BlockKey{}) {
-          return Status::InvalidArgument(fmt::format(
-              "key {} of the Store is all zero; expected a non-zero key (the all-zero key is reserved for a "
-              "chain's root)",
-              i));
-        }
-      }
-    }
   }
   if (has_ids) {
     payload.block_ids.resize(d.count);
@@ -95,6 +83,18 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
       if (id >= limits.registered_blocks) {
         return Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks; expected 0..{}",
                                               id, i, limits.registered_blocks, limits.registered_blocks - 1));
+      }
+    }
+  }
+  // The all-zero key is what the pool records as a root block's parent, so a stored one would link
+  // differently after a restart than before it; the copy is checked, as for block ids.
+  if (op == RingOp::kStore) {
+    for (uint32_t i = 0; i < d.count; ++i) {
+      if (payload.keys[i] == BlockKey{}) {
+        return Status::InvalidArgument(fmt::format(
+            "key {} of the Store is all zero; expected a non-zero key (the all-zero key is reserved for a "
+            "chain's root)",
+            i));
       }
     }
   }

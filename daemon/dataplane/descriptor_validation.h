@@ -39,11 +39,11 @@ struct DescriptorPayload {
 // Returns the payload, or an error naming the field, its value and what was expected:
 //   INVALID_ARGUMENT     reserved words not zero; opcode not 1..4 (RingOp); flags outside those of the opcode
 //                        (Match: kMatchFlagPin, Load: kLoadFlagLayerwise, none otherwise); count of a Match, Load
-//                        or Store not in 1..max_blocks_per_request; a Store key that is all zero (reserved:
-//                        the pool records it as a root block's parent);
+//                        or Store not in 1..max_blocks_per_request;
 //   OUT_OF_RANGE         keys (count x 16 bytes, 8-aligned) or block ids (count x 4 bytes, 4-aligned) not inside
 //                        the arena; a block id not below registered_blocks;
-//   FAILED_PRECONDITION  Load or Store while registered_blocks is 0.
+//   FAILED_PRECONDITION  Load or Store while registered_blocks is 0;
+//   INVALID_ARGUMENT     a Store key that is all zero (reserved: the pool records it as a root block's parent).
 // The checks run in that order; the first failure is returned. Match handles are not checked here: whether the
 // session holds one is state, looked up where it is used (ValidateHandleUse).
 Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,

@@ -1,12 +1,15 @@
 // Issue 13, control-plane items against a real flexkvd: odd names and namespaces (item 5), the all-zero key
 // (item 10), ListSessions for non-admins (item 11) and a second daemon on a pool whose .lock was removed (item 2).
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <csignal>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -76,9 +79,11 @@ TEST_CASE("an Attach with a NUL in its namespace and a made-up geometry does not
   const grpc::Status bad_name = RawAttach(d.socket(), "vllm\x1b[2J", "llama", odd);
   CHECK(bad_name.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK_THAT(bad_name.error_message(), Catch::Contains("client_name has control character U+001B at byte offset 4"));
+  // protobuf refuses a proto3 string that is not UTF-8 while parsing (CacheDomain checks again, for pool files).
   const grpc::Status not_utf8 = RawAttach(d.socket(), "x", "llama\xfe", odd);
+  INFO(not_utf8.error_message());
   CHECK(not_utf8.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  CHECK_THAT(not_utf8.error_message(), Catch::Contains("model_namespace is not valid UTF-8 at byte offset 5"));
+  CHECK_THAT(not_utf8.error_message(), Catch::Contains("flexkv.v1.AttachRequest") && Catch::Contains("UTF-8"));
 
   auto engine = Connect(d);
   auto session = engine->Attach({"engine", 0, 0, "llama", SmallGeometry()});
@@ -173,4 +178,45 @@ TEST_CASE("a second daemon on the same pool is refused after the .lock file was 
   auto status = c->GetStatus();  // the first daemon keeps serving its pool
   REQUIRE(status.ok());
   CHECK(status->pool.capacity_blocks > 0);
+}
+
+TEST_CASE("a request that is not valid protobuf gets INVALID_ARGUMENT naming the message type",
+          "[integration][regression]") {
+  // Before the fix gRPC answered INTERNAL with an empty message.
+  DaemonUnderTest d;
+  REQUIRE(d.WaitReady());
+  auto channel = grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  const auto call = [&](const std::string& method, const std::string& bytes) {
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    grpc::Status status;
+    stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
+      std::lock_guard lock(mu);
+      status = std::move(s);
+      done = true;
+      cv.notify_one();
+    });
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return done; });
+    return status;
+  };
+  // Field 1 (client_name) as a length-delimited string 100 bytes long, with 3 bytes present: truncated.
+  const grpc::Status attach = call("/flexkv.v1.Control/Attach", std::string("\x0a\x64" "abc", 5));
+  INFO(attach.error_message());
+  CHECK(attach.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(attach.error_message(), Catch::Contains("request could not be parsed as flexkv.v1.AttachRequest"));
+  const grpc::Status match = call("/flexkv.v1.Control/Match", std::string("\xff\xff\xff", 3));
+  INFO(match.error_message());
+  CHECK(match.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(match.error_message(), Catch::Contains("flexkv.v1.MatchRequest"));
+  // A well-formed request still works.
+  flexkv::v1::GetStatusRequest empty;
+  const grpc::Status ok = call("/flexkv.v1.Control/GetStatus", empty.SerializeAsString());
+  CHECK(ok.ok());
 }

@@ -113,10 +113,16 @@ TEST_CASE("descriptor validation: valid descriptors of every opcode are accepted
     CHECK(r->block_ids.empty());
   }
   SECTION("ranges that end exactly at the arena end, and count == max") {
+    // A Store key must not be all zero: the last 16 bytes hold key {5, 1} (its upper half overlaps block id 0).
+    Arena tail;
+    const uint64_t lo = 5;
+    const uint32_t hi_low_half = 1;
+    std::memcpy(tail.bytes + kArenaBytes - 16, &lo, 8);
+    std::memcpy(tail.bytes + kArenaBytes - 8, &hi_low_half, 4);
     SubmitDescriptor d = Desc(RingOp::kStore, 1);
     d.keys_offset = kArenaBytes - 16;
     d.block_ids_offset = kArenaBytes - 4;
-    CHECK(flexkv::ValidateDescriptor(d, arena.span(), Limits()).ok());
+    CHECK(flexkv::ValidateDescriptor(d, tail.span(), Limits()).ok());
     DescriptorLimits wide = Limits();
     wide.max_blocks_per_request = 4096 / 16;
     SubmitDescriptor all = Desc(RingOp::kMatch, 4096 / 16);
