@@ -52,7 +52,6 @@ Status Cache::RecoverPool(bool discard) {
     ::unlink(pool_path_.c_str());
     return CheckPoolSpace();
   }
-  FLEXKV_RETURN_IF_ERROR(domain_.Admit((*pool)->model_namespace(), (*pool)->geometry()));
   std::lock_guard lock(mu_);
   uint64_t dropped = 0;
   auto committed = (*pool)->Recover(&dropped);
@@ -63,6 +62,20 @@ Status Cache::RecoverPool(bool discard) {
       (*pool)->MarkFree(c.slot);
       ++dropped;
     }
+  }
+  // A domain is kept across a restart only for its blocks: an empty one (say, fixed by one odd Attach whose
+  // session then left) would otherwise lock every other geometry out until --discard-pool.
+  if (index->committed_blocks() == 0) {
+    log::Info("cache", "pool {} holds no blocks: its domain '{}' is not kept, the first Attach fixes the domain",
+              pool_path_, (*pool)->model_namespace());
+    (*pool).reset();
+    ::unlink(pool_path_.c_str());
+    return CheckPoolSpace();
+  }
+  Status admitted = domain_.Admit((*pool)->model_namespace(), (*pool)->geometry());
+  if (!admitted.ok()) {
+    return admitted.WithContext(
+        fmt::format("pool file {} (start with --discard-pool to replace it; its blocks are lost)", pool_path_));
   }
   log::Info("cache", "re-attached pool {}: {} committed blocks restored, {} incomplete or orphaned dropped; domain '{}' {}",
             pool_path_, index->committed_blocks(), dropped, (*pool)->model_namespace(), (*pool)->geometry().ToString());

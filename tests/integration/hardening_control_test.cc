@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "flexkv/block_key.h"
 #include "flexkv/client.h"
 #include "flexkv/v1/control.grpc.pb.h"
 #include "tests/support/process.h"
@@ -61,6 +62,23 @@ std::unique_ptr<flexkv::Client> Connect(const DaemonUnderTest& d) {
   return std::move(*c);
 }
 
+// Stores the first block of a short prompt under `ns` from host KV block 0, and waits for it.
+void StoreOneBlock(flexkv::Client& c, const std::string& ns) {
+  auto kv = c.CreateHostKv(flexkv::KvLayout::kBlockFirst, 4);
+  REQUIRE(kv.ok());
+  const std::vector<int32_t> tokens(SmallGeometry().tokens_per_block, 7);
+  const std::vector<flexkv::BlockKey> keys = flexkv::ComputeBlockKeys(ns, tokens, SmallGeometry().tokens_per_block);
+  REQUIRE(keys.size() == 1);
+  const std::vector<uint32_t> ids = {0};
+  auto ticket = c.Store(keys, ids);
+  REQUIRE(ticket.ok());
+  auto stored = c.Wait(*ticket, std::chrono::seconds(10));
+  REQUIRE(stored.ok());
+  INFO(stored->status.ToString());
+  REQUIRE(stored->status.ok());
+  REQUIRE(stored->done_blocks == 1);
+}
+
 }  // namespace
 
 TEST_CASE("an Attach with a NUL in its namespace and a made-up geometry does not lock the engines out",
@@ -101,9 +119,10 @@ TEST_CASE("a namespace survives a restart whole: all 256 bytes, non-ASCII includ
   REQUIRE(d.WaitReady());
   CHECK(RawAttach(d.socket(), "x", "a" + std::string(1, '\0') + "b", SmallGeometry()).error_code() ==
         grpc::StatusCode::INVALID_ARGUMENT);
-  {
+  {  // One block stored: a domain is kept across a restart for its blocks only.
     auto c = Connect(d);
     REQUIRE(c->Attach({"engine", 0, 0, ns, SmallGeometry()}).ok());
+    StoreOneBlock(*c, ns);
     REQUIRE(c->Detach().ok());
   }
   d.process().Signal(SIGTERM);
@@ -113,6 +132,30 @@ TEST_CASE("a namespace survives a restart whole: all 256 bytes, non-ASCII includ
   auto status = Connect(restarted)->GetStatus();
   REQUIRE(status.ok());
   CHECK(status->model_namespace == ns);
+  CHECK(status->index_blocks == 1);
+  // A domain holding blocks still decides the geometry.
+  flexkv::Geometry other = SmallGeometry();
+  other.num_layers = 3;
+  CHECK(RawAttach(restarted.socket(), "x", ns, other).error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST_CASE("a domain without blocks does not outlive its sessions across a restart", "[integration][regression]") {
+  // Before the fix one Attach with a made-up geometry fixed the domain in the pool file, and after a restart
+  // every real engine still got FAILED_PRECONDITION until an operator used --discard-pool.
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  flexkv::Geometry odd = SmallGeometry();
+  odd.head_dim = 64;
+  REQUIRE(RawAttach(d.socket(), "squatter", "made-up", odd).ok());
+  d.process().Signal(SIGTERM);
+  REQUIRE(d.process().Wait(10s).has_value());
+  DaemonUnderTest restarted({"--pool-size", "64MiB"}, d.dir());
+  REQUIRE(restarted.WaitReady());
+  auto engine = Connect(restarted);
+  auto session = engine->Attach({"engine", 0, 0, "llama", SmallGeometry()});
+  INFO(session.status().ToString());
+  CHECK(session.ok());
+  CHECK_THAT(restarted.process().Stderr(), Catch::Contains("holds no blocks"));
 }
 
 TEST_CASE("the client library refuses to store the all-zero key, naming it", "[integration][regression]") {
