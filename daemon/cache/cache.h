@@ -78,7 +78,7 @@ class Cache {
   std::unique_ptr<Pool> pool_;          // guarded by mu_ (set once)
   std::unique_ptr<PrefixIndex> index_;  // guarded by mu_
   std::atomic<bool> has_pool_{false};
-  PoolLock pool_lock_;  // guarded by mu_ after RecoverPool
+  PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   CudaBackend* cuda_ = nullptr;
   Status dma_status_;  // guarded by mu_; the outcome of registering the pool for DMA
   bool dma_tried_ = false;
