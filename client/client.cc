@@ -386,6 +386,14 @@ Result<Ticket> Client::Store(std::span<const BlockKey> keys, std::span<const uin
     return Status::InvalidArgument(fmt::format("{} keys and {} source block ids; expected the same non-zero number",
                                                keys.size(), src_block_ids.size()));
   }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i] == BlockKey{}) {
+      return Status::InvalidArgument(fmt::format(
+          "key {} of the store is all zero; the all-zero key is reserved (it marks a chain's root) and cannot be "
+          "stored: derive keys with ComputeBlockKeys",
+          i));
+    }
+  }
   auto t = s->rings->Submit(RingOp::kStore, 0, static_cast<uint32_t>(keys.size()), keys, src_block_ids, 0);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};

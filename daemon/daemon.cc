@@ -28,6 +28,7 @@
 #include "daemon/server/acceptor.h"
 #include "daemon/server/control_service.h"
 #include "daemon/server/control_socket.h"
+#include "daemon/server/parse_error_interceptor.h"
 #include "daemon/server/peer_table.h"
 #include "daemon/sessions/session_registry.h"
 #include "daemon/transfer/cuda/cuda_engine_memory.h"
@@ -129,6 +130,9 @@ int RunDaemon(const DaemonConfig& config) {
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);
   builder.SetMaxReceiveMessageSize(16 << 20);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(MakeParseErrorInterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) {
     log::Error("daemon", "gRPC server failed to start");

@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 #include <fcntl.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -42,19 +41,9 @@ Status Cache::RecoverPool(bool discard) {
       return Status::FailedPrecondition(fmt::format("cannot create pool directory {}: {}", dir.string(), ec.message()));
     }
   }
-  const std::string lock_path = pool_path_ + ".lock";
-  lock_fd_.reset(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-  if (!lock_fd_) return Status::FailedPrecondition(fmt::format("cannot open {}: {}", lock_path, ErrnoText(errno)));
-  if (flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0) {
-    char buf[32] = {};
-    const ssize_t n = pread(lock_fd_.get(), buf, sizeof(buf) - 1, 0);
-    return Status::FailedPrecondition(fmt::format("another flexkvd (pid {}) uses the pool {}; give each daemon its own --pool-path",
-                                                  n > 0 ? std::string(buf, static_cast<size_t>(n - (buf[n - 1] == '\n'))) : "unknown", pool_path_));
-  }
-  const std::string pid = fmt::format("{}\n", getpid());
-  if (ftruncate(lock_fd_.get(), 0) != 0 || pwrite(lock_fd_.get(), pid.data(), pid.size(), 0) < 0) {
-    return Status::Internal(fmt::format("writing {}: {}", lock_path, ErrnoText(errno)));
-  }
+  auto pool_lock = PoolLock::Acquire(pool_path_);
+  if (!pool_lock.ok()) return pool_lock.status();
+  pool_lock_ = std::move(*pool_lock);
   auto pool = Pool::Open(pool_path_, budget_bytes_);
   if (!pool.ok()) {
     if (pool.status().code() == StatusCode::kNotFound) return CheckPoolSpace();
@@ -63,7 +52,6 @@ Status Cache::RecoverPool(bool discard) {
     ::unlink(pool_path_.c_str());
     return CheckPoolSpace();
   }
-  FLEXKV_RETURN_IF_ERROR(domain_.Admit((*pool)->model_namespace(), (*pool)->geometry()));
   MutexLock lock(&mu_);
   uint64_t dropped = 0;
   auto committed = (*pool)->Recover(&dropped);
@@ -74,6 +62,20 @@ Status Cache::RecoverPool(bool discard) {
       (*pool)->MarkFree(c.slot);
       ++dropped;
     }
+  }
+  // A domain is kept across a restart only for its blocks: an empty one (say, fixed by one odd Attach whose
+  // session then left) would otherwise lock every other geometry out until --discard-pool.
+  if (index->committed_blocks() == 0) {
+    log::Info("cache", "pool {} holds no blocks: its domain '{}' is not kept, the first Attach fixes the domain",
+              pool_path_, (*pool)->model_namespace());
+    (*pool).reset();
+    ::unlink(pool_path_.c_str());
+    return CheckPoolSpace();
+  }
+  Status admitted = domain_.Admit((*pool)->model_namespace(), (*pool)->geometry());
+  if (!admitted.ok()) {
+    return admitted.WithContext(
+        fmt::format("pool file {} (start with --discard-pool to replace it; its blocks are lost)", pool_path_));
   }
   log::Info("cache", "re-attached pool {}: {} committed blocks restored, {} incomplete or orphaned dropped; domain '{}' {}",
             pool_path_, index->committed_blocks(), dropped, (*pool)->model_namespace(), (*pool)->geometry().ToString());
@@ -91,6 +93,7 @@ Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry
 Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry) {
   auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes_);
   if (!pool.ok()) return pool.status();
+  FLEXKV_RETURN_IF_ERROR(pool_lock_.LockPoolFile());
   auto index = std::make_unique<PrefixIndex>((*pool)->capacity());
   AdoptPoolLocked(std::move(*pool), std::move(index));
   return Status::Ok();

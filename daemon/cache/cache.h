@@ -18,6 +18,7 @@
 #include "common/unique_fd.h"
 #include "daemon/cache/cache_domain.h"
 #include "daemon/cache/pool.h"
+#include "daemon/cache/pool_lock.h"
 #include "daemon/cache/pool_region.h"
 #include "daemon/cache/prefix_index.h"
 
@@ -32,7 +33,8 @@ class Cache {
  public:
   Cache(uint64_t budget_bytes, std::string pool_path);
 
-  // Takes `<pool>.lock` (a second daemon on the same pool is refused naming the holder's pid), then
+  // Locks the pool (PoolLock: `<pool>.lock` and the pool file itself; a second daemon on the same pool is
+  // refused naming the holder's pid), then
   // re-attaches the pool file of an earlier run, if any, and rebuilds the index from its slot table.
   // With `discard`, a pool file that cannot be used is replaced (its blocks are lost) instead of refused.
   Status RecoverPool(bool discard);
@@ -88,7 +90,7 @@ class Cache {
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<PrefixIndex> index_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> has_pool_{false};
-  UniqueFd lock_fd_;
+  PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   std::function<void(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -6,17 +6,25 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
 namespace flexkv {
 
+// Checks a name a client chose (model_namespace, client_name): 1..max_bytes (0..max_bytes when `may_be_empty`)
+// of valid UTF-8 without control characters (U+0000..U+001F, U+007F..U+009F). A name that breaks this is
+// refused with INVALID_ARGUMENT naming `field`, the byte offset of the first bad byte and what is allowed:
+// a NUL in a namespace would otherwise be cut off where the pool file stores it, and control characters
+// would forge log lines and flexkvctl output.
+Status CheckName(std::string_view field, std::string_view value, size_t max_bytes, bool may_be_empty = false);
+
 class CacheDomain {
  public:
   explicit CacheDomain(uint64_t budget_bytes) : budget_bytes_(budget_bytes) {}
 
-  // Validates `geometry` (INVALID_ARGUMENT naming the field), then fixes the domain on first use or
+  // Validates `model_namespace` (CheckName, 1..256 bytes) and `geometry` (INVALID_ARGUMENT naming the field), then fixes the domain on first use or
   // checks it against the fixed one (FAILED_PRECONDITION naming the differing field and both values).
   Status Admit(const std::string& model_namespace, const Geometry& geometry);
 

@@ -86,6 +86,18 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
       }
     }
   }
+  // The all-zero key is what the pool records as a root block's parent, so a stored one would link
+  // differently after a restart than before it; the copy is checked, as for block ids.
+  if (op == RingOp::kStore) {
+    for (uint32_t i = 0; i < d.count; ++i) {
+      if (payload.keys[i] == BlockKey{}) {
+        return Status::InvalidArgument(fmt::format(
+            "key {} of the Store is all zero; expected a non-zero key (the all-zero key is reserved for a "
+            "chain's root)",
+            i));
+      }
+    }
+  }
   return payload;
 }
 

@@ -42,7 +42,8 @@ struct DescriptorPayload {
 //                        or Store not in 1..max_blocks_per_request;
 //   OUT_OF_RANGE         keys (count x 16 bytes, 8-aligned) or block ids (count x 4 bytes, 4-aligned) not inside
 //                        the arena; a block id not below registered_blocks;
-//   FAILED_PRECONDITION  Load or Store while registered_blocks is 0.
+//   FAILED_PRECONDITION  Load or Store while registered_blocks is 0;
+//   INVALID_ARGUMENT     a Store key that is all zero (reserved: the pool records it as a root block's parent).
 // The checks run in that order; the first failure is returned. Match handles are not checked here: whether the
 // session holds one is state, looked up where it is used (ValidateHandleUse).
 Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,

@@ -42,10 +42,8 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
         "protocol_version {} is not supported; this daemon (flexkvd {}) speaks {}; use a matching libflexkv",
         request->protocol_version(), kVersion, kProtocolVersion)));
   }
-  if (request->client_name().size() > 128) {
-    return Answer(Status::InvalidArgument(
-        fmt::format("client_name has {} bytes; expected at most 128", request->client_name().size())));
-  }
+  Status name_ok = CheckName("client_name", request->client_name(), 128, /*may_be_empty=*/true);
+  if (!name_ok.ok()) return Answer(name_ok);
   if (!request->has_geometry()) return Answer(Status::InvalidArgument("geometry is missing; expected the KV cache shape"));
   if (!ctx_.lifecycle->admitting()) {
     return Answer(Status::Unavailable("flexkvd is draining; new sessions are refused until an admin runs Resume"));
@@ -127,9 +125,14 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::ListSessions(grpc::ServerContext* /*context*/, const v1::ListSessionsRequest* /*request*/,
+grpc::Status ControlService::ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest* /*request*/,
                                           v1::ListSessionsResponse* response) {
+  // Client names, pids and namespaces say what other users run: a caller who is not an admin sees the
+  // sessions of its own uid only (an unidentified caller sees none).
+  const auto peer = ctx_.peers->Find(context->peer());
+  const bool admin = IsAdmin(peer);
   for (const SessionSnapshot& s : ctx_.sessions->List()) {
+    if (!admin && (!peer || s.peer.uid != peer->uid)) continue;
     auto* out = response->add_sessions();
     out->set_session_id(s.id);
     out->set_client_name(s.identity.client_name);

@@ -185,7 +185,7 @@ class Client {
   // WaitLayers reports each layer as it lands, so compute on layer 0 can start while later layers copy.
   Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise = false);
   // Stores blocks keys[i] from KV block src_block_ids[i]; the cached prefix is skipped. A block becomes
-  // matchable only once its bytes are complete.
+  // matchable only once its bytes are complete. The all-zero key is reserved: INVALID_ARGUMENT.
   Result<Ticket> Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids);
   // Drops the pins of a match handle.
   Result<Ticket> Release(uint64_t match_handle);

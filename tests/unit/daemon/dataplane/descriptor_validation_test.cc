@@ -113,10 +113,16 @@ TEST_CASE("descriptor validation: valid descriptors of every opcode are accepted
     CHECK(r->block_ids.empty());
   }
   SECTION("ranges that end exactly at the arena end, and count == max") {
+    // A Store key must not be all zero: the last 16 bytes hold key {5, 1} (its upper half overlaps block id 0).
+    Arena tail;
+    const uint64_t lo = 5;
+    const uint32_t hi_low_half = 1;
+    std::memcpy(tail.bytes + kArenaBytes - 16, &lo, 8);
+    std::memcpy(tail.bytes + kArenaBytes - 8, &hi_low_half, 4);
     SubmitDescriptor d = Desc(RingOp::kStore, 1);
     d.keys_offset = kArenaBytes - 16;
     d.block_ids_offset = kArenaBytes - 4;
-    CHECK(flexkv::ValidateDescriptor(d, arena.span(), Limits()).ok());
+    CHECK(flexkv::ValidateDescriptor(d, tail.span(), Limits()).ok());
     DescriptorLimits wide = Limits();
     wide.max_blocks_per_request = 4096 / 16;
     SubmitDescriptor all = Desc(RingOp::kMatch, 4096 / 16);
@@ -270,4 +276,19 @@ TEST_CASE("descriptor validation: the payload is a copy, later writes to the are
   const uint32_t huge = std::numeric_limits<uint32_t>::max();
   std::memcpy(arena.bytes + kIdsAt, &huge, 4);
   CHECK(r->block_ids == std::vector<uint32_t>{0, 1});
+}
+
+// Issue 13 item 10: the all-zero key is what the pool records as a root block's parent, so a chain holding
+// it matched 3 blocks before a restart and 0 after. Before the fix, this Store was accepted.
+TEST_CASE("descriptor validation: a Store of the all-zero key is refused with INVALID_ARGUMENT", "[unit][regression]") {
+  Arena arena;
+  std::memset(arena.bytes + kKeysAt + 16 * 2, 0, sizeof(BlockKey));  // key 2 of 4
+  const auto store = flexkv::ValidateDescriptor(Desc(RingOp::kStore, 4), arena.span(), Limits());
+  REQUIRE_FALSE(store.ok());
+  INFO(store.status().ToString());
+  CHECK(store.status().code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(store.status().message(), Catch::Contains("key 2 of the Store is all zero"));
+  // A Store before it is fine, and a Match of it is harmless (it finds nothing): both accepted.
+  CHECK(flexkv::ValidateDescriptor(Desc(RingOp::kStore, 2), arena.span(), Limits()).ok());
+  CHECK(flexkv::ValidateDescriptor(Desc(RingOp::kMatch, 4), arena.span(), Limits()).ok());
 }
