@@ -30,7 +30,7 @@ clang_thread_safety_build() {
       -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety" >/dev/null
   fi
   ninja -C build-clang flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests \
-    flexkv_data_plane_tests
+    flexkv_data_plane_tests flexkv_client_session_tests
 }
 if [[ ${FLEXKV_THREAD_SAFETY:-1} != 0 ]]; then
   stage "clang -Wthread-safety -Werror=thread-safety build (build-clang/)" clang_thread_safety_build
@@ -53,7 +53,8 @@ san_ctest() {  # <dir> <ctest selection...>
   shift
   ctest --test-dir "$dir" --output-on-failure -j "$(nproc)" --timeout 900 --no-tests=error "$@"
 }
-SAN_TARGETS=(flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests flexkv_data_plane_tests)
+SAN_TARGETS=(flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests flexkv_data_plane_tests
+  flexkv_client_session_tests)
 
 asan_stage() {
   san_build build-asan address,undefined "${SAN_TARGETS[@]}"
