@@ -3,7 +3,7 @@
 # by one flexkvd. One engine stores 1024 blocks; then each engine alone, and both at once (a common start time),
 # loads them 10 times back to back; the aggregate GB/s of the pair is printed against one engine alone and against a
 # contiguous pinned copy measured in the same run (flexkv-bench transfer). With one GPU both engines share it
-# (issue #8 wants one per GPU on the 2-GPU machine; ENGINE_GPUS="0 1" there, the rest is the same).
+# (on a 2-GPU machine, one engine per GPU: ENGINE_GPUS="0 1" there, the rest is the same).
 # Bundle: flexkvd, flexkv-gpu-test-client, flexkv-bench.
 set -uo pipefail
 bundle=${BUNDLE:-.device/bundle}

@@ -1,5 +1,5 @@
-// Issue 13, control-plane items against a real flexkvd: odd names and namespaces (item 5), the all-zero key
-// (item 10), ListSessions for non-admins (item 11) and a second daemon on a pool whose .lock was removed (item 2).
+// Control-plane hardening against a real flexkvd: odd names and namespaces, the all-zero key, ListSessions for
+// non-admins, malformed requests, and a second daemon on a pool whose .lock was removed.
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <csignal>

@@ -1,4 +1,4 @@
-// Malformed ring descriptors (issue acceptance): a raw-protocol client writes descriptors straight into
+// Malformed ring descriptors: a raw-protocol client writes descriptors straight into
 // its submit ring (every field out of range, bad offsets, lengths, opcodes, a wrapped ring) and
 // gets error completions; the daemon stays up and a well-behaved session next to it is unaffected.
 #include <sys/mman.h>

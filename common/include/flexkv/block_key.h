@@ -1,5 +1,5 @@
 // Block keys: 128-bit chained hashes that name a block of tokens together with everything before it
-// (DESIGN §4.4, docs/protocol.md). Computed in the client; the daemon only compares them.
+// (docs/protocol.md, "Block keys"). Computed in the client; the daemon only compares them.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The shape of an engine's KV cache and the host block it maps to (DESIGN §4.4).
+// The shape of an engine's KV cache and the host block it maps to (docs/protocol.md).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// GPU <-> host-pool block copies (DESIGN §4.6): gather/scatter kernels that touch every byte once with
+// GPU <-> host-pool block copies: gather/scatter kernels that touch every byte once with
 // 16-byte accesses, writing to / reading from the registered pool over PCIe, and a copy-engine batch.
 #include "kv_copy.h"
 

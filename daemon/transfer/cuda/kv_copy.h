@@ -1,4 +1,4 @@
-// GPU <-> host-pool block copies for the CUDA backend (DESIGN §4.6). Compiled only with a CUDA toolkit.
+// GPU <-> host-pool block copies for the CUDA backend. Compiled only with a CUDA toolkit.
 //
 // A GPU KV cache is described per layer: chunk (layer l, plane p, block b) of one TP rank lives at
 //   layer_base[l] + p * plane_stride + b * block_stride

@@ -30,7 +30,7 @@ TEST_CASE("a block larger than the pool is invalid", "[unit]") {
   CHECK_FALSE(d.Snapshot().geometry.has_value());
 }
 
-// Issue 13 item 5: a namespace with a NUL (or another control character, or bytes that are not UTF-8) was
+// Regression: a namespace with a NUL (or another control character, or bytes that are not UTF-8) was
 // accepted, fixed the domain, and lost its tail at the NUL in the pool file after a restart.
 TEST_CASE("names with NUL, control characters or invalid UTF-8 are refused naming the byte offset",
           "[unit][regression]") {

@@ -278,7 +278,7 @@ TEST_CASE("descriptor validation: the payload is a copy, later writes to the are
   CHECK(r->block_ids == std::vector<uint32_t>{0, 1});
 }
 
-// Issue 13 item 10: the all-zero key is what the pool records as a root block's parent, so a chain holding
+// Regression: the all-zero key is what the pool records as a root block's parent, so a chain holding
 // it matched 3 blocks before a restart and 0 after. Before the fix, this Store was accepted.
 TEST_CASE("descriptor validation: a Store of the all-zero key is refused with INVALID_ARGUMENT", "[unit][regression]") {
   Arena arena;
