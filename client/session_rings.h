@@ -1,5 +1,6 @@
-// SessionRings: the client side of a session's rings — submission with an arena allocator, completion
-// reaping, and waiting (spin, then futex) for a ticket. Thread-safe. Internal to libflexkv.
+// SessionRings: a session's rings as libflexkv uses them — tickets, the payload arena's allocator, results
+// by ticket — over the ring transport's client end (common/ring/ring_submitter.h), which owns the protocol and
+// the waiting policy. Thread-safe. Internal to libflexkv.
 #pragma once
 
 #include <atomic>
@@ -13,6 +14,7 @@
 #include <span>
 #include <unordered_map>
 
+#include "common/ring/ring_submitter.h"
 #include "common/ring_layout.h"
 #include "common/unique_fd.h"
 #include "flexkv/client.h"
@@ -44,22 +46,17 @@ class SessionRings {
   std::optional<uint64_t> AllocLocked(uint64_t bytes);
   void FreeLocked(uint64_t offset, uint64_t bytes);
   bool DaemonGone() const;
-  // Spins, then futex-waits for the completion tail to move, until `ready` (called under mu_ after a reap)
-  // returns true or the deadline passes.
+  // Waits (the transport's policy) until `ready` (called under mu_ after a reap) returns true or the deadline
+  // passes.
   Status WaitUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point deadline,
                    uint64_t ticket);
 
-  uint8_t* map_ = nullptr;
-  uint64_t map_bytes_ = 0;
-  RingHeader* hdr_ = nullptr;
-  UniqueFd doorbell_;
+  std::unique_ptr<ring::RingSubmitter> ring_;
   int channel_fd_ = -1;  // owned by the Client; watched for hang-up until Abandon
   std::atomic<bool> abandoned_{false};
 
   std::mutex mu_;
   uint64_t next_ticket_ = 1;                                         // guarded by mu_
-  uint32_t submit_tail_ = 0;                                         // guarded by mu_
-  uint32_t completion_head_ = 0;                                     // guarded by mu_
   std::map<uint64_t, uint64_t> free_;                                // offset → bytes; guarded by mu_
   std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> arena_of_;  // ticket → (offset, bytes)
   std::unordered_map<uint64_t, OpResult> done_;                      // guarded by mu_
