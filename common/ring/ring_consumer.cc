@@ -113,7 +113,7 @@ bool RingConsumer::FlushLocked() {
 void RingConsumer::Post(const CompletionDescriptor& completion) {
   bool wrote;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (closed_) return;
     overflow_.push_back(completion);
     wrote = FlushLocked();
@@ -128,7 +128,7 @@ void RingConsumer::Post(const CompletionDescriptor& completion) {
 bool RingConsumer::Flush() {
   bool wrote;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     wrote = FlushLocked();
   }
   if (wrote && header()->client_waiting.value.load(std::memory_order_seq_cst) != 0) {
@@ -138,12 +138,12 @@ bool RingConsumer::Flush() {
 }
 
 bool RingConsumer::HasBacklog() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return !overflow_.empty();
 }
 
 void RingConsumer::Close() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   closed_ = true;
   overflow_.clear();
 }

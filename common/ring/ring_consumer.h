@@ -10,7 +10,7 @@
 #include <span>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "common/ring/ring_memory.h"
 #include "common/ring_layout.h"
 #include "common/unique_fd.h"
@@ -98,7 +98,7 @@ class RingConsumer {
   uint32_t submit_head_ = 0;  // polling thread only; published, never read back from the mapping
   std::atomic<uint64_t> inflight_{0};
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::deque<CompletionDescriptor> overflow_ ABSL_GUARDED_BY(mu_);
   uint32_t completion_tail_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;

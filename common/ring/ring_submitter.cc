@@ -2,6 +2,7 @@
 #include "common/ring/ring_submitter.h"
 
 #include <fmt/format.h>
+#include <sched.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -55,12 +56,13 @@ Result<std::unique_ptr<RingSubmitter>> RingSubmitter::Map(UniqueFd ring_memfd, U
         "the daemon's ring layout (magic 0x{:x}, version {}) is not what this libflexkv speaks (version {})", h.magic,
         h.layout_version, kRingLayoutVersion));
   }
-  if (const char* knob = std::getenv("FLEXKV_RING_WAIT")) {  // EXPERIMENT: spin_ns,preempted_ns,probe_every
-    long long a = policy.spin_ns, b = policy.preempted_ns, c = policy.probe_every;
-    std::sscanf(knob, "%lld,%lld,%lld", &a, &b, &c);
+  if (const char* knob = std::getenv("FLEXKV_RING_WAIT")) {  // EXPERIMENT: spin_ns,preempted_ns,probe_every,pure
+    long long a = policy.spin_ns, b = policy.preempted_ns, c = policy.probe_every, d = policy.pure_spin_ns;
+    std::sscanf(knob, "%lld,%lld,%lld,%lld", &a, &b, &c, &d);
     policy.spin_ns = a;
     policy.preempted_ns = b;
     policy.probe_every = static_cast<uint32_t>(std::max(1LL, c));
+    policy.pure_spin_ns = d;
   }
   std::unique_ptr<RingSubmitter> r(new RingSubmitter(std::move(mapping), std::move(doorbell), policy));
   return r;
@@ -131,7 +133,11 @@ RingSubmitter::WaitEnd RingSubmitter::Wait(const std::function<bool()>& ready, c
       preempted |= now - last_poll > policy_.options().preempted_ns;
       last_poll = now;
       if (now < spin_until && !preempted) {
-        CpuRelax();
+        if (now - start < policy_.options().pure_spin_ns) {
+          CpuRelax();
+        } else {
+          sched_yield();
+        }
         continue;
       }
       spinning = false;

@@ -28,6 +28,7 @@ class WaitPolicy {
     int64_t spin_ns = 20000;        // longest spin before sleeping
     int64_t preempted_ns = 5000;    // a gap this long between two polls means another thread had our CPU
     uint32_t probe_every = 64;      // while spinning is off: one wait in this many spins again
+    int64_t pure_spin_ns = 2000;    // then spin with sched_yield between polls
   };
   WaitPolicy() = default;
   explicit WaitPolicy(const Options& options) : options_(options) {}

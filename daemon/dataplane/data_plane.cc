@@ -6,6 +6,7 @@
 #include <sched.h>
 #include <fmt/format.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -584,6 +585,12 @@ void DataPlane::PollerLoop() {
   std::vector<std::shared_ptr<Session>> active;
   uint64_t seen_generation = ~0ULL;
   int64_t last_work_ns = NowNs();
+  int64_t last_yield_ns = last_work_ns;
+  const int64_t busy_yield_ns = getenv("FLEXKV_POLLER_YIELD_NS") ? atoll(getenv("FLEXKV_POLLER_YIELD_NS")) : 0;
+  if (getenv("FLEXKV_POLLER_NICE")) {  // EXPERIMENT
+    int rc = setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), atoi(getenv("FLEXKV_POLLER_NICE")));
+    log::Info("dataplane", "poller nice {}: rc {}", getenv("FLEXKV_POLLER_NICE"), rc);
+  }
   epoll_event events[64];
   while (!stopping_.load(std::memory_order_relaxed)) {
     if (seen_generation != generation_.load()) {
@@ -602,6 +609,10 @@ void DataPlane::PollerLoop() {
     last_turn_ms_.store(now / 1000000, std::memory_order_relaxed);
     if (work) {
       last_work_ns = now;
+      if (busy_yield_ns > 0 && now - last_yield_ns > busy_yield_ns) {  // EXPERIMENT
+        sched_yield();
+        last_yield_ns = NowNs();
+      }
       continue;
     }
     if (now - last_work_ns < options_.spin_ns) {
