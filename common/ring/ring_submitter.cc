@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 
 #include "common/clock.h"
@@ -20,23 +19,8 @@ constexpr int64_t kMaxSleepNs = 20'000'000;  // how often a sleeping waiter asks
 
 }  // namespace
 
-int64_t WaitPolicy::SpinBudgetNs() {
-  const uint32_t sleeping = sleeping_waits_.load(std::memory_order_relaxed);
-  if (sleeping == 0) return options_.spin_ns;
-  sleeping_waits_.store(sleeping + 1, std::memory_order_relaxed);  // a lost update only shifts the next probe
-  return sleeping % options_.probe_every == 0 ? options_.spin_ns : 0;
-}
-
-void WaitPolicy::Record(bool answered_while_spinning, bool preempted) {
-  if (answered_while_spinning && !preempted) {
-    sleeping_waits_.store(0, std::memory_order_relaxed);
-  } else if (sleeping_waits_.load(std::memory_order_relaxed) == 0) {
-    sleeping_waits_.store(1, std::memory_order_relaxed);
-  }
-}
-
 Result<std::unique_ptr<RingSubmitter>> RingSubmitter::Map(UniqueFd ring_memfd, UniqueFd doorbell,
-                                                          WaitPolicy::Options policy) {
+                                                          WaitPolicy policy) {
   struct stat st {};
   if (fstat(ring_memfd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < sizeof(RingHeader)) {
     return Status::Internal("the daemon's ring memfd is too small for a ring header");
@@ -56,19 +40,11 @@ Result<std::unique_ptr<RingSubmitter>> RingSubmitter::Map(UniqueFd ring_memfd, U
         "the daemon's ring layout (magic 0x{:x}, version {}) is not what this libflexkv speaks (version {})", h.magic,
         h.layout_version, kRingLayoutVersion));
   }
-  if (const char* knob = std::getenv("FLEXKV_RING_WAIT")) {  // EXPERIMENT: spin_ns,preempted_ns,probe_every,pure
-    long long a = policy.spin_ns, b = policy.preempted_ns, c = policy.probe_every, d = policy.pure_spin_ns;
-    std::sscanf(knob, "%lld,%lld,%lld,%lld", &a, &b, &c, &d);
-    policy.spin_ns = a;
-    policy.preempted_ns = b;
-    policy.probe_every = static_cast<uint32_t>(std::max(1LL, c));
-    policy.pure_spin_ns = d;
-  }
   std::unique_ptr<RingSubmitter> r(new RingSubmitter(std::move(mapping), std::move(doorbell), policy));
   return r;
 }
 
-RingSubmitter::RingSubmitter(RingMapping mapping, UniqueFd doorbell, WaitPolicy::Options policy)
+RingSubmitter::RingSubmitter(RingMapping mapping, UniqueFd doorbell, WaitPolicy policy)
     : mapping_(std::move(mapping)), doorbell_(std::move(doorbell)), policy_(policy) {
   const RingHeader& h = *header();
   submit_entries_ = h.submit_entries;
@@ -116,32 +92,21 @@ size_t RingSubmitter::Reap(const std::function<void(const CompletionDescriptor&)
 RingSubmitter::WaitEnd RingSubmitter::Wait(const std::function<bool()>& ready, const std::function<bool()>& peer_gone,
                                            int64_t deadline_ns) {
   RingHeader* h = header();
-  const int64_t start = NowNs();
-  int64_t spin_until = start + policy_.SpinBudgetNs();
-  bool spinning = spin_until > start;
-  bool preempted = false;
-  int64_t last_poll = start;
+  int64_t spin_start = NowNs();
   for (;;) {
-    if (ready()) {
-      if (spinning) policy_.Record(/*answered_while_spinning=*/true, preempted);
-      return WaitEnd::kReady;
-    }
+    // Loaded before `ready` reaps: a completion posted after the reap moves the tail past `seen`, so the futex
+    // below does not sleep through it.
+    const uint32_t seen = h->completion_tail.value.load(std::memory_order_acquire);
+    if (ready()) return WaitEnd::kReady;
     const int64_t now = NowNs();
     if (now >= deadline_ns) return WaitEnd::kDeadline;
-    const uint32_t seen = h->completion_tail.value.load(std::memory_order_acquire);
-    if (spinning) {
-      preempted |= now - last_poll > policy_.options().preempted_ns;
-      last_poll = now;
-      if (now < spin_until && !preempted) {
-        if (now - start < policy_.options().pure_spin_ns) {
-          CpuRelax();
-        } else {
-          sched_yield();
-        }
-        continue;
-      }
-      spinning = false;
-      policy_.Record(/*answered_while_spinning=*/false, preempted);
+    if (now - spin_start < policy_.pure_spin_ns) {
+      CpuRelax();
+      continue;
+    }
+    if (now - spin_start < policy_.spin_ns) {
+      sched_yield();
+      continue;
     }
     if (peer_gone()) return ready() ? WaitEnd::kReady : WaitEnd::kPeerGone;
     // Announce, then re-check (pairs with RingConsumer::Post: tail store, then this counter's load; both
@@ -151,6 +116,7 @@ RingSubmitter::WaitEnd RingSubmitter::Wait(const std::function<bool()>& ready, c
       FutexWait(&h->completion_tail.value, seen, std::min(deadline_ns - now, kMaxSleepNs));
     }
     h->client_waiting.value.fetch_sub(1, std::memory_order_seq_cst);
+    spin_start = NowNs();
   }
 }
 

@@ -585,11 +585,14 @@ void DataPlane::PollerLoop() {
   std::vector<std::shared_ptr<Session>> active;
   uint64_t seen_generation = ~0ULL;
   int64_t last_work_ns = NowNs();
-  int64_t last_yield_ns = last_work_ns;
-  const int64_t busy_yield_ns = getenv("FLEXKV_POLLER_YIELD_NS") ? atoll(getenv("FLEXKV_POLLER_YIELD_NS")) : 0;
-  if (getenv("FLEXKV_POLLER_NICE")) {  // EXPERIMENT
-    int rc = setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), atoi(getenv("FLEXKV_POLLER_NICE")));
-    log::Info("dataplane", "poller nice {}: rc {}", getenv("FLEXKV_POLLER_NICE"), rc);
+  // The poller answers every session, so on a CPU it shares with engine threads that spin while they wait, it
+  // must not queue behind them for its turn: a higher scheduling weight keeps the tail bounded when engine
+  // threads outnumber cores (docs/performance.md, "Ring transport and waiting policy"). Needs CAP_SYS_NICE or
+  // RLIMIT_NICE (systemd: Nice= or LimitNICE=); refused, the poller keeps the daemon's nice value.
+  if (options_.poller_nice != 0 &&
+      setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), options_.poller_nice) != 0) {
+    log::Info("dataplane", "ring poller keeps the daemon's nice value (setting {} refused: {})", options_.poller_nice,
+              ErrnoText(errno));
   }
   epoll_event events[64];
   while (!stopping_.load(std::memory_order_relaxed)) {
@@ -609,10 +612,6 @@ void DataPlane::PollerLoop() {
     last_turn_ms_.store(now / 1000000, std::memory_order_relaxed);
     if (work) {
       last_work_ns = now;
-      if (busy_yield_ns > 0 && now - last_yield_ns > busy_yield_ns) {  // EXPERIMENT
-        sched_yield();
-        last_yield_ns = NowNs();
-      }
       continue;
     }
     if (now - last_work_ns < options_.spin_ns) {

@@ -31,6 +31,7 @@ struct DataPlaneOptions {
   int64_t spin_ns = 50000;      // how long the poller keeps spinning after the last request
   unsigned copy_threads = 0;    // 0: one per core, at least 2
   int poller_cpu = -1;          // >= 0: pin the ring poller to this CPU (keep engines off it for p99)
+  int poller_nice = -10;        // the ring poller thread's nice value (0: leave it); see PollerLoop
   uint32_t max_blocks_per_request = 1u << 20;
 };
 
@@ -86,6 +87,8 @@ class DataPlane {
   void RunCopies(const std::shared_ptr<Session>& s, bool to_host, std::shared_ptr<std::vector<uint32_t>> kv_blocks,
                  std::shared_ptr<std::vector<SlotId>> slots, std::function<void(uint32_t)> layer_done,
                  std::function<void(Status, int64_t copy_start_ns)> done);
+  // Posts `c` to the session's completion ring (common/ring/ring_consumer.h: queued while the ring is full,
+  // dropped once the session ended). Any thread, with or without the session's lock.
   void Complete(Session& s, CompletionDescriptor c);
   void Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status);
   // Records the copy of a load or store that ends now: its wait and transfer time.
@@ -93,7 +96,6 @@ class DataPlane {
   // Records a request whose final completion is about to be posted: its end-to-end time, and its error.
   // Called before posting, so a client that has seen the completion also sees it counted.
   void RecordEnd(uint16_t opcode, int64_t taken_ns, int32_t status_code);
-  bool FlushOverflow(Session& s);
   void ReleaseHandleLocked(Session& s, uint64_t handle);
 
   Cache* const cache_;

@@ -35,7 +35,7 @@ struct Pair {
   std::unique_ptr<RingSubmitter> submitter;
 };
 
-Pair MakePair(RingGeometry geometry, WaitPolicy::Options policy = {}) {
+Pair MakePair(RingGeometry geometry, WaitPolicy policy = {}) {
   auto created = RingConsumer::Create(geometry);
   REQUIRE(created.ok());
   auto submitter = RingSubmitter::Map(std::move(created->memfd), std::move(created->doorbell), policy);
@@ -153,10 +153,11 @@ std::vector<int> SubmitFromThreads(RingSubmitter& submitter, int threads, int pe
 }  // namespace
 
 TEST_CASE("ring transport: every completion arrives exactly once, spinning or sleeping", "[unit][ring]") {
-  WaitPolicy::Options policy;
+  WaitPolicy policy;
   SECTION("default policy") {}
-  SECTION("sleep at once") { policy.spin_ns = 0; }
-  SECTION("spin only") { policy.spin_ns = kWaitNs; policy.preempted_ns = kWaitNs; }
+  SECTION("sleep at once") { policy = {.pure_spin_ns = 0, .spin_ns = 0}; }
+  SECTION("spin only") { policy = {.pure_spin_ns = kWaitNs, .spin_ns = kWaitNs}; }
+  SECTION("yield only") { policy = {.pure_spin_ns = 0, .spin_ns = kWaitNs}; }
   // Small rings so that the submit ring fills and the in-flight limit holds submissions back.
   Pair p = MakePair(RingGeometry{8, 8, 4096}, policy);
   std::vector<int> seen;
@@ -296,18 +297,4 @@ TEST_CASE("ring transport: indices a client scribbles are caught", "[unit][ring]
     auto s = RingSubmitter::Map(std::move(created->memfd), std::move(created->doorbell));
     REQUIRE(s.status().code() == flexkv::StatusCode::kFailedPrecondition);
   }
-}
-
-TEST_CASE("ring transport: the waiting policy stops spinning once a spin is preempted and probes again later",
-          "[unit][ring]") {
-  WaitPolicy policy(WaitPolicy::Options{.spin_ns = 1000, .preempted_ns = 100, .probe_every = 4});
-  REQUIRE(policy.SpinBudgetNs() == 1000);
-  policy.Record(/*answered_while_spinning=*/true, /*preempted=*/false);
-  REQUIRE(policy.SpinBudgetNs() == 1000);
-  policy.Record(/*answered_while_spinning=*/true, /*preempted=*/true);
-  std::vector<int64_t> budgets;
-  for (int i = 0; i < 8; ++i) budgets.push_back(policy.SpinBudgetNs());
-  REQUIRE(budgets == std::vector<int64_t>{0, 0, 0, 1000, 0, 0, 0, 1000});
-  policy.Record(/*answered_while_spinning=*/true, /*preempted=*/false);
-  REQUIRE(policy.SpinBudgetNs() == 1000);
 }
