@@ -16,12 +16,12 @@
 namespace flexkv::ring {
 
 // How a thread waits for a completion: spin on the completion index (`pause`) for `pure_spin_ns`, then keep
-// polling but call sched_yield between polls until `spin_ns`, then sleep on the futex. Measured on a 2-core VM
-// (docs/performance.md, "Ring transport and waiting policy"): a sleeping waiter's wake-up costs tens of
-// microseconds there, so waiters that sleep at once, or as soon as a spin is preempted, made the 16-client tail
-// worse, not better; the yield lets a thread that shares the waiter's CPU (the daemon's poller, or the client
-// whose answer is ready) run at once. What bounds the tail when engine threads outnumber cores is on the
-// daemon's side: its poller runs at a higher scheduling weight (DataPlaneOptions::poller_nice).
+// polling but call sched_yield between polls until `spin_ns`, then sleep on the futex. The yield lets a thread
+// that shares the waiter's CPU (the daemon's poller, or the client whose answer is ready) run at once. Kept
+// after measuring alternatives on a 2-core VM with 16 engine processes (docs/performance.md, "Ring transport and
+// waiting policy"): waiters that sleep at once, or stop spinning after a spin ran out or was preempted, made the
+// tail worse (a futex wake-up costs tens of microseconds there), and so did a poller at a higher scheduling
+// weight (it then keeps its CPU while it yields, and the yielding clients share the other one).
 struct WaitPolicy {
   int64_t pure_spin_ns = 2000;
   int64_t spin_ns = 50000;

@@ -6,7 +6,6 @@
 #include <sched.h>
 #include <fmt/format.h>
 #include <sys/epoll.h>
-#include <sys/resource.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -585,15 +584,6 @@ void DataPlane::PollerLoop() {
   std::vector<std::shared_ptr<Session>> active;
   uint64_t seen_generation = ~0ULL;
   int64_t last_work_ns = NowNs();
-  // The poller answers every session, so on a CPU it shares with engine threads that spin while they wait, it
-  // must not queue behind them for its turn: a higher scheduling weight keeps the tail bounded when engine
-  // threads outnumber cores (docs/performance.md, "Ring transport and waiting policy"). Needs CAP_SYS_NICE or
-  // RLIMIT_NICE (systemd: Nice= or LimitNICE=); refused, the poller keeps the daemon's nice value.
-  if (options_.poller_nice != 0 &&
-      setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), options_.poller_nice) != 0) {
-    log::Info("dataplane", "ring poller keeps the daemon's nice value (setting {} refused: {})", options_.poller_nice,
-              ErrnoText(errno));
-  }
   epoll_event events[64];
   while (!stopping_.load(std::memory_order_relaxed)) {
     if (seen_generation != generation_.load()) {

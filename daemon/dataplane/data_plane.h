@@ -31,7 +31,6 @@ struct DataPlaneOptions {
   int64_t spin_ns = 50000;      // how long the poller keeps spinning after the last request
   unsigned copy_threads = 0;    // 0: one per core, at least 2
   int poller_cpu = -1;          // >= 0: pin the ring poller to this CPU (keep engines off it for p99)
-  int poller_nice = -10;        // the ring poller thread's nice value (0: leave it); see PollerLoop
   uint32_t max_blocks_per_request = 1u << 20;
 };
 
