@@ -2,22 +2,15 @@
 #include "common/ring/ring_submitter.h"
 
 #include <fmt/format.h>
-#include <sched.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
-#include "common/clock.h"
 #include "common/uds.h"
 
 namespace flexkv::ring {
-namespace {
-
-constexpr int64_t kMaxSleepNs = 20'000'000;  // how often a sleeping waiter asks whether the daemon is gone
-
-}  // namespace
 
 Result<std::unique_ptr<RingSubmitter>> RingSubmitter::Map(UniqueFd ring_memfd, UniqueFd doorbell,
                                                           WaitPolicy policy) {
@@ -70,54 +63,6 @@ bool RingSubmitter::Push(const SubmitDescriptor& d) {
     (void)ignored;
   }
   return true;
-}
-
-size_t RingSubmitter::Reap(const std::function<void(const CompletionDescriptor&)>& on_completion) {
-  RingHeader* h = header();
-  const uint32_t tail = h->completion_tail.value.load(std::memory_order_acquire);
-  if (tail == completion_head_) return 0;
-  const auto* ring = reinterpret_cast<const CompletionDescriptor*>(mapping_.base() + h->completion_offset);
-  size_t n = 0;
-  while (completion_head_ != tail) {
-    CompletionDescriptor c = ring[completion_head_ & (completion_entries_ - 1)];
-    ++completion_head_;
-    c.message[sizeof(c.message) - 1] = '\0';
-    on_completion(c);
-    ++n;
-  }
-  h->completion_head.value.store(completion_head_, std::memory_order_release);
-  return n;
-}
-
-RingSubmitter::WaitEnd RingSubmitter::Wait(const std::function<bool()>& ready, const std::function<bool()>& peer_gone,
-                                           int64_t deadline_ns) {
-  RingHeader* h = header();
-  int64_t spin_start = NowNs();
-  for (;;) {
-    // Loaded before `ready` reaps: a completion posted after the reap moves the tail past `seen`, so the futex
-    // below does not sleep through it.
-    const uint32_t seen = h->completion_tail.value.load(std::memory_order_acquire);
-    if (ready()) return WaitEnd::kReady;
-    const int64_t now = NowNs();
-    if (now >= deadline_ns) return WaitEnd::kDeadline;
-    if (now - spin_start < policy_.pure_spin_ns) {
-      CpuRelax();
-      continue;
-    }
-    if (now - spin_start < policy_.spin_ns) {
-      sched_yield();
-      continue;
-    }
-    if (peer_gone()) return ready() ? WaitEnd::kReady : WaitEnd::kPeerGone;
-    // Announce, then re-check (pairs with RingConsumer::Post: tail store, then this counter's load; both
-    // seq_cst): either the daemon sees us waiting and wakes us, or we see its new tail and do not sleep.
-    h->client_waiting.value.fetch_add(1, std::memory_order_seq_cst);
-    if (h->completion_tail.value.load(std::memory_order_seq_cst) == seen) {
-      FutexWait(&h->completion_tail.value, seen, std::min(deadline_ns - now, kMaxSleepNs));
-    }
-    h->client_waiting.value.fetch_sub(1, std::memory_order_seq_cst);
-    spin_start = NowNs();
-  }
 }
 
 }  // namespace flexkv::ring

@@ -3,11 +3,14 @@
 // for completions (WaitPolicy below).
 #pragma once
 
+#include <sched.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <functional>
 #include <memory>
 
+#include "common/clock.h"
 #include "common/ring/ring_memory.h"
 #include "common/ring_layout.h"
 #include "common/unique_fd.h"
@@ -42,7 +45,8 @@ class RingSubmitter {
   bool Push(const SubmitDescriptor& d);
   // Hands every completion the daemon has posted to `on_completion` (a copy, message NUL-terminated) and gives
   // their slots back. Returns how many.
-  size_t Reap(const std::function<void(const CompletionDescriptor&)>& on_completion);
+  template <typename OnCompletion>  // void(const CompletionDescriptor&)
+  size_t Reap(OnCompletion&& on_completion);
   uint8_t* arena() const { return mapping_.base() + header()->arena_offset; }
   uint64_t arena_bytes() const { return arena_bytes_; }
   uint32_t submit_entries() const { return submit_entries_; }
@@ -54,11 +58,13 @@ class RingSubmitter {
   // deadline passes, or `peer_gone` (asked only before sleeping) says the daemon closed the session. Spins, then
   // sleeps on the completion index as the policy says; a sleep never outlasts 20 ms, so `peer_gone` is asked at
   // least that often.
-  WaitEnd Wait(const std::function<bool()>& ready, const std::function<bool()>& peer_gone, int64_t deadline_ns);
+  template <typename Ready, typename PeerGone>  // bool()
+  WaitEnd Wait(Ready&& ready, PeerGone&& peer_gone, int64_t deadline_ns);
 
  private:
   RingSubmitter(RingMapping mapping, UniqueFd doorbell, WaitPolicy policy);
   RingHeader* header() const { return mapping_.header(); }
+  static constexpr int64_t kMaxSleepNs = 20'000'000;  // how often a sleeping waiter asks whether the daemon is gone
 
   const RingMapping mapping_;
   const UniqueFd doorbell_;
@@ -69,5 +75,55 @@ class RingSubmitter {
   uint32_t submit_tail_ = 0;         // caller-serialized
   uint32_t completion_head_ = 0;     // caller-serialized
 };
+
+// Hot path: defined here so that the callbacks inline.
+template <typename OnCompletion>
+size_t RingSubmitter::Reap(OnCompletion&& on_completion) {
+  RingHeader* h = header();
+  const uint32_t tail = h->completion_tail.value.load(std::memory_order_acquire);
+  if (tail == completion_head_) return 0;
+  const auto* ring = reinterpret_cast<const CompletionDescriptor*>(mapping_.base() + h->completion_offset);
+  size_t n = 0;
+  while (completion_head_ != tail) {
+    CompletionDescriptor c = ring[completion_head_ & (completion_entries_ - 1)];
+    ++completion_head_;
+    c.message[sizeof(c.message) - 1] = '\0';
+    on_completion(c);
+    ++n;
+  }
+  h->completion_head.value.store(completion_head_, std::memory_order_release);
+  return n;
+}
+
+template <typename Ready, typename PeerGone>
+RingSubmitter::WaitEnd RingSubmitter::Wait(Ready&& ready, PeerGone&& peer_gone, int64_t deadline_ns) {
+  RingHeader* h = header();
+  int64_t spin_start = NowNs();
+  for (;;) {
+    // Loaded before `ready` reaps: a completion posted after the reap moves the tail past `seen`, so the futex
+    // below does not sleep through it.
+    const uint32_t seen = h->completion_tail.value.load(std::memory_order_acquire);
+    if (ready()) return WaitEnd::kReady;
+    const int64_t now = NowNs();
+    if (now >= deadline_ns) return WaitEnd::kDeadline;
+    if (now - spin_start < policy_.pure_spin_ns) {
+      CpuRelax();
+      continue;
+    }
+    if (now - spin_start < policy_.spin_ns) {
+      sched_yield();
+      continue;
+    }
+    if (peer_gone()) return ready() ? WaitEnd::kReady : WaitEnd::kPeerGone;
+    // Announce, then re-check (pairs with RingConsumer::Post: tail store, then this counter's load; both
+    // seq_cst): either the daemon sees us waiting and wakes us, or we see its new tail and do not sleep.
+    h->client_waiting.value.fetch_add(1, std::memory_order_seq_cst);
+    if (h->completion_tail.value.load(std::memory_order_seq_cst) == seen) {
+      FutexWait(&h->completion_tail.value, seen, std::min(deadline_ns - now, kMaxSleepNs));
+    }
+    h->client_waiting.value.fetch_sub(1, std::memory_order_seq_cst);
+    spin_start = NowNs();
+  }
+}
 
 }  // namespace flexkv::ring
