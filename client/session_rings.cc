@@ -2,61 +2,26 @@
 #include "client/session_rings.h"
 
 #include <fmt/format.h>
-#include <linux/futex.h>
 #include <poll.h>
-#include <sched.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstring>
-#include <thread>
 
 #include "common/clock.h"
 #include "common/uds.h"
 
 namespace flexkv {
-namespace {
-
-constexpr auto kSpin = std::chrono::microseconds(50);
-constexpr auto kPureSpin = std::chrono::microseconds(2);
-
-}  // namespace
 
 Result<std::unique_ptr<SessionRings>> SessionRings::Map(UniqueFd ring_memfd, UniqueFd doorbell, UniqueFd channel) {
-  struct stat st {};
-  if (fstat(ring_memfd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < sizeof(RingHeader)) {
-    return Status::Internal("the daemon's ring memfd is too small for a ring header");
-  }
-  void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, ring_memfd.get(), 0);
-  if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap rings: {}", ErrnoText(errno)));
+  auto ring = ring::RingSubmitter::Map(std::move(ring_memfd), std::move(doorbell));
+  if (!ring.ok()) return ring.status();
   auto r = std::unique_ptr<SessionRings>(new SessionRings());
-  r->map_ = static_cast<uint8_t*>(p);
-  r->map_bytes_ = static_cast<uint64_t>(st.st_size);
-  r->hdr_ = static_cast<RingHeader*>(p);
-  r->doorbell_ = std::move(doorbell);
+  r->ring_ = std::move(*ring);
   r->channel_ = std::move(channel);
-  const RingHeader& h = *r->hdr_;
-  const RingGeometry rg{h.submit_entries, h.completion_entries, h.arena_bytes};
-  if (h.magic != kRingMagic || h.layout_version != kRingLayoutVersion || h.submit_entries == 0 ||
-      (h.submit_entries & (h.submit_entries - 1)) != 0 || h.completion_entries == 0 ||
-      (h.completion_entries & (h.completion_entries - 1)) != 0 || h.submit_offset != rg.submit_offset() ||
-      h.completion_offset != rg.completion_offset() || h.arena_offset != rg.arena_offset() ||
-      rg.total_bytes() > r->map_bytes_) {
-    return Status::FailedPrecondition(fmt::format(
-        "the daemon's ring layout (magic 0x{:x}, version {}) is not what this libflexkv speaks (version {})", h.magic,
-        h.layout_version, kRingLayoutVersion));
-  }
-  r->submit_tail_ = h.submit_tail.value.load();
-  r->completion_head_ = h.completion_head.value.load();
-  r->free_[0] = h.arena_bytes;
+  r->free_[0] = r->ring_->arena_bytes();
   return r;
 }
 
-SessionRings::~SessionRings() {
-  if (map_ != nullptr) munmap(map_, map_bytes_);
-}
+SessionRings::~SessionRings() = default;
 
 std::optional<uint64_t> SessionRings::AllocLocked(uint64_t bytes) {
   bytes = (bytes + 63) & ~uint64_t{63};
@@ -95,12 +60,8 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
   std::lock_guard lock(mu_);
   if (abandoned_.load()) return abandon_status_;
   ReapLocked();
-  if (inflight_ >= hdr_->completion_entries) {
+  if (inflight_ >= ring_->completion_entries()) {
     return Status::ResourceExhausted(fmt::format("{} requests are in flight (the ring's limit); Wait for some first", inflight_));
-  }
-  const uint32_t head = hdr_->submit_head.value.load(std::memory_order_acquire);
-  if (submit_tail_ - head >= hdr_->submit_entries) {
-    return Status::ResourceExhausted("the submit ring is full; the daemon has not caught up yet");
   }
   uint64_t offset = 0;
   const uint64_t payload = key_bytes + id_bytes;
@@ -108,14 +69,14 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
     auto got = AllocLocked(payload);
     if (!got) {
       return Status::ResourceExhausted(fmt::format("no {} bytes free in the {}-byte payload arena; Wait for requests in flight",
-                                                   payload, hdr_->arena_bytes));
+                                                   payload, ring_->arena_bytes()));
     }
     offset = *got;
-    uint8_t* arena = map_ + hdr_->arena_offset;
+    uint8_t* arena = ring_->arena();
     if (key_bytes > 0) std::memcpy(arena + offset, keys.data(), key_bytes);
     if (id_bytes > 0) std::memcpy(arena + offset + key_bytes, ids.data(), id_bytes);
   }
-  const uint64_t ticket = next_ticket_++;
+  const uint64_t ticket = next_ticket_;
   SubmitDescriptor d{};
   d.user_data = ticket;
   d.opcode = static_cast<uint16_t>(op);
@@ -124,33 +85,23 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
   d.keys_offset = offset;
   d.block_ids_offset = offset + key_bytes;
   d.match_handle = match_handle;
-  auto* entries = reinterpret_cast<SubmitDescriptor*>(map_ + hdr_->submit_offset);
-  entries[submit_tail_ & (hdr_->submit_entries - 1)] = d;
-  ++submit_tail_;
-  hdr_->submit_tail.value.store(submit_tail_, std::memory_order_seq_cst);
+  if (!ring_->Push(d)) {
+    if (payload > 0) FreeLocked(offset, payload);
+    return Status::ResourceExhausted("the submit ring is full; the daemon has not caught up yet");
+  }
+  ++next_ticket_;
   if (payload > 0) arena_of_[ticket] = {offset, payload};
   pending_.insert(ticket);
   ++inflight_;
-  if (hdr_->daemon_parked.value.load(std::memory_order_seq_cst) != 0) {
-    const uint64_t one = 1;
-    ssize_t ignored = write(doorbell_.get(), &one, sizeof(one));
-    (void)ignored;
-  }
   return Ticket{ticket, 0};
 }
 
 void SessionRings::ReapLocked() {
-  const uint32_t tail = hdr_->completion_tail.value.load(std::memory_order_acquire);
-  if (tail == completion_head_) return;
-  const auto* entries = reinterpret_cast<const CompletionDescriptor*>(map_ + hdr_->completion_offset);
-  while (completion_head_ != tail) {
-    CompletionDescriptor c = entries[completion_head_ & (hdr_->completion_entries - 1)];
-    ++completion_head_;
-    c.message[sizeof(c.message) - 1] = '\0';
+  ring_->Reap([this](const CompletionDescriptor& c) {
     if ((c.flags & kCompletionFlagLayerDone) != 0) {
       uint32_t& landed = layers_landed_[c.user_data];
       landed = std::max(landed, c.matched_blocks + 1);
-      continue;
+      return;
     }
     layers_landed_.erase(c.user_data);
     OpResult r;
@@ -164,10 +115,9 @@ void SessionRings::ReapLocked() {
       arena_of_.erase(a);
     }
     if (inflight_ > 0) --inflight_;
-    if (pending_.erase(c.user_data) == 0) continue;  // not a request of ours in flight: nobody waits for it
+    if (pending_.erase(c.user_data) == 0) return;  // not a request of ours in flight: nobody waits for it
     done_[c.user_data] = std::move(r);
-  }
-  hdr_->completion_head.value.store(completion_head_, std::memory_order_release);
+  });
 }
 
 SessionRings::TicketState SessionRings::StateLocked(uint64_t id) const {
@@ -193,8 +143,7 @@ void SessionRings::Abandon(Status why) {
     abandoned_.store(true);
   }
   // Waiters parked on the completion tail look at the flag now rather than at the end of their futex slice.
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hdr_->completion_tail.value), FUTEX_WAKE, INT32_MAX, nullptr,
-          nullptr, 0);
+  ring_->WakeWaiters();
 }
 
 Status SessionRings::GoneStatus() {
@@ -233,48 +182,26 @@ bool SessionRings::DaemonGone() const {
   return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
-Status SessionRings::WaitUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point deadline,
-                               uint64_t ticket) {
-  auto spin_until = std::chrono::steady_clock::now() + kSpin;
-  for (;;) {
-    {
-      std::lock_guard lock(mu_);
-      ReapLocked();
-      if (ready()) return Status::Ok();
-    }
-    const auto now = std::chrono::steady_clock::now();
-    if (now >= deadline) {
-      return Status::DeadlineExceeded(fmt::format("ticket {} did not complete in time; it is still in flight", ticket));
-    }
-    const uint32_t seen = hdr_->completion_tail.value.load(std::memory_order_acquire);
-    if (now < spin_until) {
-      // Spin a couple of microseconds, then keep polling but yield the CPU between polls: when there are
-      // more spinning threads than cores (the daemon's poller among them), yielding lets the poller run at
-      // once instead of after our whole spin window.
-      if (now + kSpin - kPureSpin < spin_until) {
-        CpuRelax();
-      } else {
-        sched_yield();
-      }
-      continue;
-    }
-    if (DaemonGone()) {
-      {
+template <typename Ready>
+Status SessionRings::WaitUntil(Ready&& ready, std::chrono::steady_clock::time_point deadline, uint64_t ticket) {
+  const int64_t deadline_ns =
+      NowNs() + std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - std::chrono::steady_clock::now()).count();
+  const auto end = ring_->Wait(
+      [&] {
         std::lock_guard lock(mu_);
         ReapLocked();
-        if (ready()) return Status::Ok();
-      }
-      return GoneStatus();
-    }
-    hdr_->client_waiting.value.fetch_add(1, std::memory_order_seq_cst);
-    if (hdr_->completion_tail.value.load(std::memory_order_seq_cst) == seen) {
-      const auto left = std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(20));
-      timespec ts{static_cast<time_t>(left.count() / 1000000000), static_cast<long>(left.count() % 1000000000)};
-      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hdr_->completion_tail.value), FUTEX_WAIT, seen, &ts, nullptr, 0);
-    }
-    hdr_->client_waiting.value.fetch_sub(1, std::memory_order_seq_cst);
-    spin_until = std::chrono::steady_clock::now() + kSpin;
+        return ready();
+      },
+      [&] { return DaemonGone(); }, deadline_ns);
+  switch (end) {
+    case ring::RingSubmitter::WaitEnd::kReady:
+      return Status::Ok();
+    case ring::RingSubmitter::WaitEnd::kDeadline:
+      return Status::DeadlineExceeded(fmt::format("ticket {} did not complete in time; it is still in flight", ticket));
+    case ring::RingSubmitter::WaitEnd::kPeerGone:
+      break;
   }
+  return GoneStatus();
 }
 
 Result<OpResult> SessionRings::Wait(Ticket ticket, std::chrono::microseconds timeout) {

@@ -1,11 +1,10 @@
-// SessionRings: the client side of a session's rings — submission with an arena allocator, completion
-// reaping, and waiting (spin, then futex) for a ticket. Thread-safe. Internal to libflexkv.
+// SessionRings: a session's rings as libflexkv uses them — tickets and what state each is in, the payload arena's
+// allocator, results by ticket — over the ring transport's client end (common/ring/ring_submitter.h), which owns
+// the protocol and the waiting policy. Thread-safe. Internal to libflexkv.
 #pragma once
 
 #include <atomic>
-
 #include <chrono>
-#include <functional>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -14,6 +13,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "common/ring/ring_submitter.h"
 #include "common/ring_layout.h"
 #include "common/unique_fd.h"
 #include "flexkv/client.h"
@@ -62,23 +62,18 @@ class SessionRings {
   OpResult TakeLocked(uint64_t id);
   // The status to end a call with once the session is abandoned or gone.
   Status GoneStatus();
-  // Spins, then futex-waits for the completion tail to move, until `ready` (called under mu_ after a reap)
-  // returns true or the deadline passes.
-  Status WaitUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point deadline,
-                   uint64_t ticket);
+  // Waits (the transport's policy) until `ready` (called under mu_ after a reap) returns true or the deadline
+  // passes; then OK, DEADLINE_EXCEEDED, or GoneStatus() when the daemon closed the session.
+  template <typename Ready>
+  Status WaitUntil(Ready&& ready, std::chrono::steady_clock::time_point deadline, uint64_t ticket);
 
-  uint8_t* map_ = nullptr;
-  uint64_t map_bytes_ = 0;
-  RingHeader* hdr_ = nullptr;
-  UniqueFd doorbell_;
+  std::unique_ptr<ring::RingSubmitter> ring_;
   UniqueFd channel_;  // a dup of the session channel, watched for hang-up
   std::atomic<bool> abandoned_{false};
   Status abandon_status_;  // guarded by mu_; set once, before abandoned_
 
   std::mutex mu_;
   uint64_t next_ticket_ = 1;                                         // guarded by mu_
-  uint32_t submit_tail_ = 0;                                         // guarded by mu_
-  uint32_t completion_head_ = 0;                                     // guarded by mu_
   std::map<uint64_t, uint64_t> free_;                                // offset → bytes; guarded by mu_
   std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> arena_of_;  // ticket → (offset, bytes)
   std::unordered_map<uint64_t, OpResult> done_;                      // guarded by mu_

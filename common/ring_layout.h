@@ -1,4 +1,5 @@
-// Shared-memory layout of a session's rings (DESIGN §4.3, docs/protocol.md "Session rings").
+// Shared-memory layout of a session's rings (docs/protocol.md "Session rings"); the protocol over it, both
+// ends, is common/ring/ (RingSubmitter for the client, RingConsumer for the daemon).
 // One sealed memfd per session, created by the daemon, mapped by both sides:
 //   header | index cache lines | submit ring | completion ring | payload arena
 // The client produces submissions and consumes completions; the daemon the reverse. Offsets, never

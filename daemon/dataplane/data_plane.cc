@@ -5,10 +5,8 @@
 #include <pthread.h>
 #include <sched.h>
 #include <fmt/format.h>
-#include <linux/futex.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -16,49 +14,22 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <deque>
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/ring/ring_consumer.h"
 #include "common/ring_layout.h"
 #include "common/uds.h"
 
 namespace flexkv {
-namespace {
-
-void FutexWakeAll(std::atomic<uint32_t>* addr) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-}
-
-}  // namespace
-
 struct DataPlane::Session final : RequestSession {
   Session(DataPlane* owner, uint64_t id, const Geometry& geometry) : RequestSession(id, geometry), plane(owner) {}
   DataPlane* const plane;
-  RingGeometry rg{};
-  uint8_t* ring = nullptr;
-  RingHeader* hdr = nullptr;
-  UniqueFd doorbell;
-
-  std::mutex mu;                                            // guards the completion side below
-  std::deque<CompletionDescriptor> overflow;                // completions waiting for ring space
-  uint32_t completion_tail = 0;                             // our copy of the producer index
-  uint32_t submit_head = 0;                                 // consumer index; poller thread only
+  std::unique_ptr<ring::RingConsumer> ring;  // the rings' daemon end; set once by OpenSession
   std::atomic<bool> dead{false};
-  std::atomic<uint64_t> inflight{0};                        // requests submitted, not yet completed
 
-  ~Session() override {
-    if (ring != nullptr) munmap(ring, rg.total_bytes());
-  }
   void Post(const CompletionDescriptor& c) override { plane->Complete(*this, c); }
   bool ended() const override { return dead.load(); }
-  const SubmitDescriptor* submit_entries() const {
-    return reinterpret_cast<const SubmitDescriptor*>(ring + rg.submit_offset());
-  }
-  CompletionDescriptor* completion_entries() const {
-    return reinterpret_cast<CompletionDescriptor*>(ring + rg.completion_offset());
-  }
-  const uint8_t* arena() const { return ring + rg.arena_offset(); }
 };
 
 DataPlane::DataPlane(Cache* cache, Lifecycle* lifecycle, EngineMemoryBackends* backends, DataPlaneOptions options)
@@ -107,42 +78,14 @@ void DataPlane::Stop() {
 
 Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const Geometry& geometry) {
   auto s = std::make_shared<Session>(this, session_id, geometry);
-  s->rg = RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes};
-  UniqueFd memfd(static_cast<int>(syscall(SYS_memfd_create, "flexkv-rings", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
-  if (!memfd) return Status::ResourceExhausted(fmt::format("memfd_create: {}", ErrnoText(errno)));
-  const uint64_t bytes = s->rg.total_bytes();
-  if (ftruncate(memfd.get(), static_cast<off_t>(bytes)) != 0) {
-    return Status::ResourceExhausted(fmt::format("sizing the ring memfd to {} bytes: {}", bytes, ErrnoText(errno)));
-  }
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
-  if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap rings: {}", ErrnoText(errno)));
-  s->ring = static_cast<uint8_t*>(p);
-  s->hdr = new (p) RingHeader{};
-  s->hdr->magic = kRingMagic;
-  s->hdr->layout_version = kRingLayoutVersion;
-  s->hdr->submit_entries = s->rg.submit_entries;
-  s->hdr->completion_entries = s->rg.completion_entries;
-  s->hdr->submit_offset = s->rg.submit_offset();
-  s->hdr->completion_offset = s->rg.completion_offset();
-  s->hdr->arena_offset = s->rg.arena_offset();
-  s->hdr->arena_bytes = s->rg.arena_bytes;
-  s->hdr->total_bytes = bytes;
-  // The poller may be parked in epoll_wait with a session list that lacks this one: until it picks the
-  // session up (and clears the flag, below in PollerLoop) the client must ring the doorbell, which epoll
-  // already watches. Starting at 0 made a new session's first request wait out the 200 ms park.
-  s->hdr->daemon_parked.value.store(1, std::memory_order_seq_cst);
-  // The client can neither shrink nor grow the mapping under the daemon, nor remove these seals.
-  if (fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    return Status::Internal(fmt::format("sealing the ring memfd: {}", ErrnoText(errno)));
-  }
-  s->doorbell.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!s->doorbell) return Status::ResourceExhausted(fmt::format("eventfd: {}", ErrnoText(errno)));
-  UniqueFd client_doorbell(fcntl(s->doorbell.get(), F_DUPFD_CLOEXEC, 0));
-  if (!client_doorbell) return Status::ResourceExhausted(fmt::format("dup: {}", ErrnoText(errno)));
+  auto created = ring::RingConsumer::Create(
+      RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes});
+  if (!created.ok()) return created.status();
+  s->ring = std::move(created->consumer);
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.u64 = session_id;
-  if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, s->doorbell.get(), &ev) != 0) {
+  if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, s->ring->doorbell_fd(), &ev) != 0) {
     return Status::Internal(fmt::format("epoll_ctl(doorbell): {}", ErrnoText(errno)));
   }
   {
@@ -151,8 +94,8 @@ Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const 
   }
   generation_.fetch_add(1);
   std::vector<UniqueFd> fds;
-  fds.push_back(std::move(memfd));
-  fds.push_back(std::move(client_doorbell));
+  fds.push_back(std::move(created->memfd));
+  fds.push_back(std::move(created->doorbell));
   return fds;
 }
 
@@ -179,12 +122,9 @@ void DataPlane::EndSession(uint64_t session_id) {
     sessions_.erase(it);
   }
   generation_.fetch_add(1);
-  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, s->doorbell.get(), nullptr);
-  {
-    std::lock_guard lock(s->mu);
-    s->dead = true;
-    s->overflow.clear();
-  }
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, s->ring->doorbell_fd(), nullptr);
+  s->dead = true;
+  s->ring->Close();  // completions still to come are dropped
   handlers_.EndSession(*s);
   // Copies still running hold `s` (and its KV mapping) until they finish; nothing waits for them here.
 }
@@ -197,36 +137,10 @@ DataPlane::SessionStats DataPlane::StatsOf(uint64_t session_id) const {
     if (it == sessions_.end()) return {};
     s = it->second;
   }
-  return {s->pinned_blocks(), s->inflight.load()};
+  return {s->pinned_blocks(), s->ring->inflight()};
 }
 
-void DataPlane::Complete(Session& s, CompletionDescriptor c) {
-  std::lock_guard lock(s.mu);
-  if (s.dead) return;
-  s.overflow.push_back(c);
-  FlushOverflow(s);
-}
-
-bool DataPlane::FlushOverflow(Session& s) {
-  // Called with s.mu held.
-  if (s.overflow.empty()) return false;
-  const uint32_t entries = s.rg.completion_entries;
-  const uint32_t head = s.hdr->completion_head.value.load(std::memory_order_acquire);
-  bool wrote = false;
-  while (!s.overflow.empty() && s.completion_tail - head < entries) {
-    s.completion_entries()[s.completion_tail & (entries - 1)] = s.overflow.front();
-    const bool progress = (s.overflow.front().flags & kCompletionFlagLayerDone) != 0;
-    s.overflow.pop_front();
-    ++s.completion_tail;
-    if (!progress) s.inflight.fetch_sub(1);
-    wrote = true;
-  }
-  if (wrote) {
-    s.hdr->completion_tail.value.store(s.completion_tail, std::memory_order_seq_cst);
-    if (s.hdr->client_waiting.value.load(std::memory_order_seq_cst) != 0) FutexWakeAll(&s.hdr->completion_tail.value);
-  }
-  return wrote;
-}
+void DataPlane::Complete(Session& s, CompletionDescriptor c) { s.ring->Post(c); }
 
 void DataPlane::Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status) {
   handlers_.Fail(s, d, taken_ns, status);
@@ -234,50 +148,31 @@ void DataPlane::Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, co
 
 bool DataPlane::PollSession(const std::shared_ptr<Session>& self) {
   Session& s = *self;
-  bool work = false;
-  {
-    std::lock_guard lock(s.mu);
-    work = FlushOverflow(s);
+  bool work = s.ring->Flush();
+  for (;;) {
+    ring::RingConsumer::Taken t = s.ring->Take();
+    switch (t.kind) {
+      case ring::RingConsumer::Taken::kNone:
+        return work;
+      case ring::RingConsumer::Taken::kCorrupt:
+        if (t.counted) {
+          metrics_.taken[Index(OpKind::kInvalid)].fetch_add(1, std::memory_order_relaxed);
+          Fail(s, SubmitDescriptor{}, NowNs(), t.error);
+        }
+        return true;
+      case ring::RingConsumer::Taken::kDescriptor: {
+        const int64_t taken_ns = NowNs();
+        metrics_.taken[Index(OpKindOf(t.descriptor.opcode))].fetch_add(1, std::memory_order_relaxed);
+        Process(self, t.descriptor, taken_ns);
+        work = true;
+        break;
+      }
+    }
   }
-  RingHeader* h = s.hdr;
-  const uint32_t entries = s.rg.submit_entries;
-  // The head is ours: the copy in shared memory only tells the client how far we are, and is never read back
-  // (a client rewinding it cannot make us run old descriptors again).
-  uint32_t head = s.submit_head;
-  const uint32_t tail = h->submit_tail.value.load(std::memory_order_acquire);
-  if (tail == head) return work;
-  if (tail - head > entries) {
-    // The client moved its tail past what the ring can hold: nothing in it can be trusted. Say so once per
-    // completion slot; a client that keeps doing it without reading completions gets no more (bounded memory).
-    s.submit_head = tail;
-    h->submit_head.value.store(tail, std::memory_order_release);
-    if (s.inflight.load() >= s.rg.completion_entries) return true;
-    SubmitDescriptor none{};
-    s.inflight.fetch_add(1);
-    metrics_.taken[Index(OpKind::kInvalid)].fetch_add(1, std::memory_order_relaxed);
-    Fail(s, none, NowNs(),
-         Status::InvalidArgument(fmt::format("submit_tail {} is {} entries past head {}; ring holds {}", tail,
-                                             tail - head, head, entries)));
-    return true;
-  }
-  // Back-pressure: never accept more than the completion ring can eventually hold.
-  while (head != tail && s.inflight.load() < s.rg.completion_entries) {
-    SubmitDescriptor d;
-    std::memcpy(&d, &s.submit_entries()[head & (entries - 1)], sizeof(d));  // copied once, then validated
-    ++head;
-    s.submit_head = head;
-    h->submit_head.value.store(head, std::memory_order_release);
-    s.inflight.fetch_add(1);
-    const int64_t taken_ns = NowNs();
-    metrics_.taken[Index(OpKindOf(d.opcode))].fetch_add(1, std::memory_order_relaxed);
-    Process(self, d, taken_ns);
-    work = true;
-  }
-  return work;
 }
 
 void DataPlane::Process(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, int64_t taken_ns) {
-  handlers_.Handle(s, std::span<const uint8_t>(s->arena(), s->rg.arena_bytes), d, taken_ns);
+  handlers_.Handle(s, s->ring->arena(), d, taken_ns);
 }
 
 void DataPlane::PollerLoop() {
@@ -292,7 +187,7 @@ void DataPlane::PollerLoop() {
       active.clear();
       for (auto& [id, s] : sessions_) active.push_back(s);
       // Awake: new sessions (which start "parked", see OpenSession) may stop ringing the doorbell.
-      for (auto& s : active) s->hdr->daemon_parked.value.store(0, std::memory_order_seq_cst);
+      for (auto& s : active) s->ring->Unpark();
     }
     bool work = false;
     for (auto& s : active) {
@@ -316,15 +211,11 @@ void DataPlane::PollerLoop() {
     }
     // Park: announce it, then look once more (a client that pushed before seeing the flag is caught here;
     // one that sees it rings the doorbell).
-    for (auto& s : active) s->hdr->daemon_parked.value.store(1, std::memory_order_seq_cst);
     bool pending = false;   // submissions we can take now
     bool backlog = false;   // completions waiting for the client to make room (e.g. it is stopped)
     for (auto& s : active) {
-      if (s->inflight.load() < s->rg.completion_entries) {
-        pending |= s->hdr->submit_tail.value.load(std::memory_order_seq_cst) != s->submit_head;
-      }
-      std::lock_guard lock(s->mu);
-      backlog |= !s->overflow.empty();
+      pending |= !s->ring->Park();
+      backlog |= s->ring->HasBacklog();
     }
     int n = 0;
     if (!pending) n = epoll_wait(epoll_fd_.get(), events, 64, backlog ? 5 : 200);
@@ -339,11 +230,10 @@ void DataPlane::PollerLoop() {
       std::lock_guard lock(mu_);
       auto it = sessions_.find(events[i].data.u64);
       if (it != sessions_.end()) {
-        ssize_t ignored = read(it->second->doorbell.get(), &drained, sizeof(drained));
-        (void)ignored;
+        it->second->ring->DrainDoorbell();
       }
     }
-    for (auto& s : active) s->hdr->daemon_parked.value.store(0, std::memory_order_seq_cst);
+    for (auto& s : active) s->ring->Unpark();
     last_work_ns = NowNs();
   }
 }

@@ -78,11 +78,11 @@ class DataPlane {
   bool PollSession(const std::shared_ptr<Session>& s);
   // `taken_ns` (monotonic): when the poller took `d` off the submit ring; the request's times count from it.
   void Process(const std::shared_ptr<Session>& s, const SubmitDescriptor& d, int64_t taken_ns);
-  // Posts `c` to the session's completion ring (or its overflow queue); dropped once the session ended. The only
-  // way completions reach a ring: the request handlers post through RequestSession::Post, which calls this.
+  // Posts `c` to the session's completion ring (common/ring/ring_consumer.h: queued while the ring is full,
+  // dropped once the session ended). Any thread, with or without the session's lock. The only way completions
+  // reach a ring: the request handlers post through RequestSession::Post, which calls this.
   void Complete(Session& s, CompletionDescriptor c);
   void Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status);
-  bool FlushOverflow(Session& s);
 
   EngineMemoryBackends* const backends_;
   const DataPlaneOptions options_;
