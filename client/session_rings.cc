@@ -91,7 +91,7 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
   }
   ++next_ticket_;
   if (payload > 0) arena_of_[ticket] = {offset, payload};
-  pending_.insert(ticket);
+  done_.emplace(ticket, std::nullopt);  // in flight: the reap fills the result in, the one allocation per request
   ++inflight_;
   return Ticket{ticket, 0};
 }
@@ -115,14 +115,15 @@ void SessionRings::ReapLocked() {
       arena_of_.erase(a);
     }
     if (inflight_ > 0) --inflight_;
-    if (pending_.erase(c.user_data) == 0) return;  // not a request of ours in flight: nobody waits for it
-    done_[c.user_data] = std::move(r);
+    auto it = done_.find(c.user_data);
+    if (it == done_.end() || it->second.has_value()) return;  // not a request of ours in flight: nobody waits for it
+    it->second = std::move(r);
   });
 }
 
 SessionRings::TicketState SessionRings::StateLocked(uint64_t id) const {
-  if (done_.count(id) != 0) return TicketState::kEnded;
-  if (pending_.count(id) != 0) return TicketState::kInFlight;
+  auto it = done_.find(id);
+  if (it != done_.end()) return it->second.has_value() ? TicketState::kEnded : TicketState::kInFlight;
   if (id == 0 || id >= next_ticket_) return TicketState::kNeverIssued;
   return TicketState::kTaken;
 }
@@ -171,7 +172,7 @@ Result<std::optional<OpResult>> SessionRings::TryWait(Ticket ticket) {
 
 OpResult SessionRings::TakeLocked(uint64_t id) {
   auto it = done_.find(id);
-  OpResult r = std::move(it->second);
+  OpResult r = std::move(*it->second);
   done_.erase(it);
   return r;
 }

@@ -11,7 +11,6 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "common/ring/ring_submitter.h"
 #include "common/ring_layout.h"
@@ -76,8 +75,9 @@ class SessionRings {
   uint64_t next_ticket_ = 1;                                         // guarded by mu_
   std::map<uint64_t, uint64_t> free_;                                // offset → bytes; guarded by mu_
   std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> arena_of_;  // ticket → (offset, bytes)
-  std::unordered_map<uint64_t, OpResult> done_;                      // guarded by mu_
-  std::unordered_set<uint64_t> pending_;  // submitted, final completion not reaped yet; guarded by mu_
+  // Every ticket issued whose result was not taken yet: nullopt while in flight (its final completion not reaped),
+  // then its result. Guarded by mu_.
+  std::unordered_map<uint64_t, std::optional<OpResult>> done_;
   std::unordered_map<uint64_t, uint32_t> layers_landed_;             // layer-wise loads; guarded by mu_
   size_t inflight_ = 0;                                              // guarded by mu_
 };
