@@ -122,7 +122,9 @@ RingSubmitter::WaitEnd RingSubmitter::Wait(Ready&& ready, PeerGone&& peer_gone, 
     // Announce, then re-check (pairs with RingConsumer::Post: tail store, then this counter's load; both
     // seq_cst): either the daemon sees us waiting and wakes us, or we see its new tail and do not sleep.
     h->client_waiting.value.fetch_add(1, std::memory_order_seq_cst);
-    if (h->completion_tail.value.load(std::memory_order_seq_cst) == seen) {
+    // peer_gone again: a session dropped (WakeWaiters) between the check above and the announce is seen here
+    // instead of after a whole sleep.
+    if (h->completion_tail.value.load(std::memory_order_seq_cst) == seen && !peer_gone()) {
       FutexWait(&h->completion_tail.value, seen, std::min(deadline_ns - now, kMaxSleepNs));
     }
     h->client_waiting.value.fetch_sub(1, std::memory_order_seq_cst);

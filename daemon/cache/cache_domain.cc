@@ -73,7 +73,7 @@ Status CacheDomain::Admit(const std::string& model_namespace, const Geometry& ge
         "than the pool",
         FormatByteSize(geometry.host_block_bytes()), FormatByteSize(budget_bytes_)));
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (!geometry_) {
     geometry_ = geometry;
     namespace_ = model_namespace;
@@ -88,7 +88,7 @@ Status CacheDomain::Admit(const std::string& model_namespace, const Geometry& ge
 }
 
 CacheDomain::View CacheDomain::Snapshot() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   View v;
   v.geometry = geometry_;
   v.model_namespace = namespace_;

@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 #include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
@@ -39,9 +41,9 @@ class CacheDomain {
 
  private:
   const uint64_t budget_bytes_;
-  mutable std::mutex mu_;
-  std::optional<Geometry> geometry_;  // guarded by mu_
-  std::string namespace_;             // guarded by mu_
+  mutable Mutex mu_;
+  std::optional<Geometry> geometry_ ABSL_GUARDED_BY(mu_);
+  std::string namespace_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace flexkv

@@ -89,7 +89,7 @@ Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const 
     return Status::Internal(fmt::format("epoll_ctl(doorbell): {}", ErrnoText(errno)));
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     sessions_[session_id] = s;
   }
   generation_.fetch_add(1);
@@ -102,7 +102,7 @@ Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const 
 Result<uint64_t> DataPlane::RegisterKv(uint64_t session_id, KvRegistration registration) {
   std::shared_ptr<Session> s;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) {
       return Status::FailedPrecondition(fmt::format("session {} has no open session channel", session_id));
@@ -115,7 +115,7 @@ Result<uint64_t> DataPlane::RegisterKv(uint64_t session_id, KvRegistration regis
 void DataPlane::EndSession(uint64_t session_id) {
   std::shared_ptr<Session> s;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) return;
     s = std::move(it->second);
@@ -123,8 +123,10 @@ void DataPlane::EndSession(uint64_t session_id) {
   }
   generation_.fetch_add(1);
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, s->ring->doorbell_fd(), nullptr);
+  // Closed first: a completion the ring still takes was built while ended() was false. Completions after this are
+  // dropped (a Store whose copy ends now sees ended() and aborts instead of publishing).
+  s->ring->Close();
   s->dead = true;
-  s->ring->Close();  // completions still to come are dropped
   handlers_.EndSession(*s);
   // Copies still running hold `s` (and its KV mapping) until they finish; nothing waits for them here.
 }
@@ -132,7 +134,7 @@ void DataPlane::EndSession(uint64_t session_id) {
 DataPlane::SessionStats DataPlane::StatsOf(uint64_t session_id) const {
   std::shared_ptr<Session> s;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) return {};
     s = it->second;
@@ -182,7 +184,7 @@ void DataPlane::PollerLoop() {
   epoll_event events[64];
   while (!stopping_.load(std::memory_order_relaxed)) {
     if (seen_generation != generation_.load()) {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       seen_generation = generation_.load();
       active.clear();
       for (auto& [id, s] : sessions_) active.push_back(s);
@@ -227,7 +229,7 @@ void DataPlane::PollerLoop() {
         (void)ignored;
         continue;
       }
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       auto it = sessions_.find(events[i].data.u64);
       if (it != sessions_.end()) {
         it->second->ring->DrainDoorbell();

@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 #include "common/ring_layout.h"
 #include "common/unique_fd.h"
 #include "daemon/cache/cache.h"
@@ -91,8 +93,8 @@ class DataPlane {
   CopyScheduler copies_;  // after dram_: waits for the copies in flight when it goes
   RequestHandlers handlers_;
 
-  mutable std::mutex mu_;
-  std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> generation_{0};                     // bumped when sessions_ changes
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;

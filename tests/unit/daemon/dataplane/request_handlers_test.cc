@@ -65,8 +65,8 @@ struct Harness {
     d.keys_offset = kKeysOffset;
     d.block_ids_offset = kIdsOffset;
     d.match_handle = handle;
-    std::memcpy(arena.data() + kKeysOffset, keys.data(), keys.size() * sizeof(BlockKey));
-    std::memcpy(arena.data() + kIdsOffset, ids.data(), ids.size() * sizeof(uint32_t));
+    if (!keys.empty()) std::memcpy(arena.data() + kKeysOffset, keys.data(), keys.size() * sizeof(BlockKey));
+    if (!ids.empty()) std::memcpy(arena.data() + kIdsOffset, ids.data(), ids.size() * sizeof(uint32_t));
     handlers.Handle(session, arena, d, flexkv::NowNs());
   }
   CompletionDescriptor Last() {
