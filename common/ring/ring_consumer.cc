@@ -101,7 +101,11 @@ bool RingConsumer::FlushLocked() {
   while (!overflow_.empty() && completion_tail_ - head < entries) {
     const CompletionDescriptor& c = overflow_.front();
     ring[completion_tail_ & (entries - 1)] = c;
-    if ((c.flags & kCompletionFlagLayerDone) == 0) inflight_.fetch_sub(1, std::memory_order_acq_rel);
+    if ((c.flags & kCompletionFlagLayerDone) == 0) {
+      inflight_.fetch_sub(1, std::memory_order_acq_rel);
+    } else {
+      --queued_progress_;
+    }
     overflow_.pop_front();
     ++completion_tail_;
     wrote = true;
@@ -115,6 +119,13 @@ void RingConsumer::Post(const CompletionDescriptor& completion) {
   {
     MutexLock lock(&mu_);
     if (closed_) return;
+    if ((completion.flags & kCompletionFlagLayerDone) != 0) {
+      if (queued_progress_ >= kMaxQueuedProgressPerSlot * geometry_.completion_entries) {
+        ++dropped_progress_;
+        return;
+      }
+      ++queued_progress_;
+    }
     overflow_.push_back(completion);
     wrote = FlushLocked();
   }
@@ -146,6 +157,17 @@ void RingConsumer::Close() {
   MutexLock lock(&mu_);
   closed_ = true;
   overflow_.clear();
+  queued_progress_ = 0;
+}
+
+size_t RingConsumer::backlog() const {
+  MutexLock lock(&mu_);
+  return overflow_.size();
+}
+
+uint64_t RingConsumer::dropped_progress() const {
+  MutexLock lock(&mu_);
+  return dropped_progress_;
 }
 
 bool RingConsumer::Park() {

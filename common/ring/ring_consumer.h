@@ -62,11 +62,19 @@ class RingConsumer {
   // Posts a completion: to the ring, or to the overflow queue behind earlier ones while the ring is full
   // (Flush retries). A final completion (not kCompletionFlagLayerDone) ends one request in flight when it
   // reaches the ring. Wakes a client that announced itself waiting. Dropped after Close.
+  // Memory a client can make the daemon hold is bounded: final completions by the in-flight limit (one per
+  // completion slot), layer-progress completions by kMaxQueuedProgressPerSlot per slot; progress beyond that is
+  // dropped while the client does not reap (it only ever delays layer news: the final completion tells every layer
+  // landed, and a later progress completion supersedes an earlier one).
   void Post(const CompletionDescriptor& completion) ABSL_LOCKS_EXCLUDED(mu_);
   // Moves queued completions into the ring as far as the client has made room. Returns whether it moved any.
   bool Flush() ABSL_LOCKS_EXCLUDED(mu_);
   // Completions waiting for ring space (the client is not reaping, e.g. it is stopped).
   bool HasBacklog() const ABSL_LOCKS_EXCLUDED(mu_);
+  size_t backlog() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Layer-progress completions dropped because the client did not make room for them.
+  uint64_t dropped_progress() const ABSL_LOCKS_EXCLUDED(mu_);
+  static constexpr size_t kMaxQueuedProgressPerSlot = 4;
   // The session ended: the overflow queue is dropped and later Posts too. The mapping stays until destruction.
   void Close() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -102,6 +110,8 @@ class RingConsumer {
   std::deque<CompletionDescriptor> overflow_ ABSL_GUARDED_BY(mu_);
   uint32_t completion_tail_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  size_t queued_progress_ ABSL_GUARDED_BY(mu_) = 0;  // layer-progress entries in overflow_
+  uint64_t dropped_progress_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace flexkv::ring

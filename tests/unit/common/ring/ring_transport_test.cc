@@ -242,6 +242,45 @@ TEST_CASE("ring transport: completions wait in order while the completion ring i
   REQUIRE(s.Reap([](const CompletionDescriptor&) {}) == 0);
 }
 
+// Regression: layer-progress completions did not count against the in-flight limit, so a session that stopped
+// reaping grew the daemon's overflow queue by (layers + 1) entries per request (with a 1024-layer geometry, four
+// such sessions took the daemon from 18 MB to 572 MB). Progress is now bounded per completion slot.
+TEST_CASE("ring transport: a client that stops reaping cannot grow the overflow queue past its bound", "[unit][ring]") {
+  Pair p = MakePair(RingGeometry{8, 4, 4096});
+  RingConsumer& c = *p.consumer;
+  RingSubmitter& s = *p.submitter;
+  std::vector<SubmitDescriptor> taken;
+  for (uint64_t i = 1; i <= 4; ++i) {
+    REQUIRE(s.Push(Request(i)));
+    RingConsumer::Taken t = c.Take();
+    REQUIRE(t.kind == RingConsumer::Taken::kDescriptor);
+    taken.push_back(t.descriptor);
+  }
+  constexpr uint32_t kLayers = 1024;
+  for (const SubmitDescriptor& d : taken) {
+    for (uint32_t layer = 0; layer < kLayers; ++layer) {
+      CompletionDescriptor progress = AnswerTo(d, flexkv::kCompletionFlagLayerDone);
+      progress.matched_blocks = layer;
+      c.Post(progress);
+    }
+    c.Post(AnswerTo(d));
+  }
+  const size_t bound = RingConsumer::kMaxQueuedProgressPerSlot * 4 + 4;  // progress + one final per request
+  CHECK(c.backlog() <= bound);
+  CHECK(c.dropped_progress() == 4 * (kLayers + 1) - c.backlog() - 4);
+  // Every final completion still arrives, in order after the progress that was kept.
+  std::vector<CompletionDescriptor> got;
+  for (int round = 0; round < 1000 && (c.HasBacklog() || got.empty()); ++round) {
+    s.Reap([&](const CompletionDescriptor& done) { got.push_back(done); });
+    c.Flush();
+  }
+  s.Reap([&](const CompletionDescriptor& done) { got.push_back(done); });
+  size_t finals = 0;
+  for (const CompletionDescriptor& done : got) finals += (done.flags & flexkv::kCompletionFlagLayerDone) == 0 ? 1 : 0;
+  CHECK(finals == 4);
+  CHECK(c.inflight() == 0);
+}
+
 TEST_CASE("ring transport: a full submit ring refuses, and requests in flight never outnumber completion slots",
           "[unit][ring]") {
   Pair p = MakePair(RingGeometry{8, 4, 4096});
