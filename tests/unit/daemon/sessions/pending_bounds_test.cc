@@ -5,8 +5,10 @@
 
 #include <catch2/catch.hpp>
 #include <string>
+#include <vector>
 
 #include "common/log.h"
+#include "daemon/config/config.h"
 #include "daemon/sessions/session_registry.h"
 
 using flexkv::PeerCredentials;
@@ -98,4 +100,25 @@ TEST_CASE("a rate-limited log line passes once per interval and counts what it s
   CHECK(every_time.Write(flexkv::log::Level::kWarning, "test", "one"));
   CHECK(every_time.Write(flexkv::log::Level::kWarning, "test", "two"));
   CHECK(every_time.suppressed() == 0);
+}
+
+TEST_CASE("the pending-session bounds and the fd reserve are flags with node-sized defaults",
+          "[unit][config][attach_flood]") {
+  auto parse = [](std::vector<std::string> args) {
+    args.insert(args.begin(), "flexkvd");
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    return flexkv::ParseDaemonArgs(static_cast<int>(argv.size()), argv.data());
+  };
+  auto defaults = parse({});
+  REQUIRE(defaults.config);
+  CHECK(defaults.config->max_pending_sessions_per_uid == 64);
+  CHECK(defaults.config->max_pending_sessions == 1024);
+  CHECK(defaults.config->fd_reserve == 256);
+  auto set = parse({"--max-pending-sessions-per-uid", "8", "--max-pending-sessions", "100", "--fd-reserve", "0"});
+  REQUIRE(set.config);
+  CHECK(set.config->max_pending_sessions_per_uid == 8);
+  CHECK(set.config->max_pending_sessions == 100);
+  CHECK(set.config->fd_reserve == 0);
+  CHECK(parse({"--max-pending-sessions", "-1"}).exit_code == 2);
 }
