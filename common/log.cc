@@ -10,6 +10,8 @@
 #include <ctime>
 #include <string>
 
+#include "common/clock.h"
+
 namespace flexkv::log {
 namespace {
 
@@ -49,6 +51,33 @@ void Write(Level level, std::string_view component, std::string_view message) {
   // One write(2) per line keeps lines whole across threads.
   ssize_t ignored = ::write(STDERR_FILENO, line.data(), line.size());
   (void)ignored;
+}
+
+bool RateLimited::Write(Level level, std::string_view component, std::string_view message) {
+  uint64_t suppressed = 0;
+  {
+    MutexLock lock(&mu_);
+    const int64_t now = MonotonicMs();
+    if (written_ && now - last_ms_ < interval_ms_) {
+      ++suppressed_;
+      return false;
+    }
+    written_ = true;
+    last_ms_ = now;
+    suppressed = suppressed_;
+    suppressed_ = 0;
+  }
+  if (suppressed == 0) {
+    log::Write(level, component, message);
+  } else {
+    log::Write(level, component, fmt::format("{} ({} similar lines suppressed)", message, suppressed));
+  }
+  return true;
+}
+
+uint64_t RateLimited::suppressed() const {
+  MutexLock lock(&mu_);
+  return suppressed_;
 }
 
 }  // namespace flexkv::log

@@ -105,7 +105,9 @@ int RunDaemon(const DaemonConfig& config) {
   dp_options.spin_ns = static_cast<int64_t>(config.spin_us * 1000);
   dp_options.poller_cpu = config.poller_cpu;
   DataPlane data_plane(&cache, &lifecycle, &backends, dp_options);
-  SessionRegistry sessions(static_cast<int64_t>(config.attach_timeout_s * 1000));
+  SessionRegistry sessions(SessionLimits{static_cast<int64_t>(config.attach_timeout_s * 1000),
+                                         config.max_pending_sessions_per_uid, config.max_pending_sessions,
+                                         config.fd_reserve});
   sessions.SetChannelOpenCallback(
       [&](uint64_t id, const Geometry& g) { return data_plane.OpenSession(id, g); });
   sessions.SetEndCallback([&](uint64_t id, const std::string&) { data_plane.EndSession(id); });

@@ -54,6 +54,15 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   app.add_option("--attach-timeout", cfg.attach_timeout_s,
                  "Seconds a new session has to open its session channel (default 10)")
       ->check(CLI::Range(0.1, 600.0));
+  app.add_option("--max-pending-sessions-per-uid", cfg.max_pending_sessions_per_uid,
+                 "Sessions of one uid that may be attached without their session channel open (default 64; 0: no bound)")
+      ->check(CLI::Range(0u, 1000000u));
+  app.add_option("--max-pending-sessions", cfg.max_pending_sessions,
+                 "The same for all uids together (default 1024; 0: no bound)")
+      ->check(CLI::Range(0u, 1000000u));
+  app.add_option("--fd-reserve", cfg.fd_reserve,
+                 "Free fds kept for the control plane and admin calls: Attach is refused below it (default 256; 0: none)")
+      ->check(CLI::Range(0u, 1000000u));
 
   app.add_flag("--discard-pool", cfg.discard_pool,
                "Replace a pool file of another geometry, version or size, or a corrupt one (its blocks are lost)");

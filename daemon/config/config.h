@@ -23,6 +23,9 @@ struct DaemonConfig {
   log::Level log_level = log::Level::kInfo;
   double drain_timeout_s = 30;         // --drain-timeout: how long SIGTERM waits for in-flight work
   double attach_timeout_s = 10;        // --attach-timeout: a session must open its channel within this
+  uint32_t max_pending_sessions_per_uid = 64;  // --max-pending-sessions-per-uid: attached, channel not open yet
+  uint32_t max_pending_sessions = 1024;        // --max-pending-sessions: the same, all uids together
+  uint32_t fd_reserve = 256;                   // --fd-reserve: Attach is refused with fewer fds free than this
   bool discard_pool = false;           // --discard-pool: replace a pool file that cannot be re-attached
   double spin_us = 50;                 // --spin-us: poller spin window after activity
   unsigned copy_threads = 0;           // --copy-threads: 0 = one per core

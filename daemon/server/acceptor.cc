@@ -81,7 +81,7 @@ void Acceptor::Loop() {
       if (p.deadline_ms <= now) expired.push_back(fd);
     }
     for (int fd : expired) {
-      log::Warning("server", "closing connection from pid {} uid {}: it sent no request within {} ms",
+      silent_log_.Warning("server", "closing connection from pid {} uid {}: it sent no request within {} ms",
                    pending_[fd].peer.pid, pending_[fd].peer.uid, kRouteTimeoutMs);
       Drop(fd);
     }
@@ -94,12 +94,9 @@ void Acceptor::AcceptAll() {
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EMFILE || errno == ENFILE) {
-        // Out of fds: the listening socket stays readable, so back off instead of spinning, and say it once a second.
-        const int64_t now = MonotonicMs();
-        if (now - last_fd_warning_ms_ >= 1000) {
-          log::Warning("server", "accept: {}; connections wait until fds are free (raise LimitNOFILE?)", ErrnoText(errno));
-          last_fd_warning_ms_ = now;
-        }
+        // Out of fds: the listening socket stays readable, so back off instead of spinning.
+        out_of_fds_log_.Warning("server", "accept: {}; connections wait until fds are free (raise LimitNOFILE?)",
+                                ErrnoText(errno));
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         return;
       }
@@ -108,7 +105,7 @@ void Acceptor::AcceptAll() {
     }
     auto peer = GetPeerCredentials(fd);
     if (!peer.ok() || pending_.size() >= kMaxPending) {
-      log::Warning("server", "refusing a connection: {}",
+      refused_log_.Warning("server", "refusing a connection: {}",
                    peer.ok() ? std::string("too many connections that have not sent a request yet")
                              : peer.status().ToString());
       ::close(fd);

@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "common/clock.h"
+#include "common/log.h"
 #include "common/uds.h"
 #include "common/unique_fd.h"
 #include "flexkv/status.h"
@@ -55,7 +56,10 @@ class Acceptor {
   std::thread thread_;
   std::atomic<int64_t> last_turn_ms_{0};
   std::unordered_map<int, Pending> pending_;  // owned by the acceptor thread
-  int64_t last_fd_warning_ms_ = -1000;       // acceptor thread: the last "out of fds" warning
+  // Warnings a flood of connections can repeat: at most one line a second each, with the count suppressed.
+  log::RateLimited out_of_fds_log_;
+  log::RateLimited refused_log_;
+  log::RateLimited silent_log_;
 };
 
 }  // namespace flexkv

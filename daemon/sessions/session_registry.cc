@@ -1,6 +1,7 @@
 // Sessions and their reaper; see session_registry.h.
 #include "daemon/sessions/session_registry.h"
 
+#include <dirent.h>
 #include <sys/resource.h>
 
 #include <fmt/format.h>
@@ -63,12 +64,27 @@ size_t OfferedFdBudget() {
   return std::max<size_t>(64, static_cast<size_t>(limit.rlim_cur / 2));
 }
 
+// Fds this process may still open: RLIMIT_NOFILE minus the entries of /proc/self/fd (one readdir; Attach only).
+// SIZE_MAX when either is unknown.
+size_t FreeFds() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return SIZE_MAX;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return SIZE_MAX;
+  size_t open_fds = 0;
+  while (const dirent* entry = readdir(dir)) {
+    if (entry->d_name[0] != '.') ++open_fds;
+  }
+  closedir(dir);
+  --open_fds;  // the directory's own fd
+  return open_fds >= limit.rlim_cur ? 0 : static_cast<size_t>(limit.rlim_cur) - open_fds;
+}
+
 }  // namespace
 
 // Ids start from the wall clock (ms << 8), so a restarted daemon does not hand out an id an old client may
 // still hold; 256 sessions per millisecond before two restarts could overlap.
-SessionRegistry::SessionRegistry(int64_t attach_timeout_ms)
-    : attach_timeout_ms_(attach_timeout_ms), next_id_(UnixMs() << 8) {}
+SessionRegistry::SessionRegistry(SessionLimits limits) : limits_(limits), next_id_(UnixMs() << 8) {}
 
 SessionRegistry::~SessionRegistry() { Stop(); }
 
@@ -130,6 +146,11 @@ Result<SessionRegistry::Grant> SessionRegistry::Open(SessionIdentity identity, c
   grant.token = session->token;
   {
     MutexLock lock(&mu_);
+    Status bounded = CheckPendingBounds(peer);
+    if (!bounded.ok()) {
+      refusal_log_.Warning("sessions", "Attach from pid {} uid {} refused: {}", peer.pid, peer.uid, bounded.message());
+      return bounded;
+    }
     grant.session_id = session->id = next_id_++;
     if (session->pidfd) Watch(session->pidfd.get(), PidfdTag(session->id));
     log::Info("sessions", "session {} opened: '{}' pid {} uid {} dp_rank {} tp_rank {} namespace '{}'", session->id,
@@ -138,6 +159,39 @@ Result<SessionRegistry::Grant> SessionRegistry::Open(SessionIdentity identity, c
     sessions_.emplace(session->id, std::move(session));
   }
   return grant;
+}
+
+Status SessionRegistry::CheckPendingBounds(const PeerCredentials& peer) const {
+  size_t pending_total = 0;
+  size_t pending_uid = 0;
+  for (const auto& [id, s] : sessions_) {
+    if (s->channel) continue;
+    ++pending_total;
+    if (s->peer.uid == peer.uid) ++pending_uid;
+  }
+  if (limits_.max_pending_per_uid > 0 && pending_uid >= limits_.max_pending_per_uid) {
+    return Status::ResourceExhausted(fmt::format(
+        "uid {} already has {} sessions that have not opened their session channel (limit {} per uid, "
+        "--max-pending-sessions-per-uid); open the channel of each session Attach granted (libflexkv does), "
+        "Detach the ones you do not use, or retry once they time out ({} ms)",
+        peer.uid, pending_uid, limits_.max_pending_per_uid, limits_.attach_timeout_ms));
+  }
+  if (limits_.max_pending_total > 0 && pending_total >= limits_.max_pending_total) {
+    return Status::ResourceExhausted(fmt::format(
+        "{} sessions of all uids have not opened their session channel (limit {}, --max-pending-sessions; uid {} "
+        "holds {}); retry later, or have the operator raise the limit or find the client that does not open them",
+        pending_total, limits_.max_pending_total, peer.uid, pending_uid));
+  }
+  if (limits_.fd_reserve > 0) {
+    const size_t free_fds = FreeFds();
+    if (free_fds < limits_.fd_reserve) {
+      return Status::ResourceExhausted(fmt::format(
+          "flexkvd has {} free fds, under its reserve of {} kept for the control plane (--fd-reserve); uid {} holds "
+          "{} pending sessions; retry later, or have the operator raise LimitNOFILE",
+          free_fds, limits_.fd_reserve, peer.uid, pending_uid));
+    }
+  }
+  return Status::Ok();
 }
 
 Status SessionRegistry::Close(uint64_t session_id, std::span<const uint8_t> token, bool admin) {
@@ -235,11 +289,11 @@ void SessionRegistry::ReaperLoop() {
     {
       MutexLock lock(&mu_);
       for (const auto& [id, s] : sessions_) {
-        if (!s->channel && now - s->opened_ms > attach_timeout_ms_) expired.push_back(id);
+        if (!s->channel && now - s->opened_ms > limits_.attach_timeout_ms) expired.push_back(id);
       }
     }
     for (uint64_t id : expired) {
-      End(id, fmt::format("never opened its session channel within {} ms of Attach", attach_timeout_ms_));
+      End(id, fmt::format("never opened its session channel within {} ms of Attach", limits_.attach_timeout_ms));
     }
   }
 }

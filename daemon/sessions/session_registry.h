@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "common/log.h"
 #include "common/mutex.h"
 #include "common/session_channel.h"
 #include "common/uds.h"
@@ -37,6 +38,16 @@ struct SessionIdentity {
 
 using SessionToken = std::array<uint8_t, kSessionTokenBytes>;
 
+// Bounds on sessions that were granted by Attach but have not opened their session channel yet ("pending"): each
+// holds a pidfd and a registry entry until its attach timeout, so a client that floods Attach could otherwise take
+// every fd the daemon has. Zero disables a bound.
+struct SessionLimits {
+  int64_t attach_timeout_ms = 10000;  // how long a new session may go without opening its channel
+  size_t max_pending_per_uid = 64;    // pending sessions of one uid
+  size_t max_pending_total = 1024;    // pending sessions of all uids
+  size_t fd_reserve = 256;            // Attach is refused while fewer fds than this are free (control plane, admin)
+};
+
 // A point-in-time copy of one session, for ListSessions and status.
 struct SessionSnapshot {
   uint64_t id = 0;
@@ -51,8 +62,9 @@ class SessionRegistry {
   // Runs on the reaper thread after a session was removed; releases what it held.
   using EndCallback = std::function<void(uint64_t session_id, const std::string& reason)>;
 
-  // `attach_timeout_ms`: how long a new session may go without opening its channel.
-  explicit SessionRegistry(int64_t attach_timeout_ms);
+  explicit SessionRegistry(SessionLimits limits);
+  // Default bounds with this attach timeout.
+  explicit SessionRegistry(int64_t attach_timeout_ms) : SessionRegistry(SessionLimits{.attach_timeout_ms = attach_timeout_ms}) {}
   ~SessionRegistry();
   SessionRegistry(const SessionRegistry&) = delete;
   SessionRegistry& operator=(const SessionRegistry&) = delete;
@@ -70,7 +82,9 @@ class SessionRegistry {
     uint64_t session_id;
     SessionToken token;
   };
-  // Registers a session for `peer` (the process that called Attach).
+  // Registers a session for `peer` (the process that called Attach). RESOURCE_EXHAUSTED, with the bound, the
+  // caller's count and what to do, when `peer`'s uid or all uids together hold as many pending sessions as
+  // SessionLimits allows, or when fewer than fd_reserve fds are free; such refusals are logged at most once a second.
   Result<Grant> Open(SessionIdentity identity, const PeerCredentials& peer);
 
   // Ends a session on request. `token` must match unless `admin`. NOT_FOUND for an unknown id,
@@ -109,7 +123,11 @@ class SessionRegistry {
   void End(uint64_t session_id, const std::string& reason);
   void Watch(int fd, uint64_t tag);  // epoll_fd_ is set once in Start(), so any thread may add to it
 
-  const int64_t attach_timeout_ms_;
+  // OK, or why `peer` may not have one more pending session.
+  Status CheckPendingBounds(const PeerCredentials& peer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SessionLimits limits_;
+  log::RateLimited refusal_log_;
   EndCallback on_end_;
   ChannelOpenCallback on_channel_open_;
   mutable Mutex mu_;
