@@ -79,3 +79,21 @@ TEST_CASE("a pool file truncated under a running daemon: fatal message and exit 
   }
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("a pool file truncated under an idle daemon: its size check ends it with the fatal message and exit 75",
+          "[integration][regression]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  ChildProcess writer = Client(d, {"store:21:8"});
+  REQUIRE(Lines(writer).at(1) == "STORED 0 8 OK");
+  // No request follows: nothing faults, only the main loop's check can see it.
+  REQUIRE(truncate((d.dir() + "/pool").c_str(), 4096) == 0);
+  const std::optional<int> status = d.process().Wait(20s);
+  REQUIRE(status.has_value());
+  const std::string log = d.process().Stderr();
+  INFO("flexkvd's log:\n" << log);
+  REQUIRE(WIFEXITED(*status));
+  CHECK(WEXITSTATUS(*status) == kPoolLostExitCode);
+  CHECK_THAT(log, Catch::Contains("ERROR daemon: FATAL pool file " + d.dir() + "/pool was truncated") &&
+                      Catch::Contains("it is 4096 bytes"));
+}
