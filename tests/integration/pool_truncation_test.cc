@@ -37,7 +37,7 @@ std::vector<std::string> Lines(ChildProcess& p, std::chrono::milliseconds timeou
 
 }  // namespace
 
-TEST_CASE("a pool file truncated under a running daemon: fatal message and exit 75, not a bare SIGBUS; a restart "
+TEST_CASE("a pool file truncated under a running daemon: fatal message and exit 75, not a bare SIGBUS, and a restart "
           "serves none of its blocks",
           "[integration][regression]") {
   char tmpl[] = "/tmp/flexkvd-test-XXXXXX";
