@@ -21,6 +21,7 @@
 #include "common/units.h"
 #include "common/version.h"
 #include "daemon/cache/cache.h"
+#include "daemon/cache/pool_guard.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
 #include "daemon/metrics/daemon_metrics.h"
@@ -70,6 +71,8 @@ int RunDaemon(const DaemonConfig& config) {
   sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // Before the pool is mapped: a pool file truncated under us exits with a message, not a bare SIGBUS.
+  InstallPoolFaultHandler();
   UniqueFd signal_fd(signalfd(-1, &signals, SFD_CLOEXEC));
   if (!signal_fd) {
     log::Error("daemon", "signalfd: {}", ErrnoText(errno));
@@ -184,6 +187,7 @@ int RunDaemon(const DaemonConfig& config) {
   const bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
   const int tick_ms = watchdog ? static_cast<int>(std::min<uint64_t>(watchdog_usec / 4000, 1000)) : 1000;
   int64_t drain_deadline_ms = 0;
+  int exit_code = 0;
 
   for (;;) {
     pollfd pfd{signal_fd.get(), POLLIN, 0};
@@ -206,6 +210,14 @@ int RunDaemon(const DaemonConfig& config) {
         }
       }
     }
+    // One fstat a tick: a pool file that shrank is reported here before a copy faults on it (pool_guard.h).
+    if (Status pool_file = CheckWatchedPoolFile(); pool_file.code() == StatusCode::kDataLoss) {
+      log::Error("daemon", "FATAL {}", pool_file.message());
+      Notify("STATUS=pool file truncated");
+      lifecycle.Drain();
+      exit_code = kPoolLostExitCode;
+      break;
+    }
     if (watchdog && now - acceptor.last_turn_ms() < kStuckLoopMs && now - sessions.last_turn_ms() < kStuckLoopMs &&
         now - data_plane.last_turn_ms() < kStuckLoopMs) {
       Notify("WATCHDOG=1");
@@ -224,6 +236,7 @@ int RunDaemon(const DaemonConfig& config) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   sessions.Stop();
   data_plane.Stop();
+  if (exit_code != 0) return exit_code;
   log::Info("daemon", "stopped cleanly");
   return 0;
 }

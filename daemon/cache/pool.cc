@@ -116,6 +116,7 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   pool->map_ = std::move(*map);
   pool->table_ = pool->map_.bytes() + table_offset;
   pool->data_ = pool->map_.bytes() + data_offset;
+  pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
 
   PoolHeader h{};
   std::memcpy(h.magic, kPoolMagic, sizeof(h.magic));
@@ -165,9 +166,14 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   Status valid = g.Validate();
   if (!valid.ok() || g.host_block_bytes() != h.block_bytes || h.capacity == 0 || h.capacity > UINT32_MAX - 1 ||
       h.table_offset != kHeaderBytes || h.data_offset < h.table_offset + h.capacity * 64 ||
-      h.file_bytes != h.data_offset + h.capacity * h.block_bytes || static_cast<uint64_t>(st.st_size) < h.file_bytes) {
+      h.file_bytes != h.data_offset + h.capacity * h.block_bytes) {
     return Status::DataLoss(fmt::format("pool file {} has an inconsistent header ({}){}", path,
                                         valid.ok() ? "sizes do not add up" : valid.message(), fix));
+  }
+  if (static_cast<uint64_t>(st.st_size) < h.file_bytes) {
+    return Status::DataLoss(fmt::format(
+        "pool file {} is {} bytes but its header says {}: it was truncated and its blocks are lost{}", path,
+        st.st_size, h.file_bytes, fix));
   }
   const uint64_t budget_capacity = budget_bytes / h.block_bytes;
   if (budget_capacity != h.capacity) {
@@ -188,6 +194,7 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   pool->map_ = std::move(*map);
   pool->table_ = pool->map_.bytes() + h.table_offset;
   pool->data_ = pool->map_.bytes() + h.data_offset;
+  pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
   return pool;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/mapped_region.h"
+#include "daemon/cache/pool_guard.h"
 #include "daemon/cache/prefix_index.h"
 #include "flexkv/block_key.h"
 #include "flexkv/geometry.h"
@@ -36,7 +37,8 @@ class Pool {
                                               const Geometry& geometry, uint64_t budget_bytes);
 
   // Opens an existing pool file. NOT_FOUND when there is none. FAILED_PRECONDITION (naming the field)
-  // when its version, size or budget do not fit, DATA_LOSS when the header is corrupt.
+  // when its version, size or budget do not fit, DATA_LOSS when the header is corrupt or the file is shorter
+  // than its header says (truncated: the blocks past its end are lost, so none of it is re-attached).
   static Result<std::unique_ptr<Pool>> Open(const std::string& path, uint64_t budget_bytes);
 
   ~Pool();
@@ -74,6 +76,8 @@ class Pool {
   MappedRegion map_;  // the whole file; table_ and data_ point into it
   uint8_t* table_ = nullptr;
   uint8_t* data_ = nullptr;
+  // Guards map_ against the file shrinking under it (pool_guard.h); declared after map_, so it ends first.
+  std::unique_ptr<PoolFileWatch> watch_;
 };
 
 }  // namespace flexkv
