@@ -20,27 +20,9 @@ using flexkv::testing::DaemonUnderTest;
 
 namespace {
 
-// An Attach as a client that never opens its channel would send it; returns the call's status (RawAttach in
-// tests/support REQUIREs success).
+// An Attach as a client that never opens its channel would send it; returns the call's status.
 grpc::Status FloodAttach(flexkv::v1::Control::Stub& stub, int i) {
-  const flexkv::Geometry g = flexkv::Llama3_8B();
-  flexkv::v1::AttachRequest req;
-  req.set_client_name("flood-" + std::to_string(i));
-  req.set_pid(static_cast<uint32_t>(getpid()));
-  req.set_model_namespace("flood");
-  req.set_protocol_version(flexkv::kProtocolVersion);
-  flexkv::v1::Geometry* pg = req.mutable_geometry();
-  pg->set_tokens_per_block(g.tokens_per_block);
-  pg->set_num_layers(g.num_layers);
-  pg->set_kv_planes(g.kv_planes);
-  pg->set_kv_heads_per_rank(g.kv_heads_per_rank);
-  pg->set_head_dim(g.head_dim);
-  pg->set_dtype_bytes(g.dtype_bytes);
-  pg->set_tp_size(g.tp_size);
-  flexkv::v1::AttachResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  return stub.Attach(&ctx, req, &resp);
+  return flexkv::testing::TryRawAttach(stub, "flood-" + std::to_string(i), "flood", flexkv::Llama3_8B());
 }
 
 grpc::Status GetStatus(flexkv::v1::Control::Stub& stub, flexkv::v1::GetStatusResponse* resp) {

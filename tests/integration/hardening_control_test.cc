@@ -17,6 +17,7 @@
 #include "flexkv/client.h"
 #include "flexkv/v1/control.grpc.pb.h"
 #include "tests/support/process.h"
+#include "tests/support/raw_protocol.h"
 
 using namespace std::chrono_literals;
 using flexkv::testing::DaemonUnderTest;
@@ -37,23 +38,7 @@ flexkv::Geometry SmallGeometry() {
 // An Attach as a client that does not use libflexkv would send it: any bytes in the names.
 grpc::Status RawAttach(const std::string& socket, const std::string& client_name, const std::string& model_namespace,
                        const flexkv::Geometry& g) {
-  flexkv::v1::AttachRequest req;
-  req.set_client_name(client_name);
-  req.set_pid(static_cast<uint32_t>(getpid()));
-  req.set_model_namespace(model_namespace);
-  req.set_protocol_version(1);
-  flexkv::v1::Geometry* pg = req.mutable_geometry();
-  pg->set_tokens_per_block(g.tokens_per_block);
-  pg->set_num_layers(g.num_layers);
-  pg->set_kv_planes(g.kv_planes);
-  pg->set_kv_heads_per_rank(g.kv_heads_per_rank);
-  pg->set_head_dim(g.head_dim);
-  pg->set_dtype_bytes(g.dtype_bytes);
-  pg->set_tp_size(g.tp_size);
-  flexkv::v1::AttachResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-  return Stub(socket)->Attach(&ctx, req, &resp);
+  return flexkv::testing::TryRawAttach(*Stub(socket), client_name, model_namespace, g);
 }
 
 std::unique_ptr<flexkv::Client> Connect(const DaemonUnderTest& d) {

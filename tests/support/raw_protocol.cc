@@ -20,8 +20,8 @@ std::unique_ptr<flexkv::v1::Control::Stub> ControlStub(const std::string& socket
   return flexkv::v1::Control::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
 }
 
-RawGrant RawAttach(flexkv::v1::Control::Stub& stub, const std::string& client_name, const std::string& model_namespace,
-                   const Geometry& g) {
+grpc::Status TryRawAttach(flexkv::v1::Control::Stub& stub, const std::string& client_name,
+                          const std::string& model_namespace, const Geometry& g, flexkv::v1::AttachResponse* response) {
   flexkv::v1::AttachRequest req;
   req.set_client_name(client_name);
   req.set_pid(static_cast<uint32_t>(getpid()));
@@ -35,10 +35,16 @@ RawGrant RawAttach(flexkv::v1::Control::Stub& stub, const std::string& client_na
   pg->set_head_dim(g.head_dim);
   pg->set_dtype_bytes(g.dtype_bytes);
   pg->set_tp_size(g.tp_size);
-  flexkv::v1::AttachResponse resp;
+  flexkv::v1::AttachResponse ignored;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status st = stub.Attach(&ctx, req, &resp);
+  return stub.Attach(&ctx, req, response != nullptr ? response : &ignored);
+}
+
+RawGrant RawAttach(flexkv::v1::Control::Stub& stub, const std::string& client_name, const std::string& model_namespace,
+                   const Geometry& g) {
+  flexkv::v1::AttachResponse resp;
+  grpc::Status st = TryRawAttach(stub, client_name, model_namespace, g, &resp);
   INFO(st.error_message());
   REQUIRE(st.ok());
   REQUIRE(resp.session_token().size() == kSessionTokenBytes);

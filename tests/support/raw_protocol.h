@@ -22,6 +22,11 @@ struct RawGrant {
   std::string token;  // kSessionTokenBytes bytes
 };
 
+// Attach over gRPC as this process, with any bytes in the names; returns the call's status (and the response
+// when `response` is not null). No assertion: for tests of refusals.
+grpc::Status TryRawAttach(flexkv::v1::Control::Stub& stub, const std::string& client_name,
+                          const std::string& model_namespace, const Geometry& geometry,
+                          flexkv::v1::AttachResponse* response = nullptr);
 // Attach over gRPC as this process; REQUIREs success and a token of the right size.
 RawGrant RawAttach(flexkv::v1::Control::Stub& stub, const std::string& client_name, const std::string& model_namespace,
                    const Geometry& geometry);
