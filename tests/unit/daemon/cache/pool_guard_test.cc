@@ -15,6 +15,7 @@
 #include <string>
 
 #include "daemon/cache/pool.h"
+#include "tests/support/temp_dir.h"
 
 using flexkv::Geometry;
 using flexkv::Pool;
@@ -22,26 +23,10 @@ using flexkv::StatusCode;
 
 namespace {
 
-Geometry Small() {
-  Geometry g;
-  g.tokens_per_block = 4;
-  g.num_layers = 3;
-  g.kv_planes = 2;
-  g.kv_heads_per_rank = 1;
-  g.head_dim = 4;
-  g.dtype_bytes = 2;
-  g.tp_size = 1;
-  return g;  // 192 bytes per block
-}
+Geometry Small() { return flexkv::testing::TinyGeometry(); }
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/flexkv-pool-guard-test-XXXXXX";
-    REQUIRE(mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
+struct TempDir : flexkv::testing::TempDir {
+  TempDir() : flexkv::testing::TempDir("flexkv-pool-guard-test") {}
 };
 
 // Runs `body` in a forked child with the fault handler installed and stderr sent to `stderr_path`; returns the

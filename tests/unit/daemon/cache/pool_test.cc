@@ -1,6 +1,7 @@
 // Pool: the pool file is created to the budget, committed slots come back after a reopen (parents first),
 // and a file that does not fit is refused with the reason and the way out.
 #include "daemon/cache/pool.h"
+#include "tests/support/temp_dir.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -17,27 +18,10 @@ using flexkv::StatusCode;
 
 namespace {
 
-Geometry Small() {
-  Geometry g;
-  g.tokens_per_block = 4;
-  g.num_layers = 3;
-  g.kv_planes = 2;
-  g.kv_heads_per_rank = 1;
-  g.head_dim = 4;
-  g.dtype_bytes = 2;
-  g.tp_size = 1;
-  return g;  // 192 bytes per block
-}
+Geometry Small() { return flexkv::testing::TinyGeometry(); }
 
-// A fresh directory, removed with everything in it at scope exit.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/flexkv-pool-test-XXXXXX";
-    REQUIRE(mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
+struct TempDir : flexkv::testing::TempDir {
+  TempDir() : flexkv::testing::TempDir("flexkv-pool-test") {}
 };
 
 constexpr uint64_t kBudget = 192 * 10;

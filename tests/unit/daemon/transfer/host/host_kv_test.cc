@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/mapped_region.h"
+#include "tests/support/temp_dir.h"
 
 using flexkv::Geometry;
 using flexkv::HostKv;
@@ -21,17 +22,7 @@ using flexkv::UniqueFd;
 
 namespace {
 
-Geometry Small() {
-  Geometry g;
-  g.tokens_per_block = 4;
-  g.num_layers = 3;
-  g.kv_planes = 2;
-  g.kv_heads_per_rank = 1;
-  g.head_dim = 4;
-  g.dtype_bytes = 2;
-  g.tp_size = 1;
-  return g;  // chunk = 4 tokens * 1 head * 4 dims * 2 bytes = 32 bytes
-}
+Geometry Small() { return flexkv::testing::TinyGeometry(); }
 
 UniqueFd SealedMemfd(uint64_t bytes, bool seal = true) {
   UniqueFd fd(memfd_create("host-kv-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
