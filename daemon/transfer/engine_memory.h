@@ -32,6 +32,9 @@ struct EngineMemoryCapabilities {
   // A registration holds one TP rank's shard and a session needs tp_size of them; otherwise one registration
   // holds whole blocks.
   bool per_tp_rank = false;
+  // Stores fill CopyJob::term_sums while they copy (common/block_checksum.h). Without it the copy scheduler
+  // computes them from the pool slots after the copy, a second pass over the stored bytes.
+  bool store_checksums = false;
 
   bool Serves(MemoryKind kind) const;
   bool Copies(CopyDirection direction) const { return direction == CopyDirection::kToPool ? to_pool : from_pool; }
@@ -53,6 +56,11 @@ struct CopyJob {
   std::shared_ptr<const std::vector<uint32_t>> engine_blocks;  // engine block ids, each < kv->num_blocks()
   std::shared_ptr<const std::vector<SlotId>> slots;            // pool slots, same length
   PoolRegion pool;                                             // where the slots' bytes are
+  // Stores by a backend that declared `store_checksums` (else null): one entry per slot, zeroed by the caller;
+  // the backend adds the checksum term sum (ChecksumTermSum, unit index = byte offset in the slot / 16) of every
+  // byte it wrote to that slot, before `done` runs. Jobs of different TP ranks have vectors of their own; the copy
+  // scheduler adds them up.
+  std::shared_ptr<std::vector<uint64_t>> term_sums;
   // Loads of a backend that declared `layerwise` only (else empty): runs once per layer as it lands, before done.
   std::function<void(uint32_t layer)> on_layer;
   // Runs exactly once, on a backend thread (or inline when the job is refused at once), after the bytes are in
