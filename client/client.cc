@@ -281,9 +281,12 @@ Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks)
   if (bytes == 0) return Status::FailedPrecondition("the daemon reports no geometry for this session's domain");
   UniqueFd memfd(static_cast<int>(syscall(SYS_memfd_create, "flexkv-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
   if (!memfd) return Status::ResourceExhausted(fmt::format("memfd_create: {}", ErrnoText(errno)));
+  // Allocated up front: the engine's memory is charged to the engine (the daemon refuses a sparse buffer), and
+  // a node short of memory fails here rather than with SIGBUS on first touch.
   if (ftruncate(memfd.get(), static_cast<off_t>(bytes)) != 0 ||
+      fallocate(memfd.get(), 0, 0, static_cast<off_t>(bytes)) != 0 ||
       fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
-    return Status::ResourceExhausted(fmt::format("sizing the {}-byte KV memfd: {}", bytes, ErrnoText(errno)));
+    return Status::ResourceExhausted(fmt::format("allocating the {}-byte KV memfd: {}", bytes, ErrnoText(errno)));
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
   if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap KV memfd: {}", ErrnoText(errno)));

@@ -3,6 +3,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
@@ -275,7 +279,7 @@ TEST_CASE("a new session's first request is served at once while the poller is p
   flexkv::Geometry g = flexkv::Llama3_8B();
   g.num_layers = 2;
   const auto keys = flexkv::ComputeBlockKeys("llama3-8b", std::vector<int32_t>(64, 7), g.tokens_per_block);
-  int64_t worst_ms = 0;
+  std::vector<int64_t> took_ms;
   for (int round = 0; round < 10; ++round) {
     std::this_thread::sleep_for(250ms);  // idle: the poller is parked
     auto c = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
@@ -287,8 +291,11 @@ TEST_CASE("a new session's first request is served at once while the poller is p
     auto r = (*c)->Wait(*t, 5s);
     REQUIRE(r.ok());
     CHECK(r->status.ok());
-    worst_ms = std::max(worst_ms, NowMs() - t0);
+    took_ms.push_back(NowMs() - t0);
   }
-  INFO("slowest first request: " << worst_ms << " ms");
-  CHECK(worst_ms < 50);  // ~1 ms when the doorbell is rung; the bug showed as 100-200 ms
+  // The median, not the slowest: on a loaded 2-core CI machine one round may be descheduled for tens of ms. A
+  // missed doorbell waits out the rest of the 200 ms park, ~100 ms on average, in every round.
+  std::sort(took_ms.begin(), took_ms.end());
+  INFO("first requests (ms, sorted): " << fmt::format("{}", fmt::join(took_ms, " ")));
+  CHECK(took_ms[took_ms.size() / 2] < 50);  // ~1 ms when the doorbell is rung
 }

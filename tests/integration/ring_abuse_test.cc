@@ -273,3 +273,29 @@ TEST_CASE("wrapped tails from a client that never reaps do not grow the daemon b
   CHECK(seen);
   ExpectHealthyAfterAbuse(d, good, errors_before, 1);
 }
+
+// Regression: a store from KV pages the client never populated (or punched out after registering) made the
+// daemon fault them in, charging the client's memory to the daemon (1 GiB sparse buffer -> 1 GiB of daemon RSS).
+TEST_CASE("KV pages a client punched out are refused, never faulted in by the daemon", "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  RawSession s(d.socket(), /*register_kv=*/true);
+  const std::vector<BlockKey> chain = KeysFor(31, 2);
+  REQUIRE(madvise(s.kv_block(0), 2 * BlockBytes(), MADV_REMOVE) == 0);
+
+  std::vector<uint32_t> ids{0, 1};
+  s.PutArena(kKeysAt, chain.data(), chain.size() * sizeof(BlockKey));
+  s.PutArena(kIdsAt, ids.data(), ids.size() * sizeof(uint32_t));
+  SubmitDescriptor store = Desc(1, Op(RingOp::kStore), 2);
+  store.keys_offset = kKeysAt;
+  store.block_ids_offset = kIdsAt;
+  const CompletionDescriptor refused = s.SubmitOne(store);
+  INFO(MessageOf(refused));
+  CHECK(refused.status_code == Code(StatusCode::kFailedPrecondition));
+  CHECK_THAT(MessageOf(refused), Catch::Contains("allocated"));
+  CHECK(s.MatchOk(2, chain, kKeysAt, false).matched_blocks == 0);  // nothing of it was published
+
+  // Written again (the client pays for the pages), the same store goes through.
+  std::memset(s.kv_block(0), 0x5A, 2 * BlockBytes());
+  CHECK(s.StoreOk(3, chain, kKeysAt).done_blocks == 2);
+}

@@ -264,6 +264,7 @@ class RawSession {
     UniqueFd memfd(static_cast<int>(syscall(SYS_memfd_create, "raw-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
     REQUIRE(memfd.valid());
     REQUIRE(ftruncate(memfd.get(), static_cast<off_t>(kv_bytes_)) == 0);
+    REQUIRE(fallocate(memfd.get(), 0, 0, static_cast<off_t>(kv_bytes_)) == 0);  // the daemon refuses sparse KV
     REQUIRE(fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK) == 0);
     auto kv = flexkv::MappedRegion::Shared("the raw session's KV memfd", memfd.get(), kv_bytes_);
     REQUIRE(kv.ok());

@@ -48,6 +48,8 @@ void HostBackend::Copy(CopyJob job) {
   auto parts = std::make_shared<Parts>();
   parts->kv = std::static_pointer_cast<const HostKv>(job.kv);  // opened by Open above
   parts->job = std::move(job);
+  // Both directions fault the client's pages: a read of a hole allocates it as a write does.
+  if (Status populated = parts->kv->CheckPopulated(); !populated.ok()) return parts->job.done(populated, NowNs());
   const uint32_t count = static_cast<uint32_t>(parts->job.slots->size());
   const uint32_t n = std::max(1u, std::min(count, workers_.size()));
   parts->left = n;

@@ -44,12 +44,28 @@ Result<std::shared_ptr<HostKv>> HostKv::Map(UniqueFd memfd, const Geometry& g, K
   void* p = mmap(nullptr, need, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
   if (p == MAP_FAILED) return Status::ResourceExhausted(fmt::format("mmap of the KV memfd: {}", ErrnoText(errno)));
   auto kv = std::shared_ptr<HostKv>(new HostKv());
+  kv->memfd_ = std::move(memfd);
   kv->base_ = static_cast<uint8_t*>(p);
   kv->bytes_ = need;
   kv->geometry_ = g;
   kv->layout_ = layout;
   kv->num_blocks_ = num_blocks;
+  FLEXKV_RETURN_IF_ERROR(kv->CheckPopulated());
   return kv;
+}
+
+Status HostKv::CheckPopulated() const {
+  struct stat st {};
+  if (fstat(memfd_.get(), &st) != 0) return Status::Internal(fmt::format("fstat of the KV memfd: {}", ErrnoText(errno)));
+  const uint64_t allocated = static_cast<uint64_t>(st.st_blocks) * 512;
+  if (allocated < static_cast<uint64_t>(st.st_size)) {
+    return Status::FailedPrecondition(fmt::format(
+        "the KV memfd has {} of its {} bytes allocated; expected every page allocated (write the buffer or "
+        "fallocate it before registering, and do not punch holes in it): flexkvd does not fault in memory on a "
+        "client's behalf",
+        allocated, st.st_size));
+  }
+  return Status::Ok();
 }
 
 HostKv::~HostKv() {

@@ -19,8 +19,8 @@ uint64_t KvBytesRequired(const Geometry& g, uint32_t num_blocks);
 class HostKv final : public EngineKv {
  public:
   // Maps a client's memfd. Refuses (INVALID_ARGUMENT / FAILED_PRECONDITION, naming what is wrong) a memfd
-  // that is not sealed against shrinking, is smaller than the layout needs, or a geometry this backend
-  // cannot serve (TP > 1 for K/V: per-rank shards arrive with the CUDA backend).
+  // that is not sealed against shrinking, is smaller than the layout needs, is not populated (CheckPopulated),
+  // or a geometry this backend cannot serve (TP > 1 for K/V: per-rank shards arrive with the CUDA backend).
   static Result<std::shared_ptr<HostKv>> Map(UniqueFd memfd, const Geometry& g, KvLayout layout, uint32_t num_blocks);
   ~HostKv() override;
   HostKv(const HostKv&) = delete;
@@ -28,12 +28,20 @@ class HostKv final : public EngineKv {
 
   uint32_t num_blocks() const override { return num_blocks_; }
   uint32_t tp_rank() const override { return 0; }  // whole blocks
+  // The client pays for its KV memory: every page of the memfd must be allocated (written or fallocate'd),
+  // at registration and before each copy, so the daemon never faults a page in on a client's behalf (which
+  // would charge the client's memory to the daemon's cgroup: a 1 GiB sparse buffer would grow the daemon by
+  // 1 GiB). FAILED_PRECONDITION naming the allocated and expected bytes otherwise. One fstat; thread-safe.
+  // What a client can still move onto the daemon is bounded by its own registered bytes: pages punched
+  // between this check and the copy.
+  Status CheckPopulated() const;
   // Copies block `block` (< num_blocks) into / out of a pool slot of host_block_bytes().
   void CopyToSlot(uint32_t block, uint8_t* slot) const;
   void CopyFromSlot(const uint8_t* slot, uint32_t block) const;
 
  private:
   HostKv() = default;
+  UniqueFd memfd_;  // kept for CheckPopulated
   uint8_t* base_ = nullptr;
   uint64_t bytes_ = 0;
   Geometry geometry_;

@@ -189,6 +189,7 @@ class TestSession {
     kv_memfd_.reset(memfd_create("flexkv-test-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING));
     REQUIRE(kv_memfd_);
     REQUIRE(ftruncate(kv_memfd_.get(), static_cast<off_t>(kv_bytes_)) == 0);
+    REQUIRE(fallocate(kv_memfd_.get(), 0, 0, static_cast<off_t>(kv_bytes_)) == 0);  // the daemon refuses sparse KV
     REQUIRE(fcntl(kv_memfd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
     void* p = mmap(nullptr, kv_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, kv_memfd_.get(), 0);
     REQUIRE(p != MAP_FAILED);

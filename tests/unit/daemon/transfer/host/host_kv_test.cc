@@ -28,6 +28,7 @@ UniqueFd SealedMemfd(uint64_t bytes, bool seal = true) {
   UniqueFd fd(memfd_create("host-kv-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   REQUIRE(fd);
   REQUIRE(ftruncate(fd.get(), static_cast<off_t>(bytes)) == 0);
+  REQUIRE(fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) == 0);
   if (seal) REQUIRE(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK) == 0);
   return fd;
 }
@@ -109,4 +110,26 @@ TEST_CASE("HostKv refuses an unsealed memfd, a short one and zero blocks, saying
   CHECK(none.status().code() == StatusCode::kInvalidArgument);
   auto unknown = HostKv::Map(SealedMemfd(bytes), g, static_cast<KvLayout>(9), 4);
   CHECK(unknown.status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("HostKv refuses a sparse memfd, and one punched after registration, naming the allocated bytes", "[unit]") {
+  const Geometry g = Small();
+  constexpr uint32_t kBlocks = 64;
+  const uint64_t bytes = flexkv::KvBytesRequired(g, kBlocks);
+  UniqueFd sparse(memfd_create("host-kv-sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  REQUIRE(ftruncate(sparse.get(), static_cast<off_t>(bytes)) == 0);
+  REQUIRE(fcntl(sparse.get(), F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+  auto refused = HostKv::Map(std::move(sparse), g, KvLayout::kBlockFirst, kBlocks);
+  CHECK(refused.status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(refused.status().message(), Catch::Contains("0 of its " + std::to_string(bytes) + " bytes allocated"));
+
+  UniqueFd fd = SealedMemfd(bytes);
+  const int raw = fd.get();
+  auto kv = HostKv::Map(std::move(fd), g, KvLayout::kBlockFirst, kBlocks);
+  REQUIRE(kv.ok());
+  CHECK((*kv)->CheckPopulated().ok());
+  REQUIRE(fallocate(raw, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096) == 0);  // the HostKv keeps the fd
+  const flexkv::Status punched = (*kv)->CheckPopulated();
+  CHECK(punched.code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(punched.message(), Catch::Contains("do not punch holes"));
 }
