@@ -505,6 +505,14 @@ Result<std::string> Client::Resume() {
   return resp.state();
 }
 
+Result<uint64_t> Client::DropDomain() {
+  v1::DropDomainResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->DropDomain(&ctx, v1::DropDomainRequest(), &resp)));
+  return resp.dropped_blocks();
+}
+
 Status Client::CheckHealth() {
   grpc::health::v1::HealthCheckResponse resp;
   grpc::ClientContext ctx;

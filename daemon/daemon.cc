@@ -87,7 +87,8 @@ int RunDaemon(const DaemonConfig& config) {
   Cache cache(config.pool_bytes, config.pool_path);
   // The pool announces itself (now when re-attached, or at the first Attach): the backends register it for DMA
   // before any session can copy, so that registering GPU buffers later is quick.
-  cache.SetPoolListener([&backends](const PoolRegion& pool) { backends.RegisterPool(pool); });
+  cache.SetPoolListener([&backends](const PoolRegion& pool) { backends.RegisterPool(pool); },
+                        [&backends] { backends.UnregisterPool(); });
   Status recovered = cache.RecoverPool(config.discard_pool);
   if (!recovered.ok()) {
     log::Error("daemon", "cannot use the pool: {}", recovered.ToString());  // names the code

@@ -1,4 +1,4 @@
-// flexkvctl: look at a running flexkvd (status, sessions, metrics) and drain it for maintenance.
+// flexkvctl: look at a running flexkvd (status, sessions, metrics), drain it for maintenance, drop its cache domain.
 // Exit codes: 0 ok, 1 the daemon said no, 2 usage, 3 cannot connect.
 #include <fmt/format.h>
 #include <unistd.h>
@@ -110,7 +110,9 @@ int main(int argc, char** argv) {
   drain_cmd->add_option("--timeout", drain_timeout_s, "Seconds --wait waits (default 60)")->check(CLI::Range(0.0, 86400.0));
   auto* resume_cmd = app.add_subcommand("resume", "Admit work again after a drain");
   auto* health_cmd = app.add_subcommand("health", "gRPC health check: exit 0 when serving");
-  for (auto* sub : {status_cmd, sessions_cmd, metrics_cmd, drain_cmd, resume_cmd, health_cmd}) {
+  auto* drop_cmd = app.add_subcommand(
+      "drop-domain", "Drop the cache domain and its pool (blocks are lost) so the next Attach fixes a new one");
+  for (auto* sub : {status_cmd, sessions_cmd, metrics_cmd, drain_cmd, resume_cmd, health_cmd, drop_cmd}) {
     sub->add_flag("--json", json, "Machine-readable output");
     sub->add_option("--socket", socket, "Control socket");
   }
@@ -197,6 +199,12 @@ int main(int argc, char** argv) {
     auto state = c.Resume();
     if (!state.ok()) return Refused(state.status());
     fmt::print("{}\n", json ? Dump(Json{{"state", *state}}, -1) : *state);
+    return kExitOk;
+  }
+  if (drop_cmd->parsed()) {
+    auto dropped = c.DropDomain();
+    if (!dropped.ok()) return Refused(dropped.status());
+    fmt::print("{}\n", json ? Dump(Json{{"dropped_blocks", *dropped}}, -1) : fmt::format("dropped {} blocks", *dropped));
     return kExitOk;
   }
   if (health_cmd->parsed()) {

@@ -104,8 +104,43 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
   index_ = std::move(index);
   Pool* p = pool_.get();
   index_->SetEvictionListener([p](SlotId slot, const BlockKey&) { p->MarkFree(slot); });
+  generation_.fetch_add(1, std::memory_order_acq_rel);
   has_pool_.store(true, std::memory_order_release);
   if (pool_listener_) pool_listener_(RegionLocked());
+}
+
+Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
+  MutexLock lock(&mu_);
+  const CacheDomain::View domain = domain_.Snapshot();
+  if (!domain.geometry) return Status::NotFound("no cache domain is set; the first Attach fixes one");
+  if (index_) {
+    if (index_->pinned_slots() > 0) {
+      return Status::FailedPrecondition(fmt::format(
+          "{} blocks are still pinned (a session's end is releasing them); retry in a moment", index_->pinned_slots()));
+    }
+    if (index_->used_slots() != index_->committed_blocks()) {
+      return Status::FailedPrecondition(
+          fmt::format("{} blocks are being stored; retry in a moment", index_->used_slots() - index_->committed_blocks()));
+    }
+    if (only_if_empty && index_->committed_blocks() > 0) {
+      return Status::FailedPrecondition(fmt::format("the domain '{}' holds {} blocks", domain.model_namespace,
+                                                    index_->committed_blocks()));
+    }
+  }
+  const uint64_t blocks = index_ ? index_->committed_blocks() : 0;
+  if (pool_ && pool_gone_listener_) pool_gone_listener_();
+  has_pool_.store(false, std::memory_order_release);
+  index_.reset();
+  if (pool_) {
+    pool_.reset();
+    ::unlink(pool_path_.c_str());
+  }
+  domain_.Reset();
+  generation_.fetch_add(1, std::memory_order_acq_rel);
+  if (dropped_blocks != nullptr) *dropped_blocks = blocks;
+  log::Warning("cache", "dropped cache domain '{}' {} and its pool {} ({} blocks lost); the next Attach fixes the domain",
+               domain.model_namespace, domain.geometry->ToString(), pool_path_, blocks);
+  return Status::Ok();
 }
 
 PoolRegion Cache::RegionLocked() const {
@@ -119,9 +154,10 @@ std::optional<PoolRegion> Cache::pool_region() const {
   return RegionLocked();
 }
 
-void Cache::SetPoolListener(std::function<void(const PoolRegion&)> listener) {
+void Cache::SetPoolListener(std::function<void(const PoolRegion&)> listener, std::function<void()> gone) {
   MutexLock lock(&mu_);
   pool_listener_ = std::move(listener);
+  pool_gone_listener_ = std::move(gone);
   if (pool_ && pool_listener_) pool_listener_(RegionLocked());
 }
 
@@ -142,16 +178,22 @@ size_t Cache::Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId
 
 void Cache::Unpin(std::span<const SlotId> slots) {
   MutexLock lock(&mu_);
-  index_->Unpin(slots);
+  if (index_) index_->Unpin(slots);
 }
 
 PrefixIndex::Reservation Cache::Reserve(std::span<const BlockKey> keys) {
   MutexLock lock(&mu_);
+  if (!index_) {
+    PrefixIndex::Reservation none;
+    none.shortfall = StatusCode::kFailedPrecondition;
+    return none;
+  }
   return index_->Reserve(keys);
 }
 
 void Cache::Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots) {
   MutexLock lock(&mu_);
+  if (!index_) return;  // DropDomain waits for copies in flight; a dropped pool has nothing to commit into
   for (size_t i = 0; i < slots.size(); ++i) {
     const size_t k = first + i;
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? BlockKey{} : keys[k - 1]);
@@ -161,7 +203,7 @@ void Cache::Commit(std::span<const BlockKey> keys, size_t first, std::span<const
 
 void Cache::Abort(std::span<const SlotId> slots) {
   MutexLock lock(&mu_);
-  index_->Abort(slots);
+  if (index_) index_->Abort(slots);
 }
 
 Cache::Stats Cache::GetStats() const {

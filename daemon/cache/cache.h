@@ -42,6 +42,17 @@ class Cache {
   // Validates a session's cache domain; the first one creates the pool.
   Status Admit(const std::string& model_namespace, const Geometry& geometry);
 
+  // Drops the cache domain and its pool (the pool file is deleted, its blocks are lost) so that the next Admit
+  // fixes a new one. The caller guarantees that no session is attached and none can attach meanwhile (the
+  // control service serializes Attach and this) and that no copy is in flight (Lifecycle::inflight() == 0); the
+  // cache refuses with FAILED_PRECONDITION, saying what is left, while blocks are pinned or being stored (a
+  // session's end still releasing them), and with `only_if_empty` while the pool holds committed blocks.
+  // NOT_FOUND when no domain is set. On success `dropped_blocks` (optional) has the committed blocks lost.
+  Status DropDomain(bool only_if_empty, uint64_t* dropped_blocks);
+  // Changes whenever a pool is adopted: a data-plane session remembers the generation it attached under and is
+  // refused once it differs (its geometry may not be the pool's any more).
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
+
   bool has_pool() const;
   uint64_t block_bytes() const;
   uint8_t* SlotData(SlotId slot) const;  // has_pool() must hold
@@ -58,11 +69,12 @@ class Cache {
   void Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots);
   void Abort(std::span<const SlotId> slots);
 
-  // `listener` is told the pool's region once, as soon as the pool exists (created by the first Admit, or
-  // re-attached by RecoverPool): at once when it exists already. It runs under the cache's lock, so that no
-  // session uses the pool before the listener is done with it (e.g. DMA registration); it must not call back
+  // `listener` is told the pool's region as soon as a pool exists (created by the first Admit, or re-attached
+  // by RecoverPool): at once when it exists already; `gone` is told before a dropped pool is unmapped
+  // (DropDomain), so that the listener can undo what it did. Both run under the cache's lock, so that no
+  // session uses the pool before the listener is done with it (e.g. DMA registration); they must not call back
   // into the cache. One listener; set it before RecoverPool.
-  void SetPoolListener(std::function<void(const PoolRegion&)> listener);
+  void SetPoolListener(std::function<void(const PoolRegion&)> listener, std::function<void()> gone = {});
 
   struct Stats {
     uint64_t capacity = 0, used = 0, pinned = 0, blocks = 0, evicted = 0;
@@ -86,12 +98,15 @@ class Cache {
   CacheDomain domain_;
   CacheCounters counters_;
   mutable Mutex mu_;
-  // Set once, under mu_, before has_pool_ turns true; read without the lock only after has_pool() (SlotData).
+  // Set under mu_ before has_pool_ turns true, reset (DropDomain) only while no session exists; read without
+  // the lock only after has_pool() (SlotData), by sessions of the current generation.
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<PrefixIndex> index_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> has_pool_{false};
+  std::atomic<uint64_t> generation_{0};
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   std::function<void(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace flexkv

@@ -87,6 +87,12 @@ Status CacheDomain::Admit(const std::string& model_namespace, const Geometry& ge
   return geometry.CheckSameHostLayout(*geometry_);
 }
 
+void CacheDomain::Reset() {
+  MutexLock lock(&mu_);
+  geometry_.reset();
+  namespace_.clear();
+}
+
 CacheDomain::View CacheDomain::Snapshot() const {
   MutexLock lock(&mu_);
   View v;

@@ -39,6 +39,9 @@ class CacheDomain {
   };
   View Snapshot() const;
 
+  // Forgets the domain: the next Admit fixes a new one. The Cache calls it when it drops its pool.
+  void Reset();
+
  private:
   const uint64_t budget_bytes_;
   mutable Mutex mu_;

@@ -23,7 +23,8 @@
 
 namespace flexkv {
 struct DataPlane::Session final : RequestSession {
-  Session(DataPlane* owner, uint64_t id, const Geometry& geometry) : RequestSession(id, geometry), plane(owner) {}
+  Session(DataPlane* owner, uint64_t id, const Geometry& geometry, uint64_t pool_generation)
+      : RequestSession(id, geometry, pool_generation), plane(owner) {}
   DataPlane* const plane;
   std::unique_ptr<ring::RingConsumer> ring;  // the rings' daemon end; set once by OpenSession
   std::atomic<bool> dead{false};
@@ -33,7 +34,8 @@ struct DataPlane::Session final : RequestSession {
 };
 
 DataPlane::DataPlane(Cache* cache, Lifecycle* lifecycle, EngineMemoryBackends* backends, DataPlaneOptions options)
-    : backends_(backends),
+    : cache_(cache),
+      backends_(backends),
       options_(options),
       dram_(cache),
       copies_(&dram_),
@@ -77,7 +79,8 @@ void DataPlane::Stop() {
 }
 
 Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const Geometry& geometry) {
-  auto s = std::make_shared<Session>(this, session_id, geometry);
+  // The session was admitted under the current pool: a drop needs every session gone, this one included.
+  auto s = std::make_shared<Session>(this, session_id, geometry, cache_->generation());
   auto created = ring::RingConsumer::Create(
       RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes});
   if (!created.ok()) return created.status();

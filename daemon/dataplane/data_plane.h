@@ -86,6 +86,7 @@ class DataPlane {
   void Complete(Session& s, CompletionDescriptor c);
   void Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status);
 
+  Cache* const cache_;
   EngineMemoryBackends* const backends_;
   const DataPlaneOptions options_;
   RequestMetrics metrics_;

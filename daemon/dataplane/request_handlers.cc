@@ -35,6 +35,10 @@ void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::spa
   Result<DescriptorPayload> payload = ValidateDescriptor(d, arena, limits);
   if (!payload.ok()) return Fail(s, d, taken_ns, payload.status());
   if (!cache_->has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
+  if (cache_->generation() != s.pool_generation_) {
+    return Fail(s, d, taken_ns,
+                Status::FailedPrecondition("the cache domain this session attached to was dropped by an admin; Attach again"));
+  }
   switch (op) {
     case RingOp::kMatch:
       return Match(s, d, taken_ns, payload->keys);

@@ -26,7 +26,10 @@ namespace flexkv {
 // A session as the handlers see it: its handles, its KV registrations, and where its completions go.
 class RequestSession {
  public:
-  RequestSession(uint64_t id, const Geometry& geometry) : id_(id), geometry_(geometry), kv_(id, geometry) {}
+  // `pool_generation`: Cache::generation() when the session was admitted; requests are refused once it changed
+  // (an admin dropped the domain the session attached to).
+  RequestSession(uint64_t id, const Geometry& geometry, uint64_t pool_generation)
+      : id_(id), geometry_(geometry), pool_generation_(pool_generation), kv_(id, geometry) {}
   virtual ~RequestSession() = default;
 
   // Posts a completion to the session's client; dropped once the session ended. Thread-safe.
@@ -43,6 +46,7 @@ class RequestSession {
   friend class RequestHandlers;
   const uint64_t id_;
   const Geometry geometry_;
+  const uint64_t pool_generation_;
   SessionKv kv_;
   mutable Mutex mu_;
   HandleTable handles_ ABSL_GUARDED_BY(mu_);

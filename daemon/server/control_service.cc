@@ -51,14 +51,18 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   const auto peer = ctx_.peers->Find(context->peer());
   if (!peer) return Answer(Status::Internal("cannot identify the calling process (no peer credentials)"));
   const Geometry geometry = FromProto(request->geometry());
-  Status admitted = ctx_.cache->Admit(request->model_namespace(), geometry);
-  if (!admitted.ok()) {
-    log::Info("control", "Attach from pid {} refused: {}", peer->pid, admitted.ToString());
-    return Answer(admitted);
+  Result<SessionRegistry::Grant> grant = Status::Internal("not opened");
+  {
+    MutexLock lock(&domain_mu_);
+    Status admitted = AdmitLocked(request->model_namespace(), geometry, *peer);
+    if (!admitted.ok()) {
+      log::Info("control", "Attach from pid {} refused: {}", peer->pid, admitted.ToString());
+      return Answer(admitted);
+    }
+    SessionIdentity identity{request->client_name(), request->dp_rank(), request->tp_rank(), request->model_namespace(),
+                             geometry};
+    grant = ctx_.sessions->Open(std::move(identity), *peer);
   }
-  SessionIdentity identity{request->client_name(), request->dp_rank(), request->tp_rank(), request->model_namespace(),
-                           geometry};
-  auto grant = ctx_.sessions->Open(std::move(identity), *peer);
   if (!grant.ok()) return Answer(grant.status());
   const CacheDomain::View view = ctx_.cache->Domain();
   response->set_session_id(grant->session_id);
@@ -70,6 +74,20 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   response->set_completion_ring_entries(ctx_.data_plane->options().completion_entries);
   response->set_arena_bytes(ctx_.data_plane->options().arena_bytes);
   return grpc::Status::OK;
+}
+
+Status ControlService::AdmitLocked(const std::string& model_namespace, const Geometry& geometry,
+                                   const PeerCredentials& peer) {
+  Status admitted = ctx_.cache->Admit(model_namespace, geometry);
+  if (admitted.code() != StatusCode::kFailedPrecondition) return admitted;
+  // Another domain is fixed. One nobody uses and that holds no block is not kept for later sessions (one odd
+  // Attach must not lock every engine out): this Attach replaces it.
+  if (ctx_.sessions->Count() != 0 || ctx_.lifecycle->inflight() != 0) return admitted;
+  const CacheDomain::View old = ctx_.cache->Domain();
+  if (!ctx_.cache->DropDomain(/*only_if_empty=*/true, nullptr).ok()) return admitted;
+  log::Info("control", "cache domain '{}' had no session and no block: replaced by pid {}'s '{}'", old.model_namespace,
+            peer.pid, model_namespace);
+  return ctx_.cache->Admit(model_namespace, geometry);
 }
 
 grpc::Status ControlService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
@@ -271,6 +289,28 @@ grpc::Status ControlService::Drain(grpc::ServerContext* context, const v1::Drain
             ctx_.lifecycle->inflight());
   response->set_state(ServingStateName(state));
   response->set_inflight_requests(ctx_.lifecycle->inflight());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::DropDomain(grpc::ServerContext* context, const v1::DropDomainRequest* /*request*/,
+                                        v1::DropDomainResponse* response) {
+  Status allowed = RequireAdmin(context, "DropDomain");
+  if (!allowed.ok()) return Answer(allowed);
+  MutexLock lock(&domain_mu_);
+  if (const size_t n = ctx_.sessions->Count(); n != 0) {
+    return Answer(Status::FailedPrecondition(fmt::format(
+        "{} session(s) are attached; expected none: their engines must detach first (flexkvctl sessions lists them)",
+        n)));
+  }
+  if (const uint64_t n = ctx_.lifecycle->inflight(); n != 0) {
+    return Answer(Status::FailedPrecondition(fmt::format("{} request(s) are still in flight; retry in a moment", n)));
+  }
+  const CacheDomain::View old = ctx_.cache->Domain();
+  uint64_t dropped = 0;
+  Status st = ctx_.cache->DropDomain(/*only_if_empty=*/false, &dropped);
+  if (!st.ok()) return Answer(st);
+  response->set_model_namespace(old.model_namespace);
+  response->set_dropped_blocks(dropped);
   return grpc::Status::OK;
 }
 

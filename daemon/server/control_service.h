@@ -58,6 +58,8 @@ class ControlService final : public v1::Control::Service {
                      v1::DrainResponse* response) override;
   grpc::Status Resume(grpc::ServerContext* context, const v1::ResumeRequest* request,
                       v1::ResumeResponse* response) override;
+  grpc::Status DropDomain(grpc::ServerContext* context, const v1::DropDomainRequest* request,
+                          v1::DropDomainResponse* response) override;
 
   // Requests answered with an error (the `errors` counter).
   uint64_t errors() const { return ctx_.errors->Total(); }
@@ -72,8 +74,14 @@ class ControlService final : public v1::Control::Service {
   Status TakeVmmFds(uint64_t session_id, std::span<const uint8_t> token, const v1::CudaKvMemory& cuda,
                     std::map<uint32_t, std::shared_ptr<UniqueFd>>* fds);
   grpc::Status Answer(const Status& status);
+  // Cache::Admit, replacing a domain that has no session and no block when the caller's differs.
+  Status AdmitLocked(const std::string& model_namespace, const Geometry& geometry, const PeerCredentials& peer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(domain_mu_);
 
   ControlContext ctx_;
+  // Serializes an Attach's admission and session opening with DropDomain: a domain is dropped only while no
+  // session exists, and none can appear halfway.
+  Mutex domain_mu_;
 };
 
 }  // namespace flexkv

@@ -81,6 +81,9 @@ class EngineMemoryBackend {
   // The pool exists (created or re-attached): make it reachable by this backend's copies (e.g. register it for
   // DMA). Called once, before any copy. An error is kept by EngineMemoryBackends and refuses later registrations.
   virtual Status RegisterPool(const PoolRegion& pool) = 0;
+  // The pool is about to be unmapped (an admin dropped the cache domain): undo RegisterPool. Called only when no
+  // session exists and no copy is in flight; a later RegisterPool may follow with another pool.
+  virtual void UnregisterPool() {}
   // Opens a registration whose memory kinds this backend declared, for a session of `geometry`. Errors name the
   // field that is wrong and what was expected. Thread-safe.
   virtual Result<std::shared_ptr<EngineKv>> Open(KvRegistration registration, const Geometry& geometry) = 0;

@@ -48,6 +48,16 @@ void EngineMemoryBackends::RegisterPool(const PoolRegion& pool) {
   }
 }
 
+void EngineMemoryBackends::UnregisterPool() {
+  MutexLock lock(&mu_);
+  for (Entry& e : entries_) {
+    if (!e.pool_registered) continue;
+    if (e.pool_status.ok()) e.backend->UnregisterPool();
+    e.pool_registered = false;
+    e.pool_status = Status::Ok();
+  }
+}
+
 std::vector<const EngineMemoryBackend*> EngineMemoryBackends::List() const {
   MutexLock lock(&mu_);
   std::vector<const EngineMemoryBackend*> list;

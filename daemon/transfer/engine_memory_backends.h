@@ -31,6 +31,8 @@ class EngineMemoryBackends {
   // The pool announced itself: every backend registers it, once. A failure is logged and kept (Select answers
   // it for that backend). Thread-safe.
   void RegisterPool(const PoolRegion& pool);
+  // The pool goes (see EngineMemoryBackend::UnregisterPool): every backend forgets it, and registers the next one.
+  void UnregisterPool();
 
   // In the order they were added.
   std::vector<const EngineMemoryBackend*> List() const;

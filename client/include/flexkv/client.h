@@ -208,6 +208,9 @@ class Client {
   // Admin calls (root, the daemon's uid, or --admin-group). Return the state after the call.
   Result<std::string> Drain();
   Result<std::string> Resume();
+  // Admin: drops the cache domain and its pool (blocks included) so that the next Attach fixes a new one; refused
+  // while any session is attached. Returns the blocks dropped.
+  Result<uint64_t> DropDomain();
   // grpc.health.v1 Check of the whole server: OK when SERVING, UNAVAILABLE otherwise.
   Status CheckHealth();
 

@@ -242,6 +242,17 @@ class CudaBackendImpl final : public CudaBackend {
     return Status::Ok();
   }
 
+  void UnregisterPool() override {
+    std::lock_guard lock(mu_);
+    loads_.clear();  // joins the workers
+    stores_.clear();
+    for (const auto& [ptr, n] : registered_) cudaHostUnregister(ptr);
+    registered_.clear();
+    pool_base_ = nullptr;
+    block_bytes_ = 0;
+    log::Info("cuda", "pool unregistered");
+  }
+
   Result<std::shared_ptr<GpuKv>> Open(const GpuKvDescription& d, const Geometry& g) override {
     int device = -1;
     for (int i = 0; i < static_cast<int>(uuids_.size()); ++i) {

@@ -29,6 +29,8 @@ class CudaBackend {
   virtual std::vector<std::string> DeviceUuids() const = 0;
   // Registers [base, base+bytes) for DMA on every GPU (cudaHostRegister in chunks of at most 64 GiB).
   virtual Status RegisterPool(uint8_t* base, uint64_t bytes, uint64_t block_bytes) = 0;
+  // Joins the copy workers and unregisters the pool (no copy may be in flight); RegisterPool may follow.
+  virtual void UnregisterPool() = 0;
   // Opens a registration; validates sizes against the geometry and layout.
   virtual Result<std::shared_ptr<GpuKv>> Open(const GpuKvDescription& description, const Geometry& geometry) = 0;
 

@@ -22,6 +22,7 @@ class CudaEngineMemory final : public EngineMemoryBackend {
   std::vector<std::string> devices() const override { return cuda_->DeviceUuids(); }
   // Registers the pool for DMA on every GPU.
   Status RegisterPool(const PoolRegion& pool) override;
+  void UnregisterPool() override { cuda_->UnregisterPool(); }
   // GpuKvDescription only: one TP rank's buffers.
   Result<std::shared_ptr<EngineKv>> Open(KvRegistration registration, const Geometry& geometry) override;
   void Copy(CopyJob job) override;

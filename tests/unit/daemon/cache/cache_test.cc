@@ -131,3 +131,44 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
   CHECK(t.cache().Match(keys, false, nullptr) == 3);
   CHECK(t.cache().Domain().model_namespace == "ns");
 }
+
+TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and the next Admit starts afresh",
+          "[unit][cache]") {
+  TempCache t;
+  flexkv::Cache& cache = t.cache();
+  int registered = 0, unregistered = 0;
+  cache.SetPoolListener([&](const PoolRegion&) { ++registered; }, [&] { ++unregistered; });
+  REQUIRE(cache.RecoverPool(false).ok());
+  CHECK(cache.DropDomain(false, nullptr).code() == StatusCode::kNotFound);
+  REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
+  const uint64_t first_generation = cache.generation();
+  const std::vector<BlockKey> keys = Keys(2, 3);
+  flexkv::PrefixIndex::Reservation r = cache.Reserve(keys);
+  REQUIRE(r.slots.size() == 3);
+  const flexkv::Status storing = cache.DropDomain(false, nullptr);
+  CHECK(storing.code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(storing.message(), Catch::Contains("3 blocks are being stored"));
+  cache.Commit(keys, 0, r.slots);
+  std::vector<SlotId> pinned;
+  REQUIRE(cache.Match(keys, /*pin=*/true, &pinned) == 3);
+  CHECK(cache.DropDomain(false, nullptr).code() == StatusCode::kFailedPrecondition);
+  cache.Unpin(pinned);
+  CHECK(cache.DropDomain(/*only_if_empty=*/true, nullptr).code() == StatusCode::kFailedPrecondition);  // 3 blocks
+
+  uint64_t dropped = 0;
+  REQUIRE(cache.DropDomain(false, &dropped).ok());
+  CHECK(dropped == 3);
+  CHECK(unregistered == 1);
+  CHECK_FALSE(cache.has_pool());
+  CHECK(cache.generation() != first_generation);
+  CHECK(cache.Match(keys, false, nullptr) == 0);
+  CHECK_FALSE(cache.Domain().geometry.has_value());
+
+  flexkv::Geometry other = SmallGeometry();
+  other.num_layers = 4;
+  REQUIRE(cache.Admit("other", other).ok());  // a new domain, a new pool
+  CHECK(registered == 2);
+  CHECK(cache.block_bytes() == other.host_block_bytes());
+  CHECK(cache.Match(keys, false, nullptr) == 0);
+  CHECK(cache.GetStats().blocks == 0);
+}

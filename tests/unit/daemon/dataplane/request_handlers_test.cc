@@ -37,7 +37,7 @@ constexpr uint64_t kIdsOffset = 4096;
 // when the test finishes them).
 class FakeSession final : public flexkv::RequestSession {
  public:
-  FakeSession() : RequestSession(1, SmallGeometry()) {}
+  explicit FakeSession(uint64_t pool_generation = 0) : RequestSession(1, SmallGeometry(), pool_generation) {}
   void Post(const CompletionDescriptor& c) override { posted.push_back(c); }
   bool ended() const override { return ended_; }
   std::vector<CompletionDescriptor> posted;
@@ -48,6 +48,7 @@ struct Harness {
   Harness() {
     REQUIRE(cache.cache().RecoverPool(false).ok());
     REQUIRE(cache.cache().Admit("ns", SmallGeometry()).ok());
+    session = std::make_shared<FakeSession>(cache.cache().generation());
     auto fake = std::make_unique<FakeEngineMemory>("fake", Caps({MemoryKind::kHostMemfd}));
     backend = fake.get();
     backends.Add(std::move(fake));
