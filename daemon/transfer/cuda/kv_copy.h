@@ -84,14 +84,15 @@ cudaError_t LaunchScatterShaped(const GpuKvView& gpu, const HostPoolView& pool, 
 //
 // A store that sums what it writes, as it writes it: LaunchGatherShaped's copy plus, per thread, the terms of
 // the units it stored, reduced per warp and added with one atomic per warp and chunk (fewer when a warp's
-// consecutive chunks belong to one pair). A bulk-copy shape (bulk_kib > 0) is replaced by the 16-byte kernel's
-// default shape with the same CTA count: its single copying thread per CTA never sees the bytes.
+// consecutive chunks belong to one pair); on an H200 it stored within 0.33 % of the plain gather's rate
+// (docs/performance.md). A bulk-copy shape (bulk_kib > 0) is replaced by the 16-byte kernel's default shape with
+// the same CTA count: its single copying thread per CTA never sees the bytes.
 cudaError_t LaunchGatherChecksummed(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
                                     uint64_t* term_sums, cudaStream_t stream, const LaunchShape& shape = {});
 // The sums a store of `pairs` adds, read from the GPU blocks (HBM) alone; writes nothing to the pool. For
-// stores by the copy engine (CopyEngineBatch), which cannot sum: running on another stream at the same time as
-// the copy, it costs HBM reads at tens of times the PCIe rate (docs/performance.md). The GPU blocks must not
-// change until both are done. Zero shape fields take 132 CTAs x 512 threads x 8 loads in flight, one warp per
+// stores by the copy engine (CopyEngineBatch), which cannot sum, on another stream at the same time as the copy:
+// it reads HBM at about 80 times the PCIe store rate, so beside the copy it costs next to nothing
+// (docs/performance.md). The GPU blocks must not change until both are done. Zero shape fields take 132 CTAs x 512 threads x 8 loads in flight, one warp per
 // chunk; a bulk-copy shape is replaced as above.
 cudaError_t LaunchChecksumTerms(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
                                 uint64_t* term_sums, cudaStream_t stream, const LaunchShape& shape = {});
