@@ -5,9 +5,12 @@
 # Build and bundle here first (the binaries and every shared library they load but the driver's):
 #   ../shared/tools/device-bundle.sh .device/bundle <build>/tests/gpu/flexkv_gpu_tests <build>/flexkv-bench
 # then run with carry [".device"]:  bash scripts/device_transfer.sh [--sweep] [--iters N] ...
+# GPU_TESTS=0 skips the tests; TAG=x names the bench's files transfer<x>.json, summary<x>.txt (a second run in
+# the same $OUT).
 set -uo pipefail
 bundle=${BUNDLE:-.device/bundle}
 out=${OUT:-/tmp/flexkv-device-transfer}
+tag=${TAG:-}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 status=0
@@ -16,23 +19,25 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
   --format=csv 2>&1 | tee "$out/nvidia-smi.txt"
 nvidia-smi topo -m >>"$out/nvidia-smi.txt" 2>&1 || true
 
-echo "== GPU tests"
-if ! timeout "${TEST_TIMEOUT:-180}" "$bundle/bin/flexkv_gpu_tests" --durations yes >"$out/gpu_tests.log" 2>&1; then
-  status=1
-  echo "GPU TESTS FAILED"
+if [ "${GPU_TESTS:-1}" != 0 ]; then
+  echo "== GPU tests"
+  if ! timeout "${TEST_TIMEOUT:-180}" "$bundle/bin/flexkv_gpu_tests" --durations yes >"$out/gpu_tests.log" 2>&1; then
+    status=1
+    echo "GPU TESTS FAILED"
+  fi
+  tail -n 4 "$out/gpu_tests.log"
 fi
-tail -n 4 "$out/gpu_tests.log"
 
 echo "== flexkv-bench transfer --json $*"
 start=$(date +%s)
-if ! timeout "${BENCH_TIMEOUT:-420}" "$bundle/bin/flexkv-bench" transfer --json "$@" >"$out/transfer.json" 2>"$out/transfer.stderr"; then
+if ! timeout "${BENCH_TIMEOUT:-420}" "$bundle/bin/flexkv-bench" transfer --json "$@" >"$out/transfer$tag.json" 2>"$out/transfer$tag.stderr"; then
   status=1
   echo "BENCH FAILED"
-  tail -n 20 "$out/transfer.stderr"
+  tail -n 20 "$out/transfer$tag.stderr"
 fi
 echo "bench wall time: $(( $(date +%s) - start )) s"
 
-[ -s "$out/transfer.json" ] && python3 - "$out/transfer.json" <<'EOF' | tee "$out/summary.txt"
+[ -s "$out/transfer$tag.json" ] && python3 - "$out/transfer$tag.json" <<'EOF' | tee "$out/summary$tag.txt"
 import json, sys
 r = json.load(open(sys.argv[1]))
 print(f"{r['device']} ({r['sms']} SMs), driver API {r['cuda_driver']}, runtime {r['cuda_runtime']}; "
@@ -66,6 +71,13 @@ for c in r["results"]:
           f"{e['store_gbps']:.1f} {e['load_gbps']:.1f} {e['both_gbps']:.1f} ({e['store_ratio']:.3f} {e['load_ratio']:.3f} {e['both_ratio']:.3f}) | "
           f"{lw['first_layer_ms']:.3f} / {lw['all_layers_ms']:.2f} / {lw['oneshot_ms']:.2f} ({lw['throughput_vs_oneshot']:.3f})"
           f" | both halves ms: kernel st {k['both_store_half_ms']:.1f} ld {k['both_load_half_ms']:.1f}, ceiling st {ce['both_store_half_ms']:.1f} ld {ce['both_load_half_ms']:.1f}")
+    if "store_checksums" in c:
+        s = c["store_checksums"]
+        print(f"      store with checksums: kernel {s['kernel_store_gbps']:.2f} ({s['kernel_store_vs_plain']:.4f} of plain "
+              f"{k['store_gbps']:.2f}; plain again {s['plain_store_again_gbps']:.2f}), with a load {s['kernel_both_gbps']:.1f} "
+              f"({s['kernel_both_vs_plain']:.4f}; st {s['kernel_both_store_half_ms']:.1f} ld {s['kernel_both_load_half_ms']:.1f} ms) | "
+              f"copy engine + sums beside {s['copy_engine_beside_gbps']:.2f} ({s['copy_engine_beside_vs_plain']:.4f}), "
+              f"after {s['copy_engine_after_gbps']:.2f} ({s['copy_engine_after_vs_plain']:.4f}) | sums alone {s['sums_only_gbps']:.0f} GB/s")
     if "kernel_alt" in c:
         a = c["kernel_alt"]
         print(f"      alt shapes {r['alt_store_shape']} / {r['alt_load_shape']}: {a['store_gbps']:.1f} {a['load_gbps']:.1f} {a['both_gbps']:.1f} "

@@ -12,6 +12,10 @@
 //           ceiling is a contiguous D2H of half the bytes and an H2D of the other half at once.
 //   GB/s = 1e9 bytes per second, bytes = blocks * layers * 2 * chunk; each figure is the median of --iters
 //   timed runs (CUDA events) after --warmup runs.
+//   Store checksums (--store-checksums on, the default): the store again with each slot's content checksum
+//   term sums (common/block_checksum.h), by the checksummed gather kernel, and for the copy engine by the
+//   sums-only kernel on a second stream beside the batch (as the daemon does) or after it on the same stream;
+//   the sums are checked against the CPU's before timing.
 #include "transfer_bench.h"
 
 #include <cuda_runtime_api.h>
@@ -35,6 +39,7 @@
 
 #include "bench_json.h"
 #include "transfer_cuda.h"
+#include "common/block_checksum.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
 namespace {
@@ -63,6 +68,7 @@ struct Options {
   uint32_t sweep_mib = 1024;  // bytes per swept copy
   int sweep_iters = 3;
   std::vector<int> alt_store, alt_load;  // optional second kernel shape per direction (LaunchShape fields)
+  bool store_checksums = true;
 };
 
 // ---- the experiment -----------------------------------------------------------------------------------
@@ -76,12 +82,25 @@ struct LayerWise {
   double first_ms = 0, all_ms = 0, oneshot_ms = 0;
 };
 
+// Stores that also compute the slots' checksum term sums (GB/s of stored bytes).
+struct ChecksummedStores {
+  double kernel_store = 0;                       // checksummed gather kernel
+  double plain_again = 0;                        // the plain gather right after it: the run's own spread
+  double kernel_both = 0;                        // ... with a load at once (as Triple::both)
+  double both_store_ms = 0, both_load_ms = 0;
+  double copy_engine_beside = 0;                 // batch on one stream, sums-only kernel on another
+  double copy_engine_after = 0;                  // batch, then the sums-only kernel, one stream
+  double sums_only = 0;                          // the sums-only kernel alone (GB/s read from the GPU)
+};
+
 struct ChunkResult {
   uint32_t chunk_kib = 0;
   uint64_t bytes = 0;
   Triple ceiling, kernel, copy_engine, kernel_alt;
   bool has_alt = false;
   LayerWise lw_kernel, lw_copy_engine;
+  bool has_sums = false;
+  ChecksummedStores sums;
 };
 
 struct SweepRow {
@@ -149,6 +168,7 @@ class Bench {
     CK(DeviceAlloc(&slots_dev_, o.blocks * sizeof(uint32_t)));
     CK(cudaMemcpy(blocks_dev_, blocks_host_.data(), o.blocks * sizeof(uint32_t), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(slots_dev_, slots_host_.data(), o.blocks * sizeof(uint32_t), cudaMemcpyHostToDevice));
+    CK(DeviceAlloc(&sums_dev_, o.blocks * sizeof(uint64_t)));
   }
 
   ~Bench() {
@@ -158,6 +178,7 @@ class Bench {
     (void)cudaFree(b_bases_dev_);
     (void)cudaFree(blocks_dev_);
     (void)cudaFree(slots_dev_);
+    (void)cudaFree(sums_dev_);
     pool_.reset();
   }
   Bench(const Bench&) = delete;
@@ -239,6 +260,34 @@ class Bench {
                              copy_engine ? "copy-engine" : "kernel", bad.load(), nwords, chunk / kKiB));
   }
 
+  // The checksummed gather's and the sums-only kernel's per-slot sums against the CPU's BlockChecksum of every
+  // slot the checksummed gather wrote (whose bytes the plain gather's check above has vouched for).
+  void CheckSums(uint64_t chunk) {
+    const uint64_t block_bytes = 2ull * o_.layers * chunk;
+    const kv::GpuKvView a = View(true, chunk);
+    const kv::HostPoolView pool = Pool(chunk);
+    const auto pairs = Pairs(0, o_.blocks, 0, o_.layers);
+    std::vector<uint64_t> gathered(o_.blocks), summed(o_.blocks);
+    CK(cudaMemsetAsync(sums_dev_, 0, o_.blocks * sizeof(uint64_t), st_.s1));
+    CK(kv::LaunchGatherChecksummed(a, pool, pairs, sums_dev_, st_.s1));
+    CK(cudaMemcpyAsync(gathered.data(), sums_dev_, o_.blocks * sizeof(uint64_t), cudaMemcpyDeviceToHost, st_.s1));
+    CK(cudaMemsetAsync(sums_dev_, 0, o_.blocks * sizeof(uint64_t), st_.s1));
+    CK(kv::LaunchChecksumTerms(a, pool, pairs, sums_dev_, st_.s1));
+    CK(cudaMemcpyAsync(summed.data(), sums_dev_, o_.blocks * sizeof(uint64_t), cudaMemcpyDeviceToHost, st_.s1));
+    CK(cudaStreamSynchronize(st_.s1));
+    std::atomic<uint64_t> bad{0};
+    ParallelFor(o_.blocks, [&](uint64_t b, uint64_t e) {
+      uint64_t wrong = 0;
+      for (uint64_t i = b; i < e; ++i) {
+        const uint64_t want = flexkv::BlockChecksum(pool_->base() + slots_host_[i] * block_bytes, block_bytes);
+        wrong += flexkv::FinishBlockChecksum(gathered[i], block_bytes) != want;
+        wrong += flexkv::FinishBlockChecksum(summed[i], block_bytes) != want;
+      }
+      bad += wrong;
+    });
+    if (bad) Die(fmt::format("store checksums: {} of {} sums wrong at chunk {} KiB", bad.load(), 2 * o_.blocks, chunk / kKiB));
+  }
+
   ChunkResult Measure(uint32_t chunk_kib) {
     const uint64_t chunk = chunk_kib * kKiB;
     ChunkResult r;
@@ -288,6 +337,36 @@ class Bench {
       CK(kv::CopyEngineBatch(ab, a, pool, bh, sh, h, 0, o_.layers, true, st_.s1));
       CK(kv::CopyEngineBatch(ab, a, pool, bh + h, sh + h, n - h, 0, o_.layers, false, st_.s2));
     }, &r.copy_engine.both_store_ms, &r.copy_engine.both_load_ms));
+
+    if (o_.store_checksums) {
+      r.has_sums = true;
+      ChecksummedStores& cs = r.sums;
+      const size_t sums_bytes = n * sizeof(uint64_t);
+      cs.kernel_store = Gbps(r.bytes, time(false, [&] {
+        CK(cudaMemsetAsync(sums_dev_, 0, sums_bytes, st_.s1));
+        CK(kv::LaunchGatherChecksummed(a, pool, Pairs(0, n, 0, o_.layers), sums_dev_, st_.s1));
+      }));
+      cs.plain_again = Gbps(r.bytes, time(false, [&] { CK(kv::LaunchGather(a, pool, Pairs(0, n, 0, o_.layers), st_.s1)); }));
+      cs.kernel_both = Gbps(r.bytes, time(true, [&] {
+        CK(cudaMemsetAsync(sums_dev_, 0, sums_bytes, st_.s1));
+        CK(kv::LaunchGatherChecksummed(a, pool, Pairs(0, h, 0, o_.layers), sums_dev_, st_.s1));
+        CK(kv::LaunchScatter(a, pool, Pairs(h, n - h, 0, o_.layers), st_.s2));
+      }, &cs.both_store_ms, &cs.both_load_ms));
+      cs.copy_engine_beside = Gbps(r.bytes, time(true, [&] {
+        CK(cudaMemsetAsync(sums_dev_, 0, sums_bytes, st_.s2));
+        CK(kv::LaunchChecksumTerms(a, pool, Pairs(0, n, 0, o_.layers), sums_dev_, st_.s2));
+        CK(kv::CopyEngineBatch(ab, a, pool, bh, sh, n, 0, o_.layers, true, st_.s1));
+      }));
+      cs.copy_engine_after = Gbps(r.bytes, time(false, [&] {
+        CK(kv::CopyEngineBatch(ab, a, pool, bh, sh, n, 0, o_.layers, true, st_.s1));
+        CK(cudaMemsetAsync(sums_dev_, 0, sums_bytes, st_.s1));
+        CK(kv::LaunchChecksumTerms(a, pool, Pairs(0, n, 0, o_.layers), sums_dev_, st_.s1));
+      }));
+      cs.sums_only = Gbps(r.bytes, time(false, [&] {
+        CK(cudaMemsetAsync(sums_dev_, 0, sums_bytes, st_.s1));
+        CK(kv::LaunchChecksumTerms(a, pool, Pairs(0, n, 0, o_.layers), sums_dev_, st_.s1));
+      }));
+    }
 
     r.lw_kernel = LayerWiseLoad(r.bytes, r.kernel.load, [&](uint32_t l) {
       CK(kv::LaunchScatter(a, pool, Pairs(0, n, l, l + 1), st_.s1));
@@ -398,6 +477,7 @@ class Bench {
   std::vector<uint32_t> blocks_host_, slots_host_;
   uint32_t* blocks_dev_ = nullptr;
   uint32_t* slots_dev_ = nullptr;
+  uint64_t* sums_dev_ = nullptr;  // per-pair checksum term sums
 };
 
 Json ShapeJson(const kv::LaunchShape& s) {
@@ -451,7 +531,12 @@ int RunTransferBench(int argc, char** argv) {
                  "Also time the kernels with this store shape: ctas,threads,unroll,warps_per_chunk[,bulk_kib,stages]")
       ->delimiter(',');
   app.add_option("--alt-load-shape", o.alt_load, "... and this load shape")->delimiter(',');
+  std::string store_checksums = "on";
+  app.add_option("--store-checksums", store_checksums,
+                 "on: also time (and check) stores that compute the slots' content checksums")
+      ->check(CLI::IsMember({"on", "off"}));
   CLI11_PARSE(app, argc, argv);
+  o.store_checksums = store_checksums == "on";
   for (uint32_t c : o.chunk_kib)
     if ((c * kKiB) % 16) Die("--chunk-kib: chunks must be multiples of 16 bytes");
 
@@ -468,8 +553,10 @@ int RunTransferBench(int argc, char** argv) {
   for (uint32_t c : o.chunk_kib) {
     bench.CheckRoundTrip(c * kKiB, false);
     bench.CheckRoundTrip(c * kKiB, true);
+    if (o.store_checksums) bench.CheckSums(c * kKiB);
     results.push_back(bench.Measure(c));
-    std::fprintf(stderr, "chunk %u KiB: round trips checked (kernel, copy engine), measured\n", c);
+    std::fprintf(stderr, "chunk %u KiB: round trips checked (kernel, copy engine%s), measured\n", c,
+                 o.store_checksums ? ", store checksums" : "");
   }
   std::vector<SweepRow> sweep;
   if (o.sweep)
@@ -492,6 +579,21 @@ int RunTransferBench(int argc, char** argv) {
       if (r.has_alt) row["kernel_alt"] = TripleJson(r.kernel_alt, r.ceiling);
       row["layerwise_kernel"] = LayerWiseJson(r.lw_kernel, r.bytes);
       row["layerwise_copy_engine"] = LayerWiseJson(r.lw_copy_engine, r.bytes);
+      if (r.has_sums) {
+        const ChecksummedStores& cs = r.sums;
+        row["store_checksums"] = Json{{"kernel_store_gbps", Rounded(cs.kernel_store, 2)},
+                                      {"kernel_store_vs_plain", Rounded(cs.kernel_store / r.kernel.store, 4)},
+                                      {"plain_store_again_gbps", Rounded(cs.plain_again, 2)},
+                                      {"kernel_both_gbps", Rounded(cs.kernel_both, 2)},
+                                      {"kernel_both_vs_plain", Rounded(cs.kernel_both / r.kernel.both, 4)},
+                                      {"kernel_both_store_half_ms", Rounded(cs.both_store_ms, 3)},
+                                      {"kernel_both_load_half_ms", Rounded(cs.both_load_ms, 3)},
+                                      {"copy_engine_beside_gbps", Rounded(cs.copy_engine_beside, 2)},
+                                      {"copy_engine_beside_vs_plain", Rounded(cs.copy_engine_beside / r.copy_engine.store, 4)},
+                                      {"copy_engine_after_gbps", Rounded(cs.copy_engine_after, 2)},
+                                      {"copy_engine_after_vs_plain", Rounded(cs.copy_engine_after / r.copy_engine.store, 4)},
+                                      {"sums_only_gbps", Rounded(cs.sums_only, 1)}};
+      }
       rows.push_back(std::move(row));
     }
     Json swept = Json::array();
@@ -518,6 +620,7 @@ int RunTransferBench(int argc, char** argv) {
                       {"iters", o.iters},
                       {"warmup", o.warmup},
                       {"correctness", "ok"},
+                      {"store_checksums", o.store_checksums},
                       {"default_gather", ShapeJson(dg)},
                       {"default_scatter", ShapeJson(ds)},
                       {"alt_store_shape", ShapeJson(bench.AltStore())},
@@ -548,6 +651,15 @@ int RunTransferBench(int argc, char** argv) {
     fmt::print("{:>4}K alternative kernel shapes: store {:.1f} ({:.3f}), load {:.1f} ({:.3f}), both {:.1f} ({:.3f})\n",
                r.chunk_kib, r.kernel_alt.store, r.kernel_alt.store / r.ceiling.store, r.kernel_alt.load,
                r.kernel_alt.load / r.ceiling.load, r.kernel_alt.both, r.kernel_alt.both / r.ceiling.both);
+  }
+  for (const auto& r : results) {
+    if (!r.has_sums) continue;
+    const ChecksummedStores& cs = r.sums;
+    fmt::print("{:>4}K store with checksums: kernel {:.1f} ({:.4f} of plain; plain again {:.1f}), with a load {:.1f} ({:.4f}); copy engine "
+               "+ sums beside {:.1f} ({:.4f}), after {:.1f} ({:.4f}); sums alone {:.0f} GB/s\n",
+               r.chunk_kib, cs.kernel_store, cs.kernel_store / r.kernel.store, cs.plain_again, cs.kernel_both, cs.kernel_both / r.kernel.both,
+               cs.copy_engine_beside, cs.copy_engine_beside / r.copy_engine.store, cs.copy_engine_after,
+               cs.copy_engine_after / r.copy_engine.store, cs.sums_only);
   }
   fmt::print("(cells: path GB/s / contiguous ceiling GB/s, ratio)\nlayer-wise load (one stream, event per layer):\n");
   for (const auto& r : results) {

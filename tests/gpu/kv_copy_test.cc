@@ -1,6 +1,7 @@
 // GPU <-> host-pool block copies (daemon/transfer/cuda/kv_copy.h): byte-exact round trips through a registered
 // pool for every GPU layout, K/V and MLA, TP shards, layer ranges, odd sizes and launch shapes, for the kernels
-// and the copy-engine batch. Without a visible GPU (CI) every case warns and passes.
+// and the copy-engine batch, and the stores' content checksums against the CPU's. Without a visible GPU (CI)
+// every case warns and passes.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/block_checksum.h"
 #include "common/mapped_region.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
@@ -524,4 +526,233 @@ TEST_CASE("bad views are refused before anything is enqueued, and empty requests
   CUDA_OK(cudaDeviceSynchronize());
   const std::vector<uint8_t> untouched(pool.bytes(), kPoolPoison);
   RequireSame(pool.data(), untouched.data(), pool.bytes(), "pool after empty requests");
+}
+
+namespace {
+
+// Per-pair checksum term sums in device memory, zeroed on creation.
+class DeviceSums {
+ public:
+  explicit DeviceSums(size_t n) : n_(n) {
+    CUDA_OK(DeviceAlloc(&dev_, std::max<size_t>(1, n) * sizeof(uint64_t)));
+    CUDA_OK(cudaMemset(dev_, 0, std::max<size_t>(1, n) * sizeof(uint64_t)));
+  }
+  ~DeviceSums() { (void)cudaFree(dev_); }
+  DeviceSums(const DeviceSums&) = delete;
+  DeviceSums& operator=(const DeviceSums&) = delete;
+  uint64_t* get() const { return dev_; }
+  std::vector<uint64_t> Download() const {
+    std::vector<uint64_t> out(n_);
+    CUDA_OK(cudaMemcpy(out.data(), dev_, n_ * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+    return out;
+  }
+
+ private:
+  size_t n_;
+  uint64_t* dev_ = nullptr;
+};
+
+// A store that also sums: the checksummed gather kernel, or the copy-engine batch and the sums-only kernel.
+void StoreSummed(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t rank,
+                 const std::vector<uint32_t>& blocks, const std::vector<uint32_t>& slots, uint32_t lb, uint32_t le,
+                 const kv::LaunchShape& shape, const DeviceSums& sums, cudaStream_t stream) {
+  const uint32_t n = static_cast<uint32_t>(blocks.size());
+  DevicePairs dp(blocks, slots, false);
+  if (path == Path::kCopyEngine) {
+    CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
+                                le, true, stream));
+    CUDA_OK(kv::LaunchChecksumTerms(gpu.View(), pool.View(shards, rank), dp.Pairs(n, lb, le), sums.get(), stream, shape));
+  } else {
+    CUDA_OK(kv::LaunchGatherChecksummed(gpu.View(), pool.View(shards, rank), dp.Pairs(n, lb, le), sums.get(), stream,
+                                        shape));
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaGetLastError());
+}
+
+// The term sum of the chunks (layers [lb, le), every plane, TP shard `rank` of `shards`) of one slot, from the
+// slot's bytes on the CPU.
+uint64_t ChunkTermSums(const uint8_t* slot, uint32_t planes, uint32_t shards, uint32_t rank, uint64_t chunk, uint32_t lb,
+                       uint32_t le) {
+  uint64_t sum = 0;
+  for (uint32_t l = lb; l < le; ++l)
+    for (uint32_t p = 0; p < planes; ++p) {
+      const uint64_t off = ((static_cast<uint64_t>(l) * planes + p) * shards + rank) * chunk;
+      sum += flexkv::ChecksumTermSum(slot + off, chunk, static_cast<uint32_t>(off / flexkv::kChecksumUnitBytes));
+    }
+  return sum;
+}
+
+// One rank, one shard, all layers, unpadded slots: the plain store and the summing store (kernel or copy engine)
+// each leave exactly the expected bytes in a poisoned pool, and each pair's sum finishes to BlockChecksum of its
+// slot as the CPU computes it.
+void ChecksummedStore(const Case& c) {
+  CAPTURE(Name(c.layout), c.layers, c.planes, c.chunk, c.count, static_cast<int>(c.path), c.shape.ctas,
+          c.shape.threads, c.shape.unroll, c.shape.warps_per_chunk, c.shape.bulk_kib);
+  auto rng = Rng();
+  GpuKv gpu(c.layout, c.layers, c.planes, c.gpu_blocks, c.chunk);
+  const uint64_t block_bytes = c.layers * c.planes * c.chunk;
+  Pool pool(c.slots, block_bytes);
+  gpu.Randomize(rng);
+  const auto blocks = Pick(rng, c.gpu_blocks, c.count), slots = Pick(rng, c.slots, c.count);
+  std::vector<uint8_t> want(pool.bytes(), kPoolPoison);
+  for (uint32_t i = 0; i < c.count; ++i)
+    for (uint32_t l = 0; l < c.layers; ++l)
+      for (uint32_t p = 0; p < c.planes; ++p)
+        std::memcpy(want.data() + slots[i] * block_bytes + (l * c.planes + p) * c.chunk, gpu.Chunk(l, p, blocks[i]),
+                    c.chunk);
+
+  pool.Poison();
+  Store(c.path, gpu, pool, 1, 0, blocks, slots, 0, c.layers, c.shape, false, nullptr);
+  RequireSame(pool.data(), want.data(), pool.bytes(), "pool after the store without checksums");
+
+  pool.Poison();
+  DeviceSums sums(c.count);
+  StoreSummed(c.path, gpu, pool, 1, 0, blocks, slots, 0, c.layers, c.shape, sums, nullptr);
+  RequireSame(pool.data(), want.data(), pool.bytes(), "pool after the store with checksums");
+  const auto got = sums.Download();
+  for (uint32_t i = 0; i < c.count; ++i) {
+    CAPTURE(i, slots[i]);
+    REQUIRE(flexkv::FinishBlockChecksum(got[i], block_bytes) == flexkv::BlockChecksum(pool.Slot(slots[i]), block_bytes));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("checksummed gather: each slot's sum finishes to its BlockChecksum, every layout, K/V and MLA, odd chunks",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  for (Path path : {Path::kKernel, Path::kCopyEngine})
+    for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock})
+      for (uint32_t planes : {2u, 1u})
+        // 4112 B = 257 units: one unit past a full round of 32 lanes x 8 loads.
+        for (uint64_t chunk : {uint64_t{16}, uint64_t{48}, uint64_t{4112}, uint64_t{32768 + 16}}) {
+          Case c;
+          c.path = path;
+          c.layout = layout;
+          c.planes = planes;
+          c.chunk = chunk;
+          c.layers = planes == 1 ? 5 : 4;  // MLA-like: one plane, odd layer count
+          ChecksummedStore(c);
+        }
+}
+
+TEST_CASE("checksummed gather: every launch shape gives the same sums, bulk-copy shapes included", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const kv::LaunchShape shapes[] = {
+      {1, 32, 1, 1, 0, 0},  // one warp: consecutive chunks of a pair go into one atomic
+      {3, 96, 2, 1, 0, 0},   {5, 256, 8, 2, 0, 0}, {2, 128, 4, 4, 0, 0}, {132, 1024, 8, 1, 0, 0},
+      {200, 64, 1, 2, 0, 0}, {7, 0, 0, 0, 4, 4},   {2, 32, 1, 1, 64, 3},
+  };
+  for (const auto& s : shapes)
+    for (uint64_t chunk : {uint64_t{48}, uint64_t{528}, uint64_t{8192 + 16}})
+      for (Path path : {Path::kKernel, Path::kCopyEngine}) {
+        Case c;
+        c.shape = s;
+        c.chunk = chunk;
+        c.path = path;
+        ChecksummedStore(c);
+      }
+}
+
+TEST_CASE("checksummed gather: layer ranges add up, padded slots sum only what was written", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  for (Path path : {Path::kKernel, Path::kCopyEngine}) {
+    CAPTURE(static_cast<int>(path));
+    auto rng = Rng();
+    const uint32_t layers = 6, planes = 2, nblocks = 20, nslots = 24, count = 9;
+    const uint64_t chunk = 1040, padding = 4096 + 16;
+    const uint64_t block_bytes = layers * planes * chunk + padding;
+    GpuKv gpu(Layout::kBlockFirst, layers, planes, nblocks, chunk);
+    gpu.Randomize(rng);
+    Pool pool(nslots, block_bytes);
+    pool.Poison();
+    const auto blocks = Pick(rng, nblocks, count), slots = Pick(rng, nslots, count);
+    DeviceSums sums(count);
+    // Layers [1, 4) first: the sums cover only those chunks.
+    StoreSummed(path, gpu, pool, 1, 0, blocks, slots, 1, 4, {}, sums, nullptr);
+    auto got = sums.Download();
+    for (uint32_t i = 0; i < count; ++i)
+      REQUIRE(got[i] == ChunkTermSums(pool.Slot(slots[i]), planes, 1, 0, chunk, 1, 4));
+    // Then [0, 1) and [4, 6) into the same entries: the sum of the whole written part of each slot.
+    StoreSummed(path, gpu, pool, 1, 0, blocks, slots, 0, 1, {}, sums, nullptr);
+    StoreSummed(path, gpu, pool, 1, 0, blocks, slots, 4, layers, {}, sums, nullptr);
+    got = sums.Download();
+    for (uint32_t i = 0; i < count; ++i) {
+      CAPTURE(i);
+      REQUIRE(got[i] == flexkv::ChecksumTermSum(pool.Slot(slots[i]), layers * planes * chunk, 0));
+      REQUIRE(got[i] == ChunkTermSums(pool.Slot(slots[i]), planes, 1, 0, chunk, 0, layers));
+    }
+  }
+}
+
+TEST_CASE("checksummed gather, TP=2: both ranks add into the same sums and finish to the whole slot's checksum",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (Path path : {Path::kKernel, Path::kCopyEngine})
+    for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst})
+      for (uint64_t shard : {uint64_t{2048}, uint64_t{4112}}) {
+        CAPTURE(Name(layout), static_cast<int>(path), shard);
+        auto rng = Rng();
+        const uint32_t layers = 3, planes = 2, nblocks = 24, nslots = 30, count = 11;
+        GpuKv r0(layout, layers, planes, nblocks, shard), r1(layout, layers, planes, nblocks, shard);
+        r0.Randomize(rng);
+        r1.Randomize(rng);
+        const uint64_t block_bytes = layers * planes * 2 * shard;
+        Pool pool(nslots, block_bytes);
+        pool.Poison();
+        const auto b0 = Pick(rng, nblocks, count), b1 = Pick(rng, nblocks, count), slots = Pick(rng, nslots, count);
+        DeviceSums both(count), rank1(count);
+        StoreSummed(path, r0, pool, 2, 0, b0, slots, 0, layers, {}, both, stream);
+        StoreSummed(path, r1, pool, 2, 1, b1, slots, 0, layers, {}, both, stream);
+        StoreSummed(path, r1, pool, 2, 1, b1, slots, 0, layers, {}, rank1, stream);
+        std::vector<uint8_t> want(pool.bytes(), kPoolPoison);
+        for (uint32_t i = 0; i < count; ++i)
+          for (uint32_t l = 0; l < layers; ++l)
+            for (uint32_t p = 0; p < planes; ++p) {
+              uint8_t* at = want.data() + slots[i] * block_bytes + (l * planes + p) * 2 * shard;
+              std::memcpy(at, r0.Chunk(l, p, b0[i]), shard);
+              std::memcpy(at + shard, r1.Chunk(l, p, b1[i]), shard);
+            }
+        RequireSame(pool.data(), want.data(), pool.bytes(), "pool after both ranks stored");
+        const auto got = both.Download(), got1 = rank1.Download();
+        for (uint32_t i = 0; i < count; ++i) {
+          CAPTURE(i);
+          REQUIRE(got1[i] == ChunkTermSums(pool.Slot(slots[i]), planes, 2, 1, shard, 0, layers));
+          REQUIRE(flexkv::FinishBlockChecksum(got[i], block_bytes) ==
+                  flexkv::BlockChecksum(pool.Slot(slots[i]), block_bytes));
+        }
+      }
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("checksum kernels refuse a null sums array; the sums-only kernel writes nothing to the pool", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  auto rng = Rng();
+  GpuKv gpu(Layout::kLayerFirst, 2, 2, 4, 64);
+  gpu.Randomize(rng);
+  Pool pool(4, 2 * 2 * 64);
+  const std::vector<uint32_t> blocks{0, 1}, slots{2, 3};
+  DevicePairs dp(blocks, slots, false);
+  const kv::HostPoolView pv = pool.View(1, 0);
+  CHECK(kv::LaunchGatherChecksummed(gpu.View(), pv, dp.Pairs(2, 0, 2), nullptr, nullptr) == cudaErrorInvalidValue);
+  CHECK(kv::LaunchChecksumTerms(gpu.View(), pv, dp.Pairs(2, 0, 2), nullptr, nullptr) == cudaErrorInvalidValue);
+
+  pool.Poison();
+  DeviceSums sums(2);
+  CHECK(kv::LaunchGatherChecksummed(gpu.View(), pv, dp.Pairs(0, 0, 2), sums.get(), nullptr) == cudaSuccess);
+  CHECK(kv::LaunchChecksumTerms(gpu.View(), pv, dp.Pairs(2, 0, 2), sums.get(), nullptr) == cudaSuccess);
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> untouched(pool.bytes(), kPoolPoison);
+  RequireSame(pool.data(), untouched.data(), pool.bytes(), "pool after an empty gather and a sums-only pass");
+  const auto got = sums.Download();
+  for (uint32_t i = 0; i < 2; ++i) {
+    uint64_t want = 0;
+    for (uint32_t l = 0; l < 2; ++l)
+      for (uint32_t p = 0; p < 2; ++p)
+        want += flexkv::ChecksumTermSum(gpu.Chunk(l, p, blocks[i]), 64, (l * 2 + p) * 64 / 16);
+    CHECK(got[i] == want);
+  }
 }

@@ -87,6 +87,7 @@ class DirectionWorker {
   struct Job {
     std::shared_ptr<GpuKv> kv;
     std::vector<uint32_t> gpu_blocks, slots;
+    std::shared_ptr<std::vector<uint64_t>> term_sums;  // stores: added to before done; null or empty: none
     std::function<void(uint32_t)> on_layer;
     std::function<void(Status)> done;
   };
@@ -116,32 +117,67 @@ class DirectionWorker {
     FLEXKV_CUDA_TRY(cudaSetDevice(device_));
     if (stream_ == nullptr) FLEXKV_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     const uint32_t n = static_cast<uint32_t>(job.gpu_blocks.size());
+    const bool sums = to_host_ && job.term_sums != nullptr && !job.term_sums->empty();
+    if (sums && job.term_sums->size() != n) {
+      return Status::Internal(fmt::format("a store of {} blocks came with {} checksum sums; expected one per slot", n,
+                                          job.term_sums->size()));
+    }
     if (n > capacity_) {
       if (pairs_dev_ != nullptr) cudaFree(pairs_dev_);
-      capacity_ = std::max<uint32_t>(n, 4096);
-      FLEXKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&pairs_dev_), sizeof(uint32_t) * 2 * capacity_));
+      if (sums_dev_ != nullptr) cudaFree(sums_dev_);
+      if (sums_host_ != nullptr) cudaFreeHost(sums_host_);
+      pairs_dev_ = nullptr;
+      sums_dev_ = sums_host_ = nullptr;
+      capacity_ = 0;
+      const uint32_t capacity = std::max<uint32_t>(n, 4096);
+      FLEXKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&pairs_dev_), sizeof(uint32_t) * 2 * capacity));
+      if (to_host_) {
+        FLEXKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&sums_dev_), sizeof(uint64_t) * capacity));
+        FLEXKV_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&sums_host_), sizeof(uint64_t) * capacity));
+      }
+      capacity_ = capacity;
     }
     const GpuKv& kv = *job.kv;
     const Geometry& g = kv.geometry;
     cuda::HostPoolView pool{const_cast<uint8_t*>(*pool_base_), *block_bytes_, g.is_mla() ? 1u : g.tp_size,
                             g.is_mla() ? 0u : kv.description.tp_rank};
+    const cuda::BlockPairs pairs{pairs_dev_, pairs_dev_ + capacity_, n, 0, g.num_layers};
+    if (!copy_engine_ || sums) {  // the kernels read the pairs from device memory
+      FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_, job.gpu_blocks.data(), sizeof(uint32_t) * n, cudaMemcpyHostToDevice, stream_));
+      FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_ + capacity_, job.slots.data(), sizeof(uint32_t) * n,
+                                      cudaMemcpyHostToDevice, stream_));
+    }
+    if (sums) FLEXKV_CUDA_TRY(cudaMemsetAsync(sums_dev_, 0, sizeof(uint64_t) * n, stream_));
     if (copy_engine_) {
+      // The copy engine cannot sum: a kernel sums the GPU blocks on a second stream while the engine copies.
+      if (sums) {
+        if (sums_stream_ == nullptr) {
+          FLEXKV_CUDA_TRY(cudaStreamCreateWithFlags(&sums_stream_, cudaStreamNonBlocking));
+          FLEXKV_CUDA_TRY(cudaEventCreateWithFlags(&sums_fork_, cudaEventDisableTiming));
+          FLEXKV_CUDA_TRY(cudaEventCreateWithFlags(&sums_join_, cudaEventDisableTiming));
+        }
+        FLEXKV_CUDA_TRY(cudaEventRecord(sums_fork_, stream_));
+        FLEXKV_CUDA_TRY(cudaStreamWaitEvent(sums_stream_, sums_fork_, 0));
+        FLEXKV_CUDA_TRY(cuda::LaunchChecksumTerms(kv.view, pool, pairs, sums_dev_, sums_stream_));
+        FLEXKV_CUDA_TRY(cudaEventRecord(sums_join_, sums_stream_));
+      }
       FLEXKV_CUDA_TRY(cuda::CopyEngineBatch(kv.layer_base_host.data(), kv.view, pool, job.gpu_blocks.data(),
                                             job.slots.data(), n, 0, g.num_layers, to_host_, stream_));
-      FLEXKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+      if (sums) FLEXKV_CUDA_TRY(cudaStreamWaitEvent(stream_, sums_join_, 0));
+      FLEXKV_CUDA_TRY(FinishSums(job, sums));
       if (job.on_layer) {
         for (uint32_t l = 0; l < g.num_layers; ++l) job.on_layer(l);
       }
       return Status::Ok();
     }
-    FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_, job.gpu_blocks.data(), sizeof(uint32_t) * n, cudaMemcpyHostToDevice, stream_));
-    FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_ + capacity_, job.slots.data(), sizeof(uint32_t) * n,
-                                    cudaMemcpyHostToDevice, stream_));
     if (!job.on_layer || to_host_) {
-      cuda::BlockPairs pairs{pairs_dev_, pairs_dev_ + capacity_, n, 0, g.num_layers};
-      FLEXKV_CUDA_TRY(to_host_ ? cuda::LaunchGather(kv.view, pool, pairs, stream_)
-                               : cuda::LaunchScatter(kv.view, pool, pairs, stream_));
-      FLEXKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+      if (sums) {
+        FLEXKV_CUDA_TRY(cuda::LaunchGatherChecksummed(kv.view, pool, pairs, sums_dev_, stream_));
+      } else {
+        FLEXKV_CUDA_TRY(to_host_ ? cuda::LaunchGather(kv.view, pool, pairs, stream_)
+                                 : cuda::LaunchScatter(kv.view, pool, pairs, stream_));
+      }
+      FLEXKV_CUDA_TRY(FinishSums(job, sums));
       return Status::Ok();
     }
     // Layer-wise load: one launch and one event per layer; report each layer as its event completes.
@@ -153,8 +189,8 @@ class DirectionWorker {
       }
     }
     for (uint32_t l = 0; l < g.num_layers; ++l) {
-      cuda::BlockPairs pairs{pairs_dev_, pairs_dev_ + capacity_, n, l, l + 1};
-      FLEXKV_CUDA_TRY(cuda::LaunchScatter(kv.view, pool, pairs, stream_));
+      const cuda::BlockPairs layer_pairs{pairs_dev_, pairs_dev_ + capacity_, n, l, l + 1};
+      FLEXKV_CUDA_TRY(cuda::LaunchScatter(kv.view, pool, layer_pairs, stream_));
       FLEXKV_CUDA_TRY(cudaEventRecord(events_[l], stream_));
     }
     for (uint32_t l = 0; l < g.num_layers; ++l) {
@@ -162,6 +198,22 @@ class DirectionWorker {
       job.on_layer(l);
     }
     return Status::Ok();
+  }
+
+  // Waits for the job's copies on stream_; with `sums`, fetches the device sums and adds them into the job's.
+  cudaError_t FinishSums(Job& job, bool sums) {
+    const size_t n = job.gpu_blocks.size();
+    if (sums) {
+      if (cudaError_t e = cudaMemcpyAsync(sums_host_, sums_dev_, sizeof(uint64_t) * n, cudaMemcpyDeviceToHost, stream_);
+          e != cudaSuccess)
+        return e;
+    }
+    if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) return e;
+    if (sums) {
+      std::vector<uint64_t>& out = *job.term_sums;
+      for (size_t i = 0; i < n; ++i) out[i] += sums_host_[i];
+    }
+    return cudaSuccess;
   }
 
   void Loop() {
@@ -179,12 +231,20 @@ class DirectionWorker {
         // Run may have launched work before it failed: let it finish before `job` drops what may be the last
         // reference to the registration (whose destructor unmaps the memory those kernels touch).
         if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+        if (sums_stream_ != nullptr) cudaStreamSynchronize(sums_stream_);
         log::Error("cuda", "{} copy on device {} failed: {}", to_host_ ? "store" : "load", device_, s.message());
       }
       job.done(s);
     }
     if (pairs_dev_ != nullptr) cudaFree(pairs_dev_);
+    if (sums_dev_ != nullptr) cudaFree(sums_dev_);
+    if (sums_host_ != nullptr) cudaFreeHost(sums_host_);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    if (sums_stream_ != nullptr) {
+      cudaEventDestroy(sums_fork_);
+      cudaEventDestroy(sums_join_);
+      cudaStreamDestroy(sums_stream_);
+    }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -195,7 +255,13 @@ class DirectionWorker {
   const uint64_t* block_bytes_;
   cudaStream_t stream_ = nullptr;
   uint32_t* pairs_dev_ = nullptr;
-  uint32_t capacity_ = 0;
+  uint32_t capacity_ = 0;  // pairs (and, stores, sums) the buffers hold
+  // Stores: per-pair checksum term sums on the device and their pinned copy; copy-engine stores sum on a
+  // second stream, forked from and joined to stream_ by the two events.
+  uint64_t* sums_dev_ = nullptr;
+  uint64_t* sums_host_ = nullptr;
+  cudaStream_t sums_stream_ = nullptr;
+  cudaEvent_t sums_fork_ = nullptr, sums_join_ = nullptr;
   std::vector<cudaEvent_t> events_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -452,14 +518,16 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   void Copy(std::shared_ptr<GpuKv> kv, bool to_host, std::vector<uint32_t> gpu_blocks, std::vector<uint32_t> slots,
-            std::function<void(uint32_t)> on_layer, std::function<void(Status)> done) override {
+            std::shared_ptr<std::vector<uint64_t>> term_sums, std::function<void(uint32_t)> on_layer,
+            std::function<void(Status)> done) override {
     DirectionWorker* w = nullptr;
     {
       std::lock_guard lock(mu_);
       if (pool_base_ != nullptr) w = (to_host ? stores_ : loads_)[static_cast<size_t>(kv->device)].get();
     }
     if (w == nullptr) return done(Status::FailedPrecondition("the pool is not registered for DMA"));
-    w->Submit({std::move(kv), std::move(gpu_blocks), std::move(slots), std::move(on_layer), std::move(done)});
+    w->Submit({std::move(kv), std::move(gpu_blocks), std::move(slots), std::move(term_sums), std::move(on_layer),
+               std::move(done)});
   }
 
   void SetPaths(bool load_copy_engine, bool store_copy_engine) {

@@ -36,10 +36,13 @@ class CudaBackend {
 
   // Copies blocks between one rank's GPU buffers and pool slots, asynchronously; `done` runs on a backend
   // thread once the bytes are in place (or with the error). `on_layer` (optional, loads) runs as each layer
-  // lands, for layer-wise loads.
+  // lands, for layer-wise loads. `term_sums` (stores; null or empty for none, else one entry per slot): before
+  // `done`, entry i gets the checksum term sum of the bytes written to slots[i] added to it
+  // (common/block_checksum.h), computed by the gather kernel as it copies, or, on the copy-engine path, by a
+  // kernel reading the GPU blocks at the same time as the copy.
   virtual void Copy(std::shared_ptr<GpuKv> kv, bool to_host, std::vector<uint32_t> gpu_blocks,
-                    std::vector<uint32_t> slots, std::function<void(uint32_t layer)> on_layer,
-                    std::function<void(Status)> done) = 0;
+                    std::vector<uint32_t> slots, std::shared_ptr<std::vector<uint64_t>> term_sums,
+                    std::function<void(uint32_t layer)> on_layer, std::function<void(Status)> done) = 0;
 };
 
 // Facts about an opened registration the data plane checks requests against.

@@ -13,6 +13,7 @@ EngineMemoryCapabilities CudaCapabilities() {
   caps.from_pool = true;
   caps.layerwise = true;
   caps.per_tp_rank = true;
+  caps.store_checksums = true;  // the gather kernel sums as it stores; copy-engine stores by a kernel beside the copy
   return caps;
 }
 
@@ -56,8 +57,9 @@ Result<std::shared_ptr<EngineKv>> CudaEngineMemory::Open(KvRegistration registra
 void CudaEngineMemory::Copy(CopyJob job) {
   const int64_t handed_ns = NowNs();  // the device's own queueing counts as transfer time
   const auto& kv = static_cast<const CudaKv&>(*job.kv);  // opened by Open above
-  cuda_->Copy(kv.gpu(), job.direction == CopyDirection::kToPool, *job.engine_blocks, *job.slots, std::move(job.on_layer),
-              [done = std::move(job.done), handed_ns](Status st) { done(st, handed_ns); });
+  const bool store = job.direction == CopyDirection::kToPool;
+  cuda_->Copy(kv.gpu(), store, *job.engine_blocks, *job.slots, store ? std::move(job.term_sums) : nullptr,
+              std::move(job.on_layer), [done = std::move(job.done), handed_ns](Status st) { done(st, handed_ns); });
 }
 
 }  // namespace flexkv

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/block_checksum.h"
+
 namespace flexkv::cuda {
 namespace {
 
@@ -17,6 +19,8 @@ namespace {
 // fell to ~64 GB/s.
 constexpr LaunchShape kDefaultGather{32, 512, 8, 1, 0, 0};
 constexpr LaunchShape kDefaultScatter{32, 512, 8, 1, 0, 0};
+// Sums only (LaunchChecksumTerms): reads from HBM, no PCIe, so one CTA per SM with 8 loads in flight per thread.
+constexpr LaunchShape kDefaultSums{132, 512, 8, 1, 0, 0};
 constexpr int kMaxStages = 8;
 
 struct CopyParams {
@@ -35,39 +39,83 @@ struct CopyParams {
   uint32_t tp_rank;
   uint32_t chunk16;       // chunk bytes / 16
   uint32_t group_threads; // threads copying one chunk (warps_per_chunk * 32)
+  uint64_t* term_sums;    // checksummed gathers: one per pair, in device memory; else null
 };
 
-// The chunk `item` (pair, layer, plane) on both sides.
+// The chunk `item` (pair, layer, plane) on both sides, its pair, and the slot-relative index of its first
+// 16-byte unit (the checksum's unit index; block_checksum.h).
 template <bool kToHost>
-__device__ __forceinline__ void ChunkAddrs(const CopyParams& p, uint64_t item, const uint8_t*& src, uint8_t*& dst) {
+__device__ __forceinline__ void ChunkAddrs(const CopyParams& p, uint64_t item, const uint8_t*& src, uint8_t*& dst,
+                                           uint64_t& pair, uint32_t& first_unit) {
   const uint32_t plane = static_cast<uint32_t>(item % p.planes);
   const uint64_t rest = item / p.planes;
   const uint32_t layer = p.layer_begin + static_cast<uint32_t>(rest % p.layers);
-  const uint64_t pair = rest / p.layers;
+  pair = rest / p.layers;
   const uint64_t block = __ldg(p.gpu_blocks + pair);
   const uint64_t slot = __ldg(p.slots + pair);
   uint8_t* gpu = reinterpret_cast<uint8_t*>(__ldg(reinterpret_cast<const unsigned long long*>(p.layer_base) + layer)) +
                  plane * p.plane_stride + block * p.block_stride;
-  uint8_t* host = p.pool_base + slot * p.block_bytes +
-                  ((static_cast<uint64_t>(layer) * p.planes + plane) * p.tp_shards + p.tp_rank) *
-                      (static_cast<uint64_t>(p.chunk16) * 16);
+  const uint64_t chunk_in_slot = (static_cast<uint64_t>(layer) * p.planes + plane) * p.tp_shards + p.tp_rank;
+  uint8_t* host = p.pool_base + slot * p.block_bytes + chunk_in_slot * (static_cast<uint64_t>(p.chunk16) * 16);
+  first_unit = static_cast<uint32_t>(chunk_in_slot * p.chunk16);  // modulo 2^32, as on the host
   src = kToHost ? gpu : host;
   dst = kToHost ? host : gpu;
 }
 
+template <bool kToHost>
+__device__ __forceinline__ void ChunkAddrs(const CopyParams& p, uint64_t item, const uint8_t*& src, uint8_t*& dst) {
+  uint64_t pair;
+  uint32_t first_unit;
+  ChunkAddrs<kToHost>(p, item, src, dst, pair, first_unit);
+}
+
+__device__ __forceinline__ uint64_t Term(const int4& v, uint32_t unit) {
+  return ChecksumTerm(static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                      static_cast<uint32_t>(v.w), unit);
+}
+
+// Adds the warp's partial sums into *sum with one atomic. Every lane of the warp must call it.
+__device__ __forceinline__ void AddWarpSum(uint64_t* sum, uint64_t v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if ((threadIdx.x & 31) == 0) atomicAdd(reinterpret_cast<unsigned long long*>(sum), static_cast<unsigned long long>(v));
+}
+
+// What a gather/scatter kernel does with each 16-byte unit it reads.
+enum class UnitWork {
+  kCopy,         // store it on the other side
+  kCopyAndSum,   // store it and add its checksum term to its pair's sum (gathers)
+  kSum,          // only add its term: the GPU side's sums for a copy the copy engine makes
+};
+
 // One group of `group_threads` threads per chunk, grid-stride over chunks ordered (pair, layer, plane), so
 // groups running at the same time write neighbouring parts of the same pool slot. Each thread keeps
-// `kUnroll` 16-byte loads in flight before it stores them.
-template <bool kToHost, int kUnroll>
+// `kUnroll` 16-byte loads in flight before it stores them. Summing, each thread keeps its partial sum while
+// its chunks belong to one pair and its warp adds it to the pair's sum with one atomic when the pair changes
+// (so once per chunk with the default shapes, less with few CTAs); the loop is the same for every lane of a
+// group, so the shuffles see the whole warp.
+template <bool kToHost, int kUnroll, UnitWork kWork>
 __global__ void __launch_bounds__(1024) CopyChunks(const CopyParams p) {
+  constexpr bool kStore = kWork != UnitWork::kSum;
+  constexpr bool kSums = kWork != UnitWork::kCopy;
   const uint64_t tid = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint32_t lane = static_cast<uint32_t>(tid % p.group_threads);
   const uint64_t groups = (static_cast<uint64_t>(gridDim.x) * blockDim.x) / p.group_threads;
   const uint32_t step = p.group_threads * kUnroll;
+  uint64_t sum = 0, sum_pair = ~uint64_t{0};
   for (uint64_t item = tid / p.group_threads; item < p.items; item += groups) {
     const uint8_t* src_bytes;
     uint8_t* dst_bytes;
-    ChunkAddrs<kToHost>(p, item, src_bytes, dst_bytes);
+    uint64_t pair;
+    uint32_t first_unit;
+    ChunkAddrs<kToHost>(p, item, src_bytes, dst_bytes, pair, first_unit);
+    if constexpr (kSums) {
+      if (pair != sum_pair) {
+        if (sum_pair != ~uint64_t{0}) AddWarpSum(p.term_sums + sum_pair, sum);
+        sum = 0;
+        sum_pair = pair;
+      }
+    }
     const int4* src = reinterpret_cast<const int4*>(src_bytes);
     int4* dst = reinterpret_cast<int4*>(dst_bytes);
     const uint32_t n = p.chunk16;
@@ -77,11 +125,24 @@ __global__ void __launch_bounds__(1024) CopyChunks(const CopyParams p) {
       int4 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(src + k + u * p.group_threads);
+      if constexpr (kStore) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) __stcs(dst + k + u * p.group_threads, v[u]);
+        for (int u = 0; u < kUnroll; ++u) __stcs(dst + k + u * p.group_threads, v[u]);
+      }
+      if constexpr (kSums) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) sum += Term(v[u], first_unit + k + u * p.group_threads);
+      }
     }
     // Tail of a chunk that is not a multiple of one round.
-    for (; k < n; k += p.group_threads) __stcs(dst + k, __ldg(src + k));
+    for (; k < n; k += p.group_threads) {
+      const int4 v = __ldg(src + k);
+      if constexpr (kStore) __stcs(dst + k, v);
+      if constexpr (kSums) sum += Term(v, first_unit + k);
+    }
+  }
+  if constexpr (kSums) {
+    if (sum_pair != ~uint64_t{0}) AddWarpSum(p.term_sums + sum_pair, sum);
   }
 }
 
@@ -178,8 +239,7 @@ bool ValidShape(const LaunchShape& s) {
   return true;
 }
 
-LaunchShape Resolve(LaunchShape s, bool to_host) {
-  const LaunchShape d = to_host ? kDefaultGather : kDefaultScatter;
+LaunchShape ResolveWith(LaunchShape s, const LaunchShape& d) {
   if (s.ctas == 0) s.ctas = d.ctas;
   if (s.threads == 0) s.threads = d.threads;
   if (s.unroll == 0) s.unroll = d.unroll;
@@ -187,6 +247,8 @@ LaunchShape Resolve(LaunchShape s, bool to_host) {
   if (s.bulk_kib != 0 && s.stages == 0) s.stages = 4;
   return s;
 }
+
+LaunchShape Resolve(const LaunchShape& s, bool to_host) { return ResolveWith(s, to_host ? kDefaultGather : kDefaultScatter); }
 
 bool Aligned16(uint64_t v) { return v % 16 == 0; }
 
@@ -204,11 +266,19 @@ cudaError_t Validate(const GpuKvView& gpu, const HostPoolView& pool, uint32_t la
   return cudaSuccess;
 }
 
-template <bool kToHost>
+template <bool kToHost, UnitWork kWork = UnitWork::kCopy>
 cudaError_t Launch(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs, cudaStream_t stream,
-                   const LaunchShape& requested) {
+                   const LaunchShape& requested, uint64_t* term_sums = nullptr) {
   if (cudaError_t e = Validate(gpu, pool, pairs.layer_begin, pairs.layer_end); e != cudaSuccess) return e;
-  const LaunchShape s = Resolve(requested, kToHost);
+  LaunchShape s = requested;
+  if constexpr (kWork != UnitWork::kCopy) {
+    if (term_sums == nullptr || reinterpret_cast<uintptr_t>(term_sums) % alignof(uint64_t) != 0)
+      return cudaErrorInvalidValue;
+    // Summing needs every thread to see its units: the 16-byte kernel, in the requested shape's CTAs or the
+    // summing default.
+    if (s.bulk_kib != 0) s = LaunchShape{s.ctas, 0, 0, 0, 0, 0};
+  }
+  s = kWork == UnitWork::kSum ? ResolveWith(s, kDefaultSums) : Resolve(s, kToHost);
   if (!ValidShape(s)) return cudaErrorInvalidValue;
   if (pairs.count == 0 || pairs.layer_begin == pairs.layer_end) return cudaSuccess;
   if (gpu.layer_base == nullptr || pairs.gpu_blocks == nullptr || pairs.slots == nullptr) return cudaErrorInvalidValue;
@@ -229,9 +299,10 @@ cudaError_t Launch(const GpuKvView& gpu, const HostPoolView& pool, const BlockPa
   p.tp_rank = pool.tp_rank;
   p.chunk16 = static_cast<uint32_t>(gpu.chunk_bytes / 16);
   p.group_threads = static_cast<uint32_t>(s.warps_per_chunk) * 32;
+  p.term_sums = term_sums;
 
   // No more CTAs than there are chunks to give their groups.
-  if (s.bulk_kib != 0) {
+  if (kWork == UnitWork::kCopy && s.bulk_kib != 0) {
     const uint32_t piece = static_cast<uint32_t>(s.bulk_kib) * 1024;
     const size_t smem = static_cast<size_t>(piece) * static_cast<uint32_t>(s.stages);
     const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(static_cast<uint64_t>(s.ctas), p.items));
@@ -248,10 +319,10 @@ cudaError_t Launch(const GpuKvView& gpu, const HostPoolView& pool, const BlockPa
   const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(static_cast<uint64_t>(s.ctas), useful));
   const dim3 block(static_cast<unsigned>(s.threads));
   switch (s.unroll) {
-    case 1: CopyChunks<kToHost, 1><<<grid, block, 0, stream>>>(p); break;
-    case 2: CopyChunks<kToHost, 2><<<grid, block, 0, stream>>>(p); break;
-    case 4: CopyChunks<kToHost, 4><<<grid, block, 0, stream>>>(p); break;
-    default: CopyChunks<kToHost, 8><<<grid, block, 0, stream>>>(p); break;
+    case 1: CopyChunks<kToHost, 1, kWork><<<grid, block, 0, stream>>>(p); break;
+    case 2: CopyChunks<kToHost, 2, kWork><<<grid, block, 0, stream>>>(p); break;
+    case 4: CopyChunks<kToHost, 4, kWork><<<grid, block, 0, stream>>>(p); break;
+    default: CopyChunks<kToHost, 8, kWork><<<grid, block, 0, stream>>>(p); break;
   }
   return cudaGetLastError();
 }
@@ -282,6 +353,16 @@ cudaError_t LaunchGatherShaped(const GpuKvView& gpu, const HostPoolView& pool, c
 cudaError_t LaunchScatterShaped(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
                                 cudaStream_t stream, const LaunchShape& shape) {
   return Launch<false>(gpu, pool, pairs, stream, shape);
+}
+
+cudaError_t LaunchGatherChecksummed(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
+                                    uint64_t* term_sums, cudaStream_t stream, const LaunchShape& shape) {
+  return Launch<true, UnitWork::kCopyAndSum>(gpu, pool, pairs, stream, shape, term_sums);
+}
+
+cudaError_t LaunchChecksumTerms(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
+                                uint64_t* term_sums, cudaStream_t stream, const LaunchShape& shape) {
+  return Launch<true, UnitWork::kSum>(gpu, pool, pairs, stream, shape, term_sums);
 }
 
 cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gpu, const HostPoolView& pool,

@@ -74,6 +74,29 @@ cudaError_t LaunchGatherShaped(const GpuKvView& gpu, const HostPoolView& pool, c
 cudaError_t LaunchScatterShaped(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
                                 cudaStream_t stream, const LaunchShape& shape);
 
+// Content checksums of stored blocks (common/block_checksum.h). `term_sums` is a device array (cudaMalloc:
+// the kernels add with device atomics) of pairs.count entries, 8-byte aligned; entry i receives the sum of the
+// ChecksumTerms of the units of slot pairs.slots[i] that the request covers, the unit index being the unit's
+// byte offset in the slot / 16. The kernels add to what the entries hold, so the caller zeroes them first, and
+// requests for other TP ranks or layer ranges of the same slots may add into the same entries; a slot's
+// checksum is FinishBlockChecksum(entry, block_bytes) once every byte of it was written. Null term_sums:
+// cudaErrorInvalidValue.
+//
+// A store that sums what it writes, as it writes it: LaunchGatherShaped's copy plus, per thread, the terms of
+// the units it stored, reduced per warp and added with one atomic per warp and chunk (fewer when a warp's
+// consecutive chunks belong to one pair); on an H200 it stored within 0.33 % of the plain gather's rate
+// (docs/performance.md). A bulk-copy shape (bulk_kib > 0) is replaced by the 16-byte kernel's default shape with
+// the same CTA count: its single copying thread per CTA never sees the bytes.
+cudaError_t LaunchGatherChecksummed(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
+                                    uint64_t* term_sums, cudaStream_t stream, const LaunchShape& shape = {});
+// The sums a store of `pairs` adds, read from the GPU blocks (HBM) alone; writes nothing to the pool. For
+// stores by the copy engine (CopyEngineBatch), which cannot sum, on another stream at the same time as the copy:
+// it reads HBM at about 80 times the PCIe store rate, so beside the copy it costs next to nothing
+// (docs/performance.md). The GPU blocks must not change until both are done. Zero shape fields take 132 CTAs x 512 threads x 8 loads in flight, one warp per
+// chunk; a bulk-copy shape is replaced as above.
+cudaError_t LaunchChecksumTerms(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs,
+                                uint64_t* term_sums, cudaStream_t stream, const LaunchShape& shape = {});
+
 // Copy-engine alternative (SM-free): one batched cudaMemcpyBatchAsync over all chunks (chunks contiguous on
 // both sides are merged). `gpu_blocks_host` / `slots_host` and `layer_base_host` must be host-readable; they are
 // read before the call returns. `to_host` selects the direction. Falls back to one cudaMemcpyAsync per chunk
