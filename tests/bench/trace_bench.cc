@@ -311,7 +311,7 @@ HitCount SimulatePrefixIndex(const std::vector<TraceRequest>& trace, const std::
   for (size_t i = 0; i < trace.size(); ++i) {
     c.hits += index.Match(keys[i], /*pin=*/false, nullptr);
     c.blocks += keys[i].size();
-    auto r = index.Reserve(keys[i]);
+    auto r = index.Reserve(flexkv::kRootParent, keys[i]);
     index.Commit(r.slots);
   }
   return c;
