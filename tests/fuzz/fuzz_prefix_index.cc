@@ -1,6 +1,7 @@
 // Fuzz target: random operation sequences on the prefix index (match with/without pin, unpin, reserve +
-// commit/abort, interleaved stores), with the index's own invariant check after every step and a simple
-// model of what must hold: matched prefixes are committed chains, pins never go negative, slots add up.
+// commit/abort, interleaved stores, stores of a chain's second half under its parent), with the index's own
+// invariant check after every step and a simple model of what must hold: matched prefixes are committed chains,
+// pins never go negative, slots add up.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
