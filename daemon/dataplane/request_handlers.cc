@@ -156,8 +156,10 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   c.MatchedBlocks(static_cast<uint32_t>(r.cached)).DoneBlocks(reserved);
   if (r.parent_refused) {  // the message fits the completion's 87 bytes, hence no key in it
     c.Status(Status(r.shortfall, r.shortfall == StatusCode::kFailedPrecondition
-                                     ? "parent key not cached, nothing stored; store from the prompt's first uncached block"
-                                     : "parent key still being stored, nothing stored; store after that request completes"));
+                                     ? "parent key not cached, nothing stored; "
+                                       "store from the prompt's first uncached block"
+                                     : "parent key still being stored, nothing stored; "
+                                       "store after that request completes"));
   } else if (r.shortfall != StatusCode::kOk) {
     const size_t stopped = r.cached + reserved;
     c.Status(Status(r.shortfall, r.shortfall == StatusCode::kResourceExhausted

@@ -483,7 +483,8 @@ class Client:
     # ---- data plane (after attach); each returns a Ticket at once ----
 
     def match(self, keys: Union[BlockKeys, Iterable[Any]], pin: bool = False) -> Ticket:
-        """Looks up the leading blocks of `keys` that are cached (result.matched_blocks). With pin, they stay pinned
+        """Looks up the leading blocks of `keys` that are cached (result.matched_blocks), walking from the root: pass
+        the prompt's keys from its first block (keys.parent is not used). With pin, they stay pinned
         (never evicted) until release(result.match_handle), and result.match_handle names them for load()."""
         k = as_block_keys(keys)
         return self._submit("match", _lib.lib.flexkv_match, k._array, len(k), 1 if pin else 0)

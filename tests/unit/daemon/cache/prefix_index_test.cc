@@ -428,7 +428,8 @@ TEST_CASE("prefix index: long chains match up to the first wrong key wherever it
     auto crossed = keys;
     crossed[cut] = foreign[std::clamp<size_t>(cut, 1, 99)];  // in the index, under another parent
     CHECK(index.Match(crossed, false, nullptr) == cut);
-    auto r = index.Reserve(flexkv::kRootParent, missing);  // the cached prefix, then `missing[cut]`, then keys already present
+    // the cached prefix, then `missing[cut]`, then keys already present
+    auto r = index.Reserve(flexkv::kRootParent, missing);
     CHECK(r.cached == cut);
     CHECK(r.slots.size() == 1);
     CHECK(r.shortfall == (cut + 1 < keys.size() ? StatusCode::kAborted : StatusCode::kOk));
