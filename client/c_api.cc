@@ -283,13 +283,16 @@ int flexkv_load(flexkv_client* c, uint64_t match_handle, const uint32_t* dst_blo
   });
 }
 
-int flexkv_store(flexkv_client* c, const flexkv_block_key* keys, const uint32_t* src_block_ids, size_t n,
-                 flexkv_ticket* ticket) {
+int flexkv_store(flexkv_client* c, const flexkv_block_key* parent, const flexkv_block_key* keys,
+                 const uint32_t* src_block_ids, size_t n, flexkv_ticket* ticket) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if ((keys == nullptr || src_block_ids == nullptr) && n > 0) return NullArgument("keys and src_block_ids");
     if (ticket == nullptr) return NullArgument("ticket");
-    return Submitted(c->client->Store(Keys(keys, n), std::span<const uint32_t>(src_block_ids, n)), ticket);
+    const flexkv::BlockKey parent_key = parent == nullptr ? flexkv::kRootParent : Keys(parent, 1)[0];
+    return Submitted(c->client->Store(flexkv::BlockKeyChain(parent_key, Keys(keys, n)),
+                                      std::span<const uint32_t>(src_block_ids, n)),
+                     ticket);
   });
 }
 

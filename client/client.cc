@@ -316,7 +316,8 @@ Result<Ticket> Client::Match(std::span<const BlockKey> keys, bool pin) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   if (keys.empty()) return Status::InvalidArgument("keys is empty; expected at least one block key");
-  auto t = s->rings->Submit(RingOp::kMatch, pin ? kMatchFlagPin : 0, static_cast<uint32_t>(keys.size()), keys, {}, 0);
+  auto t = s->rings->Submit(RingOp::kMatch, pin ? kMatchFlagPin : 0, static_cast<uint32_t>(keys.size()), keys, {}, 0,
+                            kRootParent);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
@@ -326,7 +327,7 @@ Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst
   if (s == nullptr) return NotAttached();
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
   auto t = s->rings->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0,
-                            static_cast<uint32_t>(dst_block_ids.size()), {}, dst_block_ids, match_handle);
+                            static_cast<uint32_t>(dst_block_ids.size()), {}, dst_block_ids, match_handle, kRootParent);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
@@ -382,7 +383,8 @@ Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
   return impl_->Call(impl_->stub->RegisterKv(&ctx, req, &resp));
 }
 
-Result<Ticket> Client::Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids) {
+Result<Ticket> Client::Store(const BlockKeyChain& chain, std::span<const uint32_t> src_block_ids) {
+  const std::span<const BlockKey> keys = chain.keys();
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   if (keys.empty() || keys.size() != src_block_ids.size()) {
@@ -397,7 +399,8 @@ Result<Ticket> Client::Store(std::span<const BlockKey> keys, std::span<const uin
           i));
     }
   }
-  auto t = s->rings->Submit(RingOp::kStore, 0, static_cast<uint32_t>(keys.size()), keys, src_block_ids, 0);
+  auto t = s->rings->Submit(RingOp::kStore, 0, static_cast<uint32_t>(keys.size()), keys, src_block_ids, 0,
+                            chain.parent());
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
@@ -405,7 +408,7 @@ Result<Ticket> Client::Store(std::span<const BlockKey> keys, std::span<const uin
 Result<Ticket> Client::Release(uint64_t match_handle) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
-  auto t = s->rings->Submit(RingOp::kRelease, 0, 0, {}, {}, match_handle);
+  auto t = s->rings->Submit(RingOp::kRelease, 0, 0, {}, {}, match_handle, kRootParent);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }

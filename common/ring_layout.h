@@ -11,15 +11,17 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "flexkv/block_key.h"
+
 namespace flexkv {
 
 inline constexpr uint32_t kRingMagic = 0x52564B46;  // "FKVR" little-endian
-inline constexpr uint32_t kRingLayoutVersion = 1;
+inline constexpr uint32_t kRingLayoutVersion = 2;
 
 enum class RingOp : uint16_t {
   kMatch = 1,    // keys → leading cached blocks; flag kPin pins them and returns a match handle
   kLoad = 2,     // match handle + destination block ids → copies the matched blocks into the session's KV
-  kStore = 3,    // keys + source block ids → stores the blocks not yet cached
+  kStore = 3,    // parent + keys + source block ids → stores the blocks not yet cached, keys[0] under parent
   kRelease = 4,  // match handle → drops its pins
 };
 inline constexpr uint16_t kMatchFlagPin = 1;
@@ -37,9 +39,13 @@ struct SubmitDescriptor {
   uint64_t keys_offset;       // arena offset of `count` 16-byte keys (Match, Store)
   uint64_t block_ids_offset;  // arena offset of `count` u32 block ids (Load, Store)
   uint64_t match_handle;      // Load, Release
-  uint64_t reserved[3];       // must be zero
+  // Store: the key keys[0] hangs under (the block before it in the prompt); all zero when keys[0] is the
+  // prompt's first block (root). Zero for every other opcode.
+  BlockKey parent;
+  uint64_t reserved;          // must be zero
 };
 static_assert(sizeof(SubmitDescriptor) == 64);
+static_assert(offsetof(SubmitDescriptor, parent) == 40 && sizeof(BlockKey) == 16);
 
 // Daemon → client. 128 bytes.
 struct CompletionDescriptor {

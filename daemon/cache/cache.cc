@@ -181,22 +181,23 @@ void Cache::Unpin(std::span<const SlotId> slots) {
   if (index_) index_->Unpin(slots);
 }
 
-PrefixIndex::Reservation Cache::Reserve(std::span<const BlockKey> keys) {
+PrefixIndex::Reservation Cache::Reserve(const BlockKey& parent, std::span<const BlockKey> keys) {
   MutexLock lock(&mu_);
   if (!index_) {
     PrefixIndex::Reservation none;
     none.shortfall = StatusCode::kFailedPrecondition;
     return none;
   }
-  return index_->Reserve(keys);
+  return index_->Reserve(parent, keys);
 }
 
-void Cache::Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots) {
+void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_t first,
+                   std::span<const SlotId> slots) {
   MutexLock lock(&mu_);
   if (!index_) return;  // DropDomain waits for copies in flight; a dropped pool has nothing to commit into
   for (size_t i = 0; i < slots.size(); ++i) {
     const size_t k = first + i;
-    pool_->MarkCommitted(slots[i], keys[k], k == 0 ? BlockKey{} : keys[k - 1]);
+    pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1]);
   }
   index_->Commit(slots);
 }

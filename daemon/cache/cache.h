@@ -63,10 +63,10 @@ class Cache {
   // See PrefixIndex. Keys are the request's; slots and reservations refer to this cache's pool.
   size_t Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned);
   void Unpin(std::span<const SlotId> slots);
-  PrefixIndex::Reservation Reserve(std::span<const BlockKey> keys);
-  // Publishes reserved slots after their bytes are complete. `keys` are the full request keys and
-  // `first` the index of reservation.slots[0] in them.
-  void Commit(std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots);
+  PrefixIndex::Reservation Reserve(const BlockKey& parent, std::span<const BlockKey> keys);
+  // Publishes reserved slots after their bytes are complete. `parent` and `keys` are the request's (as given
+  // to Reserve) and `first` the index of reservation.slots[0] in them.
+  void Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots);
   void Abort(std::span<const SlotId> slots);
 
   // `listener` is told the pool's region as soon as a pool exists (created by the first Admit, or re-attached

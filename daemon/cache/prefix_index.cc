@@ -238,11 +238,11 @@ struct PrefixIndex::Impl {
   static constexpr size_t kHashRing = 16;  // > kBucketsAhead, a power of two
   static_assert(kNodesAhead < kBucketsAhead && kBucketsAhead < kHashRing && std::has_single_bit(kHashRing));
 
-  // Walks the committed chain of `keys`: stops at the first key that is missing, not committed, or
-  // whose node hangs under a different parent than the previous key (a chain the client did not build
-  // by chaining). Calls visit(slot) for each matched node; returns the count.
+  // Walks the committed chain of `keys` down from `parent` (kNil: the root): stops at the first key that is
+  // missing, not committed, or whose node hangs under a different parent than the previous key (a chain the
+  // client did not build by chaining). Calls visit(slot) for each matched node; returns the count.
   template <typename Visit>
-  size_t WalkCommitted(std::span<const BlockKey> keys, Visit&& visit) {
+  size_t WalkCommitted(SlotId parent, std::span<const BlockKey> keys, Visit&& visit) {
     const size_t n = keys.size();
     uint64_t hashes[kHashRing];
     const auto hash_ahead = [&](size_t j) {
@@ -251,7 +251,6 @@ struct PrefixIndex::Impl {
     };
     for (size_t j = 0; j < std::min(n, kBucketsAhead); ++j) hash_ahead(j);
     for (size_t j = 0; j < std::min(n, kNodesAhead); ++j) PrefetchCandidate(hashes[j % kHashRing]);
-    SlotId parent = kNil;
     size_t i = 0;
     for (; i < n; ++i) {
       if (i + kBucketsAhead < n) hash_ahead(i + kBucketsAhead);
@@ -371,7 +370,7 @@ size_t PrefixIndex::Match(std::span<const BlockKey> keys, bool pin, std::vector<
   PREFIX_INDEX_CHECK(!pin || slots != nullptr, "Match with pin needs somewhere to put the pinned slots");
   Impl& m = *impl_;
   SlotId last = kNil;
-  size_t matched = m.WalkCommitted(keys, [&](SlotId s) {
+  size_t matched = m.WalkCommitted(kNil, keys, [&](SlotId s) {
     if (pin) m.Pin(s);
     if (slots) slots->push_back(s);
     last = s;
@@ -388,16 +387,32 @@ void PrefixIndex::Unpin(std::span<const SlotId> slots) {
   for (SlotId s : slots) impl_->UnpinOne(s);
 }
 
-PrefixIndex::Reservation PrefixIndex::Reserve(std::span<const BlockKey> keys) {
+PrefixIndex::Reservation PrefixIndex::Reserve(const BlockKey& parent_key, std::span<const BlockKey> keys) {
   Impl& m = *impl_;
   Reservation r;
-  // Pin the committed prefix for the duration so that taking slots cannot evict this chain's own nodes.
+  SlotId parent = kNil;
+  if (parent_key != kRootParent) {
+    parent = m.Find(parent_key);
+    if (parent == kNil || m.nodes_[parent].state != State::kCommitted) {
+      // A pending parent is another store's, not yet committed: hanging under it would tie this store's
+      // commit to that one's, and that one may still abort.
+      r.shortfall = parent == kNil ? StatusCode::kFailedPrecondition : StatusCode::kAborted;
+      r.parent_refused = true;
+      return r;
+    }
+  }
+  // Pin the parent and the committed prefix for the duration so that taking slots cannot evict this chain's
+  // own nodes; once the first pending node hangs under them, its being a child keeps them until Commit/Abort.
   std::vector<SlotId> prefix;
-  r.cached = m.WalkCommitted(keys, [&](SlotId s) {
+  if (parent != kNil) {
+    m.Pin(parent);
+    prefix.push_back(parent);
+  }
+  r.cached = m.WalkCommitted(parent, keys, [&](SlotId s) {
     m.Pin(s);
     prefix.push_back(s);
   });
-  SlotId parent = prefix.empty() ? kNil : prefix.back();
+  if (r.cached > 0) parent = prefix.back();
   // The walk has fetched the buckets of the keys just after the prefix; keep fetching kAhead keys ahead.
   constexpr size_t kAhead = 4;
   for (size_t i = r.cached; i < keys.size(); ++i) {

@@ -39,13 +39,20 @@ class PrefixIndex {
     size_t cached = 0;           // leading keys already committed (not reserved again)
     std::vector<SlotId> slots;   // pending slots for keys[cached .. cached + slots.size())
     // Why fewer than keys.size() - cached were reserved: OK (all reserved), RESOURCE_EXHAUSTED (no free or
-    // evictable slot), ABORTED (the next key is pending in another store).
+    // evictable slot), ABORTED (the next key is pending in another store, or - with parent_refused - the
+    // parent is), FAILED_PRECONDITION (only with parent_refused: the parent is not in the index).
     StatusCode shortfall = StatusCode::kOk;
+    // Nothing was looked up or reserved because the parent is not committed; shortfall says why.
+    bool parent_refused = false;
   };
-  // Begins a store: finds the committed prefix, then reserves pending nodes for the following keys, taking
-  // free slots first, then evicting. Never evicts a node of `keys`' own chain. Pending nodes are not
-  // matchable and not evictable until Commit or Abort.
-  Reservation Reserve(std::span<const BlockKey> keys);
+  // Begins a store of `keys`, keys[0] hanging under the committed node of key `parent` (kRootParent: keys[0]
+  // is a prompt's first block). Finds the committed prefix of `keys` under the parent, then reserves pending
+  // nodes for the following keys, taking free slots first, then evicting. Never evicts the parent or a node
+  // of `keys`' own chain. Pending nodes are not matchable and not evictable until Commit or Abort, and a node
+  // with a pending child is not evictable either: the parent and the cached prefix stay until then.
+  // A parent that is not committed (evicted, never stored, or pending in a store not yet committed) refuses
+  // the whole store: a block stored anywhere else could not be reached by a match from the prompt's start.
+  Reservation Reserve(const BlockKey& parent, std::span<const BlockKey> keys);
 
   // Makes pending slots committed (matchable), in the order given (parents first).
   void Commit(std::span<const SlotId> slots);

@@ -37,14 +37,14 @@ const char* OpName(RingOp op) {
 
 Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,
                                              const DescriptorLimits& limits) {
-  for (size_t i = 0; i < std::size(d.reserved); ++i) {
-    if (d.reserved[i] != 0) {
-      return Status::InvalidArgument(fmt::format("reserved[{}] is {}; expected 0", i, d.reserved[i]));
-    }
-  }
+  if (d.reserved != 0) return Status::InvalidArgument(fmt::format("reserved is {}; expected 0", d.reserved));
   const auto op = static_cast<RingOp>(d.opcode);
   if (op != RingOp::kMatch && op != RingOp::kLoad && op != RingOp::kStore && op != RingOp::kRelease) {
     return Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..4", d.opcode));
+  }
+  if (op != RingOp::kStore && d.parent != BlockKey{}) {
+    return Status::InvalidArgument(fmt::format("parent is {} on a {}; expected all zero (only a Store has a parent)",
+                                               d.parent.ToHex(), OpName(op)));
   }
   const uint16_t allowed_flags = op == RingOp::kMatch ? kMatchFlagPin : op == RingOp::kLoad ? kLoadFlagLayerwise : 0;
   if ((d.flags & ~allowed_flags) != 0) {

@@ -26,7 +26,8 @@ struct DescriptorLimits {
   std::string_view kv_missing;
 };
 
-// What a valid descriptor carries, copied out of the arena.
+// What a valid descriptor carries, copied out of the arena. A Store's parent is d.parent (any value: whether
+// it is cached is state, checked where the store is reserved).
 struct DescriptorPayload {
   std::vector<BlockKey> keys;       // Match, Store: `count` keys; empty otherwise
   std::vector<uint32_t> block_ids;  // Load, Store: `count` ids, each below registered_blocks; empty otherwise
@@ -37,7 +38,8 @@ struct DescriptorPayload {
 // is read once, and the checks apply to the copy that is returned, never to the shared bytes.
 //
 // Returns the payload, or an error naming the field, its value and what was expected:
-//   INVALID_ARGUMENT     reserved words not zero; opcode not 1..4 (RingOp); flags outside those of the opcode
+//   INVALID_ARGUMENT     reserved word not zero; opcode not 1..4 (RingOp); a parent that is not all zero on an
+//                        opcode other than Store; flags outside those of the opcode
 //                        (Match: kMatchFlagPin, Load: kLoadFlagLayerwise, none otherwise); count of a Match, Load
 //                        or Store not in 1..max_blocks_per_request;
 //   OUT_OF_RANGE         keys (count x 16 bytes, 8-aligned) or block ids (count x 4 bytes, 4-aligned) not inside

@@ -153,11 +153,18 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
                             std::vector<BlockKey> keys, std::vector<uint32_t> ids) {
   RequestSession& s = *sp;  // Handle validated the descriptor and the block ids against the registered blocks
   if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
-  PrefixIndex::Reservation r = cache_->Reserve(keys);
+  const BlockKey parent = d.parent;  // kRootParent, or the key keys[0] hangs under
+  PrefixIndex::Reservation r = cache_->Reserve(parent, keys);
   const uint32_t reserved = static_cast<uint32_t>(r.slots.size());
   CompletionBuilder c(d);
   c.MatchedBlocks(static_cast<uint32_t>(r.cached)).DoneBlocks(reserved);
-  if (r.shortfall != StatusCode::kOk) {
+  if (r.parent_refused) {  // the message fits the completion's 87 bytes, hence no key in it
+    c.Status(Status(r.shortfall, r.shortfall == StatusCode::kFailedPrecondition
+                                     ? "parent key not cached, nothing stored; "
+                                       "store from the prompt's first uncached block"
+                                     : "parent key still being stored, nothing stored; "
+                                       "store after that request completes"));
+  } else if (r.shortfall != StatusCode::kOk) {
     const size_t stopped = r.cached + reserved;
     c.Status(Status(r.shortfall, r.shortfall == StatusCode::kResourceExhausted
                                      ? fmt::format("pool full of pinned blocks: stored blocks up to {} of {}", stopped, d.count)
@@ -177,7 +184,7 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   copy.slots = slots;
   copy.num_layers = s.geometry().num_layers;
   const uint64_t block_bytes = cache_->block_bytes();
-  copy.done = [this, sp, d, c, keys = std::move(keys), slots, first, block_bytes, taken_ns](
+  copy.done = [this, sp, d, c, parent, keys = std::move(keys), slots, first, block_bytes, taken_ns](
                   Status st, int64_t copy_start_ns) mutable {
     RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
     // Publish after transfer; a failed copy, or a session that ended meanwhile, returns the slots.
@@ -185,7 +192,7 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
       cache_->Abort(*slots);
       if (!st.ok()) c.Status(st).DoneBlocks(0);
     } else {
-      cache_->Commit(keys, first, *slots);
+      cache_->Commit(parent, keys, first, *slots);
       cache_->counters().store_blocks.fetch_add(slots->size(), std::memory_order_relaxed);
       cache_->counters().bytes_stored.fetch_add(slots->size() * block_bytes, std::memory_order_relaxed);
     }

@@ -26,7 +26,7 @@ from .errors import Error, error_for
 
 SONAME = "libflexkv.so.0"
 # FLEXKV_ABI_VERSION of the client/include/flexkv/c.h that the declarations below mirror.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class BlockKeyStruct(Structure):
@@ -138,8 +138,8 @@ _PROTOTYPES = {
     "flexkv_gpu_kv_free": (None, [gpu_kv_p]),
     "flexkv_match": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, c_int, POINTER(TicketStruct)]),
     "flexkv_load": (c_int, [client_p, c_uint64, POINTER(c_uint32), c_size_t, c_int, POINTER(TicketStruct)]),
-    "flexkv_store": (c_int, [client_p, POINTER(BlockKeyStruct), POINTER(c_uint32), c_size_t,
-                             POINTER(TicketStruct)]),
+    "flexkv_store": (c_int, [client_p, POINTER(BlockKeyStruct), POINTER(BlockKeyStruct), POINTER(c_uint32),
+                             c_size_t, POINTER(TicketStruct)]),
     "flexkv_release": (c_int, [client_p, c_uint64, POINTER(TicketStruct)]),
     "flexkv_match_via_control": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, POINTER(c_uint32)]),
     "flexkv_wait": (c_int, [client_p, TicketStruct, c_int64, POINTER(OpResultStruct)]),

@@ -483,7 +483,8 @@ class Client:
     # ---- data plane (after attach); each returns a Ticket at once ----
 
     def match(self, keys: Union[BlockKeys, Iterable[Any]], pin: bool = False) -> Ticket:
-        """Looks up the leading blocks of `keys` that are cached (result.matched_blocks). With pin, they stay pinned
+        """Looks up the leading blocks of `keys` that are cached (result.matched_blocks), walking from the root: pass
+        the prompt's keys from its first block (keys.parent is not used). With pin, they stay pinned
         (never evicted) until release(result.match_handle), and result.match_handle names them for load()."""
         k = as_block_keys(keys)
         return self._submit("match", _lib.lib.flexkv_match, k._array, len(k), 1 if pin else 0)
@@ -497,15 +498,23 @@ class Client:
         return self._submit("load", _lib.lib.flexkv_load, handle, ids, n, 1 if layerwise else 0)
 
     def store(self, keys: Union[BlockKeys, Iterable[Any]], block_ids: Any) -> Ticket:
-        """Stores block keys[i] from KV block block_ids[i]. The cached prefix is skipped (result.matched_blocks);
-        result.done_blocks were newly stored. A block becomes matchable once its bytes are in. A store that could
-        store only a prefix ends with ResourceExhausted (pool full of pinned blocks) or Aborted (another request is
-        storing the next block); the exception's .result says how many were stored."""
+        """Stores block keys[i] from KV block block_ids[i], keys[0] under keys.parent: pass a slice of the prompt's
+        keys (keys[20:30] hangs under keys[19]) so that a match of the prompt from its start reaches the blocks; a
+        plain sequence of pairs starts a prompt. The part already cached under the parent is skipped
+        (result.matched_blocks); result.done_blocks were newly stored. A block becomes matchable once its bytes are
+        in. A store that could store only a prefix ends with ResourceExhausted (pool full of pinned blocks) or
+        Aborted (another request is storing the next block); the exception's .result says how many were stored.
+        Nothing is stored, and the store ends with FailedPrecondition, when the parent is not cached (evicted, or
+        never stored: match the prompt and store from its first uncached block), or with Aborted when the parent's
+        own store has not completed yet (wait for it first)."""
         k = as_block_keys(keys)
         ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
         if len(k) != n or n == 0:
             raise InvalidArgument(f"{len(k)} keys and {n} source block ids; expected the same non-zero number")
-        return self._submit("store", _lib.lib.flexkv_store, k._array, ids, n)
+        parent = None
+        if k.parent is not None:
+            parent = ctypes.byref(_lib.BlockKeyStruct(k.parent.lo, k.parent.hi))
+        return self._submit("store", _lib.lib.flexkv_store, parent, k._array, ids, n)
 
     def release(self, match_handle: int) -> Ticket:
         """Drops the pins of a match handle."""

@@ -6,7 +6,7 @@ construction and test vectors are in docs/protocol.md ("Block keys").
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence, Tuple, Union, overload
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence, Tuple, Union, overload
 
 from . import _lib
 from ._convert import U64_MAX, c_int_array, c_uint
@@ -35,17 +35,23 @@ class BlockKey(NamedTuple):
 
 
 class BlockKeys(Sequence[BlockKey]):
-    """An immutable sequence of BlockKey stored as one C array of {lo, hi} pairs.
+    """An immutable sequence of BlockKey stored as one C array of {lo, hi} pairs, and the key its first one hangs
+    under (`parent`; None when it is a prompt's first block, the root).
 
     This is what Client.match and Client.store take: the array is passed to libflexkv as it is, without a copy.
     Indexing gives a BlockKey; slicing gives a BlockKeys (a view sharing the array for step 1, a copy otherwise).
-    Equal to any sequence of the same keys.
+    A step-1 slice knows its parent: keys[20:30].parent == keys[19], and keys[0:k].parent == keys.parent; so
+    store(keys[20:30], ids) stores the blocks where a match of the whole prompt reaches them. A slice with another
+    step is not a run of a prompt: its parent is None. Equal to any sequence of the same keys (the parent is not
+    compared).
     """
 
-    __slots__ = ("_array",)
+    __slots__ = ("_array", "_parent")
 
-    def __init__(self, keys: Iterable[Union[BlockKey, Tuple[int, int]]] = ()) -> None:
-        """InvalidArgument for a half outside 0..2**64-1 (which a uint64 would wrap), naming the key."""
+    def __init__(self, keys: Iterable[Union[BlockKey, Tuple[int, int]]] = (),
+                 parent: Optional[Union[BlockKey, Tuple[int, int]]] = None) -> None:
+        """parent: the key of the block before keys[0] in its prompt, or None (keys start a prompt).
+        InvalidArgument for a half outside 0..2**64-1 (which a uint64 would wrap), naming the key."""
         items = list(keys)
         arr = (_lib.BlockKeyStruct * len(items))()
         for i, key in enumerate(items):
@@ -53,12 +59,22 @@ class BlockKeys(Sequence[BlockKey]):
             arr[i].lo = c_uint(lo, f"block key {i}: lo", U64_MAX)
             arr[i].hi = c_uint(hi, f"block key {i}: hi", U64_MAX)
         self._array = arr
+        self._parent = None
+        if parent is not None:
+            lo, hi = parent
+            self._parent = BlockKey(c_uint(lo, "parent: lo", U64_MAX), c_uint(hi, "parent: hi", U64_MAX))
 
     @classmethod
-    def _wrap(cls, arr: ctypes.Array) -> "BlockKeys":
+    def _wrap(cls, arr: ctypes.Array, parent: Optional[BlockKey] = None) -> "BlockKeys":
         keys = cls.__new__(cls)
         keys._array = arr
+        keys._parent = parent
         return keys
+
+    @property
+    def parent(self) -> Optional[BlockKey]:
+        """The key the first key hangs under: the key before this slice in its prompt, None for a prompt's start."""
+        return self._parent
 
     def __len__(self) -> int:
         return len(self._array)
@@ -74,7 +90,8 @@ class BlockKeys(Sequence[BlockKey]):
             start, stop, step = index.indices(len(self._array))
             if step == 1:
                 n = max(0, stop - start)
-                return BlockKeys._wrap((_lib.BlockKeyStruct * n).from_buffer(self._array, start * _KEY_BYTES))
+                parent = self[start - 1] if start > 0 else self._parent
+                return BlockKeys._wrap((_lib.BlockKeyStruct * n).from_buffer(self._array, start * _KEY_BYTES), parent)
             return BlockKeys(self[i] for i in range(start, stop, step))
         k = self._array[index]  # IndexError past either end
         return BlockKey(k.lo, k.hi)
@@ -95,7 +112,8 @@ class BlockKeys(Sequence[BlockKey]):
     def __repr__(self) -> str:
         shown = ", ".join(k.hex() for k in list(self[:3]))
         more = f", ... ({len(self)} keys)" if len(self) > 3 else ""
-        return f"BlockKeys([{shown}{more}])"
+        parent = f", parent={self._parent.hex()}" if self._parent is not None else ""
+        return f"BlockKeys([{shown}{more}]{parent})"
 
     def hex(self) -> list:
         """The keys' hex forms, in order."""
@@ -103,7 +121,8 @@ class BlockKeys(Sequence[BlockKey]):
 
 
 def as_block_keys(keys: Union[BlockKeys, Iterable[Any]]) -> BlockKeys:
-    """`keys` as BlockKeys (a BlockKeys is returned as is; any other sequence of (lo, hi) pairs is copied)."""
+    """`keys` as BlockKeys (a BlockKeys is returned as is; any other sequence of (lo, hi) pairs is copied, as keys
+    that start a prompt: parent None)."""
     return keys if isinstance(keys, BlockKeys) else BlockKeys(keys)
 
 

@@ -101,7 +101,7 @@ std::optional<IndexResult> RunOne(uint64_t n, uint32_t chain, uint32_t passes, b
   auto index = std::make_unique<flexkv::PrefixIndex>(static_cast<uint32_t>(n));
   auto t0 = Clock::now();
   for (uint64_t c = 0; c < chains; ++c) {
-    auto res = index->Reserve(std::span<const flexkv::BlockKey>(keys.data() + c * chain, chain));
+    auto res = index->Reserve(flexkv::kRootParent, std::span<const flexkv::BlockKey>(keys.data() + c * chain, chain));
     index->Commit(res.slots);
   }
   auto t1 = Clock::now();
@@ -134,7 +134,7 @@ std::optional<IndexResult> RunOne(uint64_t n, uint32_t chain, uint32_t passes, b
   t0 = Clock::now();
   for (uint32_t p = 0; p < passes; ++p) {
     for (uint64_t c : order) {
-      auto res = index->Reserve(std::span<const flexkv::BlockKey>(keys.data() + c * chain, chain));
+      auto res = index->Reserve(flexkv::kRootParent, std::span<const flexkv::BlockKey>(keys.data() + c * chain, chain));
       r.reserve_cached += res.cached;
     }
   }
@@ -150,7 +150,7 @@ std::optional<IndexResult> RunOne(uint64_t n, uint32_t chain, uint32_t passes, b
   // Fill the remainder so that every insert below evicts, then insert min(N, 2M) new blocks.
   if (used < n) {
     auto rest = MakeKeys(1, static_cast<uint32_t>(n - used), 3);
-    auto res = index->Reserve(rest);
+    auto res = index->Reserve(flexkv::kRootParent, rest);
     index->Commit(res.slots);
   }
   const uint64_t evict_chains = std::min<uint64_t>(chains, (uint64_t{2} << 20) / chain);
@@ -160,7 +160,7 @@ std::optional<IndexResult> RunOne(uint64_t n, uint32_t chain, uint32_t passes, b
   const uint64_t ev0 = index->evicted_blocks();
   t0 = Clock::now();
   for (uint64_t c = 0; c < evict_chains; ++c) {
-    auto res = index->Reserve(std::span<const flexkv::BlockKey>(fresh.data() + c * chain, chain));
+    auto res = index->Reserve(flexkv::kRootParent, std::span<const flexkv::BlockKey>(fresh.data() + c * chain, chain));
     index->Commit(res.slots);
     r.evict_inserts += res.slots.size();
   }

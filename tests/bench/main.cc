@@ -366,7 +366,7 @@ bool StorePrefix(const std::string& socket, uint32_t prefix) {
   const auto keys = RingKeys(prefix);
   std::vector<uint32_t> ids(prefix);
   for (uint32_t i = 0; i < prefix; ++i) ids[i] = i;
-  auto t = c.Store(keys, ids);
+  auto t = c.Store(flexkv::BlockKeyChain(keys), ids);
   auto r = t.ok() ? c.Wait(*t, std::chrono::seconds(30)) : flexkv::Result<flexkv::OpResult>(t.status());
   if (!r.ok() || !r->status.ok()) {
     std::fprintf(stderr, "flexkv-bench: Store: %s\n", (r.ok() ? r->status : r.status()).ToString().c_str());

@@ -254,7 +254,7 @@ int WorkerMain(const WorkerOptions& o) {
       // Each block's first 8 bytes carry its trace id, so a later Load can check what it got.
       for (uint32_t i = 0; i < n; ++i) std::memcpy(kv->data + uint64_t{i} * bb, &m.ids[i], sizeof(uint64_t));
       t0 = NowNs();
-      auto sr = run(c.Store(m.keys, std::span<const uint32_t>(block_ids.data(), n)));
+      auto sr = run(c.Store(flexkv::BlockKeyChain(m.keys), std::span<const uint32_t>(block_ids.data(), n)));
       lat_store.push_back(NowNs() - t0);
       if (!sr.ok()) return fail("Store", sr.status());
       stored += sr->done_blocks;
@@ -311,7 +311,7 @@ HitCount SimulatePrefixIndex(const std::vector<TraceRequest>& trace, const std::
   for (size_t i = 0; i < trace.size(); ++i) {
     c.hits += index.Match(keys[i], /*pin=*/false, nullptr);
     c.blocks += keys[i].size();
-    auto r = index.Reserve(keys[i]);
+    auto r = index.Reserve(flexkv::kRootParent, keys[i]);
     index.Commit(r.slots);
   }
   return c;

@@ -1,6 +1,7 @@
 // Fuzz target: random operation sequences on the prefix index (match with/without pin, unpin, reserve +
-// commit/abort, interleaved stores), with the index's own invariant check after every step and a simple
-// model of what must hold: matched prefixes are committed chains, pins never go negative, slots add up.
+// commit/abort, interleaved stores, stores of a chain's second half under its parent), with the index's own
+// invariant check after every step and a simple model of what must hold: matched prefixes are committed chains,
+// pins never go negative, slots add up.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -53,8 +54,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       case 3:
       case 4: {
-        Pending s{keys, index.Reserve(keys)};
-        if (s.r.cached + s.r.slots.size() > keys.size()) __builtin_trap();
+        // Some stores are the second half of a chain, under the key before it (refused when that is not
+        // committed).
+        const bool under_parent = (data[p] / 6) % 2 == 1 && keys.size() >= 2;
+        const size_t begin = under_parent ? keys.size() / 2 : 0;
+        const std::vector<flexkv::BlockKey> run(keys.begin() + static_cast<std::ptrdiff_t>(begin), keys.end());
+        Pending s{run, index.Reserve(under_parent ? keys[begin - 1] : flexkv::kRootParent, run)};
+        if (s.r.cached + s.r.slots.size() > run.size()) __builtin_trap();
+        if (s.r.parent_refused && (!under_parent || !s.r.slots.empty() || s.r.cached != 0)) __builtin_trap();
         if (op == 3) {
           index.Commit(s.r.slots);
         } else {

@@ -36,9 +36,10 @@ bool InsideArena(uint64_t offset, uint32_t count, uint64_t width, uint64_t align
 
 void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, const flexkv::DescriptorLimits& limits,
                    const flexkv::DescriptorPayload& p) {
-  Require(d.reserved[0] == 0 && d.reserved[1] == 0 && d.reserved[2] == 0);
+  Require(d.reserved == 0);
   Require(d.opcode >= 1 && d.opcode <= 4);
   const auto op = static_cast<RingOp>(d.opcode);
+  Require(op == RingOp::kStore || d.parent == flexkv::BlockKey{});
   const uint16_t allowed = op == RingOp::kMatch ? 1 : op == RingOp::kLoad ? 1 : 0;
   Require((d.flags | allowed) == allowed);
   if (op == RingOp::kRelease) {

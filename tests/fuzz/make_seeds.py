@@ -55,8 +55,10 @@ def ring_input(desc, arena, max_blocks=1 << 20, registered=8, gpu_missing=False,
     return header + desc + arena
 
 
-def submit(opcode, count, keys_offset=0, ids_offset=0, handle=0, flags=0, reserved=(0, 0, 0), user_data=1):
-    return struct.pack("<QHHIQQQ3Q", user_data, opcode, flags, count, keys_offset, ids_offset, handle, *reserved)
+def submit(opcode, count, keys_offset=0, ids_offset=0, handle=0, flags=0, parent=(0, 0), reserved=0, user_data=1):
+    """A SubmitDescriptor (ring layout version 2): parent is a Store's (lo, hi), all zero for the root."""
+    return struct.pack("<QHHIQQQ2QQ", user_data, opcode, flags, count, keys_offset, ids_offset, handle, *parent,
+                       reserved)
 
 
 def ring_arena():
@@ -106,6 +108,8 @@ write("ring_descriptor", "ids-unaligned", ring_input(submit(3, 1, ids_offset=258
 write("ring_descriptor", "id-past-registered", ring_input(submit(2, 2, ids_offset=512, handle=1), arena))
 write("ring_descriptor", "store-unregistered-gpu", ring_input(submit(3, 1, ids_offset=256), arena, registered=0,
                                                                gpu_missing=True))
-write("ring_descriptor", "reserved-set", ring_input(submit(1, 1, reserved=(0, 7, 0)), arena))
+write("ring_descriptor", "reserved-set", ring_input(submit(1, 1, reserved=7), arena))
+write("ring_descriptor", "store-under-parent", ring_input(submit(3, 4, ids_offset=256, parent=(0x2000, 0xABCD)), arena))
+write("ring_descriptor", "parent-on-match", ring_input(submit(1, 1, parent=(5, 0)), arena))
 write("ring_descriptor", "count-max", ring_input(submit(1, 64, keys_offset=0), arena, max_blocks=64))
 print("seeds written under", ROOT)

@@ -224,7 +224,7 @@ TEST_CASE("drain refuses new loads and stores, resume admits them again", "[inte
   std::vector<int32_t> tokens(64, 1);
   auto keys = flexkv::ComputeBlockKeys("test-model", tokens, 16);
   std::vector<uint32_t> ids = {0, 1, 2, 3};
-  auto t = client->Store(keys, ids);
+  auto t = client->Store(flexkv::BlockKeyChain(keys), ids);
   REQUIRE(t.ok());
   auto r = client->Wait(*t, 5s);
   REQUIRE(r.ok());
@@ -234,7 +234,7 @@ TEST_CASE("drain refuses new loads and stores, resume admits them again", "[inte
   REQUIRE(m.ok());
   REQUIRE(client->Wait(*m, 5s).ok());
   REQUIRE(admin->Resume().ok());
-  auto t2 = client->Store(keys, ids);
+  auto t2 = client->Store(flexkv::BlockKeyChain(keys), ids);
   REQUIRE(t2.ok());
   auto r2 = client->Wait(*t2, 5s);
   REQUIRE(r2.ok());

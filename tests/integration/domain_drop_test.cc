@@ -47,7 +47,7 @@ flexkv::BlockKey StoreOneBlock(flexkv::Client& c, const std::string& ns) {
   const uint32_t tpb = EngineGeometry().tokens_per_block;
   const std::vector<flexkv::BlockKey> keys = flexkv::ComputeBlockKeys(ns, std::vector<int32_t>(tpb, 5), tpb);
   const std::vector<uint32_t> ids = {0};
-  auto ticket = c.Store(keys, ids);
+  auto ticket = c.Store(flexkv::BlockKeyChain(keys), ids);
   REQUIRE(ticket.ok());
   auto stored = c.Wait(*ticket, 10s);
   REQUIRE(stored.ok());

@@ -55,7 +55,7 @@ void StoreOneBlock(flexkv::Client& c, const std::string& ns) {
   const std::vector<flexkv::BlockKey> keys = flexkv::ComputeBlockKeys(ns, tokens, SmallGeometry().tokens_per_block);
   REQUIRE(keys.size() == 1);
   const std::vector<uint32_t> ids = {0};
-  auto ticket = c.Store(keys, ids);
+  auto ticket = c.Store(flexkv::BlockKeyChain(keys), ids);
   REQUIRE(ticket.ok());
   auto stored = c.Wait(*ticket, std::chrono::seconds(10));
   REQUIRE(stored.ok());
@@ -154,7 +154,7 @@ TEST_CASE("the client library refuses to store the all-zero key, naming it", "[i
   REQUIRE(kv.ok());
   const std::vector<flexkv::BlockKey> keys = {{1, 2}, {0, 0}, {3, 4}};
   const std::vector<uint32_t> ids = {0, 1, 2};
-  auto ticket = c->Store(keys, ids);
+  auto ticket = c->Store(flexkv::BlockKeyChain(keys), ids);
   REQUIRE_FALSE(ticket.ok());
   INFO(ticket.status().ToString());
   CHECK(ticket.status().code() == flexkv::StatusCode::kInvalidArgument);

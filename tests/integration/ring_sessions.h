@@ -392,7 +392,7 @@ class GoodSession {
       std::memset(kv_.data + (4 + b) * bb, 0, bb);
     }
     const std::vector<uint32_t> src{0, 1, 2, 3}, dst{4, 5, 6, 7};
-    auto stored = Finish("Store", client_->Store(keys, src));
+    auto stored = Finish("Store", client_->Store(flexkv::BlockKeyChain(keys), src));
     if (!stored) return false;
     if (stored->matched_blocks + stored->done_blocks != 4) {
       Fail("Store covered " + std::to_string(stored->matched_blocks + stored->done_blocks) + " of 4 blocks");

@@ -78,10 +78,14 @@ TEST_CASE("malformed ring descriptors get error completions, the daemon and othe
     s.flags = 0x8000;
     s.match_handle = h1.match_handle;
   });
-  add("reserved[0] != 0", RingOp::kMatch, 1, SC::kInvalidArgument, "reserved", [](auto& s) { s.reserved[0] = 1; });
-  add("reserved[1] != 0", RingOp::kMatch, 1, SC::kInvalidArgument, "reserved", [](auto& s) { s.reserved[1] = 42; });
-  add("reserved[2] != 0 on Release", RingOp::kRelease, 0, SC::kInvalidArgument, "reserved", [&](auto& s) {
-    s.reserved[2] = ~0ULL;
+  add("reserved != 0", RingOp::kMatch, 1, SC::kInvalidArgument, "reserved", [](auto& s) { s.reserved = 1; });
+  add("reserved != 0 on Release", RingOp::kRelease, 0, SC::kInvalidArgument, "reserved", [&](auto& s) {
+    s.reserved = ~0ULL;
+    s.match_handle = h1.match_handle;
+  });
+  add("parent on Match", RingOp::kMatch, 1, SC::kInvalidArgument, "parent", [](auto& s) { s.parent.hi = 42; });
+  add("parent on Release", RingOp::kRelease, 0, SC::kInvalidArgument, "parent", [&](auto& s) {
+    s.parent.lo = 1;
     s.match_handle = h1.match_handle;
   });
   add("Match count 0", RingOp::kMatch, 0, SC::kInvalidArgument, "count 0", nullptr);

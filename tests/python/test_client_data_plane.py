@@ -73,6 +73,21 @@ def test_round_trip_in_one_process_and_results(client, observer):
     del kv
 
 
+def test_a_slice_stores_under_its_parent_and_a_missing_parent_is_refused(client, observer):
+    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 32)
+    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(21, 30), TPB)
+    with pytest.raises(flexkv.FailedPrecondition, match="parent key not cached") as e:
+        client.store(keys[20:30], range(20, 30)).wait(5)  # keys[19] is not cached
+    assert e.value.result.done_blocks == 0
+    assert observer.status().index_blocks == 0
+    assert client.store(keys[0:20], range(20)).wait(5).done_blocks == 20
+    r = client.store(keys[20:30], range(20, 30)).wait(5)
+    assert (r.matched_blocks, r.done_blocks) == (0, 10)
+    assert client.match(keys).wait(5).matched_blocks == 30  # from the prompt's first block
+    assert client.match(list(keys)[20:]).wait(5).matched_blocks == 0  # not stored as roots
+    del buf
+
+
 def test_layerwise_load_reports_layers(client):
     buf = client.create_host_kv(flexkv.Layout.LAYER_FIRST, 16)
     keys = flexkv.block_keys(TEST_NAMESPACE, tokens(11, 4), TPB)

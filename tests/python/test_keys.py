@@ -115,6 +115,25 @@ def test_block_keys_is_a_compact_sequence():
     assert "153b1826ef42db47b22612177ef37a7d" in repr(keys)
 
 
+def test_a_slice_knows_the_key_it_hangs_under():
+    keys = flexkv.block_keys("llama3-8b", range(30 * 16), 16)
+    assert keys.parent is None  # a prompt's keys start at the root
+    assert keys[20:30].parent == keys[19]
+    assert keys[20:].parent == keys[19] and keys[-10:].parent == keys[19]
+    assert keys[0:20].parent is None and keys[:0].parent is None
+    assert keys[20:30][3:].parent == keys[22]  # a slice of a slice: the key before it in the prompt
+    assert keys[20:30][:4].parent == keys[19]  # starting where its source starts: the source's parent
+    assert keys[30:].parent == keys[29]
+    assert keys[0:30:2].parent is None  # not a run of the prompt
+    explicit = flexkv.BlockKeys(list(keys[20:30]), parent=keys[19])
+    assert explicit.parent == keys[19] and explicit == keys[20:30]
+    assert flexkv.BlockKeys(list(keys[20:30]), parent=(keys[19].lo, keys[19].hi)).parent == keys[19]
+    assert keys[20:30] == list(keys)[20:30]  # equality ignores the parent
+    assert keys[19].hex() in repr(keys[20:30])
+    with pytest.raises(flexkv.InvalidArgument, match="parent: hi is 18446744073709551616"):
+        flexkv.BlockKeys([], parent=(0, 2**64))
+
+
 def test_the_package_does_not_need_numpy():
     """block_keys works (same keys) in an interpreter where NumPy cannot be imported, and never imports it."""
     code = ("import sys; sys.modules['numpy'] = None\n"

@@ -73,10 +73,10 @@ print("LOADED")
 
 
 def test_a_library_of_another_abi_version_is_refused_at_import():
-    out = run(_FAKE_LIBRARY.format(name="flexkv_abi_version", value=1))
+    out = run(_FAKE_LIBRARY.format(name="flexkv_abi_version", value=2))  # the version before the store's parent
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("REFUSED"), out.stdout
-    assert "speaks C ABI version 1; this package speaks version 2" in out.stdout
+    assert "speaks C ABI version 2; this package speaks version 3" in out.stdout
     assert os.environ["FLEXKV_LIBRARY"] in out.stdout and "FLEXKV_LIBRARY" in out.stdout
 
 

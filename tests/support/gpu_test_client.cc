@@ -420,7 +420,7 @@ int main(int argc, char** argv) {
     };
     auto store = [&](double* us) -> flexkv::Result<flexkv::OpResult> {
       const auto t0 = std::chrono::steady_clock::now();
-      auto t = c.Store(keys, ids);
+      auto t = c.Store(flexkv::BlockKeyChain(keys), ids);
       if (!t.ok()) return t.status();
       auto r = c.Wait(*t, timeout);
       *us = Us(t0, std::chrono::steady_clock::now());

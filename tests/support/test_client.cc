@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
     const std::string what = op;
     if (what == "store") {
       for (uint32_t i = 0; i < n; ++i) FillBlock(seed, i, kv.data + uint64_t{i} * block_bytes, block_bytes);
-      auto t = c.Store(keys, ids);
+      auto t = c.Store(flexkv::BlockKeyChain(keys), ids);
       auto r = t.ok() ? c.Wait(*t, timeout) : flexkv::Result<flexkv::OpResult>(t.status());
       if (!r.ok()) {
         std::printf("ERROR %s %s\n", flexkv::StatusCodeName(r.status().code()), r.status().message().c_str());

@@ -27,8 +27,9 @@ extern "C" {
 #endif
 
 /* Bumped on every change that a caller built against the previous header would misread: a function's
- * parameters or meaning, a struct's layout, a status code's meaning. 2: tickets became flexkv_ticket. */
-#define FLEXKV_ABI_VERSION 2
+ * parameters or meaning, a struct's layout, a status code's meaning. 2: tickets became flexkv_ticket.
+ * 3: flexkv_store takes the parent key of its first key. */
+#define FLEXKV_ABI_VERSION 3
 
 enum {
   FLEXKV_OK = 0,
@@ -163,8 +164,12 @@ void flexkv_gpu_kv_free(flexkv_gpu_kv* kv);
 int flexkv_match(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, int pin, flexkv_ticket* ticket);
 int flexkv_load(flexkv_client* client, uint64_t match_handle, const uint32_t* dst_block_ids, size_t n_blocks,
                 int layerwise, flexkv_ticket* ticket);
-int flexkv_store(flexkv_client* client, const flexkv_block_key* keys, const uint32_t* src_block_ids, size_t n,
-                 flexkv_ticket* ticket);
+/* Stores keys[i] from KV block src_block_ids[i], keys[0] under `parent`: the key of the block before keys[0] in
+ * its prompt, or NULL when keys[0] is the prompt's first block (root). A store of keys[20..30) of a prompt
+ * passes &keys[19]. The request ends with FLEXKV_FAILED_PRECONDITION, nothing stored, when the parent is not
+ * cached, and FLEXKV_ABORTED when the parent's own store has not completed yet (Client::Store). */
+int flexkv_store(flexkv_client* client, const flexkv_block_key* parent, const flexkv_block_key* keys,
+                 const uint32_t* src_block_ids, size_t n, flexkv_ticket* ticket);
 int flexkv_release(flexkv_client* client, uint64_t match_handle, flexkv_ticket* ticket);
 /* The unary gRPC match (slow path, diagnostics). */
 int flexkv_match_via_control(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, uint32_t* matched);

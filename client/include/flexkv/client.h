@@ -184,9 +184,15 @@ class Client {
   // Copies the first dst_block_ids.size() blocks of a pinned match into these KV blocks. With `layerwise`,
   // WaitLayers reports each layer as it lands, so compute on layer 0 can start while later layers copy.
   Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise = false);
-  // Stores blocks keys[i] from KV block src_block_ids[i]; the cached prefix is skipped. A block becomes
-  // matchable only once its bytes are complete. The all-zero key is reserved: INVALID_ARGUMENT.
-  Result<Ticket> Store(std::span<const BlockKey> keys, std::span<const uint32_t> src_block_ids);
+  // Stores blocks keys[i] from KV block src_block_ids[i], keys[0] under keys.parent() (the root for a chain
+  // made from a prompt's keys; the key before the slice for chain.Slice(begin, end)), so that a Match of the
+  // prompt from its first block reaches them. The part of `keys` already cached under that parent is skipped.
+  // A block becomes matchable only once its bytes are complete. INVALID_ARGUMENT for an all-zero key (it is
+  // reserved) or a count mismatch. The request ends with FAILED_PRECONDITION, nothing stored, when the parent
+  // is not cached (evicted meanwhile, or never stored): Match the prompt and store from its first uncached
+  // block; with ABORTED, nothing stored, when the parent's own store has not completed yet: Wait for it first
+  // (or store both in one request).
+  Result<Ticket> Store(const BlockKeyChain& keys, std::span<const uint32_t> src_block_ids);
   // Drops the pins of a match handle.
   Result<Ticket> Release(uint64_t match_handle);
 

@@ -19,11 +19,51 @@ struct BlockKey {
   std::string ToHex() const;
 };
 
+// The parent of a prompt's first block: the all-zero key (key[-1] below), which a store refuses as a key.
+inline constexpr BlockKey kRootParent{};
+
 // key[i] = XXH3_128(seed = XXH3_64(model_namespace), bytes = key[i-1] as 16 bytes little-endian (lo then hi)
 //          ‖ tokens of block i as little-endian int32), key[-1] = 0. Only whole blocks are keyed: a trailing
 // partial block is ignored. `tokens_per_block` must be > 0 (returns no keys otherwise).
 std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::span<const int32_t> tokens,
                                        uint32_t tokens_per_block);
+
+// A run of consecutive keys of one prompt together with the key its first one hangs under (its parent):
+// kRootParent when keys()[0] is the prompt's first block. What Client::Store takes, so that a store of the
+// part of a prompt past its cached prefix says where that part goes. A view: the keys must outlive it.
+//
+//   std::vector<BlockKey> keys = ComputeBlockKeys(ns, tokens, 16);
+//   BlockKeyChain prompt(keys);                // from the root
+//   BlockKeyChain tail = prompt.Slice(20, 30); // keys[20..30), parent keys[19]
+class BlockKeyChain {
+ public:
+  BlockKeyChain() = default;
+  // Keys that start a prompt (parent kRootParent). Explicit: a sub-span of a prompt's keys must come from
+  // Slice, or name its parent, never pass for a prompt's start.
+  explicit BlockKeyChain(std::span<const BlockKey> keys) : keys_(keys) {}
+  // keys()[0] hangs under `parent` (kRootParent: keys start a prompt).
+  BlockKeyChain(const BlockKey& parent, std::span<const BlockKey> keys) : parent_(parent), keys_(keys) {}
+
+  // keys()[begin, end), each clamped to size() (end also to at least begin); the parent is keys()[begin - 1],
+  // or this chain's parent when begin is 0.
+  BlockKeyChain Slice(size_t begin, size_t end) const {
+    end = end < keys_.size() ? end : keys_.size();
+    begin = begin < end ? begin : end;
+    return BlockKeyChain(begin == 0 ? parent_ : keys_[begin - 1], keys_.subspan(begin, end - begin));
+  }
+  // keys()[begin, size()).
+  BlockKeyChain Slice(size_t begin) const { return Slice(begin, keys_.size()); }
+
+  const BlockKey& parent() const { return parent_; }
+  std::span<const BlockKey> keys() const { return keys_; }
+  size_t size() const { return keys_.size(); }
+  bool empty() const { return keys_.empty(); }
+  const BlockKey& operator[](size_t i) const { return keys_[i]; }
+
+ private:
+  BlockKey parent_{};
+  std::span<const BlockKey> keys_;
+};
 
 struct BlockKeyHash {
   size_t operator()(const BlockKey& k) const { return static_cast<size_t>(k.lo ^ (k.hi * 0x9E3779B97F4A7C15ULL)); }

@@ -2,6 +2,7 @@
 // request goes through (match, reserve, commit, abort), and the pool announcing itself to its listener.
 #include <catch2/catch.hpp>
 
+#include <span>
 #include <vector>
 
 #include "daemon/cache/cache.h"
@@ -54,18 +55,18 @@ TEST_CASE("cache: a store is matchable only after Commit - Abort returns its slo
   REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
   const std::vector<BlockKey> keys = Keys(1, 4);
 
-  flexkv::PrefixIndex::Reservation r = cache.Reserve(keys);
+  flexkv::PrefixIndex::Reservation r = cache.Reserve(flexkv::kRootParent, keys);
   CHECK(r.cached == 0);
   REQUIRE(r.slots.size() == 4);
   CHECK(r.shortfall == StatusCode::kOk);
   CHECK(cache.Match(keys, false, nullptr) == 0);  // pending: not visible before its bytes are complete
-  cache.Commit(keys, 0, r.slots);
+  cache.Commit(flexkv::kRootParent, keys, 0, r.slots);
   CHECK(cache.Match(keys, false, nullptr) == 4);
   CHECK(cache.GetStats().blocks == 4);
 
   // A longer chain: the first 4 are cached, the rest reserved, then aborted.
   const std::vector<BlockKey> longer = Keys(1, 6);
-  flexkv::PrefixIndex::Reservation r2 = cache.Reserve(longer);
+  flexkv::PrefixIndex::Reservation r2 = cache.Reserve(flexkv::kRootParent, longer);
   CHECK(r2.cached == 4);
   REQUIRE(r2.slots.size() == 2);
   const uint64_t used = cache.GetStats().used;
@@ -80,8 +81,8 @@ TEST_CASE("cache: pinned matches hold their slots until unpinned", "[unit][cache
   REQUIRE(cache.RecoverPool(false).ok());
   REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
   const std::vector<BlockKey> keys = Keys(2, 3);
-  auto r = cache.Reserve(keys);
-  cache.Commit(keys, 0, r.slots);
+  auto r = cache.Reserve(flexkv::kRootParent, keys);
+  cache.Commit(flexkv::kRootParent, keys, 0, r.slots);
   std::vector<SlotId> pinned;
   CHECK(cache.Match(keys, /*pin=*/true, &pinned) == 3);
   CHECK(pinned == r.slots);
@@ -118,9 +119,9 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
   {
     REQUIRE(t.cache().RecoverPool(false).ok());
     REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
-    auto r = t.cache().Reserve(keys);
+    auto r = t.cache().Reserve(flexkv::kRootParent, keys);
     REQUIRE(r.slots.size() == 5);
-    t.cache().Commit(keys, 0, std::span(r.slots).first(3));  // the last two never completed
+    t.cache().Commit(flexkv::kRootParent, keys, 0, std::span(r.slots).first(3));  // the last two never completed
   }
   t.Reopen();
   int announced = 0;
@@ -130,6 +131,42 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
   CHECK(t.cache().has_pool());
   CHECK(t.cache().Match(keys, false, nullptr) == 3);
   CHECK(t.cache().Domain().model_namespace == "ns");
+}
+
+TEST_CASE("cache: a store under a parent survives a restart under that parent, reachable from the root",
+          "[unit][cache]") {
+  TempCache t;
+  const std::vector<BlockKey> keys = Keys(4, 6);
+  {
+    REQUIRE(t.cache().RecoverPool(false).ok());
+    REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
+    auto head = t.cache().Reserve(flexkv::kRootParent, std::span(keys).first(3));
+    REQUIRE(head.slots.size() == 3);
+    t.cache().Commit(flexkv::kRootParent, std::span(keys).first(3), 0, head.slots);
+    auto tail = t.cache().Reserve(keys[2], std::span(keys).subspan(3));
+    REQUIRE(tail.shortfall == StatusCode::kOk);
+    REQUIRE(tail.slots.size() == 3);
+    t.cache().Commit(keys[2], std::span(keys).subspan(3), 0, tail.slots);
+    CHECK(t.cache().Match(keys, false, nullptr) == 6);
+  }
+  t.Reopen();
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  CHECK(t.cache().GetStats().blocks == 6);
+  CHECK(t.cache().Match(keys, false, nullptr) == 6);  // the pool recorded keys[3]'s parent as keys[2], not root
+}
+
+TEST_CASE("cache: a store whose parent is not cached is refused and reserves nothing", "[unit][cache]") {
+  TempCache t;
+  flexkv::Cache& cache = t.cache();
+  REQUIRE(cache.RecoverPool(false).ok());
+  REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
+  const std::vector<BlockKey> keys = Keys(5, 4);
+  auto r = cache.Reserve(keys[1], std::span(keys).subspan(2));
+  CHECK(r.parent_refused);
+  CHECK(r.shortfall == StatusCode::kFailedPrecondition);
+  CHECK(r.cached == 0);
+  CHECK(r.slots.empty());
+  CHECK(cache.GetStats().used == 0);
 }
 
 TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and the next Admit starts afresh",
@@ -143,12 +180,12 @@ TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and 
   REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
   const uint64_t first_generation = cache.generation();
   const std::vector<BlockKey> keys = Keys(2, 3);
-  flexkv::PrefixIndex::Reservation r = cache.Reserve(keys);
+  flexkv::PrefixIndex::Reservation r = cache.Reserve(flexkv::kRootParent, keys);
   REQUIRE(r.slots.size() == 3);
   const flexkv::Status storing = cache.DropDomain(false, nullptr);
   CHECK(storing.code() == StatusCode::kFailedPrecondition);
   CHECK_THAT(storing.message(), Catch::Contains("3 blocks are being stored"));
-  cache.Commit(keys, 0, r.slots);
+  cache.Commit(flexkv::kRootParent, keys, 0, r.slots);
   std::vector<SlotId> pinned;
   REQUIRE(cache.Match(keys, /*pin=*/true, &pinned) == 3);
   CHECK(cache.DropDomain(false, nullptr).code() == StatusCode::kFailedPrecondition);

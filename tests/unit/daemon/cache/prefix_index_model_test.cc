@@ -8,6 +8,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <span>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -37,8 +38,8 @@ class Model {
     bool committed = false;
   };
 
-  size_t Match(const std::vector<BlockKey>& keys, bool pin, std::vector<SlotId>* slots) {
-    std::optional<MKey> parent;
+  size_t Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* slots,
+               std::optional<MKey> parent = std::nullopt) {
     std::optional<MKey> last;
     size_t n = 0;
     for (const auto& bk : keys) {
@@ -72,11 +73,24 @@ class Model {
     }
   }
 
-  PrefixIndex::Reservation Reserve(const std::vector<BlockKey>& keys) {
+  PrefixIndex::Reservation Reserve(const BlockKey& parent_key, std::span<const BlockKey> keys) {
     PrefixIndex::Reservation r;
     std::vector<SlotId> prefix;
-    r.cached = Match(keys, true, &prefix);
     std::optional<MKey> parent;
+    if (parent_key != flexkv::kRootParent) {
+      auto it = nodes_.find(M(parent_key));
+      if (it == nodes_.end() || !it->second.committed) {
+        r.shortfall = it == nodes_.end() ? StatusCode::kFailedPrecondition : StatusCode::kAborted;
+        r.parent_refused = true;
+        return r;
+      }
+      parent = it->first;
+      const bool was = Evictable(*parent);
+      ++it->second.pins;
+      Update(*parent, was, /*mru=*/true);
+      prefix.push_back(it->second.slot);
+    }
+    r.cached = Match(keys, true, &prefix, parent);
     if (r.cached > 0) parent = M(keys[r.cached - 1]);
     for (size_t i = r.cached; i < keys.size(); ++i) {
       const MKey k = M(keys[i]);
@@ -282,7 +296,7 @@ void RunRandomized(uint32_t capacity, int prompt_count, int steps, uint64_t seed
   std::vector<std::pair<SlotId, MKey>> evicted;
   index.SetEvictionListener([&](SlotId s, const BlockKey& k) { evicted.emplace_back(s, M(k)); });
   std::vector<Session> sessions(4);
-  uint64_t exhausted = 0, aborted = 0, hits = 0;
+  uint64_t exhausted = 0, aborted = 0, hits = 0, under_parent = 0, parent_missing = 0, parent_pending = 0;
 
   auto finish = [&](const std::vector<SlotId>& slots, int how) {
     // how: 0 commit all, 1 abort all (shuffled), 2 commit a prefix and abort the rest
@@ -340,17 +354,34 @@ void RunRandomized(uint32_t capacity, int prompt_count, int steps, uint64_t seed
         model.Unpin(slots);
         session.pins.erase(session.pins.begin() + static_cast<std::ptrdiff_t>(i));
       }
-    } else if (op < 85) {  // store: reserve, then commit, abort, or keep pending for a while
-      const auto& keys = pick_prompt();
-      auto got = index.Reserve(keys);
-      auto expected = model.Reserve(keys);
+    } else if (op < 85) {  // store a prompt, or a run of it under its parent: reserve, then commit, abort, or
+                           // keep pending for a while
+      const auto& prompt = pick_prompt();
+      std::span<const BlockKey> keys(prompt);
+      BlockKey parent = flexkv::kRootParent;
+      if (!prompt.empty() && uniform(0, 1) == 1) {
+        const auto begin = static_cast<size_t>(uniform(1, static_cast<int>(prompt.size())));
+        const auto end = static_cast<size_t>(uniform(static_cast<int>(begin), static_cast<int>(prompt.size())));
+        keys = keys.subspan(begin, end - begin);
+        parent = prompt[begin - 1];
+      }
+      auto got = index.Reserve(parent, keys);
+      auto expected = model.Reserve(parent, keys);
       REQUIRE(got.cached == expected.cached);
       REQUIRE(got.slots == expected.slots);
       REQUIRE(got.shortfall == expected.shortfall);
+      REQUIRE(got.parent_refused == expected.parent_refused);
       REQUIRE(got.cached + got.slots.size() <= keys.size());
-      REQUIRE((got.shortfall == StatusCode::kOk) == (got.cached + got.slots.size() == keys.size()));
+      if (got.parent_refused) {
+        REQUIRE(got.cached + got.slots.size() == 0);
+      } else {
+        REQUIRE((got.shortfall == StatusCode::kOk) == (got.cached + got.slots.size() == keys.size()));
+      }
       exhausted += got.shortfall == StatusCode::kResourceExhausted ? 1u : 0u;
       aborted += got.shortfall == StatusCode::kAborted ? 1u : 0u;
+      under_parent += parent != flexkv::kRootParent && got.shortfall == StatusCode::kOk ? 1u : 0u;
+      parent_missing += got.parent_refused && got.shortfall == StatusCode::kFailedPrecondition ? 1u : 0u;
+      parent_pending += got.parent_refused && got.shortfall == StatusCode::kAborted ? 1u : 0u;
       const int how = uniform(0, 99);
       if (how < 45 || session.pending.size() >= 2) {
         finish(got.slots, how < 30 ? 0 : (how < 38 ? 1 : 2));
@@ -371,6 +402,9 @@ void RunRandomized(uint32_t capacity, int prompt_count, int steps, uint64_t seed
   // The run exercised what it is meant to.
   CHECK(hits > 0);
   CHECK(aborted > 0);
+  CHECK(under_parent > 0);
+  CHECK(parent_missing > 0);
+  CHECK(parent_pending > 0);
   if (capacity <= 64) {
     CHECK(exhausted > 0);
     CHECK(index.evicted_blocks() > static_cast<uint64_t>(steps) / 10);

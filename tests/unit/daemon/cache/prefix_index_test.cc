@@ -9,6 +9,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <span>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -65,7 +66,7 @@ TEST_CASE("prefix index: pinned blocks are not evicted", "[unit][index]") {
   Store(index, b);  // pool full; a is older
   std::vector<SlotId> pinned;
   REQUIRE(index.Match(a, true, &pinned) == 2);
-  auto r = index.Reserve(Chain({5, 6}));
+  auto r = index.Reserve(flexkv::kRootParent, Chain({5, 6}));
   CHECK(r.shortfall == StatusCode::kOk);
   CHECK(r.slots.size() == 2);
   index.Commit(r.slots);
@@ -73,6 +74,120 @@ TEST_CASE("prefix index: pinned blocks are not evicted", "[unit][index]") {
   CHECK(index.Match(b, false, nullptr) == 0);  // evicted instead
   CHECK(index.evicted_blocks() == 2);
   index.Unpin(pinned);
+  index.CheckInvariants();
+}
+
+// A store of the part of a prompt past its cached prefix names that prefix's last key as its parent.
+TEST_CASE("prefix index: a store under a parent hangs its first key there - a match from the root reaches it",
+          "[unit][index]") {
+  PrefixIndex index(64);
+  const auto prompt = Chain({1, 2, 3, 4, 5, 6, 7, 8});
+  const std::span<const BlockKey> keys(prompt);
+  auto head = index.Reserve(flexkv::kRootParent, keys.first(5));
+  REQUIRE(head.slots.size() == 5);
+  index.Commit(head.slots);
+  auto tail = index.Reserve(prompt[4], keys.subspan(5));
+  CHECK_FALSE(tail.parent_refused);
+  CHECK(tail.shortfall == StatusCode::kOk);
+  CHECK(tail.cached == 0);
+  REQUIRE(tail.slots.size() == 3);
+  index.Commit(tail.slots);
+  CHECK(index.Match(prompt, false, nullptr) == 8);
+  CHECK(index.Match(keys.subspan(5), false, nullptr) == 0);  // not a root: only reachable through its prefix
+  CHECK(PrefixClosed(index));
+  std::map<MKey, MKey> parent_of;
+  index.ForEachCommitted([&](SlotId, const BlockKey& k, const BlockKey& p) { parent_of[M(k)] = M(p); });
+  CHECK(parent_of.at(M(prompt[5])) == M(prompt[4]));
+
+  // Keys already cached under that parent are skipped; the rest hang under the last of them.
+  const auto longer = Chain({1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
+  auto more = index.Reserve(longer[4], std::span<const BlockKey>(longer).subspan(5));
+  CHECK(more.cached == 3);
+  REQUIRE(more.slots.size() == 2);
+  index.Commit(more.slots);
+  CHECK(index.Match(longer, false, nullptr) == 10);
+  index.CheckInvariants();
+}
+
+TEST_CASE("prefix index: a store whose parent is not cached is refused and stores nothing", "[unit][index]") {
+  PrefixIndex index(4);
+  const auto prompt = Chain({1, 2, 3, 4});
+  const std::span<const BlockKey> keys(prompt);
+
+  SECTION("never stored") {
+    auto r = index.Reserve(prompt[1], keys.subspan(2));
+    CHECK(r.parent_refused);
+    CHECK(r.shortfall == StatusCode::kFailedPrecondition);
+    CHECK(r.slots.empty());
+    CHECK(index.used_slots() == 0);
+  }
+  SECTION("evicted") {
+    Store(index, Prefix(prompt, 2));
+    Store(index, Chain({7, 8}));  // pool full
+    Store(index, Chain({9, 9}));  // evicts the prompt's two blocks, the least recently used
+    REQUIRE(index.Match(prompt, false, nullptr) == 0);
+    const uint32_t used = index.used_slots();
+    auto r = index.Reserve(prompt[1], keys.subspan(2));
+    CHECK(r.parent_refused);
+    CHECK(r.shortfall == StatusCode::kFailedPrecondition);
+    CHECK(r.slots.empty());
+    CHECK(index.used_slots() == used);
+    CHECK(index.evicted_blocks() == 2);  // nothing evicted for the refused store
+  }
+  SECTION("pending in a store not yet committed") {
+    auto head = index.Reserve(flexkv::kRootParent, keys.first(2));
+    REQUIRE(head.slots.size() == 2);
+    auto r = index.Reserve(prompt[1], keys.subspan(2));
+    CHECK(r.parent_refused);
+    CHECK(r.shortfall == StatusCode::kAborted);
+    CHECK(r.slots.empty());
+    CHECK(index.used_slots() == 2);
+    index.Abort(head.slots);  // the refused store left nothing under the pending parent
+    CHECK(index.used_slots() == 0);
+  }
+  CHECK(PrefixClosed(index));
+  index.CheckInvariants();
+}
+
+TEST_CASE("prefix index: a store never evicts its own parent - refused or not, nothing becomes a stray root",
+          "[unit][index]") {
+  PrefixIndex index(4);
+  const auto prompt = Chain({1, 2, 3});
+  const std::span<const BlockKey> keys(prompt);
+  Store(index, Prefix(prompt, 2));
+  Store(index, Chain({7, 8}));  // pool full; the prompt's blocks are the least recently used
+  std::vector<SlotId> pinned;
+  REQUIRE(index.Match(Chain({7, 8}), true, &pinned) == 2);
+  // The only evictable block is the parent itself: the store must not take it.
+  REQUIRE(index.EvictionOrder().size() == 1);
+  auto r = index.Reserve(prompt[1], keys.subspan(2));
+  CHECK_FALSE(r.parent_refused);
+  CHECK(r.shortfall == StatusCode::kResourceExhausted);
+  CHECK(r.slots.empty());
+  CHECK(index.Match(prompt, false, nullptr) == 2);
+  CHECK(index.evicted_blocks() == 0);
+  index.Unpin(pinned);
+  CHECK(PrefixClosed(index));
+  index.CheckInvariants();
+}
+
+TEST_CASE("prefix index: the parent of a pending store is not evicted before its commit", "[unit][index]") {
+  PrefixIndex index(3);
+  const auto prompt = Chain({1, 2, 3});
+  const std::span<const BlockKey> keys(prompt);
+  Store(index, Prefix(prompt, 2));
+  auto r = index.Reserve(prompt[1], keys.subspan(2));
+  REQUIRE(r.slots.size() == 1);  // the last free slot
+  // Other stores churn the pool meanwhile: nothing of the pending store's chain is evictable.
+  for (int32_t t = 10; t < 20; ++t) {
+    auto other = index.Reserve(flexkv::kRootParent, Chain({t}));
+    CHECK(other.shortfall == StatusCode::kResourceExhausted);
+    CHECK(other.slots.empty());
+  }
+  CHECK(index.evicted_blocks() == 0);
+  index.Commit(r.slots);
+  CHECK(index.Match(prompt, false, nullptr) == 3);
+  CHECK(PrefixClosed(index));
   index.CheckInvariants();
 }
 
@@ -84,21 +199,21 @@ TEST_CASE("prefix index: a pool of pinned blocks reserves what it can and report
   std::vector<SlotId> pinned;
   REQUIRE(index.Match(a, true, &pinned) == 3);
   const auto longer = Chain({1, 2, 3, 4, 5, 6});
-  auto r = index.Reserve(longer);
+  auto r = index.Reserve(flexkv::kRootParent, longer);
   CHECK(r.cached == 3);
   CHECK(r.slots.size() == 1);  // the one free slot
   CHECK(r.shortfall == StatusCode::kResourceExhausted);
   index.Commit(r.slots);
   CHECK(index.Match(longer, false, nullptr) == 4);
   // The new leaf is evictable, but not by a store of its own chain.
-  auto r2 = index.Reserve(longer);
+  auto r2 = index.Reserve(flexkv::kRootParent, longer);
   CHECK(r2.cached == 4);
   CHECK(r2.slots.empty());
   CHECK(r2.shortfall == StatusCode::kResourceExhausted);
   CHECK(index.Match(longer, false, nullptr) == 4);
   CHECK(index.evicted_blocks() == 0);
   // Another chain may evict that leaf, not the pinned ones.
-  auto r3 = index.Reserve(Chain({9, 9}));
+  auto r3 = index.Reserve(flexkv::kRootParent, Chain({9, 9}));
   CHECK(r3.slots.size() == 1);
   CHECK(r3.shortfall == StatusCode::kResourceExhausted);
   CHECK(index.evicted_blocks() == 1);
@@ -128,7 +243,7 @@ TEST_CASE("prefix index: eviction takes leaves only, least recently used first",
 
   std::vector<std::pair<SlotId, BlockKey>> evicted;
   index.SetEvictionListener([&](SlotId s, const BlockKey& k) { evicted.emplace_back(s, k); });
-  auto r = index.Reserve(Chain({7, 8, 9}));  // 1 free + 2 evictions
+  auto r = index.Reserve(flexkv::kRootParent, Chain({7, 8, 9}));  // 1 free + 2 evictions
   REQUIRE(r.slots.size() == 3);
   REQUIRE(evicted.size() == 2);
   CHECK(evicted[0] == std::make_pair(sb[2], b[2]));
@@ -138,7 +253,7 @@ TEST_CASE("prefix index: eviction takes leaves only, least recently used first",
   CHECK(PrefixClosed(index));
   index.Commit(r.slots);
   // Next: a's leaf, then its parents (uncovered leaves go to the LRU end), never cutting the chain.
-  auto r2 = index.Reserve(Chain({7, 8, 9, 10, 11}));
+  auto r2 = index.Reserve(flexkv::kRootParent, Chain({7, 8, 9, 10, 11}));
   REQUIRE(r2.slots.size() == 2);
   REQUIRE(evicted.size() == 4);
   CHECK(evicted[2] == std::make_pair(sa[2], a[2]));
@@ -156,7 +271,7 @@ TEST_CASE("prefix index: a parent uncovered by eviction goes before older leaves
   const auto sab = Store(index, ab);
   const auto sx = Store(index, x);
   CHECK(index.EvictionOrder() == std::vector<SlotId>{sab[1], sx[0]});
-  auto r = index.Reserve(Chain({4}));
+  auto r = index.Reserve(flexkv::kRootParent, Chain({4}));
   REQUIRE(r.slots == std::vector<SlotId>{sab[1]});
   CHECK(index.EvictionOrder() == std::vector<SlotId>{sab[0], sx[0]});
   index.Commit(r.slots);
@@ -166,12 +281,12 @@ TEST_CASE("prefix index: a parent uncovered by eviction goes before older leaves
 TEST_CASE("prefix index: pending blocks are neither matchable nor evictable", "[unit][index]") {
   PrefixIndex index(3);
   const auto abc = Chain({1, 2, 3});
-  auto r = index.Reserve(abc);
+  auto r = index.Reserve(flexkv::kRootParent, abc);
   REQUIRE(r.slots.size() == 3);
   CHECK(index.used_slots() == 3);
   CHECK(index.committed_blocks() == 0);
   CHECK(index.Match(abc, false, nullptr) == 0);
-  auto other = index.Reserve(Chain({4}));
+  auto other = index.Reserve(flexkv::kRootParent, Chain({4}));
   CHECK(other.slots.empty());
   CHECK(other.shortfall == StatusCode::kResourceExhausted);
   index.Commit(std::vector<SlotId>{r.slots[0], r.slots[1]});
@@ -189,7 +304,7 @@ TEST_CASE("prefix index: abort frees slots in any order", "[unit][index]") {
   const auto a = Chain({1, 2});
   const auto sa = Store(index, a);
   const auto longer = Chain({1, 2, 3, 4, 5});
-  auto r = index.Reserve(longer);
+  auto r = index.Reserve(flexkv::kRootParent, longer);
   REQUIRE(r.cached == 2);
   REQUIRE(r.slots.size() == 3);
   CHECK(index.EvictionOrder().empty());
@@ -205,7 +320,7 @@ TEST_CASE("prefix index: abort frees slots in any order", "[unit][index]") {
   CHECK(index.EvictionOrder() == std::vector<SlotId>{sx[0], sa[1]});
   index.CheckInvariants();
   // The freed slots are taken again.
-  auto again = index.Reserve(longer);
+  auto again = index.Reserve(flexkv::kRootParent, longer);
   CHECK(again.slots.size() == 3);
   CHECK(again.shortfall == StatusCode::kOk);
   index.Abort(again.slots);
@@ -217,20 +332,20 @@ TEST_CASE("prefix index: concurrent stores of one chain: the second stops at the
   PrefixIndex index(16);
   const auto abcd = Chain({1, 2, 3, 4});
   Store(index, Prefix(abcd, 1));
-  auto first = index.Reserve(Prefix(abcd, 3));
+  auto first = index.Reserve(flexkv::kRootParent, Prefix(abcd, 3));
   REQUIRE(first.cached == 1);
   REQUIRE(first.slots.size() == 2);
-  auto second = index.Reserve(abcd);
+  auto second = index.Reserve(flexkv::kRootParent, abcd);
   CHECK(second.cached == 1);
   CHECK(second.slots.empty());
   CHECK(second.shortfall == StatusCode::kAborted);
   index.Commit(first.slots);
-  auto third = index.Reserve(abcd);
+  auto third = index.Reserve(flexkv::kRootParent, abcd);
   CHECK(third.cached == 3);
   CHECK(third.slots.size() == 1);
   CHECK(third.shortfall == StatusCode::kOk);
   // A store that overlaps only past the pending point keeps its own part.
-  auto fourth = index.Reserve(Chain({1, 2, 3, 4, 5}));
+  auto fourth = index.Reserve(flexkv::kRootParent, Chain({1, 2, 3, 4, 5}));
   CHECK(fourth.cached == 3);
   CHECK(fourth.slots.empty());
   CHECK(fourth.shortfall == StatusCode::kAborted);
@@ -258,7 +373,7 @@ TEST_CASE("prefix index: restore rebuilds committed nodes and rejects orphans an
   CHECK(index.Match(abc, false, &slots) == 2);
   CHECK(slots == std::vector<SlotId>{2, 0});
   // Restored slots are off the free list: a reservation takes 1, then 3.
-  auto r = index.Reserve(Chain({5, 6}));
+  auto r = index.Reserve(flexkv::kRootParent, Chain({5, 6}));
   CHECK(r.slots == std::vector<SlotId>{1, 3});
   index.CheckInvariants();
   // A pending node is not a parent to restore under.
@@ -313,7 +428,8 @@ TEST_CASE("prefix index: long chains match up to the first wrong key wherever it
     auto crossed = keys;
     crossed[cut] = foreign[std::clamp<size_t>(cut, 1, 99)];  // in the index, under another parent
     CHECK(index.Match(crossed, false, nullptr) == cut);
-    auto r = index.Reserve(missing);  // the cached prefix, then `missing[cut]`, then keys already present
+    // the cached prefix, then `missing[cut]`, then keys already present
+    auto r = index.Reserve(flexkv::kRootParent, missing);
     CHECK(r.cached == cut);
     CHECK(r.slots.size() == 1);
     CHECK(r.shortfall == (cut + 1 < keys.size() ? StatusCode::kAborted : StatusCode::kOk));
@@ -340,7 +456,7 @@ TEST_CASE("prefix index: the key table stays consistent under eviction churn at 
     for (auto& t : tokens) t = static_cast<int32_t>(rng() & 0xFFFF);
     tokens[0] = round;  // distinct chains
     const auto keys = Chain(tokens);
-    auto r = index.Reserve(keys);
+    auto r = index.Reserve(flexkv::kRootParent, keys);
     REQUIRE(r.shortfall == StatusCode::kOk);
     index.Commit(r.slots);
     stored.push_back(keys);

@@ -44,7 +44,7 @@ inline std::vector<BlockKey> Prefix(const std::vector<BlockKey>& keys, size_t n)
 // Reserves and commits `keys`; returns all slots of the chain, cached prefix included (via a Match, which
 // also marks the chain used).
 inline std::vector<SlotId> Store(PrefixIndex& index, const std::vector<BlockKey>& keys) {
-  auto r = index.Reserve(keys);
+  auto r = index.Reserve(flexkv::kRootParent, keys);
   REQUIRE(r.shortfall == StatusCode::kOk);
   index.Commit(r.slots);
   std::vector<SlotId> slots;

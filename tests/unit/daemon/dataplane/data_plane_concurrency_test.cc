@@ -220,7 +220,7 @@ class TestSession {
                                 std::span<const uint32_t> ids, uint64_t handle) {
     const auto deadline = std::chrono::steady_clock::now() + kWait;
     for (;;) {
-      auto t = rings_->Submit(op, flags, count, keys, ids, handle);
+      auto t = rings_->Submit(op, flags, count, keys, ids, handle, flexkv::kRootParent);
       if (t.ok() || t.status().code() != StatusCode::kResourceExhausted ||
           std::chrono::steady_clock::now() > deadline) {
         return t;

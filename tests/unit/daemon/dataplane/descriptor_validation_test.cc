@@ -135,14 +135,12 @@ TEST_CASE("descriptor validation: valid descriptors of every opcode are accepted
 }
 
 TEST_CASE("descriptor validation: reserved words, opcodes and flags are refused with INVALID_ARGUMENT", "[unit]") {
-  for (int i = 0; i < 3; ++i) {
-    SubmitDescriptor d = Desc(RingOp::kMatch, 1);
-    d.reserved[i] = 42;
-    ExpectRefused(d, StatusCode::kInvalidArgument, "reserved[" + std::to_string(i) + "] is 42; expected 0");
-  }
+  SubmitDescriptor d = Desc(RingOp::kMatch, 1);
+  d.reserved = 42;
+  ExpectRefused(d, StatusCode::kInvalidArgument, "reserved is 42; expected 0");
   SubmitDescriptor release = Desc(RingOp::kRelease, 0);
-  release.reserved[2] = kMax;
-  ExpectRefused(release, StatusCode::kInvalidArgument, "reserved[2]");
+  release.reserved = kMax;
+  ExpectRefused(release, StatusCode::kInvalidArgument, "reserved is 18446744073709551615");
 
   for (const uint16_t opcode : {uint16_t{0}, uint16_t{5}, uint16_t{0xffff}}) {
     SubmitDescriptor d = Desc(RingOp::kMatch, 1);
@@ -214,6 +212,25 @@ TEST_CASE("descriptor validation: block ids at or past the registered blocks are
   }
 }
 
+TEST_CASE("descriptor validation: only a Store carries a parent key - any other opcode with one is refused",
+          "[unit]") {
+  Arena arena;
+  for (const RingOp op : {RingOp::kMatch, RingOp::kLoad, RingOp::kRelease}) {
+    SubmitDescriptor d = Desc(op, op == RingOp::kRelease ? 0 : 1);
+    d.parent = BlockKey{1, 0};
+    ExpectRefused(d, StatusCode::kInvalidArgument,
+                  "parent is 00000000000000000000000000000001 on a " +
+                      std::string(op == RingOp::kMatch ? "Match" : op == RingOp::kLoad ? "Load" : "Release") +
+                      "; expected all zero (only a Store has a parent)");
+  }
+  // A Store's parent is any key: whether it is cached is the index's question, not the descriptor's.
+  SubmitDescriptor store = Desc(RingOp::kStore, 2);
+  store.parent = BlockKey{kMax, kMax};
+  CHECK(flexkv::ValidateDescriptor(store, arena.span(), Limits()).ok());
+  store.parent = flexkv::kRootParent;
+  CHECK(flexkv::ValidateDescriptor(store, arena.span(), Limits()).ok());
+}
+
 TEST_CASE("descriptor validation: Load and Store without registered KV buffers get FAILED_PRECONDITION", "[unit]") {
   ExpectRefused(Desc(RingOp::kStore, 1), StatusCode::kFailedPrecondition,
                 "Store: no KV buffers registered (RegisterKv)", Limits(0));
@@ -228,11 +245,14 @@ TEST_CASE("descriptor validation: Load and Store without registered KV buffers g
 TEST_CASE("descriptor validation: the first bad field is reported, in the documented order", "[unit]") {
   SubmitDescriptor d = Desc(RingOp::kStore, 0, 1);
   d.opcode = 9;
-  d.reserved[1] = 1;
+  d.reserved = 1;
+  d.parent = BlockKey{5, 0};
   d.keys_offset = 3;
-  ExpectRefused(d, StatusCode::kInvalidArgument, "reserved[1]");
-  d.reserved[1] = 0;
+  ExpectRefused(d, StatusCode::kInvalidArgument, "reserved is 1");
+  d.reserved = 0;
   ExpectRefused(d, StatusCode::kInvalidArgument, "opcode 9");
+  d.opcode = static_cast<uint16_t>(RingOp::kMatch);
+  ExpectRefused(d, StatusCode::kInvalidArgument, "parent is");
   d.opcode = static_cast<uint16_t>(RingOp::kStore);
   ExpectRefused(d, StatusCode::kInvalidArgument, "flags 0x1");
   d.flags = 0;
