@@ -23,7 +23,8 @@
 
 namespace flexkv {
 struct DataPlane::Session final : RequestSession {
-  Session(DataPlane* owner, uint64_t id, const Geometry& geometry) : RequestSession(id, geometry), plane(owner) {}
+  Session(DataPlane* owner, uint64_t id, const Geometry& geometry, Status store_access)
+      : RequestSession(id, geometry, std::move(store_access)), plane(owner) {}
   DataPlane* const plane;
   std::unique_ptr<ring::RingConsumer> ring;  // the rings' daemon end; set once by OpenSession
   std::atomic<bool> dead{false};
@@ -76,8 +77,9 @@ void DataPlane::Stop() {
   copies_.WaitIdle();  // every accepted request ends
 }
 
-Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const Geometry& geometry) {
-  auto s = std::make_shared<Session>(this, session_id, geometry);
+Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const Geometry& geometry,
+                                                     const SessionAccess& access) {
+  auto s = std::make_shared<Session>(this, session_id, geometry, access.store);
   auto created = ring::RingConsumer::Create(
       RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes});
   if (!created.ok()) return created.status();

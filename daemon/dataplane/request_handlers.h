@@ -26,7 +26,10 @@ namespace flexkv {
 // A session as the handlers see it: its handles, its KV registrations, and where its completions go.
 class RequestSession {
  public:
-  RequestSession(uint64_t id, const Geometry& geometry) : id_(id), geometry_(geometry), kv_(id, geometry) {}
+  // `store_access`: OK when the session may store, else the error each of its Stores is answered with (decided once
+  // at Attach, NamespaceAccess).
+  RequestSession(uint64_t id, const Geometry& geometry, Status store_access = Status::Ok())
+      : id_(id), geometry_(geometry), store_access_(std::move(store_access)), kv_(id, geometry) {}
   virtual ~RequestSession() = default;
 
   // Posts a completion to the session's client; dropped once the session ended. Thread-safe.
@@ -36,6 +39,7 @@ class RequestSession {
 
   uint64_t id() const { return id_; }
   const Geometry& geometry() const { return geometry_; }
+  const Status& store_access() const { return store_access_; }
   SessionKv& kv() { return kv_; }
   uint64_t pinned_blocks() const;
 
@@ -43,6 +47,7 @@ class RequestSession {
   friend class RequestHandlers;
   const uint64_t id_;
   const Geometry geometry_;
+  const Status store_access_;
   SessionKv kv_;
   mutable Mutex mu_;
   HandleTable handles_ ABSL_GUARDED_BY(mu_);

@@ -50,17 +50,27 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   }
   const auto peer = ctx_.peers->Find(context->peer());
   if (!peer) return Answer(Status::Internal("cannot identify the calling process (no peer credentials)"));
+  const bool admin = IsAdmin(peer);
+  // Readers first: a peer that may not use the namespace must not fix the domain either.
+  Status readable = ctx_.access->CheckReader(request->model_namespace(), *peer, admin);
+  if (!readable.ok()) {
+    access_refusal_log_.Warning("control", "Attach from pid {} uid {} refused: {}", peer->pid, peer->uid,
+                                readable.message());
+    return Answer(readable);
+  }
   const Geometry geometry = FromProto(request->geometry());
-  Status admitted = ctx_.cache->Admit(request->model_namespace(), geometry);
+  Status admitted = ctx_.cache->Admit(request->model_namespace(), geometry, peer->uid);
   if (!admitted.ok()) {
     log::Info("control", "Attach from pid {} refused: {}", peer->pid, admitted.ToString());
     return Answer(admitted);
   }
+  const CacheDomain::View view = ctx_.cache->Domain();
+  SessionAccess access = ctx_.access->Decide(request->model_namespace(), *peer, admin, view.creator_uid);
+  const bool read_only = !access.may_store();
   SessionIdentity identity{request->client_name(), request->dp_rank(), request->tp_rank(), request->model_namespace(),
                            geometry};
-  auto grant = ctx_.sessions->Open(std::move(identity), *peer);
+  auto grant = ctx_.sessions->Open(std::move(identity), *peer, std::move(access));
   if (!grant.ok()) return Answer(grant.status());
-  const CacheDomain::View view = ctx_.cache->Domain();
   response->set_session_id(grant->session_id);
   response->set_session_token(grant->token.data(), grant->token.size());
   response->set_block_bytes(view.block_bytes);
@@ -69,6 +79,7 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   response->set_submit_ring_entries(ctx_.data_plane->options().submit_entries);
   response->set_completion_ring_entries(ctx_.data_plane->options().completion_entries);
   response->set_arena_bytes(ctx_.data_plane->options().arena_bytes);
+  response->set_read_only(read_only);
   return grpc::Status::OK;
 }
 
@@ -157,12 +168,17 @@ grpc::Status ControlService::GetMetrics(grpc::ServerContext* /*context*/, const 
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::Match(grpc::ServerContext* /*context*/, const v1::MatchRequest* request,
+grpc::Status ControlService::Match(grpc::ServerContext* context, const v1::MatchRequest* request,
                                    v1::MatchResponse* response) {
   const std::string& token = request->session_token();
   Status authentic = ctx_.sessions->Authenticate(
       request->session_id(), std::span(reinterpret_cast<const uint8_t*>(token.data()), token.size()));
   if (!authentic.ok()) return Answer(authentic);
+  // The caller must be a reader itself: holding a reader's session token is not enough.
+  const auto peer = ctx_.peers->Find(context->peer());
+  if (!peer) return Answer(Status::Internal("cannot identify the calling process (no peer credentials)"));
+  Status readable = ctx_.access->CheckReader(ctx_.cache->Domain().model_namespace, *peer, IsAdmin(peer));
+  if (!readable.ok()) return Answer(readable);
   const std::string& raw = request->keys();
   if (raw.empty() || raw.size() % sizeof(BlockKey) != 0 || raw.size() / sizeof(BlockKey) > 65536) {
     return Answer(Status::InvalidArgument(
