@@ -21,16 +21,24 @@ namespace flexkv {
 namespace {
 
 // The TOML reader CLI11 uses for the flags' keys, minus the [namespace.*] tables, which ReadNamespaceAcls reads
-// (CLI11 would refuse them as unknown keys).
+// (CLI11 would refuse them as unknown keys). Not thread-safe: one per parse.
 class FlagsConfig final : public CLI::ConfigTOML {
  public:
   std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
     std::vector<CLI::ConfigItem> flags = CLI::ConfigTOML::from_config(input);
+    const size_t before = flags.size();
     std::erase_if(flags, [](const CLI::ConfigItem& item) {
       return item.parents.empty() ? item.name == "namespace" : item.parents.front() == "namespace";
     });
+    has_namespaces_ = has_namespaces_ || flags.size() != before;
     return flags;
   }
+  // Whether the file had a namespace key or table. Only such a file is read again with the strict reader, so that
+  // files CLI11 accepted before namespaces existed still do.
+  bool has_namespaces() const { return has_namespaces_; }
+
+ private:
+  mutable bool has_namespaces_ = false;
 };
 
 bool AllDigits(const std::string& s) {
@@ -163,9 +171,13 @@ Result<std::map<std::string, NamespaceAcl, std::less<>>> ReadNamespaceAcls(const
   }
   for (const auto& [key, node] : *table) {
     const std::string name(key.str());
-    const std::string header = fmt::format("--config {} line {}: [namespace.\"{}\"]", config_path, line(node), name);
+    // Checked before the name goes into any message (no control characters reach the log).
     Status valid_name = CheckName("namespace", name, 256);
-    if (!valid_name.ok()) return valid_name.WithContext(header);
+    if (!valid_name.ok()) {
+      return valid_name.WithContext(fmt::format("--config {} line {}: a [namespace.\"<name>\"] table's name",
+                                                config_path, line(node)));
+    }
+    const std::string header = fmt::format("--config {} line {}: [namespace.\"{}\"]", config_path, line(node), name);
     const auto* entries = node.as_table();
     if (entries == nullptr) {
       return Status::InvalidArgument(
@@ -205,7 +217,8 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   app.set_config("--config", "",
                  "TOML file with the same keys as the long flags (socket = \"...\"), and [namespace.\"<name>\"] "
                  "tables with writers and readers");
-  app.config_formatter(std::make_shared<FlagsConfig>());
+  auto flags_config = std::make_shared<FlagsConfig>();
+  app.config_formatter(flags_config);
   app.get_config_ptr()->check(CLI::ExistingFile);
   app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key must not be silently ignored
 
@@ -307,7 +320,7 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
     }
     cfg.metrics_listen = *address;
   }
-  if (app.get_config_ptr()->count() > 0) {
+  if (app.get_config_ptr()->count() > 0 && flags_config->has_namespaces()) {
     auto acls = ReadNamespaceAcls(app.get_config_ptr()->as<std::string>());
     if (!acls.ok()) return usage_error(acls.status());
     cfg.namespace_acls = std::move(*acls);

@@ -54,8 +54,8 @@ SessionAccess NamespaceAccess::Decide(std::string_view model_namespace, const Pe
         peer.uid, model_namespace, ListText(acl->writers), acl->source))};
   }
   if (creator_uid && *creator_uid == peer.uid) return SessionAccess{Status::Ok()};
-  const std::string writer =
-      creator_uid ? fmt::format("uid {}, which created it", *creator_uid) : std::string("unknown (no creator recorded)");
+  const std::string writer = creator_uid ? fmt::format("uid {}, which created it", *creator_uid)
+                                         : std::string("unknown (no creator recorded)");
   return SessionAccess{Status::PermissionDenied(fmt::format(
       "Store refused: uid {} may not write namespace '{}'; it has no ACL in the daemon's config, so its writer is {}, "
       "besides admins; this session may match and load only (an operator can list writers under "
