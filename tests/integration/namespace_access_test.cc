@@ -1,18 +1,26 @@
 // Who may write and read a namespace's blocks, with engines of two uids (setpriv): by default only the uid that
 // created the namespace stores (others match and load), also after a restart; a config ACL names the writers and
 // readers instead. Needs root to run clients as other uids; without it the tests only warn.
+#include <fcntl.h>
+#include <grp.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "flexkv/client.h"
 #include "tests/support/process.h"
+#include "tests/support/raw_protocol.h"
 
 using namespace std::chrono_literals;
 using flexkv::testing::ChildProcess;
@@ -75,6 +83,100 @@ uint64_t IndexBlocks(const DaemonUnderTest& d) {
   auto s = (*c)->GetStatus();
   REQUIRE(s.ok());
   return s->index_blocks;
+}
+
+// A child forked at construction (before this process starts gRPC), which waits for its input, then runs `body` as
+// `uid` (primary group nogroup) and sends back what it returns.
+class ForkedAs {
+ public:
+  ForkedAs(uid_t uid, const std::function<std::string(const std::string&)>& body) {
+    REQUIRE(pipe2(to_child_, O_CLOEXEC) == 0);
+    REQUIRE(pipe2(from_child_, O_CLOEXEC) == 0);
+    pid_ = fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      alarm(20);  // never hangs the test
+      close(to_child_[1]);
+      close(from_child_[0]);
+      const std::string input = ReadAll(to_child_[0], '\0');
+      const gid_t group = kNogroup;
+      if (setgroups(1, &group) != 0 || setresgid(kNogroup, kNogroup, kNogroup) != 0 || setresuid(uid, uid, uid) != 0) {
+        _exit(10);
+      }
+      const std::string out = body(input);
+      (void)!write(from_child_[1], out.data(), out.size());
+      _exit(0);
+    }
+    close(to_child_[0]);
+    close(from_child_[1]);
+  }
+  ~ForkedAs() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  std::string Run(const std::string& input) {
+    // NUL-terminated: another child forked later holds this pipe's write end too, so no EOF comes.
+    REQUIRE(write(to_child_[1], input.c_str(), input.size() + 1) == static_cast<ssize_t>(input.size() + 1));
+    close(to_child_[1]);
+    const std::string out = ReadAll(from_child_[0]);
+    close(from_child_[0]);
+    int status = 0;
+    REQUIRE(waitpid(pid_, &status, 0) == pid_);
+    pid_ = -1;
+    INFO("child exit status " << status);
+    REQUIRE(WIFEXITED(status));
+    REQUIRE(WEXITSTATUS(status) == 0);
+    return out;
+  }
+
+ private:
+  // Reads up to EOF, or up to `end` (not included).
+  static std::string ReadAll(int fd, std::optional<char> end = std::nullopt) {
+    std::string out;
+    char c;
+    while (read(fd, &c, 1) == 1) {
+      if (end && c == *end) break;
+      out.push_back(c);
+    }
+    return out;
+  }
+  int to_child_[2] = {-1, -1};
+  int from_child_[2] = {-1, -1};
+  pid_t pid_ = -1;
+};
+
+flexkv::Geometry SmallGeometry() {
+  flexkv::Geometry g = flexkv::Llama3_8B();
+  g.num_layers = 2;
+  return g;
+}
+
+// In a ForkedAs child: input "<socket>\n<session id>\n<token hex>"; calls the gRPC Match with that session's token,
+// then Attach of its own; returns "<Match code> <Attach code> <read_only>".
+std::string MatchThenAttach(const std::string& input) {
+  std::istringstream in(input);
+  std::string socket, id, hex, token;
+  std::getline(in, socket);
+  std::getline(in, id);
+  std::getline(in, hex);
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+    token.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  }
+  auto stub = flexkv::testing::ControlStub(socket);
+  flexkv::v1::MatchRequest req;
+  req.set_session_id(std::stoull(id));
+  req.set_session_token(token);
+  req.set_keys(std::string(16, '\x01'));
+  flexkv::v1::MatchResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+  const grpc::Status match = stub->Match(&ctx, req, &resp);
+  flexkv::v1::AttachResponse attached;
+  const grpc::Status attach = flexkv::testing::TryRawAttach(*stub, "forked", "test-model", SmallGeometry(), &attached);
+  return std::to_string(static_cast<int>(match.error_code())) + " " +
+         std::to_string(static_cast<int>(attach.error_code())) + " " + (attached.read_only() ? "1" : "0");
 }
 
 bool CanSwitchUids() {
@@ -189,4 +291,31 @@ TEST_CASE("a config ACL's readers refuse Attach to everyone else", "[integration
   CHECK(reader[1] == "LOADED 0 0 1 OK");
   CHECK(reader[2] == "STORED 0 0 PERMISSION_DENIED");
   CHECK(IndexBlocks(d) == 0);
+}
+
+TEST_CASE("the gRPC Match and Attach follow the reader rule, a reader that may not write attaches read-only",
+          "[integration][security]") {
+  if (!CanSwitchUids()) return;
+  ForkedAs outsider(kCreator, MatchThenAttach);  // not a reader
+  ForkedAs reader(kOther, MatchThenAttach);      // a reader, no writer
+  ConfigFile config(
+      "[namespace.\"test-model\"]\n"
+      "writers = []\n"
+      "readers = [\"daemon\"]\n");
+  DaemonUnderTest d({"--pool-size", "64MiB", "--socket-group", "nogroup", "--config", config.path});
+  REQUIRE(d.WaitReady());
+  auto stub = flexkv::testing::ControlStub(d.socket());
+  flexkv::v1::AttachResponse admin;
+  REQUIRE(flexkv::testing::TryRawAttach(*stub, "admin", "test-model", SmallGeometry(), &admin).ok());
+  CHECK_FALSE(admin.read_only());
+  std::ostringstream input;
+  input << d.socket() << "\n" << admin.session_id() << "\n";
+  for (unsigned char ch : admin.session_token()) {
+    char hex[3];
+    std::snprintf(hex, sizeof(hex), "%02x", ch);
+    input << hex;
+  }
+  const std::string denied = std::to_string(static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
+  CHECK(outsider.Run(input.str()) == denied + " " + denied + " 0");  // the admin's token does not make it a reader
+  CHECK(reader.Run(input.str()) == "0 0 1");
 }
