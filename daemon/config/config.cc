@@ -85,7 +85,9 @@ Result<AccessPrincipal> ParsePrincipal(const toml::node& node, const std::string
     p.kind = AccessPrincipal::Kind::kGroup;
     name = name.substr(6);
   }
-  if (name.empty()) return Status::InvalidArgument(fmt::format("{} '{}' names nobody; expected {}", where, p.text, kPrincipalForms));
+  if (name.empty()) {
+    return Status::InvalidArgument(fmt::format("{} '{}' names nobody; expected {}", where, p.text, kPrincipalForms));
+  }
   if (AllDigits(name)) {
     p.id = static_cast<uint32_t>(std::stoul(name));
     return p;

@@ -132,7 +132,7 @@ TEST_CASE("a group is resolved by name or numeric gid, an unknown one names the 
   CHECK(flexkv::ResolveGroup("--admin-group", "").status().code() == flexkv::StatusCode::kInvalidArgument);
 }
 
-TEST_CASE("[namespace] tables in the config set each namespace's writers and readers, names resolved",
+TEST_CASE("namespace tables in the config set each namespace's writers and readers, names resolved",
           "[unit][security]") {
   TomlFile f(
       "pool-size = \"64MiB\"\n"
@@ -167,7 +167,7 @@ TEST_CASE("[namespace] tables in the config set each namespace's writers and rea
   CHECK(Parse({}).config->namespace_acls.empty());
 }
 
-TEST_CASE("a bad [namespace] table refuses to start, naming the file, the line, the entry and what was expected",
+TEST_CASE("a bad namespace table in the config refuses to start, naming the file, line, entry and what was expected",
           "[unit][security]") {
   auto message = [](const std::string& text) {
     TomlFile f(text);
@@ -207,7 +207,7 @@ TEST_CASE("a bad [namespace] table refuses to start, naming the file, the line, 
   CHECK(message("[namespace]\nm = 3\n") ==
         "line 2: [namespace.\"m\"] is an integer; expected a table with writers and readers");
   CHECK(message("[namespace.\"a\\u0001b\"]\nwriters = []\n") ==
-        "line 1: a [namespace.\"<name>\"] table's name: namespace has control character U+0001 at byte offset 1; expected "
-        "printable UTF-8 text (no NUL, no U+0000..U+001F or U+007F..U+009F)");
+        "line 1: a [namespace.\"<name>\"] table's name: namespace has control character U+0001 at byte offset 1; "
+        "expected printable UTF-8 text (no NUL, no U+0000..U+001F or U+007F..U+009F)");
   CHECK_THAT(message("[namespace.\"m\"]\nwriters = [\n"), Catch::StartsWith("line "));
 }
