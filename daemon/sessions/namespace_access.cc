@@ -43,24 +43,25 @@ Status NamespaceAccess::CheckReader(std::string_view model_namespace, const Peer
       peer.uid, peer.pid, model_namespace, ListText(*acl->readers), ListText(acl->writers), acl->source));
 }
 
+// The refusal reaches the client in a completion's 88-byte message: who, the namespace and where its writers come
+// from lead, the rest (the list, which may be long) follows.
 SessionAccess NamespaceAccess::Decide(std::string_view model_namespace, const PeerCredentials& peer, bool admin,
                                       std::optional<uid_t> creator_uid) const {
   if (admin) return SessionAccess{Status::Ok()};
   if (const NamespaceAcl* acl = AclOf(model_namespace)) {
     if (AnyMatches(acl->writers, peer)) return SessionAccess{Status::Ok()};
     return SessionAccess{Status::PermissionDenied(fmt::format(
-        "Store refused: uid {} may not write namespace '{}'; its writers are {} ({}), besides admins; this session "
-        "may match and load only",
-        peer.uid, model_namespace, ListText(acl->writers), acl->source))};
+        "uid {} may not store in namespace '{}': its writers are set by {}: {}; admins may too; this session may "
+        "match and load only",
+        peer.uid, model_namespace, acl->source, ListText(acl->writers)))};
   }
   if (creator_uid && *creator_uid == peer.uid) return SessionAccess{Status::Ok()};
   const std::string writer = creator_uid ? fmt::format("uid {}, which created it", *creator_uid)
                                          : std::string("unknown (no creator recorded)");
   return SessionAccess{Status::PermissionDenied(fmt::format(
-      "Store refused: uid {} may not write namespace '{}'; it has no ACL in the daemon's config, so its writer is {}, "
-      "besides admins; this session may match and load only (an operator can list writers under "
-      "[namespace.\"{}\"] in the config)",
-      peer.uid, model_namespace, writer, model_namespace))};
+      "uid {} may not store in namespace '{}': its writer is {}, as the config sets no ACL for it; admins may too; "
+      "this session may match and load only",
+      peer.uid, model_namespace, writer))};
 }
 
 }  // namespace flexkv

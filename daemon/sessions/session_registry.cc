@@ -158,7 +158,7 @@ Result<SessionRegistry::Grant> SessionRegistry::Open(SessionIdentity identity, c
     log::Info("sessions", "session {} opened: '{}' pid {} uid {} dp_rank {} tp_rank {} namespace '{}'{}", session->id,
               session->identity.client_name, peer.pid, peer.uid, session->identity.dp_rank,
               session->identity.tp_rank, session->identity.model_namespace,
-              session->access.may_store() ? "" : " (read-only: may not store)");
+              session->access.may_store() ? "" : " (read-only: " + session->access.store.message() + ")");
     sessions_.emplace(session->id, std::move(session));
   }
   return grant;

@@ -42,9 +42,8 @@ TEST_CASE("namespace access: without an ACL everyone reads, the creator and admi
   CHECK_FALSE(other.may_store());
   CHECK(other.store.code() == StatusCode::kPermissionDenied);
   CHECK(other.store.message() ==
-        "Store refused: uid 1001 may not write namespace 'llama'; it has no ACL in the daemon's config, so its writer "
-        "is uid 1000, which created it, besides admins; this session may match and load only (an operator can list "
-        "writers under [namespace.\"llama\"] in the config)");
+        "uid 1001 may not store in namespace 'llama': its writer is uid 1000, which created it, as the config sets no "
+        "ACL for it; admins may too; this session may match and load only");
   // A group does not stand in for the creator's uid.
   CHECK_FALSE(access.Decide("llama", Peer(1001, 1000, {1000}), false, 1000).may_store());
   CHECK_FALSE(access.Decide("llama", Peer(1001), false, std::nullopt).may_store());
@@ -58,8 +57,8 @@ TEST_CASE("namespace access: an ACL's writers write, whoever created the namespa
   CHECK(access.Decide("llama", Peer(0), true, 1000).may_store());                  // admin
   const auto creator = access.Decide("llama", Peer(1000), false, 1000);
   CHECK(creator.store.message() ==
-        "Store refused: uid 1000 may not write namespace 'llama'; its writers are [alice, group:inference] "
-        "(--config /etc/flexkvd.toml line 3), besides admins; this session may match and load only");
+        "uid 1000 may not store in namespace 'llama': its writers are set by --config /etc/flexkvd.toml line 3: "
+        "[alice, group:inference]; admins may too; this session may match and load only");
   // Readers absent: everyone who may connect reads.
   CHECK(access.CheckReader("llama", Peer(2000), false).ok());
   // Another namespace has no ACL: the creator default holds there.
