@@ -227,7 +227,7 @@ Result<SessionInfo> Client::Attach(const AttachOptions& options) {
     absl::MutexLock lock(&impl_->mu);
     impl_->session = std::move(session);
   }
-  return SessionInfo{resp.session_id(), resp.block_bytes(), resp.capacity_blocks()};
+  return SessionInfo{resp.session_id(), resp.block_bytes(), resp.capacity_blocks(), resp.read_only()};
 }
 
 Status Client::Detach() {

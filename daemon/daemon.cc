@@ -1,6 +1,7 @@
 // flexkvd's assembly and main loop; see daemon.h.
 #include "daemon/daemon.h"
 
+#include <fmt/format.h>
 #include <grpcpp/ext/health_check_service_server_builder_option.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -112,8 +113,9 @@ int RunDaemon(const DaemonConfig& config) {
   SessionRegistry sessions(SessionLimits{static_cast<int64_t>(config.attach_timeout_s * 1000),
                                          config.max_pending_sessions_per_uid, config.max_pending_sessions,
                                          config.fd_reserve});
-  sessions.SetChannelOpenCallback(
-      [&](uint64_t id, const Geometry& g) { return data_plane.OpenSession(id, g); });
+  sessions.SetChannelOpenCallback([&](uint64_t id, const Geometry& g, const SessionAccess& access) {
+    return data_plane.OpenSession(id, g, access);
+  });
   sessions.SetEndCallback([&](uint64_t id, const std::string&) { data_plane.EndSession(id); });
   PeerTable peers;
   std::atomic<bool> shutting_down{false};
@@ -130,8 +132,13 @@ int RunDaemon(const DaemonConfig& config) {
   ErrorCounts control_errors;
   auto metrics = std::make_shared<DaemonMetrics>(
       MetricsSources{&cache, &data_plane, &sessions, &lifecycle, &control_errors});
+  const NamespaceAccess access(config.namespace_acls);
+  for (const auto& [name, acl] : config.namespace_acls) {
+    log::Info("daemon", "namespace '{}': ACL from {} ({} writers, {})", name, acl.source, acl.writers.size(),
+              acl.readers ? fmt::format("{} readers", acl.readers->size()) : std::string("everyone may read"));
+  }
   ControlService control(ControlContext{&cache, &data_plane, &backends, &sessions, &lifecycle, &peers,
-                                        config.admin_gid, started_ms, &control_errors, metrics.get()});
+                                        config.admin_gid, started_ms, &control_errors, metrics.get(), &access});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);

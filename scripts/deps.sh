@@ -7,6 +7,7 @@ FLEXKV_PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libcli11-dev catch2 libfmt-dev libxxhash-dev libsystemd-dev
+  libtomlplusplus-dev  # the config's [namespace.*] ACL tables, with line numbers in errors
   nlohmann-json3-dev  # JSON: flexkvctl --json, flexkv-bench reports, the trace reader
   liburing-dev libibverbs-dev libboost-dev
   python3 python3-grpcio python3-protobuf python3-xxhash

@@ -72,26 +72,30 @@ Status Cache::RecoverPool(bool discard) {
     ::unlink(pool_path_.c_str());
     return CheckPoolSpace();
   }
-  Status admitted = domain_.Admit((*pool)->model_namespace(), (*pool)->geometry());
+  Status admitted = domain_.Admit((*pool)->model_namespace(), (*pool)->geometry(), (*pool)->creator_uid());
   if (!admitted.ok()) {
     return admitted.WithContext(
         fmt::format("pool file {} (start with --discard-pool to replace it; its blocks are lost)", pool_path_));
   }
-  log::Info("cache", "re-attached pool {}: {} committed blocks restored, {} incomplete or orphaned dropped; domain '{}' {}",
-            pool_path_, index->committed_blocks(), dropped, (*pool)->model_namespace(), (*pool)->geometry().ToString());
+  log::Info("cache",
+            "re-attached pool {}: {} committed blocks restored, {} incomplete or orphaned dropped; domain '{}' {}, "
+            "created by uid {}",
+            pool_path_, index->committed_blocks(), dropped, (*pool)->model_namespace(), (*pool)->geometry().ToString(),
+            (*pool)->creator_uid());
   AdoptPoolLocked(std::move(*pool), std::move(index));
   return Status::Ok();
 }
 
-Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry) {
-  FLEXKV_RETURN_IF_ERROR(domain_.Admit(model_namespace, geometry));
+Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid) {
+  FLEXKV_RETURN_IF_ERROR(domain_.Admit(model_namespace, geometry, creator_uid));
   MutexLock lock(&mu_);
   if (pool_) return Status::Ok();
-  return CreatePoolLocked(model_namespace, geometry);
+  // The domain's creator, not this caller's uid: two first Attaches may race, and the one that fixed the domain wins.
+  return CreatePoolLocked(model_namespace, geometry, domain_.Snapshot().creator_uid.value_or(creator_uid));
 }
 
-Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry) {
-  auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes_);
+Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid) {
+  auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes_, creator_uid);
   if (!pool.ok()) return pool.status();
   FLEXKV_RETURN_IF_ERROR(pool_lock_.LockPoolFile());
   auto index = std::make_unique<PrefixIndex>((*pool)->capacity());

@@ -39,8 +39,9 @@ class Cache {
   // With `discard`, a pool file that cannot be used is replaced (its blocks are lost) instead of refused.
   Status RecoverPool(bool discard);
 
-  // Validates a session's cache domain; the first one creates the pool.
-  Status Admit(const std::string& model_namespace, const Geometry& geometry);
+  // Validates a session's cache domain; the first one creates the pool, recording `creator_uid` (the attaching
+  // peer's uid; see CacheDomain::Admit) in the pool file so that it survives a restart.
+  Status Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid = 0);
 
   // Drops the cache domain and its pool (the pool file is deleted, its blocks are lost) so that the next Admit
   // fixes a new one. The caller guarantees that no session is attached and none can attach meanwhile (the
@@ -86,7 +87,7 @@ class Cache {
  private:
   // RESOURCE_EXHAUSTED (naming the pool file and what to do) when the pool's filesystem cannot hold the budget.
   Status CheckPoolSpace() const;
-  Status CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry)
+  Status CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Installs `pool` and its index, publishes has_pool_ and tells the listener.
   void AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index)

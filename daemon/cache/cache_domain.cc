@@ -64,7 +64,7 @@ Status CheckName(std::string_view field, std::string_view value, size_t max_byte
   return Status::Ok();
 }
 
-Status CacheDomain::Admit(const std::string& model_namespace, const Geometry& geometry) {
+Status CacheDomain::Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid) {
   FLEXKV_RETURN_IF_ERROR(CheckName("model_namespace", model_namespace, 256));
   FLEXKV_RETURN_IF_ERROR(geometry.Validate());
   if (geometry.host_block_bytes() > budget_bytes_) {
@@ -77,6 +77,7 @@ Status CacheDomain::Admit(const std::string& model_namespace, const Geometry& ge
   if (!geometry_) {
     geometry_ = geometry;
     namespace_ = model_namespace;
+    creator_uid_ = creator_uid;
     return Status::Ok();
   }
   if (model_namespace != namespace_) {
@@ -91,6 +92,7 @@ void CacheDomain::Reset() {
   MutexLock lock(&mu_);
   geometry_.reset();
   namespace_.clear();
+  creator_uid_ = 0;
 }
 
 CacheDomain::View CacheDomain::Snapshot() const {
@@ -102,6 +104,7 @@ CacheDomain::View CacheDomain::Snapshot() const {
   if (geometry_) {
     v.block_bytes = geometry_->host_block_bytes();
     v.capacity_blocks = budget_bytes_ / v.block_bytes;
+    v.creator_uid = creator_uid_;
   }
   return v;
 }

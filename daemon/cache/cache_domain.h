@@ -2,6 +2,8 @@
 // and the pool size that follows from it (capacity_blocks = budget / host block bytes).
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -28,7 +30,9 @@ class CacheDomain {
 
   // Validates `model_namespace` (CheckName, 1..256 bytes) and `geometry` (INVALID_ARGUMENT naming the field), then fixes the domain on first use or
   // checks it against the fixed one (FAILED_PRECONDITION naming the differing field and both values).
-  Status Admit(const std::string& model_namespace, const Geometry& geometry);
+  // `creator_uid` (the attaching peer's uid, or the one a re-attached pool file records) becomes the domain's
+  // creator when this call fixes the domain: without a config ACL, only it and admins may store (NamespaceAccess).
+  Status Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid = 0);
 
   struct View {
     std::optional<Geometry> geometry;  // unset until the first Attach
@@ -36,6 +40,7 @@ class CacheDomain {
     uint64_t budget_bytes = 0;
     uint64_t block_bytes = 0;
     uint64_t capacity_blocks = 0;
+    std::optional<uid_t> creator_uid;  // unset until the first Attach
   };
   View Snapshot() const;
 
@@ -47,6 +52,7 @@ class CacheDomain {
   mutable Mutex mu_;
   std::optional<Geometry> geometry_ ABSL_GUARDED_BY(mu_);
   std::string namespace_ ABSL_GUARDED_BY(mu_);
+  uid_t creator_uid_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace flexkv

@@ -36,9 +36,11 @@ struct PoolHeader {
   uint64_t data_offset;
   uint64_t file_bytes;
   char model_namespace[257];
-  char pad[7];
+  char pad[3];
+  uint32_t creator_uid;  // the uid whose Attach created the namespace (version 2)
   uint64_t checksum;  // XXH64 of everything above
 };
+static_assert(offsetof(PoolHeader, checksum) == 344, "the header's fields keep their offsets");
 
 uint64_t HeaderChecksum(const PoolHeader& h) { return XXH64(&h, offsetof(PoolHeader, checksum), 0); }
 
@@ -70,7 +72,7 @@ uint64_t EntryChecksum(const BlockKey& key, const BlockKey& parent) {
 }  // namespace
 
 Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::string& model_namespace,
-                                           const Geometry& geometry, uint64_t budget_bytes) {
+                                           const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid) {
   static_assert(sizeof(SlotEntry) == 64);
   static_assert(sizeof(PoolHeader) <= kHeaderBytes);
   const uint64_t block_bytes = geometry.host_block_bytes();
@@ -110,6 +112,7 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   auto pool = std::unique_ptr<Pool>(new Pool());
   pool->path_ = path;
   pool->namespace_ = model_namespace;
+  pool->creator_uid_ = creator_uid;
   pool->geometry_ = geometry;
   pool->block_bytes_ = block_bytes;
   pool->capacity_ = static_cast<uint32_t>(capacity);
@@ -130,13 +133,14 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   h.data_offset = data_offset;
   h.file_bytes = file_bytes;
   std::snprintf(h.model_namespace, sizeof(h.model_namespace), "%s", model_namespace.c_str());
+  h.creator_uid = creator_uid;
   h.checksum = HeaderChecksum(h);
   std::memcpy(pool->map_.data(), &h, sizeof(h));
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     return Status::FailedPrecondition(fmt::format("rename {} -> {}: {}", tmp, path, ErrnoText(errno)));
   }
-  log::Info("pool", "created {}: {} slots of {} ({} in all)", path, capacity, FormatByteSize(block_bytes),
-            FormatByteSize(file_bytes));
+  log::Info("pool", "created {}: {} slots of {} ({} in all), namespace '{}' created by uid {}", path, capacity,
+            FormatByteSize(block_bytes), FormatByteSize(file_bytes), model_namespace, creator_uid);
   return pool;
 }
 
@@ -188,6 +192,7 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   auto pool = std::unique_ptr<Pool>(new Pool());
   pool->path_ = path;
   pool->namespace_ = h.model_namespace;
+  pool->creator_uid_ = h.creator_uid;
   pool->geometry_ = g;
   pool->block_bytes_ = h.block_bytes;
   pool->capacity_ = static_cast<uint32_t>(h.capacity);

@@ -6,6 +6,8 @@
 // and cleared before they are overwritten, so a block that was mid-copy at a crash is never restored.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -21,7 +23,8 @@
 
 namespace flexkv {
 
-inline constexpr uint32_t kPoolLayoutVersion = 1;
+// 2: the header records the uid that created the namespace (who may store in it by default).
+inline constexpr uint32_t kPoolLayoutVersion = 2;
 
 class Pool {
  public:
@@ -31,10 +34,11 @@ class Pool {
     BlockKey parent;  // zero for a first block
   };
 
-  // Creates (or replaces) the pool file for `geometry`, sized to floor(budget / block bytes) slots.
-  // The file's space is allocated up front: a full /dev/shm fails here (RESOURCE_EXHAUSTED), not later.
+  // Creates (or replaces) the pool file for `geometry`, sized to floor(budget / block bytes) slots, recording
+  // `creator_uid`, the uid whose Attach created the namespace. The file's space is allocated up front: a full
+  // /dev/shm fails here (RESOURCE_EXHAUSTED), not later.
   static Result<std::unique_ptr<Pool>> Create(const std::string& path, const std::string& model_namespace,
-                                              const Geometry& geometry, uint64_t budget_bytes);
+                                              const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid = 0);
 
   // Opens an existing pool file. NOT_FOUND when there is none. FAILED_PRECONDITION (naming the field)
   // when its version, size or budget do not fit, DATA_LOSS when the header is corrupt or the file is shorter
@@ -47,6 +51,7 @@ class Pool {
 
   const Geometry& geometry() const { return geometry_; }
   const std::string& model_namespace() const { return namespace_; }
+  uid_t creator_uid() const { return creator_uid_; }
   const std::string& path() const { return path_; }
   uint64_t block_bytes() const { return block_bytes_; }
   uint32_t capacity() const { return capacity_; }
@@ -70,6 +75,7 @@ class Pool {
 
   std::string path_;
   std::string namespace_;
+  uid_t creator_uid_ = 0;
   Geometry geometry_;
   uint64_t block_bytes_ = 0;
   uint32_t capacity_ = 0;

@@ -2,18 +2,141 @@
 #include "daemon/config/config.h"
 
 #include <grp.h>
+#include <pwd.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdio>
+#include <fmt/format.h>
 #include <iostream>
+#include <toml++/toml.h>
 
 #include "common/paths.h"
 #include "common/units.h"
 #include "common/version.h"
+#include "daemon/cache/cache_domain.h"
 
 namespace flexkv {
+namespace {
+
+// The TOML reader CLI11 uses for the flags' keys, minus the [namespace.*] tables, which ReadNamespaceAcls reads
+// (CLI11 would refuse them as unknown keys). Not thread-safe: one per parse.
+class FlagsConfig final : public CLI::ConfigTOML {
+ public:
+  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
+    std::vector<CLI::ConfigItem> flags = CLI::ConfigTOML::from_config(input);
+    const size_t before = flags.size();
+    std::erase_if(flags, [](const CLI::ConfigItem& item) {
+      return item.parents.empty() ? item.name == "namespace" : item.parents.front() == "namespace";
+    });
+    has_namespaces_ = has_namespaces_ || flags.size() != before;
+    return flags;
+  }
+  // Whether the file had a namespace key or table. Only such a file is read again with the strict reader, so that
+  // files CLI11 accepted before namespaces existed still do.
+  bool has_namespaces() const { return has_namespaces_; }
+
+ private:
+  mutable bool has_namespaces_ = false;
+};
+
+bool AllDigits(const std::string& s) {
+  return !s.empty() && s.size() < 10 && s.find_first_not_of("0123456789") == std::string::npos;
+}
+
+std::string_view TypeName(toml::node_type type) {
+  switch (type) {
+    case toml::node_type::table: return "a table";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    case toml::node_type::date: return "a date";
+    case toml::node_type::time: return "a time";
+    case toml::node_type::date_time: return "a date-time";
+    case toml::node_type::none: break;
+  }
+  return "nothing";
+}
+
+constexpr char kPrincipalForms[] = "a user name, a uid, or \"group:\" with a group name or gid";
+
+// One entry of a writers/readers array. `where` names the file, line and entry for messages.
+Result<AccessPrincipal> ParsePrincipal(const toml::node& node, const std::string& where) {
+  AccessPrincipal p;
+  if (const auto* number = node.as_integer()) {
+    const int64_t v = number->get();
+    if (v < 0 || v >= int64_t{UINT32_MAX}) {
+      return Status::InvalidArgument(fmt::format("{} is {}; expected a uid in 0..{}", where, v, UINT32_MAX - 1));
+    }
+    p.id = static_cast<uint32_t>(v);
+    p.text = std::to_string(v);
+    return p;
+  }
+  const auto* str = node.as_string();
+  if (str == nullptr) {
+    return Status::InvalidArgument(fmt::format("{} is {}; expected {}", where, TypeName(node.type()), kPrincipalForms));
+  }
+  p.text = str->get();
+  std::string name = p.text;
+  if (name.starts_with("group:")) {
+    p.kind = AccessPrincipal::Kind::kGroup;
+    name = name.substr(6);
+  }
+  if (name.empty()) {
+    return Status::InvalidArgument(fmt::format("{} '{}' names nobody; expected {}", where, p.text, kPrincipalForms));
+  }
+  if (AllDigits(name)) {
+    p.id = static_cast<uint32_t>(std::stoul(name));
+    return p;
+  }
+  std::string buf(16384, '\0');
+  int rc;
+  if (p.kind == AccessPrincipal::Kind::kGroup) {
+    group grp{};
+    group* found = nullptr;
+    rc = getgrnam_r(name.c_str(), &grp, buf.data(), buf.size(), &found);
+    if (rc == 0 && found != nullptr) p.id = found->gr_gid;
+    if (rc == 0 && found == nullptr) {
+      return Status::InvalidArgument(fmt::format("{} '{}' is not a known group; expected {}", where, p.text,
+                                                 kPrincipalForms));
+    }
+  } else {
+    passwd pw{};
+    passwd* found = nullptr;
+    rc = getpwnam_r(name.c_str(), &pw, buf.data(), buf.size(), &found);
+    if (rc == 0 && found != nullptr) p.id = found->pw_uid;
+    if (rc == 0 && found == nullptr) {
+      return Status::InvalidArgument(fmt::format("{} '{}' is not a known user; expected {}", where, p.text,
+                                                 kPrincipalForms));
+    }
+  }
+  if (rc != 0) {
+    return Status::InvalidArgument(fmt::format("{} '{}': cannot look the name up: {}", where, p.text, ErrnoText(rc)));
+  }
+  return p;
+}
+
+Result<std::vector<AccessPrincipal>> ParsePrincipals(const toml::node& node, const std::string& where) {
+  const auto* array = node.as_array();
+  if (array == nullptr) {
+    return Status::InvalidArgument(fmt::format("{} is {}; expected an array of entries, each {}", where,
+                                               TypeName(node.type()), kPrincipalForms));
+  }
+  std::vector<AccessPrincipal> out;
+  for (size_t i = 0; i < array->size(); ++i) {
+    const toml::node& entry = *array->get(i);
+    const std::string at = fmt::format("{}[{}]", where, i);
+    auto principal = ParsePrincipal(entry, at);
+    if (!principal.ok()) return principal.status();
+    out.push_back(std::move(*principal));
+  }
+  return out;
+}
+
+}  // namespace
 
 Result<gid_t> ResolveGroup(const std::string& flag, const std::string& name) {
   if (name.empty()) return Status::InvalidArgument(flag + " is empty; expected a group name or a numeric gid");
@@ -30,10 +153,74 @@ Result<gid_t> ResolveGroup(const std::string& flag, const std::string& name) {
   return found->gr_gid;
 }
 
+Result<std::map<std::string, NamespaceAcl, std::less<>>> ReadNamespaceAcls(const std::string& config_path) {
+  toml::table root;
+  try {
+    root = toml::parse_file(config_path);
+  } catch (const toml::parse_error& e) {
+    return Status::InvalidArgument(fmt::format("--config {} line {}: {}; expected TOML", config_path,
+                                               e.source().begin.line, e.description()));
+  }
+  std::map<std::string, NamespaceAcl, std::less<>> acls;
+  const toml::node* namespaces = root.get("namespace");
+  if (namespaces == nullptr) return acls;
+  const auto line = [](const toml::node& n) { return n.source().begin.line; };
+  const auto* table = namespaces->as_table();
+  if (table == nullptr) {
+    return Status::InvalidArgument(fmt::format(
+        "--config {} line {}: namespace is {}; expected tables [namespace.\"<name>\"] with writers and readers",
+        config_path, line(*namespaces), TypeName(namespaces->type())));
+  }
+  for (const auto& [key, node] : *table) {
+    const std::string name(key.str());
+    // Checked before the name goes into any message (no control characters reach the log).
+    Status valid_name = CheckName("namespace", name, 256);
+    if (!valid_name.ok()) {
+      return valid_name.WithContext(fmt::format("--config {} line {}: a [namespace.\"<name>\"] table's name",
+                                                config_path, line(node)));
+    }
+    const std::string header = fmt::format("--config {} line {}: [namespace.\"{}\"]", config_path, line(node), name);
+    const auto* entries = node.as_table();
+    if (entries == nullptr) {
+      return Status::InvalidArgument(
+          fmt::format("{} is {}; expected a table with writers and readers", header, TypeName(node.type())));
+    }
+    NamespaceAcl acl;
+    acl.source = fmt::format("--config {} line {}", config_path, line(node));
+    bool has_writers = false;
+    for (const auto& [field, value] : *entries) {
+      const std::string where =
+          fmt::format("--config {} line {}: [namespace.\"{}\"] {}", config_path, line(value), name, field.str());
+      if (field.str() == "writers") {
+        auto writers = ParsePrincipals(value, where);
+        if (!writers.ok()) return writers.status();
+        acl.writers = std::move(*writers);
+        has_writers = true;
+      } else if (field.str() == "readers") {
+        auto readers = ParsePrincipals(value, where);
+        if (!readers.ok()) return readers.status();
+        acl.readers = std::move(*readers);
+      } else {
+        return Status::InvalidArgument(fmt::format("{} is not a known key; expected writers or readers", where));
+      }
+    }
+    if (!has_writers) {
+      return Status::InvalidArgument(fmt::format(
+          "{} has no writers; expected writers = [...] (users, uids, \"group:<name>\"; [] for admins only)", header));
+    }
+    acls.emplace(name, std::move(acl));
+  }
+  return acls;
+}
+
 ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   CLI::App app{"flexkvd: node-local KV-cache daemon for LLM inference engines"};
   app.set_version_flag("--version", kVersion);
-  app.set_config("--config", "", "TOML file with the same keys as the long flags (socket = \"...\")");
+  app.set_config("--config", "",
+                 "TOML file with the same keys as the long flags (socket = \"...\"), and [namespace.\"<name>\"] "
+                 "tables with writers and readers");
+  auto flags_config = std::make_shared<FlagsConfig>();
+  app.config_formatter(flags_config);
   app.get_config_ptr()->check(CLI::ExistingFile);
   app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key must not be silently ignored
 
@@ -134,6 +321,11 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
           "--metrics-allow-remote to serve it to the network"));
     }
     cfg.metrics_listen = *address;
+  }
+  if (app.get_config_ptr()->count() > 0 && flags_config->has_namespaces()) {
+    auto acls = ReadNamespaceAcls(app.get_config_ptr()->as<std::string>());
+    if (!acls.ok()) return usage_error(acls.status());
+    cfg.namespace_acls = std::move(*acls);
   }
   if (cfg.pool_path.empty()) cfg.pool_path = "/dev/shm/flexkvd-" + std::to_string(geteuid()) + "/pool";
   return ParsedArgs{cfg, 0};

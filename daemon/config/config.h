@@ -4,11 +4,14 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <optional>
 #include <string>
 
 #include "common/log.h"
 #include "daemon/metrics/listen_address.h"
+#include "daemon/sessions/namespace_access.h"
 #include "flexkv/status.h"
 
 namespace flexkv {
@@ -35,6 +38,8 @@ struct DaemonConfig {
   // --metrics-listen HOST:PORT: the Prometheus endpoint; none by default. A non-loopback address needs
   // --metrics-allow-remote (the endpoint has no authentication).
   std::optional<ListenAddress> metrics_listen;
+  // [namespace."<name>"] tables of the --config file: who may write and read each namespace (namespace_access.h).
+  std::map<std::string, NamespaceAcl, std::less<>> namespace_acls;
 };
 
 // Outcome of parsing: a config to run with, or an exit (help printed, or a usage error already reported
@@ -48,5 +53,12 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv);
 
 // Resolves a group name or a numeric gid. INVALID_ARGUMENT naming `flag` if unknown.
 Result<gid_t> ResolveGroup(const std::string& flag, const std::string& name);
+
+// Reads the [namespace."<name>"] tables of the TOML file at `config_path`, each with `writers` (required) and
+// `readers` (optional): arrays of user names, uids (numbers, or digits in a string) and "group:<name or gid>".
+// Names are resolved now (getpwnam_r, getgrnam_r). INVALID_ARGUMENT naming the file, the line, the entry and
+// what was expected, for a TOML syntax error, an unknown key, a value of the wrong type, a bad namespace name
+// or an unknown user or group.
+Result<std::map<std::string, NamespaceAcl, std::less<>>> ReadNamespaceAcls(const std::string& config_path);
 
 }  // namespace flexkv

@@ -23,8 +23,8 @@
 
 namespace flexkv {
 struct DataPlane::Session final : RequestSession {
-  Session(DataPlane* owner, uint64_t id, const Geometry& geometry, uint64_t pool_generation)
-      : RequestSession(id, geometry, pool_generation), plane(owner) {}
+  Session(DataPlane* owner, uint64_t id, const Geometry& geometry, uint64_t pool_generation, Status store_access)
+      : RequestSession(id, geometry, pool_generation, std::move(store_access)), plane(owner) {}
   DataPlane* const plane;
   std::unique_ptr<ring::RingConsumer> ring;  // the rings' daemon end; set once by OpenSession
   std::atomic<bool> dead{false};
@@ -78,9 +78,10 @@ void DataPlane::Stop() {
   copies_.WaitIdle();  // every accepted request ends
 }
 
-Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const Geometry& geometry) {
+Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const Geometry& geometry,
+                                                     const SessionAccess& access) {
   // The session was admitted under the current pool: a drop needs every session gone, this one included.
-  auto s = std::make_shared<Session>(this, session_id, geometry, cache_->generation());
+  auto s = std::make_shared<Session>(this, session_id, geometry, cache_->generation(), access.store);
   auto created = ring::RingConsumer::Create(
       RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes});
   if (!created.ok()) return created.status();

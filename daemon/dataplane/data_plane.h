@@ -22,6 +22,7 @@
 #include "daemon/dataplane/copy_scheduler.h"
 #include "daemon/dataplane/request_handlers.h"
 #include "daemon/metrics/request_metrics.h"
+#include "daemon/sessions/namespace_access.h"
 #include "daemon/tiers/dram/dram_tier.h"
 #include "daemon/transfer/engine_memory_backends.h"
 #include "daemon/transfer/kv_registration.h"
@@ -51,8 +52,9 @@ class DataPlane {
   // Stops the poller, then waits for the copies in flight to finish (each answers its request). Idempotent.
   void Stop();
 
-  // Creates a session's rings. Returns {ring memfd (sealed), doorbell eventfd} to pass to the client.
-  Result<std::vector<UniqueFd>> OpenSession(uint64_t session_id, const Geometry& geometry);
+  // Creates a session's rings. Returns {ring memfd (sealed), doorbell eventfd} to pass to the client. The session's
+  // Stores are refused with `access.store` unless it is OK.
+  Result<std::vector<UniqueFd>> OpenSession(uint64_t session_id, const Geometry& geometry, const SessionAccess& access);
   // Registers a session's KV buffers on the backend that declared the memory kinds they need: whole blocks once,
   // or each TP rank once on a backend that shards by rank (Load/Store then need every rank of tp_size). Returns
   // the bytes the layout needs on one rank. Errors: FAILED_PRECONDITION for a session without rings or memory

@@ -152,6 +152,7 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
 void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
                             std::vector<BlockKey> keys, std::vector<uint32_t> ids) {
   RequestSession& s = *sp;  // Handle validated the descriptor and the block ids against the registered blocks
+  if (!s.store_access().ok()) return Fail(s, d, taken_ns, s.store_access());  // a read-only session
   if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   const BlockKey parent = d.parent;  // kRootParent, or the key keys[0] hangs under
   PrefixIndex::Reservation r = cache_->Reserve(parent, keys);

@@ -27,9 +27,14 @@ namespace flexkv {
 class RequestSession {
  public:
   // `pool_generation`: Cache::generation() when the session was admitted; requests are refused once it changed
-  // (an admin dropped the domain the session attached to).
-  RequestSession(uint64_t id, const Geometry& geometry, uint64_t pool_generation)
-      : id_(id), geometry_(geometry), pool_generation_(pool_generation), kv_(id, geometry) {}
+  // (an admin dropped the domain the session attached to). `store_access`: OK when the session may store, else the
+  // error each of its Stores is answered with (decided once at Attach, NamespaceAccess).
+  RequestSession(uint64_t id, const Geometry& geometry, uint64_t pool_generation, Status store_access = Status::Ok())
+      : id_(id),
+        geometry_(geometry),
+        pool_generation_(pool_generation),
+        store_access_(std::move(store_access)),
+        kv_(id, geometry) {}
   virtual ~RequestSession() = default;
 
   // Posts a completion to the session's client; dropped once the session ended. Thread-safe.
@@ -39,6 +44,7 @@ class RequestSession {
 
   uint64_t id() const { return id_; }
   const Geometry& geometry() const { return geometry_; }
+  const Status& store_access() const { return store_access_; }
   SessionKv& kv() { return kv_; }
   uint64_t pinned_blocks() const;
 
@@ -47,6 +53,7 @@ class RequestSession {
   const uint64_t id_;
   const Geometry geometry_;
   const uint64_t pool_generation_;
+  const Status store_access_;
   SessionKv kv_;
   mutable Mutex mu_;
   HandleTable handles_ ABSL_GUARDED_BY(mu_);

@@ -50,8 +50,17 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   }
   const auto peer = ctx_.peers->Find(context->peer());
   if (!peer) return Answer(Status::Internal("cannot identify the calling process (no peer credentials)"));
+  const bool admin = IsAdmin(peer);
+  // Readers first: a peer that may not use the namespace must not fix the domain either.
+  Status readable = ctx_.access->CheckReader(request->model_namespace(), *peer, admin);
+  if (!readable.ok()) {
+    access_refusal_log_.Warning("control", "Attach from pid {} uid {} refused: {}", peer->pid, peer->uid,
+                                readable.message());
+    return Answer(readable);
+  }
   const Geometry geometry = FromProto(request->geometry());
   Result<SessionRegistry::Grant> grant = Status::Internal("not opened");
+  bool read_only = false;
   {
     MutexLock lock(&domain_mu_);
     Status admitted = AdmitLocked(request->model_namespace(), geometry, *peer);
@@ -59,12 +68,14 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
       log::Info("control", "Attach from pid {} refused: {}", peer->pid, admitted.ToString());
       return Answer(admitted);
     }
-    SessionIdentity identity{request->client_name(), request->dp_rank(), request->tp_rank(), request->model_namespace(),
-                             geometry};
-    grant = ctx_.sessions->Open(std::move(identity), *peer);
+    const CacheDomain::View view = ctx_.cache->Domain();
+    SessionAccess access = ctx_.access->Decide(request->model_namespace(), *peer, admin, view.creator_uid);
+    read_only = !access.may_store();
+    SessionIdentity identity{request->client_name(), request->dp_rank(), request->tp_rank(),
+                             request->model_namespace(), geometry};
+    grant = ctx_.sessions->Open(std::move(identity), *peer, std::move(access));
   }
   if (!grant.ok()) return Answer(grant.status());
-  const CacheDomain::View view = ctx_.cache->Domain();
   response->set_session_id(grant->session_id);
   response->set_session_token(grant->token.data(), grant->token.size());
   response->set_block_bytes(view.block_bytes);
@@ -73,12 +84,13 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   response->set_submit_ring_entries(ctx_.data_plane->options().submit_entries);
   response->set_completion_ring_entries(ctx_.data_plane->options().completion_entries);
   response->set_arena_bytes(ctx_.data_plane->options().arena_bytes);
+  response->set_read_only(read_only);
   return grpc::Status::OK;
 }
 
 Status ControlService::AdmitLocked(const std::string& model_namespace, const Geometry& geometry,
                                    const PeerCredentials& peer) {
-  Status admitted = ctx_.cache->Admit(model_namespace, geometry);
+  Status admitted = ctx_.cache->Admit(model_namespace, geometry, peer.uid);
   if (admitted.code() != StatusCode::kFailedPrecondition) return admitted;
   // Another domain is fixed. One nobody uses and that holds no block is not kept for later sessions (one odd
   // Attach must not lock every engine out): this Attach replaces it.
@@ -87,7 +99,7 @@ Status ControlService::AdmitLocked(const std::string& model_namespace, const Geo
   if (!ctx_.cache->DropDomain(/*only_if_empty=*/true, nullptr).ok()) return admitted;
   log::Info("control", "cache domain '{}' had no session and no block: replaced by pid {}'s '{}'", old.model_namespace,
             peer.pid, model_namespace);
-  return ctx_.cache->Admit(model_namespace, geometry);
+  return ctx_.cache->Admit(model_namespace, geometry, peer.uid);
 }
 
 grpc::Status ControlService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
@@ -175,12 +187,17 @@ grpc::Status ControlService::GetMetrics(grpc::ServerContext* /*context*/, const 
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::Match(grpc::ServerContext* /*context*/, const v1::MatchRequest* request,
+grpc::Status ControlService::Match(grpc::ServerContext* context, const v1::MatchRequest* request,
                                    v1::MatchResponse* response) {
   const std::string& token = request->session_token();
   Status authentic = ctx_.sessions->Authenticate(
       request->session_id(), std::span(reinterpret_cast<const uint8_t*>(token.data()), token.size()));
   if (!authentic.ok()) return Answer(authentic);
+  // The caller must be a reader itself: holding a reader's session token is not enough.
+  const auto peer = ctx_.peers->Find(context->peer());
+  if (!peer) return Answer(Status::Internal("cannot identify the calling process (no peer credentials)"));
+  Status readable = ctx_.access->CheckReader(ctx_.cache->Domain().model_namespace, *peer, IsAdmin(peer));
+  if (!readable.ok()) return Answer(readable);
   const std::string& raw = request->keys();
   if (raw.empty() || raw.size() % sizeof(BlockKey) != 0 || raw.size() / sizeof(BlockKey) > 65536) {
     return Answer(Status::InvalidArgument(

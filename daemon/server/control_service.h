@@ -1,5 +1,5 @@
-// ControlService: flexkv.v1.Control over gRPC. Validates every request, checks admin rights from the
-// caller's SO_PEERCRED identity (PeerTable), and answers from the daemon's parts.
+// ControlService: flexkv.v1.Control over gRPC. Validates every request, checks admin rights and namespace access
+// (NamespaceAccess) from the caller's SO_PEERCRED identity (PeerTable), and answers from the daemon's parts.
 #pragma once
 
 #include <sys/types.h>
@@ -10,12 +10,14 @@
 #include <optional>
 #include <span>
 
+#include "common/log.h"
 #include "daemon/cache/cache.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
 #include "daemon/metrics/daemon_metrics.h"
 #include "daemon/metrics/request_metrics.h"
 #include "daemon/server/peer_table.h"
+#include "daemon/sessions/namespace_access.h"
 #include "daemon/sessions/session_registry.h"
 #include "daemon/transfer/engine_memory_backends.h"
 #include "flexkv/v1/control.grpc.pb.h"
@@ -34,6 +36,7 @@ struct ControlContext {
   int64_t started_ms;  // monotonic
   ErrorCounts* errors;  // where the service counts its answers with an error, by code
   const DaemonMetrics* metrics;  // what GetMetrics renders
+  const NamespaceAccess* access;  // who may read and write a namespace, checked at Attach and Match
 };
 
 class ControlService final : public v1::Control::Service {
@@ -82,6 +85,7 @@ class ControlService final : public v1::Control::Service {
   // Serializes an Attach's admission and session opening with DropDomain: a domain is dropped only while no
   // session exists, and none can appear halfway.
   Mutex domain_mu_;
+  log::RateLimited access_refusal_log_;  // Attach refused by a namespace's readers
 };
 
 }  // namespace flexkv

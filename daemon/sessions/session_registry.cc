@@ -125,13 +125,15 @@ void SessionRegistry::Watch(int fd, uint64_t tag) {
   }
 }
 
-Result<SessionRegistry::Grant> SessionRegistry::Open(SessionIdentity identity, const PeerCredentials& peer) {
+Result<SessionRegistry::Grant> SessionRegistry::Open(SessionIdentity identity, const PeerCredentials& peer,
+                                                     SessionAccess access) {
   auto session = std::make_unique<Session>();
   if (getrandom(session->token.data(), session->token.size(), 0) != static_cast<ssize_t>(session->token.size())) {
     return Status::Internal(fmt::format("getrandom: {}", ErrnoText(errno)));
   }
   session->identity = std::move(identity);
   session->peer = peer;
+  session->access = std::move(access);
   session->opened_ms = MonotonicMs();
   session->attached_unix_ms = UnixMs();
   if (peer.pid > 0) {
@@ -153,9 +155,10 @@ Result<SessionRegistry::Grant> SessionRegistry::Open(SessionIdentity identity, c
     }
     grant.session_id = session->id = next_id_++;
     if (session->pidfd) Watch(session->pidfd.get(), PidfdTag(session->id));
-    log::Info("sessions", "session {} opened: '{}' pid {} uid {} dp_rank {} tp_rank {} namespace '{}'", session->id,
+    log::Info("sessions", "session {} opened: '{}' pid {} uid {} dp_rank {} tp_rank {} namespace '{}'{}", session->id,
               session->identity.client_name, peer.pid, peer.uid, session->identity.dp_rank,
-              session->identity.tp_rank, session->identity.model_namespace);
+              session->identity.tp_rank, session->identity.model_namespace,
+              session->access.may_store() ? "" : " (read-only: " + session->access.store.message() + ")");
     sessions_.emplace(session->id, std::move(session));
   }
   return grant;
@@ -236,7 +239,7 @@ void SessionRegistry::AdoptChannel(UniqueFd fd, const PeerCredentials& peer) {
   }
   std::vector<UniqueFd> fds;
   if (on_channel_open_) {
-    auto opened = on_channel_open_(s.id, s.identity.geometry);
+    auto opened = on_channel_open_(s.id, s.identity.geometry, s.access);
     if (!opened.ok()) {
       ReplyHello(fd.get(), opened.status().code(), opened.status().message());
       return;

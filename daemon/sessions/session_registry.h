@@ -22,6 +22,7 @@
 #include "common/session_channel.h"
 #include "common/uds.h"
 #include "common/unique_fd.h"
+#include "daemon/sessions/namespace_access.h"
 #include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
@@ -70,9 +71,11 @@ class SessionRegistry {
   SessionRegistry& operator=(const SessionRegistry&) = delete;
 
   void SetEndCallback(EndCallback cb);
-  // Runs when a session's channel is accepted, before the hello is answered; returns the fds that ride on
-  // the reply (the data plane's ring memfd and doorbell). An error refuses the channel with that status.
-  using ChannelOpenCallback = std::function<Result<std::vector<UniqueFd>>(uint64_t session_id, const Geometry&)>;
+  // Runs when a session's channel is accepted, before the hello is answered, with what Open granted; returns the
+  // fds that ride on the reply (the data plane's ring memfd and doorbell). An error refuses the channel with that
+  // status.
+  using ChannelOpenCallback =
+      std::function<Result<std::vector<UniqueFd>>(uint64_t session_id, const Geometry&, const SessionAccess&)>;
   void SetChannelOpenCallback(ChannelOpenCallback cb);
   Status Start();
   // Stops the reaper and ends every session (reason "daemon stopping"). Idempotent.
@@ -82,10 +85,11 @@ class SessionRegistry {
     uint64_t session_id;
     SessionToken token;
   };
-  // Registers a session for `peer` (the process that called Attach). RESOURCE_EXHAUSTED, with the bound, the
+  // Registers a session for `peer` (the process that called Attach), with what it may do in its namespace
+  // (`access`, decided by the caller; handed to the channel-open callback). RESOURCE_EXHAUSTED, with the bound, the
   // caller's count and what to do, when `peer`'s uid or all uids together hold as many pending sessions as
   // SessionLimits allows, or when fewer than fd_reserve fds are free; such refusals are logged at most once a second.
-  Result<Grant> Open(SessionIdentity identity, const PeerCredentials& peer);
+  Result<Grant> Open(SessionIdentity identity, const PeerCredentials& peer, SessionAccess access);
 
   // Ends a session on request. `token` must match unless `admin`. NOT_FOUND for an unknown id,
   // PERMISSION_DENIED for a wrong token.
@@ -110,6 +114,7 @@ class SessionRegistry {
     uint64_t id = 0;
     SessionIdentity identity;
     PeerCredentials peer;
+    SessionAccess access;
     SessionToken token{};
     UniqueFd channel;
     UniqueFd pidfd;

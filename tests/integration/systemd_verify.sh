@@ -103,7 +103,7 @@ fi
 flags="$("${daemon}" --help)"
 while IFS= read -r key; do
   grep -q -- "--${key} " <<<"${flags}" || fail "flexkvd.toml: key '${key}' is not a flexkvd flag"
-done < <(sed -n -E 's/^#? *([A-Za-z0-9_.-]+) *=.*/\1/p' "${units_dir}/flexkvd.toml")
+done < <(sed -n -E '/^#? *\[/q; s/^#? *([A-Za-z0-9_.-]+) *=.*/\1/p' "${units_dir}/flexkvd.toml")  # up to the first [table]
 [[ ${failures} -eq 0 ]] && echo "ok: flexkvd.toml keys are flexkvd flags"
 
 # --- systemd-analyze security (informational) -----------------------------------------------------------

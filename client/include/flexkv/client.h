@@ -49,6 +49,7 @@ struct SessionInfo {
   uint64_t session_id = 0;
   uint64_t block_bytes = 0;      // host bytes per block, fixed by the daemon
   uint64_t capacity_blocks = 0;  // pool slots
+  bool read_only = false;        // the session may match and load, but its Stores are refused PERMISSION_DENIED
 };
 
 struct DaemonStatus {

@@ -164,3 +164,22 @@ TEST_CASE("Pool::Open refuses a file that is missing, not a pool, corrupt, of an
                                          Catch::Contains("truncated") && Catch::Contains("--discard-pool"));
   }
 }
+
+TEST_CASE("the uid that created the namespace is kept in the pool header across a reopen", "[unit][security]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  {
+    auto pool = Pool::Create(path, "ns", Small(), kBudget, 4242);
+    REQUIRE(pool.ok());
+    CHECK((*pool)->creator_uid() == 4242);
+  }
+  auto reopened = Pool::Open(path, kBudget);
+  REQUIRE(reopened.ok());
+  CHECK((*reopened)->creator_uid() == 4242);
+  CHECK((*reopened)->model_namespace() == "ns");
+  // The header checksum covers it: a creator rewritten on disk is a corrupt header, not a new owner.
+  const uint32_t forged = 0;
+  Poke(path, 340, &forged, sizeof(forged));
+  auto tampered = Pool::Open(path, kBudget);
+  CHECK(tampered.status().code() == StatusCode::kDataLoss);
+}

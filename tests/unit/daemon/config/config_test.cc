@@ -131,3 +131,83 @@ TEST_CASE("a group is resolved by name or numeric gid, an unknown one names the 
   CHECK_THAT(unknown.status().message(), Catch::Contains("--admin-group"));
   CHECK(flexkv::ResolveGroup("--admin-group", "").status().code() == flexkv::StatusCode::kInvalidArgument);
 }
+
+TEST_CASE("namespace tables in the config set each namespace's writers and readers, names resolved",
+          "[unit][security]") {
+  TomlFile f(
+      "pool-size = \"64MiB\"\n"
+      "[namespace.\"llama3-70b\"]\n"
+      "writers = [\"daemon\", \"group:nogroup\", 4242, \"4243\", \"group:77\"]\n"
+      "readers = [\"nobody\"]\n"
+      "\n"
+      "[namespace.qwen]\n"
+      "writers = []\n");
+  auto p = Parse({"--config", f.path});
+  REQUIRE(p.config.has_value());
+  CHECK(p.config->pool_bytes == (uint64_t{64} << 20));
+  const auto& acls = p.config->namespace_acls;
+  REQUIRE(acls.size() == 2);
+  const flexkv::NamespaceAcl& llama = acls.at("llama3-70b");
+  using Kind = flexkv::AccessPrincipal::Kind;
+  REQUIRE(llama.writers.size() == 5);
+  CHECK((llama.writers[0].kind == Kind::kUser && llama.writers[0].id == 1 && llama.writers[0].text == "daemon"));
+  CHECK((llama.writers[1].kind == Kind::kGroup && llama.writers[1].id == 65534 &&
+         llama.writers[1].text == "group:nogroup"));
+  CHECK((llama.writers[2].kind == Kind::kUser && llama.writers[2].id == 4242 && llama.writers[2].text == "4242"));
+  CHECK((llama.writers[3].kind == Kind::kUser && llama.writers[3].id == 4243));
+  CHECK((llama.writers[4].kind == Kind::kGroup && llama.writers[4].id == 77));
+  REQUIRE(llama.readers.has_value());
+  REQUIRE(llama.readers->size() == 1);
+  CHECK((*llama.readers)[0].id == 65534);
+  CHECK(llama.source == "--config " + f.path + " line 2");
+  const flexkv::NamespaceAcl& qwen = acls.at("qwen");
+  CHECK(qwen.writers.empty());
+  CHECK_FALSE(qwen.readers.has_value());
+  CHECK(qwen.source == "--config " + f.path + " line 6");
+  CHECK(Parse({}).config->namespace_acls.empty());
+}
+
+TEST_CASE("a bad namespace table in the config refuses to start, naming the file, line, entry and what was expected",
+          "[unit][security]") {
+  auto message = [](const std::string& text) {
+    TomlFile f(text);
+    CHECK(Parse({"--config", f.path}).exit_code == 2);
+    auto acls = flexkv::ReadNamespaceAcls(f.path);
+    REQUIRE_FALSE(acls.ok());
+    CHECK(acls.status().code() == flexkv::StatusCode::kInvalidArgument);
+    std::string m = acls.status().message();
+    const std::string prefix = "--config " + f.path + " ";
+    REQUIRE(m.rfind(prefix, 0) == 0);
+    return m.substr(prefix.size());
+  };
+  CHECK(message("[namespace.\"m\"]\nwriters = [\"daemon\", \"no-such-user-flexkv\"]\n") ==
+        "line 2: [namespace.\"m\"] writers[1] 'no-such-user-flexkv' is not a known user; expected a user name, a "
+        "uid, or \"group:\" with a group name or gid");
+  CHECK(message("[namespace.\"m\"]\nwriters = []\nreaders = [\"group:no-such-group-flexkv\"]\n") ==
+        "line 3: [namespace.\"m\"] readers[0] 'group:no-such-group-flexkv' is not a known group; expected a user "
+        "name, a uid, or \"group:\" with a group name or gid");
+  CHECK(message("[namespace.\"m\"]\nwriters = \"daemon\"\n") ==
+        "line 2: [namespace.\"m\"] writers is a string; expected an array of entries, each a user name, a uid, or "
+        "\"group:\" with a group name or gid");
+  CHECK(message("[namespace.\"m\"]\nwriters = [true]\n") ==
+        "line 2: [namespace.\"m\"] writers[0] is a boolean; expected a user name, a uid, or \"group:\" with a group "
+        "name or gid");
+  CHECK(message("[namespace.\"m\"]\nwriters = [-1]\n") ==
+        "line 2: [namespace.\"m\"] writers[0] is -1; expected a uid in 0..4294967294");
+  CHECK(message("[namespace.\"m\"]\nwriters = [\"group:\"]\n") ==
+        "line 2: [namespace.\"m\"] writers[0] 'group:' names nobody; expected a user name, a uid, or \"group:\" with "
+        "a group name or gid");
+  CHECK(message("[namespace.\"m\"]\nreaders = []\n") ==
+        "line 1: [namespace.\"m\"] has no writers; expected writers = [...] (users, uids, \"group:<name>\"; [] for "
+        "admins only)");
+  CHECK(message("[namespace.\"m\"]\nwriters = []\nwriter = [\"daemon\"]\n") ==
+        "line 3: [namespace.\"m\"] writer is not a known key; expected writers or readers");
+  CHECK(message("namespace = 3\n") ==
+        "line 1: namespace is an integer; expected tables [namespace.\"<name>\"] with writers and readers");
+  CHECK(message("[namespace]\nm = 3\n") ==
+        "line 2: [namespace.\"m\"] is an integer; expected a table with writers and readers");
+  CHECK(message("[namespace.\"a\\u0001b\"]\nwriters = []\n") ==
+        "line 1: a [namespace.\"<name>\"] table's name: namespace has control character U+0001 at byte offset 1; "
+        "expected printable UTF-8 text (no NUL, no U+0000..U+001F or U+007F..U+009F)");
+  CHECK_THAT(message("[namespace.\"m\"]\nwriters = [\n"), Catch::StartsWith("line "));
+}

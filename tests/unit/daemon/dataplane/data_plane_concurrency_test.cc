@@ -174,7 +174,7 @@ class InProcessDaemon {
 class TestSession {
  public:
   TestSession(flexkv::DataPlane& dp, uint64_t id) : dp_(dp), id_(id) {
-    auto fds = dp.OpenSession(id, SmallGeometry());
+    auto fds = dp.OpenSession(id, SmallGeometry(), flexkv::SessionAccess{});
     REQUIRE(fds.ok());
     REQUIRE(fds->size() == 2);
     int sv[2];

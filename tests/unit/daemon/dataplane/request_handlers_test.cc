@@ -37,7 +37,8 @@ constexpr uint64_t kIdsOffset = 4096;
 // when the test finishes them).
 class FakeSession final : public flexkv::RequestSession {
  public:
-  explicit FakeSession(uint64_t pool_generation = 0) : RequestSession(1, SmallGeometry(), pool_generation) {}
+  explicit FakeSession(uint64_t pool_generation, Status store_access = Status::Ok())
+      : RequestSession(1, SmallGeometry(), pool_generation, std::move(store_access)) {}
   void Post(const CompletionDescriptor& c) override { posted.push_back(c); }
   bool ended() const override { return ended_; }
   std::vector<CompletionDescriptor> posted;
@@ -45,10 +46,10 @@ class FakeSession final : public flexkv::RequestSession {
 };
 
 struct Harness {
-  Harness() {
+  explicit Harness(Status store_access = Status::Ok()) {
     REQUIRE(cache.cache().RecoverPool(false).ok());
     REQUIRE(cache.cache().Admit("ns", SmallGeometry()).ok());
-    session = std::make_shared<FakeSession>(cache.cache().generation());
+    session = std::make_shared<FakeSession>(cache.cache().generation(), std::move(store_access));
     auto fake = std::make_unique<FakeEngineMemory>("fake", Caps({MemoryKind::kHostMemfd}));
     backend = fake.get();
     backends.Add(std::move(fake));
@@ -83,7 +84,7 @@ struct Harness {
   flexkv::EngineMemoryBackends backends;
   FakeEngineMemory* backend = nullptr;
   flexkv::RequestHandlers handlers{&cache.cache(), &lifecycle, &copies, &metrics, 1024};
-  std::shared_ptr<FakeSession> session = std::make_shared<FakeSession>();
+  std::shared_ptr<FakeSession> session;
   std::vector<uint8_t> arena = std::vector<uint8_t>(8192);
   uint64_t next_user_data = 0;
 };
@@ -194,4 +195,20 @@ TEST_CASE("request handlers: the session's end unpins its handles, and a Store f
   h.backend->Finish(1, Status::Ok(), flexkv::NowNs());
   CHECK(h.cache.cache().GetStats().blocks == 1);  // the late store's two new blocks were returned
   CHECK(h.cache.cache().GetStats().used == 1);
+}
+
+TEST_CASE("request handlers: a read-only session's Store is refused with its reason, before any slot is reserved",
+          "[unit][dataplane][security]") {
+  Harness h(Status::PermissionDenied("Store refused: uid 1001 may not write namespace 'ns'"));
+  h.Submit(RingOp::kStore, 0, Keys(3), {5, 6, 7});
+  CHECK(h.backend->jobs.empty());  // no copy
+  const CompletionDescriptor c = h.Last();
+  CHECK(c.status_code == static_cast<int32_t>(StatusCode::kPermissionDenied));
+  CHECK(std::string(c.message) == "Store refused: uid 1001 may not write namespace 'ns'");
+  CHECK(c.done_blocks == 0);
+  CHECK(h.cache.cache().GetStats().used == 0);
+  CHECK(h.lifecycle.inflight() == 0);
+  // Matching is reading: allowed.
+  h.Submit(RingOp::kMatch, 0, Keys(3), {});
+  CHECK(h.Last().status_code == 0);
 }

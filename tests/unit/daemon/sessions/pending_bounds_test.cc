@@ -43,8 +43,8 @@ TEST_CASE("pending sessions are bounded per uid: RESOURCE_EXHAUSTED names the li
   SessionRegistry reg(SessionLimits{.attach_timeout_ms = 60000, .max_pending_per_uid = 3, .max_pending_total = 100,
                                     .fd_reserve = 0});
   REQUIRE(reg.Start().ok());
-  for (int i = 0; i < 3; ++i) REQUIRE(reg.Open(Identity(), Peer(1000)).ok());
-  auto refused = reg.Open(Identity(), Peer(1000));
+  for (int i = 0; i < 3; ++i) REQUIRE(reg.Open(Identity(), Peer(1000), flexkv::SessionAccess{}).ok());
+  auto refused = reg.Open(Identity(), Peer(1000), flexkv::SessionAccess{});
   REQUIRE(refused.status().code() == StatusCode::kResourceExhausted);
   const std::string m = refused.status().message();
   INFO(m);
@@ -53,7 +53,7 @@ TEST_CASE("pending sessions are bounded per uid: RESOURCE_EXHAUSTED names the li
   CHECK(m.find("--max-pending-sessions-per-uid") != std::string::npos);
   CHECK(m.find("open the channel") != std::string::npos);
   // Another uid is not held back by the first one's pending sessions.
-  CHECK(reg.Open(Identity(), Peer(1001)).ok());
+  CHECK(reg.Open(Identity(), Peer(1001), flexkv::SessionAccess{}).ok());
   CHECK(reg.Count() == 4);
 }
 
@@ -61,8 +61,8 @@ TEST_CASE("pending sessions are bounded in total across uids", "[unit][sessions]
   SessionRegistry reg(SessionLimits{.attach_timeout_ms = 60000, .max_pending_per_uid = 10, .max_pending_total = 4,
                                     .fd_reserve = 0});
   REQUIRE(reg.Start().ok());
-  for (uid_t uid = 2000; uid < 2004; ++uid) REQUIRE(reg.Open(Identity(), Peer(uid)).ok());
-  auto refused = reg.Open(Identity(), Peer(2004));
+  for (uid_t uid = 2000; uid < 2004; ++uid) REQUIRE(reg.Open(Identity(), Peer(uid), flexkv::SessionAccess{}).ok());
+  auto refused = reg.Open(Identity(), Peer(2004), flexkv::SessionAccess{});
   REQUIRE(refused.status().code() == StatusCode::kResourceExhausted);
   CHECK(refused.status().message().find("limit 4, --max-pending-sessions") != std::string::npos);
   CHECK(refused.status().message().find("uid 2004 holds 0") != std::string::npos);
@@ -72,7 +72,7 @@ TEST_CASE("zero disables a pending-session bound", "[unit][sessions][attach_floo
   SessionRegistry reg(SessionLimits{.attach_timeout_ms = 60000, .max_pending_per_uid = 0, .max_pending_total = 0,
                                     .fd_reserve = 0});
   REQUIRE(reg.Start().ok());
-  for (int i = 0; i < 100; ++i) REQUIRE(reg.Open(Identity(), Peer(1000)).ok());
+  for (int i = 0; i < 100; ++i) REQUIRE(reg.Open(Identity(), Peer(1000), flexkv::SessionAccess{}).ok());
 }
 
 TEST_CASE("Attach is refused while fewer fds than the reserve are free", "[unit][sessions][attach_flood]") {
@@ -85,7 +85,7 @@ TEST_CASE("Attach is refused while fewer fds than the reserve are free", "[unit]
   SessionRegistry reg(SessionLimits{.attach_timeout_ms = 60000, .max_pending_per_uid = 0, .max_pending_total = 0,
                                     .fd_reserve = static_cast<size_t>(limit.rlim_cur)});
   REQUIRE(reg.Start().ok());
-  auto refused = reg.Open(Identity(), Peer(1000));
+  auto refused = reg.Open(Identity(), Peer(1000), flexkv::SessionAccess{});
   REQUIRE(refused.status().code() == StatusCode::kResourceExhausted);
   CHECK(refused.status().message().find("--fd-reserve") != std::string::npos);
   CHECK(reg.Count() == 0);

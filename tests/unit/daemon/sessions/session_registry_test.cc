@@ -78,8 +78,8 @@ TEST_CASE("a session is reached only with its token, an admin may close any", "[
   Ends ends;
   reg.SetEndCallback([&](uint64_t id, const std::string& why) { ends.Record(id, why); });
   REQUIRE(reg.Start().ok());
-  auto a = reg.Open(Identity("a"), Me());
-  auto b = reg.Open(Identity("b"), Me());
+  auto a = reg.Open(Identity("a"), Me(), flexkv::SessionAccess{});
+  auto b = reg.Open(Identity("b"), Me(), flexkv::SessionAccess{});
   REQUIRE(a.ok());
   REQUIRE(b.ok());
   CHECK(a->session_id != b->session_id);
@@ -110,7 +110,7 @@ TEST_CASE("a session that never opens its channel ends after the attach timeout"
   Ends ends;
   reg.SetEndCallback([&](uint64_t id, const std::string& why) { ends.Record(id, why); });
   REQUIRE(reg.Start().ok());
-  auto s = reg.Open(Identity("slow"), Me());
+  auto s = reg.Open(Identity("slow"), Me(), flexkv::SessionAccess{});
   REQUIRE(s.ok());
   CHECK_THAT(ends.Await(s->session_id), Catch::Contains("never opened its session channel"));
   CHECK(reg.Count() == 0);
@@ -129,7 +129,7 @@ TEST_CASE("a session ends when the process that attached exits", "[unit]") {
   REQUIRE(reg.Start().ok());
   PeerCredentials peer = Me();
   peer.pid = child;
-  auto s = reg.Open(Identity("engine"), peer);
+  auto s = reg.Open(Identity("engine"), peer, flexkv::SessionAccess{});
   REQUIRE(s.ok());
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
@@ -141,12 +141,13 @@ TEST_CASE("the channel hello is checked, answered, and the channel's hang-up end
   Ends ends;
   reg.SetEndCallback([&](uint64_t id, const std::string& why) { ends.Record(id, why); });
   int opened = 0;
-  reg.SetChannelOpenCallback([&](uint64_t, const flexkv::Geometry&) -> flexkv::Result<std::vector<UniqueFd>> {
-    ++opened;
-    return std::vector<UniqueFd>{};
-  });
+  reg.SetChannelOpenCallback(
+      [&](uint64_t, const flexkv::Geometry&, const flexkv::SessionAccess&) -> flexkv::Result<std::vector<UniqueFd>> {
+        ++opened;
+        return std::vector<UniqueFd>{};
+      });
   REQUIRE(reg.Start().ok());
-  auto s = reg.Open(Identity("engine"), Me());
+  auto s = reg.Open(Identity("engine"), Me(), flexkv::SessionAccess{});
   REQUIRE(s.ok());
 
   auto hello_with = [&](const uint8_t* token) {
@@ -185,8 +186,8 @@ TEST_CASE("Stop ends every session with the reason daemon stopping", "[unit]") {
   Ends ends;
   reg.SetEndCallback([&](uint64_t id, const std::string& why) { ends.Record(id, why); });
   REQUIRE(reg.Start().ok());
-  auto a = reg.Open(Identity("a"), Me());
-  auto b = reg.Open(Identity("b"), Me());
+  auto a = reg.Open(Identity("a"), Me(), flexkv::SessionAccess{});
+  auto b = reg.Open(Identity("b"), Me(), flexkv::SessionAccess{});
   REQUIRE(a.ok());
   REQUIRE(b.ok());
   reg.Stop();

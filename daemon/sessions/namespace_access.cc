@@ -1,0 +1,67 @@
+// Who may read and write a namespace's blocks; see namespace_access.h.
+#include "daemon/sessions/namespace_access.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace flexkv {
+namespace {
+
+bool AnyMatches(const std::vector<AccessPrincipal>& list, const PeerCredentials& peer) {
+  return std::any_of(list.begin(), list.end(), [&](const AccessPrincipal& p) { return p.Matches(peer); });
+}
+
+std::string ListText(const std::vector<AccessPrincipal>& list) {
+  std::string out = "[";
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += list[i].text;
+  }
+  return out + "]";
+}
+
+}  // namespace
+
+bool AccessPrincipal::Matches(const PeerCredentials& peer) const {
+  return kind == Kind::kUser ? peer.uid == id : peer.InGroup(id);
+}
+
+const NamespaceAcl* NamespaceAccess::AclOf(std::string_view model_namespace) const {
+  auto it = acls_.find(model_namespace);
+  return it == acls_.end() ? nullptr : &it->second;
+}
+
+Status NamespaceAccess::CheckReader(std::string_view model_namespace, const PeerCredentials& peer, bool admin) const {
+  const NamespaceAcl* acl = AclOf(model_namespace);
+  if (admin || acl == nullptr || !acl->readers || AnyMatches(*acl->readers, peer) || AnyMatches(acl->writers, peer)) {
+    return Status::Ok();
+  }
+  return Status::PermissionDenied(fmt::format(
+      "uid {} (pid {}) may not use namespace '{}': its readers are {} and its writers {} ({}), besides admins; "
+      "expected a listed user or a member of a listed group (ask the operator)",
+      peer.uid, peer.pid, model_namespace, ListText(*acl->readers), ListText(acl->writers), acl->source));
+}
+
+// The refusal reaches the client in a completion's 88-byte message: who, the namespace and where its writers come
+// from lead, the rest (the list, which may be long) follows.
+SessionAccess NamespaceAccess::Decide(std::string_view model_namespace, const PeerCredentials& peer, bool admin,
+                                      std::optional<uid_t> creator_uid) const {
+  if (admin) return SessionAccess{Status::Ok()};
+  if (const NamespaceAcl* acl = AclOf(model_namespace)) {
+    if (AnyMatches(acl->writers, peer)) return SessionAccess{Status::Ok()};
+    return SessionAccess{Status::PermissionDenied(fmt::format(
+        "uid {} may not store in namespace '{}': its writers are set by {}: {}; admins may too; this session may "
+        "match and load only",
+        peer.uid, model_namespace, acl->source, ListText(acl->writers)))};
+  }
+  if (creator_uid && *creator_uid == peer.uid) return SessionAccess{Status::Ok()};
+  const std::string writer = creator_uid ? fmt::format("uid {}, which created it", *creator_uid)
+                                         : std::string("unknown (no creator recorded)");
+  return SessionAccess{Status::PermissionDenied(fmt::format(
+      "uid {} may not store in namespace '{}': its writer is {}, as the config sets no ACL for it; admins may too; "
+      "this session may match and load only",
+      peer.uid, model_namespace, writer))};
+}
+
+}  // namespace flexkv
