@@ -76,9 +76,9 @@ struct RingHeader {
   uint64_t arena_offset;
   uint64_t arena_bytes;
   uint64_t total_bytes;
-  // Pin lease (docs/protocol.md "Pins"). The client's library writes its monotonic clock in ms here every
-  // pin_lease_ms / 4 while the process runs; the daemon reads it only to see that it changed (its value is never
-  // trusted), and releases the session's pins once it stayed the same for pin_lease_ms. Written by the client.
+  // Pin lease (docs/protocol.md "Pins"). The client's library writes its monotonic clock in ms here at least four
+  // times per pin_lease_ms while the process runs; the daemon reads it only to see that it changed (its value is
+  // never trusted), and releases the session's pins once it stayed the same for pin_lease_ms. Written by the client.
   std::atomic<uint64_t> client_heartbeat_ms;
   uint32_t pin_lease_ms;        // written by the daemon at creation; 0: pins never lapse
   char pad[256 - 68];

@@ -1,7 +1,8 @@
 // HandleTable: one session's match handles. A Match with kMatchFlagPin pins the matched blocks under a handle;
 // Loads copy from the handle's slots; Release (or the session's end, or its pin lease running out) lets them go -
-// after the last Load still copying from them. The table decides when slots are unpinned and returns them; the caller unpins them in the
-// cache (so the table is plain state, testable alone). Not thread-safe: the session's lock guards it.
+// after the last Load still copying from them. The table decides when slots are unpinned and returns them; the
+// caller unpins them in the cache (so the table is plain state, testable alone). Not thread-safe: the session's
+// lock guards it.
 #pragma once
 
 #include <cstdint>
