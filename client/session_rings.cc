@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <poll.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <cstring>
@@ -19,7 +20,10 @@ LeaseRenewer::LeaseRenewer(std::chrono::milliseconds interval, std::function<voi
           beat();
           mu_.WaitFor(&wake_, interval);
         }
-      }) {}
+      }) {
+  MutexLock lock(&mu_);
+  pthread_setname_np(thread_.native_handle(), "flexkv-lease");  // what `top -H` shows in the engine
+}
 
 void LeaseRenewer::Stop() {
   std::thread thread;  // taken by the first Stop only: one join
