@@ -3,13 +3,53 @@
 
 #include <fmt/format.h>
 #include <poll.h>
+#include <pthread.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/clock.h"
 #include "common/uds.h"
 
 namespace flexkv {
+
+LeaseRenewer::LeaseRenewer(std::chrono::milliseconds interval, std::function<void()> beat)
+    : thread_([this, interval, beat = std::move(beat)] {
+        MutexLock lock(&mu_);
+        while (!stopping_) {
+          beat();
+          mu_.WaitFor(&wake_, interval);
+        }
+      }) {
+  MutexLock lock(&mu_);
+  pthread_setname_np(thread_.native_handle(), "flexkv-lease");  // what `top -H` shows in the engine
+}
+
+void LeaseRenewer::Stop() {
+  std::thread thread;  // taken by the first Stop only: one join
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    thread = std::move(thread_);
+  }
+  wake_.notify_all();
+  if (thread.joinable()) thread.join();
+}
+
+namespace {
+
+// How often the client renews a lease of `lease_ms`: four times per lease, and at least every second, so that a
+// process briefly starved of CPU still renews in time.
+std::chrono::milliseconds RenewInterval(uint32_t lease_ms) {
+  return std::chrono::milliseconds(std::clamp<uint32_t>(lease_ms / 4, 1, 1000));
+}
+
+// A heartbeat value that differs from the previous one (the daemon looks only for change).
+uint64_t NextHeartbeat(uint64_t previous) {
+  return std::max(static_cast<uint64_t>(MonotonicMs()), previous + 1);
+}
+
+}  // namespace
 
 Result<std::unique_ptr<SessionRings>> SessionRings::Map(UniqueFd ring_memfd, UniqueFd doorbell, UniqueFd channel) {
   auto ring = ring::RingSubmitter::Map(std::move(ring_memfd), std::move(doorbell));
@@ -18,6 +58,13 @@ Result<std::unique_ptr<SessionRings>> SessionRings::Map(UniqueFd ring_memfd, Uni
   r->ring_ = std::move(*ring);
   r->channel_ = std::move(channel);
   r->free_[0] = r->ring_->arena_bytes();
+  if (const uint32_t lease_ms = r->ring_->pin_lease_ms(); lease_ms > 0) {
+    ring::RingSubmitter* submitter = r->ring_.get();
+    r->renewer_ = std::make_unique<LeaseRenewer>(RenewInterval(lease_ms), [submitter, last = uint64_t{0}]() mutable {
+      last = NextHeartbeat(last);
+      submitter->Heartbeat(last);
+    });
+  }
   return r;
 }
 
@@ -145,6 +192,7 @@ void SessionRings::Abandon(Status why) {
     abandon_status_ = why.ok() ? Status::FailedPrecondition("this session was dropped") : std::move(why);
     abandoned_.store(true);
   }
+  if (renewer_) renewer_->Stop();
   // Waiters parked on the completion tail look at the flag now rather than at the end of their futex slice.
   ring_->WakeWaiters();
 }

@@ -5,19 +5,43 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <span>
+#include <thread>
 #include <unordered_map>
 
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 #include "common/ring/ring_submitter.h"
 #include "common/ring_layout.h"
 #include "common/unique_fd.h"
 #include "flexkv/client.h"
 
 namespace flexkv {
+
+// Renews a session's pin lease while the process runs (docs/protocol.md "Pins"): a thread that calls `beat` at
+// once and then every `interval` until Stop or destruction. A stopped process stops beating, and the daemon
+// releases its pins once the lease runs out. Thread-safe.
+class LeaseRenewer {
+ public:
+  LeaseRenewer(std::chrono::milliseconds interval, std::function<void()> beat);
+  ~LeaseRenewer() { Stop(); }
+  LeaseRenewer(const LeaseRenewer&) = delete;
+  LeaseRenewer& operator=(const LeaseRenewer&) = delete;
+  // Ends and joins the thread; idempotent. After it returns, `beat` is not called again.
+  void Stop();
+
+ private:
+  Mutex mu_;
+  std::condition_variable wake_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_ ABSL_GUARDED_BY(mu_);  // moved out by the first Stop
+};
 
 class SessionRings {
  public:
@@ -44,7 +68,8 @@ class SessionRings {
   // Wait without waiting: the result, or nullopt while the request is in flight; errors as Wait's.
   Result<std::optional<OpResult>> TryWait(Ticket ticket);
   // The Client dropped this session (Detach, or re-Attach after the daemon lost it): waits running on these
-  // rings, and calls made on them later, end with `why` (not OK) unless their result is already here.
+  // rings, and calls made on them later, end with `why` (not OK) unless their result is already here. The pin
+  // lease is no longer renewed.
   void Abandon(Status why);
 
  private:
@@ -67,6 +92,8 @@ class SessionRings {
   Status WaitUntil(Ready&& ready, std::chrono::steady_clock::time_point deadline, uint64_t ticket);
 
   std::unique_ptr<ring::RingSubmitter> ring_;
+  // Beats while the rings live and are not abandoned; after ring_, so it stops before the mapping goes.
+  std::unique_ptr<LeaseRenewer> renewer_;
   UniqueFd channel_;  // a dup of the session channel, watched for hang-up
   std::atomic<bool> abandoned_{false};
   Status abandon_status_;  // guarded by mu_; set once, before abandoned_

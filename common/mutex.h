@@ -5,6 +5,7 @@
 // reports every access it guards as a data race (tests/tsan.supp). Header-only.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 
@@ -26,6 +27,14 @@ class ABSL_LOCKABLE Mutex {
     std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
     cv->wait(lock);
     lock.release();  // still held: the caller's MutexLock unlocks it
+  }
+  // Wait, but for at most `timeout`.
+  template <typename Rep, typename Period>
+  void WaitFor(std::condition_variable* cv, std::chrono::duration<Rep, Period> timeout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
+    cv->wait_for(lock, timeout);
+    lock.release();
   }
 
  private:

@@ -70,6 +70,7 @@ struct alignas(64) RingIndex {
 };
 static_assert(sizeof(RingIndex) == 64);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
 struct RingHeader {
   uint32_t magic;               // kRingMagic
@@ -81,7 +82,12 @@ struct RingHeader {
   uint64_t arena_offset;
   uint64_t arena_bytes;
   uint64_t total_bytes;
-  char pad[256 - 56];
+  // Pin lease (docs/protocol.md "Pins"). The client's library writes its monotonic clock in ms here at least four
+  // times per pin_lease_ms while the process runs; the daemon reads it only to see that it changed (its value is
+  // never trusted), and releases the session's pins once it stayed the same for pin_lease_ms. Written by the client.
+  std::atomic<uint64_t> client_heartbeat_ms;
+  uint32_t pin_lease_ms;        // written by the daemon at creation; 0: pins never lapse
+  char pad[256 - 68];
   RingIndex submit_tail;        // written by the client
   RingIndex submit_head;        // written by the daemon
   RingIndex completion_tail;    // written by the daemon; clients futex-wait on it
@@ -90,6 +96,7 @@ struct RingHeader {
   RingIndex client_waiting;     // >0 while a client thread futex-waits on completion_tail
 };
 static_assert(sizeof(RingHeader) == 256 + 6 * 64);
+static_assert(offsetof(RingHeader, client_heartbeat_ms) == 56 && offsetof(RingHeader, pin_lease_ms) == 64);
 
 struct RingGeometry {
   uint32_t submit_entries;

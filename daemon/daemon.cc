@@ -109,6 +109,8 @@ int RunDaemon(const DaemonConfig& config) {
   DataPlaneOptions dp_options;
   dp_options.spin_ns = static_cast<int64_t>(config.spin_us * 1000);
   dp_options.poller_cpu = config.poller_cpu;
+  dp_options.pins.max_session_share = config.max_session_pin_share;
+  dp_options.pins.lease_ms = static_cast<int64_t>(config.pin_lease_s * 1000);
   DataPlane data_plane(&cache, &lifecycle, &backends, dp_options);
   SessionRegistry sessions(SessionLimits{static_cast<int64_t>(config.attach_timeout_s * 1000),
                                          config.max_pending_sessions_per_uid, config.max_pending_sessions,

@@ -13,7 +13,7 @@
 
 namespace flexkv::ring {
 
-Result<RingConsumer::Created> RingConsumer::Create(const RingGeometry& geometry) {
+Result<RingConsumer::Created> RingConsumer::Create(const RingGeometry& geometry, uint32_t pin_lease_ms) {
   UniqueFd memfd(static_cast<int>(syscall(SYS_memfd_create, "flexkv-rings", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
   if (!memfd) return Status::ResourceExhausted(fmt::format("memfd_create: {}", ErrnoText(errno)));
   const uint64_t bytes = geometry.total_bytes();
@@ -33,6 +33,7 @@ Result<RingConsumer::Created> RingConsumer::Create(const RingGeometry& geometry)
   h->arena_offset = geometry.arena_offset();
   h->arena_bytes = geometry.arena_bytes;
   h->total_bytes = bytes;
+  h->pin_lease_ms = pin_lease_ms;
   // The poller may be asleep with a session list that lacks this one: until it picks the session up and calls
   // Unpark, the client must ring the doorbell (which the poller already watches). Starting unparked made a new
   // session's first request wait out the poller's whole park.

@@ -32,9 +32,10 @@ class RingConsumer {
     UniqueFd doorbell;  // a dup of the consumer's eventfd: send it to the client
   };
   // Creates, sizes, seals and maps the ring memfd and writes its header. The consumer starts parked (the
-  // client rings the doorbell) until the poller first calls Unpark. RESOURCE_EXHAUSTED or INTERNAL with the
-  // failing call when the kernel refuses.
-  static Result<Created> Create(const RingGeometry& geometry);
+  // client rings the doorbell) until the poller first calls Unpark. `pin_lease_ms` goes into the header for the
+  // client's heartbeat (0: pins never lapse). RESOURCE_EXHAUSTED or INTERNAL with the failing call when the
+  // kernel refuses.
+  static Result<Created> Create(const RingGeometry& geometry, uint32_t pin_lease_ms = 0);
   ~RingConsumer() = default;
   RingConsumer(const RingConsumer&) = delete;
   RingConsumer& operator=(const RingConsumer&) = delete;
@@ -86,6 +87,9 @@ class RingConsumer {
   void Unpark();
   void DrainDoorbell();
   int doorbell_fd() const { return doorbell_.get(); }
+
+  // The client's heartbeat (RingHeader::client_heartbeat_ms), read once: untrusted, compare it only for change.
+  uint64_t client_heartbeat() const { return header()->client_heartbeat_ms.load(std::memory_order_relaxed); }
 
   // Requests taken and not yet answered by a final completion in the ring.
   uint64_t inflight() const { return inflight_.load(std::memory_order_acquire); }

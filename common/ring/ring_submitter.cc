@@ -43,6 +43,7 @@ RingSubmitter::RingSubmitter(RingMapping mapping, UniqueFd doorbell, WaitPolicy 
   submit_entries_ = h.submit_entries;
   completion_entries_ = h.completion_entries;
   arena_bytes_ = h.arena_bytes;
+  pin_lease_ms_ = h.pin_lease_ms;
   submit_tail_ = h.submit_tail.value.load(std::memory_order_acquire);
   completion_head_ = h.completion_head.value.load(std::memory_order_acquire);
 }

@@ -52,6 +52,11 @@ class RingSubmitter {
   uint32_t submit_entries() const { return submit_entries_; }
   uint32_t completion_entries() const { return completion_entries_; }
 
+  // The daemon's pin lease (0: pins never lapse), read once from the header. The client renews it with
+  // Heartbeat (any thread) while the process runs: the daemon looks only at whether the value changed.
+  uint32_t pin_lease_ms() const { return pin_lease_ms_; }
+  void Heartbeat(uint64_t now_ms) { header()->client_heartbeat_ms.store(now_ms, std::memory_order_relaxed); }
+
   // Wakes every thread sleeping in Wait now, so it re-checks `ready` and `peer_gone` at once (e.g. the session
   // was dropped) instead of at the end of its sleep. Thread-safe.
   void WakeWaiters() { FutexWakeAll(&header()->completion_tail.value); }
@@ -76,6 +81,7 @@ class RingSubmitter {
   uint32_t submit_entries_ = 0;      // copied from the header once checked: the daemon's, but kept constant
   uint32_t completion_entries_ = 0;
   uint64_t arena_bytes_ = 0;
+  uint32_t pin_lease_ms_ = 0;
   uint32_t submit_tail_ = 0;         // caller-serialized
   uint32_t completion_head_ = 0;     // caller-serialized
 };

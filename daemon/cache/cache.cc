@@ -167,6 +167,8 @@ void Cache::SetPoolListener(std::function<void(const PoolRegion&)> listener, std
 
 bool Cache::has_pool() const { return has_pool_.load(std::memory_order_acquire); }
 
+uint32_t Cache::capacity_slots() const { return has_pool() ? pool_->capacity() : 0; }
+
 uint64_t Cache::block_bytes() const {
   MutexLock lock(&mu_);
   return pool_ ? pool_->block_bytes() : 0;

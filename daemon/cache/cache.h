@@ -57,6 +57,8 @@ class Cache {
   bool has_pool() const;
   uint64_t block_bytes() const;
   uint8_t* SlotData(SlotId slot) const;  // has_pool() must hold
+  // Slots in the pool; 0 before it exists. No lock.
+  uint32_t capacity_slots() const;
   // Where the pool's slots are; nullopt before the pool exists.
   std::optional<PoolRegion> pool_region() const;
   CacheDomain::View Domain() const { return domain_.Snapshot(); }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <cerrno>
 #include <cstdio>
 #include <fmt/format.h>
@@ -250,6 +251,12 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   app.add_option("--fd-reserve", cfg.fd_reserve,
                  "Free fds kept for the control plane and admin calls: Attach is refused below it (default 256; 0: none)")
       ->check(CLI::Range(0u, 1000000u));
+  app.add_option("--max-session-pin-share", cfg.max_session_pin_share,
+                 "Share of the pool's slots one session may hold pinned, above 0 and at most 1 (default 0.5)")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--pin-lease", cfg.pin_lease_s,
+                 "Seconds after which a session's pins lapse when its process stops renewing them (default 10; 0: never)")
+      ->check(CLI::Range(0.0, 3600.0));
 
   app.add_flag("--discard-pool", cfg.discard_pool,
                "Replace a pool file of another geometry, version or size, or a corrupt one (its blocks are lost)");
@@ -284,6 +291,16 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
     std::fprintf(stderr, "flexkvd: %s\n", s.message().c_str());
     return ParsedArgs{std::nullopt, 2};
   };
+  if (cfg.max_session_pin_share <= 0) {
+    return usage_error(Status::InvalidArgument(fmt::format(
+        "--max-session-pin-share {} leaves a session no pins; expected a share above 0 and at most 1, e.g. 0.5",
+        cfg.max_session_pin_share)));
+  }
+  if (cfg.pin_lease_s > 0 && cfg.pin_lease_s < 0.05) {
+    return usage_error(Status::InvalidArgument(fmt::format(
+        "--pin-lease {} is below 0.05 s, shorter than a busy client can renew; expected 0 (never) or 0.05..3600",
+        cfg.pin_lease_s)));
+  }
   auto size = ParseByteSize(pool_size);
   if (!size.ok()) return usage_error(size.status().WithContext("--pool-size"));
   if (*size < (1u << 20)) {

@@ -29,6 +29,8 @@ struct DaemonConfig {
   uint32_t max_pending_sessions_per_uid = 64;  // --max-pending-sessions-per-uid: attached, channel not open yet
   uint32_t max_pending_sessions = 1024;        // --max-pending-sessions: the same, all uids together
   uint32_t fd_reserve = 256;                   // --fd-reserve: Attach is refused with fewer fds free than this
+  double max_session_pin_share = 0.5;  // --max-session-pin-share: of the pool's slots one session may pin
+  double pin_lease_s = 10;             // --pin-lease: a stopped process's pins lapse after this (0: never)
   bool discard_pool = false;           // --discard-pool: replace a pool file that cannot be re-attached
   double spin_us = 50;                 // --spin-us: poller spin window after activity
   unsigned copy_threads = 0;           // --copy-threads: 0 = one per core

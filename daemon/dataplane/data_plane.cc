@@ -20,14 +20,18 @@
 #include "common/ring/ring_consumer.h"
 #include "common/ring_layout.h"
 #include "common/uds.h"
+#include "daemon/dataplane/pin_lease.h"
 
 namespace flexkv {
 struct DataPlane::Session final : RequestSession {
   Session(DataPlane* owner, uint64_t id, const Geometry& geometry, uint64_t pool_generation, Status store_access)
-      : RequestSession(id, geometry, pool_generation, std::move(store_access)), plane(owner) {}
+      : RequestSession(id, geometry, pool_generation, std::move(store_access)),
+        plane(owner),
+        lease(owner->options_.pins.lease_ms * 1000000, NowNs()) {}
   DataPlane* const plane;
   std::unique_ptr<ring::RingConsumer> ring;  // the rings' daemon end; set once by OpenSession
   std::atomic<bool> dead{false};
+  PinLease lease;  // the poller's only
 
   void Post(const CompletionDescriptor& c) override { plane->Complete(*this, c); }
   bool ended() const override { return dead.load(); }
@@ -39,7 +43,7 @@ DataPlane::DataPlane(Cache* cache, Lifecycle* lifecycle, EngineMemoryBackends* b
       options_(options),
       dram_(cache),
       copies_(&dram_),
-      handlers_(cache, lifecycle, &copies_, &metrics_, options.max_blocks_per_request) {}
+      handlers_(cache, lifecycle, &copies_, &metrics_, options.max_blocks_per_request, options.pins) {}
 
 DataPlane::~DataPlane() { Stop(); }
 
@@ -83,7 +87,8 @@ Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const 
   // The session was admitted under the current pool: a drop needs every session gone, this one included.
   auto s = std::make_shared<Session>(this, session_id, geometry, cache_->generation(), access.store);
   auto created = ring::RingConsumer::Create(
-      RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes});
+      RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes},
+      static_cast<uint32_t>(options_.pins.lease_ms));
   if (!created.ok()) return created.status();
   s->ring = std::move(created->consumer);
   epoll_event ev{};
@@ -168,6 +173,7 @@ bool DataPlane::PollSession(const std::shared_ptr<Session>& self) {
         return true;
       case ring::RingConsumer::Taken::kDescriptor: {
         const int64_t taken_ns = NowNs();
+        s.lease.Renew(taken_ns);
         metrics_.taken[Index(OpKindOf(t.descriptor.opcode))].fetch_add(1, std::memory_order_relaxed);
         Process(self, t.descriptor, taken_ns);
         work = true;
@@ -181,10 +187,31 @@ void DataPlane::Process(const std::shared_ptr<Session>& s, const SubmitDescripto
   handlers_.Handle(s, s->ring->arena(), d, taken_ns);
 }
 
+void DataPlane::CheckPinLeases(const std::vector<std::shared_ptr<Session>>& active, int64_t now_ns) {
+  for (const auto& s : active) {
+    if (s->dead) continue;
+    s->lease.Observe(s->ring->client_heartbeat(), now_ns);
+    if (!s->lease.Expired(now_ns)) continue;
+    const RequestHandlers::Lapsed lapsed = handlers_.LapsePins(*s);
+    if (lapsed.handles == 0) continue;
+    pin_lapses_.fetch_add(1, std::memory_order_relaxed);
+    pin_lapsed_blocks_.fetch_add(lapsed.blocks, std::memory_order_relaxed);
+    lapse_log_.Warning("dataplane",
+                       "session {}: pins lapsed after {} ms without renewal (process stopped?): {} match handles "
+                       "released, {} blocks unpinned (--pin-lease)",
+                       s->id(), s->lease.SilentNs(now_ns) / 1000000, lapsed.handles, lapsed.blocks);
+  }
+}
+
 void DataPlane::PollerLoop() {
   std::vector<std::shared_ptr<Session>> active;
   uint64_t seen_generation = ~0ULL;
   int64_t last_work_ns = NowNs();
+  // Pin leases are checked a few times per lease, and at least every 200 ms (the longest park).
+  const int64_t lease_ns = options_.pins.lease_ms * 1000000;
+  const int64_t lease_check_ns = std::clamp<int64_t>(lease_ns / 4, 1000000, 200000000);
+  int64_t next_lease_check_ns = NowNs() + lease_check_ns;
+  const int64_t park_ms = lease_ns > 0 ? lease_check_ns / 1000000 : 200;
   epoll_event events[64];
   while (!stopping_.load(std::memory_order_relaxed)) {
     if (seen_generation != generation_.load()) {
@@ -201,6 +228,10 @@ void DataPlane::PollerLoop() {
     }
     const int64_t now = NowNs();
     last_turn_ms_.store(now / 1000000, std::memory_order_relaxed);
+    if (lease_ns > 0 && now >= next_lease_check_ns) {
+      CheckPinLeases(active, now);
+      next_lease_check_ns = now + lease_check_ns;
+    }
     if (work) {
       last_work_ns = now;
       continue;
@@ -224,7 +255,7 @@ void DataPlane::PollerLoop() {
       backlog |= s->ring->HasBacklog();
     }
     int n = 0;
-    if (!pending) n = epoll_wait(epoll_fd_.get(), events, 64, backlog ? 5 : 200);
+    if (!pending) n = epoll_wait(epoll_fd_.get(), events, 64, backlog ? 5 : static_cast<int>(park_ms));
     last_turn_ms_.store(MonotonicMs(), std::memory_order_relaxed);
     for (int i = 0; i < n; ++i) {
       uint64_t drained;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "common/log.h"
 #include "common/mutex.h"
 #include "common/ring_layout.h"
 #include "common/unique_fd.h"
@@ -37,6 +38,7 @@ struct DataPlaneOptions {
   int64_t spin_ns = 50000;      // how long the poller keeps spinning after the last request
   int poller_cpu = -1;          // >= 0: pin the ring poller to this CPU (keep engines off it for p99)
   uint32_t max_blocks_per_request = 1u << 20;
+  PinPolicy pins;               // the per-session pin cap and the pin lease
 };
 
 class DataPlane {
@@ -74,6 +76,9 @@ class DataPlane {
   // Per request kind: requests taken, errors by code, wait / transfer / end-to-end histograms.
   const RequestMetrics& metrics() const { return metrics_; }
   int64_t last_turn_ms() const { return last_turn_ms_.load(std::memory_order_relaxed); }
+  // Sessions whose pins lapsed (their process stopped renewing the pin lease), and the blocks that were unpinned.
+  uint64_t pin_lapses() const { return pin_lapses_.load(std::memory_order_relaxed); }
+  uint64_t pin_lapsed_blocks() const { return pin_lapsed_blocks_.load(std::memory_order_relaxed); }
   const DataPlaneOptions& options() const { return options_; }
 
  private:
@@ -87,6 +92,8 @@ class DataPlane {
   // reach a ring: the request handlers post through RequestSession::Post, which calls this.
   void Complete(Session& s, CompletionDescriptor c);
   void Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status);
+  // Poller: reads each session's heartbeat and releases the pins of those whose lease ran out.
+  void CheckPinLeases(const std::vector<std::shared_ptr<Session>>& active, int64_t now_ns);
 
   Cache* const cache_;
   EngineMemoryBackends* const backends_;
@@ -104,6 +111,9 @@ class DataPlane {
   std::atomic<bool> stopping_{false};
   std::thread poller_;
   std::atomic<int64_t> last_turn_ms_{0};
+  std::atomic<uint64_t> pin_lapses_{0};
+  std::atomic<uint64_t> pin_lapsed_blocks_{0};
+  log::RateLimited lapse_log_{5000};
 };
 
 }  // namespace flexkv

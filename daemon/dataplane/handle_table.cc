@@ -58,6 +58,18 @@ std::vector<SlotId> HandleTable::ReleaseAll() {
   return unpin;
 }
 
+std::vector<SlotId> HandleTable::Lapse(size_t* handles) {
+  size_t lapsed = 0;
+  for (const auto& [id, handle] : handles_) {
+    if (handle.released) continue;  // released by the client already, only a load still copies from it
+    lapsed_.insert(id);
+    ++lapsed;
+  }
+  while (lapsed_.size() > kMaxLapsedHandles) lapsed_.erase(lapsed_.begin());
+  if (handles != nullptr) *handles = lapsed;
+  return ReleaseAll();
+}
+
 std::vector<SlotId> HandleTable::Forget(std::map<uint64_t, Handle>::iterator it) {
   std::vector<SlotId> slots = std::move(it->second.slots);
   pinned_blocks_ -= slots.size();

@@ -1,12 +1,14 @@
 // HandleTable: one session's match handles. A Match with kMatchFlagPin pins the matched blocks under a handle;
-// Loads copy from the handle's slots; Release (or the session's end) lets them go - after the last Load still
-// copying from them. The table decides when slots are unpinned and returns them; the caller unpins them in the
-// cache (so the table is plain state, testable alone). Not thread-safe: the session's lock guards it.
+// Loads copy from the handle's slots; Release (or the session's end, or its pin lease running out) lets them go -
+// after the last Load still copying from them. The table decides when slots are unpinned and returns them; the
+// caller unpins them in the cache (so the table is plain state, testable alone). Not thread-safe: the session's
+// lock guards it.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "daemon/cache/prefix_index.h"
@@ -36,6 +38,17 @@ class HandleTable {
   // Release of every handle (the session ended).
   std::vector<SlotId> ReleaseAll();
 
+  // The session's pin lease ran out: every held handle is released as by ReleaseAll (slots still loading go with
+  // their last EndLoad) and remembered as lapsed, so that its later use is answered as such. Returns the slots to
+  // unpin now; `handles` (if not null) gets how many handles lapsed. The table remembers at most
+  // kMaxLapsedHandles lapsed handles (the oldest are forgotten first: their use then reads as an unknown handle).
+  std::vector<SlotId> Lapse(size_t* handles = nullptr);
+  // Whether `handle` lapsed (and was not released since).
+  bool Lapsed(uint64_t handle) const { return lapsed_.contains(handle); }
+  // A Release of a lapsed handle: it is answered as lapsed once, then forgotten.
+  void ForgetLapsed(uint64_t handle) { lapsed_.erase(handle); }
+  static constexpr size_t kMaxLapsedHandles = 4096;
+
   // Blocks pinned by handles not yet unpinned (including released ones still loading).
   uint64_t pinned_blocks() const { return pinned_blocks_; }
 
@@ -48,6 +61,7 @@ class HandleTable {
   std::vector<SlotId> Forget(std::map<uint64_t, Handle>::iterator it);
 
   std::map<uint64_t, Handle> handles_;
+  std::set<uint64_t> lapsed_;  // at most kMaxLapsedHandles
   uint64_t next_handle_ = 1;
   uint64_t pinned_blocks_ = 0;
 };

@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "common/clock.h"
 #include "daemon/dataplane/descriptor_validation.h"
 
@@ -14,12 +16,23 @@ uint64_t RequestSession::pinned_blocks() const {
 }
 
 RequestHandlers::RequestHandlers(Cache* cache, Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
-                                 uint32_t max_blocks_per_request)
+                                 uint32_t max_blocks_per_request, PinPolicy pins)
     : cache_(cache),
       lifecycle_(lifecycle),
       copies_(copies),
       metrics_(metrics),
-      max_blocks_per_request_(max_blocks_per_request) {}
+      max_blocks_per_request_(max_blocks_per_request),
+      pins_(pins) {}
+
+namespace {
+
+// What a Load or Release of a handle whose pins lapsed is answered (the completion's message holds 87 bytes).
+Status LapsedHandle(int64_t lease_ms) {
+  return Status::FailedPrecondition(
+      fmt::format("pins lapsed after {} ms without renewal (process stopped?); Match again", lease_ms));
+}
+
+}  // namespace
 
 void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::span<const uint8_t> arena,
                              const SubmitDescriptor& d, int64_t taken_ns) {
@@ -64,6 +77,24 @@ void RequestHandlers::EndSession(RequestSession& s) {
   if (!unpin.empty()) cache_->Unpin(unpin);
 }
 
+RequestHandlers::Lapsed RequestHandlers::LapsePins(RequestSession& s) {
+  Lapsed lapsed;
+  std::vector<SlotId> unpin;
+  {
+    MutexLock lock(&s.mu_);
+    if (s.handles_.pinned_blocks() == 0) return lapsed;
+    unpin = s.handles_.Lapse(&lapsed.handles);
+  }
+  lapsed.blocks = unpin.size();
+  if (!unpin.empty()) cache_->Unpin(unpin);
+  return lapsed;
+}
+
+uint64_t RequestHandlers::SessionPinCap() const {
+  const auto cap = static_cast<uint64_t>(pins_.max_session_share * cache_->capacity_slots());
+  return std::max<uint64_t>(cap, 1);
+}
+
 void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns,
                             const std::vector<BlockKey>& keys) {
   const bool pin = (d.flags & kMatchFlagPin) != 0;
@@ -77,15 +108,25 @@ void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_
   c.MatchedBlocks(static_cast<uint32_t>(hit));
   if (pin && hit > 0) {
     bool held = false;
+    uint64_t pinned = 0;
+    const uint64_t cap = SessionPinCap();
     {
       MutexLock lock(&s.mu_);
+      pinned = s.handles_.pinned_blocks();
       // EndSession sets ended() before it releases the table's handles: a handle added after that would leak.
-      if (!s.ended()) {
+      if (!s.ended() && pinned + hit <= cap) {
         c.MatchHandle(s.handles_.Add(std::move(slots)));
         held = true;
       }
     }
-    if (!held) return cache_->Unpin(slots);  // nobody is left to answer
+    if (!held) {
+      cache_->Unpin(slots);
+      if (s.ended()) return;  // nobody is left to answer
+      // Over the session's cap: nothing is pinned (a partial pin would leave a handle to leak on an error path).
+      c.Status(Status::ResourceExhausted(
+          fmt::format("session pin cap: {} pinned + {} > {} (--max-session-pin-share); Release handles", pinned,
+                      hit, cap)));
+    }
   }
   Finish(s, d, taken_ns, c.descriptor());
 }
@@ -95,7 +136,12 @@ void RequestHandlers::Release(RequestSession& s, const SubmitDescriptor& d, int6
   Status held;
   {
     MutexLock lock(&s.mu_);
-    held = ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
+    if (s.handles_.Lapsed(d.match_handle)) {
+      s.handles_.ForgetLapsed(d.match_handle);
+      held = LapsedHandle(pins_.lease_ms);
+    } else {
+      held = ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
+    }
     if (held.ok()) unpin = s.handles_.Release(d.match_handle);
   }
   if (!held.ok()) return Fail(s, d, taken_ns, held);
@@ -112,7 +158,8 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
     // Handle validated the descriptor and its block ids; the handle is looked up here, under the lock that also
     // takes its slots.
     MutexLock lock(&s.mu_);
-    refused = ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
+    refused = s.handles_.Lapsed(d.match_handle) ? LapsedHandle(pins_.lease_ms)
+                                                : ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
     if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
     if (refused.ok()) slots = s.handles_.BeginLoad(d.match_handle, d.count);
   }

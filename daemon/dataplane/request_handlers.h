@@ -23,6 +23,12 @@
 
 namespace flexkv {
 
+// Bounds on pins (docs/protocol.md "Pins").
+struct PinPolicy {
+  double max_session_share = 0.5;  // of the pool's slots that one session may hold pinned, in (0, 1]
+  int64_t lease_ms = 10000;        // pins lapse after this long without renewal; 0: never
+};
+
 // A session as the handlers see it: its handles, its KV registrations, and where its completions go.
 class RequestSession {
  public:
@@ -63,7 +69,7 @@ class RequestHandlers {
  public:
   // Every pointer outlives the handlers; `metrics` is where requests' times and errors are counted.
   RequestHandlers(Cache* cache, Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
-                  uint32_t max_blocks_per_request);
+                  uint32_t max_blocks_per_request, PinPolicy pins = {});
 
   // Answers `d` (copied off the session's submit ring at `taken_ns`, monotonic; not yet validated; its keys and
   // block ids are in `arena`, the session's payload arena, which the client may be writing). Match and Release
@@ -75,6 +81,16 @@ class RequestHandlers {
   // The session ended (after ended() turned true): its handles go, their pins with them (after any load still
   // copying from them).
   void EndSession(RequestSession& session);
+  // The session's pin lease ran out (the poller decides: PinLease): its held handles go, their pins with them
+  // (after any load still copying from them), and a later Load or Release of one is answered FAILED_PRECONDITION
+  // "pins lapsed". The session stays attached; its next Match pins again. Returns what lapsed.
+  struct Lapsed {
+    size_t handles = 0;
+    size_t blocks = 0;  // unpinned now
+  };
+  Lapsed LapsePins(RequestSession& session);
+  // The most blocks one session may hold pinned: max_session_share of the pool's slots, at least 1.
+  uint64_t SessionPinCap() const;
 
  private:
   void Match(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, const std::vector<BlockKey>& keys);
@@ -94,6 +110,7 @@ class RequestHandlers {
   CopyScheduler* const copies_;
   RequestMetrics* const metrics_;
   const uint32_t max_blocks_per_request_;
+  const PinPolicy pins_;
 };
 
 }  // namespace flexkv

@@ -92,6 +92,11 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                     MetricType::Gauge, stats.pinned));
   out.push_back(
       One("flexkv_index_blocks", "Blocks reachable through the prefix index", MetricType::Gauge, stats.blocks));
+  out.push_back(One("flexkv_pin_lapses_total",
+                    "Sessions whose pins lapsed: their process stopped renewing the pin lease (--pin-lease)",
+                    MetricType::Counter, sources_.data_plane->pin_lapses()));
+  out.push_back(One("flexkv_pin_lapsed_blocks_total", "Blocks unpinned because their session's pin lease lapsed",
+                    MetricType::Counter, sources_.data_plane->pin_lapsed_blocks()));
 
   std::vector<ClientMetric> taken;
   for (const OpKind op : kAllOps) {

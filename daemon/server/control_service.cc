@@ -61,6 +61,7 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   const Geometry geometry = FromProto(request->geometry());
   Result<SessionRegistry::Grant> grant = Status::Internal("not opened");
   bool read_only = false;
+  CacheDomain::View view;
   {
     MutexLock lock(&domain_mu_);
     Status admitted = AdmitLocked(request->model_namespace(), geometry, *peer);
@@ -68,7 +69,7 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
       log::Info("control", "Attach from pid {} refused: {}", peer->pid, admitted.ToString());
       return Answer(admitted);
     }
-    const CacheDomain::View view = ctx_.cache->Domain();
+    view = ctx_.cache->Domain();
     SessionAccess access = ctx_.access->Decide(request->model_namespace(), *peer, admin, view.creator_uid);
     read_only = !access.may_store();
     SessionIdentity identity{request->client_name(), request->dp_rank(), request->tp_rank(),

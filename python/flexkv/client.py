@@ -485,7 +485,10 @@ class Client:
     def match(self, keys: Union[BlockKeys, Iterable[Any]], pin: bool = False) -> Ticket:
         """Looks up the leading blocks of `keys` that are cached (result.matched_blocks), walking from the root: pass
         the prompt's keys from its first block (keys.parent is not used). With pin, they stay pinned
-        (never evicted) until release(result.match_handle), and result.match_handle names them for load()."""
+        (never evicted) until release(result.match_handle), and result.match_handle names them for load(). Pinning
+        beyond the daemon's --max-session-pin-share raises ResourceExhausted (nothing pinned); pins of a process
+        stopped longer than --pin-lease lapse (load/release then raise FailedPrecondition). The library renews
+        the lease while the process runs."""
         k = as_block_keys(keys)
         return self._submit("match", _lib.lib.flexkv_match, k._array, len(k), 1 if pin else 0)
 

@@ -473,7 +473,9 @@ TEST_CASE("chaos: flexkvd killed -9 under load 20+ times and restarted on the sa
 // ---------------------------------------------------------------------------------------------------------
 TEST_CASE("chaos: a full pool and a pool of pinned blocks only, under load: stores end, loads stay whole",
           "[chaos]") {
-  DaemonUnderTest d({"--pool-size", "2MiB"});  // 16 slots of 128 KiB
+  // 16 slots of 128 KiB. "Pinned only" below has one session pin the whole pool on purpose, so the session pin
+  // cap is lifted to all of it; the pin lease stays (A keeps running, its library renews the lease).
+  DaemonUnderTest d({"--pool-size", "2MiB", "--max-session-pin-share", "1"});
   REQUIRE(d.WaitReady());
   auto observer = Observer(d.socket());
   // Full pool: three engines store 4x the pool while loading; stores evict, nothing errs, loads are whole.

@@ -181,7 +181,8 @@ TEST_CASE("kill -9 of flexkvd during stores: after restart every completed store
 }
 
 TEST_CASE("a pool of pinned blocks only: a store keeps what it can and reports RESOURCE_EXHAUSTED", "[integration]") {
-  DaemonUnderTest d({"--pool-size", "1MiB"});  // 8 slots of 128 KiB
+  // 8 slots of 128 KiB. One session pins the whole pool on purpose: its pin cap is lifted to all of it.
+  DaemonUnderTest d({"--pool-size", "1MiB", "--max-session-pin-share", "1"});
   REQUIRE(d.WaitReady());
   ChildProcess a = Client(d, "A", {"store:5:8", "pin:5:8", "hold"});
   REQUIRE(a.WaitForLine("PINNED 8", 10s).has_value());

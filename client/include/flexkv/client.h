@@ -180,7 +180,10 @@ class Client {
   Status RegisterGpuKv(const GpuKvRegistration& registration);
 
   // Leading blocks of `keys` that are cached. With `pin`, they stay pinned (never evicted) until Release,
-  // and the result carries a match handle for Load.
+  // and the result carries a match handle for Load. A session pins at most the daemon's
+  // --max-session-pin-share of the pool: beyond it nothing is pinned and the result is RESOURCE_EXHAUSTED.
+  // The library renews the pins' lease while this process runs; a process stopped for longer than the
+  // daemon's --pin-lease loses them (Load/Release of the handle: FAILED_PRECONDITION). docs/protocol.md, "Pins".
   Result<Ticket> Match(std::span<const BlockKey> keys, bool pin = false);
   // Copies the first dst_block_ids.size() blocks of a pinned match into these KV blocks. With `layerwise`,
   // WaitLayers reports each layer as it lands, so compute on layer 0 can start while later layers copy.

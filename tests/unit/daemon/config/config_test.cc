@@ -211,3 +211,21 @@ TEST_CASE("a bad namespace table in the config refuses to start, naming the file
         "expected printable UTF-8 text (no NUL, no U+0000..U+001F or U+007F..U+009F)");
   CHECK_THAT(message("[namespace.\"m\"]\nwriters = [\n"), Catch::StartsWith("line "));
 }
+
+TEST_CASE("the pin cap and the pin lease: defaults, keys, and values that make no sense", "[unit]") {
+  auto defaults = Parse({});
+  REQUIRE(defaults.config.has_value());
+  CHECK(defaults.config->max_session_pin_share == 0.5);
+  CHECK(defaults.config->pin_lease_s == 10);
+  TomlFile f("max-session-pin-share = 0.25\npin-lease = 2.5\n");
+  auto p = Parse({"--config", f.path});
+  REQUIRE(p.config.has_value());
+  CHECK(p.config->max_session_pin_share == 0.25);
+  CHECK(p.config->pin_lease_s == 2.5);
+  CHECK(Parse({"--pin-lease", "0"}).config->pin_lease_s == 0);  // never lapse
+  CHECK(Parse({"--max-session-pin-share", "1"}).config->max_session_pin_share == 1);
+  CHECK(Parse({"--max-session-pin-share", "0"}).exit_code == 2);
+  CHECK(Parse({"--max-session-pin-share", "1.5"}).exit_code == 2);
+  CHECK(Parse({"--pin-lease", "0.001"}).exit_code == 2);
+  CHECK(Parse({"--pin-lease", "-1"}).exit_code == 2);
+}

@@ -68,3 +68,41 @@ TEST_CASE("handle table: ReleaseAll returns idle handles' slots and leaves loadi
   CHECK(t.EndLoad(loading) == std::vector<SlotId>{3});
   CHECK(t.pinned_blocks() == 0);
 }
+
+TEST_CASE("handle table: a lapse releases every held handle and remembers them as lapsed", "[unit][dataplane]") {
+  HandleTable t;
+  const uint64_t idle = t.Add({1, 2});
+  const uint64_t loading = t.Add({3});
+  const uint64_t released = t.Add({4});
+  t.BeginLoad(loading, 1);
+  t.BeginLoad(released, 1);
+  CHECK(t.Release(released).empty());  // the client let it go; its load still copies
+  size_t handles = 0;
+  CHECK(t.Lapse(&handles) == std::vector<SlotId>{1, 2});
+  CHECK(handles == 2);
+  CHECK(t.Lapsed(idle));
+  CHECK(t.Lapsed(loading));
+  CHECK_FALSE(t.Lapsed(released));  // released before the lapse: an ordinary unknown handle from now on
+  CHECK_FALSE(t.HeldBlocks(idle).has_value());
+  CHECK_FALSE(t.HeldBlocks(loading).has_value());
+  CHECK(t.pinned_blocks() == 2);  // the two loads still copy: their slots go with their last EndLoad
+  CHECK(t.EndLoad(loading) == std::vector<SlotId>{3});
+  CHECK(t.EndLoad(released) == std::vector<SlotId>{4});
+  CHECK(t.pinned_blocks() == 0);
+  t.ForgetLapsed(idle);
+  CHECK_FALSE(t.Lapsed(idle));
+  // Pins taken after the lapse are ordinary ones.
+  const uint64_t again = t.Add({5});
+  CHECK(t.HeldBlocks(again) == 1u);
+  CHECK_FALSE(t.Lapsed(again));
+}
+
+TEST_CASE("handle table: lapsed handles are remembered up to a bound, the oldest forgotten first", "[unit][dataplane]") {
+  HandleTable t;
+  const uint64_t first = t.Add({1});
+  CHECK(t.Lapse().size() == 1);
+  for (size_t i = 0; i < HandleTable::kMaxLapsedHandles; ++i) t.Add({static_cast<SlotId>(i)});
+  CHECK(t.Lapse().size() == HandleTable::kMaxLapsedHandles);
+  CHECK_FALSE(t.Lapsed(first));
+  CHECK(t.Lapsed(first + 1));
+}

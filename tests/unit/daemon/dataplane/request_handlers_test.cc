@@ -1,7 +1,8 @@
 // RequestHandlers over a fake engine-memory backend and a fake session (no rings, no client): the handlers work
 // with any backend that declared what the registration needs - a Store publishes only after its copy and
 // returns its slots when the copy fails, a layer-wise Load on a backend without layer-wise copies still reports
-// every layer, a Release during a Load unpins when the Load ends, and a Load is refused while draining.
+// every layer, a Release during a Load unpins when the Load ends, a Load is refused while draining, a session
+// pins no more than its cap, and handles whose pins lapsed are answered as such.
 #include <catch2/catch.hpp>
 
 #include <cstring>
@@ -69,7 +70,7 @@ struct Harness {
     d.match_handle = handle;
     if (!keys.empty()) std::memcpy(arena.data() + kKeysOffset, keys.data(), keys.size() * sizeof(BlockKey));
     if (!ids.empty()) std::memcpy(arena.data() + kIdsOffset, ids.data(), ids.size() * sizeof(uint32_t));
-    handlers.Handle(session, arena, d, flexkv::NowNs());
+    active->Handle(session, arena, d, flexkv::NowNs());
   }
   CompletionDescriptor Last() {
     REQUIRE_FALSE(session->posted.empty());
@@ -84,6 +85,7 @@ struct Harness {
   flexkv::EngineMemoryBackends backends;
   FakeEngineMemory* backend = nullptr;
   flexkv::RequestHandlers handlers{&cache.cache(), &lifecycle, &copies, &metrics, 1024};
+  flexkv::RequestHandlers* active = &handlers;  // the handlers Submit goes to
   std::shared_ptr<FakeSession> session;
   std::vector<uint8_t> arena = std::vector<uint8_t>(8192);
   uint64_t next_user_data = 0;
@@ -211,4 +213,84 @@ TEST_CASE("request handlers: a read-only session's Store is refused with its rea
   // Matching is reading: allowed.
   h.Submit(RingOp::kMatch, 0, Keys(3), {});
   CHECK(h.Last().status_code == 0);
+}
+
+TEST_CASE("request handlers: a Match with pin beyond the session's pin cap pins nothing and names the cap",
+          "[unit][dataplane]") {
+  Harness h;
+  const uint32_t capacity = h.cache.cache().capacity_slots();
+  REQUIRE(capacity >= 8);
+  flexkv::RequestHandlers capped{&h.cache.cache(), &h.lifecycle, &h.copies, &h.metrics, 1024,
+                                 flexkv::PinPolicy{3.5 / capacity, 10000}};
+  REQUIRE(capped.SessionPinCap() == 3);
+  h.active = &capped;
+  h.Submit(RingOp::kStore, 0, Keys(4), {1, 2, 3, 4});
+  h.backend->Finish(0, Status::Ok(), flexkv::NowNs());
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(4), {});
+  CompletionDescriptor c = h.Last();
+  CHECK(c.status_code == static_cast<int32_t>(StatusCode::kResourceExhausted));
+  CHECK(std::string(c.message) == "session pin cap: 0 pinned + 4 > 3 (--max-session-pin-share); Release handles");
+  CHECK(c.matched_blocks == 4);  // what is cached
+  CHECK(c.match_handle == 0);    // nothing pinned
+  CHECK(h.cache.cache().GetStats().pinned == 0);
+  CHECK(h.session->pinned_blocks() == 0);
+
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(2), {});
+  const uint64_t two = h.Last().match_handle;
+  CHECK(h.Last().status_code == 0);
+  CHECK(two != 0);
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(2), {});
+  CHECK(h.Last().status_code == static_cast<int32_t>(StatusCode::kResourceExhausted));
+  CHECK(std::string(h.Last().message) == "session pin cap: 2 pinned + 2 > 3 (--max-session-pin-share); Release handles");
+  h.Submit(RingOp::kMatch, 0, Keys(4), {});  // a Match without pin is never capped
+  CHECK(h.Last().status_code == 0);
+  CHECK(h.Last().matched_blocks == 4);
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(1), {});
+  CHECK(h.Last().status_code == 0);  // 3 pinned: at the cap, not over it
+  CHECK(h.session->pinned_blocks() == 3);
+  h.Submit(RingOp::kRelease, 0, {}, {}, two);
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(2), {});
+  CHECK(h.Last().status_code == 0);  // room again after a Release
+  CHECK(h.session->pinned_blocks() == 3);
+  CHECK(h.cache.cache().GetStats().pinned == 2);  // a slot pinned twice counts once in the pool
+}
+
+TEST_CASE("request handlers: lapsed pins are unpinned, their handles answer FAILED_PRECONDITION, a new Match pins again",
+          "[unit][dataplane]") {
+  Harness h;
+  h.Submit(RingOp::kStore, 0, Keys(3), {1, 2, 3});
+  h.backend->Finish(0, Status::Ok(), flexkv::NowNs());
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(2), {});
+  const uint64_t idle = h.Last().match_handle;
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(3), {});
+  const uint64_t loading = h.Last().match_handle;
+  h.Submit(RingOp::kLoad, 0, {}, {4, 5, 6}, loading);
+  REQUIRE(h.backend->jobs.size() == 2);
+  CHECK(h.cache.cache().GetStats().pinned == 3);
+
+  const flexkv::RequestHandlers::Lapsed lapsed = h.handlers.LapsePins(*h.session);
+  CHECK(lapsed.handles == 2);
+  CHECK(lapsed.blocks == 2);  // the idle handle's; the loading one's go when its copy ends
+  CHECK(h.session->pinned_blocks() == 3);
+  const std::string expected = "pins lapsed after 10000 ms without renewal (process stopped?); Match again";
+  h.Submit(RingOp::kLoad, 0, {}, {7}, idle);
+  CHECK(h.Last().status_code == static_cast<int32_t>(StatusCode::kFailedPrecondition));
+  CHECK(std::string(h.Last().message) == expected);
+  CHECK(h.backend->jobs.size() == 2);  // no copy
+  h.backend->Finish(1, Status::Ok(), flexkv::NowNs());  // the load that was copying ends whole
+  CHECK(h.Last().status_code == 0);
+  CHECK(h.Last().done_blocks == 3);
+  CHECK(h.cache.cache().GetStats().pinned == 0);
+  CHECK(h.session->pinned_blocks() == 0);
+  h.Submit(RingOp::kRelease, 0, {}, {}, loading);
+  CHECK(h.Last().status_code == static_cast<int32_t>(StatusCode::kFailedPrecondition));
+  CHECK(std::string(h.Last().message) == expected);
+  h.Submit(RingOp::kRelease, 0, {}, {}, loading);  // answered as lapsed once, then an unknown handle
+  CHECK(h.Last().status_code == static_cast<int32_t>(StatusCode::kNotFound));
+  CHECK(h.handlers.LapsePins(*h.session).handles == 0);  // nothing left to lapse
+
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(3), {});  // the process runs again: it pins again
+  CHECK(h.Last().status_code == 0);
+  CHECK(h.Last().match_handle != 0);
+  CHECK(h.cache.cache().GetStats().pinned == 3);
 }
