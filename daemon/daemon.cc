@@ -20,6 +20,7 @@
 #include "common/log.h"
 #include "common/units.h"
 #include "common/version.h"
+#include "daemon/cache/block_verifier.h"
 #include "daemon/cache/cache.h"
 #include "daemon/cache/pool_guard.h"
 #include "daemon/dataplane/data_plane.h"
@@ -93,6 +94,9 @@ int RunDaemon(const DaemonConfig& config) {
     log::Error("daemon", "cannot use the pool: {}", recovered.ToString());  // names the code
     return 1;
   }
+  // Restored blocks are served only once their bytes pass their checksums, checked in the background.
+  BlockVerifier verifier(&cache);
+  verifier.StartRestartVerification();
 
   auto activated = ControlSocket::FromSystemd(config.socket_path);
   auto socket = (!activated.ok() && activated.status().code() == StatusCode::kNotFound)
@@ -130,7 +134,7 @@ int RunDaemon(const DaemonConfig& config) {
   auto metrics = std::make_shared<DaemonMetrics>(
       MetricsSources{&cache, &data_plane, &sessions, &lifecycle, &control_errors});
   ControlService control(ControlContext{&cache, &data_plane, &backends, &sessions, &lifecycle, &peers,
-                                        config.admin_gid, started_ms, &control_errors, metrics.get()});
+                                        config.admin_gid, started_ms, &control_errors, metrics.get(), &verifier});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);

@@ -172,8 +172,10 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   auto slots = std::make_shared<const std::vector<SlotId>>(std::move(r.slots));
   copy.slots = slots;
   copy.num_layers = s.geometry().num_layers;
+  auto checksums = std::make_shared<std::vector<uint64_t>>();
+  copy.checksums = checksums;
   const uint64_t block_bytes = cache_->block_bytes();
-  copy.done = [this, sp, d, c, keys = std::move(keys), slots, first, block_bytes, taken_ns](
+  copy.done = [this, sp, d, c, keys = std::move(keys), slots, checksums, first, block_bytes, taken_ns](
                   Status st, int64_t copy_start_ns) mutable {
     RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
     // Publish after transfer; a failed copy, or a session that ended meanwhile, returns the slots.
@@ -181,7 +183,7 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
       cache_->Abort(*slots);
       if (!st.ok()) c.Status(st).DoneBlocks(0);
     } else {
-      cache_->Commit(keys, first, *slots);
+      cache_->Commit(keys, first, *slots, *checksums);
       cache_->counters().store_blocks.fetch_add(slots->size(), std::memory_order_relaxed);
       cache_->counters().bytes_stored.fetch_add(slots->size() * block_bytes, std::memory_order_relaxed);
     }

@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 
+#include "daemon/cache/block_verifier.h"
 #include "daemon/cache/cache.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
@@ -34,6 +35,7 @@ struct ControlContext {
   int64_t started_ms;  // monotonic
   ErrorCounts* errors;  // where the service counts its answers with an error, by code
   const DaemonMetrics* metrics;  // what GetMetrics renders
+  BlockVerifier* verifier = nullptr;  // runs Scrub
 };
 
 class ControlService final : public v1::Control::Service {
@@ -58,6 +60,8 @@ class ControlService final : public v1::Control::Service {
                      v1::DrainResponse* response) override;
   grpc::Status Resume(grpc::ServerContext* context, const v1::ResumeRequest* request,
                       v1::ResumeResponse* response) override;
+  grpc::Status Scrub(grpc::ServerContext* context, const v1::ScrubRequest* request,
+                     v1::ScrubResponse* response) override;
 
   // Requests answered with an error (the `errors` counter).
   uint64_t errors() const { return ctx_.errors->Total(); }

@@ -28,8 +28,9 @@ class HostKv final : public EngineKv {
 
   uint32_t num_blocks() const override { return num_blocks_; }
   uint32_t tp_rank() const override { return 0; }  // whole blocks
-  // Copies block `block` (< num_blocks) into / out of a pool slot of host_block_bytes().
-  void CopyToSlot(uint32_t block, uint8_t* slot) const;
+  // Copies block `block` (< num_blocks) into / out of a pool slot of host_block_bytes(). CopyToSlot returns
+  // the checksum term sum of the bytes it wrote (common/block_checksum.h), computed in the same pass.
+  uint64_t CopyToSlot(uint32_t block, uint8_t* slot) const;
   void CopyFromSlot(const uint8_t* slot, uint32_t block) const;
 
  private:
