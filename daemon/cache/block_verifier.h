@@ -41,6 +41,8 @@ class BlockVerifier {
   // becomes matchable once it passes, one that fails is dropped with its descendants. Logs one summary line
   // when done. Returns at once; call once, after RecoverPool.
   void StartRestartVerification();
+  // The same check, on the calling thread (what the background thread runs).
+  void VerifyRestored();
   // Checks every committed block on the calling thread, one range of slots at a time, each block pinned while
   // its bytes are read (so no store reuses its slot meanwhile), at most `options.max_bytes_per_s`. Failed
   // blocks are dropped. One scrub at a time: ABORTED while another runs; FAILED_PRECONDITION before the pool
@@ -48,8 +50,6 @@ class BlockVerifier {
   Result<ScrubReport> Scrub(const ScrubOptions& options);
 
  private:
-  void VerifyRestored();
-
   Cache* const cache_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> scrubbing_{false};

@@ -2,8 +2,15 @@
 // request goes through (match, reserve, commit, abort), and the pool announcing itself to its listener.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <span>
 #include <vector>
 
+#include "common/block_checksum.h"
+#include "daemon/cache/block_verifier.h"
 #include "daemon/cache/cache.h"
 #include "flexkv/block_key.h"
 #include "tests/unit/daemon/cache/temp_cache.h"
@@ -21,6 +28,17 @@ std::vector<BlockKey> Keys(uint64_t chain, size_t n) {
   std::vector<BlockKey> keys(n);
   for (size_t i = 0; i < n; ++i) keys[i] = BlockKey{chain * 1000 + i + 1, chain};
   return keys;
+}
+
+// Fills the slots with bytes of their own and commits them with their content checksums, as a store does.
+void FillAndCommit(flexkv::Cache& cache, const std::vector<BlockKey>& keys, size_t first, std::span<const SlotId> slots) {
+  std::vector<uint64_t> sums;
+  for (SlotId s : slots) {
+    uint8_t* bytes = cache.SlotData(s);
+    for (uint64_t i = 0; i < cache.block_bytes(); ++i) bytes[i] = static_cast<uint8_t>(i * 3 + s);
+    sums.push_back(flexkv::BlockChecksum(bytes, cache.block_bytes()));
+  }
+  cache.Commit(keys, first, slots, sums);
 }
 
 }  // namespace
@@ -59,7 +77,7 @@ TEST_CASE("cache: a store is matchable only after Commit - Abort returns its slo
   REQUIRE(r.slots.size() == 4);
   CHECK(r.shortfall == StatusCode::kOk);
   CHECK(cache.Match(keys, false, nullptr) == 0);  // pending: not visible before its bytes are complete
-  cache.Commit(keys, 0, r.slots);
+  FillAndCommit(cache, keys, 0, r.slots);
   CHECK(cache.Match(keys, false, nullptr) == 4);
   CHECK(cache.GetStats().blocks == 4);
 
@@ -81,7 +99,7 @@ TEST_CASE("cache: pinned matches hold their slots until unpinned", "[unit][cache
   REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
   const std::vector<BlockKey> keys = Keys(2, 3);
   auto r = cache.Reserve(keys);
-  cache.Commit(keys, 0, r.slots);
+  FillAndCommit(cache, keys, 0, r.slots);
   std::vector<SlotId> pinned;
   CHECK(cache.Match(keys, /*pin=*/true, &pinned) == 3);
   CHECK(pinned == r.slots);
@@ -120,7 +138,7 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
     REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
     auto r = t.cache().Reserve(keys);
     REQUIRE(r.slots.size() == 5);
-    t.cache().Commit(keys, 0, std::span(r.slots).first(3));  // the last two never completed
+    FillAndCommit(t.cache(), keys, 0, std::span(r.slots).first(3));  // the last two never completed
   }
   t.Reopen();
   int announced = 0;
@@ -128,6 +146,118 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
   REQUIRE(t.cache().RecoverPool(false).ok());
   CHECK(announced == 1);
   CHECK(t.cache().has_pool());
+  // Restored blocks are served only once their bytes are verified.
+  CHECK(t.cache().Match(keys, false, nullptr) == 0);
+  CHECK(t.cache().GetStats().unverified == 3);
+  flexkv::BlockVerifier(&t.cache()).VerifyRestored();
+  CHECK(t.cache().GetStats().unverified == 0);
   CHECK(t.cache().Match(keys, false, nullptr) == 3);
+  CHECK(t.cache().counters().data_loss_blocks.load() == 0);
   CHECK(t.cache().Domain().model_namespace == "ns");
+}
+
+TEST_CASE("cache: a restored block whose bytes changed is never served - dropped with its descendants and counted",
+          "[unit][cache][checksum][regression]") {
+  TempCache t;
+  const std::vector<BlockKey> a = Keys(4, 5), b = Keys(5, 3);
+  std::vector<SlotId> a_slots;
+  {
+    REQUIRE(t.cache().RecoverPool(false).ok());
+    REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
+    auto ra = t.cache().Reserve(a);
+    a_slots = ra.slots;
+    FillAndCommit(t.cache(), a, 0, ra.slots);
+    auto rb = t.cache().Reserve(b);
+    FillAndCommit(t.cache(), b, 0, rb.slots);
+    t.cache().SlotData(a_slots[2])[100] ^= 0x01;  // one bit of a's third block, as if flipped while stopped
+  }
+  t.Reopen();
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  flexkv::BlockVerifier(&t.cache()).VerifyRestored();
+  CHECK(t.cache().Match(a, false, nullptr) == 2);  // stops before the changed block
+  CHECK(t.cache().Match(b, false, nullptr) == 3);
+  CHECK(t.cache().counters().data_loss_blocks.load() == 1);
+  CHECK(t.cache().GetStats().blocks == 5);
+  CHECK(t.cache().GetStats().used == 5);  // the failed block's and its descendants' slots are free again
+  // Nor after another restart: the dropped entries were cleared.
+  t.Reopen();
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  CHECK(t.cache().GetStats().unverified == 5);
+  flexkv::BlockVerifier(&t.cache()).VerifyRestored();
+  CHECK(t.cache().Match(a, false, nullptr) == 2);
+  CHECK(t.cache().counters().data_loss_blocks.load() == 0);
+}
+
+TEST_CASE("cache: a pool file of layout version 1 is dropped at start with one log line, not refused",
+          "[unit][cache][checksum]") {
+  TempCache t;
+  {
+    REQUIRE(t.cache().RecoverPool(false).ok());
+    REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
+    const std::vector<BlockKey> keys = Keys(6, 2);
+    FillAndCommit(t.cache(), keys, 0, t.cache().Reserve(keys).slots);
+  }
+  t.Reopen();
+  {
+    const int fd = open((t.dir() + "/pool").c_str(), O_WRONLY | O_CLOEXEC);
+    REQUIRE(fd >= 0);
+    const uint32_t v1 = 1;
+    REQUIRE(pwrite(fd, &v1, sizeof(v1), 8) == sizeof(v1));
+    close(fd);
+  }
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  CHECK_FALSE(t.cache().has_pool());
+  CHECK_FALSE(std::filesystem::exists(t.dir() + "/pool"));
+  REQUIRE(t.cache().Admit("other", SmallGeometry()).ok());  // the first Attach fixes the domain again
+}
+
+TEST_CASE("cache: a scrub drops a block whose bytes changed under the running cache - a pinned one keeps its slot "
+          "until unpinned",
+          "[unit][cache][checksum][regression]") {
+  TempCache t;
+  flexkv::Cache& cache = t.cache();
+  REQUIRE(cache.RecoverPool(false).ok());
+  REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
+  const std::vector<BlockKey> a = Keys(7, 4), b = Keys(8, 2);
+  auto ra = cache.Reserve(a);
+  FillAndCommit(cache, a, 0, ra.slots);
+  auto rb = cache.Reserve(b);
+  FillAndCommit(cache, b, 0, rb.slots);
+  flexkv::BlockVerifier verifier(&cache);
+
+  auto clean = verifier.Scrub({});
+  REQUIRE(clean.ok());
+  CHECK(clean->checked_blocks == 6);
+  CHECK(clean->failed_blocks == 0);
+  CHECK(clean->bytes == 6 * cache.block_bytes());
+
+  std::vector<SlotId> pinned;
+  REQUIRE(cache.Match(a, /*pin=*/true, &pinned) == 4);  // a load holds a's blocks
+  cache.SlotData(ra.slots[1])[7] ^= 0x80;
+  // A store extending b is in flight when b's first block turns out bad.
+  std::vector<BlockKey> b_longer = Keys(8, 3);
+  cache.SlotData(rb.slots[0])[0] ^= 0x02;
+  auto pending = cache.Reserve(b_longer);
+  REQUIRE(pending.slots.size() == 1);
+
+  auto found = verifier.Scrub({});
+  REQUIRE(found.ok());
+  CHECK(found->checked_blocks == 6);
+  CHECK(found->failed_blocks == 2);
+  CHECK(found->dropped_blocks == 3 + 2);  // a[1..3] and b[0..1]
+  CHECK(cache.counters().data_loss_blocks.load() == 2);
+  CHECK(cache.Match(a, false, nullptr) == 1);
+  CHECK(cache.Match(b_longer, false, nullptr) == 0);
+  CHECK(cache.GetStats().used == 1 + 3 + 2 + 1);  // a[0]; a[1..3] pinned; b[0..1] lead to the pending store; it
+  cache.Unpin(pinned);
+  CHECK(cache.GetStats().used == 1 + 2 + 1);
+  // The store that was in flight under the dropped block finishes: nothing of it is published.
+  FillAndCommit(cache, b_longer, 2, pending.slots);
+  CHECK(cache.GetStats().used == 1);
+  CHECK(cache.Match(b_longer, false, nullptr) == 0);
+  // The keys can be stored again.
+  auto again = cache.Reserve(b);
+  REQUIRE(again.slots.size() == 2);
+  FillAndCommit(cache, b, 0, again.slots);
+  CHECK(cache.Match(b, false, nullptr) == 2);
 }
