@@ -64,8 +64,10 @@ Status Cache::RecoverPool(bool discard) {
     return CheckPoolSpace();
   }
   MutexLock lock(&mu_);
-  uint64_t dropped = 0;
-  auto committed = (*pool)->Recover(&dropped);
+  uint64_t dropped = 0, corrupt = 0;
+  auto committed = (*pool)->Recover(&dropped, &corrupt);
+  // A slot entry that fails its checksum (changed, or moved from another slot) loses its block.
+  counters_.data_loss_blocks.fetch_add(corrupt, std::memory_order_relaxed);
   auto index = std::make_unique<PrefixIndex>((*pool)->capacity());
   std::vector<Pool::Committed> restored;
   restored.reserve(committed.size());
@@ -92,9 +94,10 @@ Status Cache::RecoverPool(bool discard) {
         fmt::format("pool file {} (start with --discard-pool to replace it; its blocks are lost)", pool_path_));
   }
   log::Info("cache",
-            "re-attached pool {}: {} committed blocks restored (served once their bytes are verified), {} incomplete "
-            "or orphaned dropped; domain '{}' {}",
-            pool_path_, index->unverified_blocks(), dropped, (*pool)->model_namespace(), (*pool)->geometry().ToString());
+            "re-attached pool {}: {} committed blocks restored (served once their bytes are verified), {} incomplete, "
+            "orphaned or corrupt dropped ({} slot entries failed their checksum); domain '{}' {}",
+            pool_path_, index->unverified_blocks(), dropped, corrupt, (*pool)->model_namespace(),
+            (*pool)->geometry().ToString());
   unverified_ = std::move(restored);
   AdoptPoolLocked(std::move(*pool), std::move(index));
   return Status::Ok();

@@ -239,8 +239,9 @@ bool Pool::ContentMatches(SlotId slot, uint64_t content_checksum) const {
   return BlockChecksum(SlotData(slot), block_bytes_) == content_checksum;
 }
 
-std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped) {
+std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped, uint64_t* corrupt) {
   *dropped = 0;
+  uint64_t bad_entries = 0;
   // Pass 1: valid committed entries, by key (reserved once: no rehashing at 10 M blocks).
   size_t committed = 0;
   for (SlotId s = 0; s < capacity_; ++s) committed += entry(s)->state.load(std::memory_order_acquire) != 0 ? 1 : 0;
@@ -250,11 +251,12 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped) {
     SlotEntry* e = entry(s);
     const uint32_t state = e->state.load(std::memory_order_acquire);
     if (state == 0) continue;
-    if (state != kSlotCommitted || e->checksum != EntryChecksum(s, e->key, e->parent, e->content_checksum) ||
-        e->key == BlockKey{} ||
-        !by_key.emplace(e->key, s).second) {
+    const bool intact =
+        state == kSlotCommitted && e->checksum == EntryChecksum(s, e->key, e->parent, e->content_checksum);
+    if (!intact || e->key == BlockKey{} || !by_key.emplace(e->key, s).second) {
       e->state.store(0, std::memory_order_relaxed);
       ++*dropped;
+      if (!intact) ++bad_entries;
     }
   }
   // Pass 2: order parents before children; drop chains whose first block is missing. verdict per slot:
@@ -297,6 +299,7 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped) {
       }
     }
   }
+  if (corrupt != nullptr) *corrupt = bad_entries;
   return out;
 }
 

@@ -75,9 +75,10 @@ class Pool {
   bool ContentMatches(SlotId slot, uint64_t content_checksum) const;
 
   // Committed entries of the slot table, parents before children; entries whose checksum fails or whose
-  // parent is missing are cleared and counted in `dropped`. Block contents are not read here (see
+  // parent is missing are cleared and counted in `dropped`, and those whose checksum fails (a corrupt or
+  // moved entry: its block is lost) also in `corrupt`, when given. Block contents are not read here (see
   // ContentMatches): the caller verifies them before it serves them.
-  std::vector<Committed> Recover(uint64_t* dropped);
+  std::vector<Committed> Recover(uint64_t* dropped, uint64_t* corrupt = nullptr);
 
  private:
   Pool() = default;
