@@ -48,13 +48,16 @@ void BlockVerifier::VerifyRestored() {
   uint64_t failed_total = 0, dropped_total = 0;
   size_t done = 0;
   std::vector<SlotId> passed, failed;
+  std::vector<Pool::Committed> batch;
   for (size_t begin = 0; begin < restored.size() && !stop_.load(std::memory_order_relaxed); begin += per_batch) {
     const size_t end = std::min(restored.size(), begin + per_batch);
     passed.clear();
     failed.clear();
-    // The slots are unverified: nothing matches, pins, evicts or reuses them, so their bytes hold still.
-    for (size_t i = begin; i < end; ++i) {
-      const Pool::Committed& c = restored[i];
+    batch.assign(restored.begin() + static_cast<ptrdiff_t>(begin), restored.begin() + static_cast<ptrdiff_t>(end));
+    // Only this thread settles unverified blocks, so those still unverified now stay so until FinishChecks:
+    // nothing matches, pins, evicts or reuses their slots, and their bytes hold still.
+    cache_->KeepUnverified(&batch);
+    for (const Pool::Committed& c : batch) {
       if (cache_->ContentMatches(c.slot, c.content_checksum)) {
         passed.push_back(c.slot);
       } else {

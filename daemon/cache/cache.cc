@@ -186,6 +186,15 @@ std::vector<Pool::Committed> Cache::TakeUnverified() {
   return std::move(unverified_);
 }
 
+void Cache::KeepUnverified(std::vector<Pool::Committed>* batch) const {
+  MutexLock lock(&mu_);
+  size_t kept = 0;
+  for (const Pool::Committed& c : *batch) {
+    if (index_->IsUnverified(c.slot)) (*batch)[kept++] = c;
+  }
+  batch->resize(kept);
+}
+
 bool Cache::ContentMatches(SlotId slot, uint64_t content_checksum) const {
   return pool_->ContentMatches(slot, content_checksum);
 }

@@ -73,6 +73,9 @@ class Cache {
   // Checking block contents (block_verifier.h). The blocks RecoverPool restored unverified, parents first;
   // the first call takes them, later ones get none.
   std::vector<Pool::Committed> TakeUnverified();
+  // Keeps the blocks of `batch` that are still unverified: one dropped with a failed ancestor has lost its slot
+  // (which a store may be reusing), so it must be neither read nor settled.
+  void KeepUnverified(std::vector<Pool::Committed>* batch) const;
   // Whether the slot's bytes still have `content_checksum` (reads the whole block, without the lock: the
   // caller holds the slot, unverified or pinned). has_pool() must hold.
   bool ContentMatches(SlotId slot, uint64_t content_checksum) const;

@@ -641,6 +641,10 @@ bool PrefixIndex::IsCommitted(SlotId slot) const {
   return slot < impl_->nodes_.size() && impl_->nodes_[slot].state == State::kCommitted;
 }
 
+bool PrefixIndex::IsUnverified(SlotId slot) const {
+  return slot < impl_->nodes_.size() && impl_->nodes_[slot].state == State::kUnverified;
+}
+
 uint32_t PrefixIndex::unverified_blocks() const { return impl_->unverified_; }
 
 uint32_t PrefixIndex::capacity() const { return static_cast<uint32_t>(impl_->nodes_.size()); }

@@ -77,6 +77,8 @@ class PrefixIndex {
   size_t DropSubtrees(std::span<const SlotId> slots, const std::function<void(SlotId)>& on_drop);
   // Whether `slot` holds a committed node (a store's Commit skips pending nodes dropped meanwhile).
   bool IsCommitted(SlotId slot) const;
+  // Whether `slot` holds an unverified node (not yet verified, and not dropped with a failed ancestor).
+  bool IsUnverified(SlotId slot) const;
 
   uint32_t capacity() const;
   uint32_t used_slots() const;       // pending + committed
