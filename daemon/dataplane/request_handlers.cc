@@ -157,7 +157,9 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
     const size_t stopped = r.cached + reserved;
     c.Status(Status(r.shortfall, r.shortfall == StatusCode::kResourceExhausted
                                      ? fmt::format("pool full of pinned blocks: stored blocks up to {} of {}", stopped, d.count)
-                                     : fmt::format("block {} is being stored by another request", stopped)));
+                                     : fmt::format("block {} is being stored by another request or verified after a "
+                                                   "restart",
+                                                   stopped)));
   }
   if (reserved == 0) {
     lifecycle_->Finish();
