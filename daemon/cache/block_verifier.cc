@@ -116,11 +116,14 @@ Result<ScrubReport> BlockVerifier::Scrub(const ScrubOptions& options) {
     report.failed_blocks += failed.size();
     report.dropped_blocks += cache_->FinishChecks({}, pinned, failed);
     if (options.max_bytes_per_s != 0) {
-      // Unpinned, sleep until the bytes read so far fit the rate.
+      // Unpinned, sleep until the bytes read so far fit the rate, in slices so that a cancel ends it soon.
       const int64_t due = start + static_cast<int64_t>(static_cast<double>(report.bytes) * 1e9 /
                                                        static_cast<double>(options.max_bytes_per_s));
-      const int64_t now = NowNs();
-      if (due > now) std::this_thread::sleep_for(std::chrono::nanoseconds(due - now));
+      for (int64_t now = NowNs(); now < due && !stop_.load(std::memory_order_relaxed) &&
+                                  !(options.cancelled && options.cancelled());
+           now = NowNs()) {
+        std::this_thread::sleep_for(std::chrono::nanoseconds(std::min<int64_t>(due - now, 100'000'000)));
+      }
     }
   }
   report.seconds = Seconds(NowNs() - start);
