@@ -451,6 +451,7 @@ Result<DaemonStatus> Client::GetStatus() {
   out.uptime_s = resp.uptime_s();
   out.pool = {resp.pool().block_bytes(),   resp.pool().capacity_blocks(), resp.pool().used_blocks(),
               resp.pool().pinned_blocks(), resp.pool().budget_bytes(),    resp.pool().backing()};
+  out.pool.unverified_blocks = resp.pool().unverified_blocks();
   out.index_blocks = resp.index().blocks();
   out.sessions = resp.sessions();
   const v1::Counters& c = resp.counters();
@@ -463,6 +464,7 @@ Result<DaemonStatus> Client::GetStatus() {
   if (c.has_bytes_loaded()) out.counters["bytes_loaded"] = c.bytes_loaded();
   if (c.has_bytes_stored()) out.counters["bytes_stored"] = c.bytes_stored();
   if (c.has_errors()) out.counters["errors"] = c.errors();
+  if (c.has_data_loss_blocks()) out.counters["data_loss_blocks"] = c.data_loss_blocks();
   for (const auto& b : resp.backends()) {
     out.backends.push_back({b.name(), std::vector<std::string>(b.devices().begin(), b.devices().end())});
   }
@@ -514,6 +516,16 @@ Result<uint64_t> Client::DropDomain() {
   impl_->Prepare(&ctx);
   FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->DropDomain(&ctx, v1::DropDomainRequest(), &resp)));
   return resp.dropped_blocks();
+}
+
+Result<ScrubResult> Client::Scrub(uint64_t max_bytes_per_s, std::chrono::milliseconds timeout) {
+  v1::ScrubRequest req;
+  req.set_max_bytes_per_s(max_bytes_per_s);
+  v1::ScrubResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->Scrub(&ctx, req, &resp)));
+  return ScrubResult{resp.checked_blocks(), resp.failed_blocks(), resp.dropped_blocks(), resp.bytes(), resp.seconds()};
 }
 
 Status Client::CheckHealth() {

@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "common/units.h"
 #include "common/version.h"
+#include "daemon/cache/block_verifier.h"
 #include "daemon/cache/cache.h"
 #include "daemon/cache/pool_guard.h"
 #include "daemon/dataplane/data_plane.h"
@@ -95,6 +96,9 @@ int RunDaemon(const DaemonConfig& config) {
     log::Error("daemon", "cannot use the pool: {}", recovered.ToString());  // names the code
     return 1;
   }
+  // Restored blocks are served only once their bytes pass their checksums, checked in the background.
+  BlockVerifier verifier(&cache);
+  verifier.StartRestartVerification();
 
   auto activated = ControlSocket::FromSystemd(config.socket_path);
   auto socket = (!activated.ok() && activated.status().code() == StatusCode::kNotFound)
@@ -140,7 +144,8 @@ int RunDaemon(const DaemonConfig& config) {
               acl.readers ? fmt::format("{} readers", acl.readers->size()) : std::string("everyone may read"));
   }
   ControlService control(ControlContext{&cache, &data_plane, &backends, &sessions, &lifecycle, &peers,
-                                        config.admin_gid, started_ms, &control_errors, metrics.get(), &access});
+                                        config.admin_gid, started_ms, &control_errors, metrics.get(), &access,
+                                        &verifier});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);

@@ -1,4 +1,5 @@
-// flexkvctl: look at a running flexkvd (status, sessions, metrics), drain it for maintenance, drop its cache domain.
+// flexkvctl: look at a running flexkvd (status, sessions, metrics), drain it for maintenance, scrub its pool,
+// drop its cache domain.
 // Exit codes: 0 ok, 1 the daemon said no, 2 usage, 3 cannot connect.
 #include <fmt/format.h>
 #include <unistd.h>
@@ -43,7 +44,8 @@ Json StatusJson(const flexkv::DaemonStatus& s) {
                 {"used_blocks", s.pool.used_blocks},
                 {"pinned_blocks", s.pool.pinned_blocks},
                 {"backing", s.pool.backing},
-                {"budget_bytes", s.pool.budget_bytes}}},
+                {"budget_bytes", s.pool.budget_bytes},
+                {"unverified_blocks", s.pool.unverified_blocks}}},
               {"index", {{"blocks", s.index_blocks}}},
               {"sessions", s.sessions},
               {"counters", counters},
@@ -68,6 +70,9 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
     fmt::print("pool      {} slots of {} bytes; {} used, {} pinned; backing {}\n", s.pool.capacity_blocks,
                s.pool.block_bytes, s.pool.used_blocks, s.pool.pinned_blocks,
                s.pool.backing.empty() ? "-" : s.pool.backing);
+  }
+  if (s.pool.unverified_blocks > 0) {
+    fmt::print("verifying {} restored blocks left to check (not served until they pass)\n", s.pool.unverified_blocks);
   }
   fmt::print("domain    {}\n", s.model_namespace.empty() ? "-" : s.model_namespace);
   fmt::print("index     {} blocks\n", s.index_blocks);
@@ -112,7 +117,16 @@ int main(int argc, char** argv) {
   auto* health_cmd = app.add_subcommand("health", "gRPC health check: exit 0 when serving");
   auto* drop_cmd = app.add_subcommand(
       "drop-domain", "Drop the cache domain and its pool (blocks are lost) so the next Attach fixes a new one");
-  for (auto* sub : {status_cmd, sessions_cmd, metrics_cmd, drain_cmd, resume_cmd, health_cmd, drop_cmd}) {
+  auto* scrub_cmd = app.add_subcommand(
+      "scrub", "Check every cached block against its checksum while serving; drop and count the ones that fail");
+  double scrub_rate_mib = 0;
+  double scrub_timeout_s = 86400;
+  scrub_cmd->add_option("--rate", scrub_rate_mib, "Read at most this many MiB per second (default 0: no limit)")
+      ->check(CLI::Range(0.0, 1e9));
+  scrub_cmd->add_option("--timeout", scrub_timeout_s, "Seconds to wait for the scrub (default 86400)")
+      ->check(CLI::Range(1.0, 31.0 * 86400));
+  for (auto* sub : {status_cmd, sessions_cmd, metrics_cmd, drain_cmd, resume_cmd, health_cmd, scrub_cmd,
+                    drop_cmd}) {
     sub->add_flag("--json", json, "Machine-readable output");
     sub->add_option("--socket", socket, "Control socket");
   }
@@ -205,6 +219,24 @@ int main(int argc, char** argv) {
     auto dropped = c.DropDomain();
     if (!dropped.ok()) return Refused(dropped.status());
     fmt::print("{}\n", json ? Dump(Json{{"dropped_blocks", *dropped}}, -1) : fmt::format("dropped {} blocks", *dropped));
+    return kExitOk;
+  }
+  if (scrub_cmd->parsed()) {
+    const auto rate = static_cast<uint64_t>(scrub_rate_mib * 1024 * 1024);
+    auto r = c.Scrub(rate, std::chrono::milliseconds(static_cast<int64_t>(scrub_timeout_s * 1000)));
+    if (!r.ok()) return Refused(r.status());
+    if (json) {
+      fmt::print("{}\n", Dump(Json{{"checked_blocks", r->checked_blocks},
+                                   {"failed_blocks", r->failed_blocks},
+                                   {"dropped_blocks", r->dropped_blocks},
+                                   {"bytes", r->bytes},
+                                   {"seconds", r->seconds}},
+                              -1));
+    } else {
+      fmt::print("checked {} blocks ({} bytes) in {:.2f} s: {} failed their checksum, {} dropped with their "
+                 "descendants\n",
+                 r->checked_blocks, r->bytes, r->seconds, r->failed_blocks, r->dropped_blocks);
+    }
     return kExitOk;
   }
   if (health_cmd->parsed()) {

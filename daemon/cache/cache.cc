@@ -7,6 +7,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "common/uds.h"
@@ -44,6 +45,16 @@ Status Cache::RecoverPool(bool discard) {
   auto pool_lock = PoolLock::Acquire(pool_path_);
   if (!pool_lock.ok()) return pool_lock.status();
   pool_lock_ = std::move(*pool_lock);
+  const std::optional<uint32_t> version = Pool::FileLayoutVersion(pool_path_);
+  if (version && *version < kPoolLayoutVersion) {
+    // Its blocks carry no content checksum, so nothing could show they are intact: a cache may drop them.
+    log::Warning("cache",
+                 "pool file {} has layout version {} (written by an older flexkvd, without block checksums): its "
+                 "blocks cannot be verified and are dropped; the first Attach creates a version {} pool",
+                 pool_path_, *version, kPoolLayoutVersion);
+    ::unlink(pool_path_.c_str());
+    return CheckPoolSpace();
+  }
   auto pool = Pool::Open(pool_path_, budget_bytes_);
   if (!pool.ok()) {
     if (pool.status().code() == StatusCode::kNotFound) return CheckPoolSpace();
@@ -53,19 +64,24 @@ Status Cache::RecoverPool(bool discard) {
     return CheckPoolSpace();
   }
   MutexLock lock(&mu_);
-  uint64_t dropped = 0;
-  auto committed = (*pool)->Recover(&dropped);
+  uint64_t dropped = 0, corrupt = 0;
+  auto committed = (*pool)->Recover(&dropped, &corrupt);
+  // A slot entry that fails its checksum (changed, or moved from another slot) loses its block.
+  counters_.data_loss_blocks.fetch_add(corrupt, std::memory_order_relaxed);
   auto index = std::make_unique<PrefixIndex>((*pool)->capacity());
+  std::vector<Pool::Committed> restored;
+  restored.reserve(committed.size());
   for (const Pool::Committed& c : committed) {
-    Status restored = index->Restore(c.slot, c.key, c.parent);
-    if (!restored.ok()) {
+    if (index->RestoreUnverified(c.slot, c.key, c.parent).ok()) {
+      restored.push_back(c);
+    } else {
       (*pool)->MarkFree(c.slot);
       ++dropped;
     }
   }
   // A domain is kept across a restart only for its blocks: an empty one (say, fixed by one odd Attach whose
   // session then left) would otherwise lock every other geometry out until --discard-pool.
-  if (index->committed_blocks() == 0) {
+  if (index->unverified_blocks() == 0) {
     log::Info("cache", "pool {} holds no blocks: its domain '{}' is not kept, the first Attach fixes the domain",
               pool_path_, (*pool)->model_namespace());
     (*pool).reset();
@@ -78,10 +94,11 @@ Status Cache::RecoverPool(bool discard) {
         fmt::format("pool file {} (start with --discard-pool to replace it; its blocks are lost)", pool_path_));
   }
   log::Info("cache",
-            "re-attached pool {}: {} committed blocks restored, {} incomplete or orphaned dropped; domain '{}' {}, "
-            "created by uid {}",
-            pool_path_, index->committed_blocks(), dropped, (*pool)->model_namespace(), (*pool)->geometry().ToString(),
-            (*pool)->creator_uid());
+            "re-attached pool {}: {} committed blocks restored (served once their bytes are verified), {} incomplete, "
+            "orphaned or corrupt dropped ({} slot entries failed their checksum); domain '{}' {}, created by uid {}",
+            pool_path_, index->unverified_blocks(), dropped, corrupt, (*pool)->model_namespace(),
+            (*pool)->geometry().ToString(), (*pool)->creator_uid());
+  unverified_ = std::move(restored);
   AdoptPoolLocked(std::move(*pool), std::move(index));
   return Status::Ok();
 }
@@ -118,9 +135,14 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
   const CacheDomain::View domain = domain_.Snapshot();
   if (!domain.geometry) return Status::NotFound("no cache domain is set; the first Attach fixes one");
   if (index_) {
+    if (index_->unverified_blocks() > 0) {
+      return Status::FailedPrecondition(fmt::format(
+          "{} blocks restored at start are still being verified; retry once flexkvctl status shows none",
+          index_->unverified_blocks()));
+    }
     if (index_->pinned_slots() > 0) {
       return Status::FailedPrecondition(fmt::format(
-          "{} blocks are still pinned (a session's end is releasing them); retry in a moment", index_->pinned_slots()));
+          "{} blocks are still pinned (a session's end releasing them, or a scrub reading them); retry in a moment", index_->pinned_slots()));
     }
     if (index_->used_slots() != index_->committed_blocks()) {
       return Status::FailedPrecondition(
@@ -197,15 +219,60 @@ PrefixIndex::Reservation Cache::Reserve(const BlockKey& parent, std::span<const 
   return index_->Reserve(parent, keys);
 }
 
-void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_t first,
-                   std::span<const SlotId> slots) {
+void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots,
+                   std::span<const uint64_t> content_checksums) {
   MutexLock lock(&mu_);
   if (!index_) return;  // DropDomain waits for copies in flight; a dropped pool has nothing to commit into
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const size_t k = first + i;
-    pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1]);
-  }
   index_->Commit(slots);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (!index_->IsCommitted(slots[i])) continue;  // dropped with a failed ancestor while it copied
+    const size_t k = first + i;
+    pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1], content_checksums[i]);
+  }
+}
+
+std::vector<Pool::Committed> Cache::TakeUnverified() {
+  MutexLock lock(&mu_);
+  return std::move(unverified_);
+}
+
+void Cache::KeepUnverified(std::vector<Pool::Committed>* batch) const {
+  MutexLock lock(&mu_);
+  size_t kept = 0;
+  if (!index_) batch->clear();  // dropped meanwhile (DropDomain refuses while blocks are being verified)
+  for (const Pool::Committed& c : *batch) {
+    if (index_->IsUnverified(c.slot)) (*batch)[kept++] = c;
+  }
+  batch->resize(kept);
+}
+
+bool Cache::ContentMatches(SlotId slot, uint64_t content_checksum) const {
+  return pool_->ContentMatches(slot, content_checksum);
+}
+
+std::vector<Cache::CheckTarget> Cache::PinForCheck(SlotId begin, SlotId end) {
+  MutexLock lock(&mu_);
+  std::vector<CheckTarget> out;
+  if (!index_) return out;
+  end = std::min(end, index_->capacity());
+  for (SlotId s = begin; s < end; ++s) {
+    if (!index_->PinSlot(s)) continue;
+    const std::optional<Pool::Committed> entry = pool_->Entry(s);
+    out.push_back(CheckTarget{s, entry ? std::optional<uint64_t>(entry->content_checksum) : std::nullopt});
+  }
+  return out;
+}
+
+size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotId> unpin,
+                           std::span<const SlotId> failed) {
+  MutexLock lock(&mu_);
+  if (!index_) return 0;  // dropped (DropDomain refuses while any slot is pinned, so nothing was checked)
+  for (SlotId s : passed) index_->MarkVerified(s);
+  index_->Unpin(unpin);
+  if (failed.empty()) return 0;
+  counters_.data_loss_blocks.fetch_add(failed.size(), std::memory_order_relaxed);
+  // The slot entries go first: a restart must never restore a dropped block, even one a load still reads.
+  return index_->DropSubtrees(failed, [this](SlotId s) { pool_->MarkFree(s); });
 }
 
 void Cache::Abort(std::span<const SlotId> slots) {
@@ -222,6 +289,7 @@ Cache::Stats Cache::GetStats() const {
   s.pinned = index_->pinned_slots();
   s.blocks = index_->committed_blocks();
   s.evicted = index_->evicted_blocks();
+  s.unverified = index_->unverified_blocks();
   s.backing = pool_->path();
   return s;
 }

@@ -27,6 +27,9 @@ namespace flexkv {
 struct CacheCounters {
   std::atomic<uint64_t> match_requests{0}, match_blocks{0}, hit_blocks{0}, load_blocks{0}, store_blocks{0},
       bytes_loaded{0}, bytes_stored{0};
+  // Blocks whose bytes failed their content checksum (at restart or in a scrub) and were dropped; their
+  // descendants, dropped with them, are not counted.
+  std::atomic<uint64_t> data_loss_blocks{0};
 };
 
 class Cache {
@@ -35,8 +38,10 @@ class Cache {
 
   // Locks the pool (PoolLock: `<pool>.lock` and the pool file itself; a second daemon on the same pool is
   // refused naming the holder's pid), then
-  // re-attaches the pool file of an earlier run, if any, and rebuilds the index from its slot table.
-  // With `discard`, a pool file that cannot be used is replaced (its blocks are lost) instead of refused.
+  // re-attaches the pool file of an earlier run, if any, and rebuilds the index from its slot table. The
+  // restored blocks are unverified (not matchable) until FinishVerification passes them (block_verifier.h).
+  // With `discard`, a pool file that cannot be used is replaced (its blocks are lost) instead of refused. A
+  // pool file of an older layout (blocks without content checksums) is dropped with one log line.
   Status RecoverPool(bool discard);
 
   // Validates a session's cache domain; the first one creates the pool, recording `creator_uid` (the attaching
@@ -68,8 +73,10 @@ class Cache {
   void Unpin(std::span<const SlotId> slots);
   PrefixIndex::Reservation Reserve(const BlockKey& parent, std::span<const BlockKey> keys);
   // Publishes reserved slots after their bytes are complete. `parent` and `keys` are the request's (as given
-  // to Reserve) and `first` the index of reservation.slots[0] in them.
-  void Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots);
+  // to Reserve) and `first` the index of reservation.slots[0] in them; `content_checksums[i]` is slots[i]'s
+  // BlockChecksum.
+  void Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots,
+              std::span<const uint64_t> content_checksums);
   void Abort(std::span<const SlotId> slots);
 
   // `listener` is told the pool's region as soon as a pool exists (created by the first Admit, or re-attached
@@ -79,8 +86,30 @@ class Cache {
   // into the cache. One listener; set it before RecoverPool.
   void SetPoolListener(std::function<void(const PoolRegion&)> listener, std::function<void()> gone = {});
 
+  // Checking block contents (block_verifier.h). The blocks RecoverPool restored unverified, parents first;
+  // the first call takes them, later ones get none.
+  std::vector<Pool::Committed> TakeUnverified();
+  // Keeps the blocks of `batch` that are still unverified: one dropped with a failed ancestor has lost its slot
+  // (which a store may be reusing), so it must be neither read nor settled.
+  void KeepUnverified(std::vector<Pool::Committed>* batch) const;
+  // Whether the slot's bytes still have `content_checksum` (reads the whole block, without the lock: the
+  // caller holds the slot, unverified or pinned). has_pool() must hold.
+  bool ContentMatches(SlotId slot, uint64_t content_checksum) const;
+  // A committed block pinned for a check, with what its slot entry says (nullopt: the entry is corrupt).
+  struct CheckTarget {
+    SlotId slot;
+    std::optional<uint64_t> content_checksum;
+  };
+  // Pins the committed blocks in slots [begin, end) (clamped to the capacity) and reads their slot entries.
+  std::vector<CheckTarget> PinForCheck(SlotId begin, SlotId end);
+  // Ends checks: `passed` unverified blocks become matchable (parents first); `unpin` are unpinned; `failed`
+  // blocks (pinned or unverified) are taken out of the index with their descendants, their slot entries cleared,
+  // and counted in data_loss_blocks. Returns the blocks dropped, descendants included.
+  size_t FinishChecks(std::span<const SlotId> passed, std::span<const SlotId> unpin, std::span<const SlotId> failed);
+
   struct Stats {
     uint64_t capacity = 0, used = 0, pinned = 0, blocks = 0, evicted = 0;
+    uint64_t unverified = 0;  // restored blocks whose bytes are not verified yet (not matchable)
     std::string backing;
   };
   Stats GetStats() const;
@@ -110,6 +139,7 @@ class Cache {
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   std::function<void(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
   std::function<void()> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
+  std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified
 };
 
 }  // namespace flexkv

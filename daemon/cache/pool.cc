@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <unordered_map>
 
+#include "common/block_checksum.h"
 #include "common/log.h"
 #include "common/mapped_region.h"
 #include "common/uds.h"
@@ -53,8 +54,9 @@ struct Pool::SlotEntry {
   uint32_t reserved;
   BlockKey key;
   BlockKey parent;
-  uint64_t checksum;            // XXH64 of key and parent
-  uint64_t pad[2];
+  uint64_t checksum;            // EntryChecksum: XXH64 of the slot index, key, parent and content checksum
+  uint64_t content_checksum;    // BlockChecksum of the slot's bytes
+  uint64_t pad;
 };
 static_assert(sizeof(BlockKey) == 16);
 
@@ -64,8 +66,9 @@ Pool::SlotEntry* Pool::entry(SlotId slot) const {
 
 namespace {
 
-uint64_t EntryChecksum(const BlockKey& key, const BlockKey& parent) {
-  uint64_t words[4] = {key.lo, key.hi, parent.lo, parent.hi};
+// The slot index is part of it, so an entry copied or swapped into another slot fails.
+uint64_t EntryChecksum(SlotId slot, const BlockKey& key, const BlockKey& parent, uint64_t content_checksum) {
+  const uint64_t words[6] = {slot, key.lo, key.hi, parent.lo, parent.hi, content_checksum};
   return XXH64(words, sizeof(words), 0x666C65786B76ULL);
 }
 
@@ -144,6 +147,16 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   return pool;
 }
 
+std::optional<uint32_t> Pool::FileLayoutVersion(const std::string& path) {
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  PoolHeader h{};
+  if (!fd || pread(fd.get(), &h, sizeof(h), 0) != static_cast<ssize_t>(sizeof(h)) ||
+      std::memcmp(h.magic, kPoolMagic, sizeof(h.magic)) != 0) {
+    return std::nullopt;
+  }
+  return h.version;
+}
+
 Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budget_bytes) {
   UniqueFd fd(open(path.c_str(), O_RDWR | O_CLOEXEC));
   if (!fd) {
@@ -205,11 +218,12 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
 
 Pool::~Pool() = default;
 
-void Pool::MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& parent) {
+void Pool::MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& parent, uint64_t content_checksum) {
   SlotEntry* e = entry(slot);
   e->key = key;
   e->parent = parent;
-  e->checksum = EntryChecksum(key, parent);
+  e->content_checksum = content_checksum;
+  e->checksum = EntryChecksum(slot, key, parent, content_checksum);
   // Bytes first, then the entry's fields, then the state: a crash at any point leaves the slot either
   // absent or complete.
   e->state.store(kSlotCommitted, std::memory_order_release);
@@ -217,8 +231,22 @@ void Pool::MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& paren
 
 void Pool::MarkFree(SlotId slot) { entry(slot)->state.store(0, std::memory_order_release); }
 
-std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped) {
+std::optional<Pool::Committed> Pool::Entry(SlotId slot) const {
+  const SlotEntry* e = entry(slot);
+  if (e->state.load(std::memory_order_acquire) != kSlotCommitted ||
+      e->checksum != EntryChecksum(slot, e->key, e->parent, e->content_checksum)) {
+    return std::nullopt;
+  }
+  return Committed{slot, e->key, e->parent, e->content_checksum};
+}
+
+bool Pool::ContentMatches(SlotId slot, uint64_t content_checksum) const {
+  return BlockChecksum(SlotData(slot), block_bytes_) == content_checksum;
+}
+
+std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped, uint64_t* corrupt) {
   *dropped = 0;
+  uint64_t bad_entries = 0;
   // Pass 1: valid committed entries, by key (reserved once: no rehashing at 10 M blocks).
   size_t committed = 0;
   for (SlotId s = 0; s < capacity_; ++s) committed += entry(s)->state.load(std::memory_order_acquire) != 0 ? 1 : 0;
@@ -228,10 +256,12 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped) {
     SlotEntry* e = entry(s);
     const uint32_t state = e->state.load(std::memory_order_acquire);
     if (state == 0) continue;
-    if (state != kSlotCommitted || e->checksum != EntryChecksum(e->key, e->parent) || e->key == BlockKey{} ||
-        !by_key.emplace(e->key, s).second) {
+    const bool intact =
+        state == kSlotCommitted && e->checksum == EntryChecksum(s, e->key, e->parent, e->content_checksum);
+    if (!intact || e->key == BlockKey{} || !by_key.emplace(e->key, s).second) {
       e->state.store(0, std::memory_order_relaxed);
       ++*dropped;
+      if (!intact) ++bad_entries;
     }
   }
   // Pass 2: order parents before children; drop chains whose first block is missing. verdict per slot:
@@ -267,13 +297,14 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped) {
       verdict[*it] = result;
       if (result == 1) {
         const SlotEntry* e = entry(*it);
-        out.push_back(Committed{*it, e->key, e->parent});
+        out.push_back(Committed{*it, e->key, e->parent, e->content_checksum});
       } else {
         MarkFree(*it);
         ++*dropped;
       }
     }
   }
+  if (corrupt != nullptr) *corrupt = bad_entries;
   return out;
 }
 

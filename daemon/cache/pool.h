@@ -3,7 +3,9 @@
 //
 // File layout (docs/protocol.md "Pool file"): header (4 KiB) | slot table (64 B per slot) | data (2 MiB
 // aligned, block_bytes per slot). A slot-table entry is written only after the slot's bytes are complete
-// and cleared before they are overwritten, so a block that was mid-copy at a crash is never restored.
+// and cleared before they are overwritten, so a block that was mid-copy at a crash is never restored. The
+// entry holds the block's content checksum (common/block_checksum.h), and its own checksum covers the slot
+// index, so neither changed bytes nor entries moved to another slot pass a check.
 #pragma once
 
 #include <sys/types.h>
@@ -11,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,7 +26,8 @@
 
 namespace flexkv {
 
-// 2: the header records the uid that created the namespace (who may store in it by default).
+// 2: the header records the uid that created the namespace (who may store in it by default); slot entries hold
+//    the block's content checksum and bind the slot index.
 inline constexpr uint32_t kPoolLayoutVersion = 2;
 
 class Pool {
@@ -32,6 +36,7 @@ class Pool {
     SlotId slot;
     BlockKey key;
     BlockKey parent;  // zero for a first block
+    uint64_t content_checksum = 0;  // BlockChecksum of the slot's bytes when they were stored
   };
 
   // Creates (or replaces) the pool file for `geometry`, sized to floor(budget / block bytes) slots, recording
@@ -39,6 +44,9 @@ class Pool {
   // /dev/shm fails here (RESOURCE_EXHAUSTED), not later.
   static Result<std::unique_ptr<Pool>> Create(const std::string& path, const std::string& model_namespace,
                                               const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid = 0);
+
+  // The layout version in the header of the pool file at `path`, or nullopt when there is no readable header.
+  static std::optional<uint32_t> FileLayoutVersion(const std::string& path);
 
   // Opens an existing pool file. NOT_FOUND when there is none. FAILED_PRECONDITION (naming the field)
   // when its version, size or budget do not fit, DATA_LOSS when the header is corrupt or the file is shorter
@@ -59,14 +67,23 @@ class Pool {
   // The slot's bytes. Valid for the pool's lifetime.
   uint8_t* SlotData(SlotId slot) const { return data_ + uint64_t{slot} * block_bytes_; }
 
-  // Slot-table transitions. MarkCommitted publishes after the bytes are complete; MarkFree clears before
-  // the slot is reused.
-  void MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& parent);
+  // Slot-table transitions. MarkCommitted publishes after the bytes are complete, with their content checksum
+  // (FinishBlockChecksum of the bytes' term sum); MarkFree clears before the slot is reused.
+  void MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& parent, uint64_t content_checksum);
   void MarkFree(SlotId slot);
 
+  // The slot's committed entry when its state and entry checksum (which binds the slot index) are valid;
+  // nullopt for a free slot or a corrupt entry. Reads the table without synchronisation: call it where the
+  // slot cannot change (the cache's lock, or a pin).
+  std::optional<Committed> Entry(SlotId slot) const;
+  // Whether the slot's bytes still have `content_checksum`: one pass over block_bytes() bytes.
+  bool ContentMatches(SlotId slot, uint64_t content_checksum) const;
+
   // Committed entries of the slot table, parents before children; entries whose checksum fails or whose
-  // parent is missing are cleared and counted in `dropped`.
-  std::vector<Committed> Recover(uint64_t* dropped);
+  // parent is missing are cleared and counted in `dropped`, and those whose checksum fails (a corrupt or
+  // moved entry: its block is lost) also in `corrupt`, when given. Block contents are not read here (see
+  // ContentMatches): the caller verifies them before it serves them.
+  std::vector<Committed> Recover(uint64_t* dropped, uint64_t* corrupt = nullptr);
 
  private:
   Pool() = default;

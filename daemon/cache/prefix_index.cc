@@ -1,5 +1,6 @@
 // PrefixIndex: a slot-indexed node array, a key → slot hash table over it, and two intrusive lists threaded
 // through the nodes (free slots; evictable leaves in LRU order). See prefix_index.h for the contract.
+// Longer than 600 lines: the hash table, the lists and every node state transition share Impl's private state.
 #include "daemon/cache/prefix_index.h"
 
 #include <absl/hash/hash.h>
@@ -38,6 +39,9 @@ enum class State : uint8_t {
   kPending,
   kCommitted,
   kAborting,  // only inside Abort(): pending, queued for removal
+  kUnverified,     // restored at start, bytes not checked yet: in the hash table, not matchable, not evictable
+  kDropped,        // failed a check: out of the hash table and the lists; freed when unpinned and childless
+  kPendingDropped, // pending in a store when its subtree was dropped: dropped when the store commits or aborts
 };
 
 
@@ -183,6 +187,7 @@ struct PrefixIndex::Impl {
   uint32_t used_ = 0;
   uint32_t pinned_ = 0;
   uint32_t committed_ = 0;
+  uint32_t unverified_ = 0;
   uint64_t evicted_ = 0;
 
   // --- intrusive lists ---
@@ -276,11 +281,37 @@ struct PrefixIndex::Impl {
   void UnpinOne(SlotId s) {
     PREFIX_INDEX_CHECK(s < nodes_.size(), fmt::format("unpin of slot {} out of range", s));
     Node& n = nodes_[s];
-    PREFIX_INDEX_CHECK(n.state == State::kCommitted && n.pins > 0,
+    PREFIX_INDEX_CHECK((n.state == State::kCommitted || n.state == State::kDropped) && n.pins > 0,
                        fmt::format("unpin of slot {} that is not pinned", s));
     if (--n.pins == 0) {
       --pinned_;
-      if (Evictable(n)) PushBack(lru_, s);
+      if (n.state == State::kDropped) {
+        FreeDropped(s);
+      } else if (Evictable(n)) {
+        PushBack(lru_, s);
+      }
+    }
+  }
+
+  // Frees a dropped node that is neither pinned nor a parent, then each dropped ancestor that this leaves
+  // childless (iteratively: chains are long).
+  void FreeDropped(SlotId s) {
+    for (;;) {
+      Node& n = nodes_[s];
+      if (n.state != State::kDropped || n.pins != 0 || n.children != 0) return;
+      const SlotId parent = n.parent;
+      n = Node{};
+      --used_;
+      PushFront(free_, s);
+      if (parent == kNil) return;
+      Node& p = nodes_[parent];
+      PREFIX_INDEX_CHECK(p.children > 0, fmt::format("slot {} loses a child it does not have", parent));
+      --p.children;
+      if (p.state != State::kDropped) {
+        if (p.children == 0 && Evictable(p)) PushFront(lru_, parent);
+        return;
+      }
+      s = parent;
     }
   }
 
@@ -297,7 +328,9 @@ struct PrefixIndex::Impl {
     if (parent == kNil) return;
     Node& p = nodes_[parent];
     PREFIX_INDEX_CHECK(p.children > 0, fmt::format("slot {} loses a child it does not have", parent));
-    if (--p.children == 0 && Evictable(p)) {
+    --p.children;
+    if (p.state == State::kDropped) return FreeDropped(parent);
+    if (p.children == 0 && Evictable(p)) {
       if (lru_end) PushFront(lru_, parent); else PushBack(lru_, parent);
     }
   }
@@ -442,6 +475,12 @@ void PrefixIndex::Commit(std::span<const SlotId> slots) {
   for (SlotId s : slots) {
     PREFIX_INDEX_CHECK(s < m.nodes_.size(), fmt::format("commit of slot {} out of range", s));
     Node& n = m.nodes_[s];
+    if (n.state == State::kPendingDropped) {  // its subtree was dropped while the store copied
+      m.EraseKey(s);
+      n.state = State::kDropped;
+      m.FreeDropped(s);
+      continue;
+    }
     PREFIX_INDEX_CHECK(n.state == State::kPending, fmt::format("commit of slot {} that is not pending", s));
     PREFIX_INDEX_CHECK(n.parent == kNil || m.nodes_[n.parent].state == State::kCommitted,
                        fmt::format("commit of slot {} before its parent slot {}", s, n.parent));
@@ -456,7 +495,7 @@ void PrefixIndex::Abort(std::span<const SlotId> slots) {
   for (SlotId s : slots) {
     PREFIX_INDEX_CHECK(s < m.nodes_.size(), fmt::format("abort of slot {} out of range", s));
     Node& n = m.nodes_[s];
-    PREFIX_INDEX_CHECK(n.state == State::kPending,
+    PREFIX_INDEX_CHECK(n.state == State::kPending || n.state == State::kPendingDropped,
                        fmt::format("abort of slot {} that is not pending (or listed twice)", s));
     n.state = State::kAborting;
   }
@@ -506,6 +545,123 @@ Status PrefixIndex::Restore(SlotId slot, const BlockKey& key, const BlockKey& pa
   return Status::Ok();
 }
 
+Status PrefixIndex::RestoreUnverified(SlotId slot, const BlockKey& key, const BlockKey& parent) {
+  Impl& m = *impl_;
+  if (slot >= m.nodes_.size()) {
+    return Status::OutOfRange(fmt::format("restore: slot {} is out of range; expected < {}", slot, m.nodes_.size()));
+  }
+  if (key == BlockKey{}) {
+    return Status::InvalidArgument(fmt::format("restore: slot {} has the zero key, which names the root", slot));
+  }
+  if (m.nodes_[slot].state != State::kFree) {
+    return Status::FailedPrecondition(fmt::format("restore: slot {} is already taken", slot));
+  }
+  const uint64_t hash = HashKey(key);
+  if (m.Find(key, hash) != kNil) {
+    return Status::FailedPrecondition(fmt::format("restore: key {} (slot {}) is already present", key.ToHex(), slot));
+  }
+  SlotId parent_slot = kNil;
+  if (parent != BlockKey{}) {
+    parent_slot = m.Find(parent);
+    if (parent_slot == kNil || (m.nodes_[parent_slot].state != State::kCommitted &&
+                                m.nodes_[parent_slot].state != State::kUnverified)) {
+      return Status::FailedPrecondition(fmt::format("restore: key {} (slot {}) has parent {}, which is not present",
+                                                    key.ToHex(), slot, parent.ToHex()));
+    }
+  }
+  m.Unlink(m.free_, slot);
+  ++m.used_;
+  m.Insert(slot, key, hash, parent_slot, State::kUnverified);
+  ++m.unverified_;
+  return Status::Ok();
+}
+
+bool PrefixIndex::MarkVerified(SlotId slot) {
+  Impl& m = *impl_;
+  if (slot >= m.nodes_.size() || m.nodes_[slot].state != State::kUnverified) return false;
+  Node& n = m.nodes_[slot];
+  if (n.parent != kNil && m.nodes_[n.parent].state != State::kCommitted) return false;
+  n.state = State::kCommitted;
+  --m.unverified_;
+  ++m.committed_;
+  if (Impl::Evictable(n)) m.PushBack(m.lru_, slot);
+  return true;
+}
+
+bool PrefixIndex::PinSlot(SlotId slot) {
+  Impl& m = *impl_;
+  if (slot >= m.nodes_.size() || m.nodes_[slot].state != State::kCommitted) return false;
+  m.Pin(slot);
+  return true;
+}
+
+size_t PrefixIndex::DropSubtrees(std::span<const SlotId> slots, const std::function<void(SlotId)>& on_drop) {
+  Impl& m = *impl_;
+  const auto cap = static_cast<uint32_t>(m.nodes_.size());
+  // Per slot: 1 = in a dropped subtree, 2 = not, 0 = not known yet. A node's verdict is its nearest marked
+  // ancestor's (or 2 at the root), found by walking up once per chain.
+  std::vector<uint8_t> verdict(cap, 0);
+  bool any = false;
+  for (SlotId s : slots) {
+    if (s < cap && (m.nodes_[s].state == State::kCommitted || m.nodes_[s].state == State::kUnverified)) {
+      verdict[s] = 1;
+      any = true;
+    }
+  }
+  if (!any) return 0;
+  std::vector<SlotId> path;
+  for (SlotId s = 0; s < cap; ++s) {
+    if (verdict[s] != 0 || m.nodes_[s].state == State::kFree) continue;
+    path.clear();
+    uint8_t v = 2;
+    for (SlotId cur = s; cur != kNil; cur = m.nodes_[cur].parent) {
+      if (verdict[cur] != 0) {
+        v = verdict[cur];
+        break;
+      }
+      path.push_back(cur);
+    }
+    for (SlotId p : path) verdict[p] = v;
+  }
+  size_t dropped = 0;
+  for (SlotId s = 0; s < cap; ++s) {
+    if (verdict[s] != 1) continue;
+    Node& n = m.nodes_[s];
+    switch (n.state) {
+      case State::kCommitted:
+        if (Impl::Evictable(n)) m.Unlink(m.lru_, s);
+        --m.committed_;
+        break;
+      case State::kUnverified:
+        --m.unverified_;
+        break;
+      case State::kPending:
+        n.state = State::kPendingDropped;
+        continue;
+      default:
+        continue;
+    }
+    m.EraseKey(s);
+    n.state = State::kDropped;
+    ++dropped;
+    on_drop(s);
+  }
+  for (SlotId s = 0; s < cap; ++s) {
+    if (verdict[s] == 1) m.FreeDropped(s);
+  }
+  return dropped;
+}
+
+bool PrefixIndex::IsCommitted(SlotId slot) const {
+  return slot < impl_->nodes_.size() && impl_->nodes_[slot].state == State::kCommitted;
+}
+
+bool PrefixIndex::IsUnverified(SlotId slot) const {
+  return slot < impl_->nodes_.size() && impl_->nodes_[slot].state == State::kUnverified;
+}
+
+uint32_t PrefixIndex::unverified_blocks() const { return impl_->unverified_; }
+
 uint32_t PrefixIndex::capacity() const { return static_cast<uint32_t>(impl_->nodes_.size()); }
 uint32_t PrefixIndex::used_slots() const { return impl_->used_; }
 uint32_t PrefixIndex::pinned_slots() const { return impl_->pinned_; }
@@ -531,7 +687,7 @@ void PrefixIndex::CheckInvariants() const {
   const Impl& m = *impl_;
   const auto cap = static_cast<uint32_t>(m.nodes_.size());
   std::vector<uint32_t> children(cap, 0);
-  uint32_t used = 0, pinned = 0, committed = 0, evictable = 0;
+  uint32_t used = 0, pinned = 0, committed = 0, unverified = 0, evictable = 0, dropped = 0;
   for (SlotId s = 0; s < cap; ++s) {
     const Node& n = m.nodes_[s];
     PREFIX_INDEX_CHECK(n.state != State::kAborting, fmt::format("slot {} left aborting", s));
@@ -542,22 +698,39 @@ void PrefixIndex::CheckInvariants() const {
     ++used;
     if (n.pins > 0) ++pinned;
     if (n.state == State::kCommitted) ++committed;
+    if (n.state == State::kUnverified) ++unverified;
     if (Impl::Evictable(n)) ++evictable;
-    PREFIX_INDEX_CHECK(n.state == State::kCommitted || n.pins == 0, fmt::format("pending slot {} is pinned", s));
-    PREFIX_INDEX_CHECK(m.Find(n.key) == s, fmt::format("slot {} is not found by its key", s));
+    PREFIX_INDEX_CHECK(n.state == State::kCommitted || n.state == State::kDropped || n.pins == 0,
+                       fmt::format("slot {} is pinned but neither committed nor dropped", s));
+    if (n.state == State::kDropped) {
+      ++dropped;
+      PREFIX_INDEX_CHECK(n.pins > 0 || n.children > 0, fmt::format("dropped slot {} should have been freed", s));
+      PREFIX_INDEX_CHECK(m.Find(n.key) != s, fmt::format("dropped slot {} is still found by its key", s));
+    } else {
+      PREFIX_INDEX_CHECK(m.Find(n.key) == s, fmt::format("slot {} is not found by its key", s));
+    }
     if (n.parent != kNil) {
       PREFIX_INDEX_CHECK(n.parent < cap && m.nodes_[n.parent].state != State::kFree,
                          fmt::format("slot {} has a free parent slot {}", s, n.parent));
-      PREFIX_INDEX_CHECK(n.state == State::kPending || m.nodes_[n.parent].state == State::kCommitted,
-                         fmt::format("committed slot {} has an uncommitted parent slot {}", s, n.parent));
+      const State ps = m.nodes_[n.parent].state;
+      bool parent_ok = true;
+      switch (n.state) {
+        case State::kCommitted: parent_ok = ps == State::kCommitted; break;
+        case State::kUnverified: parent_ok = ps == State::kCommitted || ps == State::kUnverified; break;
+        case State::kPending: parent_ok = ps == State::kCommitted || ps == State::kPending; break;
+        case State::kPendingDropped: parent_ok = ps == State::kPendingDropped || ps == State::kDropped; break;
+        default: break;
+      }
+      PREFIX_INDEX_CHECK(parent_ok, fmt::format("slot {} hangs under slot {}, whose state does not allow it", s, n.parent));
       ++children[n.parent];
     }
   }
   for (SlotId s = 0; s < cap; ++s) {
     PREFIX_INDEX_CHECK(children[s] == m.nodes_[s].children, fmt::format("slot {} child count is wrong", s));
   }
-  PREFIX_INDEX_CHECK(used == m.used_ && pinned == m.pinned_ && committed == m.committed_, "counters drifted");
-  PREFIX_INDEX_CHECK(m.by_key_.size() == used, "hash table size differs from used slots");
+  PREFIX_INDEX_CHECK(used == m.used_ && pinned == m.pinned_ && committed == m.committed_ && unverified == m.unverified_,
+                     "counters drifted");
+  PREFIX_INDEX_CHECK(m.by_key_.size() == used - dropped, "hash table size differs from used, undropped slots");
   // Every bucket names a used slot under its key's tag, in Robin Hood order (a bucket's probe distance is at
   // most one more than the previous bucket's; empty counts as -1). Together with each used slot being found
   // by its key above and the size check, each used slot is in the table exactly once.
@@ -567,7 +740,7 @@ void PrefixIndex::CheckInvariants() const {
     const SlotTable::Bucket& b = t.bucket(pos);
     if (b.slot == kNil) continue;
     ++entries;
-    PREFIX_INDEX_CHECK(b.slot < cap && m.nodes_[b.slot].state != State::kFree,
+    PREFIX_INDEX_CHECK(b.slot < cap && m.nodes_[b.slot].state != State::kFree && m.nodes_[b.slot].state != State::kDropped,
                        fmt::format("hash table bucket {} names slot {}, which is not used", pos, b.slot));
     PREFIX_INDEX_CHECK(b.tag == SlotTable::Tag(HashKey(m.nodes_[b.slot].key)),
                        fmt::format("hash table bucket {} has the wrong tag for slot {}", pos, b.slot));

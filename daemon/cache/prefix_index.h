@@ -2,8 +2,10 @@
 // its parent. Not thread-safe: the owner (the cache) serializes calls.
 //
 // Node states: free (slot unused), pending (reserved by a store, bytes being copied, not matchable),
-// committed (matchable). Eviction takes committed, unpinned leaves, least recently used first, so a cached
-// prefix is never cut in the middle.
+// committed (matchable), unverified (restored from the pool file, bytes not yet checked: neither matchable nor
+// evictable), dropped (its bytes failed a check: unmatchable, its slot freed once no pin and no child holds it).
+// Eviction takes committed, unpinned leaves, least recently used first, so a cached prefix is never cut in the
+// middle.
 #pragma once
 
 #include <cstdint>
@@ -63,10 +65,33 @@ class PrefixIndex {
   // present. FAILED_PRECONDITION when the parent is missing, the key is present, or the slot is taken.
   Status Restore(SlotId slot, const BlockKey& key, const BlockKey& parent);
 
+  // Rebuild at restart, before the block's bytes are verified: inserts an unverified node, which is neither
+  // matchable nor evictable, and whose key a store cannot reserve, until MarkVerified or DropSubtrees. The
+  // parent (by key; zero key = root) must be present, committed or unverified. Errors as Restore.
+  Status RestoreUnverified(SlotId slot, const BlockKey& key, const BlockKey& parent);
+  // An unverified node passed its check and becomes committed. False, changing nothing, when the slot holds no
+  // unverified node (dropped meanwhile) or its parent is not committed (verify parents first; a child whose
+  // parent failed stays unverified until the parent's DropSubtrees takes it).
+  bool MarkVerified(SlotId slot);
+  // Pins the committed node in `slot` (Unpin undoes it), so it is neither evicted nor dropped for reuse while
+  // its bytes are read. False when the slot holds no committed node.
+  bool PinSlot(SlotId slot);
+  // Takes the (committed or unverified) nodes in `slots` and all their descendants out of the index: none is
+  // matchable from now on, and their keys may be stored again. `on_drop` runs for each such node (roots and
+  // descendants) as it goes. A slot is freed at once, or when its last pin (a load reading it) is released and
+  // its last child is gone; a pending descendant (a store in flight) is dropped when that store commits or
+  // aborts. Returns the number of nodes dropped. O(capacity).
+  size_t DropSubtrees(std::span<const SlotId> slots, const std::function<void(SlotId)>& on_drop);
+  // Whether `slot` holds a committed node (a store's Commit skips pending nodes dropped meanwhile).
+  bool IsCommitted(SlotId slot) const;
+  // Whether `slot` holds an unverified node (not yet verified, and not dropped with a failed ancestor).
+  bool IsUnverified(SlotId slot) const;
+
   uint32_t capacity() const;
   uint32_t used_slots() const;       // pending + committed
   uint32_t pinned_slots() const;     // slots with at least one pin
   uint32_t committed_blocks() const;
+  uint32_t unverified_blocks() const;
   uint64_t evicted_blocks() const;   // total evictions so far
 
   // Debug and test support; each is O(capacity).

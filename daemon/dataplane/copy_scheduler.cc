@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "common/block_checksum.h"
 #include "common/clock.h"
 
 namespace flexkv {
@@ -18,7 +19,25 @@ struct FanIn {
   Status first_error ABSL_GUARDED_BY(mu);
   int64_t start_ns ABSL_GUARDED_BY(mu) = std::numeric_limits<int64_t>::max();
   std::vector<uint32_t> layer_parts_left ABSL_GUARDED_BY(mu);  // per layer: parts that have not reported it
+  // Stores by a backend with store_checksums: each part's term sums, one per slot (written by the backend
+  // before its `done`, read after the last one).
+  std::vector<std::shared_ptr<std::vector<uint64_t>>> term_sums;
 };
+
+// The slots' content checksums: the parts' term sums added up, or (none) a pass over the stored bytes.
+void FinishChecksums(const FanIn& fan, const PoolRegion& pool, const std::vector<SlotId>& slots,
+                     std::vector<uint64_t>* checksums) {
+  checksums->assign(slots.size(), 0);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    uint64_t sum = 0;
+    if (fan.term_sums.empty()) {
+      sum = ChecksumTermSum(pool.SlotData(slots[i]), pool.slot_bytes, 0);
+    } else {
+      for (const auto& part : fan.term_sums) sum += (*part)[i];
+    }
+    (*checksums)[i] = FinishBlockChecksum(sum, pool.slot_bytes);
+  }
+}
 
 }  // namespace
 
@@ -48,15 +67,22 @@ void CopyScheduler::Submit(CopyRequest request) {
   if (!refused.ok()) return done(refused, NowNs());
 
   const bool per_layer = request.layer_done && caps.layerwise;
+  const bool sum_while_copying = request.checksums && caps.store_checksums;
   auto fan = std::make_shared<FanIn>();
   {
     MutexLock lock(&fan->mu);
     fan->parts_left = static_cast<uint32_t>(request.targets.size());
     if (per_layer) fan->layer_parts_left.assign(request.num_layers, fan->parts_left);
   }
+  if (sum_while_copying) {
+    for (size_t t = 0; t < request.targets.size(); ++t) {
+      fan->term_sums.push_back(std::make_shared<std::vector<uint64_t>>(request.slots->size(), 0));
+    }
+  }
   // Without layer-wise copies from the backend, a layer-wise load reports every layer once the bytes are in place.
-  auto finish = [fan, done, layer_done = per_layer ? nullptr : request.layer_done,
-                 num_layers = request.num_layers](Status st, int64_t start_ns) {
+  auto finish = [fan, done, layer_done = per_layer ? nullptr : request.layer_done, num_layers = request.num_layers,
+                 checksums = request.direction == CopyDirection::kToPool ? request.checksums : nullptr,
+                 slots = request.slots, region = *pool](Status st, int64_t start_ns) {
     Status result;
     int64_t start;
     {
@@ -70,15 +96,18 @@ void CopyScheduler::Submit(CopyRequest request) {
     if (result.ok() && layer_done) {
       for (uint32_t l = 0; l < num_layers; ++l) layer_done(l);
     }
+    if (result.ok() && checksums) FinishChecksums(*fan, region, *slots, checksums.get());
     done(result, start);
   };
-  for (const std::shared_ptr<EngineKv>& target : request.targets) {
+  for (size_t t = 0; t < request.targets.size(); ++t) {
+    const std::shared_ptr<EngineKv>& target = request.targets[t];
     CopyJob job;
     job.kv = target;
     job.direction = request.direction;
     job.engine_blocks = request.engine_blocks;
     job.slots = request.slots;
     job.pool = *pool;
+    if (sum_while_copying) job.term_sums = fan->term_sums[t];
     if (per_layer) {
       job.on_layer = [fan, layer_done = request.layer_done](uint32_t layer) {
         bool all;

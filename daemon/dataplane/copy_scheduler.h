@@ -2,7 +2,9 @@
 // the copy out over the session's registrations (one, or one per TP rank) on their backend, gathers the parts
 // into one `done` with the first error, reports layer progress for layer-wise loads (per layer once every part
 // has it; all layers at the end on a backend that did not declare layer-wise copies), and says when the copy
-// began, for the wait/transfer metrics. Thread-safe.
+// began, for the wait/transfer metrics. For stores it also gives each slot's content checksum
+// (common/block_checksum.h): the sum of the term sums the parts' backend added while copying, or, from a
+// backend that did not declare store_checksums, a second pass over the stored slots. Thread-safe.
 #pragma once
 
 #include <condition_variable>
@@ -27,6 +29,9 @@ struct CopyRequest {
   uint32_t num_layers = 0;
   // Optional (layer-wise loads): once per layer, in any order, before `done`, only for layers every target copied.
   std::function<void(uint32_t layer)> layer_done;
+  // Stores (optional): set to one content checksum per slot (BlockChecksum of the slot's bytes) before `done`
+  // runs with OK.
+  std::shared_ptr<std::vector<uint64_t>> checksums;
   // Once, after every target finished: OK or the first error, and when the earliest part began (monotonic ns).
   std::function<void(Status, int64_t copy_start_ns)> done;
 };

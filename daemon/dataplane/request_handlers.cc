@@ -210,13 +210,15 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
     c.Status(Status(r.shortfall, r.shortfall == StatusCode::kFailedPrecondition
                                      ? "parent key not cached, nothing stored; "
                                        "store from the prompt's first uncached block"
-                                     : "parent key still being stored, nothing stored; "
-                                       "store after that request completes"));
+                                     : "parent key still being stored or verified, nothing stored; "
+                                       "retry once it completes"));
   } else if (r.shortfall != StatusCode::kOk) {
     const size_t stopped = r.cached + reserved;
     c.Status(Status(r.shortfall, r.shortfall == StatusCode::kResourceExhausted
                                      ? fmt::format("pool full of pinned blocks: stored blocks up to {} of {}", stopped, d.count)
-                                     : fmt::format("block {} is being stored by another request", stopped)));
+                                     : fmt::format("block {} is being stored by another request or verified after a "
+                                                   "restart",
+                                                   stopped)));
   }
   if (reserved == 0) {
     lifecycle_->Finish();
@@ -231,8 +233,10 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   auto slots = std::make_shared<const std::vector<SlotId>>(std::move(r.slots));
   copy.slots = slots;
   copy.num_layers = s.geometry().num_layers;
+  auto checksums = std::make_shared<std::vector<uint64_t>>();
+  copy.checksums = checksums;
   const uint64_t block_bytes = cache_->block_bytes();
-  copy.done = [this, sp, d, c, parent, keys = std::move(keys), slots, first, block_bytes, taken_ns](
+  copy.done = [this, sp, d, c, parent, keys = std::move(keys), slots, checksums, first, block_bytes, taken_ns](
                   Status st, int64_t copy_start_ns) mutable {
     RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
     // Publish after transfer; a failed copy, or a session that ended meanwhile, returns the slots.
@@ -240,7 +244,7 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
       cache_->Abort(*slots);
       if (!st.ok()) c.Status(st).DoneBlocks(0);
     } else {
-      cache_->Commit(parent, keys, first, *slots);
+      cache_->Commit(parent, keys, first, *slots, *checksums);
       cache_->counters().store_blocks.fetch_add(slots->size(), std::memory_order_relaxed);
       cache_->counters().bytes_stored.fetch_add(slots->size() * block_bytes, std::memory_order_relaxed);
     }

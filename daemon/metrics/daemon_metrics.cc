@@ -97,6 +97,9 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                     MetricType::Counter, sources_.data_plane->pin_lapses()));
   out.push_back(One("flexkv_pin_lapsed_blocks_total", "Blocks unpinned because their session's pin lease lapsed",
                     MetricType::Counter, sources_.data_plane->pin_lapsed_blocks()));
+  out.push_back(One("flexkv_pool_unverified_blocks",
+                    "Blocks restored at start whose bytes are still being verified (served once they pass)",
+                    MetricType::Gauge, stats.unverified));
 
   std::vector<ClientMetric> taken;
   for (const OpKind op : kAllOps) {
@@ -115,6 +118,9 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                     counters.store_blocks.load()));
   out.push_back(One("flexkv_evicted_blocks_total", "Blocks evicted from the pool to make room", MetricType::Counter,
                     stats.evicted));
+  out.push_back(One("flexkv_data_loss_blocks_total",
+                    "Blocks dropped because their bytes failed their content checksum (restart check or scrub)",
+                    MetricType::Counter, counters.data_loss_blocks.load()));
   out.push_back(
       One("flexkv_load_bytes_total", "Bytes of loaded blocks", MetricType::Counter, counters.bytes_loaded.load()));
   out.push_back(

@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "common/version.h"
 #include "common/clock.h"
+#include "common/units.h"
 
 namespace flexkv {
 grpc::Status ControlService::Answer(const Status& status) {
@@ -146,6 +147,8 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   counters->set_bytes_loaded(c.bytes_loaded.load());
   counters->set_bytes_stored(c.bytes_stored.load());
   counters->set_errors(errors() + ctx_.data_plane->errors());
+  counters->set_data_loss_blocks(c.data_loss_blocks.load());
+  pool->set_unverified_blocks(stats.unverified);
   for (const EngineMemoryBackend* backend : ctx_.backends->List()) {
     auto* out = response->add_backends();
     out->set_name(std::string(backend->name()));
@@ -338,6 +341,27 @@ grpc::Status ControlService::Resume(grpc::ServerContext* context, const v1::Resu
   if (!allowed.ok()) return Answer(allowed);
   response->set_state(ServingStateName(ctx_.lifecycle->Resume()));
   log::Info("control", "Resume requested: serving");
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::Scrub(grpc::ServerContext* context, const v1::ScrubRequest* request,
+                                   v1::ScrubResponse* response) {
+  Status allowed = RequireAdmin(context, "Scrub");
+  if (!allowed.ok()) return Answer(allowed);
+  if (ctx_.verifier == nullptr) return Answer(Status::Unimplemented("this daemon has no block verifier"));
+  ScrubOptions options;
+  options.max_bytes_per_s = request->max_bytes_per_s();
+  options.cancelled = [context] { return context->IsCancelled(); };
+  log::Info("control", "Scrub requested{}", options.max_bytes_per_s == 0
+                                                ? std::string()
+                                                : fmt::format(" at most {}/s", FormatByteSize(options.max_bytes_per_s)));
+  Result<ScrubReport> report = ctx_.verifier->Scrub(options);
+  if (!report.ok()) return Answer(report.status());
+  response->set_checked_blocks(report->checked_blocks);
+  response->set_failed_blocks(report->failed_blocks);
+  response->set_dropped_blocks(report->dropped_blocks);
+  response->set_bytes(report->bytes);
+  response->set_seconds(report->seconds);
   return grpc::Status::OK;
 }
 

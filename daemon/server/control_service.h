@@ -11,6 +11,7 @@
 #include <span>
 
 #include "common/log.h"
+#include "daemon/cache/block_verifier.h"
 #include "daemon/cache/cache.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
@@ -37,6 +38,7 @@ struct ControlContext {
   ErrorCounts* errors;  // where the service counts its answers with an error, by code
   const DaemonMetrics* metrics;  // what GetMetrics renders
   const NamespaceAccess* access;  // who may read and write a namespace, checked at Attach and Match
+  BlockVerifier* verifier = nullptr;  // runs Scrub
 };
 
 class ControlService final : public v1::Control::Service {
@@ -63,6 +65,8 @@ class ControlService final : public v1::Control::Service {
                       v1::ResumeResponse* response) override;
   grpc::Status DropDomain(grpc::ServerContext* context, const v1::DropDomainRequest* request,
                           v1::DropDomainResponse* response) override;
+  grpc::Status Scrub(grpc::ServerContext* context, const v1::ScrubRequest* request,
+                     v1::ScrubResponse* response) override;
 
   // Requests answered with an error (the `errors` counter).
   uint64_t errors() const { return ctx_.errors->Total(); }

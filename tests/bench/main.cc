@@ -34,6 +34,7 @@
 #include "flexkv/client.h"
 #include "index_bench.h"
 #include "trace_bench.h"
+#include "host_transfer_bench.h"
 #include "transfer_bench.h"
 
 namespace {
@@ -522,7 +523,12 @@ int RunRing(RingOptions o) {
 
 int main(int argc, char** argv) {
   // GPU <-> host-pool copy bench (CUDA builds; elsewhere it says so and exits 2).
-  if (argc >= 2 && std::strcmp(argv[1], "transfer") == 0) return RunTransferBench(argc - 1, argv + 1);
+  if (argc >= 2 && std::strcmp(argv[1], "transfer") == 0) {
+    for (int i = 2; i < argc; ++i) {
+      if (std::strcmp(argv[i], "--host") == 0) return RunHostTransferBench(argc - 1, argv + 1);
+    }
+    return RunTransferBench(argc - 1, argv + 1);
+  }
   // Trace replay through a spawned flexkvd (trace_bench.h) and the in-process index bench (index_bench.h).
   if (argc >= 2 && std::strcmp(argv[1], "trace") == 0) return RunTraceBench(argc - 1, argv + 1);
   if (argc >= 2 && std::strcmp(argv[1], "trace-worker") == 0) return RunTraceWorker(argc - 1, argv + 1);
@@ -554,7 +560,8 @@ int main(int argc, char** argv) {
   ring->add_option("--spin-us", ro.spin_us, "--spin-us of the flexkvd this bench starts")->check(CLI::Range(0.0, 100000.0));
 
   WorkerOptions wo;
-  app.add_subcommand("transfer", "GPU <-> host-pool copies vs contiguous copies (flexkv-bench transfer --help)");
+  app.add_subcommand("transfer", "GPU <-> host-pool copies vs contiguous copies (flexkv-bench transfer --help); "
+                                 "--host: the host store copy with and without block checksums");
   app.add_subcommand("trace", "Replay a Mooncake trace through a spawned flexkvd: hit ratio vs block LRU (trace --help)");
   app.add_subcommand("index", "PrefixIndex throughput, memory per block and restart time at scale (index --help)");
   auto* worker = app.add_subcommand("ring-worker", "internal: one client process of `ring`");

@@ -15,22 +15,23 @@ def write(target, name, data):
         f.write(data)
 
 
-def slot_entry(key, parent, committed=True):
+def slot_entry(slot, key, parent, content=0x5EED, committed=True):
+    """Layout 2: the entry checksum covers the slot index, key, parent and the block's content checksum."""
     lo, hi = key
     plo, phi = parent
     words = struct.pack("<4Q", lo, hi, plo, phi)
-    checksum = xxhash.xxh64_intdigest(words, seed=0x666C65786B76)
+    checksum = xxhash.xxh64_intdigest(struct.pack("<Q", slot) + words + struct.pack("<Q", content), seed=0x666C65786B76)
     state = 0x434F4D54 if committed else 0
-    return struct.pack("<II", state, 0) + words + struct.pack("<Q", checksum) + b"\0" * 16
+    return struct.pack("<II", state, 0) + words + struct.pack("<QQ", checksum, content) + b"\0" * 8
 
 
 def slot_table():
     # Two chains sharing a first block, one orphan, one torn entry (bad checksum), free slots.
     k = lambda i: (0x1000 + i, 0xABC0 + i)
     zero = (0, 0)
-    entries = [slot_entry(k(1), zero), slot_entry(k(2), k(1)), slot_entry(k(3), k(2)), slot_entry(k(4), k(1)),
-               slot_entry(k(9), k(8))]
-    torn = bytearray(slot_entry(k(5), k(4)))
+    entries = [slot_entry(0, k(1), zero), slot_entry(1, k(2), k(1)), slot_entry(2, k(3), k(2)),
+               slot_entry(3, k(4), k(1)), slot_entry(4, k(9), k(8))]
+    torn = bytearray(slot_entry(5, k(5), k(4)))
     torn[40] ^= 0xFF
     entries.append(bytes(torn))
     table = b"".join(entries)
@@ -41,7 +42,7 @@ def pool_file():
     geometry = struct.pack("<7I", 1, 1, 1, 1, 8, 2, 1)
     block, capacity = 16, 64
     table_offset, data_offset = 4096, 2 << 20
-    header = b"FLEXKVPL" + struct.pack("<I", 1) + geometry + struct.pack(
+    header = b"FLEXKVPL" + struct.pack("<I", 2) + geometry + struct.pack(
         "<5Q", block, capacity, table_offset, data_offset, data_offset + capacity * block)
     header += b"fuzz".ljust(257, b"\0") + b"\0" * 7
     header += struct.pack("<Q", xxhash.xxh64_intdigest(header, seed=0))

@@ -60,6 +60,7 @@ struct DaemonStatus {
   struct Pool {
     uint64_t block_bytes = 0, capacity_blocks = 0, used_blocks = 0, pinned_blocks = 0, budget_bytes = 0;
     std::string backing;
+    uint64_t unverified_blocks = 0;  // restored at start, still being verified (not served yet)
   } pool;
   uint64_t index_blocks = 0;
   uint32_t sessions = 0;
@@ -70,6 +71,12 @@ struct DaemonStatus {
   };
   std::vector<Backend> backends;
   std::string model_namespace;
+};
+
+// What a scrub found (Client::Scrub).
+struct ScrubResult {
+  uint64_t checked_blocks = 0, failed_blocks = 0, dropped_blocks = 0, bytes = 0;
+  double seconds = 0;
 };
 
 struct SessionEntry {
@@ -221,6 +228,9 @@ class Client {
   // Admin: drops the cache domain and its pool (blocks included) so that the next Attach fixes a new one; refused
   // while any session is attached. Returns the blocks dropped.
   Result<uint64_t> DropDomain();
+  // Admin: checks every cached block's bytes against its checksum (failed ones are dropped) and answers when
+  // done, at most `max_bytes_per_s` (0: unlimited); `timeout` bounds the wait.
+  Result<ScrubResult> Scrub(uint64_t max_bytes_per_s, std::chrono::milliseconds timeout);
   // grpc.health.v1 Check of the whole server: OK when SERVING, UNAVAILABLE otherwise.
   Status CheckHealth();
 

@@ -9,7 +9,9 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/block_checksum.h"
 #include "common/uds.h"
+#include "daemon/transfer/host/checksum_copy.h"
 
 namespace flexkv {
 
@@ -96,9 +98,13 @@ void ForEachRun(const Geometry& g, KvLayout layout, uint32_t num_blocks, uint32_
 
 }  // namespace
 
-void HostKv::CopyToSlot(uint32_t block, uint8_t* slot) const {
-  ForEachRun(geometry_, layout_, num_blocks_, block,
-             [&](uint64_t src, uint64_t dst, uint64_t n) { std::memcpy(slot + dst, base_ + src, n); });
+uint64_t HostKv::CopyToSlot(uint32_t block, uint8_t* slot) const {
+  uint64_t sum = 0;
+  // Runs are whole chunks, multiples of 16 bytes (Geometry), so each starts on a checksum unit.
+  ForEachRun(geometry_, layout_, num_blocks_, block, [&](uint64_t src, uint64_t dst, uint64_t n) {
+    sum += CopyRunWithChecksum(slot + dst, base_ + src, n, static_cast<uint32_t>(dst / kChecksumUnitBytes));
+  });
+  return sum;
 }
 
 void HostKv::CopyFromSlot(const uint8_t* slot, uint32_t block) const {

@@ -35,8 +35,9 @@ class HostKv final : public EngineKv {
   // What a client can still move onto the daemon is bounded by its own registered bytes: pages punched
   // between this check and the copy.
   Status CheckPopulated() const;
-  // Copies block `block` (< num_blocks) into / out of a pool slot of host_block_bytes().
-  void CopyToSlot(uint32_t block, uint8_t* slot) const;
+  // Copies block `block` (< num_blocks) into / out of a pool slot of host_block_bytes(). CopyToSlot returns
+  // the checksum term sum of the bytes it wrote (common/block_checksum.h), computed in the same pass.
+  uint64_t CopyToSlot(uint32_t block, uint8_t* slot) const;
   void CopyFromSlot(const uint8_t* slot, uint32_t block) const;
 
  private:

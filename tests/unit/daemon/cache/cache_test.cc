@@ -2,9 +2,17 @@
 // request goes through (match, reserve, commit, abort), and the pool announcing itself to its listener.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <atomic>
 #include <span>
+#include <thread>
 #include <vector>
 
+#include "common/block_checksum.h"
+#include "daemon/cache/block_verifier.h"
 #include "daemon/cache/cache.h"
 #include "flexkv/block_key.h"
 #include "tests/unit/daemon/cache/temp_cache.h"
@@ -22,6 +30,18 @@ std::vector<BlockKey> Keys(uint64_t chain, size_t n) {
   std::vector<BlockKey> keys(n);
   for (size_t i = 0; i < n; ++i) keys[i] = BlockKey{chain * 1000 + i + 1, chain};
   return keys;
+}
+
+// Fills the slots with bytes of their own and commits them with their content checksums, as a store does.
+void FillAndCommit(flexkv::Cache& cache, std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots,
+                   const BlockKey& parent = flexkv::kRootParent) {
+  std::vector<uint64_t> sums;
+  for (SlotId s : slots) {
+    uint8_t* bytes = cache.SlotData(s);
+    for (uint64_t i = 0; i < cache.block_bytes(); ++i) bytes[i] = static_cast<uint8_t>(i * 3 + s);
+    sums.push_back(flexkv::BlockChecksum(bytes, cache.block_bytes()));
+  }
+  cache.Commit(parent, keys, first, slots, sums);
 }
 
 }  // namespace
@@ -60,7 +80,7 @@ TEST_CASE("cache: a store is matchable only after Commit - Abort returns its slo
   REQUIRE(r.slots.size() == 4);
   CHECK(r.shortfall == StatusCode::kOk);
   CHECK(cache.Match(keys, false, nullptr) == 0);  // pending: not visible before its bytes are complete
-  cache.Commit(flexkv::kRootParent, keys, 0, r.slots);
+  FillAndCommit(cache, keys, 0, r.slots);
   CHECK(cache.Match(keys, false, nullptr) == 4);
   CHECK(cache.GetStats().blocks == 4);
 
@@ -82,7 +102,7 @@ TEST_CASE("cache: pinned matches hold their slots until unpinned", "[unit][cache
   REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
   const std::vector<BlockKey> keys = Keys(2, 3);
   auto r = cache.Reserve(flexkv::kRootParent, keys);
-  cache.Commit(flexkv::kRootParent, keys, 0, r.slots);
+  FillAndCommit(cache, keys, 0, r.slots);
   std::vector<SlotId> pinned;
   CHECK(cache.Match(keys, /*pin=*/true, &pinned) == 3);
   CHECK(pinned == r.slots);
@@ -121,7 +141,7 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
     REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
     auto r = t.cache().Reserve(flexkv::kRootParent, keys);
     REQUIRE(r.slots.size() == 5);
-    t.cache().Commit(flexkv::kRootParent, keys, 0, std::span(r.slots).first(3));  // the last two never completed
+    FillAndCommit(t.cache(), keys, 0, std::span(r.slots).first(3));  // the last two never completed
   }
   t.Reopen();
   int announced = 0;
@@ -129,7 +149,13 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
   REQUIRE(t.cache().RecoverPool(false).ok());
   CHECK(announced == 1);
   CHECK(t.cache().has_pool());
+  // Restored blocks are served only once their bytes are verified.
+  CHECK(t.cache().Match(keys, false, nullptr) == 0);
+  CHECK(t.cache().GetStats().unverified == 3);
+  flexkv::BlockVerifier(&t.cache()).VerifyRestored();
+  CHECK(t.cache().GetStats().unverified == 0);
   CHECK(t.cache().Match(keys, false, nullptr) == 3);
+  CHECK(t.cache().counters().data_loss_blocks.load() == 0);
   CHECK(t.cache().Domain().model_namespace == "ns");
 }
 
@@ -142,17 +168,73 @@ TEST_CASE("cache: a store under a parent survives a restart under that parent, r
     REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
     auto head = t.cache().Reserve(flexkv::kRootParent, std::span(keys).first(3));
     REQUIRE(head.slots.size() == 3);
-    t.cache().Commit(flexkv::kRootParent, std::span(keys).first(3), 0, head.slots);
+    FillAndCommit(t.cache(), std::span(keys).first(3), 0, head.slots);
     auto tail = t.cache().Reserve(keys[2], std::span(keys).subspan(3));
     REQUIRE(tail.shortfall == StatusCode::kOk);
     REQUIRE(tail.slots.size() == 3);
-    t.cache().Commit(keys[2], std::span(keys).subspan(3), 0, tail.slots);
+    FillAndCommit(t.cache(), std::span(keys).subspan(3), 0, tail.slots, keys[2]);
     CHECK(t.cache().Match(keys, false, nullptr) == 6);
   }
   t.Reopen();
   REQUIRE(t.cache().RecoverPool(false).ok());
+  flexkv::BlockVerifier(&t.cache()).VerifyRestored();
   CHECK(t.cache().GetStats().blocks == 6);
   CHECK(t.cache().Match(keys, false, nullptr) == 6);  // the pool recorded keys[3]'s parent as keys[2], not root
+}
+
+TEST_CASE("cache: a restored block whose bytes changed is never served - dropped with its descendants and counted",
+          "[unit][cache][checksum][regression]") {
+  TempCache t;
+  const std::vector<BlockKey> a = Keys(4, 5), b = Keys(5, 3);
+  std::vector<SlotId> a_slots;
+  {
+    REQUIRE(t.cache().RecoverPool(false).ok());
+    REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
+    auto ra = t.cache().Reserve(flexkv::kRootParent, a);
+    a_slots = ra.slots;
+    FillAndCommit(t.cache(), a, 0, ra.slots);
+    auto rb = t.cache().Reserve(flexkv::kRootParent, b);
+    FillAndCommit(t.cache(), b, 0, rb.slots);
+    t.cache().SlotData(a_slots[2])[100] ^= 0x01;  // one bit of a's third block, as if flipped while stopped
+  }
+  t.Reopen();
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  flexkv::BlockVerifier(&t.cache()).VerifyRestored();
+  CHECK(t.cache().Match(a, false, nullptr) == 2);  // stops before the changed block
+  CHECK(t.cache().Match(b, false, nullptr) == 3);
+  CHECK(t.cache().counters().data_loss_blocks.load() == 1);
+  CHECK(t.cache().GetStats().blocks == 5);
+  CHECK(t.cache().GetStats().used == 5);  // the failed block's and its descendants' slots are free again
+  // Nor after another restart: the dropped entries were cleared.
+  t.Reopen();
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  CHECK(t.cache().GetStats().unverified == 5);
+  flexkv::BlockVerifier(&t.cache()).VerifyRestored();
+  CHECK(t.cache().Match(a, false, nullptr) == 2);
+  CHECK(t.cache().counters().data_loss_blocks.load() == 0);
+}
+
+TEST_CASE("cache: a pool file of layout version 1 is dropped at start with one log line, not refused",
+          "[unit][cache][checksum]") {
+  TempCache t;
+  {
+    REQUIRE(t.cache().RecoverPool(false).ok());
+    REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
+    const std::vector<BlockKey> keys = Keys(6, 2);
+    FillAndCommit(t.cache(), keys, 0, t.cache().Reserve(flexkv::kRootParent, keys).slots);
+  }
+  t.Reopen();
+  {
+    const int fd = open((t.dir() + "/pool").c_str(), O_WRONLY | O_CLOEXEC);
+    REQUIRE(fd >= 0);
+    const uint32_t v1 = 1;
+    REQUIRE(pwrite(fd, &v1, sizeof(v1), 8) == sizeof(v1));
+    close(fd);
+  }
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  CHECK_FALSE(t.cache().has_pool());
+  CHECK_FALSE(std::filesystem::exists(t.dir() + "/pool"));
+  REQUIRE(t.cache().Admit("other", SmallGeometry()).ok());  // the first Attach fixes the domain again
 }
 
 TEST_CASE("cache: a store whose parent is not cached is refused and reserves nothing", "[unit][cache]") {
@@ -185,7 +267,7 @@ TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and 
   const flexkv::Status storing = cache.DropDomain(false, nullptr);
   CHECK(storing.code() == StatusCode::kFailedPrecondition);
   CHECK_THAT(storing.message(), Catch::Contains("3 blocks are being stored"));
-  cache.Commit(flexkv::kRootParent, keys, 0, r.slots);
+  FillAndCommit(cache, keys, 0, r.slots);
   std::vector<SlotId> pinned;
   REQUIRE(cache.Match(keys, /*pin=*/true, &pinned) == 3);
   CHECK(cache.DropDomain(false, nullptr).code() == StatusCode::kFailedPrecondition);
@@ -208,4 +290,141 @@ TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and 
   CHECK(cache.block_bytes() == other.host_block_bytes());
   CHECK(cache.Match(keys, false, nullptr) == 0);
   CHECK(cache.GetStats().blocks == 0);
+}
+
+TEST_CASE("cache: a scrub drops a block whose bytes changed under the running cache - a pinned one keeps its slot "
+          "until unpinned",
+          "[unit][cache][checksum][regression]") {
+  TempCache t;
+  flexkv::Cache& cache = t.cache();
+  REQUIRE(cache.RecoverPool(false).ok());
+  REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
+  const std::vector<BlockKey> a = Keys(7, 4), b = Keys(8, 2);
+  auto ra = cache.Reserve(flexkv::kRootParent, a);
+  FillAndCommit(cache, a, 0, ra.slots);
+  auto rb = cache.Reserve(flexkv::kRootParent, b);
+  FillAndCommit(cache, b, 0, rb.slots);
+  flexkv::BlockVerifier verifier(&cache);
+
+  auto clean = verifier.Scrub({});
+  REQUIRE(clean.ok());
+  CHECK(clean->checked_blocks == 6);
+  CHECK(clean->failed_blocks == 0);
+  CHECK(clean->bytes == 6 * cache.block_bytes());
+
+  std::vector<SlotId> pinned;
+  REQUIRE(cache.Match(a, /*pin=*/true, &pinned) == 4);  // a load holds a's blocks
+  cache.SlotData(ra.slots[1])[7] ^= 0x80;
+  // A store extending b is in flight when b's first block turns out bad.
+  std::vector<BlockKey> b_longer = Keys(8, 3);
+  cache.SlotData(rb.slots[0])[0] ^= 0x02;
+  auto pending = cache.Reserve(flexkv::kRootParent, b_longer);
+  REQUIRE(pending.slots.size() == 1);
+
+  auto found = verifier.Scrub({});
+  REQUIRE(found.ok());
+  CHECK(found->checked_blocks == 6);
+  CHECK(found->failed_blocks == 2);
+  CHECK(found->dropped_blocks == 3 + 2);  // a[1..3] and b[0..1]
+  CHECK(cache.counters().data_loss_blocks.load() == 2);
+  CHECK(cache.Match(a, false, nullptr) == 1);
+  CHECK(cache.Match(b_longer, false, nullptr) == 0);
+  CHECK(cache.GetStats().used == 1 + 3 + 2 + 1);  // a[0]; a[1..3] pinned; b[0..1] lead to the pending store; it
+  cache.Unpin(pinned);
+  CHECK(cache.GetStats().used == 1 + 2 + 1);
+  // The store that was in flight under the dropped block finishes: nothing of it is published.
+  FillAndCommit(cache, b_longer, 2, pending.slots);
+  CHECK(cache.GetStats().used == 1);
+  CHECK(cache.Match(b_longer, false, nullptr) == 0);
+  // The keys can be stored again.
+  auto again = cache.Reserve(flexkv::kRootParent, b);
+  REQUIRE(again.slots.size() == 2);
+  FillAndCommit(cache, b, 0, again.slots);
+  CHECK(cache.Match(b, false, nullptr) == 2);
+}
+
+TEST_CASE("cache: a scrub running beside stores, evictions and pinned reads finds no false failures",
+          "[unit][cache][checksum][concurrency]") {
+  // 64 slots and chains of 4 from 40 prompts: stores evict all the time, so a scrub that read a slot without
+  // holding it would see bytes change under it and report a failure.
+  TempCache t;
+  flexkv::Cache& cache = t.cache();
+  REQUIRE(cache.RecoverPool(false).ok());
+  REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> stores{0};
+  std::thread writer([&] {
+    uint64_t round = 0;
+    while (!stop.load()) {
+      const std::vector<BlockKey> keys = Keys(100 + round % 40, 4);
+      auto r = cache.Reserve(flexkv::kRootParent, keys);
+      // Each store writes the bytes of its own round, so an evicted and re-stored slot really changes.
+      std::vector<uint64_t> sums;
+      for (SlotId s : r.slots) {
+        uint8_t* bytes = cache.SlotData(s);
+        for (uint64_t i = 0; i < cache.block_bytes(); ++i) bytes[i] = static_cast<uint8_t>(i + round * 7 + s);
+        sums.push_back(flexkv::BlockChecksum(bytes, cache.block_bytes()));
+      }
+      cache.Commit(flexkv::kRootParent, keys, r.cached, r.slots, sums);
+      ++round;
+      stores.fetch_add(1);
+    }
+  });
+  std::thread reader([&] {
+    uint64_t round = 0;
+    while (!stop.load()) {
+      std::vector<SlotId> pinned;
+      cache.Match(Keys(100 + round++ % 40, 4), /*pin=*/true, &pinned);
+      cache.Unpin(pinned);
+    }
+  });
+  flexkv::BlockVerifier verifier(&cache);
+  uint64_t checked = 0;
+  for (int i = 0; i < 200 || stores.load() < 200; ++i) {
+    auto report = verifier.Scrub({});
+    REQUIRE(report.ok());
+    CHECK(report->failed_blocks == 0);
+    checked += report->checked_blocks;
+  }
+  stop.store(true);
+  writer.join();
+  reader.join();
+  CHECK(checked > 0);
+  CHECK(cache.counters().data_loss_blocks.load() == 0);
+}
+
+TEST_CASE("cache: a scrub stops when cancelled, and only one runs at a time", "[unit][cache][checksum]") {
+  TempCache t;
+  flexkv::Cache& cache = t.cache();
+  flexkv::BlockVerifier verifier(&cache);
+  REQUIRE(cache.RecoverPool(false).ok());
+  CHECK(verifier.Scrub({}).status().code() == StatusCode::kFailedPrecondition);  // no pool yet
+  REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
+  const std::vector<BlockKey> keys = Keys(9, 8);
+  FillAndCommit(cache, keys, 0, cache.Reserve(flexkv::kRootParent, keys).slots);
+
+  // The cancel callback runs inside the scrub: a second scrub started from there is refused.
+  flexkv::ScrubOptions nested;
+  flexkv::Status inner;
+  nested.cancelled = [&] {
+    if (inner.ok()) inner = verifier.Scrub({}).status();
+    return false;
+  };
+  auto outer = verifier.Scrub(nested);
+  REQUIRE(outer.ok());
+  CHECK(outer->checked_blocks == 8);
+  CHECK(inner.code() == StatusCode::kAborted);
+
+  flexkv::ScrubOptions cancelled;
+  cancelled.cancelled = [] { return true; };
+  auto stopped = verifier.Scrub(cancelled);
+  CHECK(stopped.status().code() == StatusCode::kCancelled);
+  CHECK_THAT(stopped.status().message(), Catch::Contains("scrub cancelled after checking 0 blocks"));
+  // Rate-limited, it still checks everything (the limit only spaces the ranges out).
+  flexkv::ScrubOptions slow;
+  slow.max_bytes_per_s = 1ULL << 30;
+  auto paced = verifier.Scrub(slow);
+  REQUIRE(paced.ok());
+  CHECK(paced->checked_blocks == 8);
+  CHECK(cache.counters().data_loss_blocks.load() == 0);
 }

@@ -1,5 +1,6 @@
 // Pool: the pool file is created to the budget, committed slots come back after a reopen (parents first),
 // and a file that does not fit is refused with the reason and the way out.
+#include "common/block_checksum.h"
 #include "daemon/cache/pool.h"
 #include "tests/support/temp_dir.h"
 
@@ -72,10 +73,10 @@ TEST_CASE("committed slots and their bytes survive a reopen, parents before chil
     REQUIRE(pool.ok());
     // Children in lower slots than their parents: recovery must reorder.
     (*pool)->SlotData(0)[0] = 0xC0;
-    (*pool)->MarkCommitted(0, c, b);
-    (*pool)->MarkCommitted(5, b, a);
-    (*pool)->MarkCommitted(7, a, BlockKey{});
-    (*pool)->MarkCommitted(3, gone, a);
+    (*pool)->MarkCommitted(0, c, b, 0x100 + 0);
+    (*pool)->MarkCommitted(5, b, a, 0x100 + 5);
+    (*pool)->MarkCommitted(7, a, BlockKey{}, 0x100 + 7);
+    (*pool)->MarkCommitted(3, gone, a, 0x100 + 3);
     (*pool)->MarkFree(3);
   }
   auto pool = Pool::Open(path, kBudget);
@@ -89,7 +90,64 @@ TEST_CASE("committed slots and their bytes survive a reopen, parents before chil
   CHECK((entries[0].key == a && entries[0].slot == 7));
   CHECK((entries[1].key == b && entries[1].slot == 5 && entries[1].parent == a));
   CHECK((entries[2].key == c && entries[2].slot == 0 && entries[2].parent == b));
+  CHECK(entries[2].content_checksum == 0x100);
+  CHECK(entries[0].content_checksum == 0x107);
   CHECK((*pool)->SlotData(0)[0] == 0xC0);
+}
+
+TEST_CASE("a slot entry binds its slot index: entries swapped or copied between slots fail their checksum",
+          "[unit][regression][checksum]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  const BlockKey a{1, 1}, b{2, 2}, x{7, 7};
+  {
+    auto pool = Pool::Create(path, "ns", Small(), kBudget);
+    REQUIRE(pool.ok());
+    (*pool)->MarkCommitted(0, a, BlockKey{}, 0xA);
+    (*pool)->MarkCommitted(1, b, BlockKey{}, 0xB);
+    (*pool)->MarkCommitted(2, x, BlockKey{}, 0xC);
+  }
+  // Swap the entries of slots 0 and 1 byte for byte: each is a valid entry, only in the other's slot.
+  {
+    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    REQUIRE(fd >= 0);
+    uint8_t e0[64], e1[64];
+    REQUIRE(pread(fd, e0, 64, kTableOffset) == 64);
+    REQUIRE(pread(fd, e1, 64, kTableOffset + 64) == 64);
+    REQUIRE(pwrite(fd, e1, 64, kTableOffset) == 64);
+    REQUIRE(pwrite(fd, e0, 64, kTableOffset + 64) == 64);
+    close(fd);
+  }
+  auto pool = Pool::Open(path, kBudget);
+  REQUIRE(pool.ok());
+  CHECK_FALSE((*pool)->Entry(0).has_value());
+  CHECK_FALSE((*pool)->Entry(1).has_value());
+  const auto kept = (*pool)->Entry(2);
+  REQUIRE(kept.has_value());
+  CHECK((kept->key == x && kept->content_checksum == 0xC));
+  uint64_t dropped = 0;
+  auto entries = (*pool)->Recover(&dropped);
+  CHECK(dropped == 2);
+  REQUIRE(entries.size() == 1);
+  CHECK(entries[0].key == x);
+}
+
+TEST_CASE("a slot entry's content checksum is covered by the entry checksum, and ContentMatches reads the bytes",
+          "[unit][checksum]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  auto pool = Pool::Create(path, "ns", Small(), kBudget);
+  REQUIRE(pool.ok());
+  uint8_t* bytes = (*pool)->SlotData(4);
+  for (uint64_t i = 0; i < (*pool)->block_bytes(); ++i) bytes[i] = static_cast<uint8_t>(i * 13);
+  const uint64_t sum = flexkv::BlockChecksum(bytes, (*pool)->block_bytes());
+  (*pool)->MarkCommitted(4, BlockKey{5, 5}, BlockKey{}, sum);
+  CHECK((*pool)->ContentMatches(4, sum));
+  bytes[77] ^= 0x10;
+  CHECK_FALSE((*pool)->ContentMatches(4, sum));
+  const uint64_t other = sum + 1;
+  Poke(path, kTableOffset + 4 * 64 + 48, &other, sizeof(other));  // the content checksum field
+  CHECK_FALSE((*pool)->Entry(4).has_value());
 }
 
 TEST_CASE("a slot entry whose checksum fails is dropped, and so are its descendants", "[unit]") {
@@ -99,10 +157,10 @@ TEST_CASE("a slot entry whose checksum fails is dropped, and so are its descenda
   {
     auto pool = Pool::Create(path, "ns", Small(), kBudget);
     REQUIRE(pool.ok());
-    (*pool)->MarkCommitted(0, a, BlockKey{});
-    (*pool)->MarkCommitted(1, b, a);
-    (*pool)->MarkCommitted(2, c, b);
-    (*pool)->MarkCommitted(3, other, BlockKey{});
+    (*pool)->MarkCommitted(0, a, BlockKey{}, 0x100 + 0);
+    (*pool)->MarkCommitted(1, b, a, 0x100 + 1);
+    (*pool)->MarkCommitted(2, c, b, 0x100 + 2);
+    (*pool)->MarkCommitted(3, other, BlockKey{}, 0x100 + 3);
   }
   const uint64_t flipped = 0xFFFF;
   Poke(path, kTableOffset + 1 * 64 + 8, &flipped, sizeof(flipped));  // slot 1's key.lo, checksum left as it was

@@ -472,3 +472,74 @@ TEST_CASE("prefix index: the key table stays consistent under eviction churn at 
 }
 
 }  // namespace
+
+namespace {
+
+TEST_CASE("prefix index: unverified nodes are not matchable or evictable until verified, parents first",
+          "[unit][index][checksum]") {
+  PrefixIndex index(6);
+  const auto abc = Chain({1, 2, 3});
+  REQUIRE(index.RestoreUnverified(4, abc[0], BlockKey{}).ok());
+  REQUIRE(index.RestoreUnverified(1, abc[1], abc[0]).ok());
+  REQUIRE(index.RestoreUnverified(2, abc[2], abc[1]).ok());
+  index.CheckInvariants();
+  CHECK(index.unverified_blocks() == 3);
+  CHECK(index.committed_blocks() == 0);
+  CHECK(index.Match(abc, false, nullptr) == 0);
+  CHECK(index.EvictionOrder().empty());
+  CHECK(index.Reserve(flexkv::kRootParent, abc).shortfall == StatusCode::kAborted);  // its key is taken, as by a store in flight
+  CHECK_FALSE(index.MarkVerified(1));  // its parent is not verified yet
+  CHECK(index.MarkVerified(4));
+  CHECK(index.MarkVerified(1));
+  CHECK(index.Match(abc, false, nullptr) == 2);
+  CHECK(index.EvictionOrder().empty());  // slot 1 has an unverified child
+  index.CheckInvariants();
+  CHECK(index.MarkVerified(2));
+  CHECK_FALSE(index.MarkVerified(2));
+  CHECK(index.EvictionOrder() == std::vector<SlotId>{2});
+  CHECK(index.unverified_blocks() == 0);
+  index.CheckInvariants();
+}
+
+TEST_CASE("prefix index: DropSubtrees takes a node and its descendants out at once - pinned slots and pending "
+          "stores are freed when released",
+          "[unit][index][checksum]") {
+  PrefixIndex index(8);
+  const auto abcd = Chain({1, 2, 3, 4});
+  const auto other = Chain({9});
+  Store(index, abcd);
+  Store(index, other);
+  std::vector<SlotId> pinned;
+  REQUIRE(index.Match(Prefix(abcd, 3), true, &pinned) == 3);  // a load holds a, b, c
+  const auto abcde = Chain({1, 2, 3, 4, 5});
+  auto pending = index.Reserve(flexkv::kRootParent, abcde);  // a store extends the chain
+  REQUIRE(pending.slots.size() == 1);
+  std::vector<SlotId> seen;
+  const SlotId b = pinned[1];
+  CHECK(index.DropSubtrees(std::vector<SlotId>{b}, [&](SlotId s) { seen.push_back(s); }) == 3);  // b, c, d
+  std::sort(seen.begin(), seen.end());
+  CHECK(seen.size() == 3);
+  index.CheckInvariants();
+  CHECK(index.Match(abcde, false, nullptr) == 1);
+  CHECK(index.Match(other, false, nullptr) == 1);
+  CHECK(index.committed_blocks() == 2);
+  CHECK(index.used_slots() == 6);  // a and other; b, c, d held by pins and the pending child e; e
+  // Dropped nodes cannot be pinned by slot; committed ones can.
+  CHECK_FALSE(index.PinSlot(b));
+  CHECK(index.PinSlot(pinned[0]));
+  index.Unpin(std::vector<SlotId>{pinned[0]});
+  index.Unpin(pinned);
+  index.CheckInvariants();
+  CHECK(index.used_slots() == 6);  // b, c, d still lead to the pending e
+  index.Commit(pending.slots);  // the store under the dropped chain ends: nothing is published
+  CHECK_FALSE(index.IsCommitted(pending.slots[0]));
+  CHECK(index.used_slots() == 2);
+  CHECK(index.EvictionOrder().size() == 2);
+  index.CheckInvariants();
+  // The dropped keys can be stored again.
+  Store(index, abcd);
+  CHECK(index.Match(abcd, false, nullptr) == 4);
+  index.CheckInvariants();
+}
+
+}  // namespace

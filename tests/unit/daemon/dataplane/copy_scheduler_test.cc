@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/block_checksum.h"
 #include "daemon/dataplane/copy_scheduler.h"
 #include "tests/unit/daemon/cache/temp_cache.h"
 #include "tests/unit/daemon/transfer/fake_engine_memory.h"
@@ -198,4 +199,79 @@ TEST_CASE("copy scheduler: WaitIdle returns once the copies in flight are done",
   finisher.join();
   CHECK(out.done_calls == 1);
   CHECK(scheduler.in_flight() == 0);
+}
+
+TEST_CASE("copy scheduler: a store's checksums add up the TP parts' term sums of a backend with store_checksums",
+          "[unit][dataplane][checksum]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::EngineMemoryCapabilities caps = Caps({MemoryKind::kCudaIpc}, false, /*per_tp_rank=*/true);
+  caps.store_checksums = true;
+  FakeEngineMemory backend("fake", caps);
+  Outcome out;
+  CopyRequest r = Request(&backend, 2, CopyDirection::kToPool, &out);
+  auto checksums = std::make_shared<std::vector<uint64_t>>();
+  r.checksums = checksums;
+  scheduler.Submit(std::move(r));
+  REQUIRE(backend.jobs.size() == 2);
+  const uint64_t block_bytes = f.cache.cache().block_bytes();
+  // Each rank writes its half of both blocks and adds the term sums of what it wrote to its own, zeroed vector.
+  for (size_t rank = 0; rank < 2; ++rank) {
+    auto& job = backend.jobs[rank];
+    REQUIRE(job.term_sums != nullptr);
+    CHECK(*job.term_sums == std::vector<uint64_t>{0, 0});
+    for (size_t b = 0; b < 2; ++b) {
+      uint8_t* half = job.pool.SlotData((*job.slots)[b]) + rank * block_bytes / 2;
+      for (uint64_t i = 0; i < block_bytes / 2; ++i) half[i] = static_cast<uint8_t>(i * 7 + rank * 31 + b);
+      (*job.term_sums)[b] += flexkv::ChecksumTermSum(half, block_bytes / 2,
+                                                     static_cast<uint32_t>(rank * block_bytes / 2 / 16));
+    }
+  }
+  CHECK(backend.jobs[0].term_sums != backend.jobs[1].term_sums);
+  backend.Finish(0, Status::Ok(), 100);
+  CHECK(checksums->empty());
+  backend.Finish(1, Status::Ok(), 100);
+  REQUIRE(out.done_calls == 1);
+  REQUIRE(checksums->size() == 2);
+  for (size_t b = 0; b < 2; ++b) {
+    const uint8_t* slot = f.cache.cache().SlotData(b == 0 ? 10 : 11);
+    CHECK((*checksums)[b] == flexkv::BlockChecksum(slot, block_bytes));
+  }
+}
+
+TEST_CASE("copy scheduler: a backend without store_checksums gets no term sums - the checksums come from the "
+          "stored slots",
+          "[unit][dataplane][checksum]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler(&f.tier);
+  FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
+  Outcome out;
+  CopyRequest r = Request(&backend, 1, CopyDirection::kToPool, &out);
+  auto checksums = std::make_shared<std::vector<uint64_t>>();
+  r.checksums = checksums;
+  scheduler.Submit(std::move(r));
+  REQUIRE(backend.jobs.size() == 1);
+  CHECK(backend.jobs[0].term_sums == nullptr);
+  const uint64_t block_bytes = f.cache.cache().block_bytes();
+  for (flexkv::SlotId s : {10u, 11u}) {
+    uint8_t* slot = f.cache.cache().SlotData(s);
+    for (uint64_t i = 0; i < block_bytes; ++i) slot[i] = static_cast<uint8_t>(i ^ s);
+  }
+  backend.Finish(0, Status::Ok(), 100);
+  REQUIRE(out.done_calls == 1);
+  REQUIRE(checksums->size() == 2);
+  CHECK((*checksums)[0] == flexkv::BlockChecksum(f.cache.cache().SlotData(10), block_bytes));
+  CHECK((*checksums)[1] == flexkv::BlockChecksum(f.cache.cache().SlotData(11), block_bytes));
+  CHECK((*checksums)[0] != (*checksums)[1]);
+
+  SECTION("a failed store leaves them unset") {
+    Outcome failed;
+    CopyRequest r2 = Request(&backend, 1, CopyDirection::kToPool, &failed);
+    auto none = std::make_shared<std::vector<uint64_t>>();
+    r2.checksums = none;
+    scheduler.Submit(std::move(r2));
+    backend.Finish(1, Status::Internal("copy failed"), 100);
+    CHECK(failed.done_calls == 1);
+    CHECK(none->empty());
+  }
 }

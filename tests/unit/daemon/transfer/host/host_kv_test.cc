@@ -1,5 +1,6 @@
 // The host backend's layout math: KvBytesRequired, and which client bytes make up block b in each layout. The
 // expected offsets are written out independently from docs/protocol.md's layouts, not from host_kv.cc.
+#include "common/block_checksum.h"
 #include "daemon/transfer/host/host_kv.h"
 
 #include <fcntl.h>
@@ -74,7 +75,8 @@ TEST_CASE("a block copies to its slot as [layer][plane][chunk] from each layout,
     const uint32_t block = 3;
     std::vector<uint8_t> slot(g.host_block_bytes());
     REQUIRE(slot.size() == g.num_layers * g.kv_planes * chunk);
-    (*kv)->CopyToSlot(block, slot.data());
+    const uint64_t term_sum = (*kv)->CopyToSlot(block, slot.data());
+    CHECK(term_sum == flexkv::ChecksumTermSum(slot.data(), slot.size(), 0));  // summed while copying
     for (uint64_t l = 0; l < g.num_layers; ++l) {
       for (uint64_t p = 0; p < g.kv_planes; ++p) {
         const uint64_t from = ClientOffset(layout, g, kBlocks, l, p, block);

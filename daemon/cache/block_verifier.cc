@@ -1,0 +1,144 @@
+// See block_verifier.h.
+#include "daemon/cache/block_verifier.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "common/units.h"
+
+namespace flexkv {
+namespace {
+
+// A batch is checked without the cache's lock and settled under it in one go.
+constexpr uint64_t kBatchBytes = 64ULL << 20;
+constexpr size_t kMaxBatchBlocks = 4096;
+// Slots a scrub pins at once: few, so that a serving node keeps nearly all of its pool evictable.
+constexpr SlotId kScrubSlotsPerRange = 256;
+
+// One line per failed block would let a damaged pool flood the log.
+log::RateLimited& FailureLog() {
+  static log::RateLimited limited(1000);
+  return limited;
+}
+
+double Seconds(int64_t ns) { return static_cast<double>(ns) / 1e9; }
+
+}  // namespace
+
+BlockVerifier::~BlockVerifier() {
+  stop_.store(true, std::memory_order_relaxed);
+  if (restart_thread_.joinable()) restart_thread_.join();
+}
+
+void BlockVerifier::StartRestartVerification() {
+  restart_thread_ = std::thread([this] { VerifyRestored(); });
+}
+
+void BlockVerifier::VerifyRestored() {
+  const std::vector<Pool::Committed> restored = cache_->TakeUnverified();
+  if (restored.empty()) return;
+  const uint64_t block_bytes = cache_->block_bytes();
+  const size_t per_batch = std::clamp<size_t>(kBatchBytes / std::max<uint64_t>(block_bytes, 1), 1, kMaxBatchBlocks);
+  const int64_t start = NowNs();
+  uint64_t failed_total = 0, dropped_total = 0;
+  size_t done = 0;
+  std::vector<SlotId> passed, failed;
+  std::vector<Pool::Committed> batch;
+  for (size_t begin = 0; begin < restored.size() && !stop_.load(std::memory_order_relaxed); begin += per_batch) {
+    const size_t end = std::min(restored.size(), begin + per_batch);
+    passed.clear();
+    failed.clear();
+    batch.assign(restored.begin() + static_cast<ptrdiff_t>(begin), restored.begin() + static_cast<ptrdiff_t>(end));
+    // Only this thread settles unverified blocks, so those still unverified now stay so until FinishChecks:
+    // nothing matches, pins, evicts or reuses their slots, and their bytes hold still.
+    cache_->KeepUnverified(&batch);
+    for (const Pool::Committed& c : batch) {
+      if (cache_->ContentMatches(c.slot, c.content_checksum)) {
+        passed.push_back(c.slot);
+      } else {
+        failed.push_back(c.slot);
+        FailureLog().Warning("verify", "block in slot {} (key {}) changed while flexkvd was stopped: dropped", c.slot,
+                             c.key.ToHex());
+      }
+    }
+    dropped_total += cache_->FinishChecks(passed, {}, failed);
+    failed_total += failed.size();
+    done = end;
+  }
+  const std::string summary = fmt::format(
+      "{} of {} restored blocks checked in {:.2f} s ({}/s): {} failed their content checksum and were dropped with "
+      "their descendants ({} blocks in all)",
+      done, restored.size(), Seconds(NowNs() - start),
+      FormatByteSize(static_cast<uint64_t>(static_cast<double>(done * block_bytes) /
+                                           std::max(1e-9, Seconds(NowNs() - start)))),
+      failed_total, dropped_total);
+  if (failed_total > 0) {
+    log::Warning("verify", "{}", summary);
+  } else {
+    log::Info("verify", "{}{}", summary, done < restored.size() ? " (stopped early: the rest is checked next start)" : "");
+  }
+}
+
+Result<ScrubReport> BlockVerifier::Scrub(const ScrubOptions& options) {
+  if (!cache_->has_pool()) return Status::FailedPrecondition("the pool does not exist yet: nothing to scrub");
+  if (scrubbing_.exchange(true)) return Status(StatusCode::kAborted, "a scrub is already running; wait for it to finish");
+  const uint64_t block_bytes = cache_->block_bytes();
+  const auto capacity = static_cast<uint32_t>(cache_->GetStats().capacity);
+  ScrubReport report;
+  const int64_t start = NowNs();
+  std::vector<SlotId> pinned, failed;
+  bool cancelled = false;
+  for (SlotId begin = 0; begin < capacity; begin += kScrubSlotsPerRange) {
+    if (stop_.load(std::memory_order_relaxed) || (options.cancelled && options.cancelled())) {
+      cancelled = true;
+      break;
+    }
+    const std::vector<Cache::CheckTarget> targets =
+        cache_->PinForCheck(begin, static_cast<SlotId>(std::min<uint64_t>(capacity, uint64_t{begin} + kScrubSlotsPerRange)));
+    pinned.clear();
+    failed.clear();
+    for (const Cache::CheckTarget& t : targets) {
+      pinned.push_back(t.slot);
+      const bool ok = t.content_checksum.has_value() && cache_->ContentMatches(t.slot, *t.content_checksum);
+      if (!ok) {
+        failed.push_back(t.slot);
+        FailureLog().Warning("scrub", "block in slot {} failed its {}: dropped", t.slot,
+                             t.content_checksum ? "content checksum" : "slot entry checksum");
+      }
+      report.bytes += block_bytes;
+    }
+    report.checked_blocks += targets.size();
+    report.failed_blocks += failed.size();
+    report.dropped_blocks += cache_->FinishChecks({}, pinned, failed);
+    if (options.max_bytes_per_s != 0) {
+      // Unpinned, sleep until the bytes read so far fit the rate, in slices so that a cancel ends it soon.
+      const int64_t due = start + static_cast<int64_t>(static_cast<double>(report.bytes) * 1e9 /
+                                                       static_cast<double>(options.max_bytes_per_s));
+      for (int64_t now = NowNs(); now < due && !stop_.load(std::memory_order_relaxed) &&
+                                  !(options.cancelled && options.cancelled());
+           now = NowNs()) {
+        std::this_thread::sleep_for(std::chrono::nanoseconds(std::min<int64_t>(due - now, 100'000'000)));
+      }
+    }
+  }
+  report.seconds = Seconds(NowNs() - start);
+  const std::string summary =
+      fmt::format("scrub {} {} blocks ({}) in {:.2f} s: {} failed, {} dropped with their descendants",
+                  cancelled ? "cancelled after checking" : "checked", report.checked_blocks,
+                  FormatByteSize(report.bytes), report.seconds, report.failed_blocks, report.dropped_blocks);
+  if (report.failed_blocks > 0) {
+    log::Warning("scrub", "{}", summary);
+  } else {
+    log::Info("scrub", "{}", summary);
+  }
+  scrubbing_.store(false);
+  if (cancelled) return Status::Cancelled(summary);
+  return report;
+}
+
+}  // namespace flexkv

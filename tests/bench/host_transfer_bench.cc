@@ -1,0 +1,187 @@
+// flexkv-bench transfer --host: what a block's content checksum costs the host store path, and how fast the
+// restart check and the scrubber read (see host_transfer_bench.h).
+//
+//   Engine KV:  a sealed memfd of `blocks` blocks of the geometry (--layers, Llama-3-8B heads), BLOCKFIRST or
+//               LAYERFIRST, mapped through HostKv as the host backend does.
+//   Pool:       `blocks` slots in a /dev/shm file (as the daemon's), block i -> slot perm[i] (random).
+//   Variants, interleaved round by round, each timed over all blocks (median of --rounds):
+//     memcpy          the runs memcpy'd without a checksum (the copy before checksums existed)
+//     fused           HostKv::CopyToSlot: each run copied and summed in one pass (the store path now)
+//     memcpy+verify   memcpy, then ChecksumTermSum over each slot (the scheduler's fallback second pass)
+//     verify          ChecksumTermSum over each slot alone (what the restart check and the scrub read per core)
+//   GB/s = 1e9 bytes of blocks per second.
+#include "host_transfer_bench.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_json.h"
+#include "common/block_checksum.h"
+#include "common/mapped_region.h"
+#include "common/unique_fd.h"
+#include "daemon/transfer/host/host_kv.h"
+#include "flexkv/geometry.h"
+
+namespace {
+
+using flexkv::bench::DumpLine;
+using flexkv::bench::Json;
+using flexkv::bench::Rounded;
+using Clock = std::chrono::steady_clock;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int RunHostTransferBench(int argc, char** argv) {
+  CLI::App app{"flexkv-bench transfer --host: host store copies with and without the content checksum"};
+  bool host = false, json = false;
+  uint32_t layers = 32, blocks = 256, rounds = 7;
+  int cpu = -1;
+  std::string layout = "blockfirst";
+  app.add_flag("--host", host, "Host backend copies (this mode)");
+  app.add_flag("--json", json, "One JSON line");
+  app.add_option("--layers", layers, "Layers of the Llama-3-8B-shaped geometry (32: 2 MiB blocks)")->check(CLI::Range(1, 1024));
+  app.add_option("--blocks", blocks, "Blocks copied per timed run")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--rounds", rounds, "Timed rounds (variants interleaved; the median is reported)")->check(CLI::Range(1, 1000));
+  app.add_option("--cpu", cpu, "Pin this thread to one CPU (default: not pinned)");
+  app.add_option("--layout", layout, "blockfirst or layerfirst")->check(CLI::IsMember({"blockfirst", "layerfirst"}));
+  CLI11_PARSE(app, argc, argv);
+  if (cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+      std::fprintf(stderr, "flexkv-bench: cannot pin to CPU %d\n", cpu);
+      return 1;
+    }
+  }
+  flexkv::Geometry g = flexkv::Llama3_8B();
+  g.num_layers = layers;
+  const uint64_t block_bytes = g.host_block_bytes();
+  const uint64_t kv_bytes = flexkv::KvBytesRequired(g, blocks);
+
+  flexkv::UniqueFd memfd(memfd_create("flexkv-bench-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!memfd || ftruncate(memfd.get(), static_cast<off_t>(kv_bytes)) != 0 ||
+      fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    std::fprintf(stderr, "flexkv-bench: cannot create the KV memfd\n");
+    return 1;
+  }
+  auto fill = flexkv::MappedRegion::Shared("the bench KV memfd", memfd.get(), kv_bytes);
+  if (!fill.ok()) return 1;
+  std::mt19937_64 rng(42);
+  for (uint64_t i = 0; i + 8 <= kv_bytes; i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(fill->bytes() + i, &v, 8);
+  }
+  auto kv = flexkv::HostKv::Map(std::move(memfd), g,
+                                layout == "blockfirst" ? flexkv::KvLayout::kBlockFirst : flexkv::KvLayout::kLayerFirst,
+                                blocks);
+  if (!kv.ok()) {
+    std::fprintf(stderr, "flexkv-bench: %s\n", kv.status().ToString().c_str());
+    return 1;
+  }
+  const std::string pool_path = fmt::format("/dev/shm/flexkv-bench-host-{}", getpid());
+  flexkv::UniqueFd pool_fd(open(pool_path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  ::unlink(pool_path.c_str());
+  const uint64_t pool_bytes = uint64_t{blocks} * block_bytes;
+  if (!pool_fd || posix_fallocate(pool_fd.get(), 0, static_cast<off_t>(pool_bytes)) != 0) {
+    std::fprintf(stderr, "flexkv-bench: cannot allocate the %llu-byte pool in /dev/shm\n",
+                 static_cast<unsigned long long>(pool_bytes));
+    return 1;
+  }
+  auto pool = flexkv::MappedRegion::Shared(pool_path, pool_fd.get(), pool_bytes);
+  if (!pool.ok()) return 1;
+  std::vector<uint32_t> perm(blocks);
+  std::iota(perm.begin(), perm.end(), 0u);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  auto slot = [&](uint32_t b) { return pool->bytes() + uint64_t{perm[b]} * block_bytes; };
+
+  // The plain copy of the runs, as HostKv copied before checksums: one memcpy per run of the layout.
+  const uint64_t chunk = g.chunk_bytes_per_rank();
+  const uint64_t L = g.num_layers, P = g.kv_planes;
+  const uint8_t* base = fill->bytes();
+  auto plain_copy = [&](uint32_t b, uint8_t* dst) {
+    if (layout == "blockfirst") {
+      std::memcpy(dst, base + uint64_t{b} * L * P * chunk, L * P * chunk);
+      return;
+    }
+    for (uint64_t l = 0; l < L; ++l) {
+      for (uint64_t p = 0; p < P; ++p) std::memcpy(dst + (l * P + p) * chunk, base + ((l * P + p) * blocks + b) * chunk, chunk);
+    }
+  };
+
+  uint64_t sink = 0;
+  std::vector<double> t_memcpy, t_fused, t_two_pass, t_verify;
+  auto timed = [](auto&& fn) {
+    const auto t0 = Clock::now();
+    fn();
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  // A warm-up of each, then the rounds; the fused sums are checked against a second pass once.
+  for (uint32_t b = 0; b < blocks; ++b) {
+    const uint64_t fused = (*kv)->CopyToSlot(b, slot(b));
+    if (fused != flexkv::ChecksumTermSum(slot(b), block_bytes, 0)) {
+      std::fprintf(stderr, "flexkv-bench: the fused checksum of block %u differs from a second pass\n", b);
+      return 1;
+    }
+  }
+  for (uint32_t r = 0; r < rounds; ++r) {
+    t_memcpy.push_back(timed([&] {
+      for (uint32_t b = 0; b < blocks; ++b) plain_copy(b, slot(b));
+    }));
+    t_fused.push_back(timed([&] {
+      for (uint32_t b = 0; b < blocks; ++b) sink += (*kv)->CopyToSlot(b, slot(b));
+    }));
+    t_two_pass.push_back(timed([&] {
+      for (uint32_t b = 0; b < blocks; ++b) {
+        plain_copy(b, slot(b));
+        sink += flexkv::ChecksumTermSum(slot(b), block_bytes, 0);
+      }
+    }));
+    t_verify.push_back(timed([&] {
+      for (uint32_t b = 0; b < blocks; ++b) sink += flexkv::ChecksumTermSum(slot(b), block_bytes, 0);
+    }));
+  }
+  const double bytes = static_cast<double>(blocks) * static_cast<double>(block_bytes);
+  const double gb_memcpy = bytes / Median(t_memcpy) / 1e9, gb_fused = bytes / Median(t_fused) / 1e9;
+  const double gb_two_pass = bytes / Median(t_two_pass) / 1e9, gb_verify = bytes / Median(t_verify) / 1e9;
+  if (json) {
+    std::fputs(DumpLine(Json{{"bench", "transfer-host"},
+                  {"layout", layout},
+                  {"block_bytes", block_bytes},
+                  {"blocks", blocks},
+                  {"rounds", rounds},
+                  {"cpu", cpu},
+                  {"memcpy_gbps", Rounded(gb_memcpy, 2)},
+                  {"fused_gbps", Rounded(gb_fused, 2)},
+                  {"memcpy_then_verify_gbps", Rounded(gb_two_pass, 2)},
+                  {"verify_gbps", Rounded(gb_verify, 2)},
+                  {"fused_vs_memcpy", Rounded(gb_fused / gb_memcpy, 3)},
+                  {"sink", sink & 1}}).c_str(),
+               stdout);
+  } else {
+    fmt::print("host store copy, {} blocks of {} bytes ({}), median of {} rounds:\n", blocks, block_bytes, layout, rounds);
+    fmt::print("  memcpy (no checksum)      {:6.2f} GB/s\n", gb_memcpy);
+    fmt::print("  fused copy + checksum     {:6.2f} GB/s  ({:.3f} of memcpy)\n", gb_fused, gb_fused / gb_memcpy);
+    fmt::print("  memcpy, then second pass  {:6.2f} GB/s  ({:.3f} of memcpy)\n", gb_two_pass, gb_two_pass / gb_memcpy);
+    fmt::print("  checksum pass alone       {:6.2f} GB/s  (restart check, scrub: per core)\n", gb_verify);
+  }
+  return 0;
+}
