@@ -728,7 +728,7 @@ TEST_CASE("checksummed gather, TP=2: both ranks add into the same sums and finis
   CUDA_OK(cudaStreamDestroy(stream));
 }
 
-TEST_CASE("checksum kernels refuse a null sums array; the sums-only kernel writes nothing to the pool", "[gpu]") {
+TEST_CASE("checksum kernels refuse a null sums array, and the sums-only kernel writes nothing to the pool", "[gpu]") {
   SKIP_WITHOUT_GPU();
   auto rng = Rng();
   GpuKv gpu(Layout::kLayerFirst, 2, 2, 4, 64);
