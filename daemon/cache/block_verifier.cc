@@ -42,6 +42,10 @@ void BlockVerifier::StartRestartVerification() {
 void BlockVerifier::VerifyRestored() {
   const std::vector<Pool::Committed> restored = cache_->TakeUnverified();
   if (restored.empty()) return;
+  struct EndVerification {
+    Cache* cache;
+    ~EndVerification() { cache->EndVerification(); }
+  } end_verification{cache_};
   const uint64_t block_bytes = cache_->block_bytes();
   const size_t per_batch = std::clamp<size_t>(kBatchBytes / std::max<uint64_t>(block_bytes, 1), 1, kMaxBatchBlocks);
   const int64_t start = NowNs();
@@ -92,10 +96,15 @@ Result<ScrubReport> BlockVerifier::Scrub(const ScrubOptions& options) {
   ScrubReport report;
   const int64_t start = NowNs();
   std::vector<SlotId> pinned, failed;
-  bool cancelled = false;
+  bool cancelled = false, dropped = false;
+  const uint64_t generation = cache_->generation();  // capacity and block size are this pool's
   for (SlotId begin = 0; begin < capacity; begin += kScrubSlotsPerRange) {
     if (stop_.load(std::memory_order_relaxed) || (options.cancelled && options.cancelled())) {
       cancelled = true;
+      break;
+    }
+    if (cache_->generation() != generation) {  // an admin dropped the domain between two ranges
+      dropped = true;
       break;
     }
     const std::vector<Cache::CheckTarget> targets =
@@ -138,6 +147,7 @@ Result<ScrubReport> BlockVerifier::Scrub(const ScrubOptions& options) {
   }
   scrubbing_.store(false);
   if (cancelled) return Status::Cancelled(summary);
+  if (dropped) return Status(StatusCode::kAborted, "the cache domain was dropped during the scrub; " + summary);
   return report;
 }
 

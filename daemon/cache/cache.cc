@@ -126,6 +126,7 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
   Pool* p = pool_.get();
   index_->SetEvictionListener([p](SlotId slot, const BlockKey&) { p->MarkFree(slot); });
   generation_.fetch_add(1, std::memory_order_acq_rel);
+  capacity_.store(pool_->capacity(), std::memory_order_release);
   has_pool_.store(true, std::memory_order_release);
   if (pool_listener_) pool_listener_(RegionLocked());
 }
@@ -134,6 +135,10 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
   MutexLock lock(&mu_);
   const CacheDomain::View domain = domain_.Snapshot();
   if (!domain.geometry) return Status::NotFound("no cache domain is set; the first Attach fixes one");
+  if (verifying_) {
+    return Status::FailedPrecondition(
+        "the blocks restored at start are still being verified; retry once flexkvctl status shows none");
+  }
   if (index_) {
     if (index_->unverified_blocks() > 0) {
       return Status::FailedPrecondition(fmt::format(
@@ -156,6 +161,7 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
   const uint64_t blocks = index_ ? index_->committed_blocks() : 0;
   if (pool_ && pool_gone_listener_) pool_gone_listener_();
   has_pool_.store(false, std::memory_order_release);
+  capacity_.store(0, std::memory_order_release);
   index_.reset();
   if (pool_) {
     pool_.reset();
@@ -189,7 +195,7 @@ void Cache::SetPoolListener(std::function<void(const PoolRegion&)> listener, std
 
 bool Cache::has_pool() const { return has_pool_.load(std::memory_order_acquire); }
 
-uint32_t Cache::capacity_slots() const { return has_pool() ? pool_->capacity() : 0; }
+uint32_t Cache::capacity_slots() const { return capacity_.load(std::memory_order_acquire); }
 
 uint64_t Cache::block_bytes() const {
   MutexLock lock(&mu_);
@@ -233,7 +239,15 @@ void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_
 
 std::vector<Pool::Committed> Cache::TakeUnverified() {
   MutexLock lock(&mu_);
-  return std::move(unverified_);
+  std::vector<Pool::Committed> taken = std::move(unverified_);
+  unverified_.clear();
+  verifying_ = !taken.empty();
+  return taken;
+}
+
+void Cache::EndVerification() {
+  MutexLock lock(&mu_);
+  verifying_ = false;
 }
 
 void Cache::KeepUnverified(std::vector<Pool::Committed>* batch) const {

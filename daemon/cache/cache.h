@@ -87,8 +87,10 @@ class Cache {
   void SetPoolListener(std::function<void(const PoolRegion&)> listener, std::function<void()> gone = {});
 
   // Checking block contents (block_verifier.h). The blocks RecoverPool restored unverified, parents first;
-  // the first call takes them, later ones get none.
+  // the first call takes them, later ones get none. A non-empty answer starts the restart verification, which
+  // EndVerification ends: DropDomain is refused in between (the verifier reads the pool's bytes).
   std::vector<Pool::Committed> TakeUnverified();
+  void EndVerification();
   // Keeps the blocks of `batch` that are still unverified: one dropped with a failed ancestor has lost its slot
   // (which a store may be reusing), so it must be neither read nor settled.
   void KeepUnverified(std::vector<Pool::Committed>* batch) const;
@@ -136,10 +138,12 @@ class Cache {
   std::unique_ptr<PrefixIndex> index_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> has_pool_{false};
   std::atomic<uint64_t> generation_{0};
+  std::atomic<uint32_t> capacity_{0};  // the pool's slots (capacity_slots without a lock)
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   std::function<void(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
   std::function<void()> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified
+  bool verifying_ ABSL_GUARDED_BY(mu_) = false;                  // between TakeUnverified and EndVerification
 };
 
 }  // namespace flexkv

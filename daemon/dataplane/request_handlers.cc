@@ -10,6 +10,14 @@
 
 namespace flexkv {
 
+namespace {
+
+Status DomainDropped() {
+  return Status::FailedPrecondition("the cache domain this session attached to was dropped by an admin; Attach again");
+}
+
+}  // namespace
+
 uint64_t RequestSession::pinned_blocks() const {
   MutexLock lock(&mu_);
   return handles_.pinned_blocks();
@@ -48,10 +56,7 @@ void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::spa
   Result<DescriptorPayload> payload = ValidateDescriptor(d, arena, limits);
   if (!payload.ok()) return Fail(s, d, taken_ns, payload.status());
   if (!cache_->has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
-  if (cache_->generation() != s.pool_generation_) {
-    return Fail(s, d, taken_ns,
-                Status::FailedPrecondition("the cache domain this session attached to was dropped by an admin; Attach again"));
-  }
+  if (cache_->generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
   switch (op) {
     case RingOp::kMatch:
       return Match(s, d, taken_ns, payload->keys);
@@ -161,6 +166,11 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
     refused = s.handles_.Lapsed(d.match_handle) ? LapsedHandle(pins_.lease_ms)
                                                 : ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
     if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
+    // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
+    if (refused.ok() && cache_->generation() != s.pool_generation_) {
+      lifecycle_->Finish();
+      refused = DomainDropped();
+    }
     if (refused.ok()) slots = s.handles_.BeginLoad(d.match_handle, d.count);
   }
   if (!refused.ok()) return Fail(s, d, taken_ns, refused);
@@ -201,6 +211,11 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   RequestSession& s = *sp;  // Handle validated the descriptor and the block ids against the registered blocks
   if (!s.store_access().ok()) return Fail(s, d, taken_ns, s.store_access());  // a read-only session
   if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
+  // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
+  if (cache_->generation() != s.pool_generation_) {
+    lifecycle_->Finish();
+    return Fail(s, d, taken_ns, DomainDropped());
+  }
   const BlockKey parent = d.parent;  // kRootParent, or the key keys[0] hangs under
   PrefixIndex::Reservation r = cache_->Reserve(parent, keys);
   const uint32_t reserved = static_cast<uint32_t>(r.slots.size());

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -54,6 +55,31 @@ flexkv::BlockKey StoreOneBlock(flexkv::Client& c, const std::string& ns) {
   REQUIRE(stored->status.ok());
   REQUIRE(stored->done_blocks == 1);
   return keys[0];
+}
+
+// Stores two blocks of distinct bytes from KV blocks 0-1, then matches them with pin and loads them into KV
+// blocks 2-3: the bytes must come back exactly (the pool's slot size is this session's geometry's).
+void StoreAndLoadBack(flexkv::Client& c, const std::string& ns, const flexkv::Geometry& g) {
+  auto kv = c.CreateHostKv(flexkv::KvLayout::kBlockFirst, 4);
+  REQUIRE(kv.ok());
+  const uint64_t block = kv->bytes / kv->num_blocks;
+  for (uint64_t i = 0; i < 2 * block; ++i) kv->data[i] = static_cast<uint8_t>(i * 7 + i / block + 1);
+  const std::vector<flexkv::BlockKey> keys =
+      flexkv::ComputeBlockKeys(ns, std::vector<int32_t>(2 * g.tokens_per_block, 9), g.tokens_per_block);
+  REQUIRE(keys.size() == 2);
+  auto stored = c.Wait(*c.Store(flexkv::BlockKeyChain(keys), std::vector<uint32_t>{0, 1}), 10s);
+  REQUIRE(stored.ok());
+  INFO(stored->status.ToString());
+  REQUIRE(stored->status.ok());
+  auto hit = c.Wait(*c.Match(keys, /*pin=*/true), 10s);
+  REQUIRE(hit.ok());
+  REQUIRE(hit->matched_blocks == 2);
+  auto loaded = c.Wait(*c.Load(hit->match_handle, std::vector<uint32_t>{2, 3}), 10s);
+  REQUIRE(loaded.ok());
+  INFO(loaded->status.ToString());
+  REQUIRE(loaded->status.ok());
+  CHECK(std::memcmp(kv->data, kv->data + 2 * block, 2 * block) == 0);
+  REQUIRE(c.Wait(*c.Release(hit->match_handle), 10s).ok());
 }
 
 }  // namespace
@@ -128,6 +154,15 @@ TEST_CASE("a domain holding blocks is kept for them until an admin drops it", "[
   CHECK(status->model_namespace == "mistral");
   CHECK(status->pool.block_bytes == OddGeometry().host_block_bytes());
   CHECK(status->index_blocks == 0);
+  // Regression: the copy path kept the dropped pool's address and slot size, so this store wrote into unmapped
+  // memory (the daemon died) or over the wrong bytes.
+  StoreAndLoadBack(*other, "mistral", OddGeometry());
+  // Slot 0 sits at the same address in both pools, so the bytes above may round-trip even through the old
+  // region: the checksums (finished with the slot size the copy path believes in) and a scrub tell.
+  const auto scrub = RunCommand({flexkv::testing::FlexkvctlPath(), "--socket", d.socket(), "scrub", "--json"});
+  INFO(scrub.output);
+  REQUIRE(scrub.exit_code == 0);
+  CHECK_THAT(scrub.output, Catch::Contains("\"checked_blocks\":2") && Catch::Contains("\"failed_blocks\":0"));
   CHECK(Connect(d)->DropDomain().status().code() == flexkv::StatusCode::kFailedPrecondition);  // "other" is attached
   REQUIRE(other->Detach().ok());
   const auto again = RunCommand({flexkv::testing::FlexkvctlPath(), "--socket", d.socket(), "drop-domain"});

@@ -8,13 +8,14 @@
 namespace flexkv {
 
 std::optional<PoolRegion> DramTier::region() const {
-  if (region_known_.load(std::memory_order_acquire)) return known_region_;
+  const uint64_t generation = cache_->generation();
   MutexLock lock(&mu_);
-  if (region_known_.load(std::memory_order_relaxed)) return known_region_;
+  if (known_generation_ == generation && generation != 0) return known_region_;
+  // First use, or the domain was dropped and a new pool (another address, slot size and count) replaced it.
   const std::optional<PoolRegion> r = cache_->pool_region();
   if (!r) return std::nullopt;
   known_region_ = *r;
-  region_known_.store(true, std::memory_order_release);
+  known_generation_ = cache_->generation();
   return known_region_;
 }
 

@@ -26,9 +26,9 @@ class DramTier final : public CacheTier {
   Status ReadSlot(SlotId slot, std::span<uint8_t> bytes) const override;
   Status WriteSlot(SlotId slot, std::span<const uint8_t> bytes) override;
 
-  // Where the slots are in this process, for the engine-memory backends; nullopt before the pool exists. Once it
-  // exists the region never changes: it is read from the cache once and then without a lock (it is asked for
-  // on every Load and Store).
+  // Where the slots are in this process, for the engine-memory backends; nullopt before the pool exists. The
+  // region changes only when an admin drops the cache domain and a new pool is created (Cache::generation()): it
+  // is read from the cache again then, and otherwise kept (it is asked for on every Load and Store).
   std::optional<PoolRegion> region() const;
 
  private:
@@ -36,9 +36,9 @@ class DramTier final : public CacheTier {
   Result<PoolRegion> Check(SlotId slot, size_t size) const;
 
   const Cache* const cache_;
-  mutable Mutex mu_;                     // serializes filling `known_region_`
-  mutable std::atomic<bool> region_known_{false};
-  mutable PoolRegion known_region_;            // written once, under mu_, before region_known_ turns true
+  mutable Mutex mu_;
+  mutable uint64_t known_generation_ ABSL_GUARDED_BY(mu_) = 0;  // 0: nothing known yet
+  mutable PoolRegion known_region_ ABSL_GUARDED_BY(mu_);        // of the pool of known_generation_
 };
 
 }  // namespace flexkv
