@@ -92,11 +92,20 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
 
 Status ControlService::AdmitLocked(const std::string& model_namespace, const Geometry& geometry,
                                    const PeerCredentials& peer) {
+  const bool unused = ctx_.sessions->Count() == 0 && ctx_.lifecycle->inflight() == 0;
+  const CacheDomain::View current = ctx_.cache->Domain();
+  if (unused && current.geometry && current.model_namespace == model_namespace && current.creator_uid &&
+      *current.creator_uid != peer.uid && ctx_.access->AclOf(model_namespace) == nullptr &&
+      ctx_.cache->DropDomain(/*only_if_empty=*/true, nullptr).ok()) {
+    // The same namespace, created by another uid that left without storing a block: its creator decides who
+    // writes by default, so an early squatter would make every later engine read-only. The caller creates it.
+    log::Info("control", "namespace '{}' had no session and no block: its creator uid {} is replaced by pid {}'s uid {}",
+              model_namespace, *current.creator_uid, peer.pid, peer.uid);
+  }
   Status admitted = ctx_.cache->Admit(model_namespace, geometry, peer.uid);
-  if (admitted.code() != StatusCode::kFailedPrecondition) return admitted;
+  if (admitted.code() != StatusCode::kFailedPrecondition || !unused) return admitted;
   // Another domain is fixed. One nobody uses and that holds no block is not kept for later sessions (one odd
   // Attach must not lock every engine out): this Attach replaces it.
-  if (ctx_.sessions->Count() != 0 || ctx_.lifecycle->inflight() != 0) return admitted;
   const CacheDomain::View old = ctx_.cache->Domain();
   if (!ctx_.cache->DropDomain(/*only_if_empty=*/true, nullptr).ok()) return admitted;
   log::Info("control", "cache domain '{}' had no session and no block: replaced by pid {}'s '{}'", old.model_namespace,

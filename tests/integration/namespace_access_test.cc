@@ -237,6 +237,24 @@ TEST_CASE("the namespace's creator survives a daemon restart: another uid attach
   CHECK_THAT(restarted.process().Stderr(), Catch::Contains("created by uid 65534"));
 }
 
+TEST_CASE("a uid that attached first and left without storing does not keep the namespace from its engines",
+          "[integration][security][regression]") {
+  // Before the fix the first uid to attach stayed the namespace's creator while the daemon ran, blocks or not:
+  // every engine of the real owner attached read-only and could not store until a restart.
+  if (!CanSwitchUids()) return;
+  DaemonUnderTest d({"--pool-size", "64MiB", "--socket-group", "nogroup"});
+  REQUIRE(d.WaitReady());
+  REQUIRE(Lines(ClientAs(kOther, d, {"load:7:1"})).size() == 2);  // attaches, stores nothing, leaves
+  auto owner = Lines(ClientAs(kCreator, d, {"store:7:4"}));
+  REQUIRE(owner.size() == 2);
+  CHECK(owner[1] == "STORED 0 4 OK");
+  // Now it holds blocks: the squatter coming back is a reader only.
+  auto back = Lines(ClientAs(kOther, d, {"store:9:2"}));
+  REQUIRE(back.size() == 2);
+  CHECK(back[1] == "STORED 0 0 PERMISSION_DENIED");
+  CHECK_THAT(d.process().Stderr(), Catch::Contains("its creator uid 1 is replaced by"));
+}
+
 TEST_CASE("a config ACL's writers may store and nobody else may, whoever created the namespace",
           "[integration][security]") {
   if (!CanSwitchUids()) return;
