@@ -390,6 +390,45 @@ struct PrefixIndex::Impl {
     PushFront(free_, s);
     DropChild(parent, /*lru_end=*/false);
   }
+
+  // Restore and RestoreUnverified: a node of the pool's slot table, in `state` (committed or unverified). Its
+  // parent must be committed, or for an unverified node committed or unverified.
+  Status RestoreNode(SlotId slot, const BlockKey& key, const BlockKey& parent, State state) {
+    if (slot >= nodes_.size()) {
+      return Status::OutOfRange(fmt::format("restore: slot {} is out of range; expected < {}", slot, nodes_.size()));
+    }
+    if (key == BlockKey{}) {
+      return Status::InvalidArgument(fmt::format("restore: slot {} has the zero key, which names the root", slot));
+    }
+    if (nodes_[slot].state != State::kFree) {
+      return Status::FailedPrecondition(fmt::format("restore: slot {} is already taken", slot));
+    }
+    const uint64_t hash = HashKey(key);
+    if (Find(key, hash) != kNil) {
+      return Status::FailedPrecondition(fmt::format("restore: key {} (slot {}) is already present", key.ToHex(), slot));
+    }
+    SlotId parent_slot = kNil;
+    if (parent != BlockKey{}) {
+      parent_slot = Find(parent);
+      const bool present = parent_slot != kNil && (nodes_[parent_slot].state == State::kCommitted ||
+                                                   (state == State::kUnverified &&
+                                                    nodes_[parent_slot].state == State::kUnverified));
+      if (!present) {
+        return Status::FailedPrecondition(fmt::format("restore: key {} (slot {}) has parent {}, which is not present",
+                                                      key.ToHex(), slot, parent.ToHex()));
+      }
+    }
+    Unlink(free_, slot);
+    ++used_;
+    Insert(slot, key, hash, parent_slot, state);
+    if (state == State::kCommitted) {
+      ++committed_;
+      PushBack(lru_, slot);  // a new node is a leaf
+    } else {
+      ++unverified_;
+    }
+    return Status::Ok();
+  }
 };
 
 PrefixIndex::PrefixIndex(uint32_t capacity) : impl_(std::make_unique<Impl>(capacity)) {}
@@ -515,65 +554,11 @@ void PrefixIndex::Abort(std::span<const SlotId> slots) {
 }
 
 Status PrefixIndex::Restore(SlotId slot, const BlockKey& key, const BlockKey& parent) {
-  Impl& m = *impl_;
-  if (slot >= m.nodes_.size()) {
-    return Status::OutOfRange(fmt::format("restore: slot {} is out of range; expected < {}", slot, m.nodes_.size()));
-  }
-  if (key == BlockKey{}) {
-    return Status::InvalidArgument(fmt::format("restore: slot {} has the zero key, which names the root", slot));
-  }
-  if (m.nodes_[slot].state != State::kFree) {
-    return Status::FailedPrecondition(fmt::format("restore: slot {} is already taken", slot));
-  }
-  const uint64_t hash = HashKey(key);
-  if (m.Find(key, hash) != kNil) {
-    return Status::FailedPrecondition(fmt::format("restore: key {} (slot {}) is already present", key.ToHex(), slot));
-  }
-  SlotId parent_slot = kNil;
-  if (parent != BlockKey{}) {
-    parent_slot = m.Find(parent);
-    if (parent_slot == kNil || m.nodes_[parent_slot].state != State::kCommitted) {
-      return Status::FailedPrecondition(fmt::format("restore: key {} (slot {}) has parent {}, which is not present",
-                                                    key.ToHex(), slot, parent.ToHex()));
-    }
-  }
-  m.Unlink(m.free_, slot);
-  ++m.used_;
-  m.Insert(slot, key, hash, parent_slot, State::kCommitted);
-  ++m.committed_;
-  m.PushBack(m.lru_, slot);  // a new node is a leaf
-  return Status::Ok();
+  return impl_->RestoreNode(slot, key, parent, State::kCommitted);
 }
 
 Status PrefixIndex::RestoreUnverified(SlotId slot, const BlockKey& key, const BlockKey& parent) {
-  Impl& m = *impl_;
-  if (slot >= m.nodes_.size()) {
-    return Status::OutOfRange(fmt::format("restore: slot {} is out of range; expected < {}", slot, m.nodes_.size()));
-  }
-  if (key == BlockKey{}) {
-    return Status::InvalidArgument(fmt::format("restore: slot {} has the zero key, which names the root", slot));
-  }
-  if (m.nodes_[slot].state != State::kFree) {
-    return Status::FailedPrecondition(fmt::format("restore: slot {} is already taken", slot));
-  }
-  const uint64_t hash = HashKey(key);
-  if (m.Find(key, hash) != kNil) {
-    return Status::FailedPrecondition(fmt::format("restore: key {} (slot {}) is already present", key.ToHex(), slot));
-  }
-  SlotId parent_slot = kNil;
-  if (parent != BlockKey{}) {
-    parent_slot = m.Find(parent);
-    if (parent_slot == kNil || (m.nodes_[parent_slot].state != State::kCommitted &&
-                                m.nodes_[parent_slot].state != State::kUnverified)) {
-      return Status::FailedPrecondition(fmt::format("restore: key {} (slot {}) has parent {}, which is not present",
-                                                    key.ToHex(), slot, parent.ToHex()));
-    }
-  }
-  m.Unlink(m.free_, slot);
-  ++m.used_;
-  m.Insert(slot, key, hash, parent_slot, State::kUnverified);
-  ++m.unverified_;
-  return Status::Ok();
+  return impl_->RestoreNode(slot, key, parent, State::kUnverified);
 }
 
 bool PrefixIndex::MarkVerified(SlotId slot) {
