@@ -24,7 +24,6 @@ using namespace std::chrono_literals;
 using flexkv::testing::ChildProcess;
 using flexkv::testing::DaemonUnderTest;
 using flexkv::testing::RunCommand;
-using flexkv::testing::TestClientPath;
 
 namespace {
 
@@ -32,20 +31,10 @@ constexpr uint32_t kChains = 6;
 constexpr uint32_t kBlocksPerChain = 16;
 
 ChildProcess Client(const DaemonUnderTest& d, const std::vector<std::string>& steps) {
-  std::vector<std::string> argv = {TestClientPath(), "--socket", d.socket(), "--name", "checksum", "--kv-blocks",
-                                   "64", "--layers", "2"};
-  for (const auto& s : steps) {
-    argv.push_back("--do");
-    argv.push_back(s);
-  }
-  return ChildProcess::Spawn(argv);
+  return flexkv::testing::SpawnTestClient(d.socket(), "checksum", {"--kv-blocks", "64", "--layers", "2"}, steps);
 }
 
-std::vector<std::string> Lines(ChildProcess& p, std::chrono::milliseconds timeout = 30s) {
-  std::vector<std::string> out;
-  while (auto line = p.ReadLine(timeout)) out.push_back(*line);
-  return out;
-}
+std::vector<std::string> Lines(ChildProcess& p, std::chrono::milliseconds timeout = 30s) { return p.ReadLines(timeout); }
 
 // The first 8 bytes of block i of SEED as flexkv-test-client fills it (tests/support/test_client.cc).
 uint64_t FirstWord(uint64_t seed, uint32_t i) {

@@ -13,27 +13,16 @@
 using namespace std::chrono_literals;
 using flexkv::testing::ChildProcess;
 using flexkv::testing::DaemonUnderTest;
-using flexkv::testing::TestClientPath;
 
 namespace {
 
 constexpr int kPoolLostExitCode = 75;  // daemon/cache/pool_guard.h; docs/operations.md
 
 ChildProcess Client(const DaemonUnderTest& d, const std::vector<std::string>& steps) {
-  std::vector<std::string> argv = {TestClientPath(), "--socket", d.socket(), "--name", "truncation", "--kv-blocks",
-                                   "64", "--layers", "2"};
-  for (const auto& s : steps) {
-    argv.push_back("--do");
-    argv.push_back(s);
-  }
-  return ChildProcess::Spawn(argv);
+  return flexkv::testing::SpawnTestClient(d.socket(), "truncation", {"--kv-blocks", "64", "--layers", "2"}, steps);
 }
 
-std::vector<std::string> Lines(ChildProcess& p, std::chrono::milliseconds timeout = 30s) {
-  std::vector<std::string> out;
-  while (auto line = p.ReadLine(timeout)) out.push_back(*line);
-  return out;
-}
+std::vector<std::string> Lines(ChildProcess& p, std::chrono::milliseconds timeout = 30s) { return p.ReadLines(timeout); }
 
 }  // namespace
 

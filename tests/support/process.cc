@@ -104,6 +104,23 @@ ChildProcess::~ChildProcess() {
   }
 }
 
+std::vector<std::string> ChildProcess::ReadLines(std::chrono::milliseconds timeout) {
+  std::vector<std::string> out;
+  while (auto line = ReadLine(timeout)) out.push_back(*line);
+  return out;
+}
+
+ChildProcess SpawnTestClient(const std::string& socket, const std::string& name, const std::vector<std::string>& args,
+                             const std::vector<std::string>& steps) {
+  std::vector<std::string> argv = {TestClientPath(), "--socket", socket, "--name", name};
+  argv.insert(argv.end(), args.begin(), args.end());
+  for (const auto& step : steps) {
+    argv.push_back("--do");
+    argv.push_back(step);
+  }
+  return ChildProcess::Spawn(argv);
+}
+
 std::optional<std::string> ChildProcess::ReadLine(std::chrono::milliseconds timeout) {
   const int64_t deadline = NowMs() + timeout.count();
   for (;;) {

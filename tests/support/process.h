@@ -23,6 +23,8 @@ class ChildProcess {
   pid_t pid() const { return pid_; }
   // Next line of stdout (without newline), or nullopt on EOF/timeout.
   std::optional<std::string> ReadLine(std::chrono::milliseconds timeout);
+  // Every line up to EOF, or up to a wait of `timeout` for the next one.
+  std::vector<std::string> ReadLines(std::chrono::milliseconds timeout);
   // Waits for a line starting with `prefix`; returns it.
   std::optional<std::string> WaitForLine(const std::string& prefix, std::chrono::milliseconds timeout);
   void Signal(int sig);
@@ -68,5 +70,9 @@ int64_t NowMs();
 std::string FlexkvdPath();
 std::string FlexkvctlPath();
 std::string TestClientPath();
+// flexkv-test-client on `socket` as `name`, `args` (e.g. {"--kv-blocks", "64", "--layers", "2"}), then one
+// "--do STEP" per step.
+ChildProcess SpawnTestClient(const std::string& socket, const std::string& name, const std::vector<std::string>& args,
+                             const std::vector<std::string>& steps);
 
 }  // namespace flexkv::testing
