@@ -1,6 +1,8 @@
 // See grpc_convert.h.
 #include "common/grpc_convert.h"
 
+#include <algorithm>
+
 namespace flexkv {
 
 grpc::Status ToGrpc(const Status& status) {
@@ -22,6 +24,21 @@ Geometry FromProto(const v1::Geometry& g) {
   out.head_dim = g.head_dim();
   out.dtype_bytes = g.dtype_bytes();
   out.tp_size = g.tp_size();
+  // Untrusted: keep one more than the most Validate accepts, so that too many is still refused by name.
+  const int n = std::min<int>(g.components_size(), static_cast<int>(Geometry::kMaxComponents));
+  for (int i = 0; i < n; ++i) {
+    const v1::Component& c = g.components(i);
+    ComponentSpec spec;
+    spec.kind = static_cast<ComponentKind>(c.kind());
+    spec.num_layers = c.num_layers();
+    spec.kv_planes = c.kv_planes();
+    spec.kv_heads_per_rank = c.kv_heads_per_rank();
+    spec.head_dim = c.head_dim();
+    spec.dtype_bytes = c.dtype_bytes();
+    spec.window_tokens = c.window_tokens();
+    spec.state_bytes_per_layer = c.state_bytes_per_layer();
+    out.components.push_back(spec);
+  }
   return out;
 }
 
@@ -33,6 +50,18 @@ void ToProto(const Geometry& g, v1::Geometry* out) {
   out->set_head_dim(g.head_dim);
   out->set_dtype_bytes(g.dtype_bytes);
   out->set_tp_size(g.tp_size);
+  out->clear_components();
+  for (const ComponentSpec& spec : g.components) {
+    v1::Component* c = out->add_components();
+    c->set_kind(static_cast<v1::ComponentKind>(spec.kind));
+    c->set_num_layers(spec.num_layers);
+    c->set_kv_planes(spec.kv_planes);
+    c->set_kv_heads_per_rank(spec.kv_heads_per_rank);
+    c->set_head_dim(spec.head_dim);
+    c->set_dtype_bytes(spec.dtype_bytes);
+    c->set_window_tokens(spec.window_tokens);
+    c->set_state_bytes_per_layer(spec.state_bytes_per_layer);
+  }
 }
 
 }  // namespace flexkv

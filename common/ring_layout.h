@@ -16,7 +16,8 @@
 namespace flexkv {
 
 inline constexpr uint32_t kRingMagic = 0x52564B46;  // "FKVR" little-endian
-inline constexpr uint32_t kRingLayoutVersion = 2;
+// 3: hybrid geometries (docs/hybrid.md): Load and Store carry block ids for every component; Store's state_count.
+inline constexpr uint32_t kRingLayoutVersion = 3;
 
 enum class RingOp : uint16_t {
   kMatch = 1,    // keys → leading cached blocks; flag kPin pins them and returns a match handle
@@ -42,10 +43,24 @@ struct SubmitDescriptor {
   // Store: the key keys[0] hangs under (the block before it in the prompt); all zero when keys[0] is the
   // prompt's first block (root). Zero for every other opcode.
   BlockKey parent;
-  uint64_t reserved;          // must be zero
+  // Store of a hybrid geometry: how many state boundaries it carries (0..count); zero for every other request.
+  uint32_t state_count;
+  uint32_t reserved;          // must be zero
 };
 static_assert(sizeof(SubmitDescriptor) == 64);
 static_assert(offsetof(SubmitDescriptor, parent) == 40 && sizeof(BlockKey) == 16);
+static_assert(offsetof(SubmitDescriptor, state_count) == 56);
+
+// Block ids of a hybrid geometry's Load and Store (docs/hybrid.md "Ring requests"). `count` stays the number of
+// keys (Store) or prefix blocks (Load: exactly the match handle's e), and block_ids_offset points at
+// HybridIdCount(...) u32 values, components in geometry order (component 0 = FULL):
+//   Load:  FULL: count ids (blocks [0, count)); SLIDING_WINDOW: min(window_blocks, count) ids (the blocks
+//          [count - n, count)); STATE: 1 id (the engine state slot that receives the snapshot at count).
+//   Store: FULL: count ids; SLIDING_WINDOW: min(window_blocks, count) ids for the last keys; then state_count
+//          boundaries (each in 1..count, strictly increasing; boundary b = the snapshot after keys[b - 1]); then
+//          per STATE component state_count ids (its snapshot at each boundary).
+// FULL and SLIDING_WINDOW ids come first in component order, STATE ids last: common/hybrid_ids.h computes it.
+// A full-attention geometry's requests are unchanged (count ids, state_count 0).
 
 // Daemon → client. 128 bytes.
 struct CompletionDescriptor {

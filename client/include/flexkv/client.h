@@ -50,6 +50,10 @@ struct SessionInfo {
   uint64_t block_bytes = 0;      // host bytes per block, fixed by the daemon
   uint64_t capacity_blocks = 0;  // pool slots
   bool read_only = false;        // the session may match and load, but its Stores are refused PERMISSION_DENIED
+  // Per geometry component (component 0 first; one entry for a full-attention model): host bytes of one slot
+  // and the slots of its sub-pool (docs/hybrid.md).
+  std::vector<uint64_t> component_slot_bytes;
+  std::vector<uint64_t> component_capacity;
 };
 
 struct DaemonStatus {
@@ -106,6 +110,7 @@ struct GpuKvRegistration {
   KvLayout layout = KvLayout::kLayerFirst;
   uint32_t num_blocks = 0;
   uint32_t tp_rank = 0;
+  uint32_t component = 0;  // the geometry component these buffers hold (docs/hybrid.md); 0: full attention
   // One physical cuMem allocation, exported as a POSIX fd (closed when the last copy of it goes).
   struct VmmAllocation {
     std::shared_ptr<const int> fd;
@@ -180,6 +185,10 @@ class Client {
   // Creates num_blocks blocks of KV buffers in `layout` in a sealed memfd shared with the daemon and
   // registers them (RegisterKv). One registration per session.
   Result<HostKvBuffers> CreateHostKv(KvLayout layout, uint32_t num_blocks);
+  // Hybrid geometries: the host KV buffers of one component (its copy geometry, Geometry::Component), once per
+  // component; a hybrid session registers every component before it loads or stores (docs/hybrid.md). A state
+  // component's "blocks" are the engine's state slots.
+  Result<HostKvBuffers> CreateHostKv(uint32_t component, KvLayout layout, uint32_t num_blocks);
 
   // Registers one TP rank's GPU KV buffers (CUDA backend), once per rank. Each TP worker describes its own
   // buffers (DescribeGpuKv in flexkv/cuda.h; the result is plain data it can hand to the attached process);
@@ -204,6 +213,19 @@ class Client {
   // block; with ABORTED, nothing stored, when the parent's own store has not completed yet: Wait for it first
   // (or store both in one request).
   Result<Ticket> Store(const BlockKeyChain& keys, std::span<const uint32_t> src_block_ids);
+  // Hybrid geometries (docs/hybrid.md), one span of engine block ids per component, in geometry order:
+  // Load copies everything the handle's prefix end e needs: component_ids[0] has e FULL ids (e = the Match's
+  // matched_blocks; a partial load of a hybrid match is refused), a sliding-window component min(window_blocks, e)
+  // ids for the blocks [e - n, e), a state component 1 id (the engine state slot for the snapshot at e).
+  // Not layer-wise (yet): INVALID_ARGUMENT with layerwise.
+  Result<Ticket> Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids);
+  // Store of n keys: component_ids[0] has n FULL ids, a sliding-window component min(window_blocks, n) ids for the
+  // last keys (stored right-aligned: what the engine still holds), a state component one id per entry of
+  // `state_boundaries` (each in 1..n, increasing; boundary b = the snapshot after keys[b - 1]). All or none:
+  // when a sub-pool cannot take its part, nothing is stored (RESOURCE_EXHAUSTED). INVALID_ARGUMENT (nothing sent)
+  // when a span's size does not match.
+  Result<Ticket> Store(const BlockKeyChain& keys, std::span<const std::span<const uint32_t>> component_ids,
+                       std::span<const uint32_t> state_boundaries);
   // Drops the pins of a match handle.
   Result<Ticket> Release(uint64_t match_handle);
 

@@ -1,0 +1,118 @@
+// ComponentIndex: the entries of one non-FULL component of a hybrid cache domain (docs/hybrid.md) - a sliding
+// window's blocks, or state snapshots - by block key, one entry per sub-pool slot. Unlike FULL blocks (the
+// PrefixIndex) these are not prefix-closed: an entry is useful only while the FULL block of its key is cached.
+// The cache tells the index when that block goes (Unanchor): an unanchored entry serves no prefix end, and
+// eviction takes unanchored entries first, then the least recently used anchored ones. Not thread-safe: the
+// owner (the cache) serializes calls. Slots are the component's own, 0..capacity-1.
+//
+// Entry states: free, pending (reserved by a store, bytes being copied: not findable, not evictable), committed
+// (findable), unverified (restored at start, bytes not yet checked: not findable, not evictable), and a dropped
+// entry is free again once no pin holds it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "daemon/cache/prefix_index.h"
+#include "flexkv/block_key.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+class ComponentIndex {
+ public:
+  static constexpr SlotId kNoSlot = ~SlotId{0};
+
+  // All `capacity` slots start free.
+  explicit ComponentIndex(uint32_t capacity);
+  ~ComponentIndex();
+  ComponentIndex(const ComponentIndex&) = delete;
+  ComponentIndex& operator=(const ComponentIndex&) = delete;
+
+  // Called when a committed entry is evicted or dropped, before its slot is reused (the cache clears its
+  // slot-table entry).
+  void SetEvictionListener(std::function<void(SlotId, const BlockKey&)> listener);
+
+  // The slot of `key`'s committed entry, or nullopt (none, pending or unverified). Does not touch the LRU order.
+  std::optional<SlotId> Find(const BlockKey& key) const;
+  // Pins the committed entry in `slot` (Find's answer) and marks it used (LRU). Unpin undoes one pin; each slot
+  // given to Unpin must be pinned. A pinned entry is neither evicted nor freed; a dropped pinned entry's slot is
+  // freed with its last Unpin.
+  void Pin(SlotId slot);
+  void Unpin(std::span<const SlotId> slots);
+
+  struct Reservation {
+    // One per key: a pending slot, or kNoSlot where the key already has a committed entry (nothing to store).
+    // Empty when shortfall is not OK: all or none.
+    std::vector<SlotId> slots;
+    // OK; RESOURCE_EXHAUSTED when free + evictable slots are fewer than the keys that need one (nothing
+    // reserved, nothing evicted); ABORTED when a key is pending in another store or unverified (nothing reserved).
+    StatusCode shortfall = StatusCode::kOk;
+  };
+  // Reserves pending entries for the keys of `keys` without a committed entry, all or none: free slots first,
+  // then evicting (unanchored entries first, then least recently used; never pinned, pending or unverified
+  // entries, and never an entry of `keys` itself). `keys` must not repeat a key. New entries are anchored.
+  Reservation Reserve(std::span<const BlockKey> keys);
+  // Makes pending slots committed (findable). A slot dropped while pending (DropKeys) is freed instead.
+  void Commit(std::span<const SlotId> slots);
+  // Returns pending slots to the free list.
+  void Abort(std::span<const SlotId> slots);
+
+  // The FULL block of `key` left the cache (evicted or dropped): its entry, if committed, becomes unanchored
+  // (evicted before every anchored entry). No-op without an entry.
+  void Unanchor(const BlockKey& key);
+  // The FULL block of `key` is cached again (a store committed it): its unanchored entry is anchored again.
+  void Anchor(const BlockKey& key);
+
+  // Rebuild at restart: inserts an unverified entry (not findable, not evictable) until MarkVerified or Drop.
+  // FAILED_PRECONDITION when the key is present or the slot is taken or out of range.
+  Status RestoreUnverified(SlotId slot, const BlockKey& key);
+  // An unverified entry passed its check: committed. False, changing nothing, when the slot holds no unverified
+  // entry.
+  bool MarkVerified(SlotId slot);
+  // Pins the committed entry in `slot` for a check (Unpin undoes it). False when the slot holds no committed entry.
+  bool PinSlot(SlotId slot);
+  // Takes the (committed or unverified) entries in `slots` out: not findable from now on, their keys may be stored
+  // again; each slot is freed at once, or with its last Unpin. The eviction listener runs for each. Returns how
+  // many entries were dropped.
+  size_t Drop(std::span<const SlotId> slots);
+  // Whether `slot` holds a committed / unverified entry.
+  bool IsCommitted(SlotId slot) const;
+  bool IsUnverified(SlotId slot) const;
+
+  uint32_t capacity() const;
+  uint32_t used_slots() const;    // pending + committed + unverified + dropped-but-pinned
+  uint32_t pinned_slots() const;  // slots with at least one pin
+  uint32_t committed_entries() const;
+  uint32_t unverified_entries() const;
+  uint32_t unanchored_entries() const;  // committed and unanchored
+  uint64_t evicted_entries() const;     // total evictions so far
+
+  // Debug and test support, O(capacity): evictable slots in eviction order; committed entries in slot order;
+  // aborts with a message when an internal invariant is broken.
+  std::vector<SlotId> EvictionOrder() const;
+  void ForEachCommitted(const std::function<void(SlotId, const BlockKey&)>& fn) const;
+  void CheckInvariants() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The hit rule of a hybrid geometry (docs/hybrid.md "Match"): the longest prefix end e in [0, full_prefix]
+// (full_prefix: the committed FULL prefix of the keys) at which every other component is usable - for a
+// sliding-window component with window w, entries for the blocks [max(0, e - w), e) all exist; for a state
+// component, an entry for the snapshot at e (block e - 1's key) exists. 0 when no end is usable.
+// `has(c, j)`: whether component c (1..rules.size()) has a committed entry for keys[j].
+struct ComponentRule {
+  bool state = false;           // a state component; else a sliding window of `window_blocks`
+  uint32_t window_blocks = 0;
+};
+size_t LongestUsableEnd(size_t full_prefix, std::span<const ComponentRule> rules,
+                        const std::function<bool(size_t component, size_t j)>& has);
+
+}  // namespace flexkv
