@@ -127,7 +127,9 @@ TEST_CASE("hybrid: a Load or Store without every component registered is refused
 TEST_CASE("hybrid: kill -9 of flexkvd mid-store - after restart no end is served with a torn window or state",
           "[integration][hybrid]") {
   std::optional<DaemonUnderTest> d;
-  d.emplace(std::vector<std::string>{"--pool-size", "64MiB"});
+  // 120 prompts need 480 window slots of 16 KiB: nothing is evicted.
+  const std::vector<std::string> args = {"--pool-size", "64MiB", "--swa-share", "0.2"};
+  d.emplace(args);
   REQUIRE(d->WaitReady());
   const std::string dir = d->dir();
   std::vector<std::string> geometry = kGptOssLike;
@@ -149,7 +151,7 @@ TEST_CASE("hybrid: kill -9 of flexkvd mid-store - after restart no end is served
     if (!line) break;
     if (*line == "STORED 0 6 OK") completed.insert(2000 + i);
   }
-  DaemonUnderTest restarted({"--pool-size", "64MiB"}, dir);
+  DaemonUnderTest restarted(args, dir);
   REQUIRE(restarted.WaitReady());
   std::vector<std::string> checks;
   for (int i = 0; i < 120; ++i) checks.push_back("load:" + std::to_string(2000 + i) + ":6");
