@@ -117,7 +117,7 @@ TEST_CASE("hybrid buffers are sized from each component's copy geometry, once pe
   CHECK_THAT(gpu.message(), Catch::Contains("component 3 is not in this session's geometry; expected 0..2"));
 }
 
-TEST_CASE("the single-span Load and Store refuse a hybrid session; the per-component ones check every span",
+TEST_CASE("the single-span Load and Store refuse a hybrid session, the per-component ones check every span",
           "[integration]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
