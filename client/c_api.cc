@@ -251,7 +251,9 @@ int flexkv_session_component(flexkv_client* c, uint32_t component, uint64_t* slo
     if (c == nullptr) return NullArgument("client");
     if (slot_bytes == nullptr) return NullArgument("slot_bytes");
     if (capacity == nullptr) return NullArgument("capacity");
-    if (!c->client->attached()) return Record(flexkv::Status::FailedPrecondition("not attached: call flexkv_attach first"));
+    if (!c->client->attached()) {
+      return Record(flexkv::Status::FailedPrecondition("not attached: call flexkv_attach first"));
+    }
     flexkv::MutexLock lock(&c->mu);
     const size_t n = std::min(c->session.component_slot_bytes.size(), c->session.component_capacity.size());
     if (component >= n) {

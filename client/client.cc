@@ -385,7 +385,9 @@ Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<con
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   const uint64_t count = component_ids.empty() ? 0 : component_ids[0].size();
-  if (count > UINT32_MAX) return Status::InvalidArgument(fmt::format("load of {} blocks; expected at most {}", count, UINT32_MAX));
+  if (count > UINT32_MAX) {
+    return Status::InvalidArgument(fmt::format("load of {} blocks; expected at most {}", count, UINT32_MAX));
+  }
   auto ids = LayOutComponentIds(s->geometry, false, static_cast<uint32_t>(count), component_ids, {});
   if (!ids.ok()) return ids.status();
   auto t = s->rings->Submit(RingOp::kLoad, 0, static_cast<uint32_t>(count), {}, *ids, match_handle, kRootParent);

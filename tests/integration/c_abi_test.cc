@@ -283,7 +283,7 @@ TEST_CASE("C ABI: hybrid spans of the wrong size and bad boundaries are refused 
   CHECK(st.index_blocks == 0);
 }
 
-TEST_CASE("C ABI: a hybrid store and load copy FULL[0,e), the window [e-W,e) and the state at e, nothing else",
+TEST_CASE("C ABI: a hybrid store and load copy the FULL prefix, its trailing window and its end's state, nothing else",
           "[integration]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
