@@ -74,7 +74,8 @@ def test_component_copy_geometry():
 
 def test_component_id_counts_are_the_ring_layouts():
     g = flexkv.Geometry(num_layers=2, kv_heads_per_rank=2, head_dim=64,
-                        components=[flexkv.ComponentSpec.sliding_window(2, 2, 64, 32), flexkv.ComponentSpec.state(2, 256)])
+                        components=[flexkv.ComponentSpec.sliding_window(2, 2, 64, 32),
+                                    flexkv.ComponentSpec.state(2, 256)])
     assert [g.component_id_count(i, True, 5, 2) for i in range(3)] == [5, 2, 2]
     assert [g.component_id_count(i, False, 1) for i in range(3)] == [1, 1, 1]
 
