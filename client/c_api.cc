@@ -173,6 +173,7 @@ size_t flexkv_struct_size(const char* name) {
   const std::string_view n(name);
   if (n == "flexkv_geometry") return sizeof(flexkv_geometry);
   if (n == "flexkv_component") return sizeof(flexkv_component);
+  if (n == "flexkv_component_status") return sizeof(flexkv_component_status);
   if (n == "flexkv_daemon_status") return sizeof(flexkv_daemon_status);
   if (n == "flexkv_block_key") return sizeof(flexkv_block_key);
   if (n == "flexkv_op_result") return sizeof(flexkv_op_result);
@@ -284,6 +285,24 @@ int flexkv_get_status(flexkv_client* c, flexkv_daemon_status* out) {
     out->pinned_blocks = s->pool.pinned_blocks;
     out->index_blocks = s->index_blocks;
     out->sessions = s->sessions;
+    return Record(flexkv::Status::Ok());
+  });
+}
+
+int flexkv_get_status_components(flexkv_client* c, flexkv_component_status* out, size_t capacity, size_t* count) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (out == nullptr && capacity > 0) return NullArgument("out");
+    if (count == nullptr) return NullArgument("count");
+    auto s = c->client->GetStatus();
+    if (!s.ok()) return Record(s.status());
+    const auto& components = s->pool.components;
+    *count = components.size();
+    for (size_t i = 0; i < components.size() && i < capacity; ++i) {
+      const auto& p = components[i];
+      out[i] = flexkv_component_status{static_cast<uint32_t>(p.kind), 0, p.slot_bytes, p.capacity, p.used, p.pinned,
+                                       p.evicted, p.unanchored};
+    }
     return Record(flexkv::Status::Ok());
   });
 }

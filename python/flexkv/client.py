@@ -18,17 +18,17 @@ import operator
 import os
 import sys
 import threading
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
 from ._convert import INT_MAX, U64_MAX, c_int_array, c_uint, device_region
 from ._handle import Handle
 from ._ticket import OpResult, Ticket
 from .errors import FailedPrecondition, InvalidArgument, StatusCode
-from .geometry import Geometry, Layout
+from .geometry import MAX_COMPONENTS, ComponentKind, Geometry, Layout
 from .keys import BlockKeys, as_block_keys
 
-__all__ = ["Client", "DaemonStatus", "OpResult", "Ticket", "connect"]
+__all__ = ["Client", "ComponentPoolStatus", "DaemonStatus", "OpResult", "Ticket", "connect"]
 
 @dataclasses.dataclass(frozen=True)
 class DaemonStatus:
@@ -44,6 +44,19 @@ class DaemonStatus:
     pinned_blocks: int
     index_blocks: int
     sessions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ComponentPoolStatus:
+    """One sub-pool of the daemon's cache domain (Client.pool_components; docs/hybrid.md "Pool and eviction")."""
+
+    kind: ComponentKind
+    slot_bytes: int
+    capacity: int
+    used: int  # pending + committed
+    pinned: int
+    evicted: int
+    unanchored: int  # entries whose full-attention block is gone (evicted first)
 
 
 class Client:
@@ -194,6 +207,16 @@ class Client:
         return DaemonStatus(out.state.decode(), out.version.decode(), int(out.pid), int(out.uptime_s),
                             int(out.block_bytes), int(out.capacity_blocks), int(out.used_blocks),
                             int(out.pinned_blocks), int(out.index_blocks), int(out.sessions))
+
+    def pool_components(self) -> List[ComponentPoolStatus]:
+        """The sub-pools of the daemon's cache domain, component 0 first (one for a full-attention domain; none
+        before a domain is set)."""
+        count = ctypes.c_size_t(0)
+        out = (_lib.ComponentStatusStruct * MAX_COMPONENTS)()
+        self._call(_lib.lib.flexkv_get_status_components, out, MAX_COMPONENTS, ctypes.byref(count))
+        return [ComponentPoolStatus(ComponentKind(c.kind), int(c.slot_bytes), int(c.capacity), int(c.used),
+                                    int(c.pinned), int(c.evicted), int(c.unanchored))
+                for c in out[:min(count.value, MAX_COMPONENTS)]]
 
     def drain(self) -> str:
         """Admin: stop admitting new sessions, loads and stores ("draining"; "drained" once nothing is in flight).

@@ -334,3 +334,25 @@ TEST_CASE("C ABI: a hybrid store and load copy the FULL prefix, its trailing win
   REQUIRE(flexkv_match(b.client, keys.data(), 3, 0, &t) == FLEXKV_OK);
   CHECK(b.Wait(t).matched_blocks == 0);
 }
+
+TEST_CASE("C ABI: flexkv_get_status_components lists the sub-pools, at most capacity of them", "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  HybridEngine e(d.socket());
+  CHECK(flexkv_struct_size("flexkv_component_status") == sizeof(flexkv_component_status));
+  flexkv_component_status pools[3] = {};
+  size_t count = 0;
+  REQUIRE(flexkv_get_status_components(e.client, pools, 2, &count) == FLEXKV_OK);
+  CHECK(count == 3);
+  CHECK(pools[0].kind == FLEXKV_COMPONENT_FULL);
+  CHECK(pools[1].kind == FLEXKV_COMPONENT_SLIDING_WINDOW);
+  CHECK(pools[1].slot_bytes == kSlotBytes[1]);
+  CHECK(pools[2].slot_bytes == 0);  // past capacity: not written
+  REQUIRE(flexkv_get_status_components(e.client, pools, 3, &count) == FLEXKV_OK);
+  CHECK(pools[2].kind == FLEXKV_COMPONENT_STATE);
+  CHECK(pools[2].slot_bytes == 512);
+  CHECK(pools[2].capacity > 0);
+  CHECK(flexkv_get_status_components(e.client, nullptr, 0, &count) == FLEXKV_OK);
+  CHECK(count == 3);
+  CHECK(flexkv_get_status_components(e.client, nullptr, 1, &count) == FLEXKV_INVALID_ARGUMENT);
+}

@@ -208,3 +208,19 @@ def test_gpt_oss_blocks_stored_by_one_engine_load_in_another_process(make_daemon
         assert full_digest == hashlib.sha256(want_full.tobytes()).hexdigest()
         assert window_digest == hashlib.sha256(want_window.tobytes()).hexdigest()
         del kv
+
+
+def test_pool_components_report_each_sub_pool(hybrid, observer):
+    c, _ = hybrid
+    pools = observer.pool_components()
+    assert [p.kind for p in pools] == [flexkv.ComponentKind.FULL, flexkv.ComponentKind.SLIDING_WINDOW,
+                                       flexkv.ComponentKind.STATE]
+    assert [p.slot_bytes for p in pools] == [16384, 16384, 512]
+    assert [(p.slot_bytes, p.capacity) for p in pools] == [c.session_component(i) for i in range(3)]
+    keys = prompt_keys(3, 4)
+    c.store(keys, [range(4), [2, 3], [5]], state_boundaries=[4]).wait()
+    assert [p.used for p in observer.pool_components()] == [4, 2, 1]
+
+
+def test_a_daemon_without_a_domain_has_no_sub_pools(observer):
+    assert observer.pool_components() == []
