@@ -154,6 +154,7 @@ class ComponentCopies {
       });
       CK(cudaMemcpy(a_[l], a_host_[l].data(), layer_bytes, cudaMemcpyHostToDevice));
     }
+    CK(cudaDeviceSynchronize());  // `s` does not wait for the legacy stream's copies
     for (bool copy_engine : {false, true}) {
       const char* path = copy_engine ? "copy engine" : "kernel";
       std::memset(sub_pool_, kPoolPoison, sub_pool_bytes());
@@ -162,7 +163,7 @@ class ComponentCopies {
       CK(cudaMemcpyAsync(sums.data(), sums_dev_, count_ * sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
       CK(cudaStreamSynchronize(s));
       CheckSlots(path, copy_engine ? nullptr : &sums);
-      for (void* p : b_) CK(cudaMemset(p, kGpuPoison, layer_bytes));
+      for (void* p : b_) CK(cudaMemsetAsync(p, kGpuPoison, layer_bytes, s));
       Load(s, copy_engine, true);
       CK(cudaStreamSynchronize(s));
       std::vector<uint8_t> got(layer_bytes);
