@@ -283,8 +283,8 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     return Status::FailedPrecondition(fmt::format("rename {} -> {}: {}", tmp, path, ErrnoText(errno)));
   }
-  log::Info("pool", "created {}: {} slots of {} ({} in all), namespace '{}' created by uid {}", path, capacity,
-            FormatByteSize(block_bytes), FormatByteSize(file_bytes), model_namespace, creator_uid);
+  log::Info("pool", "created {}: {} slots of {} ({} in all), namespace '{}' created by uid {}", path,
+            (*capacities)[0], FormatByteSize(block_bytes), FormatByteSize(file_bytes), model_namespace, creator_uid);
   for (size_t c = 1; c < geometry.component_count(); ++c) {
     log::Info("pool", "  component {} ({}): {} slots of {}", c, ComponentKindName(geometry.component_kind(c)),
               (*capacities)[c], FormatByteSize(geometry.Component(c).host_block_bytes()));
