@@ -10,10 +10,12 @@
 //   file), slots of Geometry::Component(i).host_block_bytes(); the rank's chunks land at its shard offsets.
 //   Map: GPU block i <-> slot perm[i] of the component's sub-pool, perm random.
 //   store = the checksummed gather (what the daemon runs; the plain gather is shown beside it), load = scatter;
-//   the copy-engine batch both ways (without the sums kernel the daemon runs beside a copy-engine store); ceiling = one contiguous cudaMemcpyAsync of the same bytes each way. The
-//   hybrid set is every component's copy back to back on one stream, as the daemon's per-GPU direction worker runs
-//   a hit's component jobs. GB/s = 1e9 bytes/s of this rank's bytes; each figure is the median of --iters timed
-//   runs after --warmup. Every path's bytes and the store sums are checked against the CPU before timing.
+//   the copy-engine batch both ways (without the sums kernel the daemon runs beside a copy-engine store);
+//   ceiling = one contiguous cudaMemcpyAsync of the same bytes each way. The hybrid set is every component's copy
+//   back to back on one stream: the daemon's per-GPU direction worker runs a hit's component jobs one after another
+//   on one stream too, but waits for each (a host synchronisation this does not include). GB/s = 1e9 bytes/s of
+//   this rank's bytes; each figure is the median of --iters timed runs after --warmup. Every path's bytes and the
+//   store sums are checked against the CPU before timing.
 #include "transfer_geometry.h"
 
 #include <cuda_runtime_api.h>
