@@ -406,7 +406,9 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
   if (layer_base_host == nullptr || gpu_blocks_host == nullptr || slots_host == nullptr) return cudaErrorInvalidValue;
 
   // One entry per chunk in (pair, layer, plane) order; an entry contiguous on both sides with the one before
-  // it (BLOCKFIRST GPU layouts with one TP shard) is merged into it.
+  // it (BLOCKFIRST GPU layouts with one TP shard) is merged into it, unless that would cross from one layer's
+  // allocation into another's (LAYERFIRST tensors that happen to be adjacent: a layer holding one block or state
+  // snapshot in a small cudaMalloc each).
   const size_t chunks = static_cast<size_t>(count) * (layer_end - layer_begin) * gpu.num_planes;
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
@@ -414,6 +416,7 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
   dsts.reserve(chunks);
   srcs.reserve(chunks);
   sizes.reserve(chunks);
+  uint32_t last_layer = ~0u;  // the layer of the last entry's chunks
   for (uint32_t i = 0; i < count; ++i) {
     uint8_t* slot = pool.base + static_cast<uint64_t>(slots_host[i]) * pool.block_bytes;
     for (uint32_t l = layer_begin; l < layer_end; ++l) {
@@ -425,13 +428,15 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
                                 gpu.chunk_bytes;
         uint8_t* d = to_host ? h : g;
         const uint8_t* s = to_host ? g : h;
-        if (!sizes.empty() && static_cast<uint8_t*>(dsts.back()) + sizes.back() == d &&
+        const bool same_allocation = gpu.layers_in_one_allocation || last_layer == l;
+        if (same_allocation && !sizes.empty() && static_cast<uint8_t*>(dsts.back()) + sizes.back() == d &&
             static_cast<const uint8_t*>(srcs.back()) + sizes.back() == s) {
           sizes.back() += gpu.chunk_bytes;
         } else {
           dsts.push_back(d);
           srcs.push_back(s);
           sizes.push_back(gpu.chunk_bytes);
+          last_layer = l;
         }
       }
     }
