@@ -1,6 +1,9 @@
 // flexkv-bench trace: see trace_bench.h.
 //   flexkv-bench trace --trace FILE [--capacity-blocks N] [--clients K] [--block-bytes 4KiB] [--json]
 //                      [--sweep [--capacities 1000,2000,...] [--plot docs/trace_sweep.png]]
+//                      [--geometry PRESET [--chunk-blocks C] [--component-shares w0,w1,...]]
+// --geometry adds the hybrid report (trace_hybrid_bench.cc): the model's pool, simulated, next to its all-FULL
+// reference at the same byte budget.
 // Starts its own flexkvd (next to this executable) in a temporary directory under /dev/shm with
 // --pool-size = N × block bytes, and K client processes (this executable, hidden subcommand `trace-worker`,
 // posix_spawn'ed). Requests go to worker (request index mod K) — round-robin, as a router would — and each
@@ -289,6 +292,9 @@ struct TraceOptions {
   std::vector<uint32_t> capacities = {1000, 2000, 5000, 10000, 20000, 50000};
   std::string plot = "trace_sweep.png";
   std::string order = "strict";
+  std::string geometry;  // a preset: also the hybrid report (trace_hybrid_bench.cc)
+  uint32_t chunk_blocks = 16;
+  std::vector<double> shares;
 };
 
 struct TraceRun {
@@ -538,6 +544,19 @@ int RunTraceBench(int argc, char** argv) {
   app.add_option("--capacities", o.capacities, "Capacities of --sweep (default 1000,2000,5000,10000,20000,50000)")
       ->delimiter(',');
   app.add_option("--plot", o.plot, "PNG written by --sweep (gnuplot; default trace_sweep.png)");
+  app.add_option("--geometry", o.geometry,
+                 "Also replay this model's pool, simulated, next to its all-FULL reference at the same byte budget "
+                 "(= the capacity in all-FULL blocks): llama3-8b, qwen3-8b, deepseek-mla, gpt-oss-20b, gemma3-27b, "
+                 "qwen3-next, jamba");
+  app.add_option("--chunk-blocks", o.chunk_blocks,
+                 "With --geometry: the engine stores every this many blocks of prefill (chunked prefill; 0: only at "
+                 "the prompt's end; default 16 = 8192 tokens)")
+      ->check(CLI::Range(0u, 1000000u));
+  app.add_option("--component-shares", o.shares,
+                 "With --geometry: the budget's split between components, one weight each (default: in proportion "
+                 "to what each would hold after the trace with no eviction)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   auto bb = flexkv::ParseByteSize(o.block_bytes_text);
@@ -548,6 +567,12 @@ int RunTraceBench(int argc, char** argv) {
     return 2;
   }
   o.block_bytes = *bb;
+  if (!o.geometry.empty()) {
+    if (auto g = flexkv::bench::TracePreset(o.geometry, kTraceTokensPerBlock); !g.ok()) {
+      std::fprintf(stderr, "flexkv-bench: %s\n", g.status().message().c_str());
+      return 2;
+    }
+  }
   const std::string self = SelfExe();
   if (self.empty()) {
     std::fprintf(stderr, "flexkv-bench: cannot resolve /proc/self/exe\n");
@@ -577,8 +602,15 @@ int RunTraceBench(int argc, char** argv) {
   }
   bool plotted = false;
   if (o.sweep) plotted = WritePlot(runs, o.plot, o.clients, o.order);
+  Json hybrid;
+  if (!o.geometry.empty()) {
+    const int rc = flexkv::bench::RunHybridTraceReport({o.trace, o.geometry, caps, o.chunk_blocks, o.shares, o.json},
+                                                       *trace, &hybrid);
+    if (rc != 0) return rc;
+  }
   if (o.json) {
     Json report{{"bench", "trace"}, {"trace", o.trace}, {"daemon", "spawned"}};
+    if (!o.geometry.empty()) report["hybrid"] = std::move(hybrid);
     if (!o.sweep) {
       report.update(RunJson(runs[0], o.clients, o.order, o.block_bytes));
     } else {

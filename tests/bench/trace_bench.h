@@ -16,11 +16,13 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
+#include "bench_json.h"
 #include "daemon/cache/prefix_index.h"
 #include "flexkv/block_key.h"
 #include "flexkv/geometry.h"
@@ -441,8 +443,49 @@ inline std::vector<uint32_t> SplitBudget(uint64_t budget_bytes, std::span<const 
   return capacity;
 }
 
+// The geometry presets `flexkv-bench trace --geometry` knows (geometry.h), by name, at `tokens_per_block` tokens a
+// block (the trace's 512). INVALID_ARGUMENT naming the known presets for any other name.
+inline Result<Geometry> TracePreset(std::string_view name, uint32_t tokens_per_block) {
+  Geometry g;
+  if (name == "llama3-8b") {
+    g = Llama3_8B();
+  } else if (name == "qwen3-8b") {
+    g = Qwen3_8B();
+  } else if (name == "deepseek-mla") {
+    g = DeepSeekMla();
+  } else if (name == "gpt-oss-20b") {
+    g = GptOss20B();
+  } else if (name == "gemma3-27b") {
+    g = Gemma3_27B();
+  } else if (name == "qwen3-next") {
+    g = Qwen3Next80B();
+  } else if (name == "jamba") {
+    g = JambaLike();
+  } else {
+    return Status::InvalidArgument(fmt::format(
+        "--geometry {}: unknown preset; expected llama3-8b, qwen3-8b, deepseek-mla, gpt-oss-20b, gemma3-27b, "
+        "qwen3-next or jamba", name));
+  }
+  g.tokens_per_block = tokens_per_block;
+  return g;
+}
+
 }  // namespace flexkv::bench
 
 // Entry points (argv[0] is the subcommand name).
 int RunTraceBench(int argc, char** argv);
+// `trace --geometry`: the hybrid report (trace_hybrid_bench.cc); returns the exit code.
+namespace flexkv::bench {
+struct HybridTraceOptions {
+  std::string trace;  // absolute path
+  std::string preset;
+  std::vector<uint32_t> capacities;  // budgets, in blocks of the all-FULL reference
+  uint32_t chunk_blocks = 16;
+  std::vector<double> shares;  // per component; empty: in proportion to demand
+  bool json = false;
+};
+// Prints the text report, or with options.json sets *json to the report's object. 0, or the exit code after an
+// error message.
+int RunHybridTraceReport(const HybridTraceOptions& options, std::span<const TraceRequest> trace, Json* json);
+}  // namespace flexkv::bench
 int RunTraceWorker(int argc, char** argv);

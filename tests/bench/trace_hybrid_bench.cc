@@ -1,0 +1,227 @@
+// flexkv-bench trace --geometry PRESET: replays the trace through the simulated pool of a (hybrid) geometry
+// (HybridPoolSim, trace_bench.h) and through the all-FULL reference at the same byte budget, and reports per
+// component the bytes stored and loaded per hit token and how many prefixes each pool holds at the end
+// (docs/performance.md, "Trace replay of hybrid geometries").
+//
+// Definitions (printed with the figures):
+//   budget        --capacity-blocks N blocks of the all-FULL reference (AllFullReference), in the model's bytes
+//                 at 512 tokens a block; the hybrid pool splits the same bytes between its sub-pools.
+//   hit ratio     hit blocks (the prefix end e of the hit rule) / prompt blocks, as in the daemon replay.
+//   prompts held  of the trace's distinct prompts, those that would be a whole hit (e = n) at the end of the run:
+//                 the "prefixes held" of the issue.
+//   usable ends   distinct cached prefix ends at which the hit rule holds at the end of the run (for the
+//                 reference: every cached block).
+//   per hit token bytes a component stored (loaded) over the run / (hit blocks x 512).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <unordered_set>
+#include <vector>
+
+#include "bench_json.h"
+#include "common/units.h"
+#include "trace_bench.h"
+
+namespace flexkv::bench {
+namespace {
+
+constexpr uint32_t kTokensPerBlock = 512;
+constexpr const char* kNamespace = "flexkv-bench-trace";
+
+struct SimRun {
+  std::vector<SimComponent> components;
+  std::vector<uint64_t> slot_bytes;
+  std::vector<double> shares;
+  uint64_t blocks = 0, hit_blocks = 0, stores = 0, refused_stores = 0;
+  std::vector<uint64_t> stored, loaded, held, evictions, unanchored;
+  uint64_t usable_ends = 0, prompts_held = 0;
+  double hit_ratio() const { return blocks == 0 ? 0.0 : static_cast<double>(hit_blocks) / static_cast<double>(blocks); }
+  // Bytes of component c per hit token (stored or loaded entries x slot bytes).
+  double PerHitToken(uint64_t entries, size_t c) const {
+    return hit_blocks == 0 ? 0.0
+                           : static_cast<double>(entries) * static_cast<double>(slot_bytes[c]) /
+                                 static_cast<double>(hit_blocks * kTokensPerBlock);
+  }
+};
+
+std::vector<uint64_t> SlotBytes(const Geometry& g) {
+  std::vector<uint64_t> out;
+  for (size_t i = 0; i < g.component_count(); ++i) out.push_back(g.Component(i).host_block_bytes());
+  return out;
+}
+
+// Replays every request in trace order; `prompts` are the indices of the distinct prompts (checked at the end).
+SimRun Replay(const Geometry& g, std::span<const uint32_t> capacities, std::span<const std::vector<BlockKey>> keys,
+              std::span<const size_t> prompts, uint32_t chunk_blocks) {
+  SimRun run;
+  run.components = SimComponentsOf(g, capacities);
+  run.slot_bytes = SlotBytes(g);
+  const size_t n = run.components.size();
+  run.stored.assign(n, 0);
+  run.loaded.assign(n, 0);
+  HybridPoolSim sim(run.components);
+  for (const std::vector<BlockKey>& k : keys) {
+    const HybridPoolSim::Request r = sim.Replay(k, chunk_blocks);
+    run.blocks += k.size();
+    run.hit_blocks += r.hit_end;
+    run.stores += r.stores;
+    run.refused_stores += r.refused_stores;
+    for (size_t c = 0; c < n; ++c) {
+      run.stored[c] += r.stored[c];
+      run.loaded[c] += r.loaded[c];
+    }
+  }
+  for (size_t c = 0; c < n; ++c) {
+    run.held.push_back(sim.held(c));
+    run.evictions.push_back(sim.evictions(c));
+    run.unanchored.push_back(sim.unanchored(c));
+  }
+  run.usable_ends = sim.UsableEndsHeld();
+  for (size_t p : prompts) run.prompts_held += sim.UsableEnd(keys[p]) == keys[p].size() ? 1 : 0;
+  return run;
+}
+
+// The pool that never evicts: its hit ratio is the geometry's bound at this chunking, and the bytes each component
+// holds at the end are its demand (the default split is in proportion to it).
+SimRun Unbounded(const Geometry& g, std::span<const std::vector<BlockKey>> keys, uint32_t chunk_blocks) {
+  uint64_t total = 0;
+  for (const auto& k : keys) total += k.size();
+  const std::vector<uint32_t> unbounded(g.component_count(),
+                                        static_cast<uint32_t>(std::min<uint64_t>(total + 1, UINT32_MAX)));
+  return Replay(g, unbounded, keys, {}, chunk_blocks);
+}
+
+std::vector<double> DemandShares(const SimRun& run) {
+  std::vector<double> shares;
+  for (size_t c = 0; c < run.held.size(); ++c) {
+    shares.push_back(static_cast<double>(run.held[c]) * static_cast<double>(run.slot_bytes[c]));
+  }
+  double sum = 0;
+  for (double s : shares) sum += s;
+  for (double& s : shares) s /= sum;
+  return shares;
+}
+
+double Ratio(uint64_t a, uint64_t b) { return b == 0 ? 0.0 : static_cast<double>(a) / static_cast<double>(b); }
+
+Json RunJson(const SimRun& r, const Geometry& g) {
+  Json comps = Json::array();
+  for (size_t c = 0; c < r.components.size(); ++c) {
+    comps.push_back(Json{{"component", c},
+                         {"kind", ComponentKindName(g.component_kind(c))},
+                         {"window_blocks", r.components[c].window_blocks},
+                         {"slot_bytes", r.slot_bytes[c]},
+                         {"share", Rounded(r.shares.empty() ? 1.0 : r.shares[c], 4)},
+                         {"capacity", r.components[c].capacity},
+                         {"held", r.held[c]},
+                         {"unanchored", r.unanchored[c]},
+                         {"evictions", r.evictions[c]},
+                         {"stored_entries", r.stored[c]},
+                         {"loaded_entries", r.loaded[c]},
+                         {"stored_bytes_per_hit_token", Rounded(r.PerHitToken(r.stored[c], c), 1)},
+                         {"loaded_bytes_per_hit_token", Rounded(r.PerHitToken(r.loaded[c], c), 1)}});
+  }
+  return Json{{"hit_ratio", Rounded(r.hit_ratio(), 4)},
+              {"hit_blocks", r.hit_blocks},
+              {"prompts_held", r.prompts_held},
+              {"full_blocks_held", r.held[0]},
+              {"usable_ends_held", r.usable_ends},
+              {"stores", r.stores},
+              {"refused_stores", r.refused_stores},
+              {"components", comps}};
+}
+
+void PrintComponents(const char* label, const SimRun& r, const Geometry& g) {
+  for (size_t c = 0; c < r.components.size(); ++c) {
+    fmt::print("  {:<9} {:>2} {:<15} {:>10} {:>6.3f} {:>9} {:>9} {:>10} {:>10} {:>12.0f} {:>12.0f}\n", label, c,
+               ComponentKindName(g.component_kind(c)), FormatByteSize(r.slot_bytes[c]),
+               r.shares.empty() ? 1.0 : r.shares[c], r.components[c].capacity, r.held[c], r.unanchored[c],
+               r.evictions[c], r.PerHitToken(r.stored[c], c), r.PerHitToken(r.loaded[c], c));
+  }
+}
+
+}  // namespace
+
+int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceRequest> trace, Json* json) {
+  auto model = TracePreset(o.preset, kTokensPerBlock);
+  if (!model.ok()) {
+    std::fprintf(stderr, "flexkv-bench: %s\n", model.status().message().c_str());
+    return 2;
+  }
+  auto reference = AllFullReference(*model);
+  if (!reference.ok()) {
+    std::fprintf(stderr, "flexkv-bench: --geometry %s: %s\n", o.preset.c_str(), reference.status().message().c_str());
+    return 2;
+  }
+  if (!o.shares.empty() && o.shares.size() != model->component_count()) {
+    std::fprintf(stderr, "flexkv-bench: --component-shares has %zu values; expected %zu (one per component of %s)\n",
+                 o.shares.size(), model->component_count(), o.preset.c_str());
+    return 2;
+  }
+  std::vector<std::vector<BlockKey>> keys;
+  std::vector<size_t> prompts;
+  {
+    std::unordered_set<BlockKey, BlockKeyHash> seen;
+    for (size_t i = 0; i < trace.size(); ++i) {
+      std::vector<int32_t> tokens;
+      for (uint64_t id : trace[i].hash_ids) AppendBlockTokens(id, kTokensPerBlock, &tokens);
+      keys.push_back(ComputeBlockKeys(kNamespace, tokens, kTokensPerBlock));
+      if (!keys.back().empty() && seen.insert(keys.back().back()).second) prompts.push_back(i);
+    }
+  }
+  const SimRun unbounded = Unbounded(*model, keys, o.chunk_blocks);
+  const std::vector<double> shares = o.shares.empty() ? DemandShares(unbounded) : o.shares;
+  const uint64_t ref_block = reference->host_block_bytes();
+
+  Json runs = Json::array();
+  for (uint32_t cap : o.capacities) {
+    const uint64_t budget = uint64_t{cap} * ref_block;
+    const std::vector<uint32_t> ref_cap = {cap};
+    const SimRun ref = Replay(*reference, ref_cap, keys, prompts, o.chunk_blocks);
+    const std::vector<uint64_t> slots = SlotBytes(*model);
+    SimRun hyb = Replay(*model, SplitBudget(budget, slots, shares), keys, prompts, o.chunk_blocks);
+    hyb.shares = shares;
+    if (o.json) {
+      runs.push_back(Json{{"capacity_blocks", cap},
+                          {"budget_bytes", budget},
+                          {"reference", RunJson(ref, *reference)},
+                          {"hybrid", RunJson(hyb, *model)},
+                          {"prompts_held_ratio", Rounded(Ratio(hyb.prompts_held, ref.prompts_held), 3)},
+                          {"full_blocks_held_ratio", Rounded(Ratio(hyb.held[0], ref.held[0]), 3)},
+                          {"usable_ends_held_ratio", Rounded(Ratio(hyb.usable_ends, ref.usable_ends), 3)}});
+      continue;
+    }
+    fmt::print("{} at {} tokens a block, budget {} all-FULL blocks = {} [simulation, trace order; stores every {} "
+               "blocks of prefill and at the prompt's end]\n",
+               o.preset, kTokensPerBlock, cap, FormatByteSize(budget), o.chunk_blocks);
+    fmt::print("  {:<22} {:>9} {:>14} {:>16} {:>16} {:>9}\n", "", "hit ratio", "prompts held", "FULL blocks held",
+               "usable ends held", "refused");
+    fmt::print("  {:<22} {:>9.4f} {:>14} {:>16} {:>16} {:>9}\n", "reference (all FULL)", ref.hit_ratio(),
+               ref.prompts_held, ref.held[0], ref.usable_ends, ref.refused_stores);
+    fmt::print("  {:<22} {:>9.4f} {:>14} {:>16} {:>16} {:>9}\n", "hybrid", hyb.hit_ratio(), hyb.prompts_held,
+               hyb.held[0], hyb.usable_ends, hyb.refused_stores);
+    fmt::print("  {:<22} {:>9} {:>13.2f}x {:>15.2f}x {:>15.2f}x   (of {} distinct prompts)\n", "hybrid / reference",
+               "", Ratio(hyb.prompts_held, ref.prompts_held), Ratio(hyb.held[0], ref.held[0]),
+               Ratio(hyb.usable_ends, ref.usable_ends), prompts.size());
+    fmt::print("  {:<22} {:>9.4f}   (the hybrid's hits at these store boundaries with no eviction)\n",
+               "hybrid bound", unbounded.hit_ratio());
+    fmt::print("  {:<9} {:>2} {:<15} {:>10} {:>6} {:>9} {:>9} {:>10} {:>10} {:>12} {:>12}\n", "pool", "c", "kind",
+               "slot", "share", "capacity", "held", "unanchored", "evictions", "stored B/ht", "loaded B/ht");
+    PrintComponents("reference", ref, *reference);
+    PrintComponents("hybrid", hyb, *model);
+  }
+  if (o.json) {
+    *json = Json{{"geometry", o.preset},
+                 {"tokens_per_block", kTokensPerBlock},
+                 {"simulation", true},
+                 {"chunk_blocks", o.chunk_blocks},
+                 {"distinct_prompts", prompts.size()},
+                 {"hybrid_bound_hit_ratio", Rounded(unbounded.hit_ratio(), 4)},
+                 {"reference_block_bytes", ref_block},
+                 {"runs", runs}};
+  }
+  return 0;
+}
+
+}  // namespace flexkv::bench
