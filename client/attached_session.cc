@@ -25,12 +25,16 @@ bool AttachedSession::Lost() const {
   return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
-KvMapping AttachedSession::Drop(const Status& why) {
+std::vector<KvMapping> AttachedSession::Drop(const Status& why) {
   rings->Abandon(why);
   shutdown(channel.get(), SHUT_RDWR);
   absl::MutexLock lock(&mu);
   dropped = true;
-  return std::move(kv);
+  std::vector<KvMapping> out;
+  for (KvMapping& m : kv) {
+    if (m) out.push_back(std::move(m));
+  }
+  return out;
 }
 
 Result<uint32_t> AttachedSession::OfferFd(int fd, const char* what, std::chrono::milliseconds call_timeout) {

@@ -7,11 +7,13 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "client/session_rings.h"
 #include "common/unique_fd.h"
+#include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
 namespace flexkv {
@@ -51,20 +53,24 @@ struct AttachedSession {
   uint64_t generation = 0;
   uint64_t session_id = 0;
   std::string token;
+  // The geometry this session attached with (the daemon accepted it): sizes host KV buffers and lays out hybrid
+  // Load/Store ids. Set before the session is shared; never changed.
+  Geometry geometry;
   UniqueFd channel;                     // the session channel; the rings watch a dup of it
   std::unique_ptr<SessionRings> rings;  // thread-safe itself
 
-  absl::Mutex mu;  // one fd offer at a time on `channel`; the KV registration
+  absl::Mutex mu;  // one fd offer at a time on `channel`; the KV registrations
   uint32_t next_fd_tag ABSL_GUARDED_BY(mu) = 1;
-  KvMapping kv ABSL_GUARDED_BY(mu);
+  // Host KV buffers per geometry component (index = component); an empty mapping: not registered (yet).
+  std::vector<KvMapping> kv ABSL_GUARDED_BY(mu);
   bool dropped ABSL_GUARDED_BY(mu) = false;
 
   // The daemon closed the session channel (it stopped or restarted).
   bool Lost() const;
   // The Client let go of this session: calls running on it end with `why`, the daemon sees the channel hang up
   // (shutdown reaches the rings' dup too), and a KV registration still in progress is refused. Returns the KV
-  // mapping, for the caller to keep or drop.
-  KvMapping Drop(const Status& why);
+  // mappings (registered ones only), for the caller to keep or drop.
+  std::vector<KvMapping> Drop(const Status& why);
   // Offers one fd on the session channel and waits for the daemon's acknowledgement; returns the tag a
   // later RegisterKv names it by. FAILED_PRECONDITION once dropped.
   Result<uint32_t> OfferFd(int fd, const char* what, std::chrono::milliseconds call_timeout);

@@ -5,17 +5,25 @@
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <optional>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 #include "common/version.h"
 #include "flexkv/client.h"
 #include "flexkv/cuda.h"
 
 struct flexkv_client {
+  explicit flexkv_client(std::unique_ptr<flexkv::Client> c) : client(std::move(c)) {}
   std::unique_ptr<flexkv::Client> client;
+  flexkv::Mutex mu;
+  // What the last successful attach answered (flexkv_session_component).
+  flexkv::SessionInfo session ABSL_GUARDED_BY(mu);
 };
 
 struct flexkv_gpu_kv {
@@ -64,6 +72,66 @@ int Submitted(const flexkv::Result<flexkv::Ticket>& t, flexkv_ticket* ticket) {
 
 flexkv::Ticket FromC(flexkv_ticket t) { return flexkv::Ticket{t.id, t.generation}; }
 
+// The geometry of a flexkv_geometry, components included; INVALID_ARGUMENT for what cannot be read (the daemon
+// validates the values).
+flexkv::Result<flexkv::Geometry> GeometryFromC(const flexkv_geometry& g) {
+  flexkv::Geometry out;
+  out.tokens_per_block = g.tokens_per_block;
+  out.num_layers = g.num_layers;
+  out.kv_planes = g.kv_planes;
+  out.kv_heads_per_rank = g.kv_heads_per_rank;
+  out.head_dim = g.head_dim;
+  out.dtype_bytes = g.dtype_bytes;
+  out.tp_size = g.tp_size;
+  if (g.n_components == 0) return out;
+  if (g.n_components > flexkv::Geometry::kMaxComponents - 1) {
+    return flexkv::Status::InvalidArgument("geometry.n_components is " + std::to_string(g.n_components) +
+                                           "; expected at most " +
+                                           std::to_string(flexkv::Geometry::kMaxComponents - 1));
+  }
+  if (g.components == nullptr) {
+    return flexkv::Status::InvalidArgument("geometry.components is NULL but n_components is " +
+                                           std::to_string(g.n_components));
+  }
+  for (uint32_t i = 0; i < g.n_components; ++i) {
+    const flexkv_component& c = g.components[i];
+    if (c.reserved != 0) {
+      return flexkv::Status::InvalidArgument("geometry.components[" + std::to_string(i) + "].reserved is " +
+                                             std::to_string(c.reserved) + "; expected 0");
+    }
+    flexkv::ComponentSpec spec;
+    spec.kind = static_cast<flexkv::ComponentKind>(c.kind);
+    spec.num_layers = c.num_layers;
+    spec.kv_planes = c.kv_planes;
+    spec.kv_heads_per_rank = c.kv_heads_per_rank;
+    spec.head_dim = c.head_dim;
+    spec.dtype_bytes = c.dtype_bytes;
+    spec.window_tokens = c.window_tokens;
+    spec.state_bytes_per_layer = c.state_bytes_per_layer;
+    out.components.push_back(spec);
+  }
+  return out;
+}
+
+// Per-component id spans of flexkv_load_components / flexkv_store_components; nullopt (and the error recorded)
+// when an array is NULL with a non-zero size.
+std::optional<std::vector<std::span<const uint32_t>>> ComponentSpans(const uint32_t* const* ids, const size_t* counts,
+                                                                     size_t n, int* rc) {
+  if ((ids == nullptr || counts == nullptr) && n > 0) {
+    *rc = NullArgument("component_ids and counts");
+    return std::nullopt;
+  }
+  std::vector<std::span<const uint32_t>> spans;
+  for (size_t i = 0; i < n; ++i) {
+    if (ids[i] == nullptr && counts[i] > 0) {
+      *rc = NullArgument(("component_ids[" + std::to_string(i) + "]").c_str());
+      return std::nullopt;
+    }
+    spans.emplace_back(ids[i], counts[i]);
+  }
+  return spans;
+}
+
 bool ValidLayout(int layout) {
   return layout == FLEXKV_LAYOUT_LAYER_FIRST || layout == FLEXKV_LAYOUT_BLOCK_FIRST || layout == FLEXKV_LAYOUT_LAYER_BLOCK;
 }
@@ -104,6 +172,7 @@ size_t flexkv_struct_size(const char* name) {
   if (name == nullptr) return 0;
   const std::string_view n(name);
   if (n == "flexkv_geometry") return sizeof(flexkv_geometry);
+  if (n == "flexkv_component") return sizeof(flexkv_component);
   if (n == "flexkv_daemon_status") return sizeof(flexkv_daemon_status);
   if (n == "flexkv_block_key") return sizeof(flexkv_block_key);
   if (n == "flexkv_op_result") return sizeof(flexkv_op_result);
@@ -142,7 +211,7 @@ int flexkv_connect(const char* socket_path, int timeout_ms, flexkv_client** out,
       CopyText(client.status().ToString(), error_buf, error_len);
       return Record(client.status());
     }
-    *out = new flexkv_client{std::move(*client)};
+    *out = new flexkv_client(std::move(*client));
     return Record(flexkv::Status::Ok());
   });
 }
@@ -158,11 +227,14 @@ int flexkv_attach(flexkv_client* c, const char* client_name, const char* model_n
     o.model_namespace = model_namespace;
     o.dp_rank = dp_rank;
     o.tp_rank = tp_rank;
-    o.geometry = flexkv::Geometry{g->tokens_per_block, g->num_layers,  g->kv_planes, g->kv_heads_per_rank,
-                                  g->head_dim,         g->dtype_bytes, g->tp_size};
+    auto geometry = GeometryFromC(*g);
+    if (!geometry.ok()) return Record(geometry.status());
+    o.geometry = std::move(*geometry);
     auto info = c->client->Attach(o);
     if (!info.ok()) return Record(info.status());
     if (session_id != nullptr) *session_id = info->session_id;
+    flexkv::MutexLock lock(&c->mu);
+    c->session = std::move(*info);
     return Record(flexkv::Status::Ok());
   });
 }
@@ -171,6 +243,25 @@ int flexkv_detach(flexkv_client* c) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     return Record(c->client->Detach());
+  });
+}
+
+int flexkv_session_component(flexkv_client* c, uint32_t component, uint64_t* slot_bytes, uint64_t* capacity) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (slot_bytes == nullptr) return NullArgument("slot_bytes");
+    if (capacity == nullptr) return NullArgument("capacity");
+    if (!c->client->attached()) return Record(flexkv::Status::FailedPrecondition("not attached: call flexkv_attach first"));
+    flexkv::MutexLock lock(&c->mu);
+    const size_t n = std::min(c->session.component_slot_bytes.size(), c->session.component_capacity.size());
+    if (component >= n) {
+      return Record(flexkv::Status::InvalidArgument("component " + std::to_string(component) +
+                                                    " is not in this session's geometry; expected 0.." +
+                                                    std::to_string(n == 0 ? 0 : n - 1)));
+    }
+    *slot_bytes = c->session.component_slot_bytes[component];
+    *capacity = c->session.component_capacity[component];
+    return Record(flexkv::Status::Ok());
   });
 }
 
@@ -223,12 +314,17 @@ int flexkv_check_health(flexkv_client* c) {
 }
 
 int flexkv_create_host_kv(flexkv_client* c, int layout, uint32_t num_blocks, void** data, uint64_t* bytes) {
+  return flexkv_create_host_kv_component(c, 0, layout, num_blocks, data, bytes);
+}
+
+int flexkv_create_host_kv_component(flexkv_client* c, uint32_t component, int layout, uint32_t num_blocks,
+                                    void** data, uint64_t* bytes) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if (data == nullptr) return NullArgument("data");
     if (bytes == nullptr) return NullArgument("bytes");
     if (!ValidLayout(layout)) return BadLayout(layout);
-    auto kv = c->client->CreateHostKv(static_cast<flexkv::KvLayout>(layout), num_blocks);
+    auto kv = c->client->CreateHostKv(component, static_cast<flexkv::KvLayout>(layout), num_blocks);
     if (!kv.ok()) return Record(kv.status());
     *data = kv->data;
     *bytes = kv->bytes;
@@ -252,6 +348,14 @@ int flexkv_describe_gpu_kv(int layout, void* const* regions, size_t n_regions, u
 }
 
 const char* flexkv_gpu_kv_uuid(const flexkv_gpu_kv* kv) { return kv == nullptr ? "" : kv->registration.gpu_uuid.c_str(); }
+
+int flexkv_gpu_kv_set_component(flexkv_gpu_kv* kv, uint32_t component) {
+  return Guarded([&]() -> int {
+    if (kv == nullptr) return NullArgument("kv");
+    kv->registration.component = component;  // checked against the session's geometry by register
+    return Record(flexkv::Status::Ok());
+  });
+}
 
 int flexkv_register_gpu_kv(flexkv_client* c, const flexkv_gpu_kv* kv) {
   return Guarded([&]() -> int {
@@ -292,6 +396,37 @@ int flexkv_store(flexkv_client* c, const flexkv_block_key* parent, const flexkv_
     const flexkv::BlockKey parent_key = parent == nullptr ? flexkv::kRootParent : Keys(parent, 1)[0];
     return Submitted(c->client->Store(flexkv::BlockKeyChain(parent_key, Keys(keys, n)),
                                       std::span<const uint32_t>(src_block_ids, n)),
+                     ticket);
+  });
+}
+
+int flexkv_load_components(flexkv_client* c, uint64_t match_handle, const uint32_t* const* component_ids,
+                           const size_t* counts, size_t n_components, flexkv_ticket* ticket) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (ticket == nullptr) return NullArgument("ticket");
+    int rc = 0;
+    auto spans = ComponentSpans(component_ids, counts, n_components, &rc);
+    if (!spans) return rc;
+    return Submitted(c->client->Load(match_handle, *spans), ticket);
+  });
+}
+
+int flexkv_store_components(flexkv_client* c, const flexkv_block_key* parent, const flexkv_block_key* keys,
+                            size_t n_keys, const uint32_t* const* component_ids, const size_t* counts,
+                            size_t n_components, const uint32_t* state_boundaries, size_t n_boundaries,
+                            flexkv_ticket* ticket) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (keys == nullptr && n_keys > 0) return NullArgument("keys");
+    if (state_boundaries == nullptr && n_boundaries > 0) return NullArgument("state_boundaries");
+    if (ticket == nullptr) return NullArgument("ticket");
+    int rc = 0;
+    auto spans = ComponentSpans(component_ids, counts, n_components, &rc);
+    if (!spans) return rc;
+    const flexkv::BlockKey parent_key = parent == nullptr ? flexkv::kRootParent : Keys(parent, 1)[0];
+    return Submitted(c->client->Store(flexkv::BlockKeyChain(parent_key, Keys(keys, n_keys)), *spans,
+                                      std::span<const uint32_t>(state_boundaries, n_boundaries)),
                      ticket);
   });
 }

@@ -18,6 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "client/attached_session.h"
+#include "client/hybrid_request.h"
 #include "client/session_rings.h"
 #include "common/grpc_convert.h"
 #include "common/paths.h"
@@ -32,6 +33,32 @@ namespace flexkv {
 namespace {
 
 Status NotAttached() { return Status::FailedPrecondition("not attached: call Attach first"); }
+
+// The single-span Load/Store of a hybrid session: its ids cannot say which component they are for.
+Status UseComponentOverload(const char* op, const Geometry& g) {
+  return Status::InvalidArgument(fmt::format(
+      "{} with one span of block ids on a hybrid session ({} components); expected the per-component overload: one "
+      "span per component, component 0 (full attention) first",
+      op, g.component_count()));
+}
+
+Status AlreadyRegistered(const Geometry& g, uint32_t component) {
+  if (!g.is_hybrid()) return Status::AlreadyExists("this session already registered its KV buffers");
+  return Status::AlreadyExists(fmt::format("this session already registered the KV buffers of component {} ({})",
+                                           component, ComponentKindName(g.component_kind(component))));
+}
+
+Status CheckStoreKeys(std::span<const BlockKey> keys) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i] == BlockKey{}) {
+      return Status::InvalidArgument(fmt::format(
+          "key {} of the store is all zero; the all-zero key is reserved (it marks a chain's root) and cannot be "
+          "stored: derive keys with ComputeBlockKeys",
+          i));
+    }
+  }
+  return Status::Ok();
+}
 
 // The last session generation issued in this process (Ticket::generation); every Attach of any Client takes the
 // next one, so a ticket names exactly one session.
@@ -137,11 +164,11 @@ Result<SessionInfo> Client::Attach(const AttachOptions& options) {
     if (!old->Lost()) {
       return Status::FailedPrecondition(fmt::format("this client is already attached as session {}", old->session_id));
     }
-    KvMapping kv =
+    std::vector<KvMapping> kv =
         old->Drop(Status::Unavailable("flexkvd closed this session (daemon stopped or restarted); Attach again"));
     absl::MutexLock lock(&impl_->mu);
     impl_->session.reset();
-    if (kv) impl_->retired_kv.push_back(std::move(kv));
+    for (KvMapping& m : kv) impl_->retired_kv.push_back(std::move(m));
   }
   v1::AttachRequest req;
   req.set_client_name(options.client_name);
@@ -221,13 +248,28 @@ Result<SessionInfo> Client::Attach(const AttachOptions& options) {
   session->generation = g_last_generation.fetch_add(1) + 1;
   session->session_id = resp.session_id();
   session->token = resp.session_token();
+  session->geometry = options.geometry;
+  {
+    absl::MutexLock lock(&session->mu);
+    session->kv.resize(options.geometry.component_count());
+  }
   session->channel = std::move(*fd);
   session->rings = std::move(*rings);
   {
     absl::MutexLock lock(&impl_->mu);
     impl_->session = std::move(session);
   }
-  return SessionInfo{resp.session_id(), resp.block_bytes(), resp.capacity_blocks(), resp.read_only()};
+  SessionInfo info;
+  info.session_id = resp.session_id();
+  info.block_bytes = resp.block_bytes();
+  info.capacity_blocks = resp.capacity_blocks();
+  info.read_only = resp.read_only();
+  info.component_slot_bytes.assign(resp.component_slot_bytes().begin(), resp.component_slot_bytes().end());
+  info.component_capacity.assign(resp.component_capacity().begin(), resp.component_capacity().end());
+  // A daemon that does not report per-component sizes serves one component: the whole pool.
+  if (info.component_slot_bytes.empty()) info.component_slot_bytes = {info.block_bytes};
+  if (info.component_capacity.empty()) info.component_capacity = {info.capacity_blocks};
+  return info;
 }
 
 Status Client::Detach() {
@@ -253,7 +295,7 @@ Status Client::Detach() {
   impl_->Prepare(&ctx);
   Status st = impl_->Call(impl_->stub->Detach(&ctx, req, &resp));
   // Hanging up the channel ends the session on the daemon side even when the call failed.
-  KvMapping kv = s->Drop(detached);
+  std::vector<KvMapping> kv = s->Drop(detached);
   (void)kv;  // unmapped here: Detach ends the buffers' validity
   if (st.code() == StatusCode::kNotFound) return Status::Ok();  // already gone (e.g. timed out)
   return st;
@@ -262,23 +304,26 @@ Status Client::Detach() {
 bool Client::attached() const { return impl_->Current() != nullptr; }
 
 Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks) {
+  return CreateHostKv(0, layout, num_blocks);
+}
+
+Result<HostKvBuffers> Client::CreateHostKv(uint32_t component, KvLayout layout, uint32_t num_blocks) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return Status::FailedPrecondition("CreateHostKv before Attach");
+  const Geometry& geometry = s->geometry;
+  if (component >= geometry.component_count()) {
+    return Status::InvalidArgument(fmt::format("component {} is not in this session's geometry; expected 0..{}",
+                                               component, geometry.component_count() - 1));
+  }
   {
     absl::MutexLock lock(&s->mu);
-    if (s->kv) return Status::AlreadyExists("this session already registered its KV buffers");
+    if (s->kv[component]) return AlreadyRegistered(geometry, component);
   }
   if (num_blocks == 0) return Status::InvalidArgument("num_blocks is 0; expected at least 1");
-  // The daemon validates the geometry; the size follows from the one this session attached with.
-  v1::GetStatusResponse st;
-  {
-    grpc::ClientContext ctx;
-    impl_->Prepare(&ctx);
-    FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->GetStatus(&ctx, v1::GetStatusRequest(), &st)));
-  }
-  const Geometry g = FromProto(st.geometry());
+  // The engine's buffers of one TP rank in the component's copy geometry (the daemon accepted the session's
+  // geometry, so its host layout is the domain's): blocks x layers x planes x one rank's chunk.
+  const Geometry g = geometry.Component(component);
   const uint64_t bytes = uint64_t{num_blocks} * g.num_layers * g.kv_planes * g.chunk_bytes_per_rank();
-  if (bytes == 0) return Status::FailedPrecondition("the daemon reports no geometry for this session's domain");
   UniqueFd memfd(static_cast<int>(syscall(SYS_memfd_create, "flexkv-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING)));
   if (!memfd) return Status::ResourceExhausted(fmt::format("memfd_create: {}", ErrnoText(errno)));
   // Allocated up front: the engine's memory is charged to the engine (the daemon refuses a sparse buffer), and
@@ -298,6 +343,7 @@ Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks)
   req.set_session_token(s->token);
   req.set_layout(static_cast<v1::KvLayout>(static_cast<int>(layout)));
   req.set_num_blocks(num_blocks);
+  req.set_component(component);
   req.mutable_host()->set_fd_tag(*tag);
   req.mutable_host()->set_bytes(bytes);
   v1::RegisterKvResponse resp;
@@ -307,9 +353,9 @@ Result<HostKvBuffers> Client::CreateHostKv(KvLayout layout, uint32_t num_blocks)
   absl::MutexLock lock(&s->mu);
   // Dropped meanwhile (Detach): the buffers would be unmapped under the caller, so they are not handed out.
   if (s->dropped) return Status::FailedPrecondition("the session was detached while CreateHostKv ran");
-  if (s->kv) return Status::AlreadyExists("this session already registered its KV buffers");
-  s->kv = std::move(kv);
-  return HostKvBuffers{s->kv.data(), bytes, num_blocks, layout};
+  if (s->kv[component]) return AlreadyRegistered(geometry, component);
+  s->kv[component] = std::move(kv);
+  return HostKvBuffers{s->kv[component].data(), bytes, num_blocks, layout};
 }
 
 Result<Ticket> Client::Match(std::span<const BlockKey> keys, bool pin) {
@@ -325,9 +371,22 @@ Result<Ticket> Client::Match(std::span<const BlockKey> keys, bool pin) {
 Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
+  if (s->geometry.is_hybrid()) return UseComponentOverload("Load", s->geometry);
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
   auto t = s->rings->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0,
                             static_cast<uint32_t>(dst_block_ids.size()), {}, dst_block_ids, match_handle, kRootParent);
+  if (!t.ok()) return t.status();
+  return Ticket{t->id, s->generation};
+}
+
+Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids) {
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
+  const uint64_t count = component_ids.empty() ? 0 : component_ids[0].size();
+  if (count > UINT32_MAX) return Status::InvalidArgument(fmt::format("load of {} blocks; expected at most {}", count, UINT32_MAX));
+  auto ids = LayOutComponentIds(s->geometry, false, static_cast<uint32_t>(count), component_ids, {});
+  if (!ids.ok()) return ids.status();
+  auto t = s->rings->Submit(RingOp::kLoad, 0, static_cast<uint32_t>(count), {}, *ids, match_handle, kRootParent);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
@@ -341,6 +400,10 @@ Result<uint32_t> Client::WaitLayers(Ticket ticket, uint32_t layers, std::chrono:
 Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
+  if (reg.component >= s->geometry.component_count()) {
+    return Status::InvalidArgument(fmt::format("component {} is not in this session's geometry; expected 0..{}",
+                                               reg.component, s->geometry.component_count() - 1));
+  }
   v1::RegisterKvRequest req;
   req.set_session_id(s->session_id);
   req.set_session_token(s->token);
@@ -363,6 +426,7 @@ Status Client::RegisterGpuKv(const GpuKvRegistration& reg) {
   req.set_layout(static_cast<v1::KvLayout>(static_cast<int>(reg.layout)));
   req.set_num_blocks(reg.num_blocks);
   auto* cuda = req.mutable_cuda();
+  req.set_component(reg.component);
   cuda->set_gpu_uuid(reg.gpu_uuid);
   cuda->set_tp_rank(reg.tp_rank);
   for (size_t ri = 0; ri < reg.regions.size(); ++ri) {
@@ -387,20 +451,32 @@ Result<Ticket> Client::Store(const BlockKeyChain& chain, std::span<const uint32_
   const std::span<const BlockKey> keys = chain.keys();
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
+  if (s->geometry.is_hybrid()) return UseComponentOverload("Store", s->geometry);
   if (keys.empty() || keys.size() != src_block_ids.size()) {
     return Status::InvalidArgument(fmt::format("{} keys and {} source block ids; expected the same non-zero number",
                                                keys.size(), src_block_ids.size()));
   }
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (keys[i] == BlockKey{}) {
-      return Status::InvalidArgument(fmt::format(
-          "key {} of the store is all zero; the all-zero key is reserved (it marks a chain's root) and cannot be "
-          "stored: derive keys with ComputeBlockKeys",
-          i));
-    }
-  }
+  FLEXKV_RETURN_IF_ERROR(CheckStoreKeys(keys));
   auto t = s->rings->Submit(RingOp::kStore, 0, static_cast<uint32_t>(keys.size()), keys, src_block_ids, 0,
                             chain.parent());
+  if (!t.ok()) return t.status();
+  return Ticket{t->id, s->generation};
+}
+
+Result<Ticket> Client::Store(const BlockKeyChain& chain, std::span<const std::span<const uint32_t>> component_ids,
+                             std::span<const uint32_t> state_boundaries) {
+  const std::span<const BlockKey> keys = chain.keys();
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
+  if (keys.empty() || keys.size() > UINT32_MAX) {
+    return Status::InvalidArgument(fmt::format("store of {} keys; expected 1..{}", keys.size(), UINT32_MAX));
+  }
+  FLEXKV_RETURN_IF_ERROR(CheckStoreKeys(keys));
+  const auto count = static_cast<uint32_t>(keys.size());
+  auto ids = LayOutComponentIds(s->geometry, true, count, component_ids, state_boundaries);
+  if (!ids.ok()) return ids.status();
+  auto t = s->rings->Submit(RingOp::kStore, 0, count, keys, *ids, 0, chain.parent(),
+                            static_cast<uint32_t>(state_boundaries.size()));
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }

@@ -110,7 +110,8 @@ Status Geometry::Validate() const {
 }
 
 Geometry Geometry::Component(size_t i) const {
-  Geometry g{tokens_per_block, num_layers, kv_planes, kv_heads_per_rank, head_dim, dtype_bytes, tp_size};
+  Geometry g = *this;
+  g.components.clear();
   if (i == 0) return g;
   const ComponentSpec& c = components[i - 1];
   g.num_layers = c.num_layers;
@@ -229,9 +230,25 @@ std::string Geometry::ToString() const {
   return s + "}";
 }
 
-Geometry Llama3_8B() { return Geometry{16, 32, 2, 8, 128, 2, 1}; }
-Geometry Qwen3_8B() { return Geometry{16, 36, 2, 8, 128, 2, 1}; }
-Geometry DeepSeekMla() { return Geometry{16, 61, 1, 1, 576, 2, 1}; }
+namespace {
+
+Geometry Attention(uint32_t layers, uint32_t planes, uint32_t kv_heads, uint32_t head_dim) {
+  Geometry g;
+  g.tokens_per_block = 16;
+  g.num_layers = layers;
+  g.kv_planes = planes;
+  g.kv_heads_per_rank = kv_heads;
+  g.head_dim = head_dim;
+  g.dtype_bytes = 2;
+  g.tp_size = 1;
+  return g;
+}
+
+}  // namespace
+
+Geometry Llama3_8B() { return Attention(32, 2, 8, 128); }
+Geometry Qwen3_8B() { return Attention(36, 2, 8, 128); }
+Geometry DeepSeekMla() { return Attention(61, 1, 1, 576); }
 
 namespace {
 
@@ -264,7 +281,7 @@ ComponentSpec State(uint32_t layers, uint64_t bytes_per_layer) {
 // openai/gpt-oss-20b config.json: num_hidden_layers 24, layer_types alternating "sliding_attention" and
 // "full_attention" (12 each), sliding_window 128, num_key_value_heads 8, head_dim 64; KV in bf16.
 Geometry GptOss20B() {
-  Geometry g{16, 12, 2, 8, 64, 2, 1};
+  Geometry g = Attention(12, 2, 8, 64);
   g.components = {SlidingWindow(12, 8, 64, 128)};
   return g;
 }
@@ -272,7 +289,7 @@ Geometry GptOss20B() {
 // google/gemma-3-27b-it config.json (text_config): num_hidden_layers 62, sliding_window_pattern 6 (5 local layers
 // per global one: 10 global, 52 local), sliding_window 1024, num_key_value_heads 16, head_dim 128; KV in bf16.
 Geometry Gemma3_27B() {
-  Geometry g{16, 10, 2, 16, 128, 2, 1};
+  Geometry g = Attention(10, 2, 16, 128);
   g.components = {SlidingWindow(52, 16, 128, 1024)};
   return g;
 }
@@ -283,7 +300,7 @@ Geometry Gemma3_27B() {
 // layer's state: recurrent 32 x 128 x 128 fp32 (2 MiB) + conv (2 x 16 x 128 + 32 x 128 = 8192 channels) x 3 bf16
 // (48 KiB) = 2,146,304 bytes at TP 1.
 Geometry Qwen3Next80B() {
-  Geometry g{16, 12, 2, 2, 256, 2, 1};
+  Geometry g = Attention(12, 2, 2, 256);
   g.components = {State(36, 32ull * 128 * 128 * 4 + 8192ull * 3 * 2)};
   return g;
 }
@@ -292,7 +309,7 @@ Geometry Qwen3Next80B() {
 // num_key_value_heads 8, head_dim 4096 / 32 = 128), 28 Mamba layers: mamba_expand 2 (d_inner 8192), mamba_d_state
 // 16, mamba_d_conv 4. One layer's state: ssm 8192 x 16 fp32 (512 KiB) + conv 8192 x 3 bf16 (48 KiB) = 573,440 bytes.
 Geometry JambaLike() {
-  Geometry g{16, 4, 2, 8, 128, 2, 1};
+  Geometry g = Attention(4, 2, 8, 128);
   g.components = {State(28, 8192ull * 16 * 4 + 8192ull * 3 * 2)};
   return g;
 }

@@ -86,7 +86,7 @@ int RunDaemon(const DaemonConfig& config) {
   EngineMemoryBackends backends;
   backends.Add(std::make_unique<HostBackend>(config.copy_threads));
   if (auto cuda = CudaEngineMemory::Create(config.load_copy_engine, config.store_copy_engine)) backends.Add(std::move(cuda));
-  Cache cache(config.pool_bytes, config.pool_path);
+  Cache cache(config.pool_bytes, config.pool_path, PoolSplit{config.swa_share, config.state_share});
   // The pool announces itself (now when re-attached, or at the first Attach): the backends register it for DMA
   // before any session can copy, so that registering GPU buffers later is quick.
   cache.SetPoolListener([&backends](const PoolRegion& pool) { backends.RegisterPool(pool); },

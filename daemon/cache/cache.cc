@@ -9,16 +9,30 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <unordered_set>
 
-#include "common/uds.h"
-
+#include "common/hybrid_ids.h"
 #include "common/log.h"
+#include "common/uds.h"
 #include "common/units.h"
 
 namespace flexkv {
 
-Cache::Cache(uint64_t budget_bytes, std::string pool_path)
-    : budget_bytes_(budget_bytes), pool_path_(std::move(pool_path)), domain_(budget_bytes) {}
+Cache::Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split)
+    : budget_bytes_(budget_bytes), pool_path_(std::move(pool_path)), split_(split), domain_(budget_bytes) {}
+
+namespace {
+
+// The index of each component >= 1 of `pool`.
+std::vector<std::unique_ptr<ComponentIndex>> MakeParts(const Pool& pool) {
+  std::vector<std::unique_ptr<ComponentIndex>> parts;
+  for (size_t c = 1; c < pool.component_count(); ++c) {
+    parts.push_back(std::make_unique<ComponentIndex>(pool.sub_pool(c).capacity));
+  }
+  return parts;
+}
+
+}  // namespace
 
 // The pool file is created at the first Attach (its geometry fixes the slot size); refuse to start when its
 // filesystem (normally /dev/shm) cannot hold the budget, rather than failing that Attach.
@@ -55,7 +69,7 @@ Status Cache::RecoverPool(bool discard) {
     ::unlink(pool_path_.c_str());
     return CheckPoolSpace();
   }
-  auto pool = Pool::Open(pool_path_, budget_bytes_);
+  auto pool = Pool::Open(pool_path_, budget_bytes_, split_);
   if (!pool.ok()) {
     if (pool.status().code() == StatusCode::kNotFound) return CheckPoolSpace();
     if (!discard) return pool.status();
@@ -68,11 +82,22 @@ Status Cache::RecoverPool(bool discard) {
   auto committed = (*pool)->Recover(&dropped, &corrupt);
   // A slot entry that fails its checksum (changed, or moved from another slot) loses its block.
   counters_.data_loss_blocks.fetch_add(corrupt, std::memory_order_relaxed);
-  auto index = std::make_unique<PrefixIndex>((*pool)->capacity());
+  auto index = std::make_unique<PrefixIndex>((*pool)->sub_pool(0).capacity);
+  auto parts = MakeParts(**pool);
   std::vector<Pool::Committed> restored;
   restored.reserve(committed.size());
+  std::unordered_set<BlockKey, BlockKeyHash> full_keys;  // FULL blocks restored (a component entry needs its own)
   for (const Pool::Committed& c : committed) {
-    if (index->RestoreUnverified(c.slot, c.key, c.parent).ok()) {
+    Status placed;
+    if (c.component == 0) {
+      placed = index->RestoreUnverified(c.slot, c.key, c.parent);
+      if (placed.ok()) full_keys.insert(c.key);
+    } else if (!full_keys.contains(c.key)) {
+      placed = Status::FailedPrecondition("its FULL block is gone");  // it serves no prefix end
+    } else {
+      placed = parts[c.component - 1]->RestoreUnverified(c.slot - (*pool)->sub_pool(c.component).base, c.key);
+    }
+    if (placed.ok()) {
       restored.push_back(c);
     } else {
       (*pool)->MarkFree(c.slot);
@@ -99,7 +124,7 @@ Status Cache::RecoverPool(bool discard) {
             pool_path_, index->unverified_blocks(), dropped, corrupt, (*pool)->model_namespace(),
             (*pool)->geometry().ToString(), (*pool)->creator_uid());
   unverified_ = std::move(restored);
-  AdoptPoolLocked(std::move(*pool), std::move(index));
+  AdoptPoolLocked(std::move(*pool), std::move(index), std::move(parts));
   return Status::Ok();
 }
 
@@ -112,19 +137,30 @@ Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry
 }
 
 Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid) {
-  auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes_, creator_uid);
+  auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes_, creator_uid, split_);
   if (!pool.ok()) return pool.status();
   FLEXKV_RETURN_IF_ERROR(pool_lock_.LockPoolFile());
-  auto index = std::make_unique<PrefixIndex>((*pool)->capacity());
-  AdoptPoolLocked(std::move(*pool), std::move(index));
+  auto index = std::make_unique<PrefixIndex>((*pool)->sub_pool(0).capacity);
+  auto parts = MakeParts(**pool);
+  AdoptPoolLocked(std::move(*pool), std::move(index), std::move(parts));
   return Status::Ok();
 }
 
-void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index) {
+void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index,
+                            std::vector<std::unique_ptr<ComponentIndex>> parts) {
   pool_ = std::move(pool);
   index_ = std::move(index);
+  parts_ = std::move(parts);
   Pool* p = pool_.get();
-  index_->SetEvictionListener([p](SlotId slot, const BlockKey&) { p->MarkFree(slot); });
+  // Listeners run inside index calls, which run under mu_.
+  index_->SetEvictionListener([this, p](SlotId slot, const BlockKey& key) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    p->MarkFree(slot);
+    UnanchorLocked(key);
+  });
+  for (size_t c = 1; c < pool_->component_count(); ++c) {
+    const SlotId base = pool_->sub_pool(c).base;
+    Part(c).SetEvictionListener([p, base](SlotId local, const BlockKey&) { p->MarkFree(base + local); });
+  }
   generation_.fetch_add(1, std::memory_order_acq_rel);
   capacity_.store(pool_->capacity(), std::memory_order_release);
   has_pool_.store(true, std::memory_order_release);
@@ -153,6 +189,13 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
       return Status::FailedPrecondition(
           fmt::format("{} blocks are being stored; retry in a moment", index_->used_slots() - index_->committed_blocks()));
     }
+    for (const auto& part : parts_) {
+      if (part->unverified_entries() > 0 || part->pinned_slots() > 0 ||
+          part->used_slots() != part->committed_entries()) {
+        return Status::FailedPrecondition(
+            "window or state entries are still being stored, verified or read; retry in a moment");
+      }
+    }
     if (only_if_empty && index_->committed_blocks() > 0) {
       return Status::FailedPrecondition(fmt::format("the domain '{}' holds {} blocks", domain.model_namespace,
                                                     index_->committed_blocks()));
@@ -163,6 +206,7 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
   has_pool_.store(false, std::memory_order_release);
   capacity_.store(0, std::memory_order_release);
   index_.reset();
+  parts_.clear();
   if (pool_) {
     pool_.reset();
     ::unlink(pool_path_.c_str());
@@ -176,14 +220,22 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
 }
 
 PoolRegion Cache::RegionLocked() const {
-  return PoolRegion{pool_->SlotData(0), uint64_t{pool_->capacity()} * pool_->block_bytes(), pool_->block_bytes(),
-                    pool_->capacity()};
+  const SubPool& full = pool_->sub_pool(0);
+  return PoolRegion{pool_->data_begin(), pool_->data_bytes(), full.slot_bytes, full.capacity};
 }
 
-std::optional<PoolRegion> Cache::pool_region() const {
+std::optional<PoolRegion> Cache::pool_region(size_t component) const {
   MutexLock lock(&mu_);
-  if (!pool_) return std::nullopt;
-  return RegionLocked();
+  if (!pool_ || component >= pool_->component_count()) return std::nullopt;
+  const SubPool& p = pool_->sub_pool(component);
+  return PoolRegion{p.data, uint64_t{p.capacity} * p.slot_bytes, p.slot_bytes, p.capacity};
+}
+
+std::vector<SlotId> Cache::component_bases() const {
+  MutexLock lock(&mu_);
+  std::vector<SlotId> bases;
+  for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) bases.push_back(pool_->sub_pool(c).base);
+  return bases;
 }
 
 void Cache::SetPoolListener(std::function<void(const PoolRegion&)> listener, std::function<void()> gone) {
@@ -207,12 +259,156 @@ uint8_t* Cache::SlotData(SlotId slot) const { return pool_->SlotData(slot); }
 size_t Cache::Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned) {
   MutexLock lock(&mu_);
   if (!index_) return 0;
+  if (!parts_.empty()) return HybridMatchLocked(keys, pin, pinned);
   return index_->Match(keys, pin, pinned);
+}
+
+size_t Cache::HybridMatchLocked(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned) {
+  const Geometry& g = pool_->geometry();
+  const size_t full_prefix = index_->Match(keys, false, nullptr);
+  std::vector<ComponentRule> rules;
+  for (size_t c = 1; c < g.component_count(); ++c) {
+    rules.push_back(ComponentRule{g.component_kind(c) == ComponentKind::kState, g.window_blocks(c)});
+  }
+  const size_t e = LongestUsableEnd(full_prefix, rules, [&](size_t c, size_t j) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return Part(c).Find(keys[j]).has_value();
+  });
+  if (!pin || e == 0) return e;
+  // Pin all of it, in the order of a Load's ids.
+  const HybridIdLayout layout = LayoutIds(g, false, static_cast<uint32_t>(e), 0);
+  const size_t first = pinned->size();
+  pinned->resize(first + layout.total);
+  std::vector<SlotId> full;
+  index_->Match(keys.first(e), true, &full);
+  std::copy(full.begin(), full.end(), pinned->begin() + static_cast<ptrdiff_t>(first + layout.offset[0]));
+  for (size_t c = 1; c < g.component_count(); ++c) {
+    const uint64_t n = ComponentIdCount(g, c, false, static_cast<uint32_t>(e), 0);
+    const SlotId base = pool_->sub_pool(c).base;
+    for (uint64_t i = 0; i < n; ++i) {
+      const SlotId local = *Part(c).Find(keys[e - n + i]);  // present: the hit rule just saw it, under this lock
+      Part(c).Pin(local);
+      (*pinned)[first + layout.offset[c] + i] = base + local;
+    }
+  }
+  return e;
 }
 
 void Cache::Unpin(std::span<const SlotId> slots) {
   MutexLock lock(&mu_);
-  if (index_) index_->Unpin(slots);
+  UnpinLocked(slots);
+}
+
+void Cache::UnpinLocked(std::span<const SlotId> slots) {
+  if (!index_) return;
+  if (parts_.empty()) return index_->Unpin(slots);
+  for (SlotId s : slots) {
+    const size_t c = ComponentOfLocked(s);
+    if (c == 0) {
+      index_->Unpin(std::span<const SlotId>(&s, 1));
+    } else {
+      const SlotId local = LocalLocked(c, s);
+      Part(c).Unpin(std::span<const SlotId>(&local, 1));
+    }
+  }
+}
+
+void Cache::UnanchorLocked(const BlockKey& key) {
+  for (const auto& part : parts_) part->Unanchor(key);
+}
+
+Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
+                                              std::span<const uint32_t> boundaries) {
+  MutexLock lock(&mu_);
+  HybridReservation r;
+  if (!index_) {
+    r.full.shortfall = r.shortfall = StatusCode::kFailedPrecondition;
+    return r;
+  }
+  const Geometry& g = pool_->geometry();
+  r.full = index_->Reserve(parent, keys);
+  if (r.full.shortfall != StatusCode::kOk) {
+    index_->Abort(r.full.slots);
+    r.full.slots.clear();
+    r.shortfall = r.full.shortfall;
+    return r;
+  }
+  r.keys.resize(g.component_count());
+  r.slots.resize(g.component_count());
+  for (size_t c = 1; c < g.component_count(); ++c) {
+    std::vector<BlockKey>& ck = r.keys[c];
+    if (g.component_kind(c) == ComponentKind::kSlidingWindow) {
+      const size_t n = std::min<size_t>(g.window_blocks(c), keys.size());
+      ck.assign(keys.end() - static_cast<ptrdiff_t>(n), keys.end());
+    } else {
+      for (uint32_t b : boundaries) ck.push_back(keys[b - 1]);
+    }
+    ComponentIndex::Reservation part = Part(c).Reserve(ck);
+    if (part.shortfall != StatusCode::kOk) {
+      // All or none: give back what the earlier components and the FULL part took.
+      for (size_t d = 1; d < c; ++d) {
+        std::vector<SlotId> local;
+        for (SlotId s : r.slots[d]) {
+          if (s != ComponentIndex::kNoSlot) local.push_back(LocalLocked(d, s));
+        }
+        Part(d).Abort(local);
+      }
+      index_->Abort(r.full.slots);
+      r.full.slots.clear();
+      r.keys.clear();
+      r.slots.clear();
+      r.shortfall = part.shortfall;
+      r.component = c;
+      return r;
+    }
+    const SlotId base = pool_->sub_pool(c).base;
+    for (SlotId& s : part.slots) {
+      if (s != ComponentIndex::kNoSlot) s += base;
+    }
+    r.slots[c] = std::move(part.slots);
+  }
+  return r;
+}
+
+void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys, const HybridReservation& r,
+                         const std::vector<std::vector<uint64_t>>& checksums) {
+  MutexLock lock(&mu_);
+  if (!index_) return;  // DropDomain waits for copies in flight
+  const size_t first = r.full.cached;
+  index_->Commit(r.full.slots);
+  for (size_t i = 0; i < r.full.slots.size(); ++i) {
+    const SlotId slot = r.full.slots[i];
+    if (!index_->IsCommitted(slot)) continue;  // dropped with a failed ancestor while it copied
+    const size_t k = first + i;
+    pool_->MarkCommitted(slot, keys[k], k == 0 ? parent : keys[k - 1], checksums[0][i]);
+    for (const auto& part : parts_) part->Anchor(keys[k]);
+  }
+  for (size_t c = 1; c < r.slots.size(); ++c) {
+    std::vector<SlotId> local;
+    for (SlotId s : r.slots[c]) {
+      if (s != ComponentIndex::kNoSlot) local.push_back(LocalLocked(c, s));
+    }
+    Part(c).Commit(local);
+    size_t n = 0;
+    for (size_t i = 0; i < r.slots[c].size(); ++i) {
+      const SlotId s = r.slots[c][i];
+      if (s == ComponentIndex::kNoSlot) continue;
+      const uint64_t sum = checksums[c][n++];
+      if (Part(c).IsCommitted(LocalLocked(c, s))) pool_->MarkCommitted(s, r.keys[c][i], BlockKey{}, sum);
+    }
+  }
+}
+
+void Cache::AbortHybrid(const HybridReservation& r) {
+  MutexLock lock(&mu_);
+  if (!index_) return;
+  index_->Abort(r.full.slots);
+  for (size_t c = 1; c < r.slots.size(); ++c) {
+    std::vector<SlotId> local;
+    for (SlotId s : r.slots[c]) {
+      if (s != ComponentIndex::kNoSlot) local.push_back(LocalLocked(c, s));
+    }
+    Part(c).Abort(local);
+  }
 }
 
 PrefixIndex::Reservation Cache::Reserve(const BlockKey& parent, std::span<const BlockKey> keys) {
@@ -255,7 +451,9 @@ void Cache::KeepUnverified(std::vector<Pool::Committed>* batch) const {
   size_t kept = 0;
   if (!index_) batch->clear();  // dropped meanwhile (DropDomain refuses while blocks are being verified)
   for (const Pool::Committed& c : *batch) {
-    if (index_->IsUnverified(c.slot)) (*batch)[kept++] = c;
+    const bool unverified = c.component == 0 ? index_->IsUnverified(c.slot)
+                                             : Part(c.component).IsUnverified(LocalLocked(c.component, c.slot));
+    if (unverified) (*batch)[kept++] = c;
   }
   batch->resize(kept);
 }
@@ -268,9 +466,10 @@ std::vector<Cache::CheckTarget> Cache::PinForCheck(SlotId begin, SlotId end) {
   MutexLock lock(&mu_);
   std::vector<CheckTarget> out;
   if (!index_) return out;
-  end = std::min(end, index_->capacity());
+  end = std::min(end, pool_->capacity());
   for (SlotId s = begin; s < end; ++s) {
-    if (!index_->PinSlot(s)) continue;
+    const size_t c = ComponentOfLocked(s);
+    if (!(c == 0 ? index_->PinSlot(s) : Part(c).PinSlot(LocalLocked(c, s)))) continue;
     const std::optional<Pool::Committed> entry = pool_->Entry(s);
     out.push_back(CheckTarget{s, entry ? std::optional<uint64_t>(entry->content_checksum) : std::nullopt});
   }
@@ -281,12 +480,35 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
                            std::span<const SlotId> failed) {
   MutexLock lock(&mu_);
   if (!index_) return 0;  // dropped (DropDomain refuses while any slot is pinned, so nothing was checked)
-  for (SlotId s : passed) index_->MarkVerified(s);
-  index_->Unpin(unpin);
+  // FULL blocks first and parents first (the verifier's order): a component entry does not depend on them.
+  std::vector<SlotId> full_failed;
+  for (SlotId s : passed) {
+    const size_t c = ComponentOfLocked(s);
+    if (c == 0) {
+      index_->MarkVerified(s);
+    } else {
+      Part(c).MarkVerified(LocalLocked(c, s));
+    }
+  }
+  size_t dropped = 0;
+  for (SlotId s : failed) {
+    const size_t c = ComponentOfLocked(s);
+    if (c == 0) {
+      full_failed.push_back(s);
+    } else {
+      const SlotId local = LocalLocked(c, s);
+      dropped += Part(c).Drop(std::span<const SlotId>(&local, 1));  // its listener clears the slot entry
+    }
+  }
+  UnpinLocked(unpin);
   if (failed.empty()) return 0;
   counters_.data_loss_blocks.fetch_add(failed.size(), std::memory_order_relaxed);
   // The slot entries go first: a restart must never restore a dropped block, even one a load still reads.
-  return index_->DropSubtrees(failed, [this](SlotId s) { pool_->MarkFree(s); });
+  return dropped + index_->DropSubtrees(full_failed, [this](SlotId s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+           const std::optional<Pool::Committed> entry = pool_->Entry(s);
+           pool_->MarkFree(s);
+           if (entry) UnanchorLocked(entry->key);
+         });
 }
 
 void Cache::Abort(std::span<const SlotId> slots) {
@@ -305,6 +527,21 @@ Cache::Stats Cache::GetStats() const {
   s.evicted = index_->evicted_blocks();
   s.unverified = index_->unverified_blocks();
   s.backing = pool_->path();
+  if (parts_.empty()) return s;
+  const SubPool& full = pool_->sub_pool(0);
+  s.components.push_back(ComponentStats{ComponentKind::kFull, full.slot_bytes, full.capacity, s.used, s.pinned,
+                                        s.evicted, 0});
+  for (size_t c = 1; c < pool_->component_count(); ++c) {
+    const ComponentIndex& part = Part(c);
+    const SubPool& sub = pool_->sub_pool(c);
+    s.components.push_back(ComponentStats{sub.kind, sub.slot_bytes, sub.capacity, part.used_slots(),
+                                          part.pinned_slots(), part.evicted_entries(), part.unanchored_entries()});
+    s.capacity += sub.capacity;
+    s.used += part.used_slots();
+    s.pinned += part.pinned_slots();
+    s.evicted += part.evicted_entries();
+    s.unverified += part.unverified_entries();
+  }
   return s;
 }
 

@@ -17,6 +17,7 @@
 #include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "daemon/cache/cache_domain.h"
+#include "daemon/cache/component_index.h"
 #include "daemon/cache/pool.h"
 #include "daemon/cache/pool_lock.h"
 #include "daemon/cache/pool_region.h"
@@ -34,7 +35,8 @@ struct CacheCounters {
 
 class Cache {
  public:
-  Cache(uint64_t budget_bytes, std::string pool_path);
+  // `split`: how a hybrid geometry's pool divides the budget between its components (pool.h).
+  Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split = {});
 
   // Locks the pool (PoolLock: `<pool>.lock` and the pool file itself; a second daemon on the same pool is
   // refused naming the holder's pid), then
@@ -62,15 +64,44 @@ class Cache {
   bool has_pool() const;
   uint64_t block_bytes() const;
   uint8_t* SlotData(SlotId slot) const;  // has_pool() must hold
-  // Slots in the pool; 0 before it exists. No lock.
+  // Slots in the pool (every component's); 0 before it exists. No lock.
   uint32_t capacity_slots() const;
-  // Where the pool's slots are; nullopt before the pool exists.
-  std::optional<PoolRegion> pool_region() const;
+  // Where component `component`'s slots are (its sub-pool; slot ids in it are local, 0-based); nullopt before
+  // the pool exists or for a component the pool does not have.
+  std::optional<PoolRegion> pool_region(size_t component = 0) const;
+  // The pool's components' first slot in the cache's slot numbering (what Match pins and Unpin takes), by component.
+  std::vector<SlotId> component_bases() const;
   CacheDomain::View Domain() const { return domain_.Snapshot(); }
 
   // See PrefixIndex. Keys are the request's; slots and reservations refer to this cache's pool.
+  // A hybrid geometry's Match is its hit rule (docs/hybrid.md): the longest prefix end e whose FULL blocks, windows
+  // and states are all cached; with `pin` it pins all of them and appends their slots in the order of a Load's ids
+  // (common/hybrid_ids.h LayoutIds(geometry, false, e, 0)).
   size_t Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned);
+  // Unpins slots of any component (Match's, PinForCheck's).
   void Unpin(std::span<const SlotId> slots);
+
+  // A hybrid store (all or none), as reserved: the FULL part as Reserve gives it, and per component c >= 1 the
+  // keys it stores (sliding window: the request's last min(window, n) keys; state: the key before each boundary)
+  // with one slot per key (cache numbering), kNoSlot where the entry is cached already.
+  struct HybridReservation {
+    PrefixIndex::Reservation full;
+    std::vector<std::vector<BlockKey>> keys;  // [component], empty for component 0
+    std::vector<std::vector<SlotId>> slots;   // [component], empty for component 0
+    // OK when everything was reserved; otherwise nothing is (full.slots and slots empty) and this says why (as
+    // Reservation::shortfall) with `component` the one that could not be reserved (0: FULL).
+    StatusCode shortfall = StatusCode::kOk;
+    size_t component = 0;
+  };
+  // `boundaries` are the request's state boundaries (validated: 1..keys.size(), increasing).
+  HybridReservation ReserveHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
+                                  std::span<const uint32_t> boundaries);
+  // Publishes a hybrid store after every copy completed; `checksums[c]` has one content checksum per reserved slot
+  // of component c (in r.full.slots / r.slots[c] order, kNoSlot entries skipped).
+  void CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys, const HybridReservation& r,
+                    const std::vector<std::vector<uint64_t>>& checksums);
+  // Returns a hybrid store's reserved slots (a copy failed, or the session ended).
+  void AbortHybrid(const HybridReservation& r);
   PrefixIndex::Reservation Reserve(const BlockKey& parent, std::span<const BlockKey> keys);
   // Publishes reserved slots after their bytes are complete. `parent` and `keys` are the request's (as given
   // to Reserve) and `first` the index of reservation.slots[0] in them; `content_checksums[i]` is slots[i]'s
@@ -109,10 +140,15 @@ class Cache {
   // and counted in data_loss_blocks. Returns the blocks dropped, descendants included.
   size_t FinishChecks(std::span<const SlotId> passed, std::span<const SlotId> unpin, std::span<const SlotId> failed);
 
+  struct ComponentStats {
+    ComponentKind kind = ComponentKind::kFull;
+    uint64_t slot_bytes = 0, capacity = 0, used = 0, pinned = 0, evicted = 0, unanchored = 0;
+  };
   struct Stats {
     uint64_t capacity = 0, used = 0, pinned = 0, blocks = 0, evicted = 0;
     uint64_t unverified = 0;  // restored blocks whose bytes are not verified yet (not matchable)
     std::string backing;
+    std::vector<ComponentStats> components;  // hybrid geometries: one per component, component 0 first
   };
   Stats GetStats() const;
   CacheCounters& counters() { return counters_; }
@@ -123,19 +159,34 @@ class Cache {
   Status CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Installs `pool` and its index, publishes has_pool_ and tells the listener.
-  void AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index)
+  void AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index,
+                       std::vector<std::unique_ptr<ComponentIndex>> parts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every sub-pool's bytes as one region (what the engine-memory backends register).
   PoolRegion RegionLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The component index of component c >= 1, and a slot's component and its slot there.
+  ComponentIndex& Part(size_t c) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return *parts_[c - 1]; }
+  size_t ComponentOfLocked(SlotId slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pool_->ComponentOf(slot); }
+  SlotId LocalLocked(size_t c, SlotId slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return slot - pool_->sub_pool(c).base;
+  }
+  size_t HybridMatchLocked(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnpinLocked(std::span<const SlotId> slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A FULL block left the index (evicted or dropped): the other components' entries of its key are unanchored.
+  void UnanchorLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint64_t budget_bytes_;
   const std::string pool_path_;
+  const PoolSplit split_;
   CacheDomain domain_;
   CacheCounters counters_;
   mutable Mutex mu_;
   // Set under mu_ before has_pool_ turns true, reset (DropDomain) only while no session exists; read without
   // the lock only after has_pool() (SlotData), by sessions of the current generation.
   std::unique_ptr<Pool> pool_;
-  std::unique_ptr<PrefixIndex> index_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<PrefixIndex> index_ ABSL_GUARDED_BY(mu_);  // component 0 (FULL)
+  std::vector<std::unique_ptr<ComponentIndex>> parts_ ABSL_GUARDED_BY(mu_);  // components 1.. of a hybrid geometry
   std::atomic<bool> has_pool_{false};
   std::atomic<uint64_t> generation_{0};
   std::atomic<uint32_t> capacity_{0};  // the pool's slots (capacity_slots without a lock)

@@ -7,7 +7,8 @@
 //
 // Entry states: free, pending (reserved by a store, bytes being copied: not findable, not evictable), committed
 // (findable), unverified (restored at start, bytes not yet checked: not findable, not evictable), and a dropped
-// entry is free again once no pin holds it.
+// entry is free again once no pin holds it. Every operation is O(1) per slot or key it is given, except the
+// O(capacity) debug and test support at the end.
 #pragma once
 
 #include <cstdint>
@@ -33,8 +34,8 @@ class ComponentIndex {
   ComponentIndex(const ComponentIndex&) = delete;
   ComponentIndex& operator=(const ComponentIndex&) = delete;
 
-  // Called when a committed entry is evicted or dropped, before its slot is reused (the cache clears its
-  // slot-table entry).
+  // Called when a committed entry is evicted or dropped, or an unverified one dropped, before its slot is reused
+  // (the cache clears its slot-table entry). It must not call back into the index.
   void SetEvictionListener(std::function<void(SlotId, const BlockKey&)> listener);
 
   // The slot of `key`'s committed entry, or nullopt (none, pending or unverified). Does not touch the LRU order.
@@ -55,17 +56,22 @@ class ComponentIndex {
   };
   // Reserves pending entries for the keys of `keys` without a committed entry, all or none: free slots first,
   // then evicting (unanchored entries first, then least recently used; never pinned, pending or unverified
-  // entries, and never an entry of `keys` itself). `keys` must not repeat a key. New entries are anchored.
+  // entries, and never an entry of `keys` itself). The committed entries of `keys` are marked used. New entries
+  // are anchored. `keys` must not repeat a key; if it does, the answer is RESOURCE_EXHAUSTED or ABORTED with
+  // nothing reserved (entries may have been evicted meanwhile).
   Reservation Reserve(std::span<const BlockKey> keys);
-  // Makes pending slots committed (findable). A slot dropped while pending (DropKeys) is freed instead.
+  // Makes pending slots committed (findable). A slot dropped while pending (Drop) is freed instead: check
+  // IsCommitted afterwards before publishing it.
   void Commit(std::span<const SlotId> slots);
-  // Returns pending slots to the free list.
+  // Returns pending slots (dropped meanwhile or not) to the free list.
   void Abort(std::span<const SlotId> slots);
 
-  // The FULL block of `key` left the cache (evicted or dropped): its entry, if committed, becomes unanchored
-  // (evicted before every anchored entry). No-op without an entry.
+  // The FULL block of `key` left the cache (evicted or dropped): its entry becomes unanchored (once committed,
+  // evicted before every anchored entry, after the entries unanchored earlier). Applies to a pending or
+  // unverified entry too, which is then unanchored when it becomes committed. No-op without an entry.
   void Unanchor(const BlockKey& key);
-  // The FULL block of `key` is cached again (a store committed it): its unanchored entry is anchored again.
+  // The FULL block of `key` is cached again (a store committed it): its unanchored entry is anchored again (and,
+  // when evictable, goes to the most recently used end).
   void Anchor(const BlockKey& key);
 
   // Rebuild at restart: inserts an unverified entry (not findable, not evictable) until MarkVerified or Drop.
@@ -78,7 +84,8 @@ class ComponentIndex {
   bool PinSlot(SlotId slot);
   // Takes the (committed or unverified) entries in `slots` out: not findable from now on, their keys may be stored
   // again; each slot is freed at once, or with its last Unpin. The eviction listener runs for each. Returns how
-  // many entries were dropped.
+  // many entries were dropped. A pending slot in `slots` loses its key at once too, and is freed by its store's
+  // Commit or Abort (not counted, no listener: it was never published). Other slots are ignored.
   size_t Drop(std::span<const SlotId> slots);
   // Whether `slot` holds a committed / unverified entry.
   bool IsCommitted(SlotId slot) const;
@@ -107,7 +114,9 @@ class ComponentIndex {
 // (full_prefix: the committed FULL prefix of the keys) at which every other component is usable - for a
 // sliding-window component with window w, entries for the blocks [max(0, e - w), e) all exist; for a state
 // component, an entry for the snapshot at e (block e - 1's key) exists. 0 when no end is usable.
-// `has(c, j)`: whether component c (1..rules.size()) has a committed entry for keys[j].
+// `has(c, j)`: whether component c (1..rules.size(); rules[c - 1] is its rule) has a committed entry for keys[j].
+// A window of 0 blocks needs nothing. Calls has() at most once per (c, j), and needs only w calls for a window
+// and one for a state when the longest end is usable: O(full_prefix x components) at worst.
 struct ComponentRule {
   bool state = false;           // a state component; else a sliding window of `window_blocks`
   uint32_t window_blocks = 0;

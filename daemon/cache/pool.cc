@@ -45,9 +45,121 @@ static_assert(offsetof(PoolHeader, checksum) == 344, "the header's fields keep t
 
 uint64_t HeaderChecksum(const PoolHeader& h) { return XXH64(&h, offsetof(PoolHeader, checksum), 0); }
 
+// Layout 3 (hybrid geometries): the sub-pools, at kComponentTableOffset inside the header page.
+constexpr uint64_t kComponentTableOffset = 512;
+struct ComponentRecord {
+  uint32_t kind;
+  uint32_t num_layers;
+  uint32_t kv_planes;
+  uint32_t kv_heads_per_rank;
+  uint32_t head_dim;
+  uint32_t dtype_bytes;
+  uint32_t window_tokens;
+  uint32_t pad;
+  uint64_t state_bytes_per_layer;
+  uint64_t slot_bytes;
+  uint64_t capacity;
+  uint64_t base_slot;
+  uint64_t data_offset;
+};
+struct ComponentTable {
+  uint32_t count;  // components, component 0 (FULL) included
+  uint32_t pad;
+  ComponentRecord records[Geometry::kMaxComponents];
+  uint64_t checksum;  // XXH64 of everything above
+};
+static_assert(kComponentTableOffset + sizeof(ComponentTable) <= 4096);
+uint64_t TableChecksum(const ComponentTable& t) { return XXH64(&t, offsetof(ComponentTable, checksum), 1); }
+
+// Where each part of a pool file goes, from the geometry and the slots of each component.
+struct FileLayout {
+  std::vector<uint64_t> base, data_offset;
+  uint64_t slots = 0, table_offset = kHeaderBytes, data_end = 0;
+};
+
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
+FileLayout LayOut(const Geometry& g, const std::vector<uint64_t>& capacity) {
+  FileLayout l;
+  for (uint64_t c : capacity) {
+    l.base.push_back(l.slots);
+    l.slots += c;
+  }
+  uint64_t at = AlignUp(l.table_offset + l.slots * 64, kDataAlign);
+  for (size_t c = 0; c < capacity.size(); ++c) {
+    at = AlignUp(at, kDataAlign);
+    l.data_offset.push_back(at);
+    at += capacity[c] * g.Component(c).host_block_bytes();
+  }
+  l.data_end = at;
+  return l;
+}
+
+// What one cached 64-block prefix end needs of component c, in slots (the default budget split).
+double DefaultDemand(const Geometry& g, size_t c) {
+  constexpr double kPrefixBlocks = 64, kSnapshots = 2;
+  switch (g.component_kind(c)) {
+    case ComponentKind::kFull:
+      return kPrefixBlocks;
+    case ComponentKind::kSlidingWindow:
+      return std::min<double>(g.window_blocks(c), kPrefixBlocks);
+    case ComponentKind::kState:
+      return kSnapshots;
+  }
+  return 0;
+}
+
 }  // namespace
+
+Result<std::vector<uint64_t>> SplitBudget(const Geometry& g, uint64_t budget_bytes, const PoolSplit& split) {
+  const size_t n = g.component_count();
+  if (n == 1) return std::vector<uint64_t>{budget_bytes / g.host_block_bytes()};
+  for (const auto& [name, share] : {std::pair{"--swa-share", split.swa_share}, std::pair{"--state-share", split.state_share}}) {
+    if (!(share >= 0 && share < 1)) {
+      return Status::InvalidArgument(fmt::format("{} is {}; expected a fraction of the pool in [0, 1) (0: automatic)", name, share));
+    }
+  }
+  // Bytes each component would want for one cached prefix end; a kind whose share the operator set splits that
+  // share among its components by the same weights.
+  std::vector<double> want(n), share(n);
+  double kind_total[4] = {0, 0, 0, 0};
+  for (size_t c = 0; c < n; ++c) {
+    want[c] = DefaultDemand(g, c) * static_cast<double>(g.Component(c).host_block_bytes());
+    kind_total[static_cast<uint32_t>(g.component_kind(c))] += want[c];
+  }
+  const double set_swa = split.swa_share, set_state = split.state_share;
+  double fixed = 0, free_want = 0;
+  for (size_t c = 0; c < n; ++c) {
+    const ComponentKind k = g.component_kind(c);
+    const double set = k == ComponentKind::kSlidingWindow ? set_swa : k == ComponentKind::kState ? set_state : 0;
+    if (set > 0) {
+      share[c] = set * want[c] / kind_total[static_cast<uint32_t>(k)];
+      fixed += share[c];
+    } else {
+      share[c] = -1;
+      free_want += want[c];
+    }
+  }
+  if (fixed >= 1) {
+    return Status::InvalidArgument(fmt::format(
+        "--swa-share {} and --state-share {} leave nothing for the full-attention layers; expected a sum below 1",
+        set_swa, set_state));
+  }
+  std::vector<uint64_t> capacity(n);
+  for (size_t c = 0; c < n; ++c) {
+    if (share[c] < 0) share[c] = (1 - fixed) * want[c] / free_want;
+    const uint64_t slot = g.Component(c).host_block_bytes();
+    capacity[c] = static_cast<uint64_t>(share[c] * static_cast<double>(budget_bytes)) / slot;
+    if (capacity[c] == 0) {
+      return Status::InvalidArgument(fmt::format(
+          "the pool budget {} gives component {} ({}) a share of {:.1f}% ({}), less than one slot of {}; expected a "
+          "larger --pool-size or another split (--swa-share, --state-share)",
+          FormatByteSize(budget_bytes), c, ComponentKindName(g.component_kind(c)), share[c] * 100,
+          FormatByteSize(static_cast<uint64_t>(share[c] * static_cast<double>(budget_bytes))), FormatByteSize(slot)));
+    }
+  }
+  return capacity;
+}
 
 struct Pool::SlotEntry {
   std::atomic<uint32_t> state;  // kSlotCommitted or 0
@@ -75,19 +187,23 @@ uint64_t EntryChecksum(SlotId slot, const BlockKey& key, const BlockKey& parent,
 }  // namespace
 
 Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::string& model_namespace,
-                                           const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid) {
+                                           const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid,
+                                           const PoolSplit& split) {
   static_assert(sizeof(SlotEntry) == 64);
-  static_assert(sizeof(PoolHeader) <= kHeaderBytes);
+  static_assert(sizeof(PoolHeader) <= kComponentTableOffset);
   const uint64_t block_bytes = geometry.host_block_bytes();
-  const uint64_t capacity = budget_bytes / block_bytes;
-  if (capacity == 0 || capacity > UINT32_MAX - 1) {
+  auto capacities = SplitBudget(geometry, budget_bytes, split);
+  if (!capacities.ok()) return capacities.status();
+  const FileLayout layout = LayOut(geometry, *capacities);
+  const uint64_t capacity = layout.slots;
+  if ((*capacities)[0] == 0 || capacity > UINT32_MAX - 1) {
     return Status::InvalidArgument(fmt::format("pool of {} holds {} blocks of {}; expected 1..{}",
                                                FormatByteSize(budget_bytes), capacity, FormatByteSize(block_bytes),
                                                UINT32_MAX - 1));
   }
-  const uint64_t table_offset = kHeaderBytes;
-  const uint64_t data_offset = AlignUp(table_offset + capacity * 64, kDataAlign);
-  const uint64_t file_bytes = data_offset + capacity * block_bytes;
+  const uint64_t table_offset = layout.table_offset;
+  const uint64_t data_offset = layout.data_offset[0];
+  const uint64_t file_bytes = layout.data_end;
 
   const std::filesystem::path dir = std::filesystem::path(path).parent_path();
   if (!dir.empty() && !std::filesystem::exists(dir)) {
@@ -123,10 +239,11 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   pool->table_ = pool->map_.bytes() + table_offset;
   pool->data_ = pool->map_.bytes() + data_offset;
   pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
+  pool->SetSubPools(layout.base, *capacities, layout.data_offset, layout.data_end);
 
   PoolHeader h{};
   std::memcpy(h.magic, kPoolMagic, sizeof(h.magic));
-  h.version = kPoolLayoutVersion;
+  h.version = geometry.is_hybrid() ? kHybridPoolLayoutVersion : kPoolLayoutVersion;
   const uint32_t g[7] = {geometry.tokens_per_block, geometry.num_layers,  geometry.kv_planes, geometry.kv_heads_per_rank,
                          geometry.head_dim,         geometry.dtype_bytes, geometry.tp_size};
   std::memcpy(h.geometry, g, sizeof(g));
@@ -139,11 +256,39 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   h.creator_uid = creator_uid;
   h.checksum = HeaderChecksum(h);
   std::memcpy(pool->map_.data(), &h, sizeof(h));
+  if (geometry.is_hybrid()) {
+    ComponentTable t{};
+    t.count = static_cast<uint32_t>(geometry.component_count());
+    for (size_t c = 0; c < geometry.component_count(); ++c) {
+      ComponentRecord& r = t.records[c];
+      r.kind = static_cast<uint32_t>(geometry.component_kind(c));
+      if (c > 0) {
+        const ComponentSpec& spec = geometry.components[c - 1];
+        r.num_layers = spec.num_layers;
+        r.kv_planes = spec.kv_planes;
+        r.kv_heads_per_rank = spec.kv_heads_per_rank;
+        r.head_dim = spec.head_dim;
+        r.dtype_bytes = spec.dtype_bytes;
+        r.window_tokens = spec.window_tokens;
+        r.state_bytes_per_layer = spec.state_bytes_per_layer;
+      }
+      r.slot_bytes = geometry.Component(c).host_block_bytes();
+      r.capacity = (*capacities)[c];
+      r.base_slot = layout.base[c];
+      r.data_offset = layout.data_offset[c];
+    }
+    t.checksum = TableChecksum(t);
+    std::memcpy(pool->map_.bytes() + kComponentTableOffset, &t, sizeof(t));
+  }
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     return Status::FailedPrecondition(fmt::format("rename {} -> {}: {}", tmp, path, ErrnoText(errno)));
   }
-  log::Info("pool", "created {}: {} slots of {} ({} in all), namespace '{}' created by uid {}", path, capacity,
-            FormatByteSize(block_bytes), FormatByteSize(file_bytes), model_namespace, creator_uid);
+  log::Info("pool", "created {}: {} slots of {} ({} in all), namespace '{}' created by uid {}", path,
+            (*capacities)[0], FormatByteSize(block_bytes), FormatByteSize(file_bytes), model_namespace, creator_uid);
+  for (size_t c = 1; c < geometry.component_count(); ++c) {
+    log::Info("pool", "  component {} ({}): {} slots of {}", c, ComponentKindName(geometry.component_kind(c)),
+              (*capacities)[c], FormatByteSize(geometry.Component(c).host_block_bytes()));
+  }
   return pool;
 }
 
@@ -157,7 +302,7 @@ std::optional<uint32_t> Pool::FileLayoutVersion(const std::string& path) {
   return h.version;
 }
 
-Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budget_bytes) {
+Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budget_bytes, const PoolSplit& split) {
   UniqueFd fd(open(path.c_str(), O_RDWR | O_CLOEXEC));
   if (!fd) {
     if (errno == ENOENT) return Status::NotFound(fmt::format("no pool file at {}", path));
@@ -166,24 +311,75 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   struct stat st {};
   if (fstat(fd.get(), &st) != 0) return Status::Internal(fmt::format("fstat {}: {}", path, ErrnoText(errno)));
   PoolHeader h{};
-  if (static_cast<uint64_t>(st.st_size) < kHeaderBytes || pread(fd.get(), &h, sizeof(h), 0) != static_cast<ssize_t>(sizeof(h))) {
+  ComponentTable t{};
+  if (static_cast<uint64_t>(st.st_size) < kHeaderBytes || pread(fd.get(), &h, sizeof(h), 0) != static_cast<ssize_t>(sizeof(h)) ||
+      pread(fd.get(), &t, sizeof(t), kComponentTableOffset) != static_cast<ssize_t>(sizeof(t))) {
     return Status::DataLoss(fmt::format("pool file {} is {} bytes: too short for a header", path, st.st_size));
   }
   const std::string fix = "; start with --discard-pool to replace it (its blocks are lost)";
   if (std::memcmp(h.magic, kPoolMagic, sizeof(h.magic)) != 0) {
     return Status::DataLoss(fmt::format("{} is not a flexkvd pool file (bad magic){}", path, fix));
   }
-  if (h.version != kPoolLayoutVersion) {
-    return Status::FailedPrecondition(fmt::format("pool file {} has layout version {}; this flexkvd reads version {}{}",
-                                                  path, h.version, kPoolLayoutVersion, fix));
+  if (h.version != kPoolLayoutVersion && h.version != kHybridPoolLayoutVersion) {
+    return Status::FailedPrecondition(fmt::format(
+        "pool file {} has layout version {}; this flexkvd reads versions {} and {}{}", path, h.version,
+        kPoolLayoutVersion, kHybridPoolLayoutVersion, fix));
   }
   if (h.checksum != HeaderChecksum(h)) return Status::DataLoss(fmt::format("pool file {} has a corrupt header{}", path, fix));
+  const bool hybrid = h.version == kHybridPoolLayoutVersion;
+  if (hybrid && (t.checksum != TableChecksum(t) || t.count < 2 || t.count > Geometry::kMaxComponents)) {
+    return Status::DataLoss(fmt::format("pool file {} has a corrupt sub-pool table{}", path, fix));
+  }
   h.model_namespace[sizeof(h.model_namespace) - 1] = '\0';
-  Geometry g{h.geometry[0], h.geometry[1], h.geometry[2], h.geometry[3], h.geometry[4], h.geometry[5], h.geometry[6]};
+  Geometry g;
+  g.tokens_per_block = h.geometry[0];
+  g.num_layers = h.geometry[1];
+  g.kv_planes = h.geometry[2];
+  g.kv_heads_per_rank = h.geometry[3];
+  g.head_dim = h.geometry[4];
+  g.dtype_bytes = h.geometry[5];
+  g.tp_size = h.geometry[6];
+  std::vector<uint64_t> capacities{h.capacity};
+  if (hybrid) {
+    capacities.clear();
+    for (uint32_t c = 0; c < t.count; ++c) {
+      const ComponentRecord& r = t.records[c];
+      capacities.push_back(r.capacity);
+      if (c == 0) continue;
+      ComponentSpec spec;
+      spec.kind = static_cast<ComponentKind>(r.kind);
+      spec.num_layers = r.num_layers;
+      spec.kv_planes = r.kv_planes;
+      spec.kv_heads_per_rank = r.kv_heads_per_rank;
+      spec.head_dim = r.head_dim;
+      spec.dtype_bytes = r.dtype_bytes;
+      spec.window_tokens = r.window_tokens;
+      spec.state_bytes_per_layer = r.state_bytes_per_layer;
+      g.components.push_back(spec);
+    }
+  }
   Status valid = g.Validate();
-  if (!valid.ok() || g.host_block_bytes() != h.block_bytes || h.capacity == 0 || h.capacity > UINT32_MAX - 1 ||
-      h.table_offset != kHeaderBytes || h.data_offset < h.table_offset + h.capacity * 64 ||
-      h.file_bytes != h.data_offset + h.capacity * h.block_bytes) {
+  // The sizes must add up exactly as Create lays them out (a header that does not is not ours to trust).
+  bool consistent = valid.ok() && g.host_block_bytes() == h.block_bytes && h.table_offset == kHeaderBytes;
+  FileLayout layout;
+  if (consistent) {
+    uint64_t total = 0;
+    for (size_t c = 0; c < capacities.size(); ++c) {
+      consistent = consistent && capacities[c] >= 1 && capacities[c] <= UINT32_MAX - 1;
+      total += capacities[c];
+    }
+    consistent = consistent && total == h.capacity && total <= UINT32_MAX - 1;
+  }
+  if (consistent) {
+    layout = LayOut(g, capacities);
+    consistent = h.data_offset == layout.data_offset[0] && h.file_bytes == layout.data_end;
+    for (size_t c = 0; hybrid && consistent && c < capacities.size(); ++c) {
+      consistent = t.records[c].base_slot == layout.base[c] && t.records[c].data_offset == layout.data_offset[c] &&
+                   t.records[c].slot_bytes == g.Component(c).host_block_bytes() &&
+                   t.records[c].kind == static_cast<uint32_t>(g.component_kind(c));
+    }
+  }
+  if (!consistent) {
     return Status::DataLoss(fmt::format("pool file {} has an inconsistent header ({}){}", path,
                                         valid.ok() ? "sizes do not add up" : valid.message(), fix));
   }
@@ -192,13 +388,26 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
         "pool file {} is {} bytes but its header says {}: it was truncated and its blocks are lost{}", path,
         st.st_size, h.file_bytes, fix));
   }
-  const uint64_t budget_capacity = budget_bytes / h.block_bytes;
-  if (budget_capacity != h.capacity) {
+  auto expected = SplitBudget(g, budget_bytes, split);
+  if (!expected.ok() || *expected != capacities) {
+    uint64_t expected_slots = 0;
+    if (expected.ok()) {
+      for (uint64_t c : *expected) expected_slots += c;
+    }
+    const std::string gives = expected.ok() ? fmt::format("{} slots", expected_slots) : expected.status().message();
+    if (!hybrid) {
+      return Status::FailedPrecondition(fmt::format(
+          "pool file {} holds {} slots ({}) but --pool-size {} gives {}; start with --pool-size {} to keep the "
+          "cache{}",
+          path, h.capacity, FormatByteSize(h.capacity * h.block_bytes), FormatByteSize(budget_bytes), gives,
+          FormatByteSize(h.capacity * h.block_bytes), fix));
+    }
     return Status::FailedPrecondition(fmt::format(
-        "pool file {} holds {} slots ({}) but --pool-size {} gives {} slots; start with --pool-size {} to keep the "
+        "pool file {} holds {} slots in {} sub-pools but --pool-size {} with --swa-share {} and --state-share {} "
+        "gives {} (the sub-pools differ); start with the pool size and shares it was created with to keep the "
         "cache{}",
-        path, h.capacity, FormatByteSize(h.capacity * h.block_bytes), FormatByteSize(budget_bytes), budget_capacity,
-        FormatByteSize(h.capacity * h.block_bytes), fix));
+        path, h.capacity, capacities.size(), FormatByteSize(budget_bytes), split.swa_share, split.state_share, gives,
+        fix));
   }
   auto map = MappedRegion::Shared(path, fd.get(), h.file_bytes);
   if (!map.ok()) return map.status();
@@ -213,7 +422,30 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   pool->table_ = pool->map_.bytes() + h.table_offset;
   pool->data_ = pool->map_.bytes() + h.data_offset;
   pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
+  pool->SetSubPools(layout.base, capacities, layout.data_offset, layout.data_end);
   return pool;
+}
+
+void Pool::SetSubPools(const std::vector<uint64_t>& base, const std::vector<uint64_t>& capacity,
+                       const std::vector<uint64_t>& data_offset, uint64_t data_end) {
+  sub_pools_.clear();
+  for (size_t c = 0; c < capacity.size(); ++c) {
+    sub_pools_.push_back(SubPool{geometry_.component_kind(c), static_cast<SlotId>(base[c]),
+                                 static_cast<uint32_t>(capacity[c]), geometry_.Component(c).host_block_bytes(),
+                                 map_.bytes() + data_offset[c]});
+  }
+  data_bytes_ = data_end - data_offset[0];
+}
+
+size_t Pool::ComponentOf(SlotId slot) const {
+  size_t c = sub_pools_.size() - 1;
+  while (c > 0 && slot < sub_pools_[c].base) --c;
+  return c;
+}
+
+uint8_t* Pool::SlotData(SlotId slot) const {
+  const SubPool& p = sub_pools_[ComponentOf(slot)];
+  return p.data + uint64_t{slot - p.base} * p.slot_bytes;
 }
 
 Pool::~Pool() = default;
@@ -237,22 +469,24 @@ std::optional<Pool::Committed> Pool::Entry(SlotId slot) const {
       e->checksum != EntryChecksum(slot, e->key, e->parent, e->content_checksum)) {
     return std::nullopt;
   }
-  return Committed{slot, e->key, e->parent, e->content_checksum};
+  return Committed{slot, e->key, e->parent, e->content_checksum, static_cast<uint32_t>(ComponentOf(slot))};
 }
 
 bool Pool::ContentMatches(SlotId slot, uint64_t content_checksum) const {
-  return BlockChecksum(SlotData(slot), block_bytes_) == content_checksum;
+  return BlockChecksum(SlotData(slot), SlotBytes(slot)) == content_checksum;
 }
 
 std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped, uint64_t* corrupt) {
   *dropped = 0;
   uint64_t bad_entries = 0;
   // Pass 1: valid committed entries, by key (reserved once: no rehashing at 10 M blocks).
+  // FULL blocks (component 0) form chains by parent; the other components' entries stand alone.
+  const SlotId full_end = sub_pools_.size() > 1 ? sub_pools_[1].base : capacity_;
   size_t committed = 0;
-  for (SlotId s = 0; s < capacity_; ++s) committed += entry(s)->state.load(std::memory_order_acquire) != 0 ? 1 : 0;
+  for (SlotId s = 0; s < full_end; ++s) committed += entry(s)->state.load(std::memory_order_acquire) != 0 ? 1 : 0;
   std::unordered_map<BlockKey, SlotId, BlockKeyHash> by_key;
   by_key.reserve(committed);
-  for (SlotId s = 0; s < capacity_; ++s) {
+  for (SlotId s = 0; s < full_end; ++s) {
     SlotEntry* e = entry(s);
     const uint32_t state = e->state.load(std::memory_order_acquire);
     if (state == 0) continue;
@@ -302,6 +536,24 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped, uint64_t* corrupt)
         MarkFree(*it);
         ++*dropped;
       }
+    }
+  }
+  for (size_t c = 1; c < sub_pools_.size(); ++c) {
+    const SubPool& p = sub_pools_[c];
+    std::unordered_map<BlockKey, SlotId, BlockKeyHash> seen;
+    for (SlotId s = p.base; s < p.base + p.capacity; ++s) {
+      SlotEntry* e = entry(s);
+      const uint32_t state = e->state.load(std::memory_order_acquire);
+      if (state == 0) continue;
+      const bool intact =
+          state == kSlotCommitted && e->checksum == EntryChecksum(s, e->key, e->parent, e->content_checksum);
+      if (!intact || e->key == BlockKey{} || !seen.emplace(e->key, s).second) {
+        e->state.store(0, std::memory_order_relaxed);
+        ++*dropped;
+        if (!intact) ++bad_entries;
+        continue;
+      }
+      out.push_back(Committed{s, e->key, e->parent, e->content_checksum, static_cast<uint32_t>(c)});
     }
   }
   if (corrupt != nullptr) *corrupt = bad_entries;

@@ -2,7 +2,10 @@
 // mode 0600) so that a restarted daemon — after SIGTERM or kill -9 — finds every committed block again.
 //
 // File layout (docs/protocol.md "Pool file"): header (4 KiB) | slot table (64 B per slot) | data (2 MiB
-// aligned, block_bytes per slot). A slot-table entry is written only after the slot's bytes are complete
+// aligned, block_bytes per slot). A hybrid geometry (docs/hybrid.md) has one sub-pool per component: slots are
+// numbered across them (component c's are [base, base + capacity)), each sub-pool's data starts 2 MiB aligned
+// with its own slot size, and the header (layout 3) lists the sub-pools. A full-attention pool is one sub-pool
+// and keeps layout 2, byte for byte. A slot-table entry is written only after the slot's bytes are complete
 // and cleared before they are overwritten, so a block that was mid-copy at a crash is never restored. The
 // entry holds the block's content checksum (common/block_checksum.h), and its own checksum covers the slot
 // index, so neither changed bytes nor entries moved to another slot pass a check.
@@ -29,6 +32,31 @@ namespace flexkv {
 // 2: the header records the uid that created the namespace (who may store in it by default); slot entries hold
 //    the block's content checksum and bind the slot index.
 inline constexpr uint32_t kPoolLayoutVersion = 2;
+// 3: a hybrid geometry's pool: layout 2 plus the sub-pool table (written only for hybrid geometries).
+inline constexpr uint32_t kHybridPoolLayoutVersion = 3;
+
+// How a hybrid pool's budget is split between its components (docs/hybrid.md "Pool"): the share of the budget
+// for all sliding-window components together, and for all state components; 0 picks the default from the
+// geometry (in proportion to what one cached 64-block prefix needs of each: 64 FULL blocks, its windows, two
+// state snapshots). The FULL layers get the rest. Ignored for a full-attention geometry.
+struct PoolSplit {
+  double swa_share = 0;
+  double state_share = 0;
+};
+
+// One component's part of the pool.
+struct SubPool {
+  ComponentKind kind = ComponentKind::kFull;
+  SlotId base = 0;          // its first slot in the pool's numbering
+  uint32_t capacity = 0;    // its slots
+  uint64_t slot_bytes = 0;  // Geometry::Component(c).host_block_bytes()
+  uint8_t* data = nullptr;  // its first slot's bytes
+};
+
+// The slots of each component for `geometry` at `budget_bytes` (OK: one entry per component, each >= 1).
+// INVALID_ARGUMENT naming the component when its share cannot hold one slot, or a share is out of [0, 1) or the
+// shares leave nothing for the FULL layers.
+Result<std::vector<uint64_t>> SplitBudget(const Geometry& geometry, uint64_t budget_bytes, const PoolSplit& split);
 
 class Pool {
  public:
@@ -37,13 +65,15 @@ class Pool {
     BlockKey key;
     BlockKey parent;  // zero for a first block
     uint64_t content_checksum = 0;  // BlockChecksum of the slot's bytes when they were stored
+    uint32_t component = 0;         // the sub-pool the slot is in (0: FULL)
   };
 
   // Creates (or replaces) the pool file for `geometry`, sized to floor(budget / block bytes) slots, recording
   // `creator_uid`, the uid whose Attach created the namespace. The file's space is allocated up front: a full
   // /dev/shm fails here (RESOURCE_EXHAUSTED), not later.
   static Result<std::unique_ptr<Pool>> Create(const std::string& path, const std::string& model_namespace,
-                                              const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid = 0);
+                                              const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid = 0,
+                                              const PoolSplit& split = {});
 
   // The layout version in the header of the pool file at `path`, or nullopt when there is no readable header.
   static std::optional<uint32_t> FileLayoutVersion(const std::string& path);
@@ -51,7 +81,9 @@ class Pool {
   // Opens an existing pool file. NOT_FOUND when there is none. FAILED_PRECONDITION (naming the field)
   // when its version, size or budget do not fit, DATA_LOSS when the header is corrupt or the file is shorter
   // than its header says (truncated: the blocks past its end are lost, so none of it is re-attached).
-  static Result<std::unique_ptr<Pool>> Open(const std::string& path, uint64_t budget_bytes);
+  // A hybrid pool must also have the sub-pools that `split` gives at this budget (FAILED_PRECONDITION otherwise).
+  static Result<std::unique_ptr<Pool>> Open(const std::string& path, uint64_t budget_bytes,
+                                            const PoolSplit& split = {});
 
   ~Pool();
   Pool(const Pool&) = delete;
@@ -61,11 +93,19 @@ class Pool {
   const std::string& model_namespace() const { return namespace_; }
   uid_t creator_uid() const { return creator_uid_; }
   const std::string& path() const { return path_; }
-  uint64_t block_bytes() const { return block_bytes_; }
-  uint32_t capacity() const { return capacity_; }
+  uint64_t block_bytes() const { return block_bytes_; }  // component 0's slot
+  uint32_t capacity() const { return capacity_; }         // slots of every component
 
-  // The slot's bytes. Valid for the pool's lifetime.
-  uint8_t* SlotData(SlotId slot) const { return data_ + uint64_t{slot} * block_bytes_; }
+  size_t component_count() const { return sub_pools_.size(); }
+  const SubPool& sub_pool(size_t component) const { return sub_pools_[component]; }
+  // The component whose sub-pool holds `slot` (< capacity()).
+  size_t ComponentOf(SlotId slot) const;
+  // The slot's bytes (SlotBytes of them). Valid for the pool's lifetime.
+  uint8_t* SlotData(SlotId slot) const;
+  uint64_t SlotBytes(SlotId slot) const { return sub_pools_[ComponentOf(slot)].slot_bytes; }
+  // Every sub-pool's data, as one range (what the engine-memory backends register for DMA).
+  uint8_t* data_begin() const { return data_; }
+  uint64_t data_bytes() const { return data_bytes_; }
 
   // Slot-table transitions. MarkCommitted publishes after the bytes are complete, with their content checksum
   // (FinishBlockChecksum of the bytes' term sum); MarkFree clears before the slot is reused.
@@ -79,7 +119,8 @@ class Pool {
   // Whether the slot's bytes still have `content_checksum`: one pass over block_bytes() bytes.
   bool ContentMatches(SlotId slot, uint64_t content_checksum) const;
 
-  // Committed entries of the slot table, parents before children; entries whose checksum fails or whose
+  // Committed entries of the slot table: FULL blocks parents before children, then the other components' entries
+  // (each must have a nonzero key, unique within its component; its parent field is not used); entries whose checksum fails or whose
   // parent is missing are cleared and counted in `dropped`, and those whose checksum fails (a corrupt or
   // moved entry: its block is lost) also in `corrupt`, when given. Block contents are not read here (see
   // ContentMatches): the caller verifies them before it serves them.
@@ -87,6 +128,9 @@ class Pool {
 
  private:
   Pool() = default;
+  // Fills sub_pools_ and data_bytes_ from the file layout (map_ and geometry_ set).
+  void SetSubPools(const std::vector<uint64_t>& base, const std::vector<uint64_t>& capacity,
+                   const std::vector<uint64_t>& data_offset, uint64_t data_end);
   struct SlotEntry;
   SlotEntry* entry(SlotId slot) const;
 
@@ -96,6 +140,8 @@ class Pool {
   Geometry geometry_;
   uint64_t block_bytes_ = 0;
   uint32_t capacity_ = 0;
+  std::vector<SubPool> sub_pools_;  // one per component, component 0 first
+  uint64_t data_bytes_ = 0;
   MappedRegion map_;  // the whole file; table_ and data_ point into it
   uint8_t* table_ = nullptr;
   uint8_t* data_ = nullptr;

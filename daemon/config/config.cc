@@ -258,6 +258,12 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "Seconds after which a session's pins lapse when its process stops renewing them (default 10; 0: never)")
       ->check(CLI::Range(0.0, 3600.0));
 
+  app.add_option("--swa-share", cfg.swa_share,
+                 "Hybrid models: share of the pool for sliding-window blocks, in [0, 1) (default 0: from the geometry)")
+      ->check(CLI::Range(0.0, 0.99));
+  app.add_option("--state-share", cfg.state_share,
+                 "Hybrid models: share of the pool for state snapshots, in [0, 1) (default 0: from the geometry)")
+      ->check(CLI::Range(0.0, 0.99));
   app.add_flag("--discard-pool", cfg.discard_pool,
                "Replace a pool file of another geometry, version or size, or a corrupt one (its blocks are lost)");
   app.add_option("--spin-us", cfg.spin_us, "Microseconds the ring poller spins after activity before parking (default 50)")
@@ -295,6 +301,11 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
     return usage_error(Status::InvalidArgument(fmt::format(
         "--max-session-pin-share {} leaves a session no pins; expected a share above 0 and at most 1, e.g. 0.5",
         cfg.max_session_pin_share)));
+  }
+  if (cfg.swa_share + cfg.state_share >= 1) {
+    return usage_error(Status::InvalidArgument(fmt::format(
+        "--swa-share {} and --state-share {} leave nothing for the full-attention layers; expected a sum below 1",
+        cfg.swa_share, cfg.state_share)));
   }
   if (cfg.pin_lease_s > 0 && cfg.pin_lease_s < 0.05) {
     return usage_error(Status::InvalidArgument(fmt::format(

@@ -31,6 +31,9 @@ struct DaemonConfig {
   uint32_t fd_reserve = 256;                   // --fd-reserve: Attach is refused with fewer fds free than this
   double max_session_pin_share = 0.5;  // --max-session-pin-share: of the pool's slots one session may pin
   double pin_lease_s = 10;             // --pin-lease: a stopped process's pins lapse after this (0: never)
+  // --swa-share / --state-share: a hybrid geometry's pool split (daemon/cache/pool.h PoolSplit; 0: automatic).
+  double swa_share = 0;
+  double state_share = 0;
   bool discard_pool = false;           // --discard-pool: replace a pool file that cannot be re-attached
   double spin_us = 50;                 // --spin-us: poller spin window after activity
   unsigned copy_threads = 0;           // --copy-threads: 0 = one per core

@@ -25,7 +25,8 @@ struct CopyRequest {
   std::vector<std::shared_ptr<EngineKv>> targets;  // each gets every block (TP ranks copy their shards)
   CopyDirection direction = CopyDirection::kToPool;
   std::shared_ptr<const std::vector<uint32_t>> engine_blocks;
-  std::shared_ptr<const std::vector<SlotId>> slots;  // same length as engine_blocks
+  std::shared_ptr<const std::vector<SlotId>> slots;  // same length as engine_blocks; local to the component's sub-pool
+  uint32_t component = 0;  // the geometry component copied (hybrid geometries): which sub-pool the slots are in
   uint32_t num_layers = 0;
   // Optional (layer-wise loads): once per layer, in any order, before `done`, only for layers every target copied.
   std::function<void(uint32_t layer)> layer_done;

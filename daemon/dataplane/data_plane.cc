@@ -118,7 +118,14 @@ Result<uint64_t> DataPlane::RegisterKv(uint64_t session_id, KvRegistration regis
     }
     s = it->second;
   }
-  return s->kv().Register(*backends_, std::move(registration));
+  const Geometry& g = s->geometry();
+  if (registration.component >= g.component_count()) {
+    return Status::InvalidArgument(fmt::format(
+        "component {} is not in the session's geometry; expected 0..{} ({})", registration.component,
+        g.component_count() - 1, g.is_hybrid() ? "its components" : "0: a full-attention geometry has one"));
+  }
+  const uint32_t component = registration.component;
+  return s->kv(component).Register(*backends_, std::move(registration));
 }
 
 void DataPlane::EndSession(uint64_t session_id) {

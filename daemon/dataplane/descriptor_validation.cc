@@ -5,6 +5,8 @@
 
 #include <cstring>
 
+#include "common/hybrid_ids.h"
+
 namespace flexkv {
 namespace {
 
@@ -33,6 +35,39 @@ const char* OpName(RingOp op) {
   return "?";
 }
 
+// A hybrid request's ids (already copied into payload->block_ids): each component's below what it registered, and
+// a Store's boundaries strictly increasing in 1..count (copied into payload->boundaries).
+Status CheckHybridIds(const Geometry& g, bool store, const SubmitDescriptor& d, const HybridIdLayout& layout,
+                      const DescriptorLimits& limits, DescriptorPayload* payload) {
+  const std::vector<uint32_t>& ids = payload->block_ids;
+  for (size_t c = 0; c < g.component_count(); ++c) {
+    const uint64_t n = ComponentIdCount(g, c, store, d.count, d.state_count);
+    const uint32_t registered = c < limits.component_blocks.size() ? limits.component_blocks[c] : 0;
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint32_t id = ids[layout.offset[c] + i];
+      if (id >= registered) {
+        return Status::OutOfRange(fmt::format(
+            "block id {} at {} of component {} ({}) is outside its {} registered blocks; expected 0..{}", id, i, c,
+            ComponentKindName(g.component_kind(c)), registered, registered == 0 ? 0 : registered - 1));
+      }
+    }
+  }
+  if (!store) return Status::Ok();
+  payload->boundaries.assign(ids.begin() + static_cast<ptrdiff_t>(layout.boundaries_offset),
+                             ids.begin() + static_cast<ptrdiff_t>(layout.boundaries_offset + d.state_count));
+  uint32_t previous = 0;
+  for (size_t i = 0; i < payload->boundaries.size(); ++i) {
+    const uint32_t b = payload->boundaries[i];
+    if (b <= previous || b > d.count) {
+      return Status::InvalidArgument(fmt::format(
+          "state boundary {} at {} is out of order or range; expected strictly increasing values in 1..{} (after {})",
+          b, i, d.count, previous));
+    }
+    previous = b;
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,
@@ -52,6 +87,15 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
         fmt::format("flags 0x{:x} are not valid for opcode {}; expected a subset of 0x{:x}", d.flags, d.opcode,
                     allowed_flags));
   }
+  const bool hybrid = limits.geometry != nullptr && limits.geometry->is_hybrid();
+  if (d.state_count != 0 && !(hybrid && op == RingOp::kStore)) {
+    return Status::InvalidArgument(fmt::format(
+        "state_count is {} on a {}; expected 0 (only a Store of a hybrid geometry carries state boundaries)",
+        d.state_count, OpName(op)));
+  }
+  if (hybrid && op == RingOp::kLoad && (d.flags & kLoadFlagLayerwise) != 0) {
+    return Status::InvalidArgument("a layer-wise Load of a hybrid geometry is not supported yet; load it whole");
+  }
   if (op == RingOp::kRelease) return DescriptorPayload{};  // only its match handle matters (ValidateHandleUse)
 
   if (d.count == 0 || d.count > limits.max_blocks_per_request) {
@@ -60,8 +104,15 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
   }
   const bool has_keys = op == RingOp::kMatch || op == RingOp::kStore;
   const bool has_ids = op == RingOp::kLoad || op == RingOp::kStore;
+  if (hybrid && d.state_count > d.count) {
+    return Status::InvalidArgument(
+        fmt::format("state_count {} is above count {}; expected at most one state boundary per key", d.state_count,
+                    d.count));
+  }
+  const HybridIdLayout layout =
+      hybrid ? LayoutIds(*limits.geometry, op == RingOp::kStore, d.count, d.state_count) : HybridIdLayout{};
   const uint64_t key_bytes = uint64_t{d.count} * sizeof(BlockKey);
-  const uint64_t id_bytes = uint64_t{d.count} * sizeof(uint32_t);
+  const uint64_t id_bytes = (hybrid ? layout.total : uint64_t{d.count}) * sizeof(uint32_t);
   if (has_keys) FLEXKV_RETURN_IF_ERROR(CheckArenaRange("keys", d.keys_offset, key_bytes, arena.size(), 8));
   if (has_ids) FLEXKV_RETURN_IF_ERROR(CheckArenaRange("block ids", d.block_ids_offset, id_bytes, arena.size(), 4));
   if (has_ids && limits.registered_blocks == 0) {
@@ -74,7 +125,11 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
     payload.keys.resize(d.count);
     std::memcpy(payload.keys.data(), arena.data() + d.keys_offset, key_bytes);
   }
-  if (has_ids) {
+  if (has_ids && hybrid) {
+    payload.block_ids.resize(layout.total);
+    std::memcpy(payload.block_ids.data(), arena.data() + d.block_ids_offset, id_bytes);
+    FLEXKV_RETURN_IF_ERROR(CheckHybridIds(*limits.geometry, op == RingOp::kStore, d, layout, limits, &payload));
+  } else if (has_ids) {
     payload.block_ids.resize(d.count);
     std::memcpy(payload.block_ids.data(), arena.data() + d.block_ids_offset, id_bytes);
     // The copy is checked, not the arena: the client cannot change an id after this.

@@ -12,6 +12,7 @@
 
 #include "common/ring_layout.h"
 #include "flexkv/block_key.h"
+#include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
 namespace flexkv {
@@ -24,6 +25,10 @@ struct DescriptorLimits {
   // as the reason ("no KV buffers registered (RegisterKv)" when empty).
   uint32_t registered_blocks = 0;
   std::string_view kv_missing;
+  // A hybrid session (docs/hybrid.md): its geometry, and the blocks each component registered (registered_blocks
+  // is then the least of them). Null for a full-attention session.
+  const Geometry* geometry = nullptr;
+  std::vector<uint32_t> component_blocks;
 };
 
 // What a valid descriptor carries, copied out of the arena. A Store's parent is d.parent (any value: whether
@@ -31,6 +36,9 @@ struct DescriptorLimits {
 struct DescriptorPayload {
   std::vector<BlockKey> keys;       // Match, Store: `count` keys; empty otherwise
   std::vector<uint32_t> block_ids;  // Load, Store: `count` ids, each below registered_blocks; empty otherwise
+  // Hybrid sessions: block_ids is the whole id array (LayoutIds: every component's ids, and a Store's
+  // boundaries), and `boundaries` a copy of the Store's state boundaries.
+  std::vector<uint32_t> boundaries;
 };
 
 // Checks descriptor `d` (already copied out of the submit ring) against `limits`, and copies its keys and block
@@ -46,6 +54,10 @@ struct DescriptorPayload {
 //                        the arena; a block id not below registered_blocks;
 //   FAILED_PRECONDITION  Load or Store while registered_blocks is 0;
 //   INVALID_ARGUMENT     a Store key that is all zero (reserved: the pool records it as a root block's parent).
+// Hybrid sessions also: state_count not 0 outside a Store, or above count (INVALID_ARGUMENT); a layer-wise Load
+// (INVALID_ARGUMENT: not supported for hybrid geometries yet); the id array (LayoutIds) outside the arena
+// (OUT_OF_RANGE); an id of component c not below what c registered (OUT_OF_RANGE, naming the component); boundaries
+// not strictly increasing in 1..count (INVALID_ARGUMENT). A full-attention session's state_count must be 0.
 // The checks run in that order; the first failure is returned. Match handles are not checked here: whether the
 // session holds one is state, looked up where it is used (ValidateHandleUse).
 Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,

@@ -5,23 +5,27 @@
 
 namespace flexkv {
 
-uint64_t HandleTable::Add(std::vector<SlotId> slots) {
+uint64_t HandleTable::Add(std::vector<SlotId> slots, std::optional<size_t> prefix_blocks) {
   const uint64_t handle = next_handle_++;
   pinned_blocks_ += slots.size();
-  handles_[handle].slots = std::move(slots);
+  Handle& h = handles_[handle];
+  h.prefix_blocks = prefix_blocks.value_or(slots.size());
+  h.whole = prefix_blocks.has_value();
+  h.slots = std::move(slots);
   return handle;
 }
 
 std::optional<size_t> HandleTable::HeldBlocks(uint64_t handle) const {
   auto it = handles_.find(handle);
   if (it == handles_.end() || it->second.released) return std::nullopt;
-  return it->second.slots.size();
+  return it->second.prefix_blocks;
 }
 
 std::vector<SlotId> HandleTable::BeginLoad(uint64_t handle, uint32_t count) {
   auto it = handles_.find(handle);
-  assert(it != handles_.end() && !it->second.released && count <= it->second.slots.size());
+  assert(it != handles_.end() && !it->second.released && count <= it->second.prefix_blocks);
   it->second.loads_in_flight++;
+  if (it->second.whole) return it->second.slots;
   return {it->second.slots.begin(), it->second.slots.begin() + count};
 }
 

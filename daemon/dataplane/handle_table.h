@@ -17,15 +17,17 @@ namespace flexkv {
 
 class HandleTable {
  public:
-  // Holds `slots` (pinned by the caller) under a new handle, never 0 and never reused in this table.
-  uint64_t Add(std::vector<SlotId> slots);
+  // Holds `slots` (pinned by the caller) under a new handle, never 0 and never reused in this table. A hybrid
+  // match (docs/hybrid.md) gives `prefix_blocks`, the prefix end its slots serve (its windows' and states' slots
+  // come after the FULL ones): HeldBlocks says it, and BeginLoad hands out every slot (such a handle loads whole).
+  uint64_t Add(std::vector<SlotId> slots, std::optional<size_t> prefix_blocks = std::nullopt);
 
-  // How many blocks `handle` pins, while it is held and not released; nullopt otherwise (what
-  // ValidateHandleUse takes).
+  // How many prefix blocks `handle` pins (its slots, or a hybrid match's prefix end), while it is held and not
+  // released; nullopt otherwise (what ValidateHandleUse takes).
   std::optional<size_t> HeldBlocks(uint64_t handle) const;
 
   // A Load starts copying from the first `count` slots of a held handle (HeldBlocks(handle) >= count must
-  // hold): returns them and counts the load in flight.
+  // hold; all of a hybrid match's slots): returns them and counts the load in flight.
   std::vector<SlotId> BeginLoad(uint64_t handle, uint32_t count);
   // That Load ended. Returns the slots to unpin when the handle was released meanwhile and this was its last
   // load in flight (the handle is then gone); empty otherwise.
@@ -55,6 +57,8 @@ class HandleTable {
  private:
   struct Handle {
     std::vector<SlotId> slots;
+    size_t prefix_blocks = 0;  // what HeldBlocks says
+    bool whole = false;        // a hybrid match: loads take every slot
     uint32_t loads_in_flight = 0;
     bool released = false;  // Release or session end arrived while a load was copying
   };

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "common/clock.h"
+#include "common/hybrid_ids.h"
 #include "daemon/dataplane/descriptor_validation.h"
 
 namespace flexkv {
@@ -17,6 +18,22 @@ Status DomainDropped() {
 }
 
 }  // namespace
+
+uint32_t RequestSession::RegisteredBlocks(std::vector<uint32_t>* per_component, std::string* missing) const {
+  per_component->clear();
+  uint32_t least = UINT32_MAX;
+  for (size_t c = 0; c < kv_.size(); ++c) {
+    std::string why;
+    const uint32_t blocks = kv_[c]->RegisteredBlocks(&why);
+    per_component->push_back(blocks);
+    if (blocks == 0 && least != 0) {
+      *missing = kv_.size() == 1 ? why
+                                 : fmt::format("component {} ({}): {}", c, ComponentKindName(geometry_.component_kind(c)), why);
+    }
+    least = std::min(least, blocks);
+  }
+  return least;
+}
 
 uint64_t RequestSession::pinned_blocks() const {
   MutexLock lock(&mu_);
@@ -49,8 +66,10 @@ void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::spa
   limits.max_blocks_per_request = max_blocks_per_request_;
   std::string kv_missing;
   const auto op = static_cast<RingOp>(d.opcode);
+  const bool hybrid = s.geometry().is_hybrid();
+  if (hybrid) limits.geometry = &s.geometry();
   if (op == RingOp::kLoad || op == RingOp::kStore) {
-    limits.registered_blocks = s.kv().RegisteredBlocks(&kv_missing);
+    limits.registered_blocks = s.RegisteredBlocks(&limits.component_blocks, &kv_missing);
     limits.kv_missing = kv_missing;
   }
   Result<DescriptorPayload> payload = ValidateDescriptor(d, arena, limits);
@@ -63,8 +82,13 @@ void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::spa
     case RingOp::kRelease:
       return Release(s, d, taken_ns);
     case RingOp::kLoad:
+      if (hybrid) return LoadHybrid(sp, d, taken_ns, std::move(payload->block_ids));
       return Load(sp, d, taken_ns, std::move(payload->block_ids));
     case RingOp::kStore:
+      if (hybrid) {
+        return StoreHybrid(sp, d, taken_ns, std::move(payload->keys), std::move(payload->block_ids),
+                           std::move(payload->boundaries));
+      }
       return Store(sp, d, taken_ns, std::move(payload->keys), std::move(payload->block_ids));
   }
 }
@@ -119,8 +143,9 @@ void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_
       MutexLock lock(&s.mu_);
       pinned = s.handles_.pinned_blocks();
       // EndSession sets ended() before it releases the table's handles: a handle added after that would leak.
-      if (!s.ended() && pinned + hit <= cap) {
-        c.MatchHandle(s.handles_.Add(std::move(slots)));
+      if (!s.ended() && pinned + slots.size() <= cap) {
+        const std::optional<size_t> prefix = s.geometry().is_hybrid() ? std::optional<size_t>(hit) : std::nullopt;
+        c.MatchHandle(s.handles_.Add(std::move(slots), prefix));
         held = true;
       }
     }
@@ -130,7 +155,7 @@ void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_
       // Over the session's cap: nothing is pinned (a partial pin would leave a handle to leak on an error path).
       c.Status(Status::ResourceExhausted(
           fmt::format("session pin cap: {} pinned + {} > {} (--max-session-pin-share); Release handles", pinned,
-                      hit, cap)));
+                      slots.size(), cap)));
     }
   }
   Finish(s, d, taken_ns, c.descriptor());
@@ -267,6 +292,194 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
     lifecycle_->Finish();
   };
   copies_->Submit(std::move(copy));
+}
+
+void RequestHandlers::SubmitJoined(std::vector<CopyRequest> parts,
+                                   std::function<void(Status, int64_t copy_start_ns)> done) {
+  struct Join {
+    Mutex mu;
+    size_t left ABSL_GUARDED_BY(mu) = 0;
+    Status first_error ABSL_GUARDED_BY(mu);
+    int64_t start_ns ABSL_GUARDED_BY(mu) = INT64_MAX;
+  };
+  auto join = std::make_shared<Join>();
+  {
+    MutexLock lock(&join->mu);
+    join->left = parts.size();
+  }
+  auto shared_done = std::make_shared<std::function<void(Status, int64_t)>>(std::move(done));
+  for (CopyRequest& part : parts) {
+    part.done = [join, shared_done](Status st, int64_t start_ns) {
+      Status result;
+      int64_t start;
+      {
+        MutexLock lock(&join->mu);
+        if (!st.ok() && join->first_error.ok()) join->first_error = st;
+        join->start_ns = std::min(join->start_ns, start_ns);
+        if (--join->left != 0) return;
+        result = join->first_error;
+        start = join->start_ns;
+      }
+      (*shared_done)(result, start);
+    };
+    copies_->Submit(std::move(part));
+  }
+}
+
+namespace {
+
+// One component's part of a hybrid copy: the engine ids and the slots (made local to the component's sub-pool).
+CopyRequest ComponentCopy(RequestSession& s, size_t c, CopyDirection direction, std::vector<uint32_t> engine_ids,
+                          std::vector<SlotId> local_slots) {
+  CopyRequest copy;
+  copy.direction = direction;
+  copy.component = static_cast<uint32_t>(c);
+  s.kv(c).FillTargets(&copy);
+  copy.engine_blocks = std::make_shared<const std::vector<uint32_t>>(std::move(engine_ids));
+  copy.slots = std::make_shared<const std::vector<SlotId>>(std::move(local_slots));
+  copy.num_layers = s.geometry().Component(c).num_layers;
+  return copy;
+}
+
+}  // namespace
+
+void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d,
+                                 int64_t taken_ns, std::vector<uint32_t> ids) {
+  RequestSession& s = *sp;
+  const Geometry& g = s.geometry();
+  std::vector<SlotId> slots;
+  Status refused;
+  {
+    MutexLock lock(&s.mu_);
+    const std::optional<size_t> held = s.handles_.HeldBlocks(d.match_handle);
+    refused = s.handles_.Lapsed(d.match_handle) ? LapsedHandle(pins_.lease_ms) : ValidateHandleUse(d, held);
+    if (refused.ok() && d.count != *held) {
+      refused = Status::InvalidArgument(fmt::format(
+          "count {} but the hybrid match ends at {}: a hybrid match loads whole (its windows and states serve only that "
+          "end)",
+          d.count, *held));
+    }
+    if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
+    if (refused.ok() && cache_->generation() != s.pool_generation_) {
+      lifecycle_->Finish();
+      refused = DomainDropped();
+    }
+    if (refused.ok()) slots = s.handles_.BeginLoad(d.match_handle, d.count);
+  }
+  if (!refused.ok()) return Fail(s, d, taken_ns, refused);
+  const HybridIdLayout layout = LayoutIds(g, false, d.count, 0);
+  const std::vector<SlotId> bases = cache_->component_bases();
+  std::vector<CopyRequest> parts;
+  uint64_t bytes = 0;
+  for (size_t c = 0; c < g.component_count(); ++c) {
+    const uint64_t n = ComponentIdCount(g, c, false, d.count, 0);
+    const auto at = static_cast<ptrdiff_t>(layout.offset[c]);
+    std::vector<uint32_t> engine(ids.begin() + at, ids.begin() + at + static_cast<ptrdiff_t>(n));
+    std::vector<SlotId> local(slots.begin() + at, slots.begin() + at + static_cast<ptrdiff_t>(n));
+    for (SlotId& slot : local) slot -= bases[c];
+    parts.push_back(ComponentCopy(s, c, CopyDirection::kFromPool, std::move(engine), std::move(local)));
+    bytes += n * g.Component(c).host_block_bytes();
+  }
+  SubmitJoined(std::move(parts), [this, sp, d, bytes, taken_ns](Status st, int64_t copy_start_ns) {
+    RecordCopy(OpKind::kLoad, taken_ns, copy_start_ns);
+    CompletionBuilder c(d);
+    if (st.ok()) {
+      c.DoneBlocks(d.count);
+      cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
+      cache_->counters().bytes_loaded.fetch_add(bytes, std::memory_order_relaxed);
+    } else {
+      c.Status(st);
+    }
+    std::vector<SlotId> unpin;
+    {
+      MutexLock lock(&sp->mu_);
+      unpin = sp->handles_.EndLoad(d.match_handle);
+    }
+    if (!unpin.empty()) cache_->Unpin(unpin);
+    Finish(*sp, d, taken_ns, c.descriptor());
+    lifecycle_->Finish();
+  });
+}
+
+void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d,
+                                  int64_t taken_ns, std::vector<BlockKey> keys, std::vector<uint32_t> ids,
+                                  std::vector<uint32_t> boundaries) {
+  RequestSession& s = *sp;
+  const Geometry& g = s.geometry();
+  if (!s.store_access().ok()) return Fail(s, d, taken_ns, s.store_access());
+  if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
+  if (cache_->generation() != s.pool_generation_) {
+    lifecycle_->Finish();
+    return Fail(s, d, taken_ns, DomainDropped());
+  }
+  const BlockKey parent = d.parent;
+  auto r = std::make_shared<Cache::HybridReservation>(cache_->ReserveHybrid(parent, keys, boundaries));
+  CompletionBuilder answer(d);
+  answer.MatchedBlocks(static_cast<uint32_t>(r->full.cached)).DoneBlocks(static_cast<uint32_t>(r->full.slots.size()));
+  if (r->shortfall != StatusCode::kOk) {
+    answer.DoneBlocks(0);
+    std::string why;  // fits the completion's 87 bytes
+    if (r->full.parent_refused) {
+      why = r->shortfall == StatusCode::kFailedPrecondition ? "parent key not cached, nothing stored"
+                                                            : "parent key still being stored or verified, nothing stored";
+    } else if (r->shortfall == StatusCode::kResourceExhausted) {
+      why = fmt::format("component {} ({}) sub-pool full of pinned blocks: nothing stored", r->component,
+                        ComponentKindName(g.component_kind(r->component)));
+    } else {
+      why = fmt::format("component {} ({}): a block is being stored or verified: nothing stored", r->component,
+                        ComponentKindName(g.component_kind(r->component)));
+    }
+    answer.Status(Status(r->shortfall, why));
+    lifecycle_->Finish();
+    return Finish(s, d, taken_ns, answer.descriptor());
+  }
+  const HybridIdLayout layout = LayoutIds(g, true, d.count, d.state_count);
+  const std::vector<SlotId> bases = cache_->component_bases();
+  std::vector<CopyRequest> parts;
+  std::vector<std::shared_ptr<std::vector<uint64_t>>> sums(g.component_count());
+  uint64_t bytes = 0;
+  for (size_t c = 0; c < g.component_count(); ++c) {
+    std::vector<uint32_t> engine;
+    std::vector<SlotId> local;
+    if (c == 0) {
+      for (size_t i = 0; i < r->full.slots.size(); ++i) {
+        engine.push_back(ids[layout.offset[0] + r->full.cached + i]);
+        local.push_back(r->full.slots[i]);
+      }
+    } else {
+      for (size_t i = 0; i < r->slots[c].size(); ++i) {
+        if (r->slots[c][i] == ComponentIndex::kNoSlot) continue;
+        engine.push_back(ids[layout.offset[c] + i]);
+        local.push_back(r->slots[c][i] - bases[c]);
+      }
+    }
+    sums[c] = std::make_shared<std::vector<uint64_t>>();
+    if (engine.empty()) continue;
+    bytes += engine.size() * g.Component(c).host_block_bytes();
+    CopyRequest copy = ComponentCopy(s, c, CopyDirection::kToPool, std::move(engine), std::move(local));
+    copy.checksums = sums[c];
+    parts.push_back(std::move(copy));
+  }
+  if (parts.empty()) {  // everything was cached already
+    lifecycle_->Finish();
+    return Finish(s, d, taken_ns, answer.descriptor());
+  }
+  SubmitJoined(std::move(parts), [this, sp, d, c = answer, parent, keys = std::move(keys), r, sums, bytes, taken_ns](
+                                     Status st, int64_t copy_start_ns) mutable {
+    RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
+    if (!st.ok() || sp->ended()) {
+      cache_->AbortHybrid(*r);
+      if (!st.ok()) c.Status(st).DoneBlocks(0);
+    } else {
+      std::vector<std::vector<uint64_t>> checksums;
+      for (const auto& part : sums) checksums.push_back(*part);
+      cache_->CommitHybrid(parent, keys, *r, checksums);
+      cache_->counters().store_blocks.fetch_add(r->full.slots.size(), std::memory_order_relaxed);
+      cache_->counters().bytes_stored.fetch_add(bytes, std::memory_order_relaxed);
+    }
+    Finish(*sp, d, taken_ns, c.descriptor());
+    lifecycle_->Finish();
+  });
 }
 
 void RequestHandlers::Finish(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns,

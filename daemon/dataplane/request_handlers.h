@@ -36,11 +36,11 @@ class RequestSession {
   // (an admin dropped the domain the session attached to). `store_access`: OK when the session may store, else the
   // error each of its Stores is answered with (decided once at Attach, NamespaceAccess).
   RequestSession(uint64_t id, const Geometry& geometry, uint64_t pool_generation, Status store_access = Status::Ok())
-      : id_(id),
-        geometry_(geometry),
-        pool_generation_(pool_generation),
-        store_access_(std::move(store_access)),
-        kv_(id, geometry) {}
+      : id_(id), geometry_(geometry), pool_generation_(pool_generation), store_access_(std::move(store_access)) {
+    for (size_t c = 0; c < geometry.component_count(); ++c) {
+      kv_.push_back(std::make_unique<SessionKv>(id, geometry.Component(c)));
+    }
+  }
   virtual ~RequestSession() = default;
 
   // Posts a completion to the session's client; dropped once the session ended. Thread-safe.
@@ -51,7 +51,11 @@ class RequestSession {
   uint64_t id() const { return id_; }
   const Geometry& geometry() const { return geometry_; }
   const Status& store_access() const { return store_access_; }
-  SessionKv& kv() { return kv_; }
+  // The KV buffers of geometry component `component` (< geometry().component_count(); 0 for full attention).
+  SessionKv& kv(size_t component = 0) { return *kv_[component]; }
+  // Blocks registered per component (hybrid sessions), and the least of them; 0 with the reason in `*missing`
+  // while a component has none.
+  uint32_t RegisteredBlocks(std::vector<uint32_t>* per_component, std::string* missing) const;
   uint64_t pinned_blocks() const;
 
  private:
@@ -60,7 +64,7 @@ class RequestSession {
   const Geometry geometry_;
   const uint64_t pool_generation_;
   const Status store_access_;
-  SessionKv kv_;
+  std::vector<std::unique_ptr<SessionKv>> kv_;  // one per geometry component
   mutable Mutex mu_;
   HandleTable handles_ ABSL_GUARDED_BY(mu_);
 };
@@ -99,6 +103,13 @@ class RequestHandlers {
             std::vector<uint32_t> ids);
   void Store(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
              std::vector<BlockKey> keys, std::vector<uint32_t> ids);
+  // Load and Store of a hybrid geometry (docs/hybrid.md): one copy per component, joined; stores all or none.
+  void LoadHybrid(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
+                  std::vector<uint32_t> ids);
+  void StoreHybrid(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
+                   std::vector<BlockKey> keys, std::vector<uint32_t> ids, std::vector<uint32_t> boundaries);
+  // Starts one copy per part of `parts` and runs `done` once with the first error after all ended.
+  void SubmitJoined(std::vector<CopyRequest> parts, std::function<void(Status, int64_t copy_start_ns)> done);
   // Posts the request's final answer, after counting its end-to-end time and its error (first, so that a client
   // that has seen the completion also sees it counted).
   void Finish(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, const CompletionDescriptor& c);

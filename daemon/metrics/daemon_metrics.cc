@@ -150,6 +150,32 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                        "Control-plane (gRPC) calls answered with an error, by status code", MetricType::Counter,
                        std::move(control_errors)));
 
+  // Hybrid geometries (docs/hybrid.md): each component's sub-pool; absent for a full-attention pool.
+  if (!stats.components.empty()) {
+    std::vector<ClientMetric> capacity, used, pinned, evicted, unanchored;
+    for (size_t c = 0; c < stats.components.size(); ++c) {
+      const Cache::ComponentStats& cs = stats.components[c];
+      const std::vector<ClientMetric::Label> labels{{"component", std::to_string(c)},
+                                                    {"kind", ComponentKindName(cs.kind)}};
+      capacity.push_back(Sample(static_cast<double>(cs.capacity), labels));
+      used.push_back(Sample(static_cast<double>(cs.used), labels));
+      pinned.push_back(Sample(static_cast<double>(cs.pinned), labels));
+      evicted.push_back(Sample(static_cast<double>(cs.evicted), labels));
+      unanchored.push_back(Sample(static_cast<double>(cs.unanchored), labels));
+    }
+    out.push_back(Family("flexkv_component_capacity_slots", "Slots of each component's sub-pool (hybrid geometries)",
+                         MetricType::Gauge, std::move(capacity)));
+    out.push_back(Family("flexkv_component_used_slots", "Used slots of each component's sub-pool", MetricType::Gauge,
+                         std::move(used)));
+    out.push_back(Family("flexkv_component_pinned_slots", "Pinned slots of each component's sub-pool",
+                         MetricType::Gauge, std::move(pinned)));
+    out.push_back(Family("flexkv_component_evicted_total", "Entries evicted from each component's sub-pool",
+                         MetricType::Counter, std::move(evicted)));
+    out.push_back(Family("flexkv_component_unanchored_slots",
+                         "Window or state entries whose full-attention block is gone (evicted first)",
+                         MetricType::Gauge, std::move(unanchored)));
+  }
+
   out.push_back(Histograms("flexkv_request_wait_seconds",
                            "Loads and stores: from the poller taking the request to the start of its copy",
                            requests.wait, kCopyOps));

@@ -82,6 +82,13 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   response->set_session_token(grant->token.data(), grant->token.size());
   response->set_block_bytes(view.block_bytes);
   response->set_capacity_blocks(view.capacity_blocks);
+  for (size_t c = 0;; ++c) {
+    const std::optional<PoolRegion> sub = ctx_.cache->pool_region(c);
+    if (!sub) break;
+    if (c == 0) response->set_capacity_blocks(sub->slots);  // a hybrid pool's FULL part is below the budget
+    response->add_component_slot_bytes(sub->slot_bytes);
+    response->add_component_capacity(sub->slots);
+  }
   response->set_protocol_version(kProtocolVersion);
   response->set_submit_ring_entries(ctx_.data_plane->options().submit_entries);
   response->set_completion_ring_entries(ctx_.data_plane->options().completion_entries);
@@ -158,6 +165,16 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   counters->set_errors(errors() + ctx_.data_plane->errors());
   counters->set_data_loss_blocks(c.data_loss_blocks.load());
   pool->set_unverified_blocks(stats.unverified);
+  for (const Cache::ComponentStats& cs : stats.components) {
+    v1::ComponentPoolStatus* out = pool->add_components();
+    out->set_kind(static_cast<v1::ComponentKind>(cs.kind));
+    out->set_slot_bytes(cs.slot_bytes);
+    out->set_capacity(cs.capacity);
+    out->set_used(cs.used);
+    out->set_pinned(cs.pinned);
+    out->set_evicted(cs.evicted);
+    out->set_unanchored(cs.unanchored);
+  }
   for (const EngineMemoryBackend* backend : ctx_.backends->List()) {
     auto* out = response->add_backends();
     out->set_name(std::string(backend->name()));
@@ -291,7 +308,9 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
       d.regions.push_back(std::move(region));
     }
     d.vmm_fds = std::move(vmm_fds);
-    auto bytes = ctx_.data_plane->RegisterKv(request->session_id(), KvRegistration{std::move(d)});
+    KvRegistration registration{std::move(d)};
+    registration.component = request->component();
+    auto bytes = ctx_.data_plane->RegisterKv(request->session_id(), std::move(registration));
     if (!bytes.ok()) {
       log::Warning("control", "RegisterKv (cuda) of session {} refused: {}", request->session_id(), bytes.status().ToString());
       return Answer(bytes.status());
@@ -303,8 +322,9 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
     return Answer(Status::InvalidArgument(
         "memory is missing; expected host (a memfd offered on the session channel) or cuda (IPC handles or VMM fds)"));
   }
-  auto bytes = ctx_.data_plane->RegisterKv(
-      request->session_id(), KvRegistration{HostKvMemory{std::move(*host_fd), layout, request->num_blocks()}});
+  KvRegistration registration{HostKvMemory{std::move(*host_fd), layout, request->num_blocks()}};
+  registration.component = request->component();
+  auto bytes = ctx_.data_plane->RegisterKv(request->session_id(), std::move(registration));
   if (!bytes.ok()) return Answer(bytes.status());
   response->set_bytes_required(*bytes);
   return grpc::Status::OK;

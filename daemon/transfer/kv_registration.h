@@ -55,6 +55,9 @@ struct GpuKvDescription {
 
 struct KvRegistration {
   std::variant<HostKvMemory, GpuKvDescription> memory;
+  // The geometry component these buffers hold (docs/hybrid.md); backends open them for that component's copy
+  // geometry (Geometry::Component). 0 for a full-attention session.
+  uint32_t component = 0;
 
   // The memory kinds a backend must have declared to open this registration (a GPU registration may mix IPC
   // and VMM regions).

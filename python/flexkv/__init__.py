@@ -13,13 +13,14 @@ from .client import Client, DaemonStatus, OpResult, Ticket, connect
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
                      Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
-from .geometry import Geometry, Layout
+from .geometry import ComponentKind, ComponentSpec, Geometry, Layout
 from .keys import BlockKey, BlockKeys, block_keys
 
 __version__ = _lib.version()  # libflexkv's, from CMake's project(): the version is written in one place
 
 __all__ = [
-    "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "DaemonStatus", "DataLoss",
+    "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "ComponentKind", "ComponentSpec",
+    "DaemonStatus", "DataLoss",
     "DeadlineExceeded", "Error", "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "Layout",
     "NotFound", "OpResult", "OutOfRange", "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket",
     "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "block_keys", "connect",

@@ -26,17 +26,23 @@ from .errors import Error, error_for
 
 SONAME = "libflexkv.so.0"
 # FLEXKV_ABI_VERSION of the client/include/flexkv/c.h that the declarations below mirror.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class BlockKeyStruct(Structure):
     _fields_ = [("lo", c_uint64), ("hi", c_uint64)]
 
 
+class ComponentStruct(Structure):
+    _fields_ = [("kind", c_uint32), ("num_layers", c_uint32), ("kv_planes", c_uint32), ("kv_heads_per_rank", c_uint32),
+                ("head_dim", c_uint32), ("dtype_bytes", c_uint32), ("window_tokens", c_uint32),
+                ("reserved", c_uint32), ("state_bytes_per_layer", c_uint64)]
+
+
 class GeometryStruct(Structure):
     _fields_ = [("tokens_per_block", c_uint32), ("num_layers", c_uint32), ("kv_planes", c_uint32),
                 ("kv_heads_per_rank", c_uint32), ("head_dim", c_uint32), ("dtype_bytes", c_uint32),
-                ("tp_size", c_uint32)]
+                ("tp_size", c_uint32), ("n_components", c_uint32), ("components", POINTER(ComponentStruct))]
 
 
 class DaemonStatusStruct(Structure):
@@ -55,7 +61,8 @@ class TicketStruct(Structure):
 
 
 # The C name of each struct, as flexkv_struct_size knows it.
-STRUCTS = {"flexkv_geometry": GeometryStruct, "flexkv_daemon_status": DaemonStatusStruct,
+STRUCTS = {"flexkv_geometry": GeometryStruct, "flexkv_component": ComponentStruct,
+           "flexkv_daemon_status": DaemonStatusStruct,
            "flexkv_block_key": BlockKeyStruct, "flexkv_op_result": OpResultStruct, "flexkv_ticket": TicketStruct}
 
 
@@ -126,20 +133,29 @@ _PROTOTYPES = {
     "flexkv_attach": (c_int, [client_p, c_char_p, c_char_p, c_uint32, c_uint32, POINTER(GeometryStruct),
                               POINTER(c_uint64)]),
     "flexkv_detach": (c_int, [client_p]),
+    "flexkv_session_component": (c_int, [client_p, c_uint32, POINTER(c_uint64), POINTER(c_uint64)]),
     "flexkv_get_status": (c_int, [client_p, POINTER(DaemonStatusStruct)]),
     "flexkv_drain": (c_int, [client_p, c_char_p, c_size_t]),
     "flexkv_resume": (c_int, [client_p, c_char_p, c_size_t]),
     "flexkv_check_health": (c_int, [client_p]),
     "flexkv_create_host_kv": (c_int, [client_p, c_int, c_uint32, POINTER(c_void_p), POINTER(c_uint64)]),
+    "flexkv_create_host_kv_component": (c_int, [client_p, c_uint32, c_int, c_uint32, POINTER(c_void_p),
+                                                POINTER(c_uint64)]),
     "flexkv_describe_gpu_kv": (c_int, [c_int, POINTER(c_void_p), c_size_t, c_uint64, c_uint32, c_uint32,
                                        POINTER(gpu_kv_p)]),
     "flexkv_gpu_kv_uuid": (c_char_p, [gpu_kv_p]),
+    "flexkv_gpu_kv_set_component": (c_int, [gpu_kv_p, c_uint32]),
     "flexkv_register_gpu_kv": (c_int, [client_p, gpu_kv_p]),
     "flexkv_gpu_kv_free": (None, [gpu_kv_p]),
     "flexkv_match": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, c_int, POINTER(TicketStruct)]),
     "flexkv_load": (c_int, [client_p, c_uint64, POINTER(c_uint32), c_size_t, c_int, POINTER(TicketStruct)]),
     "flexkv_store": (c_int, [client_p, POINTER(BlockKeyStruct), POINTER(BlockKeyStruct), POINTER(c_uint32),
                              c_size_t, POINTER(TicketStruct)]),
+    "flexkv_load_components": (c_int, [client_p, c_uint64, POINTER(POINTER(c_uint32)), POINTER(c_size_t), c_size_t,
+                                       POINTER(TicketStruct)]),
+    "flexkv_store_components": (c_int, [client_p, POINTER(BlockKeyStruct), POINTER(BlockKeyStruct), c_size_t,
+                                        POINTER(POINTER(c_uint32)), POINTER(c_size_t), c_size_t, POINTER(c_uint32),
+                                        c_size_t, POINTER(TicketStruct)]),
     "flexkv_release": (c_int, [client_p, c_uint64, POINTER(TicketStruct)]),
     "flexkv_match_via_control": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, POINTER(c_uint32)]),
     "flexkv_wait": (c_int, [client_p, TicketStruct, c_int64, POINTER(OpResultStruct)]),

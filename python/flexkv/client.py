@@ -10,6 +10,7 @@ FailedPrecondition. No method holds the GIL while it blocks in libflexkv.
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import numbers
@@ -18,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 from . import _lib
 from ._convert import INT_MAX, U64_MAX, c_int_array, c_uint, device_region, wait_seconds
@@ -255,7 +256,8 @@ class Client:
         self._session_lock = threading.Lock()
         self.session_id: Optional[int] = None
         self.geometry: Optional[Geometry] = None
-        self._host_array: Optional[ctypes.Array] = None  # the host KV mapping, exported to the caller's views
+        # The host KV mappings by geometry component, exported to the caller's views.
+        self._host_arrays: Dict[int, ctypes.Array] = {}
 
     # ---- lifetime ----
 
@@ -274,16 +276,18 @@ class Client:
     def close(self) -> None:
         """Detaches and frees the client; idempotent. Later calls raise FailedPrecondition.
 
-        If views of the host KV buffer (memoryviews, NumPy arrays, tensors) are still alive, the session and its
-        mapping stay until the last of them is gone (then it is closed), so a stale view never touches unmapped
+        If views of a host KV buffer (memoryviews, NumPy arrays, tensors) are still alive, the session and its
+        mappings stay until the last of them is gone (then it is closed), so a stale view never touches unmapped
         memory. Otherwise the session ends now: calls in progress on other threads end with FailedPrecondition
         (or their own result), and the last of them frees the client; close() does not wait for them.
         """
         with self._session_lock:
-            host, self._host_array = self._host_array, None
-            views = host is not None and sys.getrefcount(host) > 2
-            ptr = self._handle.close(keep_until=host if views else None)
-            del host
+            host, self._host_arrays = list(self._host_arrays.values()), {}
+            # getrefcount's argument and the list's reference are not views.
+            viewed = [host[i] for i in range(len(host)) if sys.getrefcount(host[i]) > 2]
+            views = bool(viewed)
+            ptr = self._handle.close(keep_until=viewed)
+            del host, viewed
             if ptr is None:
                 return
             try:
@@ -328,7 +332,7 @@ class Client:
     def _attach(self, ptr: int, name_c: bytes, namespace_c: bytes, dp: int, tp: int, g: Any, sid: Any,
                 geometry: Geometry) -> int:
         """attach() under the session lock and the handle."""
-        if self._host_array is not None:
+        if self._host_arrays:
             views = self._host_views()
             if views > 0:
                 raise FailedPrecondition(
@@ -338,7 +342,7 @@ class Client:
                     "client, which waits for them, and connect anew)")
             # No view is left and none can be made any more: whatever attach does to the old mapping (nothing,
             # if the session is alive; unmapped, if it was lost), nobody can touch it through Python.
-            self._host_array = None
+            self._host_arrays = {}
         rc = _lib.lib.flexkv_attach(ptr, name_c, namespace_c, dp, tp, ctypes.byref(g), ctypes.byref(sid))
         if rc != 0:
             # Only a live session answers FAILED_PRECONDITION without being dropped ("already attached"); any
@@ -347,13 +351,13 @@ class Client:
                 self.session_id = None
             raise _lib.error_from_last(rc)
         self.session_id = int(sid.value)
-        self.geometry = dataclasses.replace(geometry)
+        self.geometry = copy.deepcopy(geometry)
         return self.session_id
 
     def _host_views(self) -> int:
-        """Live views (memoryviews, NumPy arrays, tensors) of the host KV buffer; caller holds the session lock and
-        _host_array is set. getrefcount's own argument and our attribute are not views."""
-        return sys.getrefcount(self._host_array) - 2
+        """Live views (memoryviews, NumPy arrays, tensors) of the host KV buffers; caller holds the session lock.
+        getrefcount's own argument and our dict's reference are not views."""
+        return sum(sys.getrefcount(self._host_arrays[c]) - 2 for c in list(self._host_arrays))
 
     @property
     def attached(self) -> bool:
@@ -366,14 +370,14 @@ class Client:
         with self._session_lock:
             ptr = self._handle.acquire()
             try:
-                if self._host_array is not None:
+                if self._host_arrays:
                     views = self._host_views()
                     if views > 0:
                         raise FailedPrecondition(
                             f"the host KV buffer is still referenced ({views} views: memoryviews, NumPy arrays, "
                             "tensors); drop them before detach() (close() detaches once they are gone)")
                 _lib.check(_lib.lib.flexkv_detach(ptr))
-                self._host_array = None
+                self._host_arrays = {}
                 self.session_id = None
             finally:
                 self._handle.release()
@@ -413,32 +417,50 @@ class Client:
 
     # ---- KV buffers ----
 
-    def create_host_kv(self, layout: Union[Layout, int], num_blocks: int) -> memoryview:
+    def create_host_kv(self, layout: Union[Layout, int], num_blocks: int, component: int = 0) -> memoryview:
         """Host backend: creates num_blocks blocks of KV buffers in `layout`, in memory shared with the daemon,
-        and registers them (once per session). Returns a writable, flat memoryview of all of it (format "B",
-        len == num_blocks * geometry.host_block_bytes); wrap it with numpy.frombuffer / torch.frombuffer.
+        and registers them (once per session and component). Returns a writable, flat memoryview of all of it
+        (format "B", len == num_blocks * the bytes of one block of one TP rank); wrap it with numpy.frombuffer /
+        torch.frombuffer.
+
+        component: hybrid models register every component's buffers, each in its copy geometry
+        (geometry.component(component)): a block is num_layers x kv_planes x chunk_bytes_per_rank bytes of it; a
+        state component's "blocks" are the engine's state slots (num_layers x state_bytes_per_layer bytes each).
 
         The memory stays mapped while the session lasts and any view of it is alive (see close()).
-        Raises InvalidArgument for a bad layout or block count, FailedPrecondition when not attached or already
-        registered.
+        Raises InvalidArgument for a bad layout, block count or component, FailedPrecondition when not attached,
+        AlreadyExists when that component is already registered.
         """
         lay = _layout(layout)
         n = c_uint(num_blocks, "num_blocks")  # 0 is refused by libflexkv
+        comp = c_uint(component, "component")
         data = ctypes.c_void_p(0)
         nbytes = ctypes.c_uint64(0)
         with self._session_lock:
             ptr = self._handle.acquire()
             try:
-                _lib.check(_lib.lib.flexkv_create_host_kv(ptr, lay, n, ctypes.byref(data), ctypes.byref(nbytes)))
+                _lib.check(_lib.lib.flexkv_create_host_kv_component(ptr, comp, lay, n, ctypes.byref(data),
+                                                                    ctypes.byref(nbytes)))
                 # Under the session lock with the call: a close() or detach() on another thread sees the buffer (and
                 # this view of it) and keeps the mapping, instead of unmapping it between the call and these lines.
-                self._host_array = (ctypes.c_uint8 * nbytes.value).from_address(data.value)
-                return memoryview(self._host_array).cast("B")
+                array = (ctypes.c_uint8 * nbytes.value).from_address(data.value)
+                self._host_arrays[comp] = array
+                return memoryview(array).cast("B")
             finally:
                 self._handle.release()
 
+    def session_component(self, component: int = 0) -> Tuple[int, int]:
+        """(slot_bytes, capacity) of one geometry component's sub-pool as the attach answered: the host bytes of one
+        slot (a block, or a state snapshot) and the slots. FailedPrecondition when not attached, InvalidArgument for
+        a component the geometry does not have."""
+        slot_bytes = ctypes.c_uint64(0)
+        capacity = ctypes.c_uint64(0)
+        self._call(_lib.lib.flexkv_session_component, c_uint(component, "component"), ctypes.byref(slot_bytes),
+                   ctypes.byref(capacity))
+        return int(slot_bytes.value), int(capacity.value)
+
     def register_gpu_kv(self, regions: Sequence[Any], layout: Union[Layout, int], num_blocks: int, tp_rank: int = 0,
-                        *, region_bytes: Optional[int] = None) -> str:
+                        *, region_bytes: Optional[int] = None, component: int = 0) -> str:
         """CUDA backend: registers one TP rank's KV buffers in GPU memory; returns the GPU's UUID.
 
         regions: LAYER_FIRST: one per layer (vLLM's per-layer tensors, each [2, num_blocks, block_size, heads,
@@ -446,12 +468,15 @@ class Client:
           element_size(), such as torch.Tensor, or with __cuda_array_interface__), contiguous, all of equal size;
           or an int device pointer, with region_bytes. torch is never imported here.
         Memory from PyTorch's caching allocator (cudaMalloc) and from expandable segments (cuMem/VMM) both work.
+        component: the geometry component these buffers hold (hybrid models register each component's buffers, in
+        its copy geometry, separately).
         Raises InvalidArgument for non-contiguous or unequal regions, CPU tensors or pointers that are not device
         memory; Unimplemented with a libflexkv built without CUDA.
         """
         lay = _layout(layout)
         n = c_uint(num_blocks, "num_blocks")
         tp = c_uint(tp_rank, "tp_rank")
+        comp = c_uint(component, "component")
         items = list(regions)
         if not items:
             raise InvalidArgument("no KV regions given; expected one per layer (LAYER_FIRST) or one")
@@ -475,6 +500,7 @@ class Client:
         _lib.check(rc)
         try:
             uuid = (_lib.lib.flexkv_gpu_kv_uuid(kv) or b"").decode()
+            _lib.check(_lib.lib.flexkv_gpu_kv_set_component(kv, comp))
             self._call(_lib.lib.flexkv_register_gpu_kv, kv)
         finally:
             _lib.lib.flexkv_gpu_kv_free(kv)
@@ -495,12 +521,26 @@ class Client:
     def load(self, match_handle: int, block_ids: Any, layerwise: bool = False) -> Ticket:
         """Copies the first len(block_ids) blocks of a pinned match into these KV blocks (result.done_blocks).
         With layerwise, Ticket.wait_layers reports each layer as it lands. block_ids: sequence or integer array,
-        each < the registered num_blocks (else the request ends with OutOfRange)."""
+        each < the registered num_blocks (else the request ends with OutOfRange).
+
+        Hybrid models: block_ids is a list with one id sequence (or integer array) per component, component 0
+        first, for the handle's whole prefix end e (result.matched_blocks of the match): e ids of component 0,
+        min(window_blocks(i), e) ids of a sliding-window component (blocks [e - n, e)), 1 id of a state component
+        (the state slot that receives the snapshot at e). Not layer-wise. Wrong counts raise InvalidArgument naming
+        the component, its kind and the count expected (nothing is sent); a single flat id sequence on a hybrid
+        session raises InvalidArgument too."""
         handle = c_uint(match_handle, "match_handle", U64_MAX)
+        if _per_component(block_ids):
+            if layerwise:
+                raise InvalidArgument("a layer-wise load of a hybrid geometry's components is not supported; "
+                                      "expected layerwise=False")
+            ptrs, counts, n, _keep = _component_arrays(block_ids)
+            return self._submit("load", _lib.lib.flexkv_load_components, handle, ptrs, counts, n)
         ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
         return self._submit("load", _lib.lib.flexkv_load, handle, ids, n, 1 if layerwise else 0)
 
-    def store(self, keys: Union[BlockKeys, Iterable[Any]], block_ids: Any) -> Ticket:
+    def store(self, keys: Union[BlockKeys, Iterable[Any]], block_ids: Any,
+              state_boundaries: Optional[Any] = None) -> Ticket:
         """Stores block keys[i] from KV block block_ids[i], keys[0] under keys.parent: pass a slice of the prompt's
         keys (keys[20:30] hangs under keys[19]) so that a match of the prompt from its start reaches the blocks; a
         plain sequence of pairs starts a prompt. The part already cached under the parent is skipped
@@ -509,14 +549,30 @@ class Client:
         Aborted (another request is storing the next block); the exception's .result says how many were stored.
         Nothing is stored, and the store ends with FailedPrecondition, when the parent is not cached (evicted, or
         never stored: match the prompt and store from its first uncached block), or with Aborted when the parent's
-        own store has not completed yet (wait for it first)."""
+        own store has not completed yet (wait for it first).
+
+        Hybrid models: block_ids is a list with one id sequence per component, component 0 first: len(keys) ids of
+        component 0, min(window_blocks(i), len(keys)) ids of a sliding-window component for the last keys (stored
+        right-aligned: what the engine still holds), and for a state component one id per entry of
+        state_boundaries (each in 1..len(keys), strictly increasing; boundary b = the snapshot after keys[b - 1]).
+        All or none: when a sub-pool cannot take its part nothing is stored (ResourceExhausted). Wrong counts or
+        boundaries raise InvalidArgument naming what was wrong (nothing is sent)."""
         k = as_block_keys(keys)
-        ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
-        if len(k) != n or n == 0:
-            raise InvalidArgument(f"{len(k)} keys and {n} source block ids; expected the same non-zero number")
         parent = None
         if k.parent is not None:
             parent = ctypes.byref(_lib.BlockKeyStruct(k.parent.lo, k.parent.hi))
+        if _per_component(block_ids):
+            ptrs, counts, n, _keep = _component_arrays(block_ids)
+            bounds, n_bounds = c_int_array([] if state_boundaries is None else state_boundaries, ctypes.c_uint32,
+                                           "state_boundaries")
+            return self._submit("store", _lib.lib.flexkv_store_components, parent, k._array, len(k), ptrs, counts, n,
+                                bounds, n_bounds)
+        if state_boundaries is not None and len(state_boundaries) > 0:
+            raise InvalidArgument("state_boundaries given with a single block id sequence; expected one id sequence "
+                                  "per component (a hybrid geometry's store)")
+        ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
+        if len(k) != n or n == 0:
+            raise InvalidArgument(f"{len(k)} keys and {n} source block ids; expected the same non-zero number")
         return self._submit("store", _lib.lib.flexkv_store, parent, k._array, ids, n)
 
     def release(self, match_handle: int) -> Ticket:
@@ -547,6 +603,31 @@ class Client:
         finally:
             self._handle.release()
         return Ticket(self, ticket, op)
+
+
+def _per_component(block_ids: Any) -> bool:
+    """True when `block_ids` is a list or tuple of per-component id sequences (a hybrid geometry's load or store)
+    rather than one flat sequence of ids."""
+    if not isinstance(block_ids, (list, tuple)) or not block_ids:
+        return False
+    first = block_ids[0]
+    if isinstance(first, (str, bytes)):
+        return False
+    try:
+        operator.index(first)
+        return False
+    except TypeError:
+        return True
+
+
+def _component_arrays(block_ids: Sequence[Any]) -> Tuple[Any, Any, int, list]:
+    """The C arrays of flexkv_load_components / flexkv_store_components: (pointers, counts, n, the id arrays the
+    pointers point into, which must outlive the call)."""
+    arrays = [c_int_array(ids, ctypes.c_uint32, f"block_ids[{i}]") for i, ids in enumerate(block_ids)]
+    u32_p = ctypes.POINTER(ctypes.c_uint32)
+    ptrs = (u32_p * len(arrays))(*[ctypes.cast(a, u32_p) for a, _ in arrays])
+    counts = (ctypes.c_size_t * len(arrays))(*[n for _, n in arrays])
+    return ptrs, counts, len(arrays), arrays
 
 
 def _layout(layout: Union[Layout, int]) -> int:

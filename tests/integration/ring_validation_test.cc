@@ -80,7 +80,7 @@ TEST_CASE("malformed ring descriptors get error completions, the daemon and othe
   });
   add("reserved != 0", RingOp::kMatch, 1, SC::kInvalidArgument, "reserved", [](auto& s) { s.reserved = 1; });
   add("reserved != 0 on Release", RingOp::kRelease, 0, SC::kInvalidArgument, "reserved", [&](auto& s) {
-    s.reserved = ~0ULL;
+    s.reserved = ~0U;
     s.match_handle = h1.match_handle;
   });
   add("parent on Match", RingOp::kMatch, 1, SC::kInvalidArgument, "parent", [](auto& s) { s.parent.hi = 42; });

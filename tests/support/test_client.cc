@@ -10,6 +10,11 @@
 //                                                         sleeps 300 ms (time to SIGSTOP it), then reaps them all)
 //   ERROR <CODE> <message>
 // The block contents and tokens of SEED are a pure function of SEED, so another process can check them.
+// A hybrid geometry (--swa-layers / --state-layers, docs/hybrid.md) stores and loads every component: a store
+// of N blocks puts block i in FULL buffer block i, the window's blocks j in the window buffer's block j, and the
+// state at each boundary (every --state-every blocks, and N) in state slot (boundary / state-every) % state slots.
+// A load checks exactly FULL [0,e), the window [e-w,e) and the state at e, and that no other buffer byte changed:
+//   LOADED <hits> <loaded> <equal 0|1> <STATUS> <untouched 0|1>
 // `--do hold` keeps the session until the process is killed.
 #include <unistd.h>
 
@@ -40,6 +45,26 @@ void FillBlock(uint64_t seed, uint32_t i, uint8_t* dst, uint64_t bytes) {
   }
 }
 
+// Component c's bytes for block (or state boundary) i of SEED: FULL blocks are FillBlock(seed), the others differ.
+void FillComponent(uint64_t seed, size_t c, uint32_t i, uint8_t* dst, uint64_t bytes) {
+  FillBlock(c == 0 ? seed : seed * 31 + c, i, dst, bytes);
+}
+
+bool IsPoison(const uint8_t* p, uint64_t bytes) {
+  for (uint64_t i = 0; i < bytes; ++i) {
+    if (p[i] != 0xA5) return false;
+  }
+  return true;
+}
+
+// The state boundaries of a store of n blocks: every `every` blocks, and n.
+std::vector<uint32_t> Boundaries(uint32_t n, uint32_t every) {
+  std::vector<uint32_t> b;
+  for (uint32_t k = every; every > 0 && k < n; k += every) b.push_back(k);
+  b.push_back(n);
+  return b;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -60,8 +85,33 @@ int main(int argc, char** argv) {
   app.add_option("--dtype-bytes", g.dtype_bytes);
   app.add_option("--tp", g.tp_size);
   app.add_option("--kv-blocks", kv_blocks, "KV buffer blocks (BLOCKFIRST)");
+  uint32_t swa_layers = 0, window_tokens = 0, state_layers = 0, state_bytes = 0, state_every = 0, state_slots = 8;
+  app.add_option("--swa-layers", swa_layers, "hybrid: sliding-window layers (the FULL layers' shape)");
+  app.add_option("--window-tokens", window_tokens, "hybrid: the sliding window");
+  app.add_option("--state-layers", state_layers, "hybrid: state (Mamba) layers");
+  app.add_option("--state-bytes", state_bytes, "hybrid: bytes of one layer's state");
+  app.add_option("--state-every", state_every, "hybrid: also store a state every this many blocks (0: at the end only)");
+  app.add_option("--state-slots", state_slots, "hybrid: the engine's state slots");
   app.add_option("--do", steps, "store:SEED:N, load:SEED:N, pin:SEED:N, inflight-load:SEED:N, flood:SEED:COUNT, hold");
   CLI11_PARSE(app, argc, argv);
+  if (swa_layers > 0) {
+    flexkv::ComponentSpec swa;
+    swa.kind = flexkv::ComponentKind::kSlidingWindow;
+    swa.num_layers = swa_layers;
+    swa.kv_planes = g.kv_planes;
+    swa.kv_heads_per_rank = g.kv_heads_per_rank;
+    swa.head_dim = g.head_dim;
+    swa.dtype_bytes = g.dtype_bytes;
+    swa.window_tokens = window_tokens;
+    g.components.push_back(swa);
+  }
+  if (state_layers > 0) {
+    flexkv::ComponentSpec state;
+    state.kind = flexkv::ComponentKind::kState;
+    state.num_layers = state_layers;
+    state.state_bytes_per_layer = state_bytes;
+    g.components.push_back(state);
+  }
 
   setvbuf(stdout, nullptr, _IOLBF, 0);
   auto client = flexkv::Client::Connect({socket, std::chrono::milliseconds(5000), std::chrono::milliseconds(10000)});
@@ -96,6 +146,107 @@ int main(int argc, char** argv) {
     return true;
   };
   const auto timeout = std::chrono::seconds(30);
+  // Hybrid geometries: one host buffer per component (FULL and windows kv_blocks blocks, states state_slots).
+  std::vector<flexkv::HostKvBuffers> parts;
+  auto need_parts = [&]() -> bool {
+    if (!parts.empty()) return true;
+    for (uint32_t comp = 0; comp < g.component_count(); ++comp) {
+      const bool state = g.component_kind(comp) == flexkv::ComponentKind::kState;
+      auto created = c.CreateHostKv(comp, flexkv::KvLayout::kBlockFirst, state ? state_slots : kv_blocks);
+      if (!created.ok()) {
+        std::printf("ERROR %s %s\n", flexkv::StatusCodeName(created.status().code()), created.status().message().c_str());
+        return false;
+      }
+      parts.push_back(*created);
+    }
+    return true;
+  };
+  auto slot_bytes = [&](size_t comp) { return g.Component(comp).host_block_bytes(); };
+  auto hybrid_store = [&](uint64_t seed, uint32_t n, const std::vector<flexkv::BlockKey>& keys) -> bool {
+    const std::vector<uint32_t> boundaries = Boundaries(n, state_every);
+    std::vector<std::vector<uint32_t>> ids(g.component_count());
+    for (size_t comp = 0; comp < g.component_count(); ++comp) {
+      const uint64_t bytes = slot_bytes(comp);
+      switch (g.component_kind(comp)) {
+        case flexkv::ComponentKind::kFull:
+          for (uint32_t i = 0; i < n; ++i) ids[comp].push_back(i);
+          break;
+        case flexkv::ComponentKind::kSlidingWindow:
+          for (uint32_t i = n - std::min(g.window_blocks(comp), n); i < n; ++i) ids[comp].push_back(i);
+          break;
+        case flexkv::ComponentKind::kState:
+          if (boundaries.size() > state_slots) {
+            std::printf("ERROR INVALID_ARGUMENT %zu state boundaries for %u state slots\n", boundaries.size(), state_slots);
+            return false;
+          }
+          for (uint32_t k = 0; k < boundaries.size(); ++k) ids[comp].push_back(k);
+          break;
+      }
+      for (size_t k = 0; k < ids[comp].size(); ++k) {
+        const uint32_t what = g.component_kind(comp) == flexkv::ComponentKind::kState ? boundaries[k] : ids[comp][k];
+        FillComponent(seed, comp, what, parts[comp].data + uint64_t{ids[comp][k]} * bytes, bytes);
+      }
+    }
+    std::vector<std::span<const uint32_t>> spans(ids.begin(), ids.end());
+    auto t = c.Store(flexkv::BlockKeyChain(keys), spans, boundaries);
+    auto r = t.ok() ? c.Wait(*t, timeout) : flexkv::Result<flexkv::OpResult>(t.status());
+    if (!r.ok()) {
+      std::printf("ERROR %s %s\n", flexkv::StatusCodeName(r.status().code()), r.status().message().c_str());
+      return false;
+    }
+    std::printf("STORED %u %u %s\n", r->matched_blocks, r->done_blocks, flexkv::StatusCodeName(r->status.code()));
+    return true;
+  };
+  auto hybrid_load = [&](uint64_t seed, const std::vector<flexkv::BlockKey>& keys) -> bool {
+    auto t = c.Match(keys, /*pin=*/true);
+    auto m = t.ok() ? c.Wait(*t, timeout) : flexkv::Result<flexkv::OpResult>(t.status());
+    if (!m.ok() || !m->status.ok()) {
+      const flexkv::Status st = m.ok() ? m->status : m.status();
+      std::printf("ERROR %s %s\n", flexkv::StatusCodeName(st.code()), st.message().c_str());
+      return false;
+    }
+    const uint32_t e = m->matched_blocks;
+    if (e == 0) {
+      std::printf("LOADED 0 0 1 OK 1\n");
+      return true;
+    }
+    for (const auto& part : parts) std::memset(part.data, 0xA5, part.bytes);  // poison every buffer
+    std::vector<std::vector<uint32_t>> ids(g.component_count());
+    for (size_t comp = 0; comp < g.component_count(); ++comp) {
+      const flexkv::ComponentKind kind = g.component_kind(comp);
+      const uint32_t n = kind == flexkv::ComponentKind::kFull            ? e
+                         : kind == flexkv::ComponentKind::kSlidingWindow ? std::min(g.window_blocks(comp), e)
+                                                                         : 1;
+      for (uint32_t i = 0; i < n; ++i) ids[comp].push_back(g.component_kind(comp) == flexkv::ComponentKind::kState ? 0 : e - n + i);
+    }
+    std::vector<std::span<const uint32_t>> spans(ids.begin(), ids.end());
+    auto lt = c.Load(m->match_handle, spans);
+    auto l = lt.ok() ? c.Wait(*lt, timeout) : flexkv::Result<flexkv::OpResult>(lt.status());
+    if (!l.ok()) {
+      std::printf("ERROR %s %s\n", flexkv::StatusCodeName(l.status().code()), l.status().message().c_str());
+      return false;
+    }
+    bool equal = l->status.ok(), untouched = true;
+    for (size_t comp = 0; comp < g.component_count(); ++comp) {
+      const uint64_t bytes = slot_bytes(comp);
+      std::vector<uint8_t> expect(bytes);
+      std::vector<bool> loaded(parts[comp].num_blocks, false);
+      for (uint32_t id : ids[comp]) {
+        loaded[id] = true;
+        const bool state = g.component_kind(comp) == flexkv::ComponentKind::kState;
+        FillComponent(seed, comp, state ? e : id, expect.data(), bytes);
+        equal = equal && std::memcmp(expect.data(), parts[comp].data + uint64_t{id} * bytes, bytes) == 0;
+      }
+      for (uint32_t b = 0; b < parts[comp].num_blocks; ++b) {
+        if (!loaded[b]) untouched = untouched && IsPoison(parts[comp].data + uint64_t{b} * bytes, bytes);
+      }
+    }
+    auto rel = c.Release(m->match_handle);
+    if (rel.ok()) (void)c.Wait(*rel, timeout);
+    std::printf("LOADED %u %u %d %s %d\n", e, l->done_blocks, equal ? 1 : 0, flexkv::StatusCodeName(l->status.code()),
+                untouched ? 1 : 0);
+    return true;
+  };
   for (const std::string& step : steps) {
     if (step == "hold") {
       for (;;) pause();
@@ -125,8 +276,19 @@ int main(int argc, char** argv) {
       std::printf("ERROR INVALID_ARGUMENT bad step '%s'\n", step.c_str());
       return 2;
     }
-    if (!need_kv()) return 1;
     const auto keys = flexkv::ComputeBlockKeys(ns, Tokens(seed, n, g.tokens_per_block), g.tokens_per_block);
+    if (g.is_hybrid()) {
+      const std::string what = op;
+      if (!need_parts()) return 1;
+      if (what == "store" && !hybrid_store(seed, n, keys)) return 1;
+      if (what == "load" && !hybrid_load(seed, keys)) return 1;
+      if (what != "store" && what != "load") {
+        std::printf("ERROR INVALID_ARGUMENT step '%s' is not supported for hybrid geometries\n", step.c_str());
+        return 2;
+      }
+      continue;
+    }
+    if (!need_kv()) return 1;
     std::vector<uint32_t> ids(n);
     for (uint32_t i = 0; i < n; ++i) ids[i] = i;
     const std::string what = op;

@@ -9,8 +9,8 @@
  *    thread-safe), flexkv_attach and flexkv_detach included (a call running on a session that flexkv_detach
  *    ends returns FLEXKV_FAILED_PRECONDITION); only flexkv_close must not race with other calls on it.
  *  - Waits block at most the timeout they are given (more than a year counts as a year). Every other call is
- *    bounded by the client's call timeout (10 s) per daemon round trip it makes: attach, create_host_kv and
- *    close make up to three, register_gpu_kv one per cuMem allocation it offers plus one.
+ *    bounded by the client's call timeout (10 s) per daemon round trip it makes: attach and close make up to
+ *    three, create_host_kv two, register_gpu_kv one per cuMem allocation it offers plus one.
  *  - No C++ exception crosses this ABI: an out-of-memory inside libflexkv returns RESOURCE_EXHAUSTED.
  *  - Block keys are 16-byte {lo, hi} pairs, as flexkv_compute_block_keys writes them.
  *  - The ABI is versioned: FLEXKV_ABI_VERSION below is this header's, flexkv_abi_version() the loaded library's.
@@ -28,8 +28,11 @@ extern "C" {
 
 /* Bumped on every change that a caller built against the previous header would misread: a function's
  * parameters or meaning, a struct's layout, a status code's meaning. 2: tickets became flexkv_ticket.
- * 3: flexkv_store takes the parent key of its first key. */
-#define FLEXKV_ABI_VERSION 3
+ * 3: flexkv_store takes the parent key of its first key.
+ * 4: hybrid models: flexkv_geometry gains n_components and components (flexkv_component); new
+ *    flexkv_create_host_kv_component, flexkv_gpu_kv_set_component, flexkv_load_components,
+ *    flexkv_store_components and flexkv_session_component. */
+#define FLEXKV_ABI_VERSION 4
 
 enum {
   FLEXKV_OK = 0,
@@ -56,6 +59,28 @@ enum { FLEXKV_LAYOUT_LAYER_FIRST = 1, FLEXKV_LAYOUT_BLOCK_FIRST = 2, FLEXKV_LAYO
 
 typedef struct flexkv_client flexkv_client;
 
+/* Component kinds of a hybrid model (flexkv::ComponentKind). */
+enum { FLEXKV_COMPONENT_FULL = 1, FLEXKV_COMPONENT_SLIDING_WINDOW = 2, FLEXKV_COMPONENT_STATE = 3 };
+
+/* A component of a hybrid model beside its full-attention layers (flexkv::ComponentSpec; docs/protocol.md
+ * "Geometry"). SLIDING_WINDOW: kv_planes, kv_heads_per_rank, head_dim, dtype_bytes as the geometry's fields of the
+ * same name, and window_tokens; state_bytes_per_layer 0. STATE: state_bytes_per_layer (one layer's snapshot on one
+ * TP rank, a multiple of 16); window_tokens 0, the attention fields ignored. */
+typedef struct flexkv_component {
+  uint32_t kind; /* FLEXKV_COMPONENT_SLIDING_WINDOW or FLEXKV_COMPONENT_STATE */
+  uint32_t num_layers;
+  uint32_t kv_planes;
+  uint32_t kv_heads_per_rank;
+  uint32_t head_dim;
+  uint32_t dtype_bytes;
+  uint32_t window_tokens;
+  uint32_t reserved; /* must be 0 */
+  uint64_t state_bytes_per_layer;
+} flexkv_component;
+
+/* The geometry's own fields are component 0 (the full-attention layers); a hybrid model lists its other
+ * components in `components` (n_components entries, at most 7; read during flexkv_attach only). A full-attention
+ * model: n_components 0 and components NULL. */
 typedef struct flexkv_geometry {
   uint32_t tokens_per_block;
   uint32_t num_layers;
@@ -64,6 +89,8 @@ typedef struct flexkv_geometry {
   uint32_t head_dim;
   uint32_t dtype_bytes;
   uint32_t tp_size;
+  uint32_t n_components;
+  const flexkv_component* components;
 } flexkv_geometry;
 
 typedef struct flexkv_daemon_status {
@@ -111,8 +138,9 @@ typedef struct flexkv_gpu_kv flexkv_gpu_kv;
 
 /* The loaded library's FLEXKV_ABI_VERSION. */
 uint32_t flexkv_abi_version(void);
-/* sizeof one struct of this header as the library was built ("flexkv_geometry", "flexkv_daemon_status",
- * "flexkv_block_key", "flexkv_op_result", "flexkv_ticket"); 0 for a name it does not know (also NULL). */
+/* sizeof one struct of this header as the library was built ("flexkv_geometry", "flexkv_component",
+ * "flexkv_daemon_status", "flexkv_block_key", "flexkv_op_result", "flexkv_ticket"); 0 for a name it does not
+ * know (also NULL). */
 size_t flexkv_struct_size(const char* name);
 /* libflexkv's release version ("0.1.0"): the project version it was built as, the one flexkvd reports. */
 const char* flexkv_version(void);
@@ -135,6 +163,10 @@ int flexkv_connect(const char* socket_path, int timeout_ms, flexkv_client** out,
 int flexkv_attach(flexkv_client* client, const char* client_name, const char* model_namespace, uint32_t dp_rank,
                   uint32_t tp_rank, const flexkv_geometry* geometry, uint64_t* session_id);
 int flexkv_detach(flexkv_client* client);
+/* What the attach answered for one geometry component (0 = the full-attention layers): the host bytes of one slot
+ * (a block, or a state snapshot) and the slots of its sub-pool. FLEXKV_FAILED_PRECONDITION when not attached,
+ * FLEXKV_INVALID_ARGUMENT for a component the geometry does not have. */
+int flexkv_session_component(flexkv_client* client, uint32_t component, uint64_t* slot_bytes, uint64_t* capacity);
 int flexkv_get_status(flexkv_client* client, flexkv_daemon_status* out);
 /* Admin calls: *state_out (may be NULL, at least 16 bytes) receives the state after the call. */
 int flexkv_drain(flexkv_client* client, char* state_out, size_t state_len);
@@ -147,6 +179,12 @@ int flexkv_check_health(flexkv_client* client);
 /* Host backend: creates num_blocks blocks of KV buffers in `layout` in memory shared with the daemon.
  * *data is valid until flexkv_detach / flexkv_close; *bytes is its size. */
 int flexkv_create_host_kv(flexkv_client* client, int layout, uint32_t num_blocks, void** data, uint64_t* bytes);
+/* Hybrid models: the host KV buffers of one component, in its copy geometry (for a state component each "block"
+ * is one state slot: num_layers x state_bytes_per_layer bytes); once per component. flexkv_create_host_kv is
+ * component 0. FLEXKV_INVALID_ARGUMENT for a component the geometry does not have, FLEXKV_ALREADY_EXISTS when that
+ * component is already registered. */
+int flexkv_create_host_kv_component(flexkv_client* client, uint32_t component, int layout, uint32_t num_blocks,
+                                    void** data, uint64_t* bytes);
 
 /* CUDA backend: describes one rank's GPU KV buffers at device pointers (CUDA IPC handles for cudaMalloc
  * memory, shareable fds for cuMem/VMM memory such as PyTorch's expandable segments). LAYER_FIRST: one
@@ -156,6 +194,9 @@ int flexkv_describe_gpu_kv(int layout, void* const* regions, size_t n_regions, u
                            uint32_t num_blocks, uint32_t tp_rank, flexkv_gpu_kv** out);
 /* The GPU's UUID ("GPU-…") the description names; valid while `kv` lives. */
 const char* flexkv_gpu_kv_uuid(const flexkv_gpu_kv* kv);
+/* Hybrid models: the geometry component the described buffers hold (0, the full-attention layers, unless set);
+ * describe and register each component's buffers of a rank separately. */
+int flexkv_gpu_kv_set_component(flexkv_gpu_kv* kv, uint32_t component);
 int flexkv_register_gpu_kv(flexkv_client* client, const flexkv_gpu_kv* kv);
 void flexkv_gpu_kv_free(flexkv_gpu_kv* kv);
 
@@ -170,6 +211,20 @@ int flexkv_load(flexkv_client* client, uint64_t match_handle, const uint32_t* ds
  * cached, and FLEXKV_ABORTED when the parent's own store has not completed yet (Client::Store). */
 int flexkv_store(flexkv_client* client, const flexkv_block_key* parent, const flexkv_block_key* keys,
                  const uint32_t* src_block_ids, size_t n, flexkv_ticket* ticket);
+/* Hybrid models (Client::Load / Client::Store with per-component spans): component_ids[i] points at counts[i]
+ * block ids of component i, for every component of the geometry (n_components = 1 + the geometry's
+ * n_components). A load gives the handle's whole prefix end e: e FULL ids, min(window_blocks, e) ids of a sliding-
+ * window component (blocks [e - n, e)), 1 id of a state component. A store of n_keys keys: n_keys FULL ids,
+ * min(window_blocks, n_keys) ids of a sliding-window component (its last keys), one id of a state component per
+ * state boundary (each in 1..n_keys, strictly increasing; boundary b = the snapshot after keys[b - 1]). Wrong
+ * counts or boundaries: FLEXKV_INVALID_ARGUMENT naming the component, its kind and the count expected, nothing
+ * sent. The single-span flexkv_load / flexkv_store refuse a hybrid session (FLEXKV_INVALID_ARGUMENT). */
+int flexkv_load_components(flexkv_client* client, uint64_t match_handle, const uint32_t* const* component_ids,
+                           const size_t* counts, size_t n_components, flexkv_ticket* ticket);
+int flexkv_store_components(flexkv_client* client, const flexkv_block_key* parent, const flexkv_block_key* keys,
+                            size_t n_keys, const uint32_t* const* component_ids, const size_t* counts,
+                            size_t n_components, const uint32_t* state_boundaries, size_t n_boundaries,
+                            flexkv_ticket* ticket);
 int flexkv_release(flexkv_client* client, uint64_t match_handle, flexkv_ticket* ticket);
 /* The unary gRPC match (slow path, diagnostics). */
 int flexkv_match_via_control(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, uint32_t* matched);

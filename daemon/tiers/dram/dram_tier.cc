@@ -7,16 +7,22 @@
 
 namespace flexkv {
 
-std::optional<PoolRegion> DramTier::region() const {
+std::optional<PoolRegion> DramTier::region(size_t component) const {
   const uint64_t generation = cache_->generation();
   MutexLock lock(&mu_);
-  if (known_generation_ == generation && generation != 0) return known_region_;
-  // First use, or the domain was dropped and a new pool (another address, slot size and count) replaced it.
-  const std::optional<PoolRegion> r = cache_->pool_region();
-  if (!r) return std::nullopt;
-  known_region_ = *r;
-  known_generation_ = cache_->generation();
-  return known_region_;
+  if (known_generation_ != generation || generation == 0) {
+    // First use, or the domain was dropped and a new pool (another address, slot size and count) replaced it.
+    known_regions_.clear();
+    for (size_t c = 0;; ++c) {
+      const std::optional<PoolRegion> r = cache_->pool_region(c);
+      if (!r) break;
+      known_regions_.push_back(*r);
+    }
+    if (known_regions_.empty()) return std::nullopt;
+    known_generation_ = cache_->generation();
+  }
+  if (component >= known_regions_.size()) return std::nullopt;
+  return known_regions_[component];
 }
 
 uint32_t DramTier::capacity_slots() const {

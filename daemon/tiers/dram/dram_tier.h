@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <optional>
+#include <vector>
 
 #include "common/mutex.h"
 #include "daemon/cache/cache.h"
@@ -29,7 +30,10 @@ class DramTier final : public CacheTier {
   // Where the slots are in this process, for the engine-memory backends; nullopt before the pool exists. The
   // region changes only when an admin drops the cache domain and a new pool is created (Cache::generation()): it
   // is read from the cache again then, and otherwise kept (it is asked for on every Load and Store).
-  std::optional<PoolRegion> region() const;
+  std::optional<PoolRegion> region() const { return region(0); }
+  // Where component `component`'s sub-pool is (hybrid geometries, docs/hybrid.md); its slot ids are local to it.
+  // nullopt before the pool exists or for a component the pool does not have.
+  std::optional<PoolRegion> region(size_t component) const;
 
  private:
   // The region, after checking `slot` and `size` against it.
@@ -38,7 +42,7 @@ class DramTier final : public CacheTier {
   const Cache* const cache_;
   mutable Mutex mu_;
   mutable uint64_t known_generation_ ABSL_GUARDED_BY(mu_) = 0;  // 0: nothing known yet
-  mutable PoolRegion known_region_ ABSL_GUARDED_BY(mu_);        // of the pool of known_generation_
+  mutable std::vector<PoolRegion> known_regions_ ABSL_GUARDED_BY(mu_);  // per component, of known_generation_
 };
 
 }  // namespace flexkv

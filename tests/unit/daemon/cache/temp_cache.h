@@ -29,7 +29,10 @@ inline Geometry SmallGeometry() {
 
 class TempCache {
  public:
-  explicit TempCache(uint64_t pool_bytes = 64 * 4096) : dir_(MakeDir()), pool_bytes_(pool_bytes) { Reopen(); }
+  explicit TempCache(uint64_t pool_bytes = 64 * 4096, PoolSplit split = {})
+      : dir_(MakeDir()), pool_bytes_(pool_bytes), split_(split) {
+    Reopen();
+  }
   ~TempCache() {
     cache_.reset();
     std::error_code ec;
@@ -41,7 +44,7 @@ class TempCache {
   // A new Cache on the same pool path (what a restarted daemon does); the caller then calls RecoverPool.
   void Reopen() {
     cache_.reset();
-    cache_ = std::make_unique<Cache>(pool_bytes_, dir_ + "/pool");
+    cache_ = std::make_unique<Cache>(pool_bytes_, dir_ + "/pool", split_);
   }
   Cache& cache() { return *cache_; }
   const std::string& dir() const { return dir_; }
@@ -55,6 +58,7 @@ class TempCache {
 
   const std::string dir_;
   const uint64_t pool_bytes_;
+  const PoolSplit split_;
   std::unique_ptr<Cache> cache_;
 };
 

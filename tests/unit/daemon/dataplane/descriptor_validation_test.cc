@@ -139,8 +139,8 @@ TEST_CASE("descriptor validation: reserved words, opcodes and flags are refused 
   d.reserved = 42;
   ExpectRefused(d, StatusCode::kInvalidArgument, "reserved is 42; expected 0");
   SubmitDescriptor release = Desc(RingOp::kRelease, 0);
-  release.reserved = kMax;
-  ExpectRefused(release, StatusCode::kInvalidArgument, "reserved is 18446744073709551615");
+  release.reserved = UINT32_MAX;
+  ExpectRefused(release, StatusCode::kInvalidArgument, "reserved is 4294967295");
 
   for (const uint16_t opcode : {uint16_t{0}, uint16_t{5}, uint16_t{0xffff}}) {
     SubmitDescriptor d = Desc(RingOp::kMatch, 1);
@@ -311,4 +311,86 @@ TEST_CASE("descriptor validation: a Store of the all-zero key is refused with IN
   // A Store before it is fine, and a Match of it is harmless (it finds nothing): both accepted.
   CHECK(flexkv::ValidateDescriptor(Desc(RingOp::kStore, 2), arena.span(), Limits()).ok());
   CHECK(flexkv::ValidateDescriptor(Desc(RingOp::kMatch, 4), arena.span(), Limits()).ok());
+}
+
+namespace {
+
+// gpt-oss's shape at a window of 2 blocks, and a state component.
+flexkv::Geometry HybridGeometry() {
+  flexkv::Geometry g = flexkv::GptOss20B();
+  g.components[0].window_tokens = 32;  // 2 blocks of 16 tokens
+  flexkv::ComponentSpec state;
+  state.kind = flexkv::ComponentKind::kState;
+  state.num_layers = 2;
+  state.state_bytes_per_layer = 64;
+  g.components.push_back(state);
+  return g;
+}
+
+DescriptorLimits HybridLimits(const flexkv::Geometry& g, std::vector<uint32_t> blocks = {8, 8, 8}) {
+  DescriptorLimits l = Limits();
+  l.geometry = &g;
+  l.component_blocks = std::move(blocks);
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("descriptor validation: a hybrid Store carries every component's ids and its state boundaries",
+          "[unit][hybrid]") {
+  const flexkv::Geometry g = HybridGeometry();
+  // Store of 4 keys with 2 boundaries: FULL 4 ids, window 2 ids, boundaries {2, 4}, state 2 ids = 10 values.
+  Arena arena;
+  const uint32_t ids[10] = {0, 1, 2, 3, 4, 5, 2, 4, 6, 7};
+  std::memcpy(arena.bytes + 1024, ids, sizeof(ids));
+  SubmitDescriptor d = Desc(RingOp::kStore, 4);
+  d.block_ids_offset = 1024;
+  d.state_count = 2;
+  auto r = flexkv::ValidateDescriptor(d, arena.span(), HybridLimits(g));
+  REQUIRE(r.ok());
+  CHECK(r->block_ids.size() == 10);
+  CHECK(r->boundaries == std::vector<uint32_t>{2, 4});
+
+  SECTION("boundaries out of order or range") {
+    const uint32_t bad[2][2] = {{4, 2}, {0, 3}};
+    for (const auto& b : bad) {
+      std::memcpy(arena.bytes + 1024 + 6 * 4, b, sizeof(b));
+      auto refused = flexkv::ValidateDescriptor(d, arena.span(), HybridLimits(g));
+      REQUIRE_FALSE(refused.ok());
+      CHECK(refused.status().code() == StatusCode::kInvalidArgument);
+      CHECK_THAT(refused.status().message(), Catch::Contains("state boundary"));
+    }
+  }
+  SECTION("an id of a component above what it registered names the component") {
+    auto refused = flexkv::ValidateDescriptor(d, arena.span(), HybridLimits(g, {8, 8, 7}));
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == StatusCode::kOutOfRange);
+    CHECK_THAT(refused.status().message(), Catch::Contains("component 2 (state)"));
+  }
+  SECTION("more boundaries than keys") {
+    d.state_count = 5;
+    ExpectRefused(d, StatusCode::kInvalidArgument, "state_count 5 is above count 4", HybridLimits(g));
+  }
+  SECTION("the id array must fit the arena") {
+    d.block_ids_offset = kArenaBytes - 16;
+    ExpectRefused(d, StatusCode::kOutOfRange, "block ids", HybridLimits(g));
+  }
+}
+
+TEST_CASE("descriptor validation: state_count only on a hybrid Store, and no layer-wise hybrid Load",
+          "[unit][hybrid]") {
+  const flexkv::Geometry g = HybridGeometry();
+  SubmitDescriptor store = Desc(RingOp::kStore, 4);
+  store.state_count = 1;
+  ExpectRefused(store, StatusCode::kInvalidArgument, "state_count is 1 on a Store");  // full-attention session
+  SubmitDescriptor match = Desc(RingOp::kMatch, 4);
+  match.state_count = 1;
+  ExpectRefused(match, StatusCode::kInvalidArgument, "state_count is 1 on a Match", HybridLimits(g));
+  ExpectRefused(Desc(RingOp::kLoad, 4, flexkv::kLoadFlagLayerwise), StatusCode::kInvalidArgument, "layer-wise",
+                HybridLimits(g));
+  // A hybrid Load of 4: FULL 4, window 2, state 1 = 7 ids, all below 8.
+  const Arena arena;
+  auto r = flexkv::ValidateDescriptor(Desc(RingOp::kLoad, 4), arena.span(), HybridLimits(g));
+  REQUIRE(r.ok());
+  CHECK(r->block_ids.size() == 7);
 }

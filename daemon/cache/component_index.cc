@@ -1,0 +1,521 @@
+// ComponentIndex: a slot-indexed entry array, a key -> slot hash map over it, and three intrusive lists threaded
+// through the entries (free slots; evictable unanchored entries; evictable anchored entries in LRU order). See
+// component_index.h for the contract. Also the hit rule, LongestUsableEnd.
+#include "daemon/cache/component_index.h"
+
+#include <absl/container/flat_hash_map.h>
+#include <absl/hash/hash.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "daemon/cache/large_array.h"
+
+// Broken internal invariants crash loudly (CONVENTIONS: untrusted input is answered, invariants assert).
+#define COMPONENT_INDEX_CHECK(cond, what)                                                               \
+  do {                                                                                                 \
+    if (!(cond)) {                                                                                     \
+      std::fprintf(stderr, "%s:%d: ComponentIndex invariant violated: %s [%s]\n", __FILE__, __LINE__,  \
+                   std::string(what).c_str(), #cond);                                                   \
+      std::abort();                                                                                    \
+    }                                                                                                  \
+  } while (0)
+
+namespace flexkv {
+namespace {
+
+constexpr SlotId kNil = std::numeric_limits<SlotId>::max();  // end of a list
+
+enum class State : uint8_t {
+  kFree,
+  kPending,         // reserved by a store: in the key map, on no list
+  kCommitted,       // findable; on an eviction list while unpinned
+  kUnverified,      // restored at start, bytes not checked yet: in the key map, on no list
+  kDropped,         // taken out while pinned: out of the key map, freed with its last Unpin
+  kPendingDropped,  // taken out while pending: out of the key map, freed by its store's Commit or Abort
+};
+
+// 32 bytes. `prev`/`next` link the free list while free and an eviction list while evictable.
+struct Entry {
+  BlockKey key;
+  SlotId prev = kNil;
+  SlotId next = kNil;
+  uint32_t pins = 0;
+  State state = State::kFree;
+  // Whether the FULL block of `key` is cached. Kept in every live state, so that an entry whose FULL block left
+  // while it was pending or unverified is unanchored once it becomes committed.
+  bool anchored = true;
+};
+static_assert(sizeof(Entry) <= 32, "ComponentIndex entries should stay small; one per sub-pool slot");
+
+// Seeded per process (absl), so a client cannot choose keys that pile up in one place of the map.
+struct KeyHash {
+  size_t operator()(const BlockKey& k) const { return absl::HashOf(k.lo, k.hi); }
+};
+
+struct List {
+  SlotId head = kNil;  // eviction lists: the end evicted first
+  SlotId tail = kNil;  // eviction lists: the most recently used (or unanchored) end
+  uint32_t size = 0;
+};
+
+}  // namespace
+
+struct ComponentIndex::Impl {
+  explicit Impl(uint32_t cap) : entries_(cap) {
+    COMPONENT_INDEX_CHECK(cap != kNil, "capacity must leave kNil free to end lists");
+    by_key_.reserve(cap);  // never rehashes
+    for (SlotId s = 0; s < cap; ++s) PushBack(free_, s);  // slot 0 is taken first
+  }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  LargeArray<Entry> entries_;
+  absl::flat_hash_map<BlockKey, SlotId, KeyHash> by_key_;  // pending, committed and unverified entries
+  List free_;
+  List unanchored_;  // evictable (committed, unpinned) and unanchored, in the order they became so
+  List lru_;         // evictable and anchored, least recently used first
+  std::function<void(SlotId, const BlockKey&)> listener_;
+  uint32_t used_ = 0;
+  uint32_t pinned_ = 0;
+  uint32_t committed_ = 0;
+  uint32_t unverified_ = 0;
+  uint32_t unanchored_committed_ = 0;
+  uint64_t evicted_ = 0;
+
+  // --- intrusive lists ---
+  void PushBack(List& l, SlotId s) {
+    Entry& e = entries_[s];
+    e.prev = l.tail;
+    e.next = kNil;
+    if (l.tail != kNil) entries_[l.tail].next = s; else l.head = s;
+    l.tail = s;
+    ++l.size;
+  }
+  void PushFront(List& l, SlotId s) {
+    Entry& e = entries_[s];
+    e.prev = kNil;
+    e.next = l.head;
+    if (l.head != kNil) entries_[l.head].prev = s; else l.tail = s;
+    l.head = s;
+    ++l.size;
+  }
+  void Unlink(List& l, SlotId s) {
+    Entry& e = entries_[s];
+    if (e.prev != kNil) entries_[e.prev].next = e.next; else l.head = e.next;
+    if (e.next != kNil) entries_[e.next].prev = e.prev; else l.tail = e.prev;
+    e.prev = e.next = kNil;
+    --l.size;
+  }
+
+  static bool Evictable(const Entry& e) { return e.state == State::kCommitted && e.pins == 0; }
+  List& EvictionList(const Entry& e) { return e.anchored ? lru_ : unanchored_; }
+
+  SlotId Find(const BlockKey& key) const {
+    auto it = by_key_.find(key);
+    return it == by_key_.end() ? kNil : it->second;
+  }
+
+  void Pin(SlotId s) {
+    COMPONENT_INDEX_CHECK(s < entries_.size(), fmt::format("pin of slot {} out of range", s));
+    Entry& e = entries_[s];
+    COMPONENT_INDEX_CHECK(e.state == State::kCommitted, fmt::format("pin of slot {} that is not committed", s));
+    if (e.pins++ == 0) {
+      ++pinned_;
+      Unlink(EvictionList(e), s);  // was evictable
+    }
+  }
+  void UnpinOne(SlotId s) {
+    COMPONENT_INDEX_CHECK(s < entries_.size(), fmt::format("unpin of slot {} out of range", s));
+    Entry& e = entries_[s];
+    COMPONENT_INDEX_CHECK((e.state == State::kCommitted || e.state == State::kDropped) && e.pins > 0,
+                          fmt::format("unpin of slot {} that is not pinned", s));
+    if (--e.pins > 0) return;
+    --pinned_;
+    if (e.state == State::kDropped) {
+      Free(s);
+    } else {
+      PushBack(EvictionList(e), s);  // used just now
+    }
+  }
+
+  // Returns a slot that no key names any more (free of pins, on no list) to the free list.
+  void Free(SlotId s) {
+    entries_[s] = Entry{};
+    --used_;
+    PushFront(free_, s);
+  }
+
+  // Takes a committed entry out of the key map and the counters (and its eviction list, when on one), and tells
+  // the listener. The caller frees the slot or keeps it as dropped.
+  void Remove(SlotId s) {
+    Entry& e = entries_[s];
+    if (Evictable(e)) Unlink(EvictionList(e), s);
+    by_key_.erase(e.key);
+    --committed_;
+    if (!e.anchored) --unanchored_committed_;
+    if (listener_) listener_(s, e.key);
+  }
+
+  // Evicts the first unanchored entry, else the least recently used anchored one, and returns its slot (on no
+  // list, still counted as used), or kNil when nothing is evictable.
+  SlotId EvictOne() {
+    SlotId s = unanchored_.head != kNil ? unanchored_.head : lru_.head;
+    if (s == kNil) return kNil;
+    COMPONENT_INDEX_CHECK(Evictable(entries_[s]), fmt::format("slot {} on an eviction list is not evictable", s));
+    Remove(s);
+    ++evicted_;
+    entries_[s] = Entry{};
+    return s;
+  }
+
+  // A free slot, else an evicted one; kNil when neither exists. The slot is unlinked and counted as used.
+  SlotId TakeSlot() {
+    SlotId s = free_.head;
+    if (s != kNil) {
+      Unlink(free_, s);
+      ++used_;
+      return s;
+    }
+    return EvictOne();
+  }
+
+  // A live entry (pending, unverified or committed) became committed: counted, and evictable unless pinned.
+  void BecomeCommitted(SlotId s) {
+    Entry& e = entries_[s];
+    e.state = State::kCommitted;
+    ++committed_;
+    if (!e.anchored) ++unanchored_committed_;
+    PushBack(EvictionList(e), s);
+  }
+
+  // Moves a live entry between anchored and unanchored, and an evictable one between the eviction lists (to
+  // the tail: the FULL block just left, or a store just committed it again).
+  void SetAnchored(const BlockKey& key, bool anchored) {
+    const SlotId s = Find(key);
+    if (s == kNil) return;
+    Entry& e = entries_[s];
+    if (e.anchored == anchored) return;
+    const bool evictable = Evictable(e);
+    if (evictable) Unlink(EvictionList(e), s);
+    e.anchored = anchored;
+    if (evictable) PushBack(EvictionList(e), s);
+    if (e.state == State::kCommitted) {
+      if (anchored) --unanchored_committed_; else ++unanchored_committed_;
+    }
+  }
+};
+
+ComponentIndex::ComponentIndex(uint32_t capacity) : impl_(std::make_unique<Impl>(capacity)) {}
+ComponentIndex::~ComponentIndex() = default;
+
+void ComponentIndex::SetEvictionListener(std::function<void(SlotId, const BlockKey&)> listener) {
+  impl_->listener_ = std::move(listener);
+}
+
+std::optional<SlotId> ComponentIndex::Find(const BlockKey& key) const {
+  const SlotId s = impl_->Find(key);
+  if (s == kNil || impl_->entries_[s].state != State::kCommitted) return std::nullopt;
+  return s;
+}
+
+void ComponentIndex::Pin(SlotId slot) { impl_->Pin(slot); }
+
+void ComponentIndex::Unpin(std::span<const SlotId> slots) {
+  for (SlotId s : slots) impl_->UnpinOne(s);
+}
+
+ComponentIndex::Reservation ComponentIndex::Reserve(std::span<const BlockKey> keys) {
+  Impl& m = *impl_;
+  Reservation r;
+  // Count first, changing nothing: the keys that need a slot, and the committed entries of `keys` that are
+  // evictable now (they must not be taken for this store's own keys, so they do not count as available).
+  size_t need = 0;
+  size_t own_evictable = 0;
+  std::vector<SlotId> found(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const SlotId s = found[i] = m.Find(keys[i]);
+    if (s == kNil) {
+      ++need;
+      continue;
+    }
+    const Entry& e = m.entries_[s];
+    if (e.state != State::kCommitted) {  // pending in another store, or unverified
+      r.shortfall = StatusCode::kAborted;
+      return r;
+    }
+    if (Impl::Evictable(e)) ++own_evictable;
+  }
+  // A key listed twice is counted in `need` or `own_evictable` twice: the count errs on refusing.
+  const size_t available = size_t{m.free_.size} + m.unanchored_.size + m.lru_.size;
+  if (need > available - std::min(available, own_evictable)) {
+    r.shortfall = StatusCode::kResourceExhausted;
+    return r;
+  }
+  // Pin the committed entries of `keys` while slots are taken, so that eviction passes them by; their Unpin
+  // marks them used (the store found them cached).
+  for (SlotId s : found) {
+    if (s != kNil) m.Pin(s);
+  }
+  r.slots.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (found[i] != kNil) {
+      r.slots.push_back(kNoSlot);
+      continue;
+    }
+    const BlockKey& key = keys[i];
+    if (m.Find(key) != kNil) {
+      // Pending from earlier in this loop: `keys` repeats a key (the contract forbids it; a client may still
+      // send it). Undo this call's reservations: the store cannot be done as asked.
+      for (SlotId t : r.slots) {
+        if (t == kNoSlot) continue;
+        m.by_key_.erase(m.entries_[t].key);
+        m.Free(t);
+      }
+      r.slots.clear();
+      r.shortfall = StatusCode::kAborted;
+      break;
+    }
+    const SlotId t = m.TakeSlot();
+    COMPONENT_INDEX_CHECK(t != kNil, "reserve ran out of slots after counting enough");
+    Entry& e = m.entries_[t];
+    e.key = key;
+    e.state = State::kPending;
+    m.by_key_.emplace(key, t);
+    r.slots.push_back(t);
+  }
+  for (SlotId s : found) {
+    if (s != kNil) m.UnpinOne(s);
+  }
+  return r;
+}
+
+void ComponentIndex::Commit(std::span<const SlotId> slots) {
+  Impl& m = *impl_;
+  for (SlotId s : slots) {
+    COMPONENT_INDEX_CHECK(s < m.entries_.size(), fmt::format("commit of slot {} out of range", s));
+    Entry& e = m.entries_[s];
+    if (e.state == State::kPendingDropped) {  // dropped while its store copied
+      m.Free(s);
+      continue;
+    }
+    COMPONENT_INDEX_CHECK(e.state == State::kPending, fmt::format("commit of slot {} that is not pending", s));
+    m.BecomeCommitted(s);
+  }
+}
+
+void ComponentIndex::Abort(std::span<const SlotId> slots) {
+  Impl& m = *impl_;
+  for (SlotId s : slots) {
+    COMPONENT_INDEX_CHECK(s < m.entries_.size(), fmt::format("abort of slot {} out of range", s));
+    Entry& e = m.entries_[s];
+    COMPONENT_INDEX_CHECK(e.state == State::kPending || e.state == State::kPendingDropped,
+                          fmt::format("abort of slot {} that is not pending (or listed twice)", s));
+    if (e.state == State::kPending) m.by_key_.erase(e.key);
+    m.Free(s);
+  }
+}
+
+void ComponentIndex::Unanchor(const BlockKey& key) { impl_->SetAnchored(key, false); }
+void ComponentIndex::Anchor(const BlockKey& key) { impl_->SetAnchored(key, true); }
+
+Status ComponentIndex::RestoreUnverified(SlotId slot, const BlockKey& key) {
+  Impl& m = *impl_;
+  if (slot >= m.entries_.size()) {
+    return Status::FailedPrecondition(
+        fmt::format("restore: slot {} is out of range; expected < {}", slot, m.entries_.size()));
+  }
+  if (m.entries_[slot].state != State::kFree) {
+    return Status::FailedPrecondition(fmt::format("restore: slot {} is already taken", slot));
+  }
+  if (m.Find(key) != kNil) {
+    return Status::FailedPrecondition(fmt::format("restore: key {} (slot {}) is already present", key.ToHex(), slot));
+  }
+  m.Unlink(m.free_, slot);
+  ++m.used_;
+  ++m.unverified_;
+  Entry& e = m.entries_[slot];
+  e.key = key;
+  e.state = State::kUnverified;
+  m.by_key_.emplace(key, slot);
+  return Status::Ok();
+}
+
+bool ComponentIndex::MarkVerified(SlotId slot) {
+  Impl& m = *impl_;
+  if (slot >= m.entries_.size() || m.entries_[slot].state != State::kUnverified) return false;
+  --m.unverified_;
+  m.BecomeCommitted(slot);
+  return true;
+}
+
+bool ComponentIndex::PinSlot(SlotId slot) {
+  Impl& m = *impl_;
+  if (slot >= m.entries_.size() || m.entries_[slot].state != State::kCommitted) return false;
+  m.Pin(slot);
+  return true;
+}
+
+size_t ComponentIndex::Drop(std::span<const SlotId> slots) {
+  Impl& m = *impl_;
+  size_t dropped = 0;
+  for (SlotId s : slots) {
+    if (s >= m.entries_.size()) continue;
+    Entry& e = m.entries_[s];
+    switch (e.state) {
+      case State::kCommitted:
+        m.Remove(s);
+        if (e.pins > 0) {
+          e.state = State::kDropped;
+        } else {
+          m.Free(s);
+        }
+        ++dropped;
+        break;
+      case State::kUnverified:
+        m.by_key_.erase(e.key);
+        --m.unverified_;
+        if (m.listener_) m.listener_(s, e.key);
+        m.Free(s);
+        ++dropped;
+        break;
+      case State::kPending:
+        m.by_key_.erase(e.key);
+        e.state = State::kPendingDropped;
+        break;
+      default:
+        break;
+    }
+  }
+  return dropped;
+}
+
+bool ComponentIndex::IsCommitted(SlotId slot) const {
+  return slot < impl_->entries_.size() && impl_->entries_[slot].state == State::kCommitted;
+}
+
+bool ComponentIndex::IsUnverified(SlotId slot) const {
+  return slot < impl_->entries_.size() && impl_->entries_[slot].state == State::kUnverified;
+}
+
+uint32_t ComponentIndex::capacity() const { return static_cast<uint32_t>(impl_->entries_.size()); }
+uint32_t ComponentIndex::used_slots() const { return impl_->used_; }
+uint32_t ComponentIndex::pinned_slots() const { return impl_->pinned_; }
+uint32_t ComponentIndex::committed_entries() const { return impl_->committed_; }
+uint32_t ComponentIndex::unverified_entries() const { return impl_->unverified_; }
+uint32_t ComponentIndex::unanchored_entries() const { return impl_->unanchored_committed_; }
+uint64_t ComponentIndex::evicted_entries() const { return impl_->evicted_; }
+
+std::vector<SlotId> ComponentIndex::EvictionOrder() const {
+  const Impl& m = *impl_;
+  std::vector<SlotId> out;
+  for (SlotId s = m.unanchored_.head; s != kNil; s = m.entries_[s].next) out.push_back(s);
+  for (SlotId s = m.lru_.head; s != kNil; s = m.entries_[s].next) out.push_back(s);
+  return out;
+}
+
+void ComponentIndex::ForEachCommitted(const std::function<void(SlotId, const BlockKey&)>& fn) const {
+  const auto& entries = impl_->entries_;
+  for (SlotId s = 0; s < entries.size(); ++s) {
+    if (entries[s].state == State::kCommitted) fn(s, entries[s].key);
+  }
+}
+
+void ComponentIndex::CheckInvariants() const {
+  const Impl& m = *impl_;
+  const auto cap = static_cast<uint32_t>(m.entries_.size());
+  uint32_t used = 0, pinned = 0, committed = 0, unverified = 0, unanchored = 0, keyed = 0;
+  uint32_t evictable_anchored = 0, evictable_unanchored = 0;
+  for (SlotId s = 0; s < cap; ++s) {
+    const Entry& e = m.entries_[s];
+    if (e.state == State::kFree) {
+      COMPONENT_INDEX_CHECK(e.pins == 0, fmt::format("free slot {} is pinned", s));
+      continue;
+    }
+    ++used;
+    if (e.pins > 0) ++pinned;
+    COMPONENT_INDEX_CHECK(e.pins == 0 || e.state == State::kCommitted || e.state == State::kDropped,
+                          fmt::format("slot {} is pinned but neither committed nor dropped", s));
+    switch (e.state) {
+      case State::kCommitted:
+        ++committed;
+        if (!e.anchored) ++unanchored;
+        if (Impl::Evictable(e)) ++(e.anchored ? evictable_anchored : evictable_unanchored);
+        [[fallthrough]];
+      case State::kPending:
+      case State::kUnverified:
+        ++keyed;
+        if (e.state == State::kUnverified) ++unverified;
+        COMPONENT_INDEX_CHECK(m.Find(e.key) == s, fmt::format("slot {} is not found by its key", s));
+        break;
+      case State::kDropped:
+        COMPONENT_INDEX_CHECK(e.pins > 0, fmt::format("dropped slot {} should have been freed", s));
+        [[fallthrough]];
+      default:
+        COMPONENT_INDEX_CHECK(m.Find(e.key) != s, fmt::format("dropped slot {} is still found by its key", s));
+        break;
+    }
+  }
+  COMPONENT_INDEX_CHECK(used == m.used_ && pinned == m.pinned_ && committed == m.committed_ &&
+                            unverified == m.unverified_ && unanchored == m.unanchored_committed_,
+                        "counters drifted");
+  COMPONENT_INDEX_CHECK(m.by_key_.size() == keyed, "key map size differs from the keyed (live) entries");
+  COMPONENT_INDEX_CHECK(m.free_.size + used == cap, "free list size + used != capacity");
+  auto walk = [&](const List& l, auto&& want) {
+    uint32_t count = 0;
+    SlotId prev = kNil;
+    for (SlotId s = l.head; s != kNil; s = m.entries_[s].next) {
+      COMPONENT_INDEX_CHECK(++count <= cap && m.entries_[s].prev == prev && want(m.entries_[s]),
+                            fmt::format("list broken at slot {}", s));
+      prev = s;
+    }
+    COMPONENT_INDEX_CHECK(l.tail == prev && count == l.size, "list tail or size is wrong");
+  };
+  walk(m.free_, [](const Entry& e) { return e.state == State::kFree; });
+  walk(m.lru_, [](const Entry& e) { return Impl::Evictable(e) && e.anchored; });
+  walk(m.unanchored_, [](const Entry& e) { return Impl::Evictable(e) && !e.anchored; });
+  COMPONENT_INDEX_CHECK(m.lru_.size == evictable_anchored && m.unanchored_.size == evictable_unanchored,
+                        "an evictable entry is missing from its eviction list");
+}
+
+size_t LongestUsableEnd(size_t full_prefix, std::span<const ComponentRule> rules,
+                        const std::function<bool(size_t component, size_t j)>& has) {
+  // Candidate ends are tried from the longest down; a component that is not usable at e names the next
+  // candidate worth trying (a state: e - 1; a window with block m missing: m, the longest end whose window
+  // leaves m out). Per window, `present_from` is how far down from the candidate its blocks are known present;
+  // it only moves down, so has(c, j) is asked at most once per (c, j), and with everything cached a window
+  // costs w calls and a state one, whatever the prefix length.
+  std::vector<size_t> present_from(rules.size(), full_prefix);
+  size_t e = full_prefix;
+  while (e > 0) {
+    size_t next = e;
+    for (size_t c = 0; c < rules.size() && next == e; ++c) {
+      const ComponentRule& rule = rules[c];
+      if (rule.state) {
+        if (!has(c + 1, e - 1)) next = e - 1;
+        continue;
+      }
+      size_t& from = present_from[c];
+      from = std::min(from, e);
+      const size_t need_from = e - std::min<size_t>(e, rule.window_blocks);
+      while (from > need_from) {
+        if (!has(c + 1, from - 1)) {
+          next = from - 1;  // every end in (from - 1, from - 1 + w] has that block in its window
+          from = next;
+          break;
+        }
+        --from;
+      }
+    }
+    if (next == e) return e;
+    e = next;
+  }
+  return 0;
+}
+
+}  // namespace flexkv

@@ -1,0 +1,201 @@
+// Cache with a hybrid geometry (docs/hybrid.md): sub-pools per component, the hit rule over FULL blocks, sliding
+// windows and states, all-or-none stores, and a restart that restores every component (or drops what is torn).
+#include <catch2/catch.hpp>
+
+#include <span>
+#include <vector>
+
+#include "common/block_checksum.h"
+#include "common/hybrid_ids.h"
+#include "daemon/cache/block_verifier.h"
+#include "daemon/cache/cache.h"
+#include "flexkv/block_key.h"
+#include "tests/unit/daemon/cache/temp_cache.h"
+
+using flexkv::BlockKey;
+using flexkv::Cache;
+using flexkv::ComponentIndex;
+using flexkv::ComponentKind;
+using flexkv::SlotId;
+using flexkv::StatusCode;
+using flexkv::testing::TempCache;
+
+namespace {
+
+// FULL: 4 tokens x 1 layer x K/V x 1 head x 8 dims x bf16 = 128 B; a sliding window of 8 tokens (2 blocks) of the
+// same shape; a state of 64 B per layer.
+flexkv::Geometry TinyHybrid() {
+  flexkv::Geometry g;
+  g.tokens_per_block = 4;
+  g.num_layers = 1;
+  g.kv_planes = 2;
+  g.kv_heads_per_rank = 1;
+  g.head_dim = 8;
+  g.dtype_bytes = 2;
+  g.tp_size = 1;
+  flexkv::ComponentSpec swa;
+  swa.kind = ComponentKind::kSlidingWindow;
+  swa.num_layers = 1;
+  swa.kv_planes = 2;
+  swa.kv_heads_per_rank = 1;
+  swa.head_dim = 8;
+  swa.dtype_bytes = 2;
+  swa.window_tokens = 8;
+  flexkv::ComponentSpec state;
+  state.kind = ComponentKind::kState;
+  state.num_layers = 1;
+  state.state_bytes_per_layer = 64;
+  g.components = {swa, state};
+  return g;
+}
+
+std::vector<BlockKey> Keys(uint64_t chain, size_t n) {
+  std::vector<BlockKey> keys(n);
+  for (size_t i = 0; i < n; ++i) keys[i] = BlockKey{chain * 1000 + i + 1, chain};
+  return keys;
+}
+
+uint64_t SlotBytes(const Cache& cache, SlotId slot) {
+  const std::vector<SlotId> bases = cache.component_bases();
+  size_t c = bases.size() - 1;
+  while (c > 0 && slot < bases[c]) --c;
+  return cache.pool_region(c)->slot_bytes;
+}
+
+uint64_t Fill(Cache& cache, SlotId slot, uint8_t seed) {
+  uint8_t* bytes = cache.SlotData(slot);
+  const uint64_t n = SlotBytes(cache, slot);
+  for (uint64_t i = 0; i < n; ++i) bytes[i] = static_cast<uint8_t>(i * 7 + seed + slot);
+  return flexkv::BlockChecksum(bytes, n);
+}
+
+// A hybrid store as the request handlers run it: reserve, fill every reserved slot, commit. Returns the shortfall.
+StatusCode Store(Cache& cache, std::span<const BlockKey> keys, std::vector<uint32_t> boundaries,
+                 const BlockKey& parent = flexkv::kRootParent) {
+  Cache::HybridReservation r = cache.ReserveHybrid(parent, keys, boundaries);
+  if (r.shortfall != StatusCode::kOk) return r.shortfall;
+  std::vector<std::vector<uint64_t>> sums(r.slots.size());
+  for (SlotId s : r.full.slots) sums[0].push_back(Fill(cache, s, 1));
+  for (size_t c = 1; c < r.slots.size(); ++c) {
+    for (SlotId s : r.slots[c]) {
+      if (s != ComponentIndex::kNoSlot) sums[c].push_back(Fill(cache, s, static_cast<uint8_t>(c)));
+    }
+  }
+  cache.CommitHybrid(parent, keys, r, sums);
+  return StatusCode::kOk;
+}
+
+}  // namespace
+
+TEST_CASE("hybrid cache: a hit needs the FULL prefix, its trailing window and its state", "[unit][cache][hybrid]") {
+  TempCache t(64 * 1024);
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  REQUIRE(t.cache().Admit("ns", TinyHybrid()).ok());
+  REQUIRE(t.cache().component_bases().size() == 3);
+  CHECK(t.cache().pool_region(1)->slot_bytes == 128);
+  CHECK(t.cache().pool_region(2)->slot_bytes == 64);
+
+  const std::vector<BlockKey> keys = Keys(1, 6);
+  REQUIRE(Store(t.cache(), keys, {3, 6}) == StatusCode::kOk);
+  CHECK(t.cache().Match(keys, false, nullptr) == 6);
+  // The window was stored right-aligned (blocks 4 and 5): the state at 3 has no window, so a 5-block prompt has no
+  // usable end although its FULL blocks and the state at 3 are cached.
+  CHECK(t.cache().Match(std::span(keys).first(5), false, nullptr) == 0);
+  CHECK(t.cache().Match(std::span(keys).first(3), false, nullptr) == 0);
+  // A longer prompt hits at 6.
+  std::vector<BlockKey> longer = keys;
+  longer.push_back(BlockKey{999, 999});
+  CHECK(t.cache().Match(longer, false, nullptr) == 6);
+
+  // A pinned match pins exactly FULL[0,6), the window [4,6) and the state at 6, in a Load's id order.
+  std::vector<SlotId> pinned;
+  REQUIRE(t.cache().Match(keys, true, &pinned) == 6);
+  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(TinyHybrid(), false, 6, 0);
+  REQUIRE(pinned.size() == layout.total);
+  REQUIRE(layout.total == 6 + 2 + 1);
+  const std::vector<SlotId> bases = t.cache().component_bases();
+  for (size_t i = 0; i < 6; ++i) CHECK(pinned[layout.offset[0] + i] < bases[1]);
+  for (size_t i = 0; i < 2; ++i) CHECK((pinned[layout.offset[1] + i] >= bases[1] && pinned[layout.offset[1] + i] < bases[2]));
+  CHECK(pinned[layout.offset[2]] >= bases[2]);
+  CHECK(t.cache().GetStats().pinned == 9);
+  t.cache().Unpin(pinned);
+  CHECK(t.cache().GetStats().pinned == 0);
+}
+
+TEST_CASE("hybrid cache: a continuation store adds a later end, and the state alone makes a shorter end usable",
+          "[unit][cache][hybrid]") {
+  TempCache t(64 * 1024);
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  REQUIRE(t.cache().Admit("ns", TinyHybrid()).ok());
+  const std::vector<BlockKey> keys = Keys(2, 8);
+  // First a chunk of 4 (window [2,4), state at 4), then the rest under keys[3] (window [6,8), state at 8).
+  REQUIRE(Store(t.cache(), std::span(keys).first(4), {4}) == StatusCode::kOk);
+  REQUIRE(Store(t.cache(), std::span(keys).subspan(4), {4}, keys[3]) == StatusCode::kOk);
+  CHECK(t.cache().Match(keys, false, nullptr) == 8);
+  // A prompt that diverges after block 5 falls back to the chunk boundary at 4: FULL[0,4), window [2,4), state at 4.
+  std::vector<BlockKey> diverging(keys.begin(), keys.begin() + 6);
+  diverging.push_back(BlockKey{4242, 1});
+  CHECK(t.cache().Match(diverging, false, nullptr) == 4);
+}
+
+TEST_CASE("hybrid cache: a store is all or none - a full sub-pool refuses it and leaves every index as it was",
+          "[unit][cache][hybrid]") {
+  // 20 KiB, 30 % of it for windows: 3 state slots, plenty of FULL and window slots.
+  TempCache t(20 * 1024, flexkv::PoolSplit{0.3, 0});
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  REQUIRE(t.cache().Admit("ns", TinyHybrid()).ok());
+  const uint32_t state_slots = t.cache().pool_region(2)->slots;
+  REQUIRE(state_slots == 3);
+  REQUIRE(t.cache().pool_region(1)->slots == 48);
+  // Fill and pin every state slot with ends of single-block prompts.
+  std::vector<SlotId> pins;
+  for (uint32_t i = 0; i < state_slots; ++i) {
+    const std::vector<BlockKey> one = Keys(100 + i, 1);
+    REQUIRE(Store(t.cache(), one, {1}) == StatusCode::kOk);
+    REQUIRE(t.cache().Match(one, true, &pins) == 1);
+  }
+  const Cache::Stats before = t.cache().GetStats();
+  const std::vector<BlockKey> keys = Keys(3, 2);
+  CHECK(Store(t.cache(), keys, {2}) == StatusCode::kResourceExhausted);
+  const Cache::Stats after = t.cache().GetStats();
+  CHECK(after.used == before.used);  // no FULL block, window block or state was kept from the refused store
+  CHECK(after.blocks == before.blocks);
+  CHECK(t.cache().Match(keys, false, nullptr) == 0);
+  // Without state boundaries the same store needs no state slot: FULL and window go in, but there is no hit.
+  CHECK(Store(t.cache(), keys, {}) == StatusCode::kOk);
+  CHECK(t.cache().GetStats().blocks == before.blocks + 2);
+  CHECK(t.cache().Match(keys, false, nullptr) == 0);
+  t.cache().Unpin(pins);
+  // Once the pins are gone the state goes in (evicting another), and the end is a hit.
+  CHECK(Store(t.cache(), keys, {2}) == StatusCode::kOk);
+  CHECK(t.cache().Match(keys, false, nullptr) == 2);
+}
+
+TEST_CASE("hybrid cache: a restart restores every component, verified - a torn state or window is not served",
+          "[unit][cache][hybrid]") {
+  TempCache t(64 * 1024);
+  const std::vector<BlockKey> a = Keys(4, 5), b = Keys(5, 5);
+  {
+    REQUIRE(t.cache().RecoverPool(false).ok());
+    REQUIRE(t.cache().Admit("ns", TinyHybrid()).ok());
+    REQUIRE(Store(t.cache(), a, {5}) == StatusCode::kOk);
+    REQUIRE(Store(t.cache(), b, {5}) == StatusCode::kOk);
+    REQUIRE(t.cache().Match(a, false, nullptr) == 5);
+    REQUIRE(t.cache().Match(b, false, nullptr) == 5);
+    // b's state changes after its store (as a torn write would leave it): its checksum no longer matches.
+    std::vector<SlotId> pinned;
+    REQUIRE(t.cache().Match(b, true, &pinned) == 5);
+    const flexkv::HybridIdLayout layout = flexkv::LayoutIds(TinyHybrid(), false, 5, 0);
+    t.cache().SlotData(pinned[layout.offset[2]])[10] ^= 0x40;
+    t.cache().Unpin(pinned);
+  }
+  t.Reopen();
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  CHECK(t.cache().Match(a, false, nullptr) == 0);  // unverified: not served yet
+  flexkv::BlockVerifier(&t.cache()).VerifyRestored();
+  CHECK(t.cache().GetStats().unverified == 0);
+  CHECK(t.cache().Match(a, false, nullptr) == 5);
+  CHECK(t.cache().Match(b, false, nullptr) == 0);  // its FULL blocks and window are there, its state is not
+  CHECK(t.cache().counters().data_loss_blocks.load() == 1);
+  CHECK(t.cache().Domain().geometry->is_hybrid());
+}
