@@ -1,7 +1,7 @@
 // flexkv-bench trace: see trace_bench.h.
 //   flexkv-bench trace --trace FILE [--capacity-blocks N] [--clients K] [--block-bytes 4KiB] [--json]
 //                      [--sweep [--capacities 1000,2000,...] [--plot docs/trace_sweep.png]]
-//                      [--geometry PRESET [--chunk-blocks C] [--component-shares w0,w1,...]]
+//                      [--geometry PRESET [--chunk-blocks C] [--split daemon|demand|w0,w1,...]]
 // --geometry adds the hybrid report (trace_hybrid_bench.cc): the model's pool, simulated, next to its all-FULL
 // reference at the same byte budget.
 // Starts its own flexkvd (next to this executable) in a temporary directory under /dev/shm with
@@ -153,6 +153,11 @@ struct WorkerOptions {
   int clients = 1;
   uint64_t block_bytes = 4096;
   std::string order = "strict";
+  // A model preset (trace --geometry): its geometry scaled down by `scale` (ScaledGeometry), stores every
+  // chunk_blocks of prefill (HybridPoolSim::Replay's boundaries). Empty: TraceGeometry(block_bytes).
+  std::string preset;
+  uint64_t scale = 1;
+  uint32_t chunk_blocks = 16;
 };
 
 int WorkerMain(const WorkerOptions& o) {
@@ -203,14 +208,51 @@ int WorkerMain(const WorkerOptions& o) {
   attach.dp_rank = static_cast<uint32_t>(o.index);
   attach.model_namespace = kTraceNamespace;
   attach.geometry = TraceGeometry(o.block_bytes);
+  if (!o.preset.empty()) {
+    auto g = TracePreset(o.preset, kTraceTokensPerBlock);
+    if (!g.ok()) return fail("--geometry", g.status());
+    attach.geometry = ScaledGeometry(*g, o.scale);
+  }
+  const flexkv::Geometry& geometry = attach.geometry;
   auto session = c.Attach(attach);
   if (!session.ok()) return fail("Attach", session.status());
-  auto kv = c.CreateHostKv(flexkv::KvLayout::kBlockFirst, longest);
-  if (!kv.ok()) return fail("CreateHostKv", kv.status());
-  const uint64_t bb = session->block_bytes;
-  std::vector<uint32_t> block_ids(longest);
-  for (uint32_t i = 0; i < longest; ++i) block_ids[i] = i;
-  Emit(fmt::format("READY {}\n", session->capacity_blocks));
+  // One buffer per component, engine block (or state slot) j at position j of the prompt (state: the snapshot
+  // after block j - 1). Each block's first 8 bytes carry its trace id, so a later Load can check what it got.
+  const bool hybrid = geometry.is_hybrid();
+  const size_t ncomp = geometry.component_count();
+  std::vector<flexkv::HostKvBuffers> kv;
+  std::vector<uint64_t> bb;
+  for (size_t comp = 0; comp < ncomp; ++comp) {
+    const bool state = geometry.component_kind(comp) == flexkv::ComponentKind::kState;
+    auto buffers = hybrid ? c.CreateHostKv(static_cast<uint32_t>(comp), flexkv::KvLayout::kBlockFirst,
+                                           state ? longest + 1 : longest)
+                          : c.CreateHostKv(flexkv::KvLayout::kBlockFirst, longest);
+    if (!buffers.ok()) return fail("CreateHostKv", buffers.status());
+    kv.push_back(*buffers);
+    bb.push_back(hybrid ? session->component_slot_bytes.at(comp) : session->block_bytes);
+  }
+  bool has_state = false;
+  for (size_t comp = 0; comp < ncomp; ++comp) has_state |= geometry.component_kind(comp) == flexkv::ComponentKind::kState;
+  auto tag_at = [&](size_t comp, uint32_t j) { return kv[comp].data + uint64_t{j} * bb[comp]; };
+  std::vector<uint32_t> block_ids(longest + 1);
+  for (uint32_t i = 0; i <= longest; ++i) block_ids[i] = i;
+  auto ids = [&](uint32_t begin, uint32_t end) { return std::span<const uint32_t>(block_ids.data() + begin, end - begin); };
+  // The ids of prefix end e in each component (Load), or of the store at boundary b (Store: the same shape, the
+  // state slot b). A sliding window's are its blocks [e - min(w, e), e).
+  auto component_ids = [&](uint32_t e) {
+    std::vector<std::span<const uint32_t>> out;
+    for (size_t comp = 0; comp < ncomp; ++comp) {
+      switch (geometry.component_kind(comp)) {
+        case flexkv::ComponentKind::kFull: out.push_back(ids(0, e)); break;
+        case flexkv::ComponentKind::kSlidingWindow: out.push_back(ids(e - std::min(geometry.window_blocks(comp), e), e)); break;
+        case flexkv::ComponentKind::kState: out.push_back(ids(e, e + 1)); break;
+      }
+    }
+    return out;
+  };
+  std::string ready = fmt::format("READY {}", session->capacity_blocks);
+  for (uint64_t cap : session->component_capacity) ready += fmt::format(" {}", cap);
+  Emit(ready + "\n");
   AwaitBarrier(0);
 
   const auto timeout = std::chrono::seconds(60);
@@ -235,17 +277,25 @@ int WorkerMain(const WorkerOptions& o) {
     hits += h;
     if (h > 0) {
       const uint64_t poison = ~uint64_t{0};
-      for (uint32_t i = 0; i < h; ++i) std::memcpy(kv->data + uint64_t{i} * bb, &poison, sizeof(poison));
+      const std::vector<std::span<const uint32_t>> want = component_ids(h);
+      for (size_t comp = 0; comp < ncomp; ++comp) {
+        for (uint32_t j : want[comp]) std::memcpy(tag_at(comp, j), &poison, sizeof(poison));
+      }
       t0 = NowNs();
-      auto lr = run(c.Load(mr->match_handle, std::span<const uint32_t>(block_ids.data(), h)));
+      auto lr = run(hybrid ? c.Load(mr->match_handle, want) : c.Load(mr->match_handle, ids(0, h)));
       lat_load.push_back(NowNs() - t0);
       if (!lr.ok()) return fail("Load", lr.status());
       if (!lr->status.ok()) return fail("Load result", lr->status);
-      loaded += lr->done_blocks;
-      for (uint32_t i = 0; i < lr->done_blocks; ++i) {
-        uint64_t tag = 0;
-        std::memcpy(&tag, kv->data + uint64_t{i} * bb, sizeof(tag));
-        if (tag != m.ids[i]) ++mismatches;
+      loaded += hybrid ? h : lr->done_blocks;
+      for (size_t comp = 0; comp < ncomp; ++comp) {
+        for (uint32_t j : want[comp]) {
+          if (!hybrid && j >= lr->done_blocks) break;
+          uint64_t tag = 0;
+          std::memcpy(&tag, tag_at(comp, j), sizeof(tag));
+          // A state slot j holds the snapshot after block j - 1.
+          const uint64_t expect = geometry.component_kind(comp) == flexkv::ComponentKind::kState ? m.ids[j - 1] : m.ids[j];
+          if (tag != expect) ++mismatches;
+        }
       }
       t0 = NowNs();
       auto rr = run(c.Release(mr->match_handle));
@@ -254,15 +304,29 @@ int WorkerMain(const WorkerOptions& o) {
       if (!rr->status.ok()) return fail("Release result", rr->status);
     }
     if (h < n) {
-      // Each block's first 8 bytes carry its trace id, so a later Load can check what it got.
-      for (uint32_t i = 0; i < n; ++i) std::memcpy(kv->data + uint64_t{i} * bb, &m.ids[i], sizeof(uint64_t));
-      t0 = NowNs();
-      auto sr = run(c.Store(flexkv::BlockKeyChain(m.keys), std::span<const uint32_t>(block_ids.data(), n)));
-      lat_store.push_back(NowNs() - t0);
-      if (!sr.ok()) return fail("Store", sr.status());
-      stored += sr->done_blocks;
-      // RESOURCE_EXHAUSTED (everything pinned) or ABORTED (another rank is storing the same block): counted.
-      if (!sr->status.ok()) ++shortfalls;
+      for (size_t comp = 0; comp < ncomp; ++comp) {
+        const bool state = geometry.component_kind(comp) == flexkv::ComponentKind::kState;
+        for (uint32_t j = state ? 1 : 0; j < (state ? n + 1 : n); ++j) {
+          std::memcpy(tag_at(comp, j), &m.ids[state ? j - 1 : j], sizeof(uint64_t));
+        }
+      }
+      // A hybrid engine stores at each chunk boundary of its prefill (the window and state it holds there) and at
+      // the prompt's end; a full-attention one once (HybridPoolSim::Replay).
+      const uint32_t chunk = hybrid ? o.chunk_blocks : 0;
+      for (uint32_t b = chunk == 0 ? n : std::min(n, h + chunk);; b = std::min(n, b + chunk)) {
+        const std::span<const flexkv::BlockKey> prefix(m.keys.data(), b);
+        const uint32_t boundary[1] = {b};
+        const std::span<const uint32_t> boundaries(boundary, has_state ? 1 : 0);
+        t0 = NowNs();
+        auto sr = run(hybrid ? c.Store(flexkv::BlockKeyChain(prefix), component_ids(b), boundaries)
+                             : c.Store(flexkv::BlockKeyChain(prefix), ids(0, b)));
+        lat_store.push_back(NowNs() - t0);
+        if (!sr.ok()) return fail("Store", sr.status());
+        stored += sr->done_blocks;
+        // RESOURCE_EXHAUSTED (everything pinned) or ABORTED (another rank is storing the same block): counted.
+        if (!sr->status.ok()) ++shortfalls;
+        if (b == n) break;
+      }
     }
     if (order == Order::kStrict) PassTurn(page, m.index + 1);
   }
@@ -294,12 +358,22 @@ struct TraceOptions {
   std::string order = "strict";
   std::string geometry;  // a preset: also the hybrid report (trace_hybrid_bench.cc)
   uint32_t chunk_blocks = 16;
-  std::vector<double> shares;
+  std::string split = "daemon";
+};
+
+// The model a daemon replay stores (trace --geometry): empty preset = TraceGeometry(block_bytes) at
+// capacity x block_bytes.
+struct DaemonModel {
+  std::string preset;
+  uint64_t scale = 1, pool_bytes = 0;
+  uint32_t chunk_blocks = 0;
+  double swa_share = 0, state_share = 0;  // the daemon's --swa-share / --state-share (0: its default)
 };
 
 struct TraceRun {
   uint32_t capacity = 0;
   uint64_t daemon_capacity = 0;
+  std::vector<uint64_t> component_capacity, component_used, component_unanchored, component_evicted;
   uint64_t requests = 0, blocks = 0, hits = 0, loaded = 0, stored = 0, shortfalls = 0, mismatches = 0;
   double seconds = 0;
   HitCount reference, bound, sim;
@@ -323,9 +397,26 @@ HitCount SimulatePrefixIndex(const std::vector<TraceRequest>& trace, const std::
   return c;
 }
 
+// The value of `metric`{component="c",...} in Prometheus text, per component c (0 where absent).
+std::vector<uint64_t> ComponentMetric(const std::string& text, const std::string& metric, size_t components) {
+  std::vector<uint64_t> out(components, 0);
+  size_t at = 0;
+  while ((at = text.find(metric + "{", at)) != std::string::npos) {
+    const size_t eol = std::min(text.find('\n', at), text.size());
+    const std::string line = text.substr(at, eol - at);
+    at = eol;
+    const size_t c = line.find("component=\"");
+    const size_t sp = line.rfind(' ');
+    if (c == std::string::npos || sp == std::string::npos) continue;
+    const size_t i = std::strtoull(line.c_str() + c + 11, nullptr, 10);
+    if (i < components) out[i] = static_cast<uint64_t>(std::strtod(line.c_str() + sp + 1, nullptr));
+  }
+  return out;
+}
+
 std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, uint32_t capacity,
                                 const std::vector<TraceRequest>& trace,
-                                const std::vector<std::vector<flexkv::BlockKey>>& keys) {
+                                const std::vector<std::vector<flexkv::BlockKey>>& keys, const DaemonModel& model = {}) {
   TraceRun run;
   run.capacity = capacity;
   run.bound = flexkv::bench::InfiniteCacheBound(trace);
@@ -340,8 +431,13 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   run.sim = SimulatePrefixIndex(trace, keys, capacity);
 
   const char* base = std::filesystem::is_directory("/dev/shm") ? "/dev/shm" : "/tmp";
-  auto own = OwnDaemon::Start(std::string(base) + "/flexkv-bench-trace-XXXXXX",
-                              {"--pool-size", std::to_string(uint64_t{capacity} * o.block_bytes)});
+  const uint64_t pool_bytes = model.preset.empty() ? uint64_t{capacity} * o.block_bytes : model.pool_bytes;
+  std::vector<std::string> daemon_args = {"--pool-size", std::to_string(pool_bytes)};
+  if (model.swa_share > 0) daemon_args.insert(daemon_args.end(), {"--swa-share", fmt::format("{:.6f}", model.swa_share)});
+  if (model.state_share > 0) {
+    daemon_args.insert(daemon_args.end(), {"--state-share", fmt::format("{:.6f}", model.state_share)});
+  }
+  auto own = OwnDaemon::Start(std::string(base) + "/flexkv-bench-trace-XXXXXX", daemon_args);
   if (!own) return std::nullopt;
 
   auto barrier = StartBarrier::Create();
@@ -361,7 +457,8 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   for (int i = 0; i < o.clients; ++i) {
     auto w = Spawn({self, "trace-worker", "--socket", own->socket(), "--trace", o.trace, "--index", std::to_string(i),
                     "--clients", std::to_string(o.clients), "--block-bytes", std::to_string(o.block_bytes),
-                    "--order", o.order},
+                    "--order", o.order, "--geometry", model.preset, "--scale", std::to_string(model.scale),
+                    "--chunk-blocks", std::to_string(model.chunk_blocks)},
                    {{barrier->read_end(), 0}, {turn_fd.get(), 4}});
     if (!w) return abort_all("could not start a trace-worker");
     workers.push_back(std::move(*w));
@@ -369,10 +466,19 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   for (size_t i = 0; i < workers.size(); ++i) {
     auto line = workers[i].ReadLine(std::chrono::seconds(120));
     unsigned long long cap = 0;
-    if (!line || std::sscanf(line->c_str(), "READY %llu", &cap) != 1) {
+    int consumed = 0;
+    if (!line || std::sscanf(line->c_str(), "READY %llu%n", &cap, &consumed) != 1) {
       return abort_all(fmt::format("worker {}: {}", i, line ? *line : std::string("ended before READY")));
     }
     run.daemon_capacity = cap;
+    run.component_capacity.clear();
+    for (const char* p = line->c_str() + consumed; *p != '\0';) {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(p, &end, 10);
+      if (end == p) break;
+      run.component_capacity.push_back(v);
+      p = end;
+    }
   }
   barrier->Release();  // go
   std::map<std::string, std::vector<int64_t>> lat;
@@ -418,6 +524,15 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   }
   run.seconds = static_cast<double>(last - first) / 1e9;
   for (auto& [op, v] : lat) run.lat[op] = Summarize(std::move(v));
+  if (run.component_capacity.size() > 1) {  // a hybrid pool: its sub-pools at the end, from the daemon's metrics
+    auto client = flexkv::Client::Connect({own->socket(), std::chrono::milliseconds(5000), std::chrono::milliseconds(20000)});
+    auto text = client.ok() ? (*client)->GetMetrics() : flexkv::Result<std::string>(client.status());
+    if (!text.ok()) return abort_all(fmt::format("GetMetrics: {}", text.status().ToString()));
+    const size_t n = run.component_capacity.size();
+    run.component_used = ComponentMetric(*text, "flexkv_component_used_slots", n);
+    run.component_unanchored = ComponentMetric(*text, "flexkv_component_unanchored_slots", n);
+    run.component_evicted = ComponentMetric(*text, "flexkv_component_evicted_total", n);
+  }
   if (run.requests != trace.size()) {
     std::fprintf(stderr, "flexkv-bench: the workers replayed %llu of %zu requests\n",
                  static_cast<unsigned long long>(run.requests), trace.size());
@@ -521,6 +636,9 @@ int RunTraceWorker(int argc, char** argv) {
   app.add_option("--clients", o.clients);
   app.add_option("--block-bytes", o.block_bytes);
   app.add_option("--order", o.order);
+  app.add_option("--geometry", o.preset);
+  app.add_option("--scale", o.scale);
+  app.add_option("--chunk-blocks", o.chunk_blocks);
   CLI11_PARSE(app, argc, argv);
   return WorkerMain(o);
 }
@@ -552,11 +670,10 @@ int RunTraceBench(int argc, char** argv) {
                  "With --geometry: the engine stores every this many blocks of prefill (chunked prefill; 0: only at "
                  "the prompt's end; default 16 = 8192 tokens)")
       ->check(CLI::Range(0u, 1000000u));
-  app.add_option("--component-shares", o.shares,
-                 "With --geometry: the budget's split between components, one weight each (default: in proportion "
-                 "to what each would hold after the trace with no eviction)")
-      ->delimiter(',')
-      ->check(CLI::PositiveNumber);
+  app.add_option("--split", o.split,
+                 "With --geometry: the budget's split between sub-pools: daemon (flexkvd's default), demand (in "
+                 "proportion to what each component holds after the trace with no eviction) or one weight per "
+                 "component, w0,w1,...; the flexkvd run gets it as --swa-share/--state-share");
   CLI11_PARSE(app, argc, argv);
 
   auto bb = flexkv::ParseByteSize(o.block_bytes_text);
@@ -604,8 +721,16 @@ int RunTraceBench(int argc, char** argv) {
   if (o.sweep) plotted = WritePlot(runs, o.plot, o.clients, o.order);
   Json hybrid;
   if (!o.geometry.empty()) {
-    const int rc = flexkv::bench::RunHybridTraceReport({o.trace, o.geometry, caps, o.chunk_blocks, o.shares, o.json},
-                                                       *trace, &hybrid);
+    flexkv::bench::HybridTraceOptions ho{o.trace, o.geometry, caps, o.chunk_blocks, o.split, o.json, {}};
+    ho.daemon = [&](uint32_t cap, uint64_t pool_bytes, uint64_t scale, double swa_share,
+                    double state_share) -> std::optional<HybridDaemonRun> {
+      auto r = RunOnce(self, o, cap, *trace, keys,
+                       DaemonModel{o.geometry, scale, pool_bytes, o.chunk_blocks, swa_share, state_share});
+      if (!r) return std::nullopt;
+      return HybridDaemonRun{r->blocks, r->hits, r->stored, r->shortfalls, r->mismatches, r->seconds,
+                             r->component_capacity, r->component_used, r->component_unanchored, r->component_evicted};
+    };
+    const int rc = flexkv::bench::RunHybridTraceReport(ho, *trace, &hybrid);
     if (rc != 0) return rc;
   }
   if (o.json) {

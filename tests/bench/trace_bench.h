@@ -427,22 +427,6 @@ inline Result<Geometry> AllFullReference(const Geometry& g) {
   return ref;
 }
 
-// Sub-pool capacities for a budget split: component i gets floor(shares[i] / sum(shares) * budget_bytes /
-// slot_bytes[i]) slots (component 0 at least 1). shares and slot_bytes have one entry per component, shares >= 0
-// with a positive sum, slot_bytes > 0.
-inline std::vector<uint32_t> SplitBudget(uint64_t budget_bytes, std::span<const uint64_t> slot_bytes,
-                                         std::span<const double> shares) {
-  double sum = 0;
-  for (double s : shares) sum += s;
-  std::vector<uint32_t> capacity(slot_bytes.size());
-  for (size_t i = 0; i < capacity.size(); ++i) {
-    const double slots = shares[i] / sum * static_cast<double>(budget_bytes) / static_cast<double>(slot_bytes[i]);
-    capacity[i] = static_cast<uint32_t>(std::min(slots, double{UINT32_MAX}));
-  }
-  capacity[0] = std::max<uint32_t>(capacity[0], 1);
-  return capacity;
-}
-
 // The geometry presets `flexkv-bench trace --geometry` knows (geometry.h), by name, at `tokens_per_block` tokens a
 // block (the trace's 512). INVALID_ARGUMENT naming the known presets for any other name.
 inline Result<Geometry> TracePreset(std::string_view name, uint32_t tokens_per_block) {
@@ -470,19 +454,73 @@ inline Result<Geometry> TracePreset(std::string_view name, uint32_t tokens_per_b
   return g;
 }
 
+// The daemon replay of a model runs a scaled-down copy of its geometry: every FULL and sliding-window layer's bytes
+// per token, and every state, divided by `scale`, so that slot sizes keep their ratios and a pool of budget / scale
+// bytes has the slots of the model's pool at that budget (the hit ratio depends on slot counts, not bytes).
+// TraceScale: the largest power of two in 1..max_scale that divides every component's per-token bytes of one
+// layer and plane (kv_heads_per_rank x head_dim x dtype_bytes) and leaves every state a multiple of 16 bytes.
+inline uint64_t TraceScale(const Geometry& g, uint64_t max_scale) {
+  auto fits = [&](uint64_t s) {
+    for (size_t i = 0; i < g.component_count(); ++i) {
+      const Geometry c = g.Component(i);
+      if (c.state_bytes_per_layer != 0 ? c.state_bytes_per_layer % (16 * s) != 0
+                                       : (uint64_t{c.kv_heads_per_rank} * c.head_dim * c.dtype_bytes) % s != 0) {
+        return false;
+      }
+    }
+    return true;
+  };
+  uint64_t s = 1;
+  while (s * 2 <= max_scale && fits(s * 2)) s *= 2;
+  return s;
+}
+// `g` with every component scaled by `scale` (TraceScale's answer): one KV head of head_dim = the per-token bytes /
+// scale, dtype 1 byte; states state_bytes_per_layer / scale.
+inline Geometry ScaledGeometry(const Geometry& g, uint64_t scale) {
+  Geometry out = g;
+  auto shrink = [&](uint32_t* heads, uint32_t* dim, uint32_t* dtype) {
+    *dim = static_cast<uint32_t>(uint64_t{*heads} * *dim * *dtype / scale);
+    *heads = 1;
+    *dtype = 1;
+  };
+  shrink(&out.kv_heads_per_rank, &out.head_dim, &out.dtype_bytes);
+  for (ComponentSpec& c : out.components) {
+    if (c.kind == ComponentKind::kState) {
+      c.state_bytes_per_layer /= scale;
+    } else {
+      shrink(&c.kv_heads_per_rank, &c.head_dim, &c.dtype_bytes);
+    }
+  }
+  return out;
+}
+
 }  // namespace flexkv::bench
 
 // Entry points (argv[0] is the subcommand name).
 int RunTraceBench(int argc, char** argv);
 // `trace --geometry`: the hybrid report (trace_hybrid_bench.cc); returns the exit code.
 namespace flexkv::bench {
+// What a daemon replay of a hybrid geometry measured; per component from the daemon's metrics at the end.
+struct HybridDaemonRun {
+  uint64_t blocks = 0, hit_blocks = 0, stored_full = 0, shortfalls = 0, mismatches = 0;
+  double seconds = 0;
+  std::vector<uint64_t> capacity, used, unanchored, evicted;
+};
 struct HybridTraceOptions {
   std::string trace;  // absolute path
   std::string preset;
   std::vector<uint32_t> capacities;  // budgets, in blocks of the all-FULL reference
   uint32_t chunk_blocks = 16;
-  std::vector<double> shares;  // per component; empty: in proportion to demand
+  // The budget's split between sub-pools: "daemon" (flexkvd's default), "demand" (in proportion to what each
+  // component holds after the trace with no eviction) or one weight per component, "w0,w1,...".
+  std::string split = "daemon";
   bool json = false;
+  // Replays the trace through a flexkvd holding the model's geometry scaled by `scale` (ScaledGeometry) in a pool of
+  // pool_bytes, started with --swa-share / --state-share (0: its default); nullopt after printing why. Empty:
+  // simulation only.
+  std::function<std::optional<HybridDaemonRun>(uint32_t capacity_blocks, uint64_t pool_bytes, uint64_t scale,
+                                               double swa_share, double state_share)>
+      daemon;
 };
 // Prints the text report, or with options.json sets *json to the report's object. 0, or the exit code after an
 // error message.

@@ -21,6 +21,7 @@
 
 #include "bench_json.h"
 #include "common/units.h"
+#include "daemon/cache/pool.h"
 #include "trace_bench.h"
 
 namespace flexkv::bench {
@@ -44,6 +45,8 @@ struct SimRun {
                                  static_cast<double>(hit_blocks * kTokensPerBlock);
   }
 };
+
+double Ratio(uint64_t a, uint64_t b) { return b == 0 ? 0.0 : static_cast<double>(a) / static_cast<double>(b); }
 
 std::vector<uint64_t> SlotBytes(const Geometry& g) {
   std::vector<uint64_t> out;
@@ -92,18 +95,33 @@ SimRun Unbounded(const Geometry& g, std::span<const std::vector<BlockKey>> keys,
   return Replay(g, unbounded, keys, {}, chunk_blocks);
 }
 
-std::vector<double> DemandShares(const SimRun& run) {
+// Each component's share of the budget, from its capacity.
+std::vector<double> SharesOf(std::span<const uint32_t> capacity, std::span<const uint64_t> slot_bytes, uint64_t budget) {
   std::vector<double> shares;
-  for (size_t c = 0; c < run.held.size(); ++c) {
-    shares.push_back(static_cast<double>(run.held[c]) * static_cast<double>(run.slot_bytes[c]));
+  for (size_t c = 0; c < capacity.size(); ++c) {
+    shares.push_back(static_cast<double>(capacity[c]) * static_cast<double>(slot_bytes[c]) / static_cast<double>(budget));
   }
-  double sum = 0;
-  for (double s : shares) sum += s;
-  for (double& s : shares) s /= sum;
   return shares;
 }
 
-double Ratio(uint64_t a, uint64_t b) { return b == 0 ? 0.0 : static_cast<double>(a) / static_cast<double>(b); }
+Json DaemonJson(const HybridDaemonRun& d, const Geometry& g) {
+  Json comps = Json::array();
+  for (size_t c = 0; c < d.capacity.size(); ++c) {
+    comps.push_back(Json{{"component", c},
+                         {"kind", ComponentKindName(g.component_kind(c))},
+                         {"capacity", d.capacity[c]},
+                         {"used", c < d.used.size() ? d.used[c] : 0},
+                         {"unanchored", c < d.unanchored.size() ? d.unanchored[c] : 0},
+                         {"evictions", c < d.evicted.size() ? d.evicted[c] : 0}});
+  }
+  return Json{{"hit_ratio", Rounded(Ratio(d.hit_blocks, d.blocks), 4)},
+              {"hit_blocks", d.hit_blocks},
+              {"full_blocks_stored", d.stored_full},
+              {"store_shortfalls", d.shortfalls},
+              {"load_mismatches", d.mismatches},
+              {"seconds", Rounded(d.seconds, 3)},
+              {"components", comps}};
+}
 
 Json RunJson(const SimRun& r, const Geometry& g) {
   Json comps = Json::array();
@@ -154,11 +172,6 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
     std::fprintf(stderr, "flexkv-bench: --geometry %s: %s\n", o.preset.c_str(), reference.status().message().c_str());
     return 2;
   }
-  if (!o.shares.empty() && o.shares.size() != model->component_count()) {
-    std::fprintf(stderr, "flexkv-bench: --component-shares has %zu values; expected %zu (one per component of %s)\n",
-                 o.shares.size(), model->component_count(), o.preset.c_str());
-    return 2;
-  }
   std::vector<std::vector<BlockKey>> keys;
   std::vector<size_t> prompts;
   {
@@ -171,36 +184,98 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
     }
   }
   const SimRun unbounded = Unbounded(*model, keys, o.chunk_blocks);
-  const std::vector<double> shares = o.shares.empty() ? DemandShares(unbounded) : o.shares;
   const uint64_t ref_block = reference->host_block_bytes();
+  const uint64_t scale = TraceScale(*model, 4096);
+  const std::vector<uint64_t> slots = SlotBytes(*model);
+  // --split as the daemon's --swa-share / --state-share (0: its default), so that the daemon and the simulation
+  // split alike.
+  PoolSplit pool_split;
+  if (o.split != "daemon" && model->is_hybrid()) {
+    std::vector<double> weights;
+    if (o.split == "demand") {
+      for (size_t c = 0; c < slots.size(); ++c) {
+        weights.push_back(static_cast<double>(unbounded.held[c]) * static_cast<double>(slots[c]));
+      }
+    } else {
+      for (size_t at = 0; at <= o.split.size();) {
+        const size_t comma = std::min(o.split.find(',', at), o.split.size());
+        char* end = nullptr;
+        const std::string part = o.split.substr(at, comma - at);
+        weights.push_back(std::strtod(part.c_str(), &end));
+        if (part.empty() || *end != '\0' || !(weights.back() > 0)) weights.clear();
+        if (weights.empty()) break;
+        at = comma + 1;
+      }
+      if (weights.size() != slots.size()) {
+        std::fprintf(stderr, "flexkv-bench: --split %s: expected daemon, demand or %zu positive weights (one per "
+                     "component of %s)\n", o.split.c_str(), slots.size(), o.preset.c_str());
+        return 2;
+      }
+    }
+    double sum = 0;
+    for (double w : weights) sum += w;
+    for (size_t c = 0; c < weights.size(); ++c) {
+      const ComponentKind k = model->component_kind(c);
+      if (k == ComponentKind::kSlidingWindow) pool_split.swa_share += weights[c] / sum;
+      if (k == ComponentKind::kState) pool_split.state_share += weights[c] / sum;
+    }
+  }
 
   Json runs = Json::array();
   for (uint32_t cap : o.capacities) {
     const uint64_t budget = uint64_t{cap} * ref_block;
     const std::vector<uint32_t> ref_cap = {cap};
     const SimRun ref = Replay(*reference, ref_cap, keys, prompts, o.chunk_blocks);
-    const std::vector<uint64_t> slots = SlotBytes(*model);
-    SimRun hyb = Replay(*model, SplitBudget(budget, slots, shares), keys, prompts, o.chunk_blocks);
-    hyb.shares = shares;
+    // The hybrid pool's sub-pools: the daemon run's, else the daemon's SplitBudget in-process.
+    std::optional<HybridDaemonRun> daemon;
+    if (o.daemon && model->is_hybrid()) {
+      daemon = o.daemon(cap, budget / scale, scale, pool_split.swa_share, pool_split.state_share);
+      if (!daemon) return 1;
+    }
+    std::vector<uint32_t> split;
+    const std::string split_from = fmt::format("--split {} (swa share {:.3f}, state share {:.3f}; 0: flexkvd's default)",
+                                               o.split, pool_split.swa_share, pool_split.state_share);
+    if (daemon && daemon->capacity.size() == slots.size()) {
+      for (uint64_t v : daemon->capacity) split.push_back(static_cast<uint32_t>(v));
+    } else {
+      auto daemon_split = flexkv::SplitBudget(*model, budget, pool_split);
+      if (!daemon_split.ok()) {
+        std::fprintf(stderr, "flexkv-bench: %s\n", daemon_split.status().message().c_str());
+        return 2;
+      }
+      for (uint64_t v : *daemon_split) split.push_back(static_cast<uint32_t>(std::min<uint64_t>(v, UINT32_MAX)));
+    }
+    SimRun hyb = Replay(*model, split, keys, prompts, o.chunk_blocks);
+    hyb.shares = SharesOf(split, slots, budget);
     if (o.json) {
       runs.push_back(Json{{"capacity_blocks", cap},
                           {"budget_bytes", budget},
                           {"reference", RunJson(ref, *reference)},
                           {"hybrid", RunJson(hyb, *model)},
+                          {"split", o.split},
+                          {"swa_share", Rounded(pool_split.swa_share, 4)},
+                          {"state_share", Rounded(pool_split.state_share, 4)},
+                          {"flexkvd", daemon ? DaemonJson(*daemon, *model) : Json(nullptr)},
                           {"prompts_held_ratio", Rounded(Ratio(hyb.prompts_held, ref.prompts_held), 3)},
                           {"full_blocks_held_ratio", Rounded(Ratio(hyb.held[0], ref.held[0]), 3)},
                           {"usable_ends_held_ratio", Rounded(Ratio(hyb.usable_ends, ref.usable_ends), 3)}});
       continue;
     }
-    fmt::print("{} at {} tokens a block, budget {} all-FULL blocks = {} [simulation, trace order; stores every {} "
-               "blocks of prefill and at the prompt's end]\n",
-               o.preset, kTokensPerBlock, cap, FormatByteSize(budget), o.chunk_blocks);
+    fmt::print("{} at {} tokens a block, budget {} all-FULL blocks = {}; stores every {} blocks of prefill and at the "
+               "prompt's end; sim = in-process replay in trace order, hybrid sub-pools from {}\n",
+               o.preset, kTokensPerBlock, cap, FormatByteSize(budget), o.chunk_blocks, split_from);
     fmt::print("  {:<22} {:>9} {:>14} {:>16} {:>16} {:>9}\n", "", "hit ratio", "prompts held", "FULL blocks held",
                "usable ends held", "refused");
     fmt::print("  {:<22} {:>9.4f} {:>14} {:>16} {:>16} {:>9}\n", "reference (all FULL)", ref.hit_ratio(),
                ref.prompts_held, ref.held[0], ref.usable_ends, ref.refused_stores);
-    fmt::print("  {:<22} {:>9.4f} {:>14} {:>16} {:>16} {:>9}\n", "hybrid", hyb.hit_ratio(), hyb.prompts_held,
+    fmt::print("  {:<22} {:>9.4f} {:>14} {:>16} {:>16} {:>9}\n", "hybrid, sim", hyb.hit_ratio(), hyb.prompts_held,
                hyb.held[0], hyb.usable_ends, hyb.refused_stores);
+    if (daemon) {
+      fmt::print("  {:<22} {:>9.4f} {:>14} {:>16} {:>16} {:>9}   ({} load mismatches, {:.2f} s, geometry scaled 1/{})\n",
+                 "hybrid, flexkvd", Ratio(daemon->hit_blocks, daemon->blocks), "-",
+                 daemon->used.empty() ? 0 : daemon->used[0], "-", daemon->shortfalls, daemon->mismatches,
+                 daemon->seconds, scale);
+    }
     fmt::print("  {:<22} {:>9} {:>13.2f}x {:>15.2f}x {:>15.2f}x   (of {} distinct prompts)\n", "hybrid / reference",
                "", Ratio(hyb.prompts_held, ref.prompts_held), Ratio(hyb.held[0], ref.held[0]),
                Ratio(hyb.usable_ends, ref.usable_ends), prompts.size());
@@ -210,9 +285,16 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
                "slot", "share", "capacity", "held", "unanchored", "evictions", "stored B/ht", "loaded B/ht");
     PrintComponents("reference", ref, *reference);
     PrintComponents("hybrid", hyb, *model);
+    for (size_t c = 0; daemon && c < daemon->capacity.size(); ++c) {
+      fmt::print("  {:<9} {:>2} {:<15} {:>10} {:>6} {:>9} {:>9} {:>10} {:>10}\n", "flexkvd", c,
+                 ComponentKindName(model->component_kind(c)), FormatByteSize(slots[c]), "", daemon->capacity[c],
+                 c < daemon->used.size() ? daemon->used[c] : 0, c < daemon->unanchored.size() ? daemon->unanchored[c] : 0,
+                 c < daemon->evicted.size() ? daemon->evicted[c] : 0);
+    }
   }
   if (o.json) {
     *json = Json{{"geometry", o.preset},
+                 {"daemon_scale", scale},
                  {"tokens_per_block", kTokensPerBlock},
                  {"simulation", true},
                  {"chunk_blocks", o.chunk_blocks},

@@ -154,7 +154,7 @@ TEST_CASE("a one-component pool large enough reaches the infinite-cache bound", 
   CHECK(sim.UsableEndsHeld() == sim.held(0));
 }
 
-TEST_CASE("the all-FULL reference counts every layer, and budgets split by share and slot size", "[unit][bench]") {
+TEST_CASE("the all-FULL reference counts every layer", "[unit][bench]") {
   auto gpt = flexkv::bench::AllFullReference(flexkv::GptOss20B());
   REQUIRE(gpt.ok());
   CHECK(gpt->num_layers == 24);
@@ -167,10 +167,22 @@ TEST_CASE("the all-FULL reference counts every layer, and budgets split by share
   flexkv::Geometry odd = flexkv::GptOss20B();
   odd.components[0].head_dim = 128;
   CHECK(flexkv::bench::AllFullReference(odd).status().code() == flexkv::StatusCode::kInvalidArgument);
+}
 
-  const std::vector<uint64_t> slot = {100, 50};
-  const std::vector<double> shares = {3, 1};
-  CHECK(flexkv::bench::SplitBudget(1000, slot, shares) == std::vector<uint32_t>{7, 5});
-  const std::vector<double> none_full = {0, 1};
-  CHECK(flexkv::bench::SplitBudget(1000, slot, none_full) == std::vector<uint32_t>{1, 20});
+TEST_CASE("scaled trace geometries keep every slot's ratio and stay valid", "[unit][bench]") {
+  for (const char* name : {"llama3-8b", "gpt-oss-20b", "gemma3-27b", "qwen3-next", "jamba", "deepseek-mla"}) {
+    auto g = flexkv::bench::TracePreset(name, 512);
+    REQUIRE(g.ok());
+    const uint64_t scale = flexkv::bench::TraceScale(*g, 4096);
+    CHECK(scale >= 64);
+    const flexkv::Geometry small = flexkv::bench::ScaledGeometry(*g, scale);
+    INFO(name << " scale " << scale << " " << small.ToString());
+    REQUIRE(small.Validate().ok());
+    for (size_t c = 0; c < g->component_count(); ++c) {
+      CHECK(small.Component(c).host_block_bytes() * scale == g->Component(c).host_block_bytes());
+      CHECK(small.window_blocks(c) == g->window_blocks(c));
+    }
+  }
+  CHECK(flexkv::bench::TraceScale(*flexkv::bench::TracePreset("qwen3-next", 512), 4096) == 1024);  // the state: 2^14 x 131
+  CHECK_FALSE(flexkv::bench::TracePreset("gpt-oss", 512).ok());
 }
