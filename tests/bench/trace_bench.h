@@ -221,8 +221,9 @@ class ComponentLru {
   // Whether Insert(keys) would succeed: free plus evictable slots (entries not of `keys`) cover the keys without
   // an entry. `keys` must not repeat a key.
   bool CanInsert(std::span<const BlockKey> keys) const { return Victims(keys).has_value(); }
-  // Adds anchored entries for the keys without one, all or none: free slots first, then evicting. Returns the
-  // entries added, or nullopt (nothing changed) when CanInsert is false.
+  // Adds anchored entries for the keys without one, all or none: free slots first, then evicting; the keys' existing
+  // entries are marked used (before the new ones). Returns the entries added, or nullopt (nothing changed) when
+  // CanInsert is false.
   std::optional<uint32_t> Insert(std::span<const BlockKey> keys) {
     auto victims = Victims(keys);
     if (!victims) return std::nullopt;
@@ -235,7 +236,10 @@ class ComponentLru {
     }
     uint32_t added = 0;
     for (const BlockKey& k : keys) {
-      if (Has(k)) continue;
+      if (Has(k)) {
+        Touch(k);  // as the daemon's store: entries it found cached count as used
+        continue;
+      }
       anchored_.push_back(k);
       entries_.emplace(k, Entry{true, std::prev(anchored_.end())});
       ++added;

@@ -70,9 +70,16 @@ TEST_CASE("component sub-pool evicts unanchored entries first, never the store's
   CHECK_FALSE(lru.Has(k[1]));
   CHECK_FALSE(lru.Has(k[0]));
   CHECK(lru.Has(k[3]));
+  // Least recently used first: 3, 4, 2. A store that finds its key cached marks it used, as the daemon's does.
+  const std::vector<BlockKey> again = {k[3]};
+  CHECK(lru.Insert(again) == 0u);
+  const std::vector<BlockKey> next = {k[0]};
+  CHECK(lru.Insert(next) == 1u);  // evicts 4, not 3
+  CHECK_FALSE(lru.Has(k[4]));
+  CHECK(lru.Has(k[3]));
   // Anchoring again moves an entry back behind the unanchored ones.
-  lru.Unanchor(k[4]);
-  lru.Anchor(k[4]);
+  lru.Unanchor(k[3]);
+  lru.Anchor(k[3]);
   CHECK(lru.unanchored() == 0);
 }
 
