@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <functional>
 #include <list>
@@ -496,6 +497,29 @@ inline Geometry ScaledGeometry(const Geometry& g, uint64_t scale) {
     }
   }
   return out;
+}
+
+// `trace --split` as one weight per component ("w0,w1,..."; each > 0). INVALID_ARGUMENT saying what was expected
+// for anything else; "daemon" and "demand" are the caller's.
+inline Result<std::vector<double>> ParseSplitWeights(std::string_view text, size_t components) {
+  std::vector<double> weights;
+  for (size_t at = 0; at <= text.size();) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string part(text.substr(at, comma - at));
+    char* end = nullptr;
+    const double w = std::strtod(part.c_str(), &end);
+    if (part.empty() || *end != '\0' || !(w > 0)) {
+      weights.clear();
+      break;
+    }
+    weights.push_back(w);
+    at = comma + 1;
+  }
+  if (weights.size() != components) {
+    return Status::InvalidArgument(fmt::format(
+        "--split {}: expected daemon, demand or {} positive weights, one per component", text, components));
+  }
+  return weights;
 }
 
 }  // namespace flexkv::bench

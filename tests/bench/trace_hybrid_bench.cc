@@ -197,20 +197,12 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
         weights.push_back(static_cast<double>(unbounded.held[c]) * static_cast<double>(slots[c]));
       }
     } else {
-      for (size_t at = 0; at <= o.split.size();) {
-        const size_t comma = std::min(o.split.find(',', at), o.split.size());
-        char* end = nullptr;
-        const std::string part = o.split.substr(at, comma - at);
-        weights.push_back(std::strtod(part.c_str(), &end));
-        if (part.empty() || *end != '\0' || !(weights.back() > 0)) weights.clear();
-        if (weights.empty()) break;
-        at = comma + 1;
-      }
-      if (weights.size() != slots.size()) {
-        std::fprintf(stderr, "flexkv-bench: --split %s: expected daemon, demand or %zu positive weights (one per "
-                     "component of %s)\n", o.split.c_str(), slots.size(), o.preset.c_str());
+      auto parsed = ParseSplitWeights(o.split, slots.size());
+      if (!parsed.ok()) {
+        std::fprintf(stderr, "flexkv-bench: %s\n", parsed.status().message().c_str());
         return 2;
       }
+      weights = *parsed;
     }
     double sum = 0;
     for (double w : weights) sum += w;

@@ -193,3 +193,12 @@ TEST_CASE("scaled trace geometries keep every slot's ratio and stay valid", "[un
   CHECK(flexkv::bench::TraceScale(*flexkv::bench::TracePreset("qwen3-next", 512), 4096) == 1024);  // the state: 2^14 x 131
   CHECK_FALSE(flexkv::bench::TracePreset("gpt-oss", 512).ok());
 }
+
+TEST_CASE("trace --split weights: one positive number per component", "[unit][bench]") {
+  CHECK(flexkv::bench::ParseSplitWeights("3,1", 2).value() == std::vector<double>{3, 1});
+  CHECK(flexkv::bench::ParseSplitWeights("0.5,0.25,0.25", 3).ok());
+  for (const char* bad : {"1", "1,x", "1,0", "1,-2", "1,,2", "", "1,2,"}) {
+    INFO(bad);
+    CHECK(flexkv::bench::ParseSplitWeights(bad, 2).status().code() == flexkv::StatusCode::kInvalidArgument);
+  }
+}
