@@ -173,6 +173,7 @@ size_t flexkv_struct_size(const char* name) {
   const std::string_view n(name);
   if (n == "flexkv_geometry") return sizeof(flexkv_geometry);
   if (n == "flexkv_component") return sizeof(flexkv_component);
+  if (n == "flexkv_component_status") return sizeof(flexkv_component_status);
   if (n == "flexkv_daemon_status") return sizeof(flexkv_daemon_status);
   if (n == "flexkv_block_key") return sizeof(flexkv_block_key);
   if (n == "flexkv_op_result") return sizeof(flexkv_op_result);
@@ -251,7 +252,9 @@ int flexkv_session_component(flexkv_client* c, uint32_t component, uint64_t* slo
     if (c == nullptr) return NullArgument("client");
     if (slot_bytes == nullptr) return NullArgument("slot_bytes");
     if (capacity == nullptr) return NullArgument("capacity");
-    if (!c->client->attached()) return Record(flexkv::Status::FailedPrecondition("not attached: call flexkv_attach first"));
+    if (!c->client->attached()) {
+      return Record(flexkv::Status::FailedPrecondition("not attached: call flexkv_attach first"));
+    }
     flexkv::MutexLock lock(&c->mu);
     const size_t n = std::min(c->session.component_slot_bytes.size(), c->session.component_capacity.size());
     if (component >= n) {
@@ -282,6 +285,24 @@ int flexkv_get_status(flexkv_client* c, flexkv_daemon_status* out) {
     out->pinned_blocks = s->pool.pinned_blocks;
     out->index_blocks = s->index_blocks;
     out->sessions = s->sessions;
+    return Record(flexkv::Status::Ok());
+  });
+}
+
+int flexkv_get_status_components(flexkv_client* c, flexkv_component_status* out, size_t capacity, size_t* count) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (out == nullptr && capacity > 0) return NullArgument("out");
+    if (count == nullptr) return NullArgument("count");
+    auto s = c->client->GetStatus();
+    if (!s.ok()) return Record(s.status());
+    const auto& components = s->pool.components;
+    *count = components.size();
+    for (size_t i = 0; i < components.size() && i < capacity; ++i) {
+      const auto& p = components[i];
+      out[i] = flexkv_component_status{static_cast<uint32_t>(p.kind), 0, p.slot_bytes, p.capacity, p.used, p.pinned,
+                                       p.evicted, p.unanchored};
+    }
     return Record(flexkv::Status::Ok());
   });
 }

@@ -1,4 +1,6 @@
 // libflexkv Client: gRPC control calls plus the session channel; see flexkv/client.h.
+// Over 600 lines: one place for every Client method's control call or ring submission; the hybrid id checks and
+// layout are in hybrid_request.cc, the rings in session_rings.cc.
 #include "flexkv/client.h"
 
 #include <fmt/format.h>
@@ -383,7 +385,9 @@ Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<con
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   const uint64_t count = component_ids.empty() ? 0 : component_ids[0].size();
-  if (count > UINT32_MAX) return Status::InvalidArgument(fmt::format("load of {} blocks; expected at most {}", count, UINT32_MAX));
+  if (count > UINT32_MAX) {
+    return Status::InvalidArgument(fmt::format("load of {} blocks; expected at most {}", count, UINT32_MAX));
+  }
   auto ids = LayOutComponentIds(s->geometry, false, static_cast<uint32_t>(count), component_ids, {});
   if (!ids.ok()) return ids.status();
   auto t = s->rings->Submit(RingOp::kLoad, 0, static_cast<uint32_t>(count), {}, *ids, match_handle, kRootParent);
@@ -525,9 +529,24 @@ Result<DaemonStatus> Client::GetStatus() {
   out.version = resp.version();
   out.pid = resp.pid();
   out.uptime_s = resp.uptime_s();
-  out.pool = {resp.pool().block_bytes(),   resp.pool().capacity_blocks(), resp.pool().used_blocks(),
-              resp.pool().pinned_blocks(), resp.pool().budget_bytes(),    resp.pool().backing()};
+  out.pool.block_bytes = resp.pool().block_bytes();
+  out.pool.capacity_blocks = resp.pool().capacity_blocks();
+  out.pool.used_blocks = resp.pool().used_blocks();
+  out.pool.pinned_blocks = resp.pool().pinned_blocks();
+  out.pool.budget_bytes = resp.pool().budget_bytes();
+  out.pool.backing = resp.pool().backing();
   out.pool.unverified_blocks = resp.pool().unverified_blocks();
+  for (const v1::ComponentPoolStatus& c : resp.pool().components()) {
+    DaemonStatus::Pool::Component pc;
+    pc.kind = static_cast<ComponentKind>(c.kind());
+    pc.slot_bytes = c.slot_bytes();
+    pc.capacity = c.capacity();
+    pc.used = c.used();
+    pc.pinned = c.pinned();
+    pc.evicted = c.evicted();
+    pc.unanchored = c.unanchored();
+    out.pool.components.push_back(pc);
+  }
   out.index_blocks = resp.index().blocks();
   out.sessions = resp.sessions();
   const v1::Counters& c = resp.counters();

@@ -34,6 +34,16 @@ Json StatusJson(const flexkv::DaemonStatus& s) {
   for (const auto& [name, value] : s.counters) counters[name] = value;
   Json backends = Json::array();
   for (const auto& b : s.backends) backends.push_back(Json{{"name", b.name}, {"devices", b.devices}});
+  Json components = Json::array();
+  for (const auto& c : s.pool.components) {
+    components.push_back(Json{{"kind", flexkv::ComponentKindName(c.kind)},
+                              {"slot_bytes", c.slot_bytes},
+                              {"capacity", c.capacity},
+                              {"used", c.used},
+                              {"pinned", c.pinned},
+                              {"evicted", c.evicted},
+                              {"unanchored", c.unanchored}});
+  }
   return Json{{"state", s.state},
               {"version", s.version},
               {"pid", s.pid},
@@ -45,7 +55,8 @@ Json StatusJson(const flexkv::DaemonStatus& s) {
                 {"pinned_blocks", s.pool.pinned_blocks},
                 {"backing", s.pool.backing},
                 {"budget_bytes", s.pool.budget_bytes},
-                {"unverified_blocks", s.pool.unverified_blocks}}},
+                {"unverified_blocks", s.pool.unverified_blocks},
+                {"components", components}}},
               {"index", {{"blocks", s.index_blocks}}},
               {"sessions", s.sessions},
               {"counters", counters},
@@ -70,6 +81,15 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
     fmt::print("pool      {} slots of {} bytes; {} used, {} pinned; backing {}\n", s.pool.capacity_blocks,
                s.pool.block_bytes, s.pool.used_blocks, s.pool.pinned_blocks,
                s.pool.backing.empty() ? "-" : s.pool.backing);
+  }
+  // A hybrid domain's sub-pools, one line each (a full-attention domain has one, the pool line above).
+  if (s.pool.components.size() > 1) {
+    for (size_t i = 0; i < s.pool.components.size(); ++i) {
+      const auto& c = s.pool.components[i];
+      fmt::print("  {} {:<14} {} slots of {} bytes; {} used, {} pinned, {} evicted, {} unanchored\n", i,
+                 flexkv::ComponentKindName(c.kind), c.capacity, c.slot_bytes, c.used, c.pinned, c.evicted,
+                 c.unanchored);
+    }
   }
   if (s.pool.unverified_blocks > 0) {
     fmt::print("verifying {} restored blocks left to check (not served until they pass)\n", s.pool.unverified_blocks);

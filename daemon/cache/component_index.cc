@@ -268,25 +268,24 @@ ComponentIndex::Reservation ComponentIndex::Reserve(std::span<const BlockKey> ke
       r.slots.push_back(kNoSlot);
       continue;
     }
-    const BlockKey& key = keys[i];
-    if (m.Find(key) != kNil) {
+    const SlotId t = m.TakeSlot();  // before the insert: an eviction erases from the map
+    COMPONENT_INDEX_CHECK(t != kNil, "reserve ran out of slots after counting enough");
+    if (!m.by_key_.try_emplace(keys[i], t).second) {
       // Pending from earlier in this loop: `keys` repeats a key (the contract forbids it; a client may still
       // send it). Undo this call's reservations: the store cannot be done as asked.
-      for (SlotId t : r.slots) {
-        if (t == kNoSlot) continue;
-        m.by_key_.erase(m.entries_[t].key);
-        m.Free(t);
+      m.Free(t);
+      for (SlotId u : r.slots) {
+        if (u == kNoSlot) continue;
+        m.by_key_.erase(m.entries_[u].key);
+        m.Free(u);
       }
       r.slots.clear();
       r.shortfall = StatusCode::kAborted;
       break;
     }
-    const SlotId t = m.TakeSlot();
-    COMPONENT_INDEX_CHECK(t != kNil, "reserve ran out of slots after counting enough");
     Entry& e = m.entries_[t];
-    e.key = key;
+    e.key = keys[i];
     e.state = State::kPending;
-    m.by_key_.emplace(key, t);
     r.slots.push_back(t);
   }
   for (SlotId s : found) {

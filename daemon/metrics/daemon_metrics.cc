@@ -150,8 +150,9 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                        "Control-plane (gRPC) calls answered with an error, by status code", MetricType::Counter,
                        std::move(control_errors)));
 
-  // Hybrid geometries (docs/hybrid.md): each component's sub-pool; absent for a full-attention pool.
-  if (!stats.components.empty()) {
+  // Hybrid geometries (docs/hybrid.md): each component's sub-pool; families without samples for a full-attention
+  // pool.
+  {
     std::vector<ClientMetric> capacity, used, pinned, evicted, unanchored;
     for (size_t c = 0; c < stats.components.size(); ++c) {
       const Cache::ComponentStats& cs = stats.components[c];

@@ -9,7 +9,7 @@
 See docs/python.md for the whole API and its contracts.
 """
 from . import _lib
-from .client import Client, DaemonStatus, OpResult, Ticket, connect
+from .client import Client, ComponentPoolStatus, DaemonStatus, OpResult, Ticket, connect
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
                      Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
@@ -19,9 +19,9 @@ from .keys import BlockKey, BlockKeys, block_keys
 __version__ = _lib.version()  # libflexkv's, from CMake's project(): the version is written in one place
 
 __all__ = [
-    "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "ComponentKind", "ComponentSpec",
-    "DaemonStatus", "DataLoss",
-    "DeadlineExceeded", "Error", "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "Layout",
-    "NotFound", "OpResult", "OutOfRange", "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket",
-    "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "block_keys", "connect",
+    "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "ComponentKind",
+    "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
+    "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "Layout", "NotFound", "OpResult", "OutOfRange",
+    "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
+    "Unimplemented", "Unknown", "block_keys", "connect",
 ]

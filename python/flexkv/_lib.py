@@ -51,6 +51,11 @@ class DaemonStatusStruct(Structure):
                 ("pinned_blocks", c_uint64), ("index_blocks", c_uint64), ("sessions", c_uint32)]
 
 
+class ComponentStatusStruct(Structure):
+    _fields_ = [("kind", c_uint32), ("reserved", c_uint32), ("slot_bytes", c_uint64), ("capacity", c_uint64),
+                ("used", c_uint64), ("pinned", c_uint64), ("evicted", c_uint64), ("unanchored", c_uint64)]
+
+
 class OpResultStruct(Structure):
     _fields_ = [("status_code", c_int32), ("matched_blocks", c_uint32), ("done_blocks", c_uint32),
                 ("match_handle", c_uint64), ("message", c_char * 256)]
@@ -62,7 +67,7 @@ class TicketStruct(Structure):
 
 # The C name of each struct, as flexkv_struct_size knows it.
 STRUCTS = {"flexkv_geometry": GeometryStruct, "flexkv_component": ComponentStruct,
-           "flexkv_daemon_status": DaemonStatusStruct,
+           "flexkv_daemon_status": DaemonStatusStruct, "flexkv_component_status": ComponentStatusStruct,
            "flexkv_block_key": BlockKeyStruct, "flexkv_op_result": OpResultStruct, "flexkv_ticket": TicketStruct}
 
 
@@ -135,6 +140,8 @@ _PROTOTYPES = {
     "flexkv_detach": (c_int, [client_p]),
     "flexkv_session_component": (c_int, [client_p, c_uint32, POINTER(c_uint64), POINTER(c_uint64)]),
     "flexkv_get_status": (c_int, [client_p, POINTER(DaemonStatusStruct)]),
+    "flexkv_get_status_components": (c_int, [client_p, POINTER(ComponentStatusStruct), c_size_t,
+                                             POINTER(c_size_t)]),
     "flexkv_drain": (c_int, [client_p, c_char_p, c_size_t]),
     "flexkv_resume": (c_int, [client_p, c_char_p, c_size_t]),
     "flexkv_check_health": (c_int, [client_p]),

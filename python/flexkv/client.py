@@ -1,4 +1,4 @@
-"""Client: one process's connection to the node's flexkvd (flexkv::Client), and the Tickets of its requests.
+"""Client: one process's connection to the node's flexkvd (flexkv::Client); its requests' Tickets are in _ticket.py.
 
 Thread safety: every method may be called from several threads at once, attach(), detach() and close() included:
 libflexkv lets them race the other calls (a call running on a session that detach() or close() ends raises
@@ -18,53 +18,17 @@ import operator
 import os
 import sys
 import threading
-import time
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _lib
-from ._convert import INT_MAX, U64_MAX, c_int_array, c_uint, device_region, wait_seconds
+from ._convert import INT_MAX, U64_MAX, c_int_array, c_uint, device_region
 from ._handle import Handle
-from .errors import DeadlineExceeded, Error, FailedPrecondition, InvalidArgument, StatusCode, error_for
-from .geometry import Geometry, Layout
+from ._ticket import OpResult, Ticket
+from .errors import FailedPrecondition, InvalidArgument, StatusCode
+from .geometry import MAX_COMPONENTS, ComponentKind, Geometry, Layout
 from .keys import BlockKeys, as_block_keys
 
-# Longest single blocking call a Ticket wait makes into libflexkv: bounds how late Ctrl-C is seen by a main thread
-# blocked in Ticket.wait.
-_WAIT_SLICE_S = 0.05
-# How long a wait that finds its ticket's result taken (NotFound) gives the thread that took it to record it.
-_SETTLE_S = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class OpResult:
-    """The end of one data-plane request (flexkv::OpResult).
-
-    matched_blocks: Match: leading blocks cached. Store: leading blocks already cached (skipped).
-    done_blocks: Load: blocks copied. Store: blocks newly stored.
-    match_handle: Match with pin: pass to Client.load / Client.release (0 when nothing matched).
-    status_code / message: OK and "" for a request that was done; otherwise why (part of) it was not, as the
-      daemon said (Ticket.wait raises then, with this result on the exception).
-    """
-
-    status_code: StatusCode
-    matched_blocks: int
-    done_blocks: int
-    match_handle: int
-    message: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status_code == StatusCode.OK
-
-    @classmethod
-    def _from_c(cls, r: _lib.OpResultStruct) -> "OpResult":
-        status = _STATUS_CODES.get(r.status_code, StatusCode.UNKNOWN)  # a dict, not StatusCode(): the hot path
-        message = r.message.decode("utf-8", "replace") if status else ""
-        return cls(status, r.matched_blocks, r.done_blocks, r.match_handle, message)
-
-
-_STATUS_CODES = {int(c): c for c in StatusCode}
-
+__all__ = ["Client", "ComponentPoolStatus", "DaemonStatus", "OpResult", "Ticket", "connect"]
 
 @dataclasses.dataclass(frozen=True)
 class DaemonStatus:
@@ -82,163 +46,17 @@ class DaemonStatus:
     sessions: int
 
 
-class Ticket:
-    """One submitted request. Every request ends exactly once; its outcome is kept, so wait() may be called again
-    (and from any thread) and gives the same result or raises the same error.
+@dataclasses.dataclass(frozen=True)
+class ComponentPoolStatus:
+    """One sub-pool of the daemon's cache domain (Client.pool_components; docs/hybrid.md "Pool and eviction")."""
 
-    id counts from 1 within the session that issued the ticket; generation names that session (libflexkv gives
-    every attach in the process a new one). Once that session has ended (detach, close, a re-attach, the daemon
-    restarted), waiting on a ticket that had not ended raises FailedPrecondition: a ticket never gives another
-    request's result."""
-
-    __slots__ = ("_client", "_c", "id", "generation", "op", "_lock", "_outcome")
-
-    def __init__(self, client: "Client", c_ticket: _lib.TicketStruct, op: str) -> None:
-        self._client = client
-        self._c = c_ticket
-        self.id = int(c_ticket.id)
-        self.generation = int(c_ticket.generation)
-        self.op = op  # "match" | "load" | "store" | "release"
-        self._lock = threading.Lock()
-        self._outcome: Union[None, OpResult, Error] = None
-
-    def __repr__(self) -> str:
-        state = "pending" if self._outcome is None else "ended"
-        return f"<flexkv.Ticket {self.op} #{self.id} of session generation {self.generation} {state}>"
-
-    def _settle(self, r: _lib.OpResultStruct) -> OpResult:
-        result = OpResult._from_c(r)
-        with self._lock:
-            if self._outcome is None:
-                self._outcome = result if result.ok else error_for(result.status_code, result.message, result)
-        return self._result()
-
-    def _result(self) -> OpResult:
-        outcome = self._outcome
-        if isinstance(outcome, Error):
-            raise outcome
-        assert outcome is not None
-        return outcome
-
-    def _context(self) -> str:
-        return f"{self.op} request (ticket {self.id})"
-
-    def _taken_elsewhere(self, err: Error) -> OpResult:
-        """libflexkv answered NotFound: another thread's wait on this Ticket took the result and records it in a
-        moment; returns it (or raises it). Raises `err` if nobody records it (that thread died in between)."""
-        deadline = time.monotonic() + _SETTLE_S
-        while self._outcome is None and time.monotonic() < deadline:
-            time.sleep(0.0005)
-        if self._outcome is None:
-            raise err
-        return self._result()
-
-    def wait(self, timeout: Optional[float] = None) -> OpResult:
-        """Waits until the request ends and returns its OpResult; the GIL is released while waiting.
-
-        timeout: seconds (None: as long as it takes; 0 or less: just look; more than a year: a year).
-        Raises the request's error (a subclass of flexkv.Error, whose .result is the OpResult) when it ended with
-        one; DeadlineExceeded (also a TimeoutError) when it has not ended in time: it is still in flight and this
-        ticket stays valid; Unavailable when the daemon went away (attach again); FailedPrecondition when its
-        session has ended (detach, close, or a re-attach), also while this wait runs.
-        """
-        if self._outcome is not None:
-            return self._result()
-        seconds = wait_seconds(timeout)
-        deadline = None if seconds is None else time.monotonic() + seconds
-        out = _lib.OpResultStruct()
-        while True:
-            slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
-            ptr = self._client._handle.acquire()
-            try:
-                if self._outcome is not None:  # another thread took the result
-                    return self._result()
-                rc = _lib.lib.flexkv_wait(ptr, self._c, int(slice_s * 1e6), ctypes.byref(out))
-                if rc == 0:
-                    return self._settle(out)
-                err = None if rc == StatusCode.DEADLINE_EXCEEDED else _lib.error_from_last(rc, self._context())
-            finally:
-                self._client._handle.release()
-            if err is not None:
-                if rc == StatusCode.NOT_FOUND:
-                    return self._taken_elsewhere(err)
-                raise err
-            if deadline is not None and time.monotonic() >= deadline:
-                # Another thread waiting on this ticket may have taken the result during our last slice (libflexkv
-                # hands it to one waiter): the request ended, this is no timeout.
-                if self._outcome is not None:
-                    return self._result()
-                raise DeadlineExceeded(f"{self._context()} did not end within {timeout} s; it is still in flight and "
-                                       "the ticket stays valid")
-
-    def try_wait(self) -> Optional[OpResult]:
-        """The OpResult if the request has ended, else None ("not yet"); never blocks. Raises as wait() for a request
-        that ended with an error; FailedPrecondition when its session has ended or the client is not attached;
-        Unavailable when the daemon went away (so a polling loop does not poll forever)."""
-        if self._outcome is not None:
-            return self._result()
-        out = _lib.OpResultStruct()
-        ptr = self._client._handle.acquire()
-        try:
-            if self._outcome is not None:
-                return self._result()
-            rc = _lib.lib.flexkv_try_wait(ptr, self._c, ctypes.byref(out))
-            if rc == 0:
-                return self._settle(out)
-            # DEADLINE_EXCEEDED: not ended. Anything else (FAILED_PRECONDITION: its session is gone; UNAVAILABLE: the
-            # daemon is) is an error, never "not yet"; NOT_FOUND: another thread's wait took the result.
-            err = None if rc == StatusCode.DEADLINE_EXCEEDED else _lib.error_from_last(rc, self._context())
-        finally:
-            self._client._handle.release()
-        if err is not None:
-            if rc == StatusCode.NOT_FOUND:
-                return self._taken_elsewhere(err)
-            raise err
-        if self._outcome is not None:  # another thread's wait took the result meanwhile
-            return self._result()
-        return None
-
-    def done(self) -> bool:
-        """True once the request has ended (successfully or not); never blocks, never raises the request's own
-        error. Raises what try_wait raises when the end cannot be known any more (FailedPrecondition: its session
-        has ended; Unavailable), rather than answer False forever."""
-        try:
-            return self.try_wait() is not None
-        except Error:
-            if self._outcome is not None:
-                return True
-            raise
-
-    def wait_layers(self, layers: int, timeout: Optional[float] = None) -> int:
-        """For a layer-wise load: waits until at least `layers` layers have landed in the engine's KV buffers (or
-        the request ended) and returns how many have; the GIL is released while waiting.
-
-        Raises DeadlineExceeded (ticket still valid) when fewer have landed by `timeout` seconds. Once the request
-        has ended this returns `layers`; wait() tells whether it succeeded.
-        """
-        layers = c_uint(layers, "layers")
-        seconds = wait_seconds(timeout)
-        deadline = None if seconds is None else time.monotonic() + seconds
-        landed = ctypes.c_uint32(0)
-        while True:
-            if self._outcome is not None:
-                return layers
-            slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
-            ptr = self._client._handle.acquire()
-            try:
-                rc = _lib.lib.flexkv_wait_layers(ptr, self._c, layers, int(slice_s * 1e6), ctypes.byref(landed))
-                err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc, self._context())
-            finally:
-                self._client._handle.release()
-            if rc == 0:
-                return int(landed.value)
-            if err is not None:
-                raise err
-            if deadline is not None and time.monotonic() >= deadline:
-                if self._outcome is not None:  # another thread's wait() took the end meanwhile
-                    return layers
-                raise DeadlineExceeded(f"{self._context()}: fewer than {layers} layers landed within {timeout} s; it "
-                                       "is still in flight and the ticket stays valid")
+    kind: ComponentKind
+    slot_bytes: int
+    capacity: int
+    used: int  # pending + committed
+    pinned: int
+    evicted: int
+    unanchored: int  # entries whose full-attention block is gone (evicted first)
 
 
 class Client:
@@ -390,6 +208,16 @@ class Client:
                             int(out.block_bytes), int(out.capacity_blocks), int(out.used_blocks),
                             int(out.pinned_blocks), int(out.index_blocks), int(out.sessions))
 
+    def pool_components(self) -> List[ComponentPoolStatus]:
+        """The sub-pools of the daemon's cache domain, component 0 first (one for a full-attention domain; none
+        before a domain is set)."""
+        count = ctypes.c_size_t(0)
+        out = (_lib.ComponentStatusStruct * MAX_COMPONENTS)()
+        self._call(_lib.lib.flexkv_get_status_components, out, MAX_COMPONENTS, ctypes.byref(count))
+        return [ComponentPoolStatus(ComponentKind(c.kind), int(c.slot_bytes), int(c.capacity), int(c.used),
+                                    int(c.pinned), int(c.evicted), int(c.unanchored))
+                for c in out[:min(count.value, MAX_COMPONENTS)]]
+
     def drain(self) -> str:
         """Admin: stop admitting new sessions, loads and stores ("draining"; "drained" once nothing is in flight).
         Returns the state after the call. PermissionDenied unless root, the daemon's uid or --admin-group."""
@@ -439,8 +267,12 @@ class Client:
         with self._session_lock:
             ptr = self._handle.acquire()
             try:
-                _lib.check(_lib.lib.flexkv_create_host_kv_component(ptr, comp, lay, n, ctypes.byref(data),
-                                                                    ctypes.byref(nbytes)))
+                if comp == 0:  # every geometry's component 0; the call a full-attention engine has always made
+                    rc = _lib.lib.flexkv_create_host_kv(ptr, lay, n, ctypes.byref(data), ctypes.byref(nbytes))
+                else:
+                    rc = _lib.lib.flexkv_create_host_kv_component(ptr, comp, lay, n, ctypes.byref(data),
+                                                                  ctypes.byref(nbytes))
+                _lib.check(rc)
                 # Under the session lock with the call: a close() or detach() on another thread sees the buffer (and
                 # this view of it) and keeps the mapping, instead of unmapping it between the call and these lines.
                 array = (ctypes.c_uint8 * nbytes.value).from_address(data.value)

@@ -16,6 +16,8 @@
 //   term sums (common/block_checksum.h), by the checksummed gather kernel, and for the copy engine by the
 //   sums-only kernel on a second stream beside the batch (as the daemon does) or after it on the same stream;
 //   the sums are checked against the CPU's before timing.
+// --geometry NAME instead: one cache hit of a geometry preset, per component and for the hybrid block set
+// (transfer_geometry.h).
 #include "transfer_bench.h"
 
 #include <cuda_runtime_api.h>
@@ -39,6 +41,7 @@
 
 #include "bench_json.h"
 #include "transfer_cuda.h"
+#include "transfer_geometry.h"
 #include "common/block_checksum.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
@@ -531,12 +534,29 @@ int RunTransferBench(int argc, char** argv) {
                  "Also time the kernels with this store shape: ctas,threads,unroll,warps_per_chunk[,bulk_kib,stages]")
       ->delimiter(',');
   app.add_option("--alt-load-shape", o.alt_load, "... and this load shape")->delimiter(',');
+  GeometryTransferOptions geometry;
+  app.add_option("--geometry", geometry.geometry,
+                 fmt::format("Instead of the chunk sizes: one cache hit of this geometry preset, per component and for "
+                             "the hybrid block set ({})", GeometryPresetNames()))
+      ->check([](const std::string& name) {
+        return IsGeometryPreset(name) ? std::string() : fmt::format("expected one of {}", GeometryPresetNames());
+      });
+  app.add_option("--tp", geometry.tp, "--geometry: the model's TP size (the bench copies rank 0's shards)")
+      ->check(CLI::Range(1u, 256u));
+  app.add_option("--prefix-blocks", geometry.prefix_blocks, "--geometry: the hit's length in blocks")
+      ->check(CLI::Range(1u, 1u << 20));
   std::string store_checksums = "on";
   app.add_option("--store-checksums", store_checksums,
                  "on: also time (and check) stores that compute the slots' content checksums")
       ->check(CLI::IsMember({"on", "off"}));
   CLI11_PARSE(app, argc, argv);
   o.store_checksums = store_checksums == "on";
+  if (!geometry.geometry.empty()) {
+    geometry.iters = o.iters;
+    geometry.warmup = o.warmup;
+    geometry.json = o.json;
+    return RunGeometryTransfer(geometry);
+  }
   for (uint32_t c : o.chunk_kib)
     if ((c * kKiB) % 16) Die("--chunk-kib: chunks must be multiples of 16 bytes");
 

@@ -96,6 +96,10 @@ except ImportError:
 
 write("prefix_index", "mixed", bytes([7]) + bytes(range(1, 250)))
 write("prefix_index", "tiny-pool", bytes([0, 3, 1, 5, 3, 2, 5, 1, 1, 5, 4, 3, 0, 1, 4, 5, 0, 0, 2, 0, 0]))
+# Room in the window component (data[0] // 32): stores with windows, pinned matches, a restore + verify (op 0 with
+# bits 1 and 2 of data[p] // 6), drops (op 2 with the top bit of the third byte), evicting stores.
+write("prefix_index", "hybrid-window", bytes([7 + 32 * 3, 3, 1, 3, 3, 2, 5, 1, 1, 3, 18, 5, 3, 4, 3, 2, 2, 1, 0x80, 5, 1, 0,
+                                              3, 4, 7, 3, 6, 9, 3, 7, 11, 1, 7, 11, 2, 3, 0x80, 0, 6, 9]) + bytes(range(1, 200)))
 arena = ring_arena()
 write("ring_descriptor", "match-pin", ring_input(submit(1, 4, flags=1), arena))
 write("ring_descriptor", "store", ring_input(submit(3, 4, keys_offset=0, ids_offset=256), arena))

@@ -756,3 +756,35 @@ TEST_CASE("checksum kernels refuse a null sums array, and the sums-only kernel w
     CHECK(got[i] == want);
   }
 }
+
+TEST_CASE("few large chunks are split into pieces: bytes and sums as whole chunks, a shorter last piece, every shape",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // 5127 units (~80 KiB): one or a few such chunks leave most thread groups idle, so the kernels cut each into up to
+  // 5 pieces of 1088 units with a last one of 775; a state component's per-layer snapshots (~2 MiB) are cut the same
+  // way.
+  const kv::LaunchShape shapes[] = {
+      {},  // the defaults: 512 thread groups
+      {1, 32, 1, 1, 0, 0},   {3, 96, 2, 1, 0, 0},  {5, 256, 8, 2, 0, 0}, {132, 1024, 8, 1, 0, 0},
+      {200, 64, 1, 2, 0, 0}, {7, 0, 0, 0, 4, 4},   {132, 32, 1, 1, 16, 4}, {2, 32, 1, 1, 64, 3},
+  };
+  for (const auto& s : shapes)
+    for (uint32_t count : {1u, 3u})
+      for (uint32_t planes : {1u, 2u}) {
+        Case c;
+        c.shape = s;
+        c.chunk = 16 * (1024 * 5 + 7);
+        c.layers = 2;
+        c.planes = planes;
+        c.gpu_blocks = 5;
+        c.slots = 6;
+        c.count = count;
+        RoundTrip(c);
+        if (s.bulk_kib == 0 || count == 1) {  // the summing kernels replace bulk shapes: once is enough
+          c.path = Path::kKernel;
+          ChecksummedStore(c);
+          c.path = Path::kCopyEngine;
+          ChecksummedStore(c);
+        }
+      }
+}

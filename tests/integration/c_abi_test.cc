@@ -1,10 +1,11 @@
-// The C ABI (flexkv/c.h) as a binding sees it: its version and struct sizes, and what flexkv_wait /
-// flexkv_try_wait answer for tickets that have no result coming.
+// The C ABI (flexkv/c.h) as a binding sees it: its version and struct sizes, what flexkv_wait / flexkv_try_wait
+// answer for tickets that have no result coming, and hybrid geometries (components, per-component Load/Store).
 #include <signal.h>
 
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "common/version.h"
 #include "flexkv/c.h"
@@ -90,4 +91,268 @@ TEST_CASE("C ABI: an old session's ticket is FAILED_PRECONDITION, a taken one NO
   REQUIRE(flexkv_wait(c, fresh, 10000000, &out) == FLEXKV_OK);
   CHECK(out.status_code == FLEXKV_OK);
   flexkv_close(c);
+}
+
+// ---- Hybrid geometries through the C ABI (ABI 4): components, per-component buffers, Load and Store ----
+
+namespace {
+
+// FULL: 2 layers, K/V, 2 heads of 64, bf16 at 16 tokens: 4 KiB chunks, 16 KiB blocks. A 32-token (2-block) window
+// of the same shape, and a state of 2 layers x 256 bytes (512-byte snapshots).
+constexpr flexkv_component kHybridComponents[] = {
+    {FLEXKV_COMPONENT_SLIDING_WINDOW, 2, 2, 2, 64, 2, 32, 0, 0},
+    {FLEXKV_COMPONENT_STATE, 2, 0, 0, 0, 0, 0, 0, 256},
+};
+constexpr uint64_t kSlotBytes[] = {16384, 16384, 512};  // of one TP rank's block (TP 1: the host slot)
+constexpr uint32_t kKvBlocks = 16;
+
+flexkv_geometry HybridGeometry() {
+  return flexkv_geometry{16, 2, 2, 2, 64, 2, 1, 2, kHybridComponents};
+}
+
+std::vector<flexkv_block_key> PromptKeys(int32_t seed, size_t blocks) {
+  std::vector<int32_t> tokens(blocks * 16);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = seed * 100000 + static_cast<int32_t>(i);
+  std::vector<flexkv_block_key> keys(blocks);
+  size_t count = 0;
+  REQUIRE(flexkv_compute_block_keys("hybrid", 6, tokens.data(), tokens.size(), 16, keys.data(), keys.size(),
+                                    &count) == FLEXKV_OK);
+  REQUIRE(count == blocks);
+  return keys;
+}
+
+struct HybridEngine {
+  flexkv_client* client = nullptr;
+  uint8_t* kv[3] = {};
+
+  explicit HybridEngine(const std::string& socket) {
+    REQUIRE(flexkv_connect(socket.c_str(), 5000, &client, nullptr, 0) == FLEXKV_OK);
+    const flexkv_geometry g = HybridGeometry();
+    REQUIRE(flexkv_attach(client, "c-abi-hybrid", "hybrid", 0, 0, &g, nullptr) == FLEXKV_OK);
+    for (uint32_t c = 0; c < 3; ++c) {
+      void* data = nullptr;
+      uint64_t bytes = 0;
+      REQUIRE(flexkv_create_host_kv_component(client, c, FLEXKV_LAYOUT_BLOCK_FIRST, kKvBlocks, &data, &bytes) ==
+              FLEXKV_OK);
+      CHECK(bytes == kKvBlocks * kSlotBytes[c]);
+      kv[c] = static_cast<uint8_t*>(data);
+    }
+  }
+  ~HybridEngine() { flexkv_close(client); }
+  HybridEngine(const HybridEngine&) = delete;
+  HybridEngine& operator=(const HybridEngine&) = delete;
+
+  uint8_t* Block(uint32_t component, uint32_t id) const { return kv[component] + id * kSlotBytes[component]; }
+  void Fill(uint32_t component, uint32_t id, uint8_t seed) const {
+    for (uint64_t i = 0; i < kSlotBytes[component]; ++i) Block(component, id)[i] = static_cast<uint8_t>(seed + i * 7);
+  }
+  bool Same(uint32_t component, uint32_t id, const HybridEngine& other, uint32_t other_id) const {
+    return std::memcmp(Block(component, id), other.Block(component, other_id), kSlotBytes[component]) == 0;
+  }
+  bool Zero(uint32_t component, uint32_t id) const {
+    for (uint64_t i = 0; i < kSlotBytes[component]; ++i) {
+      if (Block(component, id)[i] != 0) return false;
+    }
+    return true;
+  }
+  flexkv_op_result Wait(flexkv_ticket t) const {
+    flexkv_op_result out{};
+    REQUIRE(flexkv_wait(client, t, 10000000, &out) == FLEXKV_OK);
+    return out;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("C ABI 4: flexkv_component and the grown flexkv_geometry have the library's sizes", "[integration]") {
+  CHECK(FLEXKV_ABI_VERSION == 4);
+  CHECK(flexkv_struct_size("flexkv_component") == sizeof(flexkv_component));
+  CHECK(sizeof(flexkv_component) == 40);
+  CHECK(flexkv_struct_size("flexkv_geometry") == sizeof(flexkv_geometry));
+  CHECK(sizeof(flexkv_geometry) == 40);  // 8 u32 and the components pointer
+}
+
+TEST_CASE("C ABI: a hybrid session registers each component's host buffers and reports each sub-pool",
+          "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  flexkv_client* c = nullptr;
+  REQUIRE(flexkv_connect(d.socket().c_str(), 5000, &c, nullptr, 0) == FLEXKV_OK);
+  uint64_t slot = 0, capacity = 0;
+  CHECK(flexkv_session_component(c, 0, &slot, &capacity) == FLEXKV_FAILED_PRECONDITION);
+  const flexkv_geometry g = HybridGeometry();
+  REQUIRE(flexkv_attach(c, "c-abi-hybrid", "hybrid", 0, 0, &g, nullptr) == FLEXKV_OK);
+  for (uint32_t i = 0; i < 3; ++i) {
+    REQUIRE(flexkv_session_component(c, i, &slot, &capacity) == FLEXKV_OK);
+    CHECK(slot == kSlotBytes[i]);
+    CHECK(capacity > 0);
+  }
+  CHECK(flexkv_session_component(c, 3, &slot, &capacity) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("component 3") && Catch::Contains("0..2"));
+
+  void* data = nullptr;
+  uint64_t bytes = 0;
+  CHECK(flexkv_create_host_kv_component(c, 3, FLEXKV_LAYOUT_BLOCK_FIRST, 4, &data, &bytes) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("component 3 is not in this session's geometry"));
+  REQUIRE(flexkv_create_host_kv_component(c, 2, FLEXKV_LAYOUT_LAYER_FIRST, 4, &data, &bytes) == FLEXKV_OK);
+  CHECK(bytes == 4 * 512);
+  CHECK(flexkv_create_host_kv_component(c, 2, FLEXKV_LAYOUT_LAYER_FIRST, 4, &data, &bytes) == FLEXKV_ALREADY_EXISTS);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("component 2 (state)"));
+  REQUIRE(flexkv_create_host_kv(c, FLEXKV_LAYOUT_BLOCK_FIRST, 4, &data, &bytes) == FLEXKV_OK);  // component 0
+  CHECK(bytes == 4 * 16384);
+  flexkv_close(c);
+}
+
+TEST_CASE("C ABI: geometry components that cannot be read are refused at attach", "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  flexkv_client* c = nullptr;
+  REQUIRE(flexkv_connect(d.socket().c_str(), 5000, &c, nullptr, 0) == FLEXKV_OK);
+  flexkv_geometry g = HybridGeometry();
+  g.components = nullptr;
+  CHECK(flexkv_attach(c, "x", "hybrid", 0, 0, &g, nullptr) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("geometry.components is NULL"));
+  g = HybridGeometry();
+  g.n_components = 8;
+  CHECK(flexkv_attach(c, "x", "hybrid", 0, 0, &g, nullptr) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("n_components is 8; expected at most 7"));
+  flexkv_component bad[2] = {kHybridComponents[0], kHybridComponents[1]};
+  bad[1].reserved = 1;
+  g = HybridGeometry();
+  g.components = bad;
+  CHECK(flexkv_attach(c, "x", "hybrid", 0, 0, &g, nullptr) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("components[1].reserved"));
+  bad[1].reserved = 0;
+  bad[1].state_bytes_per_layer = 24;  // the daemon's own check, by name
+  CHECK(flexkv_attach(c, "x", "hybrid", 0, 0, &g, nullptr) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("components[1].state_bytes_per_layer"));
+  flexkv_close(c);
+}
+
+TEST_CASE("C ABI: hybrid spans of the wrong size and bad boundaries are refused before anything is sent",
+          "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  HybridEngine e(d.socket());
+  const std::vector<flexkv_block_key> keys = PromptKeys(1, 4);
+  flexkv_ticket t{};
+  REQUIRE(flexkv_match(e.client, keys.data(), keys.size(), 0, &t) == FLEXKV_OK);
+  CHECK(t.id == 1);
+  e.Wait(t);
+
+  const uint32_t full[] = {0, 1, 2, 3}, window[] = {2, 3}, state[] = {5};
+  const uint32_t* ids[] = {full, window, state};
+  const size_t counts[] = {4, 2, 1};
+  const uint32_t boundary[] = {4};
+  // The single-span calls on a hybrid session.
+  CHECK(flexkv_store(e.client, nullptr, keys.data(), full, 4, &t) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("per-component"));
+  CHECK(flexkv_load(e.client, 1, full, 4, 0, &t) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("per-component"));
+  // A window of 1 id for a 4-key store of a 2-block window.
+  const size_t short_window[] = {4, 1, 1};
+  CHECK(flexkv_store_components(e.client, nullptr, keys.data(), 4, ids, short_window, 3, boundary, 1, &t) ==
+        FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("component 1 (sliding_window) has 1 block ids; expected 2"));
+  // A state id without a boundary.
+  CHECK(flexkv_store_components(e.client, nullptr, keys.data(), 4, ids, counts, 3, nullptr, 0, &t) ==
+        FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("component 2 (state) has 1 block ids; expected 0"));
+  // A boundary past the keys.
+  const uint32_t past[] = {5};
+  CHECK(flexkv_store_components(e.client, nullptr, keys.data(), 4, ids, counts, 3, past, 1, &t) ==
+        FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("state boundary 0 is 5; expected 1..4"));
+  // Two spans for three components.
+  CHECK(flexkv_store_components(e.client, nullptr, keys.data(), 4, ids, counts, 2, boundary, 1, &t) ==
+        FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("2 id spans; expected one per geometry component: 3"));
+  // A load without its state id.
+  const size_t no_state[] = {4, 2, 0};
+  CHECK(flexkv_load_components(e.client, 1, ids, no_state, 3, &t) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("component 2 (state) has 0 block ids; expected 1"));
+  CHECK(flexkv_store_components(e.client, nullptr, keys.data(), 4, nullptr, counts, 3, boundary, 1, &t) ==
+        FLEXKV_INVALID_ARGUMENT);
+
+  // Nothing of the above reached the rings: the next request is ticket 2, and nothing was stored.
+  REQUIRE(flexkv_match(e.client, keys.data(), keys.size(), 0, &t) == FLEXKV_OK);
+  CHECK(t.id == 2);
+  CHECK(e.Wait(t).matched_blocks == 0);
+  flexkv_daemon_status st{};
+  REQUIRE(flexkv_get_status(e.client, &st) == FLEXKV_OK);
+  CHECK(st.index_blocks == 0);
+}
+
+TEST_CASE("C ABI: a hybrid store and load copy the FULL prefix, its trailing window and its end's state, nothing else",
+          "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  HybridEngine a(d.socket());
+  HybridEngine b(d.socket());
+  const std::vector<flexkv_block_key> keys = PromptKeys(2, 5);
+  for (uint32_t i = 0; i < 5; ++i) a.Fill(0, i, static_cast<uint8_t>(i + 1));
+  a.Fill(1, 8, 101);  // the window of keys 3 and 4
+  a.Fill(1, 9, 102);
+  a.Fill(2, 3, 201);  // the state after key 2 (boundary 3)
+  a.Fill(2, 4, 202);  // the state after key 4 (boundary 5)
+  const uint32_t full[] = {0, 1, 2, 3, 4}, window[] = {8, 9}, states[] = {3, 4};
+  const uint32_t* ids[] = {full, window, states};
+  const size_t counts[] = {5, 2, 2};
+  const uint32_t boundaries[] = {3, 5};
+  flexkv_ticket t{};
+  REQUIRE(flexkv_store_components(a.client, nullptr, keys.data(), 5, ids, counts, 3, boundaries, 2, &t) == FLEXKV_OK);
+  flexkv_op_result r = a.Wait(t);
+  REQUIRE(r.status_code == FLEXKV_OK);
+  CHECK(r.done_blocks == 5);
+
+  REQUIRE(flexkv_match(b.client, keys.data(), keys.size(), 1, &t) == FLEXKV_OK);
+  r = b.Wait(t);
+  REQUIRE(r.status_code == FLEXKV_OK);
+  REQUIRE(r.matched_blocks == 5);
+  const uint64_t handle = r.match_handle;
+  const uint32_t to_full[] = {10, 11, 12, 13, 14}, to_window[] = {6, 7}, to_state[] = {1};
+  const uint32_t* load_ids[] = {to_full, to_window, to_state};
+  const size_t load_counts[] = {5, 2, 1};
+  REQUIRE(flexkv_load_components(b.client, handle, load_ids, load_counts, 3, &t) == FLEXKV_OK);
+  r = b.Wait(t);
+  REQUIRE(r.status_code == FLEXKV_OK);
+  CHECK(r.done_blocks == 5);
+  for (uint32_t i = 0; i < 5; ++i) CHECK(b.Same(0, 10 + i, a, i));
+  CHECK(b.Same(1, 6, a, 8));
+  CHECK(b.Same(1, 7, a, 9));
+  CHECK(b.Same(2, 1, a, 4));  // the snapshot at e = 5
+  for (uint32_t id = 0; id < kKvBlocks; ++id) {
+    if (id < 10 || id > 14) CHECK(b.Zero(0, id));
+    if (id != 6 && id != 7) CHECK(b.Zero(1, id));
+    if (id != 1) CHECK(b.Zero(2, id));
+  }
+  REQUIRE(flexkv_release(b.client, handle, &t) == FLEXKV_OK);
+  b.Wait(t);
+
+  // The prefix of 3 keys ends at the other boundary: its window is keys 1 and 2, which were not stored (the store
+  // kept only the last two), so it is no hit; the whole prefix is.
+  REQUIRE(flexkv_match(b.client, keys.data(), 3, 0, &t) == FLEXKV_OK);
+  CHECK(b.Wait(t).matched_blocks == 0);
+}
+
+TEST_CASE("C ABI: flexkv_get_status_components lists the sub-pools, at most capacity of them", "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  HybridEngine e(d.socket());
+  CHECK(flexkv_struct_size("flexkv_component_status") == sizeof(flexkv_component_status));
+  flexkv_component_status pools[3] = {};
+  size_t count = 0;
+  REQUIRE(flexkv_get_status_components(e.client, pools, 2, &count) == FLEXKV_OK);
+  CHECK(count == 3);
+  CHECK(pools[0].kind == FLEXKV_COMPONENT_FULL);
+  CHECK(pools[1].kind == FLEXKV_COMPONENT_SLIDING_WINDOW);
+  CHECK(pools[1].slot_bytes == kSlotBytes[1]);
+  CHECK(pools[2].slot_bytes == 0);  // past capacity: not written
+  REQUIRE(flexkv_get_status_components(e.client, pools, 3, &count) == FLEXKV_OK);
+  CHECK(pools[2].kind == FLEXKV_COMPONENT_STATE);
+  CHECK(pools[2].slot_bytes == 512);
+  CHECK(pools[2].capacity > 0);
+  CHECK(flexkv_get_status_components(e.client, nullptr, 0, &count) == FLEXKV_OK);
+  CHECK(count == 3);
+  CHECK(flexkv_get_status_components(e.client, nullptr, 1, &count) == FLEXKV_INVALID_ARGUMENT);
 }

@@ -73,10 +73,10 @@ print("LOADED")
 
 
 def test_a_library_of_another_abi_version_is_refused_at_import():
-    out = run(_FAKE_LIBRARY.format(name="flexkv_abi_version", value=2))  # the version before the store's parent
+    out = run(_FAKE_LIBRARY.format(name="flexkv_abi_version", value=3))  # the version before components
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("REFUSED"), out.stdout
-    assert "speaks C ABI version 2; this package speaks version 3" in out.stdout
+    assert "speaks C ABI version 3; this package speaks version 4" in out.stdout
     assert os.environ["FLEXKV_LIBRARY"] in out.stdout and "FLEXKV_LIBRARY" in out.stdout
 
 
@@ -84,7 +84,7 @@ def test_a_library_whose_struct_sizes_differ_is_refused_at_import():
     out = run(_FAKE_LIBRARY.format(name="flexkv_struct_size", value=8))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("REFUSED"), out.stdout
-    assert "struct flexkv_geometry is 8 bytes in" in out.stdout and "but 28 bytes in this package" in out.stdout
+    assert "struct flexkv_geometry is 8 bytes in" in out.stdout and "but 40 bytes in this package" in out.stdout
 
 
 def test_a_library_without_abi_version_is_refused_at_import():

@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
   };
   auto slot_bytes = [&](size_t comp) { return g.Component(comp).host_block_bytes(); };
   auto hybrid_store = [&](uint64_t seed, uint32_t n, const std::vector<flexkv::BlockKey>& keys) -> bool {
-    const std::vector<uint32_t> boundaries = Boundaries(n, state_every);
+    const std::vector<uint32_t> boundaries = state_layers > 0 ? Boundaries(n, state_every) : std::vector<uint32_t>{};
     std::vector<std::vector<uint32_t>> ids(g.component_count());
     for (size_t comp = 0; comp < g.component_count(); ++comp) {
       const uint64_t bytes = slot_bytes(comp);

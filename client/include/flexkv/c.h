@@ -31,7 +31,8 @@ extern "C" {
  * 3: flexkv_store takes the parent key of its first key.
  * 4: hybrid models: flexkv_geometry gains n_components and components (flexkv_component); new
  *    flexkv_create_host_kv_component, flexkv_gpu_kv_set_component, flexkv_load_components,
- *    flexkv_store_components and flexkv_session_component. */
+ *    flexkv_store_components, flexkv_session_component and flexkv_get_status_components
+ *    (flexkv_component_status). */
 #define FLEXKV_ABI_VERSION 4
 
 enum {
@@ -106,6 +107,18 @@ typedef struct flexkv_daemon_status {
   uint32_t sessions;
 } flexkv_daemon_status;
 
+/* One sub-pool of the daemon's cache domain (flexkv::DaemonStatus::Pool::Component); component 0 first. */
+typedef struct flexkv_component_status {
+  uint32_t kind; /* FLEXKV_COMPONENT_* */
+  uint32_t reserved;
+  uint64_t slot_bytes;
+  uint64_t capacity; /* slots */
+  uint64_t used;     /* pending + committed */
+  uint64_t pinned;
+  uint64_t evicted;
+  uint64_t unanchored; /* entries whose full-attention block is gone (evicted first) */
+} flexkv_component_status;
+
 typedef struct flexkv_block_key {
   uint64_t lo;
   uint64_t hi;
@@ -139,8 +152,8 @@ typedef struct flexkv_gpu_kv flexkv_gpu_kv;
 /* The loaded library's FLEXKV_ABI_VERSION. */
 uint32_t flexkv_abi_version(void);
 /* sizeof one struct of this header as the library was built ("flexkv_geometry", "flexkv_component",
- * "flexkv_daemon_status", "flexkv_block_key", "flexkv_op_result", "flexkv_ticket"); 0 for a name it does not
- * know (also NULL). */
+ * "flexkv_daemon_status", "flexkv_component_status", "flexkv_block_key", "flexkv_op_result", "flexkv_ticket");
+ * 0 for a name it does not know (also NULL). */
 size_t flexkv_struct_size(const char* name);
 /* libflexkv's release version ("0.1.0"): the project version it was built as, the one flexkvd reports. */
 const char* flexkv_version(void);
@@ -168,6 +181,10 @@ int flexkv_detach(flexkv_client* client);
  * FLEXKV_INVALID_ARGUMENT for a component the geometry does not have. */
 int flexkv_session_component(flexkv_client* client, uint32_t component, uint64_t* slot_bytes, uint64_t* capacity);
 int flexkv_get_status(flexkv_client* client, flexkv_daemon_status* out);
+/* The sub-pools of the daemon's cache domain (GetStatus): writes min(count, capacity) entries to `out` and the number
+ * of sub-pools to *count (0 before a domain is set, or from a daemon that does not report them). */
+int flexkv_get_status_components(flexkv_client* client, flexkv_component_status* out, size_t capacity,
+                                 size_t* count);
 /* Admin calls: *state_out (may be NULL, at least 16 bytes) receives the state after the call. */
 int flexkv_drain(flexkv_client* client, char* state_out, size_t state_len);
 int flexkv_resume(flexkv_client* client, char* state_out, size_t state_len);

@@ -65,6 +65,14 @@ struct DaemonStatus {
     uint64_t block_bytes = 0, capacity_blocks = 0, used_blocks = 0, pinned_blocks = 0, budget_bytes = 0;
     std::string backing;
     uint64_t unverified_blocks = 0;  // restored at start, still being verified (not served yet)
+    // Hybrid geometries: one entry per component's sub-pool, component 0 first (the fields above are the totals);
+    // empty before a domain is set or from a daemon that does not report them.
+    struct Component {
+      ComponentKind kind = ComponentKind::kFull;
+      uint64_t slot_bytes = 0, capacity = 0, used = 0, pinned = 0, evicted = 0;
+      uint64_t unanchored = 0;  // entries whose full-attention block is gone (evicted first)
+    };
+    std::vector<Component> components;
   } pool;
   uint64_t index_blocks = 0;
   uint32_t sessions = 0;

@@ -18,6 +18,8 @@ namespace flexkv {
 //   cuMem/VMM (PyTorch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): every physical allocation backing
 //   the region is exported as a POSIX fd (the allocation must allow CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
 //   PyTorch's default); the registration owns those fds, so register it from this process.
+// Hybrid geometries: describe each component's buffers (in its copy geometry, Geometry::Component) separately and
+// set the result's `component` before RegisterGpuKv.
 // INVALID_ARGUMENT for pointers that are not device memory or regions on different GPUs; FAILED_PRECONDITION
 // for memory that cannot be exported.
 Result<GpuKvRegistration> DescribeGpuKv(KvLayout layout, std::span<void* const> regions, uint64_t region_bytes,

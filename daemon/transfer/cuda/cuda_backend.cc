@@ -13,11 +13,11 @@
 #include <cstring>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <set>
 #include <thread>
 
 #include "common/cuda_driver.h"
+#include "common/mutex.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
 namespace flexkv {
@@ -86,19 +86,20 @@ class DirectionWorker {
  public:
   struct Job {
     std::shared_ptr<GpuKv> kv;
+    PoolRegion pool;  // the sub-pool the slots index, checked against the registered range by Copy
     std::vector<uint32_t> gpu_blocks, slots;
     std::shared_ptr<std::vector<uint64_t>> term_sums;  // stores: added to before done; null or empty: none
     std::function<void(uint32_t)> on_layer;
     std::function<void(Status)> done;
   };
 
-  DirectionWorker(int device, bool to_host, bool copy_engine, const uint8_t* const* pool_base, const uint64_t* block_bytes)
-      : device_(device), to_host_(to_host), copy_engine_(copy_engine), pool_base_(pool_base), block_bytes_(block_bytes) {
+  DirectionWorker(int device, bool to_host, bool copy_engine)
+      : device_(device), to_host_(to_host), copy_engine_(copy_engine) {
     thread_ = std::thread([this] { Loop(); });
   }
   ~DirectionWorker() {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       stopping_ = true;
     }
     cv_.notify_one();
@@ -106,7 +107,7 @@ class DirectionWorker {
   }
   void Submit(Job job) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       jobs_.push_back(std::move(job));
     }
     cv_.notify_one();
@@ -139,7 +140,8 @@ class DirectionWorker {
     }
     const GpuKv& kv = *job.kv;
     const Geometry& g = kv.geometry;
-    cuda::HostPoolView pool{const_cast<uint8_t*>(*pool_base_), *block_bytes_, g.is_mla() ? 1u : g.tp_size,
+    // The job's own sub-pool: components have sub-pools of their own slot sizes in one registered range.
+    cuda::HostPoolView pool{job.pool.base, job.pool.slot_bytes, g.is_mla() ? 1u : g.tp_size,
                             g.is_mla() ? 0u : kv.description.tp_rank};
     const cuda::BlockPairs pairs{pairs_dev_, pairs_dev_ + capacity_, n, 0, g.num_layers};
     if (!copy_engine_ || sums) {  // the kernels read the pairs from device memory
@@ -220,8 +222,8 @@ class DirectionWorker {
     for (;;) {
       Job job;
       {
-        std::unique_lock lock(mu_);
-        cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+        MutexLock lock(&mu_);
+        while (!stopping_ && jobs_.empty()) mu_.Wait(&cv_);
         if (jobs_.empty()) break;
         job = std::move(jobs_.front());
         jobs_.pop_front();
@@ -251,8 +253,6 @@ class DirectionWorker {
   const int device_;
   const bool to_host_;
   const bool copy_engine_;
-  const uint8_t* const* pool_base_;
-  const uint64_t* block_bytes_;
   cudaStream_t stream_ = nullptr;
   uint32_t* pairs_dev_ = nullptr;
   uint32_t capacity_ = 0;  // pairs (and, stores, sums) the buffers hold
@@ -263,10 +263,10 @@ class DirectionWorker {
   cudaStream_t sums_stream_ = nullptr;
   cudaEvent_t sums_fork_ = nullptr, sums_join_ = nullptr;
   std::vector<cudaEvent_t> events_;
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool stopping_ = false;
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
@@ -289,33 +289,42 @@ class CudaBackendImpl final : public CudaBackend {
 
   std::vector<std::string> DeviceUuids() const override { return uuids_; }
 
-  Status RegisterPool(uint8_t* base, uint64_t bytes, uint64_t block_bytes) override {
-    std::lock_guard lock(mu_);
+  Status RegisterPool(uint8_t* base, uint64_t bytes) override {
+    MutexLock lock(&mu_);
     if (pool_base_ != nullptr) return Status::Ok();
+    if (base == nullptr || bytes == 0) {
+      return Status::InvalidArgument(fmt::format("pool range [{}, +{}); expected a mapped, non-empty range",
+                                                 static_cast<const void*>(base), bytes));
+    }
     constexpr uint64_t kMaxChunk = 64ULL << 30;
     for (uint64_t off = 0; off < bytes; off += kMaxChunk) {
       const uint64_t n = std::min(kMaxChunk, bytes - off);
-      FLEXKV_CUDA_TRY(cudaHostRegister(base + off, n, cudaHostRegisterPortable | cudaHostRegisterMapped));
+      const cudaError_t e = cudaHostRegister(base + off, n, cudaHostRegisterPortable | cudaHostRegisterMapped);
+      if (e != cudaSuccess) {
+        for (const auto& [ptr, registered] : registered_) cudaHostUnregister(ptr);
+        registered_.clear();
+        return CudaError(e, "cudaHostRegister(pool)", __FILE__, __LINE__);
+      }
       registered_.emplace_back(base + off, n);
     }
     pool_base_ = base;
-    block_bytes_ = block_bytes;
+    pool_bytes_ = bytes;
     for (int d = 0; d < static_cast<int>(uuids_.size()); ++d) {
-      loads_.push_back(std::make_unique<DirectionWorker>(d, false, load_copy_engine_, &pool_base_, &block_bytes_));
-      stores_.push_back(std::make_unique<DirectionWorker>(d, true, store_copy_engine_, &pool_base_, &block_bytes_));
+      loads_.push_back(std::make_unique<DirectionWorker>(d, false, load_copy_engine_));
+      stores_.push_back(std::make_unique<DirectionWorker>(d, true, store_copy_engine_));
     }
     log::Info("cuda", "pool registered for DMA on {} GPU(s): {} bytes", uuids_.size(), bytes);
     return Status::Ok();
   }
 
   void UnregisterPool() override {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     loads_.clear();  // joins the workers
     stores_.clear();
     for (const auto& [ptr, n] : registered_) cudaHostUnregister(ptr);
     registered_.clear();
     pool_base_ = nullptr;
-    block_bytes_ = 0;
+    pool_bytes_ = 0;
     log::Info("cuda", "pool unregistered");
   }
 
@@ -517,17 +526,61 @@ class CudaBackendImpl final : public CudaBackend {
     return static_cast<uint64_t>(span.base);
   }
 
-  void Copy(std::shared_ptr<GpuKv> kv, bool to_host, std::vector<uint32_t> gpu_blocks, std::vector<uint32_t> slots,
-            std::shared_ptr<std::vector<uint64_t>> term_sums, std::function<void(uint32_t)> on_layer,
-            std::function<void(Status)> done) override {
+  void Copy(std::shared_ptr<GpuKv> kv, bool to_host, const PoolRegion& pool, std::vector<uint32_t> gpu_blocks,
+            std::vector<uint32_t> slots, std::shared_ptr<std::vector<uint64_t>> term_sums,
+            std::function<void(uint32_t)> on_layer, std::function<void(Status)> done) override {
     DirectionWorker* w = nullptr;
+    Status checked = Status::Ok();
     {
-      std::lock_guard lock(mu_);
-      if (pool_base_ != nullptr) w = (to_host ? stores_ : loads_)[static_cast<size_t>(kv->device)].get();
+      MutexLock lock(&mu_);
+      if (pool_base_ == nullptr) {
+        checked = Status::FailedPrecondition("the pool is not registered for DMA");
+      } else {
+        checked = CheckJob(*kv, pool, gpu_blocks, slots);
+        w = (to_host ? stores_ : loads_)[static_cast<size_t>(kv->device)].get();
+      }
     }
-    if (w == nullptr) return done(Status::FailedPrecondition("the pool is not registered for DMA"));
-    w->Submit({std::move(kv), std::move(gpu_blocks), std::move(slots), std::move(term_sums), std::move(on_layer),
-               std::move(done)});
+    if (!checked.ok()) return done(std::move(checked));
+    w->Submit({std::move(kv), pool, std::move(gpu_blocks), std::move(slots), std::move(term_sums),
+               std::move(on_layer), std::move(done)});
+  }
+
+  // A job's sub-pool lies inside the registered range and its slots hold a block of the registration's geometry;
+  // its slot ids are below the sub-pool's slots and its block ids below the registration's blocks. Nothing
+  // outside the registered pool and the registration's buffers is ever handed to the device.
+  Status CheckJob(const GpuKv& kv, const PoolRegion& pool, const std::vector<uint32_t>& gpu_blocks,
+                  const std::vector<uint32_t>& slots) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const uint64_t need = kv.geometry.host_block_bytes();
+    const auto begin = reinterpret_cast<uintptr_t>(pool.base), first = reinterpret_cast<uintptr_t>(pool_base_);
+    const uint64_t span = uint64_t{pool.slots} * pool.slot_bytes;
+    if (pool.base == nullptr || begin < first || begin - first > pool_bytes_ || span > pool_bytes_ - (begin - first) ||
+        (pool.slot_bytes != 0 && span / pool.slot_bytes != pool.slots)) {
+      return Status::FailedPrecondition(fmt::format(
+          "the copy's sub-pool [{}, +{} slots of {} bytes) is not inside the pool registered for DMA [{}, +{})",
+          static_cast<const void*>(pool.base), pool.slots, pool.slot_bytes, static_cast<const void*>(pool_base_),
+          pool_bytes_));
+    }
+    if (pool.slot_bytes < need || pool.slot_bytes % 16 != 0 || begin % 16 != 0) {
+      return Status::FailedPrecondition(fmt::format(
+          "the copy's sub-pool has {}-byte slots at {}; expected 16-byte aligned slots of at least the {} bytes of "
+          "one block of {}",
+          pool.slot_bytes, static_cast<const void*>(pool.base), need, kv.geometry.ToString()));
+    }
+    if (gpu_blocks.size() != slots.size()) {
+      return Status::InvalidArgument(
+          fmt::format("{} GPU blocks and {} slots; expected one slot per block", gpu_blocks.size(), slots.size()));
+    }
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i] >= pool.slots) {
+        return Status::FailedPrecondition(
+            fmt::format("slot {} (entry {}) is not below the sub-pool's {} slots", slots[i], i, pool.slots));
+      }
+      if (gpu_blocks[i] >= kv.description.num_blocks) {
+        return Status::InvalidArgument(fmt::format("GPU block {} (entry {}) is not below the registration's {} blocks",
+                                                   gpu_blocks[i], i, kv.description.num_blocks));
+      }
+    }
+    return Status::Ok();
   }
 
   void SetPaths(bool load_copy_engine, bool store_copy_engine) {
@@ -543,13 +596,14 @@ class CudaBackendImpl final : public CudaBackend {
 
  private:
   std::vector<std::string> uuids_;
-  std::mutex mu_;
-  const uint8_t* pool_base_ = nullptr;
-  uint64_t block_bytes_ = 0;
+  Mutex mu_;
+  // The range RegisterPool registered (null: none); every job's sub-pool lies inside it.
+  const uint8_t* pool_base_ ABSL_GUARDED_BY(mu_) = nullptr;
+  uint64_t pool_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool load_copy_engine_ = false;
   bool store_copy_engine_ = false;
-  std::vector<std::unique_ptr<DirectionWorker>> loads_, stores_;
-  std::vector<std::pair<uint8_t*, uint64_t>> registered_;
+  std::vector<std::unique_ptr<DirectionWorker>> loads_ ABSL_GUARDED_BY(mu_), stores_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<uint8_t*, uint64_t>> registered_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

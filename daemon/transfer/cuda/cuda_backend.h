@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/cache/pool_region.h"
 #include "daemon/transfer/kv_registration.h"
 #include "flexkv/geometry.h"
 #include "flexkv/status.h"
@@ -27,20 +28,28 @@ class CudaBackend {
   virtual ~CudaBackend() = default;
 
   virtual std::vector<std::string> DeviceUuids() const = 0;
-  // Registers [base, base+bytes) for DMA on every GPU (cudaHostRegister in chunks of at most 64 GiB).
-  virtual Status RegisterPool(uint8_t* base, uint64_t bytes, uint64_t block_bytes) = 0;
+  // Registers [base, base+bytes) for DMA on every GPU (cudaHostRegister in chunks of at most 64 GiB): the pool
+  // file's whole data range, every component's sub-pool. A second call while registered does nothing.
+  virtual Status RegisterPool(uint8_t* base, uint64_t bytes) = 0;
   // Joins the copy workers and unregisters the pool (no copy may be in flight); RegisterPool may follow.
   virtual void UnregisterPool() = 0;
-  // Opens a registration; validates sizes against the geometry and layout.
+  // Opens a registration; validates sizes against the geometry and layout. For a hybrid model `geometry` is the
+  // copy geometry of the registration's component (Geometry::Component): a state component's is one plane of
+  // state_bytes_per_layer per layer and block (snapshot), sharded over TP like K/V.
   virtual Result<std::shared_ptr<GpuKv>> Open(const GpuKvDescription& description, const Geometry& geometry) = 0;
 
   // Copies blocks between one rank's GPU buffers and pool slots, asynchronously; `done` runs on a backend
-  // thread once the bytes are in place (or with the error). `on_layer` (optional, loads) runs as each layer
+  // thread once the bytes are in place (or with the error). `pool` is the sub-pool the slot ids index (its base,
+  // slot size and slot count: a hybrid model's components each have their own); it must lie inside the registered
+  // range with slots of at least the registration's block bytes, every slot id below pool.slots and every block
+  // id below the registration's blocks, else `done` runs at once, on the caller's thread, with
+  // FAILED_PRECONDITION (the sub-pool, a slot) or INVALID_ARGUMENT (a block id), and nothing is copied.
+  // `on_layer` (optional, loads) runs as each layer
   // lands, for layer-wise loads. `term_sums` (stores; null or empty for none, else one entry per slot): before
   // `done`, entry i gets the checksum term sum of the bytes written to slots[i] added to it
   // (common/block_checksum.h), computed by the gather kernel as it copies, or, on the copy-engine path, by a
   // kernel reading the GPU blocks at the same time as the copy.
-  virtual void Copy(std::shared_ptr<GpuKv> kv, bool to_host, std::vector<uint32_t> gpu_blocks,
+  virtual void Copy(std::shared_ptr<GpuKv> kv, bool to_host, const PoolRegion& pool, std::vector<uint32_t> gpu_blocks,
                     std::vector<uint32_t> slots, std::shared_ptr<std::vector<uint64_t>> term_sums,
                     std::function<void(uint32_t layer)> on_layer, std::function<void(Status)> done) = 0;
 };

@@ -41,7 +41,7 @@ CudaEngineMemory::CudaEngineMemory(std::unique_ptr<CudaBackend> cuda)
     : capabilities_(CudaCapabilities()), cuda_(std::move(cuda)) {}
 
 Status CudaEngineMemory::RegisterPool(const PoolRegion& pool) {
-  Status registered = cuda_->RegisterPool(pool.base, pool.bytes, pool.slot_bytes);
+  Status registered = cuda_->RegisterPool(pool.base, pool.bytes);
   if (registered.ok()) return registered;
   return registered.WithContext("registering the pool for DMA (put --pool-path on /dev/shm or hugetlbfs)");
 }
@@ -58,7 +58,7 @@ void CudaEngineMemory::Copy(CopyJob job) {
   const int64_t handed_ns = NowNs();  // the device's own queueing counts as transfer time
   const auto& kv = static_cast<const CudaKv&>(*job.kv);  // opened by Open above
   const bool store = job.direction == CopyDirection::kToPool;
-  cuda_->Copy(kv.gpu(), store, *job.engine_blocks, *job.slots, store ? std::move(job.term_sums) : nullptr,
+  cuda_->Copy(kv.gpu(), store, job.pool, *job.engine_blocks, *job.slots, store ? std::move(job.term_sums) : nullptr,
               std::move(job.on_layer), [done = std::move(job.done), handed_ns](Status st) { done(st, handed_ns); });
 }
 

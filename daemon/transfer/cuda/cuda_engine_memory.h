@@ -20,7 +20,8 @@ class CudaEngineMemory final : public EngineMemoryBackend {
   std::string_view name() const override { return "cuda"; }
   const EngineMemoryCapabilities& capabilities() const override { return capabilities_; }
   std::vector<std::string> devices() const override { return cuda_->DeviceUuids(); }
-  // Registers the pool for DMA on every GPU.
+  // Registers the pool for DMA on every GPU: `pool` spans the pool file's whole data range (every component's
+  // sub-pool); only its base and bytes are used. Each CopyJob's `pool` names the sub-pool of its component.
   Status RegisterPool(const PoolRegion& pool) override;
   void UnregisterPool() override { cuda_->UnregisterPool(); }
   // GpuKvDescription only: one TP rank's buffers.

@@ -22,6 +22,11 @@ constexpr LaunchShape kDefaultScatter{32, 512, 8, 1, 0, 0};
 // Sums only (LaunchChecksumTerms): reads from HBM, no PCIe, so one CTA per SM with 8 loads in flight per thread.
 constexpr LaunchShape kDefaultSums{132, 512, 8, 1, 0, 0};
 constexpr int kMaxStages = 8;
+// Chunks are split into pieces only when the request has fewer chunks than the grid has thread groups (a state
+// component's ~2 MiB per-layer chunks, of which a load has one per layer; a load of one block), and never into
+// pieces under 16 KiB, nor of a length that is not a multiple of 1 KiB.
+constexpr uint32_t kMinPieceUnits = 1024;
+constexpr uint32_t kPieceAlignUnits = 64;
 
 struct CopyParams {
   const uint64_t* layer_base;
@@ -31,22 +36,30 @@ struct CopyParams {
   uint64_t block_bytes;
   const uint32_t* gpu_blocks;
   const uint32_t* slots;
-  uint64_t items;         // count * layers * planes
+  uint64_t items;         // count * layers * planes * pieces
   uint32_t layer_begin;
   uint32_t layers;        // layer_end - layer_begin
   uint32_t planes;
   uint32_t tp_shards;
   uint32_t tp_rank;
   uint32_t chunk16;       // chunk bytes / 16
+  uint32_t pieces;        // pieces per chunk, each of piece16 units (the last may be shorter); 1: whole chunks
+  uint32_t piece16;
   uint32_t group_threads; // threads copying one chunk (warps_per_chunk * 32)
   uint64_t* term_sums;    // checksummed gathers: one per pair, in device memory; else null
 };
 
-// The chunk `item` (pair, layer, plane) on both sides, its pair, and the slot-relative index of its first
-// 16-byte unit (the checksum's unit index; block_checksum.h).
+// The piece `item` (pair, layer, plane, piece) of a chunk on both sides, its length in 16-byte units, its pair,
+// and the slot-relative index of its first 16-byte unit (the checksum's unit index; block_checksum.h).
 template <bool kToHost>
 __device__ __forceinline__ void ChunkAddrs(const CopyParams& p, uint64_t item, const uint8_t*& src, uint8_t*& dst,
-                                           uint64_t& pair, uint32_t& first_unit) {
+                                           uint32_t& units, uint64_t& pair, uint32_t& first_unit) {
+  uint32_t skip = 0;  // units of the chunk before this piece
+  if (p.pieces > 1) {
+    skip = static_cast<uint32_t>(item % p.pieces) * p.piece16;
+    item /= p.pieces;
+  }
+  units = min(p.piece16, p.chunk16 - skip);
   const uint32_t plane = static_cast<uint32_t>(item % p.planes);
   const uint64_t rest = item / p.planes;
   const uint32_t layer = p.layer_begin + static_cast<uint32_t>(rest % p.layers);
@@ -54,19 +67,21 @@ __device__ __forceinline__ void ChunkAddrs(const CopyParams& p, uint64_t item, c
   const uint64_t block = __ldg(p.gpu_blocks + pair);
   const uint64_t slot = __ldg(p.slots + pair);
   uint8_t* gpu = reinterpret_cast<uint8_t*>(__ldg(reinterpret_cast<const unsigned long long*>(p.layer_base) + layer)) +
-                 plane * p.plane_stride + block * p.block_stride;
+                 plane * p.plane_stride + block * p.block_stride + static_cast<uint64_t>(skip) * 16;
   const uint64_t chunk_in_slot = (static_cast<uint64_t>(layer) * p.planes + plane) * p.tp_shards + p.tp_rank;
-  uint8_t* host = p.pool_base + slot * p.block_bytes + chunk_in_slot * (static_cast<uint64_t>(p.chunk16) * 16);
-  first_unit = static_cast<uint32_t>(chunk_in_slot * p.chunk16);  // modulo 2^32, as on the host
+  uint8_t* host = p.pool_base + slot * p.block_bytes + chunk_in_slot * (static_cast<uint64_t>(p.chunk16) * 16) +
+                  static_cast<uint64_t>(skip) * 16;
+  first_unit = static_cast<uint32_t>(chunk_in_slot * p.chunk16) + skip;  // modulo 2^32, as on the host
   src = kToHost ? gpu : host;
   dst = kToHost ? host : gpu;
 }
 
 template <bool kToHost>
-__device__ __forceinline__ void ChunkAddrs(const CopyParams& p, uint64_t item, const uint8_t*& src, uint8_t*& dst) {
+__device__ __forceinline__ void ChunkAddrs(const CopyParams& p, uint64_t item, const uint8_t*& src, uint8_t*& dst,
+                                           uint32_t& units) {
   uint64_t pair;
   uint32_t first_unit;
-  ChunkAddrs<kToHost>(p, item, src, dst, pair, first_unit);
+  ChunkAddrs<kToHost>(p, item, src, dst, units, pair, first_unit);
 }
 
 __device__ __forceinline__ uint64_t Term(const int4& v, uint32_t unit) {
@@ -88,7 +103,8 @@ enum class UnitWork {
   kSum,          // only add its term: the GPU side's sums for a copy the copy engine makes
 };
 
-// One group of `group_threads` threads per chunk, grid-stride over chunks ordered (pair, layer, plane), so
+// One group of `group_threads` threads per chunk (or piece of one), grid-stride over chunks ordered (pair, layer,
+// plane, piece), so
 // groups running at the same time write neighbouring parts of the same pool slot. Each thread keeps
 // `kUnroll` 16-byte loads in flight before it stores them. Summing, each thread keeps its partial sum while
 // its chunks belong to one pair and its warp adds it to the pair's sum with one atomic when the pair changes
@@ -107,8 +123,8 @@ __global__ void __launch_bounds__(1024) CopyChunks(const CopyParams p) {
     const uint8_t* src_bytes;
     uint8_t* dst_bytes;
     uint64_t pair;
-    uint32_t first_unit;
-    ChunkAddrs<kToHost>(p, item, src_bytes, dst_bytes, pair, first_unit);
+    uint32_t n, first_unit;
+    ChunkAddrs<kToHost>(p, item, src_bytes, dst_bytes, n, pair, first_unit);
     if constexpr (kSums) {
       if (pair != sum_pair) {
         if (sum_pair != ~uint64_t{0}) AddWarpSum(p.term_sums + sum_pair, sum);
@@ -118,7 +134,6 @@ __global__ void __launch_bounds__(1024) CopyChunks(const CopyParams p) {
     }
     const int4* src = reinterpret_cast<const int4*>(src_bytes);
     int4* dst = reinterpret_cast<int4*>(dst_bytes);
-    const uint32_t n = p.chunk16;
     uint32_t k = lane;
     // Full rounds: no bounds checks, all loads issued before the first store.
     for (; k + (kUnroll - 1) * p.group_threads < n; k += step) {
@@ -150,7 +165,7 @@ __device__ __forceinline__ uint32_t SharedAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Bulk-copy variant: thread 0 of each CTA streams its chunks (grid-stride) through `stages` shared-memory
+// Bulk-copy variant: thread 0 of each CTA streams its chunks or pieces (grid-stride) through `stages` shared-memory
 // buffers of `piece` bytes: bulk load global -> shared completing on an mbarrier, then bulk store
 // shared -> global; a buffer is refilled once the store has read it.
 template <bool kToHost>
@@ -162,22 +177,21 @@ __global__ void __launch_bounds__(32) BulkCopyChunks(const CopyParams p, uint32_
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 
-  const uint32_t chunk = p.chunk16 * 16;
   uint64_t item = blockIdx.x;
-  uint32_t off = 0;
+  uint32_t off = 0, units = 0;
   const uint8_t* csrc = nullptr;
   uint8_t* cdst = nullptr;
-  if (item < p.items) ChunkAddrs<kToHost>(p, item, csrc, cdst);
+  if (item < p.items) ChunkAddrs<kToHost>(p, item, csrc, cdst, units);
   auto next = [&](const uint8_t*& src, uint8_t*& dst, uint32_t& n) {
     if (item >= p.items) return false;
-    n = min(piece, chunk - off);
+    n = min(piece, units * 16 - off);
     src = csrc + off;
     dst = cdst + off;
     off += n;
-    if (off == chunk) {
+    if (off == units * 16) {
       off = 0;
       item += gridDim.x;
-      if (item < p.items) ChunkAddrs<kToHost>(p, item, csrc, cdst);
+      if (item < p.items) ChunkAddrs<kToHost>(p, item, csrc, cdst, units);
     }
     return true;
   };
@@ -252,6 +266,15 @@ LaunchShape Resolve(const LaunchShape& s, bool to_host) { return ResolveWith(s, 
 
 bool Aligned16(uint64_t v) { return v % 16 == 0; }
 
+// How many pieces to cut each of `chunks` chunks of `chunk16` units into so that `groups` thread groups all have
+// one (see kMinPieceUnits); 1 when there are chunks enough.
+uint32_t PiecesPerChunk(uint64_t chunks, uint64_t groups, uint32_t chunk16) {
+  if (chunks == 0 || chunks >= groups) return 1;
+  const uint64_t wanted = (groups + chunks - 1) / chunks;
+  const uint64_t most = std::max<uint64_t>(1, chunk16 / kMinPieceUnits);
+  return static_cast<uint32_t>(std::min(wanted, most));
+}
+
 // Checks what can be checked on the host (device arrays are not read here).
 cudaError_t Validate(const GpuKvView& gpu, const HostPoolView& pool, uint32_t layer_begin, uint32_t layer_end) {
   if (gpu.num_planes == 0 || gpu.chunk_bytes == 0 || !Aligned16(gpu.chunk_bytes) ||
@@ -294,15 +317,25 @@ cudaError_t Launch(const GpuKvView& gpu, const HostPoolView& pool, const BlockPa
   p.layer_begin = pairs.layer_begin;
   p.layers = pairs.layer_end - pairs.layer_begin;
   p.planes = gpu.num_planes;
-  p.items = static_cast<uint64_t>(pairs.count) * p.layers * p.planes;
   p.tp_shards = pool.tp_shards;
   p.tp_rank = pool.tp_rank;
   p.chunk16 = static_cast<uint32_t>(gpu.chunk_bytes / 16);
   p.group_threads = static_cast<uint32_t>(s.warps_per_chunk) * 32;
   p.term_sums = term_sums;
+  const bool bulk = kWork == UnitWork::kCopy && s.bulk_kib != 0;
+  const uint64_t chunks = static_cast<uint64_t>(pairs.count) * p.layers * p.planes;
+  const uint64_t groups =
+      bulk ? static_cast<uint64_t>(s.ctas) : static_cast<uint64_t>(s.ctas) * (static_cast<uint32_t>(s.threads) / p.group_threads);
+  p.pieces = PiecesPerChunk(chunks, groups, p.chunk16);
+  p.piece16 = (p.chunk16 + p.pieces - 1) / p.pieces;
+  if (p.pieces > 1) {
+    p.piece16 = (p.piece16 + kPieceAlignUnits - 1) / kPieceAlignUnits * kPieceAlignUnits;
+    p.pieces = (p.chunk16 + p.piece16 - 1) / p.piece16;
+  }
+  p.items = chunks * p.pieces;
 
-  // No more CTAs than there are chunks to give their groups.
-  if (kWork == UnitWork::kCopy && s.bulk_kib != 0) {
+  // No more CTAs than there are chunks (pieces) to give their groups.
+  if (bulk) {
     const uint32_t piece = static_cast<uint32_t>(s.bulk_kib) * 1024;
     const size_t smem = static_cast<size_t>(piece) * static_cast<uint32_t>(s.stages);
     const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(static_cast<uint64_t>(s.ctas), p.items));

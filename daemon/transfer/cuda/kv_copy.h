@@ -46,6 +46,10 @@ struct BlockPairs {
 // An empty request (count 0 or an empty layer range) enqueues nothing and succeeds. Block ids and slots are
 // not bounds-checked on the device: the caller validates them against the KV cache and the pool.
 //
+// A request with fewer chunks than the launch has thread groups (a state component's ~2 MiB per-layer snapshots,
+// a one-block load) has its chunks split into pieces of at least 16 KiB, so that the whole grid copies; results,
+// checksums included, do not depend on it.
+//
 // Store direction: GPU blocks -> pool slots, one pass, 16-byte accesses. `ctas` 0 picks a default.
 cudaError_t LaunchGather(const GpuKvView& gpu, const HostPoolView& pool, const BlockPairs& pairs, cudaStream_t stream,
                          int ctas = 0);

@@ -268,6 +268,17 @@ TEST_CASE("component index: a repeated key in one reservation reserves nothing",
   auto s = small.Reserve(std::vector<BlockKey>{Key(1), Key(2), Key(1)});
   CHECK(s.shortfall == StatusCode::kResourceExhausted);
   CHECK(small.used_slots() == 0);
+  // Room only by evicting: the entries evicted on the way stay evicted (the contract says so), nothing is reserved.
+  ComponentIndex full(2);
+  Store(full, {Key(1), Key(2)});
+  auto f = full.Reserve(std::vector<BlockKey>{Key(3), Key(3)});
+  CHECK(f.shortfall == StatusCode::kAborted);
+  CHECK(f.slots.empty());
+  CHECK(full.used_slots() == 0);
+  CHECK(full.evicted_entries() == 2);
+  full.CheckInvariants();
+  CHECK(Store(full, {Key(4), Key(5)}).size() == 2);
+  full.CheckInvariants();
 }
 
 TEST_CASE("component index: a dropped pinned entry is gone at once and its slot is freed by the last unpin", "[unit][cache][component]") {

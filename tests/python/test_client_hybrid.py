@@ -1,0 +1,226 @@
+"""Hybrid geometries from Python (docs/hybrid.md): per-component host KV buffers, per-component store and load with
+state boundaries, the client's refusals of wrong id counts, and a gpt-oss store/match/load compared byte for byte
+between two engine sessions."""
+from __future__ import annotations
+
+import gc
+import hashlib
+import subprocess
+import sys
+from typing import List
+
+import numpy as np
+import pytest
+
+import flexkv
+
+NAMESPACE = "pytest-hybrid"
+# FULL: 2 layers, K/V, 2 heads of 64, bf16, 16 tokens: 16 KiB blocks; a 32-token (2-block) window of the same
+# shape; a state of 2 layers x 256 bytes (512-byte snapshots).
+SMALL = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
+                        components=[flexkv.ComponentSpec.sliding_window(2, 2, 64, 32),
+                                    flexkv.ComponentSpec.state(2, 256)])
+KV_BLOCKS = 16
+
+
+def prompt_keys(seed: int, blocks: int, geometry: flexkv.Geometry = SMALL) -> flexkv.BlockKeys:
+    tokens = [(seed * 100003 + i) % 128000 for i in range(blocks * geometry.tokens_per_block)]
+    return flexkv.block_keys(NAMESPACE, tokens, geometry.tokens_per_block)
+
+
+def slot_bytes(geometry: flexkv.Geometry, component: int) -> int:
+    g = geometry.component(component)
+    return g.num_layers * g.kv_planes * g.chunk_bytes_per_rank
+
+
+def component_arrays(client: flexkv.Client, geometry: flexkv.Geometry) -> List[np.ndarray]:
+    """Registers every component's host buffers (BLOCK_FIRST) and returns them as [block][bytes] arrays."""
+    out = []
+    for i in range(geometry.component_count):
+        buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, KV_BLOCKS, component=i)
+        assert len(buf) == KV_BLOCKS * slot_bytes(geometry, i)
+        out.append(np.frombuffer(buf, dtype=np.uint8).reshape(KV_BLOCKS, slot_bytes(geometry, i)))
+    return out
+
+
+@pytest.fixture
+def hybrid(daemon):
+    with flexkv.connect(daemon.socket) as c:
+        c.attach("pytest-hybrid", NAMESPACE, SMALL)
+        kv = component_arrays(c, SMALL)
+        yield c, kv
+        del kv
+
+
+def test_each_component_registers_its_own_buffers_and_reports_its_sub_pool(hybrid):
+    c, kv = hybrid
+    assert [a.shape[1] for a in kv] == [16384, 16384, 512]
+    for i in range(3):
+        slot, capacity = c.session_component(i)
+        assert slot == SMALL.component(i).host_block_bytes and capacity > 0
+    with pytest.raises(flexkv.InvalidArgument, match="component 3"):
+        c.session_component(3)
+    with pytest.raises(flexkv.AlreadyExists, match=r"component 1 \(sliding_window\)"):
+        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 4, component=1)
+    with pytest.raises(flexkv.InvalidArgument, match="component 3 is not in this session's geometry"):
+        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 4, component=3)
+
+
+def test_a_full_attention_session_has_one_component(client):
+    slot, capacity = client.session_component(0)
+    assert slot == client.status().block_bytes and capacity == client.status().capacity_blocks
+    with pytest.raises(flexkv.InvalidArgument):
+        client.session_component(1)
+
+
+def test_store_and_load_copy_the_full_blocks_the_window_and_the_state(daemon, hybrid):
+    a, kv_a = hybrid
+    rng = np.random.default_rng(7)
+    for arr in kv_a:
+        arr[:] = rng.integers(0, 256, size=arr.shape, dtype=np.uint8)
+    keys = prompt_keys(1, 6)
+    # Keys 0..5 from FULL blocks 0..5, the window (keys 4, 5) from window blocks 10, 11, states after keys 2 and 5.
+    r = a.store(keys, [range(6), np.array([10, 11], dtype=np.int64), (3, 4)], state_boundaries=[3, 6]).wait()
+    assert r.done_blocks == 6
+    with flexkv.connect(daemon.socket) as b:
+        b.attach("pytest-hybrid-b", NAMESPACE, SMALL)
+        kv_b = component_arrays(b, SMALL)
+        hit = b.match(keys, pin=True).wait()
+        assert hit.matched_blocks == 6
+        r = b.load(hit.match_handle, [[8, 9, 10, 11, 12, 13], [0, 1], [15]]).wait()
+        assert r.done_blocks == 6
+        assert np.array_equal(kv_b[0][8:14], kv_a[0][0:6])
+        assert np.array_equal(kv_b[1][0:2], kv_a[1][10:12])
+        assert np.array_equal(kv_b[2][15], kv_a[2][4])  # the snapshot at e = 6
+        assert not kv_b[0][:8].any() and not kv_b[0][14:].any()
+        assert not kv_b[1][2:].any() and not kv_b[2][:15].any()
+        b.release(hit.match_handle).wait()
+        # The 3-key prefix ends at the other boundary, but its window (keys 1, 2) was never stored: no hit there.
+        assert b.match(keys[:3]).wait().matched_blocks == 0
+        del kv_b
+
+
+def test_wrong_counts_are_refused_before_anything_is_sent(hybrid):
+    c, _ = hybrid
+    keys = prompt_keys(2, 4)
+    first = c.match(keys)
+    first.wait()
+    with pytest.raises(flexkv.InvalidArgument, match="per-component overload"):
+        c.store(keys, [0, 1, 2, 3])
+    with pytest.raises(flexkv.InvalidArgument, match="per-component overload"):
+        c.load(1, [0, 1, 2, 3])
+    with pytest.raises(flexkv.InvalidArgument, match=r"component 1 \(sliding_window\) has 3 block ids; expected 2"):
+        c.store(keys, [[0, 1, 2, 3], [1, 2, 3], [4]], state_boundaries=[4])
+    with pytest.raises(flexkv.InvalidArgument, match=r"component 2 \(state\) has 1 block ids; expected 0"):
+        c.store(keys, [[0, 1, 2, 3], [2, 3], [4]])
+    with pytest.raises(flexkv.InvalidArgument, match="state boundary 1 is 2 after 3; expected strictly increasing"):
+        c.store(keys, [[0, 1, 2, 3], [2, 3], [4, 5]], state_boundaries=np.array([3, 2]))
+    with pytest.raises(flexkv.InvalidArgument, match="state boundary 0 is 5; expected 1..4"):
+        c.store(keys, [[0, 1, 2, 3], [2, 3], [4]], state_boundaries=[5])
+    with pytest.raises(flexkv.InvalidArgument, match="2 id spans; expected one per geometry component: 3"):
+        c.store(keys, [[0, 1, 2, 3], [2, 3]])
+    with pytest.raises(flexkv.InvalidArgument, match=r"component 2 \(state\) has 2 block ids; expected 1"):
+        c.load(1, [[0, 1, 2, 3], [2, 3], [4, 5]])
+    with pytest.raises(flexkv.InvalidArgument, match="layer-wise"):
+        c.load(1, [[0, 1, 2, 3], [2, 3], [4]], layerwise=True)
+    with pytest.raises(flexkv.InvalidArgument, match="state_boundaries given with a single block id sequence"):
+        c.store(keys, [0, 1, 2, 3], state_boundaries=[4])
+    with pytest.raises(flexkv.InvalidArgument, match=r"block_ids\[1\] holds -1"):
+        c.store(keys, [[0, 1, 2, 3], [-1, 3], [4]], state_boundaries=[4])
+    # None of them reached the rings: the next request is the next ticket, and nothing is cached.
+    after = c.match(keys)
+    assert after.id == first.id + 1
+    assert after.wait().matched_blocks == 0
+
+
+def test_detach_waits_for_views_of_any_component_buffer(daemon):
+    with flexkv.connect(daemon.socket) as c:
+        c.attach("pytest-hybrid", NAMESPACE, SMALL)
+        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2, component=0)
+        state_view = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2, component=2)
+        with pytest.raises(flexkv.FailedPrecondition, match="1 views"):
+            c.detach()
+        del state_view
+        gc.collect()
+        c.detach()
+        assert not c.attached
+
+
+def test_close_keeps_a_viewed_component_buffer_mapped(daemon):
+    c = flexkv.connect(daemon.socket)
+    c.attach("pytest-hybrid", NAMESPACE, SMALL)
+    c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2, component=0)
+    window = np.frombuffer(c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2, component=1), dtype=np.uint8)
+    c.close()
+    window[:] = 7  # still mapped: the session ends once the view is gone
+    assert int(window.sum()) == 7 * len(window)
+    del window
+    gc.collect()
+
+
+_ENGINE_B = r"""
+import hashlib, sys
+import numpy as np
+import flexkv
+socket, namespace = sys.argv[1], sys.argv[2]
+g = flexkv.Geometry.gpt_oss_20b()
+with flexkv.connect(socket) as c:
+    c.attach("engine-b", namespace, g)
+    bufs = [np.frombuffer(c.create_host_kv(flexkv.Layout.LAYER_FIRST, 16, component=i), dtype=np.uint8)
+            for i in range(2)]
+    tokens = [(7 * 100003 + i) % 128000 for i in range(12 * 16)]
+    keys = flexkv.block_keys(namespace, tokens, 16)
+    hit = c.match(keys, pin=True).wait()
+    e = hit.matched_blocks
+    w = min(g.window_blocks(1), e)
+    c.load(hit.match_handle, [list(range(e)), list(range(16 - w, 16))]).wait()
+    c.release(hit.match_handle).wait()
+    print(e, w, hashlib.sha256(bufs[0].tobytes()).hexdigest(), hashlib.sha256(bufs[1].tobytes()).hexdigest())
+    del bufs
+"""
+
+
+def test_gpt_oss_blocks_stored_by_one_engine_load_in_another_process(make_daemon):
+    d = make_daemon(pool_size="256MiB")
+    g = flexkv.Geometry.gpt_oss_20b()
+    planes, chunk = g.kv_planes, g.chunk_bytes_per_rank
+    with flexkv.connect(d.socket) as a:
+        a.attach("engine-a", NAMESPACE, g)
+        # LAYER_FIRST: [layer][plane][block][chunk] per component, 16 blocks.
+        kv = [np.frombuffer(a.create_host_kv(flexkv.Layout.LAYER_FIRST, 16, component=i), dtype=np.uint8)
+              .reshape(g.component(i).num_layers, planes, 16, chunk) for i in range(2)]
+        rng = np.random.default_rng(11)
+        for arr in kv:
+            arr[:] = rng.integers(0, 256, size=arr.shape, dtype=np.uint8)
+        keys = prompt_keys(7, 12, g)
+        # 12 keys from FULL blocks 0..11; the 8-block window (keys 4..11) from window blocks 2..9.
+        assert a.store(keys, [list(range(12)), list(range(2, 10))]).wait().done_blocks == 12
+        # What engine B must end up with: FULL[0, 12) at blocks 0..11, the window at blocks 8..15, zeros elsewhere.
+        want_full = np.zeros_like(kv[0])
+        want_full[:, :, 0:12] = kv[0][:, :, 0:12]
+        want_window = np.zeros_like(kv[1])
+        want_window[:, :, 8:16] = kv[1][:, :, 2:10]
+        out = subprocess.run([sys.executable, "-c", _ENGINE_B, d.socket, NAMESPACE], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        e, w, full_digest, window_digest = out.stdout.split()
+        assert (int(e), int(w)) == (12, 8)
+        assert full_digest == hashlib.sha256(want_full.tobytes()).hexdigest()
+        assert window_digest == hashlib.sha256(want_window.tobytes()).hexdigest()
+        del kv
+
+
+def test_pool_components_report_each_sub_pool(hybrid, observer):
+    c, _ = hybrid
+    pools = observer.pool_components()
+    assert [p.kind for p in pools] == [flexkv.ComponentKind.FULL, flexkv.ComponentKind.SLIDING_WINDOW,
+                                       flexkv.ComponentKind.STATE]
+    assert [p.slot_bytes for p in pools] == [16384, 16384, 512]
+    assert [(p.slot_bytes, p.capacity) for p in pools] == [c.session_component(i) for i in range(3)]
+    keys = prompt_keys(3, 4)
+    c.store(keys, [range(4), [2, 3], [5]], state_boundaries=[4]).wait()
+    assert [p.used for p in observer.pool_components()] == [4, 2, 1]
+
+
+def test_a_daemon_without_a_domain_has_no_sub_pools(observer):
+    assert observer.pool_components() == []
