@@ -1,7 +1,8 @@
-// flexkv-bench trace --geometry PRESET: replays the trace through the simulated pool of a (hybrid) geometry
-// (HybridPoolSim, trace_bench.h) and through the all-FULL reference at the same byte budget, and reports per
-// component the bytes stored and loaded per hit token and how many prefixes each pool holds at the end
-// (docs/performance.md, "Trace replay of hybrid geometries").
+// flexkv-bench trace --geometry PRESET: replays the trace for a (hybrid) geometry through a real flexkvd (a scaled
+// copy of the geometry, trace_worker.cc) and in-process (HybridPoolSim, trace_bench.h, at the daemon's sub-pool
+// sizes), next to the all-FULL reference at the same byte budget, and reports per component the bytes stored and
+// loaded per hit token and how many prefixes each pool holds at the end (docs/performance.md, "Trace replay of
+// hybrid geometries").
 //
 // Definitions (printed with the figures):
 //   budget        --capacity-blocks N blocks of the all-FULL reference (AllFullReference), in the model's bytes
@@ -12,6 +13,8 @@
 //   usable ends   distinct cached prefix ends at which the hit rule holds at the end of the run (for the
 //                 reference: every cached block).
 //   per hit token bytes a component stored (loaded) over the run / (hit blocks x 512).
+//   --split       the budget's split between sub-pools: flexkvd's default, or (demand, weights) given to the
+//                 daemon as --swa-share / --state-share, so the daemon and the simulation always split alike.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -23,12 +26,12 @@
 #include "common/units.h"
 #include "daemon/cache/pool.h"
 #include "trace_bench.h"
+#include "trace_replay.h"
 
 namespace flexkv::bench {
 namespace {
 
-constexpr uint32_t kTokensPerBlock = 512;
-constexpr const char* kNamespace = "flexkv-bench-trace";
+constexpr uint32_t kTokensPerBlock = kTraceTokensPerBlock;
 
 struct SimRun {
   std::vector<SimComponent> components;
@@ -177,9 +180,7 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
   {
     std::unordered_set<BlockKey, BlockKeyHash> seen;
     for (size_t i = 0; i < trace.size(); ++i) {
-      std::vector<int32_t> tokens;
-      for (uint64_t id : trace[i].hash_ids) AppendBlockTokens(id, kTokensPerBlock, &tokens);
-      keys.push_back(ComputeBlockKeys(kNamespace, tokens, kTokensPerBlock));
+      keys.push_back(TraceKeys(trace[i].hash_ids));
       if (!keys.back().empty() && seen.insert(keys.back().back()).second) prompts.push_back(i);
     }
   }
