@@ -13,6 +13,7 @@
 #include <optional>
 #include <span>
 
+#include "common/hybrid_ids.h"
 #include "daemon/dataplane/descriptor_validation.h"
 
 namespace {
@@ -34,8 +35,37 @@ bool InsideArena(uint64_t offset, uint32_t count, uint64_t width, uint64_t align
   return offset % align == 0 && end <= arena_bytes;
 }
 
+// A hybrid session's accepted Load or Store: its id array is exactly LayoutIds' size and bytes, every component's ids
+// are below what it registered, a Store's boundaries strictly increase in 1..count.
+void CheckAcceptedHybrid(const SubmitDescriptor& d, std::span<const uint8_t> arena,
+                         const flexkv::DescriptorLimits& limits, const flexkv::DescriptorPayload& p) {
+  const flexkv::Geometry& g = *limits.geometry;
+  const auto op = static_cast<RingOp>(d.opcode);
+  Require(d.state_count == 0 || op == RingOp::kStore);
+  if (op == RingOp::kRelease || op == RingOp::kMatch) return;
+  Require(op != RingOp::kLoad || (d.flags & flexkv::kLoadFlagLayerwise) == 0);
+  const bool store = op == RingOp::kStore;
+  Require(d.state_count <= d.count);
+  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(g, store, d.count, d.state_count);
+  Require(p.block_ids.size() == layout.total);
+  Require(InsideArena(d.block_ids_offset, static_cast<uint32_t>(layout.total), 4, 4, arena.size()));
+  Require(std::memcmp(p.block_ids.data(), arena.data() + d.block_ids_offset, layout.total * 4) == 0);
+  for (size_t c = 0; c < g.component_count(); ++c) {
+    const uint64_t n = flexkv::ComponentIdCount(g, c, store, d.count, d.state_count);
+    for (uint64_t i = 0; i < n; ++i) Require(p.block_ids[layout.offset[c] + i] < limits.component_blocks[c]);
+  }
+  Require(p.boundaries.size() == (store ? d.state_count : 0));
+  uint32_t previous = 0;
+  for (uint32_t b : p.boundaries) {
+    Require(b > previous && b <= d.count);
+    previous = b;
+  }
+}
+
 void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, const flexkv::DescriptorLimits& limits,
                    const flexkv::DescriptorPayload& p) {
+  const bool hybrid = limits.geometry != nullptr;
+  if (!hybrid) Require(d.state_count == 0);
   Require(d.reserved == 0);
   Require(d.opcode >= 1 && d.opcode <= 4);
   const auto op = static_cast<RingOp>(d.opcode);
@@ -56,7 +86,11 @@ void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, co
   } else {
     Require(p.keys.empty());
   }
-  if (ids) {
+  if (hybrid) {
+    if (ids) Require(limits.registered_blocks > 0);
+    CheckAcceptedHybrid(d, arena, limits, p);
+    if (!ids) Require(p.block_ids.empty());
+  } else if (ids) {
     Require(limits.registered_blocks > 0);
     Require(InsideArena(d.block_ids_offset, d.count, 4, 4, arena.size()));
     Require(p.block_ids.size() == d.count);
@@ -77,6 +111,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.max_blocks_per_request = 1 + max_blocks % (1u << 20);
   std::memcpy(&limits.registered_blocks, data + 4, 4);
   if (data[8] % 2 == 1) limits.kv_missing = "tp rank 1 of 2 has not registered its GPU KV buffers";
+  // Bit 1: a hybrid session (a 2-block window and a state), its components' registered blocks from the input.
+  static const flexkv::Geometry hybrid = [] {
+    flexkv::Geometry g = flexkv::GptOss20B();
+    g.components[0].window_tokens = 32;
+    flexkv::ComponentSpec state;
+    state.kind = flexkv::ComponentKind::kState;
+    state.num_layers = 1;
+    state.state_bytes_per_layer = 64;
+    g.components.push_back(state);
+    return g;
+  }();
+  if ((data[8] & 2) != 0) {
+    limits.geometry = &hybrid;
+    limits.component_blocks = {limits.registered_blocks, 1u + data[9] % 64u, 1u + data[10] % 8u};
+  }
   const uint8_t* handle_blocks = data + 9;
   SubmitDescriptor d;
   std::memcpy(&d, data + kHeaderBytes, sizeof(d));
