@@ -325,13 +325,6 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
     return r;
   }
   const Geometry& g = pool_->geometry();
-  r.full = index_->Reserve(parent, keys);
-  if (r.full.shortfall != StatusCode::kOk) {
-    index_->Abort(r.full.slots);
-    r.full.slots.clear();
-    r.shortfall = r.full.shortfall;
-    return r;
-  }
   r.keys.resize(g.component_count());
   r.slots.resize(g.component_count());
   for (size_t c = 1; c < g.component_count(); ++c) {
@@ -342,9 +335,30 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
     } else {
       for (uint32_t b : boundaries) ck.push_back(keys[b - 1]);
     }
-    ComponentIndex::Reservation part = Part(c).Reserve(ck);
-    if (part.shortfall != StatusCode::kOk) {
-      // All or none: give back what the earlier components and the FULL part took.
+  }
+  auto refuse = [&](StatusCode code, size_t component) {
+    r.keys.clear();
+    r.slots.clear();
+    r.shortfall = code;
+    r.component = component;
+    return r;
+  };
+  // All or none, and a refused store evicts nothing: the other components are checked first (without changing
+  // them), then the FULL part is reserved (which evicts), then the other components (which cannot fail now: nothing
+  // in between pinned or reserved their entries, and FULL evictions only unanchor them).
+  for (size_t c = 1; c < g.component_count(); ++c) {
+    const StatusCode feasible = Part(c).Feasible(r.keys[c]);
+    if (feasible != StatusCode::kOk) return refuse(feasible, c);
+  }
+  r.full = index_->Reserve(parent, keys);
+  if (r.full.shortfall != StatusCode::kOk) {
+    index_->Abort(r.full.slots);
+    r.full.slots.clear();
+    return refuse(r.full.shortfall, 0);
+  }
+  for (size_t c = 1; c < g.component_count(); ++c) {
+    ComponentIndex::Reservation part = Part(c).Reserve(r.keys[c]);
+    if (part.shortfall != StatusCode::kOk) {  // a repeated key (the client's): give back what was taken
       for (size_t d = 1; d < c; ++d) {
         std::vector<SlotId> local;
         for (SlotId s : r.slots[d]) {
@@ -354,11 +368,7 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
       }
       index_->Abort(r.full.slots);
       r.full.slots.clear();
-      r.keys.clear();
-      r.slots.clear();
-      r.shortfall = part.shortfall;
-      r.component = c;
-      return r;
+      return refuse(part.shortfall, c);
     }
     const SlotId base = pool_->sub_pool(c).base;
     for (SlotId& s : part.slots) {

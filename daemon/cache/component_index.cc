@@ -230,33 +230,37 @@ void ComponentIndex::Unpin(std::span<const SlotId> slots) {
   for (SlotId s : slots) impl_->UnpinOne(s);
 }
 
-ComponentIndex::Reservation ComponentIndex::Reserve(std::span<const BlockKey> keys) {
-  Impl& m = *impl_;
-  Reservation r;
-  // Count first, changing nothing: the keys that need a slot, and the committed entries of `keys` that are
-  // evictable now (they must not be taken for this store's own keys, so they do not count as available).
+StatusCode ComponentIndex::Feasible(std::span<const BlockKey> keys, std::vector<SlotId>* found) const {
+  const Impl& m = *impl_;
+  // The keys that need a slot, and the committed entries of `keys` that are evictable now (they must not be taken
+  // for this store's own keys, so they do not count as available).
   size_t need = 0;
   size_t own_evictable = 0;
-  std::vector<SlotId> found(keys.size());
+  if (found != nullptr) found->assign(keys.size(), kNil);
   for (size_t i = 0; i < keys.size(); ++i) {
-    const SlotId s = found[i] = m.Find(keys[i]);
+    const SlotId s = m.Find(keys[i]);
+    if (found != nullptr) (*found)[i] = s;
     if (s == kNil) {
       ++need;
       continue;
     }
     const Entry& e = m.entries_[s];
-    if (e.state != State::kCommitted) {  // pending in another store, or unverified
-      r.shortfall = StatusCode::kAborted;
-      return r;
-    }
+    if (e.state != State::kCommitted) return StatusCode::kAborted;  // pending in another store, or unverified
     if (Impl::Evictable(e)) ++own_evictable;
   }
   // A key listed twice is counted in `need` or `own_evictable` twice: the count errs on refusing.
   const size_t available = size_t{m.free_.size} + m.unanchored_.size + m.lru_.size;
-  if (need > available - std::min(available, own_evictable)) {
-    r.shortfall = StatusCode::kResourceExhausted;
-    return r;
-  }
+  if (need > available - std::min(available, own_evictable)) return StatusCode::kResourceExhausted;
+  return StatusCode::kOk;
+}
+
+ComponentIndex::Reservation ComponentIndex::Reserve(std::span<const BlockKey> keys) {
+  Impl& m = *impl_;
+  Reservation r;
+  // Count first, changing nothing.
+  std::vector<SlotId> found;
+  r.shortfall = Feasible(keys, &found);
+  if (r.shortfall != StatusCode::kOk) return r;
   // Pin the committed entries of `keys` while slots are taken, so that eviction passes them by; their Unpin
   // marks them used (the store found them cached).
   for (SlotId s : found) {

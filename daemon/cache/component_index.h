@@ -60,6 +60,9 @@ class ComponentIndex {
   // are anchored. `keys` must not repeat a key; if it does, the answer is RESOURCE_EXHAUSTED or ABORTED with
   // nothing reserved (entries may have been evicted meanwhile).
   Reservation Reserve(std::span<const BlockKey> keys);
+  // What Reserve(keys) would answer (OK, RESOURCE_EXHAUSTED or ABORTED), changing nothing: lets a caller check
+  // every part of an all-or-none store before any part evicts. `found` (optional) gets each key's slot or kNoSlot.
+  StatusCode Feasible(std::span<const BlockKey> keys, std::vector<SlotId>* found = nullptr) const;
   // Makes pending slots committed (findable). A slot dropped while pending (Drop) is freed instead: check
   // IsCommitted afterwards before publishing it.
   void Commit(std::span<const SlotId> slots);

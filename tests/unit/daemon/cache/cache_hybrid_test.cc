@@ -203,3 +203,29 @@ TEST_CASE("hybrid cache: a restart restores every component, verified - a torn s
   CHECK(t.cache().counters().data_loss_blocks.load() == 1);
   CHECK(t.cache().Domain().geometry->is_hybrid());
 }
+
+TEST_CASE("hybrid cache: a store refused for a full sub-pool evicts nothing from the others", "[unit][cache][hybrid]") {
+  TempCache t(20 * 1024, flexkv::PoolSplit{0.3, 0.0095});
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  REQUIRE(t.cache().Admit("ns", TinyHybrid()).ok());
+  const uint32_t full_slots = t.cache().pool_region(0)->slots;
+  const uint32_t state_slots = t.cache().pool_region(2)->slots;
+  REQUIRE(state_slots == 3);
+  // Every state slot pinned by a one-block prompt; the rest of the FULL sub-pool filled with one unpinned chain.
+  std::vector<SlotId> pins;
+  for (uint32_t i = 0; i < state_slots; ++i) {
+    const std::vector<BlockKey> one = Keys(200 + i, 1);
+    REQUIRE(Store(t.cache(), one, {1}) == StatusCode::kOk);
+    REQUIRE(t.cache().Match(one, true, &pins) == 1);
+  }
+  REQUIRE(Store(t.cache(), Keys(7, full_slots - state_slots), {}) == StatusCode::kOk);
+  const Cache::Stats before = t.cache().GetStats();
+  REQUIRE(before.blocks == full_slots);
+  // A new prompt would have to evict FULL blocks, but its state cannot be placed: refused before anything is evicted.
+  CHECK(Store(t.cache(), Keys(8, 2), {2}) == StatusCode::kResourceExhausted);
+  const Cache::Stats after = t.cache().GetStats();
+  CHECK(after.blocks == before.blocks);
+  CHECK(after.evicted == before.evicted);
+  CHECK(t.cache().Match(Keys(7, full_slots - state_slots), false, nullptr) == 0);  // no state: no hit, but cached
+  t.cache().Unpin(pins);
+}
