@@ -183,6 +183,13 @@ Status Geometry::CheckSameHostLayout(const Geometry& pool) const {
   // A host block holds K/V as [layer][plane][tp shard][chunk of one rank]: the same heads at another TP size
   // sit at other offsets, so only MLA (one latent plane, the same on every rank) may mix TP sizes.
   if (!is_mla() && tp_size != pool.tp_size) return differ("tp_size", tp_size, pool.tp_size);
+  // The same for every other component: a sliding window of K/V planes and a state are sharded over TP ranks, so
+  // their slots are laid out per TP size even when the FULL layers are MLA.
+  if (tp_size != pool.tp_size) {
+    for (size_t i = 1; i < component_count(); ++i) {
+      if (!Component(i).is_mla()) return differ("tp_size", tp_size, pool.tp_size);
+    }
+  }
   if (components.size() != pool.components.size()) {
     return differ("components (count)", components.size(), pool.components.size());
   }

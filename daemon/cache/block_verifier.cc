@@ -49,7 +49,7 @@ void BlockVerifier::VerifyRestored() {
   const uint64_t block_bytes = cache_->block_bytes();
   const size_t per_batch = std::clamp<size_t>(kBatchBytes / std::max<uint64_t>(block_bytes, 1), 1, kMaxBatchBlocks);
   const int64_t start = NowNs();
-  uint64_t failed_total = 0, dropped_total = 0;
+  uint64_t failed_total = 0, dropped_total = 0, bytes_checked = 0;
   size_t done = 0;
   std::vector<SlotId> passed, failed;
   std::vector<Pool::Committed> batch;
@@ -62,6 +62,7 @@ void BlockVerifier::VerifyRestored() {
     // nothing matches, pins, evicts or reuses their slots, and their bytes hold still.
     cache_->KeepUnverified(&batch);
     for (const Pool::Committed& c : batch) {
+      bytes_checked += cache_->SlotBytes(c.slot);  // a hybrid pool's slots differ in size by component
       if (cache_->ContentMatches(c.slot, c.content_checksum)) {
         passed.push_back(c.slot);
       } else {
@@ -78,7 +79,7 @@ void BlockVerifier::VerifyRestored() {
       "{} of {} restored blocks checked in {:.2f} s ({}/s): {} failed their content checksum and were dropped with "
       "their descendants ({} blocks in all)",
       done, restored.size(), Seconds(NowNs() - start),
-      FormatByteSize(static_cast<uint64_t>(static_cast<double>(done * block_bytes) /
+      FormatByteSize(static_cast<uint64_t>(static_cast<double>(bytes_checked) /
                                            std::max(1e-9, Seconds(NowNs() - start)))),
       failed_total, dropped_total);
   if (failed_total > 0) {
@@ -91,7 +92,6 @@ void BlockVerifier::VerifyRestored() {
 Result<ScrubReport> BlockVerifier::Scrub(const ScrubOptions& options) {
   if (!cache_->has_pool()) return Status::FailedPrecondition("the pool does not exist yet: nothing to scrub");
   if (scrubbing_.exchange(true)) return Status(StatusCode::kAborted, "a scrub is already running; wait for it to finish");
-  const uint64_t block_bytes = cache_->block_bytes();
   const auto capacity = static_cast<uint32_t>(cache_->GetStats().capacity);
   ScrubReport report;
   const int64_t start = NowNs();
@@ -119,7 +119,7 @@ Result<ScrubReport> BlockVerifier::Scrub(const ScrubOptions& options) {
         FailureLog().Warning("scrub", "block in slot {} failed its {}: dropped", t.slot,
                              t.content_checksum ? "content checksum" : "slot entry checksum");
       }
-      report.bytes += block_bytes;
+      report.bytes += cache_->SlotBytes(t.slot);
     }
     report.checked_blocks += targets.size();
     report.failed_blocks += failed.size();

@@ -129,6 +129,12 @@ Status Cache::RecoverPool(bool discard) {
 }
 
 Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid) {
+  // A hybrid geometry whose sub-pools the budget cannot hold is refused before it fixes the domain (it would
+  // otherwise hold the daemon to a geometry that has no pool).
+  if (geometry.is_hybrid() && geometry.Validate().ok() && !domain_.Snapshot().geometry) {
+    auto split = SplitBudget(geometry, budget_bytes_, split_);
+    if (!split.ok()) return split.status();
+  }
   FLEXKV_RETURN_IF_ERROR(domain_.Admit(model_namespace, geometry, creator_uid));
   MutexLock lock(&mu_);
   if (pool_) return Status::Ok();
@@ -255,6 +261,8 @@ uint64_t Cache::block_bytes() const {
 }
 
 uint8_t* Cache::SlotData(SlotId slot) const { return pool_->SlotData(slot); }
+
+uint64_t Cache::SlotBytes(SlotId slot) const { return pool_->SlotBytes(slot); }
 
 size_t Cache::Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned) {
   MutexLock lock(&mu_);

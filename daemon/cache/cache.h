@@ -64,6 +64,7 @@ class Cache {
   bool has_pool() const;
   uint64_t block_bytes() const;
   uint8_t* SlotData(SlotId slot) const;  // has_pool() must hold
+  uint64_t SlotBytes(SlotId slot) const;  // the slot's size (its component's); has_pool() must hold
   // Slots in the pool (every component's); 0 before it exists. No lock.
   uint32_t capacity_slots() const;
   // Where component `component`'s slots are (its sub-pool; slot ids in it are local, 0-based); nullopt before

@@ -393,7 +393,18 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
         st.st_size, h.file_bytes, fix));
   }
   auto expected = SplitBudget(g, budget_bytes, split);
-  if (!expected.ok() || *expected != capacities) {
+  // With automatic shares, a hybrid pool keeps the split it was created with (the default rule may change between
+  // releases) as long as it was made for this budget: its sub-pools leave less than one slot of each unused.
+  bool same_budget = false;
+  if (hybrid && split.swa_share == 0 && split.state_share == 0) {
+    uint64_t used = 0, one_of_each = 0;
+    for (size_t c = 0; c < capacities.size(); ++c) {
+      used += capacities[c] * g.Component(c).host_block_bytes();
+      one_of_each += g.Component(c).host_block_bytes();
+    }
+    same_budget = used <= budget_bytes && budget_bytes - used < one_of_each;
+  }
+  if (!same_budget && (!expected.ok() || *expected != capacities)) {
     uint64_t expected_slots = 0;
     if (expected.ok()) {
       for (uint64_t c : *expected) expected_slots += c;

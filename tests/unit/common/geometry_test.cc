@@ -238,3 +238,25 @@ TEST_CASE("ToString names every component with its slot bytes", "[unit]") {
   CHECK(flexkv::JambaLike().Component(1).ToString() ==
         "{state: num_layers=28, state_bytes_per_layer=573440, tp_size=1, snapshot_bytes=16056320}");
 }
+
+TEST_CASE("geometry: MLA FULL layers with a sharded window or state do not mix TP sizes", "[unit][hybrid]") {
+  flexkv::Geometry a = flexkv::DeepSeekMla();
+  flexkv::ComponentSpec swa;
+  swa.kind = flexkv::ComponentKind::kSlidingWindow;
+  swa.num_layers = 2;
+  swa.kv_planes = 2;
+  swa.kv_heads_per_rank = 8;
+  swa.head_dim = 128;
+  swa.window_tokens = 128;
+  a.components = {swa};
+  flexkv::Geometry b = a;
+  b.tp_size = 2;
+  REQUIRE(a.Component(1).host_block_bytes() != b.Component(1).host_block_bytes());
+  const flexkv::Status st = b.CheckSameHostLayout(a);
+  CHECK(st.code() == flexkv::StatusCode::kFailedPrecondition);
+  CHECK_THAT(st.message(), Catch::Contains("tp_size"));
+  // Plain MLA still mixes TP sizes: its latent plane is the same on every rank.
+  flexkv::Geometry mla2 = flexkv::DeepSeekMla();
+  mla2.tp_size = 2;
+  CHECK(mla2.CheckSameHostLayout(flexkv::DeepSeekMla()).ok());
+}

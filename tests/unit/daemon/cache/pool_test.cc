@@ -274,3 +274,26 @@ TEST_CASE("SplitBudget: a hybrid pool's default split follows 4096 tokens of pre
   CHECK(bad.status().code() == StatusCode::kInvalidArgument);
   CHECK_THAT(bad.status().message(), Catch::Contains("component 1 (state)") && Catch::Contains("less than one slot"));
 }
+
+TEST_CASE("a hybrid pool reopens with its own split under automatic shares, and is refused for another budget or split",
+          "[unit][hybrid]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  const Geometry g = flexkv::GptOss20B();
+  constexpr uint64_t kBudget = 64ull << 20;
+  {
+    auto pool = Pool::Create(path, "ns", g, kBudget, 0, flexkv::PoolSplit{0.3, 0});
+    REQUIRE(pool.ok());
+    CHECK((*pool)->component_count() == 2);
+    CHECK((*pool)->sub_pool(1).capacity == static_cast<uint32_t>(0.3 * kBudget / g.Component(1).host_block_bytes()));
+  }
+  auto automatic = Pool::Open(path, kBudget);  // shares not given: the file's own split is kept
+  REQUIRE(automatic.ok());
+  CHECK((*automatic)->sub_pool(1).capacity == static_cast<uint32_t>(0.3 * kBudget / g.Component(1).host_block_bytes()));
+  automatic->reset();
+  auto other_split = Pool::Open(path, kBudget, flexkv::PoolSplit{0.1, 0});
+  CHECK(other_split.status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(other_split.status().message(), Catch::Contains("--swa-share"));
+  auto other_budget = Pool::Open(path, 2 * kBudget);
+  CHECK(other_budget.status().code() == StatusCode::kFailedPrecondition);
+}
