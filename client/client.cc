@@ -293,9 +293,15 @@ Status Client::Detach() {
   req.set_session_id(s->session_id);
   req.set_session_token(s->token);
   v1::DetachResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  Status st = impl_->Call(impl_->stub->Detach(&ctx, req, &resp));
+  Status st;
+  // A restarted daemon: the first call goes out on the connection the old one closed and fails UNAVAILABLE at
+  // once, the channel then reconnects. Detach is idempotent (an unknown session is NOT_FOUND), so it tries twice.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    grpc::ClientContext ctx;
+    impl_->Prepare(&ctx);
+    st = impl_->Call(impl_->stub->Detach(&ctx, req, &resp));
+    if (st.code() != StatusCode::kUnavailable) break;
+  }
   // Hanging up the channel ends the session on the daemon side even when the call failed.
   std::vector<KvMapping> kv = s->Drop(detached);
   (void)kv;  // unmapped here: Detach ends the buffers' validity

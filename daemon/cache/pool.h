@@ -37,8 +37,9 @@ inline constexpr uint32_t kHybridPoolLayoutVersion = 3;
 
 // How a hybrid pool's budget is split between its components (docs/hybrid.md "Pool"): the share of the budget
 // for all sliding-window components together, and for all state components; 0 picks the default from the
-// geometry (in proportion to what one cached 64-block prefix needs of each: 64 FULL blocks, its windows, two
-// state snapshots). The FULL layers get the rest. Ignored for a full-attention geometry.
+// geometry (in proportion to what 4096 tokens of cached prefix need of each when a window and a state are stored
+// at chunk boundaries that far apart: 4096 tokens of FULL blocks, one window, one snapshot). The FULL layers get the
+// rest. Ignored for a full-attention geometry.
 struct PoolSplit {
   double swa_share = 0;
   double state_share = 0;

@@ -563,7 +563,8 @@ int main(int argc, char** argv) {
   app.add_subcommand("transfer", "GPU <-> host-pool copies vs contiguous copies (flexkv-bench transfer --help); "
                                  "--geometry NAME: one cache hit of a (hybrid) geometry preset, per component; "
                                  "--host: the host store copy with and without block checksums");
-  app.add_subcommand("trace", "Replay a Mooncake trace through a spawned flexkvd: hit ratio vs block LRU (trace --help)");
+  app.add_subcommand("trace", "Replay a Mooncake trace through a spawned flexkvd: hit ratio vs block LRU; --geometry: "
+                             "a hybrid model's pool vs its all-FULL reference (trace --help)");
   app.add_subcommand("index", "PrefixIndex throughput, memory per block and restart time at scale (index --help)");
   auto* worker = app.add_subcommand("ring-worker", "internal: one client process of `ring`");
   worker->group("");  // hidden

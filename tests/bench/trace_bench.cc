@@ -1,6 +1,9 @@
 // flexkv-bench trace: see trace_bench.h.
 //   flexkv-bench trace --trace FILE [--capacity-blocks N] [--clients K] [--block-bytes 4KiB] [--json]
 //                      [--sweep [--capacities 1000,2000,...] [--plot docs/trace_sweep.png]]
+//                      [--geometry PRESET [--chunk-blocks C] [--split daemon|demand|w0,w1,...]]
+// --geometry adds the hybrid report (trace_hybrid_bench.cc): the model's pool, simulated, next to its all-FULL
+// reference at the same byte budget.
 // Starts its own flexkvd (next to this executable) in a temporary directory under /dev/shm with
 // --pool-size = N × block bytes, and K client processes (this executable, hidden subcommand `trace-worker`,
 // posix_spawn'ed). Requests go to worker (request index mod K) — round-robin, as a router would — and each
@@ -13,16 +16,15 @@
 //   free    no coordination: each worker runs through its share as fast as it can (ranks drift apart, so a
 //           request often runs before the earlier requests whose prefix it shares: fewer hits).
 // Protocol between the parent and a worker:
-//   worker stdout: READY <capacity_blocks> | RESULT <start_ns> <end_ns> <requests> <blocks> <hits> <loaded>
+//   worker stdout: READY <capacity_blocks> [<slots of each component>...] | RESULT <start_ns> <end_ns> <requests> <blocks> <hits> <loaded>
 //                  <stored> <store_shortfalls> <load_mismatches> | LAT <op> <n> <ns>... | DONE | ERROR <text>
 //   worker fd 0:  start barrier (the parent closes the write end)
-//   worker fd 4:  the turn page (--order strict|match): TurnPage below
+//   worker fd 4:  the turn page (--order strict|match): TurnPage (trace_replay.h)
+// The worker is trace_worker.cc; the hybrid report (--geometry) trace_hybrid_bench.cc.
 #include "trace_bench.h"
 
 #include <fmt/format.h>
-#include <linux/futex.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -48,17 +50,10 @@
 #include "common/units.h"
 #include "daemon/cache/prefix_index.h"
 #include "flexkv/client.h"
+#include "trace_replay.h"
 
-namespace {
+namespace flexkv::bench {
 
-using namespace flexkv::bench;  // bench_process.h, trace_bench.h
-using flexkv::NowNs;
-
-constexpr const char* kTraceNamespace = "flexkv-bench-trace";
-constexpr uint32_t kTraceTokensPerBlock = 512;
-
-// The trace's semantics need 512 tokens per block; everything else is as small as Geometry allows, so that a
-// block is block_bytes = 512 × head_dim bytes (1 layer, 1 plane (MLA-style), 1 head, 1-byte dtype).
 flexkv::Geometry TraceGeometry(uint64_t block_bytes) {
   flexkv::Geometry g;
   g.tokens_per_block = kTraceTokensPerBlock;
@@ -111,169 +106,12 @@ std::optional<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
   return out;
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Turn page: shared by the parent and the workers (MAP_SHARED memfd), waited on with process-shared futexes.
+}  // namespace flexkv::bench
 
-struct TurnPage {
-  std::atomic<uint32_t> turn;   // the trace index of the request whose turn it is
-  std::atomic<uint32_t> abort;  // a worker failed: everyone stops waiting
-};
+namespace {
 
-long Futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* timeout) {
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, timeout, nullptr, 0);
-}
-
-// Waits until it is request `i`'s turn; false when a worker aborted.
-bool AwaitTurn(TurnPage* page, uint32_t i) {
-  const timespec tick{0, 100000000};
-  for (;;) {
-    if (page->abort.load(std::memory_order_acquire) != 0) return false;
-    const uint32_t t = page->turn.load(std::memory_order_acquire);
-    if (t == i) return true;
-    Futex(&page->turn, FUTEX_WAIT, t, &tick);
-  }
-}
-
-void PassTurn(TurnPage* page, uint32_t next) {
-  page->turn.store(next, std::memory_order_release);
-  Futex(&page->turn, FUTEX_WAKE, INT32_MAX, nullptr);
-}
-
-enum class Order { kStrict, kMatch, kFree };
-
-// ---------------------------------------------------------------------------------------------------------------
-// Worker
-
-struct WorkerOptions {
-  std::string socket, trace;
-  int index = 0;
-  int clients = 1;
-  uint64_t block_bytes = 4096;
-  std::string order = "strict";
-};
-
-int WorkerMain(const WorkerOptions& o) {
-  const Order order = o.order == "free" ? Order::kFree : o.order == "match" ? Order::kMatch : Order::kStrict;
-  flexkv::MappedRegion turn_map;
-  TurnPage* page = nullptr;
-  if (order != Order::kFree) {
-    auto map = flexkv::MappedRegion::Shared("the turn page (fd 4)", 4, sizeof(TurnPage));
-    if (!map.ok()) {
-      Emit(fmt::format("ERROR {}\n", map.status().message()));
-      return 1;
-    }
-    turn_map = std::move(*map);
-    page = turn_map.as<TurnPage>();
-  }
-  auto fail = [&](const std::string& what, const flexkv::Status& s) {
-    if (page != nullptr) {
-      page->abort.store(1, std::memory_order_release);
-      Futex(&page->turn, FUTEX_WAKE, INT32_MAX, nullptr);
-    }
-    Emit(fmt::format("ERROR {}: {}\n", what, s.ToString()));
-    return 1;
-  };
-  auto trace = LoadTrace(o.trace);
-  if (!trace) return fail("trace", flexkv::Status::InvalidArgument(o.trace));
-  struct Mine {
-    uint32_t index;  // in the trace
-    std::vector<uint64_t> ids;
-    std::vector<flexkv::BlockKey> keys;
-  };
-  std::vector<Mine> mine;
-  uint32_t longest = 1;
-  for (size_t i = static_cast<size_t>(o.index); i < trace->size(); i += static_cast<size_t>(o.clients)) {
-    Mine m;
-    m.index = static_cast<uint32_t>(i);
-    m.ids = std::move((*trace)[i].hash_ids);
-    m.keys = TraceKeys(m.ids);
-    longest = std::max(longest, static_cast<uint32_t>(m.ids.size()));
-    mine.push_back(std::move(m));
-  }
-  trace.reset();
-
-  auto client = flexkv::Client::Connect({o.socket, std::chrono::milliseconds(20000), std::chrono::milliseconds(20000)});
-  if (!client.ok()) return fail("Connect", client.status());
-  flexkv::Client& c = **client;
-  flexkv::AttachOptions attach;
-  attach.client_name = fmt::format("flexkv-bench-trace-{}", o.index);
-  attach.dp_rank = static_cast<uint32_t>(o.index);
-  attach.model_namespace = kTraceNamespace;
-  attach.geometry = TraceGeometry(o.block_bytes);
-  auto session = c.Attach(attach);
-  if (!session.ok()) return fail("Attach", session.status());
-  auto kv = c.CreateHostKv(flexkv::KvLayout::kBlockFirst, longest);
-  if (!kv.ok()) return fail("CreateHostKv", kv.status());
-  const uint64_t bb = session->block_bytes;
-  std::vector<uint32_t> block_ids(longest);
-  for (uint32_t i = 0; i < longest; ++i) block_ids[i] = i;
-  Emit(fmt::format("READY {}\n", session->capacity_blocks));
-  AwaitBarrier(0);
-
-  const auto timeout = std::chrono::seconds(60);
-  auto run = [&](flexkv::Result<flexkv::Ticket> t) -> flexkv::Result<flexkv::OpResult> {
-    if (!t.ok()) return t.status();
-    return c.Wait(*t, timeout);
-  };
-  std::vector<int64_t> lat_match, lat_load, lat_release, lat_store;
-  uint64_t blocks = 0, hits = 0, loaded = 0, stored = 0, shortfalls = 0, mismatches = 0;
-  const int64_t start = NowNs();
-  for (const Mine& m : mine) {
-    const auto n = static_cast<uint32_t>(m.ids.size());
-    blocks += n;
-    if (page != nullptr && !AwaitTurn(page, m.index)) return fail("turn", flexkv::Status::Internal("another worker failed"));
-    int64_t t0 = NowNs();
-    auto mr = run(c.Match(m.keys, /*pin=*/true));
-    lat_match.push_back(NowNs() - t0);
-    if (!mr.ok()) return fail("Match", mr.status());
-    if (!mr->status.ok()) return fail("Match result", mr->status);
-    if (order == Order::kMatch) PassTurn(page, m.index + 1);
-    const uint32_t h = mr->matched_blocks;
-    hits += h;
-    if (h > 0) {
-      const uint64_t poison = ~uint64_t{0};
-      for (uint32_t i = 0; i < h; ++i) std::memcpy(kv->data + uint64_t{i} * bb, &poison, sizeof(poison));
-      t0 = NowNs();
-      auto lr = run(c.Load(mr->match_handle, std::span<const uint32_t>(block_ids.data(), h)));
-      lat_load.push_back(NowNs() - t0);
-      if (!lr.ok()) return fail("Load", lr.status());
-      if (!lr->status.ok()) return fail("Load result", lr->status);
-      loaded += lr->done_blocks;
-      for (uint32_t i = 0; i < lr->done_blocks; ++i) {
-        uint64_t tag = 0;
-        std::memcpy(&tag, kv->data + uint64_t{i} * bb, sizeof(tag));
-        if (tag != m.ids[i]) ++mismatches;
-      }
-      t0 = NowNs();
-      auto rr = run(c.Release(mr->match_handle));
-      lat_release.push_back(NowNs() - t0);
-      if (!rr.ok()) return fail("Release", rr.status());
-      if (!rr->status.ok()) return fail("Release result", rr->status);
-    }
-    if (h < n) {
-      // Each block's first 8 bytes carry its trace id, so a later Load can check what it got.
-      for (uint32_t i = 0; i < n; ++i) std::memcpy(kv->data + uint64_t{i} * bb, &m.ids[i], sizeof(uint64_t));
-      t0 = NowNs();
-      auto sr = run(c.Store(flexkv::BlockKeyChain(m.keys), std::span<const uint32_t>(block_ids.data(), n)));
-      lat_store.push_back(NowNs() - t0);
-      if (!sr.ok()) return fail("Store", sr.status());
-      stored += sr->done_blocks;
-      // RESOURCE_EXHAUSTED (everything pinned) or ABORTED (another rank is storing the same block): counted.
-      if (!sr->status.ok()) ++shortfalls;
-    }
-    if (order == Order::kStrict) PassTurn(page, m.index + 1);
-  }
-  const int64_t end = NowNs();
-  Emit(fmt::format("RESULT {} {} {} {} {} {} {} {} {}\n", start, end, mine.size(), blocks, hits, loaded, stored,
-                   shortfalls, mismatches));
-  Emit(SampleLine("LAT match", lat_match));
-  Emit(SampleLine("LAT load", lat_load));
-  Emit(SampleLine("LAT release", lat_release));
-  Emit(SampleLine("LAT store", lat_store));
-  Emit("DONE\n");
-  (void)c.Detach();
-  return 0;
-}
+using namespace flexkv::bench;  // bench_process.h, trace_bench.h
+using flexkv::NowNs;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Parent (processes and the daemon: bench_process.h)
@@ -289,11 +127,24 @@ struct TraceOptions {
   std::vector<uint32_t> capacities = {1000, 2000, 5000, 10000, 20000, 50000};
   std::string plot = "trace_sweep.png";
   std::string order = "strict";
+  std::string geometry;  // a preset: also the hybrid report (trace_hybrid_bench.cc)
+  uint32_t chunk_blocks = 16;
+  std::string split = "daemon";
+};
+
+// The model a daemon replay stores (trace --geometry): empty preset = TraceGeometry(block_bytes) at
+// capacity x block_bytes.
+struct DaemonModel {
+  std::string preset;
+  uint64_t scale = 1, pool_bytes = 0;
+  uint32_t chunk_blocks = 0;
+  double swa_share = 0, state_share = 0;  // the daemon's --swa-share / --state-share (0: its default)
 };
 
 struct TraceRun {
   uint32_t capacity = 0;
   uint64_t daemon_capacity = 0;
+  std::vector<uint64_t> component_capacity, component_used, component_unanchored, component_evicted;
   uint64_t requests = 0, blocks = 0, hits = 0, loaded = 0, stored = 0, shortfalls = 0, mismatches = 0;
   double seconds = 0;
   HitCount reference, bound, sim;
@@ -317,9 +168,26 @@ HitCount SimulatePrefixIndex(const std::vector<TraceRequest>& trace, const std::
   return c;
 }
 
+// The value of `metric`{component="c",...} in Prometheus text, per component c (0 where absent).
+std::vector<uint64_t> ComponentMetric(const std::string& text, const std::string& metric, size_t components) {
+  std::vector<uint64_t> out(components, 0);
+  size_t at = 0;
+  while ((at = text.find(metric + "{", at)) != std::string::npos) {
+    const size_t eol = std::min(text.find('\n', at), text.size());
+    const std::string line = text.substr(at, eol - at);
+    at = eol;
+    const size_t c = line.find("component=\"");
+    const size_t sp = line.rfind(' ');
+    if (c == std::string::npos || sp == std::string::npos) continue;
+    const size_t i = std::strtoull(line.c_str() + c + 11, nullptr, 10);
+    if (i < components) out[i] = static_cast<uint64_t>(std::strtod(line.c_str() + sp + 1, nullptr));
+  }
+  return out;
+}
+
 std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, uint32_t capacity,
                                 const std::vector<TraceRequest>& trace,
-                                const std::vector<std::vector<flexkv::BlockKey>>& keys) {
+                                const std::vector<std::vector<flexkv::BlockKey>>& keys, const DaemonModel& model = {}) {
   TraceRun run;
   run.capacity = capacity;
   run.bound = flexkv::bench::InfiniteCacheBound(trace);
@@ -334,8 +202,13 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   run.sim = SimulatePrefixIndex(trace, keys, capacity);
 
   const char* base = std::filesystem::is_directory("/dev/shm") ? "/dev/shm" : "/tmp";
-  auto own = OwnDaemon::Start(std::string(base) + "/flexkv-bench-trace-XXXXXX",
-                              {"--pool-size", std::to_string(uint64_t{capacity} * o.block_bytes)});
+  const uint64_t pool_bytes = model.preset.empty() ? uint64_t{capacity} * o.block_bytes : model.pool_bytes;
+  std::vector<std::string> daemon_args = {"--pool-size", std::to_string(pool_bytes)};
+  if (model.swa_share > 0) daemon_args.insert(daemon_args.end(), {"--swa-share", fmt::format("{:.6f}", model.swa_share)});
+  if (model.state_share > 0) {
+    daemon_args.insert(daemon_args.end(), {"--state-share", fmt::format("{:.6f}", model.state_share)});
+  }
+  auto own = OwnDaemon::Start(std::string(base) + "/flexkv-bench-trace-XXXXXX", daemon_args);
   if (!own) return std::nullopt;
 
   auto barrier = StartBarrier::Create();
@@ -355,7 +228,8 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   for (int i = 0; i < o.clients; ++i) {
     auto w = Spawn({self, "trace-worker", "--socket", own->socket(), "--trace", o.trace, "--index", std::to_string(i),
                     "--clients", std::to_string(o.clients), "--block-bytes", std::to_string(o.block_bytes),
-                    "--order", o.order},
+                    "--order", o.order, "--geometry", model.preset, "--scale", std::to_string(model.scale),
+                    "--chunk-blocks", std::to_string(model.chunk_blocks)},
                    {{barrier->read_end(), 0}, {turn_fd.get(), 4}});
     if (!w) return abort_all("could not start a trace-worker");
     workers.push_back(std::move(*w));
@@ -363,10 +237,19 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   for (size_t i = 0; i < workers.size(); ++i) {
     auto line = workers[i].ReadLine(std::chrono::seconds(120));
     unsigned long long cap = 0;
-    if (!line || std::sscanf(line->c_str(), "READY %llu", &cap) != 1) {
+    int consumed = 0;
+    if (!line || std::sscanf(line->c_str(), "READY %llu%n", &cap, &consumed) != 1) {
       return abort_all(fmt::format("worker {}: {}", i, line ? *line : std::string("ended before READY")));
     }
     run.daemon_capacity = cap;
+    run.component_capacity.clear();
+    for (const char* p = line->c_str() + consumed; *p != '\0';) {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(p, &end, 10);
+      if (end == p) break;
+      run.component_capacity.push_back(v);
+      p = end;
+    }
   }
   barrier->Release();  // go
   std::map<std::string, std::vector<int64_t>> lat;
@@ -412,6 +295,15 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   }
   run.seconds = static_cast<double>(last - first) / 1e9;
   for (auto& [op, v] : lat) run.lat[op] = Summarize(std::move(v));
+  if (run.component_capacity.size() > 1) {  // a hybrid pool: its sub-pools at the end, from the daemon's metrics
+    auto client = flexkv::Client::Connect({own->socket(), std::chrono::milliseconds(5000), std::chrono::milliseconds(20000)});
+    auto text = client.ok() ? (*client)->GetMetrics() : flexkv::Result<std::string>(client.status());
+    if (!text.ok()) return abort_all(fmt::format("GetMetrics: {}", text.status().ToString()));
+    const size_t n = run.component_capacity.size();
+    run.component_used = ComponentMetric(*text, "flexkv_component_used_slots", n);
+    run.component_unanchored = ComponentMetric(*text, "flexkv_component_unanchored_slots", n);
+    run.component_evicted = ComponentMetric(*text, "flexkv_component_evicted_total", n);
+  }
   if (run.requests != trace.size()) {
     std::fprintf(stderr, "flexkv-bench: the workers replayed %llu of %zu requests\n",
                  static_cast<unsigned long long>(run.requests), trace.size());
@@ -506,19 +398,6 @@ bool WritePlot(const std::vector<TraceRun>& runs, const std::string& png, int cl
 
 }  // namespace
 
-int RunTraceWorker(int argc, char** argv) {
-  CLI::App app{"internal: one client process of `flexkv-bench trace`"};
-  WorkerOptions o;
-  app.add_option("--socket", o.socket)->required();
-  app.add_option("--trace", o.trace)->required();
-  app.add_option("--index", o.index);
-  app.add_option("--clients", o.clients);
-  app.add_option("--block-bytes", o.block_bytes);
-  app.add_option("--order", o.order);
-  CLI11_PARSE(app, argc, argv);
-  return WorkerMain(o);
-}
-
 int RunTraceBench(int argc, char** argv) {
   CLI::App app{"flexkv-bench trace: replay a Mooncake-format trace through a flexkvd this bench starts"};
   TraceOptions o;
@@ -538,6 +417,18 @@ int RunTraceBench(int argc, char** argv) {
   app.add_option("--capacities", o.capacities, "Capacities of --sweep (default 1000,2000,5000,10000,20000,50000)")
       ->delimiter(',');
   app.add_option("--plot", o.plot, "PNG written by --sweep (gnuplot; default trace_sweep.png)");
+  app.add_option("--geometry", o.geometry,
+                 "Also replay this model's pool, simulated, next to its all-FULL reference at the same byte budget "
+                 "(= the capacity in all-FULL blocks): llama3-8b, qwen3-8b, deepseek-mla, gpt-oss-20b, gemma3-27b, "
+                 "qwen3-next, jamba");
+  app.add_option("--chunk-blocks", o.chunk_blocks,
+                 "With --geometry: the engine stores every this many blocks of prefill (chunked prefill; 0: only at "
+                 "the prompt's end; default 16 = 8192 tokens)")
+      ->check(CLI::Range(0u, 1000000u));
+  app.add_option("--split", o.split,
+                 "With --geometry: the budget's split between sub-pools: daemon (flexkvd's default), demand (in "
+                 "proportion to what each component holds after the trace with no eviction) or one weight per "
+                 "component, w0,w1,...; the flexkvd run gets it as --swa-share/--state-share");
   CLI11_PARSE(app, argc, argv);
 
   auto bb = flexkv::ParseByteSize(o.block_bytes_text);
@@ -548,6 +439,17 @@ int RunTraceBench(int argc, char** argv) {
     return 2;
   }
   o.block_bytes = *bb;
+  if (!o.geometry.empty()) {
+    auto g = flexkv::bench::TracePreset(o.geometry, kTraceTokensPerBlock);
+    flexkv::Status valid = g.status();
+    if (valid.ok() && o.split != "daemon" && o.split != "demand") {
+      valid = flexkv::bench::ParseSplitWeights(o.split, g->component_count()).status();
+    }
+    if (!valid.ok()) {
+      std::fprintf(stderr, "flexkv-bench: %s\n", valid.message().c_str());
+      return 2;
+    }
+  }
   const std::string self = SelfExe();
   if (self.empty()) {
     std::fprintf(stderr, "flexkv-bench: cannot resolve /proc/self/exe\n");
@@ -577,8 +479,23 @@ int RunTraceBench(int argc, char** argv) {
   }
   bool plotted = false;
   if (o.sweep) plotted = WritePlot(runs, o.plot, o.clients, o.order);
+  Json hybrid;
+  if (!o.geometry.empty()) {
+    flexkv::bench::HybridTraceOptions ho{o.trace, o.geometry, caps, o.chunk_blocks, o.split, o.json, {}};
+    ho.daemon = [&](uint32_t cap, uint64_t pool_bytes, uint64_t scale, double swa_share,
+                    double state_share) -> std::optional<HybridDaemonRun> {
+      auto r = RunOnce(self, o, cap, *trace, keys,
+                       DaemonModel{o.geometry, scale, pool_bytes, o.chunk_blocks, swa_share, state_share});
+      if (!r) return std::nullopt;
+      return HybridDaemonRun{r->blocks, r->hits, r->stored, r->shortfalls, r->mismatches, r->seconds,
+                             r->component_capacity, r->component_used, r->component_unanchored, r->component_evicted};
+    };
+    const int rc = flexkv::bench::RunHybridTraceReport(ho, *trace, &hybrid);
+    if (rc != 0) return rc;
+  }
   if (o.json) {
     Json report{{"bench", "trace"}, {"trace", o.trace}, {"daemon", "spawned"}};
+    if (!o.geometry.empty()) report["hybrid"] = std::move(hybrid);
     if (!o.sweep) {
       report.update(RunJson(runs[0], o.clients, o.order, o.block_bytes));
     } else {

@@ -10,10 +10,12 @@
 //   file), slots of Geometry::Component(i).host_block_bytes(); the rank's chunks land at its shard offsets.
 //   Map: GPU block i <-> slot perm[i] of the component's sub-pool, perm random.
 //   store = the checksummed gather (what the daemon runs; the plain gather is shown beside it), load = scatter;
-//   the copy-engine batch both ways (without the sums kernel the daemon runs beside a copy-engine store); ceiling = one contiguous cudaMemcpyAsync of the same bytes each way. The
-//   hybrid set is every component's copy back to back on one stream, as the daemon's per-GPU direction worker runs
-//   a hit's component jobs. GB/s = 1e9 bytes/s of this rank's bytes; each figure is the median of --iters timed
-//   runs after --warmup. Every path's bytes and the store sums are checked against the CPU before timing.
+//   the copy-engine batch both ways (without the sums kernel the daemon runs beside a copy-engine store);
+//   ceiling = one contiguous cudaMemcpyAsync of the same bytes each way. The hybrid set is every component's copy
+//   back to back on one stream: the daemon's per-GPU direction worker runs a hit's component jobs one after another
+//   on one stream too, but waits for each (a host synchronisation this does not include). GB/s = 1e9 bytes/s of
+//   this rank's bytes; each figure is the median of --iters timed runs after --warmup. Every path's bytes and the
+//   store sums are checked against the CPU before timing.
 #include "transfer_geometry.h"
 
 #include <cuda_runtime_api.h>
@@ -154,6 +156,7 @@ class ComponentCopies {
       });
       CK(cudaMemcpy(a_[l], a_host_[l].data(), layer_bytes, cudaMemcpyHostToDevice));
     }
+    CK(cudaDeviceSynchronize());  // `s` does not wait for the legacy stream's copies
     for (bool copy_engine : {false, true}) {
       const char* path = copy_engine ? "copy engine" : "kernel";
       std::memset(sub_pool_, kPoolPoison, sub_pool_bytes());
@@ -162,7 +165,7 @@ class ComponentCopies {
       CK(cudaMemcpyAsync(sums.data(), sums_dev_, count_ * sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
       CK(cudaStreamSynchronize(s));
       CheckSlots(path, copy_engine ? nullptr : &sums);
-      for (void* p : b_) CK(cudaMemset(p, kGpuPoison, layer_bytes));
+      for (void* p : b_) CK(cudaMemsetAsync(p, kGpuPoison, layer_bytes, s));
       Load(s, copy_engine, true);
       CK(cudaStreamSynchronize(s));
       std::vector<uint8_t> got(layer_bytes);

@@ -357,7 +357,9 @@ TEST_CASE("chaos: flexkvd killed -9 under load 20+ times and restarted on the sa
       INFO("after restart: " << kv.status().ToString());
       // The library keeps the lost session's id until Detach (Attach alone answers FAILED_PRECONDITION
       // "already attached"); Detach of the unknown id on the new daemon is NOT_FOUND, reported as OK.
-      CHECK(engine->Detach().ok());
+      const flexkv::Status detached = engine->Detach();
+      INFO("detach: " << detached.ToString());
+      CHECK(detached.ok());
       auto again = engine->Attach(attach);
       INFO(again.status().ToString());
       CHECK(again.ok());

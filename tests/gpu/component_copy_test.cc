@@ -100,12 +100,14 @@ class EngineBuffers {
       }
     for (size_t l = 0; l < layers_.size(); ++l)
       CUDA_OK(cudaMemcpy(layers_[l]->data(), mirror_[l].data(), layer_bytes_, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize());  // the backend's streams do not wait for the legacy stream's work
   }
   void Poison() {
     for (size_t l = 0; l < layers_.size(); ++l) {
       std::memset(mirror_[l].data(), kGpuPoison, layer_bytes_);
       CUDA_OK(cudaMemset(layers_[l]->data(), kGpuPoison, layer_bytes_));
     }
+    CUDA_OK(cudaDeviceSynchronize());
   }
   // Every layer's bytes as the GPU holds them now against the mirror.
   void RequireMirror(const std::string& what) const {

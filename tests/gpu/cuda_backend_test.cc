@@ -44,6 +44,7 @@ TEST_CASE("CUDA backend stores add each slot's checksum term sums, by the kernel
       std::memcpy(blocks_host.data() + i, &r, 8);
     }
     REQUIRE(cudaMemcpy(gpu.data(), blocks_host.data(), blocks_host.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the backend's streams do not wait for the legacy stream
 
     auto backend = flexkv::CudaEngineMemory::Create(false, copy_engine);
     REQUIRE(backend != nullptr);

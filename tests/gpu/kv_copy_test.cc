@@ -1,7 +1,8 @@
 // GPU <-> host-pool block copies (daemon/transfer/cuda/kv_copy.h): byte-exact round trips through a registered
 // pool for every GPU layout, K/V and MLA, TP shards, layer ranges, odd sizes and launch shapes, for the kernels
 // and the copy-engine batch, and the stores' content checksums against the CPU's. Without a visible GPU (CI)
-// every case warns and passes.
+// every case warns and passes. Over 600 lines: every kernel path's cases share the fixtures at the top (GpuKv, Pool,
+// DevicePairs, RoundTrip, ChecksummedStore), which a split would have to move to a header of their own.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -114,6 +115,7 @@ class GpuKv {
     v.num_layers = layers_;
     v.num_planes = planes_;
     v.chunk_bytes = chunk_;
+    v.layers_in_one_allocation = layout_ != Layout::kLayerFirst;
     switch (layout_) {
       case Layout::kLayerFirst: v.plane_stride = static_cast<uint64_t>(blocks_) * chunk_; v.block_stride = chunk_; break;
       case Layout::kBlockFirst: v.plane_stride = chunk_; v.block_stride = static_cast<uint64_t>(layers_) * planes_ * chunk_; break;
@@ -787,4 +789,59 @@ TEST_CASE("few large chunks are split into pieces: bytes and sums as whole chunk
           ChecksummedStore(c);
         }
       }
+}
+
+TEST_CASE("copy-engine batch: layers in separate allocations that sit back to back are never copied as one run",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Regression: a Jamba state snapshot (one 560 KiB chunk per layer, a cudaMalloc per layer) was refused by
+  // cudaMemcpyBatchAsync with an invalid argument, because consecutive layers' allocations were adjacent and their
+  // chunks were merged into one copy spanning two allocations.
+  constexpr uint64_t kChunk = 573440;
+  std::vector<void*> allocs(16, nullptr);
+  for (auto& a : allocs) CUDA_OK(cudaMalloc(&a, kChunk));
+  std::vector<uint64_t> sorted;
+  for (void* a : allocs) sorted.push_back(reinterpret_cast<uint64_t>(a));
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<uint64_t> bases{sorted[0], sorted[1]};
+  for (size_t i = 0; i + 1 < sorted.size(); ++i) {
+    if (sorted[i] + kChunk == sorted[i + 1]) {
+      bases = {sorted[i], sorted[i + 1]};
+      break;
+    }
+  }
+  if (bases[0] + kChunk != bases[1]) WARN("no two allocations are adjacent here; the case runs without its trigger");
+  uint64_t* bases_dev = nullptr;
+  CUDA_OK(DeviceAlloc(&bases_dev, 2 * sizeof(uint64_t)));
+  CUDA_OK(cudaMemcpy(bases_dev, bases.data(), 2 * sizeof(uint64_t), cudaMemcpyHostToDevice));
+  kv::GpuKvView view{bases_dev, kChunk, kChunk, 2, 1, kChunk};  // LAYERFIRST: one block of one plane per layer
+
+  auto rng = Rng();
+  std::vector<uint8_t> src(2 * kChunk);
+  for (size_t i = 0; i + 8 <= src.size(); i += 8) {
+    const uint64_t r = rng();
+    std::memcpy(src.data() + i, &r, 8);
+  }
+  for (int l = 0; l < 2; ++l)
+    CUDA_OK(cudaMemcpy(reinterpret_cast<void*>(bases[l]), src.data() + l * kChunk, kChunk, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaDeviceSynchronize());  // the copies below run on a non-blocking stream
+  Pool pool(2, 2 * kChunk);
+  pool.Poison();
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const uint32_t block = 0, slot = 1;
+  CUDA_OK(kv::CopyEngineBatch(bases.data(), view, pool.View(1, 0), &block, &slot, 1, 0, 2, true, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  RequireSame(pool.Slot(1), src.data(), 2 * kChunk, "the slot after the store");
+  for (int l = 0; l < 2; ++l) CUDA_OK(cudaMemset(reinterpret_cast<void*>(bases[l]), kGpuPoison, kChunk));
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(kv::CopyEngineBatch(bases.data(), view, pool.View(1, 0), &block, &slot, 1, 0, 2, false, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<uint8_t> got(2 * kChunk);
+  for (int l = 0; l < 2; ++l)
+    CUDA_OK(cudaMemcpy(got.data() + l * kChunk, reinterpret_cast<void*>(bases[l]), kChunk, cudaMemcpyDeviceToHost));
+  RequireSame(got.data(), src.data(), 2 * kChunk, "the layers after the load");
+  CUDA_OK(cudaStreamDestroy(stream));
+  (void)cudaFree(bases_dev);
+  for (void* a : allocs) (void)cudaFree(a);
 }

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "flexkv/client.h"
+#include "flexkv/cuda.h"
 #include "tests/support/process.h"
 
 using namespace std::chrono_literals;
@@ -221,4 +222,174 @@ TEST_CASE("cuMem/VMM KV caches (shareable fds, as PyTorch's expandable segments)
   INFO("free before " << free_before << ", after " << free_after);
   CHECK(free_after + (64ULL << 20) >= free_before);
   CHECK_THAT(d.process().Stderr(), Catch::Contains("closed IPC/VMM mappings"));
+}
+
+namespace {
+
+// One engine's GPU KV cache of a hybrid geometry, vLLM-shaped: per component one cudaMalloc tensor per layer,
+// [planes][blocks][chunk] (a state component: [state slots][state bytes]).
+class HybridGpuCache {
+ public:
+  HybridGpuCache(const flexkv::Geometry& g, uint32_t blocks, uint32_t state_slots) : g_(g) {
+    for (size_t c = 0; c < g.component_count(); ++c) {
+      const flexkv::Geometry cg = g.Component(c);
+      Part p;
+      p.blocks = g.component_kind(c) == flexkv::ComponentKind::kState ? state_slots : blocks;
+      p.chunk = cg.chunk_bytes_per_rank();
+      p.planes = cg.kv_planes;
+      p.region = uint64_t{p.planes} * p.blocks * p.chunk;
+      for (uint32_t l = 0; l < cg.num_layers; ++l) {
+        void* ptr = nullptr;
+        REQUIRE(cudaMalloc(&ptr, p.region) == cudaSuccess);
+        REQUIRE(cudaMemset(ptr, 0xA5, p.region) == cudaSuccess);
+        p.layers.push_back(ptr);
+      }
+      parts_.push_back(std::move(p));
+    }
+  }
+  ~HybridGpuCache() {
+    for (auto& p : parts_) {
+      for (void* ptr : p.layers) cudaFree(ptr);
+    }
+  }
+  // Registers every component with the client's session.
+  void Register(flexkv::Client& client) {
+    for (size_t c = 0; c < parts_.size(); ++c) {
+      auto reg = flexkv::DescribeGpuKv(flexkv::KvLayout::kLayerFirst, parts_[c].layers, parts_[c].region,
+                                       parts_[c].blocks, 0);
+      REQUIRE(reg.ok());
+      reg->component = static_cast<uint32_t>(c);
+      const flexkv::Status st = client.RegisterGpuKv(*reg);
+      INFO(st.ToString());
+      REQUIRE(st.ok());
+    }
+  }
+  // The bytes of block `b` of component c, layer by layer and plane by plane.
+  std::vector<uint8_t> Read(size_t c, uint32_t b) const {
+    const Part& p = parts_[c];
+    std::vector<uint8_t> out;
+    for (void* layer : p.layers) {
+      for (uint32_t plane = 0; plane < p.planes; ++plane) {
+        std::vector<uint8_t> chunk(p.chunk);
+        const auto* src = static_cast<const uint8_t*>(layer) + (uint64_t{plane} * p.blocks + b) * p.chunk;
+        REQUIRE(cudaMemcpy(chunk.data(), src, p.chunk, cudaMemcpyDeviceToHost) == cudaSuccess);
+        out.insert(out.end(), chunk.begin(), chunk.end());
+      }
+    }
+    return out;
+  }
+  // Fills block `b` of component c with bytes of `seed`.
+  void Fill(size_t c, uint32_t b, uint32_t seed) {
+    const Part& p = parts_[c];
+    std::vector<uint8_t> chunk(p.chunk);
+    for (size_t l = 0; l < p.layers.size(); ++l) {
+      for (uint32_t plane = 0; plane < p.planes; ++plane) {
+        for (size_t i = 0; i < chunk.size(); ++i) chunk[i] = static_cast<uint8_t>(seed * 131 + c * 31 + l * 7 + plane * 3 + i);
+        auto* dst = static_cast<uint8_t*>(p.layers[l]) + (uint64_t{plane} * p.blocks + b) * p.chunk;
+        REQUIRE(cudaMemcpy(dst, chunk.data(), p.chunk, cudaMemcpyHostToDevice) == cudaSuccess);
+      }
+    }
+  }
+  uint32_t blocks(size_t c) const { return parts_[c].blocks; }
+
+ private:
+  struct Part {
+    std::vector<void*> layers;
+    uint32_t blocks = 0, planes = 0;
+    uint64_t chunk = 0, region = 0;
+  };
+  flexkv::Geometry g_;
+  std::vector<Part> parts_;
+};
+
+}  // namespace
+
+TEST_CASE("hybrid geometry on the GPU: FULL blocks, the window and the state round-trip byte-exact through flexkvd",
+          "[gpu][hybrid]") {
+  if (!HaveGpu()) {
+    WARN("no GPU visible; skipped");
+    return;
+  }
+  ShmPoolDir shm;
+  DaemonUnderTest d(GpuDaemonArgs(shm, {"--pool-size", "256MiB", "--swa-share", "0.2", "--state-share", "0.1"}));
+  REQUIRE(d.WaitReady());
+  // gpt-oss-like FULL + a 4-block window, plus a Mamba-like state of 8 KiB per layer.
+  flexkv::Geometry g;
+  g.tokens_per_block = 16;
+  g.num_layers = 2;
+  g.kv_planes = 2;
+  g.kv_heads_per_rank = 2;
+  g.head_dim = 64;
+  g.dtype_bytes = 2;
+  flexkv::ComponentSpec swa;
+  swa.kind = flexkv::ComponentKind::kSlidingWindow;
+  swa.num_layers = 3;
+  swa.kv_heads_per_rank = 2;
+  swa.head_dim = 64;
+  swa.window_tokens = 64;
+  flexkv::ComponentSpec state;
+  state.kind = flexkv::ComponentKind::kState;
+  state.num_layers = 2;
+  state.state_bytes_per_layer = 8192;
+  g.components = {swa, state};
+  constexpr uint32_t kBlocks = 32, kN = 20;
+  std::vector<int32_t> tokens(kN * g.tokens_per_block);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i * 7 + 3);
+  const auto keys = flexkv::ComputeBlockKeys("gpu-hybrid", tokens, g.tokens_per_block);
+
+  auto a = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
+  auto b = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
+  REQUIRE((a.ok() && b.ok()));
+  REQUIRE((*a)->Attach({"hybrid-a", 0, 0, "gpu-hybrid", g}).ok());
+  REQUIRE((*b)->Attach({"hybrid-b", 1, 0, "gpu-hybrid", g}).ok());
+  HybridGpuCache cache_a(g, kBlocks, 4), cache_b(g, kBlocks, 4);
+  cache_a.Register(**a);
+  cache_b.Register(**b);
+
+  // A stores 20 blocks: FULL 0..19, the window's blocks 16..19, states at 8 and 20 (engine state slots 0 and 1).
+  std::vector<uint32_t> full(kN), window, state_ids = {0, 1};
+  for (uint32_t i = 0; i < kN; ++i) full[i] = i;
+  for (uint32_t i = kN - 4; i < kN; ++i) window.push_back(i);
+  for (uint32_t i : full) cache_a.Fill(0, i, i);
+  for (uint32_t i : window) cache_a.Fill(1, i, 100 + i);
+  cache_a.Fill(2, 0, 208);
+  cache_a.Fill(2, 1, 220);
+  const std::vector<std::span<const uint32_t>> store_ids = {full, window, state_ids};
+  const std::vector<uint32_t> boundaries = {8, 20};
+  auto st = (*a)->Store(flexkv::BlockKeyChain(keys), store_ids, boundaries);
+  REQUIRE(st.ok());
+  auto stored = (*a)->Wait(*st, 30s);
+  REQUIRE(stored.ok());
+  INFO(stored->status.ToString());
+  REQUIRE(stored->status.ok());
+  CHECK(stored->done_blocks == kN);
+
+  // B: the hit is the whole prompt; its load lands FULL 0..19 in blocks 10..29, the window in blocks 0..3 and the
+  // state in slot 3, and nothing else of B's cache changes.
+  auto m = (*b)->Match(keys, true);
+  REQUIRE(m.ok());
+  auto matched = (*b)->Wait(*m, 30s);
+  REQUIRE(matched.ok());
+  REQUIRE(matched->matched_blocks == kN);
+  std::vector<uint32_t> dst_full(kN), dst_window = {0, 1, 2, 3}, dst_state = {3};
+  for (uint32_t i = 0; i < kN; ++i) dst_full[i] = 10 + i;
+  const std::vector<std::span<const uint32_t>> load_ids = {dst_full, dst_window, dst_state};
+  auto l = (*b)->Load(matched->match_handle, load_ids);
+  REQUIRE(l.ok());
+  auto loaded = (*b)->Wait(*l, 30s);
+  REQUIRE(loaded.ok());
+  INFO(loaded->status.ToString());
+  REQUIRE(loaded->status.ok());
+  for (uint32_t i = 0; i < kN; ++i) CHECK(cache_b.Read(0, 10 + i) == cache_a.Read(0, i));
+  for (uint32_t i = 0; i < 4; ++i) CHECK(cache_b.Read(1, i) == cache_a.Read(1, kN - 4 + i));
+  CHECK(cache_b.Read(2, 3) == cache_a.Read(2, 1));  // the snapshot at 20
+  const std::vector<uint8_t> poison_full(cache_b.Read(0, 0).size(), 0xA5);
+  for (uint32_t i = 0; i < 10; ++i) CHECK(cache_b.Read(0, i) == poison_full);
+  const std::vector<uint8_t> poison_window(cache_b.Read(1, 4).size(), 0xA5);
+  for (uint32_t i = 4; i < kBlocks; ++i) CHECK(cache_b.Read(1, i) == poison_window);
+  const std::vector<uint8_t> poison_state(cache_b.Read(2, 0).size(), 0xA5);
+  for (uint32_t i = 0; i < 3; ++i) CHECK(cache_b.Read(2, i) == poison_state);
+  auto r = (*b)->Release(matched->match_handle);
+  REQUIRE(r.ok());
+  REQUIRE((*b)->Wait(*r, 30s).ok());
 }

@@ -127,8 +127,8 @@ TEST_CASE("hybrid: a Load or Store without every component registered is refused
 TEST_CASE("hybrid: kill -9 of flexkvd mid-store - after restart no end is served with a torn window or state",
           "[integration][hybrid]") {
   std::optional<DaemonUnderTest> d;
-  // 120 prompts need 480 window slots of 16 KiB: nothing is evicted.
-  const std::vector<std::string> args = {"--pool-size", "64MiB", "--swa-share", "0.2"};
+  // 120 prompts need 480 window slots of 16 KiB and 120 state slots of 8 KiB: nothing is evicted.
+  const std::vector<std::string> args = {"--pool-size", "64MiB", "--swa-share", "0.2", "--state-share", "0.05"};
   d.emplace(args);
   REQUIRE(d->WaitReady());
   const std::string dir = d->dir();

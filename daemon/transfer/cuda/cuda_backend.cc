@@ -387,6 +387,7 @@ class CudaBackendImpl final : public CudaBackend {
     kv->view.num_layers = g.num_layers;
     kv->view.num_planes = g.kv_planes;
     kv->view.chunk_bytes = chunk;
+    kv->view.layers_in_one_allocation = !per_layer;  // LAYERFIRST: each layer's region is an allocation of its own
     switch (d.layout) {
       case KvLayout::kLayerFirst:
         kv->view.plane_stride = B * chunk;

@@ -23,8 +23,11 @@ constexpr LaunchShape kDefaultScatter{32, 512, 8, 1, 0, 0};
 constexpr LaunchShape kDefaultSums{132, 512, 8, 1, 0, 0};
 constexpr int kMaxStages = 8;
 // Chunks are split into pieces only when the request has fewer chunks than the grid has thread groups (a state
-// component's ~2 MiB per-layer chunks, of which a load has one per layer; a load of one block), and never into
-// pieces under 16 KiB, nor of a length that is not a multiple of 1 KiB.
+// component's ~2 MiB per-layer chunks, of which a load has one per layer; a load of one block): into pieces of
+// about 16 KiB (at least, and a multiple of 1 KiB), so that the groups running at once work on a window of
+// neighbouring pieces, as with 16 KiB chunks (0.95 / 0.92 of a contiguous copy on an H200, docs/performance.md).
+// One piece per group instead (~140 KiB each for a Qwen3-Next snapshot) spread the reads in flight over the whole
+// snapshot, and such loads reached 0.80.
 constexpr uint32_t kMinPieceUnits = 1024;
 constexpr uint32_t kPieceAlignUnits = 64;
 
@@ -266,13 +269,11 @@ LaunchShape Resolve(const LaunchShape& s, bool to_host) { return ResolveWith(s, 
 
 bool Aligned16(uint64_t v) { return v % 16 == 0; }
 
-// How many pieces to cut each of `chunks` chunks of `chunk16` units into so that `groups` thread groups all have
-// one (see kMinPieceUnits); 1 when there are chunks enough.
+// How many pieces to cut each of `chunks` chunks of `chunk16` units into when `groups` thread groups copy them
+// (see kMinPieceUnits); 1 when there are chunks enough for every group.
 uint32_t PiecesPerChunk(uint64_t chunks, uint64_t groups, uint32_t chunk16) {
   if (chunks == 0 || chunks >= groups) return 1;
-  const uint64_t wanted = (groups + chunks - 1) / chunks;
-  const uint64_t most = std::max<uint64_t>(1, chunk16 / kMinPieceUnits);
-  return static_cast<uint32_t>(std::min(wanted, most));
+  return std::max<uint32_t>(1, chunk16 / kMinPieceUnits);
 }
 
 // Checks what can be checked on the host (device arrays are not read here).
@@ -406,7 +407,9 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
   if (layer_base_host == nullptr || gpu_blocks_host == nullptr || slots_host == nullptr) return cudaErrorInvalidValue;
 
   // One entry per chunk in (pair, layer, plane) order; an entry contiguous on both sides with the one before
-  // it (BLOCKFIRST GPU layouts with one TP shard) is merged into it.
+  // it (BLOCKFIRST GPU layouts with one TP shard) is merged into it, unless that would cross from one layer's
+  // allocation into another's (LAYERFIRST tensors that happen to be adjacent: a layer holding one block or state
+  // snapshot in a small cudaMalloc each).
   const size_t chunks = static_cast<size_t>(count) * (layer_end - layer_begin) * gpu.num_planes;
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
@@ -414,6 +417,7 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
   dsts.reserve(chunks);
   srcs.reserve(chunks);
   sizes.reserve(chunks);
+  uint32_t last_layer = ~0u;  // the layer of the last entry's chunks
   for (uint32_t i = 0; i < count; ++i) {
     uint8_t* slot = pool.base + static_cast<uint64_t>(slots_host[i]) * pool.block_bytes;
     for (uint32_t l = layer_begin; l < layer_end; ++l) {
@@ -425,13 +429,15 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
                                 gpu.chunk_bytes;
         uint8_t* d = to_host ? h : g;
         const uint8_t* s = to_host ? g : h;
-        if (!sizes.empty() && static_cast<uint8_t*>(dsts.back()) + sizes.back() == d &&
+        const bool same_allocation = gpu.layers_in_one_allocation || last_layer == l;
+        if (same_allocation && !sizes.empty() && static_cast<uint8_t*>(dsts.back()) + sizes.back() == d &&
             static_cast<const uint8_t*>(srcs.back()) + sizes.back() == s) {
           sizes.back() += gpu.chunk_bytes;
         } else {
           dsts.push_back(d);
           srcs.push_back(s);
           sizes.push_back(gpu.chunk_bytes);
+          last_layer = l;
         }
       }
     }

@@ -21,6 +21,10 @@ struct GpuKvView {
   uint32_t num_layers;
   uint32_t num_planes;
   uint64_t chunk_bytes;        // multiple of 16
+  // Every layer lies in one allocation (BLOCKFIRST, LAYERBLOCK: one region), so a copy may span a layer boundary.
+  // False for a region per layer (LAYERFIRST): separate allocations may sit back to back in the address space,
+  // yet one copy must not run from one into the next (the copy engine refuses it).
+  bool layers_in_one_allocation = false;
 };
 
 struct HostPoolView {
@@ -47,7 +51,7 @@ struct BlockPairs {
 // not bounds-checked on the device: the caller validates them against the KV cache and the pool.
 //
 // A request with fewer chunks than the launch has thread groups (a state component's ~2 MiB per-layer snapshots,
-// a one-block load) has its chunks split into pieces of at least 16 KiB, so that the whole grid copies; results,
+// a one-block load) has its chunks split into pieces of about 16 KiB, so that the whole grid copies; results,
 // checksums included, do not depend on it.
 //
 // Store direction: GPU blocks -> pool slots, one pass, 16-byte accesses. `ctas` 0 picks a default.
@@ -102,7 +106,7 @@ cudaError_t LaunchChecksumTerms(const GpuKvView& gpu, const HostPoolView& pool, 
                                 uint64_t* term_sums, cudaStream_t stream, const LaunchShape& shape = {});
 
 // Copy-engine alternative (SM-free): one batched cudaMemcpyBatchAsync over all chunks (chunks contiguous on
-// both sides are merged). `gpu_blocks_host` / `slots_host` and `layer_base_host` must be host-readable; they are
+// both sides are merged, across layers only when gpu.layers_in_one_allocation). `gpu_blocks_host` / `slots_host` and `layer_base_host` must be host-readable; they are
 // read before the call returns. `to_host` selects the direction. Falls back to one cudaMemcpyAsync per chunk
 // when the driver answers cudaErrorNotSupported or `stream` is the legacy default stream (which the batch API
 // refuses).

@@ -49,6 +49,10 @@ flexkv::Geometry TinyHybrid() {
   return g;
 }
 
+// Tiny blocks make the default split (4096 tokens of FULL blocks per window and state) leave the window and state
+// sub-pools less than a slot at these budgets: the tests set the shares.
+const flexkv::PoolSplit kSplit{0.1, 0.05};
+
 std::vector<BlockKey> Keys(uint64_t chain, size_t n) {
   std::vector<BlockKey> keys(n);
   for (size_t i = 0; i < n; ++i) keys[i] = BlockKey{chain * 1000 + i + 1, chain};
@@ -88,7 +92,7 @@ StatusCode Store(Cache& cache, std::span<const BlockKey> keys, std::vector<uint3
 }  // namespace
 
 TEST_CASE("hybrid cache: a hit needs the FULL prefix, its trailing window and its state", "[unit][cache][hybrid]") {
-  TempCache t(64 * 1024);
+  TempCache t(64 * 1024, kSplit);
   REQUIRE(t.cache().RecoverPool(false).ok());
   REQUIRE(t.cache().Admit("ns", TinyHybrid()).ok());
   REQUIRE(t.cache().component_bases().size() == 3);
@@ -124,7 +128,7 @@ TEST_CASE("hybrid cache: a hit needs the FULL prefix, its trailing window and it
 
 TEST_CASE("hybrid cache: a continuation store adds a later end, and the state alone makes a shorter end usable",
           "[unit][cache][hybrid]") {
-  TempCache t(64 * 1024);
+  TempCache t(64 * 1024, kSplit);
   REQUIRE(t.cache().RecoverPool(false).ok());
   REQUIRE(t.cache().Admit("ns", TinyHybrid()).ok());
   const std::vector<BlockKey> keys = Keys(2, 8);
@@ -140,8 +144,8 @@ TEST_CASE("hybrid cache: a continuation store adds a later end, and the state al
 
 TEST_CASE("hybrid cache: a store is all or none - a full sub-pool refuses it and leaves every index as it was",
           "[unit][cache][hybrid]") {
-  // 20 KiB, 30 % of it for windows: 3 state slots, plenty of FULL and window slots.
-  TempCache t(20 * 1024, flexkv::PoolSplit{0.3, 0});
+  // 20 KiB, 30 % of it for windows and 0.95 % for states: 3 state slots, plenty of FULL and window slots.
+  TempCache t(20 * 1024, flexkv::PoolSplit{0.3, 0.0095});
   REQUIRE(t.cache().RecoverPool(false).ok());
   REQUIRE(t.cache().Admit("ns", TinyHybrid()).ok());
   const uint32_t state_slots = t.cache().pool_region(2)->slots;
@@ -173,7 +177,7 @@ TEST_CASE("hybrid cache: a store is all or none - a full sub-pool refuses it and
 
 TEST_CASE("hybrid cache: a restart restores every component, verified - a torn state or window is not served",
           "[unit][cache][hybrid]") {
-  TempCache t(64 * 1024);
+  TempCache t(64 * 1024, kSplit);
   const std::vector<BlockKey> a = Keys(4, 5), b = Keys(5, 5);
   {
     REQUIRE(t.cache().RecoverPool(false).ok());

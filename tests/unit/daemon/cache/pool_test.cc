@@ -241,3 +241,36 @@ TEST_CASE("the uid that created the namespace is kept in the pool header across 
   auto tampered = Pool::Open(path, kBudget);
   CHECK(tampered.status().code() == StatusCode::kDataLoss);
 }
+
+TEST_CASE("SplitBudget: a hybrid pool's default split follows 4096 tokens of prefix, shares set by the operator win",
+          "[unit][hybrid]") {
+  constexpr uint64_t kGiB = uint64_t{1} << 30;
+  auto share = [](const flexkv::Geometry& g, const std::vector<uint64_t>& cap, size_t c, uint64_t budget) {
+    return static_cast<double>(cap[c] * g.Component(c).host_block_bytes()) / static_cast<double>(budget);
+  };
+  // Gemma 3: 256 FULL blocks of 1.25 MiB against one 64-block window of 6.5 MiB blocks: 416 / 736 of the pool.
+  const flexkv::Geometry gemma = flexkv::Gemma3_27B();
+  auto cap = flexkv::SplitBudget(gemma, 64 * kGiB, {});
+  REQUIRE(cap.ok());
+  REQUIRE(cap->size() == 2);
+  CHECK(share(gemma, *cap, 1, 64 * kGiB) == Approx(416.0 / 736.0).epsilon(0.01));
+  // Qwen3-Next: 256 FULL blocks of 384 KiB against one 73.7 MiB snapshot.
+  const flexkv::Geometry qwen = flexkv::Qwen3Next80B();
+  cap = flexkv::SplitBudget(qwen, 64 * kGiB, {});
+  REQUIRE(cap.ok());
+  const double full = 256.0 * qwen.host_block_bytes(), state = qwen.Component(1).host_block_bytes();
+  CHECK(share(qwen, *cap, 1, 64 * kGiB) == Approx(state / (full + state)).epsilon(0.01));
+  // The operator's share wins; a full-attention geometry is one sub-pool of the whole budget.
+  cap = flexkv::SplitBudget(qwen, 64 * kGiB, flexkv::PoolSplit{0, 0.25});
+  REQUIRE(cap.ok());
+  CHECK(share(qwen, *cap, 1, 64 * kGiB) == Approx(0.25).epsilon(0.01));
+  cap = flexkv::SplitBudget(flexkv::Llama3_8B(), 64 * kGiB, flexkv::PoolSplit{0.5, 0.5});
+  REQUIRE(cap.ok());
+  CHECK(*cap == std::vector<uint64_t>{64 * 512});
+  // Refusals name what is wrong.
+  auto bad = flexkv::SplitBudget(qwen, 64 * kGiB, flexkv::PoolSplit{0, 1.0});
+  CHECK(bad.status().code() == StatusCode::kInvalidArgument);
+  bad = flexkv::SplitBudget(qwen, 64ull << 20, {});  // 64 MiB: less than one 73.7 MiB snapshot
+  CHECK(bad.status().code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(bad.status().message(), Catch::Contains("component 1 (state)") && Catch::Contains("less than one slot"));
+}
