@@ -37,7 +37,7 @@ timeout 300 "$bundle/bin/flexkv_gpu_e2e_tests" -s >"$out/gpu_e2e_tests.log" 2>&1
 tail -n 2 "$out/gpu_e2e_tests.log"
 echo "== Python GPU tests"
 export LD_LIBRARY_PATH="$py_path"
-(cd tests/python && timeout 400 python3 -m pytest -p no:cacheprovider -q -rs -s test_gpu_torch.py test_client_gpu.py test_examples.py) \
+(cd tests/python && timeout 400 python3 -m pytest -p no:cacheprovider -q -rs -s test_gpu_torch.py test_gpu_hybrid.py test_client_gpu.py test_examples.py) \
   >"$out/python_gpu_tests.log" 2>&1 || { status=1; echo "PYTHON GPU TESTS FAILED"; tail -n 60 "$out/python_gpu_tests.log"; }
 grep -E "GB/s|passed|failed|skipped|SKIP" "$out/python_gpu_tests.log" | tail -n 12
 

@@ -1,0 +1,67 @@
+"""GPU, hybrid geometry: every component's KV buffers are torch CUDA tensors registered with
+register_gpu_kv(component=i) (the CUDA backend); one session stores FULL blocks, a sliding window and state
+snapshots, another loads what its prefix end needs and compares bytes on the device. Skipped where torch or a GPU is
+missing (this CI machine has neither; scripts/device_python.sh runs it on the device)."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+
+import flexkv  # noqa: E402
+
+NAMESPACE = "pytest-gpu-hybrid"
+# FULL and a 32-token (2-block) window: 2 layers, K/V, 2 heads of 64, bf16, 16 tokens (4 KiB chunks); a state of
+# 2 layers x 256 bytes.
+GEOMETRY = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
+                           components=[flexkv.ComponentSpec.sliding_window(2, 2, 64, 32),
+                                       flexkv.ComponentSpec.state(2, 256)])
+BLOCKS = 16
+
+
+def register(client: flexkv.Client, fill: bool):
+    """Per component, LAYER_FIRST: one [planes][blocks][chunk] uint8 tensor per layer of its copy geometry."""
+    kv = []
+    for i in range(GEOMETRY.component_count):
+        g = GEOMETRY.component(i)
+        layers = [torch.zeros((g.kv_planes, BLOCKS, g.chunk_bytes_per_rank), dtype=torch.uint8, device="cuda")
+                  for _ in range(g.num_layers)]
+        if fill:
+            for t in layers:
+                t.random_(0, 256)
+        client.register_gpu_kv(layers, flexkv.Layout.LAYER_FIRST, BLOCKS, component=i)
+        kv.append(layers)
+    torch.cuda.synchronize()
+    return kv
+
+
+def blocks(kv, component: int, ids):
+    """The given blocks of one component, every layer and plane, as one tensor [layer][plane][block][chunk]."""
+    return torch.stack([t[:, ids] for t in kv[component]])
+
+
+def test_a_hybrid_prefix_round_trips_through_gpu_buffers(make_daemon):
+    d = make_daemon(pool_size="256MiB")
+    tokens = [(5 * 100003 + i) % 128000 for i in range(6 * 16)]
+    keys = flexkv.block_keys(NAMESPACE, tokens, 16)
+    with flexkv.connect(d.socket) as a, flexkv.connect(d.socket) as b:
+        a.attach("gpu-a", NAMESPACE, GEOMETRY)
+        b.attach("gpu-b", NAMESPACE, GEOMETRY)
+        kv_a = register(a, fill=True)
+        kv_b = register(b, fill=False)
+        stored = a.store(keys, [list(range(6)), [10, 11], [3, 4]], state_boundaries=[3, 6]).wait()
+        assert stored.done_blocks == 6
+        hit = b.match(keys, pin=True).wait()
+        assert hit.matched_blocks == 6
+        loaded = b.load(hit.match_handle, [[8, 9, 10, 11, 12, 13], [0, 1], [15]]).wait()
+        assert loaded.done_blocks == 6
+        b.release(hit.match_handle).wait()
+        torch.cuda.synchronize()
+        assert torch.equal(blocks(kv_b, 0, list(range(8, 14))), blocks(kv_a, 0, list(range(6))))
+        assert torch.equal(blocks(kv_b, 1, [0, 1]), blocks(kv_a, 1, [10, 11]))
+        assert torch.equal(blocks(kv_b, 2, [15]), blocks(kv_a, 2, [4]))  # the snapshot at e = 6
+        assert int(blocks(kv_b, 0, list(range(8)) + [14, 15]).sum()) == 0
+        assert int(blocks(kv_b, 1, list(range(2, 16))).sum()) == 0
+        assert int(blocks(kv_b, 2, list(range(15))).sum()) == 0
