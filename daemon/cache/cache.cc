@@ -393,9 +393,13 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
   if (!index_) return;  // DropDomain waits for copies in flight
   const size_t first = r.full.cached;
   index_->Commit(r.full.slots);
+  std::vector<BlockKey> gone;  // FULL blocks of this store dropped while they copied: their windows and states serve nothing
   for (size_t i = 0; i < r.full.slots.size(); ++i) {
     const SlotId slot = r.full.slots[i];
-    if (!index_->IsCommitted(slot)) continue;  // dropped with a failed ancestor while it copied
+    if (!index_->IsCommitted(slot)) {  // dropped with a failed ancestor while it copied
+      gone.push_back(keys[first + i]);
+      continue;
+    }
     const size_t k = first + i;
     pool_->MarkCommitted(slot, keys[k], k == 0 ? parent : keys[k - 1], checksums[0][i]);
     for (const auto& part : parts_) part->Anchor(keys[k]);
@@ -414,6 +418,7 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
       if (Part(c).IsCommitted(LocalLocked(c, s))) pool_->MarkCommitted(s, r.keys[c][i], BlockKey{}, sum);
     }
   }
+  for (const BlockKey& key : gone) UnanchorLocked(key);
 }
 
 void Cache::AbortHybrid(const HybridReservation& r) {
