@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "daemon/cache/large_array.h"
+#include "daemon/cache/slot_list.h"
 
 // Broken internal invariants crash loudly (CONVENTIONS: untrusted input is answered, invariants assert).
 #define COMPONENT_INDEX_CHECK(cond, what)                                                               \
@@ -29,7 +30,7 @@
 namespace flexkv {
 namespace {
 
-constexpr SlotId kNil = std::numeric_limits<SlotId>::max();  // end of a list
+constexpr SlotId kNil = kNilSlot;  // end of a list
 
 enum class State : uint8_t {
   kFree,
@@ -58,11 +59,7 @@ struct KeyHash {
   size_t operator()(const BlockKey& k) const { return absl::HashOf(k.lo, k.hi); }
 };
 
-struct List {
-  SlotId head = kNil;  // eviction lists: the end evicted first
-  SlotId tail = kNil;  // eviction lists: the most recently used (or unanchored) end
-  uint32_t size = 0;
-};
+using List = SlotList;
 
 }  // namespace
 
@@ -89,29 +86,9 @@ struct ComponentIndex::Impl {
   uint64_t evicted_ = 0;
 
   // --- intrusive lists ---
-  void PushBack(List& l, SlotId s) {
-    Entry& e = entries_[s];
-    e.prev = l.tail;
-    e.next = kNil;
-    if (l.tail != kNil) entries_[l.tail].next = s; else l.head = s;
-    l.tail = s;
-    ++l.size;
-  }
-  void PushFront(List& l, SlotId s) {
-    Entry& e = entries_[s];
-    e.prev = kNil;
-    e.next = l.head;
-    if (l.head != kNil) entries_[l.head].prev = s; else l.tail = s;
-    l.head = s;
-    ++l.size;
-  }
-  void Unlink(List& l, SlotId s) {
-    Entry& e = entries_[s];
-    if (e.prev != kNil) entries_[e.prev].next = e.next; else l.head = e.next;
-    if (e.next != kNil) entries_[e.next].prev = e.prev; else l.tail = e.prev;
-    e.prev = e.next = kNil;
-    --l.size;
-  }
+  void PushBack(List& l, SlotId s) { l.PushBack(entries_, s); }
+  void PushFront(List& l, SlotId s) { l.PushFront(entries_, s); }
+  void Unlink(List& l, SlotId s) { l.Unlink(entries_, s); }
 
   static bool Evictable(const Entry& e) { return e.state == State::kCommitted && e.pins == 0; }
   List& EvictionList(const Entry& e) { return e.anchored ? lru_ : unanchored_; }

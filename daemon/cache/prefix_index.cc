@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "daemon/cache/large_array.h"
+#include "daemon/cache/slot_list.h"
 
 // Broken internal invariants crash loudly (CONVENTIONS: untrusted input is answered, invariants assert).
 #define PREFIX_INDEX_CHECK(cond, what)                                                                  \
@@ -32,7 +33,7 @@
 namespace flexkv {
 namespace {
 
-constexpr SlotId kNil = std::numeric_limits<SlotId>::max();  // end of a list; "no parent" (root level)
+constexpr SlotId kNil = kNilSlot;  // end of a list; "no parent" (root level)
 
 enum class State : uint8_t {
   kFree,
@@ -164,11 +165,7 @@ class SlotTable {
   size_t size_ = 0;
 };
 
-struct List {
-  SlotId head = kNil;  // eviction list: least recently used end
-  SlotId tail = kNil;  // eviction list: most recently used end
-  uint32_t size = 0;
-};
+using List = SlotList;
 
 }  // namespace
 
@@ -191,29 +188,9 @@ struct PrefixIndex::Impl {
   uint64_t evicted_ = 0;
 
   // --- intrusive lists ---
-  void PushBack(List& l, SlotId s) {
-    Node& n = nodes_[s];
-    n.prev = l.tail;
-    n.next = kNil;
-    if (l.tail != kNil) nodes_[l.tail].next = s; else l.head = s;
-    l.tail = s;
-    ++l.size;
-  }
-  void PushFront(List& l, SlotId s) {
-    Node& n = nodes_[s];
-    n.prev = kNil;
-    n.next = l.head;
-    if (l.head != kNil) nodes_[l.head].prev = s; else l.tail = s;
-    l.head = s;
-    ++l.size;
-  }
-  void Unlink(List& l, SlotId s) {
-    Node& n = nodes_[s];
-    if (n.prev != kNil) nodes_[n.prev].next = n.next; else l.head = n.next;
-    if (n.next != kNil) nodes_[n.next].prev = n.prev; else l.tail = n.prev;
-    n.prev = n.next = kNil;
-    --l.size;
-  }
+  void PushBack(List& l, SlotId s) { l.PushBack(nodes_, s); }
+  void PushFront(List& l, SlotId s) { l.PushFront(nodes_, s); }
+  void Unlink(List& l, SlotId s) { l.Unlink(nodes_, s); }
 
   static bool Evictable(const Node& n) {
     return n.state == State::kCommitted && n.pins == 0 && n.children == 0;
