@@ -179,54 +179,66 @@ void RequestHandlers::Release(RequestSession& s, const SubmitDescriptor& d, int6
   Finish(s, d, taken_ns, CompletionBuilder(d).descriptor());
 }
 
+Result<std::vector<SlotId>> RequestHandlers::BeginLoad(RequestSession& s, const SubmitDescriptor& d) {
+  // Handle validated the descriptor and its block ids; the handle is looked up here, under the lock that also
+  // takes its slots.
+  MutexLock lock(&s.mu_);
+  const std::optional<size_t> held = s.handles_.HeldBlocks(d.match_handle);
+  Status refused = s.handles_.Lapsed(d.match_handle) ? LapsedHandle(pins_.lease_ms) : ValidateHandleUse(d, held);
+  if (refused.ok() && s.geometry().is_hybrid() && d.count != *held) {
+    refused = Status::InvalidArgument(fmt::format(
+        "count {} but the hybrid match ends at {}: a hybrid match loads whole (its windows and states serve only that "
+        "end)",
+        d.count, *held));
+  }
+  if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
+  // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
+  if (refused.ok() && cache_->generation() != s.pool_generation_) {
+    lifecycle_->Finish();
+    refused = DomainDropped();
+  }
+  if (!refused.ok()) return refused;
+  return s.handles_.BeginLoad(d.match_handle, d.count);
+}
+
+void RequestHandlers::EndLoad(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
+                              uint64_t bytes, const Status& st, int64_t copy_start_ns) {
+  RecordCopy(OpKind::kLoad, taken_ns, copy_start_ns);
+  CompletionBuilder c(d);
+  if (st.ok()) {
+    c.DoneBlocks(d.count);
+    cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
+    cache_->counters().bytes_loaded.fetch_add(bytes, std::memory_order_relaxed);
+  } else {
+    c.Status(st);
+  }
+  std::vector<SlotId> unpin;
+  {
+    MutexLock lock(&sp->mu_);
+    unpin = sp->handles_.EndLoad(d.match_handle);
+  }
+  if (!unpin.empty()) cache_->Unpin(unpin);
+  Finish(*sp, d, taken_ns, c.descriptor());
+  lifecycle_->Finish();
+}
+
 void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
                            std::vector<uint32_t> ids) {
   RequestSession& s = *sp;
-  std::vector<SlotId> slots;
-  Status refused;
-  {
-    // Handle validated the descriptor and its block ids; the handle is looked up here, under the lock that also
-    // takes its slots.
-    MutexLock lock(&s.mu_);
-    refused = s.handles_.Lapsed(d.match_handle) ? LapsedHandle(pins_.lease_ms)
-                                                : ValidateHandleUse(d, s.handles_.HeldBlocks(d.match_handle));
-    if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
-    // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
-    if (refused.ok() && cache_->generation() != s.pool_generation_) {
-      lifecycle_->Finish();
-      refused = DomainDropped();
-    }
-    if (refused.ok()) slots = s.handles_.BeginLoad(d.match_handle, d.count);
-  }
-  if (!refused.ok()) return Fail(s, d, taken_ns, refused);
+  Result<std::vector<SlotId>> slots = BeginLoad(s, d);
+  if (!slots.ok()) return Fail(s, d, taken_ns, slots.status());
   CopyRequest copy;
   copy.direction = CopyDirection::kFromPool;
   s.kv().FillTargets(&copy);
   copy.engine_blocks = std::make_shared<const std::vector<uint32_t>>(std::move(ids));
-  copy.slots = std::make_shared<const std::vector<SlotId>>(std::move(slots));
+  copy.slots = std::make_shared<const std::vector<SlotId>>(std::move(*slots));
   copy.num_layers = s.geometry().num_layers;
   if ((d.flags & kLoadFlagLayerwise) != 0) {
     copy.layer_done = [sp, d](uint32_t layer) { sp->Post(CompletionBuilder::LayerDone(d, layer)); };
   }
-  const uint64_t block_bytes = cache_->block_bytes();
-  copy.done = [this, sp, d, block_bytes, taken_ns](Status st, int64_t copy_start_ns) {
-    RecordCopy(OpKind::kLoad, taken_ns, copy_start_ns);
-    CompletionBuilder c(d);
-    if (st.ok()) {
-      c.DoneBlocks(d.count);
-      cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
-      cache_->counters().bytes_loaded.fetch_add(uint64_t{d.count} * block_bytes, std::memory_order_relaxed);
-    } else {
-      c.Status(st);
-    }
-    std::vector<SlotId> unpin;
-    {
-      MutexLock lock(&sp->mu_);
-      unpin = sp->handles_.EndLoad(d.match_handle);
-    }
-    if (!unpin.empty()) cache_->Unpin(unpin);
-    Finish(*sp, d, taken_ns, c.descriptor());
-    lifecycle_->Finish();
+  const uint64_t bytes = uint64_t{d.count} * cache_->block_bytes();
+  copy.done = [this, sp, d, bytes, taken_ns](Status st, int64_t copy_start_ns) {
+    EndLoad(sp, d, taken_ns, bytes, st, copy_start_ns);
   };
   copies_->Submit(std::move(copy));
 }
@@ -347,26 +359,9 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
                                  int64_t taken_ns, std::vector<uint32_t> ids) {
   RequestSession& s = *sp;
   const Geometry& g = s.geometry();
-  std::vector<SlotId> slots;
-  Status refused;
-  {
-    MutexLock lock(&s.mu_);
-    const std::optional<size_t> held = s.handles_.HeldBlocks(d.match_handle);
-    refused = s.handles_.Lapsed(d.match_handle) ? LapsedHandle(pins_.lease_ms) : ValidateHandleUse(d, held);
-    if (refused.ok() && d.count != *held) {
-      refused = Status::InvalidArgument(fmt::format(
-          "count {} but the hybrid match ends at {}: a hybrid match loads whole (its windows and states serve only that "
-          "end)",
-          d.count, *held));
-    }
-    if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
-    if (refused.ok() && cache_->generation() != s.pool_generation_) {
-      lifecycle_->Finish();
-      refused = DomainDropped();
-    }
-    if (refused.ok()) slots = s.handles_.BeginLoad(d.match_handle, d.count);
-  }
-  if (!refused.ok()) return Fail(s, d, taken_ns, refused);
+  Result<std::vector<SlotId>> begun = BeginLoad(s, d);
+  if (!begun.ok()) return Fail(s, d, taken_ns, begun.status());
+  const std::vector<SlotId>& slots = *begun;
   const HybridIdLayout layout = LayoutIds(g, false, d.count, 0);
   const std::vector<SlotId> bases = cache_->component_bases();
   std::vector<CopyRequest> parts;
@@ -381,23 +376,7 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
     bytes += n * g.Component(c).host_block_bytes();
   }
   SubmitJoined(std::move(parts), [this, sp, d, bytes, taken_ns](Status st, int64_t copy_start_ns) {
-    RecordCopy(OpKind::kLoad, taken_ns, copy_start_ns);
-    CompletionBuilder c(d);
-    if (st.ok()) {
-      c.DoneBlocks(d.count);
-      cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
-      cache_->counters().bytes_loaded.fetch_add(bytes, std::memory_order_relaxed);
-    } else {
-      c.Status(st);
-    }
-    std::vector<SlotId> unpin;
-    {
-      MutexLock lock(&sp->mu_);
-      unpin = sp->handles_.EndLoad(d.match_handle);
-    }
-    if (!unpin.empty()) cache_->Unpin(unpin);
-    Finish(*sp, d, taken_ns, c.descriptor());
-    lifecycle_->Finish();
+    EndLoad(sp, d, taken_ns, bytes, st, copy_start_ns);
   });
 }
 

@@ -108,6 +108,12 @@ class RequestHandlers {
                   std::vector<uint32_t> ids);
   void StoreHybrid(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
                    std::vector<BlockKey> keys, std::vector<uint32_t> ids, std::vector<uint32_t> boundaries);
+  // The start of a Load: the handle checked (a hybrid match loads whole), the request counted in flight, the
+  // handle's slots taken. The refusal otherwise (nothing counted).
+  Result<std::vector<SlotId>> BeginLoad(RequestSession& s, const SubmitDescriptor& d);
+  // The end of a Load's copy (`bytes` copied when OK): counters, the handle's slots, the completion.
+  void EndLoad(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns, uint64_t bytes,
+               const Status& st, int64_t copy_start_ns);
   // Starts one copy per part of `parts` and runs `done` once with the first error after all ended.
   void SubmitJoined(std::vector<CopyRequest> parts, std::function<void(Status, int64_t copy_start_ns)> done);
   // Posts the request's final answer, after counting its end-to-end time and its error (first, so that a client
