@@ -17,32 +17,12 @@
 #include "common/block_checksum.h"
 #include "common/mapped_region.h"
 #include "daemon/transfer/cuda/kv_copy.h"
+#include "tests/gpu/gpu_test_support.h"
 
 namespace {
 
 namespace kv = flexkv::cuda;
 
-bool HaveGpu() {
-  int n = 0;
-  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  (void)cudaGetLastError();
-  return ok;
-}
-
-#define SKIP_WITHOUT_GPU()               \
-  do {                                   \
-    if (!HaveGpu()) {                    \
-      WARN("no GPU visible; skipped");   \
-      return;                            \
-    }                                    \
-  } while (0)
-
-#define CUDA_OK(expr)                                                          \
-  do {                                                                         \
-    const cudaError_t e_ = (expr);                                             \
-    INFO(#expr << ": " << cudaGetErrorString(e_));                             \
-    REQUIRE(e_ == cudaSuccess);                                                \
-  } while (0)
 
 // cuda_runtime_api.h takes void**; these keep the pointer types.
 template <class T>
