@@ -23,7 +23,6 @@ namespace {
 
 namespace kv = flexkv::cuda;
 
-
 // cuda_runtime_api.h takes void**; these keep the pointer types.
 template <class T>
 cudaError_t DeviceAlloc(T** p, size_t bytes) {
