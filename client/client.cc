@@ -525,6 +525,48 @@ Result<std::optional<OpResult>> Client::TryWait(Ticket ticket) {
   return (*s)->rings->TryWait(ticket);
 }
 
+namespace {
+
+DaemonStatus::Pool PoolFromProto(const v1::PoolStatus& p) {
+  DaemonStatus::Pool out;
+  out.block_bytes = p.block_bytes();
+  out.capacity_blocks = p.capacity_blocks();
+  out.used_blocks = p.used_blocks();
+  out.pinned_blocks = p.pinned_blocks();
+  out.budget_bytes = p.budget_bytes();
+  out.backing = p.backing();
+  out.unverified_blocks = p.unverified_blocks();
+  for (const v1::ComponentPoolStatus& c : p.components()) {
+    DaemonStatus::Pool::Component pc;
+    pc.kind = static_cast<ComponentKind>(c.kind());
+    pc.slot_bytes = c.slot_bytes();
+    pc.capacity = c.capacity();
+    pc.used = c.used();
+    pc.pinned = c.pinned();
+    pc.evicted = c.evicted();
+    pc.unanchored = c.unanchored();
+    out.components.push_back(pc);
+  }
+  return out;
+}
+
+std::map<std::string, uint64_t> CountersFromProto(const v1::Counters& c) {
+  std::map<std::string, uint64_t> out;
+  if (c.has_match_requests()) out["match_requests"] = c.match_requests();
+  if (c.has_match_blocks()) out["match_blocks"] = c.match_blocks();
+  if (c.has_hit_blocks()) out["hit_blocks"] = c.hit_blocks();
+  if (c.has_load_blocks()) out["load_blocks"] = c.load_blocks();
+  if (c.has_store_blocks()) out["store_blocks"] = c.store_blocks();
+  if (c.has_evicted_blocks()) out["evicted_blocks"] = c.evicted_blocks();
+  if (c.has_bytes_loaded()) out["bytes_loaded"] = c.bytes_loaded();
+  if (c.has_bytes_stored()) out["bytes_stored"] = c.bytes_stored();
+  if (c.has_errors()) out["errors"] = c.errors();
+  if (c.has_data_loss_blocks()) out["data_loss_blocks"] = c.data_loss_blocks();
+  return out;
+}
+
+}  // namespace
+
 Result<DaemonStatus> Client::GetStatus() {
   v1::GetStatusResponse resp;
   grpc::ClientContext ctx;
@@ -535,41 +577,26 @@ Result<DaemonStatus> Client::GetStatus() {
   out.version = resp.version();
   out.pid = resp.pid();
   out.uptime_s = resp.uptime_s();
-  out.pool.block_bytes = resp.pool().block_bytes();
-  out.pool.capacity_blocks = resp.pool().capacity_blocks();
-  out.pool.used_blocks = resp.pool().used_blocks();
-  out.pool.pinned_blocks = resp.pool().pinned_blocks();
-  out.pool.budget_bytes = resp.pool().budget_bytes();
-  out.pool.backing = resp.pool().backing();
-  out.pool.unverified_blocks = resp.pool().unverified_blocks();
-  for (const v1::ComponentPoolStatus& c : resp.pool().components()) {
-    DaemonStatus::Pool::Component pc;
-    pc.kind = static_cast<ComponentKind>(c.kind());
-    pc.slot_bytes = c.slot_bytes();
-    pc.capacity = c.capacity();
-    pc.used = c.used();
-    pc.pinned = c.pinned();
-    pc.evicted = c.evicted();
-    pc.unanchored = c.unanchored();
-    out.pool.components.push_back(pc);
-  }
+  out.pool = PoolFromProto(resp.pool());
   out.index_blocks = resp.index().blocks();
   out.sessions = resp.sessions();
-  const v1::Counters& c = resp.counters();
-  if (c.has_match_requests()) out.counters["match_requests"] = c.match_requests();
-  if (c.has_match_blocks()) out.counters["match_blocks"] = c.match_blocks();
-  if (c.has_hit_blocks()) out.counters["hit_blocks"] = c.hit_blocks();
-  if (c.has_load_blocks()) out.counters["load_blocks"] = c.load_blocks();
-  if (c.has_store_blocks()) out.counters["store_blocks"] = c.store_blocks();
-  if (c.has_evicted_blocks()) out.counters["evicted_blocks"] = c.evicted_blocks();
-  if (c.has_bytes_loaded()) out.counters["bytes_loaded"] = c.bytes_loaded();
-  if (c.has_bytes_stored()) out.counters["bytes_stored"] = c.bytes_stored();
-  if (c.has_errors()) out.counters["errors"] = c.errors();
-  if (c.has_data_loss_blocks()) out.counters["data_loss_blocks"] = c.data_loss_blocks();
+  out.counters = CountersFromProto(resp.counters());
   for (const auto& b : resp.backends()) {
     out.backends.push_back({b.name(), std::vector<std::string>(b.devices().begin(), b.devices().end())});
   }
   out.model_namespace = resp.model_namespace();
+  for (const v1::DomainStatus& d : resp.domains()) {
+    DaemonStatus::Domain domain;
+    domain.model_namespace = d.model_namespace();
+    domain.geometry = FromProto(d.geometry());
+    domain.pool = PoolFromProto(d.pool());
+    domain.index_blocks = d.index().blocks();
+    domain.counters = CountersFromProto(d.counters());
+    domain.sessions = d.sessions();
+    domain.idle_s = d.idle_s();
+    domain.limit_bytes = d.limit_bytes();
+    out.domains.push_back(std::move(domain));
+  }
   return out;
 }
 
@@ -611,17 +638,22 @@ Result<std::string> Client::Resume() {
   return resp.state();
 }
 
-Result<uint64_t> Client::DropDomain() {
+Result<uint64_t> Client::DropDomain(const std::string& model_namespace, uint64_t min_idle_s) {
+  v1::DropDomainRequest req;
+  req.set_model_namespace(model_namespace);
+  req.set_min_idle_s(min_idle_s);
   v1::DropDomainResponse resp;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx);
-  FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->DropDomain(&ctx, v1::DropDomainRequest(), &resp)));
+  FLEXKV_RETURN_IF_ERROR(impl_->Call(impl_->stub->DropDomain(&ctx, req, &resp)));
   return resp.dropped_blocks();
 }
 
-Result<ScrubResult> Client::Scrub(uint64_t max_bytes_per_s, std::chrono::milliseconds timeout) {
+Result<ScrubResult> Client::Scrub(uint64_t max_bytes_per_s, std::chrono::milliseconds timeout,
+                                  const std::string& model_namespace) {
   v1::ScrubRequest req;
   req.set_max_bytes_per_s(max_bytes_per_s);
+  req.set_model_namespace(model_namespace);
   v1::ScrubResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + timeout);

@@ -29,13 +29,9 @@ using Json = nlohmann::ordered_json;
 
 std::string Dump(const Json& j, int indent) { return j.dump(indent, ' ', false, Json::error_handler_t::replace); }
 
-Json StatusJson(const flexkv::DaemonStatus& s) {
-  Json counters = Json::object();
-  for (const auto& [name, value] : s.counters) counters[name] = value;
-  Json backends = Json::array();
-  for (const auto& b : s.backends) backends.push_back(Json{{"name", b.name}, {"devices", b.devices}});
+Json PoolJson(const flexkv::DaemonStatus::Pool& p) {
   Json components = Json::array();
-  for (const auto& c : s.pool.components) {
+  for (const auto& c : p.components) {
     components.push_back(Json{{"kind", flexkv::ComponentKindName(c.kind)},
                               {"slot_bytes", c.slot_bytes},
                               {"capacity", c.capacity},
@@ -44,24 +40,59 @@ Json StatusJson(const flexkv::DaemonStatus& s) {
                               {"evicted", c.evicted},
                               {"unanchored", c.unanchored}});
   }
+  return Json{{"block_bytes", p.block_bytes},
+              {"capacity_blocks", p.capacity_blocks},
+              {"used_blocks", p.used_blocks},
+              {"pinned_blocks", p.pinned_blocks},
+              {"backing", p.backing},
+              {"budget_bytes", p.budget_bytes},
+              {"unverified_blocks", p.unverified_blocks},
+              {"components", components}};
+}
+
+// "16 tokens/block: 24 full layers + 24 sliding_window(128 tokens) layers" - what an operator tells models apart by.
+std::string ShortGeometry(const flexkv::Geometry& g) {
+  std::string text = fmt::format("{} tokens/block: {} full layers", g.tokens_per_block, g.num_layers);
+  for (size_t c = 1; c < g.component_count(); ++c) {
+    const flexkv::ComponentSpec& spec = g.components[c - 1];
+    text += fmt::format(" + {} {}", spec.num_layers, flexkv::ComponentKindName(spec.kind));
+    if (spec.kind == flexkv::ComponentKind::kSlidingWindow) text += fmt::format("({} tokens)", spec.window_tokens);
+    text += " layers";
+  }
+  return text;
+}
+
+Json CountersJson(const std::map<std::string, uint64_t>& counters) {
+  Json out = Json::object();
+  for (const auto& [name, value] : counters) out[name] = value;
+  return out;
+}
+
+Json StatusJson(const flexkv::DaemonStatus& s) {
+  Json backends = Json::array();
+  for (const auto& b : s.backends) backends.push_back(Json{{"name", b.name}, {"devices", b.devices}});
+  Json domains = Json::array();
+  for (const auto& d : s.domains) {
+    domains.push_back(Json{{"model_namespace", d.model_namespace},
+                           {"geometry", d.geometry.ToString()},
+                           {"pool", PoolJson(d.pool)},
+                           {"index", {{"blocks", d.index_blocks}}},
+                           {"sessions", d.sessions},
+                           {"idle_s", d.idle_s},
+                           {"limit_bytes", d.limit_bytes},
+                           {"counters", CountersJson(d.counters)}});
+  }
   return Json{{"state", s.state},
               {"version", s.version},
               {"pid", s.pid},
               {"uptime_s", s.uptime_s},
-              {"pool",
-               {{"block_bytes", s.pool.block_bytes},
-                {"capacity_blocks", s.pool.capacity_blocks},
-                {"used_blocks", s.pool.used_blocks},
-                {"pinned_blocks", s.pool.pinned_blocks},
-                {"backing", s.pool.backing},
-                {"budget_bytes", s.pool.budget_bytes},
-                {"unverified_blocks", s.pool.unverified_blocks},
-                {"components", components}}},
+              {"pool", PoolJson(s.pool)},
               {"index", {{"blocks", s.index_blocks}}},
               {"sessions", s.sessions},
-              {"counters", counters},
+              {"counters", CountersJson(s.counters)},
               {"backends", backends},
-              {"model_namespace", s.model_namespace}};
+              {"model_namespace", s.model_namespace},
+              {"domains", domains}};
 }
 
 Json SessionJson(const flexkv::SessionEntry& s) {
@@ -73,33 +104,57 @@ Json SessionJson(const flexkv::SessionEntry& s) {
               {"pinned_blocks", s.pinned_blocks}, {"inflight_requests", s.inflight_requests}};
 }
 
-void PrintStatus(const flexkv::DaemonStatus& s) {
-  fmt::print("flexkvd {} (pid {}), up {} s: {}\n", s.version, s.pid, s.uptime_s, s.state);
-  if (s.pool.block_bytes == 0) {
-    fmt::print("pool      budget {} bytes; block size not fixed yet (no session has attached)\n", s.pool.budget_bytes);
+std::string CountersText(const std::map<std::string, uint64_t>& counters) {
+  std::string text;
+  for (const auto& [name, value] : counters) text += fmt::format("{}{}={}", text.empty() ? "" : " ", name, value);
+  return text.empty() ? "-" : text;
+}
+
+// A pool's line (starting with `label`) and, for a hybrid domain, one line per component's sub-pool.
+void PrintPool(const flexkv::DaemonStatus::Pool& p, const char* label) {
+  if (p.block_bytes == 0) {
+    fmt::print("{:<10}budget {} bytes; block size not fixed yet (no session has attached)\n", label, p.budget_bytes);
   } else {
-    fmt::print("pool      {} slots of {} bytes; {} used, {} pinned; backing {}\n", s.pool.capacity_blocks,
-               s.pool.block_bytes, s.pool.used_blocks, s.pool.pinned_blocks,
-               s.pool.backing.empty() ? "-" : s.pool.backing);
+    fmt::print("{:<10}{} slots of {} bytes; {} used, {} pinned; backing {}\n", label, p.capacity_blocks, p.block_bytes,
+               p.used_blocks, p.pinned_blocks, p.backing.empty() ? "-" : p.backing);
   }
-  // A hybrid domain's sub-pools, one line each (a full-attention domain has one, the pool line above).
-  if (s.pool.components.size() > 1) {
-    for (size_t i = 0; i < s.pool.components.size(); ++i) {
-      const auto& c = s.pool.components[i];
+  if (p.components.size() > 1) {
+    for (size_t i = 0; i < p.components.size(); ++i) {
+      const auto& c = p.components[i];
       fmt::print("  {} {:<14} {} slots of {} bytes; {} used, {} pinned, {} evicted, {} unanchored\n", i,
                  flexkv::ComponentKindName(c.kind), c.capacity, c.slot_bytes, c.used, c.pinned, c.evicted,
                  c.unanchored);
     }
   }
-  if (s.pool.unverified_blocks > 0) {
-    fmt::print("verifying {} restored blocks left to check (not served until they pass)\n", s.pool.unverified_blocks);
+  if (p.unverified_blocks > 0) {
+    fmt::print("verifying {} restored blocks left to check (not served until they pass)\n", p.unverified_blocks);
   }
-  fmt::print("domain    {}\n", s.model_namespace.empty() ? "-" : s.model_namespace);
+}
+
+void PrintStatus(const flexkv::DaemonStatus& s) {
+  fmt::print("flexkvd {} (pid {}), up {} s: {}\n", s.version, s.pid, s.uptime_s, s.state);
+  if (s.domains.size() <= 1) {
+    // One domain (or none yet): the daemon's pool is that domain's.
+    PrintPool(s.pool, "pool");
+    fmt::print("domain    {}\n", s.model_namespace.empty() ? "-" : s.model_namespace);
+  } else {
+    fmt::print("budget    {} bytes over {} domains\n", s.pool.budget_bytes, s.domains.size());
+    for (const auto& d : s.domains) {
+      const uint64_t hit = d.counters.contains("hit_blocks") ? d.counters.at("hit_blocks") : 0;
+      const uint64_t asked = d.counters.contains("match_blocks") ? d.counters.at("match_blocks") : 0;
+      const uint64_t evicted = d.counters.contains("evicted_blocks") ? d.counters.at("evicted_blocks") : 0;
+      fmt::print("domain    {} ({}): share {} bytes{}; {} session(s){}; {} blocks indexed; hit {}/{} blocks; {} "
+                 "evicted\n",
+                 d.model_namespace, ShortGeometry(d.geometry), d.pool.budget_bytes,
+                 d.limit_bytes != 0 ? fmt::format(" (limit {})", d.limit_bytes) : std::string(), d.sessions,
+                 d.sessions == 0 ? fmt::format(", idle {} s", d.idle_s) : std::string(), d.index_blocks, hit, asked,
+                 evicted);
+      PrintPool(d.pool, "  pool");
+    }
+  }
   fmt::print("index     {} blocks\n", s.index_blocks);
   fmt::print("sessions  {}\n", s.sessions);
-  std::string counters;
-  for (const auto& [name, value] : s.counters) counters += fmt::format("{}{}={}", counters.empty() ? "" : " ", name, value);
-  fmt::print("counters  {}\n", counters.empty() ? "-" : counters);
+  fmt::print("counters  {}\n", CountersText(s.counters));
   std::string backends;
   for (const auto& b : s.backends) {
     backends += (backends.empty() ? "" : ", ") + b.name;
@@ -136,7 +191,14 @@ int main(int argc, char** argv) {
   auto* resume_cmd = app.add_subcommand("resume", "Admit work again after a drain");
   auto* health_cmd = app.add_subcommand("health", "gRPC health check: exit 0 when serving");
   auto* drop_cmd = app.add_subcommand(
-      "drop-domain", "Drop the cache domain and its pool (blocks are lost) so the next Attach fixes a new one");
+      "drop-domain",
+      "Drop one cache domain and its pool (its blocks are lost; other domains are untouched) so its budget is free");
+  std::string drop_namespace;
+  double drop_idle_s = 0;
+  drop_cmd->add_option("namespace", drop_namespace, "The domain's model namespace (may be left out when there is one)");
+  drop_cmd->add_option("--idle", drop_idle_s,
+                       "Refuse unless the domain has had no session for at least this many seconds (default 0)")
+      ->check(CLI::Range(0.0, 365.0 * 86400));
   auto* scrub_cmd = app.add_subcommand(
       "scrub", "Check every cached block against its checksum while serving; drop and count the ones that fail");
   double scrub_rate_mib = 0;
@@ -145,6 +207,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1e9));
   scrub_cmd->add_option("--timeout", scrub_timeout_s, "Seconds to wait for the scrub (default 86400)")
       ->check(CLI::Range(1.0, 31.0 * 86400));
+  std::string scrub_namespace;
+  scrub_cmd->add_option("--namespace", scrub_namespace, "Only this domain's pool (default: every domain's)");
   for (auto* sub : {status_cmd, sessions_cmd, metrics_cmd, drain_cmd, resume_cmd, health_cmd, scrub_cmd,
                     drop_cmd}) {
     sub->add_flag("--json", json, "Machine-readable output");
@@ -236,14 +300,14 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (drop_cmd->parsed()) {
-    auto dropped = c.DropDomain();
+    auto dropped = c.DropDomain(drop_namespace, static_cast<uint64_t>(drop_idle_s));
     if (!dropped.ok()) return Refused(dropped.status());
     fmt::print("{}\n", json ? Dump(Json{{"dropped_blocks", *dropped}}, -1) : fmt::format("dropped {} blocks", *dropped));
     return kExitOk;
   }
   if (scrub_cmd->parsed()) {
     const auto rate = static_cast<uint64_t>(scrub_rate_mib * 1024 * 1024);
-    auto r = c.Scrub(rate, std::chrono::milliseconds(static_cast<int64_t>(scrub_timeout_s * 1000)));
+    auto r = c.Scrub(rate, std::chrono::milliseconds(static_cast<int64_t>(scrub_timeout_s * 1000)), scrub_namespace);
     if (!r.ok()) return Refused(r.status());
     if (json) {
       fmt::print("{}\n", Dump(Json{{"checked_blocks", r->checked_blocks},

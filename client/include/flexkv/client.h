@@ -73,7 +73,10 @@ struct DaemonStatus {
       uint64_t unanchored = 0;  // entries whose full-attention block is gone (evicted first)
     };
     std::vector<Component> components;
-  } pool;
+  };
+  // With several cache domains, pool / index_blocks / counters are the totals of every domain (pool.budget_bytes is
+  // the daemon's budget) and model_namespace is set only while exactly one domain exists.
+  Pool pool;
   uint64_t index_blocks = 0;
   uint32_t sessions = 0;
   std::map<std::string, uint64_t> counters;  // only the counters this daemon counts
@@ -83,6 +86,18 @@ struct DaemonStatus {
   };
   std::vector<Backend> backends;
   std::string model_namespace;
+  // One cache domain (a model namespace with its geometry, its own pool and index), in the order they were created.
+  struct Domain {
+    std::string model_namespace;
+    Geometry geometry;
+    Pool pool;                                 // budget_bytes: this domain's share of the daemon's budget
+    uint64_t index_blocks = 0;
+    std::map<std::string, uint64_t> counters;  // as above, without errors (not counted per domain)
+    uint32_t sessions = 0;
+    uint64_t idle_s = 0;       // since its last session ended (or it was created); 0 while one is attached
+    uint64_t limit_bytes = 0;  // the operator's pool_size for its namespace; 0: none
+  };
+  std::vector<Domain> domains;  // empty from a daemon older than several domains
 };
 
 // What a scrub found (Client::Scrub).
@@ -255,12 +270,17 @@ class Client {
   // Admin calls (root, the daemon's uid, or --admin-group). Return the state after the call.
   Result<std::string> Drain();
   Result<std::string> Resume();
-  // Admin: drops the cache domain and its pool (blocks included) so that the next Attach fixes a new one; refused
-  // while any session is attached. Returns the blocks dropped.
-  Result<uint64_t> DropDomain();
+  // Admin: drops the cache domain of `model_namespace` (empty: the only one; INVALID_ARGUMENT when there are
+  // several) and its pool, blocks included, so that its budget is free and the namespace may take another geometry.
+  // FAILED_PRECONDITION while a session of that domain is attached, its blocks are pinned, or it has had a session
+  // within `min_idle_s`; NOT_FOUND (naming the domains there are) when no domain has that namespace. Other domains
+  // are untouched. Returns the blocks dropped.
+  Result<uint64_t> DropDomain(const std::string& model_namespace = {}, uint64_t min_idle_s = 0);
   // Admin: checks every cached block's bytes against its checksum (failed ones are dropped) and answers when
-  // done, at most `max_bytes_per_s` (0: unlimited); `timeout` bounds the wait.
-  Result<ScrubResult> Scrub(uint64_t max_bytes_per_s, std::chrono::milliseconds timeout);
+  // done, at most `max_bytes_per_s` (0: unlimited); `timeout` bounds the wait. Every domain's pool, or only
+  // `model_namespace`'s.
+  Result<ScrubResult> Scrub(uint64_t max_bytes_per_s, std::chrono::milliseconds timeout,
+                            const std::string& model_namespace = {});
   // grpc.health.v1 Check of the whole server: OK when SERVING, UNAVAILABLE otherwise.
   Status CheckHealth();
 
