@@ -1,0 +1,46 @@
+// How the daemon's DRAM budget is shared between its cache domains (docs/operations.md "Several models"): in
+// proportion to each domain's demand - the bytes it stored and loaded lately - each within its floor (the least
+// pool it can serve with) and its limit (the operator's pool_size for its namespace, else the whole budget).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace flexkv {
+
+struct DomainNeed {
+  double demand = 0;           // bytes per second stored + loaded, smoothed (DemandMeter); 0: idle
+  uint64_t floor_bytes = 0;    // the least it keeps
+  uint64_t limit_bytes = 0;    // the most it may have (>= floor_bytes)
+  uint64_t current_bytes = 0;  // what it has now
+};
+
+// Each domain's share. When every domain is idle (no demand), the current sizes (clamped to [floor, limit]): moving
+// memory between idle domains would only evict blocks. Otherwise water-filling: share_i = clamp(lambda * demand_i,
+// floor_i, limit_i) with the largest lambda whose shares fit the budget, so the budget left by a domain held at
+// its limit goes to the others in proportion to their demand; an idle domain gets its floor. The shares sum to at
+// most max(budget, sum of floors) (the caller admits no domain whose floor does not fit).
+std::vector<uint64_t> PlanShares(uint64_t budget_bytes, std::span<const DomainNeed> domains);
+
+// A byte counter's rate, smoothed with a half-life: the demand PlanShares divides by. Not thread-safe.
+class DemandMeter {
+ public:
+  explicit DemandMeter(double half_life_s) : half_life_s_(half_life_s) {}
+  // `total_bytes`: the counter's value now (it only grows); `now_ms`: a monotonic clock. The first call only
+  // remembers where the counter is.
+  void Observe(uint64_t total_bytes, int64_t now_ms);
+  // Starts the meter at `bytes_per_s` (a new domain: the mean of the others, so that it is not starved before
+  // it has shown what it needs).
+  void Seed(double bytes_per_s) { rate_ = bytes_per_s; }
+  double rate() const { return rate_; }
+
+ private:
+  const double half_life_s_;
+  double rate_ = 0;
+  bool started_ = false;
+  uint64_t last_bytes_ = 0;
+  int64_t last_ms_ = 0;
+};
+
+}  // namespace flexkv

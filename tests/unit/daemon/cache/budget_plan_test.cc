@@ -1,0 +1,90 @@
+// PlanShares and DemandMeter: how cache domains share the budget.
+#include "daemon/cache/budget_plan.h"
+
+#include <catch2/catch.hpp>
+#include <numeric>
+
+namespace flexkv {
+namespace {
+
+constexpr uint64_t kGiB = 1ULL << 30;
+
+uint64_t Sum(const std::vector<uint64_t>& v) { return std::accumulate(v.begin(), v.end(), uint64_t{0}); }
+
+TEST_CASE("budget shares follow demand", "[unit]") {
+  const DomainNeed a{300, kGiB, 64 * kGiB, 32 * kGiB}, b{100, kGiB, 64 * kGiB, 32 * kGiB};
+  const std::vector<DomainNeed> need{a, b};
+  const auto shares = PlanShares(64 * kGiB, need);
+  REQUIRE(shares.size() == 2);
+  CHECK(Sum(shares) <= 64 * kGiB);
+  CHECK(Sum(shares) > 64 * kGiB - 1024);
+  CHECK(static_cast<double>(shares[0]) == Approx(48.0 * kGiB).epsilon(1e-6));
+  CHECK(static_cast<double>(shares[1]) == Approx(16.0 * kGiB).epsilon(1e-6));
+}
+
+TEST_CASE("a domain held at its limit leaves the rest of the budget to the others", "[unit]") {
+  // a would take 3/4 = 48 GiB but its operator limit is 8 GiB: b and c share the other 56 GiB by demand (1:1).
+  const std::vector<DomainNeed> need{{300, kGiB, 8 * kGiB, 0}, {50, kGiB, 64 * kGiB, 0}, {50, kGiB, 64 * kGiB, 0}};
+  const auto shares = PlanShares(64 * kGiB, need);
+  CHECK(shares[0] == 8 * kGiB);
+  CHECK(static_cast<double>(shares[1]) == Approx(28.0 * kGiB).epsilon(1e-6));
+  CHECK(static_cast<double>(shares[2]) == Approx(28.0 * kGiB).epsilon(1e-6));
+}
+
+TEST_CASE("an idle domain keeps its floor while others have demand", "[unit]") {
+  const std::vector<DomainNeed> need{{0, 2 * kGiB, 64 * kGiB, 40 * kGiB}, {10, kGiB, 64 * kGiB, 24 * kGiB}};
+  const auto shares = PlanShares(64 * kGiB, need);
+  CHECK(shares[0] == 2 * kGiB);
+  CHECK(shares[1] <= 62 * kGiB);
+  CHECK(shares[1] > 62 * kGiB - 1024);
+}
+
+TEST_CASE("when every domain is idle nothing moves", "[unit]") {
+  const std::vector<DomainNeed> need{{0, kGiB, 64 * kGiB, 40 * kGiB}, {0, kGiB, 16 * kGiB, 20 * kGiB}};
+  const auto shares = PlanShares(64 * kGiB, need);
+  CHECK(shares[0] == 40 * kGiB);
+  CHECK(shares[1] == 16 * kGiB);  // clamped to its limit
+}
+
+TEST_CASE("limits that all fit are given in full", "[unit]") {
+  const std::vector<DomainNeed> need{{5, kGiB, 8 * kGiB, 0}, {1, kGiB, 4 * kGiB, 0}};
+  const auto shares = PlanShares(64 * kGiB, need);
+  CHECK(shares[0] == 8 * kGiB);
+  CHECK(shares[1] == 4 * kGiB);
+}
+
+TEST_CASE("floors are kept even when demand is lopsided", "[unit]") {
+  const std::vector<DomainNeed> need{{1e12, kGiB, 64 * kGiB, 0}, {1, 4 * kGiB, 64 * kGiB, 0}};
+  const auto shares = PlanShares(64 * kGiB, need);
+  CHECK(shares[1] == 4 * kGiB);
+  CHECK(shares[0] <= 60 * kGiB);
+  CHECK(shares[0] > 60 * kGiB - 1024);
+}
+
+TEST_CASE("the demand meter follows a counter's rate with its half-life", "[unit]") {
+  DemandMeter m(10);
+  m.Observe(0, 0);
+  CHECK(m.rate() == 0);
+  // 100 MB/s for 10 s in one step: half of the way from 0 to 100 MB/s.
+  m.Observe(1000ULL * 1000 * 1000, 10'000);
+  CHECK(m.rate() == Approx(50e6).epsilon(1e-9));
+  // Another 10 s at the same rate: three quarters.
+  m.Observe(2000ULL * 1000 * 1000, 20'000);
+  CHECK(m.rate() == Approx(75e6).epsilon(1e-9));
+  // Idle for 10 s: halves.
+  m.Observe(2000ULL * 1000 * 1000, 30'000);
+  CHECK(m.rate() == Approx(37.5e6).epsilon(1e-9));
+  // A clock that does not move changes nothing.
+  m.Observe(3000ULL * 1000 * 1000, 30'000);
+  CHECK(m.rate() == Approx(37.5e6).epsilon(1e-9));
+}
+
+TEST_CASE("a seeded demand meter starts from the seed", "[unit]") {
+  DemandMeter m(10);
+  m.Seed(1e6);
+  m.Observe(0, 0);
+  CHECK(m.rate() == 1e6);
+}
+
+}  // namespace
+}  // namespace flexkv
