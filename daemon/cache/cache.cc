@@ -255,6 +255,11 @@ std::optional<PoolRegion> Cache::pool_region(size_t component) const {
   return PoolRegion{p.data, uint64_t{p.active} * p.slot_bytes, p.slot_bytes, p.active};
 }
 
+SlotId Cache::slot_id_end() const {
+  MutexLock lock(&mu_);
+  return pool_ ? pool_->capacity() : 0;
+}
+
 uint32_t Cache::active_slots(size_t component) const {
   return component < active_slots_.size() ? active_slots_[component].load(std::memory_order_acquire) : 0;
 }

@@ -68,6 +68,9 @@ class Cache {
   uint64_t SlotBytes(SlotId slot) const;  // the slot's size (its component's); has_pool() must hold
   // Active slots in the pool (every component's; see Resize); 0 before it exists. No lock.
   uint32_t capacity_slots() const;
+  // Slot ids are below this: every component's slots at the pool's maximum (its numbering; see Resize). 0 before
+  // the pool exists.
+  SlotId slot_id_end() const;
   // Active slots of component `component` (0 before the pool exists or for a component it does not have). No lock.
   uint32_t active_slots(size_t component) const;
   // Where component `component`'s active slots are (its sub-pool; slot ids in it are local, 0-based; `slots` is

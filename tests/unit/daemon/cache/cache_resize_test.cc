@@ -219,6 +219,15 @@ TEST_CASE("cache resize: every component shrinks and grows back; kept blocks sta
   const std::vector<uint32_t> one_grant{cache.pool_region(0)->slots, cache.pool_region(1)->slots,
                                         cache.pool_region(2)->slots};
 
+  // A scrub still reaches every component's blocks (slot ids run to the maximum, not to the active count).
+  {
+    const Cache::Stats now = cache.GetStats();
+    auto scrubbed = flexkv::BlockVerifier(&cache).Scrub({});
+    REQUIRE(scrubbed.ok());
+    CHECK(scrubbed->checked_blocks == now.used);
+    CHECK(scrubbed->failed_blocks == 0);
+  }
+
   // A restart keeps the active capacities and A.
   t.Reopen();
   GrantLog relog;

@@ -4,9 +4,11 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -244,4 +246,32 @@ TEST_CASE("elastic pool: Recover drops the entries of slots beyond the active ca
   CHECK(entries[0].key == a);
   CHECK(entries[1].key == d);
   CHECK_FALSE((*pool)->Entry(40).has_value());
+}
+
+TEST_CASE("elastic pool: the active record is where docs/protocol.md says, checksummed as it says", "[unit][elastic]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  {
+    auto pool = Pool::Create(path, "ns", Wide(), kBudget, 0, {}, 8 * kSlotBytes);
+    REQUIRE(pool.ok());
+    REQUIRE((*pool)->SetActive(0, 12).ok());
+  }
+  uint8_t record[56] = {};
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  REQUIRE(pread(fd, record, sizeof(record), kActiveRecordOffset) == static_cast<ssize_t>(sizeof(record)));
+  close(fd);
+  auto u32 = [&](size_t at) {
+    uint32_t v;
+    std::memcpy(&v, record + at, sizeof(v));
+    return v;
+  };
+  CHECK(std::string(reinterpret_cast<const char*>(record), 8) == "FLEXKVAC");
+  CHECK(u32(8) == 1);   // record version
+  CHECK(u32(12) == 1);  // components
+  CHECK(u32(16) == 12);
+  CHECK(u32(20) == 0);
+  uint64_t checksum;
+  std::memcpy(&checksum, record + 48, sizeof(checksum));
+  CHECK(checksum == XXH64(record, 48, 2));
 }
