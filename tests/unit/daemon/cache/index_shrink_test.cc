@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <random>
 #include <set>
 #include <span>
 #include <vector>
@@ -212,4 +213,160 @@ TEST_CASE("component index: unverified entries hold a shrink, and a restore beyo
   CHECK(small.RestoreUnverified(4, BlockKey{3, 3}).code() == StatusCode::kFailedPrecondition);
   CHECK(small.RestoreUnverified(3, BlockKey{3, 3}).ok());
   small.CheckInvariants();
+}
+
+TEST_CASE("prefix index: random stores, pins, drops, shrinks and grows keep the index consistent and the shrunk slots unused",
+          "[unit][index][elastic]") {
+  constexpr uint32_t kCap = 64;
+  PrefixIndex index(kCap);
+  std::mt19937 rng(7);
+  auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
+  std::vector<std::vector<SlotId>> pending, pins;
+  std::vector<std::vector<BlockKey>> stored;
+  size_t shrinks_held = 0;
+  for (int step = 0; step < 4000; ++step) {
+    switch (pick(8)) {
+      case 7: {  // a block fails a check: dropped with its descendants
+        const SlotId s = static_cast<SlotId>(pick(kCap));
+        index.DropSubtrees(std::span(&s, 1), [](SlotId) {});
+        break;
+      }
+      case 0:
+      case 1: {  // a store of a chain over a small alphabet (chains share prefixes)
+        std::vector<int32_t> tokens(1 + pick(8));
+        for (int32_t& t : tokens) t = static_cast<int32_t>(pick(3));
+        const std::vector<BlockKey> keys = Chain(tokens);
+        auto r = index.Reserve(flexkv::kRootParent, keys);
+        for (SlotId s : r.slots) REQUIRE(s < index.limit());
+        if (r.slots.empty()) break;
+        if (pick(2) == 0) {
+          index.Commit(r.slots);
+          stored.push_back(keys);
+        } else {
+          pending.push_back(r.slots);
+        }
+        break;
+      }
+      case 2:  // a store in flight ends
+        if (!pending.empty()) {
+          const size_t i = pick(pending.size());
+          if (pick(2) == 0) index.Commit(pending[i]); else index.Abort(pending[i]);
+          pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+        break;
+      case 3:  // a load pins what it matches, or one ends
+        if (!stored.empty() && pick(2) == 0) {
+          std::vector<SlotId> slots;
+          index.Match(stored[pick(stored.size())], true, &slots);
+          if (!slots.empty()) pins.push_back(slots);
+        } else if (!pins.empty()) {
+          const size_t i = pick(pins.size());
+          index.Unpin(pins[i]);
+          pins.erase(pins.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+        break;
+      case 4:
+      case 5: {
+        const uint32_t target = static_cast<uint32_t>(pick(index.active() + 1));
+        const PrefixIndex::Shrunk shrunk = index.Shrink(target);
+        REQUIRE(shrunk.active >= target);
+        REQUIRE(shrunk.active == index.active());
+        REQUIRE(index.limit() == target);
+        shrinks_held += shrunk.active > target ? 1 : 0;
+        break;
+      }
+      case 6:
+        index.Grow(index.active() + static_cast<uint32_t>(pick(kCap - index.active() + 1)));
+        break;
+    }
+    index.CheckInvariants();
+    REQUIRE(PrefixClosed(index));
+  }
+  CHECK(shrinks_held > 0);  // the run did hold shrinks up
+  for (const auto& p : pending) index.Abort(p);
+  for (const auto& p : pins) index.Unpin(p);
+  CHECK(index.Shrink(0).active == 0);  // with nothing held, everything goes
+  CHECK(index.used_slots() == 0);
+  index.Grow(kCap);
+  index.CheckInvariants();
+}
+
+TEST_CASE("component index: random stores, pins, anchors, drops, shrinks and grows keep it consistent",
+          "[unit][index][elastic]") {
+  constexpr uint32_t kCap = 32;
+  ComponentIndex index(kCap);
+  std::mt19937 rng(11);
+  auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
+  std::vector<std::vector<SlotId>> pending;
+  std::vector<SlotId> pins;
+  const std::vector<BlockKey> universe = Keys(9, 48);
+  size_t shrinks_held = 0;
+  for (int step = 0; step < 6000; ++step) {
+    switch (pick(8)) {
+      case 0:
+      case 1: {  // an all-or-none store of distinct keys: Feasible foretells Reserve
+        std::vector<BlockKey> keys;
+        const size_t start = pick(universe.size());
+        for (size_t i = 0; i < 1 + pick(4); ++i) keys.push_back(universe[(start + i * 7) % universe.size()]);
+        const StatusCode feasible = index.Feasible(keys);
+        auto r = index.Reserve(keys);
+        REQUIRE(r.shortfall == feasible);
+        std::vector<SlotId> taken;
+        for (SlotId s : r.slots) {
+          if (s == ComponentIndex::kNoSlot) continue;
+          REQUIRE(s < index.limit());
+          taken.push_back(s);
+        }
+        if (taken.empty()) break;
+        if (pick(2) == 0) index.Commit(taken); else pending.push_back(taken);
+        break;
+      }
+      case 2:
+        if (!pending.empty()) {
+          const size_t i = pick(pending.size());
+          if (pick(2) == 0) index.Commit(pending[i]); else index.Abort(pending[i]);
+          pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+        break;
+      case 3:
+        if (pick(2) == 0) {
+          if (const auto s = index.Find(universe[pick(universe.size())])) {
+            index.Pin(*s);
+            pins.push_back(*s);
+          }
+        } else if (!pins.empty()) {
+          const size_t i = pick(pins.size());
+          index.Unpin(std::span(&pins[i], 1));
+          pins.erase(pins.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+        break;
+      case 4:
+        if (pick(2) == 0) index.Unanchor(universe[pick(universe.size())]); else index.Anchor(universe[pick(universe.size())]);
+        break;
+      case 5: {
+        const SlotId s = static_cast<SlotId>(pick(kCap));
+        index.Drop(std::span(&s, 1));
+        break;
+      }
+      case 6: {
+        const uint32_t target = static_cast<uint32_t>(pick(index.active() + 1));
+        const PrefixIndex::Shrunk shrunk = index.Shrink(target);
+        REQUIRE(shrunk.active >= target);
+        REQUIRE(shrunk.active == index.active());
+        shrinks_held += shrunk.active > target ? 1 : 0;
+        break;
+      }
+      case 7:
+        index.Grow(index.active() + static_cast<uint32_t>(pick(kCap - index.active() + 1)));
+        break;
+    }
+    index.CheckInvariants();
+  }
+  CHECK(shrinks_held > 0);
+  for (const auto& p : pending) index.Abort(p);
+  index.Unpin(pins);
+  CHECK(index.Shrink(0).active == 0);
+  CHECK(index.used_slots() == 0);
+  index.Grow(kCap);
+  index.CheckInvariants();
 }
