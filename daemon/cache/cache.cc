@@ -274,6 +274,15 @@ uint64_t Cache::max_bytes() const {
   return pool_ ? pool_->max_bytes() : 0;
 }
 
+uint64_t Cache::min_bytes() const {
+  MutexLock lock(&mu_);
+  uint64_t bytes = 0;
+  for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
+    bytes += uint64_t{pool_->sub_pool(c).grant} * pool_->sub_pool(c).slot_bytes;
+  }
+  return bytes;
+}
+
 Result<uint64_t> Cache::Resize(uint64_t active_bytes) {
   MutexLock lock(&mu_);
   if (!pool_) return Status::FailedPrecondition("there is no pool to resize yet (the first Attach creates it)");

@@ -1,7 +1,7 @@
 // Cache: the cache domain, the host pool and the prefix index behind one lock, plus the request counters that
 // Status reports. Thread-safe. The pool is created when the first session fixes the geometry, or re-attached
-// at start when a pool file from an earlier run exists; either way it announces itself to the pool listener
-// (the engine-memory backends, which register it for DMA).
+// at start when a pool file from an earlier run exists; either way it announces its active grants to the pool
+// listener (the engine-memory backends, which register them for DMA). Resize moves the pool's active size.
 #pragma once
 
 #include <array>
@@ -88,9 +88,11 @@ class Cache {
   // FAILED_PRECONDITION without a pool; RESOURCE_EXHAUSTED (naming the file, the bytes and the filesystem) when a
   // grow cannot be allocated, the shrinks of this call kept.
   Result<uint64_t> Resize(uint64_t active_bytes);
-  // The pool's active bytes now, and with every slot active (0 without a pool).
+  // The pool's active bytes now, with every slot active, and with one grant of each component active (the least
+  // Resize goes to); 0 without a pool.
   uint64_t active_bytes() const;
   uint64_t max_bytes() const;
+  uint64_t min_bytes() const;
   // The pool's components' first slot in the cache's slot numbering (what Match pins and Unpin takes), by component.
   std::vector<SlotId> component_bases() const;
   CacheDomain::View Domain() const { return domain_.Snapshot(); }

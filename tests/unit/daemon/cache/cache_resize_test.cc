@@ -148,6 +148,9 @@ TEST_CASE("cache resize: every component shrinks and grows back; kept blocks sta
   log.Listen(cache);
   REQUIRE(cache.RecoverPool(false).ok());
   CHECK(cache.Resize(1).status().code() == StatusCode::kFailedPrecondition);  // no pool yet
+  CHECK(cache.active_bytes() == 0);
+  CHECK(cache.max_bytes() == 0);
+  CHECK(cache.min_bytes() == 0);
   REQUIRE(cache.Admit("ns", TinyHybrid()).ok());
   const uint64_t max_bytes = cache.max_bytes();
   CHECK(cache.active_bytes() == max_bytes);
@@ -213,6 +216,7 @@ TEST_CASE("cache resize: every component shrinks and grows back; kept blocks sta
   reached = cache.Resize(0);
   REQUIRE(reached.ok());
   for (size_t c = 0; c < 3; ++c) CHECK(cache.pool_region(c)->slots == (max_slots[c] + 15) / 16);
+  CHECK(*reached == cache.min_bytes());
   CheckServed(cache, a);
   CHECK(cache.Match(big, false, nullptr) == 0);
   CHECK(Heard(log) == ActiveGrants(cache, max_slots));
