@@ -290,8 +290,7 @@ Result<uint64_t> Cache::Resize(uint64_t active_bytes) {
   const auto index_active = [&](size_t c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return c == 0 ? index_->active() : Part(c).active();
   };
-  // Shrinks first (FULL first: its evictions unanchor the other components' entries), so that the memory they
-  // give back is there for the grows.
+  // Shrinks first, so that the memory they give back is there for the grows.
   Status status;
   for (size_t c = 0; c < target.size(); ++c) {
     if (target[c] > index_active(c)) continue;
