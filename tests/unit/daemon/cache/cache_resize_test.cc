@@ -12,6 +12,7 @@
 #include "common/hybrid_ids.h"
 #include "daemon/cache/block_verifier.h"
 #include "daemon/cache/cache.h"
+#include "daemon/tiers/dram/dram_tier.h"
 #include "tests/unit/daemon/cache/temp_cache.h"
 
 using flexkv::BlockKey;
@@ -247,4 +248,39 @@ TEST_CASE("cache resize: every component shrinks and grows back; kept blocks sta
   REQUIRE(t.cache().DropDomain(false, nullptr).ok());
   CHECK(relog.live.empty());
   CHECK(relog.twice == 0);
+}
+
+TEST_CASE("cache resize: the DRAM tier and the capacity figures follow the active size, and a slot beyond it is refused",
+          "[unit][cache][elastic][tiers]") {
+  TempCache t;  // 64 slots of 4 KiB: grants of 4
+  Cache& cache = t.cache();
+  REQUIRE(cache.RecoverPool(false).ok());
+  REQUIRE(cache.Admit("ns", flexkv::testing::SmallGeometry()).ok());
+  flexkv::DramTier tier(&cache);
+  CHECK(tier.capacity_slots() == 64);
+  auto reached = cache.Resize(cache.max_bytes() / 4);
+  REQUIRE(reached.ok());
+  CHECK(*reached == 16 * 4096);
+  CHECK(cache.capacity_slots() == 16);
+  CHECK(cache.GetStats().capacity == 16);
+  CHECK(cache.pool_region(0)->slots == 16);
+  CHECK(tier.capacity_slots() == 16);
+  CHECK(tier.region()->base == cache.SlotData(0));  // no slot moved
+  std::vector<uint8_t> bytes(tier.slot_bytes(), 0x11);
+  CHECK(tier.WriteSlot(15, bytes).ok());
+  CHECK(tier.WriteSlot(16, bytes).code() == StatusCode::kOutOfRange);
+  CHECK(tier.ReadSlot(63, bytes).code() == StatusCode::kOutOfRange);
+  // Stores go to the active slots only, evicting there when they are full.
+  for (uint64_t chain = 0; chain < 6; ++chain) {
+    const std::vector<BlockKey> keys = Keys(10 + chain, 5);
+    auto r = cache.Reserve(flexkv::kRootParent, keys);
+    for (SlotId s : r.slots) CHECK(s < 16);
+    std::vector<uint64_t> sums;
+    for (SlotId s : r.slots) sums.push_back(Fill(cache, s, 0));
+    cache.Commit(flexkv::kRootParent, keys, 0, r.slots, sums);
+  }
+  CHECK(cache.GetStats().used <= 16);
+  REQUIRE(cache.Resize(cache.max_bytes()).ok());
+  CHECK(tier.capacity_slots() == 64);
+  CHECK(tier.WriteSlot(63, bytes).ok());
 }
