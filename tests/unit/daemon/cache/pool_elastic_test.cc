@@ -2,13 +2,18 @@
 // is sparse), SetActive grows and shrinks that in place, the active capacities survive a reopen, and files written
 // before elastic pools open fully active.
 #include <fcntl.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -274,4 +279,61 @@ TEST_CASE("elastic pool: the active record is where docs/protocol.md says, check
   uint64_t checksum;
   std::memcpy(&checksum, record + 48, sizeof(checksum));
   CHECK(checksum == XXH64(record, 48, 2));
+}
+
+namespace {
+
+// In a child process with its own user and mount namespaces, mounts a tmpfs of `bytes` at `dir`. False when this
+// machine does not allow it (no user namespaces).
+bool MountSmallTmpfs(const std::string& dir, uint64_t bytes) {
+  const uid_t uid = getuid();
+  const gid_t gid = getgid();
+  if (unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return false;
+  std::ofstream("/proc/self/setgroups") << "deny";
+  std::ofstream("/proc/self/uid_map") << "0 " << uid << " 1";
+  std::ofstream("/proc/self/gid_map") << "0 " << gid << " 1";
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return false;
+  const std::string size = "size=" + std::to_string(bytes);
+  return mount("tmpfs", dir.c_str(), "tmpfs", 0, size.c_str()) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("elastic pool: a grow the filesystem cannot hold is RESOURCE_EXHAUSTED, naming the file, and changes nothing",
+          "[unit][elastic]") {
+  TempDir dir;
+  // The child reports by exit code: 0 passed, 77 no namespaces here (skipped), other: the failed step.
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    if (!MountSmallTmpfs(dir.path, 5 << 20)) _exit(77);
+    const std::string path = dir.path + "/pool";
+    auto created = Pool::Create(path, "ns", Wide(), kBudget, 0, {}, 16 * kSlotBytes);  // 2 + 1 MiB of 5
+    if (!created.ok()) _exit(1);
+    Pool& pool = **created;
+    struct stat before {};
+    if (stat(path.c_str(), &before) != 0) _exit(2);
+    const flexkv::Status full = pool.SetActive(0, 64);  // 3 MiB more
+    if (full.code() != StatusCode::kResourceExhausted) _exit(3);
+    if (full.message().find(path) == std::string::npos || full.message().find("tmpfs") == std::string::npos) {
+      std::fprintf(stderr, "message: %s\n", full.message().c_str());
+      _exit(4);
+    }
+    if (pool.sub_pool(0).active != 16) _exit(5);
+    struct stat after {};
+    if (stat(path.c_str(), &after) != 0 || after.st_blocks != before.st_blocks) _exit(6);
+    if (!pool.SetActive(0, 32).ok() || pool.sub_pool(0).active != 32) _exit(7);  // 1 MiB more fits
+    created->reset();
+    auto reopened = Pool::Open(path, kBudget);
+    if (!reopened.ok() || (*reopened)->sub_pool(0).active != 32) _exit(8);
+    _exit(0);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) {
+    WARN("skipped: no user and mount namespaces here to mount a small tmpfs");
+    return;
+  }
+  CHECK(WEXITSTATUS(status) == 0);
 }
