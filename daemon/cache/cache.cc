@@ -170,7 +170,9 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
   generation_.fetch_add(1, std::memory_order_acq_rel);
   PublishActiveLocked();
   has_pool_.store(true, std::memory_order_release);
-  for (size_t c = 0; c < pool_->component_count(); ++c) AnnounceGrantsLocked(pool_listener_, c, 0, pool_->sub_pool(c).active);
+  for (size_t c = 0; c < pool_->component_count(); ++c) {
+    AnnounceGrantsLocked(pool_listener_, c, 0, pool_->sub_pool(c).active);
+  }
 }
 
 Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {

@@ -514,7 +514,8 @@ void ComponentIndex::CheckInvariants() const {
   uint32_t free_below_limit = 0, doomed = 0;
   for (SlotId s = 0; s < cap; ++s) {
     const Entry& e = m.entries_[s];
-    if (s >= m.active_) COMPONENT_INDEX_CHECK(e.state == State::kFree, fmt::format("slot {} beyond the active capacity is used", s));
+    COMPONENT_INDEX_CHECK(s < m.active_ || e.state == State::kFree,
+                          fmt::format("slot {} beyond the active capacity is used", s));
     if (s < m.limit_ && e.state == State::kFree) ++free_below_limit;
     if (s >= m.limit_ && Impl::Evictable(e)) ++doomed;
   }

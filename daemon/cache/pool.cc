@@ -303,7 +303,8 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   // hugetlbfs sizes files in whole huge pages.
   const bool hugetlbfs = static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
   uint64_t allocated = data_offset;
-  int rc = ftruncate(fd.get(), static_cast<off_t>(hugetlbfs ? AlignUp(file_bytes, page_bytes) : file_bytes)) == 0 ? 0 : errno;
+  const uint64_t file_size = hugetlbfs ? AlignUp(file_bytes, page_bytes) : file_bytes;
+  int rc = ftruncate(fd.get(), static_cast<off_t>(file_size)) == 0 ? 0 : errno;
   if (rc == 0) rc = posix_fallocate(fd.get(), 0, static_cast<off_t>(data_offset));
   for (size_t c = 0; rc == 0 && c < active.size(); ++c) {
     const uint64_t bytes = uint64_t{active[c]} * slot_bytes[c];
@@ -532,7 +533,8 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
     for (uint64_t c : capacities) active.push_back(static_cast<uint32_t>(c));
   } else {
     bool valid_record = std::memcmp(active_record.magic, kActiveMagic, sizeof(kActiveMagic)) == 0 &&
-                        active_record.version == kActiveRecordVersion && active_record.checksum == ActiveChecksum(active_record) &&
+                        active_record.version == kActiveRecordVersion &&
+                        active_record.checksum == ActiveChecksum(active_record) &&
                         active_record.count == capacities.size();
     for (size_t c = 0; valid_record && c < capacities.size(); ++c) {
       const uint32_t a = active_record.active[c];

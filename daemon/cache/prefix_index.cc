@@ -812,7 +812,8 @@ void PrefixIndex::CheckInvariants() const {
   PREFIX_INDEX_CHECK(m.limit_ <= m.active_ && m.active_ <= cap, "limit or active capacity out of order");
   uint32_t free_below_limit = 0;
   for (SlotId s = 0; s < cap; ++s) {
-    if (s >= m.active_) PREFIX_INDEX_CHECK(m.nodes_[s].state == State::kFree, fmt::format("slot {} beyond the active capacity is used", s));
+    PREFIX_INDEX_CHECK(s < m.active_ || m.nodes_[s].state == State::kFree,
+                       fmt::format("slot {} beyond the active capacity is used", s));
     if (s < m.limit_ && m.nodes_[s].state == State::kFree) ++free_below_limit;
   }
   PREFIX_INDEX_CHECK(m.free_.size == free_below_limit, "free list size != free slots below the limit");
