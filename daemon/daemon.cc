@@ -1,6 +1,7 @@
 // flexkvd's assembly and main loop; see daemon.h.
 #include "daemon/daemon.h"
 
+#include <algorithm>
 #include <fmt/format.h>
 #include <grpcpp/ext/health_check_service_server_builder_option.h>
 #include <grpcpp/grpcpp.h>
@@ -89,8 +90,38 @@ int RunDaemon(const DaemonConfig& config) {
   Cache cache(config.pool_bytes, config.pool_path, PoolSplit{config.swa_share, config.state_share});
   // The pool announces itself (now when re-attached, or at the first Attach): the backends register it for DMA
   // before any session can copy, so that registering GPU buffers later is quick.
-  cache.SetPoolListener([&backends](const PoolRegion& pool) { backends.RegisterPool(pool); },
-                        [&backends] { backends.UnregisterPool(); });
+  // Temporary, until the backends register each grant (region) the cache announces: they register one range per
+  // pool here, so the grants of a pool are gathered and registered as one range once all its active slots are in
+  // (this daemon never resizes a pool yet), and unregistered when its last grant goes.
+  struct PoolRange {
+    uint8_t* begin = nullptr;
+    uint8_t* end = nullptr;
+    uint64_t slots = 0;         // announced and not removed, every component's
+    PoolRegion full;            // component 0's part (the first grants announced)
+    bool registered = false;
+  } range;
+  cache.SetPoolListener(
+      [&backends, &cache, &range](const PoolRegion& grant) {
+        if (range.slots == 0) range = PoolRange{grant.base, grant.base, 0, PoolRegion{grant.base, 0, grant.slot_bytes, 0}};
+        range.begin = std::min(range.begin, grant.base);
+        range.end = std::max(range.end, grant.base + grant.bytes);
+        range.slots += grant.slots;
+        if (grant.slot_bytes == range.full.slot_bytes && grant.base == range.full.base + range.full.bytes) {
+          range.full.bytes += grant.bytes;
+          range.full.slots += grant.slots;
+        }
+        if (!range.registered && range.slots == cache.capacity_slots()) {
+          range.registered = true;
+          backends.RegisterPool(PoolRegion{range.begin, static_cast<uint64_t>(range.end - range.begin),
+                                           range.full.slot_bytes, range.full.slots});
+        }
+      },
+      [&backends, &range](const PoolRegion& grant) {
+        range.slots -= grant.slots;
+        if (range.slots > 0) return;
+        if (range.registered) backends.UnregisterPool();
+        range = PoolRange{};
+      });
   Status recovered = cache.RecoverPool(config.discard_pool);
   if (!recovered.ok()) {
     log::Error("daemon", "cannot use the pool: {}", recovered.ToString());  // names the code

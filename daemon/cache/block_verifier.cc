@@ -92,7 +92,7 @@ void BlockVerifier::VerifyRestored() {
 Result<ScrubReport> BlockVerifier::Scrub(const ScrubOptions& options) {
   if (!cache_->has_pool()) return Status::FailedPrecondition("the pool does not exist yet: nothing to scrub");
   if (scrubbing_.exchange(true)) return Status(StatusCode::kAborted, "a scrub is already running; wait for it to finish");
-  const auto capacity = static_cast<uint32_t>(cache_->GetStats().capacity);
+  const SlotId capacity = cache_->slot_id_end();  // every slot id (a resized pool's active ones are fewer)
   ScrubReport report;
   const int64_t start = NowNs();
   std::vector<SlotId> pinned, failed;

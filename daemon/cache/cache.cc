@@ -27,7 +27,7 @@ namespace {
 std::vector<std::unique_ptr<ComponentIndex>> MakeParts(const Pool& pool) {
   std::vector<std::unique_ptr<ComponentIndex>> parts;
   for (size_t c = 1; c < pool.component_count(); ++c) {
-    parts.push_back(std::make_unique<ComponentIndex>(pool.sub_pool(c).capacity));
+    parts.push_back(std::make_unique<ComponentIndex>(pool.sub_pool(c).capacity, pool.sub_pool(c).active));
   }
   return parts;
 }
@@ -82,7 +82,7 @@ Status Cache::RecoverPool(bool discard) {
   auto committed = (*pool)->Recover(&dropped, &corrupt);
   // A slot entry that fails its checksum (changed, or moved from another slot) loses its block.
   counters_.data_loss_blocks.fetch_add(corrupt, std::memory_order_relaxed);
-  auto index = std::make_unique<PrefixIndex>((*pool)->sub_pool(0).capacity);
+  auto index = std::make_unique<PrefixIndex>((*pool)->sub_pool(0).capacity, (*pool)->sub_pool(0).active);
   auto parts = MakeParts(**pool);
   std::vector<Pool::Committed> restored;
   restored.reserve(committed.size());
@@ -146,7 +146,7 @@ Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometr
   auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes_, creator_uid, split_);
   if (!pool.ok()) return pool.status();
   FLEXKV_RETURN_IF_ERROR(pool_lock_.LockPoolFile());
-  auto index = std::make_unique<PrefixIndex>((*pool)->sub_pool(0).capacity);
+  auto index = std::make_unique<PrefixIndex>((*pool)->sub_pool(0).capacity, (*pool)->sub_pool(0).active);
   auto parts = MakeParts(**pool);
   AdoptPoolLocked(std::move(*pool), std::move(index), std::move(parts));
   return Status::Ok();
@@ -168,9 +168,11 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     Part(c).SetEvictionListener([p, base](SlotId local, const BlockKey&) { p->MarkFree(base + local); });
   }
   generation_.fetch_add(1, std::memory_order_acq_rel);
-  capacity_.store(pool_->capacity(), std::memory_order_release);
+  PublishActiveLocked();
   has_pool_.store(true, std::memory_order_release);
-  if (pool_listener_) pool_listener_(RegionLocked());
+  for (size_t c = 0; c < pool_->component_count(); ++c) {
+    AnnounceGrantsLocked(pool_listener_, c, 0, pool_->sub_pool(c).active);
+  }
 }
 
 Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
@@ -208,9 +210,12 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
     }
   }
   const uint64_t blocks = index_ ? index_->committed_blocks() : 0;
-  if (pool_ && pool_gone_listener_) pool_gone_listener_();
+  for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
+    AnnounceGrantsLocked(pool_gone_listener_, c, 0, pool_->sub_pool(c).active);
+  }
   has_pool_.store(false, std::memory_order_release);
   capacity_.store(0, std::memory_order_release);
+  for (auto& active : active_slots_) active.store(0, std::memory_order_release);
   index_.reset();
   parts_.clear();
   if (pool_) {
@@ -225,16 +230,104 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
   return Status::Ok();
 }
 
-PoolRegion Cache::RegionLocked() const {
-  const SubPool& full = pool_->sub_pool(0);
-  return PoolRegion{pool_->data_begin(), pool_->data_bytes(), full.slot_bytes, full.capacity};
+void Cache::AnnounceGrantsLocked(const std::function<void(const PoolRegion&)>& listener, size_t c, uint32_t from,
+                                 uint32_t to) const {
+  if (!listener) return;
+  const SubPool& p = pool_->sub_pool(c);
+  for (uint32_t first = from; first < to; first += p.grant) {
+    const uint32_t slots = std::min(p.grant, to - first);
+    listener(PoolRegion{p.data + uint64_t{first} * p.slot_bytes, uint64_t{slots} * p.slot_bytes, p.slot_bytes, slots});
+  }
+}
+
+void Cache::PublishActiveLocked() {
+  uint32_t total = 0;
+  for (size_t c = 0; c < active_slots_.size(); ++c) {
+    const uint32_t active = c < pool_->component_count() ? pool_->sub_pool(c).active : 0;
+    active_slots_[c].store(active, std::memory_order_release);
+    total += active;
+  }
+  capacity_.store(total, std::memory_order_release);
 }
 
 std::optional<PoolRegion> Cache::pool_region(size_t component) const {
   MutexLock lock(&mu_);
   if (!pool_ || component >= pool_->component_count()) return std::nullopt;
   const SubPool& p = pool_->sub_pool(component);
-  return PoolRegion{p.data, uint64_t{p.capacity} * p.slot_bytes, p.slot_bytes, p.capacity};
+  return PoolRegion{p.data, uint64_t{p.active} * p.slot_bytes, p.slot_bytes, p.active};
+}
+
+SlotId Cache::slot_id_end() const {
+  MutexLock lock(&mu_);
+  return pool_ ? pool_->capacity() : 0;
+}
+
+uint32_t Cache::active_slots(size_t component) const {
+  return component < active_slots_.size() ? active_slots_[component].load(std::memory_order_acquire) : 0;
+}
+
+uint64_t Cache::active_bytes() const {
+  MutexLock lock(&mu_);
+  return pool_ ? pool_->active_bytes() : 0;
+}
+
+uint64_t Cache::max_bytes() const {
+  MutexLock lock(&mu_);
+  return pool_ ? pool_->max_bytes() : 0;
+}
+
+uint64_t Cache::min_bytes() const {
+  MutexLock lock(&mu_);
+  uint64_t bytes = 0;
+  for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
+    bytes += uint64_t{pool_->sub_pool(c).grant} * pool_->sub_pool(c).slot_bytes;
+  }
+  return bytes;
+}
+
+Result<uint64_t> Cache::Resize(uint64_t active_bytes) {
+  MutexLock lock(&mu_);
+  if (!pool_) return Status::FailedPrecondition("there is no pool to resize yet (the first Attach creates it)");
+  const std::vector<uint32_t> target = pool_->ActiveSlotsFor(active_bytes);
+  const auto index_active = [&](size_t c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return c == 0 ? index_->active() : Part(c).active();
+  };
+  // Shrinks first, so that the memory they give back is there for the grows.
+  Status status;
+  for (size_t c = 0; c < target.size(); ++c) {
+    if (target[c] > index_active(c)) continue;
+    // The index's eviction listener clears each evicted block's slot entry (and unanchors under FULL keys).
+    const PrefixIndex::Shrunk shrunk = c == 0 ? index_->Shrink(target[c]) : Part(c).Shrink(target[c]);
+    const SubPool& sub = pool_->sub_pool(c);
+    const uint32_t from = sub.active, keep = sub.RoundToGrants(shrunk.active);  // a grant partly busy stays
+    if (keep >= from) continue;
+    AnnounceGrantsLocked(pool_gone_listener_, c, keep, from);
+    status = pool_->SetActive(c, keep);
+    if (!status.ok()) {  // nothing changed in the pool: its grants stay, registered again
+      AnnounceGrantsLocked(pool_listener_, c, keep, from);
+      break;
+    }
+    log::Info("cache", "pool {} component {}: {} -> {} active slots ({} blocks evicted)", pool_path_, c, from, keep,
+              shrunk.evicted);
+  }
+  for (size_t c = 0; status.ok() && c < target.size(); ++c) {
+    if (target[c] <= index_active(c)) continue;
+    const uint32_t from = pool_->sub_pool(c).active;
+    if (target[c] > from) {
+      status = pool_->SetActive(c, target[c]);
+      if (!status.ok()) break;
+      AnnounceGrantsLocked(pool_listener_, c, from, target[c]);
+      log::Info("cache", "pool {} component {}: {} -> {} active slots", pool_path_, c, from, target[c]);
+    }
+    if (c == 0) {
+      index_->Grow(target[c]);
+    } else {
+      Part(c).Grow(target[c]);
+    }
+  }
+  PublishActiveLocked();
+  if (!status.ok()) return status;
+  return pool_->active_bytes();
 }
 
 std::vector<SlotId> Cache::component_bases() const {
@@ -244,11 +337,14 @@ std::vector<SlotId> Cache::component_bases() const {
   return bases;
 }
 
-void Cache::SetPoolListener(std::function<void(const PoolRegion&)> listener, std::function<void()> gone) {
+void Cache::SetPoolListener(std::function<void(const PoolRegion&)> added,
+                            std::function<void(const PoolRegion&)> removed) {
   MutexLock lock(&mu_);
-  pool_listener_ = std::move(listener);
-  pool_gone_listener_ = std::move(gone);
-  if (pool_ && pool_listener_) pool_listener_(RegionLocked());
+  pool_listener_ = std::move(added);
+  pool_gone_listener_ = std::move(removed);
+  for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
+    AnnounceGrantsLocked(pool_listener_, c, 0, pool_->sub_pool(c).active);
+  }
 }
 
 bool Cache::has_pool() const { return has_pool_.load(std::memory_order_acquire); }
@@ -543,7 +639,7 @@ Cache::Stats Cache::GetStats() const {
   MutexLock lock(&mu_);
   Stats s;
   if (!index_) return s;
-  s.capacity = index_->capacity();
+  s.capacity = pool_->sub_pool(0).active;
   s.used = index_->used_slots();
   s.pinned = index_->pinned_slots();
   s.blocks = index_->committed_blocks();
@@ -552,14 +648,14 @@ Cache::Stats Cache::GetStats() const {
   s.backing = pool_->path();
   if (parts_.empty()) return s;
   const SubPool& full = pool_->sub_pool(0);
-  s.components.push_back(ComponentStats{ComponentKind::kFull, full.slot_bytes, full.capacity, s.used, s.pinned,
+  s.components.push_back(ComponentStats{ComponentKind::kFull, full.slot_bytes, full.active, s.used, s.pinned,
                                         s.evicted, 0});
   for (size_t c = 1; c < pool_->component_count(); ++c) {
     const ComponentIndex& part = Part(c);
     const SubPool& sub = pool_->sub_pool(c);
-    s.components.push_back(ComponentStats{sub.kind, sub.slot_bytes, sub.capacity, part.used_slots(),
+    s.components.push_back(ComponentStats{sub.kind, sub.slot_bytes, sub.active, part.used_slots(),
                                           part.pinned_slots(), part.evicted_entries(), part.unanchored_entries()});
-    s.capacity += sub.capacity;
+    s.capacity += sub.active;
     s.used += part.used_slots();
     s.pinned += part.pinned_slots();
     s.evicted += part.evicted_entries();

@@ -1,9 +1,10 @@
 // Cache: the cache domain, the host pool and the prefix index behind one lock, plus the request counters that
 // Status reports. Thread-safe. The pool is created when the first session fixes the geometry, or re-attached
-// at start when a pool file from an earlier run exists; either way it announces itself to the pool listener
-// (the engine-memory backends, which register it for DMA).
+// at start when a pool file from an earlier run exists; either way it announces its active grants to the pool
+// listener (the engine-memory backends, which register them for DMA). Resize moves the pool's active size.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -65,11 +66,33 @@ class Cache {
   uint64_t block_bytes() const;
   uint8_t* SlotData(SlotId slot) const;  // has_pool() must hold
   uint64_t SlotBytes(SlotId slot) const;  // the slot's size (its component's); has_pool() must hold
-  // Slots in the pool (every component's); 0 before it exists. No lock.
+  // Active slots in the pool (every component's; see Resize); 0 before it exists. No lock.
   uint32_t capacity_slots() const;
-  // Where component `component`'s slots are (its sub-pool; slot ids in it are local, 0-based); nullopt before
-  // the pool exists or for a component the pool does not have.
+  // Slot ids are below this: every component's slots at the pool's maximum (its numbering; see Resize). 0 before
+  // the pool exists.
+  SlotId slot_id_end() const;
+  // Active slots of component `component` (0 before the pool exists or for a component it does not have). No lock.
+  uint32_t active_slots(size_t component) const;
+  // Where component `component`'s active slots are (its sub-pool; slot ids in it are local, 0-based; `slots` is
+  // its active capacity); nullopt before the pool exists or for a component the pool does not have.
   std::optional<PoolRegion> pool_region(size_t component = 0) const;
+
+  // Elastic capacity. The pool is laid out for the budget (max_bytes) and holds memory for its active part only;
+  // every capacity figure the cache reports (GetStats, pool_region, capacity_slots) is the active one.
+  // Resize moves the active part towards `active_bytes` (per component Pool::ActiveSlotsFor: whole grants,
+  // at least one, at most the layout) without moving any slot: a shrinking component evicts the committed,
+  // unpinned blocks in the slots it gives back (their descendants with them; counted as evictions) and gives
+  // back the grants that are then free; pinned, pending or unverified blocks hold it there (a later Resize
+  // continues). A growing component's new grants are allocated, announced to the pool listener, then handed out.
+  // Returns the active bytes reached (Σ active slots × slot bytes): less than asked when a shrink is held up.
+  // FAILED_PRECONDITION without a pool; RESOURCE_EXHAUSTED (naming the file, the bytes and the filesystem) when a
+  // grow cannot be allocated, the shrinks of this call kept.
+  Result<uint64_t> Resize(uint64_t active_bytes);
+  // The pool's active bytes now, with every slot active, and with one grant of each component active (the least
+  // Resize goes to); 0 without a pool.
+  uint64_t active_bytes() const;
+  uint64_t max_bytes() const;
+  uint64_t min_bytes() const;
   // The pool's components' first slot in the cache's slot numbering (what Match pins and Unpin takes), by component.
   std::vector<SlotId> component_bases() const;
   CacheDomain::View Domain() const { return domain_.Snapshot(); }
@@ -111,12 +134,16 @@ class Cache {
               std::span<const uint64_t> content_checksums);
   void Abort(std::span<const SlotId> slots);
 
-  // `listener` is told the pool's region as soon as a pool exists (created by the first Admit, or re-attached
-  // by RecoverPool): at once when it exists already; `gone` is told before a dropped pool is unmapped
-  // (DropDomain), so that the listener can undo what it did. Both run under the cache's lock, so that no
-  // session uses the pool before the listener is done with it (e.g. DMA registration); they must not call back
-  // into the cache. One listener; set it before RecoverPool.
-  void SetPoolListener(std::function<void(const PoolRegion&)> listener, std::function<void()> gone = {});
+  // The pool's memory, one region per active grant (a grant of component c: PoolRegion{its first slot's bytes,
+  // its slots × slot bytes, c's slot bytes, its slots}). `added` is told each grant that becomes active: every
+  // active grant as soon as a pool exists (created by the first Admit, or re-attached by RecoverPool; at once
+  // when it exists already), and each grant a Resize grows into, after its memory is allocated and before any of
+  // its slots is handed out. `removed` is told each grant that stops being active: after its slots were
+  // released and before its memory is returned (Resize), and every active grant before a dropped pool is
+  // unmapped (DropDomain); each exactly once per `added`. Both run under the cache's lock, so that no session
+  // uses a grant before the listener is done with it (e.g. DMA registration); they must not call back into the
+  // cache. One listener; set it before RecoverPool.
+  void SetPoolListener(std::function<void(const PoolRegion&)> added, std::function<void(const PoolRegion&)> removed = {});
 
   // Checking block contents (block_verifier.h). The blocks RecoverPool restored unverified, parents first;
   // the first call takes them, later ones get none. A non-empty answer starts the restart verification, which
@@ -141,6 +168,7 @@ class Cache {
   // and counted in data_loss_blocks. Returns the blocks dropped, descendants included.
   size_t FinishChecks(std::span<const SlotId> passed, std::span<const SlotId> unpin, std::span<const SlotId> failed);
 
+  // Capacities are active slots (see Resize).
   struct ComponentStats {
     ComponentKind kind = ComponentKind::kFull;
     uint64_t slot_bytes = 0, capacity = 0, used = 0, pinned = 0, evicted = 0, unanchored = 0;
@@ -163,8 +191,11 @@ class Cache {
   void AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index,
                        std::vector<std::unique_ptr<ComponentIndex>> parts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every sub-pool's bytes as one region (what the engine-memory backends register).
-  PoolRegion RegionLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells `listener` (when set) each grant of component c in its slots [from, to) (grant boundaries).
+  void AnnounceGrantsLocked(const std::function<void(const PoolRegion&)>& listener, size_t c, uint32_t from,
+                            uint32_t to) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes the pool's active capacities to the lock-free readers (capacity_slots, active_slots).
+  void PublishActiveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The component index of component c >= 1, and a slot's component and its slot there.
   ComponentIndex& Part(size_t c) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return *parts_[c - 1]; }
   size_t ComponentOfLocked(SlotId slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pool_->ComponentOf(slot); }
@@ -190,10 +221,11 @@ class Cache {
   std::vector<std::unique_ptr<ComponentIndex>> parts_ ABSL_GUARDED_BY(mu_);  // components 1.. of a hybrid geometry
   std::atomic<bool> has_pool_{false};
   std::atomic<uint64_t> generation_{0};
-  std::atomic<uint32_t> capacity_{0};  // the pool's slots (capacity_slots without a lock)
+  std::atomic<uint32_t> capacity_{0};  // the pool's active slots (capacity_slots without a lock)
+  std::array<std::atomic<uint32_t>, Geometry::kMaxComponents> active_slots_{};  // per component, without a lock
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   std::function<void(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
-  std::function<void()> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const PoolRegion&)> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified
   bool verifying_ ABSL_GUARDED_BY(mu_) = false;                  // between TakeUnverified and EndVerification
 };

@@ -64,10 +64,11 @@ using List = SlotList;
 }  // namespace
 
 struct ComponentIndex::Impl {
-  explicit Impl(uint32_t cap) : entries_(cap) {
+  Impl(uint32_t cap, uint32_t active) : entries_(cap), limit_(active), active_(active) {
     COMPONENT_INDEX_CHECK(cap != kNil, "capacity must leave kNil free to end lists");
+    COMPONENT_INDEX_CHECK(active <= cap, fmt::format("active capacity {} above the capacity {}", active, cap));
     by_key_.reserve(cap);  // never rehashes
-    for (SlotId s = 0; s < cap; ++s) PushBack(free_, s);  // slot 0 is taken first
+    for (SlotId s = 0; s < active; ++s) PushBack(free_, s);  // slot 0 is taken first
   }
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -84,6 +85,12 @@ struct ComponentIndex::Impl {
   uint32_t unverified_ = 0;
   uint32_t unanchored_committed_ = 0;
   uint64_t evicted_ = 0;
+  // Slots below limit_ may be handed out (the free ones are on free_); slots at or above it are being given back
+  // (a shrink in progress: free ones stay off free_, evictable ones are counted in doomed_evictable_ and taking
+  // them frees no slot for a store). Slots at or above active_ are all free. limit_ <= active_.
+  uint32_t limit_ = 0;
+  uint32_t active_ = 0;
+  uint32_t doomed_evictable_ = 0;
 
   // --- intrusive lists ---
   void PushBack(List& l, SlotId s) { l.PushBack(entries_, s); }
@@ -92,6 +99,15 @@ struct ComponentIndex::Impl {
 
   static bool Evictable(const Entry& e) { return e.state == State::kCommitted && e.pins == 0; }
   List& EvictionList(const Entry& e) { return e.anchored ? lru_ : unanchored_; }
+  // An entry joins / leaves its eviction list (becomes evictable / stops being so).
+  void ListEvictable(SlotId s) {
+    PushBack(EvictionList(entries_[s]), s);
+    if (s >= limit_) ++doomed_evictable_;
+  }
+  void UnlistEvictable(SlotId s) {
+    Unlink(EvictionList(entries_[s]), s);
+    if (s >= limit_) --doomed_evictable_;
+  }
 
   SlotId Find(const BlockKey& key) const {
     auto it = by_key_.find(key);
@@ -104,7 +120,7 @@ struct ComponentIndex::Impl {
     COMPONENT_INDEX_CHECK(e.state == State::kCommitted, fmt::format("pin of slot {} that is not committed", s));
     if (e.pins++ == 0) {
       ++pinned_;
-      Unlink(EvictionList(e), s);  // was evictable
+      UnlistEvictable(s);  // was evictable
     }
   }
   void UnpinOne(SlotId s) {
@@ -117,7 +133,7 @@ struct ComponentIndex::Impl {
     if (e.state == State::kDropped) {
       Free(s);
     } else {
-      PushBack(EvictionList(e), s);  // used just now
+      ListEvictable(s);  // used just now
     }
   }
 
@@ -125,14 +141,14 @@ struct ComponentIndex::Impl {
   void Free(SlotId s) {
     entries_[s] = Entry{};
     --used_;
-    PushFront(free_, s);
+    if (s < limit_) PushFront(free_, s);  // else a shrink is giving it back
   }
 
   // Takes a committed entry out of the key map and the counters (and its eviction list, when on one), and tells
   // the listener. The caller frees the slot or keeps it as dropped.
   void Remove(SlotId s) {
     Entry& e = entries_[s];
-    if (Evictable(e)) Unlink(EvictionList(e), s);
+    if (Evictable(e)) UnlistEvictable(s);
     by_key_.erase(e.key);
     --committed_;
     if (!e.anchored) --unanchored_committed_;
@@ -151,7 +167,8 @@ struct ComponentIndex::Impl {
     return s;
   }
 
-  // A free slot, else an evicted one; kNil when neither exists. The slot is unlinked and counted as used.
+  // A free slot, else an evicted one; kNil when neither exists. The slot is unlinked and counted as used. Never
+  // a slot at or above limit_ (one evicted there is freed for the shrink).
   SlotId TakeSlot() {
     SlotId s = free_.head;
     if (s != kNil) {
@@ -159,7 +176,25 @@ struct ComponentIndex::Impl {
       ++used_;
       return s;
     }
-    return EvictOne();
+    for (;;) {
+      s = EvictOne();
+      if (s == kNil || s < limit_) return s;
+      Free(s);
+    }
+  }
+
+  // Moves limit_: free slots below the new limit are on the free list, those at or above it are not; evictable
+  // entries at or above it are counted as doomed.
+  void SetLimit(uint32_t limit) {
+    for (SlotId s = limit; s < limit_; ++s) {
+      if (entries_[s].state == State::kFree) Unlink(free_, s);
+      if (Evictable(entries_[s])) ++doomed_evictable_;
+    }
+    for (SlotId s = limit_; s < limit; ++s) {
+      if (entries_[s].state == State::kFree) PushBack(free_, s);
+      if (Evictable(entries_[s])) --doomed_evictable_;
+    }
+    limit_ = limit;
   }
 
   // A live entry (pending, unverified or committed) became committed: counted, and evictable unless pinned.
@@ -168,7 +203,7 @@ struct ComponentIndex::Impl {
     e.state = State::kCommitted;
     ++committed_;
     if (!e.anchored) ++unanchored_committed_;
-    PushBack(EvictionList(e), s);
+    ListEvictable(s);
   }
 
   // Moves a live entry between anchored and unanchored, and an evictable one between the eviction lists (to
@@ -179,16 +214,17 @@ struct ComponentIndex::Impl {
     Entry& e = entries_[s];
     if (e.anchored == anchored) return;
     const bool evictable = Evictable(e);
-    if (evictable) Unlink(EvictionList(e), s);
+    if (evictable) UnlistEvictable(s);
     e.anchored = anchored;
-    if (evictable) PushBack(EvictionList(e), s);
+    if (evictable) ListEvictable(s);
     if (e.state == State::kCommitted) {
       if (anchored) --unanchored_committed_; else ++unanchored_committed_;
     }
   }
 };
 
-ComponentIndex::ComponentIndex(uint32_t capacity) : impl_(std::make_unique<Impl>(capacity)) {}
+ComponentIndex::ComponentIndex(uint32_t capacity) : ComponentIndex(capacity, capacity) {}
+ComponentIndex::ComponentIndex(uint32_t capacity, uint32_t active) : impl_(std::make_unique<Impl>(capacity, active)) {}
 ComponentIndex::~ComponentIndex() = default;
 
 void ComponentIndex::SetEvictionListener(std::function<void(SlotId, const BlockKey&)> listener) {
@@ -223,10 +259,11 @@ StatusCode ComponentIndex::Feasible(std::span<const BlockKey> keys, std::vector<
     }
     const Entry& e = m.entries_[s];
     if (e.state != State::kCommitted) return StatusCode::kAborted;  // pending in another store, or unverified
-    if (Impl::Evictable(e)) ++own_evictable;
+    if (Impl::Evictable(e) && s < m.limit_) ++own_evictable;
   }
-  // A key listed twice is counted in `need` or `own_evictable` twice: the count errs on refusing.
-  const size_t available = size_t{m.free_.size} + m.unanchored_.size + m.lru_.size;
+  // A key listed twice is counted in `need` or `own_evictable` twice: the count errs on refusing. Evicting an
+  // entry a shrink is giving back frees no slot for the store.
+  const size_t available = size_t{m.free_.size} + m.unanchored_.size + m.lru_.size - m.doomed_evictable_;
   if (need > available - std::min(available, own_evictable)) return StatusCode::kResourceExhausted;
   return StatusCode::kOk;
 }
@@ -306,9 +343,9 @@ void ComponentIndex::Anchor(const BlockKey& key) { impl_->SetAnchored(key, true)
 
 Status ComponentIndex::RestoreUnverified(SlotId slot, const BlockKey& key) {
   Impl& m = *impl_;
-  if (slot >= m.entries_.size()) {
+  if (slot >= m.limit_) {
     return Status::FailedPrecondition(
-        fmt::format("restore: slot {} is out of range; expected < {}", slot, m.entries_.size()));
+        fmt::format("restore: slot {} is out of range; expected < {} (the active capacity)", slot, m.limit_));
   }
   if (m.entries_[slot].state != State::kFree) {
     return Status::FailedPrecondition(fmt::format("restore: slot {} is already taken", slot));
@@ -374,6 +411,34 @@ size_t ComponentIndex::Drop(std::span<const SlotId> slots) {
   }
   return dropped;
 }
+
+void ComponentIndex::Grow(uint32_t active) {
+  Impl& m = *impl_;
+  COMPONENT_INDEX_CHECK(active >= m.active_ && active <= m.entries_.size(),
+                        fmt::format("grow to {} slots from {} (capacity {})", active, m.active_, m.entries_.size()));
+  m.active_ = active;
+  m.SetLimit(active);
+}
+
+PrefixIndex::Shrunk ComponentIndex::Shrink(uint32_t target) {
+  Impl& m = *impl_;
+  COMPONENT_INDEX_CHECK(target <= m.active_, fmt::format("shrink to {} slots from {}", target, m.active_));
+  m.SetLimit(target);
+  PrefixIndex::Shrunk out;
+  for (SlotId s = target; s < m.active_; ++s) {
+    if (!Impl::Evictable(m.entries_[s])) continue;
+    m.Remove(s);  // tells the listener
+    m.Free(s);
+    ++m.evicted_;
+    ++out.evicted;
+  }
+  while (m.active_ > target && m.entries_[m.active_ - 1].state == State::kFree) --m.active_;
+  out.active = m.active_;
+  return out;
+}
+
+uint32_t ComponentIndex::active() const { return impl_->active_; }
+uint32_t ComponentIndex::limit() const { return impl_->limit_; }
 
 bool ComponentIndex::IsCommitted(SlotId slot) const {
   return slot < impl_->entries_.size() && impl_->entries_[slot].state == State::kCommitted;
@@ -445,7 +510,20 @@ void ComponentIndex::CheckInvariants() const {
                             unverified == m.unverified_ && unanchored == m.unanchored_committed_,
                         "counters drifted");
   COMPONENT_INDEX_CHECK(m.by_key_.size() == keyed, "key map size differs from the keyed (live) entries");
-  COMPONENT_INDEX_CHECK(m.free_.size + used == cap, "free list size + used != capacity");
+  COMPONENT_INDEX_CHECK(m.limit_ <= m.active_ && m.active_ <= cap, "limit or active capacity out of order");
+  uint32_t free_below_limit = 0, doomed = 0;
+  for (SlotId s = 0; s < cap; ++s) {
+    const Entry& e = m.entries_[s];
+    COMPONENT_INDEX_CHECK(s < m.active_ || e.state == State::kFree,
+                          fmt::format("slot {} beyond the active capacity is used", s));
+    if (s < m.limit_ && e.state == State::kFree) ++free_below_limit;
+    if (s >= m.limit_ && Impl::Evictable(e)) ++doomed;
+  }
+  COMPONENT_INDEX_CHECK(m.free_.size == free_below_limit, "free list size != free slots below the limit");
+  COMPONENT_INDEX_CHECK(m.doomed_evictable_ == doomed, "evictable entries at or above the limit miscounted");
+  for (SlotId s = m.free_.head; s != kNil; s = m.entries_[s].next) {
+    COMPONENT_INDEX_CHECK(s < m.limit_, fmt::format("free slot {} at or above the limit is on the free list", s));
+  }
   auto walk = [&](const List& l, auto&& want) {
     uint32_t count = 0;
     SlotId prev = kNil;

@@ -28,8 +28,10 @@ class ComponentIndex {
  public:
   static constexpr SlotId kNoSlot = ~SlotId{0};
 
-  // All `capacity` slots start free.
+  // All `capacity` slots start free, and all are active.
   explicit ComponentIndex(uint32_t capacity);
+  // Slots [0, active) start free and may be handed out; slots [active, capacity) are not until Grow.
+  ComponentIndex(uint32_t capacity, uint32_t active);
   ~ComponentIndex();
   ComponentIndex(const ComponentIndex&) = delete;
   ComponentIndex& operator=(const ComponentIndex&) = delete;
@@ -94,7 +96,18 @@ class ComponentIndex {
   bool IsCommitted(SlotId slot) const;
   bool IsUnverified(SlotId slot) const;
 
-  uint32_t capacity() const;
+  // Elastic capacity, as PrefixIndex's: no slot at or above limit() is ever handed out, every slot at or above
+  // active() is free. Grow: slots [limit(), active) become usable (active >= active(), <= capacity()). Shrink
+  // (target <= active()): no slot from target up is handed out from now on; every committed, unpinned entry there
+  // is evicted (the listener sees each; counted in evicted_entries) and free slots there leave the free list;
+  // pinned, pending and unverified entries stay and hold the shrink: the answer's active is the smallest value
+  // >= target above which every slot is free; a later call continues. O(active() - target).
+  void Grow(uint32_t active);
+  PrefixIndex::Shrunk Shrink(uint32_t target);
+  uint32_t active() const;
+  uint32_t limit() const;
+
+  uint32_t capacity() const;      // slots at most (the pool's sub-pool capacity)
   uint32_t used_slots() const;    // pending + committed + unverified + dropped-but-pinned
   uint32_t pinned_slots() const;  // slots with at least one pin
   uint32_t committed_entries() const;

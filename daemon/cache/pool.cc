@@ -3,12 +3,18 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <linux/falloc.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <unordered_map>
@@ -71,6 +77,73 @@ struct ComponentTable {
 };
 static_assert(kComponentTableOffset + sizeof(ComponentTable) <= 4096);
 uint64_t TableChecksum(const ComponentTable& t) { return XXH64(&t, offsetof(ComponentTable, checksum), 1); }
+
+// Every layout: each sub-pool's active capacity, in the header page between the header (ends at 352) and the
+// sub-pool table (512), where readers from before elastic pools do not look. All zero (a file written before it):
+// every sub-pool is fully active.
+constexpr uint64_t kActiveRecordOffset = 384;
+constexpr char kActiveMagic[8] = {'F', 'L', 'E', 'X', 'K', 'V', 'A', 'C'};
+constexpr uint32_t kActiveRecordVersion = 1;
+struct ActiveRecord {
+  char magic[8];
+  uint32_t version;  // kActiveRecordVersion
+  uint32_t count;    // components, as the layout has them
+  uint32_t active[Geometry::kMaxComponents];  // per component, in slots
+  uint64_t checksum;  // XXH64 (seed 2) of everything above
+};
+static_assert(sizeof(PoolHeader) <= kActiveRecordOffset);
+static_assert(kActiveRecordOffset + sizeof(ActiveRecord) <= kComponentTableOffset);
+uint64_t ActiveChecksum(const ActiveRecord& r) { return XXH64(&r, offsetof(ActiveRecord, checksum), 2); }
+
+// Broken internal invariants crash loudly (CONVENTIONS: untrusted input is answered, invariants assert).
+#define POOL_CHECK(cond, what)                                                                                 \
+  do {                                                                                                        \
+    if (!(cond)) {                                                                                            \
+      std::fprintf(stderr, "%s:%d: Pool invariant violated: %s [%s]\n", __FILE__, __LINE__,                   \
+                   std::string(what).c_str(), #cond);                                                          \
+      std::abort();                                                                                           \
+    }                                                                                                         \
+  } while (0)
+
+uint32_t GrantOf(uint64_t capacity) {
+  return static_cast<uint32_t>((capacity + kGrantsPerSubPool - 1) / kGrantsPerSubPool);
+}
+
+// `slots` of a sub-pool of `capacity` slots in grants of `grant`: rounded up to a whole number, clamped.
+uint32_t RoundUpToGrants(uint64_t slots, uint32_t grant, uint32_t capacity) {
+  const uint64_t rounded = (std::max<uint64_t>(slots, 1) + grant - 1) / grant * grant;
+  return static_cast<uint32_t>(std::min<uint64_t>(rounded, capacity));
+}
+
+// Active slots per component for `active_bytes` of data, `capacity` and `slot_bytes` per component.
+std::vector<uint32_t> ScaledActive(const std::vector<uint64_t>& capacity, const std::vector<uint64_t>& slot_bytes,
+                                   uint64_t active_bytes) {
+  long double max_bytes = 0;
+  for (size_t c = 0; c < capacity.size(); ++c) max_bytes += static_cast<long double>(capacity[c]) * slot_bytes[c];
+  const long double fraction = std::min<long double>(1, static_cast<long double>(active_bytes) / max_bytes);
+  std::vector<uint32_t> active;
+  for (size_t c = 0; c < capacity.size(); ++c) {
+    const auto want = static_cast<uint64_t>(std::ceil(fraction * static_cast<long double>(capacity[c])));
+    active.push_back(RoundUpToGrants(want, GrantOf(capacity[c]), static_cast<uint32_t>(capacity[c])));
+  }
+  return active;
+}
+
+// What `path`'s filesystem is, for messages: its directory and type.
+std::string FilesystemOf(const std::string& path, int fd) {
+  struct statfs fs {};
+  std::string type = "unknown filesystem";
+  if (fstatfs(fd, &fs) == 0) {
+    switch (static_cast<uint64_t>(fs.f_type)) {
+      case TMPFS_MAGIC: type = "tmpfs"; break;
+      case HUGETLBFS_MAGIC: type = "hugetlbfs"; break;
+      default: type = fmt::format("filesystem type {:#x}", static_cast<uint64_t>(fs.f_type)); break;
+    }
+    type += fmt::format(", {} free", FormatByteSize(uint64_t{fs.f_bavail} * static_cast<uint64_t>(fs.f_bsize)));
+  }
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  return fmt::format("{} ({})", dir.empty() ? "." : dir.string(), type);
+}
 
 // Where each part of a pool file goes, from the geometry and the slots of each component.
 struct FileLayout {
@@ -192,7 +265,7 @@ uint64_t EntryChecksum(SlotId slot, const BlockKey& key, const BlockKey& parent,
 
 Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::string& model_namespace,
                                            const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid,
-                                           const PoolSplit& split) {
+                                           const PoolSplit& split, uint64_t active_bytes) {
   static_assert(sizeof(SlotEntry) == 64);
   static_assert(sizeof(PoolHeader) <= kComponentTableOffset);
   const uint64_t block_bytes = geometry.host_block_bytes();
@@ -220,12 +293,29 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   const std::string tmp = path + ".new";
   UniqueFd fd(open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   if (!fd) return Status::FailedPrecondition(fmt::format("cannot create pool file {}: {}", tmp, ErrnoText(errno)));
-  const int rc = posix_fallocate(fd.get(), 0, static_cast<off_t>(file_bytes));
+  // The file is sized for the whole layout; only the header, the slot table and the active slots' data get space
+  // (the rest is a hole until SetActive grows into it).
+  std::vector<uint64_t> slot_bytes;
+  for (size_t c = 0; c < capacities->size(); ++c) slot_bytes.push_back(geometry.Component(c).host_block_bytes());
+  const std::vector<uint32_t> active = ScaledActive(*capacities, slot_bytes, active_bytes);
+  struct statfs fs {};
+  const uint64_t page_bytes = fstatfs(fd.get(), &fs) == 0 && fs.f_bsize > 0 ? static_cast<uint64_t>(fs.f_bsize) : 4096;
+  // hugetlbfs sizes files in whole huge pages.
+  const bool hugetlbfs = static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
+  uint64_t allocated = data_offset;
+  const uint64_t file_size = hugetlbfs ? AlignUp(file_bytes, page_bytes) : file_bytes;
+  int rc = ftruncate(fd.get(), static_cast<off_t>(file_size)) == 0 ? 0 : errno;
+  if (rc == 0) rc = posix_fallocate(fd.get(), 0, static_cast<off_t>(data_offset));
+  for (size_t c = 0; rc == 0 && c < active.size(); ++c) {
+    const uint64_t bytes = uint64_t{active[c]} * slot_bytes[c];
+    rc = posix_fallocate(fd.get(), static_cast<off_t>(layout.data_offset[c]), static_cast<off_t>(bytes));
+    allocated += bytes;
+  }
   if (rc != 0) {
     ::unlink(tmp.c_str());
     return Status::ResourceExhausted(fmt::format(
-        "cannot allocate the {} pool file {}: {}; free space in {} (df -h) or lower --pool-size",
-        FormatByteSize(file_bytes), path, ErrnoText(rc), dir.string()));
+        "cannot allocate the {} pool file {} ({} of it active): {}; free space in {} (df -h) or lower --pool-size",
+        FormatByteSize(file_bytes), path, FormatByteSize(allocated), ErrnoText(rc), FilesystemOf(tmp, fd.get())));
   }
   auto map = MappedRegion::Shared(path, fd.get(), file_bytes);
   if (!map.ok()) {
@@ -244,6 +334,13 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   pool->data_ = pool->map_.bytes() + data_offset;
   pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
   pool->SetSubPools(layout.base, *capacities, layout.data_offset, layout.data_end);
+  for (size_t c = 0; c < active.size(); ++c) pool->sub_pools_[c].active = active[c];
+  pool->page_bytes_ = page_bytes;
+  pool->fd_ = std::move(fd);
+  if (Status recorded = pool->WriteActiveRecord(0, active[0]); !recorded.ok()) {
+    ::unlink(tmp.c_str());
+    return recorded;
+  }
 
   PoolHeader h{};
   std::memcpy(h.magic, kPoolMagic, sizeof(h.magic));
@@ -287,11 +384,13 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     return Status::FailedPrecondition(fmt::format("rename {} -> {}: {}", tmp, path, ErrnoText(errno)));
   }
-  log::Info("pool", "created {}: {} slots of {} ({} in all), namespace '{}' created by uid {}", path,
-            (*capacities)[0], FormatByteSize(block_bytes), FormatByteSize(file_bytes), model_namespace, creator_uid);
+  log::Info("pool", "created {}: {} slots of {} ({} active; {} in all, {} active), namespace '{}' created by uid {}",
+            path, (*capacities)[0], FormatByteSize(block_bytes), active[0], FormatByteSize(file_bytes),
+            FormatByteSize(pool->active_bytes()), model_namespace, creator_uid);
   for (size_t c = 1; c < geometry.component_count(); ++c) {
-    log::Info("pool", "  component {} ({}): {} slots of {}", c, ComponentKindName(geometry.component_kind(c)),
-              (*capacities)[c], FormatByteSize(geometry.Component(c).host_block_bytes()));
+    log::Info("pool", "  component {} ({}): {} slots of {} ({} active)", c,
+              ComponentKindName(geometry.component_kind(c)), (*capacities)[c],
+              FormatByteSize(geometry.Component(c).host_block_bytes()), active[c]);
   }
   return pool;
 }
@@ -316,8 +415,11 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   if (fstat(fd.get(), &st) != 0) return Status::Internal(fmt::format("fstat {}: {}", path, ErrnoText(errno)));
   PoolHeader h{};
   ComponentTable t{};
+  ActiveRecord active_record{};
   if (static_cast<uint64_t>(st.st_size) < kHeaderBytes || pread(fd.get(), &h, sizeof(h), 0) != static_cast<ssize_t>(sizeof(h)) ||
-      pread(fd.get(), &t, sizeof(t), kComponentTableOffset) != static_cast<ssize_t>(sizeof(t))) {
+      pread(fd.get(), &t, sizeof(t), kComponentTableOffset) != static_cast<ssize_t>(sizeof(t)) ||
+      pread(fd.get(), &active_record, sizeof(active_record), kActiveRecordOffset) !=
+          static_cast<ssize_t>(sizeof(active_record))) {
     return Status::DataLoss(fmt::format("pool file {} is {} bytes: too short for a header", path, st.st_size));
   }
   const std::string fix = "; start with --discard-pool to replace it (its blocks are lost)";
@@ -424,6 +526,26 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
         path, h.capacity, capacities.size(), FormatByteSize(budget_bytes), split.swa_share, split.state_share, gives,
         fix));
   }
+  // The active capacities: none recorded (all zero: a file from before elastic pools) is fully active.
+  std::vector<uint32_t> active;
+  static constexpr ActiveRecord kNoRecord{};
+  if (std::memcmp(&active_record, &kNoRecord, sizeof(active_record)) == 0) {
+    for (uint64_t c : capacities) active.push_back(static_cast<uint32_t>(c));
+  } else {
+    bool valid_record = std::memcmp(active_record.magic, kActiveMagic, sizeof(kActiveMagic)) == 0 &&
+                        active_record.version == kActiveRecordVersion &&
+                        active_record.checksum == ActiveChecksum(active_record) &&
+                        active_record.count == capacities.size();
+    for (size_t c = 0; valid_record && c < capacities.size(); ++c) {
+      const uint32_t a = active_record.active[c];
+      const uint32_t grant = GrantOf(capacities[c]);
+      valid_record = a >= grant && a <= capacities[c] && (a % grant == 0 || a == capacities[c]);
+      active.push_back(a);
+    }
+    if (!valid_record) {
+      return Status::DataLoss(fmt::format("pool file {} has a corrupt active-capacity record{}", path, fix));
+    }
+  }
   auto map = MappedRegion::Shared(path, fd.get(), h.file_bytes);
   if (!map.ok()) return map.status();
   auto pool = std::unique_ptr<Pool>(new Pool());
@@ -438,6 +560,18 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   pool->data_ = pool->map_.bytes() + h.data_offset;
   pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
   pool->SetSubPools(layout.base, capacities, layout.data_offset, layout.data_end);
+  struct statfs fs {};
+  pool->page_bytes_ = fstatfs(fd.get(), &fs) == 0 && fs.f_bsize > 0 ? static_cast<uint64_t>(fs.f_bsize) : 4096;
+  pool->fd_ = std::move(fd);
+  for (size_t c = 0; c < active.size(); ++c) {
+    SubPool& p = pool->sub_pools_[c];
+    p.active = active[c];
+    // A daemon that died in SetActive may have left the range beyond active allocated (a grow not yet recorded,
+    // a shrink not yet punched): give it back.
+    if (p.active < p.capacity) {
+      pool->PunchHole(pool->DataOffset(c, p.active), uint64_t{p.capacity - p.active} * p.slot_bytes);
+    }
+  }
   return pool;
 }
 
@@ -447,7 +581,8 @@ void Pool::SetSubPools(const std::vector<uint64_t>& base, const std::vector<uint
   for (size_t c = 0; c < capacity.size(); ++c) {
     sub_pools_.push_back(SubPool{geometry_.component_kind(c), static_cast<SlotId>(base[c]),
                                  static_cast<uint32_t>(capacity[c]), geometry_.Component(c).host_block_bytes(),
-                                 map_.bytes() + data_offset[c]});
+                                 map_.bytes() + data_offset[c], static_cast<uint32_t>(capacity[c]),
+                                 GrantOf(capacity[c])});
   }
   data_bytes_ = data_end - data_offset[0];
 }
@@ -464,6 +599,98 @@ uint8_t* Pool::SlotData(SlotId slot) const {
 }
 
 Pool::~Pool() = default;
+
+uint32_t SubPool::RoundToGrants(uint64_t slots) const { return RoundUpToGrants(slots, grant, capacity); }
+
+uint64_t Pool::max_bytes() const {
+  uint64_t bytes = 0;
+  for (const SubPool& p : sub_pools_) bytes += uint64_t{p.capacity} * p.slot_bytes;
+  return bytes;
+}
+
+uint64_t Pool::active_bytes() const {
+  uint64_t bytes = 0;
+  for (const SubPool& p : sub_pools_) bytes += uint64_t{p.active} * p.slot_bytes;
+  return bytes;
+}
+
+std::vector<uint32_t> Pool::ActiveSlotsFor(uint64_t active_bytes) const {
+  std::vector<uint64_t> capacity, slot_bytes;
+  for (const SubPool& p : sub_pools_) {
+    capacity.push_back(p.capacity);
+    slot_bytes.push_back(p.slot_bytes);
+  }
+  return ScaledActive(capacity, slot_bytes, active_bytes);
+}
+
+uint64_t Pool::DataOffset(size_t c, uint64_t local) const {
+  const SubPool& p = sub_pools_[c];
+  return static_cast<uint64_t>(p.data - map_.bytes()) + local * p.slot_bytes;
+}
+
+Status Pool::WriteActiveRecord(size_t c, uint32_t slots) {
+  ActiveRecord r{};
+  std::memcpy(r.magic, kActiveMagic, sizeof(r.magic));
+  r.version = kActiveRecordVersion;
+  r.count = static_cast<uint32_t>(sub_pools_.size());
+  for (size_t i = 0; i < sub_pools_.size(); ++i) r.active[i] = i == c ? slots : sub_pools_[i].active;
+  r.checksum = ActiveChecksum(r);
+  // One pwrite: a daemon killed at any point leaves the old record or the new one, never half of each.
+  if (pwrite(fd_.get(), &r, sizeof(r), kActiveRecordOffset) != static_cast<ssize_t>(sizeof(r))) {
+    return Status::Internal(fmt::format("writing the active-capacity record of pool file {}: {}", path_, ErrnoText(errno)));
+  }
+  return Status::Ok();
+}
+
+void Pool::PunchHole(uint64_t offset, uint64_t bytes) const {
+  // Only whole pages of the filesystem inside the range: a partial one also holds bytes of a slot that stays
+  // (hugetlbfs cannot punch part of a huge page at all).
+  const uint64_t begin = AlignUp(offset, page_bytes_);
+  const uint64_t end = (offset + bytes) / page_bytes_ * page_bytes_;
+  if (end <= begin) return;
+  if (fallocate(fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(begin),
+                static_cast<off_t>(end - begin)) != 0) {
+    log::Warning("pool", "cannot release {} of pool file {} at offset {} (fallocate punch hole: {}); it stays allocated",
+                 FormatByteSize(end - begin), path_, begin, ErrnoText(errno));
+  }
+}
+
+Status Pool::SetActive(size_t component, uint32_t slots) {
+  POOL_CHECK(component < sub_pools_.size(), fmt::format("SetActive of component {} of {}", component, sub_pools_.size()));
+  SubPool& p = sub_pools_[component];
+  if (slots < p.grant || slots > p.capacity || (slots % p.grant != 0 && slots != p.capacity)) {
+    return Status::InvalidArgument(fmt::format(
+        "active capacity {} for component {} of pool file {}; expected a multiple of its grant of {} slots in [{}, {}]",
+        slots, component, path_, p.grant, p.grant, p.capacity));
+  }
+  const uint32_t old = p.active;
+  if (slots == old) return Status::Ok();
+  if (slots > old) {
+    const uint64_t offset = DataOffset(component, old), bytes = uint64_t{slots - old} * p.slot_bytes;
+    const int rc = posix_fallocate(fd_.get(), static_cast<off_t>(offset), static_cast<off_t>(bytes));
+    if (rc != 0) {
+      PunchHole(offset, bytes);  // whatever part of it was allocated
+      return Status::ResourceExhausted(fmt::format(
+          "cannot grow pool file {} by {} (component {}: {} -> {} slots): {}; free space in {} or lower the budget",
+          path_, FormatByteSize(bytes), component, old, slots, ErrnoText(rc), FilesystemOf(path_, fd_.get())));
+    }
+    if (Status recorded = WriteActiveRecord(component, slots); !recorded.ok()) {
+      PunchHole(offset, bytes);
+      return recorded;
+    }
+    p.active = slots;
+    return Status::Ok();
+  }
+  for (SlotId s = p.base + slots; s < p.base + old; ++s) {
+    POOL_CHECK(entry(s)->state.load(std::memory_order_acquire) == 0,
+               fmt::format("shrinking component {} to {} slots while slot {} holds a block", component, slots, s));
+  }
+  // Recorded first: a restart after a crash here must not take the punched slots for active ones.
+  FLEXKV_RETURN_IF_ERROR(WriteActiveRecord(component, slots));
+  p.active = slots;
+  PunchHole(DataOffset(component, slots), uint64_t{old - slots} * p.slot_bytes);
+  return Status::Ok();
+}
 
 void Pool::MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& parent, uint64_t content_checksum) {
   SlotEntry* e = entry(slot);
@@ -496,7 +723,16 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped, uint64_t* corrupt)
   uint64_t bad_entries = 0;
   // Pass 1: valid committed entries, by key (reserved once: no rehashing at 10 M blocks).
   // FULL blocks (component 0) form chains by parent; the other components' entries stand alone.
-  const SlotId full_end = sub_pools_.size() > 1 ? sub_pools_[1].base : capacity_;
+  // Entries beyond a sub-pool's active capacity have no bytes behind them (a hole): cleared.
+  for (const SubPool& p : sub_pools_) {
+    for (SlotId s = p.base + p.active; s < p.base + p.capacity; ++s) {
+      SlotEntry* e = entry(s);
+      if (e->state.load(std::memory_order_acquire) == 0) continue;
+      e->state.store(0, std::memory_order_relaxed);
+      ++*dropped;
+    }
+  }
+  const SlotId full_end = sub_pools_[0].active;
   size_t committed = 0;
   for (SlotId s = 0; s < full_end; ++s) committed += entry(s)->state.load(std::memory_order_acquire) != 0 ? 1 : 0;
   std::unordered_map<BlockKey, SlotId, BlockKeyHash> by_key;
@@ -556,7 +792,7 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped, uint64_t* corrupt)
   for (size_t c = 1; c < sub_pools_.size(); ++c) {
     const SubPool& p = sub_pools_[c];
     std::unordered_map<BlockKey, SlotId, BlockKeyHash> seen;
-    for (SlotId s = p.base; s < p.base + p.capacity; ++s) {
+    for (SlotId s = p.base; s < p.base + p.active; ++s) {
       SlotEntry* e = entry(s);
       const uint32_t state = e->state.load(std::memory_order_acquire);
       if (state == 0) continue;

@@ -9,6 +9,11 @@
 // and cleared before they are overwritten, so a block that was mid-copy at a crash is never restored. The
 // entry holds the block's content checksum (common/block_checksum.h), and its own checksum covers the slot
 // index, so neither changed bytes nor entries moved to another slot pass a check.
+//
+// Elastic size: the file is laid out for the pool's maximum, but only each sub-pool's *active* slots
+// [base, base + active) have memory behind them; the rest of its data range is a hole in the file. Active capacity
+// moves in grants (1/16 of a sub-pool's slots), is recorded in the header page, and changes without moving any
+// slot's address (SetActive).
 #pragma once
 
 #include <sys/types.h>
@@ -21,6 +26,7 @@
 #include <vector>
 
 #include "common/mapped_region.h"
+#include "common/unique_fd.h"
 #include "daemon/cache/pool_guard.h"
 #include "daemon/cache/prefix_index.h"
 #include "flexkv/block_key.h"
@@ -45,13 +51,21 @@ struct PoolSplit {
   double state_share = 0;
 };
 
+// A sub-pool's active capacity moves in grants of ceil(capacity / kGrantsPerSubPool) slots (the last may be shorter).
+inline constexpr uint32_t kGrantsPerSubPool = 16;
+
 // One component's part of the pool.
 struct SubPool {
   ComponentKind kind = ComponentKind::kFull;
   SlotId base = 0;          // its first slot in the pool's numbering
-  uint32_t capacity = 0;    // its slots
+  uint32_t capacity = 0;    // its slots at most (the layout's); slot ids [base, base + capacity)
   uint64_t slot_bytes = 0;  // Geometry::Component(c).host_block_bytes()
   uint8_t* data = nullptr;  // its first slot's bytes
+  uint32_t active = 0;      // slots [base, base + active) have memory and may hold blocks; a whole number of grants
+  uint32_t grant = 0;       // slots per grant: ceil(capacity / kGrantsPerSubPool)
+
+  // `slots` rounded up to a whole number of grants, clamped to [grant, capacity].
+  uint32_t RoundToGrants(uint64_t slots) const;
 };
 
 // The slots of each component for `geometry` at `budget_bytes` (OK: one entry per component, each >= 1).
@@ -69,20 +83,27 @@ class Pool {
     uint32_t component = 0;         // the sub-pool the slot is in (0: FULL)
   };
 
-  // Creates (or replaces) the pool file for `geometry`, sized to floor(budget / block bytes) slots, recording
-  // `creator_uid`, the uid whose Attach created the namespace. The file's space is allocated up front: a full
-  // /dev/shm fails here (RESOURCE_EXHAUSTED), not later.
+  static constexpr uint64_t kAllActive = UINT64_MAX;
+
+  // Creates (or replaces) the pool file for `geometry`, laid out for floor(budget / block bytes) slots (per
+  // component as SplitBudget gives them), recording `creator_uid`, the uid whose Attach created the namespace.
+  // `active_bytes` of it are active at first (per sub-pool ActiveSlotsFor(active_bytes); default: all of it).
+  // The active slots' space is allocated up front: a full /dev/shm fails here (RESOURCE_EXHAUSTED), not later;
+  // the rest of the file is a hole.
   static Result<std::unique_ptr<Pool>> Create(const std::string& path, const std::string& model_namespace,
                                               const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid = 0,
-                                              const PoolSplit& split = {});
+                                              const PoolSplit& split = {}, uint64_t active_bytes = kAllActive);
 
   // The layout version in the header of the pool file at `path`, or nullopt when there is no readable header.
   static std::optional<uint32_t> FileLayoutVersion(const std::string& path);
 
   // Opens an existing pool file. NOT_FOUND when there is none. FAILED_PRECONDITION (naming the field)
   // when its version, size or budget do not fit, DATA_LOSS when the header is corrupt or the file is shorter
-  // than its header says (truncated: the blocks past its end are lost, so none of it is re-attached).
-  // A hybrid pool must also have the sub-pools that `split` gives at this budget (FAILED_PRECONDITION otherwise).
+  // than its header says (truncated: the blocks past its end are lost, so none of it is re-attached) or its
+  // active-capacity record is corrupt. A hybrid pool must also have the sub-pools that `split` gives at this
+  // budget (FAILED_PRECONDITION otherwise). The active capacities are the file's (a file without the record,
+  // written before elastic pools, is fully active); space left allocated beyond them (a crash mid-resize) is
+  // released.
   static Result<std::unique_ptr<Pool>> Open(const std::string& path, uint64_t budget_bytes,
                                             const PoolSplit& split = {});
 
@@ -104,9 +125,25 @@ class Pool {
   // The slot's bytes (SlotBytes of them). Valid for the pool's lifetime.
   uint8_t* SlotData(SlotId slot) const;
   uint64_t SlotBytes(SlotId slot) const { return sub_pools_[ComponentOf(slot)].slot_bytes; }
-  // Every sub-pool's data, as one range (what the engine-memory backends register for DMA).
+  // Every sub-pool's data at its maximum, as one range (holes included: only active slots have memory).
   uint8_t* data_begin() const { return data_; }
   uint64_t data_bytes() const { return data_bytes_; }
+
+  // Σ capacity × slot bytes over the sub-pools: the pool fully active.
+  uint64_t max_bytes() const;
+  // Σ active × slot bytes over the sub-pools: what the pool's data holds now.
+  uint64_t active_bytes() const;
+  // The active slots of each sub-pool for `active_bytes` of data: capacity × active_bytes / max_bytes() (the
+  // pool's own split, scaled), rounded up to whole grants and clamped to [1 grant, capacity].
+  std::vector<uint32_t> ActiveSlotsFor(uint64_t active_bytes) const;
+  // Moves component `component`'s active capacity to `slots` (a whole number of grants, or its capacity; at
+  // least one grant: INVALID_ARGUMENT otherwise). Growing allocates the new slots' data first
+  // (RESOURCE_EXHAUSTED, naming the file, the bytes and the filesystem, with nothing changed when it cannot),
+  // then records the new capacity in the file. Shrinking needs every slot leaving to be free with its slot-table
+  // entry cleared (asserted: the caller's index released them), records the new capacity first, then returns
+  // the slots' memory (a hole punched in the file; on hugetlbfs only whole huge pages; a failed punch is logged).
+  // Not thread-safe: the caller serializes it with everything that reads active capacities.
+  Status SetActive(size_t component, uint32_t slots);
 
   // Slot-table transitions. MarkCommitted publishes after the bytes are complete, with their content checksum
   // (FinishBlockChecksum of the bytes' term sum); MarkFree clears before the slot is reused.
@@ -120,7 +157,8 @@ class Pool {
   // Whether the slot's bytes still have `content_checksum`: one pass over block_bytes() bytes.
   bool ContentMatches(SlotId slot, uint64_t content_checksum) const;
 
-  // Committed entries of the slot table: FULL blocks parents before children, then the other components' entries
+  // Committed entries of the slot table: FULL blocks parents before children, then the other components' entries.
+  // Entries of slots at or beyond their sub-pool's active capacity are cleared and counted in `dropped`.
   // (each must have a nonzero key, unique within its component; its parent field is not used); entries whose checksum fails or whose
   // parent is missing are cleared and counted in `dropped`, and those whose checksum fails (a corrupt or
   // moved entry: its block is lost) also in `corrupt`, when given. Block contents are not read here (see
@@ -134,6 +172,12 @@ class Pool {
                    const std::vector<uint64_t>& data_offset, uint64_t data_end);
   struct SlotEntry;
   SlotEntry* entry(SlotId slot) const;
+  // The file offset of slot `local` of component c's data.
+  uint64_t DataOffset(size_t c, uint64_t local) const;
+  // Writes the active-capacity record (the sub-pools' active, with `c` at `slots`) with one pwrite.
+  Status WriteActiveRecord(size_t c, uint32_t slots);
+  // Returns [offset, offset + bytes) of the file to the filesystem (whole pages inside it only). Logs a failure.
+  void PunchHole(uint64_t offset, uint64_t bytes) const;
 
   std::string path_;
   std::string namespace_;
@@ -146,6 +190,8 @@ class Pool {
   MappedRegion map_;  // the whole file; table_ and data_ point into it
   uint8_t* table_ = nullptr;
   uint8_t* data_ = nullptr;
+  UniqueFd fd_;               // the pool file, for fallocate and the active record
+  uint64_t page_bytes_ = 0;   // the filesystem's allocation unit (statfs f_bsize: a huge page on hugetlbfs)
   // Guards map_ against the file shrinking under it (pool_guard.h); declared after map_, so it ends first.
   std::unique_ptr<PoolFileWatch> watch_;
 };

@@ -170,8 +170,9 @@ using List = SlotList;
 }  // namespace
 
 struct PrefixIndex::Impl {
-  explicit Impl(uint32_t cap) : nodes_(cap), by_key_(cap) {
-    for (SlotId s = 0; s < cap; ++s) PushBack(free_, s);  // slot 0 is taken first
+  Impl(uint32_t cap, uint32_t active) : nodes_(cap), by_key_(cap), limit_(active), active_(active) {
+    PREFIX_INDEX_CHECK(active <= cap, fmt::format("active capacity {} above the capacity {}", active, cap));
+    for (SlotId s = 0; s < active; ++s) PushBack(free_, s);  // slot 0 is taken first
   }
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -180,6 +181,10 @@ struct PrefixIndex::Impl {
   SlotTable by_key_;  // pending and committed nodes; sized for all slots, never rehashes
   List free_;
   List lru_;  // exactly the evictable nodes: committed, unpinned, childless
+  // Slots below limit_ may be handed out (the free ones are on free_); slots at or above it are being given back
+  // (a shrink in progress: free ones stay off free_). Slots at or above active_ are all free. limit_ <= active_.
+  uint32_t limit_ = 0;
+  uint32_t active_ = 0;
   std::function<void(SlotId, const BlockKey&)> listener_;
   uint32_t used_ = 0;
   uint32_t pinned_ = 0;
@@ -279,7 +284,7 @@ struct PrefixIndex::Impl {
       const SlotId parent = n.parent;
       n = Node{};
       --used_;
-      PushFront(free_, s);
+      ReleaseSlot(s);
       if (parent == kNil) return;
       Node& p = nodes_[parent];
       PREFIX_INDEX_CHECK(p.children > 0, fmt::format("slot {} loses a child it does not have", parent));
@@ -329,17 +334,36 @@ struct PrefixIndex::Impl {
     return s;
   }
 
-  // A free slot, else an evicted one; kNil when neither exists. The slot is unlinked and counted as used.
+  // A slot that became free goes on the free list, unless a shrink is giving it back.
+  void ReleaseSlot(SlotId s) {
+    if (s < limit_) PushFront(free_, s);
+  }
+
+  // A free slot, else an evicted one; kNil when neither exists. The slot is unlinked and counted as used. Never
+  // a slot at or above limit_ (one evicted there stays free for the shrink).
   SlotId TakeSlot() {
     SlotId s = free_.head;
     if (s != kNil) {
       Unlink(free_, s);
     } else {
-      s = EvictOne();
-      if (s == kNil) return kNil;
+      do {
+        s = EvictOne();
+        if (s == kNil) return kNil;
+      } while (s >= limit_);
     }
     ++used_;
     return s;
+  }
+
+  // Moves limit_: free slots below the new limit are on the free list, those at or above it are not.
+  void SetLimit(uint32_t limit) {
+    for (SlotId s = limit; s < limit_; ++s) {
+      if (nodes_[s].state == State::kFree) Unlink(free_, s);
+    }
+    for (SlotId s = limit_; s < limit; ++s) {
+      if (nodes_[s].state == State::kFree) PushBack(free_, s);
+    }
+    limit_ = limit;
   }
 
   void EraseKey(SlotId s) {
@@ -364,15 +388,16 @@ struct PrefixIndex::Impl {
     SlotId parent = n.parent;
     n = Node{};
     --used_;
-    PushFront(free_, s);
+    ReleaseSlot(s);
     DropChild(parent, /*lru_end=*/false);
   }
 
   // Restore and RestoreUnverified: a node of the pool's slot table, in `state` (committed or unverified). Its
   // parent must be committed, or for an unverified node committed or unverified.
   Status RestoreNode(SlotId slot, const BlockKey& key, const BlockKey& parent, State state) {
-    if (slot >= nodes_.size()) {
-      return Status::OutOfRange(fmt::format("restore: slot {} is out of range; expected < {}", slot, nodes_.size()));
+    if (slot >= limit_) {
+      return Status::OutOfRange(fmt::format("restore: slot {} is out of range; expected < {} (the active capacity)",
+                                            slot, limit_));
     }
     if (key == BlockKey{}) {
       return Status::InvalidArgument(fmt::format("restore: slot {} has the zero key, which names the root", slot));
@@ -408,7 +433,8 @@ struct PrefixIndex::Impl {
   }
 };
 
-PrefixIndex::PrefixIndex(uint32_t capacity) : impl_(std::make_unique<Impl>(capacity)) {}
+PrefixIndex::PrefixIndex(uint32_t capacity) : PrefixIndex(capacity, capacity) {}
+PrefixIndex::PrefixIndex(uint32_t capacity, uint32_t active) : impl_(std::make_unique<Impl>(capacity, active)) {}
 PrefixIndex::~PrefixIndex() = default;
 
 void PrefixIndex::SetEvictionListener(std::function<void(SlotId, const BlockKey&)> listener) {
@@ -614,6 +640,76 @@ size_t PrefixIndex::DropSubtrees(std::span<const SlotId> slots, const std::funct
   return dropped;
 }
 
+void PrefixIndex::Grow(uint32_t active) {
+  Impl& m = *impl_;
+  PREFIX_INDEX_CHECK(active >= m.active_ && active <= m.nodes_.size(),
+                     fmt::format("grow to {} slots from {} (capacity {})", active, m.active_, m.nodes_.size()));
+  m.active_ = active;
+  m.SetLimit(active);
+}
+
+PrefixIndex::Shrunk PrefixIndex::Shrink(uint32_t target) {
+  Impl& m = *impl_;
+  PREFIX_INDEX_CHECK(target <= m.active_, fmt::format("shrink to {} slots from {}", target, m.active_));
+  m.SetLimit(target);
+  Shrunk out;
+  bool any = false;
+  for (SlotId s = target; s < m.active_ && !any; ++s) any = m.nodes_[s].state == State::kCommitted;
+  if (any) {
+    const auto cap = static_cast<uint32_t>(m.nodes_.size());
+    // A node that is not committed and unpinned (pending, unverified, pinned, dropped) keeps itself and every
+    // ancestor: evicting an ancestor would cut it off (or free a slot it needs).
+    std::vector<uint8_t> kept(cap, 0);
+    for (SlotId s = 0; s < cap; ++s) {
+      const Node& n = m.nodes_[s];
+      if (n.state == State::kFree || (n.state == State::kCommitted && n.pins == 0)) continue;
+      for (SlotId cur = s; cur != kNil && kept[cur] == 0; cur = m.nodes_[cur].parent) kept[cur] = 1;
+    }
+    // Per slot: 1 = in the subtree of a committed tail node that is not kept (evicted), 2 = not, 0 = not known
+    // yet; found by walking up once per chain, as DropSubtrees does.
+    std::vector<uint8_t> verdict(cap, 0);
+    for (SlotId s = target; s < m.active_; ++s) {
+      if (m.nodes_[s].state == State::kCommitted && kept[s] == 0) verdict[s] = 1;
+    }
+    std::vector<SlotId> path;
+    for (SlotId s = 0; s < cap; ++s) {
+      if (verdict[s] != 0 || m.nodes_[s].state == State::kFree) continue;
+      path.clear();
+      uint8_t v = 2;
+      for (SlotId cur = s; cur != kNil; cur = m.nodes_[cur].parent) {
+        if (verdict[cur] != 0) {
+          v = verdict[cur];
+          break;
+        }
+        path.push_back(cur);
+      }
+      for (SlotId p : path) verdict[p] = v;
+    }
+    // Out of the index first (every one is committed and unpinned: nothing kept is below an evicted node), then
+    // the slots are freed leaves first, as for dropped nodes.
+    for (SlotId s = 0; s < cap; ++s) {
+      if (verdict[s] != 1) continue;
+      Node& n = m.nodes_[s];
+      if (Impl::Evictable(n)) m.Unlink(m.lru_, s);
+      m.EraseKey(s);
+      --m.committed_;
+      ++m.evicted_;
+      ++out.evicted;
+      if (m.listener_) m.listener_(s, n.key);
+      n.state = State::kDropped;
+    }
+    for (SlotId s = 0; s < cap; ++s) {
+      if (verdict[s] == 1) m.FreeDropped(s);
+    }
+  }
+  while (m.active_ > target && m.nodes_[m.active_ - 1].state == State::kFree) --m.active_;
+  out.active = m.active_;
+  return out;
+}
+
+uint32_t PrefixIndex::active() const { return impl_->active_; }
+uint32_t PrefixIndex::limit() const { return impl_->limit_; }
+
 bool PrefixIndex::IsCommitted(SlotId slot) const {
   return slot < impl_->nodes_.size() && impl_->nodes_[slot].state == State::kCommitted;
 }
@@ -713,7 +809,14 @@ void PrefixIndex::CheckInvariants() const {
                        fmt::format("hash table bucket {} (slot {}) is out of Robin Hood order", pos, b.slot));
   }
   PREFIX_INDEX_CHECK(entries == t.size(), "hash table entry count drifted");
-  PREFIX_INDEX_CHECK(m.free_.size + used == cap, "free list size + used != capacity");
+  PREFIX_INDEX_CHECK(m.limit_ <= m.active_ && m.active_ <= cap, "limit or active capacity out of order");
+  uint32_t free_below_limit = 0;
+  for (SlotId s = 0; s < cap; ++s) {
+    PREFIX_INDEX_CHECK(s < m.active_ || m.nodes_[s].state == State::kFree,
+                       fmt::format("slot {} beyond the active capacity is used", s));
+    if (s < m.limit_ && m.nodes_[s].state == State::kFree) ++free_below_limit;
+  }
+  PREFIX_INDEX_CHECK(m.free_.size == free_below_limit, "free list size != free slots below the limit");
   auto walk = [&](const List& l, auto&& want) {
     uint32_t count = 0;
     SlotId prev = kNil;
@@ -724,6 +827,10 @@ void PrefixIndex::CheckInvariants() const {
     }
     PREFIX_INDEX_CHECK(l.tail == prev && count == l.size, "list tail or size is wrong");
   };
+  SlotId listed_limit = m.limit_;
+  for (SlotId s = m.free_.head; s != kNil; s = m.nodes_[s].next) {
+    PREFIX_INDEX_CHECK(s < listed_limit, fmt::format("free slot {} at or above the limit is on the free list", s));
+  }
   walk(m.free_, [](const Node& n) { return n.state == State::kFree; });
   walk(m.lru_, [](const Node& n) { return Impl::Evictable(n); });
   PREFIX_INDEX_CHECK(m.lru_.size == evictable, "an evictable node is missing from the eviction list");

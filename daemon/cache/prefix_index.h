@@ -23,8 +23,10 @@ using SlotId = uint32_t;
 
 class PrefixIndex {
  public:
-  // All `capacity` slots start free.
+  // All `capacity` slots start free, and all are active.
   explicit PrefixIndex(uint32_t capacity);
+  // Slots [0, active) start free and may be handed out; slots [active, capacity) are not until Grow.
+  PrefixIndex(uint32_t capacity, uint32_t active);
 
   // Called when a committed block is evicted (before its slot is reused), e.g. to clear the slot table.
   void SetEvictionListener(std::function<void(SlotId, const BlockKey&)> listener);
@@ -87,7 +89,24 @@ class PrefixIndex {
   // Whether `slot` holds an unverified node (not yet verified, and not dropped with a failed ancestor).
   bool IsUnverified(SlotId slot) const;
 
-  uint32_t capacity() const;
+  // Elastic capacity. No slot at or above limit() is ever handed out (Reserve), and every slot at or above
+  // active() is free; limit() == active() except while a shrink is held up by blocks in the slots it gives back.
+  // Grow: slots [limit(), active) become usable (active >= active(), <= capacity()).
+  void Grow(uint32_t active);
+  struct Shrunk {
+    uint32_t active = 0;   // the active capacity reached: >= target, every slot from it up is free
+    uint64_t evicted = 0;  // committed blocks evicted (the eviction listener saw each; counted in evicted_blocks)
+  };
+  // Gives back the slots [target, active()) (target <= active()): no slot from target up is handed out from now
+  // on; every committed, unpinned block there is evicted with its descendants (wherever their slots are), unless
+  // one of its descendants is pinned, pending, unverified or dropped, and free slots there leave the free list.
+  // What stays (pinned, pending, unverified blocks, and their ancestors) holds the shrink there: the answer's
+  // active is the smallest value >= target above which every slot is free; a later call continues. O(capacity).
+  Shrunk Shrink(uint32_t target);
+  uint32_t active() const;
+  uint32_t limit() const;
+
+  uint32_t capacity() const;         // slots at most (the pool's sub-pool capacity)
   uint32_t used_slots() const;       // pending + committed
   uint32_t pinned_slots() const;     // slots with at least one pin
   uint32_t committed_blocks() const;

@@ -22,7 +22,11 @@ std::optional<PoolRegion> DramTier::region(size_t component) const {
     known_generation_ = cache_->generation();
   }
   if (component >= known_regions_.size()) return std::nullopt;
-  return known_regions_[component];
+  // The slot addresses stay for the generation; the active slots move with Cache::Resize.
+  PoolRegion r = known_regions_[component];
+  r.slots = cache_->active_slots(component);
+  r.bytes = uint64_t{r.slots} * r.slot_bytes;
+  return r;
 }
 
 uint32_t DramTier::capacity_slots() const {

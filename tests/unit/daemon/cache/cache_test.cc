@@ -111,7 +111,7 @@ TEST_CASE("cache: pinned matches hold their slots until unpinned", "[unit][cache
   CHECK(cache.GetStats().pinned == 0);
 }
 
-TEST_CASE("cache: the pool announces itself once to its listener, at creation or at once if it exists",
+TEST_CASE("cache: the pool announces each of its grants once to its listener, at creation or at once if it exists",
           "[unit][cache]") {
   TempCache t;
   std::vector<PoolRegion> heard;
@@ -119,16 +119,20 @@ TEST_CASE("cache: the pool announces itself once to its listener, at creation or
   REQUIRE(t.cache().RecoverPool(false).ok());
   CHECK(heard.empty());  // no pool file yet
   REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
-  REQUIRE(heard.size() == 1);
-  CHECK(heard[0].base == t.cache().SlotData(0));
-  CHECK(heard[0].slots == 64);
+  REQUIRE(heard.size() == 16);  // 64 slots in grants of 4, in slot order
+  for (size_t i = 0; i < heard.size(); ++i) {
+    CHECK(heard[i].base == t.cache().SlotData(static_cast<SlotId>(4 * i)));
+    CHECK(heard[i].slots == 4);
+    CHECK(heard[i].bytes == 4 * 4096);
+    CHECK(heard[i].slot_bytes == 4096);
+  }
   REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
-  CHECK(heard.size() == 1);  // a second session does not announce it again
+  CHECK(heard.size() == 16);  // a second session does not announce it again
 
   // A listener set after the pool exists hears of it at once.
   std::vector<PoolRegion> late;
   t.cache().SetPoolListener([&](const PoolRegion& r) { late.push_back(r); });
-  REQUIRE(late.size() == 1);
+  REQUIRE(late.size() == 16);
   CHECK(late[0].base == heard[0].base);
 }
 
@@ -147,7 +151,7 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
   int announced = 0;
   t.cache().SetPoolListener([&](const PoolRegion&) { ++announced; });
   REQUIRE(t.cache().RecoverPool(false).ok());
-  CHECK(announced == 1);
+  CHECK(announced == 16);  // each grant
   CHECK(t.cache().has_pool());
   // Restored blocks are served only once their bytes are verified.
   CHECK(t.cache().Match(keys, false, nullptr) == 0);
@@ -256,7 +260,7 @@ TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and 
   TempCache t;
   flexkv::Cache& cache = t.cache();
   int registered = 0, unregistered = 0;
-  cache.SetPoolListener([&](const PoolRegion&) { ++registered; }, [&] { ++unregistered; });
+  cache.SetPoolListener([&](const PoolRegion&) { ++registered; }, [&](const PoolRegion&) { ++unregistered; });
   REQUIRE(cache.RecoverPool(false).ok());
   CHECK(cache.DropDomain(false, nullptr).code() == StatusCode::kNotFound);
   REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
@@ -277,7 +281,7 @@ TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and 
   uint64_t dropped = 0;
   REQUIRE(cache.DropDomain(false, &dropped).ok());
   CHECK(dropped == 3);
-  CHECK(unregistered == 1);
+  CHECK(unregistered == 16);  // each grant
   CHECK_FALSE(cache.has_pool());
   CHECK(cache.generation() != first_generation);
   CHECK(cache.Match(keys, false, nullptr) == 0);
@@ -286,7 +290,7 @@ TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and 
   flexkv::Geometry other = SmallGeometry();
   other.num_layers = 4;
   REQUIRE(cache.Admit("other", other).ok());  // a new domain, a new pool
-  CHECK(registered == 2);
+  CHECK(registered == 32);
   CHECK(cache.block_bytes() == other.host_block_bytes());
   CHECK(cache.Match(keys, false, nullptr) == 0);
   CHECK(cache.GetStats().blocks == 0);
