@@ -38,13 +38,21 @@ class Cache {
   // `split`: how a hybrid geometry's pool divides the budget between its components (pool.h).
   Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split = {});
 
+  // The budget the next pool is created or re-attached with (a CacheSet sets each domain's share before it creates
+  // it). FAILED_PRECONDITION while a domain is set (its pool keeps the size it was made with).
+  Status SetBudget(uint64_t budget_bytes);
+  uint64_t budget_bytes() const { return budget_bytes_.load(std::memory_order_acquire); }
+  const std::string& pool_path() const { return pool_path_; }
+
   // Locks the pool (PoolLock: `<pool>.lock` and the pool file itself; a second daemon on the same pool is
   // refused naming the holder's pid), then
   // re-attaches the pool file of an earlier run, if any, and rebuilds the index from its slot table. The
   // restored blocks are unverified (not matchable) until FinishVerification passes them (block_verifier.h).
   // With `discard`, a pool file that cannot be used is replaced (its blocks are lost) instead of refused. A
   // pool file of an older layout (blocks without content checksums) is dropped with one log line.
-  Status RecoverPool(bool discard);
+  // `other_budgets`: budgets the file may have been made for besides budget_bytes() (a CacheSet's domain shares);
+  // the first that fits the file becomes budget_bytes().
+  Status RecoverPool(bool discard, std::span<const uint64_t> other_budgets = {});
 
   // Validates a session's cache domain; the first one creates the pool, recording `creator_uid` (the attaching
   // peer's uid; see CacheDomain::Admit) in the pool file so that it survives a restart.
@@ -112,11 +120,12 @@ class Cache {
   void Abort(std::span<const SlotId> slots);
 
   // `listener` is told the pool's region as soon as a pool exists (created by the first Admit, or re-attached
-  // by RecoverPool): at once when it exists already; `gone` is told before a dropped pool is unmapped
-  // (DropDomain), so that the listener can undo what it did. Both run under the cache's lock, so that no
+  // by RecoverPool): at once when it exists already; `gone` is told the same region before a dropped pool is
+  // unmapped (DropDomain), so that the listener can undo exactly what it did. Both run under the cache's lock, so that no
   // session uses the pool before the listener is done with it (e.g. DMA registration); they must not call back
   // into the cache. One listener; set it before RecoverPool.
-  void SetPoolListener(std::function<void(const PoolRegion&)> listener, std::function<void()> gone = {});
+  void SetPoolListener(std::function<void(const PoolRegion&)> listener,
+                       std::function<void(const PoolRegion&)> gone = {});
 
   // Checking block contents (block_verifier.h). The blocks RecoverPool restored unverified, parents first;
   // the first call takes them, later ones get none. A non-empty answer starts the restart verification, which
@@ -177,7 +186,7 @@ class Cache {
   // A FULL block left the index (evicted or dropped): the other components' entries of its key are unanchored.
   void UnanchorLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const uint64_t budget_bytes_;
+  std::atomic<uint64_t> budget_bytes_;  // changed only while no domain is set (SetBudget)
   const std::string pool_path_;
   const PoolSplit split_;
   CacheDomain domain_;
@@ -193,7 +202,7 @@ class Cache {
   std::atomic<uint32_t> capacity_{0};  // the pool's slots (capacity_slots without a lock)
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   std::function<void(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
-  std::function<void()> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const PoolRegion&)> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified
   bool verifying_ ABSL_GUARDED_BY(mu_) = false;                  // between TakeUnverified and EndVerification
 };

@@ -291,41 +291,41 @@ class CudaBackendImpl final : public CudaBackend {
 
   Status RegisterPool(uint8_t* base, uint64_t bytes) override {
     MutexLock lock(&mu_);
-    if (pool_base_ != nullptr) return Status::Ok();
+    if (pools_.contains(base)) return Status::Ok();
     if (base == nullptr || bytes == 0) {
       return Status::InvalidArgument(fmt::format("pool range [{}, +{}); expected a mapped, non-empty range",
                                                  static_cast<const void*>(base), bytes));
     }
     constexpr uint64_t kMaxChunk = 64ULL << 30;
+    RegisteredPool pool{bytes, {}};
     for (uint64_t off = 0; off < bytes; off += kMaxChunk) {
       const uint64_t n = std::min(kMaxChunk, bytes - off);
       const cudaError_t e = cudaHostRegister(base + off, n, cudaHostRegisterPortable | cudaHostRegisterMapped);
       if (e != cudaSuccess) {
-        for (const auto& [ptr, registered] : registered_) cudaHostUnregister(ptr);
-        registered_.clear();
+        for (uint8_t* chunk : pool.chunks) cudaHostUnregister(chunk);
         return CudaError(e, "cudaHostRegister(pool)", __FILE__, __LINE__);
       }
-      registered_.emplace_back(base + off, n);
+      pool.chunks.push_back(base + off);
     }
-    pool_base_ = base;
-    pool_bytes_ = bytes;
-    for (int d = 0; d < static_cast<int>(uuids_.size()); ++d) {
-      loads_.push_back(std::make_unique<DirectionWorker>(d, false, load_copy_engine_));
-      stores_.push_back(std::make_unique<DirectionWorker>(d, true, store_copy_engine_));
+    pools_.emplace(base, std::move(pool));
+    if (loads_.empty()) {  // the workers start with the first pool and stay (other pools' copies may be running)
+      for (int d = 0; d < static_cast<int>(uuids_.size()); ++d) {
+        loads_.push_back(std::make_unique<DirectionWorker>(d, false, load_copy_engine_));
+        stores_.push_back(std::make_unique<DirectionWorker>(d, true, store_copy_engine_));
+      }
     }
-    log::Info("cuda", "pool registered for DMA on {} GPU(s): {} bytes", uuids_.size(), bytes);
+    log::Info("cuda", "pool at {} registered for DMA on {} GPU(s): {} bytes", static_cast<const void*>(base),
+              uuids_.size(), bytes);
     return Status::Ok();
   }
 
-  void UnregisterPool() override {
+  void UnregisterPool(uint8_t* base) override {
     MutexLock lock(&mu_);
-    loads_.clear();  // joins the workers
-    stores_.clear();
-    for (const auto& [ptr, n] : registered_) cudaHostUnregister(ptr);
-    registered_.clear();
-    pool_base_ = nullptr;
-    pool_bytes_ = 0;
-    log::Info("cuda", "pool unregistered");
+    auto it = pools_.find(base);
+    if (it == pools_.end()) return;
+    for (uint8_t* chunk : it->second.chunks) cudaHostUnregister(chunk);
+    pools_.erase(it);
+    log::Info("cuda", "pool at {} unregistered", static_cast<const void*>(base));
   }
 
   Result<std::shared_ptr<GpuKv>> Open(const GpuKvDescription& d, const Geometry& g) override {
@@ -534,7 +534,7 @@ class CudaBackendImpl final : public CudaBackend {
     Status checked = Status::Ok();
     {
       MutexLock lock(&mu_);
-      if (pool_base_ == nullptr) {
+      if (pools_.empty()) {
         checked = Status::FailedPrecondition("the pool is not registered for DMA");
       } else {
         checked = CheckJob(*kv, pool, gpu_blocks, slots);
@@ -552,14 +552,19 @@ class CudaBackendImpl final : public CudaBackend {
   Status CheckJob(const GpuKv& kv, const PoolRegion& pool, const std::vector<uint32_t>& gpu_blocks,
                   const std::vector<uint32_t>& slots) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const uint64_t need = kv.geometry.host_block_bytes();
-    const auto begin = reinterpret_cast<uintptr_t>(pool.base), first = reinterpret_cast<uintptr_t>(pool_base_);
+    const auto begin = reinterpret_cast<uintptr_t>(pool.base);
     const uint64_t span = uint64_t{pool.slots} * pool.slot_bytes;
-    if (pool.base == nullptr || begin < first || begin - first > pool_bytes_ || span > pool_bytes_ - (begin - first) ||
+    // The registered region at or below the sub-pool's base: the only one that can hold it.
+    auto it = pools_.upper_bound(pool.base);
+    const bool has_region = pool.base != nullptr && it != pools_.begin();
+    if (has_region) --it;
+    const uintptr_t first = has_region ? reinterpret_cast<uintptr_t>(it->first) : 0;
+    const uint64_t bytes = has_region ? it->second.bytes : 0;
+    if (!has_region || begin - first > bytes || span > bytes - (begin - first) ||
         (pool.slot_bytes != 0 && span / pool.slot_bytes != pool.slots)) {
       return Status::FailedPrecondition(fmt::format(
-          "the copy's sub-pool [{}, +{} slots of {} bytes) is not inside the pool registered for DMA [{}, +{})",
-          static_cast<const void*>(pool.base), pool.slots, pool.slot_bytes, static_cast<const void*>(pool_base_),
-          pool_bytes_));
+          "the copy's sub-pool [{}, +{} slots of {} bytes) is not inside a pool registered for DMA ({} registered)",
+          static_cast<const void*>(pool.base), pool.slots, pool.slot_bytes, pools_.size()));
     }
     if (pool.slot_bytes < need || pool.slot_bytes % 16 != 0 || begin % 16 != 0) {
       return Status::FailedPrecondition(fmt::format(
@@ -592,19 +597,24 @@ class CudaBackendImpl final : public CudaBackend {
   ~CudaBackendImpl() override {
     loads_.clear();  // joins the workers: no copy runs past this point
     stores_.clear();
-    for (const auto& [ptr, n] : registered_) cudaHostUnregister(ptr);
+    for (const auto& [base, pool] : pools_) {
+      for (uint8_t* chunk : pool.chunks) cudaHostUnregister(chunk);
+    }
   }
 
  private:
   std::vector<std::string> uuids_;
   Mutex mu_;
-  // The range RegisterPool registered (null: none); every job's sub-pool lies inside it.
-  const uint8_t* pool_base_ ABSL_GUARDED_BY(mu_) = nullptr;
-  uint64_t pool_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // A region RegisterPool registered: its size and the chunks cudaHostRegister took (what UnregisterPool undoes).
+  struct RegisteredPool {
+    uint64_t bytes = 0;
+    std::vector<uint8_t*> chunks;
+  };
+  // By base; every job's sub-pool lies inside one of them.
+  std::map<const uint8_t*, RegisteredPool> pools_ ABSL_GUARDED_BY(mu_);
   bool load_copy_engine_ = false;
   bool store_copy_engine_ = false;
   std::vector<std::unique_ptr<DirectionWorker>> loads_ ABSL_GUARDED_BY(mu_), stores_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::pair<uint8_t*, uint64_t>> registered_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -256,7 +256,7 @@ TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and 
   TempCache t;
   flexkv::Cache& cache = t.cache();
   int registered = 0, unregistered = 0;
-  cache.SetPoolListener([&](const PoolRegion&) { ++registered; }, [&] { ++unregistered; });
+  cache.SetPoolListener([&](const PoolRegion&) { ++registered; }, [&](const PoolRegion&) { ++unregistered; });
   REQUIRE(cache.RecoverPool(false).ok());
   CHECK(cache.DropDomain(false, nullptr).code() == StatusCode::kNotFound);
   REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
