@@ -151,7 +151,7 @@ TEST_CASE("cache set: a domain's share is its pool_size, else budget / max_domai
   CHECK(caches.Domains().size() == 3);
 }
 
-TEST_CASE("cache set: an unused empty domain gives way to a new one; one in use or holding blocks does not",
+TEST_CASE("cache set: an unused empty domain gives way to a new one, one in use or holding blocks does not",
           "[unit][cache]") {
   TempDir dir;
   CacheSet caches(Options(dir, 64 * kBlock, 2));
@@ -221,7 +221,7 @@ TEST_CASE("cache set: domains never see each other's blocks, and one is dropped 
   CHECK(c->Match(keys, false, nullptr) == 0);
 }
 
-TEST_CASE("cache set: a restart re-attaches every domain with its blocks; a changed share is refused",
+TEST_CASE("cache set: a restart re-attaches every domain with its blocks, and a changed share is refused",
           "[unit][cache]") {
   TempDir dir;
   const std::vector<BlockKey> keys = Keys(2);
