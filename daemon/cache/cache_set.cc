@@ -13,6 +13,31 @@
 
 namespace flexkv {
 
+CounterValues CounterValues::Read(const CacheCounters& c) {
+  CounterValues v;
+  v.match_requests = c.match_requests.load(std::memory_order_relaxed);
+  v.match_blocks = c.match_blocks.load(std::memory_order_relaxed);
+  v.hit_blocks = c.hit_blocks.load(std::memory_order_relaxed);
+  v.load_blocks = c.load_blocks.load(std::memory_order_relaxed);
+  v.store_blocks = c.store_blocks.load(std::memory_order_relaxed);
+  v.bytes_loaded = c.bytes_loaded.load(std::memory_order_relaxed);
+  v.bytes_stored = c.bytes_stored.load(std::memory_order_relaxed);
+  v.data_loss_blocks = c.data_loss_blocks.load(std::memory_order_relaxed);
+  return v;
+}
+
+CounterValues CounterValues::operator-(const CounterValues& b) const {
+  return CounterValues{match_requests - b.match_requests, match_blocks - b.match_blocks, hit_blocks - b.hit_blocks,
+                       load_blocks - b.load_blocks,       store_blocks - b.store_blocks, bytes_loaded - b.bytes_loaded,
+                       bytes_stored - b.bytes_stored,     data_loss_blocks - b.data_loss_blocks};
+}
+
+CounterValues CounterValues::operator+(const CounterValues& b) const {
+  return CounterValues{match_requests + b.match_requests, match_blocks + b.match_blocks, hit_blocks + b.hit_blocks,
+                       load_blocks + b.load_blocks,       store_blocks + b.store_blocks, bytes_loaded + b.bytes_loaded,
+                       bytes_stored + b.bytes_stored,     data_loss_blocks + b.data_loss_blocks};
+}
+
 CacheSet::CacheSet(CacheSetOptions options) : options_(std::move(options)) {
   const size_t n = std::max<size_t>(options_.max_domains, 1);
   for (size_t i = 0; i < n; ++i) {
@@ -141,7 +166,8 @@ Status CacheSet::RecoverPools(bool discard) {
         FLEXKV_RETURN_IF_ERROR(cache.DropDomain(/*only_if_empty=*/false, &dropped));
         continue;
       }
-      slots_[i] = Slot{view.model_namespace, share.limit, MonotonicMs(), next_order_++};
+      // Counted from zero: what the restart check drops counts against this domain.
+      slots_[i] = Slot{view.model_namespace, share.limit, MonotonicMs(), next_order_++, CounterValues{}};
     }
   }
   for (const auto& verifier : verifiers_) verifier->StartRestartVerification();
@@ -214,7 +240,8 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
     if (cache->Domain().geometry) (void)cache->DropDomain(/*only_if_empty=*/true, nullptr);  // no pool after all
     return admitted;
   }
-  slots_[*slot] = Slot{model_namespace, share.limit, MonotonicMs(), next_order_++};
+  slots_[*slot] = Slot{model_namespace, share.limit, MonotonicMs(), next_order_++,
+                       CounterValues::Read(cache->counters())};
   log::Info("cache", "cache domain '{}' {} created in {} with a share of {} of the {} budget", model_namespace,
             geometry.ToString(), cache->pool_path(), FormatByteSize(share.bytes), FormatByteSize(options_.budget_bytes));
   return cache;
@@ -235,12 +262,19 @@ std::vector<CacheSet::Domain> CacheSet::Domains() const {
     const CacheDomain::View view = caches_[i]->Domain();
     if (!view.geometry) continue;
     ordered.emplace_back(s.order, Domain{i, caches_[i].get(), s.model_namespace, *view.geometry,
-                                         caches_[i]->budget_bytes(), s.limit_bytes, s.created_ms});
+                                         caches_[i]->budget_bytes(), s.limit_bytes, s.created_ms,
+                                         CounterValues::Read(caches_[i]->counters()) - s.base});
   }
   std::sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<Domain> out;
   for (auto& [order, d] : ordered) out.push_back(std::move(d));
   return out;
+}
+
+CounterValues CacheSet::TotalCounters() const {
+  CounterValues total;
+  for (const auto& cache : caches_) total = total + CounterValues::Read(cache->counters());
+  return total;
 }
 
 Status CacheSet::DropDomain(std::string_view model_namespace, bool only_if_empty, uint64_t* dropped_blocks) {

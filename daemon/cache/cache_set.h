@@ -34,6 +34,15 @@ struct CacheSetOptions {
   std::map<std::string, uint64_t, std::less<>> namespace_pool_bytes;
 };
 
+// The values of a domain's request counters (CacheCounters), since the domain was created.
+struct CounterValues {
+  uint64_t match_requests = 0, match_blocks = 0, hit_blocks = 0, load_blocks = 0, store_blocks = 0, bytes_loaded = 0,
+           bytes_stored = 0, data_loss_blocks = 0;
+  static CounterValues Read(const CacheCounters& counters);
+  CounterValues operator-(const CounterValues& base) const;
+  CounterValues operator+(const CounterValues& other) const;
+};
+
 class CacheSet {
  public:
   // Creates max_domains Caches (slot i's pool file: PoolPathOf(pool_path, i)); nothing is locked or opened until
@@ -99,9 +108,13 @@ class CacheSet {
     uint64_t budget_bytes = 0;  // its share
     uint64_t limit_bytes = 0;   // the configured pool_size, 0: none
     int64_t created_ms = 0;     // monotonic: when it was created or re-attached
+    // Its requests since it was created (a reused Cache's counters also hold the earlier domains' of its slot).
+    CounterValues counters;
   };
   // The domains there are, in the order they were created.
   std::vector<Domain> Domains() const;
+  // Every request counted since start, dropped domains' included (monotonic: the daemon's totals).
+  CounterValues TotalCounters() const;
 
   // Drops the domain of `model_namespace` and its pool file (Cache::DropDomain: FAILED_PRECONDITION while blocks
   // are pinned, being stored or verified; with `only_if_empty` while it holds blocks); its slot and budget share
@@ -114,6 +127,7 @@ class CacheSet {
     uint64_t limit_bytes = 0;
     int64_t created_ms = 0;
     uint64_t order = 0;  // creation order
+    CounterValues base;  // the Cache's counters when the domain was created
   };
   uint64_t HeldLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Share ShareForLocked(std::string_view model_namespace) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

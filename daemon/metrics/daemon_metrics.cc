@@ -73,11 +73,11 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   struct DomainSample {
     std::string model_namespace;
     Cache::Stats stats;
-    const CacheCounters* counters;
+    CounterValues counters;  // since the domain was created
   };
   std::vector<DomainSample> domains;
   for (const CacheSet::Domain& d : sources_.caches->Domains()) {
-    domains.push_back(DomainSample{d.model_namespace, d.cache->GetStats(), &d.cache->counters()});
+    domains.push_back(DomainSample{d.model_namespace, d.cache->GetStats(), d.counters});
   }
   // A family of one value per domain.
   const auto per_domain = [&](std::string name, std::string help, MetricType type, auto value) {
@@ -127,23 +127,23 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   out.push_back(Family("flexkv_requests_total", "Data-plane requests taken off the submit rings, by kind",
                        MetricType::Counter, std::move(taken)));
   out.push_back(per_domain("flexkv_match_blocks_total", "Blocks looked up by Match (rings and the unary call)",
-                           MetricType::Counter, [](const DomainSample& d) { return d.counters->match_blocks.load(); }));
+                           MetricType::Counter, [](const DomainSample& d) { return d.counters.match_blocks; }));
   out.push_back(per_domain("flexkv_hit_blocks_total", "Blocks of Match found cached (leading blocks)",
-                           MetricType::Counter, [](const DomainSample& d) { return d.counters->hit_blocks.load(); }));
+                           MetricType::Counter, [](const DomainSample& d) { return d.counters.hit_blocks; }));
   out.push_back(per_domain("flexkv_load_blocks_total", "Blocks copied from the pool into engines' KV buffers",
-                           MetricType::Counter, [](const DomainSample& d) { return d.counters->load_blocks.load(); }));
+                           MetricType::Counter, [](const DomainSample& d) { return d.counters.load_blocks; }));
   out.push_back(per_domain("flexkv_store_blocks_total", "Blocks copied into the pool and published",
-                           MetricType::Counter, [](const DomainSample& d) { return d.counters->store_blocks.load(); }));
+                           MetricType::Counter, [](const DomainSample& d) { return d.counters.store_blocks; }));
   out.push_back(per_domain("flexkv_evicted_blocks_total", "Blocks evicted from the pool to make room",
                            MetricType::Counter, [](const DomainSample& d) { return d.stats.evicted; }));
   out.push_back(per_domain(
       "flexkv_data_loss_blocks_total",
       "Blocks dropped because their bytes failed their content checksum (restart check or scrub)", MetricType::Counter,
-      [](const DomainSample& d) { return d.counters->data_loss_blocks.load(); }));
+      [](const DomainSample& d) { return d.counters.data_loss_blocks; }));
   out.push_back(per_domain("flexkv_load_bytes_total", "Bytes of loaded blocks", MetricType::Counter,
-                           [](const DomainSample& d) { return d.counters->bytes_loaded.load(); }));
+                           [](const DomainSample& d) { return d.counters.bytes_loaded; }));
   out.push_back(per_domain("flexkv_store_bytes_total", "Bytes of stored blocks", MetricType::Counter,
-                           [](const DomainSample& d) { return d.counters->bytes_stored.load(); }));
+                           [](const DomainSample& d) { return d.counters.bytes_stored; }));
 
   std::vector<ClientMetric> request_errors;
   for (const OpKind op : kAllOps) {

@@ -183,16 +183,16 @@ void FillPool(const CacheDomain::View& view, const Cache::Stats& stats, uint64_t
   }
 }
 
-void AddCounters(const CacheCounters& c, uint64_t evicted, v1::Counters* out) {
-  out->set_match_requests(out->match_requests() + c.match_requests.load());
-  out->set_match_blocks(out->match_blocks() + c.match_blocks.load());
-  out->set_hit_blocks(out->hit_blocks() + c.hit_blocks.load());
-  out->set_load_blocks(out->load_blocks() + c.load_blocks.load());
-  out->set_store_blocks(out->store_blocks() + c.store_blocks.load());
-  out->set_evicted_blocks(out->evicted_blocks() + evicted);
-  out->set_bytes_loaded(out->bytes_loaded() + c.bytes_loaded.load());
-  out->set_bytes_stored(out->bytes_stored() + c.bytes_stored.load());
-  out->set_data_loss_blocks(out->data_loss_blocks() + c.data_loss_blocks.load());
+void FillCounters(const CounterValues& c, uint64_t evicted, v1::Counters* out) {
+  out->set_match_requests(c.match_requests);
+  out->set_match_blocks(c.match_blocks);
+  out->set_hit_blocks(c.hit_blocks);
+  out->set_load_blocks(c.load_blocks);
+  out->set_store_blocks(c.store_blocks);
+  out->set_evicted_blocks(evicted);
+  out->set_bytes_loaded(c.bytes_loaded);
+  out->set_bytes_stored(c.bytes_stored);
+  out->set_data_loss_blocks(c.data_loss_blocks);
 }
 
 }  // namespace
@@ -206,7 +206,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   const std::vector<CacheSet::Domain> domains = ctx_.caches->Domains();
   auto* pool = response->mutable_pool();
   auto* counters = response->mutable_counters();
-  uint64_t blocks = 0;
+  uint64_t blocks = 0, evicted = 0;
   std::string backing;
   for (const CacheSet::Domain& d : domains) {
     const CacheDomain::View view = d.cache->Domain();
@@ -216,7 +216,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
     ToProto(d.geometry, out->mutable_geometry());
     FillPool(view, stats, d.budget_bytes, out->mutable_pool());
     out->mutable_index()->set_blocks(stats.blocks);
-    AddCounters(d.cache->counters(), stats.evicted, out->mutable_counters());
+    FillCounters(d.counters, stats.evicted, out->mutable_counters());
     out->set_sessions(static_cast<uint32_t>(ctx_.sessions->CountIn(d.model_namespace)));
     out->set_idle_s(IdleSeconds(d));
     out->set_limit_bytes(d.limit_bytes);
@@ -227,8 +227,10 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
     pool->set_unverified_blocks(pool->unverified_blocks() + stats.unverified);
     blocks += stats.blocks;
     backing += (backing.empty() ? "" : ", ") + stats.backing;
-    AddCounters(d.cache->counters(), stats.evicted, counters);
+    evicted += stats.evicted;
   }
+  // Every request since start, those of dropped domains included, as before several domains existed.
+  FillCounters(ctx_.caches->TotalCounters(), evicted, counters);
   if (domains.size() == 1) {
     // One domain: the top-level fields are its own, as before several domains existed.
     const CacheDomain::View view = domains[0].cache->Domain();

@@ -206,6 +206,8 @@ TEST_CASE("cache set: domains never see each other's blocks, and one is dropped 
   auto missing = caches.DropDomain("c", false, nullptr);
   CHECK(missing.code() == StatusCode::kNotFound);
   CHECK_THAT(missing.message(), Catch::Contains("'a'") && Catch::Contains("'b'"));
+  a->counters().hit_blocks += 5;  // as the request handlers count a's hits
+  CHECK(caches.Domains()[0].counters.hit_blocks == 5);
   uint64_t dropped = 0;
   REQUIRE(caches.DropDomain("a", false, &dropped).ok());
   CHECK(dropped == 3);
@@ -219,6 +221,9 @@ TEST_CASE("cache set: domains never see each other's blocks, and one is dropped 
   CHECK(c == a);
   CHECK(c->generation() != generation);
   CHECK(c->Match(keys, false, nullptr) == 0);
+  // Its counters start at zero; the daemon's totals keep a's.
+  for (const CacheSet::Domain& d : caches.Domains()) CHECK(d.counters.hit_blocks == 0);
+  CHECK(caches.TotalCounters().hit_blocks == 5);
 }
 
 TEST_CASE("cache set: a restart re-attaches every domain with its blocks, and a changed share is refused",
