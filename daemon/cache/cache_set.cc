@@ -102,13 +102,13 @@ std::optional<size_t> CacheSet::FreeSlotLocked() const {
 }
 
 std::string CacheSet::DescribeLocked() const {
-  std::vector<size_t> order;
+  std::vector<std::pair<uint64_t, size_t>> order;  // (creation order, slot)
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (!slots_[i].model_namespace.empty()) order.push_back(i);
+    if (!slots_[i].model_namespace.empty()) order.emplace_back(slots_[i].order, i);
   }
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return slots_[a].order < slots_[b].order; });
+  std::sort(order.begin(), order.end());
   std::string out;
-  for (size_t i : order) {
+  for (const auto& [created, i] : order) {
     const Cache::Stats stats = caches_[i]->GetStats();
     out += fmt::format("{}'{}' holds {} ({} blocks{})", out.empty() ? "" : ", ", slots_[i].model_namespace,
                        FormatByteSize(caches_[i]->budget_bytes()), stats.blocks,
