@@ -128,6 +128,10 @@ void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_
   const bool pin = (d.flags & kMatchFlagPin) != 0;
   std::vector<SlotId> slots;
   const size_t hit = s.cache().Match(keys, pin, pin ? &slots : nullptr);
+  if (s.cache().generation() != s.pool_generation_) {  // as in Store: these pins would be another domain's
+    if (!slots.empty()) s.cache().Unpin(slots);
+    return Fail(s, d, taken_ns, DomainDropped());
+  }
   CacheCounters& counters = s.cache().counters();
   counters.match_requests.fetch_add(1, std::memory_order_relaxed);
   counters.match_blocks.fetch_add(d.count, std::memory_order_relaxed);
@@ -255,6 +259,13 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   }
   const BlockKey parent = d.parent;  // kRootParent, or the key keys[0] hangs under
   PrefixIndex::Reservation r = s.cache().Reserve(parent, keys);
+  // A drop of the domain (possible only while this session's end is processed: DropDomain waits for no request,
+  // only for reserved and pinned slots) may have given the Cache to another domain just before the Reserve.
+  if (s.cache().generation() != s.pool_generation_) {
+    s.cache().Abort(r.slots);
+    lifecycle_->Finish();
+    return Fail(s, d, taken_ns, DomainDropped());
+  }
   const uint32_t reserved = static_cast<uint32_t>(r.slots.size());
   CompletionBuilder c(d);
   c.MatchedBlocks(static_cast<uint32_t>(r.cached)).DoneBlocks(reserved);
@@ -396,6 +407,11 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
   }
   const BlockKey parent = d.parent;
   auto r = std::make_shared<Cache::HybridReservation>(s.cache().ReserveHybrid(parent, keys, boundaries));
+  if (s.cache().generation() != s.pool_generation_) {  // as in Store
+    s.cache().AbortHybrid(*r);
+    lifecycle_->Finish();
+    return Fail(s, d, taken_ns, DomainDropped());
+  }
   CompletionBuilder answer(d);
   answer.MatchedBlocks(static_cast<uint32_t>(r->full.cached)).DoneBlocks(static_cast<uint32_t>(r->full.slots.size()));
   if (r->shortfall != StatusCode::kOk) {
