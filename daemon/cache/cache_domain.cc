@@ -82,7 +82,8 @@ Status CacheDomain::Admit(const std::string& model_namespace, const Geometry& ge
   }
   if (model_namespace != namespace_) {
     return Status::FailedPrecondition(fmt::format(
-        "model_namespace is '{}' but this daemon's cache domain is '{}'; one cache domain per daemon",
+        "model_namespace is '{}' but this daemon's cache domain is '{}'; one cache domain at a time (--max-domains 1: "
+        "raise it to serve several)",
         model_namespace, namespace_));
   }
   return geometry.CheckSameHostLayout(*geometry_);

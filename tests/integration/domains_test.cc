@@ -290,8 +290,22 @@ TEST_CASE("domains: one domain is dropped while the other's sessions keep storin
   // The gpt-oss engine goes; its domain is dropped while the llama session stays attached and others work.
   gpt_oss_engine.Signal(SIGKILL);
   REQUIRE(gpt_oss_engine.Wait(5s).has_value());
+  for (int i = 0; i < 200 && DomainOf(Status(d), kGptOss)->sessions() != 0; ++i) {
+    std::this_thread::sleep_for(50ms);  // the daemon ends the session when it sees the process gone
+  }
+  REQUIRE(DomainOf(Status(d), kGptOss)->sessions() == 0);
+  {
+    grpc::ClientContext ctx;
+    flexkv::v1::DropDomainRequest request;
+    request.set_model_namespace(kGptOss);
+    request.set_min_idle_s(3600);  // it had a session just now
+    flexkv::v1::DropDomainResponse response;
+    grpc::Status recent = Stub(d)->DropDomain(&ctx, request, &response);
+    CHECK(recent.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK_THAT(recent.error_message(), Catch::Contains("min_idle_s 3600"));
+  }
   grpc::Status st;
-  for (int i = 0; i < 200; ++i) {  // the daemon ends the session when it sees the process gone
+  for (int i = 0; i < 200; ++i) {  // its pins are released just after the session ends
     st = DropDomain(d, kGptOss, &dropped);
     if (st.ok() || st.error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
     std::this_thread::sleep_for(50ms);
