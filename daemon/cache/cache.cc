@@ -25,8 +25,8 @@ Status Cache::SetBudget(uint64_t budget_bytes) {
   MutexLock lock(&mu_);
   const CacheDomain::View domain = domain_.Snapshot();
   if (domain.geometry) {
-    return Status::FailedPrecondition(fmt::format("the cache domain '{}' is set; its budget changes only once it is dropped",
-                                                  domain.model_namespace));
+    return Status::FailedPrecondition(fmt::format(
+        "the cache domain '{}' is set; its budget changes only once it is dropped", domain.model_namespace));
   }
   budget_bytes_.store(budget_bytes, std::memory_order_release);
   domain_.SetBudget(budget_bytes);

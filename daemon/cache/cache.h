@@ -121,9 +121,9 @@ class Cache {
 
   // `listener` is told the pool's region as soon as a pool exists (created by the first Admit, or re-attached
   // by RecoverPool): at once when it exists already; `gone` is told the same region before a dropped pool is
-  // unmapped (DropDomain), so that the listener can undo exactly what it did. Both run under the cache's lock, so that no
-  // session uses the pool before the listener is done with it (e.g. DMA registration); they must not call back
-  // into the cache. One listener; set it before RecoverPool.
+  // unmapped (DropDomain), so that the listener can undo exactly what it did. Both run under the cache's lock, so
+  // that no session uses the pool before the listener is done with it (e.g. DMA registration); they must not call
+  // back into the cache. One listener; set it before RecoverPool.
   void SetPoolListener(std::function<void(const PoolRegion&)> listener,
                        std::function<void(const PoolRegion&)> gone = {});
 

@@ -158,8 +158,9 @@ Status CacheSet::RecoverPools(bool discard) {
       }
       if (!refusal.empty()) {
         if (!discard) {
-          return Status::FailedPrecondition(
-              refusal + "; start with the config it was made with, or with --discard-pool to drop it (its blocks are lost)");
+          return Status::FailedPrecondition(refusal +
+                                            "; start with the config it was made with, or with --discard-pool to drop "
+                                            "it (its blocks are lost)");
         }
         log::Warning("cache", "{}: dropped as asked (--discard-pool), its blocks are lost", refusal);
         uint64_t dropped = 0;
@@ -177,6 +178,16 @@ Status CacheSet::RecoverPools(bool discard) {
 Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid,
                                const std::function<bool(const std::string&)>& in_use,
                                std::vector<std::string>* replaced) {
+  // Asked before the lock, never under it: `in_use` takes the session registry's lock, which is held while a
+  // session's channel opens and looks its domain up here (Find). The caller's serialization keeps the answers
+  // valid: no session appears meanwhile, and one that ends only makes a domain look busy a moment longer.
+  std::vector<std::string> busy;
+  for (const Domain& d : Domains()) {
+    if (in_use(d.model_namespace)) busy.push_back(d.model_namespace);
+  }
+  const auto is_busy = [&busy](const std::string& name) {
+    return std::find(busy.begin(), busy.end(), name) != busy.end();
+  };
   MutexLock lock(&mu_);
   if (const std::optional<size_t> slot = SlotOfLocked(model_namespace)) {
     Cache* cache = caches_[*slot].get();
@@ -195,7 +206,7 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
     std::optional<size_t> victim;
     for (size_t i = 0; i < slots_.size(); ++i) {
       const Slot& s = slots_[i];
-      if (s.model_namespace.empty() || in_use(s.model_namespace)) continue;
+      if (s.model_namespace.empty() || is_busy(s.model_namespace)) continue;
       if (victim && slots_[*victim].order < s.order) continue;
       const Cache::Stats stats = caches_[i]->GetStats();
       if (stats.used != 0 || stats.pinned != 0 || stats.unverified != 0) continue;
@@ -243,7 +254,8 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
   slots_[*slot] = Slot{model_namespace, share.limit, MonotonicMs(), next_order_++,
                        CounterValues::Read(cache->counters())};
   log::Info("cache", "cache domain '{}' {} created in {} with a share of {} of the {} budget", model_namespace,
-            geometry.ToString(), cache->pool_path(), FormatByteSize(share.bytes), FormatByteSize(options_.budget_bytes));
+            geometry.ToString(), cache->pool_path(), FormatByteSize(share.bytes),
+            FormatByteSize(options_.budget_bytes));
   return cache;
 }
 

@@ -93,7 +93,8 @@ class CacheSet {
   // share does not fit in the free budget, domains that `in_use` says have no session and that hold no block
   // (and nothing pinned or reserved) are dropped first, each named in `*replaced` (optional). Otherwise
   // RESOURCE_EXHAUSTED naming the budget, what each domain holds, and what the operator can do. The caller
-  // serializes Admit with DropDomain and with the sessions `in_use` counts.
+  // serializes Admit with DropDomain and with the sessions `in_use` counts; `in_use` is called without the set's
+  // lock (it may take the session registry's, under which a session's channel calls Find).
   Result<Cache*> Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid,
                        const std::function<bool(const std::string& model_namespace)>& in_use,
                        std::vector<std::string>* replaced = nullptr);

@@ -27,7 +27,8 @@ Status CheckWatchedPoolFile();
 
 // PoolFileWatch: for its lifetime, the pool mapping [base, base + bytes) of the file open as `fd` is one of those
 // the SIGBUS handler and CheckWatchedPoolFile guard: up to 64 pools at once (one per cache domain); a newer watch of
-// the same base replaces an older one, whose destruction then changes nothing. `fd` is duplicated; the caller keeps its own.
+// the same base replaces an older one, whose destruction then changes nothing. `fd` is duplicated; the caller
+// keeps its own.
 // Not copyable or movable; construct and destroy it on one thread at a time.
 class PoolFileWatch {
  public:

@@ -67,7 +67,8 @@ Result<uint64_t> ParsePoolSize(const toml::node& node, const std::string& where)
   uint64_t bytes = 0;
   if (const auto* number = node.as_integer()) {
     if (number->get() < 0) {
-      return Status::InvalidArgument(fmt::format("{} is {}; expected a size like \"8GiB\" or bytes", where, number->get()));
+      return Status::InvalidArgument(
+          fmt::format("{} is {}; expected a size like \"8GiB\" or bytes", where, number->get()));
     }
     bytes = static_cast<uint64_t>(number->get());
   } else if (const auto* str = node.as_string()) {
@@ -79,7 +80,8 @@ Result<uint64_t> ParsePoolSize(const toml::node& node, const std::string& where)
         fmt::format("{} is {}; expected a size like \"8GiB\" or a number of bytes", where, TypeName(node.type())));
   }
   if (bytes < (1u << 20)) {
-    return Status::InvalidArgument(fmt::format("{} is {} bytes, below 1MiB; expected e.g. \"512MiB\" or \"8GiB\"", where, bytes));
+    return Status::InvalidArgument(
+        fmt::format("{} is {} bytes, below 1MiB; expected e.g. \"512MiB\" or \"8GiB\"", where, bytes));
   }
   return bytes;
 }

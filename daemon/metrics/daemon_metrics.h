@@ -1,7 +1,7 @@
 // DaemonMetrics: flexkvd's Prometheus metrics, read from the daemon's parts at each scrape — the data
 // plane's request counters and latency histograms, the cache counters and pool gauges (one sample per cache domain,
-// labelled with its namespace), session gauges, and the control plane's errors. The HTTP endpoint (MetricsServer) and the GetMetrics call serve the same
-// families; docs/operations.md ("Metrics") lists every one.
+// labelled with its namespace), session gauges, and the control plane's errors. The HTTP endpoint (MetricsServer)
+// and the GetMetrics call serve the same families; docs/operations.md ("Metrics") lists every one.
 #pragma once
 
 #include <string>

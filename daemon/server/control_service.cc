@@ -423,7 +423,9 @@ grpc::Status ControlService::DropDomain(grpc::ServerContext* context, const v1::
   MutexLock lock(&domain_mu_);
   const std::vector<CacheSet::Domain> domains = ctx_.caches->Domains();
   std::string names;
-  for (const CacheSet::Domain& d : domains) names += fmt::format("{}'{}'", names.empty() ? "" : ", ", d.model_namespace);
+  for (const CacheSet::Domain& d : domains) {
+    names += fmt::format("{}'{}'", names.empty() ? "" : ", ", d.model_namespace);
+  }
   const CacheSet::Domain* target = nullptr;
   if (request->model_namespace().empty()) {
     if (domains.empty()) return Answer(Status::NotFound("no cache domain is set; the first Attach fixes one"));

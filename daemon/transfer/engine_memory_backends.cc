@@ -20,7 +20,8 @@ Result<EngineMemoryBackend*> EngineMemoryBackends::Select(std::span<const Memory
     if (!std::all_of(kinds.begin(), kinds.end(), [&](MemoryKind k) { return caps.Serves(k); })) continue;
     for (const auto& [base, registered] : e.pools) {
       const auto& [region, status] = registered;
-      const bool concerns = pool_base == nullptr || (pool_base >= region.base && pool_base < region.base + region.bytes);
+      const bool concerns =
+          pool_base == nullptr || (pool_base >= region.base && pool_base < region.base + region.bytes);
       if (concerns && !status.ok()) return status;
     }
     return e.backend.get();

@@ -32,7 +32,8 @@ struct Outcome {
   std::vector<uint32_t> layers;
 };
 
-CopyRequest Request(const flexkv::DramTier* tier, FakeEngineMemory* backend, size_t targets, CopyDirection direction, Outcome* out) {
+CopyRequest Request(const flexkv::DramTier* tier, FakeEngineMemory* backend, size_t targets, CopyDirection direction,
+                    Outcome* out) {
   CopyRequest r;
   r.tier = tier;
   r.backend = backend;
