@@ -420,6 +420,10 @@ grpc::Status ControlService::DropDomain(grpc::ServerContext* context, const v1::
                                         v1::DropDomainResponse* response) {
   Status allowed = RequireAdmin(context, "DropDomain");
   if (!allowed.ok()) return Answer(allowed);
+  if (!request->model_namespace().empty()) {  // it goes into messages: no control characters
+    Status name_ok = CheckName("model_namespace", request->model_namespace(), 256);
+    if (!name_ok.ok()) return Answer(name_ok);
+  }
   MutexLock lock(&domain_mu_);
   const std::vector<CacheSet::Domain> domains = ctx_.caches->Domains();
   std::string names;
@@ -483,6 +487,10 @@ grpc::Status ControlService::Scrub(grpc::ServerContext* context, const v1::Scrub
   options.max_bytes_per_s = request->max_bytes_per_s();
   options.cancelled = [context] { return context->IsCancelled(); };
   const std::string& name = request->model_namespace();
+  if (!name.empty()) {  // it goes into the log and messages: no control characters
+    Status name_ok = CheckName("model_namespace", name, 256);
+    if (!name_ok.ok()) return Answer(name_ok);
+  }
   log::Info("control", "Scrub requested{}{}", name.empty() ? std::string() : fmt::format(" of domain '{}'", name),
             options.max_bytes_per_s == 0 ? std::string()
                                          : fmt::format(" at most {}/s", FormatByteSize(options.max_bytes_per_s)));

@@ -273,10 +273,31 @@ TEST_CASE("domains: one domain is dropped while the other's sessions keep storin
   grpc::Status which = DropDomain(d, "", &dropped);
   CHECK(which.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK_THAT(which.error_message(), Catch::Contains("'llama'") && Catch::Contains("'gpt-oss'"));
+  grpc::Status control = DropDomain(d, std::string("a\x01" "b"), &dropped);
+  CHECK(control.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(control.error_message(), Catch::Contains("model_namespace has control character U+0001"));
   grpc::Status unknown = DropDomain(d, "qwen", &dropped);
   CHECK(unknown.error_code() == grpc::StatusCode::NOT_FOUND);
   CHECK_THAT(unknown.error_message(), Catch::Contains("'llama'") && Catch::Contains("'gpt-oss'"));
   CHECK(Status(d).domains(1).idle_s() == 0);  // a session is attached
+  {
+    // Scrub one domain, or every one; an unknown namespace names the domains there are.
+    grpc::ClientContext ctx;
+    flexkv::v1::ScrubRequest request;
+    request.set_model_namespace(kLlama);
+    flexkv::v1::ScrubResponse response;
+    REQUIRE(Stub(d)->Scrub(&ctx, request, &response).ok());
+    CHECK(response.checked_blocks() == 24);
+    CHECK(response.failed_blocks() == 0);
+    grpc::ClientContext all_ctx;
+    REQUIRE(Stub(d)->Scrub(&all_ctx, flexkv::v1::ScrubRequest(), &response).ok());
+    CHECK(response.checked_blocks() == 24 + 16 + 4);  // gpt-oss: 16 FULL blocks and a 4-block window
+    grpc::ClientContext unknown_ctx;
+    request.set_model_namespace("qwen");
+    grpc::Status none = Stub(d)->Scrub(&unknown_ctx, request, &response);
+    CHECK(none.error_code() == grpc::StatusCode::NOT_FOUND);
+    CHECK_THAT(none.error_message(), Catch::Contains("'llama'") && Catch::Contains("'gpt-oss'"));
+  }
   {
     grpc::ClientContext ctx;
     flexkv::v1::DropDomainRequest request;
