@@ -39,7 +39,7 @@ CounterValues CounterValues::operator+(const CounterValues& b) const {
 }
 
 CacheSet::CacheSet(CacheSetOptions options) : options_(std::move(options)) {
-  const size_t n = std::max<size_t>(options_.max_domains, 1);
+  const size_t n = std::clamp<size_t>(options_.max_domains, 1, kMaxDomains);
   for (size_t i = 0; i < n; ++i) {
     caches_.push_back(std::make_unique<Cache>(options_.budget_bytes / n, PoolPathOf(options_.pool_path, i),
                                               options_.split));
@@ -169,6 +169,23 @@ Status CacheSet::RecoverPools(bool discard) {
       }
       // Counted from zero: what the restart check drops counts against this domain.
       slots_[i] = Slot{view.model_namespace, share.limit, MonotonicMs(), next_order_++, CounterValues{}};
+    }
+  }
+  // Files of slots this daemon does not have (an earlier run with a larger --max-domains) are not re-attached.
+  for (size_t i = caches_.size(); i < kMaxDomains; ++i) {
+    const std::string path = PoolPathOf(options_.pool_path, i);
+    std::error_code ec;
+    if (!std::filesystem::exists(path, ec)) continue;
+    if (discard) {
+      log::Warning("cache", "pool file {} is beyond --max-domains {}: removed as asked (--discard-pool)", path,
+                   caches_.size());
+      std::filesystem::remove(path, ec);
+      std::filesystem::remove(path + ".lock", ec);
+    } else {
+      log::Warning("cache",
+                   "pool file {} is beyond --max-domains {}: its domain is not served (its memory stays used); raise "
+                   "--max-domains to serve it, or remove it (--discard-pool)",
+                   path, caches_.size());
     }
   }
   for (const auto& verifier : verifiers_) verifier->StartRestartVerification();

@@ -25,6 +25,9 @@
 
 namespace flexkv {
 
+// The most domains one daemon serves (--max-domains).
+inline constexpr size_t kMaxDomains = 64;
+
 struct CacheSetOptions {
   uint64_t budget_bytes = 1ULL << 30;  // --pool-size: every domain's share together
   std::string pool_path;               // --pool-path: domain slot 0's file; slot i >= 1 has "<pool_path>.<i>"
@@ -48,6 +51,7 @@ class CacheSet {
   // Creates max_domains Caches (slot i's pool file: PoolPathOf(pool_path, i)); nothing is locked or opened until
   // RecoverPools. The Caches live as long as the set: a Cache* handed out is never dangling (a dropped domain's
   // Cache is reset and reused for a later domain; its generation() tells sessions of the old one apart).
+  // max_domains is clamped to 1..kMaxDomains.
   explicit CacheSet(CacheSetOptions options);
   ~CacheSet();
   CacheSet(const CacheSet&) = delete;
@@ -73,7 +77,8 @@ class CacheSet {
   // pool_size, or for a namespace without one at most budget / max_domains of what the domains re-attached before
   // it leave. A file made for another share, two files of one namespace, or files whose shares add up to more
   // than the budget are refused naming the file and what to do, unless `discard` (--discard-pool), which drops
-  // that domain's file instead (its blocks are lost). Then starts each re-attached domain's restart verification.
+  // that domain's file instead (its blocks are lost). A file of a slot beyond max_domains is logged (and removed
+  // with `discard`). Then starts each re-attached domain's restart verification.
   Status RecoverPools(bool discard);
 
   // The share of the budget a new domain of `model_namespace` gets - the one place this is decided (a later

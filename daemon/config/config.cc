@@ -17,6 +17,7 @@
 #include "common/units.h"
 #include "common/version.h"
 #include "daemon/cache/cache_domain.h"
+#include "daemon/cache/cache_set.h"
 
 namespace flexkv {
 namespace {
@@ -295,7 +296,7 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   app.add_option("--max-domains", cfg.max_domains,
                  "Cache domains (model namespace + geometry) served at once, each with its own pool file and a share "
                  "of --pool-size (default 1)")
-      ->check(CLI::Range(size_t{1}, size_t{64}));
+      ->check(CLI::Range(size_t{1}, kMaxDomains));
   app.add_option("--swa-share", cfg.swa_share,
                  "Hybrid models: share of the pool for sliding-window blocks, in [0, 1) (default 0: from the geometry)")
       ->check(CLI::Range(0.0, 0.99));

@@ -265,6 +265,15 @@ TEST_CASE("cache set: a restart re-attaches every domain with its blocks, and a 
     CHECK_THAT(refused.message(), Catch::Contains(dir.path() + "/pool.1") && Catch::Contains("--discard-pool"));
   }
   {
+    // Fewer domains (a budget that gives "default" the share it was made with): pool.1 is beyond them, kept
+    // (and logged) without --discard-pool.
+    CacheSet caches(Options(dir, 32 * kBlock, 1));
+    REQUIRE(caches.RecoverPools(false).ok());
+    CHECK(caches.Find("default") != nullptr);
+    CHECK(caches.Find("fixed") == nullptr);
+    CHECK(std::filesystem::exists(dir.path() + "/pool.1"));
+  }
+  {
     CacheSetOptions o = Options(dir, 64 * kBlock, 2);
     o.namespace_pool_bytes.emplace("fixed", 24 * kBlock);
     CacheSet caches(std::move(o));
