@@ -308,7 +308,16 @@ TEST_CASE("domains: one domain is dropped while the other's sessions keep storin
     CHECK(recent.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   }
 
-  // The gpt-oss engine goes; its domain is dropped while the llama session stays attached and others work.
+  // The gpt-oss engine goes; its domain is dropped while the llama session stays attached and another llama engine
+  // stores and loads throughout.
+  std::vector<std::string> busy_steps;
+  constexpr int kBusyRounds = 200;
+  for (int i = 0; i < kBusyRounds; ++i) {
+    busy_steps.push_back("store:" + std::to_string(100 + i) + ":4");
+    busy_steps.push_back("load:" + std::to_string(100 + i) + ":4");
+  }
+  ChildProcess busy_engine = Engine(d, kLlama, "llama-busy", busy_steps);
+  REQUIRE(busy_engine.WaitForLine("LOADED", 20s).has_value());  // under way
   gpt_oss_engine.Signal(SIGKILL);
   REQUIRE(gpt_oss_engine.Wait(5s).has_value());
   for (int i = 0; i < 200 && DomainOf(Status(d), kGptOss)->sessions() != 0; ++i) {
@@ -337,6 +346,13 @@ TEST_CASE("domains: one domain is dropped while the other's sessions keep storin
   CHECK(dropped.dropped_blocks() == 16);
   CHECK_FALSE(std::filesystem::exists(d.dir() + "/pool.1"));
 
+  // Every request of the busy engine succeeded, before, during and after the drop.
+  const std::vector<std::string> busy_lines = Run(std::move(busy_engine));
+  REQUIRE(busy_lines.size() == 2 * kBusyRounds - 2);  // after the STORED and LOADED WaitForLine took
+  for (size_t i = 0; i < busy_lines.size(); ++i) {
+    INFO(i << ": " << busy_lines[i]);
+    CHECK(busy_lines[i] == (i % 2 == 0 ? std::string("STORED 0 4 OK") : Hit(kLlama, 4)));
+  }
   CHECK(Run(Engine(d, kLlama, "llama-reader", {"load:7:16", "load:9:8", "store:11:4", "load:11:4"})) ==
         std::vector<std::string>{Hit(kLlama, 16), Hit(kLlama, 8), "STORED 0 4 OK", Hit(kLlama, 4)});
   const flexkv::v1::GetStatusResponse s = Status(d);
