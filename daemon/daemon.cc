@@ -22,8 +22,8 @@
 #include "common/log.h"
 #include "common/units.h"
 #include "common/version.h"
-#include "daemon/cache/block_verifier.h"
 #include "daemon/cache/cache.h"
+#include "daemon/cache/cache_set.h"
 #include "daemon/cache/pool_guard.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
@@ -87,49 +87,25 @@ int RunDaemon(const DaemonConfig& config) {
   EngineMemoryBackends backends;
   backends.Add(std::make_unique<HostBackend>(config.copy_threads));
   if (auto cuda = CudaEngineMemory::Create(config.load_copy_engine, config.store_copy_engine)) backends.Add(std::move(cuda));
-  Cache cache(config.pool_bytes, config.pool_path, PoolSplit{config.swa_share, config.state_share});
-  // The pool announces itself (now when re-attached, or at the first Attach): the backends register it for DMA
-  // before any session can copy, so that registering GPU buffers later is quick.
-  // Temporary, until the backends register each grant (region) the cache announces: they register one range per
-  // pool here, so the grants of a pool are gathered and registered as one range once all its active slots are in
-  // (this daemon never resizes a pool yet), and unregistered when its last grant goes.
-  struct PoolRange {
-    uint8_t* begin = nullptr;
-    uint8_t* end = nullptr;
-    uint64_t slots = 0;         // announced and not removed, every component's
-    PoolRegion full;            // component 0's part (the first grants announced)
-    bool registered = false;
-  } range;
-  cache.SetPoolListener(
-      [&backends, &cache, &range](const PoolRegion& grant) {
-        if (range.slots == 0) range = PoolRange{grant.base, grant.base, 0, PoolRegion{grant.base, 0, grant.slot_bytes, 0}};
-        range.begin = std::min(range.begin, grant.base);
-        range.end = std::max(range.end, grant.base + grant.bytes);
-        range.slots += grant.slots;
-        if (grant.slot_bytes == range.full.slot_bytes && grant.base == range.full.base + range.full.bytes) {
-          range.full.bytes += grant.bytes;
-          range.full.slots += grant.slots;
-        }
-        if (!range.registered && range.slots == cache.capacity_slots()) {
-          range.registered = true;
-          backends.RegisterPool(PoolRegion{range.begin, static_cast<uint64_t>(range.end - range.begin),
-                                           range.full.slot_bytes, range.full.slots});
-        }
-      },
-      [&backends, &range](const PoolRegion& grant) {
-        range.slots -= grant.slots;
-        if (range.slots > 0) return;
-        if (range.registered) backends.UnregisterPool();
-        range = PoolRange{};
-      });
-  Status recovered = cache.RecoverPool(config.discard_pool);
+  CacheSetOptions cache_options;
+  cache_options.budget_bytes = config.pool_bytes;
+  cache_options.pool_path = config.pool_path;
+  cache_options.split = PoolSplit{config.swa_share, config.state_share};
+  cache_options.max_domains = config.max_domains;
+  cache_options.namespace_pool_bytes = config.namespace_pool_bytes;
+  CacheSet caches(std::move(cache_options));
+  // Each domain's pool announces itself (now when re-attached, or when its first Attach creates it): the backends
+  // register it for DMA before any session can copy, so that registering GPU buffers later is quick; a dropped
+  // domain's region is unregistered, exactly that one.
+  caches.SetPoolListener([&backends](const PoolRegion& pool) { backends.RegisterPool(pool); },
+                         [&backends](const PoolRegion& pool) { backends.UnregisterPool(pool); });
+  // Restored blocks are served only once their bytes pass their checksums, checked in the background (one
+  // verifier per domain, started by RecoverPools).
+  Status recovered = caches.RecoverPools(config.discard_pool);
   if (!recovered.ok()) {
     log::Error("daemon", "cannot use the pool: {}", recovered.ToString());  // names the code
     return 1;
   }
-  // Restored blocks are served only once their bytes pass their checksums, checked in the background.
-  BlockVerifier verifier(&cache);
-  verifier.StartRestartVerification();
 
   auto activated = ControlSocket::FromSystemd(config.socket_path);
   auto socket = (!activated.ok() && activated.status().code() == StatusCode::kNotFound)
@@ -146,13 +122,21 @@ int RunDaemon(const DaemonConfig& config) {
   dp_options.poller_cpu = config.poller_cpu;
   dp_options.pins.max_session_share = config.max_session_pin_share;
   dp_options.pins.lease_ms = static_cast<int64_t>(config.pin_lease_s * 1000);
-  DataPlane data_plane(&cache, &lifecycle, &backends, dp_options);
+  DataPlane data_plane(&lifecycle, &backends, dp_options);
   SessionRegistry sessions(SessionLimits{static_cast<int64_t>(config.attach_timeout_s * 1000),
                                          config.max_pending_sessions_per_uid, config.max_pending_sessions,
                                          config.fd_reserve});
-  sessions.SetChannelOpenCallback([&](uint64_t id, const Geometry& g, const SessionAccess& access) {
-    return data_plane.OpenSession(id, g, access);
-  });
+  sessions.SetChannelOpenCallback(
+      [&](uint64_t id, const SessionIdentity& identity, const SessionAccess& access) -> Result<std::vector<UniqueFd>> {
+        // Attach admitted the namespace's domain, and it is not dropped while this session exists.
+        Cache* cache = caches.Find(identity.model_namespace);
+        if (cache == nullptr) {
+          return Status::FailedPrecondition(fmt::format(
+              "the cache domain '{}' this session attached to was dropped by an admin; Attach again",
+              identity.model_namespace));
+        }
+        return data_plane.OpenSession(id, cache, identity.geometry, access);
+      });
   sessions.SetEndCallback([&](uint64_t id, const std::string&) { data_plane.EndSession(id); });
   PeerTable peers;
   std::atomic<bool> shutting_down{false};
@@ -168,15 +152,14 @@ int RunDaemon(const DaemonConfig& config) {
 
   ErrorCounts control_errors;
   auto metrics = std::make_shared<DaemonMetrics>(
-      MetricsSources{&cache, &data_plane, &sessions, &lifecycle, &control_errors});
+      MetricsSources{&caches, &data_plane, &sessions, &lifecycle, &control_errors});
   const NamespaceAccess access(config.namespace_acls);
   for (const auto& [name, acl] : config.namespace_acls) {
     log::Info("daemon", "namespace '{}': ACL from {} ({} writers, {})", name, acl.source, acl.writers.size(),
               acl.readers ? fmt::format("{} readers", acl.readers->size()) : std::string("everyone may read"));
   }
-  ControlService control(ControlContext{&cache, &data_plane, &backends, &sessions, &lifecycle, &peers,
-                                        config.admin_gid, started_ms, &control_errors, metrics.get(), &access,
-                                        &verifier});
+  ControlService control(ControlContext{&caches, &data_plane, &backends, &sessions, &lifecycle, &peers,
+                                        config.admin_gid, started_ms, &control_errors, metrics.get(), &access});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);
@@ -219,8 +202,9 @@ int RunDaemon(const DaemonConfig& config) {
     return 1;
   }
 
-  log::Info("daemon", "flexkvd {} (pid {}) listening on {}{}; pool budget {}", kVersion, getpid(), socket->path(),
-            socket->activated_by_systemd() ? " (socket activation)" : "", FormatByteSize(config.pool_bytes));
+  log::Info("daemon", "flexkvd {} (pid {}) listening on {}{}; pool budget {}{}", kVersion, getpid(), socket->path(),
+            socket->activated_by_systemd() ? " (socket activation)" : "", FormatByteSize(config.pool_bytes),
+            config.max_domains > 1 ? fmt::format(" for up to {} cache domains", config.max_domains) : std::string());
   if (metrics_server) {
     ListenAddress bound = *config.metrics_listen;
     bound.port = metrics_server->port();

@@ -21,6 +21,18 @@ namespace flexkv {
 Cache::Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split)
     : budget_bytes_(budget_bytes), pool_path_(std::move(pool_path)), split_(split), domain_(budget_bytes) {}
 
+Status Cache::SetBudget(uint64_t budget_bytes) {
+  MutexLock lock(&mu_);
+  const CacheDomain::View domain = domain_.Snapshot();
+  if (domain.geometry) {
+    return Status::FailedPrecondition(fmt::format(
+        "the cache domain '{}' is set; its budget changes only once it is dropped", domain.model_namespace));
+  }
+  budget_bytes_.store(budget_bytes, std::memory_order_release);
+  domain_.SetBudget(budget_bytes);
+  return Status::Ok();
+}
+
 namespace {
 
 // The index of each component >= 1 of `pool`.
@@ -41,13 +53,14 @@ Status Cache::CheckPoolSpace() const {
   struct statvfs vfs {};
   if (statvfs(dir.empty() ? "." : dir.c_str(), &vfs) != 0) return Status::Ok();  // Create reports the real error
   const uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
-  if (free_bytes >= budget_bytes_) return Status::Ok();
+  const uint64_t budget_bytes = budget_bytes_.load(std::memory_order_acquire);
+  if (free_bytes >= budget_bytes) return Status::Ok();
   return Status::ResourceExhausted(fmt::format(
       "cannot allocate the {} pool file {}: only {} free in {}; free space there (df -h) or lower --pool-size",
-      FormatByteSize(budget_bytes_), pool_path_, FormatByteSize(free_bytes), dir.empty() ? "." : dir.string()));
+      FormatByteSize(budget_bytes), pool_path_, FormatByteSize(free_bytes), dir.empty() ? "." : dir.string()));
 }
 
-Status Cache::RecoverPool(bool discard) {
+Status Cache::RecoverPool(bool discard, std::span<const uint64_t> other_budgets) {
   const std::filesystem::path dir = std::filesystem::path(pool_path_).parent_path();
   if (!dir.empty() && !std::filesystem::exists(dir)) {
     std::error_code ec;
@@ -69,7 +82,15 @@ Status Cache::RecoverPool(bool discard) {
     ::unlink(pool_path_.c_str());
     return CheckPoolSpace();
   }
-  auto pool = Pool::Open(pool_path_, budget_bytes_, split_);
+  auto pool = Pool::Open(pool_path_, budget_bytes(), split_);
+  for (const uint64_t budget : other_budgets) {
+    if (pool.ok() || pool.status().code() != StatusCode::kFailedPrecondition) break;
+    auto other = Pool::Open(pool_path_, budget, split_);
+    if (!other.ok()) continue;
+    pool = std::move(other);
+    budget_bytes_.store(budget, std::memory_order_release);
+    domain_.SetBudget(budget);
+  }
   if (!pool.ok()) {
     if (pool.status().code() == StatusCode::kNotFound) return CheckPoolSpace();
     if (!discard) return pool.status();
@@ -132,7 +153,7 @@ Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry
   // A hybrid geometry whose sub-pools the budget cannot hold is refused before it fixes the domain (it would
   // otherwise hold the daemon to a geometry that has no pool).
   if (geometry.is_hybrid() && geometry.Validate().ok() && !domain_.Snapshot().geometry) {
-    auto split = SplitBudget(geometry, budget_bytes_, split_);
+    auto split = SplitBudget(geometry, budget_bytes(), split_);
     if (!split.ok()) return split.status();
   }
   FLEXKV_RETURN_IF_ERROR(domain_.Admit(model_namespace, geometry, creator_uid));
@@ -143,7 +164,7 @@ Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry
 }
 
 Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid) {
-  auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes_, creator_uid, split_);
+  auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes(), creator_uid, split_);
   if (!pool.ok()) return pool.status();
   FLEXKV_RETURN_IF_ERROR(pool_lock_.LockPoolFile());
   auto index = std::make_unique<PrefixIndex>((*pool)->sub_pool(0).capacity, (*pool)->sub_pool(0).active);

@@ -39,13 +39,21 @@ class Cache {
   // `split`: how a hybrid geometry's pool divides the budget between its components (pool.h).
   Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split = {});
 
+  // The budget the next pool is created or re-attached with (a CacheSet sets each domain's share before it creates
+  // it). FAILED_PRECONDITION while a domain is set (its pool keeps the size it was made with).
+  Status SetBudget(uint64_t budget_bytes);
+  uint64_t budget_bytes() const { return budget_bytes_.load(std::memory_order_acquire); }
+  const std::string& pool_path() const { return pool_path_; }
+
   // Locks the pool (PoolLock: `<pool>.lock` and the pool file itself; a second daemon on the same pool is
   // refused naming the holder's pid), then
   // re-attaches the pool file of an earlier run, if any, and rebuilds the index from its slot table. The
   // restored blocks are unverified (not matchable) until FinishVerification passes them (block_verifier.h).
   // With `discard`, a pool file that cannot be used is replaced (its blocks are lost) instead of refused. A
   // pool file of an older layout (blocks without content checksums) is dropped with one log line.
-  Status RecoverPool(bool discard);
+  // `other_budgets`: budgets the file may have been made for besides budget_bytes() (a CacheSet's domain shares);
+  // the first that fits the file becomes budget_bytes().
+  Status RecoverPool(bool discard, std::span<const uint64_t> other_budgets = {});
 
   // Validates a session's cache domain; the first one creates the pool, recording `creator_uid` (the attaching
   // peer's uid; see CacheDomain::Admit) in the pool file so that it survives a restart.
@@ -208,7 +216,7 @@ class Cache {
   // A FULL block left the index (evicted or dropped): the other components' entries of its key are unanchored.
   void UnanchorLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const uint64_t budget_bytes_;
+  std::atomic<uint64_t> budget_bytes_;  // changed only while no domain is set (SetBudget)
   const std::string pool_path_;
   const PoolSplit split_;
   CacheDomain domain_;

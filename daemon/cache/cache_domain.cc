@@ -67,13 +67,13 @@ Status CheckName(std::string_view field, std::string_view value, size_t max_byte
 Status CacheDomain::Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid) {
   FLEXKV_RETURN_IF_ERROR(CheckName("model_namespace", model_namespace, 256));
   FLEXKV_RETURN_IF_ERROR(geometry.Validate());
+  MutexLock lock(&mu_);
   if (geometry.host_block_bytes() > budget_bytes_) {
     return Status::InvalidArgument(fmt::format(
         "geometry: one host block is {} but the pool budget (--pool-size) is {}; expected a block no larger "
         "than the pool",
         FormatByteSize(geometry.host_block_bytes()), FormatByteSize(budget_bytes_)));
   }
-  MutexLock lock(&mu_);
   if (!geometry_) {
     geometry_ = geometry;
     namespace_ = model_namespace;
@@ -82,10 +82,16 @@ Status CacheDomain::Admit(const std::string& model_namespace, const Geometry& ge
   }
   if (model_namespace != namespace_) {
     return Status::FailedPrecondition(fmt::format(
-        "model_namespace is '{}' but this daemon's cache domain is '{}'; one cache domain per daemon",
+        "model_namespace is '{}' but this daemon's cache domain is '{}'; one cache domain at a time (--max-domains 1: "
+        "raise it to serve several)",
         model_namespace, namespace_));
   }
   return geometry.CheckSameHostLayout(*geometry_);
+}
+
+void CacheDomain::SetBudget(uint64_t budget_bytes) {
+  MutexLock lock(&mu_);
+  budget_bytes_ = budget_bytes;
 }
 
 void CacheDomain::Reset() {

@@ -46,10 +46,12 @@ class CacheDomain {
 
   // Forgets the domain: the next Admit fixes a new one. The Cache calls it when it drops its pool.
   void Reset();
+  // The budget the next domain's pool gets (Cache::SetBudget, while no domain is set).
+  void SetBudget(uint64_t budget_bytes);
 
  private:
-  const uint64_t budget_bytes_;
   mutable Mutex mu_;
+  uint64_t budget_bytes_ ABSL_GUARDED_BY(mu_);
   std::optional<Geometry> geometry_ ABSL_GUARDED_BY(mu_);
   std::string namespace_ ABSL_GUARDED_BY(mu_);
   uid_t creator_uid_ ABSL_GUARDED_BY(mu_) = 0;

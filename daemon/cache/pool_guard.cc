@@ -18,22 +18,29 @@
 namespace flexkv {
 namespace {
 
-// What the signal handler reads: plain atomics and a fixed buffer, no locks, no allocation. The buffer is
-// rewritten only while g_fault_base is 0 (no pool guarded), so the handler never reads it half written.
-std::atomic<uintptr_t> g_fault_base{0};
-std::atomic<uint64_t> g_fault_bytes{0};
-char g_fault_message[512];
-std::atomic<size_t> g_fault_message_len{0};
+// Pools guarded at once: one per cache domain (--max-domains is at most 64).
+constexpr size_t kMaxWatches = 64;
+
+// What the signal handler reads, per watched pool: plain atomics and a fixed buffer, no locks, no allocation. A
+// buffer is rewritten only while its base is 0 (that slot guards nothing), so the handler never reads it half
+// written.
+struct FaultRange {
+  std::atomic<uintptr_t> base{0};
+  std::atomic<uint64_t> bytes{0};
+  char message[512];
+  std::atomic<size_t> message_len{0};
+};
+FaultRange g_fault[kMaxWatches];
 
 // What the size check reads.
 struct WatchedFile {
-  const uint8_t* owner = nullptr;
+  const uint8_t* owner = nullptr;  // null: a free slot
   std::string path;
   UniqueFd fd;
   uint64_t bytes = 0;
 };
 Mutex g_watch_mu;
-WatchedFile g_watched ABSL_GUARDED_BY(g_watch_mu);
+WatchedFile g_watched[kMaxWatches] ABSL_GUARDED_BY(g_watch_mu);
 
 void WriteAll(const char* data, size_t len) {
   while (len > 0) {
@@ -57,19 +64,21 @@ size_t FormatDecimal(uint64_t value, char* out) {
 }
 
 void OnSigbus(int signo, siginfo_t* info, void*) {
-  const uintptr_t base = g_fault_base.load(std::memory_order_acquire);
-  const uint64_t bytes = g_fault_bytes.load(std::memory_order_acquire);
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
-  // si_code > 0: a fault the kernel raised (BUS_ADRERR), not a signal someone sent, whose si_addr means nothing.
-  if (info->si_code > 0 && base != 0 && addr >= base && addr - base < bytes) {
-    WriteAll(g_fault_message, g_fault_message_len.load(std::memory_order_acquire));
-    char offset[24];
-    const size_t n = FormatDecimal(addr - base, offset);
-    WriteAll(offset, n);
-    static constexpr char kTail[] =
-        " of the pool file, past its end); its blocks are lost. Exiting with code 75; restart with --discard-pool\n";
-    WriteAll(kTail, sizeof(kTail) - 1);
-    _exit(kPoolLostExitCode);
+  for (FaultRange& range : g_fault) {
+    const uintptr_t base = range.base.load(std::memory_order_acquire);
+    const uint64_t bytes = range.bytes.load(std::memory_order_acquire);
+    // si_code > 0: a fault the kernel raised (BUS_ADRERR), not a signal someone sent, whose si_addr means nothing.
+    if (info->si_code > 0 && base != 0 && addr >= base && addr - base < bytes) {
+      WriteAll(range.message, range.message_len.load(std::memory_order_acquire));
+      char offset[24];
+      const size_t n = FormatDecimal(addr - base, offset);
+      WriteAll(offset, n);
+      static constexpr char kTail[] =
+          " of the pool file, past its end); its blocks are lost. Exiting with code 75; restart with --discard-pool\n";
+      WriteAll(kTail, sizeof(kTail) - 1);
+      _exit(kPoolLostExitCode);
+    }
   }
   // Not the pool: a real bug. The default action (a core dump) as if no handler were installed: for a hardware
   // fault the returning instruction faults again, for a sent signal the re-raised one is pending until return.
@@ -95,43 +104,63 @@ void InstallPoolFaultHandler() {
 
 Status CheckWatchedPoolFile() {
   MutexLock lock(&g_watch_mu);
-  if (g_watched.owner == nullptr) return Status::Ok();
-  struct stat st {};
-  if (fstat(g_watched.fd.get(), &st) != 0) {
-    return Status::Internal(fmt::format("fstat of pool file {}: {}", g_watched.path, ErrnoText(errno)));
+  for (const WatchedFile& watched : g_watched) {
+    if (watched.owner == nullptr) continue;
+    struct stat st {};
+    if (fstat(watched.fd.get(), &st) != 0) {
+      return Status::Internal(fmt::format("fstat of pool file {}: {}", watched.path, ErrnoText(errno)));
+    }
+    if (static_cast<uint64_t>(st.st_size) >= watched.bytes) continue;
+    return Status::DataLoss(fmt::format(
+        "pool file {} was truncated under the running daemon: it is {} bytes, expected {}; its blocks are lost. "
+        "Exiting with code {}; restart with --discard-pool",
+        watched.path, st.st_size, watched.bytes, kPoolLostExitCode));
   }
-  if (static_cast<uint64_t>(st.st_size) >= g_watched.bytes) return Status::Ok();
-  return Status::DataLoss(fmt::format(
-      "pool file {} was truncated under the running daemon: it is {} bytes, expected {}; its blocks are lost. "
-      "Exiting with code {}; restart with --discard-pool",
-      g_watched.path, st.st_size, g_watched.bytes, kPoolLostExitCode));
+  return Status::Ok();
 }
 
 PoolFileWatch::PoolFileWatch(const std::string& path, int fd, const uint8_t* base, uint64_t bytes) : base_(base) {
   MutexLock lock(&g_watch_mu);
-  g_watched.owner = base;
-  g_watched.path = path;
-  g_watched.fd.reset(fcntl(fd, F_DUPFD_CLOEXEC, 0));
-  g_watched.bytes = bytes;
-  if (!g_watched.fd) {
-    log::Warning("pool", "cannot duplicate the fd of pool file {}: {}; its size is not checked", path, ErrnoText(errno));
-    g_watched.owner = nullptr;
+  // The slot this pool already has (a newer watch of the same mapping replaces it), else a free one.
+  size_t slot = kMaxWatches;
+  for (size_t i = 0; i < kMaxWatches && slot == kMaxWatches; ++i) {
+    if (g_watched[i].owner == base) slot = i;
   }
-  g_fault_base.store(0, std::memory_order_release);
+  for (size_t i = 0; i < kMaxWatches && slot == kMaxWatches; ++i) {
+    if (g_watched[i].owner == nullptr) slot = i;
+  }
+  if (slot == kMaxWatches) {
+    log::Warning("pool", "more than {} pool files are open: {} is not guarded against truncation", kMaxWatches, path);
+    return;
+  }
+  WatchedFile& watched = g_watched[slot];
+  FaultRange& range = g_fault[slot];
+  watched.owner = base;
+  watched.path = path;
+  watched.fd.reset(fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  watched.bytes = bytes;
+  if (!watched.fd) {
+    log::Warning("pool", "cannot duplicate the fd of pool file {}: {}; its size is not checked", path, ErrnoText(errno));
+    watched.owner = nullptr;
+  }
+  range.base.store(0, std::memory_order_release);
   const std::string head = fmt::format(
       "FATAL pool: pool file {} was truncated under the running daemon (a copy touched byte ", path);
-  const size_t len = std::min(head.size(), sizeof(g_fault_message));
-  std::memcpy(g_fault_message, head.data(), len);
-  g_fault_message_len.store(len, std::memory_order_release);
-  g_fault_bytes.store(bytes, std::memory_order_release);
-  g_fault_base.store(reinterpret_cast<uintptr_t>(base), std::memory_order_release);
+  const size_t len = std::min(head.size(), sizeof(range.message));
+  std::memcpy(range.message, head.data(), len);
+  range.message_len.store(len, std::memory_order_release);
+  range.bytes.store(bytes, std::memory_order_release);
+  range.base.store(reinterpret_cast<uintptr_t>(base), std::memory_order_release);
 }
 
 PoolFileWatch::~PoolFileWatch() {
   MutexLock lock(&g_watch_mu);
-  if (g_watched.owner != base_) return;
-  g_fault_base.store(0, std::memory_order_release);
-  g_watched = WatchedFile{};
+  for (size_t i = 0; i < kMaxWatches; ++i) {
+    if (g_watched[i].owner != base_) continue;
+    g_fault[i].base.store(0, std::memory_order_release);
+    g_watched[i] = WatchedFile{};
+    return;
+  }
 }
 
 }  // namespace flexkv

@@ -20,14 +20,15 @@ inline constexpr int kPoolLostExitCode = 75;
 // Call once at start, before any thread starts; calling again is harmless.
 void InstallPoolFaultHandler();
 
-// OK while the watched pool file still has the size it was mapped with (or no pool is watched). DATA_LOSS, naming
-// the file, its size now and the size it must have, when it shrank. One fstat(2); thread-safe. The daemon's main
+// OK while every watched pool file still has the size it was mapped with (or no pool is watched). DATA_LOSS, naming
+// the first file that shrank, its size now and the size it must have. One fstat(2); thread-safe. The daemon's main
 // loop calls it once a tick, so that a shrunk file is reported before a copy faults on it.
 Status CheckWatchedPoolFile();
 
-// PoolFileWatch: for its lifetime, the pool mapping [base, base + bytes) of the file open as `fd` is the one
-// the SIGBUS handler and CheckWatchedPoolFile guard. One pool is guarded per process: a newer watch replaces
-// an older one, whose destruction then changes nothing. `fd` is duplicated; the caller keeps its own.
+// PoolFileWatch: for its lifetime, the pool mapping [base, base + bytes) of the file open as `fd` is one of those
+// the SIGBUS handler and CheckWatchedPoolFile guard: up to 64 pools at once (one per cache domain); a newer watch of
+// the same base replaces an older one, whose destruction then changes nothing. `fd` is duplicated; the caller
+// keeps its own.
 // Not copyable or movable; construct and destroy it on one thread at a time.
 class PoolFileWatch {
  public:

@@ -17,6 +17,7 @@
 #include "common/units.h"
 #include "common/version.h"
 #include "daemon/cache/cache_domain.h"
+#include "daemon/cache/cache_set.h"
 
 namespace flexkv {
 namespace {
@@ -60,6 +61,30 @@ std::string_view TypeName(toml::node_type type) {
     case toml::node_type::none: break;
   }
   return "nothing";
+}
+
+// A namespace's pool_size: a size string ("8GiB", as --pool-size) or a number of bytes, at least 1MiB.
+Result<uint64_t> ParsePoolSize(const toml::node& node, const std::string& where) {
+  uint64_t bytes = 0;
+  if (const auto* number = node.as_integer()) {
+    if (number->get() < 0) {
+      return Status::InvalidArgument(
+          fmt::format("{} is {}; expected a size like \"8GiB\" or bytes", where, number->get()));
+    }
+    bytes = static_cast<uint64_t>(number->get());
+  } else if (const auto* str = node.as_string()) {
+    auto parsed = ParseByteSize(str->get());
+    if (!parsed.ok()) return parsed.status().WithContext(where);
+    bytes = *parsed;
+  } else {
+    return Status::InvalidArgument(
+        fmt::format("{} is {}; expected a size like \"8GiB\" or a number of bytes", where, TypeName(node.type())));
+  }
+  if (bytes < (1u << 20)) {
+    return Status::InvalidArgument(
+        fmt::format("{} is {} bytes, below 1MiB; expected e.g. \"512MiB\" or \"8GiB\"", where, bytes));
+  }
+  return bytes;
 }
 
 constexpr char kPrincipalForms[] = "a user name, a uid, or \"group:\" with a group name or gid";
@@ -154,7 +179,8 @@ Result<gid_t> ResolveGroup(const std::string& flag, const std::string& name) {
   return found->gr_gid;
 }
 
-Result<std::map<std::string, NamespaceAcl, std::less<>>> ReadNamespaceAcls(const std::string& config_path) {
+Result<std::map<std::string, NamespaceAcl, std::less<>>> ReadNamespaceAcls(
+    const std::string& config_path, std::map<std::string, uint64_t, std::less<>>* pool_bytes) {
   toml::table root;
   try {
     root = toml::parse_file(config_path);
@@ -188,7 +214,8 @@ Result<std::map<std::string, NamespaceAcl, std::less<>>> ReadNamespaceAcls(const
     }
     NamespaceAcl acl;
     acl.source = fmt::format("--config {} line {}", config_path, line(node));
-    bool has_writers = false;
+    bool has_writers = false, has_readers = false;
+    std::optional<uint64_t> pool_size;
     for (const auto& [field, value] : *entries) {
       const std::string where =
           fmt::format("--config {} line {}: [namespace.\"{}\"] {}", config_path, line(value), name, field.str());
@@ -201,15 +228,23 @@ Result<std::map<std::string, NamespaceAcl, std::less<>>> ReadNamespaceAcls(const
         auto readers = ParsePrincipals(value, where);
         if (!readers.ok()) return readers.status();
         acl.readers = std::move(*readers);
+        has_readers = true;
+      } else if (field.str() == "pool_size") {
+        auto size = ParsePoolSize(value, where);
+        if (!size.ok()) return size.status();
+        pool_size = *size;
       } else {
-        return Status::InvalidArgument(fmt::format("{} is not a known key; expected writers or readers", where));
+        return Status::InvalidArgument(
+            fmt::format("{} is not a known key; expected writers, readers or pool_size", where));
       }
     }
-    if (!has_writers) {
+    if (!has_writers && (has_readers || !pool_size)) {
       return Status::InvalidArgument(fmt::format(
-          "{} has no writers; expected writers = [...] (users, uids, \"group:<name>\"; [] for admins only)", header));
+          "{} has no writers; expected writers = [...] (users, uids, \"group:<name>\"; [] for admins only){}", header,
+          has_readers ? " with readers" : ", or a pool_size"));
     }
-    acls.emplace(name, std::move(acl));
+    if (pool_size && pool_bytes != nullptr) pool_bytes->emplace(name, *pool_size);
+    if (has_writers) acls.emplace(name, std::move(acl));
   }
   return acls;
 }
@@ -258,6 +293,10 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "Seconds after which a session's pins lapse when its process stops renewing them (default 10; 0: never)")
       ->check(CLI::Range(0.0, 3600.0));
 
+  app.add_option("--max-domains", cfg.max_domains,
+                 "Cache domains (model namespace + geometry) served at once, each with its own pool file and a share "
+                 "of --pool-size (default 1)")
+      ->check(CLI::Range(size_t{1}, kMaxDomains));
   app.add_option("--swa-share", cfg.swa_share,
                  "Hybrid models: share of the pool for sliding-window blocks, in [0, 1) (default 0: from the geometry)")
       ->check(CLI::Range(0.0, 0.99));
@@ -351,9 +390,16 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
     cfg.metrics_listen = *address;
   }
   if (app.get_config_ptr()->count() > 0 && flags_config->has_namespaces()) {
-    auto acls = ReadNamespaceAcls(app.get_config_ptr()->as<std::string>());
+    auto acls = ReadNamespaceAcls(app.get_config_ptr()->as<std::string>(), &cfg.namespace_pool_bytes);
     if (!acls.ok()) return usage_error(acls.status());
     cfg.namespace_acls = std::move(*acls);
+  }
+  uint64_t limited = 0;
+  for (const auto& [name, bytes] : cfg.namespace_pool_bytes) limited += bytes;
+  if (limited > cfg.pool_bytes) {
+    return usage_error(Status::InvalidArgument(fmt::format(
+        "the namespaces' pool_size values add up to {}, more than --pool-size {}; expected at most the budget",
+        FormatByteSize(limited), FormatByteSize(cfg.pool_bytes))));
   }
   if (cfg.pool_path.empty()) cfg.pool_path = "/dev/shm/flexkvd-" + std::to_string(geteuid()) + "/pool";
   return ParsedArgs{cfg, 0};

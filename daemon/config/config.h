@@ -45,6 +45,9 @@ struct DaemonConfig {
   std::optional<ListenAddress> metrics_listen;
   // [namespace."<name>"] tables of the --config file: who may write and read each namespace (namespace_access.h).
   std::map<std::string, NamespaceAcl, std::less<>> namespace_acls;
+  size_t max_domains = 1;              // --max-domains: cache domains (namespace + geometry) served at once
+  // [namespace."<name>"] pool_size: a namespace's fixed share of --pool-size (bytes); others share the rest.
+  std::map<std::string, uint64_t, std::less<>> namespace_pool_bytes;
 };
 
 // Outcome of parsing: a config to run with, or an exit (help printed, or a usage error already reported
@@ -59,11 +62,14 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv);
 // Resolves a group name or a numeric gid. INVALID_ARGUMENT naming `flag` if unknown.
 Result<gid_t> ResolveGroup(const std::string& flag, const std::string& name);
 
-// Reads the [namespace."<name>"] tables of the TOML file at `config_path`, each with `writers` (required) and
-// `readers` (optional): arrays of user names, uids (numbers, or digits in a string) and "group:<name or gid>".
-// Names are resolved now (getpwnam_r, getgrnam_r). INVALID_ARGUMENT naming the file, the line, the entry and
-// what was expected, for a TOML syntax error, an unknown key, a value of the wrong type, a bad namespace name
-// or an unknown user or group.
-Result<std::map<std::string, NamespaceAcl, std::less<>>> ReadNamespaceAcls(const std::string& config_path);
+// Reads the [namespace."<name>"] tables of the TOML file at `config_path`. A table has `writers` and optionally
+// `readers` (arrays of user names, uids (numbers, or digits in a string) and "group:<name or gid>"): the namespace's
+// ACL, returned; and/or `pool_size` (a size string like "8GiB", or bytes; at least 1MiB): the namespace's share of
+// the pool budget, stored in `*pool_bytes` (optional). A table without writers leaves the namespace the default
+// access rule (readers need writers). Names are resolved now (getpwnam_r, getgrnam_r). INVALID_ARGUMENT naming
+// the file, the line, the entry and what was expected, for a TOML syntax error, an unknown key, a value of the
+// wrong type, a bad namespace name or size, an empty table, or an unknown user or group.
+Result<std::map<std::string, NamespaceAcl, std::less<>>> ReadNamespaceAcls(
+    const std::string& config_path, std::map<std::string, uint64_t, std::less<>>* pool_bytes = nullptr);
 
 }  // namespace flexkv

@@ -56,7 +56,8 @@ void CopyScheduler::Submit(CopyRequest request) {
     return done(Status::FailedPrecondition("no KV buffers registered (RegisterKv)"), NowNs());
   }
   const EngineMemoryCapabilities& caps = request.backend->capabilities();
-  const std::optional<PoolRegion> pool = tier0_->region(request.component);
+  const std::optional<PoolRegion> pool =
+      request.tier != nullptr ? request.tier->region(request.component) : std::nullopt;
   Status refused;
   if (!caps.Copies(request.direction)) {
     refused = Status::FailedPrecondition(fmt::format("the {} backend does not copy {}; it did not declare it",

@@ -1,4 +1,5 @@
-// CopyScheduler: runs one request's block copies between engine memory and DRAM-pool slots (tier 0). It fans
+// CopyScheduler: runs one request's block copies between engine memory and DRAM-pool slots (tier 0 of the
+// request's cache domain). It fans
 // the copy out over the session's registrations (one, or one per TP rank) on their backend, gathers the parts
 // into one `done` with the first error, reports layer progress for layer-wise loads (per layer once every part
 // has it; all layers at the end on a backend that did not declare layer-wise copies), and says when the copy
@@ -21,6 +22,7 @@
 namespace flexkv {
 
 struct CopyRequest {
+  const DramTier* tier = nullptr;                // the session's domain's DRAM pool (tier 0); outlives the copy
   EngineMemoryBackend* backend = nullptr;        // opened every target
   std::vector<std::shared_ptr<EngineKv>> targets;  // each gets every block (TP ranks copy their shards)
   CopyDirection direction = CopyDirection::kToPool;
@@ -39,15 +41,14 @@ struct CopyRequest {
 
 class CopyScheduler {
  public:
-  // `tier0` outlives the scheduler.
-  explicit CopyScheduler(const DramTier* tier0) : tier0_(tier0) {}
+  CopyScheduler() = default;
   // Waits for the copies in flight (WaitIdle).
   ~CopyScheduler();
   CopyScheduler(const CopyScheduler&) = delete;
   CopyScheduler& operator=(const CopyScheduler&) = delete;
 
-  // Starts `request`. Refused through `done` at once (FAILED_PRECONDITION) when the backend did not declare the
-  // direction, there are no targets, or the pool does not exist.
+  // Starts `request`, copying from or to its tier's pool. Refused through `done` at once (FAILED_PRECONDITION) when
+  // the backend did not declare the direction, there are no targets, or the pool does not exist (or no tier).
   void Submit(CopyRequest request);
   // Returns once every submitted copy has called its `done`.
   void WaitIdle();
@@ -56,7 +57,6 @@ class CopyScheduler {
  private:
   void Finished();
 
-  const DramTier* const tier0_;
   mutable Mutex mu_;
   uint64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   std::condition_variable idle_;  // notified when in_flight_ drops to 0

@@ -24,8 +24,9 @@
 
 namespace flexkv {
 struct DataPlane::Session final : RequestSession {
-  Session(DataPlane* owner, uint64_t id, const Geometry& geometry, uint64_t pool_generation, Status store_access)
-      : RequestSession(id, geometry, pool_generation, std::move(store_access)),
+  Session(DataPlane* owner, uint64_t id, const Geometry& geometry, Cache* cache, const DramTier* tier,
+          uint64_t pool_generation, Status store_access)
+      : RequestSession(id, geometry, cache, tier, pool_generation, std::move(store_access)),
         plane(owner),
         lease(owner->options_.pins.lease_ms * 1000000, NowNs()) {}
   DataPlane* const plane;
@@ -37,13 +38,10 @@ struct DataPlane::Session final : RequestSession {
   bool ended() const override { return dead.load(); }
 };
 
-DataPlane::DataPlane(Cache* cache, Lifecycle* lifecycle, EngineMemoryBackends* backends, DataPlaneOptions options)
-    : cache_(cache),
-      backends_(backends),
+DataPlane::DataPlane(Lifecycle* lifecycle, EngineMemoryBackends* backends, DataPlaneOptions options)
+    : backends_(backends),
       options_(options),
-      dram_(cache),
-      copies_(&dram_),
-      handlers_(cache, lifecycle, &copies_, &metrics_, options.max_blocks_per_request, options.pins) {}
+      handlers_(lifecycle, &copies_, &metrics_, options.max_blocks_per_request, options.pins) {}
 
 DataPlane::~DataPlane() { Stop(); }
 
@@ -82,10 +80,19 @@ void DataPlane::Stop() {
   copies_.WaitIdle();  // every accepted request ends
 }
 
-Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, const Geometry& geometry,
+const DramTier* DataPlane::TierOf(Cache* cache) {
+  MutexLock lock(&tiers_mu_);
+  std::unique_ptr<DramTier>& tier = tiers_[cache];
+  if (!tier) tier = std::make_unique<DramTier>(cache);
+  return tier.get();
+}
+
+Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, Cache* cache, const Geometry& geometry,
                                                      const SessionAccess& access) {
-  // The session was admitted under the current pool: a drop needs every session gone, this one included.
-  auto s = std::make_shared<Session>(this, session_id, geometry, cache_->generation(), access.store);
+  // The session was admitted under its domain's current pool: a drop needs every session of it gone, this one
+  // included.
+  auto s = std::make_shared<Session>(this, session_id, geometry, cache, TierOf(cache), cache->generation(),
+                                     access.store);
   auto created = ring::RingConsumer::Create(
       RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes},
       static_cast<uint32_t>(options_.pins.lease_ms));
@@ -125,7 +132,9 @@ Result<uint64_t> DataPlane::RegisterKv(uint64_t session_id, KvRegistration regis
         g.component_count() - 1, g.is_hybrid() ? "its components" : "0: a full-attention geometry has one"));
   }
   const uint32_t component = registration.component;
-  return s->kv(component).Register(*backends_, std::move(registration));
+  // A pool-registration error of a backend refuses only sessions of the domain whose pool it concerns.
+  const std::optional<PoolRegion> pool = s->cache().pool_region(0);
+  return s->kv(component).Register(*backends_, std::move(registration), pool ? pool->base : nullptr);
 }
 
 void DataPlane::EndSession(uint64_t session_id) {

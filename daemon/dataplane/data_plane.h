@@ -44,8 +44,8 @@ struct DataPlaneOptions {
 class DataPlane {
  public:
   // Every pointer outlives the data plane. `backends` serve the sessions' KV registrations (RegisterKv); Loads and
-  // Stores copy between them and the cache's pool.
-  DataPlane(Cache* cache, Lifecycle* lifecycle, EngineMemoryBackends* backends, DataPlaneOptions options);
+  // Stores copy between them and the pool of the session's cache domain.
+  DataPlane(Lifecycle* lifecycle, EngineMemoryBackends* backends, DataPlaneOptions options);
   ~DataPlane();
   DataPlane(const DataPlane&) = delete;
   DataPlane& operator=(const DataPlane&) = delete;
@@ -54,9 +54,12 @@ class DataPlane {
   // Stops the poller, then waits for the copies in flight to finish (each answers its request). Idempotent.
   void Stop();
 
-  // Creates a session's rings. Returns {ring memfd (sealed), doorbell eventfd} to pass to the client. The session's
-  // Stores are refused with `access.store` unless it is OK.
-  Result<std::vector<UniqueFd>> OpenSession(uint64_t session_id, const Geometry& geometry, const SessionAccess& access);
+  // Creates a session's rings. Returns {ring memfd (sealed), doorbell eventfd} to pass to the client. The session
+  // works on `cache` (its cache domain, which outlives the data plane) and only on it; it is refused once the
+  // cache's generation changes (its domain was dropped). The session's Stores are refused with `access.store`
+  // unless it is OK.
+  Result<std::vector<UniqueFd>> OpenSession(uint64_t session_id, Cache* cache, const Geometry& geometry,
+                                            const SessionAccess& access);
   // Registers a session's KV buffers on the backend that declared the memory kinds they need: whole blocks once,
   // or each TP rank once on a backend that shards by rank (Load/Store then need every rank of tp_size). Returns
   // the bytes the layout needs on one rank. Errors: FAILED_PRECONDITION for a session without rings or memory
@@ -94,13 +97,16 @@ class DataPlane {
   void Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status);
   // Poller: reads each session's heartbeat and releases the pins of those whose lease ran out.
   void CheckPinLeases(const std::vector<std::shared_ptr<Session>>& active, int64_t now_ns);
+  // The DRAM tier over `cache` (one per cache domain's Cache, made at its first session, kept as long as the data
+  // plane).
+  const DramTier* TierOf(Cache* cache);
 
-  Cache* const cache_;
   EngineMemoryBackends* const backends_;
   const DataPlaneOptions options_;
   RequestMetrics metrics_;
-  DramTier dram_;
-  CopyScheduler copies_;  // after dram_: waits for the copies in flight when it goes
+  mutable Mutex tiers_mu_;
+  std::map<const Cache*, std::unique_ptr<DramTier>> tiers_ ABSL_GUARDED_BY(tiers_mu_);
+  CopyScheduler copies_;  // after tiers_: waits for the copies in flight when it goes
   RequestHandlers handlers_;
 
   mutable Mutex mu_;

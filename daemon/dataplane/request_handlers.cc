@@ -40,10 +40,9 @@ uint64_t RequestSession::pinned_blocks() const {
   return handles_.pinned_blocks();
 }
 
-RequestHandlers::RequestHandlers(Cache* cache, Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
+RequestHandlers::RequestHandlers(Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
                                  uint32_t max_blocks_per_request, PinPolicy pins)
-    : cache_(cache),
-      lifecycle_(lifecycle),
+    : lifecycle_(lifecycle),
       copies_(copies),
       metrics_(metrics),
       max_blocks_per_request_(max_blocks_per_request),
@@ -74,8 +73,8 @@ void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::spa
   }
   Result<DescriptorPayload> payload = ValidateDescriptor(d, arena, limits);
   if (!payload.ok()) return Fail(s, d, taken_ns, payload.status());
-  if (!cache_->has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
-  if (cache_->generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
+  if (!s.cache().has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
+  if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
   switch (op) {
     case RingOp::kMatch:
       return Match(s, d, taken_ns, payload->keys);
@@ -103,7 +102,7 @@ void RequestHandlers::EndSession(RequestSession& s) {
     MutexLock lock(&s.mu_);
     unpin = s.handles_.ReleaseAll();
   }
-  if (!unpin.empty()) cache_->Unpin(unpin);
+  if (!unpin.empty()) s.cache().Unpin(unpin);
 }
 
 RequestHandlers::Lapsed RequestHandlers::LapsePins(RequestSession& s) {
@@ -115,12 +114,12 @@ RequestHandlers::Lapsed RequestHandlers::LapsePins(RequestSession& s) {
     unpin = s.handles_.Lapse(&lapsed.handles);
   }
   lapsed.blocks = unpin.size();
-  if (!unpin.empty()) cache_->Unpin(unpin);
+  if (!unpin.empty()) s.cache().Unpin(unpin);
   return lapsed;
 }
 
-uint64_t RequestHandlers::SessionPinCap() const {
-  const auto cap = static_cast<uint64_t>(pins_.max_session_share * cache_->capacity_slots());
+uint64_t RequestHandlers::SessionPinCap(const RequestSession& s) const {
+  const auto cap = static_cast<uint64_t>(pins_.max_session_share * s.cache().capacity_slots());
   return std::max<uint64_t>(cap, 1);
 }
 
@@ -128,8 +127,12 @@ void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_
                             const std::vector<BlockKey>& keys) {
   const bool pin = (d.flags & kMatchFlagPin) != 0;
   std::vector<SlotId> slots;
-  const size_t hit = cache_->Match(keys, pin, pin ? &slots : nullptr);
-  CacheCounters& counters = cache_->counters();
+  const size_t hit = s.cache().Match(keys, pin, pin ? &slots : nullptr);
+  if (s.cache().generation() != s.pool_generation_) {  // as in Store: these pins would be another domain's
+    if (!slots.empty()) s.cache().Unpin(slots);
+    return Fail(s, d, taken_ns, DomainDropped());
+  }
+  CacheCounters& counters = s.cache().counters();
   counters.match_requests.fetch_add(1, std::memory_order_relaxed);
   counters.match_blocks.fetch_add(d.count, std::memory_order_relaxed);
   counters.hit_blocks.fetch_add(hit, std::memory_order_relaxed);
@@ -138,7 +141,7 @@ void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_
   if (pin && hit > 0) {
     bool held = false;
     uint64_t pinned = 0;
-    const uint64_t cap = SessionPinCap();
+    const uint64_t cap = SessionPinCap(s);
     {
       MutexLock lock(&s.mu_);
       pinned = s.handles_.pinned_blocks();
@@ -150,7 +153,7 @@ void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_
       }
     }
     if (!held) {
-      cache_->Unpin(slots);
+      s.cache().Unpin(slots);
       if (s.ended()) return;  // nobody is left to answer
       // Over the session's cap: nothing is pinned (a partial pin would leave a handle to leak on an error path).
       c.Status(Status::ResourceExhausted(
@@ -175,7 +178,7 @@ void RequestHandlers::Release(RequestSession& s, const SubmitDescriptor& d, int6
     if (held.ok()) unpin = s.handles_.Release(d.match_handle);
   }
   if (!held.ok()) return Fail(s, d, taken_ns, held);
-  if (!unpin.empty()) cache_->Unpin(unpin);
+  if (!unpin.empty()) s.cache().Unpin(unpin);
   Finish(s, d, taken_ns, CompletionBuilder(d).descriptor());
 }
 
@@ -193,7 +196,7 @@ Result<std::vector<SlotId>> RequestHandlers::BeginLoad(RequestSession& s, const 
   }
   if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
   // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
-  if (refused.ok() && cache_->generation() != s.pool_generation_) {
+  if (refused.ok() && s.cache().generation() != s.pool_generation_) {
     lifecycle_->Finish();
     refused = DomainDropped();
   }
@@ -207,8 +210,8 @@ void RequestHandlers::EndLoad(const std::shared_ptr<RequestSession>& sp, const S
   CompletionBuilder c(d);
   if (st.ok()) {
     c.DoneBlocks(d.count);
-    cache_->counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
-    cache_->counters().bytes_loaded.fetch_add(bytes, std::memory_order_relaxed);
+    sp->cache().counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
+    sp->cache().counters().bytes_loaded.fetch_add(bytes, std::memory_order_relaxed);
   } else {
     c.Status(st);
   }
@@ -217,7 +220,7 @@ void RequestHandlers::EndLoad(const std::shared_ptr<RequestSession>& sp, const S
     MutexLock lock(&sp->mu_);
     unpin = sp->handles_.EndLoad(d.match_handle);
   }
-  if (!unpin.empty()) cache_->Unpin(unpin);
+  if (!unpin.empty()) sp->cache().Unpin(unpin);
   Finish(*sp, d, taken_ns, c.descriptor());
   lifecycle_->Finish();
 }
@@ -229,6 +232,7 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
   if (!slots.ok()) return Fail(s, d, taken_ns, slots.status());
   CopyRequest copy;
   copy.direction = CopyDirection::kFromPool;
+  copy.tier = s.tier();
   s.kv().FillTargets(&copy);
   copy.engine_blocks = std::make_shared<const std::vector<uint32_t>>(std::move(ids));
   copy.slots = std::make_shared<const std::vector<SlotId>>(std::move(*slots));
@@ -236,7 +240,7 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
   if ((d.flags & kLoadFlagLayerwise) != 0) {
     copy.layer_done = [sp, d](uint32_t layer) { sp->Post(CompletionBuilder::LayerDone(d, layer)); };
   }
-  const uint64_t bytes = uint64_t{d.count} * cache_->block_bytes();
+  const uint64_t bytes = uint64_t{d.count} * s.cache().block_bytes();
   copy.done = [this, sp, d, bytes, taken_ns](Status st, int64_t copy_start_ns) {
     EndLoad(sp, d, taken_ns, bytes, st, copy_start_ns);
   };
@@ -249,12 +253,19 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   if (!s.store_access().ok()) return Fail(s, d, taken_ns, s.store_access());  // a read-only session
   if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
-  if (cache_->generation() != s.pool_generation_) {
+  if (s.cache().generation() != s.pool_generation_) {
     lifecycle_->Finish();
     return Fail(s, d, taken_ns, DomainDropped());
   }
   const BlockKey parent = d.parent;  // kRootParent, or the key keys[0] hangs under
-  PrefixIndex::Reservation r = cache_->Reserve(parent, keys);
+  PrefixIndex::Reservation r = s.cache().Reserve(parent, keys);
+  // A drop of the domain (possible only while this session's end is processed: DropDomain waits for no request,
+  // only for reserved and pinned slots) may have given the Cache to another domain just before the Reserve.
+  if (s.cache().generation() != s.pool_generation_) {
+    s.cache().Abort(r.slots);
+    lifecycle_->Finish();
+    return Fail(s, d, taken_ns, DomainDropped());
+  }
   const uint32_t reserved = static_cast<uint32_t>(r.slots.size());
   CompletionBuilder c(d);
   c.MatchedBlocks(static_cast<uint32_t>(r.cached)).DoneBlocks(reserved);
@@ -279,6 +290,7 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   const size_t first = r.cached;
   CopyRequest copy;
   copy.direction = CopyDirection::kToPool;
+  copy.tier = s.tier();
   s.kv().FillTargets(&copy);
   copy.engine_blocks = std::make_shared<const std::vector<uint32_t>>(ids.begin() + static_cast<ptrdiff_t>(first),
                                                                      ids.begin() + static_cast<ptrdiff_t>(first + reserved));
@@ -287,18 +299,19 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   copy.num_layers = s.geometry().num_layers;
   auto checksums = std::make_shared<std::vector<uint64_t>>();
   copy.checksums = checksums;
-  const uint64_t block_bytes = cache_->block_bytes();
+  const uint64_t block_bytes = s.cache().block_bytes();
   copy.done = [this, sp, d, c, parent, keys = std::move(keys), slots, checksums, first, block_bytes, taken_ns](
                   Status st, int64_t copy_start_ns) mutable {
     RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
     // Publish after transfer; a failed copy, or a session that ended meanwhile, returns the slots.
+    Cache& cache = sp->cache();
     if (!st.ok() || sp->ended()) {
-      cache_->Abort(*slots);
+      cache.Abort(*slots);
       if (!st.ok()) c.Status(st).DoneBlocks(0);
     } else {
-      cache_->Commit(parent, keys, first, *slots, *checksums);
-      cache_->counters().store_blocks.fetch_add(slots->size(), std::memory_order_relaxed);
-      cache_->counters().bytes_stored.fetch_add(slots->size() * block_bytes, std::memory_order_relaxed);
+      cache.Commit(parent, keys, first, *slots, *checksums);
+      cache.counters().store_blocks.fetch_add(slots->size(), std::memory_order_relaxed);
+      cache.counters().bytes_stored.fetch_add(slots->size() * block_bytes, std::memory_order_relaxed);
     }
     Finish(*sp, d, taken_ns, c.descriptor());
     lifecycle_->Finish();
@@ -346,6 +359,7 @@ CopyRequest ComponentCopy(RequestSession& s, size_t c, CopyDirection direction, 
   CopyRequest copy;
   copy.direction = direction;
   copy.component = static_cast<uint32_t>(c);
+  copy.tier = s.tier();
   s.kv(c).FillTargets(&copy);
   copy.engine_blocks = std::make_shared<const std::vector<uint32_t>>(std::move(engine_ids));
   copy.slots = std::make_shared<const std::vector<SlotId>>(std::move(local_slots));
@@ -363,7 +377,7 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
   if (!begun.ok()) return Fail(s, d, taken_ns, begun.status());
   const std::vector<SlotId>& slots = *begun;
   const HybridIdLayout layout = LayoutIds(g, false, d.count, 0);
-  const std::vector<SlotId> bases = cache_->component_bases();
+  const std::vector<SlotId> bases = s.cache().component_bases();
   std::vector<CopyRequest> parts;
   uint64_t bytes = 0;
   for (size_t c = 0; c < g.component_count(); ++c) {
@@ -387,12 +401,17 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
   const Geometry& g = s.geometry();
   if (!s.store_access().ok()) return Fail(s, d, taken_ns, s.store_access());
   if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
-  if (cache_->generation() != s.pool_generation_) {
+  if (s.cache().generation() != s.pool_generation_) {
     lifecycle_->Finish();
     return Fail(s, d, taken_ns, DomainDropped());
   }
   const BlockKey parent = d.parent;
-  auto r = std::make_shared<Cache::HybridReservation>(cache_->ReserveHybrid(parent, keys, boundaries));
+  auto r = std::make_shared<Cache::HybridReservation>(s.cache().ReserveHybrid(parent, keys, boundaries));
+  if (s.cache().generation() != s.pool_generation_) {  // as in Store
+    s.cache().AbortHybrid(*r);
+    lifecycle_->Finish();
+    return Fail(s, d, taken_ns, DomainDropped());
+  }
   CompletionBuilder answer(d);
   answer.MatchedBlocks(static_cast<uint32_t>(r->full.cached)).DoneBlocks(static_cast<uint32_t>(r->full.slots.size()));
   if (r->shortfall != StatusCode::kOk) {
@@ -413,7 +432,7 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
     return Finish(s, d, taken_ns, answer.descriptor());
   }
   const HybridIdLayout layout = LayoutIds(g, true, d.count, d.state_count);
-  const std::vector<SlotId> bases = cache_->component_bases();
+  const std::vector<SlotId> bases = s.cache().component_bases();
   std::vector<CopyRequest> parts;
   std::vector<std::shared_ptr<std::vector<uint64_t>>> sums(g.component_count());
   uint64_t bytes = 0;
@@ -446,15 +465,16 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
   SubmitJoined(std::move(parts), [this, sp, d, c = answer, parent, keys = std::move(keys), r, sums, bytes, taken_ns](
                                      Status st, int64_t copy_start_ns) mutable {
     RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
+    Cache& cache = sp->cache();
     if (!st.ok() || sp->ended()) {
-      cache_->AbortHybrid(*r);
+      cache.AbortHybrid(*r);
       if (!st.ok()) c.Status(st).DoneBlocks(0);
     } else {
       std::vector<std::vector<uint64_t>> checksums;
       for (const auto& part : sums) checksums.push_back(*part);
-      cache_->CommitHybrid(parent, keys, *r, checksums);
-      cache_->counters().store_blocks.fetch_add(r->full.slots.size(), std::memory_order_relaxed);
-      cache_->counters().bytes_stored.fetch_add(bytes, std::memory_order_relaxed);
+      cache.CommitHybrid(parent, keys, *r, checksums);
+      cache.counters().store_blocks.fetch_add(r->full.slots.size(), std::memory_order_relaxed);
+      cache.counters().bytes_stored.fetch_add(bytes, std::memory_order_relaxed);
     }
     Finish(*sp, d, taken_ns, c.descriptor());
     lifecycle_->Finish();

@@ -19,6 +19,7 @@
 #include "daemon/dataplane/session_kv.h"
 #include "daemon/lifecycle.h"
 #include "daemon/metrics/request_metrics.h"
+#include "daemon/tiers/dram/dram_tier.h"
 #include "flexkv/geometry.h"
 
 namespace flexkv {
@@ -32,11 +33,18 @@ struct PinPolicy {
 // A session as the handlers see it: its handles, its KV registrations, and where its completions go.
 class RequestSession {
  public:
-  // `pool_generation`: Cache::generation() when the session was admitted; requests are refused once it changed
-  // (an admin dropped the domain the session attached to). `store_access`: OK when the session may store, else the
-  // error each of its Stores is answered with (decided once at Attach, NamespaceAccess).
-  RequestSession(uint64_t id, const Geometry& geometry, uint64_t pool_generation, Status store_access = Status::Ok())
-      : id_(id), geometry_(geometry), pool_generation_(pool_generation), store_access_(std::move(store_access)) {
+  // `cache`: the session's cache domain, and `tier` its DRAM pool (both outlive the session); a session sees only
+  // that domain's blocks. `pool_generation`: cache->generation() when the session was admitted; requests are
+  // refused once it changed (an admin dropped the domain the session attached to). `store_access`: OK when the
+  // session may store, else the error each of its Stores is answered with (decided once at Attach, NamespaceAccess).
+  RequestSession(uint64_t id, const Geometry& geometry, Cache* cache, const DramTier* tier, uint64_t pool_generation,
+                 Status store_access = Status::Ok())
+      : id_(id),
+        geometry_(geometry),
+        cache_(cache),
+        tier_(tier),
+        pool_generation_(pool_generation),
+        store_access_(std::move(store_access)) {
     for (size_t c = 0; c < geometry.component_count(); ++c) {
       kv_.push_back(std::make_unique<SessionKv>(id, geometry.Component(c)));
     }
@@ -50,6 +58,8 @@ class RequestSession {
 
   uint64_t id() const { return id_; }
   const Geometry& geometry() const { return geometry_; }
+  Cache& cache() const { return *cache_; }
+  const DramTier* tier() const { return tier_; }
   const Status& store_access() const { return store_access_; }
   // The KV buffers of geometry component `component` (< geometry().component_count(); 0 for full attention).
   SessionKv& kv(size_t component = 0) { return *kv_[component]; }
@@ -62,6 +72,8 @@ class RequestSession {
   friend class RequestHandlers;
   const uint64_t id_;
   const Geometry geometry_;
+  Cache* const cache_;
+  const DramTier* const tier_;
   const uint64_t pool_generation_;
   const Status store_access_;
   std::vector<std::unique_ptr<SessionKv>> kv_;  // one per geometry component
@@ -71,8 +83,9 @@ class RequestSession {
 
 class RequestHandlers {
  public:
-  // Every pointer outlives the handlers; `metrics` is where requests' times and errors are counted.
-  RequestHandlers(Cache* cache, Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
+  // Every pointer outlives the handlers; `metrics` is where requests' times and errors are counted. Each request
+  // works on its session's cache domain (RequestSession::cache).
+  RequestHandlers(Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
                   uint32_t max_blocks_per_request, PinPolicy pins = {});
 
   // Answers `d` (copied off the session's submit ring at `taken_ns`, monotonic; not yet validated; its keys and
@@ -93,8 +106,8 @@ class RequestHandlers {
     size_t blocks = 0;  // unpinned now
   };
   Lapsed LapsePins(RequestSession& session);
-  // The most blocks one session may hold pinned: max_session_share of the pool's slots, at least 1.
-  uint64_t SessionPinCap() const;
+  // The most blocks one session may hold pinned: max_session_share of its domain's pool slots, at least 1.
+  uint64_t SessionPinCap(const RequestSession& session) const;
 
  private:
   void Match(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, const std::vector<BlockKey>& keys);
@@ -122,7 +135,6 @@ class RequestHandlers {
   // The copy of a load or store ends now: its wait and transfer time.
   void RecordCopy(OpKind op, int64_t taken_ns, int64_t copy_start_ns);
 
-  Cache* const cache_;
   Lifecycle* const lifecycle_;
   CopyScheduler* const copies_;
   RequestMetrics* const metrics_;

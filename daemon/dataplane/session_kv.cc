@@ -27,9 +27,10 @@ Status SessionKv::CheckFreeLocked(const EngineMemoryBackend& backend, uint32_t t
   return Status::Ok();
 }
 
-Result<uint64_t> SessionKv::Register(EngineMemoryBackends& backends, KvRegistration registration) {
+Result<uint64_t> SessionKv::Register(EngineMemoryBackends& backends, KvRegistration registration,
+                                     const uint8_t* pool_base) {
   const std::vector<MemoryKind> kinds = registration.Kinds();
-  Result<EngineMemoryBackend*> selected = backends.Select(kinds);
+  Result<EngineMemoryBackend*> selected = backends.Select(kinds, pool_base);
   if (!selected.ok()) return selected.status();
   EngineMemoryBackend& backend = **selected;
   const uint32_t tp_rank = registration.tp_rank();

@@ -23,8 +23,10 @@ class SessionKv {
   // Opens `registration` on the backend that serves its memory kinds and keeps it. Returns the bytes the layout
   // needs on one TP rank. Refusals: FAILED_PRECONDITION when no backend serves the kinds (naming them);
   // ALREADY_EXISTS when the session registered whole blocks already, or this TP rank, or buffers of another
-  // backend; INVALID_ARGUMENT for a TP rank not below tp_size; the backend's own refusals from Open.
-  Result<uint64_t> Register(EngineMemoryBackends& backends, KvRegistration registration);
+  // backend; INVALID_ARGUMENT for a TP rank not below tp_size; the backend's own refusals from Open; a backend's
+  // failed registration of the pool at `pool_base` (the session's domain's; null: any pool) (Select).
+  Result<uint64_t> Register(EngineMemoryBackends& backends, KvRegistration registration,
+                            const uint8_t* pool_base = nullptr);
 
   // The KV buffers' block count once registered (whole blocks, or the fewest of every TP rank); 0 with the
   // reason in `*missing` otherwise. Registration only goes from nothing to every block, so a count read here

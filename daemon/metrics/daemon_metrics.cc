@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "daemon/cache/cache.h"
+#include "daemon/cache/cache_set.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
 #include "daemon/sessions/session_registry.h"
@@ -68,8 +69,24 @@ std::string RenderText(const std::vector<MetricFamily>& families) {
 }
 
 std::vector<MetricFamily> DaemonMetrics::Collect() const {
-  const Cache::Stats stats = sources_.cache->GetStats();
-  const CacheCounters& counters = sources_.cache->counters();
+  // One sample per cache domain in the pool, index, cache and component families, labelled with its namespace.
+  struct DomainSample {
+    std::string model_namespace;
+    Cache::Stats stats;
+    CounterValues counters;  // since the domain was created
+  };
+  std::vector<DomainSample> domains;
+  for (const CacheSet::Domain& d : sources_.caches->Domains()) {
+    domains.push_back(DomainSample{d.model_namespace, d.cache->GetStats(), d.counters});
+  }
+  // A family of one value per domain.
+  const auto per_domain = [&](std::string name, std::string help, MetricType type, auto value) {
+    std::vector<ClientMetric> samples;
+    for (const DomainSample& d : domains) {
+      samples.push_back(Sample(static_cast<double>(value(d)), {{"namespace", d.model_namespace}}));
+    }
+    return Family(std::move(name), std::move(help), type, std::move(samples));
+  };
   const RequestMetrics& requests = sources_.data_plane->metrics();
   std::vector<MetricFamily> out;
 
@@ -84,22 +101,23 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   out.push_back(One("flexkv_inflight_requests",
                     "Loads and stores admitted and not yet finished (what a drain waits for)", MetricType::Gauge,
                     sources_.lifecycle->inflight()));
-  out.push_back(One("flexkv_pool_capacity_blocks", "Slots in the host pool (0 until the first Attach)",
-                    MetricType::Gauge, stats.capacity));
-  out.push_back(One("flexkv_pool_used_blocks", "Pool slots holding a committed block or a store in progress",
-                    MetricType::Gauge, stats.used));
-  out.push_back(One("flexkv_pool_pinned_blocks", "Pool slots pinned by a match or a load (never evicted while pinned)",
-                    MetricType::Gauge, stats.pinned));
-  out.push_back(
-      One("flexkv_index_blocks", "Blocks reachable through the prefix index", MetricType::Gauge, stats.blocks));
+  out.push_back(per_domain("flexkv_pool_capacity_blocks", "Slots in each cache domain's host pool", MetricType::Gauge,
+                           [](const DomainSample& d) { return d.stats.capacity; }));
+  out.push_back(per_domain("flexkv_pool_used_blocks", "Pool slots holding a committed block or a store in progress",
+                           MetricType::Gauge, [](const DomainSample& d) { return d.stats.used; }));
+  out.push_back(per_domain("flexkv_pool_pinned_blocks",
+                           "Pool slots pinned by a match or a load (never evicted while pinned)", MetricType::Gauge,
+                           [](const DomainSample& d) { return d.stats.pinned; }));
+  out.push_back(per_domain("flexkv_index_blocks", "Blocks reachable through the prefix index", MetricType::Gauge,
+                           [](const DomainSample& d) { return d.stats.blocks; }));
   out.push_back(One("flexkv_pin_lapses_total",
                     "Sessions whose pins lapsed: their process stopped renewing the pin lease (--pin-lease)",
                     MetricType::Counter, sources_.data_plane->pin_lapses()));
   out.push_back(One("flexkv_pin_lapsed_blocks_total", "Blocks unpinned because their session's pin lease lapsed",
                     MetricType::Counter, sources_.data_plane->pin_lapsed_blocks()));
-  out.push_back(One("flexkv_pool_unverified_blocks",
-                    "Blocks restored at start whose bytes are still being verified (served once they pass)",
-                    MetricType::Gauge, stats.unverified));
+  out.push_back(per_domain("flexkv_pool_unverified_blocks",
+                           "Blocks restored at start whose bytes are still being verified (served once they pass)",
+                           MetricType::Gauge, [](const DomainSample& d) { return d.stats.unverified; }));
 
   std::vector<ClientMetric> taken;
   for (const OpKind op : kAllOps) {
@@ -108,23 +126,24 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   }
   out.push_back(Family("flexkv_requests_total", "Data-plane requests taken off the submit rings, by kind",
                        MetricType::Counter, std::move(taken)));
-  out.push_back(One("flexkv_match_blocks_total", "Blocks looked up by Match (rings and the unary call)",
-                    MetricType::Counter, counters.match_blocks.load()));
-  out.push_back(One("flexkv_hit_blocks_total", "Blocks of Match found cached (leading blocks)", MetricType::Counter,
-                    counters.hit_blocks.load()));
-  out.push_back(One("flexkv_load_blocks_total", "Blocks copied from the pool into engines' KV buffers",
-                    MetricType::Counter, counters.load_blocks.load()));
-  out.push_back(One("flexkv_store_blocks_total", "Blocks copied into the pool and published", MetricType::Counter,
-                    counters.store_blocks.load()));
-  out.push_back(One("flexkv_evicted_blocks_total", "Blocks evicted from the pool to make room", MetricType::Counter,
-                    stats.evicted));
-  out.push_back(One("flexkv_data_loss_blocks_total",
-                    "Blocks dropped because their bytes failed their content checksum (restart check or scrub)",
-                    MetricType::Counter, counters.data_loss_blocks.load()));
-  out.push_back(
-      One("flexkv_load_bytes_total", "Bytes of loaded blocks", MetricType::Counter, counters.bytes_loaded.load()));
-  out.push_back(
-      One("flexkv_store_bytes_total", "Bytes of stored blocks", MetricType::Counter, counters.bytes_stored.load()));
+  out.push_back(per_domain("flexkv_match_blocks_total", "Blocks looked up by Match (rings and the unary call)",
+                           MetricType::Counter, [](const DomainSample& d) { return d.counters.match_blocks; }));
+  out.push_back(per_domain("flexkv_hit_blocks_total", "Blocks of Match found cached (leading blocks)",
+                           MetricType::Counter, [](const DomainSample& d) { return d.counters.hit_blocks; }));
+  out.push_back(per_domain("flexkv_load_blocks_total", "Blocks copied from the pool into engines' KV buffers",
+                           MetricType::Counter, [](const DomainSample& d) { return d.counters.load_blocks; }));
+  out.push_back(per_domain("flexkv_store_blocks_total", "Blocks copied into the pool and published",
+                           MetricType::Counter, [](const DomainSample& d) { return d.counters.store_blocks; }));
+  out.push_back(per_domain("flexkv_evicted_blocks_total", "Blocks evicted from the pool to make room",
+                           MetricType::Counter, [](const DomainSample& d) { return d.stats.evicted; }));
+  out.push_back(per_domain(
+      "flexkv_data_loss_blocks_total",
+      "Blocks dropped because their bytes failed their content checksum (restart check or scrub)", MetricType::Counter,
+      [](const DomainSample& d) { return d.counters.data_loss_blocks; }));
+  out.push_back(per_domain("flexkv_load_bytes_total", "Bytes of loaded blocks", MetricType::Counter,
+                           [](const DomainSample& d) { return d.counters.bytes_loaded; }));
+  out.push_back(per_domain("flexkv_store_bytes_total", "Bytes of stored blocks", MetricType::Counter,
+                           [](const DomainSample& d) { return d.counters.bytes_stored; }));
 
   std::vector<ClientMetric> request_errors;
   for (const OpKind op : kAllOps) {
@@ -154,15 +173,17 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   // pool.
   {
     std::vector<ClientMetric> capacity, used, pinned, evicted, unanchored;
-    for (size_t c = 0; c < stats.components.size(); ++c) {
-      const Cache::ComponentStats& cs = stats.components[c];
-      const std::vector<ClientMetric::Label> labels{{"component", std::to_string(c)},
-                                                    {"kind", ComponentKindName(cs.kind)}};
-      capacity.push_back(Sample(static_cast<double>(cs.capacity), labels));
-      used.push_back(Sample(static_cast<double>(cs.used), labels));
-      pinned.push_back(Sample(static_cast<double>(cs.pinned), labels));
-      evicted.push_back(Sample(static_cast<double>(cs.evicted), labels));
-      unanchored.push_back(Sample(static_cast<double>(cs.unanchored), labels));
+    for (const DomainSample& d : domains) {
+      for (size_t c = 0; c < d.stats.components.size(); ++c) {
+        const Cache::ComponentStats& cs = d.stats.components[c];
+        const std::vector<ClientMetric::Label> labels{
+            {"component", std::to_string(c)}, {"kind", ComponentKindName(cs.kind)}, {"namespace", d.model_namespace}};
+        capacity.push_back(Sample(static_cast<double>(cs.capacity), labels));
+        used.push_back(Sample(static_cast<double>(cs.used), labels));
+        pinned.push_back(Sample(static_cast<double>(cs.pinned), labels));
+        evicted.push_back(Sample(static_cast<double>(cs.evicted), labels));
+        unanchored.push_back(Sample(static_cast<double>(cs.unanchored), labels));
+      }
     }
     out.push_back(Family("flexkv_component_capacity_slots", "Slots of each component's sub-pool (hybrid geometries)",
                          MetricType::Gauge, std::move(capacity)));

@@ -1,7 +1,7 @@
 // DaemonMetrics: flexkvd's Prometheus metrics, read from the daemon's parts at each scrape — the data
-// plane's request counters and latency histograms, the cache counters, pool and session gauges, and the
-// control plane's errors. The HTTP endpoint (MetricsServer) and the GetMetrics call serve the same
-// families; docs/operations.md ("Metrics") lists every one.
+// plane's request counters and latency histograms, the cache counters and pool gauges (one sample per cache domain,
+// labelled with its namespace), session gauges, and the control plane's errors. The HTTP endpoint (MetricsServer)
+// and the GetMetrics call serve the same families; docs/operations.md ("Metrics") lists every one.
 #pragma once
 
 #include <string>
@@ -16,14 +16,14 @@
 
 namespace flexkv {
 
-class Cache;
+class CacheSet;
 class DataPlane;
 class Lifecycle;
 class SessionRegistry;
 
 // The parts metrics are read from. All outlive the DaemonMetrics.
 struct MetricsSources {
-  Cache* cache;
+  const CacheSet* caches;  // the cache domains: pool, index, cache and component families have a sample per domain
   const DataPlane* data_plane;
   const SessionRegistry* sessions;
   const Lifecycle* lifecycle;

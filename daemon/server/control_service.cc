@@ -1,6 +1,7 @@
 // flexkv.v1.Control handlers; see control_service.h.
 #include "daemon/server/control_service.h"
 
+#include <algorithm>
 #include <map>
 
 #include <fmt/format.h>
@@ -62,15 +63,16 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   const Geometry geometry = FromProto(request->geometry());
   Result<SessionRegistry::Grant> grant = Status::Internal("not opened");
   bool read_only = false;
-  CacheDomain::View view;
+  Cache* cache = nullptr;
   {
     MutexLock lock(&domain_mu_);
-    Status admitted = AdmitLocked(request->model_namespace(), geometry, *peer);
+    Result<Cache*> admitted = AdmitLocked(request->model_namespace(), geometry, *peer);
     if (!admitted.ok()) {
-      log::Info("control", "Attach from pid {} refused: {}", peer->pid, admitted.ToString());
-      return Answer(admitted);
+      log::Info("control", "Attach from pid {} refused: {}", peer->pid, admitted.status().ToString());
+      return Answer(admitted.status());
     }
-    view = ctx_.cache->Domain();
+    cache = *admitted;
+    const CacheDomain::View view = cache->Domain();
     SessionAccess access = ctx_.access->Decide(request->model_namespace(), *peer, admin, view.creator_uid);
     read_only = !access.may_store();
     SessionIdentity identity{request->client_name(), request->dp_rank(), request->tp_rank(),
@@ -78,12 +80,14 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
     grant = ctx_.sessions->Open(std::move(identity), *peer, std::move(access));
   }
   if (!grant.ok()) return Answer(grant.status());
+  // The domain cannot go while this session exists: its fields are the session's domain's.
+  const CacheDomain::View view = cache->Domain();
   response->set_session_id(grant->session_id);
   response->set_session_token(grant->token.data(), grant->token.size());
   response->set_block_bytes(view.block_bytes);
   response->set_capacity_blocks(view.capacity_blocks);
   for (size_t c = 0;; ++c) {
-    const std::optional<PoolRegion> sub = ctx_.cache->pool_region(c);
+    const std::optional<PoolRegion> sub = cache->pool_region(c);
     if (!sub) break;
     if (c == 0) response->set_capacity_blocks(sub->slots);  // a hybrid pool's FULL part is below the budget
     response->add_component_slot_bytes(sub->slot_bytes);
@@ -97,27 +101,48 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
   return grpc::Status::OK;
 }
 
-Status ControlService::AdmitLocked(const std::string& model_namespace, const Geometry& geometry,
-                                   const PeerCredentials& peer) {
-  const bool unused = ctx_.sessions->Count() == 0 && ctx_.lifecycle->inflight() == 0;
-  const CacheDomain::View current = ctx_.cache->Domain();
-  if (unused && current.geometry && current.model_namespace == model_namespace && current.creator_uid &&
-      *current.creator_uid != peer.uid && ctx_.access->AclOf(model_namespace) == nullptr &&
-      ctx_.cache->DropDomain(/*only_if_empty=*/true, nullptr).ok()) {
-    // The same namespace, created by another uid that left without storing a block: its creator decides who
-    // writes by default, so an early squatter would make every later engine read-only. The caller creates it.
-    log::Info("control", "namespace '{}' had no session and no block: its creator uid {} is replaced by pid {}'s uid {}",
-              model_namespace, *current.creator_uid, peer.pid, peer.uid);
+Result<Cache*> ControlService::AdmitLocked(const std::string& model_namespace, const Geometry& geometry,
+                                           const PeerCredentials& peer) {
+  const auto in_use = [this](const std::string& name) { return ctx_.sessions->CountIn(name) != 0; };
+  const bool unused = !in_use(model_namespace);
+  if (Cache* current = ctx_.caches->Find(model_namespace); current != nullptr && unused) {
+    const CacheDomain::View view = current->Domain();
+    if (view.geometry && view.creator_uid && *view.creator_uid != peer.uid &&
+        ctx_.access->AclOf(model_namespace) == nullptr &&
+        ctx_.caches->DropDomain(model_namespace, /*only_if_empty=*/true, nullptr).ok()) {
+      // The same namespace, created by another uid that left without storing a block: its creator decides who
+      // writes by default, so an early squatter would make every later engine read-only. The caller creates it.
+      log::Info("control",
+                "namespace '{}' had no session and no block: its creator uid {} is replaced by pid {}'s uid {}",
+                model_namespace, *view.creator_uid, peer.pid, peer.uid);
+    }
   }
-  Status admitted = ctx_.cache->Admit(model_namespace, geometry, peer.uid);
-  if (admitted.code() != StatusCode::kFailedPrecondition || !unused) return admitted;
-  // Another domain is fixed. One nobody uses and that holds no block is not kept for later sessions (one odd
-  // Attach must not lock every engine out): this Attach replaces it.
-  const CacheDomain::View old = ctx_.cache->Domain();
-  if (!ctx_.cache->DropDomain(/*only_if_empty=*/true, nullptr).ok()) return admitted;
-  log::Info("control", "cache domain '{}' had no session and no block: replaced by pid {}'s '{}'", old.model_namespace,
+  // Domains nobody uses and that hold no block are not kept for later sessions (one odd Attach must not lock every
+  // engine out): CacheSet drops them when this Attach needs their room.
+  std::vector<std::string> replaced;
+  Result<Cache*> admitted = ctx_.caches->Admit(model_namespace, geometry, peer.uid, in_use, &replaced);
+  for (const std::string& old : replaced) {
+    log::Info("control", "cache domain '{}' had no session and no block: replaced by pid {}'s '{}'", old, peer.pid,
+              model_namespace);
+  }
+  if (admitted.ok() || admitted.status().code() != StatusCode::kFailedPrecondition || !unused ||
+      ctx_.caches->Find(model_namespace) == nullptr) {
+    return admitted;
+  }
+  // The namespace's domain has another geometry; one nobody uses and that holds no block gives way.
+  if (!ctx_.caches->DropDomain(model_namespace, /*only_if_empty=*/true, nullptr).ok()) return admitted;
+  log::Info("control", "cache domain '{}' had no session and no block: replaced by pid {}'s '{}'", model_namespace,
             peer.pid, model_namespace);
-  return ctx_.cache->Admit(model_namespace, geometry, peer.uid);
+  return ctx_.caches->Admit(model_namespace, geometry, peer.uid, in_use);
+}
+
+uint64_t ControlService::IdleSeconds(const CacheSet::Domain& domain) const {
+  if (ctx_.sessions->CountIn(domain.model_namespace) != 0) return 0;
+  int64_t since = domain.created_ms;
+  if (const std::optional<int64_t> ended = ctx_.sessions->LastEndedMs(domain.model_namespace)) {
+    since = std::max(since, *ended);
+  }
+  return static_cast<uint64_t>(std::max<int64_t>(MonotonicMs() - since, 0) / 1000);
 }
 
 grpc::Status ControlService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
@@ -135,35 +160,16 @@ grpc::Status ControlService::Detach(grpc::ServerContext* context, const v1::Deta
       request->session_id(), std::span(reinterpret_cast<const uint8_t*>(token.data()), token.size()), admin));
 }
 
-grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v1::GetStatusRequest* /*request*/,
-                                       v1::GetStatusResponse* response) {
-  response->set_state(ServingStateName(ctx_.lifecycle->state()));
-  response->set_version(kVersion);
-  response->set_pid(static_cast<uint32_t>(getpid()));
-  response->set_uptime_s(static_cast<uint64_t>((MonotonicMs() - ctx_.started_ms) / 1000));
-  const CacheDomain::View view = ctx_.cache->Domain();
-  const Cache::Stats stats = ctx_.cache->GetStats();
-  auto* pool = response->mutable_pool();
+namespace {
+
+// One domain's pool, index and counters (GetStatus fills the totals by adding these up).
+void FillPool(const CacheDomain::View& view, const Cache::Stats& stats, uint64_t budget_bytes, v1::PoolStatus* pool) {
   pool->set_block_bytes(view.block_bytes);
   pool->set_capacity_blocks(stats.capacity);
   pool->set_used_blocks(stats.used);
   pool->set_pinned_blocks(stats.pinned);
   pool->set_backing(stats.backing);
-  pool->set_budget_bytes(view.budget_bytes);
-  response->mutable_index()->set_blocks(stats.blocks);
-  response->set_sessions(static_cast<uint32_t>(ctx_.sessions->Count()));
-  const CacheCounters& c = ctx_.cache->counters();
-  auto* counters = response->mutable_counters();
-  counters->set_match_requests(c.match_requests.load());
-  counters->set_match_blocks(c.match_blocks.load());
-  counters->set_hit_blocks(c.hit_blocks.load());
-  counters->set_load_blocks(c.load_blocks.load());
-  counters->set_store_blocks(c.store_blocks.load());
-  counters->set_evicted_blocks(stats.evicted);
-  counters->set_bytes_loaded(c.bytes_loaded.load());
-  counters->set_bytes_stored(c.bytes_stored.load());
-  counters->set_errors(errors() + ctx_.data_plane->errors());
-  counters->set_data_loss_blocks(c.data_loss_blocks.load());
+  pool->set_budget_bytes(budget_bytes);
   pool->set_unverified_blocks(stats.unverified);
   for (const Cache::ComponentStats& cs : stats.components) {
     v1::ComponentPoolStatus* out = pool->add_components();
@@ -175,13 +181,73 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
     out->set_evicted(cs.evicted);
     out->set_unanchored(cs.unanchored);
   }
+}
+
+void FillCounters(const CounterValues& c, uint64_t evicted, v1::Counters* out) {
+  out->set_match_requests(c.match_requests);
+  out->set_match_blocks(c.match_blocks);
+  out->set_hit_blocks(c.hit_blocks);
+  out->set_load_blocks(c.load_blocks);
+  out->set_store_blocks(c.store_blocks);
+  out->set_evicted_blocks(evicted);
+  out->set_bytes_loaded(c.bytes_loaded);
+  out->set_bytes_stored(c.bytes_stored);
+  out->set_data_loss_blocks(c.data_loss_blocks);
+}
+
+}  // namespace
+
+grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v1::GetStatusRequest* /*request*/,
+                                       v1::GetStatusResponse* response) {
+  response->set_state(ServingStateName(ctx_.lifecycle->state()));
+  response->set_version(kVersion);
+  response->set_pid(static_cast<uint32_t>(getpid()));
+  response->set_uptime_s(static_cast<uint64_t>((MonotonicMs() - ctx_.started_ms) / 1000));
+  const std::vector<CacheSet::Domain> domains = ctx_.caches->Domains();
+  auto* pool = response->mutable_pool();
+  auto* counters = response->mutable_counters();
+  uint64_t blocks = 0, evicted = 0;
+  std::string backing;
+  for (const CacheSet::Domain& d : domains) {
+    const CacheDomain::View view = d.cache->Domain();
+    const Cache::Stats stats = d.cache->GetStats();
+    v1::DomainStatus* out = response->add_domains();
+    out->set_model_namespace(d.model_namespace);
+    ToProto(d.geometry, out->mutable_geometry());
+    FillPool(view, stats, d.budget_bytes, out->mutable_pool());
+    out->mutable_index()->set_blocks(stats.blocks);
+    FillCounters(d.counters, stats.evicted, out->mutable_counters());
+    out->set_sessions(static_cast<uint32_t>(ctx_.sessions->CountIn(d.model_namespace)));
+    out->set_idle_s(IdleSeconds(d));
+    out->set_limit_bytes(d.limit_bytes);
+    // The totals.
+    pool->set_capacity_blocks(pool->capacity_blocks() + stats.capacity);
+    pool->set_used_blocks(pool->used_blocks() + stats.used);
+    pool->set_pinned_blocks(pool->pinned_blocks() + stats.pinned);
+    pool->set_unverified_blocks(pool->unverified_blocks() + stats.unverified);
+    blocks += stats.blocks;
+    backing += (backing.empty() ? "" : ", ") + stats.backing;
+    evicted += stats.evicted;
+  }
+  // Every request since start, those of dropped domains included, as before several domains existed.
+  FillCounters(ctx_.caches->TotalCounters(), evicted, counters);
+  if (domains.size() == 1) {
+    // One domain: the top-level fields are its own, as before several domains existed.
+    const CacheDomain::View view = domains[0].cache->Domain();
+    FillPool(view, domains[0].cache->GetStats(), ctx_.caches->budget_bytes(), pool);
+    response->set_model_namespace(domains[0].model_namespace);
+    ToProto(domains[0].geometry, response->mutable_geometry());
+  }
+  pool->set_backing(backing);
+  pool->set_budget_bytes(ctx_.caches->budget_bytes());
+  response->mutable_index()->set_blocks(blocks);
+  response->set_sessions(static_cast<uint32_t>(ctx_.sessions->Count()));
+  counters->set_errors(errors() + ctx_.data_plane->errors());
   for (const EngineMemoryBackend* backend : ctx_.backends->List()) {
     auto* out = response->add_backends();
     out->set_name(std::string(backend->name()));
     for (const std::string& device : backend->devices()) out->add_devices(device);
   }
-  response->set_model_namespace(view.model_namespace);
-  if (view.geometry) ToProto(*view.geometry, response->mutable_geometry());
   return grpc::Status::OK;
 }
 
@@ -226,8 +292,16 @@ grpc::Status ControlService::Match(grpc::ServerContext* context, const v1::Match
   // The caller must be a reader itself: holding a reader's session token is not enough.
   const auto peer = ctx_.peers->Find(context->peer());
   if (!peer) return Answer(Status::Internal("cannot identify the calling process (no peer credentials)"));
-  Status readable = ctx_.access->CheckReader(ctx_.cache->Domain().model_namespace, *peer, IsAdmin(peer));
+  // The session's own domain, and its namespace's readers: a session never sees another domain's blocks.
+  Result<std::string> model_namespace = ctx_.sessions->NamespaceOf(request->session_id());
+  if (!model_namespace.ok()) return Answer(model_namespace.status());
+  Status readable = ctx_.access->CheckReader(*model_namespace, *peer, IsAdmin(peer));
   if (!readable.ok()) return Answer(readable);
+  Cache* cache = ctx_.caches->Find(*model_namespace);
+  if (cache == nullptr) {
+    return Answer(Status::FailedPrecondition(fmt::format(
+        "the cache domain '{}' this session attached to was dropped by an admin; Attach again", *model_namespace)));
+  }
   const std::string& raw = request->keys();
   if (raw.empty() || raw.size() % sizeof(BlockKey) != 0 || raw.size() / sizeof(BlockKey) > 65536) {
     return Answer(Status::InvalidArgument(
@@ -235,8 +309,8 @@ grpc::Status ControlService::Match(grpc::ServerContext* context, const v1::Match
   }
   std::vector<BlockKey> keys(raw.size() / sizeof(BlockKey));
   std::memcpy(keys.data(), raw.data(), raw.size());
-  const size_t hit = ctx_.cache->Match(keys, /*pin=*/false, nullptr);
-  auto& counters = ctx_.cache->counters();
+  const size_t hit = cache->Match(keys, /*pin=*/false, nullptr);
+  auto& counters = cache->counters();
   counters.match_requests.fetch_add(1, std::memory_order_relaxed);
   counters.match_blocks.fetch_add(keys.size(), std::memory_order_relaxed);
   counters.hit_blocks.fetch_add(hit, std::memory_order_relaxed);
@@ -342,24 +416,56 @@ grpc::Status ControlService::Drain(grpc::ServerContext* context, const v1::Drain
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::DropDomain(grpc::ServerContext* context, const v1::DropDomainRequest* /*request*/,
+grpc::Status ControlService::DropDomain(grpc::ServerContext* context, const v1::DropDomainRequest* request,
                                         v1::DropDomainResponse* response) {
   Status allowed = RequireAdmin(context, "DropDomain");
   if (!allowed.ok()) return Answer(allowed);
+  if (!request->model_namespace().empty()) {  // it goes into messages: no control characters
+    Status name_ok = CheckName("model_namespace", request->model_namespace(), 256);
+    if (!name_ok.ok()) return Answer(name_ok);
+  }
   MutexLock lock(&domain_mu_);
-  if (const size_t n = ctx_.sessions->Count(); n != 0) {
+  const std::vector<CacheSet::Domain> domains = ctx_.caches->Domains();
+  std::string names;
+  for (const CacheSet::Domain& d : domains) {
+    names += fmt::format("{}'{}'", names.empty() ? "" : ", ", d.model_namespace);
+  }
+  const CacheSet::Domain* target = nullptr;
+  if (request->model_namespace().empty()) {
+    if (domains.empty()) return Answer(Status::NotFound("no cache domain is set; the first Attach fixes one"));
+    if (domains.size() > 1) {
+      return Answer(Status::InvalidArgument(fmt::format(
+          "model_namespace is empty but there are {} cache domains ({}); expected the namespace of the one to drop",
+          domains.size(), names)));
+    }
+    target = &domains[0];
+  } else {
+    for (const CacheSet::Domain& d : domains) {
+      if (d.model_namespace == request->model_namespace()) target = &d;
+    }
+    if (target == nullptr) {
+      return Answer(Status::NotFound(fmt::format("no cache domain has namespace '{}'; the domains are: {}",
+                                                 request->model_namespace(), names.empty() ? "none" : names)));
+    }
+  }
+  const std::string& name = target->model_namespace;
+  if (const size_t n = ctx_.sessions->CountIn(name); n != 0) {
     return Answer(Status::FailedPrecondition(fmt::format(
-        "{} session(s) are attached; expected none: their engines must detach first (flexkvctl sessions lists them)",
-        n)));
+        "{} session(s) are attached to the domain '{}'; expected none: their engines must detach first (flexkvctl "
+        "sessions lists them)",
+        n, name)));
   }
-  if (const uint64_t n = ctx_.lifecycle->inflight(); n != 0) {
-    return Answer(Status::FailedPrecondition(fmt::format("{} request(s) are still in flight; retry in a moment", n)));
+  if (const uint64_t idle = IdleSeconds(*target); idle < request->min_idle_s()) {
+    return Answer(Status::FailedPrecondition(fmt::format(
+        "the domain '{}' had a session {} s ago; expected at least min_idle_s {} s without one", name, idle,
+        request->min_idle_s())));
   }
-  const CacheDomain::View old = ctx_.cache->Domain();
   uint64_t dropped = 0;
-  Status st = ctx_.cache->DropDomain(/*only_if_empty=*/false, &dropped);
+  // Pinned or reserved blocks (a load or store of its sessions still finishing) refuse it, naming them; the
+  // other domains' sessions go on meanwhile.
+  Status st = ctx_.caches->DropDomain(name, /*only_if_empty=*/false, &dropped);
   if (!st.ok()) return Answer(st);
-  response->set_model_namespace(old.model_namespace);
+  response->set_model_namespace(name);
   response->set_dropped_blocks(dropped);
   return grpc::Status::OK;
 }
@@ -377,15 +483,42 @@ grpc::Status ControlService::Scrub(grpc::ServerContext* context, const v1::Scrub
                                    v1::ScrubResponse* response) {
   Status allowed = RequireAdmin(context, "Scrub");
   if (!allowed.ok()) return Answer(allowed);
-  if (ctx_.verifier == nullptr) return Answer(Status::Unimplemented("this daemon has no block verifier"));
   ScrubOptions options;
   options.max_bytes_per_s = request->max_bytes_per_s();
   options.cancelled = [context] { return context->IsCancelled(); };
-  log::Info("control", "Scrub requested{}", options.max_bytes_per_s == 0
-                                                ? std::string()
-                                                : fmt::format(" at most {}/s", FormatByteSize(options.max_bytes_per_s)));
-  Result<ScrubReport> report = ctx_.verifier->Scrub(options);
-  if (!report.ok()) return Answer(report.status());
+  const std::string& name = request->model_namespace();
+  if (!name.empty()) {  // it goes into the log and messages: no control characters
+    Status name_ok = CheckName("model_namespace", name, 256);
+    if (!name_ok.ok()) return Answer(name_ok);
+  }
+  log::Info("control", "Scrub requested{}{}", name.empty() ? std::string() : fmt::format(" of domain '{}'", name),
+            options.max_bytes_per_s == 0 ? std::string()
+                                         : fmt::format(" at most {}/s", FormatByteSize(options.max_bytes_per_s)));
+  std::vector<size_t> slots;
+  std::string names;
+  for (const CacheSet::Domain& d : ctx_.caches->Domains()) {
+    names += fmt::format("{}'{}'", names.empty() ? "" : ", ", d.model_namespace);
+    if (name.empty() || d.model_namespace == name) slots.push_back(d.slot);
+  }
+  if (!name.empty() && slots.empty()) {
+    return Answer(Status::NotFound(fmt::format("no cache domain has namespace '{}'; the domains are: {}", name,
+                                               names.empty() ? "none" : names)));
+  }
+  if (slots.empty()) slots.push_back(0);  // no domain: the verifier says there is nothing to scrub
+  Result<ScrubReport> report = ScrubReport{};
+  for (size_t slot : slots) {
+    Result<ScrubReport> one = ctx_.caches->verifier(slot).Scrub(options);
+    if (!one.ok()) {
+      // A domain dropped since the list was taken has nothing left to check.
+      if (slots.size() > 1 && one.status().code() == StatusCode::kFailedPrecondition) continue;
+      return Answer(one.status());
+    }
+    report->checked_blocks += one->checked_blocks;
+    report->failed_blocks += one->failed_blocks;
+    report->dropped_blocks += one->dropped_blocks;
+    report->bytes += one->bytes;
+    report->seconds += one->seconds;
+  }
   response->set_checked_blocks(report->checked_blocks);
   response->set_failed_blocks(report->failed_blocks);
   response->set_dropped_blocks(report->dropped_blocks);

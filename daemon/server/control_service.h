@@ -11,8 +11,8 @@
 #include <span>
 
 #include "common/log.h"
-#include "daemon/cache/block_verifier.h"
 #include "daemon/cache/cache.h"
+#include "daemon/cache/cache_set.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
 #include "daemon/metrics/daemon_metrics.h"
@@ -27,7 +27,7 @@ namespace flexkv {
 
 // The daemon's parts the control plane answers from. All outlive the service.
 struct ControlContext {
-  Cache* cache;
+  CacheSet* caches;  // the cache domains, each with its verifier (Scrub)
   DataPlane* data_plane;
   const EngineMemoryBackends* backends;  // what Status lists
   SessionRegistry* sessions;
@@ -38,7 +38,6 @@ struct ControlContext {
   ErrorCounts* errors;  // where the service counts its answers with an error, by code
   const DaemonMetrics* metrics;  // what GetMetrics renders
   const NamespaceAccess* access;  // who may read and write a namespace, checked at Attach and Match
-  BlockVerifier* verifier = nullptr;  // runs Scrub
 };
 
 class ControlService final : public v1::Control::Service {
@@ -81,13 +80,16 @@ class ControlService final : public v1::Control::Service {
   Status TakeVmmFds(uint64_t session_id, std::span<const uint8_t> token, const v1::CudaKvMemory& cuda,
                     std::map<uint32_t, std::shared_ptr<UniqueFd>>* fds);
   grpc::Status Answer(const Status& status);
-  // Cache::Admit, replacing a domain that has no session and no block when the caller's differs.
-  Status AdmitLocked(const std::string& model_namespace, const Geometry& geometry, const PeerCredentials& peer)
+  // CacheSet::Admit, replacing a domain that has no session and no block when the caller's needs its room or its
+  // namespace with another geometry (or, without a config ACL, another creator uid).
+  Result<Cache*> AdmitLocked(const std::string& model_namespace, const Geometry& geometry, const PeerCredentials& peer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(domain_mu_);
+  // Seconds since the last session of the domain ended or it was created; 0 while one is attached.
+  uint64_t IdleSeconds(const CacheSet::Domain& domain) const;
 
   ControlContext ctx_;
   // Serializes an Attach's admission and session opening with DropDomain: a domain is dropped only while no
-  // session exists, and none can appear halfway.
+  // session of it exists, and none can appear halfway.
   Mutex domain_mu_;
   log::RateLimited access_refusal_log_;  // Attach refused by a namespace's readers
 };

@@ -239,7 +239,7 @@ void SessionRegistry::AdoptChannel(UniqueFd fd, const PeerCredentials& peer) {
   }
   std::vector<UniqueFd> fds;
   if (on_channel_open_) {
-    auto opened = on_channel_open_(s.id, s.identity.geometry, s.access);
+    auto opened = on_channel_open_(s.id, s.identity, s.access);
     if (!opened.ok()) {
       ReplyHello(fd.get(), opened.status().code(), opened.status().message());
       return;
@@ -262,6 +262,7 @@ void SessionRegistry::End(uint64_t session_id, const std::string& reason) {
     if (it == sessions_.end()) return;
     gone = std::move(it->second);
     sessions_.erase(it);
+    last_ended_ms_[gone->identity.model_namespace] = MonotonicMs();
   }
   // Closing the fds removes them from the epoll set.
   if (gone->channel) epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, gone->channel.get(), nullptr);
@@ -395,6 +396,27 @@ std::vector<SessionSnapshot> SessionRegistry::List() const {
 size_t SessionRegistry::Count() const {
   MutexLock lock(&mu_);
   return sessions_.size();
+}
+
+Result<std::string> SessionRegistry::NamespaceOf(uint64_t session_id) const {
+  MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return Status::NotFound(fmt::format("session {} is not attached", session_id));
+  return it->second->identity.model_namespace;
+}
+
+size_t SessionRegistry::CountIn(std::string_view model_namespace) const {
+  MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& [id, s] : sessions_) n += s->identity.model_namespace == model_namespace ? 1 : 0;
+  return n;
+}
+
+std::optional<int64_t> SessionRegistry::LastEndedMs(std::string_view model_namespace) const {
+  MutexLock lock(&mu_);
+  auto it = last_ended_ms_.find(model_namespace);
+  if (it == last_ended_ms_.end()) return std::nullopt;
+  return it->second;
 }
 
 }  // namespace flexkv

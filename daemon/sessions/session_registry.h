@@ -11,8 +11,10 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -71,11 +73,11 @@ class SessionRegistry {
   SessionRegistry& operator=(const SessionRegistry&) = delete;
 
   void SetEndCallback(EndCallback cb);
-  // Runs when a session's channel is accepted, before the hello is answered, with what Open granted; returns the
-  // fds that ride on the reply (the data plane's ring memfd and doorbell). An error refuses the channel with that
-  // status.
-  using ChannelOpenCallback =
-      std::function<Result<std::vector<UniqueFd>>(uint64_t session_id, const Geometry&, const SessionAccess&)>;
+  // Runs when a session's channel is accepted, before the hello is answered, with what Open granted (the identity
+  // names the session's namespace, hence its cache domain, and geometry); returns the fds that ride on the reply
+  // (the data plane's ring memfd and doorbell). An error refuses the channel with that status.
+  using ChannelOpenCallback = std::function<Result<std::vector<UniqueFd>>(
+      uint64_t session_id, const SessionIdentity& identity, const SessionAccess& access)>;
   void SetChannelOpenCallback(ChannelOpenCallback cb);
   Status Start();
   // Stops the reaper and ends every session (reason "daemon stopping"). Idempotent.
@@ -107,6 +109,12 @@ class SessionRegistry {
 
   std::vector<SessionSnapshot> List() const;
   size_t Count() const;
+  // The namespace a session attached in; NOT_FOUND for an unknown id.
+  Result<std::string> NamespaceOf(uint64_t session_id) const;
+  // Sessions of `model_namespace` (attached, or still opening their channel).
+  size_t CountIn(std::string_view model_namespace) const;
+  // When the last session of `model_namespace` ended (monotonic ms), nullopt when none has ended since start.
+  std::optional<int64_t> LastEndedMs(std::string_view model_namespace) const;
   int64_t last_turn_ms() const { return last_turn_ms_.load(std::memory_order_relaxed); }
 
  private:
@@ -138,6 +146,7 @@ class SessionRegistry {
   mutable Mutex mu_;
   std::map<uint64_t, std::unique_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_);  // not reused across restarts
+  std::map<std::string, int64_t, std::less<>> last_ended_ms_ ABSL_GUARDED_BY(mu_);  // by namespace
   UniqueFd epoll_fd_;
   UniqueFd stop_fd_;
   std::thread reaper_;

@@ -78,12 +78,15 @@ class EngineMemoryBackend {
   // Devices it copies with (GPU UUIDs); empty for host memory.
   virtual std::vector<std::string> devices() const { return {}; }
 
-  // The pool exists (created or re-attached): make it reachable by this backend's copies (e.g. register it for
-  // DMA). Called once, before any copy. An error is kept by EngineMemoryBackends and refuses later registrations.
+  // A pool region exists (a cache domain's pool, created or re-attached): make it reachable by this backend's
+  // copies (e.g. register it for DMA). Called once per region - several pools (one per cache domain) may be
+  // registered at once - before any copy of it. An error is kept by EngineMemoryBackends and refuses later
+  // registrations of sessions whose pool it concerns.
   virtual Status RegisterPool(const PoolRegion& pool) = 0;
-  // The pool is about to be unmapped (an admin dropped the cache domain): undo RegisterPool. Called only when no
-  // session exists and no copy is in flight; a later RegisterPool may follow with another pool.
-  virtual void UnregisterPool() {}
+  // The region is about to be unmapped (an admin dropped its cache domain): undo exactly what RegisterPool(`pool`)
+  // did (the region is identified by pool.base). Called only when no session of that domain exists and none of its
+  // copies is in flight; copies of other regions may run meanwhile.
+  virtual void UnregisterPool(const PoolRegion& /*pool*/) {}
   // Opens a registration whose memory kinds this backend declared, for a session of `geometry`. Errors name the
   // field that is wrong and what was expected. Thread-safe.
   virtual Result<std::shared_ptr<EngineKv>> Open(KvRegistration registration, const Geometry& geometry) = 0;

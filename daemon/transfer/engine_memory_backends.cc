@@ -9,15 +9,21 @@ namespace flexkv {
 
 void EngineMemoryBackends::Add(std::unique_ptr<EngineMemoryBackend> backend) {
   MutexLock lock(&mu_);
-  entries_.push_back(Entry{std::move(backend), false, Status::Ok()});
+  entries_.push_back(Entry{std::move(backend), {}});
 }
 
-Result<EngineMemoryBackend*> EngineMemoryBackends::Select(std::span<const MemoryKind> kinds) const {
+Result<EngineMemoryBackend*> EngineMemoryBackends::Select(std::span<const MemoryKind> kinds,
+                                                          const uint8_t* pool_base) const {
   MutexLock lock(&mu_);
   for (const Entry& e : entries_) {
     const EngineMemoryCapabilities& caps = e.backend->capabilities();
     if (!std::all_of(kinds.begin(), kinds.end(), [&](MemoryKind k) { return caps.Serves(k); })) continue;
-    if (!e.pool_status.ok()) return e.pool_status;
+    for (const auto& [base, registered] : e.pools) {
+      const auto& [region, status] = registered;
+      const bool concerns =
+          pool_base == nullptr || (pool_base >= region.base && pool_base < region.base + region.bytes);
+      if (concerns && !status.ok()) return status;
+    }
     return e.backend.get();
   }
   std::string wanted, running;
@@ -38,23 +44,23 @@ Result<EngineMemoryBackend*> EngineMemoryBackends::Select(std::span<const Memory
 void EngineMemoryBackends::RegisterPool(const PoolRegion& pool) {
   MutexLock lock(&mu_);
   for (Entry& e : entries_) {
-    if (e.pool_registered) continue;
-    e.pool_registered = true;
-    e.pool_status = e.backend->RegisterPool(pool);
-    if (!e.pool_status.ok()) {
-      log::Warning("transfer", "{}; sessions of the {} backend will be refused", e.pool_status.message(),
-                   e.backend->name());
+    if (e.pools.contains(pool.base)) continue;
+    Status status = e.backend->RegisterPool(pool);
+    if (!status.ok()) {
+      log::Warning("transfer", "{}; sessions of the {} backend using the pool at {} will be refused", status.message(),
+                   e.backend->name(), static_cast<const void*>(pool.base));
     }
+    e.pools.emplace(pool.base, std::make_pair(pool, std::move(status)));
   }
 }
 
-void EngineMemoryBackends::UnregisterPool() {
+void EngineMemoryBackends::UnregisterPool(const PoolRegion& pool) {
   MutexLock lock(&mu_);
   for (Entry& e : entries_) {
-    if (!e.pool_registered) continue;
-    if (e.pool_status.ok()) e.backend->UnregisterPool();
-    e.pool_registered = false;
-    e.pool_status = Status::Ok();
+    auto it = e.pools.find(pool.base);
+    if (it == e.pools.end()) continue;
+    if (it->second.second.ok()) e.backend->UnregisterPool(it->second.first);
+    e.pools.erase(it);
   }
 }
 

@@ -2,6 +2,7 @@
 // declared. Filled at startup (daemon/daemon.cc: one Add line per backend), then read by the data plane.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
@@ -25,14 +26,16 @@ class EngineMemoryBackends {
   void Add(std::unique_ptr<EngineMemoryBackend> backend);
 
   // The first backend that declared every kind in `kinds`. FAILED_PRECONDITION naming the kinds and what each
-  // backend serves when none does. A backend whose RegisterPool failed answers that error instead. Thread-safe.
-  Result<EngineMemoryBackend*> Select(std::span<const MemoryKind> kinds) const;
+  // backend serves when none does. A backend whose RegisterPool failed for the region holding `pool_base` (the
+  // session's domain's pool; null: for any region) answers that error instead. Thread-safe.
+  Result<EngineMemoryBackend*> Select(std::span<const MemoryKind> kinds, const uint8_t* pool_base = nullptr) const;
 
-  // The pool announced itself: every backend registers it, once. A failure is logged and kept (Select answers
-  // it for that backend). Thread-safe.
+  // A pool region announced itself: every backend registers it, once per region (by its base). A failure is
+  // logged and kept (Select answers it for that backend and that region). Thread-safe.
   void RegisterPool(const PoolRegion& pool);
-  // The pool goes (see EngineMemoryBackend::UnregisterPool): every backend forgets it, and registers the next one.
-  void UnregisterPool();
+  // The region goes (see EngineMemoryBackend::UnregisterPool): every backend that registered it undoes exactly
+  // that registration; other regions stay registered.
+  void UnregisterPool(const PoolRegion& pool);
 
   // In the order they were added.
   std::vector<const EngineMemoryBackend*> List() const;
@@ -40,8 +43,8 @@ class EngineMemoryBackends {
  private:
   struct Entry {
     std::unique_ptr<EngineMemoryBackend> backend;
-    bool pool_registered = false;
-    Status pool_status;
+    // Each registered region by its base: the region and how its RegisterPool went.
+    std::map<const uint8_t*, std::pair<PoolRegion, Status>> pools;
   };
   mutable Mutex mu_;
   std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);

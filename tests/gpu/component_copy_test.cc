@@ -342,3 +342,34 @@ TEST_CASE("CUDA backend refuses a copy whose sub-pool, slot or block lies outsid
     RequireSame(sub.SlotData(2) + l * state.chunk_bytes_per_rank(), engine.Chunk(l, 0, 1), state.chunk_bytes_per_rank(),
                 "the stored snapshot, layer " + std::to_string(l));
 }
+
+TEST_CASE("CUDA backend serves several registered pools and unregisters exactly the one dropped", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  auto rng = Rng();
+  const flexkv::Geometry model = flexkv::Qwen3Next80B();
+  const flexkv::Geometry state = model.Component(1);
+  HybridPool a(model, {6, 3}), b(model, {6, 3});  // two cache domains' pools
+  auto backend = flexkv::CudaEngineMemory::Create(false, false);
+  REQUIRE(backend != nullptr);
+  EngineBuffers engine(state, 2);
+  engine.Randomize(rng);
+  auto kv = backend->Open(flexkv::KvRegistration{engine.Describe(backend->devices().at(0), 0)}, state);
+  INFO(kv.status().ToString());
+  REQUIRE(kv.ok());
+  REQUIRE(backend->RegisterPool(a.whole).ok());
+  REQUIRE(backend->RegisterPool(b.whole).ok());
+  REQUIRE(backend->RegisterPool(a.whole).ok());  // again: nothing more is registered
+  REQUIRE(RunCopy(*backend, Job(*kv, flexkv::CopyDirection::kToPool, a.subs[1], {0}, {1})).ok());
+  REQUIRE(RunCopy(*backend, Job(*kv, flexkv::CopyDirection::kToPool, b.subs[1], {1}, {2})).ok());
+
+  // Domain a is dropped: its region is unregistered, b's stays and keeps copying.
+  backend->UnregisterPool(a.whole);
+  CHECK(RunCopy(*backend, Job(*kv, flexkv::CopyDirection::kToPool, a.subs[1], {0}, {0})).code() ==
+        flexkv::StatusCode::kFailedPrecondition);
+  REQUIRE(RunCopy(*backend, Job(*kv, flexkv::CopyDirection::kFromPool, b.subs[1], {0}, {2})).ok());
+  backend->UnregisterPool(a.whole);  // not registered: nothing happens
+  REQUIRE(backend->RegisterPool(a.whole).ok());
+  REQUIRE(RunCopy(*backend, Job(*kv, flexkv::CopyDirection::kToPool, a.subs[1], {0}, {0})).ok());
+  backend->UnregisterPool(a.whole);
+  backend->UnregisterPool(b.whole);
+}

@@ -76,7 +76,8 @@ TEST_CASE("hybrid: a gpt-oss-like prefix stored by one process loads FULL, windo
   CHECK(s->counters.at("bytes_loaded") == 20ULL * 16 * 1024);
   auto metrics = (*observer)->GetMetrics();
   REQUIRE(metrics.ok());
-  CHECK_THAT(*metrics, Catch::Contains("flexkv_component_used_slots{component=\"1\",kind=\"sliding_window\"} 4"));
+  CHECK_THAT(*metrics, Catch::Contains("flexkv_component_used_slots{component=\"1\",kind=\"sliding_window\","
+                                       "namespace=\"test-model\"} 4"));
 }
 
 TEST_CASE("hybrid: a state missing at the longest end falls back to the last chunk boundary with a state",

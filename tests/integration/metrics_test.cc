@@ -157,12 +157,12 @@ TEST_CASE("metrics endpoint passes promtool and its histograms move when traffic
       CHECK(Sample(after, h + std::string("_bucket{op=\"") + op + "\",le=\"+Inf\"}") == 1);
     }
   }
-  CHECK(Sample(after, "flexkv_store_blocks_total") == 8);
-  CHECK(Sample(after, "flexkv_load_blocks_total") == 8);
-  CHECK(Sample(after, "flexkv_hit_blocks_total") == 8);
-  CHECK(Sample(after, "flexkv_store_bytes_total") > 0);
-  CHECK(Sample(after, "flexkv_pool_used_blocks") == 8);
-  CHECK(Sample(after, "flexkv_pool_capacity_blocks") > 0);
+  CHECK(Sample(after, R"(flexkv_store_blocks_total{namespace="test-model"})") == 8);
+  CHECK(Sample(after, R"(flexkv_load_blocks_total{namespace="test-model"})") == 8);
+  CHECK(Sample(after, R"(flexkv_hit_blocks_total{namespace="test-model"})") == 8);
+  CHECK(Sample(after, R"(flexkv_store_bytes_total{namespace="test-model"})") > 0);
+  CHECK(Sample(after, R"(flexkv_pool_used_blocks{namespace="test-model"})") == 8);
+  CHECK(Sample(after, R"(flexkv_pool_capacity_blocks{namespace="test-model"})") > 0);
   CHECK(Sample(after, R"(flexkv_control_errors_total{code="INVALID_ARGUMENT"})") == 1);
 
   // flexkvctl metrics: the same families over the control socket (without the HTTP server's own exposer_*).

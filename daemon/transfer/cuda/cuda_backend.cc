@@ -291,41 +291,41 @@ class CudaBackendImpl final : public CudaBackend {
 
   Status RegisterPool(uint8_t* base, uint64_t bytes) override {
     MutexLock lock(&mu_);
-    if (pool_base_ != nullptr) return Status::Ok();
+    if (pools_.contains(base)) return Status::Ok();
     if (base == nullptr || bytes == 0) {
       return Status::InvalidArgument(fmt::format("pool range [{}, +{}); expected a mapped, non-empty range",
                                                  static_cast<const void*>(base), bytes));
     }
     constexpr uint64_t kMaxChunk = 64ULL << 30;
+    RegisteredPool pool{bytes, {}};
     for (uint64_t off = 0; off < bytes; off += kMaxChunk) {
       const uint64_t n = std::min(kMaxChunk, bytes - off);
       const cudaError_t e = cudaHostRegister(base + off, n, cudaHostRegisterPortable | cudaHostRegisterMapped);
       if (e != cudaSuccess) {
-        for (const auto& [ptr, registered] : registered_) cudaHostUnregister(ptr);
-        registered_.clear();
+        for (uint8_t* chunk : pool.chunks) cudaHostUnregister(chunk);
         return CudaError(e, "cudaHostRegister(pool)", __FILE__, __LINE__);
       }
-      registered_.emplace_back(base + off, n);
+      pool.chunks.push_back(base + off);
     }
-    pool_base_ = base;
-    pool_bytes_ = bytes;
-    for (int d = 0; d < static_cast<int>(uuids_.size()); ++d) {
-      loads_.push_back(std::make_unique<DirectionWorker>(d, false, load_copy_engine_));
-      stores_.push_back(std::make_unique<DirectionWorker>(d, true, store_copy_engine_));
+    pools_.emplace(base, std::move(pool));
+    if (loads_.empty()) {  // the workers start with the first pool and stay (other pools' copies may be running)
+      for (int d = 0; d < static_cast<int>(uuids_.size()); ++d) {
+        loads_.push_back(std::make_unique<DirectionWorker>(d, false, load_copy_engine_));
+        stores_.push_back(std::make_unique<DirectionWorker>(d, true, store_copy_engine_));
+      }
     }
-    log::Info("cuda", "pool registered for DMA on {} GPU(s): {} bytes", uuids_.size(), bytes);
+    log::Info("cuda", "pool at {} registered for DMA on {} GPU(s): {} bytes", static_cast<const void*>(base),
+              uuids_.size(), bytes);
     return Status::Ok();
   }
 
-  void UnregisterPool() override {
+  void UnregisterPool(uint8_t* base) override {
     MutexLock lock(&mu_);
-    loads_.clear();  // joins the workers
-    stores_.clear();
-    for (const auto& [ptr, n] : registered_) cudaHostUnregister(ptr);
-    registered_.clear();
-    pool_base_ = nullptr;
-    pool_bytes_ = 0;
-    log::Info("cuda", "pool unregistered");
+    auto it = pools_.find(base);
+    if (it == pools_.end()) return;
+    for (uint8_t* chunk : it->second.chunks) cudaHostUnregister(chunk);
+    pools_.erase(it);
+    log::Info("cuda", "pool at {} unregistered", static_cast<const void*>(base));
   }
 
   Result<std::shared_ptr<GpuKv>> Open(const GpuKvDescription& d, const Geometry& g) override {
@@ -534,7 +534,7 @@ class CudaBackendImpl final : public CudaBackend {
     Status checked = Status::Ok();
     {
       MutexLock lock(&mu_);
-      if (pool_base_ == nullptr) {
+      if (pools_.empty()) {
         checked = Status::FailedPrecondition("the pool is not registered for DMA");
       } else {
         checked = CheckJob(*kv, pool, gpu_blocks, slots);
@@ -546,21 +546,24 @@ class CudaBackendImpl final : public CudaBackend {
                std::move(on_layer), std::move(done)});
   }
 
-  // A job's sub-pool lies inside the registered range and its slots hold a block of the registration's geometry;
-  // its slot ids are below the sub-pool's slots and its block ids below the registration's blocks. Nothing
-  // outside the registered pool and the registration's buffers is ever handed to the device.
+  // Whether [at, at + bytes) lies inside one registered region.
+  bool Registered(const uint8_t* at, uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = pools_.upper_bound(at);  // the region at or below `at` is the only one that can hold it
+    if (at == nullptr || it == pools_.begin()) return false;
+    --it;
+    const auto offset = static_cast<uint64_t>(at - it->first);
+    return offset <= it->second.bytes && bytes <= it->second.bytes - offset;
+  }
+
+  // Every slot the job copies lies inside a region registered for DMA (a pool is registered grant by grant, so
+  // one sub-pool may span several regions, and a slot beyond the active grants is in none), its slots hold a block
+  // of the registration's geometry, its slot ids are below the sub-pool's slots and its block ids below the
+  // registration's blocks. Nothing outside the registered pool and the registration's buffers is ever handed to
+  // the device.
   Status CheckJob(const GpuKv& kv, const PoolRegion& pool, const std::vector<uint32_t>& gpu_blocks,
                   const std::vector<uint32_t>& slots) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const uint64_t need = kv.geometry.host_block_bytes();
-    const auto begin = reinterpret_cast<uintptr_t>(pool.base), first = reinterpret_cast<uintptr_t>(pool_base_);
-    const uint64_t span = uint64_t{pool.slots} * pool.slot_bytes;
-    if (pool.base == nullptr || begin < first || begin - first > pool_bytes_ || span > pool_bytes_ - (begin - first) ||
-        (pool.slot_bytes != 0 && span / pool.slot_bytes != pool.slots)) {
-      return Status::FailedPrecondition(fmt::format(
-          "the copy's sub-pool [{}, +{} slots of {} bytes) is not inside the pool registered for DMA [{}, +{})",
-          static_cast<const void*>(pool.base), pool.slots, pool.slot_bytes, static_cast<const void*>(pool_base_),
-          pool_bytes_));
-    }
+    const auto begin = reinterpret_cast<uintptr_t>(pool.base);
     if (pool.slot_bytes < need || pool.slot_bytes % 16 != 0 || begin % 16 != 0) {
       return Status::FailedPrecondition(fmt::format(
           "the copy's sub-pool has {}-byte slots at {}; expected 16-byte aligned slots of at least the {} bytes of "
@@ -575,6 +578,12 @@ class CudaBackendImpl final : public CudaBackend {
       if (slots[i] >= pool.slots) {
         return Status::FailedPrecondition(
             fmt::format("slot {} (entry {}) is not below the sub-pool's {} slots", slots[i], i, pool.slots));
+      }
+      if (!Registered(pool.SlotData(slots[i]), pool.slot_bytes)) {
+        return Status::FailedPrecondition(fmt::format(
+            "slot {} (entry {}) of the sub-pool at {} ({} bytes each) is not inside a region registered for DMA ({} "
+            "registered)",
+            slots[i], i, static_cast<const void*>(pool.base), pool.slot_bytes, pools_.size()));
       }
       if (gpu_blocks[i] >= kv.description.num_blocks) {
         return Status::InvalidArgument(fmt::format("GPU block {} (entry {}) is not below the registration's {} blocks",
@@ -592,19 +601,24 @@ class CudaBackendImpl final : public CudaBackend {
   ~CudaBackendImpl() override {
     loads_.clear();  // joins the workers: no copy runs past this point
     stores_.clear();
-    for (const auto& [ptr, n] : registered_) cudaHostUnregister(ptr);
+    for (const auto& [base, pool] : pools_) {
+      for (uint8_t* chunk : pool.chunks) cudaHostUnregister(chunk);
+    }
   }
 
  private:
   std::vector<std::string> uuids_;
   Mutex mu_;
-  // The range RegisterPool registered (null: none); every job's sub-pool lies inside it.
-  const uint8_t* pool_base_ ABSL_GUARDED_BY(mu_) = nullptr;
-  uint64_t pool_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // A region RegisterPool registered: its size and the chunks cudaHostRegister took (what UnregisterPool undoes).
+  struct RegisteredPool {
+    uint64_t bytes = 0;
+    std::vector<uint8_t*> chunks;
+  };
+  // By base; every job's sub-pool lies inside one of them.
+  std::map<const uint8_t*, RegisteredPool> pools_ ABSL_GUARDED_BY(mu_);
   bool load_copy_engine_ = false;
   bool store_copy_engine_ = false;
   std::vector<std::unique_ptr<DirectionWorker>> loads_ ABSL_GUARDED_BY(mu_), stores_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::pair<uint8_t*, uint64_t>> registered_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

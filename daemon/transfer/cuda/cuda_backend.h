@@ -28,11 +28,13 @@ class CudaBackend {
   virtual ~CudaBackend() = default;
 
   virtual std::vector<std::string> DeviceUuids() const = 0;
-  // Registers [base, base+bytes) for DMA on every GPU (cudaHostRegister in chunks of at most 64 GiB): the pool
-  // file's whole data range, every component's sub-pool. A second call while registered does nothing.
+  // Registers [base, base+bytes) for DMA on every GPU (cudaHostRegister in chunks of at most 64 GiB): one pool
+  // file's whole data range, every component's sub-pool. Several regions (one per cache domain) may be registered
+  // at once; a second call for a registered base does nothing. On an error nothing of this region stays registered.
   virtual Status RegisterPool(uint8_t* base, uint64_t bytes) = 0;
-  // Joins the copy workers and unregisters the pool (no copy may be in flight); RegisterPool may follow.
-  virtual void UnregisterPool() = 0;
+  // Unregisters exactly the chunks RegisterPool(base, ...) registered (no copy of that region may be in flight;
+  // copies of other regions go on). Nothing for a base that is not registered.
+  virtual void UnregisterPool(uint8_t* base) = 0;
   // Opens a registration; validates sizes against the geometry and layout. For a hybrid model `geometry` is the
   // copy geometry of the registration's component (Geometry::Component): a state component's is one plane of
   // state_bytes_per_layer per layer and block (snapshot), sharded over TP like K/V.
@@ -40,8 +42,8 @@ class CudaBackend {
 
   // Copies blocks between one rank's GPU buffers and pool slots, asynchronously; `done` runs on a backend
   // thread once the bytes are in place (or with the error). `pool` is the sub-pool the slot ids index (its base,
-  // slot size and slot count: a hybrid model's components each have their own); it must lie inside the registered
-  // range with slots of at least the registration's block bytes, every slot id below pool.slots and every block
+  // slot size and slot count: a hybrid model's components each have their own); it must lie inside one registered
+  // region with slots of at least the registration's block bytes, every slot id below pool.slots and every block
   // id below the registration's blocks, else `done` runs at once, on the caller's thread, with
   // FAILED_PRECONDITION (the sub-pool, a slot) or INVALID_ARGUMENT (a block id), and nothing is copied.
   // `on_layer` (optional, loads) runs as each layer

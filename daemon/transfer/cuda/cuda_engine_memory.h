@@ -20,10 +20,11 @@ class CudaEngineMemory final : public EngineMemoryBackend {
   std::string_view name() const override { return "cuda"; }
   const EngineMemoryCapabilities& capabilities() const override { return capabilities_; }
   std::vector<std::string> devices() const override { return cuda_->DeviceUuids(); }
-  // Registers the pool for DMA on every GPU: `pool` spans the pool file's whole data range (every component's
-  // sub-pool); only its base and bytes are used. Each CopyJob's `pool` names the sub-pool of its component.
+  // Registers a pool for DMA on every GPU: `pool` spans one pool file's whole data range (every component's
+  // sub-pool); only its base and bytes are used. Each CopyJob's `pool` names the sub-pool of its component, inside
+  // one registered region.
   Status RegisterPool(const PoolRegion& pool) override;
-  void UnregisterPool() override { cuda_->UnregisterPool(); }
+  void UnregisterPool(const PoolRegion& pool) override { cuda_->UnregisterPool(pool.base); }
   // GpuKvDescription only: one TP rank's buffers.
   Result<std::shared_ptr<EngineKv>> Open(KvRegistration registration, const Geometry& geometry) override;
   void Copy(CopyJob job) override;

@@ -409,7 +409,8 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
   // One entry per chunk in (pair, layer, plane) order; an entry contiguous on both sides with the one before
   // it (BLOCKFIRST GPU layouts with one TP shard) is merged into it, unless that would cross from one layer's
   // allocation into another's (LAYERFIRST tensors that happen to be adjacent: a layer holding one block or state
-  // snapshot in a small cudaMalloc each).
+  // snapshot in a small cudaMalloc each) or from one pool slot into the next (the pool is registered for DMA grant
+  // by grant: neighbouring slots may lie in two registrations, which one copy must not span).
   const size_t chunks = static_cast<size_t>(count) * (layer_end - layer_begin) * gpu.num_planes;
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
@@ -418,6 +419,7 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
   srcs.reserve(chunks);
   sizes.reserve(chunks);
   uint32_t last_layer = ~0u;  // the layer of the last entry's chunks
+  uint32_t last_pair = ~0u;   // the (GPU block, slot) pair of the last entry's chunks
   for (uint32_t i = 0; i < count; ++i) {
     uint8_t* slot = pool.base + static_cast<uint64_t>(slots_host[i]) * pool.block_bytes;
     for (uint32_t l = layer_begin; l < layer_end; ++l) {
@@ -430,7 +432,8 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
         uint8_t* d = to_host ? h : g;
         const uint8_t* s = to_host ? g : h;
         const bool same_allocation = gpu.layers_in_one_allocation || last_layer == l;
-        if (same_allocation && !sizes.empty() && static_cast<uint8_t*>(dsts.back()) + sizes.back() == d &&
+        if (same_allocation && last_pair == i && !sizes.empty() &&
+            static_cast<uint8_t*>(dsts.back()) + sizes.back() == d &&
             static_cast<const uint8_t*>(srcs.back()) + sizes.back() == s) {
           sizes.back() += gpu.chunk_bytes;
         } else {
@@ -438,6 +441,7 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
           srcs.push_back(s);
           sizes.push_back(gpu.chunk_bytes);
           last_layer = l;
+          last_pair = i;
         }
       }
     }

@@ -99,3 +99,31 @@ TEST_CASE("a SIGBUS outside the pool still gets the default action (a core), not
   REQUIRE(WIFSIGNALED(status));
   CHECK(WTERMSIG(status) == SIGBUS);
 }
+
+TEST_CASE("every cache domain's pool is guarded: either of two pool files truncated is reported, and touching it "
+          "ends the process",
+          "[unit][regression]") {
+  TempDir dir;
+  const std::string first_path = dir.path + "/pool", second_path = dir.path + "/pool.1";
+  auto first = Pool::Create(first_path, "a", Small(), 192 * 10);
+  REQUIRE(first.ok());
+  auto second = Pool::Create(second_path, "b", Small(), 192 * 10);
+  REQUIRE(second.ok());
+  CHECK(flexkv::CheckWatchedPoolFile().ok());
+  REQUIRE(truncate(first_path.c_str(), 4096) == 0);  // the older watch is still checked
+  CHECK_THAT(flexkv::CheckWatchedPoolFile().message(), Catch::Contains("pool file " + first_path + " was truncated"));
+  uint8_t* last = (*first)->SlotData(9) + 191;
+  const std::string err = dir.path + "/stderr";
+  const int status = InChild(err, [last] { *static_cast<volatile uint8_t*>(last) = 1; });
+  const std::string log = ReadFile(err);
+  INFO("child's stderr: " << log);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == flexkv::kPoolLostExitCode);
+  CHECK_THAT(log, Catch::Contains("FATAL pool: pool file " + first_path + " was truncated"));
+  first->reset();  // dropped: only the second is checked now
+  CHECK(flexkv::CheckWatchedPoolFile().ok());
+  REQUIRE(truncate(second_path.c_str(), 4096) == 0);
+  CHECK_THAT(flexkv::CheckWatchedPoolFile().message(), Catch::Contains("pool file " + second_path + " was truncated"));
+  second->reset();
+  CHECK(flexkv::CheckWatchedPoolFile().ok());
+}

@@ -199,9 +199,19 @@ TEST_CASE("a bad namespace table in the config refuses to start, naming the file
         "a group name or gid");
   CHECK(message("[namespace.\"m\"]\nreaders = []\n") ==
         "line 1: [namespace.\"m\"] has no writers; expected writers = [...] (users, uids, \"group:<name>\"; [] for "
-        "admins only)");
+        "admins only) with readers");
+  CHECK(message("[namespace.\"m\"]\n") ==
+        "line 1: [namespace.\"m\"] has no writers; expected writers = [...] (users, uids, \"group:<name>\"; [] for "
+        "admins only), or a pool_size");
   CHECK(message("[namespace.\"m\"]\nwriters = []\nwriter = [\"daemon\"]\n") ==
-        "line 3: [namespace.\"m\"] writer is not a known key; expected writers or readers");
+        "line 3: [namespace.\"m\"] writer is not a known key; expected writers, readers or pool_size");
+  CHECK(message("[namespace.\"m\"]\npool_size = \"lots\"\n").starts_with("line 2: [namespace.\"m\"] pool_size: "));
+  CHECK(message("[namespace.\"m\"]\npool_size = 1024\n") ==
+        "line 2: [namespace.\"m\"] pool_size is 1024 bytes, below 1MiB; expected e.g. \"512MiB\" or \"8GiB\"");
+  CHECK(message("[namespace.\"m\"]\npool_size = -5\n") ==
+        "line 2: [namespace.\"m\"] pool_size is -5; expected a size like \"8GiB\" or bytes");
+  CHECK(message("[namespace.\"m\"]\npool_size = [1]\n") ==
+        "line 2: [namespace.\"m\"] pool_size is an array; expected a size like \"8GiB\" or a number of bytes");
   CHECK(message("namespace = 3\n") ==
         "line 1: namespace is an integer; expected tables [namespace.\"<name>\"] with writers and readers");
   CHECK(message("[namespace]\nm = 3\n") ==
@@ -210,6 +220,31 @@ TEST_CASE("a bad namespace table in the config refuses to start, naming the file
         "line 1: a [namespace.\"<name>\"] table's name: namespace has control character U+0001 at byte offset 1; "
         "expected printable UTF-8 text (no NUL, no U+0000..U+001F or U+007F..U+009F)");
   CHECK_THAT(message("[namespace.\"m\"]\nwriters = [\n"), Catch::StartsWith("line "));
+}
+
+TEST_CASE("a namespace's pool_size: with or without writers, as a size string or bytes, within the budget",
+          "[unit]") {
+  TomlFile f(
+      "pool-size = \"1GiB\"\n"
+      "[namespace.\"llama\"]\npool_size = \"256MiB\"\n"
+      "[namespace.\"gpt-oss\"]\nwriters = []\npool_size = 134217728\n"
+      "[namespace.\"qwen\"]\nwriters = []\n");
+  auto p = Parse({"--config", f.path, "--max-domains", "3"});
+  REQUIRE(p.config);
+  CHECK(p.config->max_domains == 3);
+  CHECK(p.config->namespace_pool_bytes.size() == 2);
+  CHECK(p.config->namespace_pool_bytes.at("llama") == (256u << 20));
+  CHECK(p.config->namespace_pool_bytes.at("gpt-oss") == (128u << 20));
+  // Without writers the namespace keeps the default access rule: no ACL.
+  CHECK_FALSE(p.config->namespace_acls.contains("llama"));
+  CHECK(p.config->namespace_acls.contains("gpt-oss"));
+  CHECK(p.config->namespace_acls.contains("qwen"));
+  CHECK(Parse({}).config->max_domains == 1);
+  CHECK(Parse({"--max-domains", "0"}).exit_code == 2);
+
+  TomlFile over("pool-size = \"512MiB\"\n[namespace.\"a\"]\npool_size = \"400MiB\"\n"
+                "[namespace.\"b\"]\npool_size = \"200MiB\"\n");
+  CHECK(Parse({"--config", over.path}).exit_code == 2);
 }
 
 TEST_CASE("the pin cap and the pin lease: defaults, keys, and values that make no sense", "[unit]") {

@@ -32,8 +32,10 @@ struct Outcome {
   std::vector<uint32_t> layers;
 };
 
-CopyRequest Request(FakeEngineMemory* backend, size_t targets, CopyDirection direction, Outcome* out) {
+CopyRequest Request(const flexkv::DramTier* tier, FakeEngineMemory* backend, size_t targets, CopyDirection direction,
+                    Outcome* out) {
   CopyRequest r;
+  r.tier = tier;
   r.backend = backend;
   for (size_t i = 0; i < targets; ++i) r.targets.push_back(std::make_shared<FakeKv>(16, static_cast<uint32_t>(i)));
   r.direction = direction;
@@ -61,10 +63,10 @@ struct Fixture {
 
 TEST_CASE("copy scheduler: every target gets the blocks - done runs once, with the earliest start", "[unit][dataplane]") {
   Fixture f;
-  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::CopyScheduler scheduler;
   FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
   Outcome out;
-  scheduler.Submit(Request(&backend, 3, CopyDirection::kToPool, &out));
+  scheduler.Submit(Request(&f.tier, &backend, 3, CopyDirection::kToPool, &out));
   REQUIRE(backend.jobs.size() == 3);
   for (const auto& job : backend.jobs) {
     CHECK(job.direction == CopyDirection::kToPool);
@@ -85,10 +87,10 @@ TEST_CASE("copy scheduler: every target gets the blocks - done runs once, with t
 
 TEST_CASE("copy scheduler: the first error is the answer", "[unit][dataplane]") {
   Fixture f;
-  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::CopyScheduler scheduler;
   FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
   Outcome out;
-  scheduler.Submit(Request(&backend, 3, CopyDirection::kFromPool, &out));
+  scheduler.Submit(Request(&f.tier, &backend, 3, CopyDirection::kFromPool, &out));
   backend.Finish(0, Status::Ok(), 1);
   backend.Finish(1, Status::Internal("rank 1 failed"), 1);
   backend.Finish(2, Status::DataLoss("rank 2 failed"), 1);
@@ -99,10 +101,10 @@ TEST_CASE("copy scheduler: the first error is the answer", "[unit][dataplane]") 
 
 TEST_CASE("copy scheduler: a layer-wise backend's layer is reported once every target has it", "[unit][dataplane]") {
   Fixture f;
-  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::CopyScheduler scheduler;
   FakeEngineMemory backend("fake", Caps({MemoryKind::kCudaIpc}, /*layerwise=*/true, /*per_tp_rank=*/true));
   Outcome out;
-  CopyRequest r = Request(&backend, 2, CopyDirection::kFromPool, &out);
+  CopyRequest r = Request(&f.tier, &backend, 2, CopyDirection::kFromPool, &out);
   r.layer_done = [&out](uint32_t layer) { out.layers.push_back(layer); };
   scheduler.Submit(std::move(r));
   REQUIRE(backend.jobs.size() == 2);
@@ -123,10 +125,10 @@ TEST_CASE("copy scheduler: a layer-wise backend's layer is reported once every t
 TEST_CASE("copy scheduler: without layer-wise copies every layer is reported when the copy is done, before done",
           "[unit][dataplane]") {
   Fixture f;
-  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::CopyScheduler scheduler;
   FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
   Outcome out;
-  CopyRequest r = Request(&backend, 1, CopyDirection::kFromPool, &out);
+  CopyRequest r = Request(&f.tier, &backend, 1, CopyDirection::kFromPool, &out);
   r.layer_done = [&out](uint32_t layer) {
     CHECK(out.done_calls == 0);
     out.layers.push_back(layer);
@@ -141,10 +143,10 @@ TEST_CASE("copy scheduler: without layer-wise copies every layer is reported whe
 
 TEST_CASE("copy scheduler: a failed copy reports no emulated layers", "[unit][dataplane]") {
   Fixture f;
-  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::CopyScheduler scheduler;
   FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
   Outcome out;
-  CopyRequest r = Request(&backend, 1, CopyDirection::kFromPool, &out);
+  CopyRequest r = Request(&f.tier, &backend, 1, CopyDirection::kFromPool, &out);
   r.layer_done = [&out](uint32_t layer) { out.layers.push_back(layer); };
   scheduler.Submit(std::move(r));
   backend.Finish(0, Status::Internal("boom"), 1);
@@ -155,12 +157,12 @@ TEST_CASE("copy scheduler: a failed copy reports no emulated layers", "[unit][da
 TEST_CASE("copy scheduler: a direction the backend did not declare is refused, and the backend never asked",
           "[unit][dataplane]") {
   Fixture f;
-  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::CopyScheduler scheduler;
   auto caps = Caps({MemoryKind::kHostMemfd});
   caps.from_pool = false;
   FakeEngineMemory backend("storeonly", caps);
   Outcome out;
-  scheduler.Submit(Request(&backend, 1, CopyDirection::kFromPool, &out));
+  scheduler.Submit(Request(&f.tier, &backend, 1, CopyDirection::kFromPool, &out));
   CHECK(backend.jobs.empty());
   REQUIRE(out.done_calls == 1);
   CHECK(out.status.code() == StatusCode::kFailedPrecondition);
@@ -172,28 +174,28 @@ TEST_CASE("copy scheduler: no targets or no pool is refused through done", "[uni
   FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
   {
     Fixture f;
-    flexkv::CopyScheduler scheduler(&f.tier);
+    flexkv::CopyScheduler scheduler;
     Outcome out;
-    scheduler.Submit(Request(&backend, 0, CopyDirection::kToPool, &out));
+    scheduler.Submit(Request(&f.tier, &backend, 0, CopyDirection::kToPool, &out));
     CHECK(out.status.code() == StatusCode::kFailedPrecondition);
     CHECK_THAT(out.status.message(), Catch::Contains("RegisterKv"));
   }
   TempCache empty;
   REQUIRE(empty.cache().RecoverPool(false).ok());
   flexkv::DramTier tier(&empty.cache());
-  flexkv::CopyScheduler scheduler(&tier);
+  flexkv::CopyScheduler scheduler;
   Outcome out;
-  scheduler.Submit(Request(&backend, 1, CopyDirection::kToPool, &out));
+  scheduler.Submit(Request(&tier, &backend, 1, CopyDirection::kToPool, &out));
   CHECK(out.status.code() == StatusCode::kFailedPrecondition);
   CHECK_THAT(out.status.message(), Catch::Contains("pool does not exist"));
 }
 
 TEST_CASE("copy scheduler: WaitIdle returns once the copies in flight are done", "[unit][dataplane]") {
   Fixture f;
-  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::CopyScheduler scheduler;
   FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
   Outcome out;
-  scheduler.Submit(Request(&backend, 1, CopyDirection::kToPool, &out));
+  scheduler.Submit(Request(&f.tier, &backend, 1, CopyDirection::kToPool, &out));
   std::thread finisher([&] { backend.Finish(0, Status::Ok(), 1); });
   scheduler.WaitIdle();
   finisher.join();
@@ -204,12 +206,12 @@ TEST_CASE("copy scheduler: WaitIdle returns once the copies in flight are done",
 TEST_CASE("copy scheduler: a store's checksums add up the TP parts' term sums of a backend with store_checksums",
           "[unit][dataplane][checksum]") {
   Fixture f;
-  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::CopyScheduler scheduler;
   flexkv::EngineMemoryCapabilities caps = Caps({MemoryKind::kCudaIpc}, false, /*per_tp_rank=*/true);
   caps.store_checksums = true;
   FakeEngineMemory backend("fake", caps);
   Outcome out;
-  CopyRequest r = Request(&backend, 2, CopyDirection::kToPool, &out);
+  CopyRequest r = Request(&f.tier, &backend, 2, CopyDirection::kToPool, &out);
   auto checksums = std::make_shared<std::vector<uint64_t>>();
   r.checksums = checksums;
   scheduler.Submit(std::move(r));
@@ -243,10 +245,10 @@ TEST_CASE("copy scheduler: a backend without store_checksums gets no term sums -
           "stored slots",
           "[unit][dataplane][checksum]") {
   Fixture f;
-  flexkv::CopyScheduler scheduler(&f.tier);
+  flexkv::CopyScheduler scheduler;
   FakeEngineMemory backend("fake", Caps({MemoryKind::kHostMemfd}));
   Outcome out;
-  CopyRequest r = Request(&backend, 1, CopyDirection::kToPool, &out);
+  CopyRequest r = Request(&f.tier, &backend, 1, CopyDirection::kToPool, &out);
   auto checksums = std::make_shared<std::vector<uint64_t>>();
   r.checksums = checksums;
   scheduler.Submit(std::move(r));
@@ -266,7 +268,7 @@ TEST_CASE("copy scheduler: a backend without store_checksums gets no term sums -
 
   SECTION("a failed store leaves them unset") {
     Outcome failed;
-    CopyRequest r2 = Request(&backend, 1, CopyDirection::kToPool, &failed);
+    CopyRequest r2 = Request(&f.tier, &backend, 1, CopyDirection::kToPool, &failed);
     auto none = std::make_shared<std::vector<uint64_t>>();
     r2.checksums = none;
     scheduler.Submit(std::move(r2));

@@ -125,7 +125,7 @@ class InProcessDaemon {
       : dir_(MakeDir()),
         cache_(pool_bytes, dir_ + "/pool"),
         backends_(HostOnly()),
-        data_plane_(&cache_, &lifecycle_, backends_.get(), Options()) {
+        data_plane_(&lifecycle_, backends_.get(), Options()) {
     cache_.SetPoolListener([this](const flexkv::PoolRegion& pool) { backends_->RegisterPool(pool); });
     REQUIRE(cache_.RecoverPool(/*discard=*/false).ok());
     REQUIRE(cache_.Admit(kNamespace, SmallGeometry()).ok());
@@ -173,8 +173,8 @@ class InProcessDaemon {
 // standing in for the session channel, and host KV buffers in a sealed memfd.
 class TestSession {
  public:
-  TestSession(flexkv::DataPlane& dp, uint64_t id) : dp_(dp), id_(id) {
-    auto fds = dp.OpenSession(id, SmallGeometry(), flexkv::SessionAccess{});
+  TestSession(flexkv::DataPlane& dp, flexkv::Cache* cache, uint64_t id) : dp_(dp), id_(id) {
+    auto fds = dp.OpenSession(id, cache, SmallGeometry(), flexkv::SessionAccess{});
     REQUIRE(fds.ok());
     REQUIRE(fds->size() == 2);
     int sv[2];
@@ -436,7 +436,7 @@ TEST_CASE("data plane: sessions store, match, load and release concurrently, tor
   constexpr int kSessions = 3, kThreadsPerSession = 2, kRounds = 400, kMinVictims = 8;
   std::vector<std::unique_ptr<TestSession>> sessions;
   for (int i = 0; i < kSessions; ++i) {
-    sessions.push_back(std::make_unique<TestSession>(dp, 1 + i));
+    sessions.push_back(std::make_unique<TestSession>(dp, &daemon.cache(), 1 + i));
     REQUIRE(sessions.back()->RegisterKv().ok());
   }
   // Registering twice is refused, also while other sessions work.
@@ -456,7 +456,7 @@ TEST_CASE("data plane: sessions store, match, load and release concurrently, tor
 
   // Meanwhile, sessions come, register, work and are ended under load, for as long as the clients run.
   for (int v = 0; v < kMinVictims || clients_done.load() < kSessions * kThreadsPerSession; ++v) {
-    TestSession victim(dp, 100 + v);
+    TestSession victim(dp, &daemon.cache(), 100 + v);
     VictimSignals signals;
     std::thread burst(VictimBurst, std::ref(victim), static_cast<uint64_t>(v), std::ref(signals), std::ref(failures),
                       std::ref(tally));

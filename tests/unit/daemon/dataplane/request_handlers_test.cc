@@ -38,8 +38,9 @@ constexpr uint64_t kIdsOffset = 4096;
 // when the test finishes them).
 class FakeSession final : public flexkv::RequestSession {
  public:
-  explicit FakeSession(uint64_t pool_generation, Status store_access = Status::Ok())
-      : RequestSession(1, SmallGeometry(), pool_generation, std::move(store_access)) {}
+  FakeSession(flexkv::Cache* cache, const flexkv::DramTier* tier, uint64_t pool_generation,
+              Status store_access = Status::Ok())
+      : RequestSession(1, SmallGeometry(), cache, tier, pool_generation, std::move(store_access)) {}
   void Post(const CompletionDescriptor& c) override { posted.push_back(c); }
   bool ended() const override { return ended_; }
   std::vector<CompletionDescriptor> posted;
@@ -50,7 +51,7 @@ struct Harness {
   explicit Harness(Status store_access = Status::Ok()) {
     REQUIRE(cache.cache().RecoverPool(false).ok());
     REQUIRE(cache.cache().Admit("ns", SmallGeometry()).ok());
-    session = std::make_shared<FakeSession>(cache.cache().generation(), std::move(store_access));
+    session = std::make_shared<FakeSession>(&cache.cache(), &tier, cache.cache().generation(), std::move(store_access));
     auto fake = std::make_unique<FakeEngineMemory>("fake", Caps({MemoryKind::kHostMemfd}));
     backend = fake.get();
     backends.Add(std::move(fake));
@@ -80,11 +81,11 @@ struct Harness {
   TempCache cache;
   flexkv::Lifecycle lifecycle;
   flexkv::DramTier tier{&cache.cache()};
-  flexkv::CopyScheduler copies{&tier};
+  flexkv::CopyScheduler copies;
   flexkv::RequestMetrics metrics;
   flexkv::EngineMemoryBackends backends;
   FakeEngineMemory* backend = nullptr;
-  flexkv::RequestHandlers handlers{&cache.cache(), &lifecycle, &copies, &metrics, 1024};
+  flexkv::RequestHandlers handlers{&lifecycle, &copies, &metrics, 1024};
   flexkv::RequestHandlers* active = &handlers;  // the handlers Submit goes to
   std::shared_ptr<FakeSession> session;
   std::vector<uint8_t> arena = std::vector<uint8_t>(8192);
@@ -220,9 +221,9 @@ TEST_CASE("request handlers: a Match with pin beyond the session's pin cap pins 
   Harness h;
   const uint32_t capacity = h.cache.cache().capacity_slots();
   REQUIRE(capacity >= 8);
-  flexkv::RequestHandlers capped{&h.cache.cache(), &h.lifecycle, &h.copies, &h.metrics, 1024,
+  flexkv::RequestHandlers capped{&h.lifecycle, &h.copies, &h.metrics, 1024,
                                  flexkv::PinPolicy{3.5 / capacity, 10000}};
-  REQUIRE(capped.SessionPinCap() == 3);
+  REQUIRE(capped.SessionPinCap(*h.session) == 3);
   h.active = &capped;
   h.Submit(RingOp::kStore, 0, Keys(4), {1, 2, 3, 4});
   h.backend->Finish(0, Status::Ok(), flexkv::NowNs());

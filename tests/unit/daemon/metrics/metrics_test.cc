@@ -11,6 +11,7 @@
 
 #include "common/ring_layout.h"
 #include "daemon/cache/cache.h"
+#include "daemon/cache/cache_set.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
 #include "daemon/metrics/daemon_metrics.h"
@@ -212,13 +213,13 @@ TEST_CASE("metrics listen address: a bad value names the flag, the value and the
 }
 
 TEST_CASE("docs/operations.md lists exactly the metrics flexkvd exports, with their types", "[unit]") {
-  flexkv::Cache cache(64 << 20, "/nonexistent/pool");
+  flexkv::CacheSet caches({.budget_bytes = 64 << 20, .pool_path = "/nonexistent/pool"});
   flexkv::Lifecycle lifecycle;
   flexkv::EngineMemoryBackends backends;
-  flexkv::DataPlane data_plane(&cache, &lifecycle, &backends, {});
+  flexkv::DataPlane data_plane(&lifecycle, &backends, {});
   flexkv::SessionRegistry sessions(1000);
   ErrorCounts control_errors;
-  flexkv::DaemonMetrics metrics({&cache, &data_plane, &sessions, &lifecycle, &control_errors});
+  flexkv::DaemonMetrics metrics({&caches, &data_plane, &sessions, &lifecycle, &control_errors});
 
   std::map<std::string, std::string> exported;
   for (const auto& family : metrics.Collect()) exported[family.name] = TypeName(family.type);

@@ -142,7 +142,8 @@ TEST_CASE("the channel hello is checked, answered, and the channel's hang-up end
   reg.SetEndCallback([&](uint64_t id, const std::string& why) { ends.Record(id, why); });
   int opened = 0;
   reg.SetChannelOpenCallback(
-      [&](uint64_t, const flexkv::Geometry&, const flexkv::SessionAccess&) -> flexkv::Result<std::vector<UniqueFd>> {
+      [&](uint64_t, const flexkv::SessionIdentity&,
+          const flexkv::SessionAccess&) -> flexkv::Result<std::vector<UniqueFd>> {
         ++opened;
         return std::vector<UniqueFd>{};
       });

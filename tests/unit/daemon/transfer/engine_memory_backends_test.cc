@@ -107,3 +107,34 @@ TEST_CASE("engine memory: the host backend declares host memfds, both directions
   auto opened = host.Open(KvRegistration{flexkv::GpuKvDescription{}}, flexkv::Geometry{});
   CHECK(opened.status().code() == StatusCode::kInternal);
 }
+
+TEST_CASE("engine memory: several pools are registered - a failed one refuses only the sessions of its domain",
+          "[unit][transfer]") {
+  EngineMemoryBackends backends;
+  auto gpu = std::make_unique<FakeEngineMemory>("gpu", Caps({MemoryKind::kCudaIpc}));
+  auto* gpu_p = gpu.get();
+  backends.Add(std::move(gpu));
+  auto* a_base = reinterpret_cast<uint8_t*>(1 << 20);
+  auto* b_base = reinterpret_cast<uint8_t*>(4 << 20);
+  const flexkv::PoolRegion a{a_base, 8192, 4096, 2}, b{b_base, 8192, 4096, 2};
+  backends.RegisterPool(a);
+  gpu_p->pool_status = flexkv::Status::Internal("cudaHostRegister: out of memory");
+  backends.RegisterPool(b);
+  CHECK(gpu_p->pool_registrations == 2);
+  const std::vector<MemoryKind> ipc{MemoryKind::kCudaIpc};
+  CHECK(backends.Select(ipc, a_base).ok());
+  CHECK(backends.Select(ipc, a_base + 4096).ok());  // a sub-pool inside a's region
+  auto refused = backends.Select(ipc, b_base + 4096);
+  REQUIRE_FALSE(refused.ok());
+  CHECK_THAT(refused.status().message(), Catch::Contains("cudaHostRegister"));
+  CHECK_FALSE(backends.Select(ipc).ok());  // any pool
+
+  // Unregistering undoes exactly that region: b (never registered) is not handed to the backend, a is.
+  backends.UnregisterPool(b);
+  CHECK(gpu_p->unregistered_pools.empty());
+  CHECK(backends.Select(ipc).ok());
+  backends.UnregisterPool(a);
+  CHECK(gpu_p->unregistered_pools == std::vector<const uint8_t*>{a_base});
+  backends.UnregisterPool(a);  // once only
+  CHECK(gpu_p->unregistered_pools.size() == 1);
+}

@@ -33,6 +33,7 @@ class FakeEngineMemory final : public EngineMemoryBackend {
     registered_pool = pool;
     return pool_status;
   }
+  void UnregisterPool(const PoolRegion& pool) override { unregistered_pools.push_back(pool.base); }
   Result<std::shared_ptr<EngineKv>> Open(KvRegistration registration, const Geometry& /*geometry*/) override {
     ++opens;
     if (!open_status.ok()) return open_status;
@@ -51,6 +52,7 @@ class FakeEngineMemory final : public EngineMemoryBackend {
   int pool_registrations = 0;
   int opens = 0;
   PoolRegion registered_pool;
+  std::vector<const uint8_t*> unregistered_pools;  // UnregisterPool's regions, by base
   std::vector<CopyJob> jobs;
 
  private:

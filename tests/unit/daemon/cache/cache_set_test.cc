@@ -1,0 +1,284 @@
+// CacheSet: several cache domains in one daemon - pool file naming, the budget share decision, replacement of an
+// unused empty domain, the refusal when nothing fits, isolation, and re-attaching every domain at restart.
+#include "daemon/cache/cache_set.h"
+
+#include <stdlib.h>
+
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/block_checksum.h"
+#include "tests/unit/daemon/cache/temp_cache.h"
+
+using flexkv::BlockKey;
+using flexkv::Cache;
+using flexkv::CacheSet;
+using flexkv::CacheSetOptions;
+using flexkv::SlotId;
+using flexkv::StatusCode;
+using flexkv::testing::SmallGeometry;
+
+namespace {
+
+constexpr uint64_t kBlock = 4096;  // SmallGeometry's host block
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl =
+        (std::filesystem::exists("/dev/shm") ? "/dev/shm" : "/tmp") + std::string("/flexkv-cacheset-XXXXXX");
+    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+CacheSetOptions Options(const TempDir& dir, uint64_t budget, size_t max_domains) {
+  CacheSetOptions o;
+  o.budget_bytes = budget;
+  o.pool_path = dir.path() + "/pool";
+  o.max_domains = max_domains;
+  return o;
+}
+
+// Another geometry (8 KiB blocks), so that two domains differ in more than their namespace.
+flexkv::Geometry WideGeometry() {
+  flexkv::Geometry g = SmallGeometry();
+  g.head_dim = 64;
+  return g;
+}
+
+bool NeverInUse(const std::string&) { return false; }
+bool AlwaysInUse(const std::string&) { return true; }
+
+std::vector<BlockKey> Keys(size_t n) {
+  std::vector<BlockKey> keys(n);
+  for (size_t i = 0; i < n; ++i) keys[i] = BlockKey{i + 7, 42};
+  return keys;
+}
+
+// Stores `keys` in `cache` as a Store does: reserve, fill, commit with the content checksums.
+void Store(Cache& cache, const std::vector<BlockKey>& keys) {
+  flexkv::PrefixIndex::Reservation r = cache.Reserve(flexkv::kRootParent, keys);
+  REQUIRE(r.slots.size() == keys.size());
+  std::vector<uint64_t> sums;
+  for (SlotId s : r.slots) {
+    uint8_t* bytes = cache.SlotData(s);
+    for (uint64_t i = 0; i < cache.block_bytes(); ++i) bytes[i] = static_cast<uint8_t>(i + s);
+    sums.push_back(flexkv::BlockChecksum(bytes, cache.block_bytes()));
+  }
+  cache.Commit(flexkv::kRootParent, keys, 0, r.slots, sums);
+}
+
+}  // namespace
+
+TEST_CASE("cache set: domain i's pool file is <pool_path> for 0 and <pool_path>.<i> after it", "[unit][cache]") {
+  CHECK(CacheSet::PoolPathOf("/dev/shm/x/pool", 0) == "/dev/shm/x/pool");
+  CHECK(CacheSet::PoolPathOf("/dev/shm/x/pool", 1) == "/dev/shm/x/pool.1");
+  CHECK(CacheSet::PoolPathOf("/dev/shm/x/pool", 12) == "/dev/shm/x/pool.12");
+  TempDir dir;
+  CacheSet caches(Options(dir, 64 * kBlock, 2));
+  REQUIRE(caches.RecoverPools(false).ok());
+  auto a = caches.Admit("llama", SmallGeometry(), 0, NeverInUse);
+  REQUIRE(a.ok());
+  auto b = caches.Admit("gpt-oss", WideGeometry(), 0, NeverInUse);
+  REQUIRE(b.ok());
+  CHECK(*a != *b);
+  CHECK((*a)->GetStats().backing == dir.path() + "/pool");
+  CHECK((*b)->GetStats().backing == dir.path() + "/pool.1");
+  CHECK(std::filesystem::exists(dir.path() + "/pool.1"));
+  CHECK(caches.Find("llama") == *a);
+  CHECK(caches.Find("gpt-oss") == *b);
+  CHECK(caches.Find("qwen") == nullptr);
+  // A known namespace is found again; another geometry in it is refused naming the field.
+  CHECK(*caches.Admit("llama", SmallGeometry(), 0, NeverInUse) == *a);
+  auto other = caches.Admit("llama", WideGeometry(), 0, NeverInUse);
+  REQUIRE_FALSE(other.ok());
+  CHECK(other.status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(other.status().message(), Catch::Contains("head_dim"));
+  const std::vector<CacheSet::Domain> domains = caches.Domains();
+  REQUIRE(domains.size() == 2);
+  CHECK(domains[0].model_namespace == "llama");
+  CHECK(domains[1].model_namespace == "gpt-oss");
+  CHECK(domains[1].geometry.head_dim == 64);
+}
+
+TEST_CASE("cache set: a domain's share is its pool_size, else budget / max_domains of what is free",
+          "[unit][cache]") {
+  TempDir dir;
+  CacheSetOptions o = Options(dir, 256 * kBlock, 4);  // 1 MiB, a default share of 256 KiB
+  o.namespace_pool_bytes.emplace("big", 128 * kBlock);
+  CacheSet caches(std::move(o));
+  REQUIRE(caches.RecoverPools(false).ok());
+  CHECK(caches.ShareFor("a").bytes == 64 * kBlock);
+  CHECK(caches.ShareFor("big").bytes == 128 * kBlock);
+  CHECK(caches.ShareFor("big").limit == 128 * kBlock);
+  CHECK(caches.ShareFor("a").limit == 0);
+  auto big = caches.Admit("big", SmallGeometry(), 0, NeverInUse);
+  REQUIRE(big.ok());
+  CHECK((*big)->budget_bytes() == 128 * kBlock);
+  CHECK((*big)->capacity_slots() == 128);
+  REQUIRE(caches.Admit("a", SmallGeometry(), 0, NeverInUse).ok());
+  CHECK(caches.Find("a")->budget_bytes() == 64 * kBlock);
+  // 64 blocks are left: the next default domain gets them all (min(256 KiB, free)).
+  REQUIRE(caches.Admit("b", SmallGeometry(), 0, AlwaysInUse).ok());
+  CHECK(caches.Find("b")->budget_bytes() == 64 * kBlock);
+  CHECK(caches.Domains()[0].limit_bytes == 128 * kBlock);
+  CHECK(caches.Domains()[1].limit_bytes == 0);
+
+  // The budget is all held and every domain is in use: refused, naming the budget, each domain and what to do.
+  auto refused = caches.Admit("c", SmallGeometry(), 0, AlwaysInUse);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == StatusCode::kResourceExhausted);
+  const std::string m = refused.status().message();
+  INFO(m);
+  CHECK_THAT(m, Catch::Contains("'c'") && Catch::Contains("1 MiB") && Catch::Contains("'big' holds 512 KiB") &&
+                    Catch::Contains("'a' holds 256 KiB") && Catch::Contains("--max-domains") &&
+                    Catch::Contains("pool_size") && Catch::Contains("flexkvctl drop-domain"));
+  // Nothing was created.
+  CHECK(caches.Find("c") == nullptr);
+  CHECK(caches.Domains().size() == 3);
+}
+
+TEST_CASE("cache set: an unused empty domain gives way to a new one, one in use or holding blocks does not",
+          "[unit][cache]") {
+  TempDir dir;
+  CacheSet caches(Options(dir, 64 * kBlock, 2));
+  REQUIRE(caches.RecoverPools(false).ok());
+  REQUIRE(caches.Admit("empty", SmallGeometry(), 0, NeverInUse).ok());
+  auto full = caches.Admit("full", SmallGeometry(), 0, NeverInUse);
+  REQUIRE(full.ok());
+  Store(**full, Keys(2));
+
+  // Both slots taken; "empty" is in use: nothing gives way.
+  const auto empty_in_use = [](const std::string& name) { return name == "empty"; };
+  auto refused = caches.Admit("new", WideGeometry(), 0, empty_in_use);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.status().message(), Catch::Contains("all 2 domains"));
+
+  std::vector<std::string> replaced;
+  auto admitted = caches.Admit("new", WideGeometry(), 0, NeverInUse, &replaced);
+  REQUIRE(admitted.ok());
+  CHECK(replaced == std::vector<std::string>{"empty"});
+  CHECK(caches.Find("empty") == nullptr);
+  CHECK(caches.Find("full") == *full);
+  CHECK((*admitted)->Domain().geometry->head_dim == 64);
+}
+
+TEST_CASE("cache set: --max-domains 1 refuses a second namespace as a single-domain daemon did", "[unit][cache]") {
+  TempDir dir;
+  CacheSet caches(Options(dir, 64 * kBlock, 1));
+  REQUIRE(caches.RecoverPools(false).ok());
+  auto first = caches.Admit("llama", SmallGeometry(), 0, NeverInUse);
+  REQUIRE(first.ok());
+  CHECK((*first)->budget_bytes() == 64 * kBlock);
+  Store(**first, Keys(1));
+  auto refused = caches.Admit("mistral", WideGeometry(), 0, NeverInUse);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(refused.status().message(), Catch::Contains("'llama'"));
+}
+
+TEST_CASE("cache set: domains never see each other's blocks, and one is dropped without touching the other",
+          "[unit][cache]") {
+  TempDir dir;
+  CacheSet caches(Options(dir, 64 * kBlock, 2));
+  REQUIRE(caches.RecoverPools(false).ok());
+  Cache* a = *caches.Admit("a", SmallGeometry(), 0, NeverInUse);
+  Cache* b = *caches.Admit("b", SmallGeometry(), 0, NeverInUse);
+  const std::vector<BlockKey> keys = Keys(3);
+  Store(*a, keys);
+  CHECK(a->Match(keys, false, nullptr) == 3);
+  CHECK(b->Match(keys, false, nullptr) == 0);
+
+  auto missing = caches.DropDomain("c", false, nullptr);
+  CHECK(missing.code() == StatusCode::kNotFound);
+  CHECK_THAT(missing.message(), Catch::Contains("'a'") && Catch::Contains("'b'"));
+  a->counters().hit_blocks += 5;  // as the request handlers count a's hits
+  CHECK(caches.Domains()[0].counters.hit_blocks == 5);
+  uint64_t dropped = 0;
+  REQUIRE(caches.DropDomain("a", false, &dropped).ok());
+  CHECK(dropped == 3);
+  CHECK(caches.Find("a") == nullptr);
+  CHECK_FALSE(std::filesystem::exists(dir.path() + "/pool"));
+  Store(*b, keys);
+  CHECK(b->Match(keys, false, nullptr) == 3);
+  // The freed slot (and its Cache object) serves the next domain, with a new generation.
+  const uint64_t generation = a->generation();
+  Cache* c = *caches.Admit("c", WideGeometry(), 0, NeverInUse);
+  CHECK(c == a);
+  CHECK(c->generation() != generation);
+  CHECK(c->Match(keys, false, nullptr) == 0);
+  // Its counters start at zero; the daemon's totals keep a's.
+  for (const CacheSet::Domain& d : caches.Domains()) CHECK(d.counters.hit_blocks == 0);
+  CHECK(caches.TotalCounters().hit_blocks == 5);
+}
+
+TEST_CASE("cache set: a restart re-attaches every domain with its blocks, and a changed share is refused",
+          "[unit][cache]") {
+  TempDir dir;
+  const std::vector<BlockKey> keys = Keys(2);
+  {
+    CacheSetOptions o = Options(dir, 64 * kBlock, 2);
+    o.namespace_pool_bytes.emplace("fixed", 16 * kBlock);
+    CacheSet caches(std::move(o));
+    REQUIRE(caches.RecoverPools(false).ok());
+    Store(**caches.Admit("default", SmallGeometry(), 0, NeverInUse), keys);
+    Store(**caches.Admit("fixed", WideGeometry(), 0, NeverInUse), keys);
+  }
+  {
+    CacheSetOptions o = Options(dir, 64 * kBlock, 2);
+    o.namespace_pool_bytes.emplace("fixed", 16 * kBlock);
+    CacheSet caches(std::move(o));
+    REQUIRE(caches.RecoverPools(false).ok());
+    const std::vector<CacheSet::Domain> domains = caches.Domains();
+    REQUIRE(domains.size() == 2);
+    Cache* fixed = caches.Find("fixed");
+    REQUIRE(fixed != nullptr);
+    CHECK(fixed->budget_bytes() == 16 * kBlock);
+    CHECK(caches.Find("default")->budget_bytes() == 32 * kBlock);
+    // Served once their bytes are verified (in the background).
+    for (Cache* c : {fixed, caches.Find("default")}) {
+      while (c->GetStats().unverified != 0) std::this_thread::yield();
+      CHECK(c->Match(keys, false, nullptr) == 2);
+    }
+  }
+  {
+    CacheSetOptions o = Options(dir, 64 * kBlock, 2);
+    o.namespace_pool_bytes.emplace("fixed", 24 * kBlock);  // the config changed its share
+    CacheSet caches(std::move(o));
+    flexkv::Status refused = caches.RecoverPools(false);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.code() == StatusCode::kFailedPrecondition);
+    CHECK_THAT(refused.message(), Catch::Contains(dir.path() + "/pool.1") && Catch::Contains("--discard-pool"));
+  }
+  {
+    // Fewer domains (a budget that gives "default" the share it was made with): pool.1 is beyond them, kept
+    // (and logged) without --discard-pool.
+    CacheSet caches(Options(dir, 32 * kBlock, 1));
+    REQUIRE(caches.RecoverPools(false).ok());
+    CHECK(caches.Find("default") != nullptr);
+    CHECK(caches.Find("fixed") == nullptr);
+    CHECK(std::filesystem::exists(dir.path() + "/pool.1"));
+  }
+  {
+    CacheSetOptions o = Options(dir, 64 * kBlock, 2);
+    o.namespace_pool_bytes.emplace("fixed", 24 * kBlock);
+    CacheSet caches(std::move(o));
+    REQUIRE(caches.RecoverPools(true).ok());  // --discard-pool: that domain is dropped, the other kept
+    CHECK(caches.Find("fixed") == nullptr);
+    CHECK(caches.Find("default") != nullptr);
+  }
+}
