@@ -123,8 +123,12 @@ std::vector<uint32_t> ScaledActive(const std::vector<uint64_t>& capacity, const 
   const long double fraction = std::min<long double>(1, static_cast<long double>(active_bytes) / max_bytes);
   std::vector<uint32_t> active;
   for (size_t c = 0; c < capacity.size(); ++c) {
-    const auto want = static_cast<uint64_t>(std::ceil(fraction * static_cast<long double>(capacity[c])));
-    active.push_back(RoundUpToGrants(want, GrantOf(capacity[c]), static_cast<uint32_t>(capacity[c])));
+    // Rounded down, so that the pool's data stays within `active_bytes` (a budget share) unless one grant of
+    // each component is already more.
+    const auto want = static_cast<uint64_t>(std::floor(fraction * static_cast<long double>(capacity[c])));
+    const uint32_t grant = GrantOf(capacity[c]);
+    const uint64_t whole = want >= capacity[c] ? capacity[c] : want / grant * grant;
+    active.push_back(static_cast<uint32_t>(std::max<uint64_t>(whole, std::min<uint64_t>(grant, capacity[c]))));
   }
   return active;
 }

@@ -134,7 +134,8 @@ class Pool {
   // Σ active × slot bytes over the sub-pools: what the pool's data holds now.
   uint64_t active_bytes() const;
   // The active slots of each sub-pool for `active_bytes` of data: capacity × active_bytes / max_bytes() (the
-  // pool's own split, scaled), rounded up to whole grants and clamped to [1 grant, capacity].
+  // pool's own split, scaled), rounded down to whole grants (so that the data stays within active_bytes, a budget
+  // share) and clamped to [1 grant, capacity].
   std::vector<uint32_t> ActiveSlotsFor(uint64_t active_bytes) const;
   // Moves component `component`'s active capacity to `slots` (a whole number of grants, or its capacity; at
   // least one grant: INVALID_ARGUMENT otherwise). Growing allocates the new slots' data first

@@ -88,15 +88,15 @@ TEST_CASE("elastic pool: a pool created with a smaller active size allocates onl
   const flexkv::SubPool& sub = (*pool)->sub_pool(0);
   CHECK(sub.capacity == kSlots);
   CHECK(sub.grant == 4);
-  CHECK(sub.active == 20);  // 17 slots rounded up to whole grants
-  CHECK((*pool)->active_bytes() == 20 * kSlotBytes);
+  CHECK(sub.active == 16);  // 17 slots rounded down to whole grants: a share is never exceeded
+  CHECK((*pool)->active_bytes() == 16 * kSlotBytes);
   CHECK((*pool)->max_bytes() == kBudget);
   struct stat st {};
   REQUIRE(stat(path.c_str(), &st) == 0);
   CHECK(static_cast<uint64_t>(st.st_size) == kMetaBytes + kBudget);  // laid out for the maximum
-  CheckAllocatedSlots(path, 20);
+  CheckAllocatedSlots(path, 16);
   (*pool)->SlotData(19)[kSlotBytes - 1] = 1;  // the last active byte is there
-  CheckAllocatedSlots(path, 20);
+  CheckAllocatedSlots(path, 16);
 
   // At least one grant, at most the layout.
   CHECK((*pool)->ActiveSlotsFor(0) == std::vector<uint32_t>{4});
