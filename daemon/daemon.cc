@@ -248,6 +248,8 @@ int RunDaemon(const DaemonConfig& config) {
       exit_code = kPoolLostExitCode;
       break;
     }
+    // Budget shares follow the domains' demand (acts every few seconds, and only when shares change).
+    if (!shutting_down) caches.Rebalance(now);
     if (watchdog && now - acceptor.last_turn_ms() < kStuckLoopMs && now - sessions.last_turn_ms() < kStuckLoopMs &&
         now - data_plane.last_turn_ms() < kStuckLoopMs) {
       Notify("WATCHDOG=1");

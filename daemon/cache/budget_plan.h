@@ -26,7 +26,7 @@ std::vector<uint64_t> PlanShares(uint64_t budget_bytes, std::span<const DomainNe
 // A byte counter's rate, smoothed with a half-life: the demand PlanShares divides by. Not thread-safe.
 class DemandMeter {
  public:
-  explicit DemandMeter(double half_life_s) : half_life_s_(half_life_s) {}
+  explicit DemandMeter(double half_life_s = 60) : half_life_s_(half_life_s) {}
   // `total_bytes`: the counter's value now (it only grows); `now_ms`: a monotonic clock. The first call only
   // remembers where the counter is.
   void Observe(uint64_t total_bytes, int64_t now_ms);
@@ -36,7 +36,7 @@ class DemandMeter {
   double rate() const { return rate_; }
 
  private:
-  const double half_life_s_;
+  double half_life_s_;
   double rate_ = 0;
   bool started_ = false;
   uint64_t last_bytes_ = 0;

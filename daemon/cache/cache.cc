@@ -21,7 +21,7 @@ namespace flexkv {
 Cache::Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split)
     : budget_bytes_(budget_bytes), pool_path_(std::move(pool_path)), split_(split), domain_(budget_bytes) {}
 
-Status Cache::SetBudget(uint64_t budget_bytes) {
+Status Cache::SetBudget(uint64_t budget_bytes, uint64_t initial_active_bytes) {
   MutexLock lock(&mu_);
   const CacheDomain::View domain = domain_.Snapshot();
   if (domain.geometry) {
@@ -29,6 +29,7 @@ Status Cache::SetBudget(uint64_t budget_bytes) {
         "the cache domain '{}' is set; its budget changes only once it is dropped", domain.model_namespace));
   }
   budget_bytes_.store(budget_bytes, std::memory_order_release);
+  initial_active_bytes_.store(initial_active_bytes, std::memory_order_release);
   domain_.SetBudget(budget_bytes);
   return Status::Ok();
 }
@@ -164,7 +165,8 @@ Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry
 }
 
 Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid) {
-  auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes(), creator_uid, split_);
+  auto pool = Pool::Create(pool_path_, model_namespace, geometry, budget_bytes(), creator_uid, split_,
+                           initial_active_bytes_.load(std::memory_order_acquire));
   if (!pool.ok()) return pool.status();
   FLEXKV_RETURN_IF_ERROR(pool_lock_.LockPoolFile());
   auto index = std::make_unique<PrefixIndex>((*pool)->sub_pool(0).capacity, (*pool)->sub_pool(0).active);

@@ -39,9 +39,11 @@ class Cache {
   // `split`: how a hybrid geometry's pool divides the budget between its components (pool.h).
   Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split = {});
 
-  // The budget the next pool is created or re-attached with (a CacheSet sets each domain's share before it creates
-  // it). FAILED_PRECONDITION while a domain is set (its pool keeps the size it was made with).
-  Status SetBudget(uint64_t budget_bytes);
+  // The budget the next pool is laid out for (its max_bytes; a CacheSet gives a domain its limit, or the whole
+  // budget) and the part of it that is active at first (Pool::Create's active_bytes: at most that, rounded down to
+  // whole grants; default all of it). FAILED_PRECONDITION while a domain is set (its pool keeps its layout; Resize
+  // moves its active part).
+  Status SetBudget(uint64_t budget_bytes, uint64_t initial_active_bytes = Pool::kAllActive);
   uint64_t budget_bytes() const { return budget_bytes_.load(std::memory_order_acquire); }
   const std::string& pool_path() const { return pool_path_; }
 
@@ -217,6 +219,7 @@ class Cache {
   void UnanchorLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::atomic<uint64_t> budget_bytes_;  // changed only while no domain is set (SetBudget)
+  std::atomic<uint64_t> initial_active_bytes_{Pool::kAllActive};  // likewise
   const std::string pool_path_;
   const PoolSplit split_;
   CacheDomain domain_;

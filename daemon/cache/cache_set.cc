@@ -41,7 +41,7 @@ CounterValues CounterValues::operator+(const CounterValues& b) const {
 CacheSet::CacheSet(CacheSetOptions options) : options_(std::move(options)) {
   const size_t n = std::clamp<size_t>(options_.max_domains, 1, kMaxDomains);
   for (size_t i = 0; i < n; ++i) {
-    caches_.push_back(std::make_unique<Cache>(options_.budget_bytes / n, PoolPathOf(options_.pool_path, i),
+    caches_.push_back(std::make_unique<Cache>(options_.budget_bytes, PoolPathOf(options_.pool_path, i),
                                               options_.split));
     verifiers_.push_back(std::make_unique<BlockVerifier>(caches_.back().get()));
   }
@@ -63,28 +63,106 @@ void CacheSet::SetPoolListener(const std::function<void(const PoolRegion&)>& lis
 uint64_t CacheSet::HeldLocked() const {
   uint64_t held = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (!slots_[i].model_namespace.empty()) held += caches_[i]->budget_bytes();
+    if (!slots_[i].model_namespace.empty()) held += caches_[i]->active_bytes();
   }
   return held;
 }
 
-CacheSet::Share CacheSet::ShareFor(std::string_view model_namespace) const {
+uint64_t CacheSet::MaxFor(std::string_view model_namespace) const {
   MutexLock lock(&mu_);
-  return ShareForLocked(model_namespace);
+  return MaxForLocked(model_namespace);
 }
 
-CacheSet::Share CacheSet::ShareForLocked(std::string_view model_namespace) const {
-  Share share;
-  if (auto it = options_.namespace_pool_bytes.find(model_namespace); it != options_.namespace_pool_bytes.end()) {
-    share.limit = it->second;
-    share.wanted = share.bytes = it->second;
-    return share;
+uint64_t CacheSet::MaxForLocked(std::string_view model_namespace) const {
+  const auto it = options_.namespace_pool_bytes.find(model_namespace);
+  return it != options_.namespace_pool_bytes.end() ? it->second : options_.budget_bytes;
+}
+
+std::vector<size_t> CacheSet::LiveLocked() const {
+  std::vector<size_t> live;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (!slots_[i].model_namespace.empty() && caches_[i]->has_pool()) live.push_back(i);
   }
-  const uint64_t held = HeldLocked();
-  const uint64_t free = options_.budget_bytes > held ? options_.budget_bytes - held : 0;
-  share.wanted = options_.budget_bytes / caches_.size();
-  share.bytes = std::min(share.wanted, free);
-  return share;
+  return live;
+}
+
+namespace {
+
+// The least a new pool of `geometry` laid out for `max_bytes` can be active for: one grant of each component
+// (Cache::min_bytes of the pool it would create). 0 when the budget cannot hold its components (Admit refuses).
+uint64_t FloorOf(const Geometry& geometry, uint64_t max_bytes, const PoolSplit& split) {
+  auto capacities = SplitBudget(geometry, max_bytes, split);
+  if (!capacities.ok()) return 0;
+  uint64_t bytes = 0;
+  for (size_t c = 0; c < capacities->size(); ++c) {
+    const uint64_t grant = ((*capacities)[c] + kGrantsPerSubPool - 1) / kGrantsPerSubPool;
+    bytes += grant * geometry.Component(c).host_block_bytes();
+  }
+  return bytes;
+}
+
+}  // namespace
+
+void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vector<uint64_t>& targets, bool grow) {
+  // Shrinks first: the memory they give back is what the grows take.
+  for (size_t k = 0; k < live.size(); ++k) {
+    Cache& cache = *caches_[live[k]];
+    const uint64_t active = cache.active_bytes();
+    if (targets[k] + cache.min_bytes() > active) continue;  // less than a grant of each component: no change
+    auto reached = cache.Resize(targets[k]);
+    if (!reached.ok()) {
+      log::Warning("cache", "cache domain '{}': shrinking its pool to {} failed: {}", slots_[live[k]].model_namespace,
+                   FormatByteSize(targets[k]), reached.status().ToString());
+      continue;
+    }
+    log::Info("cache", "cache domain '{}': share {} -> {} (asked {})", slots_[live[k]].model_namespace,
+              FormatByteSize(active), FormatByteSize(*reached), FormatByteSize(targets[k]));
+  }
+  if (!grow) return;
+  for (size_t k = 0; k < live.size(); ++k) {
+    Cache& cache = *caches_[live[k]];
+    const uint64_t active = cache.active_bytes();
+    const uint64_t held = HeldLocked();
+    const uint64_t free = options_.budget_bytes > held ? options_.budget_bytes - held : 0;
+    const uint64_t to = std::min(targets[k], active + free);
+    if (to < active + cache.min_bytes()) continue;
+    auto reached = cache.Resize(to);
+    if (!reached.ok()) {
+      log::Warning("cache", "cache domain '{}': growing its pool to {} failed: {}", slots_[live[k]].model_namespace,
+                   FormatByteSize(to), reached.status().ToString());
+      continue;
+    }
+    if (*reached != active) {
+      log::Info("cache", "cache domain '{}': share {} -> {}", slots_[live[k]].model_namespace, FormatByteSize(active),
+                FormatByteSize(*reached));
+    }
+  }
+}
+
+void CacheSet::Rebalance(int64_t now_ms) {
+  MutexLock lock(&mu_);
+  if (last_rebalance_ms_ != 0 && now_ms - last_rebalance_ms_ < kRebalanceIntervalMs) return;
+  last_rebalance_ms_ = now_ms;
+  const std::vector<size_t> live = LiveLocked();
+  if (live.empty()) return;
+  bool traffic = false;
+  for (size_t i : live) {
+    const CounterValues c = CounterValues::Read(caches_[i]->counters());
+    slots_[i].demand.Observe(c.bytes_stored + c.bytes_loaded, now_ms);
+    traffic = traffic || slots_[i].demand.rate() > 0;
+  }
+  std::vector<DomainNeed> needs;
+  for (size_t i : live) {
+    const Cache& cache = *caches_[i];
+    DomainNeed n;
+    n.current_bytes = cache.active_bytes();
+    n.limit_bytes = cache.max_bytes();
+    // Without traffic nothing shrinks (floors at what each has): only free budget moves, to every domain alike.
+    n.demand = traffic ? slots_[i].demand.rate() : 1;
+    n.floor_bytes = traffic ? cache.min_bytes() : std::min(n.current_bytes, n.limit_bytes);
+    needs.push_back(n);
+  }
+  ApplySharesLocked(live, PlanShares(options_.budget_bytes, needs), /*grow=*/true);
 }
 
 std::optional<size_t> CacheSet::SlotOfLocked(std::string_view model_namespace) const {
@@ -110,9 +188,9 @@ std::string CacheSet::DescribeLocked() const {
   std::string out;
   for (const auto& [created, i] : order) {
     const Cache::Stats stats = caches_[i]->GetStats();
-    out += fmt::format("{}'{}' holds {} ({} blocks{})", out.empty() ? "" : ", ", slots_[i].model_namespace,
-                       FormatByteSize(caches_[i]->budget_bytes()), stats.blocks,
-                       slots_[i].limit_bytes != 0 ? ", its pool_size" : "");
+    out += fmt::format("{}'{}' holds {} ({} blocks, {} pinned{})", out.empty() ? "" : ", ",
+                       slots_[i].model_namespace, FormatByteSize(caches_[i]->active_bytes()), stats.blocks,
+                       stats.pinned, slots_[i].limit_bytes != 0 ? ", at most its pool_size" : "");
   }
   return out.empty() ? std::string("no domain exists") : out;
 }
@@ -124,36 +202,33 @@ Status CacheSet::RecoverPools(bool discard) {
     MutexLock lock(&mu_);
     for (size_t i = 0; i < caches_.size(); ++i) {
       Cache& cache = *caches_[i];
-      // The budgets a file of this slot may have been made for: a namespace's pool_size, the default share, or
-      // the default share cut to what the domains before it left.
+      // The layouts a file of this slot may have been made for: the whole budget, or a namespace's pool_size.
       const uint64_t held = HeldLocked();
       const uint64_t free = options_.budget_bytes > held ? options_.budget_bytes - held : 0;
-      const uint64_t default_share = options_.budget_bytes / caches_.size();
       std::vector<uint64_t> others;
       for (const auto& [name, bytes] : options_.namespace_pool_bytes) others.push_back(bytes);
-      if (free != 0 && free < default_share) others.push_back(free);
-      FLEXKV_RETURN_IF_ERROR(cache.SetBudget(default_share));
+      FLEXKV_RETURN_IF_ERROR(cache.SetBudget(options_.budget_bytes));
       FLEXKV_RETURN_IF_ERROR(cache.RecoverPool(discard, others));
       const CacheDomain::View view = cache.Domain();
       if (!view.geometry) continue;
-      const Share share = ShareForLocked(view.model_namespace);
-      const uint64_t has = cache.budget_bytes();
+      const uint64_t max = MaxForLocked(view.model_namespace);
+      const uint64_t has = cache.budget_bytes(), active = cache.active_bytes();
       std::string refusal;
       if (SlotOfLocked(view.model_namespace)) {
         refusal = fmt::format("pool file {} is a second domain of namespace '{}' (one domain per namespace)",
                               cache.pool_path(), view.model_namespace);
-      } else if (share.limit != 0 ? has != share.limit : has > share.wanted) {
+      } else if (has != max) {
         refusal = fmt::format(
-            "pool file {} of namespace '{}' was made for a share of {}, but the config gives it {}{} (--pool-size {}, "
-            "--max-domains {})",
-            cache.pool_path(), view.model_namespace, FormatByteSize(has), share.limit != 0 ? "" : "at most ",
-            FormatByteSize(share.limit != 0 ? share.limit : share.wanted), FormatByteSize(options_.budget_bytes),
-            caches_.size());
-      } else if (has > free) {
+            "pool file {} of namespace '{}' is laid out for {}, but the config gives it at most {} ({}; --pool-size "
+            "{})",
+            cache.pool_path(), view.model_namespace, FormatByteSize(has), FormatByteSize(max),
+            options_.namespace_pool_bytes.contains(view.model_namespace) ? "its pool_size" : "the whole budget",
+            FormatByteSize(options_.budget_bytes));
+      } else if (active > free) {
         refusal = fmt::format(
-            "pool file {} of namespace '{}' holds a share of {} but the domains re-attached before it leave {} of the "
-            "{} budget ({})",
-            cache.pool_path(), view.model_namespace, FormatByteSize(has), FormatByteSize(free),
+            "pool file {} of namespace '{}' holds {} but the domains re-attached before it leave {} of the {} budget "
+            "({})",
+            cache.pool_path(), view.model_namespace, FormatByteSize(active), FormatByteSize(free),
             FormatByteSize(options_.budget_bytes), DescribeLocked());
       }
       if (!refusal.empty()) {
@@ -168,7 +243,9 @@ Status CacheSet::RecoverPools(bool discard) {
         continue;
       }
       // Counted from zero: what the restart check drops counts against this domain.
-      slots_[i] = Slot{view.model_namespace, share.limit, MonotonicMs(), next_order_++, CounterValues{}};
+      const auto limit = options_.namespace_pool_bytes.find(view.model_namespace);
+      slots_[i] = Slot{view.model_namespace, limit != options_.namespace_pool_bytes.end() ? limit->second : 0,
+                       MonotonicMs(), next_order_++, CounterValues{}};
     }
   }
   // Files of slots this daemon does not have (an earlier run with a larger --max-domains) are not re-attached.
@@ -214,11 +291,7 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
   // Nothing is dropped for an Attach that would be refused anyway.
   FLEXKV_RETURN_IF_ERROR(CheckName("model_namespace", model_namespace, 256));
   FLEXKV_RETURN_IF_ERROR(geometry.Validate());
-  auto needs_room = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const Share share = ShareForLocked(model_namespace);
-    return !FreeSlotLocked() || share.bytes < share.wanted;
-  };
-  while (needs_room()) {
+  while (!FreeSlotLocked()) {
     // Oldest first: a domain nobody uses and that holds no block is not kept for later sessions.
     std::optional<size_t> victim;
     for (size_t i = 0; i < slots_.size(); ++i) {
@@ -241,38 +314,58 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
     FLEXKV_RETURN_IF_ERROR(caches_[0]->Admit(model_namespace, geometry, creator_uid));
     return caches_[0].get();
   }
-  const Share share = ShareForLocked(model_namespace);
+  const uint64_t max = MaxForLocked(model_namespace);
+  const uint64_t floor = FloorOf(geometry, max, options_.split);
+  const auto refuse = [&](const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Status::ResourceExhausted(fmt::format(
+        "cannot create cache domain '{}': {}; the pool budget is {} and {}; raise --max-domains or --pool-size, set "
+        "a pool_size for namespaces in the config's [namespace.\"<name>\"] tables, or drop an idle domain (flexkvctl "
+        "drop-domain <namespace>)",
+        model_namespace, why, FormatByteSize(options_.budget_bytes), DescribeLocked()));
+  };
+  if (!slot) return refuse(fmt::format("all {} domains (--max-domains) exist, each in use or holding blocks", caches_.size()));
+  // Its share: as the domains' demand says, the new one's taken as the mean of theirs (equal while none has traffic).
+  const std::vector<size_t> live = LiveLocked();
+  double demand_sum = 0;
+  size_t with_demand = 0;
+  for (size_t i : live) {
+    demand_sum += slots_[i].demand.rate();
+    with_demand += slots_[i].demand.rate() > 0 ? 1 : 0;
+  }
+  const double seed = with_demand > 0 ? demand_sum / static_cast<double>(with_demand) : 0;
+  std::vector<DomainNeed> needs;
+  for (size_t i : live) {
+    const Cache& cache = *caches_[i];
+    needs.push_back(DomainNeed{seed > 0 ? slots_[i].demand.rate() : 1, cache.min_bytes(), cache.max_bytes(),
+                               cache.active_bytes()});
+  }
+  needs.push_back(DomainNeed{seed > 0 ? seed : 1, floor, max, 0});
+  std::vector<uint64_t> targets = PlanShares(options_.budget_bytes, needs);
+  const uint64_t share = targets.back();
+  targets.pop_back();
+  ApplySharesLocked(live, targets, /*grow=*/false);
   const uint64_t held = HeldLocked();
   const uint64_t free = options_.budget_bytes > held ? options_.budget_bytes - held : 0;
-  const uint64_t block = geometry.host_block_bytes();
-  if (!slot || share.bytes > free || share.bytes < block) {
-    std::string why;
-    if (!slot) {
-      why = fmt::format("all {} domains (--max-domains) exist", caches_.size());
-    } else if (share.bytes < block) {
-      why = fmt::format("its share would be {}, less than one {} block", FormatByteSize(share.bytes),
-                        FormatByteSize(block));
-    } else {
-      why = fmt::format("its pool_size {} is more than the {} free", FormatByteSize(share.bytes), FormatByteSize(free));
-    }
-    return Status::ResourceExhausted(fmt::format(
-        "cannot create cache domain '{}': {}; the pool budget is {} and {} (each in use or holding blocks); raise "
-        "--max-domains or --pool-size, set a pool_size for namespaces in the config's [namespace.\"<name>\"] tables, "
-        "or drop an idle domain (flexkvctl drop-domain <namespace>)",
-        model_namespace, why, FormatByteSize(options_.budget_bytes), DescribeLocked()));
+  const uint64_t active = std::min(share, free);
+  if (floor == 0 || active < floor) {
+    return refuse(fmt::format("its pool needs at least {} (one grant of each component) and {} of the budget is free",
+                              FormatByteSize(std::max<uint64_t>(floor, geometry.host_block_bytes())),
+                              FormatByteSize(free)));
   }
   Cache* cache = caches_[*slot].get();
-  FLEXKV_RETURN_IF_ERROR(cache->SetBudget(share.bytes));
+  FLEXKV_RETURN_IF_ERROR(cache->SetBudget(max, active));
   Status admitted = cache->Admit(model_namespace, geometry, creator_uid);
   if (!admitted.ok()) {
     if (cache->Domain().geometry) (void)cache->DropDomain(/*only_if_empty=*/true, nullptr);  // no pool after all
     return admitted;
   }
-  slots_[*slot] = Slot{model_namespace, share.limit, MonotonicMs(), next_order_++,
-                       CounterValues::Read(cache->counters())};
-  log::Info("cache", "cache domain '{}' {} created in {} with a share of {} of the {} budget", model_namespace,
-            geometry.ToString(), cache->pool_path(), FormatByteSize(share.bytes),
-            FormatByteSize(options_.budget_bytes));
+  const auto limit = options_.namespace_pool_bytes.find(model_namespace);
+  slots_[*slot] = Slot{model_namespace, limit != options_.namespace_pool_bytes.end() ? limit->second : 0,
+                       MonotonicMs(), next_order_++, CounterValues::Read(cache->counters())};
+  slots_[*slot].demand.Seed(seed);
+  log::Info("cache", "cache domain '{}' {} created in {}: active {} of the {} budget (at most {})", model_namespace,
+            geometry.ToString(), cache->pool_path(), FormatByteSize(cache->active_bytes()),
+            FormatByteSize(options_.budget_bytes), FormatByteSize(max));
   return cache;
 }
 
@@ -291,7 +384,7 @@ std::vector<CacheSet::Domain> CacheSet::Domains() const {
     const CacheDomain::View view = caches_[i]->Domain();
     if (!view.geometry) continue;
     ordered.emplace_back(s.order, Domain{i, caches_[i].get(), s.model_namespace, *view.geometry,
-                                         caches_[i]->budget_bytes(), s.limit_bytes, s.created_ms,
+                                         caches_[i]->active_bytes(), s.limit_bytes, s.created_ms,
                                          CounterValues::Read(caches_[i]->counters()) - s.base});
   }
   std::sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) { return a.first < b.first; });

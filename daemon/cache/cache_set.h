@@ -1,6 +1,10 @@
 // CacheSet: the cache domains one daemon serves - a model namespace with its geometry each, in a Cache of its own
 // (own pool file, PoolLock, prefix index, component indexes and BlockVerifier) - and how the pool budget is shared
-// between them. Thread-safe.
+// between them: each domain's pool is laid out for its limit (its namespace's pool_size, else the whole budget)
+// and holds memory for its active part only (Cache::Resize), and the active parts together never exceed the
+// budget. They follow demand (budget_plan.h): a new domain gets a share as the others' demand says it should
+// (an equal one while nobody has traffic), taken from the others, and Rebalance moves memory towards the domains
+// that store and load the most. Thread-safe.
 #pragma once
 
 #include <sys/types.h>
@@ -17,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "common/mutex.h"
 #include "daemon/cache/block_verifier.h"
+#include "daemon/cache/budget_plan.h"
 #include "daemon/cache/cache.h"
 #include "daemon/cache/pool.h"
 #include "daemon/cache/pool_region.h"
@@ -33,7 +38,7 @@ struct CacheSetOptions {
   std::string pool_path;               // --pool-path: domain slot 0's file; slot i >= 1 has "<pool_path>.<i>"
   PoolSplit split;                     // a hybrid geometry's split of its share (--swa-share, --state-share)
   size_t max_domains = 1;              // --max-domains: 1 is a daemon of one domain at a time
-  // [namespace."<name>"] pool_size: a namespace's fixed share of the budget (bytes). Others share what is left.
+  // [namespace."<name>"] pool_size: the most a namespace's domain may hold (bytes); without one, the budget.
   std::map<std::string, uint64_t, std::less<>> namespace_pool_bytes;
 };
 
@@ -73,33 +78,29 @@ class CacheSet {
                        const std::function<void(const PoolRegion&)>& gone);
 
   // At start: locks every slot's pool file (PoolLock; a second daemon on the same files is refused) and
-  // re-attaches each existing one (Cache::RecoverPool) with the share the current config gives its namespace: its
-  // pool_size, or for a namespace without one at most budget / max_domains of what the domains re-attached before
-  // it leave. A file made for another share, two files of one namespace, or files whose shares add up to more
-  // than the budget are refused naming the file and what to do, unless `discard` (--discard-pool), which drops
-  // that domain's file instead (its blocks are lost). A file of a slot beyond max_domains is logged (and removed
+  // re-attaches each existing one (Cache::RecoverPool) with the layout the current config gives its namespace
+  // (MaxFor) and the active size it had. A file laid out for another size (--pool-size or its pool_size changed),
+  // two files of one namespace, or files whose active parts add up to more than the budget are refused naming the
+  // file and what to do, unless `discard` (--discard-pool), which drops that domain's file instead (its blocks are
+  // lost). A file of a slot beyond max_domains is logged (and removed
   // with `discard`). Then starts each re-attached domain's restart verification.
   Status RecoverPools(bool discard);
 
-  // The share of the budget a new domain of `model_namespace` gets - the one place this is decided (a later
-  // planner sizes shares by demand). `wanted`: what it takes when the budget allows (its pool_size, else
-  // budget / max_domains); `bytes`: what it gets now (its pool_size, else min(wanted, the budget no domain
-  // holds)). `limit`: the configured pool_size, 0 without one.
-  struct Share {
-    uint64_t bytes = 0;
-    uint64_t wanted = 0;
-    uint64_t limit = 0;
-  };
-  Share ShareFor(std::string_view model_namespace) const;
+  // The most the domain of `model_namespace` may hold: its pool_size, else the whole budget (its pool's layout).
+  uint64_t MaxFor(std::string_view model_namespace) const;
 
   // Finds or creates the domain of `model_namespace`. A known namespace checks `geometry` against the domain's
   // (FAILED_PRECONDITION naming the differing field, as Cache::Admit). A new one is validated first (namespace and
-  // geometry: INVALID_ARGUMENT), then takes a free slot and its ShareFor budget; when no slot is free or the
-  // share does not fit in the free budget, domains that `in_use` says have no session and that hold no block
-  // (and nothing pinned or reserved) are dropped first, each named in `*replaced` (optional). Otherwise
-  // RESOURCE_EXHAUSTED naming the budget, what each domain holds, and what the operator can do. The caller
-  // serializes Admit with DropDomain and with the sessions `in_use` counts; `in_use` is called without the set's
-  // lock (it may take the session registry's, under which a session's channel calls Find).
+  // geometry: INVALID_ARGUMENT), then takes a free slot (when none is free, domains that `in_use` says have no
+  // session and that hold no block - nothing pinned or reserved either - are dropped first, each named in
+  // `*replaced`, optional) and its share: PlanShares over the domains there are and the new one, whose demand is
+  // taken as the mean of theirs (all equal while none has traffic); the others are shrunk towards their shares
+  // first (evicting blocks beyond them), and the new domain's pool is active for what the budget then has free,
+  // at most its share. RESOURCE_EXHAUSTED naming the budget, what each domain holds, and what the operator can do
+  // when no slot is free or not even one grant of each of its components is (the others' pinned blocks hold
+  // their memory). The caller serializes Admit with DropDomain and with the sessions `in_use` counts; `in_use` is
+  // called without the set's lock (it may take the session registry's, under which a session's channel calls
+  // Find).
   Result<Cache*> Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid,
                        const std::function<bool(const std::string& model_namespace)>& in_use,
                        std::vector<std::string>* replaced = nullptr);
@@ -111,7 +112,7 @@ class CacheSet {
     Cache* cache = nullptr;
     std::string model_namespace;
     Geometry geometry;
-    uint64_t budget_bytes = 0;  // its share
+    uint64_t budget_bytes = 0;  // its share: the bytes its pool's active part holds
     uint64_t limit_bytes = 0;   // the configured pool_size, 0: none
     int64_t created_ms = 0;     // monotonic: when it was created or re-attached
     // Its requests since it was created (a reused Cache's counters also hold the earlier domains' of its slot).
@@ -121,6 +122,16 @@ class CacheSet {
   std::vector<Domain> Domains() const;
   // Every request counted since start, dropped domains' included (monotonic: the daemon's totals).
   CounterValues TotalCounters() const;
+
+  // Moves memory between the domains as their demand says (PlanShares over each domain's DemandMeter of bytes
+  // stored + loaded): domains above their share shrink first (evicting their least recently used blocks beyond
+  // it; pinned ones hold a shrink back until a later call), then those below grow into what is free. While no
+  // domain has traffic, nothing shrinks and free budget (a dropped domain's) goes to the others. Acts at most
+  // every kRebalanceIntervalMs (`now_ms`: a monotonic clock; the daemon calls it every tick) and only on changes
+  // of at least one grant of each of a domain's components.
+  void Rebalance(int64_t now_ms);
+  static constexpr int64_t kRebalanceIntervalMs = 5000;
+  static constexpr double kDemandHalfLifeS = 60;
 
   // Drops the domain of `model_namespace` and its pool file (Cache::DropDomain: FAILED_PRECONDITION while blocks
   // are pinned, being stored or verified; with `only_if_empty` while it holds blocks); its slot and budget share
@@ -134,9 +145,17 @@ class CacheSet {
     int64_t created_ms = 0;
     uint64_t order = 0;  // creation order
     CounterValues base;  // the Cache's counters when the domain was created
+    DemandMeter demand{kDemandHalfLifeS};  // of the Cache's bytes stored + loaded
   };
+  // The active bytes of every domain's pool together.
   uint64_t HeldLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Share ShareForLocked(std::string_view model_namespace) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t MaxForLocked(std::string_view model_namespace) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The slots holding a domain with a pool.
+  std::vector<size_t> LiveLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Shrinks each live domain above its target to it (`targets` parallel to `live`); then, with `grow`, grows
+  // those below it into what the budget has free. Changes of less than one grant of each component are skipped.
+  void ApplySharesLocked(const std::vector<size_t>& live, const std::vector<uint64_t>& targets, bool grow)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::optional<size_t> SlotOfLocked(std::string_view model_namespace) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::optional<size_t> FreeSlotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One line per domain: its namespace, share and blocks, for RESOURCE_EXHAUSTED and NOT_FOUND messages.
@@ -149,6 +168,7 @@ class CacheSet {
   mutable Mutex mu_;
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   uint64_t next_order_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t last_rebalance_ms_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace flexkv

@@ -155,8 +155,7 @@ uint32_t MatchIn(const DaemonUnderTest& d, const std::string& ns, const std::vec
 }
 
 // Both domains stored and loaded by two processes each; checks GetStatus. `llama_limit`: its pool_size (0: none).
-void StoreAndLoadInBoth(const DaemonUnderTest& d, uint64_t llama_budget, uint64_t llama_limit,
-                        uint64_t gpt_oss_budget) {
+void StoreAndLoadInBoth(const DaemonUnderTest& d, uint64_t llama_budget, uint64_t llama_limit) {
   // Domain B first misses what A stored (different domains, and so different blocks), then gets its own.
   CHECK(Run(Engine(d, kLlama, "llama-writer", {"store:7:16"})) == std::vector<std::string>{"STORED 0 16 OK"});
   CHECK(Run(Engine(d, kGptOss, "gpt-oss-reader", {"load:7:16"})) ==
@@ -182,11 +181,17 @@ void StoreAndLoadInBoth(const DaemonUnderTest& d, uint64_t llama_budget, uint64_
   CHECK(llama->geometry().num_layers() == 2);
   CHECK(llama->geometry().components_size() == 0);
   CHECK(gpt_oss->geometry().components_size() == 1);
-  CHECK(llama->pool().budget_bytes() == llama_budget);
+  // Shares: at most what the plan gave each when it was created (whole grants, rounded down), or what the daemon's
+  // rebalancing moved since by demand - never more than the domain's limit, and together within the budget.
+  CHECK(llama->pool().budget_bytes() <= (llama_limit != 0 ? llama_limit : 64ULL << 20));
+  CHECK(llama->pool().budget_bytes() + gpt_oss->pool().budget_bytes() <= 64ULL << 20);
+  CHECK(llama->pool().budget_bytes() > 0);
+  CHECK(gpt_oss->pool().budget_bytes() > 0);
+  if (llama_limit != 0) CHECK(llama->pool().budget_bytes() == llama_budget);  // all it may have, and no more
+  CHECK(gpt_oss->pool().budget_bytes() <= 64ULL << 20);
   CHECK(llama->limit_bytes() == llama_limit);
-  CHECK(gpt_oss->pool().budget_bytes() == gpt_oss_budget);
   CHECK(gpt_oss->limit_bytes() == 0);
-  CHECK(llama->pool().capacity_blocks() == llama_budget / (16 * 1024));
+  CHECK(llama->pool().capacity_blocks() == llama->pool().budget_bytes() / (16 * 1024));
   CHECK(gpt_oss->pool().components_size() == 2);
   CHECK(llama->index().blocks() == 16);
   CHECK(gpt_oss->index().blocks() == 16);
@@ -216,7 +221,7 @@ TEST_CASE("domains: a Llama and a gpt-oss domain in one daemon - both hit, neith
           "[integration][domains]") {
   DaemonUnderTest d({"--pool-size", "64MiB", "--max-domains", "2"});
   REQUIRE(d.WaitReady());
-  StoreAndLoadInBoth(d, 32ULL << 20, 0, 32ULL << 20);
+  StoreAndLoadInBoth(d, 32ULL << 20, 0);
 
   // A third namespace finds no room: both domains hold blocks.
   auto c = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
@@ -237,7 +242,7 @@ TEST_CASE("domains: a Llama and a gpt-oss domain in one daemon - both hit, neith
                            Catch::Contains("flexkv_index_blocks{namespace=\"gpt-oss\"} 16"));
 }
 
-TEST_CASE("domains: a namespace's pool_size from the config fixes its share, the others share the rest",
+TEST_CASE("domains: a namespace's pool_size from the config bounds its share, the others share the rest",
           "[integration][domains]") {
   const std::string dir = TempDir();
   {
@@ -247,7 +252,7 @@ TEST_CASE("domains: a namespace's pool_size from the config fixes its share, the
   {
     DaemonUnderTest d({"--pool-size", "64MiB", "--max-domains", "2", "--config", dir + "/flexkvd.toml"}, dir);
     REQUIRE(d.WaitReady());
-    StoreAndLoadInBoth(d, 16ULL << 20, 16ULL << 20, 32ULL << 20);
+    StoreAndLoadInBoth(d, 16ULL << 20, 16ULL << 20);
   }
   std::filesystem::remove_all(dir);
 }
@@ -401,4 +406,38 @@ TEST_CASE("domains: SIGTERM and kill -9 - a restart re-attaches both domains wit
           std::vector<std::string>{Hit(kGptOss, 16), Hit(kGptOss, 8)});
   }
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("domains: the budget follows demand - a domain that stores gets the memory of one that does not",
+          "[integration][domains]") {
+  DaemonUnderTest d({"--pool-size", "64MiB", "--max-domains", "2"});
+  REQUIRE(d.WaitReady());
+  CHECK(Run(Engine(d, kGptOss, "gpt-oss-writer", {"store:7:16"})) == std::vector<std::string>{"STORED 0 16 OK"});
+  CHECK(Run(Engine(d, kLlama, "llama-writer", {"store:7:16"})) == std::vector<std::string>{"STORED 0 16 OK"});
+  const flexkv::v1::GetStatusResponse before = Status(d);
+  REQUIRE(before.domains_size() == 2);
+  const uint64_t llama_before = DomainOf(before, kLlama)->pool().budget_bytes();
+  const uint64_t gpt_oss_before = DomainOf(before, kGptOss)->pool().budget_bytes();
+  CHECK(llama_before <= 32ULL << 20);  // equal shares while neither had traffic when the second came
+
+  // Only llama stores from now on; the daemon rebalances every few seconds (CacheSet::kRebalanceIntervalMs).
+  uint64_t llama_now = llama_before, gpt_oss_now = gpt_oss_before;
+  uint64_t seed = 100;
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (std::chrono::steady_clock::now() < deadline && llama_now <= llama_before) {
+    CHECK(Run(Engine(d, kLlama, "llama-writer", {fmt::format("store:{}:32", seed++)})) ==
+          std::vector<std::string>{"STORED 0 32 OK"});
+    const flexkv::v1::GetStatusResponse s = Status(d);
+    llama_now = DomainOf(s, kLlama)->pool().budget_bytes();
+    gpt_oss_now = DomainOf(s, kGptOss)->pool().budget_bytes();
+    CHECK(llama_now + gpt_oss_now <= 64ULL << 20);
+  }
+  INFO("llama " << llama_before << " -> " << llama_now << ", gpt-oss " << gpt_oss_before << " -> " << gpt_oss_now);
+  CHECK(llama_now > llama_before);
+  CHECK(gpt_oss_now < gpt_oss_before);
+  // The gpt-oss domain keeps serving what still fits in its share, or misses - never a torn hit: its engine
+  // compares every byte it loads (equal = 1) and finds its other blocks untouched (the last 1).
+  const std::vector<std::string> reload = Run(Engine(d, kGptOss, "gpt-oss-reader", {"load:7:16"}));
+  REQUIRE(reload.size() == 1);
+  CHECK_THAT(reload[0], Catch::EndsWith(" 1 OK 1"));
 }

@@ -1,5 +1,6 @@
-// CacheSet: several cache domains in one daemon - pool file naming, the budget share decision, replacement of an
-// unused empty domain, the refusal when nothing fits, isolation, and re-attaching every domain at restart.
+// CacheSet: several cache domains in one daemon - pool file naming, budget shares (equal while idle, by demand
+// after), replacement of an unused empty domain, the refusal when nothing fits, isolation, and re-attaching every
+// domain at restart.
 #include "daemon/cache/cache_set.h"
 
 #include <stdlib.h>
@@ -114,41 +115,132 @@ TEST_CASE("cache set: domain i's pool file is <pool_path> for 0 and <pool_path>.
   CHECK(domains[1].geometry.head_dim == 64);
 }
 
-TEST_CASE("cache set: a domain's share is its pool_size, else budget / max_domains of what is free",
+// The active bytes of every domain together: never more than the budget.
+uint64_t Held(const CacheSet& caches) {
+  uint64_t held = 0;
+  for (const CacheSet::Domain& d : caches.Domains()) held += d.cache->active_bytes();
+  return held;
+}
+
+TEST_CASE("cache set: the first domain takes the budget or its pool_size, later ones an equal share of idle ones",
           "[unit][cache]") {
   TempDir dir;
-  CacheSetOptions o = Options(dir, 256 * kBlock, 4);  // 1 MiB, a default share of 256 KiB
+  CacheSetOptions o = Options(dir, 256 * kBlock, 4);  // 1 MiB
   o.namespace_pool_bytes.emplace("big", 128 * kBlock);
   CacheSet caches(std::move(o));
   REQUIRE(caches.RecoverPools(false).ok());
-  CHECK(caches.ShareFor("a").bytes == 64 * kBlock);
-  CHECK(caches.ShareFor("big").bytes == 128 * kBlock);
-  CHECK(caches.ShareFor("big").limit == 128 * kBlock);
-  CHECK(caches.ShareFor("a").limit == 0);
+  CHECK(caches.MaxFor("big") == 128 * kBlock);
+  CHECK(caches.MaxFor("a") == 256 * kBlock);
   auto big = caches.Admit("big", SmallGeometry(), 0, NeverInUse);
   REQUIRE(big.ok());
-  CHECK((*big)->budget_bytes() == 128 * kBlock);
+  CHECK((*big)->budget_bytes() == 128 * kBlock);  // laid out for its pool_size
+  CHECK((*big)->active_bytes() == 128 * kBlock);  // alone, it has all it may have
   CHECK((*big)->capacity_slots() == 128);
+  const std::vector<BlockKey> keys = Keys(120);
+  Store(**big, keys);
+
+  // "a" (no pool_size, laid out for the whole budget): no domain has traffic, so equal shares: 128 blocks each.
   REQUIRE(caches.Admit("a", SmallGeometry(), 0, NeverInUse).ok());
-  CHECK(caches.Find("a")->budget_bytes() == 64 * kBlock);
-  // 64 blocks are left: the next default domain gets them all (min(256 KiB, free)).
+  CHECK(caches.Find("a")->budget_bytes() == 256 * kBlock);
+  CHECK(caches.Find("a")->active_bytes() == 128 * kBlock);
+  CHECK(caches.Find("big")->active_bytes() == 128 * kBlock);
+  CHECK((*big)->Match(keys, false, nullptr) == 120);
+  CHECK(Held(caches) <= 256 * kBlock);
+
+  // "b": a third each (85 blocks), rounded down to whole grants (big's grant is 8 slots, a's 16): big gives up its
+  // slots beyond 80, evicting the blocks there.
   REQUIRE(caches.Admit("b", SmallGeometry(), 0, AlwaysInUse).ok());
-  CHECK(caches.Find("b")->budget_bytes() == 64 * kBlock);
+  CHECK((*big)->active_bytes() == 80 * kBlock);
+  CHECK(caches.Find("a")->active_bytes() == 80 * kBlock);
+  CHECK(caches.Find("b")->active_bytes() == 80 * kBlock);
+  CHECK(Held(caches) <= 256 * kBlock);
+  const size_t kept = (*big)->Match(keys, false, nullptr);
+  CHECK(kept <= 80);
+  CHECK(kept > 0);
   CHECK(caches.Domains()[0].limit_bytes == 128 * kBlock);
+  CHECK(caches.Domains()[0].budget_bytes == 80 * kBlock);
   CHECK(caches.Domains()[1].limit_bytes == 0);
 
-  // The budget is all held and every domain is in use: refused, naming the budget, each domain and what to do.
-  auto refused = caches.Admit("c", SmallGeometry(), 0, AlwaysInUse);
+  // A fourth: a quarter each.
+  REQUIRE(caches.Admit("c", SmallGeometry(), 0, AlwaysInUse).ok());
+  for (const CacheSet::Domain& d : caches.Domains()) CHECK(d.cache->active_bytes() == 64 * kBlock);
+
+  // Every slot is taken and every domain is in use: refused, naming the budget, each domain and what to do.
+  auto refused = caches.Admit("d", SmallGeometry(), 0, AlwaysInUse);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == StatusCode::kResourceExhausted);
   const std::string m = refused.status().message();
   INFO(m);
-  CHECK_THAT(m, Catch::Contains("'c'") && Catch::Contains("1 MiB") && Catch::Contains("'big' holds 512 KiB") &&
-                    Catch::Contains("'a' holds 256 KiB") && Catch::Contains("--max-domains") &&
+  CHECK_THAT(m, Catch::Contains("'d'") && Catch::Contains("1 MiB") && Catch::Contains("'big' holds 256 KiB") &&
+                    Catch::Contains("all 4 domains") && Catch::Contains("--max-domains") &&
                     Catch::Contains("pool_size") && Catch::Contains("flexkvctl drop-domain"));
-  // Nothing was created.
-  CHECK(caches.Find("c") == nullptr);
-  CHECK(caches.Domains().size() == 3);
+  CHECK(caches.Find("d") == nullptr);
+  CHECK(caches.Domains().size() == 4);
+}
+
+TEST_CASE("cache set: shares follow demand, and a dropped domain's budget goes to the others", "[unit][cache]") {
+  TempDir dir;
+  CacheSet caches(Options(dir, 256 * kBlock, 3));
+  REQUIRE(caches.RecoverPools(false).ok());
+  Cache* busy = *caches.Admit("busy", SmallGeometry(), 0, NeverInUse);
+  Cache* idle = *caches.Admit("idle", SmallGeometry(), 0, NeverInUse);
+  CHECK(busy->active_bytes() == 128 * kBlock);
+  CHECK(idle->active_bytes() == 128 * kBlock);
+  Store(*idle, Keys(100));
+
+  int64_t now = 1000;
+  caches.Rebalance(now);  // the meters start; nobody has traffic: nothing moves
+  CHECK(busy->active_bytes() == 128 * kBlock);
+  CHECK(idle->active_bytes() == 128 * kBlock);
+
+  // "busy" stores and loads (as the request handlers count it), "idle" does nothing: idle keeps one grant of
+  // its pool (16 slots), busy takes the rest.
+  busy->counters().bytes_stored += 1ULL << 30;
+  now += CacheSet::kRebalanceIntervalMs;
+  caches.Rebalance(now);
+  CHECK(idle->active_bytes() == 16 * kBlock);
+  CHECK(busy->active_bytes() == 240 * kBlock);
+  CHECK(Held(caches) <= 256 * kBlock);
+  CHECK(idle->Match(Keys(100), false, nullptr) <= 16);
+
+  // Within the interval nothing is looked at.
+  idle->counters().bytes_loaded += 1ULL << 40;
+  caches.Rebalance(now + 1);
+  CHECK(idle->active_bytes() == 16 * kBlock);
+
+  // A new domain while one has traffic: its demand is taken as the mean of those with traffic.
+  Cache* late = *caches.Admit("late", SmallGeometry(), 0, NeverInUse);
+  CHECK(late->active_bytes() > 16 * kBlock);
+  CHECK(Held(caches) <= 256 * kBlock);
+
+  // The dropped domains' budget goes to the one left, traffic or not.
+  REQUIRE(caches.DropDomain("idle", false, nullptr).ok());
+  REQUIRE(caches.DropDomain("late", false, nullptr).ok());
+  now += 100 * CacheSet::kRebalanceIntervalMs;
+  caches.Rebalance(now);
+  CHECK(busy->active_bytes() == 256 * kBlock);
+}
+
+TEST_CASE("cache set: a new domain is refused while the others' pinned blocks hold the budget", "[unit][cache]") {
+  TempDir dir;
+  CacheSet caches(Options(dir, 64 * kBlock, 2));
+  REQUIRE(caches.RecoverPools(false).ok());
+  Cache* a = *caches.Admit("a", SmallGeometry(), 0, NeverInUse);
+  const std::vector<BlockKey> keys = Keys(64);
+  Store(*a, keys);
+  std::vector<SlotId> pins;
+  REQUIRE(a->Match(keys, true, &pins) == 64);
+  auto refused = caches.Admit("b", SmallGeometry(), 0, NeverInUse);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.status().message(), Catch::Contains("64 pinned") && Catch::Contains("0 B of the budget is free"));
+  CHECK(a->Match(keys, false, nullptr) == 64);  // nothing pinned was evicted
+  a->Unpin(pins);
+  auto admitted = caches.Admit("b", SmallGeometry(), 0, NeverInUse);
+  REQUIRE(admitted.ok());
+  CHECK((*admitted)->active_bytes() == 32 * kBlock);
+  CHECK(a->active_bytes() == 32 * kBlock);
+  CHECK(a->Match(keys, false, nullptr) <= 32);
 }
 
 TEST_CASE("cache set: an unused empty domain gives way to a new one, one in use or holding blocks does not",
@@ -226,7 +318,7 @@ TEST_CASE("cache set: domains never see each other's blocks, and one is dropped 
   CHECK(caches.TotalCounters().hit_blocks == 5);
 }
 
-TEST_CASE("cache set: a restart re-attaches every domain with its blocks, and a changed share is refused",
+TEST_CASE("cache set: a restart re-attaches every domain with its blocks and active size, a changed layout is refused",
           "[unit][cache]") {
   TempDir dir;
   const std::vector<BlockKey> keys = Keys(2);
@@ -248,7 +340,10 @@ TEST_CASE("cache set: a restart re-attaches every domain with its blocks, and a 
     Cache* fixed = caches.Find("fixed");
     REQUIRE(fixed != nullptr);
     CHECK(fixed->budget_bytes() == 16 * kBlock);
-    CHECK(caches.Find("default")->budget_bytes() == 32 * kBlock);
+    CHECK(fixed->active_bytes() == 16 * kBlock);
+    // "default" (laid out for the budget) gave "fixed" its 16 blocks when it came: 48 active.
+    CHECK(caches.Find("default")->budget_bytes() == 64 * kBlock);
+    CHECK(caches.Find("default")->active_bytes() == 48 * kBlock);
     // Served once their bytes are verified (in the background).
     for (Cache* c : {fixed, caches.Find("default")}) {
       while (c->GetStats().unverified != 0) std::this_thread::yield();
@@ -265,9 +360,8 @@ TEST_CASE("cache set: a restart re-attaches every domain with its blocks, and a 
     CHECK_THAT(refused.message(), Catch::Contains(dir.path() + "/pool.1") && Catch::Contains("--discard-pool"));
   }
   {
-    // Fewer domains (a budget that gives "default" the share it was made with): pool.1 is beyond them, kept
-    // (and logged) without --discard-pool.
-    CacheSet caches(Options(dir, 32 * kBlock, 1));
+    // Fewer domains: pool.1 is beyond them, kept (and logged) without --discard-pool.
+    CacheSet caches(Options(dir, 64 * kBlock, 1));
     REQUIRE(caches.RecoverPools(false).ok());
     CHECK(caches.Find("default") != nullptr);
     CHECK(caches.Find("fixed") == nullptr);
