@@ -317,8 +317,9 @@ TEST_CASE("CUDA backend refuses a copy whose sub-pool, slot or block lies outsid
   REQUIRE(backend->RegisterPool(pool.whole).ok());
 
   flexkv::PoolRegion past_end = sub;
-  past_end.slots = sub.slots + 1;  // one slot beyond the registered range
-  CHECK(refused(past_end, {0}, {0}) == flexkv::StatusCode::kFailedPrecondition);
+  past_end.slots = sub.slots + 1;  // a region one slot longer than what was registered: its last slot is outside
+  CHECK(refused(past_end, {0}, {sub.slots}) == flexkv::StatusCode::kFailedPrecondition);
+  CHECK(refused(past_end, {0, 1}, {1, sub.slots}) == flexkv::StatusCode::kFailedPrecondition);  // one of them
   auto elsewhere_map = flexkv::MappedRegion::Anonymous("memory that is not the pool", sub.slot_bytes);
   REQUIRE(elsewhere_map.ok());
   const flexkv::PoolRegion elsewhere{elsewhere_map->bytes(), sub.slot_bytes, sub.slot_bytes, 1};
