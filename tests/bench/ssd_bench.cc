@@ -1,12 +1,14 @@
-// flexkv-bench ssd [--dir DIR] [--block-size 1MiB] [--queue-depth 32] [--bytes 4GiB] [--rounds 3]
-//                  [--unregistered] [--rebuild 100K,1M] [--rebuild-payload 4KiB] [--no-fio] [--json]
+// flexkv-bench ssd [--dir DIR] [--block-size 1MiB] [--queue-depth 32] [--bytes 4GiB] [--rounds 3] [--no-fixed]
+//                  [--fio-fixedbufs] [--rebuild 100K,1M] [--rebuild-payload 4KiB] [--no-fio] [--json]
 // The SSD tier's block store (daemon/tiers/ssd/), in-process, against fio in the same run, same directory:
 //   write-back  SsdStore::Write of --bytes / --block-size distinct blocks, --queue-depth requests outstanding,
-//               from a registered buffer (the DRAM pool's stand-in; --unregistered: not registered)
+//               from a buffer standing in for the DRAM pool: unregistered (one vectored I/O per block: header
+//               sector + payload), then registered (fixed-buffer payload I/O, the header linked after it: two
+//               I/Os per block; --no-fixed skips this run)
 //   promotion   SsdStore::Read of the same blocks back (header and XXH3 verified), in the order written
 //   fio         --ioengine=io_uring --direct=1 --bs=<block size> --iodepth=<queue depth> --rw=write, then
-//               --rw=read, on a file of the same size in the same directory (--fixedbufs when the store's buffer
-//               is registered): the ceiling. Rounds alternate store and fio; medians are reported.
+//               --rw=read, on a file of the same size in the same directory: the ceiling. Rounds alternate store
+//               and fio; medians are reported.
 //   rebuild     for each N of --rebuild: a child process opens a store of N slots (--rebuild-payload blocks),
 //               writes N blocks and is killed with SIGKILL; the page cache is dropped (when this process may);
 //               then SsdStore::Open is timed: it rebuilds the index from the slot headers.
@@ -57,7 +59,8 @@ struct Options {
   uint32_t queue_depth = 32;
   uint64_t bytes = uint64_t{4} << 30;
   int rounds = 3;
-  bool unregistered = false;
+  bool fixed = true;           // also run the store with its buffer registered (fixed-buffer payload I/O)
+  bool fio_fixedbufs = false;
   std::vector<std::string> rebuild = {"100K", "1M"};
   uint64_t rebuild_payload = 4096;
   bool no_fio = false;
@@ -131,7 +134,8 @@ struct StoreRun {
   uint64_t fixed_ios = 0;
 };
 
-std::optional<StoreRun> RunStore(const Options& o, const std::string& dir, AlignedBuffer& pool, uint64_t pool_blocks) {
+std::optional<StoreRun> RunStore(const Options& o, const std::string& dir, AlignedBuffer& pool, uint64_t pool_blocks,
+                                 bool registered) {
   const uint64_t blocks = o.bytes / o.block_size;
   flexkv::SsdStoreOptions so;
   so.paths = {dir};
@@ -146,7 +150,7 @@ std::optional<StoreRun> RunStore(const Options& o, const std::string& dir, Align
     std::fprintf(stderr, "flexkv-bench ssd: %s\n", store.status().ToString().c_str());
     return std::nullopt;
   }
-  if (!o.unregistered) {
+  if (registered) {
     flexkv::SsdRegion r{pool.data, pool.size};
     if (auto s = (*store)->RegisterBuffers(std::span<const flexkv::SsdRegion>(&r, 1)); !s.ok()) {
       std::fprintf(stderr, "flexkv-bench ssd: %s\n", s.ToString().c_str());
@@ -206,7 +210,7 @@ std::optional<double> RunFio(const std::string& fio, const Options& o, const std
                                    "--numjobs=1",
                                    "--output-format=json",
                                    "--output=" + out};
-  if (!o.unregistered) argv.push_back("--fixedbufs");
+  if (o.fio_fixedbufs) argv.push_back("--fixedbufs");
   auto child = flexkv::bench::Spawn(argv, {}, dir + "/fio.log");
   if (!child) return std::nullopt;
   const int status = child->Wait();
@@ -330,7 +334,8 @@ int RunSsdBench(int argc, char** argv) {
       ->check(CLI::Range(1u, 4096u));
   app.add_option("--bytes", bytes, "Bytes written and read per round (default 4GiB)");
   app.add_option("--rounds", o.rounds, "Rounds of store and fio, alternating (default 3; medians)")->check(CLI::Range(1, 100));
-  app.add_flag("--unregistered", o.unregistered, "Do not register the buffer (no fixed-buffer I/O; fio without --fixedbufs)");
+  app.add_flag("!--no-fixed", o.fixed, "Skip the store run with a registered buffer (fixed-buffer payload I/O)");
+  app.add_flag("--fio-fixedbufs", o.fio_fixedbufs, "Run fio with --fixedbufs");
   app.add_option("--rebuild", o.rebuild, "Rebuild sizes in blocks, e.g. 100K,1M (K, M: powers of 1000); empty: none")
       ->delimiter(',');
   app.add_option("--rebuild-payload", rebuild_payload, "Block size for the rebuild runs (default 4KiB)");
@@ -397,14 +402,20 @@ int RunSsdBench(int argc, char** argv) {
 
   const uint64_t blocks = o.bytes / o.block_size;
   const double moved = static_cast<double>(blocks * o.block_size);
-  std::vector<double> store_w, store_r, fio_w, fio_r;
+  std::vector<double> store_w, store_r, fixed_w, fixed_r, fio_w, fio_r;
   uint64_t fixed_ios = 0;
   for (int round = 0; round < o.rounds; ++round) {
-    auto s = RunStore(o, dir, pool, pool_blocks);
+    auto s = RunStore(o, dir, pool, pool_blocks, false);
     if (!s) return 1;
     store_w.push_back(moved / s->write_s);
     store_r.push_back(moved / s->read_s);
-    fixed_ios = s->fixed_ios;
+    if (o.fixed) {
+      auto f = RunStore(o, dir, pool, pool_blocks, true);
+      if (!f) return 1;
+      fixed_w.push_back(moved / f->write_s);
+      fixed_r.push_back(moved / f->read_s);
+      fixed_ios = f->fixed_ios;
+    }
     if (!o.no_fio) {
       auto w = RunFio(fio, o, dir, "write");
       auto r = w ? RunFio(fio, o, dir, "read") : std::nullopt;
@@ -423,6 +434,7 @@ int RunSsdBench(int argc, char** argv) {
   }
 
   const double sw = Median(store_w), sr = Median(store_r), fw = Median(fio_w), fr = Median(fio_r);
+  const double xw = Median(fixed_w), xr = Median(fixed_r);
   const std::string fs = flexkv::SsdFilesystemName(dir);
   if (o.json) {
     Json report{{"bench", "ssd"},
@@ -432,14 +444,22 @@ int RunSsdBench(int argc, char** argv) {
                 {"queue_depth", o.queue_depth},
                 {"bytes_per_round", blocks * o.block_size},
                 {"rounds", o.rounds},
-                {"registered", !o.unregistered},
+                {"fio_fixedbufs", o.fio_fixedbufs},
                 {"store_write_mb_s", Whole(sw / 1e6)},
                 {"store_read_mb_s", Whole(sr / 1e6)}};
+    if (o.fixed) {
+      report["store_fixed_write_mb_s"] = Whole(xw / 1e6);
+      report["store_fixed_read_mb_s"] = Whole(xr / 1e6);
+    }
     if (!o.no_fio) {
       report["fio_write_mb_s"] = Whole(fw / 1e6);
       report["fio_read_mb_s"] = Whole(fr / 1e6);
       report["write_ratio"] = Rounded(fw > 0 ? sw / fw : 0, 3);
       report["read_ratio"] = Rounded(fr > 0 ? sr / fr : 0, 3);
+      if (o.fixed) {
+        report["fixed_write_ratio"] = Rounded(fw > 0 ? xw / fw : 0, 3);
+        report["fixed_read_ratio"] = Rounded(fr > 0 ? xr / fr : 0, 3);
+      }
     }
     Json rb = Json::array();
     for (const RebuildRun& r : rebuilds) {
@@ -454,17 +474,19 @@ int RunSsdBench(int argc, char** argv) {
     report["rebuild"] = std::move(rb);
     fmt::print("{}", DumpLine(report));
   } else {
-    fmt::print("SSD store vs fio: {} ({}), blocks of {}, queue depth {}, {} per round, {} round(s), medians; {}\n",
+    fmt::print("SSD store vs fio: {} ({}), blocks of {}, queue depth {}, {} per round, {} round(s), medians; fio {}\n",
                dir, fs, flexkv::FormatByteSize(o.block_size), o.queue_depth,
                flexkv::FormatByteSize(blocks * o.block_size), o.rounds,
-               o.unregistered ? "unregistered buffer" : fmt::format("registered buffer ({} fixed-buffer I/Os in the last round)", fixed_ios));
-    fmt::print("{:<34} {:>12} {:>12} {:>8}\n", "direction", "store MB/s", "fio MB/s", "ratio");
-    auto line = [&](const char* what, double s, double f) {
-      if (o.no_fio) fmt::print("{:<34} {:>12.0f} {:>12} {:>8}\n", what, s / 1e6, "-", "-");
-      else fmt::print("{:<34} {:>12.0f} {:>12.0f} {:>8.3f}\n", what, s / 1e6, f / 1e6, f > 0 ? s / f : 0.0);
+               o.fio_fixedbufs ? "with --fixedbufs" : "without --fixedbufs");
+    fmt::print("{:<52} {:>11} {:>9} {:>7}\n", "direction, store I/O", "store MB/s", "fio MB/s", "ratio");
+    auto line = [&](const std::string& what, double s, double f) {
+      if (o.no_fio) fmt::print("{:<52} {:>11.0f} {:>9} {:>7}\n", what, s / 1e6, "-", "-");
+      else fmt::print("{:<52} {:>11.0f} {:>9.0f} {:>7.3f}\n", what, s / 1e6, f / 1e6, f > 0 ? s / f : 0.0);
     };
-    line("write-back (DRAM -> SSD)", sw, fw);
-    line("promotion (SSD -> DRAM, verified)", sr, fr);
+    line("write-back (DRAM -> SSD), one vectored I/O", sw, fw);
+    if (o.fixed) line(fmt::format("write-back, fixed buffers (2 I/Os, {} fixed)", fixed_ios), xw, fw);
+    line("promotion (SSD -> DRAM, verified), one vectored I/O", sr, fr);
+    if (o.fixed) line("promotion, fixed buffers (2 I/Os)", xr, fr);
     for (const RebuildRun& r : rebuilds) {
       fmt::print("rebuild after kill -9: {} blocks of {} ({} file): Open {:.3f} s ({:.0f} blocks/s, {} rebuilt; "
                  "page cache {}; fill took {:.1f} s)\n",
