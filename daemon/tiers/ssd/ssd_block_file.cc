@@ -116,6 +116,8 @@ Status SsdErrnoStatus(int err, const std::string& what) {
     case ENOENT:
     case ENOTDIR:
       return Status::NotFound(base);
+    case EISDIR:
+      return Status::FailedPrecondition(base + "; a directory stands where the block file should be: remove it");
     case EIO:
     case ENODATA:
     case ENXIO:

@@ -851,3 +851,68 @@ TEST_CASE("ssd store: a drive too small for --ssd-size is a clear RESOURCE_EXHAU
   opts = Options({mnt}, 65536, 64);
   REQUIRE(SsdStore::Open(opts).ok());
 }
+
+TEST_CASE("ssd store: after kill -9 the reopened store serves every block whose write had completed", "[unit][ssd]") {
+  TempDir dir;
+  constexpr uint64_t kPayload = 8192;
+  const auto opts = Options({dir.Sub("a"), dir.Sub("b")}, kPayload, 32);
+  const pid_t pid = fork();  // no store is open here
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    auto store = SsdStore::Open(opts);
+    if (!store.ok()) _exit(3);
+    AlignedBytes src(kPayload);
+    for (uint64_t i = 0; i < 40; ++i) {  // 40 blocks in 64 slots; the last ones may still be in flight at the kill
+      Fill(src.span(0, kPayload), 7000 + i);
+      if (i < 32) {
+        if (!WriteSync(**store, Id(i), src.span(0, kPayload)).ok()) _exit(4);
+      } else {
+        static std::vector<std::unique_ptr<AlignedBytes>> keep;  // in flight at the kill: must stay valid
+        keep.push_back(std::make_unique<AlignedBytes>(kPayload));
+        std::memcpy(keep.back()->data, src.data, kPayload);
+        (void)(*store)->Write(Id(i), BlockKey{}, keep.back()->span(0, kPayload), 0, [](Status) {});
+      }
+    }
+    ::raise(SIGKILL);
+    _exit(5);
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFSIGNALED(status));
+  REQUIRE(WTERMSIG(status) == SIGKILL);
+  ::sync();
+  if (FILE* f = std::fopen("/proc/sys/vm/drop_caches", "w")) {  // as after a reboot, where root may
+    std::fputs("3\n", f);
+    std::fclose(f);
+  }
+  auto store = SsdStore::Open(opts);
+  REQUIRE(store.ok());
+  CHECK((*store)->rebuild_report().blocks >= 32);
+  CHECK((*store)->rebuild_report().corrupt_headers == 0);
+  AlignedBytes want(kPayload), got(kPayload);
+  for (uint64_t i = 0; i < 40; ++i) {
+    if (!(*store)->Lookup(Id(i)).has_value()) {
+      CHECK(i >= 32);  // only a write that had not completed may be missing
+      continue;
+    }
+    INFO("block " << i);
+    Fill(want.span(0, kPayload), 7000 + i);
+    REQUIRE(ReadSync(**store, Id(i), got.span(0, kPayload)).ok());
+    CHECK(std::memcmp(want.data, got.data, kPayload) == 0);
+  }
+  CHECK((*store)->stats().data_loss_blocks == 0);
+}
+
+TEST_CASE("ssd store: a directory standing where the block file should be is a clear error", "[unit][ssd]") {
+  TempDir dir;
+  const std::string path = dir.Sub("a");
+  std::filesystem::create_directories(BlockFile(path));
+  auto store = SsdStore::Open(Options({path}, 4096, 4));
+  REQUIRE_FALSE(store.ok());
+  CHECK(store.status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(store.status().message(), Catch::Contains(BlockFile(path)) && Catch::Contains("remove it"));
+  auto missing = SsdStore::Open(Options({dir.path() + "/nope"}, 4096, 4));
+  REQUIRE_FALSE(missing.ok());
+  CHECK(missing.status().code() == StatusCode::kNotFound);
+  CHECK_THAT(missing.status().message(), Catch::Contains("does not exist"));
+}
