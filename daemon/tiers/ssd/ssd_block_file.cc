@@ -20,6 +20,8 @@
 namespace flexkv {
 namespace {
 
+constexpr int kLockWaitMs = 2000;
+
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
@@ -201,13 +203,18 @@ Result<std::unique_ptr<SsdBlockFile>> SsdBlockFile::Open(const std::string& dir,
     f->direct_ = false;
   }
   f->fd_.reset(fd);
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+  // A daemon killed with I/O in flight keeps the file (and so its lock) until the kernel has finished that I/O
+  // and torn its io_uring down, a few milliseconds after the process is gone: wait that long before refusing.
+  for (int waited_ms = 0; ::flock(fd, LOCK_EX | LOCK_NB) != 0;) {
     const int e = errno;
-    if (e == EWOULDBLOCK) {
-      return Status::FailedPrecondition(fmt::format("ssd file {} is in use by another process (locked); one flexkvd "
-                                                    "per --ssd-path", f->path_));
+    if (e == EINTR) continue;
+    if (e != EWOULDBLOCK) return SsdErrnoStatus(e, fmt::format("flock {}", f->path_));
+    if (waited_ms >= kLockWaitMs) {
+      return Status::FailedPrecondition(fmt::format("ssd file {} is in use by another process (still locked after "
+                                                    "{} ms); one flexkvd per --ssd-path", f->path_, kLockWaitMs));
     }
-    return SsdErrnoStatus(e, fmt::format("flock {}", f->path_));
+    ::usleep(10'000);
+    waited_ms += 10;
   }
   auto fail_created = [&](Status s) {
     if (created) ::unlink(f->path_.c_str());
@@ -238,7 +245,9 @@ Result<std::unique_ptr<SsdBlockFile>> SsdBlockFile::Open(const std::string& dir,
         f->fd_.reset(bfd);
         fd = bfd;
         f->direct_ = false;
-        if (::flock(fd, LOCK_EX | LOCK_NB) != 0) return SsdErrnoStatus(errno, fmt::format("flock {}", f->path_));
+        if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {  // reset closed the direct fd and its lock: lock again
+          return SsdErrnoStatus(errno, fmt::format("flock {}", f->path_));
+        }
         if (const int e2 = PreadFull(fd, sector.get(), kSsdHeaderSector, 0); e2 != 0) {
           return SsdErrnoStatus(e2, fmt::format("read the header of {}", f->path_));
         }

@@ -1,6 +1,12 @@
 // See ssd_store.h. The index (slot table, key map, LRU list, free lists) sits behind one mutex; each drive owns
-// an io_uring, a thread, a bounded request queue and `queue_depth` operation slots, each with its header sector
-// (registered with the ring as fixed buffer 0) and, when needed, a bounce buffer.
+// an io_uring, a completion thread, a bounded request queue and `queue_depth` operation slots, each with its header
+// sector (registered with the ring as fixed buffer 0) and, when needed, a bounce buffer.
+//
+// Submission is inline: the caller's thread prepares its request's I/O and submits it (one io_uring_enter) when an
+// operation slot is free, under the drive's submission lock; otherwise the request waits in the queue and the
+// completion thread submits it when an operation ends. The completion thread only reaps (the ring's completion side
+// has that one reader). Measured against a submission thread woken through an eventfd (docs/performance.md, "SSD
+// tier"): the hand-off cost a wake-up per request, which showed at small blocks.
 //
 // A request's I/O, by where its payload is:
 //   registered (inside a piece RegisterBuffers gave, 4 KiB aligned): two fixed-buffer operations, payload and
@@ -15,9 +21,7 @@
 #include <absl/container/flat_hash_map.h>
 #include <absl/hash/hash.h>
 #include <fmt/format.h>
-#include <sys/eventfd.h>
 #include <sys/uio.h>
-#include <poll.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -53,7 +57,7 @@ namespace {
 
 constexpr uint32_t kNil = std::numeric_limits<uint32_t>::max();
 constexpr uint64_t kMaxFixedPiece = uint64_t{1} << 30;  // the kernel's limit for one registered buffer
-constexpr uint64_t kWakeTag = std::numeric_limits<uint64_t>::max();
+constexpr uint64_t kStopTag = std::numeric_limits<uint64_t>::max();  // a NOP that ends the completion thread
 constexpr uint32_t kMaxQueueDepth = 4096;
 
 struct FreeDeleter {
@@ -140,14 +144,14 @@ struct Drive {
   uint32_t index = 0;
   std::unique_ptr<SsdBlockFile> file;
   IoUringRing ring;
-  UniqueFd wake;  // eventfd: producers write it, the ring polls it
   AlignedBuffer header_area;
   bool header_fixed = false;
+  // An operation slot is prepared under sq_mu while free, then belongs to the completion thread until it is
+  // freed again (under sq_mu).
   std::vector<Op> ops;
-  std::vector<uint32_t> free_ops;  // drive thread only
-  Mutex mu;
-  std::deque<Request> queue ABSL_GUARDED_BY(mu);
-  bool stopping ABSL_GUARDED_BY(mu) = false;
+  Mutex sq_mu;  // the ring's submission side, the free operation slots and the queue
+  std::vector<uint32_t> free_ops ABSL_GUARDED_BY(sq_mu);
+  std::deque<Request> queue ABSL_GUARDED_BY(sq_mu);
   uint64_t accepted = 0;  // external requests outstanding: the store's mu guards it
   std::thread thread;
 };
@@ -217,14 +221,16 @@ struct SsdStore::Impl {
     MutexLock l(&idle_mu);
     outstanding += n;
   }
+  // Submits `r` now when its drive has a free operation slot (and nothing queued before it), else queues it.
   void Push(Request r) {
     Drive& d = *drives[DriveOf(r.slot)];
-    {
-      MutexLock l(&d.mu);
+    MutexLock l(&d.sq_mu);
+    if (d.queue.empty() && !d.free_ops.empty()) {
+      Prepare(d, std::move(r));
+      SubmitPrepared(d);
+    } else {
       d.queue.push_back(std::move(r));
     }
-    const uint64_t one = 1;
-    (void)!::write(d.wake.get(), &one, sizeof(one));
   }
   int FindPiece(const void* p, uint64_t len) const {
     if (!Aligned(p, len)) return -1;
@@ -238,8 +244,8 @@ struct SsdStore::Impl {
 
   // --- drive thread ---
   void Run(Drive& d);
-  void ArmWake(Drive& d);
-  void Prepare(Drive& d, Request req);
+  void Prepare(Drive& d, Request req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(d.sq_mu);
+  void SubmitPrepared(Drive& d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(d.sq_mu);
   void Complete(Drive& d, uint32_t op_index, int part, int res);
   void Finish(Drive& d, uint32_t op_index);
   Status WriteStatus(const Drive& d, const Op& op) const;
@@ -259,10 +265,17 @@ io_uring_sqe* Sqe(io_uring* ring) {
 
 }  // namespace
 
-void SsdStore::Impl::ArmWake(Drive& d) {
-  io_uring_sqe* sqe = Sqe(d.ring.get());
-  io_uring_prep_poll_add(sqe, d.wake.get(), POLLIN);
-  io_uring_sqe_set_data64(sqe, kWakeTag);
+void SsdStore::Impl::SubmitPrepared(Drive& d) {
+  io_uring* ring = d.ring.get();
+  while (io_uring_sq_ready(ring) > 0) {
+    const int r = io_uring_submit(ring);
+    if (r >= 0 || r == -EINTR) continue;
+    if (r == -EAGAIN || r == -EBUSY) {  // the kernel is short of request memory or completions are backed up
+      std::this_thread::yield();
+      continue;
+    }
+    SSD_CHECK(false, "io_uring_submit failed on a valid ring");
+  }
 }
 
 void SsdStore::Impl::Prepare(Drive& d, Request req) {
@@ -498,7 +511,15 @@ void SsdStore::Impl::Finish(Drive& d, uint32_t op_index) {
   }
   if (!st.ok() && r.kind == OpKind::kRead) log::Warning("ssd", "{}", st.message());
   op.req = Request{};
-  d.free_ops.push_back(op_index);
+  {
+    MutexLock l(&d.sq_mu);
+    d.free_ops.push_back(op_index);
+    while (!d.queue.empty() && !d.free_ops.empty()) {
+      Prepare(d, std::move(d.queue.front()));
+      d.queue.pop_front();
+    }
+    SubmitPrepared(d);
+  }
   if (!follow_ups.empty()) {
     AddOutstanding(follow_ups.size());
     for (Request& f : follow_ups) Push(std::move(f));
@@ -508,49 +529,32 @@ void SsdStore::Impl::Finish(Drive& d, uint32_t op_index) {
   if (--outstanding == 0) idle_cv.notify_all();
 }
 
+// The completion thread: reaps, finishes operations (which submits queued requests), until the stop NOP.
 void SsdStore::Impl::Run(Drive& d) {
   io_uring* ring = d.ring.get();
-  ArmWake(d);
-  std::vector<Request> batch;
+  std::vector<std::pair<uint64_t, int>> done;
   for (;;) {
-    bool stop = false;
-    bool queue_empty = false;
-    {
-      MutexLock l(&d.mu);
-      while (!d.queue.empty() && batch.size() < d.free_ops.size()) {
-        batch.push_back(std::move(d.queue.front()));
-        d.queue.pop_front();
-      }
-      stop = d.stopping;
-      queue_empty = d.queue.empty();
-    }
-    for (Request& r : batch) Prepare(d, std::move(r));
-    batch.clear();
-    if (stop && queue_empty && d.free_ops.size() == d.ops.size()) break;
-    const int r = io_uring_submit_and_wait(ring, 1);
-    if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
-      SSD_CHECK(false, "io_uring_submit_and_wait failed on a valid ring");
-    }
+    io_uring_cqe* cqe = nullptr;
+    const int r = io_uring_wait_cqe(ring, &cqe);
+    if (r == -EINTR || r == -EAGAIN) continue;
+    SSD_CHECK(r == 0, "io_uring_wait_cqe failed on a valid ring");
     unsigned head = 0;
     unsigned seen = 0;
-    io_uring_cqe* cqe = nullptr;
-    bool rearm = false;
-    std::vector<std::pair<uint64_t, int>> done;
+    done.clear();
     io_uring_for_each_cqe(ring, head, cqe) {
       done.emplace_back(cqe->user_data, cqe->res);
       ++seen;
     }
     io_uring_cq_advance(ring, seen);
+    bool stop = false;
     for (const auto& [tag, res] : done) {
-      if (tag == kWakeTag) {
-        uint64_t v = 0;
-        (void)!::read(d.wake.get(), &v, sizeof(v));
-        rearm = true;
+      if (tag == kStopTag) {
+        stop = true;
         continue;
       }
       Complete(d, static_cast<uint32_t>(tag >> 2), static_cast<int>(tag & 3), res);
     }
-    if (rearm) ArmWake(d);
+    if (stop) return;  // sent once idle: nothing else is in flight
   }
 }
 
@@ -819,8 +823,6 @@ Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options)
     if (d->file->fresh() && d->file->found_bytes() > 0) ++m.report.files_reformatted;
     const unsigned entries = std::max(2 * options.queue_depth + 4, options.rebuild_queue_depth);
     FLEXKV_RETURN_IF_ERROR(d->ring.Init(entries));
-    d->wake.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    if (!d->wake.valid()) return SsdErrnoStatus(errno, "eventfd for the ssd drive thread");
     d->header_area = AllocAligned(uint64_t{options.queue_depth} * kSsdHeaderSector);
     if (!d->header_area) return Status::ResourceExhausted("ssd store: no memory for the header buffers");
     iovec iov{d->header_area.get(), uint64_t{options.queue_depth} * kSsdHeaderSector};
@@ -834,6 +836,7 @@ Result<std::unique_ptr<SsdStore>> SsdStore::Open(const SsdStoreOptions& options)
       m.report.warnings.push_back(w);
     }
     d->ops.resize(options.queue_depth);
+    MutexLock l(&d->sq_mu);
     for (uint32_t k = 0; k < options.queue_depth; ++k) {
       d->ops[k].header = d->header_area.get() + uint64_t{k} * kSsdHeaderSector;
       d->free_ops.push_back(options.queue_depth - 1 - k);
@@ -877,12 +880,12 @@ SsdStore::~SsdStore() {
   }
   WaitIdle();
   for (auto& d : impl_->drives) {
-    {
-      MutexLock l(&d->mu);
-      d->stopping = true;
-    }
-    const uint64_t one = 1;
-    (void)!::write(d->wake.get(), &one, sizeof(one));
+    if (!d->thread.joinable()) continue;
+    MutexLock l(&d->sq_mu);
+    io_uring_sqe* sqe = Sqe(d->ring.get());
+    io_uring_prep_nop(sqe);
+    io_uring_sqe_set_data64(sqe, kStopTag);
+    impl_->SubmitPrepared(*d);
   }
   for (auto& d : impl_->drives) {
     if (d->thread.joinable()) d->thread.join();

@@ -886,6 +886,7 @@ TEST_CASE("ssd store: after kill -9 the reopened store serves every block whose 
     std::fclose(f);
   }
   auto store = SsdStore::Open(opts);
+  INFO(store.status().ToString());
   REQUIRE(store.ok());
   CHECK((*store)->rebuild_report().blocks >= 32);
   CHECK((*store)->rebuild_report().corrupt_headers == 0);
