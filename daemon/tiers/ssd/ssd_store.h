@@ -5,8 +5,9 @@
 // read is reported OK only once both were checked, and the index is rebuilt from the headers when the store opens
 // (docs/ssd.md). Not wired into the cache yet: the cache's eviction write-back and promotion are the next step.
 //
-// Threading: every method is thread-safe. Each drive has one io_uring and one thread that submits its requests
-// and runs their completions; `done` callbacks run on that thread, must not block, and may call the store again.
+// Threading: every method is thread-safe. Each drive has one io_uring; Write and Read submit their I/O from the
+// caller's thread when the drive has a free operation slot (else the request is queued), and one completion thread
+// per drive reaps, verifies and runs the `done` callbacks: they must not block, and may call the store again.
 #pragma once
 
 #include <cstdint>
