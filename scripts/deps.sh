@@ -10,6 +10,7 @@ FLEXKV_PACKAGES=(
   libtomlplusplus-dev  # the config's [namespace.*] ACL tables, with line numbers in errors
   nlohmann-json3-dev  # JSON: flexkvctl --json, flexkv-bench reports, the trace reader
   liburing-dev libibverbs-dev libboost-dev
+  fio  # flexkv-bench ssd: the ceiling the SSD tier is measured against (io_uring, O_DIRECT, same directory)
   python3 python3-grpcio python3-protobuf python3-xxhash
   python3-pytest python3-numpy  # the Python package's tests (tests/python) and examples/vllm_dp_rank.py --host
   prometheus-cpp-dev prometheus curl  # metrics: the library; promtool (in prometheus) and curl test it

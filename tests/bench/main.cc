@@ -35,6 +35,7 @@
 #include "index_bench.h"
 #include "trace_bench.h"
 #include "host_transfer_bench.h"
+#include "ssd_bench.h"
 #include "transfer_bench.h"
 
 namespace {
@@ -533,6 +534,8 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], "trace") == 0) return RunTraceBench(argc - 1, argv + 1);
   if (argc >= 2 && std::strcmp(argv[1], "trace-worker") == 0) return RunTraceWorker(argc - 1, argv + 1);
   if (argc >= 2 && std::strcmp(argv[1], "index") == 0) return RunIndexBench(argc - 1, argv + 1);
+  // The SSD tier's store against fio, same directory, same run (ssd_bench.h).
+  if (argc >= 2 && std::strcmp(argv[1], "ssd") == 0) return RunSsdBench(argc - 1, argv + 1);
   CLI::App app{"flexkv-bench: flexkvd benchmarks"};
   app.require_subcommand(1);
   std::string socket;
@@ -566,6 +569,8 @@ int main(int argc, char** argv) {
   app.add_subcommand("trace", "Replay a Mooncake trace through a spawned flexkvd: hit ratio vs block LRU; --geometry: "
                              "a hybrid model's pool vs its all-FULL reference (trace --help)");
   app.add_subcommand("index", "PrefixIndex throughput, memory per block and restart time at scale (index --help)");
+  app.add_subcommand("ssd", "SSD tier: write-back and promotion throughput against fio (io_uring, O_DIRECT, same block "
+                            "size, directory and queue depth), rebuild time after kill -9 (ssd --help)");
   auto* worker = app.add_subcommand("ring-worker", "internal: one client process of `ring`");
   worker->group("");  // hidden
   worker->add_option("--socket", wo.socket)->required();
