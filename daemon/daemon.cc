@@ -97,7 +97,7 @@ int RunDaemon(const DaemonConfig& config) {
   // Each domain's pool announces itself (now when re-attached, or when its first Attach creates it): the backends
   // register it for DMA before any session can copy, so that registering GPU buffers later is quick; a dropped
   // domain's region is unregistered, exactly that one.
-  caches.SetPoolListener([&backends](const PoolRegion& pool) { backends.RegisterPool(pool); },
+  caches.SetPoolListener([&backends](const PoolRegion& pool) { return backends.RegisterPool(pool); },
                          [&backends](const PoolRegion& pool) { backends.UnregisterPool(pool); });
   // Restored blocks are served only once their bytes pass their checksums, checked in the background (one
   // verifier per domain, started by RecoverPools).

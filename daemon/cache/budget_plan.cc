@@ -13,12 +13,12 @@ uint64_t Clamp(double v, const DomainNeed& d) {
   return static_cast<uint64_t>(v);
 }
 
-uint64_t SharesAt(double lambda, std::span<const DomainNeed> domains, std::vector<uint64_t>* out) {
-  uint64_t sum = 0;
-  out->clear();
-  for (const DomainNeed& d : domains) {
-    out->push_back(Clamp(lambda * d.demand, d));
-    sum += out->back();
+// The shares at lambda (share_i = clamp(lambda * demand_i, floor_i, limit_i)) and their sum, exactly.
+long double SumAt(long double lambda, std::span<const DomainNeed> domains, std::span<const double> demand) {
+  long double sum = 0;
+  for (size_t i = 0; i < domains.size(); ++i) {
+    const long double v = lambda * demand[i];
+    sum += std::clamp<long double>(v, domains[i].floor_bytes, domains[i].limit_bytes);
   }
   return sum;
 }
@@ -29,31 +29,48 @@ std::vector<uint64_t> PlanShares(uint64_t budget_bytes, std::span<const DomainNe
   std::vector<uint64_t> shares;
   double max_demand = 0;
   for (const DomainNeed& d : domains) max_demand = std::max(max_demand, d.demand);
-  if (!(max_demand > 0)) {
+  if (!(max_demand > 0) || !std::isfinite(max_demand)) {
     for (const DomainNeed& d : domains) shares.push_back(std::clamp(d.current_bytes, d.floor_bytes, d.limit_bytes));
     return shares;
   }
-  // The shares' sum is non-decreasing in lambda: bisect for the largest lambda that fits. At `hi` every domain with
-  // demand is at its limit (the least demand times hi exceeds every limit); when even that fits, it is the answer.
-  double min_demand = max_demand;
+  // Demands are taken relative to the largest; one below 1e-12 of it is none (it would only put lambda's range
+  // out of reach of floating point, and its share is its floor either way).
+  std::vector<double> demand;
   for (const DomainNeed& d : domains) {
-    if (d.demand > 0) min_demand = std::min(min_demand, d.demand);
+    const double rel = d.demand / max_demand;
+    demand.push_back(rel >= 1e-12 ? rel : 0);
   }
-  double lo = 0;
-  uint64_t max_limit = 0;
-  for (const DomainNeed& d : domains) max_limit = std::max(max_limit, d.limit_bytes);
-  double hi = static_cast<double>(std::max(max_limit, budget_bytes)) / min_demand * 2;
-  std::vector<uint64_t> trial;
-  if (SharesAt(hi, domains, &trial) <= budget_bytes) return trial;  // every limit fits
-  for (int i = 0; i < 200 && hi - lo > hi * 1e-12; ++i) {
-    const double mid = (lo + hi) / 2;
-    if (SharesAt(mid, domains, &trial) <= budget_bytes) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
+  // The sum is piecewise linear and non-decreasing in lambda, with breakpoints where a share leaves its floor
+  // (floor / demand) or reaches its limit (limit / demand): find the segment where it crosses the budget and
+  // solve it there, exactly.
+  std::vector<long double> points{0};
+  for (size_t i = 0; i < domains.size(); ++i) {
+    if (demand[i] == 0) continue;
+    points.push_back(static_cast<long double>(domains[i].floor_bytes) / demand[i]);
+    points.push_back(static_cast<long double>(domains[i].limit_bytes) / demand[i]);
   }
-  SharesAt(lo, domains, &shares);
+  std::sort(points.begin(), points.end());
+  const auto budget = static_cast<long double>(budget_bytes);
+  long double lambda = points.back();  // every share at its limit, when even that fits
+  for (size_t k = 0; k + 1 < points.size(); ++k) {
+    const long double lo = points[k], hi = points[k + 1];
+    const long double at_hi = SumAt(hi, domains, demand);
+    if (at_hi <= budget) continue;
+    const long double at_lo = SumAt(lo, domains, demand);
+    lambda = at_lo >= budget || at_hi == at_lo ? lo : lo + (budget - at_lo) * (hi - lo) / (at_hi - at_lo);
+    break;
+  }
+  for (size_t i = 0; i < domains.size(); ++i) {
+    shares.push_back(Clamp(static_cast<double>(lambda * demand[i]), domains[i]));
+  }
+  // Rounding of the solved lambda: never above the budget (unless the floors are).
+  uint64_t sum = 0;
+  for (uint64_t v : shares) sum += v;
+  for (size_t i = 0; sum > budget_bytes && i < shares.size(); ++i) {
+    const uint64_t take = std::min(sum - budget_bytes, shares[i] - domains[i].floor_bytes);
+    shares[i] -= take;
+    sum -= take;
+  }
   return shares;
 }
 
@@ -71,6 +88,8 @@ void DemandMeter::Observe(uint64_t total_bytes, int64_t now_ms) {
   // Weight of the past after `elapsed`: 2^(-elapsed / half_life).
   const double keep = std::exp2(-static_cast<double>(elapsed_ms) / 1000.0 / half_life_s_);
   rate_ = rate_ * keep + instant * (1 - keep);
+  // Below a byte a second a domain has no traffic: the rate would otherwise only decay towards 0 for hours.
+  if (rate_ < 1) rate_ = 0;
   last_bytes_ = total_bytes;
   last_ms_ = now_ms;
 }

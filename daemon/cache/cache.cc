@@ -194,7 +194,8 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
   PublishActiveLocked();
   has_pool_.store(true, std::memory_order_release);
   for (size_t c = 0; c < pool_->component_count(); ++c) {
-    AnnounceGrantsLocked(pool_listener_, c, 0, pool_->sub_pool(c).active);
+    uint32_t reached = 0;
+    (void)AnnounceAddedLocked(c, 0, pool_->sub_pool(c).active, &reached);  // the listener keeps an error
   }
 }
 
@@ -263,6 +264,22 @@ void Cache::AnnounceGrantsLocked(const std::function<void(const PoolRegion&)>& l
   }
 }
 
+Status Cache::AnnounceAddedLocked(size_t c, uint32_t from, uint32_t to, uint32_t* reached) const {
+  *reached = from;
+  if (!pool_listener_) {
+    *reached = to;
+    return Status::Ok();
+  }
+  const SubPool& p = pool_->sub_pool(c);
+  for (uint32_t first = from; first < to; first += p.grant) {
+    const uint32_t slots = std::min(p.grant, to - first);
+    *reached = first + slots;
+    FLEXKV_RETURN_IF_ERROR(pool_listener_(
+        PoolRegion{p.data + uint64_t{first} * p.slot_bytes, uint64_t{slots} * p.slot_bytes, p.slot_bytes, slots}));
+  }
+  return Status::Ok();
+}
+
 void Cache::PublishActiveLocked() {
   uint32_t total = 0;
   for (size_t c = 0; c < active_slots_.size(); ++c) {
@@ -327,7 +344,8 @@ Result<uint64_t> Cache::Resize(uint64_t active_bytes) {
     AnnounceGrantsLocked(pool_gone_listener_, c, keep, from);
     status = pool_->SetActive(c, keep);
     if (!status.ok()) {  // nothing changed in the pool: its grants stay, registered again
-      AnnounceGrantsLocked(pool_listener_, c, keep, from);
+      uint32_t reached = 0;
+      (void)AnnounceAddedLocked(c, keep, from, &reached);
       break;
     }
     log::Info("cache", "pool {} component {}: {} -> {} active slots ({} blocks evicted)", pool_path_, c, from, keep,
@@ -339,7 +357,19 @@ Result<uint64_t> Cache::Resize(uint64_t active_bytes) {
     if (target[c] > from) {
       status = pool_->SetActive(c, target[c]);
       if (!status.ok()) break;
-      AnnounceGrantsLocked(pool_listener_, c, from, target[c]);
+      uint32_t reached = from;
+      if (Status added = AnnounceAddedLocked(c, from, target[c], &reached); !added.ok()) {
+        // Not reachable for copies (e.g. DMA registration failed): its slots are never handed out; every grant
+        // told (the refused one too, so that the listener forgets it) is taken back.
+        AnnounceGrantsLocked(pool_gone_listener_, c, from, reached);
+        if (Status back = pool_->SetActive(c, from); !back.ok()) {
+          log::Warning("cache", "pool {}: giving back grants that could not be registered: {}", pool_path_,
+                       back.ToString());
+        }
+        status = added.WithContext(fmt::format("growing pool {} component {} from {} to {} slots", pool_path_, c,
+                                               from, target[c]));
+        break;
+      }
       log::Info("cache", "pool {} component {}: {} -> {} active slots", pool_path_, c, from, target[c]);
     }
     if (c == 0) {
@@ -353,6 +383,14 @@ Result<uint64_t> Cache::Resize(uint64_t active_bytes) {
   return pool_->active_bytes();
 }
 
+bool Cache::shrink_held() const {
+  MutexLock lock(&mu_);
+  if (!pool_) return false;
+  bool held = index_->limit() < index_->active();
+  for (size_t c = 1; c < pool_->component_count(); ++c) held = held || Part(c).limit() < Part(c).active();
+  return held;
+}
+
 std::vector<SlotId> Cache::component_bases() const {
   MutexLock lock(&mu_);
   std::vector<SlotId> bases;
@@ -360,13 +398,14 @@ std::vector<SlotId> Cache::component_bases() const {
   return bases;
 }
 
-void Cache::SetPoolListener(std::function<void(const PoolRegion&)> added,
+void Cache::SetPoolListener(std::function<Status(const PoolRegion&)> added,
                             std::function<void(const PoolRegion&)> removed) {
   MutexLock lock(&mu_);
   pool_listener_ = std::move(added);
   pool_gone_listener_ = std::move(removed);
   for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
-    AnnounceGrantsLocked(pool_listener_, c, 0, pool_->sub_pool(c).active);
+    uint32_t reached = 0;
+    (void)AnnounceAddedLocked(c, 0, pool_->sub_pool(c).active, &reached);  // the listener keeps an error
   }
 }
 

@@ -94,10 +94,14 @@ class Cache {
   // unpinned blocks in the slots it gives back (their descendants with them; counted as evictions) and gives
   // back the grants that are then free; pinned, pending or unverified blocks hold it there (a later Resize
   // continues). A growing component's new grants are allocated, announced to the pool listener, then handed out.
-  // Returns the active bytes reached (Σ active slots × slot bytes): less than asked when a shrink is held up.
+  // Returns the active bytes reached (Σ active slots × slot bytes): more than asked when a shrink is held up.
   // FAILED_PRECONDITION without a pool; RESOURCE_EXHAUSTED (naming the file, the bytes and the filesystem) when a
   // grow cannot be allocated, the shrinks of this call kept.
   Result<uint64_t> Resize(uint64_t active_bytes);
+  // Whether a Resize left a shrink held back (pinned, pending or unverified blocks above the size it asked for):
+  // the indexes hand out no slot above that size meanwhile. The next Resize continues the shrink, or - asked for at
+  // least the active size - lifts the hold.
+  bool shrink_held() const;
   // The pool's active bytes now, with every slot active, and with one grant of each component active (the least
   // Resize goes to); 0 without a pool.
   uint64_t active_bytes() const;
@@ -152,8 +156,12 @@ class Cache {
   // released and before its memory is returned (Resize), and every active grant before a dropped pool is
   // unmapped (DropDomain); each exactly once per `added`. Both run under the cache's lock, so that no session
   // uses a grant before the listener is done with it (e.g. DMA registration); they must not call back into the
-  // cache. One listener; set it before RecoverPool.
-  void SetPoolListener(std::function<void(const PoolRegion&)> added, std::function<void(const PoolRegion&)> removed = {});
+  // cache. One listener; set it before RecoverPool. `added` answers whether the grant could be made reachable (e.g.
+  // registered for DMA): a grant a Resize grows into is given back when it could not (the Resize answers that
+  // error); the grants of a new or re-attached pool are kept either way (the listener keeps the error for the
+  // sessions it concerns).
+  void SetPoolListener(std::function<Status(const PoolRegion&)> added,
+                       std::function<void(const PoolRegion&)> removed = {});
 
   // Checking block contents (block_verifier.h). The blocks RecoverPool restored unverified, parents first;
   // the first call takes them, later ones get none. A non-empty answer starts the restart verification, which
@@ -204,6 +212,10 @@ class Cache {
   // Tells `listener` (when set) each grant of component c in its slots [from, to) (grant boundaries).
   void AnnounceGrantsLocked(const std::function<void(const PoolRegion&)>& listener, size_t c, uint32_t from,
                             uint32_t to) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the `added` listener each grant of component c in [from, to), up to the first it refuses: that error, with
+  // `*reached` the end of the grants it was told (the refused one included).
+  Status AnnounceAddedLocked(size_t c, uint32_t from, uint32_t to, uint32_t* reached) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the pool's active capacities to the lock-free readers (capacity_slots, active_slots).
   void PublishActiveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The component index of component c >= 1, and a slot's component and its slot there.
@@ -235,7 +247,7 @@ class Cache {
   std::atomic<uint32_t> capacity_{0};  // the pool's active slots (capacity_slots without a lock)
   std::array<std::atomic<uint32_t>, Geometry::kMaxComponents> active_slots_{};  // per component, without a lock
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
-  std::function<void(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
+  std::function<Status(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
   std::function<void(const PoolRegion&)> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified
   bool verifying_ ABSL_GUARDED_BY(mu_) = false;                  // between TakeUnverified and EndVerification

@@ -55,7 +55,7 @@ std::string CacheSet::PoolPathOf(const std::string& pool_path, size_t slot) {
   return slot == 0 ? pool_path : fmt::format("{}.{}", pool_path, slot);
 }
 
-void CacheSet::SetPoolListener(const std::function<void(const PoolRegion&)>& listener,
+void CacheSet::SetPoolListener(const std::function<Status(const PoolRegion&)>& listener,
                                const std::function<void(const PoolRegion&)>& gone) {
   for (const auto& cache : caches_) cache->SetPoolListener(listener, gone);
 }
@@ -104,19 +104,26 @@ uint64_t FloorOf(const Geometry& geometry, uint64_t max_bytes, const PoolSplit& 
 }  // namespace
 
 void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vector<uint64_t>& targets, bool grow) {
+  // Hysteresis: a share moves only by at least one grant of each of the domain's components and 1/32 of the budget,
+  // so that demand noise does not evict, punch out and re-register memory back and forth.
+  const uint64_t step = std::max<uint64_t>(options_.budget_bytes / 32, 1);
   // Shrinks first: the memory they give back is what the grows take.
   for (size_t k = 0; k < live.size(); ++k) {
     Cache& cache = *caches_[live[k]];
     const uint64_t active = cache.active_bytes();
-    if (targets[k] + cache.min_bytes() > active) continue;  // less than a grant of each component: no change
+    const bool held = cache.shrink_held();  // an earlier shrink waits for pins: continue it (or lift it below)
+    if (targets[k] >= active || (!held && targets[k] + std::max(cache.min_bytes(), step) > active)) continue;
     auto reached = cache.Resize(targets[k]);
     if (!reached.ok()) {
       log::Warning("cache", "cache domain '{}': shrinking its pool to {} failed: {}", slots_[live[k]].model_namespace,
                    FormatByteSize(targets[k]), reached.status().ToString());
       continue;
     }
-    log::Info("cache", "cache domain '{}': share {} -> {} (asked {})", slots_[live[k]].model_namespace,
-              FormatByteSize(active), FormatByteSize(*reached), FormatByteSize(targets[k]));
+    if (*reached != active) {
+      log::Info("cache", "cache domain '{}': share {} -> {} (asked {}{})", slots_[live[k]].model_namespace,
+                FormatByteSize(active), FormatByteSize(*reached), FormatByteSize(targets[k]),
+                cache.shrink_held() ? "; pinned blocks hold the rest until they are released" : "");
+    }
   }
   if (!grow) return;
   for (size_t k = 0; k < live.size(); ++k) {
@@ -124,12 +131,22 @@ void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vec
     const uint64_t active = cache.active_bytes();
     const uint64_t held = HeldLocked();
     const uint64_t free = options_.budget_bytes > held ? options_.budget_bytes - held : 0;
-    const uint64_t to = std::min(targets[k], active + free);
-    if (to < active + cache.min_bytes()) continue;
+    const uint64_t to = std::max(active, std::min(targets[k], active + free));
+    // A held shrink whose share came back is lifted (Resize to at least the active size).
+    if (!cache.shrink_held() && to < active + std::max(cache.min_bytes(), step)) continue;
     auto reached = cache.Resize(to);
     if (!reached.ok()) {
       log::Warning("cache", "cache domain '{}': growing its pool to {} failed: {}", slots_[live[k]].model_namespace,
                    FormatByteSize(to), reached.status().ToString());
+      continue;
+    }
+    if (HeldLocked() > options_.budget_bytes) {
+      // A component held above its share (pinned blocks) and the others grown to theirs: more than is free. The
+      // grown grants hold nothing yet; give them back.
+      auto back = cache.Resize(active);
+      log::Warning("cache", "cache domain '{}': growing to {} would exceed the {} budget (a held shrink); back to {}",
+                   slots_[live[k]].model_namespace, FormatByteSize(*reached), FormatByteSize(options_.budget_bytes),
+                   back.ok() ? FormatByteSize(*back) : back.status().ToString());
       continue;
     }
     if (*reached != active) {
@@ -343,20 +360,27 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
   std::vector<uint64_t> targets = PlanShares(options_.budget_bytes, needs);
   const uint64_t share = targets.back();
   targets.pop_back();
+  std::vector<uint64_t> before;  // to give the others their memory back when the new domain is not created
+  for (size_t i : live) before.push_back(caches_[i]->active_bytes());
+  const auto restore = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t k = 0; k < live.size(); ++k) (void)caches_[live[k]]->Resize(before[k]);
+  };
   ApplySharesLocked(live, targets, /*grow=*/false);
   const uint64_t held = HeldLocked();
   const uint64_t free = options_.budget_bytes > held ? options_.budget_bytes - held : 0;
   const uint64_t active = std::min(share, free);
   if (floor == 0 || active < floor) {
+    restore();
     return refuse(fmt::format("its pool needs at least {} (one grant of each component) and {} of the budget is free",
                               FormatByteSize(std::max<uint64_t>(floor, geometry.host_block_bytes())),
                               FormatByteSize(free)));
   }
   Cache* cache = caches_[*slot].get();
-  FLEXKV_RETURN_IF_ERROR(cache->SetBudget(max, active));
-  Status admitted = cache->Admit(model_namespace, geometry, creator_uid);
+  Status admitted = cache->SetBudget(max, active);
+  if (admitted.ok()) admitted = cache->Admit(model_namespace, geometry, creator_uid);
   if (!admitted.ok()) {
     if (cache->Domain().geometry) (void)cache->DropDomain(/*only_if_empty=*/true, nullptr);  // no pool after all
+    restore();
     return admitted;
   }
   const auto limit = options_.namespace_pool_bytes.find(model_namespace);

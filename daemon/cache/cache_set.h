@@ -74,7 +74,7 @@ class CacheSet {
 
   // Sets every slot's pool listener (Cache::SetPoolListener): `listener` is told each domain's pool region when
   // it exists, `gone` the same region before it is unmapped. Call before RecoverPools.
-  void SetPoolListener(const std::function<void(const PoolRegion&)>& listener,
+  void SetPoolListener(const std::function<Status(const PoolRegion&)>& listener,
                        const std::function<void(const PoolRegion&)>& gone);
 
   // At start: locks every slot's pool file (PoolLock; a second daemon on the same files is refused) and

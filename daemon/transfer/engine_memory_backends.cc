@@ -41,17 +41,23 @@ Result<EngineMemoryBackend*> EngineMemoryBackends::Select(std::span<const Memory
       wanted, running.empty() ? "none" : running));
 }
 
-void EngineMemoryBackends::RegisterPool(const PoolRegion& pool) {
+Status EngineMemoryBackends::RegisterPool(const PoolRegion& pool) {
   MutexLock lock(&mu_);
+  Status first = Status::Ok();
   for (Entry& e : entries_) {
-    if (e.pools.contains(pool.base)) continue;
+    if (auto it = e.pools.find(pool.base); it != e.pools.end()) {
+      if (first.ok()) first = it->second.second;
+      continue;
+    }
     Status status = e.backend->RegisterPool(pool);
     if (!status.ok()) {
-      log::Warning("transfer", "{}; sessions of the {} backend using the pool at {} will be refused", status.message(),
-                   e.backend->name(), static_cast<const void*>(pool.base));
+      log::Warning("transfer", "{}; the {} backend's copies of the pool region at {} ({} bytes) will be refused",
+                   status.message(), e.backend->name(), static_cast<const void*>(pool.base), pool.bytes);
+      if (first.ok()) first = status.WithContext(fmt::format("the {} backend", e.backend->name()));
     }
     e.pools.emplace(pool.base, std::make_pair(pool, std::move(status)));
   }
+  return first;
 }
 
 void EngineMemoryBackends::UnregisterPool(const PoolRegion& pool) {

@@ -31,8 +31,9 @@ class EngineMemoryBackends {
   Result<EngineMemoryBackend*> Select(std::span<const MemoryKind> kinds, const uint8_t* pool_base = nullptr) const;
 
   // A pool region announced itself: every backend registers it, once per region (by its base). A failure is
-  // logged and kept (Select answers it for that backend and that region). Thread-safe.
-  void RegisterPool(const PoolRegion& pool);
+  // logged, kept (Select answers it for that backend and that region) and returned (the first backend's), so that
+  // a pool growing into the region can give it back; UnregisterPool forgets it. Thread-safe.
+  Status RegisterPool(const PoolRegion& pool);
   // The region goes (see EngineMemoryBackend::UnregisterPool): every backend that registered it undoes exactly
   // that registration; other regions stay registered.
   void UnregisterPool(const PoolRegion& pool);

@@ -289,24 +289,35 @@ class CudaBackendImpl final : public CudaBackend {
 
   std::vector<std::string> DeviceUuids() const override { return uuids_; }
 
-  Status RegisterPool(uint8_t* base, uint64_t bytes) override {
-    MutexLock lock(&mu_);
-    if (pools_.contains(base)) return Status::Ok();
+  Status RegisterPool(uint8_t* base, uint64_t bytes, uint64_t slot_bytes) override {
     if (base == nullptr || bytes == 0) {
       return Status::InvalidArgument(fmt::format("pool range [{}, +{}); expected a mapped, non-empty range",
                                                  static_cast<const void*>(base), bytes));
     }
-    constexpr uint64_t kMaxChunk = 64ULL << 30;
+    {
+      MutexLock lock(&mu_);
+      if (pools_.contains(base) || registering_.contains(base)) return Status::Ok();
+      registering_.insert(base);
+    }
+    // cudaHostRegister pins every page (seconds for a large grant): not under mu_, which every copy's check takes.
+    // Chunks of at most 64 GiB, a whole number of slots each, so that no slot straddles two registrations.
+    const uint64_t align = std::max<uint64_t>(slot_bytes, 1);
+    const uint64_t max_chunk = std::max<uint64_t>((64ULL << 30) / align, 1) * align;
     RegisteredPool pool{bytes, {}};
-    for (uint64_t off = 0; off < bytes; off += kMaxChunk) {
-      const uint64_t n = std::min(kMaxChunk, bytes - off);
+    Status failed = Status::Ok();
+    for (uint64_t off = 0; off < bytes; off += max_chunk) {
+      const uint64_t n = std::min(max_chunk, bytes - off);
       const cudaError_t e = cudaHostRegister(base + off, n, cudaHostRegisterPortable | cudaHostRegisterMapped);
       if (e != cudaSuccess) {
         for (uint8_t* chunk : pool.chunks) cudaHostUnregister(chunk);
-        return CudaError(e, "cudaHostRegister(pool)", __FILE__, __LINE__);
+        failed = CudaError(e, "cudaHostRegister(pool)", __FILE__, __LINE__);
+        break;
       }
       pool.chunks.push_back(base + off);
     }
+    MutexLock lock(&mu_);
+    registering_.erase(base);
+    if (!failed.ok()) return failed;
     pools_.emplace(base, std::move(pool));
     if (loads_.empty()) {  // the workers start with the first pool and stay (other pools' copies may be running)
       for (int d = 0; d < static_cast<int>(uuids_.size()); ++d) {
@@ -314,18 +325,24 @@ class CudaBackendImpl final : public CudaBackend {
         stores_.push_back(std::make_unique<DirectionWorker>(d, true, store_copy_engine_));
       }
     }
-    log::Info("cuda", "pool at {} registered for DMA on {} GPU(s): {} bytes", static_cast<const void*>(base),
-              uuids_.size(), bytes);
+    log::Debug("cuda", "pool region at {} registered for DMA on {} GPU(s): {} bytes", static_cast<const void*>(base),
+               uuids_.size(), bytes);
     return Status::Ok();
   }
 
   void UnregisterPool(uint8_t* base) override {
-    MutexLock lock(&mu_);
-    auto it = pools_.find(base);
-    if (it == pools_.end()) return;
-    for (uint8_t* chunk : it->second.chunks) cudaHostUnregister(chunk);
-    pools_.erase(it);
-    log::Info("cuda", "pool at {} unregistered", static_cast<const void*>(base));
+    RegisteredPool pool;
+    {
+      // Out of the map first: from here no copy's check finds it (no copy of its slots is in flight: the cache
+      // releases a region only when none of its slots is pinned or pending).
+      MutexLock lock(&mu_);
+      auto it = pools_.find(base);
+      if (it == pools_.end()) return;
+      pool = std::move(it->second);
+      pools_.erase(it);
+    }
+    for (uint8_t* chunk : pool.chunks) cudaHostUnregister(chunk);
+    log::Debug("cuda", "pool region at {} unregistered", static_cast<const void*>(base));
   }
 
   Result<std::shared_ptr<GpuKv>> Open(const GpuKvDescription& d, const Geometry& g) override {
@@ -616,6 +633,7 @@ class CudaBackendImpl final : public CudaBackend {
   };
   // By base; every job's sub-pool lies inside one of them.
   std::map<const uint8_t*, RegisteredPool> pools_ ABSL_GUARDED_BY(mu_);
+  std::set<const uint8_t*> registering_ ABSL_GUARDED_BY(mu_);  // regions being registered, outside mu_
   bool load_copy_engine_ = false;
   bool store_copy_engine_ = false;
   std::vector<std::unique_ptr<DirectionWorker>> loads_ ABSL_GUARDED_BY(mu_), stores_ ABSL_GUARDED_BY(mu_);

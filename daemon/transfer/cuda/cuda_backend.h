@@ -28,10 +28,12 @@ class CudaBackend {
   virtual ~CudaBackend() = default;
 
   virtual std::vector<std::string> DeviceUuids() const = 0;
-  // Registers [base, base+bytes) for DMA on every GPU (cudaHostRegister in chunks of at most 64 GiB): one pool
-  // file's whole data range, every component's sub-pool. Several regions (one per cache domain) may be registered
-  // at once; a second call for a registered base does nothing. On an error nothing of this region stays registered.
-  virtual Status RegisterPool(uint8_t* base, uint64_t bytes) = 0;
+  // Registers [base, base+bytes) for DMA on every GPU (cudaHostRegister in chunks of at most 64 GiB, each a whole
+  // number of `slot_bytes` slots): a region of a pool (the cache announces each grant of each sub-pool as one).
+  // Many regions may be registered at once; a second call for a registered base does nothing. Pinning runs without
+  // the backend's lock, so copies of other regions go on meanwhile. On an error nothing of this region stays
+  // registered.
+  virtual Status RegisterPool(uint8_t* base, uint64_t bytes, uint64_t slot_bytes = 1) = 0;
   // Unregisters exactly the chunks RegisterPool(base, ...) registered (no copy of that region may be in flight;
   // copies of other regions go on). Nothing for a base that is not registered.
   virtual void UnregisterPool(uint8_t* base) = 0;

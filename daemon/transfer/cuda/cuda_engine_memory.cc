@@ -41,7 +41,7 @@ CudaEngineMemory::CudaEngineMemory(std::unique_ptr<CudaBackend> cuda)
     : capabilities_(CudaCapabilities()), cuda_(std::move(cuda)) {}
 
 Status CudaEngineMemory::RegisterPool(const PoolRegion& pool) {
-  Status registered = cuda_->RegisterPool(pool.base, pool.bytes);
+  Status registered = cuda_->RegisterPool(pool.base, pool.bytes, pool.slot_bytes);
   if (registered.ok()) return registered;
   return registered.WithContext("registering the pool for DMA (put --pool-path on /dev/shm or hugetlbfs)");
 }

@@ -88,3 +88,39 @@ TEST_CASE("a seeded demand meter starts from the seed", "[unit]") {
 
 }  // namespace
 }  // namespace flexkv
+
+namespace flexkv {
+namespace {
+
+TEST_CASE("a domain whose demand has all but died away does not cut the busy one to its floor", "[unit]") {
+  // A review found the bisection giving every domain its floor once one demand was ~1e-52 of another's.
+  for (const double tiny : {1e-40, 1e-52, 1e-300, 4.9e-324}) {
+    const std::vector<DomainNeed> need{{1e9, 4 * kGiB, 64 * kGiB, 32 * kGiB}, {tiny, 4 * kGiB, 64 * kGiB, 32 * kGiB}};
+    const auto shares = PlanShares(64 * kGiB, need);
+    INFO("tiny demand " << tiny);
+    CHECK(shares[0] == 60 * kGiB);
+    CHECK(shares[1] == 4 * kGiB);
+  }
+}
+
+TEST_CASE("shares never add up to more than the budget", "[unit]") {
+  std::vector<DomainNeed> need;
+  for (int i = 0; i < 7; ++i) need.push_back({1.0 + i * 0.37, 3 * kGiB / 7, 64 * kGiB, 0});
+  const auto shares = PlanShares(64 * kGiB, need);
+  CHECK(Sum(shares) <= 64 * kGiB);
+  CHECK(Sum(shares) > 64 * kGiB - 64);
+  for (size_t i = 1; i < shares.size(); ++i) CHECK(shares[i] > shares[i - 1]);  // more demand, more share
+}
+
+TEST_CASE("the demand meter reaches zero when a domain goes quiet", "[unit]") {
+  DemandMeter m(60);
+  m.Observe(0, 0);
+  m.Observe(1ULL << 30, 1000);
+  CHECK(m.rate() > 0);
+  int64_t now = 1000;
+  for (int i = 0; i < 200 && m.rate() > 0; ++i) m.Observe(1ULL << 30, now += 60'000);
+  CHECK(m.rate() == 0);
+}
+
+}  // namespace
+}  // namespace flexkv

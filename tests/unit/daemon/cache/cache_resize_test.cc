@@ -105,9 +105,14 @@ void CheckServed(Cache& cache, std::span<const BlockKey> keys) {
 struct GrantLog {
   std::map<const uint8_t*, PoolRegion> live;
   int twice = 0;
+  int refuse_in = -1;  // >= 0: the grant announced after this many more is refused (as a failed DMA registration)
   void Listen(Cache& cache) {
     cache.SetPoolListener(
-        [this](const PoolRegion& r) { twice += live.emplace(r.base, r).second ? 0 : 1; },
+        [this](const PoolRegion& r) {
+          twice += live.emplace(r.base, r).second ? 0 : 1;
+          if (refuse_in >= 0 && refuse_in-- == 0) return flexkv::Status::FailedPrecondition("registration refused");
+          return flexkv::Status::Ok();
+        },
         [this](const PoolRegion& r) { twice += live.erase(r.base) == 1 ? 0 : 1; });
   }
 };
@@ -287,4 +292,39 @@ TEST_CASE("cache resize: the DRAM tier and the capacity figures follow the activ
   REQUIRE(cache.Resize(cache.max_bytes()).ok());
   CHECK(tier.capacity_slots() == 64);
   CHECK(tier.WriteSlot(63, bytes).ok());
+}
+
+TEST_CASE("cache resize: a grant the listener cannot register is given back and none of its slots is handed out",
+          "[unit][cache][elastic]") {
+  TempCache t;  // 64 slots of 4 KiB: grants of 4
+  Cache& cache = t.cache();
+  GrantLog log;
+  log.Listen(cache);
+  REQUIRE(cache.RecoverPool(false).ok());
+  REQUIRE(cache.Admit("ns", flexkv::testing::SmallGeometry()).ok());
+  REQUIRE(cache.Resize(cache.max_bytes() / 4).ok());
+  REQUIRE(cache.capacity_slots() == 16);
+  // Growing to all 64 slots: the third new grant (slots 24..27) is refused.
+  log.refuse_in = 2;
+  auto grown = cache.Resize(cache.max_bytes());
+  REQUIRE_FALSE(grown.ok());
+  CHECK(grown.status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(grown.status().message(), Catch::Contains("registration refused") && Catch::Contains("16 to 64"));
+  CHECK(cache.capacity_slots() == 16);
+  CHECK(cache.active_bytes() == 16 * 4096);
+  CHECK(log.twice == 0);
+  CHECK(log.live.size() == 4);  // the 4 grants it had; every grant told during the failed grow was taken back
+  // Stores get only the 16 active slots.
+  for (uint64_t chain = 0; chain < 8; ++chain) {
+    auto r = cache.Reserve(flexkv::kRootParent, Keys(40 + chain, 4));
+    for (SlotId s : r.slots) CHECK(s < 16);
+    std::vector<uint64_t> sums;
+    for (SlotId s : r.slots) sums.push_back(Fill(cache, s, 0));
+    cache.Commit(flexkv::kRootParent, Keys(40 + chain, 4), 0, r.slots, sums);
+  }
+  // Once registration works again, the grow goes through.
+  REQUIRE(cache.Resize(cache.max_bytes()).ok());
+  CHECK(cache.capacity_slots() == 64);
+  CHECK(log.live.size() == 16);
+  CHECK(log.twice == 0);
 }

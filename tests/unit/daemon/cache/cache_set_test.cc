@@ -235,6 +235,9 @@ TEST_CASE("cache set: a new domain is refused while the others' pinned blocks ho
   CHECK(refused.status().code() == StatusCode::kResourceExhausted);
   CHECK_THAT(refused.status().message(), Catch::Contains("64 pinned") && Catch::Contains("0 B of the budget is free"));
   CHECK(a->Match(keys, false, nullptr) == 64);  // nothing pinned was evicted
+  // The refused domain gave "a" back what the planning had held: no shrink is left waiting on its pins.
+  CHECK_FALSE(a->shrink_held());
+  CHECK(a->active_bytes() == 64 * kBlock);
   a->Unpin(pins);
   auto admitted = caches.Admit("b", SmallGeometry(), 0, NeverInUse);
   REQUIRE(admitted.ok());

@@ -115,7 +115,10 @@ TEST_CASE("cache: the pool announces each of its grants once to its listener, at
           "[unit][cache]") {
   TempCache t;
   std::vector<PoolRegion> heard;
-  t.cache().SetPoolListener([&](const PoolRegion& r) { heard.push_back(r); });
+  t.cache().SetPoolListener([&](const PoolRegion& r) {
+    heard.push_back(r);
+    return flexkv::Status::Ok();
+  });
   REQUIRE(t.cache().RecoverPool(false).ok());
   CHECK(heard.empty());  // no pool file yet
   REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
@@ -131,7 +134,10 @@ TEST_CASE("cache: the pool announces each of its grants once to its listener, at
 
   // A listener set after the pool exists hears of it at once.
   std::vector<PoolRegion> late;
-  t.cache().SetPoolListener([&](const PoolRegion& r) { late.push_back(r); });
+  t.cache().SetPoolListener([&](const PoolRegion& r) {
+    late.push_back(r);
+    return flexkv::Status::Ok();
+  });
   REQUIRE(late.size() == 16);
   CHECK(late[0].base == heard[0].base);
 }
@@ -149,7 +155,10 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
   }
   t.Reopen();
   int announced = 0;
-  t.cache().SetPoolListener([&](const PoolRegion&) { ++announced; });
+  t.cache().SetPoolListener([&](const PoolRegion&) {
+    ++announced;
+    return flexkv::Status::Ok();
+  });
   REQUIRE(t.cache().RecoverPool(false).ok());
   CHECK(announced == 16);  // each grant
   CHECK(t.cache().has_pool());
@@ -260,7 +269,12 @@ TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and 
   TempCache t;
   flexkv::Cache& cache = t.cache();
   int registered = 0, unregistered = 0;
-  cache.SetPoolListener([&](const PoolRegion&) { ++registered; }, [&](const PoolRegion&) { ++unregistered; });
+  cache.SetPoolListener(
+      [&](const PoolRegion&) {
+        ++registered;
+        return flexkv::Status::Ok();
+      },
+      [&](const PoolRegion&) { ++unregistered; });
   REQUIRE(cache.RecoverPool(false).ok());
   CHECK(cache.DropDomain(false, nullptr).code() == StatusCode::kNotFound);
   REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
