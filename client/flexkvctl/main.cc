@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <thread>
@@ -300,7 +301,7 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (drop_cmd->parsed()) {
-    auto dropped = c.DropDomain(drop_namespace, static_cast<uint64_t>(drop_idle_s));
+    auto dropped = c.DropDomain(drop_namespace, static_cast<uint64_t>(std::ceil(drop_idle_s)));
     if (!dropped.ok()) return Refused(dropped.status());
     fmt::print("{}\n", json ? Dump(Json{{"dropped_blocks", *dropped}}, -1) : fmt::format("dropped {} blocks", *dropped));
     return kExitOk;

@@ -394,12 +394,15 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
     if (!acls.ok()) return usage_error(acls.status());
     cfg.namespace_acls = std::move(*acls);
   }
-  uint64_t limited = 0;
-  for (const auto& [name, bytes] : cfg.namespace_pool_bytes) limited += bytes;
-  if (limited > cfg.pool_bytes) {
-    return usage_error(Status::InvalidArgument(fmt::format(
-        "the namespaces' pool_size values add up to {}, more than --pool-size {}; expected at most the budget",
-        FormatByteSize(limited), FormatByteSize(cfg.pool_bytes))));
+  // A pool_size is the most that namespace's domain may hold of the budget (the domains share the budget by
+  // demand): one above the budget could never be reached.
+  for (const auto& [name, bytes] : cfg.namespace_pool_bytes) {
+    if (bytes > cfg.pool_bytes) {
+      return usage_error(Status::InvalidArgument(fmt::format(
+          "namespace '{}' has pool_size {}, more than --pool-size {}; expected at most the budget (a pool_size "
+          "bounds what that namespace's domain may hold of it)",
+          name, FormatByteSize(bytes), FormatByteSize(cfg.pool_bytes))));
+    }
   }
   if (cfg.pool_path.empty()) cfg.pool_path = "/dev/shm/flexkvd-" + std::to_string(geteuid()) + "/pool";
   return ParsedArgs{cfg, 0};

@@ -242,9 +242,16 @@ TEST_CASE("a namespace's pool_size: with or without writers, as a size string or
   CHECK(Parse({}).config->max_domains == 1);
   CHECK(Parse({"--max-domains", "0"}).exit_code == 2);
 
-  TomlFile over("pool-size = \"512MiB\"\n[namespace.\"a\"]\npool_size = \"400MiB\"\n"
-                "[namespace.\"b\"]\npool_size = \"200MiB\"\n");
+  // Limits may overlap (the domains share the budget by demand, each up to its pool_size), but none may exceed it,
+  // also when the value is huge enough to wrap a sum.
+  TomlFile overlap("pool-size = \"512MiB\"\n[namespace.\"a\"]\npool_size = \"400MiB\"\n"
+                   "[namespace.\"b\"]\npool_size = \"400MiB\"\n");
+  CHECK(Parse({"--config", overlap.path}).config.has_value());
+  TomlFile over("pool-size = \"512MiB\"\n[namespace.\"a\"]\npool_size = \"513MiB\"\n");
   CHECK(Parse({"--config", over.path}).exit_code == 2);
+  TomlFile huge("pool-size = \"512MiB\"\n[namespace.\"a\"]\npool_size = 9223372036854775807\n"
+                "[namespace.\"b\"]\npool_size = 9223372036854775807\n");
+  CHECK(Parse({"--config", huge.path}).exit_code == 2);
 }
 
 TEST_CASE("the pin cap and the pin lease: defaults, keys, and values that make no sense", "[unit]") {
