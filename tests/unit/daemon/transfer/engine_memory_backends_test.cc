@@ -65,8 +65,9 @@ TEST_CASE("engine memory: the pool is registered with every backend once - a fai
   backends.Add(std::move(host));
   backends.Add(std::move(gpu));
   flexkv::PoolRegion pool{reinterpret_cast<uint8_t*>(4096), 8192, 4096, 2};
-  backends.RegisterPool(pool);
-  backends.RegisterPool(pool);
+  // The gpu backend's failure is answered (a growing pool gives such a region back), and again for the same region.
+  CHECK(backends.RegisterPool(pool).code() == flexkv::StatusCode::kInternal);
+  CHECK(backends.RegisterPool(pool).code() == flexkv::StatusCode::kInternal);
   CHECK(host_p->pool_registrations == 1);
   CHECK(gpu_p->pool_registrations == 1);
   CHECK(host_p->registered_pool.bytes == 8192);
@@ -117,9 +118,11 @@ TEST_CASE("engine memory: several pools are registered - a failed one refuses on
   auto* a_base = reinterpret_cast<uint8_t*>(1 << 20);
   auto* b_base = reinterpret_cast<uint8_t*>(4 << 20);
   const flexkv::PoolRegion a{a_base, 8192, 4096, 2}, b{b_base, 8192, 4096, 2};
-  backends.RegisterPool(a);
+  CHECK(backends.RegisterPool(a).ok());
   gpu_p->pool_status = flexkv::Status::Internal("cudaHostRegister: out of memory");
-  backends.RegisterPool(b);
+  const flexkv::Status failed = backends.RegisterPool(b);
+  CHECK(failed.code() == flexkv::StatusCode::kInternal);
+  CHECK_THAT(failed.message(), Catch::Contains("gpu") && Catch::Contains("out of memory"));
   CHECK(gpu_p->pool_registrations == 2);
   const std::vector<MemoryKind> ipc{MemoryKind::kCudaIpc};
   CHECK(backends.Select(ipc, a_base).ok());
