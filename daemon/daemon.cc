@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "common/log.h"
 #include "common/units.h"
@@ -99,6 +100,26 @@ int RunDaemon(const DaemonConfig& config) {
   // domain's region is unregistered, exactly that one.
   caches.SetPoolListener([&backends](const PoolRegion& pool) { return backends.RegisterPool(pool); },
                          [&backends](const PoolRegion& pool) { backends.UnregisterPool(pool); });
+  // Budget shares follow the domains' demand: a thread of its own (growing a share pins memory for DMA, which must
+  // not hold up the signals and the watchdog here), acting every few seconds and only when shares change. Declared
+  // after `caches`, so it stops before they go.
+  struct Rebalancer {
+    explicit Rebalancer(CacheSet* caches)
+        : thread([this, caches] {
+            while (!stop.load(std::memory_order_acquire)) {
+              caches->Rebalance(MonotonicMs());
+              for (int i = 0; i < 10 && !stop.load(std::memory_order_acquire); ++i) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(100));
+              }
+            }
+          }) {}
+    ~Rebalancer() {
+      stop.store(true, std::memory_order_release);
+      thread.join();
+    }
+    std::atomic<bool> stop{false};
+    std::thread thread;
+  };
   // Restored blocks are served only once their bytes pass their checksums, checked in the background (one
   // verifier per domain, started by RecoverPools).
   Status recovered = caches.RecoverPools(config.discard_pool);
@@ -106,6 +127,7 @@ int RunDaemon(const DaemonConfig& config) {
     log::Error("daemon", "cannot use the pool: {}", recovered.ToString());  // names the code
     return 1;
   }
+  Rebalancer rebalancer(&caches);
 
   auto activated = ControlSocket::FromSystemd(config.socket_path);
   auto socket = (!activated.ok() && activated.status().code() == StatusCode::kNotFound)
@@ -248,8 +270,6 @@ int RunDaemon(const DaemonConfig& config) {
       exit_code = kPoolLostExitCode;
       break;
     }
-    // Budget shares follow the domains' demand (acts every few seconds, and only when shares change).
-    if (!shutting_down) caches.Rebalance(now);
     if (watchdog && now - acceptor.last_turn_ms() < kStuckLoopMs && now - sessions.last_turn_ms() < kStuckLoopMs &&
         now - data_plane.last_turn_ms() < kStuckLoopMs) {
       Notify("WATCHDOG=1");

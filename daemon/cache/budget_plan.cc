@@ -25,7 +25,11 @@ long double SumAt(long double lambda, std::span<const DomainNeed> domains, std::
 
 }  // namespace
 
-std::vector<uint64_t> PlanShares(uint64_t budget_bytes, std::span<const DomainNeed> domains) {
+std::vector<uint64_t> PlanShares(uint64_t budget_bytes, std::span<const DomainNeed> given) {
+  // A limit below the floor is the floor (std::clamp needs floor <= limit).
+  std::vector<DomainNeed> normalized(given.begin(), given.end());
+  for (DomainNeed& d : normalized) d.limit_bytes = std::max(d.limit_bytes, d.floor_bytes);
+  const std::span<const DomainNeed> domains = normalized;
   std::vector<uint64_t> shares;
   double max_demand = 0;
   for (const DomainNeed& d : domains) max_demand = std::max(max_demand, d.demand);

@@ -194,8 +194,7 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
   PublishActiveLocked();
   has_pool_.store(true, std::memory_order_release);
   for (size_t c = 0; c < pool_->component_count(); ++c) {
-    uint32_t reached = 0;
-    (void)AnnounceAddedLocked(c, 0, pool_->sub_pool(c).active, &reached);  // the listener keeps an error
+    AnnounceAllAddedLocked(c, 0, pool_->sub_pool(c).active);  // the listener keeps an error for its sessions
   }
 }
 
@@ -264,6 +263,16 @@ void Cache::AnnounceGrantsLocked(const std::function<void(const PoolRegion&)>& l
   }
 }
 
+void Cache::AnnounceAllAddedLocked(size_t c, uint32_t from, uint32_t to) const {
+  if (!pool_listener_) return;
+  const SubPool& p = pool_->sub_pool(c);
+  for (uint32_t first = from; first < to; first += p.grant) {
+    const uint32_t slots = std::min(p.grant, to - first);
+    (void)pool_listener_(
+        PoolRegion{p.data + uint64_t{first} * p.slot_bytes, uint64_t{slots} * p.slot_bytes, p.slot_bytes, slots});
+  }
+}
+
 Status Cache::AnnounceAddedLocked(size_t c, uint32_t from, uint32_t to, uint32_t* reached) const {
   *reached = from;
   if (!pool_listener_) {
@@ -328,7 +337,34 @@ uint64_t Cache::min_bytes() const {
 Result<uint64_t> Cache::Resize(uint64_t active_bytes) {
   MutexLock lock(&mu_);
   if (!pool_) return Status::FailedPrecondition("there is no pool to resize yet (the first Attach creates it)");
-  const std::vector<uint32_t> target = pool_->ActiveSlotsFor(active_bytes);
+  return ResizeLocked(pool_->ActiveSlotsFor(active_bytes));
+}
+
+std::vector<uint32_t> Cache::ActiveSlots() const {
+  MutexLock lock(&mu_);
+  std::vector<uint32_t> slots;
+  for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) slots.push_back(pool_->sub_pool(c).active);
+  return slots;
+}
+
+Result<uint64_t> Cache::ResizeSlots(const std::vector<uint32_t>& target) {
+  MutexLock lock(&mu_);
+  if (!pool_) return Status::FailedPrecondition("there is no pool to resize yet (the first Attach creates it)");
+  if (target.size() != pool_->component_count()) {
+    return Status::InvalidArgument(fmt::format("{} active sizes for a pool of {} components", target.size(),
+                                               pool_->component_count()));
+  }
+  for (size_t c = 0; c < target.size(); ++c) {
+    const SubPool& p = pool_->sub_pool(c);
+    if (target[c] != p.RoundToGrants(target[c])) {
+      return Status::InvalidArgument(fmt::format("component {}: {} active slots; expected whole grants of {} (at most {})",
+                                                 c, target[c], p.grant, p.capacity));
+    }
+  }
+  return ResizeLocked(target);
+}
+
+Result<uint64_t> Cache::ResizeLocked(const std::vector<uint32_t>& target) {
   const auto index_active = [&](size_t c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return c == 0 ? index_->active() : Part(c).active();
   };
@@ -344,8 +380,7 @@ Result<uint64_t> Cache::Resize(uint64_t active_bytes) {
     AnnounceGrantsLocked(pool_gone_listener_, c, keep, from);
     status = pool_->SetActive(c, keep);
     if (!status.ok()) {  // nothing changed in the pool: its grants stay, registered again
-      uint32_t reached = 0;
-      (void)AnnounceAddedLocked(c, keep, from, &reached);
+      AnnounceAllAddedLocked(c, keep, from);
       break;
     }
     log::Info("cache", "pool {} component {}: {} -> {} active slots ({} blocks evicted)", pool_path_, c, from, keep,
@@ -404,8 +439,7 @@ void Cache::SetPoolListener(std::function<Status(const PoolRegion&)> added,
   pool_listener_ = std::move(added);
   pool_gone_listener_ = std::move(removed);
   for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
-    uint32_t reached = 0;
-    (void)AnnounceAddedLocked(c, 0, pool_->sub_pool(c).active, &reached);  // the listener keeps an error
+    AnnounceAllAddedLocked(c, 0, pool_->sub_pool(c).active);  // the listener keeps an error for its sessions
   }
 }
 

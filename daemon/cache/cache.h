@@ -102,6 +102,12 @@ class Cache {
   // the indexes hand out no slot above that size meanwhile. The next Resize continues the shrink, or - asked for at
   // least the active size - lifts the hold.
   bool shrink_held() const;
+  // Each component's active slots now, and Resize to exactly such a list (whole grants per component, as
+  // ActiveSlots gives them; INVALID_ARGUMENT otherwise): what puts a pool back where it was, since Resize(bytes)
+  // rounds each component down on its own and so need not give back the same sizes. ResizeSlots(ActiveSlots())
+  // changes no size and lifts a held shrink.
+  std::vector<uint32_t> ActiveSlots() const;
+  Result<uint64_t> ResizeSlots(const std::vector<uint32_t>& target);
   // The pool's active bytes now, with every slot active, and with one grant of each component active (the least
   // Resize goes to); 0 without a pool.
   uint64_t active_bytes() const;
@@ -213,9 +219,13 @@ class Cache {
   void AnnounceGrantsLocked(const std::function<void(const PoolRegion&)>& listener, size_t c, uint32_t from,
                             uint32_t to) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells the `added` listener each grant of component c in [from, to), up to the first it refuses: that error, with
-  // `*reached` the end of the grants it was told (the refused one included).
+  // `*reached` the end of the grants it was told (the refused one included). AnnounceAllAddedLocked tells every one
+  // whatever it answers (a pool that keeps its grants: the listener keeps its errors for the sessions concerned).
   Status AnnounceAddedLocked(size_t c, uint32_t from, uint32_t to, uint32_t* reached) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AnnounceAllAddedLocked(size_t c, uint32_t from, uint32_t to) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Resize to `target` active slots per component (whole grants, validated by the callers).
+  Result<uint64_t> ResizeLocked(const std::vector<uint32_t>& target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the pool's active capacities to the lock-free readers (capacity_slots, active_slots).
   void PublishActiveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The component index of component c >= 1, and a slot's component and its slot there.

@@ -103,16 +103,18 @@ uint64_t FloorOf(const Geometry& geometry, uint64_t max_bytes, const PoolSplit& 
 
 }  // namespace
 
-void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vector<uint64_t>& targets, bool grow) {
-  // Hysteresis: a share moves only by at least one grant of each of the domain's components and 1/32 of the budget,
-  // so that demand noise does not evict, punch out and re-register memory back and forth.
-  const uint64_t step = std::max<uint64_t>(options_.budget_bytes / 32, 1);
+void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vector<uint64_t>& targets, bool grow,
+                                 bool hysteresis) {
+  // Hysteresis (Rebalance): a share moves only by at least one grant of each of the domain's components and 1/32 of
+  // the budget, so that demand noise does not evict, punch out and re-register memory back and forth.
+  const uint64_t step = hysteresis ? std::max<uint64_t>(options_.budget_bytes / 32, 1) : 0;
   // Shrinks first: the memory they give back is what the grows take.
   for (size_t k = 0; k < live.size(); ++k) {
     Cache& cache = *caches_[live[k]];
     const uint64_t active = cache.active_bytes();
-    const bool held = cache.shrink_held();  // an earlier shrink waits for pins: continue it (or lift it below)
-    if (targets[k] >= active || (!held && targets[k] + std::max(cache.min_bytes(), step) > active)) continue;
+    const bool held = cache.shrink_held();  // an earlier shrink waits for pins: continue it
+    const uint64_t margin = hysteresis ? std::max(cache.min_bytes(), step) : 0;
+    if (targets[k] >= active || (!held && targets[k] + margin > active)) continue;
     auto reached = cache.Resize(targets[k]);
     if (!reached.ok()) {
       log::Warning("cache", "cache domain '{}': shrinking its pool to {} failed: {}", slots_[live[k]].model_namespace,
@@ -129,11 +131,18 @@ void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vec
   for (size_t k = 0; k < live.size(); ++k) {
     Cache& cache = *caches_[live[k]];
     const uint64_t active = cache.active_bytes();
+    if (targets[k] < active) continue;  // shrinking (or held above its share): not lifted here
+    const std::vector<uint32_t> was = cache.ActiveSlots();
+    if (cache.shrink_held()) {
+      // Its share came back up to what it holds: the held shrink is lifted at the sizes it has.
+      (void)cache.ResizeSlots(was);
+    }
     const uint64_t held = HeldLocked();
     const uint64_t free = options_.budget_bytes > held ? options_.budget_bytes - held : 0;
-    const uint64_t to = std::max(active, std::min(targets[k], active + free));
-    // A held shrink whose share came back is lifted (Resize to at least the active size).
-    if (!cache.shrink_held() && to < active + std::max(cache.min_bytes(), step)) continue;
+    // At most an eighth of the budget per call: every grant grown into is pinned for DMA under the domain's lock.
+    const uint64_t to = std::min({targets[k], active + free, active + std::max(options_.budget_bytes / 8,
+                                                                                cache.min_bytes())});
+    if (to < active + std::max(cache.min_bytes(), step)) continue;
     auto reached = cache.Resize(to);
     if (!reached.ok()) {
       log::Warning("cache", "cache domain '{}': growing its pool to {} failed: {}", slots_[live[k]].model_namespace,
@@ -142,8 +151,8 @@ void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vec
     }
     if (HeldLocked() > options_.budget_bytes) {
       // A component held above its share (pinned blocks) and the others grown to theirs: more than is free. The
-      // grown grants hold nothing yet; give them back.
-      auto back = cache.Resize(active);
+      // grown grants hold nothing yet; give them back, exactly.
+      auto back = cache.ResizeSlots(was);
       log::Warning("cache", "cache domain '{}': growing to {} would exceed the {} budget (a held shrink); back to {}",
                    slots_[live[k]].model_namespace, FormatByteSize(*reached), FormatByteSize(options_.budget_bytes),
                    back.ok() ? FormatByteSize(*back) : back.status().ToString());
@@ -162,11 +171,14 @@ void CacheSet::Rebalance(int64_t now_ms) {
   last_rebalance_ms_ = now_ms;
   const std::vector<size_t> live = LiveLocked();
   if (live.empty()) return;
-  bool traffic = false;
+  // Memory is taken from a domain only for one under pressure: with traffic, and a pool nine tenths full (its next
+  // stores evict). Otherwise nothing shrinks (every floor at what the domain has) and only free budget moves.
+  bool pressure = false;
   for (size_t i : live) {
     const CounterValues c = CounterValues::Read(caches_[i]->counters());
     slots_[i].demand.Observe(c.bytes_stored + c.bytes_loaded, now_ms);
-    traffic = traffic || slots_[i].demand.rate() > 0;
+    const Cache::Stats stats = caches_[i]->GetStats();
+    pressure = pressure || (slots_[i].demand.rate() > 0 && stats.used * 10 >= stats.capacity * 9);
   }
   std::vector<DomainNeed> needs;
   for (size_t i : live) {
@@ -174,12 +186,11 @@ void CacheSet::Rebalance(int64_t now_ms) {
     DomainNeed n;
     n.current_bytes = cache.active_bytes();
     n.limit_bytes = cache.max_bytes();
-    // Without traffic nothing shrinks (floors at what each has): only free budget moves, to every domain alike.
-    n.demand = traffic ? slots_[i].demand.rate() : 1;
-    n.floor_bytes = traffic ? cache.min_bytes() : std::min(n.current_bytes, n.limit_bytes);
+    n.demand = pressure ? slots_[i].demand.rate() : 1;
+    n.floor_bytes = pressure ? cache.min_bytes() : std::min(n.current_bytes, n.limit_bytes);
     needs.push_back(n);
   }
-  ApplySharesLocked(live, PlanShares(options_.budget_bytes, needs), /*grow=*/true);
+  ApplySharesLocked(live, PlanShares(options_.budget_bytes, needs), /*grow=*/true, /*hysteresis=*/true);
 }
 
 std::optional<size_t> CacheSet::SlotOfLocked(std::string_view model_namespace) const {
@@ -340,7 +351,14 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
         "drop-domain <namespace>)",
         model_namespace, why, FormatByteSize(options_.budget_bytes), DescribeLocked()));
   };
-  if (!slot) return refuse(fmt::format("all {} domains (--max-domains) exist, each in use or holding blocks", caches_.size()));
+  if (!slot) {
+    return refuse(fmt::format("all {} domains (--max-domains) exist, each in use or holding blocks", caches_.size()));
+  }
+  // A geometry whose components its limit cannot hold is refused before anything moves.
+  if (auto split = SplitBudget(geometry, max, options_.split); !split.ok()) {
+    return split.status().WithContext(
+        fmt::format("cache domain '{}' may hold at most {}", model_namespace, FormatByteSize(max)));
+  }
   // Its share: as the domains' demand says, the new one's taken as the mean of theirs (equal while none has traffic).
   const std::vector<size_t> live = LiveLocked();
   double demand_sum = 0;
@@ -360,16 +378,17 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
   std::vector<uint64_t> targets = PlanShares(options_.budget_bytes, needs);
   const uint64_t share = targets.back();
   targets.pop_back();
-  std::vector<uint64_t> before;  // to give the others their memory back when the new domain is not created
-  for (size_t i : live) before.push_back(caches_[i]->active_bytes());
+  std::vector<std::vector<uint32_t>> before;  // to give the others their memory back if the new domain is not made
+  for (size_t i : live) before.push_back(caches_[i]->ActiveSlots());
   const auto restore = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (size_t k = 0; k < live.size(); ++k) (void)caches_[live[k]]->Resize(before[k]);
+    for (size_t k = 0; k < live.size(); ++k) (void)caches_[live[k]]->ResizeSlots(before[k]);
   };
-  ApplySharesLocked(live, targets, /*grow=*/false);
+  // Exactly to the plan (no hysteresis): the new domain needs what the others give.
+  ApplySharesLocked(live, targets, /*grow=*/false, /*hysteresis=*/false);
   const uint64_t held = HeldLocked();
   const uint64_t free = options_.budget_bytes > held ? options_.budget_bytes - held : 0;
   const uint64_t active = std::min(share, free);
-  if (floor == 0 || active < floor) {
+  if (active < floor) {
     restore();
     return refuse(fmt::format("its pool needs at least {} (one grant of each component) and {} of the budget is free",
                               FormatByteSize(std::max<uint64_t>(floor, geometry.host_block_bytes())),

@@ -296,7 +296,11 @@ class CudaBackendImpl final : public CudaBackend {
     }
     {
       MutexLock lock(&mu_);
-      if (pools_.contains(base) || registering_.contains(base)) return Status::Ok();
+      if (pools_.contains(base)) return Status::Ok();
+      if (registering_.contains(base)) {
+        return Status::Unavailable(fmt::format("the pool region at {} is being registered by another call; retry",
+                                               static_cast<const void*>(base)));
+      }
       registering_.insert(base);
     }
     // cudaHostRegister pins every page (seconds for a large grant): not under mu_, which every copy's check takes.

@@ -63,9 +63,9 @@ flexkv::Geometry WideGeometry() {
 bool NeverInUse(const std::string&) { return false; }
 bool AlwaysInUse(const std::string&) { return true; }
 
-std::vector<BlockKey> Keys(size_t n) {
+std::vector<BlockKey> Keys(size_t n, uint64_t chain = 42) {
   std::vector<BlockKey> keys(n);
-  for (size_t i = 0; i < n; ++i) keys[i] = BlockKey{i + 7, 42};
+  for (size_t i = 0; i < n; ++i) keys[i] = BlockKey{i + 7, chain};
   return keys;
 }
 
@@ -193,14 +193,26 @@ TEST_CASE("cache set: shares follow demand, and a dropped domain's budget goes t
   CHECK(busy->active_bytes() == 128 * kBlock);
   CHECK(idle->active_bytes() == 128 * kBlock);
 
-  // "busy" stores and loads (as the request handlers count it), "idle" does nothing: idle keeps one grant of
-  // its pool (16 slots), busy takes the rest.
+  // "busy" has traffic but room to spare: nothing is taken from "idle" for it.
   busy->counters().bytes_stored += 1ULL << 30;
   now += CacheSet::kRebalanceIntervalMs;
   caches.Rebalance(now);
+  CHECK(busy->active_bytes() == 128 * kBlock);
+  CHECK(idle->active_bytes() == 128 * kBlock);
+
+  // Now its pool is full (its next stores would evict) and it keeps storing and loading, "idle" does nothing: idle
+  // keeps one grant of its pool (16 slots), busy takes the rest - at most an eighth of the budget a call.
+  Store(*busy, Keys(120));
+  for (int i = 0; i < 10; ++i) {
+    // It keeps its pool full: a new prompt of as many blocks as it got (evicting its oldest when it has to).
+    Store(*busy, Keys(busy->capacity_slots() - busy->GetStats().used + 8, 100 + i));
+    busy->counters().bytes_stored += 1ULL << 30;
+    now += CacheSet::kRebalanceIntervalMs;
+    caches.Rebalance(now);
+    CHECK(Held(caches) <= 256 * kBlock);
+  }
   CHECK(idle->active_bytes() == 16 * kBlock);
   CHECK(busy->active_bytes() == 240 * kBlock);
-  CHECK(Held(caches) <= 256 * kBlock);
   CHECK(idle->Match(Keys(100), false, nullptr) <= 16);
 
   // Within the interval nothing is looked at.
@@ -213,11 +225,13 @@ TEST_CASE("cache set: shares follow demand, and a dropped domain's budget goes t
   CHECK(late->active_bytes() > 16 * kBlock);
   CHECK(Held(caches) <= 256 * kBlock);
 
-  // The dropped domains' budget goes to the one left, traffic or not.
+  // The dropped domains' budget goes to the one left, traffic or not, an eighth of the budget a call.
   REQUIRE(caches.DropDomain("idle", false, nullptr).ok());
   REQUIRE(caches.DropDomain("late", false, nullptr).ok());
-  now += 100 * CacheSet::kRebalanceIntervalMs;
-  caches.Rebalance(now);
+  for (int i = 0; i < 10; ++i) {
+    now += 100 * CacheSet::kRebalanceIntervalMs;
+    caches.Rebalance(now);
+  }
   CHECK(busy->active_bytes() == 256 * kBlock);
 }
 
