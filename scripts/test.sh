@@ -67,12 +67,14 @@ stage "AddressSanitizer + UndefinedBehaviorSanitizer: unit and integration tests
 # the cache driven through the client's ring code by several sessions, sessions ended under load). The integration
 # tests are not run under TSan: Debian's gRPC and abseil are not instrumented, so TSan reports every gRPC call
 # handoff (see tests/tsan.supp); that would need a TSan-built gRPC.
+# The SSD store's tests run here too, except those that fork a child which starts threads (TSan cannot follow
+# that): its I/O threads, submission from the callers' threads and the completion callbacks.
 tsan_stage() {
   san_build build-tsan thread flexkv_unit_tests
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
-    san_ctest build-tsan -R '^unit: ?(prefix index|drain |concurrent begin/finish|data plane: |ring transport: |copy scheduler: |handle table: |request handlers: |lease renewer: |cache: a scrub running beside |cache: resizes beside )'
+    san_ctest build-tsan -R '^unit: ?(prefix index|drain |concurrent begin/finish|data plane: |ring transport: |copy scheduler: |handle table: |request handlers: |lease renewer: |cache: a scrub running beside |cache: resizes beside |ssd format: |ssd store: (many blocks|reopened|registered buffers|a payload byte|a torn write|a full queue|when full|one key in another))'
 }
-stage "ThreadSanitizer: the index, lifecycle and data-plane concurrency tests" tsan_stage
+stage "ThreadSanitizer: the index, lifecycle, data-plane and SSD store concurrency tests" tsan_stage
 
 stage "libFuzzer targets, ${FLEXKV_FUZZ_SECONDS:-20} s each" env FLEXKV_FUZZ_SECONDS="${FLEXKV_FUZZ_SECONDS:-20}" \
   bash scripts/fuzz.sh
