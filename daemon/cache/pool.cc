@@ -1,4 +1,6 @@
-// The pool file; see pool.h.
+// The pool file; see pool.h. Longer than 800 lines: the layout, the header and active-capacity records, creation,
+// opening, SetActive and recovery all read the same file-format definitions, kept private to this file on purpose
+// (the format is written down once here and in docs/protocol.md).
 #include "daemon/cache/pool.h"
 
 #include <fcntl.h>
