@@ -356,6 +356,25 @@ struct PrefixIndex::Impl {
     return s;
   }
 
+  // Completes `verdict` (one entry per slot: 1 = marked, 2 = not, 0 = not known yet): every node that is not free
+  // gets the verdict of its nearest ancestor that has one (2 at the root), found by walking up once per chain.
+  void SpreadVerdicts(std::vector<uint8_t>* verdict) const {
+    std::vector<SlotId> path;
+    for (SlotId s = 0; s < nodes_.size(); ++s) {
+      if ((*verdict)[s] != 0 || nodes_[s].state == State::kFree) continue;
+      path.clear();
+      uint8_t v = 2;
+      for (SlotId cur = s; cur != kNil; cur = nodes_[cur].parent) {
+        if ((*verdict)[cur] != 0) {
+          v = (*verdict)[cur];
+          break;
+        }
+        path.push_back(cur);
+      }
+      for (SlotId p : path) (*verdict)[p] = v;
+    }
+  }
+
   // Moves limit_: free slots below the new limit are on the free list, those at or above it are not.
   void SetLimit(uint32_t limit) {
     for (SlotId s = limit; s < limit_; ++s) {
@@ -598,20 +617,7 @@ size_t PrefixIndex::DropSubtrees(std::span<const SlotId> slots, const std::funct
     }
   }
   if (!any) return 0;
-  std::vector<SlotId> path;
-  for (SlotId s = 0; s < cap; ++s) {
-    if (verdict[s] != 0 || m.nodes_[s].state == State::kFree) continue;
-    path.clear();
-    uint8_t v = 2;
-    for (SlotId cur = s; cur != kNil; cur = m.nodes_[cur].parent) {
-      if (verdict[cur] != 0) {
-        v = verdict[cur];
-        break;
-      }
-      path.push_back(cur);
-    }
-    for (SlotId p : path) verdict[p] = v;
-  }
+  m.SpreadVerdicts(&verdict);
   size_t dropped = 0;
   for (SlotId s = 0; s < cap; ++s) {
     if (verdict[s] != 1) continue;
@@ -672,20 +678,7 @@ PrefixIndex::Shrunk PrefixIndex::Shrink(uint32_t target) {
     for (SlotId s = target; s < m.active_; ++s) {
       if (m.nodes_[s].state == State::kCommitted && kept[s] == 0) verdict[s] = 1;
     }
-    std::vector<SlotId> path;
-    for (SlotId s = 0; s < cap; ++s) {
-      if (verdict[s] != 0 || m.nodes_[s].state == State::kFree) continue;
-      path.clear();
-      uint8_t v = 2;
-      for (SlotId cur = s; cur != kNil; cur = m.nodes_[cur].parent) {
-        if (verdict[cur] != 0) {
-          v = verdict[cur];
-          break;
-        }
-        path.push_back(cur);
-      }
-      for (SlotId p : path) verdict[p] = v;
-    }
+    m.SpreadVerdicts(&verdict);
     // Out of the index first (every one is committed and unpinned: nothing kept is below an evicted node), then
     // the slots are freed leaves first, as for dropped nodes.
     for (SlotId s = 0; s < cap; ++s) {
