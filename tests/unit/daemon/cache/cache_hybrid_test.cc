@@ -19,35 +19,10 @@ using flexkv::ComponentKind;
 using flexkv::SlotId;
 using flexkv::StatusCode;
 using flexkv::testing::TempCache;
+using flexkv::testing::TinyHybrid;
 
 namespace {
 
-// FULL: 4 tokens x 1 layer x K/V x 1 head x 8 dims x bf16 = 128 B; a sliding window of 8 tokens (2 blocks) of the
-// same shape; a state of 64 B per layer.
-flexkv::Geometry TinyHybrid() {
-  flexkv::Geometry g;
-  g.tokens_per_block = 4;
-  g.num_layers = 1;
-  g.kv_planes = 2;
-  g.kv_heads_per_rank = 1;
-  g.head_dim = 8;
-  g.dtype_bytes = 2;
-  g.tp_size = 1;
-  flexkv::ComponentSpec swa;
-  swa.kind = ComponentKind::kSlidingWindow;
-  swa.num_layers = 1;
-  swa.kv_planes = 2;
-  swa.kv_heads_per_rank = 1;
-  swa.head_dim = 8;
-  swa.dtype_bytes = 2;
-  swa.window_tokens = 8;
-  flexkv::ComponentSpec state;
-  state.kind = ComponentKind::kState;
-  state.num_layers = 1;
-  state.state_bytes_per_layer = 64;
-  g.components = {swa, state};
-  return g;
-}
 
 // Tiny blocks make the default split (4096 tokens of FULL blocks per window and state) leave the window and state
 // sub-pools less than a slot at these budgets: the tests set the shares.

@@ -23,34 +23,10 @@ using flexkv::PoolRegion;
 using flexkv::SlotId;
 using flexkv::StatusCode;
 using flexkv::testing::TempCache;
+using flexkv::testing::TinyHybrid;
 
 namespace {
 
-// As cache_hybrid_test.cc: FULL blocks of 128 B, a 2-block sliding window of the same shape, a 64 B state.
-flexkv::Geometry TinyHybrid() {
-  flexkv::Geometry g;
-  g.tokens_per_block = 4;
-  g.num_layers = 1;
-  g.kv_planes = 2;
-  g.kv_heads_per_rank = 1;
-  g.head_dim = 8;
-  g.dtype_bytes = 2;
-  g.tp_size = 1;
-  flexkv::ComponentSpec swa;
-  swa.kind = ComponentKind::kSlidingWindow;
-  swa.num_layers = 1;
-  swa.kv_planes = 2;
-  swa.kv_heads_per_rank = 1;
-  swa.head_dim = 8;
-  swa.dtype_bytes = 2;
-  swa.window_tokens = 8;
-  flexkv::ComponentSpec state;
-  state.kind = ComponentKind::kState;
-  state.num_layers = 1;
-  state.state_bytes_per_layer = 64;
-  g.components = {swa, state};
-  return g;
-}
 
 const flexkv::PoolSplit kSplit{0.1, 0.05};
 

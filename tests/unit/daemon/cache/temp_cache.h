@@ -27,6 +27,33 @@ inline Geometry SmallGeometry() {
   return g;
 }
 
+// A hybrid geometry of tiny blocks: FULL 4 tokens x 1 layer x K/V x 1 head x 8 dims x bf16 = 128 B; a sliding
+// window of 8 tokens (2 blocks) of the same shape; a state of 64 B per layer.
+inline Geometry TinyHybrid() {
+  Geometry g;
+  g.tokens_per_block = 4;
+  g.num_layers = 1;
+  g.kv_planes = 2;
+  g.kv_heads_per_rank = 1;
+  g.head_dim = 8;
+  g.dtype_bytes = 2;
+  g.tp_size = 1;
+  ComponentSpec swa;
+  swa.kind = ComponentKind::kSlidingWindow;
+  swa.num_layers = 1;
+  swa.kv_planes = 2;
+  swa.kv_heads_per_rank = 1;
+  swa.head_dim = 8;
+  swa.dtype_bytes = 2;
+  swa.window_tokens = 8;
+  ComponentSpec state;
+  state.kind = ComponentKind::kState;
+  state.num_layers = 1;
+  state.state_bytes_per_layer = 64;
+  g.components = {swa, state};
+  return g;
+}
+
 class TempCache {
  public:
   explicit TempCache(uint64_t pool_bytes = 64 * 4096, PoolSplit split = {})
