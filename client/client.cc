@@ -597,6 +597,42 @@ Result<DaemonStatus> Client::GetStatus() {
     domain.limit_bytes = d.limit_bytes();
     out.domains.push_back(std::move(domain));
   }
+  for (const v1::TierStatus& t : resp.tiers()) {
+    DaemonStatus::Tier tier;
+    tier.name = t.name();
+    tier.state = t.state();
+    tier.capacity_blocks = t.capacity_blocks();
+    tier.used_blocks = t.used_blocks();
+    tier.capacity_bytes = t.capacity_bytes();
+    tier.block_bytes = t.block_bytes();
+    tier.read_bytes_per_s = t.read_bytes_per_s();
+    tier.write_bytes_per_s = t.write_bytes_per_s();
+    tier.rebuild_s = t.rebuild_s();
+    tier.counters = {{"promoted_blocks", t.promoted_blocks()},
+                     {"promotion_requests", t.promotion_requests()},
+                     {"promotion_refused_blocks", t.promotion_refused_blocks()},
+                     {"promotion_failed_blocks", t.promotion_failed_blocks()},
+                     {"written_back_blocks", t.written_back_blocks()},
+                     {"writeback_refused_blocks", t.writeback_refused_blocks()},
+                     {"writeback_failed_blocks", t.writeback_failed_blocks()},
+                     {"evicted_written_blocks", t.evicted_written_blocks()},
+                     {"evicted_unwritten_blocks", t.evicted_unwritten_blocks()},
+                     {"evicted_blocks", t.evicted_blocks()},
+                     {"reads_in_flight", t.reads_in_flight()},
+                     {"writes_in_flight", t.writes_in_flight()},
+                     {"read_bytes", t.read_bytes()},
+                     {"write_bytes", t.write_bytes()},
+                     {"read_errors", t.read_errors()},
+                     {"write_errors", t.write_errors()},
+                     {"data_loss_blocks", t.data_loss_blocks()},
+                     {"refused", t.refused()},
+                     {"rebuilt_blocks", t.rebuilt_blocks()},
+                     {"rebuild_corrupt_headers", t.rebuild_corrupt_headers()},
+                     {"rebuild_truncated", t.rebuild_truncated()}};
+    for (const v1::TierFile& f : t.files()) tier.files.push_back({f.path(), f.filesystem(), f.direct_io(), f.slots()});
+    tier.notes.assign(t.notes().begin(), t.notes().end());
+    out.tiers.push_back(std::move(tier));
+  }
   return out;
 }
 

@@ -36,6 +36,7 @@
 #include "daemon/server/parse_error_interceptor.h"
 #include "daemon/server/peer_table.h"
 #include "daemon/sessions/session_registry.h"
+#include "daemon/tiers/ssd/ssd_tier.h"
 #include "daemon/transfer/cuda/cuda_engine_memory.h"
 #include "daemon/transfer/engine_memory_backends.h"
 #include "daemon/transfer/host/host_backend.h"
@@ -128,6 +129,29 @@ int RunDaemon(const DaemonConfig& config) {
     return 1;
   }
   Rebalancer rebalancer(&caches);
+  // The SSD tier: opened now when its block files exist or a pool was re-attached (a refusal stops the start, with
+  // the store's message), else once the first pool exists. Declared after `caches` (its writes pin their slots) and
+  // before the data plane (a promoting Match answers through it); stopped explicitly before the sessions go.
+  std::unique_ptr<SsdTier> ssd;
+  if (!config.ssd_paths.empty()) {
+    SsdTierOptions ssd_options;
+    ssd_options.store.paths = config.ssd_paths;
+    ssd_options.store.size_bytes = config.ssd_bytes;
+    ssd_options.store.queue_depth = config.ssd_queue_depth;
+    ssd_options.store.allow_buffered = config.ssd_allow_buffered;
+    ssd_options.store.sync_writes = config.ssd_sync_writes;
+    ssd_options.store.on_mismatch = config.ssd_discard_mismatch ? SsdMismatchPolicy::kDiscard : SsdMismatchPolicy::kRefuse;
+    ssd_options.write_through = config.ssd_write_through;
+    ssd_options.writeback_window = config.ssd_writeback_window;
+    auto tier = SsdTier::Create(std::move(ssd_options), &caches);
+    if (!tier.ok()) {
+      log::Error("daemon", "cannot use the SSD tier: {}", tier.status().ToString());
+      return 1;
+    }
+    ssd = std::move(*tier);
+    if (!ssd->open()) log::Info("ssd", "SSD tier: block files are created when the first pool fixes the block size");
+    ssd->Start();
+  }
 
   auto activated = ControlSocket::FromSystemd(config.socket_path);
   auto socket = (!activated.ok() && activated.status().code() == StatusCode::kNotFound)
@@ -144,6 +168,7 @@ int RunDaemon(const DaemonConfig& config) {
   dp_options.poller_cpu = config.poller_cpu;
   dp_options.pins.max_session_share = config.max_session_pin_share;
   dp_options.pins.lease_ms = static_cast<int64_t>(config.pin_lease_s * 1000);
+  dp_options.ssd = ssd.get();
   DataPlane data_plane(&lifecycle, &backends, dp_options);
   SessionRegistry sessions(SessionLimits{static_cast<int64_t>(config.attach_timeout_s * 1000),
                                          config.max_pending_sessions_per_uid, config.max_pending_sessions,
@@ -174,14 +199,15 @@ int RunDaemon(const DaemonConfig& config) {
 
   ErrorCounts control_errors;
   auto metrics = std::make_shared<DaemonMetrics>(
-      MetricsSources{&caches, &data_plane, &sessions, &lifecycle, &control_errors});
+      MetricsSources{&caches, &data_plane, &sessions, &lifecycle, &control_errors, ssd.get()});
   const NamespaceAccess access(config.namespace_acls);
   for (const auto& [name, acl] : config.namespace_acls) {
     log::Info("daemon", "namespace '{}': ACL from {} ({} writers, {})", name, acl.source, acl.writers.size(),
               acl.readers ? fmt::format("{} readers", acl.readers->size()) : std::string("everyone may read"));
   }
   ControlService control(ControlContext{&caches, &data_plane, &backends, &sessions, &lifecycle, &peers,
-                                        config.admin_gid, started_ms, &control_errors, metrics.get(), &access});
+                                        config.admin_gid, started_ms, &control_errors, metrics.get(), &access,
+                                        ssd.get()});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);
@@ -286,6 +312,8 @@ int RunDaemon(const DaemonConfig& config) {
   acceptor.Stop();
   // The data plane is drained; control calls still running get a short grace period, then are cancelled.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  // Every SSD request ends (promotions answered, written blocks unpinned) while the sessions still exist.
+  if (ssd) ssd->Stop();
   sessions.Stop();
   data_plane.Stop();
   if (exit_code != 0) return exit_code;

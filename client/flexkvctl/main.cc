@@ -83,7 +83,27 @@ Json StatusJson(const flexkv::DaemonStatus& s) {
                            {"limit_bytes", d.limit_bytes},
                            {"counters", CountersJson(d.counters)}});
   }
-  return Json{{"state", s.state},
+  Json tiers = Json::array();
+  for (const auto& t : s.tiers) {
+    Json files = Json::array();
+    for (const auto& f : t.files) {
+      files.push_back(Json{{"path", f.path}, {"filesystem", f.filesystem}, {"direct_io", f.direct_io}, {"slots", f.slots}});
+    }
+    tiers.push_back(Json{{"name", t.name},
+                         {"state", t.state},
+                         {"capacity_blocks", t.capacity_blocks},
+                         {"used_blocks", t.used_blocks},
+                         {"capacity_bytes", t.capacity_bytes},
+                         {"block_bytes", t.block_bytes},
+                         {"read_bytes_per_s", t.read_bytes_per_s},
+                         {"write_bytes_per_s", t.write_bytes_per_s},
+                         {"rebuild_s", t.rebuild_s},
+                         {"counters", CountersJson(t.counters)},
+                         {"files", files},
+                         {"notes", t.notes}});
+  }
+  return Json{{"tiers", tiers},
+              {"state", s.state},
               {"version", s.version},
               {"pid", s.pid},
               {"uptime_s", s.uptime_s},
@@ -162,6 +182,24 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
     for (const auto& d : b.devices) backends += " " + d;
   }
   fmt::print("backends  {}\n", backends);
+  for (const auto& t : s.tiers) {
+    const auto c = [&t](const char* name) { return t.counters.contains(name) ? t.counters.at(name) : 0; };
+    fmt::print("{:<10}{}: {}/{} blocks of {} bytes ({} bytes on disk); {} promoted ({} refused, {} failed), {} written "
+               "({} refused, {} failed); read {:.1f} MB/s, write {:.1f} MB/s; {} reads, {} writes in flight\n",
+               t.name, t.state, t.used_blocks, t.capacity_blocks, t.block_bytes, t.capacity_bytes, c("promoted_blocks"),
+               c("promotion_refused_blocks"), c("promotion_failed_blocks"), c("written_back_blocks"),
+               c("writeback_refused_blocks"), c("writeback_failed_blocks"), t.read_bytes_per_s / 1e6,
+               t.write_bytes_per_s / 1e6, c("reads_in_flight"), c("writes_in_flight"));
+    fmt::print("  evictions from DRAM: {} kept on {}, {} lost (not written yet); {} overwritten on {}; checksum/read "
+               "failures {} ({} read errors); opened in {:.2f} s with {} blocks ({} corrupt headers, {} truncated)\n",
+               c("evicted_written_blocks"), t.name, c("evicted_unwritten_blocks"), c("evicted_blocks"), t.name,
+               c("data_loss_blocks"), c("read_errors"), t.rebuild_s, c("rebuilt_blocks"), c("rebuild_corrupt_headers"),
+               c("rebuild_truncated"));
+    for (const auto& f : t.files) {
+      fmt::print("  {} on {}: {} slots, {}\n", f.path, f.filesystem, f.slots, f.direct_io ? "direct I/O" : "BUFFERED I/O");
+    }
+    for (const auto& n : t.notes) fmt::print("  note: {}\n", n);
+  }
 }
 
 int Refused(const Status& s) {

@@ -185,7 +185,11 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
   index_->SetEvictionListener([this, p](SlotId slot, const BlockKey& key) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     p->MarkFree(slot);
     UnanchorLocked(key);
+    ForgetNextTierLocked(slot, /*evicted=*/true);
   });
+  on_next_.assign(pool_->sub_pool(0).capacity, 0);
+  write_through_queue_.clear();
+  writing_ = 0;
   for (size_t c = 1; c < pool_->component_count(); ++c) {
     const SlotId base = pool_->sub_pool(c).base;
     Part(c).SetEvictionListener([p, base](SlotId local, const BlockKey&) { p->MarkFree(base + local); });
@@ -241,6 +245,9 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
   for (auto& active : active_slots_) active.store(0, std::memory_order_release);
   index_.reset();
   parts_.clear();
+  on_next_.clear();
+  write_through_queue_.clear();
+  writing_ = 0;
   if (pool_) {
     pool_.reset();
     ::unlink(pool_path_.c_str());
@@ -460,7 +467,9 @@ PrefixIndex::Reservation Cache::Reserve(const BlockKey& parent, std::span<const 
     none.shortfall = StatusCode::kFailedPrecondition;
     return none;
   }
-  return index_->Reserve(parent, keys);
+  PrefixIndex::Reservation r = index_->Reserve(parent, keys);
+  for (SlotId s : r.slots) ForgetNextTierLocked(s, /*evicted=*/false);
+  return r;
 }
 
 void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots,
@@ -472,6 +481,7 @@ void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_
     if (!index_->IsCommitted(slots[i])) continue;  // dropped with a failed ancestor while it copied
     const size_t k = first + i;
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1], content_checksums[i]);
+    if (write_through_ && write_through_queue_.size() < on_next_.size()) write_through_queue_.push_back(slots[i]);
   }
 }
 

@@ -192,6 +192,39 @@ class Cache {
   // and counted in data_loss_blocks. Returns the blocks dropped, descendants included.
   size_t FinishChecks(std::span<const SlotId> passed, std::span<const SlotId> unpin, std::span<const SlotId> failed);
 
+  // The next tier (the SSD tier, daemon/tiers/ssd/ssd_tier.h): which committed FULL blocks it also holds, so that
+  // an eviction loses nothing. Each slot is "not on the next tier", "being written" or "on the next tier"; a
+  // slot's mark is cleared when its block leaves (evicted, dropped) or the slot is reserved again. Hybrid
+  // geometries have no next tier (TakeWriteBack gives nothing). Nothing here is active until AttachNextTier.
+  struct WriteBackBlock {
+    SlotId slot = 0;
+    BlockKey key, parent;          // parent: zero for a prompt's first block
+    uint64_t content_checksum = 0; // the slot entry's BlockChecksum
+    bool cold = false;             // a cold leaf (on the eviction list until pinned)
+  };
+  // From now on evictions are counted as written (the next tier had the block) or unwritten, and with
+  // `write_through` every block Commit publishes is queued for TakeWriteBack as well.
+  void AttachNextTier(bool write_through);
+  // Pins and returns up to `max_blocks` committed blocks the next tier does not hold yet, marking them "being
+  // written": first those the write-through queue holds (in commit order), then the cold end of the eviction order
+  // in the order it will be evicted - each cold leaf followed by its not-yet-written ancestors (each becomes a cold
+  // leaf when its last child goes) - over at most `window` blocks. A block on the next tier is reached there through
+  // the DRAM prefix above it, which eviction (leaves first) keeps longest. The caller writes each and calls
+  // EndWriteBack for each, exactly once. Empty without a pool, for a hybrid geometry, or before AttachNextTier.
+  std::vector<WriteBackBlock> TakeWriteBack(size_t max_blocks, size_t window);
+  // Ends a write of TakeWriteBack's: `stored` marks the block as on the next tier. Unpins it (a cold one goes back to
+  // the cold end of the eviction order: it was not used).
+  void EndWriteBack(const WriteBackBlock& block, bool stored);
+  // Blocks just committed from the next tier (promoted): they are on it already.
+  void MarkOnNextTier(std::span<const SlotId> slots);
+  struct WriteBackStats {
+    uint64_t evicted_written = 0;    // evictions of blocks the next tier holds
+    uint64_t evicted_unwritten = 0;  // evictions of blocks it did not hold: lost from the node
+    uint64_t writing = 0;            // blocks being written now
+    uint64_t queued = 0;             // blocks in the write-through queue
+  };
+  WriteBackStats write_back_stats() const;
+
   // Capacities are active slots (see Resize).
   struct ComponentStats {
     ComponentKind kind = ComponentKind::kFull;
@@ -259,6 +292,16 @@ class Cache {
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   std::function<Status(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
   std::function<void(const PoolRegion&)> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
+  // The next tier's marks (see AttachNextTier), one per FULL slot: kNotOnNext, kWriting, kOnNext.
+  bool next_tier_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_through_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<uint8_t> on_next_ ABSL_GUARDED_BY(mu_);
+  std::vector<SlotId> write_through_queue_ ABSL_GUARDED_BY(mu_);
+  uint64_t evicted_written_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t evicted_unwritten_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t writing_ ABSL_GUARDED_BY(mu_) = 0;
+  // A FULL block left its slot (evicted, dropped) or the slot was reserved again: its next-tier mark goes.
+  void ForgetNextTierLocked(SlotId slot, bool evicted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified
   bool verifying_ ABSL_GUARDED_BY(mu_) = false;                  // between TakeUnverified and EndVerification
 };

@@ -261,7 +261,7 @@ struct PrefixIndex::Impl {
       if (n.children == 0) Unlink(lru_, s);  // was evictable
     }
   }
-  void UnpinOne(SlotId s) {
+  void UnpinOne(SlotId s, bool cold = false) {
     PREFIX_INDEX_CHECK(s < nodes_.size(), fmt::format("unpin of slot {} out of range", s));
     Node& n = nodes_[s];
     PREFIX_INDEX_CHECK((n.state == State::kCommitted || n.state == State::kDropped) && n.pins > 0,
@@ -271,7 +271,7 @@ struct PrefixIndex::Impl {
       if (n.state == State::kDropped) {
         FreeDropped(s);
       } else if (Evictable(n)) {
-        PushBack(lru_, s);
+        if (cold) PushFront(lru_, s); else PushBack(lru_, s);
       }
     }
   }
@@ -478,8 +478,26 @@ size_t PrefixIndex::Match(std::span<const BlockKey> keys, bool pin, std::vector<
   return matched;
 }
 
-void PrefixIndex::Unpin(std::span<const SlotId> slots) {
-  for (SlotId s : slots) impl_->UnpinOne(s);
+void PrefixIndex::Unpin(std::span<const SlotId> slots, bool cold) {
+  for (SlotId s : slots) impl_->UnpinOne(s, cold);
+}
+
+SlotId PrefixIndex::ParentOf(SlotId slot) const {
+  const Impl& m = *impl_;
+  if (slot >= m.nodes_.size()) return kNoParent;
+  const Node& n = m.nodes_[slot];
+  if (n.state == State::kFree || n.parent == kNil) return kNoParent;
+  return n.parent;
+}
+
+void PrefixIndex::ForEachColdLeaf(size_t n, const std::function<bool(SlotId)>& visit) const {
+  const Impl& m = *impl_;
+  SlotId s = m.lru_.head;
+  for (size_t i = 0; i < n && s != kNil; ++i) {
+    const SlotId next = m.nodes_[s].next;  // read first: visit may not change the list, but be safe
+    if (!visit(s)) return;
+    s = next;
+  }
 }
 
 PrefixIndex::Reservation PrefixIndex::Reserve(const BlockKey& parent_key, std::span<const BlockKey> keys) {

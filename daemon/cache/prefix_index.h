@@ -36,8 +36,10 @@ class PrefixIndex {
   // (slots may be null without pin).
   size_t Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* slots);
 
-  // Drops one pin of each slot. Each slot must be pinned.
-  void Unpin(std::span<const SlotId> slots);
+  // Drops one pin of each slot. Each slot must be pinned. A slot that becomes evictable goes to the most recently
+  // used end of the eviction order, or with `cold` to the least recently used end (a block pinned only to be
+  // written to the next tier has not been used: once written, it is the cheapest to evict).
+  void Unpin(std::span<const SlotId> slots, bool cold = false);
 
   struct Reservation {
     size_t cached = 0;           // leading keys already committed (not reserved again)
@@ -86,6 +88,13 @@ class PrefixIndex {
   size_t DropSubtrees(std::span<const SlotId> slots, const std::function<void(SlotId)>& on_drop);
   // Whether `slot` holds a committed node (a store's Commit skips pending nodes dropped meanwhile).
   bool IsCommitted(SlotId slot) const;
+  // The slot of the parent of the (pending, committed or unverified) node in `slot`; kNoParent at root level or when
+  // the slot holds no such node.
+  static constexpr SlotId kNoParent = 0xffffffffu;
+  SlotId ParentOf(SlotId slot) const;
+  // The evictable slots (committed, unpinned, childless) that will be evicted first, least recently used first, at
+  // most `n`; `visit` returns false to stop early. O(visited).
+  void ForEachColdLeaf(size_t n, const std::function<bool(SlotId)>& visit) const;
   // Whether `slot` holds an unverified node (not yet verified, and not dropped with a failed ancestor).
   bool IsUnverified(SlotId slot) const;
 

@@ -323,6 +323,26 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "Serve Prometheus metrics on HOST:PORT (GET /metrics), e.g. 127.0.0.1:9400 (default: off)");
   app.add_flag("--metrics-allow-remote", metrics_allow_remote,
                "Allow a --metrics-listen address other than loopback (the endpoint has no authentication)");
+  std::string ssd_size;
+  std::string ssd_on_mismatch = "refuse";
+  app.add_option("--ssd-path", cfg.ssd_paths,
+                 "SSD tier: a directory on a local NVMe drive (repeat once per drive); each gets one block file");
+  app.add_option("--ssd-size", ssd_size, "SSD tier: bytes on disk over all --ssd-path, with units: 500GiB, 4TiB");
+  app.add_option("--ssd-queue-depth", cfg.ssd_queue_depth, "SSD tier: I/O requests in flight per drive (default 32)")
+      ->check(CLI::Range(1, 4096));
+  app.add_flag("--ssd-allow-buffered", cfg.ssd_allow_buffered,
+               "SSD tier: where a path refuses O_DIRECT (or is tmpfs), use buffered I/O with a warning instead of "
+               "refusing to start");
+  app.add_flag("--ssd-sync-writes", cfg.ssd_sync_writes,
+               "SSD tier: O_DSYNC writes, which survive a power cut (slower on drives with a volatile cache)");
+  app.add_option("--ssd-on-mismatch", ssd_on_mismatch,
+                 "SSD tier: block files of another format or block size: refuse (default: do not start) or discard "
+                 "(reformat, losing them)");
+  app.add_flag("--ssd-write-through", cfg.ssd_write_through,
+               "SSD tier: write every stored block to SSD at once, not only the cold end of DRAM");
+  app.add_option("--ssd-writeback-window", cfg.ssd_writeback_window,
+                 "SSD tier: the share of each DRAM pool, coldest first, kept written to SSD ahead of eviction "
+                 "(default 0.25)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -402,6 +422,31 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
           "namespace '{}' has pool_size {}, more than --pool-size {}; expected at most the budget (a pool_size "
           "bounds what that namespace's domain may hold of it)",
           name, FormatByteSize(bytes), FormatByteSize(cfg.pool_bytes))));
+    }
+  }
+  if (ssd_on_mismatch != "refuse" && ssd_on_mismatch != "discard") {
+    return usage_error(Status::InvalidArgument("--ssd-on-mismatch " + ssd_on_mismatch + ": expected refuse or discard"));
+  }
+  cfg.ssd_discard_mismatch = ssd_on_mismatch == "discard";
+  if (!cfg.ssd_paths.empty() || !ssd_size.empty()) {
+    if (cfg.ssd_paths.empty()) return usage_error(Status::InvalidArgument("--ssd-size needs --ssd-path (a directory per drive)"));
+    if (ssd_size.empty()) {
+      return usage_error(Status::InvalidArgument("--ssd-path needs --ssd-size: the bytes the tier may use on disk, e.g. 2TiB"));
+    }
+    auto bytes = ParseByteSize(ssd_size);
+    if (!bytes.ok()) return usage_error(bytes.status().WithContext("--ssd-size"));
+    cfg.ssd_bytes = *bytes;
+    for (size_t i = 0; i < cfg.ssd_paths.size(); ++i) {
+      for (size_t j = 0; j < i; ++j) {
+        if (cfg.ssd_paths[i] == cfg.ssd_paths[j]) {
+          return usage_error(Status::InvalidArgument("--ssd-path " + cfg.ssd_paths[i] + " is given twice; expected one per drive"));
+        }
+      }
+    }
+    if (!(cfg.ssd_writeback_window > 0 && cfg.ssd_writeback_window <= 1)) {
+      return usage_error(Status::InvalidArgument(fmt::format(
+          "--ssd-writeback-window {} is out of range; expected a share of the pool above 0 and at most 1, e.g. 0.25",
+          cfg.ssd_writeback_window)));
     }
   }
   if (cfg.pool_path.empty()) cfg.pool_path = "/dev/shm/flexkvd-" + std::to_string(geteuid()) + "/pool";

@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/log.h"
 #include "daemon/metrics/listen_address.h"
@@ -48,6 +49,15 @@ struct DaemonConfig {
   size_t max_domains = 1;              // --max-domains: cache domains (namespace + geometry) served at once
   // [namespace."<name>"] pool_size: a namespace's fixed share of --pool-size (bytes); others share the rest.
   std::map<std::string, uint64_t, std::less<>> namespace_pool_bytes;
+  // The SSD tier (docs/ssd.md); off without --ssd-path.
+  std::vector<std::string> ssd_paths;  // --ssd-path DIR, repeatable: one directory per drive
+  uint64_t ssd_bytes = 0;              // --ssd-size: bytes on disk over all paths
+  uint32_t ssd_queue_depth = 32;       // --ssd-queue-depth: requests in flight per drive
+  bool ssd_allow_buffered = false;     // --ssd-allow-buffered: buffered I/O where O_DIRECT is impossible
+  bool ssd_sync_writes = false;        // --ssd-sync-writes: O_DSYNC (survive power loss)
+  bool ssd_discard_mismatch = false;   // --ssd-on-mismatch discard (default refuse)
+  bool ssd_write_through = false;      // --ssd-write-through: every stored block goes to SSD
+  double ssd_writeback_window = 0.25;  // --ssd-writeback-window: share of each pool kept written, coldest first
 };
 
 // Outcome of parsing: a config to run with, or an exit (help printed, or a usage error already reported

@@ -31,6 +31,8 @@
 
 namespace flexkv {
 
+class SsdTier;
+
 struct DataPlaneOptions {
   uint32_t submit_entries = 1024;
   uint32_t completion_entries = 1024;
@@ -39,6 +41,7 @@ struct DataPlaneOptions {
   int poller_cpu = -1;          // >= 0: pin the ring poller to this CPU (keep engines off it for p99)
   uint32_t max_blocks_per_request = 1u << 20;
   PinPolicy pins;               // the per-session pin cap and the pin lease
+  SsdTier* ssd = nullptr;       // the SSD tier a Match continues into (promotion); none without --ssd-path
 };
 
 class DataPlane {

@@ -8,6 +8,7 @@
 #include "common/clock.h"
 #include "common/hybrid_ids.h"
 #include "daemon/dataplane/descriptor_validation.h"
+#include "daemon/tiers/ssd/ssd_tier.h"
 
 namespace flexkv {
 
@@ -41,12 +42,13 @@ uint64_t RequestSession::pinned_blocks() const {
 }
 
 RequestHandlers::RequestHandlers(Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
-                                 uint32_t max_blocks_per_request, PinPolicy pins)
+                                 uint32_t max_blocks_per_request, PinPolicy pins, SsdTier* ssd)
     : lifecycle_(lifecycle),
       copies_(copies),
       metrics_(metrics),
       max_blocks_per_request_(max_blocks_per_request),
-      pins_(pins) {}
+      pins_(pins),
+      ssd_(ssd) {}
 
 namespace {
 
@@ -77,7 +79,7 @@ void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::spa
   if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
   switch (op) {
     case RingOp::kMatch:
-      return Match(s, d, taken_ns, payload->keys);
+      return Match(sp, d, taken_ns, payload->keys);
     case RingOp::kRelease:
       return Release(s, d, taken_ns);
     case RingOp::kLoad:
@@ -123,15 +125,45 @@ uint64_t RequestHandlers::SessionPinCap(const RequestSession& s) const {
   return std::max<uint64_t>(cap, 1);
 }
 
-void RequestHandlers::Match(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns,
+void RequestHandlers::Match(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
                             const std::vector<BlockKey>& keys) {
+  RequestSession& s = *sp;
   const bool pin = (d.flags & kMatchFlagPin) != 0;
   std::vector<SlotId> slots;
   const size_t hit = s.cache().Match(keys, pin, pin ? &slots : nullptr);
+  if (ssd_ != nullptr && hit < keys.size() && !s.geometry().is_hybrid() && ssd_->open() &&
+      s.cache().generation() == s.pool_generation_ && lifecycle_->TryBegin()) {
+    // The match may go on in SSD: promote what it holds, then match again in DRAM. Counted in flight meanwhile
+    // (the promotion writes into the pool: a drain waits for it and DropDomain cannot start).
+    auto all = std::make_shared<std::vector<BlockKey>>(keys);
+    const bool promoting = ssd_->Promote(s.cache(), *all, hit, [this, sp, d, taken_ns, all, pin](size_t) {
+      std::vector<SlotId> again;
+      const size_t now = sp->cache().Match(*all, pin, pin ? &again : nullptr);
+      if (sp->cache().generation() != sp->pool_generation_) {
+        if (!again.empty()) sp->cache().Unpin(again);
+        Fail(*sp, d, taken_ns, DomainDropped());
+      } else {
+        AnswerMatch(*sp, d, taken_ns, now, std::move(again));
+      }
+      lifecycle_->Finish();
+    });
+    if (promoting) {
+      // The pending promoted blocks hold their parent chain in DRAM; these pins are taken again by the new match.
+      if (!slots.empty()) s.cache().Unpin(slots);
+      return;
+    }
+    lifecycle_->Finish();
+  }
   if (s.cache().generation() != s.pool_generation_) {  // as in Store: these pins would be another domain's
     if (!slots.empty()) s.cache().Unpin(slots);
     return Fail(s, d, taken_ns, DomainDropped());
   }
+  AnswerMatch(s, d, taken_ns, hit, std::move(slots));
+}
+
+void RequestHandlers::AnswerMatch(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, size_t hit,
+                                  std::vector<SlotId> slots) {
+  const bool pin = (d.flags & kMatchFlagPin) != 0;
   CacheCounters& counters = s.cache().counters();
   counters.match_requests.fetch_add(1, std::memory_order_relaxed);
   counters.match_blocks.fetch_add(d.count, std::memory_order_relaxed);

@@ -24,6 +24,8 @@
 
 namespace flexkv {
 
+class SsdTier;
+
 // Bounds on pins (docs/protocol.md "Pins").
 struct PinPolicy {
   double max_session_share = 0.5;  // of the pool's slots that one session may hold pinned, in (0, 1]
@@ -85,12 +87,15 @@ class RequestHandlers {
  public:
   // Every pointer outlives the handlers; `metrics` is where requests' times and errors are counted. Each request
   // works on its session's cache domain (RequestSession::cache).
+  // `ssd` (optional): the SSD tier, which a Match whose DRAM prefix ends early continues into (promotion); it is
+  // then answered once the promoted blocks are in DRAM, on an SSD completion thread.
   RequestHandlers(Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
-                  uint32_t max_blocks_per_request, PinPolicy pins = {});
+                  uint32_t max_blocks_per_request, PinPolicy pins = {}, SsdTier* ssd = nullptr);
 
   // Answers `d` (copied off the session's submit ring at `taken_ns`, monotonic; not yet validated; its keys and
-  // block ids are in `arena`, the session's payload arena, which the client may be writing). Match and Release
-  // are answered before it returns; Load and Store once their copy ends, on a copy thread. Ring poller only.
+  // block ids are in `arena`, the session's payload arena, which the client may be writing). Release and a Match
+  // served from DRAM are answered before it returns; a Match promoting blocks from SSD once they are in DRAM; Load
+  // and Store once their copy ends, on a copy thread. Ring poller only.
   void Handle(const std::shared_ptr<RequestSession>& session, std::span<const uint8_t> arena, const SubmitDescriptor& d,
               int64_t taken_ns);
   // Answers `d` with `status` (an error).
@@ -110,7 +115,10 @@ class RequestHandlers {
   uint64_t SessionPinCap(const RequestSession& session) const;
 
  private:
-  void Match(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, const std::vector<BlockKey>& keys);
+  void Match(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
+             const std::vector<BlockKey>& keys);
+  // Counts a match of `hit` blocks and answers it, holding `slots` (pinned with kMatchFlagPin) under a new handle.
+  void AnswerMatch(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, size_t hit, std::vector<SlotId> slots);
   void Release(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns);
   void Load(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
             std::vector<uint32_t> ids);
@@ -140,6 +148,7 @@ class RequestHandlers {
   RequestMetrics* const metrics_;
   const uint32_t max_blocks_per_request_;
   const PinPolicy pins_;
+  SsdTier* const ssd_;
 };
 
 }  // namespace flexkv

@@ -12,6 +12,7 @@
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
 #include "daemon/sessions/session_registry.h"
+#include "daemon/tiers/ssd/ssd_tier.h"
 
 namespace flexkv {
 namespace {
@@ -196,6 +197,47 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
     out.push_back(Family("flexkv_component_unanchored_slots",
                          "Window or state entries whose full-attention block is gone (evicted first)",
                          MetricType::Gauge, std::move(unanchored)));
+  }
+
+  if (sources_.ssd != nullptr) {
+    const SsdTierStatus t = sources_.ssd->GetStatus();
+    const auto counter = [&](const char* name, const char* help, uint64_t v) {
+      out.push_back(One(name, help, MetricType::Counter, v));
+    };
+    const auto gauge = [&](const char* name, const char* help, double v) {
+      out.push_back(Family(name, help, MetricType::Gauge, {Sample(v)}));
+    };
+    gauge("flexkv_ssd_up", "1 while the SSD tier serves (its store is open), else 0", t.state == "serving" ? 1 : 0);
+    gauge("flexkv_ssd_capacity_blocks", "Block slots of the SSD tier", static_cast<double>(t.capacity_blocks));
+    gauge("flexkv_ssd_capacity_bytes", "Bytes on disk of the SSD tier's block files", static_cast<double>(t.capacity_bytes));
+    gauge("flexkv_ssd_blocks", "Blocks the SSD tier holds", static_cast<double>(t.used_blocks));
+    gauge("flexkv_ssd_reads_in_flight", "SSD reads (promotions) in flight", static_cast<double>(t.reads_in_flight));
+    gauge("flexkv_ssd_writes_in_flight", "SSD writes (write-backs) in flight", static_cast<double>(t.writes_in_flight));
+    gauge("flexkv_ssd_rebuild_seconds", "How long opening the SSD tier took at start (reading every slot header)",
+          t.rebuild.seconds);
+    counter("flexkv_ssd_promoted_blocks_total", "Blocks read from SSD into DRAM for a match (SSD hits)", t.promoted_blocks);
+    counter("flexkv_ssd_promotion_refused_blocks_total",
+            "Blocks a match found on SSD but could not promote (queue full, no DRAM slot)", t.promotion_refused_blocks);
+    counter("flexkv_ssd_promotion_failed_blocks_total", "Promotions whose read failed or did not verify",
+            t.promotion_failed_blocks);
+    counter("flexkv_ssd_written_back_blocks_total", "Blocks written to SSD (write-back and write-through)",
+            t.written_back_blocks);
+    counter("flexkv_ssd_writeback_refused_blocks_total", "Write-backs the SSD queue refused (retried later)",
+            t.writeback_refused_blocks);
+    counter("flexkv_ssd_writeback_failed_blocks_total", "Write-backs that failed (I/O error, disk full)",
+            t.writeback_failed_blocks);
+    counter("flexkv_ssd_evicted_written_blocks_total", "DRAM evictions of blocks the SSD tier holds",
+            t.evicted_written_blocks);
+    counter("flexkv_ssd_evicted_unwritten_blocks_total",
+            "DRAM evictions of blocks not written to SSD yet (write-back behind): lost from the node",
+            t.evicted_unwritten_blocks);
+    counter("flexkv_ssd_evicted_blocks_total", "Blocks overwritten on SSD to make room", t.store.evictions);
+    counter("flexkv_ssd_read_bytes_total", "Bytes read from SSD (verified)", t.store.read_bytes);
+    counter("flexkv_ssd_write_bytes_total", "Bytes written to SSD", t.store.write_bytes);
+    counter("flexkv_ssd_read_errors_total", "SSD reads the drive failed (EIO, truncated file)", t.store.read_errors);
+    counter("flexkv_ssd_write_errors_total", "SSD writes that failed", t.store.write_errors);
+    counter("flexkv_ssd_data_loss_blocks_total", "SSD blocks dropped because a read failed or did not verify",
+            t.store.data_loss_blocks);
   }
 
   out.push_back(Histograms("flexkv_request_wait_seconds",

@@ -16,6 +16,8 @@
 
 namespace flexkv {
 
+class SsdTier;
+
 class CacheSet;
 class DataPlane;
 class Lifecycle;
@@ -28,6 +30,7 @@ struct MetricsSources {
   const SessionRegistry* sessions;
   const Lifecycle* lifecycle;
   const ErrorCounts* control_errors;  // the control plane's answers with an error, by code
+  const SsdTier* ssd = nullptr;       // the SSD tier (flexkv_ssd_* families), when configured
 };
 
 class DaemonMetrics final : public prometheus::Collectable {

@@ -8,12 +8,14 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <future>
 
 #include "common/grpc_convert.h"
 #include "common/log.h"
 #include "common/version.h"
 #include "common/clock.h"
 #include "common/units.h"
+#include "daemon/tiers/ssd/ssd_tier.h"
 
 namespace flexkv {
 grpc::Status ControlService::Answer(const Status& status) {
@@ -162,6 +164,48 @@ grpc::Status ControlService::Detach(grpc::ServerContext* context, const v1::Deta
 
 namespace {
 
+// The SSD tier's status.
+void FillTier(const SsdTierStatus& t, v1::TierStatus* out) {
+  out->set_name("ssd");
+  out->set_state(t.state);
+  out->set_capacity_blocks(t.capacity_blocks);
+  out->set_used_blocks(t.used_blocks);
+  out->set_capacity_bytes(t.capacity_bytes);
+  out->set_block_bytes(t.block_bytes);
+  out->set_promoted_blocks(t.promoted_blocks);
+  out->set_promotion_requests(t.promotion_requests);
+  out->set_promotion_refused_blocks(t.promotion_refused_blocks);
+  out->set_promotion_failed_blocks(t.promotion_failed_blocks);
+  out->set_written_back_blocks(t.written_back_blocks);
+  out->set_writeback_refused_blocks(t.writeback_refused_blocks);
+  out->set_writeback_failed_blocks(t.writeback_failed_blocks);
+  out->set_evicted_written_blocks(t.evicted_written_blocks);
+  out->set_evicted_unwritten_blocks(t.evicted_unwritten_blocks);
+  out->set_evicted_blocks(t.store.evictions);
+  out->set_reads_in_flight(t.reads_in_flight);
+  out->set_writes_in_flight(t.writes_in_flight);
+  out->set_read_bytes_per_s(t.read_bytes_per_s);
+  out->set_write_bytes_per_s(t.write_bytes_per_s);
+  out->set_read_bytes(t.store.read_bytes);
+  out->set_write_bytes(t.store.write_bytes);
+  out->set_read_errors(t.store.read_errors);
+  out->set_write_errors(t.store.write_errors);
+  out->set_data_loss_blocks(t.store.data_loss_blocks);
+  out->set_refused(t.store.refused);
+  out->set_rebuild_s(t.rebuild.seconds);
+  out->set_rebuilt_blocks(t.rebuild.blocks);
+  out->set_rebuild_corrupt_headers(t.rebuild.corrupt_headers);
+  out->set_rebuild_truncated(t.rebuild.truncated);
+  for (const SsdStore::FileInfo& f : t.files) {
+    v1::TierFile* file = out->add_files();
+    file->set_path(f.path);
+    file->set_filesystem(f.filesystem);
+    file->set_direct_io(f.direct);
+    file->set_slots(f.slots);
+  }
+  for (const std::string& note : t.notes) out->add_notes(note);
+}
+
 // One domain's pool, index and counters (GetStatus fills the totals by adding these up).
 void FillPool(const CacheDomain::View& view, const Cache::Stats& stats, uint64_t budget_bytes, v1::PoolStatus* pool) {
   pool->set_block_bytes(view.block_bytes);
@@ -243,6 +287,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   response->mutable_index()->set_blocks(blocks);
   response->set_sessions(static_cast<uint32_t>(ctx_.sessions->Count()));
   counters->set_errors(errors() + ctx_.data_plane->errors());
+  if (ctx_.ssd != nullptr) FillTier(ctx_.ssd->GetStatus(), response->add_tiers());
   for (const EngineMemoryBackend* backend : ctx_.backends->List()) {
     auto* out = response->add_backends();
     out->set_name(std::string(backend->name()));
@@ -309,7 +354,18 @@ grpc::Status ControlService::Match(grpc::ServerContext* context, const v1::Match
   }
   std::vector<BlockKey> keys(raw.size() / sizeof(BlockKey));
   std::memcpy(keys.data(), raw.data(), raw.size());
-  const size_t hit = cache->Match(keys, /*pin=*/false, nullptr);
+  size_t hit = cache->Match(keys, /*pin=*/false, nullptr);
+  // A match that goes on into SSD promotes those blocks (as the data plane's does) and is answered once they are in
+  // DRAM: the answer says what a Load can have now.
+  if (ctx_.ssd != nullptr && hit < keys.size() && ctx_.ssd->open() && ctx_.lifecycle->TryBegin()) {
+    auto promoted = std::make_shared<std::promise<void>>();
+    std::future<void> ended = promoted->get_future();
+    if (ctx_.ssd->Promote(*cache, keys, hit, [promoted](size_t) { promoted->set_value(); })) {
+      ended.wait();
+      hit = cache->Match(keys, /*pin=*/false, nullptr);
+    }
+    ctx_.lifecycle->Finish();
+  }
   auto& counters = cache->counters();
   counters.match_requests.fetch_add(1, std::memory_order_relaxed);
   counters.match_blocks.fetch_add(keys.size(), std::memory_order_relaxed);

@@ -25,6 +25,8 @@
 
 namespace flexkv {
 
+class SsdTier;
+
 // The daemon's parts the control plane answers from. All outlive the service.
 struct ControlContext {
   CacheSet* caches;  // the cache domains, each with its verifier (Scrub)
@@ -38,6 +40,7 @@ struct ControlContext {
   ErrorCounts* errors;  // where the service counts its answers with an error, by code
   const DaemonMetrics* metrics;  // what GetMetrics renders
   const NamespaceAccess* access;  // who may read and write a namespace, checked at Attach and Match
+  SsdTier* ssd = nullptr;  // the SSD tier (GetStatus tiers; a gRPC Match continues into it), when configured
 };
 
 class ControlService final : public v1::Control::Service {

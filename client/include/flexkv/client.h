@@ -98,6 +98,27 @@ struct DaemonStatus {
     uint64_t limit_bytes = 0;  // the operator's pool_size for its namespace; 0: none
   };
   std::vector<Domain> domains;  // empty from a daemon older than several domains
+  // A cache tier below DRAM (today "ssd", with --ssd-path; docs/ssd.md).
+  struct Tier {
+    std::string name;   // "ssd"
+    std::string state;  // "serving" | "waiting for the first pool" | "failed: <why>"
+    uint64_t capacity_blocks = 0, used_blocks = 0, capacity_bytes = 0, block_bytes = 0;
+    double read_bytes_per_s = 0, write_bytes_per_s = 0;  // over the last second
+    double rebuild_s = 0;                                // opening the tier at start (reading every slot header)
+    // promoted_blocks, promotion_requests, promotion_refused_blocks, promotion_failed_blocks, written_back_blocks,
+    // writeback_refused_blocks, writeback_failed_blocks, evicted_written_blocks, evicted_unwritten_blocks,
+    // evicted_blocks, reads_in_flight, writes_in_flight, read_bytes, write_bytes, read_errors, write_errors,
+    // data_loss_blocks, refused, rebuilt_blocks, rebuild_corrupt_headers, rebuild_truncated (docs/protocol.md)
+    std::map<std::string, uint64_t> counters;
+    struct File {
+      std::string path, filesystem;
+      bool direct_io = true;
+      uint64_t slots = 0;
+    };
+    std::vector<File> files;
+    std::vector<std::string> notes;
+  };
+  std::vector<Tier> tiers;  // none without a tier below DRAM
 };
 
 // What a scrub found (Client::Scrub).

@@ -1,0 +1,91 @@
+// Cache: the marks of the blocks the next tier (SSD) also holds, and the write-back queue; see cache.h.
+#include <algorithm>
+
+#include "daemon/cache/cache.h"
+
+namespace flexkv {
+
+namespace {
+constexpr uint8_t kNotOnNext = 0;
+constexpr uint8_t kWriting = 1;
+constexpr uint8_t kOnNext = 2;
+}  // namespace
+
+void Cache::AttachNextTier(bool write_through) {
+  MutexLock lock(&mu_);
+  next_tier_ = true;
+  write_through_ = write_through;
+}
+
+void Cache::ForgetNextTierLocked(SlotId slot, bool evicted) {
+  if (slot >= on_next_.size()) return;
+  if (evicted && next_tier_) {
+    if (on_next_[slot] == kOnNext) ++evicted_written_; else ++evicted_unwritten_;
+  }
+  on_next_[slot] = kNotOnNext;
+}
+
+std::vector<Cache::WriteBackBlock> Cache::TakeWriteBack(size_t max_blocks, size_t window) {
+  MutexLock lock(&mu_);
+  std::vector<WriteBackBlock> out;
+  if (!next_tier_ || !index_ || !parts_.empty() || max_blocks == 0) return out;
+  // Pins `s` and appends it, when it is committed, not on the next tier and not being written.
+  const auto take = [&](SlotId s, bool cold) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (s >= on_next_.size() || on_next_[s] != kNotOnNext) return;
+    const std::optional<Pool::Committed> entry = pool_->Entry(s);
+    if (!entry || !index_->PinSlot(s)) return;  // a corrupt entry is the verifier's business, not written
+    on_next_[s] = kWriting;
+    ++writing_;
+    out.push_back(WriteBackBlock{s, entry->key, entry->parent, entry->content_checksum, cold});
+  };
+  size_t queued = 0;
+  for (; queued < write_through_queue_.size() && out.size() < max_blocks; ++queued) {
+    const SlotId s = write_through_queue_[queued];
+    if (index_->IsCommitted(s)) take(s, false);
+  }
+  write_through_queue_.erase(write_through_queue_.begin(), write_through_queue_.begin() + static_cast<ptrdiff_t>(queued));
+  if (out.size() >= max_blocks || window == 0) return out;
+  // The cold end, in the order it will be evicted: each cold leaf, then its ancestors up to the first one written
+  // (each becomes a leaf, at the cold end, when its last child goes), within `window` blocks in all. A block on the
+  // next tier is reachable there through the DRAM prefix above it, which eviction keeps longest.
+  size_t seen = 0;
+  index_->ForEachColdLeaf(window, [&](SlotId leaf) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ++seen;
+    SlotId s = leaf;
+    if (s < on_next_.size() && on_next_[s] == kNotOnNext) {
+      take(s, true);
+      for (s = index_->ParentOf(s); s != PrefixIndex::kNoParent && s < on_next_.size() &&
+                                    on_next_[s] == kNotOnNext && seen < window && out.size() < max_blocks;
+           s = index_->ParentOf(s)) {
+        ++seen;
+        take(s, false);  // not on the eviction list (it has children): unpinning it moves nothing
+      }
+    }
+    return out.size() < max_blocks && seen < window;
+  });
+  return out;
+}
+
+void Cache::EndWriteBack(const WriteBackBlock& block, bool stored) {
+  MutexLock lock(&mu_);
+  if (!index_ || block.slot >= on_next_.size()) return;  // DropDomain refuses while blocks are pinned
+  if (on_next_[block.slot] == kWriting) {
+    on_next_[block.slot] = stored ? kOnNext : kNotOnNext;
+    --writing_;
+  }
+  index_->Unpin(std::span<const SlotId>(&block.slot, 1), block.cold);
+}
+
+void Cache::MarkOnNextTier(std::span<const SlotId> slots) {
+  MutexLock lock(&mu_);
+  for (SlotId s : slots) {
+    if (s < on_next_.size() && index_ && index_->IsCommitted(s) && on_next_[s] == kNotOnNext) on_next_[s] = kOnNext;
+  }
+}
+
+Cache::WriteBackStats Cache::write_back_stats() const {
+  MutexLock lock(&mu_);
+  return WriteBackStats{evicted_written_, evicted_unwritten_, writing_, write_through_queue_.size()};
+}
+
+}  // namespace flexkv

@@ -1,0 +1,379 @@
+// See ssd_tier.h.
+#include "daemon/tiers/ssd/ssd_tier.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "common/unique_fd.h"
+#include "common/units.h"
+#include "daemon/cache/cache.h"
+#include "daemon/cache/cache_set.h"
+
+namespace flexkv {
+
+namespace {
+
+// A match's run of SSD blocks being promoted: their DRAM slots (pending) and what each read answered.
+struct Promotion {
+  Cache* cache = nullptr;
+  BlockKey parent;                  // of run[0]
+  std::vector<BlockKey> run;        // the keys after the DRAM prefix that SSD holds, as given to Reserve
+  size_t first = 0;                 // run index of slots[0] (Reserve's `cached`)
+  std::vector<SlotId> slots;        // pending DRAM slots, one per read issued
+  std::vector<uint64_t> checksums;  // their content checksums (from the SSD entries)
+  std::unique_ptr<std::atomic<uint8_t>[]> ok;
+  std::atomic<size_t> remaining{0};
+  SsdTier::PromotionDone done;
+};
+
+log::RateLimited& WriteErrorLog() {
+  static log::RateLimited limited(60000);
+  return limited;
+}
+
+}  // namespace
+
+uint64_t SsdFoundPayloadCapacity(const std::vector<std::string>& paths) {
+  uint64_t found = 0;
+  for (const std::string& dir : paths) {
+    const std::string path = dir + (dir.ends_with('/') ? "" : "/") + kSsdFileName;
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) continue;
+    alignas(kSsdAlign) std::array<uint8_t, kSsdHeaderSector> sector{};
+    if (::pread(fd.get(), sector.data(), sector.size(), 0) != static_cast<ssize_t>(sector.size())) continue;
+    const SsdDecodedFile file = DecodeFileHeader(std::span<const uint8_t, kSsdHeaderSector>(sector));
+    if (file.kind == SsdSectorKind::kValid) found = std::max(found, file.header.payload_capacity);
+  }
+  return found;
+}
+
+SsdTier::SsdTier(SsdTierOptions options, CacheSet* caches) : options_(std::move(options)), caches_(caches) {}
+
+Result<std::unique_ptr<SsdTier>> SsdTier::Create(SsdTierOptions options, CacheSet* caches) {
+  if (options.store.paths.empty()) return Status::InvalidArgument("--ssd-path: at least one directory is needed");
+  if (options.store.size_bytes == 0) {
+    return Status::InvalidArgument("--ssd-size is needed with --ssd-path (bytes on disk over all paths, e.g. 2TiB)");
+  }
+  if (!(options.writeback_window > 0 && options.writeback_window <= 1)) {
+    return Status::InvalidArgument(
+        fmt::format("--ssd-writeback-window {} is out of range; expected a share of the DRAM pool in (0, 1], e.g. 0.25",
+                    options.writeback_window));
+  }
+  std::unique_ptr<SsdTier> tier(new SsdTier(std::move(options), caches));
+  // The largest block of the pools re-attached at start, and what the block files were made for.
+  uint64_t needed = 0;
+  for (size_t i = 0; i < caches->max_domains(); ++i) {
+    const Cache& c = caches->cache(i);
+    const CacheDomain::View v = c.Domain();
+    if (c.has_pool() && v.geometry && !v.geometry->is_hybrid()) needed = std::max(needed, c.block_bytes());
+  }
+  const uint64_t found = SsdFoundPayloadCapacity(tier->options_.store.paths);
+  const uint64_t capacity = std::max(needed, found);
+  if (capacity > 0) FLEXKV_RETURN_IF_ERROR(tier->OpenStore(capacity));
+  return tier;
+}
+
+Status SsdTier::OpenStore(uint64_t payload_capacity) {
+  SsdStoreOptions o = options_.store;
+  o.payload_capacity = payload_capacity;
+  auto store = SsdStore::Open(o);
+  if (!store.ok()) {
+    std::lock_guard lock(mu_);
+    state_ = "failed: " + store.status().ToString();
+    return store.status();
+  }
+  // The store logged what it found; the files say how they are accessed.
+  for (const SsdStore::FileInfo& f : (*store)->files()) {
+    log::Info("ssd", "SSD tier: {}: {} slots of {} on {}, {}{}", f.path, f.slots, FormatByteSize(payload_capacity),
+              f.filesystem,
+              f.direct ? "direct I/O" : "BUFFERED I/O (--ssd-allow-buffered): slower, and the page cache holds copies",
+              options_.write_through ? "; write-through" : "");
+  }
+  store_ = std::move(*store);
+  for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).AttachNextTier(options_.write_through);
+  {
+    std::lock_guard lock(mu_);
+    state_ = "serving";
+    last_sample_ms_ = MonotonicMs();
+  }
+  store_ready_.store(true, std::memory_order_release);
+  return Status::Ok();
+}
+
+SsdTier::~SsdTier() { Stop(); }
+
+void SsdTier::Start() {
+  if (mover_.joinable()) return;
+  mover_ = std::thread([this] {
+    while (!stopping_.load(std::memory_order_acquire)) {
+      const size_t written = MoveRound();
+      SampleRates();
+      if (written == 0) {
+        std::unique_lock lock(mu_);
+        idle_cv_.wait_for(lock, std::chrono::milliseconds(options_.mover_idle_ms), [this] { return stop_requested_; });
+      }
+    }
+  });
+}
+
+void SsdTier::Stop() {
+  {
+    std::lock_guard lock(mu_);
+    stop_requested_ = true;
+  }
+  stopping_.store(true, std::memory_order_release);
+  idle_cv_.notify_all();
+  if (mover_.joinable()) mover_.join();
+  if (store_ready_.load(std::memory_order_acquire)) store_->WaitIdle();
+}
+
+SsdDomain SsdTier::DomainOf(const Cache& cache) {
+  const uint64_t generation = cache.generation();
+  {
+    std::lock_guard lock(mu_);
+    auto it = domains_.find(&cache);
+    if (it != domains_.end() && it->second.first == generation) return it->second.second;
+  }
+  const CacheDomain::View v = cache.Domain();
+  const SsdDomain domain = v.geometry ? SsdDomain::Of(v.model_namespace, *v.geometry) : SsdDomain{};
+  std::lock_guard lock(mu_);
+  domains_[&cache] = {generation, domain};
+  return domain;
+}
+
+bool SsdTier::Eligible(const Cache& cache) const {
+  if (!cache.has_pool() || !store_ready_.load(std::memory_order_acquire)) return false;
+  const CacheDomain::View v = cache.Domain();
+  return v.geometry && !v.geometry->is_hybrid() && cache.block_bytes() <= store_->payload_capacity();
+}
+
+size_t SsdTier::MoveRound() {
+  if (!store_ready_.load(std::memory_order_acquire)) {
+    {
+      std::lock_guard lock(mu_);
+      if (state_.starts_with("failed")) return 0;  // logged once; the operator restarts after fixing it
+    }
+    uint64_t needed = 0;
+    for (size_t i = 0; i < caches_->max_domains(); ++i) {
+      const Cache& c = caches_->cache(i);
+      const CacheDomain::View v = c.Domain();
+      if (c.has_pool() && v.geometry && !v.geometry->is_hybrid()) needed = std::max(needed, c.block_bytes());
+    }
+    if (needed == 0) return 0;
+    if (Status opened = OpenStore(needed); !opened.ok()) {
+      log::Error("ssd", "SSD tier off: {}; the cache runs from DRAM alone until flexkvd is restarted with this fixed",
+                 opened.ToString());
+      return 0;
+    }
+  }
+  size_t written = 0;
+  bool failed = false;
+  std::vector<std::string> notes;
+  for (size_t i = 0; i < caches_->max_domains() && !stopping_.load(std::memory_order_acquire); ++i) {
+    Cache& c = caches_->cache(i);
+    if (!c.has_pool()) continue;
+    if (!Eligible(c)) {
+      const CacheDomain::View v = c.Domain();
+      if (v.geometry && v.geometry->is_hybrid()) {
+        notes.push_back(fmt::format("namespace '{}': a hybrid geometry; its blocks stay in DRAM", v.model_namespace));
+      } else if (v.geometry) {
+        notes.push_back(fmt::format(
+            "namespace '{}': blocks of {} do not fit the SSD slots of {} (the block files were made for another "
+            "model); its blocks stay in DRAM. Move the files away or use --ssd-on-mismatch=discard at the next start",
+            v.model_namespace, FormatByteSize(c.block_bytes()), FormatByteSize(store_->payload_capacity())));
+      }
+      continue;
+    }
+    const auto window = static_cast<size_t>(std::max(1.0, options_.writeback_window * c.capacity_slots()));
+    std::vector<Cache::WriteBackBlock> blocks = c.TakeWriteBack(options_.writeback_batch, window);
+    if (blocks.empty()) continue;
+    const SsdDomain domain = DomainOf(c);
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      const Cache::WriteBackBlock b = blocks[j];
+      const std::span<const uint8_t> payload(c.SlotData(b.slot), c.SlotBytes(b.slot));
+      writes_in_flight_.fetch_add(1, std::memory_order_relaxed);
+      Cache* cache = &c;
+      const Status accepted = store_->Write(
+          SsdBlockId{b.key, domain, 0}, b.parent, payload, b.content_checksum, [this, cache, b](Status s) {
+            writes_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+            if (s.ok()) {
+              written_back_.fetch_add(1, std::memory_order_relaxed);
+            } else {
+              writeback_failed_.fetch_add(1, std::memory_order_relaxed);
+              WriteErrorLog().Warning("ssd", "write-back failed, the block stays in DRAM only: {}", s.ToString());
+            }
+            cache->EndWriteBack(b, s.ok());
+          });
+      if (accepted.ok()) {
+        ++written;
+        continue;
+      }
+      writes_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+      if (accepted.code() == StatusCode::kAlreadyExists) {  // on SSD already (or being written by another round)
+        c.EndWriteBack(b, true);
+        continue;
+      }
+      // Queue full (or closing): the rest waits for a later round, unwritten.
+      writeback_refused_.fetch_add(blocks.size() - j, std::memory_order_relaxed);
+      for (size_t k = j; k < blocks.size(); ++k) c.EndWriteBack(blocks[k], false);
+      if (accepted.code() != StatusCode::kResourceExhausted) failed = true;
+      break;
+    }
+  }
+  {
+    std::lock_guard lock(mu_);
+    notes_ = std::move(notes);
+  }
+  if (failed || writeback_failed_.load(std::memory_order_relaxed) > 0) {
+    // A drive that fails writes (full, I/O errors) is not hammered: at most a round a second from then on.
+    static thread_local uint64_t seen_failures = 0;
+    const uint64_t now_failures = writeback_failed_.load(std::memory_order_relaxed);
+    if (failed || now_failures != seen_failures) {
+      seen_failures = now_failures;
+      std::unique_lock lock(mu_);
+      idle_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_requested_; });
+    }
+  }
+  return written;
+}
+
+void SsdTier::SampleRates() {
+  if (!store_ready_.load(std::memory_order_acquire)) return;
+  const int64_t now = MonotonicMs();
+  std::lock_guard lock(mu_);
+  if (now - last_sample_ms_ < 1000) return;
+  const SsdStoreStats s = store_->stats();
+  const double dt = static_cast<double>(now - last_sample_ms_) / 1000.0;
+  read_rate_ = static_cast<double>(s.read_bytes - last_read_bytes_) / dt;
+  write_rate_ = static_cast<double>(s.write_bytes - last_write_bytes_) / dt;
+  last_read_bytes_ = s.read_bytes;
+  last_write_bytes_ = s.write_bytes;
+  last_sample_ms_ = now;
+}
+
+bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done) {
+  if (stopping_.load(std::memory_order_acquire) || dram_hit >= keys.size() || !Eligible(cache)) return false;
+  const SsdDomain domain = DomainOf(cache);
+  const uint64_t block_bytes = cache.block_bytes();
+  // The run of blocks SSD holds right after the DRAM prefix, each under the previous one.
+  auto job = std::make_shared<Promotion>();
+  job->cache = &cache;
+  job->parent = dram_hit == 0 ? kRootParent : keys[dram_hit - 1];
+  std::vector<uint64_t> sums;
+  BlockKey expected_parent = job->parent;
+  for (size_t i = dram_hit; i < keys.size(); ++i) {
+    const std::optional<SsdEntry> e = store_->Lookup(SsdBlockId{keys[i], domain, 0});
+    if (!e || e->parent != expected_parent || e->payload_bytes != block_bytes) break;
+    job->run.push_back(keys[i]);
+    sums.push_back(e->content_checksum);
+    expected_parent = keys[i];
+  }
+  if (job->run.empty()) return false;
+  promotion_requests_.fetch_add(1, std::memory_order_relaxed);
+  const PrefixIndex::Reservation r = cache.Reserve(job->parent, job->run);
+  const size_t wanted = job->run.size() - std::min(r.cached, job->run.size());
+  if (r.slots.empty()) {
+    // The parent left DRAM meanwhile, or no slot is free or evictable, or another store got there first.
+    promotion_refused_.fetch_add(wanted, std::memory_order_relaxed);
+    return false;
+  }
+  job->first = r.cached;
+  job->ok.reset(new std::atomic<uint8_t>[r.slots.size()]);
+  for (size_t i = 0; i < r.slots.size(); ++i) job->ok[i].store(0, std::memory_order_relaxed);
+  job->done = std::move(done);
+  // Every read is issued before any may complete the job: one extra count, dropped at the end of issuing.
+  job->remaining.store(r.slots.size() + 1, std::memory_order_relaxed);
+  const auto finish = [this](const std::shared_ptr<Promotion>& p) {
+    size_t ok = 0;
+    while (ok < p->slots.size() && p->ok[ok].load(std::memory_order_acquire) == 1) ++ok;
+    const std::span<const SlotId> slots(p->slots);
+    if (ok > 0) {
+      p->cache->Commit(p->parent, p->run, p->first, slots.first(ok),
+                       std::span<const uint64_t>(p->checksums).first(ok));
+      p->cache->MarkOnNextTier(slots.first(ok));
+    }
+    if (ok < slots.size()) p->cache->Abort(slots.subspan(ok));
+    promoted_.fetch_add(ok, std::memory_order_relaxed);
+    PromotionDone d = std::move(p->done);
+    d(ok);
+  };
+  size_t issued = 0;
+  for (; issued < r.slots.size(); ++issued) {
+    const SlotId slot = r.slots[issued];
+    const size_t k = job->first + issued;
+    job->slots.push_back(slot);
+    job->checksums.push_back(sums[k]);
+    reads_in_flight_.fetch_add(1, std::memory_order_relaxed);
+    const Status accepted = store_->Read(
+        SsdBlockId{job->run[k], domain, 0}, std::span<uint8_t>(cache.SlotData(slot), cache.SlotBytes(slot)),
+        [this, job, issued, finish](Status s) {
+          reads_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+          if (!s.ok()) {
+            promotion_failed_.fetch_add(1, std::memory_order_relaxed);
+            log::Warning("ssd", "promotion: {}; the match ends before this block", s.ToString());
+          }
+          job->ok[issued].store(s.ok() ? 1 : 2, std::memory_order_release);
+          if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(job);
+        });
+    if (!accepted.ok()) {
+      reads_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+      job->slots.pop_back();
+      job->checksums.pop_back();
+      break;
+    }
+  }
+  if (issued < r.slots.size()) {
+    // Not issued (queue full, or gone from SSD since Lookup): no I/O into these slots, give them back now.
+    promotion_refused_.fetch_add(r.slots.size() - issued, std::memory_order_relaxed);
+    cache.Abort(std::span<const SlotId>(r.slots).subspan(issued));
+  }
+  if (issued == 0) return false;  // nothing in flight: the caller answers from DRAM
+  // The reads not issued never count down: drop them and the extra count together.
+  const size_t uncounted = r.slots.size() - issued + 1;
+  if (job->remaining.fetch_sub(uncounted, std::memory_order_acq_rel) == uncounted) finish(job);
+  return true;
+}
+
+SsdTierStatus SsdTier::GetStatus() const {
+  SsdTierStatus s;
+  {
+    std::lock_guard lock(mu_);
+    s.state = state_;
+    s.notes = notes_;
+    s.read_bytes_per_s = read_rate_;
+    s.write_bytes_per_s = write_rate_;
+  }
+  if (store_ready_.load(std::memory_order_acquire)) {
+    s.store = store_->stats();
+    s.rebuild = store_->rebuild_report();
+    s.files = store_->files();
+    s.capacity_blocks = store_->capacity_slots();
+    s.used_blocks = s.store.blocks;
+    s.capacity_bytes = store_->capacity_slots() * store_->slot_stride();
+    s.block_bytes = store_->payload_capacity();
+  }
+  s.promoted_blocks = promoted_.load(std::memory_order_relaxed);
+  s.promotion_requests = promotion_requests_.load(std::memory_order_relaxed);
+  s.promotion_refused_blocks = promotion_refused_.load(std::memory_order_relaxed);
+  s.promotion_failed_blocks = promotion_failed_.load(std::memory_order_relaxed);
+  s.written_back_blocks = written_back_.load(std::memory_order_relaxed);
+  s.writeback_refused_blocks = writeback_refused_.load(std::memory_order_relaxed);
+  s.writeback_failed_blocks = writeback_failed_.load(std::memory_order_relaxed);
+  s.reads_in_flight = reads_in_flight_.load(std::memory_order_relaxed);
+  s.writes_in_flight = writes_in_flight_.load(std::memory_order_relaxed);
+  for (size_t i = 0; i < caches_->max_domains(); ++i) {
+    const Cache::WriteBackStats w = caches_->cache(i).write_back_stats();
+    s.evicted_written_blocks += w.evicted_written;
+    s.evicted_unwritten_blocks += w.evicted_unwritten;
+  }
+  return s;
+}
+
+}  // namespace flexkv

@@ -1,0 +1,142 @@
+// SsdTier: the SSD tier wired into the cache (DESIGN.md §7, docs/ssd.md). It owns the SsdStore and moves blocks
+// between it and the DRAM pools of the cache domains:
+//   write-back  a mover thread keeps the cold end of each domain's DRAM eviction order written to SSD (the
+//               coldest `writeback_window` of its blocks: each cold leaf with its not-yet-written ancestors, root
+//               first), so that an eviction finds its block on SSD already and never waits; with write_through,
+//               every block a store commits is written too. Writes go straight from the pool's slots (pinned while
+//               written). A full SSD queue leaves the rest for the next round; a block evicted before it was
+//               written is counted (evicted_unwritten), never waited for.
+//   promotion   a match that ends in DRAM before its keys do continues on SSD: the consecutive blocks found there
+//               (same domain, same parent chain) get pending DRAM slots, are read into them (header and XXH3
+//               verified) and committed with their content checksums; the match is answered once they are
+//               (Promote). A refused read (queue full) or a block that fails verification ends the promoted prefix
+//               there: the match gets the blocks before it, a failed block is dropped and counted.
+//   restart     the store rebuilds its index from the slot headers at open, so a restarted (or rebooted) node
+//               matches its SSD blocks again; nothing else is needed.
+// Domains of hybrid geometries (windows, states) are not written to SSD (docs/ssd.md says why); their blocks stay
+// DRAM-only. The store is opened with the largest block of the domains: at Create when block files exist or a pool
+// was re-attached, else by the mover when the first domain's pool is created.
+// Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/tiers/ssd/ssd_store.h"
+#include "flexkv/block_key.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+class Cache;
+class CacheSet;
+
+struct SsdTierOptions {
+  SsdStoreOptions store;           // --ssd-path, --ssd-size, --ssd-queue-depth, --ssd-allow-buffered,
+                                   // --ssd-sync-writes, --ssd-on-mismatch; payload_capacity is set here
+  bool write_through = false;      // --ssd-write-through: every stored block is written to SSD, not only cold ones
+  double writeback_window = 0.25;  // --ssd-writeback-window: the share of each domain's DRAM slots, coldest first,
+                                   // kept written to SSD (0 < w <= 1)
+  uint32_t writeback_batch = 256;  // blocks a mover round takes from one domain at most
+  int mover_idle_ms = 5;           // how long the mover sleeps when a round found nothing to write
+};
+
+// What GetStatus and the metrics report (flexkv.v1.TierStatus).
+struct SsdTierStatus {
+  std::string state;               // "serving", "waiting for the first pool", "failed: <why>"
+  uint64_t capacity_blocks = 0, used_blocks = 0, capacity_bytes = 0, block_bytes = 0;
+  uint64_t promoted_blocks = 0;          // read from SSD into DRAM for a match (its SSD hits)
+  uint64_t promotion_requests = 0;       // matches that went on to SSD
+  uint64_t promotion_refused_blocks = 0; // SSD blocks a match could not promote: queue full or no DRAM slot
+  uint64_t promotion_failed_blocks = 0;  // reads that failed or did not verify (the block is dropped)
+  uint64_t written_back_blocks = 0;      // written to SSD (write-back and write-through)
+  uint64_t writeback_refused_blocks = 0; // writes the store refused (queue full): left for a later round
+  uint64_t writeback_failed_blocks = 0;  // writes that failed (I/O error, disk full): the block stays DRAM-only
+  uint64_t evicted_written_blocks = 0;   // DRAM evictions of blocks SSD holds (all domains)
+  uint64_t evicted_unwritten_blocks = 0; // DRAM evictions of blocks it did not hold: lost from the node
+  uint64_t reads_in_flight = 0, writes_in_flight = 0;
+  double read_bytes_per_s = 0, write_bytes_per_s = 0;  // over the last second the mover sampled
+  SsdStoreStats store;
+  SsdRebuildReport rebuild;
+  std::vector<SsdStore::FileInfo> files;
+  std::vector<std::string> notes;        // e.g. a domain whose blocks do not fit the SSD slots
+};
+
+class SsdTier {
+ public:
+  // Validates the options (INVALID_ARGUMENT naming the flag) and opens the store now when a payload capacity is
+  // known: the block files' (SsdFoundPayloadCapacity) or the largest block of the pools `caches` re-attached,
+  // whichever is larger. Any refusal of SsdStore::Open is returned (the daemon does not start): O_DIRECT refused,
+  // a file of another geometry or version under --ssd-on-mismatch=refuse, a missing path, a full drive...
+  // Otherwise the store is opened when the first pool exists (its errors then show in status and the log).
+  // Every domain in `caches` is attached (Cache::AttachNextTier) once the store is open.
+  static Result<std::unique_ptr<SsdTier>> Create(SsdTierOptions options, CacheSet* caches);
+  ~SsdTier();  // Stop()
+  SsdTier(const SsdTier&) = delete;
+  SsdTier& operator=(const SsdTier&) = delete;
+
+  // Starts the mover thread (write-back, the deferred open, the rate sampling).
+  void Start();
+  // Stops the mover and waits until every SSD request has ended (its callback ran: promotions answered, written
+  // blocks unpinned). Idempotent. After it, Promote answers false.
+  void Stop();
+
+  // Called by a Match whose DRAM prefix ended at `dram_hit` < keys.size() (hybrid domains: never). When the SSD
+  // holds keys[dram_hit] of this domain under the right parent, reserves DRAM slots for the run of SSD blocks that
+  // follows, reads them and returns true: `done(promoted)` then runs exactly once, on an SSD completion thread,
+  // after the first `promoted` of them are committed to DRAM (and the rest given back). False when there is
+  // nothing to promote or it cannot start (no SSD block there, the store not open, stopped, queue full, no DRAM
+  // slot): `done` is not called, and the match is answered from DRAM alone.
+  using PromotionDone = std::function<void(size_t promoted)>;
+  bool Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done);
+
+  SsdTierStatus GetStatus() const;
+  bool open() const { return store_ready_.load(std::memory_order_acquire); }
+
+ private:
+  SsdTier(SsdTierOptions options, CacheSet* caches);
+  Status OpenStore(uint64_t payload_capacity);
+  // The mover's round: opens the store when due, then write-back for each domain. Returns blocks written.
+  size_t MoveRound();
+  void SampleRates();
+  // The SSD domain of `cache`'s current domain (cached per cache generation).
+  SsdDomain DomainOf(const Cache& cache);
+  // Whether `cache`'s blocks go to SSD: a pool, not hybrid, blocks no larger than the SSD slots.
+  bool Eligible(const Cache& cache) const;
+
+  const SsdTierOptions options_;
+  CacheSet* const caches_;
+  std::unique_ptr<SsdStore> store_;     // set once (OpenStore), before store_ready_
+  std::atomic<bool> store_ready_{false};
+  std::atomic<bool> stopping_{false};
+  std::thread mover_;
+
+  mutable std::mutex mu_;               // guards the fields below
+  std::string state_ = "waiting for the first pool";
+  std::map<const Cache*, std::pair<uint64_t, SsdDomain>> domains_;  // cache -> (generation, domain)
+  std::vector<std::string> notes_;
+  double read_rate_ = 0, write_rate_ = 0;
+  uint64_t last_read_bytes_ = 0, last_write_bytes_ = 0;
+  int64_t last_sample_ms_ = 0;
+  std::condition_variable idle_cv_;
+  bool stop_requested_ = false;
+
+  std::atomic<uint64_t> promoted_{0}, promotion_requests_{0}, promotion_refused_{0}, promotion_failed_{0};
+  std::atomic<uint64_t> written_back_{0}, writeback_refused_{0}, writeback_failed_{0};
+  std::atomic<uint64_t> reads_in_flight_{0}, writes_in_flight_{0};
+};
+
+// The payload capacity (largest block) the block files in `paths` were made for, when one of them holds a valid
+// file header; 0 when none does (no file yet, or files that are not block files: Open decides about those).
+uint64_t SsdFoundPayloadCapacity(const std::vector<std::string>& paths);
+
+}  // namespace flexkv
