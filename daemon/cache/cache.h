@@ -200,7 +200,7 @@ class Cache {
     SlotId slot = 0;
     BlockKey key, parent;          // parent: zero for a prompt's first block
     uint64_t content_checksum = 0; // the slot entry's BlockChecksum
-    bool cold = false;             // a cold leaf (on the eviction list until pinned)
+    bool cold = false;             // from the cold end (not the write-through queue): unpinned to the cold end
   };
   // From now on evictions are counted as written (the next tier had the block) or unwritten, and with
   // `write_through` every block Commit publishes is queued for TakeWriteBack as well.

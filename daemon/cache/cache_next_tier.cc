@@ -58,7 +58,7 @@ std::vector<Cache::WriteBackBlock> Cache::TakeWriteBack(size_t max_blocks, size_
                                     on_next_[s] == kNotOnNext && seen < window && out.size() < max_blocks;
            s = index_->ParentOf(s)) {
         ++seen;
-        take(s, false);  // not on the eviction list (it has children): unpinning it moves nothing
+        take(s, true);  // a leaf by the time it is unpinned, if its children went meanwhile: cold
       }
     }
     return out.size() < max_blocks && seen < window;
