@@ -17,6 +17,8 @@
 #include <cstring>
 #include <memory>
 
+#include "common/units.h"
+
 namespace flexkv {
 namespace {
 
@@ -94,6 +96,70 @@ uint64_t RandomFileId() {
 }
 
 }  // namespace
+
+Status SsdPreflight(const std::string& dir, uint64_t bytes, bool allow_buffered, std::string* warning) {
+  struct stat dst {};
+  if (::stat(dir.c_str(), &dst) != 0) {
+    const int e = errno;
+    if (e == ENOENT) return Status::NotFound(fmt::format("ssd path {} does not exist; create it (a directory on the "
+                                                         "drive) or fix --ssd-path", dir));
+    return SsdErrnoStatus(e, fmt::format("ssd path {}", dir));
+  }
+  if (!S_ISDIR(dst.st_mode)) {
+    return Status::InvalidArgument(fmt::format("ssd path {} is not a directory; --ssd-path names a directory", dir));
+  }
+  struct statfs fs {};
+  if (statfs(dir.c_str(), &fs) != 0) return SsdErrnoStatus(errno, fmt::format("statfs {}", dir));
+  const std::string filesystem = FilesystemName(static_cast<int64_t>(fs.f_type));
+  std::string no_direct;
+  if (MemoryFilesystem(static_cast<int64_t>(fs.f_type))) {
+    no_direct = fmt::format("{} keeps its files in memory: no direct I/O to a drive, and the blocks do not survive a "
+                            "reboot", filesystem);
+  }
+  const std::string probe = dir + (dir.ends_with('/') ? "" : "/") + ".flexkv-ssd-probe";
+  if (no_direct.empty()) {
+    UniqueFd fd(::open(probe.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0600));
+    if (!fd && errno == EINVAL) {
+      no_direct = fmt::format("{} refuses O_DIRECT (open: EINVAL)", filesystem);
+    } else if (!fd) {
+      return SsdErrnoStatus(errno, fmt::format("create {}", probe));
+    } else {
+      AlignedSector sector = NewSector();
+      int e = PwriteFull(fd.get(), sector.get(), kSsdHeaderSector, 0);
+      if (e == 0) e = PreadFull(fd.get(), sector.get(), kSsdHeaderSector, 0);
+      ::unlink(probe.c_str());
+      if (e == EINVAL) {
+        no_direct = fmt::format("{} refuses O_DIRECT transfers (EINVAL)", filesystem);
+      } else if (e != 0) {
+        return SsdErrnoStatus(e, fmt::format("probe {}", probe));
+      }
+    }
+  }
+  if (!no_direct.empty()) {
+    if (!allow_buffered) {
+      return Status::FailedPrecondition(fmt::format(
+          "ssd path {} ({}): {}; point --ssd-path at a directory on an NVMe drive, or allow buffered I/O "
+          "(--ssd-allow-buffered) to use it anyway, slower: every block is copied through the page cache",
+          dir, filesystem, no_direct));
+    }
+    if (!warning->empty()) *warning += "; ";
+    *warning += fmt::format("ssd path {} ({}): {}; buffered I/O (--ssd-allow-buffered): slower", dir, filesystem, no_direct);
+    UniqueFd fd(::open(probe.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (!fd) return SsdErrnoStatus(errno, fmt::format("create {}", probe));
+    ::unlink(probe.c_str());
+  }
+  struct stat existing {};
+  const std::string file = dir + (dir.ends_with('/') ? "" : "/") + kSsdFileName;
+  const uint64_t have = ::stat(file.c_str(), &existing) == 0 ? static_cast<uint64_t>(existing.st_blocks) * 512 : 0;
+  const uint64_t free_bytes = FreeBytes(dir);
+  if (free_bytes + have < bytes) {
+    return Status::ResourceExhausted(fmt::format(
+        "ssd path {} ({}): the block file needs {} ({} bytes) but the filesystem has {} free{}; lower --ssd-size or "
+        "free space on the drive", dir, filesystem, FormatByteSize(bytes), bytes, FormatByteSize(free_bytes),
+        have > 0 ? fmt::format(" (plus {} in the existing block file)", FormatByteSize(have)) : std::string()));
+  }
+  return Status::Ok();
+}
 
 std::string SsdFilesystemName(const std::string& path) {
   struct statfs s {};

@@ -73,6 +73,13 @@ class SsdBlockFile {
   uint64_t found_slot_count_ = 0;
 };
 
+// Checks, without creating the block file, that `dir` can hold one of `bytes` bytes: the directory exists, is
+// writable, takes O_DIRECT (a probe file is created, written and read with it, then removed; memory filesystems are
+// refused as Open refuses them) unless allow_buffered, and has the space (free bytes plus the block file already
+// there). For a daemon that cannot open its store yet (the block size is not known before the first pool) but must
+// refuse a bad --ssd-path at start. Errors as SsdBlockFile::Open's; `*warning` as there (buffered I/O).
+Status SsdPreflight(const std::string& dir, uint64_t bytes, bool allow_buffered, std::string* warning);
+
 // The name of the filesystem holding `path` (statfs), e.g. "ext4"; "fs 0x…" for one this code does not name.
 std::string SsdFilesystemName(const std::string& path);
 

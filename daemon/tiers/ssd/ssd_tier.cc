@@ -76,7 +76,18 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(SsdTierOptions options, CacheSe
   }
   const uint64_t found = SsdFoundPayloadCapacity(tier->options_.store.paths);
   const uint64_t capacity = std::max(needed, found);
-  if (capacity > 0) FLEXKV_RETURN_IF_ERROR(tier->OpenStore(capacity));
+  if (capacity > 0) {
+    FLEXKV_RETURN_IF_ERROR(tier->OpenStore(capacity));
+    return tier;
+  }
+  // The block size is not known until the first pool: check now what can be checked, so that a bad --ssd-path
+  // stops the start instead of showing up later.
+  const SsdStoreOptions& o = tier->options_.store;
+  for (const std::string& dir : o.paths) {
+    std::string warning;
+    FLEXKV_RETURN_IF_ERROR(SsdPreflight(dir, o.size_bytes / o.paths.size(), o.allow_buffered, &warning));
+    if (!warning.empty()) log::Warning("ssd", "{}", warning);
+  }
   return tier;
 }
 
