@@ -294,6 +294,7 @@ size_t Cache::Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId
   MutexLock lock(&mu_);
   if (!index_) return 0;
   if (!parts_.empty()) return HybridMatchLocked(keys, pin, pinned);
+  ++next_tier_epoch_;  // the eviction order may change
   return index_->Match(keys, pin, pinned);
 }
 
@@ -483,6 +484,7 @@ void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1], content_checksums[i]);
     if (write_through_ && write_through_queue_.size() < on_next_.size()) write_through_queue_.push_back(slots[i]);
   }
+  ++next_tier_epoch_;
 }
 
 std::vector<Pool::Committed> Cache::TakeUnverified() {

@@ -207,10 +207,11 @@ class Cache {
   void AttachNextTier(bool write_through);
   // Pins and returns up to `max_blocks` committed blocks the next tier does not hold yet, marking them "being
   // written": first those the write-through queue holds (in commit order), then the cold end of the eviction order
-  // in the order it will be evicted - each cold leaf followed by its not-yet-written ancestors (each becomes a cold
-  // leaf when its last child goes) - over at most `window` blocks. A block on the next tier is reached there through
-  // the DRAM prefix above it, which eviction (leaves first) keeps longest. The caller writes each and calls
-  // EndWriteBack for each, exactly once. Empty without a pool, for a hybrid geometry, or before AttachNextTier.
+  // in the order it will be evicted - each cold leaf, then its ancestors (each becomes a cold leaf when its last child
+  // goes) - walking at most `window` blocks, written or not. A block on the next tier is reached there through the
+  // DRAM prefix above it, which eviction (leaves first) keeps longest. The caller writes each and calls EndWriteBack
+  // for each, exactly once. Empty without a pool, for a hybrid geometry, before AttachNextTier, and when nothing
+  // changed in the index since a walk found nothing.
   std::vector<WriteBackBlock> TakeWriteBack(size_t max_blocks, size_t window);
   // Ends a write of TakeWriteBack's: `stored` marks the block as on the next tier. Unpins it (a cold one goes back to
   // the cold end of the eviction order: it was not used).
@@ -300,6 +301,10 @@ class Cache {
   uint64_t evicted_written_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t evicted_unwritten_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t writing_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bumped by whatever may change what TakeWriteBack finds (a commit, an eviction, a match, a failed write);
+  // idle_epoch_ is its value when a walk of the cold end last found nothing to write.
+  uint64_t next_tier_epoch_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t idle_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   // A FULL block left its slot (evicted, dropped) or the slot was reserved again: its next-tier mark goes.
   void ForgetNextTierLocked(SlotId slot, bool evicted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified

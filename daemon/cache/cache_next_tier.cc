@@ -19,6 +19,7 @@ void Cache::AttachNextTier(bool write_through) {
 
 void Cache::ForgetNextTierLocked(SlotId slot, bool evicted) {
   if (slot >= on_next_.size()) return;
+  ++next_tier_epoch_;
   if (evicted && next_tier_) {
     if (on_next_[slot] == kOnNext) ++evicted_written_; else ++evicted_unwritten_;
   }
@@ -45,24 +46,22 @@ std::vector<Cache::WriteBackBlock> Cache::TakeWriteBack(size_t max_blocks, size_
   }
   write_through_queue_.erase(write_through_queue_.begin(), write_through_queue_.begin() + static_cast<ptrdiff_t>(queued));
   if (out.size() >= max_blocks || window == 0) return out;
-  // The cold end, in the order it will be evicted: each cold leaf, then its ancestors up to the first one written
-  // (each becomes a leaf, at the cold end, when its last child goes), within `window` blocks in all. A block on the
-  // next tier is reachable there through the DRAM prefix above it, which eviction keeps longest.
+  // The cold end, in the order it will be evicted: each cold leaf, then its ancestors (each becomes a leaf, at the
+  // cold end, when its last child goes; one written already is passed, one whose write failed is taken again),
+  // within `window` blocks in all. A block on the next tier is reachable there through the DRAM prefix above it,
+  // which eviction keeps longest. Nothing changed in the index since a walk that found nothing: no walk.
+  if (next_tier_epoch_ == idle_epoch_) return out;
   size_t seen = 0;
   index_->ForEachColdLeaf(window, [&](SlotId leaf) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    ++seen;
-    SlotId s = leaf;
-    if (s < on_next_.size() && on_next_[s] == kNotOnNext) {
-      take(s, true);
-      for (s = index_->ParentOf(s); s != PrefixIndex::kNoParent && s < on_next_.size() &&
-                                    on_next_[s] == kNotOnNext && seen < window && out.size() < max_blocks;
-           s = index_->ParentOf(s)) {
-        ++seen;
-        take(s, true);  // a leaf by the time it is unpinned, if its children went meanwhile: cold
-      }
+    for (SlotId s = leaf; s != PrefixIndex::kNoParent && s < on_next_.size() && seen < window &&
+                          out.size() < max_blocks;
+         s = index_->ParentOf(s)) {
+      ++seen;
+      take(s, true);  // an ancestor is a leaf by the time it is unpinned if its children went meanwhile: cold
     }
     return out.size() < max_blocks && seen < window;
   });
+  if (out.empty()) idle_epoch_ = next_tier_epoch_;
   return out;
 }
 
@@ -72,6 +71,7 @@ void Cache::EndWriteBack(const WriteBackBlock& block, bool stored) {
   if (on_next_[block.slot] == kWriting) {
     on_next_[block.slot] = stored ? kOnNext : kNotOnNext;
     --writing_;
+    if (!stored) ++next_tier_epoch_;  // to be taken again
   }
   index_->Unpin(std::span<const SlotId>(&block.slot, 1), block.cold);
 }
