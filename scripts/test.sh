@@ -72,7 +72,7 @@ stage "AddressSanitizer + UndefinedBehaviorSanitizer: unit and integration tests
 tsan_stage() {
   san_build build-tsan thread flexkv_unit_tests
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
-    san_ctest build-tsan -R '^unit: ?(prefix index|drain |concurrent begin/finish|data plane: |ring transport: |copy scheduler: |handle table: |request handlers: |lease renewer: |cache: a scrub running beside |cache: resizes beside |ssd format: |ssd store: (many blocks|reopened|registered buffers|a payload byte|a torn write|a full queue|when full|one key in another))'
+    san_ctest build-tsan -R '^unit: ?(prefix index|drain |concurrent begin/finish|data plane: |ring transport: |copy scheduler: |handle table: |request handlers: |lease renewer: |cache: a scrub running beside |cache: resizes beside |ssd format: |ssd store: (many blocks|reopened|registered buffers|a payload byte|a torn write|a full queue|when full|one key in another)|ssd tier: )'
 }
 stage "ThreadSanitizer: the index, lifecycle, data-plane and SSD store concurrency tests" tsan_stage
 

@@ -1,6 +1,7 @@
 // Metrics: histogram buckets, error counts, the text exposition, --metrics-listen parsing, and that
 // docs/operations.md lists exactly the metrics the daemon exports.
 #include <catch2/catch.hpp>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -19,6 +20,7 @@
 #include "daemon/metrics/listen_address.h"
 #include "daemon/metrics/request_metrics.h"
 #include "daemon/sessions/session_registry.h"
+#include "daemon/tiers/ssd/ssd_tier.h"
 
 using flexkv::ErrorCounts;
 using flexkv::LatencyHistogram;
@@ -219,7 +221,15 @@ TEST_CASE("docs/operations.md lists exactly the metrics flexkvd exports, with th
   flexkv::DataPlane data_plane(&lifecycle, &backends, {});
   flexkv::SessionRegistry sessions(1000);
   ErrorCounts control_errors;
-  flexkv::DaemonMetrics metrics({&caches, &data_plane, &sessions, &lifecycle, &control_errors});
+  // An SSD tier whose store is not open yet (no pool): its families are exported all the same.
+  std::string ssd_dir = "/var/tmp/flexkv-metrics-ssd-XXXXXX";
+  REQUIRE(mkdtemp(ssd_dir.data()) != nullptr);
+  flexkv::SsdTierOptions ssd_options;
+  ssd_options.store.paths = {ssd_dir};
+  ssd_options.store.size_bytes = 1 << 20;
+  auto ssd = flexkv::SsdTier::Create(ssd_options, &caches);
+  REQUIRE(ssd.ok());
+  flexkv::DaemonMetrics metrics({&caches, &data_plane, &sessions, &lifecycle, &control_errors, ssd->get()});
 
   std::map<std::string, std::string> exported;
   for (const auto& family : metrics.Collect()) exported[family.name] = TypeName(family.type);
@@ -246,4 +256,7 @@ TEST_CASE("docs/operations.md lists exactly the metrics flexkvd exports, with th
   CHECK(HasLine(text, "# TYPE flexkv_control_errors_total counter"));
   control_errors.Add(StatusCode::kPermissionDenied);
   CHECK(HasLine(metrics.Text(), "flexkv_control_errors_total{code=\"PERMISSION_DENIED\"} 1"));
+  CHECK(HasLine(text, "flexkv_ssd_up 0"));
+  ssd->reset();
+  std::filesystem::remove_all(ssd_dir);
 }
