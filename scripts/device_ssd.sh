@@ -15,6 +15,8 @@ export LD_LIBRARY_PATH="$b/lib" PATH="$b/bin:$PATH"
 dir=${DIR:-/var/tmp/flexkv-ssd-bench}
 bytes=${BYTES:-8GiB}
 rounds=${ROUNDS:-3}
+blocks=${BLOCKS:-2MiB 256KiB}
+rebuild=${REBUILD:-1}
 {
   date -u; uname -a; nproc; free -g
   df -hT / /tmp /var/tmp /dev/shm
@@ -25,13 +27,14 @@ rounds=${ROUNDS:-3}
 } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 status=0
-for bs in 2MiB 256KiB; do
+for bs in $blocks; do
   mkdir -p "$dir-$bs"
   echo "== ssd bench, $bs blocks, $bytes, $rounds rounds"
   timeout 240 flexkv-bench ssd --dir "$dir-$bs" --block-size "$bs" --bytes "$bytes" --rounds "$rounds" --rebuild "" \
     >"$out/ssd-$bs.txt" 2>"$out/ssd-$bs.stderr" || { status=1; echo "FAILED ($bs)"; tail -n 20 "$out/ssd-$bs.stderr"; }
   cat "$out/ssd-$bs.txt"
 done
+[ "$rebuild" = 1 ] || exit $status
 mkdir -p "$dir-rebuild"
 echo "== rebuild after kill -9, 100K and 1M blocks"
 timeout 200 flexkv-bench ssd --dir "$dir-rebuild" --bytes 1GiB --rounds 1 --no-fio --rebuild 100K,1M \

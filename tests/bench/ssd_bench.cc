@@ -5,7 +5,8 @@
 //               from a buffer standing in for the DRAM pool: unregistered (one vectored I/O per block: header
 //               sector + payload), then registered (fixed-buffer payload I/O, the header linked after it: two
 //               I/Os per block; --no-fixed skips this run)
-//   promotion   SsdStore::Read of the same blocks back (header and XXH3 verified), in the order written
+//   promotion   SsdStore::Read of the same blocks back (the payload alone, its XXH3 verified against the index),
+//               in the order written
 //   fio         --ioengine=io_uring --direct=1 --bs=<block size> --iodepth=<queue depth> --rw=write, then
 //               --rw=read, on a file of the same size in the same directory: the ceiling. Rounds alternate store
 //               and fio; medians are reported.
@@ -485,8 +486,8 @@ int RunSsdBench(int argc, char** argv) {
     };
     line("write-back (DRAM -> SSD), one vectored I/O", sw, fw);
     if (o.fixed) line(fmt::format("write-back, fixed buffers (2 I/Os, {} fixed)", fixed_ios), xw, fw);
-    line("promotion (SSD -> DRAM, verified), one vectored I/O", sr, fr);
-    if (o.fixed) line("promotion, fixed buffers (2 I/Os)", xr, fr);
+    line("promotion (SSD -> DRAM, verified), payload read", sr, fr);
+    if (o.fixed) line("promotion, fixed buffer payload read", xr, fr);
     for (const RebuildRun& r : rebuilds) {
       fmt::print("rebuild after kill -9: {} blocks of {} ({} file): Open {:.3f} s ({:.0f} blocks/s, {} rebuilt; "
                  "page cache {}; fill took {:.1f} s)\n",
