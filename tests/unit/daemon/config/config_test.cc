@@ -271,3 +271,43 @@ TEST_CASE("the pin cap and the pin lease: defaults, keys, and values that make n
   CHECK(Parse({"--pin-lease", "0.001"}).exit_code == 2);
   CHECK(Parse({"--pin-lease", "-1"}).exit_code == 2);
 }
+
+TEST_CASE("the SSD tier's flags: paths, size, policy, and what is refused", "[unit]") {
+  SECTION("off by default") {
+    auto p = Parse({});
+    REQUIRE(p.config.has_value());
+    CHECK(p.config->ssd_paths.empty());
+    CHECK(p.config->ssd_bytes == 0);
+  }
+  SECTION("one path per drive, a size with units, the options") {
+    auto p = Parse({"--ssd-path", "/mnt/nvme0/kv", "--ssd-path", "/mnt/nvme1/kv", "--ssd-size", "4TiB",
+                    "--ssd-queue-depth", "64", "--ssd-write-through", "--ssd-writeback-window", "0.5",
+                    "--ssd-on-mismatch", "discard", "--ssd-allow-buffered", "--ssd-sync-writes"});
+    REQUIRE(p.config.has_value());
+    CHECK(p.config->ssd_paths == std::vector<std::string>{"/mnt/nvme0/kv", "/mnt/nvme1/kv"});
+    CHECK(p.config->ssd_bytes == (uint64_t{4} << 40));
+    CHECK(p.config->ssd_queue_depth == 64);
+    CHECK(p.config->ssd_write_through);
+    CHECK(p.config->ssd_writeback_window == 0.5);
+    CHECK(p.config->ssd_discard_mismatch);
+    CHECK(p.config->ssd_allow_buffered);
+    CHECK(p.config->ssd_sync_writes);
+  }
+  SECTION("from the TOML file") {
+    TomlFile f("ssd-path = [\"/mnt/nvme0/kv\"]\nssd-size = \"500GiB\"\n");
+    auto p = Parse({"--config", f.path});
+    REQUIRE(p.config.has_value());
+    CHECK(p.config->ssd_paths == std::vector<std::string>{"/mnt/nvme0/kv"});
+    CHECK(p.config->ssd_bytes == (uint64_t{500} << 30));
+  }
+  SECTION("a path without a size, a size without a path, a path twice, bad values") {
+    CHECK(Parse({"--ssd-path", "/mnt/nvme0/kv"}).exit_code == 2);
+    CHECK(Parse({"--ssd-size", "1TiB"}).exit_code == 2);
+    CHECK(Parse({"--ssd-path", "/a", "--ssd-path", "/a", "--ssd-size", "1TiB"}).exit_code == 2);
+    CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "lots"}).exit_code == 2);
+    CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "1TiB", "--ssd-on-mismatch", "ignore"}).exit_code == 2);
+    CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "1TiB", "--ssd-writeback-window", "0"}).exit_code == 2);
+    CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "1TiB", "--ssd-writeback-window", "1.5"}).exit_code == 2);
+    CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "1TiB", "--ssd-queue-depth", "0"}).exit_code == 2);
+  }
+}
