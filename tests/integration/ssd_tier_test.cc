@@ -694,4 +694,70 @@ TEST_CASE("ssd tier: a read error under the running daemon ends the hit there an
   INFO(status.output);
   CHECK(status.exit_code == 0);
   CHECK_THAT(status.output, Catch::Contains("ssd ") && Catch::Contains("serving"));
+
+  // Seed 500 was written (write-through) into the file cut under the daemon. After a stop and a "reboot" the daemon
+  // starts from that file, serves seed 500 from SSD and nothing of what was cut.
+  (void)SettledStatus(d);
+  StopDaemon(d, SIGTERM);
+  REQUIRE(std::filesystem::remove(dir.pool()));
+  DropCaches();
+  DaemonUnderTest again(SsdArgs(dir, {"--ssd-write-through"}), dir.path());
+  REQUIRE(again.WaitReady());
+  {
+    const flexkv::DaemonStatus s = Status(again);
+    INFO(TierText(Ssd(s)));
+    CHECK(Ssd(s).state == "serving");
+    CHECK(Counter(Ssd(s), "rebuilt_blocks") >= kBlocks);
+  }
+  const std::vector<Loaded> reloaded = LoadAll(again, Seeds(1, 8), "engine-e");
+  for (size_t i = 0; i < reloaded.size(); ++i) {
+    INFO("seed " << i + 1);
+    CHECK(reloaded[i].equal == 1);
+    CHECK(reloaded[i].hits == 0);
+  }
+  CHECK(Run(Engine(again, "engine-f", {"load:500:8"})) == std::vector<std::string>{"LOADED 8 8 1 OK"});
+}
+
+TEST_CASE("ssd tier: more blocks than the SSD holds - the oldest are overwritten and never served",
+          "[integration][ssd_tier]") {
+  SsdDir dir;
+  // 16 MiB of SSD: 124 slots of 132 KiB; 30 seeds x 8 = 240 blocks, all written (write-through).
+  DaemonUnderTest d({"--pool-size", "8MiB", "--ssd-path", dir.ssd(), "--ssd-size", "16MiB", "--ssd-write-through"},
+                    dir.path());
+  REQUIRE(d.WaitReady());
+  constexpr uint64_t kSeeds = 30;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    StoreSeed(d, seed, "engine-a");
+    (void)SettledStatus(d);
+  }
+  const flexkv::DaemonStatus s = SettledStatus(d);
+  const auto& t = Ssd(s);
+  INFO(TierText(t));
+  REQUIRE(t.capacity_blocks == (16ULL << 20) / (kSector + 128 * 1024));
+  REQUIRE(Counter(t, "written_back_blocks") == kSeeds * kBlocks);
+  CHECK(t.used_blocks == t.capacity_blocks);
+  CHECK(Counter(t, "evicted_blocks") == kSeeds * kBlocks - t.capacity_blocks);  // overwritten on SSD
+  CHECK(Counter(t, "evicted_unwritten_blocks") == 0);
+
+  // Newest first: the 15 newest seeds (120 blocks) are on SSD (and the 8 newest in DRAM too).
+  std::vector<uint64_t> newest;
+  for (uint64_t seed = kSeeds; seed > kSeeds - 15; --seed) newest.push_back(seed);
+  const std::vector<Loaded> fresh = LoadAll(d, newest, "engine-b");
+  for (size_t i = 0; i < fresh.size(); ++i) {
+    INFO("seed " << newest[i]);
+    CHECK(fresh[i].hits == kBlocks);
+    CHECK(fresh[i].equal == 1);
+  }
+  // The oldest ones: their first blocks were overwritten on SSD (written first, least recently used), so nothing of
+  // them is served - in particular no block of another prompt that now sits in their slots.
+  const std::vector<Loaded> old = LoadAll(d, Seeds(1, 14), "engine-c");
+  for (size_t i = 0; i < old.size(); ++i) {
+    INFO("seed " << i + 1);
+    CHECK(old[i].hits == 0);
+    CHECK(old[i].equal == 1);
+  }
+  const flexkv::DaemonStatus after = Status(d);
+  INFO(TierText(Ssd(after)));
+  CHECK(Counter(Ssd(after), "data_loss_blocks") == 0);
+  CHECK(Counter(Ssd(after), "promotion_failed_blocks") == 0);
 }
