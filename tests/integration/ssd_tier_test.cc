@@ -124,13 +124,16 @@ Loaded ParseLoaded(const std::string& line) {
   return l;
 }
 
-std::string LoadSteps(uint64_t seed) { return "load:" + std::to_string(seed) + ":" + std::to_string(kBlocks); }
-std::string StoreStep(uint64_t seed) { return "store:" + std::to_string(seed) + ":" + std::to_string(kBlocks); }
+std::string LoadSteps(uint64_t seed, uint32_t n = kBlocks) { return "load:" + std::to_string(seed) + ":" + std::to_string(n); }
+std::string StoreStep(uint64_t seed, uint32_t n = kBlocks) {
+  return "store:" + std::to_string(seed) + ":" + std::to_string(n);
+}
 
 // One process loads every seed of `seeds` (in that order); returns its LOADED lines, one per seed.
-std::vector<Loaded> LoadAll(const DaemonUnderTest& d, const std::vector<uint64_t>& seeds, const std::string& name) {
+std::vector<Loaded> LoadAll(const DaemonUnderTest& d, const std::vector<uint64_t>& seeds, const std::string& name,
+                            uint32_t n = kBlocks) {
   std::vector<std::string> steps;
-  for (uint64_t s : seeds) steps.push_back(LoadSteps(s));
+  for (uint64_t s : seeds) steps.push_back(LoadSteps(s, n));
   const std::vector<std::string> lines = Run(Engine(d, name, steps));
   INFO(fmt_lines(lines));
   REQUIRE(lines.size() == seeds.size());
@@ -199,12 +202,12 @@ flexkv::DaemonStatus VerifiedStatus(const DaemonUnderTest& d) {
   return {};
 }
 
-// Stores SEED (8 blocks) from its own process; with write-through a store may find every DRAM slot pinned by
-// writes (RESOURCE_EXHAUSTED), which an engine retries: returns once all 8 are cached.
-void StoreSeed(const DaemonUnderTest& d, uint64_t seed, const std::string& name) {
+// Stores SEED (n blocks) from its own process; with write-through a store may find every DRAM slot pinned by
+// writes (RESOURCE_EXHAUSTED), which an engine retries: returns once all n are cached.
+void StoreSeed(const DaemonUnderTest& d, uint64_t seed, const std::string& name, uint32_t n = kBlocks) {
   std::string last;
   for (int attempt = 0; attempt < 200; ++attempt) {
-    const std::vector<std::string> lines = Run(Engine(d, name, {StoreStep(seed)}));
+    const std::vector<std::string> lines = Run(Engine(d, name, {StoreStep(seed, n)}));
     REQUIRE(lines.size() == 1);
     last = lines[0];
     unsigned cached = 0, stored = 0;
@@ -212,7 +215,7 @@ void StoreSeed(const DaemonUnderTest& d, uint64_t seed, const std::string& name)
     INFO(last);
     REQUIRE(std::sscanf(last.c_str(), "STORED %u %u %63s", &cached, &stored, status) == 3);
     if (std::string(status) == "OK") {
-      CHECK(cached + stored == kBlocks);
+      CHECK(cached + stored == n);
       return;
     }
     REQUIRE(std::string(status) == "RESOURCE_EXHAUSTED");
@@ -375,6 +378,37 @@ TEST_CASE("ssd tier: engine A stores more blocks than DRAM holds, engine B loads
           "[integration][ssd_tier]") {
   SECTION("write-back of the cold end (default)") { StoreThreeDramsThenLoadElsewhere(false); }
   SECTION("write-through") { StoreThreeDramsThenLoadElsewhere(true); }
+}
+
+TEST_CASE("ssd tier: write-back of the cold end keeps up with many short prompts - paced, none is evicted unwritten",
+          "[integration][ssd_tier]") {
+  // 40 prompts of 4 blocks, one store at a time, each only once the mover has settled: every store evicts at most 4
+  // blocks, far less than the write-back window (25% of 64 slots: 16 blocks), so each eviction must find its block
+  // on SSD already. DRAM holds 16 of the prompts; the other 24 must come back from SSD.
+  SsdDir dir;
+  DaemonUnderTest d(SsdArgs(dir), dir.path());
+  REQUIRE(d.WaitReady());
+  constexpr uint64_t kSeeds = 40;
+  constexpr uint32_t kShort = 4;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    StoreSeed(d, seed, "engine-a", kShort);
+    (void)SettledStatus(d);
+  }
+  const flexkv::DaemonStatus stored = SettledStatus(d);
+  const auto& st = Ssd(stored);
+  INFO("after A: " << TierText(st));
+  REQUIRE(stored.pool.capacity_blocks == 64);
+  CHECK(Counter(st, "evicted_written_blocks") + Counter(st, "evicted_unwritten_blocks") == kSeeds * kShort - 64);
+  CHECK(Counter(st, "evicted_unwritten_blocks") == 0);
+  const std::vector<Loaded> loads = LoadAll(d, Seeds(1, kSeeds), "engine-b", kShort);
+  size_t full = 0;
+  for (size_t i = 0; i < loads.size(); ++i) {
+    INFO("seed " << i + 1);
+    CHECK(loads[i].equal == 1);
+    CHECK(loads[i].hits == kShort);
+    if (loads[i].hits == kShort) ++full;
+  }
+  CHECK(full == kSeeds);
 }
 
 TEST_CASE("ssd tier: kill -9 under stores and write-backs, restart serves only right bytes", "[integration][ssd_tier]") {
