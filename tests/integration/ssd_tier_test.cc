@@ -6,6 +6,7 @@
 // daemon ends the hit there and the daemon serves on; a full drive under the running daemon fails write-backs, not
 // stores.
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -794,4 +795,129 @@ TEST_CASE("ssd tier: more blocks than the SSD holds - the oldest are overwritten
   INFO(TierText(Ssd(after)));
   CHECK(Counter(Ssd(after), "data_loss_blocks") == 0);
   CHECK(Counter(Ssd(after), "promotion_failed_blocks") == 0);
+}
+
+TEST_CASE("ssd tier: a full drive while running fails write-backs, not stores, and the tier writes again once there "
+          "is space",
+          "[integration][ssd_tier]") {
+  // The block file is preallocated, so a full drive cannot hit a running daemon's writes - unless its free slots lose
+  // their blocks: here they are punched out of the file and the filesystem is then filled, so the next writes need
+  // blocks the drive no longer has (ENOSPC). A small ext4 image over a loop device (needs root and loop devices).
+  SsdDir dir;
+  const std::string img = dir.path() + "/small.img";
+  const std::string mnt = dir.path() + "/mnt";
+  std::filesystem::create_directories(mnt);
+  const std::string setup = "truncate -s 32M " + img + " && mkfs.ext4 -q -F " + img + " >/dev/null 2>&1 && mount -o loop " +
+                            img + " " + mnt + " 2>/dev/null";
+  if (geteuid() != 0 || std::system(setup.c_str()) != 0) {
+    WARN("cannot mount a small ext4 image here (needs root and loop devices): skipped");
+    return;
+  }
+  struct Unmount {
+    std::string m;
+    ~Unmount() { (void)!std::system(("umount " + m + " 2>/dev/null").c_str()); }
+  } unmount{mnt};
+  const std::string block_file = mnt + "/" + kBlockFile;
+  const std::string filler = mnt + "/filler";
+
+  DaemonUnderTest d({"--pool-size", "8MiB", "--ssd-path", mnt, "--ssd-size", "16MiB", "--ssd-write-through"},
+                    dir.path());
+  REQUIRE(d.WaitReady());
+  StoreSeed(d, 1, "engine-a");
+  {
+    const flexkv::DaemonStatus s = SettledStatus(d);
+    INFO(TierText(Ssd(s)));
+    REQUIRE(Counter(Ssd(s), "written_back_blocks") == kBlocks);
+  }
+  // Punch out every slot after the used ones, then fill the filesystem.
+  const BlockFileMap map = MapBlockFile(block_file, {1});
+  REQUIRE(map.slot_of.size() == kBlocks);
+  const uint64_t first_free = map.slot_of.rbegin()->first + 1;
+  {
+    const int fd = ::open(block_file.c_str(), O_RDWR | O_CLOEXEC);
+    REQUIRE(fd >= 0);
+    const off_t from = static_cast<off_t>(map.SlotOffset(first_free));
+    REQUIRE(fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, from,
+                      static_cast<off_t>(map.file_bytes) - from) == 0);
+    ::close(fd);
+    const int ffd = ::open(filler.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    REQUIRE(ffd >= 0);
+    std::vector<char> chunk(64 * 1024, 'x');
+    uint64_t filled = 0;
+    for (;;) {
+      const ssize_t n = ::write(ffd, chunk.data(), chunk.size());
+      if (n <= 0) break;
+      filled += static_cast<uint64_t>(n);
+    }
+    CHECK(errno == ENOSPC);
+    ::fsync(ffd);
+    ::close(ffd);
+    struct statfs fs {};
+    REQUIRE(statfs(mnt.c_str(), &fs) == 0);
+    INFO("filled " << filled << " bytes; " << fs.f_bfree << " blocks free");
+    REQUIRE(fs.f_bavail * fs.f_bsize < 128 * 1024);  // not room for one payload
+  }
+
+  // Stores go on (their blocks stay in DRAM); their writes fail with ENOSPC.
+  const std::vector<uint64_t> during = Seeds(2, 5);
+  for (uint64_t seed : during) StoreSeed(d, seed, "engine-a");
+  flexkv::DaemonStatus s = Status(d);
+  for (int i = 0; i < 1500 && Counter(Ssd(s), "writeback_failed_blocks") == 0; ++i) {
+    std::this_thread::sleep_for(20ms);
+    s = Status(d);
+  }
+  {
+    const auto& t = Ssd(s);
+    INFO("drive full: " << TierText(t));
+    CHECK(Counter(t, "writeback_failed_blocks") > 0);
+    CHECK(Counter(t, "write_errors") > 0);
+    CHECK(Counter(t, "data_loss_blocks") == 0);
+    CHECK(t.state == "serving");
+  }
+  CHECK_THAT(d.process().Stderr(), Catch::Contains("ENOSPC") && Catch::Contains(block_file));
+  const std::vector<Loaded> loads = LoadAll(d, Seeds(1, 5), "engine-b");
+  for (size_t i = 0; i < loads.size(); ++i) {
+    INFO("seed " << i + 1);
+    CHECK(loads[i].hits == kBlocks);  // all in DRAM (40 blocks of 64)
+    CHECK(loads[i].equal == 1);
+  }
+  {
+    const flexkv::testing::CommandResult status = RunCommand({FlexkvctlPath(), "--socket", d.socket(), "status"});
+    INFO(status.output);
+    CHECK(status.exit_code == 0);
+  }
+
+  // Space again: new blocks are written, and the blocks whose writes failed are written before DRAM evicts them
+  // (paced stores push seeds 1..5 out of DRAM; each then loads whole from SSD).
+  REQUIRE(std::filesystem::remove(filler));
+  ::sync();
+  const uint64_t written_before = Counter(Ssd(Status(d)), "written_back_blocks");
+  const std::vector<uint64_t> after = Seeds(6, 15);  // 80 blocks: more than DRAM holds
+  uint64_t stored_after = 0;
+  for (uint64_t seed : after) {
+    StoreSeed(d, seed, "engine-a");
+    stored_after += kBlocks;
+    // Paced by the mover itself: this seed's write-through writes done means a whole round (the write-through queue,
+    // then the cold end) ran after the store, with space on the drive (the mover slows to a round a second after
+    // failures: generous deadline).
+    flexkv::DaemonStatus s2 = Status(d);
+    for (int i = 0; i < 1500 && Counter(Ssd(s2), "written_back_blocks") < written_before + stored_after; ++i) {
+      std::this_thread::sleep_for(20ms);
+      s2 = Status(d);
+    }
+    INFO("seed " << seed << ": " << TierText(Ssd(s2)));
+    REQUIRE(Counter(Ssd(s2), "written_back_blocks") >= written_before + stored_after);
+    (void)SettledStatus(d);
+  }
+  const flexkv::DaemonStatus recovered = SettledStatus(d);
+  const auto& t = Ssd(recovered);
+  INFO("space again: " << TierText(t));
+  CHECK(Counter(t, "written_back_blocks") >= written_before + after.size() * kBlocks);
+  CHECK(Counter(t, "evicted_unwritten_blocks") == 0);
+  const std::vector<Loaded> reloads = LoadAll(d, Seeds(1, 15), "engine-c");
+  for (size_t i = 0; i < reloads.size(); ++i) {
+    INFO("seed " << i + 1);
+    CHECK(reloads[i].equal == 1);
+    CHECK(reloads[i].hits == kBlocks);
+  }
 }
