@@ -1,10 +1,11 @@
 // The SSD tier in a real flexkvd (issue 15, acceptance): block files on a disk filesystem (/var/tmp), engines in
 // other processes (flexkv-test-client) that store and then load and compare every byte. More blocks than DRAM
-// holds come back byte exact through promotion; kill -9 under write-backs and a "reboot" (pool file deleted, page
-// cache dropped) serve only right bytes; corrupted and truncated block files are never served (the rest is); a bad
-// --ssd-path stops the start with a clear error and loses nothing that was in DRAM; a read error under the running
-// daemon ends the hit there and the daemon serves on; a full drive under the running daemon fails write-backs, not
-// stores.
+// holds come back byte exact through promotion (long prompts and many short ones: write-back keeps up when paced);
+// kill -9 under write-backs and a "reboot" (pool file deleted, page cache dropped) serve only right bytes; corrupted
+// and truncated block files are never served (the rest is); a bad --ssd-path stops the start with a clear error and
+// loses nothing that was in DRAM; a read error under the running daemon ends the hit there and the daemon serves on;
+// more blocks than the SSD holds overwrite the oldest, never serving them; a full drive under the running daemon
+// fails write-backs, not stores.
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <signal.h>
