@@ -141,7 +141,7 @@ int RunDaemon(const DaemonConfig& config) {
     ssd_options.store.allow_buffered = config.ssd_allow_buffered;
     ssd_options.store.sync_writes = config.ssd_sync_writes;
     ssd_options.store.on_mismatch = config.ssd_discard_mismatch ? SsdMismatchPolicy::kDiscard : SsdMismatchPolicy::kRefuse;
-    ssd_options.write_through = config.ssd_write_through;
+    ssd_options.write_all = config.ssd_write_all;
     ssd_options.writeback_window = config.ssd_writeback_window;
     auto tier = SsdTier::Create(std::move(ssd_options), &caches);
     if (!tier.ok()) {

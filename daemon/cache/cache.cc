@@ -188,7 +188,7 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     ForgetNextTierLocked(slot, /*evicted=*/true);
   });
   on_next_.assign(pool_->sub_pool(0).capacity, 0);
-  write_through_queue_.clear();
+  commit_queue_.clear();
   writing_ = 0;
   for (size_t c = 1; c < pool_->component_count(); ++c) {
     const SlotId base = pool_->sub_pool(c).base;
@@ -246,7 +246,7 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
   index_.reset();
   parts_.clear();
   on_next_.clear();
-  write_through_queue_.clear();
+  commit_queue_.clear();
   writing_ = 0;
   if (pool_) {
     pool_.reset();
@@ -482,7 +482,7 @@ void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_
     if (!index_->IsCommitted(slots[i])) continue;  // dropped with a failed ancestor while it copied
     const size_t k = first + i;
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1], content_checksums[i]);
-    if (write_through_ && write_through_queue_.size() < on_next_.size()) write_through_queue_.push_back(slots[i]);
+    if (queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(slots[i]);
   }
   ++next_tier_epoch_;
 }

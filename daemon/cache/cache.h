@@ -7,6 +7,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -200,19 +201,23 @@ class Cache {
     SlotId slot = 0;
     BlockKey key, parent;          // parent: zero for a prompt's first block
     uint64_t content_checksum = 0; // the slot entry's BlockChecksum
-    bool cold = false;             // from the cold end (not the write-through queue): unpinned to the cold end
+    bool cold = false;             // from the cold end (not the commit queue): unpinned to the cold end
   };
   // From now on evictions are counted as written (the next tier had the block) or unwritten, and with
-  // `write_through` every block Commit publishes is queued for TakeWriteBack as well.
-  void AttachNextTier(bool write_through);
+  // `queue_commits` every block Commit publishes is queued for TakeWriteBack (oldest first) as well, and one whose
+  // write failed is queued again.
+  void AttachNextTier(bool queue_commits);
   // Pins and returns up to `max_blocks` committed blocks the next tier does not hold yet, marking them "being
-  // written": first those the write-through queue holds (in commit order), then the cold end of the eviction order
+  // written": first those the commit queue holds (in commit order), then the cold end of the eviction order
   // in the order it will be evicted - each cold leaf, then its ancestors (each becomes a cold leaf when its last child
   // goes) - walking at most `window` blocks, written or not. A block on the next tier is reached there through the
   // DRAM prefix above it, which eviction (leaves first) keeps longest. The caller writes each and calls EndWriteBack
   // for each, exactly once. Empty without a pool, for a hybrid geometry, before AttachNextTier, and when nothing
   // changed in the index since a walk found nothing.
-  std::vector<WriteBackBlock> TakeWriteBack(size_t max_blocks, size_t window);
+  // `still_on_next` (optional) is asked, under the cache's lock, whether a cold block marked as on the next tier
+  // still is (the next tier may have dropped it to make room); one that is not is taken again.
+  std::vector<WriteBackBlock> TakeWriteBack(size_t max_blocks, size_t window,
+                                            const std::function<bool(const BlockKey&)>& still_on_next = {});
   // Ends a write of TakeWriteBack's: `stored` marks the block as on the next tier. Unpins it (a cold one goes back to
   // the cold end of the eviction order: it was not used).
   void EndWriteBack(const WriteBackBlock& block, bool stored);
@@ -222,7 +227,7 @@ class Cache {
     uint64_t evicted_written = 0;    // evictions of blocks the next tier holds
     uint64_t evicted_unwritten = 0;  // evictions of blocks it did not hold: lost from the node
     uint64_t writing = 0;            // blocks being written now
-    uint64_t queued = 0;             // blocks in the write-through queue
+    uint64_t queued = 0;             // blocks in the commit queue
   };
   WriteBackStats write_back_stats() const;
 
@@ -295,9 +300,9 @@ class Cache {
   std::function<void(const PoolRegion&)> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
   // The next tier's marks (see AttachNextTier), one per FULL slot: kNotOnNext, kWriting, kOnNext.
   bool next_tier_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_through_ ABSL_GUARDED_BY(mu_) = false;
+  bool queue_commits_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<uint8_t> on_next_ ABSL_GUARDED_BY(mu_);
-  std::vector<SlotId> write_through_queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<SlotId> commit_queue_ ABSL_GUARDED_BY(mu_);
   uint64_t evicted_written_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t evicted_unwritten_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t writing_ ABSL_GUARDED_BY(mu_) = 0;

@@ -11,10 +11,10 @@ constexpr uint8_t kWriting = 1;
 constexpr uint8_t kOnNext = 2;
 }  // namespace
 
-void Cache::AttachNextTier(bool write_through) {
+void Cache::AttachNextTier(bool queue_commits) {
   MutexLock lock(&mu_);
   next_tier_ = true;
-  write_through_ = write_through;
+  queue_commits_ = queue_commits;
 }
 
 void Cache::ForgetNextTierLocked(SlotId slot, bool evicted) {
@@ -26,25 +26,31 @@ void Cache::ForgetNextTierLocked(SlotId slot, bool evicted) {
   on_next_[slot] = kNotOnNext;
 }
 
-std::vector<Cache::WriteBackBlock> Cache::TakeWriteBack(size_t max_blocks, size_t window) {
+std::vector<Cache::WriteBackBlock> Cache::TakeWriteBack(size_t max_blocks, size_t window,
+                                                       const std::function<bool(const BlockKey&)>& still_on_next) {
   MutexLock lock(&mu_);
   std::vector<WriteBackBlock> out;
   if (!next_tier_ || !index_ || !parts_.empty() || max_blocks == 0) return out;
   // Pins `s` and appends it, when it is committed, not on the next tier and not being written.
   const auto take = [&](SlotId s, bool cold) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (s >= on_next_.size() || on_next_[s] != kNotOnNext) return;
+    if (s >= on_next_.size() || on_next_[s] == kWriting) return;
     const std::optional<Pool::Committed> entry = pool_->Entry(s);
+    if (on_next_[s] == kOnNext) {
+      // Marked as on the next tier: still there? (It may have made room there since; then it is written again.)
+      if (!cold || !still_on_next || !entry || still_on_next(entry->key)) return;
+      on_next_[s] = kNotOnNext;
+    }
     if (!entry || !index_->PinSlot(s)) return;  // a corrupt entry is the verifier's business, not written
     on_next_[s] = kWriting;
     ++writing_;
     out.push_back(WriteBackBlock{s, entry->key, entry->parent, entry->content_checksum, cold});
   };
   size_t queued = 0;
-  for (; queued < write_through_queue_.size() && out.size() < max_blocks; ++queued) {
-    const SlotId s = write_through_queue_[queued];
+  for (; queued < commit_queue_.size() && out.size() < max_blocks; ++queued) {
+    const SlotId s = commit_queue_[queued];
     if (index_->IsCommitted(s)) take(s, false);
   }
-  write_through_queue_.erase(write_through_queue_.begin(), write_through_queue_.begin() + static_cast<ptrdiff_t>(queued));
+  commit_queue_.erase(commit_queue_.begin(), commit_queue_.begin() + static_cast<ptrdiff_t>(queued));
   if (out.size() >= max_blocks || window == 0) return out;
   // The cold end, in the order it will be evicted: each cold leaf, then its ancestors (each becomes a leaf, at the
   // cold end, when its last child goes; one written already is passed, one whose write failed is taken again),
@@ -68,10 +74,13 @@ std::vector<Cache::WriteBackBlock> Cache::TakeWriteBack(size_t max_blocks, size_
 void Cache::EndWriteBack(const WriteBackBlock& block, bool stored) {
   MutexLock lock(&mu_);
   if (!index_ || block.slot >= on_next_.size()) return;  // DropDomain refuses while blocks are pinned
+  ++next_tier_epoch_;  // a leaf is back on the eviction list: the walk may find more behind it
   if (on_next_[block.slot] == kWriting) {
     on_next_[block.slot] = stored ? kOnNext : kNotOnNext;
     --writing_;
-    if (!stored) ++next_tier_epoch_;  // to be taken again
+    if (!stored) {  // to be taken again
+      if (queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(block.slot);
+    }
   }
   index_->Unpin(std::span<const SlotId>(&block.slot, 1), block.cold);
 }
@@ -85,7 +94,7 @@ void Cache::MarkOnNextTier(std::span<const SlotId> slots) {
 
 Cache::WriteBackStats Cache::write_back_stats() const {
   MutexLock lock(&mu_);
-  return WriteBackStats{evicted_written_, evicted_unwritten_, writing_, write_through_queue_.size()};
+  return WriteBackStats{evicted_written_, evicted_unwritten_, writing_, commit_queue_.size()};
 }
 
 }  // namespace flexkv

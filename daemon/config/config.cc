@@ -338,11 +338,15 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   app.add_option("--ssd-on-mismatch", ssd_on_mismatch,
                  "SSD tier: block files of another format or block size: refuse (default: do not start) or discard "
                  "(reformat, losing them)");
-  app.add_flag("--ssd-write-through", cfg.ssd_write_through,
-               "SSD tier: write every stored block to SSD at once, not only the cold end of DRAM");
+  std::string ssd_write_policy = "cold";
+  app.add_option("--ssd-write-policy", ssd_write_policy,
+                 "SSD tier: cold (default: the cold end of DRAM, --ssd-writeback-window, is written ahead of "
+                 "eviction) or all (every stored block, oldest first, as fast as the drives take them: a reboot keeps "
+                 "every block, at more SSD writes and a smaller combined capacity)");
   app.add_option("--ssd-writeback-window", cfg.ssd_writeback_window,
                  "SSD tier: the share of each DRAM pool, coldest first, kept written to SSD ahead of eviction "
-                 "(default 0.25)");
+                 "(default 0.25; with --ssd-write-policy all, what a restart's blocks and failed writes are "
+                 "written from)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -428,6 +432,10 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
     return usage_error(Status::InvalidArgument("--ssd-on-mismatch " + ssd_on_mismatch + ": expected refuse or discard"));
   }
   cfg.ssd_discard_mismatch = ssd_on_mismatch == "discard";
+  if (ssd_write_policy != "all" && ssd_write_policy != "cold") {
+    return usage_error(Status::InvalidArgument("--ssd-write-policy " + ssd_write_policy + ": expected all or cold"));
+  }
+  cfg.ssd_write_all = ssd_write_policy == "all";
   if (!cfg.ssd_paths.empty() || !ssd_size.empty()) {
     if (cfg.ssd_paths.empty()) return usage_error(Status::InvalidArgument("--ssd-size needs --ssd-path (a directory per drive)"));
     if (ssd_size.empty()) {

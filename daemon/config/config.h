@@ -56,7 +56,7 @@ struct DaemonConfig {
   bool ssd_allow_buffered = false;     // --ssd-allow-buffered: buffered I/O where O_DIRECT is impossible
   bool ssd_sync_writes = false;        // --ssd-sync-writes: O_DSYNC (survive power loss)
   bool ssd_discard_mismatch = false;   // --ssd-on-mismatch discard (default refuse)
-  bool ssd_write_through = false;      // --ssd-write-through: every stored block goes to SSD
+  bool ssd_write_all = false;          // --ssd-write-policy cold (the cold end, ahead of eviction) or all
   double ssd_writeback_window = 0.25;  // --ssd-writeback-window: share of each pool kept written, coldest first
 };
 

@@ -220,7 +220,7 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
             "Blocks a match found on SSD but could not promote (queue full, no DRAM slot)", t.promotion_refused_blocks);
     counter("flexkv_ssd_promotion_failed_blocks_total", "Promotions whose read failed or did not verify",
             t.promotion_failed_blocks);
-    counter("flexkv_ssd_written_back_blocks_total", "Blocks written to SSD (write-back and write-through)",
+    counter("flexkv_ssd_written_back_blocks_total", "Blocks written to SSD",
             t.written_back_blocks);
     counter("flexkv_ssd_writeback_refused_blocks_total", "Write-backs the SSD queue refused (retried later)",
             t.writeback_refused_blocks);

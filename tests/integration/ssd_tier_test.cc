@@ -204,7 +204,7 @@ flexkv::DaemonStatus VerifiedStatus(const DaemonUnderTest& d) {
   return {};
 }
 
-// Stores SEED (n blocks) from its own process; with write-through a store may find every DRAM slot pinned by
+// Stores SEED (n blocks) from its own process; a store may find every DRAM slot pinned by
 // writes (RESOURCE_EXHAUSTED), which an engine retries: returns once all n are cached.
 void StoreSeed(const DaemonUnderTest& d, uint64_t seed, const std::string& name, uint32_t n = kBlocks) {
   std::string last;
@@ -330,10 +330,10 @@ std::vector<uint64_t> Seeds(uint64_t first, uint64_t last) {
 }
 
 // Part of test 1: A stores 24 seeds x 8 blocks (3 times DRAM) paced by the mover, B loads them all.
-void StoreThreeDramsThenLoadElsewhere(bool write_through) {
+void StoreThreeDramsThenLoadElsewhere(bool write_all) {
   SsdDir dir;
-  DaemonUnderTest d(SsdArgs(dir, write_through ? std::vector<std::string>{"--ssd-write-through"}
-                                               : std::vector<std::string>{}),
+  DaemonUnderTest d(SsdArgs(dir, write_all ? std::vector<std::string>{"--ssd-write-policy", "all"}
+                                           : std::vector<std::string>{"--ssd-write-policy", "cold"}),
                     dir.path());
   REQUIRE(d.WaitReady());
   constexpr uint64_t kSeeds = 24;
@@ -352,7 +352,7 @@ void StoreThreeDramsThenLoadElsewhere(bool write_through) {
   CHECK(Counter(st, "evicted_unwritten_blocks") == 0);
   CHECK(Counter(st, "evicted_written_blocks") >= kSeeds * kBlocks - 64);
   CHECK(st.used_blocks >= kSeeds * kBlocks - 64);  // every block DRAM no longer holds is on SSD
-  if (write_through) CHECK(Counter(st, "written_back_blocks") == kSeeds * kBlocks);
+  if (write_all) CHECK(Counter(st, "written_back_blocks") == kSeeds * kBlocks);
 
   // B, another process, loads every seed, oldest first: the 16 oldest seeds only exist on SSD.
   const std::vector<Loaded> loads = LoadAll(d, Seeds(1, kSeeds), "engine-b");
@@ -378,8 +378,8 @@ void StoreThreeDramsThenLoadElsewhere(bool write_through) {
 TEST_CASE("ssd tier: engine A stores more blocks than DRAM holds, engine B loads all of them byte exact, the older "
           "through promotion",
           "[integration][ssd_tier]") {
-  SECTION("write-back of the cold end (default)") { StoreThreeDramsThenLoadElsewhere(false); }
-  SECTION("write-through") { StoreThreeDramsThenLoadElsewhere(true); }
+  SECTION("write policy cold (the default): the cold end ahead of eviction") { StoreThreeDramsThenLoadElsewhere(false); }
+  SECTION("write policy all: every stored block") { StoreThreeDramsThenLoadElsewhere(true); }
 }
 
 TEST_CASE("ssd tier: write-back of the cold end keeps up with many short prompts - paced, none is evicted unwritten",
@@ -388,7 +388,7 @@ TEST_CASE("ssd tier: write-back of the cold end keeps up with many short prompts
   // blocks, far less than the write-back window (25% of 64 slots: 16 blocks), so each eviction must find its block
   // on SSD already. DRAM holds 16 of the prompts; the other 24 must come back from SSD.
   SsdDir dir;
-  DaemonUnderTest d(SsdArgs(dir), dir.path());
+  DaemonUnderTest d(SsdArgs(dir, {"--ssd-write-policy", "cold"}), dir.path());
   REQUIRE(d.WaitReady());
   constexpr uint64_t kSeeds = 40;
   constexpr uint32_t kShort = 4;
@@ -415,10 +415,11 @@ TEST_CASE("ssd tier: write-back of the cold end keeps up with many short prompts
 
 TEST_CASE("ssd tier: kill -9 under stores and write-backs, restart serves only right bytes", "[integration][ssd_tier]") {
   const bool reboot = GENERATE(false, true);
-  INFO((reboot ? "reboot: pool file deleted, page cache dropped, write-through" : "kill -9, pool file kept, write-back"));
+  INFO((reboot ? "reboot: pool file deleted, page cache dropped, write policy all" : "kill -9, pool file kept, write policy cold"));
   SsdDir dir;
   const std::vector<std::string> args =
-      SsdArgs(dir, reboot ? std::vector<std::string>{"--ssd-write-through"} : std::vector<std::string>{});
+      SsdArgs(dir, reboot ? std::vector<std::string>{"--ssd-write-policy=all"}
+                          : std::vector<std::string>{"--ssd-write-policy=cold"});
   // Seeds 1..6 are known on SSD before the storm: paced stores of 1..14 push them out of DRAM with none evicted
   // unwritten (so SSD holds all of them). The storm then adds at most 40 x 8 blocks: 112 + 320 < 496 slots, so
   // nothing known is overwritten on SSD.
@@ -486,7 +487,7 @@ TEST_CASE("ssd tier: kill -9 under stores and write-backs, restart serves only r
 
 TEST_CASE("ssd tier: corrupted and truncated block files are not served, the rest is", "[integration][ssd_tier]") {
   SsdDir dir;
-  const std::vector<std::string> args = SsdArgs(dir, {"--ssd-write-through"});
+  const std::vector<std::string> args = SsdArgs(dir, {"--ssd-write-policy=all"});
   const std::vector<uint64_t> seeds = Seeds(1, 12);
   {
     DaemonUnderTest d(args, dir.path());
@@ -685,7 +686,7 @@ TEST_CASE("ssd tier: O_DIRECT refused, missing path and a full drive stop the st
 TEST_CASE("ssd tier: a read error under the running daemon ends the hit there and the daemon serves on",
           "[integration][ssd_tier]") {
   SsdDir dir;
-  DaemonUnderTest d(SsdArgs(dir, {"--ssd-write-through"}), dir.path());
+  DaemonUnderTest d(SsdArgs(dir, {"--ssd-write-policy=all"}), dir.path());
   REQUIRE(d.WaitReady());
   const std::vector<uint64_t> ssd_only = Seeds(1, 8), in_dram = Seeds(9, 16);
   for (uint64_t seed = 1; seed <= 16; ++seed) StoreSeed(d, seed, "engine-a");
@@ -731,13 +732,13 @@ TEST_CASE("ssd tier: a read error under the running daemon ends the hit there an
   CHECK(status.exit_code == 0);
   CHECK_THAT(status.output, Catch::Contains("ssd ") && Catch::Contains("serving"));
 
-  // Seed 500 was written (write-through) into the file cut under the daemon. After a stop and a "reboot" the daemon
+  // Seed 500 was written (write policy all) into the file cut under the daemon. After a stop and a "reboot" the daemon
   // starts from that file, serves seed 500 from SSD and nothing of what was cut.
   (void)SettledStatus(d);
   StopDaemon(d, SIGTERM);
   REQUIRE(std::filesystem::remove(dir.pool()));
   DropCaches();
-  DaemonUnderTest again(SsdArgs(dir, {"--ssd-write-through"}), dir.path());
+  DaemonUnderTest again(SsdArgs(dir, {"--ssd-write-policy=all"}), dir.path());
   REQUIRE(again.WaitReady());
   {
     const flexkv::DaemonStatus s = Status(again);
@@ -757,8 +758,8 @@ TEST_CASE("ssd tier: a read error under the running daemon ends the hit there an
 TEST_CASE("ssd tier: more blocks than the SSD holds - the oldest are overwritten and never served",
           "[integration][ssd_tier]") {
   SsdDir dir;
-  // 16 MiB of SSD: 124 slots of 132 KiB; 30 seeds x 8 = 240 blocks, all written (write-through).
-  DaemonUnderTest d({"--pool-size", "8MiB", "--ssd-path", dir.ssd(), "--ssd-size", "16MiB", "--ssd-write-through"},
+  // 16 MiB of SSD: 124 slots of 132 KiB; 30 seeds x 8 = 240 blocks, all written (write policy all).
+  DaemonUnderTest d({"--pool-size", "8MiB", "--ssd-path", dir.ssd(), "--ssd-size", "16MiB", "--ssd-write-policy=all"},
                     dir.path());
   REQUIRE(d.WaitReady());
   constexpr uint64_t kSeeds = 30;
@@ -821,7 +822,7 @@ TEST_CASE("ssd tier: a full drive while running fails write-backs, not stores, a
   const std::string block_file = mnt + "/" + kBlockFile;
   const std::string filler = mnt + "/filler";
 
-  DaemonUnderTest d({"--pool-size", "8MiB", "--ssd-path", mnt, "--ssd-size", "16MiB", "--ssd-write-through"},
+  DaemonUnderTest d({"--pool-size", "8MiB", "--ssd-path", mnt, "--ssd-size", "16MiB", "--ssd-write-policy=all"},
                     dir.path());
   REQUIRE(d.WaitReady());
   StoreSeed(d, 1, "engine-a");
@@ -898,7 +899,7 @@ TEST_CASE("ssd tier: a full drive while running fails write-backs, not stores, a
   for (uint64_t seed : after) {
     StoreSeed(d, seed, "engine-a");
     stored_after += kBlocks;
-    // Paced by the mover itself: this seed's write-through writes done means a whole round (the write-through queue,
+    // Paced by the mover itself: this seed's writes done means a whole round (the commit queue,
     // then the cold end) ran after the store, with space on the drive (the mover slows to a round a second after
     // failures: generous deadline).
     flexkv::DaemonStatus s2 = Status(d);

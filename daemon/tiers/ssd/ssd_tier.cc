@@ -105,10 +105,10 @@ Status SsdTier::OpenStore(uint64_t payload_capacity) {
     log::Info("ssd", "SSD tier: {}: {} slots of {} on {}, {}{}", f.path, f.slots, FormatByteSize(payload_capacity),
               f.filesystem,
               f.direct ? "direct I/O" : "BUFFERED I/O (--ssd-allow-buffered): slower, and the page cache holds copies",
-              options_.write_through ? "; write-through" : "");
+              options_.write_all ? "; every stored block is written" : "; the cold end is written");
   }
   store_ = std::move(*store);
-  for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).AttachNextTier(options_.write_through);
+  for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).AttachNextTier(options_.write_all);
   {
     std::lock_guard lock(mu_);
     state_ = "serving";
@@ -203,9 +203,15 @@ size_t SsdTier::MoveRound() {
       continue;
     }
     const auto window = static_cast<size_t>(std::max(1.0, options_.writeback_window * c.capacity_slots()));
-    std::vector<Cache::WriteBackBlock> blocks = c.TakeWriteBack(options_.writeback_batch, window);
-    if (blocks.empty()) continue;
+    // At most a quarter of the pool pinned for writes at a time: stores must still find slots to evict.
+    const uint64_t cap = std::max<uint64_t>(1, c.capacity_slots() / 4);
+    const uint64_t writing = c.write_back_stats().writing;
+    if (writing >= cap) continue;
+    const size_t batch = std::min<size_t>(options_.writeback_batch, cap - writing);
     const SsdDomain domain = DomainOf(c);
+    std::vector<Cache::WriteBackBlock> blocks = c.TakeWriteBack(
+        batch, window, [this, &domain](const BlockKey& key) { return store_->Lookup(SsdBlockId{key, domain, 0}).has_value(); });
+    if (blocks.empty()) continue;
     for (size_t j = 0; j < blocks.size(); ++j) {
       const Cache::WriteBackBlock b = blocks[j];
       const std::span<const uint8_t> payload(c.SlotData(b.slot), c.SlotBytes(b.slot));

@@ -1,10 +1,11 @@
 // SsdTier: the SSD tier wired into the cache (DESIGN.md §7, docs/ssd.md). It owns the SsdStore and moves blocks
 // between it and the DRAM pools of the cache domains:
-//   write-back  a mover thread keeps the cold end of each domain's DRAM eviction order written to SSD (the
-//               coldest `writeback_window` of its blocks: each cold leaf with its not-yet-written ancestors, root
-//               first), so that an eviction finds its block on SSD already and never waits; with write_through,
-//               every block a store commits is written too. Writes go straight from the pool's slots (pinned while
-//               written). A full SSD queue leaves the rest for the next round; a block evicted before it was
+//   write-back  a mover thread writes DRAM blocks to SSD ahead of their eviction, so that an eviction finds its
+//               block on SSD already and never waits: the cold end of each domain's eviction order (the coldest
+//               `writeback_window` of its blocks, in eviction order: each cold leaf, then its ancestors; the cold
+//               policy, the default), and with write_all every block a store commits too, oldest first, as fast
+//               as the drives take them. Writes go straight from the pool's slots (pinned
+//               while written). A full SSD queue leaves the rest for the next round; a block evicted before it was
 //               written is counted (evicted_unwritten), never waited for.
 //   promotion   a match that ends in DRAM before its keys do continues on SSD: the consecutive blocks found there
 //               (same domain, same parent chain) get pending DRAM slots, are read into them (header and XXH3
@@ -43,7 +44,8 @@ class CacheSet;
 struct SsdTierOptions {
   SsdStoreOptions store;           // --ssd-path, --ssd-size, --ssd-queue-depth, --ssd-allow-buffered,
                                    // --ssd-sync-writes, --ssd-on-mismatch; payload_capacity is set here
-  bool write_through = false;      // --ssd-write-through: every stored block is written to SSD, not only cold ones
+  bool write_all = false;          // --ssd-write-policy all: every stored block is written to SSD; cold (default):
+                                   // only the cold end (writeback_window)
   double writeback_window = 0.25;  // --ssd-writeback-window: the share of each domain's DRAM slots, coldest first,
                                    // kept written to SSD (0 < w <= 1)
   uint32_t writeback_batch = 256;  // blocks a mover round takes from one domain at most
@@ -58,7 +60,7 @@ struct SsdTierStatus {
   uint64_t promotion_requests = 0;       // matches that went on to SSD
   uint64_t promotion_refused_blocks = 0; // SSD blocks a match could not promote: queue full or no DRAM slot
   uint64_t promotion_failed_blocks = 0;  // reads that failed or did not verify (the block is dropped)
-  uint64_t written_back_blocks = 0;      // written to SSD (write-back and write-through)
+  uint64_t written_back_blocks = 0;      // written to SSD
   uint64_t writeback_refused_blocks = 0; // writes the store refused (queue full): left for a later round
   uint64_t writeback_failed_blocks = 0;  // writes that failed (I/O error, disk full): the block stays DRAM-only
   uint64_t evicted_written_blocks = 0;   // DRAM evictions of blocks SSD holds (all domains)

@@ -278,16 +278,17 @@ TEST_CASE("the SSD tier's flags: paths, size, policy, and what is refused", "[un
     REQUIRE(p.config.has_value());
     CHECK(p.config->ssd_paths.empty());
     CHECK(p.config->ssd_bytes == 0);
+    CHECK_FALSE(p.config->ssd_write_all);
   }
   SECTION("one path per drive, a size with units, the options") {
     auto p = Parse({"--ssd-path", "/mnt/nvme0/kv", "--ssd-path", "/mnt/nvme1/kv", "--ssd-size", "4TiB",
-                    "--ssd-queue-depth", "64", "--ssd-write-through", "--ssd-writeback-window", "0.5",
+                    "--ssd-queue-depth", "64", "--ssd-write-policy", "all", "--ssd-writeback-window", "0.5",
                     "--ssd-on-mismatch", "discard", "--ssd-allow-buffered", "--ssd-sync-writes"});
     REQUIRE(p.config.has_value());
     CHECK(p.config->ssd_paths == std::vector<std::string>{"/mnt/nvme0/kv", "/mnt/nvme1/kv"});
     CHECK(p.config->ssd_bytes == (uint64_t{4} << 40));
     CHECK(p.config->ssd_queue_depth == 64);
-    CHECK(p.config->ssd_write_through);
+    CHECK(p.config->ssd_write_all);
     CHECK(p.config->ssd_writeback_window == 0.5);
     CHECK(p.config->ssd_discard_mismatch);
     CHECK(p.config->ssd_allow_buffered);
@@ -309,5 +310,6 @@ TEST_CASE("the SSD tier's flags: paths, size, policy, and what is refused", "[un
     CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "1TiB", "--ssd-writeback-window", "0"}).exit_code == 2);
     CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "1TiB", "--ssd-writeback-window", "1.5"}).exit_code == 2);
     CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "1TiB", "--ssd-queue-depth", "0"}).exit_code == 2);
+    CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "1TiB", "--ssd-write-policy", "through"}).exit_code == 2);
   }
 }

@@ -1,6 +1,6 @@
 // SsdTier (daemon/tiers/ssd/ssd_tier.h) in process: a real CacheSet on a pool file, a real SsdStore on a disk
 // filesystem (/var/tmp), the mover thread running. Write-back of the cold end, eviction of written blocks,
-// promotion back byte-exact, a promotion cut at a block that fails verification, write-through, the next-tier
+// promotion back byte-exact, a promotion cut at a block that fails verification, the write-all policy, the next-tier
 // marks of the cache (TakeWriteBack's order), and stores, matches, promotions and write-backs from several threads
 // at once (this file also runs under TSan).
 #include <fcntl.h>
@@ -127,7 +127,7 @@ bool WaitFor(Ready&& ready) {
 }
 
 struct Fixture {
-  explicit Fixture(uint64_t pool_blocks, bool write_through = false, double window = 1.0, uint64_t ssd_blocks = 256)
+  explicit Fixture(uint64_t pool_blocks, bool write_all = false, double window = 1.0, uint64_t ssd_blocks = 256)
       : pool_dir(PoolRoot()), ssd_dir("/var/tmp") {
     CacheSetOptions o;
     o.budget_bytes = pool_blocks * kBlock;
@@ -140,7 +140,7 @@ struct Fixture {
     SsdTierOptions t;
     t.store.paths = {ssd_dir.path()};
     t.store.size_bytes = flexkv::kSsdHeaderSector + ssd_blocks * flexkv::SsdSlotStride(kBlock);
-    t.write_through = write_through;
+    t.write_all = write_all;
     t.writeback_window = window;
     t.mover_idle_ms = 1;
     auto created = SsdTier::Create(t, caches.get());
@@ -249,8 +249,8 @@ TEST_CASE("ssd tier: a block that fails verification is never promoted and ends 
   CHECK(PromoteAndWait(*f.tier, *f.cache, 5, 8) == -1);
 }
 
-TEST_CASE("ssd tier: write-through writes every stored block, not only the cold end", "[ssd_tier]") {
-  Fixture f(64, /*write_through=*/true, /*window=*/0.01);
+TEST_CASE("ssd tier: the write-all policy writes every stored block, not only the cold end", "[ssd_tier]") {
+  Fixture f(64, /*write_all=*/true, /*window=*/0.01);
   REQUIRE(StoreChain(*f.cache, 3, 10));
   REQUIRE(WaitFor([&] { return f.Written() >= 10; }));
   CHECK(f.tier->GetStatus().used_blocks == 10);
@@ -296,7 +296,7 @@ TEST_CASE("ssd tier: the cold end is written leaf first, then its ancestors", "[
 }
 
 TEST_CASE("ssd tier: stores, matches, promotions and write-backs from several threads", "[ssd_tier]") {
-  Fixture f(48, /*write_through=*/false, /*window=*/0.5, /*ssd_blocks=*/512);
+  Fixture f(48, /*write_all=*/true, /*window=*/0.5, /*ssd_blocks=*/512);
   std::atomic<bool> failed{false};
   const auto worker = [&](uint64_t first) {
     for (int round = 0; round < 40 && !failed; ++round) {
