@@ -301,6 +301,7 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
     promotion_refused_.fetch_add(wanted, std::memory_order_relaxed);
     return false;
   }
+  idle_cv_.notify_one();  // the reservation may have evicted: the mover refills the cold end
   job->first = r.cached;
   job->ok.reset(new std::atomic<uint8_t>[r.slots.size()]);
   for (size_t i = 0; i < r.slots.size(); ++i) job->ok[i].store(0, std::memory_order_relaxed);

@@ -49,7 +49,8 @@ struct SsdTierOptions {
   double writeback_window = 0.25;  // --ssd-writeback-window: the share of each domain's DRAM slots, coldest first,
                                    // kept written to SSD (0 < w <= 1)
   uint32_t writeback_batch = 256;  // blocks a mover round takes from one domain at most
-  int mover_idle_ms = 5;           // how long the mover sleeps when a round found nothing to write
+  int mover_idle_ms = 2;           // how long the mover sleeps when a round found nothing to write (a promotion
+                                   // wakes it: its reservation moved the cold end)
 };
 
 // What GetStatus and the metrics report (flexkv.v1.TierStatus).
