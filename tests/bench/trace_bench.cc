@@ -22,7 +22,8 @@
 //           request often runs before the earlier requests whose prefix it shares: fewer hits).
 // Protocol between the parent and a worker:
 //   worker stdout: READY <capacity_blocks> [<slots of each component>...] | RESULT <start_ns> <end_ns> <requests> <blocks> <hits> <loaded>
-//                  <stored> <store_shortfalls> <load_mismatches> | LAT <op> <n> <ns>... | DONE | ERROR <text>
+//                  <stored> <store_shortfalls> <load_mismatches> | LAT <op> <n> <ns>...
+//                  | SHORTFALL <code> <n> <first message> | DONE | ERROR <text>
 //   worker fd 0:  start barrier (the parent closes the write end)
 //   worker fd 4:  the turn page (--order strict|match): TurnPage (trace_replay.h)
 // The worker is trace_worker.cc; the hybrid report (--geometry) trace_hybrid_bench.cc.
@@ -167,7 +168,10 @@ struct TraceRun {
   HitCount reference, bound, sim;
   uint64_t reference_raw_hits = 0;
   std::map<std::string, Percentiles> lat;
+  std::map<std::string, std::pair<uint64_t, std::string>> shortfall_codes;  // code -> (stores, first message)
   std::optional<flexkv::DaemonStatus::Tier> ssd;  // with DaemonModel::ssd_args: tiers[0] after the replay
+  std::optional<flexkv::DaemonStatus::Tier> ssd_settled;  // the same 2 s later (in flight drained?)
+  uint64_t dram_pinned_end = 0, dram_pinned_settled = 0, dram_used_end = 0;
   double ssd_wait_s = 0;                          // from READY until the tier served
   double hit_ratio() const { return blocks == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(blocks); }
 };
@@ -315,6 +319,11 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
         run.stored += st;
         run.shortfalls += sf;
         run.mismatches += mm;
+      } else if (char code[64] = {};
+                 std::sscanf(line->c_str(), "SHORTFALL %63s %zu%n", code, &n, &consumed) == 2) {
+        auto& [count, first_msg] = run.shortfall_codes[code];
+        if (count == 0) first_msg = line->substr(std::min(line->size(), static_cast<size_t>(consumed) + 1));
+        count += n;
       } else if (std::sscanf(line->c_str(), "LAT %15s %zu%n", op, &n, &consumed) == 2) {
         const std::vector<int64_t> s = ParseSamples(line->c_str() + consumed, n);
         lat[op].insert(lat[op].end(), s.begin(), s.end());
@@ -348,6 +357,14 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
     if (!st.ok()) return abort_all(fmt::format("GetStatus: {}", st.status().ToString()));
     if (st->tiers.empty()) return abort_all("the daemon reports no tier below DRAM after the replay");
     run.ssd = st->tiers[0];
+    run.dram_pinned_end = st->pool.pinned_blocks;
+    run.dram_used_end = st->pool.used_blocks;
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    st = (*client)->GetStatus();
+    if (st.ok() && !st->tiers.empty()) {
+      run.ssd_settled = st->tiers[0];
+      run.dram_pinned_settled = st->pool.pinned_blocks;
+    }
   }
   if (run.requests != trace.size()) {
     std::fprintf(stderr, "flexkv-bench: the workers replayed %llu of %zu requests\n",
@@ -559,6 +576,16 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
     b["ssd_wait_s"] = Rounded(tiered->ssd_wait_s, 3);
     b["wall_s"] = Rounded(wall_b_s, 2);
     b["ssd"] = std::move(ssd);
+    b["dram_used_end"] = tiered->dram_used_end;
+    b["dram_pinned_end"] = tiered->dram_pinned_end;
+    b["dram_pinned_2s_later"] = tiered->dram_pinned_settled;
+    if (tiered->ssd_settled) {
+      b["ssd_writes_in_flight_2s_later"] = Counter(*tiered->ssd_settled, "writes_in_flight");
+      b["ssd_written_back_2s_later"] = Counter(*tiered->ssd_settled, "written_back_blocks");
+    }
+    Json codes = Json::object();
+    for (const auto& [code, v] : tiered->shortfall_codes) codes[code] = {{"stores", v.first}, {"first", v.second}};
+    b["store_shortfall_codes"] = std::move(codes);
     Json a = RunJson(*dram, o.clients, o.order, o.block_bytes);
     a["wall_s"] = Rounded(wall_a_s, 2);
     Json report{{"bench", "trace"},
@@ -622,6 +649,20 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
                Counter(t, "writeback_failed_blocks"), Counter(t, "evicted_written_blocks"),
                Counter(t, "evicted_unwritten_blocks"), Counter(t, "evicted_blocks"), t.used_blocks, t.capacity_blocks,
                Counter(t, "read_bytes"), Counter(t, "write_bytes"), tiered->mismatches, tiered->shortfalls);
+    fmt::print("(b) at the end: DRAM used {} pinned {}; SSD reads/writes in flight {}/{}", tiered->dram_used_end,
+               tiered->dram_pinned_end, Counter(t, "reads_in_flight"), Counter(t, "writes_in_flight"));
+    if (tiered->ssd_settled) {
+      const flexkv::DaemonStatus::Tier& u = *tiered->ssd_settled;
+      fmt::print("; 2 s later: DRAM pinned {}, in flight {}/{}, written back {}", tiered->dram_pinned_settled,
+                 Counter(u, "reads_in_flight"), Counter(u, "writes_in_flight"), Counter(u, "written_back_blocks"));
+    }
+    fmt::print("\n");
+    for (const auto& [code, v] : tiered->shortfall_codes) {
+      fmt::print("(b) store shortfalls {}: {} (first: {})\n", code, v.first, v.second);
+    }
+    for (const auto& [code, v] : dram->shortfall_codes) {
+      fmt::print("(a) store shortfalls {}: {} (first: {})\n", code, v.first, v.second);
+    }
     fmt::print("(a) reference block-LRU {} {:.4f}, PrefixIndex sim {} {:.4f}; load mismatches {}\n", n,
                dram->reference.ratio(), n, dram->sim.ratio(), dram->mismatches);
     for (const std::string& note : t.notes) fmt::print("SSD note: {}\n", note);

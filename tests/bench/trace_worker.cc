@@ -11,6 +11,7 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <map>
 #include <span>
 #include <string>
 #include <vector>
@@ -170,6 +171,8 @@ int WorkerMain(const WorkerOptions& o) {
   };
   std::vector<int64_t> lat_match, lat_load, lat_release, lat_store;
   uint64_t blocks = 0, hits = 0, loaded = 0, stored = 0, shortfalls = 0, mismatches = 0;
+  std::map<std::string, uint64_t> shortfall_codes;  // by status code name; the first message of each kept
+  std::map<std::string, std::string> shortfall_first;
   const int64_t start = NowNs();
   for (const Mine& m : mine) {
     const auto n = static_cast<uint32_t>(m.ids.size());
@@ -232,7 +235,11 @@ int WorkerMain(const WorkerOptions& o) {
         if (!sr.ok()) return fail("Store", sr.status());
         stored += sr->done_blocks;
         // RESOURCE_EXHAUSTED (everything pinned) or ABORTED (another rank is storing the same block): counted.
-        if (!sr->status.ok()) ++shortfalls;
+        if (!sr->status.ok()) {
+          ++shortfalls;
+          const std::string code = flexkv::StatusCodeName(sr->status.code());
+          if (shortfall_codes[code]++ == 0) shortfall_first[code] = sr->status.message();
+        }
         if (b == n) break;
       }
     }
@@ -245,6 +252,11 @@ int WorkerMain(const WorkerOptions& o) {
   Emit(SampleLine("LAT load", lat_load));
   Emit(SampleLine("LAT release", lat_release));
   Emit(SampleLine("LAT store", lat_store));
+  for (const auto& [code, count] : shortfall_codes) {
+    std::string first = shortfall_first[code];
+    std::replace(first.begin(), first.end(), '\n', ' ');
+    Emit(fmt::format("SHORTFALL {} {} {}\n", code, count, first.substr(0, 200)));
+  }
   Emit("DONE\n");
   (void)c.Detach();
   return 0;
