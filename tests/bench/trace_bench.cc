@@ -3,7 +3,7 @@
 //                      [--sweep [--capacities 1000,2000,...] [--plot docs/trace_sweep.png]]
 //                      [--geometry PRESET [--chunk-blocks C] [--split daemon|demand|w0,w1,...]]
 //                      [--ssd-blocks M [--ssd-dir DIR] [--ssd-write-through] [--ssd-writeback-window W]
-//                       [--ssd-queue-depth Q]]
+//                       [--ssd-queue-depth Q]] [--gap-us G]
 // --geometry adds the hybrid report (trace_hybrid_bench.cc): the model's pool, simulated, next to its all-FULL
 // reference at the same byte budget.
 // --ssd-blocks M compares, in one run, (a) flexkvd with N DRAM blocks alone, (b) flexkvd with N DRAM blocks and an
@@ -145,6 +145,7 @@ struct TraceOptions {
   bool ssd_write_through = false;
   double ssd_writeback_window = 0;  // 0: the daemon's default (0.25)
   uint32_t ssd_queue_depth = 0;     // 0: the daemon's default (32)
+  uint32_t gap_us = 0;              // each request waits this long once it is its turn (pacing; 0: none)
 };
 
 // The model a daemon replay stores (trace --geometry): empty preset = TraceGeometry(block_bytes) at
@@ -253,7 +254,7 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
     auto w = Spawn({self, "trace-worker", "--socket", own->socket(), "--trace", o.trace, "--index", std::to_string(i),
                     "--clients", std::to_string(o.clients), "--block-bytes", std::to_string(o.block_bytes),
                     "--order", o.order, "--geometry", model.preset, "--scale", std::to_string(model.scale),
-                    "--chunk-blocks", std::to_string(model.chunk_blocks)},
+                    "--chunk-blocks", std::to_string(model.chunk_blocks), "--gap-us", std::to_string(o.gap_us)},
                    {{barrier->read_end(), 0}, {turn_fd.get(), 4}});
     if (!w) return abort_all("could not start a trace-worker");
     workers.push_back(std::move(*w));
@@ -601,6 +602,7 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
                 {"block_bytes", o.block_bytes},
                 {"clients", o.clients},
                 {"order", o.order},
+                {"gap_us", o.gap_us},
                 {"dram", std::move(a)},
                 {"dram_ssd", std::move(b)},
                 {"block_lru_combined",
@@ -615,8 +617,9 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
                 {"infinite_cache_bound", Rounded(bound.ratio(), 4)}};
     fmt::print("{}", DumpLine(report));
   } else {
-    fmt::print("trace {}: {} requests, {} blocks; {} client processes, order {}, {} B blocks\n", o.trace,
-               trace.size(), bound.blocks, o.clients, o.order, o.block_bytes);
+    fmt::print("trace {}: {} requests, {} blocks; {} client processes, order {}{}, {} B blocks\n", o.trace,
+               trace.size(), bound.blocks, o.clients, o.order,
+               o.gap_us > 0 ? fmt::format(", {} us gap before each request", o.gap_us) : std::string(), o.block_bytes);
     fmt::print("SSD tier: {} blocks asked (--ssd-size {}), capacity_blocks {} reported ({} B blocks, {} B slots), "
                "{}, in {}{}\n", m, ssd_bytes, t.capacity_blocks, t.block_bytes, stride, mode, dir->path(),
                dir->owned() ? " (removed afterwards)" : "");
@@ -626,20 +629,20 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
     const std::string la = fmt::format("(a) flexkvd DRAM {}", n);
     const std::string lb = fmt::format("(b) flexkvd DRAM {} + SSD {}", n, t.capacity_blocks);
     const std::string lc = fmt::format("(c) block-LRU {}", combined);
-    fmt::print("\n{:<32} {:>9} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10} {:>7}\n", "", "hit ratio", "hit blocks",
+    fmt::print("\n{:<36} {:>9} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10} {:>7}\n", "", "hit ratio", "hit blocks",
                "blocks", "promoted", "written back", "evicted unwritten", "requests/s", "wall s");
-    fmt::print("{:<32} {:>9.4f} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10.0f} {:>7.1f}\n", la, dram->hit_ratio(),
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10.0f} {:>7.1f}\n", la, dram->hit_ratio(),
                dram->hits, dram->blocks, "-", "-", "-", rps(*dram), wall_a_s);
-    fmt::print("{:<32} {:>9.4f} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10.0f} {:>7.1f}\n", lb, tiered->hit_ratio(),
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10.0f} {:>7.1f}\n", lb, tiered->hit_ratio(),
                tiered->hits, tiered->blocks, promoted, Counter(t, "written_back_blocks"),
                Counter(t, "evicted_unwritten_blocks"), rps(*tiered), wall_b_s);
-    fmt::print("{:<32} {:>9.4f} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10} {:>7}\n", lc, lru.ratio(), lru.hits,
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10} {:>7}\n", lc, lru.ratio(), lru.hits,
                lru.blocks, "-", "-", "-", "-", "-");
-    fmt::print("{:<32} {:>9.4f} {:>10} {:>10}\n", fmt::format("    PrefixIndex sim {}", combined), one_pool.ratio(),
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10}\n", fmt::format("    PrefixIndex sim {}", combined), one_pool.ratio(),
                one_pool.hits, one_pool.blocks);
-    fmt::print("{:<32} {:>9.4f} {:>10} {:>10}\n", fmt::format("    block-LRU {} (SSD's alone)", m), lru_ssd_only.ratio(),
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10}\n", fmt::format("    block-LRU {} (SSD's alone)", m), lru_ssd_only.ratio(),
                lru_ssd_only.hits, lru_ssd_only.blocks);
-    fmt::print("{:<32} {:>9.4f} {:>10} {:>10}\n", "    infinite-cache bound", bound.ratio(), bound.hits, bound.blocks);
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10}\n", "    infinite-cache bound", bound.ratio(), bound.hits, bound.blocks);
     fmt::print("\n(b) detail: DRAM hits {} + SSD hits (promoted) {}; promotion requests {}, refused {}, failed {}; "
                "written back {} (refused {}, failed {}); DRAM evictions written {} / unwritten {}; SSD evictions {}; "
                "SSD used {} of {}; read {} B, written {} B; load mismatches {}; store shortfalls {}\n",
@@ -717,6 +720,11 @@ int RunTraceBench(int argc, char** argv) {
   app.add_option("--ssd-queue-depth", o.ssd_queue_depth,
                  "With --ssd-blocks: flexkvd --ssd-queue-depth (default: the daemon's, 32)")
       ->check(CLI::Range(1u, 65536u));
+  app.add_option("--gap-us", o.gap_us,
+                 "Pacing: each request waits this many microseconds once it is its turn, before its Match (default 0: "
+                 "as fast as possible); with --order strict the replay takes about requests x this longer, time the "
+                 "SSD tier's mover gets to keep up")
+      ->check(CLI::Range(0u, 10000000u));
   CLI11_PARSE(app, argc, argv);
   if (o.ssd_blocks == 0 && (!o.ssd_dir.empty() || o.ssd_write_through || o.ssd_writeback_window > 0 ||
                             o.ssd_queue_depth > 0)) {

@@ -14,6 +14,7 @@
 #include <map>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_process.h"
@@ -67,6 +68,7 @@ struct WorkerOptions {
   std::string preset;
   uint64_t scale = 1;
   uint32_t chunk_blocks = 16;
+  uint32_t gap_us = 0;  // idle time before each request's Match, once it is its turn (trace --gap-us)
 };
 
 int WorkerMain(const WorkerOptions& o) {
@@ -178,6 +180,7 @@ int WorkerMain(const WorkerOptions& o) {
     const auto n = static_cast<uint32_t>(m.ids.size());
     blocks += n;
     if (page != nullptr && !AwaitTurn(page, m.index)) return fail("turn", flexkv::Status::Internal("another worker failed"));
+    if (o.gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(o.gap_us));
     int64_t t0 = NowNs();
     auto mr = run(c.Match(m.keys, /*pin=*/true));
     lat_match.push_back(NowNs() - t0);
@@ -276,6 +279,7 @@ int RunTraceWorker(int argc, char** argv) {
   app.add_option("--geometry", o.preset);
   app.add_option("--scale", o.scale);
   app.add_option("--chunk-blocks", o.chunk_blocks);
+  app.add_option("--gap-us", o.gap_us);
   CLI11_PARSE(app, argc, argv);
   return WorkerMain(o);
 }
