@@ -2,8 +2,13 @@
 //   flexkv-bench trace --trace FILE [--capacity-blocks N] [--clients K] [--block-bytes 4KiB] [--json]
 //                      [--sweep [--capacities 1000,2000,...] [--plot docs/trace_sweep.png]]
 //                      [--geometry PRESET [--chunk-blocks C] [--split daemon|demand|w0,w1,...]]
+//                      [--ssd-blocks M [--ssd-dir DIR] [--ssd-write-through] [--ssd-writeback-window W]
+//                       [--ssd-queue-depth Q]] [--gap-us G]
 // --geometry adds the hybrid report (trace_hybrid_bench.cc): the model's pool, simulated, next to its all-FULL
 // reference at the same byte budget.
+// --ssd-blocks M compares, in one run, (a) flexkvd with N DRAM blocks alone, (b) flexkvd with N DRAM blocks and an
+// SSD tier of M blocks (a fresh --ssd-path: a new directory under /var/tmp, removed afterwards, or --ssd-dir) and
+// (c) the reference block-LRU over N + M blocks; see RunSsdComparison.
 // Starts its own flexkvd (next to this executable) in a temporary directory under /dev/shm with
 // --pool-size = N × block bytes, and K client processes (this executable, hidden subcommand `trace-worker`,
 // posix_spawn'ed). Requests go to worker (request index mod K) — round-robin, as a router would — and each
@@ -17,7 +22,8 @@
 //           request often runs before the earlier requests whose prefix it shares: fewer hits).
 // Protocol between the parent and a worker:
 //   worker stdout: READY <capacity_blocks> [<slots of each component>...] | RESULT <start_ns> <end_ns> <requests> <blocks> <hits> <loaded>
-//                  <stored> <store_shortfalls> <load_mismatches> | LAT <op> <n> <ns>... | DONE | ERROR <text>
+//                  <stored> <store_shortfalls> <load_mismatches> | LAT <op> <n> <ns>...
+//                  | SHORTFALL <code> <n> <first message> | DONE | ERROR <text>
 //   worker fd 0:  start barrier (the parent closes the write end)
 //   worker fd 4:  the turn page (--order strict|match): TurnPage (trace_replay.h)
 // The worker is trace_worker.cc; the hybrid report (--geometry) trace_hybrid_bench.cc.
@@ -42,6 +48,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "bench_json.h"
@@ -49,6 +57,7 @@
 #include "common/mapped_region.h"
 #include "common/units.h"
 #include "daemon/cache/prefix_index.h"
+#include "daemon/tiers/ssd/ssd_format.h"
 #include "flexkv/client.h"
 #include "trace_replay.h"
 
@@ -130,6 +139,13 @@ struct TraceOptions {
   std::string geometry;  // a preset: also the hybrid report (trace_hybrid_bench.cc)
   uint32_t chunk_blocks = 16;
   std::string split = "daemon";
+  // --ssd-blocks: the DRAM / DRAM + SSD / block-LRU(N + M) comparison (RunSsdComparison); 0: absent.
+  uint32_t ssd_blocks = 0;
+  std::string ssd_dir;  // empty: a new directory under /var/tmp, removed afterwards
+  bool ssd_write_through = false;
+  double ssd_writeback_window = 0;  // 0: the daemon's default (0.25)
+  uint32_t ssd_queue_depth = 0;     // 0: the daemon's default (32)
+  uint32_t gap_us = 0;              // each request waits this long once it is its turn (pacing; 0: none)
 };
 
 // The model a daemon replay stores (trace --geometry): empty preset = TraceGeometry(block_bytes) at
@@ -139,6 +155,9 @@ struct DaemonModel {
   uint64_t scale = 1, pool_bytes = 0;
   uint32_t chunk_blocks = 0;
   double swa_share = 0, state_share = 0;  // the daemon's --swa-share / --state-share (0: its default)
+  // The daemon's --ssd-* flags; not empty: the replay starts once the SSD tier serves, and the tier's status is
+  // read at the end (TraceRun::ssd).
+  std::vector<std::string> ssd_args;
 };
 
 struct TraceRun {
@@ -150,6 +169,11 @@ struct TraceRun {
   HitCount reference, bound, sim;
   uint64_t reference_raw_hits = 0;
   std::map<std::string, Percentiles> lat;
+  std::map<std::string, std::pair<uint64_t, std::string>> shortfall_codes;  // code -> (stores, first message)
+  std::optional<flexkv::DaemonStatus::Tier> ssd;  // with DaemonModel::ssd_args: tiers[0] after the replay
+  std::optional<flexkv::DaemonStatus::Tier> ssd_settled;  // the same 2 s later (in flight drained?)
+  uint64_t dram_pinned_end = 0, dram_pinned_settled = 0, dram_used_end = 0;
+  double ssd_wait_s = 0;                          // from READY until the tier served
   double hit_ratio() const { return blocks == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(blocks); }
 };
 
@@ -204,6 +228,7 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
   const char* base = std::filesystem::is_directory("/dev/shm") ? "/dev/shm" : "/tmp";
   const uint64_t pool_bytes = model.preset.empty() ? uint64_t{capacity} * o.block_bytes : model.pool_bytes;
   std::vector<std::string> daemon_args = {"--pool-size", std::to_string(pool_bytes)};
+  daemon_args.insert(daemon_args.end(), model.ssd_args.begin(), model.ssd_args.end());
   if (model.swa_share > 0) daemon_args.insert(daemon_args.end(), {"--swa-share", fmt::format("{:.6f}", model.swa_share)});
   if (model.state_share > 0) {
     daemon_args.insert(daemon_args.end(), {"--state-share", fmt::format("{:.6f}", model.state_share)});
@@ -229,7 +254,7 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
     auto w = Spawn({self, "trace-worker", "--socket", own->socket(), "--trace", o.trace, "--index", std::to_string(i),
                     "--clients", std::to_string(o.clients), "--block-bytes", std::to_string(o.block_bytes),
                     "--order", o.order, "--geometry", model.preset, "--scale", std::to_string(model.scale),
-                    "--chunk-blocks", std::to_string(model.chunk_blocks)},
+                    "--chunk-blocks", std::to_string(model.chunk_blocks), "--gap-us", std::to_string(o.gap_us)},
                    {{barrier->read_end(), 0}, {turn_fd.get(), 4}});
     if (!w) return abort_all("could not start a trace-worker");
     workers.push_back(std::move(*w));
@@ -250,6 +275,24 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
       run.component_capacity.push_back(v);
       p = end;
     }
+  }
+  if (!model.ssd_args.empty()) {
+    // The tier opens its store when the first pool exists (the workers' Attach): wait until it serves, so that
+    // the replay's first evictions already find it.
+    auto client = flexkv::Client::Connect({own->socket(), std::chrono::milliseconds(5000), std::chrono::milliseconds(20000)});
+    if (!client.ok()) return abort_all(fmt::format("Connect: {}", client.status().ToString()));
+    const int64_t t0 = NowNs();
+    for (;;) {
+      auto st = (*client)->GetStatus();
+      if (!st.ok()) return abort_all(fmt::format("GetStatus: {}", st.status().ToString()));
+      if (st->tiers.empty()) return abort_all("the daemon reports no tier below DRAM although --ssd-path was given");
+      if (st->tiers[0].state == "serving") break;
+      if (st->tiers[0].state.starts_with("failed") || NowNs() - t0 > 30LL * 1000000000) {
+        return abort_all(fmt::format("SSD tier not serving: {}", st->tiers[0].state));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    run.ssd_wait_s = static_cast<double>(NowNs() - t0) / 1e9;
   }
   barrier->Release();  // go
   std::map<std::string, std::vector<int64_t>> lat;
@@ -277,6 +320,11 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
         run.stored += st;
         run.shortfalls += sf;
         run.mismatches += mm;
+      } else if (char code[64] = {};
+                 std::sscanf(line->c_str(), "SHORTFALL %63s %zu%n", code, &n, &consumed) == 2) {
+        auto& [count, first_msg] = run.shortfall_codes[code];
+        if (count == 0) first_msg = line->substr(std::min(line->size(), static_cast<size_t>(consumed) + 1));
+        count += n;
       } else if (std::sscanf(line->c_str(), "LAT %15s %zu%n", op, &n, &consumed) == 2) {
         const std::vector<int64_t> s = ParseSamples(line->c_str() + consumed, n);
         lat[op].insert(lat[op].end(), s.begin(), s.end());
@@ -303,6 +351,21 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
     run.component_used = ComponentMetric(*text, "flexkv_component_used_slots", n);
     run.component_unanchored = ComponentMetric(*text, "flexkv_component_unanchored_slots", n);
     run.component_evicted = ComponentMetric(*text, "flexkv_component_evicted_total", n);
+  }
+  if (!model.ssd_args.empty()) {  // the SSD tier's counters right after the replay
+    auto client = flexkv::Client::Connect({own->socket(), std::chrono::milliseconds(5000), std::chrono::milliseconds(20000)});
+    auto st = client.ok() ? (*client)->GetStatus() : flexkv::Result<flexkv::DaemonStatus>(client.status());
+    if (!st.ok()) return abort_all(fmt::format("GetStatus: {}", st.status().ToString()));
+    if (st->tiers.empty()) return abort_all("the daemon reports no tier below DRAM after the replay");
+    run.ssd = st->tiers[0];
+    run.dram_pinned_end = st->pool.pinned_blocks;
+    run.dram_used_end = st->pool.used_blocks;
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    st = (*client)->GetStatus();
+    if (st.ok() && !st->tiers.empty()) {
+      run.ssd_settled = st->tiers[0];
+      run.dram_pinned_settled = st->pool.pinned_blocks;
+    }
   }
   if (run.requests != trace.size()) {
     std::fprintf(stderr, "flexkv-bench: the workers replayed %llu of %zu requests\n",
@@ -396,6 +459,220 @@ bool WritePlot(const std::vector<TraceRun>& runs, const std::string& png, int cl
   return true;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// --ssd-blocks: DRAM alone, DRAM + SSD, block-LRU over both capacities
+
+uint64_t Counter(const flexkv::DaemonStatus::Tier& t, const char* name) {
+  auto it = t.counters.find(name);
+  return it == t.counters.end() ? 0 : it->second;
+}
+
+// The SSD directory of run (b): `o.ssd_dir` (created if missing; it must not hold a block file, whose blocks the
+// daemon would rebuild: not a fresh replay) or a new directory under /var/tmp (a disk filesystem: the tier refuses
+// tmpfs). Removed on destruction when the bench made it.
+class SsdDir {
+ public:
+  static std::optional<SsdDir> Make(const std::string& given) {
+    SsdDir d;
+    if (given.empty()) {
+      char tmpl[] = "/var/tmp/flexkv-bench-trace-ssd-XXXXXX";
+      if (mkdtemp(tmpl) == nullptr) {
+        std::fprintf(stderr, "flexkv-bench: mkdtemp %s: %s\n", tmpl, std::strerror(errno));
+        return std::nullopt;
+      }
+      d.path_ = tmpl;
+      d.owned_ = true;
+      return d;
+    }
+    std::error_code ec;
+    std::filesystem::create_directories(given, ec);
+    if (ec) {
+      std::fprintf(stderr, "flexkv-bench: --ssd-dir %s: %s\n", given.c_str(), ec.message().c_str());
+      return std::nullopt;
+    }
+    const std::string file = (std::filesystem::path(given) / flexkv::kSsdFileName).string();
+    if (std::filesystem::exists(file, ec)) {
+      std::fprintf(stderr, "flexkv-bench: --ssd-dir %s holds %s from an earlier run; its blocks would be rebuilt "
+                   "(not a fresh replay): remove it or give another directory\n", given.c_str(), file.c_str());
+      return std::nullopt;
+    }
+    d.path_ = std::filesystem::absolute(given).string();
+    return d;
+  }
+  SsdDir(SsdDir&& other) noexcept : path_(std::move(other.path_)), owned_(std::exchange(other.owned_, false)) {}
+  SsdDir& operator=(SsdDir&&) = delete;
+  ~SsdDir() {
+    if (!owned_) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  bool owned() const { return owned_; }
+
+ private:
+  SsdDir() = default;
+  std::string path_;
+  bool owned_ = false;
+};
+
+int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::vector<TraceRequest>& trace,
+                     const std::vector<std::vector<flexkv::BlockKey>>& keys) {
+  const uint32_t n = o.capacity, m = o.ssd_blocks;
+  const uint64_t combined = uint64_t{n} + m;
+  // Slots on disk: a 4 KiB header sector, then the block padded to 4 KiB; a 4 KiB file header first.
+  const uint64_t stride = flexkv::kSsdAlign + flexkv::SsdRoundUp(o.block_bytes);
+  const uint64_t ssd_bytes = flexkv::kSsdAlign + uint64_t{m} * stride;
+
+  // (a) DRAM alone.
+  const int64_t wall_a = NowNs();
+  auto dram = RunOnce(self, o, n, trace, keys);
+  if (!dram) return 1;
+  const double wall_a_s = static_cast<double>(NowNs() - wall_a) / 1e9;
+
+  // (b) DRAM + SSD, on a fresh directory.
+  auto dir = SsdDir::Make(o.ssd_dir);
+  if (!dir) return 2;
+  DaemonModel with_ssd;
+  with_ssd.ssd_args = {"--ssd-path", dir->path(), "--ssd-size", std::to_string(ssd_bytes)};
+  if (o.ssd_write_through) with_ssd.ssd_args.push_back("--ssd-write-through");
+  if (o.ssd_writeback_window > 0) {
+    with_ssd.ssd_args.insert(with_ssd.ssd_args.end(), {"--ssd-writeback-window", fmt::format("{}", o.ssd_writeback_window)});
+  }
+  if (o.ssd_queue_depth > 0) {
+    with_ssd.ssd_args.insert(with_ssd.ssd_args.end(), {"--ssd-queue-depth", std::to_string(o.ssd_queue_depth)});
+  }
+  const int64_t wall_b = NowNs();
+  auto tiered = RunOnce(self, o, n, trace, keys, with_ssd);
+  if (!tiered) return 1;
+  const double wall_b_s = static_cast<double>(NowNs() - wall_b) / 1e9;
+  const flexkv::DaemonStatus::Tier& t = *tiered->ssd;
+
+  // (c) block-LRU over N + M, and the daemon's policy as one pool of N + M (in-process).
+  const HitCount lru = ReferenceLru(trace, combined);
+  const HitCount one_pool = SimulatePrefixIndex(trace, keys, static_cast<uint32_t>(std::min<uint64_t>(combined, UINT32_MAX)));
+  const HitCount bound = InfiniteCacheBound(trace);
+  // An inclusive tier (write-through: every DRAM block is on SSD too) holds at most M distinct blocks.
+  const HitCount lru_ssd_only = ReferenceLru(trace, m);
+
+  const uint64_t promoted = Counter(t, "promoted_blocks");
+  const std::string mode = o.ssd_write_through
+                               ? std::string("write-through")
+                               : fmt::format("write-back, window {}", o.ssd_writeback_window > 0 ? o.ssd_writeback_window : 0.25);
+  auto rps = [](const TraceRun& r) { return r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0; };
+  if (o.json) {
+    Json ssd = Json::object();
+    ssd["state"] = t.state;
+    ssd["capacity_blocks"] = t.capacity_blocks;
+    ssd["used_blocks"] = t.used_blocks;
+    ssd["capacity_bytes"] = t.capacity_bytes;
+    ssd["block_bytes"] = t.block_bytes;
+    for (const auto& [k, v] : t.counters) ssd[k] = v;
+    ssd["files"] = Json::array();
+    for (const auto& f : t.files) {
+      ssd["files"].push_back({{"path", f.path}, {"filesystem", f.filesystem}, {"direct_io", f.direct_io}, {"slots", f.slots}});
+    }
+    ssd["notes"] = t.notes;
+    Json b = RunJson(*tiered, o.clients, o.order, o.block_bytes);
+    b["dram_hit_blocks"] = tiered->hits - std::min(tiered->hits, promoted);
+    b["ssd_wait_s"] = Rounded(tiered->ssd_wait_s, 3);
+    b["wall_s"] = Rounded(wall_b_s, 2);
+    b["ssd"] = std::move(ssd);
+    b["dram_used_end"] = tiered->dram_used_end;
+    b["dram_pinned_end"] = tiered->dram_pinned_end;
+    b["dram_pinned_2s_later"] = tiered->dram_pinned_settled;
+    if (tiered->ssd_settled) {
+      b["ssd_writes_in_flight_2s_later"] = Counter(*tiered->ssd_settled, "writes_in_flight");
+      b["ssd_written_back_2s_later"] = Counter(*tiered->ssd_settled, "written_back_blocks");
+    }
+    Json codes = Json::object();
+    for (const auto& [code, v] : tiered->shortfall_codes) codes[code] = {{"stores", v.first}, {"first", v.second}};
+    b["store_shortfall_codes"] = std::move(codes);
+    Json a = RunJson(*dram, o.clients, o.order, o.block_bytes);
+    a["wall_s"] = Rounded(wall_a_s, 2);
+    Json report{{"bench", "trace"},
+                {"trace", o.trace},
+                {"daemon", "spawned"},
+                {"dram_blocks", n},
+                {"ssd_blocks", m},
+                {"ssd_size_bytes", ssd_bytes},
+                {"ssd_capacity_blocks", t.capacity_blocks},
+                {"ssd_mode", o.ssd_write_through ? "write-through" : "write-back"},
+                {"ssd_writeback_window", o.ssd_write_through ? Json(nullptr) : Json(o.ssd_writeback_window > 0 ? o.ssd_writeback_window : 0.25)},
+                {"ssd_dir", dir->owned() ? Json(nullptr) : Json(dir->path())},
+                {"block_bytes", o.block_bytes},
+                {"clients", o.clients},
+                {"order", o.order},
+                {"gap_us", o.gap_us},
+                {"dram", std::move(a)},
+                {"dram_ssd", std::move(b)},
+                {"block_lru_combined",
+                 {{"capacity_blocks", combined}, {"hit_blocks", lru.hits}, {"blocks", lru.blocks},
+                  {"hit_ratio", Rounded(lru.ratio(), 4)}}},
+                {"prefix_index_sim_combined",
+                 {{"capacity_blocks", combined}, {"hit_blocks", one_pool.hits}, {"blocks", one_pool.blocks},
+                  {"hit_ratio", Rounded(one_pool.ratio(), 4)}}},
+                {"block_lru_ssd_only",
+                 {{"capacity_blocks", m}, {"hit_blocks", lru_ssd_only.hits}, {"blocks", lru_ssd_only.blocks},
+                  {"hit_ratio", Rounded(lru_ssd_only.ratio(), 4)}}},
+                {"infinite_cache_bound", Rounded(bound.ratio(), 4)}};
+    fmt::print("{}", DumpLine(report));
+  } else {
+    fmt::print("trace {}: {} requests, {} blocks; {} client processes, order {}{}, {} B blocks\n", o.trace,
+               trace.size(), bound.blocks, o.clients, o.order,
+               o.gap_us > 0 ? fmt::format(", {} us gap before each request", o.gap_us) : std::string(), o.block_bytes);
+    fmt::print("SSD tier: {} blocks asked (--ssd-size {}), capacity_blocks {} reported ({} B blocks, {} B slots), "
+               "{}, in {}{}\n", m, ssd_bytes, t.capacity_blocks, t.block_bytes, stride, mode, dir->path(),
+               dir->owned() ? " (removed afterwards)" : "");
+    if (t.capacity_blocks != m) {
+      fmt::print("  NOTE: the tier holds {} blocks, not the {} asked\n", t.capacity_blocks, m);
+    }
+    const std::string la = fmt::format("(a) flexkvd DRAM {}", n);
+    const std::string lb = fmt::format("(b) flexkvd DRAM {} + SSD {}", n, t.capacity_blocks);
+    const std::string lc = fmt::format("(c) block-LRU {}", combined);
+    fmt::print("\n{:<36} {:>9} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10} {:>7}\n", "", "hit ratio", "hit blocks",
+               "blocks", "promoted", "written back", "evicted unwritten", "requests/s", "wall s");
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10.0f} {:>7.1f}\n", la, dram->hit_ratio(),
+               dram->hits, dram->blocks, "-", "-", "-", rps(*dram), wall_a_s);
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10.0f} {:>7.1f}\n", lb, tiered->hit_ratio(),
+               tiered->hits, tiered->blocks, promoted, Counter(t, "written_back_blocks"),
+               Counter(t, "evicted_unwritten_blocks"), rps(*tiered), wall_b_s);
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10} {:>9} {:>12} {:>17} {:>10} {:>7}\n", lc, lru.ratio(), lru.hits,
+               lru.blocks, "-", "-", "-", "-", "-");
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10}\n", fmt::format("    PrefixIndex sim {}", combined), one_pool.ratio(),
+               one_pool.hits, one_pool.blocks);
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10}\n", fmt::format("    block-LRU {} (SSD's alone)", m), lru_ssd_only.ratio(),
+               lru_ssd_only.hits, lru_ssd_only.blocks);
+    fmt::print("{:<36} {:>9.4f} {:>10} {:>10}\n", "    infinite-cache bound", bound.ratio(), bound.hits, bound.blocks);
+    fmt::print("\n(b) detail: DRAM hits {} + SSD hits (promoted) {}; promotion requests {}, refused {}, failed {}; "
+               "written back {} (refused {}, failed {}); DRAM evictions written {} / unwritten {}; SSD evictions {}; "
+               "SSD used {} of {}; read {} B, written {} B; load mismatches {}; store shortfalls {}\n",
+               tiered->hits - std::min(tiered->hits, promoted), promoted, Counter(t, "promotion_requests"),
+               Counter(t, "promotion_refused_blocks"), Counter(t, "promotion_failed_blocks"),
+               Counter(t, "written_back_blocks"), Counter(t, "writeback_refused_blocks"),
+               Counter(t, "writeback_failed_blocks"), Counter(t, "evicted_written_blocks"),
+               Counter(t, "evicted_unwritten_blocks"), Counter(t, "evicted_blocks"), t.used_blocks, t.capacity_blocks,
+               Counter(t, "read_bytes"), Counter(t, "write_bytes"), tiered->mismatches, tiered->shortfalls);
+    fmt::print("(b) at the end: DRAM used {} pinned {}; SSD reads/writes in flight {}/{}", tiered->dram_used_end,
+               tiered->dram_pinned_end, Counter(t, "reads_in_flight"), Counter(t, "writes_in_flight"));
+    if (tiered->ssd_settled) {
+      const flexkv::DaemonStatus::Tier& u = *tiered->ssd_settled;
+      fmt::print("; 2 s later: DRAM pinned {}, in flight {}/{}, written back {}", tiered->dram_pinned_settled,
+                 Counter(u, "reads_in_flight"), Counter(u, "writes_in_flight"), Counter(u, "written_back_blocks"));
+    }
+    fmt::print("\n");
+    for (const auto& [code, v] : tiered->shortfall_codes) {
+      fmt::print("(b) store shortfalls {}: {} (first: {})\n", code, v.first, v.second);
+    }
+    for (const auto& [code, v] : dram->shortfall_codes) {
+      fmt::print("(a) store shortfalls {}: {} (first: {})\n", code, v.first, v.second);
+    }
+    fmt::print("(a) reference block-LRU {} {:.4f}, PrefixIndex sim {} {:.4f}; load mismatches {}\n", n,
+               dram->reference.ratio(), n, dram->sim.ratio(), dram->mismatches);
+    for (const std::string& note : t.notes) fmt::print("SSD note: {}\n", note);
+  }
+  return dram->mismatches == 0 && tiered->mismatches == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int RunTraceBench(int argc, char** argv) {
@@ -429,7 +706,37 @@ int RunTraceBench(int argc, char** argv) {
                  "With --geometry: the budget's split between sub-pools: daemon (flexkvd's default), demand (in "
                  "proportion to what each component holds after the trace with no eviction) or one weight per "
                  "component, w0,w1,...; the flexkvd run gets it as --swa-share/--state-share");
+  app.add_option("--ssd-blocks", o.ssd_blocks,
+                 "Also compare, in one run: flexkvd with --capacity-blocks DRAM blocks alone, the same with an SSD "
+                 "tier of this many blocks, and block-LRU over both capacities")
+      ->check(CLI::Range(1u, 100000000u));
+  app.add_option("--ssd-dir", o.ssd_dir,
+                 "With --ssd-blocks: the SSD tier's directory (created if missing, kept; must not hold a block file). "
+                 "Default: a new directory under /var/tmp, removed afterwards");
+  app.add_flag("--ssd-write-through", o.ssd_write_through, "With --ssd-blocks: flexkvd --ssd-write-through");
+  app.add_option("--ssd-writeback-window", o.ssd_writeback_window,
+                 "With --ssd-blocks: flexkvd --ssd-writeback-window (default: the daemon's, 0.25)")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--ssd-queue-depth", o.ssd_queue_depth,
+                 "With --ssd-blocks: flexkvd --ssd-queue-depth (default: the daemon's, 32)")
+      ->check(CLI::Range(1u, 65536u));
+  app.add_option("--gap-us", o.gap_us,
+                 "Pacing: each request waits this many microseconds once it is its turn, before its Match (default 0: "
+                 "as fast as possible); with --order strict the replay takes about requests x this longer, time the "
+                 "SSD tier's mover gets to keep up")
+      ->check(CLI::Range(0u, 10000000u));
   CLI11_PARSE(app, argc, argv);
+  if (o.ssd_blocks == 0 && (!o.ssd_dir.empty() || o.ssd_write_through || o.ssd_writeback_window > 0 ||
+                            o.ssd_queue_depth > 0)) {
+    std::fprintf(stderr, "flexkv-bench: --ssd-dir, --ssd-write-through, --ssd-writeback-window and "
+                 "--ssd-queue-depth need --ssd-blocks\n");
+    return 2;
+  }
+  if (o.ssd_blocks > 0 && (o.sweep || !o.geometry.empty())) {
+    std::fprintf(stderr, "flexkv-bench: --ssd-blocks compares one --capacity-blocks; it does not combine with "
+                 "--sweep or --geometry (hybrid domains stay DRAM-only)\n");
+    return 2;
+  }
 
   auto bb = flexkv::ParseByteSize(o.block_bytes_text);
   if (!bb.ok() || *bb < kTraceTokensPerBlock || *bb % kTraceTokensPerBlock != 0 ||
@@ -470,6 +777,7 @@ int RunTraceBench(int argc, char** argv) {
   keys.reserve(trace->size());
   for (const TraceRequest& r : *trace) keys.push_back(TraceKeys(r.hash_ids));
 
+  if (o.ssd_blocks > 0) return RunSsdComparison(self, o, *trace, keys);
   std::vector<TraceRun> runs;
   for (uint32_t cap : caps) {
     auto r = RunOnce(self, o, cap, *trace, keys);
@@ -485,7 +793,7 @@ int RunTraceBench(int argc, char** argv) {
     ho.daemon = [&](uint32_t cap, uint64_t pool_bytes, uint64_t scale, double swa_share,
                     double state_share) -> std::optional<HybridDaemonRun> {
       auto r = RunOnce(self, o, cap, *trace, keys,
-                       DaemonModel{o.geometry, scale, pool_bytes, o.chunk_blocks, swa_share, state_share});
+                       DaemonModel{o.geometry, scale, pool_bytes, o.chunk_blocks, swa_share, state_share, {}});
       if (!r) return std::nullopt;
       return HybridDaemonRun{r->blocks, r->hits, r->stored, r->shortfalls, r->mismatches, r->seconds,
                              r->component_capacity, r->component_used, r->component_unanchored, r->component_evicted};

@@ -11,8 +11,10 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <map>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_process.h"
@@ -66,6 +68,7 @@ struct WorkerOptions {
   std::string preset;
   uint64_t scale = 1;
   uint32_t chunk_blocks = 16;
+  uint32_t gap_us = 0;  // idle time before each request's Match, once it is its turn (trace --gap-us)
 };
 
 int WorkerMain(const WorkerOptions& o) {
@@ -170,11 +173,14 @@ int WorkerMain(const WorkerOptions& o) {
   };
   std::vector<int64_t> lat_match, lat_load, lat_release, lat_store;
   uint64_t blocks = 0, hits = 0, loaded = 0, stored = 0, shortfalls = 0, mismatches = 0;
+  std::map<std::string, uint64_t> shortfall_codes;  // by status code name; the first message of each kept
+  std::map<std::string, std::string> shortfall_first;
   const int64_t start = NowNs();
   for (const Mine& m : mine) {
     const auto n = static_cast<uint32_t>(m.ids.size());
     blocks += n;
     if (page != nullptr && !AwaitTurn(page, m.index)) return fail("turn", flexkv::Status::Internal("another worker failed"));
+    if (o.gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(o.gap_us));
     int64_t t0 = NowNs();
     auto mr = run(c.Match(m.keys, /*pin=*/true));
     lat_match.push_back(NowNs() - t0);
@@ -232,7 +238,11 @@ int WorkerMain(const WorkerOptions& o) {
         if (!sr.ok()) return fail("Store", sr.status());
         stored += sr->done_blocks;
         // RESOURCE_EXHAUSTED (everything pinned) or ABORTED (another rank is storing the same block): counted.
-        if (!sr->status.ok()) ++shortfalls;
+        if (!sr->status.ok()) {
+          ++shortfalls;
+          const std::string code = flexkv::StatusCodeName(sr->status.code());
+          if (shortfall_codes[code]++ == 0) shortfall_first[code] = sr->status.message();
+        }
         if (b == n) break;
       }
     }
@@ -245,6 +255,11 @@ int WorkerMain(const WorkerOptions& o) {
   Emit(SampleLine("LAT load", lat_load));
   Emit(SampleLine("LAT release", lat_release));
   Emit(SampleLine("LAT store", lat_store));
+  for (const auto& [code, count] : shortfall_codes) {
+    std::string first = shortfall_first[code];
+    std::replace(first.begin(), first.end(), '\n', ' ');
+    Emit(fmt::format("SHORTFALL {} {} {}\n", code, count, first.substr(0, 200)));
+  }
   Emit("DONE\n");
   (void)c.Detach();
   return 0;
@@ -264,6 +279,7 @@ int RunTraceWorker(int argc, char** argv) {
   app.add_option("--geometry", o.preset);
   app.add_option("--scale", o.scale);
   app.add_option("--chunk-blocks", o.chunk_blocks);
+  app.add_option("--gap-us", o.gap_us);
   CLI11_PARSE(app, argc, argv);
   return WorkerMain(o);
 }
