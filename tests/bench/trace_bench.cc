@@ -2,7 +2,7 @@
 //   flexkv-bench trace --trace FILE [--capacity-blocks N] [--clients K] [--block-bytes 4KiB] [--json]
 //                      [--sweep [--capacities 1000,2000,...] [--plot docs/trace_sweep.png]]
 //                      [--geometry PRESET [--chunk-blocks C] [--split daemon|demand|w0,w1,...]]
-//                      [--ssd-blocks M [--ssd-dir DIR] [--ssd-write-through] [--ssd-writeback-window W]
+//                      [--ssd-blocks M [--ssd-dir DIR] [--ssd-write-policy cold|all] [--ssd-writeback-window W]
 //                       [--ssd-queue-depth Q]] [--gap-us G]
 // --geometry adds the hybrid report (trace_hybrid_bench.cc): the model's pool, simulated, next to its all-FULL
 // reference at the same byte budget.
@@ -142,7 +142,7 @@ struct TraceOptions {
   // --ssd-blocks: the DRAM / DRAM + SSD / block-LRU(N + M) comparison (RunSsdComparison); 0: absent.
   uint32_t ssd_blocks = 0;
   std::string ssd_dir;  // empty: a new directory under /var/tmp, removed afterwards
-  bool ssd_write_through = false;
+  bool ssd_write_all = false;  // --ssd-write-policy all
   double ssd_writeback_window = 0;  // 0: the daemon's default (0.25)
   uint32_t ssd_queue_depth = 0;     // 0: the daemon's default (32)
   uint32_t gap_us = 0;              // each request waits this long once it is its turn (pacing; 0: none)
@@ -534,7 +534,7 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
   if (!dir) return 2;
   DaemonModel with_ssd;
   with_ssd.ssd_args = {"--ssd-path", dir->path(), "--ssd-size", std::to_string(ssd_bytes)};
-  if (o.ssd_write_through) with_ssd.ssd_args.push_back("--ssd-write-through");
+  with_ssd.ssd_args.push_back(o.ssd_write_all ? "--ssd-write-policy=all" : "--ssd-write-policy=cold");
   if (o.ssd_writeback_window > 0) {
     with_ssd.ssd_args.insert(with_ssd.ssd_args.end(), {"--ssd-writeback-window", fmt::format("{}", o.ssd_writeback_window)});
   }
@@ -551,13 +551,13 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
   const HitCount lru = ReferenceLru(trace, combined);
   const HitCount one_pool = SimulatePrefixIndex(trace, keys, static_cast<uint32_t>(std::min<uint64_t>(combined, UINT32_MAX)));
   const HitCount bound = InfiniteCacheBound(trace);
-  // An inclusive tier (write-through: every DRAM block is on SSD too) holds at most M distinct blocks.
+  // An inclusive tier (write policy all: every DRAM block is on SSD too) holds at most M distinct blocks.
   const HitCount lru_ssd_only = ReferenceLru(trace, m);
 
   const uint64_t promoted = Counter(t, "promoted_blocks");
-  const std::string mode = o.ssd_write_through
-                               ? std::string("write-through")
-                               : fmt::format("write-back, window {}", o.ssd_writeback_window > 0 ? o.ssd_writeback_window : 0.25);
+  const std::string mode = o.ssd_write_all
+                               ? std::string("write policy all")
+                               : fmt::format("write policy cold, window {}", o.ssd_writeback_window > 0 ? o.ssd_writeback_window : 0.25);
   auto rps = [](const TraceRun& r) { return r.seconds > 0 ? static_cast<double>(r.requests) / r.seconds : 0.0; };
   if (o.json) {
     Json ssd = Json::object();
@@ -596,8 +596,8 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
                 {"ssd_blocks", m},
                 {"ssd_size_bytes", ssd_bytes},
                 {"ssd_capacity_blocks", t.capacity_blocks},
-                {"ssd_mode", o.ssd_write_through ? "write-through" : "write-back"},
-                {"ssd_writeback_window", o.ssd_write_through ? Json(nullptr) : Json(o.ssd_writeback_window > 0 ? o.ssd_writeback_window : 0.25)},
+                {"ssd_mode", o.ssd_write_all ? "all" : "cold"},
+                {"ssd_writeback_window", o.ssd_write_all ? Json(nullptr) : Json(o.ssd_writeback_window > 0 ? o.ssd_writeback_window : 0.25)},
                 {"ssd_dir", dir->owned() ? Json(nullptr) : Json(dir->path())},
                 {"block_bytes", o.block_bytes},
                 {"clients", o.clients},
@@ -713,7 +713,9 @@ int RunTraceBench(int argc, char** argv) {
   app.add_option("--ssd-dir", o.ssd_dir,
                  "With --ssd-blocks: the SSD tier's directory (created if missing, kept; must not hold a block file). "
                  "Default: a new directory under /var/tmp, removed afterwards");
-  app.add_flag("--ssd-write-through", o.ssd_write_through, "With --ssd-blocks: flexkvd --ssd-write-through");
+  std::string write_policy;
+  app.add_option("--ssd-write-policy", write_policy, "With --ssd-blocks: flexkvd --ssd-write-policy (cold, the default, or all)")
+      ->check(CLI::IsMember({"cold", "all"}));
   app.add_option("--ssd-writeback-window", o.ssd_writeback_window,
                  "With --ssd-blocks: flexkvd --ssd-writeback-window (default: the daemon's, 0.25)")
       ->check(CLI::Range(0.0, 1.0));
@@ -726,9 +728,10 @@ int RunTraceBench(int argc, char** argv) {
                  "SSD tier's mover gets to keep up")
       ->check(CLI::Range(0u, 10000000u));
   CLI11_PARSE(app, argc, argv);
-  if (o.ssd_blocks == 0 && (!o.ssd_dir.empty() || o.ssd_write_through || o.ssd_writeback_window > 0 ||
+  o.ssd_write_all = write_policy == "all";
+  if (o.ssd_blocks == 0 && (!o.ssd_dir.empty() || !write_policy.empty() || o.ssd_writeback_window > 0 ||
                             o.ssd_queue_depth > 0)) {
-    std::fprintf(stderr, "flexkv-bench: --ssd-dir, --ssd-write-through, --ssd-writeback-window and "
+    std::fprintf(stderr, "flexkv-bench: --ssd-dir, --ssd-write-policy, --ssd-writeback-window and "
                  "--ssd-queue-depth need --ssd-blocks\n");
     return 2;
   }
