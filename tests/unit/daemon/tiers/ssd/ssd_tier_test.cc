@@ -152,6 +152,10 @@ struct Fixture {
   ~Fixture() { tier.reset(); }
 
   uint64_t Written() const { return tier->GetStatus().written_back_blocks; }
+  // At least `n` blocks written and none being written (so none pinned by the mover).
+  bool Settled(uint64_t n) const {
+    return WaitFor([&] { return Written() >= n && cache->write_back_stats().writing == 0; });
+  }
 
   Dir pool_dir, ssd_dir;
   std::unique_ptr<CacheSet> caches;
@@ -184,9 +188,9 @@ int64_t SlotOnDisk(const std::string& file, const BlockKey& key) {
 TEST_CASE("ssd tier: evicted blocks come back byte exact through promotion", "[ssd_tier]") {
   Fixture f(32);
   for (uint64_t c = 0; c < 4; ++c) REQUIRE(StoreChain(*f.cache, c, 8));  // the pool is full
-  REQUIRE(WaitFor([&] { return f.Written() >= 32; }));                    // window 1: all of it is written
+  REQUIRE(f.Settled(32));                    // window 1: all of it is written
   for (uint64_t c = 4; c < 8; ++c) REQUIRE(StoreChain(*f.cache, c, 8));  // evicts chains 0..3
-  REQUIRE(WaitFor([&] { return f.Written() >= 64; }));  // and chains 4..7, before the promotions evict them
+  REQUIRE(f.Settled(64));  // and chains 4..7, before the promotions evict them
   const flexkv::SsdTierStatus s = f.tier->GetStatus();
   CHECK(s.evicted_written_blocks == 32);
   CHECK(s.evicted_unwritten_blocks == 0);
@@ -208,8 +212,9 @@ TEST_CASE("ssd tier: evicted blocks come back byte exact through promotion", "[s
 TEST_CASE("ssd tier: a promotion continues a DRAM prefix and stops at a missing block", "[ssd_tier]") {
   Fixture f(16);
   REQUIRE(StoreChain(*f.cache, 1, 12));
-  REQUIRE(WaitFor([&] { return f.Written() >= 12; }));
+  REQUIRE(f.Settled(12));
   REQUIRE(StoreChain(*f.cache, 2, 12));  // evicts chain 1's last blocks (leaves first), keeps its prefix
+  REQUIRE(f.Settled(24));
   const size_t dram = f.cache->Match(Chain(1, 12), false, nullptr);
   REQUIRE(dram < 12);
   CHECK(PromoteAndWait(*f.tier, *f.cache, 1, 12) == static_cast<int>(12 - dram));
@@ -221,8 +226,9 @@ TEST_CASE("ssd tier: a promotion continues a DRAM prefix and stops at a missing 
 TEST_CASE("ssd tier: a block that fails verification is never promoted and ends the hit there", "[ssd_tier]") {
   Fixture f(16);
   REQUIRE(StoreChain(*f.cache, 5, 8));
-  REQUIRE(WaitFor([&] { return f.Written() >= 8; }));
+  REQUIRE(f.Settled(8));
   REQUIRE(StoreChain(*f.cache, 6, 16));  // evicts all of chain 5
+  REQUIRE(f.Settled(24));                // chain 6 written too: nothing pinned when the promotion reserves
   REQUIRE(f.cache->Match(Chain(5, 8), false, nullptr) == 0);
   // Flip a payload byte of block 3 on disk.
   const std::string file = f.ssd_dir.path() + "/" + flexkv::kSsdFileName;
@@ -252,7 +258,7 @@ TEST_CASE("ssd tier: a block that fails verification is never promoted and ends 
 TEST_CASE("ssd tier: the write-all policy writes every stored block, not only the cold end", "[ssd_tier]") {
   Fixture f(64, /*write_all=*/true, /*window=*/0.01);
   REQUIRE(StoreChain(*f.cache, 3, 10));
-  REQUIRE(WaitFor([&] { return f.Written() >= 10; }));
+  REQUIRE(f.Settled(10));
   CHECK(f.tier->GetStatus().used_blocks == 10);
   CHECK(f.cache->write_back_stats().writing == 0);
 }
