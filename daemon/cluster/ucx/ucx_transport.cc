@@ -1,0 +1,995 @@
+#include "daemon/cluster/ucx/ucx_transport.h"
+
+#include <arpa/inet.h>
+#include <infiniband/verbs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdio.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <regex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "common/log.h"
+
+namespace flexkv::cluster {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::string_view kLog = "ucx";
+
+// Descriptor: "FKVU", version u16, reserved u16, base u64, length u64, rkey_len u32, rkey bytes (little endian).
+constexpr char kMagic[4] = {'F', 'K', 'V', 'U'};
+constexpr uint16_t kVersion = 1;
+constexpr size_t kHeaderBytes = 4 + 2 + 2 + 8 + 8 + 4;
+constexpr uint32_t kMaxRkeyBytes = 4096;
+// ucp_ep_rkey_unpack takes no length: the packed rkey is a md map (8 bytes), a memory type byte, then per remote
+// memory domain a size byte and that many bytes (at most 64 domains). Unpacking from a copy followed by this many
+// zero bytes keeps every read UCX can make inside our buffer, whatever the (untrusted) bytes claim.
+constexpr size_t kRkeyPadding = 8 + 1 + 64 * (1 + 255) + 1024;
+// Keep at most this many unpacked rkeys per peer (one per remote region in practice).
+constexpr size_t kMaxRkeysPerPeer = 256;
+
+void PutLe(std::string* out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetLe(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
+std::string UcsError(ucs_status_t s) { return ucs_status_string(s); }
+
+bool IsSharedMemoryTransport(std::string_view t) {
+  static const char* const kBad[] = {"all", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self", "cuda_ipc",
+                                     "rocm_ipc"};
+  for (const char* b : kBad) {
+    if (t == b) return true;
+  }
+  return false;
+}
+
+// "host:port" or "[v6]:port" (numeric host) -> sockaddr.
+Result<std::pair<sockaddr_storage, socklen_t>> ParseEndpoint(const std::string& endpoint, bool port_required) {
+  std::string host, port;
+  if (!endpoint.empty() && endpoint[0] == '[') {
+    auto close = endpoint.find(']');
+    if (close == std::string::npos) return Status::InvalidArgument("endpoint '" + endpoint + "': missing ']'");
+    host = endpoint.substr(1, close - 1);
+    if (close + 1 < endpoint.size()) {
+      if (endpoint[close + 1] != ':') return Status::InvalidArgument("endpoint '" + endpoint + "': expected ':port'");
+      port = endpoint.substr(close + 2);
+    }
+  } else {
+    auto colon = endpoint.rfind(':');
+    if (colon == std::string::npos || endpoint.find(':') != colon) {
+      host = endpoint;  // no port, or a bare IPv6 address
+    } else {
+      host = endpoint.substr(0, colon);
+      port = endpoint.substr(colon + 1);
+    }
+  }
+  if (host.empty()) return Status::InvalidArgument("endpoint '" + endpoint + "': empty host");
+  if (port_required && port.empty()) return Status::InvalidArgument("endpoint '" + endpoint + "': no port");
+  unsigned long port_value = 0;
+  if (!port.empty()) {
+    if (port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos)
+      return Status::InvalidArgument("endpoint '" + endpoint + "': bad port");
+    port_value = std::stoul(port);
+    if (port_value > 65535 || (port_required && port_value == 0))
+      return Status::InvalidArgument("endpoint '" + endpoint + "': bad port");
+  }
+  addrinfo hints{};
+  hints.ai_flags = AI_NUMERICHOST;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return Status::InvalidArgument("endpoint '" + endpoint + "': host is not a numeric address (" +
+                                   gai_strerror(rc) + ")");
+  }
+  sockaddr_storage ss{};
+  socklen_t len = static_cast<socklen_t>(res->ai_addrlen);
+  std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
+  freeaddrinfo(res);
+  const auto p = htons(static_cast<uint16_t>(port_value));
+  if (ss.ss_family == AF_INET) {
+    reinterpret_cast<sockaddr_in*>(&ss)->sin_port = p;
+  } else {
+    reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = p;
+  }
+  return std::make_pair(ss, len);
+}
+
+std::string FormatSockaddr(const sockaddr_storage& ss) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &in->sin_addr, buf, sizeof buf);
+    return std::string(buf) + ":" + std::to_string(ntohs(in->sin_port));
+  }
+  if (ss.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+    inet_ntop(AF_INET6, &in6->sin6_addr, buf, sizeof buf);
+    return "[" + std::string(buf) + "]:" + std::to_string(ntohs(in6->sin6_port));
+  }
+  return "?";
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// The core: everything the progress thread owns. Shared with RegisteredRegion handles through a weak_ptr.
+
+struct UcxCore {
+  struct Op;
+  struct Peer {
+    uint64_t id = 0;
+    std::string endpoint;
+    sockaddr_storage addr{};
+    socklen_t addrlen = 0;
+    ucp_ep_h ep = nullptr;
+    bool failed = false;          // the error handler ran; close the ep in the loop
+    bool closed_by_deadline = false;
+    bool connected_once = false;
+    std::map<std::string, ucp_rkey_h> rkeys;  // packed rkey -> unpacked, valid with `ep` only
+    std::unordered_set<Op*> ops;
+  };
+  // A Get, or the flush that Connect waits on.
+  struct Op {
+    UcxCore* core = nullptr;
+    uint64_t peer_id = 0;
+    bool is_get = true;
+    Clock::time_point deadline;
+    bool deadline_hit = false;
+    bool posted = false;
+    ucs_status_t ucs = UCS_INPROGRESS;
+    std::function<void(Status)> done;
+  };
+  struct Region {
+    ucp_mem_h memh = nullptr;
+    uintptr_t base = 0;
+    uint64_t bytes = 0;
+  };
+
+  UcxOptions options;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_listener_h listener = nullptr;
+  int worker_efd = -1;
+  int wake_fd = -1;
+  std::string endpoint_text;
+  std::thread thread;
+  std::thread::id thread_id;
+
+  // Commands for the progress thread.
+  std::mutex queue_mu;
+  std::deque<std::function<void()>> queue;
+  bool stop = false;  // guarded by queue_mu
+
+  std::atomic<bool> shutting_down{false};
+  std::atomic<uint32_t> inflight{0};
+
+  // Progress-thread state (no lock: only the progress thread touches it).
+  std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers;
+  uint64_t next_peer_id = 1;
+  std::set<std::pair<Clock::time_point, Op*>> deadlines;
+  std::vector<Op*> completed;             // filled by UCX callbacks, drained after progress
+  std::vector<void*> closing;             // ep close requests still in progress
+  std::unordered_set<ucp_ep_h> accepted;  // server-side endpoints
+  std::vector<ucp_ep_h> accepted_failed;
+  std::unordered_map<uint64_t, Region> regions;
+  uint64_t next_region_id = 1;
+
+  // Read by other threads.
+  mutable std::mutex info_mu;
+  std::function<bool(const sockaddr&)> accept_filter;  // guarded by info_mu
+  std::set<std::string> lanes;                         // guarded by info_mu
+  UcxTransport::Stats stats;                           // guarded by info_mu
+
+  ~UcxCore() {
+    if (worker != nullptr) ucp_worker_destroy(worker);
+    if (context != nullptr) ucp_cleanup(context);
+    if (wake_fd >= 0) close(wake_fd);
+  }
+
+  bool OnLoopThread() const { return std::this_thread::get_id() == thread_id; }
+
+  // Queues `fn` for the progress thread; false (and `fn` dropped) once the thread is stopping.
+  bool Post(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mu);
+      if (stop) return false;
+      queue.push_back(std::move(fn));
+    }
+    uint64_t one = 1;
+    ssize_t n = write(wake_fd, &one, sizeof one);
+    (void)n;
+    return true;
+  }
+
+  // Runs `fn` on the progress thread and waits for it (inline when already there); `fallback` once the thread
+  // has stopped.
+  template <typename T>
+  T RunSync(std::function<T()> fn, T fallback) {
+    if (OnLoopThread()) return fn();
+    std::promise<T> promise;
+    auto future = promise.get_future();
+    if (!Post([&] { promise.set_value(fn()); })) return fallback;
+    return future.get();
+  }
+
+  // ---- UCX callbacks (progress thread, inside ucp_worker_progress or ucp_ep_close_nbx) ----
+  static void OnOpDone(void* request, ucs_status_t status, void* user_data) {
+    auto* op = static_cast<Op*>(user_data);
+    op->ucs = status;
+    ucp_request_free(request);
+    op->core->completed.push_back(op);
+  }
+  static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* peer = static_cast<Peer*>(arg);
+    if (peer->ep == ep) {
+      log::Info(kLog, "connection to {} failed: {}", peer->endpoint, UcsError(status));
+      peer->failed = true;
+    }
+  }
+  static void OnAcceptedError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* core = static_cast<UcxCore*>(arg);
+    log::Debug(kLog, "accepted connection ended: {}", UcsError(status));
+    if (core->accepted.count(ep)) core->accepted_failed.push_back(ep);
+  }
+  static void OnConnRequest(ucp_conn_request_h request, void* arg) {
+    auto* core = static_cast<UcxCore*>(arg);
+    ucp_conn_request_attr_t attr{};
+    attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+    bool accept = false;
+    std::string who = "?";
+    if (ucp_conn_request_query(request, &attr) == UCS_OK) {
+      who = FormatSockaddr(attr.client_address);
+      std::function<bool(const sockaddr&)> filter;
+      {
+        std::lock_guard<std::mutex> lock(core->info_mu);
+        filter = core->accept_filter;
+      }
+      accept = !filter || filter(*reinterpret_cast<const sockaddr*>(&attr.client_address));
+    }
+    if (!accept || core->shutting_down.load()) {
+      log::Warning(kLog, "refused a connection request from {}", who);
+      ucp_listener_reject(core->listener, request);
+      std::lock_guard<std::mutex> lock(core->info_mu);
+      ++core->stats.connections_rejected;
+      return;
+    }
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.conn_request = request;
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &UcxCore::OnAcceptedError;
+    params.err_handler.arg = core;
+    ucp_ep_h ep = nullptr;
+    ucs_status_t s = ucp_ep_create(core->worker, &params, &ep);
+    if (s != UCS_OK) {
+      log::Warning(kLog, "accepting a connection from {} failed: {}", who, UcsError(s));
+      return;
+    }
+    core->accepted.insert(ep);
+    log::Debug(kLog, "accepted a connection from {}", who);
+    std::lock_guard<std::mutex> lock(core->info_mu);
+    ++core->stats.connections_accepted;
+  }
+
+  // ---- progress-thread helpers ----
+  void CloseEp(ucp_ep_h ep) {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* req = ucp_ep_close_nbx(ep, &param);
+    if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+  }
+  void ClosePeerEp(Peer* peer) {
+    if (peer->ep == nullptr) return;
+    for (auto& [bytes, rkey] : peer->rkeys) ucp_rkey_destroy(rkey);
+    peer->rkeys.clear();
+    ucp_ep_h ep = peer->ep;
+    peer->ep = nullptr;
+    peer->failed = false;
+    CloseEp(ep);  // pending requests complete (UCS_ERR_CANCELED) through OnOpDone
+  }
+  Status CreatePeerEp(Peer* peer) {
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&peer->addr);
+    params.sockaddr.addrlen = peer->addrlen;
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &UcxCore::OnPeerError;
+    params.err_handler.arg = peer;
+    ucs_status_t s = ucp_ep_create(worker, &params, &peer->ep);
+    if (s != UCS_OK) {
+      peer->ep = nullptr;
+      return Status::Unavailable("connecting to " + peer->endpoint + ": " + UcsError(s));
+    }
+    peer->failed = false;
+    peer->closed_by_deadline = false;
+    if (peer->connected_once) {
+      std::lock_guard<std::mutex> lock(info_mu);
+      ++stats.reconnects;
+    }
+    peer->connected_once = true;
+    return Status::Ok();
+  }
+  void RecordLanes(Peer* peer) {
+    if (peer->ep == nullptr) return;
+    char* text = nullptr;
+    size_t size = 0;
+    FILE* f = open_memstream(&text, &size);
+    if (f == nullptr) return;
+    ucp_ep_print_info(peer->ep, f);
+    fclose(f);
+    std::string info(text, size);
+    free(text);
+    // Lines like "#   lane[0]:  1:tcp/lo.0 md[1] ..." or "... rc_mlx5/mlx5_0:1 ...": take "tl/dev" tokens.
+    static const std::regex kLane(R"(lane\[\d+\]:\s+\d+:([A-Za-z0-9_]+)/([A-Za-z0-9_.:\-]+))");
+    std::lock_guard<std::mutex> lock(info_mu);
+    for (std::sregex_iterator it(info.begin(), info.end(), kLane), end; it != end; ++it) {
+      std::string dev = (*it)[2].str();
+      if (auto dot = dev.rfind('.'); dot != std::string::npos && dot + 1 < dev.size() &&
+                                     dev.find_first_not_of("0123456789", dot + 1) == std::string::npos) {
+        dev.resize(dot);  // "lo.0": drop the path index
+      }
+      lanes.insert((*it)[1].str() + "/" + dev);
+    }
+  }
+
+  // Ops finished by UCX: report them.
+  void FinishCompleted() {
+    while (!completed.empty()) {
+      std::vector<Op*> batch;
+      batch.swap(completed);
+      for (Op* op : batch) Finish(op);
+    }
+  }
+  void Finish(Op* op) {
+    deadlines.erase({op->deadline, op});
+    bool closed_by_deadline = false;
+    if (auto it = peers.find(op->peer_id); it != peers.end()) {
+      it->second->ops.erase(op);
+      closed_by_deadline = it->second->closed_by_deadline;
+    }
+    Status status;
+    if (op->ucs == UCS_OK) {
+      status = Status::Ok();
+    } else if (op->deadline_hit) {
+      status = Status::DeadlineExceeded("no completion within " + std::to_string(options.get_deadline.count()) +
+                                        " ms; request cancelled, endpoint closed");
+    } else if (shutting_down.load()) {
+      status = Status::Cancelled("the transport is shutting down");
+    } else if (op->ucs == UCS_ERR_CANCELED && closed_by_deadline) {
+      status = Status::Unavailable("cancelled: another request to this peer hit its deadline");
+    } else if (op->ucs == UCS_ERR_CANCELED) {
+      status = Status::Unavailable("cancelled: the connection was closed");
+    } else {
+      status = Status::Unavailable(std::string("peer: ") + UcsError(op->ucs));
+    }
+    if (op->is_get) {
+      std::lock_guard<std::mutex> lock(info_mu);
+      if (status.ok()) {
+        ++stats.gets_ok;
+      } else {
+        ++stats.gets_failed;
+        if (op->deadline_hit) ++stats.deadlines;
+      }
+    }
+    auto done = std::move(op->done);
+    if (op->is_get) inflight.fetch_sub(1);
+    delete op;
+    if (done) done(std::move(status));
+  }
+  // Completes an op that UCX never took (or took and finished at once).
+  void FinishNow(Op* op, ucs_status_t ucs) {
+    op->ucs = ucs;
+    Finish(op);
+  }
+  void FinishWith(Op* op, Status status) {
+    deadlines.erase({op->deadline, op});
+    if (auto it = peers.find(op->peer_id); it != peers.end()) it->second->ops.erase(op);
+    if (op->is_get) {
+      std::lock_guard<std::mutex> lock(info_mu);
+      ++stats.gets_failed;
+    }
+    auto done = std::move(op->done);
+    if (op->is_get) inflight.fetch_sub(1);
+    delete op;
+    if (done) done(std::move(status));
+  }
+
+  void CheckDeadlines() {
+    const auto now = Clock::now();
+    std::vector<Peer*> to_close;
+    for (auto it = deadlines.begin(); it != deadlines.end() && it->first <= now;) {
+      Op* op = it->second;
+      it = deadlines.erase(it);
+      op->deadline_hit = true;
+      auto pit = peers.find(op->peer_id);
+      if (pit != peers.end() && pit->second->ep != nullptr) to_close.push_back(pit->second.get());
+    }
+    for (Peer* peer : to_close) {
+      if (peer->ep == nullptr) continue;
+      log::Warning(kLog, "a request to {} had no completion within {} ms: closing the endpoint", peer->endpoint,
+                   options.get_deadline.count());
+      peer->closed_by_deadline = true;
+      ClosePeerEp(peer);
+    }
+  }
+  int PollTimeoutMs() const {
+    if (deadlines.empty()) return 1000;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadlines.begin()->first - Clock::now());
+    return static_cast<int>(std::clamp<int64_t>(left.count() + 1, 0, 1000));
+  }
+  void Housekeeping() {
+    for (auto& [id, peer] : peers) {
+      if (peer->failed && peer->ep != nullptr) ClosePeerEp(peer.get());
+    }
+    for (ucp_ep_h ep : accepted_failed) {
+      if (accepted.erase(ep)) CloseEp(ep);
+    }
+    accepted_failed.clear();
+    for (auto it = closing.begin(); it != closing.end();) {
+      if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
+        ucp_request_free(*it);
+        it = closing.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  // One round of everything but sleeping.
+  void Turn() {
+    while (ucp_worker_progress(worker) != 0) {
+    }
+    FinishCompleted();
+    Housekeeping();
+    FinishCompleted();
+    CheckDeadlines();
+    FinishCompleted();
+  }
+
+  void Loop() {
+    for (;;) {
+      std::deque<std::function<void()>> work;
+      bool stopping;
+      {
+        std::lock_guard<std::mutex> lock(queue_mu);
+        work.swap(queue);
+        stopping = stop;
+      }
+      for (auto& fn : work) fn();
+      Turn();
+      if (stopping) break;
+      {
+        std::lock_guard<std::mutex> lock(queue_mu);
+        if (!queue.empty() || stop) continue;
+      }
+      if (!completed.empty()) continue;
+      ucs_status_t s = ucp_worker_arm(worker);
+      if (s == UCS_ERR_BUSY) continue;
+      pollfd fds[2] = {{worker_efd, POLLIN, 0}, {wake_fd, POLLIN, 0}};
+      int rc = poll(fds, 2, PollTimeoutMs());
+      if (rc > 0 && (fds[1].revents & POLLIN)) {
+        uint64_t v;
+        ssize_t n = read(wake_fd, &v, sizeof v);
+        (void)n;
+      }
+    }
+  }
+
+  // ---- commands (progress thread) ----
+  void StartGet(Op* op, std::string rkey_bytes, uint64_t remote_address, void* dst, uint64_t len) {
+    auto pit = peers.find(op->peer_id);
+    if (pit == peers.end()) {
+      FinishWith(op, Status::Unavailable("the peer was disconnected"));
+      return;
+    }
+    Peer* peer = pit->second.get();
+    if (peer->ep != nullptr && peer->failed) ClosePeerEp(peer);
+    if (peer->ep == nullptr) {
+      Status s = CreatePeerEp(peer);
+      if (!s.ok()) {
+        FinishWith(op, s);
+        return;
+      }
+    }
+    ucp_rkey_h rkey = nullptr;
+    if (auto it = peer->rkeys.find(rkey_bytes); it != peer->rkeys.end()) {
+      rkey = it->second;
+    } else {
+      if (peer->rkeys.size() >= kMaxRkeysPerPeer) {
+        for (auto& [b, k] : peer->rkeys) ucp_rkey_destroy(k);
+        peer->rkeys.clear();
+      }
+      std::vector<char> padded(rkey_bytes.size() + kRkeyPadding, 0);
+      std::memcpy(padded.data(), rkey_bytes.data(), rkey_bytes.size());
+      ucs_status_t s = ucp_ep_rkey_unpack(peer->ep, padded.data(), &rkey);
+      if (s != UCS_OK) {
+        FinishWith(op, Status::InvalidArgument("the region's rkey was refused: " + UcsError(s)));
+        return;
+      }
+      peer->rkeys.emplace(std::move(rkey_bytes), rkey);
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &UcxCore::OnOpDone;
+    param.user_data = op;
+    // dst inside a region we registered: hand UCX its memory handle.
+    const auto d = reinterpret_cast<uintptr_t>(dst);
+    for (const auto& [id, region] : regions) {
+      if (d >= region.base && len <= region.bytes && d - region.base <= region.bytes - len) {
+        param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        param.memh = region.memh;
+        break;
+      }
+    }
+    peer->ops.insert(op);
+    deadlines.insert({op->deadline, op});
+    void* req = ucp_get_nbx(peer->ep, dst, len, remote_address, rkey, &param);
+    op->posted = true;
+    if (req == nullptr) {
+      FinishNow(op, UCS_OK);
+    } else if (UCS_PTR_IS_ERR(req)) {
+      FinishNow(op, UCS_PTR_STATUS(req));
+    }
+  }
+
+  void StartFlush(Op* op) {
+    auto pit = peers.find(op->peer_id);
+    if (pit == peers.end() || pit->second->ep == nullptr) {
+      FinishWith(op, Status::Unavailable("no connection"));
+      return;
+    }
+    Peer* peer = pit->second.get();
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &UcxCore::OnOpDone;
+    param.user_data = op;
+    peer->ops.insert(op);
+    deadlines.insert({op->deadline, op});
+    void* req = ucp_ep_flush_nbx(peer->ep, &param);
+    if (req == nullptr) {
+      FinishNow(op, UCS_OK);
+    } else if (UCS_PTR_IS_ERR(req)) {
+      FinishNow(op, UCS_PTR_STATUS(req));
+    }
+  }
+
+  void Shutdown() {
+    shutting_down.store(true);
+    if (listener != nullptr) {
+      ucp_listener_destroy(listener);
+      listener = nullptr;
+    }
+    for (auto& [id, peer] : peers) ClosePeerEp(peer.get());
+    for (ucp_ep_h ep : accepted) CloseEp(ep);
+    accepted.clear();
+    // Let the cancellations and closes finish (bounded: a close that never completes is abandoned).
+    const auto until = Clock::now() + std::chrono::seconds(5);
+    for (;;) {
+      Turn();
+      bool ops_left = false;
+      for (auto& [id, peer] : peers) ops_left |= !peer->ops.empty();
+      if ((!ops_left && closing.empty()) || Clock::now() > until) break;
+    }
+    for (auto& [id, peer] : peers) {
+      for (Op* op : std::vector<Op*>(peer->ops.begin(), peer->ops.end())) {
+        log::Error(kLog, "a request to {} never completed after its endpoint was closed", peer->endpoint);
+        (void)op;  // leaked on purpose: UCX may still own it
+      }
+    }
+    for (void* req : closing) ucp_request_free(req);
+    closing.clear();
+    for (auto& [id, region] : regions) ucp_mem_unmap(context, region.memh);
+    regions.clear();
+    peers.clear();
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+
+RegisteredRegion::RegisteredRegion(RegisteredRegion&& other) noexcept { *this = std::move(other); }
+
+RegisteredRegion& RegisteredRegion::operator=(RegisteredRegion&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    core_ = std::move(other.core_);
+    id_ = std::exchange(other.id_, 0);
+    base_ = std::exchange(other.base_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    descriptor_ = std::move(other.descriptor_);
+    other.descriptor_.clear();
+  }
+  return *this;
+}
+
+RegisteredRegion::~RegisteredRegion() { Reset(); }
+
+void RegisteredRegion::Reset() {
+  if (id_ == 0) return;
+  const uint64_t id = std::exchange(id_, 0);
+  if (auto core = core_.lock(); core && !core->shutting_down.load()) {
+    core->RunSync<int>([&core, id] {
+      auto it = core->regions.find(id);
+      if (it != core->regions.end()) {
+        ucp_mem_unmap(core->context, it->second.memh);
+        core->regions.erase(it);
+      }
+      return 0;
+    }, 0);
+  }
+  core_.reset();
+  base_ = nullptr;
+  bytes_ = 0;
+  descriptor_.clear();
+}
+
+Result<RemoteRegion> RemoteRegion::Parse(std::string_view d) {
+  if (d.size() < kHeaderBytes) {
+    return Status::InvalidArgument("region descriptor of " + std::to_string(d.size()) + " bytes; expected >= " +
+                                   std::to_string(kHeaderBytes));
+  }
+  if (std::memcmp(d.data(), kMagic, 4) != 0) return Status::InvalidArgument("region descriptor: bad magic");
+  const auto version = GetLe(d.data() + 4, 2);
+  if (version != kVersion) {
+    return Status::InvalidArgument("region descriptor version " + std::to_string(version) + "; expected " +
+                                   std::to_string(kVersion));
+  }
+  RemoteRegion r;
+  r.base_ = GetLe(d.data() + 8, 8);
+  r.length_ = GetLe(d.data() + 16, 8);
+  const auto rkey_len = GetLe(d.data() + 24, 4);
+  if (r.length_ == 0) return Status::InvalidArgument("region descriptor: length 0");
+  if (r.base_ == 0) return Status::InvalidArgument("region descriptor: base address 0");
+  if (r.base_ + r.length_ < r.base_) return Status::InvalidArgument("region descriptor: base + length overflows");
+  if (rkey_len == 0 || rkey_len > kMaxRkeyBytes) {
+    return Status::InvalidArgument("region descriptor: rkey of " + std::to_string(rkey_len) + " bytes; expected 1.." +
+                                   std::to_string(kMaxRkeyBytes));
+  }
+  if (d.size() != kHeaderBytes + rkey_len) {
+    return Status::InvalidArgument("region descriptor of " + std::to_string(d.size()) + " bytes; its rkey length " +
+                                   "says " + std::to_string(kHeaderBytes + rkey_len));
+  }
+  r.rkey_.assign(d.data() + kHeaderBytes, rkey_len);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& options) {
+  // Validate the transport restriction.
+  if (options.transports.empty()) return Status::InvalidArgument("ucx: transports is empty");
+  {
+    size_t start = 0;
+    while (start <= options.transports.size()) {
+      size_t comma = options.transports.find(',', start);
+      if (comma == std::string::npos) comma = options.transports.size();
+      std::string t = options.transports.substr(start, comma - start);
+      if (!t.empty() && t[0] == '^') {
+        return Status::InvalidArgument("ucx: transports '" + options.transports +
+                                       "': exclusion lists ('^') are refused; list the transports to use");
+      }
+      if (t.empty() || IsSharedMemoryTransport(t)) {
+        return Status::InvalidArgument("ucx: transports '" + options.transports + "': '" + t +
+                                       "' is not allowed (peers must be reached over the network; shared memory "
+                                       "would bypass it between namespaces of one host)");
+      }
+      start = comma + 1;
+    }
+  }
+  if (options.max_inflight_gets == 0) return Status::InvalidArgument("ucx: max_inflight_gets is 0");
+  if (options.get_deadline.count() <= 0) return Status::InvalidArgument("ucx: get_deadline must be > 0");
+  std::optional<std::pair<sockaddr_storage, socklen_t>> listen_addr;
+  if (!options.listen_address.empty()) {
+    std::string ep = options.listen_address;
+    if (ep.find(':') != std::string::npos && ep[0] != '[') ep = "[" + ep + "]";  // bare IPv6
+    auto parsed = ParseEndpoint(ep + ":" + std::to_string(options.listen_port), false);
+    if (!parsed.ok()) return parsed.status().WithContext("ucx: listen_address");
+    listen_addr = *parsed;
+  }
+
+  auto core = std::make_shared<UcxCore>();
+  core->options = options;
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) return Status::Internal("ucp_config_read: " + UcsError(s));
+  s = ucp_config_modify(config, "TLS", options.transports.c_str());
+  if (s == UCS_OK && !options.devices.empty()) s = ucp_config_modify(config, "NET_DEVICES", options.devices.c_str());
+  if (s != UCS_OK) {
+    ucp_config_release(config);
+    return Status::InvalidArgument("ucx: transports '" + options.transports + "' / devices '" + options.devices +
+                                   "': " + UcsError(s));
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  s = ucp_init(&params, config, &core->context);
+  ucp_config_release(config);
+  if (s != UCS_OK) {
+    core->context = nullptr;
+    return Status::Unavailable("ucp_init (transports '" + options.transports + "', devices '" + options.devices +
+                               "'): " + UcsError(s));
+  }
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  s = ucp_worker_create(core->context, &wparams, &core->worker);
+  if (s != UCS_OK) {
+    core->worker = nullptr;
+    return Status::Unavailable("ucp_worker_create: " + UcsError(s));
+  }
+  s = ucp_worker_get_efd(core->worker, &core->worker_efd);
+  if (s != UCS_OK) return Status::Unavailable("ucp_worker_get_efd: " + UcsError(s));
+  core->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (core->wake_fd < 0) return Status::Internal(std::string("eventfd: ") + std::strerror(errno));
+
+  if (listen_addr) {
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&listen_addr->first);
+    lp.sockaddr.addrlen = listen_addr->second;
+    lp.conn_handler.cb = &UcxCore::OnConnRequest;
+    lp.conn_handler.arg = core.get();
+    s = ucp_listener_create(core->worker, &lp, &core->listener);
+    if (s != UCS_OK) {
+      core->listener = nullptr;
+      return Status::Unavailable("ucx: listening on " + FormatSockaddr(listen_addr->first) + ": " + UcsError(s));
+    }
+    ucp_listener_attr_t la{};
+    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    s = ucp_listener_query(core->listener, &la);
+    if (s != UCS_OK) {
+      ucp_listener_destroy(core->listener);
+      core->listener = nullptr;
+      return Status::Internal("ucp_listener_query: " + UcsError(s));
+    }
+    core->endpoint_text = FormatSockaddr(la.sockaddr);
+  }
+
+  core->thread = std::thread([c = core.get()] { c->Loop(); });
+  core->thread_id = core->thread.get_id();
+  log::Info(kLog, "transport up: transports '{}', devices '{}', listener '{}'", options.transports,
+            options.devices.empty() ? "all" : options.devices, core->endpoint_text);
+  return std::unique_ptr<UcxTransport>(new UcxTransport(std::move(core)));
+}
+
+UcxTransport::~UcxTransport() {
+  if (!core_) return;
+  core_->RunSync<int>([this] {
+    core_->Shutdown();
+    return 0;
+  }, 0);
+  {
+    std::lock_guard<std::mutex> lock(core_->queue_mu);
+    core_->stop = true;
+  }
+  uint64_t one = 1;
+  ssize_t n = write(core_->wake_fd, &one, sizeof one);
+  (void)n;
+  core_->thread.join();
+  // Commands posted after the shutdown (a region's Reset racing with it) ran in the last turn or are dropped.
+}
+
+Result<RegisteredRegion> UcxTransport::Register(void* base, uint64_t bytes) {
+  if (base == nullptr || bytes == 0) return Status::InvalidArgument("ucx: registering an empty range");
+  if (core_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
+  UcxCore* core = core_.get();
+  return core->RunSync<Result<RegisteredRegion>>([&]() -> Result<RegisteredRegion> {
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address = base;
+    mp.length = bytes;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t s = ucp_mem_map(core->context, &mp, &memh);
+    if (s != UCS_OK) return Status::ResourceExhausted("ucp_mem_map of " + std::to_string(bytes) + " bytes: " + UcsError(s));
+    void* rkey = nullptr;
+    size_t rkey_len = 0;
+    s = ucp_rkey_pack(core->context, memh, &rkey, &rkey_len);
+    if (s != UCS_OK || rkey_len == 0 || rkey_len > kMaxRkeyBytes) {
+      if (s == UCS_OK) ucp_rkey_buffer_release(rkey);
+      ucp_mem_unmap(core->context, memh);
+      return Status::Internal("ucp_rkey_pack: " + (s != UCS_OK ? UcsError(s) : "size " + std::to_string(rkey_len)));
+    }
+    RegisteredRegion region;
+    region.descriptor_.assign(kMagic, 4);
+    PutLe(&region.descriptor_, kVersion, 2);
+    PutLe(&region.descriptor_, 0, 2);
+    PutLe(&region.descriptor_, reinterpret_cast<uintptr_t>(base), 8);
+    PutLe(&region.descriptor_, bytes, 8);
+    PutLe(&region.descriptor_, rkey_len, 4);
+    region.descriptor_.append(static_cast<const char*>(rkey), rkey_len);
+    ucp_rkey_buffer_release(rkey);
+    const uint64_t id = core->next_region_id++;
+    core->regions[id] = UcxCore::Region{memh, reinterpret_cast<uintptr_t>(base), bytes};
+    region.core_ = core_;
+    region.id_ = id;
+    region.base_ = base;
+    region.bytes_ = bytes;
+    return region;
+  }, Status::FailedPrecondition("ucx: shutting down"));
+}
+
+std::string UcxTransport::endpoint() const { return core_->endpoint_text; }
+
+void UcxTransport::set_accept_filter(std::function<bool(const sockaddr&)> filter) {
+  std::lock_guard<std::mutex> lock(core_->info_mu);
+  core_->accept_filter = std::move(filter);
+}
+
+Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
+  auto addr = ParseEndpoint(endpoint, true);
+  if (!addr.ok()) return addr.status().WithContext("ucx: connect");
+  if (core_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
+  UcxCore* core = core_.get();
+  auto flushed = std::make_shared<std::promise<Status>>();
+  auto future = flushed->get_future();
+  auto handle = core->RunSync<Result<PeerHandle>>([&]() -> Result<PeerHandle> {
+    auto peer = std::make_unique<UcxCore::Peer>();
+    peer->id = core->next_peer_id++;
+    peer->endpoint = endpoint;
+    peer->addr = addr->first;
+    peer->addrlen = addr->second;
+    FLEXKV_RETURN_IF_ERROR(core->CreatePeerEp(peer.get()));
+    PeerHandle h{peer->id, endpoint};
+    core->peers.emplace(peer->id, std::move(peer));
+    // Wait for the wire-up: a flush completes once the connection is established (or fails).
+    auto* op = new UcxCore::Op;
+    op->core = core;
+    op->peer_id = h.id;
+    op->is_get = false;
+    op->deadline = Clock::now() + core->options.get_deadline;
+    op->done = [flushed](Status s) { flushed->set_value(std::move(s)); };
+    core->StartFlush(op);
+    return h;
+  }, Status::FailedPrecondition("ucx: shutting down"));
+  if (!handle.ok()) return handle.status();
+  if (core->OnLoopThread()) return handle;  // called from a callback: cannot wait for the loop
+  Status s = future.get();
+  if (!s.ok()) {
+    Disconnect(*handle);
+    if (s.code() == StatusCode::kDeadlineExceeded) {
+      return Status::DeadlineExceeded("ucx: connecting to " + endpoint + ": no answer within " +
+                                      std::to_string(core->options.get_deadline.count()) + " ms");
+    }
+    return Status::Unavailable("ucx: connecting to " + endpoint + ": " + s.message());
+  }
+  core->RunSync<int>([core, id = handle->id] {
+    if (auto it = core->peers.find(id); it != core->peers.end()) core->RecordLanes(it->second.get());
+    return 0;
+  }, 0);
+  return handle;
+}
+
+void UcxTransport::Disconnect(const PeerHandle& peer) {
+  UcxCore* core = core_.get();
+  if (core->shutting_down.load()) return;
+  core->RunSync<int>([core, id = peer.id] {
+    auto it = core->peers.find(id);
+    if (it == core->peers.end()) return 0;
+    core->ClosePeerEp(it->second.get());
+    // Wait for the cancelled requests (their dst must not be written after their done ran).
+    const auto until = Clock::now() + std::chrono::seconds(5);
+    while (!it->second->ops.empty() && Clock::now() < until) core->Turn();
+    if (it->second->ops.empty()) core->peers.erase(it);  // else kept: the ops still point at it
+    return 0;
+  }, 0);
+}
+
+Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uint64_t remote_offset, void* dst,
+                         uint64_t len, std::function<void(Status)> done) {
+  if (dst == nullptr || len == 0) return Status::InvalidArgument("ucx: get of 0 bytes or into a null buffer");
+  if (remote_offset > remote.length() || len > remote.length() - remote_offset) {
+    return Status::InvalidArgument("ucx: get of [" + std::to_string(remote_offset) + ", +" + std::to_string(len) +
+                                   ") outside the peer region of " + std::to_string(remote.length()) + " bytes");
+  }
+  if (remote.rkey().empty() || remote.base() == 0) return Status::InvalidArgument("ucx: empty remote region");
+  if (peer.id == 0) return Status::NotFound("ucx: invalid peer handle");
+  if (core_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
+  const uint32_t before = core_->inflight.fetch_add(1);
+  if (before >= core_->options.max_inflight_gets) {
+    core_->inflight.fetch_sub(1);
+    return Status::ResourceExhausted("ucx: " + std::to_string(core_->options.max_inflight_gets) +
+                                     " gets already in flight");
+  }
+  auto* op = new UcxCore::Op;
+  op->core = core_.get();
+  op->peer_id = peer.id;
+  op->is_get = true;
+  op->deadline = Clock::now() + core_->options.get_deadline;
+  op->done = std::move(done);
+  const uint64_t address = remote.base() + remote_offset;
+  const bool posted = core_->Post([core = core_.get(), op, rkey = remote.rkey(), address, dst, len]() mutable {
+    if (core->shutting_down.load()) {
+      core->FinishWith(op, Status::Cancelled("the transport is shutting down"));
+      return;
+    }
+    core->StartGet(op, std::move(rkey), address, dst, len);
+  });
+  if (!posted) {
+    core_->inflight.fetch_sub(1);
+    delete op;
+    return Status::FailedPrecondition("ucx: shutting down");
+  }
+  return Status::Ok();
+}
+
+std::vector<std::string> UcxTransport::transports_in_use() const {
+  std::vector<std::string> out;
+  out.push_back("config: TLS=" + core_->options.transports +
+                " NET_DEVICES=" + (core_->options.devices.empty() ? "all" : core_->options.devices));
+  std::lock_guard<std::mutex> lock(core_->info_mu);
+  out.insert(out.end(), core_->lanes.begin(), core_->lanes.end());
+  return out;
+}
+
+UcxTransport::Stats UcxTransport::stats() const {
+  std::lock_guard<std::mutex> lock(core_->info_mu);
+  return core_->stats;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+std::vector<RdmaPort> ListRdmaPorts() {
+  std::vector<RdmaPort> out;
+  int n = 0;
+  errno = 0;
+  ibv_device** list = ibv_get_device_list(&n);
+  if (list == nullptr) {
+    log::Debug(kLog, "no RDMA devices (ibv_get_device_list: {})", std::strerror(errno));
+    return out;
+  }
+  for (int i = 0; i < n; ++i) {
+    const char* name = ibv_get_device_name(list[i]);
+    ibv_context* ctx = ibv_open_device(list[i]);
+    if (ctx == nullptr) {
+      log::Warning(kLog, "RDMA device {}: open failed: {}", name ? name : "?", std::strerror(errno));
+      continue;
+    }
+    ibv_device_attr attr{};
+    if (ibv_query_device(ctx, &attr) == 0) {
+      for (int port = 1; port <= attr.phys_port_cnt; ++port) {
+        ibv_port_attr pa{};
+        if (ibv_query_port(ctx, static_cast<uint8_t>(port), &pa) != 0) continue;
+        out.push_back(RdmaPort{name ? name : "?", port, ibv_port_state_str(pa.state),
+                               pa.link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet" : "InfiniBand"});
+      }
+    }
+    ibv_close_device(ctx);
+  }
+  ibv_free_device_list(list);
+  return out;
+}
+
+std::vector<std::string> ListRdmaDevices() {
+  std::vector<std::string> out;
+  for (const RdmaPort& p : ListRdmaPorts()) out.push_back(p.device + ":" + std::to_string(p.port));
+  return out;
+}
+
+}  // namespace flexkv::cluster

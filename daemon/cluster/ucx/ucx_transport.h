@@ -1,0 +1,179 @@
+// UcxTransport: the cluster tier's bytes (issue 16, DESIGN.md §8). Reads blocks from peers' registered memory with
+// UCP RMA gets: RC/DC verbs where an RDMA device is, tcp otherwise (UCX chooses within `UcxOptions::transports`).
+// Over tcp UCX 1.13 has no native get: it emulates it with active messages, so the serving side must progress
+// its worker; the transport's own progress thread does that (it sleeps on the worker's event fd).
+//
+// Threading: thread-safe. One UCP context and one worker (UCS_THREAD_MODE_SINGLE), owned by one progress thread
+// that makes every UCP call; the public methods hand work to it. `done` callbacks of Get run on that thread:
+// keep them short; they may call Get, but Connect called from a callback does not wait for the connection.
+//
+// Security (docs in /work/notes/s6/cluster-feasibility.md §4.5): over tcp UCX serves an emulated get without
+// checking the rkey or the registration, so ANY peer with a UCP endpoint to this process can read any of its
+// memory. Only members may connect: the caller authenticates peers on its own channel and installs an accept
+// filter (set_accept_filter) that refuses every connection request from an address that is not a current
+// member. The listener binds only to `listen_address` (never 0.0.0.0 unless that is what is configured), and
+// shared-memory transports are refused in `transports` (UCX would otherwise go around the network between
+// network namespaces of one host).
+#pragma once
+
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "flexkv/status.h"
+
+namespace flexkv::cluster {
+
+struct UcxOptions {
+  // --transfer-dev: UCX_NET_DEVICES, e.g. "mlx5_0:1,mlx5_1:1" or "eth0"; empty: UCX's choice (all devices).
+  std::string devices;
+  // UCX_TLS-like restriction (comma list). Shared-memory transports (sm, shm, posix, sysv, cma, knem, xpmem) and
+  // "all" are refused: between namespaces of one host UCX would use them instead of the network.
+  std::string transports = "rc,tcp";
+  // The listener: the node's cluster address ("10.0.0.7", "::1"; numeric only). Empty: no listener (this
+  // transport only reads from peers). Port 0: UCX picks one; endpoint() says which.
+  std::string listen_address;
+  uint16_t listen_port = 0;
+  // A Get that has not completed after this long ends with DEADLINE_EXCEEDED: the request is cancelled by a
+  // forced close of the peer's endpoint (UCX never reports a silent partition), and the next Get to that peer
+  // reconnects. Connect waits at most this long for the connection too.
+  std::chrono::milliseconds get_deadline{2000};
+  // Gets accepted but not yet completed, over all peers; Get beyond it returns RESOURCE_EXHAUSTED at once.
+  uint32_t max_inflight_gets = 64;
+};
+
+class UcxTransport;
+struct UcxCore;
+
+// A local memory range registered for remote reads. Move-only; unregisters on destruction. Must not outlive
+// its transport's use (destroying the transport first unregisters everything, and the handle becomes inert).
+class RegisteredRegion {
+ public:
+  RegisteredRegion() = default;
+  RegisteredRegion(RegisteredRegion&& other) noexcept;
+  RegisteredRegion& operator=(RegisteredRegion&& other) noexcept;
+  RegisteredRegion(const RegisteredRegion&) = delete;
+  RegisteredRegion& operator=(const RegisteredRegion&) = delete;
+  ~RegisteredRegion();
+
+  bool valid() const { return id_ != 0; }
+  void* base() const { return base_; }
+  uint64_t bytes() const { return bytes_; }
+  // What a peer needs to read the region (base address, length, packed rkey), as bytes to send over the
+  // caller's authenticated channel; the peer parses it with RemoteRegion::Parse.
+  const std::string& descriptor() const { return descriptor_; }
+  // Unregisters now (idempotent).
+  void Reset();
+
+ private:
+  friend class UcxTransport;
+  std::weak_ptr<UcxCore> core_;
+  uint64_t id_ = 0;
+  void* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  std::string descriptor_;
+};
+
+// A peer's region, parsed from its descriptor bytes (untrusted: every length is checked; a malformed
+// descriptor is INVALID_ARGUMENT, never a crash). Copyable.
+class RemoteRegion {
+ public:
+  static Result<RemoteRegion> Parse(std::string_view descriptor);
+  uint64_t base() const { return base_; }
+  uint64_t length() const { return length_; }
+  // The packed rkey, as received.
+  const std::string& rkey() const { return rkey_; }
+
+ private:
+  uint64_t base_ = 0;
+  uint64_t length_ = 0;
+  std::string rkey_;
+};
+
+// A connection to a peer (client side), from Connect. Copyable; valid until Disconnect or the transport's end.
+struct PeerHandle {
+  uint64_t id = 0;
+  std::string endpoint;
+};
+
+class UcxTransport {
+ public:
+  static Result<std::unique_ptr<UcxTransport>> Create(const UcxOptions& options);
+  // Ends every pending Get (UNAVAILABLE or CANCELLED through its `done`), closes endpoints and the listener,
+  // unregisters every region still registered.
+  ~UcxTransport();
+  UcxTransport(const UcxTransport&) = delete;
+  UcxTransport& operator=(const UcxTransport&) = delete;
+
+  // Registers [base, base + bytes) for remote reads (the DRAM pool's grants).
+  Result<RegisteredRegion> Register(void* base, uint64_t bytes);
+
+  // The address peers connect to, "host:port" ("[v6]:port" for IPv6); empty without a listener.
+  std::string endpoint() const;
+
+  // Called on the progress thread for every incoming connection request with the client's address; a request
+  // it rejects is refused (ucp_listener_reject). Unset: every request is accepted (tests only: see the security
+  // note above).
+  void set_accept_filter(std::function<bool(const sockaddr&)> filter);
+
+  // Connects to a peer's endpoint ("host:port", numeric host) and waits until UCX has wired the connection up
+  // (at most get_deadline): UNAVAILABLE if the peer refuses or cannot be reached, DEADLINE_EXCEEDED if it does
+  // not answer in time, INVALID_ARGUMENT for a malformed endpoint.
+  Result<PeerHandle> Connect(const std::string& endpoint);
+  // Closes the connection (forced: pending Gets end with UNAVAILABLE). The handle is invalid afterwards.
+  void Disconnect(const PeerHandle& peer);
+
+  // Reads `len` bytes at `remote_offset` of the peer region `remote` into `dst`. `dst` may be plain memory or lie
+  // in a region this transport registered (then its registration is passed to UCX: on verbs that avoids UCX
+  // registering it on the fly; over tcp it makes no difference). `dst` must stay valid until `done` ran.
+  //
+  // Returns an error at once, and then never calls `done`: INVALID_ARGUMENT (len 0, null dst, the range outside
+  // the descriptor, overflow), RESOURCE_EXHAUSTED (max_inflight_gets already pending), NOT_FOUND (unknown or
+  // disconnected peer), FAILED_PRECONDITION (the transport is shutting down). Returns OK otherwise, and then
+  // `done` is called exactly once, on the progress thread, after UCX has finished with `dst`: OK (the bytes are
+  // there), DEADLINE_EXCEEDED (no completion within get_deadline: cancelled, endpoint closed, the next Get
+  // reconnects), UNAVAILABLE (peer gone, connection refused, or cancelled because another Get to the same peer hit
+  // its deadline), INVALID_ARGUMENT (UCX refused the rkey), CANCELLED (the transport was destroyed).
+  Status Get(const PeerHandle& peer, const RemoteRegion& remote, uint64_t remote_offset, void* dst, uint64_t len,
+             std::function<void(Status)> done);
+
+  // The transports/devices UCX uses for the connections made so far, e.g. "tcp/lo", "rc_mlx5/mlx5_0:1" (from
+  // ucp_ep_print_info), preceded by the configured restriction ("config: TLS=tcp NET_DEVICES=all").
+  std::vector<std::string> transports_in_use() const;
+
+  // Counters (for status and tests).
+  struct Stats {
+    uint64_t gets_ok = 0;
+    uint64_t gets_failed = 0;
+    uint64_t deadlines = 0;
+    uint64_t connections_accepted = 0;
+    uint64_t connections_rejected = 0;
+    uint64_t reconnects = 0;
+  };
+  Stats stats() const;
+
+ private:
+  explicit UcxTransport(std::shared_ptr<UcxCore> core) : core_(std::move(core)) {}
+  std::shared_ptr<UcxCore> core_;
+};
+
+// One RDMA port of the NIC inventory (libibverbs).
+struct RdmaPort {
+  std::string device;      // "mlx5_0"
+  int port = 0;            // 1-based
+  std::string state;       // "PORT_ACTIVE", ...
+  std::string link_layer;  // "InfiniBand" or "Ethernet" (RoCE)
+};
+// Every port of every RDMA device; empty (not an error) where the kernel has none (ibv_get_device_list NULL with
+// ENOSYS, as on the dev VM) or there are no devices.
+std::vector<RdmaPort> ListRdmaPorts();
+// The same as "device:port" names, the form UCX_NET_DEVICES (--transfer-dev) takes.
+std::vector<std::string> ListRdmaDevices();
+
+}  // namespace flexkv::cluster
