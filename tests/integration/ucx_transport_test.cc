@@ -303,9 +303,11 @@ struct StalledPeer {
   bool blocked = false, release = false;
   std::unique_ptr<UcxTransport> intruder;
   std::thread connector;
+  UcxTransport* stalled = nullptr;
 
   // Makes `t` stall: a third transport connects to it and its filter waits.
   void Stall(UcxTransport& t) {
+    stalled = &t;
     t.set_accept_filter([this](const sockaddr&) {
       std::unique_lock<std::mutex> lock(mu);
       blocked = true;
@@ -325,6 +327,8 @@ struct StalledPeer {
     }
     cv.notify_all();
     if (connector.joinable()) connector.join();
+    if (stalled != nullptr) stalled->set_accept_filter(nullptr);  // accepts again
+    stalled = nullptr;
   }
   ~StalledPeer() { Release(); }
 };
@@ -564,6 +568,8 @@ TEST_CASE("UCX transport: the RDMA inventory is empty, not an error, without RDM
 
 // ---- across network namespaces ------------------------------------------------------------------------------
 
+const char* const kIp = "/usr/sbin/ip";  // iproute2 (scripts/deps.sh)
+
 // A namespace with one end of a veth pair; the other end stays in this (the test's) namespace. Removed at scope
 // exit.
 class NetnsLink {
@@ -576,20 +582,20 @@ class NetnsLink {
     l.ns_if_ = "fkvun" + std::to_string(getpid() % 100000);
     l.host_ip_ = "10.231." + std::to_string(id) + ".1";
     l.ns_ip_ = "10.231." + std::to_string(id) + ".2";
-    auto r = testing::RunCommand({"ip", "netns", "add", l.ns_});
+    auto r = testing::RunCommand({kIp, "netns", "add", l.ns_});
     if (r.exit_code != 0) {
       *why = "ip netns add: " + r.output;
       return std::nullopt;
     }
     l.created_ = true;
     for (std::vector<std::string> cmd : std::vector<std::vector<std::string>>{
-             {"ip", "link", "add", l.host_if_, "type", "veth", "peer", "name", l.ns_if_},
-             {"ip", "link", "set", l.ns_if_, "netns", l.ns_},
-             {"ip", "addr", "add", l.host_ip_ + "/24", "dev", l.host_if_},
-             {"ip", "-n", l.ns_, "addr", "add", l.ns_ip_ + "/24", "dev", l.ns_if_},
-             {"ip", "link", "set", l.host_if_, "up"},
-             {"ip", "-n", l.ns_, "link", "set", l.ns_if_, "up"},
-             {"ip", "-n", l.ns_, "link", "set", "lo", "up"}}) {
+             {kIp, "link", "add", l.host_if_, "type", "veth", "peer", "name", l.ns_if_},
+             {kIp, "link", "set", l.ns_if_, "netns", l.ns_},
+             {kIp, "addr", "add", l.host_ip_ + "/24", "dev", l.host_if_},
+             {kIp, "-n", l.ns_, "addr", "add", l.ns_ip_ + "/24", "dev", l.ns_if_},
+             {kIp, "link", "set", l.host_if_, "up"},
+             {kIp, "-n", l.ns_, "link", "set", l.ns_if_, "up"},
+             {kIp, "-n", l.ns_, "link", "set", "lo", "up"}}) {
       auto c = testing::RunCommand(cmd);
       if (c.exit_code != 0) {
         *why = cmd[0] + " " + cmd[1] + " " + cmd[2] + ": " + c.output;
@@ -603,7 +609,7 @@ class NetnsLink {
         created_(std::exchange(o.created_, false)) {}
   ~NetnsLink() {
     if (!created_) return;
-    auto pids = testing::RunCommand({"ip", "netns", "pids", ns_});
+    auto pids = testing::RunCommand({kIp, "netns", "pids", ns_});
     size_t pos = 0;
     while (pos < pids.output.size()) {
       size_t end = pids.output.find('\n', pos);
@@ -612,11 +618,11 @@ class NetnsLink {
       if (!p.empty() && p.find_first_not_of("0123456789") == std::string::npos) kill(std::stoi(p), SIGKILL);
       pos = end + 1;
     }
-    (void)testing::RunCommand({"ip", "netns", "del", ns_});  // destroys both ends of the veth
-    (void)testing::RunCommand({"ip", "link", "del", host_if_});
+    (void)testing::RunCommand({kIp, "netns", "del", ns_});  // destroys both ends of the veth
+    (void)testing::RunCommand({kIp, "link", "del", host_if_});
   }
   void SetNsLink(bool up) {
-    auto r = testing::RunCommand({"ip", "-n", ns_, "link", "set", ns_if_, up ? "up" : "down"});
+    auto r = testing::RunCommand({kIp, "-n", ns_, "link", "set", ns_if_, up ? "up" : "down"});
     REQUIRE(r.exit_code == 0);
   }
   // Starts flexkv-ucx-peer in the namespace; returns {process, endpoint, descriptor}.
@@ -628,7 +634,7 @@ class NetnsLink {
   Peer StartPeer(uint64_t bytes) {
     Peer p;
     p.process.emplace(testing::ChildProcess::Spawn(
-        {"/usr/sbin/ip", "netns", "exec", ns_, FLEXKV_TEST_UCX_PEER, ns_ip_, ns_if_, "tcp", std::to_string(bytes)}));
+        {kIp, "netns", "exec", ns_, FLEXKV_TEST_UCX_PEER, ns_ip_, ns_if_, "tcp", std::to_string(bytes)}));
     auto ep = p.process->WaitForLine("ENDPOINT ", 20s);
     INFO(p.process->Stderr());
     REQUIRE(ep.has_value());

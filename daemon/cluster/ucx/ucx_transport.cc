@@ -46,6 +46,24 @@ constexpr size_t kRkeyPadding = 8 + 1 + 64 * (1 + 255) + 1024;
 // Keep at most this many unpacked rkeys per peer (one per remote region in practice).
 constexpr size_t kMaxRkeysPerPeer = 256;
 
+// Where UCX has no native get (tcp), a get is our own request/reply over UCP active messages instead of
+// ucp_get_nbx: UCX 1.13 emulates ucp_get_nbx over tcp with a serving-side handler (rma_sw.c) that aborts the
+// whole serving process ("Fatal: unexpected error") when the requester's connection fails while the reply is
+// being sent, i.e. whenever a reader hits its deadline, is killed or is partitioned mid-get. Our handler also
+// checks the range against the regions registered here, which UCX's does not.
+constexpr unsigned kAmGetRequest = 0x4b31;  // "K1"
+constexpr unsigned kAmGetReply = 0x4b32;
+struct AmRequestHeader {
+  uint64_t id;
+  uint64_t address;
+  uint64_t length;
+};
+struct AmReplyHeader {
+  uint64_t id;
+  uint32_t status;  // 0 OK, else the range is not registered here
+  uint32_t reserved;
+};
+
 void PutLe(std::string* out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
@@ -150,6 +168,7 @@ struct UcxCore {
     bool failed = false;          // the error handler ran; close the ep in the loop
     bool closed_by_deadline = false;
     bool connected_once = false;
+    bool native_rma = false;  // a verbs lane does the gets (else: active messages)
     std::map<std::string, ucp_rkey_h> rkeys;  // packed rkey -> unpacked, valid with `ep` only
     std::unordered_set<Op*> ops;
   };
@@ -163,11 +182,24 @@ struct UcxCore {
     bool posted = false;
     ucs_status_t ucs = UCS_INPROGRESS;
     std::function<void(Status)> done;
+    // Active-message gets: waiting for the reply (no UCX request writes dst yet), its id, where it lands.
+    bool am_waiting = false;
+    uint64_t am_id = 0;
+    void* dst = nullptr;
+    uint64_t len = 0;
+    std::optional<Status> result;  // overrides the mapping of `ucs`
   };
   struct Region {
     ucp_mem_h memh = nullptr;
     uintptr_t base = 0;
     uint64_t bytes = 0;
+    uint32_t replies = 0;  // replies being sent from it
+  };
+  // A reply being sent from a region (serving side).
+  struct Reply {
+    UcxCore* core = nullptr;
+    uint64_t region_id = 0;
+    AmReplyHeader header{};
   };
 
   UcxOptions options;
@@ -198,6 +230,8 @@ struct UcxCore {
   std::vector<ucp_ep_h> accepted_failed;
   std::unordered_map<uint64_t, Region> regions;
   uint64_t next_region_id = 1;
+  std::unordered_map<uint64_t, Op*> am_ops;  // active-message gets waiting for their reply
+  uint64_t next_am_id = 1;
 
   // Read by other threads.
   mutable std::mutex info_mu;
@@ -243,6 +277,97 @@ struct UcxCore {
     op->ucs = status;
     ucp_request_free(request);
     op->core->completed.push_back(op);
+  }
+  static void OnRequestSent(void* request, ucs_status_t, void*) { ucp_request_free(request); }
+  static void OnReplySent(void* request, ucs_status_t status, void* user_data) {
+    if (request != nullptr) ucp_request_free(request);
+    auto* reply = static_cast<Reply*>(user_data);
+    if (status != UCS_OK) log::Debug(kLog, "a get reply was not delivered: {}", UcsError(status));
+    if (auto it = reply->core->regions.find(reply->region_id); it != reply->core->regions.end()) {
+      --it->second.replies;
+    }
+    delete reply;
+  }
+  static void OnAmData(void* request, ucs_status_t status, size_t, void* user_data) {
+    OnOpDone(request, status, user_data);
+  }
+  // Serving side: a peer asks for [address, address + length).
+  static ucs_status_t OnAmGetRequest(void* arg, const void* header, size_t header_length, void*, size_t,
+                                     const ucp_am_recv_param_t* param) {
+    auto* core = static_cast<UcxCore*>(arg);
+    if (header_length != sizeof(AmRequestHeader) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
+        core->shutting_down.load()) {
+      return UCS_OK;
+    }
+    AmRequestHeader req;
+    std::memcpy(&req, header, sizeof req);
+    auto* reply = new Reply;
+    reply->core = core;
+    reply->header.id = req.id;
+    reply->header.status = 1;
+    const void* data = nullptr;
+    size_t data_len = 0;
+    ucp_mem_h memh = nullptr;
+    for (auto& [id, region] : core->regions) {
+      if (req.length != 0 && req.address >= region.base && req.length <= region.bytes &&
+          req.address - region.base <= region.bytes - req.length) {
+        reply->header.status = 0;
+        reply->region_id = id;
+        ++region.replies;
+        data = reinterpret_cast<const void*>(req.address);
+        data_len = req.length;
+        memh = region.memh;
+        break;
+      }
+    }
+    if (reply->header.status != 0) {
+      log::Warning(kLog, "refused a get of {} bytes at {:#x}: not in a registered region", req.length, req.address);
+    }
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = &UcxCore::OnReplySent;
+    rp.user_data = reply;
+    if (memh != nullptr) {
+      rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      rp.memh = memh;
+    }
+    void* r = ucp_am_send_nbx(param->reply_ep, kAmGetReply, &reply->header, sizeof reply->header, data, data_len, &rp);
+    if (!UCS_PTR_IS_PTR(r)) OnReplySent(nullptr, UCS_PTR_STATUS(r), reply);
+    return UCS_OK;
+  }
+  // Reading side: the bytes (or the refusal) for one of our gets.
+  static ucs_status_t OnAmGetReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                   const ucp_am_recv_param_t* param) {
+    auto* core = static_cast<UcxCore*>(arg);
+    if (header_length != sizeof(AmReplyHeader)) return UCS_OK;
+    AmReplyHeader rep;
+    std::memcpy(&rep, header, sizeof rep);
+    auto it = core->am_ops.find(rep.id);
+    if (it == core->am_ops.end()) return UCS_OK;  // finished already (its connection was closed): dropped
+    Op* op = it->second;
+    core->am_ops.erase(it);
+    op->am_waiting = false;
+    if (rep.status != 0) {
+      op->ucs = UCS_ERR_INVALID_PARAM;
+      op->result = Status::InvalidArgument("the peer refused the range: not in a region it registered");
+    } else if (length != op->len) {
+      op->ucs = UCS_ERR_MESSAGE_TRUNCATED;
+      op->result = Status::Unavailable("the peer sent " + std::to_string(length) + " bytes for a get of " +
+                                       std::to_string(op->len));
+    } else if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.recv_am = &UcxCore::OnAmData;
+      rp.user_data = op;
+      void* r = ucp_am_recv_data_nbx(core->worker, data, op->dst, length, &rp);
+      if (UCS_PTR_IS_PTR(r)) return UCS_INPROGRESS;  // OnAmData finishes it
+      op->ucs = UCS_PTR_STATUS(r);
+    } else {
+      std::memcpy(op->dst, data, length);
+      op->ucs = UCS_OK;
+    }
+    core->completed.push_back(op);
+    return UCS_OK;
   }
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* peer = static_cast<Peer*>(arg);
@@ -313,6 +438,15 @@ struct UcxCore {
     peer->ep = nullptr;
     peer->failed = false;
     CloseEp(ep);  // pending requests complete (UCS_ERR_CANCELED) through OnOpDone
+    // Active-message gets still waiting for their reply: nothing of UCX writes their dst; end them.
+    for (Op* op : peer->ops) {
+      if (op->am_waiting) {
+        op->am_waiting = false;
+        am_ops.erase(op->am_id);
+        op->ucs = UCS_ERR_CANCELED;
+        completed.push_back(op);
+      }
+    }
   }
   Status CreatePeerEp(Peer* peer) {
     ucp_ep_params_t params{};
@@ -351,7 +485,15 @@ struct UcxCore {
     // Lines like "#   lane[0]:  1:tcp/lo.0 md[1] ..." or "... rc_mlx5/mlx5_0:1 ...": take "tl/dev" tokens.
     static const std::regex kLane(R"(lane\[\d+\]:\s+\d+:([A-Za-z0-9_]+)/([A-Za-z0-9_.:\-]+))");
     std::lock_guard<std::mutex> lock(info_mu);
+    peer->native_rma = false;
     for (std::sregex_iterator it(info.begin(), info.end(), kLane), end; it != end; ++it) {
+      const std::string tl = (*it)[1].str();
+      const size_t eol = info.find('\n', static_cast<size_t>(it->position()));
+      const std::string line = info.substr(static_cast<size_t>(it->position()),
+                                           eol == std::string::npos ? std::string::npos : eol - it->position());
+      if ((tl.rfind("rc", 0) == 0 || tl.rfind("dc", 0) == 0) && line.find("rma") != std::string::npos) {
+        peer->native_rma = true;  // a verbs lane serves RMA: one-sided gets, the NIC checks the rkey
+      }
       std::string dev = (*it)[2].str();
       if (auto dot = dev.rfind('.'); dot != std::string::npos && dot + 1 < dev.size() &&
                                      dev.find_first_not_of("0123456789", dot + 1) == std::string::npos) {
@@ -379,6 +521,8 @@ struct UcxCore {
     Status status;
     if (op->ucs == UCS_OK) {
       status = Status::Ok();
+    } else if (op->result.has_value()) {
+      status = *op->result;
     } else if (op->deadline_hit) {
       status = Status::DeadlineExceeded("no completion within " + std::to_string(options.get_deadline.count()) +
                                         " ms; request cancelled, endpoint closed");
@@ -519,6 +663,10 @@ struct UcxCore {
         return;
       }
     }
+    if (!peer->native_rma) {
+      StartAmGet(peer, op, remote_address, dst, len);
+      return;
+    }
     ucp_rkey_h rkey = nullptr;
     if (auto it = peer->rkeys.find(rkey_bytes); it != peer->rkeys.end()) {
       rkey = it->second;
@@ -558,6 +706,29 @@ struct UcxCore {
     } else if (UCS_PTR_IS_ERR(req)) {
       FinishNow(op, UCS_PTR_STATUS(req));
     }
+  }
+
+  void StartAmGet(Peer* peer, Op* op, uint64_t remote_address, void* dst, uint64_t len) {
+    op->am_id = next_am_id++;
+    op->dst = dst;
+    op->len = len;
+    op->am_waiting = true;
+    am_ops[op->am_id] = op;
+    peer->ops.insert(op);
+    deadlines.insert({op->deadline, op});
+    AmRequestHeader header{op->am_id, remote_address, len};
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    param.cb.send = &UcxCore::OnRequestSent;
+    void* req = ucp_am_send_nbx(peer->ep, kAmGetRequest, &header, sizeof header, nullptr, 0, &param);
+    op->posted = true;
+    if (UCS_PTR_IS_ERR(req) && op->am_waiting) {
+      op->am_waiting = false;
+      am_ops.erase(op->am_id);
+      FinishNow(op, UCS_PTR_STATUS(req));
+    }
+    // A send that fails later leaves the op waiting: the failed connection's close (or the deadline) ends it.
   }
 
   void StartFlush(Op* op) {
@@ -606,7 +777,9 @@ struct UcxCore {
     }
     for (void* req : closing) ucp_request_free(req);
     closing.clear();
-    for (auto& [id, region] : regions) ucp_mem_unmap(context, region.memh);
+    for (auto& [id, region] : regions) {
+      if (region.replies == 0) ucp_mem_unmap(context, region.memh);  // else leaked: a send may still read it
+    }
     regions.clear();
     peers.clear();
   }
@@ -636,9 +809,15 @@ void RegisteredRegion::Reset() {
   const uint64_t id = std::exchange(id_, 0);
   if (auto core = core_.lock(); core && !core->shutting_down.load()) {
     core->RunSync<int>([&core, id] {
+      // Replies still being sent from it read its memory: let them finish (bounded).
+      const auto until = Clock::now() + std::chrono::seconds(5);
       auto it = core->regions.find(id);
+      while (it != core->regions.end() && it->second.replies != 0 && Clock::now() < until) {
+        core->Turn();
+        it = core->regions.find(id);
+      }
       if (it != core->regions.end()) {
-        ucp_mem_unmap(core->context, it->second.memh);
+        if (it->second.replies == 0) ucp_mem_unmap(core->context, it->second.memh);
         core->regions.erase(it);
       }
       return 0;
@@ -728,7 +907,7 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   s = ucp_init(&params, config, &core->context);
   ucp_config_release(config);
   if (s != UCS_OK) {
@@ -743,6 +922,16 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
   if (s != UCS_OK) {
     core->worker = nullptr;
     return Status::Unavailable("ucp_worker_create: " + UcsError(s));
+  }
+  for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{kAmGetRequest, &UcxCore::OnAmGetRequest},
+                        std::pair<unsigned, ucp_am_recv_callback_t>{kAmGetReply, &UcxCore::OnAmGetReply}}) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = id;
+    hp.cb = cb;
+    hp.arg = core.get();
+    s = ucp_worker_set_am_recv_handler(core->worker, &hp);
+    if (s != UCS_OK) return Status::Internal("ucp_worker_set_am_recv_handler: " + UcsError(s));
   }
   s = ucp_worker_get_efd(core->worker, &core->worker_efd);
   if (s != UCS_OK) return Status::Unavailable("ucp_worker_get_efd: " + UcsError(s));
