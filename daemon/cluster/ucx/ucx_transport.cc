@@ -169,6 +169,16 @@ struct UcxCore {
     bool closed_by_deadline = false;
     bool connected_once = false;
     bool native_rma = false;  // a verbs lane does the gets (else: active messages)
+    // Reconnecting: gets wait until the new endpoint is wired up (as Connect waits), then start.
+    bool connecting = false;
+    struct Waiting {
+      Op* op;
+      std::string rkey;
+      uint64_t address;
+      void* dst;
+      uint64_t len;
+    };
+    std::vector<Waiting> waiting;
     std::map<std::string, ucp_rkey_h> rkeys;  // packed rkey -> unpacked, valid with `ep` only
     std::unordered_set<Op*> ops;
   };
@@ -657,11 +667,15 @@ struct UcxCore {
     Peer* peer = pit->second.get();
     if (peer->ep != nullptr && peer->failed) ClosePeerEp(peer);
     if (peer->ep == nullptr) {
-      Status s = CreatePeerEp(peer);
+      Status s = Reconnect(peer);
       if (!s.ok()) {
         FinishWith(op, s);
         return;
       }
+    }
+    if (peer->connecting) {
+      peer->waiting.push_back({op, std::move(rkey_bytes), remote_address, dst, len});
+      return;
     }
     if (!peer->native_rma) {
       StartAmGet(peer, op, remote_address, dst, len);
@@ -729,6 +743,43 @@ struct UcxCore {
       FinishNow(op, UCS_PTR_STATUS(req));
     }
     // A send that fails later leaves the op waiting: the failed connection's close (or the deadline) ends it.
+  }
+
+  // A new endpoint for a known peer; gets wait for its wire-up (a flush, bounded by get_deadline).
+  Status Reconnect(Peer* peer) {
+    FLEXKV_RETURN_IF_ERROR(CreatePeerEp(peer));
+    peer->connecting = true;
+    auto* op = new Op;
+    op->core = this;
+    op->peer_id = peer->id;
+    op->is_get = false;
+    op->deadline = Clock::now() + options.get_deadline;
+    op->done = [this, id = peer->id](Status s) { OnReconnected(id, std::move(s)); };
+    StartFlush(op);
+    return Status::Ok();
+  }
+  void OnReconnected(uint64_t peer_id, Status s) {
+    auto it = peers.find(peer_id);
+    if (it == peers.end()) return;
+    Peer* peer = it->second.get();
+    peer->connecting = false;
+    std::vector<Peer::Waiting> waiting;
+    waiting.swap(peer->waiting);
+    if (s.ok()) RecordLanes(peer);
+    for (auto& w : waiting) {
+      if (s.ok() && Clock::now() < w.op->deadline) {
+        StartGet(w.op, std::move(w.rkey), w.address, w.dst, w.len);
+      } else if (s.ok() || s.code() == StatusCode::kDeadlineExceeded) {
+        {
+          std::lock_guard<std::mutex> lock(info_mu);
+          ++stats.deadlines;
+        }
+        FinishWith(w.op, Status::DeadlineExceeded("reconnecting to " + peer->endpoint + ": no answer within " +
+                                                  std::to_string(options.get_deadline.count()) + " ms"));
+      } else {
+        FinishWith(w.op, Status::Unavailable("reconnecting to " + peer->endpoint + ": " + s.message()));
+      }
+    }
   }
 
   void StartFlush(Op* op) {
