@@ -169,6 +169,7 @@ struct UcxCore {
     bool closed_by_deadline = false;
     bool connected_once = false;
     bool native_rma = false;  // a verbs lane does the gets (else: active messages)
+    bool healthy = false;     // wired up since the last failure (only the first failure is logged at info)
     // Reconnecting: gets wait until the new endpoint is wired up (as Connect waits), then start.
     bool connecting = false;
     struct Waiting {
@@ -382,7 +383,12 @@ struct UcxCore {
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* peer = static_cast<Peer*>(arg);
     if (peer->ep == ep) {
-      log::Info(kLog, "connection to {} failed: {}", peer->endpoint, UcsError(status));
+      if (peer->healthy) {
+        log::Info(kLog, "connection to {} failed: {}", peer->endpoint, UcsError(status));
+      } else {
+        log::Debug(kLog, "connection to {} failed: {}", peer->endpoint, UcsError(status));
+      }
+      peer->healthy = false;
       peer->failed = true;
     }
   }
@@ -765,7 +771,10 @@ struct UcxCore {
     peer->connecting = false;
     std::vector<Peer::Waiting> waiting;
     waiting.swap(peer->waiting);
-    if (s.ok()) RecordLanes(peer);
+    if (s.ok()) {
+      RecordLanes(peer);
+      peer->healthy = true;
+    }
     for (auto& w : waiting) {
       if (s.ok() && Clock::now() < w.op->deadline) {
         StartGet(w.op, std::move(w.rkey), w.address, w.dst, w.len);
@@ -1120,7 +1129,10 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
     return Status::Unavailable("ucx: connecting to " + endpoint + ": " + s.message());
   }
   core->RunSync<int>([core, id = handle->id] {
-    if (auto it = core->peers.find(id); it != core->peers.end()) core->RecordLanes(it->second.get());
+    if (auto it = core->peers.find(id); it != core->peers.end()) {
+      core->RecordLanes(it->second.get());
+      it->second->healthy = true;
+    }
     return 0;
   }, 0);
   return handle;

@@ -1,15 +1,20 @@
-// UcxTransport: the cluster tier's bytes (issue 16, DESIGN.md §8). Reads blocks from peers' registered memory with
-// UCP RMA gets: RC/DC verbs where an RDMA device is, tcp otherwise (UCX chooses within `UcxOptions::transports`).
-// Over tcp UCX 1.13 has no native get: it emulates it with active messages, so the serving side must progress
-// its worker; the transport's own progress thread does that (it sleeps on the worker's event fd).
+// UcxTransport: the cluster tier's bytes (issue 16, DESIGN.md §8). Reads blocks from peers' registered memory:
+// UCP RMA gets (ucp_get_nbx, one-sided) where a verbs lane (rc/dc) serves RMA, and otherwise, i.e. over tcp, a
+// get is our own request/reply over UCP active messages (UCX chooses the lanes within `UcxOptions::transports`).
+// Why not ucp_get_nbx over tcp: UCX 1.13 emulates it, and its serving-side handler (rma_sw.c,
+// ucp_progress_get_reply -> ucp_request_try_send) calls ucs_fatal and aborts the serving process when the
+// reader's connection fails while a reply is being sent: a reader that hits its deadline, is killed or is
+// partitioned mid-get would kill the daemon it reads from (seen in this component's deadline test). Our reply
+// handler also serves only ranges inside regions registered here. Either way the serving side must progress its
+// worker: the transport's own progress thread does that (it sleeps on the worker's event fd).
 //
 // Threading: thread-safe. One UCP context and one worker (UCS_THREAD_MODE_SINGLE), owned by one progress thread
 // that makes every UCP call; the public methods hand work to it. `done` callbacks of Get run on that thread:
 // keep them short; they may call Get, but Connect called from a callback does not wait for the connection.
 //
-// Security (docs in /work/notes/s6/cluster-feasibility.md §4.5): over tcp UCX serves an emulated get without
-// checking the rkey or the registration, so ANY peer with a UCP endpoint to this process can read any of its
-// memory. Only members may connect: the caller authenticates peers on its own channel and installs an accept
+// Security (docs in /work/notes/s6/cluster-feasibility.md §4.5): over tcp UCX serves its own emulated get
+// (which a hand-made UCX client can still send; we never do) without checking the rkey or the registration, so
+// ANY peer with a UCP endpoint to this process can read any of its memory. Only members may connect: the caller authenticates peers on its own channel and installs an accept
 // filter (set_accept_filter) that refuses every connection request from an address that is not a current
 // member. The listener binds only to `listen_address` (never 0.0.0.0 unless that is what is configured), and
 // shared-memory transports are refused in `transports` (UCX would otherwise go around the network between
@@ -139,7 +144,8 @@ class UcxTransport {
   // `done` is called exactly once, on the progress thread, after UCX has finished with `dst`: OK (the bytes are
   // there), DEADLINE_EXCEEDED (no completion within get_deadline: cancelled, endpoint closed, the next Get
   // reconnects), UNAVAILABLE (peer gone, connection refused, or cancelled because another Get to the same peer hit
-  // its deadline), INVALID_ARGUMENT (UCX refused the rkey), CANCELLED (the transport was destroyed).
+  // its deadline), INVALID_ARGUMENT (UCX refused the rkey, or over tcp the peer refused a range that is not
+  // inside a region it registered), CANCELLED (the transport was destroyed).
   Status Get(const PeerHandle& peer, const RemoteRegion& remote, uint64_t remote_offset, void* dst, uint64_t len,
              std::function<void(Status)> done);
 
