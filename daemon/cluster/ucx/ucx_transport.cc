@@ -180,6 +180,7 @@ struct UcxCore {
       uint64_t len;
     };
     std::vector<Waiting> waiting;
+    std::function<void(Status)> on_connected;  // Connect's wait
     std::map<std::string, ucp_rkey_h> rkeys;  // packed rkey -> unpacked, valid with `ep` only
     std::unordered_set<Op*> ops;
   };
@@ -775,6 +776,10 @@ struct UcxCore {
       RecordLanes(peer);
       peer->healthy = true;
     }
+    if (auto notify = std::move(peer->on_connected)) {
+      peer->on_connected = nullptr;
+      notify(s);
+    }
     for (auto& w : waiting) {
       if (s.ok() && Clock::now() < w.op->deadline) {
         StartGet(w.op, std::move(w.rkey), w.address, w.dst, w.len);
@@ -1104,17 +1109,17 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
     peer->endpoint = endpoint;
     peer->addr = addr->first;
     peer->addrlen = addr->second;
-    FLEXKV_RETURN_IF_ERROR(core->CreatePeerEp(peer.get()));
+    // Wait for the wire-up (a flush completes once the connection is established, or fails); gets posted
+    // meanwhile (from a callback on the progress thread, which cannot wait here) queue until then.
+    peer->on_connected = [flushed](Status s) { flushed->set_value(std::move(s)); };
+    UcxCore::Peer* raw = peer.get();
     PeerHandle h{peer->id, endpoint};
     core->peers.emplace(peer->id, std::move(peer));
-    // Wait for the wire-up: a flush completes once the connection is established (or fails).
-    auto* op = new UcxCore::Op;
-    op->core = core;
-    op->peer_id = h.id;
-    op->is_get = false;
-    op->deadline = Clock::now() + core->options.get_deadline;
-    op->done = [flushed](Status s) { flushed->set_value(std::move(s)); };
-    core->StartFlush(op);
+    Status s = core->Reconnect(raw);
+    if (!s.ok()) {
+      core->peers.erase(h.id);
+      return s;
+    }
     return h;
   }, Status::FailedPrecondition("ucx: shutting down"));
   if (!handle.ok()) return handle.status();
@@ -1128,13 +1133,6 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
     }
     return Status::Unavailable("ucx: connecting to " + endpoint + ": " + s.message());
   }
-  core->RunSync<int>([core, id = handle->id] {
-    if (auto it = core->peers.find(id); it != core->peers.end()) {
-      core->RecordLanes(it->second.get());
-      it->second->healthy = true;
-    }
-    return 0;
-  }, 0);
   return handle;
 }
 
