@@ -16,7 +16,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -74,6 +73,28 @@ uint64_t GetLe(const char* p, int bytes) {
 }
 
 std::string UcsError(ucs_status_t s) { return ucs_status_string(s); }
+
+// A value handed from the progress thread to a waiting caller (a mutex and a condition variable rather than
+// std::promise, whose futex wait ThreadSanitizer does not see).
+template <typename T>
+class Rendezvous {
+ public:
+  void Set(T v) {
+    std::lock_guard<std::mutex> lock(mu_);
+    value_ = std::move(v);
+    cv_.notify_all();
+  }
+  T Take() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return value_.has_value(); });
+    return std::move(*value_);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<T> value_;
+};
 
 bool IsSharedMemoryTransport(std::string_view t) {
   static const char* const kBad[] = {"all", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self", "cuda_ipc",
@@ -277,10 +298,9 @@ struct UcxCore {
   template <typename T>
   T RunSync(std::function<T()> fn, T fallback) {
     if (OnLoopThread()) return fn();
-    std::promise<T> promise;
-    auto future = promise.get_future();
-    if (!Post([&] { promise.set_value(fn()); })) return fallback;
-    return future.get();
+    Rendezvous<T> result;
+    if (!Post([&] { result.Set(fn()); })) return fallback;
+    return result.Take();
   }
 
   // ---- UCX callbacks (progress thread, inside ucp_worker_progress or ucp_ep_close_nbx) ----
@@ -361,7 +381,8 @@ struct UcxCore {
     op->am_waiting = false;
     if (rep.status != 0) {
       op->ucs = UCS_ERR_INVALID_PARAM;
-      op->result = Status::InvalidArgument("the peer refused the range: not in a region it registered");
+      op->result = Status::NotFound("the peer refused the range: no region it registered covers it (a stale or "
+                                    "wrong descriptor)");
     } else if (length != op->len) {
       op->ucs = UCS_ERR_MESSAGE_TRUNCATED;
       op->result = Status::Unavailable("the peer sent " + std::to_string(length) + " bytes for a get of " +
@@ -1101,8 +1122,10 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
   if (!addr.ok()) return addr.status().WithContext("ucx: connect");
   if (core_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
   UcxCore* core = core_.get();
-  auto flushed = std::make_shared<std::promise<Status>>();
-  auto future = flushed->get_future();
+  // On this caller's stack: the progress thread sets it once and never touches it again (a shared_ptr released
+  // on the progress thread trips ThreadSanitizer through libstdc++ 12's shared_ptr release fast path).
+  Rendezvous<Status> flushed;
+  const bool wait = !core->OnLoopThread();
   auto handle = core->RunSync<Result<PeerHandle>>([&]() -> Result<PeerHandle> {
     auto peer = std::make_unique<UcxCore::Peer>();
     peer->id = core->next_peer_id++;
@@ -1111,7 +1134,7 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
     peer->addrlen = addr->second;
     // Wait for the wire-up (a flush completes once the connection is established, or fails); gets posted
     // meanwhile (from a callback on the progress thread, which cannot wait here) queue until then.
-    peer->on_connected = [flushed](Status s) { flushed->set_value(std::move(s)); };
+    if (wait) peer->on_connected = [&flushed](Status s) { flushed.Set(std::move(s)); };
     UcxCore::Peer* raw = peer.get();
     PeerHandle h{peer->id, endpoint};
     core->peers.emplace(peer->id, std::move(peer));
@@ -1123,8 +1146,8 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
     return h;
   }, Status::FailedPrecondition("ucx: shutting down"));
   if (!handle.ok()) return handle.status();
-  if (core->OnLoopThread()) return handle;  // called from a callback: cannot wait for the loop
-  Status s = future.get();
+  if (!wait) return handle;  // called from a callback: cannot wait for the loop
+  Status s = flushed.Take();
   if (!s.ok()) {
     Disconnect(*handle);
     if (s.code() == StatusCode::kDeadlineExceeded) {

@@ -144,8 +144,8 @@ class UcxTransport {
   // `done` is called exactly once, on the progress thread, after UCX has finished with `dst`: OK (the bytes are
   // there), DEADLINE_EXCEEDED (no completion within get_deadline: cancelled, endpoint closed, the next Get
   // reconnects), UNAVAILABLE (peer gone, connection refused, or cancelled because another Get to the same peer hit
-  // its deadline), INVALID_ARGUMENT (UCX refused the rkey, or over tcp the peer refused a range that is not
-  // inside a region it registered), CANCELLED (the transport was destroyed).
+  // its deadline), INVALID_ARGUMENT (UCX refused the rkey), NOT_FOUND (over active messages: no region the peer
+  // has registered covers the range, i.e. a stale or wrong descriptor), CANCELLED (the transport was destroyed).
   Status Get(const PeerHandle& peer, const RemoteRegion& remote, uint64_t remote_offset, void* dst, uint64_t len,
              std::function<void(Status)> done);
 
