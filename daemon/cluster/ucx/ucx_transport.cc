@@ -402,9 +402,11 @@ struct UcxCore {
     core->completed.push_back(op);
     return UCS_OK;
   }
+  // `arg` is the core, not the peer: a peer may be gone (Disconnect) by the time UCX reports on an old endpoint.
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status) {
-    auto* peer = static_cast<Peer*>(arg);
-    if (peer->ep == ep) {
+    auto* core = static_cast<UcxCore*>(arg);
+    for (auto& [id, peer] : core->peers) {
+      if (peer->ep != ep) continue;
       if (peer->healthy) {
         log::Info(kLog, "connection to {} failed: {}", peer->endpoint, UcsError(status));
       } else {
@@ -495,7 +497,7 @@ struct UcxCore {
     params.sockaddr.addrlen = peer->addrlen;
     params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     params.err_handler.cb = &UcxCore::OnPeerError;
-    params.err_handler.arg = peer;
+    params.err_handler.arg = this;
     ucs_status_t s = ucp_ep_create(worker, &params, &peer->ep);
     if (s != UCS_OK) {
       peer->ep = nullptr;
