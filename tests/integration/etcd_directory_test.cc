@@ -65,7 +65,8 @@ class EtcdServer {
  public:
   static bool Available() { return ::access(kEtcd, X_OK) == 0; }
 
-  EtcdServer() : client_port_(FreePort()), peer_port_(FreePort()) {
+  explicit EtcdServer(std::vector<std::string> extra_args = {})
+      : client_port_(FreePort()), peer_port_(FreePort()), extra_args_(std::move(extra_args)) {
     std::string tmpl = (std::filesystem::is_directory("/dev/shm") ? "/dev/shm" : "/tmp") +
                        std::string("/flexkv-etcd-test-XXXXXX");
     REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
@@ -83,10 +84,12 @@ class EtcdServer {
   void Start() {
     const std::string client = "http://" + endpoint();
     const std::string peer = "http://127.0.0.1:" + std::to_string(peer_port_);
-    proc_.emplace(ChildProcess::Spawn({kEtcd, "--name", "n1", "--data-dir", dir_ + "/data", "--listen-client-urls",
-                                       client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
-                                       "--initial-advertise-peer-urls", peer, "--initial-cluster", "n1=" + peer,
-                                       "--initial-cluster-state", "new", "--log-level", "error", "--logger", "zap"}));
+    std::vector<std::string> argv = {kEtcd, "--name", "n1", "--data-dir", dir_ + "/data", "--listen-client-urls",
+                                     client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                                     "--initial-advertise-peer-urls", peer, "--initial-cluster", "n1=" + peer,
+                                     "--initial-cluster-state", "new", "--log-level", "error", "--logger", "zap"};
+    argv.insert(argv.end(), extra_args_.begin(), extra_args_.end());
+    proc_.emplace(ChildProcess::Spawn(argv));
     // Ready once a Range answers.
     auto channel = grpc::CreateChannel(endpoint(), grpc::InsecureChannelCredentials());
     auto kv = etcdserverpb::KV::NewStub(channel);
@@ -110,6 +113,7 @@ class EtcdServer {
 
  private:
   int client_port_, peer_port_;
+  std::vector<std::string> extra_args_;
   std::string dir_;
   std::optional<ChildProcess> proc_;
 };
@@ -205,7 +209,7 @@ std::vector<Owner> OwnersOf(Directory& dir, const std::string& ns, const BlockKe
     }                                                                                                   \
   } while (0)
 
-TEST_CASE("Cluster directory: two nodes join, publish, look each other up and withdraw",
+TEST_CASE("cluster directory: two nodes join, publish, look each other up and withdraw",
           "[integration][cluster]") {
   SKIP_WITHOUT_ETCD();
   EtcdServer etcd;
@@ -272,7 +276,7 @@ TEST_CASE("Cluster directory: two nodes join, publish, look each other up and wi
   CHECK(b->skipped_values() == 0);
 }
 
-TEST_CASE("Cluster directory: a node whose lease ends is out, and its rejoin has a new epoch that old entries lack",
+TEST_CASE("cluster directory: a node whose lease ends is out, and its rejoin has a new epoch that old entries lack",
           "[integration][cluster]") {
   SKIP_WITHOUT_ETCD();
   EtcdServer etcd;
@@ -329,7 +333,7 @@ TEST_CASE("Cluster directory: a node whose lease ends is out, and its rejoin has
   CHECK(b->skipped_values() == 0);
 }
 
-TEST_CASE("Cluster directory: a node id held by a live node cannot join until it leaves", "[integration][cluster]") {
+TEST_CASE("cluster directory: a node id held by a live node cannot join until it leaves", "[integration][cluster]") {
   SKIP_WITHOUT_ETCD();
   EtcdServer etcd;
   auto a = Connect(etcd);
@@ -363,7 +367,7 @@ TEST_CASE("Cluster directory: a node id held by a live node cannot join until it
   CHECK(FindMember(*a, "A")->epoch == 2);
 }
 
-TEST_CASE("Cluster directory: with etcd stopped calls fail UNAVAILABLE within the deadline and the node drops out",
+TEST_CASE("cluster directory: with etcd stopped calls fail UNAVAILABLE within the deadline and the node drops out",
           "[integration][cluster]") {
   SKIP_WITHOUT_ETCD();
   EtcdServer etcd;
@@ -404,7 +408,7 @@ TEST_CASE("Cluster directory: with etcd stopped calls fail UNAVAILABLE within th
   CHECK(OwnersOf(*fresh, ns, Key(0)).empty());
 }
 
-TEST_CASE("Cluster directory: corrupt or foreign values under the prefix are skipped and counted",
+TEST_CASE("cluster directory: corrupt or foreign values under the prefix are skipped and counted",
           "[integration][cluster]") {
   SKIP_WITHOUT_ETCD();
   EtcdServer etcd;
@@ -444,7 +448,7 @@ TEST_CASE("Cluster directory: corrupt or foreign values under the prefix are ski
   CHECK_FALSE(FindMember(*b, "E").has_value());
 }
 
-TEST_CASE("Cluster directory: separate prefixes are separate clusters", "[integration][cluster]") {
+TEST_CASE("cluster directory: separate prefixes are separate clusters", "[integration][cluster]") {
   SKIP_WITHOUT_ETCD();
   EtcdServer etcd;
   EtcdOptions options;
@@ -468,7 +472,86 @@ TEST_CASE("Cluster directory: separate prefixes are separate clusters", "[integr
   CHECK(ConnectEtcd(options).status().code() == StatusCode::kInvalidArgument);
 }
 
-TEST_CASE("Cluster directory: a credentials file readable by group or others is refused", "[integration][cluster]") {
+// etcdctl (Debian package etcd-client) against `etcd`; REQUIREs success.
+void Etcdctl(const EtcdServer& etcd, std::vector<std::string> args) {
+  std::vector<std::string> argv = {"/usr/bin/etcdctl", "--endpoints", etcd.endpoint(), "--dial-timeout", "5s"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = flexkv::testing::RunCommand(argv);
+  INFO("etcdctl " << args[0] << " " << (args.size() > 1 ? args[1] : "") << ": " << r.output);
+  REQUIRE(r.exit_code == 0);
+}
+
+TEST_CASE("cluster directory: etcd with auth: credentials from a file, a role scoped to the prefix, tokens renewed",
+          "[integration][cluster]") {
+  SKIP_WITHOUT_ETCD();
+  if (::access("/usr/bin/etcdctl", X_OK) != 0) {
+    WARN("skipped: /usr/bin/etcdctl not found (Debian package etcd-client)");
+    return;
+  }
+  // Simple tokens that expire after 1 s, so that every later call needs a renewed one.
+  EtcdServer etcd({"--auth-token-ttl", "1"});
+  Etcdctl(etcd, {"user", "add", "root", "--new-user-password=rootpw"});
+  Etcdctl(etcd, {"user", "add", "flexkv", "--new-user-password=flexkv-pw"});
+  Etcdctl(etcd, {"role", "add", "fkv"});
+  Etcdctl(etcd, {"role", "grant-permission", "fkv", "--prefix=true", "readwrite", "/flexkv/"});
+  Etcdctl(etcd, {"user", "grant-role", "flexkv", "fkv"});
+  Etcdctl(etcd, {"auth", "enable"});
+
+  char tmpl[] = "/tmp/flexkv-etcd-creds-XXXXXX";
+  REQUIRE(::mkdtemp(tmpl) != nullptr);
+  const std::string path = std::string(tmpl) + "/creds";
+  {
+    std::ofstream out(path);
+    out << "user = flexkv\npassword = flexkv-pw\n";
+  }
+  REQUIRE(::chmod(path.c_str(), 0600) == 0);
+  auto creds = ReadCredentialsFile(path);
+  std::error_code ec;
+  std::filesystem::remove_all(tmpl, ec);
+  REQUIRE(creds.ok());
+
+  EtcdOptions options;
+  options.endpoints = {etcd.endpoint()};
+  options.user = creds->user;
+  options.password = creds->password;
+  auto a = ConnectEtcd(options);
+  auto b = ConnectEtcd(options);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  REQUIRE((*a)->Join(Node("A", "10.0.0.1:7000"), 2s).ok());
+  REQUIRE((*b)->Join(Node("B", "10.0.0.2:7000"), 10s).ok());
+  REQUIRE((*a)->Publish(Entries("m", 0, 3)).ok());
+  CHECK(OwnersOf(**b, "m", Key(2)) == std::vector<Owner>{{"A", 1}});
+  // Past the token ttl (and the lease ttl): the keepalives and the calls renewed their tokens.
+  std::this_thread::sleep_for(4s);
+  CHECK((*a)->joined());
+  REQUIRE((*a)->Publish(Entries("m", 3, 1)).ok());
+  CHECK(OwnersOf(**b, "m", Key(3)) == std::vector<Owner>{{"A", 1}});
+  CHECK(dynamic_cast<EtcdDirectory&>(**b).token_renewals() > 0);  // B was idle for longer than the token ttl
+  REQUIRE((*a)->Leave().ok());
+  CHECK(OwnersOf(**b, "m", Key(2)).empty());
+
+  // A wrong password, no credentials at all, or a prefix outside the role: refused, never UNAVAILABLE.
+  options.password = "wrong";
+  auto wrong = ConnectEtcd(options);
+  REQUIRE(wrong.ok());
+  Status s = (*wrong)->Join(Node("W", "10.0.0.3:7000"), 10s);
+  CHECK_FALSE(s.ok());
+  CHECK(s.code() != StatusCode::kUnavailable);
+  CHECK_THAT(s.message(), Catch::Contains("Authenticate as 'flexkv'"));
+  auto anonymous = Connect(etcd);
+  s = anonymous->Join(Node("W", "10.0.0.3:7000"), 10s);
+  CHECK_FALSE(s.ok());
+  CHECK(s.code() != StatusCode::kUnavailable);
+  options.password = creds->password;
+  options.prefix = "/elsewhere/";
+  auto elsewhere = ConnectEtcd(options);
+  REQUIRE(elsewhere.ok());
+  s = (*elsewhere)->Join(Node("W", "10.0.0.3:7000"), 10s);
+  CHECK(s.code() == StatusCode::kPermissionDenied);
+}
+
+TEST_CASE("cluster directory: a credentials file readable by group or others is refused", "[integration][cluster]") {
   char tmpl[] = "/tmp/flexkv-etcd-creds-XXXXXX";
   REQUIRE(::mkdtemp(tmpl) != nullptr);
   const std::string dir = tmpl;

@@ -409,6 +409,8 @@ Status EtcdDirectory::Call(const char* what, const Rpc& rpc, milliseconds deadli
     }
     if (!options_.user.empty() && TokenRejected(s) && !renewed) {
       renewed = true;  // a new token, once, on the same endpoint
+      token_renewals_.fetch_add(1, std::memory_order_relaxed);
+      log::Debug(kLog, "etcd {}: token rejected ({}); authenticating again", ep.address, s.error_message());
       MutexLock l(&token_mu_);
       token_.clear();
       continue;

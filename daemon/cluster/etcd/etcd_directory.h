@@ -82,6 +82,8 @@ class EtcdDirectory final : public Directory {
 
   // Keys and values read back from the store that did not parse (skipped), since construction.
   uint64_t skipped_values() const { return skipped_.load(std::memory_order_relaxed); }
+  // Auth tokens that etcd rejected (expired) and this client replaced.
+  uint64_t token_renewals() const { return token_renewals_.load(std::memory_order_relaxed); }
   // The lease of the current join (0 when none).
   int64_t lease_id() const;
   // Tests: the keepalive thread stops sending (as a hung process would); the store drops the node after its ttl.
@@ -134,6 +136,7 @@ class EtcdDirectory final : public Directory {
   std::atomic<bool> joined_{false};
   std::atomic<bool> keepalive_paused_{false};
   std::atomic<uint64_t> skipped_{0};
+  std::atomic<uint64_t> token_renewals_{0};
   log::RateLimited skipped_log_{5000};
 };
 
