@@ -283,13 +283,13 @@ TEST_CASE("cluster directory: a node whose lease ends is out, and its rejoin has
   const std::string ns = "m";
   auto a = Connect(etcd);
   auto b = Connect(etcd);
-  REQUIRE(a->Join(Node("A", "10.0.0.1:7000"), 2s).ok());
+  REQUIRE(a->Join(Node("A", "10.0.0.1:7000"), 3s).ok());
   REQUIRE(b->Join(Node("B", "10.0.0.2:7000"), 30s).ok());
   REQUIRE(a->Publish(Entries(ns, 0, 4)).ok());
   REQUIRE(OwnersOf(*b, ns, Key(0)) == std::vector<Owner>{{"A", 1}});
 
   // The keepalives go on for longer than the ttl: A stays in.
-  std::this_thread::sleep_for(3s);
+  std::this_thread::sleep_for(4s);
   CHECK(a->joined());
   CHECK(OwnersOf(*b, ns, Key(0)) == std::vector<Owner>{{"A", 1}});
 
