@@ -218,7 +218,8 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
     }
     if (index_->pinned_slots() > 0) {
       return Status::FailedPrecondition(fmt::format(
-          "{} blocks are still pinned (a session's end releasing them, or a scrub reading them); retry in a moment", index_->pinned_slots()));
+          "{} blocks are still pinned (a session's end releasing them, a scrub reading them, or {} being written to "
+          "the SSD tier); retry in a moment", index_->pinned_slots(), writing_));
     }
     if (index_->used_slots() != index_->committed_blocks()) {
       return Status::FailedPrecondition(
@@ -330,6 +331,7 @@ size_t Cache::HybridMatchLocked(std::span<const BlockKey> keys, bool pin, std::v
 
 void Cache::Unpin(std::span<const SlotId> slots) {
   MutexLock lock(&mu_);
+  ++next_tier_epoch_;  // blocks may be evictable again
   UnpinLocked(slots);
 }
 
@@ -534,6 +536,7 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
                            std::span<const SlotId> failed) {
   MutexLock lock(&mu_);
   if (!index_) return 0;  // dropped (DropDomain refuses while any slot is pinned, so nothing was checked)
+  ++next_tier_epoch_;  // verified blocks become evictable
   // FULL blocks first and parents first (the verifier's order): a component entry does not depend on them.
   std::vector<SlotId> full_failed;
   for (SlotId s : passed) {

@@ -208,12 +208,13 @@ class Cache {
   // write failed is queued again.
   void AttachNextTier(bool queue_commits);
   // Pins and returns up to `max_blocks` committed blocks the next tier does not hold yet, marking them "being
-  // written": first those the commit queue holds (in commit order), then the cold end of the eviction order
-  // in the order it will be evicted - each cold leaf, then its ancestors (each becomes a cold leaf when its last child
-  // goes) - walking at most `window` blocks, written or not. A block on the next tier is reached there through the
-  // DRAM prefix above it, which eviction (leaves first) keeps longest. The caller writes each and calls EndWriteBack
-  // for each, exactly once. Empty without a pool, for a hybrid geometry, before AttachNextTier, and when nothing
-  // changed in the index since a walk found nothing.
+  // written": first those the commit queue holds (in commit order), then the cold end of the eviction order in the
+  // order it will be evicted - each cold leaf, then the ancestors that become cold leaves when it goes (up to one
+  // with other children) - walking at most `window` blocks, written or not (and at most 16384 per call: the walk
+  // holds the lock). A block on the next tier is reached there through the DRAM prefix above it, which eviction
+  // (leaves first) keeps longest. The caller writes each and calls EndWriteBack for each, exactly once. Empty
+  // without a pool, for a hybrid geometry, before AttachNextTier, and when nothing changed in the index since a walk
+  // found nothing (then at most one walk every 100 ms).
   // `still_on_next` (optional) is asked, under the cache's lock, whether a cold block marked as on the next tier
   // still is (the next tier may have dropped it to make room); one that is not is taken again.
   std::vector<WriteBackBlock> TakeWriteBack(size_t max_blocks, size_t window,
@@ -310,6 +311,7 @@ class Cache {
   // idle_epoch_ is its value when a walk of the cold end last found nothing to write.
   uint64_t next_tier_epoch_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t idle_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t last_walk_ms_ ABSL_GUARDED_BY(mu_) = 0;
   // A FULL block left its slot (evicted, dropped) or the slot was reserved again: its next-tier mark goes.
   void ForgetNextTierLocked(SlotId slot, bool evicted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified

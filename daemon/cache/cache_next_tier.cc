@@ -1,6 +1,7 @@
 // Cache: the marks of the blocks the next tier (SSD) also holds, and the write-back queue; see cache.h.
 #include <algorithm>
 
+#include "common/clock.h"
 #include "daemon/cache/cache.h"
 
 namespace flexkv {
@@ -20,7 +21,7 @@ void Cache::AttachNextTier(bool queue_commits) {
 void Cache::ForgetNextTierLocked(SlotId slot, bool evicted) {
   if (slot >= on_next_.size()) return;
   ++next_tier_epoch_;
-  if (evicted && next_tier_) {
+  if (evicted && next_tier_ && parts_.empty()) {  // hybrid domains have no next tier: nothing to count
     if (on_next_[slot] == kOnNext) ++evicted_written_; else ++evicted_unwritten_;
   }
   on_next_[slot] = kNotOnNext;
@@ -31,16 +32,19 @@ std::vector<Cache::WriteBackBlock> Cache::TakeWriteBack(size_t max_blocks, size_
   MutexLock lock(&mu_);
   std::vector<WriteBackBlock> out;
   if (!next_tier_ || !index_ || !parts_.empty() || max_blocks == 0) return out;
-  // Pins `s` and appends it, when it is committed, not on the next tier and not being written.
-  const auto take = [&](SlotId s, bool cold) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  // Pins `s` and appends it, when it is committed, not on the next tier and not being written. A block marked as on
+  // the next tier is checked there when it is a cold leaf (the next to go): it may have been dropped there to make
+  // room, and is then written again.
+  const auto take = [&](SlotId s, bool cold, bool leaf) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (s >= on_next_.size() || on_next_[s] == kWriting) return;
+    if (on_next_[s] == kOnNext && !(leaf && still_on_next)) return;
     const std::optional<Pool::Committed> entry = pool_->Entry(s);
+    if (!entry) return;  // a corrupt entry is the verifier's business, not written
     if (on_next_[s] == kOnNext) {
-      // Marked as on the next tier: still there? (It may have made room there since; then it is written again.)
-      if (!cold || !still_on_next || !entry || still_on_next(entry->key)) return;
+      if (still_on_next(entry->key)) return;
       on_next_[s] = kNotOnNext;
     }
-    if (!entry || !index_->PinSlot(s)) return;  // a corrupt entry is the verifier's business, not written
+    if (!index_->PinSlot(s)) return;
     on_next_[s] = kWriting;
     ++writing_;
     out.push_back(WriteBackBlock{s, entry->key, entry->parent, entry->content_checksum, cold});
@@ -48,24 +52,32 @@ std::vector<Cache::WriteBackBlock> Cache::TakeWriteBack(size_t max_blocks, size_
   size_t queued = 0;
   for (; queued < commit_queue_.size() && out.size() < max_blocks; ++queued) {
     const SlotId s = commit_queue_[queued];
-    if (index_->IsCommitted(s)) take(s, false);
+    if (index_->IsCommitted(s)) take(s, false, false);
   }
   commit_queue_.erase(commit_queue_.begin(), commit_queue_.begin() + static_cast<ptrdiff_t>(queued));
   if (out.size() >= max_blocks || window == 0) return out;
-  // The cold end, in the order it will be evicted: each cold leaf, then its ancestors (each becomes a leaf, at the
-  // cold end, when its last child goes; one written already is passed, one whose write failed is taken again),
-  // within `window` blocks in all. A block on the next tier is reachable there through the DRAM prefix above it,
-  // which eviction keeps longest. Nothing changed in the index since a walk that found nothing: no walk.
-  if (next_tier_epoch_ == idle_epoch_) return out;
+  // The cold end, in the order it will be evicted: each cold leaf, then the ancestors that become cold leaves when it
+  // goes (up to the first that has other children: it stays while they do), within `window` blocks and at most
+  // kWalkBudget nodes in all (the walk holds the cache's lock). A block on the next tier is reachable there through
+  // the DRAM prefix above it, which eviction keeps longest. The walk runs when the index changed since one found
+  // nothing, or every kWalkIntervalMs all the same (pins released, blocks verified at a restart).
+  constexpr size_t kWalkBudget = 16384;
+  constexpr int64_t kWalkIntervalMs = 100;
+  const int64_t now_ms = MonotonicMs();
+  if (next_tier_epoch_ == idle_epoch_ && now_ms - last_walk_ms_ < kWalkIntervalMs) return out;
+  last_walk_ms_ = now_ms;
+  const size_t limit = std::min(window, kWalkBudget);
   size_t seen = 0;
-  index_->ForEachColdLeaf(window, [&](SlotId leaf) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    for (SlotId s = leaf; s != PrefixIndex::kNoParent && s < on_next_.size() && seen < window &&
-                          out.size() < max_blocks;
+  index_->ForEachColdLeaf(limit, [&](SlotId leaf) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ++seen;
+    take(leaf, true, true);
+    for (SlotId s = index_->ParentOf(leaf); s != PrefixIndex::kNoParent && index_->ChildCount(s) == 1 &&
+                                            seen < limit && out.size() < max_blocks;
          s = index_->ParentOf(s)) {
       ++seen;
-      take(s, true);  // an ancestor is a leaf by the time it is unpinned if its children went meanwhile: cold
+      take(s, true, false);  // a leaf by the time it is unpinned if its child went meanwhile: cold
     }
-    return out.size() < max_blocks && seen < window;
+    return out.size() < max_blocks && seen < limit;
   });
   if (out.empty()) idle_epoch_ = next_tier_epoch_;
   return out;

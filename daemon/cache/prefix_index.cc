@@ -490,6 +490,11 @@ SlotId PrefixIndex::ParentOf(SlotId slot) const {
   return n.parent;
 }
 
+uint32_t PrefixIndex::ChildCount(SlotId slot) const {
+  const Impl& m = *impl_;
+  return slot < m.nodes_.size() ? m.nodes_[slot].children : 0;
+}
+
 void PrefixIndex::ForEachColdLeaf(size_t n, const std::function<bool(SlotId)>& visit) const {
   const Impl& m = *impl_;
   SlotId s = m.lru_.head;

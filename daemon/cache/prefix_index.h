@@ -92,6 +92,8 @@ class PrefixIndex {
   // the slot holds no such node.
   static constexpr SlotId kNoParent = 0xffffffffu;
   SlotId ParentOf(SlotId slot) const;
+  // The pending and committed nodes hanging under the node in `slot` (0 for a free slot).
+  uint32_t ChildCount(SlotId slot) const;
   // The evictable slots (committed, unpinned, childless) that will be evicted first, least recently used first, at
   // most `n`; `visit` returns false to stop early. O(visited).
   void ForEachColdLeaf(size_t n, const std::function<bool(SlotId)>& visit) const;

@@ -134,7 +134,7 @@ void RequestHandlers::Match(const std::shared_ptr<RequestSession>& sp, const Sub
   if (ssd_ != nullptr && hit < keys.size() && !s.geometry().is_hybrid() && ssd_->open() &&
       s.cache().generation() == s.pool_generation_ && lifecycle_->TryBegin()) {
     // The match may go on in SSD: promote what it holds, then match again in DRAM. Counted in flight meanwhile
-    // (the promotion writes into the pool: a drain waits for it and DropDomain cannot start).
+    // (the promotion writes into the pool: a drain waits for it; its pending slots keep DropDomain away).
     auto all = std::make_shared<std::vector<BlockKey>>(keys);
     const bool promoting = ssd_->Promote(s.cache(), *all, hit, [this, sp, d, taken_ns, all, pin](size_t) {
       std::vector<SlotId> again;

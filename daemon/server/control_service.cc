@@ -360,11 +360,19 @@ grpc::Status ControlService::Match(grpc::ServerContext* context, const v1::Match
   if (ctx_.ssd != nullptr && hit < keys.size() && ctx_.ssd->open() && ctx_.lifecycle->TryBegin()) {
     auto promoted = std::make_shared<std::promise<void>>();
     std::future<void> ended = promoted->get_future();
-    if (ctx_.ssd->Promote(*cache, keys, hit, [promoted](size_t) { promoted->set_value(); })) {
-      ended.wait();
-      hit = cache->Match(keys, /*pin=*/false, nullptr);
+    Lifecycle* lifecycle = ctx_.lifecycle;
+    if (ctx_.ssd->Promote(*cache, keys, hit, [promoted, lifecycle](size_t) {
+          lifecycle->Finish();  // in flight until the promotion ends, even if this call stopped waiting
+          promoted->set_value();
+        })) {
+      // A drive that hangs must not hang the control plane: after 10 s (or the call's deadline) the answer is what
+      // DRAM has; the promotion still ends on its own (the promise is shared with its callback).
+      auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(10);
+      deadline = std::min(deadline, context->deadline());
+      if (ended.wait_until(deadline) == std::future_status::ready) hit = cache->Match(keys, /*pin=*/false, nullptr);
+    } else {
+      lifecycle->Finish();
     }
-    ctx_.lifecycle->Finish();
   }
   auto& counters = cache->counters();
   counters.match_requests.fetch_add(1, std::memory_order_relaxed);

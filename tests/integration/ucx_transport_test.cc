@@ -100,7 +100,7 @@ Status GetSync(UcxTransport& t, const PeerHandle& peer, const RemoteRegion& r, u
   return *result;
 }
 
-TEST_CASE("UCX transport: a peer reads a registered region byte-exact over tcp on loopback", "[integration][cluster]") {
+TEST_CASE("cluster transport (UCX): a peer reads a registered region byte-exact over tcp on loopback", "[integration][cluster]") {
   auto a = MakeTransport(LoopbackOptions(true));
   auto b = MakeTransport(LoopbackOptions(false));
   REQUIRE(a->endpoint().rfind("127.0.0.1:", 0) == 0);
@@ -154,7 +154,7 @@ TEST_CASE("UCX transport: a peer reads a registered region byte-exact over tcp o
   CHECK(b->stats().gets_ok == 6);
 }
 
-TEST_CASE("UCX transport: ranges outside the region and malformed descriptors are refused",
+TEST_CASE("cluster transport (UCX): ranges outside the region and malformed descriptors are refused",
           "[integration][cluster]") {
   auto a = MakeTransport(LoopbackOptions(true));
   auto b = MakeTransport(LoopbackOptions(false));
@@ -242,7 +242,7 @@ TEST_CASE("UCX transport: ranges outside the region and malformed descriptors ar
   CHECK(MatchesPattern(dst.data(), 100, 4096));
 }
 
-TEST_CASE("UCX transport: many gets in flight from two threads all complete byte-exact", "[integration][cluster]") {
+TEST_CASE("cluster transport (UCX): many gets in flight from two threads all complete byte-exact", "[integration][cluster]") {
   auto a = MakeTransport(LoopbackOptions(true));
   auto bopt = LoopbackOptions(false);
   bopt.max_inflight_gets = 16;
@@ -346,7 +346,7 @@ struct StalledPeer {
   ~StalledPeer() { Release(); }
 };
 
-TEST_CASE("UCX transport: max_inflight_gets is enforced at once with RESOURCE_EXHAUSTED", "[integration][cluster]") {
+TEST_CASE("cluster transport (UCX): max_inflight_gets is enforced at once with RESOURCE_EXHAUSTED", "[integration][cluster]") {
   auto a = MakeTransport(LoopbackOptions(true));
   auto bopt = LoopbackOptions(false);
   bopt.max_inflight_gets = 4;
@@ -386,7 +386,7 @@ TEST_CASE("UCX transport: max_inflight_gets is enforced at once with RESOURCE_EX
   CHECK(a->stats().connections_rejected == 1);
 }
 
-TEST_CASE("UCX transport: a peer that stops answering ends every get with DEADLINE_EXCEEDED, then reconnects",
+TEST_CASE("cluster transport (UCX): a peer that stops answering ends every get with DEADLINE_EXCEEDED, then reconnects",
           "[integration][cluster]") {
   auto a = MakeTransport(LoopbackOptions(true));
   auto bopt = LoopbackOptions(false);
@@ -432,7 +432,7 @@ TEST_CASE("UCX transport: a peer that stops answering ends every get with DEADLI
   CHECK(b->stats().reconnects >= 1);
 }
 
-TEST_CASE("UCX transport: destroying the serving transport mid-get ends every get, never hangs",
+TEST_CASE("cluster transport (UCX): destroying the serving transport mid-get ends every get, never hangs",
           "[integration][cluster]") {
   auto a = MakeTransport(LoopbackOptions(true));
   auto bopt = LoopbackOptions(false);
@@ -493,7 +493,7 @@ TEST_CASE("UCX transport: destroying the serving transport mid-get ends every ge
   WARN("gets ok " << ok.load() << ", failed " << failed.load() << ", worst " << worst_ms.load() << " ms");
 }
 
-TEST_CASE("UCX transport: the accept filter refuses a connection", "[integration][cluster]") {
+TEST_CASE("cluster transport (UCX): the accept filter refuses a connection", "[integration][cluster]") {
   auto a = MakeTransport(LoopbackOptions(true));
   auto b = MakeTransport(LoopbackOptions(false));
   std::atomic<int> asked{0};
@@ -537,7 +537,7 @@ TEST_CASE("UCX transport: the accept filter refuses a connection", "[integration
   CHECK(MatchesPattern(dst.data(), 8192, dst.size()));
 }
 
-TEST_CASE("UCX transport: options that would bypass the network or listen by accident are refused",
+TEST_CASE("cluster transport (UCX): options that would bypass the network or listen by accident are refused",
           "[integration][cluster]") {
   for (const char* tls : {"sm", "tcp,posix", "all", "sysv", "cma", "^rc", "tcp,,rc", ""}) {
     UcxOptions o = LoopbackOptions(false);
@@ -570,7 +570,7 @@ TEST_CASE("UCX transport: options that would bypass the network or listen by acc
   CHECK(t.ok());
 }
 
-TEST_CASE("UCX transport: the RDMA inventory is empty, not an error, without RDMA", "[integration][cluster]") {
+TEST_CASE("cluster transport (UCX): the RDMA inventory is empty, not an error, without RDMA", "[integration][cluster]") {
   auto devices = ListRdmaDevices();
   struct stat st;
   if (stat("/sys/class/infiniband", &st) != 0) {
@@ -671,7 +671,7 @@ class NetnsLink {
   bool created_ = false;
 };
 
-TEST_CASE("UCX transport: across a veth into another network namespace: reads, a killed peer, a partition",
+TEST_CASE("cluster transport (UCX): across a veth into another network namespace: reads, a killed peer, a partition",
           "[integration][cluster][netns]") {
   std::string why;
   auto link = NetnsLink::Create(&why);

@@ -519,7 +519,10 @@ void SsdStore::Impl::Finish(Drive& d, uint32_t op_index) {
       break;
     }
   }
-  if (!st.ok() && r.kind == OpKind::kRead) log::Warning("ssd", "{}", st.message());
+  if (!st.ok() && r.kind == OpKind::kRead) {
+    static log::RateLimited failed_reads(10000);  // a failing drive must not flood the journal
+    failed_reads.Warning("ssd", "{}", st.message());
+  }
   op.req = Request{};
   {
     MutexLock l(&d.sq_mu);

@@ -38,6 +38,11 @@ log::RateLimited& WriteErrorLog() {
   return limited;
 }
 
+log::RateLimited& PromotionErrorLog() {
+  static log::RateLimited limited(10000);
+  return limited;
+}
+
 }  // namespace
 
 uint64_t SsdFoundPayloadCapacity(const std::vector<std::string>& paths) {
@@ -74,8 +79,10 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(SsdTierOptions options, CacheSe
     const CacheDomain::View v = c.Domain();
     if (c.has_pool() && v.geometry && !v.geometry->is_hybrid()) needed = std::max(needed, c.block_bytes());
   }
+  // Block files there decide the slot size: a domain with larger blocks stays in DRAM (a note in status), as it
+  // would while running; refusing the start over it would turn a routine restart into an outage.
   const uint64_t found = SsdFoundPayloadCapacity(tier->options_.store.paths);
-  const uint64_t capacity = std::max(needed, found);
+  const uint64_t capacity = found > 0 ? found : needed;
   if (capacity > 0) {
     FLEXKV_RETURN_IF_ERROR(tier->OpenStore(capacity));
     return tier;
@@ -139,9 +146,12 @@ void SsdTier::Stop() {
     std::lock_guard lock(mu_);
     stop_requested_ = true;
   }
-  stopping_.store(true, std::memory_order_release);
+  stopping_.store(true, std::memory_order_seq_cst);
   idle_cv_.notify_all();
   if (mover_.joinable()) mover_.join();
+  // A Promote that saw stopping_ false may still be issuing reads: wait for it to return (its reads are then
+  // accepted, and WaitIdle waits for them).
+  while (promoting_.load(std::memory_order_seq_cst) > 0) std::this_thread::yield();
   if (store_ready_.load(std::memory_order_acquire)) store_->WaitIdle();
 }
 
@@ -208,10 +218,15 @@ size_t SsdTier::MoveRound() {
     const uint64_t writing = c.write_back_stats().writing;
     if (writing >= cap) continue;
     const size_t batch = std::min<size_t>(options_.writeback_batch, cap - writing);
+    const uint64_t generation = c.generation();
     const SsdDomain domain = DomainOf(c);
     std::vector<Cache::WriteBackBlock> blocks = c.TakeWriteBack(
         batch, window, [this, &domain](const BlockKey& key) { return store_->Lookup(SsdBlockId{key, domain, 0}).has_value(); });
     if (blocks.empty()) continue;
+    if (c.generation() != generation) {  // dropped and replaced since DomainOf (the pins make that impossible now)
+      for (const Cache::WriteBackBlock& b : blocks) c.EndWriteBack(b, false);
+      continue;
+    }
     for (size_t j = 0; j < blocks.size(); ++j) {
       const Cache::WriteBackBlock b = blocks[j];
       const std::span<const uint8_t> payload(c.SlotData(b.slot), c.SlotBytes(b.slot));
@@ -276,7 +291,13 @@ void SsdTier::SampleRates() {
 }
 
 bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done) {
-  if (stopping_.load(std::memory_order_acquire) || dram_hit >= keys.size() || !Eligible(cache)) return false;
+  promoting_.fetch_add(1, std::memory_order_seq_cst);
+  struct Leave {
+    std::atomic<uint32_t>& n;
+    ~Leave() { n.fetch_sub(1, std::memory_order_seq_cst); }
+  } leave{promoting_};
+  if (stopping_.load(std::memory_order_seq_cst) || dram_hit >= keys.size() || !Eligible(cache)) return false;
+  const uint64_t generation = cache.generation();
   const SsdDomain domain = DomainOf(cache);
   const uint64_t block_bytes = cache.block_bytes();
   // The run of blocks SSD holds right after the DRAM prefix, each under the previous one.
@@ -299,6 +320,10 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
   if (r.slots.empty()) {
     // The parent left DRAM meanwhile, or no slot is free or evictable, or another store got there first.
     promotion_refused_.fetch_add(wanted, std::memory_order_relaxed);
+    return false;
+  }
+  if (cache.generation() != generation) {  // the domain was dropped and replaced since DomainOf: not its blocks
+    cache.Abort(r.slots);
     return false;
   }
   idle_cv_.notify_one();  // the reservation may have evicted: the mover refills the cold end
@@ -331,11 +356,20 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
     reads_in_flight_.fetch_add(1, std::memory_order_relaxed);
     const Status accepted = store_->Read(
         SsdBlockId{job->run[k], domain, 0}, std::span<uint8_t>(cache.SlotData(slot), cache.SlotBytes(slot)),
-        [this, job, issued, finish](Status s) {
+        [this, job, issued, finish, domain, slot, sum = sums[k], key = job->run[k]](Status s) {
           reads_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+          // The bytes passed the store's XXH3 (they are what was written); they must also be the block the DRAM
+          // pool stored: a block corrupted in DRAM before its write-back must not come back through SSD.
+          // (slot, sum and key by value: the issuing thread may still be growing job's vectors.)
+          if (s.ok() && !job->cache->ContentMatches(slot, sum)) {
+            const SsdBlockId id{key, domain, 0};
+            store_->Erase(id);
+            s = Status::DataLoss(fmt::format("{} read from SSD does not match the content checksum it was stored with "
+                                             "(corrupted before it was written back); dropped", id.ToString()));
+          }
           if (!s.ok()) {
             promotion_failed_.fetch_add(1, std::memory_order_relaxed);
-            log::Warning("ssd", "promotion: {}; the match ends before this block", s.ToString());
+            PromotionErrorLog().Warning("ssd", "promotion: {}; the match ends before this block", s.ToString());
           }
           job->ok[issued].store(s.ok() ? 1 : 2, std::memory_order_release);
           if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(job);

@@ -136,6 +136,7 @@ class SsdTier {
   std::atomic<uint64_t> promoted_{0}, promotion_requests_{0}, promotion_refused_{0}, promotion_failed_{0};
   std::atomic<uint64_t> written_back_{0}, writeback_refused_{0}, writeback_failed_{0};
   std::atomic<uint64_t> reads_in_flight_{0}, writes_in_flight_{0};
+  std::atomic<uint32_t> promoting_{0};  // Promote calls running (Stop waits for them)
 };
 
 // The payload capacity (largest block) the block files in `paths` were made for, when one of them holds a valid
