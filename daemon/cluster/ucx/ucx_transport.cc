@@ -1,3 +1,6 @@
+// UcxTransport; see ucx_transport.h. About 1,300 lines in one file: the UCP core (context, worker, progress
+// thread), the endpoints, the verbs get path and the tcp request/reply path share the core's private state and its
+// one lock; the tcp protocol moves to a file of its own when the daemon wires the transport in.
 #include "daemon/cluster/ucx/ucx_transport.h"
 
 #include <arpa/inet.h>

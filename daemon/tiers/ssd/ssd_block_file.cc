@@ -95,9 +95,8 @@ uint64_t RandomFileId() {
   return id;
 }
 
-}  // namespace
-
-Status SsdPreflight(const std::string& dir, uint64_t bytes, bool allow_buffered, std::string* warning) {
+// `dir` exists and is a directory (NOT_FOUND / INVALID_ARGUMENT naming --ssd-path otherwise); `*fs` its filesystem.
+Status StatSsdDirectory(const std::string& dir, struct statfs* fs) {
   struct stat dst {};
   if (::stat(dir.c_str(), &dst) != 0) {
     const int e = errno;
@@ -108,8 +107,15 @@ Status SsdPreflight(const std::string& dir, uint64_t bytes, bool allow_buffered,
   if (!S_ISDIR(dst.st_mode)) {
     return Status::InvalidArgument(fmt::format("ssd path {} is not a directory; --ssd-path names a directory", dir));
   }
+  if (statfs(dir.c_str(), fs) != 0) return SsdErrnoStatus(errno, fmt::format("statfs {}", dir));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status SsdPreflight(const std::string& dir, uint64_t bytes, bool allow_buffered, std::string* warning) {
   struct statfs fs {};
-  if (statfs(dir.c_str(), &fs) != 0) return SsdErrnoStatus(errno, fmt::format("statfs {}", dir));
+  FLEXKV_RETURN_IF_ERROR(StatSsdDirectory(dir, &fs));
   const std::string filesystem = FilesystemName(static_cast<int64_t>(fs.f_type));
   std::string no_direct;
   if (MemoryFilesystem(static_cast<int64_t>(fs.f_type))) {
@@ -211,18 +217,8 @@ Result<std::unique_ptr<SsdBlockFile>> SsdBlockFile::Open(const std::string& dir,
     if (!warning->empty()) *warning += "; ";
     *warning += w;
   };
-  struct stat dst {};
-  if (::stat(dir.c_str(), &dst) != 0) {
-    const int e = errno;
-    if (e == ENOENT) return Status::NotFound(fmt::format("ssd path {} does not exist; create it (a directory on the "
-                                                         "drive) or fix --ssd-path", dir));
-    return SsdErrnoStatus(e, fmt::format("ssd path {}", dir));
-  }
-  if (!S_ISDIR(dst.st_mode)) {
-    return Status::InvalidArgument(fmt::format("ssd path {} is not a directory; --ssd-path names a directory", dir));
-  }
   struct statfs fs {};
-  if (statfs(dir.c_str(), &fs) != 0) return SsdErrnoStatus(errno, fmt::format("statfs {}", dir));
+  FLEXKV_RETURN_IF_ERROR(StatSsdDirectory(dir, &fs));
 
   std::unique_ptr<SsdBlockFile> f(new SsdBlockFile());
   f->path_ = dir + (dir.ends_with('/') ? "" : "/") + kSsdFileName;

@@ -1,6 +1,6 @@
 // See ssd_store.h. Over 1,100 lines, on purpose for now: Impl (index, drives, rings, completion, rebuild) is one
-// private state; it splits with the cache wiring (issue 15, next step), when rebuild and the mover get files of their
-// own behind an internal header.
+// private state; the cache wiring went into ssd_tier.cc instead, so the split left is the rebuild behind an
+// internal header (next change to this file).
 // The index (slot table, key map, LRU list, free lists) sits behind one mutex; each drive owns an io_uring, a
 // completion thread, a bounded request queue and `queue_depth` operation slots, each with its header
 // sector (registered with the ring as fixed buffer 0) and, when needed, a bounce buffer.
