@@ -54,7 +54,11 @@ san_ctest() {  # <dir> <ctest selection...>
   ctest --test-dir "$dir" --output-on-failure -j "$(nproc)" --timeout 900 --no-tests=error "$@"
 }
 SAN_TARGETS=(flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests flexkv_data_plane_tests
-  flexkv_client_session_tests)
+  flexkv_client_session_tests flexkv_cluster_tests flexkv_ucx_transport_tests flexkv-ucx-peer)
+# UCX (linked into the daemon library for the cluster tier) hooks malloc and mmap through libucm when it is loaded;
+# under TSan that interposition segfaults every thread start, under ASan it fights the allocator. The sanitizer runs
+# turn the hooks off: the daemon registers its pool explicitly (ucp_mem_map) and needs no registration-cache events.
+export UCX_MEM_EVENTS=no UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none
 
 asan_stage() {
   san_build build-asan address,undefined "${SAN_TARGETS[@]}"
