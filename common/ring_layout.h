@@ -24,6 +24,11 @@ enum class RingOp : uint16_t {
   kLoad = 2,     // match handle + destination block ids → copies the matched blocks into the session's KV
   kStore = 3,    // parent + keys + source block ids → stores the blocks not yet cached, keys[0] under parent
   kRelease = 4,  // match handle → drops its pins
+  // keys (a prompt's chain from its first block) → the leading blocks cached here, then the blocks after them
+  // pulled from peer daemons (cluster tier, docs/cluster.md) and cached here once verified. Asynchronous: the
+  // completion comes when the pull ended (deadline-bounded). Pins nothing; Match after it to load. flags 0,
+  // match_handle 0, parent zero, block ids none. A daemon without a cluster tier answers with the local hits.
+  kPrefetch = 5,
 };
 inline constexpr uint16_t kMatchFlagPin = 1;
 // Load: post a progress completion (kCompletionFlagLayerDone, matched_blocks = layer) as each layer lands.
@@ -69,11 +74,15 @@ struct CompletionDescriptor {
   uint16_t opcode;
   uint16_t flags;            // kCompletionFlagLayerDone: progress of a layer-wise Load
   uint32_t matched_blocks;   // Match: leading blocks cached; Store: leading blocks already cached;
-                             // layer progress: the layer that landed
-  uint32_t done_blocks;      // Load: blocks loaded; Store: blocks newly stored
+                             // layer progress: the layer that landed; Prefetch: leading blocks cached here
+                             // before the pull
+  uint32_t done_blocks;      // Load: blocks loaded; Store: blocks newly stored; Prefetch: blocks pulled from a
+                             // peer and now cached here (they follow the matched_blocks)
   uint64_t match_handle;     // Match with kMatchFlagPin: handle to Load/Release (0 when nothing pinned)
-  uint64_t reserved1;
-  char message[88];          // NUL-terminated reason when status_code != 0
+  uint64_t bytes;            // Prefetch: bytes pulled from peers (done_blocks blocks); 0 for every other opcode
+  // NUL-terminated reason when status_code != 0. Prefetch with status OK: the source node's id when blocks were
+  // pulled, else why none were ("" when no peer has them, e.g. "peer node-a: deadline exceeded").
+  char message[88];
 };
 static_assert(sizeof(CompletionDescriptor) == 128);
 
