@@ -36,6 +36,7 @@
 #include "daemon/server/parse_error_interceptor.h"
 #include "daemon/server/peer_table.h"
 #include "daemon/sessions/session_registry.h"
+#include "daemon/tiers/cluster/cluster_tier.h"
 #include "daemon/tiers/ssd/ssd_tier.h"
 #include "daemon/transfer/cuda/cuda_engine_memory.h"
 #include "daemon/transfer/engine_memory_backends.h"
@@ -89,6 +90,9 @@ int RunDaemon(const DaemonConfig& config) {
   EngineMemoryBackends backends;
   backends.Add(std::make_unique<HostBackend>(config.copy_threads));
   if (auto cuda = CudaEngineMemory::Create(config.load_copy_engine, config.store_copy_engine)) backends.Add(std::move(cuda));
+  // The cluster tier, declared before the caches so that it outlives them (their listeners call it); created once
+  // they exist, stopped explicitly before the sessions go.
+  std::unique_ptr<ClusterTier> cluster;
   CacheSetOptions cache_options;
   cache_options.budget_bytes = config.pool_bytes;
   cache_options.pool_path = config.pool_path;
@@ -99,8 +103,48 @@ int RunDaemon(const DaemonConfig& config) {
   // Each domain's pool announces itself (now when re-attached, or when its first Attach creates it): the backends
   // register it for DMA before any session can copy, so that registering GPU buffers later is quick; a dropped
   // domain's region is unregistered, exactly that one.
-  caches.SetPoolListener([&backends](const PoolRegion& pool) { return backends.RegisterPool(pool); },
-                         [&backends](const PoolRegion& pool) { backends.UnregisterPool(pool); });
+  // With a cluster tier, peers read the grants too: registered for remote reads after the DMA backends, and
+  // unregistered before them.
+  caches.SetPoolListener(
+      [&backends, &cluster](const PoolRegion& pool) {
+        Status registered = backends.RegisterPool(pool);
+        if (cluster) (void)cluster->AddPoolRegion(pool);  // a grant peers cannot read still serves here
+        return registered;
+      },
+      [&backends, &cluster](const PoolRegion& pool) {
+        if (cluster) cluster->RemovePoolRegion(pool);
+        backends.UnregisterPool(pool);
+      });
+  if (!config.etcd_endpoints.empty()) {
+    ClusterTierOptions cluster_options;
+    cluster_options.node_id = config.node_id;
+    cluster_options.etcd_endpoints = config.etcd_endpoints;
+    cluster_options.etcd_credentials_file = config.etcd_credentials_file;
+    cluster_options.secret_file = config.cluster_secret_file;
+    cluster_options.listen_address = config.cluster_listen->host;
+    cluster_options.listen_port = config.cluster_listen->port;
+    cluster_options.transfer_devices = config.transfer_devices;
+    cluster_options.transports = config.cluster_transports;
+    cluster_options.chunk_blocks = config.cluster_chunk_blocks;
+    cluster_options.lease_ttl = std::chrono::milliseconds(static_cast<int64_t>(config.cluster_lease_ttl_s * 1000));
+    cluster_options.pull_deadline =
+        std::chrono::milliseconds(static_cast<int64_t>(config.cluster_pull_deadline_s * 1000));
+    cluster_options.max_pulls = config.cluster_max_pulls;
+    cluster_options.max_session_pulls = config.cluster_max_session_pulls;
+    auto tier = ClusterTier::Create(std::move(cluster_options), &caches);
+    if (!tier.ok()) {
+      log::Error("daemon", "cannot start the cluster tier: {}", tier.status().ToString());
+      return 1;
+    }
+    cluster = std::move(*tier);
+  }
+  // Whatever way this function returns, the tier's threads (which read the caches) end before the caches go.
+  struct ClusterStop {
+    ~ClusterStop() {
+      if (tier) tier->Stop();
+    }
+    ClusterTier* tier;
+  } cluster_stop{cluster.get()};
   // Budget shares follow the domains' demand: a thread of its own (growing a share pins memory for DMA, which must
   // not hold up the signals and the watchdog here), acting every few seconds and only when shares change. Declared
   // after `caches`, so it stops before they go.
@@ -169,6 +213,7 @@ int RunDaemon(const DaemonConfig& config) {
   dp_options.pins.max_session_share = config.max_session_pin_share;
   dp_options.pins.lease_ms = static_cast<int64_t>(config.pin_lease_s * 1000);
   dp_options.ssd = ssd.get();
+  dp_options.cluster = cluster.get();
   DataPlane data_plane(&lifecycle, &backends, dp_options);
   SessionRegistry sessions(SessionLimits{static_cast<int64_t>(config.attach_timeout_s * 1000),
                                          config.max_pending_sessions_per_uid, config.max_pending_sessions,
@@ -199,7 +244,7 @@ int RunDaemon(const DaemonConfig& config) {
 
   ErrorCounts control_errors;
   auto metrics = std::make_shared<DaemonMetrics>(
-      MetricsSources{&caches, &data_plane, &sessions, &lifecycle, &control_errors, ssd.get()});
+      MetricsSources{&caches, &data_plane, &sessions, &lifecycle, &control_errors, ssd.get(), cluster.get()});
   const NamespaceAccess access(config.namespace_acls);
   for (const auto& [name, acl] : config.namespace_acls) {
     log::Info("daemon", "namespace '{}': ACL from {} ({} writers, {})", name, acl.source, acl.writers.size(),
@@ -207,7 +252,7 @@ int RunDaemon(const DaemonConfig& config) {
   }
   ControlService control(ControlContext{&caches, &data_plane, &backends, &sessions, &lifecycle, &peers,
                                         config.admin_gid, started_ms, &control_errors, metrics.get(), &access,
-                                        ssd.get()});
+                                        ssd.get(), cluster.get()});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);
@@ -314,6 +359,8 @@ int RunDaemon(const DaemonConfig& config) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   // Every SSD request ends (promotions answered, written blocks unpinned) while the sessions still exist.
   if (ssd) ssd->Stop();
+  // Every pull ends (each Prefetch answered) and the node leaves the cluster: its directory entries go at once.
+  if (cluster) cluster->Stop();
   sessions.Stop();
   data_plane.Stop();
   if (exit_code != 0) return exit_code;

@@ -186,6 +186,7 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     p->MarkFree(slot);
     UnanchorLocked(key);
     ForgetNextTierLocked(slot, /*evicted=*/true);
+    ReportBlockLocked(BlockEvent::kRemoved, key, false);
   });
   on_next_.assign(pool_->sub_pool(0).capacity, 0);
   commit_queue_.clear();
@@ -238,6 +239,7 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
     }
   }
   const uint64_t blocks = index_ ? index_->committed_blocks() : 0;
+  if (index_) ReportBlockLocked(BlockEvent::kDomainDropped, BlockKey{}, false);
   for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
     AnnounceGrantsLocked(pool_gone_listener_, c, 0, pool_->sub_pool(c).active);
   }
@@ -485,8 +487,27 @@ void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_
     const size_t k = first + i;
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1], content_checksums[i]);
     if (queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(slots[i]);
+    ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == keys.size());
   }
   ++next_tier_epoch_;
+}
+
+std::optional<uint64_t> Cache::EntryChecksum(SlotId slot) const {
+  MutexLock lock(&mu_);
+  if (!pool_ || slot >= pool_->capacity()) return std::nullopt;
+  const std::optional<Pool::Committed> entry = pool_->Entry(slot);
+  if (!entry) return std::nullopt;
+  return entry->content_checksum;
+}
+
+void Cache::SetBlockListener(std::function<void(const BlockEvent&)> listener) {
+  MutexLock lock(&mu_);
+  block_listener_ = std::move(listener);
+}
+
+void Cache::ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end) {
+  if (!block_listener_ || parts_.size() > 0) return;  // hybrid geometries: not reported
+  block_listener_(BlockEvent{kind, key, request_end});
 }
 
 std::vector<Pool::Committed> Cache::TakeUnverified() {
@@ -542,7 +563,11 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
   for (SlotId s : passed) {
     const size_t c = ComponentOfLocked(s);
     if (c == 0) {
-      index_->MarkVerified(s);
+      if (index_->MarkVerified(s) && block_listener_) {
+        if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) {
+          ReportBlockLocked(BlockEvent::kCommitted, entry->key, index_->ChildCount(s) == 0);
+        }
+      }
     } else {
       Part(c).MarkVerified(LocalLocked(c, s));
     }
@@ -564,7 +589,10 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
   return dropped + index_->DropSubtrees(full_failed, [this](SlotId s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
            const std::optional<Pool::Committed> entry = pool_->Entry(s);
            pool_->MarkFree(s);
-           if (entry) UnanchorLocked(entry->key);
+           if (entry) {
+             UnanchorLocked(entry->key);
+             ReportBlockLocked(BlockEvent::kRemoved, entry->key, false);
+           }
          });
 }
 

@@ -181,6 +181,9 @@ class Cache {
   // Whether the slot's bytes still have `content_checksum` (reads the whole block, without the lock: the
   // caller holds the slot, unverified or pinned). has_pool() must hold.
   bool ContentMatches(SlotId slot, uint64_t content_checksum) const;
+  // The content checksum the slot entry of a committed FULL block records (nullopt: no valid entry). The caller
+  // pins the slot (or holds it otherwise) so that the entry cannot change while it uses the answer.
+  std::optional<uint64_t> EntryChecksum(SlotId slot) const;
   // A committed block pinned for a check, with what its slot entry says (nullopt: the entry is corrupt).
   struct CheckTarget {
     SlotId slot;
@@ -231,6 +234,19 @@ class Cache {
     uint64_t queued = 0;             // blocks in the commit queue
   };
   WriteBackStats write_back_stats() const;
+
+  // Which FULL blocks become matchable and which leave, for the cluster tier's directory (daemon/tiers/cluster/):
+  // kCommitted for each block a Commit publishes (`request_end`: the last key of its store request) and each
+  // restored block that passes verification (`request_end`: it has no child), kRemoved for each committed block that
+  // leaves the index (evicted, dropped with a failed check), kDomainDropped once when DropDomain drops the pool (every
+  // block at once). Runs under the cache's lock: it must be quick (queue the event) and must not call back into the
+  // cache. One listener; set it before RecoverPool. Hybrid geometries are not reported.
+  struct BlockEvent {
+    enum Kind : uint8_t { kCommitted, kRemoved, kDomainDropped } kind = kCommitted;
+    BlockKey key;
+    bool request_end = false;
+  };
+  void SetBlockListener(std::function<void(const BlockEvent&)> listener);
 
   // Capacities are active slots (see Resize).
   struct ComponentStats {
@@ -299,6 +315,9 @@ class Cache {
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   std::function<Status(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
   std::function<void(const PoolRegion&)> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const BlockEvent&)> block_listener_ ABSL_GUARDED_BY(mu_);
+  // Tells block_listener_ (when set and the geometry is not hybrid).
+  void ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The next tier's marks (see AttachNextTier), one per FULL slot: kNotOnNext, kWriting, kOnNext.
   bool next_tier_ ABSL_GUARDED_BY(mu_) = false;
   bool queue_commits_ ABSL_GUARDED_BY(mu_) = false;

@@ -347,6 +347,30 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "SSD tier: the share of each DRAM pool, coldest first, kept written to SSD ahead of eviction "
                  "(default 0.25; with --ssd-write-policy all, what a restart's blocks and failed writes are "
                  "written from)");
+  std::string etcd_endpoints, cluster_listen;
+  app.add_option("--etcd-endpoints", etcd_endpoints,
+                 "Cluster tier: the cluster's etcd, host:port[,host:port...] (turns the tier on; docs/cluster.md)");
+  app.add_option("--etcd-credentials-file", cfg.etcd_credentials_file,
+                 "Cluster tier: etcd user and password, lines 'user = NAME' and 'password = SECRET' (mode 0600)");
+  app.add_option("--node-id", cfg.node_id, "Cluster tier: this node's id, unique in the cluster (default: host name)");
+  app.add_option("--cluster-secret-file", cfg.cluster_secret_file,
+                 "Cluster tier: the shared cluster secret (mode 0600, >= 16 bytes); peers must prove it");
+  app.add_option("--cluster-listen", cluster_listen,
+                 "Cluster tier: HOST:PORT of this node's transfer endpoint on the cluster network (numeric address)");
+  app.add_option("--transfer-dev", cfg.transfer_devices,
+                 "Cluster tier: NICs UCX may use, e.g. mlx5_0:1,mlx5_1:1 or eth0 (default: all)");
+  app.add_option("--cluster-transports", cfg.cluster_transports,
+                 "Cluster tier: UCX transports allowed (default rc,tcp; shared-memory ones are refused)");
+  app.add_option("--cluster-chunk-blocks", cfg.cluster_chunk_blocks,
+                 "Cluster tier: publish one directory entry per this many blocks on average (default 16)");
+  app.add_option("--cluster-lease-ttl", cfg.cluster_lease_ttl_s,
+                 "Cluster tier: seconds after which a dead node's entries leave the directory (default 10)");
+  app.add_option("--cluster-pull-deadline", cfg.cluster_pull_deadline_s,
+                 "Cluster tier: seconds each network step of a pull may take (default 2)");
+  app.add_option("--cluster-max-pulls", cfg.cluster_max_pulls,
+                 "Cluster tier: prefetches pulling at once on this node (default 8)");
+  app.add_option("--cluster-max-session-pulls", cfg.cluster_max_session_pulls,
+                 "Cluster tier: prefetches one session may have in flight (default 2)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -456,6 +480,37 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
           "--ssd-writeback-window {} is out of range; expected a share of the pool above 0 and at most 1, e.g. 0.25",
           cfg.ssd_writeback_window)));
     }
+  }
+  if (!etcd_endpoints.empty()) {
+    for (size_t at = 0; at <= etcd_endpoints.size();) {
+      const size_t comma = std::min(etcd_endpoints.find(',', at), etcd_endpoints.size());
+      if (comma > at) cfg.etcd_endpoints.push_back(etcd_endpoints.substr(at, comma - at));
+      at = comma + 1;
+    }
+    if (cfg.cluster_secret_file.empty()) {
+      return usage_error(Status::InvalidArgument(
+          "--etcd-endpoints needs --cluster-secret-file: peers authenticate with the cluster secret (mode 0600)"));
+    }
+    if (cluster_listen.empty()) {
+      return usage_error(Status::InvalidArgument(
+          "--etcd-endpoints needs --cluster-listen HOST:PORT: the address peers read this node's blocks from"));
+    }
+    auto address = ParseListenAddress("--cluster-listen", cluster_listen);
+    if (!address.ok()) return usage_error(address.status());
+    cfg.cluster_listen = *address;
+    if (cfg.node_id.empty()) {
+      char host[256] = {};
+      if (gethostname(host, sizeof host - 1) == 0) cfg.node_id = host;
+    }
+    if (cfg.cluster_chunk_blocks == 0 || cfg.cluster_max_pulls == 0 || cfg.cluster_max_session_pulls == 0 ||
+        !(cfg.cluster_lease_ttl_s >= 1) || !(cfg.cluster_pull_deadline_s > 0)) {
+      return usage_error(Status::InvalidArgument(
+          "--cluster-chunk-blocks, --cluster-max-pulls and --cluster-max-session-pulls must be >= 1, "
+          "--cluster-lease-ttl >= 1 s and --cluster-pull-deadline > 0 s"));
+    }
+  } else if (!cfg.cluster_secret_file.empty() || !cluster_listen.empty() || !cfg.transfer_devices.empty()) {
+    return usage_error(Status::InvalidArgument(
+        "--cluster-secret-file, --cluster-listen and --transfer-dev need --etcd-endpoints (the cluster's store)"));
   }
   if (cfg.pool_path.empty()) cfg.pool_path = "/dev/shm/flexkvd-" + std::to_string(geteuid()) + "/pool";
   return ParsedArgs{cfg, 0};

@@ -49,6 +49,19 @@ struct DaemonConfig {
   size_t max_domains = 1;              // --max-domains: cache domains (namespace + geometry) served at once
   // [namespace."<name>"] pool_size: a namespace's fixed share of --pool-size (bytes); others share the rest.
   std::map<std::string, uint64_t, std::less<>> namespace_pool_bytes;
+  // The cluster tier (docs/cluster.md); off without --etcd-endpoints.
+  std::vector<std::string> etcd_endpoints;  // --etcd-endpoints host:port[,host:port...]: the cluster's store
+  std::string etcd_credentials_file;        // --etcd-credentials-file: "user = ..." / "password = ..." (0600)
+  std::string node_id;                      // --node-id (default: the host name)
+  std::string cluster_secret_file;          // --cluster-secret-file (0600, >= 16 bytes): peers prove it
+  std::optional<ListenAddress> cluster_listen;  // --cluster-listen HOST:PORT: the transfer endpoint peers read from
+  std::string transfer_devices;             // --transfer-dev: NICs for UCX, e.g. mlx5_0:1,mlx5_1:1 (default: all)
+  std::string cluster_transports = "rc,tcp";  // --cluster-transports: UCX transports allowed
+  uint32_t cluster_chunk_blocks = 16;       // --cluster-chunk-blocks: one directory entry per this many blocks
+  double cluster_lease_ttl_s = 10;          // --cluster-lease-ttl: a dead node leaves the directory after this
+  double cluster_pull_deadline_s = 2;       // --cluster-pull-deadline: per network step of a pull
+  uint32_t cluster_max_pulls = 8;           // --cluster-max-pulls: prefetches pulling at once
+  uint32_t cluster_max_session_pulls = 2;   // --cluster-max-session-pulls: per session
   // The SSD tier (docs/ssd.md); off without --ssd-path.
   std::vector<std::string> ssd_paths;  // --ssd-path DIR, repeatable: one directory per drive
   uint64_t ssd_bytes = 0;              // --ssd-size: bytes on disk over all paths

@@ -37,6 +37,17 @@ CompletionBuilder& CompletionBuilder::MatchHandle(uint64_t handle) {
   return *this;
 }
 
+CompletionBuilder& CompletionBuilder::Bytes(uint64_t bytes) {
+  c_.bytes = bytes;
+  return *this;
+}
+
+CompletionBuilder& CompletionBuilder::Note(std::string_view note) {
+  std::memset(c_.message, 0, sizeof(c_.message));
+  std::memcpy(c_.message, note.data(), std::min(note.size(), sizeof(c_.message) - 1));
+  return *this;
+}
+
 CompletionBuilder& CompletionBuilder::Status(const flexkv::Status& status) {
   c_.status_code = static_cast<int32_t>(status.code());
   std::memset(c_.message, 0, sizeof(c_.message));

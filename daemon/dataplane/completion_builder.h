@@ -24,6 +24,9 @@ class CompletionBuilder {
   CompletionBuilder& MatchedBlocks(uint32_t blocks);
   CompletionBuilder& DoneBlocks(uint32_t blocks);
   CompletionBuilder& MatchHandle(uint64_t handle);
+  CompletionBuilder& Bytes(uint64_t bytes);
+  // An OK answer's message (a Prefetch's source node or why none was pulled), cut to fit, NUL-terminated.
+  CompletionBuilder& Note(std::string_view note);
   // Sets the code and the message (cut to fit the descriptor, always NUL-terminated). An OK status clears both.
   CompletionBuilder& Status(const flexkv::Status& status);
 

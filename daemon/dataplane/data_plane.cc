@@ -41,7 +41,8 @@ struct DataPlane::Session final : RequestSession {
 DataPlane::DataPlane(Lifecycle* lifecycle, EngineMemoryBackends* backends, DataPlaneOptions options)
     : backends_(backends),
       options_(options),
-      handlers_(lifecycle, &copies_, &metrics_, options.max_blocks_per_request, options.pins, options.ssd) {}
+      handlers_(lifecycle, &copies_, &metrics_, options.max_blocks_per_request, options.pins, options.ssd,
+                options.cluster) {}
 
 DataPlane::~DataPlane() { Stop(); }
 

@@ -32,6 +32,7 @@
 namespace flexkv {
 
 class SsdTier;
+class ClusterTier;
 
 struct DataPlaneOptions {
   uint32_t submit_entries = 1024;
@@ -42,6 +43,7 @@ struct DataPlaneOptions {
   uint32_t max_blocks_per_request = 1u << 20;
   PinPolicy pins;               // the per-session pin cap and the pin lease
   SsdTier* ssd = nullptr;       // the SSD tier a Match continues into (promotion); none without --ssd-path
+  ClusterTier* cluster = nullptr;  // the cluster tier a Prefetch pulls from; none without --etcd-endpoints
 };
 
 class DataPlane {

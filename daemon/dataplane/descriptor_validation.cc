@@ -31,6 +31,8 @@ const char* OpName(RingOp op) {
       return "Store";
     case RingOp::kRelease:
       return "Release";
+    case RingOp::kPrefetch:
+      return "Prefetch";
   }
   return "?";
 }
@@ -74,8 +76,13 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
                                              const DescriptorLimits& limits) {
   if (d.reserved != 0) return Status::InvalidArgument(fmt::format("reserved is {}; expected 0", d.reserved));
   const auto op = static_cast<RingOp>(d.opcode);
-  if (op != RingOp::kMatch && op != RingOp::kLoad && op != RingOp::kStore && op != RingOp::kRelease) {
-    return Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..4", d.opcode));
+  if (op != RingOp::kMatch && op != RingOp::kLoad && op != RingOp::kStore && op != RingOp::kRelease &&
+      op != RingOp::kPrefetch) {
+    return Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..5", d.opcode));
+  }
+  if (op == RingOp::kPrefetch && d.match_handle != 0) {
+    return Status::InvalidArgument(
+        fmt::format("match_handle is {} on a Prefetch; expected 0 (a Prefetch pins nothing)", d.match_handle));
   }
   if (op != RingOp::kStore && d.parent != BlockKey{}) {
     return Status::InvalidArgument(fmt::format("parent is {} on a {}; expected all zero (only a Store has a parent)",
@@ -102,7 +109,7 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
     return Status::InvalidArgument(
         fmt::format("count {} is out of range; expected 1..{}", d.count, limits.max_blocks_per_request));
   }
-  const bool has_keys = op == RingOp::kMatch || op == RingOp::kStore;
+  const bool has_keys = op == RingOp::kMatch || op == RingOp::kStore || op == RingOp::kPrefetch;
   const bool has_ids = op == RingOp::kLoad || op == RingOp::kStore;
   if (hybrid && d.state_count > d.count) {
     return Status::InvalidArgument(
@@ -143,13 +150,14 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
   }
   // The all-zero key is what the pool records as a root block's parent, so a stored one would link
   // differently after a restart than before it; the copy is checked, as for block ids.
-  if (op == RingOp::kStore) {
+  // A Prefetch's keys are published and pulled under the same rule.
+  if (op == RingOp::kStore || op == RingOp::kPrefetch) {
     for (uint32_t i = 0; i < d.count; ++i) {
       if (payload.keys[i] == BlockKey{}) {
         return Status::InvalidArgument(fmt::format(
-            "key {} of the Store is all zero; expected a non-zero key (the all-zero key is reserved for a "
+            "key {} of the {} is all zero; expected a non-zero key (the all-zero key is reserved for a "
             "chain's root)",
-            i));
+            i, OpName(op)));
       }
     }
   }

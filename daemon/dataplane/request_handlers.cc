@@ -8,6 +8,7 @@
 #include "common/clock.h"
 #include "common/hybrid_ids.h"
 #include "daemon/dataplane/descriptor_validation.h"
+#include "daemon/tiers/cluster/cluster_tier.h"
 #include "daemon/tiers/ssd/ssd_tier.h"
 
 namespace flexkv {
@@ -42,13 +43,15 @@ uint64_t RequestSession::pinned_blocks() const {
 }
 
 RequestHandlers::RequestHandlers(Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
-                                 uint32_t max_blocks_per_request, PinPolicy pins, SsdTier* ssd)
+                                 uint32_t max_blocks_per_request, PinPolicy pins, SsdTier* ssd,
+                                 ClusterTier* cluster)
     : lifecycle_(lifecycle),
       copies_(copies),
       metrics_(metrics),
       max_blocks_per_request_(max_blocks_per_request),
       pins_(pins),
-      ssd_(ssd) {}
+      ssd_(ssd),
+      cluster_(cluster) {}
 
 namespace {
 
@@ -82,6 +85,8 @@ void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::spa
       return Match(sp, d, taken_ns, payload->keys);
     case RingOp::kRelease:
       return Release(s, d, taken_ns);
+    case RingOp::kPrefetch:
+      return Prefetch(sp, d, taken_ns, std::move(payload->keys));
     case RingOp::kLoad:
       if (hybrid) return LoadHybrid(sp, d, taken_ns, std::move(payload->block_ids));
       return Load(sp, d, taken_ns, std::move(payload->block_ids));
@@ -159,6 +164,44 @@ void RequestHandlers::Match(const std::shared_ptr<RequestSession>& sp, const Sub
     return Fail(s, d, taken_ns, DomainDropped());
   }
   AnswerMatch(s, d, taken_ns, hit, std::move(slots));
+}
+
+void RequestHandlers::Prefetch(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d,
+                               int64_t taken_ns, std::vector<BlockKey> keys) {
+  RequestSession& s = *sp;
+  const auto local = static_cast<uint32_t>(s.cache().Match(keys, /*pin=*/false, nullptr));
+  const auto answer = [this, d, taken_ns](RequestSession& session, const PrefetchResult& r) {
+    if (!r.status.ok()) return Fail(session, d, taken_ns, r.status);
+    CompletionBuilder c(d);
+    c.MatchedBlocks(r.local_blocks).DoneBlocks(r.pulled_blocks).Bytes(r.pulled_bytes).Note(r.source);
+    Finish(session, d, taken_ns, c.descriptor());
+  };
+  PrefetchResult here;
+  here.local_blocks = local;
+  if (local == keys.size() || cluster_ == nullptr) return answer(s, here);
+  if (s.geometry().is_hybrid()) {
+    here.source = "hybrid geometries are not pulled from peers";
+    return answer(s, here);
+  }
+  if (!lifecycle_->TryBegin()) {
+    here.source = "the daemon is draining";
+    return answer(s, here);
+  }
+  std::weak_ptr<RequestSession> weak = sp;
+  cluster_->Prefetch(
+      &s.cache(), std::move(keys), local, s.id(),
+      [weak] {
+        auto alive = weak.lock();
+        return !alive || alive->ended();
+      },
+      [this, sp, d, taken_ns, answer](PrefetchResult r) {
+        if (sp->cache().generation() != sp->pool_generation_) {
+          Fail(*sp, d, taken_ns, DomainDropped());
+        } else {
+          answer(*sp, r);
+        }
+        lifecycle_->Finish();
+      });
 }
 
 void RequestHandlers::AnswerMatch(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, size_t hit,

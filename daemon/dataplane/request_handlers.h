@@ -25,6 +25,7 @@
 namespace flexkv {
 
 class SsdTier;
+class ClusterTier;
 
 // Bounds on pins (docs/protocol.md "Pins").
 struct PinPolicy {
@@ -89,8 +90,11 @@ class RequestHandlers {
   // works on its session's cache domain (RequestSession::cache).
   // `ssd` (optional): the SSD tier, which a Match whose DRAM prefix ends early continues into (promotion); it is
   // then answered once the promoted blocks are in DRAM, on an SSD completion thread.
+  // `cluster` (optional): the cluster tier, which a Prefetch pulls the blocks after its local prefix from; without
+  // it a Prefetch is answered with the local prefix alone.
   RequestHandlers(Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
-                  uint32_t max_blocks_per_request, PinPolicy pins = {}, SsdTier* ssd = nullptr);
+                  uint32_t max_blocks_per_request, PinPolicy pins = {}, SsdTier* ssd = nullptr,
+                  ClusterTier* cluster = nullptr);
 
   // Answers `d` (copied off the session's submit ring at `taken_ns`, monotonic; not yet validated; its keys and
   // block ids are in `arena`, the session's payload arena, which the client may be writing). Release and a Match
@@ -120,7 +124,10 @@ class RequestHandlers {
   // Counts a match of `hit` blocks and answers it, holding `slots` (pinned with kMatchFlagPin) under a new handle.
   void AnswerMatch(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, size_t hit, std::vector<SlotId> slots);
   void Release(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns);
-  void Load(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
+  // The local prefix, then (with a cluster tier, full attention) a pull of the rest from a peer; answered when the
+  // pull ended, on a cluster thread, counted in flight meanwhile (it writes into the pool).
+  void Prefetch(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
+                std::vector<BlockKey> keys);  void Load(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
             std::vector<uint32_t> ids);
   void Store(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
              std::vector<BlockKey> keys, std::vector<uint32_t> ids);
@@ -149,6 +156,7 @@ class RequestHandlers {
   const uint32_t max_blocks_per_request_;
   const PinPolicy pins_;
   SsdTier* const ssd_;
+  ClusterTier* const cluster_;
 };
 
 }  // namespace flexkv

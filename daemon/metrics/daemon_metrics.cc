@@ -12,6 +12,7 @@
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle.h"
 #include "daemon/sessions/session_registry.h"
+#include "daemon/tiers/cluster/cluster_tier.h"
 #include "daemon/tiers/ssd/ssd_tier.h"
 
 namespace flexkv {
@@ -21,8 +22,9 @@ using prometheus::ClientMetric;
 using prometheus::MetricFamily;
 using prometheus::MetricType;
 
-constexpr OpKind kAllOps[] = {OpKind::kMatch, OpKind::kLoad, OpKind::kStore, OpKind::kRelease, OpKind::kInvalid};
-constexpr OpKind kRequestOps[] = {OpKind::kMatch, OpKind::kLoad, OpKind::kStore, OpKind::kRelease};
+constexpr OpKind kAllOps[] = {OpKind::kMatch,   OpKind::kLoad,     OpKind::kStore,
+                              OpKind::kRelease, OpKind::kPrefetch, OpKind::kInvalid};
+constexpr OpKind kRequestOps[] = {OpKind::kMatch, OpKind::kLoad, OpKind::kStore, OpKind::kRelease, OpKind::kPrefetch};
 constexpr OpKind kCopyOps[] = {OpKind::kLoad, OpKind::kStore};
 
 ClientMetric Sample(double value, std::vector<ClientMetric::Label> labels = {}) {
@@ -238,6 +240,40 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
     counter("flexkv_ssd_write_errors_total", "SSD writes that failed", t.store.write_errors);
     counter("flexkv_ssd_data_loss_blocks_total", "SSD blocks dropped because a read failed or did not verify",
             t.store.data_loss_blocks);
+  }
+
+  if (sources_.cluster != nullptr) {
+    const ClusterTierStatus c = sources_.cluster->GetStatus();
+    const auto counter = [&](const char* name, const char* help, uint64_t v) {
+      out.push_back(One(name, help, MetricType::Counter, v));
+    };
+    const auto gauge = [&](const char* name, const char* help, double v) {
+      out.push_back(Family(name, help, MetricType::Gauge, {Sample(v)}));
+    };
+    gauge("flexkv_cluster_joined", "1 while this node is a member of the cluster (its lease is alive), else 0",
+          c.state == "joined" ? 1 : 0);
+    gauge("flexkv_cluster_members", "Live members of the cluster, this node included",
+          static_cast<double>(c.members.size()));
+    gauge("flexkv_cluster_published_keys", "Directory entries this node holds", static_cast<double>(c.published_keys));
+    gauge("flexkv_cluster_publish_queue", "Directory updates waiting", static_cast<double>(c.publish_queue));
+    gauge("flexkv_cluster_pulls_in_flight", "Prefetches pulling from peers now", static_cast<double>(c.pulls_in_flight));
+    counter("flexkv_cluster_publish_failures_total", "Directory store calls that failed (retried)", c.publish_failures);
+    counter("flexkv_cluster_publish_dropped_total", "Directory publishes dropped because the queue was full",
+            c.publish_dropped);
+    counter("flexkv_cluster_rejoins_total", "Leases lost (store unreachable for a ttl) and joined again", c.rejoins);
+    counter("flexkv_cluster_prefetches_total", "Prefetch requests that went to the network", c.prefetches);
+    counter("flexkv_cluster_pulls_ok_total", "Prefetches that pulled at least one block from a peer", c.pulls_ok);
+    counter("flexkv_cluster_pulls_failed_total", "Prefetches that found a peer but pulled nothing", c.pulls_failed);
+    counter("flexkv_cluster_pulled_blocks_total", "Blocks pulled from peers, verified and cached here", c.pulled_blocks);
+    counter("flexkv_cluster_pulled_bytes_total", "Bytes of the blocks pulled from peers", c.pulled_bytes);
+    counter("flexkv_cluster_verify_failures_total", "Pulled blocks that did not match their checksum (never served)",
+            c.verify_failures);
+    counter("flexkv_cluster_lookups_served_total", "Peers' lookups answered by this node", c.lookups_served);
+    counter("flexkv_cluster_blocks_offered_total", "Blocks this node's lookups offered to peers", c.blocks_offered);
+    counter("flexkv_cluster_peer_read_deadlines_total", "Reads from peers that hit the pull deadline",
+            c.transport.deadlines);
+    counter("flexkv_cluster_auth_failures_total", "Peers refused: the cluster secret not proven, or not a member",
+            c.transport.auth_failures);
   }
 
   out.push_back(Histograms("flexkv_request_wait_seconds",

@@ -17,6 +17,7 @@
 namespace flexkv {
 
 class SsdTier;
+class ClusterTier;
 
 class CacheSet;
 class DataPlane;
@@ -31,6 +32,7 @@ struct MetricsSources {
   const Lifecycle* lifecycle;
   const ErrorCounts* control_errors;  // the control plane's answers with an error, by code
   const SsdTier* ssd = nullptr;       // the SSD tier (flexkv_ssd_* families), when configured
+  const ClusterTier* cluster = nullptr;  // the cluster tier (flexkv_cluster_* families), when configured
 };
 
 class DaemonMetrics final : public prometheus::Collectable {

@@ -11,6 +11,7 @@ const char* OpKindName(OpKind op) {
     case OpKind::kLoad: return "load";
     case OpKind::kStore: return "store";
     case OpKind::kRelease: return "release";
+    case OpKind::kPrefetch: return "prefetch";
     case OpKind::kInvalid: return "invalid";
   }
   return "invalid";
@@ -22,6 +23,7 @@ OpKind OpKindOf(uint16_t ring_opcode) {
     case RingOp::kLoad: return OpKind::kLoad;
     case RingOp::kStore: return OpKind::kStore;
     case RingOp::kRelease: return OpKind::kRelease;
+    case RingOp::kPrefetch: return OpKind::kPrefetch;
   }
   return OpKind::kInvalid;
 }

@@ -14,10 +14,10 @@
 namespace flexkv {
 
 // The `op` label. kInvalid: a descriptor whose opcode is unknown, or a submit tail that could not be trusted.
-enum class OpKind : uint8_t { kMatch, kLoad, kStore, kRelease, kInvalid };
-inline constexpr size_t kOpKinds = 5;
+enum class OpKind : uint8_t { kMatch, kLoad, kStore, kRelease, kPrefetch, kInvalid };
+inline constexpr size_t kOpKinds = 6;
 
-// "match", "load", "store", "release", "invalid".
+// "match", "load", "store", "release", "prefetch", "invalid".
 const char* OpKindName(OpKind op);
 // The kind of a ring opcode (RingOp, common/ring_layout.h); unknown opcodes are kInvalid.
 OpKind OpKindOf(uint16_t ring_opcode);

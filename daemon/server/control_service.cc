@@ -15,6 +15,7 @@
 #include "common/version.h"
 #include "common/clock.h"
 #include "common/units.h"
+#include "daemon/tiers/cluster/cluster_tier.h"
 #include "daemon/tiers/ssd/ssd_tier.h"
 
 namespace flexkv {
@@ -165,6 +166,43 @@ grpc::Status ControlService::Detach(grpc::ServerContext* context, const v1::Deta
 namespace {
 
 // The SSD tier's status.
+void FillCluster(const ClusterTierStatus& c, v1::ClusterStatus* out) {
+  out->set_state(c.state);
+  out->set_node_id(c.node_id);
+  out->set_epoch(c.epoch);
+  out->set_endpoint(c.endpoint);
+  for (const ClusterMember& m : c.members) {
+    v1::ClusterMember* member = out->add_members();
+    member->set_node_id(m.node_id);
+    member->set_epoch(m.epoch);
+    member->set_endpoint(m.endpoint);
+    member->set_self(m.self);
+  }
+  out->set_published_keys(c.published_keys);
+  out->set_publish_queue(c.publish_queue);
+  out->set_publish_failures(c.publish_failures);
+  out->set_publish_dropped(c.publish_dropped);
+  out->set_rejoins(c.rejoins);
+  out->set_prefetches(c.prefetches);
+  out->set_pulls_ok(c.pulls_ok);
+  out->set_pulls_failed(c.pulls_failed);
+  out->set_pulled_blocks(c.pulled_blocks);
+  out->set_pulled_bytes(c.pulled_bytes);
+  out->set_verify_failures(c.verify_failures);
+  out->set_pulls_in_flight(c.pulls_in_flight);
+  out->set_lookups_served(c.lookups_served);
+  out->set_blocks_offered(c.blocks_offered);
+  out->set_peer_reads_ok(c.transport.gets_ok);
+  out->set_peer_reads_failed(c.transport.gets_failed);
+  out->set_peer_read_deadlines(c.transport.deadlines);
+  out->set_connections_accepted(c.transport.connections_accepted);
+  out->set_connections_rejected(c.transport.connections_rejected);
+  out->set_auth_failures(c.transport.auth_failures);
+  for (const std::string& t : c.transports_in_use) out->add_transports(t);
+  for (const std::string& d : c.rdma_devices) out->add_rdma_devices(d);
+  out->set_last_error(c.last_error);
+}
+
 void FillTier(const SsdTierStatus& t, v1::TierStatus* out) {
   out->set_name("ssd");
   out->set_state(t.state);
@@ -288,6 +326,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   response->set_sessions(static_cast<uint32_t>(ctx_.sessions->Count()));
   counters->set_errors(errors() + ctx_.data_plane->errors());
   if (ctx_.ssd != nullptr) FillTier(ctx_.ssd->GetStatus(), response->add_tiers());
+  if (ctx_.cluster != nullptr) FillCluster(ctx_.cluster->GetStatus(), response->mutable_cluster());
   for (const EngineMemoryBackend* backend : ctx_.backends->List()) {
     auto* out = response->add_backends();
     out->set_name(std::string(backend->name()));

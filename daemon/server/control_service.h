@@ -26,6 +26,7 @@
 namespace flexkv {
 
 class SsdTier;
+class ClusterTier;
 
 // The daemon's parts the control plane answers from. All outlive the service.
 struct ControlContext {
@@ -41,6 +42,7 @@ struct ControlContext {
   const DaemonMetrics* metrics;  // what GetMetrics renders
   const NamespaceAccess* access;  // who may read and write a namespace, checked at Attach and Match
   SsdTier* ssd = nullptr;  // the SSD tier (GetStatus tiers; a gRPC Match continues into it), when configured
+  const ClusterTier* cluster = nullptr;  // the cluster tier (GetStatus cluster), when configured
 };
 
 class ControlService final : public v1::Control::Service {

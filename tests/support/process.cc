@@ -187,7 +187,8 @@ CommandResult RunCommand(const std::vector<std::string>& argv, std::chrono::mill
   return {WIFEXITED(*status) ? WEXITSTATUS(*status) : 128 + WTERMSIG(*status), out};
 }
 
-DaemonUnderTest::DaemonUnderTest(std::vector<std::string> extra_args, std::string dir) : dir_(std::move(dir)) {
+DaemonUnderTest::DaemonUnderTest(std::vector<std::string> extra_args, std::string dir, std::vector<std::string> launcher)
+    : dir_(std::move(dir)) {
   if (dir_.empty()) {
     char tmpl[] = "/tmp/flexkvd-test-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp failed");
@@ -196,7 +197,8 @@ DaemonUnderTest::DaemonUnderTest(std::vector<std::string> extra_args, std::strin
     own_dir_ = true;
   }
   socket_ = dir_ + "/flexkvd.sock";
-  std::vector<std::string> argv = {FlexkvdPath(), "--socket", socket_};
+  std::vector<std::string> argv = std::move(launcher);
+  argv.insert(argv.end(), {FlexkvdPath(), "--socket", socket_});
   if (std::find(extra_args.begin(), extra_args.end(), "--pool-path") == extra_args.end()) {
     argv.push_back("--pool-path");
     argv.push_back(dir_ + "/pool");

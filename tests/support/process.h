@@ -51,7 +51,10 @@ CommandResult RunCommand(const std::vector<std::string>& argv, std::chrono::mill
 // its pool is there too unless `extra_args` names a --pool-path.
 class DaemonUnderTest {
  public:
-  explicit DaemonUnderTest(std::vector<std::string> extra_args = {}, std::string dir = "");
+  // `launcher`: a command the daemon runs under, e.g. {"/usr/sbin/ip", "netns", "exec", "ns1"} (it must exec
+  // flexkvd in its own process, so that signals reach the daemon).
+  explicit DaemonUnderTest(std::vector<std::string> extra_args = {}, std::string dir = "",
+                           std::vector<std::string> launcher = {});
   ~DaemonUnderTest();
   const std::string& socket() const { return socket_; }
   const std::string& dir() const { return dir_; }

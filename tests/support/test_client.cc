@@ -92,7 +92,8 @@ int main(int argc, char** argv) {
   app.add_option("--state-bytes", state_bytes, "hybrid: bytes of one layer's state");
   app.add_option("--state-every", state_every, "hybrid: also store a state every this many blocks (0: at the end only)");
   app.add_option("--state-slots", state_slots, "hybrid: the engine's state slots");
-  app.add_option("--do", steps, "store:SEED:N, load:SEED:N, pin:SEED:N, inflight-load:SEED:N, flood:SEED:COUNT, hold");
+  app.add_option("--do", steps,
+                 "store:SEED:N, load:SEED:N, pin:SEED:N, inflight-load:SEED:N, prefetch:SEED:N, flood:SEED:COUNT, hold");
   CLI11_PARSE(app, argc, argv);
   if (swa_layers > 0) {
     flexkv::ComponentSpec swa;
@@ -301,6 +302,16 @@ int main(int argc, char** argv) {
         return 1;
       }
       std::printf("STORED %u %u %s\n", r->matched_blocks, r->done_blocks, flexkv::StatusCodeName(r->status.code()));
+    } else if (what == "prefetch") {
+      auto t = c.Prefetch(keys);
+      auto r = t.ok() ? c.Wait(*t, timeout) : flexkv::Result<flexkv::OpResult>(t.status());
+      if (!r.ok()) {
+        std::printf("ERROR %s %s\n", flexkv::StatusCodeName(r.status().code()), r.status().message().c_str());
+        return 1;
+      }
+      std::printf("PREFETCHED %u %u %llu %s %s\n", r->matched_blocks, r->done_blocks,
+                  static_cast<unsigned long long>(r->bytes), flexkv::StatusCodeName(r->status.code()),
+                  r->status.ok() ? r->source.c_str() : r->status.message().c_str());
     } else if (what == "load" || what == "pin" || what == "inflight-load") {
       auto t = c.Match(keys, /*pin=*/true);
       auto m = t.ok() ? c.Wait(*t, timeout) : flexkv::Result<flexkv::OpResult>(t.status());

@@ -1,0 +1,904 @@
+// See cluster_tier.h. Threads: the membership thread (member list every second, joins again after a lost lease),
+// the publisher (directory updates, batched and retried), the pullers (one Prefetch each, max_pulls of them) and
+// the lookup server (peers' lookups, handed over from the transport's progress thread, which must never wait on
+// the cache's lock: the pool hooks hold that lock while they wait on the progress thread to (un)register).
+#include "daemon/tiers/cluster/cluster_tier.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <random>
+#include <unordered_set>
+
+#include "common/block_checksum.h"
+#include "common/log.h"
+#include "common/unique_fd.h"
+#include "daemon/cache/cache_set.h"
+#include "daemon/cluster/etcd/etcd_directory.h"
+#include "daemon/tiers/cluster/peer_lookup.h"
+
+namespace flexkv {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Reads the cluster secret: a regular file nobody but its owner may read (mode & 077 == 0), >= 16 bytes after a
+// trailing newline is cut. The secret never appears in a message.
+Result<std::string> ReadSecretFile(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd) {
+    return Status::NotFound(fmt::format("cannot open the cluster secret file {}: {}", path, strerror(errno)));
+  }
+  struct stat st{};
+  if (fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return Status::InvalidArgument(fmt::format("the cluster secret file {} is not a regular file", path));
+  }
+  if ((st.st_mode & 077) != 0) {
+    return Status::PermissionDenied(fmt::format(
+        "the cluster secret file {} has mode {:o}: others may read it; expected 0600 or 0400 (chmod 600 {})", path,
+        st.st_mode & 0777, path));
+  }
+  std::string secret(static_cast<size_t>(std::min<off_t>(st.st_size, 4096)), '\0');
+  const ssize_t n = ::read(fd.get(), secret.data(), secret.size());
+  if (n < 0) return Status::Internal(fmt::format("reading {}: {}", path, strerror(errno)));
+  secret.resize(static_cast<size_t>(n));
+  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
+  if (secret.size() < 16) {
+    return Status::InvalidArgument(fmt::format(
+        "the cluster secret in {} is {} bytes; expected at least 16 (e.g. head -c 32 /dev/urandom | base64 > {})", path,
+        secret.size(), path));
+  }
+  return secret;
+}
+
+// The numeric host of a sockaddr, as UcxTransport::endpoint() and member records write it (without the port).
+std::string HostOf(const sockaddr& sa) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (sa.sa_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in&>(sa).sin_addr, buf, sizeof buf);
+  } else if (sa.sa_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6&>(sa).sin6_addr, buf, sizeof buf);
+  }
+  return buf;
+}
+
+// "host:port" or "[v6]:port" -> host.
+std::string HostOfEndpoint(const std::string& endpoint) {
+  if (!endpoint.empty() && endpoint[0] == '[') {
+    const size_t close = endpoint.find(']');
+    return close == std::string::npos ? endpoint : endpoint.substr(1, close - 1);
+  }
+  const size_t colon = endpoint.rfind(':');
+  return colon == std::string::npos ? endpoint : endpoint.substr(0, colon);
+}
+
+// A published key: one in chunk_blocks on average by its value, wherever it sits in a prompt.
+bool Sampled(const BlockKey& key, uint32_t chunk_blocks) { return chunk_blocks <= 1 || key.lo % chunk_blocks == 0; }
+
+// Waits for a count of asynchronous completions.
+class Latch {
+ public:
+  explicit Latch(size_t n) : left_(n) {}
+  void CountDown() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (left_ > 0 && --left_ == 0) cv_.notify_all();
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return left_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t left_;
+};
+
+}  // namespace
+
+struct ClusterTier::Impl {
+  ClusterTierOptions options;
+  CacheSet* caches = nullptr;
+  std::unique_ptr<cluster::Directory> directory;
+  std::unique_ptr<cluster::UcxTransport> transport;
+  std::string endpoint;
+
+  std::atomic<bool> stopping{false};
+  std::mutex stop_mu;  // Stop runs once
+  bool stopped = false;
+
+  // Registered pool grants, by base address.
+  mutable std::mutex regions_mu;
+  std::map<uintptr_t, cluster::RegisteredRegion> regions;
+
+  // Members (from the store, refreshed every second), their hosts (the transport's accept filter).
+  mutable std::mutex members_mu;
+  std::map<std::string, cluster::NodeInfo> members;
+  std::unordered_set<std::string> member_hosts;
+  std::string join_state = "joining";
+  std::condition_variable members_cv;  // wakes the membership thread (a refresh asked for, or Stop)
+  bool refresh_asked = false;
+
+  // Directory updates. published[cache] holds the keys published for the cache's current domain.
+  struct Update {
+    Cache* cache = nullptr;
+    Cache::BlockEvent event;
+  };
+  mutable std::mutex pub_mu;
+  std::condition_variable pub_cv;
+  std::deque<Update> queue;
+  struct Published {
+    std::string model_namespace;
+    std::unordered_set<BlockKey, BlockKeyHash> keys;
+  };
+  std::map<Cache*, Published> published;
+
+  // Connections to peers, by node id (the epoch they were made for: a new epoch reconnects).
+  std::mutex peers_mu;
+  struct Peer {
+    cluster::PeerHandle handle;
+    uint64_t epoch = 0;
+    std::string endpoint;
+  };
+  std::map<std::string, Peer> peers;
+
+  // Pulls.
+  struct PullJob {
+    Cache* cache = nullptr;
+    std::vector<BlockKey> keys;
+    uint32_t local = 0;
+    uint64_t session = 0;
+    std::function<bool()> cancelled;
+    std::function<void(PrefetchResult)> done;
+  };
+  std::mutex pull_mu;
+  std::condition_variable pull_cv;
+  std::deque<PullJob> jobs;
+  std::map<uint64_t, uint32_t> session_pulls;
+  uint32_t pulls_admitted = 0;  // queued + running
+
+  // Peers' lookups, handed over by the transport's progress thread.
+  struct ServeJob {
+    std::string peer;
+    std::string request;
+    std::function<void(Result<std::string>)> reply;
+  };
+  std::mutex serve_mu;
+  std::condition_variable serve_cv;
+  std::deque<ServeJob> serve_jobs;
+
+  std::vector<std::thread> threads;
+
+  std::atomic<uint64_t> publish_failures{0}, publish_dropped{0}, rejoins{0}, prefetches{0}, pulls_ok{0},
+      pulls_failed{0}, pulled_blocks{0}, pulled_bytes{0}, verify_failures{0}, pulls_running{0}, lookups_served{0},
+      blocks_offered{0};
+  mutable std::mutex error_mu;
+  std::string last_error;
+  std::vector<std::string> rdma_devices;
+
+  void NoteError(const std::string& what) {
+    std::lock_guard<std::mutex> lock(error_mu);
+    last_error = what;
+  }
+
+  // --- membership ---------------------------------------------------------------------------------------------
+
+  Status JoinOnce() {
+    cluster::NodeInfo self;
+    self.node_id = options.node_id;
+    self.transfer_endpoint = endpoint;
+    Status joined = directory->Join(self, options.lease_ttl);
+    std::lock_guard<std::mutex> lock(members_mu);
+    join_state = joined.ok() ? "joined" : fmt::format("joining: {}", joined.message());
+    return joined;
+  }
+
+  void RefreshMembers() {
+    auto listed = directory->Members();
+    if (!listed.ok()) {
+      // Keep the last list: a store that is briefly away must not cut peers off; the lease decides membership.
+      log::Debug("cluster", "member list: {}", listed.status().ToString());
+      return;
+    }
+    std::map<std::string, cluster::NodeInfo> fresh;
+    std::unordered_set<std::string> hosts;
+    for (cluster::NodeInfo& m : *listed) {
+      hosts.insert(HostOfEndpoint(m.transfer_endpoint));
+      fresh[m.node_id] = std::move(m);
+    }
+    std::lock_guard<std::mutex> lock(members_mu);
+    members = std::move(fresh);
+    member_hosts = std::move(hosts);
+  }
+
+  void MembershipLoop() {
+    bool was_joined = directory->joined();
+    int64_t backoff_ms = 200;
+    while (!stopping.load(std::memory_order_acquire)) {
+      if (!directory->joined()) {
+        const Status joined = JoinOnce();
+        if (joined.ok()) {
+          log::Info("cluster", "joined the cluster as '{}' epoch {} at {}", options.node_id, directory->epoch(),
+                    endpoint);
+          if (was_joined) rejoins.fetch_add(1, std::memory_order_relaxed);
+          was_joined = true;
+          backoff_ms = 200;
+          RepublishAll();
+        } else {
+          log::Warning("cluster", "cannot join the cluster yet: {} (retrying)", joined.ToString());
+          backoff_ms = std::min<int64_t>(backoff_ms * 2, 2000);
+        }
+      }
+      RefreshMembers();
+      std::unique_lock<std::mutex> lock(members_mu);
+      members_cv.wait_for(lock, std::chrono::milliseconds(directory->joined() ? 1000 : backoff_ms),
+                          [this] { return refresh_asked || stopping.load(std::memory_order_acquire); });
+      refresh_asked = false;
+    }
+  }
+
+  void AskRefresh() {
+    std::lock_guard<std::mutex> lock(members_mu);
+    refresh_asked = true;
+    members_cv.notify_all();
+  }
+
+  std::optional<cluster::NodeInfo> Member(const std::string& node_id) const {
+    std::lock_guard<std::mutex> lock(members_mu);
+    auto it = members.find(node_id);
+    if (it == members.end()) return std::nullopt;
+    return it->second;
+  }
+
+  // --- directory updates --------------------------------------------------------------------------------------
+
+  void OnBlockEvent(Cache* cache, const Cache::BlockEvent& e) {
+    if (e.kind == Cache::BlockEvent::kCommitted && !Sampled(e.key, options.chunk_blocks) && !e.request_end) return;
+    std::lock_guard<std::mutex> lock(pub_mu);
+    if (e.kind == Cache::BlockEvent::kCommitted && queue.size() >= options.max_publish_queue) {
+      publish_dropped.fetch_add(1, std::memory_order_relaxed);
+      return;  // the block stays served here; only peers miss it
+    }
+    queue.push_back(Update{cache, e});
+    if (queue.size() == 1) pub_cv.notify_one();
+  }
+
+  // After a new Join every entry of the old lease is gone: publish what is still held again.
+  void RepublishAll() {
+    std::lock_guard<std::mutex> lock(pub_mu);
+    for (auto& [cache, p] : published) {
+      for (const BlockKey& k : p.keys) queue.push_front(Update{cache, {Cache::BlockEvent::kCommitted, k, true}});
+      p.keys.clear();
+    }
+    pub_cv.notify_one();
+  }
+
+  void PublishLoop() {
+    int64_t backoff_ms = 100;
+    while (!stopping.load(std::memory_order_acquire)) {
+      std::vector<Update> batch;
+      {
+        std::unique_lock<std::mutex> lock(pub_mu);
+        pub_cv.wait_for(lock, std::chrono::milliseconds(500),
+                        [this] { return !queue.empty() || stopping.load(std::memory_order_acquire); });
+        if (stopping.load(std::memory_order_acquire)) return;
+        if (queue.empty() || !directory->joined()) continue;
+        while (!queue.empty() && batch.size() < 1024) {
+          batch.push_back(queue.front());
+          queue.pop_front();
+        }
+      }
+      const Status s = ApplyUpdates(batch);
+      if (s.ok()) {
+        backoff_ms = 100;
+        continue;
+      }
+      publish_failures.fetch_add(1, std::memory_order_relaxed);
+      NoteError(fmt::format("directory update: {}", s.ToString()));
+      log::Warning("cluster", "directory update failed, retrying in {} ms: {}", backoff_ms, s.ToString());
+      {
+        std::lock_guard<std::mutex> lock(pub_mu);
+        for (auto it = batch.rbegin(); it != batch.rend(); ++it) queue.push_front(*it);
+      }
+      std::unique_lock<std::mutex> lock(pub_mu);
+      pub_cv.wait_for(lock, std::chrono::milliseconds(backoff_ms),
+                      [this] { return stopping.load(std::memory_order_acquire); });
+      backoff_ms = std::min<int64_t>(backoff_ms * 2, 2000);
+    }
+  }
+
+  // Applies one batch in order (the last event of a key wins); the published sets change only once the store
+  // took the change.
+  Status ApplyUpdates(const std::vector<Update>& batch) {
+    struct Change {
+      std::vector<cluster::DirectoryEntry> publish, withdraw;
+      std::string model_namespace;
+      bool dropped = false;
+    };
+    std::map<Cache*, std::unordered_map<BlockKey, bool, BlockKeyHash>> wanted;  // key -> publish?
+    std::map<Cache*, bool> dropped;
+    for (const Update& u : batch) {
+      if (u.event.kind == Cache::BlockEvent::kDomainDropped) {
+        wanted[u.cache].clear();
+        dropped[u.cache] = true;
+        continue;
+      }
+      wanted[u.cache][u.event.key] = u.event.kind == Cache::BlockEvent::kCommitted;
+    }
+    std::map<Cache*, Change> changes;
+    {
+      std::lock_guard<std::mutex> lock(pub_mu);
+      for (auto& [cache, was_dropped] : dropped) {
+        auto it = published.find(cache);
+        if (it == published.end()) continue;
+        Change& c = changes[cache];
+        c.dropped = true;
+        c.model_namespace = it->second.model_namespace;
+        for (const BlockKey& k : it->second.keys) c.withdraw.push_back({k, it->second.model_namespace, 1});
+      }
+    }
+    for (auto& [cache, keys] : wanted) {
+      const std::string ns = cache->Domain().model_namespace;
+      std::lock_guard<std::mutex> lock(pub_mu);
+      Published& p = published[cache];
+      if (p.model_namespace != ns && !changes[cache].dropped) {
+        // A new domain in a reused slot: the old one's entries go.
+        for (const BlockKey& k : p.keys) changes[cache].withdraw.push_back({k, p.model_namespace, 1});
+        changes[cache].dropped = true;
+      }
+      Change& c = changes[cache];
+      c.model_namespace = ns;
+      const bool fresh = c.dropped;
+      for (const auto& [key, publish] : keys) {
+        const bool held = !fresh && p.keys.count(key) > 0;
+        if (publish && !held && !ns.empty()) c.publish.push_back({key, ns, 1});
+        if (!publish && held) c.withdraw.push_back({key, ns, 1});
+      }
+    }
+    for (auto& [cache, c] : changes) {
+      if (!c.withdraw.empty()) FLEXKV_RETURN_IF_ERROR(WithdrawByNamespace(c.withdraw));
+      if (!c.publish.empty()) FLEXKV_RETURN_IF_ERROR(directory->Publish(c.publish));
+      std::lock_guard<std::mutex> lock(pub_mu);
+      Published& p = published[cache];
+      if (c.dropped) {
+        p.keys.clear();
+        p.model_namespace = c.model_namespace;
+      }
+      for (const auto& e : c.withdraw) p.keys.erase(e.chunk_key);
+      for (const auto& e : c.publish) p.keys.insert(e.chunk_key);
+    }
+    return Status::Ok();
+  }
+
+  Status WithdrawByNamespace(const std::vector<cluster::DirectoryEntry>& entries) {
+    return directory->Withdraw(entries);
+  }
+
+  // --- regions ------------------------------------------------------------------------------------------------
+
+  // The registered region holding [addr, addr + bytes): (descriptor, offset in it).
+  std::optional<std::pair<std::string, uint64_t>> Locate(const uint8_t* addr, uint64_t bytes) const {
+    std::lock_guard<std::mutex> lock(regions_mu);
+    const auto a = reinterpret_cast<uintptr_t>(addr);
+    auto it = regions.upper_bound(a);
+    if (it == regions.begin()) return std::nullopt;
+    --it;
+    const cluster::RegisteredRegion& r = it->second;
+    const uint64_t off = a - it->first;
+    if (off > r.bytes() || bytes > r.bytes() - off) return std::nullopt;
+    return std::make_pair(r.descriptor(), off);
+  }
+
+  // --- the lookup server --------------------------------------------------------------------------------------
+
+  void ServeLoop() {
+    for (;;) {
+      ServeJob job;
+      {
+        std::unique_lock<std::mutex> lock(serve_mu);
+        serve_cv.wait(lock, [this] { return !serve_jobs.empty() || stopping.load(std::memory_order_acquire); });
+        if (serve_jobs.empty()) return;
+        job = std::move(serve_jobs.front());
+        serve_jobs.pop_front();
+      }
+      job.reply(ServeLookup(job.peer, job.request));
+    }
+  }
+
+  Result<std::string> ServeLookup(const std::string& peer, const std::string& bytes) {
+    auto request = DecodeLookupRequest(bytes);
+    if (!request.ok()) {
+      log::Warning("cluster", "peer '{}' sent a lookup that does not parse: {}", peer, request.status().message());
+      return request.status();
+    }
+    const uint64_t my_epoch = directory->epoch();
+    if (request->epoch != my_epoch) {
+      return Status::FailedPrecondition(fmt::format(
+          "node '{}' is at epoch {}, not {}: its blocks of that epoch are gone", options.node_id, my_epoch,
+          request->epoch));
+    }
+    Cache* cache = caches->Find(request->model_namespace);
+    if (cache == nullptr || !cache->has_pool()) {
+      return Status::NotFound(fmt::format("node '{}' has no cache domain '{}'", options.node_id,
+                                          request->model_namespace));
+    }
+    if (cache->block_bytes() != request->block_bytes) {
+      return Status::FailedPrecondition(fmt::format(
+          "node '{}' stores blocks of {} bytes in '{}', not {}: the geometries differ", options.node_id,
+          cache->block_bytes(), request->model_namespace, request->block_bytes));
+    }
+    std::vector<SlotId> slots;
+    const size_t matched = cache->Match(request->keys, /*pin=*/true, &slots);
+    PeerLookupReply reply;
+    reply.matched = static_cast<uint32_t>(matched);
+    std::map<std::string, uint32_t> region_index;
+    for (size_t i = request->from; i < matched; ++i) {
+      const SlotId slot = slots[i];
+      const std::optional<uint64_t> checksum = cache->EntryChecksum(slot);
+      const auto where = Locate(cache->SlotData(slot), cache->SlotBytes(slot));
+      if (!checksum || !where) break;  // not registered (a grant being added) or no entry: the answer ends here
+      auto [it, added] = region_index.emplace(where->first, static_cast<uint32_t>(reply.regions.size()));
+      if (added) reply.regions.push_back(where->first);
+      reply.blocks.push_back({it->second, where->second, *checksum});
+    }
+    cache->Unpin(slots);
+    lookups_served.fetch_add(1, std::memory_order_relaxed);
+    blocks_offered.fetch_add(reply.blocks.size(), std::memory_order_relaxed);
+    return EncodeLookupReply(reply);
+  }
+
+  // --- pulls --------------------------------------------------------------------------------------------------
+
+  void PullLoop() {
+    for (;;) {
+      PullJob job;
+      {
+        std::unique_lock<std::mutex> lock(pull_mu);
+        pull_cv.wait(lock, [this] { return !jobs.empty() || stopping.load(std::memory_order_acquire); });
+        if (jobs.empty()) return;
+        job = std::move(jobs.front());
+        jobs.pop_front();
+      }
+      pulls_running.fetch_add(1, std::memory_order_relaxed);
+      PrefetchResult result = Pull(job);
+      pulls_running.fetch_sub(1, std::memory_order_relaxed);
+      {
+        std::lock_guard<std::mutex> lock(pull_mu);
+        --pulls_admitted;
+        if (--session_pulls[job.session] == 0) session_pulls.erase(job.session);
+      }
+      job.done(std::move(result));
+    }
+  }
+
+  Result<cluster::PeerHandle> PeerFor(const std::string& node_id, uint64_t epoch) {
+    std::optional<cluster::NodeInfo> member = Member(node_id);
+    if (!member || member->epoch != epoch) {
+      AskRefresh();
+      return Status::Unavailable(fmt::format("node '{}' epoch {} is not a current member", node_id, epoch));
+    }
+    {
+      std::lock_guard<std::mutex> lock(peers_mu);
+      auto it = peers.find(node_id);
+      if (it != peers.end() && it->second.epoch == epoch && it->second.endpoint == member->transfer_endpoint) {
+        return it->second.handle;
+      }
+      if (it != peers.end()) {
+        transport->Disconnect(it->second.handle);
+        peers.erase(it);
+      }
+    }
+    auto connected = transport->Connect(member->transfer_endpoint);
+    if (!connected.ok()) return connected.status();
+    if (!connected->node_id.empty() && connected->node_id != node_id) {
+      transport->Disconnect(*connected);
+      return Status::PermissionDenied(fmt::format("the endpoint {} of node '{}' proved to be node '{}'",
+                                                  member->transfer_endpoint, node_id, connected->node_id));
+    }
+    std::lock_guard<std::mutex> lock(peers_mu);
+    peers[node_id] = Peer{*connected, epoch, member->transfer_endpoint};
+    return *connected;
+  }
+
+  void DropPeer(const std::string& node_id) {
+    std::lock_guard<std::mutex> lock(peers_mu);
+    auto it = peers.find(node_id);
+    if (it == peers.end()) return;
+    transport->Disconnect(it->second.handle);
+    peers.erase(it);
+  }
+
+  // The pull itself (a puller thread). Every exit answers; a failure after a peer was found counts as failed.
+  PrefetchResult Pull(const PullJob& job) {
+    PrefetchResult r;
+    r.local_blocks = job.local;
+    prefetches.fetch_add(1, std::memory_order_relaxed);
+    Cache& cache = *job.cache;
+    const auto fail = [&](std::string why) {
+      pulls_failed.fetch_add(1, std::memory_order_relaxed);
+      NoteError(why);
+      log::Debug("cluster", "pull: {}", why);
+      r.source = std::move(why);
+      return r;
+    };
+    if (!cache.has_pool()) return r;
+    const std::string ns = cache.Domain().model_namespace;
+    const uint64_t block_bytes = cache.block_bytes();
+    const size_t n = job.keys.size();
+    // Candidates, deepest first: the published keys after the local prefix, and the last key.
+    std::vector<size_t> candidates;
+    for (size_t j = n; j-- > job.local;) {
+      if (j + 1 == n || Sampled(job.keys[j], options.chunk_blocks)) candidates.push_back(j);
+    }
+    size_t deepest = n;
+    std::vector<cluster::Owner> owners;
+    for (size_t at = 0; at < candidates.size() && deepest == n; at += cluster::kLookupBatch) {
+      if (job.cancelled()) return r;
+      std::vector<BlockKey> asked;
+      for (size_t i = at; i < std::min(candidates.size(), at + cluster::kLookupBatch); ++i) {
+        asked.push_back(job.keys[candidates[i]]);
+      }
+      auto found = directory->Lookup(ns, asked);
+      if (!found.ok()) return fail(fmt::format("directory lookup: {}", found.status().message()));
+      for (size_t i = 0; i < found->size(); ++i) {
+        if (!(*found)[i].empty()) {
+          deepest = candidates[at + i];
+          owners = (*found)[i];
+          break;
+        }
+      }
+    }
+    if (deepest == n) return r;  // no peer has any of it: a plain miss
+    static thread_local std::minstd_rand pick(static_cast<unsigned>(std::random_device{}()));
+    const cluster::Owner owner = owners[pick() % owners.size()];
+    if (job.cancelled()) return r;
+
+    auto peer = PeerFor(owner.node_id, owner.epoch);
+    if (!peer.ok()) return fail(fmt::format("peer {}: {}", owner.node_id, peer.status().message()));
+    PeerLookupRequest request;
+    request.model_namespace = ns;
+    request.block_bytes = block_bytes;
+    request.epoch = owner.epoch;
+    request.from = job.local;
+    request.keys.assign(job.keys.begin(), job.keys.begin() + static_cast<ptrdiff_t>(deepest + 1));
+    auto answer = transport->CallSync(*peer, kPeerLookupMethod, EncodeLookupRequest(request));
+    if (!answer.ok()) {
+      if (answer.status().code() == StatusCode::kDeadlineExceeded || answer.status().code() == StatusCode::kUnavailable) {
+        DropPeer(owner.node_id);
+      }
+      return fail(fmt::format("peer {}: {}", owner.node_id, answer.status().message()));
+    }
+    auto reply = DecodeLookupReply(*answer, request.from, request.keys.size());
+    if (!reply.ok()) return fail(fmt::format("peer {}: {}", owner.node_id, reply.status().message()));
+    if (reply->blocks.empty()) return fail(fmt::format("peer {}: no longer holds the blocks", owner.node_id));
+    std::vector<cluster::RemoteRegion> regions;
+    for (const std::string& d : reply->regions) {
+      auto parsed = cluster::RemoteRegion::Parse(d);
+      if (!parsed.ok()) return fail(fmt::format("peer {}: {}", owner.node_id, parsed.status().message()));
+      regions.push_back(*parsed);
+    }
+    if (job.cancelled()) return r;
+
+    // Pending local slots for the blocks offered, under the local prefix.
+    const BlockKey parent = job.local == 0 ? BlockKey{} : job.keys[job.local - 1];
+    const std::span<const BlockKey> wanted(job.keys.data() + job.local, reply->blocks.size());
+    PrefixIndex::Reservation reserved = cache.Reserve(parent, wanted);
+    if (reserved.parent_refused) return fail("the local prefix was evicted during the pull");
+    const size_t first = reserved.cached;  // stored here meanwhile: not pulled again
+    const size_t count = reserved.slots.size();
+    if (count == 0) {
+      r.local_blocks = static_cast<uint32_t>(job.local + first);
+      return r;
+    }
+    std::vector<Status> got(count, Status::Unavailable("not read"));
+    Latch latch(count);
+    for (size_t i = 0; i < count; ++i) {
+      const PeerLookupReply::Block& b = reply->blocks[first + i];
+      const SlotId slot = reserved.slots[i];
+      Status posted = transport->Get(*peer, regions[b.region], b.offset, cache.SlotData(slot), cache.SlotBytes(slot),
+                                     [&got, &latch, i](Status s) {
+                                       got[i] = std::move(s);
+                                       latch.CountDown();
+                                     });
+      if (!posted.ok()) {
+        got[i] = posted;
+        latch.CountDown();
+      }
+    }
+    latch.Wait();  // every Get ends: OK, an error, or the transport's deadline
+    size_t verified = 0;
+    std::vector<uint64_t> checksums;
+    std::string why;
+    for (; verified < count; ++verified) {
+      if (!got[verified].ok()) {
+        why = fmt::format("peer {}: block {}: {}", owner.node_id, job.local + first + verified, got[verified].message());
+        break;
+      }
+      const uint64_t expected = reply->blocks[first + verified].checksum;
+      const SlotId slot = reserved.slots[verified];
+      if (BlockChecksum(cache.SlotData(slot), cache.SlotBytes(slot)) != expected) {
+        verify_failures.fetch_add(1, std::memory_order_relaxed);
+        why = fmt::format("peer {}: block {} did not match its checksum (overwritten or evicted during the read)",
+                          owner.node_id, job.local + first + verified);
+        break;
+      }
+      checksums.push_back(expected);
+    }
+    const std::span<const SlotId> good(reserved.slots.data(), verified);
+    if (verified > 0) cache.Commit(parent, wanted, first, good, checksums);
+    if (verified < count) cache.Abort(std::span<const SlotId>(reserved.slots.data() + verified, count - verified));
+    if (verified == 0) {
+      if (got[0].code() == StatusCode::kDeadlineExceeded || got[0].code() == StatusCode::kUnavailable) {
+        DropPeer(owner.node_id);
+      }
+      return fail(why);
+    }
+    if (!why.empty()) {
+      NoteError(why);
+      log::Debug("cluster", "pull stopped early: {}", why);
+    }
+    r.local_blocks = static_cast<uint32_t>(job.local + first);
+    r.pulled_blocks = static_cast<uint32_t>(verified);
+    for (size_t i = 0; i < verified; ++i) r.pulled_bytes += cache.SlotBytes(reserved.slots[i]);
+    r.source = owner.node_id;
+    pulls_ok.fetch_add(1, std::memory_order_relaxed);
+    pulled_blocks.fetch_add(verified, std::memory_order_relaxed);
+    pulled_bytes.fetch_add(r.pulled_bytes, std::memory_order_relaxed);
+    return r;
+  }
+};
+
+ClusterTier::ClusterTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ClusterTier::~ClusterTier() { Stop(); }
+
+Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions options, CacheSet* caches) {
+  if (options.node_id.empty() || options.node_id.size() > 64 ||
+      options.node_id.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
+          std::string::npos) {
+    return Status::InvalidArgument(fmt::format(
+        "--node-id '{}' is not valid; expected 1..64 characters of [A-Za-z0-9._-], unique in the cluster",
+        options.node_id));
+  }
+  if (options.etcd_endpoints.empty()) {
+    return Status::InvalidArgument("--etcd-endpoints is empty; expected the cluster's etcd, e.g. 10.0.0.2:2379");
+  }
+  if (options.listen_address.empty() || options.listen_address == "0.0.0.0" || options.listen_address == "::") {
+    return Status::InvalidArgument(fmt::format(
+        "--cluster-listen address '{}' is not one peers can reach; expected this node's cluster address, e.g. "
+        "10.0.0.7:7471 (the daemon listens only where it is told)",
+        options.listen_address));
+  }
+  if (options.chunk_blocks == 0) return Status::InvalidArgument("--cluster-chunk-blocks is 0; expected >= 1");
+  if (options.max_pulls == 0 || options.max_session_pulls == 0) {
+    return Status::InvalidArgument("--cluster-max-pulls and --cluster-max-session-pulls must be >= 1");
+  }
+  auto secret = ReadSecretFile(options.secret_file);
+  if (!secret.ok()) return secret.status();
+
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->caches = caches;
+
+  cluster::EtcdOptions etcd;
+  etcd.endpoints = options.etcd_endpoints;
+  etcd.deadline = std::min<std::chrono::milliseconds>(options.pull_deadline, std::chrono::milliseconds(2000));
+  if (!options.etcd_credentials_file.empty()) {
+    auto creds = cluster::ReadCredentialsFile(options.etcd_credentials_file);
+    if (!creds.ok()) return creds.status();
+    etcd.user = creds->user;
+    etcd.password = creds->password;
+  }
+  auto directory = cluster::ConnectEtcd(etcd);
+  if (!directory.ok()) return directory.status();
+  impl->directory = std::move(*directory);
+
+  cluster::UcxOptions ucx;
+  ucx.devices = options.transfer_devices;
+  ucx.transports = options.transports;
+  ucx.listen_address = options.listen_address;
+  ucx.listen_port = options.listen_port;
+  ucx.get_deadline = options.pull_deadline;
+  ucx.max_inflight_gets = 1024;
+  ucx.secret = *secret;
+  ucx.node_id = options.node_id;
+  Impl* raw = impl.get();
+  ucx.is_member = [raw](std::string_view node) {
+    std::lock_guard<std::mutex> lock(raw->members_mu);
+    return raw->members.count(std::string(node)) > 0;
+  };
+  auto transport = cluster::UcxTransport::Create(ucx);
+  if (!transport.ok()) return transport.status();
+  impl->transport = std::move(*transport);
+  impl->endpoint = impl->transport->endpoint();
+  impl->transport->set_accept_filter([raw](const sockaddr& from) {
+    const std::string host = HostOf(from);
+    std::lock_guard<std::mutex> lock(raw->members_mu);
+    if (raw->member_hosts.count(host) > 0) return true;
+    raw->refresh_asked = true;  // a node that joined a moment ago: its next attempt may pass
+    raw->members_cv.notify_all();
+    return false;
+  });
+  impl->transport->set_call_handler([raw](const std::string& peer, uint16_t method, std::string request,
+                                          std::function<void(Result<std::string>)> reply) {
+    if (method != kPeerLookupMethod) {
+      reply(Status::Unimplemented(fmt::format("peer call method {} is unknown; expected {}", method,
+                                              kPeerLookupMethod)));
+      return;
+    }
+    std::lock_guard<std::mutex> lock(raw->serve_mu);
+    if (raw->serve_jobs.size() >= 1024) {
+      reply(Status::ResourceExhausted("too many lookups waiting on this node; retry"));
+      return;
+    }
+    raw->serve_jobs.push_back({peer, std::move(request), std::move(reply)});
+    raw->serve_cv.notify_one();
+  });
+  for (const cluster::RdmaPort& p : cluster::ListRdmaPorts()) {
+    impl->rdma_devices.push_back(fmt::format("{}:{} {} {}", p.device, p.port, p.state, p.link_layer));
+  }
+
+  // The first join: a store that is down, or a node id still held by our previous run's lease (kill -9: it
+  // lapses after the ttl), is retried by the membership thread; a bad value stops the start.
+  Status joined = impl->JoinOnce();
+  if (joined.code() == StatusCode::kInvalidArgument || joined.code() == StatusCode::kPermissionDenied ||
+      joined.code() == StatusCode::kUnauthenticated) {
+    return joined;
+  }
+  if (joined.ok()) {
+    log::Info("cluster", "joined the cluster as '{}' epoch {}, transfer endpoint {}", options.node_id,
+              impl->directory->epoch(), impl->endpoint);
+  } else {
+    log::Warning("cluster", "not in the cluster yet: {} (retrying; this node serves its own cache meanwhile)",
+                 joined.ToString());
+  }
+  impl->RefreshMembers();
+
+  for (size_t i = 0; i < caches->max_domains(); ++i) {
+    Cache* cache = &caches->cache(i);
+    cache->SetBlockListener([raw, cache](const Cache::BlockEvent& e) { raw->OnBlockEvent(cache, e); });
+  }
+  impl->threads.emplace_back([raw] { raw->MembershipLoop(); });
+  impl->threads.emplace_back([raw] { raw->PublishLoop(); });
+  impl->threads.emplace_back([raw] { raw->ServeLoop(); });
+  for (uint32_t i = 0; i < options.max_pulls; ++i) impl->threads.emplace_back([raw] { raw->PullLoop(); });
+  return std::unique_ptr<ClusterTier>(new ClusterTier(std::move(impl)));
+}
+
+Status ClusterTier::AddPoolRegion(const PoolRegion& region) {
+  auto registered = impl_->transport->Register(region.base, region.bytes);
+  if (!registered.ok()) {
+    log::Warning("cluster", "cannot register a pool grant of {} bytes for peers: {}", region.bytes,
+                 registered.status().ToString());
+    return Status::Ok();  // the grant serves locally; peers' lookups do not offer its blocks
+  }
+  std::lock_guard<std::mutex> lock(impl_->regions_mu);
+  impl_->regions[reinterpret_cast<uintptr_t>(region.base)] = std::move(*registered);
+  return Status::Ok();
+}
+
+void ClusterTier::RemovePoolRegion(const PoolRegion& region) {
+  cluster::RegisteredRegion gone;
+  {
+    std::lock_guard<std::mutex> lock(impl_->regions_mu);
+    auto it = impl_->regions.find(reinterpret_cast<uintptr_t>(region.base));
+    if (it == impl_->regions.end()) return;
+    gone = std::move(it->second);
+    impl_->regions.erase(it);
+  }
+  gone.Reset();  // before the grant's memory goes back
+}
+
+void ClusterTier::Prefetch(Cache* cache, std::vector<BlockKey> keys, uint32_t local_blocks, uint64_t session,
+                           std::function<bool()> cancelled, std::function<void(PrefetchResult)> done) {
+  Impl& m = *impl_;
+  PrefetchResult refused;
+  refused.local_blocks = local_blocks;
+  {
+    std::lock_guard<std::mutex> lock(m.pull_mu);
+    if (m.stopping.load(std::memory_order_acquire)) {
+      refused.status = Status::Unavailable("the cluster tier is stopping");
+    } else if (m.pulls_admitted >= m.options.max_pulls * 4) {
+      refused.status = Status::ResourceExhausted(fmt::format(
+          "{} prefetches are pulling or waiting on this node (--cluster-max-pulls {}); retry later",
+          m.pulls_admitted, m.options.max_pulls));
+    } else if (m.session_pulls[session] >= m.options.max_session_pulls) {
+      refused.status = Status::ResourceExhausted(fmt::format(
+          "this session has {} prefetches in flight (--cluster-max-session-pulls {}); wait for one",
+          m.session_pulls[session], m.options.max_session_pulls));
+      if (m.session_pulls[session] == 0) m.session_pulls.erase(session);
+    } else {
+      ++m.pulls_admitted;
+      ++m.session_pulls[session];
+      m.jobs.push_back(Impl::PullJob{cache, std::move(keys), local_blocks, session, std::move(cancelled), std::move(done)});
+      m.pull_cv.notify_one();
+      return;
+    }
+  }
+  done(std::move(refused));
+}
+
+void ClusterTier::Stop() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.stop_mu);
+    if (m.stopped) return;
+    m.stopped = true;
+  }
+  m.stopping.store(true, std::memory_order_release);
+  m.pull_cv.notify_all();
+  m.serve_cv.notify_all();
+  m.pub_cv.notify_all();
+  m.AskRefresh();
+  // Pullers finish the pull they are in (each Get ends by its deadline at the latest) and then the queue.
+  for (std::thread& t : m.threads) t.join();
+  m.threads.clear();
+  std::deque<Impl::PullJob> left;
+  {
+    std::lock_guard<std::mutex> lock(m.pull_mu);
+    left.swap(m.jobs);
+  }
+  for (Impl::PullJob& job : left) {
+    PrefetchResult r;
+    r.local_blocks = job.local;
+    r.status = Status::Unavailable("the daemon is stopping");
+    job.done(std::move(r));
+  }
+  {
+    std::lock_guard<std::mutex> lock(m.serve_mu);
+    for (Impl::ServeJob& job : m.serve_jobs) job.reply(Status::Unavailable("the node is leaving the cluster"));
+    m.serve_jobs.clear();
+  }
+  if (Status left_cluster = m.directory->Leave(); !left_cluster.ok()) {
+    log::Warning("cluster", "leaving the cluster: {} (its entries go when the lease ends)", left_cluster.ToString());
+  } else {
+    log::Info("cluster", "left the cluster: this node's directory entries are gone");
+  }
+}
+
+ClusterTierStatus ClusterTier::GetStatus() const {
+  const Impl& m = *impl_;
+  ClusterTierStatus s;
+  s.node_id = m.options.node_id;
+  s.endpoint = m.endpoint;
+  s.epoch = m.directory->epoch();
+  {
+    std::lock_guard<std::mutex> lock(m.members_mu);
+    s.state = m.stopping.load() ? "stopped" : m.directory->joined() ? "joined" : m.join_state;
+    for (const auto& [id, info] : m.members) {
+      s.members.push_back({id, info.epoch, info.transfer_endpoint, id == m.options.node_id});
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(m.pub_mu);
+    for (const auto& [cache, p] : m.published) s.published_keys += p.keys.size();
+    s.publish_queue = m.queue.size();
+  }
+  s.publish_failures = m.publish_failures.load();
+  s.publish_dropped = m.publish_dropped.load();
+  s.rejoins = m.rejoins.load();
+  s.prefetches = m.prefetches.load();
+  s.pulls_ok = m.pulls_ok.load();
+  s.pulls_failed = m.pulls_failed.load();
+  s.pulled_blocks = m.pulled_blocks.load();
+  s.pulled_bytes = m.pulled_bytes.load();
+  s.verify_failures = m.verify_failures.load();
+  s.pulls_in_flight = m.pulls_running.load();
+  s.lookups_served = m.lookups_served.load();
+  s.blocks_offered = m.blocks_offered.load();
+  s.transport = m.transport->stats();
+  s.transports_in_use = m.transport->transports_in_use();
+  s.rdma_devices = m.rdma_devices;
+  {
+    std::lock_guard<std::mutex> lock(m.error_mu);
+    s.last_error = m.last_error;
+  }
+  return s;
+}
+
+}  // namespace flexkv

@@ -1,0 +1,149 @@
+// ClusterTier: the cluster tier (issue 16, DESIGN.md §8, docs/cluster.md). Nodes reuse each other's cached
+// prefixes: a block another daemon of the cluster holds is pulled into this node's DRAM pool instead of being
+// prefilled again. It joins three parts:
+//   membership + directory  the shared store (etcd, daemon/cluster/directory.h): this node's member record under a
+//                           lease (node id, epoch, transfer endpoint), and one directory entry per published block
+//                           key. Published: every key whose low 64 bits are 0 mod chunk_blocks (one in chunk_blocks
+//                           on average, wherever it sits in a prompt: no depth needed) and the last key of every
+//                           stored request (the end of a prompt), once committed here. Withdrawn when the block
+//                           leaves (evicted, dropped). Publishing runs on a thread of its own, batched and retried:
+//                           a failed or slow publish never touches the local blocks, which stay served. A lease
+//                           lost while the store was unreachable is joined again (a new epoch) and everything
+//                           still held is published again.
+//   bytes                   UCX (daemon/cluster/ucx/ucx_transport.h): each pool grant is registered for remote
+//                           reads; peers authenticate with the cluster secret and must be current members.
+//   pulls                   Prefetch: after the local prefix, the directory names the peer holding the deepest
+//                           published key; that peer's lookup (a Call) answers which of its slots hold the keys,
+//                           with each block's content checksum and its region descriptor; the blocks are read
+//                           into pending local slots, each checked against its checksum, and committed (the
+//                           verified prefix only). A peer that evicts, overwrites or dies mid-read costs a miss,
+//                           never a wrong block. Match never waits on the network; only Prefetch pulls.
+// Hybrid geometries are not published or pulled (FULL attention only for now; docs/cluster.md).
+// Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "daemon/cache/cache.h"
+#include "daemon/cluster/directory.h"
+#include "daemon/cluster/ucx/ucx_transport.h"
+#include "flexkv/block_key.h"
+#include "flexkv/status.h"
+
+namespace flexkv {
+
+class CacheSet;
+
+struct ClusterTierOptions {
+  std::string node_id;                       // --node-id: [A-Za-z0-9._-]{1,64}, unique in the cluster
+  std::vector<std::string> etcd_endpoints;   // --etcd-endpoints: host:port, the store
+  std::string etcd_credentials_file;         // --etcd-credentials-file: "user:password" (mode 0600/0400), optional
+  std::string secret_file;                   // --cluster-secret-file: the cluster secret (mode 0600/0400, >= 16 bytes)
+  std::string listen_address;                // --cluster-listen host:port: the transfer endpoint (numeric host)
+  uint16_t listen_port = 0;
+  std::string transfer_devices;              // --transfer-dev: UCX_NET_DEVICES, e.g. "mlx5_0:1,mlx5_1:1"
+  std::string transports = "rc,tcp";         // --cluster-transports
+  uint32_t chunk_blocks = 16;                // --cluster-chunk-blocks: one published key in this many, on average
+  std::chrono::milliseconds lease_ttl{10000};       // --cluster-lease-ttl
+  std::chrono::milliseconds pull_deadline{2000};    // --cluster-pull-deadline: per network step of a pull
+  uint32_t max_pulls = 8;                    // --cluster-max-pulls: prefetches pulling at once, node-wide
+  uint32_t max_session_pulls = 2;            // --cluster-max-session-pulls: per session
+  size_t max_publish_queue = 1 << 20;        // directory updates waiting; beyond it the oldest publishes are dropped
+};
+
+// What a Prefetch did (the ring completion: matched_blocks, done_blocks, bytes, message).
+struct PrefetchResult {
+  Status status;                 // OK unless the request itself was refused
+  uint32_t local_blocks = 0;     // leading blocks cached here before the pull
+  uint32_t pulled_blocks = 0;    // blocks pulled, verified and committed here (after local_blocks)
+  uint64_t pulled_bytes = 0;
+  std::string source;            // the node they came from, or why none were pulled (empty: no peer had them)
+};
+
+// One member as status shows it.
+struct ClusterMember {
+  std::string node_id;
+  uint64_t epoch = 0;
+  std::string endpoint;
+  bool self = false;
+};
+
+struct ClusterTierStatus {
+  std::string state;             // "joined", "joining: <why not yet>", "stopped"
+  std::string node_id, endpoint;
+  uint64_t epoch = 0;
+  std::vector<ClusterMember> members;
+  uint64_t published_keys = 0;          // directory entries this node holds now
+  uint64_t publish_queue = 0;           // updates waiting
+  uint64_t publish_failures = 0;        // store calls that failed (retried)
+  uint64_t publish_dropped = 0;         // publishes dropped because the queue was full
+  uint64_t rejoins = 0;                 // leases lost and joined again
+  uint64_t prefetches = 0;              // Prefetch requests that went to the network
+  uint64_t pulls_ok = 0;                // ... that pulled at least one block
+  uint64_t pulls_failed = 0;            // ... that found a peer but pulled nothing (deadline, peer gone, verification)
+  uint64_t pulled_blocks = 0, pulled_bytes = 0;
+  uint64_t verify_failures = 0;         // pulled blocks whose bytes did not match their checksum (not served)
+  uint64_t pulls_in_flight = 0;
+  uint64_t lookups_served = 0;          // peers' lookups answered here
+  uint64_t blocks_offered = 0;          // blocks those lookups offered
+  UcxTransport::Stats transport;
+  std::vector<std::string> transports_in_use;
+  std::vector<std::string> rdma_devices;  // "mlx5_0:1 PORT_ACTIVE InfiniBand"
+  std::string last_error;               // the last pull or publish failure, for the operator
+};
+
+class ClusterTier {
+ public:
+  // Reads the secret and credential files (PERMISSION_DENIED naming the file when it is readable by others,
+  // INVALID_ARGUMENT when the secret is shorter than 16 bytes), creates the transport (its listener bound to the
+  // configured address only), connects to the store and joins (UNAVAILABLE naming the endpoints when the store
+  // cannot be reached; FAILED_PRECONDITION when a live node holds the node id). Sets every cache's block listener
+  // and the pool-region hooks (call before RecoverPools, so that re-attached pools are registered and restored
+  // blocks published once verified). Threads start here.
+  static Result<std::unique_ptr<ClusterTier>> Create(ClusterTierOptions options, CacheSet* caches);
+  ~ClusterTier();  // Stop()
+  ClusterTier(const ClusterTier&) = delete;
+  ClusterTier& operator=(const ClusterTier&) = delete;
+
+  // The pool listener's part (daemon.cc chains it after the DMA backends): registers / unregisters a grant for
+  // remote reads. Runs under the cache's lock.
+  Status AddPoolRegion(const PoolRegion& region);
+  void RemovePoolRegion(const PoolRegion& region);
+
+  // Pulls keys[local_blocks, ...) from a peer into `cache` (the prefix keys[0, local_blocks) is cached here) and
+  // calls `done` exactly once, on a thread of the tier (never inside this call), with what it did. `session` counts
+  // the per-session bound; `cancelled` is asked between the network steps (the session ended: the pull stops, what
+  // it already read and verified is still committed). RESOURCE_EXHAUSTED (through done) when max_pulls or the
+  // session's max_session_pulls are pulling already. After Stop, done answers at once with UNAVAILABLE.
+  void Prefetch(Cache* cache, std::vector<BlockKey> keys, uint32_t local_blocks, uint64_t session,
+                std::function<bool()> cancelled, std::function<void(PrefetchResult)> done);
+
+  // Leaves the cluster (the lease is revoked: every entry of this node goes at once), ends every pull (each
+  // answered), stops the threads. Idempotent.
+  void Stop();
+
+  ClusterTierStatus GetStatus() const;
+
+ private:
+  struct Impl;
+  explicit ClusterTier(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Call methods between daemons (UcxTransport::Call), and the lookup's wire format (docs/cluster.md "Peer calls").
+inline constexpr uint16_t kPeerLookupMethod = 1;
+
+}  // namespace flexkv

@@ -1,0 +1,512 @@
+// The cluster tier between real daemons (issue 16, acceptance 1-2): two or three flexkvd, each in a network
+// namespace of its own, joined by veth pairs to a bridge in a "hub" namespace where a real etcd runs; UCX over tcp
+// across the veths (the same code path a cluster runs, only the transport differs). Engines (flexkv-test-client)
+// attach through the daemons' unix sockets. A stores, B prefetches and loads byte-exact; then the failure cases: A
+// frozen or killed mid-pull, A partitioned (its veth down), A restarted (a new epoch), B's pool filling during a pull,
+// a block corrupted in A's pool, a node without the cluster secret. Every request ends, no wrong block is ever
+// served, and a dead node's entries leave the directory with its lease. Everything the test creates (namespaces,
+// veths, the bridge, etcd's data) is removed at the end; the tests skip with the reason where namespaces cannot be
+// created.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "tests/support/process.h"
+
+using namespace std::chrono_literals;
+using flexkv::testing::ChildProcess;
+using flexkv::testing::DaemonUnderTest;
+using flexkv::testing::FlexkvctlPath;
+using flexkv::testing::NowMs;
+using flexkv::testing::RunCommand;
+using flexkv::testing::TestClientPath;
+
+namespace {
+
+const char* const kIp = "/usr/sbin/ip";
+const char* const kEtcd = "/usr/bin/etcd";
+const char* const kEtcdctl = "/usr/bin/etcdctl";
+constexpr uint64_t kBlockBytes = 128 << 10;  // the test client's block at --layers 2
+
+std::string Lines(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const auto& l : lines) out += l + "\n";
+  return out;
+}
+
+// The hub namespace (a bridge and etcd) and one namespace per node, each joined to the bridge by a veth pair.
+// Addresses 10.233.<id>.0/24: the hub .1, node i .(i + 2).
+class ClusterNet {
+ public:
+  static std::optional<ClusterNet> Create(int nodes, std::string* why) {
+    ClusterNet n;
+    const std::string tag = std::to_string(getpid() % 100000);
+    n.subnet_ = "10.233." + std::to_string(getpid() % 200 + 20) + ".";
+    n.hub_ = "fkvch" + tag;
+    if (auto r = RunCommand({kIp, "netns", "add", n.hub_}); r.exit_code != 0) {
+      *why = "ip netns add: " + r.output;
+      return std::nullopt;
+    }
+    n.namespaces_.push_back(n.hub_);
+    std::vector<std::vector<std::string>> cmds = {
+        {kIp, "-n", n.hub_, "link", "set", "lo", "up"},
+        {kIp, "-n", n.hub_, "link", "add", "br0", "type", "bridge"},
+        {kIp, "-n", n.hub_, "addr", "add", n.subnet_ + "1/24", "dev", "br0"},
+        {kIp, "-n", n.hub_, "link", "set", "br0", "up"}};
+    for (int i = 0; i < nodes; ++i) {
+      const std::string ns = "fkvc" + std::to_string(i) + "n" + tag;
+      const std::string in = "fkvc" + std::to_string(i) + "i" + tag;  // the node's end (in its namespace)
+      const std::string out = "fkvc" + std::to_string(i) + "o" + tag;  // the hub's end (on the bridge)
+      n.nodes_.push_back(Node{ns, in, out, n.subnet_ + std::to_string(i + 2)});
+      if (auto r = RunCommand({kIp, "netns", "add", ns}); r.exit_code != 0) {
+        *why = "ip netns add: " + r.output;
+        return std::nullopt;
+      }
+      n.namespaces_.push_back(ns);
+      cmds.push_back({kIp, "-n", n.hub_, "link", "add", out, "type", "veth", "peer", "name", in, "netns", ns});
+      cmds.push_back({kIp, "-n", n.hub_, "link", "set", out, "master", "br0"});
+      cmds.push_back({kIp, "-n", n.hub_, "link", "set", out, "up"});
+      cmds.push_back({kIp, "-n", ns, "addr", "add", n.nodes_.back().ip + "/24", "dev", in});
+      cmds.push_back({kIp, "-n", ns, "link", "set", in, "up"});
+      cmds.push_back({kIp, "-n", ns, "link", "set", "lo", "up"});
+    }
+    for (const auto& cmd : cmds) {
+      if (auto r = RunCommand(cmd); r.exit_code != 0) {
+        *why = "ip " + cmd[1] + " " + cmd[2] + " " + cmd[3] + ": " + r.output;
+        return std::nullopt;
+      }
+    }
+    return n;
+  }
+  ClusterNet(ClusterNet&& o) noexcept
+      : subnet_(std::move(o.subnet_)), hub_(std::move(o.hub_)), nodes_(std::move(o.nodes_)),
+        namespaces_(std::exchange(o.namespaces_, {})) {}
+  ~ClusterNet() {
+    for (const std::string& ns : namespaces_) {
+      auto pids = RunCommand({kIp, "netns", "pids", ns});
+      size_t pos = 0;
+      while (pos < pids.output.size()) {
+        size_t end = pids.output.find('\n', pos);
+        if (end == std::string::npos) end = pids.output.size();
+        const std::string p = pids.output.substr(pos, end - pos);
+        if (!p.empty() && p.find_first_not_of("0123456789") == std::string::npos) kill(std::stoi(p), SIGKILL);
+        pos = end + 1;
+      }
+    }
+    for (const std::string& ns : namespaces_) (void)RunCommand({kIp, "netns", "del", ns});  // veths go with them
+  }
+
+  struct Node {
+    std::string ns, in_if, out_if, ip;
+  };
+  const Node& node(int i) const { return nodes_[static_cast<size_t>(i)]; }
+  std::string etcd_endpoint() const { return subnet_ + "1:2379"; }
+  const std::string& hub() const { return hub_; }
+  std::vector<std::string> In(const std::string& ns) const { return {kIp, "netns", "exec", ns}; }
+  // The node's link on the bridge: down is a partition (nothing in or out), up heals it.
+  void SetLink(int i, bool up) {
+    auto r = RunCommand({kIp, "-n", hub_, "link", "set", node(i).out_if, up ? "up" : "down"});
+    REQUIRE(r.exit_code == 0);
+  }
+
+ private:
+  ClusterNet() = default;
+  std::string subnet_, hub_;
+  std::vector<Node> nodes_;
+  std::vector<std::string> namespaces_;
+};
+
+// etcd in the hub namespace, data on tmpfs, removed at the end.
+class HubEtcd {
+ public:
+  explicit HubEtcd(const ClusterNet& net) : net_(net) {
+    char tmpl[] = "/dev/shm/flexkv-cluster-etcd-XXXXXX";
+    REQUIRE(mkdtemp(tmpl) != nullptr);
+    dir_ = tmpl;
+    const std::string url = "http://" + net.etcd_endpoint();
+    std::vector<std::string> argv = net.In(net.hub());
+    for (const std::string& a : {std::string(kEtcd), std::string("--name"), std::string("hub"),
+                                 std::string("--data-dir"), dir_ + "/data", std::string("--listen-client-urls"), url,
+                                 std::string("--advertise-client-urls"), url, std::string("--listen-peer-urls"),
+                                 std::string("http://127.0.0.1:0")}) {
+      argv.push_back(a);
+    }
+    process_.emplace(ChildProcess::Spawn(argv));
+    const int64_t deadline = NowMs() + 30000;
+    bool ready = false;
+    while (NowMs() < deadline && !ready) {
+      ready = Get("/").exit_code == 0;
+      if (!ready) std::this_thread::sleep_for(100ms);
+    }
+    if (!ready) FAIL("etcd did not answer within 30 s; its stderr:\n" << process_->Stderr());
+  }
+  ~HubEtcd() {
+    process_.reset();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  // etcdctl get --prefix --keys-only, in the hub.
+  flexkv::testing::CommandResult Get(const std::string& prefix) const {
+    std::vector<std::string> argv = net_.In(net_.hub());
+    for (const std::string& a : {std::string("env"), std::string("ETCDCTL_API=3"), std::string(kEtcdctl),
+                                 "--endpoints=" + net_.etcd_endpoint(), std::string("--dial-timeout=2s"),
+                                 std::string("get"), std::string("--prefix"), std::string("--keys-only"), prefix}) {
+      argv.push_back(a);
+    }
+    return RunCommand(argv, 10s);
+  }
+
+ private:
+  const ClusterNet& net_;
+  std::string dir_;
+  std::optional<ChildProcess> process_;
+};
+
+// A directory for one node's socket, pool and secret, mode 0755; removed at the end.
+class NodeDir {
+ public:
+  explicit NodeDir(const std::string& secret) {
+    char tmpl[] = "/tmp/flexkv-cluster-it-XXXXXX";
+    REQUIRE(mkdtemp(tmpl) != nullptr);
+    path_ = tmpl;
+    std::filesystem::permissions(path_, std::filesystem::perms(0755));
+    std::ofstream(secret_file()) << secret << "\n";
+    REQUIRE(chmod(secret_file().c_str(), 0600) == 0);
+  }
+  ~NodeDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  std::string secret_file() const { return path_ + "/cluster.secret"; }
+  std::string pool() const { return path_ + "/pool"; }
+
+ private:
+  std::string path_;
+};
+
+const char* const kSecret = "correct horse battery staple 42";
+
+// flexkvd for node i of `net` as `node_id`, in `dir` (an 8 MiB pool: 64 blocks of 128 KiB unless `pool`).
+std::unique_ptr<DaemonUnderTest> StartNode(const ClusterNet& net, int i, const std::string& node_id, const NodeDir& dir,
+                                           const std::string& pool = "8MiB", std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {"--pool-size", pool, "--pool-path", dir.pool(), "--etcd-endpoints",
+                                   net.etcd_endpoint(), "--cluster-secret-file", dir.secret_file(), "--cluster-listen",
+                                   net.node(i).ip + ":7471", "--node-id", node_id, "--cluster-transports", "tcp",
+                                   "--transfer-dev", net.node(i).in_if, "--cluster-lease-ttl", "2",
+                                   "--cluster-pull-deadline", "1", "--cluster-chunk-blocks", "4"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto d = std::make_unique<DaemonUnderTest>(args, dir.path(), net.In(net.node(i).ns));
+  INFO(d->process().Stderr());
+  REQUIRE(d->WaitReady(20s));
+  return d;
+}
+
+// An engine (flexkv-test-client: 2 layers, 128 KiB blocks, 64 KV blocks) running `steps`; its lines after ATTACHED.
+std::vector<std::string> Engine(const DaemonUnderTest& d, const std::vector<std::string>& steps) {
+  std::vector<std::string> argv = {TestClientPath(), "--socket", d.socket(), "--name", "engine",
+                                   "--layers",       "2",        "--kv-blocks", "64"};
+  for (const auto& s : steps) {
+    argv.push_back("--do");
+    argv.push_back(s);
+  }
+  ChildProcess p = ChildProcess::Spawn(argv);
+  std::vector<std::string> out;
+  while (auto line = p.ReadLine(60s)) {
+    if (line->rfind("ATTACHED", 0) != 0) out.push_back(*line);
+  }
+  return out;
+}
+
+struct Prefetched {
+  uint32_t local = 0, pulled = 0;
+  uint64_t bytes = 0;
+  std::string status, source;
+};
+// "PREFETCHED <local> <pulled> <bytes> <STATUS> <source...>"
+Prefetched ParsePrefetched(const std::string& line) {
+  Prefetched p;
+  char status[64] = {};
+  unsigned long long bytes = 0;
+  int used = 0;
+  REQUIRE(std::sscanf(line.c_str(), "PREFETCHED %u %u %llu %63s %n", &p.local, &p.pulled, &bytes, status, &used) >= 4);
+  p.bytes = bytes;
+  p.status = status;
+  if (used > 0 && static_cast<size_t>(used) <= line.size()) p.source = line.substr(static_cast<size_t>(used));
+  return p;
+}
+
+struct Loaded {
+  uint32_t hits = 0, loaded = 0;
+  int equal = -1;
+  std::string status;
+};
+// "LOADED <hits> <loaded> <equal> <STATUS>"
+Loaded ParseLoaded(const std::string& line) {
+  Loaded l;
+  char status[64] = {};
+  REQUIRE(std::sscanf(line.c_str(), "LOADED %u %u %d %63s", &l.hits, &l.loaded, &l.equal, status) == 4);
+  l.status = status;
+  return l;
+}
+
+// Prefetches seed's n blocks on `d`, then loads them: {prefetched, loaded}. Every line must come (every request
+// ends); the load compares every byte with what the storing engine wrote.
+std::pair<Prefetched, Loaded> PrefetchAndLoad(const DaemonUnderTest& d, int seed, int n) {
+  const std::string step = std::to_string(seed) + ":" + std::to_string(n);
+  const auto out = Engine(d, {"prefetch:" + step, "load:" + step});
+  INFO(Lines(out));
+  REQUIRE(out.size() == 2);
+  return {ParsePrefetched(out[0]), ParseLoaded(out[1])};
+}
+
+void Store(const DaemonUnderTest& d, int seed, int n) {
+  const auto out = Engine(d, {"store:" + std::to_string(seed) + ":" + std::to_string(n)});
+  INFO(Lines(out));
+  REQUIRE(out.size() == 1);
+  REQUIRE(out[0].rfind("STORED", 0) == 0);
+}
+
+std::string Status(const DaemonUnderTest& d) {
+  return RunCommand({FlexkvctlPath(), "--socket", d.socket(), "status"}).output;
+}
+
+// Waits until flexkvctl status on `d` contains `text` (the cluster's state moves in the background).
+bool WaitStatus(const DaemonUnderTest& d, const std::string& text, std::chrono::milliseconds timeout = 15s) {
+  const int64_t deadline = NowMs() + timeout.count();
+  while (NowMs() < deadline) {
+    if (Status(d).find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(100ms);
+  }
+  return false;
+}
+
+// Waits until the directory lists an entry of `node_id` (published after the store committed).
+bool WaitDirectory(const HubEtcd& etcd, const std::string& node_id, bool present, std::chrono::milliseconds timeout) {
+  const int64_t deadline = NowMs() + timeout.count();
+  while (NowMs() < deadline) {
+    const auto r = etcd.Get("/flexkv/dir/");
+    const bool has = r.exit_code == 0 && r.output.find("/" + node_id + "\n") != std::string::npos;
+    if (r.exit_code == 0 && has == present) return true;
+    std::this_thread::sleep_for(100ms);
+  }
+  return false;
+}
+
+#define CLUSTER_TEST_SETUP(nodes)                                                              \
+  if (::access(kEtcd, X_OK) != 0) {                                                            \
+    WARN("skipped: " << kEtcd << " not found (Debian etcd-server; scripts/deps.sh installs it)"); \
+    return;                                                                                    \
+  }                                                                                            \
+  std::string why;                                                                             \
+  auto net = ClusterNet::Create(nodes, &why);                                                  \
+  if (!net) {                                                                                  \
+    WARN("network namespaces unavailable, skipped: " << why);                                  \
+    return;                                                                                    \
+  }                                                                                            \
+  HubEtcd etcd(*net)
+
+}  // namespace
+
+TEST_CASE("cluster tier: A stores, B prefetches over the network and loads byte-exact; status shows it",
+          "[integration][cluster][netns]") {
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_b(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  auto b = StartNode(*net, 1, "node-b", dir_b);
+  REQUIRE(WaitStatus(*b, "node-a"));  // B sees A as a member
+
+  Store(*a, 11, 24);
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+  auto [p, l] = PrefetchAndLoad(*b, 11, 24);
+  CHECK(p.status == "OK");
+  CHECK(p.local == 0);
+  CHECK(p.pulled == 24);
+  CHECK(p.bytes == 24 * kBlockBytes);
+  CHECK(p.source == "node-a");
+  CHECK(l.hits == 24);
+  CHECK(l.loaded == 24);
+  CHECK(l.equal == 1);
+
+  SECTION("a second prefetch is served locally; a longer prompt pulls only what B lacks") {
+    Store(*a, 11, 40);  // the same prompt, longer: A now holds 40 blocks
+    REQUIRE(WaitStatus(*a, "published"));
+    std::this_thread::sleep_for(500ms);  // the publisher's batch
+    auto [p2, l2] = PrefetchAndLoad(*b, 11, 40);
+    CHECK(p2.status == "OK");
+    CHECK(p2.local == 24);
+    CHECK(p2.pulled == 16);
+    CHECK(l2.hits == 40);
+    CHECK(l2.equal == 1);
+  }
+  SECTION("a prompt nobody has is a plain miss, answered OK") {
+    auto [p3, l3] = PrefetchAndLoad(*b, 99, 8);
+    CHECK(p3.status == "OK");
+    CHECK(p3.pulled == 0);
+    CHECK(p3.source.empty());
+    CHECK(l3.hits == 0);
+  }
+  const std::string status = Status(*b);
+  INFO(status);
+  CHECK(status.find("node-a") != std::string::npos);
+  CHECK(status.find("pulled") != std::string::npos);
+}
+
+TEST_CASE("cluster tier: a frozen, killed or partitioned peer ends every prefetch and serves no wrong block",
+          "[integration][cluster][netns]") {
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_b(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  auto b = StartNode(*net, 1, "node-b", dir_b);
+  REQUIRE(WaitStatus(*b, "node-a"));
+  Store(*a, 21, 32);
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+
+  SECTION("A frozen mid-pull (SIGSTOP): the pull hits its deadline, the prefetch ends, then A is killed") {
+    a->process().Signal(SIGSTOP);
+    const int64_t start = NowMs();
+    auto [p, l] = PrefetchAndLoad(*b, 21, 32);
+    CHECK(NowMs() - start < 20000);
+    CHECK(p.status == "OK");
+    CHECK(p.pulled == 0);
+    CHECK(l.hits == 0);
+    a->process().Signal(SIGKILL);
+    CHECK(WaitStatus(*b, "pulls failed"));
+  }
+  SECTION("A partitioned (its link down): the prefetch ends; healed, the next pulls byte-exact") {
+    net->SetLink(0, false);
+    auto [p, l] = PrefetchAndLoad(*b, 21, 32);
+    CHECK(p.status == "OK");
+    CHECK(p.pulled == 0);
+    CHECK(l.hits == 0);
+    net->SetLink(0, true);
+    // A's lease may have lapsed while etcd could not hear it: it joins again (a new epoch) and publishes again.
+    REQUIRE(WaitDirectory(etcd, "node-a", true, 20s));
+    Prefetched again;
+    for (int attempt = 0; attempt < 20 && again.pulled == 0; ++attempt) {
+      auto [p2, l2] = PrefetchAndLoad(*b, 21, 32);
+      again = p2;
+      if (p2.pulled > 0) {
+        CHECK(l2.hits == p2.pulled);
+        CHECK(l2.equal == 1);
+      } else {
+        std::this_thread::sleep_for(500ms);
+      }
+    }
+    CHECK(again.pulled == 32);
+  }
+}
+
+TEST_CASE("cluster tier: a dead node leaves the directory with its lease; restarted, it serves under a new epoch",
+          "[integration][cluster][netns]") {
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_b(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  auto b = StartNode(*net, 1, "node-b", dir_b);
+  Store(*a, 31, 16);
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+  a->process().Signal(SIGKILL);
+  (void)a->process().Wait(5s);
+  // The lease (2 s) ends: every entry of node-a goes, and the member record with them.
+  CHECK(WaitDirectory(etcd, "node-a", false, 15s));
+  CHECK(etcd.Get("/flexkv/members/node-a").output.find("node-a") == std::string::npos);
+  auto [p, l] = PrefetchAndLoad(*b, 31, 16);
+  CHECK(p.status == "OK");
+  CHECK(p.pulled == 0);
+
+  // Restarted on its pool file: its blocks come back (warm pool), it joins under a new epoch and publishes them.
+  a.reset();
+  a = StartNode(*net, 0, "node-a", dir_a);
+  REQUIRE(WaitStatus(*a, "joined"));
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 20s));
+  Prefetched again;
+  for (int attempt = 0; attempt < 20 && again.pulled == 0; ++attempt) {
+    auto [p2, l2] = PrefetchAndLoad(*b, 31, 16);
+    again = p2;
+    if (p2.pulled > 0) CHECK(l2.equal == 1);
+    if (p2.pulled == 0) std::this_thread::sleep_for(500ms);
+  }
+  CHECK(again.pulled == 16);
+  CHECK(again.source == "node-a");
+}
+
+TEST_CASE("cluster tier: a block corrupted in the peer's pool is never served; the blocks before it are",
+          "[integration][cluster][netns]") {
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_b(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  auto b = StartNode(*net, 1, "node-b", dir_b);
+  Store(*a, 41, 16);
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+  // The pool file: header and slot table (64 slots) below 2 MiB, data from 2 MiB, 128 KiB per slot. A fresh pool
+  // hands out slots in order, so slot 8 holds block 8 of the prompt; a byte of it changes under A.
+  {
+    std::fstream pool(dir_a.pool(), std::ios::in | std::ios::out | std::ios::binary);
+    REQUIRE(pool.good());
+    const std::streamoff at = (2 << 20) + 8 * static_cast<std::streamoff>(kBlockBytes) + 1000;
+    pool.seekg(at);
+    char c = 0;
+    pool.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    pool.seekp(at);
+    pool.write(&c, 1);
+  }
+  auto [p, l] = PrefetchAndLoad(*b, 41, 16);
+  CHECK(p.status == "OK");
+  CHECK(p.pulled < 16);
+  CHECK(l.hits == p.pulled);
+  CHECK(l.equal == 1);  // whatever B serves is byte-exact
+  const std::string status = Status(*b);
+  INFO(status);
+  CHECK(status.find("verify failures 1") != std::string::npos);
+}
+
+TEST_CASE("cluster tier: B's pool filling during a pull ends it with what fits, byte-exact",
+          "[integration][cluster][netns]") {
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_b(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  auto b = StartNode(*net, 1, "node-b", dir_b, "2MiB");  // 16 blocks
+  Store(*a, 51, 48);
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+  // Another engine fills B while the prefetch runs.
+  ChildProcess filler = ChildProcess::Spawn({TestClientPath(), "--socket", b->socket(), "--name", "filler", "--layers",
+                                             "2", "--kv-blocks", "64", "--do", "store:52:16", "--do", "store:53:16",
+                                             "--do", "store:54:16"});
+  const auto out = Engine(*b, {"prefetch:51:48", "load:51:48"});
+  INFO(Lines(out));
+  REQUIRE(out.size() == 2);
+  const Prefetched p = ParsePrefetched(out[0]);
+  const Loaded l = ParseLoaded(out[1]);
+  CHECK(p.status == "OK");
+  CHECK(p.pulled <= 16);
+  CHECK(l.equal == 1);
+  CHECK(filler.Wait(60s).has_value());
+}
+
+TEST_CASE("cluster tier: a node without the cluster secret gets nothing", "[integration][cluster][netns]") {
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_c("not the cluster's secret at all");
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  auto c = StartNode(*net, 1, "node-c", dir_c);
+  Store(*a, 61, 8);
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+  REQUIRE(WaitStatus(*c, "node-a"));
+  auto [p, l] = PrefetchAndLoad(*c, 61, 8);
+  CHECK(p.status == "OK");
+  CHECK(p.pulled == 0);
+  CHECK(p.source.find("node-a") != std::string::npos);
+  CHECK(l.hits == 0);
+  CHECK(WaitStatus(*a, "auth failures 1", 5s));
+}
