@@ -9,7 +9,11 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
@@ -66,6 +70,37 @@ struct AmReplyHeader {
   uint32_t reserved;
 };
 
+// Authentication and Calls, also active messages; each carries an AmHeader, its payload in the message's data.
+//   HELLO        client -> server  data: version u8 (1), node_len u8, client node id, client nonce (16)
+//   HELLO_REPLY  server -> client  code 0: node_len u8, server node id, server nonce (16), MAC_s (32);
+//                                  else code is a StatusCode and data the reason
+//   PROOF        client -> server  data: MAC_c (32); empty: "your MAC_s was wrong" (the server counts it)
+//   PROOF_REPLY  server -> client  code 0: authenticated; else code and reason
+//   CALL         client -> server  aux: method; data: the request
+//   CALL_REPLY   server -> client  code 0: data is the reply; else code and message
+// MAC_s = HMAC-SHA256(secret, "flexkv-cluster-v1 server" | client_nonce | server_nonce | server_node | client_node)
+// MAC_c = HMAC-SHA256(secret, "flexkv-cluster-v1 client" | server_nonce | client_nonce | client_node | server_node)
+// with every field preceded by its length (u32 little endian).
+constexpr unsigned kAmHello = 0x4b33;
+constexpr unsigned kAmHelloReply = 0x4b34;
+constexpr unsigned kAmProof = 0x4b35;
+constexpr unsigned kAmProofReply = 0x4b36;
+constexpr unsigned kAmCallRequest = 0x4b37;
+constexpr unsigned kAmCallReply = 0x4b38;
+struct AmHeader {
+  uint64_t id;
+  uint32_t code;  // a StatusCode in replies
+  uint32_t aux;   // the method of a CALL
+};
+constexpr uint32_t kGetRangeRefused = 1;      // AmReplyHeader::status: no registered region covers it
+constexpr uint32_t kGetNotAuthenticated = 2;  // AmReplyHeader::status: the endpoint has not proven the secret
+constexpr uint8_t kHandshakeVersion = 1;
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kMacBytes = 32;
+constexpr size_t kMaxNodeIdBytes = 64;
+constexpr size_t kMaxErrorBytes = 1024;
+constexpr size_t kMinSecretBytes = 16;
+
 void PutLe(std::string* out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
@@ -76,6 +111,59 @@ uint64_t GetLe(const char* p, int bytes) {
 }
 
 std::string UcsError(ucs_status_t s) { return ucs_status_string(s); }
+
+bool ValidNodeId(std::string_view id) {
+  if (id.empty() || id.size() > kMaxNodeIdBytes) return false;
+  for (char c : id) {
+    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' ||
+                    c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// HMAC-SHA256(secret, len|field|len|field...): every field length-prefixed, so no two inputs read alike.
+std::string Mac(const std::string& secret, std::initializer_list<std::string_view> fields) {
+  std::string input;
+  for (std::string_view f : fields) {
+    PutLe(&input, f.size(), 4);
+    input.append(f);
+  }
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+           reinterpret_cast<const unsigned char*>(input.data()), input.size(), out, &len) == nullptr) {
+    return std::string();  // never equal to a received MAC of kMacBytes
+  }
+  return std::string(reinterpret_cast<const char*>(out), len);
+}
+
+bool MacEqual(std::string_view a, std::string_view b) {
+  return a.size() == kMacBytes && b.size() == kMacBytes && CRYPTO_memcmp(a.data(), b.data(), kMacBytes) == 0;
+}
+
+Result<std::string> RandomBytes(size_t n) {
+  std::string out(n, '\0');
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = getrandom(out.data() + got, n - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return Status::Internal(std::string("getrandom: ") + std::strerror(errno));
+    }
+    got += static_cast<size_t>(r);
+  }
+  return out;
+}
+
+// An error that came over the wire: an unknown code reads UNKNOWN, the message is cut at kMaxErrorBytes.
+Status StatusFromWire(uint32_t code, std::string_view message) {
+  if (message.size() > kMaxErrorBytes) message = message.substr(0, kMaxErrorBytes);
+  if (code == 0 || code > static_cast<uint32_t>(StatusCode::kUnauthenticated)) {
+    return Status(StatusCode::kUnknown, "(code " + std::to_string(code) + ") " + std::string(message));
+  }
+  return Status(static_cast<StatusCode>(code), std::string(message));
+}
 
 // A value handed from the progress thread to a waiting caller (a mutex and a condition variable rather than
 // std::promise, whose futex wait ThreadSanitizer does not see).
@@ -204,15 +292,20 @@ struct UcxCore {
       uint64_t len;
     };
     std::vector<Waiting> waiting;
-    std::function<void(Status)> on_connected;  // Connect's wait
+    std::function<void(Status, const std::string&)> on_connected;  // Connect's wait: the outcome, the node id
+    std::string node_id;                 // proven by the handshake on the current endpoint
+    Clock::time_point connect_deadline;  // the wire-up and the handshake of the current endpoint
     std::map<std::string, ucp_rkey_h> rkeys;  // packed rkey -> unpacked, valid with `ep` only
     std::unordered_set<Op*> ops;
   };
-  // A Get, or the flush that Connect waits on.
+  // A Get, a Call, the flush that Connect waits on, or the handshake after it.
   struct Op {
+    enum class Kind { kGet, kFlush, kHandshake, kCall };
     UcxCore* core = nullptr;
     uint64_t peer_id = 0;
-    bool is_get = true;
+    Kind kind = Kind::kGet;
+    // Gets and Calls count against max_inflight_gets.
+    bool counted() const { return kind == Kind::kGet || kind == Kind::kCall; }
     Clock::time_point deadline;
     bool deadline_hit = false;
     bool posted = false;
@@ -224,6 +317,46 @@ struct UcxCore {
     void* dst = nullptr;
     uint64_t len = 0;
     std::optional<Status> result;  // overrides the mapping of `ucs`
+    // Calls: the request until sent, the reply as received, the caller's callback.
+    uint16_t method = 0;
+    std::string request;
+    std::string reply;
+    std::function<void(Result<std::string>)> call_done;
+    // Handshakes: 1 waiting for HELLO_REPLY, 2 waiting for PROOF_REPLY.
+    int stage = 0;
+    std::string client_nonce;
+    std::string server_node;
+  };
+  // A server-side endpoint (accepted connection) and its handshake.
+  struct Accepted {
+    uint64_t serial = 0;  // tells a reply for a closed endpoint from one for a new endpoint at the same address
+    Clock::time_point since;
+    std::string who;  // the client's address
+    bool authenticated = false;
+    bool hello_seen = false;
+    std::string client_node;
+    std::string client_nonce;
+    std::string server_nonce;
+  };
+  // A Call being received or handled (serving side).
+  struct ServerCall {
+    UcxCore* core = nullptr;
+    uint64_t serial = 0;
+    ucp_ep_h ep = nullptr;
+    uint64_t id = 0;
+    uint16_t method = 0;
+    std::string node;
+    std::string request;
+  };
+  // A message we send: owns the header and the data until UCX is done with them.
+  struct Outgoing {
+    AmHeader header{};
+    std::string data;
+  };
+  // What a CallHandler's `reply` reaches, from any thread: nulled (under `mu`) once the progress thread is gone.
+  struct ReplyGate {
+    std::mutex mu;
+    UcxCore* core = nullptr;
   };
   struct Region {
     ucp_mem_h memh = nullptr;
@@ -262,7 +395,9 @@ struct UcxCore {
   std::set<std::pair<Clock::time_point, Op*>> deadlines;
   std::vector<Op*> completed;             // filled by UCX callbacks, drained after progress
   std::vector<void*> closing;             // ep close requests still in progress
-  std::unordered_set<ucp_ep_h> accepted;  // server-side endpoints
+  std::unordered_map<ucp_ep_h, Accepted> accepted;  // server-side endpoints
+  uint64_t next_accepted_serial = 1;
+  std::shared_ptr<ReplyGate> gate = std::make_shared<ReplyGate>();
   std::vector<ucp_ep_h> accepted_failed;
   std::unordered_map<uint64_t, Region> regions;
   uint64_t next_region_id = 1;
@@ -274,6 +409,7 @@ struct UcxCore {
   std::function<bool(const sockaddr&)> accept_filter;  // guarded by info_mu
   std::set<std::string> lanes;                         // guarded by info_mu
   UcxTransport::Stats stats;                           // guarded by info_mu
+  UcxTransport::CallHandler call_handler;              // guarded by info_mu
 
   ~UcxCore() {
     if (worker != nullptr) ucp_worker_destroy(worker);
@@ -339,7 +475,18 @@ struct UcxCore {
     auto* reply = new Reply;
     reply->core = core;
     reply->header.id = req.id;
-    reply->header.status = 1;
+    reply->header.status = kGetRangeRefused;
+    if (!core->Authenticated(param)) {
+      core->CountRefused("a get", param);
+      reply->header.status = kGetNotAuthenticated;
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.send = &UcxCore::OnReplySent;
+      rp.user_data = reply;
+      void* r = ucp_am_send_nbx(param->reply_ep, kAmGetReply, &reply->header, sizeof reply->header, nullptr, 0, &rp);
+      if (!UCS_PTR_IS_PTR(r)) OnReplySent(nullptr, UCS_PTR_STATUS(r), reply);
+      return UCS_OK;
+    }
     const void* data = nullptr;
     size_t data_len = 0;
     ucp_mem_h memh = nullptr;
@@ -382,7 +529,11 @@ struct UcxCore {
     Op* op = it->second;
     core->am_ops.erase(it);
     op->am_waiting = false;
-    if (rep.status != 0) {
+    if (rep.status == kGetNotAuthenticated) {
+      op->ucs = UCS_ERR_REJECTED;
+      op->result = Status::PermissionDenied("the peer refused the get: this connection has not proven the cluster "
+                                            "secret (is a secret configured on this node?)");
+    } else if (rep.status != 0) {
       op->ucs = UCS_ERR_INVALID_PARAM;
       op->result = Status::NotFound("the peer refused the range: no region it registered covers it (a stale or "
                                     "wrong descriptor)");
@@ -405,6 +556,405 @@ struct UcxCore {
     core->completed.push_back(op);
     return UCS_OK;
   }
+
+  // ---- authentication and Calls (progress thread) ----
+  static void OnOutgoingSent(void* request, ucs_status_t status, void* user_data) {
+    if (request != nullptr) ucp_request_free(request);
+    if (status != UCS_OK) log::Debug(kLog, "a message was not delivered: {}", UcsError(status));
+    delete static_cast<Outgoing*>(user_data);
+  }
+  // Sends an active message owning its bytes; an error only when UCX refused it at once.
+  ucs_status_t SendAm(ucp_ep_h ep, unsigned am_id, AmHeader header, std::string data, bool want_reply) {
+    auto* out = new Outgoing{header, std::move(data)};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = want_reply ? UCP_AM_SEND_FLAG_REPLY : 0;
+    p.cb.send = &UcxCore::OnOutgoingSent;
+    p.user_data = out;
+    void* r = ucp_am_send_nbx(ep, am_id, &out->header, sizeof out->header, out->data.data(), out->data.size(), &p);
+    if (UCS_PTR_IS_PTR(r)) return UCS_OK;
+    const ucs_status_t st = UCS_PTR_STATUS(r);
+    OnOutgoingSent(nullptr, st, out);
+    return st;
+  }
+  void SendStatus(ucp_ep_h ep, unsigned am_id, uint64_t id, const Status& status) {
+    std::string message = status.message().substr(0, kMaxErrorBytes);
+    (void)SendAm(ep, am_id, AmHeader{id, static_cast<uint32_t>(status.code()), 0}, std::move(message), false);
+  }
+  Accepted* FindAccepted(const ucp_am_recv_param_t* param) {
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return nullptr;
+    auto it = accepted.find(param->reply_ep);
+    return it == accepted.end() ? nullptr : &it->second;
+  }
+  // Whether requests on this endpoint are served: every one without a secret, else accepted and authenticated.
+  bool Authenticated(const ucp_am_recv_param_t* param) {
+    if (options.secret.empty()) return true;
+    const Accepted* a = FindAccepted(param);
+    return a != nullptr && a->authenticated;
+  }
+  std::string Who(const ucp_am_recv_param_t* param) {
+    const Accepted* a = FindAccepted(param);
+    return a != nullptr ? a->who : std::string("a connection we made");
+  }
+  void CountRefused(std::string_view what, const ucp_am_recv_param_t* param) {
+    log::Warning(kLog, "refused {} from {}: the connection has not proven the cluster secret", what, Who(param));
+    std::lock_guard<std::mutex> lock(info_mu);
+    ++stats.requests_refused;
+  }
+  void CountMalformed(std::string_view what, const ucp_am_recv_param_t* param) {
+    log::Warning(kLog, "refused a malformed {} from {}", what, Who(param));
+    std::lock_guard<std::mutex> lock(info_mu);
+    ++stats.requests_refused;
+  }
+  void CountAuthFailure() {
+    std::lock_guard<std::mutex> lock(info_mu);
+    ++stats.auth_failures;
+  }
+  static bool FixedHeader(const void* header, size_t header_length, AmHeader* out) {
+    if (header_length != sizeof(AmHeader)) return false;
+    std::memcpy(out, header, sizeof *out);
+    return true;
+  }
+
+  // Server: HELLO. Answers with our node id, a nonce and MAC_s.
+  static ucs_status_t OnAmHello(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                const ucp_am_recv_param_t* param) {
+    auto* core = static_cast<UcxCore*>(arg);
+    AmHeader h{};
+    if (core->shutting_down.load() || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+    if (!FixedHeader(header, header_length, &h)) {
+      core->CountMalformed("handshake hello (header size)", param);
+      return UCS_OK;
+    }
+    ucp_ep_h ep = param->reply_ep;
+    Accepted* a = core->FindAccepted(param);
+    if (a == nullptr) {
+      core->CountMalformed("handshake hello (not on an accepted connection)", param);
+      core->SendStatus(ep, kAmHelloReply, h.id, Status::PermissionDenied("a handshake on a connection this node made"));
+      return UCS_OK;
+    }
+    if (core->options.secret.empty()) {
+      core->SendStatus(ep, kAmHelloReply, h.id,
+                       Status::PermissionDenied("this node has no cluster secret configured; every node must have the "
+                                                "same --cluster-secret-file"));
+      return UCS_OK;
+    }
+    const auto* d = static_cast<const char*>(data);
+    const bool sized = !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && length >= 2 &&
+                       length == 2 + static_cast<uint8_t>(d[1]) + kNonceBytes;
+    const std::string node = sized ? std::string(d + 2, static_cast<uint8_t>(d[1])) : std::string();
+    if (!sized || static_cast<uint8_t>(d[0]) != kHandshakeVersion || !ValidNodeId(node)) {
+      core->CountMalformed("handshake hello", param);
+      core->SendStatus(ep, kAmHelloReply, h.id,
+                       Status::InvalidArgument("malformed hello: expected version 1, a node id of [A-Za-z0-9._-]{1,64} "
+                                               "and a 16-byte nonce"));
+      return UCS_OK;
+    }
+    if (a->authenticated || a->hello_seen) {
+      core->CountMalformed("second handshake hello", param);
+      core->SendStatus(ep, kAmHelloReply, h.id, Status::FailedPrecondition("a handshake already ran on this connection"));
+      return UCS_OK;
+    }
+    auto nonce = RandomBytes(kNonceBytes);
+    if (!nonce.ok()) {
+      core->SendStatus(ep, kAmHelloReply, h.id, nonce.status());
+      return UCS_OK;
+    }
+    a->hello_seen = true;
+    a->client_node = node;
+    a->client_nonce.assign(d + 2 + node.size(), kNonceBytes);
+    a->server_nonce = std::move(*nonce);
+    const std::string& self = core->options.node_id;
+    std::string out;
+    out.push_back(static_cast<char>(self.size()));
+    out += self;
+    out += a->server_nonce;
+    out += Mac(core->options.secret,
+               {"flexkv-cluster-v1 server", a->client_nonce, a->server_nonce, self, a->client_node});
+    (void)core->SendAm(ep, kAmHelloReply, AmHeader{h.id, 0, 0}, std::move(out), false);
+    return UCS_OK;
+  }
+  // Server: PROOF. Checks MAC_c and the membership; marks the endpoint authenticated.
+  static ucs_status_t OnAmProof(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                const ucp_am_recv_param_t* param) {
+    auto* core = static_cast<UcxCore*>(arg);
+    AmHeader h{};
+    if (core->shutting_down.load() || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+    if (!FixedHeader(header, header_length, &h)) {
+      core->CountMalformed("handshake proof (header size)", param);
+      return UCS_OK;
+    }
+    ucp_ep_h ep = param->reply_ep;
+    Accepted* a = core->FindAccepted(param);
+    if (a == nullptr || !a->hello_seen || a->authenticated || core->options.secret.empty()) {
+      core->CountMalformed("handshake proof (no hello before it)", param);
+      core->SendStatus(ep, kAmProofReply, h.id, Status::FailedPrecondition("a proof without a hello before it"));
+      return UCS_OK;
+    }
+    a->hello_seen = false;  // the nonces serve one proof
+    if (length == 0) {
+      log::Warning(kLog, "node '{}' at {} says this node did not prove the cluster secret: the secrets differ",
+                   a->client_node, a->who);
+      core->CountAuthFailure();
+      return UCS_OK;
+    }
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != kMacBytes) {
+      core->CountMalformed("handshake proof (size)", param);
+      core->SendStatus(ep, kAmProofReply, h.id,
+                       Status::InvalidArgument("malformed proof of " + std::to_string(length) + " bytes; expected 32"));
+      return UCS_OK;
+    }
+    const std::string expected = Mac(core->options.secret, {"flexkv-cluster-v1 client", a->server_nonce,
+                                                            a->client_nonce, a->client_node, core->options.node_id});
+    if (!MacEqual(expected, std::string_view(static_cast<const char*>(data), length))) {
+      log::Warning(kLog, "node '{}' at {} did not prove the cluster secret", a->client_node, a->who);
+      core->CountAuthFailure();
+      core->SendStatus(ep, kAmProofReply, h.id,
+                       Status::PermissionDenied("node '" + core->options.node_id + "' says: you did not prove the "
+                                                "cluster secret: is --cluster-secret-file the same on every node?"));
+      return UCS_OK;
+    }
+    if (core->options.is_member && !core->options.is_member(a->client_node)) {
+      log::Warning(kLog, "node '{}' at {} proved the cluster secret but is not a member", a->client_node, a->who);
+      core->CountAuthFailure();
+      core->SendStatus(ep, kAmProofReply, h.id,
+                       Status::PermissionDenied("node '" + a->client_node + "' is not a member of the cluster (says '" +
+                                                core->options.node_id + "')"));
+      return UCS_OK;
+    }
+    a->authenticated = true;
+    log::Debug(kLog, "authenticated node '{}' at {}", a->client_node, a->who);
+    (void)core->SendAm(ep, kAmProofReply, AmHeader{h.id, 0, 0}, std::string(), false);
+    return UCS_OK;
+  }
+  // Client: the outcome of one of our handshake or call ops, by id; nullptr when it is not (or no longer) waiting.
+  Op* TakeAmOp(uint64_t id, Op::Kind kind) {
+    auto it = am_ops.find(id);
+    if (it == am_ops.end() || it->second->kind != kind) return nullptr;
+    Op* op = it->second;
+    am_ops.erase(it);
+    op->am_waiting = false;
+    return op;
+  }
+  void FailAmOp(Op* op, Status status) {
+    op->ucs = UCS_ERR_REJECTED;
+    op->result = std::move(status);
+    completed.push_back(op);
+  }
+  std::string PeerName(uint64_t peer_id) {
+    auto it = peers.find(peer_id);
+    return "peer " + (it == peers.end() ? std::string("?") : it->second->endpoint);
+  }
+  // Client: HELLO_REPLY. Checks MAC_s, then sends MAC_c.
+  static ucs_status_t OnAmHelloReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                     const ucp_am_recv_param_t* param) {
+    auto* core = static_cast<UcxCore*>(arg);
+    AmHeader h{};
+    if (!FixedHeader(header, header_length, &h)) return UCS_OK;
+    auto it = core->am_ops.find(h.id);
+    if (it == core->am_ops.end() || it->second->kind != Op::Kind::kHandshake || it->second->stage != 1) return UCS_OK;
+    Op* op = core->TakeAmOp(h.id, Op::Kind::kHandshake);
+    const std::string name = core->PeerName(op->peer_id);
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    const auto* d = static_cast<const char*>(data);
+    if (h.code != 0) {
+      core->CountAuthFailure();
+      core->FailAmOp(op, Status::PermissionDenied(name + " refused the handshake: " +
+                                                  StatusFromWire(h.code, rndv ? "" : std::string_view(d, length))
+                                                      .ToString()));
+      return UCS_OK;
+    }
+    const bool sized = !rndv && length >= 1 && length == 1 + static_cast<uint8_t>(d[0]) + kNonceBytes + kMacBytes;
+    const std::string node = sized ? std::string(d + 1, static_cast<uint8_t>(d[0])) : std::string();
+    if (!sized || !ValidNodeId(node)) {
+      core->FailAmOp(op, Status::PermissionDenied(name + " sent a malformed handshake reply of " +
+                                                  std::to_string(length) + " bytes"));
+      return UCS_OK;
+    }
+    const std::string server_nonce(d + 1 + node.size(), kNonceBytes);
+    const std::string_view mac_s(d + 1 + node.size() + kNonceBytes, kMacBytes);
+    const std::string& self = core->options.node_id;
+    auto pit = core->peers.find(op->peer_id);
+    ucp_ep_h ep = pit == core->peers.end() ? nullptr : pit->second->ep;
+    if (!MacEqual(Mac(core->options.secret, {"flexkv-cluster-v1 server", op->client_nonce, server_nonce, node, self}),
+                  mac_s)) {
+      core->CountAuthFailure();
+      log::Warning(kLog, "{} (node '{}') did not prove the cluster secret", name, node);
+      if (ep != nullptr) (void)core->SendAm(ep, kAmProof, AmHeader{h.id, 0, 0}, std::string(), true);
+      core->FailAmOp(op, Status::PermissionDenied(name + " did not prove the cluster secret: is "
+                                                  "--cluster-secret-file the same on every node?"));
+      return UCS_OK;
+    }
+    if (ep == nullptr) {
+      core->FailAmOp(op, Status::Unavailable(name + ": the connection was closed during the handshake"));
+      return UCS_OK;
+    }
+    op->server_node = node;
+    op->stage = 2;
+    std::string mac_c = Mac(core->options.secret, {"flexkv-cluster-v1 client", server_nonce, op->client_nonce, self,
+                                                   node});
+    op->am_waiting = true;
+    core->am_ops[op->am_id] = op;
+    const ucs_status_t st = core->SendAm(ep, kAmProof, AmHeader{h.id, 0, 0}, std::move(mac_c), true);
+    if (st != UCS_OK) {
+      core->TakeAmOp(h.id, Op::Kind::kHandshake);
+      core->FailAmOp(op, Status::Unavailable(name + ": sending the handshake proof: " + UcsError(st)));
+    }
+    return UCS_OK;
+  }
+  // Client: PROOF_REPLY. The server accepted us, or its reason.
+  static ucs_status_t OnAmProofReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                     const ucp_am_recv_param_t* param) {
+    auto* core = static_cast<UcxCore*>(arg);
+    AmHeader h{};
+    if (!FixedHeader(header, header_length, &h)) return UCS_OK;
+    auto it = core->am_ops.find(h.id);
+    if (it == core->am_ops.end() || it->second->kind != Op::Kind::kHandshake || it->second->stage != 2) return UCS_OK;
+    Op* op = core->TakeAmOp(h.id, Op::Kind::kHandshake);
+    if (h.code != 0) {
+      core->CountAuthFailure();
+      const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+      const Status why = StatusFromWire(h.code, rndv ? "" : std::string_view(static_cast<const char*>(data), length));
+      core->FailAmOp(op, Status::PermissionDenied(core->PeerName(op->peer_id) + " refused us: " + why.message()));
+      return UCS_OK;
+    }
+    if (auto pit = core->peers.find(op->peer_id); pit != core->peers.end()) pit->second->node_id = op->server_node;
+    op->ucs = UCS_OK;
+    core->completed.push_back(op);
+    return UCS_OK;
+  }
+
+  // Server: a CALL. Refused on unauthenticated endpoints; else handed to the handler once its bytes are here.
+  static ucs_status_t OnAmCallRequest(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                      const ucp_am_recv_param_t* param) {
+    auto* core = static_cast<UcxCore*>(arg);
+    AmHeader h{};
+    if (core->shutting_down.load() || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+    if (!FixedHeader(header, header_length, &h)) {
+      core->CountMalformed("call (header size)", param);
+      return UCS_OK;
+    }
+    ucp_ep_h ep = param->reply_ep;
+    if (!core->Authenticated(param)) {
+      core->CountRefused("a call", param);
+      core->SendStatus(ep, kAmCallReply, h.id,
+                       Status::PermissionDenied("this connection has not proven the cluster secret"));
+      return UCS_OK;
+    }
+    if (length > kMaxCallBytes) {
+      core->SendStatus(ep, kAmCallReply, h.id,
+                       Status::InvalidArgument("call request of " + std::to_string(length) + " bytes; at most " +
+                                               std::to_string(kMaxCallBytes)));
+      return UCS_OK;
+    }
+    const Accepted* a = core->FindAccepted(param);
+    auto* call = new ServerCall{core, a != nullptr ? a->serial : 0, ep, h.id, static_cast<uint16_t>(h.aux),
+                                a != nullptr ? a->client_node : std::string(), std::string()};
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+      call->request.resize(length);
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.recv_am = &UcxCore::OnCallRequestData;
+      rp.user_data = call;
+      void* r = ucp_am_recv_data_nbx(core->worker, data, call->request.data(), length, &rp);
+      if (UCS_PTR_IS_PTR(r)) return UCS_INPROGRESS;  // OnCallRequestData dispatches it
+      OnCallRequestData(nullptr, UCS_PTR_STATUS(r), length, call);
+      return UCS_OK;
+    }
+    call->request.assign(static_cast<const char*>(data), length);
+    core->DispatchCall(call);
+    return UCS_OK;
+  }
+  static void OnCallRequestData(void* request, ucs_status_t status, size_t, void* user_data) {
+    if (request != nullptr) ucp_request_free(request);
+    auto* call = static_cast<ServerCall*>(user_data);
+    if (status != UCS_OK) {
+      log::Debug(kLog, "receiving a call request failed: {}", UcsError(status));
+      delete call;
+      return;
+    }
+    call->core->DispatchCall(call);
+  }
+  void DispatchCall(ServerCall* call) {
+    std::unique_ptr<ServerCall> owned(call);
+    UcxTransport::CallHandler handler;
+    {
+      std::lock_guard<std::mutex> lock(info_mu);
+      handler = call_handler;
+    }
+    if (!handler) {
+      SendStatus(call->ep, kAmCallReply, call->id, Status::Unimplemented("no call handler on this node"));
+      return;
+    }
+    auto once = std::make_shared<std::atomic<bool>>(false);
+    auto reply = [gate = gate, once, serial = call->serial, ep = call->ep, id = call->id](Result<std::string> r) {
+      if (once->exchange(true)) return;
+      std::lock_guard<std::mutex> lock(gate->mu);
+      UcxCore* core = gate->core;
+      if (core == nullptr) return;
+      (void)core->Post([core, serial, ep, id, r = std::move(r)]() mutable {
+        core->SendCallReply(serial, ep, id, std::move(r));
+      });
+    };
+    handler(call->node, call->method, std::move(call->request), std::move(reply));
+  }
+  void SendCallReply(uint64_t serial, ucp_ep_h ep, uint64_t id, Result<std::string> r) {
+    if (shutting_down.load()) return;
+    if (serial != 0) {
+      auto it = accepted.find(ep);
+      if (it == accepted.end() || it->second.serial != serial) {
+        log::Debug(kLog, "a call reply for a closed connection was dropped");
+        return;
+      }
+    } else {
+      // Without a secret a call may arrive on a connection we made: it must still be one of our peers' endpoints.
+      bool found = false;
+      for (auto& [pid, peer] : peers) found |= peer->ep == ep;
+      if (!found) return;
+    }
+    if (!r.ok()) {
+      SendStatus(ep, kAmCallReply, id, r.status());
+    } else if (r->size() > kMaxCallBytes) {
+      SendStatus(ep, kAmCallReply, id,
+                 Status::ResourceExhausted("the call's reply of " + std::to_string(r->size()) +
+                                           " bytes exceeds the limit of " + std::to_string(kMaxCallBytes)));
+    } else {
+      (void)SendAm(ep, kAmCallReply, AmHeader{id, 0, 0}, std::move(r).value(), false);
+    }
+  }
+  // Client: a CALL_REPLY.
+  static ucs_status_t OnAmCallReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                    const ucp_am_recv_param_t* param) {
+    auto* core = static_cast<UcxCore*>(arg);
+    AmHeader h{};
+    if (!FixedHeader(header, header_length, &h)) return UCS_OK;
+    Op* op = core->TakeAmOp(h.id, Op::Kind::kCall);
+    if (op == nullptr) return UCS_OK;  // finished already: dropped
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    if (h.code != 0) {
+      core->FailAmOp(op, StatusFromWire(h.code, rndv ? "(message not received)"
+                                                     : std::string_view(static_cast<const char*>(data), length)));
+    } else if (length > kMaxCallBytes) {
+      core->FailAmOp(op, Status::Unavailable("the peer sent a reply of " + std::to_string(length) +
+                                             " bytes; at most " + std::to_string(kMaxCallBytes)));
+    } else if (rndv) {
+      op->reply.resize(length);
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.recv_am = &UcxCore::OnAmData;
+      rp.user_data = op;
+      void* r = ucp_am_recv_data_nbx(core->worker, data, op->reply.data(), length, &rp);
+      if (UCS_PTR_IS_PTR(r)) return UCS_INPROGRESS;  // OnAmData finishes it
+      op->ucs = UCS_PTR_STATUS(r);
+      core->completed.push_back(op);
+    } else {
+      op->reply.assign(static_cast<const char*>(data), length);
+      op->ucs = UCS_OK;
+      core->completed.push_back(op);
+    }
+    return UCS_OK;
+  }
+
   // `arg` is the core, not the peer: a peer may be gone (Disconnect) by the time UCX reports on an old endpoint.
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* core = static_cast<UcxCore*>(arg);
@@ -459,7 +1009,11 @@ struct UcxCore {
       log::Warning(kLog, "accepting a connection from {} failed: {}", who, UcsError(s));
       return;
     }
-    core->accepted.insert(ep);
+    Accepted a;
+    a.serial = core->next_accepted_serial++;
+    a.since = Clock::now();
+    a.who = who;
+    core->accepted.emplace(ep, std::move(a));
     log::Debug(kLog, "accepted a connection from {}", who);
     std::lock_guard<std::mutex> lock(core->info_mu);
     ++core->stats.connections_accepted;
@@ -578,19 +1132,31 @@ struct UcxCore {
     } else {
       status = Status::Unavailable(std::string("peer: ") + UcsError(op->ucs));
     }
-    if (op->is_get) {
+    Deliver(op, std::move(status));
+  }
+  // Counts the op's outcome, deletes it and calls its callback.
+  void Deliver(Op* op, Status status) {
+    if (op->kind == Op::Kind::kGet || op->kind == Op::Kind::kCall) {
       std::lock_guard<std::mutex> lock(info_mu);
+      const bool get = op->kind == Op::Kind::kGet;
       if (status.ok()) {
-        ++stats.gets_ok;
+        ++(get ? stats.gets_ok : stats.calls_ok);
       } else {
-        ++stats.gets_failed;
+        ++(get ? stats.gets_failed : stats.calls_failed);
         if (op->deadline_hit) ++stats.deadlines;
       }
     }
     auto done = std::move(op->done);
-    if (op->is_get) inflight.fetch_sub(1);
+    auto call_done = std::move(op->call_done);
+    std::string reply = std::move(op->reply);
+    if (op->counted()) inflight.fetch_sub(1);
+    const bool call = op->kind == Op::Kind::kCall;
     delete op;
-    if (done) done(std::move(status));
+    if (call) {
+      if (call_done) call_done(status.ok() ? Result<std::string>(std::move(reply)) : Result<std::string>(status));
+    } else if (done) {
+      done(std::move(status));
+    }
   }
   // Completes an op that UCX never took (or took and finished at once).
   void FinishNow(Op* op, ucs_status_t ucs) {
@@ -600,14 +1166,7 @@ struct UcxCore {
   void FinishWith(Op* op, Status status) {
     deadlines.erase({op->deadline, op});
     if (auto it = peers.find(op->peer_id); it != peers.end()) it->second->ops.erase(op);
-    if (op->is_get) {
-      std::lock_guard<std::mutex> lock(info_mu);
-      ++stats.gets_failed;
-    }
-    auto done = std::move(op->done);
-    if (op->is_get) inflight.fetch_sub(1);
-    delete op;
-    if (done) done(std::move(status));
+    Deliver(op, std::move(status));
   }
 
   void CheckDeadlines() {
@@ -641,6 +1200,20 @@ struct UcxCore {
       if (accepted.erase(ep)) CloseEp(ep);
     }
     accepted_failed.clear();
+    // With a secret, a connection that has not completed its handshake within get_deadline is closed.
+    if (!options.secret.empty()) {
+      const auto now = Clock::now();
+      for (auto it = accepted.begin(); it != accepted.end();) {
+        if (!it->second.authenticated && now - it->second.since > options.get_deadline) {
+          log::Warning(kLog, "closing the connection from {}: no handshake within {} ms", it->second.who,
+                       options.get_deadline.count());
+          CloseEp(it->first);
+          it = accepted.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
     for (auto it = closing.begin(); it != closing.end();) {
       if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
         ucp_request_free(*it);
@@ -691,11 +1264,13 @@ struct UcxCore {
   }
 
   // ---- commands (progress thread) ----
-  void StartGet(Op* op, std::string rkey_bytes, uint64_t remote_address, void* dst, uint64_t len) {
+  // The op's peer, connected and (with a secret) authenticated; nullptr when the op finished or now waits for a
+  // (re)connection in `peer->waiting`.
+  Peer* ReadyPeer(Op* op, std::string& rkey_bytes, uint64_t remote_address, void* dst, uint64_t len) {
     auto pit = peers.find(op->peer_id);
     if (pit == peers.end()) {
       FinishWith(op, Status::Unavailable("the peer was disconnected"));
-      return;
+      return nullptr;
     }
     Peer* peer = pit->second.get();
     if (peer->ep != nullptr && peer->failed) ClosePeerEp(peer);
@@ -703,13 +1278,71 @@ struct UcxCore {
       Status s = Reconnect(peer);
       if (!s.ok()) {
         FinishWith(op, s);
-        return;
+        return nullptr;
       }
     }
     if (peer->connecting) {
       peer->waiting.push_back({op, std::move(rkey_bytes), remote_address, dst, len});
+      return nullptr;
+    }
+    return peer;
+  }
+  void StartCall(Op* op) {
+    std::string none;
+    Peer* peer = ReadyPeer(op, none, 0, nullptr, 0);
+    if (peer == nullptr) return;
+    op->am_id = next_am_id++;
+    op->am_waiting = true;
+    am_ops[op->am_id] = op;
+    peer->ops.insert(op);
+    deadlines.insert({op->deadline, op});
+    op->posted = true;
+    const ucs_status_t st =
+        SendAm(peer->ep, kAmCallRequest, AmHeader{op->am_id, 0, op->method}, std::move(op->request), true);
+    if (st != UCS_OK && op->am_waiting) {
+      op->am_waiting = false;
+      am_ops.erase(op->am_id);
+      FinishNow(op, st);
+    }
+    // A send that fails later leaves the op waiting: the failed connection's close (or the deadline) ends it.
+  }
+  // After the wire-up, with a secret: HELLO, then (OnAmHelloReply) PROOF; ConnectDone runs with the outcome.
+  void StartHandshake(Peer* peer) {
+    auto* op = new Op;
+    op->core = this;
+    op->peer_id = peer->id;
+    op->kind = Op::Kind::kHandshake;
+    op->deadline = peer->connect_deadline;
+    op->done = [this, id = peer->id](Status s) { ConnectDone(id, std::move(s)); };
+    op->stage = 1;
+    auto nonce = RandomBytes(kNonceBytes);
+    if (!nonce.ok()) {
+      FinishWith(op, nonce.status());
       return;
     }
+    op->client_nonce = std::move(*nonce);
+    op->am_id = next_am_id++;
+    op->am_waiting = true;
+    am_ops[op->am_id] = op;
+    peer->ops.insert(op);
+    deadlines.insert({op->deadline, op});
+    op->posted = true;
+    std::string hello;
+    hello.push_back(static_cast<char>(kHandshakeVersion));
+    hello.push_back(static_cast<char>(options.node_id.size()));
+    hello += options.node_id;
+    hello += op->client_nonce;
+    const ucs_status_t st = SendAm(peer->ep, kAmHello, AmHeader{op->am_id, 0, 0}, std::move(hello), true);
+    if (st != UCS_OK && op->am_waiting) {
+      op->am_waiting = false;
+      am_ops.erase(op->am_id);
+      FinishNow(op, st);
+    }
+  }
+
+  void StartGet(Op* op, std::string rkey_bytes, uint64_t remote_address, void* dst, uint64_t len) {
+    Peer* peer = ReadyPeer(op, rkey_bytes, remote_address, dst, len);
+    if (peer == nullptr) return;
     if (!peer->native_rma) {
       StartAmGet(peer, op, remote_address, dst, len);
       return;
@@ -782,11 +1415,13 @@ struct UcxCore {
   Status Reconnect(Peer* peer) {
     FLEXKV_RETURN_IF_ERROR(CreatePeerEp(peer));
     peer->connecting = true;
+    peer->node_id.clear();
+    peer->connect_deadline = Clock::now() + options.get_deadline;
     auto* op = new Op;
     op->core = this;
     op->peer_id = peer->id;
-    op->is_get = false;
-    op->deadline = Clock::now() + options.get_deadline;
+    op->kind = Op::Kind::kFlush;
+    op->deadline = peer->connect_deadline;
     op->done = [this, id = peer->id](Status s) { OnReconnected(id, std::move(s)); };
     StartFlush(op);
     return Status::Ok();
@@ -794,8 +1429,20 @@ struct UcxCore {
   void OnReconnected(uint64_t peer_id, Status s) {
     auto it = peers.find(peer_id);
     if (it == peers.end()) return;
+    if (s.ok() && !options.secret.empty() && it->second->ep != nullptr) {
+      StartHandshake(it->second.get());
+      return;
+    }
+    ConnectDone(peer_id, std::move(s));
+  }
+  // The end of a (re)connection: wired up and, with a secret, authenticated; or why not.
+  void ConnectDone(uint64_t peer_id, Status s) {
+    auto it = peers.find(peer_id);
+    if (it == peers.end()) return;
     Peer* peer = it->second.get();
     peer->connecting = false;
+    // A refused handshake leaves a working endpoint that must not be used: the next request reconnects.
+    if (s.code() == StatusCode::kPermissionDenied) ClosePeerEp(peer);
     std::vector<Peer::Waiting> waiting;
     waiting.swap(peer->waiting);
     if (s.ok()) {
@@ -804,11 +1451,17 @@ struct UcxCore {
     }
     if (auto notify = std::move(peer->on_connected)) {
       peer->on_connected = nullptr;
-      notify(s);
+      notify(s, peer->node_id);
     }
     for (auto& w : waiting) {
       if (s.ok() && Clock::now() < w.op->deadline) {
-        StartGet(w.op, std::move(w.rkey), w.address, w.dst, w.len);
+        if (w.op->kind == Op::Kind::kCall) {
+          StartCall(w.op);
+        } else {
+          StartGet(w.op, std::move(w.rkey), w.address, w.dst, w.len);
+        }
+      } else if (s.code() == StatusCode::kPermissionDenied) {
+        FinishWith(w.op, s);
       } else if (s.ok() || s.code() == StatusCode::kDeadlineExceeded) {
         {
           std::lock_guard<std::mutex> lock(info_mu);
@@ -850,7 +1503,7 @@ struct UcxCore {
       listener = nullptr;
     }
     for (auto& [id, peer] : peers) ClosePeerEp(peer.get());
-    for (ucp_ep_h ep : accepted) CloseEp(ep);
+    for (auto& [ep, a] : accepted) CloseEp(ep);
     accepted.clear();
     // Let the cancellations and closes finish (bounded: a close that never completes is abandoned).
     const auto until = Clock::now() + std::chrono::seconds(5);
@@ -974,6 +1627,16 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
     }
   }
   if (options.max_inflight_gets == 0) return Status::InvalidArgument("ucx: max_inflight_gets is 0");
+  if (!options.secret.empty()) {
+    if (options.secret.size() < kMinSecretBytes) {
+      return Status::InvalidArgument("ucx: the cluster secret is " + std::to_string(options.secret.size()) +
+                                     " bytes; expected at least " + std::to_string(kMinSecretBytes));
+    }
+    if (!ValidNodeId(options.node_id)) {
+      return Status::InvalidArgument("ucx: node id '" + options.node_id +
+                                     "': expected 1 to 64 characters of [A-Za-z0-9._-] (required with a secret)");
+    }
+  }
   if (options.get_deadline.count() <= 0) return Status::InvalidArgument("ucx: get_deadline must be > 0");
   std::optional<std::pair<sockaddr_storage, socklen_t>> listen_addr;
   if (!options.listen_address.empty()) {
@@ -1014,8 +1677,12 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
     core->worker = nullptr;
     return Status::Unavailable("ucp_worker_create: " + UcsError(s));
   }
-  for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{kAmGetRequest, &UcxCore::OnAmGetRequest},
-                        std::pair<unsigned, ucp_am_recv_callback_t>{kAmGetReply, &UcxCore::OnAmGetReply}}) {
+  using Handler = std::pair<unsigned, ucp_am_recv_callback_t>;
+  for (auto [id, cb] : {Handler{kAmGetRequest, &UcxCore::OnAmGetRequest}, Handler{kAmGetReply, &UcxCore::OnAmGetReply},
+                        Handler{kAmHello, &UcxCore::OnAmHello}, Handler{kAmHelloReply, &UcxCore::OnAmHelloReply},
+                        Handler{kAmProof, &UcxCore::OnAmProof}, Handler{kAmProofReply, &UcxCore::OnAmProofReply},
+                        Handler{kAmCallRequest, &UcxCore::OnAmCallRequest},
+                        Handler{kAmCallReply, &UcxCore::OnAmCallReply}}) {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
     hp.id = id;
@@ -1052,6 +1719,7 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
     core->endpoint_text = FormatSockaddr(la.sockaddr);
   }
 
+  core->gate->core = core.get();  // no other thread sees the gate yet
   core->thread = std::thread([c = core.get()] { c->Loop(); });
   core->thread_id = core->thread.get_id();
   log::Info(kLog, "transport up: transports '{}', devices '{}', listener '{}'", options.transports,
@@ -1073,6 +1741,10 @@ UcxTransport::~UcxTransport() {
   ssize_t n = write(core_->wake_fd, &one, sizeof one);
   (void)n;
   core_->thread.join();
+  {
+    std::lock_guard<std::mutex> lock(core_->gate->mu);
+    core_->gate->core = nullptr;  // a CallHandler's late reply is dropped from now on
+  }
   // Commands posted after the shutdown (a region's Reset racing with it) ran in the last turn or are dropped.
 }
 
@@ -1129,7 +1801,7 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
   UcxCore* core = core_.get();
   // On this caller's stack: the progress thread sets it once and never touches it again (a shared_ptr released
   // on the progress thread trips ThreadSanitizer through libstdc++ 12's shared_ptr release fast path).
-  Rendezvous<Status> flushed;
+  Rendezvous<std::pair<Status, std::string>> flushed;
   const bool wait = !core->OnLoopThread();
   auto handle = core->RunSync<Result<PeerHandle>>([&]() -> Result<PeerHandle> {
     auto peer = std::make_unique<UcxCore::Peer>();
@@ -1139,9 +1811,11 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
     peer->addrlen = addr->second;
     // Wait for the wire-up (a flush completes once the connection is established, or fails); gets posted
     // meanwhile (from a callback on the progress thread, which cannot wait here) queue until then.
-    if (wait) peer->on_connected = [&flushed](Status s) { flushed.Set(std::move(s)); };
+    if (wait) {
+      peer->on_connected = [&flushed](Status s, const std::string& node) { flushed.Set({std::move(s), node}); };
+    }
     UcxCore::Peer* raw = peer.get();
-    PeerHandle h{peer->id, endpoint};
+    PeerHandle h{peer->id, endpoint, {}};
     core->peers.emplace(peer->id, std::move(peer));
     Status s = core->Reconnect(raw);
     if (!s.ok()) {
@@ -1152,15 +1826,17 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
   }, Status::FailedPrecondition("ucx: shutting down"));
   if (!handle.ok()) return handle.status();
   if (!wait) return handle;  // called from a callback: cannot wait for the loop
-  Status s = flushed.Take();
+  auto [s, node] = flushed.Take();
   if (!s.ok()) {
     Disconnect(*handle);
+    if (s.code() == StatusCode::kPermissionDenied) return Status::PermissionDenied("ucx: " + s.message());
     if (s.code() == StatusCode::kDeadlineExceeded) {
       return Status::DeadlineExceeded("ucx: connecting to " + endpoint + ": no answer within " +
                                       std::to_string(core->options.get_deadline.count()) + " ms");
     }
     return Status::Unavailable("ucx: connecting to " + endpoint + ": " + s.message());
   }
+  handle->node_id = node;
   return handle;
 }
 
@@ -1198,7 +1874,7 @@ Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uin
   auto* op = new UcxCore::Op;
   op->core = core_.get();
   op->peer_id = peer.id;
-  op->is_get = true;
+  op->kind = UcxCore::Op::Kind::kGet;
   op->deadline = Clock::now() + core_->options.get_deadline;
   op->done = std::move(done);
   const uint64_t address = remote.base() + remote_offset;
@@ -1215,6 +1891,58 @@ Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uin
     return Status::FailedPrecondition("ucx: shutting down");
   }
   return Status::Ok();
+}
+
+void UcxTransport::set_call_handler(CallHandler handler) {
+  std::lock_guard<std::mutex> lock(core_->info_mu);
+  core_->call_handler = std::move(handler);
+}
+
+Status UcxTransport::Call(const PeerHandle& peer, uint16_t method, std::string request,
+                          std::function<void(Result<std::string>)> done) {
+  if (request.size() > kMaxCallBytes) {
+    return Status::InvalidArgument("ucx: call request of " + std::to_string(request.size()) + " bytes; at most " +
+                                   std::to_string(kMaxCallBytes));
+  }
+  if (peer.id == 0) return Status::NotFound("ucx: invalid peer handle");
+  if (core_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
+  const uint32_t before = core_->inflight.fetch_add(1);
+  if (before >= core_->options.max_inflight_gets) {
+    core_->inflight.fetch_sub(1);
+    return Status::ResourceExhausted("ucx: " + std::to_string(core_->options.max_inflight_gets) +
+                                     " requests already in flight");
+  }
+  auto* op = new UcxCore::Op;
+  op->core = core_.get();
+  op->peer_id = peer.id;
+  op->kind = UcxCore::Op::Kind::kCall;
+  op->deadline = Clock::now() + core_->options.get_deadline;
+  op->method = method;
+  op->request = std::move(request);
+  op->call_done = std::move(done);
+  const bool posted = core_->Post([core = core_.get(), op] {
+    if (core->shutting_down.load()) {
+      core->FinishWith(op, Status::Cancelled("the transport is shutting down"));
+      return;
+    }
+    core->StartCall(op);
+  });
+  if (!posted) {
+    core_->inflight.fetch_sub(1);
+    delete op;
+    return Status::FailedPrecondition("ucx: shutting down");
+  }
+  return Status::Ok();
+}
+
+Result<std::string> UcxTransport::CallSync(const PeerHandle& peer, uint16_t method, std::string request) {
+  if (core_->OnLoopThread()) {
+    return Status::FailedPrecondition("ucx: CallSync on the progress thread (from a callback) would never return");
+  }
+  Rendezvous<Result<std::string>> outcome;
+  Status s = Call(peer, method, std::move(request), [&outcome](Result<std::string> r) { outcome.Set(std::move(r)); });
+  if (!s.ok()) return s;
+  return outcome.Take();
 }
 
 std::vector<std::string> UcxTransport::transports_in_use() const {

@@ -11,14 +11,22 @@
 // Threading: thread-safe. One UCP context and one worker (UCS_THREAD_MODE_SINGLE), owned by one progress thread
 // that makes every UCP call; the public methods hand work to it. `done` callbacks of Get run on that thread:
 // keep them short; they may call Get, but Connect called from a callback does not wait for the connection.
+// `done` of Call and the CallHandler also run on that thread; a CallHandler's `reply` may be called from any thread.
 //
-// Security (docs in /work/notes/s6/cluster-feasibility.md §4.5): over tcp UCX serves its own emulated get
-// (which a hand-made UCX client can still send; we never do) without checking the rkey or the registration, so
-// ANY peer with a UCP endpoint to this process can read any of its memory. Only members may connect: the caller authenticates peers on its own channel and installs an accept
-// filter (set_accept_filter) that refuses every connection request from an address that is not a current
-// member. The listener binds only to `listen_address` (never 0.0.0.0 unless that is what is configured), and
-// shared-memory transports are refused in `transports` (UCX would otherwise go around the network between
-// network namespaces of one host).
+// Security (docs in /work/notes/s6/cluster-feasibility.md §4.5, docs/cluster.md "UCX transport"). With
+// `UcxOptions::secret` set, Connect runs a mutual HMAC-SHA256 challenge-response over active messages (both sides
+// prove the cluster secret, the server also asks `is_member`), and the server answers our own requests (gets over
+// active messages, Calls) only on endpoints that completed it: anything else gets a PERMISSION_DENIED reply, never
+// bytes. What that does NOT cover: over tcp UCX serves its own emulated get (ucp_get_nbx over rma_sw, which a
+// hand-made UCX client can still send; we never do) without checking the rkey, the registration or our handshake,
+// so ANY peer with a UCP endpoint to this process can read any of its memory that way. The accept filter
+// (set_accept_filter, refusing every connection request from an address that is not a current member) stays the
+// mitigation for that. Over verbs the NIC checks the rkey: region descriptors must only be sent to authenticated
+// peers (in Call replies). The handshake is not bound to the connection's addresses: a node on the path that
+// relays both directions can sit in the middle of it (as with any challenge-response without channel binding); the
+// messages after it are neither encrypted nor authenticated. The listener binds only to `listen_address` (never
+// 0.0.0.0 unless that is what is configured), and shared-memory transports are refused in `transports` (UCX would
+// otherwise go around the network between network namespaces of one host).
 #pragma once
 
 #include <sys/socket.h>
@@ -50,8 +58,21 @@ struct UcxOptions {
   // reconnects. Connect waits at most this long for the connection too.
   std::chrono::milliseconds get_deadline{2000};
   // Gets accepted but not yet completed, over all peers; Get beyond it returns RESOURCE_EXHAUSTED at once.
+  // Gets and Calls accepted but not yet completed, over all peers; one beyond it returns RESOURCE_EXHAUSTED at once.
   uint32_t max_inflight_gets = 64;
+
+  // Peer authentication. `secret`: the cluster secret (>= 16 bytes, else Create says INVALID_ARGUMENT). Empty: no
+  // authentication (tests of the transport alone): Connect does no handshake and every endpoint is served.
+  std::string secret;
+  // This node's id, sent in the handshake: [A-Za-z0-9._-]{1,64} (checked by Create when `secret` is set).
+  std::string node_id;
+  // Server side, on the progress thread: whether a node id that proved the secret is a current member (the daemon
+  // answers from its directory's member list; must not block). Unset: any node that proves the secret.
+  std::function<bool(std::string_view node_id)> is_member;
 };
+
+// The largest Call request or reply, in bytes.
+inline constexpr uint64_t kMaxCallBytes = 4ull << 20;
 
 class UcxTransport;
 struct UcxCore;
@@ -105,6 +126,7 @@ class RemoteRegion {
 struct PeerHandle {
   uint64_t id = 0;
   std::string endpoint;
+  std::string node_id;  // the peer's node id as proven in the handshake; empty without a secret
 };
 
 class UcxTransport {
@@ -128,8 +150,11 @@ class UcxTransport {
   void set_accept_filter(std::function<bool(const sockaddr&)> filter);
 
   // Connects to a peer's endpoint ("host:port", numeric host) and waits until UCX has wired the connection up
-  // (at most get_deadline): UNAVAILABLE if the peer refuses or cannot be reached, DEADLINE_EXCEEDED if it does
-  // not answer in time, INVALID_ARGUMENT for a malformed endpoint.
+  // and, with a secret, the handshake is done (at most get_deadline): UNAVAILABLE if the peer refuses or cannot be
+  // reached, DEADLINE_EXCEEDED if it does not answer in time, INVALID_ARGUMENT for a malformed endpoint,
+  // PERMISSION_DENIED if the peer did not prove the cluster secret or refused us (its reason: "not a member", a
+  // wrong secret, no secret configured there). Every reconnect (after a deadline or a failure) redoes the handshake;
+  // requests queued meanwhile end with its PERMISSION_DENIED if it fails.
   Result<PeerHandle> Connect(const std::string& endpoint);
   // Closes the connection (forced: pending Gets end with UNAVAILABLE). The handle is invalid afterwards.
   void Disconnect(const PeerHandle& peer);
@@ -149,6 +174,31 @@ class UcxTransport {
   Status Get(const PeerHandle& peer, const RemoteRegion& remote, uint64_t remote_offset, void* dst, uint64_t len,
              std::function<void(Status)> done);
 
+  // Calls: small request/reply RPCs between daemons over active messages.
+  //
+  // Server side: set before peers connect (replaces any previous handler). Called on the progress thread for each
+  // request from an authenticated peer (any peer without a secret; `peer_node_id` is then empty); requests from
+  // an endpoint that has not completed the handshake are answered PERMISSION_DENIED without calling it, and
+  // without a handler every request is answered UNIMPLEMENTED. The handler must not block: it hands the work to
+  // its own thread and calls `reply` exactly once, from any thread (thread-safe; further calls are ignored; a
+  // reply after the transport's destruction or the peer's disconnect is dropped silently). An error reply carries
+  // its code and message (truncated to 1 KiB); an OK reply larger than kMaxCallBytes is sent as RESOURCE_EXHAUSTED.
+  using CallHandler = std::function<void(const std::string& peer_node_id, uint16_t method, std::string request,
+                                         std::function<void(Result<std::string>)> reply)>;
+  void set_call_handler(CallHandler handler);
+
+  // Client side: sends `request` to the peer's CallHandler. Returns an error at once, and then never calls `done`:
+  // INVALID_ARGUMENT (request larger than kMaxCallBytes), RESOURCE_EXHAUSTED (max_inflight_gets requests of all
+  // kinds pending), NOT_FOUND (invalid peer handle), FAILED_PRECONDITION (shutting down). Returns OK otherwise, and
+  // then `done` runs exactly once on the progress thread: the reply bytes, the handler's error (its code and
+  // message), UNIMPLEMENTED (the peer has no handler), PERMISSION_DENIED (the peer refused this endpoint or the
+  // handshake failed), DEADLINE_EXCEEDED (no reply within get_deadline: the endpoint is force-closed as for Get,
+  // the next request reconnects), UNAVAILABLE (peer gone or disconnected), CANCELLED (transport destroyed).
+  Status Call(const PeerHandle& peer, uint16_t method, std::string request,
+              std::function<void(Result<std::string>)> done);
+  // Call, waiting for its outcome. FAILED_PRECONDITION when called on the progress thread (from a callback).
+  Result<std::string> CallSync(const PeerHandle& peer, uint16_t method, std::string request);
+
   // The transports/devices UCX uses for the connections made so far, e.g. "tcp/lo", "rc_mlx5/mlx5_0:1" (from
   // ucp_ep_print_info), preceded by the configured restriction ("config: TLS=tcp NET_DEVICES=all").
   std::vector<std::string> transports_in_use() const;
@@ -161,6 +211,10 @@ class UcxTransport {
     uint64_t connections_accepted = 0;
     uint64_t connections_rejected = 0;
     uint64_t reconnects = 0;
+    uint64_t auth_failures = 0;     // handshakes that failed a proof of the secret or the membership check (either side)
+    uint64_t requests_refused = 0;  // gets/calls/handshake messages refused: unauthenticated endpoint or malformed
+    uint64_t calls_ok = 0;          // client side
+    uint64_t calls_failed = 0;      // client side
   };
   Stats stats() const;
 
