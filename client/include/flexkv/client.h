@@ -186,8 +186,9 @@ struct OpResult {
   uint32_t matched_blocks = 0;  // Match: leading blocks cached. Store: leading blocks already cached
   uint32_t done_blocks = 0;     // Load: blocks copied. Store: blocks newly stored
   uint64_t match_handle = 0;    // Match with pin: pass to Load / Release (0 when nothing matched)
-  uint64_t bytes = 0;  // Prefetch: bytes pulled from peers
-  std::string source;  // Prefetch: the node the blocks came from, or why none were pulled (empty: no peer had them)
+  uint64_t bytes = 0;           // Prefetch: bytes pulled from peers
+  std::string source;           // Prefetch: the node the blocks came from, or why none were pulled (empty: no peer
+                                // had them); empty for every other request and for one that failed
 };
 
 class Client {
