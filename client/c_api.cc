@@ -61,6 +61,8 @@ int FillResult(const flexkv::OpResult& r, flexkv_op_result* out) {
   out->done_blocks = r.done_blocks;
   out->match_handle = r.match_handle;
   CopyText(r.status.ok() ? std::string() : r.status.message(), out->message, sizeof(out->message));
+  out->bytes = r.bytes;
+  CopyText(r.source, out->source, sizeof(out->source));
   return Record(flexkv::Status::Ok());
 }
 
@@ -394,6 +396,15 @@ int flexkv_match(flexkv_client* c, const flexkv_block_key* keys, size_t n_keys, 
     if (keys == nullptr && n_keys > 0) return NullArgument("keys");
     if (ticket == nullptr) return NullArgument("ticket");
     return Submitted(c->client->Match(Keys(keys, n_keys), pin != 0), ticket);
+  });
+}
+
+int flexkv_prefetch(flexkv_client* c, const flexkv_block_key* keys, size_t n_keys, flexkv_ticket* ticket) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (keys == nullptr && n_keys > 0) return NullArgument("keys");
+    if (ticket == nullptr) return NullArgument("ticket");
+    return Submitted(c->client->Prefetch(Keys(keys, n_keys)), ticket);
   });
 }
 

@@ -376,6 +376,15 @@ Result<Ticket> Client::Match(std::span<const BlockKey> keys, bool pin) {
   return Ticket{t->id, s->generation};
 }
 
+Result<Ticket> Client::Prefetch(std::span<const BlockKey> keys) {
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
+  if (keys.empty()) return Status::InvalidArgument("keys is empty; expected at least one block key");
+  auto t = s->rings->Submit(RingOp::kPrefetch, 0, static_cast<uint32_t>(keys.size()), keys, {}, 0, kRootParent);
+  if (!t.ok()) return t.status();
+  return Ticket{t->id, s->generation};
+}
+
 Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();

@@ -159,6 +159,10 @@ void SessionRings::ReapLocked() {
     r.matched_blocks = c.matched_blocks;
     r.done_blocks = c.done_blocks;
     r.match_handle = c.match_handle;
+    r.bytes = c.bytes;
+    if (c.status_code == 0 && c.opcode == static_cast<uint16_t>(RingOp::kPrefetch)) {
+      r.source = c.message;  // the source node, or why nothing was pulled ("": no peer had the blocks)
+    }
     auto a = arena_of_.find(c.user_data);
     if (a != arena_of_.end()) {
       FreeLocked(a->second.first, a->second.second);

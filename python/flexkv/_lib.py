@@ -26,7 +26,7 @@ from .errors import Error, error_for
 
 SONAME = "libflexkv.so.0"
 # FLEXKV_ABI_VERSION of the client/include/flexkv/c.h that the declarations below mirror.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class BlockKeyStruct(Structure):
@@ -58,7 +58,7 @@ class ComponentStatusStruct(Structure):
 
 class OpResultStruct(Structure):
     _fields_ = [("status_code", c_int32), ("matched_blocks", c_uint32), ("done_blocks", c_uint32),
-                ("match_handle", c_uint64), ("message", c_char * 256)]
+                ("match_handle", c_uint64), ("message", c_char * 256), ("bytes", c_uint64), ("source", c_char * 96)]
 
 
 class TicketStruct(Structure):
@@ -155,6 +155,7 @@ _PROTOTYPES = {
     "flexkv_register_gpu_kv": (c_int, [client_p, gpu_kv_p]),
     "flexkv_gpu_kv_free": (None, [gpu_kv_p]),
     "flexkv_match": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, c_int, POINTER(TicketStruct)]),
+    "flexkv_prefetch": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, POINTER(TicketStruct)]),
     "flexkv_load": (c_int, [client_p, c_uint64, POINTER(c_uint32), c_size_t, c_int, POINTER(TicketStruct)]),
     "flexkv_store": (c_int, [client_p, POINTER(BlockKeyStruct), POINTER(BlockKeyStruct), POINTER(c_uint32),
                              c_size_t, POINTER(TicketStruct)]),

@@ -33,6 +33,8 @@ class OpResult:
     match_handle: Match with pin: pass to Client.load / Client.release (0 when nothing matched).
     status_code / message: OK and "" for a request that was done; otherwise why (part of) it was not, as the
       daemon said (Ticket.wait raises then, with this result on the exception).
+    bytes: Prefetch: bytes pulled from peers.
+    source: Prefetch: the node the blocks came from, or why none were pulled ("" when no peer had them).
     """
 
     status_code: StatusCode
@@ -40,6 +42,8 @@ class OpResult:
     done_blocks: int
     match_handle: int
     message: str = ""
+    bytes: int = 0
+    source: str = ""
 
     @property
     def ok(self) -> bool:
@@ -49,7 +53,8 @@ class OpResult:
     def _from_c(cls, r: _lib.OpResultStruct) -> "OpResult":
         status = _STATUS_CODES.get(r.status_code, StatusCode.UNKNOWN)  # a dict, not StatusCode(): the hot path
         message = r.message.decode("utf-8", "replace") if status else ""
-        return cls(status, r.matched_blocks, r.done_blocks, r.match_handle, message)
+        source = r.source.decode("utf-8", "replace") if r.source else ""
+        return cls(status, r.matched_blocks, r.done_blocks, r.match_handle, message, r.bytes, source)
 
 
 _STATUS_CODES = {int(c): c for c in StatusCode}
@@ -71,7 +76,7 @@ class Ticket:
         self._c = c_ticket
         self.id = int(c_ticket.id)
         self.generation = int(c_ticket.generation)
-        self.op = op  # "match" | "load" | "store" | "release"
+        self.op = op  # "match" | "prefetch" | "load" | "store" | "release"
         self._lock = threading.Lock()
         self._outcome: Union[None, OpResult, Error] = None
 

@@ -350,6 +350,17 @@ class Client:
         k = as_block_keys(keys)
         return self._submit("match", _lib.lib.flexkv_match, k._array, len(k), 1 if pin else 0)
 
+    def prefetch(self, keys: Union[BlockKeys, Iterable[Any]]) -> Ticket:
+        """Warms this node's cache for a prompt: pass its keys from its first block, as to match(). The result's
+        matched_blocks are the leading blocks cached here; done_blocks the blocks after them pulled from peer daemons
+        (the cluster tier) and cached here once verified, bytes what was pulled, source the node they came from or
+        why none were pulled ("" when no peer had them). OK even when nothing was pulled; a daemon without a cluster
+        tier answers with the local hits only. The ticket ends when the pull has ended (bounded by the daemon's
+        deadline); beyond the daemon's per-session limit of prefetches in flight it raises ResourceExhausted. Pins
+        nothing: match(keys, pin=True) after it, then load(). An all-zero key raises InvalidArgument."""
+        k = as_block_keys(keys)
+        return self._submit("prefetch", _lib.lib.flexkv_prefetch, k._array, len(k))
+
     def load(self, match_handle: int, block_ids: Any, layerwise: bool = False) -> Ticket:
         """Copies the first len(block_ids) blocks of a pinned match into these KV blocks (result.done_blocks).
         With layerwise, Ticket.wait_layers reports each layer as it lands. block_ids: sequence or integer array,

@@ -109,3 +109,33 @@ def test_many_requests_in_flight_at_once(client):
     matches = [client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(100 + j, 4), TPB)) for j in range(32)]
     assert [m.wait(10).matched_blocks for m in matches] == [4] * 32
     del buf
+
+
+# ---- prefetch (needs the daemon side of Prefetch, ring op 5; an older flexkvd raises InvalidArgument) ----
+
+def test_prefetch_without_a_cluster_tier_answers_the_local_hits_and_pins_nothing(client, observer):
+    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(31, 12), TPB)
+    stored = client.store(keys[:8], range(8)).wait(5)
+    assert (stored.done_blocks, stored.bytes, stored.source) == (8, 0, "")
+    t = client.prefetch(keys)
+    assert t.op == "prefetch"
+    r = t.wait(5)
+    assert (r.ok, r.matched_blocks, r.done_blocks, r.bytes, r.source, r.match_handle) == (True, 8, 0, 0, "", 0)
+    assert observer.status().pinned_blocks == 0
+    hit = client.match(keys, pin=True).wait(5)
+    assert hit.matched_blocks == 8
+    client.release(hit.match_handle).wait(5)
+    miss = client.prefetch(flexkv.block_keys(TEST_NAMESPACE, tokens(32, 6), TPB)).wait(5)
+    assert (miss.ok, miss.matched_blocks, miss.done_blocks, miss.bytes, miss.source) == (True, 0, 0, 0, "")
+    del buf
+
+
+def test_prefetch_of_an_all_zero_key_raises_invalid_argument(client):
+    keys = list(flexkv.block_keys(TEST_NAMESPACE, tokens(33, 3), TPB))
+    keys[1] = (0, 0)
+    with pytest.raises(flexkv.InvalidArgument) as e:
+        client.prefetch(keys).wait(5)
+    assert (e.value.result.done_blocks, e.value.result.bytes, e.value.result.source) == (0, 0, "")
+    with pytest.raises(flexkv.InvalidArgument):
+        client.prefetch([])  # nothing sent

@@ -32,8 +32,9 @@ extern "C" {
  * 4: hybrid models: flexkv_geometry gains n_components and components (flexkv_component); new
  *    flexkv_create_host_kv_component, flexkv_gpu_kv_set_component, flexkv_load_components,
  *    flexkv_store_components, flexkv_session_component and flexkv_get_status_components
- *    (flexkv_component_status). */
-#define FLEXKV_ABI_VERSION 4
+ *    (flexkv_component_status).
+ * 5: Prefetch: new flexkv_prefetch; flexkv_op_result gains bytes and source at its end. */
+#define FLEXKV_ABI_VERSION 5
 
 enum {
   FLEXKV_OK = 0,
@@ -132,6 +133,10 @@ typedef struct flexkv_op_result {
   uint32_t done_blocks;    /* Load: blocks copied. Store: blocks newly stored */
   uint64_t match_handle;   /* Match with pin: for flexkv_load / flexkv_release (0 when nothing matched) */
   char message[256];       /* NUL-terminated; empty when status_code is 0 */
+  uint64_t bytes;          /* Prefetch: bytes pulled from peers (5) */
+  /* Prefetch with status_code 0: the node the blocks came from, or why none were pulled; empty when no peer had
+   * them. NUL-terminated; empty for every other request (5). */
+  char source[96];
 } flexkv_op_result;
 
 /* Names one submitted request (flexkv::Ticket). generation names the session that issued it (every attach in
@@ -220,6 +225,10 @@ void flexkv_gpu_kv_free(flexkv_gpu_kv* kv);
 /* ---- Data plane (after attach). Each submission writes a ticket; every ticket ends exactly once. ---- */
 
 int flexkv_match(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, int pin, flexkv_ticket* ticket);
+/* Client::Prefetch: keys (a prompt's chain from its first block) → matched_blocks cached here, then done_blocks
+ * pulled from peer daemons (cluster tier) and cached here, bytes pulled, source. Pins nothing (flexkv_match after
+ * it); OK even when nothing was pulled; a daemon without a cluster tier answers with the local hits only. */
+int flexkv_prefetch(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, flexkv_ticket* ticket);
 int flexkv_load(flexkv_client* client, uint64_t match_handle, const uint32_t* dst_block_ids, size_t n_blocks,
                 int layerwise, flexkv_ticket* ticket);
 /* Stores keys[i] from KV block src_block_ids[i], keys[0] under `parent`: the key of the block before keys[0] in

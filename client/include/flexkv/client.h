@@ -186,6 +186,9 @@ struct OpResult {
   uint32_t matched_blocks = 0;  // Match: leading blocks cached. Store: leading blocks already cached
   uint32_t done_blocks = 0;     // Load: blocks copied. Store: blocks newly stored
   uint64_t match_handle = 0;    // Match with pin: pass to Load / Release (0 when nothing matched)
+  uint64_t bytes = 0;           // Prefetch: bytes pulled from peers
+  std::string source;           // Prefetch: the node the blocks came from, or why none were pulled (empty: no peer
+                                // had them); empty for every other request and for one that failed
 };
 
 class Client {
@@ -245,6 +248,18 @@ class Client {
   // The library renews the pins' lease while this process runs; a process stopped for longer than the
   // daemon's --pin-lease loses them (Load/Release of the handle: FAILED_PRECONDITION). docs/protocol.md, "Pins".
   Result<Ticket> Match(std::span<const BlockKey> keys, bool pin = false);
+  // Warms this node's cache for a prompt: `keys` (the prompt's chain from its first block, as for Match) → the
+  // leading blocks cached here (matched_blocks), then the blocks after them pulled from peer daemons (the cluster
+  // tier, docs/cluster.md) and cached here once verified (done_blocks; bytes: what was pulled; source: the node
+  // they came from, else why none were pulled, empty when no peer had them). OK even when nothing was pulled.
+  // Asynchronous: the request ends when the pull has ended, bounded by the daemon's deadline for a pull; a session
+  // has at most the daemon's per-session limit of prefetches in flight (beyond it the request ends with
+  // RESOURCE_EXHAUSTED). It pins nothing: Match (with pin) after it, then Load. A daemon without a cluster tier
+  // answers with the local hits only (done_blocks 0). It ends with the session: a wait on one still in flight
+  // then answers FAILED_PRECONDITION (Detach, re-Attach) or UNAVAILABLE (the daemon went away).
+  // INVALID_ARGUMENT for empty keys (nothing sent); the request ends with INVALID_ARGUMENT for an all-zero key
+  // (reserved: never cached) or more keys than the daemon takes in one request.
+  Result<Ticket> Prefetch(std::span<const BlockKey> keys);
   // Copies the first dst_block_ids.size() blocks of a pinned match into these KV blocks. With `layerwise`,
   // WaitLayers reports each layer as it lands, so compute on layer 0 can start while later layers copy.
   Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise = false);
