@@ -642,6 +642,39 @@ Result<DaemonStatus> Client::GetStatus() {
     tier.notes.assign(t.notes().begin(), t.notes().end());
     out.tiers.push_back(std::move(tier));
   }
+  if (resp.has_cluster()) {
+    const v1::ClusterStatus& c = resp.cluster();
+    DaemonStatus::Cluster cluster;
+    cluster.state = c.state();
+    cluster.node_id = c.node_id();
+    cluster.endpoint = c.endpoint();
+    cluster.last_error = c.last_error();
+    cluster.epoch = c.epoch();
+    for (const v1::ClusterMember& m : c.members()) cluster.members.push_back({m.node_id(), m.endpoint(), m.epoch(), m.self()});
+    cluster.counters = {{"published_keys", c.published_keys()},
+                        {"publish_queue", c.publish_queue()},
+                        {"publish_failures", c.publish_failures()},
+                        {"publish_dropped", c.publish_dropped()},
+                        {"rejoins", c.rejoins()},
+                        {"prefetches", c.prefetches()},
+                        {"pulls_ok", c.pulls_ok()},
+                        {"pulls_failed", c.pulls_failed()},
+                        {"pulled_blocks", c.pulled_blocks()},
+                        {"pulled_bytes", c.pulled_bytes()},
+                        {"verify_failures", c.verify_failures()},
+                        {"pulls_in_flight", c.pulls_in_flight()},
+                        {"lookups_served", c.lookups_served()},
+                        {"blocks_offered", c.blocks_offered()},
+                        {"peer_reads_ok", c.peer_reads_ok()},
+                        {"peer_reads_failed", c.peer_reads_failed()},
+                        {"peer_read_deadlines", c.peer_read_deadlines()},
+                        {"connections_accepted", c.connections_accepted()},
+                        {"connections_rejected", c.connections_rejected()},
+                        {"auth_failures", c.auth_failures()}};
+    cluster.transports.assign(c.transports().begin(), c.transports().end());
+    cluster.rdma_devices.assign(c.rdma_devices().begin(), c.rdma_devices().end());
+    out.cluster = std::move(cluster);
+  }
   return out;
 }
 

@@ -2,6 +2,7 @@
 // drop its cache domain.
 // Exit codes: 0 ok, 1 the daemon said no, 2 usage, 3 cannot connect.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -102,7 +103,24 @@ Json StatusJson(const flexkv::DaemonStatus& s) {
                          {"files", files},
                          {"notes", t.notes}});
   }
+  Json cluster = nullptr;
+  if (s.cluster) {
+    Json members = Json::array();
+    for (const auto& m : s.cluster->members) {
+      members.push_back(Json{{"node_id", m.node_id}, {"epoch", m.epoch}, {"endpoint", m.endpoint}, {"self", m.self}});
+    }
+    cluster = Json{{"state", s.cluster->state},
+                   {"node_id", s.cluster->node_id},
+                   {"epoch", s.cluster->epoch},
+                   {"endpoint", s.cluster->endpoint},
+                   {"members", members},
+                   {"counters", CountersJson(s.cluster->counters)},
+                   {"transports", s.cluster->transports},
+                   {"rdma_devices", s.cluster->rdma_devices},
+                   {"last_error", s.cluster->last_error}};
+  }
   return Json{{"tiers", tiers},
+              {"cluster", cluster},
               {"state", s.state},
               {"version", s.version},
               {"pid", s.pid},
@@ -199,6 +217,28 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
       fmt::print("  {} on {}: {} slots, {}\n", f.path, f.filesystem, f.slots, f.direct_io ? "direct I/O" : "BUFFERED I/O");
     }
     for (const auto& n : t.notes) fmt::print("  note: {}\n", n);
+  }
+  if (s.cluster) {
+    const auto& c = *s.cluster;
+    const auto n = [&c](const char* name) { return c.counters.contains(name) ? c.counters.at(name) : 0; };
+    fmt::print("cluster   {}: node {} epoch {} at {}; {} members; {} published ({} queued, {} failures, {} dropped, "
+               "{} rejoins)\n",
+               c.state, c.node_id, c.epoch, c.endpoint, c.members.size(), n("published_keys"), n("publish_queue"),
+               n("publish_failures"), n("publish_dropped"), n("rejoins"));
+    for (const auto& m : c.members) {
+      fmt::print("  member {} epoch {} at {}{}\n", m.node_id, m.epoch, m.endpoint, m.self ? " (this node)" : "");
+    }
+    fmt::print("  prefetches {}: pulls ok {}, pulls failed {}, pulled {} blocks ({} bytes), verify failures {}, {} in "
+               "flight\n",
+               n("prefetches"), n("pulls_ok"), n("pulls_failed"), n("pulled_blocks"), n("pulled_bytes"),
+               n("verify_failures"), n("pulls_in_flight"));
+    fmt::print("  served: {} lookups, {} blocks offered; peer reads {} ok, {} failed, {} deadlines; connections {} "
+               "accepted, {} rejected, auth failures {}\n",
+               n("lookups_served"), n("blocks_offered"), n("peer_reads_ok"), n("peer_reads_failed"),
+               n("peer_read_deadlines"), n("connections_accepted"), n("connections_rejected"), n("auth_failures"));
+    fmt::print("  transports: {}\n", c.transports.empty() ? std::string("(no connection yet)") : fmt::format("{}", fmt::join(c.transports, "; ")));
+    fmt::print("  rdma devices: {}\n", c.rdma_devices.empty() ? std::string("none") : fmt::format("{}", fmt::join(c.rdma_devices, "; ")));
+    if (!c.last_error.empty()) fmt::print("  last error: {}\n", c.last_error);
   }
 }
 

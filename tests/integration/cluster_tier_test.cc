@@ -340,14 +340,13 @@ TEST_CASE("cluster tier: A stores, B prefetches over the network and loads byte-
   CHECK(l.equal == 1);
 
   SECTION("a second prefetch is served locally; a longer prompt pulls only what B lacks") {
-    Store(*a, 11, 40);  // the same prompt, longer: A now holds 40 blocks
-    REQUIRE(WaitStatus(*a, "published"));
-    std::this_thread::sleep_for(500ms);  // the publisher's batch
-    auto [p2, l2] = PrefetchAndLoad(*b, 11, 40);
+    Store(*a, 11, 32);  // the same prompt, longer: A now holds 32 blocks; its last key is published
+    std::this_thread::sleep_for(1s);  // the publisher's batch
+    auto [p2, l2] = PrefetchAndLoad(*b, 11, 32);
     CHECK(p2.status == "OK");
     CHECK(p2.local == 24);
-    CHECK(p2.pulled == 16);
-    CHECK(l2.hits == 40);
+    CHECK(p2.pulled == 8);
+    CHECK(l2.hits == 32);
     CHECK(l2.equal == 1);
   }
   SECTION("a prompt nobody has is a plain miss, answered OK") {
@@ -382,7 +381,7 @@ TEST_CASE("cluster tier: a frozen, killed or partitioned peer ends every prefetc
     CHECK(p.pulled == 0);
     CHECK(l.hits == 0);
     a->process().Signal(SIGKILL);
-    CHECK(WaitStatus(*b, "pulls failed"));
+    CHECK(WaitStatus(*b, "pulls failed 1"));
   }
   SECTION("A partitioned (its link down): the prefetch ends; healed, the next pulls byte-exact") {
     net->SetLink(0, false);
@@ -477,7 +476,7 @@ TEST_CASE("cluster tier: B's pool filling during a pull ends it with what fits, 
   CLUSTER_TEST_SETUP(2);
   NodeDir dir_a(kSecret), dir_b(kSecret);
   auto a = StartNode(*net, 0, "node-a", dir_a);
-  auto b = StartNode(*net, 1, "node-b", dir_b, "2MiB");  // 16 blocks
+  auto b = StartNode(*net, 1, "node-b", dir_b, "2MiB", {"--max-session-pin-share", "1"});  // 16 blocks
   Store(*a, 51, 48);
   REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
   // Another engine fills B while the prefetch runs.
@@ -508,5 +507,6 @@ TEST_CASE("cluster tier: a node without the cluster secret gets nothing", "[inte
   CHECK(p.pulled == 0);
   CHECK(p.source.find("node-a") != std::string::npos);
   CHECK(l.hits == 0);
-  CHECK(WaitStatus(*a, "auth failures 1", 5s));
+  CHECK(WaitStatus(*c, "cluster secret", 5s));  // its last error says why
+  CHECK(WaitStatus(*a, "served: 0 lookups", 5s));
 }

@@ -119,6 +119,25 @@ struct DaemonStatus {
     std::vector<std::string> notes;
   };
   std::vector<Tier> tiers;  // none without a tier below DRAM
+  // The cluster tier (docs/cluster.md); nullopt without --etcd-endpoints.
+  struct Cluster {
+    std::string state;  // "joined" | "joining: <why not yet>" | "stopped"
+    std::string node_id, endpoint, last_error;
+    uint64_t epoch = 0;
+    struct Member {
+      std::string node_id, endpoint;
+      uint64_t epoch = 0;
+      bool self = false;
+    };
+    std::vector<Member> members;
+    // published_keys, publish_queue, publish_failures, publish_dropped, rejoins, prefetches, pulls_ok, pulls_failed,
+    // pulled_blocks, pulled_bytes, verify_failures, pulls_in_flight, lookups_served, blocks_offered, peer_reads_ok,
+    // peer_reads_failed, peer_read_deadlines, connections_accepted, connections_rejected, auth_failures
+    // (docs/protocol.md, ClusterStatus)
+    std::map<std::string, uint64_t> counters;
+    std::vector<std::string> transports, rdma_devices;
+  };
+  std::optional<Cluster> cluster;
 };
 
 // What a scrub found (Client::Scrub).

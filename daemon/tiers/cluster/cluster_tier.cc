@@ -494,6 +494,12 @@ struct ClusterTier::Impl {
       }
     }
     auto connected = transport->Connect(member->transfer_endpoint);
+    if (!connected.ok() && connected.status().code() != StatusCode::kDeadlineExceeded) {
+      // A peer refuses a node that joined after its last member refresh (once a second); the refusal makes it
+      // refresh at once, so one retry a moment later gets in.
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      connected = transport->Connect(member->transfer_endpoint);
+    }
     if (!connected.ok()) return connected.status();
     if (!connected->node_id.empty() && connected->node_id != node_id) {
       transport->Disconnect(*connected);
@@ -722,6 +728,7 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
     if (raw->member_hosts.count(host) > 0) return true;
     raw->refresh_asked = true;  // a node that joined a moment ago: its next attempt may pass
     raw->members_cv.notify_all();
+    log::Warning("cluster", "refused a connection from {}: not the address of a current member", host);
     return false;
   });
   impl->transport->set_call_handler([raw](const std::string& peer, uint16_t method, std::string request,

@@ -142,11 +142,16 @@ TEST_CASE("descriptor validation: reserved words, opcodes and flags are refused 
   release.reserved = UINT32_MAX;
   ExpectRefused(release, StatusCode::kInvalidArgument, "reserved is 4294967295");
 
-  for (const uint16_t opcode : {uint16_t{0}, uint16_t{5}, uint16_t{0xffff}}) {
+  for (const uint16_t opcode : {uint16_t{0}, uint16_t{6}, uint16_t{0xffff}}) {
     SubmitDescriptor d = Desc(RingOp::kMatch, 1);
     d.opcode = opcode;
-    ExpectRefused(d, StatusCode::kInvalidArgument, "opcode " + std::to_string(opcode) + " is unknown; expected 1..4");
+    ExpectRefused(d, StatusCode::kInvalidArgument, "opcode " + std::to_string(opcode) + " is unknown; expected 1..5");
   }
+  // A Prefetch pins nothing: a match handle on one is refused; so is an all-zero key (as in a Store).
+  SubmitDescriptor prefetch = Desc(RingOp::kMatch, 1);
+  prefetch.opcode = static_cast<uint16_t>(RingOp::kPrefetch);
+  prefetch.match_handle = 3;
+  ExpectRefused(prefetch, StatusCode::kInvalidArgument, "match_handle is 3 on a Prefetch; expected 0");
 
   ExpectRefused(Desc(RingOp::kMatch, 1, 0x2), StatusCode::kInvalidArgument, "flags 0x2 are not valid for opcode 1");
   ExpectRefused(Desc(RingOp::kLoad, 1, 0x8000), StatusCode::kInvalidArgument, "flags 0x8000");
