@@ -20,6 +20,7 @@
 #include "daemon/metrics/listen_address.h"
 #include "daemon/metrics/request_metrics.h"
 #include "daemon/sessions/session_registry.h"
+#include "daemon/tiers/cluster/cluster_tier.h"
 #include "daemon/tiers/ssd/ssd_tier.h"
 
 using flexkv::ErrorCounts;
@@ -229,7 +230,23 @@ TEST_CASE("docs/operations.md lists exactly the metrics flexkvd exports, with th
   ssd_options.store.size_bytes = 1 << 20;
   auto ssd = flexkv::SsdTier::Create(ssd_options, &caches);
   REQUIRE(ssd.ok());
-  flexkv::DaemonMetrics metrics({&caches, &data_plane, &sessions, &lifecycle, &control_errors, ssd->get()});
+  // A cluster tier whose store is not reachable (nothing listens on 127.0.0.1:9): it keeps trying to join; its
+  // families are exported all the same.
+  const std::string secret = ssd_dir + "/cluster.secret";
+  std::ofstream(secret) << "sixteen-or-more-bytes-of-secret\n";
+  std::filesystem::permissions(secret, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  flexkv::ClusterTierOptions cluster_options;
+  cluster_options.node_id = "metrics-test";
+  cluster_options.etcd_endpoints = {"127.0.0.1:9"};
+  cluster_options.secret_file = secret;
+  cluster_options.listen_address = "127.0.0.1";
+  cluster_options.transports = "tcp";
+  cluster_options.max_pulls = 1;
+  auto cluster = flexkv::ClusterTier::Create(cluster_options, &caches);
+  INFO(cluster.status().ToString());
+  REQUIRE(cluster.ok());
+  flexkv::DaemonMetrics metrics(
+      {&caches, &data_plane, &sessions, &lifecycle, &control_errors, ssd->get(), cluster->get()});
 
   std::map<std::string, std::string> exported;
   for (const auto& family : metrics.Collect()) exported[family.name] = TypeName(family.type);
@@ -257,6 +274,8 @@ TEST_CASE("docs/operations.md lists exactly the metrics flexkvd exports, with th
   control_errors.Add(StatusCode::kPermissionDenied);
   CHECK(HasLine(metrics.Text(), "flexkv_control_errors_total{code=\"PERMISSION_DENIED\"} 1"));
   CHECK(HasLine(text, "flexkv_ssd_up 0"));
+  CHECK(HasLine(text, "flexkv_cluster_joined 0"));
+  cluster->reset();
   ssd->reset();
   std::filesystem::remove_all(ssd_dir);
 }
