@@ -654,7 +654,6 @@ Result<DaemonStatus> Client::GetStatus() {
     cluster.counters = {{"published_keys", c.published_keys()},
                         {"publish_queue", c.publish_queue()},
                         {"publish_failures", c.publish_failures()},
-                        {"publish_dropped", c.publish_dropped()},
                         {"rejoins", c.rejoins()},
                         {"prefetches", c.prefetches()},
                         {"pulls_ok", c.pulls_ok()},

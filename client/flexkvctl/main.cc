@@ -221,10 +221,9 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
   if (s.cluster) {
     const auto& c = *s.cluster;
     const auto n = [&c](const char* name) { return c.counters.contains(name) ? c.counters.at(name) : 0; };
-    fmt::print("cluster   {}: node {} epoch {} at {}; {} members; {} published ({} queued, {} failures, {} dropped, "
-               "{} rejoins)\n",
+    fmt::print("cluster   {}: node {} epoch {} at {}; {} members; {} published ({} queued, {} failures, {} rejoins)\n",
                c.state, c.node_id, c.epoch, c.endpoint, c.members.size(), n("published_keys"), n("publish_queue"),
-               n("publish_failures"), n("publish_dropped"), n("rejoins"));
+               n("publish_failures"), n("rejoins"));
     for (const auto& m : c.members) {
       fmt::print("  member {} epoch {} at {}{}\n", m.node_id, m.epoch, m.endpoint, m.self ? " (this node)" : "");
     }

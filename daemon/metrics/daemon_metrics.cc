@@ -258,8 +258,6 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
     gauge("flexkv_cluster_publish_queue", "Directory updates waiting", static_cast<double>(c.publish_queue));
     gauge("flexkv_cluster_pulls_in_flight", "Prefetches pulling from peers now", static_cast<double>(c.pulls_in_flight));
     counter("flexkv_cluster_publish_failures_total", "Directory store calls that failed (retried)", c.publish_failures);
-    counter("flexkv_cluster_publish_dropped_total", "Directory publishes dropped because the queue was full",
-            c.publish_dropped);
     counter("flexkv_cluster_rejoins_total", "Leases lost (store unreachable for a ttl) and joined again", c.rejoins);
     counter("flexkv_cluster_prefetches_total", "Prefetch requests that went to the network", c.prefetches);
     counter("flexkv_cluster_pulls_ok_total", "Prefetches that pulled at least one block from a peer", c.pulls_ok);

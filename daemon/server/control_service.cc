@@ -181,7 +181,6 @@ void FillCluster(const ClusterTierStatus& c, v1::ClusterStatus* out) {
   out->set_published_keys(c.published_keys);
   out->set_publish_queue(c.publish_queue);
   out->set_publish_failures(c.publish_failures);
-  out->set_publish_dropped(c.publish_dropped);
   out->set_rejoins(c.rejoins);
   out->set_prefetches(c.prefetches);
   out->set_pulls_ok(c.pulls_ok);

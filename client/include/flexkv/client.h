@@ -130,7 +130,7 @@ struct DaemonStatus {
       bool self = false;
     };
     std::vector<Member> members;
-    // published_keys, publish_queue, publish_failures, publish_dropped, rejoins, prefetches, pulls_ok, pulls_failed,
+    // published_keys, publish_queue, publish_failures, rejoins, prefetches, pulls_ok, pulls_failed,
     // pulled_blocks, pulled_bytes, verify_failures, pulls_in_flight, lookups_served, blocks_offered, peer_reads_ok,
     // peer_reads_failed, peer_read_deadlines, connections_accepted, connections_rejected, auth_failures
     // (docs/protocol.md, ClusterStatus)

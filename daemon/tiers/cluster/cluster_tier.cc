@@ -124,19 +124,16 @@ struct ClusterTier::Impl {
   std::condition_variable members_cv;  // wakes the membership thread (a refresh asked for, or Stop)
   bool refresh_asked = false;
 
-  // Directory updates. published[cache] holds the keys published for the cache's current domain.
-  struct Update {
-    Cache* cache = nullptr;
-    Cache::BlockEvent event;
+  // Directory state, per cache (domain slot): what should be published (`desired`: the local truth, changed at
+  // once by the cache's events), what the store has (`published`, changed only once a store call succeeded), and
+  // the differences still to send. Bounded by the blocks the cache holds, whatever the store does.
+  struct DirectoryState {
+    std::string published_ns;  // the namespace `published` was published under
+    std::unordered_set<BlockKey, BlockKeyHash> desired, published, to_publish, to_withdraw;
   };
   mutable std::mutex pub_mu;
   std::condition_variable pub_cv;
-  std::deque<Update> queue;
-  struct Published {
-    std::string model_namespace;
-    std::unordered_set<BlockKey, BlockKeyHash> keys;
-  };
-  std::map<Cache*, Published> published;
+  std::map<Cache*, DirectoryState> directory_state;
 
   // Connections to peers, by node id (the epoch they were made for: a new epoch reconnects).
   std::mutex peers_mu;
@@ -174,7 +171,7 @@ struct ClusterTier::Impl {
 
   std::vector<std::thread> threads;
 
-  std::atomic<uint64_t> publish_failures{0}, publish_dropped{0}, rejoins{0}, prefetches{0}, pulls_ok{0},
+  std::atomic<uint64_t> publish_failures{0}, rejoins{0}, prefetches{0}, pulls_ok{0},
       pulls_failed{0}, pulled_blocks{0}, pulled_bytes{0}, verify_failures{0}, pulls_running{0}, lookups_served{0},
       blocks_offered{0};
   mutable std::mutex error_mu;
@@ -255,45 +252,64 @@ struct ClusterTier::Impl {
     return it->second;
   }
 
-  // --- directory updates --------------------------------------------------------------------------------------
+  // --- directory updates ---------------------------------------------------------------------------------
 
+  // Under the cache's lock: only the sets change here.
   void OnBlockEvent(Cache* cache, const Cache::BlockEvent& e) {
-    if (e.kind == Cache::BlockEvent::kCommitted && !Sampled(e.key, options.chunk_blocks) && !e.request_end) return;
     std::lock_guard<std::mutex> lock(pub_mu);
-    if (e.kind == Cache::BlockEvent::kCommitted && queue.size() >= options.max_publish_queue) {
-      publish_dropped.fetch_add(1, std::memory_order_relaxed);
-      return;  // the block stays served here; only peers miss it
-    }
-    queue.push_back(Update{cache, e});
-    if (queue.size() == 1) pub_cv.notify_one();
-  }
-
-  // After a new Join every entry of the old lease is gone: publish what is still held again.
-  void RepublishAll() {
-    std::lock_guard<std::mutex> lock(pub_mu);
-    for (auto& [cache, p] : published) {
-      for (const BlockKey& k : p.keys) queue.push_front(Update{cache, {Cache::BlockEvent::kCommitted, k, true}});
-      p.keys.clear();
+    DirectoryState& d = directory_state[cache];
+    switch (e.kind) {
+      case Cache::BlockEvent::kCommitted:
+        if (!Sampled(e.key, options.chunk_blocks) && !e.request_end) return;
+        d.desired.insert(e.key);
+        d.to_withdraw.erase(e.key);
+        if (d.published.count(e.key) == 0) d.to_publish.insert(e.key);
+        break;
+      case Cache::BlockEvent::kRemoved:
+        if (d.desired.erase(e.key) == 0) return;
+        d.to_publish.erase(e.key);
+        if (d.published.count(e.key) > 0) d.to_withdraw.insert(e.key);
+        break;
+      case Cache::BlockEvent::kDomainDropped:
+        d.desired.clear();
+        d.to_publish.clear();
+        d.to_withdraw = d.published;
+        break;
     }
     pub_cv.notify_one();
+  }
+
+  // After a new Join every entry of the old lease is gone: publish everything still held again.
+  void RepublishAll() {
+    std::lock_guard<std::mutex> lock(pub_mu);
+    for (auto& [cache, d] : directory_state) {
+      d.published.clear();
+      d.to_withdraw.clear();
+      d.to_publish = d.desired;
+    }
+    pub_cv.notify_one();
+  }
+
+  size_t PendingLocked() const {
+    size_t n = 0;
+    for (const auto& [cache, d] : directory_state) n += d.to_publish.size() + d.to_withdraw.size();
+    return n;
   }
 
   void PublishLoop() {
     int64_t backoff_ms = 100;
     while (!stopping.load(std::memory_order_acquire)) {
-      std::vector<Update> batch;
       {
         std::unique_lock<std::mutex> lock(pub_mu);
         pub_cv.wait_for(lock, std::chrono::milliseconds(500),
-                        [this] { return !queue.empty() || stopping.load(std::memory_order_acquire); });
-        if (stopping.load(std::memory_order_acquire)) return;
-        if (queue.empty() || !directory->joined()) continue;
-        while (!queue.empty() && batch.size() < 1024) {
-          batch.push_back(queue.front());
-          queue.pop_front();
-        }
+                        [this] { return PendingLocked() > 0 || stopping.load(std::memory_order_acquire); });
       }
-      const Status s = ApplyUpdates(batch);
+      if (stopping.load(std::memory_order_acquire)) return;
+      if (!directory->joined()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the membership thread joins again
+        continue;
+      }
+      const Status s = PublishRound();
       if (s.ok()) {
         backoff_ms = 100;
         continue;
@@ -301,10 +317,6 @@ struct ClusterTier::Impl {
       publish_failures.fetch_add(1, std::memory_order_relaxed);
       NoteError(fmt::format("directory update: {}", s.ToString()));
       log::Warning("cluster", "directory update failed, retrying in {} ms: {}", backoff_ms, s.ToString());
-      {
-        std::lock_guard<std::mutex> lock(pub_mu);
-        for (auto it = batch.rbegin(); it != batch.rend(); ++it) queue.push_front(*it);
-      }
       std::unique_lock<std::mutex> lock(pub_mu);
       pub_cv.wait_for(lock, std::chrono::milliseconds(backoff_ms),
                       [this] { return stopping.load(std::memory_order_acquire); });
@@ -312,71 +324,57 @@ struct ClusterTier::Impl {
     }
   }
 
-  // Applies one batch in order (the last event of a key wins); the published sets change only once the store
-  // took the change.
-  Status ApplyUpdates(const std::vector<Update>& batch) {
-    struct Change {
-      std::vector<cluster::DirectoryEntry> publish, withdraw;
-      std::string model_namespace;
-      bool dropped = false;
-    };
-    std::map<Cache*, std::unordered_map<BlockKey, bool, BlockKeyHash>> wanted;  // key -> publish?
-    std::map<Cache*, bool> dropped;
-    for (const Update& u : batch) {
-      if (u.event.kind == Cache::BlockEvent::kDomainDropped) {
-        wanted[u.cache].clear();
-        dropped[u.cache] = true;
-        continue;
-      }
-      wanted[u.cache][u.event.key] = u.event.kind == Cache::BlockEvent::kCommitted;
-    }
-    std::map<Cache*, Change> changes;
+  // One round: per cache, up to 1024 withdrawals first, then (once nothing of another namespace is left) up to 1024
+  // publishes. The sets change only for what the store took.
+  Status PublishRound() {
+    std::vector<Cache*> caches_now;
     {
       std::lock_guard<std::mutex> lock(pub_mu);
-      for (auto& [cache, was_dropped] : dropped) {
-        auto it = published.find(cache);
-        if (it == published.end()) continue;
-        Change& c = changes[cache];
-        c.dropped = true;
-        c.model_namespace = it->second.model_namespace;
-        for (const BlockKey& k : it->second.keys) c.withdraw.push_back({k, it->second.model_namespace, 1});
+      for (const auto& [cache, d] : directory_state) {
+        if (!d.to_publish.empty() || !d.to_withdraw.empty()) caches_now.push_back(cache);
       }
     }
-    for (auto& [cache, keys] : wanted) {
-      const std::string ns = cache->Domain().model_namespace;
-      std::lock_guard<std::mutex> lock(pub_mu);
-      Published& p = published[cache];
-      if (p.model_namespace != ns && !changes[cache].dropped) {
-        // A new domain in a reused slot: the old one's entries go.
-        for (const BlockKey& k : p.keys) changes[cache].withdraw.push_back({k, p.model_namespace, 1});
-        changes[cache].dropped = true;
+    for (Cache* cache : caches_now) {
+      const std::string ns = cache->Domain().model_namespace;  // not under the cache's lock
+      std::vector<cluster::DirectoryEntry> withdraw, publish;
+      {
+        std::lock_guard<std::mutex> lock(pub_mu);
+        DirectoryState& d = directory_state[cache];
+        for (auto it = d.to_withdraw.begin(); it != d.to_withdraw.end() && withdraw.size() < 1024; ++it) {
+          withdraw.push_back({*it, d.published_ns, 1});
+        }
+        if (d.published.empty()) d.published_ns = ns;
+        if (d.published_ns == ns && !ns.empty()) {
+          for (auto it = d.to_publish.begin(); it != d.to_publish.end() && publish.size() < 1024; ++it) {
+            publish.push_back({*it, ns, 1});
+          }
+        } else if (d.published_ns != ns && d.to_withdraw.empty()) {
+          // A new domain in a reused slot, and the old one's entries are not all queued: withdraw them all.
+          d.to_withdraw = d.published;
+        }
       }
-      Change& c = changes[cache];
-      c.model_namespace = ns;
-      const bool fresh = c.dropped;
-      for (const auto& [key, publish] : keys) {
-        const bool held = !fresh && p.keys.count(key) > 0;
-        if (publish && !held && !ns.empty()) c.publish.push_back({key, ns, 1});
-        if (!publish && held) c.withdraw.push_back({key, ns, 1});
+      if (!withdraw.empty()) {
+        FLEXKV_RETURN_IF_ERROR(directory->Withdraw(withdraw));
+        std::lock_guard<std::mutex> lock(pub_mu);
+        DirectoryState& d = directory_state[cache];
+        for (const auto& e : withdraw) {
+          d.published.erase(e.chunk_key);
+          d.to_withdraw.erase(e.chunk_key);
+          if (d.desired.count(e.chunk_key) > 0) d.to_publish.insert(e.chunk_key);  // stored again meanwhile
+        }
       }
-    }
-    for (auto& [cache, c] : changes) {
-      if (!c.withdraw.empty()) FLEXKV_RETURN_IF_ERROR(WithdrawByNamespace(c.withdraw));
-      if (!c.publish.empty()) FLEXKV_RETURN_IF_ERROR(directory->Publish(c.publish));
-      std::lock_guard<std::mutex> lock(pub_mu);
-      Published& p = published[cache];
-      if (c.dropped) {
-        p.keys.clear();
-        p.model_namespace = c.model_namespace;
+      if (!publish.empty()) {
+        FLEXKV_RETURN_IF_ERROR(directory->Publish(publish));
+        std::lock_guard<std::mutex> lock(pub_mu);
+        DirectoryState& d = directory_state[cache];
+        for (const auto& e : publish) {
+          d.to_publish.erase(e.chunk_key);
+          d.published.insert(e.chunk_key);
+          if (d.desired.count(e.chunk_key) == 0) d.to_withdraw.insert(e.chunk_key);  // evicted meanwhile
+        }
       }
-      for (const auto& e : c.withdraw) p.keys.erase(e.chunk_key);
-      for (const auto& e : c.publish) p.keys.insert(e.chunk_key);
     }
     return Status::Ok();
-  }
-
-  Status WithdrawByNamespace(const std::vector<cluster::DirectoryEntry>& entries) {
-    return directory->Withdraw(entries);
   }
 
   // --- regions ------------------------------------------------------------------------------------------------
@@ -883,11 +881,10 @@ ClusterTierStatus ClusterTier::GetStatus() const {
   }
   {
     std::lock_guard<std::mutex> lock(m.pub_mu);
-    for (const auto& [cache, p] : m.published) s.published_keys += p.keys.size();
-    s.publish_queue = m.queue.size();
+    for (const auto& [cache, d] : m.directory_state) s.published_keys += d.published.size();
+    s.publish_queue = m.PendingLocked();
   }
   s.publish_failures = m.publish_failures.load();
-  s.publish_dropped = m.publish_dropped.load();
   s.rejoins = m.rejoins.load();
   s.prefetches = m.prefetches.load();
   s.pulls_ok = m.pulls_ok.load();

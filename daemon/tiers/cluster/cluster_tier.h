@@ -6,8 +6,10 @@
 //                           key. Published: every key whose low 64 bits are 0 mod chunk_blocks (one in chunk_blocks
 //                           on average, wherever it sits in a prompt: no depth needed) and the last key of every
 //                           stored request (the end of a prompt), once committed here. Withdrawn when the block
-//                           leaves (evicted, dropped). Publishing runs on a thread of its own, batched and retried:
-//                           a failed or slow publish never touches the local blocks, which stay served. A lease
+//                           leaves (evicted, dropped). Publishing runs on a thread of its own, batched and retried,
+//                           as the difference between what the node holds and what the store has (bounded by the
+//                           blocks held, however long the store is away): a failed or slow publish never touches
+//                           the local blocks, which stay served. A lease
 //                           lost while the store was unreachable is joined again (a new epoch) and everything
 //                           still held is published again.
 //   bytes                   UCX (daemon/cluster/ucx/ucx_transport.h): each pool grant is registered for remote
@@ -61,7 +63,6 @@ struct ClusterTierOptions {
   std::chrono::milliseconds pull_deadline{2000};    // --cluster-pull-deadline: per network step of a pull
   uint32_t max_pulls = 8;                    // --cluster-max-pulls: prefetches pulling at once, node-wide
   uint32_t max_session_pulls = 2;            // --cluster-max-session-pulls: per session
-  size_t max_publish_queue = 1 << 20;        // directory updates waiting; beyond it the oldest publishes are dropped
 };
 
 // What a Prefetch did (the ring completion: matched_blocks, done_blocks, bytes, message).
@@ -87,9 +88,8 @@ struct ClusterTierStatus {
   uint64_t epoch = 0;
   std::vector<ClusterMember> members;
   uint64_t published_keys = 0;          // directory entries this node holds now
-  uint64_t publish_queue = 0;           // updates waiting
+  uint64_t publish_queue = 0;           // publishes and withdrawals not yet in the store
   uint64_t publish_failures = 0;        // store calls that failed (retried)
-  uint64_t publish_dropped = 0;         // publishes dropped because the queue was full
   uint64_t rejoins = 0;                 // leases lost and joined again
   uint64_t prefetches = 0;              // Prefetch requests that went to the network
   uint64_t pulls_ok = 0;                // ... that pulled at least one block
