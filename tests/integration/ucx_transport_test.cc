@@ -10,6 +10,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -579,6 +580,377 @@ TEST_CASE("cluster transport (UCX): the RDMA inventory is empty, not an error, w
     WARN("RDMA devices: " << devices.size());
     for (const auto& d : devices) CHECK(d.find(':') != std::string::npos);
   }
+}
+
+// ---- peer authentication (a cluster secret) and Calls ---------------------------------------------------------
+
+constexpr char kSecret[] = "0123456789abcdef-the-cluster-secret";
+
+UcxOptions SecretOptions(bool listen, const std::string& node, const std::string& secret = kSecret) {
+  UcxOptions o = LoopbackOptions(listen);
+  o.secret = secret;
+  o.node_id = node;
+  return o;
+}
+
+// Waits (bounded) until `pred` holds: for counters the peer updates after the caller's own outcome.
+template <typename Pred>
+bool Eventually(Pred pred) {
+  const auto until = Clock::now() + 10s;
+  while (!pred()) {
+    if (Clock::now() > until) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+// Method numbers of the test handler.
+constexpr uint16_t kEcho = 1;         // replies the request
+constexpr uint16_t kPatternOf = 2;    // replies PatternBuffer(decimal request)
+constexpr uint16_t kFail = 3;         // replies NOT_FOUND "no block <request>"
+constexpr uint16_t kLongError = 4;    // replies INTERNAL with a 5000-byte message
+constexpr uint16_t kLater = 5;        // replies the request from another thread after 20 ms
+constexpr uint16_t kNever = 6;        // keeps `reply` and never calls it (until the test does)
+constexpr uint16_t kTooLarge = 7;     // replies kMaxCallBytes + 1 bytes
+
+// A CallHandler serving the methods above; counts the calls it saw and from whom.
+class TestHandler {
+ public:
+  ~TestHandler() {
+    for (auto& t : threads_) t.join();
+  }
+  UcxTransport::CallHandler Handler() {
+    return [this](const std::string& node, uint16_t method, std::string request,
+                  std::function<void(Result<std::string>)> reply) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++calls_;
+        last_node_ = node;
+      }
+      switch (method) {
+        case kEcho: reply(std::move(request)); break;
+        case kPatternOf: {
+          auto v = PatternBuffer(std::stoull(request));
+          reply(std::string(v.begin(), v.end()));
+          break;
+        }
+        case kFail: reply(Status::NotFound("no block " + request)); break;
+        case kLongError: reply(Status::Internal(std::string(5000, 'x'))); break;
+        case kLater: {
+          std::lock_guard<std::mutex> lock(mu_);
+          threads_.emplace_back([request = std::move(request), reply = std::move(reply)]() mutable {
+            std::this_thread::sleep_for(20ms);
+            reply("later:" + request);
+            reply(std::string("a second reply is ignored"));
+          });
+          break;
+        }
+        case kNever: {
+          std::lock_guard<std::mutex> lock(mu_);
+          kept_.push_back(std::move(reply));
+          break;
+        }
+        case kTooLarge: reply(std::string(kMaxCallBytes + 1, 'z')); break;
+        default: reply(Status::InvalidArgument("unknown method"));
+      }
+    };
+  }
+  int calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+  std::string last_node() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_node_;
+  }
+  // The replies kept by kNever, answered now (they must be dropped silently).
+  void AnswerKept() {
+    std::vector<std::function<void(Result<std::string>)>> kept;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      kept.swap(kept_);
+    }
+    for (auto& r : kept) r(std::string("too late"));
+  }
+
+ private:
+  std::mutex mu_;
+  int calls_ = 0;
+  std::string last_node_;
+  std::vector<std::thread> threads_;
+  std::vector<std::function<void(Result<std::string>)>> kept_;
+};
+
+TEST_CASE("cluster transport (UCX): with the same secret the handshake passes both ways and proves the node ids",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(SecretOptions(true, "node-b"));
+  TestHandler ha, hb;
+  a->set_call_handler(ha.Handler());
+  b->set_call_handler(hb.Handler());
+  constexpr uint64_t kBytes = 1 << 20;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  auto remote = RemoteRegion::Parse(region->descriptor());
+  REQUIRE(remote.ok());
+
+  auto to_a = b->Connect(a->endpoint());
+  INFO(to_a.status().ToString());
+  REQUIRE(to_a.ok());
+  CHECK(to_a->node_id == "node-a");
+  auto to_b = a->Connect(b->endpoint());
+  INFO(to_b.status().ToString());
+  REQUIRE(to_b.ok());
+  CHECK(to_b->node_id == "node-b");
+
+  std::vector<uint8_t> dst(kBytes);
+  REQUIRE(GetSync(*b, *to_a, *remote, 0, dst.data(), kBytes).ok());
+  CHECK(MatchesPattern(dst.data(), 0, kBytes));
+  auto r1 = b->CallSync(*to_a, kEcho, "hello a");
+  REQUIRE(r1.ok());
+  CHECK(*r1 == "hello a");
+  CHECK(ha.last_node() == "node-b");  // the handler learns who called
+  auto r2 = a->CallSync(*to_b, kEcho, "hello b");
+  REQUIRE(r2.ok());
+  CHECK(*r2 == "hello b");
+  CHECK(hb.last_node() == "node-a");
+  CHECK(a->stats().auth_failures == 0);
+  CHECK(b->stats().auth_failures == 0);
+  CHECK(a->stats().requests_refused == 0);
+}
+
+TEST_CASE("cluster transport (UCX): a wrong secret fails Connect with PERMISSION_DENIED and nothing is served",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(SecretOptions(false, "node-b", "another-secret-of-enough-bytes"));
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE_FALSE(peer.ok());
+  INFO(peer.status().ToString());
+  CHECK(peer.status().code() == StatusCode::kPermissionDenied);
+  CHECK(peer.status().message().find("did not prove the cluster secret") != std::string::npos);
+  CHECK(peer.status().message().find(a->endpoint()) != std::string::npos);
+  CHECK(b->stats().auth_failures == 1);
+  CHECK(Eventually([&] { return a->stats().auth_failures == 1; }));
+  CHECK(ha.calls() == 0);
+
+  // A server without a secret refuses a client with one, and says why.
+  auto c = MakeTransport(LoopbackOptions(true));
+  auto to_c = b->Connect(c->endpoint());
+  REQUIRE_FALSE(to_c.ok());
+  INFO(to_c.status().ToString());
+  CHECK(to_c.status().code() == StatusCode::kPermissionDenied);
+  CHECK(to_c.status().message().find("no cluster secret") != std::string::npos);
+}
+
+TEST_CASE("cluster transport (UCX): a node that is not a member is refused with PERMISSION_DENIED",
+          "[integration][cluster]") {
+  auto aopt = SecretOptions(true, "node-a");
+  std::atomic<int> asked{0};
+  aopt.is_member = [&asked](std::string_view node) {
+    ++asked;
+    return node == "node-c";
+  };
+  auto a = MakeTransport(aopt);
+  auto b = MakeTransport(SecretOptions(false, "node-b"));
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE_FALSE(peer.ok());
+  INFO(peer.status().ToString());
+  CHECK(peer.status().code() == StatusCode::kPermissionDenied);
+  CHECK(peer.status().message().find("not a member") != std::string::npos);
+  CHECK(peer.status().message().find("node-b") != std::string::npos);
+  CHECK(a->stats().auth_failures == 1);
+  CHECK(asked == 1);
+
+  auto c = MakeTransport(SecretOptions(false, "node-c"));
+  auto ok = c->Connect(a->endpoint());
+  INFO(ok.status().ToString());
+  CHECK(ok.ok());
+}
+
+TEST_CASE("cluster transport (UCX): a client without the secret gets no bytes and no calls from a server with one",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(LoopbackOptions(false));  // no secret: no handshake
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  constexpr uint64_t kBytes = 1 << 20;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  auto remote = RemoteRegion::Parse(region->descriptor());  // as if the descriptor had leaked
+  REQUIRE(remote.ok());
+
+  auto peer = b->Connect(a->endpoint());
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());  // the transport connects; the server serves nothing on it
+  CHECK(peer->node_id.empty());
+  std::vector<uint8_t> dst(65536, 0xEE);
+  Status s = GetSync(*b, *peer, *remote, 0, dst.data(), dst.size());
+  INFO(s.ToString());
+  CHECK(s.code() == StatusCode::kPermissionDenied);
+  CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t v) { return v == 0xEE; }));
+  auto r = b->CallSync(*peer, kEcho, "let me in");
+  INFO(r.status().ToString());
+  CHECK(r.status().code() == StatusCode::kPermissionDenied);
+  CHECK(ha.calls() == 0);
+  CHECK(a->stats().requests_refused == 2);
+}
+
+TEST_CASE("cluster transport (UCX): calls carry requests and replies byte-exact, small and large, and errors back",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(SecretOptions(false, "node-b"));
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE(peer.ok());
+
+  auto small = b->CallSync(*peer, kEcho, std::string("a\0b", 3));
+  REQUIRE(small.ok());
+  CHECK(*small == std::string("a\0b", 3));
+  auto empty = b->CallSync(*peer, kEcho, "");
+  REQUIRE(empty.ok());
+  CHECK(empty->empty());
+
+  // A 2 MiB reply (UCX's rendezvous path) and a 3 MiB request echoed.
+  auto big = b->CallSync(*peer, kPatternOf, std::to_string(2 << 20));
+  INFO(big.status().ToString());
+  REQUIRE(big.ok());
+  REQUIRE(big->size() == (2u << 20));
+  CHECK(MatchesPattern(reinterpret_cast<const uint8_t*>(big->data()), 0, big->size()));
+  auto pattern = PatternBuffer(3 << 20);
+  const std::string request(pattern.begin(), pattern.end());
+  auto echoed = b->CallSync(*peer, kEcho, request);
+  REQUIRE(echoed.ok());
+  CHECK(*echoed == request);
+  auto at_limit = b->CallSync(*peer, kPatternOf, std::to_string(kMaxCallBytes));
+  REQUIRE(at_limit.ok());
+  CHECK(at_limit->size() == kMaxCallBytes);
+
+  // The handler's error travels back: code and message (cut at 1 KiB).
+  auto fail = b->CallSync(*peer, kFail, "42");
+  CHECK(fail.status().code() == StatusCode::kNotFound);
+  CHECK(fail.status().message() == "no block 42");
+  auto long_error = b->CallSync(*peer, kLongError, "");
+  CHECK(long_error.status().code() == StatusCode::kInternal);
+  CHECK(long_error.status().message() == std::string(1024, 'x'));
+  // A reply over the limit becomes RESOURCE_EXHAUSTED naming its size.
+  auto too_large = b->CallSync(*peer, kTooLarge, "");
+  INFO(too_large.status().ToString());
+  CHECK(too_large.status().code() == StatusCode::kResourceExhausted);
+  CHECK(too_large.status().message().find(std::to_string(kMaxCallBytes + 1)) != std::string::npos);
+
+  // Refused at once: an oversized request, an invalid handle; `done` never runs.
+  int calls = 0;
+  auto never = [&calls](Result<std::string>) { ++calls; };
+  CHECK(b->Call(*peer, kEcho, std::string(kMaxCallBytes + 1, 'q'), never).code() == StatusCode::kInvalidArgument);
+  CHECK(b->Call(PeerHandle{}, kEcho, "x", never).code() == StatusCode::kNotFound);
+  CHECK(calls == 0);
+  CHECK(b->stats().calls_ok == 5);
+  CHECK(b->stats().calls_failed == 3);
+}
+
+TEST_CASE("cluster transport (UCX): a handler that replies later from its own thread, calls from two threads",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(SecretOptions(false, "node-b"));
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE(peer.ok());
+  std::atomic<int> ok{0}, wrong{0};
+  auto caller = [&](int t) {
+    for (int i = 0; i < 8; ++i) {
+      const std::string req = std::to_string(t) + "/" + std::to_string(i);
+      auto r = b->CallSync(*peer, kLater, req);
+      if (r.ok() && *r == "later:" + req) {
+        ++ok;
+      } else {
+        ++wrong;
+      }
+    }
+  };
+  std::thread t1(caller, 1), t2(caller, 2);
+  t1.join();
+  t2.join();
+  CHECK(ok == 16);
+  CHECK(wrong == 0);
+
+  // Async Calls complete on the progress thread, where CallSync is refused.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<Status> nested;
+  REQUIRE(b->Call(*peer, kEcho, "x", [&](Result<std::string> r) {
+               REQUIRE(r.ok());
+               auto inner = b->CallSync(*peer, kEcho, "y");
+               std::lock_guard<std::mutex> lock(mu);
+               nested = inner.status();
+               cv.notify_all();
+             }).ok());
+  std::unique_lock<std::mutex> lock(mu);
+  REQUIRE(cv.wait_for(lock, 10s, [&] { return nested.has_value(); }));
+  CHECK(nested->code() == StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("cluster transport (UCX): a call whose handler never replies ends with DEADLINE_EXCEEDED, then reconnects",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto bopt = SecretOptions(false, "node-b");
+  bopt.get_deadline = 300ms;
+  auto b = MakeTransport(bopt);
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE(peer.ok());
+  auto r = b->CallSync(*peer, kNever, "hello?");
+  INFO(r.status().ToString());
+  CHECK(r.status().code() == StatusCode::kDeadlineExceeded);
+  CHECK(b->stats().deadlines == 1);
+  // The endpoint was force-closed: the next call reconnects, redoes the handshake and works.
+  auto again = b->CallSync(*peer, kEcho, "again");
+  INFO(again.status().ToString());
+  REQUIRE(again.ok());
+  CHECK(*again == "again");
+  CHECK(b->stats().reconnects >= 1);
+  CHECK(a->stats().connections_accepted >= 2);
+  CHECK(a->stats().requests_refused == 0);  // the new endpoint was authenticated before the call
+  // The old reply for the closed endpoint is dropped; and after the transport's end too.
+  ha.AnswerKept();
+  CHECK(b->CallSync(*peer, kNever, "keep this one").status().code() == StatusCode::kDeadlineExceeded);
+  a.reset();
+  ha.AnswerKept();
+}
+
+TEST_CASE("cluster transport (UCX): a call to a peer without a handler is UNIMPLEMENTED", "[integration][cluster]") {
+  auto a = MakeTransport(LoopbackOptions(true));
+  auto b = MakeTransport(LoopbackOptions(false));
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE(peer.ok());
+  auto r = b->CallSync(*peer, kEcho, "anyone?");
+  INFO(r.status().ToString());
+  CHECK(r.status().code() == StatusCode::kUnimplemented);
+  // Without secrets on either side calls are served (tests of the transport alone).
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto ok = b->CallSync(*peer, kEcho, "now");
+  REQUIRE(ok.ok());
+  CHECK(*ok == "now");
+  CHECK(ha.last_node().empty());
+}
+
+TEST_CASE("cluster transport (UCX): secrets and node ids are validated", "[integration][cluster]") {
+  auto o = SecretOptions(true, "node-a", "too-short");
+  CHECK(UcxTransport::Create(o).status().code() == StatusCode::kInvalidArgument);
+  for (const std::string& bad : std::vector<std::string>{"", "has space", "semi;colon", std::string(65, 'n')}) {
+    o = SecretOptions(true, bad);
+    INFO(bad);
+    CHECK(UcxTransport::Create(o).status().code() == StatusCode::kInvalidArgument);
+  }
+  o = SecretOptions(true, std::string(64, 'n'));
+  CHECK(UcxTransport::Create(o).ok());
 }
 
 // ---- across network namespaces ------------------------------------------------------------------------------
