@@ -1018,10 +1018,12 @@ class NetnsLink {
     std::string endpoint;
     std::string descriptor;
   };
-  Peer StartPeer(uint64_t bytes) {
+  Peer StartPeer(uint64_t bytes, const std::vector<std::string>& flags = {}) {
     Peer p;
-    p.process.emplace(testing::ChildProcess::Spawn(
-        {kIp, "netns", "exec", ns_, FLEXKV_TEST_UCX_PEER, ns_ip_, ns_if_, "tcp", std::to_string(bytes)}));
+    std::vector<std::string> argv = {kIp, "netns", "exec", ns_, FLEXKV_TEST_UCX_PEER};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.insert(argv.end(), {ns_ip_, ns_if_, "tcp", std::to_string(bytes)});
+    p.process.emplace(testing::ChildProcess::Spawn(argv));
     auto ep = p.process->WaitForLine("ENDPOINT ", 20s);
     INFO(p.process->Stderr());
     REQUIRE(ep.has_value());
@@ -1099,6 +1101,44 @@ TEST_CASE("cluster transport (UCX): across a veth into another network namespace
     CHECK(ok >= 8);
     CHECK(failed >= 1);
     WARN("after kill -9: " << ok << " ok, " << failed << " failed of " << posted);
+  }
+
+  SECTION("a peer process with a cluster secret: members read and call, a wrong secret is refused") {
+    auto peer_proc = link->StartPeer(kBytes, {"--secret", kSecret, "--node-id", "peer-in-ns"});
+    auto remote = RemoteRegion::Parse(peer_proc.descriptor);
+    REQUIRE(remote.ok());
+    auto bs = MakeTransport([&] {
+      UcxOptions so = o;
+      so.secret = kSecret;
+      so.node_id = "test-node";
+      return so;
+    }());
+    auto peer = bs->Connect(peer_proc.endpoint);
+    INFO(peer.status().ToString());
+    REQUIRE(peer.ok());
+    CHECK(peer->node_id == "peer-in-ns");
+    std::vector<uint8_t> dst(1 << 20);
+    REQUIRE(GetSync(*bs, *peer, *remote, 77, dst.data(), dst.size()).ok());
+    CHECK(MatchesPattern(dst.data(), 77, dst.size()));
+    auto echoed = bs->CallSync(*peer, 1, "across the veth");
+    REQUIRE(echoed.ok());
+    CHECK(*echoed == "across the veth");
+
+    auto wrong = MakeTransport([&] {
+      UcxOptions wo = o;
+      wo.secret = "not-the-cluster-secret!";
+      wo.node_id = "intruder";
+      return wo;
+    }());
+    auto refused = wrong->Connect(peer_proc.endpoint);
+    INFO(refused.status().ToString());
+    CHECK(refused.status().code() == StatusCode::kPermissionDenied);
+    // Without a secret: connected, but no bytes.
+    auto open_peer = b->Connect(peer_proc.endpoint);
+    REQUIRE(open_peer.ok());
+    std::fill(dst.begin(), dst.end(), 0xEE);
+    CHECK(GetSync(*b, *open_peer, *remote, 0, dst.data(), 4096).code() == StatusCode::kPermissionDenied);
+    CHECK(std::all_of(dst.begin(), dst.begin() + 4096, [](uint8_t v) { return v == 0xEE; }));
   }
 
   SECTION("a partition (the peer's veth down) ends the get with DEADLINE_EXCEEDED, and it reads again after") {
