@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -951,6 +952,167 @@ TEST_CASE("cluster transport (UCX): secrets and node ids are validated", "[integ
   }
   o = SecretOptions(true, std::string(64, 'n'));
   CHECK(UcxTransport::Create(o).ok());
+}
+
+// A hand-made UCP client speaking the transport's active messages directly, to send what ours never sends.
+class RawUcpClient {
+ public:
+  explicit RawUcpClient(const std::string& endpoint) {
+    ucp_config_t* config = nullptr;
+    REQUIRE(ucp_config_read(nullptr, nullptr, &config) == UCS_OK);
+    REQUIRE(ucp_config_modify(config, "TLS", "tcp") == UCS_OK);
+    REQUIRE(ucp_config_modify(config, "NET_DEVICES", "lo") == UCS_OK);
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM;
+    REQUIRE(ucp_init(&params, config, &context_) == UCS_OK);
+    ucp_config_release(config);
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    REQUIRE(ucp_worker_create(context_, &wp, &worker_) == UCS_OK);
+    for (unsigned id : {0x4b32u, 0x4b34u, 0x4b36u, 0x4b38u}) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      hp.cb = &RawUcpClient::OnReply;
+      hp.arg = this;
+      REQUIRE(ucp_worker_set_am_recv_handler(worker_, &hp) == UCS_OK);
+    }
+    const auto colon = endpoint.rfind(':');
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(std::stoi(endpoint.substr(colon + 1))));
+    REQUIRE(inet_pton(AF_INET, endpoint.substr(0, colon).c_str(), &addr.sin_addr) == 1);
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
+    ep.sockaddr.addrlen = sizeof addr;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    REQUIRE(ucp_ep_create(worker_, &ep, &ep_) == UCS_OK);
+  }
+  ~RawUcpClient() {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* r = ucp_ep_close_nbx(ep_, &p);
+    if (UCS_PTR_IS_PTR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+      ucp_request_free(r);
+    }
+    ucp_worker_destroy(worker_);
+    ucp_cleanup(context_);
+  }
+  // Sends one message and waits until it left; then, when `reply_expected`, for a reply (its code, or -1).
+  int64_t Send(unsigned am_id, const std::string& header, const std::string& data, bool reply_expected) {
+    replies_ = 0;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    void* r = ucp_am_send_nbx(ep_, am_id, header.data(), header.size(), data.data(), data.size(), &p);
+    if (UCS_PTR_IS_PTR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+      ucp_request_free(r);
+    }
+    const auto until = Clock::now() + (reply_expected ? 10s : 200ms);
+    while (replies_ == 0 && Clock::now() < until) ucp_worker_progress(worker_);
+    return replies_ == 0 ? -1 : last_code_;
+  }
+  const std::string& last_data() const { return last_data_; }
+
+  static std::string Header(uint64_t id, uint32_t code, uint32_t aux) {
+    std::string h(16, '\0');
+    std::memcpy(h.data(), &id, 8);
+    std::memcpy(h.data() + 8, &code, 4);
+    std::memcpy(h.data() + 12, &aux, 4);
+    return h;
+  }
+
+ private:
+  static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                              const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<RawUcpClient*>(arg);
+    ++self->replies_;
+    self->last_code_ = 0;
+    if (header_length >= 12) {
+      uint32_t code = 0;
+      std::memcpy(&code, static_cast<const char*>(header) + 8, 4);
+      self->last_code_ = code;
+    }
+    self->last_data_ = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? std::string()
+                                                                       : std::string(static_cast<char*>(data), length);
+    return UCS_OK;
+  }
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_ep_h ep_ = nullptr;
+  int replies_ = 0;
+  int64_t last_code_ = -1;
+  std::string last_data_;
+};
+
+TEST_CASE("cluster transport (UCX): malformed and out-of-order handshake messages are refused, never crash",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  constexpr uint64_t kBytes = 1 << 16;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  const auto perm = static_cast<int64_t>(StatusCode::kPermissionDenied);
+  const auto invalid = static_cast<int64_t>(StatusCode::kInvalidArgument);
+  const auto precondition = static_cast<int64_t>(StatusCode::kFailedPrecondition);
+  {
+    RawUcpClient raw(a->endpoint());
+    constexpr unsigned kHello = 0x4b33, kProof = 0x4b35, kCall = 0x4b37, kGet = 0x4b31;
+    const std::string nonce(16, 'n');
+    // Headers of the wrong size: dropped (counted), no reply.
+    CHECK(raw.Send(kHello, "abc", std::string("\x01\x01x", 3) + nonce, false) == -1);
+    CHECK(raw.Send(kCall, std::string(40, '\0'), "x", false) == -1);
+    // Bodies of the wrong size or content: refused with INVALID_ARGUMENT.
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x01\xc8", 2) + "short", true) == invalid);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), "", true) == invalid);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x02\x01x", 3) + nonce, true) == invalid);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x01\x03x y", 5) + nonce, true) == invalid);
+    // A proof without a hello.
+    CHECK(raw.Send(kProof, RawUcpClient::Header(2, 0, 0), std::string(32, 'm'), true) == precondition);
+    // A valid hello, then a proof of the wrong size, then a wrong proof (the nonces serve one proof).
+    CHECK(raw.Send(kHello, RawUcpClient::Header(3, 0, 0), std::string("\x01\x03raw", 5) + nonce, true) == 0);
+    CHECK(raw.last_data().size() == 1 + 6 + 16 + 32);
+    CHECK(raw.Send(kProof, RawUcpClient::Header(3, 0, 0), std::string(31, 'm'), true) == invalid);
+    CHECK(raw.Send(kProof, RawUcpClient::Header(3, 0, 0), std::string(32, 'm'), true) == precondition);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(4, 0, 0), std::string("\x01\x03raw", 5) + nonce, true) ==
+          precondition);  // one handshake per connection
+    // Still unauthenticated: a call and a get are refused.
+    CHECK(raw.Send(kCall, RawUcpClient::Header(5, 0, kEcho), "x", true) == perm);
+    std::string get(24, '\0');
+    const uint64_t address = reinterpret_cast<uintptr_t>(pool.data()), length = 64;
+    std::memcpy(get.data() + 8, &address, 8);
+    std::memcpy(get.data() + 16, &length, 8);
+    CHECK(raw.Send(kGet, get, "", true) == 2);  // the get reply's status: 2, not authenticated
+    CHECK(raw.last_data().empty());             // no bytes
+  }
+  {
+    // A wrong proof after a valid hello: PERMISSION_DENIED and an auth failure.
+    RawUcpClient raw(a->endpoint());
+    CHECK(raw.Send(0x4b33, RawUcpClient::Header(1, 0, 0), std::string("\x01\x03raw", 5) + std::string(16, 'n'),
+                   true) == 0);
+    CHECK(raw.Send(0x4b35, RawUcpClient::Header(1, 0, 0), std::string(32, 'm'), true) == perm);
+    CHECK(raw.last_data().find("did not prove the cluster secret") != std::string::npos);
+    CHECK(a->stats().auth_failures == 1);
+  }
+  CHECK(ha.calls() == 0);
+  CHECK(a->stats().requests_refused >= 10);
+  // The server still serves members.
+  auto b = MakeTransport(SecretOptions(false, "node-b"));
+  auto peer = b->Connect(a->endpoint());
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());
+  auto r = b->CallSync(*peer, kEcho, "fine");
+  REQUIRE(r.ok());
+  CHECK(*r == "fine");
 }
 
 // ---- across network namespaces ------------------------------------------------------------------------------

@@ -333,7 +333,8 @@ struct UcxCore {
     Clock::time_point since;
     std::string who;  // the client's address
     bool authenticated = false;
-    bool hello_seen = false;
+    bool hello_used = false;     // one handshake per connection
+    bool proof_pending = false;  // a hello was answered: its nonces serve one proof
     std::string client_node;
     std::string client_nonce;
     std::string server_nonce;
@@ -650,7 +651,7 @@ struct UcxCore {
                                                "and a 16-byte nonce"));
       return UCS_OK;
     }
-    if (a->authenticated || a->hello_seen) {
+    if (a->authenticated || a->hello_used) {
       core->CountMalformed("second handshake hello", param);
       core->SendStatus(ep, kAmHelloReply, h.id, Status::FailedPrecondition("a handshake already ran on this connection"));
       return UCS_OK;
@@ -660,7 +661,8 @@ struct UcxCore {
       core->SendStatus(ep, kAmHelloReply, h.id, nonce.status());
       return UCS_OK;
     }
-    a->hello_seen = true;
+    a->hello_used = true;
+    a->proof_pending = true;
     a->client_node = node;
     a->client_nonce.assign(d + 2 + node.size(), kNonceBytes);
     a->server_nonce = std::move(*nonce);
@@ -686,12 +688,12 @@ struct UcxCore {
     }
     ucp_ep_h ep = param->reply_ep;
     Accepted* a = core->FindAccepted(param);
-    if (a == nullptr || !a->hello_seen || a->authenticated || core->options.secret.empty()) {
+    if (a == nullptr || !a->proof_pending || a->authenticated || core->options.secret.empty()) {
       core->CountMalformed("handshake proof (no hello before it)", param);
       core->SendStatus(ep, kAmProofReply, h.id, Status::FailedPrecondition("a proof without a hello before it"));
       return UCS_OK;
     }
-    a->hello_seen = false;  // the nonces serve one proof
+    a->proof_pending = false;  // the nonces serve one proof
     if (length == 0) {
       log::Warning(kLog, "node '{}' at {} says this node did not prove the cluster secret: the secrets differ",
                    a->client_node, a->who);
