@@ -1022,21 +1022,23 @@ struct UcxCore {
   }
 
   // ---- progress-thread helpers ----
-  void CloseEp(ucp_ep_h ep) {
+  // Forced: pending sends are cancelled. Not forced (after a refused handshake, to a peer that just answered):
+  // what was sent is delivered first.
+  void CloseEp(ucp_ep_h ep, bool force = true) {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     void* req = ucp_ep_close_nbx(ep, &param);
     if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
   }
-  void ClosePeerEp(Peer* peer) {
+  void ClosePeerEp(Peer* peer, bool force = true) {
     if (peer->ep == nullptr) return;
     for (auto& [bytes, rkey] : peer->rkeys) ucp_rkey_destroy(rkey);
     peer->rkeys.clear();
     ucp_ep_h ep = peer->ep;
     peer->ep = nullptr;
     peer->failed = false;
-    CloseEp(ep);  // pending requests complete (UCS_ERR_CANCELED) through OnOpDone
+    CloseEp(ep, force);  // pending requests complete (UCS_ERR_CANCELED) through OnOpDone
     // Active-message gets still waiting for their reply: nothing of UCX writes their dst; end them.
     for (Op* op : peer->ops) {
       if (op->am_waiting) {
@@ -1443,8 +1445,9 @@ struct UcxCore {
     if (it == peers.end()) return;
     Peer* peer = it->second.get();
     peer->connecting = false;
-    // A refused handshake leaves a working endpoint that must not be used: the next request reconnects.
-    if (s.code() == StatusCode::kPermissionDenied) ClosePeerEp(peer);
+    // A refused handshake leaves a working endpoint that must not be used: the next request reconnects. Closed
+    // with a flush: our "your proof failed" message (OnAmHelloReply) must reach the peer, which counts it.
+    if (s.code() == StatusCode::kPermissionDenied) ClosePeerEp(peer, /*force=*/false);
     std::vector<Peer::Waiting> waiting;
     waiting.swap(peer->waiting);
     if (s.ok()) {
