@@ -1,6 +1,7 @@
-// UcxTransport; see ucx_transport.h. About 1,300 lines in one file: the UCP core (context, worker, progress
-// thread), the endpoints, the verbs get path and the tcp request/reply path share the core's private state and its
-// one lock; the tcp protocol moves to a file of its own when the daemon wires the transport in.
+// UcxTransport; see ucx_transport.h. About 2,000 lines in one file: the UCP core (context, worker, progress
+// thread), the endpoints, the verbs get path, the tcp request/reply path, the handshake and Calls share the core's
+// private state and its one lock; the active-message protocols move to a file of their own when the daemon wires the
+// transport in.
 #include "daemon/cluster/ucx/ucx_transport.h"
 
 #include <arpa/inet.h>
