@@ -1,32 +1,51 @@
 // flexkv-ucx-peer: the serving side of the UCX transport tests, run in another network namespace. Registers a
 // buffer filled with UcxPattern, prints "ENDPOINT <host:port>" and "DESC <hex of the region descriptor>" on
-// stdout, then serves gets until it is killed.
-// Usage: flexkv-ucx-peer <listen_address> <devices or -> <transports> <bytes>
+// stdout, then serves gets (and Calls: method 1 echoes the request) until it is killed.
+// Usage: flexkv-ucx-peer [--secret S --node-id N] <listen_address> <devices or -> <transports> <bytes>
 #include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "daemon/cluster/ucx/ucx_transport.h"
 
 int main(int argc, char** argv) {
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: %s <listen_address> <devices|-> <transports> <bytes>\n", argv[0]);
+  flexkv::cluster::UcxOptions options;
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if ((a == "--secret" || a == "--node-id") && i + 1 < argc) {
+      (a == "--secret" ? options.secret : options.node_id) = argv[++i];
+    } else {
+      args.push_back(a);
+    }
+  }
+  if (args.size() != 4) {
+    std::fprintf(stderr, "usage: %s [--secret S --node-id N] <listen_address> <devices|-> <transports> <bytes>\n",
+                 argv[0]);
     return 2;
   }
-  flexkv::cluster::UcxOptions options;
-  options.listen_address = argv[1];
-  options.devices = std::string(argv[2]) == "-" ? "" : argv[2];
-  options.transports = argv[3];
-  const uint64_t bytes = std::strtoull(argv[4], nullptr, 10);
+  options.listen_address = args[0];
+  options.devices = args[1] == "-" ? "" : args[1];
+  options.transports = args[2];
+  const uint64_t bytes = std::strtoull(args[3].c_str(), nullptr, 10);
   auto transport = flexkv::cluster::UcxTransport::Create(options);
   if (!transport.ok()) {
     std::fprintf(stderr, "%s\n", transport.status().ToString().c_str());
     return 1;
   }
+  (*transport)->set_call_handler([](const std::string&, uint16_t method, std::string request,
+                                    std::function<void(flexkv::Result<std::string>)> reply) {
+    if (method == 1) {
+      reply(std::move(request));
+    } else {
+      reply(flexkv::Status::Unimplemented("method " + std::to_string(method)));
+    }
+  });
   std::vector<uint8_t> buffer(bytes);
   for (uint64_t j = 0; j < bytes; ++j) buffer[j] = static_cast<uint8_t>((j * 2654435761u) >> 11);
   auto region = (*transport)->Register(buffer.data(), bytes);

@@ -6,10 +6,12 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -581,6 +583,538 @@ TEST_CASE("cluster transport (UCX): the RDMA inventory is empty, not an error, w
   }
 }
 
+// ---- peer authentication (a cluster secret) and Calls ---------------------------------------------------------
+
+constexpr char kSecret[] = "0123456789abcdef-the-cluster-secret";
+
+UcxOptions SecretOptions(bool listen, const std::string& node, const std::string& secret = kSecret) {
+  UcxOptions o = LoopbackOptions(listen);
+  o.secret = secret;
+  o.node_id = node;
+  return o;
+}
+
+// Waits (bounded) until `pred` holds: for counters the peer updates after the caller's own outcome.
+template <typename Pred>
+bool Eventually(Pred pred) {
+  const auto until = Clock::now() + 10s;
+  while (!pred()) {
+    if (Clock::now() > until) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+// Method numbers of the test handler.
+constexpr uint16_t kEcho = 1;         // replies the request
+constexpr uint16_t kPatternOf = 2;    // replies PatternBuffer(decimal request)
+constexpr uint16_t kFail = 3;         // replies NOT_FOUND "no block <request>"
+constexpr uint16_t kLongError = 4;    // replies INTERNAL with a 5000-byte message
+constexpr uint16_t kLater = 5;        // replies the request from another thread after 20 ms
+constexpr uint16_t kNever = 6;        // keeps `reply` and never calls it (until the test does)
+constexpr uint16_t kTooLarge = 7;     // replies kMaxCallBytes + 1 bytes
+
+// A CallHandler serving the methods above; counts the calls it saw and from whom.
+class TestHandler {
+ public:
+  ~TestHandler() {
+    for (auto& t : threads_) t.join();
+  }
+  UcxTransport::CallHandler Handler() {
+    return [this](const std::string& node, uint16_t method, std::string request,
+                  std::function<void(Result<std::string>)> reply) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++calls_;
+        last_node_ = node;
+      }
+      switch (method) {
+        case kEcho: reply(std::move(request)); break;
+        case kPatternOf: {
+          auto v = PatternBuffer(std::stoull(request));
+          reply(std::string(v.begin(), v.end()));
+          break;
+        }
+        case kFail: reply(Status::NotFound("no block " + request)); break;
+        case kLongError: reply(Status::Internal(std::string(5000, 'x'))); break;
+        case kLater: {
+          std::lock_guard<std::mutex> lock(mu_);
+          threads_.emplace_back([request = std::move(request), reply = std::move(reply)]() mutable {
+            std::this_thread::sleep_for(20ms);
+            reply("later:" + request);
+            reply(std::string("a second reply is ignored"));
+          });
+          break;
+        }
+        case kNever: {
+          std::lock_guard<std::mutex> lock(mu_);
+          kept_.push_back(std::move(reply));
+          break;
+        }
+        case kTooLarge: reply(std::string(kMaxCallBytes + 1, 'z')); break;
+        default: reply(Status::InvalidArgument("unknown method"));
+      }
+    };
+  }
+  int calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+  std::string last_node() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_node_;
+  }
+  // The replies kept by kNever, answered now (they must be dropped silently).
+  void AnswerKept() {
+    std::vector<std::function<void(Result<std::string>)>> kept;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      kept.swap(kept_);
+    }
+    for (auto& r : kept) r(std::string("too late"));
+  }
+
+ private:
+  std::mutex mu_;
+  int calls_ = 0;
+  std::string last_node_;
+  std::vector<std::thread> threads_;
+  std::vector<std::function<void(Result<std::string>)>> kept_;
+};
+
+TEST_CASE("cluster transport (UCX): with the same secret the handshake passes both ways and proves the node ids",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(SecretOptions(true, "node-b"));
+  TestHandler ha, hb;
+  a->set_call_handler(ha.Handler());
+  b->set_call_handler(hb.Handler());
+  constexpr uint64_t kBytes = 1 << 20;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  auto remote = RemoteRegion::Parse(region->descriptor());
+  REQUIRE(remote.ok());
+
+  auto to_a = b->Connect(a->endpoint());
+  INFO(to_a.status().ToString());
+  REQUIRE(to_a.ok());
+  CHECK(to_a->node_id == "node-a");
+  auto to_b = a->Connect(b->endpoint());
+  INFO(to_b.status().ToString());
+  REQUIRE(to_b.ok());
+  CHECK(to_b->node_id == "node-b");
+
+  std::vector<uint8_t> dst(kBytes);
+  REQUIRE(GetSync(*b, *to_a, *remote, 0, dst.data(), kBytes).ok());
+  CHECK(MatchesPattern(dst.data(), 0, kBytes));
+  auto r1 = b->CallSync(*to_a, kEcho, "hello a");
+  REQUIRE(r1.ok());
+  CHECK(*r1 == "hello a");
+  CHECK(ha.last_node() == "node-b");  // the handler learns who called
+  auto r2 = a->CallSync(*to_b, kEcho, "hello b");
+  REQUIRE(r2.ok());
+  CHECK(*r2 == "hello b");
+  CHECK(hb.last_node() == "node-a");
+  CHECK(a->stats().auth_failures == 0);
+  CHECK(b->stats().auth_failures == 0);
+  CHECK(a->stats().requests_refused == 0);
+}
+
+TEST_CASE("cluster transport (UCX): a wrong secret fails Connect with PERMISSION_DENIED and nothing is served",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(SecretOptions(false, "node-b", "another-secret-of-enough-bytes"));
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE_FALSE(peer.ok());
+  INFO(peer.status().ToString());
+  CHECK(peer.status().code() == StatusCode::kPermissionDenied);
+  CHECK(peer.status().message().find("did not prove the cluster secret") != std::string::npos);
+  CHECK(peer.status().message().find(a->endpoint()) != std::string::npos);
+  CHECK(b->stats().auth_failures == 1);
+  CHECK(Eventually([&] { return a->stats().auth_failures == 1; }));
+  CHECK(ha.calls() == 0);
+
+  // A server without a secret refuses a client with one, and says why.
+  auto c = MakeTransport(LoopbackOptions(true));
+  auto to_c = b->Connect(c->endpoint());
+  REQUIRE_FALSE(to_c.ok());
+  INFO(to_c.status().ToString());
+  CHECK(to_c.status().code() == StatusCode::kPermissionDenied);
+  CHECK(to_c.status().message().find("no cluster secret") != std::string::npos);
+}
+
+TEST_CASE("cluster transport (UCX): a node that is not a member is refused with PERMISSION_DENIED",
+          "[integration][cluster]") {
+  auto aopt = SecretOptions(true, "node-a");
+  std::atomic<int> asked{0};
+  aopt.is_member = [&asked](std::string_view node) {
+    ++asked;
+    return node == "node-c";
+  };
+  auto a = MakeTransport(aopt);
+  auto b = MakeTransport(SecretOptions(false, "node-b"));
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE_FALSE(peer.ok());
+  INFO(peer.status().ToString());
+  CHECK(peer.status().code() == StatusCode::kPermissionDenied);
+  CHECK(peer.status().message().find("not a member") != std::string::npos);
+  CHECK(peer.status().message().find("node-b") != std::string::npos);
+  CHECK(a->stats().auth_failures == 1);
+  CHECK(asked == 1);
+
+  auto c = MakeTransport(SecretOptions(false, "node-c"));
+  auto ok = c->Connect(a->endpoint());
+  INFO(ok.status().ToString());
+  CHECK(ok.ok());
+}
+
+TEST_CASE("cluster transport (UCX): a client without the secret gets no bytes and no calls from a server with one",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(LoopbackOptions(false));  // no secret: no handshake
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  constexpr uint64_t kBytes = 1 << 20;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  auto remote = RemoteRegion::Parse(region->descriptor());  // as if the descriptor had leaked
+  REQUIRE(remote.ok());
+
+  auto peer = b->Connect(a->endpoint());
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());  // the transport connects; the server serves nothing on it
+  CHECK(peer->node_id.empty());
+  std::vector<uint8_t> dst(65536, 0xEE);
+  Status s = GetSync(*b, *peer, *remote, 0, dst.data(), dst.size());
+  INFO(s.ToString());
+  CHECK(s.code() == StatusCode::kPermissionDenied);
+  CHECK(std::all_of(dst.begin(), dst.end(), [](uint8_t v) { return v == 0xEE; }));
+  auto r = b->CallSync(*peer, kEcho, "let me in");
+  INFO(r.status().ToString());
+  CHECK(r.status().code() == StatusCode::kPermissionDenied);
+  CHECK(ha.calls() == 0);
+  CHECK(a->stats().requests_refused == 2);
+}
+
+TEST_CASE("cluster transport (UCX): calls carry requests and replies byte-exact, small and large, and errors back",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(SecretOptions(false, "node-b"));
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE(peer.ok());
+
+  auto small = b->CallSync(*peer, kEcho, std::string("a\0b", 3));
+  REQUIRE(small.ok());
+  CHECK(*small == std::string("a\0b", 3));
+  auto empty = b->CallSync(*peer, kEcho, "");
+  REQUIRE(empty.ok());
+  CHECK(empty->empty());
+
+  // A 2 MiB reply (UCX's rendezvous path) and a 3 MiB request echoed.
+  auto big = b->CallSync(*peer, kPatternOf, std::to_string(2 << 20));
+  INFO(big.status().ToString());
+  REQUIRE(big.ok());
+  REQUIRE(big->size() == (2u << 20));
+  CHECK(MatchesPattern(reinterpret_cast<const uint8_t*>(big->data()), 0, big->size()));
+  auto pattern = PatternBuffer(3 << 20);
+  const std::string request(pattern.begin(), pattern.end());
+  auto echoed = b->CallSync(*peer, kEcho, request);
+  REQUIRE(echoed.ok());
+  CHECK(*echoed == request);
+  auto at_limit = b->CallSync(*peer, kPatternOf, std::to_string(kMaxCallBytes));
+  REQUIRE(at_limit.ok());
+  CHECK(at_limit->size() == kMaxCallBytes);
+
+  // The handler's error travels back: code and message (cut at 1 KiB).
+  auto fail = b->CallSync(*peer, kFail, "42");
+  CHECK(fail.status().code() == StatusCode::kNotFound);
+  CHECK(fail.status().message() == "no block 42");
+  auto long_error = b->CallSync(*peer, kLongError, "");
+  CHECK(long_error.status().code() == StatusCode::kInternal);
+  CHECK(long_error.status().message() == std::string(1024, 'x'));
+  // A reply over the limit becomes RESOURCE_EXHAUSTED naming its size.
+  auto too_large = b->CallSync(*peer, kTooLarge, "");
+  INFO(too_large.status().ToString());
+  CHECK(too_large.status().code() == StatusCode::kResourceExhausted);
+  CHECK(too_large.status().message().find(std::to_string(kMaxCallBytes + 1)) != std::string::npos);
+
+  // Refused at once: an oversized request, an invalid handle; `done` never runs.
+  int calls = 0;
+  auto never = [&calls](Result<std::string>) { ++calls; };
+  CHECK(b->Call(*peer, kEcho, std::string(kMaxCallBytes + 1, 'q'), never).code() == StatusCode::kInvalidArgument);
+  CHECK(b->Call(PeerHandle{}, kEcho, "x", never).code() == StatusCode::kNotFound);
+  CHECK(calls == 0);
+  CHECK(b->stats().calls_ok == 5);
+  CHECK(b->stats().calls_failed == 3);
+}
+
+TEST_CASE("cluster transport (UCX): a handler that replies later from its own thread, calls from two threads",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto b = MakeTransport(SecretOptions(false, "node-b"));
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE(peer.ok());
+  std::atomic<int> ok{0}, wrong{0};
+  auto caller = [&](int t) {
+    for (int i = 0; i < 8; ++i) {
+      const std::string req = std::to_string(t) + "/" + std::to_string(i);
+      auto r = b->CallSync(*peer, kLater, req);
+      if (r.ok() && *r == "later:" + req) {
+        ++ok;
+      } else {
+        ++wrong;
+      }
+    }
+  };
+  std::thread t1(caller, 1), t2(caller, 2);
+  t1.join();
+  t2.join();
+  CHECK(ok == 16);
+  CHECK(wrong == 0);
+
+  // Async Calls complete on the progress thread, where CallSync is refused.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<Status> nested;
+  REQUIRE(b->Call(*peer, kEcho, "x", [&](Result<std::string> r) {
+               REQUIRE(r.ok());
+               auto inner = b->CallSync(*peer, kEcho, "y");
+               std::lock_guard<std::mutex> lock(mu);
+               nested = inner.status();
+               cv.notify_all();
+             }).ok());
+  std::unique_lock<std::mutex> lock(mu);
+  REQUIRE(cv.wait_for(lock, 10s, [&] { return nested.has_value(); }));
+  CHECK(nested->code() == StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("cluster transport (UCX): a call whose handler never replies ends with DEADLINE_EXCEEDED, then reconnects",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto bopt = SecretOptions(false, "node-b");
+  bopt.get_deadline = 300ms;
+  auto b = MakeTransport(bopt);
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE(peer.ok());
+  auto r = b->CallSync(*peer, kNever, "hello?");
+  INFO(r.status().ToString());
+  CHECK(r.status().code() == StatusCode::kDeadlineExceeded);
+  CHECK(b->stats().deadlines == 1);
+  // The endpoint was force-closed: the next call reconnects, redoes the handshake and works.
+  auto again = b->CallSync(*peer, kEcho, "again");
+  INFO(again.status().ToString());
+  REQUIRE(again.ok());
+  CHECK(*again == "again");
+  CHECK(b->stats().reconnects >= 1);
+  CHECK(a->stats().connections_accepted >= 2);
+  CHECK(a->stats().requests_refused == 0);  // the new endpoint was authenticated before the call
+  // The old reply for the closed endpoint is dropped; and after the transport's end too.
+  ha.AnswerKept();
+  CHECK(b->CallSync(*peer, kNever, "keep this one").status().code() == StatusCode::kDeadlineExceeded);
+  a.reset();
+  ha.AnswerKept();
+}
+
+TEST_CASE("cluster transport (UCX): a call to a peer without a handler is UNIMPLEMENTED", "[integration][cluster]") {
+  auto a = MakeTransport(LoopbackOptions(true));
+  auto b = MakeTransport(LoopbackOptions(false));
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE(peer.ok());
+  auto r = b->CallSync(*peer, kEcho, "anyone?");
+  INFO(r.status().ToString());
+  CHECK(r.status().code() == StatusCode::kUnimplemented);
+  // Without secrets on either side calls are served (tests of the transport alone).
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  auto ok = b->CallSync(*peer, kEcho, "now");
+  REQUIRE(ok.ok());
+  CHECK(*ok == "now");
+  CHECK(ha.last_node().empty());
+}
+
+TEST_CASE("cluster transport (UCX): secrets and node ids are validated", "[integration][cluster]") {
+  auto o = SecretOptions(true, "node-a", "too-short");
+  CHECK(UcxTransport::Create(o).status().code() == StatusCode::kInvalidArgument);
+  for (const std::string& bad : std::vector<std::string>{"", "has space", "semi;colon", std::string(65, 'n')}) {
+    o = SecretOptions(true, bad);
+    INFO(bad);
+    CHECK(UcxTransport::Create(o).status().code() == StatusCode::kInvalidArgument);
+  }
+  o = SecretOptions(true, std::string(64, 'n'));
+  CHECK(UcxTransport::Create(o).ok());
+}
+
+// A hand-made UCP client speaking the transport's active messages directly, to send what ours never sends.
+class RawUcpClient {
+ public:
+  explicit RawUcpClient(const std::string& endpoint) {
+    ucp_config_t* config = nullptr;
+    REQUIRE(ucp_config_read(nullptr, nullptr, &config) == UCS_OK);
+    REQUIRE(ucp_config_modify(config, "TLS", "tcp") == UCS_OK);
+    REQUIRE(ucp_config_modify(config, "NET_DEVICES", "lo") == UCS_OK);
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM;
+    REQUIRE(ucp_init(&params, config, &context_) == UCS_OK);
+    ucp_config_release(config);
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    REQUIRE(ucp_worker_create(context_, &wp, &worker_) == UCS_OK);
+    for (unsigned id : {0x4b32u, 0x4b34u, 0x4b36u, 0x4b38u}) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      hp.cb = &RawUcpClient::OnReply;
+      hp.arg = this;
+      REQUIRE(ucp_worker_set_am_recv_handler(worker_, &hp) == UCS_OK);
+    }
+    const auto colon = endpoint.rfind(':');
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(std::stoi(endpoint.substr(colon + 1))));
+    REQUIRE(inet_pton(AF_INET, endpoint.substr(0, colon).c_str(), &addr.sin_addr) == 1);
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&addr);
+    ep.sockaddr.addrlen = sizeof addr;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    REQUIRE(ucp_ep_create(worker_, &ep, &ep_) == UCS_OK);
+  }
+  ~RawUcpClient() {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* r = ucp_ep_close_nbx(ep_, &p);
+    if (UCS_PTR_IS_PTR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+      ucp_request_free(r);
+    }
+    ucp_worker_destroy(worker_);
+    ucp_cleanup(context_);
+  }
+  // Sends one message and waits until it left; then, when `reply_expected`, for a reply (its code, or -1).
+  int64_t Send(unsigned am_id, const std::string& header, const std::string& data, bool reply_expected) {
+    replies_ = 0;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    void* r = ucp_am_send_nbx(ep_, am_id, header.data(), header.size(), data.data(), data.size(), &p);
+    if (UCS_PTR_IS_PTR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+      ucp_request_free(r);
+    }
+    const auto until = Clock::now() + (reply_expected ? 10s : 200ms);
+    while (replies_ == 0 && Clock::now() < until) ucp_worker_progress(worker_);
+    return replies_ == 0 ? -1 : last_code_;
+  }
+  const std::string& last_data() const { return last_data_; }
+
+  static std::string Header(uint64_t id, uint32_t code, uint32_t aux) {
+    std::string h(16, '\0');
+    std::memcpy(h.data(), &id, 8);
+    std::memcpy(h.data() + 8, &code, 4);
+    std::memcpy(h.data() + 12, &aux, 4);
+    return h;
+  }
+
+ private:
+  static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                              const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<RawUcpClient*>(arg);
+    ++self->replies_;
+    self->last_code_ = 0;
+    if (header_length >= 12) {
+      uint32_t code = 0;
+      std::memcpy(&code, static_cast<const char*>(header) + 8, 4);
+      self->last_code_ = code;
+    }
+    self->last_data_ = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? std::string()
+                                                                       : std::string(static_cast<char*>(data), length);
+    return UCS_OK;
+  }
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_ep_h ep_ = nullptr;
+  int replies_ = 0;
+  int64_t last_code_ = -1;
+  std::string last_data_;
+};
+
+TEST_CASE("cluster transport (UCX): malformed and out-of-order handshake messages are refused, never crash",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  constexpr uint64_t kBytes = 1 << 16;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  const auto perm = static_cast<int64_t>(StatusCode::kPermissionDenied);
+  const auto invalid = static_cast<int64_t>(StatusCode::kInvalidArgument);
+  const auto precondition = static_cast<int64_t>(StatusCode::kFailedPrecondition);
+  {
+    RawUcpClient raw(a->endpoint());
+    constexpr unsigned kHello = 0x4b33, kProof = 0x4b35, kCall = 0x4b37, kGet = 0x4b31;
+    const std::string nonce(16, 'n');
+    // Headers of the wrong size: dropped (counted), no reply.
+    CHECK(raw.Send(kHello, "abc", std::string("\x01\x01x", 3) + nonce, false) == -1);
+    CHECK(raw.Send(kCall, std::string(40, '\0'), "x", false) == -1);
+    // Bodies of the wrong size or content: refused with INVALID_ARGUMENT.
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x01\xc8", 2) + "short", true) == invalid);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), "", true) == invalid);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x02\x01x", 3) + nonce, true) == invalid);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x01\x03x y", 5) + nonce, true) == invalid);
+    // A proof without a hello.
+    CHECK(raw.Send(kProof, RawUcpClient::Header(2, 0, 0), std::string(32, 'm'), true) == precondition);
+    // A valid hello, then a proof of the wrong size, then a wrong proof (the nonces serve one proof).
+    CHECK(raw.Send(kHello, RawUcpClient::Header(3, 0, 0), std::string("\x01\x03raw", 5) + nonce, true) == 0);
+    CHECK(raw.last_data().size() == 1 + 6 + 16 + 32);
+    CHECK(raw.Send(kProof, RawUcpClient::Header(3, 0, 0), std::string(31, 'm'), true) == invalid);
+    CHECK(raw.Send(kProof, RawUcpClient::Header(3, 0, 0), std::string(32, 'm'), true) == precondition);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(4, 0, 0), std::string("\x01\x03raw", 5) + nonce, true) ==
+          precondition);  // one handshake per connection
+    // Still unauthenticated: a call and a get are refused.
+    CHECK(raw.Send(kCall, RawUcpClient::Header(5, 0, kEcho), "x", true) == perm);
+    std::string get(24, '\0');
+    const uint64_t address = reinterpret_cast<uintptr_t>(pool.data()), length = 64;
+    std::memcpy(get.data() + 8, &address, 8);
+    std::memcpy(get.data() + 16, &length, 8);
+    CHECK(raw.Send(kGet, get, "", true) == 2);  // the get reply's status: 2, not authenticated
+    CHECK(raw.last_data().empty());             // no bytes
+  }
+  {
+    // A wrong proof after a valid hello: PERMISSION_DENIED and an auth failure.
+    RawUcpClient raw(a->endpoint());
+    CHECK(raw.Send(0x4b33, RawUcpClient::Header(1, 0, 0), std::string("\x01\x03raw", 5) + std::string(16, 'n'),
+                   true) == 0);
+    CHECK(raw.Send(0x4b35, RawUcpClient::Header(1, 0, 0), std::string(32, 'm'), true) == perm);
+    CHECK(raw.last_data().find("did not prove the cluster secret") != std::string::npos);
+    CHECK(a->stats().auth_failures == 1);
+  }
+  CHECK(ha.calls() == 0);
+  CHECK(a->stats().requests_refused >= 10);
+  // The server still serves members.
+  auto b = MakeTransport(SecretOptions(false, "node-b"));
+  auto peer = b->Connect(a->endpoint());
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());
+  auto r = b->CallSync(*peer, kEcho, "fine");
+  REQUIRE(r.ok());
+  CHECK(*r == "fine");
+}
+
 // ---- across network namespaces ------------------------------------------------------------------------------
 
 const char* const kIp = "/usr/sbin/ip";  // iproute2 (scripts/deps.sh)
@@ -646,10 +1180,12 @@ class NetnsLink {
     std::string endpoint;
     std::string descriptor;
   };
-  Peer StartPeer(uint64_t bytes) {
+  Peer StartPeer(uint64_t bytes, const std::vector<std::string>& flags = {}) {
     Peer p;
-    p.process.emplace(testing::ChildProcess::Spawn(
-        {kIp, "netns", "exec", ns_, FLEXKV_TEST_UCX_PEER, ns_ip_, ns_if_, "tcp", std::to_string(bytes)}));
+    std::vector<std::string> argv = {kIp, "netns", "exec", ns_, FLEXKV_TEST_UCX_PEER};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.insert(argv.end(), {ns_ip_, ns_if_, "tcp", std::to_string(bytes)});
+    p.process.emplace(testing::ChildProcess::Spawn(argv));
     auto ep = p.process->WaitForLine("ENDPOINT ", 20s);
     INFO(p.process->Stderr());
     REQUIRE(ep.has_value());
@@ -727,6 +1263,44 @@ TEST_CASE("cluster transport (UCX): across a veth into another network namespace
     CHECK(ok >= 8);
     CHECK(failed >= 1);
     WARN("after kill -9: " << ok << " ok, " << failed << " failed of " << posted);
+  }
+
+  SECTION("a peer process with a cluster secret: members read and call, a wrong secret is refused") {
+    auto peer_proc = link->StartPeer(kBytes, {"--secret", kSecret, "--node-id", "peer-in-ns"});
+    auto remote = RemoteRegion::Parse(peer_proc.descriptor);
+    REQUIRE(remote.ok());
+    auto bs = MakeTransport([&] {
+      UcxOptions so = o;
+      so.secret = kSecret;
+      so.node_id = "test-node";
+      return so;
+    }());
+    auto peer = bs->Connect(peer_proc.endpoint);
+    INFO(peer.status().ToString());
+    REQUIRE(peer.ok());
+    CHECK(peer->node_id == "peer-in-ns");
+    std::vector<uint8_t> dst(1 << 20);
+    REQUIRE(GetSync(*bs, *peer, *remote, 77, dst.data(), dst.size()).ok());
+    CHECK(MatchesPattern(dst.data(), 77, dst.size()));
+    auto echoed = bs->CallSync(*peer, 1, "across the veth");
+    REQUIRE(echoed.ok());
+    CHECK(*echoed == "across the veth");
+
+    auto wrong = MakeTransport([&] {
+      UcxOptions wo = o;
+      wo.secret = "not-the-cluster-secret!";
+      wo.node_id = "intruder";
+      return wo;
+    }());
+    auto refused = wrong->Connect(peer_proc.endpoint);
+    INFO(refused.status().ToString());
+    CHECK(refused.status().code() == StatusCode::kPermissionDenied);
+    // Without a secret: connected, but no bytes.
+    auto open_peer = b->Connect(peer_proc.endpoint);
+    REQUIRE(open_peer.ok());
+    std::fill(dst.begin(), dst.end(), 0xEE);
+    CHECK(GetSync(*b, *open_peer, *remote, 0, dst.data(), 4096).code() == StatusCode::kPermissionDenied);
+    CHECK(std::all_of(dst.begin(), dst.begin() + 4096, [](uint8_t v) { return v == 0xEE; }));
   }
 
   SECTION("a partition (the peer's veth down) ends the get with DEADLINE_EXCEEDED, and it reads again after") {

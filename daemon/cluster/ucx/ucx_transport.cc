@@ -1,6 +1,7 @@
-// UcxTransport; see ucx_transport.h. About 1,300 lines in one file: the UCP core (context, worker, progress
-// thread), the endpoints, the verbs get path and the tcp request/reply path share the core's private state and its
-// one lock; the tcp protocol moves to a file of its own when the daemon wires the transport in.
+// UcxTransport; see ucx_transport.h. About 2,000 lines in one file: the UCP core (context, worker, progress
+// thread), the endpoints, the verbs get path, the tcp request/reply path, the handshake and Calls share the core's
+// private state and its one lock; the active-message protocols move to a file of their own when the daemon wires the
+// transport in.
 #include "daemon/cluster/ucx/ucx_transport.h"
 
 #include <arpa/inet.h>
@@ -333,7 +334,8 @@ struct UcxCore {
     Clock::time_point since;
     std::string who;  // the client's address
     bool authenticated = false;
-    bool hello_seen = false;
+    bool hello_used = false;     // one handshake per connection
+    bool proof_pending = false;  // a hello was answered: its nonces serve one proof
     std::string client_node;
     std::string client_nonce;
     std::string server_nonce;
@@ -650,7 +652,7 @@ struct UcxCore {
                                                "and a 16-byte nonce"));
       return UCS_OK;
     }
-    if (a->authenticated || a->hello_seen) {
+    if (a->authenticated || a->hello_used) {
       core->CountMalformed("second handshake hello", param);
       core->SendStatus(ep, kAmHelloReply, h.id, Status::FailedPrecondition("a handshake already ran on this connection"));
       return UCS_OK;
@@ -660,7 +662,8 @@ struct UcxCore {
       core->SendStatus(ep, kAmHelloReply, h.id, nonce.status());
       return UCS_OK;
     }
-    a->hello_seen = true;
+    a->hello_used = true;
+    a->proof_pending = true;
     a->client_node = node;
     a->client_nonce.assign(d + 2 + node.size(), kNonceBytes);
     a->server_nonce = std::move(*nonce);
@@ -686,12 +689,12 @@ struct UcxCore {
     }
     ucp_ep_h ep = param->reply_ep;
     Accepted* a = core->FindAccepted(param);
-    if (a == nullptr || !a->hello_seen || a->authenticated || core->options.secret.empty()) {
+    if (a == nullptr || !a->proof_pending || a->authenticated || core->options.secret.empty()) {
       core->CountMalformed("handshake proof (no hello before it)", param);
       core->SendStatus(ep, kAmProofReply, h.id, Status::FailedPrecondition("a proof without a hello before it"));
       return UCS_OK;
     }
-    a->hello_seen = false;  // the nonces serve one proof
+    a->proof_pending = false;  // the nonces serve one proof
     if (length == 0) {
       log::Warning(kLog, "node '{}' at {} says this node did not prove the cluster secret: the secrets differ",
                    a->client_node, a->who);
@@ -1020,21 +1023,23 @@ struct UcxCore {
   }
 
   // ---- progress-thread helpers ----
-  void CloseEp(ucp_ep_h ep) {
+  // Forced: pending sends are cancelled. Not forced (after a refused handshake, to a peer that just answered):
+  // what was sent is delivered first.
+  void CloseEp(ucp_ep_h ep, bool force = true) {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     void* req = ucp_ep_close_nbx(ep, &param);
     if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
   }
-  void ClosePeerEp(Peer* peer) {
+  void ClosePeerEp(Peer* peer, bool force = true) {
     if (peer->ep == nullptr) return;
     for (auto& [bytes, rkey] : peer->rkeys) ucp_rkey_destroy(rkey);
     peer->rkeys.clear();
     ucp_ep_h ep = peer->ep;
     peer->ep = nullptr;
     peer->failed = false;
-    CloseEp(ep);  // pending requests complete (UCS_ERR_CANCELED) through OnOpDone
+    CloseEp(ep, force);  // pending requests complete (UCS_ERR_CANCELED) through OnOpDone
     // Active-message gets still waiting for their reply: nothing of UCX writes their dst; end them.
     for (Op* op : peer->ops) {
       if (op->am_waiting) {
@@ -1441,8 +1446,9 @@ struct UcxCore {
     if (it == peers.end()) return;
     Peer* peer = it->second.get();
     peer->connecting = false;
-    // A refused handshake leaves a working endpoint that must not be used: the next request reconnects.
-    if (s.code() == StatusCode::kPermissionDenied) ClosePeerEp(peer);
+    // A refused handshake leaves a working endpoint that must not be used: the next request reconnects. Closed
+    // with a flush: our "your proof failed" message (OnAmHelloReply) must reach the peer, which counts it.
+    if (s.code() == StatusCode::kPermissionDenied) ClosePeerEp(peer, /*force=*/false);
     std::vector<Peer::Waiting> waiting;
     waiting.swap(peer->waiting);
     if (s.ok()) {

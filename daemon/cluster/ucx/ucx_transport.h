@@ -170,7 +170,9 @@ class UcxTransport {
   // there), DEADLINE_EXCEEDED (no completion within get_deadline: cancelled, endpoint closed, the next Get
   // reconnects), UNAVAILABLE (peer gone, connection refused, or cancelled because another Get to the same peer hit
   // its deadline), INVALID_ARGUMENT (UCX refused the rkey), NOT_FOUND (over active messages: no region the peer
-  // has registered covers the range, i.e. a stale or wrong descriptor), CANCELLED (the transport was destroyed).
+  // has registered covers the range, i.e. a stale or wrong descriptor), PERMISSION_DENIED (over active messages:
+  // the peer has a secret and this connection did not prove it; or the reconnect's handshake failed), CANCELLED (the
+  // transport was destroyed).
   Status Get(const PeerHandle& peer, const RemoteRegion& remote, uint64_t remote_offset, void* dst, uint64_t len,
              std::function<void(Status)> done);
 
