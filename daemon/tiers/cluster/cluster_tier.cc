@@ -425,6 +425,12 @@ struct ClusterTier::Impl {
       return Status::NotFound(fmt::format("node '{}' has no cache domain '{}'", options.node_id,
                                           request->model_namespace));
     }
+    const CacheDomain::View domain = cache->Domain();
+    if (domain.geometry && domain.geometry->is_hybrid()) {
+      return Status::FailedPrecondition(fmt::format(
+          "node '{}' serves '{}' with a hybrid geometry: its blocks are not pulled by peers", options.node_id,
+          request->model_namespace));
+    }
     if (cache->block_bytes() != request->block_bytes) {
       return Status::FailedPrecondition(fmt::format(
           "node '{}' stores blocks of {} bytes in '{}', not {}: the geometries differ", options.node_id,
