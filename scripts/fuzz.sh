@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${FLEXKV_FUZZ_SECONDS:-30}
-targets=(pool_recovery attach_request prefix_index ring_descriptor ssd_header)
+targets=(pool_recovery attach_request prefix_index ring_descriptor ssd_header peer_lookup)
 if [[ ! -f build-fuzz/build.ninja ]]; then
   CC=clang-14 CXX=clang++-14 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLEXKV_FUZZ=ON \
     -DFLEXKV_WITH_CUDA=OFF -DFLEXKV_BUILD_TESTS=OFF >/dev/null

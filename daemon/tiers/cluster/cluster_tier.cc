@@ -511,7 +511,12 @@ struct ClusterTier::Impl {
                                                   member->transfer_endpoint, node_id, connected->node_id));
     }
     std::lock_guard<std::mutex> lock(peers_mu);
-    peers[node_id] = Peer{*connected, epoch, member->transfer_endpoint};
+    auto [it, added] = peers.try_emplace(node_id, Peer{*connected, epoch, member->transfer_endpoint});
+    if (!added) {
+      // Another puller connected meanwhile: one connection per peer.
+      transport->Disconnect(*connected);
+      return it->second.handle;
+    }
     return *connected;
   }
 
