@@ -214,9 +214,10 @@ std::unique_ptr<DaemonUnderTest> StartNode(const ClusterNet& net, int i, const s
 }
 
 // An engine (flexkv-test-client: 2 layers, 128 KiB blocks, 64 KV blocks) running `steps`; its lines after ATTACHED.
-std::vector<std::string> Engine(const DaemonUnderTest& d, const std::vector<std::string>& steps) {
-  std::vector<std::string> argv = {TestClientPath(), "--socket", d.socket(), "--name", "engine",
-                                   "--layers",       "2",        "--kv-blocks", "64"};
+std::vector<std::string> Engine(const DaemonUnderTest& d, const std::vector<std::string>& steps,
+                                std::vector<std::string> shape = {"--layers", "2"}) {
+  std::vector<std::string> argv = {TestClientPath(), "--socket", d.socket(), "--name", "engine", "--kv-blocks", "64"};
+  argv.insert(argv.end(), shape.begin(), shape.end());
   for (const auto& s : steps) {
     argv.push_back("--do");
     argv.push_back(s);
@@ -509,4 +510,23 @@ TEST_CASE("cluster tier: a node without the cluster secret gets nothing", "[inte
   CHECK(l.hits == 0);
   CHECK(WaitStatus(*c, "cluster secret", 5s));  // its last error says why
   CHECK(WaitStatus(*a, "served: 0 lookups", 5s));
+}
+
+TEST_CASE("cluster tier: a peer whose geometry differs (same block size, other layout) gives nothing",
+          "[integration][cluster][netns]") {
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_b(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  auto b = StartNode(*net, 1, "node-b", dir_b);
+  Store(*a, 71, 8);  // 2 layers x 8 heads: 128 KiB blocks
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+  REQUIRE(WaitStatus(*b, "node-a"));
+  // 4 layers x 4 heads: the same 128 KiB, laid out differently; the same namespace and keys.
+  const auto out = Engine(*b, {"prefetch:71:8"}, {"--layers", "4", "--heads", "4"});
+  INFO(Lines(out));
+  REQUIRE(out.size() == 1);
+  const Prefetched p = ParsePrefetched(out[0]);
+  CHECK(p.status == "OK");
+  CHECK(p.pulled == 0);
+  CHECK(p.source.find("laid out differently") != std::string::npos);
 }

@@ -80,24 +80,9 @@ std::string HostOfEndpoint(const std::string& endpoint) {
 // A published key: one in chunk_blocks on average by its value, wherever it sits in a prompt.
 bool Sampled(const BlockKey& key, uint32_t chunk_blocks) { return chunk_blocks <= 1 || key.lo % chunk_blocks == 0; }
 
-// Waits for a count of asynchronous completions.
-class Latch {
- public:
-  explicit Latch(size_t n) : left_(n) {}
-  void CountDown() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (left_ > 0 && --left_ == 0) cv_.notify_all();
-  }
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return left_ == 0; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  size_t left_;
-};
+// Requests (reads and lookups) the transport takes at once, over all pulls; each pull reads with a window of its
+// share, so that a long pull neither starves the others nor hits the limit.
+constexpr uint32_t kTransportInflight = 1024;
 
 }  // namespace
 
@@ -123,6 +108,7 @@ struct ClusterTier::Impl {
   std::string join_state = "joining";
   std::condition_variable members_cv;  // wakes the membership thread (a refresh asked for, or Stop)
   bool refresh_asked = false;
+  int64_t last_refresh_ask_ms = 0, last_refusal_log_ms = 0;  // the accept filter's rate limits
 
   // Directory state, per cache (domain slot): what should be published (`desired`: the local truth, changed at
   // once by the cache's events), what the store has (`published`, changed only once a store call succeeded), and
@@ -134,6 +120,7 @@ struct ClusterTier::Impl {
   mutable std::mutex pub_mu;
   std::condition_variable pub_cv;
   std::map<Cache*, DirectoryState> directory_state;
+  uint64_t lease_generation = 0;  // bumped by RepublishAll: a store call begun under an older lease changes nothing
 
   // Connections to peers, by node id (the epoch they were made for: a new epoch reconnects).
   std::mutex peers_mu;
@@ -177,6 +164,10 @@ struct ClusterTier::Impl {
   mutable std::mutex error_mu;
   std::string last_error;
   std::vector<std::string> rdma_devices;
+
+  // The transport's progress thread runs callbacks that use the members above: it ends first (every region left
+  // becomes inert).
+  ~Impl() { transport.reset(); }
 
   void NoteError(const std::string& what) {
     std::lock_guard<std::mutex> lock(error_mu);
@@ -227,7 +218,11 @@ struct ClusterTier::Impl {
           backoff_ms = 200;
           RepublishAll();
         } else {
-          log::Warning("cluster", "cannot join the cluster yet: {} (retrying)", joined.ToString());
+          log::Warning("cluster", "cannot join the cluster yet: {} (retrying{})", joined.ToString(),
+                       joined.code() == StatusCode::kFailedPrecondition
+                           ? "; a live lease holds this node id: this node's previous run until its lease ends, or "
+                             "another daemon started with the same --node-id"
+                           : "");
           backoff_ms = std::min<int64_t>(backoff_ms * 2, 2000);
         }
       }
@@ -282,6 +277,7 @@ struct ClusterTier::Impl {
   // After a new Join every entry of the old lease is gone: publish everything still held again.
   void RepublishAll() {
     std::lock_guard<std::mutex> lock(pub_mu);
+    ++lease_generation;
     for (auto& [cache, d] : directory_state) {
       d.published.clear();
       d.to_withdraw.clear();
@@ -337,8 +333,10 @@ struct ClusterTier::Impl {
     for (Cache* cache : caches_now) {
       const std::string ns = cache->Domain().model_namespace;  // not under the cache's lock
       std::vector<cluster::DirectoryEntry> withdraw, publish;
+      uint64_t generation = 0;
       {
         std::lock_guard<std::mutex> lock(pub_mu);
+        generation = lease_generation;
         DirectoryState& d = directory_state[cache];
         for (auto it = d.to_withdraw.begin(); it != d.to_withdraw.end() && withdraw.size() < 1024; ++it) {
           withdraw.push_back({*it, d.published_ns, 1});
@@ -356,6 +354,7 @@ struct ClusterTier::Impl {
       if (!withdraw.empty()) {
         FLEXKV_RETURN_IF_ERROR(directory->Withdraw(withdraw));
         std::lock_guard<std::mutex> lock(pub_mu);
+        if (generation != lease_generation) continue;  // joined again meanwhile: everything is published anew
         DirectoryState& d = directory_state[cache];
         for (const auto& e : withdraw) {
           d.published.erase(e.chunk_key);
@@ -366,6 +365,7 @@ struct ClusterTier::Impl {
       if (!publish.empty()) {
         FLEXKV_RETURN_IF_ERROR(directory->Publish(publish));
         std::lock_guard<std::mutex> lock(pub_mu);
+        if (generation != lease_generation) continue;
         DirectoryState& d = directory_state[cache];
         for (const auto& e : publish) {
           d.to_publish.erase(e.chunk_key);
@@ -431,6 +431,12 @@ struct ClusterTier::Impl {
           "node '{}' serves '{}' with a hybrid geometry: its blocks are not pulled by peers", options.node_id,
           request->model_namespace));
     }
+    const std::string layout = domain.geometry ? domain.geometry->ToString() : std::string();
+    if (layout != request->layout) {
+      return Status::FailedPrecondition(fmt::format(
+          "blocks laid out differently: node '{}' serves '{}' as {}, not {}", options.node_id,
+          request->model_namespace, layout, request->layout));
+    }
     if (cache->block_bytes() != request->block_bytes) {
       return Status::FailedPrecondition(fmt::format(
           "node '{}' stores blocks of {} bytes in '{}', not {}: the geometries differ", options.node_id,
@@ -464,7 +470,7 @@ struct ClusterTier::Impl {
       {
         std::unique_lock<std::mutex> lock(pull_mu);
         pull_cv.wait(lock, [this] { return !jobs.empty() || stopping.load(std::memory_order_acquire); });
-        if (jobs.empty()) return;
+        if (stopping.load(std::memory_order_acquire)) return;  // Stop answers what is queued
         job = std::move(jobs.front());
         jobs.pop_front();
       }
@@ -513,25 +519,80 @@ struct ClusterTier::Impl {
     std::lock_guard<std::mutex> lock(peers_mu);
     auto [it, added] = peers.try_emplace(node_id, Peer{*connected, epoch, member->transfer_endpoint});
     if (!added) {
-      // Another puller connected meanwhile: one connection per peer.
-      transport->Disconnect(*connected);
-      return it->second.handle;
+      if (it->second.epoch == epoch && it->second.endpoint == member->transfer_endpoint) {
+        // Another puller connected meanwhile: one connection per peer.
+        transport->Disconnect(*connected);
+        return it->second.handle;
+      }
+      transport->Disconnect(it->second.handle);  // of an earlier epoch or endpoint
+      it->second = Peer{*connected, epoch, member->transfer_endpoint};
     }
     return *connected;
   }
 
-  void DropPeer(const std::string& node_id) {
+  // Closes the connection `handle` to a peer that failed (the next pull reconnects), unless another puller has
+  // replaced it already.
+  void DropPeer(const std::string& node_id, const cluster::PeerHandle& handle) {
     std::lock_guard<std::mutex> lock(peers_mu);
     auto it = peers.find(node_id);
-    if (it == peers.end()) return;
+    if (it == peers.end() || it->second.handle.id != handle.id) return;
     transport->Disconnect(it->second.handle);
     peers.erase(it);
+  }
+
+  // Reads blocks[i] of `peer` into slots[i] (i < slots.size()), at most `window` at once, and returns each read's
+  // end. Stops posting after the first failure (only the verified prefix is committed). Every read posted has
+  // ended when it returns (a read the transport refused as over its limit is retried once one of ours ends).
+  std::vector<Status> ReadBlocks(Cache& cache, const cluster::PeerHandle& peer,
+                                 const std::vector<cluster::RemoteRegion>& regions,
+                                 std::span<const PeerLookupReply::Block> blocks, std::span<const SlotId> slots) {
+    struct Reads {
+      std::mutex mu;
+      std::condition_variable cv;
+      size_t in_flight = 0;
+      bool failed = false;
+    } reads;
+    const size_t window = std::max<size_t>(4, kTransportInflight / (options.max_pulls + 1));
+    std::vector<Status> got(slots.size(), Status::Cancelled("not read: an earlier block failed"));
+    for (size_t i = 0; i < slots.size(); ++i) {
+      {
+        std::unique_lock<std::mutex> lock(reads.mu);
+        reads.cv.wait(lock, [&] { return reads.in_flight < window || reads.failed; });
+        if (reads.failed || stopping.load(std::memory_order_acquire)) break;
+        ++reads.in_flight;
+      }
+      const PeerLookupReply::Block& b = blocks[i];
+      Status posted;
+      for (int attempt = 0;; ++attempt) {
+        posted = transport->Get(peer, regions[b.region], b.offset, cache.SlotData(slots[i]), cache.SlotBytes(slots[i]),
+                                [&reads, &got, i](Status s) {
+                                  std::lock_guard<std::mutex> lock(reads.mu);
+                                  if (!s.ok()) reads.failed = true;
+                                  got[i] = std::move(s);
+                                  --reads.in_flight;
+                                  reads.cv.notify_all();
+                                });
+        if (posted.code() != StatusCode::kResourceExhausted || attempt >= 200) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));  // other pulls hold the transport's reads
+      }
+      if (!posted.ok()) {
+        std::lock_guard<std::mutex> lock(reads.mu);
+        got[i] = posted;
+        reads.failed = true;
+        --reads.in_flight;
+        break;
+      }
+    }
+    std::unique_lock<std::mutex> lock(reads.mu);
+    reads.cv.wait(lock, [&] { return reads.in_flight == 0; });
+    return got;
   }
 
   // The pull itself (a puller thread). Every exit answers; a failure after a peer was found counts as failed.
   PrefetchResult Pull(const PullJob& job) {
     PrefetchResult r;
     r.local_blocks = job.local;
+    const auto cancelled = [&] { return stopping.load(std::memory_order_acquire) || job.cancelled(); };
     prefetches.fetch_add(1, std::memory_order_relaxed);
     Cache& cache = *job.cache;
     const auto fail = [&](std::string why) {
@@ -542,18 +603,23 @@ struct ClusterTier::Impl {
       return r;
     };
     if (!cache.has_pool()) return r;
-    const std::string ns = cache.Domain().model_namespace;
+    const CacheDomain::View domain = cache.Domain();
+    if (!domain.geometry || domain.geometry->is_hybrid()) return r;
+    const std::string ns = domain.model_namespace;
+    const std::string layout = domain.geometry->ToString();
     const uint64_t block_bytes = cache.block_bytes();
     const size_t n = job.keys.size();
     // Candidates, deepest first: the published keys after the local prefix, and the last key.
     std::vector<size_t> candidates;
-    for (size_t j = n; j-- > job.local;) {
-      if (j + 1 == n || Sampled(job.keys[j], options.chunk_blocks)) candidates.push_back(j);
+    // A lookup names at most kMaxLookupKeys keys (the chain from the root): deeper blocks are not pulled.
+    const size_t reach = std::min<size_t>(n, kMaxLookupKeys);
+    for (size_t j = reach; j-- > job.local;) {
+      if (j + 1 == reach || Sampled(job.keys[j], options.chunk_blocks)) candidates.push_back(j);
     }
     size_t deepest = n;
     std::vector<cluster::Owner> owners;
     for (size_t at = 0; at < candidates.size() && deepest == n; at += cluster::kLookupBatch) {
-      if (job.cancelled()) return r;
+      if (cancelled()) return r;
       std::vector<BlockKey> asked;
       for (size_t i = at; i < std::min(candidates.size(), at + cluster::kLookupBatch); ++i) {
         asked.push_back(job.keys[candidates[i]]);
@@ -571,20 +637,26 @@ struct ClusterTier::Impl {
     if (deepest == n) return r;  // no peer has any of it: a plain miss
     static thread_local std::minstd_rand pick(static_cast<unsigned>(std::random_device{}()));
     const cluster::Owner owner = owners[pick() % owners.size()];
-    if (job.cancelled()) return r;
+    if (cancelled()) return r;
 
     auto peer = PeerFor(owner.node_id, owner.epoch);
     if (!peer.ok()) return fail(fmt::format("peer {}: {}", owner.node_id, peer.status().message()));
     PeerLookupRequest request;
     request.model_namespace = ns;
+    request.layout = layout;
     request.block_bytes = block_bytes;
     request.epoch = owner.epoch;
     request.from = job.local;
     request.keys.assign(job.keys.begin(), job.keys.begin() + static_cast<ptrdiff_t>(deepest + 1));
     auto answer = transport->CallSync(*peer, kPeerLookupMethod, EncodeLookupRequest(request));
+    for (int attempt = 0; !answer.ok() && answer.status().code() == StatusCode::kResourceExhausted && attempt < 200;
+         ++attempt) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));  // other pulls hold the transport's requests
+      answer = transport->CallSync(*peer, kPeerLookupMethod, EncodeLookupRequest(request));
+    }
     if (!answer.ok()) {
       if (answer.status().code() == StatusCode::kDeadlineExceeded || answer.status().code() == StatusCode::kUnavailable) {
-        DropPeer(owner.node_id);
+        DropPeer(owner.node_id, *peer);
       }
       return fail(fmt::format("peer {}: {}", owner.node_id, answer.status().message()));
     }
@@ -597,7 +669,7 @@ struct ClusterTier::Impl {
       if (!parsed.ok()) return fail(fmt::format("peer {}: {}", owner.node_id, parsed.status().message()));
       regions.push_back(*parsed);
     }
-    if (job.cancelled()) return r;
+    if (cancelled()) return r;
 
     // Pending local slots for the blocks offered, under the local prefix.
     const BlockKey parent = job.local == 0 ? BlockKey{} : job.keys[job.local - 1];
@@ -610,22 +682,8 @@ struct ClusterTier::Impl {
       r.local_blocks = static_cast<uint32_t>(job.local + first);
       return r;
     }
-    std::vector<Status> got(count, Status::Unavailable("not read"));
-    Latch latch(count);
-    for (size_t i = 0; i < count; ++i) {
-      const PeerLookupReply::Block& b = reply->blocks[first + i];
-      const SlotId slot = reserved.slots[i];
-      Status posted = transport->Get(*peer, regions[b.region], b.offset, cache.SlotData(slot), cache.SlotBytes(slot),
-                                     [&got, &latch, i](Status s) {
-                                       got[i] = std::move(s);
-                                       latch.CountDown();
-                                     });
-      if (!posted.ok()) {
-        got[i] = posted;
-        latch.CountDown();
-      }
-    }
-    latch.Wait();  // every Get ends: OK, an error, or the transport's deadline
+    const std::vector<Status> got =
+        ReadBlocks(cache, *peer, regions, std::span(reply->blocks).subspan(first, count), reserved.slots);
     size_t verified = 0;
     std::vector<uint64_t> checksums;
     std::string why;
@@ -649,7 +707,7 @@ struct ClusterTier::Impl {
     if (verified < count) cache.Abort(std::span<const SlotId>(reserved.slots.data() + verified, count - verified));
     if (verified == 0) {
       if (got[0].code() == StatusCode::kDeadlineExceeded || got[0].code() == StatusCode::kUnavailable) {
-        DropPeer(owner.node_id);
+        DropPeer(owner.node_id, *peer);
       }
       return fail(why);
     }
@@ -719,7 +777,7 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
   ucx.listen_address = options.listen_address;
   ucx.listen_port = options.listen_port;
   ucx.get_deadline = options.pull_deadline;
-  ucx.max_inflight_gets = 1024;
+  ucx.max_inflight_gets = kTransportInflight;
   ucx.secret = *secret;
   ucx.node_id = options.node_id;
   Impl* raw = impl.get();
@@ -732,22 +790,40 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
   impl->transport = std::move(*transport);
   impl->endpoint = impl->transport->endpoint();
   impl->transport->set_accept_filter([raw](const sockaddr& from) {
+    if (raw->stopping.load(std::memory_order_acquire)) return false;
     const std::string host = HostOf(from);
     std::lock_guard<std::mutex> lock(raw->members_mu);
     if (raw->member_hosts.count(host) > 0) return true;
-    raw->refresh_asked = true;  // a node that joined a moment ago: its next attempt may pass
-    raw->members_cv.notify_all();
-    log::Warning("cluster", "refused a connection from {}: not the address of a current member", host);
+    // A node that joined a moment ago: a refresh now lets its next attempt in. A stranger knocking again and again
+    // costs at most five member reads and one log line a second.
+    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+    if (now - raw->last_refresh_ask_ms >= 200) {
+      raw->last_refresh_ask_ms = now;
+      raw->refresh_asked = true;
+      raw->members_cv.notify_all();
+    }
+    if (now - raw->last_refusal_log_ms >= 1000) {
+      raw->last_refusal_log_ms = now;
+      log::Warning("cluster", "refused a connection from {}: not the address of a current member", host);
+    }
     return false;
   });
   impl->transport->set_call_handler([raw](const std::string& peer, uint16_t method, std::string request,
                                           std::function<void(Result<std::string>)> reply) {
+    if (raw->stopping.load(std::memory_order_acquire)) {
+      reply(Status::Unavailable("the node is leaving the cluster"));
+      return;
+    }
     if (method != kPeerLookupMethod) {
       reply(Status::Unimplemented(fmt::format("peer call method {} is unknown; expected {}", method,
                                               kPeerLookupMethod)));
       return;
     }
     std::lock_guard<std::mutex> lock(raw->serve_mu);
+    if (raw->stopping.load(std::memory_order_acquire)) {
+      reply(Status::Unavailable("the node is leaving the cluster"));
+      return;
+    }
     if (raw->serve_jobs.size() >= 1024) {
       reply(Status::ResourceExhausted("too many lookups waiting on this node; retry"));
       return;
@@ -787,6 +863,7 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
 }
 
 Status ClusterTier::AddPoolRegion(const PoolRegion& region) {
+  if (impl_->stopping.load(std::memory_order_acquire)) return Status::Ok();
   auto registered = impl_->transport->Register(region.base, region.bytes);
   if (!registered.ok()) {
     log::Warning("cluster", "cannot register a pool grant of {} bytes for peers: {}", region.bytes,
@@ -846,12 +923,18 @@ void ClusterTier::Stop() {
     if (m.stopped) return;
     m.stopped = true;
   }
-  m.stopping.store(true, std::memory_order_release);
+  // Set under each waiter's mutex, so that no thread checks the flag and then sleeps past the notify.
+  for (std::mutex* mu : {&m.pull_mu, &m.serve_mu, &m.pub_mu, &m.members_mu}) {
+    std::lock_guard<std::mutex> lock(*mu);
+    m.stopping.store(true, std::memory_order_release);
+  }
   m.pull_cv.notify_all();
   m.serve_cv.notify_all();
   m.pub_cv.notify_all();
-  m.AskRefresh();
-  // Pullers finish the pull they are in (each Get ends by its deadline at the latest) and then the queue.
+  m.members_cv.notify_all();
+  for (size_t i = 0; i < m.caches->max_domains(); ++i) m.caches->cache(i).SetBlockListener({});
+  // Pullers end the pull they are in at its next step (each Get ends by its deadline at the latest); the queued
+  // ones are answered here.
   for (std::thread& t : m.threads) t.join();
   m.threads.clear();
   std::deque<Impl::PullJob> left;
@@ -870,6 +953,13 @@ void ClusterTier::Stop() {
     for (Impl::ServeJob& job : m.serve_jobs) job.reply(Status::Unavailable("the node is leaving the cluster"));
     m.serve_jobs.clear();
   }
+  // Peers read nothing more from this node's pool (the caches may go before this tier does).
+  std::map<uintptr_t, cluster::RegisteredRegion> regions;
+  {
+    std::lock_guard<std::mutex> lock(m.regions_mu);
+    regions.swap(m.regions);
+  }
+  regions.clear();
   if (Status left_cluster = m.directory->Leave(); !left_cluster.ok()) {
     log::Warning("cluster", "leaving the cluster: {} (its entries go when the lease ends)", left_cluster.ToString());
   } else {

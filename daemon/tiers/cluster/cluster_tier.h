@@ -52,7 +52,7 @@ class CacheSet;
 struct ClusterTierOptions {
   std::string node_id;                       // --node-id: [A-Za-z0-9._-]{1,64}, unique in the cluster
   std::vector<std::string> etcd_endpoints;   // --etcd-endpoints: host:port, the store
-  std::string etcd_credentials_file;         // --etcd-credentials-file: "user:password" (mode 0600/0400), optional
+  std::string etcd_credentials_file;         // --etcd-credentials-file: "user = ..." / "password = ..." lines (0600)
   std::string secret_file;                   // --cluster-secret-file: the cluster secret (mode 0600/0400, >= 16 bytes)
   std::string listen_address;                // --cluster-listen host:port: the transfer endpoint (numeric host)
   uint16_t listen_port = 0;
@@ -109,10 +109,13 @@ class ClusterTier {
  public:
   // Reads the secret and credential files (PERMISSION_DENIED naming the file when it is readable by others,
   // INVALID_ARGUMENT when the secret is shorter than 16 bytes), creates the transport (its listener bound to the
-  // configured address only), connects to the store and joins (UNAVAILABLE naming the endpoints when the store
-  // cannot be reached; FAILED_PRECONDITION when a live node holds the node id). Sets every cache's block listener
-  // and the pool-region hooks (call before RecoverPools, so that re-attached pools are registered and restored
-  // blocks published once verified). Threads start here.
+  // configured address only; its errors as UcxTransport::Create's), and tries to join. Only a refusal that cannot pass
+  // (INVALID_ARGUMENT, PERMISSION_DENIED, UNAUTHENTICATED from the store) stops the start; a store that cannot be
+  // reached, or a node id a live lease holds (this node's previous run until its lease ends, or another daemon with
+  // the same --node-id: the log and status say so at every attempt), is retried by the membership thread while the
+  // node serves its own cache. Sets every cache's block listener (call before RecoverPools, so that restored blocks
+  // are published once verified); daemon.cc chains AddPoolRegion/RemovePoolRegion into the pool listener. Threads
+  // start here.
   static Result<std::unique_ptr<ClusterTier>> Create(ClusterTierOptions options, CacheSet* caches);
   ~ClusterTier();  // Stop()
   ClusterTier(const ClusterTier&) = delete;
@@ -124,10 +127,12 @@ class ClusterTier {
   void RemovePoolRegion(const PoolRegion& region);
 
   // Pulls keys[local_blocks, ...) from a peer into `cache` (the prefix keys[0, local_blocks) is cached here) and
-  // calls `done` exactly once, on a thread of the tier (never inside this call), with what it did. `session` counts
+  // calls `done` exactly once with what it did: on a puller thread, or inside this call when it is refused at once
+  // (the limits below, or stopped). `session` counts
   // the per-session bound; `cancelled` is asked between the network steps (the session ended: the pull stops, what
   // it already read and verified is still committed). RESOURCE_EXHAUSTED (through done) when max_pulls or the
-  // session's max_session_pulls are pulling already. After Stop, done answers at once with UNAVAILABLE.
+  // session's max_session_pulls are pulling already (4 x max_pulls may wait node-wide). After Stop, done answers at
+  // once with UNAVAILABLE.
   void Prefetch(Cache* cache, std::vector<BlockKey> keys, uint32_t local_blocks, uint64_t session,
                 std::function<bool()> cancelled, std::function<void(PrefetchResult)> done);
 

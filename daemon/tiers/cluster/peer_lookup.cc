@@ -89,6 +89,7 @@ std::string EncodeLookupRequest(const PeerLookupRequest& request) {
   Writer w;
   w.U32(kPeerLookupVersion);
   w.Bytes(request.model_namespace);
+  w.Bytes(request.layout);
   w.U64(request.block_bytes);
   w.U64(request.epoch);
   w.U32(request.from);
@@ -111,6 +112,7 @@ Result<PeerLookupRequest> DecodeLookupRequest(std::string_view bytes) {
         kPeerLookupVersion));
   }
   FLEXKV_RETURN_IF_ERROR(r.Bytes(&q.model_namespace, 256, "model namespace"));
+  FLEXKV_RETURN_IF_ERROR(r.Bytes(&q.layout, 1024, "geometry"));
   FLEXKV_RETURN_IF_ERROR(r.U64(&q.block_bytes, "block bytes"));
   FLEXKV_RETURN_IF_ERROR(r.U64(&q.epoch, "epoch"));
   FLEXKV_RETURN_IF_ERROR(r.U32(&q.from, "from"));

@@ -23,7 +23,11 @@ inline constexpr uint32_t kMaxDescriptorBytes = 64 * 1024;
 
 struct PeerLookupRequest {
   std::string model_namespace;  // <= 256 bytes
-  uint64_t block_bytes = 0;     // the puller's block size: a peer with another geometry answers FAILED_PRECONDITION
+  // The puller's geometry (Geometry::ToString, <= 1024 bytes) and block size: a peer whose geometry for the namespace
+  // differs in any field (another TP size or head split lays the same bytes out differently) answers
+  // FAILED_PRECONDITION, so a block is never pulled into a pool of another layout.
+  std::string layout;
+  uint64_t block_bytes = 0;
   uint64_t epoch = 0;           // the owner's epoch the directory named: another epoch answers FAILED_PRECONDITION
   uint32_t from = 0;            // the first key whose block the puller wants (it holds the ones before)
   std::vector<BlockKey> keys;   // the prompt's chain from its first block (the peer matches from the root)

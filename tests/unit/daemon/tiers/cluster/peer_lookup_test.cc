@@ -19,6 +19,7 @@ namespace {
 PeerLookupRequest SomeRequest() {
   PeerLookupRequest q;
   q.model_namespace = "llama-70b/tp8";
+  q.layout = "{tokens_per_block=16, num_layers=2, tp_size=8}";
   q.block_bytes = 128 << 10;
   q.epoch = 7;
   q.from = 2;
@@ -45,6 +46,7 @@ TEST_CASE("peer lookup: a request and a reply round-trip field for field", "[uni
   auto back = flexkv::DecodeLookupRequest(flexkv::EncodeLookupRequest(q));
   REQUIRE(back.ok());
   CHECK(back->model_namespace == q.model_namespace);
+  CHECK(back->layout == q.layout);
   CHECK(back->block_bytes == q.block_bytes);
   CHECK(back->epoch == q.epoch);
   CHECK(back->from == q.from);
