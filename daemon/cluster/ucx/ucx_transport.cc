@@ -451,7 +451,10 @@ struct UcxCore {
     ucp_request_free(request);
     op->core->completed.push_back(op);
   }
-  static void OnRequestSent(void* request, ucs_status_t, void*) { ucp_request_free(request); }
+  static void OnGetRequestSent(void* request, ucs_status_t, void* user_data) {
+    if (request != nullptr) ucp_request_free(request);
+    delete static_cast<AmRequestHeader*>(user_data);
+  }
   static void OnReplySent(void* request, ucs_status_t status, void* user_data) {
     if (request != nullptr) ucp_request_free(request);
     auto* reply = static_cast<Reply*>(user_data);
@@ -1401,12 +1404,17 @@ struct UcxCore {
     am_ops[op->am_id] = op;
     peer->ops.insert(op);
     deadlines.insert({op->deadline, op});
-    AmRequestHeader header{op->am_id, remote_address, len};
+    // UCX 1.13 reads the header until the send completes (there is no UCP_AM_SEND_FLAG_COPY_HEADER yet): a queued
+    // send must not point at this stack frame (it did, and peers got garbage requests under load). The header lives
+    // on the heap until the send callback, independent of the op, which a deadline may end first.
+    auto* header = new AmRequestHeader{op->am_id, remote_address, len};
     ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS;
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_USER_DATA;
     param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    param.cb.send = &UcxCore::OnRequestSent;
-    void* req = ucp_am_send_nbx(peer->ep, kAmGetRequest, &header, sizeof header, nullptr, 0, &param);
+    param.cb.send = &UcxCore::OnGetRequestSent;
+    param.user_data = header;
+    void* req = ucp_am_send_nbx(peer->ep, kAmGetRequest, header, sizeof *header, nullptr, 0, &param);
+    if (!UCS_PTR_IS_PTR(req)) delete header;  // done (or refused) at once: UCX no longer needs it
     op->posted = true;
     if (UCS_PTR_IS_ERR(req) && op->am_waiting) {
       op->am_waiting = false;
