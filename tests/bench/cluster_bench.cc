@@ -75,6 +75,7 @@ const char* const kEtcdctl = "/usr/bin/etcdctl";
 const char* const kPerftest = "/usr/bin/ucx_perftest";
 constexpr const char* kNamespace = "flexkv-bench-cluster";
 constexpr uint32_t kTokensPerBlock = 16;
+constexpr int kPerftestRounds = 3;  // ucx_perftest varies by 2-4x between runs on a shared 2-core VM: the median
 
 int64_t NowNs() { return flexkv::NowNs(); }
 
@@ -368,7 +369,9 @@ bool WaitCluster(flexkv::Client& c, milliseconds timeout, Pred pred) {
 struct PerftestResult {
   std::string test;
   bool ok = false;
-  double bytes_per_s = 0;  // overall bandwidth (ucx_perftest's MB/s are MiB/s: × 2^20)
+  double bytes_per_s = 0;  // overall bandwidth (ucx_perftest's MB/s are MiB/s: × 2^20); the median of the rounds
+  double min_bytes_per_s = 0, max_bytes_per_s = 0;
+  int rounds = 0;
   std::string error;
 };
 
@@ -426,6 +429,24 @@ PerftestResult Perftest(const Net& net, const std::string& test, uint64_t msg_by
   }
   if (!r.ok) r.error = "no result line in: " + c.output.substr(0, 600);
   return r;
+}
+
+// `rounds` runs of Perftest (a fresh server each, ports port, port + 1, ...): the median, with the min and max.
+PerftestResult PerftestMedian(const Net& net, const std::string& test, uint64_t msg_bytes, uint64_t iterations, int port,
+                              int rounds) {
+  std::vector<double> bw;
+  PerftestResult last;
+  for (int i = 0; i < rounds; ++i) {
+    last = Perftest(net, test, msg_bytes, iterations, port + i);
+    if (!last.ok) return last;
+    bw.push_back(last.bytes_per_s);
+  }
+  std::sort(bw.begin(), bw.end());
+  last.bytes_per_s = bw[bw.size() / 2];
+  last.min_bytes_per_s = bw.front();
+  last.max_bytes_per_s = bw.back();
+  last.rounds = rounds;
+  return last;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -526,6 +547,7 @@ int RunClusterDirWorker(int argc, char** argv) {
   app.add_option("--entries", entries);
   app.add_option("--lookups", lookups);
   CLI11_PARSE(app, argc, argv);
+  flexkv::log::SetLevel(flexkv::log::Level::kWarning);
   auto fail = [](const std::string& what, const flexkv::Status& s) {
     flexkv::bench::Emit(fmt::format("ERROR {}: {}\n", what, s.ToString()));
     return 1;
@@ -807,8 +829,8 @@ int RunClusterBench(int argc, char** argv) {
 
   // Baseline: ucx_perftest over the same veths, same message size and bytes.
   const int port = 14000 + getpid() % 1000;
-  PerftestResult am = Perftest(*net, "ucp_am_bw", block_bytes, total_blocks, port);
-  PerftestResult get = Perftest(*net, "ucp_get", block_bytes, total_blocks, port + 1);
+  PerftestResult am = PerftestMedian(*net, "ucp_am_bw", block_bytes, total_blocks, port, kPerftestRounds);
+  PerftestResult get = PerftestMedian(*net, "ucp_get", block_bytes, total_blocks, port + kPerftestRounds, kPerftestRounds);
 
   // Directory, from B's namespace.
   struct {
@@ -856,16 +878,22 @@ int RunClusterBench(int argc, char** argv) {
   etcd->Stop();
   net.reset();
 
-  const bool bytes_ok = pull.wrong_blocks == 0 && pull.missing_blocks == 0 && pull.short_prefetches == 0 &&
-                        pull.verified_blocks == total_blocks;
+  // FAIL: a block loaded on B differs from what A stored. INCOMPLETE: prefetches that did not pull everything
+  // (their blocks are missing on B; the GB/s count only what was pulled).
+  const bool bytes_ok = pull.wrong_blocks == 0;
+  const bool complete = pull.missing_blocks == 0 && pull.short_prefetches == 0 && pull.verified_blocks == total_blocks;
   const double pull_bps = pull.seconds > 0 ? static_cast<double>(pull.pulled_bytes) / pull.seconds : 0;
   const double ratio_am = am.ok && am.bytes_per_s > 0 ? pull_bps / am.bytes_per_s : 0;
   const double ratio_get = get.ok && get.bytes_per_s > 0 ? pull_bps / get.bytes_per_s : 0;
-  const std::string verdict = bytes_ok ? "PASS" : "FAIL";
+  const std::string verdict = !bytes_ok ? "FAIL" : complete ? "PASS" : "INCOMPLETE";
 
   if (o.json) {
     auto perf = [](const PerftestResult& r) {
-      return r.ok ? Json{{"test", r.test}, {"gb_per_s", Rounded(r.bytes_per_s / 1e9, 3)}}
+      return r.ok ? Json{{"test", r.test},
+                         {"gb_per_s", Rounded(r.bytes_per_s / 1e9, 3)},
+                         {"min_gb_per_s", Rounded(r.min_bytes_per_s / 1e9, 3)},
+                         {"max_gb_per_s", Rounded(r.max_bytes_per_s / 1e9, 3)},
+                         {"rounds", r.rounds}}
                   : Json{{"test", r.test}, {"error", r.error}};
     };
     Json report{{"bench", "cluster"},
@@ -922,7 +950,8 @@ int RunClusterBench(int argc, char** argv) {
                pull.latency.p50_us / 1e3, pull.latency.p99_us / 1e3);
     for (const PerftestResult* r : {&am, &get}) {
       if (r->ok) {
-        fmt::print("{:<36} {:>10.3f}\n", fmt::format("ucx_perftest -t {} (baseline)", r->test), r->bytes_per_s / 1e9);
+        fmt::print("{:<36} {:>10.3f}  (median of {}: {:.3f}-{:.3f})\n", fmt::format("ucx_perftest -t {}", r->test),
+                   r->bytes_per_s / 1e9, r->rounds, r->min_bytes_per_s / 1e9, r->max_bytes_per_s / 1e9);
       } else {
         fmt::print("{:<36} {:>10}  ({})\n", fmt::format("ucx_perftest -t {}", r->test), "failed", r->error);
       }
@@ -940,7 +969,7 @@ int RunClusterBench(int argc, char** argv) {
       fmt::print("directory: failed: {}\n", dir.error);
     }
     if (sim) {
-      fmt::print("trace (SIMULATION, no daemon): {} requests, {} blocks of {}; round-robin over {} nodes, each an LRU "
+      fmt::print("trace (SIMULATION, no daemon): {} requests, {} blocks, from {}; round-robin over {} nodes, each an LRU "
                  "of {} blocks, prefix hits\n",
                  sim->requests, sim->blocks, o.trace, o.nodes, o.node_blocks);
       fmt::print("  model with peers: after a node's local prefix, the longest run of following blocks one other node "
@@ -954,9 +983,10 @@ int RunClusterBench(int argc, char** argv) {
                  100 * Ratio(sim->one_big_hits, sim->blocks));
       fmt::print("{:<44} {:>9.2f}%\n", "  infinite cache (bound)", 100 * Ratio(sim->infinite_hits, sim->blocks));
     }
-    if (!bytes_ok) fmt::print("FAIL: the pull did not move every block byte-exact\n");
+    if (!bytes_ok) fmt::print("FAIL: blocks loaded on B differ from what A stored\n");
+    if (bytes_ok && !complete) fmt::print("INCOMPLETE: not every prefetch pulled its whole prompt (see verify)\n");
   }
-  if (!bytes_ok) {
+  if (!bytes_ok || !complete) {
     dump_logs();
     return 1;
   }
