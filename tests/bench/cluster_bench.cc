@@ -27,6 +27,7 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -168,6 +169,17 @@ class Background {
     pid_ = -1;
   }
   bool Alive() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
+  // Lines of the log holding `needle`, and the first of them.
+  std::pair<uint64_t, std::string> Grep(const std::string& needle) const {
+    std::ifstream in(log_);
+    std::string line, first;
+    uint64_t count = 0;
+    while (std::getline(in, line)) {
+      if (line.find(needle) == std::string::npos) continue;
+      if (count++ == 0) first = line;
+    }
+    return {count, first};
+  }
   std::string Tail(size_t bytes = 3000) const {
     std::ifstream in(log_);
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -530,7 +542,15 @@ struct PullResult {
   uint64_t short_prefetches = 0;  // not everything pulled, or an error
   std::string first_problem;
   uint64_t verified_blocks = 0, wrong_blocks = 0, missing_blocks = 0;
+  double bench_cpu_s = 0;  // this process's CPU (user + system, all threads) during the timed pull
 };
+
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
 
 }  // namespace
 
@@ -760,6 +780,7 @@ int RunClusterBench(int argc, char** argv) {
     std::mutex mu;
     std::vector<int64_t> samples;
     std::vector<std::thread> threads;
+    const double cpu0 = CpuSeconds();
     const int64_t t0 = NowNs();
     for (uint32_t t = 0; t < std::min(o.inflight, o.prompts); ++t) {
       threads.emplace_back([&] {
@@ -788,6 +809,7 @@ int RunClusterBench(int argc, char** argv) {
     }
     for (auto& th : threads) th.join();
     pull.seconds = static_cast<double>(NowNs() - t0) / 1e9;
+    pull.bench_cpu_s = CpuSeconds() - cpu0;
     pull.latency = Summarize(std::move(samples));
   }
   // Verify on B, untimed: every block of every prompt loaded and compared with what A stored.
@@ -820,6 +842,9 @@ int RunClusterBench(int argc, char** argv) {
       }
     }
   }
+  // The daemons' warnings during the run (a refused or failed get shows up there first).
+  std::vector<std::pair<uint64_t, std::string>> warnings;
+  for (const auto& d : daemons) warnings.push_back(d->Grep(" WARN "));
   std::map<std::string, uint64_t> counters_b;
   if (auto s = b->GetStatus(); s.ok() && s->cluster) counters_b = s->cluster->counters;
   std::string transports;
@@ -910,11 +935,15 @@ int RunClusterBench(int argc, char** argv) {
                   {"p50_ms", Rounded(pull.latency.p50_us / 1e3, 3)},
                   {"p99_ms", Rounded(pull.latency.p99_us / 1e3, 3)},
                   {"short_prefetches", pull.short_prefetches},
+                  {"bench_cpu_s", Rounded(pull.bench_cpu_s, 3)},
                   {"verified_blocks", pull.verified_blocks},
                   {"wrong_blocks", pull.wrong_blocks},
                   {"missing_blocks", pull.missing_blocks},
                   {"verify", verdict},
-                  {"transports", transports}}},
+                  {"transports", transports},
+                  {"daemon_warnings", {{"a", warnings[0].first}, {"b", warnings[1].first}}},
+                  {"first_warning_a", warnings[0].second},
+                  {"first_warning_b", warnings[1].second}}},
                 {"ucx_perftest", {{"am", perf(am)}, {"get", perf(get)}}},
                 {"ratio_vs_am_bw", Rounded(ratio_am, 3)},
                 {"ratio_vs_get", Rounded(ratio_get, 3)}};
@@ -956,10 +985,18 @@ int RunClusterBench(int argc, char** argv) {
         fmt::print("{:<36} {:>10}  ({})\n", fmt::format("ucx_perftest -t {}", r->test), "failed", r->error);
       }
     }
+    fmt::print("this process's CPU during the pull: {:.3f} s of {:.3f} s (its {} waiting threads)\n", pull.bench_cpu_s,
+               pull.seconds, std::min(o.inflight, o.prompts));
     fmt::print("ratio pull / ucp_am_bw: {:.2f} (target >= 0.8); pull / ucp_get: {:.2f}\n", ratio_am, ratio_get);
     fmt::print("verify: {} of {} blocks loaded on B byte-exact, {} wrong, {} missing, {} short prefetches: {}{}\n",
                pull.verified_blocks - pull.wrong_blocks, total_blocks, pull.wrong_blocks, pull.missing_blocks,
                pull.short_prefetches, verdict, pull.first_problem.empty() ? "" : " (" + pull.first_problem + ")");
+    for (size_t i = 0; i < warnings.size(); ++i) {
+      if (warnings[i].first > 0) {
+        fmt::print("flexkvd {} logged {} warnings; the first: {}\n", i == 0 ? 'A' : 'B', warnings[i].first,
+                   warnings[i].second);
+      }
+    }
     if (dir.ok) {
       fmt::print("directory (etcd in the hub, client in B's namespace): publish {} entries in batches of 128: {:.0f} "
                  "entries/s; lookup of 64 keys x {}: p50 {:.0f} us, p99 {:.0f} us{}\n",
