@@ -7,9 +7,12 @@
 //               prompts of --blocks-per-prompt blocks on A, waits until A published them, then prefetches each
 //               prompt on B, --inflight at once (B's --cluster-max-session-pulls is raised to it): per-prefetch
 //               latency (p50/p99) and pulled bytes/s (all pulled bytes / first submit to last completion). Every
-//               pulled block is then loaded on B and compared byte for byte (not timed): a wrong byte is a FAIL.
+//               block is then loaded on B and compared byte for byte (not timed): a wrong byte is a FAIL, a
+//               prefetch that did not pull its whole prompt INCOMPLETE (both exit 1, with the daemons' log tails).
+//               The daemons' warnings (count, first line) are reported: refused or lost gets show there.
 //   baseline    ucx_perftest between the same two namespaces over the same veths (UCX_TLS=tcp,
-//               UCX_NET_DEVICES=<veth>), message = one block, iterations = the blocks pulled (the same bytes):
+//               UCX_NET_DEVICES=<veth>), message = one block, iterations = the blocks pulled (the same bytes),
+//               3 rounds each (a fresh server per round), the median with its range:
 //               ucp_am_bw (the daemon's tcp path is an active-message request/reply: the honest baseline), and
 //               ucp_get for reference (over tcp UCX emulates it with messages too).
 //   directory   a child of this executable in B's namespace (hidden subcommand cluster-dir-worker) joins the hub's
@@ -136,6 +139,37 @@ CommandResult Run(const std::vector<std::string>& argv, const std::vector<std::s
   return r;
 }
 
+// SIGINT/SIGTERM: the live Background children (etcd, the daemons, a ucx_perftest server) get SIGTERM, and the
+// handler says how to remove the namespaces (tearing them down is not async-signal-safe).
+constexpr int kMaxChildren = 16;
+volatile sig_atomic_t g_children[kMaxChildren] = {};
+char g_cleanup_hint[1024] = "";
+
+extern "C" void OnSignal(int sig) {
+  for (int i = 0; i < kMaxChildren; ++i) {
+    if (g_children[i] > 0) kill(static_cast<pid_t>(g_children[i]), SIGTERM);
+  }
+  (void)!write(2, g_cleanup_hint, strlen(g_cleanup_hint));
+  _exit(128 + sig);
+}
+
+// Appends " <what>;" to the interrupt hint (before its final newline).
+void AddToHint(const std::string& what) {
+  std::string h = g_cleanup_hint;
+  if (!h.empty() && h.back() == '\n') h.pop_back();
+  h += " " + what + ";\n";
+  std::snprintf(g_cleanup_hint, sizeof(g_cleanup_hint), "%s", h.c_str());
+}
+
+void TrackChild(pid_t pid, bool add) {
+  for (int i = 0; i < kMaxChildren; ++i) {
+    if (add ? g_children[i] == 0 : g_children[i] == pid) {
+      g_children[i] = add ? pid : 0;
+      return;
+    }
+  }
+}
+
 // A long-lived child with stdout and stderr in `log`; SIGTERM (then SIGKILL after 10 s) on destruction.
 class Background {
  public:
@@ -150,6 +184,7 @@ class Background {
     auto b = std::unique_ptr<Background>(new Background());
     b->pid_ = *pid;
     b->log_ = log;
+    TrackChild(*pid, true);
     return b;
   }
   ~Background() { Stop(); }
@@ -166,6 +201,7 @@ class Background {
       }
       std::this_thread::sleep_for(milliseconds(5));
     }
+    TrackChild(pid_, false);
     pid_ = -1;
   }
   bool Alive() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
@@ -195,16 +231,6 @@ class Background {
 
 // ---------------------------------------------------------------------------------------------------------------
 // The network: a hub namespace (bridge br0 .1, etcd) and one namespace per node (.2, .3), joined by veth pairs.
-
-volatile sig_atomic_t g_interrupted = 0;
-char g_cleanup_hint[512] = "";
-
-extern "C" void OnSignal(int sig) {
-  // Not async-signal-safe to tear the namespaces down here: say how, and leave (children die with their netns
-  // when it is deleted; the daemons' pools are under /tmp/flexkv-bench-cluster-*).
-  (void)!write(2, g_cleanup_hint, strlen(g_cleanup_hint));
-  _exit(128 + sig);
-}
 
 class Net {
  public:
@@ -285,11 +311,13 @@ class Net {
 // A private directory (mode 0755) removed on destruction.
 struct TempDir {
   std::string path;
-  explicit TempDir(const std::string& tmpl) {
+  // `hint`: named in the interrupt hint (the ones that live for the whole run).
+  explicit TempDir(const std::string& tmpl, bool hint = true) {
     std::string t = tmpl;
     if (mkdtemp(t.data()) != nullptr) {
       path = t;
       chmod(path.c_str(), 0755);
+      if (hint) AddToHint("rm -rf " + path);
     }
   }
   ~TempDir() {
@@ -390,7 +418,7 @@ struct PerftestResult {
 PerftestResult Perftest(const Net& net, const std::string& test, uint64_t msg_bytes, uint64_t iterations, int port) {
   PerftestResult r;
   r.test = test;
-  TempDir dir("/tmp/flexkv-bench-perftest-XXXXXX");
+  TempDir dir("/tmp/flexkv-bench-perftest-XXXXXX", /*hint=*/false);
   const Net::Node& a = net.node(0);
   const Net::Node& b = net.node(1);
   auto server = Background::Start(net.In(a.ns, {kPerftest, "-p", std::to_string(port)}), dir.path + "/server.log",
