@@ -31,6 +31,7 @@
 
 #include "bench_json.h"
 #include "bench_process.h"
+#include "cluster_bench.h"
 #include "flexkv/client.h"
 #include "index_bench.h"
 #include "trace_bench.h"
@@ -536,6 +537,9 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], "index") == 0) return RunIndexBench(argc - 1, argv + 1);
   // The SSD tier's store against fio, same directory, same run (ssd_bench.h).
   if (argc >= 2 && std::strcmp(argv[1], "ssd") == 0) return RunSsdBench(argc - 1, argv + 1);
+  // The cluster tier between two flexkvd in network namespaces, against ucx_perftest (cluster_bench.h; root).
+  if (argc >= 2 && std::strcmp(argv[1], "cluster") == 0) return RunClusterBench(argc - 1, argv + 1);
+  if (argc >= 2 && std::strcmp(argv[1], "cluster-dir-worker") == 0) return RunClusterDirWorker(argc - 1, argv + 1);
   CLI::App app{"flexkv-bench: flexkvd benchmarks"};
   app.require_subcommand(1);
   std::string socket;
@@ -571,6 +575,8 @@ int main(int argc, char** argv) {
   app.add_subcommand("index", "PrefixIndex throughput, memory per block and restart time at scale (index --help)");
   app.add_subcommand("ssd", "SSD tier: write-back and promotion throughput against fio (io_uring, O_DIRECT, same block "
                             "size, directory and queue depth), rebuild time after kill -9 (ssd --help)");
+  app.add_subcommand("cluster", "Cluster tier (root): pulls between two flexkvd in network namespaces against "
+                                "ucx_perftest, the etcd directory's latency, a simulated N-node trace (cluster --help)");
   auto* worker = app.add_subcommand("ring-worker", "internal: one client process of `ring`");
   worker->group("");  // hidden
   worker->add_option("--socket", wo.socket)->required();
