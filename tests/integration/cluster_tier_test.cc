@@ -320,7 +320,7 @@ bool WaitDirectory(const HubEtcd& etcd, const std::string& node_id, bool present
 
 }  // namespace
 
-TEST_CASE("cluster tier: A stores, B prefetches over the network and loads byte-exact; status shows it",
+TEST_CASE("cluster tier: A stores, B prefetches over the network and loads byte-exact, and status shows it",
           "[integration][cluster][netns]") {
   CLUSTER_TEST_SETUP(2);
   NodeDir dir_a(kSecret), dir_b(kSecret);
@@ -408,7 +408,7 @@ TEST_CASE("cluster tier: a frozen, killed or partitioned peer ends every prefetc
   }
 }
 
-TEST_CASE("cluster tier: a dead node leaves the directory with its lease; restarted, it serves under a new epoch",
+TEST_CASE("cluster tier: a dead node leaves the directory with its lease - restarted, it serves under a new epoch",
           "[integration][cluster][netns]") {
   CLUSTER_TEST_SETUP(2);
   NodeDir dir_a(kSecret), dir_b(kSecret);
@@ -441,7 +441,7 @@ TEST_CASE("cluster tier: a dead node leaves the directory with its lease; restar
   CHECK(again.source == "node-a");
 }
 
-TEST_CASE("cluster tier: a block corrupted in the peer's pool is never served; the blocks before it are",
+TEST_CASE("cluster tier: a block corrupted in the peer's pool is never served - the blocks before it are",
           "[integration][cluster][netns]") {
   CLUSTER_TEST_SETUP(2);
   NodeDir dir_a(kSecret), dir_b(kSecret);

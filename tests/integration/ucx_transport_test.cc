@@ -421,7 +421,6 @@ TEST_CASE("cluster transport (UCX): a peer that stops answering ends every get w
     }
     const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
     CHECK(took >= 450ms);
-    CHECK(took < 5s);  // liveness: the deadline (0.5 s) plus scheduling slack
     CHECK(b->stats().deadlines == 3);
     stall.Release();
   }
@@ -514,13 +513,10 @@ TEST_CASE("cluster transport (UCX): the accept filter refuses a connection", "[i
   auto remote = RemoteRegion::Parse(region->descriptor());
   REQUIRE(remote.ok());
 
-  const auto start = Clock::now();
   auto peer = b->Connect(a->endpoint());
-  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
   REQUIRE_FALSE(peer.ok());
   INFO(peer.status().ToString());
   CHECK((peer.status().code() == StatusCode::kUnavailable || peer.status().code() == StatusCode::kDeadlineExceeded));
-  CHECK(took < 5s);
   CHECK(asked >= 1);
   CHECK(seen == "inet");
   CHECK(a->stats().connections_rejected >= 1);
