@@ -65,7 +65,7 @@ TEST_CASE("malformed ring descriptors get error completions, the daemon and othe
   using SC = StatusCode;
   // Opcodes, flags, reserved fields, counts.
   add("opcode 0", RingOp::kMatch, 1, SC::kInvalidArgument, "opcode 0", [](auto& s) { s.opcode = 0; });
-  add("opcode 5", RingOp::kMatch, 1, SC::kInvalidArgument, "opcode 5", [](auto& s) { s.opcode = 5; });
+  add("opcode 6", RingOp::kMatch, 1, SC::kInvalidArgument, "opcode 6", [](auto& s) { s.opcode = 6; });
   add("opcode 99", RingOp::kMatch, 1, SC::kInvalidArgument, "opcode 99", [](auto& s) { s.opcode = 99; });
   add("opcode 0xffff", RingOp::kMatch, 1, SC::kInvalidArgument, "opcode 65535", [](auto& s) { s.opcode = 0xffff; });
   add("flags on Store", RingOp::kStore, 1, SC::kInvalidArgument, "flags", [](auto& s) { s.flags = 1; });
