@@ -42,7 +42,7 @@ void CheckAcceptedHybrid(const SubmitDescriptor& d, std::span<const uint8_t> are
   const flexkv::Geometry& g = *limits.geometry;
   const auto op = static_cast<RingOp>(d.opcode);
   Require(d.state_count == 0 || op == RingOp::kStore);
-  if (op == RingOp::kRelease || op == RingOp::kMatch) return;
+  if (op == RingOp::kRelease || op == RingOp::kMatch || op == RingOp::kPrefetch) return;
   Require(op != RingOp::kLoad || (d.flags & flexkv::kLoadFlagLayerwise) == 0);
   const bool store = op == RingOp::kStore;
   Require(d.state_count <= d.count);
@@ -67,8 +67,9 @@ void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, co
   const bool hybrid = limits.geometry != nullptr;
   if (!hybrid) Require(d.state_count == 0);
   Require(d.reserved == 0);
-  Require(d.opcode >= 1 && d.opcode <= 4);
+  Require(d.opcode >= 1 && d.opcode <= 5);
   const auto op = static_cast<RingOp>(d.opcode);
+  Require(op != RingOp::kPrefetch || d.match_handle == 0);
   Require(op == RingOp::kStore || d.parent == flexkv::BlockKey{});
   const uint16_t allowed = op == RingOp::kMatch ? 1 : op == RingOp::kLoad ? 1 : 0;
   Require((d.flags | allowed) == allowed);
@@ -78,11 +79,14 @@ void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, co
   }
   Require(d.count >= 1 && d.count <= limits.max_blocks_per_request);
   const bool keys = op != RingOp::kLoad;
-  const bool ids = op != RingOp::kMatch;
+  const bool ids = op == RingOp::kLoad || op == RingOp::kStore;
   if (keys) {
     Require(InsideArena(d.keys_offset, d.count, 16, 8, arena.size()));  // 16-byte keys, 8-aligned
     Require(p.keys.size() == d.count);
     Require(std::memcmp(p.keys.data(), arena.data() + d.keys_offset, size_t{d.count} * 16) == 0);
+    if (op == RingOp::kStore || op == RingOp::kPrefetch) {
+      for (const flexkv::BlockKey& k : p.keys) Require(!(k == flexkv::BlockKey{}));  // the root's reserved key
+    }
   } else {
     Require(p.keys.empty());
   }
