@@ -1,4 +1,6 @@
-// See cluster_tier.h. Threads: the membership thread (member list every second, joins again after a lost lease),
+// See cluster_tier.h. About 1,000 lines in one file: the four threads below share Impl's state (members, the
+// directory sets, the peer connections, the counters); the directory sync and the pull path are the parts to move out
+// into files of their own when a second peer call or another store backend arrives. Threads: the membership thread (member list every second, joins again after a lost lease),
 // the publisher (directory updates, batched and retried), the pullers (one Prefetch each, max_pulls of them) and
 // the lookup server (peers' lookups, handed over from the transport's progress thread, which must never wait on
 // the cache's lock: the pool hooks hold that lock while they wait on the progress thread to (un)register).
