@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${FLEXKV_FUZZ_SECONDS:-30}
+# The targets link the daemon library, and with it UCX: its signal handlers would take a crash before libFuzzer's
+# (no artifact saved), and its malloc hooks fight the sanitizers.
+export UCX_HANDLE_ERRORS=none UCX_MEM_EVENTS=no UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none
 targets=(pool_recovery attach_request prefix_index ring_descriptor ssd_header peer_lookup)
 if [[ ! -f build-fuzz/build.ninja ]]; then
   CC=clang-14 CXX=clang++-14 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLEXKV_FUZZ=ON \

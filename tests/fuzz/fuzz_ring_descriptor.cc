@@ -163,7 +163,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const flexkv::Status use = flexkv::ValidateHandleUse(d, held);
     const auto op = static_cast<RingOp>(d.opcode);
-    if (op == RingOp::kMatch || op == RingOp::kStore) {
+    if (op == RingOp::kMatch || op == RingOp::kStore || op == RingOp::kPrefetch) {
       Require(use.ok());
     } else if (use.ok()) {
       Require(held.has_value());
