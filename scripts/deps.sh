@@ -13,6 +13,7 @@ FLEXKV_PACKAGES=(
   fio  # flexkv-bench ssd: the ceiling the SSD tier is measured against (io_uring, O_DIRECT, same directory)
   etcd-server etcd-client  # the cluster tier's membership and block directory (tests start their own etcd)
   libucx-dev ucx-utils iproute2  # the cluster tier's bytes (UCP RMA), ucx_perftest, network namespaces in tests
+  libssl-dev  # the cluster handshake's HMAC-SHA256 (OpenSSL libcrypto; gRPC pulls it in, named here on purpose)
   python3 python3-grpcio python3-protobuf python3-xxhash
   python3-pytest python3-numpy  # the Python package's tests (tests/python) and examples/vllm_dp_rank.py --host
   prometheus-cpp-dev prometheus curl  # metrics: the library; promtool (in prometheus) and curl test it
