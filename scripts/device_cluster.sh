@@ -8,6 +8,7 @@
 #   cp /usr/bin/etcd .device/cl/b/bin/; cp -r /usr/lib/x86_64-linux-gnu/ucx .device/cl/b/ucxmods; rm .device/cl/b/ucxmods/*.a
 #   strip --strip-debug .device/cl/b/bin/* .device/cl/b/lib/*; (cd .device/cl && tar -cJf cl.tar.xz b && rm -rf b)
 #   cp ../shared/traces/synthetic_trace.jsonl .device/cl/            # carry: [".device/cl"]
+# Then: OUT=$OUT RUNS="1 2" ARGS="--inflight 4" VARIANTS="--lanes 1;--lanes 4" TOP=1 bash scripts/device_cluster.sh
 set -uo pipefail
 out=${OUT:-/tmp/flexkv-device-cluster}
 mkdir -p "$out"
@@ -24,8 +25,22 @@ if ! /usr/sbin/ip netns add fkv-probe >"$out/netns.txt" 2>&1; then
   exit 3
 fi
 /usr/sbin/ip netns del fkv-probe
+# VARIANTS: bench arguments per variant, separated by ';' (e.g. "--lanes 1;--lanes 4"), each run once per RUN,
+# interleaved (run 1: every variant, run 2: every variant, ...) so that a drift of the machine hits them alike.
+# With TOP=1 each run also samples the busiest threads (top -H, every second) into top_<run>_<variant>.txt.
+IFS=';' read -r -a variants <<<"${VARIANTS:-}"
+[[ ${#variants[@]} -gt 0 ]] || variants=("")
 for run in ${RUNS:-1 2 3}; do
-  echo "== run $run"
-  "$b/bin/flexkv-bench" cluster --trace .device/cl/synthetic_trace.jsonl ${ARGS:-} 2>&1 | tee "$out/run$run.txt" | \
-    grep -E "pull A|Prefetch \(|am_bw|ucp_get|ratio|verify|directory|with peer|alone"
+  for v in "${!variants[@]}"; do
+    echo "== run $run, variant $v: ${ARGS:-} ${variants[$v]}"
+    sampler=
+    if [[ ${TOP:-0} == 1 ]] && command -v top >/dev/null; then
+      (while sleep 1; do top -H -b -n1 -w 200 | head -24; done) >"$out/top_${run}_$v.txt" 2>&1 &
+      sampler=$!
+    fi
+    # shellcheck disable=SC2086
+    "$b/bin/flexkv-bench" cluster --trace .device/cl/synthetic_trace.jsonl ${ARGS:-} ${variants[$v]} 2>&1 | \
+      tee "$out/run${run}_$v.txt" | grep -E "pull A|Prefetch \(|am_bw|ucp_get|ratio|verify|directory|with peer|alone"
+    [[ -n $sampler ]] && kill "$sampler"
+  done
 done
