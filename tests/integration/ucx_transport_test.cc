@@ -1347,7 +1347,7 @@ TEST_CASE("cluster transport (UCX): across a veth into another network namespace
 
 // ---- lanes: several workers, each peer connected once per lane ---------------------------------------------------
 
-TEST_CASE("cluster transport (UCX): gets and calls spread over 4 lanes all complete byte-exact, each lane authenticated",
+TEST_CASE("cluster transport (UCX): gets and calls over 4 lanes all complete byte-exact, each lane authenticated",
           "[integration][cluster]") {
   auto aopt = SecretOptions(true, "node-a");
   aopt.lanes = 4;

@@ -1,8 +1,9 @@
-// UcxTransport; see ucx_transport.h. About 2,000 lines in one file: the UCP core (context, worker, progress
-// thread), the endpoints, the verbs get path, the tcp request/reply path, the handshake and Calls share the core's
-// private state and its one lock. The active-message protocols (get request/reply, handshake, Calls) are the part
-// to move into a file of their own, behind a small interface to the core; not done yet (issue 16 wired the transport
-// into the daemon first).
+// UcxTransport; see ucx_transport.h. About 2,200 lines in one file: the transport's state (the UCP context and its
+// lanes), a lane (UcxCore: worker, progress thread, endpoints, the verbs get path, the tcp request/reply path, the
+// handshake and Calls, sharing the lane's private state and its one lock) and the public methods that spread work
+// over the lanes. The active-message protocols (get request/reply, handshake, Calls) are the part to move into a file
+// of their own, behind a small interface to the lane; not done yet (issue 16 wired the transport into the daemon
+// first, then lanes were added to reach the link's bandwidth).
 #include "daemon/cluster/ucx/ucx_transport.h"
 
 #include <arpa/inet.h>
@@ -1033,7 +1034,8 @@ struct UcxCore {
     // the worker that creates its endpoint), its thread serves it. Lane 0's shutdown waits for hand-offs in flight
     // before it destroys the listener, so a request is always taken while its listener exists.
     const auto& lanes = core->state->lanes;
-    UcxCore* target = lanes[core->state->next_accept_lane.fetch_add(1, std::memory_order_relaxed) % lanes.size()].get();
+    const uint32_t next = core->state->next_accept_lane.fetch_add(1, std::memory_order_relaxed);
+    UcxCore* target = lanes[next % lanes.size()].get();
     if (target == core) {
       core->Accept(request, who);
       return;

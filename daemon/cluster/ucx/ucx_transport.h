@@ -75,8 +75,9 @@ struct UcxOptions {
   std::string secret;
   // This node's id, sent in the handshake: [A-Za-z0-9._-]{1,64} (checked by Create when `secret` is set).
   std::string node_id;
-  // Server side, on any lane's progress thread (possibly several at once): whether a node id that proved the secret is a current member (the daemon
-  // answers from its directory's member list; must not block). Unset: any node that proves the secret.
+  // Server side, on any lane's progress thread (several may call at once: thread-safe): whether a node id that
+  // proved the secret is a current member (the daemon answers from its directory's member list; must not block).
+  // Unset: any node that proves the secret.
   std::function<bool(std::string_view node_id)> is_member;
 };
 
@@ -160,14 +161,16 @@ class UcxTransport {
   // note above).
   void set_accept_filter(std::function<bool(const sockaddr&)> filter);
 
-  // Connects to a peer's endpoint ("host:port", numeric host) and waits until UCX has wired the connection up
-  // and, with a secret, the handshake is done (at most get_deadline): UNAVAILABLE if the peer refuses or cannot be
+  // Connects to a peer's endpoint ("host:port", numeric host), once per lane, and waits until UCX has wired every
+  // lane's connection up and, with a secret, each lane's handshake is done (at most get_deadline; the first lane
+  // that fails fails the Connect): UNAVAILABLE if the peer refuses or cannot be
   // reached, DEADLINE_EXCEEDED if it does not answer in time, INVALID_ARGUMENT for a malformed endpoint,
   // PERMISSION_DENIED if the peer did not prove the cluster secret or refused us (its reason: "not a member", a
   // wrong secret, no secret configured there). Every reconnect (after a deadline or a failure) redoes the handshake;
   // requests queued meanwhile end with its PERMISSION_DENIED if it fails.
   Result<PeerHandle> Connect(const std::string& endpoint);
-  // Closes the connection (forced: pending Gets end with UNAVAILABLE). The handle is invalid afterwards.
+  // Closes the connection on every lane (forced: pending Gets end with UNAVAILABLE). The handle is invalid
+  // afterwards.
   void Disconnect(const PeerHandle& peer);
 
   // Reads `len` bytes at `remote_offset` of the peer region `remote` into `dst`. `dst` may be plain memory or lie
@@ -177,9 +180,9 @@ class UcxTransport {
   // Returns an error at once, and then never calls `done`: INVALID_ARGUMENT (len 0, null dst, the range outside
   // the descriptor, overflow), RESOURCE_EXHAUSTED (max_inflight_gets already pending), NOT_FOUND (unknown or
   // disconnected peer), FAILED_PRECONDITION (the transport is shutting down). Returns OK otherwise, and then
-  // `done` is called exactly once, on the progress thread of the lane that carried it, after UCX has finished with `dst`: OK (the bytes are
-  // there), DEADLINE_EXCEEDED (no completion within get_deadline: cancelled, endpoint closed, the next Get
-  // reconnects), UNAVAILABLE (peer gone, connection refused, or cancelled because another Get to the same peer hit
+  // `done` is called exactly once, on the progress thread of the lane that carried it (the lanes take Gets round
+  // robin), after UCX has finished with `dst`: OK (the bytes are there), DEADLINE_EXCEEDED (no completion within
+  // get_deadline: cancelled, that lane's endpoint closed, its next Get reconnects), UNAVAILABLE (peer gone, connection refused, or cancelled because another Get to the same peer hit
   // its deadline), INVALID_ARGUMENT (UCX refused the rkey), NOT_FOUND (over active messages: no region the peer
   // has registered covers the range, i.e. a stale or wrong descriptor), PERMISSION_DENIED (over active messages:
   // the peer has a secret and this connection did not prove it; or the reconnect's handshake failed), CANCELLED (the
@@ -213,8 +216,8 @@ class UcxTransport {
   Result<std::string> CallSync(const PeerHandle& peer, uint16_t method, std::string request);
 
   // The transports/devices UCX uses for the connections made so far, e.g. "tcp/lo", "rc_mlx5/mlx5_0:1" (from
-  // ucp_ep_print_info), preceded by the configured restriction ("config: TLS=tcp NET_DEVICES=all", and " LANES=4" with more than
-  // one lane).
+  // ucp_ep_print_info), preceded by the configured restriction ("config: TLS=tcp NET_DEVICES=all", with
+  // " LANES=4" appended where there is more than one lane).
   std::vector<std::string> transports_in_use() const;
 
   // Counters (for status and tests).
