@@ -131,6 +131,7 @@ int RunDaemon(const DaemonConfig& config) {
         std::chrono::milliseconds(static_cast<int64_t>(config.cluster_pull_deadline_s * 1000));
     cluster_options.max_pulls = config.cluster_max_pulls;
     cluster_options.max_session_pulls = config.cluster_max_session_pulls;
+    cluster_options.lanes = config.cluster_lanes;
     auto tier = ClusterTier::Create(std::move(cluster_options), &caches);
     if (!tier.ok()) {
       log::Error("daemon", "cannot start the cluster tier: {}", tier.status().ToString());

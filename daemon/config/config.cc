@@ -371,6 +371,9 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "Cluster tier: prefetches pulling at once on this node (default 8)");
   app.add_option("--cluster-max-session-pulls", cfg.cluster_max_session_pulls,
                  "Cluster tier: prefetches one session may have in flight (default 2)");
+  app.add_option("--cluster-lanes", cfg.cluster_lanes,
+                 "Cluster tier: UCX lanes, each a worker with a thread of its own and a connection to every peer "
+                 "(1..16, default 4)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -507,6 +510,10 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
       return usage_error(Status::InvalidArgument(
           "--cluster-chunk-blocks, --cluster-max-pulls and --cluster-max-session-pulls must be >= 1, "
           "--cluster-lease-ttl >= 1 s and --cluster-pull-deadline > 0 s"));
+    }
+    if (cfg.cluster_lanes == 0 || cfg.cluster_lanes > 16) {
+      return usage_error(Status::InvalidArgument("--cluster-lanes " + std::to_string(cfg.cluster_lanes) +
+                                                 ": expected 1..16"));
     }
   } else if (!cfg.cluster_secret_file.empty() || !cluster_listen.empty() || !cfg.transfer_devices.empty()) {
     return usage_error(Status::InvalidArgument(

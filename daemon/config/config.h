@@ -62,6 +62,7 @@ struct DaemonConfig {
   double cluster_pull_deadline_s = 2;       // --cluster-pull-deadline: per network step of a pull
   uint32_t cluster_max_pulls = 8;           // --cluster-max-pulls: prefetches pulling at once
   uint32_t cluster_max_session_pulls = 2;   // --cluster-max-session-pulls: per session
+  uint32_t cluster_lanes = 4;               // --cluster-lanes: UCX workers (threads, connections per peer), 1..16
   // The SSD tier (docs/ssd.md); off without --ssd-path.
   std::vector<std::string> ssd_paths;  // --ssd-path DIR, repeatable: one directory per drive
   uint64_t ssd_bytes = 0;              // --ssd-size: bytes on disk over all paths

@@ -1,11 +1,12 @@
-// flexkv-bench cluster [--block-kib 256] [--prompts 48] [--blocks-per-prompt 32] [--inflight 4] [--nodes 4]
-//                      [--node-blocks 4096] [--trace PATH] [--json]
+// flexkv-bench cluster [--block-kib 256] [--prompts 48] [--blocks-per-prompt 32] [--inflight 4] [--lanes N]
+//                      [--nodes 4] [--node-blocks 4096] [--trace PATH] [--json]
 // The cluster tier (issue 16, docs/cluster.md) between real daemons, as tests/integration/cluster_tier_test.cc
 // sets them up: a "hub" network namespace with a bridge and a real etcd (data on tmpfs), two node namespaces A and
 // B joined to the bridge by veth pairs, flexkvd A and B (UCX tcp across the veths). Root only (namespaces).
 //   pull        this process attaches to A's and B's unix sockets (they work across namespaces), stores --prompts
 //               prompts of --blocks-per-prompt blocks on A, waits until A published them, then prefetches each
-//               prompt on B, --inflight at once (B's --cluster-max-session-pulls is raised to it): per-prefetch
+//               prompt on B, --inflight at once (B's --cluster-max-session-pulls is raised to it; --lanes is both
+//               daemons' --cluster-lanes, unset: their default): per-prefetch
 //               latency (p50/p99) and pulled bytes/s (all pulled bytes / first submit to last completion). Every
 //               block is then loaded on B and compared byte for byte (not timed): a wrong byte is a FAIL, a
 //               prefetch that did not pull its whole prompt INCOMPLETE (both exit 1, with the daemons' log tails).
@@ -88,6 +89,7 @@ struct Options {
   uint32_t prompts = 48;
   uint32_t blocks_per_prompt = 32;
   uint32_t inflight = 4;
+  uint32_t lanes = 0;  // 0: the daemons' default --cluster-lanes
   uint32_t nodes = 4;
   uint32_t node_blocks = 4096;
   uint32_t dir_entries = 128 * 40;
@@ -658,6 +660,7 @@ int RunClusterBench(int argc, char** argv) {
   app.add_option("--prompts", o.prompts, "Prompts stored on A and prefetched on B (default 48)")->check(CLI::Range(1u, 100000u));
   app.add_option("--blocks-per-prompt", o.blocks_per_prompt, "Blocks per prompt (default 32)")->check(CLI::Range(1u, 4096u));
   app.add_option("--inflight", o.inflight, "Prefetches in flight on B (default 4)")->check(CLI::Range(1u, 256u));
+  app.add_option("--lanes", o.lanes, "Both daemons' --cluster-lanes (default: theirs)")->check(CLI::Range(1u, 16u));
   app.add_option("--nodes", o.nodes, "Trace simulation: nodes behind the round-robin router (default 4)")
       ->check(CLI::Range(1u, 1024u));
   app.add_option("--node-blocks", o.node_blocks, "Trace simulation: LRU capacity of each node in blocks (default 4096)");
@@ -740,15 +743,18 @@ int RunClusterBench(int argc, char** argv) {
     chmod(secret.c_str(), 0600);
     const Net::Node& node = net->node(i);
     sockets.push_back(d + "/flexkvd.sock");
-    daemons.push_back(Background::Start(
-        net->In(node.ns, {bindir + "/flexkvd", "--socket", sockets.back(), "--pool-path", d + "/pool", "--pool-size",
-                          fmt::format("{}MiB", pool_mib), "--log-level", "warning", "--etcd-endpoints",
-                          net->etcd_endpoint(), "--cluster-secret-file", secret, "--cluster-listen", node.ip + ":7471",
-                          "--node-id", i == 0 ? "node-a" : "node-b", "--cluster-transports", "tcp", "--transfer-dev",
-                          node.in_if, "--cluster-lease-ttl", "10", "--cluster-pull-deadline", "5",
-                          "--cluster-max-pulls", std::to_string(max_pulls), "--cluster-max-session-pulls",
-                          std::to_string(o.inflight)}),
-        d + "/flexkvd.log"));
+    std::vector<std::string> daemon_argv = {
+        bindir + "/flexkvd", "--socket", sockets.back(), "--pool-path", d + "/pool", "--pool-size",
+        fmt::format("{}MiB", pool_mib), "--log-level", "warning", "--etcd-endpoints", net->etcd_endpoint(),
+        "--cluster-secret-file", secret, "--cluster-listen", node.ip + ":7471", "--node-id",
+        i == 0 ? "node-a" : "node-b", "--cluster-transports", "tcp", "--transfer-dev", node.in_if,
+        "--cluster-lease-ttl", "10", "--cluster-pull-deadline", "5", "--cluster-max-pulls", std::to_string(max_pulls),
+        "--cluster-max-session-pulls", std::to_string(o.inflight)};
+    if (o.lanes != 0) {
+      daemon_argv.push_back("--cluster-lanes");
+      daemon_argv.push_back(std::to_string(o.lanes));
+    }
+    daemons.push_back(Background::Start(net->In(node.ns, std::move(daemon_argv)), d + "/flexkvd.log"));
     if (!daemons.back()) return 3;
   }
   auto dump_logs = [&] {
@@ -955,6 +961,7 @@ int RunClusterBench(int argc, char** argv) {
                 {"prompts", o.prompts},
                 {"blocks_per_prompt", n},
                 {"inflight", o.inflight},
+                {"lanes", o.lanes},
                 {"pull",
                  {{"gb_per_s", Rounded(pull_bps / 1e9, 3)},
                   {"seconds", Rounded(pull.seconds, 3)},

@@ -1345,5 +1345,161 @@ TEST_CASE("cluster transport (UCX): across a veth into another network namespace
   }
 }
 
+// ---- lanes: several workers, each peer connected once per lane ---------------------------------------------------
+
+TEST_CASE("cluster transport (UCX): gets and calls over 4 lanes all complete byte-exact, each lane authenticated",
+          "[integration][cluster]") {
+  auto aopt = SecretOptions(true, "node-a");
+  aopt.lanes = 4;
+  auto bopt = SecretOptions(false, "node-b");
+  bopt.lanes = 4;
+  bopt.max_inflight_gets = 32;
+  bopt.get_deadline = 10s;  // a loaded 2-core machine: this test is about correctness, not liveness
+  auto a = MakeTransport(aopt);
+  auto b = MakeTransport(bopt);
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  constexpr uint64_t kBytes = 8 << 20;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  auto remote = RemoteRegion::Parse(region->descriptor());
+  REQUIRE(remote.ok());
+  auto peer = b->Connect(a->endpoint());
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());
+  CHECK(peer->node_id == "node-a");
+  // One connection and one handshake per lane; A's listener handed them to its 4 lanes.
+  CHECK(Eventually([&] { return a->stats().connections_accepted == 4; }));
+  CHECK(a->stats().auth_failures == 0);
+  CHECK(b->transports_in_use()[0] == "config: TLS=tcp NET_DEVICES=lo LANES=4");
+
+  // 2 threads x 200 gets of up to 256 KiB, 8 in flight each: every one ends OK with the right bytes.
+  std::atomic<int> ok{0}, wrong{0}, failed{0};
+  auto reader = [&](uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    constexpr int kWindow = 8;
+    std::vector<std::vector<uint8_t>> bufs(kWindow, std::vector<uint8_t>(256 << 10));
+    std::vector<std::unique_ptr<Waiter>> waiters(kWindow);
+    std::vector<std::pair<uint64_t, uint64_t>> ranges(kWindow);
+    auto check = [&](int k) {
+      auto r = waiters[k]->Wait(30s);
+      if (!r.has_value() || !r->ok()) {
+        ++failed;
+      } else if (!MatchesPattern(bufs[k].data(), ranges[k].first, ranges[k].second)) {
+        ++wrong;
+      } else {
+        ++ok;
+      }
+      waiters[k].reset();
+    };
+    for (int i = 0; i < 200; ++i) {
+      const int k = i % kWindow;
+      if (waiters[k]) check(k);
+      const uint64_t len = 1 + rng() % (256 << 10);
+      ranges[k] = {rng() % (kBytes - len + 1), len};
+      std::fill(bufs[k].begin(), bufs[k].end(), 0);
+      waiters[k] = std::make_unique<Waiter>();
+      Status s;
+      while ((s = b->Get(*peer, *remote, ranges[k].first, bufs[k].data(), len, waiters[k]->Callback())).code() ==
+             StatusCode::kResourceExhausted) {
+        std::this_thread::sleep_for(100us);
+      }
+      REQUIRE(s.ok());
+    }
+    for (int k = 0; k < kWindow; ++k) {
+      if (waiters[k]) check(k);
+    }
+  };
+  std::thread t1(reader, 11), t2(reader, 12);
+  t1.join();
+  t2.join();
+  CHECK(failed == 0);
+  CHECK(wrong == 0);
+  CHECK(ok == 400);
+  CHECK(b->stats().gets_ok == 400);
+  // Calls go round the lanes too: each reaches the handler with the proven node id.
+  for (int i = 0; i < 8; ++i) {
+    auto r = b->CallSync(*peer, kEcho, "call " + std::to_string(i));
+    INFO(r.status().ToString());
+    REQUIRE(r.ok());
+    CHECK(*r == "call " + std::to_string(i));
+  }
+  CHECK(ha.last_node() == "node-b");
+  CHECK(a->stats().requests_refused == 0);
+}
+
+TEST_CASE("cluster transport (UCX): a lane whose serving thread stalls ends its gets at the deadline, the other lane "
+          "goes on, then it reconnects",
+          "[integration][cluster]") {
+  auto aopt = LoopbackOptions(true);
+  aopt.lanes = 2;
+  auto bopt = LoopbackOptions(false);
+  bopt.lanes = 2;
+  bopt.get_deadline = 500ms;
+  auto a = MakeTransport(aopt);
+  auto b = MakeTransport(bopt);
+  constexpr uint64_t kBytes = 1 << 20;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  auto remote = RemoteRegion::Parse(region->descriptor());
+  REQUIRE(remote.ok());
+  auto peer = b->Connect(a->endpoint());
+  REQUIRE(peer.ok());
+  REQUIRE(Eventually([&] { return a->stats().connections_accepted == 2; }));  // one on each of A's lanes
+  std::vector<uint8_t> dst(kBytes);
+  for (int i = 0; i < 2; ++i) REQUIRE(GetSync(*b, *peer, *remote, 0, dst.data(), kBytes).ok());  // both lanes
+
+  {
+    // A's lane 0 (its listener's) stalls: the B lane it serves gets nothing, the one A's lane 1 serves goes on.
+    StalledPeer stall;
+    stall.Stall(*a);
+    constexpr int kGets = 8;
+    std::vector<std::vector<uint8_t>> bufs(kGets, std::vector<uint8_t>(65536));
+    std::vector<Waiter> waiters(kGets);
+    for (int i = 0; i < kGets; ++i) {
+      REQUIRE(b->Get(*peer, *remote, 4096 * i, bufs[i].data(), 65536, waiters[i].Callback()).ok());
+    }
+    int ok = 0, deadline = 0;
+    for (int i = 0; i < kGets; ++i) {
+      auto r = waiters[i].Wait(10s);
+      REQUIRE(r.has_value());  // never hangs
+      INFO(r->ToString());
+      CHECK(waiters[i].calls() == 1);
+      if (r->ok()) {
+        ++ok;
+        CHECK(MatchesPattern(bufs[i].data(), 4096 * i, 65536));
+      } else {
+        CHECK(r->code() == StatusCode::kDeadlineExceeded);
+        ++deadline;
+      }
+    }
+    CHECK(ok == kGets / 2);  // the round robin alternates the two lanes
+    CHECK(deadline == kGets / 2);
+    stall.Release();
+  }
+  // The stalled lane's endpoint was closed at the deadline; its next get reconnects and reads.
+  for (int i = 0; i < 4; ++i) {
+    std::fill(dst.begin(), dst.end(), 0);
+    Status s = GetSync(*b, *peer, *remote, 4096, dst.data(), 65536);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+    CHECK(MatchesPattern(dst.data(), 4096, 65536));
+  }
+  CHECK(b->stats().reconnects >= 1);
+}
+
+TEST_CASE("cluster transport (UCX): a lane count outside 1..16 is refused", "[integration][cluster]") {
+  for (uint32_t lanes : {0u, kMaxLanes + 1}) {
+    auto o = LoopbackOptions(false);
+    o.lanes = lanes;
+    auto t = UcxTransport::Create(o);
+    REQUIRE_FALSE(t.ok());
+    CHECK(t.status().code() == StatusCode::kInvalidArgument);
+    CHECK(t.status().message().find("lanes") != std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace flexkv::cluster

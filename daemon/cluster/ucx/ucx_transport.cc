@@ -1,8 +1,9 @@
-// UcxTransport; see ucx_transport.h. About 2,000 lines in one file: the UCP core (context, worker, progress
-// thread), the endpoints, the verbs get path, the tcp request/reply path, the handshake and Calls share the core's
-// private state and its one lock. The active-message protocols (get request/reply, handshake, Calls) are the part
-// to move into a file of their own, behind a small interface to the core; not done yet (issue 16 wired the transport
-// into the daemon first).
+// UcxTransport; see ucx_transport.h. About 2,200 lines in one file: the transport's state (the UCP context and its
+// lanes), a lane (UcxCore: worker, progress thread, endpoints, the verbs get path, the tcp request/reply path, the
+// handshake and Calls, sharing the lane's private state and its one lock) and the public methods that spread work
+// over the lanes. The active-message protocols (get request/reply, handshake, Calls) are the part to move into a file
+// of their own, behind a small interface to the lane; not done yet (issue 16 wired the transport into the daemon
+// first, then lanes were added to reach the link's bandwidth).
 #include "daemon/cluster/ucx/ucx_transport.h"
 
 #include <arpa/inet.h>
@@ -35,6 +36,7 @@
 #include <unordered_set>
 
 #include "common/log.h"
+#include "common/mutex.h"
 
 namespace flexkv::cluster {
 namespace {
@@ -269,7 +271,32 @@ std::string FormatSockaddr(const sockaddr_storage& ss) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
-// The core: everything the progress thread owns. Shared with RegisteredRegion handles through a weak_ptr.
+// The transport's state: the UCP context and its lanes (a UcxCore each). Shared with RegisteredRegion handles
+// through a weak_ptr; the lanes and the context live until the last reference goes.
+
+struct UcxCore;
+struct UcxState {
+  UcxOptions options;
+  ucp_context_h context = nullptr;
+  std::vector<std::unique_ptr<UcxCore>> lanes;  // fixed after Create; lane 0 holds the listener
+  std::atomic<uint32_t> inflight{0};            // Gets and Calls over all lanes (max_inflight_gets)
+  std::atomic<uint64_t> next_peer_id{1};        // a peer has the same id on every lane
+  std::atomic<uint64_t> next_region_id{1};      // a region has the same id on every lane
+  std::atomic<uint32_t> next_lane{0};           // round robin of requests over the lanes
+  std::atomic<uint32_t> next_accept_lane{0};    // round robin of accepted connections over the lanes
+  std::atomic<bool> shutting_down{false};
+  // Registered memory (one ucp_mem_h serves every lane's worker); unmapped by whoever erases it.
+  Mutex regions_mu;
+  std::map<uint64_t, ucp_mem_h> regions ABSL_GUARDED_BY(regions_mu);
+  std::set<uint64_t> leaked_regions ABSL_GUARDED_BY(regions_mu);  // a reply still read them at shutdown: kept
+
+  ~UcxState();
+  UcxCore* Pick() { return lanes[next_lane.fetch_add(1, std::memory_order_relaxed) % lanes.size()].get(); }
+  bool OnAnyLoopThread() const;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// A lane: everything its progress thread owns.
 
 struct UcxCore {
   struct Op;
@@ -375,7 +402,9 @@ struct UcxCore {
   };
 
   UcxOptions options;
-  ucp_context_h context = nullptr;
+  UcxState* state = nullptr;       // outlives the lane
+  uint32_t lane = 0;               // its index in state->lanes
+  ucp_context_h context = nullptr;  // state's
   ucp_worker_h worker = nullptr;
   ucp_listener_h listener = nullptr;
   int worker_efd = -1;
@@ -390,11 +419,10 @@ struct UcxCore {
   bool stop = false;  // guarded by queue_mu
 
   std::atomic<bool> shutting_down{false};
-  std::atomic<uint32_t> inflight{0};
+  std::atomic<int> handoffs{0};  // lane 0: accepted connections handed to other lanes and not yet taken
 
   // Progress-thread state (no lock: only the progress thread touches it).
   std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers;
-  uint64_t next_peer_id = 1;
   std::set<std::pair<Clock::time_point, Op*>> deadlines;
   std::vector<Op*> completed;             // filled by UCX callbacks, drained after progress
   std::vector<void*> closing;             // ep close requests still in progress
@@ -402,21 +430,20 @@ struct UcxCore {
   uint64_t next_accepted_serial = 1;
   std::shared_ptr<ReplyGate> gate = std::make_shared<ReplyGate>();
   std::vector<ucp_ep_h> accepted_failed;
-  std::unordered_map<uint64_t, Region> regions;
-  uint64_t next_region_id = 1;
+  std::unordered_map<uint64_t, Region> regions;  // the state's, with this lane's replies from each
+  std::vector<uint64_t> leaked_regions;           // regions a reply still read when this lane shut down
   std::unordered_map<uint64_t, Op*> am_ops;  // active-message gets waiting for their reply
   uint64_t next_am_id = 1;
 
   // Read by other threads.
   mutable std::mutex info_mu;
   std::function<bool(const sockaddr&)> accept_filter;  // guarded by info_mu
-  std::set<std::string> lanes;                         // guarded by info_mu
+  std::set<std::string> ucx_lanes;                     // guarded by info_mu: "tl/dev" of our endpoints
   UcxTransport::Stats stats;                           // guarded by info_mu
   UcxTransport::CallHandler call_handler;              // guarded by info_mu
 
   ~UcxCore() {
     if (worker != nullptr) ucp_worker_destroy(worker);
-    if (context != nullptr) ucp_cleanup(context);
     if (wake_fd >= 0) close(wake_fd);
   }
 
@@ -1003,27 +1030,52 @@ struct UcxCore {
       ++core->stats.connections_rejected;
       return;
     }
+    // The next lane takes the connection: its worker creates the endpoint (UCX moves an accepted connection to
+    // the worker that creates its endpoint), its thread serves it. Lane 0's shutdown waits for hand-offs in flight
+    // before it destroys the listener, so a request is always taken while its listener exists.
+    const auto& lanes = core->state->lanes;
+    const uint32_t next = core->state->next_accept_lane.fetch_add(1, std::memory_order_relaxed);
+    UcxCore* target = lanes[next % lanes.size()].get();
+    if (target == core) {
+      core->Accept(request, who);
+      return;
+    }
+    core->handoffs.fetch_add(1);
+    if (!target->Post([target, core, request, who] {
+          target->Accept(request, who);
+          core->handoffs.fetch_sub(1);
+        })) {
+      core->handoffs.fetch_sub(1);
+      core->Accept(request, who);
+    }
+  }
+  // Creates the endpoint of an accepted connection on this lane's worker (its progress thread).
+  void Accept(ucp_conn_request_h request, const std::string& who) {
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
     params.conn_request = request;
     params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     params.err_handler.cb = &UcxCore::OnAcceptedError;
-    params.err_handler.arg = core;
+    params.err_handler.arg = this;
     ucp_ep_h ep = nullptr;
-    ucs_status_t s = ucp_ep_create(core->worker, &params, &ep);
+    ucs_status_t s = ucp_ep_create(worker, &params, &ep);
     if (s != UCS_OK) {
       log::Warning(kLog, "accepting a connection from {} failed: {}", who, UcsError(s));
       return;
     }
+    if (shutting_down.load()) {  // this lane shut down meanwhile: nothing serves it
+      CloseEp(ep);
+      return;
+    }
     Accepted a;
-    a.serial = core->next_accepted_serial++;
+    a.serial = next_accepted_serial++;
     a.since = Clock::now();
     a.who = who;
-    core->accepted.emplace(ep, std::move(a));
-    log::Debug(kLog, "accepted a connection from {}", who);
-    std::lock_guard<std::mutex> lock(core->info_mu);
-    ++core->stats.connections_accepted;
+    accepted.emplace(ep, std::move(a));
+    log::Debug(kLog, "lane {} accepted a connection from {}", lane, who);
+    std::lock_guard<std::mutex> lock(info_mu);
+    ++stats.connections_accepted;
   }
 
   // ---- progress-thread helpers ----
@@ -1105,7 +1157,7 @@ struct UcxCore {
                                      dev.find_first_not_of("0123456789", dot + 1) == std::string::npos) {
         dev.resize(dot);  // "lo.0": drop the path index
       }
-      lanes.insert((*it)[1].str() + "/" + dev);
+      ucx_lanes.insert((*it)[1].str() + "/" + dev);
     }
   }
 
@@ -1158,7 +1210,7 @@ struct UcxCore {
     auto done = std::move(op->done);
     auto call_done = std::move(op->call_done);
     std::string reply = std::move(op->reply);
-    if (op->counted()) inflight.fetch_sub(1);
+    if (op->counted()) state->inflight.fetch_sub(1);
     const bool call = op->kind == Op::Kind::kCall;
     delete op;
     if (call) {
@@ -1514,6 +1566,12 @@ struct UcxCore {
   void Shutdown() {
     shutting_down.store(true);
     if (listener != nullptr) {
+      // Connections handed to other lanes (still running) are taken before their listener goes.
+      const auto handoff_until = Clock::now() + std::chrono::seconds(5);
+      while (handoffs.load() != 0 && Clock::now() < handoff_until) {
+        Turn();
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
       ucp_listener_destroy(listener);
       listener = nullptr;
     }
@@ -1537,7 +1595,7 @@ struct UcxCore {
     for (void* req : closing) ucp_request_free(req);
     closing.clear();
     for (auto& [id, region] : regions) {
-      if (region.replies == 0) ucp_mem_unmap(context, region.memh);  // else leaked: a send may still read it
+      if (region.replies != 0) leaked_regions.push_back(id);  // a send may still read it: never unmapped
     }
     regions.clear();
     peers.clear();
@@ -1546,12 +1604,24 @@ struct UcxCore {
 
 // ---------------------------------------------------------------------------------------------------------------
 
+UcxState::~UcxState() {
+  lanes.clear();  // workers before their context
+  if (context != nullptr) ucp_cleanup(context);
+}
+
+bool UcxState::OnAnyLoopThread() const {
+  for (const auto& lane : lanes) {
+    if (lane->OnLoopThread()) return true;
+  }
+  return false;
+}
+
 RegisteredRegion::RegisteredRegion(RegisteredRegion&& other) noexcept { *this = std::move(other); }
 
 RegisteredRegion& RegisteredRegion::operator=(RegisteredRegion&& other) noexcept {
   if (this != &other) {
     Reset();
-    core_ = std::move(other.core_);
+    state_ = std::move(other.state_);
     id_ = std::exchange(other.id_, 0);
     base_ = std::exchange(other.base_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
@@ -1566,23 +1636,42 @@ RegisteredRegion::~RegisteredRegion() { Reset(); }
 void RegisteredRegion::Reset() {
   if (id_ == 0) return;
   const uint64_t id = std::exchange(id_, 0);
-  if (auto core = core_.lock(); core && !core->shutting_down.load()) {
-    core->RunSync<int>([&core, id] {
-      // Replies still being sent from it read its memory: let them finish (bounded).
-      const auto until = Clock::now() + std::chrono::seconds(5);
-      auto it = core->regions.find(id);
-      while (it != core->regions.end() && it->second.replies != 0 && Clock::now() < until) {
-        core->Turn();
-        it = core->regions.find(id);
-      }
-      if (it != core->regions.end()) {
-        if (it->second.replies == 0) ucp_mem_unmap(core->context, it->second.memh);
-        core->regions.erase(it);
-      }
-      return 0;
-    }, 0);
+  if (auto state = state_.lock(); state && !state->shutting_down.load()) {
+    // Every lane forgets it, once the replies it is sending from it are done (bounded); 1 = none left.
+    bool clean = true, stopped = false;
+    for (const auto& lane : state->lanes) {
+      UcxCore* core = lane.get();
+      const int r = core->RunSync<int>([core, id] {
+        const auto until = Clock::now() + std::chrono::seconds(5);
+        auto it = core->regions.find(id);
+        while (it != core->regions.end() && it->second.replies != 0 && Clock::now() < until) {
+          core->Turn();
+          it = core->regions.find(id);
+        }
+        int left_clean = 1;
+        if (it != core->regions.end()) {
+          left_clean = it->second.replies == 0 ? 1 : 0;
+          core->regions.erase(it);
+        }
+        return left_clean;
+      }, -1);
+      clean &= r == 1;
+      stopped |= r == -1;
+    }
+    // A lane that stopped already: the transport's destructor unmaps it (or keeps it, if a reply may read it).
+    if (!stopped) {
+      UcxState* raw = state.get();
+      (void)state->lanes[0]->RunSync<int>([raw, id, clean] {
+        MutexLock lock(&raw->regions_mu);
+        auto it = raw->regions.find(id);
+        if (it == raw->regions.end()) return 0;
+        if (clean) ucp_mem_unmap(raw->context, it->second);  // else leaked: a send may still read it
+        raw->regions.erase(it);
+        return 0;
+      }, 0);
+    }
   }
-  core_.reset();
+  state_.reset();
   base_ = nullptr;
   bytes_ = 0;
   descriptor_.clear();
@@ -1642,6 +1731,10 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
     }
   }
   if (options.max_inflight_gets == 0) return Status::InvalidArgument("ucx: max_inflight_gets is 0");
+  if (options.lanes == 0 || options.lanes > kMaxLanes) {
+    return Status::InvalidArgument("ucx: " + std::to_string(options.lanes) + " lanes; expected 1.." +
+                                   std::to_string(kMaxLanes));
+  }
   if (!options.secret.empty()) {
     if (options.secret.size() < kMinSecretBytes) {
       return Status::InvalidArgument("ucx: the cluster secret is " + std::to_string(options.secret.size()) +
@@ -1662,8 +1755,8 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
     listen_addr = *parsed;
   }
 
-  auto core = std::make_shared<UcxCore>();
-  core->options = options;
+  auto state = std::make_shared<UcxState>();
+  state->options = options;
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return Status::Internal("ucp_config_read: " + UcsError(s));
@@ -1675,112 +1768,142 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
                                    "': " + UcsError(s));
   }
   ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-  s = ucp_init(&params, config, &core->context);
+  params.mt_workers_shared = options.lanes > 1 ? 1 : 0;  // lanes' threads share the context (its memory maps)
+  s = ucp_init(&params, config, &state->context);
   ucp_config_release(config);
   if (s != UCS_OK) {
-    core->context = nullptr;
+    state->context = nullptr;
     return Status::Unavailable("ucp_init (transports '" + options.transports + "', devices '" + options.devices +
                                "'): " + UcsError(s));
   }
-  ucp_worker_params_t wparams{};
-  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
-  s = ucp_worker_create(core->context, &wparams, &core->worker);
-  if (s != UCS_OK) {
-    core->worker = nullptr;
-    return Status::Unavailable("ucp_worker_create: " + UcsError(s));
+  for (uint32_t i = 0; i < options.lanes; ++i) {
+    auto core = std::make_unique<UcxCore>();
+    core->options = options;
+    core->state = state.get();
+    core->lane = i;
+    core->context = state->context;
+    ucp_worker_params_t wparams{};
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+    s = ucp_worker_create(state->context, &wparams, &core->worker);
+    if (s != UCS_OK) {
+      core->worker = nullptr;
+      return Status::Unavailable("ucp_worker_create: " + UcsError(s));
+    }
+    using Handler = std::pair<unsigned, ucp_am_recv_callback_t>;
+    for (auto [id, cb] :
+         {Handler{kAmGetRequest, &UcxCore::OnAmGetRequest}, Handler{kAmGetReply, &UcxCore::OnAmGetReply},
+          Handler{kAmHello, &UcxCore::OnAmHello}, Handler{kAmHelloReply, &UcxCore::OnAmHelloReply},
+          Handler{kAmProof, &UcxCore::OnAmProof}, Handler{kAmProofReply, &UcxCore::OnAmProofReply},
+          Handler{kAmCallRequest, &UcxCore::OnAmCallRequest}, Handler{kAmCallReply, &UcxCore::OnAmCallReply}}) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      hp.cb = cb;
+      hp.arg = core.get();
+      s = ucp_worker_set_am_recv_handler(core->worker, &hp);
+      if (s != UCS_OK) return Status::Internal("ucp_worker_set_am_recv_handler: " + UcsError(s));
+    }
+    s = ucp_worker_get_efd(core->worker, &core->worker_efd);
+    if (s != UCS_OK) return Status::Unavailable("ucp_worker_get_efd: " + UcsError(s));
+    core->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (core->wake_fd < 0) return Status::Internal(std::string("eventfd: ") + std::strerror(errno));
+    state->lanes.push_back(std::move(core));
   }
-  using Handler = std::pair<unsigned, ucp_am_recv_callback_t>;
-  for (auto [id, cb] : {Handler{kAmGetRequest, &UcxCore::OnAmGetRequest}, Handler{kAmGetReply, &UcxCore::OnAmGetReply},
-                        Handler{kAmHello, &UcxCore::OnAmHello}, Handler{kAmHelloReply, &UcxCore::OnAmHelloReply},
-                        Handler{kAmProof, &UcxCore::OnAmProof}, Handler{kAmProofReply, &UcxCore::OnAmProofReply},
-                        Handler{kAmCallRequest, &UcxCore::OnAmCallRequest},
-                        Handler{kAmCallReply, &UcxCore::OnAmCallReply}}) {
-    ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = id;
-    hp.cb = cb;
-    hp.arg = core.get();
-    s = ucp_worker_set_am_recv_handler(core->worker, &hp);
-    if (s != UCS_OK) return Status::Internal("ucp_worker_set_am_recv_handler: " + UcsError(s));
-  }
-  s = ucp_worker_get_efd(core->worker, &core->worker_efd);
-  if (s != UCS_OK) return Status::Unavailable("ucp_worker_get_efd: " + UcsError(s));
-  core->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (core->wake_fd < 0) return Status::Internal(std::string("eventfd: ") + std::strerror(errno));
 
+  UcxCore* first = state->lanes[0].get();
   if (listen_addr) {
     ucp_listener_params_t lp{};
     lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
     lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&listen_addr->first);
     lp.sockaddr.addrlen = listen_addr->second;
     lp.conn_handler.cb = &UcxCore::OnConnRequest;
-    lp.conn_handler.arg = core.get();
-    s = ucp_listener_create(core->worker, &lp, &core->listener);
+    lp.conn_handler.arg = first;
+    s = ucp_listener_create(first->worker, &lp, &first->listener);
     if (s != UCS_OK) {
-      core->listener = nullptr;
+      first->listener = nullptr;
       return Status::Unavailable("ucx: listening on " + FormatSockaddr(listen_addr->first) + ": " + UcsError(s));
     }
     ucp_listener_attr_t la{};
     la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-    s = ucp_listener_query(core->listener, &la);
+    s = ucp_listener_query(first->listener, &la);
     if (s != UCS_OK) {
-      ucp_listener_destroy(core->listener);
-      core->listener = nullptr;
+      ucp_listener_destroy(first->listener);
+      first->listener = nullptr;
       return Status::Internal("ucp_listener_query: " + UcsError(s));
     }
-    core->endpoint_text = FormatSockaddr(la.sockaddr);
+    first->endpoint_text = FormatSockaddr(la.sockaddr);
   }
 
-  core->gate->core = core.get();  // no other thread sees the gate yet
-  core->thread = std::thread([c = core.get()] { c->Loop(); });
-  core->thread_id = core->thread.get_id();
-  log::Info(kLog, "transport up: transports '{}', devices '{}', listener '{}'", options.transports,
-            options.devices.empty() ? "all" : options.devices, core->endpoint_text);
-  return std::unique_ptr<UcxTransport>(new UcxTransport(std::move(core)));
+  for (auto& core : state->lanes) {
+    core->gate->core = core.get();  // no other thread sees the gate yet
+    core->thread = std::thread([c = core.get()] { c->Loop(); });
+    core->thread_id = core->thread.get_id();
+  }
+  log::Info(kLog, "transport up: transports '{}', devices '{}', listener '{}', {} lane(s)", options.transports,
+            options.devices.empty() ? "all" : options.devices, first->endpoint_text, options.lanes);
+  return std::unique_ptr<UcxTransport>(new UcxTransport(std::move(state)));
 }
 
 UcxTransport::~UcxTransport() {
-  if (!core_) return;
-  core_->RunSync<int>([this] {
-    core_->Shutdown();
-    return 0;
-  }, 0);
-  {
-    std::lock_guard<std::mutex> lock(core_->queue_mu);
-    core_->stop = true;
+  if (!state_) return;
+  state_->shutting_down.store(true);
+  // Lane 0 first: it destroys the listener once the connections it handed to the other lanes are taken.
+  for (auto& lane : state_->lanes) {
+    UcxCore* core = lane.get();
+    core->RunSync<int>([core] {
+      core->Shutdown();
+      return 0;
+    }, 0);
   }
-  uint64_t one = 1;
-  ssize_t n = write(core_->wake_fd, &one, sizeof one);
-  (void)n;
-  core_->thread.join();
-  {
-    std::lock_guard<std::mutex> lock(core_->gate->mu);
-    core_->gate->core = nullptr;  // a CallHandler's late reply is dropped from now on
+  for (auto& lane : state_->lanes) {
+    {
+      std::lock_guard<std::mutex> lock(lane->queue_mu);
+      lane->stop = true;
+    }
+    uint64_t one = 1;
+    ssize_t n = write(lane->wake_fd, &one, sizeof one);
+    (void)n;
   }
-  // Commands posted after the shutdown (a region's Reset racing with it) ran in the last turn or are dropped.
+  for (auto& lane : state_->lanes) {
+    lane->thread.join();
+    std::lock_guard<std::mutex> lock(lane->gate->mu);
+    lane->gate->core = nullptr;  // a CallHandler's late reply is dropped from now on
+  }
+  // Commands posted after the shutdown (a region's Reset racing with it) ran in the last turn or are dropped. No
+  // thread uses the context now: unmap what is left, but never memory a reply may still read.
+  MutexLock lock(&state_->regions_mu);
+  for (const auto& lane : state_->lanes) {
+    state_->leaked_regions.insert(lane->leaked_regions.begin(), lane->leaked_regions.end());
+  }
+  for (auto& [id, memh] : state_->regions) {
+    if (state_->leaked_regions.count(id) == 0) ucp_mem_unmap(state_->context, memh);
+  }
+  state_->regions.clear();
 }
 
 Result<RegisteredRegion> UcxTransport::Register(void* base, uint64_t bytes) {
   if (base == nullptr || bytes == 0) return Status::InvalidArgument("ucx: registering an empty range");
-  if (core_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
-  UcxCore* core = core_.get();
-  return core->RunSync<Result<RegisteredRegion>>([&]() -> Result<RegisteredRegion> {
+  if (state_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
+  UcxState* state = state_.get();
+  UcxCore* first = state->lanes[0].get();
+  const uint64_t id = state->next_region_id.fetch_add(1);
+  auto made = first->RunSync<Result<RegisteredRegion>>([&]() -> Result<RegisteredRegion> {
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     mp.address = base;
     mp.length = bytes;
     ucp_mem_h memh = nullptr;
-    ucs_status_t s = ucp_mem_map(core->context, &mp, &memh);
+    ucs_status_t s = ucp_mem_map(state->context, &mp, &memh);
     if (s != UCS_OK) return Status::ResourceExhausted("ucp_mem_map of " + std::to_string(bytes) + " bytes: " + UcsError(s));
     void* rkey = nullptr;
     size_t rkey_len = 0;
-    s = ucp_rkey_pack(core->context, memh, &rkey, &rkey_len);
+    s = ucp_rkey_pack(state->context, memh, &rkey, &rkey_len);
     if (s != UCS_OK || rkey_len == 0 || rkey_len > kMaxRkeyBytes) {
       if (s == UCS_OK) ucp_rkey_buffer_release(rkey);
-      ucp_mem_unmap(core->context, memh);
+      ucp_mem_unmap(state->context, memh);
       return Status::Internal("ucp_rkey_pack: " + (s != UCS_OK ? UcsError(s) : "size " + std::to_string(rkey_len)));
     }
     RegisteredRegion region;
@@ -1792,82 +1915,118 @@ Result<RegisteredRegion> UcxTransport::Register(void* base, uint64_t bytes) {
     PutLe(&region.descriptor_, rkey_len, 4);
     region.descriptor_.append(static_cast<const char*>(rkey), rkey_len);
     ucp_rkey_buffer_release(rkey);
-    const uint64_t id = core->next_region_id++;
-    core->regions[id] = UcxCore::Region{memh, reinterpret_cast<uintptr_t>(base), bytes};
-    region.core_ = core_;
-    region.id_ = id;
+    {
+      MutexLock lock(&state->regions_mu);
+      state->regions[id] = memh;
+    }
     region.base_ = base;
     region.bytes_ = bytes;
     return region;
   }, Status::FailedPrecondition("ucx: shutting down"));
+  if (!made.ok()) return made.status();
+  made->state_ = state_;
+  made->id_ = id;  // from here on, Reset (on an error below too) unregisters it from every lane
+  // Every lane serves gets from it.
+  for (auto& lane : state->lanes) {
+    UcxCore* core = lane.get();
+    ucp_mem_h memh;
+    {
+      MutexLock lock(&state->regions_mu);
+      memh = state->regions.at(id);
+    }
+    const int ok = core->RunSync<int>([core, id, memh, base, bytes] {
+      core->regions[id] = UcxCore::Region{memh, reinterpret_cast<uintptr_t>(base), bytes};
+      return 1;
+    }, 0);
+    if (ok != 1) return Status::FailedPrecondition("ucx: shutting down");
+  }
+  return made;
 }
 
-std::string UcxTransport::endpoint() const { return core_->endpoint_text; }
+std::string UcxTransport::endpoint() const { return state_->lanes[0]->endpoint_text; }
 
 void UcxTransport::set_accept_filter(std::function<bool(const sockaddr&)> filter) {
-  std::lock_guard<std::mutex> lock(core_->info_mu);
-  core_->accept_filter = std::move(filter);
+  UcxCore* first = state_->lanes[0].get();
+  std::lock_guard<std::mutex> lock(first->info_mu);
+  first->accept_filter = std::move(filter);
 }
 
 Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
   auto addr = ParseEndpoint(endpoint, true);
   if (!addr.ok()) return addr.status().WithContext("ucx: connect");
-  if (core_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
-  UcxCore* core = core_.get();
-  // On this caller's stack: the progress thread sets it once and never touches it again (a shared_ptr released
-  // on the progress thread trips ThreadSanitizer through libstdc++ 12's shared_ptr release fast path).
-  Rendezvous<std::pair<Status, std::string>> flushed;
-  const bool wait = !core->OnLoopThread();
-  auto handle = core->RunSync<Result<PeerHandle>>([&]() -> Result<PeerHandle> {
-    auto peer = std::make_unique<UcxCore::Peer>();
-    peer->id = core->next_peer_id++;
-    peer->endpoint = endpoint;
-    peer->addr = addr->first;
-    peer->addrlen = addr->second;
-    // Wait for the wire-up (a flush completes once the connection is established, or fails); gets posted
-    // meanwhile (from a callback on the progress thread, which cannot wait here) queue until then.
-    if (wait) {
-      peer->on_connected = [&flushed](Status s, const std::string& node) { flushed.Set({std::move(s), node}); };
-    }
-    UcxCore::Peer* raw = peer.get();
-    PeerHandle h{peer->id, endpoint, {}};
-    core->peers.emplace(peer->id, std::move(peer));
-    Status s = core->Reconnect(raw);
-    if (!s.ok()) {
-      core->peers.erase(h.id);
-      return s;
-    }
-    return h;
-  }, Status::FailedPrecondition("ucx: shutting down"));
-  if (!handle.ok()) return handle.status();
-  if (!wait) return handle;  // called from a callback: cannot wait for the loop
-  auto [s, node] = flushed.Take();
-  if (!s.ok()) {
-    Disconnect(*handle);
-    if (s.code() == StatusCode::kPermissionDenied) return Status::PermissionDenied("ucx: " + s.message());
-    if (s.code() == StatusCode::kDeadlineExceeded) {
-      return Status::DeadlineExceeded("ucx: connecting to " + endpoint + ": no answer within " +
-                                      std::to_string(core->options.get_deadline.count()) + " ms");
-    }
-    return Status::Unavailable("ucx: connecting to " + endpoint + ": " + s.message());
+  if (state_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
+  const uint64_t id = state_->next_peer_id.fetch_add(1);
+  PeerHandle handle{id, endpoint, {}};
+  // One endpoint per lane, connected in parallel. The outcomes live on this caller's stack: each lane's progress
+  // thread sets its own once and never touches it again (a shared_ptr released on a progress thread trips
+  // ThreadSanitizer through libstdc++ 12's shared_ptr release fast path).
+  const bool wait = !state_->OnAnyLoopThread();
+  const size_t n = state_->lanes.size();
+  std::vector<Rendezvous<std::pair<Status, std::string>>> outcomes(n);
+  std::vector<bool> posted(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    UcxCore* core = state_->lanes[i].get();
+    auto* outcome = wait ? &outcomes[i] : nullptr;
+    posted[i] = core->Post([core, id, endpoint, addr = *addr, outcome] {
+      auto peer = std::make_unique<UcxCore::Peer>();
+      peer->id = id;
+      peer->endpoint = endpoint;
+      peer->addr = addr.first;
+      peer->addrlen = addr.second;
+      // Wait for the wire-up (a flush completes once the connection is established, or fails); gets posted
+      // meanwhile (from a callback on a progress thread, which cannot wait here) queue until then.
+      if (outcome != nullptr) {
+        peer->on_connected = [outcome](Status s, const std::string& node) { outcome->Set({std::move(s), node}); };
+      }
+      UcxCore::Peer* raw = peer.get();
+      core->peers.emplace(id, std::move(peer));
+      Status s = core->Reconnect(raw);
+      if (!s.ok()) {
+        core->peers.erase(id);
+        if (outcome != nullptr) outcome->Set({std::move(s), std::string()});
+      }
+    });
   }
-  handle->node_id = node;
-  return handle;
+  if (!wait) return handle;  // called from a callback: cannot wait for the loops
+  Status failed;
+  for (size_t i = 0; i < n; ++i) {
+    auto [s, node] = posted[i] ? outcomes[i].Take() : std::make_pair(Status::FailedPrecondition("ucx: shutting down"),
+                                                                      std::string());
+    if (i == 0) handle.node_id = node;
+    if (!s.ok() && failed.ok()) failed = std::move(s);
+  }
+  if (failed.ok()) return handle;
+  Disconnect(handle);
+  if (failed.code() == StatusCode::kFailedPrecondition) return failed;
+  if (failed.code() == StatusCode::kPermissionDenied) return Status::PermissionDenied("ucx: " + failed.message());
+  if (failed.code() == StatusCode::kDeadlineExceeded) {
+    return Status::DeadlineExceeded("ucx: connecting to " + endpoint + ": no answer within " +
+                                    std::to_string(state_->options.get_deadline.count()) + " ms");
+  }
+  return Status::Unavailable("ucx: connecting to " + endpoint + ": " + failed.message());
 }
 
 void UcxTransport::Disconnect(const PeerHandle& peer) {
-  UcxCore* core = core_.get();
-  if (core->shutting_down.load()) return;
-  core->RunSync<int>([core, id = peer.id] {
-    auto it = core->peers.find(id);
-    if (it == core->peers.end()) return 0;
-    core->ClosePeerEp(it->second.get());
-    // Wait for the cancelled requests (their dst must not be written after their done ran).
-    const auto until = Clock::now() + std::chrono::seconds(5);
-    while (!it->second->ops.empty() && Clock::now() < until) core->Turn();
-    if (it->second->ops.empty()) core->peers.erase(it);  // else kept: the ops still point at it
-    return 0;
-  }, 0);
+  if (state_->shutting_down.load()) return;
+  const bool wait = !state_->OnAnyLoopThread();
+  for (auto& lane : state_->lanes) {
+    UcxCore* core = lane.get();
+    auto close = [core, id = peer.id] {
+      auto it = core->peers.find(id);
+      if (it == core->peers.end()) return 0;
+      core->ClosePeerEp(it->second.get());
+      // Wait for the cancelled requests (their dst must not be written after their done ran).
+      const auto until = Clock::now() + std::chrono::seconds(5);
+      while (!it->second->ops.empty() && Clock::now() < until) core->Turn();
+      if (it->second->ops.empty()) core->peers.erase(it);  // else kept: the ops still point at it
+      return 0;
+    };
+    if (wait || core->OnLoopThread()) {
+      core->RunSync<int>(close, 0);
+    } else {
+      (void)core->Post([close] { (void)close(); });  // another lane's thread: never wait across lanes
+    }
+  }
 }
 
 Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uint64_t remote_offset, void* dst,
@@ -1879,21 +2038,22 @@ Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uin
   }
   if (remote.rkey().empty() || remote.base() == 0) return Status::InvalidArgument("ucx: empty remote region");
   if (peer.id == 0) return Status::NotFound("ucx: invalid peer handle");
-  if (core_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
-  const uint32_t before = core_->inflight.fetch_add(1);
-  if (before >= core_->options.max_inflight_gets) {
-    core_->inflight.fetch_sub(1);
-    return Status::ResourceExhausted("ucx: " + std::to_string(core_->options.max_inflight_gets) +
+  if (state_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
+  const uint32_t before = state_->inflight.fetch_add(1);
+  if (before >= state_->options.max_inflight_gets) {
+    state_->inflight.fetch_sub(1);
+    return Status::ResourceExhausted("ucx: " + std::to_string(state_->options.max_inflight_gets) +
                                      " gets already in flight");
   }
+  UcxCore* core = state_->Pick();
   auto* op = new UcxCore::Op;
-  op->core = core_.get();
+  op->core = core;
   op->peer_id = peer.id;
   op->kind = UcxCore::Op::Kind::kGet;
-  op->deadline = Clock::now() + core_->options.get_deadline;
+  op->deadline = Clock::now() + state_->options.get_deadline;
   op->done = std::move(done);
   const uint64_t address = remote.base() + remote_offset;
-  const bool posted = core_->Post([core = core_.get(), op, rkey = remote.rkey(), address, dst, len]() mutable {
+  const bool posted = core->Post([core, op, rkey = remote.rkey(), address, dst, len]() mutable {
     if (core->shutting_down.load()) {
       core->FinishWith(op, Status::Cancelled("the transport is shutting down"));
       return;
@@ -1901,7 +2061,7 @@ Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uin
     core->StartGet(op, std::move(rkey), address, dst, len);
   });
   if (!posted) {
-    core_->inflight.fetch_sub(1);
+    state_->inflight.fetch_sub(1);
     delete op;
     return Status::FailedPrecondition("ucx: shutting down");
   }
@@ -1909,8 +2069,10 @@ Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uin
 }
 
 void UcxTransport::set_call_handler(CallHandler handler) {
-  std::lock_guard<std::mutex> lock(core_->info_mu);
-  core_->call_handler = std::move(handler);
+  for (auto& lane : state_->lanes) {
+    std::lock_guard<std::mutex> lock(lane->info_mu);
+    lane->call_handler = handler;
+  }
 }
 
 Status UcxTransport::Call(const PeerHandle& peer, uint16_t method, std::string request,
@@ -1920,22 +2082,23 @@ Status UcxTransport::Call(const PeerHandle& peer, uint16_t method, std::string r
                                    std::to_string(kMaxCallBytes));
   }
   if (peer.id == 0) return Status::NotFound("ucx: invalid peer handle");
-  if (core_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
-  const uint32_t before = core_->inflight.fetch_add(1);
-  if (before >= core_->options.max_inflight_gets) {
-    core_->inflight.fetch_sub(1);
-    return Status::ResourceExhausted("ucx: " + std::to_string(core_->options.max_inflight_gets) +
+  if (state_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
+  const uint32_t before = state_->inflight.fetch_add(1);
+  if (before >= state_->options.max_inflight_gets) {
+    state_->inflight.fetch_sub(1);
+    return Status::ResourceExhausted("ucx: " + std::to_string(state_->options.max_inflight_gets) +
                                      " requests already in flight");
   }
+  UcxCore* core = state_->Pick();
   auto* op = new UcxCore::Op;
-  op->core = core_.get();
+  op->core = core;
   op->peer_id = peer.id;
   op->kind = UcxCore::Op::Kind::kCall;
-  op->deadline = Clock::now() + core_->options.get_deadline;
+  op->deadline = Clock::now() + state_->options.get_deadline;
   op->method = method;
   op->request = std::move(request);
   op->call_done = std::move(done);
-  const bool posted = core_->Post([core = core_.get(), op] {
+  const bool posted = core->Post([core, op] {
     if (core->shutting_down.load()) {
       core->FinishWith(op, Status::Cancelled("the transport is shutting down"));
       return;
@@ -1943,7 +2106,7 @@ Status UcxTransport::Call(const PeerHandle& peer, uint16_t method, std::string r
     core->StartCall(op);
   });
   if (!posted) {
-    core_->inflight.fetch_sub(1);
+    state_->inflight.fetch_sub(1);
     delete op;
     return Status::FailedPrecondition("ucx: shutting down");
   }
@@ -1951,8 +2114,8 @@ Status UcxTransport::Call(const PeerHandle& peer, uint16_t method, std::string r
 }
 
 Result<std::string> UcxTransport::CallSync(const PeerHandle& peer, uint16_t method, std::string request) {
-  if (core_->OnLoopThread()) {
-    return Status::FailedPrecondition("ucx: CallSync on the progress thread (from a callback) would never return");
+  if (state_->OnAnyLoopThread()) {
+    return Status::FailedPrecondition("ucx: CallSync on a progress thread (from a callback) would never return");
   }
   Rendezvous<Result<std::string>> outcome;
   Status s = Call(peer, method, std::move(request), [&outcome](Result<std::string> r) { outcome.Set(std::move(r)); });
@@ -1962,16 +2125,35 @@ Result<std::string> UcxTransport::CallSync(const PeerHandle& peer, uint16_t meth
 
 std::vector<std::string> UcxTransport::transports_in_use() const {
   std::vector<std::string> out;
-  out.push_back("config: TLS=" + core_->options.transports +
-                " NET_DEVICES=" + (core_->options.devices.empty() ? "all" : core_->options.devices));
-  std::lock_guard<std::mutex> lock(core_->info_mu);
-  out.insert(out.end(), core_->lanes.begin(), core_->lanes.end());
+  out.push_back("config: TLS=" + state_->options.transports +
+                " NET_DEVICES=" + (state_->options.devices.empty() ? "all" : state_->options.devices) +
+                (state_->lanes.size() > 1 ? " LANES=" + std::to_string(state_->lanes.size()) : std::string()));
+  std::set<std::string> used;
+  for (const auto& lane : state_->lanes) {
+    std::lock_guard<std::mutex> lock(lane->info_mu);
+    used.insert(lane->ucx_lanes.begin(), lane->ucx_lanes.end());
+  }
+  out.insert(out.end(), used.begin(), used.end());
   return out;
 }
 
 UcxTransport::Stats UcxTransport::stats() const {
-  std::lock_guard<std::mutex> lock(core_->info_mu);
-  return core_->stats;
+  Stats total;
+  for (const auto& lane : state_->lanes) {
+    std::lock_guard<std::mutex> lock(lane->info_mu);
+    const Stats& s = lane->stats;
+    total.gets_ok += s.gets_ok;
+    total.gets_failed += s.gets_failed;
+    total.deadlines += s.deadlines;
+    total.connections_accepted += s.connections_accepted;
+    total.connections_rejected += s.connections_rejected;
+    total.reconnects += s.reconnects;
+    total.auth_failures += s.auth_failures;
+    total.requests_refused += s.requests_refused;
+    total.calls_ok += s.calls_ok;
+    total.calls_failed += s.calls_failed;
+  }
+  return total;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // UcxTransport: the cluster tier's bytes (issue 16, DESIGN.md §8). Reads blocks from peers' registered memory:
 // UCP RMA gets (ucp_get_nbx, one-sided) where a verbs lane (rc/dc) serves RMA, and otherwise, i.e. over tcp, a
-// get is our own request/reply over UCP active messages (UCX chooses the lanes within `UcxOptions::transports`).
+// get is our own request/reply over UCP active messages (UCX chooses its transports within `UcxOptions::transports`).
 // Why not ucp_get_nbx over tcp: UCX 1.13 emulates it, and its serving-side handler (rma_sw.c,
 // ucp_progress_get_reply -> ucp_request_try_send) calls ucs_fatal and aborts the serving process when the
 // reader's connection fails while a reply is being sent: a reader that hits its deadline, is killed or is
@@ -8,10 +8,15 @@
 // handler also serves only ranges inside regions registered here. Either way the serving side must progress its
 // worker: the transport's own progress thread does that (it sleeps on the worker's event fd).
 //
-// Threading: thread-safe. One UCP context and one worker (UCS_THREAD_MODE_SINGLE), owned by one progress thread
-// that makes every UCP call; the public methods hand work to it. `done` callbacks of Get run on that thread:
-// keep them short; they may call Get, but Connect called from a callback does not wait for the connection.
-// `done` of Call and the CallHandler also run on that thread; a CallHandler's `reply` may be called from any thread.
+// Threading: thread-safe. One UCP context and `UcxOptions::lanes` lanes: a lane is a worker
+// (UCS_THREAD_MODE_SINGLE) owned by a progress thread of its own that makes every UCP call on it; the public
+// methods hand work to a lane's thread. A peer is connected once per lane (an endpoint, a TCP connection and a
+// handshake each), and its Gets and Calls are spread over the lanes round robin; the listener sits on lane 0 and
+// hands each accepted connection to the next lane, so the serving side's work is spread too. `done` callbacks of
+// Get run on the thread of the lane that carried it: keep them short; they may call Get, but Connect called from a
+// callback does not wait for the connection, and Register, RegisteredRegion::Reset and Disconnect must not be
+// called from one. `done` of Call and the CallHandler also run on a lane's thread; a CallHandler's `reply` may be
+// called from any thread.
 //
 // Security (docs in /work/notes/s6/cluster-feasibility.md §4.5, docs/cluster.md "UCX transport"). With
 // `UcxOptions::secret` set, Connect runs a mutual HMAC-SHA256 challenge-response over active messages (both sides
@@ -57,25 +62,32 @@ struct UcxOptions {
   // forced close of the peer's endpoint (UCX never reports a silent partition), and the next Get to that peer
   // reconnects. Connect waits at most this long for the connection too.
   std::chrono::milliseconds get_deadline{2000};
-  // Gets accepted but not yet completed, over all peers; Get beyond it returns RESOURCE_EXHAUSTED at once.
-  // Gets and Calls accepted but not yet completed, over all peers; one beyond it returns RESOURCE_EXHAUSTED at once.
+  // Gets and Calls accepted but not yet completed, over all peers and lanes; one beyond it returns
+  // RESOURCE_EXHAUSTED at once.
   uint32_t max_inflight_gets = 64;
+  // Lanes (1..kMaxLanes; else INVALID_ARGUMENT): workers with a progress thread each, every peer connected once per
+  // lane. Over tcp one worker moves ~1.2 GB/s of gets whatever the number in flight (docs/performance.md "Cluster
+  // tier"): more lanes are more TCP connections and more threads on both sides.
+  uint32_t lanes = 1;
 
   // Peer authentication. `secret`: the cluster secret (>= 16 bytes, else Create says INVALID_ARGUMENT). Empty: no
   // authentication (tests of the transport alone): Connect does no handshake and every endpoint is served.
   std::string secret;
   // This node's id, sent in the handshake: [A-Za-z0-9._-]{1,64} (checked by Create when `secret` is set).
   std::string node_id;
-  // Server side, on the progress thread: whether a node id that proved the secret is a current member (the daemon
-  // answers from its directory's member list; must not block). Unset: any node that proves the secret.
+  // Server side, on any lane's progress thread (several may call at once: thread-safe): whether a node id that
+  // proved the secret is a current member (the daemon answers from its directory's member list; must not block).
+  // Unset: any node that proves the secret.
   std::function<bool(std::string_view node_id)> is_member;
 };
 
 // The largest Call request or reply, in bytes.
 inline constexpr uint64_t kMaxCallBytes = 4ull << 20;
+// The most lanes a transport takes.
+inline constexpr uint32_t kMaxLanes = 16;
 
 class UcxTransport;
-struct UcxCore;
+struct UcxState;
 
 // A local memory range registered for remote reads. Move-only; unregisters on destruction. Must not outlive
 // its transport's use (destroying the transport first unregisters everything, and the handle becomes inert).
@@ -99,7 +111,7 @@ class RegisteredRegion {
 
  private:
   friend class UcxTransport;
-  std::weak_ptr<UcxCore> core_;
+  std::weak_ptr<UcxState> state_;
   uint64_t id_ = 0;
   void* base_ = nullptr;
   uint64_t bytes_ = 0;
@@ -144,19 +156,21 @@ class UcxTransport {
   // The address peers connect to, "host:port" ("[v6]:port" for IPv6); empty without a listener.
   std::string endpoint() const;
 
-  // Called on the progress thread for every incoming connection request with the client's address; a request
+  // Called on lane 0's progress thread for every incoming connection request with the client's address; a request
   // it rejects is refused (ucp_listener_reject). Unset: every request is accepted (tests only: see the security
   // note above).
   void set_accept_filter(std::function<bool(const sockaddr&)> filter);
 
-  // Connects to a peer's endpoint ("host:port", numeric host) and waits until UCX has wired the connection up
-  // and, with a secret, the handshake is done (at most get_deadline): UNAVAILABLE if the peer refuses or cannot be
+  // Connects to a peer's endpoint ("host:port", numeric host), once per lane, and waits until UCX has wired every
+  // lane's connection up and, with a secret, each lane's handshake is done (at most get_deadline; the first lane
+  // that fails fails the Connect): UNAVAILABLE if the peer refuses or cannot be
   // reached, DEADLINE_EXCEEDED if it does not answer in time, INVALID_ARGUMENT for a malformed endpoint,
   // PERMISSION_DENIED if the peer did not prove the cluster secret or refused us (its reason: "not a member", a
   // wrong secret, no secret configured there). Every reconnect (after a deadline or a failure) redoes the handshake;
   // requests queued meanwhile end with its PERMISSION_DENIED if it fails.
   Result<PeerHandle> Connect(const std::string& endpoint);
-  // Closes the connection (forced: pending Gets end with UNAVAILABLE). The handle is invalid afterwards.
+  // Closes the connection on every lane (forced: pending Gets end with UNAVAILABLE). The handle is invalid
+  // afterwards.
   void Disconnect(const PeerHandle& peer);
 
   // Reads `len` bytes at `remote_offset` of the peer region `remote` into `dst`. `dst` may be plain memory or lie
@@ -166,9 +180,9 @@ class UcxTransport {
   // Returns an error at once, and then never calls `done`: INVALID_ARGUMENT (len 0, null dst, the range outside
   // the descriptor, overflow), RESOURCE_EXHAUSTED (max_inflight_gets already pending), NOT_FOUND (unknown or
   // disconnected peer), FAILED_PRECONDITION (the transport is shutting down). Returns OK otherwise, and then
-  // `done` is called exactly once, on the progress thread, after UCX has finished with `dst`: OK (the bytes are
-  // there), DEADLINE_EXCEEDED (no completion within get_deadline: cancelled, endpoint closed, the next Get
-  // reconnects), UNAVAILABLE (peer gone, connection refused, or cancelled because another Get to the same peer hit
+  // `done` is called exactly once, on the progress thread of the lane that carried it (the lanes take Gets round
+  // robin), after UCX has finished with `dst`: OK (the bytes are there), DEADLINE_EXCEEDED (no completion within
+  // get_deadline: cancelled, that lane's endpoint closed, its next Get reconnects), UNAVAILABLE (peer gone, connection refused, or cancelled because another Get to the same peer hit
   // its deadline), INVALID_ARGUMENT (UCX refused the rkey), NOT_FOUND (over active messages: no region the peer
   // has registered covers the range, i.e. a stale or wrong descriptor), PERMISSION_DENIED (over active messages:
   // the peer has a secret and this connection did not prove it; or the reconnect's handshake failed), CANCELLED (the
@@ -178,7 +192,7 @@ class UcxTransport {
 
   // Calls: small request/reply RPCs between daemons over active messages.
   //
-  // Server side: set before peers connect (replaces any previous handler). Called on the progress thread for each
+  // Server side: set before peers connect (replaces any previous handler). Called on a lane's progress thread for each
   // request from an authenticated peer (any peer without a secret; `peer_node_id` is then empty); requests from
   // an endpoint that has not completed the handshake are answered PERMISSION_DENIED without calling it, and
   // without a handler every request is answered UNIMPLEMENTED. The handler must not block: it hands the work to
@@ -192,17 +206,18 @@ class UcxTransport {
   // Client side: sends `request` to the peer's CallHandler. Returns an error at once, and then never calls `done`:
   // INVALID_ARGUMENT (request larger than kMaxCallBytes), RESOURCE_EXHAUSTED (max_inflight_gets requests of all
   // kinds pending), NOT_FOUND (invalid peer handle), FAILED_PRECONDITION (shutting down). Returns OK otherwise, and
-  // then `done` runs exactly once on the progress thread: the reply bytes, the handler's error (its code and
+  // then `done` runs exactly once on a lane's progress thread: the reply bytes, the handler's error (its code and
   // message), UNIMPLEMENTED (the peer has no handler), PERMISSION_DENIED (the peer refused this endpoint or the
   // handshake failed), DEADLINE_EXCEEDED (no reply within get_deadline: the endpoint is force-closed as for Get,
   // the next request reconnects), UNAVAILABLE (peer gone or disconnected), CANCELLED (transport destroyed).
   Status Call(const PeerHandle& peer, uint16_t method, std::string request,
               std::function<void(Result<std::string>)> done);
-  // Call, waiting for its outcome. FAILED_PRECONDITION when called on the progress thread (from a callback).
+  // Call, waiting for its outcome. FAILED_PRECONDITION when called on a progress thread (from a callback).
   Result<std::string> CallSync(const PeerHandle& peer, uint16_t method, std::string request);
 
   // The transports/devices UCX uses for the connections made so far, e.g. "tcp/lo", "rc_mlx5/mlx5_0:1" (from
-  // ucp_ep_print_info), preceded by the configured restriction ("config: TLS=tcp NET_DEVICES=all").
+  // ucp_ep_print_info), preceded by the configured restriction ("config: TLS=tcp NET_DEVICES=all", with
+  // " LANES=4" appended where there is more than one lane).
   std::vector<std::string> transports_in_use() const;
 
   // Counters (for status and tests).
@@ -221,8 +236,8 @@ class UcxTransport {
   Stats stats() const;
 
  private:
-  explicit UcxTransport(std::shared_ptr<UcxCore> core) : core_(std::move(core)) {}
-  std::shared_ptr<UcxCore> core_;
+  explicit UcxTransport(std::shared_ptr<UcxState> state) : state_(std::move(state)) {}
+  std::shared_ptr<UcxState> state_;
 };
 
 // One RDMA port of the NIC inventory (libibverbs).

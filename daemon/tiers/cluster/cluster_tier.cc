@@ -780,6 +780,7 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
   ucx.listen_port = options.listen_port;
   ucx.get_deadline = options.pull_deadline;
   ucx.max_inflight_gets = kTransportInflight;
+  ucx.lanes = options.lanes;
   ucx.secret = *secret;
   ucx.node_id = options.node_id;
   Impl* raw = impl.get();

@@ -63,6 +63,7 @@ struct ClusterTierOptions {
   std::chrono::milliseconds pull_deadline{2000};    // --cluster-pull-deadline: per network step of a pull
   uint32_t max_pulls = 8;                    // --cluster-max-pulls: prefetches pulling at once, node-wide
   uint32_t max_session_pulls = 2;            // --cluster-max-session-pulls: per session
+  uint32_t lanes = 4;                        // --cluster-lanes: UCX workers, each peer connected once per lane
 };
 
 // What a Prefetch did (the ring completion: matched_blocks, done_blocks, bytes, message).

@@ -313,3 +313,23 @@ TEST_CASE("the SSD tier's flags: paths, size, policy, and what is refused", "[un
     CHECK(Parse({"--ssd-path", "/a", "--ssd-size", "1TiB", "--ssd-write-policy", "through"}).exit_code == 2);
   }
 }
+
+TEST_CASE("the cluster tier's lanes: default 4, 1..16 taken, anything else refused", "[unit]") {
+  const std::vector<std::string> cluster = {"--etcd-endpoints", "10.0.0.1:2379", "--cluster-secret-file",
+                                            "/etc/flexkv/secret", "--cluster-listen", "10.0.0.7:7471"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = cluster;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Parse(args);
+  };
+  auto p = with({});
+  REQUIRE(p.config.has_value());
+  CHECK(p.config->cluster_lanes == 4);
+  for (const char* n : {"1", "16"}) {
+    auto q = with({"--cluster-lanes", n});
+    REQUIRE(q.config.has_value());
+    CHECK(q.config->cluster_lanes == static_cast<uint32_t>(std::stoul(n)));
+  }
+  CHECK(with({"--cluster-lanes", "0"}).exit_code == 2);
+  CHECK(with({"--cluster-lanes", "17"}).exit_code == 2);
+}
