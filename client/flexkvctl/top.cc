@@ -32,7 +32,8 @@ double PerSecond(uint64_t before, uint64_t now, double seconds) {
 }
 
 std::string Percent(uint64_t part, uint64_t whole) {
-  return whole == 0 ? std::string("-") : fmt::format("{:.1f}%", 100.0 * static_cast<double>(part) / whole);
+  return whole == 0 ? std::string("-")
+                    : fmt::format("{:.1f}%", 100.0 * static_cast<double>(part) / static_cast<double>(whole));
 }
 
 std::string Fill(uint64_t used, uint64_t capacity) {

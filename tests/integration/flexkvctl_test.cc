@@ -58,6 +58,11 @@ TEST_CASE("flexkvctl top: two frames with hit ratio, GB/s, pool fill, sessions a
   ChildProcess engine = flexkv::testing::SpawnTestClient(d.socket(), "top-load", {"--kv-blocks", "32", "--layers", "2"},
                                                           {"store:5:32", "load:5:32", "load:5:16", "hold"});
   REQUIRE(engine.WaitForLine("LOADED 16 16 1 OK", 30s).has_value());
+  // The load while top watches: another engine loading the same blocks over and over.
+  std::vector<std::string> loads(400, "load:5:32");
+  ChildProcess loader = flexkv::testing::SpawnTestClient(d.socket(), "top-loader", {"--kv-blocks", "32", "--layers", "2"},
+                                                          loads);
+  REQUIRE(loader.WaitForLine("LOADED 32 32 1 OK", 30s).has_value());
 
   auto r = RunCommand({FlexkvctlPath(), "--socket", d.socket(), "top", "--iterations", "2", "--interval", "0.2"});
   INFO(r.output);
@@ -71,27 +76,52 @@ TEST_CASE("flexkvctl top: two frames with hit ratio, GB/s, pool fill, sessions a
     CHECK(Count(out, field) == 2);
   }
 
-  // Since start: 48 blocks asked by the two loads' matches (and the store's), all of them hits but the store's.
-  const std::smatch hit = Last(out, std::regex(R"(([0-9.]+)% since start \((\d+)/(\d+) blocks\))"));
-  REQUIRE_FALSE(hit.empty());
-  const uint64_t hits = std::stoull(hit[2]), asked = std::stoull(hit[3]);
-  CHECK(hits >= 48);
-  CHECK(hits <= asked);
-  CHECK(std::stod(hit[1]) == Approx(100.0 * hits / asked).margin(0.1));
+  // Since start: at least the first engine's two loads (48 blocks) and the loader's first, all hits; counters only
+  // grow from one frame to the next.
+  const std::regex since_start(R"(([0-9.]+)% since start \((\d+)/(\d+) blocks\))");
+  std::vector<uint64_t> hits;
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), since_start); it != std::sregex_iterator(); ++it) {
+    const std::smatch& m = *it;
+    const uint64_t h = std::stoull(m[2]), asked = std::stoull(m[3]);
+    CHECK(h >= 48 + 32);
+    CHECK(h <= asked);
+    CHECK(std::stod(m[1]) == Approx(100.0 * static_cast<double>(h) / static_cast<double>(asked)).margin(0.1));
+    hits.push_back(h);
+  }
+  REQUIRE(hits.size() == 2);
+  CHECK(hits[1] >= hits[0]);
 
-  const std::smatch gbs = Last(out, std::regex(R"(GB/s +load ([0-9.]+) \(pool to engines\), store ([0-9.]+))"));
-  REQUIRE_FALSE(gbs.empty());
-  CHECK(std::stod(gbs[1]) >= 0);
-  CHECK(std::stod(gbs[2]) >= 0);
-  CHECK(std::stod(gbs[1]) < 1000);  // a rate, not a byte total
+  // GB/s per direction and blocks per second come from the same two snapshots: the load rate in bytes is the
+  // block rate times the block size, and no rate is negative. Up to the printed precision, and to one load of 32
+  // blocks per snapshot (the daemon counts blocks and bytes in two steps) over an interval of at least 0.2 s.
+  const uint64_t block_bytes = 16ULL * 2 * 2 * 8 * 128 * 2;  // Llama3_8B's shape with --layers 2
+  const std::regex gbs(R"(GB/s +load ([0-9.]+) \(pool to engines\), store ([0-9.]+))");
+  const std::regex blocks(R"(requests/s +match ([0-9.]+), load ([0-9.]+) blocks, store ([0-9.]+) blocks)");
+  std::vector<double> load_gbs, load_blocks;
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), gbs); it != std::sregex_iterator(); ++it) {
+    load_gbs.push_back(std::stod((*it)[1]));
+    CHECK(std::stod((*it)[2]) >= 0);
+  }
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), blocks); it != std::sregex_iterator(); ++it) {
+    load_blocks.push_back(std::stod((*it)[2]));
+    CHECK(std::stod((*it)[1]) >= 0);
+  }
+  REQUIRE(load_gbs.size() == 2);
+  REQUIRE(load_blocks.size() == 2);
+  for (size_t f = 0; f < 2; ++f) {
+    CHECK(load_gbs[f] >= 0);
+    CHECK(load_gbs[f] * 1e9 == Approx(load_blocks[f] * block_bytes).margin(0.0006e9 + 0.05 * block_bytes + 2 * 32 * block_bytes / 0.2));
+  }
 
-  const std::smatch pool = Last(out, std::regex(R"(pool +(\d+)/(\d+) blocks \(([0-9.]+)%\))"));
+  const std::smatch pool = Last(out, std::regex(R"(pool +(\d+)/(\d+) blocks \(([0-9.]+)%\) of (\d+) bytes)"));
   REQUIRE_FALSE(pool.empty());
   CHECK(std::stoull(pool[1]) == 32);
   CHECK(std::stoull(pool[2]) >= 32);
+  CHECK(std::stoull(pool[4]) == block_bytes);
 
-  CHECK(Count(out, "sessions    1 attached; queue 0 requests in flight") == 2);
-  CHECK(Count(out, "top-load") == 2);  // the session table
+  CHECK(Count(out, "sessions    2 attached; queue ") == 2);
+  CHECK(Count(out, " top-load ") == 2);  // the session table
+  CHECK(Count(out, " top-loader ") == 2);
 }
 
 TEST_CASE("flexkvctl top: SIGINT ends it with exit 0; on a terminal it restores the cursor and quits on q",
