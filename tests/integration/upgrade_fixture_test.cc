@@ -1,9 +1,11 @@
-// Issue 18: upgrades keep the cache. A pool file written by an earlier release (tests/fixtures/upgrade/, see its
-// README) is re-attached by today's flexkvd and its blocks load byte-exact; a copy whose layout version is bumped is
-// refused at start with the versions and what to do. The hidden test at the end writes the fixture.
+// Issue 18: upgrades keep the cache. A pool file and an SSD block file written by an earlier release
+// (tests/fixtures/upgrade/, see its README) are served by today's flexkvd, their blocks byte-exact; copies whose
+// format version is bumped are refused at start with the versions and what to do. The hidden test at the end writes
+// the fixture.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <catch2/catch.hpp>
 #include <cstdint>
@@ -29,6 +31,10 @@ constexpr const char* kPoolSize = "4MiB";
 constexpr uint32_t kPrompts = 3;
 constexpr uint32_t kBlocksPerPrompt = 4;
 constexpr uint32_t kPoolVersionOffset = 8;  // docs/protocol.md, "Pool file": magic[8], then version (u32, LE)
+constexpr const char* kSsdSize = "64MiB";
+constexpr const char* kSsdBlockFile = "flexkv-ssd.blocks";  // one per --ssd-path (docs/ssd.md)
+constexpr uint32_t kSsdVersionOffset = 8;                   // docs/ssd.md, "On-disk format": file header
+constexpr uint32_t kSsdHeaderChecksumOffset = 56;           // XXH3-64 of bytes 0..55
 
 std::string FixtureDir() { return FLEXKV_UPGRADE_FIXTURE_DIR; }
 
@@ -94,12 +100,77 @@ std::string MakeTempDir() {
   return tmpl;
 }
 
-// The fixture's pool, decompressed to `dir`/pool.
-void UnpackFixture(const std::string& dir) {
-  auto r = flexkv::testing::RunCommand(
-      {"/bin/sh", "-c", "gzip -dc '" + FixtureDir() + "/pool.gz' > '" + dir + "/pool'"});
+// The fixture's file `name`.gz, decompressed to `to`.
+void Unpack(const std::string& name, const std::string& to) {
+  auto r = flexkv::testing::RunCommand({"/bin/sh", "-c", "gzip -dc '" + FixtureDir() + "/" + name + ".gz' > '" + to + "'"});
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
+}
+
+// The fixture's pool, decompressed to `dir`/pool.
+void UnpackFixture(const std::string& dir) { Unpack("pool", dir + "/pool"); }
+
+// The fixture's SSD block file, decompressed into `dir`/ssd/ (the --ssd-path); no pool.
+std::string UnpackSsdFixture(const std::string& dir) {
+  std::filesystem::create_directories(dir + "/ssd");
+  Unpack("ssd.blocks", dir + "/ssd/" + kSsdBlockFile);
+  return dir + "/ssd/" + kSsdBlockFile;
+}
+
+std::vector<std::string> SsdArgs(const std::string& dir) {
+  return {"--pool-size", kPoolSize, "--ssd-path", dir + "/ssd", "--ssd-size", kSsdSize};
+}
+
+// Every fixture block matches and loads byte-exact; a prompt the fixture never stored misses.
+void CheckFixtureBlocks(Engine& e) {
+  flexkv::Client& c = *e.client;
+  const uint64_t block_bytes = FixtureGeometry().host_block_bytes();
+  std::vector<uint32_t> ids(kBlocksPerPrompt);
+  for (uint32_t i = 0; i < kBlocksPerPrompt; ++i) ids[i] = i;
+  for (uint32_t p = 0; p < kPrompts; ++p) {
+    INFO("prompt " << p);
+    auto t = c.Match(PromptKeys(p), /*pin=*/true);
+    REQUIRE(t.ok());
+    auto m = c.Wait(*t, 30s);
+    REQUIRE(m.ok());
+    REQUIRE(m->status.ok());
+    REQUIRE(m->matched_blocks == kBlocksPerPrompt);
+    std::memset(e.kv.data, 0xA5, kBlocksPerPrompt * block_bytes);
+    auto lt = c.Load(m->match_handle, ids);
+    REQUIRE(lt.ok());
+    auto l = c.Wait(*lt, 30s);
+    REQUIRE(l.ok());
+    REQUIRE(l->status.ok());
+    REQUIRE(l->done_blocks == kBlocksPerPrompt);
+    for (uint32_t i = 0; i < kBlocksPerPrompt; ++i) {
+      const uint8_t* got = e.kv.data + i * block_bytes;
+      uint64_t first_bad = block_bytes;
+      for (uint64_t j = 0; j < block_bytes && first_bad == block_bytes; ++j) {
+        if (got[j] != BlockByte(p, i, j)) first_bad = j;
+      }
+      INFO("block " << i << ": first differing byte " << first_bad);
+      CHECK(first_bad == block_bytes);
+    }
+    auto rel = c.Release(m->match_handle);
+    REQUIRE(rel.ok());
+    REQUIRE(c.Wait(*rel, 30s).ok());
+  }
+  // The hits above are the fixture's blocks, not luck.
+  auto t = c.Match(PromptKeys(kPrompts), /*pin=*/false);
+  REQUIRE(t.ok());
+  auto m = c.Wait(*t, 30s);
+  REQUIRE(m.ok());
+  CHECK(m->matched_blocks == 0);
+}
+
+const flexkv::DaemonStatus::Tier& SsdTier(const flexkv::DaemonStatus& s) {
+  REQUIRE(s.tiers.size() == 1);
+  return s.tiers[0];
+}
+
+uint64_t TierCounter(const flexkv::DaemonStatus::Tier& t, const char* name) {
+  const auto it = t.counters.find(name);
+  return it == t.counters.end() ? 0 : it->second;
 }
 
 void PatchU32(const std::string& path, uint64_t offset, uint32_t value) {
@@ -130,47 +201,12 @@ TEST_CASE("upgrade: a pool file written by an earlier release is re-attached and
     REQUIRE(d.WaitReady());
     Engine e = Attach(d.socket());
     flexkv::Client& c = *e.client;
+    REQUIRE(c.GetStatus()->pool.used_blocks == kPrompts * kBlocksPerPrompt);
     // Restored blocks are served once the restart check has read them (docs/operations.md).
     for (int i = 0; i < 600 && UnverifiedBlocks(c) > 0; ++i) std::this_thread::sleep_for(50ms);
     REQUIRE(UnverifiedBlocks(c) == 0);
 
-    const uint64_t block_bytes = FixtureGeometry().host_block_bytes();
-    std::vector<uint32_t> ids(kBlocksPerPrompt);
-    for (uint32_t i = 0; i < kBlocksPerPrompt; ++i) ids[i] = i;
-    for (uint32_t p = 0; p < kPrompts; ++p) {
-      INFO("prompt " << p);
-      auto t = c.Match(PromptKeys(p), /*pin=*/true);
-      REQUIRE(t.ok());
-      auto m = c.Wait(*t, 30s);
-      REQUIRE(m.ok());
-      REQUIRE(m->status.ok());
-      REQUIRE(m->matched_blocks == kBlocksPerPrompt);
-      std::memset(e.kv.data, 0xA5, kBlocksPerPrompt * block_bytes);
-      auto lt = c.Load(m->match_handle, ids);
-      REQUIRE(lt.ok());
-      auto l = c.Wait(*lt, 30s);
-      REQUIRE(l.ok());
-      REQUIRE(l->status.ok());
-      REQUIRE(l->done_blocks == kBlocksPerPrompt);
-      for (uint32_t i = 0; i < kBlocksPerPrompt; ++i) {
-        const uint8_t* got = e.kv.data + i * block_bytes;
-        uint64_t first_bad = block_bytes;
-        for (uint64_t j = 0; j < block_bytes && first_bad == block_bytes; ++j) {
-          if (got[j] != BlockByte(p, i, j)) first_bad = j;
-        }
-        INFO("block " << i << ": first differing byte " << first_bad);
-        CHECK(first_bad == block_bytes);
-      }
-      auto rel = c.Release(m->match_handle);
-      REQUIRE(rel.ok());
-      REQUIRE(c.Wait(*rel, 30s).ok());
-    }
-    // A prompt the fixture never stored misses: the hits above are the fixture's blocks, not luck.
-    auto t = c.Match(PromptKeys(kPrompts), /*pin=*/false);
-    REQUIRE(t.ok());
-    auto m = c.Wait(*t, 30s);
-    REQUIRE(m.ok());
-    CHECK(m->matched_blocks == 0);
+    CheckFixtureBlocks(e);
     CHECK_THAT(d.process().Stderr(), Catch::Contains("re-attached pool " + dir + "/pool"));
   }
   std::filesystem::remove_all(dir);
@@ -212,14 +248,89 @@ TEST_CASE("upgrade: a pool file with a newer layout version is refused at start,
   std::filesystem::remove_all(dir);
 }
 
-// Writes the fixture's raw pool to $FLEXKV_UPGRADE_FIXTURE_OUT/pool; tests/fixtures/upgrade/make_fixture.sh runs it
-// and compresses the result. Hidden: it is a tool, not a test.
+TEST_CASE("upgrade: an SSD block file written by an earlier release is served after a reboot, byte-exact",
+          "[integration][upgrade]") {
+  const std::string dir = MakeTempDir();
+  UnpackSsdFixture(dir);  // no pool: as after a reboot, the blocks are on SSD only
+  {
+    DaemonUnderTest d(SsdArgs(dir), dir);
+    REQUIRE(d.WaitReady());
+    Engine e = Attach(d.socket());
+    auto s = e.client->GetStatus();
+    REQUIRE(s.ok());
+    const auto& t = SsdTier(*s);
+    CHECK(t.state == "serving");
+    CHECK(TierCounter(t, "rebuilt_blocks") == kPrompts * kBlocksPerPrompt);
+    CHECK(TierCounter(t, "rebuild_corrupt_headers") == 0);
+    CHECK(s->pool.used_blocks == 0);
+    CheckFixtureBlocks(e);
+    auto after = e.client->GetStatus();
+    REQUIRE(after.ok());
+    CHECK(TierCounter(SsdTier(*after), "promoted_blocks") == kPrompts * kBlocksPerPrompt);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("upgrade: an SSD block file of a newer format version is refused at start and left as it was",
+          "[integration][upgrade]") {
+  const std::string dir = MakeTempDir();
+  UnpackFixture(dir);  // with the pool, the tier opens its files at start (without, at the first Attach)
+  const std::string file = UnpackSsdFixture(dir);
+  REQUIRE(ReadU32(file, kSsdVersionOffset) == 1);  // docs/ssd.md: format version 1
+  // A header of another version with a good checksum: what a newer release writes, not damage.
+  const uint32_t newer = 2;
+  PatchU32(file, kSsdVersionOffset, newer);
+  {
+    std::ifstream f(file, std::ios::binary);
+    char header[kSsdHeaderChecksumOffset];
+    f.read(header, sizeof(header));
+    REQUIRE(f.good());
+    const uint64_t sum = XXH3_64bits(header, sizeof(header));
+    PatchU32(file, kSsdHeaderChecksumOffset, static_cast<uint32_t>(sum));
+    PatchU32(file, kSsdHeaderChecksumOffset + 4, static_cast<uint32_t>(sum >> 32));
+  }
+  std::vector<std::string> argv = {flexkv::testing::FlexkvdPath(), "--socket", dir + "/flexkvd.sock", "--pool-path",
+                                   dir + "/pool"};
+  for (const std::string& a : SsdArgs(dir)) argv.push_back(a);
+  auto refused = flexkv::testing::RunCommand(argv);
+  INFO(refused.output);
+  CHECK(refused.exit_code == 1);
+  CHECK_THAT(refused.output, Catch::Contains("ssd file " + file + ": it is of format version 2") &&
+                                 Catch::Contains("written by a newer flexkvd; this flexkvd reads version 1") &&
+                                 Catch::Contains("run the flexkvd release that wrote it") &&
+                                 Catch::Contains("nothing was changed") &&
+                                 Catch::Contains("--ssd-on-mismatch=discard"));
+  CHECK(ReadU32(file, kSsdVersionOffset) == newer);
+
+  // Without a pool (after a reboot) the tier opens its files at the first Attach: the tier is off with the same
+  // message, DRAM serves, and the file is still left as it was.
+  std::filesystem::remove(dir + "/pool");
+  {
+    DaemonUnderTest d(SsdArgs(dir), dir);
+    REQUIRE(d.WaitReady());
+    Engine e = Attach(d.socket());
+    auto s = e.client->GetStatus();
+    REQUIRE(s.ok());
+    const auto& t = SsdTier(*s);
+    CHECK_THAT(t.state, Catch::StartsWith("failed: ") && Catch::Contains("it is of format version 2") &&
+                            Catch::Contains("run the flexkvd release that wrote it"));
+    CHECK(s->state == "serving");
+  }
+  CHECK(ReadU32(file, kSsdVersionOffset) == newer);
+  std::filesystem::remove_all(dir);
+}
+
+// Writes the fixture's raw pool and SSD block file to $FLEXKV_UPGRADE_FIXTURE_OUT/{pool,ssd.blocks};
+// tests/fixtures/upgrade/make_fixture.sh runs it and compresses them. Hidden: it is a tool, not a test.
 TEST_CASE("upgrade: write the fixture pool", "[.][upgrade-fixture-writer]") {
   const char* out = std::getenv("FLEXKV_UPGRADE_FIXTURE_OUT");
   REQUIRE(out != nullptr);
   const std::string dir = MakeTempDir();
   {
-    DaemonUnderTest d({"--pool-size", kPoolSize}, dir);
+    std::filesystem::create_directories(dir + "/ssd");
+    std::vector<std::string> args = SsdArgs(dir);
+    args.push_back("--ssd-write-policy=all");  // every block on SSD too
+    DaemonUnderTest d(args, dir);
     REQUIRE(d.WaitReady());
     Engine e = Attach(d.socket());
     const uint64_t block_bytes = FixtureGeometry().host_block_bytes();
@@ -236,6 +347,16 @@ TEST_CASE("upgrade: write the fixture pool", "[.][upgrade-fixture-writer]") {
       REQUIRE(r->status.ok());
       REQUIRE(r->done_blocks == kBlocksPerPrompt);
     }
+    for (int i = 0; i < 600; ++i) {
+      auto s = e.client->GetStatus();
+      REQUIRE(s.ok());
+      const auto& t = SsdTier(*s);
+      if (TierCounter(t, "written_back_blocks") == kPrompts * kBlocksPerPrompt && TierCounter(t, "writes_in_flight") == 0) {
+        break;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    REQUIRE(TierCounter(SsdTier(*e.client->GetStatus()), "written_back_blocks") == kPrompts * kBlocksPerPrompt);
     e.client.reset();
     d.process().Signal(SIGTERM);
     auto status = d.process().Wait(30s);
@@ -244,6 +365,8 @@ TEST_CASE("upgrade: write the fixture pool", "[.][upgrade-fixture-writer]") {
     REQUIRE(WEXITSTATUS(*status) == 0);
   }
   std::filesystem::copy_file(dir + "/pool", std::string(out) + "/pool",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(dir + "/ssd/" + kSsdBlockFile, std::string(out) + "/ssd.blocks",
                              std::filesystem::copy_options::overwrite_existing);
   std::filesystem::remove_all(dir);
 }
