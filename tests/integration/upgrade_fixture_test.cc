@@ -168,6 +168,19 @@ const flexkv::DaemonStatus::Tier& SsdTier(const flexkv::DaemonStatus& s) {
   return s.tiers[0];
 }
 
+// Without a pool at start, the tier opens its files in the background once an Attach has created the pool: the
+// status once it has (serving or failed).
+flexkv::DaemonStatus OpenedTierStatus(flexkv::Client& c) {
+  for (int i = 0; i < 400; ++i) {
+    auto s = c.GetStatus();
+    REQUIRE(s.ok());
+    if (SsdTier(*s).state != "waiting for the first pool") return *s;
+    std::this_thread::sleep_for(50ms);
+  }
+  FAIL("the SSD tier did not open its files within 20 s of the first Attach");
+  return {};
+}
+
 uint64_t TierCounter(const flexkv::DaemonStatus::Tier& t, const char* name) {
   const auto it = t.counters.find(name);
   return it == t.counters.end() ? 0 : it->second;
@@ -256,13 +269,12 @@ TEST_CASE("upgrade: an SSD block file written by an earlier release is served af
     DaemonUnderTest d(SsdArgs(dir), dir);
     REQUIRE(d.WaitReady());
     Engine e = Attach(d.socket());
-    auto s = e.client->GetStatus();
-    REQUIRE(s.ok());
-    const auto& t = SsdTier(*s);
+    const flexkv::DaemonStatus s = OpenedTierStatus(*e.client);
+    const auto& t = SsdTier(s);
     CHECK(t.state == "serving");
     CHECK(TierCounter(t, "rebuilt_blocks") == kPrompts * kBlocksPerPrompt);
     CHECK(TierCounter(t, "rebuild_corrupt_headers") == 0);
-    CHECK(s->pool.used_blocks == 0);
+    CHECK(s.pool.used_blocks == 0);
     CheckFixtureBlocks(e);
     auto after = e.client->GetStatus();
     REQUIRE(after.ok());
@@ -309,12 +321,11 @@ TEST_CASE("upgrade: an SSD block file of a newer format version is refused at st
     DaemonUnderTest d(SsdArgs(dir), dir);
     REQUIRE(d.WaitReady());
     Engine e = Attach(d.socket());
-    auto s = e.client->GetStatus();
-    REQUIRE(s.ok());
-    const auto& t = SsdTier(*s);
+    const flexkv::DaemonStatus s = OpenedTierStatus(*e.client);
+    const auto& t = SsdTier(s);
     CHECK_THAT(t.state, Catch::StartsWith("failed: ") && Catch::Contains("it is of format version 2") &&
                             Catch::Contains("run the flexkvd release that wrote it"));
-    CHECK(s->state == "serving");
+    CHECK(s.state == "serving");
   }
   CHECK(ReadU32(file, kSsdVersionOffset) == newer);
   std::filesystem::remove_all(dir);
