@@ -335,7 +335,10 @@ TEST_CASE("upgrade: an SSD block file of a newer format version is refused at st
 // tests/fixtures/upgrade/make_fixture.sh runs it and compresses them. Hidden: it is a tool, not a test.
 TEST_CASE("upgrade: write the fixture pool", "[.][upgrade-fixture-writer]") {
   const char* out = std::getenv("FLEXKV_UPGRADE_FIXTURE_OUT");
-  REQUIRE(out != nullptr);
+  if (out == nullptr) {
+    WARN("not writing the fixture: FLEXKV_UPGRADE_FIXTURE_OUT is not set (tests/fixtures/upgrade/make_fixture.sh sets it)");
+    return;
+  }
   const std::string dir = MakeTempDir();
   {
     std::filesystem::create_directories(dir + "/ssd");
