@@ -124,7 +124,7 @@ TEST_CASE("flexkvctl top: two frames with hit ratio, GB/s, pool fill, sessions a
   CHECK(Count(out, " top-loader ") == 2);
 }
 
-TEST_CASE("flexkvctl top: SIGINT ends it with exit 0; on a terminal it restores the cursor and quits on q",
+TEST_CASE("flexkvctl top: SIGINT ends it with exit 0, and on a terminal it restores the cursor and quits on q",
           "[integration][flexkvctl]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
