@@ -1,10 +1,11 @@
-// One line per event on stderr: level, component, message. Under journald (JOURNAL_STREAM set) each
-// line carries a <N> syslog priority prefix so `journalctl -p warning` works.
+// One line per event on stderr: level, component, message. When stderr is the journal (JOURNAL_STREAM names
+// it) each line carries a <N> syslog priority prefix (sd-daemon(3)) so `journalctl -p warning` works.
 #pragma once
 
 #include <fmt/format.h>
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 #include "absl/base/thread_annotations.h"
@@ -21,6 +22,22 @@ bool Enabled(Level level);
 Result<Level> ParseLevel(std::string_view text);
 // Thread-safe; writes one whole line.
 void Write(Level level, std::string_view component, std::string_view message);
+
+// How a line looks. Journal: "<P>LEVEL component: message\n", P the syslog priority (debug 7, info 6, warning 4,
+// error 3) and no timestamp (the journal has its own). Otherwise: "2026-12-04T02:40:42.123Z LEVEL component:
+// message\n" (UTC). One event is one line: a newline, carriage return or other control character (tab excepted)
+// in the component or message is written escaped ("\n", "\r", "\x1b"), so nothing can split an event or forge
+// a line. Pure; Write uses it.
+struct LineFormat {
+  bool journal = false;
+  int64_t unix_ms = 0;  // the timestamp, when not journal
+};
+std::string FormatLine(Level level, std::string_view component, std::string_view message, const LineFormat& format);
+
+// True when fd 2 is the stream systemd connected to the journal: $JOURNAL_STREAM is "DEV:INODE" of that fd
+// (systemd.exec(5)), so a child whose stderr was redirected elsewhere does not prefix. `journal_stream` is the
+// variable's value, or null when unset.
+bool StderrIsJournal(const char* journal_stream);
 
 template <typename... Args>
 void Debug(std::string_view component, fmt::format_string<Args...> f, Args&&... args) {

@@ -1,5 +1,5 @@
-// flexkvctl: look at a running flexkvd (status, sessions, metrics), drain it for maintenance, scrub its pool,
-// drop its cache domain.
+// flexkvctl: look at a running flexkvd (status, sessions, metrics, a live top), drain it for maintenance, scrub its
+// pool, drop its cache domain; print its own shell completion.
 // Exit codes: 0 ok, 1 the daemon said no, 2 usage, 3 cannot connect.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -13,7 +13,9 @@
 #include <string>
 #include <thread>
 
+#include "completion.h"
 #include "flexkv/client.h"
+#include "top.h"
 
 namespace {
 
@@ -249,7 +251,7 @@ int Refused(const Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"flexkvctl: inspect and drain a flexkvd"};
+  CLI::App app{"flexkvctl: inspect and drain a flexkvd", "flexkvctl"};
   app.require_subcommand(1);
   std::string socket;
   bool json = false;
@@ -287,6 +289,22 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1.0, 31.0 * 86400));
   std::string scrub_namespace;
   scrub_cmd->add_option("--namespace", scrub_namespace, "Only this domain's pool (default: every domain's)");
+  auto* top_cmd = app.add_subcommand(
+      "top", "Live view: hit ratio, GB/s per direction, pool and tier fill, sessions, queues (q or Ctrl-C quits)");
+  flexkvctl::TopOptions top_options;
+  bool top_once = false;
+  top_cmd->add_option("--interval", top_options.interval_s, "Seconds between refreshes (default 1)")
+      ->check(CLI::Range(0.1, 3600.0));
+  top_cmd->add_option("--iterations", top_options.iterations, "Print this many frames, then exit (default: until q)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 40));
+  top_cmd->add_flag("--once", top_once, "One frame (rates over one interval), then exit: --iterations 1");
+  top_cmd->add_option("--socket", socket, "Control socket");
+  auto* completion_cmd = app.add_subcommand("completion", "Print a shell completion script (bash or zsh)");
+  std::string completion_shell;
+  const flexkvctl::PositionalChoices completion_choices = {{"completion", {"bash", "zsh"}}};
+  completion_cmd->add_option("shell", completion_shell, "bash or zsh")
+      ->required()
+      ->check(CLI::IsMember(completion_choices.at("completion")));
   for (auto* sub : {status_cmd, sessions_cmd, metrics_cmd, drain_cmd, resume_cmd, health_cmd, scrub_cmd,
                     drop_cmd}) {
     sub->add_flag("--json", json, "Machine-readable output");
@@ -297,6 +315,11 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? kExitOk : kExitUsage;
+  }
+  if (completion_cmd->parsed()) {
+    fmt::print("{}", completion_shell == "zsh" ? flexkvctl::ZshCompletion(app, completion_choices)
+                                               : flexkvctl::BashCompletion(app, completion_choices));
+    return kExitOk;
   }
 
   flexkv::ConnectOptions options;
@@ -312,6 +335,11 @@ int main(int argc, char** argv) {
     return kExitNoConnection;
   }
   Client& c = **client;
+
+  if (top_cmd->parsed()) {
+    if (top_once) top_options.iterations = 1;
+    return flexkvctl::RunTop(c, top_options);
+  }
 
   if (status_cmd->parsed()) {
     auto s = c.GetStatus();

@@ -433,9 +433,14 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
     return Status::DataLoss(fmt::format("{} is not a flexkvd pool file (bad magic){}", path, fix));
   }
   if (h.version != kPoolLayoutVersion && h.version != kHybridPoolLayoutVersion) {
+    // Left untouched: the release that wrote it can still serve it (docs/operations.md, "Upgrades").
+    const bool newer = h.version > kHybridPoolLayoutVersion;
     return Status::FailedPrecondition(fmt::format(
-        "pool file {} has layout version {}; this flexkvd reads versions {} and {}{}", path, h.version,
-        kPoolLayoutVersion, kHybridPoolLayoutVersion, fix));
+        "pool file {} has layout version {}, written by {} flexkvd; this flexkvd reads layout versions {} and {}. To "
+        "keep its blocks, run the flexkvd release that wrote it{}; to start with an empty cache, start with "
+        "--discard-pool (its blocks are lost)",
+        path, h.version, newer ? "a newer" : "an older", kPoolLayoutVersion, kHybridPoolLayoutVersion,
+        newer ? " (or a later one)" : ""));
   }
   if (h.checksum != HeaderChecksum(h)) return Status::DataLoss(fmt::format("pool file {} has a corrupt header{}", path, fix));
   const bool hybrid = h.version == kHybridPoolLayoutVersion;

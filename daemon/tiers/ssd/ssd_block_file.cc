@@ -327,8 +327,9 @@ Result<std::unique_ptr<SsdBlockFile>> SsdBlockFile::Open(const std::string& dir,
         mismatch = "its file header is corrupt (checksum)";
         break;
       case SsdSectorKind::kOtherVersion:
-        mismatch = fmt::format("it is of format version {}; this flexkvd writes version {}", d.version,
-                               kSsdFormatVersion);
+        mismatch = fmt::format("it is of format version {}, written by {} flexkvd; this flexkvd reads version {} "
+                               "(to keep its blocks, run the flexkvd release that wrote it)",
+                               d.version, d.version > kSsdFormatVersion ? "a newer" : "an older", kSsdFormatVersion);
         break;
       case SsdSectorKind::kValid:
         if (d.header.payload_capacity != want.payload_capacity || d.header.slot_stride != want.slot_stride) {
