@@ -140,4 +140,12 @@ file(CONFIGURE OUTPUT ${PROJECT_BINARY_DIR}/install/BUILDINFO CONTENT
   "version=${PROJECT_VERSION}\nbackends=${FLEXKV_BUILD_BACKENDS}\ncuda_runtime=${FLEXKV_BUILD_CUDA_RUNTIME}\n")
 install(FILES ${PROJECT_BINARY_DIR}/install/BUILDINFO DESTINATION ${FLEXKV_INSTALL_DOCDIR})
 
+# Everything the rules above take from the build, to build just that before installing or packaging
+# (scripts/test_package.sh: `ninja flexkv_install_inputs`, then cpack).
+add_custom_target(flexkv_install_inputs)
+add_dependencies(flexkv_install_inputs flexkvd flexkvctl flexkv-bench flexkv ${FLEXKV_PYTHON_MODULES})
+if(TARGET flexkv_man)
+  add_dependencies(flexkv_install_inputs flexkv_man)
+endif()
+
 include(${CMAKE_CURRENT_LIST_DIR}/deb_package.cmake)
