@@ -10,7 +10,7 @@
 # Prints SKIP and exits 0 when not root, without dpkg, or when the host already has flexkvd installed or its
 # directories in use (the test would replace or delete them). Leaves the machine as it found it, on failure too:
 # the daemon is stopped, the package purged, and the user and groups it created are deleted (trap).
-set -euo pipefail
+set -euo pipefail  # hence no `| grep -q`: a writer killed by SIGPIPE would fail a match
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 BUILD=$(cd "${1:-build}" && pwd)
@@ -24,7 +24,7 @@ for tool in dpkg dpkg-deb dpkg-query dpkg-shlibdeps cpack setpriv prlimit; do
   command -v "$tool" >/dev/null || skip "$tool is absent (dpkg and dpkg-dev, cmake, util-linux)"
 done
 [[ -f $BUILD/CPackConfig.cmake ]] || fail "$BUILD/CPackConfig.cmake is missing: configure and build $BUILD first"
-if dpkg-query -W -f='${Status}' flexkvd 2>/dev/null | grep -qv '^unknown ok not-installed$'; then
+if dpkg-query -W -f='${Status}' flexkvd 2>/dev/null | grep -v '^unknown ok not-installed$' >/dev/null; then
   skip "a flexkvd package is already on this host ($(dpkg-query -W -f='${Version} ${Status}' flexkvd)); not replacing it"
 fi
 for path in /usr/bin/flexkvd /etc/flexkvd /dev/shm/flexkvd /run/flexkvd /var/cache/flexkvd; do
@@ -55,7 +55,7 @@ cleanup() {
   set +e
   stop_daemon
   [[ -z $notify_pid ]] || kill "$notify_pid" 2>/dev/null
-  if dpkg-query -W -f='${Status}' flexkvd 2>/dev/null | grep -qv '^unknown ok not-installed$'; then
+  if dpkg-query -W -f='${Status}' flexkvd 2>/dev/null | grep -v '^unknown ok not-installed$' >/dev/null; then
     echo "test_package: cleanup: dpkg --purge flexkvd" >&2
     dpkg --purge flexkvd >/dev/null
   fi
@@ -97,10 +97,10 @@ depends=$(field Depends)
 for dep in python3 systemd libc6 'libgrpc\+\+' libprotobuf libsystemd0; do  # python3 by hand, the rest from shlibdeps
   grep -Eq "(^|, )$dep[0-9.]*( |,|$)" <<<"$depends" || fail "Depends lacks $dep: $depends"
 done
-if ldd "$BUILD/flexkvd" | grep -q libcudart; then build_kind="GPU build"; else build_kind="CPU-only build"; fi
-field Description | head -1 | grep -q "($build_kind" ||
+if ldd "$BUILD/flexkvd" | grep libcudart >/dev/null; then build_kind="GPU build"; else build_kind="CPU-only build"; fi
+field Description | sed -n 1p | grep "($build_kind" >/dev/null ||
   fail "the description does not say '$build_kind': $(field Description | head -1)"
-dpkg-deb --ctrl-tarfile "$deb" | tar -t | grep -qx './conffiles' || fail "no conffiles in the control archive"
+dpkg-deb --ctrl-tarfile "$deb" | tar -t | grep -x './conffiles' >/dev/null || fail "no conffiles in the control archive"
 [[ $(dpkg-deb -I "$deb" conffiles) == /etc/flexkvd/flexkvd.toml ]] || fail "conffiles: $(dpkg-deb -I "$deb" conffiles)"
 
 # --- Install and check the file list ---------------------------------------------------------------------------------
@@ -143,8 +143,11 @@ fi
 for binary in /usr/bin/flexkvd /usr/bin/flexkvctl /usr/bin/flexkv-bench "$lib/libflexkv.so.0"; do
   if readelf -d "$binary" | grep -E 'RPATH|RUNPATH'; then fail "$binary carries a run path (above)"; fi
 done
+if [[ $build_kind == "GPU build" ]]; then backends="host cuda"; else backends="host"; fi
+grep -qx "backends=$backends" /usr/share/doc/flexkvd/BUILDINFO ||
+  fail "BUILDINFO does not say backends=$backends: $(cat /usr/share/doc/flexkvd/BUILDINFO)"
 cmp -s /usr/lib/systemd/system/flexkvd.service systemd/flexkvd.service || fail "the installed unit differs from systemd/"
-ldconfig -p | grep -Eq "libflexkv\.so\.0 .*=> (/usr)?/lib/$multiarch/libflexkv\.so\.0$" || fail "ld.so.cache does not list $lib/libflexkv.so.0"
+ldconfig -p | grep -E "libflexkv\.so\.0 .*=> (/usr)?/lib/$multiarch/libflexkv\.so\.0$" >/dev/null || fail "ld.so.cache does not list $lib/libflexkv.so.0"
 
 # --- postinst: user, groups, directories; nothing enabled or started --------------------------------------------------
 uid=$(id -u flexkv) || fail "postinst made no user flexkv (systemd-sysusers)"
@@ -252,11 +255,16 @@ step "flexkvctl: $(head -1 <<<"$status")"
 
 namespace=package-test
 cd "$TMP"  # nothing of the source tree on sys.path; no PYTHONPATH, no FLEXKV_LIBRARY
-env -i PATH=/usr/bin:/bin /usr/bin/python3 - "$socket" "$namespace" "$pydir" "$lib" <<'EOF' ||
+# A compiled extension in the package (python/flexkv/_fast.c, when the build had python3-dev) must be the one in use.
+extension=$(grep -E "^$pydir/_[a-z_]+\.cpython-.*\.so$" "$TMP/files" | head -1 || true)
+env -i PATH=/usr/bin:/bin /usr/bin/python3 - "$socket" "$namespace" "$pydir" "$lib" "$extension" <<'EOF' ||
 import sys
 import flexkv
-socket_path, namespace, pydir, libdir = sys.argv[1:]
+socket_path, namespace, pydir, libdir, extension = sys.argv[1:]
 assert flexkv.__file__.startswith(pydir + "/"), f"flexkv imported from {flexkv.__file__}, not {pydir}"
+if extension:
+    in_use = getattr(flexkv, "fast_path", None)
+    assert in_use == extension, f"the package ships {extension} but flexkv.fast_path is {in_use!r}"
 maps = open("/proc/self/maps").read()
 assert f"{libdir}/libflexkv.so.0" in maps, "the installed libflexkv.so.0 is not the one loaded"
 geometry = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=1, head_dim=64)
@@ -286,7 +294,7 @@ clean_env=(env -u CMAKE_PREFIX_PATH -u PKG_CONFIG_PATH -u CPATH -u LIBRARY_PATH 
 "${clean_env[@]}" make -C "$example" >"$TMP/example-make.log" 2>&1 ||
   { cat "$TMP/example-make.log" >&2; fail "the example does not build with pkg-config"; }
 for program in "$example/build/flexkv_engine_example" "$example/flexkv_engine_example"; do
-  ldd "$program" | grep -Eq "libflexkv\.so\.0 => (/usr)?/lib/$multiarch/libflexkv\.so\.0 " || fail "$program does not load $lib/libflexkv.so.0"
+  ldd "$program" | grep -E "libflexkv\.so\.0 => (/usr)?/lib/$multiarch/libflexkv\.so\.0 " >/dev/null || fail "$program does not load $lib/libflexkv.so.0"
   out=$("${clean_env[@]}" "$program" --socket "$socket" --namespace "$namespace" 2>&1) || fail "$program: $out"
   step "${program#"$TMP"/}: $out"
 done
@@ -309,7 +317,7 @@ for path in /dev/shm/flexkvd /run/flexkvd /var/cache/flexkvd /etc/flexkvd "$pydi
   [[ -e $path ]] && left+=("$path")
 done
 [[ ${#left[@]} -eq 0 ]] || fail "left behind after purge: ${left[*]}"
-ldconfig -p | grep -q libflexkv && fail "ld.so.cache still lists libflexkv after purge"
+ldconfig -p | grep libflexkv >/dev/null && fail "ld.so.cache still lists libflexkv after purge"
 # Policy keeps the system user and its groups (files elsewhere may belong to them; uids are not reused).
 kept=()
 getent passwd flexkv >/dev/null && kept+=("user flexkv")
