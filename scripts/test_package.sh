@@ -5,6 +5,8 @@
 # cache directories, READY=1; systemd is not PID 1 in CI, so this script plays its part), reaches it with the
 # installed flexkvctl, the installed Python package and the example engine project built against the installed files
 # (find_package and pkg-config), stops it, purges the package and checks that only what policy keeps is left.
+# The unit's sandbox (ProtectSystem=, DevicePolicy=, SystemCallFilter=, ...) needs systemd itself and is not applied
+# here; tests/integration/systemd_verify.sh checks those settings.
 #
 #   scripts/test_package.sh [BUILD_DIR]     (default build/; root; called by scripts/test.sh)
 # Prints SKIP and exits 0 when not root, without dpkg, or when the host already has flexkvd installed or its
@@ -140,6 +142,12 @@ step "file list: ${#files[@]} files, the ${#expected[@]} expected ones and nothi
 if grep -h '^[[:space:]]*#[[:space:]]*include' /usr/include/flexkv/*.h | grep -Ev '<[a-z_]+(\.h)?>|"flexkv/[a-z_]+\.h"'; then
   fail "an installed public header includes something beyond the C/C++ standard library and flexkv/ (above)"
 fi
+# Each compiles on its own from /usr/include alone; flexkv/c.h also as C.
+for header in /usr/include/flexkv/*.h; do
+  echo "#include <flexkv/${header##*/}>" | g++ -std=c++20 -x c++ -fsyntax-only - ||
+    fail "the installed $header does not compile on its own (C++20)"
+done
+echo '#include <flexkv/c.h>' | gcc -std=c11 -x c -fsyntax-only - || fail "the installed flexkv/c.h does not compile as C11"
 for binary in /usr/bin/flexkvd /usr/bin/flexkvctl /usr/bin/flexkv-bench "$lib/libflexkv.so.0"; do
   if readelf -d "$binary" | grep -E 'RPATH|RUNPATH'; then fail "$binary carries a run path (above)"; fi
 done
