@@ -123,6 +123,21 @@ else()
   message(STATUS "flexkv: no help2man (Debian: help2man): no man pages are installed")
 endif()
 
+# flexkvctl's bash completion, printed by the program from its own CLI definitions (`flexkvctl completion bash`),
+# where bash-completion loads it on demand. Only with a flexkvctl that has that subcommand (completion.cc).
+if(EXISTS ${PROJECT_SOURCE_DIR}/client/flexkvctl/completion.cc)
+  set(FLEXKV_BASH_COMPLETION ${PROJECT_BINARY_DIR}/install/flexkvctl.bash)
+  add_custom_command(OUTPUT ${FLEXKV_BASH_COMPLETION}
+    COMMAND sh -c "\"$1\" completion bash > \"$2\"" flexkvctl-completion $<TARGET_FILE:flexkvctl>
+            ${FLEXKV_BASH_COMPLETION}
+    DEPENDS flexkvctl
+    COMMENT "flexkvctl completion bash"
+    VERBATIM)
+  add_custom_target(flexkv_completion ALL DEPENDS ${FLEXKV_BASH_COMPLETION})
+  install(FILES ${FLEXKV_BASH_COMPLETION} DESTINATION ${CMAKE_INSTALL_DATAROOTDIR}/bash-completion/completions
+          RENAME flexkvctl)
+endif()
+
 # README, docs/*.md (flexkvd.service's Documentation= is operations.md) and the engine-side example project.
 install(FILES ${PROJECT_SOURCE_DIR}/README.md DESTINATION ${FLEXKV_INSTALL_DOCDIR})
 file(GLOB FLEXKV_DOCS ${PROJECT_SOURCE_DIR}/docs/*.md ${PROJECT_SOURCE_DIR}/docs/*.png)
@@ -144,8 +159,10 @@ install(FILES ${PROJECT_BINARY_DIR}/install/BUILDINFO DESTINATION ${FLEXKV_INSTA
 # (scripts/test_package.sh: `ninja flexkv_install_inputs`, then cpack).
 add_custom_target(flexkv_install_inputs)
 add_dependencies(flexkv_install_inputs flexkvd flexkvctl flexkv-bench flexkv ${FLEXKV_PYTHON_MODULES})
-if(TARGET flexkv_man)
-  add_dependencies(flexkv_install_inputs flexkv_man)
-endif()
+foreach(target flexkv_man flexkv_completion)
+  if(TARGET ${target})
+    add_dependencies(flexkv_install_inputs ${target})
+  endif()
+endforeach()
 
 include(${CMAKE_CURRENT_LIST_DIR}/deb_package.cmake)

@@ -122,6 +122,7 @@ expected=(/usr/bin/flexkvd /usr/bin/flexkvctl /usr/bin/flexkv-bench
   /usr/share/doc/flexkvd/README.md /usr/share/doc/flexkvd/operations.md /usr/share/doc/flexkvd/BUILDINFO
   /usr/share/doc/flexkvd/examples/engine_cmake/CMakeLists.txt /usr/share/doc/flexkvd/examples/engine_cmake/Makefile
   /usr/share/doc/flexkvd/examples/engine_cmake/main.cc)
+if [[ -f client/flexkvctl/completion.cc ]]; then expected+=(/usr/share/bash-completion/completions/flexkvctl); fi
 for header in client/include/flexkv/*.h common/include/flexkv/*.h; do expected+=("/usr/include/flexkv/${header##*/}"); done
 for module in python/flexkv/*.py python/flexkv/py.typed; do expected+=("$pydir/${module##*/}"); done
 for path in "${expected[@]}"; do
@@ -133,6 +134,7 @@ allowed+="|$lib/cmake/flexkv/flexkvConfig(Version)?\.cmake|/usr/include/flexkv/[
 allowed+="|$pydir/([a-z_]+/)*([a-z_]+\.py|py\.typed|_[a-z_]+\.cpython-[0-9]+-$multiarch\.so)"
 allowed+="|/usr/lib/systemd/system/flexkvd\.(service|socket)|/usr/lib/(sysusers|tmpfiles)\.d/flexkvd\.conf"
 allowed+="|/etc/flexkvd/flexkvd\.toml|/usr/share/man/man8/(flexkvd|flexkvctl)\.8\.gz"
+allowed+="|/usr/share/bash-completion/completions/flexkvctl"
 allowed+="|/usr/share/doc/flexkvd/([a-z_]+\.(md|png)|README\.md|BUILDINFO|examples/engine_cmake/(CMakeLists\.txt|Makefile|README\.md|main\.cc)))$"
 for path in "${files[@]}"; do
   [[ $path =~ $allowed ]] || fail "unexpected file in the package: $path"
@@ -154,6 +156,10 @@ done
 if [[ $build_kind == "GPU build" ]]; then backends="host cuda"; else backends="host"; fi
 grep -qx "backends=$backends" /usr/share/doc/flexkvd/BUILDINFO ||
   fail "BUILDINFO does not say backends=$backends: $(cat /usr/share/doc/flexkvd/BUILDINFO)"
+completion=/usr/share/bash-completion/completions/flexkvctl
+if [[ -f $completion ]]; then
+  bash -c "source $completion && complete -p flexkvctl" >/dev/null || fail "$completion does not register a completion"
+fi
 cmp -s /usr/lib/systemd/system/flexkvd.service systemd/flexkvd.service || fail "the installed unit differs from systemd/"
 ldconfig -p | grep -E "libflexkv\.so\.0 .*=> (/usr)?/lib/$multiarch/libflexkv\.so\.0$" >/dev/null || fail "ld.so.cache does not list $lib/libflexkv.so.0"
 
