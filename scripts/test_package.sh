@@ -4,7 +4,9 @@
 # exactly as the installed flexkvd.service says (ExecStart=, User=, Group=, UMask=, limits, environment, runtime and
 # cache directories, READY=1; systemd is not PID 1 in CI, so this script plays its part), reaches it with the
 # installed flexkvctl, the installed Python package and the example engine project built against the installed files
-# (find_package and pkg-config), stops it, purges the package and checks that only what policy keeps is left.
+# (find_package and pkg-config), reinstalls the package over the running daemon (as an upgrade would: the daemon, its
+# cache and the operator's config stay), stops it, removes the package (config, pool and user stay), purges it and
+# checks that only what policy keeps is left.
 # The unit's sandbox (ProtectSystem=, DevicePolicy=, SystemCallFilter=, ...) needs systemd itself and is not applied
 # here; tests/integration/systemd_verify.sh checks those settings.
 #
@@ -313,6 +315,15 @@ for program in "$example/build/flexkv_engine_example" "$example/flexkv_engine_ex
   step "${program#"$TMP"/}: $out"
 done
 
+# --- Reinstall over the running daemon (what an upgrade does): it keeps running, and the operator's config stays --------
+dpkg -i "$deb" </dev/null >"$TMP/dpkg.log" 2>&1 || { cat "$TMP/dpkg.log" >&2; fail "dpkg -i over the installed package failed"; }
+kill -0 "$daemon_pid" 2>/dev/null || fail "reinstalling the package stopped the running flexkvd"
+grep -qx 'pool-size = "256MiB"' "$config" || fail "reinstalling the package replaced the operator's $config"
+out=$("${clean_env[@]}" "$example/flexkv_engine_example" --socket "$socket" --namespace "$namespace" 2>&1) ||
+  fail "after the reinstall: $out"
+grep -F '(0 new)' <<<"$out" >/dev/null || fail "after the reinstall the blocks were not cached any more: $out"
+step "reinstalled over the running daemon: same pid, config kept, blocks still cached"
+
 # --- Stop it as systemd would (SIGTERM: drain, exit 0) -------------------------------------------------------------------
 kill -TERM "$daemon_pid"
 rc=0
@@ -320,6 +331,14 @@ wait "$daemon_pid" || rc=$?
 daemon_pid=""
 [[ $rc -eq 0 ]] || { cat "$TMP/flexkvd.log" >&2; fail "flexkvd exited $rc on SIGTERM; expected 0 (its log is above)"; }
 step "stopped (SIGTERM, exit 0)"
+
+# --- Remove: the programs go; the config, the pool (a cache that survives) and the user stay ----------------------------
+dpkg --remove flexkvd >"$TMP/dpkg.log" 2>&1 || { cat "$TMP/dpkg.log" >&2; fail "dpkg --remove failed"; }
+[[ $(dpkg-query -W -f='${Status}' flexkvd) == "deinstall ok config-files" ]] ||
+  fail "after dpkg --remove the status is '$(dpkg-query -W -f='${Status}' flexkvd)'; expected config-files"
+for path in /usr/bin/flexkvd "$lib/libflexkv.so.0" "$pydir"; do [[ ! -e $path ]] || fail "$path is left after remove"; done
+for path in "$config" "$pool"; do [[ -e $path ]] || fail "$path was deleted by dpkg --remove; it must stay until purge"; done
+step "removed: programs gone; $config, $pool and user $user kept"
 
 # --- Purge: nothing left but what policy keeps --------------------------------------------------------------------------
 dpkg --purge flexkvd >"$TMP/dpkg.log" 2>&1 || { cat "$TMP/dpkg.log" >&2; fail "dpkg --purge failed"; }
