@@ -18,6 +18,7 @@ FLEXKV_PACKAGES=(
   python3-pytest python3-numpy  # the Python package's tests (tests/python) and examples/vllm_dp_rank.py --host
   prometheus-cpp-dev prometheus curl  # metrics: the library; promtool (in prometheus) and curl test it
   systemd util-linux procps
+  help2man file dpkg-dev  # the package: man pages from --help; cpack's dpkg-shlibdeps (needs file) for its Depends
   clang-14 libclang-rt-14-dev  # libFuzzer targets (scripts/fuzz.sh)
 )
 

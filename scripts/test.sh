@@ -20,6 +20,9 @@ stage() {  # <name> <command...>
 
 stage "build (build/)" flexkv_build
 stage "tests (build/)" ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600 "$@"
+# The Debian package from build/ (cpack, no second build): installed, its daemon run as the unit says, reached by the
+# installed flexkvctl, Python package and example engine project, purged. Root only (it skips itself otherwise).
+stage "Debian package: build, install, run, purge (scripts/test_package.sh)" bash scripts/test_package.sh build
 
 # The lock annotations (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED) are checked by clang only: build-clang/
 # compiles what ships and the test binaries with -Wthread-safety, a violation is an error, the project's other
