@@ -140,7 +140,7 @@ class Ticket:
                     return self._result()
                 if ext is not None:  # the same flexkv_wait, without ctypes around it (GIL released there too)
                     got = ext.wait(ptr, self.id, self.generation, int(slice_s * 1e6))
-                    if type(got) is not int:
+                    if not isinstance(got, int):
                         return self._settle(got)
                     rc = got
                 else:
@@ -175,7 +175,7 @@ class Ticket:
                 return self._result()
             if ext is not None:
                 got = ext.try_wait(ptr, self.id, self.generation)
-                if type(got) is not int:
+                if not isinstance(got, int):
                     return self._settle(got)
                 rc = got
             else:
