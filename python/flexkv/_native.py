@@ -63,6 +63,8 @@ def _find() -> Tuple[Optional[ModuleType], str, str]:
     tried = []
     for path in paths:
         if not os.path.exists(path):
+            if explicit:
+                raise ImportError(f"flexkv: FLEXKV_EXTENSION={explicit}: no such file")
             tried.append(f"{path} (no such file)")
             continue
         try:
