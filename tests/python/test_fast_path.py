@@ -105,6 +105,23 @@ def test_an_install_beside_the_package_is_found_without_any_variable(extension, 
     assert keys == str(flexkv.block_keys("ns", range(32), 16).hex())
 
 
+def test_without_any_extension_file_the_package_imports_on_ctypes(tmp_path):
+    """No compiler, no extension: the package as copied, libflexkv beside it, and nothing else."""
+    shutil.copytree(os.path.join(REPO, "python", "flexkv"), tmp_path / "flexkv",
+                    ignore=shutil.ignore_patterns("_fast*.so"))
+    os.symlink(os.path.realpath(os.environ["FLEXKV_LIBRARY"]), tmp_path / "libflexkv.so.0")
+    env = {k: v for k, v in os.environ.items() if k not in ("FLEXKV_LIBRARY", "FLEXKV_EXTENSION")}
+    env["PYTHONPATH"] = str(tmp_path)
+    code = ("import flexkv, flexkv._native as n; print(repr(flexkv.fast_path)); print(n.reason); "
+            "print(flexkv.block_keys('ns', list(range(32)), 16).hex())")
+    done = run_python(code, env, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    path, reason, keys = done.stdout.splitlines()
+    assert path == "''" and reason.startswith("no usable extension") and "no such file" in reason
+    with ctypes_path():
+        assert keys == str(flexkv.block_keys("ns", list(range(32)), 16).hex())
+
+
 def test_a_named_extension_that_cannot_be_used_fails_the_import_saying_why(tmp_path):
     env = dict(os.environ, FLEXKV_EXTENSION=str(tmp_path / "missing.so"))
     done = run_python("import flexkv", env)
