@@ -110,7 +110,8 @@ def test_without_any_extension_file_the_package_imports_on_ctypes(tmp_path):
     shutil.copytree(os.path.join(REPO, "python", "flexkv"), tmp_path / "flexkv",
                     ignore=shutil.ignore_patterns("_fast*.so"))
     os.symlink(os.path.realpath(os.environ["FLEXKV_LIBRARY"]), tmp_path / "libflexkv.so.0")
-    env = {k: v for k, v in os.environ.items() if k not in ("FLEXKV_LIBRARY", "FLEXKV_EXTENSION")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FLEXKV_LIBRARY", "FLEXKV_EXTENSION", "FLEXKV_NO_EXTENSION")}
     env["PYTHONPATH"] = str(tmp_path)
     code = ("import flexkv, flexkv._native as n; print(repr(flexkv.fast_path)); print(n.reason); "
             "print(flexkv.block_keys('ns', list(range(32)), 16).hex())")
@@ -123,11 +124,11 @@ def test_without_any_extension_file_the_package_imports_on_ctypes(tmp_path):
 
 
 def test_a_named_extension_that_cannot_be_used_fails_the_import_saying_why(tmp_path):
-    env = dict(os.environ, FLEXKV_EXTENSION=str(tmp_path / "missing.so"))
-    done = run_python("import flexkv", env)
+    base = {k: v for k, v in os.environ.items() if k != "FLEXKV_NO_EXTENSION"}
+    done = run_python("import flexkv", dict(base, FLEXKV_EXTENSION=str(tmp_path / "missing.so")))
     assert done.returncode != 0 and "FLEXKV_EXTENSION" in done.stderr and "no such file" in done.stderr
     (tmp_path / "bad.so").write_bytes(b"not an ELF file")
-    done = run_python("import flexkv", dict(os.environ, FLEXKV_EXTENSION=str(tmp_path / "bad.so")))
+    done = run_python("import flexkv", dict(base, FLEXKV_EXTENSION=str(tmp_path / "bad.so")))
     assert done.returncode != 0 and "cannot use FLEXKV_EXTENSION" in done.stderr
 
 
