@@ -224,7 +224,8 @@ class Ticket:
             slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
             ptr = self._client._handle.acquire()
             try:
-                rc = _lib.lib.flexkv_wait_layers(ptr, self._c_ticket(), layers, int(slice_s * 1e6), ctypes.byref(landed))
+                rc = _lib.lib.flexkv_wait_layers(ptr, self._c_ticket(), layers, int(slice_s * 1e6),
+                                                 ctypes.byref(landed))
                 err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc, self._context())
             finally:
                 self._client._handle.release()

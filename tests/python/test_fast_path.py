@@ -146,7 +146,8 @@ def token_inputs():
     return {
         "list": base, "tuple": tuple(base), "range": range(0, 1000, 7), "generator": (t for t in base),
         "empty list": [], "shorter than a block": base[:TPB - 1], "bools and ints": [True, False] * TPB,
-        "list of numpy ints": [numpy.int64(t) for t in base], "int32 array": arr, "int64 array": arr.astype(numpy.int64),
+        "list of numpy ints": [numpy.int64(t) for t in base], "int32 array": arr,
+        "int64 array": arr.astype(numpy.int64),
         "uint16 array": (arr % 60000).astype(numpy.uint16), "int8 array": (arr % 100).astype(numpy.int8),
         "big-endian int32": arr.astype(">i4"), "strided view": numpy.repeat(arr, 2)[::2],
         "array.array i": array.array("i", base), "array.array q": array.array("q", base),
@@ -289,7 +290,8 @@ def test_errors_after_detach_and_close_are_the_same_from_both_paths(extension, d
         assert fast == slow and fast[1] is flexkv.FailedPrecondition
         client.close()
         fast, slow = both(lambda: client.match(keys))
-        assert fast == slow == ("raised", flexkv.FailedPrecondition, "FAILED_PRECONDITION: this flexkv.Client is closed")
+        closed = ("raised", flexkv.FailedPrecondition, "FAILED_PRECONDITION: this flexkv.Client is closed")
+        assert fast == slow == closed
 
 
 def test_a_wait_on_a_frozen_daemon_times_out_alike_and_ctrl_c_reaches_it(extension, stored, daemon):
