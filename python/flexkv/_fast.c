@@ -65,12 +65,13 @@ static PyObject* bind(PyObject* self, PyObject* args) {
     if (address(objs[i], &fns[i]) < 0) return NULL;
     if (fns[i] == NULL) return PyErr_Format(PyExc_ValueError, "bind: function pointer %d is NULL", i);
   }
-  p_match = (match_fn)fns[0];
-  p_prefetch = (prefetch_fn)fns[1];
-  p_release = (release_fn)fns[2];
-  p_wait = (wait_fn)fns[3];
-  p_try_wait = (try_wait_fn)fns[4];
-  p_compute_block_keys = (keys_fn)fns[5];
+  /* memcpy: ISO C has no cast from an object pointer to a function pointer (POSIX guarantees they convert). */
+  memcpy(&p_match, &fns[0], sizeof p_match);
+  memcpy(&p_prefetch, &fns[1], sizeof p_prefetch);
+  memcpy(&p_release, &fns[2], sizeof p_release);
+  memcpy(&p_wait, &fns[3], sizeof p_wait);
+  memcpy(&p_try_wait, &fns[4], sizeof p_try_wait);
+  memcpy(&p_compute_block_keys, &fns[5], sizeof p_compute_block_keys);
   Py_INCREF(op_result_type);
   Py_INCREF(status_codes);
   PyObject* unknown = PyLong_FromLong(FLEXKV_UNKNOWN);
