@@ -3,15 +3,24 @@
 
 #include <xxhash.h>
 
+#include <bit>
 #include <cstddef>
 #include <cstdio>
+#include <cstring>
 
 namespace flexkv {
 namespace {
 
-// Explicit little-endian stores: the key bytes are a wire contract, independent of the host's byte order.
+// Explicit little-endian stores: the key bytes are a wire contract, independent of the host's byte order. On a
+// little-endian host they are plain copies (GCC -O2 kept the byte loops as loops: 2/3 of the time of 32k tokens).
+constexpr bool kLittleEndian = std::endian::native == std::endian::little;
+
 inline void StoreLe64(unsigned char* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+  if constexpr (kLittleEndian) {
+    std::memcpy(p, &v, sizeof(v));
+  } else {
+    for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+  }
 }
 
 inline void StoreLe32(unsigned char* p, uint32_t v) {
@@ -46,7 +55,11 @@ std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::sp
     StoreLe64(data, prev.lo);
     StoreLe64(data + 8, prev.hi);
     const int32_t* block = tokens.data() + b * tpb;
-    for (size_t t = 0; t < tpb; ++t) StoreLe32(data + 16 + 4 * t, static_cast<uint32_t>(block[t]));
+    if constexpr (kLittleEndian) {
+      std::memcpy(data + 16, block, 4 * tpb);
+    } else {
+      for (size_t t = 0; t < tpb; ++t) StoreLe32(data + 16 + 4 * t, static_cast<uint32_t>(block[t]));
+    }
     const XXH128_hash_t h = XXH3_128bits_withSeed(data, buf.size(), seed);
     prev = BlockKey{.lo = h.low64, .hi = h.high64};
     keys.push_back(prev);

@@ -8,13 +8,18 @@
 
 See docs/python.md for the whole API and its contracts.
 """
-from . import _lib
+from . import _lib, _native
 from .client import Client, ComponentPoolStatus, DaemonStatus, OpResult, Ticket, connect
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
                      Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
 from .geometry import ComponentKind, ComponentSpec, Geometry, Layout
 from .keys import BlockKey, BlockKeys, block_keys
+
+_native.load()
+fast_path: str = _native.path
+"""The compiled fast path in use (the path of flexkv/_fast*.so; docs/python.md "Fast path"), or "" when the package
+runs on ctypes alone (flexkv._native.reason says why). Results and errors are the same either way."""
 
 __version__ = _lib.version()  # libflexkv's, from CMake's project(): the version is written in one place
 
@@ -23,5 +28,5 @@ __all__ = [
     "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
     "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "Layout", "NotFound", "OpResult", "OutOfRange",
     "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
-    "Unimplemented", "Unknown", "block_keys", "connect",
+    "Unimplemented", "Unknown", "block_keys", "connect", "fast_path",
 ]

@@ -18,6 +18,7 @@ import operator
 import sys
 from typing import Any, Optional, Tuple
 
+from . import _native
 from .errors import InvalidArgument
 
 _INT_FORMATS = set("bBhHiIlLqQnN")
@@ -78,6 +79,12 @@ def c_int_array(values: Any, ctype: Any, what: str) -> Tuple[ctypes.Array, int]:
     typecode, same_formats, lo, hi = _TARGETS[ctype]
     if isinstance(values, ctypes.Array) and values._type_ is ctype:
         return values, len(values)
+    ext = _native.ext
+    if ext is not None:  # a list, tuple or buffer read in C; None for anything the code below must look at
+        raw = ext.ints(values, typecode == "i")
+        if raw is not None:
+            n = len(raw) // 4
+            return (ctype * n).from_buffer(raw), n
     try:
         view = memoryview(values)
     except TypeError:

@@ -3,7 +3,8 @@
 Why ctypes over the C ABI rather than a compiled extension: the package is pure Python, so one copy serves every
 CPython >= 3.10 the engine runs (no per-version build, no compiler at install time), it loads into the engine's
 own interpreter next to torch, and ctypes releases the GIL for the duration of every foreign call, so a thread
-blocked in a wait does not stop the engine's other Python threads.
+blocked in a wait does not stop the engine's other Python threads. The per-request calls have an optional compiled
+twin (flexkv._fast, found and bound by _native.py) that calls the functions of the library loaded here.
 
 Where the library is looked for, first hit wins:
   1. $FLEXKV_LIBRARY (a path to libflexkv.so.0);

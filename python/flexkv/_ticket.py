@@ -10,7 +10,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional, Union
 
-from . import _lib
+from . import _lib, _native
 from ._convert import c_uint, wait_seconds
 from .errors import DeadlineExceeded, Error, StatusCode, error_for
 
@@ -71,21 +71,27 @@ class Ticket:
 
     __slots__ = ("_client", "_c", "id", "generation", "op", "_lock", "_outcome")
 
-    def __init__(self, client: "Client", c_ticket: _lib.TicketStruct, op: str) -> None:
+    def __init__(self, client: "Client", c_ticket: Optional[_lib.TicketStruct], op: str, id: int = 0,
+                 generation: int = 0) -> None:
+        """c_ticket: the flexkv_ticket as ctypes filled it; None when the fast path gave id and generation."""
         self._client = client
         self._c = c_ticket
-        self.id = int(c_ticket.id)
-        self.generation = int(c_ticket.generation)
+        self.id = int(c_ticket.id) if c_ticket is not None else id
+        self.generation = int(c_ticket.generation) if c_ticket is not None else generation
         self.op = op  # "match" | "prefetch" | "load" | "store" | "release"
         self._lock = threading.Lock()
         self._outcome: Union[None, OpResult, Error] = None
+
+    def _c_ticket(self) -> _lib.TicketStruct:
+        if self._c is None:
+            self._c = _lib.TicketStruct(self.id, self.generation)
+        return self._c
 
     def __repr__(self) -> str:
         state = "pending" if self._outcome is None else "ended"
         return f"<flexkv.Ticket {self.op} #{self.id} of session generation {self.generation} {state}>"
 
-    def _settle(self, r: _lib.OpResultStruct) -> OpResult:
-        result = OpResult._from_c(r)
+    def _settle(self, result: OpResult) -> OpResult:
         with self._lock:
             if self._outcome is None:
                 self._outcome = result if result.ok else error_for(result.status_code, result.message, result)
@@ -124,16 +130,23 @@ class Ticket:
             return self._result()
         seconds = wait_seconds(timeout)
         deadline = None if seconds is None else time.monotonic() + seconds
-        out = _lib.OpResultStruct()
+        ext = _native.ext
+        out = _lib.OpResultStruct() if ext is None else None
         while True:
             slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
             ptr = self._client._handle.acquire()
             try:
                 if self._outcome is not None:  # another thread took the result
                     return self._result()
-                rc = _lib.lib.flexkv_wait(ptr, self._c, int(slice_s * 1e6), ctypes.byref(out))
-                if rc == 0:
-                    return self._settle(out)
+                if ext is not None:  # the same flexkv_wait, without ctypes around it (GIL released there too)
+                    got = ext.wait(ptr, self.id, self.generation, int(slice_s * 1e6))
+                    if not isinstance(got, int):
+                        return self._settle(got)
+                    rc = got
+                else:
+                    rc = _lib.lib.flexkv_wait(ptr, self._c_ticket(), int(slice_s * 1e6), ctypes.byref(out))
+                    if rc == 0:
+                        return self._settle(OpResult._from_c(out))
                 err = None if rc == StatusCode.DEADLINE_EXCEEDED else _lib.error_from_last(rc, self._context())
             finally:
                 self._client._handle.release()
@@ -155,14 +168,21 @@ class Ticket:
         Unavailable when the daemon went away (so a polling loop does not poll forever)."""
         if self._outcome is not None:
             return self._result()
-        out = _lib.OpResultStruct()
+        ext = _native.ext
         ptr = self._client._handle.acquire()
         try:
             if self._outcome is not None:
                 return self._result()
-            rc = _lib.lib.flexkv_try_wait(ptr, self._c, ctypes.byref(out))
-            if rc == 0:
-                return self._settle(out)
+            if ext is not None:
+                got = ext.try_wait(ptr, self.id, self.generation)
+                if not isinstance(got, int):
+                    return self._settle(got)
+                rc = got
+            else:
+                out = _lib.OpResultStruct()
+                rc = _lib.lib.flexkv_try_wait(ptr, self._c_ticket(), ctypes.byref(out))
+                if rc == 0:
+                    return self._settle(OpResult._from_c(out))
             # DEADLINE_EXCEEDED: not ended. Anything else (FAILED_PRECONDITION: its session is gone; UNAVAILABLE: the
             # daemon is) is an error, never "not yet"; NOT_FOUND: another thread's wait took the result.
             err = None if rc == StatusCode.DEADLINE_EXCEEDED else _lib.error_from_last(rc, self._context())
@@ -204,7 +224,8 @@ class Ticket:
             slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
             ptr = self._client._handle.acquire()
             try:
-                rc = _lib.lib.flexkv_wait_layers(ptr, self._c, layers, int(slice_s * 1e6), ctypes.byref(landed))
+                rc = _lib.lib.flexkv_wait_layers(ptr, self._c_ticket(), layers, int(slice_s * 1e6),
+                                                 ctypes.byref(landed))
                 err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc, self._context())
             finally:
                 self._client._handle.release()

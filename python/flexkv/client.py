@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from . import _lib
+from . import _lib, _native
 from ._convert import INT_MAX, U64_MAX, c_int_array, c_uint, device_region
 from ._handle import Handle
 from ._ticket import OpResult, Ticket
@@ -348,6 +348,9 @@ class Client:
         stopped longer than --pin-lease lapse (load/release then raise FailedPrecondition). The library renews
         the lease while the process runs."""
         k = as_block_keys(keys)
+        ext = _native.ext
+        if ext is not None:
+            return self._submit_fast("match", ext.match, k._array, pin)
         return self._submit("match", _lib.lib.flexkv_match, k._array, len(k), 1 if pin else 0)
 
     def prefetch(self, keys: Union[BlockKeys, Iterable[Any]]) -> Ticket:
@@ -359,6 +362,9 @@ class Client:
         deadline); beyond the daemon's per-session limit of prefetches in flight it raises ResourceExhausted. Pins
         nothing: match(keys, pin=True) after it, then load(). An all-zero key raises InvalidArgument."""
         k = as_block_keys(keys)
+        ext = _native.ext
+        if ext is not None:
+            return self._submit_fast("prefetch", ext.prefetch, k._array)
         return self._submit("prefetch", _lib.lib.flexkv_prefetch, k._array, len(k))
 
     def load(self, match_handle: int, block_ids: Any, layerwise: bool = False) -> Ticket:
@@ -420,7 +426,11 @@ class Client:
 
     def release(self, match_handle: int) -> Ticket:
         """Drops the pins of a match handle."""
-        return self._submit("release", _lib.lib.flexkv_release, c_uint(match_handle, "match_handle", U64_MAX))
+        handle = c_uint(match_handle, "match_handle", U64_MAX)
+        ext = _native.ext
+        if ext is not None:
+            return self._submit_fast("release", ext.release, handle)
+        return self._submit("release", _lib.lib.flexkv_release, handle)
 
     def match_via_control(self, keys: Union[BlockKeys, Iterable[Any]]) -> int:
         """The same lookup as match() without pin, as a unary gRPC call (~50x slower): for diagnostics."""
@@ -446,6 +456,17 @@ class Client:
         finally:
             self._handle.release()
         return Ticket(self, ticket, op)
+
+    def _submit_fast(self, op: str, fn: Any, *args: Any) -> Ticket:
+        """_submit through the compiled fast path: fn(ptr, *args) -> (rc, id, generation)."""
+        ptr = self._handle.acquire()
+        try:
+            rc, ticket_id, generation = fn(ptr, *args)
+            if rc != 0:
+                raise _lib.error_from_last(rc)
+        finally:
+            self._handle.release()
+        return Ticket(self, None, op, ticket_id, generation)
 
 
 def _per_component(block_ids: Any) -> bool:

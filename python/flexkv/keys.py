@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence, Tuple, Union, overload
 
-from . import _lib
+from . import _lib, _native
 from ._convert import U64_MAX, c_int_array, c_uint
 from .errors import InvalidArgument
 
@@ -139,6 +139,11 @@ def block_keys(namespace: Union[str, bytes], tokens: Any, tokens_per_block: int)
     """
     tokens_per_block = c_uint(tokens_per_block, "tokens_per_block")  # 0 is refused by libflexkv, naming it
     ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
+    ext = _native.ext
+    if ext is not None:  # reads a list or buffer in C; None for what only the ctypes path below reads (or refuses)
+        raw = ext.block_keys(ns, tokens, tokens_per_block)
+        if raw is not None:
+            return BlockKeys._wrap((_lib.BlockKeyStruct * (len(raw) // _KEY_BYTES)).from_buffer(raw))
     toks, n = c_int_array(tokens, ctypes.c_int32, "tokens")
     capacity = n // tokens_per_block if tokens_per_block else 0
     out = (_lib.BlockKeyStruct * capacity)()

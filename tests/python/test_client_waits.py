@@ -12,10 +12,51 @@ import time
 import pytest
 
 import flexkv
-from flexkv import _lib
+from flexkv import _lib, _native
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
 
 TPB = TEST_GEOMETRY.tokens_per_block
+
+
+class _ExtensionShim:
+    """The compiled fast path (flexkv._fast) with some of its functions replaced: the fault-injection seam of the
+    extension path, as monkeypatching _lib.lib is the ctypes path's."""
+
+    def __init__(self, real, **replaced):
+        self._real = real
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.fixture(params=["ctypes", "extension"])
+def call_path(request, monkeypatch):
+    """Runs a test on the ctypes path (the extension, if loaded, set aside) and on the compiled fast path (skipped
+    where it is not built). Yields a function that replaces one libflexkv call on that path: replace(c_name, fn),
+    where fn gets the ctypes arguments on the ctypes path and the extension's (client, id, generation, ...) on the
+    other, and returns the int code or (extension) the OpResult."""
+    real_ext = _native.ext
+    if request.param == "ctypes":
+        monkeypatch.setattr(_native, "ext", None)
+
+        def replace(c_name, fn):
+            monkeypatch.setattr(_lib.lib, c_name, fn)
+        yield replace, lambda c_name: getattr(_lib.lib, c_name)
+        return
+    if real_ext is None:
+        pytest.skip(f"the compiled fast path is not in use here ({_native.reason})")
+    names = {"flexkv_wait": "wait", "flexkv_try_wait": "try_wait"}
+
+    def replace_ext(c_name, fn):
+        if c_name not in names:  # a call the extension does not make (flexkv_wait_layers)
+            monkeypatch.setattr(_lib.lib, c_name, fn)
+            return
+        shim = _native.ext if isinstance(_native.ext, _ExtensionShim) else _ExtensionShim(real_ext)
+        setattr(shim, names[c_name], fn)
+        monkeypatch.setattr(_native, "ext", shim)
+    yield replace_ext, lambda c_name: getattr(real_ext, names[c_name]) if c_name in names else getattr(_lib.lib,
+                                                                                                       c_name)
 
 
 @pytest.fixture
@@ -155,14 +196,16 @@ def test_daemon_gone_is_unavailable(stored, daemon):
 
 
 @pytest.mark.parametrize("method", ["wait", "wait_layers", "try_wait"])
-def test_a_waiter_whose_result_another_thread_took_returns_it_not_a_timeout(client, monkeypatch, method):
+def test_a_waiter_whose_result_another_thread_took_returns_it_not_a_timeout(client, call_path, method):
     """Two threads wait on one ticket; libflexkv hands the end to one of them. The other, whose call into libflexkv
     then times out at its deadline, must find the outcome the first one kept, not raise DeadlineExceeded (or, from
     try_wait, answer None) for a request that has ended. The interleaving is forced: thread B's call runs thread A's
-    whole wait() inside it and then reports DEADLINE_EXCEEDED, as a call that lost the result does."""
+    whole wait() inside it and then reports DEADLINE_EXCEEDED, as a call that lost the result does. On both call
+    paths (ctypes, the compiled extension)."""
+    replace, original = call_path
     ticket = client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(11, 2), TPB))
     c_name = {"wait": "flexkv_wait", "wait_layers": "flexkv_wait_layers", "try_wait": "flexkv_try_wait"}[method]
-    real = getattr(_lib.lib, c_name)
+    real = original(c_name)
     taken = []
 
     def lose_the_result(*args):
@@ -173,7 +216,7 @@ def test_a_waiter_whose_result_another_thread_took_returns_it_not_a_timeout(clie
         a.join(10)
         return flexkv.StatusCode.DEADLINE_EXCEEDED
 
-    monkeypatch.setattr(_lib.lib, c_name, lose_the_result)
+    replace(c_name, lose_the_result)
     if method == "wait":
         got = ticket.wait(0).matched_blocks
     elif method == "wait_layers":
@@ -184,12 +227,13 @@ def test_a_waiter_whose_result_another_thread_took_returns_it_not_a_timeout(clie
     assert got == (1 if method == "wait_layers" else 0)
 
 
-def test_try_wait_on_a_client_that_is_not_attached_raises(client, monkeypatch):
+def test_try_wait_on_a_client_that_is_not_attached_raises(client, monkeypatch, call_path):
     """libflexkv answers flexkv_try_wait with FAILED_PRECONDITION when its client is not attached (any more): that is
     an error naming the request, never "not ended yet", and done() raises it too instead of answering False
-    forever."""
+    forever. On both call paths."""
+    replace, _ = call_path
     ticket = client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(12, 1), TPB))
-    monkeypatch.setattr(_lib.lib, "flexkv_try_wait", lambda *args: flexkv.StatusCode.FAILED_PRECONDITION)
+    replace("flexkv_try_wait", lambda *args: flexkv.StatusCode.FAILED_PRECONDITION)
     monkeypatch.setattr(_lib.lib, "flexkv_last_error",
                         lambda: b"FAILED_PRECONDITION: not attached: call flexkv_attach first")
     with pytest.raises(flexkv.FailedPrecondition) as e:
