@@ -59,8 +59,11 @@ class DaemonLink:
         self.last_error = ""
         self._closed = False
 
-    def client(self) -> Optional[flexkv.Client]:
-        """The attached client; None while the daemon is not reachable (no attempt before the backoff ends)."""
+    def client(self, raise_errors: bool = False) -> Optional[flexkv.Client]:
+        """The attached client; None while the daemon is not reachable (no attempt before the backoff ends).
+        raise_errors: an attempt that fails for another reason than an unreachable daemon (a geometry the daemon
+        refuses, KV buffers on_attach cannot register) raises that error instead of waiting for the backoff: for a
+        first attach, whose mistakes are the caller's to see."""
         with self._lock:
             if self._client is not None or self._closed:
                 return self._client
@@ -76,6 +79,8 @@ class DaemonLink:
                 if client is not None:
                     client.close()
                 self._fail_locked(err)
+                if raise_errors and not isinstance(err, flexkv.Unavailable):
+                    raise
                 return None
             self._client = client
             self._backoff = self.options.backoff_initial_s

@@ -142,7 +142,7 @@ class WorkerLogic:
             if r.kind == "gpu" and r.tensors is None:
                 raise flexkv.InvalidArgument(f"TP rank {r.tp_rank}'s RankKv has no tensors (it crossed a process)")
         self._ranks = by_rank
-        self.link.client()  # attach now if the daemon is there (registers through _register)
+        self.link.client(raise_errors=True)  # attach now if the daemon is there (registers through _register)
 
     def register_gpu_kv(self, tensors: Sequence[Any], num_blocks: int) -> None:
         """TP 1 (or MLA): rank 0's per-layer CUDA tensors [2, num_blocks, block_size, heads, head_dim]."""

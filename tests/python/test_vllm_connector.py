@@ -1,0 +1,398 @@
+"""flexkv.integrations.vllm: the connector's logic (SchedulerLogic, WorkerLogic) driven with the calls vLLM V1 makes
+(vllm_harness.MiniVllm, written from vllm/v1/core/sched/scheduler.py and kv_connector_model_runner_mixin.py) against
+a real flexkvd, with host KV buffers and every loaded block checked byte for byte; and the adapter without vLLM."""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import random
+import sys
+import tempfile
+from typing import Iterator, List
+
+import pytest
+
+import flexkv
+from conftest import settled_status
+from engine_process import TEST_GEOMETRY
+from flexkv.integrations._vllm_link import LinkOptions
+from flexkv.integrations._vllm_logic import ConnectorConfig, SchedulerLogic, vllm_namespace
+from flexkv.integrations._vllm_worker import RankKv, WorkerLogic
+from vllm_harness import HostKvEngine, MiniVllm
+
+NS = "vllm|pytest-llama|main|bfloat16|tp1"
+BS = TEST_GEOMETRY.tokens_per_block
+
+
+def prompt(seed: int, n_tokens: int) -> List[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(128000) for _ in range(n_tokens)]
+
+
+def config(socket: str, geometry: flexkv.Geometry = TEST_GEOMETRY, namespace: str = NS) -> ConnectorConfig:
+    return ConnectorConfig(namespace=namespace, geometry=geometry,
+                           link=LinkOptions(socket=socket, connect_timeout_s=1.0), op_timeout_s=2.0)
+
+
+@pytest.fixture
+def engines(daemon) -> Iterator:
+    """make(num_blocks=64, chunk_tokens=...) -> a MiniVllm with its own scheduler and worker sessions; all closed
+    (sessions first, then their KV views) after the test."""
+    made: List[MiniVllm] = []
+
+    def make(num_blocks: int = 64, chunk_tokens: int = 1 << 20, socket: str = None) -> MiniVllm:
+        cfg = config(socket or daemon.socket)
+        worker = WorkerLogic(cfg)
+        worker.create_host_kv(num_blocks)
+        vllm = MiniVllm(SchedulerLogic(cfg), worker, HostKvEngine(worker, num_blocks), chunk_tokens)
+        made.append(vllm)
+        return vllm
+
+    try:
+        yield make
+    finally:
+        for v in made:
+            v.scheduler.close()
+            v.worker.close()
+            v.engine.release()
+
+
+def cached_blocks(observer_socket: str, tokens: List[int]) -> int:
+    """How many leading full blocks of `tokens` flexkvd holds (a fresh session's unpinned match)."""
+    with flexkv.connect(observer_socket) as c:
+        c.attach("observer", NS, TEST_GEOMETRY)
+        return c.match(flexkv.block_keys(NS, tokens, BS)).wait(timeout=5).matched_blocks
+
+
+# ---- prefill hits ----
+
+def test_prefill_hit_loads_every_full_block_asynchronously_and_the_bytes_are_the_stored_ones(daemon, engines,
+                                                                                             observer):
+    p = prompt(1, 10 * BS + 5)  # ten full blocks and a partial one, which is never cached
+    a = engines()
+    a.add("a", p)
+    a.run()
+    assert a.worker.stats.stored_blocks == 10
+    assert cached_blocks(daemon.socket, p) == 10
+
+    b = engines()
+    r = b.add("b", p)
+    b.step()  # Scheduler.schedule: get_num_new_matched_tokens -> (160, True): the request waits for the load
+    assert r.external_tokens == 10 * BS and r.status in ("remote", "running", "finished")
+    b.run()
+    assert r.loaded_ok and r.load_failures == 0
+    assert b.worker.stats.loaded_blocks == 10 and b.worker.stats.loaded_bytes == 10 * TEST_GEOMETRY.host_block_bytes
+    assert b.worker.stats.stored_blocks == 0  # everything was cached already: the store planned nothing
+    assert settled_status(observer).pinned_blocks == 0  # pins released as soon as the load ended
+
+
+def test_partial_hit_loads_the_cached_prefix_and_stores_only_the_new_blocks(daemon, engines):
+    system = prompt(2, 6 * BS)
+    a = engines()
+    a.add("a", system + prompt(3, 7))
+    a.run()
+    longer = system + prompt(4, 4 * BS + 3)
+    b = engines()
+    r = b.add("b", longer)
+    b.run()
+    assert r.external_tokens == 6 * BS and r.loaded_ok
+    assert b.worker.stats.loaded_blocks == 6 and b.worker.stats.stored_blocks == 4
+    assert cached_blocks(daemon.socket, longer) == 10
+
+
+def test_a_local_prefix_hit_is_extended_by_the_blocks_after_it(daemon, engines):
+    p = prompt(5, 8 * BS)
+    a = engines()
+    a.add("a", p)
+    a.run()
+    b = engines()
+    b.local_hits["b"] = 2 * BS + 7  # vLLM passes its block-aligned local hit: 2 blocks
+    r = b.add("b", p)
+    b.step()
+    assert r.external_tokens == 6 * BS  # flexkvd's 8 blocks beyond the 2 vLLM holds
+    b.run()
+    assert r.loaded_ok
+    assert b.worker.stats.loaded_blocks == 6 and b.scheduler.stats.lookup_hit_tokens == 6 * BS
+
+
+def test_chunked_prefill_loads_once_then_computes_the_rest_in_chunks(daemon, engines):
+    system = prompt(6, 6 * BS)
+    a = engines()
+    a.add("a", system)
+    a.run()
+    p = system + prompt(7, 5 * BS + 9)
+    b = engines(chunk_tokens=40)  # not a multiple of the block size
+    r = b.add("b", p)
+    steps = 0
+    while r.status != "finished":
+        b.step()
+        steps += 1
+    b.run()
+    assert steps >= 3  # the load, then the remaining 89 tokens in chunks of 40
+    assert b.scheduler.stats.lookups == 1 and b.worker.stats.loads == 1 and r.loaded_ok
+    assert b.worker.stats.stored_blocks == 5
+    assert cached_blocks(daemon.socket, p) == 11
+
+
+# ---- preemption and abort ----
+
+def test_a_preempted_request_is_looked_up_and_loaded_again_into_its_new_blocks(daemon, engines, observer):
+    # scheduler.py: _preempt_request frees a RUNNING request's blocks and sets num_computed_tokens = 0; when it is
+    # scheduled again get_num_new_matched_tokens is asked again (num_computed_tokens == 0).
+    system = prompt(8, 6 * BS)
+    a = engines()
+    a.add("a", system)
+    a.run()
+    b = engines(chunk_tokens=BS)
+    r = b.add("b", system + prompt(9, 4 * BS))
+    while r.status != "running" or r.num_computed_tokens <= 7 * BS:
+        b.step()
+    first_blocks = list(r.block_ids)
+    b.preempt("b")
+    assert b.scheduler.in_flight == (0, 0)  # nothing of the connector is in flight for a running request
+    b.free.reverse()  # the freed blocks are not the ones handed out next
+    b.run()
+    assert r.loaded_ok and r.num_preemptions == 1
+    assert b.scheduler.stats.lookups == 2 and b.worker.stats.loads == 2 and b.worker.stats.loaded_blocks == 12
+    assert r.block_ids == [] and first_blocks  # freed after its store
+    assert b.worker.stats.stores == 1 and b.worker.stats.stored_blocks == 4
+    assert settled_status(observer).pinned_blocks == 0
+
+
+def test_a_request_aborted_while_preempted_stores_nothing(daemon, engines):
+    b = engines(chunk_tokens=2 * BS)
+    p = prompt(10, 8 * BS)
+    r = b.add("b", p)
+    b.step()
+    b.step()
+    assert r.status == "running" and r.num_computed_tokens == 4 * BS
+    b.preempt("b")
+    assert b.abort("b") is False  # request_finished with 0 computed tokens: nothing to store, blocks freed now
+    b.run()
+    assert b.worker.stats.stores == 0
+    assert cached_blocks(daemon.socket, p) == 0
+
+
+def test_an_abort_mid_prefill_stores_only_the_blocks_whose_kv_was_computed(daemon, engines):
+    b = engines(chunk_tokens=3 * BS + 5)
+    p = prompt(11, 9 * BS)
+    r = b.add("b", p)
+    b.step()
+    assert r.num_computed_tokens == 3 * BS + 5
+    assert b.abort("b") is True  # a store of the 3 computed full blocks; the blocks are held until it ends
+    b.run()
+    assert b.worker.stats.stored_blocks == 3
+    assert cached_blocks(daemon.socket, p) == 3
+
+
+def test_a_request_finishing_while_its_load_is_in_flight_is_not_stored_and_its_pins_go(daemon, engines, observer):
+    # scheduler.py finish_requests: a WAITING_FOR_REMOTE_KVS request keeps its blocks until finished_recving;
+    # request_finished must not plan a store of blocks the load may still be writing.
+    p = prompt(12, 8 * BS)
+    a = engines()
+    a.add("a", p)
+    a.run()
+    b = engines()
+    s, w = b.scheduler, b.worker
+    assert s.get_num_new_matched_tokens("b", p, 0) == (8 * BS, True)
+    ids = list(range(20, 28))
+    s.update_state_after_alloc("b", ids, 8 * BS)
+    meta = s.build_connector_meta()
+    w.start(meta)  # pinned and loading
+    assert s.request_finished("b", p, ids, 8 * BS) is False  # the abort: vLLM keeps the blocks itself
+    assert s.build_connector_meta().stores == []
+    sending, recving = w.get_finished({"b"})
+    while not recving:
+        assert w.wait_all(10.0)
+        sending, recving = w.get_finished(set())
+    assert recving == {"b"} and not sending
+    s.update_connector_output(sending, recving)
+    assert s.in_flight == (0, 0)
+    assert settled_status(observer).pinned_blocks == 0
+
+
+# ---- failures: eviction, a dead daemon ----
+
+def test_blocks_evicted_between_lookup_and_load_are_reported_and_recomputed(make_daemon, engines):
+    small = make_daemon(pool_size="1MiB")
+    p = prompt(13, 8 * BS)
+    a = engines(socket=small.socket)
+    a.add("a", p)
+    a.run()
+    b = engines(socket=small.socket)
+    r = b.add("b", p)
+
+    def evict(meta) -> None:  # between the scheduler's lookup and the worker's pin: fill the pool with others
+        if not meta.loads:
+            return
+        with flexkv.connect(small.socket) as c:
+            c.attach("filler", NS, TEST_GEOMETRY)
+            c.create_host_kv(flexkv.Layout.LAYER_FIRST, 8)
+            capacity = c.status().capacity_blocks
+            for seed in range(100, 100 + capacity // 8 + 2):
+                keys = flexkv.block_keys(NS, prompt(seed, 8 * BS), BS)
+                c.store(keys, list(range(8))).wait(timeout=10)
+
+    b.before_worker = evict
+    b.run()
+    assert r.lookups[0] == 8 * BS and r.load_failures == 1  # promised, then found evicted: looked up again
+    assert b.load_errors_seen and b.worker.stats.load_failed_blocks == len(b.load_errors_seen)
+    assert r.loaded_ok  # whatever did load is the right bytes; the rest was recomputed
+    assert b.worker.stats.stored_blocks + b.worker.stats.loaded_blocks >= 8
+
+
+def test_daemon_killed_and_restarted_mid_run_falls_back_to_prefill_then_hits_again(daemon, engines, observer):
+    p = prompt(14, 8 * BS)
+    a = engines()
+    a.add("a", p)
+    a.run()
+    b = engines()
+    r = b.add("b", p)
+
+    def kill(meta) -> None:
+        if meta.loads:
+            daemon.kill()
+
+    b.before_worker = kill  # the scheduler promised 8 blocks; the daemon dies before the worker pins them
+    b.run()
+    assert r.lookups[0] == 8 * BS and r.load_failures == 1 and r.status == "finished"
+    assert set(b.load_errors_seen) and b.worker.stats.session_losses >= 1
+    b.before_worker = None
+    r2 = b.add("b2", p)  # the daemon is still down: a miss, prefilled
+    b.run()
+    assert r2.external_tokens == 0 and b.scheduler.stats.lookup_errors >= 1
+
+    daemon.restart()  # same pool: what was committed is served again
+    b.scheduler.link.retry_now()
+    b.worker.link.retry_now()
+    r3 = b.add("b3", p)
+    b.run()
+    assert r3.external_tokens == 8 * BS and r3.loaded_ok and r3.load_failures == 0
+    assert b.worker.kv_generation == 2  # the worker registered a new host KV buffer with the new session
+
+
+def test_a_daemon_killed_while_a_load_is_in_flight_ends_the_load_reported_and_nothing_waits(daemon, engines):
+    p = prompt(18, 8 * BS)
+    a = engines()
+    a.add("a", p)
+    a.run()
+    b = engines()
+    s, w = b.scheduler, b.worker
+    assert s.get_num_new_matched_tokens("b", p, 0) == (8 * BS, True)
+    ids = list(range(30, 38))
+    s.update_state_after_alloc("b", ids, 8 * BS)
+    w.start(s.build_connector_meta())  # pinned, load submitted
+    daemon.kill()
+    sending, recving = w.get_finished(set())
+    while not recving:  # the load ended (before the kill) or the lost session ended it
+        assert w.wait_all(10.0)
+        sending, recving = w.get_finished(set())
+    assert recving == {"b"}
+    errors = w.take_load_errors()
+    assert errors <= set(ids)
+    loaded = w.stats.loaded_blocks
+    assert loaded + len(errors) == 8  # every planned block is either loaded or reported
+    if errors:
+        assert w.stats.session_losses == 1 and not w.link.attached
+    assert w.in_flight == (0, 0)
+
+
+def test_a_daemon_that_is_not_there_costs_misses_not_errors():
+    empty = tempfile.mkdtemp(prefix="flexkv-vllm-")
+    try:
+        cfg = ConnectorConfig(namespace=NS, geometry=TEST_GEOMETRY,
+                              link=LinkOptions(socket=os.path.join(empty, "none.sock"), connect_timeout_s=0.0))
+        s = SchedulerLogic(cfg)
+        assert s.get_num_new_matched_tokens("r", prompt(15, 4 * BS), 0) == (0, False)
+        assert s.request_finished("r", prompt(15, 4 * BS), [0, 1, 2, 3], 4 * BS) is False
+        assert s.stats.lookup_errors == 1 and s.link.failures == 1
+        w = WorkerLogic(cfg)
+        with pytest.raises(flexkv.Unavailable, match="not reachable"):
+            w.create_host_kv(8)
+        s.close()
+        w.close()
+    finally:
+        os.rmdir(empty)
+
+
+# ---- TP ----
+
+def test_tp2_rank1_hands_its_description_to_rank0_which_registers_and_alone_reports(make_daemon, observer):
+    # Host KV serves TP 2 only for MLA (its latent KV is the same on every rank): rank 1's description says so and
+    # rank 0 registers for both. K/V shards of TP ranks need the CUDA backend (see the next test).
+    d = make_daemon()
+    mla = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=1, kv_heads_per_rank=1, head_dim=64,
+                          dtype_bytes=2, tp_size=2)
+    cfg = config(d.socket, mla, namespace="vllm|pytest-mla|main|bfloat16|tp2")
+    rank0, rank1 = WorkerLogic(cfg, tp_rank=0), WorkerLogic(cfg, tp_rank=1)
+    assert rank1.link is None  # ranks > 0 open no session
+    described = pickle.loads(pickle.dumps(rank1.describe_kv(32)))  # over vLLM's TP CPU group
+    assert described == RankKv(1, "mla-replica", 32)
+    with pytest.raises(flexkv.InvalidArgument, match="expected 0..1"):
+        rank0.register_kv([rank0.describe_kv(32)])
+    rank0.register_kv([rank0.describe_kv(32), described])
+    engine = HostKvEngine(rank0, 32)
+    s = SchedulerLogic(cfg)
+    try:
+        vllm = MiniVllm(s, rank0, engine)
+        p = prompt(16, 4 * BS)
+        vllm.add("a", p)
+        vllm.run()
+        assert rank0.stats.stored_blocks == 4
+        vllm.add("b", p + [1])
+        vllm.run()
+        assert vllm.requests["b"].loaded_ok and rank0.stats.loaded_blocks == 4
+        meta = s.build_connector_meta()
+        rank1.start(meta)
+        assert rank1.get_finished({"a", "b"}) == (None, None)  # get_finished_count() == 1: rank 0 alone reports
+    finally:
+        s.close()
+        rank0.close()
+        engine.release()
+
+
+def test_a_gpu_rank_above_0_is_refused_naming_the_missing_export(daemon):
+    g = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
+                        dtype_bytes=2, tp_size=2)
+    w = WorkerLogic(config(daemon.socket, g))
+    with pytest.raises(flexkv.Unimplemented, match="export"):
+        w.register_kv([RankKv(0, "gpu", 8, tensors=[object()]), RankKv(1, "gpu", 8, tensors=[object()])])
+    w.close()
+
+
+# ---- configuration and the adapter ----
+
+def test_extra_config_is_validated_and_the_namespace_separates_what_changes_kv():
+    cfg = ConnectorConfig.from_extra_config({"socket": "/run/flexkvd/flexkvd.sock", "op_timeout_s": 1},
+                                            default_namespace="ns", geometry=TEST_GEOMETRY)
+    assert cfg.link.socket == "/run/flexkvd/flexkvd.sock" and cfg.op_timeout_s == 1.0 and cfg.namespace == "ns"
+    with pytest.raises(flexkv.InvalidArgument, match="unknown keys \\['sokcet'\\]"):
+        ConnectorConfig.from_extra_config({"sokcet": "x"}, default_namespace="ns", geometry=TEST_GEOMETRY)
+    with pytest.raises(flexkv.InvalidArgument, match="op_timeout_s"):
+        ConnectorConfig.from_extra_config({"op_timeout_s": "1"}, default_namespace="ns", geometry=TEST_GEOMETRY)
+    names = {vllm_namespace("m", "bfloat16", 1), vllm_namespace("m", "fp8", 1), vllm_namespace("m", "bfloat16", 2),
+             vllm_namespace("m", "bfloat16", 1, revision="abc"), vllm_namespace("m2", "bfloat16", 1)}
+    assert len(names) == 5
+
+
+def test_lora_and_multimodal_requests_are_neither_looked_up_nor_stored(daemon):
+    s = SchedulerLogic(config(daemon.socket))
+    p = prompt(17, 4 * BS)
+    assert s.get_num_new_matched_tokens("r", p, 0, cacheable=False) == (0, False)
+    assert s.request_finished("r", p, [0, 1, 2, 3], 4 * BS, cacheable=False) is False
+    assert s.stats.lookups == 0 and s.stats.skipped_requests == 1
+    s.close()
+
+
+def test_the_adapter_imports_without_vllm_and_says_vllm_is_missing_when_the_class_is_requested(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not importable, whatever this machine has
+    monkeypatch.delitem(sys.modules, "flexkv.integrations.vllm", raising=False)
+    module = importlib.import_module("flexkv.integrations.vllm")
+    assert module.SchedulerLogic is SchedulerLogic and module.WorkerLogic is WorkerLogic
+    with pytest.raises(ImportError, match="FlexKVdConnector needs vLLM"):
+        module.FlexKVdConnector
+    with pytest.raises(ImportError, match="needs vLLM"):
+        exec("from flexkv.integrations.vllm import FlexKVdConnector", {})
+    with pytest.raises(AttributeError):
+        module.NoSuchThing
