@@ -396,3 +396,116 @@ def test_the_adapter_imports_without_vllm_and_says_vllm_is_missing_when_the_clas
         exec("from flexkv.integrations.vllm import FlexKVdConnector", {})
     with pytest.raises(AttributeError):
         module.NoSuchThing
+
+
+# ---- the adapter against a stand-in of vLLM's interface ----
+
+class _StandInBase:
+    """KVConnectorBase_V1's constructor and metadata binding as vllm/distributed/kv_transfer/kv_connector/v1/base.py
+    has them (the rest of the interface is what FlexKVdConnector overrides)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        self._connector_metadata = None
+        self._vllm_config = vllm_config
+        self._kv_transfer_config = vllm_config.kv_transfer_config
+        self._role = role
+
+    def bind_connector_metadata(self, connector_metadata):
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self):
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self):
+        assert self._connector_metadata is not None
+        return self._connector_metadata
+
+
+@pytest.fixture
+def standin_vllm(monkeypatch):
+    """The few vLLM modules the adapter imports, as module objects (not vLLM: its interface, from its source)."""
+    import dataclasses
+    import enum
+    import types
+
+    role = enum.Enum("KVConnectorRole", {"SCHEDULER": 0, "WORKER": 1})
+
+    @dataclasses.dataclass
+    class KVConnectorStats:
+        data: dict = dataclasses.field(default_factory=dict)
+
+    modules = {
+        "vllm": {}, "vllm.distributed": {}, "vllm.distributed.kv_transfer": {},
+        "vllm.distributed.kv_transfer.kv_connector": {}, "vllm.distributed.kv_transfer.kv_connector.v1": {},
+        "vllm.distributed.kv_transfer.kv_connector.v1.base": {
+            "KVConnectorBase_V1": _StandInBase, "KVConnectorMetadata": type("KVConnectorMetadata", (), {}),
+            "KVConnectorRole": role},
+        "vllm.distributed.kv_transfer.kv_connector.v1.metrics": {"KVConnectorStats": KVConnectorStats},
+        "vllm.distributed.parallel_state": {"get_tensor_model_parallel_rank": lambda: 0},
+    }
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delitem(sys.modules, "flexkv.integrations.vllm", raising=False)
+    yield importlib.import_module("flexkv.integrations.vllm"), role
+    sys.modules.pop("flexkv.integrations.vllm", None)
+
+
+def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, standin_vllm, observer):
+    from types import SimpleNamespace as NS_
+    adapter, role = standin_vllm
+
+    class BF16:
+        itemsize = 2
+
+        def __str__(self):
+            return "torch.bfloat16"
+
+    model = NS_(model="pytest-llama", revision=None, dtype=BF16(), use_mla=False, get_num_layers=lambda p: 2,
+                get_num_kv_heads=lambda p: 2, get_head_size=lambda: 64)
+    vllm_config = NS_(model_config=model, cache_config=NS_(block_size=16, cache_dtype="auto"),
+                      parallel_config=NS_(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
+                      kv_transfer_config=NS_(kv_connector_extra_config={"socket": daemon.socket}))
+    assert adapter.geometry_from_vllm(vllm_config) == TEST_GEOMETRY
+    sched = adapter.FlexKVdConnector(vllm_config, role.SCHEDULER, None)
+    worker = adapter.FlexKVdConnector(vllm_config, role.WORKER, None)
+    assert sched._config.namespace == NS and sched.get_finished_count() == 1
+    worker._worker.create_host_kv(16)  # no GPU here: the worker's KV is host KV, registered by the logic class
+    engine = HostKvEngine(worker._worker, 16)
+    try:
+        tokens = prompt(19, 4 * BS + 3)
+        keys = flexkv.block_keys(NS, tokens, BS)
+        engine.compute(keys, [0, 1, 2, 3])
+        req = NS_(request_id="r", all_token_ids=tokens, lora_request=None, mm_features=[], num_computed_tokens=len(tokens),
+                  num_in_flight_tokens=0)
+        assert sched.request_finished(req, [0, 1, 2, 3, 4]) == (True, None)  # Scheduler._connector_finished
+        meta = sched.build_connector_meta(NS_(preempted_req_ids=set()))
+        assert isinstance(meta, adapter.FlexKVdConnectorMetadata) and len(meta.stores) == 1
+        worker.bind_connector_metadata(meta)  # KVConnectorModelRunnerMixin._get_kv_connector_output
+        worker.start_load_kv(None)
+        worker._worker.wait_all()
+        assert worker.get_finished({"r"}) == ({"r"}, None)
+        sched.update_connector_output(NS_(finished_sending={"r"}, finished_recving=None))
+
+        req2 = NS_(request_id="r2", all_token_ids=tokens, lora_request=None, mm_features=[], num_computed_tokens=0,
+                   num_in_flight_tokens=0)
+        assert sched.get_num_new_matched_tokens(req2, 0) == (4 * BS, True)
+        lora = NS_(request_id="r3", all_token_ids=tokens, lora_request=object(), mm_features=[])
+        assert sched.get_num_new_matched_tokens(lora, 0) == (0, False)
+        sched.update_state_after_alloc(req2, NS_(get_block_ids=lambda: ([8, 9, 10, 11, 12],)), 4 * BS)
+        worker.bind_connector_metadata(sched.build_connector_meta(NS_(preempted_req_ids=set())))
+        worker.start_load_kv(None)
+        worker._worker.wait_all()
+        assert worker.get_finished(set()) == (None, {"r2"}) and worker.get_block_ids_with_load_errors() == set()
+        assert engine.holds(keys, [8, 9, 10, 11])
+        stats = worker.get_kv_connector_stats()
+        assert stats.data["loaded_blocks"] == 4 and stats.data["stored_blocks"] == 4
+        total = stats.aggregate(sched.get_kv_connector_stats())
+        assert total.reduce()["lookups"] == 1 and total.reduce()["skipped_requests"] == 1
+        assert worker.get_kv_connector_stats() is None  # counters are per interval
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+        engine.release()
+    assert settled_status(observer).sessions == 0

@@ -230,10 +230,12 @@ class WorkerLogic:
         return len(self._loads), len(self._stores)
 
     def close(self) -> None:
-        """Ends the session: the daemon releases its pins and finishes or cancels what was in flight."""
+        """Ends the session: the daemon releases its pins and finishes or cancels what was in flight. The host KV
+        buffer stays mapped (and the session open) while the caller still holds views of it."""
         if self.link is not None:
             self.link.close()
         self._loads, self._stores, self._stray = [], [], []
+        self._host_view = None
 
     # ---- internals ----
 

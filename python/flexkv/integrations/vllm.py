@@ -20,7 +20,9 @@ from ._vllm_logic import (ConnectorConfig, ConnectorMetadata, ConnectorStats, Lo
                           vllm_namespace)
 from ._vllm_worker import RankKv, WorkerLogic, describe_rank_kv
 
-__all__ = ["ConnectorConfig", "ConnectorMetadata", "ConnectorStats", "FlexKVdConnector", "LoadSpec", "RankKv",
+# FlexKVdConnector, FlexKVdConnectorMetadata and FlexKVdConnectorStats are attributes too, made on first access
+# (__getattr__); not in __all__, so that `import *` works without vLLM.
+__all__ = ["ConnectorConfig", "ConnectorMetadata", "ConnectorStats", "LoadSpec", "RankKv",
            "SchedulerLogic", "StoreSpec", "WorkerLogic", "describe_rank_kv", "geometry_from_vllm",
            "vllm_namespace"]
 
@@ -103,8 +105,7 @@ def _build() -> Dict[str, Any]:
                 self._scheduler = SchedulerLogic(self._config)
             else:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-                self._worker = WorkerLogic(self._config, tp_rank=get_tensor_model_parallel_rank(),
-                                           sync=_cuda_sync)
+                self._worker = WorkerLogic(self._config, tp_rank=get_tensor_model_parallel_rank())
 
         # ---- scheduler side ----
 
@@ -150,6 +151,7 @@ def _build() -> Dict[str, Any]:
             else:
                 gathered = [mine]
             if self._worker.is_reporter:
+                self._worker.sync = _cuda_sync  # stores copy from GPU memory the forward wrote
                 self._worker.register_kv(gathered)
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
