@@ -477,8 +477,8 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
         tokens = prompt(19, 4 * BS + 3)
         keys = flexkv.block_keys(NS, tokens, BS)
         engine.compute(keys, [0, 1, 2, 3])
-        req = NS_(request_id="r", all_token_ids=tokens, lora_request=None, mm_features=[], num_computed_tokens=len(tokens),
-                  num_in_flight_tokens=0)
+        req = NS_(request_id="r", all_token_ids=tokens, lora_request=None, mm_features=[],
+                  num_computed_tokens=len(tokens), num_in_flight_tokens=0)
         assert sched.request_finished(req, [0, 1, 2, 3, 4]) == (True, None)  # Scheduler._connector_finished
         meta = sched.build_connector_meta(NS_(preempted_req_ids=set()))
         assert isinstance(meta, adapter.FlexKVdConnectorMetadata) and len(meta.stores) == 1

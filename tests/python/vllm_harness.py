@@ -11,8 +11,9 @@ vllm/v1/worker/kv_connector_model_runner_mixin.py (main branch):
   Scheduler.update_from_output() load errors truncate a waiting request's num_computed_tokens
                                  (_update_requests_with_invalid_blocks); finished requests call request_finished
                                  (_free_request) and free their blocks unless it answered True;
-                                 update_connector_output, then finished_recving promotes a waiting request (or frees
-                                 a finished one's blocks) and finished_sending frees blocks (_update_from_kv_xfer_finished).
+                                 update_connector_output, then finished_recving promotes a waiting request (or
+                                 frees a finished one's blocks) and finished_sending frees blocks
+                                 (_update_from_kv_xfer_finished).
   finish_requests (abort)        request_finished; a request waiting for its load keeps its blocks until
                                  finished_recving.
   _preempt_request               a running request's blocks are freed, num_computed_tokens = 0, it waits again and

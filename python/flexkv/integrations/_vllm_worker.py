@@ -184,14 +184,12 @@ class WorkerLogic:
         be done is reported as load errors / counted store failures."""
         if not self.is_reporter or (not metadata.loads and not metadata.stores):
             return
-        client = self.link.client()
         for spec in metadata.loads:
-            self._start_load(client, spec)
-            client = self.link.client() if client is not None and not self.link.attached else client
+            self._start_load(self.link.client(), spec)  # None while the daemon is away (after a loss: backoff)
         if metadata.stores and self.sync is not None:
             self.sync()
         for spec in metadata.stores:
-            self._start_store(client if self.link.attached else None, spec)
+            self._start_store(self.link.client(), spec)
 
     def get_finished(self, finished_request_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """(finished sending, finished receiving) since the last call, as vLLM's get_finished answers: a store is

@@ -16,14 +16,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import flexkv
 
+from ._vllm_link import DaemonLink, LinkOptions
 from ._vllm_logic import (ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, SchedulerLogic, StoreSpec,
                           vllm_namespace)
 from ._vllm_worker import RankKv, WorkerLogic, describe_rank_kv
 
 # FlexKVdConnector, FlexKVdConnectorMetadata and FlexKVdConnectorStats are attributes too, made on first access
 # (__getattr__); not in __all__, so that `import *` works without vLLM.
-__all__ = ["ConnectorConfig", "ConnectorMetadata", "ConnectorStats", "LoadSpec", "RankKv",
-           "SchedulerLogic", "StoreSpec", "WorkerLogic", "describe_rank_kv", "geometry_from_vllm",
+__all__ = ["ConnectorConfig", "ConnectorMetadata", "ConnectorStats", "DaemonLink", "LinkOptions", "LoadSpec",
+           "RankKv", "SchedulerLogic", "StoreSpec", "WorkerLogic", "describe_rank_kv", "geometry_from_vllm",
            "vllm_namespace"]
 
 _BUILT: Dict[str, Any] = {}
