@@ -482,6 +482,8 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
         assert sched.request_finished(req, [0, 1, 2, 3, 4]) == (True, None)  # Scheduler._connector_finished
         meta = sched.build_connector_meta(NS_(preempted_req_ids=set()))
         assert isinstance(meta, adapter.FlexKVdConnectorMetadata) and len(meta.stores) == 1
+        meta = pickle.loads(pickle.dumps(meta))  # the executor sends the scheduler output to the worker processes
+        assert isinstance(meta, adapter.FlexKVdConnectorMetadata)
         worker.bind_connector_metadata(meta)  # KVConnectorModelRunnerMixin._get_kv_connector_output
         worker.start_load_kv(None)
         worker._worker.wait_all()
@@ -499,7 +501,7 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
         worker._worker.wait_all()
         assert worker.get_finished(set()) == (None, {"r2"}) and worker.get_block_ids_with_load_errors() == set()
         assert engine.holds(keys, [8, 9, 10, 11])
-        stats = worker.get_kv_connector_stats()
+        stats = pickle.loads(pickle.dumps(worker.get_kv_connector_stats()))  # from a worker process
         assert stats.data["loaded_blocks"] == 4 and stats.data["stored_blocks"] == 4
         total = stats.aggregate(sched.get_kv_connector_stats())
         assert total.reduce()["lookups"] == 1 and total.reduce()["skipped_requests"] == 1

@@ -25,6 +25,7 @@ its prefix), so any block can be checked byte for byte. Requests "finish" when t
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
 from typing import Callable, Dict, List, Optional, Set
 
@@ -125,7 +126,8 @@ class MiniVllm:
 
     def step(self) -> None:
         scheduled = self._schedule()
-        meta = self.scheduler.build_connector_meta(self.preempted_req_ids)
+        # The executor sends the scheduler output (and the connector metadata in it) to the worker processes.
+        meta = pickle.loads(pickle.dumps(self.scheduler.build_connector_meta(self.preempted_req_ids)))
         self.preempted_req_ids = set()
         finished_ids, self.finished_req_ids = self.finished_req_ids, set()
         # execute_model: start_load_kv, the forward, then get_finished + get_block_ids_with_load_errors.

@@ -191,6 +191,9 @@ def _build() -> Dict[str, Any]:
 
     built = {"FlexKVdConnector": FlexKVdConnector, "FlexKVdConnectorMetadata": FlexKVdConnectorMetadata,
              "FlexKVdConnectorStats": stats_cls}
+    for name, cls in built.items():
+        if cls is not None:  # pickled by name (vLLM sends metadata and stats between processes): found via __getattr__
+            cls.__module__, cls.__qualname__ = __name__, name
     return built
 
 
