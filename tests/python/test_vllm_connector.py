@@ -84,6 +84,8 @@ def test_prefill_hit_loads_every_full_block_asynchronously_and_the_bytes_are_the
     assert r.loaded_ok and r.load_failures == 0
     assert b.worker.stats.loaded_blocks == 10 and b.worker.stats.loaded_bytes == 10 * TEST_GEOMETRY.host_block_bytes
     assert b.worker.stats.stored_blocks == 0  # everything was cached already: the store planned nothing
+    assert a.worker.tracked_requests == 0 and b.worker.tracked_requests == 0  # finished ids are not kept
+    assert a.scheduler.in_flight == (0, 0) and not a.scheduler._requests
     assert settled_status(observer).pinned_blocks == 0  # pins released as soon as the load ended
 
 

@@ -268,7 +268,7 @@ class SchedulerLogic:
         """This step's loads and stores for the workers; the plan is handed over (and cleared here). A preempted
         request (vLLM freed its blocks) is forgotten: it is looked up again when it is scheduled again."""
         preempted = set(preempted_request_ids)
-        for rid in preempted:
+        for rid in preempted - set(self._pending_loads):  # (one preempted and already looked up again keeps it)
             self._requests.pop(rid, None)
         meta = ConnectorMetadata(loads=list(self._pending_loads.values()), stores=self._pending_stores,
                                  preempted=preempted)

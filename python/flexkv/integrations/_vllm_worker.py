@@ -197,8 +197,10 @@ class WorkerLogic:
         (None, None)."""
         if not self.is_reporter:
             return None, None
-        self._finished_seen.update(finished_request_ids)
         self._poll()
+        storing = self._sent | {store.spec.request_id for store in self._stores}
+        # Only ids with a store are kept: vLLM names its request finished in the step that carries the store.
+        self._finished_seen.update(rid for rid in finished_request_ids if rid in storing)
         recving, self._recving = self._recving, set()
         sending = self._sent & self._finished_seen
         self._sent -= sending
@@ -225,7 +227,13 @@ class WorkerLogic:
 
     @property
     def in_flight(self) -> Tuple[int, int]:
+        """(loads, stores) submitted and not ended."""
         return len(self._loads), len(self._stores)
+
+    @property
+    def tracked_requests(self) -> int:
+        """Request ids held for a later report (bounded by what is in flight; grows only with a leak)."""
+        return len(self._finished_seen) + len(self._sent) + len(self._recving)
 
     def close(self) -> None:
         """Ends the session: the daemon releases its pins and finishes or cancels what was in flight. The host KV
