@@ -343,8 +343,9 @@ class WorkerLogic:
             return True
         if r is None:
             return False
-        if ticket.op == "match" and r.match_handle:  # a timed-out pin: release what it pinned
-            self._stray.append(self.link.client().release(r.match_handle))
+        client = self.link.client()
+        if ticket.op == "match" and r.match_handle and client is not None:  # a timed-out pin: release its pins
+            self._stray.append(client.release(r.match_handle))
         return True
 
     def _end_load(self, load: _Load) -> None:
@@ -369,11 +370,14 @@ class WorkerLogic:
         self._sent.add(store.spec.request_id)
 
     def _lose(self, err: flexkv.Error) -> None:
-        """The session is gone: every load in flight fails (its blocks reported), every store is dropped."""
+        """The session is gone: every load in flight fails (its blocks reported), every store is dropped, and no
+        ticket of the old session is left to be polled (one would fail a later session)."""
         loads, self._loads = self._loads, []
         stores, self._stores = self._stores, []
         self._stray = []
-        self._error(err)
+        if self.link.attached:
+            self.stats.session_losses += 1
+            self.link.lost(err)
         for load in loads:
             load.handle = 0
             load.usable = 0
@@ -383,9 +387,8 @@ class WorkerLogic:
             self._sent.add(store.spec.request_id)
 
     def _error(self, err: flexkv.Error) -> None:
-        if _session_error(err) and self.link is not None and self.link.attached:
-            self.stats.session_losses += 1
-            self.link.lost(err)
+        if _session_error(err):
+            self._lose(err)
         else:
             log.debug("flexkvd request failed: %s", err)
 
