@@ -241,7 +241,8 @@ def test_blocks_evicted_between_lookup_and_load_are_reported_and_recomputed(make
     assert r.lookups[0] == 8 * BS and r.load_failures == 1  # promised, then found evicted: looked up again
     assert b.load_errors_seen and b.worker.stats.load_failed_blocks == len(b.load_errors_seen)
     assert r.loaded_ok  # whatever did load is the right bytes; the rest was recomputed
-    assert b.worker.stats.stored_blocks + b.worker.stats.loaded_blocks >= 8
+    assert b.worker.stats.stored_blocks + b.worker.stats.loaded_blocks == 8  # what was evicted is stored again
+    assert cached_blocks(small.socket, p) == 8
 
 
 def test_daemon_killed_and_restarted_mid_run_falls_back_to_prefill_then_hits_again(daemon, engines, observer):
@@ -513,3 +514,25 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
         worker.shutdown()
         engine.release()
     assert settled_status(observer).sessions == 0
+
+
+def test_a_draining_daemon_costs_misses_and_the_connector_resumes_with_it(daemon, engines, observer):
+    p = prompt(20, 4 * BS)
+    a = engines()
+    a.add("a", p)
+    a.run()
+    b = engines()
+    assert b.scheduler.link.client() is not None  # both sessions attached before the drain
+    assert observer.drain() in ("draining", "drained")
+    r = b.add("b", p + prompt(21, 2 * BS))  # two new blocks to store
+    b.run()
+    # Matches are still answered, loads are refused: one failed load, then the request is prefilled (one load per
+    # request: asked again, the connector answers 0) and its store is refused too.
+    assert r.lookups == [4 * BS, 0] and r.load_failures == 1 and b.load_errors_seen
+    assert b.worker.stats.store_failures == 1 and b.worker.stats.stored_blocks == 0
+    assert observer.resume() == "serving"
+    b.scheduler.link.retry_now()
+    b.worker.link.retry_now()
+    r2 = b.add("b2", p)
+    b.run()
+    assert r2.lookups == [4 * BS] and r2.loaded_ok

@@ -192,14 +192,15 @@ class MiniVllm:
             external, load_async = 0, False
             if r.num_computed_tokens == 0:
                 local = self.local_hits.get(r.request_id, 0) // self.bs * self.bs
-                external, load_async = self.scheduler.get_num_new_matched_tokens(r.request_id, r.tokens, local)
+                external, load_async = self.scheduler.get_num_new_matched_tokens(r.request_id, r.tokens, local,
+                                                                                 True, r.num_preemptions)
                 assert external + local <= len(r.tokens)
                 r.lookups.append(external)
                 r.external_tokens = external
                 r.num_computed_tokens = local
             if load_async:
                 self._allocate(r, r.num_computed_tokens + external)
-                self.scheduler.update_state_after_alloc(r.request_id, list(r.block_ids), external)
+                self.scheduler.update_state_after_alloc(r.request_id, list(r.block_ids), external, r.num_preemptions)
                 r.num_computed_tokens += external
                 r.status = "remote"
                 continue
@@ -253,7 +254,7 @@ class MiniVllm:
             if r.num_computed_tokens >= len(r.tokens):
                 r.status = "finished"
                 self._free_request(r, False)
-        self.scheduler.update_connector_output(sending, recving)
+        self.scheduler.update_connector_output(sending, recving, errors)
         for rid in recving:
             r = self.requests[rid]
             if r.status == "remote":

@@ -18,6 +18,12 @@ log = logging.getLogger("flexkv.integrations.vllm")
 SESSION_LOST = (flexkv.Unavailable, flexkv.FailedPrecondition)
 
 
+def session_lost(err: BaseException) -> bool:
+    """True when `err` says the session is gone, not that one request failed: a request's own error (a draining
+    daemon's Unavailable, lapsed pins' FailedPrecondition) carries its OpResult."""
+    return isinstance(err, SESSION_LOST) and getattr(err, "result", None) is None
+
+
 @dataclasses.dataclass
 class LinkOptions:
     """How a DaemonLink reaches the daemon. socket None: $FLEXKV_SOCKET, else libflexkv's default socket."""

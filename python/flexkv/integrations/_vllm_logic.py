@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 import flexkv
 from flexkv import _lib
 
-from ._vllm_link import SESSION_LOST, DaemonLink, LinkOptions
+from ._vllm_link import DaemonLink, LinkOptions, session_lost
 
 log = logging.getLogger("flexkv.integrations.vllm")
 
@@ -191,6 +191,7 @@ class _RequestState:
     local_tokens: int = 0     # the local hit given to get_num_new_matched_tokens
     cached_blocks: int = 0    # blocks flexkvd had at the last lookup
     hit_tokens: int = 0       # promised to vLLM
+    load_planned: int = -1    # the request's num_preemptions when its last load was planned (-1: none)
 
 
 class SchedulerLogic:
@@ -210,17 +211,18 @@ class SchedulerLogic:
         self._requests: Dict[str, _RequestState] = {}
         self._pending_loads: Dict[str, LoadSpec] = {}
         self._pending_stores: List[StoreSpec] = []
-        self._loading: Set[str] = set()   # loads sent to the workers, not reported finished yet
+        self._loading: Dict[str, LoadSpec] = {}  # loads sent to the workers, not reported finished yet
         self._storing: Set[str] = set()   # stores sent (or to be sent), not reported finished yet
 
     # ---- vLLM's scheduler calls, in the order it makes them ----
 
     def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                                   cacheable: bool = True) -> Tuple[int, bool]:
+                                   cacheable: bool = True, num_preemptions: int = 0) -> Tuple[int, bool]:
         """Tokens of `token_ids` beyond num_computed_tokens (vLLM's block-aligned local hit) that flexkvd holds, and
         whether they load asynchronously (always, when there are any). Side-effect free for vLLM: it may ask again
-        for the same request. (0, False) when the request is not cacheable, nothing more is cached, or the daemon is
-        not reachable (counted in stats.lookup_errors)."""
+        for the same request. (0, False) when the request is not cacheable, nothing more is cached, the daemon is
+        not reachable (counted in stats.lookup_errors), or a load was planned for it already since it was last
+        preempted (num_preemptions: vLLM's Request.num_preemptions)."""
         if not cacheable:
             self.stats.skipped_requests += 1
             return 0, False
@@ -228,6 +230,11 @@ class SchedulerLogic:
             raise flexkv.InvalidArgument(f"num_computed_tokens {num_computed_tokens} is not a multiple of the block "
                                          f"size {self.block_size}; vLLM passes its block-aligned local hit")
         state = self._state(request_id, token_ids)
+        if state.load_planned == num_preemptions:
+            # vLLM asks again after a load only when it loaded nothing (num_computed_tokens back to 0): one load per
+            # request until it is preempted, so that a daemon refusing loads (draining, pins capped) never keeps a
+            # request waiting step after step.
+            return 0, False
         if len(state.keys) * self.block_size <= num_computed_tokens:
             return 0, False
         client = self.link.client()
@@ -246,7 +253,8 @@ class SchedulerLogic:
         self.stats.lookup_hit_tokens += state.hit_tokens
         return state.hit_tokens, state.hit_tokens > 0
 
-    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int,
+                                 num_preemptions: int = 0) -> None:
         """vLLM allocated `block_ids` (the request's blocks from its first, local hits included) and will wait for
         num_external_tokens to load. 0 (no hit, or the second call after the load) plans nothing."""
         if num_external_tokens <= 0:
@@ -263,6 +271,7 @@ class SchedulerLogic:
                                          f"{end}; expected at least {end}")
         self._pending_loads[request_id] = LoadSpec(request_id, keys_to_bytes(state.keys[:end]),
                                                    [int(b) for b in block_ids[:end]], first)
+        state.load_planned = num_preemptions
 
     def build_connector_meta(self, preempted_request_ids: Iterable[str] = ()) -> ConnectorMetadata:
         """This step's loads and stores for the workers; the plan is handed over (and cleared here). A preempted
@@ -303,10 +312,21 @@ class SchedulerLogic:
         return True
 
     def update_connector_output(self, finished_sending: Optional[Iterable[str]],
-                                finished_recving: Optional[Iterable[str]]) -> None:
-        """The workers' report of one step (KVConnectorOutput.finished_sending / finished_recving)."""
+                                finished_recving: Optional[Iterable[str]],
+                                invalid_block_ids: Optional[Iterable[int]] = None) -> None:
+        """The workers' report of one step (KVConnectorOutput.finished_sending, finished_recving and
+        invalid_block_ids). A load that left blocks unfilled (evicted since the lookup) makes its request store them
+        again at its end."""
+        invalid = set(invalid_block_ids or ())
+        if invalid:
+            for rid, spec in self._loading.items():
+                failed = [i for i, b in enumerate(spec.block_ids) if b in invalid]
+                state = self._requests.get(rid)
+                if failed and state is not None:
+                    state.cached_blocks = min(state.cached_blocks, failed[0])
         self._storing.difference_update(finished_sending or ())
-        self._loading.difference_update(finished_recving or ())
+        for rid in finished_recving or ():
+            self._loading.pop(rid, None)
 
     # ---- state ----
 
@@ -325,13 +345,14 @@ class SchedulerLogic:
         if state is None or state.keyed_tokens != n:
             keys = flexkv.block_keys(self.config.namespace, token_ids[:n] if n != len(token_ids) else token_ids,
                                      self.block_size)
-            state = _RequestState(keys=keys, keyed_tokens=n)
+            planned = -1 if state is None else state.load_planned
+            state = _RequestState(keys=keys, keyed_tokens=n, load_planned=planned)
             self._requests[request_id] = state
         return state
 
     def _failed(self, err: flexkv.Error) -> None:
         self.stats.lookup_errors += 1
-        if isinstance(err, SESSION_LOST):
+        if session_lost(err):
             self.stats.session_losses += 1
             self.link.lost(err)
         else:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 import flexkv
 
-from ._vllm_link import SESSION_LOST, DaemonLink
+from ._vllm_link import DaemonLink, session_lost
 from ._vllm_logic import ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, StoreSpec, keys_from_bytes
 
 log = logging.getLogger("flexkv.integrations.vllm")
@@ -303,7 +303,7 @@ class WorkerLogic:
                 try:
                     r = load.ticket.try_wait()
                 except flexkv.Error as err:
-                    if _session_error(err):
+                    if session_lost(err):
                         raise
                     load.usable = 0
                     self._end_load(load)
@@ -319,7 +319,7 @@ class WorkerLogic:
                 try:
                     r = store.ticket.try_wait()
                 except flexkv.Error as err:
-                    if _session_error(err):
+                    if session_lost(err):
                         raise
                     self.stats.store_failures += 1
                     done = err.result.done_blocks if getattr(err, "result", None) is not None else 0
@@ -338,7 +338,7 @@ class WorkerLogic:
         try:
             r = ticket.try_wait()
         except flexkv.Error as err:
-            if _session_error(err):
+            if session_lost(err):
                 raise
             return True
         if r is None:
@@ -387,13 +387,8 @@ class WorkerLogic:
             self._sent.add(store.spec.request_id)
 
     def _error(self, err: flexkv.Error) -> None:
-        if _session_error(err):
+        if session_lost(err):
             self._lose(err)
         else:
             log.debug("flexkvd request failed: %s", err)
 
-
-def _session_error(err: flexkv.Error) -> bool:
-    """True when `err` says the session is gone, not that one request failed (a request's own error carries its
-    OpResult)."""
-    return isinstance(err, SESSION_LOST) and getattr(err, "result", None) is None

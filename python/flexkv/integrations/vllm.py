@@ -112,11 +112,13 @@ def _build() -> Dict[str, Any]:
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
             return self._scheduler.get_num_new_matched_tokens(request.request_id, request.all_token_ids,
-                                                              num_computed_tokens, _cacheable(request))
+                                                              num_computed_tokens, _cacheable(request),
+                                                              getattr(request, "num_preemptions", 0))
 
         def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
             ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
-            self._scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens)
+            self._scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens,
+                                                     getattr(request, "num_preemptions", 0))
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             meta = self._scheduler.build_connector_meta(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -131,7 +133,8 @@ def _build() -> Dict[str, Any]:
 
         def update_connector_output(self, connector_output: Any) -> None:
             self._scheduler.update_connector_output(connector_output.finished_sending,
-                                                    connector_output.finished_recving)
+                                                    connector_output.finished_recving,
+                                                    getattr(connector_output, "invalid_block_ids", None))
 
         def get_finished_count(self) -> Optional[int]:
             return 1  # only TP rank 0 reports (WorkerLogic.get_finished)
