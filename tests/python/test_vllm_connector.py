@@ -9,6 +9,7 @@ import pickle
 import random
 import sys
 import tempfile
+import time
 from typing import Iterator, List
 
 import pytest
@@ -299,6 +300,40 @@ def test_a_daemon_killed_while_a_load_is_in_flight_ends_the_load_reported_and_no
     if errors:
         assert w.stats.session_losses == 1 and not w.link.attached
     assert w.in_flight == (0, 0)
+
+
+def test_a_stopped_daemon_costs_one_timeout_per_side_then_misses_and_its_late_pins_are_released(daemon, engines,
+                                                                                                  observer):
+    p1, p2 = prompt(22, 4 * BS), prompt(23, 4 * BS)
+    a = engines()
+    a.add("a1", p1)
+    a.add("a2", p2)
+    a.run()
+    b = engines()
+    s, w = b.scheduler, b.worker
+    s.config.op_timeout_s = w.config.op_timeout_s = 0.2
+    for rid, p, ids in (("r1", p1, [0, 1, 2, 3]), ("r2", p2, [4, 5, 6, 7])):
+        assert s.get_num_new_matched_tokens(rid, p, 0) == (4 * BS, True)
+        s.update_state_after_alloc(rid, ids, 4 * BS)
+    meta = s.build_connector_meta()
+    daemon.freeze()  # SIGSTOP: nothing answers, nothing fails
+    try:
+        w.start(meta)  # both pins share one timeout; then the worker's link stalls
+        assert w.get_finished(set()) == (None, {"r1", "r2"}) and w.take_load_errors() == set(range(8))
+        assert s.get_num_new_matched_tokens("r3", p1, 0) == (0, False)  # times out: the scheduler's link stalls
+        assert s.get_num_new_matched_tokens("r4", p1, 0) == (0, False)  # not even asked
+        assert s.stats.lookups == 3 and s.stats.lookup_errors == 2
+    finally:
+        daemon.thaw()
+    s.link.retry_now()
+    w.link.retry_now()
+    for _ in range(2000):  # the pins the stopped daemon granted late are released as their answers arrive
+        w.get_finished(set())
+        if observer.status().pinned_blocks == 0:
+            break
+        time.sleep(0.005)
+    assert observer.status().pinned_blocks == 0
+    assert s.get_num_new_matched_tokens("r5", p2, 0) == (4 * BS, True)
 
 
 def test_a_daemon_that_is_not_there_costs_misses_not_errors():

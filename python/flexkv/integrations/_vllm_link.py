@@ -59,6 +59,7 @@ class DaemonLink:
         self._lock = threading.Lock()
         self._client: Optional[flexkv.Client] = None
         self._retry_at = 0.0
+        self._stalled_until = 0.0
         self._backoff = options.backoff_initial_s
         self.attaches = 0  # successful attaches (1 + reconnects)
         self.failures = 0  # failed attempts and lost sessions
@@ -72,7 +73,7 @@ class DaemonLink:
         first attach, whose mistakes are the caller's to see."""
         with self._lock:
             if self._client is not None or self._closed:
-                return self._client
+                return None if self._client is not None and self._clock() < self._stalled_until else self._client
             if self._clock() < self._retry_at:
                 return None
             client = None
@@ -111,14 +112,31 @@ class DaemonLink:
         self._retry_at = self._clock() + self._backoff
         self._backoff = min(self._backoff * 2, self.options.backoff_max_s)
 
+    def stalled(self, err: BaseException) -> None:
+        """A request did not end in time (a stopped or overloaded daemon): the session is kept, but client() answers
+        None for the backoff's length, so that the next requests do not wait in turn (each would cost the timeout on
+        the engine's step); a later stall doubles the pause."""
+        with self._lock:
+            self.failures += 1
+            self.last_error = str(err)
+            log.warning("flexkvd session '%s' did not answer in time (%s); not asked for %.1f s", self.name, err,
+                        self._backoff)
+            self._stalled_until = self._clock() + self._backoff
+            self._backoff = min(self._backoff * 2, self.options.backoff_max_s)
+
     def retry_now(self) -> None:
-        """Forgets the backoff: the next client() call tries at once (tests, operators)."""
+        """Forgets the backoff and any stall: the next client() call tries at once (tests, operators)."""
         with self._lock:
             self._retry_at = 0.0
+            self._stalled_until = 0.0
 
     @property
     def attached(self) -> bool:
         return self._client is not None
+
+    def current(self) -> Optional[flexkv.Client]:
+        """The attached client even while stalled (to release what an earlier request holds); no attempt."""
+        return self._client
 
     def close(self) -> None:
         """Ends the session (idempotent); client() returns None afterwards."""

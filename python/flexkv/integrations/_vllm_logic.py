@@ -352,7 +352,9 @@ class SchedulerLogic:
 
     def _failed(self, err: flexkv.Error) -> None:
         self.stats.lookup_errors += 1
-        if session_lost(err):
+        if isinstance(err, flexkv.DeadlineExceeded):
+            self.link.stalled(err)
+        elif session_lost(err):
             self.stats.session_losses += 1
             self.link.lost(err)
         else:

@@ -184,12 +184,12 @@ class WorkerLogic:
         be done is reported as load errors / counted store failures."""
         if not self.is_reporter or (not metadata.loads and not metadata.stores):
             return
-        for spec in metadata.loads:
-            self._start_load(self.link.client(), spec)  # None while the daemon is away (after a loss: backoff)
+        if metadata.loads:
+            self._start_loads(metadata.loads)
         if metadata.stores and self.sync is not None:
             self.sync()
         for spec in metadata.stores:
-            self._start_store(self.link.client(), spec)
+            self._start_store(self.link.client(), spec)  # None while the daemon is away or stalled: not stored
 
     def get_finished(self, finished_request_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """(finished sending, finished receiving) since the last call, as vLLM's get_finished answers: a store is
@@ -245,39 +245,51 @@ class WorkerLogic:
 
     # ---- internals ----
 
-    def _start_load(self, client: Optional[flexkv.Client], spec: LoadSpec) -> None:
-        self.stats.loads += 1
-        if client is None:
-            self._end_load(_Load(spec, 0, None, 0))
-            return
-        keys = keys_from_bytes(spec.keys)
-        try:
-            ticket = client.match(keys, pin=True)
-        except flexkv.Error as err:
-            self._error(err)
-            self._end_load(_Load(spec, 0, None, 0))
-            return
-        try:
-            hit = ticket.wait(timeout=self.config.op_timeout_s)
-        except flexkv.DeadlineExceeded:
-            self._stray.append(ticket)  # its pins, if it gets any, are released when it ends
-            self._end_load(_Load(spec, 0, None, 0))
-            return
-        except flexkv.Error as err:  # pin cap (nothing pinned), or the daemon went away
-            self._error(err)
-            self._end_load(_Load(spec, 0, None, 0))
-            return
+    def _start_loads(self, specs: Sequence[LoadSpec]) -> None:
+        """Pins every load's prefix (the matches go out together), then loads what each pinned. The pins share one
+        op_timeout_s: a daemon that does not answer costs the step that much once, and the link stalls."""
+        pins: List[Tuple[LoadSpec, Optional[flexkv.Ticket]]] = []
+        for spec in specs:
+            self.stats.loads += 1
+            client = self.link.client()  # None while the daemon is away or stalled
+            ticket = None
+            if client is not None:
+                try:
+                    ticket = client.match(keys_from_bytes(spec.keys), pin=True)
+                except flexkv.Error as err:
+                    self._error(err)
+            pins.append((spec, ticket))
+        deadline = time.monotonic() + self.config.op_timeout_s
+        for spec, ticket in pins:
+            if ticket is None or not self.link.attached:
+                self._end_load(_Load(spec, 0, None, 0))
+                continue
+            try:
+                hit = ticket.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except flexkv.DeadlineExceeded as err:
+                self._stray.append(ticket)  # its pins, if it gets any, are released when it ends
+                self._end_load(_Load(spec, 0, None, 0))
+                if time.monotonic() >= deadline and self.link.client() is not None:
+                    self.link.stalled(err)
+                continue
+            except flexkv.Error as err:  # pin cap (nothing pinned), or the daemon went away
+                self._error(err)
+                self._end_load(_Load(spec, 0, None, 0))
+                continue
+            self._load_pinned(spec, hit)
+
+    def _load_pinned(self, spec: LoadSpec, hit: flexkv.OpResult) -> None:
         usable = min(hit.matched_blocks, len(spec.block_ids))
         load = _Load(spec, hit.match_handle, None, usable)
         if usable <= spec.first_block:  # evicted since the scheduler looked
             self._end_load(load)
             return
         try:
-            load.ticket = client.load(hit.match_handle, spec.block_ids[:usable])
+            load.ticket = self.link.current().load(hit.match_handle, spec.block_ids[:usable])
         except flexkv.Error as err:
-            self._error(err)
             load.usable = 0
             self._end_load(load)
+            self._error(err)
             return
         self._loads.append(load)
 
@@ -343,7 +355,7 @@ class WorkerLogic:
             return True
         if r is None:
             return False
-        client = self.link.client()
+        client = self.link.current()
         if ticket.op == "match" and r.match_handle and client is not None:  # a timed-out pin: release its pins
             self._stray.append(client.release(r.match_handle))
         return True
@@ -360,7 +372,7 @@ class WorkerLogic:
         self._recving.add(spec.request_id)
         if load.handle and self.link.attached:
             try:
-                self._stray.append(self.link.client().release(load.handle))
+                self._stray.append(self.link.current().release(load.handle))
             except flexkv.Error as err:
                 self._error(err)
 
