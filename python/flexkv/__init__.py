@@ -9,7 +9,7 @@
 See docs/python.md for the whole API and its contracts.
 """
 from . import _lib
-from .client import Client, ComponentPoolStatus, DaemonStatus, OpResult, Ticket, connect
+from .client import Client, ComponentPoolStatus, DaemonStatus, OpResult, Ticket, connect, export_gpu_kv
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
                      Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
@@ -23,5 +23,5 @@ __all__ = [
     "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
     "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "Layout", "NotFound", "OpResult", "OutOfRange",
     "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
-    "Unimplemented", "Unknown", "block_keys", "connect",
+    "Unimplemented", "Unknown", "block_keys", "connect", "export_gpu_kv",
 ]

@@ -390,12 +390,89 @@ def test_tp2_rank1_hands_its_description_to_rank0_which_registers_and_alone_repo
         engine.release()
 
 
-def test_a_gpu_rank_above_0_is_refused_naming_the_missing_export(daemon):
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out += bytes([byte | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def _field(number: int, value) -> bytes:
+    if isinstance(value, int):
+        return _varint(number << 3) + _varint(value)
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+def exported_description(tp_rank: int, layers: int, region_bytes: int, num_blocks: int) -> bytes:
+    """What flexkv_gpu_kv_export writes (RegisterKvRequest of proto/flexkv/v1/control.proto, session fields empty),
+    encoded here by hand because this machine has no GPU to describe: LAYER_FIRST, one region per layer."""
+    regions = b"".join(_field(3, _field(1, bytes([7 + i]) * 64) + _field(2, 256) + _field(3, region_bytes))
+                       for i in range(layers))
+    cuda = _field(1, b"GPU-00000000-1111-2222-3333-444444444444") + _field(2, tp_rank) + regions
+    return _field(3, int(flexkv.Layout.LAYER_FIRST)) + _field(4, num_blocks) + _field(11, cuda)
+
+
+class _FakeCudaTensor:
+    """data_ptr/numel/element_size, as a CUDA tensor answers them (no CUDA here: describing it fails in libflexkv)."""
+
+    is_cuda = True
+
+    def data_ptr(self) -> int:
+        return 0x7F0000000000
+
+    def numel(self) -> int:
+        return 4096
+
+    def element_size(self) -> int:
+        return 2
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+def test_a_gpu_rank_above_0_travels_to_rank_0_as_an_exported_description(daemon):
+    # TP rank r's worker describes its GPU KV (flexkv.export_gpu_kv) and rank 0 registers it
+    # (Client.register_exported_gpu_kv). Without a GPU here: libflexkv refuses to describe (no CUDA), rank 0 parses
+    # a description in the exported format and the daemon answers its registration.
     g = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
                         dtype_bytes=2, tp_size=2)
+    with pytest.raises(flexkv.Error, match="CUDA"):  # no CUDA driver here (or a libflexkv built without CUDA)
+        WorkerLogic(config(daemon.socket, g), tp_rank=1).describe_kv(8, [_FakeCudaTensor(), _FakeCudaTensor()])
+    with flexkv.connect(daemon.socket) as c:
+        c.attach("rank0", "vllm|pytest-tp2|main|bfloat16|tp2", g)
+        with pytest.raises(flexkv.InvalidArgument, match="not a GPU KV description"):
+            c.register_exported_gpu_kv(b"\x01\x02junk")
+        with pytest.raises(flexkv.InvalidArgument, match="64-byte"):
+            c.register_exported_gpu_kv(_field(3, 1) + _field(4, 8) + _field(11, _field(3, _field(1, b"x"))))
+        with pytest.raises(flexkv.Error) as answered:  # parsed, sent: the daemon answers (no GPU to open it here)
+            c.register_exported_gpu_kv(exported_description(1, 2, 2 * 8 * 4096, 8))
+        assert "not a GPU KV description" not in str(answered.value)
+        assert "64-byte" not in str(answered.value)
+    # The C ABI's import and export are inverses: what rank 0 imports is what rank r exported.
+    import ctypes
+    from flexkv import _lib
+    data = exported_description(1, 2, 2 * 8 * 4096, 8)
+    kv = ctypes.c_void_p(0)
+    _lib.check(_lib.lib.flexkv_gpu_kv_import(data, len(data), ctypes.byref(kv)))
+    try:
+        size = ctypes.c_size_t(0)
+        _lib.check(_lib.lib.flexkv_gpu_kv_export(kv, None, 0, ctypes.byref(size)))
+        small = ctypes.create_string_buffer(size.value - 1)
+        assert _lib.lib.flexkv_gpu_kv_export(kv, small, size.value - 1, ctypes.byref(size)) == \
+            flexkv.StatusCode.OUT_OF_RANGE
+        buf = ctypes.create_string_buffer(size.value)
+        _lib.check(_lib.lib.flexkv_gpu_kv_export(kv, buf, size.value, ctypes.byref(size)))
+        assert buf.raw[:size.value] == data
+        assert _lib.lib.flexkv_gpu_kv_uuid(kv) == b"GPU-00000000-1111-2222-3333-444444444444"
+    finally:
+        _lib.lib.flexkv_gpu_kv_free(kv)
     w = WorkerLogic(config(daemon.socket, g))
-    with pytest.raises(flexkv.Unimplemented, match="export"):
-        w.register_kv([RankKv(0, "gpu", 8, tensors=[object()]), RankKv(1, "gpu", 8, tensors=[object()])])
+    with pytest.raises(flexkv.InvalidArgument, match="neither tensors nor an exported description"):
+        w.register_kv([RankKv(0, "gpu", 8, tensors=[_FakeCudaTensor()]), RankKv(1, "gpu", 8)])
+    described = pickle.loads(pickle.dumps(RankKv(1, "gpu", 8, exported=exported_description(1, 2, 65536, 8))))
+    assert described.exported == exported_description(1, 2, 65536, 8)
     w.close()
 
 

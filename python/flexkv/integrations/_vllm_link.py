@@ -89,6 +89,10 @@ class DaemonLink:
                 if raise_errors and not isinstance(err, flexkv.Unavailable):
                     raise
                 return None
+            except BaseException:  # a caller's bug in on_attach (TypeError...): no half-made session is kept
+                if client is not None:
+                    client.close()
+                raise
             self._client = client
             self._backoff = self.options.backoff_initial_s
             self.attaches += 1

@@ -21,12 +21,10 @@ log = logging.getLogger("flexkv.integrations.vllm")
 class RankKv:
     """One TP rank's KV buffers as rank 0 registers them (picklable without `tensors`: rank r sends it to rank 0).
 
-    kind: "gpu": `tensors` (per layer [2, num_blocks, block_size, heads, head_dim], LAYER_FIRST) in rank 0's own
-      process; "mla-replica": an MLA rank r > 0 (its latent KV equals rank 0's: nothing to register); "host": host KV
-      in memory shared with the daemon, created by rank 0 (the host backend serves TP 1, and TP > 1 only for MLA).
-    A GPU rank r > 0 cannot be registered from rank 0 yet: libflexkv has no export of a GPU KV description
-    (flexkv_describe_gpu_kv's result stays in its process), so WorkerLogic refuses TP > 1 on the GPU with
-    Unimplemented, naming this.
+    kind: "gpu": rank 0's own `tensors` (per layer [2, num_blocks, block_size, heads, head_dim], LAYER_FIRST), or a
+      rank r > 0's `exported` description (flexkv.export_gpu_kv: CUDA IPC handles as bytes; rank r keeps the memory);
+      "mla-replica": an MLA rank r > 0 (its latent KV equals rank 0's: nothing to register); "host": host KV in
+      memory shared with the daemon, created by rank 0 (the host backend serves TP 1, and TP > 1 only for MLA).
     """
 
     tp_rank: int
@@ -34,6 +32,7 @@ class RankKv:
     num_blocks: int
     layout: int = int(flexkv.Layout.LAYER_FIRST)
     tensors: Optional[List[Any]] = dataclasses.field(default=None, compare=False)
+    exported: Optional[bytes] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -44,13 +43,17 @@ class RankKv:
 def describe_rank_kv(tp_rank: int, geometry: flexkv.Geometry, num_blocks: int,
                      tensors: Optional[Sequence[Any]] = None) -> RankKv:
     """What TP rank `tp_rank` hands rank 0 (over vLLM's TP CPU group) about its KV buffers: GPU `tensors`, or
-    None for host KV. InvalidArgument for a rank outside the geometry's tp_size."""
+    None for host KV. A GPU rank r > 0 exports its description (FailedPrecondition for expandable segments,
+    Unimplemented without CUDA). InvalidArgument for a rank outside the geometry's tp_size."""
     if not 0 <= tp_rank < geometry.tp_size:
         raise flexkv.InvalidArgument(f"tp_rank {tp_rank}; expected 0..{geometry.tp_size - 1} (geometry.tp_size)")
     if tp_rank > 0 and geometry.is_mla:
         return RankKv(tp_rank, "mla-replica", num_blocks)
     if tensors is None:
         return RankKv(tp_rank, "host", num_blocks)
+    if tp_rank > 0:
+        return RankKv(tp_rank, "gpu", num_blocks,
+                      exported=flexkv.export_gpu_kv(list(tensors), flexkv.Layout.LAYER_FIRST, num_blocks, tp_rank))
     return RankKv(tp_rank, "gpu", num_blocks, tensors=list(tensors))
 
 
@@ -123,7 +126,8 @@ class WorkerLogic:
     def register_kv(self, ranks: Iterable[RankKv]) -> None:
         """Rank 0: registers every TP rank's buffers (its own included), gathered from describe_kv() on each rank,
         and attaches. A daemon that is not reachable now is retried later (with backoff; the KV is registered again
-        on every attach). InvalidArgument when ranks are missing or repeated; Unimplemented for a GPU rank > 0."""
+        on every attach). InvalidArgument when ranks are missing or repeated, or a GPU rank has neither tensors
+        (rank 0) nor an exported description (rank > 0); what the registration raises otherwise."""
         if not self.is_reporter:
             raise flexkv.FailedPrecondition(f"register_kv on TP rank {self.tp_rank}; only rank 0 registers (hand it "
                                             "describe_kv())")
@@ -135,12 +139,9 @@ class WorkerLogic:
         if sorted(by_rank) != list(range(self.tp_size)):
             raise flexkv.InvalidArgument(f"RankKv of TP ranks {sorted(by_rank)}; expected 0..{self.tp_size - 1}")
         for r in by_rank.values():
-            if r.kind == "gpu" and r.tp_rank > 0:
-                raise flexkv.Unimplemented(
-                    f"TP rank {r.tp_rank}'s GPU KV cannot be registered from rank 0: libflexkv has no export of a GPU "
-                    "KV description yet (docs/integrations.md, 'What is left'); run with tensor_parallel_size 1")
-            if r.kind == "gpu" and r.tensors is None:
-                raise flexkv.InvalidArgument(f"TP rank {r.tp_rank}'s RankKv has no tensors (it crossed a process)")
+            if r.kind == "gpu" and r.tensors is None and r.exported is None:
+                raise flexkv.InvalidArgument(f"TP rank {r.tp_rank}'s RankKv has neither tensors nor an exported "
+                                             "description; expected describe_kv()'s")
         self._ranks = by_rank
         self.link.client(raise_errors=True)  # attach now if the daemon is there (registers through _register)
 
@@ -168,8 +169,10 @@ class WorkerLogic:
     def _register(self, client: flexkv.Client) -> None:
         """DaemonLink's on_attach: registers every rank's KV with the new session."""
         for r in sorted(self._ranks.values(), key=lambda r: r.tp_rank):
-            if r.kind == "gpu":
+            if r.kind == "gpu" and r.tensors is not None:
                 client.register_gpu_kv(r.tensors, flexkv.Layout(r.layout), r.num_blocks, tp_rank=r.tp_rank)
+            elif r.kind == "gpu":
+                client.register_exported_gpu_kv(r.exported)
             elif r.kind == "host" and r.tp_rank == 0:
                 view = client.create_host_kv(flexkv.Layout(r.layout), r.num_blocks)
                 if self._host_view is not None:  # a new session after a restart: carry the engine's KV over
