@@ -21,18 +21,22 @@ vllm/v1/worker/kv_connector_model_runner_mixin.py (main branch):
 
 The engine's KV is the worker's host KV buffer; a block's KV is a pure function of its block key (as real KV is of
 its prefix), so any block can be checked byte for byte. Requests "finish" when their prompt is prefilled.
+The helpers at the end (NS, BS, prompt, config) are shared by test_vllm_connector.py and test_vllm_adapter.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import pickle
+import random
 import time
 from typing import Callable, Dict, List, Optional, Set
 
 import numpy as np
 
 import flexkv
-from flexkv.integrations._vllm_logic import SchedulerLogic
+from engine_process import TEST_GEOMETRY
+from flexkv.integrations._vllm_link import LinkOptions
+from flexkv.integrations._vllm_logic import ConnectorConfig, SchedulerLogic
 from flexkv.integrations._vllm_worker import WorkerLogic
 
 
@@ -293,3 +297,19 @@ class MiniVllm:
             self.engine.poison(r.block_ids)  # a freed block's old KV must never pass for a load's
         self.free.extend(reversed(r.block_ids))
         r.block_ids = []
+
+
+# ---- shared by the vLLM connector tests ----
+
+NS = "vllm|pytest-llama|main|bfloat16|tp1"
+BS = TEST_GEOMETRY.tokens_per_block
+
+
+def prompt(seed: int, n_tokens: int) -> List[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(128000) for _ in range(n_tokens)]
+
+
+def config(socket: str, geometry: flexkv.Geometry = TEST_GEOMETRY, namespace: str = NS) -> ConnectorConfig:
+    return ConnectorConfig(namespace=namespace, geometry=geometry,
+                           link=LinkOptions(socket=socket, connect_timeout_s=1.0), op_timeout_s=2.0)
