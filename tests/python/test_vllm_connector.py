@@ -16,7 +16,7 @@ import flexkv
 from conftest import settled_status
 from engine_process import TEST_GEOMETRY
 from flexkv.integrations._vllm_link import LinkOptions
-from flexkv.integrations._vllm_logic import ConnectorConfig, SchedulerLogic
+from flexkv.integrations._vllm_logic import ConnectorConfig, ConnectorMetadata, SchedulerLogic
 from flexkv.integrations._vllm_worker import RankKv, WorkerLogic
 from vllm_harness import BS, NS, HostKvEngine, MiniVllm, config, prompt
 
@@ -396,3 +396,20 @@ def test_a_draining_daemon_costs_misses_and_the_connector_resumes_with_it(daemon
     r2 = b.add("b2", p)
     b.run()
     assert r2.lookups == [4 * BS] and r2.loaded_ok
+
+
+def test_a_local_hit_that_ends_inside_a_block_loads_from_that_block(daemon, engines):
+    p = prompt(24, 6 * BS)
+    a = engines()
+    a.add("a", p)
+    a.run()
+    b = engines()
+    s = b.scheduler
+    assert s.get_num_new_matched_tokens("b", p, 2 * BS + 5) == (4 * BS - 5, True)
+    s.update_state_after_alloc("b", [40, 41, 42, 43, 44, 45], 4 * BS - 5)
+    (load,) = s.build_connector_meta().loads
+    assert load.first_block == 2 and load.block_ids == [40, 41, 42, 43, 44, 45]
+    b.worker.start(ConnectorMetadata(loads=[load]))
+    assert b.worker.wait_all()
+    assert b.worker.get_finished(set()) == (None, {"b"}) and not b.worker.take_load_errors()
+    assert b.engine.holds(flexkv.block_keys(NS, p, BS)[2:], [42, 43, 44, 45])

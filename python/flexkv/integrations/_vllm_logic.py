@@ -226,9 +226,8 @@ class SchedulerLogic:
         if not cacheable:
             self.stats.skipped_requests += 1
             return 0, False
-        if num_computed_tokens % self.block_size:
-            raise flexkv.InvalidArgument(f"num_computed_tokens {num_computed_tokens} is not a multiple of the block "
-                                         f"size {self.block_size}; vLLM passes its block-aligned local hit")
+        # vLLM passes a block-aligned local hit; one that is not (a finer hash block size) loads from the block
+        # holding its end, rewriting that block's computed part with the same prefix's KV.
         state = self._state(request_id, token_ids)
         if state.load_planned == num_preemptions:
             # vLLM asks again after a load only when it loaded nothing (num_computed_tokens back to 0): one load per
