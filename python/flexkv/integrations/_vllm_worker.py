@@ -234,6 +234,11 @@ class WorkerLogic:
         return len(self._loads), len(self._stores)
 
     @property
+    def stray_requests(self) -> int:
+        """Pins that ended after their wait gave up, and releases, whose results are still to be taken."""
+        return len(self._stray)
+
+    @property
     def tracked_requests(self) -> int:
         """Request ids held for a later report (bounded by what is in flight; grows only with a leak)."""
         return len(self._finished_seen) + len(self._sent) + len(self._recving)
@@ -345,7 +350,8 @@ class WorkerLogic:
                 else:
                     self._store_ended(store, r.done_blocks)
             self._stores = pending
-            self._stray = [t for t in self._stray if not self._stray_ended(t)]
+            strays, self._stray = self._stray, []  # _stray_ended may add the release of a late pin
+            self._stray.extend(t for t in strays if not self._stray_ended(t))
         except flexkv.Error as err:
             self._lose(err)
 
