@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <optional>
@@ -17,6 +18,7 @@
 #include "common/version.h"
 #include "flexkv/client.h"
 #include "flexkv/cuda.h"
+#include "flexkv/v1/control.pb.h"
 
 struct flexkv_client {
   explicit flexkv_client(std::unique_ptr<flexkv::Client> c) : client(std::move(c)) {}
@@ -389,6 +391,86 @@ int flexkv_register_gpu_kv(flexkv_client* c, const flexkv_gpu_kv* kv) {
 }
 
 void flexkv_gpu_kv_free(flexkv_gpu_kv* kv) { delete kv; }
+
+int flexkv_gpu_kv_export(const flexkv_gpu_kv* kv, void* buf, size_t cap, size_t* len) {
+  return Guarded([&]() -> int {
+    if (kv == nullptr) return NullArgument("kv");
+    if (len == nullptr) return NullArgument("len");
+    const flexkv::GpuKvRegistration& r = kv->registration;
+    if (!r.vmm_allocations.empty()) {
+      return Record(flexkv::Status::FailedPrecondition(
+          "this GPU KV description holds cuMem/VMM memory (PyTorch's expandable segments), whose file descriptors "
+          "cannot travel as bytes; register it from the process that described it, or allocate the KV cache "
+          "without expandable segments"));
+    }
+    // The format is RegisterKvRequest (proto/flexkv/v1/control.proto) without its session fields.
+    flexkv::v1::RegisterKvRequest req;
+    req.set_layout(static_cast<flexkv::v1::KvLayout>(static_cast<int>(r.layout)));
+    req.set_num_blocks(r.num_blocks);
+    req.set_component(r.component);
+    auto* cuda = req.mutable_cuda();
+    cuda->set_gpu_uuid(r.gpu_uuid);
+    cuda->set_tp_rank(r.tp_rank);
+    for (const auto& region : r.regions) {
+      auto* out = cuda->add_regions();
+      out->set_ipc_handle(region.ipc_handle);
+      out->set_offset(region.offset);
+      out->set_bytes(region.bytes);
+    }
+    std::string bytes;
+    if (!req.SerializeToString(&bytes)) return Record(flexkv::Status::Internal("cannot serialize a GPU KV description"));
+    *len = bytes.size();
+    if (buf == nullptr) return Record(flexkv::Status::Ok());
+    if (cap < bytes.size()) {
+      return Record(flexkv::Status::OutOfRange("a buffer of " + std::to_string(cap) + " bytes; the description needs " +
+                                               std::to_string(bytes.size())));
+    }
+    std::memcpy(buf, bytes.data(), bytes.size());
+    return Record(flexkv::Status::Ok());
+  });
+}
+
+int flexkv_gpu_kv_import(const void* buf, size_t len, flexkv_gpu_kv** out) {
+  return Guarded([&]() -> int {
+    if (out == nullptr) return NullArgument("out");
+    *out = nullptr;
+    if (buf == nullptr && len > 0) return NullArgument("buf");
+    constexpr size_t kMaxDescriptionBytes = 1 << 20;
+    if (len > kMaxDescriptionBytes) {
+      return Record(flexkv::Status::InvalidArgument("a GPU KV description of " + std::to_string(len) +
+                                                    " bytes; expected at most " + std::to_string(kMaxDescriptionBytes)));
+    }
+    flexkv::v1::RegisterKvRequest req;
+    if (len == 0 || !req.ParseFromArray(buf, static_cast<int>(len)) || !req.has_cuda()) {
+      return Record(flexkv::Status::InvalidArgument(
+          "these " + std::to_string(len) + " bytes are not a GPU KV description; expected flexkv_gpu_kv_export's"));
+    }
+    if (!ValidLayout(static_cast<int>(req.layout()))) return BadLayout(static_cast<int>(req.layout()));
+    const auto& cuda = req.cuda();
+    if (cuda.regions_size() == 0) {
+      return Record(flexkv::Status::InvalidArgument("a GPU KV description without regions; expected at least one"));
+    }
+    flexkv::GpuKvRegistration reg;
+    reg.gpu_uuid = cuda.gpu_uuid();
+    reg.layout = static_cast<flexkv::KvLayout>(static_cast<int>(req.layout()));
+    reg.num_blocks = req.num_blocks();
+    reg.tp_rank = cuda.tp_rank();
+    reg.component = req.component();
+    for (int i = 0; i < cuda.regions_size(); ++i) {
+      const auto& region = cuda.regions(i);
+      if (region.vmm_allocations_size() > 0 || region.ipc_handle().size() != 64) {
+        return Record(flexkv::Status::InvalidArgument(
+            "region " + std::to_string(i) + " of the GPU KV description has a " +
+            std::to_string(region.ipc_handle().size()) + "-byte IPC handle" +
+            (region.vmm_allocations_size() > 0 ? " and cuMem/VMM allocations" : "") +
+            "; expected a 64-byte cudaIpcMemHandle_t"));
+      }
+      reg.regions.push_back({region.ipc_handle(), region.offset(), region.bytes(), {}});
+    }
+    *out = new flexkv_gpu_kv{std::move(reg)};
+    return Record(flexkv::Status::Ok());
+  });
+}
 
 int flexkv_match(flexkv_client* c, const flexkv_block_key* keys, size_t n_keys, int pin, flexkv_ticket* ticket) {
   return Guarded([&]() -> int {

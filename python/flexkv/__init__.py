@@ -9,7 +9,7 @@
 See docs/python.md for the whole API and its contracts.
 """
 from . import _lib, _native
-from .client import Client, ComponentPoolStatus, DaemonStatus, OpResult, Ticket, connect
+from .client import Client, ComponentPoolStatus, DaemonStatus, OpResult, Ticket, connect, export_gpu_kv
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
                      Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
@@ -28,5 +28,5 @@ __all__ = [
     "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
     "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "Layout", "NotFound", "OpResult", "OutOfRange",
     "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
-    "Unimplemented", "Unknown", "block_keys", "connect", "fast_path",
+    "Unimplemented", "Unknown", "block_keys", "connect", "export_gpu_kv", "fast_path",
 ]

@@ -155,6 +155,8 @@ _PROTOTYPES = {
     "flexkv_gpu_kv_set_component": (c_int, [gpu_kv_p, c_uint32]),
     "flexkv_register_gpu_kv": (c_int, [client_p, gpu_kv_p]),
     "flexkv_gpu_kv_free": (None, [gpu_kv_p]),
+    "flexkv_gpu_kv_export": (c_int, [gpu_kv_p, c_void_p, c_size_t, POINTER(c_size_t)]),
+    "flexkv_gpu_kv_import": (c_int, [c_char_p, c_size_t, POINTER(gpu_kv_p)]),
     "flexkv_match": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, c_int, POINTER(TicketStruct)]),
     "flexkv_prefetch": (c_int, [client_p, POINTER(BlockKeyStruct), c_size_t, POINTER(TicketStruct)]),
     "flexkv_load": (c_int, [client_p, c_uint64, POINTER(c_uint32), c_size_t, c_int, POINTER(TicketStruct)]),

@@ -28,7 +28,7 @@ from .errors import FailedPrecondition, InvalidArgument, StatusCode
 from .geometry import MAX_COMPONENTS, ComponentKind, Geometry, Layout
 from .keys import BlockKeys, as_block_keys
 
-__all__ = ["Client", "ComponentPoolStatus", "DaemonStatus", "OpResult", "Ticket", "connect"]
+__all__ = ["Client", "ComponentPoolStatus", "DaemonStatus", "OpResult", "Ticket", "connect", "export_gpu_kv"]
 
 @dataclasses.dataclass(frozen=True)
 class DaemonStatus:
@@ -305,38 +305,26 @@ class Client:
         Raises InvalidArgument for non-contiguous or unequal regions, CPU tensors or pointers that are not device
         memory; Unimplemented with a libflexkv built without CUDA.
         """
-        lay = _layout(layout)
-        n = c_uint(num_blocks, "num_blocks")
-        tp = c_uint(tp_rank, "tp_rank")
-        comp = c_uint(component, "component")
-        items = list(regions)
-        if not items:
-            raise InvalidArgument("no KV regions given; expected one per layer (LAYER_FIRST) or one")
-        if lay != Layout.LAYER_FIRST and len(items) != 1:
-            raise InvalidArgument(f"{len(items)} KV regions for layout {Layout(lay).name}; expected one (only "
-                                  "LAYER_FIRST takes one per layer)")
-        described = [device_region(obj, i) for i, obj in enumerate(items)]
-        sizes = {b for _, b in described if b is not None}
-        if region_bytes is not None:
-            sizes.add(c_uint(region_bytes, "region_bytes", U64_MAX))
-        if len(sizes) != 1:
-            if not sizes:
-                raise InvalidArgument("region_bytes is needed when the regions are given as int pointers")
-            raise InvalidArgument(f"KV regions have different sizes {sorted(sizes)} bytes; expected equal regions")
-        size = sizes.pop()
-        if not 0 <= size <= U64_MAX:  # a tensor's own size; always fits in practice
-            raise InvalidArgument(f"KV regions of {size} bytes; expected at most {U64_MAX}")
-        ptrs = (ctypes.c_void_p * len(described))(*[p for p, _ in described])
-        kv = ctypes.c_void_p(0)
-        rc = _lib.lib.flexkv_describe_gpu_kv(lay, ptrs, len(described), size, n, tp, ctypes.byref(kv))
-        _lib.check(rc)
+        kv = _describe_gpu_kv(regions, layout, num_blocks, tp_rank, region_bytes, component)
         try:
             uuid = (_lib.lib.flexkv_gpu_kv_uuid(kv) or b"").decode()
-            _lib.check(_lib.lib.flexkv_gpu_kv_set_component(kv, comp))
             self._call(_lib.lib.flexkv_register_gpu_kv, kv)
         finally:
             _lib.lib.flexkv_gpu_kv_free(kv)
         return uuid
+
+    def register_exported_gpu_kv(self, description: bytes) -> None:
+        """CUDA backend, TP engines: registers another process's GPU KV buffers from export_gpu_kv()'s bytes (TP rank
+        r's worker describes, the attached process registers every rank). The describing process must keep the
+        memory while this session uses it. Raises InvalidArgument for bytes that are not a description, and what
+        register_gpu_kv raises."""
+        data = bytes(description)
+        kv = ctypes.c_void_p(0)
+        _lib.check(_lib.lib.flexkv_gpu_kv_import(data, len(data), ctypes.byref(kv)))
+        try:
+            self._call(_lib.lib.flexkv_register_gpu_kv, kv)
+        finally:
+            _lib.lib.flexkv_gpu_kv_free(kv)
 
     # ---- data plane (after attach); each returns a Ticket at once ----
 
@@ -467,6 +455,61 @@ class Client:
         finally:
             self._handle.release()
         return Ticket(self, None, op, ticket_id, generation)
+
+
+def _describe_gpu_kv(regions: Sequence[Any], layout: Union[Layout, int], num_blocks: int, tp_rank: int,
+                     region_bytes: Optional[int], component: int) -> Any:
+    """flexkv_describe_gpu_kv with the checks of Client.register_gpu_kv; returns the flexkv_gpu_kv* (a c_void_p),
+    which the caller frees with flexkv_gpu_kv_free."""
+    lay = _layout(layout)
+    n = c_uint(num_blocks, "num_blocks")
+    tp = c_uint(tp_rank, "tp_rank")
+    comp = c_uint(component, "component")
+    items = list(regions)
+    if not items:
+        raise InvalidArgument("no KV regions given; expected one per layer (LAYER_FIRST) or one")
+    if lay != Layout.LAYER_FIRST and len(items) != 1:
+        raise InvalidArgument(f"{len(items)} KV regions for layout {Layout(lay).name}; expected one (only "
+                              "LAYER_FIRST takes one per layer)")
+    described = [device_region(obj, i) for i, obj in enumerate(items)]
+    sizes = {b for _, b in described if b is not None}
+    if region_bytes is not None:
+        sizes.add(c_uint(region_bytes, "region_bytes", U64_MAX))
+    if len(sizes) != 1:
+        if not sizes:
+            raise InvalidArgument("region_bytes is needed when the regions are given as int pointers")
+        raise InvalidArgument(f"KV regions have different sizes {sorted(sizes)} bytes; expected equal regions")
+    size = sizes.pop()
+    if not 0 <= size <= U64_MAX:  # a tensor's own size; always fits in practice
+        raise InvalidArgument(f"KV regions of {size} bytes; expected at most {U64_MAX}")
+    ptrs = (ctypes.c_void_p * len(described))(*[p for p, _ in described])
+    kv = ctypes.c_void_p(0)
+    _lib.check(_lib.lib.flexkv_describe_gpu_kv(lay, ptrs, len(described), size, n, tp, ctypes.byref(kv)))
+    try:
+        _lib.check(_lib.lib.flexkv_gpu_kv_set_component(kv, comp))
+    except BaseException:
+        _lib.lib.flexkv_gpu_kv_free(kv)
+        raise
+    return kv
+
+
+def export_gpu_kv(regions: Sequence[Any], layout: Union[Layout, int], num_blocks: int, tp_rank: int = 0, *,
+                  region_bytes: Optional[int] = None, component: int = 0) -> bytes:
+    """CUDA backend, TP engines: describes this process's GPU KV buffers of one TP rank (the arguments of
+    Client.register_gpu_kv) as bytes that the process attached for the engine registers with
+    Client.register_exported_gpu_kv (flexkv_gpu_kv_export). Needs no daemon. The bytes carry CUDA IPC handles: this
+    node only, and only while this process keeps the memory. Raises FailedPrecondition for cuMem/VMM memory
+    (PyTorch's expandable segments: register it from this process instead), Unimplemented with a libflexkv built
+    without CUDA, and what register_gpu_kv raises for bad regions."""
+    kv = _describe_gpu_kv(regions, layout, num_blocks, tp_rank, region_bytes, component)
+    try:
+        size = ctypes.c_size_t(0)
+        _lib.check(_lib.lib.flexkv_gpu_kv_export(kv, None, 0, ctypes.byref(size)))
+        buf = ctypes.create_string_buffer(size.value)
+        _lib.check(_lib.lib.flexkv_gpu_kv_export(kv, buf, size.value, ctypes.byref(size)))
+        return buf.raw[:size.value]
+    finally:
+        _lib.lib.flexkv_gpu_kv_free(kv)
 
 
 def _per_component(block_ids: Any) -> bool:

@@ -221,6 +221,16 @@ const char* flexkv_gpu_kv_uuid(const flexkv_gpu_kv* kv);
 int flexkv_gpu_kv_set_component(flexkv_gpu_kv* kv, uint32_t component);
 int flexkv_register_gpu_kv(flexkv_client* client, const flexkv_gpu_kv* kv);
 void flexkv_gpu_kv_free(flexkv_gpu_kv* kv);
+/* TP engines: one process registers every TP rank's GPU KV (Load/Store need all tp_size ranks), so rank r's
+ * description travels to it as bytes. flexkv_gpu_kv_export writes `kv` as those bytes (the RegisterKvRequest
+ * message of proto/flexkv/v1/control.proto without its session fields) to buf (cap bytes) and their size to *len;
+ * with buf NULL it only sets *len; FLEXKV_OUT_OF_RANGE when cap is too small. FLEXKV_FAILED_PRECONDITION for cuMem/VMM
+ * memory (PyTorch's expandable segments), whose file descriptors cannot travel as bytes. The bytes carry CUDA IPC
+ * handles: they are usable on this node only, and only while the describing process keeps the memory.
+ * flexkv_gpu_kv_import makes a description of such bytes for flexkv_register_gpu_kv (*out freed with
+ * flexkv_gpu_kv_free); FLEXKV_INVALID_ARGUMENT, naming what is wrong, for bytes that are not one. */
+int flexkv_gpu_kv_export(const flexkv_gpu_kv* kv, void* buf, size_t cap, size_t* len);
+int flexkv_gpu_kv_import(const void* buf, size_t len, flexkv_gpu_kv** out);
 
 /* ---- Data plane (after attach). Each submission writes a ticket; every ticket ends exactly once. ---- */
 

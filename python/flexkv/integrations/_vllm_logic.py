@@ -1,0 +1,360 @@
+"""The vLLM connector's logic without vLLM: its configuration, the metadata the scheduler side hands the workers, its
+counters, and the scheduler side (SchedulerLogic). The worker side is WorkerLogic (_vllm_worker.py); the thin vLLM
+adapter (vllm.py) only turns vLLM's objects into the plain arguments these take. docs/integrations.md, "vLLM".
+
+The protocol with vLLM V1 (vllm/v1/core/sched/scheduler.py; vllm/distributed/kv_transfer/kv_connector/v1/base.py):
+  get_num_new_matched_tokens  (scheduler, new or preempted request, num_computed_tokens = its block-aligned local hit)
+      an unpinned match of the prompt's full blocks; answers (hit tokens beyond the local hit, True): an async load.
+  update_state_after_alloc    (scheduler) the block ids vLLM allocated: the load [local blocks, local + hit) is planned.
+  build_connector_meta        (scheduler, once per step) the planned loads and stores go to the workers.
+  start_load_kv / get_finished (worker TP rank 0, which holds the data session with every rank's KV registered)
+      pins and loads; reports finished_recving when a load ended and its failed block ids
+      (get_block_ids_with_load_errors: vLLM recomputes them); stores; reports finished_sending when a store ended.
+  request_finished            (scheduler) plans the store of the blocks whose KV was computed; True (vLLM keeps the
+      blocks) until the store ended.
+  update_connector_output     (scheduler) learns which loads and stores ended.
+Only TP rank 0 reports (get_finished_count() == 1): vLLM's KVOutputAggregator counts a request finished once it
+was reported get_finished_count() times (or world_size times without it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+import flexkv
+from flexkv import _lib
+
+from ._vllm_link import DaemonLink, LinkOptions, session_lost
+
+log = logging.getLogger("flexkv.integrations.vllm")
+
+_KEY_BYTES = 16
+
+
+def keys_to_bytes(keys: flexkv.BlockKeys) -> bytes:
+    """A prompt's block keys as 16 bytes each (lo, hi little-endian): what the metadata carries to the workers."""
+    return bytes(keys._array)  # noqa: SLF001 - the C array of {lo, hi} pairs, as libflexkv reads it
+
+
+def keys_from_bytes(data: bytes) -> flexkv.BlockKeys:
+    """keys_to_bytes's inverse: keys that start a prompt (parent None)."""
+    if len(data) % _KEY_BYTES:
+        raise flexkv.InvalidArgument(f"{len(data)} bytes of block keys; expected a multiple of {_KEY_BYTES}")
+    n = len(data) // _KEY_BYTES
+    return flexkv.BlockKeys._wrap((_lib.BlockKeyStruct * n).from_buffer_copy(data))  # noqa: SLF001
+
+
+def vllm_namespace(model: str, kv_dtype: str, tp_size: int, *, revision: Optional[str] = None,
+                   extra: str = "") -> str:
+    """The cache namespace of a vLLM engine: everything that changes the KV bytes of a token prefix. Two engines
+    share blocks only when all of these agree: the model (and its revision), the KV cache dtype, the TP size (it
+    changes the layout of a host block; the geometry check refuses a mismatch anyway) and `extra` (anything else the
+    deployment knows changes KV: a fine-tune's name, a RoPE scaling override). LoRA adapters and multimodal inputs
+    are not keyed: requests that carry them are not cached at all (SchedulerLogic's `cacheable`)."""
+    parts = ["vllm", model, revision or "main", kv_dtype, f"tp{tp_size}"]
+    if extra:
+        parts.append(extra)
+    ns = "|".join(parts)
+    if len(ns.encode()) > 256:
+        raise flexkv.InvalidArgument(f"namespace {ns[:64]!r}... is {len(ns.encode())} bytes; expected at most 256: "
+                                     "set kv_connector_extra_config.namespace")
+    return ns
+
+
+@dataclasses.dataclass
+class ConnectorConfig:
+    """What both sides need; from kv_connector_extra_config (from_extra_config) plus the engine's shape.
+
+    namespace: the cache domain (vllm_namespace()); geometry: the KV shape (tokens_per_block == vLLM's block_size).
+    link: socket and reconnect backoff. op_timeout_s: how long the scheduler waits for a match and a worker for a pin
+    before it treats the request as a miss (the request is never held up longer). name: the sessions' name prefix.
+    """
+
+    namespace: str
+    geometry: flexkv.Geometry
+    link: LinkOptions = dataclasses.field(default_factory=LinkOptions)
+    op_timeout_s: float = 0.5
+    name: str = "vllm"
+    dp_rank: int = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.geometry.tokens_per_block
+
+    EXTRA_KEYS = ("socket", "namespace", "namespace_extra", "op_timeout_s", "connect_timeout_s",
+                  "backoff_initial_s", "backoff_max_s", "name")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], *, default_namespace: str, geometry: flexkv.Geometry,
+                          dp_rank: int = 0) -> "ConnectorConfig":
+        """Reads kv_connector_extra_config: socket, namespace (default: default_namespace), op_timeout_s,
+        connect_timeout_s, backoff_initial_s, backoff_max_s, name. InvalidArgument names an unknown key or a value of
+        the wrong type."""
+        unknown = sorted(set(extra) - set(cls.EXTRA_KEYS))
+        if unknown:
+            raise flexkv.InvalidArgument(f"kv_connector_extra_config has unknown keys {unknown}; expected some of "
+                                         f"{list(cls.EXTRA_KEYS)}")
+
+        def number(key: str, default: float) -> float:
+            value = extra.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise flexkv.InvalidArgument(f"kv_connector_extra_config.{key} is {value!r}; expected seconds >= 0")
+            return float(value)
+
+        def text(key: str, default: Optional[str]) -> Optional[str]:
+            value = extra.get(key, default)
+            if value is not None and not isinstance(value, str):
+                raise flexkv.InvalidArgument(f"kv_connector_extra_config.{key} is {value!r}; expected a string")
+            return value
+
+        link = LinkOptions(socket=text("socket", None),
+                           connect_timeout_s=number("connect_timeout_s", LinkOptions.connect_timeout_s),
+                           backoff_initial_s=number("backoff_initial_s", LinkOptions.backoff_initial_s),
+                           backoff_max_s=number("backoff_max_s", LinkOptions.backoff_max_s))
+        namespace = text("namespace", None) or default_namespace
+        if extra.get("namespace_extra"):
+            namespace = f"{namespace}|{text('namespace_extra', '')}"
+        return cls(namespace=namespace, geometry=geometry, link=link, op_timeout_s=number("op_timeout_s", 0.5),
+                   name=text("name", "vllm") or "vllm", dp_rank=dp_rank)
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """Load the blocks [first_block, len(block_ids)) of a prompt into vLLM's blocks: block_ids[i] receives the KV of
+    key i (the ids before first_block are the request's locally cached blocks; flexkvd loads a match from its first
+    block, so they are rewritten with the same prefix's KV)."""
+
+    request_id: str
+    keys: bytes  # keys_to_bytes of the prompt's first len(block_ids) blocks
+    block_ids: List[int]
+    first_block: int
+
+
+@dataclasses.dataclass
+class StoreSpec:
+    """Store the prompt's blocks [0, len(block_ids)) from vLLM's blocks (flexkvd skips those already cached)."""
+
+    request_id: str
+    keys: bytes
+    block_ids: List[int]
+
+
+@dataclasses.dataclass
+class ConnectorMetadata:
+    """One step's work for the workers (picklable: vLLM sends it to every worker process)."""
+
+    loads: List[LoadSpec] = dataclasses.field(default_factory=list)
+    stores: List[StoreSpec] = dataclasses.field(default_factory=list)
+    preempted: Set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class ConnectorStats:
+    """Counters of one side since it started (or since the last take(), for vLLM's per-interval stats)."""
+
+    lookups: int = 0          # scheduler: get_num_new_matched_tokens that asked the daemon
+    lookup_hit_tokens: int = 0
+    lookup_errors: int = 0    # daemon unreachable or slow: answered as a miss
+    loads: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_failed_blocks: int = 0  # reported to vLLM through get_block_ids_with_load_errors
+    stores: int = 0
+    stored_blocks: int = 0    # newly stored (already cached ones are skipped by the daemon)
+    stored_bytes: int = 0
+    store_failures: int = 0
+    skipped_requests: int = 0  # not cacheable (LoRA, multimodal)
+    session_losses: int = 0
+
+    def take(self) -> "ConnectorStats":
+        """A copy of the counters, which are reset to zero."""
+        copy = dataclasses.replace(self)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+        return copy
+
+    def as_dict(self) -> Dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def is_empty(self) -> bool:
+        return not any(self.as_dict().values())
+
+    def add(self, other: "ConnectorStats") -> "ConnectorStats":
+        return ConnectorStats(**{k: v + getattr(other, k) for k, v in self.as_dict().items()})
+
+
+@dataclasses.dataclass
+class _RequestState:
+    keys: flexkv.BlockKeys
+    keyed_tokens: int
+    local_tokens: int = 0     # the local hit given to get_num_new_matched_tokens
+    cached_blocks: int = 0    # blocks flexkvd had at the last lookup
+    hit_tokens: int = 0       # promised to vLLM
+    load_planned: int = -1    # the request's num_preemptions when its last load was planned (-1: none)
+
+
+class SchedulerLogic:
+    """The scheduler side: looks prompts up, plans loads and stores, and tracks them until the workers report.
+
+    It attaches a session of its own (nothing registered; it only matches, unpinned) through a DaemonLink, so a
+    daemon that is down costs misses: get_num_new_matched_tokens answers (0, False) and stores are not planned.
+    Thread safety: none; vLLM calls the scheduler side from its one scheduler thread.
+    """
+
+    def __init__(self, config: ConnectorConfig, link: Optional[DaemonLink] = None) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.link = link or DaemonLink(f"{config.name}-scheduler-dp{config.dp_rank}", config.namespace,
+                                       config.geometry, config.link, dp_rank=config.dp_rank)
+        self.stats = ConnectorStats()
+        self._requests: Dict[str, _RequestState] = {}
+        self._pending_loads: Dict[str, LoadSpec] = {}
+        self._pending_stores: List[StoreSpec] = []
+        self._loading: Dict[str, LoadSpec] = {}  # loads sent to the workers, not reported finished yet
+        self._storing: Set[str] = set()   # stores sent (or to be sent), not reported finished yet
+
+    # ---- vLLM's scheduler calls, in the order it makes them ----
+
+    def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                                   cacheable: bool = True, num_preemptions: int = 0) -> Tuple[int, bool]:
+        """Tokens of `token_ids` beyond num_computed_tokens (vLLM's block-aligned local hit) that flexkvd holds, and
+        whether they load asynchronously (always, when there are any). Side-effect free for vLLM: it may ask again
+        for the same request. (0, False) when the request is not cacheable, nothing more is cached, the daemon is
+        not reachable (counted in stats.lookup_errors), or a load was planned for it already since it was last
+        preempted (num_preemptions: vLLM's Request.num_preemptions)."""
+        if not cacheable:
+            self.stats.skipped_requests += 1
+            return 0, False
+        # vLLM passes a block-aligned local hit; one that is not (a finer hash block size) loads from the block
+        # holding its end, rewriting that block's computed part with the same prefix's KV.
+        state = self._state(request_id, token_ids)
+        if state.load_planned == num_preemptions:
+            # vLLM asks again after a load only when it loaded nothing (num_computed_tokens back to 0): one load per
+            # request until it is preempted, so that a daemon refusing loads (draining, pins capped) never keeps a
+            # request waiting step after step.
+            return 0, False
+        if len(state.keys) * self.block_size <= num_computed_tokens:
+            return 0, False
+        client = self.link.client()
+        if client is None:
+            self.stats.lookup_errors += 1
+            return 0, False
+        self.stats.lookups += 1
+        try:
+            cached = client.match(state.keys).wait(timeout=self.config.op_timeout_s).matched_blocks
+        except flexkv.Error as err:
+            self._failed(err)
+            return 0, False
+        state.local_tokens = num_computed_tokens
+        state.cached_blocks = cached
+        state.hit_tokens = max(0, cached * self.block_size - num_computed_tokens)
+        self.stats.lookup_hit_tokens += state.hit_tokens
+        return state.hit_tokens, state.hit_tokens > 0
+
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int,
+                                 num_preemptions: int = 0) -> None:
+        """vLLM allocated `block_ids` (the request's blocks from its first, local hits included) and will wait for
+        num_external_tokens to load. 0 (no hit, or the second call after the load) plans nothing."""
+        if num_external_tokens <= 0:
+            return
+        state = self._requests.get(request_id)
+        if state is None or state.hit_tokens < num_external_tokens:
+            raise flexkv.FailedPrecondition(
+                f"request {request_id!r}: {num_external_tokens} external tokens allocated, but "
+                f"{0 if state is None else state.hit_tokens} were promised by get_num_new_matched_tokens")
+        first = state.local_tokens // self.block_size
+        end = (state.local_tokens + num_external_tokens) // self.block_size
+        if len(block_ids) < end:
+            raise flexkv.InvalidArgument(f"request {request_id!r}: {len(block_ids)} block ids for a load up to block "
+                                         f"{end}; expected at least {end}")
+        self._pending_loads[request_id] = LoadSpec(request_id, keys_to_bytes(state.keys[:end]),
+                                                   [int(b) for b in block_ids[:end]], first)
+        state.load_planned = num_preemptions
+
+    def build_connector_meta(self, preempted_request_ids: Iterable[str] = ()) -> ConnectorMetadata:
+        """This step's loads and stores for the workers; the plan is handed over (and cleared here). A preempted
+        request (vLLM freed its blocks) is forgotten: it is looked up again when it is scheduled again."""
+        preempted = set(preempted_request_ids)
+        for rid in preempted - set(self._pending_loads):  # (one preempted and already looked up again keeps it)
+            self._requests.pop(rid, None)
+        meta = ConnectorMetadata(loads=list(self._pending_loads.values()), stores=self._pending_stores,
+                                 preempted=preempted)
+        self._loading.update(self._pending_loads)
+        self._pending_loads = {}
+        self._pending_stores = []
+        return meta
+
+    def request_finished(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
+                         num_computed_tokens: int, cacheable: bool = True) -> bool:
+        """The request ended (finished, aborted or in error) and vLLM is about to free `block_ids` (its blocks from
+        the first). num_computed_tokens: tokens whose KV is in those blocks (computed, or loaded). Returns True when
+        a store of its full blocks is planned: vLLM keeps the blocks until the workers report it in
+        finished_sending. False (free now) when there is nothing to store, the request is not cacheable, the daemon
+        is not reachable, or its load is still in flight: then vLLM itself keeps the blocks until finished_recving,
+        and the KV is not stored (never a store of blocks the load had not written)."""
+        state = self._requests.pop(request_id, None)
+        if request_id in self._loading or request_id in self._pending_loads or not cacheable:
+            return False
+        full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        full = min(full, len(block_ids))
+        if full == 0 or (state is not None and state.cached_blocks >= full):
+            return False
+        if self.link.client() is None:
+            return False
+        if state is None or state.keyed_tokens < full * self.block_size:
+            keys = flexkv.block_keys(self.config.namespace, token_ids[:full * self.block_size], self.block_size)
+        else:
+            keys = state.keys[:full]
+        self._pending_stores.append(StoreSpec(request_id, keys_to_bytes(keys), [int(b) for b in block_ids[:full]]))
+        self._storing.add(request_id)
+        return True
+
+    def update_connector_output(self, finished_sending: Optional[Iterable[str]],
+                                finished_recving: Optional[Iterable[str]],
+                                invalid_block_ids: Optional[Iterable[int]] = None) -> None:
+        """The workers' report of one step (KVConnectorOutput.finished_sending, finished_recving and
+        invalid_block_ids). A load that left blocks unfilled (evicted since the lookup) makes its request store them
+        again at its end."""
+        invalid = set(invalid_block_ids or ())
+        if invalid:
+            for rid, spec in self._loading.items():
+                failed = [i for i, b in enumerate(spec.block_ids) if b in invalid]
+                state = self._requests.get(rid)
+                if failed and state is not None:
+                    state.cached_blocks = min(state.cached_blocks, failed[0])
+        self._storing.difference_update(finished_sending or ())
+        for rid in finished_recving or ():
+            self._loading.pop(rid, None)
+
+    # ---- state ----
+
+    @property
+    def in_flight(self) -> Tuple[int, int]:
+        """(loads, stores) planned or sent and not reported finished."""
+        return len(self._loading) + len(self._pending_loads), len(self._storing)
+
+    def close(self) -> None:
+        self.link.close()
+
+    def _state(self, request_id: str, token_ids: Sequence[int]) -> _RequestState:
+        """The request's keys over its full blocks, computed once per request (and again only when it grew)."""
+        state = self._requests.get(request_id)
+        n = len(token_ids) // self.block_size * self.block_size
+        if state is None or state.keyed_tokens != n:
+            keys = flexkv.block_keys(self.config.namespace, token_ids[:n] if n != len(token_ids) else token_ids,
+                                     self.block_size)
+            planned = -1 if state is None else state.load_planned
+            state = _RequestState(keys=keys, keyed_tokens=n, load_planned=planned)
+            self._requests[request_id] = state
+        return state
+
+    def _failed(self, err: flexkv.Error) -> None:
+        self.stats.lookup_errors += 1
+        if isinstance(err, flexkv.DeadlineExceeded):
+            self.link.stalled(err)
+        elif session_lost(err):
+            self.stats.session_losses += 1
+            self.link.lost(err)
+        else:
+            log.debug("flexkvd lookup failed: %s", err)

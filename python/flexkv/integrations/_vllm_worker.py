@@ -1,0 +1,415 @@
+"""The vLLM connector's worker side without vLLM (WorkerLogic): TP rank 0 holds the data session, registers the KV
+buffers of every TP rank, and runs the loads and stores the scheduler side planned (ConnectorMetadata); the other
+ranks only describe their buffers (RankKv) and report nothing. docs/integrations.md, "vLLM".
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import flexkv
+
+from ._vllm_link import DaemonLink, session_lost
+from ._vllm_logic import ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, StoreSpec, keys_from_bytes
+
+log = logging.getLogger("flexkv.integrations.vllm")
+
+
+@dataclasses.dataclass
+class RankKv:
+    """One TP rank's KV buffers as rank 0 registers them (picklable without `tensors`: rank r sends it to rank 0).
+
+    kind: "gpu": rank 0's own `tensors` (per layer [2, num_blocks, block_size, heads, head_dim], LAYER_FIRST), or a
+      rank r > 0's `exported` description (flexkv.export_gpu_kv: CUDA IPC handles as bytes; rank r keeps the memory);
+      "mla-replica": an MLA rank r > 0 (its latent KV equals rank 0's: nothing to register); "host": host KV in
+      memory shared with the daemon, created by rank 0 (the host backend serves TP 1, and TP > 1 only for MLA).
+    """
+
+    tp_rank: int
+    kind: str
+    num_blocks: int
+    layout: int = int(flexkv.Layout.LAYER_FIRST)
+    tensors: Optional[List[Any]] = dataclasses.field(default=None, compare=False)
+    exported: Optional[bytes] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["tensors"] = None  # device memory does not travel; see the class comment
+        return state
+
+
+def describe_rank_kv(tp_rank: int, geometry: flexkv.Geometry, num_blocks: int,
+                     tensors: Optional[Sequence[Any]] = None) -> RankKv:
+    """What TP rank `tp_rank` hands rank 0 (over vLLM's TP CPU group) about its KV buffers: GPU `tensors`, or
+    None for host KV. A GPU rank r > 0 exports its description (FailedPrecondition for expandable segments,
+    Unimplemented without CUDA). InvalidArgument for a rank outside the geometry's tp_size."""
+    if not 0 <= tp_rank < geometry.tp_size:
+        raise flexkv.InvalidArgument(f"tp_rank {tp_rank}; expected 0..{geometry.tp_size - 1} (geometry.tp_size)")
+    if tp_rank > 0 and geometry.is_mla:
+        return RankKv(tp_rank, "mla-replica", num_blocks)
+    if tensors is None:
+        return RankKv(tp_rank, "host", num_blocks)
+    if tp_rank > 0:
+        return RankKv(tp_rank, "gpu", num_blocks,
+                      exported=flexkv.export_gpu_kv(list(tensors), flexkv.Layout.LAYER_FIRST, num_blocks, tp_rank))
+    return RankKv(tp_rank, "gpu", num_blocks, tensors=list(tensors))
+
+
+@dataclasses.dataclass
+class _Load:
+    spec: LoadSpec
+    handle: int
+    ticket: Optional[flexkv.Ticket]
+    usable: int  # blocks of the match that are loaded (<= len(spec.block_ids))
+
+
+@dataclasses.dataclass
+class _Store:
+    spec: StoreSpec
+    ticket: Optional[flexkv.Ticket]
+
+
+class WorkerLogic:
+    """The worker side of the connector, for one TP rank.
+
+    Rank 0 (the reporter): register_kv() (or register_gpu_kv / create_host_kv for TP 1) once, then per engine step
+    start(metadata) and get_finished(finished_request_ids) + take_load_errors(). Ranks > 0: describe_kv() for rank 0;
+    their start/get_finished do nothing and report nothing (vLLM: get_finished_count() == 1).
+
+    Loads pin the prefix (match with pin) and copy it into the block ids vLLM allocated; a load that finds fewer
+    blocks than planned (evicted meanwhile), fails, or meets a lost daemon reports the block ids it did not fill as
+    load errors, and the request as finished receiving either way, so vLLM recomputes them and nothing waits. Pins
+    are released as soon as a load ends. Stores run when planned; a failed store is counted, never retried.
+    Thread safety: none; vLLM calls a worker's connector from its one execution thread.
+    KV buffers (GPU tensors, host KV views) must outlive this object's session: close() it first.
+    """
+
+    def __init__(self, config: ConnectorConfig, tp_rank: int = 0,
+                 sync: Optional[Callable[[], None]] = None, link: Optional[DaemonLink] = None) -> None:
+        """sync: called before stores are submitted, to wait for the engine's writes of the KV to be stored (GPU:
+        the current CUDA stream's synchronize); None for host KV written synchronously."""
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = config.geometry.tp_size
+        self.sync = sync
+        self.stats = ConnectorStats()
+        self._ranks: Dict[int, RankKv] = {}
+        self._host_view: Optional[memoryview] = None
+        self._host_num_blocks = 0
+        self.kv_generation = 0  # bumped when the host KV buffer was replaced (after a daemon restart)
+        self.link = link
+        if self.link is None and tp_rank == 0:
+            self.link = DaemonLink(f"{config.name}-worker-dp{config.dp_rank}", config.namespace, config.geometry,
+                                   config.link, dp_rank=config.dp_rank, on_attach=self._register)
+        elif self.link is not None:
+            self.link.on_attach = self._register
+        self._loads: List[_Load] = []
+        self._stores: List[_Store] = []
+        self._stray: List[flexkv.Ticket] = []  # pins that timed out or releases: their results are taken later
+        self._recving: Set[str] = set()
+        self._sent: Set[str] = set()  # stores that ended, reported once vLLM named the request finished
+        self._finished_seen: Set[str] = set()
+        self._load_errors: Set[int] = set()
+
+    # ---- registration ----
+
+    @property
+    def is_reporter(self) -> bool:
+        return self.tp_rank == 0
+
+    def describe_kv(self, num_blocks: int, tensors: Optional[Sequence[Any]] = None) -> RankKv:
+        """This rank's RankKv for rank 0 (describe_rank_kv)."""
+        return describe_rank_kv(self.tp_rank, self.config.geometry, num_blocks, tensors)
+
+    def register_kv(self, ranks: Iterable[RankKv]) -> None:
+        """Rank 0: registers every TP rank's buffers (its own included), gathered from describe_kv() on each rank,
+        and attaches. A daemon that is not reachable now is retried later (with backoff; the KV is registered again
+        on every attach). InvalidArgument when ranks are missing or repeated, or a GPU rank has neither tensors
+        (rank 0) nor an exported description (rank > 0); what the registration raises otherwise."""
+        if not self.is_reporter:
+            raise flexkv.FailedPrecondition(f"register_kv on TP rank {self.tp_rank}; only rank 0 registers (hand it "
+                                            "describe_kv())")
+        by_rank: Dict[int, RankKv] = {}
+        for r in ranks:
+            if r.tp_rank in by_rank:
+                raise flexkv.InvalidArgument(f"TP rank {r.tp_rank} given twice; expected one RankKv per rank")
+            by_rank[r.tp_rank] = r
+        if sorted(by_rank) != list(range(self.tp_size)):
+            raise flexkv.InvalidArgument(f"RankKv of TP ranks {sorted(by_rank)}; expected 0..{self.tp_size - 1}")
+        for r in by_rank.values():
+            if r.kind == "gpu" and r.tensors is None and r.exported is None:
+                raise flexkv.InvalidArgument(f"TP rank {r.tp_rank}'s RankKv has neither tensors nor an exported "
+                                             "description; expected describe_kv()'s")
+        self._ranks = by_rank
+        self.link.client(raise_errors=True)  # attach now if the daemon is there (registers through _register)
+
+    def register_gpu_kv(self, tensors: Sequence[Any], num_blocks: int) -> None:
+        """TP 1 (or MLA): rank 0's per-layer CUDA tensors [2, num_blocks, block_size, heads, head_dim]."""
+        ranks = [describe_rank_kv(r, self.config.geometry, num_blocks, tensors if r == 0 else None)
+                 for r in range(self.tp_size)]
+        self.register_kv(ranks)
+
+    def create_host_kv(self, num_blocks: int) -> memoryview:
+        """Host backend (no GPU): creates rank 0's KV in memory shared with the daemon and returns it (per layer
+        [2, num_blocks, block_size, heads, head_dim], layers back to back). After a daemon restart the buffer is
+        replaced by a new one holding the same bytes (kv_generation grows): fetch it again with host_kv().
+        Unavailable when the daemon is not reachable now (host KV needs the daemon to exist)."""
+        self._host_num_blocks = num_blocks
+        self.register_kv([describe_rank_kv(r, self.config.geometry, num_blocks) for r in range(self.tp_size)])
+        if self._host_view is None:
+            raise flexkv.Unavailable(f"flexkvd not reachable to create host KV ({self.link.last_error})")
+        return self._host_view
+
+    def host_kv(self) -> Optional[memoryview]:
+        """The current host KV buffer (see create_host_kv)."""
+        return self._host_view
+
+    def _register(self, client: flexkv.Client) -> None:
+        """DaemonLink's on_attach: registers every rank's KV with the new session."""
+        for r in sorted(self._ranks.values(), key=lambda r: r.tp_rank):
+            if r.kind == "gpu" and r.tensors is not None:
+                client.register_gpu_kv(r.tensors, flexkv.Layout(r.layout), r.num_blocks, tp_rank=r.tp_rank)
+            elif r.kind == "gpu":
+                client.register_exported_gpu_kv(r.exported)
+            elif r.kind == "host" and r.tp_rank == 0:
+                view = client.create_host_kv(flexkv.Layout(r.layout), r.num_blocks)
+                if self._host_view is not None:  # a new session after a restart: carry the engine's KV over
+                    view[:] = self._host_view
+                self._host_view = view
+                self.kv_generation += 1
+
+    # ---- per engine step ----
+
+    def start(self, metadata: ConnectorMetadata) -> None:
+        """Submits this step's loads and stores (vLLM: start_load_kv). Never raises for the daemon's sake: what cannot
+        be done is reported as load errors / counted store failures."""
+        if not self.is_reporter or (not metadata.loads and not metadata.stores):
+            return
+        if metadata.loads:
+            self._start_loads(metadata.loads)
+        if metadata.stores and self.sync is not None:
+            self.sync()
+        for spec in metadata.stores:
+            self._start_store(self.link.client(), spec)  # None while the daemon is away or stalled: not stored
+
+    def get_finished(self, finished_request_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """(finished sending, finished receiving) since the last call, as vLLM's get_finished answers: a store is
+        reported once it ended and vLLM named its request finished (this call or an earlier one). Ranks > 0:
+        (None, None)."""
+        if not self.is_reporter:
+            return None, None
+        self._poll()
+        storing = self._sent | {store.spec.request_id for store in self._stores}
+        # Only ids with a store are kept: vLLM names its request finished in the step that carries the store.
+        self._finished_seen.update(rid for rid in finished_request_ids if rid in storing)
+        recving, self._recving = self._recving, set()
+        sending = self._sent & self._finished_seen
+        self._sent -= sending
+        self._finished_seen -= sending
+        return sending or None, recving or None
+
+    def take_load_errors(self) -> Set[int]:
+        """Block ids that were planned to load and were not (vLLM: get_block_ids_with_load_errors)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def wait_all(self, timeout: float = 10.0) -> bool:
+        """Waits until every load and store submitted so far has ended (results kept for get_finished); True when
+        all did within `timeout`. For examples and shutdown; vLLM's steps only poll."""
+        deadline = time.monotonic() + timeout
+        while self._loads or self._stores:
+            self._poll()
+            if not (self._loads or self._stores):
+                break
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    @property
+    def in_flight(self) -> Tuple[int, int]:
+        """(loads, stores) submitted and not ended."""
+        return len(self._loads), len(self._stores)
+
+    @property
+    def stray_requests(self) -> int:
+        """Pins that ended after their wait gave up, and releases, whose results are still to be taken."""
+        return len(self._stray)
+
+    @property
+    def tracked_requests(self) -> int:
+        """Request ids held for a later report (bounded by what is in flight; grows only with a leak)."""
+        return len(self._finished_seen) + len(self._sent) + len(self._recving)
+
+    def close(self) -> None:
+        """Ends the session: the daemon releases its pins and finishes or cancels what was in flight. The host KV
+        buffer stays mapped (and the session open) while the caller still holds views of it."""
+        if self.link is not None:
+            self.link.close()
+        self._loads, self._stores, self._stray = [], [], []
+        self._host_view = None
+
+    # ---- internals ----
+
+    def _start_loads(self, specs: Sequence[LoadSpec]) -> None:
+        """Pins every load's prefix (the matches go out together), then loads what each pinned. The pins share one
+        op_timeout_s: a daemon that does not answer costs the step that much once, and the link stalls."""
+        pins: List[Tuple[LoadSpec, Optional[flexkv.Ticket]]] = []
+        for spec in specs:
+            self.stats.loads += 1
+            client = self.link.client()  # None while the daemon is away or stalled
+            ticket = None
+            if client is not None:
+                try:
+                    ticket = client.match(keys_from_bytes(spec.keys), pin=True)
+                except flexkv.Error as err:
+                    self._error(err)
+            pins.append((spec, ticket))
+        deadline = time.monotonic() + self.config.op_timeout_s
+        for spec, ticket in pins:
+            if ticket is None or not self.link.attached:
+                self._end_load(_Load(spec, 0, None, 0))
+                continue
+            try:
+                hit = ticket.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except flexkv.DeadlineExceeded as err:
+                self._stray.append(ticket)  # its pins, if it gets any, are released when it ends
+                self._end_load(_Load(spec, 0, None, 0))
+                if time.monotonic() >= deadline and self.link.client() is not None:
+                    self.link.stalled(err)
+                continue
+            except flexkv.Error as err:  # pin cap (nothing pinned), or the daemon went away
+                self._error(err)
+                self._end_load(_Load(spec, 0, None, 0))
+                continue
+            self._load_pinned(spec, hit)
+
+    def _load_pinned(self, spec: LoadSpec, hit: flexkv.OpResult) -> None:
+        usable = min(hit.matched_blocks, len(spec.block_ids))
+        load = _Load(spec, hit.match_handle, None, usable)
+        if usable <= spec.first_block:  # evicted since the scheduler looked
+            self._end_load(load)
+            return
+        try:
+            load.ticket = self.link.current().load(hit.match_handle, spec.block_ids[:usable])
+        except flexkv.Error as err:
+            load.usable = 0
+            self._end_load(load)
+            self._error(err)
+            return
+        self._loads.append(load)
+
+    def _start_store(self, client: Optional[flexkv.Client], spec: StoreSpec) -> None:
+        self.stats.stores += 1
+        ticket = None
+        if client is not None:
+            try:
+                ticket = client.store(keys_from_bytes(spec.keys), spec.block_ids)
+            except flexkv.Error as err:
+                self._error(err)
+        if ticket is None:
+            self.stats.store_failures += 1
+            self._sent.add(spec.request_id)
+            return
+        self._stores.append(_Store(spec, ticket))
+
+    def _poll(self) -> None:
+        """Takes the results of whatever ended; a lost session ends everything in flight."""
+        try:
+            still: List[_Load] = []
+            for load in self._loads:
+                try:
+                    r = load.ticket.try_wait()
+                except flexkv.Error as err:
+                    if session_lost(err):
+                        raise
+                    load.usable = 0
+                    self._end_load(load)
+                    continue
+                if r is None:
+                    still.append(load)
+                    continue
+                load.usable = min(load.usable, r.done_blocks)
+                self._end_load(load)
+            self._loads = still
+            pending: List[_Store] = []
+            for store in self._stores:
+                try:
+                    r = store.ticket.try_wait()
+                except flexkv.Error as err:
+                    if session_lost(err):
+                        raise
+                    self.stats.store_failures += 1
+                    done = err.result.done_blocks if getattr(err, "result", None) is not None else 0
+                    self._store_ended(store, done)
+                    continue
+                if r is None:
+                    pending.append(store)
+                else:
+                    self._store_ended(store, r.done_blocks)
+            self._stores = pending
+            strays, self._stray = self._stray, []  # _stray_ended may add the release of a late pin
+            self._stray.extend(t for t in strays if not self._stray_ended(t))
+        except flexkv.Error as err:
+            self._lose(err)
+
+    def _stray_ended(self, ticket: flexkv.Ticket) -> bool:
+        try:
+            r = ticket.try_wait()
+        except flexkv.Error as err:
+            if session_lost(err):
+                raise
+            return True
+        if r is None:
+            return False
+        client = self.link.current()
+        if ticket.op == "match" and r.match_handle and client is not None:  # a timed-out pin: release its pins
+            self._stray.append(client.release(r.match_handle))
+        return True
+
+    def _end_load(self, load: _Load) -> None:
+        """Reports a load: its request as received, the blocks it did not fill as load errors; releases its pins."""
+        spec = load.spec
+        loaded = max(0, load.usable - spec.first_block)
+        failed = spec.block_ids[max(spec.first_block, load.usable):]
+        self.stats.loaded_blocks += loaded
+        self.stats.loaded_bytes += loaded * self.config.geometry.host_block_bytes
+        self.stats.load_failed_blocks += len(failed)
+        self._load_errors.update(failed)
+        self._recving.add(spec.request_id)
+        if load.handle and self.link.attached:
+            try:
+                self._stray.append(self.link.current().release(load.handle))
+            except flexkv.Error as err:
+                self._error(err)
+
+    def _store_ended(self, store: _Store, done_blocks: int) -> None:
+        self.stats.stored_blocks += done_blocks
+        self.stats.stored_bytes += done_blocks * self.config.geometry.host_block_bytes
+        self._sent.add(store.spec.request_id)
+
+    def _lose(self, err: flexkv.Error) -> None:
+        """The session is gone: every load in flight fails (its blocks reported), every store is dropped, and no
+        ticket of the old session is left to be polled (one would fail a later session)."""
+        loads, self._loads = self._loads, []
+        stores, self._stores = self._stores, []
+        self._stray = []
+        if self.link.attached:
+            self.stats.session_losses += 1
+            self.link.lost(err)
+        for load in loads:
+            load.handle = 0
+            load.usable = 0
+            self._end_load(load)
+        for store in stores:
+            self.stats.store_failures += 1
+            self._sent.add(store.spec.request_id)
+
+    def _error(self, err: flexkv.Error) -> None:
+        if session_lost(err):
+            self._lose(err)
+        else:
+            log.debug("flexkvd request failed: %s", err)
+

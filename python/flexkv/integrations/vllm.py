@@ -1,0 +1,254 @@
+"""flexkvd as a vLLM V1 KV connector: FlexKVdConnector, selected with
+  --kv-transfer-config '{"kv_connector":"FlexKVdConnector","kv_connector_module_path":"flexkv.integrations.vllm",
+                         "kv_role":"kv_both","kv_connector_extra_config":{"socket":"/run/flexkvd/flexkvd.sock"}}'
+
+This module imports without vLLM: FlexKVdConnector (and FlexKVdConnectorMetadata, FlexKVdConnectorStats) are built
+on first access, when vLLM's KVConnectorBase_V1 is importable; without vLLM that access raises ImportError saying so.
+The adapter only translates vLLM's objects into the plain arguments of SchedulerLogic and WorkerLogic
+(_vllm_logic.py, _vllm_worker.py), where the behaviour and its contracts are; docs/integrations.md has the design.
+Written against vLLM's main branch (vllm/distributed/kv_transfer/kv_connector/v1/base.py, vllm/v1/core/sched/
+scheduler.py, vllm/v1/worker/kv_connector_model_runner_mixin.py); never run against a real vLLM here.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+import flexkv
+
+from ._vllm_link import DaemonLink, LinkOptions
+from ._vllm_logic import (ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, SchedulerLogic, StoreSpec,
+                          vllm_namespace)
+from ._vllm_worker import RankKv, WorkerLogic, describe_rank_kv
+
+# FlexKVdConnector, FlexKVdConnectorMetadata and FlexKVdConnectorStats are attributes too, made on first access
+# (__getattr__); not in __all__, so that `import *` works without vLLM.
+__all__ = ["ConnectorConfig", "ConnectorMetadata", "ConnectorStats", "DaemonLink", "LinkOptions", "LoadSpec",
+           "RankKv", "SchedulerLogic", "StoreSpec", "WorkerLogic", "describe_rank_kv", "geometry_from_vllm",
+           "vllm_namespace"]
+
+_BUILT: Dict[str, Any] = {}
+_LAZY = ("FlexKVdConnector", "FlexKVdConnectorMetadata", "FlexKVdConnectorStats")
+
+
+def __getattr__(name: str) -> Any:
+    """vLLM's factory does getattr(import_module(kv_connector_module_path), kv_connector): the classes that subclass
+    vLLM's are made here, on first access."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _BUILT:
+        _BUILT.update(_build())
+    return _BUILT[name]
+
+
+def _build() -> Dict[str, Any]:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                       KVConnectorRole)
+    except ImportError as err:
+        raise ImportError(
+            "flexkv.integrations.vllm.FlexKVdConnector needs vLLM (its KVConnectorBase_V1), which is not importable "
+            f"here ({err}); install vLLM in this environment, or use the plain logic classes SchedulerLogic and "
+            "WorkerLogic, which need no vLLM") from err
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    except ImportError:  # an older vLLM without connector stats
+        KVConnectorStats = None
+
+    class FlexKVdConnectorMetadata(KVConnectorMetadata, ConnectorMetadata):  # type: ignore[misc, valid-type]
+        """One step's loads and stores (ConnectorMetadata) as vLLM's KVConnectorMetadata."""
+
+    stats_cls = None
+    if KVConnectorStats is not None:
+        class FlexKVdConnectorStats(KVConnectorStats):  # type: ignore[misc, valid-type]
+            """ConnectorStats counters in vLLM's stats container: summed across workers and steps."""
+
+            def reset(self) -> None:
+                self.data = {}
+
+            def aggregate(self, other: Any) -> Any:
+                for k, v in (other.data or {}).items():
+                    self.data[k] = self.data.get(k, 0) + v
+                return self
+
+            def reduce(self) -> Dict[str, Any]:
+                return dict(self.data)
+
+            def is_empty(self) -> bool:
+                return not any(self.data.values())
+
+        stats_cls = FlexKVdConnectorStats
+
+    class FlexKVdConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-type]
+        """flexkvd as vLLM's KV connector: prefix hits load asynchronously from the node's flexkvd; finished requests'
+        full blocks are stored there. Scheduler role: SchedulerLogic; worker role: WorkerLogic (TP rank 0 reports)."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            super().__init__(vllm_config, role, kv_cache_config)
+            parallel = vllm_config.parallel_config
+            if getattr(parallel, "pipeline_parallel_size", 1) != 1:
+                raise ValueError("FlexKVdConnector supports pipeline_parallel_size 1 only (each PP stage holds other "
+                                 f"layers); got {parallel.pipeline_parallel_size}")
+            extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+            geometry = geometry_from_vllm(vllm_config)
+            model = vllm_config.model_config
+            kv_dtype = str(vllm_config.cache_config.cache_dtype)
+            if kv_dtype == "auto":
+                kv_dtype = str(model.dtype).replace("torch.", "")
+            default_ns = vllm_namespace(str(model.model), kv_dtype, geometry.tp_size,
+                                        revision=getattr(model, "revision", None))
+            self._config = ConnectorConfig.from_extra_config(
+                extra, default_namespace=default_ns, geometry=geometry,
+                dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0))
+            self._scheduler: Optional[SchedulerLogic] = None
+            self._worker: Optional[WorkerLogic] = None
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = SchedulerLogic(self._config)
+            else:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+                self._worker = WorkerLogic(self._config, tp_rank=get_tensor_model_parallel_rank())
+
+        # ---- scheduler side ----
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+            return self._scheduler.get_num_new_matched_tokens(request.request_id, request.all_token_ids,
+                                                              num_computed_tokens, _cacheable(request),
+                                                              getattr(request, "num_preemptions", 0))
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+            self._scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens,
+                                                     getattr(request, "num_preemptions", 0))
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            meta = self._scheduler.build_connector_meta(getattr(scheduler_output, "preempted_req_ids", None) or ())
+            return FlexKVdConnectorMetadata(loads=meta.loads, stores=meta.stores, preempted=meta.preempted)
+
+        def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+            # KV computed = num_computed_tokens less what an in-flight step (async scheduling) has not written yet.
+            computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+            delay = self._scheduler.request_finished(request.request_id, request.all_token_ids, block_ids, computed,
+                                                     _cacheable(request))
+            return delay, None
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            self._scheduler.update_connector_output(connector_output.finished_sending,
+                                                    connector_output.finished_recving,
+                                                    getattr(connector_output, "invalid_block_ids", None))
+
+        def get_finished_count(self) -> Optional[int]:
+            return 1  # only TP rank 0 reports (WorkerLogic.get_finished)
+
+        # ---- worker side ----
+
+        def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+            from vllm.distributed.parallel_state import get_tp_group
+            tensors = _layer_tensors(kv_caches, self._config.geometry)
+            mine = self._worker.describe_kv(tensors[0].shape[1] if tensors[0].dim() >= 4 else tensors[0].shape[0],
+                                            tensors)
+            group = get_tp_group()
+            gathered: List[Any] = [None] * group.world_size
+            if group.world_size > 1:
+                import torch.distributed as dist
+                dist.all_gather_object(gathered, mine, group=group.cpu_group)
+                gathered[self._worker.tp_rank] = mine  # its own keeps its tensors
+            else:
+                gathered = [mine]
+            if self._worker.is_reporter:
+                self._worker.sync = _cuda_sync  # stores copy from GPU memory the forward wrote
+                self._worker.register_kv(gathered)
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            self._worker.start(self._get_connector_metadata())
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            return  # loads are asynchronous: the request is scheduled only after get_finished reported it
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+            return  # stores run from the blocks when the request finished
+
+        def wait_for_save(self) -> None:
+            return
+
+        def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
+            return self._worker.get_finished(finished_req_ids)
+
+        def get_block_ids_with_load_errors(self) -> set:
+            return self._worker.take_load_errors() if self._worker is not None else set()
+
+        def get_kv_connector_stats(self) -> Any:
+            logic = self._worker or self._scheduler
+            if stats_cls is None or logic is None:
+                return None
+            taken = logic.stats.take()
+            return None if taken.is_empty() else stats_cls(data=taken.as_dict())
+
+        @classmethod
+        def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Any:
+            return None if stats_cls is None else stats_cls(data=dict(data or {}))
+
+        def shutdown(self) -> None:
+            for logic in (self._worker, self._scheduler):
+                if logic is not None:
+                    logic.close()
+
+    built = {"FlexKVdConnector": FlexKVdConnector, "FlexKVdConnectorMetadata": FlexKVdConnectorMetadata,
+             "FlexKVdConnectorStats": stats_cls}
+    for name, cls in built.items():
+        if cls is not None:  # pickled by name (vLLM sends metadata and stats between processes): found via __getattr__
+            cls.__module__, cls.__qualname__ = __name__, name
+    return built
+
+
+_DTYPE_BYTES = {"float16": 2, "half": 2, "bfloat16": 2, "float": 4, "float32": 4}
+
+
+def geometry_from_vllm(vllm_config: Any) -> flexkv.Geometry:
+    """The flexkv Geometry of a vLLM engine's KV cache (one rank's shard; tokens_per_block = vLLM's block_size)."""
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    kv_dtype = str(cache.cache_dtype)
+    if kv_dtype == "auto":
+        dtype_bytes = model.dtype.itemsize
+    elif kv_dtype.startswith("fp8"):
+        dtype_bytes = 1
+    else:
+        dtype_bytes = _DTYPE_BYTES[kv_dtype]
+    mla = bool(getattr(model, "use_mla", False))
+    return flexkv.Geometry(tokens_per_block=cache.block_size, num_layers=model.get_num_layers(parallel),
+                           kv_planes=1 if mla else 2,
+                           kv_heads_per_rank=1 if mla else model.get_num_kv_heads(parallel),
+                           head_dim=model.get_head_size(), dtype_bytes=dtype_bytes,
+                           tp_size=parallel.tensor_parallel_size)
+
+
+def _layer_tensors(kv_caches: Dict[str, Any], geometry: flexkv.Geometry) -> List[Any]:
+    """vLLM's per-layer KV tensors in layer order, checked against LAYER_FIRST: [2, num_blocks, block_size, heads,
+    head_dim] (FlashAttention's layout) or [num_blocks, block_size, head_dim] (MLA), contiguous."""
+    def layer_index(name: str) -> int:
+        found = re.findall(r"\.(\d+)\.", f".{name}.")
+        return int(found[0]) if found else 0
+
+    names = sorted(kv_caches, key=layer_index)
+    if len(names) != geometry.num_layers:
+        raise ValueError(f"vLLM registered {len(names)} KV layers; the geometry has {geometry.num_layers}")
+    tensors = [kv_caches[n] for n in names]
+    for name, t in zip(names, tensors):
+        planes_first = geometry.kv_planes == 1 or (t.dim() == 5 and t.shape[0] == 2)
+        if not planes_first or not t.is_contiguous():
+            raise ValueError(f"KV cache of layer {name!r} has shape {tuple(t.shape)} (contiguous: "
+                             f"{t.is_contiguous()}); FlexKVdConnector needs [2, num_blocks, block_size, heads, "
+                             "head_dim] contiguous per layer (the FLASH_ATTN backend's layout, NHD)")
+    return tensors
+
+
+def _cacheable(request: Any) -> bool:
+    """Requests whose KV depends on more than their token ids are not cached: LoRA adapters, multimodal inputs."""
+    lora = getattr(request, "lora_request", None)
+    return lora is None and not (getattr(request, "mm_features", None) or getattr(request, "mm_inputs", None))
+
+
+def _cuda_sync() -> None:
+    """Waits for the engine's KV writes before the daemon copies blocks out of its GPU memory."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
