@@ -21,7 +21,9 @@ from ..errors import InvalidArgument
 from ._sglang_layout import HostPoolLayout
 from ._sglang_store import PageStore, PageStoreStats, page_block_key
 
-__all__ = ["BackendConfig", "FlexKVdStorage", "HostPoolLayout", "PageStore", "PageStoreStats", "page_block_key"]
+# FlexKVdStorage (the SGLang class, built on first use by __getattr__) is not in __all__: `import *` must not need
+# SGLang.
+__all__ = ["BackendConfig", "HostPoolLayout", "PageStore", "PageStoreStats", "page_block_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,11 +208,11 @@ def _backend_class() -> type:
             return out
 
         def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
-            return self.batch_set([key], [value])
+            return value is not None and self.batch_set([key], [value])
 
         def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
                       target_sizes: Any = None) -> bool:
-            if self.store is None or values is None:
+            if self.store is None or values is None or any(v is None for v in values):
                 return False
             return all(self.store.set_flat(keys, [as_bytes(v) for v in values]))
 
