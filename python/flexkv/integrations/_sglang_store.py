@@ -91,10 +91,9 @@ class _Unreachable(Exception):
 class _Connection:
     """One attached session and its staging area; replaced as a whole on reconnect."""
 
-    def __init__(self, client: "_client.Client", staging: np.ndarray, generation: int) -> None:
+    def __init__(self, client: "_client.Client", staging: np.ndarray) -> None:
         self.client = client
         self.staging = staging  # (blocks, layer, plane, token, head, byte), in memory shared with flexkvd
-        self.generation = generation
         self.free = list(range(staging.shape[0]))
 
 
@@ -127,7 +126,6 @@ class PageStore:
         self._lock = threading.Lock()
         self._staging_freed = threading.Condition(self._lock)
         self._conn: Optional[_Connection] = None
-        self._generation = 0
         self._retry_at = 0.0
         self._backoff = backoff_initial_s
         self._closed = False
@@ -166,10 +164,9 @@ class PageStore:
         try:
             conn = self._connection()
             tickets = [conn.client.match(BlockKeys([bk])) for bk in block_keys]
-            for t in tickets:
-                if self._wait(conn, t).matched_blocks != 1:
-                    break
-                hits += 1
+            # Every result is taken, also after the first miss: libflexkv keeps a result until it is waited for.
+            found = [self._wait(conn, t).matched_blocks == 1 for t in tickets]
+            hits = _leading(found)
         except _Unreachable:
             hits = 0
         with self._lock:
@@ -180,8 +177,8 @@ class PageStore:
 
     def batch_get(self, keys: Sequence[str], host_indices: Sequence[int]) -> List[bool]:
         """Reads pages keys[i] into the pool's page starting at host token index host_indices[i * page_size].
-        True for the leading pages read; False from the first page that is not cached (or not readable) on, whose
-        host pages are left as they were or partly written, never reported True."""
+        True for the leading pages read; False from the first page that is not cached (or not readable) on, and
+        those pages' host memory is left as it was."""
         pages = self._pages(keys, host_indices)
         results = [False] * len(keys)
         start = time.perf_counter()
@@ -288,12 +285,11 @@ class PageStore:
                         if len(hit_handles) == len(handles) - 1 and r.matched_blocks == 1:
                             hit_handles.append(r.match_handle)
                 loads = [conn.client.load(h, [blocks[i]]) for i, h in enumerate(hit_handles)]
-                loaded = 0
-                for t in loads:
-                    r = self._wait(conn, t, not_cached_ok=True)
-                    if r is None or r.done_blocks != 1:
-                        break
-                    loaded += 1
+                # Every load is waited for, also after a failed one: a staging block goes back to the free list
+                # only once no copy into it is in flight.
+                landed = [r is not None and r.done_blocks == 1
+                          for r in [self._wait(conn, t, not_cached_ok=True) for t in loads]]
+                loaded = _leading(landed)
             finally:
                 self._release(conn, handles)
             copy_start = time.perf_counter()
@@ -408,7 +404,6 @@ class PageStore:
             if self._clock() < self._retry_at:
                 return None
             self._retry_at = self._clock() + self._backoff  # one attempt per backoff, whichever thread makes it
-            generation = self._generation + 1
         client = None
         try:
             client = _client.connect(self.socket_path, timeout=self.connect_timeout_s)
@@ -430,8 +425,7 @@ class PageStore:
                 racing = True
             else:
                 racing = False
-                self._generation = generation
-                self._conn = _Connection(client, staging, generation)
+                self._conn = _Connection(client, staging)
                 if self._stats.disconnects:
                     self._stats.reconnects += 1
                 self._stats.connected = True
