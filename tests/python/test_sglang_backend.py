@@ -369,6 +369,35 @@ def test_daemon_killed_and_restarted_mid_run(daemon) -> None:
         assert store.batch_exists(later) == 6
 
 
+def test_a_hung_daemon_costs_one_timeout_then_misses(daemon) -> None:
+    # A daemon that stops answering (SIGSTOP here): the call in flight ends after op_timeout_s, the connection is
+    # dropped, and the calls after it answer misses while a reconnect waits in the background; once the daemon
+    # answers again the backend is back.
+    pool = HostPoolLayout(make_pool("page_first", False, 16), "page_first", PAGE, False, DTYPE_BYTES)
+    keys = page_keys(14, 4)
+    fill(pool, 14, range(4))
+    with open_store(daemon, pool, op_timeout_s=0.3, backoff_initial_s=0.05, backoff_max_s=0.1,
+                    connect_timeout_s=0.3) as store:
+        assert backup(store, keys, host_indices(range(4))) == 4
+        daemon.freeze()
+        try:
+            assert store.batch_exists(keys) == 0
+            time.sleep(0.1)  # past the backoff: the next calls start a reconnect, which hangs on the frozen daemon
+            assert store.batch_get(keys, host_indices(range(8, 12))) == [False] * 4
+            assert store.batch_set(keys, host_indices(range(4))) == [False] * 4
+            assert store.batch_exists(keys) == 0 and not store.connected
+        finally:
+            daemon.thaw()
+        for _ in range(600):
+            if store.batch_exists(keys) == 4:
+                break
+            time.sleep(0.05)
+        assert store.stats().disconnects == 1 and store.connected
+        assert transfer(store, keys, host_indices(range(8, 12))) == 4
+        for i in range(4):
+            assert np.array_equal(pool.page_view(8 + i), page_content(pool, 14, i))
+
+
 def test_no_daemon_answers_misses_without_raising(tmp_path) -> None:
     pool = HostPoolLayout(make_pool("layer_first", False, 4), "layer_first", PAGE, False, DTYPE_BYTES)
     store = PageStore(pool, "sglang/none", socket_path=str(tmp_path / "absent.sock"), connect_timeout_s=0.05)

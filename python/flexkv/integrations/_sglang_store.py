@@ -19,8 +19,9 @@ backend does, and it is counted (copy_seconds in stats()).
 
 Failures. Every wait is bounded by op_timeout_s. When the daemon is unreachable (Unavailable, a lost session, a
 timeout) the connection is dropped and every call answers "not there" (exists 0, get False, set False) at once
-until a reconnect succeeds; reconnects are tried on a call after a backoff that doubles from backoff_initial_s to
-backoff_max_s. A page that cannot be read is reported False, never filled with other bytes.
+until a reconnect succeeds. A call made without a connection starts a reconnect in a background thread once the
+backoff has passed (it doubles from backoff_initial_s to backoff_max_s) and answers at once. A page that cannot be
+read is reported False, never filled with other bytes.
 
 Thread safety: all methods may be called from several threads at once (SGLang's prefetch, prefetch-IO and backup
 threads do); staging blocks are handed out under a lock, so concurrent calls copy disjoint blocks.
@@ -130,7 +131,8 @@ class PageStore:
         self._backoff = backoff_initial_s
         self._closed = False
         self._stats = PageStoreStats()
-        self._connect_if_due()
+        self._reconnecting: Optional[threading.Thread] = None
+        self._connect_if_due()  # the first attempt in the caller's thread: the store is usable when made
 
     # ---- lifetime ----
 
@@ -384,14 +386,20 @@ class PageStore:
     # ---- connection and staging ----
 
     def _connection(self) -> _Connection:
+        """The current connection; without one, starts a reconnect in the background when the backoff has passed
+        (an attach to a daemon that hangs can take the control plane's deadline, 10 s, which must not stall
+        SGLang's storage threads) and raises _Unreachable."""
         with self._lock:
             conn = self._conn
-        if conn is not None:
-            return conn
-        conn = self._connect_if_due()
-        if conn is None:
-            raise _Unreachable()
-        return conn
+            if conn is not None:
+                return conn
+            due = not self._closed and self._clock() >= self._retry_at and \
+                (self._reconnecting is None or not self._reconnecting.is_alive())
+            if due:
+                self._reconnecting = threading.Thread(target=self._connect_if_due, name="flexkv-sglang-reconnect",
+                                                      daemon=True)
+                self._reconnecting.start()
+        raise _Unreachable()
 
     def _connect_if_due(self) -> Optional[_Connection]:
         """Connects and attaches when not connected and the backoff has passed; None when that is not now or it
