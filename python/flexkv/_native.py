@@ -30,8 +30,13 @@ _SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 def _candidates() -> list:
     here = os.path.dirname(os.path.abspath(__file__))
-    return [os.path.join(here, "_fast" + _SUFFIX),
-            os.path.join(os.path.dirname(os.path.abspath(_lib.lib._name)), "_fast" + _SUFFIX)]
+    found = [os.path.join(here, "_fast" + _SUFFIX)]
+    # A library loaded by its bare soname (an installed libflexkv.so.0 found by the dynamic linker) has no
+    # folder of its own: never look in the current directory for it (that would load whatever lies there).
+    lib_dir = os.path.dirname(_lib.lib._name or "")
+    if lib_dir:
+        found.append(os.path.join(os.path.abspath(lib_dir), "_fast" + _SUFFIX))
+    return found
 
 
 def _bind(module: ModuleType) -> None:
