@@ -1461,7 +1461,7 @@ TEST_CASE("cluster transport (UCX): a lane whose serving thread stalls ends its 
     for (int i = 0; i < kGets; ++i) {
       REQUIRE(b->Get(*peer, *remote, 4096 * i, bufs[i].data(), 65536, waiters[i].Callback()).ok());
     }
-    int ok = 0, deadline = 0;
+    int ok = 0, failed = 0, deadline_hit = 0;
     for (int i = 0; i < kGets; ++i) {
       auto r = waiters[i].Wait(10s);
       REQUIRE(r.has_value());  // never hangs
@@ -1471,12 +1471,20 @@ TEST_CASE("cluster transport (UCX): a lane whose serving thread stalls ends its 
         ++ok;
         CHECK(MatchesPattern(bufs[i].data(), 4096 * i, 65536));
       } else {
-        CHECK(r->code() == StatusCode::kDeadlineExceeded);
-        ++deadline;
+        // The first get on the stalled lane to pass its deadline closes the endpoint; the ones behind it (posted a
+        // moment later, not yet at their own deadline on a loaded machine) end cancelled, naming the deadline.
+        const bool own_deadline = r->code() == StatusCode::kDeadlineExceeded;
+        const bool sibling_deadline = r->code() == StatusCode::kUnavailable &&
+                                      r->message().find("another request to this peer hit its deadline") !=
+                                          std::string::npos;
+        CHECK((own_deadline || sibling_deadline));
+        if (own_deadline) ++deadline_hit;
+        ++failed;
       }
     }
     CHECK(ok == kGets / 2);  // the round robin alternates the two lanes
-    CHECK(deadline == kGets / 2);
+    CHECK(failed == kGets / 2);
+    CHECK(deadline_hit >= 1);  // at least the first of them ended at its own deadline
     stall.Release();
   }
   // The stalled lane's endpoint was closed at the deadline; its next get reconnects and reads.
