@@ -4,7 +4,8 @@
 No weights can be downloaded where this runs, so the model is built from a config with fixed-seed random weights
 (16 layers by default, hidden 2048, 16 heads, 8 KV heads of 128, bf16 and float32): every process that builds it
 gets the same weights. Its KV lives, as in vLLM, in paged per-layer tensors
-[2, num_blocks, block_size, kv_heads, head_dim] that the engine registers with flexkvd; the block keys are vLLM's full blocks of the prompt.
+[2, num_blocks, block_size, kv_heads, head_dim] that the engine registers with flexkvd; the block keys are vLLM's
+full blocks of the prompt.
 
 Two engine processes, one after the other, against one flexkvd:
   A (--role store): for each prompt length N, prefills N tokens, writes their KV into its paged blocks and stores
