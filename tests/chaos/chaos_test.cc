@@ -352,6 +352,21 @@ TEST_CASE("chaos: flexkvd killed -9 under load 20+ times and restarted on the sa
   attach.geometry.num_layers = 2;
   int64_t max_restart = 0;
   int next = 0;
+  // A restarted daemon serves its restored blocks once their bytes are verified (in the background: a match misses
+  // them until then, by design). Loads of completed stores wait for that; stores need not.
+  auto wait_verified = [](const std::string& socket) {
+    auto observer = Observer(socket);
+    const int64_t start = NowMs();
+    uint64_t unverified = 0;
+    while (NowMs() - start < 60000) {
+      auto st = observer->GetStatus();
+      REQUIRE(st.ok());
+      unverified = st->pool.unverified_blocks;
+      if (unverified == 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    FAIL("restored blocks still unverified after 60 s: " << unverified);
+  };
   for (int round = 0; round < kDaemonKills; ++round) {
     const int64_t spawn_ms = NowMs();
     DaemonUnderTest d(args, dir);
@@ -385,6 +400,7 @@ TEST_CASE("chaos: flexkvd killed -9 under load 20+ times and restarted on the sa
       }
       w.emplace(Client(d.socket(), "writer", steps, 4));
     }
+    wait_verified(d.socket());
     std::vector<int> sample(completed.begin(), completed.end());
     std::shuffle(sample.begin(), sample.end(), rng);
     sample.resize(std::min<size_t>(sample.size(), 40));
@@ -437,6 +453,7 @@ TEST_CASE("chaos: flexkvd killed -9 under load 20+ times and restarted on the sa
     DaemonUnderTest d(args, dir);
     REQUIRE(d.WaitReady());
     CHECK_THAT(d.process().Stderr(), Catch::Contains("re-attached pool"));
+    wait_verified(d.socket());
     (void)engine->Detach();  // drop the lost session (one session per process); its status does not matter
     engine.reset();
     auto fresh = Observer(d.socket());  // a new Connect + Attach works

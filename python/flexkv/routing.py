@@ -1,0 +1,226 @@
+"""Prefix-aware routing: which node holds which block keys in which tier, and where a prompt is cached longest.
+
+The Python twin of flexkv/routing.h (docs/routing.md). A router keeps one RoutingIndex for its cluster, feeds it
+each node's KV events (stored / removed per tier, a clear when a node restarts or its stream is rebuilt from a
+snapshot: docs/kv_events.md), and for a request computes the prompt's block keys with flexkvd's key function
+(flexkv.block_keys: the same namespace and block size the engines use) and asks prefix_lengths(); route() does
+both and picks a node with choose_prefix_aware().
+
+    index = RoutingIndex()
+    a, b = index.add_node("node-a"), index.add_node("node-b")
+    index.stored(a, Tier.DRAM, keys_of_what_a_stored)
+    router = PrefixRouter(index, namespace="llama3-8b|bf16|tp1", tokens_per_block=16)
+    node, prefixes = router.route(prompt_token_ids, loads=[queued_on_a, queued_on_b])
+
+Needs no daemon. Thread safety: a RoutingIndex may be used from several threads (one lock inside).
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from .keys import BlockKey, BlockKeys, block_keys
+
+__all__ = ["Tier", "NodePrefix", "RoutingIndex", "choose_prefix_aware", "PrefixRouter"]
+
+MAX_NODES = 64
+
+
+class Tier(enum.IntEnum):
+    """A tier a node's daemon reports blocks in (flexkv::CacheTier)."""
+
+    DRAM = 0
+    SSD = 1
+
+
+@dataclass(frozen=True)
+class NodePrefix:
+    """How much of a prompt one node holds: leading blocks in any tier, and in DRAM alone."""
+
+    node: int
+    blocks: int
+    dram_blocks: int
+
+
+KeyLike = Union[BlockKey, Tuple[int, int]]
+
+
+class RoutingIndex:
+    """Key -> (bit mask of nodes holding it in DRAM, the same on SSD). Updates are idempotent: storing a key twice
+    holds it once, removing a key not held changes nothing, so a snapshot replayed over a partial view is harmless.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._names: List[str] = []
+        self._keys: Dict[Tuple[int, int], List[int]] = {}
+        self._counts: List[List[int]] = []
+
+    # ---- nodes ----
+
+    def add_node(self, name: str) -> int:
+        """Adds a node; returns its number (0, 1, ... in order). AlreadyExists for a name given before,
+        ResourceExhausted past 64 nodes, InvalidArgument for an empty name."""
+        if not name:
+            raise InvalidArgument("routing index: a node needs a non-empty name")
+        with self._lock:
+            if name in self._names:
+                raise AlreadyExists(f"routing index: node {name!r} was added already")
+            if len(self._names) >= MAX_NODES:
+                raise ResourceExhausted(f"routing index: {MAX_NODES} nodes at most; cannot add {name!r}")
+            self._names.append(name)
+            self._counts.append([0, 0])
+            return len(self._names) - 1
+
+    def find_node(self, name: str) -> int:
+        with self._lock:
+            try:
+                return self._names.index(name)
+            except ValueError:
+                raise NotFound(f"routing index: no node {name!r}") from None
+
+    def node_name(self, node: int) -> str:
+        with self._lock:
+            return self._names[node] if 0 <= node < len(self._names) else ""
+
+    @property
+    def node_count(self) -> int:
+        with self._lock:
+            return len(self._names)
+
+    # ---- updates ----
+
+    def stored(self, node: int, tier: Tier, keys: Iterable[KeyLike]) -> None:
+        """The node now holds `keys` in `tier`."""
+        t = int(Tier(tier))
+        with self._lock:
+            bit = self._bit(node)
+            added = 0
+            for key in keys:
+                masks = self._keys.setdefault((key[0], key[1]), [0, 0])
+                if not masks[t] & bit:
+                    masks[t] |= bit
+                    added += 1
+            self._counts[node][t] += added
+
+    def removed(self, node: int, tier: Tier, keys: Iterable[KeyLike]) -> None:
+        """The node no longer holds `keys` in `tier` (evicted, dropped, or moved: the new tier reports stored)."""
+        t = int(Tier(tier))
+        with self._lock:
+            bit = self._bit(node)
+            removed = 0
+            for key in keys:
+                k = (key[0], key[1])
+                masks = self._keys.get(k)
+                if masks is None or not masks[t] & bit:
+                    continue
+                masks[t] &= ~bit
+                removed += 1
+                if not masks[0] and not masks[1]:
+                    del self._keys[k]
+            self._counts[node][t] -= removed
+
+    def clear_node(self, node: int) -> None:
+        """The node holds nothing (restarted empty, cleared, or about to be rebuilt from a snapshot)."""
+        with self._lock:
+            keep = ~self._bit(node)
+            for k in list(self._keys):
+                masks = self._keys[k]
+                masks[0] &= keep
+                masks[1] &= keep
+                if not masks[0] and not masks[1]:
+                    del self._keys[k]
+            self._counts[node] = [0, 0]
+
+    # ---- lookups ----
+
+    def prefix_lengths(self, keys: Sequence[KeyLike]) -> List[NodePrefix]:
+        """For every node, in node order: the leading blocks of `keys` it holds (any tier, and DRAM alone)."""
+        with self._lock:
+            n = len(self._names)
+            blocks = [0] * n
+            dram_blocks = [0] * n
+            alive = dram = (1 << n) - 1
+            i = 0
+            for i, key in enumerate(keys):
+                if not alive:
+                    break
+                masks = self._keys.get((key[0], key[1]))
+                here = (masks[0] | masks[1]) if masks else 0
+                here_dram = masks[0] if masks else 0
+                for node in _bits(alive & ~here):
+                    blocks[node] = i
+                for node in _bits(dram & ~here_dram):
+                    dram_blocks[node] = i
+                alive &= here
+                dram &= here_dram
+            else:
+                whole = len(keys)
+                for node in _bits(alive):
+                    blocks[node] = whole
+                for node in _bits(dram):
+                    dram_blocks[node] = whole
+            return [NodePrefix(node, blocks[node], dram_blocks[node]) for node in range(n)]
+
+    def key_count(self, node: int, tier: Tier) -> int:
+        with self._lock:
+            return self._counts[node][int(Tier(tier))] if 0 <= node < len(self._counts) else 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
+
+    def _bit(self, node: int) -> int:
+        if not 0 <= node < len(self._names):
+            raise InvalidArgument(f"routing index: node {node} was never added; expected 0..{len(self._names) - 1} "
+                                  "(add_node)")
+        return 1 << node
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def choose_prefix_aware(prefixes: Sequence[NodePrefix], loads: Sequence[float], max_load_ratio: float = 2.0) -> int:
+    """The node with the longest cached prefix among those not overloaded (load above max_load_ratio x (least
+    load + 1)); ties to the least loaded, then the lowest number (flexkv::ChoosePrefixAware). `loads`: one value per
+    node, any measure of outstanding work the router keeps. InvalidArgument when the sizes differ or are 0."""
+    if not prefixes or len(prefixes) != len(loads):
+        raise InvalidArgument(f"choose_prefix_aware: {len(prefixes)} prefixes and {len(loads)} loads; expected one of "
+                              "each per node, at least one")
+    limit = max(max_load_ratio, 1.0) * (min(loads) + 1.0)
+    best: Optional[int] = None
+    for i, p in enumerate(prefixes):
+        if loads[i] > limit:
+            continue
+        if best is None or p.blocks > prefixes[best].blocks or (p.blocks == prefixes[best].blocks
+                                                                and loads[i] < loads[best]):
+            best = i
+    assert best is not None  # the least loaded node is never over the limit
+    return prefixes[best].node
+
+
+class PrefixRouter:
+    """Routes prompts by their cached prefix: keys from token ids (the engines' namespace and block size), the
+    index's prefix lengths, choose_prefix_aware."""
+
+    def __init__(self, index: RoutingIndex, namespace: Union[str, bytes], tokens_per_block: int,
+                 max_load_ratio: float = 2.0) -> None:
+        self.index = index
+        self.namespace = namespace
+        self.tokens_per_block = tokens_per_block
+        self.max_load_ratio = max_load_ratio
+
+    def keys(self, token_ids: Sequence[int]) -> BlockKeys:
+        return block_keys(self.namespace, token_ids, self.tokens_per_block)
+
+    def route(self, token_ids: Sequence[int], loads: Sequence[float]) -> Tuple[int, List[NodePrefix]]:
+        """(the chosen node, every node's prefix) for a prompt."""
+        prefixes = self.index.prefix_lengths(self.keys(token_ids))
+        return choose_prefix_aware(prefixes, loads, self.max_load_ratio), prefixes

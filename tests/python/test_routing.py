@@ -1,0 +1,119 @@
+"""flexkv.routing: the routing index against a per-node set model, tiers, idempotent updates, the choice, and the
+router's keys agreeing with flexkv.block_keys (what engines store under)."""
+import random
+
+import pytest
+
+import flexkv
+from flexkv.routing import NodePrefix, PrefixRouter, RoutingIndex, Tier, choose_prefix_aware
+
+NS = "routing-test|bf16|tp1"
+
+
+def prompt(i, blocks, bs=16):
+    return [i * 100000 + t for t in range(blocks * bs)]
+
+
+def test_prefix_per_node_and_tier():
+    index = RoutingIndex()
+    a, b, c = index.add_node("a"), index.add_node("b"), index.add_node("c")
+    keys = flexkv.block_keys(NS, prompt(1, 10), 16)
+    index.stored(a, Tier.DRAM, keys[:6])
+    index.stored(b, Tier.DRAM, keys[:4])
+    index.stored(b, Tier.SSD, keys[4:8])
+    index.stored(c, Tier.DRAM, keys[2:5])
+    p = index.prefix_lengths(keys)
+    assert p == [NodePrefix(a, 6, 6), NodePrefix(b, 8, 4), NodePrefix(c, 0, 0)]
+    assert index.prefix_lengths(keys[:5]) == [NodePrefix(a, 5, 5), NodePrefix(b, 5, 4), NodePrefix(c, 0, 0)]
+    assert index.prefix_lengths([]) == [NodePrefix(a, 0, 0), NodePrefix(b, 0, 0), NodePrefix(c, 0, 0)]
+    assert index.key_count(b, Tier.SSD) == 4 and len(index) == 8
+
+
+def test_idempotent_updates_and_clear():
+    index = RoutingIndex()
+    a, b = index.add_node("a"), index.add_node("b")
+    keys = flexkv.block_keys(NS, prompt(2, 8), 16)
+    index.stored(a, Tier.DRAM, keys)
+    index.stored(a, Tier.DRAM, keys)  # a snapshot replayed
+    index.stored(b, Tier.DRAM, keys[:2])
+    assert index.key_count(a, Tier.DRAM) == 8
+    index.removed(a, Tier.DRAM, keys[5:])
+    index.stored(a, Tier.SSD, keys[5:])
+    assert index.prefix_lengths(keys)[a] == NodePrefix(a, 8, 5)
+    index.removed(b, Tier.SSD, keys)  # not held: nothing changes
+    assert index.key_count(b, Tier.DRAM) == 2
+    index.clear_node(a)
+    assert len(index) == 2 and index.key_count(a, Tier.SSD) == 0
+    assert index.prefix_lengths(keys) == [NodePrefix(a, 0, 0), NodePrefix(b, 2, 2)]
+
+
+def test_agrees_with_a_set_model():
+    rng = random.Random(5)
+    index = RoutingIndex()
+    nodes = [index.add_node(f"n{i}") for i in range(5)]
+    prompts = [flexkv.block_keys(NS, prompt(10 + i, 12), 16) for i in range(10)]
+    model = [[set(), set()] for _ in nodes]
+    for step in range(1500):
+        node, tier = rng.choice(nodes), rng.choice([Tier.DRAM, Tier.SSD])
+        keys = rng.choice(prompts)
+        lo = rng.randrange(len(keys))
+        run = keys[lo:rng.randrange(lo + 1, len(keys) + 1)]
+        if rng.random() < 0.33:
+            index.removed(node, tier, run)
+            model[node][tier].difference_update(run)
+        else:
+            index.stored(node, tier, run)
+            model[node][tier].update(run)
+        if step % 97 == 0:
+            cleared = rng.choice(nodes)
+            index.clear_node(cleared)
+            model[cleared] = [set(), set()]
+        probe = rng.choice(prompts)
+        got = index.prefix_lengths(probe)
+        for n in nodes:
+            any_, dram = 0, 0
+            while any_ < len(probe) and (probe[any_] in model[n][0] or probe[any_] in model[n][1]):
+                any_ += 1
+            while dram < len(probe) and probe[dram] in model[n][0]:
+                dram += 1
+            assert got[n] == NodePrefix(n, any_, dram), f"step {step} node {n}"
+            assert index.key_count(n, Tier.DRAM) == len(model[n][0])
+            assert index.key_count(n, Tier.SSD) == len(model[n][1])
+
+
+def test_refusals_name_the_problem():
+    index = RoutingIndex()
+    with pytest.raises(flexkv.InvalidArgument):
+        index.add_node("")
+    index.add_node("x")
+    with pytest.raises(flexkv.AlreadyExists):
+        index.add_node("x")
+    with pytest.raises(flexkv.NotFound):
+        index.find_node("y")
+    with pytest.raises(flexkv.InvalidArgument, match="never added"):
+        index.stored(3, Tier.DRAM, [(1, 2)])
+    for i in range(1, 64):
+        index.add_node(f"n{i}")
+    with pytest.raises(flexkv.ResourceExhausted):
+        index.add_node("one-too-many")
+    index.stored(63, Tier.SSD, [(1, 2)])
+    assert index.prefix_lengths([(1, 2)])[63] == NodePrefix(63, 1, 0)
+
+
+def test_choice_and_router():
+    prefixes = [NodePrefix(0, 4, 4), NodePrefix(1, 9, 9), NodePrefix(2, 9, 2), NodePrefix(3, 0, 0)]
+    assert choose_prefix_aware(prefixes, [1, 3, 2, 0]) == 2
+    assert choose_prefix_aware(prefixes, [1, 1, 5, 0]) == 1
+    assert choose_prefix_aware(prefixes, [1, 7, 5, 0]) == 0
+    with pytest.raises(flexkv.InvalidArgument):
+        choose_prefix_aware(prefixes, [1, 2])
+    index = RoutingIndex()
+    a, b = index.add_node("a"), index.add_node("b")
+    tokens = prompt(3, 6) + [7, 7, 7]  # a trailing partial block is never keyed
+    index.stored(b, Tier.DRAM, flexkv.block_keys(NS, tokens, 16)[:5])
+    router = PrefixRouter(index, NS, 16)
+    assert list(router.keys(tokens)) == list(flexkv.block_keys(NS, tokens[:96], 16))
+    node, prefixes = router.route(tokens, loads=[0, 0])
+    assert node == b and prefixes[b].blocks == 5 and prefixes[a].blocks == 0
+    node, _ = router.route(tokens, loads=[0, 10])  # b overloaded
+    assert node == a
