@@ -60,6 +60,7 @@
 #include "daemon/tiers/ssd/ssd_format.h"
 #include "flexkv/client.h"
 #include "trace_replay.h"
+#include "trace_router_sim.h"
 
 namespace flexkv::bench {
 
@@ -146,6 +147,8 @@ struct TraceOptions {
   double ssd_writeback_window = 0;  // 0: the daemon's default (0.25)
   uint32_t ssd_queue_depth = 0;     // 0: the daemon's default (32)
   uint32_t gap_us = 0;              // each request waits this long once it is its turn (pacing; 0: none)
+  uint32_t nodes = 1;               // > 1: the three-router comparison over that many nodes (RunRouterComparison)
+  double max_load_ratio = 2.0;      // the prefix-aware router's overload limit
 };
 
 // The model a daemon replay stores (trace --geometry): empty preset = TraceGeometry(block_bytes) at
@@ -675,6 +678,55 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
 
 }  // namespace
 
+// trace --nodes N: the three routers of trace_router_sim.h on the trace, beside one pool of N x capacity and the
+// infinite-cache bound.
+int RunRouterComparison(const TraceOptions& o, const std::vector<TraceRequest>& trace,
+                        const std::vector<std::vector<flexkv::BlockKey>>& keys) {
+  const auto start = std::chrono::steady_clock::now();
+  auto runs = flexkv::bench::SimulateRouters(trace, keys, o.nodes, o.capacity, o.max_load_ratio);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const HitCount one_pool = SimulatePrefixIndex(trace, keys, o.capacity * o.nodes);
+  const HitCount bound = flexkv::bench::InfiniteCacheBound(trace);
+  bool consistent = true;
+  for (const auto& r : runs) consistent &= r.index_consistent;
+  if (o.json) {
+    Json j;
+    j["bench"] = "trace-routers";
+    j["trace"] = o.trace;
+    j["nodes"] = o.nodes;
+    j["node_capacity_blocks"] = o.capacity;
+    j["block_bytes"] = o.block_bytes;
+    j["max_load_ratio"] = o.max_load_ratio;
+    for (const auto& r : runs) {
+      j["routers"].push_back({{"router", r.router}, {"hit_ratio", r.hit_ratio()}, {"hits", r.hits},
+                              {"local_hits", r.local_hits}, {"pulled_blocks", r.pulled_blocks},
+                              {"pulled_bytes", r.pulled_blocks * o.block_bytes}, {"blocks", r.blocks},
+                              {"per_node_requests", r.per_node_requests}, {"imbalance", r.imbalance()},
+                              {"index_consistent", r.index_consistent}});
+    }
+    j["one_pool_hit_ratio"] = one_pool.ratio();
+    j["infinite_bound"] = bound.ratio();
+    j["seconds"] = seconds;
+    fmt::print("{}\n", j.dump());
+  } else {
+    fmt::print("trace {} ({} requests, {} blocks): {} nodes x {} blocks, block {} bytes (simulation: the daemon's "
+               "PrefixIndex per node, in-process)\n",
+               o.trace, trace.size(), runs.empty() ? 0 : runs[0].blocks, o.nodes, o.capacity, o.block_bytes);
+    fmt::print("{:<26} {:>9} {:>11} {:>12} {:>14} {:>10}\n", "router", "hit ratio", "local hits", "pulled",
+               "pulled bytes", "imbalance");
+    for (const auto& r : runs) {
+      fmt::print("{:<26} {:>9.4f} {:>11} {:>12} {:>14} {:>10.2f}\n", r.router, r.hit_ratio(), r.local_hits,
+                 r.pulled_blocks, r.pulled_blocks * o.block_bytes, r.imbalance());
+    }
+    fmt::print("{:<26} {:>9.4f}   (one pool of {} blocks: the most {} nodes could hold without duplicates)\n",
+               "one pool", one_pool.ratio(), uint64_t{o.capacity} * o.nodes, o.nodes);
+    fmt::print("{:<26} {:>9.4f}\n", "infinite-cache bound", bound.ratio());
+    fmt::print("routing index consistent with every node's blocks: {}; {:.1f} s\n", consistent ? "yes" : "NO",
+               seconds);
+  }
+  return consistent ? 0 : 1;
+}
+
 int RunTraceBench(int argc, char** argv) {
   CLI::App app{"flexkv-bench trace: replay a Mooncake-format trace through a flexkvd this bench starts"};
   TraceOptions o;
@@ -727,6 +779,15 @@ int RunTraceBench(int argc, char** argv) {
                  "as fast as possible); with --order strict the replay takes about requests x this longer, time the "
                  "SSD tier's mover gets to keep up")
       ->check(CLI::Range(0u, 10000000u));
+  app.add_option("--nodes", o.nodes,
+                 "> 1: no daemon; the trace over this many nodes of --capacity-blocks each (the daemon's PrefixIndex, "
+                 "in-process) behind three routers - round-robin, round-robin with peer pulls, prefix-aware - hit "
+                 "ratio and pulled bytes of each (default 1: the replay through flexkvd)")
+      ->check(CLI::Range(1u, 64u));
+  app.add_option("--max-load-ratio", o.max_load_ratio,
+                 "With --nodes: the prefix-aware router skips nodes whose recent load exceeds this x (least + 1) "
+                 "(default 2)")
+      ->check(CLI::Range(1.0, 1000.0));
   CLI11_PARSE(app, argc, argv);
   o.ssd_write_all = write_policy == "all";
   if (o.ssd_blocks == 0 && (!o.ssd_dir.empty() || !write_policy.empty() || o.ssd_writeback_window > 0 ||
@@ -780,6 +841,7 @@ int RunTraceBench(int argc, char** argv) {
   keys.reserve(trace->size());
   for (const TraceRequest& r : *trace) keys.push_back(TraceKeys(r.hash_ids));
 
+  if (o.nodes > 1) return RunRouterComparison(o, *trace, keys);
   if (o.ssd_blocks > 0) return RunSsdComparison(self, o, *trace, keys);
   std::vector<TraceRun> runs;
   for (uint32_t cap : caps) {

@@ -358,14 +358,18 @@ TEST_CASE("chaos: flexkvd killed -9 under load 20+ times and restarted on the sa
     auto observer = Observer(socket);
     const int64_t start = NowMs();
     uint64_t unverified = 0;
+    std::string last_error;
     while (NowMs() - start < 60000) {
       auto st = observer->GetStatus();
-      REQUIRE(st.ok());
-      unverified = st->pool.unverified_blocks;
-      if (unverified == 0) return;
+      if (st.ok()) {
+        unverified = st->pool.unverified_blocks;
+        if (unverified == 0) return;
+      } else {
+        last_error = st.status().ToString();  // a loaded machine: asked again until the minute is up
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    FAIL("restored blocks still unverified after 60 s: " << unverified);
+    FAIL("restored blocks still unverified after 60 s: " << unverified << "; last status error: " << last_error);
   };
   for (int round = 0; round < kDaemonKills; ++round) {
     const int64_t spawn_ms = NowMs();
