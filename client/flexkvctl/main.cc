@@ -137,7 +137,16 @@ Json StatusJson(const flexkv::DaemonStatus& s) {
               {"counters", CountersJson(s.counters)},
               {"backends", backends},
               {"model_namespace", s.model_namespace},
-              {"domains", domains}};
+              {"domains", domains},
+              {"kv_events", {{"instance_id", fmt::format("{:016x}", s.kv_events.instance_id)},
+                             {"last_seq", s.kv_events.last_seq},
+                             {"subscribers", s.kv_events.subscribers},
+                             {"cut_off", s.kv_events.cut_off},
+                             {"buffer_events", s.kv_events.buffer_events},
+                             {"zmq_endpoint", s.kv_events.zmq_endpoint},
+                             {"zmq_batches", s.kv_events.zmq_batches},
+                             {"zmq_events", s.kv_events.zmq_events},
+                             {"zmq_resyncs", s.kv_events.zmq_resyncs}}}};
 }
 
 Json SessionJson(const flexkv::SessionEntry& s) {
@@ -223,6 +232,14 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
       fmt::print("  {} on {}: {} slots, {}\n", f.path, f.filesystem, f.slots, f.direct_io ? "direct I/O" : "BUFFERED I/O");
     }
     for (const auto& n : t.notes) fmt::print("  note: {}\n", n);
+  }
+  if (s.kv_events.subscribers > 0 || s.kv_events.cut_off > 0 || !s.kv_events.zmq_endpoint.empty()) {
+    fmt::print("kv events {} subscribers, last seq {}, {} cut off (buffer {} events){}\n", s.kv_events.subscribers,
+               s.kv_events.last_seq, s.kv_events.cut_off, s.kv_events.buffer_events,
+               s.kv_events.zmq_endpoint.empty()
+                   ? std::string()
+                   : fmt::format("; zmq {}: {} batches, {} events, {} resyncs", s.kv_events.zmq_endpoint,
+                                 s.kv_events.zmq_batches, s.kv_events.zmq_events, s.kv_events.zmq_resyncs));
   }
   if (s.cluster) {
     const auto& c = *s.cluster;

@@ -93,12 +93,16 @@ Result<std::unique_ptr<ZmqKvEventPublisher>> ZmqKvEventPublisher::Start(KvEventS
   std::unique_ptr<ZmqKvEventPublisher> p(new ZmqKvEventPublisher(stream, endpoint, topic));
   p->context_ = zmq_ctx_new();
   if (p->context_ == nullptr) return Status::Internal(fmt::format("zmq_ctx_new: {}", zmq_strerror(zmq_errno())));
-  p->socket_ = zmq_socket(p->context_, ZMQ_PUB);
+  // XPUB: a PUB socket (plain SUB sockets connect to it) that also tells us when a subscriber joins, so that each
+  // joining subscriber gets the snapshot (ZMQ's "slow joiner" would otherwise lose what was published before it).
+  p->socket_ = zmq_socket(p->context_, ZMQ_XPUB);
   if (p->socket_ == nullptr) return Status::Internal(fmt::format("zmq_socket: {}", zmq_strerror(zmq_errno())));
   const int linger = 0;
   zmq_setsockopt(p->socket_, ZMQ_LINGER, &linger, sizeof(linger));
   const int hwm = 100000;  // messages per subscriber before ZMQ drops for it
   zmq_setsockopt(p->socket_, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+  const int verbose = 1;  // every subscription, also a second one to the same topic
+  zmq_setsockopt(p->socket_, ZMQ_XPUB_VERBOSE, &verbose, sizeof(verbose));
   if (zmq_bind(p->socket_, endpoint.c_str()) != 0) {
     const int err = zmq_errno();
     const std::string why = zmq_strerror(err);
@@ -199,7 +203,18 @@ void ZmqKvEventPublisher::Run() {
   };
   resync();
   std::vector<KvEvent> events;
+  uint8_t sub_msg[256];
   while (!stop_.load(std::memory_order_acquire)) {
+    // A subscriber joined (first byte 1: subscribe): everyone gets AllBlocksCleared and the snapshot, which is
+    // harmless for those who had the view already and the only way the newcomer gets it.
+    bool joined = false;
+    for (int n; (n = zmq_recv(socket_, sub_msg, sizeof(sub_msg), ZMQ_DONTWAIT)) > 0;) {
+      if (sub_msg[0] == 1) joined = true;
+    }
+    if (joined) {
+      resync();
+      continue;
+    }
     events.clear();
     uint64_t behind = 0;
     const KvEventStream::Reader::Result r = reader.Read(kMaxBatchEvents, &events, &behind);

@@ -1,7 +1,8 @@
 // ZmqKvEventPublisher: the KV event stream on a ZMQ PUB socket in vLLM's KV-event wire format (docs/kv_events.md,
 // "ZMQ"), for the routers that already consume vLLM's events (llm-d, Dynamo). Off unless --kv-events-zmq is set.
 // One thread reads the stream as a subscriber: it publishes AllBlocksCleared and a snapshot (as BlockStored) at
-// start and whenever it fell behind the stream's buffer, then every event, batched. Publishing never blocks: ZMQ's
+// start, whenever a ZMQ subscriber joins (an XPUB socket sees the subscription) and whenever it fell behind the
+// stream's buffer, then every event, batched. Publishing never blocks: ZMQ's
 // PUB socket drops messages for a subscriber past its high-water mark (the multipart's sequence number shows the gap).
 #pragma once
 
