@@ -252,6 +252,8 @@ TEST_CASE("kv events: a resubscribing subscriber ends with exactly the daemon's 
   REQUIRE(restarted.WaitReady());
   auto c = ConnectTo(restarted.socket());
   auto sub = Subscribe(restarted.socket(), 64);
+  // Restored blocks are neither matchable nor evictable until verified: a store into a full pool waits for that.
+  WaitVerified(*c);
   {
     StoreLoad load(restarted.socket(), 160, 240);
     while (load.stored.load() < 80) {
