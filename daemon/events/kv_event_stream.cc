@@ -157,22 +157,28 @@ KvEventStream::Snapshot KvEventStream::Reader::TakeSnapshot() {
 
 KvEventStream::Reader::Result KvEventStream::Reader::Read(size_t max, std::vector<KvEvent>* out, uint64_t* behind) {
   if (stream_->closed()) return Result::kClosed;
-  MutexLock lock(&stream_->mu_);
-  const uint64_t head = stream_->next_seq_;  // one past the last event
-  const uint64_t oldest = head > stream_->capacity_ ? head - stream_->capacity_ : 1;
-  if (next_ < oldest) {
-    if (behind != nullptr) *behind = head - next_;
-    stream_->cut_off_.fetch_add(1, std::memory_order_relaxed);
-    return Result::kOverrun;
-  }
+  // Copied out in chunks, the lock released in between: an appender (which holds its cache's lock) never waits for
+  // more than one chunk's copy.
+  constexpr size_t kChunk = 256;
   size_t n = 0;
-  for (; next_ < head && n < max; ++next_) {
-    const KvEvent& e = stream_->ring_[next_ & (stream_->capacity_ - 1)];
-    if (e.source < marks_.size() && e.seq <= marks_[e.source]) continue;  // the snapshot holds it
-    out->push_back(e);
-    ++n;
+  for (;;) {
+    MutexLock lock(&stream_->mu_);
+    const uint64_t head = stream_->next_seq_;  // one past the last event
+    const uint64_t oldest = head > stream_->capacity_ ? head - stream_->capacity_ : 1;
+    if (next_ < oldest) {
+      if (behind != nullptr) *behind = head - next_;
+      stream_->cut_off_.fetch_add(1, std::memory_order_relaxed);
+      return Result::kOverrun;
+    }
+    size_t scanned = 0;
+    for (; next_ < head && n < max && scanned < kChunk; ++next_, ++scanned) {
+      const KvEvent& e = stream_->ring_[next_ & (stream_->capacity_ - 1)];
+      if (e.source < marks_.size() && e.seq <= marks_[e.source]) continue;  // the snapshot holds it
+      out->push_back(e);
+      ++n;
+    }
+    if (next_ >= head || n >= max) return Result::kOk;
   }
-  return Result::kOk;
 }
 
 }  // namespace flexkv

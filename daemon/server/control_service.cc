@@ -651,7 +651,17 @@ grpc::Status ControlService::Scrub(grpc::ServerContext* context, const v1::Scrub
 namespace flexkv {
 namespace {
 
-void FillKvEvent(const KvEventStream& stream, const KvEvent& e, v1::KvEvent* out) {
+// The domains' names and block sizes, looked up once per domain per subscription (not per event).
+struct DomainCache {
+  const KvEventStream::DomainInfo& Get(const KvEventStream& stream, uint16_t id) {
+    auto it = known.find(id);
+    if (it == known.end()) it = known.emplace(id, stream.Domain(id)).first;
+    return it->second;
+  }
+  std::map<uint16_t, KvEventStream::DomainInfo> known;
+};
+
+void FillKvEvent(const KvEventStream& stream, DomainCache& domains, const KvEvent& e, v1::KvEvent* out) {
   out->set_seq(e.seq);
   out->set_kind(static_cast<v1::KvEvent::Kind>(e.kind));
   out->set_tier(static_cast<v1::KvEvent::Tier>(e.tier));
@@ -659,7 +669,7 @@ void FillKvEvent(const KvEventStream& stream, const KvEvent& e, v1::KvEvent* out
   out->set_key_hi(e.key.hi);
   out->set_parent_lo(e.parent.lo);
   out->set_parent_hi(e.parent.hi);
-  const KvEventStream::DomainInfo d = stream.Domain(e.domain);
+  const KvEventStream::DomainInfo& d = domains.Get(stream, e.domain);
   out->set_model_namespace(d.model_namespace);
   out->set_tokens_per_block(d.tokens_per_block);
   out->set_cause(static_cast<v1::KvEvent::Cause>(e.cause));
@@ -677,6 +687,7 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
   }
   const size_t max_batch = request->max_batch_events() == 0 ? 1024 : request->max_batch_events();
   KvEventStream::Reader reader(stream);
+  DomainCache domains;
   const auto batch_header = [&](v1::KvEventBatch* b) {
     b->set_instance_id(stream->instance_id());
     b->set_started_unix_ms(static_cast<uint64_t>(ctx_.started_unix_ms));
@@ -699,7 +710,7 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
       batch_header(&b);
       b.set_snapshot(true);
       const size_t end = std::min(snap.blocks.size(), i + max_batch);
-      for (; i < end; ++i) FillKvEvent(*stream, snap.blocks[i], b.add_events());
+      for (; i < end; ++i) FillKvEvent(*stream, domains, snap.blocks[i], b.add_events());
       b.set_snapshot_end(i == snap.blocks.size());
       b.set_snapshot_seq(snap.seq);
       b.set_head_seq(snap.seq);
@@ -735,7 +746,7 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
     }
     v1::KvEventBatch b;
     batch_header(&b);
-    for (const KvEvent& e : events) FillKvEvent(*stream, e, b.add_events());
+    for (const KvEvent& e : events) FillKvEvent(*stream, domains, e, b.add_events());
     b.set_head_seq(stream->last_seq());
     b.set_position(position);
     if (!writer->Write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
