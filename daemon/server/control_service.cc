@@ -2,13 +2,16 @@
 #include "daemon/server/control_service.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <condition_variable>
 #include <future>
+#include <mutex>
 #include <thread>
 
 #include "common/grpc_convert.h"
@@ -718,6 +721,38 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
       if (!writer->Write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
     } while (i < snap.blocks.size());
   }
+  // A subscriber that stops reading for good blocks Write (flow control) and would hold this handler until it
+  // disconnects: a watchdog cancels the call once it has been blocked for 10 s and the stream has overwritten what it
+  // had not read (it could only be cut off then anyway). A subscriber that reads again in time is told the reason.
+  struct Watchdog {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::atomic<int64_t> writing_since_ms{0};  // 0: not in Write
+    std::atomic<uint64_t> position{0};
+    std::thread thread;
+    ~Watchdog() {
+      {
+        std::lock_guard lock(mu);
+        done = true;
+      }
+      cv.notify_all();
+      if (thread.joinable()) thread.join();
+    }
+  } watchdog;
+  watchdog.position.store(reader.position());
+  watchdog.thread = std::thread([&watchdog, stream, context] {
+    std::unique_lock lock(watchdog.mu);
+    while (!watchdog.cv.wait_for(lock, std::chrono::seconds(1), [&] { return watchdog.done; })) {
+      const int64_t since = watchdog.writing_since_ms.load();
+      if (since == 0 || MonotonicMs() - since < 10000) continue;
+      if (stream->last_seq() - watchdog.position.load() <= stream->capacity()) continue;
+      log::Warning("events", "a KV event subscriber has not read for {} s and fell behind the event buffer: its call "
+                   "is cancelled", (MonotonicMs() - since) / 1000);
+      context->TryCancel();
+      return;
+    }
+  });
   std::vector<KvEvent> events;
   uint64_t sent_position = reader.position();
   int64_t last_write_ms = MonotonicMs();
@@ -749,7 +784,11 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
     for (const KvEvent& e : events) FillKvEvent(*stream, domains, e, b.add_events());
     b.set_head_seq(stream->last_seq());
     b.set_position(position);
-    if (!writer->Write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+    watchdog.position.store(position);
+    watchdog.writing_since_ms.store(now);
+    const bool written = writer->Write(b);
+    watchdog.writing_since_ms.store(0);
+    if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
     sent_position = position;
     last_write_ms = now;
   }
