@@ -3,6 +3,7 @@
 // evict load, across a kill -9 and restart of the daemon; a subscriber that does not keep up is cut off with the
 // reason while the stores go on.
 #include <signal.h>
+#include <sys/vfs.h>
 
 #include <catch2/catch.hpp>
 #include <atomic>
@@ -96,6 +97,7 @@ struct View {
   bool in_snapshot = false;
   std::unordered_set<BlockKey, KeyHash> dram, ssd;
   uint64_t batches = 0;
+  uint64_t ssd_stored = 0, ssd_removed = 0;  // events (not the snapshot)
 
   void Apply(const flexkv::KvEventBatch& b) {
     ++batches;
@@ -114,6 +116,9 @@ struct View {
       if (!b.snapshot) {
         REQUIRE(e.seq > last_seq);
         last_seq = e.seq;
+      }
+      if (!b.snapshot && e.tier == KvBlockEvent::Tier::kSsd) {
+        (e.kind == KvBlockEvent::Kind::kStored ? ssd_stored : ssd_removed) += 1;
       }
       switch (e.kind) {
         case KvBlockEvent::Kind::kStored: set.insert(e.key); break;
@@ -338,4 +343,94 @@ TEST_CASE("kv events: bad subscription and flag values are refused with the reas
     CHECK_THAT(r.output, Catch::Contains("--kv-events-zmq"));
     CHECK_THAT(r.output, Catch::Contains("tcp://"));
   }
+}
+
+namespace {
+
+const flexkv::DaemonStatus::Tier* SsdTierOf(const flexkv::DaemonStatus& st) {
+  for (const auto& t : st.tiers) {
+    if (t.name == "ssd") return &t;
+  }
+  return nullptr;
+}
+
+// Until the SSD tier is idle: nothing in flight and the same blocks written and held in two looks 200 ms apart.
+void WaitSsdIdle(flexkv::Client& c) {
+  uint64_t last_written = UINT64_MAX, last_used = UINT64_MAX;
+  for (int i = 0; i < 300; ++i) {
+    auto st = c.GetStatus();
+    REQUIRE(st.ok());
+    const auto* t = SsdTierOf(*st);
+    REQUIRE(t != nullptr);
+    const uint64_t written = t->counters.at("written_back_blocks");
+    if (t->counters.at("writes_in_flight") == 0 && t->counters.at("reads_in_flight") == 0 &&
+        written == last_written && t->used_blocks == last_used && st->pool.unverified_blocks == 0) {
+      return;
+    }
+    last_written = written;
+    last_used = t->used_blocks;
+    std::this_thread::sleep_for(200ms);
+  }
+  FAIL("the SSD tier did not settle");
+}
+
+}  // namespace
+
+TEST_CASE("kv events: SSD write-backs and evictions reach the subscriber, and a restart's SSD blocks are in the snapshot",
+          "[integration]") {
+  struct statfs fs {};
+  REQUIRE(statfs("/var/tmp", &fs) == 0);
+  if (static_cast<uint64_t>(fs.f_type) == 0x01021994) {
+    WARN("/var/tmp is tmpfs: the SSD tier needs a disk filesystem; skipped");
+    return;
+  }
+  char tmpl[] = "/var/tmp/flexkv-kvevents-ssd-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  std::filesystem::permissions(dir, std::filesystem::perms(0755));
+  std::filesystem::create_directories(dir + "/ssd");
+  // 64 DRAM blocks, about 120 SSD slots, every stored block written: both tiers store and evict.
+  const std::vector<std::string> args = {"--pool-size", "8MiB", "--ssd-path", dir + "/ssd", "--ssd-size", "16MiB",
+                                         "--ssd-write-policy", "all"};
+  {
+    DaemonUnderTest d(args, dir);
+    REQUIRE(d.WaitReady());
+    auto c = ConnectTo(d.socket());
+    auto sub = Subscribe(d.socket(), 64);
+    View view;
+    {
+      StoreLoad load(d.socket(), 0, 60);  // 360 blocks
+      load.Join();
+      CHECK(load.failed.load() == 0);
+    }
+    WaitSsdIdle(*c);
+    CatchUp(*c, *sub, &view);
+    auto st = c->GetStatus();
+    REQUIRE(st.ok());
+    const auto* t = SsdTierOf(*st);
+    REQUIRE(t != nullptr);
+    CHECK(view.ssd.size() == t->used_blocks);
+    CHECK(view.dram.size() == st->index_blocks);
+    CHECK(view.ssd_stored > 0);
+    CHECK(view.ssd_removed > 0);  // the SSD tier is smaller than what was stored
+    d.process().Signal(SIGKILL);
+    REQUIRE(d.process().Wait(10s).has_value());
+  }
+  DaemonUnderTest restarted(args, dir);
+  REQUIRE(restarted.WaitReady());
+  auto c = ConnectTo(restarted.socket());
+  WaitSsdIdle(*c);
+  View view;
+  auto sub = Subscribe(restarted.socket(), 0);
+  CatchUp(*c, *sub, &view);
+  auto st = c->GetStatus();
+  REQUIRE(st.ok());
+  const auto* t = SsdTierOf(*st);
+  REQUIRE(t != nullptr);
+  CHECK(t->used_blocks > 0);
+  CHECK(view.ssd.size() == t->used_blocks);
+  CHECK(view.dram.size() == st->index_blocks);
+  sub.reset();
+  c.reset();
+  std::filesystem::remove_all(dir);
 }
