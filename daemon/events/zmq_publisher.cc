@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <vector>
 
@@ -113,14 +115,20 @@ Result<std::unique_ptr<ZmqKvEventPublisher>> ZmqKvEventPublisher::Start(KvEventS
   }
   ZmqKvEventPublisher* raw = p.get();
   p->thread_ = std::thread([raw] { raw->Run(); });
+  p->thread_started_ = true;
   log::Info("events", "KV events published on {} (topic '{}', vLLM KV-event format)", endpoint, topic);
   return p;
 }
 
 ZmqKvEventPublisher::~ZmqKvEventPublisher() {
   Stop();
-  if (socket_ != nullptr) zmq_close(socket_);
+  if (socket_ != nullptr) {
+    (void)zmq_unbind(socket_, endpoint_.c_str());
+    zmq_close(socket_);
+  }
   if (context_ != nullptr) zmq_ctx_term(context_);
+  // An ipc:// endpoint's socket file is ours: leave no stale one behind.
+  if (thread_started_ && endpoint_.rfind("ipc://", 0) == 0) ::unlink(endpoint_.c_str() + 6);
 }
 
 void ZmqKvEventPublisher::Stop() {

@@ -46,6 +46,7 @@ class ZmqKvEventPublisher {
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> batches_{0}, events_{0}, resyncs_{0};
   std::thread thread_;
+  bool thread_started_ = false;  // bound and running (the destructor then removes an ipc:// socket file)
 };
 
 }  // namespace flexkv
