@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/clock.h"
+#include "daemon/events/kv_event_stream.h"
 #include "flexkv/client.h"
 #include "flexkv/kv_events.h"
 #include "bench_process.h"
@@ -85,6 +86,47 @@ struct Reader {
   std::string error;
 };
 
+// --append: the stream's Append alone, in this process (no daemon): ns per event with no subscriber (a relaxed load),
+// with one reader draining the ring in another thread, and with one subscribed that never reads.
+int RunAppendBench(uint64_t events) {
+  const auto run = [events](int readers, bool reading) {
+    KvEventStream stream(65536, 1);
+    std::atomic<bool> stop{false};
+    std::vector<std::unique_ptr<KvEventStream::Reader>> subs;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < readers; ++r) {
+      subs.push_back(std::make_unique<KvEventStream::Reader>(&stream));
+      subs.back()->StartAtHead();
+      if (!reading) continue;
+      threads.emplace_back([&stream, &stop, reader = subs.back().get()] {
+        std::vector<KvEvent> out;
+        uint64_t behind = 0;
+        while (!stop.load(std::memory_order_relaxed)) {
+          out.clear();
+          if (reader->Read(1024, &out, &behind) == KvEventStream::Reader::Result::kOverrun) reader->StartAtHead();
+          // As the daemon's readers do: a batch that was not full lets events gather for 2 ms.
+          if (out.size() < 1024) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+      });
+    }
+    KvEvent e;
+    e.kind = KvEventKind::kStored;
+    const int64_t t0 = NowNs();
+    for (uint64_t i = 0; i < events; ++i) {
+      e.key.lo = i;
+      stream.Append(e);
+    }
+    const int64_t t1 = NowNs();
+    stop.store(true);
+    for (auto& t : threads) t.join();
+    return static_cast<double>(t1 - t0) / static_cast<double>(events);
+  };
+  const double none = run(0, false), idle = run(1, false), busy = run(1, true);
+  fmt::print("KvEventStream::Append, {} events: no subscriber {:.1f} ns/event, one subscribed not reading {:.1f} ns, "
+             "one reading in another thread {:.1f} ns\n", events, none, idle, busy);
+  return 0;
+}
+
 }  // namespace
 }  // namespace flexkv::bench
 
@@ -101,11 +143,17 @@ int RunKvEventsBench(int argc, char** argv) {
       ->check(CLI::Range(1u, 128u));
   app.add_option("--pool-size", o.pool_size, "--pool-size of the flexkvd this bench starts (default 64MiB: stores evict)");
   app.add_flag("--zmq", o.zmq, "The flexkvd this bench starts also publishes on ZMQ (--kv-events-zmq ipc://...)");
+  bool append_only = false;
+  uint64_t append_events = 20000000;
+  app.add_flag("--append", append_only, "Only the stream's Append in this process (ns per event), no daemon");
+  app.add_option("--append-events", append_events, "Events appended per --append variant (default 20M)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 34));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  if (append_only) return RunAppendBench(append_events);
   std::unique_ptr<OwnDaemon> own;
   std::string socket = o.socket;
   if (socket.empty()) {
