@@ -3,8 +3,8 @@
 // SubscribeKvEvents call, the ZMQ publisher) read it from a bounded ring at their own pace and start with a
 // snapshot of every key per tier that is consistent with the sequence number they continue from.
 //
-// The data path only appends: O(1), one short lock that readers hold only to copy events out (never while doing
-// I/O), and nothing at all while no one is subscribed. A reader that falls further behind than the ring holds is
+// The data path only appends: O(1), one short lock that readers hold only to copy events out, at most 256 at a time
+// (never while doing I/O), and nothing at all while no one is subscribed. A reader that falls further behind than the ring holds is
 // cut off (Read answers kOverrun with how far behind it was); it resubscribes and gets a fresh snapshot.
 // Thread-safe.
 #pragma once
