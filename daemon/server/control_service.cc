@@ -696,12 +696,10 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
     b->set_started_unix_ms(static_cast<uint64_t>(ctx_.started_unix_ms));
   };
   if (request->skip_snapshot()) {
+    // No snapshot: a first empty batch says where the stream starts (nothing to replace a view with).
     reader.StartAtHead();
     v1::KvEventBatch b;
     batch_header(&b);
-    b.set_snapshot(true);
-    b.set_snapshot_end(true);
-    b.set_snapshot_seq(reader.position());
     b.set_head_seq(reader.position());
     b.set_position(reader.position());
     if (!writer->Write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
