@@ -4,6 +4,7 @@
 // reason while the stores go on.
 #include <signal.h>
 #include <sys/vfs.h>
+#include <sys/wait.h>
 
 #include <catch2/catch.hpp>
 #include <atomic>
@@ -436,4 +437,29 @@ TEST_CASE("kv events: SSD write-backs and evictions reach the subscriber, and a 
   sub.reset();
   c.reset();
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("kv events: SIGTERM ends a subscription with UNAVAILABLE and the daemon still stops cleanly",
+          "[integration]") {
+  DaemonUnderTest d({"--pool-size", "32MiB"});
+  REQUIRE(d.WaitReady());
+  auto sub = Subscribe(d.socket(), 0);
+  auto first = sub->Next();
+  REQUIRE(first.ok());
+  CHECK(first->snapshot_end);
+  d.process().Signal(SIGTERM);
+  flexkv::Status ended;
+  for (int i = 0; i < 1000; ++i) {  // an idle stream sends a batch a second until the daemon stops
+    auto b = sub->Next();
+    if (!b.ok()) {
+      ended = b.status();
+      break;
+    }
+  }
+  INFO(ended.ToString());
+  CHECK(ended.code() == StatusCode::kUnavailable);
+  auto status = d.process().Wait(30s);
+  REQUIRE(status.has_value());
+  CHECK(WIFEXITED(*status));
+  CHECK(WEXITSTATUS(*status) == 0);
 }
