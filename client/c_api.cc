@@ -18,6 +18,7 @@
 #include "common/version.h"
 #include "flexkv/client.h"
 #include "flexkv/cuda.h"
+#include "flexkv/kv_events.h"
 #include "flexkv/v1/control.pb.h"
 
 struct flexkv_client {
@@ -182,6 +183,8 @@ size_t flexkv_struct_size(const char* name) {
   if (n == "flexkv_block_key") return sizeof(flexkv_block_key);
   if (n == "flexkv_op_result") return sizeof(flexkv_op_result);
   if (n == "flexkv_ticket") return sizeof(flexkv_ticket);
+  if (n == "flexkv_kv_event") return sizeof(flexkv_kv_event);
+  if (n == "flexkv_kv_batch") return sizeof(flexkv_kv_batch);
   return 0;
 }
 
@@ -599,6 +602,78 @@ int flexkv_wait_layers(flexkv_client* c, flexkv_ticket ticket, uint32_t layers, 
     return Record(flexkv::Status::Ok());
   });
 }
+
+struct flexkv_kv_subscription {
+  std::unique_ptr<flexkv::KvEventSubscription> sub;
+  std::optional<flexkv::KvEventBatch> pending;  // a batch larger than the caller's capacity
+  size_t offset = 0;                           // its events already handed out
+};
+
+int flexkv_kv_subscribe(const char* socket_path, int timeout_ms, uint32_t max_batch_events, int skip_snapshot,
+                        flexkv_kv_subscription** out) {
+  return Guarded([&]() -> int {
+    if (out == nullptr) return NullArgument("out");
+    *out = nullptr;
+    flexkv::ConnectOptions connect;
+    if (socket_path != nullptr) connect.socket_path = socket_path;
+    if (timeout_ms >= 0) connect.connect_timeout = std::chrono::milliseconds(timeout_ms);
+    flexkv::KvSubscribeOptions options;
+    options.max_batch_events = max_batch_events;
+    options.skip_snapshot = skip_snapshot != 0;
+    auto sub = flexkv::KvEventSubscription::Open(connect, options);
+    if (!sub.ok()) return Record(sub.status());
+    *out = new flexkv_kv_subscription{std::move(*sub), std::nullopt, 0};
+    return Record(flexkv::Status::Ok());
+  });
+}
+
+int flexkv_kv_next(flexkv_kv_subscription* s, flexkv_kv_batch* batch, flexkv_kv_event* events, size_t capacity) {
+  return Guarded([&]() -> int {
+    if (s == nullptr) return NullArgument("subscription");
+    if (batch == nullptr) return NullArgument("batch");
+    if (events == nullptr && capacity > 0) return NullArgument("events");
+    if (!s->pending) {
+      auto b = s->sub->Next();
+      if (!b.ok()) return Record(b.status());
+      s->pending = std::move(*b);
+      s->offset = 0;
+    }
+    const flexkv::KvEventBatch& b = *s->pending;
+    const size_t n = std::min(capacity, b.events.size() - s->offset);
+    const bool last = s->offset + n == b.events.size();
+    *batch = flexkv_kv_batch{};
+    batch->instance_id = b.instance_id;
+    batch->started_unix_ms = b.started_unix_ms;
+    batch->snapshot_seq = b.snapshot_seq;
+    batch->head_seq = b.head_seq;
+    batch->position = last ? b.position : 0;
+    batch->snapshot = b.snapshot ? 1 : 0;
+    batch->snapshot_end = (b.snapshot_end && last) ? 1 : 0;
+    batch->n_events = n;
+    for (size_t i = 0; i < n; ++i) {
+      const flexkv::KvBlockEvent& e = b.events[s->offset + i];
+      flexkv_kv_event& o = events[i];
+      o = flexkv_kv_event{};
+      o.seq = e.seq;
+      o.key = flexkv_block_key{e.key.lo, e.key.hi};
+      o.parent = flexkv_block_key{e.parent.lo, e.parent.hi};
+      o.tokens_per_block = e.tokens_per_block;
+      o.kind = static_cast<uint8_t>(e.kind);
+      o.tier = static_cast<uint8_t>(e.tier);
+      CopyText(e.model_namespace, o.model_namespace, sizeof(o.model_namespace));
+      CopyText(e.cause, o.cause, sizeof(o.cause));
+    }
+    s->offset += n;
+    if (last) s->pending.reset();
+    return Record(flexkv::Status::Ok());
+  });
+}
+
+void flexkv_kv_cancel(flexkv_kv_subscription* s) {
+  if (s != nullptr) s->sub->Cancel();
+}
+
+void flexkv_kv_close(flexkv_kv_subscription* s) { delete s; }
 
 const char* flexkv_last_error(void) { return last_error.c_str(); }
 

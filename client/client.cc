@@ -674,6 +674,18 @@ Result<DaemonStatus> Client::GetStatus() {
     cluster.rdma_devices.assign(c.rdma_devices().begin(), c.rdma_devices().end());
     out.cluster = std::move(cluster);
   }
+  if (resp.has_kv_events()) {
+    const auto& ev = resp.kv_events();
+    out.kv_events.instance_id = ev.instance_id();
+    out.kv_events.last_seq = ev.last_seq();
+    out.kv_events.subscribers = ev.subscribers();
+    out.kv_events.cut_off = ev.cut_off();
+    out.kv_events.buffer_events = ev.buffer_events();
+    out.kv_events.zmq_endpoint = ev.zmq_endpoint();
+    out.kv_events.zmq_batches = ev.zmq_batches();
+    out.kv_events.zmq_events = ev.zmq_events();
+    out.kv_events.zmq_resyncs = ev.zmq_resyncs();
+  }
   return out;
 }
 

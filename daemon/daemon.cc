@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <thread>
 
 #include "common/log.h"
@@ -38,6 +39,9 @@
 #include "daemon/sessions/session_registry.h"
 #include "daemon/tiers/cluster/cluster_tier.h"
 #include "daemon/tiers/ssd/ssd_tier.h"
+#include "daemon/events/kv_event_sources.h"
+#include "daemon/events/kv_event_stream.h"
+#include "daemon/events/zmq_publisher.h"
 #include "daemon/transfer/cuda/cuda_engine_memory.h"
 #include "daemon/transfer/engine_memory_backends.h"
 #include "daemon/transfer/host/host_backend.h"
@@ -93,6 +97,13 @@ int RunDaemon(const DaemonConfig& config) {
   // The cluster tier, declared before the caches so that it outlives them (their listeners call it); created once
   // they exist, stopped explicitly before the sessions go.
   std::unique_ptr<ClusterTier> cluster;
+  // The KV event stream (docs/kv_events.md), declared before the caches so that it outlives them (their listeners
+  // append to it); its sources are connected once the tiers exist.
+  const uint64_t instance_id = [] {
+    std::random_device rd;
+    return (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
+  }();
+  auto kv_events = std::make_unique<KvEventStream>(config.kv_events_buffer, instance_id);
   CacheSetOptions cache_options;
   cache_options.budget_bytes = config.pool_bytes;
   cache_options.pool_path = config.pool_path;
@@ -198,6 +209,26 @@ int RunDaemon(const DaemonConfig& config) {
     ssd->Start();
   }
 
+  ConnectKvEventSources(kv_events.get(), &caches, ssd.get());
+  std::unique_ptr<ZmqKvEventPublisher> kv_events_zmq;
+  if (!config.kv_events_zmq.empty()) {
+    auto publisher = ZmqKvEventPublisher::Start(kv_events.get(), config.kv_events_zmq, config.kv_events_zmq_topic);
+    if (!publisher.ok()) {
+      log::Error("daemon", "cannot publish KV events: {}", publisher.status().ToString());
+      return 1;
+    }
+    kv_events_zmq = std::move(*publisher);
+  }
+  // Whatever way this function returns, subscribers end (UNAVAILABLE) and the publisher stops before the tiers go.
+  struct KvEventsStop {
+    ~KvEventsStop() {
+      stream->Close();
+      if (zmq) zmq->Stop();
+    }
+    KvEventStream* stream;
+    ZmqKvEventPublisher* zmq;
+  } kv_events_stop{kv_events.get(), kv_events_zmq.get()};
+
   auto activated = ControlSocket::FromSystemd(config.socket_path);
   auto socket = (!activated.ok() && activated.status().code() == StatusCode::kNotFound)
                     ? ControlSocket::Bind(config.socket_path, config.socket_gid, config.private_socket_dir ? 0700 : 0755)
@@ -253,7 +284,10 @@ int RunDaemon(const DaemonConfig& config) {
   }
   ControlService control(ControlContext{&caches, &data_plane, &backends, &sessions, &lifecycle, &peers,
                                         config.admin_gid, started_ms, &control_errors, metrics.get(), &access,
-                                        ssd.get(), cluster.get()});
+                                        ssd.get(), cluster.get(), kv_events.get(), kv_events_zmq.get(),
+                                        std::chrono::duration_cast<std::chrono::milliseconds>(
+                                            std::chrono::system_clock::now().time_since_epoch()).count() -
+                                            (MonotonicMs() - started_ms)});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);
@@ -356,6 +390,7 @@ int RunDaemon(const DaemonConfig& config) {
   }
 
   acceptor.Stop();
+  kv_events->Close();  // event subscriptions end now (UNAVAILABLE), not at the grace period's end
   // The data plane is drained; control calls still running get a short grace period, then are cancelled.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   // Every SSD request ends (promotions answered, written blocks unpinned) while the sessions still exist.

@@ -18,6 +18,7 @@ FLEXKV_PACKAGES=(
   python3-pytest python3-numpy  # the Python package's tests (tests/python) and examples/vllm_dp_rank.py --host
   python3-dev  # headers for the Python package's optional compiled fast path (flexkv._fast; docs/python.md)
   prometheus-cpp-dev prometheus curl  # metrics: the library; promtool (in prometheus) and curl test it
+  libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack  # KV events: the vLLM-format ZMQ publisher and its Python test
   systemd util-linux procps
   help2man file dpkg-dev  # the package: man pages from --help; cpack's dpkg-shlibdeps (needs file) for its Depends
   clang-14 libclang-rt-14-dev  # libFuzzer targets (scripts/fuzz.sh)

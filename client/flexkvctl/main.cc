@@ -15,11 +15,15 @@
 
 #include "completion.h"
 #include "flexkv/client.h"
+#include "flexkv/kv_events.h"
 #include "top.h"
 
 namespace {
 
 using flexkv::Client;
+using flexkv::KvBlockEvent;
+using flexkv::KvEventSubscription;
+using flexkv::KvSubscribeOptions;
 using flexkv::Status;
 
 constexpr int kExitOk = 0;
@@ -133,7 +137,16 @@ Json StatusJson(const flexkv::DaemonStatus& s) {
               {"counters", CountersJson(s.counters)},
               {"backends", backends},
               {"model_namespace", s.model_namespace},
-              {"domains", domains}};
+              {"domains", domains},
+              {"kv_events", {{"instance_id", fmt::format("{:016x}", s.kv_events.instance_id)},
+                             {"last_seq", s.kv_events.last_seq},
+                             {"subscribers", s.kv_events.subscribers},
+                             {"cut_off", s.kv_events.cut_off},
+                             {"buffer_events", s.kv_events.buffer_events},
+                             {"zmq_endpoint", s.kv_events.zmq_endpoint},
+                             {"zmq_batches", s.kv_events.zmq_batches},
+                             {"zmq_events", s.kv_events.zmq_events},
+                             {"zmq_resyncs", s.kv_events.zmq_resyncs}}}};
 }
 
 Json SessionJson(const flexkv::SessionEntry& s) {
@@ -220,6 +233,14 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
     }
     for (const auto& n : t.notes) fmt::print("  note: {}\n", n);
   }
+  if (s.kv_events.subscribers > 0 || s.kv_events.cut_off > 0 || !s.kv_events.zmq_endpoint.empty()) {
+    fmt::print("kv events {} subscribers, last seq {}, {} cut off (buffer {} events){}\n", s.kv_events.subscribers,
+               s.kv_events.last_seq, s.kv_events.cut_off, s.kv_events.buffer_events,
+               s.kv_events.zmq_endpoint.empty()
+                   ? std::string()
+                   : fmt::format("; zmq {}: {} batches, {} events, {} resyncs", s.kv_events.zmq_endpoint,
+                                 s.kv_events.zmq_batches, s.kv_events.zmq_events, s.kv_events.zmq_resyncs));
+  }
   if (s.cluster) {
     const auto& c = *s.cluster;
     const auto n = [&c](const char* name) { return c.counters.contains(name) ? c.counters.at(name) : 0; };
@@ -246,6 +267,50 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
 int Refused(const Status& s) {
   std::fprintf(stderr, "flexkvctl: %s\n", s.ToString().c_str());
   return kExitRefused;
+}
+
+// `flexkvctl events`: one line per event (JSON lines with --json), a line per snapshot end and per daemon restart.
+int RunEvents(const flexkv::ConnectOptions& connect, const KvSubscribeOptions& options, uint64_t count, bool json) {
+  auto sub = KvEventSubscription::Open(connect, options);
+  if (!sub.ok()) return Refused(sub.status());
+  uint64_t printed = 0;
+  uint64_t instance = 0;
+  for (;;) {
+    auto batch = (*sub)->Next();
+    if (!batch.ok()) return Refused(batch.status());
+    if (batch->instance_id != instance) {
+      instance = batch->instance_id;
+      if (json) {
+        fmt::print("{}\n", Dump(Json{{"instance_id", fmt::format("{:016x}", instance)},
+                                    {"started_unix_ms", batch->started_unix_ms}}, -1));
+      } else {
+        fmt::print("# daemon instance {:016x}\n", instance);
+      }
+    }
+    for (const KvBlockEvent& e : batch->events) {
+      const char* kind = e.kind == KvBlockEvent::Kind::kStored ? "stored" : e.kind == KvBlockEvent::Kind::kRemoved ? "removed" : "cleared";
+      const char* tier = e.tier == KvBlockEvent::Tier::kSsd ? "ssd" : "dram";
+      if (json) {
+        Json j{{"seq", e.seq}, {"snapshot", batch->snapshot}, {"kind", kind}, {"tier", tier},
+               {"key", e.key.ToHex()}, {"namespace", e.model_namespace}, {"cause", e.cause}};
+        if (e.kind == KvBlockEvent::Kind::kStored) j["parent"] = e.parent.ToHex();
+        fmt::print("{}\n", Dump(j, -1));
+      } else {
+        fmt::print("{:>10} {:<7} {:<4} {} parent {} ns {} ({})\n", batch->snapshot ? std::string("snapshot") : std::to_string(e.seq),
+                   kind, tier, e.key.ToHex(), e.kind == KvBlockEvent::Kind::kStored ? e.parent.ToHex() : std::string("-"),
+                   e.model_namespace, e.cause);
+      }
+      if (count != 0 && ++printed >= count) return kExitOk;
+    }
+    if (batch->snapshot_end) {
+      if (json) {
+        fmt::print("{}\n", Dump(Json{{"snapshot_end", true}, {"snapshot_seq", batch->snapshot_seq}}, -1));
+      } else {
+        fmt::print("# snapshot complete at seq {}\n", batch->snapshot_seq);
+      }
+    }
+    std::fflush(stdout);
+  }
 }
 
 }  // namespace
@@ -299,6 +364,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 40));
   top_cmd->add_flag("--once", top_once, "One frame (rates over one interval), then exit: --iterations 1");
   top_cmd->add_option("--socket", socket, "Control socket");
+  auto* events_cmd = app.add_subcommand(
+      "events", "KV events, one per line: a snapshot of every block per tier, then each block stored or removed");
+  bool events_no_snapshot = false;
+  uint64_t events_count = 0;
+  events_cmd->add_flag("--no-snapshot", events_no_snapshot, "Only what happens from now on");
+  events_cmd->add_option("--count", events_count, "Exit after this many events (default: until the stream ends)");
   auto* completion_cmd = app.add_subcommand("completion", "Print a shell completion script (bash or zsh)");
   std::string completion_shell;
   const flexkvctl::PositionalChoices completion_choices = {{"completion", {"bash", "zsh"}}};
@@ -306,7 +377,7 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::IsMember(completion_choices.at("completion")));
   for (auto* sub : {status_cmd, sessions_cmd, metrics_cmd, drain_cmd, resume_cmd, health_cmd, scrub_cmd,
-                    drop_cmd}) {
+                    drop_cmd, events_cmd}) {
     sub->add_flag("--json", json, "Machine-readable output");
     sub->add_option("--socket", socket, "Control socket");
   }
@@ -336,6 +407,11 @@ int main(int argc, char** argv) {
   }
   Client& c = **client;
 
+  if (events_cmd->parsed()) {
+    KvSubscribeOptions sub_options;
+    sub_options.skip_snapshot = events_no_snapshot;
+    return RunEvents(options, sub_options, events_count, json);
+  }
   if (top_cmd->parsed()) {
     if (top_once) top_options.iterations = 1;
     return flexkvctl::RunTop(c, top_options);

@@ -186,8 +186,13 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     p->MarkFree(slot);
     UnanchorLocked(key);
     ForgetNextTierLocked(slot, /*evicted=*/true);
-    ReportBlockLocked(BlockEvent::kRemoved, key, false);
+    ReportBlockLocked(BlockEvent::kRemoved, key, false, BlockEvent::kEvicted);
   });
+  {
+    const CacheDomain::View domain = domain_.Snapshot();
+    event_namespace_ = domain.model_namespace;
+    event_tokens_per_block_ = domain.geometry ? domain.geometry->tokens_per_block : 0;
+  }
   on_next_.assign(pool_->sub_pool(0).capacity, 0);
   commit_queue_.clear();
   writing_ = 0;
@@ -239,7 +244,7 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
     }
   }
   const uint64_t blocks = index_ ? index_->committed_blocks() : 0;
-  if (index_) ReportBlockLocked(BlockEvent::kDomainDropped, BlockKey{}, false);
+  if (index_) ReportBlockLocked(BlockEvent::kDomainDropped, BlockKey{}, false, BlockEvent::kAdminDropped);
   for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
     AnnounceGrantsLocked(pool_gone_listener_, c, 0, pool_->sub_pool(c).active);
   }
@@ -478,7 +483,7 @@ PrefixIndex::Reservation Cache::Reserve(const BlockKey& parent, std::span<const 
 }
 
 void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots,
-                   std::span<const uint64_t> content_checksums) {
+                   std::span<const uint64_t> content_checksums, BlockEvent::Cause cause) {
   MutexLock lock(&mu_);
   if (!index_) return;  // DropDomain waits for copies in flight; a dropped pool has nothing to commit into
   index_->Commit(slots);
@@ -487,7 +492,7 @@ void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_
     const size_t k = first + i;
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1], content_checksums[i]);
     if (queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(slots[i]);
-    ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == keys.size());
+    ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == keys.size(), cause, k == 0 ? parent : keys[k - 1]);
   }
   ++next_tier_epoch_;
 }
@@ -505,9 +510,39 @@ void Cache::SetBlockListener(std::function<void(const BlockEvent&)> listener) {
   block_listener_ = std::move(listener);
 }
 
-void Cache::ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end) {
-  if (!block_listener_ || parts_.size() > 0) return;  // hybrid geometries: not reported
-  block_listener_(BlockEvent{kind, key, request_end});
+void Cache::SetEventListener(std::function<void(const BlockEvent&)> listener) {
+  MutexLock lock(&mu_);
+  event_listener_ = std::move(listener);
+}
+
+void Cache::ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end, BlockEvent::Cause cause,
+                              const BlockKey& parent) {
+  if ((!block_listener_ && !event_listener_) || parts_.size() > 0) return;  // hybrid geometries: not reported
+  BlockEvent e;
+  e.kind = kind;
+  e.key = key;
+  e.request_end = request_end;
+  e.cause = cause;
+  e.parent = parent;
+  e.model_namespace = event_namespace_;
+  e.tokens_per_block = event_tokens_per_block_;
+  if (block_listener_) block_listener_(e);
+  if (event_listener_) event_listener_(e);
+}
+
+void Cache::SnapshotBlocks(const std::function<void()>& mark,
+                           const std::function<void(const BlockKey& key, const BlockKey& parent)>& each,
+                           std::string* model_namespace, uint32_t* tokens_per_block) const {
+  MutexLock lock(&mu_);
+  mark();
+  if (model_namespace != nullptr) *model_namespace = event_namespace_;
+  if (tokens_per_block != nullptr) *tokens_per_block = event_tokens_per_block_;
+  if (!index_ || !pool_ || !parts_.empty()) return;
+  const SlotId end = pool_->sub_pool(0).capacity;
+  for (SlotId s = 0; s < end; ++s) {
+    if (!index_->IsCommitted(s)) continue;
+    if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) each(entry->key, entry->parent);
+  }
 }
 
 std::vector<Pool::Committed> Cache::TakeUnverified() {
@@ -563,9 +598,10 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
   for (SlotId s : passed) {
     const size_t c = ComponentOfLocked(s);
     if (c == 0) {
-      if (index_->MarkVerified(s) && block_listener_) {
+      if (index_->MarkVerified(s) && (block_listener_ || event_listener_)) {
         if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) {
-          ReportBlockLocked(BlockEvent::kCommitted, entry->key, index_->ChildCount(s) == 0);
+          ReportBlockLocked(BlockEvent::kCommitted, entry->key, index_->ChildCount(s) == 0, BlockEvent::kRestored,
+                            entry->parent);
         }
       }
     } else {
@@ -591,7 +627,7 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
            pool_->MarkFree(s);
            if (entry) {
              UnanchorLocked(entry->key);
-             ReportBlockLocked(BlockEvent::kRemoved, entry->key, false);
+             ReportBlockLocked(BlockEvent::kRemoved, entry->key, false, BlockEvent::kDropped);
            }
          });
 }

@@ -13,6 +13,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -37,6 +38,19 @@ struct CacheCounters {
 
 class Cache {
  public:
+  // A block event (SetBlockListener, SetEventListener below).
+  struct BlockEvent {
+    enum Kind : uint8_t { kCommitted, kRemoved, kDomainDropped } kind = kCommitted;
+    BlockKey key;
+    bool request_end = false;
+    // For the KV event stream (SetEventListener): the block's parent (kCommitted; zero for a first block), why,
+    // and the domain (valid only during the call).
+    enum Cause : uint8_t { kStored, kPromoted, kPulled, kRestored, kEvicted, kDropped, kAdminDropped } cause = kStored;
+    BlockKey parent;
+    std::string_view model_namespace;
+    uint32_t tokens_per_block = 0;
+  };
+
   // `split`: how a hybrid geometry's pool divides the budget between its components (pool.h).
   Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split = {});
 
@@ -151,8 +165,9 @@ class Cache {
   // Publishes reserved slots after their bytes are complete. `parent` and `keys` are the request's (as given
   // to Reserve) and `first` the index of reservation.slots[0] in them; `content_checksums[i]` is slots[i]'s
   // BlockChecksum.
+  // `cause`: what the KV event stream reports (an engine's store, a promotion from SSD, a pull from a peer).
   void Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_t first, std::span<const SlotId> slots,
-              std::span<const uint64_t> content_checksums);
+              std::span<const uint64_t> content_checksums, BlockEvent::Cause cause = BlockEvent::kStored);
   void Abort(std::span<const SlotId> slots);
 
   // The pool's memory, one region per active grant (a grant of component c: PoolRegion{its first slot's bytes,
@@ -241,12 +256,16 @@ class Cache {
   // leaves the index (evicted, dropped with a failed check), kDomainDropped once when DropDomain drops the pool (every
   // block at once). Runs under the cache's lock: it must be quick (queue the event) and must not call back into the
   // cache. One listener; set it before RecoverPool. Hybrid geometries are not reported.
-  struct BlockEvent {
-    enum Kind : uint8_t { kCommitted, kRemoved, kDomainDropped } kind = kCommitted;
-    BlockKey key;
-    bool request_end = false;
-  };
   void SetBlockListener(std::function<void(const BlockEvent&)> listener);
+  // A second listener of the same events, for the KV event stream (daemon/events/): told under the cache's lock like
+  // the block listener, so that SnapshotBlocks is consistent with it. Set it before RecoverPool.
+  void SetEventListener(std::function<void(const BlockEvent&)> listener);
+  // Under the cache's lock: calls `mark` (what the event stream records as the point the snapshot is consistent
+  // with), then `each(key, parent)` for every committed (matchable) FULL block. Nothing without a pool or for a
+  // hybrid geometry (not reported). `model_namespace`/`tokens_per_block` (optional) get the domain's.
+  void SnapshotBlocks(const std::function<void()>& mark,
+                      const std::function<void(const BlockKey& key, const BlockKey& parent)>& each,
+                      std::string* model_namespace = nullptr, uint32_t* tokens_per_block = nullptr) const;
 
   // Capacities are active slots (see Resize).
   struct ComponentStats {
@@ -316,8 +335,13 @@ class Cache {
   std::function<Status(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
   std::function<void(const PoolRegion&)> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
   std::function<void(const BlockEvent&)> block_listener_ ABSL_GUARDED_BY(mu_);
-  // Tells block_listener_ (when set and the geometry is not hybrid).
-  void ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::function<void(const BlockEvent&)> event_listener_ ABSL_GUARDED_BY(mu_);
+  std::string event_namespace_ ABSL_GUARDED_BY(mu_);  // the domain's, for the events (set when a pool is adopted)
+  uint32_t event_tokens_per_block_ ABSL_GUARDED_BY(mu_) = 0;
+  // Tells block_listener_ and event_listener_ (when set and the geometry is not hybrid).
+  void ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end,
+                         BlockEvent::Cause cause = BlockEvent::kStored, const BlockKey& parent = BlockKey{})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The next tier's marks (see AttachNextTier), one per FULL slot: kNotOnNext, kWriting, kOnNext.
   bool next_tier_ ABSL_GUARDED_BY(mu_) = false;
   bool queue_commits_ ABSL_GUARDED_BY(mu_) = false;

@@ -323,6 +323,14 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "Serve Prometheus metrics on HOST:PORT (GET /metrics), e.g. 127.0.0.1:9400 (default: off)");
   app.add_flag("--metrics-allow-remote", metrics_allow_remote,
                "Allow a --metrics-listen address other than loopback (the endpoint has no authentication)");
+  app.add_option("--kv-events-buffer", cfg.kv_events_buffer,
+                 "KV events: events kept for subscribers (a subscriber further behind is cut off; default 65536)")
+      ->check(CLI::Range(64u, 1u << 24));
+  app.add_option("--kv-events-zmq", cfg.kv_events_zmq,
+                 "KV events: publish them on this ZMQ endpoint in vLLM's KV-event format, e.g. tcp://127.0.0.1:5557 or "
+                 "ipc:///run/flexkvd/kv-events (default: off)");
+  app.add_option("--kv-events-zmq-topic", cfg.kv_events_zmq_topic,
+                 "KV events: the topic frame of each ZMQ message (default kv-events)");
   std::string ssd_size;
   std::string ssd_on_mismatch = "refuse";
   app.add_option("--ssd-path", cfg.ssd_paths,
@@ -428,6 +436,11 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   if (cfg.socket_path.size() >= 108) {
     return usage_error(Status::InvalidArgument("--socket path has " + std::to_string(cfg.socket_path.size()) +
                                                " bytes; expected at most 107 (sun_path)"));
+  }
+  if (!cfg.kv_events_zmq.empty() && cfg.kv_events_zmq.rfind("tcp://", 0) != 0 &&
+      cfg.kv_events_zmq.rfind("ipc://", 0) != 0) {
+    return usage_error(Status::InvalidArgument("--kv-events-zmq " + cfg.kv_events_zmq +
+                                               ": expected a ZMQ endpoint tcp://HOST:PORT or ipc://PATH"));
   }
   if (!metrics_listen.empty()) {
     auto address = ParseListenAddress("--metrics-listen", metrics_listen);

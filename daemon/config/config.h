@@ -44,6 +44,11 @@ struct DaemonConfig {
   // --metrics-listen HOST:PORT: the Prometheus endpoint; none by default. A non-loopback address needs
   // --metrics-allow-remote (the endpoint has no authentication).
   std::optional<ListenAddress> metrics_listen;
+  // KV events (docs/kv_events.md): the event ring subscribers read from (--kv-events-buffer, events), and the ZMQ
+  // publisher in vLLM's KV-event format (--kv-events-zmq ENDPOINT, off by default; --kv-events-zmq-topic).
+  uint32_t kv_events_buffer = 65536;
+  std::string kv_events_zmq;
+  std::string kv_events_zmq_topic = "kv-events";
   // [namespace."<name>"] tables of the --config file: who may write and read each namespace (namespace_access.h).
   std::map<std::string, NamespaceAcl, std::less<>> namespace_acls;
   size_t max_domains = 1;              // --max-domains: cache domains (namespace + geometry) served at once

@@ -2,13 +2,17 @@
 #include "daemon/server/control_service.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <condition_variable>
 #include <future>
+#include <mutex>
+#include <thread>
 
 #include "common/grpc_convert.h"
 #include "common/log.h"
@@ -16,6 +20,8 @@
 #include "common/clock.h"
 #include "common/units.h"
 #include "daemon/tiers/cluster/cluster_tier.h"
+#include "daemon/events/kv_event_stream.h"
+#include "daemon/events/zmq_publisher.h"
 #include "daemon/tiers/ssd/ssd_tier.h"
 
 namespace flexkv {
@@ -326,6 +332,20 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   counters->set_errors(errors() + ctx_.data_plane->errors());
   if (ctx_.ssd != nullptr) FillTier(ctx_.ssd->GetStatus(), response->add_tiers());
   if (ctx_.cluster != nullptr) FillCluster(ctx_.cluster->GetStatus(), response->mutable_cluster());
+  if (ctx_.kv_events != nullptr) {
+    auto* ev = response->mutable_kv_events();
+    ev->set_instance_id(ctx_.kv_events->instance_id());
+    ev->set_last_seq(ctx_.kv_events->last_seq());
+    ev->set_subscribers(ctx_.kv_events->subscribers());
+    ev->set_cut_off(ctx_.kv_events->cut_off());
+    ev->set_buffer_events(ctx_.kv_events->capacity());
+    if (ctx_.kv_events_zmq != nullptr) {
+      ev->set_zmq_endpoint(ctx_.kv_events_zmq->endpoint());
+      ev->set_zmq_batches(ctx_.kv_events_zmq->batches());
+      ev->set_zmq_events(ctx_.kv_events_zmq->events());
+      ev->set_zmq_resyncs(ctx_.kv_events_zmq->resyncs());
+    }
+  }
   for (const EngineMemoryBackend* backend : ctx_.backends->List()) {
     auto* out = response->add_backends();
     out->set_name(std::string(backend->name()));
@@ -627,6 +647,153 @@ grpc::Status ControlService::Scrub(grpc::ServerContext* context, const v1::Scrub
   response->set_bytes(report->bytes);
   response->set_seconds(report->seconds);
   return grpc::Status::OK;
+}
+
+}  // namespace flexkv
+
+namespace flexkv {
+namespace {
+
+// The domains' names and block sizes, looked up once per domain per subscription (not per event).
+struct DomainCache {
+  const KvEventStream::DomainInfo& Get(const KvEventStream& stream, uint16_t id) {
+    auto it = known.find(id);
+    if (it == known.end()) it = known.emplace(id, stream.Domain(id)).first;
+    return it->second;
+  }
+  std::map<uint16_t, KvEventStream::DomainInfo> known;
+};
+
+void FillKvEvent(const KvEventStream& stream, DomainCache& domains, const KvEvent& e, v1::KvEvent* out) {
+  out->set_seq(e.seq);
+  out->set_kind(static_cast<v1::KvEvent::Kind>(e.kind));
+  out->set_tier(static_cast<v1::KvEvent::Tier>(e.tier));
+  out->set_key_lo(e.key.lo);
+  out->set_key_hi(e.key.hi);
+  out->set_parent_lo(e.parent.lo);
+  out->set_parent_hi(e.parent.hi);
+  const KvEventStream::DomainInfo& d = domains.Get(stream, e.domain);
+  out->set_model_namespace(d.model_namespace);
+  out->set_tokens_per_block(d.tokens_per_block);
+  out->set_cause(static_cast<v1::KvEvent::Cause>(e.cause));
+}
+
+}  // namespace
+
+grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, const v1::SubscribeKvEventsRequest* request,
+                                               grpc::ServerWriter<v1::KvEventBatch>* writer) {
+  KvEventStream* stream = ctx_.kv_events;
+  if (stream == nullptr) return Answer(Status::Unavailable("this daemon serves no KV event stream"));
+  if (request->max_batch_events() > 65536) {
+    return Answer(Status::InvalidArgument(fmt::format("max_batch_events {}: expected 0 (1024) to 65536",
+                                                      request->max_batch_events())));
+  }
+  const size_t max_batch = request->max_batch_events() == 0 ? 1024 : request->max_batch_events();
+  KvEventStream::Reader reader(stream);
+  DomainCache domains;
+  const auto batch_header = [&](v1::KvEventBatch* b) {
+    b->set_instance_id(stream->instance_id());
+    b->set_started_unix_ms(static_cast<uint64_t>(ctx_.started_unix_ms));
+  };
+  if (request->skip_snapshot()) {
+    // No snapshot: a first empty batch says where the stream starts (nothing to replace a view with).
+    reader.StartAtHead();
+    v1::KvEventBatch b;
+    batch_header(&b);
+    b.set_head_seq(reader.position());
+    b.set_position(reader.position());
+    if (!writer->Write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+  } else {
+    const KvEventStream::Snapshot snap = reader.TakeSnapshot();
+    size_t i = 0;
+    do {
+      v1::KvEventBatch b;
+      batch_header(&b);
+      b.set_snapshot(true);
+      const size_t end = std::min(snap.blocks.size(), i + max_batch);
+      for (; i < end; ++i) FillKvEvent(*stream, domains, snap.blocks[i], b.add_events());
+      b.set_snapshot_end(i == snap.blocks.size());
+      b.set_snapshot_seq(snap.seq);
+      b.set_head_seq(snap.seq);
+      b.set_position(snap.seq);
+      if (!writer->Write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+    } while (i < snap.blocks.size());
+  }
+  // A subscriber that stops reading for good blocks Write (flow control) and would hold this handler until it
+  // disconnects: a watchdog cancels the call once it has been blocked for 10 s and the stream has overwritten what it
+  // had not read (it could only be cut off then anyway). A subscriber that reads again in time is told the reason.
+  struct Watchdog {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::atomic<int64_t> writing_since_ms{0};  // 0: not in Write
+    std::atomic<uint64_t> position{0};
+    std::thread thread;
+    ~Watchdog() {
+      {
+        std::lock_guard lock(mu);
+        done = true;
+      }
+      cv.notify_all();
+      if (thread.joinable()) thread.join();
+    }
+  } watchdog;
+  watchdog.position.store(reader.position());
+  watchdog.thread = std::thread([&watchdog, stream, context] {
+    std::unique_lock lock(watchdog.mu);
+    while (!watchdog.cv.wait_for(lock, std::chrono::seconds(1), [&] { return watchdog.done; })) {
+      const int64_t since = watchdog.writing_since_ms.load();
+      if (since == 0 || MonotonicMs() - since < 10000) continue;
+      if (stream->last_seq() - watchdog.position.load() <= stream->capacity()) continue;
+      log::Warning("events", "a KV event subscriber has not read for {} s and fell behind the event buffer: its call "
+                   "is cancelled", (MonotonicMs() - since) / 1000);
+      context->TryCancel();
+      return;
+    }
+  });
+  std::vector<KvEvent> events;
+  uint64_t sent_position = reader.position();
+  int64_t last_write_ms = MonotonicMs();
+  while (!context->IsCancelled()) {
+    events.clear();
+    uint64_t behind = 0;
+    const KvEventStream::Reader::Result r = reader.Read(max_batch, &events, &behind);
+    if (r == KvEventStream::Reader::Result::kClosed) {
+      return Answer(Status::Unavailable("the daemon is stopping; subscribe again once it is back (a new instance_id)"));
+    }
+    if (r == KvEventStream::Reader::Result::kOverrun) {
+      static log::RateLimited cut_off_log(10000);
+      cut_off_log.Warning("events", "a KV event subscriber fell behind by {} events and was cut off", behind);
+      return Answer(Status::ResourceExhausted(fmt::format(
+          "KV event subscriber fell behind by {} events: the daemon keeps the last {} (--kv-events-buffer) and the "
+          "events after seq {} are gone; resubscribe (the new stream starts with a snapshot), and read faster or ask "
+          "the operator for a larger --kv-events-buffer", behind, stream->capacity(), reader.position())));
+    }
+    const uint64_t position = reader.position();
+    const int64_t now = MonotonicMs();
+    // A batch when there are events, when skipped events moved the position, and once a second when idle (the
+    // subscriber sees that the stream is alive and where the head is).
+    if (events.empty() && position == sent_position && now - last_write_ms < 1000) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      continue;
+    }
+    v1::KvEventBatch b;
+    batch_header(&b);
+    for (const KvEvent& e : events) FillKvEvent(*stream, domains, e, b.add_events());
+    b.set_head_seq(stream->last_seq());
+    b.set_position(position);
+    watchdog.position.store(position);
+    watchdog.writing_since_ms.store(now);
+    const bool written = writer->Write(b);
+    watchdog.writing_since_ms.store(0);
+    if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+    sent_position = position;
+    last_write_ms = now;
+    // Batching: after a batch that was not full, let events gather for a moment instead of coming back for each one
+    // (every read takes the ring's lock, which the data path appends under: fewer, larger reads contend less).
+    if (events.size() < max_batch) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
 }
 
 }  // namespace flexkv

@@ -27,6 +27,8 @@ namespace flexkv {
 
 class SsdTier;
 class ClusterTier;
+class KvEventStream;
+class ZmqKvEventPublisher;
 
 // The daemon's parts the control plane answers from. All outlive the service.
 struct ControlContext {
@@ -43,6 +45,9 @@ struct ControlContext {
   const NamespaceAccess* access;  // who may read and write a namespace, checked at Attach and Match
   SsdTier* ssd = nullptr;  // the SSD tier (GetStatus tiers; a gRPC Match continues into it), when configured
   const ClusterTier* cluster = nullptr;  // the cluster tier (GetStatus cluster), when configured
+  KvEventStream* kv_events = nullptr;   // the KV event stream (SubscribeKvEvents, GetStatus kv_events)
+  const ZmqKvEventPublisher* kv_events_zmq = nullptr;  // its ZMQ publisher, when --kv-events-zmq is set
+  int64_t started_unix_ms = 0;
 };
 
 class ControlService final : public v1::Control::Service {
@@ -71,6 +76,8 @@ class ControlService final : public v1::Control::Service {
                           v1::DropDomainResponse* response) override;
   grpc::Status Scrub(grpc::ServerContext* context, const v1::ScrubRequest* request,
                      v1::ScrubResponse* response) override;
+  grpc::Status SubscribeKvEvents(grpc::ServerContext* context, const v1::SubscribeKvEventsRequest* request,
+                                 grpc::ServerWriter<v1::KvEventBatch>* writer) override;
 
   // Requests answered with an error (the `errors` counter).
   uint64_t errors() const { return ctx_.errors->Total(); }

@@ -15,6 +15,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
 from .geometry import ComponentKind, ComponentSpec, Geometry, Layout
 from .keys import BlockKey, BlockKeys, block_keys
+from .kv_events import KvEvent, KvEventBatch, KvEventSubscription, subscribe_kv_events
 
 _native.load()
 fast_path: str = _native.path
@@ -26,7 +27,8 @@ __version__ = _lib.version()  # libflexkv's, from CMake's project(): the version
 __all__ = [
     "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "ComponentKind",
     "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
-    "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "Layout", "NotFound", "OpResult", "OutOfRange",
+    "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "KvEvent", "KvEventBatch", "KvEventSubscription",
+    "Layout", "NotFound", "OpResult", "OutOfRange",
     "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
-    "Unimplemented", "Unknown", "block_keys", "connect", "export_gpu_kv", "fast_path",
+    "Unimplemented", "Unknown", "block_keys", "connect", "export_gpu_kv", "fast_path", "subscribe_kv_events",
 ]

@@ -183,6 +183,37 @@ for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _fn.argtypes = _argtypes
 
 
+class KvEventStruct(Structure):
+    _fields_ = [("seq", c_uint64), ("key", BlockKeyStruct), ("parent", BlockKeyStruct), ("tokens_per_block", c_uint32),
+                ("kind", ctypes.c_uint8), ("tier", ctypes.c_uint8), ("reserved", ctypes.c_uint8 * 2),
+                ("model_namespace", c_char * 260), ("cause", c_char * 20)]
+
+
+class KvBatchStruct(Structure):
+    _fields_ = [("instance_id", c_uint64), ("started_unix_ms", c_uint64), ("snapshot_seq", c_uint64),
+                ("head_seq", c_uint64), ("position", c_uint64), ("snapshot", ctypes.c_uint8),
+                ("snapshot_end", ctypes.c_uint8), ("reserved", ctypes.c_uint8 * 6), ("n_events", c_size_t)]
+
+
+kv_subscription_p = c_void_p
+# The KV event subscription (flexkv/kv_events.h): added without an ABI bump, so a library without it still loads the
+# package; flexkv.subscribe_kv_events then raises Unimplemented.
+_KV_PROTOTYPES = {
+    "flexkv_kv_subscribe": (c_int, [c_char_p, c_int, c_uint32, c_int, POINTER(kv_subscription_p)]),
+    "flexkv_kv_next": (c_int, [kv_subscription_p, POINTER(KvBatchStruct), POINTER(KvEventStruct), c_size_t]),
+    "flexkv_kv_cancel": (None, [kv_subscription_p]),
+    "flexkv_kv_close": (None, [kv_subscription_p]),
+}
+has_kv_events = all(hasattr(lib, name) for name in _KV_PROTOTYPES) and \
+    int(lib.flexkv_struct_size(b"flexkv_kv_event")) == ctypes.sizeof(KvEventStruct) and \
+    int(lib.flexkv_struct_size(b"flexkv_kv_batch")) == ctypes.sizeof(KvBatchStruct)
+if has_kv_events:
+    for _name, (_restype, _argtypes) in _KV_PROTOTYPES.items():
+        _fn = getattr(lib, _name)
+        _fn.restype = _restype
+        _fn.argtypes = _argtypes
+
+
 def version() -> str:
     """libflexkv's release version (the project version it was built as): the package's __version__."""
     return lib.flexkv_version().decode()

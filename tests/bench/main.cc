@@ -34,6 +34,7 @@
 #include "cluster_bench.h"
 #include "flexkv/client.h"
 #include "index_bench.h"
+#include "kv_events_bench.h"
 #include "trace_bench.h"
 #include "host_transfer_bench.h"
 #include "ssd_bench.h"
@@ -535,6 +536,7 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], "trace") == 0) return RunTraceBench(argc - 1, argv + 1);
   if (argc >= 2 && std::strcmp(argv[1], "trace-worker") == 0) return RunTraceWorker(argc - 1, argv + 1);
   if (argc >= 2 && std::strcmp(argv[1], "index") == 0) return RunIndexBench(argc - 1, argv + 1);
+  if (argc >= 2 && std::strcmp(argv[1], "events") == 0) return RunKvEventsBench(argc - 1, argv + 1);
   // The SSD tier's store against fio, same directory, same run (ssd_bench.h).
   if (argc >= 2 && std::strcmp(argv[1], "ssd") == 0) return RunSsdBench(argc - 1, argv + 1);
   // The cluster tier between two flexkvd in network namespaces, against ucx_perftest (cluster_bench.h; root).
@@ -572,6 +574,8 @@ int main(int argc, char** argv) {
                                  "--host: the host store copy with and without block checksums");
   app.add_subcommand("trace", "Replay a Mooncake trace through a spawned flexkvd: hit ratio vs block LRU; --geometry: "
                              "a hybrid model's pool vs its all-FULL reference (trace --help)");
+  app.add_subcommand("events", "KV event stream's cost on the store path: store round trips with and without a "
+                               "subscriber (events --help)");
   app.add_subcommand("index", "PrefixIndex throughput, memory per block and restart time at scale (index --help)");
   app.add_subcommand("ssd", "SSD tier: write-back and promotion throughput against fio (io_uring, O_DIRECT, same block "
                             "size, directory and queue depth), rebuild time after kill -9 (ssd --help)");

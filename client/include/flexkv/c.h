@@ -282,6 +282,41 @@ int flexkv_try_wait(flexkv_client* client, flexkv_ticket ticket, flexkv_op_resul
 int flexkv_wait_layers(flexkv_client* client, flexkv_ticket ticket, uint32_t layers, int64_t timeout_us,
                        uint32_t* landed);
 
+/* KV events (flexkv/kv_events.h, docs/kv_events.md): a subscription of its own connection. Added without an ABI
+ * bump (new functions and structs only). */
+typedef struct flexkv_kv_subscription flexkv_kv_subscription;
+enum { FLEXKV_KV_STORED = 0, FLEXKV_KV_REMOVED = 1, FLEXKV_KV_CLEARED = 2 };
+enum { FLEXKV_KV_TIER_DRAM = 0, FLEXKV_KV_TIER_SSD = 1 };
+typedef struct flexkv_kv_event {
+  uint64_t seq;              /* 0 in a snapshot */
+  flexkv_block_key key;
+  flexkv_block_key parent;   /* stored: the parent (zero: a prompt's first block) */
+  uint32_t tokens_per_block; /* the domain's (0: unknown) */
+  uint8_t kind;              /* FLEXKV_KV_STORED, _REMOVED, _CLEARED */
+  uint8_t tier;              /* FLEXKV_KV_TIER_DRAM, _SSD */
+  uint8_t reserved[2];
+  char model_namespace[260]; /* NUL-terminated (namespaces are at most 256 bytes) */
+  char cause[20];            /* "store", "promoted", ..., NUL-terminated */
+} flexkv_kv_event;
+typedef struct flexkv_kv_batch {
+  uint64_t instance_id, started_unix_ms, snapshot_seq, head_seq, position;
+  uint8_t snapshot, snapshot_end;
+  uint8_t reserved[6];
+  size_t n_events;           /* events of this batch; the first min(n_events, capacity) were written */
+} flexkv_kv_batch;
+/* Subscribes (socket_path NULL or "": $FLEXKV_SOCKET or the default; max_batch_events 0: the daemon's default). */
+int flexkv_kv_subscribe(const char* socket_path, int timeout_ms, uint32_t max_batch_events, int skip_snapshot,
+                        flexkv_kv_subscription** out);
+/* Blocks for the next batch (KvEventSubscription::Next): its header in *batch and its events in events[0..capacity);
+ * a batch with more events than capacity keeps the rest for the next calls (same header, snapshot_end and position
+ * only on its last part). The stream's end is the status: RESOURCE_EXHAUSTED (fell behind: subscribe again),
+ * UNAVAILABLE (the daemon stopped), CANCELLED. */
+int flexkv_kv_next(flexkv_kv_subscription* sub, flexkv_kv_batch* batch, flexkv_kv_event* events, size_t capacity);
+/* Makes a flexkv_kv_next blocked in another thread return CANCELLED. */
+void flexkv_kv_cancel(flexkv_kv_subscription* sub);
+/* Cancels and frees. NULL is ignored. */
+void flexkv_kv_close(flexkv_kv_subscription* sub);
+
 /* The calling thread's last failure message ("" after a success). */
 const char* flexkv_last_error(void);
 /* Detaches and frees. NULL is ignored. */

@@ -138,6 +138,17 @@ struct DaemonStatus {
     std::vector<std::string> transports, rdma_devices;
   };
   std::optional<Cluster> cluster;
+  // The KV event stream (flexkv/kv_events.h, docs/kv_events.md).
+  struct KvEvents {
+    uint64_t instance_id = 0;   // random per daemon start
+    uint64_t last_seq = 0;      // the last event's seq (events are numbered only while someone subscribes)
+    uint32_t subscribers = 0;
+    uint64_t cut_off = 0;       // subscribers cut off for falling behind
+    uint64_t buffer_events = 0;
+    std::string zmq_endpoint;   // empty: no ZMQ publisher
+    uint64_t zmq_batches = 0, zmq_events = 0, zmq_resyncs = 0;
+  };
+  KvEvents kv_events;
 };
 
 // What a scrub found (Client::Scrub).

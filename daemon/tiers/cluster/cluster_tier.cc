@@ -705,7 +705,7 @@ struct ClusterTier::Impl {
       checksums.push_back(expected);
     }
     const std::span<const SlotId> good(reserved.slots.data(), verified);
-    if (verified > 0) cache.Commit(parent, wanted, first, good, checksums);
+    if (verified > 0) cache.Commit(parent, wanted, first, good, checksums, Cache::BlockEvent::kPulled);
     if (verified < count) cache.Abort(std::span<const SlotId>(reserved.slots.data() + verified, count - verified));
     if (verified == 0) {
       if (got[0].code() == StatusCode::kDeadlineExceeded || got[0].code() == StatusCode::kUnavailable) {

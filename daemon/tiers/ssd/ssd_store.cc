@@ -178,6 +178,10 @@ struct SsdStore::Impl {
   uint32_t next_drive ABSL_GUARDED_BY(mu) = 0;
   bool closing ABSL_GUARDED_BY(mu) = false;
   SsdStoreStats stats ABSL_GUARDED_BY(mu);
+  std::function<void(SsdStore::BlockEventKind, const SsdEntry&)> event_listener ABSL_GUARDED_BY(mu);
+  void ReportLocked(SsdStore::BlockEventKind kind, const SsdEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (event_listener) event_listener(kind, e);
+  }
 
   mutable Mutex reg_mu;
   std::vector<Piece> pieces ABSL_GUARDED_BY(reg_mu);  // sorted by begin
@@ -471,6 +475,7 @@ void SsdStore::Impl::Finish(Drive& d, uint32_t op_index) {
       if (ok) {
         e.state = SlotState::kCommitted;
         LruPushMru(r.slot);
+        ReportLocked(SsdStore::BlockEventKind::kWritten, e.e);
         ++stats.writes;
         stats.write_bytes += r.len;
         ++stats.blocks;
@@ -509,6 +514,7 @@ void SsdStore::Impl::Finish(Drive& d, uint32_t op_index) {
         ++stats.data_loss_blocks;
         if (!io_ok) ++stats.read_errors;
         if (e.state == SlotState::kCommitted) {
+          ReportLocked(SsdStore::BlockEventKind::kDropped, e.e);
           map.erase(e.e.id);
           e.state = SlotState::kDropped;
           --stats.blocks;
@@ -946,6 +952,7 @@ Status SsdStore::Write(const SsdBlockId& id, const BlockKey& parent, std::span<c
       } else {
         slot = victim;
         m.LruUnlink(victim);
+        m.ReportLocked(SsdStore::BlockEventKind::kEvicted, m.slots[victim].e);
         m.map.erase(m.slots[victim].e.id);
         m.slots[victim] = SlotEntry{};
         ++m.stats.evictions;
@@ -1029,6 +1036,20 @@ std::vector<SsdEntry> SsdStore::Entries() const {
   return out;
 }
 
+void SsdStore::SetEventListener(std::function<void(BlockEventKind, const SsdEntry&)> listener) {
+  MutexLock l(&impl_->mu);
+  impl_->event_listener = std::move(listener);
+}
+
+void SsdStore::SnapshotBlocks(const std::function<void()>& mark, const std::function<void(const SsdEntry&)>& each) const {
+  const Impl& m = *impl_;
+  MutexLock l(&m.mu);
+  mark();
+  for (const auto& [id, s] : m.map) {
+    if (m.slots[s].state == SlotState::kCommitted) each(m.slots[s].e);
+  }
+}
+
 bool SsdStore::Erase(const SsdBlockId& id) {
   Impl& m = *impl_;
   std::optional<Request> clear;
@@ -1037,6 +1058,7 @@ bool SsdStore::Erase(const SsdBlockId& id) {
     auto it = m.map.find(id);
     if (it == m.map.end() || m.slots[it->second].state != SlotState::kCommitted) return false;
     const uint32_t s = it->second;
+    m.ReportLocked(SsdStore::BlockEventKind::kDropped, m.slots[s].e);
     m.map.erase(it);
     --m.stats.blocks;
     SlotEntry& e = m.slots[s];

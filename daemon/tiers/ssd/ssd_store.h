@@ -131,6 +131,14 @@ class SsdStore {
   // False when it is not committed. A read in flight still completes.
   bool Erase(const SsdBlockId& id);
 
+  // The KV event stream's view (daemon/events/): `listener` is told, under the store's lock, each block that becomes
+  // readable (kWritten) and each committed block that leaves (kEvicted: overwritten to make room; kDropped: a read
+  // failed or did not verify, or Erase). It must be quick and must not call the store. Set it once, before traffic.
+  enum class BlockEventKind : uint8_t { kWritten, kEvicted, kDropped };
+  void SetEventListener(std::function<void(BlockEventKind, const SsdEntry&)> listener);
+  // Under the store's lock: `mark()`, then `each` for every committed block.
+  void SnapshotBlocks(const std::function<void()>& mark, const std::function<void(const SsdEntry&)>& each) const;
+
   // Registers `regions` with every drive's io_uring as fixed buffers (split into 1 GiB pieces, the kernel's
   // limit), replacing what was registered: requests whose payload lies inside one piece, 4 KiB aligned, then skip
   // the kernel's per-I/O page pinning. Waits until no request is outstanding first (WaitIdle); must not be called

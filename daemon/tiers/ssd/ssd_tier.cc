@@ -114,7 +114,18 @@ Status SsdTier::OpenStore(uint64_t payload_capacity) {
               f.direct ? "direct I/O" : "BUFFERED I/O (--ssd-allow-buffered): slower, and the page cache holds copies",
               options_.write_all ? "; every stored block is written" : "; the cold end is written");
   }
-  store_ = std::move(*store);
+  {
+    // A snapshot taken before this saw no store; the blocks found on disk reach its subscribers as events.
+    std::lock_guard events(events_mu_);
+    store_ = std::move(*store);
+    if (event_listener_) {
+      EventListener listener = event_listener_;
+      store_->SetEventListener([listener](SsdStore::BlockEventKind kind, const SsdEntry& e) { listener(kind, false, e); });
+      store_->SnapshotBlocks([] {}, [&listener](const SsdEntry& e) {
+        listener(SsdStore::BlockEventKind::kWritten, true, e);
+      });
+    }
+  }
   for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).AttachNextTier(options_.write_all);
   {
     std::lock_guard lock(mu_);
@@ -153,6 +164,24 @@ void SsdTier::Stop() {
   // accepted, and WaitIdle waits for them).
   while (promoting_.load(std::memory_order_seq_cst) > 0) std::this_thread::yield();
   if (store_ready_.load(std::memory_order_acquire)) store_->WaitIdle();
+}
+
+void SsdTier::SetEventListener(EventListener listener) {
+  std::lock_guard events(events_mu_);
+  event_listener_ = std::move(listener);
+  if (store_) {  // opened at Create: its blocks are in any snapshot from now on
+    EventListener l = event_listener_;
+    store_->SetEventListener([l](SsdStore::BlockEventKind kind, const SsdEntry& e) { l(kind, false, e); });
+  }
+}
+
+void SsdTier::SnapshotBlocks(const std::function<void()>& mark, const std::function<void(const SsdEntry&)>& each) const {
+  std::lock_guard events(events_mu_);
+  if (!store_) {
+    mark();
+    return;
+  }
+  store_->SnapshotBlocks(mark, each);
 }
 
 SsdDomain SsdTier::DomainOf(const Cache& cache) {
@@ -339,7 +368,7 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
     const std::span<const SlotId> slots(p->slots);
     if (ok > 0) {
       p->cache->Commit(p->parent, p->run, p->first, slots.first(ok),
-                       std::span<const uint64_t>(p->checksums).first(ok));
+                       std::span<const uint64_t>(p->checksums).first(ok), Cache::BlockEvent::kPromoted);
       p->cache->MarkOnNextTier(slots.first(ok));
     }
     if (ok < slots.size()) p->cache->Abort(slots.subspan(ok));

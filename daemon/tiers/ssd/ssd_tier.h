@@ -102,6 +102,15 @@ class SsdTier {
   using PromotionDone = std::function<void(size_t promoted)>;
   bool Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done);
 
+  // The KV event stream's view of the SSD tier: `listener` is told each block the store commits (written back),
+  // loses (evicted, dropped), and - `restored` - each block found on disk when the store opens after this call.
+  // Runs under the store's lock (SsdStore::SetEventListener). Set it before Start.
+  using EventListener = std::function<void(SsdStore::BlockEventKind kind, bool restored, const SsdEntry& entry)>;
+  void SetEventListener(EventListener listener);
+  // `mark()` then `each` for every block the store holds, consistent with the listener's events (nothing but the
+  // mark while the store is not open).
+  void SnapshotBlocks(const std::function<void()>& mark, const std::function<void(const SsdEntry&)>& each) const;
+
   SsdTierStatus GetStatus() const;
   bool open() const { return store_ready_.load(std::memory_order_acquire); }
 
@@ -120,6 +129,8 @@ class SsdTier {
   CacheSet* const caches_;
   std::unique_ptr<SsdStore> store_;     // set once (OpenStore), before store_ready_
   std::atomic<bool> store_ready_{false};
+  mutable std::mutex events_mu_;        // orders the store's opening against event snapshots
+  EventListener event_listener_;        // guarded by events_mu_
   std::atomic<bool> stopping_{false};
   std::thread mover_;
 

@@ -1,0 +1,216 @@
+"""The KV events' ZMQ publisher (--kv-events-zmq) decoded as a vLLM KV-event subscriber would (issue 20, acceptance 2).
+
+The decoder below uses only python3-zmq and python3-msgpack and follows vLLM's published KV-event format
+(vllm/distributed/kv_events.py): multipart [topic, seq (8 bytes, big-endian), payload]; the payload a msgpack
+KVEventBatch encoded array-like, [ts, [event, ...]], each event a tagged array whose first element is its class name:
+  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+  ["BlockRemoved", block_hashes, medium]
+  ["AllBlocksCleared"]
+flexkvd's block hashes are its 128-bit keys as 16 bytes: lo then hi, little-endian (docs/kv_events.md).
+The flexkv package only drives the daemon (stores, matches) and computes the expected keys.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Dict, List, Optional, Set
+
+import pytest
+
+zmq = pytest.importorskip("zmq", reason="python3-zmq is not installed (scripts/deps.sh installs it)")
+msgpack = pytest.importorskip("msgpack", reason="python3-msgpack is not installed (scripts/deps.sh installs it)")
+
+import flexkv  # noqa: E402
+from conftest import Daemon  # noqa: E402
+from engine_process import TEST_GEOMETRY, TEST_NAMESPACE  # noqa: E402
+
+TPB = TEST_GEOMETRY.tokens_per_block
+TOPIC = b"kv-events"
+
+
+def chain(seed: int, blocks: int) -> flexkv.BlockKeys:
+    return flexkv.block_keys(TEST_NAMESPACE, [seed * 100000 + i for i in range(blocks * TPB)], TPB)
+
+
+def as_hash(key) -> bytes:
+    return key.lo.to_bytes(8, "little") + key.hi.to_bytes(8, "little")
+
+
+class VllmSubscriber:
+    """What a router that consumes vLLM's KV events keeps: the hashes per medium, and each stored hash's parent."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self.sub.connect(endpoint)
+        self.last_seq: Optional[int] = None
+        self.held: Dict[str, Set[bytes]] = {}
+        self.parent: Dict[bytes, Optional[bytes]] = {}
+        self.stored = 0
+        self.removed = 0
+        self.cleared = 0
+        self.block_sizes: Set[int] = set()
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.ctx.term()
+
+    def poll(self, timeout_ms: int) -> bool:
+        """Decodes one message; False when none came within timeout_ms."""
+        if not self.sub.poll(timeout_ms):
+            return False
+        frames = self.sub.recv_multipart()
+        assert len(frames) == 3, f"expected [topic, seq, payload], got {len(frames)} frames"
+        topic, seq_bytes, payload = frames
+        assert topic == TOPIC
+        assert len(seq_bytes) == 8
+        seq = int.from_bytes(seq_bytes, "big")
+        if self.last_seq is not None:
+            assert seq == self.last_seq + 1, f"batch seq {seq} after {self.last_seq}: a gap"
+        self.last_seq = seq
+        batch = msgpack.unpackb(payload, raw=False)
+        assert isinstance(batch, list) and len(batch) >= 2, batch
+        ts, events = batch[0], batch[1]
+        assert isinstance(ts, float) and ts > 0
+        for event in events:
+            self.apply(event)
+        return True
+
+    def apply(self, event: List) -> None:
+        tag = event[0]
+        if tag == "BlockStored":
+            block_hashes, parent, token_ids, block_size, lora_id, medium = event[1:7]
+            assert lora_id is None
+            assert isinstance(token_ids, list)
+            self.block_sizes.add(block_size)
+            held = self.held.setdefault(medium, set())
+            for h in block_hashes:
+                assert isinstance(h, bytes) and len(h) == 16
+                self.parent[h] = parent
+                held.add(h)
+                parent = h
+                self.stored += 1
+        elif tag == "BlockRemoved":
+            block_hashes, medium = event[1:3]
+            for h in block_hashes:
+                self.held.setdefault(medium, set()).discard(h)
+                self.removed += 1
+        elif tag == "AllBlocksCleared":
+            self.held.clear()
+            self.cleared += 1
+        else:
+            raise AssertionError(f"unknown event tag {tag!r}")
+
+    def until_stored(self, key_hash: bytes, medium: str = "CPU") -> None:
+        """Reads until key_hash is held (the publisher is in order: everything before it has arrived)."""
+        for _ in range(100000):
+            if key_hash in self.held.get(medium, set()):
+                return
+            self.poll(100)
+        raise AssertionError("the stored block never arrived")
+
+
+def start_daemon_with_zmq(endpoint: str, pool_size: str) -> Daemon:
+    d = Daemon(["--kv-events-zmq", endpoint], pool_size)
+    try:
+        d.wait_ready()
+    except RuntimeError as e:
+        d.stop()
+        if "built without libzmq" in str(e):
+            pytest.skip("this flexkvd was built without libzmq/msgpack-c")
+        raise
+    return d
+
+
+def store(client: flexkv.Client, keys: flexkv.BlockKeys) -> None:
+    client.store(keys, list(range(len(keys)))).wait(10.0)
+
+
+def test_zmq_stream_decodes_as_vllm_block_stored_and_removed_with_the_keys_and_parents():
+    tmp = tempfile.mkdtemp(prefix="flexkv-zmq-")
+    endpoint = f"ipc://{os.path.join(tmp, 'kv-events')}"
+    d = start_daemon_with_zmq(endpoint, "1MiB")  # 64 blocks of 16 KiB: the load below evicts
+    sub = VllmSubscriber(endpoint)
+    try:
+        with flexkv.connect(d.socket) as c:
+            c.attach("zmq-test", TEST_NAMESPACE, TEST_GEOMETRY)
+            c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
+            # The subscription is live once the first message (AllBlocksCleared and the snapshot) arrives.
+            warm = 0
+            while True:
+                store(c, chain(1000 + warm, 1))
+                warm += 1
+                if sub.poll(200):
+                    break
+            chains = [chain(seed, 4) for seed in range(60)]  # 240 blocks into 64 slots
+            for keys in chains:
+                store(c, keys)
+            sentinel = chain(5000, 2)
+            store(c, sentinel)
+            sub.until_stored(as_hash(sentinel[1]))
+            assert sub.block_sizes == {TPB}
+            assert set(sub.held) <= {"CPU"}  # no SSD tier here
+            assert sub.removed > 0, "the load evicted, so BlockRemoved events came"
+            # Every chain's blocks were stored with the right hashes and parents: the first block under no parent
+            # (a prompt's start), each next under the one before.
+            for keys in chains + [sentinel]:
+                hashes = [as_hash(k) for k in keys]
+                for i, h in enumerate(hashes):
+                    assert h in sub.parent, f"block {i} of a chain was never reported stored"
+                    assert sub.parent[h] == (None if i == 0 else hashes[i - 1])
+            # What the subscriber holds is exactly what the daemon matches: a chain's cached prefix, nothing else.
+            held = sub.held.get("CPU", set())
+            total = 0
+            for keys in chains + [sentinel]:
+                h = c.match_via_control(keys)
+                for i, k in enumerate(keys):
+                    assert (as_hash(k) in held) == (i < h), f"block {i} of a chain with {h} cached"
+                total += h
+            warm_held = sum(1 for i in range(warm) if as_hash(chain(1000 + i, 1)[0]) in held)
+            assert len(held) == total + warm_held
+            assert c.status().index_blocks == len(held)
+    finally:
+        sub.close()
+        d.stop()
+
+
+def test_a_daemon_restart_publishes_all_blocks_cleared_then_its_restored_blocks():
+    tmp = tempfile.mkdtemp(prefix="flexkv-zmq-")
+    endpoint = f"ipc://{os.path.join(tmp, 'kv-events')}"
+    d = start_daemon_with_zmq(endpoint, "4MiB")
+    sub = VllmSubscriber(endpoint)
+    try:
+        with flexkv.connect(d.socket) as c:
+            c.attach("zmq-test", TEST_NAMESPACE, TEST_GEOMETRY)
+            c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
+            warm = 0
+            while True:
+                store(c, chain(2000 + warm, 1))
+                warm += 1
+                if sub.poll(200):
+                    break
+            keys = chain(7, 3)
+            store(c, keys)
+            sub.until_stored(as_hash(keys[2]))
+        d.kill()
+        sub.close()
+        sub = VllmSubscriber(endpoint)  # a new subscriber: the restarted daemon tells it everything it holds
+        d.restart()
+        d.wait_ready()
+        # The restarted daemon publishes AllBlocksCleared, then its blocks as they pass verification.
+        sub.until_stored(as_hash(keys[2]))
+        assert sub.parent[as_hash(keys[1])] == as_hash(keys[0])
+    finally:
+        sub.close()
+        d.stop()
+
+
+def test_a_bad_zmq_endpoint_is_refused_with_the_reason():
+    d = Daemon(["--kv-events-zmq", "tcp://not-an-address:x"], "1MiB")
+    try:
+        with pytest.raises(RuntimeError) as e:
+            d.wait_ready()
+        assert "--kv-events-zmq" in str(e.value)
+    finally:
+        d.stop()
