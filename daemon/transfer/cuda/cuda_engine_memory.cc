@@ -32,9 +32,9 @@ class CudaKv final : public EngineKv {
 };
 
 // One TP rank's layer events opened by the CUDA backend; closed with the last holder.
-class CudaLayerEvents final : public LayerEvents {
+class OpenedLayerEvents final : public LayerEvents {
  public:
-  explicit CudaLayerEvents(std::shared_ptr<GpuLayerEvents> events) : events_(std::move(events)) {}
+  explicit OpenedLayerEvents(std::shared_ptr<GpuLayerEvents> events) : events_(std::move(events)) {}
   uint32_t tp_rank() const override { return GpuLayerEventsTpRank(*events_); }
   uint32_t num_layers() const override { return GpuLayerEventsCount(*events_); }
   const std::shared_ptr<GpuLayerEvents>& events() const { return events_; }
@@ -57,7 +57,7 @@ CudaEngineMemory::CudaEngineMemory(std::unique_ptr<CudaBackend> cuda, bool load_
 Result<std::shared_ptr<LayerEvents>> CudaEngineMemory::OpenLayerEvents(const LayerEventsRank& rank) {
   auto events = cuda_->OpenLayerEvents(rank);
   if (!events.ok()) return events.status();
-  return std::shared_ptr<LayerEvents>(std::make_shared<CudaLayerEvents>(std::move(*events)));
+  return std::shared_ptr<LayerEvents>(std::make_shared<OpenedLayerEvents>(std::move(*events)));
 }
 
 Status CudaEngineMemory::RegisterPool(const PoolRegion& pool) {
@@ -80,7 +80,7 @@ void CudaEngineMemory::Copy(CopyJob job) {
   const auto& kv = static_cast<const CudaKv&>(*job.kv);  // opened by Open above
   const bool store = job.direction == CopyDirection::kToPool;
   std::shared_ptr<GpuLayerEvents> events;
-  if (job.layer_events != nullptr) events = static_cast<const CudaLayerEvents&>(*job.layer_events).events();
+  if (job.layer_events != nullptr) events = static_cast<const OpenedLayerEvents&>(*job.layer_events).events();
   cuda_->Copy(kv.gpu(), store, job.pool, *job.engine_blocks, *job.slots, store ? std::move(job.term_sums) : nullptr,
               std::move(job.on_layer), [done = std::move(job.done), handed_ns](Status st) { done(st, handed_ns); },
               std::move(events), std::move(job.on_launched));
