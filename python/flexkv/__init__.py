@@ -27,7 +27,7 @@ __version__ = _lib.version()  # libflexkv's, from CMake's project(): the version
 __all__ = [
     "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "ComponentKind",
     "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
-    "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "LayerEventSet", "Layout", "NotFound", "OpResult", "OutOfRange",
-    "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
+    "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "LayerEventSet", "Layout", "NotFound",
+    "OpResult", "OutOfRange", "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
     "Unimplemented", "Unknown", "block_keys", "connect", "export_gpu_kv", "fast_path",
 ]
