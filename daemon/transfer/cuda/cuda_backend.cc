@@ -81,7 +81,7 @@ uint32_t GpuKvTpRank(const GpuKv& kv) { return kv.description.tp_rank; }
 
 class GpuLayerEvents {
  public:
-  GpuLayerEvents(int device, uint32_t tp_rank) : device(device), tp_rank(tp_rank) {}
+  GpuLayerEvents(int on_device, uint32_t of_tp_rank) : device(on_device), tp_rank(of_tp_rank) {}
   GpuLayerEvents(const GpuLayerEvents&) = delete;  // owns the opened events: a copy would close them twice
   GpuLayerEvents& operator=(const GpuLayerEvents&) = delete;
   ~GpuLayerEvents() {
