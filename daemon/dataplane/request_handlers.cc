@@ -144,9 +144,9 @@ Result<std::vector<std::shared_ptr<LayerEvents>>> RequestSession::TakeEventSet(u
                                         "an id RegisterLayerEvents returned and not released", id, EventSetIdsLocked()));
   }
   if (it->second.busy) {
+    // Short: a ring completion's message holds 87 bytes.
     return Status::FailedPrecondition(fmt::format(
-        "event_set {} is busy: the load of ticket {} records its events; one load per set at a time (its events "
-        "would be recorded twice): wait for that load's completion, or use another set", id, it->second.busy_with));
+        "event_set {} is busy (ticket {} loads with it); one load per set at a time", id, it->second.busy_with));
   }
   it->second.busy = true;
   it->second.busy_with = user_data;
