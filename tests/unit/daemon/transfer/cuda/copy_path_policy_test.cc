@@ -12,7 +12,8 @@ using flexkv::StatusCode;
 
 TEST_CASE("copy path: the copy-engine load path is refused for chunks under 32 KiB, naming the fix", "[unit][transfer]") {
   Geometry tp2 = flexkv::Llama3_8B();
-  tp2.tp_size = 2;  // 16 KiB per rank's chunk
+  tp2.tp_size = 2;
+  tp2.kv_heads_per_rank = 4;  // 16 KiB per rank's chunk
   REQUIRE(tp2.chunk_bytes_per_rank() == 16 * 1024);
   const flexkv::Status refused = CheckCopyEngineLoad(true, tp2);
   CHECK(refused.code() == StatusCode::kFailedPrecondition);
@@ -34,7 +35,8 @@ TEST_CASE("copy path: the copy-engine load path takes 32 KiB chunks and up, the 
   REQUIRE(llama.chunk_bytes_per_rank() == flexkv::kCopyEngineLoadMinChunkBytes);
   CHECK(CheckCopyEngineLoad(true, llama).ok());
   Geometry tp4 = llama;
-  tp4.tp_size = 4;  // 8 KiB
+  tp4.tp_size = 4;
+  tp4.kv_heads_per_rank = 2;  // 8 KiB
   CHECK(CheckCopyEngineLoad(false, tp4).ok());
   CHECK(CheckCopyEngineLoad(true, tp4).code() == StatusCode::kFailedPrecondition);
 }
