@@ -330,6 +330,10 @@ class Client {
   //   4. Wait(ticket) still ends the request (the set is free again once its result is here) and must be checked:
   //      an error after step 2 (a failed copy) means the layers' bytes are not to be trusted.
   // If WaitLaunched answers an error, nothing may wait on the events for this load (they were not all recorded).
+  // Enqueue a load's waits before submitting the set's next load: a wait enqueued later binds to the later load's
+  // recording (safe, but it waits for that load). Lifetime: release the set (ReleaseLayerEvents / ~LayerEventSet)
+  // and destroy the engine's events only after every load naming it has ended (Wait), in that order - CUDA leaves
+  // a recording into an event whose exporter destroyed it undefined.
   // Registers one set: `ranks` has every TP rank of the geometry once, each with one handle per layer. Returns the
   // set's id (never 0). INVALID_ARGUMENT naming the rank and count when they do not fit the geometry (or it is
   // hybrid); FAILED_PRECONDITION when the daemon has no CUDA backend; RESOURCE_EXHAUSTED beyond 64 sets a session.
