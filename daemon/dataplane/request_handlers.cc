@@ -105,6 +105,8 @@ void RequestHandlers::Fail(RequestSession& s, const SubmitDescriptor& d, int64_t
 
 Result<uint32_t> RequestSession::AddEventSet(std::vector<std::shared_ptr<LayerEvents>> ranks) {
   MutexLock lock(&mu_);
+  // EndSession clears the sets under mu_ after ended() turned true: a set added after that would stay open.
+  if (ended()) return Status::FailedPrecondition(fmt::format("session {} has ended", id_));
   if (event_sets_.size() >= kMaxEventSets) {
     return Status::ResourceExhausted(fmt::format(
         "session {} holds {} layer-event sets already (sets {}); expected at most {}: release one (ReleaseLayerEvents)",
