@@ -251,3 +251,35 @@ TEST_CASE("layer events: wrong counts, unknown GPUs and handles that are not eve
   CHECK(client->ReleaseLayerEvents(*a).code() == StatusCode::kNotFound);
   CHECK(client->CheckHealth().ok());
 }
+
+TEST_CASE("copy-engine loads: a GPU registration with chunks under 32 KiB is refused naming the kernel path", "[gpu]") {
+  if (!HaveGpu()) {
+    WARN("no GPU visible; skipped");
+    return;
+  }
+  ShmPoolDir shm;
+  DaemonUnderTest d({"--pool-size", "256MiB", "--pool-path", shm.dir + "/pool", "--load-path", "copy-engine"});
+  REQUIRE(d.WaitReady());
+  CUDA_REQUIRE(cudaSetDevice(0));
+  for (const uint32_t heads : {4u, 8u}) {  // 16 KiB chunks: refused; 32 KiB: served
+    INFO("kv heads " << heads);
+    flexkv::Geometry g = flexkv::Llama3_8B();
+    g.num_layers = 2;
+    g.kv_heads_per_rank = heads;
+    auto client = Attached(d, g);
+    EngineKv kv(g, 8);
+    kv.layers.resize(g.num_layers, nullptr);
+    for (void*& p : kv.layers) CUDA_REQUIRE(cudaMalloc(&p, kv.region));
+    auto reg = flexkv::DescribeGpuKv(flexkv::KvLayout::kLayerFirst, kv.layers, kv.region, 8, 0);
+    REQUIRE(reg.ok());
+    const flexkv::Status st = client->RegisterGpuKv(*reg);
+    if (heads == 4) {
+      CHECK(st.code() == StatusCode::kFailedPrecondition);
+      CHECK_THAT(st.message(), Catch::Contains("--load-path copy-engine") && Catch::Contains("16384-byte chunks") &&
+                                   Catch::Contains("--load-path kernel"));
+    } else {
+      CHECK(st.ok());
+    }
+    REQUIRE(client->Detach().ok());
+  }
+}
