@@ -66,12 +66,13 @@ uint8_t Pattern(uint32_t layer, uint32_t plane, uint32_t block, uint64_t offset)
   return v == 0xEE ? 0x11 : v;
 }
 
-std::unique_ptr<flexkv::Client> Attached(const DaemonUnderTest& d, const flexkv::Geometry& g) {
+std::unique_ptr<flexkv::Client> Attached(const DaemonUnderTest& d, const flexkv::Geometry& g,
+                                         const std::string& model_namespace = "llama3-8b") {
   auto c = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
   REQUIRE(c.ok());
   flexkv::AttachOptions o;
   o.client_name = "events-engine";
-  o.model_namespace = "llama3-8b";
+  o.model_namespace = model_namespace;
   o.geometry = g;
   auto s = (*c)->Attach(o);
   INFO(s.status().ToString());
@@ -258,7 +259,8 @@ TEST_CASE("copy-engine loads: a GPU registration with chunks under 32 KiB is ref
     return;
   }
   ShmPoolDir shm;
-  DaemonUnderTest d({"--pool-size", "256MiB", "--pool-path", shm.dir + "/pool", "--load-path", "copy-engine"});
+  DaemonUnderTest d({"--pool-size", "256MiB", "--pool-path", shm.dir + "/pool", "--load-path", "copy-engine",
+                     "--max-domains", "2"});
   REQUIRE(d.WaitReady());
   CUDA_REQUIRE(cudaSetDevice(0));
   for (const uint32_t heads : {4u, 8u}) {  // 16 KiB chunks: refused; 32 KiB: served
@@ -266,7 +268,7 @@ TEST_CASE("copy-engine loads: a GPU registration with chunks under 32 KiB is ref
     flexkv::Geometry g = flexkv::Llama3_8B();
     g.num_layers = 2;
     g.kv_heads_per_rank = heads;
-    auto client = Attached(d, g);
+    auto client = Attached(d, g, "heads-" + std::to_string(heads));
     EngineKv kv(g, 8);
     kv.layers.resize(g.num_layers, nullptr);
     for (void*& p : kv.layers) CUDA_REQUIRE(cudaMalloc(&p, kv.region));
