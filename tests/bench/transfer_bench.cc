@@ -595,12 +595,12 @@ int RunTransferBench(int argc, char** argv) {
   std::vector<SweepRow> sweep;
   if (o.sweep)
     for (uint32_t c : o.sweep_chunk_kib) bench.Sweep(c, sweep);
-  DaemonLayerResult daemon_layers;
+  DaemonLayerResult daemon_result;
   const DaemonLayerOptions daemon_options{32, o.daemon_blocks, o.iters, o.warmup};
   if (o.daemon_layers) {
-    daemon_layers = MeasureDaemonLayers(daemon_options);
+    daemon_result = MeasureDaemonLayers(daemon_options);
     std::fprintf(stderr, "layer-wise load through flexkvd: %s\n",
-                 daemon_layers.error.empty() ? "measured" : daemon_layers.error.c_str());
+                 daemon_result.error.empty() ? "measured" : daemon_result.error.c_str());
   }
 
   const kv::LaunchShape dg = kv::DefaultLaunchShape(true), ds = kv::DefaultLaunchShape(false);
@@ -672,13 +672,13 @@ int RunTransferBench(int argc, char** argv) {
       report["daemon_layerwise"] = {
           {"blocks", daemon_options.blocks},
           {"layers", daemon_options.layers},
-          {"error", daemon_layers.error},
-          {"progress_first_layer_ms", Rounded(daemon_layers.progress_first_ms, 3)},
-          {"progress_last_layer_ms", Rounded(daemon_layers.progress_last_ms, 3)},
-          {"events_first_layer_ms", Rounded(daemon_layers.events_first_ms, 3)},
-          {"events_last_layer_ms", Rounded(daemon_layers.events_last_ms, 3)},
-          {"progress_load_gbps", Rounded(daemon_layers.load_gbps_progress, 2)},
-          {"events_load_gbps", Rounded(daemon_layers.load_gbps_events, 2)}};
+          {"error", daemon_result.error},
+          {"progress_first_layer_ms", Rounded(daemon_result.progress_first_ms, 3)},
+          {"progress_last_layer_ms", Rounded(daemon_result.progress_last_ms, 3)},
+          {"events_first_layer_ms", Rounded(daemon_result.events_first_ms, 3)},
+          {"events_last_layer_ms", Rounded(daemon_result.events_last_ms, 3)},
+          {"progress_load_gbps", Rounded(daemon_result.load_gbps_progress, 2)},
+          {"events_load_gbps", Rounded(daemon_result.load_gbps_events, 2)}};
     }
     std::fputs(DumpLine(report).c_str(), stdout);
     return 0;
@@ -726,15 +726,15 @@ int RunTransferBench(int argc, char** argv) {
     fmt::print("layer-wise load through flexkvd ({} Llama-3-8B blocks, {} layers, median of {}): until the engine's "
                "stream may run layer 0 / the last layer, from submission\n",
                daemon_options.blocks, daemon_options.layers, o.iters);
-    if (!daemon_layers.error.empty()) {
-      fmt::print("  not measured: {}\n", daemon_layers.error);
+    if (!daemon_result.error.empty()) {
+      fmt::print("  not measured: {}\n", daemon_result.error);
     } else {
       fmt::print("  {:<46} layer 0 {:7.3f} ms | last {:7.3f} ms | load {:5.1f} GB/s\n",
-                 "progress completions (CPU WaitLayers, launch):", daemon_layers.progress_first_ms,
-                 daemon_layers.progress_last_ms, daemon_layers.load_gbps_progress);
+                 "progress completions (CPU WaitLayers, launch):", daemon_result.progress_first_ms,
+                 daemon_result.progress_last_ms, daemon_result.load_gbps_progress);
       fmt::print("  {:<46} layer 0 {:7.3f} ms | last {:7.3f} ms | load {:5.1f} GB/s\n",
-                 "CUDA layer events (stream waits, no CPU):", daemon_layers.events_first_ms,
-                 daemon_layers.events_last_ms, daemon_layers.load_gbps_events);
+                 "CUDA layer events (stream waits, no CPU):", daemon_result.events_first_ms,
+                 daemon_result.events_last_ms, daemon_result.load_gbps_events);
     }
   }
   for (const auto& s : sweep)
