@@ -64,7 +64,9 @@ DaemonLayerResult MeasureDaemonLayers(const DaemonLayerOptions& o) {
   const uint64_t region = uint64_t{g.kv_planes} * o.blocks * chunk;
   const uint64_t bytes = region * o.layers;
   const uint64_t pool_mib = (bytes >> 20) + (bytes >> 21) + 64;  // the blocks and room to spare
-  auto daemon = OwnDaemon::Start("/dev/shm/flexkv-bench-events-XXXXXX", {"--pool-size", fmt::format("{}MiB", pool_mib)});
+  // One session pins the whole load (every block of it): the default cap (half the pool) would refuse it.
+  auto daemon = OwnDaemon::Start("/dev/shm/flexkv-bench-events-XXXXXX",
+                                 {"--pool-size", fmt::format("{}MiB", pool_mib), "--max-session-pin-share", "1"});
   if (daemon == nullptr) return Fail("could not start flexkvd (next to this executable)");
   auto connected = Client::Connect({daemon->socket(), 15000ms, 30000ms});
   if (!connected.ok()) return Fail("connect: " + connected.status().ToString());
