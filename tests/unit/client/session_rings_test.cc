@@ -150,7 +150,7 @@ TEST_CASE("session rings: the message is a source only for a Prefetch that ended
   CHECK(m.bytes == 0);
 }
 
-TEST_CASE("session rings: a Load naming an event set carries it; WaitLaunched answers on launch, before the end",
+TEST_CASE("session rings: a Load naming an event set carries it, WaitLaunched answers on launch, before the end",
           "[unit]") {
   Rings rings;
   const std::vector<uint32_t> ids = {4, 5, 6};
