@@ -75,7 +75,7 @@ class RequestSession {
 
   // CUDA layer-event sets (RegisterLayerEvents): `ranks` holds one opened LayerEvents per TP rank, indexed by rank.
   // Returns the set's id (never 0, never reused within the session). RESOURCE_EXHAUSTED beyond kMaxEventSets.
-  static constexpr size_t kMaxEventSets = 64;
+  static constexpr size_t kMaxEventSets = 16;  // an engine double-buffers with two; each set holds open events
   Result<uint32_t> AddEventSet(std::vector<std::shared_ptr<LayerEvents>> ranks);
   // Forgets set `id` (NOT_FOUND naming the sets there are when it is unknown). A load recording it keeps its events
   // open until its copy ends; the set id is free at once.

@@ -514,7 +514,7 @@ grpc::Status ControlService::RegisterLayerEvents(grpc::ServerContext* /*context*
       request->session_id(), std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(token.data()), token.size()));
   if (!authentic.ok()) return Answer(authentic);
   // Bounds what one request may ask the driver to open before the geometry check looks at it.
-  constexpr int kMaxHandles = 256 * 1024;
+  constexpr int kMaxHandles = 64 * 1024;
   int handles = 0;
   for (const auto& r : request->ranks()) handles += r.handles_size();
   if (request->ranks_size() > 256 || handles > kMaxHandles) {

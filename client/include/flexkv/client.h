@@ -336,7 +336,7 @@ class Client {
   // a recording into an event whose exporter destroyed it undefined.
   // Registers one set: `ranks` has every TP rank of the geometry once, each with one handle per layer. Returns the
   // set's id (never 0). INVALID_ARGUMENT naming the rank and count when they do not fit the geometry (or it is
-  // hybrid); FAILED_PRECONDITION when the daemon has no CUDA backend; RESOURCE_EXHAUSTED beyond 64 sets a session.
+  // hybrid); FAILED_PRECONDITION when the daemon has no CUDA backend; RESOURCE_EXHAUSTED beyond 16 sets a session.
   Result<uint32_t> RegisterLayerEvents(std::span<const LayerEventHandles> ranks);
   // Forgets a set (the daemon closes its events once no load records them). NOT_FOUND for an unknown id.
   Status ReleaseLayerEvents(uint32_t event_set);

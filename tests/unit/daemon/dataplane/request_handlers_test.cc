@@ -5,6 +5,7 @@
 // pins no more than its cap, and handles whose pins lapsed are answered as such.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -372,4 +373,29 @@ TEST_CASE("request handlers: unknown event sets and backends that record no even
   CHECK(h.session->ReleaseEventSet(*set).ok());
   CHECK(h.session->ReleaseEventSet(*set).code() == StatusCode::kNotFound);
   CHECK(h.lifecycle.inflight() == 0);
+}
+
+TEST_CASE("request handlers: a session holds at most 16 event sets, ids are never reused, none after its end",
+          "[unit][dataplane]") {
+  Harness h;
+  auto one = [] {
+    return std::vector<std::shared_ptr<flexkv::LayerEvents>>{std::make_shared<flexkv::testing::FakeLayerEvents>(0, 2)};
+  };
+  std::vector<uint32_t> ids;
+  for (size_t i = 0; i < flexkv::RequestSession::kMaxEventSets; ++i) {
+    auto id = h.session->AddEventSet(one());
+    REQUIRE(id.ok());
+    ids.push_back(*id);
+  }
+  auto refused = h.session->AddEventSet(one());
+  CHECK(refused.status().code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.status().message(), Catch::Contains("expected at most 16: release one"));
+  REQUIRE(h.session->ReleaseEventSet(ids[3]).ok());
+  auto again = h.session->AddEventSet(one());
+  REQUIRE(again.ok());
+  CHECK(std::find(ids.begin(), ids.end(), *again) == ids.end());
+  h.session->ended_ = true;
+  h.handlers.EndSession(*h.session);
+  CHECK(h.session->event_sets() == 0);
+  CHECK(h.session->AddEventSet(one()).status().code() == StatusCode::kFailedPrecondition);
 }
