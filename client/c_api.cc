@@ -33,6 +33,10 @@ struct flexkv_gpu_kv {
   flexkv::GpuKvRegistration registration;
 };
 
+struct flexkv_layer_events {
+  flexkv::CudaLayerEvents events;
+};
+
 namespace {
 
 // The calling thread's last failure; see flexkv_last_error.
@@ -588,6 +592,69 @@ int flexkv_try_wait(flexkv_client* c, flexkv_ticket ticket, flexkv_op_result* ou
       return Record(flexkv::Status::DeadlineExceeded("request " + std::to_string(ticket.id) + " has not ended yet"));
     }
     return FillResult(**r, out);
+  });
+}
+
+int flexkv_layer_events_create(uint32_t num_layers, uint32_t tp_rank, flexkv_layer_events** out) {
+  return Guarded([&]() -> int {
+    if (out == nullptr) return NullArgument("out");
+    *out = nullptr;
+    auto events = flexkv::CudaLayerEvents::Create(num_layers, tp_rank);
+    if (!events.ok()) return Record(events.status());
+    *out = new flexkv_layer_events{std::move(*events)};
+    return Record(flexkv::Status::Ok());
+  });
+}
+
+int flexkv_layer_events_stream_wait(const flexkv_layer_events* events, uint32_t layer, void* stream) {
+  return Guarded([&]() -> int {
+    if (events == nullptr) return NullArgument("events");
+    return Record(events->events.StreamWait(layer, stream));
+  });
+}
+
+void flexkv_layer_events_free(flexkv_layer_events* events) { delete events; }
+
+int flexkv_register_layer_events(flexkv_client* c, const flexkv_layer_events* const* ranks, size_t n_ranks,
+                                 uint32_t* event_set) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (ranks == nullptr && n_ranks > 0) return NullArgument("ranks");
+    if (event_set == nullptr) return NullArgument("event_set");
+    std::vector<flexkv::LayerEventHandles> handles;
+    for (size_t i = 0; i < n_ranks; ++i) {
+      if (ranks[i] == nullptr) return NullArgument("ranks[i]");
+      handles.push_back(ranks[i]->events.handles());
+    }
+    auto id = c->client->RegisterLayerEvents(handles);
+    if (!id.ok()) return Record(id.status());
+    *event_set = *id;
+    return Record(flexkv::Status::Ok());
+  });
+}
+
+int flexkv_release_layer_events(flexkv_client* c, uint32_t event_set) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    return Record(c->client->ReleaseLayerEvents(event_set));
+  });
+}
+
+int flexkv_load_with_events(flexkv_client* c, uint64_t match_handle, const uint32_t* dst_block_ids, size_t n_blocks,
+                            uint32_t event_set, flexkv_ticket* ticket) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (dst_block_ids == nullptr && n_blocks > 0) return NullArgument("dst_block_ids");
+    if (ticket == nullptr) return NullArgument("ticket");
+    return Submitted(
+        c->client->LoadWithEvents(match_handle, std::span<const uint32_t>(dst_block_ids, n_blocks), event_set), ticket);
+  });
+}
+
+int flexkv_wait_launched(flexkv_client* c, flexkv_ticket ticket, int64_t timeout_us) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    return Record(c->client->WaitLaunched(FromC(ticket), WaitTimeout(timeout_us)));
   });
 }
 

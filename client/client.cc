@@ -410,6 +410,91 @@ Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<con
   return Ticket{t->id, s->generation};
 }
 
+Result<Ticket> Client::LoadWithEvents(uint64_t match_handle, std::span<const uint32_t> dst_block_ids,
+                                      uint32_t event_set) {
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
+  if (s->geometry.is_hybrid()) {
+    return Status::InvalidArgument("LoadWithEvents of a hybrid geometry; expected a full-attention one (hybrid loads "
+                                   "are not layer-wise yet)");
+  }
+  if (event_set == 0) return Status::InvalidArgument("event_set is 0; expected an id RegisterLayerEvents returned");
+  if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
+  auto t = s->rings->Submit(RingOp::kLoad, 0, static_cast<uint32_t>(dst_block_ids.size()), {}, dst_block_ids,
+                            match_handle, kRootParent, 0, event_set);
+  if (!t.ok()) return t.status();
+  return Ticket{t->id, s->generation};
+}
+
+Status Client::WaitLaunched(Ticket ticket, std::chrono::microseconds timeout) {
+  auto s = impl_->SessionOf(ticket);
+  if (!s.ok()) return s.status();
+  return (*s)->rings->WaitLaunched(ticket, timeout);
+}
+
+Result<uint32_t> Client::RegisterLayerEvents(std::span<const LayerEventHandles> ranks) {
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
+  v1::RegisterLayerEventsRequest req;
+  req.set_session_id(s->session_id);
+  req.set_session_token(s->token);
+  for (const LayerEventHandles& r : ranks) {
+    auto* rank = req.add_ranks();
+    rank->set_tp_rank(r.tp_rank);
+    rank->set_gpu_uuid(r.gpu_uuid);
+    for (const std::string& h : r.handles) rank->add_handles(h);
+  }
+  v1::RegisterLayerEventsResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  Status st = impl_->Call(impl_->stub->RegisterLayerEvents(&ctx, req, &resp));
+  if (!st.ok()) return st;
+  return resp.event_set();
+}
+
+Status Client::ReleaseLayerEvents(uint32_t event_set) {
+  std::shared_ptr<AttachedSession> s = impl_->Current();
+  if (s == nullptr) return NotAttached();
+  v1::ReleaseLayerEventsRequest req;
+  req.set_session_id(s->session_id);
+  req.set_session_token(s->token);
+  req.set_event_set(event_set);
+  v1::ReleaseLayerEventsResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  return impl_->Call(impl_->stub->ReleaseLayerEvents(&ctx, req, &resp));
+}
+
+Result<LayerEventSet> LayerEventSet::Register(Client& client, std::span<const LayerEventHandles> ranks) {
+  auto id = client.RegisterLayerEvents(ranks);
+  if (!id.ok()) return id.status();
+  LayerEventSet set;
+  set.client_ = &client;
+  set.id_ = *id;
+  return set;
+}
+
+LayerEventSet::~LayerEventSet() { (void)Release(); }
+
+LayerEventSet::LayerEventSet(LayerEventSet&& other) noexcept
+    : client_(std::exchange(other.client_, nullptr)), id_(std::exchange(other.id_, 0)) {}
+
+LayerEventSet& LayerEventSet::operator=(LayerEventSet&& other) noexcept {
+  if (this != &other) {
+    (void)Release();
+    client_ = std::exchange(other.client_, nullptr);
+    id_ = std::exchange(other.id_, 0);
+  }
+  return *this;
+}
+
+Status LayerEventSet::Release() {
+  if (client_ == nullptr || id_ == 0) return Status::Ok();
+  Client* client = std::exchange(client_, nullptr);
+  const uint32_t id = std::exchange(id_, 0);
+  return client->ReleaseLayerEvents(id);
+}
+
 Result<uint32_t> Client::WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout) {
   auto s = impl_->SessionOf(ticket);
   if (!s.ok()) return s.status();

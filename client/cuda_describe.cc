@@ -1,4 +1,4 @@
-// DescribeGpuKv; see flexkv/cuda.h.
+// DescribeGpuKv and CudaLayerEvents; see flexkv/cuda.h.
 #include <fmt/format.h>
 
 #include "flexkv/cuda.h"
@@ -146,12 +146,92 @@ Result<GpuKvRegistration> DescribeGpuKv(KvLayout layout, std::span<void* const> 
   return reg;
 }
 
+Result<CudaLayerEvents> CudaLayerEvents::Create(uint32_t num_layers, uint32_t tp_rank) {
+  if (num_layers == 0 || num_layers > 1024) {
+    return Status::InvalidArgument(fmt::format("num_layers is {}; expected 1..1024 (the geometry's)", num_layers));
+  }
+  CudaLayerEvents out;
+  cudaError_t e = cudaGetDevice(&out.device_);
+  if (e != cudaSuccess) return Status::FailedPrecondition(fmt::format("cudaGetDevice: {}", cudaGetErrorString(e)));
+  cudaDeviceProp prop{};
+  e = cudaGetDeviceProperties(&prop, out.device_);
+  if (e != cudaSuccess) {
+    return Status::FailedPrecondition(fmt::format("cudaGetDeviceProperties({}): {}", out.device_, cudaGetErrorString(e)));
+  }
+  out.handles_.gpu_uuid = UuidOf(prop);
+  out.handles_.tp_rank = tp_rank;
+  for (uint32_t l = 0; l < num_layers; ++l) {
+    cudaEvent_t ev = nullptr;
+    e = cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      return Status::ResourceExhausted(fmt::format("cudaEventCreateWithFlags(interprocess) for layer {}: {}", l,
+                                                   cudaGetErrorString(e)));  // `out` destroys the earlier ones
+    }
+    out.events_.push_back(ev);
+    cudaIpcEventHandle_t h;
+    e = cudaIpcGetEventHandle(&h, ev);
+    if (e != cudaSuccess) {
+      return Status::FailedPrecondition(fmt::format("cudaIpcGetEventHandle for layer {}: {}", l, cudaGetErrorString(e)));
+    }
+    out.handles_.handles.emplace_back(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+  return out;
+}
+
+void CudaLayerEvents::Destroy() {
+  if (events_.empty()) return;
+  int current = -1;
+  const bool restore = cudaGetDevice(&current) == cudaSuccess && current != device_;
+  if (restore) cudaSetDevice(device_);
+  for (void* ev : events_) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
+  if (restore) cudaSetDevice(current);
+  events_.clear();
+  handles_ = {};
+}
+
+Status CudaLayerEvents::StreamWait(uint32_t layer, void* stream) const {
+  if (layer >= events_.size()) {
+    return Status::InvalidArgument(fmt::format("layer {} is past the set's {} layers", layer, events_.size()));
+  }
+  const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(events_[layer]), 0);
+  if (e != cudaSuccess) {
+    return Status::Internal(fmt::format("cudaStreamWaitEvent(layer {}): {}", layer, cudaGetErrorString(e)));
+  }
+  return Status::Ok();
+}
+
 #else
 
 Result<GpuKvRegistration> DescribeGpuKv(KvLayout, std::span<void* const>, uint64_t, uint32_t, uint32_t) {
   return Status::Unimplemented("this libflexkv was built without CUDA");
 }
 
+Result<CudaLayerEvents> CudaLayerEvents::Create(uint32_t, uint32_t) {
+  return Status::Unimplemented("this libflexkv was built without CUDA: no layer events");
+}
+void CudaLayerEvents::Destroy() { events_.clear(); }
+Status CudaLayerEvents::StreamWait(uint32_t, void*) const {
+  return Status::Unimplemented("this libflexkv was built without CUDA: no layer events");
+}
+
 #endif
+
+CudaLayerEvents::~CudaLayerEvents() { Destroy(); }
+
+CudaLayerEvents::CudaLayerEvents(CudaLayerEvents&& other) noexcept
+    : device_(other.device_), events_(std::move(other.events_)), handles_(std::move(other.handles_)) {
+  other.events_.clear();
+}
+
+CudaLayerEvents& CudaLayerEvents::operator=(CudaLayerEvents&& other) noexcept {
+  if (this != &other) {
+    Destroy();
+    device_ = other.device_;
+    events_ = std::move(other.events_);
+    handles_ = std::move(other.handles_);
+    other.events_.clear();
+  }
+  return *this;
+}
 
 }  // namespace flexkv

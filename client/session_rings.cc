@@ -102,7 +102,7 @@ void SessionRings::FreeLocked(uint64_t offset, uint64_t bytes) {
 
 Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
                                     std::span<const uint32_t> ids, uint64_t match_handle,
-                                    const BlockKey& parent, uint32_t state_count) {
+                                    const BlockKey& parent, uint32_t state_count, uint32_t event_set) {
   const uint64_t key_bytes = keys.size() * sizeof(BlockKey);
   const uint64_t id_bytes = ids.size() * sizeof(uint32_t);
   std::lock_guard lock(mu_);
@@ -135,6 +135,7 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
   d.match_handle = match_handle;
   d.parent = parent;
   d.state_count = state_count;
+  d.event_set = event_set;
   if (!ring_->Push(d)) {
     if (payload > 0) FreeLocked(offset, payload);
     return Status::ResourceExhausted("the submit ring is full; the daemon has not caught up yet");
@@ -148,12 +149,17 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
 
 void SessionRings::ReapLocked() {
   ring_->Reap([this](const CompletionDescriptor& c) {
+    if ((c.flags & kCompletionFlagLaunched) != 0) {
+      if (done_.contains(c.user_data)) launched_.insert(c.user_data);
+      return;
+    }
     if ((c.flags & kCompletionFlagLayerDone) != 0) {
       uint32_t& landed = layers_landed_[c.user_data];
       landed = std::max(landed, c.matched_blocks + 1);
       return;
     }
     layers_landed_.erase(c.user_data);
+    launched_.erase(c.user_data);
     OpResult r;
     if (c.status_code != 0) r.status = Status(static_cast<StatusCode>(c.status_code), c.message);
     r.matched_blocks = c.matched_blocks;
@@ -302,6 +308,27 @@ Result<uint32_t> SessionRings::WaitLayers(Ticket ticket, uint32_t layers, std::c
   if (!st.ok()) return st;
   if (!no_result.ok()) return no_result;
   return landed;
+}
+
+Status SessionRings::WaitLaunched(Ticket ticket, std::chrono::microseconds timeout) {
+  Status outcome;
+  Status st = WaitUntil(
+      [&] {
+        const TicketState state = StateLocked(ticket.id);
+        if (state == TicketState::kNeverIssued) {
+          outcome = NoResultLocked(ticket.id, state);
+          return true;
+        }
+        if (state == TicketState::kEnded) {  // done or failed: every record it made is complete, or none was made
+          auto it = done_.find(ticket.id);
+          if (it != done_.end() && it->second.has_value()) outcome = it->second->status;
+          return true;
+        }
+        return state == TicketState::kTaken || launched_.contains(ticket.id);
+      },
+      std::chrono::steady_clock::now() + timeout, ticket.id);
+  if (!st.ok()) return st;
+  return outcome;
 }
 
 }  // namespace flexkv

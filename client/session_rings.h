@@ -14,6 +14,7 @@
 #include <span>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "absl/base/thread_annotations.h"
 #include "common/mutex.h"
@@ -59,7 +60,7 @@ class SessionRings {
   // session's generation and checks it before it hands a ticket back here: these calls look at ticket.id only).
   Result<Ticket> Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
                         std::span<const uint32_t> ids, uint64_t match_handle, const BlockKey& parent,
-                        uint32_t state_count = 0);
+                        uint32_t state_count = 0, uint32_t event_set = 0);
   // The request's result, handed out once. Errors: NOT_FOUND for an id these rings never issued or whose
   // result an earlier Wait/TryWait already took (the message says which); DEADLINE_EXCEEDED when it has not
   // ended in time (still in flight); UNAVAILABLE when the daemon closed the session; the Abandon status.
@@ -67,6 +68,10 @@ class SessionRings {
   // Layers landed of a layer-wise load (all of them once it ended, also when its result was taken); errors as
   // Wait's, NOT_FOUND only for an id never issued.
   Result<uint32_t> WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout);
+  // A Load naming a layer-event set: OK once the daemon reported every copy and event record enqueued
+  // (kCompletionFlagLaunched), or once the request ended OK (also when its result was taken: the caller saw it);
+  // the request's own error when it ended with one (its result stays for Wait); errors as WaitLayers'.
+  Status WaitLaunched(Ticket ticket, std::chrono::microseconds timeout);
   // Wait without waiting: the result, or nullopt while the request is in flight; errors as Wait's.
   Result<std::optional<OpResult>> TryWait(Ticket ticket);
   // The Client dropped this session (Detach, or re-Attach after the daemon lost it): waits running on these
@@ -108,6 +113,7 @@ class SessionRings {
   // then its result. Guarded by mu_.
   std::unordered_map<uint64_t, std::optional<OpResult>> done_;
   std::unordered_map<uint64_t, uint32_t> layers_landed_;             // layer-wise loads; guarded by mu_
+  std::unordered_set<uint64_t> launched_;                            // event-set loads launched; guarded by mu_
   size_t inflight_ = 0;                                              // guarded by mu_
 };
 

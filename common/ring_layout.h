@@ -17,7 +17,9 @@ namespace flexkv {
 
 inline constexpr uint32_t kRingMagic = 0x52564B46;  // "FKVR" little-endian
 // 3: hybrid geometries (docs/hybrid.md): Load and Store carry block ids for every component; Store's state_count.
-inline constexpr uint32_t kRingLayoutVersion = 3;
+// 4: Load names a CUDA layer-event set (SubmitDescriptor::event_set, once `reserved`); the daemon answers it with a
+//    "launched" progress completion (kCompletionFlagLaunched) once every copy and event record is enqueued.
+inline constexpr uint32_t kRingLayoutVersion = 4;
 
 enum class RingOp : uint16_t {
   kMatch = 1,    // keys → leading cached blocks; flag kPin pins them and returns a match handle
@@ -35,6 +37,10 @@ inline constexpr uint16_t kMatchFlagPin = 1;
 inline constexpr uint16_t kLoadFlagLayerwise = 1;
 // Completion flags.
 inline constexpr uint16_t kCompletionFlagLayerDone = 1;  // progress, not the end of the request
+// With kCompletionFlagLayerDone (so it is progress, never the end of the request): a Load naming an event set
+// has enqueued every layer's copies and recorded every layer's event on the daemon's copy stream. Only after
+// this (or the request's final completion) may the engine enqueue cudaStreamWaitEvent on the set's events.
+inline constexpr uint16_t kCompletionFlagLaunched = 2;
 
 // Client → daemon. 64 bytes.
 struct SubmitDescriptor {
@@ -50,11 +56,13 @@ struct SubmitDescriptor {
   BlockKey parent;
   // Store of a hybrid geometry: how many state boundaries it carries (0..count); zero for every other request.
   uint32_t state_count;
-  uint32_t reserved;          // must be zero
+  // Load only (layout 4): the CUDA layer-event set (RegisterLayerEvents) whose event[layer] the daemon records on
+  // its copy stream right after that layer's copies; 0: none. Must be 0 for every other opcode.
+  uint32_t event_set;
 };
 static_assert(sizeof(SubmitDescriptor) == 64);
 static_assert(offsetof(SubmitDescriptor, parent) == 40 && sizeof(BlockKey) == 16);
-static_assert(offsetof(SubmitDescriptor, state_count) == 56);
+static_assert(offsetof(SubmitDescriptor, state_count) == 56 && offsetof(SubmitDescriptor, event_set) == 60);
 
 // Block ids of a hybrid geometry's Load and Store (docs/hybrid.md "Ring requests"). `count` stays the number of
 // keys (Store) or prefix blocks (Load: exactly the match handle's e), and block_ids_offset points at

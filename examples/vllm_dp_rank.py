@@ -49,6 +49,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--system-tokens", type=int, default=512, help="system prompt shared by every request")
     ap.add_argument("--turn-tokens", type=int, default=192, help="tokens each turn adds to a user's conversation")
     ap.add_argument("--layerwise", action="store_true", help="layer-wise loads: report when layer 0 is usable")
+    ap.add_argument("--layer-events", action="store_true",
+                    help="GPU: layer-wise loads whose layers the compute stream waits on (CUDA events recorded by "
+                         "flexkvd, no CPU wake-up between layers); verification then reads after those waits")
     ap.add_argument("--seed", type=int, default=1)
     return ap.parse_args(argv)
 
@@ -157,13 +160,23 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 def load_cached(client: flexkv.Client, match_handle: int, ids: List[int],
-                layerwise: bool) -> Tuple[int, float, Optional[float]]:
+                layerwise: bool, events: Optional[flexkv.LayerEventSet] = None,
+                stream: Any = None) -> Tuple[int, float, Optional[float]]:
     """Loads the pinned blocks of a match into KV blocks `ids`, then drops the pins, also when the load fails (a pin
     left behind keeps its blocks from being evicted for the rest of the session). Returns (blocks loaded, seconds,
-    ms until layer 0 was usable with layerwise, else None)."""
+    ms until layer 0 was usable with layerwise or events, else None). With `events`, `stream` (the compute stream)
+    waits on each layer's event: whatever is enqueued on it afterwards reads the loaded bytes."""
     t0 = time.perf_counter()
     layer0_ms = None
     try:
+        if events is not None:
+            ticket = client.load(match_handle, ids, event_set=events)
+            ticket.wait_launched(timeout=10.0)  # only now may the stream wait on the set's events
+            layer0_ms = (time.perf_counter() - t0) * 1e3  # layer 0's compute could be enqueued from here
+            for layer in range(events.num_layers):
+                events.wait(layer, stream)
+            done = ticket.wait(timeout=10.0).done_blocks
+            return done, time.perf_counter() - t0, layer0_ms
         ticket = client.load(match_handle, ids, layerwise=layerwise)
         if layerwise:
             ticket.wait_layers(1, timeout=10.0)
@@ -202,6 +215,22 @@ def serve(args: argparse.Namespace, client: flexkv.Client, kv: KvCache, geometry
     random.Random(args.seed + 1000 * args.dp_rank).shuffle(free)  # a paged allocator's ids are scattered
     totals = {"requests": 0, "prompt_tokens": 0, "saved_tokens": 0, "loaded_bytes": 0, "load_s": 0.0,
               "stored_bytes": 0, "store_s": 0.0, "verified": True, "layer0_ms": []}
+    events, stream = None, None
+    if args.layer_events:
+        if kv.torch is None:
+            print("--layer-events needs a GPU KV cache (torch with CUDA, not --host)")
+            return 2
+        events = client.layer_events(args.layers)  # on the KV cache's device (KvCache set it current)
+        stream = kv.torch.cuda.current_stream()
+    try:
+        return _serve_requests(args, client, kv, geometry, free, totals, events, stream)
+    finally:
+        if events is not None:
+            events.close()
+
+
+def _serve_requests(args: argparse.Namespace, client: flexkv.Client, kv: KvCache, geometry: flexkv.Geometry,
+                    free: List[int], totals: dict, events: Optional[flexkv.LayerEventSet], stream: Any) -> int:
     for label, prompt in workload(args):
         keys = flexkv.block_keys(args.namespace, prompt, args.block_size)
         blocks_needed = -(-len(prompt) // args.block_size)  # the partial tail block too
@@ -215,7 +244,8 @@ def serve(args: argparse.Namespace, client: flexkv.Client, kv: KvCache, geometry
         line = f"{label}: {len(prompt)} tokens, {n_hit}/{len(keys)} blocks cached"
         if n_hit:
             kv.poison(ids[:n_hit])
-            done, load_s, layer0_ms = load_cached(client, hit.match_handle, ids[:n_hit], args.layerwise)
+            done, load_s, layer0_ms = load_cached(client, hit.match_handle, ids[:n_hit], args.layerwise, events,
+                                                  stream)
             if layer0_ms is not None:
                 totals["layer0_ms"].append(layer0_ms)
             ok = done == n_hit and kv.verify(keys[:n_hit], ids[:n_hit])
@@ -256,6 +286,7 @@ def serve(args: argparse.Namespace, client: flexkv.Client, kv: KvCache, geometry
         "store_gbps": round(gbps(totals["stored_bytes"], totals["store_s"]), 2),
         "stored_mib": round(totals["stored_bytes"] / 2**20, 1),
         "layer0_ms_p50": round(sorted(layer0)[len(layer0) // 2], 3) if layer0 else None,
+        "layer_completion": "cuda-events" if events is not None else "progress" if args.layerwise else None,
         "verified": totals["verified"], "daemon_index_blocks": st.index_blocks,
     }
     print(f"rank {args.dp_rank}: {summary['requests']} requests, {summary['saved_tokens']} of "

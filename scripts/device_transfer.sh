@@ -3,7 +3,10 @@
 # `flexkv-bench transfer --json [ARGS...]`, logs under $OUT, a short table last.
 #
 # Build and bundle here first (the binaries and every shared library they load but the driver's):
-#   ../shared/tools/device-bundle.sh .device/bundle <build>/tests/gpu/flexkv_gpu_tests <build>/flexkv-bench
+#   ../shared/tools/device-bundle.sh .device/bundle <build>/tests/gpu/flexkv_gpu_tests <build>/flexkv-bench \
+#     <build>/flexkvd
+# (flexkvd beside flexkv-bench: its layer-wise section starts one to time layer 0 with progress completions and with
+# CUDA layer events; --daemon-layers off skips it)
 # then run with carry [".device"]:  bash scripts/device_transfer.sh [--sweep] [--iters N] ...
 # GPU_TESTS=0 skips the tests; TAG=x names the bench's files transfer<x>.json, summary<x>.txt (a second run in
 # the same $OUT).
@@ -82,5 +85,16 @@ for c in r["results"]:
         a = c["kernel_alt"]
         print(f"      alt shapes {r['alt_store_shape']} / {r['alt_load_shape']}: {a['store_gbps']:.1f} {a['load_gbps']:.1f} {a['both_gbps']:.1f} "
               f"({a['store_ratio']:.3f} {a['load_ratio']:.3f} {a['both_ratio']:.3f}; both halves st {a['both_store_half_ms']:.1f} ld {a['both_load_half_ms']:.1f} ms)")
+d = r.get("daemon_layerwise")
+if d:
+    if d["error"]:
+        print(f"layer-wise load through flexkvd: not measured: {d['error']}")
+    else:
+        print(f"layer-wise load through flexkvd, {d['blocks']} Llama-3-8B blocks ({d['layers']} layers), until the "
+              f"engine's stream may run layer 0 / the last layer:")
+        print(f"  progress completions: {d['progress_first_layer_ms']:.3f} / {d['progress_last_layer_ms']:.3f} ms "
+              f"(load {d['progress_load_gbps']:.1f} GB/s)")
+        print(f"  CUDA layer events:    {d['events_first_layer_ms']:.3f} / {d['events_last_layer_ms']:.3f} ms "
+              f"(load {d['events_load_gbps']:.1f} GB/s)")
 EOF
 exit $status

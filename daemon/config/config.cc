@@ -313,7 +313,8 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "Pin the ring poller thread to this CPU (keep engines off it: best p99 when cores are scarce)")
       ->check(CLI::Range(-1, 4095));
   std::string load_path = "kernel", store_path = "kernel";
-  app.add_option("--load-path", load_path, "GPU loads: kernel (gather/scatter kernels) or copy-engine (SM-free)")
+  app.add_option("--load-path", load_path,
+                 "GPU loads: kernel (gather/scatter kernels) or copy-engine (SM-free; refused for chunks under 32 KiB)")
       ->check(CLI::IsMember({"kernel", "copy-engine"}));
   app.add_option("--store-path", store_path, "GPU stores: kernel or copy-engine")
       ->check(CLI::IsMember({"kernel", "copy-engine"}));

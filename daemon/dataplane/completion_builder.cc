@@ -18,6 +18,13 @@ CompletionDescriptor CompletionBuilder::LayerDone(const SubmitDescriptor& reques
   return b.c_;
 }
 
+CompletionDescriptor CompletionBuilder::Launched(const SubmitDescriptor& request, uint32_t layers) {
+  CompletionBuilder b(request);
+  b.c_.flags = kCompletionFlagLayerDone | kCompletionFlagLaunched;
+  b.c_.matched_blocks = layers;
+  return b.c_;
+}
+
 CompletionDescriptor CompletionBuilder::Error(const SubmitDescriptor& request, const flexkv::Status& status) {
   return CompletionBuilder(request).Status(status).descriptor();
 }

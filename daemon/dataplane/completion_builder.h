@@ -18,6 +18,9 @@ class CompletionBuilder {
 
   // Layer `layer` of a layer-wise Load landed (a progress entry; the request is still in flight).
   static CompletionDescriptor LayerDone(const SubmitDescriptor& request, uint32_t layer);
+  // A Load naming a layer-event set has enqueued every layer's copies and event records (progress: the request is
+  // still in flight; matched_blocks = the layers recorded).
+  static CompletionDescriptor Launched(const SubmitDescriptor& request, uint32_t layers);
   // The error answer to `request`: the status's code and message.
   static CompletionDescriptor Error(const SubmitDescriptor& request, const Status& status);
 

@@ -19,6 +19,7 @@ struct FanIn {
   Status first_error ABSL_GUARDED_BY(mu);
   int64_t start_ns ABSL_GUARDED_BY(mu) = std::numeric_limits<int64_t>::max();
   std::vector<uint32_t> layer_parts_left ABSL_GUARDED_BY(mu);  // per layer: parts that have not reported it
+  uint32_t launch_parts_left ABSL_GUARDED_BY(mu) = 0;         // loads with layer events: parts not launched yet
   // Stores by a backend with store_checksums: each part's term sums, one per slot (written by the backend
   // before its `done`, read after the last one).
   std::vector<std::shared_ptr<std::vector<uint64_t>>> term_sums;
@@ -64,6 +65,14 @@ void CopyScheduler::Submit(CopyRequest request) {
                                                      request.backend->name(), CopyDirectionName(request.direction)));
   } else if (!pool) {
     refused = Status::FailedPrecondition("the pool does not exist yet");
+  } else if (!request.layer_events.empty() && !caps.layer_events) {
+    refused = Status::FailedPrecondition(fmt::format(
+        "the {} backend does not record CUDA layer events; load without an event set", request.backend->name()));
+  } else if (!request.layer_events.empty() &&
+             (request.layer_events.size() != request.targets.size() ||
+              std::find(request.layer_events.begin(), request.layer_events.end(), nullptr) != request.layer_events.end())) {
+    refused = Status::Internal(fmt::format("{} layer-event ranks for {} copy targets; expected one per target",
+                                           request.layer_events.size(), request.targets.size()));
   }
   if (!refused.ok()) return done(refused, NowNs());
 
@@ -74,6 +83,7 @@ void CopyScheduler::Submit(CopyRequest request) {
     MutexLock lock(&fan->mu);
     fan->parts_left = static_cast<uint32_t>(request.targets.size());
     if (per_layer) fan->layer_parts_left.assign(request.num_layers, fan->parts_left);
+    fan->launch_parts_left = fan->parts_left;
   }
   if (sum_while_copying) {
     for (size_t t = 0; t < request.targets.size(); ++t) {
@@ -117,6 +127,17 @@ void CopyScheduler::Submit(CopyRequest request) {
           all = layer < fan->layer_parts_left.size() && --fan->layer_parts_left[layer] == 0;
         }
         if (all) layer_done(layer);
+      };
+    }
+    if (!request.layer_events.empty()) {
+      job.layer_events = request.layer_events[t];
+      job.on_launched = [fan, launched = request.launched] {
+        bool all;
+        {
+          MutexLock lock(&fan->mu);
+          all = --fan->launch_parts_left == 0;
+        }
+        if (all && launched) launched();
       };
     }
     job.done = finish;

@@ -32,6 +32,12 @@ struct CopyRequest {
   uint32_t num_layers = 0;
   // Optional (layer-wise loads): once per layer, in any order, before `done`, only for layers every target copied.
   std::function<void(uint32_t layer)> layer_done;
+  // Optional (loads naming a CUDA layer-event set): one entry per target, the events of that target's TP rank; the
+  // backend records event[layer] after each layer's copies (it must have declared layer_events, else the copy is
+  // refused). `launched` runs once, before `done`, when every target enqueued all its copies and records; never
+  // when a target failed to.
+  std::vector<std::shared_ptr<LayerEvents>> layer_events;
+  std::function<void()> launched;
   // Stores (optional): set to one content checksum per slot (BlockChecksum of the slot's bytes) before `done`
   // runs with OK.
   std::shared_ptr<std::vector<uint64_t>> checksums;

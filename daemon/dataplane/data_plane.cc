@@ -138,6 +138,68 @@ Result<uint64_t> DataPlane::RegisterKv(uint64_t session_id, KvRegistration regis
   return s->kv(component).Register(*backends_, std::move(registration), pool ? pool->base : nullptr);
 }
 
+Result<std::shared_ptr<DataPlane::Session>> DataPlane::SessionOf(uint64_t session_id) const {
+  MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return Status::FailedPrecondition(fmt::format("session {} has no open session channel", session_id));
+  }
+  return it->second;
+}
+
+Result<uint32_t> DataPlane::RegisterLayerEvents(uint64_t session_id, std::vector<LayerEventsRank> ranks) {
+  constexpr size_t kIpcEventHandleBytes = 64;  // sizeof(cudaIpcEventHandle_t); no CUDA header here
+  auto found = SessionOf(session_id);
+  if (!found.ok()) return found.status();
+  Session& s = **found;
+  const Geometry& g = s.geometry();
+  if (g.is_hybrid()) {
+    return Status::InvalidArgument(fmt::format(
+        "layer events for a hybrid geometry ({} components); expected a full-attention geometry (hybrid loads are "
+        "not layer-wise yet)", g.component_count()));
+  }
+  if (ranks.size() != g.tp_size) {
+    return Status::InvalidArgument(fmt::format(
+        "{} ranks of layer events; expected one per TP rank of the geometry: {}", ranks.size(), g.tp_size));
+  }
+  std::vector<bool> seen(g.tp_size, false);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const LayerEventsRank& r = ranks[i];
+    if (r.tp_rank >= g.tp_size || seen[r.tp_rank]) {
+      return Status::InvalidArgument(fmt::format(
+          "ranks[{}].tp_rank is {}; expected each rank 0..{} exactly once", i, r.tp_rank, g.tp_size - 1));
+    }
+    seen[r.tp_rank] = true;
+    if (r.handles.size() != g.num_layers) {
+      return Status::InvalidArgument(fmt::format(
+          "ranks[{}] (tp rank {}) has {} event handles; expected one per layer of the geometry: {}", i, r.tp_rank,
+          r.handles.size(), g.num_layers));
+    }
+    for (size_t l = 0; l < r.handles.size(); ++l) {
+      if (r.handles[l].size() != kIpcEventHandleBytes) {
+        return Status::InvalidArgument(fmt::format(
+            "ranks[{}] (tp rank {}) handle of layer {} has {} bytes; expected a cudaIpcEventHandle_t ({} bytes)", i,
+            r.tp_rank, l, r.handles[l].size(), kIpcEventHandleBytes));
+      }
+    }
+  }
+  auto backend = backends_->SelectLayerEvents();
+  if (!backend.ok()) return backend.status();
+  std::vector<std::shared_ptr<LayerEvents>> opened(g.tp_size);
+  for (const LayerEventsRank& r : ranks) {
+    auto events = (*backend)->OpenLayerEvents(r);
+    if (!events.ok()) return events.status().WithContext(fmt::format("tp rank {}", r.tp_rank));
+    opened[r.tp_rank] = std::move(*events);
+  }
+  return s.AddEventSet(std::move(opened));
+}
+
+Status DataPlane::ReleaseLayerEvents(uint64_t session_id, uint32_t set_id) {
+  auto found = SessionOf(session_id);
+  if (!found.ok()) return found.status();
+  return (*found)->ReleaseEventSet(set_id);
+}
+
 void DataPlane::EndSession(uint64_t session_id) {
   std::shared_ptr<Session> s;
   {

@@ -70,6 +70,16 @@ class DataPlane {
   // the bytes the layout needs on one rank. Errors: FAILED_PRECONDITION for a session without rings or memory
   // no backend serves; see SessionKv::Register for the rest.
   Result<uint64_t> RegisterKv(uint64_t session_id, KvRegistration registration);
+  // Registers a set of CUDA layer events (docs/protocol.md "Layer events"): one LayerEventsRank per TP rank of the
+  // session's geometry (each rank once), each with one 64-byte cudaIpcEventHandle_t per layer. The events are opened
+  // on the first backend that declared layer_events (the cuda backend) and closed when the set is released or the
+  // session ends. Returns the set's id for Load's event_set. INVALID_ARGUMENT for counts or sizes that do not fit
+  // the geometry (naming the rank, the field, what was given and expected), for a hybrid geometry; FAILED_PRECONDITION
+  // for a session without rings or a daemon with no such backend; RESOURCE_EXHAUSTED beyond the sets a session may
+  // hold; the backend's errors (unknown GPU, a handle it cannot open).
+  Result<uint32_t> RegisterLayerEvents(uint64_t session_id, std::vector<LayerEventsRank> ranks);
+  // Forgets a set (NOT_FOUND when the session has none of that id); a load recording it finishes first.
+  Status ReleaseLayerEvents(uint64_t session_id, uint32_t set_id);
   // The session is gone: its pins are released (after any load still copying from them), its stores in
   // flight are aborted when their copy ends, its rings are unmapped. Returns at once.
   void EndSession(uint64_t session_id);
@@ -100,6 +110,7 @@ class DataPlane {
   // reach a ring: the request handlers post through RequestSession::Post, which calls this.
   void Complete(Session& s, CompletionDescriptor c);
   void Fail(Session& s, const SubmitDescriptor& d, int64_t taken_ns, const Status& status);
+  Result<std::shared_ptr<Session>> SessionOf(uint64_t session_id) const;
   // Poller: reads each session's heartbeat and releases the pins of those whose lease ran out.
   void CheckPinLeases(const std::vector<std::shared_ptr<Session>>& active, int64_t now_ns);
   // The DRAM tier over `cache` (one per cache domain's Cache, made at its first session, kept as long as the data

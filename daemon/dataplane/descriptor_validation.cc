@@ -74,8 +74,11 @@ Status CheckHybridIds(const Geometry& g, bool store, const SubmitDescriptor& d, 
 
 Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,
                                              const DescriptorLimits& limits) {
-  if (d.reserved != 0) return Status::InvalidArgument(fmt::format("reserved is {}; expected 0", d.reserved));
   const auto op = static_cast<RingOp>(d.opcode);
+  if (d.event_set != 0 && op != RingOp::kLoad) {
+    return Status::InvalidArgument(fmt::format(
+        "event_set is {} on opcode {}; expected 0 (only a Load names a layer-event set)", d.event_set, d.opcode));
+  }
   if (op != RingOp::kMatch && op != RingOp::kLoad && op != RingOp::kStore && op != RingOp::kRelease &&
       op != RingOp::kPrefetch) {
     return Status::InvalidArgument(fmt::format("opcode {} is unknown; expected 1..5", d.opcode));
@@ -102,6 +105,16 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
   }
   if (hybrid && op == RingOp::kLoad && (d.flags & kLoadFlagLayerwise) != 0) {
     return Status::InvalidArgument("a layer-wise Load of a hybrid geometry is not supported yet; load it whole");
+  }
+  if (hybrid && d.event_set != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "event_set {} on a Load of a hybrid geometry; expected 0 (layer events are not supported for hybrid models yet)",
+        d.event_set));
+  }
+  if (d.event_set != 0 && (d.flags & kLoadFlagLayerwise) != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "a Load with event_set {} has the layer-wise flag; expected one completion kind: the set's CUDA events "
+        "(flags 0) or progress completions (kLoadFlagLayerwise, event_set 0)", d.event_set));
   }
   if (op == RingOp::kRelease) return DescriptorPayload{};  // only its match handle matters (ValidateHandleUse)
 

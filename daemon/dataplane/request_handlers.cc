@@ -103,11 +103,70 @@ void RequestHandlers::Fail(RequestSession& s, const SubmitDescriptor& d, int64_t
   Finish(s, d, taken_ns, CompletionBuilder::Error(d, status));
 }
 
+Result<uint32_t> RequestSession::AddEventSet(std::vector<std::shared_ptr<LayerEvents>> ranks) {
+  MutexLock lock(&mu_);
+  // EndSession clears the sets under mu_ after ended() turned true: a set added after that would stay open.
+  if (ended()) return Status::FailedPrecondition(fmt::format("session {} has ended", id_));
+  if (event_sets_.size() >= kMaxEventSets) {
+    return Status::ResourceExhausted(fmt::format(
+        "session {} holds {} layer-event sets already (sets {}); expected at most {}: release one (ReleaseLayerEvents)",
+        id_, event_sets_.size(), EventSetIdsLocked(), kMaxEventSets));
+  }
+  const uint32_t id = next_event_set_++;
+  event_sets_[id].ranks = std::move(ranks);
+  return id;
+}
+
+Status RequestSession::ReleaseEventSet(uint32_t id) {
+  MutexLock lock(&mu_);
+  if (event_sets_.erase(id) == 0) {
+    return Status::NotFound(fmt::format("layer-event set {} is not registered in session {}; its sets are: {}", id,
+                                        id_, EventSetIdsLocked()));
+  }
+  return Status::Ok();
+}
+
+size_t RequestSession::event_sets() const {
+  MutexLock lock(&mu_);
+  return event_sets_.size();
+}
+
+std::string RequestSession::EventSetIdsLocked() const {
+  if (event_sets_.empty()) return "none";
+  std::string ids;
+  for (const auto& [id, set] : event_sets_) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+  return ids;
+}
+
+Result<std::vector<std::shared_ptr<LayerEvents>>> RequestSession::TakeEventSet(uint32_t id, uint64_t user_data) {
+  MutexLock lock(&mu_);
+  auto it = event_sets_.find(id);
+  if (it == event_sets_.end()) {
+    return Status::NotFound(fmt::format("event_set {} is not registered in this session (registered: {}); expected "
+                                        "an id RegisterLayerEvents returned and not released", id, EventSetIdsLocked()));
+  }
+  if (it->second.busy) {
+    // Short: a ring completion's message holds 87 bytes.
+    return Status::FailedPrecondition(fmt::format(
+        "event_set {} is busy (ticket {} loads with it); one load per set at a time", id, it->second.busy_with));
+  }
+  it->second.busy = true;
+  it->second.busy_with = user_data;
+  return it->second.ranks;
+}
+
+void RequestSession::PutEventSet(uint32_t id) {
+  MutexLock lock(&mu_);
+  auto it = event_sets_.find(id);  // released meanwhile: nothing to free
+  if (it != event_sets_.end()) it->second.busy = false;
+}
+
 void RequestHandlers::EndSession(RequestSession& s) {
   std::vector<SlotId> unpin;
   {
     MutexLock lock(&s.mu_);
     unpin = s.handles_.ReleaseAll();
+    s.event_sets_.clear();  // closes each set's IPC events once no load records them any more
   }
   if (!unpin.empty()) s.cache().Unpin(unpin);
 }
@@ -303,12 +362,30 @@ void RequestHandlers::EndLoad(const std::shared_ptr<RequestSession>& sp, const S
 void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
                            std::vector<uint32_t> ids) {
   RequestSession& s = *sp;
+  // A set's events are recorded by one load at a time: taken here, given back just before the final completion.
+  std::vector<std::shared_ptr<LayerEvents>> events;
+  if (d.event_set != 0) {
+    auto taken = s.TakeEventSet(d.event_set, d.user_data);
+    if (!taken.ok()) return Fail(s, d, taken_ns, taken.status());
+    events = std::move(*taken);
+  }
   Result<std::vector<SlotId>> slots = BeginLoad(s, d);
-  if (!slots.ok()) return Fail(s, d, taken_ns, slots.status());
+  if (!slots.ok()) {
+    if (d.event_set != 0) s.PutEventSet(d.event_set);
+    return Fail(s, d, taken_ns, slots.status());
+  }
   CopyRequest copy;
   copy.direction = CopyDirection::kFromPool;
   copy.tier = s.tier();
   s.kv().FillTargets(&copy);
+  if (d.event_set != 0) {
+    // Each target (TP rank) records its own rank's events; a set holds every rank (RegisterLayerEvents checked).
+    for (const std::shared_ptr<EngineKv>& target : copy.targets) {
+      copy.layer_events.push_back(target->tp_rank() < events.size() ? events[target->tp_rank()] : nullptr);
+    }
+    const uint32_t layers = s.geometry().num_layers;
+    copy.launched = [sp, d, layers] { sp->Post(CompletionBuilder::Launched(d, layers)); };
+  }
   copy.engine_blocks = std::make_shared<const std::vector<uint32_t>>(std::move(ids));
   copy.slots = std::make_shared<const std::vector<SlotId>>(std::move(*slots));
   copy.num_layers = s.geometry().num_layers;
@@ -317,6 +394,7 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
   }
   const uint64_t bytes = uint64_t{d.count} * s.cache().block_bytes();
   copy.done = [this, sp, d, bytes, taken_ns](Status st, int64_t copy_start_ns) {
+    if (d.event_set != 0) sp->PutEventSet(d.event_set);  // free before the final completion: reusable once seen
     EndLoad(sp, d, taken_ns, bytes, st, copy_start_ns);
   };
   copies_->Submit(std::move(copy));

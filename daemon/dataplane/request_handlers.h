@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <memory>
 #include <span>
 #include <vector>
@@ -71,6 +73,15 @@ class RequestSession {
   uint32_t RegisteredBlocks(std::vector<uint32_t>* per_component, std::string* missing) const;
   uint64_t pinned_blocks() const;
 
+  // CUDA layer-event sets (RegisterLayerEvents): `ranks` holds one opened LayerEvents per TP rank, indexed by rank.
+  // Returns the set's id (never 0, never reused within the session). RESOURCE_EXHAUSTED beyond kMaxEventSets.
+  static constexpr size_t kMaxEventSets = 16;  // an engine double-buffers with two; each set holds open events
+  Result<uint32_t> AddEventSet(std::vector<std::shared_ptr<LayerEvents>> ranks);
+  // Forgets set `id` (NOT_FOUND naming the sets there are when it is unknown). A load recording it keeps its events
+  // open until its copy ends; the set id is free at once.
+  Status ReleaseEventSet(uint32_t id);
+  size_t event_sets() const;
+
  private:
   friend class RequestHandlers;
   const uint64_t id_;
@@ -80,8 +91,21 @@ class RequestSession {
   const uint64_t pool_generation_;
   const Status store_access_;
   std::vector<std::unique_ptr<SessionKv>> kv_;  // one per geometry component
+  // Takes set `id` for the load `user_data`: NOT_FOUND when unknown, FAILED_PRECONDITION when another load uses it.
+  Result<std::vector<std::shared_ptr<LayerEvents>>> TakeEventSet(uint32_t id, uint64_t user_data);
+  // The load that took set `id` ended (or never started): the set may serve the next load.
+  void PutEventSet(uint32_t id);
+  std::string EventSetIdsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable Mutex mu_;
   HandleTable handles_ ABSL_GUARDED_BY(mu_);
+  struct EventSet {
+    std::vector<std::shared_ptr<LayerEvents>> ranks;  // by TP rank
+    bool busy = false;                                // a load in flight records it
+    uint64_t busy_with = 0;                           // that load's user_data (its ticket id)
+  };
+  std::map<uint32_t, EventSet> event_sets_ ABSL_GUARDED_BY(mu_);
+  uint32_t next_event_set_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 class RequestHandlers {

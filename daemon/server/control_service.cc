@@ -526,6 +526,48 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
   return grpc::Status::OK;
 }
 
+grpc::Status ControlService::RegisterLayerEvents(grpc::ServerContext* /*context*/,
+                                                 const v1::RegisterLayerEventsRequest* request,
+                                                 v1::RegisterLayerEventsResponse* response) {
+  const std::string& token = request->session_token();
+  Status authentic = ctx_.sessions->Authenticate(
+      request->session_id(), std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(token.data()), token.size()));
+  if (!authentic.ok()) return Answer(authentic);
+  // Bounds what one request may ask the driver to open before the geometry check looks at it.
+  constexpr int kMaxHandles = 64 * 1024;
+  int handles = 0;
+  for (const auto& r : request->ranks()) handles += r.handles_size();
+  if (request->ranks_size() > 256 || handles > kMaxHandles) {
+    return Answer(Status::InvalidArgument(fmt::format(
+        "{} ranks with {} event handles; expected at most 256 ranks and {} handles (one per layer and TP rank)",
+        request->ranks_size(), handles, kMaxHandles)));
+  }
+  std::vector<LayerEventsRank> ranks;
+  for (const auto& r : request->ranks()) {
+    LayerEventsRank rank{r.gpu_uuid(), r.tp_rank(), {}};
+    rank.handles.assign(r.handles().begin(), r.handles().end());
+    ranks.push_back(std::move(rank));
+  }
+  auto set = ctx_.data_plane->RegisterLayerEvents(request->session_id(), std::move(ranks));
+  if (!set.ok()) {
+    log::Warning("control", "RegisterLayerEvents of session {} refused: {}", request->session_id(),
+                 set.status().ToString());
+    return Answer(set.status());
+  }
+  response->set_event_set(*set);
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::ReleaseLayerEvents(grpc::ServerContext* /*context*/,
+                                                const v1::ReleaseLayerEventsRequest* request,
+                                                v1::ReleaseLayerEventsResponse* /*response*/) {
+  const std::string& token = request->session_token();
+  Status authentic = ctx_.sessions->Authenticate(
+      request->session_id(), std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(token.data()), token.size()));
+  if (!authentic.ok()) return Answer(authentic);
+  return Answer(ctx_.data_plane->ReleaseLayerEvents(request->session_id(), request->event_set()));
+}
+
 grpc::Status ControlService::Drain(grpc::ServerContext* context, const v1::DrainRequest* /*request*/,
                                    v1::DrainResponse* response) {
   Status allowed = RequireAdmin(context, "Drain");

@@ -68,6 +68,10 @@ class ControlService final : public v1::Control::Service {
                      v1::MatchResponse* response) override;
   grpc::Status RegisterKv(grpc::ServerContext* context, const v1::RegisterKvRequest* request,
                           v1::RegisterKvResponse* response) override;
+  grpc::Status RegisterLayerEvents(grpc::ServerContext* context, const v1::RegisterLayerEventsRequest* request,
+                                   v1::RegisterLayerEventsResponse* response) override;
+  grpc::Status ReleaseLayerEvents(grpc::ServerContext* context, const v1::ReleaseLayerEventsRequest* request,
+                                  v1::ReleaseLayerEventsResponse* response) override;
   grpc::Status Drain(grpc::ServerContext* context, const v1::DrainRequest* request,
                      v1::DrainResponse* response) override;
   grpc::Status Resume(grpc::ServerContext* context, const v1::ResumeRequest* request,

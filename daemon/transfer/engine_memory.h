@@ -11,6 +11,8 @@
 #include <string_view>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "daemon/cache/pool_region.h"
 #include "daemon/transfer/kv_registration.h"
 #include "flexkv/geometry.h"
@@ -35,6 +37,9 @@ struct EngineMemoryCapabilities {
   // Stores fill CopyJob::term_sums while they copy (common/block_checksum.h). Without it the copy scheduler
   // computes them from the pool slots after the copy, a second pass over the stored bytes.
   bool store_checksums = false;
+  // Loads record an engine's CUDA interprocess events (OpenLayerEvents, CopyJob::layer_events) on the copy stream
+  // right after each layer's copies, so the engine's stream waits on them with no CPU wake-up between layers.
+  bool layer_events = false;
 
   bool Serves(MemoryKind kind) const;
   bool Copies(CopyDirection direction) const { return direction == CopyDirection::kToPool ? to_pool : from_pool; }
@@ -47,6 +52,15 @@ class EngineKv {
   virtual ~EngineKv() = default;
   virtual uint32_t num_blocks() const = 0;  // block ids a request may name are below this
   virtual uint32_t tp_rank() const = 0;     // 0 for whole blocks
+};
+
+// One TP rank's per-layer interprocess events, opened in the daemon (cudaIpcOpenEventHandle) by the backend that
+// declared `layer_events`; closed when the last holder (the session's set, a load recording them) drops it.
+class LayerEvents {
+ public:
+  virtual ~LayerEvents() = default;
+  virtual uint32_t tp_rank() const = 0;
+  virtual uint32_t num_layers() const = 0;
 };
 
 // One copy between one registration and pool slots.
@@ -63,6 +77,12 @@ struct CopyJob {
   std::shared_ptr<std::vector<uint64_t>> term_sums;
   // Loads of a backend that declared `layerwise` only (else empty): runs once per layer as it lands, before done.
   std::function<void(uint32_t layer)> on_layer;
+  // Loads of a backend that declared `layer_events` only (else null): the backend copies layer by layer and records
+  // layer_events' event[layer] on its copy stream right after that layer's copies; once every layer's copies and
+  // records are enqueued it calls `on_launched` (before `done`, exactly once, never when it failed before that).
+  // The events' device must be the registration's (else `done` runs with FAILED_PRECONDITION, nothing copied).
+  std::shared_ptr<LayerEvents> layer_events;
+  std::function<void()> on_launched;
   // Runs exactly once, on a backend thread (or inline when the job is refused at once), after the bytes are in
   // place or with the error. `copy_start_ns` (monotonic): when the copy began, or was handed to the device.
   std::function<void(Status, int64_t copy_start_ns)> done;
@@ -90,6 +110,12 @@ class EngineMemoryBackend {
   // Opens a registration whose memory kinds this backend declared, for a session of `geometry`. Errors name the
   // field that is wrong and what was expected. Thread-safe.
   virtual Result<std::shared_ptr<EngineKv>> Open(KvRegistration registration, const Geometry& geometry) = 0;
+  // Opens one TP rank's layer events (only a backend that declared `layer_events`; the caller checked the counts
+  // against the geometry). Errors name the GPU, the layer and what was expected. Thread-safe.
+  virtual Result<std::shared_ptr<LayerEvents>> OpenLayerEvents(const LayerEventsRank& rank) {
+    return Status::Unimplemented(fmt::format("the {} backend does not record CUDA layer events (rank {})", name(),
+                                             rank.tp_rank));
+  }
   // Runs `job` asynchronously; see CopyJob for the callbacks. Only directions the backend declared. Thread-safe.
   virtual void Copy(CopyJob job) = 0;
 };

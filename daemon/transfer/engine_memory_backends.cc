@@ -70,6 +70,19 @@ void EngineMemoryBackends::UnregisterPool(const PoolRegion& pool) {
   }
 }
 
+Result<EngineMemoryBackend*> EngineMemoryBackends::SelectLayerEvents() const {
+  MutexLock lock(&mu_);
+  std::string have;
+  for (const Entry& e : entries_) {
+    if (e.backend->capabilities().layer_events) return e.backend.get();
+    have += (have.empty() ? "" : ", ") + std::string(e.backend->name());
+  }
+  return Status::FailedPrecondition(fmt::format(
+      "no backend of this flexkvd records CUDA layer events (backends: {}); expected the cuda backend (a GPU visible "
+      "to flexkvd, a build with CUDA): load with progress completions (layer-wise) instead",
+      have.empty() ? "none" : have));
+}
+
 std::vector<const EngineMemoryBackend*> EngineMemoryBackends::List() const {
   MutexLock lock(&mu_);
   std::vector<const EngineMemoryBackend*> list;

@@ -38,6 +38,10 @@ class EngineMemoryBackends {
   // that registration; other regions stay registered.
   void UnregisterPool(const PoolRegion& pool);
 
+  // The first backend that declared layer_events (records CUDA layer events); FAILED_PRECONDITION naming the
+  // backends there are when none did. Thread-safe.
+  Result<EngineMemoryBackend*> SelectLayerEvents() const;
+
   // In the order they were added.
   std::vector<const EngineMemoryBackend*> List() const;
 

@@ -53,6 +53,15 @@ struct GpuKvDescription {
   std::map<uint32_t, std::shared_ptr<UniqueFd>> vmm_fds;
 };
 
+// One TP rank's CUDA layer events as the engine exported them (RegisterLayerEvents): per layer, the bytes of a
+// cudaIpcEventHandle_t of an event the engine created with cudaEventInterprocess | cudaEventDisableTiming on the
+// GPU named by UUID. Untrusted: the data plane checks the counts against the geometry, the backend opens them.
+struct LayerEventsRank {
+  std::string gpu_uuid;
+  uint32_t tp_rank = 0;
+  std::vector<std::string> handles;  // one per layer, 64 bytes each
+};
+
 struct KvRegistration {
   std::variant<HostKvMemory, GpuKvDescription> memory;
   // The geometry component these buffers hold (docs/hybrid.md); backends open them for that component's copy

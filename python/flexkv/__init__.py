@@ -9,7 +9,8 @@
 See docs/python.md for the whole API and its contracts.
 """
 from . import _lib, _native
-from .client import Client, ComponentPoolStatus, DaemonStatus, OpResult, Ticket, connect, export_gpu_kv
+from .client import (Client, ComponentPoolStatus, DaemonStatus, LayerEventSet, OpResult, Ticket, connect,
+                     export_gpu_kv)
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
                      Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
@@ -28,7 +29,7 @@ __all__ = [
     "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "ComponentKind",
     "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
     "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "KvEvent", "KvEventBatch", "KvEventSubscription",
-    "Layout", "NotFound", "OpResult", "OutOfRange",
+    "LayerEventSet", "Layout", "NotFound", "OpResult", "OutOfRange",
     "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
     "Unimplemented", "Unknown", "block_keys", "connect", "export_gpu_kv", "fast_path", "subscribe_kv_events",
 ]

@@ -27,7 +27,7 @@ from .errors import Error, error_for
 
 SONAME = "libflexkv.so.0"
 # FLEXKV_ABI_VERSION of the client/include/flexkv/c.h that the declarations below mirror.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 class BlockKeyStruct(Structure):
@@ -172,6 +172,14 @@ _PROTOTYPES = {
     "flexkv_wait": (c_int, [client_p, TicketStruct, c_int64, POINTER(OpResultStruct)]),
     "flexkv_try_wait": (c_int, [client_p, TicketStruct, POINTER(OpResultStruct)]),
     "flexkv_wait_layers": (c_int, [client_p, TicketStruct, c_uint32, c_int64, POINTER(c_uint32)]),
+    "flexkv_layer_events_create": (c_int, [c_uint32, c_uint32, POINTER(c_void_p)]),
+    "flexkv_layer_events_stream_wait": (c_int, [c_void_p, c_uint32, c_void_p]),
+    "flexkv_layer_events_free": (None, [c_void_p]),
+    "flexkv_register_layer_events": (c_int, [client_p, POINTER(c_void_p), c_size_t, POINTER(c_uint32)]),
+    "flexkv_release_layer_events": (c_int, [client_p, c_uint32]),
+    "flexkv_load_with_events": (c_int, [client_p, c_uint64, POINTER(c_uint32), c_size_t, c_uint32,
+                                        POINTER(TicketStruct)]),
+    "flexkv_wait_launched": (c_int, [client_p, TicketStruct, c_int64]),
     "flexkv_version": (c_char_p, []),
     "flexkv_last_error": (c_char_p, []),
     "flexkv_close": (None, [client_p]),

@@ -207,6 +207,36 @@ class Ticket:
                 return True
             raise
 
+    def wait_launched(self, timeout: Optional[float] = None) -> None:
+        """For a load with an event set (Client.load(..., event_set=...)): waits until the daemon has enqueued every
+        layer's copies and recorded every layer's event (or the load ended OK); the GIL is released while waiting.
+        Only after this returns may the engine make its streams wait on the set's events (LayerEventSet.wait).
+
+        Raises the load's own error when it ended with one (nothing may then wait on the events for it),
+        DeadlineExceeded (ticket still valid) when it has not launched by `timeout` seconds.
+        """
+        seconds = wait_seconds(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while True:
+            if self._outcome is not None:
+                if isinstance(self._outcome, BaseException):
+                    raise self._outcome
+                return
+            slice_s = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
+            ptr = self._client._handle.acquire()
+            try:
+                rc = _lib.lib.flexkv_wait_launched(ptr, self._c_ticket(), int(slice_s * 1e6))
+                err = None if rc in (0, StatusCode.DEADLINE_EXCEEDED) else _lib.error_from_last(rc, self._context())
+            finally:
+                self._client._handle.release()
+            if rc == 0:
+                return
+            if err is not None:
+                raise err
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"{self._context()}: not launched within {timeout} s; it is still in flight "
+                                       "and the ticket stays valid")
+
     def wait_layers(self, layers: int, timeout: Optional[float] = None) -> int:
         """For a layer-wise load: waits until at least `layers` layers have landed in the engine's KV buffers (or
         the request ended) and returns how many have; the GIL is released while waiting.

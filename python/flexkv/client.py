@@ -355,10 +355,36 @@ class Client:
             return self._submit_fast("prefetch", ext.prefetch, k._array)
         return self._submit("prefetch", _lib.lib.flexkv_prefetch, k._array, len(k))
 
-    def load(self, match_handle: int, block_ids: Any, layerwise: bool = False) -> Ticket:
+    def layer_events(self, num_layers: int) -> "LayerEventSet":
+        """CUDA layer events for load(..., event_set=...): creates one interprocess event per layer on the current CUDA
+        device (torch.cuda.current_device(): the GPU of this rank's KV buffers) and registers them with the daemon
+        as a set. Close it (or use it as a context manager) after the last load naming it has ended. A geometry with
+        tp_size > 1 needs every rank's events in one set: use the C++ API (CudaLayerEvents, RegisterLayerEvents).
+        Raises Unimplemented with a libflexkv built without CUDA, FailedPrecondition when the daemon has no CUDA
+        backend, InvalidArgument when num_layers is not the geometry's."""
+        layers = c_uint(num_layers, "num_layers")
+        events = ctypes.c_void_p(0)
+        _lib.check(_lib.lib.flexkv_layer_events_create(layers, 0, ctypes.byref(events)), "layer events")
+        set_id = ctypes.c_uint32(0)
+        try:
+            ranks = (ctypes.c_void_p * 1)(events)
+            self._call(_lib.lib.flexkv_register_layer_events, ranks, 1, ctypes.byref(set_id))
+        except BaseException:
+            _lib.lib.flexkv_layer_events_free(events)
+            raise
+        return LayerEventSet(self, events, int(set_id.value), layers)
+
+    def load(self, match_handle: int, block_ids: Any, layerwise: bool = False,
+             event_set: Optional[Union["LayerEventSet", int]] = None) -> Ticket:
         """Copies the first len(block_ids) blocks of a pinned match into these KV blocks (result.done_blocks).
         With layerwise, Ticket.wait_layers reports each layer as it lands. block_ids: sequence or integer array,
         each < the registered num_blocks (else the request ends with OutOfRange).
+
+        With event_set (a LayerEventSet, or its id), the daemon records the set's event of each layer on its copy
+        stream right after that layer's copies, so the engine's stream waits without the CPU: call
+        ticket.wait_launched(), then event_set.wait(layer, stream) before each layer's compute, then ticket.wait()
+        as usual. A set serves one load at a time: a second load naming it while one is in flight ends with
+        FailedPrecondition. Not together with layerwise.
 
         Hybrid models: block_ids is a list with one id sequence (or integer array) per component, component 0
         first, for the handle's whole prefix end e (result.matched_blocks of the match): e ids of component 0,
@@ -374,6 +400,12 @@ class Client:
             ptrs, counts, n, _keep = _component_arrays(block_ids)
             return self._submit("load", _lib.lib.flexkv_load_components, handle, ptrs, counts, n)
         ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
+        if event_set is not None:
+            if layerwise:
+                raise InvalidArgument("load with both layerwise and event_set; expected one completion kind: the "
+                                      "set's CUDA events or layer progress")
+            set_id = event_set.id if isinstance(event_set, LayerEventSet) else c_uint(event_set, "event_set")
+            return self._submit("load", _lib.lib.flexkv_load_with_events, handle, ids, n, set_id)
         return self._submit("load", _lib.lib.flexkv_load, handle, ids, n, 1 if layerwise else 0)
 
     def store(self, keys: Union[BlockKeys, Iterable[Any]], block_ids: Any,
@@ -582,3 +614,58 @@ def connect(socket_path: Optional[str] = None, timeout: float = 5.0) -> Client:
     if rc != 0:
         raise _lib.error_from_last(rc)
     return Client(int(out.value), None if socket_path is None else os.fsdecode(socket_path))
+
+
+def _stream_handle(stream: Any) -> Optional[int]:
+    """A cudaStream_t as an int: None (the legacy default stream), an int, or an object with .cuda_stream
+    (torch.cuda.Stream, torch.cuda.ExternalStream)."""
+    if stream is None:
+        return None
+    handle = getattr(stream, "cuda_stream", stream)
+    if isinstance(handle, bool) or not isinstance(handle, numbers.Integral) or handle < 0:
+        raise InvalidArgument(f"stream is {stream!r}; expected None, a cudaStream_t as an int, or an object with "
+                              ".cuda_stream (torch.cuda.Stream)")
+    return int(handle) or None
+
+
+class LayerEventSet:
+    """One interprocess CUDA event per layer, registered with the daemon (Client.layer_events). The events are
+    destroyed and the set released by close() (or on leaving a with block); close it only after the last load
+    naming it has ended (wait()). Not thread-safe against close()."""
+
+    def __init__(self, client: Client, events: ctypes.c_void_p, set_id: int, num_layers: int):
+        self._client = client
+        self._events = events
+        self.id = set_id
+        self.num_layers = num_layers
+
+    def wait(self, layer: int, stream: Any = None) -> None:
+        """Makes `stream` (a torch.cuda.Stream, a cudaStream_t int, or None: the legacy default stream) wait for
+        `layer` of the load this set serves (cudaStreamWaitEvent; the CPU does not wait). Call it only after that
+        load's ticket.wait_launched() returned (docs/python.md, "Layer events")."""
+        if not self._events:
+            raise FailedPrecondition(f"layer-event set {self.id} is closed")
+        layer = c_uint(layer, "layer")
+        _lib.check(_lib.lib.flexkv_layer_events_stream_wait(self._events, layer, _stream_handle(stream)),
+                   f"layer-event set {self.id}")
+
+    def close(self) -> None:
+        """Releases the set in the daemon and destroys the events. Idempotent."""
+        events, self._events = self._events, None
+        if not events:
+            return
+        try:
+            self._client._call(_lib.lib.flexkv_release_layer_events, self.id)
+        except Exception:  # the client was closed or the session ended meanwhile: the daemon forgot the set with it
+            pass
+        finally:
+            _lib.lib.flexkv_layer_events_free(events)
+
+    def __enter__(self) -> "LayerEventSet":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LayerEventSet(id={self.id}, num_layers={self.num_layers}, {'open' if self._events else 'closed'})"

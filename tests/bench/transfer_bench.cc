@@ -18,6 +18,9 @@
 //   the sums are checked against the CPU's before timing.
 // --geometry NAME instead: one cache hit of a geometry preset, per component and for the hybrid block set
 // (transfer_geometry.h).
+// Then (--daemon-layers on, the default) a layer-wise load through a flexkvd this bench starts: the time until the
+// engine's stream may run layer 0 and the last layer of --daemon-blocks Llama-3-8B blocks, with progress completions
+// and with CUDA layer events, beside each other (transfer_layer_events.h).
 #include "transfer_bench.h"
 
 #include <cuda_runtime_api.h>
@@ -42,6 +45,7 @@
 #include "bench_json.h"
 #include "transfer_cuda.h"
 #include "transfer_geometry.h"
+#include "transfer_layer_events.h"
 #include "common/block_checksum.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
@@ -72,6 +76,8 @@ struct Options {
   int sweep_iters = 3;
   std::vector<int> alt_store, alt_load;  // optional second kernel shape per direction (LaunchShape fields)
   bool store_checksums = true;
+  bool daemon_layers = true;
+  uint32_t daemon_blocks = 1024;
 };
 
 // ---- the experiment -----------------------------------------------------------------------------------
@@ -549,8 +555,16 @@ int RunTransferBench(int argc, char** argv) {
   app.add_option("--store-checksums", store_checksums,
                  "on: also time (and check) stores that compute the slots' content checksums")
       ->check(CLI::IsMember({"on", "off"}));
+  std::string daemon_layers = "on";
+  app.add_option("--daemon-layers", daemon_layers,
+                 "on: also time a layer-wise load through a flexkvd started here (pool on /dev/shm), with progress "
+                 "completions and with CUDA layer events")
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--daemon-blocks", o.daemon_blocks, "--daemon-layers: Llama-3-8B blocks per load (2 MiB each)")
+      ->check(CLI::Range(1u, 1u << 16));
   CLI11_PARSE(app, argc, argv);
   o.store_checksums = store_checksums == "on";
+  o.daemon_layers = daemon_layers == "on";
   if (!geometry.geometry.empty()) {
     geometry.iters = o.iters;
     geometry.warmup = o.warmup;
@@ -581,6 +595,13 @@ int RunTransferBench(int argc, char** argv) {
   std::vector<SweepRow> sweep;
   if (o.sweep)
     for (uint32_t c : o.sweep_chunk_kib) bench.Sweep(c, sweep);
+  DaemonLayerResult daemon_result;
+  const DaemonLayerOptions daemon_options{32, o.daemon_blocks, o.iters, o.warmup};
+  if (o.daemon_layers) {
+    daemon_result = MeasureDaemonLayers(daemon_options);
+    std::fprintf(stderr, "layer-wise load through flexkvd: %s\n",
+                 daemon_result.error.empty() ? "measured" : daemon_result.error.c_str());
+  }
 
   const kv::LaunchShape dg = kv::DefaultLaunchShape(true), ds = kv::DefaultLaunchShape(false);
   if (o.json) {
@@ -628,7 +649,7 @@ int RunTransferBench(int argc, char** argv) {
       row["ratio"] = Rounded(s.gbps / s.ceiling, 3);
       swept.push_back(std::move(row));
     }
-    const Json report{{"bench", "transfer"},
+    Json report{{"bench", "transfer"},
                       {"device", prop.name},
                       {"sms", prop.multiProcessorCount},
                       {"pci_bus", fmt::format("{:04x}:{:02x}:{:02x}", prop.pciDomainID, prop.pciBusID, prop.pciDeviceID)},
@@ -647,6 +668,18 @@ int RunTransferBench(int argc, char** argv) {
                       {"alt_load_shape", ShapeJson(bench.AltLoad())},
                       {"results", rows},
                       {"sweep", swept}};
+    if (o.daemon_layers) {
+      report["daemon_layerwise"] = {
+          {"blocks", daemon_options.blocks},
+          {"layers", daemon_options.layers},
+          {"error", daemon_result.error},
+          {"progress_first_layer_ms", Rounded(daemon_result.progress_first_ms, 3)},
+          {"progress_last_layer_ms", Rounded(daemon_result.progress_last_ms, 3)},
+          {"events_first_layer_ms", Rounded(daemon_result.events_first_ms, 3)},
+          {"events_last_layer_ms", Rounded(daemon_result.events_last_ms, 3)},
+          {"progress_load_gbps", Rounded(daemon_result.load_gbps_progress, 2)},
+          {"events_load_gbps", Rounded(daemon_result.load_gbps_events, 2)}};
+    }
     std::fputs(DumpLine(report).c_str(), stdout);
     return 0;
   }
@@ -688,6 +721,21 @@ int RunTransferBench(int argc, char** argv) {
                r.chunk_kib, r.lw_kernel.first_ms, r.lw_kernel.all_ms, r.lw_kernel.oneshot_ms,
                r.lw_kernel.oneshot_ms / r.lw_kernel.all_ms, r.lw_copy_engine.first_ms, r.lw_copy_engine.all_ms,
                r.lw_copy_engine.oneshot_ms, r.lw_copy_engine.oneshot_ms / r.lw_copy_engine.all_ms);
+  }
+  if (o.daemon_layers) {
+    fmt::print("layer-wise load through flexkvd ({} Llama-3-8B blocks, {} layers, median of {}): until the engine's "
+               "stream may run layer 0 / the last layer, from submission\n",
+               daemon_options.blocks, daemon_options.layers, o.iters);
+    if (!daemon_result.error.empty()) {
+      fmt::print("  not measured: {}\n", daemon_result.error);
+    } else {
+      fmt::print("  {:<46} layer 0 {:7.3f} ms | last {:7.3f} ms | load {:5.1f} GB/s\n",
+                 "progress completions (CPU WaitLayers, launch):", daemon_result.progress_first_ms,
+                 daemon_result.progress_last_ms, daemon_result.load_gbps_progress);
+      fmt::print("  {:<46} layer 0 {:7.3f} ms | last {:7.3f} ms | load {:5.1f} GB/s\n",
+                 "CUDA layer events (stream waits, no CPU):", daemon_result.events_first_ms,
+                 daemon_result.events_last_ms, daemon_result.load_gbps_events);
+    }
   }
   for (const auto& s : sweep)
     fmt::print("sweep {:>4}K {:5} ctas {:3} thr {:4} unroll {} wpc {} bulk {} KiB x {}: {:6.1f} GB/s ({:.3f})\n",

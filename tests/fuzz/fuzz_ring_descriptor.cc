@@ -66,9 +66,9 @@ void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, co
                    const flexkv::DescriptorPayload& p) {
   const bool hybrid = limits.geometry != nullptr;
   if (!hybrid) Require(d.state_count == 0);
-  Require(d.reserved == 0);
   Require(d.opcode >= 1 && d.opcode <= 5);
   const auto op = static_cast<RingOp>(d.opcode);
+  Require(d.event_set == 0 || (op == RingOp::kLoad && (d.flags & 1) == 0 && !hybrid));
   Require(op != RingOp::kPrefetch || d.match_handle == 0);
   Require(op == RingOp::kStore || d.parent == flexkv::BlockKey{});
   const uint16_t allowed = op == RingOp::kMatch ? 1 : op == RingOp::kLoad ? 1 : 0;

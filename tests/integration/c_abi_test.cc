@@ -376,9 +376,9 @@ std::vector<flexkv_block_key> CKeys(int32_t seed, size_t blocks) {
 
 }  // namespace
 
-TEST_CASE("C ABI 5: flexkv_op_result grows bytes and source at its end, the older fields where they were",
+TEST_CASE("C ABI 5 and later: flexkv_op_result grows bytes and source at its end, the older fields where they were",
           "[integration]") {
-  CHECK(FLEXKV_ABI_VERSION == 5);
+  CHECK(FLEXKV_ABI_VERSION >= 5);
   CHECK(flexkv_struct_size("flexkv_op_result") == sizeof(flexkv_op_result));
   CHECK(sizeof(flexkv_op_result) == 384);
   CHECK(offsetof(flexkv_op_result, match_handle) == 16);
@@ -423,5 +423,66 @@ TEST_CASE("C ABI: flexkv_prefetch answers the local hits with bytes 0 and an emp
   CHECK_THAT(flexkv_last_error(), Catch::Contains("keys"));
   CHECK(flexkv_prefetch(c, keys.data(), keys.size(), nullptr) == FLEXKV_INVALID_ARGUMENT);
   CHECK(flexkv_prefetch(c, keys.data(), 0, &t) == FLEXKV_INVALID_ARGUMENT);
+  flexkv_close(c);
+}
+
+// ABI 6, layer events: the refusals a host session sees (the set itself needs a GPU: tests/integration/
+// gpu_layer_events_test.cc): NULL arguments, a load naming an unknown set (flexkv_wait_launched answers its error),
+// and flexkv_layer_events_create where no GPU is visible.
+TEST_CASE("C ABI 6: layer events - NULL arguments, an unknown set, no GPU", "[integration]") {
+  CHECK(FLEXKV_ABI_VERSION == 6);
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  flexkv_client* c = nullptr;
+  REQUIRE(flexkv_connect(d.socket().c_str(), 5000, &c, nullptr, 0) == FLEXKV_OK);
+  const flexkv_geometry g{16, 2, 2, 8, 128, 2, 1};
+  REQUIRE(flexkv_attach(c, "c-abi-events", "llama3-8b", 0, 0, &g, nullptr) == FLEXKV_OK);
+  void* data = nullptr;
+  uint64_t bytes = 0;
+  REQUIRE(flexkv_create_host_kv(c, FLEXKV_LAYOUT_BLOCK_FIRST, 16, &data, &bytes) == FLEXKV_OK);
+  const std::vector<flexkv_block_key> keys = CKeys(6, 4);
+  const uint32_t ids[4] = {0, 1, 2, 3};
+  flexkv_ticket t{};
+  flexkv_op_result out{};
+  REQUIRE(flexkv_store(c, nullptr, keys.data(), ids, 4, &t) == FLEXKV_OK);
+  REQUIRE(flexkv_wait(c, t, 10000000, &out) == FLEXKV_OK);
+  REQUIRE(flexkv_match(c, keys.data(), 4, 1, &t) == FLEXKV_OK);
+  REQUIRE(flexkv_wait(c, t, 10000000, &out) == FLEXKV_OK);
+  REQUIRE(out.matched_blocks == 4);
+  const uint64_t handle = out.match_handle;
+
+  REQUIRE(flexkv_load_with_events(c, handle, ids, 4, 3, &t) == FLEXKV_OK);
+  CHECK(flexkv_wait_launched(c, t, 10000000) == FLEXKV_NOT_FOUND);
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("event_set 3 is not registered"));
+  REQUIRE(flexkv_wait(c, t, 10000000, &out) == FLEXKV_OK);
+  CHECK(out.status_code == FLEXKV_NOT_FOUND);
+  CHECK(flexkv_load_with_events(c, handle, ids, 4, 0, &t) == FLEXKV_INVALID_ARGUMENT);
+  CHECK(flexkv_load_with_events(c, handle, nullptr, 4, 3, &t) == FLEXKV_INVALID_ARGUMENT);
+  CHECK(flexkv_load_with_events(c, handle, ids, 4, 3, nullptr) == FLEXKV_INVALID_ARGUMENT);
+
+  uint32_t set = 0;
+  CHECK(flexkv_register_layer_events(c, nullptr, 1, &set) == FLEXKV_INVALID_ARGUMENT);
+  const flexkv_layer_events* none[1] = {nullptr};
+  CHECK(flexkv_register_layer_events(c, none, 1, &set) == FLEXKV_INVALID_ARGUMENT);
+  CHECK(flexkv_register_layer_events(c, nullptr, 0, nullptr) == FLEXKV_INVALID_ARGUMENT);
+  CHECK(flexkv_register_layer_events(c, nullptr, 0, &set) == FLEXKV_INVALID_ARGUMENT);  // 0 ranks: tp_size is 1
+  CHECK_THAT(flexkv_last_error(), Catch::Contains("0 ranks of layer events; expected one per TP rank"));
+  CHECK(flexkv_release_layer_events(c, 5) == FLEXKV_NOT_FOUND);
+  CHECK(flexkv_layer_events_stream_wait(nullptr, 0, nullptr) == FLEXKV_INVALID_ARGUMENT);
+  flexkv_layer_events_free(nullptr);
+  flexkv_layer_events* ev = reinterpret_cast<flexkv_layer_events*>(&set);  // overwritten in any case
+  if (flexkv_layer_events_create(4, 0, &ev) == FLEXKV_OK) {  // a GPU is visible here
+    CHECK(ev != nullptr);
+    flexkv_layer_events_free(ev);
+  } else {  // no GPU (or no CUDA in this libflexkv): the reason, and no object
+    CHECK(ev == nullptr);
+    CHECK(std::string(flexkv_last_error()).size() > 0);
+  }
+  CHECK(flexkv_layer_events_create(4, 0, nullptr) == FLEXKV_INVALID_ARGUMENT);
+
+  REQUIRE(flexkv_load(c, handle, ids, 4, 0, &t) == FLEXKV_OK);  // the refused loads held nothing
+  REQUIRE(flexkv_wait(c, t, 10000000, &out) == FLEXKV_OK);
+  CHECK(out.status_code == FLEXKV_OK);
+  CHECK(out.done_blocks == 4);
   flexkv_close(c);
 }

@@ -88,7 +88,7 @@ TEST_CASE("garbage over the submit ring and arena: the daemon survives and other
         // Bit 0 of a Load's flags may ask for per-layer progress completions (a layout where it is
         // defined); those would break the one-completion-per-descriptor count, so leave it clear.
         if (s.opcode == Op(RingOp::kLoad)) s.flags = static_cast<uint16_t>(s.flags & ~1u);
-        if (rng() % 20 == 0) s.reserved = rng() | 1;
+        if (rng() % 20 == 0) s.event_set = static_cast<uint32_t>(rng() | 1);
         if (rng() % 20 == 0) (rng() % 2 == 0 ? s.parent.lo : s.parent.hi) = rng() | 1;
         if (s.opcode == Op(RingOp::kStore)) {
           // A Store that may pass validation takes up to `count` pool slots: charge it to the budget, and
@@ -96,7 +96,7 @@ TEST_CASE("garbage over the submit ring and arena: the daemon survives and other
           auto in_arena = [&](uint64_t offset, uint64_t bytes, uint64_t align) {
             return offset % align == 0 && offset <= arena && bytes <= arena - offset;
           };
-          const bool may_pass = s.flags == 0 && s.reserved == 0 &&
+          const bool may_pass = s.flags == 0 && s.event_set == 0 &&
                                 in_arena(s.keys_offset, uint64_t{s.count} * 16, 8) &&
                                 in_arena(s.block_ids_offset, uint64_t{s.count} * 4, 4);
           if (may_pass) {
@@ -153,7 +153,8 @@ TEST_CASE("garbage over the submit ring and arena: the daemon survives and other
       const SubmitDescriptor& s = it->second;
       CHECK(c.opcode == s.opcode);
       const bool misplaced_parent = s.opcode != Op(RingOp::kStore) && s.parent != flexkv::BlockKey{};
-      if (s.reserved != 0 || misplaced_parent || s.opcode < 1 || s.opcode > 5) {
+      const bool misplaced_event_set = s.opcode != Op(RingOp::kLoad) && s.event_set != 0;
+      if (misplaced_event_set || misplaced_parent || s.opcode < 1 || s.opcode > 5) {
         CHECK(c.status_code == Code(StatusCode::kInvalidArgument));
       }
       if (c.status_code != 0) continue;

@@ -78,9 +78,9 @@ TEST_CASE("malformed ring descriptors get error completions, the daemon and othe
     s.flags = 0x8000;
     s.match_handle = h1.match_handle;
   });
-  add("reserved != 0", RingOp::kMatch, 1, SC::kInvalidArgument, "reserved", [](auto& s) { s.reserved = 1; });
-  add("reserved != 0 on Release", RingOp::kRelease, 0, SC::kInvalidArgument, "reserved", [&](auto& s) {
-    s.reserved = ~0U;
+  add("event_set on Match", RingOp::kMatch, 1, SC::kInvalidArgument, "event_set", [](auto& s) { s.event_set = 1; });
+  add("event_set on Release", RingOp::kRelease, 0, SC::kInvalidArgument, "event_set", [&](auto& s) {
+    s.event_set = ~0U;
     s.match_handle = h1.match_handle;
   });
   add("parent on Match", RingOp::kMatch, 1, SC::kInvalidArgument, "parent", [](auto& s) { s.parent.hi = 42; });

@@ -139,3 +139,23 @@ def test_prefetch_of_an_all_zero_key_raises_invalid_argument(client):
     assert (e.value.result.done_blocks, e.value.result.bytes, e.value.result.source) == (0, 0, "")
     with pytest.raises(flexkv.InvalidArgument):
         client.prefetch([])  # nothing sent
+
+
+def test_load_with_an_unknown_event_set_raises_from_wait_launched_and_holds_nothing(client, observer):
+    # Layer events (docs/python.md "Layer events") need a GPU for the set itself; what a host session can see is the
+    # refusal path: an unknown set ends the load NOT_FOUND (raised by wait_launched, nothing to wait on), the
+    # handle's blocks stay loadable, and the client refuses layerwise together with an event set before sending.
+    client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(5, 4), TPB)
+    assert client.store(keys, np.arange(4, dtype=np.uint32)).wait(5).done_blocks == 4
+    m = client.match(keys, pin=True).wait(5)
+    ids = np.arange(4, 8, dtype=np.uint32)
+    t = client.load(m.match_handle, ids, event_set=9)
+    with pytest.raises(flexkv.NotFound, match="event_set 9 is not registered in this session"):
+        t.wait_launched(5)
+    with pytest.raises(flexkv.NotFound):
+        t.wait(5)
+    with pytest.raises(flexkv.InvalidArgument, match="one completion kind"):
+        client.load(m.match_handle, ids, layerwise=True, event_set=9)
+    assert client.load(m.match_handle, ids).wait(5).done_blocks == 4
+    client.release(m.match_handle).wait(5)

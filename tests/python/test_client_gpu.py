@@ -87,3 +87,33 @@ def test_well_formed_regions_reach_libflexkv_without_importing_torch(client, reg
     assert e.value.code in (flexkv.StatusCode.INVALID_ARGUMENT, flexkv.StatusCode.UNAVAILABLE,
                             flexkv.StatusCode.UNIMPLEMENTED), e.value
     assert ("torch" in sys.modules) == torch_before, "registering regions imported torch"
+
+
+def test_layer_events_need_a_gpu_or_round_trip_and_streams_are_checked(client):
+    # Where no GPU is visible (or the daemon has no cuda backend) layer_events() raises the reason and leaves nothing
+    # behind; on a GPU machine the set registers, closes, and closes again harmlessly.
+    from flexkv.client import _stream_handle
+    try:
+        events = client.layer_events(LAYERS)
+    except (flexkv.FailedPrecondition, flexkv.Unimplemented, flexkv.ResourceExhausted) as e:
+        assert str(e)
+    else:
+        with events:
+            assert events.id > 0 and events.num_layers == LAYERS
+            with pytest.raises(flexkv.InvalidArgument, match="past the set's"):
+                events.wait(LAYERS)
+            events.wait(0)  # the legacy default stream: nothing recorded yet, does not block
+        events.close()
+        with pytest.raises(flexkv.FailedPrecondition, match="closed"):
+            events.wait(0)
+
+    class TorchLikeStream:
+        cuda_stream = 0x7F00
+
+    assert _stream_handle(None) is None
+    assert _stream_handle(0) is None
+    assert _stream_handle(0x1234) == 0x1234
+    assert _stream_handle(TorchLikeStream()) == 0x7F00
+    for bad in ("stream", -1, 1.5, True):
+        with pytest.raises(flexkv.InvalidArgument, match="expected None, a cudaStream_t"):
+            _stream_handle(bad)

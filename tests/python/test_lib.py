@@ -73,10 +73,10 @@ print("LOADED")
 
 
 def test_a_library_of_another_abi_version_is_refused_at_import():
-    out = run(_FAKE_LIBRARY.format(name="flexkv_abi_version", value=4))  # the version before prefetch
+    out = run(_FAKE_LIBRARY.format(name="flexkv_abi_version", value=5))  # the version before layer events
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("REFUSED"), out.stdout
-    assert "speaks C ABI version 4; this package speaks version 5" in out.stdout
+    assert "speaks C ABI version 5; this package speaks version 6" in out.stdout
     assert os.environ["FLEXKV_LIBRARY"] in out.stdout and "FLEXKV_LIBRARY" in out.stdout
 
 

@@ -33,8 +33,10 @@ extern "C" {
  *    flexkv_create_host_kv_component, flexkv_gpu_kv_set_component, flexkv_load_components,
  *    flexkv_store_components, flexkv_session_component and flexkv_get_status_components
  *    (flexkv_component_status).
- * 5: Prefetch: new flexkv_prefetch; flexkv_op_result gains bytes and source at its end. */
-#define FLEXKV_ABI_VERSION 5
+ * 5: Prefetch: new flexkv_prefetch; flexkv_op_result gains bytes and source at its end.
+ * 6: layer-wise loads completed by CUDA events: flexkv_layer_events (create, stream_wait, free),
+ *    flexkv_register_layer_events, flexkv_release_layer_events, flexkv_load_with_events, flexkv_wait_launched. */
+#define FLEXKV_ABI_VERSION 6
 
 enum {
   FLEXKV_OK = 0,
@@ -316,6 +318,29 @@ int flexkv_kv_next(flexkv_kv_subscription* sub, flexkv_kv_batch* batch, flexkv_k
 void flexkv_kv_cancel(flexkv_kv_subscription* sub);
 /* Cancels and frees. NULL is ignored. */
 void flexkv_kv_close(flexkv_kv_subscription* sub);
+
+/* ---- Layer-wise loads completed by CUDA events (Client::LoadWithEvents; the ordering contract is in
+ * flexkv/client.h and docs/protocol.md "Layer events"). ----
+ * flexkv_layer_events_create makes num_layers interprocess events (cudaEventInterprocess |
+ * cudaEventDisableTiming) on the calling thread's current CUDA device for TP rank tp_rank; *out is freed (and the
+ * events destroyed) by flexkv_layer_events_free, after the last load naming a set of them ended. UNIMPLEMENTED in
+ * a libflexkv built without CUDA.
+ * flexkv_register_layer_events registers the events of every TP rank (ranks[0..n_ranks), each rank once) as one
+ * set; *event_set gets its id (never 0). flexkv_load_with_events loads as flexkv_load, the daemon recording
+ * event[layer] after each layer's copies; the set is busy until the load ends (a second load naming it ends with
+ * FLEXKV_FAILED_PRECONDITION). flexkv_wait_launched returns 0 once every copy and record is enqueued (or the load
+ * ended OK), the load's error when it ended with one. Only then may flexkv_layer_events_stream_wait make `stream`
+ * (a cudaStream_t, NULL = the legacy default stream) wait for a layer. */
+typedef struct flexkv_layer_events flexkv_layer_events;
+int flexkv_layer_events_create(uint32_t num_layers, uint32_t tp_rank, flexkv_layer_events** out);
+int flexkv_layer_events_stream_wait(const flexkv_layer_events* events, uint32_t layer, void* stream);
+void flexkv_layer_events_free(flexkv_layer_events* events);
+int flexkv_register_layer_events(flexkv_client* client, const flexkv_layer_events* const* ranks, size_t n_ranks,
+                                 uint32_t* event_set);
+int flexkv_release_layer_events(flexkv_client* client, uint32_t event_set);
+int flexkv_load_with_events(flexkv_client* client, uint64_t match_handle, const uint32_t* dst_block_ids,
+                            size_t n_blocks, uint32_t event_set, flexkv_ticket* ticket);
+int flexkv_wait_launched(flexkv_client* client, flexkv_ticket ticket, int64_t timeout_us);
 
 /* The calling thread's last failure message ("" after a success). */
 const char* flexkv_last_error(void);

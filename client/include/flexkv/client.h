@@ -201,6 +201,14 @@ struct GpuKvRegistration {
   std::vector<VmmAllocation> vmm_allocations;
 };
 
+// One TP rank's per-layer CUDA interprocess events, exported for RegisterLayerEvents: plain bytes, so a TP worker
+// may export its events (CudaLayerEvents in flexkv/cuda.h) and hand the result to the attached process.
+struct LayerEventHandles {
+  std::string gpu_uuid;              // the GPU the events (and the rank's KV buffers) are on, "GPU-..."
+  uint32_t tp_rank = 0;
+  std::vector<std::string> handles;  // one cudaIpcEventHandle_t (64 bytes) per layer, layer 0 first
+};
+
 // Names one submitted request; Wait/TryWait return its result exactly once. `generation` names the session
 // that issued it: every Attach in this process (of any Client) gets a new one, so a ticket never answers for a
 // request of another session: its Wait, TryWait and WaitLayers fail with FAILED_PRECONDITION instead.
@@ -219,6 +227,28 @@ struct OpResult {
   uint64_t bytes = 0;           // Prefetch: bytes pulled from peers
   std::string source;           // Prefetch: the node the blocks came from, or why none were pulled (empty: no peer
                                 // had them); empty for every other request and for one that failed
+};
+
+class Client;
+
+// A registered layer-event set, released (ReleaseLayerEvents) when this goes. Move-only. Must not outlive its
+// Client; the CUDA events themselves are the engine's (CudaLayerEvents) and must outlive every load naming the set.
+class LayerEventSet {
+ public:
+  LayerEventSet() = default;
+  static Result<LayerEventSet> Register(Client& client, std::span<const LayerEventHandles> ranks);
+  ~LayerEventSet();
+  LayerEventSet(LayerEventSet&& other) noexcept;
+  LayerEventSet& operator=(LayerEventSet&& other) noexcept;
+  LayerEventSet(const LayerEventSet&) = delete;
+  LayerEventSet& operator=(const LayerEventSet&) = delete;
+  uint32_t id() const { return id_; }  // for Client::LoadWithEvents; 0 when empty
+  // Releases now; OK when empty. Errors as ReleaseLayerEvents (the set is forgotten here in any case).
+  Status Release();
+
+ private:
+  Client* client_ = nullptr;
+  uint32_t id_ = 0;
 };
 
 class Client {
@@ -293,6 +323,39 @@ class Client {
   // Copies the first dst_block_ids.size() blocks of a pinned match into these KV blocks. With `layerwise`,
   // WaitLayers reports each layer as it lands, so compute on layer 0 can start while later layers copy.
   Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise = false);
+
+  // --- Layer-wise loads completed by CUDA events (no CPU wake-up between layers; docs/protocol.md "Layer events").
+  // The engine creates one interprocess event per layer on each TP rank's GPU (CudaLayerEvents, flexkv/cuda.h) and
+  // registers them as a set; a load naming the set makes the daemon record event[layer] on its copy stream right
+  // after it enqueued that layer's copies, and the engine's compute stream waits on it (cudaStreamWaitEvent).
+  //
+  // The ordering contract (each step happens-before the next):
+  //   1. LoadWithEvents(handle, ids, set) submits the load. The set is busy from here until the load's final
+  //      completion: a second load naming it meanwhile ends with FAILED_PRECONDITION ("event_set N is busy").
+  //   2. The daemon enqueues every layer's copies and records, then reports "launched"; WaitLaunched returns OK.
+  //   3. Only now may the engine enqueue cudaStreamWaitEvent(its stream, event[layer]) (CudaLayerEvents::StreamWait)
+  //      - a wait enqueued before step 2 would bind to the *previous* load's recording (or none: a never-recorded
+  //      event does not block) and let the stream read the layer before its bytes are there. A wait binds to the
+  //      recording that was last when it was enqueued, so the next load of the set cannot disturb waits already
+  //      enqueued for this one.
+  //   4. Wait(ticket) still ends the request (the set is free again once its result is here) and must be checked:
+  //      an error after step 2 (a failed copy) means the layers' bytes are not to be trusted.
+  // If WaitLaunched answers an error, nothing may wait on the events for this load (they were not all recorded).
+  // Enqueue a load's waits before submitting the set's next load: a wait enqueued later binds to the later load's
+  // recording (safe, but it waits for that load). Lifetime: release the set (ReleaseLayerEvents / ~LayerEventSet)
+  // and destroy the engine's events only after every load naming it has ended (Wait), in that order - CUDA leaves
+  // a recording into an event whose exporter destroyed it undefined.
+  // Registers one set: `ranks` has every TP rank of the geometry once, each with one handle per layer. Returns the
+  // set's id (never 0). INVALID_ARGUMENT naming the rank and count when they do not fit the geometry (or it is
+  // hybrid); FAILED_PRECONDITION when the daemon has no CUDA backend; RESOURCE_EXHAUSTED beyond 16 sets a session.
+  Result<uint32_t> RegisterLayerEvents(std::span<const LayerEventHandles> ranks);
+  // Forgets a set (the daemon closes its events once no load records them). NOT_FOUND for an unknown id.
+  Status ReleaseLayerEvents(uint32_t event_set);
+  // A Load (as above, never layer-wise by progress completions) whose layers are reported by the set's events.
+  Result<Ticket> LoadWithEvents(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, uint32_t event_set);
+  // Step 2 above: OK once the load's copies and event records are all enqueued (or it ended OK); the load's error
+  // when it ended with one (its result stays for Wait); DEADLINE_EXCEEDED on timeout; the ticket errors of Wait.
+  Status WaitLaunched(Ticket ticket, std::chrono::microseconds timeout);
   // Stores blocks keys[i] from KV block src_block_ids[i], keys[0] under keys.parent() (the root for a chain
   // made from a prompt's keys; the key before the slice for chain.Slice(begin, end)), so that a Match of the
   // prompt from its first block reaches them. The part of `keys` already cached under that parent is skipped.

@@ -79,6 +79,26 @@ class GpuKv {
 uint32_t GpuKvNumBlocks(const GpuKv& kv) { return kv.description.num_blocks; }
 uint32_t GpuKvTpRank(const GpuKv& kv) { return kv.description.tp_rank; }
 
+class GpuLayerEvents {
+ public:
+  GpuLayerEvents(int on_device, uint32_t of_tp_rank) : device(on_device), tp_rank(of_tp_rank) {}
+  GpuLayerEvents(const GpuLayerEvents&) = delete;  // owns the opened events: a copy would close them twice
+  GpuLayerEvents& operator=(const GpuLayerEvents&) = delete;
+  ~GpuLayerEvents() {
+    if (events.empty()) return;
+    cudaSetDevice(device);
+    // An event opened from an IPC handle is closed with cudaEventDestroy; a record still pending completes first.
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    log::Debug("cuda", "closed {} layer events of tp rank {} on device {}", events.size(), tp_rank, device);
+  }
+  const int device;
+  const uint32_t tp_rank;
+  std::vector<cudaEvent_t> events;  // by layer
+};
+
+uint32_t GpuLayerEventsCount(const GpuLayerEvents& e) { return static_cast<uint32_t>(e.events.size()); }
+uint32_t GpuLayerEventsTpRank(const GpuLayerEvents& e) { return e.tp_rank; }
+
 namespace {
 
 // One thread and one stream per (GPU, direction), so loads and stores overlap.
@@ -91,6 +111,8 @@ class DirectionWorker {
     std::shared_ptr<std::vector<uint64_t>> term_sums;  // stores: added to before done; null or empty: none
     std::function<void(uint32_t)> on_layer;
     std::function<void(Status)> done;
+    std::shared_ptr<GpuLayerEvents> events;  // loads recording a layer-event set; null: none
+    std::function<void()> on_launched;
   };
 
   DirectionWorker(int device, bool to_host, bool copy_engine)
@@ -150,6 +172,28 @@ class DirectionWorker {
                                       cudaMemcpyHostToDevice, stream_));
     }
     if (sums) FLEXKV_CUDA_TRY(cudaMemsetAsync(sums_dev_, 0, sizeof(uint64_t) * n, stream_));
+    if (job.events != nullptr && !to_host_) {
+      // Layer events: each layer's copies, then the engine's event for that layer, on this stream; "launched" once
+      // every record is enqueued (the engine may then make its stream wait on them); done once the stream drained.
+      if (job.events->device != device_ || job.events->events.size() != g.num_layers) {
+        return Status::FailedPrecondition(fmt::format(
+            "layer events of tp rank {} are on device {} with {} layers; expected device {} and {} layers",
+            job.events->tp_rank, job.events->device, job.events->events.size(), device_, g.num_layers));
+      }
+      for (uint32_t l = 0; l < g.num_layers; ++l) {
+        if (copy_engine_) {
+          FLEXKV_CUDA_TRY(cuda::CopyEngineBatch(kv.layer_base_host.data(), kv.view, pool, job.gpu_blocks.data(),
+                                                job.slots.data(), n, l, l + 1, false, stream_));
+        } else {
+          const cuda::BlockPairs layer_pairs{pairs_dev_, pairs_dev_ + capacity_, n, l, l + 1};
+          FLEXKV_CUDA_TRY(cuda::LaunchScatter(kv.view, pool, layer_pairs, stream_));
+        }
+        FLEXKV_CUDA_TRY(cudaEventRecord(job.events->events[l], stream_));
+      }
+      if (job.on_launched) job.on_launched();
+      FLEXKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+      return Status::Ok();
+    }
     if (copy_engine_) {
       // The copy engine cannot sum: a kernel sums the GPU blocks on a second stream while the engine copies.
       if (sums) {
@@ -550,7 +594,8 @@ class CudaBackendImpl final : public CudaBackend {
 
   void Copy(std::shared_ptr<GpuKv> kv, bool to_host, const PoolRegion& pool, std::vector<uint32_t> gpu_blocks,
             std::vector<uint32_t> slots, std::shared_ptr<std::vector<uint64_t>> term_sums,
-            std::function<void(uint32_t)> on_layer, std::function<void(Status)> done) override {
+            std::function<void(uint32_t)> on_layer, std::function<void(Status)> done,
+            std::shared_ptr<GpuLayerEvents> events, std::function<void()> on_launched) override {
     DirectionWorker* w = nullptr;
     Status checked = Status::Ok();
     {
@@ -562,9 +607,48 @@ class CudaBackendImpl final : public CudaBackend {
         w = (to_host ? stores_ : loads_)[static_cast<size_t>(kv->device)].get();
       }
     }
+    if (checked.ok() && events != nullptr && (to_host || events->device != kv->device)) {
+      checked = Status::FailedPrecondition(fmt::format(
+          "the layer events of tp rank {} are on {} but its KV buffers on {}; expected events created on the GPU "
+          "that holds the rank's KV buffers (and a load: stores record no events)",
+          events->tp_rank, uuids_[static_cast<size_t>(events->device)], kv->description.gpu_uuid));
+    }
     if (!checked.ok()) return done(std::move(checked));
     w->Submit({std::move(kv), pool, std::move(gpu_blocks), std::move(slots), std::move(term_sums),
-               std::move(on_layer), std::move(done)});
+               std::move(on_layer), std::move(done), std::move(events), std::move(on_launched)});
+  }
+
+  Result<std::shared_ptr<GpuLayerEvents>> OpenLayerEvents(const LayerEventsRank& rank) override {
+    int device = -1;
+    for (int i = 0; i < static_cast<int>(uuids_.size()); ++i) {
+      if (uuids_[i] == rank.gpu_uuid) device = i;
+    }
+    if (device < 0) {
+      std::string known;
+      for (const auto& u : uuids_) known += (known.empty() ? "" : ", ") + u;
+      return Status::NotFound(fmt::format("gpu_uuid {} is not a GPU this daemon sees ({})", rank.gpu_uuid, known));
+    }
+    FLEXKV_CUDA_TRY(cudaSetDevice(device));
+    auto opened = std::make_shared<GpuLayerEvents>(device, rank.tp_rank);
+    opened->events.reserve(rank.handles.size());
+    for (size_t l = 0; l < rank.handles.size(); ++l) {
+      if (rank.handles[l].size() != sizeof(cudaIpcEventHandle_t)) {
+        return Status::InvalidArgument(fmt::format("the handle of layer {} has {} bytes; expected {}", l,
+                                                   rank.handles[l].size(), sizeof(cudaIpcEventHandle_t)));
+      }
+      cudaIpcEventHandle_t h;
+      std::memcpy(&h, rank.handles[l].data(), sizeof(h));
+      cudaEvent_t e = nullptr;
+      const cudaError_t err = cudaIpcOpenEventHandle(&e, h);
+      if (err != cudaSuccess) {
+        return Status::InvalidArgument(fmt::format(
+            "cudaIpcOpenEventHandle of layer {} on {}: {}; expected the handle (cudaIpcGetEventHandle) of an event "
+            "created with cudaEventInterprocess | cudaEventDisableTiming by a live process on that GPU",
+            l, rank.gpu_uuid, cudaGetErrorString(err)));
+      }
+      opened->events.push_back(e);  // closed by ~GpuLayerEvents, also when a later layer fails
+    }
+    return opened;
   }
 
   // Whether [at, at + bytes) lies inside one registered region.
@@ -672,6 +756,12 @@ class GpuKv {
 };
 uint32_t GpuKvNumBlocks(const GpuKv& kv) { return kv.description.num_blocks; }
 uint32_t GpuKvTpRank(const GpuKv& kv) { return kv.description.tp_rank; }
+class GpuLayerEvents {
+ public:
+  uint32_t tp_rank = 0, layers = 0;
+};
+uint32_t GpuLayerEventsCount(const GpuLayerEvents& e) { return e.layers; }
+uint32_t GpuLayerEventsTpRank(const GpuLayerEvents& e) { return e.tp_rank; }
 
 std::unique_ptr<CudaBackend> CudaBackend::Create(bool, bool) {
   log::Info("cuda", "this build has no CUDA backend (no toolkit at build time): host backend only");

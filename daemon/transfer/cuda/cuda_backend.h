@@ -19,6 +19,9 @@
 namespace flexkv {
 
 class GpuKv;  // an opened registration; closes its IPC / VMM mappings when the last copy using it is done
+// One TP rank's per-layer CUDA interprocess events opened from the engine's handles (cudaIpcOpenEventHandle);
+// destroyed (closed) when the last holder - the session's set, a load recording them - drops it.
+class GpuLayerEvents;
 
 class CudaBackend {
  public:
@@ -53,13 +56,23 @@ class CudaBackend {
   // `done`, entry i gets the checksum term sum of the bytes written to slots[i] added to it
   // (common/block_checksum.h), computed by the gather kernel as it copies, or, on the copy-engine path, by a
   // kernel reading the GPU blocks at the same time as the copy.
+  // `events` (optional, loads only): record events[layer] on the copy stream right after each layer's copies, then
+  // call `on_launched` once every layer is enqueued and recorded (not when it failed before); `done` as above. The
+  // events must be on the registration's GPU (else FAILED_PRECONDITION at once, nothing copied).
   virtual void Copy(std::shared_ptr<GpuKv> kv, bool to_host, const PoolRegion& pool, std::vector<uint32_t> gpu_blocks,
                     std::vector<uint32_t> slots, std::shared_ptr<std::vector<uint64_t>> term_sums,
-                    std::function<void(uint32_t layer)> on_layer, std::function<void(Status)> done) = 0;
+                    std::function<void(uint32_t layer)> on_layer, std::function<void(Status)> done,
+                    std::shared_ptr<GpuLayerEvents> events = nullptr, std::function<void()> on_launched = nullptr) = 0;
+  // Opens one TP rank's layer events from their IPC handles on the GPU the UUID names: NOT_FOUND for a GPU this
+  // daemon does not see, INVALID_ARGUMENT naming the layer whose handle cudaIpcOpenEventHandle refuses (not an
+  // interprocess event, or of a process that is gone). Whatever was opened is closed again on an error.
+  virtual Result<std::shared_ptr<GpuLayerEvents>> OpenLayerEvents(const LayerEventsRank& rank) = 0;
 };
 
 // Facts about an opened registration the data plane checks requests against.
 uint32_t GpuKvNumBlocks(const GpuKv& kv);
 uint32_t GpuKvTpRank(const GpuKv& kv);
+uint32_t GpuLayerEventsCount(const GpuLayerEvents& events);
+uint32_t GpuLayerEventsTpRank(const GpuLayerEvents& events);
 
 }  // namespace flexkv

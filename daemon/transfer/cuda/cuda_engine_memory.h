@@ -15,7 +15,9 @@ class CudaEngineMemory final : public EngineMemoryBackend {
   // nullptr when there is no CUDA backend (the reason is logged). The copy-engine flags pick
   // cudaMemcpyBatchAsync instead of the gather/scatter kernels per direction.
   static std::unique_ptr<CudaEngineMemory> Create(bool load_copy_engine, bool store_copy_engine);
-  explicit CudaEngineMemory(std::unique_ptr<CudaBackend> cuda);
+  // `load_copy_engine`: loads run on the copy engine, which Open refuses for chunks where it is known slow
+  // (copy_path_policy.h).
+  explicit CudaEngineMemory(std::unique_ptr<CudaBackend> cuda, bool load_copy_engine = false);
 
   std::string_view name() const override { return "cuda"; }
   const EngineMemoryCapabilities& capabilities() const override { return capabilities_; }
@@ -25,11 +27,14 @@ class CudaEngineMemory final : public EngineMemoryBackend {
   // one registered region.
   Status RegisterPool(const PoolRegion& pool) override;
   void UnregisterPool(const PoolRegion& pool) override { cuda_->UnregisterPool(pool.base); }
-  // GpuKvDescription only: one TP rank's buffers.
+  // GpuKvDescription only: one TP rank's buffers. FAILED_PRECONDITION (CheckCopyEngineLoad) when the daemon loads
+  // by the copy engine and the geometry's chunks are too small for it.
   Result<std::shared_ptr<EngineKv>> Open(KvRegistration registration, const Geometry& geometry) override;
+  Result<std::shared_ptr<LayerEvents>> OpenLayerEvents(const LayerEventsRank& rank) override;
   void Copy(CopyJob job) override;
 
  private:
+  const bool load_copy_engine_;
   const EngineMemoryCapabilities capabilities_;
   const std::unique_ptr<CudaBackend> cuda_;
 };

@@ -92,7 +92,7 @@ TEST_CASE("session rings: a Prefetch descriptor carries opcode 5 and its keys, n
   CHECK(d.match_handle == 0);
   CHECK(d.parent == BlockKey{});
   CHECK(d.state_count == 0);
-  CHECK(d.reserved == 0);
+  CHECK(d.event_set == 0);
   const std::span<const uint8_t> arena = rings.consumer->arena();
   REQUIRE(d.keys_offset + keys.size() * sizeof(BlockKey) <= arena.size());
   CHECK(std::memcmp(arena.data() + d.keys_offset, keys.data(), keys.size() * sizeof(BlockKey)) == 0);
@@ -148,4 +148,50 @@ TEST_CASE("session rings: the message is a source only for a Prefetch that ended
   CHECK(m.matched_blocks == 4);
   CHECK(m.source.empty());
   CHECK(m.bytes == 0);
+}
+
+TEST_CASE("session rings: a Load naming an event set carries it, WaitLaunched answers on launch, before the end",
+          "[unit]") {
+  Rings rings;
+  const std::vector<uint32_t> ids = {4, 5, 6};
+  auto t = rings.client->Submit(RingOp::kLoad, 0, 3, {}, ids, 77, flexkv::kRootParent, 0, /*event_set=*/12);
+  REQUIRE(t.ok());
+  const SubmitDescriptor d = rings.Take();
+  CHECK(d.opcode == static_cast<uint16_t>(RingOp::kLoad));
+  CHECK(d.event_set == 12);
+  CHECK(d.flags == 0);
+  CHECK(rings.client->WaitLaunched(*t, 1ms).code() == flexkv::StatusCode::kDeadlineExceeded);  // in flight
+  CompletionDescriptor launched = Completion(0, 32, 0, 0, "");
+  launched.user_data = d.user_data;
+  launched.opcode = d.opcode;
+  launched.flags = flexkv::kCompletionFlagLayerDone | flexkv::kCompletionFlagLaunched;
+  rings.consumer->Post(launched);
+  CHECK(rings.client->WaitLaunched(*t, 5s).ok());
+  auto still = rings.client->TryWait(*t);  // launched is progress: the request has not ended
+  REQUIRE(still.ok());
+  CHECK_FALSE(still->has_value());
+  const flexkv::OpResult r = rings.Answer(d, *t, Completion(0, 0, 3, 0, ""));
+  CHECK(r.status.ok());
+  CHECK(r.done_blocks == 3);
+  CHECK(rings.client->WaitLaunched(*t, 1ms).ok());  // its result was taken: nothing left to wait for
+}
+
+TEST_CASE("session rings: a load that ends with an error before launch answers WaitLaunched with that error",
+          "[unit]") {
+  Rings rings;
+  const std::vector<uint32_t> ids = {1};
+  auto t = rings.client->Submit(RingOp::kLoad, 0, 1, {}, ids, 3, flexkv::kRootParent, 0, 5);
+  REQUIRE(t.ok());
+  const SubmitDescriptor d = rings.Take();
+  CompletionDescriptor c = Completion(static_cast<int32_t>(flexkv::StatusCode::kFailedPrecondition), 0, 0, 0,
+                                      "event_set 5 is busy");
+  c.user_data = d.user_data;
+  c.opcode = d.opcode;
+  rings.consumer->Post(c);
+  const flexkv::Status launched = rings.client->WaitLaunched(*t, 5s);
+  CHECK(launched.code() == flexkv::StatusCode::kFailedPrecondition);
+  CHECK(launched.message() == "event_set 5 is busy");
+  auto r = rings.client->Wait(*t, 5s);  // the result stays for Wait
+  REQUIRE(r.ok());
+  CHECK(r->status.code() == flexkv::StatusCode::kFailedPrecondition);
 }

@@ -134,13 +134,13 @@ TEST_CASE("descriptor validation: valid descriptors of every opcode are accepted
   }
 }
 
-TEST_CASE("descriptor validation: reserved words, opcodes and flags are refused with INVALID_ARGUMENT", "[unit]") {
+TEST_CASE("descriptor validation: event sets off Loads, opcodes and flags are refused with INVALID_ARGUMENT", "[unit]") {
   SubmitDescriptor d = Desc(RingOp::kMatch, 1);
-  d.reserved = 42;
-  ExpectRefused(d, StatusCode::kInvalidArgument, "reserved is 42; expected 0");
+  d.event_set = 42;
+  ExpectRefused(d, StatusCode::kInvalidArgument, "event_set is 42 on opcode 1; expected 0 (only a Load names");
   SubmitDescriptor release = Desc(RingOp::kRelease, 0);
-  release.reserved = UINT32_MAX;
-  ExpectRefused(release, StatusCode::kInvalidArgument, "reserved is 4294967295");
+  release.event_set = UINT32_MAX;
+  ExpectRefused(release, StatusCode::kInvalidArgument, "event_set is 4294967295");
 
   for (const uint16_t opcode : {uint16_t{0}, uint16_t{6}, uint16_t{0xffff}}) {
     SubmitDescriptor d = Desc(RingOp::kMatch, 1);
@@ -250,11 +250,11 @@ TEST_CASE("descriptor validation: Load and Store without registered KV buffers g
 TEST_CASE("descriptor validation: the first bad field is reported, in the documented order", "[unit]") {
   SubmitDescriptor d = Desc(RingOp::kStore, 0, 1);
   d.opcode = 9;
-  d.reserved = 1;
+  d.event_set = 1;
   d.parent = BlockKey{5, 0};
   d.keys_offset = 3;
-  ExpectRefused(d, StatusCode::kInvalidArgument, "reserved is 1");
-  d.reserved = 0;
+  ExpectRefused(d, StatusCode::kInvalidArgument, "event_set is 1");
+  d.event_set = 0;
   ExpectRefused(d, StatusCode::kInvalidArgument, "opcode 9");
   d.opcode = static_cast<uint16_t>(RingOp::kMatch);
   ExpectRefused(d, StatusCode::kInvalidArgument, "parent is");
@@ -398,4 +398,18 @@ TEST_CASE("descriptor validation: state_count only on a hybrid Store, and no lay
   auto r = flexkv::ValidateDescriptor(Desc(RingOp::kLoad, 4), arena.span(), HybridLimits(g));
   REQUIRE(r.ok());
   CHECK(r->block_ids.size() == 7);
+}
+
+TEST_CASE("descriptor validation: a Load names an event set alone, never with the layer-wise flag or on a hybrid",
+          "[unit]") {
+  const Arena arena;
+  SubmitDescriptor load = Desc(RingOp::kLoad, 2);
+  load.event_set = 3;
+  CHECK(flexkv::ValidateDescriptor(load, arena.span(), Limits()).ok());  // the set itself is looked up by the handler
+  SubmitDescriptor both = Desc(RingOp::kLoad, 2, flexkv::kLoadFlagLayerwise);
+  both.event_set = 3;
+  ExpectRefused(both, StatusCode::kInvalidArgument, "has the layer-wise flag; expected one completion kind");
+  SubmitDescriptor store = Desc(RingOp::kStore, 2);
+  store.event_set = 1;
+  ExpectRefused(store, StatusCode::kInvalidArgument, "event_set is 1 on opcode 3");
 }

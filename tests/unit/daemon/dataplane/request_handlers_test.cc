@@ -5,8 +5,10 @@
 // pins no more than its cap, and handles whose pins lapsed are answered as such.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/clock.h"
@@ -60,8 +62,9 @@ struct Harness {
 
   // Writes keys and block ids into the arena and submits a descriptor for them.
   void Submit(RingOp op, uint16_t flags, const std::vector<BlockKey>& keys, const std::vector<uint32_t>& ids,
-              uint64_t handle = 0) {
+              uint64_t handle = 0, uint32_t event_set = 0) {
     SubmitDescriptor d{};
+    d.event_set = event_set;
     d.user_data = ++next_user_data;
     d.opcode = static_cast<uint16_t>(op);
     d.flags = flags;
@@ -294,4 +297,105 @@ TEST_CASE("request handlers: lapsed pins are unpinned, their handles answer FAIL
   CHECK(h.Last().status_code == 0);
   CHECK(h.Last().match_handle != 0);
   CHECK(h.cache.cache().GetStats().pinned == 3);
+}
+
+namespace {
+
+// Two blocks stored and pinned under a handle; returns it.
+uint64_t StoredAndPinned(Harness& h) {
+  h.Submit(RingOp::kStore, 0, Keys(2), {1, 2});
+  h.backend->Finish(h.backend->jobs.size() - 1, Status::Ok(), flexkv::NowNs());
+  h.Submit(RingOp::kMatch, flexkv::kMatchFlagPin, Keys(2), {});
+  const uint64_t handle = h.Last().match_handle;
+  REQUIRE(handle != 0);
+  h.session->posted.clear();
+  return handle;
+}
+
+}  // namespace
+
+TEST_CASE("request handlers: a Load naming an event set records it, says launched before the end, one load per set",
+          "[unit][dataplane]") {
+  Harness h;
+  h.backend->mutable_capabilities().layer_events = true;
+  const uint32_t layers = h.session->geometry().num_layers;
+  auto set = h.session->AddEventSet({std::make_shared<flexkv::testing::FakeLayerEvents>(0, layers)});
+  REQUIRE(set.ok());
+  REQUIRE(*set != 0);
+  const uint64_t handle = StoredAndPinned(h);
+  h.Submit(RingOp::kLoad, 0, {}, {8, 9}, handle, *set);
+  REQUIRE(h.backend->jobs.size() == 2);
+  REQUIRE(h.backend->jobs[1].layer_events != nullptr);
+  CHECK(h.backend->jobs[1].layer_events->num_layers() == layers);
+  CHECK_FALSE(h.backend->jobs[1].on_layer);  // no progress completions with events
+  CHECK(h.session->posted.empty());
+
+  // The set is busy until that load ends: a second load naming it is refused, and takes nothing.
+  h.Submit(RingOp::kLoad, 0, {}, {10, 11}, handle, *set);
+  CHECK(h.backend->jobs.size() == 2);
+  CHECK(h.Last().status_code == static_cast<int32_t>(StatusCode::kFailedPrecondition));
+  CHECK_THAT(std::string(h.Last().message), Catch::Contains("is busy") && Catch::Contains("ticket 3"));
+  h.session->posted.clear();
+
+  h.backend->jobs[1].on_launched();
+  REQUIRE(h.session->posted.size() == 1);
+  CHECK(h.session->posted[0].flags == (flexkv::kCompletionFlagLayerDone | flexkv::kCompletionFlagLaunched));
+  CHECK(h.session->posted[0].matched_blocks == layers);
+  h.backend->Finish(1, Status::Ok(), flexkv::NowNs());
+  REQUIRE(h.session->posted.size() == 2);
+  CHECK(h.session->posted[1].flags == 0);
+  CHECK(h.session->posted[1].done_blocks == 2);
+
+  // Free again once the load ended: the next load takes it.
+  h.Submit(RingOp::kLoad, 0, {}, {8, 9}, handle, *set);
+  CHECK(h.backend->jobs.size() == 3);
+  h.backend->Finish(2, Status::Ok(), flexkv::NowNs());
+  CHECK(h.Last().status_code == 0);
+  CHECK(h.lifecycle.inflight() == 0);
+}
+
+TEST_CASE("request handlers: unknown event sets and backends that record no events are refused, the set freed",
+          "[unit][dataplane]") {
+  Harness h;  // the fake backend does not declare layer_events
+  const uint64_t handle = StoredAndPinned(h);
+  h.Submit(RingOp::kLoad, 0, {}, {8, 9}, handle, 41);
+  CHECK(h.Last().status_code == static_cast<int32_t>(StatusCode::kNotFound));
+  CHECK_THAT(std::string(h.Last().message), Catch::Contains("event_set 41 is not registered in this session (registered: none)"));
+  auto set = h.session->AddEventSet({std::make_shared<flexkv::testing::FakeLayerEvents>(0, 2)});
+  REQUIRE(set.ok());
+  for (int i = 0; i < 2; ++i) {  // refused by the copy scheduler each time, never "busy"
+    h.Submit(RingOp::kLoad, 0, {}, {8, 9}, handle, *set);
+    CHECK(h.Last().status_code == static_cast<int32_t>(StatusCode::kFailedPrecondition));
+    CHECK_THAT(std::string(h.Last().message), Catch::Contains("does not record CUDA layer events"));
+  }
+  CHECK(h.backend->jobs.size() == 1);  // only the store's
+  CHECK(h.session->pinned_blocks() == 2);  // the handle is still held
+  CHECK(h.session->ReleaseEventSet(*set).ok());
+  CHECK(h.session->ReleaseEventSet(*set).code() == StatusCode::kNotFound);
+  CHECK(h.lifecycle.inflight() == 0);
+}
+
+TEST_CASE("request handlers: a session holds at most 16 event sets, ids are never reused, none after its end",
+          "[unit][dataplane]") {
+  Harness h;
+  auto one = [] {
+    return std::vector<std::shared_ptr<flexkv::LayerEvents>>{std::make_shared<flexkv::testing::FakeLayerEvents>(0, 2)};
+  };
+  std::vector<uint32_t> ids;
+  for (size_t i = 0; i < flexkv::RequestSession::kMaxEventSets; ++i) {
+    auto id = h.session->AddEventSet(one());
+    REQUIRE(id.ok());
+    ids.push_back(*id);
+  }
+  auto refused = h.session->AddEventSet(one());
+  CHECK(refused.status().code() == StatusCode::kResourceExhausted);
+  CHECK_THAT(refused.status().message(), Catch::Contains("expected at most 16: release one"));
+  REQUIRE(h.session->ReleaseEventSet(ids[3]).ok());
+  auto again = h.session->AddEventSet(one());
+  REQUIRE(again.ok());
+  CHECK(std::find(ids.begin(), ids.end(), *again) == ids.end());
+  h.session->ended_ = true;
+  h.handlers.EndSession(*h.session);
+  CHECK(h.session->event_sets() == 0);
+  CHECK(h.session->AddEventSet(one()).status().code() == StatusCode::kFailedPrecondition);
 }

@@ -22,12 +22,25 @@ class FakeKv final : public EngineKv {
   uint32_t blocks_, rank_;
 };
 
+// Layer events of one TP rank, for a backend that declared layer_events; records nothing.
+class FakeLayerEvents final : public LayerEvents {
+ public:
+  FakeLayerEvents(uint32_t rank, uint32_t layers) : rank_(rank), layers_(layers) {}
+  uint32_t tp_rank() const override { return rank_; }
+  uint32_t num_layers() const override { return layers_; }
+
+ private:
+  uint32_t rank_, layers_;
+};
+
 class FakeEngineMemory final : public EngineMemoryBackend {
  public:
   FakeEngineMemory(std::string name, EngineMemoryCapabilities caps) : name_(std::move(name)), caps_(std::move(caps)) {}
 
   std::string_view name() const override { return name_; }
   const EngineMemoryCapabilities& capabilities() const override { return caps_; }
+  // Before any copy: change what the backend declares.
+  EngineMemoryCapabilities& mutable_capabilities() { return caps_; }
   Status RegisterPool(const PoolRegion& pool) override {
     ++pool_registrations;
     registered_pool = pool;
