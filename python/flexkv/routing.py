@@ -24,7 +24,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from .keys import BlockKey, BlockKeys, block_keys
 
-__all__ = ["Tier", "NodePrefix", "RoutingIndex", "choose_prefix_aware", "PrefixRouter"]
+__all__ = ["Tier", "NodePrefix", "RoutingIndex", "choose_prefix_aware", "PrefixRouter", "KvEventFeed"]
 
 MAX_NODES = 64
 
@@ -224,3 +224,111 @@ class PrefixRouter:
         """(the chosen node, every node's prefix) for a prompt."""
         prefixes = self.index.prefix_lengths(self.keys(token_ids))
         return choose_prefix_aware(prefixes, loads, self.max_load_ratio), prefixes
+
+
+class KvEventFeed:
+    """Keeps one node's part of a RoutingIndex equal to what its daemon holds, from the daemon's KV event stream
+    (flexkv.subscribe_kv_events, docs/kv_events.md), in a thread of its own.
+
+    Each subscription starts with a snapshot; once it is complete the node's view is replaced by it (clear_node, then
+    the snapshot's keys), then every event is applied as it comes. When the stream ends (the daemon stopped or
+    restarted, or this feed fell behind its event buffer) the feed subscribes again after a backoff (doubling from
+    backoff_initial_s to backoff_max_s) and starts over from a new snapshot; while the daemon is away the node keeps
+    its last view (a router then sends requests there at worst for nothing: a miss, never a wrong byte). namespace:
+    only events of that cache domain count (None: all). Thread safety: the index is thread-safe; the properties may be
+    read from any thread. close() ends the thread.
+    """
+
+    def __init__(self, index: RoutingIndex, node: int, socket: Optional[str], namespace: Optional[str] = None,
+                 backoff_initial_s: float = 0.2, backoff_max_s: float = 5.0) -> None:
+        self.index = index
+        self.node = node
+        self.socket = socket
+        self.namespace = namespace
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.instance_id = 0       # of the daemon whose snapshot was applied last
+        self.position = 0          # every event up to this seq of that instance is applied
+        self.snapshots = 0         # snapshots applied (1 + resubscriptions)
+        self.last_error = ""
+        self._synced = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._sub = None
+        self._thread = threading.Thread(target=self._run, name=f"flexkv-kv-feed-{node}", daemon=True)
+        self._thread.start()
+
+    def wait_synced(self, timeout: float) -> bool:
+        """True once a snapshot has been applied (the view holds what the daemon held then)."""
+        return self._synced.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            if self._sub is not None:
+                self._sub.cancel()
+        self._thread.join(timeout=10.0)
+
+    def _wanted(self, event) -> bool:
+        return self.namespace is None or event.model_namespace == self.namespace
+
+    def _apply(self, event) -> None:
+        if not self._wanted(event):
+            return
+        if event.kind == "cleared":
+            # A domain left DRAM (dropped by an admin): the index keeps no domains, so the node's view goes; what it
+            # still holds of other tiers comes back with the next snapshot.
+            self.index.clear_node(self.node)
+            return
+        tier = Tier.SSD if event.tier == "ssd" else Tier.DRAM
+        if event.kind == "stored":
+            self.index.stored(self.node, tier, [event.key])
+        elif event.kind == "removed":
+            self.index.removed(self.node, tier, [event.key])
+
+    def _run(self) -> None:
+        from .kv_events import subscribe_kv_events  # the subscription needs libflexkv with flexkv_kv_*
+        backoff = self.backoff_initial_s
+        while not self._stop.is_set():
+            try:
+                sub = subscribe_kv_events(self.socket)
+                with self._lock:
+                    if self._stop.is_set():
+                        sub.close()
+                        return
+                    self._sub = sub
+                snapshot: Dict[int, List[Tuple[int, int]]] = {0: [], 1: []}
+                in_snapshot = True
+                for batch in sub:
+                    if in_snapshot and batch.snapshot:
+                        for e in batch.events:
+                            if self._wanted(e) and e.kind == "stored":
+                                snapshot[1 if e.tier == "ssd" else 0].append(e.key)
+                        if not batch.snapshot_end:
+                            continue
+                        self.index.clear_node(self.node)
+                        self.index.stored(self.node, Tier.DRAM, snapshot[0])
+                        self.index.stored(self.node, Tier.SSD, snapshot[1])
+                        snapshot = {0: [], 1: []}
+                        in_snapshot = False
+                        self.instance_id = batch.instance_id
+                        self.position = batch.snapshot_seq
+                        self.snapshots += 1
+                        self._synced.set()
+                        backoff = self.backoff_initial_s
+                        continue
+                    in_snapshot = False
+                    for e in batch.events:
+                        self._apply(e)
+                    if batch.position:
+                        self.position = batch.position
+            except Exception as err:  # the stream's end (ResourceExhausted, Unavailable, Cancelled) or no daemon
+                self.last_error = f"{type(err).__name__}: {err}"
+            finally:
+                with self._lock:
+                    sub, self._sub = self._sub, None
+                if sub is not None:
+                    sub.close()
+            if self._stop.wait(backoff):
+                return
+            backoff = min(backoff * 2, self.backoff_max_s)
