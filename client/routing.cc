@@ -164,7 +164,9 @@ Result<uint32_t> ChoosePrefixAware(std::span<const RoutingIndex::NodePrefix> pre
   const double limit = std::max(max_load_ratio, 1.0) * (least + 1.0);
   size_t best = prefixes.size();
   for (size_t i = 0; i < prefixes.size(); ++i) {
-    if (loads[i] > limit) continue;  // overloaded: a long prefix there would queue behind its work
+    // Overloaded: a long prefix there would queue behind its work. The least loaded node always qualifies (also
+    // for loads below -1, where the limit is below every load).
+    if (loads[i] > limit && loads[i] != least) continue;
     if (best == prefixes.size() || prefixes[i].blocks > prefixes[best].blocks ||
         (prefixes[i].blocks == prefixes[best].blocks && loads[i] < loads[best])) {
       best = i;

@@ -244,7 +244,7 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
     }
   }
   const uint64_t blocks = index_ ? index_->committed_blocks() : 0;
-  if (index_) ReportBlockLocked(BlockEvent::kDomainDropped, BlockKey{}, false, BlockEvent::kAdminDropped);
+  if (index_ && blocks > 0) ReportBlockLocked(BlockEvent::kDomainDropped, BlockKey{}, false, BlockEvent::kAdminDropped);
   for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
     AnnounceGrantsLocked(pool_gone_listener_, c, 0, pool_->sub_pool(c).active);
   }

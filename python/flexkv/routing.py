@@ -197,7 +197,7 @@ def choose_prefix_aware(prefixes: Sequence[NodePrefix], loads: Sequence[float], 
     limit = max(max_load_ratio, 1.0) * (min(loads) + 1.0)
     best: Optional[int] = None
     for i, p in enumerate(prefixes):
-        if loads[i] > limit:
+        if loads[i] > limit and loads[i] != min(loads):  # the least loaded node always qualifies
             continue
         if best is None or p.blocks > prefixes[best].blocks or (p.blocks == prefixes[best].blocks
                                                                 and loads[i] < loads[best]):
