@@ -8,13 +8,8 @@ bundle=${BUNDLE:-.device/bundle}
 out=${OUT:-/tmp/flexkv-device-example}
 mkdir -p "$out"
 # Python (torch) keeps the machine's own libstdc++ and system libraries; only the project's own come from the bundle.
-pylib=$(mktemp -d)
-for f in "$bundle"/lib/*; do
-  case $(basename "$f") in
-    libstdc++*|libgcc_s*|libz.so*|libssl*|libcrypto*|liblzma*|libzstd*|liblz4*|libsystemd*|libgcrypt*|libgpg-error*|libcap.so*) ;;
-    *) ln -s "$PWD/$f" "$pylib/" ;;
-  esac
-done
+source scripts/device_pylib.sh
+pylib=$(flexkv_python_libdir "$bundle")
 sock=$(mktemp -d)/flexkvd.sock
 pool=/dev/shm/flexkv-example-$$
 mkdir -p "$pool"

@@ -11,13 +11,8 @@ out=${OUT:-/tmp/flexkv-device-hf}
 mkdir -p "$out"
 # flexkvd runs with every bundled library; Python (torch) keeps the machine's newer libstdc++ and system libraries,
 # so its library path holds only the project's own dependencies (as scripts/device_python.sh).
-pylib=$(mktemp -d)
-for f in "$bundle"/lib/*; do
-  case $(basename "$f") in
-    libstdc++*|libgcc_s*|libz.so*|libssl*|libcrypto*|liblzma*|libzstd*|liblz4*|libsystemd*|libgcrypt*|libgpg-error*|libcap.so*) ;;
-    *) ln -s "$PWD/$f" "$pylib/" ;;
-  esac
-done
+source scripts/device_pylib.sh
+pylib=$(flexkv_python_libdir "$bundle")
 cat >"$pylib/flexkvd" <<WRAP
 #!/bin/sh
 LD_LIBRARY_PATH="$PWD/$bundle/lib" exec "$PWD/$bundle/bin/flexkvd" "\$@"

@@ -13,13 +13,8 @@ mkdir -p "$out"
 # The C++ binaries run with every bundled library; Python (torch) keeps the machine's newer libstdc++ and
 # system libraries, so its library path holds only the project's own dependencies (gRPC, protobuf, abseil...).
 cxx_path="$PWD/$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-pylib=$(mktemp -d)
-for f in "$bundle"/lib/*; do
-  case $(basename "$f") in
-    libstdc++*|libgcc_s*|libz.so*|libssl*|libcrypto*|liblzma*|libzstd*|liblz4*|libsystemd*|libgcrypt*|libgpg-error*|libcap.so*) ;;
-    *) ln -s "$PWD/$f" "$pylib/" ;;
-  esac
-done
+source scripts/device_pylib.sh
+pylib=$(flexkv_python_libdir "$bundle")
 py_path="$pylib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH="$cxx_path"
 export FLEXKV_TEST_FLEXKVD="$PWD/$bundle/bin/flexkvd" FLEXKV_TEST_GPU_CLIENT="$PWD/$bundle/bin/flexkv-gpu-test-client"
