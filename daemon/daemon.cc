@@ -93,7 +93,11 @@ int RunDaemon(const DaemonConfig& config) {
   // The engine-memory backends, one line each; the data plane picks among them by what they declare.
   EngineMemoryBackends backends;
   backends.Add(std::make_unique<HostBackend>(config.copy_threads));
-  if (auto cuda = CudaEngineMemory::Create(config.load_copy_engine, config.store_copy_engine)) backends.Add(std::move(cuda));
+  CudaCopyPaths paths;
+  paths.load_copy_engine = config.load_copy_engine;
+  paths.store_copy_engine = config.store_copy_engine;
+  paths.staging_bytes = static_cast<uint64_t>(config.copy_staging_mib) << 20;
+  if (auto cuda = CudaEngineMemory::Create(paths)) backends.Add(std::move(cuda));
   // The cluster tier, declared before the caches so that it outlives them (their listeners call it); created once
   // they exist, stopped explicitly before the sessions go.
   std::unique_ptr<ClusterTier> cluster;

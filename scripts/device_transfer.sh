@@ -66,14 +66,16 @@ if r["sweep"]:
         cell = lambda s: f"{fmt(s['shape'])} {s['gbps']:.1f} ({s['ratio']:.3f})"
         print(f"  {k[0]:>4}K {k[1]:5}: plain " + " | ".join(cell(s) for s in plain[:3]) + f" || lean {cell(lean)}"
               + " || bulk " + " | ".join(cell(s) for s in bulk[:3]))
-print("chunk | ceiling st/ld/both | kernel store  load  both (ratios) | copy-engine store  load  both (ratios) | layer-wise load kernel: layer0 / all / one-shot ms")
+print("chunk | ceiling st/ld/both | kernel store  load  both (ratios) | staged store  load  both (ratios) | copy-engine store  load  both (ratios) | layer-wise load kernel: layer0 / all / one-shot ms")
 for c in r["results"]:
     ce, k, e, lw = c["ceiling"], c["kernel"], c["copy_engine"], c["layerwise_kernel"]
+    sg = c["staged"]
     print(f"{c['chunk_kib']:>4}K | {ce['store_gbps']:.1f}/{ce['load_gbps']:.1f}/{ce['both_gbps']:.1f} | "
           f"{k['store_gbps']:.1f} {k['load_gbps']:.1f} {k['both_gbps']:.1f} ({k['store_ratio']:.3f} {k['load_ratio']:.3f} {k['both_ratio']:.3f}) | "
+          f"{sg['store_gbps']:.1f} {sg['load_gbps']:.1f} {sg['both_gbps']:.1f} ({sg['store_ratio']:.3f} {sg['load_ratio']:.3f} {sg['both_ratio']:.3f}) | "
           f"{e['store_gbps']:.1f} {e['load_gbps']:.1f} {e['both_gbps']:.1f} ({e['store_ratio']:.3f} {e['load_ratio']:.3f} {e['both_ratio']:.3f}) | "
           f"{lw['first_layer_ms']:.3f} / {lw['all_layers_ms']:.2f} / {lw['oneshot_ms']:.2f} ({lw['throughput_vs_oneshot']:.3f})"
-          f" | both halves ms: kernel st {k['both_store_half_ms']:.1f} ld {k['both_load_half_ms']:.1f}, ceiling st {ce['both_store_half_ms']:.1f} ld {ce['both_load_half_ms']:.1f}")
+          f" | both halves ms: kernel st {k['both_store_half_ms']:.1f} ld {k['both_load_half_ms']:.1f}, staged st {sg['both_store_half_ms']:.1f} ld {sg['both_load_half_ms']:.1f}, ceiling st {ce['both_store_half_ms']:.1f} ld {ce['both_load_half_ms']:.1f}")
     if "store_checksums" in c:
         s = c["store_checksums"]
         print(f"      store with checksums: kernel {s['kernel_store_gbps']:.2f} ({s['kernel_store_vs_plain']:.4f} of plain "

@@ -61,8 +61,8 @@ fi
 [ -s "$out/two_way$tag.json" ] && python3 - "$out/two_way$tag.json" <<'EOF' | tee "$out/two_way_summary$tag.txt"
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"{r['device']}: {r['mib']} MiB per copy, {r['layers']} layers, median of {r['iters']}; staged "
-      f"{r['stage_blocks']} slots x {r['stage_buffers']}; huge pages: pool {r['pool_anon_huge_kib'] >> 10} MiB, "
+print(f"{r['device']}: {r['mib']} MiB per copy, {r['layers']} layers, median of {r['iters']}; staging rings "
+      f"{r['staging_mib']} MiB x 2, {r['large_staging_mib']} MiB x 3; huge pages: pool {r['pool_anon_huge_kib'] >> 10} MiB, "
       f"THP pool {r['thp_pool_anon_huge_kib'] >> 10} MiB")
 for row in r["rows"]:
     extra = f"  st {row['store_half_ms']:.1f} ld {row['load_half_ms']:.1f} ms" if row["dir"] == "both" else ""

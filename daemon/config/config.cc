@@ -318,6 +318,10 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
       ->check(CLI::IsMember({"kernel", "copy-engine"}));
   app.add_option("--store-path", store_path, "GPU stores: kernel or copy-engine")
       ->check(CLI::IsMember({"kernel", "copy-engine"}));
+  app.add_option("--copy-staging-mib", cfg.copy_staging_mib,
+                 "GPU memory per GPU and direction through which the kernel paths stage whole-slot copies for the copy "
+                 "engine (loads and stores at once near the PCIe two-way limit); 0: kernels alone (default 64)")
+      ->check(CLI::Range(0u, 16384u));
   std::string metrics_listen;
   bool metrics_allow_remote = false;
   app.add_option("--metrics-listen", metrics_listen,

@@ -41,6 +41,7 @@ struct DaemonConfig {
   int poller_cpu = -1;                 // --poller-cpu: pin the ring poller (-1: not pinned)
   bool load_copy_engine = false;       // --load-path copy-engine (default: kernel)
   bool store_copy_engine = false;      // --store-path copy-engine (default: kernel)
+  uint32_t copy_staging_mib = 64;      // --copy-staging-mib: GPU staging per GPU and direction (0: kernels alone)
   // --metrics-listen HOST:PORT: the Prometheus endpoint; none by default. A non-loopback address needs
   // --metrics-allow-remote (the endpoint has no authentication).
   std::optional<ListenAddress> metrics_listen;

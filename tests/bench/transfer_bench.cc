@@ -7,6 +7,9 @@
 //                 /dev/shm pool), cudaHostRegister'ed (portable) in pieces of at most 64 GiB.
 //   Map:          GPU block i <-> slot perm[i], perm a random permutation.
 //   store = gather (GPU -> pool), load = scatter (pool -> GPU),
+//   kernel = the gather/scatter kernels alone; staged = the daemon's default path for whole-slot copies (kv_copy.h
+//           StagedCopy: the kernels pack/unpack slots in a --staging-mib GPU ring per direction, the copy engine moves
+//           one copy per slot); copy engine = one cudaMemcpyBatchAsync over all chunks.
 //   both  = a store of GPU blocks [0, blocks/2) and a load of blocks [blocks/2, blocks) at once on two streams
 //           (disjoint halves of the same KV cache and pool); its bytes are the sum of both directions, and its
 //           ceiling is a contiguous D2H of half the bytes and an H2D of the other half at once.
@@ -78,6 +81,7 @@ struct Options {
   bool store_checksums = true;
   bool daemon_layers = true;
   uint32_t daemon_blocks = 1024;
+  uint32_t staging_mib = 64;  // the daemon's --copy-staging-mib default
 };
 
 // ---- the experiment -----------------------------------------------------------------------------------
@@ -105,7 +109,7 @@ struct ChecksummedStores {
 struct ChunkResult {
   uint32_t chunk_kib = 0;
   uint64_t bytes = 0;
-  Triple ceiling, kernel, copy_engine, kernel_alt;
+  Triple ceiling, kernel, staged, copy_engine, kernel_alt;
   bool has_alt = false;
   LayerWise lw_kernel, lw_copy_engine;
   bool has_sums = false;
@@ -178,6 +182,8 @@ class Bench {
     CK(cudaMemcpy(blocks_dev_, blocks_host_.data(), o.blocks * sizeof(uint32_t), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(slots_dev_, slots_host_.data(), o.blocks * sizeof(uint32_t), cudaMemcpyHostToDevice));
     CK(DeviceAlloc(&sums_dev_, o.blocks * sizeof(uint64_t)));
+    CK(kv::StagingRing::Create(uint64_t{o.staging_mib} << 20, 2, &store_ring_));
+    CK(kv::StagingRing::Create(uint64_t{o.staging_mib} << 20, 2, &load_ring_));
   }
 
   ~Bench() {
@@ -206,10 +212,11 @@ class Bench {
 
   // Correctness before timing: random data in A, poisoned pool, gather, check every pool byte against where it
   // came from; poisoned B, scatter, check every byte of B equals A. For the kernels and the copy engine.
-  void CheckRoundTrip(uint64_t chunk, bool copy_engine) {
+  void CheckRoundTrip(uint64_t chunk, bool copy_engine, bool staged = false) {
     const uint64_t layer_bytes = 2ull * o_.blocks * chunk;
     const uint64_t total = layer_bytes * o_.layers;
-    const uint64_t seed = Mix(chunk * 2 + (copy_engine ? 1 : 0));
+    const uint64_t seed = Mix(chunk * 4 + (copy_engine ? 1 : 0) + (staged ? 2 : 0));
+    const char* path = copy_engine ? "copy-engine" : staged ? "staged" : "kernel";
     uint64_t* words = reinterpret_cast<uint64_t*>(pool_->base());
     const uint64_t nwords = total / 8;
     // Logical GPU offset o = layer * layer_bytes + plane * blocks * chunk + block * chunk holds Mix(seed + o/8).
@@ -226,6 +233,8 @@ class Bench {
     if (copy_engine) {
       CK(kv::CopyEngineBatch(a_bases_host_.data(), a, pool, blocks_host_.data(), slots_host_.data(), o_.blocks, 0,
                              o_.layers, true, st_.s1));
+    } else if (staged) {
+      CK(kv::StagedCopy(a, pool, blocks_dev_, slots_host_.data(), o_.blocks, true, *store_ring_, st_.s1));
     } else {
       CK(kv::LaunchGather(a, pool, Pairs(0, o_.blocks, 0, o_.layers), st_.s1));
     }
@@ -245,13 +254,15 @@ class Bench {
       }
       bad += wrong;
     });
-    if (bad) Die(fmt::format("{} gather to the pool: {} of {} words wrong at chunk {} KiB",
-                             copy_engine ? "copy-engine" : "kernel", bad.load(), nwords, chunk / kKiB));
+    if (bad) Die(fmt::format("{} gather to the pool: {} of {} words wrong at chunk {} KiB", path, bad.load(), nwords,
+                             chunk / kKiB));
 
     CK(cudaMemsetAsync(b_, 0x5A, total_max_, st_.s1));
     if (copy_engine) {
       CK(kv::CopyEngineBatch(b_bases_host_.data(), bview, pool, blocks_host_.data(), slots_host_.data(), o_.blocks, 0,
                              o_.layers, false, st_.s1));
+    } else if (staged) {
+      CK(kv::StagedCopy(bview, pool, blocks_dev_, slots_host_.data(), o_.blocks, false, *load_ring_, st_.s1));
     } else {
       CK(kv::LaunchScatter(bview, pool, Pairs(0, o_.blocks, 0, o_.layers), st_.s1));
     }
@@ -265,8 +276,8 @@ class Bench {
       for (uint64_t w = b; w < e; ++w) wrong += words[w] != Mix(seed + w);
       bad += wrong;
     });
-    if (bad) Die(fmt::format("{} round trip: {} of {} words wrong at chunk {} KiB",
-                             copy_engine ? "copy-engine" : "kernel", bad.load(), nwords, chunk / kKiB));
+    if (bad) Die(fmt::format("{} round trip: {} of {} words wrong at chunk {} KiB", path, bad.load(), nwords,
+                             chunk / kKiB));
   }
 
   // The checksummed gather's and the sums-only kernel's per-slot sums against the CPU's BlockChecksum of every
@@ -326,6 +337,14 @@ class Bench {
       CK(kv::LaunchGather(a, pool, Pairs(0, h, 0, o_.layers), st_.s1));
       CK(kv::LaunchScatter(a, pool, Pairs(h, n - h, 0, o_.layers), st_.s2));
     }, &r.kernel.both_store_ms, &r.kernel.both_load_ms));
+
+    const uint32_t* slots = slots_host_.data();
+    r.staged.store = Gbps(r.bytes, time(false, [&] { CK(kv::StagedCopy(a, pool, blocks_dev_, slots, n, true, *store_ring_, st_.s1)); }));
+    r.staged.load = Gbps(r.bytes, time(false, [&] { CK(kv::StagedCopy(a, pool, blocks_dev_, slots, n, false, *load_ring_, st_.s1)); }));
+    r.staged.both = Gbps(r.bytes, time(true, [&] {
+      CK(kv::StagedCopy(a, pool, blocks_dev_, slots, h, true, *store_ring_, st_.s1));
+      CK(kv::StagedCopy(a, pool, blocks_dev_ + h, slots + h, n - h, false, *load_ring_, st_.s2));
+    }, &r.staged.both_store_ms, &r.staged.both_load_ms));
 
     const uint64_t* ab = a_bases_host_.data();
     const uint32_t* bh = blocks_host_.data();
@@ -487,6 +506,7 @@ class Bench {
   uint32_t* blocks_dev_ = nullptr;
   uint32_t* slots_dev_ = nullptr;
   uint64_t* sums_dev_ = nullptr;  // per-pair checksum term sums
+  std::unique_ptr<kv::StagingRing> store_ring_, load_ring_;  // staged copies, one ring per direction as in the daemon
 };
 
 Json ShapeJson(const kv::LaunchShape& s) {
@@ -560,6 +580,8 @@ int RunTransferBench(int argc, char** argv) {
                  "on: also time a layer-wise load through a flexkvd started here (pool on /dev/shm), with progress "
                  "completions and with CUDA layer events")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--staging-mib", o.staging_mib, "Staged copies: GPU ring bytes per direction (2 buffers)")
+      ->check(CLI::Range(1u, 65536u));
   app.add_option("--daemon-blocks", o.daemon_blocks, "--daemon-layers: Llama-3-8B blocks per load (2 MiB each)")
       ->check(CLI::Range(1u, 1u << 16));
   CLI11_PARSE(app, argc, argv);
@@ -587,9 +609,10 @@ int RunTransferBench(int argc, char** argv) {
   for (uint32_t c : o.chunk_kib) {
     bench.CheckRoundTrip(c * kKiB, false);
     bench.CheckRoundTrip(c * kKiB, true);
+    bench.CheckRoundTrip(c * kKiB, false, true);
     if (o.store_checksums) bench.CheckSums(c * kKiB);
     results.push_back(bench.Measure(c));
-    std::fprintf(stderr, "chunk %u KiB: round trips checked (kernel, copy engine%s), measured\n", c,
+    std::fprintf(stderr, "chunk %u KiB: round trips checked (kernel, copy engine, staged%s), measured\n", c,
                  o.store_checksums ? ", store checksums" : "");
   }
   std::vector<SweepRow> sweep;
@@ -616,6 +639,7 @@ int RunTransferBench(int argc, char** argv) {
                  {"both_store_half_ms", Rounded(r.ceiling.both_store_ms, 3)},
                  {"both_load_half_ms", Rounded(r.ceiling.both_load_ms, 3)}}},
                {"kernel", TripleJson(r.kernel, r.ceiling)},
+               {"staged", TripleJson(r.staged, r.ceiling)},
                {"copy_engine", TripleJson(r.copy_engine, r.ceiling)}};
       if (r.has_alt) row["kernel_alt"] = TripleJson(r.kernel_alt, r.ceiling);
       row["layerwise_kernel"] = LayerWiseJson(r.lw_kernel, r.bytes);
@@ -662,6 +686,7 @@ int RunTransferBench(int argc, char** argv) {
                       {"warmup", o.warmup},
                       {"correctness", "ok"},
                       {"store_checksums", o.store_checksums},
+                      {"staging_mib", o.staging_mib},
                       {"default_gather", ShapeJson(dg)},
                       {"default_scatter", ShapeJson(ds)},
                       {"alt_store_shape", ShapeJson(bench.AltStore())},
@@ -691,13 +716,15 @@ int RunTransferBench(int argc, char** argv) {
              "{} warp(s)/chunk\n",
              dg.ctas, dg.threads, dg.unroll, dg.warps_per_chunk, ds.ctas, ds.threads, ds.unroll, ds.warps_per_chunk);
   fmt::print("{:>5} {:>6} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20}\n", "chunk", "MiB", "store kernel",
-             "store copy-engine", "load kernel", "load copy-engine", "both kernel", "both copy-engine");
+             "store staged", "load kernel", "load staged", "both kernel", "both staged");
   for (const auto& r : results) {
     auto cell = [](double v, double c) { return fmt::format("{:6.1f} / {:5.1f} {:.3f}", v, c, v / c); };
     fmt::print("{:>4}K {:>6} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20} | {:>20}\n", r.chunk_kib, r.bytes >> 20,
-               cell(r.kernel.store, r.ceiling.store), cell(r.copy_engine.store, r.ceiling.store),
-               cell(r.kernel.load, r.ceiling.load), cell(r.copy_engine.load, r.ceiling.load),
-               cell(r.kernel.both, r.ceiling.both), cell(r.copy_engine.both, r.ceiling.both));
+               cell(r.kernel.store, r.ceiling.store), cell(r.staged.store, r.ceiling.store),
+               cell(r.kernel.load, r.ceiling.load), cell(r.staged.load, r.ceiling.load),
+               cell(r.kernel.both, r.ceiling.both), cell(r.staged.both, r.ceiling.both));
+    fmt::print("{:>13} | copy engine: store {}, load {}, both {}\n", "", cell(r.copy_engine.store, r.ceiling.store),
+               cell(r.copy_engine.load, r.ceiling.load), cell(r.copy_engine.both, r.ceiling.both));
   }
   for (const auto& r : results) {
     if (!r.has_alt) continue;

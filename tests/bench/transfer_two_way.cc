@@ -37,8 +37,8 @@ struct Options {
   uint32_t layers = 32;
   int iters = 5;
   int warmup = 1;
-  uint32_t stage_blocks = 32;
-  uint32_t stage_buffers = 3;
+  uint32_t staging_mib = 64;        // the daemon's --copy-staging-mib default: 2 buffers of 32 MiB
+  uint32_t large_staging_mib = 192;  // a second ring, 3 buffers
   bool ncu_kernels = false;  // one launch of each kernel and stop (for a profiler)
   bool json = false;
 };
@@ -102,8 +102,8 @@ class Study {
   explicit Study(const Options& o) : o_(o) {
     total_ = static_cast<uint64_t>(o.mib) << 20;
     layer_bytes_ = total_ / o.layers;
-    for (cudaStream_t* s : {&s0_, &k1_, &c1_, &k2_, &c2_, &c3_, &c4_}) CK(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
-    for (cudaEvent_t* e : {&start_, &stop_, &k1_done_, &c1_done_, &k2_done_, &c2_done_, &c3_done_, &c4_done_}) CK(cudaEventCreate(e));
+    for (cudaStream_t* s : {&s0_, &k1_, &c1_, &k2_, &c2_}) CK(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&start_, &stop_, &k1_done_, &c1_done_, &k2_done_, &c2_done_}) CK(cudaEventCreate(e));
     layers_.resize(o.layers);
     for (auto& p : layers_) CK(cudaMalloc(&p, layer_bytes_));
     std::vector<uint64_t> bases(o.layers);
@@ -123,22 +123,13 @@ class Study {
     CK(DeviceAlloc(&iota_dev_, max_pairs_ * sizeof(uint32_t)));
     CK(cudaMemcpy(iota_dev_, iota.data(), max_pairs_ * sizeof(uint32_t), cudaMemcpyHostToDevice));
     CK(DeviceAlloc(&perm_dev_, max_pairs_ * sizeof(uint32_t)));
-    const uint32_t max_chunk = *std::max_element(o.chunk_kib.begin(), o.chunk_kib.end());
-    stage_bytes_ = static_cast<uint64_t>(o.stage_buffers) * o.stage_blocks * 2ull * o.layers * max_chunk * kKiB;
-    CK(cudaMalloc(&stage_store_, stage_bytes_));
-    CK(cudaMalloc(&stage_load_, stage_bytes_));
-    for (uint32_t i = 0; i < o.stage_buffers; ++i) {
-      for (auto* v : {&packed_, &copied_, &landed_, &scattered_}) {
-        cudaEvent_t e;
-        CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-        v->push_back(e);
-      }
-    }
+    for (auto* r : {&store_ring_, &load_ring_}) CK(kv::StagingRing::Create(uint64_t{o.staging_mib} << 20, 2, r));
+    for (auto* r : {&store_large_, &load_large_}) CK(kv::StagingRing::Create(uint64_t{o.large_staging_mib} << 20, 3, r));
   }
   ~Study() {
     for (auto* p : layers_) (void)cudaFree(p);
     for (void* p : {static_cast<void*>(bases_dev_), static_cast<void*>(contig_base_dev_), dev_,
-                    static_cast<void*>(iota_dev_), static_cast<void*>(perm_dev_), stage_store_, stage_load_})
+                    static_cast<void*>(iota_dev_), static_cast<void*>(perm_dev_)})
       (void)cudaFree(p);
   }
   Study(const Study&) = delete;
@@ -171,29 +162,27 @@ class Study {
     std::vector<double> ms, st_ms, ld_ms;
     for (int i = 0; i < o_.warmup + o_.iters; ++i) {
       CK(cudaEventRecord(start_, s0_));
-      for (cudaStream_t s : {k1_, c1_, k2_, c2_, c3_, c4_}) CK(cudaStreamWaitEvent(s, start_, 0));
+      for (cudaStream_t s : {k1_, c1_, k2_, c2_}) CK(cudaStreamWaitEvent(s, start_, 0));
       op();
-      const cudaStream_t ss[] = {k1_, c1_, k2_, c2_, c3_, c4_};
-      const cudaEvent_t es[] = {k1_done_, c1_done_, k2_done_, c2_done_, c3_done_, c4_done_};
-      for (int k = 0; k < 6; ++k) {
+      const cudaStream_t ss[] = {k1_, c1_, k2_, c2_};
+      const cudaEvent_t es[] = {k1_done_, c1_done_, k2_done_, c2_done_};
+      for (int k = 0; k < 4; ++k) {
         CK(cudaEventRecord(es[k], ss[k]));
         CK(cudaStreamWaitEvent(s0_, es[k], 0));
       }
       CK(cudaEventRecord(stop_, s0_));
       CK(cudaEventSynchronize(stop_));
       CK(cudaGetLastError());
-      float t = 0, a = 0, b = 0, c = 0, d = 0, a2 = 0, d2 = 0;
+      float t = 0, a = 0, b = 0, c = 0, d = 0;
       CK(cudaEventElapsedTime(&t, start_, stop_));
       CK(cudaEventElapsedTime(&a, start_, k1_done_));
       CK(cudaEventElapsedTime(&b, start_, c1_done_));
       CK(cudaEventElapsedTime(&c, start_, k2_done_));
       CK(cudaEventElapsedTime(&d, start_, c2_done_));
-      CK(cudaEventElapsedTime(&a2, start_, c3_done_));
-      CK(cudaEventElapsedTime(&d2, start_, c4_done_));
       if (i >= o_.warmup) {
         ms.push_back(t);
-        st_ms.push_back(std::max({a, b, a2}));
-        ld_ms.push_back(std::max({c, d, d2}));
+        st_ms.push_back(std::max(a, b));
+        ld_ms.push_back(std::max(c, d));
       }
     }
     Row r{static_cast<uint32_t>(chunk_ / kKiB), variant, dir, Gbps(bytes, Median(ms)), ceiling};
@@ -273,60 +262,13 @@ class Study {
     if (n > split) CK(kv::LaunchScatter(v, p, kv::BlockPairs{iota_dev_ + split, iota_dev_ + split, n - split, 0, 1}, k2_));
   }
 
-  // Staged copies of pairs [b, e) (GPU block i <-> slot perm[i]): batches of stage_blocks whole slots through a
-  // ring of stage_buffers GPU buffers. Store: pack (k1) -> one batch of slot copies D2H (c1). Load: slot copies
-  // H2D (c2) -> unpack (k2). A buffer is reused once the copy (store) or the unpack (load) of its last batch ended.
-  struct Staged {
-    std::vector<Batch> batches;  // one per batch: the copy engine's slot copies
-    uint32_t b = 0, e = 0;
-  };
-  Staged PlanStaged(const HostRegion& pool, bool to_host, uint32_t b, uint32_t e) const {
-    Staged s;
-    s.b = b;
-    s.e = e;
-    uint8_t* ring = static_cast<uint8_t*>(to_host ? stage_store_ : stage_load_);
-    for (uint32_t first = b, k = 0; first < e; first += o_.stage_blocks, ++k) {
-      const uint32_t cnt = std::min(o_.stage_blocks, e - first);
-      uint8_t* buf = ring + static_cast<uint64_t>(k % o_.stage_buffers) * o_.stage_blocks * block_bytes_;
-      Batch bt;
-      for (uint32_t j = 0; j < cnt; ++j) {
-        uint8_t* slot = pool.base() + static_cast<uint64_t>(perm_[first + j]) * block_bytes_;
-        uint8_t* staged = buf + static_cast<uint64_t>(j) * block_bytes_;
-        bt.dst.push_back(to_host ? slot : staged);
-        bt.src.push_back(to_host ? staged : slot);
-        bt.size.push_back(block_bytes_);
-      }
-      s.batches.push_back(std::move(bt));
-    }
-    return s;
-  }
-  // `copy_streams` 2: batches alternate between two copy streams per direction (c1/c3, c2/c4).
-  void RunStaged(const Staged& s, bool to_host, unsigned flags = cudaMemcpyFlagDefault, int copy_streams = 1) {
-    const kv::GpuKvView v = View();
-    uint8_t* ring = static_cast<uint8_t*>(to_host ? stage_store_ : stage_load_);
-    for (uint32_t k = 0; k < s.batches.size(); ++k) {
-      const uint32_t first = s.b + k * o_.stage_blocks;
-      const uint32_t cnt = std::min(o_.stage_blocks, s.e - first);
-      const uint32_t buf = k % o_.stage_buffers;
-      const cudaStream_t cs = to_host ? (copy_streams == 2 && k % 2 ? c3_ : c1_) : (copy_streams == 2 && k % 2 ? c4_ : c2_);
-      const kv::HostPoolView stage{ring + static_cast<uint64_t>(buf) * o_.stage_blocks * block_bytes_, block_bytes_, 1, 0};
-      const kv::BlockPairs pairs{iota_dev_ + first, iota_dev_, cnt, 0, o_.layers};
-      if (to_host) {
-        if (k >= o_.stage_buffers) CK(cudaStreamWaitEvent(k1_, copied_[buf], 0));
-        CK(kv::LaunchGather(v, stage, pairs, k1_));
-        CK(cudaEventRecord(packed_[buf], k1_));
-        CK(cudaStreamWaitEvent(cs, packed_[buf], 0));
-        Enqueue(s.batches[k], cs, flags);
-        CK(cudaEventRecord(copied_[buf], cs));
-      } else {
-        if (k >= o_.stage_buffers) CK(cudaStreamWaitEvent(cs, scattered_[buf], 0));
-        Enqueue(s.batches[k], cs, flags);
-        CK(cudaEventRecord(landed_[buf], cs));
-        CK(cudaStreamWaitEvent(k2_, landed_[buf], 0));
-        CK(kv::LaunchScatter(v, stage, pairs, k2_));
-        CK(cudaEventRecord(scattered_[buf], k2_));
-      }
-    }
+  // Staged copies of pairs [b, e) (GPU block i <-> slot perm[i]) by the daemon's StagedCopy (kv_copy.h): stores on
+  // k1 through store_ring, loads on k2 through load_ring (each ring's copy stream joined back into them).
+  void Staged(const HostRegion& pool, bool to_host, uint32_t b, uint32_t e, bool large = false,
+              unsigned flags = cudaMemcpyFlagDefault) {
+    kv::StagingRing& ring = to_host ? (large ? *store_large_ : *store_ring_) : (large ? *load_large_ : *load_ring_);
+    CK(kv::StagedCopy(View(), PoolView(pool), iota_dev_ + b, perm_.data() + b, e - b, to_host, ring, to_host ? k1_ : k2_,
+                      nullptr, flags));
   }
 
   // ---- correctness of what the timed variants read and write ----------------------------------------------
@@ -433,25 +375,20 @@ class Study {
     each("kernel thp pool", [&](bool st, bool ld) {
       Kernel(*thp_, perm_dev_, 0, st ? (ld ? h : n) : 0, st ? (ld ? h : n) : 0, ld ? n : 0);
     });
-    {
-      const Staged s_half = PlanStaged(*thp_, true, 0, h), l_half = PlanStaged(*thp_, false, h, n);
-      add(Time("staged thp pool", "both", bytes, cb, [&] {
-        RunStaged(s_half, true);
-        RunStaged(l_half, false);
-      }));
-    }
+    add(Time("staged thp pool", "both", bytes, cb, [&] {
+      Staged(*thp_, true, 0, h);
+      Staged(*thp_, false, h, n);
+    }));
 
     // The pattern: staged store and load checked byte for byte before they are timed.
     const uint64_t seed = Mix(chunk_kib);
     FillGpu(seed);
     PoisonPool();
-    const Staged s_all = PlanStaged(*pool_, true, 0, n), l_all = PlanStaged(*pool_, false, 0, n);
-    const Staged s_half = PlanStaged(*pool_, true, 0, h), l_half = PlanStaged(*pool_, false, h, n);
-    RunStaged(s_all, true);
+    Staged(*pool_, true, 0, n);
     Sync();
     if (uint64_t bad = WrongPoolWords(seed)) Die(fmt::format("staged store: {} pool words wrong at {} KiB", bad, chunk_kib));
     PoisonGpu();
-    RunStaged(l_all, false);
+    Staged(*pool_, false, 0, n);
     Sync();
     if (uint64_t bad = WrongGpuWords(seed)) Die(fmt::format("staged load: {} GPU words wrong at {} KiB", bad, chunk_kib));
 
@@ -460,29 +397,27 @@ class Study {
     each("kernel", [&](bool st, bool ld) {
       Kernel(*pool_, perm_dev_, 0, st ? (ld ? h : n) : 0, st ? (ld ? h : n) : 0, ld ? n : 0);
     });
-    add(Time("staged", "store", bytes, cs, [&] { RunStaged(s_all, true); }));
-    add(Time("staged", "load", bytes, cl, [&] { RunStaged(l_all, false); }));
-    add(Time("staged", "both", bytes, cb, [&] {
-      RunStaged(s_half, true);
-      RunStaged(l_half, false);
-    }));
-    add(Time("staged 2 copy streams", "store", bytes, cs, [&] { RunStaged(s_all, true, cudaMemcpyFlagDefault, 2); }));
-    add(Time("staged 2 copy streams", "load", bytes, cl, [&] { RunStaged(l_all, false, cudaMemcpyFlagDefault, 2); }));
-    add(Time("staged 2 copy streams", "both", bytes, cb, [&] {
-      RunStaged(s_half, true, cudaMemcpyFlagDefault, 2);
-      RunStaged(l_half, false, cudaMemcpyFlagDefault, 2);
-    }));
+    for (bool large : {false, true}) {
+      const std::string name = large ? fmt::format("staged {} MiB ring", o_.large_staging_mib)
+                                     : fmt::format("staged (daemon default {} MiB)", o_.staging_mib);
+      add(Time(name, "store", bytes, cs, [&] { Staged(*pool_, true, 0, n, large); }));
+      add(Time(name, "load", bytes, cl, [&] { Staged(*pool_, false, 0, n, large); }));
+      add(Time(name, "both", bytes, cb, [&] {
+        Staged(*pool_, true, 0, h, large);
+        Staged(*pool_, false, h, n, large);
+      }));
+    }
     add(Time("staged overlap-hint", "both", bytes, cb, [&] {
-      RunStaged(s_half, true, cudaMemcpyFlagPreferOverlapWithCompute);
-      RunStaged(l_half, false, cudaMemcpyFlagPreferOverlapWithCompute);
+      Staged(*pool_, true, 0, h, false, cudaMemcpyFlagPreferOverlapWithCompute);
+      Staged(*pool_, false, h, n, false, cudaMemcpyFlagPreferOverlapWithCompute);
     }));
     add(Time("staged store + kernel load", "both", bytes, cb, [&] {
-      RunStaged(s_half, true);
+      Staged(*pool_, true, 0, h);
       Kernel(*pool_, perm_dev_, 0, 0, h, n);
     }));
     add(Time("kernel store + staged load", "both", bytes, cb, [&] {
       Kernel(*pool_, perm_dev_, 0, h, 0, 0);
-      RunStaged(l_half, false);
+      Staged(*pool_, false, h, n);
     }));
     add(Time("kernel again", "both", bytes, cb, [&] { Kernel(*pool_, perm_dev_, 0, h, h, n); }));
     Sync();
@@ -500,18 +435,18 @@ class Study {
     Sync();
     Kernel(*pool_, perm_dev_, 0, 0, 0, blocks_);
     Sync();
-    RunStaged(PlanStaged(*pool_, true, 0, std::min(blocks_, o_.stage_blocks)), true);
+    Staged(*pool_, true, 0, std::min(blocks_, store_ring_->SlotsPerBuffer(kv::StagedSlotBytes(View()))));
     Sync();
   }
 
  private:
   const Options& o_;
-  uint64_t total_ = 0, layer_bytes_ = 0, chunk_ = 0, block_bytes_ = 0, stage_bytes_ = 0;
+  uint64_t total_ = 0, layer_bytes_ = 0, chunk_ = 0, block_bytes_ = 0;
   uint32_t blocks_ = 0, max_pairs_ = 0;
-  cudaStream_t s0_ = nullptr, k1_ = nullptr, c1_ = nullptr, k2_ = nullptr, c2_ = nullptr, c3_ = nullptr, c4_ = nullptr;
+  cudaStream_t s0_ = nullptr, k1_ = nullptr, c1_ = nullptr, k2_ = nullptr, c2_ = nullptr;
   cudaEvent_t start_ = nullptr, stop_ = nullptr, k1_done_ = nullptr, c1_done_ = nullptr, k2_done_ = nullptr,
-              c2_done_ = nullptr, c3_done_ = nullptr, c4_done_ = nullptr;
-  std::vector<cudaEvent_t> packed_, copied_, landed_, scattered_;
+              c2_done_ = nullptr;
+  std::unique_ptr<kv::StagingRing> store_ring_, load_ring_, store_large_, load_large_;
   std::vector<void*> layers_;
   uint64_t* bases_dev_ = nullptr;
   uint64_t* contig_base_dev_ = nullptr;
@@ -520,8 +455,6 @@ class Study {
   uint32_t* iota_dev_ = nullptr;
   uint32_t* perm_dev_ = nullptr;
   std::vector<uint32_t> perm_;
-  void* stage_store_ = nullptr;
-  void* stage_load_ = nullptr;
 };
 
 }  // namespace
@@ -537,8 +470,9 @@ int RunTwoWayStudy(int argc, char** argv) {
   app.add_option("--layers", o.layers)->check(CLI::Range(1u, 1024u));
   app.add_option("--iters", o.iters)->check(CLI::Range(1, 1000));
   app.add_option("--warmup", o.warmup)->check(CLI::Range(0, 1000));
-  app.add_option("--stage-blocks", o.stage_blocks, "Staged: slots per batch")->check(CLI::Range(1u, 4096u));
-  app.add_option("--stage-buffers", o.stage_buffers, "Staged: batches in flight per direction")->check(CLI::Range(1u, 16u));
+  app.add_option("--staging-mib", o.staging_mib, "Staged: the first ring's bytes (2 buffers)")->check(CLI::Range(1u, 65536u));
+  app.add_option("--large-staging-mib", o.large_staging_mib, "Staged: the second ring's bytes (3 buffers)")
+      ->check(CLI::Range(1u, 65536u));
   app.add_flag("--ncu-kernels", o.ncu_kernels, "One launch of each kernel, then exit (run under ncu)");
   CLI11_PARSE(app, argc, argv);
   for (uint32_t c : o.chunk_kib)
@@ -573,8 +507,8 @@ int RunTwoWayStudy(int argc, char** argv) {
                              {"layers", o.layers},
                              {"iters", o.iters},
                              {"warmup", o.warmup},
-                             {"stage_blocks", o.stage_blocks},
-                             {"stage_buffers", o.stage_buffers},
+                             {"staging_mib", o.staging_mib},
+                             {"large_staging_mib", o.large_staging_mib},
                              {"pool_anon_huge_kib", study.pool_huge_kib()},
                              {"thp_pool_anon_huge_kib", study.thp_huge_kib()},
                              {"correctness", "ok"},
@@ -583,9 +517,9 @@ int RunTwoWayStudy(int argc, char** argv) {
                stdout);
     return 0;
   }
-  fmt::print("{}: {} MiB per copy, {} layers, median of {} after {}; staged {} slots x {} buffers; THP pool {} MiB "
-             "in huge pages (4 KiB pool {} MiB)\n",
-             prop.name, o.mib, o.layers, o.iters, o.warmup, o.stage_blocks, o.stage_buffers, study.thp_huge_kib() >> 10,
+  fmt::print("{}: {} MiB per copy, {} layers, median of {} after {}; staging rings {} MiB x 2, {} MiB x 3; THP pool {} "
+             "MiB in huge pages (4 KiB pool {} MiB)\n",
+             prop.name, o.mib, o.layers, o.iters, o.warmup, o.staging_mib, o.large_staging_mib, study.thp_huge_kib() >> 10,
              study.pool_huge_kib() >> 10);
   for (const auto& r : rows)
     fmt::print("{:>4}K {:<30} {:<5} {:7.1f} GB/s ({:.3f}){}\n", r.chunk_kib, r.variant, r.dir, r.gbps, r.gbps / r.ceiling,

@@ -266,7 +266,7 @@ void CopyEveryComponent(flexkv::Geometry model) {
       for (size_t i = 0; i < model.component_count(); ++i)
         slots.push_back(model.component_kind(i) == flexkv::ComponentKind::kState ? 4 : 9);
       HybridPool pool(model, slots);
-      auto backend = flexkv::CudaEngineMemory::Create(copy_engine, copy_engine);
+      auto backend = flexkv::CudaEngineMemory::Create(flexkv::CudaCopyPaths{copy_engine, copy_engine});
       REQUIRE(backend != nullptr);
       REQUIRE(backend->RegisterPool(pool.whole).ok());
       for (size_t i = 0; i < model.component_count(); ++i) {
@@ -305,7 +305,7 @@ TEST_CASE("CUDA backend refuses a copy whose sub-pool, slot or block lies outsid
   const flexkv::Geometry model = flexkv::Qwen3Next80B();
   HybridPool pool(model, {6, 3});
   pool.Poison();
-  auto backend = flexkv::CudaEngineMemory::Create(false, false);
+  auto backend = flexkv::CudaEngineMemory::Create(flexkv::CudaCopyPaths{});
   REQUIRE(backend != nullptr);
   const flexkv::Geometry state = model.Component(1);
   EngineBuffers engine(state, 2);
@@ -362,7 +362,7 @@ TEST_CASE("CUDA backend serves several registered pools and unregisters exactly 
   const flexkv::Geometry model = flexkv::Qwen3Next80B();
   const flexkv::Geometry state = model.Component(1);
   HybridPool a(model, {6, 3}), b(model, {6, 3});  // two cache domains' pools
-  auto backend = flexkv::CudaEngineMemory::Create(false, false);
+  auto backend = flexkv::CudaEngineMemory::Create(flexkv::CudaCopyPaths{});
   REQUIRE(backend != nullptr);
   EngineBuffers engine(state, 2);
   engine.Randomize(rng);

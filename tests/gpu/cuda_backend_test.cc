@@ -1,7 +1,7 @@
 // The CUDA engine-memory backend's stores (daemon/transfer/cuda/cuda_engine_memory.h) through its public
 // interface, in one process: a cuMem/VMM KV cache exported as an fd and opened by the backend, stores by the
-// kernels and by the copy engine that fill CopyJob::term_sums. Without a visible GPU (CI) every case warns and
-// passes.
+// kernels (staging whole slots for the copy engine, and alone) and by the copy engine that fill CopyJob::term_sums.
+// Without a visible GPU (CI) every case warns and passes.
 #include <cuda_runtime_api.h>
 
 #include <catch2/catch.hpp>
@@ -20,7 +20,7 @@
 using flexkv::gpu_test::RunCopy;
 using flexkv::gpu_test::VmmAllocation;
 
-TEST_CASE("CUDA backend stores add each slot's checksum term sums, by the kernel and by the copy engine", "[gpu]") {
+TEST_CASE("CUDA backend stores add each slot's checksum term sums: staged, by the kernels alone, by the copy engine", "[gpu]") {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(std::random_device{}());
   flexkv::Geometry g;
@@ -32,8 +32,10 @@ TEST_CASE("CUDA backend stores add each slot's checksum term sums, by the kernel
   const uint32_t num_blocks = 4700, slots = 4700;  // over the backend's first 4096-pair buffers
   REQUIRE(chunk / flexkv::kChecksumUnitBytes % 256 != 0);
 
-  for (bool copy_engine : {false, true}) {
-    CAPTURE(copy_engine);
+  // The kernels staging whole slots for the copy engine (the default), the kernels alone, the copy engine.
+  const flexkv::CudaCopyPaths staged{}, kernels_alone{false, false, 0}, copy_engine_paths{false, true};
+  for (const flexkv::CudaCopyPaths& paths : {staged, kernels_alone, copy_engine_paths}) {
+    CAPTURE(paths.store_copy_engine, paths.staging_bytes);
     auto map = flexkv::MappedRegion::Anonymous("the test pool", slots * block_bytes);
     REQUIRE(map.ok());
     const flexkv::PoolRegion pool{map->bytes(), slots * block_bytes, block_bytes, slots};
@@ -46,7 +48,7 @@ TEST_CASE("CUDA backend stores add each slot's checksum term sums, by the kernel
     REQUIRE(cudaMemcpy(gpu.data(), blocks_host.data(), blocks_host.size(), cudaMemcpyHostToDevice) == cudaSuccess);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the backend's streams do not wait for the legacy stream
 
-    auto backend = flexkv::CudaEngineMemory::Create(false, copy_engine);
+    auto backend = flexkv::CudaEngineMemory::Create(paths);
     REQUIRE(backend != nullptr);
     CHECK(backend->capabilities().store_checksums);
     REQUIRE(backend->RegisterPool(pool).ok());

@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -196,6 +197,7 @@ class Pool {
 
 // `count` distinct values from [0, n), in random order.
 std::vector<uint32_t> Pick(std::mt19937_64& rng, uint32_t n, uint32_t count) {
+  REQUIRE(count <= n);
   std::vector<uint32_t> v(n);
   std::iota(v.begin(), v.end(), 0u);
   std::shuffle(v.begin(), v.end(), rng);
@@ -239,13 +241,43 @@ class DevicePairs {
   uint32_t* s_ = nullptr;
 };
 
-enum class Path { kKernel, kCopyEngine };
+// kStaged: StagedCopy through a ring of two buffers of kStagedSlotsPerBuffer slots, so that a request of more
+// slots runs in several batches and wraps the ring.
+enum class Path { kKernel, kCopyEngine, kStaged };
+constexpr uint32_t kStagedSlotsPerBuffer = 3;
+
+std::unique_ptr<kv::StagingRing> SmallRing(const kv::GpuKvView& view) {
+  std::unique_ptr<kv::StagingRing> ring;
+  CUDA_OK(kv::StagingRing::Create(2 * kStagedSlotsPerBuffer * kv::StagedSlotBytes(view), 2, &ring));
+  REQUIRE(ring->SlotsPerBuffer(kv::StagedSlotBytes(view)) == kStagedSlotsPerBuffer);
+  return ring;
+}
+
+// A staged copy on `stream` (its own stream when null: StagedCopy needs one), waited for.
+void Staged(GpuKv& gpu, const Pool& pool, const std::vector<uint32_t>& blocks, const std::vector<uint32_t>& slots,
+            bool to_host, uint64_t* sums, cudaStream_t stream) {
+  cudaStream_t own = nullptr;
+  if (stream == nullptr) {
+    CUDA_OK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+    stream = own;
+  }
+  auto ring = SmallRing(gpu.View());
+  DevicePairs dp(blocks, slots, false);
+  CUDA_OK(kv::StagedCopy(gpu.View(), pool.View(1, 0), dp.Pairs(1, 0, 1).gpu_blocks, slots.data(),
+                         static_cast<uint32_t>(blocks.size()), to_host, *ring, stream, sums));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaGetLastError());
+  if (own != nullptr) CUDA_OK(cudaStreamDestroy(own));
+}
 
 void Store(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t rank, const std::vector<uint32_t>& blocks,
            const std::vector<uint32_t>& slots, uint32_t lb, uint32_t le, const kv::LaunchShape& shape, bool pinned_pairs,
            cudaStream_t stream) {
   const uint32_t n = static_cast<uint32_t>(blocks.size());
-  if (path == Path::kCopyEngine) {
+  if (path == Path::kStaged) {
+    REQUIRE((shards == 1 && lb == 0 && le == gpu.View().num_layers));
+    Staged(gpu, pool, blocks, slots, true, nullptr, stream);
+  } else if (path == Path::kCopyEngine) {
     CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
                                 le, true, stream));
   } else {
@@ -264,7 +296,10 @@ void Load(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t ran
           const std::vector<uint32_t>& slots, uint32_t lb, uint32_t le, const kv::LaunchShape& shape, bool pinned_pairs,
           cudaStream_t stream) {
   const uint32_t n = static_cast<uint32_t>(blocks.size());
-  if (path == Path::kCopyEngine) {
+  if (path == Path::kStaged) {
+    REQUIRE((shards == 1 && lb == 0 && le == gpu.View().num_layers));
+    Staged(gpu, pool, blocks, slots, false, nullptr, stream);
+  } else if (path == Path::kCopyEngine) {
     CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
                                 le, false, stream));
   } else {
@@ -539,6 +574,11 @@ void StoreSummed(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint3
                  const kv::LaunchShape& shape, const DeviceSums& sums, cudaStream_t stream) {
   const uint32_t n = static_cast<uint32_t>(blocks.size());
   DevicePairs dp(blocks, slots, false);
+  if (path == Path::kStaged) {
+    REQUIRE((shards == 1 && lb == 0 && le == gpu.View().num_layers));
+    Staged(gpu, pool, blocks, slots, true, sums.get(), stream);
+    return;
+  }
   if (path == Path::kCopyEngine) {
     CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
                                 le, true, stream));
@@ -823,4 +863,134 @@ TEST_CASE("copy-engine batch: layers in separate allocations that sit back to ba
   CUDA_OK(cudaStreamDestroy(stream));
   (void)cudaFree(bases_dev);
   for (void* a : allocs) (void)cudaFree(a);
+}
+
+TEST_CASE("staged copies round-trip every layout, K/V and MLA, odd sizes and counts, padded slots, wrapping the ring",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock})
+    for (uint32_t planes : {2u, 1u})
+      for (uint64_t chunk : {uint64_t{16}, uint64_t{528}, uint64_t{4112}, uint64_t{32768}}) {
+        Case c;
+        c.path = Path::kStaged;
+        c.layout = layout;
+        c.planes = planes;
+        c.chunk = chunk;
+        c.layers = planes == 1 ? 5 : 4;
+        RoundTrip(c);
+      }
+  for (uint32_t count : {1u, 3u, 7u, 40u}) {  // one slot, exactly one buffer, a partial last batch, many batches
+    Case c;
+    c.path = Path::kStaged;
+    c.count = count;
+    c.chunk = 1040;
+    RoundTrip(c);
+  }
+  Case padded;
+  padded.path = Path::kStaged;
+  padded.slot_padding = 4096 + 16;  // only the slot's prefix of chunks moves; the padding stays poisoned
+  padded.layout = Layout::kBlockFirst;
+  RoundTrip(padded);
+}
+
+TEST_CASE("staged stores sum what they pack: each slot's sum finishes to its BlockChecksum", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst})
+    for (uint64_t chunk : {uint64_t{48}, uint64_t{4112}, uint64_t{32768 + 16}}) {
+      Case c;
+      c.path = Path::kStaged;
+      c.layout = layout;
+      c.chunk = chunk;
+      ChecksummedStore(c);
+    }
+}
+
+TEST_CASE("staged copies are refused where they cannot be staged, with nothing enqueued", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  GpuKv gpu(Layout::kLayerFirst, 3, 2, 8, 1024);
+  const kv::GpuKvView view = gpu.View();
+  const uint64_t slot = kv::StagedSlotBytes(view);
+  REQUIRE(slot == 3 * 2 * 1024);
+  Pool pool(8, 2 * slot);  // room for a second TP shard
+  const std::vector<uint32_t> blocks{0, 5, 2}, slots{7, 1, 4};
+  DevicePairs dp(blocks, slots, false);
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto ring = SmallRing(view);
+  pool.Poison();
+
+  CHECK(kv::CanStage(view, pool.View(1, 0), 0, 3));
+  CHECK_FALSE(kv::CanStage(view, pool.View(2, 0), 0, 3));  // TP shards interleave in the slot
+  CHECK_FALSE(kv::CanStage(view, pool.View(2, 1), 0, 3));
+  CHECK_FALSE(kv::CanStage(view, pool.View(1, 0), 1, 3));  // a layer range
+  CHECK_FALSE(kv::CanStage(view, pool.View(1, 0), 0, 2));
+  const uint32_t* gpu_blocks = dp.Pairs(3, 0, 3).gpu_blocks;
+  CHECK(kv::StagedCopy(view, pool.View(2, 1), gpu_blocks, slots.data(), 3, true, *ring, stream) == cudaErrorInvalidValue);
+  CHECK(kv::StagedCopy(view, pool.View(1, 0), gpu_blocks, slots.data(), 3, true, *ring, nullptr) ==
+        cudaErrorInvalidValue);  // no stream to join the copies into
+  GpuKv big(Layout::kLayerFirst, 3, 2, 8, 4096);  // slots 4x the ring's
+  CHECK(ring->SlotsPerBuffer(kv::StagedSlotBytes(big.View())) == 0);
+  CHECK(kv::StagedCopy(big.View(), pool.View(1, 0), gpu_blocks, slots.data(), 3, true, *ring, stream) ==
+        cudaErrorInvalidValue);
+  std::unique_ptr<kv::StagingRing> none;
+  CHECK(kv::StagingRing::Create(1 << 20, 1, &none) == cudaErrorInvalidValue);
+  CHECK(none == nullptr);
+  CHECK(kv::StagedCopy(view, pool.View(1, 0), gpu_blocks, slots.data(), 0, true, *ring, stream) == cudaSuccess);
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> untouched(pool.bytes(), kPoolPoison);
+  RequireSame(pool.data(), untouched.data(), pool.bytes(), "pool after refused and empty staged copies");
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("a staged store and a staged load at once, on two rings and two streams, are both byte-exact", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  auto rng = Rng();
+  const uint32_t layers = 4, planes = 2, nblocks = 96, nslots = 80, count = 29;
+  const uint64_t chunk = 8192;
+  GpuKv gpu(Layout::kLayerFirst, layers, planes, nblocks, chunk);
+  const uint64_t block_bytes = layers * planes * chunk;
+  Pool pool(nslots, block_bytes);
+  gpu.Randomize(rng);
+  pool.Poison();
+  // The load's slots hold known bytes first (stored from blocks `lb`); then the load brings them into blocks `lb2`
+  // while blocks `sb` are stored into other slots.
+  auto ids = Pick(rng, nblocks, 3 * count);
+  auto to = Pick(rng, nslots, 2 * count);
+  const std::vector<uint32_t> lb(ids.begin(), ids.begin() + count), sb(ids.begin() + count, ids.begin() + 2 * count),
+      lb2(ids.begin() + 2 * count, ids.end()), ls(to.begin(), to.begin() + count), ss(to.begin() + count, to.end());
+  Store(Path::kStaged, gpu, pool, 1, 0, lb, ls, 0, layers, {}, false, nullptr);
+  std::vector<uint8_t> want(pool.bytes());
+  std::memcpy(want.data(), pool.data(), pool.bytes());
+  for (uint32_t i = 0; i < count; ++i)
+    for (uint32_t l = 0; l < layers; ++l)
+      for (uint32_t p = 0; p < planes; ++p)
+        std::memcpy(want.data() + ss[i] * block_bytes + (l * planes + p) * chunk, gpu.Chunk(l, p, sb[i]), chunk);
+  // What blocks lb2 must hold afterwards: the chunks of blocks lb (which the slots ls hold).
+  std::vector<std::vector<uint8_t>> expect_chunks;
+  for (uint32_t i = 0; i < count; ++i)
+    for (uint32_t l = 0; l < layers; ++l)
+      for (uint32_t p = 0; p < planes; ++p) expect_chunks.emplace_back(gpu.Chunk(l, p, lb[i]), gpu.Chunk(l, p, lb[i]) + chunk);
+
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  auto store_ring = SmallRing(gpu.View()), load_ring = SmallRing(gpu.View());
+  DevicePairs sp(sb, ss, false), lp(lb2, ls, false);
+  CUDA_OK(kv::StagedCopy(gpu.View(), pool.View(1, 0), sp.Pairs(count, 0, layers).gpu_blocks, ss.data(), count, true,
+                         *store_ring, s1));
+  CUDA_OK(kv::StagedCopy(gpu.View(), pool.View(1, 0), lp.Pairs(count, 0, layers).gpu_blocks, ls.data(), count, false,
+                         *load_ring, s2));
+  CUDA_OK(cudaStreamSynchronize(s1));
+  CUDA_OK(cudaStreamSynchronize(s2));
+  CUDA_OK(cudaGetLastError());
+  RequireSame(pool.data(), want.data(), pool.bytes(), "pool after the store beside a load");
+  const auto got = gpu.Download();  // LAYERFIRST: allocation l is layer l, [plane][block][chunk]
+  size_t k = 0;
+  for (uint32_t i = 0; i < count; ++i)
+    for (uint32_t l = 0; l < layers; ++l)
+      for (uint32_t p = 0; p < planes; ++p, ++k)
+        RequireSame(got[l].data() + (static_cast<uint64_t>(p) * nblocks + lb2[i]) * chunk, expect_chunks[k].data(), chunk,
+                    "a loaded chunk");
+  CUDA_OK(cudaStreamDestroy(s1));
+  CUDA_OK(cudaStreamDestroy(s2));
 }

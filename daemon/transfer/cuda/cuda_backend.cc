@@ -115,8 +115,8 @@ class DirectionWorker {
     std::function<void()> on_launched;
   };
 
-  DirectionWorker(int device, bool to_host, bool copy_engine)
-      : device_(device), to_host_(to_host), copy_engine_(copy_engine) {
+  DirectionWorker(int device, bool to_host, bool copy_engine, uint64_t staging_bytes)
+      : device_(device), to_host_(to_host), copy_engine_(copy_engine), staging_bytes_(staging_bytes) {
     thread_ = std::thread([this] { Loop(); });
   }
   ~DirectionWorker() {
@@ -217,7 +217,10 @@ class DirectionWorker {
       return Status::Ok();
     }
     if (!job.on_layer || to_host_) {
-      if (sums) {
+      if (cuda::StagingRing* ring = Staging(kv.view, pool)) {
+        FLEXKV_CUDA_TRY(cuda::StagedCopy(kv.view, pool, pairs_dev_, job.slots.data(), n, to_host_, *ring, stream_,
+                                         sums ? sums_dev_ : nullptr));
+      } else if (sums) {
         FLEXKV_CUDA_TRY(cuda::LaunchGatherChecksummed(kv.view, pool, pairs, sums_dev_, stream_));
       } else {
         FLEXKV_CUDA_TRY(to_host_ ? cuda::LaunchGather(kv.view, pool, pairs, stream_)
@@ -244,6 +247,24 @@ class DirectionWorker {
       job.on_layer(l);
     }
     return Status::Ok();
+  }
+
+  // The staging ring for a whole-slot copy of `view` into or out of `pool`, allocated at the first such copy;
+  // null when the copy cannot be staged (kv_copy.h CanStage, slots larger than a ring buffer) or staging is off or
+  // could not be allocated (then the kernels copy alone: slower when loads and stores run at once, never wrong).
+  cuda::StagingRing* Staging(const cuda::GpuKvView& view, const cuda::HostPoolView& pool) {
+    if (staging_bytes_ == 0 || staging_failed_ || !cuda::CanStage(view, pool, 0, view.num_layers)) return nullptr;
+    if (ring_ == nullptr) {
+      if (cudaError_t e = cuda::StagingRing::Create(staging_bytes_, 2, &ring_); e != cudaSuccess) {
+        (void)cudaGetLastError();
+        staging_failed_ = true;
+        log::Warning("cuda", "{} staging on device {}: cannot allocate {} MiB of GPU memory ({}); the kernels copy "
+                     "alone (--copy-staging-mib sets the size, 0 turns staging off)", to_host_ ? "store" : "load",
+                     device_, staging_bytes_ >> 20, cudaGetErrorString(e));
+        return nullptr;
+      }
+    }
+    return ring_->SlotsPerBuffer(cuda::StagedSlotBytes(view)) > 0 ? ring_.get() : nullptr;
   }
 
   // Waits for the job's copies on stream_; with `sums`, fetches the device sums and adds them into the job's.
@@ -291,12 +312,16 @@ class DirectionWorker {
       cudaEventDestroy(sums_join_);
       cudaStreamDestroy(sums_stream_);
     }
+    ring_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
   const int device_;
   const bool to_host_;
   const bool copy_engine_;
+  const uint64_t staging_bytes_;
+  std::unique_ptr<cuda::StagingRing> ring_;  // whole-slot copies through GPU memory (Staging)
+  bool staging_failed_ = false;
   cudaStream_t stream_ = nullptr;
   uint32_t* pairs_dev_ = nullptr;
   uint32_t capacity_ = 0;  // pairs (and, stores, sums) the buffers hold
@@ -369,8 +394,8 @@ class CudaBackendImpl final : public CudaBackend {
     pools_.emplace(base, std::move(pool));
     if (loads_.empty()) {  // the workers start with the first pool and stay (other pools' copies may be running)
       for (int d = 0; d < static_cast<int>(uuids_.size()); ++d) {
-        loads_.push_back(std::make_unique<DirectionWorker>(d, false, load_copy_engine_));
-        stores_.push_back(std::make_unique<DirectionWorker>(d, true, store_copy_engine_));
+        loads_.push_back(std::make_unique<DirectionWorker>(d, false, paths_.load_copy_engine, paths_.staging_bytes));
+        stores_.push_back(std::make_unique<DirectionWorker>(d, true, paths_.store_copy_engine, paths_.staging_bytes));
       }
     }
     log::Debug("cuda", "pool region at {} registered for DMA on {} GPU(s): {} bytes", static_cast<const void*>(base),
@@ -698,10 +723,7 @@ class CudaBackendImpl final : public CudaBackend {
     return Status::Ok();
   }
 
-  void SetPaths(bool load_copy_engine, bool store_copy_engine) {
-    load_copy_engine_ = load_copy_engine;
-    store_copy_engine_ = store_copy_engine;
-  }
+  void SetPaths(const CudaCopyPaths& paths) { paths_ = paths; }
 
   ~CudaBackendImpl() override {
     loads_.clear();  // joins the workers: no copy runs past this point
@@ -722,14 +744,13 @@ class CudaBackendImpl final : public CudaBackend {
   // By base; every job's sub-pool lies inside one of them.
   std::map<const uint8_t*, RegisteredPool> pools_ ABSL_GUARDED_BY(mu_);
   std::set<const uint8_t*> registering_ ABSL_GUARDED_BY(mu_);  // regions being registered, outside mu_
-  bool load_copy_engine_ = false;
-  bool store_copy_engine_ = false;
+  CudaCopyPaths paths_;
   std::vector<std::unique_ptr<DirectionWorker>> loads_ ABSL_GUARDED_BY(mu_), stores_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
 
-std::unique_ptr<CudaBackend> CudaBackend::Create(bool load_copy_engine, bool store_copy_engine) {
+std::unique_ptr<CudaBackend> CudaBackend::Create(const CudaCopyPaths& paths) {
   auto b = std::make_unique<CudaBackendImpl>();
   Status s = b->Init();
   if (!s.ok()) {
@@ -740,7 +761,7 @@ std::unique_ptr<CudaBackend> CudaBackend::Create(bool load_copy_engine, bool sto
     log::Info("cuda", "no CUDA backend: no GPU visible");
     return nullptr;
   }
-  b->SetPaths(load_copy_engine, store_copy_engine);
+  b->SetPaths(paths);
   return b;
 }
 
@@ -763,7 +784,7 @@ class GpuLayerEvents {
 uint32_t GpuLayerEventsCount(const GpuLayerEvents& e) { return e.layers; }
 uint32_t GpuLayerEventsTpRank(const GpuLayerEvents& e) { return e.tp_rank; }
 
-std::unique_ptr<CudaBackend> CudaBackend::Create(bool, bool) {
+std::unique_ptr<CudaBackend> CudaBackend::Create(const CudaCopyPaths&) {
   log::Info("cuda", "this build has no CUDA backend (no toolkit at build time): host backend only");
   return nullptr;
 }

@@ -23,11 +23,21 @@ class GpuKv;  // an opened registration; closes its IPC / VMM mappings when the 
 // destroyed (closed) when the last holder - the session's set, a load recording them - drops it.
 class GpuLayerEvents;
 
+// How the backend moves bytes per direction (--load-path, --store-path, --copy-staging-mib).
+struct CudaCopyPaths {
+  bool load_copy_engine = false;   // loads by cudaMemcpyBatchAsync over chunks instead of the kernels
+  bool store_copy_engine = false;  // stores likewise
+  // The kernel paths stage whole-slot copies through this much GPU memory per GPU and direction (kv_copy.h
+  // StagedCopy: the kernels pack or unpack, the copy engine moves one copy per slot), allocated at the first copy
+  // that can use it; requests that cannot be staged (TP-sharded slots, layer-wise loads, slots larger than half
+  // of it) and every copy when it is 0 or cannot be allocated take the kernels alone.
+  uint64_t staging_bytes = 64ull << 20;
+};
+
 class CudaBackend {
  public:
-  // nullptr when this build has no CUDA or no GPU is visible (the reason is logged). The copy-engine flags
-  // pick cudaMemcpyBatchAsync instead of the gather/scatter kernels per direction.
-  static std::unique_ptr<CudaBackend> Create(bool load_copy_engine, bool store_copy_engine);
+  // nullptr when this build has no CUDA or no GPU is visible (the reason is logged).
+  static std::unique_ptr<CudaBackend> Create(const CudaCopyPaths& paths);
   virtual ~CudaBackend() = default;
 
   virtual std::vector<std::string> DeviceUuids() const = 0;

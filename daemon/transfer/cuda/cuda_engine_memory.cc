@@ -45,10 +45,10 @@ class OpenedLayerEvents final : public LayerEvents {
 
 }  // namespace
 
-std::unique_ptr<CudaEngineMemory> CudaEngineMemory::Create(bool load_copy_engine, bool store_copy_engine) {
-  std::unique_ptr<CudaBackend> cuda = CudaBackend::Create(load_copy_engine, store_copy_engine);
+std::unique_ptr<CudaEngineMemory> CudaEngineMemory::Create(const CudaCopyPaths& paths) {
+  std::unique_ptr<CudaBackend> cuda = CudaBackend::Create(paths);
   if (cuda == nullptr) return nullptr;
-  return std::make_unique<CudaEngineMemory>(std::move(cuda), load_copy_engine);
+  return std::make_unique<CudaEngineMemory>(std::move(cuda), paths.load_copy_engine);
 }
 
 CudaEngineMemory::CudaEngineMemory(std::unique_ptr<CudaBackend> cuda, bool load_copy_engine)

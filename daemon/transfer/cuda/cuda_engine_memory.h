@@ -12,9 +12,9 @@ namespace flexkv {
 
 class CudaEngineMemory final : public EngineMemoryBackend {
  public:
-  // nullptr when there is no CUDA backend (the reason is logged). The copy-engine flags pick
-  // cudaMemcpyBatchAsync instead of the gather/scatter kernels per direction.
-  static std::unique_ptr<CudaEngineMemory> Create(bool load_copy_engine, bool store_copy_engine);
+  // nullptr when there is no CUDA backend (the reason is logged). `paths`: how bytes move per direction
+  // (cuda_backend.h).
+  static std::unique_ptr<CudaEngineMemory> Create(const CudaCopyPaths& paths);
   // `load_copy_engine`: loads run on the copy engine, which Open refuses for chunks where it is known slow
   // (copy_path_policy.h).
   explicit CudaEngineMemory(std::unique_ptr<CudaBackend> cuda, bool load_copy_engine = false);

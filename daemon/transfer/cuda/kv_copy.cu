@@ -466,4 +466,166 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
   return cudaSuccess;
 }
 
+bool CanStage(const GpuKvView& gpu, const HostPoolView& pool, uint32_t layer_begin, uint32_t layer_end) {
+  return pool.tp_shards == 1 && pool.tp_rank == 0 && layer_begin == 0 && layer_end == gpu.num_layers &&
+         gpu.num_layers > 0 && Validate(gpu, pool, layer_begin, layer_end) == cudaSuccess;
+}
+
+uint64_t StagedSlotBytes(const GpuKvView& gpu) {
+  return static_cast<uint64_t>(gpu.num_layers) * gpu.num_planes * gpu.chunk_bytes;
+}
+
+cudaError_t StagingRing::Create(uint64_t bytes, uint32_t buffers, std::unique_ptr<StagingRing>* out) {
+  out->reset();
+  if (buffers < 2 || bytes / buffers < 16) return cudaErrorInvalidValue;
+  std::unique_ptr<StagingRing> ring(new StagingRing());
+  ring->buffers_ = buffers;
+  ring->buffer_bytes_ = bytes / buffers / 16 * 16;
+  void* memory = nullptr;
+  if (cudaError_t e = cudaMalloc(&memory, ring->buffer_bytes_ * buffers); e != cudaSuccess) return e;
+  ring->memory_ = static_cast<uint8_t*>(memory);
+  void* indices = nullptr;
+  if (cudaError_t e = cudaMalloc(&indices, sizeof(uint32_t) * kMaxSlotsPerBuffer); e != cudaSuccess) return e;
+  ring->indices_ = static_cast<uint32_t*>(indices);
+  std::vector<uint32_t> iota(kMaxSlotsPerBuffer);
+  for (uint32_t i = 0; i < kMaxSlotsPerBuffer; ++i) iota[i] = i;
+  if (cudaError_t e = cudaMemcpy(ring->indices_, iota.data(), sizeof(uint32_t) * kMaxSlotsPerBuffer, cudaMemcpyHostToDevice);
+      e != cudaSuccess)
+    return e;
+  if (cudaError_t e = cudaStreamCreateWithFlags(&ring->copy_stream_, cudaStreamNonBlocking); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaEventCreateWithFlags(&ring->done_, cudaEventDisableTiming); e != cudaSuccess) return e;
+  for (auto* v : {&ring->ready_, &ring->free_}) {
+    for (uint32_t i = 0; i < buffers; ++i) {
+      cudaEvent_t ev = nullptr;
+      if (cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess) return e;
+      v->push_back(ev);
+    }
+  }
+  *out = std::move(ring);
+  return cudaSuccess;
+}
+
+StagingRing::~StagingRing() {
+  // Whatever a call enqueued must finish before the memory goes (its caller waits on its stream; this is the
+  // guard for a ring dropped after an error).
+  if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
+  for (cudaEvent_t e : ready_) cudaEventDestroy(e);
+  for (cudaEvent_t e : free_) cudaEventDestroy(e);
+  if (done_ != nullptr) cudaEventDestroy(done_);
+  if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
+  if (indices_ != nullptr) cudaFree(indices_);
+  if (memory_ != nullptr) cudaFree(memory_);
+}
+
+uint32_t StagingRing::SlotsPerBuffer(uint64_t slot_bytes) const {
+  if (slot_bytes == 0) return 0;
+  return static_cast<uint32_t>(std::min<uint64_t>(buffer_bytes_ / slot_bytes, kMaxSlotsPerBuffer));
+}
+
+namespace {
+
+// One batch of the copy engine's slot copies; per-copy cudaMemcpyAsync where the driver has no batch entry point.
+cudaError_t CopySlots(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes,
+                      unsigned flags, cudaStream_t stream) {
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = flags;
+  size_t attr_idx = 0;
+  const cudaError_t e =
+      cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr, &attr_idx, 1, stream);
+  if (e != cudaErrorNotSupported) return e;
+  (void)cudaGetLastError();
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    if (cudaError_t c = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream); c != cudaSuccess) return c;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+// StagedCopy's batches (a friend of StagingRing, declared there).
+cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const uint32_t* gpu_blocks_dev,
+                          const uint32_t* slots_host, uint32_t count, bool to_host, StagingRing& ring,
+                          cudaStream_t stream, uint64_t* term_sums, unsigned copy_flags, uint64_t slot_bytes,
+                          uint32_t per_buffer);
+
+cudaError_t StagedCopy(const GpuKvView& gpu, const HostPoolView& pool, const uint32_t* gpu_blocks_dev,
+                       const uint32_t* slots_host, uint32_t count, bool to_host, StagingRing& ring, cudaStream_t stream,
+                       uint64_t* term_sums, unsigned copy_flags) {
+  if (!CanStage(gpu, pool, 0, gpu.num_layers)) return cudaErrorInvalidValue;
+  const uint64_t slot_bytes = StagedSlotBytes(gpu);
+  const uint32_t per_buffer = ring.SlotsPerBuffer(slot_bytes);
+  if (per_buffer == 0 || pool.block_bytes < slot_bytes) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  if (gpu_blocks_dev == nullptr || slots_host == nullptr || stream == nullptr) return cudaErrorInvalidValue;
+
+  const cudaError_t e = EnqueueStaged(gpu, pool, gpu_blocks_dev, slots_host, count, to_host, ring, stream, term_sums,
+                                      copy_flags, slot_bytes, per_buffer);
+  // On an error part of the copies may be in flight on the ring's stream, which the caller does not wait for: they
+  // must end before the caller hands the slots or the GPU blocks to anyone else.
+  if (e != cudaSuccess) cudaStreamSynchronize(ring.copy_stream_);
+  return e;
+}
+
+cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const uint32_t* gpu_blocks_dev,
+                          const uint32_t* slots_host, uint32_t count, bool to_host, StagingRing& ring,
+                          cudaStream_t stream, uint64_t* term_sums, unsigned copy_flags, uint64_t slot_bytes,
+                          uint32_t per_buffer) {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  dsts.reserve(per_buffer);
+  srcs.reserve(per_buffer);
+  sizes.reserve(per_buffer);
+  for (uint32_t first = 0; first < count; first += per_buffer) {
+    const uint32_t n = std::min(per_buffer, count - first);
+    const uint32_t buf = ring.next_;
+    ring.next_ = (ring.next_ + 1) % ring.buffers_;
+    uint8_t* staging = ring.memory_ + static_cast<uint64_t>(buf) * ring.buffer_bytes_;
+    const HostPoolView stage{staging, slot_bytes, 1, 0};
+    const BlockPairs pairs{gpu_blocks_dev + first, ring.indices_, n, 0, gpu.num_layers};
+    dsts.clear();
+    srcs.clear();
+    sizes.clear();
+    for (uint32_t j = 0; j < n; ++j) {
+      uint8_t* slot = pool.base + static_cast<uint64_t>(slots_host[first + j]) * pool.block_bytes;
+      uint8_t* staged = staging + static_cast<uint64_t>(j) * slot_bytes;
+      dsts.push_back(to_host ? slot : staged);
+      srcs.push_back(to_host ? staged : slot);
+      sizes.push_back(slot_bytes);
+    }
+    if (to_host) {
+      // Pack once the copy engine has copied this buffer's last batch out; copy once packed.
+      if (cudaError_t e = cudaStreamWaitEvent(stream, ring.free_[buf], 0); e != cudaSuccess) return e;
+      const cudaError_t packed = term_sums != nullptr
+                                     ? LaunchGatherChecksummed(gpu, stage, pairs, term_sums + first, stream)
+                                     : LaunchGather(gpu, stage, pairs, stream);
+      if (packed != cudaSuccess) return packed;
+      if (cudaError_t e = cudaEventRecord(ring.ready_[buf], stream); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaStreamWaitEvent(ring.copy_stream_, ring.ready_[buf], 0); e != cudaSuccess) return e;
+      if (cudaError_t e = CopySlots(dsts, srcs, sizes, copy_flags, ring.copy_stream_); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaEventRecord(ring.free_[buf], ring.copy_stream_); e != cudaSuccess) return e;
+    } else {
+      // Land once this buffer's last batch was unpacked (and after what `stream` ran before this call: the
+      // ring's copies must not pass a caller's earlier work on the buffers); unpack once landed.
+      if (first == 0) {
+        if (cudaError_t e = cudaEventRecord(ring.done_, stream); e != cudaSuccess) return e;
+        if (cudaError_t e = cudaStreamWaitEvent(ring.copy_stream_, ring.done_, 0); e != cudaSuccess) return e;
+      }
+      if (cudaError_t e = cudaStreamWaitEvent(ring.copy_stream_, ring.free_[buf], 0); e != cudaSuccess) return e;
+      if (cudaError_t e = CopySlots(dsts, srcs, sizes, copy_flags, ring.copy_stream_); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaEventRecord(ring.ready_[buf], ring.copy_stream_); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaStreamWaitEvent(stream, ring.ready_[buf], 0); e != cudaSuccess) return e;
+      if (cudaError_t e = LaunchScatter(gpu, stage, pairs, stream); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaEventRecord(ring.free_[buf], stream); e != cudaSuccess) return e;
+    }
+  }
+  if (to_host) {
+    // The stores end on the copy stream: join it back.
+    if (cudaError_t e = cudaEventRecord(ring.done_, ring.copy_stream_); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaStreamWaitEvent(stream, ring.done_, 0); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace flexkv::cuda

@@ -11,6 +11,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 namespace flexkv::cuda {
 
@@ -113,5 +115,65 @@ cudaError_t LaunchChecksumTerms(const GpuKvView& gpu, const HostPoolView& pool, 
 cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gpu, const HostPoolView& pool,
                             const uint32_t* gpu_blocks_host, const uint32_t* slots_host, uint32_t count,
                             uint32_t layer_begin, uint32_t layer_end, bool to_host, cudaStream_t stream);
+
+// ---- Whole slots staged through GPU memory -----------------------------------------------------------------
+// SM-issued PCIe traffic (the kernels above) moves ~0.95 (stores) / ~0.92 (loads) of a contiguous copy one way,
+// but a store and a load at once only ~0.67 of the two-way ceiling on an H200 (65 of 97 GB/s, whatever the block map,
+// page size or launch shapes: the SMs' PCIe traffic goes in 128-byte requests, and its loads' reads stall behind
+// the stores' writes). The copy engine with one copy per slot (>= 2 MiB) moves 0.97-0.98 each way and 0.98-0.99
+// both ways at once (docs/performance.md, "Both directions at once"). A staged copy uses each for what it is good
+// at: the kernels pack a batch of whole slots into a GPU staging buffer (HBM to HBM, ~20x the PCIe rate) and the
+// copy engine moves each slot as one copy (stores); or the copy engine lands each slot in a buffer and the kernels
+// unpack it (loads). Batches alternate between the ring's buffers, so packing and copying overlap.
+
+// Whether a request can be staged: every slot holds this rank's chunks alone, [layer][plane][chunk] from its start
+// (one TP shard, or MLA), and the request covers every layer (a layer-wise load needs each layer on its own).
+bool CanStage(const GpuKvView& gpu, const HostPoolView& pool, uint32_t layer_begin, uint32_t layer_end);
+// The bytes of a slot a staged copy moves: num_layers * num_planes * chunk_bytes (a prefix of the slot).
+uint64_t StagedSlotBytes(const GpuKvView& gpu);
+
+// GPU memory whole slots travel through: `buffers` buffers of bytes / buffers each on the current device, an event
+// pair per buffer, the copy engine's stream and a device array of staging indices. RAII; one ring per copy worker:
+// StagedCopy calls on one ring must not run at the same time (they may follow one another without waiting).
+class StagingRing {
+ public:
+  // cudaErrorInvalidValue for fewer than 2 buffers or a buffer under 16 bytes; the allocation's error when the
+  // device has no room (nothing is kept then).
+  static cudaError_t Create(uint64_t bytes, uint32_t buffers, std::unique_ptr<StagingRing>* out);
+  ~StagingRing();
+  StagingRing(const StagingRing&) = delete;
+  StagingRing& operator=(const StagingRing&) = delete;
+  uint64_t bytes() const { return buffer_bytes_ * buffers_; }
+  // Staged slots of `slot_bytes` one buffer holds (at most kMaxSlotsPerBuffer); 0: too large for this ring.
+  uint32_t SlotsPerBuffer(uint64_t slot_bytes) const;
+  static constexpr uint32_t kMaxSlotsPerBuffer = 4096;
+
+ private:
+  StagingRing() = default;
+  friend cudaError_t StagedCopy(const GpuKvView&, const HostPoolView&, const uint32_t*, const uint32_t*, uint32_t,
+                                bool, StagingRing&, cudaStream_t, uint64_t*, unsigned);
+  friend cudaError_t EnqueueStaged(const GpuKvView&, const HostPoolView&, const uint32_t*, const uint32_t*, uint32_t,
+                                   bool, StagingRing&, cudaStream_t, uint64_t*, unsigned, uint64_t, uint32_t);
+  uint8_t* memory_ = nullptr;
+  uint64_t buffer_bytes_ = 0;
+  uint32_t buffers_ = 0;
+  uint32_t* indices_ = nullptr;         // 0 .. kMaxSlotsPerBuffer-1, the pack/unpack kernels' "slots"
+  cudaStream_t copy_stream_ = nullptr;  // the copy engine's copies
+  std::vector<cudaEvent_t> ready_;      // per buffer: packed (stores) / landed (loads)
+  std::vector<cudaEvent_t> free_;       // per buffer: copied out (stores) / unpacked (loads): reusable after it
+  cudaEvent_t done_ = nullptr;          // the copy stream's last copy of a call (stores)
+  uint32_t next_ = 0;                   // the buffer the next batch uses
+};
+
+// Copies `count` pairs (gpu_blocks_dev[i] <-> slot slots_host[i]) as whole slots through `ring`: kernels on `stream`,
+// the copy engine's copies (one cudaMemcpyBatchAsync per batch, `copy_flags` as cudaMemcpyAttributes::flags) on the
+// ring's stream, joined back into `stream`: once `stream` has run what this call enqueued, every byte is in place.
+// gpu_blocks_dev is a device array; slots_host a host array, read before the call returns; both are validated by the
+// caller. Stores with `term_sums` (device memory, one entry per pair, as LaunchGatherChecksummed) add each slot's
+// checksum terms as they pack: the packed bytes are the bytes the pool receives. cudaErrorInvalidValue, nothing
+// enqueued, when !CanStage(gpu, pool, 0, gpu.num_layers) or the ring holds no slot of this size.
+cudaError_t StagedCopy(const GpuKvView& gpu, const HostPoolView& pool, const uint32_t* gpu_blocks_dev,
+                       const uint32_t* slots_host, uint32_t count, bool to_host, StagingRing& ring, cudaStream_t stream,
+                       uint64_t* term_sums = nullptr, unsigned copy_flags = 0);
 
 }  // namespace flexkv::cuda
