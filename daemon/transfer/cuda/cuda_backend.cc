@@ -263,6 +263,8 @@ class DirectionWorker {
                      device_, staging_bytes_ >> 20, cudaGetErrorString(e));
         return nullptr;
       }
+      log::Info("cuda", "{} staging on device {}: {} MiB of GPU memory (--copy-staging-mib; 0 turns it off)",
+                to_host_ ? "store" : "load", device_, staging_bytes_ >> 20);
     }
     return ring_->SlotsPerBuffer(cuda::StagedSlotBytes(view)) > 0 ? ring_.get() : nullptr;
   }
