@@ -1,6 +1,8 @@
 // flexkv-bench transfer: block copies between a vLLM-shaped GPU KV cache and a registered host pool
 // (the daemon's CUDA backend path), for the gather/scatter kernels and the copy-engine batch, each next to the contiguous
 // pinned-copy ceiling measured in the same run.
+// Over 700 lines: one experiment (fixture, byte checks, measurements, sweep, report) around one Bench object; the parts
+// that stand alone already have files of their own (transfer_geometry, transfer_layer_events, transfer_two_way).
 //
 //   GPU KV cache: LAYERFIRST, one cudaMalloc'ed tensor per layer of [2][blocks][chunk] (vLLM).
 //   Host pool:    `blocks` slots of layers*2*chunk bytes in anonymous page-aligned memory (like the daemon's
