@@ -211,6 +211,11 @@ int flexkv_compute_block_keys(const char* model_namespace, size_t namespace_len,
   });
 }
 
+uint64_t flexkv_namespace_hash(const char* model_namespace, size_t namespace_len) {
+  if (model_namespace == nullptr) namespace_len = 0;
+  return flexkv::NamespaceHash(std::string_view(model_namespace == nullptr ? "" : model_namespace, namespace_len));
+}
+
 int flexkv_connect(const char* socket_path, int timeout_ms, flexkv_client** out, char* error_buf, size_t error_len) {
   return Guarded([&]() -> int {
     if (out == nullptr) return NullArgument("out");
@@ -698,7 +703,13 @@ int flexkv_kv_next(flexkv_kv_subscription* s, flexkv_kv_batch* batch, flexkv_kv_
   return Guarded([&]() -> int {
     if (s == nullptr) return NullArgument("subscription");
     if (batch == nullptr) return NullArgument("batch");
-    if (events == nullptr && capacity > 0) return NullArgument("events");
+    // With no room for an event a batch with events could never be handed out, and the caller would get the same
+    // empty part forever.
+    if (capacity == 0) {
+      return Record(flexkv::Status::InvalidArgument(
+          "flexkv_kv_next: capacity is 0; expected capacity >= 1 (the number of flexkv_kv_event in events)"));
+    }
+    if (events == nullptr) return NullArgument("events");
     if (!s->pending) {
       auto b = s->sub->Next();
       if (!b.ok()) return Record(b.status());

@@ -115,6 +115,28 @@ Status RoutingIndex::ClearNode(uint32_t node) {
   return Status::Ok();
 }
 
+Status RoutingIndex::ReplaceNode(uint32_t node, std::span<const BlockKey> dram, std::span<const BlockKey> ssd) {
+  std::unique_lock lock(state_->mu);
+  if (Status s = state_->CheckNode(node); !s.ok()) return s;
+  const uint64_t bit = uint64_t{1} << node;
+  for (auto it = state_->keys.begin(); it != state_->keys.end();) {
+    for (uint64_t& mask : it->second.nodes) mask &= ~bit;
+    it = it->second.any() == 0 ? state_->keys.erase(it) : std::next(it);
+  }
+  state_->counts[node] = {};
+  const std::span<const BlockKey> tiers[kCacheTierCount] = {dram, ssd};
+  for (size_t t = 0; t < kCacheTierCount; ++t) {
+    uint64_t added = 0;
+    for (const BlockKey& key : tiers[t]) {
+      uint64_t& mask = state_->keys[key].nodes[t];
+      added += (mask & bit) == 0 ? 1 : 0;
+      mask |= bit;
+    }
+    state_->counts[node][t] = added;
+  }
+  return Status::Ok();
+}
+
 std::vector<RoutingIndex::NodePrefix> RoutingIndex::PrefixLengths(std::span<const BlockKey> keys) const {
   std::shared_lock lock(state_->mu);
   const uint32_t n = static_cast<uint32_t>(state_->names.size());

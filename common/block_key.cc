@@ -36,6 +36,10 @@ std::string BlockKey::ToHex() const {
   return std::string(buf, 32);
 }
 
+uint64_t NamespaceHash(std::string_view model_namespace) {
+  return XXH3_64bits(model_namespace.data(), model_namespace.size());
+}
+
 std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::span<const int32_t> tokens,
                                        uint32_t tokens_per_block) {
   std::vector<BlockKey> keys;
@@ -45,7 +49,7 @@ std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::sp
   if (num_blocks == 0) return keys;
   keys.reserve(num_blocks);
 
-  const XXH64_hash_t seed = XXH3_64bits(model_namespace.data(), model_namespace.size());
+  const XXH64_hash_t seed = NamespaceHash(model_namespace);
 
   // One buffer for every block: [prev key lo64 LE][prev key hi64 LE][tokens as int32 LE].
   std::vector<unsigned char> buf(16 + 4 * tpb);

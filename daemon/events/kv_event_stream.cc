@@ -2,7 +2,6 @@
 #include "daemon/events/kv_event_stream.h"
 
 #include <fmt/format.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <bit>
@@ -61,7 +60,7 @@ uint64_t KvEventStream::last_seq() const {
 
 uint16_t KvEventStream::InternDomain(std::string_view model_namespace, uint32_t tokens_per_block) {
   MutexLock lock(&domains_mu_);
-  const uint64_t hash = XXH3_64bits(model_namespace.data(), model_namespace.size());
+  const uint64_t hash = NamespaceHash(model_namespace);
   auto it = by_hash_.find(hash);
   if (it != by_hash_.end()) {
     DomainInfo& d = domains_[it->second];

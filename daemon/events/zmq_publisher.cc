@@ -11,7 +11,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <vector>
 
 #include "common/log.h"
@@ -180,8 +182,8 @@ void ZmqKvEventPublisher::Run() {
           for (const BlockKey& k : r.keys) PackKey(&pk, k);
           PackStr(&pk, MediumOf(r.tier));
           break;
-        case KvEventKind::kCleared:
-          msgpack_pack_array(&pk, 1);  // a dropped domain: vLLM's event has no tier or domain, so everything
+        case KvEventKind::kCleared:  // never here: Run publishes a dropped domain as a resync
+          msgpack_pack_array(&pk, 1);
           PackStr(&pk, "AllBlocksCleared");
           break;
       }
@@ -196,8 +198,14 @@ void ZmqKvEventPublisher::Run() {
     batches_.fetch_add(1, std::memory_order_relaxed);
     events_.fetch_add(events.size() + (clear_first ? 1 : 0), std::memory_order_relaxed);
   };
-  // The view a router had of this node is void: it starts over from the snapshot.
-  const auto resync = [&] {
+  // The view a router had of this node is void: it starts over from AllBlocksCleared and the snapshot. Between the
+  // snapshot's batches the events that came meanwhile are read out of the ring (so that a long snapshot under heavy
+  // traffic does not overrun the ring while it is published, which would start another snapshot, and so on) and
+  // kept in `*after`, to be published after the snapshot's last batch: a subscriber applies the snapshot, then them.
+  // kOverrun: the ring was overrun all the same (*behind says by how much; start over); kClosed: the daemon stops.
+  enum class Resync { kDone, kOverrun, kClosed };
+  const auto resync = [&](std::vector<KvEvent>* after, uint64_t* behind) {
+    after->clear();
     KvEventStream::Snapshot snap = reader.TakeSnapshot();
     std::vector<KvEvent> chunk;
     bool first = true;
@@ -206,13 +214,32 @@ void ZmqKvEventPublisher::Run() {
                    snap.blocks.begin() + static_cast<std::ptrdiff_t>(std::min(snap.blocks.size(), i + kMaxBatchEvents)));
       publish(chunk, first);
       first = false;
+      const KvEventStream::Reader::Result r = reader.Read(SIZE_MAX, after, behind);
+      if (r == KvEventStream::Reader::Result::kClosed) return Resync::kClosed;
+      if (r == KvEventStream::Reader::Result::kOverrun) return Resync::kOverrun;
     }
     if (first) publish({}, true);
+    return Resync::kDone;
   };
-  resync();
   std::vector<KvEvent> events;
+  std::vector<KvEvent> after;  // read from the ring while the last snapshot was published; published next
+  bool closed = false;
+  const auto resync_until_done = [&](bool fell_behind, uint64_t behind) {
+    for (;;) {
+      if (fell_behind) {
+        log::Warning("events", "ZMQ publisher fell behind by {} events (--kv-events-buffer {}): publishing "
+                     "AllBlocksCleared and a snapshot", behind, stream_->capacity());
+        resyncs_.fetch_add(1, std::memory_order_relaxed);
+      }
+      const Resync r = resync(&after, &behind);
+      if (r == Resync::kClosed) closed = true;
+      if (r != Resync::kOverrun) return;
+      fell_behind = true;
+    }
+  };
+  resync_until_done(false, 0);
   uint8_t sub_msg[256];
-  while (!stop_.load(std::memory_order_acquire)) {
+  while (!closed && !stop_.load(std::memory_order_acquire)) {
     // A subscriber joined (first byte 1: subscribe): everyone gets AllBlocksCleared and the snapshot, which is
     // harmless for those who had the view already and the only way the newcomer gets it.
     bool joined = false;
@@ -220,27 +247,46 @@ void ZmqKvEventPublisher::Run() {
       if (sub_msg[0] == 1) joined = true;
     }
     if (joined) {
-      resync();
+      resync_until_done(false, 0);
       continue;
     }
     events.clear();
-    uint64_t behind = 0;
-    const KvEventStream::Reader::Result r = reader.Read(kMaxBatchEvents, &events, &behind);
-    if (r == KvEventStream::Reader::Result::kClosed) break;
-    if (r == KvEventStream::Reader::Result::kOverrun) {
-      log::Warning("events", "ZMQ publisher fell behind by {} events (--kv-events-buffer {}): publishing "
-                   "AllBlocksCleared and a snapshot", behind, stream_->capacity());
-      resyncs_.fetch_add(1, std::memory_order_relaxed);
-      resync();
-      continue;
+    if (!after.empty()) {
+      events.swap(after);  // read while the last snapshot was published
+    } else {
+      uint64_t behind = 0;
+      const KvEventStream::Reader::Result r = reader.Read(kMaxBatchEvents, &events, &behind);
+      if (r == KvEventStream::Reader::Result::kClosed) break;
+      if (r == KvEventStream::Reader::Result::kOverrun) {
+        resync_until_done(true, behind);
+        continue;
+      }
     }
     if (events.empty()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
       continue;
     }
-    publish(events, false);
+    // A cleared event (one domain dropped) has no form in vLLM's format but AllBlocksCleared, which would void the
+    // other domains' blocks too: the events before it are published, then AllBlocksCleared and a snapshot, so that
+    // subscribers end with the daemon's true set (the snapshot holds every event read so far, those after the clear
+    // included).
+    const auto cleared = std::find_if(events.begin(), events.end(),
+                                      [](const KvEvent& e) { return e.kind == KvEventKind::kCleared; });
+    const bool full = events.size() >= kMaxBatchEvents;
+    for (size_t i = 0; i < static_cast<size_t>(cleared - events.begin()); i += kMaxBatchEvents) {
+      const size_t end = std::min(static_cast<size_t>(cleared - events.begin()), i + kMaxBatchEvents);
+      publish(std::vector<KvEvent>(events.begin() + static_cast<std::ptrdiff_t>(i),
+                                   events.begin() + static_cast<std::ptrdiff_t>(end)),
+              false);
+    }
+    if (cleared != events.end()) {
+      log::Info("events", "ZMQ publisher: cache domain '{}' was dropped: publishing AllBlocksCleared and a snapshot "
+                "(vLLM's format names no domain)", stream_->Domain(cleared->domain).model_namespace);
+      resync_until_done(false, 0);
+      continue;
+    }
     // Batching: a batch that was not full lets events gather for a moment (fewer reads of the ring's lock).
-    if (events.size() < kMaxBatchEvents) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (!full) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   msgpack_sbuffer_destroy(&buf);
 }

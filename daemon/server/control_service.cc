@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "common/grpc_convert.h"
@@ -739,6 +740,92 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
     b->set_instance_id(stream->instance_id());
     b->set_started_unix_ms(static_cast<uint64_t>(ctx_.started_unix_ms));
   };
+  // A subscriber that stops reading for good blocks Write (flow control) and would hold this handler until it
+  // disconnects: a watchdog cancels the call once a Write has been blocked for 10 s and either the snapshot is not
+  // sent yet (the handler holds it in memory and the subscriber has no view to keep up: nothing is lost by ending it)
+  // or the stream has overwritten what it had not read (it could only be cut off then anyway). A subscriber that
+  // reads again in time is told the reason; one cancelled sees CANCELLED, and the daemon logs why.
+  constexpr int64_t kStalledWriteMs = 10000;
+  struct Watchdog {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::atomic<int64_t> writing_since_ms{0};  // 0: not in Write
+    std::atomic<uint64_t> position{0};         // the ring's read position
+    std::atomic<bool> in_snapshot{false};
+    std::thread thread;
+    ~Watchdog() {
+      {
+        std::lock_guard lock(mu);
+        done = true;
+      }
+      cv.notify_all();
+      if (thread.joinable()) thread.join();
+    }
+  } watchdog;
+  watchdog.thread = std::thread([&watchdog, stream, context] {
+    std::unique_lock lock(watchdog.mu);
+    while (!watchdog.cv.wait_for(lock, std::chrono::seconds(1), [&] { return watchdog.done; })) {
+      const int64_t since = watchdog.writing_since_ms.load();
+      if (since == 0 || MonotonicMs() - since < kStalledWriteMs) continue;
+      if (watchdog.in_snapshot.load()) {
+        log::Warning("events", "a KV event subscriber has not read for {} s in the middle of its snapshot: its call is "
+                     "cancelled (a subscriber must keep reading; it may subscribe again)",
+                     (MonotonicMs() - since) / 1000);
+      } else if (stream->last_seq() - watchdog.position.load() > stream->capacity()) {
+        log::Warning("events", "a KV event subscriber has not read for {} s and fell behind the event buffer: its "
+                     "call is cancelled", (MonotonicMs() - since) / 1000);
+      } else {
+        continue;
+      }
+      context->TryCancel();
+      return;
+    }
+  });
+  const auto write = [&](const v1::KvEventBatch& b) {
+    watchdog.position.store(reader.position());
+    watchdog.writing_since_ms.store(MonotonicMs());
+    const bool written = writer->Write(b);
+    watchdog.writing_since_ms.store(0);
+    return written;
+  };
+  const auto fell_behind = [&](uint64_t behind) {
+    static log::RateLimited cut_off_log(10000);
+    cut_off_log.Warning("events", "a KV event subscriber fell behind by {} events and was cut off", behind);
+    return Answer(Status::ResourceExhausted(fmt::format(
+        "KV event subscriber fell behind by {} events: the daemon keeps the last {} (--kv-events-buffer) and the "
+        "events after seq {} are gone; resubscribe (the new stream starts with a snapshot), and read faster or ask "
+        "the operator for a larger --kv-events-buffer", behind, stream->capacity(), reader.position())));
+  };
+  const auto stopping = [this] {
+    return Answer(Status::Unavailable("the daemon is stopping; subscribe again once it is back (a new instance_id)"));
+  };
+  // Events read from the ring and not yet written, oldest first from queue[head]. The handler reads everything new
+  // before each Write, so that the ring is not overrun while the subscriber takes a long snapshot or a burst: one
+  // that keeps up with the stream always finishes. What it holds is bounded: more than the snapshot's size plus the
+  // ring's capacity means the subscriber reads slower than the events come, and it is cut off as if it had fallen
+  // behind the ring.
+  std::vector<KvEvent> queue;
+  size_t head = 0;
+  size_t queue_limit = stream->capacity();
+  const auto drain = [&]() -> std::optional<grpc::Status> {
+    uint64_t behind = 0;
+    const KvEventStream::Reader::Result r = reader.Read(SIZE_MAX, &queue, &behind);
+    if (r == KvEventStream::Reader::Result::kClosed) return stopping();
+    if (r == KvEventStream::Reader::Result::kOverrun) return fell_behind(behind + (queue.size() - head));
+    if (queue.size() - head > queue_limit) {
+      static log::RateLimited queue_log(10000);
+      queue_log.Warning("events", "a KV event subscriber fell {} events behind (more than its snapshot and the "
+                        "event buffer) and was cut off", queue.size() - head);
+      return Answer(Status::ResourceExhausted(fmt::format(
+          "KV event subscriber fell behind by {} events: the daemon holds at most the snapshot's {} blocks plus "
+          "--kv-events-buffer {} events for a subscriber; resubscribe (the new stream starts with a snapshot), and "
+          "read faster or ask the operator for a larger --kv-events-buffer",
+          queue.size() - head, queue_limit - stream->capacity(), stream->capacity())));
+    }
+    return std::nullopt;
+  };
+  uint64_t sent_position = 0;  // the position of the last batch written
   if (request->skip_snapshot()) {
     // No snapshot: a first empty batch says where the stream starts (nothing to replace a view with).
     reader.StartAtHead();
@@ -746,9 +833,12 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
     batch_header(&b);
     b.set_head_seq(reader.position());
     b.set_position(reader.position());
-    if (!writer->Write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+    if (!write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+    sent_position = reader.position();
   } else {
+    watchdog.in_snapshot.store(true);
     const KvEventStream::Snapshot snap = reader.TakeSnapshot();
+    queue_limit = snap.blocks.size() + stream->capacity();
     size_t i = 0;
     do {
       v1::KvEventBatch b;
@@ -760,82 +850,48 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
       b.set_snapshot_seq(snap.seq);
       b.set_head_seq(snap.seq);
       b.set_position(snap.seq);
-      if (!writer->Write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+      if (!write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+      // The events after the snapshot wait in the queue until its last batch is written: a subscriber applies the
+      // snapshot, then them (the wire order docs/kv_events.md promises).
+      if (auto ended = drain()) return *ended;
     } while (i < snap.blocks.size());
+    watchdog.in_snapshot.store(false);
+    sent_position = snap.seq;
   }
-  // A subscriber that stops reading for good blocks Write (flow control) and would hold this handler until it
-  // disconnects: a watchdog cancels the call once it has been blocked for 10 s and the stream has overwritten what it
-  // had not read (it could only be cut off then anyway). A subscriber that reads again in time is told the reason.
-  struct Watchdog {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    std::atomic<int64_t> writing_since_ms{0};  // 0: not in Write
-    std::atomic<uint64_t> position{0};
-    std::thread thread;
-    ~Watchdog() {
-      {
-        std::lock_guard lock(mu);
-        done = true;
-      }
-      cv.notify_all();
-      if (thread.joinable()) thread.join();
-    }
-  } watchdog;
-  watchdog.position.store(reader.position());
-  watchdog.thread = std::thread([&watchdog, stream, context] {
-    std::unique_lock lock(watchdog.mu);
-    while (!watchdog.cv.wait_for(lock, std::chrono::seconds(1), [&] { return watchdog.done; })) {
-      const int64_t since = watchdog.writing_since_ms.load();
-      if (since == 0 || MonotonicMs() - since < 10000) continue;
-      if (stream->last_seq() - watchdog.position.load() <= stream->capacity()) continue;
-      log::Warning("events", "a KV event subscriber has not read for {} s and fell behind the event buffer: its call "
-                   "is cancelled", (MonotonicMs() - since) / 1000);
-      context->TryCancel();
-      return;
-    }
-  });
-  std::vector<KvEvent> events;
-  uint64_t sent_position = reader.position();
   int64_t last_write_ms = MonotonicMs();
+  std::vector<KvEvent> events;
   while (!context->IsCancelled()) {
-    events.clear();
-    uint64_t behind = 0;
-    const KvEventStream::Reader::Result r = reader.Read(max_batch, &events, &behind);
-    if (r == KvEventStream::Reader::Result::kClosed) {
-      return Answer(Status::Unavailable("the daemon is stopping; subscribe again once it is back (a new instance_id)"));
-    }
-    if (r == KvEventStream::Reader::Result::kOverrun) {
-      static log::RateLimited cut_off_log(10000);
-      cut_off_log.Warning("events", "a KV event subscriber fell behind by {} events and was cut off", behind);
-      return Answer(Status::ResourceExhausted(fmt::format(
-          "KV event subscriber fell behind by {} events: the daemon keeps the last {} (--kv-events-buffer) and the "
-          "events after seq {} are gone; resubscribe (the new stream starts with a snapshot), and read faster or ask "
-          "the operator for a larger --kv-events-buffer", behind, stream->capacity(), reader.position())));
-    }
-    const uint64_t position = reader.position();
+    if (auto ended = drain()) return *ended;
+    const size_t n = std::min(max_batch, queue.size() - head);
+    // Every event up to the position has been written or is in the snapshot: the ring's position once the queue is
+    // empty, else the last event written (those skipped before it are in the snapshot).
+    const uint64_t position = head + n == queue.size() ? reader.position() : queue[head + n - 1].seq;
     const int64_t now = MonotonicMs();
     // A batch when there are events, when skipped events moved the position, and once a second when idle (the
     // subscriber sees that the stream is alive and where the head is).
-    if (events.empty() && position == sent_position && now - last_write_ms < 1000) {
+    if (n == 0 && position == sent_position && now - last_write_ms < 1000) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
       continue;
     }
     v1::KvEventBatch b;
     batch_header(&b);
-    for (const KvEvent& e : events) FillKvEvent(*stream, domains, e, b.add_events());
+    for (size_t k = head; k < head + n; ++k) FillKvEvent(*stream, domains, queue[k], b.add_events());
     b.set_head_seq(stream->last_seq());
     b.set_position(position);
-    watchdog.position.store(position);
-    watchdog.writing_since_ms.store(now);
-    const bool written = writer->Write(b);
-    watchdog.writing_since_ms.store(0);
-    if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+    if (!write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+    head += n;
+    if (head == queue.size()) {
+      queue.clear();
+      head = 0;
+    } else if (head >= 4096 && head * 2 >= queue.size()) {
+      queue.erase(queue.begin(), queue.begin() + static_cast<std::ptrdiff_t>(head));
+      head = 0;
+    }
     sent_position = position;
     last_write_ms = now;
     // Batching: after a batch that was not full, let events gather for a moment instead of coming back for each one
     // (every read takes the ring's lock, which the data path appends under: fewer, larger reads contend less).
-    if (events.size() < max_batch) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (n < max_batch) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
 }

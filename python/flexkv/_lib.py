@@ -222,6 +222,13 @@ if has_kv_events:
         _fn.argtypes = _argtypes
 
 
+# flexkv_namespace_hash: added without an ABI bump (an older library lacks it; namespace_hash then raises).
+has_namespace_hash = hasattr(lib, "flexkv_namespace_hash")
+if has_namespace_hash:
+    lib.flexkv_namespace_hash.restype = c_uint64
+    lib.flexkv_namespace_hash.argtypes = [c_char_p, c_size_t]
+
+
 def version() -> str:
     """libflexkv's release version (the project version it was built as): the package's __version__."""
     return lib.flexkv_version().decode()

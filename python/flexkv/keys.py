@@ -155,3 +155,14 @@ def block_keys(namespace: Union[str, bytes], tokens: Any, tokens_per_block: int)
     assert count.value == capacity, (count.value, capacity)
     return BlockKeys._wrap(out)
 
+
+
+def namespace_hash(namespace: Union[str, bytes]) -> int:
+    """XXH3-64 of the model namespace (flexkv::NamespaceHash): the seed of its block keys, and what names a domain the
+    daemon knows only by this hash in KV events ("#" + 16 lowercase hex digits: an SSD block whose namespace has not
+    been attached since the daemon started). Needs no daemon."""
+    if not _lib.has_namespace_hash:
+        from .errors import Unimplemented
+        raise Unimplemented("this libflexkv has no flexkv_namespace_hash; update it")
+    ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
+    return int(_lib.lib.flexkv_namespace_hash(ns, len(ns)))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from .keys import BlockKey, BlockKeys, block_keys
+from .keys import BlockKey, BlockKeys, block_keys, namespace_hash
 
 __all__ = ["Tier", "NodePrefix", "RoutingIndex", "choose_prefix_aware", "PrefixRouter", "KvEventFeed"]
 
@@ -135,6 +135,30 @@ class RoutingIndex:
                     del self._keys[k]
             self._counts[node] = [0, 0]
 
+    def replace_node(self, node: int, dram: Iterable[KeyLike], ssd: Iterable[KeyLike] = ()) -> None:
+        """The node now holds exactly `dram` in DRAM and `ssd` on SSD, nothing else (a stream's snapshot), in one
+        update under the lock: a concurrent prefix_lengths() sees the node's old view or its new one, never a part
+        of each. InvalidArgument for a node never added (nothing changes)."""
+        dram_keys = [(k[0], k[1]) for k in dram]
+        ssd_keys = [(k[0], k[1]) for k in ssd]
+        with self._lock:
+            bit = self._bit(node)
+            keep = ~bit
+            for k in list(self._keys):
+                masks = self._keys[k]
+                masks[0] &= keep
+                masks[1] &= keep
+                if not masks[0] and not masks[1]:
+                    del self._keys[k]
+            counts = [0, 0]
+            for t, keys in ((0, dram_keys), (1, ssd_keys)):
+                for k in keys:
+                    masks = self._keys.setdefault(k, [0, 0])
+                    if not masks[t] & bit:
+                        masks[t] |= bit
+                        counts[t] += 1
+            self._counts[node] = counts
+
     # ---- lookups ----
 
     def prefix_lengths(self, keys: Sequence[KeyLike]) -> List[NodePrefix]:
@@ -230,13 +254,15 @@ class KvEventFeed:
     """Keeps one node's part of a RoutingIndex equal to what its daemon holds, from the daemon's KV event stream
     (flexkv.subscribe_kv_events, docs/kv_events.md), in a thread of its own.
 
-    Each subscription starts with a snapshot; once it is complete the node's view is replaced by it (clear_node, then
-    the snapshot's keys), then every event is applied as it comes. When the stream ends (the daemon stopped or
+    Each subscription starts with a snapshot; once it is complete the node's view is replaced by it (replace_node: in
+    one update), then every event is applied as it comes. When the stream ends (the daemon stopped or
     restarted, or this feed fell behind its event buffer) the feed subscribes again after a backoff (doubling from
     backoff_initial_s to backoff_max_s) and starts over from a new snapshot; while the daemon is away the node keeps
     its last view (a router then sends requests there at worst for nothing: a miss, never a wrong byte). namespace:
-    only events of that cache domain count (None: all). Thread safety: the index is thread-safe; the properties may be
-    read from any thread. close() ends the thread.
+    only events of that cache domain count (None: all), also those of its SSD blocks the daemon names by the
+    namespace's hash before the namespace is attached after a restart. A `cleared` event (an admin dropped a domain)
+    makes the feed subscribe again at once: the new snapshot replaces the node's view. Thread safety: the index is
+    thread-safe; the properties may be read from any thread. close() ends the thread.
     """
 
     def __init__(self, index: RoutingIndex, node: int, socket: Optional[str], namespace: Optional[str] = None,
@@ -245,11 +271,13 @@ class KvEventFeed:
         self.node = node
         self.socket = socket
         self.namespace = namespace
+        self._names = () if namespace is None else (namespace, f"#{namespace_hash(namespace):016x}")
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.instance_id = 0       # of the daemon whose snapshot was applied last
         self.position = 0          # every event up to this seq of that instance is applied
         self.snapshots = 0         # snapshots applied (1 + resubscriptions)
+        self.resyncs = 0           # resubscriptions because a domain was dropped (a `cleared` event)
         self.last_error = ""
         self._synced = threading.Event()
         self._stop = threading.Event()
@@ -270,26 +298,35 @@ class KvEventFeed:
         self._thread.join(timeout=10.0)
 
     def _wanted(self, event) -> bool:
-        return self.namespace is None or event.model_namespace == self.namespace
+        # An SSD block whose namespace the daemon has not seen attached since it started (it restarted on an SSD
+        # directory, its DRAM pool gone) is reported under the namespace's hash, "#<16 hex digits>", until a
+        # session of that namespace attaches: those blocks are this namespace's as much as the ones named.
+        return self.namespace is None or event.model_namespace in self._names
 
-    def _apply(self, event) -> None:
+    def _apply(self, event) -> bool:
+        """Applies one event; False when the view must be rebuilt from a new snapshot instead."""
         if not self._wanted(event):
-            return
+            return True
         if event.kind == "cleared":
-            # A domain left DRAM (dropped by an admin): the index keeps no domains, so the node's view goes; what it
-            # still holds of other tiers comes back with the next snapshot.
-            self.index.clear_node(self.node)
-            return
+            # One domain's keys left DRAM (an admin dropped it) while the node's other domains and its SSD blocks
+            # stay. The index keeps no domains, so it cannot tell which of the node's keys were that domain's;
+            # clearing the whole node would lose the others until the next snapshot, and remembering each key's
+            # domain here would keep a second copy of every key. A new subscription's snapshot is the daemon's true
+            # set, and replace_node swaps it in at once: the feed resubscribes (no backoff). Until then the node
+            # keeps the dropped keys: a router may send a request there for nothing (a miss, never a wrong byte).
+            return False
         tier = Tier.SSD if event.tier == "ssd" else Tier.DRAM
         if event.kind == "stored":
             self.index.stored(self.node, tier, [event.key])
         elif event.kind == "removed":
             self.index.removed(self.node, tier, [event.key])
+        return True
 
     def _run(self) -> None:
         from .kv_events import subscribe_kv_events  # the subscription needs libflexkv with flexkv_kv_*
         backoff = self.backoff_initial_s
         while not self._stop.is_set():
+            resync = False
             try:
                 sub = subscribe_kv_events(self.socket)
                 with self._lock:
@@ -306,9 +343,8 @@ class KvEventFeed:
                                 snapshot[1 if e.tier == "ssd" else 0].append(e.key)
                         if not batch.snapshot_end:
                             continue
-                        self.index.clear_node(self.node)
-                        self.index.stored(self.node, Tier.DRAM, snapshot[0])
-                        self.index.stored(self.node, Tier.SSD, snapshot[1])
+                        # One update: a router reading meanwhile sees the old view or the new, never half of it.
+                        self.index.replace_node(self.node, snapshot[0], snapshot[1])
                         snapshot = {0: [], 1: []}
                         in_snapshot = False
                         self.instance_id = batch.instance_id
@@ -318,8 +354,10 @@ class KvEventFeed:
                         backoff = self.backoff_initial_s
                         continue
                     in_snapshot = False
-                    for e in batch.events:
-                        self._apply(e)
+                    if not all(self._apply(e) for e in batch.events):
+                        resync = True  # the events after the clear are in the new snapshot
+                        self.resyncs += 1
+                        break
                     if batch.position:
                         self.position = batch.position
             except Exception as err:  # the stream's end (ResourceExhausted, Unavailable, Cancelled) or no daemon
@@ -329,6 +367,8 @@ class KvEventFeed:
                     sub, self._sub = self._sub, None
                 if sub is not None:
                     sub.close()
+            if resync:
+                continue
             if self._stop.wait(backoff):
                 return
             backoff = min(backoff * 2, self.backoff_max_s)

@@ -486,3 +486,23 @@ TEST_CASE("C ABI 6: layer events - NULL arguments, an unknown set, no GPU", "[in
   CHECK(out.done_blocks == 4);
   flexkv_close(c);
 }
+
+// Regression (issue 20 review): flexkv_kv_next with capacity 0 answered OK with no events and never moved on, so a
+// binding that passed 0 looped forever on the same batch.
+TEST_CASE("C ABI: flexkv_kv_next with capacity 0 is INVALID_ARGUMENT saying capacity must be at least 1",
+          "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  flexkv_kv_subscription* sub = nullptr;
+  REQUIRE(flexkv_kv_subscribe(d.socket().c_str(), 5000, 0, 0, &sub) == FLEXKV_OK);
+  flexkv_kv_batch batch{};
+  flexkv_kv_event events[4];
+  CHECK(flexkv_kv_next(sub, &batch, nullptr, 0) == FLEXKV_INVALID_ARGUMENT);
+  CHECK_THAT(std::string(flexkv_last_error()), Catch::Contains("capacity") && Catch::Contains(">= 1"));
+  CHECK(flexkv_kv_next(sub, &batch, events, 0) == FLEXKV_INVALID_ARGUMENT);
+  // The subscription is still usable: the (empty) snapshot comes with a capacity of 1 or more.
+  REQUIRE(flexkv_kv_next(sub, &batch, events, 4) == FLEXKV_OK);
+  CHECK(batch.snapshot == 1);
+  CHECK(batch.snapshot_end == 1);
+  flexkv_kv_close(sub);
+}

@@ -2,6 +2,7 @@
 // resubscribes ends with exactly the daemon's keys (checked against status and a full match sweep) under a store and
 // evict load, across a kill -9 and restart of the daemon; a subscriber that does not keep up is cut off with the
 // reason while the stores go on.
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/vfs.h>
 #include <sys/wait.h>
@@ -20,6 +21,7 @@
 
 #include "flexkv/client.h"
 #include "flexkv/kv_events.h"
+#include "flexkv/v1/control.grpc.pb.h"
 #include "tests/support/process.h"
 
 using namespace std::chrono_literals;
@@ -462,4 +464,154 @@ TEST_CASE("kv events: SIGTERM ends a subscription with UNAVAILABLE and the daemo
   REQUIRE(status.has_value());
   CHECK(WIFEXITED(*status));
   CHECK(WEXITSTATUS(*status) == 0);
+}
+
+namespace {
+
+// 4 KiB blocks (one layer, one KV head of 64): a pool of tens of thousands of blocks in little memory.
+flexkv::AttachOptions TinyAttach(const std::string& name) {
+  flexkv::AttachOptions o = SmallAttach(name);
+  o.geometry.num_layers = 1;
+  o.geometry.kv_heads_per_rank = 1;
+  o.geometry.head_dim = 64;
+  return o;
+}
+
+std::unique_ptr<flexkv::Client> TinyClient(const std::string& socket, const std::string& name) {
+  auto c = flexkv::Client::Connect({socket, 5000ms, 10000ms});
+  REQUIRE(c.ok());
+  auto attached = (*c)->Attach(TinyAttach(name));
+  INFO(attached.status().ToString());
+  REQUIRE(attached.ok());
+  REQUIRE((*c)->CreateHostKv(flexkv::KvLayout::kBlockFirst, 16).ok());
+  return std::move(*c);
+}
+
+void StoreChain(flexkv::Client& c, int seed) {
+  static const std::vector<uint32_t> ids = {0, 1, 2, 3, 4, 5};
+  auto t = c.Store(flexkv::BlockKeyChain(Chain(seed)), ids);
+  REQUIRE(t.ok());
+  auto r = c.Wait(*t, 10s);
+  REQUIRE(r.ok());
+  INFO(r->status.ToString());
+  REQUIRE(r->status.ok());
+}
+
+}  // namespace
+
+// Regression (issue 20 review): the handler sent the snapshot without reading the ring meanwhile, so a snapshot that
+// took longer to send than the ring lasts under the store load overran it: the subscriber was cut off right after the
+// snapshot, resubscribed, got a snapshot as long, and so on forever. Here the stores go on in step with the
+// subscriber's reading (one store of 6 blocks per 12 snapshot keys read: the events come at half the rate it reads,
+// whatever the machine's speed), so that the 32 000-key snapshot brings far more events than the 4096-event ring holds,
+// while the events of what the subscriber can read between two of the handler's writes (the transport's window: a
+// few thousand keys) fit the ring.
+TEST_CASE("kv events: a subscriber that keeps up finishes its snapshot under a steady store load with a small buffer",
+          "[integration]") {
+  DaemonUnderTest d({"--pool-size", "192MiB", "--kv-events-buffer", "4096"});  // 49 152 blocks of 4 KiB
+  REQUIRE(d.WaitReady());
+  auto c = TinyClient(d.socket(), "steady");
+  int seed = 0;
+  for (; seed < 5334; ++seed) StoreChain(*c, seed);  // 32 004 blocks
+  View view;
+  int resubscribed = 0;
+  std::string why;
+  bool finished = false;
+  while (!finished && resubscribed < 3) {
+    auto sub = Subscribe(d.socket(), 64);
+    uint64_t snapshot_keys = 0;
+    uint64_t target = 0;  // once the snapshot is in: the daemon's last seq then, which the stream must reach
+    while (!finished) {
+      auto b = sub->Next();
+      if (!b.ok()) {
+        INFO(b.status().ToString());
+        REQUIRE(b.status().code() == StatusCode::kResourceExhausted);
+        why = b.status().ToString();
+        ++resubscribed;
+        break;
+      }
+      view.Apply(*b);
+      if (b->snapshot) {
+        const uint64_t due = snapshot_keys / 12;
+        snapshot_keys += b->events.size();
+        for (uint64_t i = due; i < snapshot_keys / 12; ++i) StoreChain(*c, seed++);
+      }
+      if (b->snapshot_end) {
+        auto st = c->GetStatus();
+        REQUIRE(st.ok());
+        target = st->kv_events.last_seq;
+        CHECK(target > 2 * 4096);  // the snapshot did bring more events than the ring holds
+      }
+      finished = target != 0 && !view.in_snapshot && view.position >= target;
+    }
+  }
+  INFO("resubscribed " << resubscribed << " times; last: " << why);
+  REQUIRE(finished);
+  CHECK(resubscribed == 0);
+  // The view is the daemon's: its block count and a fresh subscription's snapshot.
+  auto st = c->GetStatus();
+  REQUIRE(st.ok());
+  CHECK(view.dram.size() == st->index_blocks);
+  View fresh;
+  auto again = Subscribe(d.socket(), 0);
+  CatchUp(*c, *again, &fresh);
+  CHECK(fresh.dram == view.dram);
+}
+
+// Regression (issue 20 review): the watchdog started only after the snapshot, so a subscriber that stopped reading in
+// the middle of it pinned a handler thread (and the snapshot's memory) for as long as it stayed connected. A raw gRPC
+// client with a small window subscribes and never reads: the daemon ends the call on its own.
+TEST_CASE("kv events: a subscriber that never reads its snapshot is cut off and its handler ends", "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  // Blocks of a namespace with a long name: each snapshot event is about 300 bytes, so the first batch of 1024
+  // (300 KiB) is more than the 64 KiB window lets through.
+  const std::string ns(200, 'n');
+  {
+    auto loader = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
+    REQUIRE(loader.ok());
+    flexkv::AttachOptions o = SmallAttach("long-namespace");
+    o.model_namespace = ns;
+    REQUIRE((*loader)->Attach(o).ok());
+    REQUIRE((*loader)->CreateHostKv(flexkv::KvLayout::kBlockFirst, 16).ok());
+    const std::vector<uint32_t> ids = {0, 1, 2, 3, 4, 5};
+    for (int seed = 0; seed < 60; ++seed) {  // 360 blocks of the 512 the pool holds
+      std::vector<int32_t> tokens(kChainBlocks * 16);
+      for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = seed * 100000 + static_cast<int32_t>(i);
+      auto t = (*loader)->Store(flexkv::BlockKeyChain(flexkv::ComputeBlockKeys(ns, tokens, 16)), ids);
+      REQUIRE(t.ok());
+      auto r = (*loader)->Wait(*t, 10s);
+      REQUIRE(r.ok());
+      REQUIRE(r->status.ok());
+    }
+    REQUIRE((*loader)->Detach().ok());
+  }
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto channel = grpc::CreateCustomChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials(), args);
+  auto stub = flexkv::v1::Control::NewStub(channel);
+  grpc::ClientContext ctx;
+  flexkv::v1::SubscribeKvEventsRequest req;
+  auto stalled = stub->SubscribeKvEvents(&ctx, req);  // never read
+  auto observer = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
+  REQUIRE(observer.ok());
+  const auto subscribers = [&] {
+    auto st = (*observer)->GetStatus();
+    REQUIRE(st.ok());
+    return st->kv_events.subscribers;
+  };
+  bool seen = false, gone = false;
+  for (int i = 0; i < 600 && !gone; ++i) {  // the watchdog's 10 s and then some; 60 s at most
+    const uint32_t n = subscribers();
+    seen = seen || n == 1;
+    gone = seen && n == 0;
+    if (!gone) std::this_thread::sleep_for(100ms);
+  }
+  CHECK(seen);
+  CHECK(gone);
+  CHECK_THAT(d.process().Stderr(), Catch::Contains("in the middle of its snapshot"));
+  ctx.TryCancel();
+  CHECK(stalled->Finish().error_code() == grpc::StatusCode::CANCELLED);
 }

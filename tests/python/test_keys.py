@@ -159,3 +159,12 @@ def test_key_halves_out_of_uint64_are_refused():
         flexkv.BlockKey.fromhex("-" + "0" * 31)  # int() would take the sign
     with pytest.raises(flexkv.InvalidArgument, match="tokens_per_block is -1"):
         flexkv.block_keys("ns", [1, 2], -1)
+
+
+def test_namespace_hash_is_xxh3_64_of_the_namespace():
+    """flexkv.keys.namespace_hash: the keys' seed, and the '#<16 hex digits>' name KV events give a namespace the
+    daemon knows only by its hash (docs/kv_events.md)."""
+    from flexkv.keys import namespace_hash
+    assert namespace_hash("") == 0x2D06800538D394C2  # XXH3-64 of no bytes (xxHash's published value)
+    assert namespace_hash("llama3-8b") == namespace_hash(b"llama3-8b")
+    assert namespace_hash("llama3-8b") != namespace_hash("llama3-8c")

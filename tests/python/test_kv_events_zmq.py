@@ -111,8 +111,8 @@ class VllmSubscriber:
         raise AssertionError("the stored block never arrived")
 
 
-def start_daemon_with_zmq(endpoint: str, pool_size: str) -> Daemon:
-    d = Daemon(["--kv-events-zmq", endpoint], pool_size)
+def start_daemon_with_zmq(endpoint: str, pool_size: str, extra_args: Optional[List[str]] = None) -> Daemon:
+    d = Daemon(["--kv-events-zmq", endpoint] + list(extra_args or []), pool_size)
     try:
         d.wait_ready()
     except RuntimeError as e:
@@ -213,4 +213,51 @@ def test_a_bad_zmq_endpoint_is_refused_with_the_reason():
             d.wait_ready()
         assert "--kv-events-zmq" in str(e.value)
     finally:
+        d.stop()
+
+
+def test_dropping_one_domain_leaves_the_subscriber_the_other_domains_blocks():
+    """Regression (issue 20 review): a domain dropped while another lives was published as a bare AllBlocksCleared
+    (vLLM's event names no domain), so a subscriber lost the living domain's blocks too. Now the clear is followed by
+    a snapshot: the subscriber ends with the daemon's true set."""
+    import subprocess
+
+    from conftest import FLEXKVD
+
+    other = "zmq-test-other|bf16|tp1"
+    tmp = tempfile.mkdtemp(prefix="flexkv-zmq-")
+    endpoint = f"ipc://{os.path.join(tmp, 'kv-events')}"
+    d = start_daemon_with_zmq(endpoint, "4MiB", ["--max-domains", "2"])
+    sub = VllmSubscriber(endpoint)
+    try:
+        with flexkv.connect(d.socket) as c:
+            c.attach("zmq-test", TEST_NAMESPACE, TEST_GEOMETRY)
+            c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
+            warm = 0
+            while True:
+                store(c, chain(3000 + warm, 1))
+                warm += 1
+                if sub.poll(200):
+                    break
+            kept = chain(8, 4)
+            store(c, kept)
+            with flexkv.connect(d.socket) as o:
+                o.attach("zmq-test-other", other, TEST_GEOMETRY)
+                o.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
+                gone = flexkv.block_keys(other, [9 * 100000 + i for i in range(3 * TPB)], TPB)
+                store(o, gone)
+            sub.until_stored(as_hash(gone[2]))
+            out = subprocess.run([os.path.join(os.path.dirname(FLEXKVD), "flexkvctl"), "--socket", d.socket,
+                                  "drop-domain", other, "--json"], capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert '"dropped_blocks":3' in out.stdout
+            sentinel = chain(5001, 2)  # published after the drop: everything before it has arrived
+            store(c, sentinel)
+            sub.until_stored(as_hash(sentinel[1]))
+            held = sub.held.get("CPU", set())
+            warm_keys = {as_hash(chain(3000 + i, 1)[0]) for i in range(warm)}
+            assert held == {as_hash(k) for k in list(kept) + list(sentinel)} | warm_keys
+            assert sub.cleared >= 2  # the one at the subscription, the one of the drop
+    finally:
+        sub.close()
         d.stop()

@@ -9,6 +9,7 @@ import sys
 import time
 
 import flexkv
+from conftest import FLEXKVD
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE
 from flexkv.routing import KvEventFeed, RoutingIndex
 
@@ -83,3 +84,116 @@ def test_example_routes_each_prompt_to_the_node_holding_its_prefix(make_daemon):
     assert got["on-b"]["node"] == "b" and got["on-b"]["cached_blocks"] == 4
     assert got["part-of-a"]["node"] == "a" and got["part-of-a"]["cached_blocks"] == 3
     assert got["nowhere"]["cached_blocks"] == 0  # the least loaded node
+
+
+OTHER_NAMESPACE = "router-test-other|bf16|tp1"
+
+
+def store_in(socket: str, namespace: str, toks, blocks: int) -> flexkv.BlockKeys:
+    with flexkv.connect(socket) as c:
+        c.attach(f"router-test-{namespace[:12]}", namespace, TEST_GEOMETRY)
+        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, blocks)
+        keys = flexkv.block_keys(namespace, toks, TPB)
+        r = c.store(keys, list(range(blocks))).wait(10.0)
+        assert r.ok, r
+        return keys
+
+
+def daemon_keys(socket: str):
+    """The daemon's keys per tier now, from a fresh subscription's snapshot."""
+    held = {"dram": set(), "ssd": set()}
+    with flexkv.subscribe_kv_events(socket) as sub:
+        while True:
+            b = sub.next_batch()
+            for e in b.events:
+                held[e.tier].add(e.key)
+            if b.snapshot_end:
+                return held
+
+
+FLEXKVCTL = os.path.join(os.path.dirname(FLEXKVD), "flexkvctl")
+
+
+def last_seq(socket: str) -> int:
+    out = subprocess.run([FLEXKVCTL, "--socket", socket, "status", "--json"], capture_output=True, text=True,
+                         timeout=30, check=True)
+    return json.loads(out.stdout)["kv_events"]["last_seq"]
+
+
+def test_feed_drops_only_the_dropped_domain(make_daemon):
+    """Regression (issue 20 review): a `cleared` event for one domain (an admin dropped it while another lives)
+    cleared the node's whole view, so the router lost the other domain's blocks until the next resubscription."""
+    d = make_daemon(["--max-domains", "2"])
+    index = RoutingIndex()
+    node = index.add_node("a")
+    feed = KvEventFeed(index, node, d.socket, backoff_initial_s=0.05)
+    try:
+        assert feed.wait_synced(10.0), feed.last_error
+        kept = store_in(d.socket, TEST_NAMESPACE, tokens(1, 5), 5)
+        dropped = store_in(d.socket, OTHER_NAMESPACE, tokens(2, 4), 4)
+        assert eventually(lambda: index.key_count(node, flexkv.routing.Tier.DRAM) == 9), feed.last_error
+        out = subprocess.run([FLEXKVCTL, "--socket", d.socket, "drop-domain", OTHER_NAMESPACE, "--json"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert '"dropped_blocks":4' in out.stdout
+        target = last_seq(d.socket)  # the cleared event is in by then
+        assert eventually(lambda: feed.position >= target, 20.0), feed.last_error
+        truth = daemon_keys(d.socket)
+        assert truth["dram"] == set(kept) and not truth["ssd"]
+        assert index.key_count(node, flexkv.routing.Tier.DRAM) == len(truth["dram"])
+        assert index.prefix_lengths(kept)[node].dram_blocks == len(kept)
+        assert index.prefix_lengths(dropped)[node].blocks == 0
+        assert feed.resyncs == 1
+    finally:
+        feed.close()
+
+
+def test_filtered_feed_holds_the_ssd_blocks_the_daemon_names_by_the_namespace_hash(make_daemon):
+    """Regression (issue 20 review): a daemon restarted on an SSD directory, its DRAM pool gone, reports the SSD blocks
+    of a namespace it has not seen attached under "#<XXH3-64 of the namespace>"; a feed filtered on the namespace
+    dropped them, and missed them for good after the namespace's first request (which names only new events)."""
+    import shutil
+    import tempfile
+
+    ssd = tempfile.mkdtemp(dir="/var/tmp", prefix="flexkv-feed-ssd-")
+    fs = subprocess.run(["stat", "-f", "-c", "%T", ssd], capture_output=True, text=True).stdout.strip()
+    if fs == "tmpfs":
+        shutil.rmtree(ssd, ignore_errors=True)
+        import pytest
+        pytest.skip("/var/tmp is tmpfs: the SSD tier needs a disk filesystem")
+    try:
+        d = make_daemon(["--ssd-path", ssd, "--ssd-size", "16MiB", "--ssd-write-policy", "all"], pool_size="8MiB")
+        chains = [store_in(d.socket, TEST_NAMESPACE, tokens(40 + i, 4), 4) for i in range(3)]
+        on_ssd = {k for keys in chains for k in keys}
+        assert eventually(lambda: daemon_keys(d.socket)["ssd"] == on_ssd, 30.0)
+        d.kill()
+        shutil.rmtree(d.pool_dir)  # the DRAM pool is gone (a reboot), the SSD directory stays
+        d.restart()
+        hashed = f"#{flexkv.keys.namespace_hash(TEST_NAMESPACE):016x}"
+        with flexkv.subscribe_kv_events(d.socket) as sub:  # the precondition: the blocks come under the hash
+            names = set()
+            while True:
+                b = sub.next_batch()
+                names.update(e.model_namespace for e in b.events if e.tier == "ssd")
+                if b.snapshot_end:
+                    break
+            assert names == {hashed}
+        index = RoutingIndex()
+        node = index.add_node("a")
+        feed = KvEventFeed(index, node, d.socket, namespace=TEST_NAMESPACE, backoff_initial_s=0.05)
+        try:
+            assert feed.wait_synced(10.0), feed.last_error
+            # The namespace's first request since the restart: its name is known from now on.
+            fresh = store_in(d.socket, TEST_NAMESPACE, tokens(50, 2), 2)
+            target = last_seq(d.socket)
+            assert eventually(lambda: feed.position >= target, 20.0), feed.last_error
+            truth = daemon_keys(d.socket)
+            assert on_ssd <= truth["ssd"]
+            assert index.key_count(node, flexkv.routing.Tier.SSD) >= len(on_ssd)
+            for keys in chains:
+                assert index.prefix_lengths(keys)[node].blocks == 4
+            assert index.prefix_lengths(fresh)[node].dram_blocks == 2
+        finally:
+            feed.close()
+    finally:
+        shutil.rmtree(ssd, ignore_errors=True)

@@ -117,3 +117,61 @@ def test_choice_and_router():
     assert node == b and prefixes[b].blocks == 5 and prefixes[a].blocks == 0
     node, _ = router.route(tokens, loads=[0, 10])  # b overloaded
     assert node == a
+
+
+def test_replace_node_leaves_exactly_the_keys_given():
+    index = RoutingIndex()
+    a, b = index.add_node("a"), index.add_node("b")
+    keys = flexkv.block_keys(NS, prompt(4, 10), 16)
+    index.stored(a, Tier.DRAM, keys[:6])
+    index.stored(a, Tier.SSD, keys[6:])
+    index.stored(b, Tier.DRAM, keys[:3])
+    index.replace_node(a, keys[:2], keys[2:5])  # keys 5-9 are held by no one now: they leave the index
+    assert index.prefix_lengths(keys) == [NodePrefix(a, 5, 2), NodePrefix(b, 3, 3)]
+    assert (index.key_count(a, Tier.DRAM), index.key_count(a, Tier.SSD), len(index)) == (2, 3, 5)
+    index.replace_node(a, [keys[0], keys[0]])  # a key given twice counts once; no SSD keys
+    assert (index.key_count(a, Tier.DRAM), index.key_count(a, Tier.SSD)) == (1, 0)
+    index.replace_node(a, [])
+    assert index.prefix_lengths(keys)[a] == NodePrefix(a, 0, 0) and len(index) == 3
+    with pytest.raises(flexkv.InvalidArgument, match="never added"):
+        index.replace_node(5, keys[:1])
+    assert len(index) == 3
+
+
+def test_a_reader_during_replace_node_never_sees_a_half_replaced_node():
+    """Regression (issue 20 review): KvEventFeed applied a snapshot as clear_node, stored(DRAM), stored(SSD), each
+    locked on its own, so a router reading in between saw the node holding nothing or its DRAM part alone."""
+    import sys
+    import threading
+
+    index = RoutingIndex()
+    a = index.add_node("a")
+    keys = flexkv.block_keys(NS, prompt(5, 16), 16)
+    index.replace_node(a, keys)
+    done = threading.Event()
+    torn, reads = [], [0]
+
+    def read():
+        while not done.is_set():
+            p = index.prefix_lengths(keys)[a]
+            if p.blocks != 16 or p.dram_blocks not in (8, 16):
+                torn.append(p)
+            reads[0] += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: a torn view would show
+    try:
+        reader = threading.Thread(target=read)
+        reader.start()
+        i = 0
+        while i < 3000 or reads[0] < 300:
+            if i % 2 == 0:
+                index.replace_node(a, keys[:8], keys[8:])
+            else:
+                index.replace_node(a, keys)
+            i += 1
+        done.set()
+        reader.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not torn, f"{len(torn)} of {reads[0]} reads saw a half-replaced node, e.g. {torn[0]}"

@@ -174,6 +174,11 @@ int flexkv_compute_block_keys(const char* model_namespace, size_t namespace_len,
                               size_t n_tokens, uint32_t tokens_per_block, flexkv_block_key* out, size_t capacity,
                               size_t* count);
 
+/* XXH3-64 of `model_namespace` (namespace_len bytes; NULL only with 0): the seed of its block keys, and the name a KV
+ * event gives a domain the daemon knows only by this hash ("#" and 16 lowercase hex digits: an SSD block whose
+ * namespace has not been attached since the daemon started, docs/kv_events.md). Added without an ABI bump. */
+uint64_t flexkv_namespace_hash(const char* model_namespace, size_t namespace_len);
+
 /* ---- Connection and session ---- */
 
 /* socket_path may be NULL ($FLEXKV_SOCKET or the default). On success *out owns a client. On failure
@@ -311,7 +316,7 @@ int flexkv_kv_subscribe(const char* socket_path, int timeout_ms, uint32_t max_ba
                         flexkv_kv_subscription** out);
 /* Blocks for the next batch (KvEventSubscription::Next): its header in *batch and its events in events[0..capacity);
  * a batch with more events than capacity keeps the rest for the next calls (same header, snapshot_end and position
- * only on its last part). The stream's end is the status: RESOURCE_EXHAUSTED (fell behind: subscribe again),
+ * only on its last part). INVALID_ARGUMENT when capacity is 0 (it must be >= 1). The stream's end is the status: RESOURCE_EXHAUSTED (fell behind: subscribe again),
  * UNAVAILABLE (the daemon stopped), CANCELLED. */
 int flexkv_kv_next(flexkv_kv_subscription* sub, flexkv_kv_batch* batch, flexkv_kv_event* events, size_t capacity);
 /* Makes a flexkv_kv_next blocked in another thread return CANCELLED. */

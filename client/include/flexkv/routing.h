@@ -53,6 +53,10 @@ class RoutingIndex {
   // The node holds nothing (its daemon restarted with an empty pool, cleared its cache, or the stream is to be
   // rebuilt from a snapshot). O(keys in the index).
   Status ClearNode(uint32_t node);
+  // The node now holds exactly `dram` in DRAM and `ssd` on SSD, nothing else (a stream's snapshot): one update
+  // under the lock, so a concurrent PrefixLengths sees the node's old view or its new one, never a part of each.
+  // INVALID_ARGUMENT for a node number never handed out (nothing changes). O(keys in the index + keys given).
+  Status ReplaceNode(uint32_t node, std::span<const BlockKey> dram, std::span<const BlockKey> ssd);
 
   struct NodePrefix {
     uint32_t node = 0;

@@ -28,6 +28,10 @@ inline constexpr BlockKey kRootParent{};
 std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::span<const int32_t> tokens,
                                        uint32_t tokens_per_block);
 
+// XXH3_64(model_namespace): the seed above, and what names a namespace where the daemon knows only the hash (a KV
+// event of an SSD block whose namespace it has not seen since it started is of domain "#<16 hex digits>").
+uint64_t NamespaceHash(std::string_view model_namespace);
+
 // A run of consecutive keys of one prompt together with the key its first one hangs under (its parent):
 // kRootParent when keys()[0] is the prompt's first block. What Client::Store takes, so that a store of the
 // part of a prompt past its cached prefix says where that part goes. A view: the keys must outlive it.

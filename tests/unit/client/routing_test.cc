@@ -4,7 +4,9 @@
 #include <array>
 #include <catch2/catch.hpp>
 #include <random>
+#include <atomic>
 #include <set>
+#include <thread>
 #include <vector>
 
 using flexkv::BlockKey;
@@ -135,6 +137,71 @@ TEST_CASE("routing index: agrees with a per-node set model under random stores a
       REQUIRE(index.KeyCount(n, CacheTier::kSsd) == model[n][1].size());
     }
   }
+}
+
+TEST_CASE("routing index: ReplaceNode leaves the node exactly the keys given and other nodes as they were",
+          "[unit][routing]") {
+  RoutingIndex index;
+  const uint32_t a = *index.AddNode("a");
+  const uint32_t b = *index.AddNode("b");
+  const auto keys = Keys(7, 10);
+  REQUIRE(index.Stored(a, CacheTier::kDram, Head(keys, 6)).ok());
+  REQUIRE(index.Stored(a, CacheTier::kSsd, std::span(keys).subspan(6, 4)).ok());
+  REQUIRE(index.Stored(b, CacheTier::kDram, Head(keys, 3)).ok());
+  // The snapshot: blocks 0-1 in DRAM, 2-4 on SSD; the old keys 5-9 go (held by no one, they leave the index).
+  REQUIRE(index.ReplaceNode(a, Head(keys, 2), std::span(keys).subspan(2, 3)).ok());
+  auto p = index.PrefixLengths(keys);
+  CHECK(p[a].blocks == 5);
+  CHECK(p[a].dram_blocks == 2);
+  CHECK(p[b].blocks == 3);
+  CHECK(index.KeyCount(a, CacheTier::kDram) == 2);
+  CHECK(index.KeyCount(a, CacheTier::kSsd) == 3);
+  CHECK(index.KeyCount(b, CacheTier::kDram) == 3);
+  CHECK(index.size() == 5);
+  // A key given twice counts once; an empty view empties the node.
+  const std::vector<BlockKey> twice = {keys[0], keys[0]};
+  REQUIRE(index.ReplaceNode(a, twice, {}).ok());
+  CHECK(index.KeyCount(a, CacheTier::kDram) == 1);
+  CHECK(index.KeyCount(a, CacheTier::kSsd) == 0);
+  REQUIRE(index.ReplaceNode(a, {}, {}).ok());
+  CHECK(index.PrefixLengths(keys)[a].blocks == 0);
+  CHECK(index.size() == 3);
+  auto bad = index.ReplaceNode(9, Head(keys, 1), {});
+  CHECK(bad.code() == flexkv::StatusCode::kInvalidArgument);
+  CHECK_THAT(bad.message(), Catch::Contains("never added"));
+  CHECK(index.size() == 3);
+}
+
+// Regression (issue 20 review): a feed applied a snapshot as ClearNode, Stored(DRAM), Stored(SSD), each under the lock
+// on its own, so a router reading in between saw the node holding nothing, or its DRAM part alone.
+TEST_CASE("routing index: a reader concurrent with ReplaceNode sees the old view or the new one and never a mix",
+          "[unit][routing]") {
+  RoutingIndex index;
+  const uint32_t a = *index.AddNode("a");
+  const auto keys = Keys(8, 16);
+  // Two views of the same 16 blocks: all in DRAM, or the first 8 in DRAM and the rest on SSD.
+  REQUIRE(index.ReplaceNode(a, keys, {}).ok());
+  std::atomic<bool> done{false};
+  std::atomic<uint64_t> reads{0}, torn{0};
+  std::thread reader([&] {
+    while (!done.load()) {
+      const auto p = index.PrefixLengths(keys);
+      const bool whole = p[a].blocks == 16 && (p[a].dram_blocks == 16 || p[a].dram_blocks == 8);
+      if (!whole) torn.fetch_add(1);
+      reads.fetch_add(1);
+    }
+  });
+  for (int i = 0; i < 20000 || reads.load() < 20000; ++i) {
+    const auto s = i % 2 == 0 ? index.ReplaceNode(a, Head(keys, 8), std::span(keys).subspan(8))
+                              : index.ReplaceNode(a, keys, {});
+    if (!s.ok()) {
+      FAIL_CHECK(s.ToString());
+      break;
+    }
+  }
+  done.store(true);
+  reader.join();
+  CHECK(torn.load() == 0);
 }
 
 TEST_CASE("routing index: node names, limits and unknown nodes are refused with a reason", "[unit][routing]") {
