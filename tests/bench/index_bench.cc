@@ -189,7 +189,14 @@ std::optional<IndexResult> RunOne(uint64_t n, uint32_t chain, uint32_t passes, b
   } cleanup{dir};
   // 16 tokens × 1 layer × 1 plane × 1 head × head_dim 1 × 1 byte = 16 bytes: the smallest block Geometry allows
   // (a chunk must be a multiple of 16 bytes).
-  const flexkv::Geometry g{16, 1, 1, 1, 1, 1, 1};
+  flexkv::Geometry g;
+  g.tokens_per_block = 16;
+  g.num_layers = 1;
+  g.kv_planes = 1;
+  g.kv_heads_per_rank = 1;
+  g.head_dim = 1;
+  g.dtype_bytes = 1;
+  g.tp_size = 1;
   const uint64_t budget = n * g.host_block_bytes();
   t0 = Clock::now();
   {

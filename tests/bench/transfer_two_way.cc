@@ -367,6 +367,28 @@ class Study {
         }
       }
     }
+    // TP-sharded slots (slot = [layer][plane][shard][chunk]): one rank's chunks are `rows` rows of `chunk` bytes at
+    // a pitch of tp * chunk. One cudaMemcpy2DAsync per slot between them and a contiguous GPU buffer: could a staged
+    // copy serve a TP rank? Bytes = the rank's share, total / tp.
+    for (uint32_t tp : {2u, 4u}) {
+      const uint64_t chunk_rows = 2ull * o_.layers, rank_bytes = chunk_rows * chunk_, slot = tp * rank_bytes;
+      const uint64_t slots = total_ / slot;
+      auto copy2d = [&](bool st, bool ld) {
+        const uint64_t split = (st && ld) ? slots / 2 : (st ? slots : 0);
+        for (uint64_t k = 0; k < slots; ++k) {
+          uint8_t* host = pool + k * slot;
+          uint8_t* dev = static_cast<uint8_t*>(dev_) + k * rank_bytes;
+          if (k < split)
+            CK(cudaMemcpy2DAsync(host, tp * chunk_, dev, chunk_, chunk_, chunk_rows, cudaMemcpyDeviceToHost, c1_));
+          else
+            CK(cudaMemcpy2DAsync(dev, chunk_, host, tp * chunk_, chunk_, chunk_rows, cudaMemcpyHostToDevice, c2_));
+        }
+      };
+      for (const char* dir : {"store", "load", "both"}) {
+        const bool st = std::strcmp(dir, "load") != 0, ld = std::strcmp(dir, "store") != 0;
+        add(Time(fmt::format("ce 2D per slot, tp {} rows", tp), dir, slots * rank_bytes, ceil(dir), [&] { copy2d(st, ld); }));
+      }
+    }
     // SM-issued contiguous copies.
     each("kernel contiguous", [&](bool st, bool ld) { KernelContiguous(st, ld); });
     // The kernels on the identity map and on the THP pool (their loads put other bytes in the GPU cache: before

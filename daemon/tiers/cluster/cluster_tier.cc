@@ -546,7 +546,7 @@ struct ClusterTier::Impl {
   // end. Stops posting after the first failure (only the verified prefix is committed). Every read posted has
   // ended when it returns (a read the transport refused as over its limit is retried once one of ours ends).
   std::vector<Status> ReadBlocks(Cache& cache, const cluster::PeerHandle& peer,
-                                 const std::vector<cluster::RemoteRegion>& regions,
+                                 const std::vector<cluster::RemoteRegion>& peer_regions,
                                  std::span<const PeerLookupReply::Block> blocks, std::span<const SlotId> slots) {
     struct Reads {
       std::mutex mu;
@@ -566,7 +566,7 @@ struct ClusterTier::Impl {
       const PeerLookupReply::Block& b = blocks[i];
       Status posted;
       for (int attempt = 0;; ++attempt) {
-        posted = transport->Get(peer, regions[b.region], b.offset, cache.SlotData(slots[i]), cache.SlotBytes(slots[i]),
+        posted = transport->Get(peer, peer_regions[b.region], b.offset, cache.SlotData(slots[i]), cache.SlotBytes(slots[i]),
                                 [&reads, &got, i](Status s) {
                                   std::lock_guard<std::mutex> lock(reads.mu);
                                   if (!s.ok()) reads.failed = true;
@@ -665,11 +665,11 @@ struct ClusterTier::Impl {
     auto reply = DecodeLookupReply(*answer, request.from, request.keys.size());
     if (!reply.ok()) return fail(fmt::format("peer {}: {}", owner.node_id, reply.status().message()));
     if (reply->blocks.empty()) return fail(fmt::format("peer {}: no longer holds the blocks", owner.node_id));
-    std::vector<cluster::RemoteRegion> regions;
+    std::vector<cluster::RemoteRegion> peer_regions;
     for (const std::string& d : reply->regions) {
       auto parsed = cluster::RemoteRegion::Parse(d);
       if (!parsed.ok()) return fail(fmt::format("peer {}: {}", owner.node_id, parsed.status().message()));
-      regions.push_back(*parsed);
+      peer_regions.push_back(*parsed);
     }
     if (cancelled()) return r;
 
@@ -685,7 +685,7 @@ struct ClusterTier::Impl {
       return r;
     }
     const std::vector<Status> got =
-        ReadBlocks(cache, *peer, regions, std::span(reply->blocks).subspan(first, count), reserved.slots);
+        ReadBlocks(cache, *peer, peer_regions, std::span(reply->blocks).subspan(first, count), reserved.slots);
     size_t verified = 0;
     std::vector<uint64_t> checksums;
     std::string why;
