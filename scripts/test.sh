@@ -44,7 +44,7 @@ fi
 # on the first one, and the test harness fails a test whose daemon or client printed one (tests/support/process.cc).
 [[ ${FLEXKV_SANITIZERS:-1} == 0 ]] && exit 0
 # -O1 -g1 (line tables): what the sanitizers' manuals recommend, and half the compile time of -O2 -g under
-# instrumentation (measured: 4 of the largest files, 104 s -> 52 s of CPU, docs/performance.md "CI time"); reports
+# instrumentation (measured: 4 of the largest files, 104 s -> 52 s of CPU; docs/performance.md "CI time"); reports
 # still name file and line.
 san_build() {  # <dir> <sanitizers> <targets...>
   local dir=$1 san=$2

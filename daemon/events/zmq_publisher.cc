@@ -214,9 +214,17 @@ void ZmqKvEventPublisher::Run() {
                    snap.blocks.begin() + static_cast<std::ptrdiff_t>(std::min(snap.blocks.size(), i + kMaxBatchEvents)));
       publish(chunk, first);
       first = false;
-      const KvEventStream::Reader::Result r = reader.Read(SIZE_MAX, after, behind);
+      // What was stored meanwhile, held until the snapshot is out: at most the snapshot's size plus the ring's
+      // capacity (one more means the events come faster than the snapshot goes out: start over, as if overrun).
+      const size_t limit = snap.blocks.size() + stream_->capacity();
+      const size_t room = after->size() > limit ? 0 : limit - after->size();
+      const KvEventStream::Reader::Result r = reader.Read(room + 1, after, behind);
       if (r == KvEventStream::Reader::Result::kClosed) return Resync::kClosed;
       if (r == KvEventStream::Reader::Result::kOverrun) return Resync::kOverrun;
+      if (after->size() > limit) {
+        *behind = after->size();
+        return Resync::kOverrun;
+      }
     }
     if (first) publish({}, true);
     return Resync::kDone;

@@ -810,7 +810,10 @@ grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, con
   size_t queue_limit = stream->capacity();
   const auto drain = [&]() -> std::optional<grpc::Status> {
     uint64_t behind = 0;
-    const KvEventStream::Reader::Result r = reader.Read(SIZE_MAX, &queue, &behind);
+    // At most one event past the limit is read, so the limit is the most the handler ever holds (plus one).
+    const size_t held = queue.size() - head;
+    const size_t room = held > queue_limit ? 0 : queue_limit - held;
+    const KvEventStream::Reader::Result r = reader.Read(room + 1, &queue, &behind);
     if (r == KvEventStream::Reader::Result::kClosed) return stopping();
     if (r == KvEventStream::Reader::Result::kOverrun) return fell_behind(behind + (queue.size() - head));
     if (queue.size() - head > queue_limit) {

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unimplemented
 from .keys import BlockKey, BlockKeys, block_keys, namespace_hash
 
 __all__ = ["Tier", "NodePrefix", "RoutingIndex", "choose_prefix_aware", "PrefixRouter", "KvEventFeed"]
@@ -250,6 +250,18 @@ class PrefixRouter:
         return choose_prefix_aware(prefixes, loads, self.max_load_ratio), prefixes
 
 
+def _domain_names(namespace: str) -> Tuple[str, ...]:
+    """The names a daemon's events may give `namespace`'s domain: its name, and "#" + its hash while the daemon knows
+    its SSD blocks only by the hash. With a libflexkv too old to hash (no flexkv_namespace_hash), the name alone, with
+    a warning: such SSD blocks are then missed until the namespace is attached."""
+    try:
+        return (namespace, f"#{namespace_hash(namespace):016x}")
+    except Unimplemented as e:
+        import warnings
+        warnings.warn(f"KvEventFeed: {e}; SSD blocks reported under the namespace's hash are missed", RuntimeWarning)
+        return (namespace,)
+
+
 class KvEventFeed:
     """Keeps one node's part of a RoutingIndex equal to what its daemon holds, from the daemon's KV event stream
     (flexkv.subscribe_kv_events, docs/kv_events.md), in a thread of its own.
@@ -271,7 +283,7 @@ class KvEventFeed:
         self.node = node
         self.socket = socket
         self.namespace = namespace
-        self._names = () if namespace is None else (namespace, f"#{namespace_hash(namespace):016x}")
+        self._names = () if namespace is None else _domain_names(namespace)
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.instance_id = 0       # of the daemon whose snapshot was applied last

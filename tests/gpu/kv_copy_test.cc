@@ -929,8 +929,11 @@ TEST_CASE("staged copies are refused where they cannot be staged, with nothing e
   CHECK(kv::StagedCopy(view, pool.View(1, 0), gpu_blocks, slots.data(), 3, true, *ring, nullptr) ==
         cudaErrorInvalidValue);  // no stream to join the copies into
   GpuKv big(Layout::kLayerFirst, 3, 2, 8, 4096);  // slots 4x the ring's
+  Pool big_pool(8, kv::StagedSlotBytes(big.View()));  // room for them: only the ring is too small
+  big_pool.Poison();
+  CHECK(kv::CanStage(big.View(), big_pool.View(1, 0), 0, 3));
   CHECK(ring->SlotsPerBuffer(kv::StagedSlotBytes(big.View())) == 0);
-  CHECK(kv::StagedCopy(big.View(), pool.View(1, 0), gpu_blocks, slots.data(), 3, true, *ring, stream) ==
+  CHECK(kv::StagedCopy(big.View(), big_pool.View(1, 0), gpu_blocks, slots.data(), 3, true, *ring, stream) ==
         cudaErrorInvalidValue);
   std::unique_ptr<kv::StagingRing> none;
   CHECK(kv::StagingRing::Create(1 << 20, 1, &none) == cudaErrorInvalidValue);
@@ -939,6 +942,8 @@ TEST_CASE("staged copies are refused where they cannot be staged, with nothing e
   CUDA_OK(cudaDeviceSynchronize());
   const std::vector<uint8_t> untouched(pool.bytes(), kPoolPoison);
   RequireSame(pool.data(), untouched.data(), pool.bytes(), "pool after refused and empty staged copies");
+  const std::vector<uint8_t> big_untouched(big_pool.bytes(), kPoolPoison);
+  RequireSame(big_pool.data(), big_untouched.data(), big_pool.bytes(), "pool after a refused staged copy");
   CUDA_OK(cudaStreamDestroy(stream));
 }
 
@@ -993,4 +998,48 @@ TEST_CASE("a staged store and a staged load at once, on two rings and two stream
                     "a loaded chunk");
   CUDA_OK(cudaStreamDestroy(s1));
   CUDA_OK(cudaStreamDestroy(s2));
+}
+
+TEST_CASE("staged copies back to back on one stream, nothing waited for between them, each reading what the last wrote",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  auto rng = Rng();
+  const uint32_t layers = 4, planes = 2, nblocks = 96, nslots = 80, count = 29;  // 10 batches of 3: rings wrap
+  const uint64_t chunk = 4096;
+  GpuKv gpu(Layout::kLayerFirst, layers, planes, nblocks, chunk);
+  const uint64_t block_bytes = layers * planes * chunk;
+  Pool pool(nslots, block_bytes);
+  gpu.Randomize(rng);
+  pool.Poison();
+  const auto ids = Pick(rng, nblocks, 3 * count), to = Pick(rng, nslots, 2 * count);
+  const std::vector<uint32_t> b1(ids.begin(), ids.begin() + count), b2(ids.begin() + count, ids.begin() + 2 * count),
+      b3(ids.begin() + 2 * count, ids.end()), s1(to.begin(), to.begin() + count), s2(to.begin() + count, to.end());
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto store_ring = SmallRing(gpu.View()), load_ring = SmallRing(gpu.View());
+  DevicePairs p1(b1, s1, false), p2(b2, s1, false), p3(b2, s2, false), p4(b3, s2, false);
+  const kv::HostPoolView pv = pool.View(1, 0);
+  // b1 -> s1, s1 -> b2, b2 -> s2, s2 -> b3, each a whole ring's worth of batches, then one wait: every step must
+  // see the last one's bytes, so blocks b3 and slots s1, s2 end up with b1's chunks.
+  CUDA_OK(kv::StagedCopy(gpu.View(), pv, p1.Pairs(count, 0, layers).gpu_blocks, s1.data(), count, true, *store_ring, stream));
+  CUDA_OK(kv::StagedCopy(gpu.View(), pv, p2.Pairs(count, 0, layers).gpu_blocks, s1.data(), count, false, *load_ring, stream));
+  CUDA_OK(kv::StagedCopy(gpu.View(), pv, p3.Pairs(count, 0, layers).gpu_blocks, s2.data(), count, true, *store_ring, stream));
+  CUDA_OK(kv::StagedCopy(gpu.View(), pv, p4.Pairs(count, 0, layers).gpu_blocks, s2.data(), count, false, *load_ring, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaGetLastError());
+  std::vector<uint8_t> want(pool.bytes(), kPoolPoison);
+  for (uint32_t i = 0; i < count; ++i)
+    for (uint32_t l = 0; l < layers; ++l)
+      for (uint32_t p = 0; p < planes; ++p)
+        for (uint32_t slot : {s1[i], s2[i]})
+          std::memcpy(want.data() + slot * block_bytes + (l * planes + p) * chunk, gpu.Chunk(l, p, b1[i]), chunk);
+  RequireSame(pool.data(), want.data(), pool.bytes(), "pool after the chain");
+  const auto got = gpu.Download();  // LAYERFIRST: allocation l is layer l, [plane][block][chunk]
+  for (uint32_t i = 0; i < count; ++i)
+    for (uint32_t l = 0; l < layers; ++l)
+      for (uint32_t p = 0; p < planes; ++p)
+        for (uint32_t block : {b2[i], b3[i]})
+          RequireSame(got[l].data() + (static_cast<uint64_t>(p) * nblocks + block) * chunk, gpu.Chunk(l, p, b1[i]), chunk,
+                      "a block loaded at the end of the chain");
+  CUDA_OK(cudaStreamDestroy(stream));
 }

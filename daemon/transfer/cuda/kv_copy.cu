@@ -494,6 +494,7 @@ cudaError_t StagingRing::Create(uint64_t bytes, uint32_t buffers, std::unique_pt
     return e;
   if (cudaError_t e = cudaStreamCreateWithFlags(&ring->copy_stream_, cudaStreamNonBlocking); e != cudaSuccess) return e;
   if (cudaError_t e = cudaEventCreateWithFlags(&ring->done_, cudaEventDisableTiming); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaEventCreateWithFlags(&ring->last_use_, cudaEventDisableTiming); e != cudaSuccess) return e;
   for (auto* v : {&ring->ready_, &ring->free_}) {
     for (uint32_t i = 0; i < buffers; ++i) {
       cudaEvent_t ev = nullptr;
@@ -509,6 +510,10 @@ StagingRing::~StagingRing() {
   // Whatever a call enqueued must finish before the memory goes (its caller waits on its stream; this is the
   // guard for a ring dropped after an error).
   if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
+  if (last_use_ != nullptr) {
+    cudaEventSynchronize(last_use_);  // the callers' kernels (a never-recorded event returns at once)
+    cudaEventDestroy(last_use_);
+  }
   for (cudaEvent_t e : ready_) cudaEventDestroy(e);
   for (cudaEvent_t e : free_) cudaEventDestroy(e);
   if (done_ != nullptr) cudaEventDestroy(done_);
@@ -564,6 +569,7 @@ cudaError_t StagedCopy(const GpuKvView& gpu, const HostPoolView& pool, const uin
   // On an error part of the copies may be in flight on the ring's stream, which the caller does not wait for: they
   // must end before the caller hands the slots or the GPU blocks to anyone else.
   if (e != cudaSuccess) cudaStreamSynchronize(ring.copy_stream_);
+  (void)cudaEventRecord(ring.last_use_, stream);
   return e;
 }
 
@@ -577,7 +583,8 @@ cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const 
   dsts.reserve(per_buffer);
   srcs.reserve(per_buffer);
   sizes.reserve(per_buffer);
-  for (uint32_t first = 0; first < count; first += per_buffer) {
+  for (uint64_t first64 = 0; first64 < count; first64 += per_buffer) {
+    const uint32_t first = static_cast<uint32_t>(first64);
     const uint32_t n = std::min(per_buffer, count - first);
     const uint32_t buf = ring.next_;
     ring.next_ = (ring.next_ + 1) % ring.buffers_;

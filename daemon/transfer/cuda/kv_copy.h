@@ -120,9 +120,9 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
 // SM-issued PCIe traffic (the kernels above) moves ~0.95 (stores) / ~0.92 (loads) of a contiguous copy one way,
 // but a store and a load at once only ~0.67 of the two-way ceiling on an H200 (65 of 97 GB/s, whatever the block map,
 // page size or launch shapes: the SMs' PCIe traffic goes in 128-byte requests, and its loads' reads stall behind
-// the stores' writes). The copy engine with one copy per slot (>= 2 MiB) moves 0.97-0.98 each way and 0.98-0.99
-// both ways at once (docs/performance.md, "Both directions at once"). A staged copy uses each for what it is good
-// at: the kernels pack a batch of whole slots into a GPU staging buffer (HBM to HBM, ~20x the PCIe rate) and the
+// the stores' writes). The copy engine with one copy per slot (>= 2 MiB) moved 0.977-0.989 each way and
+// 0.988-0.999 both ways at once (docs/performance.md, "Both directions at once"). A staged copy uses each for what it is good
+// at: the kernels pack a batch of whole slots into a GPU staging buffer (HBM to HBM, ~10x the PCIe rate) and the
 // copy engine moves each slot as one copy (stores); or the copy engine lands each slot in a buffer and the kernels
 // unpack it (loads). Batches alternate between the ring's buffers, so packing and copying overlap.
 
@@ -162,6 +162,8 @@ class StagingRing {
   std::vector<cudaEvent_t> ready_;      // per buffer: packed (stores) / landed (loads)
   std::vector<cudaEvent_t> free_;       // per buffer: copied out (stores) / unpacked (loads): reusable after it
   cudaEvent_t done_ = nullptr;          // the copy stream's last copy of a call (stores)
+  cudaEvent_t last_use_ = nullptr;      // recorded on the caller's stream after a call's last kernel: the destructor
+                                        // waits for it before freeing the buffers those kernels read or write
   uint32_t next_ = 0;                   // the buffer the next batch uses
 };
 
