@@ -127,6 +127,9 @@ class Study {
     for (auto* r : {&store_large_, &load_large_}) CK(kv::StagingRing::Create(uint64_t{o.large_staging_mib} << 20, 3, r));
   }
   ~Study() {
+    (void)cudaDeviceSynchronize();
+    for (cudaStream_t st : {s0_, k1_, c1_, k2_, c2_}) (void)cudaStreamDestroy(st);
+    for (cudaEvent_t e : {start_, stop_, k1_done_, c1_done_, k2_done_, c2_done_}) (void)cudaEventDestroy(e);
     for (auto* p : layers_) (void)cudaFree(p);
     for (void* p : {static_cast<void*>(bases_dev_), static_cast<void*>(contig_base_dev_), dev_,
                     static_cast<void*>(iota_dev_), static_cast<void*>(perm_dev_)})
