@@ -32,6 +32,16 @@ struct RoutingIndex::State {
     return Status::InvalidArgument("routing index: node " + std::to_string(node) + " was never added; expected 0.." +
                                    std::to_string(static_cast<int64_t>(names.size()) - 1) + " (AddNode)");
   }
+  // Takes `node` out of every key's masks, drops the keys no node holds and zeroes its counts. Caller holds mu
+  // exclusively.
+  void DropNode(uint32_t node) {
+    const uint64_t keep = ~(uint64_t{1} << node);
+    for (auto it = keys.begin(); it != keys.end();) {
+      for (uint64_t& mask : it->second.nodes) mask &= keep;
+      it = it->second.any() == 0 ? keys.erase(it) : std::next(it);
+    }
+    counts[node] = {};
+  }
 };
 
 RoutingIndex::RoutingIndex() : state_(std::make_unique<State>()) {}
@@ -106,24 +116,15 @@ Status RoutingIndex::Removed(uint32_t node, CacheTier tier, std::span<const Bloc
 Status RoutingIndex::ClearNode(uint32_t node) {
   std::unique_lock lock(state_->mu);
   if (Status s = state_->CheckNode(node); !s.ok()) return s;
-  const uint64_t keep = ~(uint64_t{1} << node);
-  for (auto it = state_->keys.begin(); it != state_->keys.end();) {
-    for (uint64_t& mask : it->second.nodes) mask &= keep;
-    it = it->second.any() == 0 ? state_->keys.erase(it) : std::next(it);
-  }
-  state_->counts[node] = {};
+  state_->DropNode(node);
   return Status::Ok();
 }
 
 Status RoutingIndex::ReplaceNode(uint32_t node, std::span<const BlockKey> dram, std::span<const BlockKey> ssd) {
   std::unique_lock lock(state_->mu);
   if (Status s = state_->CheckNode(node); !s.ok()) return s;
+  state_->DropNode(node);
   const uint64_t bit = uint64_t{1} << node;
-  for (auto it = state_->keys.begin(); it != state_->keys.end();) {
-    for (uint64_t& mask : it->second.nodes) mask &= ~bit;
-    it = it->second.any() == 0 ? state_->keys.erase(it) : std::next(it);
-  }
-  state_->counts[node] = {};
   const std::span<const BlockKey> tiers[kCacheTierCount] = {dram, ssd};
   for (size_t t = 0; t < kCacheTierCount; ++t) {
     uint64_t added = 0;

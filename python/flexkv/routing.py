@@ -126,14 +126,18 @@ class RoutingIndex:
     def clear_node(self, node: int) -> None:
         """The node holds nothing (restarted empty, cleared, or about to be rebuilt from a snapshot)."""
         with self._lock:
-            keep = ~self._bit(node)
-            for k in list(self._keys):
-                masks = self._keys[k]
-                masks[0] &= keep
-                masks[1] &= keep
-                if not masks[0] and not masks[1]:
-                    del self._keys[k]
+            self._drop_node_locked(self._bit(node))
             self._counts[node] = [0, 0]
+
+    def _drop_node_locked(self, bit: int) -> None:
+        """Takes the node of `bit` out of every key's masks and drops keys no node holds. Caller holds the lock."""
+        keep = ~bit
+        for k in list(self._keys):
+            masks = self._keys[k]
+            masks[0] &= keep
+            masks[1] &= keep
+            if not masks[0] and not masks[1]:
+                del self._keys[k]
 
     def replace_node(self, node: int, dram: Iterable[KeyLike], ssd: Iterable[KeyLike] = ()) -> None:
         """The node now holds exactly `dram` in DRAM and `ssd` on SSD, nothing else (a stream's snapshot), in one
@@ -143,13 +147,7 @@ class RoutingIndex:
         ssd_keys = [(k[0], k[1]) for k in ssd]
         with self._lock:
             bit = self._bit(node)
-            keep = ~bit
-            for k in list(self._keys):
-                masks = self._keys[k]
-                masks[0] &= keep
-                masks[1] &= keep
-                if not masks[0] and not masks[1]:
-                    del self._keys[k]
+            self._drop_node_locked(bit)
             counts = [0, 0]
             for t, keys in ((0, dram_keys), (1, ssd_keys)):
                 for k in keys:
