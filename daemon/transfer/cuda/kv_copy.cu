@@ -361,6 +361,26 @@ cudaError_t Launch(const GpuKvView& gpu, const HostPoolView& pool, const BlockPa
   return cudaGetLastError();
 }
 
+// One cudaMemcpyBatchAsync of the copies (dsts[i] <- srcs[i], sizes[i] bytes) on `stream`. The batch API refuses the
+// legacy default stream and older drivers lack it: then one cudaMemcpyAsync per copy.
+cudaError_t CopyBatch(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes,
+                      unsigned flags, cudaStream_t stream) {
+  if (stream != nullptr && stream != cudaStreamLegacy) {
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = flags;
+    size_t attr_idx = 0;
+    const cudaError_t e =
+        cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr, &attr_idx, 1, stream);
+    if (e != cudaErrorNotSupported) return e;
+    (void)cudaGetLastError();  // clear the refusal before falling back
+  }
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    if (cudaError_t c = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream); c != cudaSuccess) return c;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace
 
 LaunchShape DefaultLaunchShape(bool to_host) { return to_host ? kDefaultGather : kDefaultScatter; }
@@ -447,23 +467,7 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
     }
   }
 
-  // The batch API refuses the legacy default stream; such callers get per-chunk copies, as do drivers
-  // without the batch entry point.
-  if (stream != nullptr && stream != cudaStreamLegacy) {
-    cudaMemcpyAttributes attr{};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attr.flags = cudaMemcpyFlagDefault;
-    size_t attr_idx = 0;
-    const cudaError_t e =
-        cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr, &attr_idx, 1, stream);
-    if (e != cudaErrorNotSupported) return e;
-    (void)cudaGetLastError();  // clear the refusal before falling back
-  }
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    const cudaError_t e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return CopyBatch(dsts, srcs, sizes, cudaMemcpyFlagDefault, stream);
 }
 
 bool CanStage(const GpuKvView& gpu, const HostPoolView& pool, uint32_t layer_begin, uint32_t layer_end) {
@@ -527,26 +531,6 @@ uint32_t StagingRing::SlotsPerBuffer(uint64_t slot_bytes) const {
   return static_cast<uint32_t>(std::min<uint64_t>(buffer_bytes_ / slot_bytes, kMaxSlotsPerBuffer));
 }
 
-namespace {
-
-// One batch of the copy engine's slot copies; per-copy cudaMemcpyAsync where the driver has no batch entry point.
-cudaError_t CopySlots(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes,
-                      unsigned flags, cudaStream_t stream) {
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attr.flags = flags;
-  size_t attr_idx = 0;
-  const cudaError_t e =
-      cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr, &attr_idx, 1, stream);
-  if (e != cudaErrorNotSupported) return e;
-  (void)cudaGetLastError();
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    if (cudaError_t c = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream); c != cudaSuccess) return c;
-  }
-  return cudaSuccess;
-}
-
-}  // namespace
 
 // StagedCopy's batches (a friend of StagingRing, declared there).
 cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const uint32_t* gpu_blocks_dev,
@@ -610,7 +594,7 @@ cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const 
       if (packed != cudaSuccess) return packed;
       if (cudaError_t e = cudaEventRecord(ring.ready_[buf], stream); e != cudaSuccess) return e;
       if (cudaError_t e = cudaStreamWaitEvent(ring.copy_stream_, ring.ready_[buf], 0); e != cudaSuccess) return e;
-      if (cudaError_t e = CopySlots(dsts, srcs, sizes, copy_flags, ring.copy_stream_); e != cudaSuccess) return e;
+      if (cudaError_t e = CopyBatch(dsts, srcs, sizes, copy_flags, ring.copy_stream_); e != cudaSuccess) return e;
       if (cudaError_t e = cudaEventRecord(ring.free_[buf], ring.copy_stream_); e != cudaSuccess) return e;
     } else {
       // Land once this buffer's last batch was unpacked (and after what `stream` ran before this call: the
@@ -620,7 +604,7 @@ cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const 
         if (cudaError_t e = cudaStreamWaitEvent(ring.copy_stream_, ring.done_, 0); e != cudaSuccess) return e;
       }
       if (cudaError_t e = cudaStreamWaitEvent(ring.copy_stream_, ring.free_[buf], 0); e != cudaSuccess) return e;
-      if (cudaError_t e = CopySlots(dsts, srcs, sizes, copy_flags, ring.copy_stream_); e != cudaSuccess) return e;
+      if (cudaError_t e = CopyBatch(dsts, srcs, sizes, copy_flags, ring.copy_stream_); e != cudaSuccess) return e;
       if (cudaError_t e = cudaEventRecord(ring.ready_[buf], ring.copy_stream_); e != cudaSuccess) return e;
       if (cudaError_t e = cudaStreamWaitEvent(stream, ring.ready_[buf], 0); e != cudaSuccess) return e;
       if (cudaError_t e = LaunchScatter(gpu, stage, pairs, stream); e != cudaSuccess) return e;
