@@ -24,34 +24,19 @@ stage "tests (build/)" ctest --test-dir build --output-on-failure -j "$(nproc)" 
 # installed flexkvctl, Python package and example engine project, purged. Root only (it skips itself otherwise).
 stage "Debian package: build, install, run, purge (scripts/test_package.sh)" bash scripts/test_package.sh build
 
-# The lock annotations (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED) are checked by clang only: build-clang/
-# compiles what ships and the test binaries with -Wthread-safety, a violation is an error, the project's other
-# warnings stay warnings. Debug (-O0) because nothing runs from it. FLEXKV_THREAD_SAFETY=0 skips it.
-clang_thread_safety_build() {
-  if [[ ! -f build-clang/build.ninja ]]; then
-    CC=clang-14 CXX=clang++-14 cmake -S . -B build-clang -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFLEXKV_WITH_CUDA=OFF \
-      -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety" >/dev/null
-  fi
-  ninja -C build-clang flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests \
-    flexkv_data_plane_tests flexkv_client_session_tests
-}
-if [[ ${FLEXKV_THREAD_SAFETY:-1} != 0 ]]; then
-  stage "clang -Wthread-safety -Werror=thread-safety build (build-clang/)" clang_thread_safety_build
-fi
-
-# Sanitizers, on by default (CI); FLEXKV_SANITIZERS=0 runs the normal suite only. Each has its own build
-# directory, CUDA off, and builds only what the tests run (no benches). A report anywhere fails: the sanitizers halt
-# on the first one, and the test harness fails a test whose daemon or client printed one (tests/support/process.cc).
+# Sanitizers and the other clang checks, on by default (CI); FLEXKV_SANITIZERS=0 runs the normal suite only. Each
+# build has its own directory, CUDA off, and builds only what its checks run (no benches). A report anywhere fails:
+# the sanitizers halt on the first one, and the test harness fails a test whose daemon or client printed one
+# (tests/support/process.cc).
 [[ ${FLEXKV_SANITIZERS:-1} == 0 ]] && exit 0
 # -O1 -g1 (line tables): what the sanitizers' manuals recommend, and half the compile time of -O2 -g under
 # instrumentation (measured: 4 of the largest files, 104 s -> 52 s of CPU; docs/performance.md "CI time"); reports
 # still name file and line.
-san_build() {  # <dir> <sanitizers> <targets...>
-  local dir=$1 san=$2
-  shift 2
-  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLEXKV_SANITIZE="$san" \
-    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" >/dev/null
-  ninja -C "$dir" "$@"
+san_configure() {  # <dir> <cmake args...>
+  local dir=$1
+  shift
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLEXKV_WITH_CUDA=OFF \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" "$@" >/dev/null
 }
 san_ctest() {  # <dir> <ctest selection...>
   local dir=$1
@@ -60,17 +45,36 @@ san_ctest() {  # <dir> <ctest selection...>
 }
 SAN_TARGETS=(flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests flexkv_data_plane_tests
   flexkv_client_session_tests flexkv_cluster_tests flexkv_ucx_transport_tests flexkv-ucx-peer)
+FUZZ_TARGETS=(fuzz_pool_recovery fuzz_attach_request fuzz_prefix_index fuzz_ring_descriptor fuzz_ssd_header
+  fuzz_peer_lookup)
 # UCX (linked into the daemon library for the cluster tier) hooks malloc and mmap through libucm when it is loaded;
 # under TSan that interposition segfaults every thread start, under ASan it fights the allocator. The sanitizer runs
 # turn the hooks off: the daemon registers its pool explicitly (ucp_mem_map) and needs no registration-cache events.
 export UCX_MEM_EVENTS=no UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none
 
-asan_stage() {
-  san_build build-asan address,undefined "${SAN_TARGETS[@]}"
-  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    san_ctest build-asan -L 'unit|integration'
+# One clang build (build-san/) serves three checks, so CI compiles the project once for them instead of three
+# times: AddressSanitizer + UndefinedBehaviorSanitizer (the unit and integration tests run from it), the lock
+# annotations (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED: -Wthread-safety, a violation is an error, the
+# project's other warnings stay warnings) and the libFuzzer targets (FLEXKV_FUZZ: everything carries libFuzzer's
+# coverage instrumentation, fuzzer-no-link). FLEXKV_THREAD_SAFETY=0 drops -Werror=thread-safety.
+san_clang_build() {
+  # A build directory configured with another compiler cannot switch: start it again.
+  if [[ -f build-san/CMakeCache.txt ]] && ! grep -q '^CMAKE_CXX_COMPILER:[A-Z]*=.*clang++-14$' build-san/CMakeCache.txt; then
+    rm -rf build-san
+  fi
+  local ts_flags="-Wthread-safety -Werror=thread-safety"
+  [[ ${FLEXKV_THREAD_SAFETY:-1} == 0 ]] && ts_flags="-Wthread-safety"
+  CC=clang-14 CXX=clang++-14 san_configure build-san -DFLEXKV_SANITIZE=address,undefined -DFLEXKV_FUZZ=ON \
+    -DCMAKE_CXX_FLAGS="$ts_flags"
+  ninja -C build-san "${SAN_TARGETS[@]}" "${FUZZ_TARGETS[@]}"
 }
-stage "AddressSanitizer + UndefinedBehaviorSanitizer: unit and integration tests" asan_stage
+stage "clang build: ASan + UBSan, -Werror=thread-safety, libFuzzer targets (build-san/)" san_clang_build
+
+asan_tests() {
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    san_ctest build-san -L 'unit|integration'
+}
+stage "AddressSanitizer + UndefinedBehaviorSanitizer: unit and integration tests (build-san/)" asan_tests
 
 # The data plane runs in-process here, without gRPC (tests/unit/daemon/dataplane/data_plane_concurrency_test.cc: DataPlane and
 # the cache driven through the client's ring code by several sessions, sessions ended under load). The integration
@@ -79,11 +83,12 @@ stage "AddressSanitizer + UndefinedBehaviorSanitizer: unit and integration tests
 # The SSD store's tests run here too, except those that fork a child which starts threads (TSan cannot follow
 # that): its I/O threads, submission from the callers' threads and the completion callbacks.
 tsan_stage() {
-  san_build build-tsan thread flexkv_unit_tests
+  san_configure build-tsan -DFLEXKV_SANITIZE=thread
+  ninja -C build-tsan flexkv_unit_tests
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
     san_ctest build-tsan -R '^unit: ?(prefix index|drain |concurrent begin/finish|data plane: |ring transport: |copy scheduler: |handle table: |request handlers: |lease renewer: |cache: a scrub running beside |cache: resizes beside |ssd format: |ssd store: (many blocks|reopened|registered buffers|a payload byte|a torn write|a full queue|when full|one key in another)|ssd tier: )'
 }
 stage "ThreadSanitizer: the index, lifecycle, data-plane and SSD store concurrency tests" tsan_stage
 
-stage "libFuzzer targets, ${FLEXKV_FUZZ_SECONDS:-20} s each" env FLEXKV_FUZZ_SECONDS="${FLEXKV_FUZZ_SECONDS:-20}" \
-  bash scripts/fuzz.sh
+stage "libFuzzer targets (build-san/), ${FLEXKV_FUZZ_SECONDS:-15} s each" \
+  env FLEXKV_FUZZ_SECONDS="${FLEXKV_FUZZ_SECONDS:-15}" FLEXKV_FUZZ_BUILD=build-san bash scripts/fuzz.sh

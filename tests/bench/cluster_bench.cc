@@ -79,12 +79,12 @@ const char* const kEtcd = "/usr/bin/etcd";
 const char* const kEtcdctl = "/usr/bin/etcdctl";
 const char* const kPerftest = "/usr/bin/ucx_perftest";
 constexpr const char* kNamespace = "flexkv-bench-cluster";
-constexpr uint32_t kTokensPerBlock = 16;
+constexpr uint32_t kClusterTokensPerBlock = 16;
 constexpr int kPerftestRounds = 3;  // ucx_perftest varies by 2-4x between runs on a shared 2-core VM: the median
 
-int64_t NowNs() { return flexkv::NowNs(); }
+using flexkv::NowNs;
 
-struct Options {
+struct ClusterBenchOptions {
   uint32_t block_kib = 256;
   uint32_t prompts = 48;
   uint32_t blocks_per_prompt = 32;
@@ -107,7 +107,7 @@ struct CommandResult {
 };
 
 // Runs argv (argv[0] a path) to completion with stdout+stderr captured; killed after `timeout`.
-CommandResult Run(const std::vector<std::string>& argv, const std::vector<std::string>& env = {},
+CommandResult RunTool(const std::vector<std::string>& argv, const std::vector<std::string>& env = {},
                   milliseconds timeout = milliseconds(30000)) {
   CommandResult r;
   int p[2];
@@ -271,7 +271,7 @@ class Net {
     hint += "\n";
     std::snprintf(g_cleanup_hint, sizeof(g_cleanup_hint), "%s", hint.c_str());
     for (const auto& cmd : cmds) {
-      if (auto r = Run(cmd); r.exit_code != 0) {
+      if (auto r = RunTool(cmd); r.exit_code != 0) {
         std::string line;
         for (const auto& a : cmd) line += a + " ";
         *why = line + ": " + r.output;
@@ -282,7 +282,7 @@ class Net {
   }
   ~Net() {
     for (const std::string& ns : namespaces_) {
-      auto pids = Run({kIp, "netns", "pids", ns});
+      auto pids = RunTool({kIp, "netns", "pids", ns});
       size_t pos = 0;
       while (pos < pids.output.size()) {
         size_t end = pids.output.find('\n', pos);
@@ -292,7 +292,7 @@ class Net {
         pos = end + 1;
       }
     }
-    for (const std::string& ns : namespaces_) (void)Run({kIp, "netns", "del", ns});
+    for (const std::string& ns : namespaces_) (void)RunTool({kIp, "netns", "del", ns});
   }
   const Node& node(int i) const { return nodes_[static_cast<size_t>(i)]; }
   const std::string& hub() const { return hub_; }
@@ -336,9 +336,9 @@ uint64_t Seed(uint32_t prompt) { return 7000 + prompt; }
 
 std::vector<flexkv::BlockKey> PromptKeys(uint64_t seed, uint32_t blocks) {
   std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(uint64_t{blocks} * kTokensPerBlock);
+  std::vector<int32_t> t(uint64_t{blocks} * kClusterTokensPerBlock);
   for (auto& x : t) x = static_cast<int32_t>(rng() % 128000);
-  return flexkv::ComputeBlockKeys(kNamespace, t, kTokensPerBlock);
+  return flexkv::ComputeBlockKeys(kNamespace, t, kClusterTokensPerBlock);
 }
 
 void FillBlock(uint64_t seed, uint32_t i, uint8_t* dst, uint64_t bytes) {
@@ -354,7 +354,7 @@ void FillBlock(uint64_t seed, uint32_t i, uint8_t* dst, uint64_t bytes) {
 std::optional<flexkv::Geometry> BenchGeometry(uint32_t block_kib) {
   if (block_kib == 0 || block_kib % 8 != 0) return std::nullopt;
   flexkv::Geometry g;
-  g.tokens_per_block = kTokensPerBlock;
+  g.tokens_per_block = kClusterTokensPerBlock;
   g.kv_planes = 2;
   g.head_dim = 128;
   g.dtype_bytes = 2;
@@ -433,7 +433,7 @@ PerftestResult Perftest(const Net& net, const std::string& test, uint64_t msg_by
   CommandResult c;
   for (int attempt = 0; attempt < 20; ++attempt) {
     std::this_thread::sleep_for(milliseconds(200));
-    c = Run(net.In(b.ns, {kPerftest, a.ip, "-p", std::to_string(port), "-t", test, "-s", std::to_string(msg_bytes),
+    c = RunTool(net.In(b.ns, {kPerftest, a.ip, "-p", std::to_string(port), "-t", test, "-s", std::to_string(msg_bytes),
                           "-n", std::to_string(iterations), "-w", std::to_string(warmup), "-f"}),
             {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + b.in_if}, milliseconds(120000));
     if (c.exit_code == 0 || c.output.find("Connection refused") == std::string::npos) break;
@@ -654,7 +654,7 @@ int Fail(const char* what) {
 }  // namespace
 
 int RunClusterBench(int argc, char** argv) {
-  Options o;
+  ClusterBenchOptions o;
   CLI::App app{"flexkv-bench cluster: the cluster tier between two flexkvd in network namespaces (root)"};
   app.add_option("--block-kib", o.block_kib, "Block size in KiB (multiple of 8; default 256)")->check(CLI::Range(8u, 65536u));
   app.add_option("--prompts", o.prompts, "Prompts stored on A and prefetched on B (default 48)")->check(CLI::Range(1u, 100000u));
@@ -717,7 +717,7 @@ int RunClusterBench(int argc, char** argv) {
     bool ready = false;
     const int64_t deadline = NowNs() + 30LL * 1000000000;
     while (!ready && NowNs() < deadline) {
-      ready = Run(net->In(net->hub(), {"/usr/bin/env", "ETCDCTL_API=3", kEtcdctl, "--endpoints=" + net->etcd_endpoint(),
+      ready = RunTool(net->In(net->hub(), {"/usr/bin/env", "ETCDCTL_API=3", kEtcdctl, "--endpoints=" + net->etcd_endpoint(),
                                        "--dial-timeout=2s", "get", "/"}),
                   {}, milliseconds(10000))
                   .exit_code == 0;

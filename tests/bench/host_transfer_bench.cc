@@ -42,7 +42,7 @@ using flexkv::bench::Json;
 using flexkv::bench::Rounded;
 using Clock = std::chrono::steady_clock;
 
-double Median(std::vector<double> v) {
+double MedianSeconds(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
@@ -160,8 +160,8 @@ int RunHostTransferBench(int argc, char** argv) {
     }));
   }
   const double bytes = static_cast<double>(blocks) * static_cast<double>(block_bytes);
-  const double gb_memcpy = bytes / Median(t_memcpy) / 1e9, gb_fused = bytes / Median(t_fused) / 1e9;
-  const double gb_two_pass = bytes / Median(t_two_pass) / 1e9, gb_verify = bytes / Median(t_verify) / 1e9;
+  const double gb_memcpy = bytes / MedianSeconds(t_memcpy) / 1e9, gb_fused = bytes / MedianSeconds(t_fused) / 1e9;
+  const double gb_two_pass = bytes / MedianSeconds(t_two_pass) / 1e9, gb_verify = bytes / MedianSeconds(t_verify) / 1e9;
   if (json) {
     std::fputs(DumpLine(Json{{"bench", "transfer-host"},
                   {"layout", layout},

@@ -108,7 +108,7 @@ std::vector<flexkv::BlockKey> RingKeys(uint32_t blocks) {
   return flexkv::ComputeBlockKeys(kRingNamespace, tokens, g.tokens_per_block);
 }
 
-struct WorkerOptions {
+struct RingWorkerOptions {
   std::string socket;
   int index = 0;
   int iterations = 20000;
@@ -118,7 +118,7 @@ struct WorkerOptions {
   bool breakdown = false;  // also time Match (submit) alone, and poll with TryWait instead of Wait
 };
 
-int RunRingWorker(const WorkerOptions& o) {
+int RunRingWorker(const RingWorkerOptions& o) {
   auto fail = [](const std::string& what, const flexkv::Status& s) {
     Emit(fmt::format("ERROR {}: {}\n", what, s.ToString()));
     return 1;
@@ -570,7 +570,7 @@ int main(int argc, char** argv) {
                  "Diagnosis: time Match() (submit) separately and poll with TryWait instead of Wait");
   ring->add_option("--spin-us", ro.spin_us, "--spin-us of the flexkvd this bench starts")->check(CLI::Range(0.0, 100000.0));
 
-  WorkerOptions wo;
+  RingWorkerOptions wo;
   app.add_subcommand("transfer", "GPU <-> host-pool copies vs contiguous copies (flexkv-bench transfer --help); "
                                  "--geometry NAME: one cache hit of a (hybrid) geometry preset, per component; "
                                  "--host: the host store copy with and without block checksums");

@@ -52,9 +52,9 @@ using flexkv::bench::Json;
 using flexkv::bench::Rounded;
 using flexkv::bench::Whole;
 
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+double SecondsBetween(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-struct Options {
+struct SsdBenchOptions {
   std::string dir;
   uint64_t block_size = 1 << 20;
   uint32_t queue_depth = 32;
@@ -135,7 +135,7 @@ struct StoreRun {
   uint64_t fixed_ios = 0;
 };
 
-std::optional<StoreRun> RunStore(const Options& o, const std::string& dir, AlignedBuffer& pool, uint64_t pool_blocks,
+std::optional<StoreRun> RunStore(const SsdBenchOptions& o, const std::string& dir, AlignedBuffer& pool, uint64_t pool_blocks,
                                  bool registered) {
   const uint64_t blocks = o.bytes / o.block_size;
   flexkv::SsdStoreOptions so;
@@ -177,8 +177,8 @@ std::optional<StoreRun> RunStore(const Options& o, const std::string& dir, Align
     std::fprintf(stderr, "flexkv-bench ssd: read: %s\n", s.ToString().c_str());
     return std::nullopt;
   }
-  run.write_s = Seconds(t0, t1);
-  run.read_s = Seconds(t1, t2);
+  run.write_s = SecondsBetween(t0, t1);
+  run.read_s = SecondsBetween(t1, t2);
   run.fixed_ios = (*store)->stats().fixed_buffer_ios;
   store->reset();
   std::filesystem::remove(dir + "/" + flexkv::kSsdFileName, ec);
@@ -197,7 +197,7 @@ std::string FindOnPath(const std::string& name) {
 }
 
 // fio's bandwidth in bytes/s for `rw` ("write" or "read"), or nullopt (why printed).
-std::optional<double> RunFio(const std::string& fio, const Options& o, const std::string& dir, const std::string& rw) {
+std::optional<double> RunFio(const std::string& fio, const SsdBenchOptions& o, const std::string& dir, const std::string& rw) {
   const std::string out = dir + "/fio-" + rw + ".json";
   std::vector<std::string> argv = {fio,
                                    "--name=flexkv-ssd-ceiling",
@@ -233,7 +233,7 @@ std::optional<double> RunFio(const std::string& fio, const Options& o, const std
   }
 }
 
-double Median(std::vector<double> v) {
+double MedianOf(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -249,7 +249,7 @@ struct RebuildRun {
 };
 
 // N blocks written by a child that is then SIGKILLed; the parent times the reopen.
-std::optional<RebuildRun> RunRebuild(const Options& o, const std::string& dir, uint64_t n) {
+std::optional<RebuildRun> RunRebuild(const SsdBenchOptions& o, const std::string& dir, uint64_t n) {
   flexkv::SsdStoreOptions so;
   so.paths = {dir};
   so.payload_capacity = o.rebuild_payload;
@@ -295,7 +295,7 @@ std::optional<RebuildRun> RunRebuild(const Options& o, const std::string& dir, u
   ::close(pipefd[0]);
   int status = 0;
   ::waitpid(pid, &status, 0);
-  run.fill_s = Seconds(t0, Clock::now());
+  run.fill_s = SecondsBetween(t0, Clock::now());
   if (!filled || !WIFSIGNALED(status) || WTERMSIG(status) != SIGKILL) {
     std::fprintf(stderr, "flexkv-bench ssd: the rebuild fill child did not finish its writes (status 0x%x)\n", status);
     return std::nullopt;
@@ -316,7 +316,7 @@ std::optional<RebuildRun> RunRebuild(const Options& o, const std::string& dir, u
     std::fprintf(stderr, "flexkv-bench ssd: rebuild open: %s\n", store.status().ToString().c_str());
     return std::nullopt;
   }
-  run.open_s = Seconds(t1, t2);
+  run.open_s = SecondsBetween(t1, t2);
   run.rebuilt = (*store)->rebuild_report().blocks;
   store->reset();
   std::filesystem::remove(dir + "/" + flexkv::kSsdFileName, ec);
@@ -326,7 +326,7 @@ std::optional<RebuildRun> RunRebuild(const Options& o, const std::string& dir, u
 }  // namespace
 
 int RunSsdBench(int argc, char** argv) {
-  Options o;
+  SsdBenchOptions o;
   std::string block_size = "1MiB", bytes = "4GiB", rebuild_payload = "4KiB";
   CLI::App app{"flexkv-bench ssd: the SSD tier's store (write-back, promotion, rebuild) against fio, same run"};
   app.add_option("--dir", o.dir, "Directory on the drive to measure (default: a new one under /var/tmp)");
@@ -434,8 +434,8 @@ int RunSsdBench(int argc, char** argv) {
     rebuilds.push_back(*r);
   }
 
-  const double sw = Median(store_w), sr = Median(store_r), fw = Median(fio_w), fr = Median(fio_r);
-  const double xw = Median(fixed_w), xr = Median(fixed_r);
+  const double sw = MedianOf(store_w), sr = MedianOf(store_r), fw = MedianOf(fio_w), fr = MedianOf(fio_r);
+  const double xw = MedianOf(fixed_w), xr = MedianOf(fixed_r);
   const std::string fs = flexkv::SsdFilesystemName(dir);
   if (o.json) {
     Json report{{"bench", "ssd"},

@@ -126,7 +126,7 @@ Json DaemonJson(const HybridDaemonRun& d, const Geometry& g) {
               {"components", comps}};
 }
 
-Json RunJson(const SimRun& r, const Geometry& g) {
+Json HybridRunJson(const SimRun& r, const Geometry& g) {
   Json comps = Json::array();
   for (size_t c = 0; c < r.components.size(); ++c) {
     comps.push_back(Json{{"component", c},
@@ -243,8 +243,8 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
     if (o.json) {
       runs.push_back(Json{{"capacity_blocks", cap},
                           {"budget_bytes", budget},
-                          {"reference", RunJson(ref, *reference)},
-                          {"hybrid", RunJson(hyb, *model)},
+                          {"reference", HybridRunJson(ref, *reference)},
+                          {"hybrid", HybridRunJson(hyb, *model)},
                           {"split", o.split},
                           {"swa_share", Rounded(pool_split.swa_share, 4)},
                           {"state_share", Rounded(pool_split.state_share, 4)},

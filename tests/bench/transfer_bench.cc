@@ -62,7 +62,7 @@ using flexkv::bench::DumpLine;
 using flexkv::bench::Json;
 using flexkv::bench::Rounded;
 
-struct Options {
+struct TransferBenchOptions {
   bool json = false;
   std::vector<uint32_t> chunk_kib{8, 16, 32, 64, 128};
   uint32_t layers = 32;
@@ -130,7 +130,7 @@ struct SweepRow {
 
 class Bench {
  public:
-  explicit Bench(const Options& o) : o_(o) {
+  explicit Bench(const TransferBenchOptions& o) : o_(o) {
     auto shape = [](const std::vector<int>& v) {
       kv::LaunchShape s;
       int* f[] = {&s.ctas, &s.threads, &s.unroll, &s.warps_per_chunk, &s.bulk_kib, &s.stages};
@@ -492,7 +492,7 @@ class Bench {
   }
 
  private:
-  const Options& o_;
+  const TransferBenchOptions& o_;
   bool alt_ = false;
   kv::LaunchShape alt_store_, alt_load_;
   uint64_t max_chunk_ = 0, layer_bytes_max_ = 0, total_max_ = 0;
@@ -538,7 +538,7 @@ Json LayerWiseJson(const LayerWise& lw, uint64_t bytes) {
 }  // namespace
 
 int RunTransferBench(int argc, char** argv) {
-  Options o;
+  TransferBenchOptions o;
   CLI::App app{"flexkv-bench transfer: GPU <-> host pool block copies vs contiguous pinned copies", "transfer"};
   app.add_flag("--json", o.json, "One JSON object instead of the table");
   app.add_option("--chunk-kib", o.chunk_kib, "Chunk sizes (KiB per layer, plane and block), comma separated")

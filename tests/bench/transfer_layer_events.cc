@@ -18,7 +18,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-double Median(std::vector<double> v) {
+double MedianUs(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -151,12 +151,12 @@ DaemonLayerResult MeasureDaemonLayers(const DaemonLayerOptions& o) {
       (use_events ? eg : pg).push_back(static_cast<double>(bytes) / total_s / 1e9);
     }
   }
-  out.progress_first_ms = Median(pf);
-  out.progress_last_ms = Median(pl);
-  out.events_first_ms = Median(ef);
-  out.events_last_ms = Median(el);
-  out.load_gbps_progress = Median(pg);
-  out.load_gbps_events = Median(eg);
+  out.progress_first_ms = MedianUs(pf);
+  out.progress_last_ms = MedianUs(pl);
+  out.events_first_ms = MedianUs(ef);
+  out.events_last_ms = MedianUs(el);
+  out.load_gbps_progress = MedianUs(pg);
+  out.load_gbps_events = MedianUs(eg);
   return out;
 }
 

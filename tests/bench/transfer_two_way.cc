@@ -31,7 +31,7 @@ using flexkv::bench::DumpLine;
 using flexkv::bench::Json;
 using flexkv::bench::Rounded;
 
-struct Options {
+struct TwoWayOptions {
   std::vector<uint32_t> chunk_kib{8, 32, 128};
   uint32_t mib = 2048;  // bytes per copy (both: half each way)
   uint32_t layers = 32;
@@ -99,7 +99,7 @@ struct Row {
 
 class Study {
  public:
-  explicit Study(const Options& o) : o_(o) {
+  explicit Study(const TwoWayOptions& o) : o_(o) {
     total_ = static_cast<uint64_t>(o.mib) << 20;
     layer_bytes_ = total_ / o.layers;
     for (cudaStream_t* s : {&s0_, &k1_, &c1_, &k2_, &c2_}) CK(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
@@ -465,7 +465,7 @@ class Study {
   }
 
  private:
-  const Options& o_;
+  const TwoWayOptions& o_;
   uint64_t total_ = 0, layer_bytes_ = 0, chunk_ = 0, block_bytes_ = 0;
   uint32_t blocks_ = 0, max_pairs_ = 0;
   cudaStream_t s0_ = nullptr, k1_ = nullptr, c1_ = nullptr, k2_ = nullptr, c2_ = nullptr;
@@ -485,7 +485,7 @@ class Study {
 }  // namespace
 
 int RunTwoWayStudy(int argc, char** argv) {
-  Options o;
+  TwoWayOptions o;
   CLI::App app{"flexkv-bench transfer --two-way: a store and a load at once against the two-way ceiling", "transfer"};
   bool two_way = true;
   app.add_flag("--two-way", two_way, "This study");
