@@ -1062,7 +1062,7 @@ struct UcxCore {
     std::vector<PendingAccept> batch;
     batch.swap(pending_accepts);
     for (PendingAccept& p : batch) {
-      if (shutting_down.load()) {
+      if (shutting_down.load() && listener != nullptr) {
         ucp_listener_reject(listener, p.request);
         continue;
       }
