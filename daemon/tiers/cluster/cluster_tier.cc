@@ -235,8 +235,11 @@ struct ClusterTier::Impl {
   // One attempt to join. A member record of this node id that a live lease still holds, with the transfer endpoint
   // this process listens on now, is this node's previous run (killed before it could leave: its lease lives on
   // until its ttl): no other live process can listen on that address and port, so the record is released (its
-  // lease revoked, and every entry of that run with it) and the join is tried again at once.
-  Status JoinOnce() {
+  // lease revoked, and every entry of that run with it) and the join is tried again at once. Only until this process
+  // first joined (`may_release`): a record that appears later under our id with our endpoint is not a previous run
+  // of ours (two misconfigured hosts sharing an address and a --node-id would otherwise take it from each other in
+  // turn); it is waited out like any other holder.
+  Status JoinOnce(bool may_release) {
     cluster::NodeInfo self;
     self.node_id = options.node_id;
     {
@@ -244,7 +247,7 @@ struct ClusterTier::Impl {
       self.transfer_endpoint = endpoint;
     }
     Status joined = directory->Join(self, options.lease_ttl);
-    if (joined.code() == StatusCode::kFailedPrecondition && !stopping.load(std::memory_order_acquire)) {
+    if (may_release && joined.code() == StatusCode::kFailedPrecondition && !stopping.load(std::memory_order_acquire)) {
       auto listed = directory->Members();
       for (const cluster::NodeInfo& m : listed.ok() ? *listed : std::vector<cluster::NodeInfo>{}) {
         if (m.node_id != self.node_id || m.transfer_endpoint != self.transfer_endpoint) continue;
@@ -300,7 +303,7 @@ struct ClusterTier::Impl {
           transport_refused = s.code() == StatusCode::kInvalidArgument;
           s = s.WithContext("the transfer endpoint");
         }
-        if (s.ok()) s = JoinOnce();
+        if (s.ok()) s = JoinOnce(/*may_release=*/!was_joined);
         if (s.ok()) {
           const double waited_s = std::chrono::duration<double>(Clock::now() - first_attempt).count();
           {

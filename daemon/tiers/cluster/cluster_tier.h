@@ -116,9 +116,9 @@ class ClusterTier {
   // membership thread creates the transport (its listener bound to the configured address only) and joins, in the
   // background, retrying with backoff (200 ms doubling to 2 s) while the node serves its own cache; status says
   // "joining", "joined" or "retrying: <why>". A listen port still taken, a store that cannot be reached or refuses
-  // us, and a node id that a live lease holds are retried; a member record of this node id held by this node's
-  // previous run (killed: its lease lives until its ttl) is released at once (Directory::ReleaseNodeId), since
-  // its transfer endpoint is the address this process now listens on. A transport configuration UCX refuses
+  // us, and a node id that a live lease holds are retried; before its first join, a member record of this node id
+  // held by this node's previous run (killed: its lease lives until its ttl) is released at once
+  // (Directory::ReleaseNodeId), since its transfer endpoint is the address this process now listens on. A transport configuration UCX refuses
   // (INVALID_ARGUMENT) is not retried (status: "failed: ..."). Sets every cache's block listener (call before
   // RecoverPools, so that restored blocks are published once verified); daemon.cc chains AddPoolRegion/
   // RemovePoolRegion into the pool listener. Threads start here.
