@@ -1076,9 +1076,10 @@ void ClusterTier::Stop() {
     regions.swap(m.regions);
   }
   regions.clear();
+  const bool was_member = m.directory->joined();
   if (Status left_cluster = m.directory->Leave(); !left_cluster.ok()) {
     log::Warning("cluster", "leaving the cluster: {} (its entries go when the lease ends)", left_cluster.ToString());
-  } else {
+  } else if (was_member) {
     log::Info("cluster", "left the cluster: this node's directory entries are gone");
   }
 }
