@@ -63,6 +63,11 @@ class Directory {
   // Revokes the lease: every entry of this node goes at once. OK when not joined. Destruction without Leave
   // only stops the keepalives: the store drops the node after its ttl, as when the process dies.
   virtual Status Leave() = 0;
+  // Revokes the lease that holds node_id's member record, and with it every entry published under it: for a node
+  // that proved the record is its own previous run's (the daemon: the record's transfer endpoint is the one this
+  // process listens on now, which no other live process can). OK when no record exists or its lease ended.
+  // FAILED_PRECONDITION when this client holds it (Leave instead) or the record has no lease (not flexkvd's).
+  virtual Status ReleaseNodeId(const std::string& node_id) = 0;
   // Every live member (this node included), with its current epoch.
   virtual Result<std::vector<NodeInfo>> Members() = 0;
 

@@ -367,6 +367,40 @@ TEST_CASE("cluster directory: a node id held by a live node cannot join until it
   CHECK(FindMember(*a, "A")->epoch == 2);
 }
 
+// Issue 29 item 2: a daemon killed with kill -9 leaves its member record under a lease that lives for the whole ttl;
+// its restarted run (which proved the record is its own) releases it and joins at once, under the next epoch.
+TEST_CASE("cluster directory: ReleaseNodeId frees a node id a dead run's lease still holds, with that run's entries",
+          "[integration][cluster]") {
+  SKIP_WITHOUT_ETCD();
+  EtcdServer etcd;
+  const std::string ns = "m";
+  auto b = Connect(etcd);
+  REQUIRE(b->Join(Node("B", "10.0.0.2:7000"), 30s).ok());
+  {
+    auto dead = Connect(etcd);  // destroyed without Leave: its lease (30 s) lives on
+    REQUIRE(dead->Join(Node("A", "10.0.0.1:7000"), 30s).ok());
+    REQUIRE(dead->Publish(Entries(ns, 0, 4)).ok());
+  }
+  REQUIRE(OwnersOf(*b, ns, Key(0)) == std::vector<Owner>{{"A", 1}});
+  auto next = Connect(etcd);
+  CHECK(next->Join(Node("A", "10.0.0.1:7000"), 30s).code() == StatusCode::kFailedPrecondition);
+  REQUIRE(next->ReleaseNodeId("A").ok());
+  // The record and every entry of the dead run are gone at once, not after the ttl.
+  CHECK_FALSE(FindMember(*b, "A").has_value());
+  CHECK(OwnersOf(*b, ns, Key(0)).empty());
+  RawEtcd raw(etcd.endpoint());
+  CHECK(raw.Count("/flexkv/dir/") == 0);
+  REQUIRE(next->Join(Node("A", "10.0.0.1:7000"), 30s).ok());
+  CHECK(next->epoch() == 2);
+  // Nothing held: OK. Held by this very client: refused (Leave is the way). Another node's id is not touched by
+  // releasing one's own.
+  CHECK(next->ReleaseNodeId("nobody").ok());
+  CHECK(next->ReleaseNodeId("A").code() == StatusCode::kFailedPrecondition);
+  CHECK(next->ReleaseNodeId("a/b").code() == StatusCode::kInvalidArgument);
+  CHECK(FindMember(*b, "B").has_value());
+  CHECK(b->joined());
+}
+
 TEST_CASE("cluster directory: with etcd stopped calls fail UNAVAILABLE within the deadline and the node drops out",
           "[integration][cluster]") {
   SKIP_WITHOUT_ETCD();

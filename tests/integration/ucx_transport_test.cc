@@ -15,6 +15,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -1507,6 +1509,138 @@ TEST_CASE("cluster transport (UCX): a lane count outside 1..16 is refused", "[in
     CHECK(t.status().code() == StatusCode::kInvalidArgument);
     CHECK(t.status().message().find("lanes") != std::string::npos);
   }
+}
+
+// The TCP connections on local port `port` in TIME_WAIT (/proc/net/tcp and tcp6: state 06).
+int TimeWaitOnPort(uint16_t port) {
+  int n = 0;
+  for (const char* path : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    FILE* f = std::fopen(path, "r");
+    if (f == nullptr) continue;
+    char line[512];
+    while (std::fgets(line, sizeof line, f) != nullptr) {
+      char local[128] = {}, remote[128] = {};
+      unsigned state = 0;
+      if (std::sscanf(line, " %*d: %127s %127s %x", local, remote, &state) != 3) continue;
+      const char* colon = std::strrchr(local, ':');
+      if (colon != nullptr && std::strtoul(colon + 1, nullptr, 16) == port && state == 0x06) ++n;
+    }
+    std::fclose(f);
+  }
+  return n;
+}
+
+uint16_t PortOf(const std::string& endpoint) {
+  return static_cast<uint16_t>(std::stoul(endpoint.substr(endpoint.rfind(':') + 1)));
+}
+
+// Issue 29 item 2: a daemon restarted after serving peers listens again at once. The connections it served leave its
+// listen port in TIME_WAIT for a minute; without SO_REUSEADDR (UCX_CM_REUSEADDR) the bind failed meanwhile with
+// "Device is busy".
+TEST_CASE("cluster transport (UCX): a listener restarted on its port binds at once although the connections it served "
+          "are in TIME_WAIT",
+          "[integration][cluster]") {
+  UcxOptions server = LoopbackOptions(true);
+  server.lanes = 4;
+  auto first = MakeTransport(server);
+  const std::string endpoint = first->endpoint();
+  const uint16_t port = PortOf(endpoint);
+  constexpr uint64_t kBytes = 1 << 20;
+  auto pool = PatternBuffer(kBytes);
+  {
+    auto region = first->Register(pool.data(), kBytes);
+    REQUIRE(region.ok());
+    auto remote = RemoteRegion::Parse(region->descriptor());
+    REQUIRE(remote.ok());
+    UcxOptions client_options = LoopbackOptions(false);
+    client_options.lanes = 4;
+    auto client = MakeTransport(client_options);
+    auto peer = client->Connect(endpoint);
+    INFO(peer.status().ToString());
+    REQUIRE(peer.ok());
+    std::vector<uint8_t> buf(4096);
+    REQUIRE(GetSync(*client, *peer, *remote, 0, buf.data(), buf.size()).ok());
+    region->Reset();
+    first.reset();  // the server goes first: its ends of the connections wait in TIME_WAIT on its listen port
+  }
+  REQUIRE(Eventually([&] { return TimeWaitOnPort(port) > 0; }));  // what this test is about is there
+
+  server.listen_port = port;
+  auto again = UcxTransport::Create(server);
+  INFO(again.status().ToString());
+  REQUIRE(again.ok());
+  CHECK((*again)->endpoint() == endpoint);
+  // And it serves.
+  auto region = (*again)->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  auto remote = RemoteRegion::Parse(region->descriptor());
+  REQUIRE(remote.ok());
+  auto client = MakeTransport(LoopbackOptions(false));
+  auto peer = client->Connect(endpoint);
+  REQUIRE(peer.ok());
+  std::vector<uint8_t> buf(kBytes);
+  REQUIRE(GetSync(*client, *peer, *remote, 0, buf.data(), buf.size()).ok());
+  CHECK(MatchesPattern(buf.data(), 0, kBytes));
+  // A second live listener on the same address and port is still refused.
+  auto twice = UcxTransport::Create(server);
+  CHECK(!twice.ok());
+}
+
+// Issue 29 item 2: UCX aborted a daemon (async.c: "Assertion handler->async == async") in its lanes' progress loop.
+// Connections come and go on every lane at once here, as when peers restart: clients of 4 lanes connect, read and
+// hang up, some of their lanes refused by the accept filter (the client then closes the other lanes while the server
+// hands them to its lanes), in three threads. The server must live through it and still serve.
+TEST_CASE("cluster transport (UCX): connections made, refused and dropped on every lane at once never abort the server",
+          "[integration][cluster]") {
+  UcxOptions server = LoopbackOptions(true);
+  server.lanes = 4;
+  auto a = MakeTransport(server);
+  std::atomic<uint32_t> knocks{0};
+  a->set_accept_filter([&knocks](const sockaddr&) { return knocks.fetch_add(1) % 7 != 3; });
+  constexpr uint64_t kBytes = 1 << 20;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  auto remote = RemoteRegion::Parse(region->descriptor());
+  REQUIRE(remote.ok());
+  const std::string endpoint = a->endpoint();
+  std::atomic<int> connected{0}, refused{0}, read_ok{0};
+  auto churn = [&](int rounds) {
+    UcxOptions o = LoopbackOptions(false);
+    o.lanes = 4;
+    o.get_deadline = 2s;
+    for (int i = 0; i < rounds; ++i) {
+      auto b = MakeTransport(o);
+      auto peer = b->Connect(endpoint);
+      if (!peer.ok()) {
+        ++refused;
+        continue;  // b goes with its lanes' endpoints half made
+      }
+      ++connected;
+      std::vector<uint8_t> buf(64 << 10);
+      if (GetSync(*b, *peer, *remote, 4096, buf.data(), buf.size()).ok() &&
+          MatchesPattern(buf.data(), 4096, buf.size())) {
+        ++read_ok;
+      }
+      if (i % 2 == 0) b->Disconnect(*peer);  // else it hangs up by going away
+    }
+  };
+  std::thread t1(churn, 40), t2(churn, 40), t3(churn, 40);
+  t1.join();
+  t2.join();
+  t3.join();
+  INFO("connected " << connected << ", refused " << refused << ", reads " << read_ok);
+  CHECK(connected + refused == 120);
+  CHECK(connected > 0);
+  CHECK(read_ok == connected);
+  // Still serving.
+  auto b = MakeTransport(LoopbackOptions(false));
+  knocks = 0;
+  auto peer = b->Connect(endpoint);
+  REQUIRE(peer.ok());
+  std::vector<uint8_t> buf(kBytes);
+  REQUIRE(GetSync(*b, *peer, *remote, 0, buf.data(), buf.size()).ok());
+  CHECK(MatchesPattern(buf.data(), 0, kBytes));
 }
 
 }  // namespace

@@ -121,7 +121,7 @@ struct DaemonStatus {
   std::vector<Tier> tiers;  // none without a tier below DRAM
   // The cluster tier (docs/cluster.md); nullopt without --etcd-endpoints.
   struct Cluster {
-    std::string state;  // "joined" | "joining: <why not yet>" | "stopped"
+    std::string state;  // "joining" | "joined" | "retrying: <why> (attempt N)" | "failed: <why>" | "stopped"
     std::string node_id, endpoint, last_error;
     uint64_t epoch = 0;
     struct Member {

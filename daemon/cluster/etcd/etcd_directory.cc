@@ -684,6 +684,46 @@ Status EtcdDirectory::Leave() {
   return Status::Ok();
 }
 
+Status EtcdDirectory::ReleaseNodeId(const std::string& node_id) {
+  if (!ValidNodeId(node_id)) {
+    return Status::InvalidArgument(
+        fmt::format("node id '{}' must be 1..{} characters of [A-Za-z0-9._-]", node_id, kMaxNodeIdBytes));
+  }
+  {
+    MutexLock l(&mu_);
+    if (joined() && node_id_ == node_id) {
+      return Status::FailedPrecondition(fmt::format("this client holds node id '{}'; Leave instead", node_id));
+    }
+  }
+  // Only the lease is read: whatever the record says, revoking its lease takes nothing but that record and the
+  // entries published under the same lease.
+  const std::string member_key = MemberKey(node_id);
+  etcdserverpb::RangeRequest rreq;
+  rreq.set_key(member_key);
+  etcdserverpb::RangeResponse rresp;
+  Status s = Call("Range", [&](Endpoint& ep, grpc::ClientContext& ctx) { return ep.kv->Range(&ctx, rreq, &rresp); },
+                  options_.deadline);
+  if (!s.ok()) return s;
+  if (rresp.kvs_size() == 0) return Status::Ok();
+  const int64_t lease = rresp.kvs(0).lease();
+  if (lease == 0) {
+    return Status::FailedPrecondition(fmt::format(
+        "etcd key {} has no lease, so flexkvd did not write it; delete it (etcdctl del {}) only when no daemon runs "
+        "as '{}'",
+        member_key, member_key, node_id));
+  }
+  etcdserverpb::LeaseRevokeRequest req;
+  req.set_id(lease);
+  etcdserverpb::LeaseRevokeResponse resp;
+  s = Call("LeaseRevoke", [&](Endpoint& ep, grpc::ClientContext& ctx) {
+    return ep.lease->LeaseRevoke(&ctx, req, &resp);
+  }, options_.deadline);
+  if (LeaseNotFound(s)) return Status::Ok();  // it ended meanwhile
+  if (!s.ok()) return s;
+  log::Info(kLog, "released node id '{}': revoked lease {:x} of its previous holder", node_id, lease);
+  return Status::Ok();
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Members, Publish, Withdraw, Lookup
 

@@ -419,7 +419,6 @@ struct UcxCore {
   bool stop = false;  // guarded by queue_mu
 
   std::atomic<bool> shutting_down{false};
-  std::atomic<int> handoffs{0};  // lane 0: accepted connections handed to other lanes and not yet taken
 
   // Progress-thread state (no lock: only the progress thread touches it).
   std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers;
@@ -434,6 +433,16 @@ struct UcxCore {
   std::vector<uint64_t> leaked_regions;           // regions a reply still read when this lane shut down
   std::unordered_map<uint64_t, Op*> am_ops;  // active-message gets waiting for their reply
   uint64_t next_am_id = 1;
+  // Lane 0: the connection requests its listener received during the progress call running now, each with the lane
+  // that takes it; handed over as soon as that call returns (HandOffAccepts).
+  struct PendingAccept {
+    ucp_conn_request_h request = nullptr;
+    std::string who;
+    UcxCore* target = nullptr;
+  };
+  std::vector<PendingAccept> pending_accepts;
+  // An endpoint was closed since the last ucp_worker_progress: progress again before sleeping (see Progress).
+  bool closed_since_progress = false;
 
   // Read by other threads.
   mutable std::mutex info_mu;
@@ -1031,22 +1040,46 @@ struct UcxCore {
       return;
     }
     // The next lane takes the connection: its worker creates the endpoint (UCX moves an accepted connection to
-    // the worker that creates its endpoint), its thread serves it. Lane 0's shutdown waits for hand-offs in flight
-    // before it destroys the listener, so a request is always taken while its listener exists.
+    // the worker that creates its endpoint), its thread serves it. Not here, inside ucp_worker_progress, but once
+    // the progress call returns (HandOffAccepts).
     const auto& lanes = core->state->lanes;
     const uint32_t next = core->state->next_accept_lane.fetch_add(1, std::memory_order_relaxed);
-    UcxCore* target = lanes[next % lanes.size()].get();
-    if (target == core) {
-      core->Accept(request, who);
-      return;
-    }
-    core->handoffs.fetch_add(1);
-    if (!target->Post([target, core, request, who] {
-          target->Accept(request, who);
-          core->handoffs.fetch_sub(1);
-        })) {
-      core->handoffs.fetch_sub(1);
-      core->Accept(request, who);
+    core->pending_accepts.push_back({request, who, lanes[next % lanes.size()].get()});
+  }
+  // Lane 0, right after a ucp_worker_progress call returned: creates the endpoint of each connection request its
+  // listener received, on the lane chosen for it, and waits for that lane's ucp_ep_create to return before the next.
+  // Why wait: ucp_ep_create of another lane's worker moves the connection's socket from this worker's async context
+  // to that lane's (uct_tcp_sockcm_ep_server_create removes the fd's handler and adds it again under the new
+  // context). UCX 1.13 leaves an event of that fd that its async thread queued as "missed" on this worker (an event
+  // that came while this worker's context was blocked) in this worker's queue, and the next ucp_worker_progress
+  // here then finds the fd's handler under another context and aborts the process ("async.c: Assertion
+  // handler->async == async"; UCX 1.18 purges a removed handler's missed events). This worker's queue was just
+  // drained (the last thing ucp_worker_progress does), and while this thread waits it makes no UCP call: the only
+  // time this worker's context is blocked while the socket moves is inside the other lane's ucp_ep_create (which
+  // blocks it to move the fd; microseconds, while the client has nothing to send: it waits for our answer). Nor
+  // does this thread touch its listener and connection manager while that ucp_ep_create uses them.
+  void HandOffAccepts() {
+    std::vector<PendingAccept> batch;
+    batch.swap(pending_accepts);
+    for (PendingAccept& p : batch) {
+      if (shutting_down.load() && listener != nullptr) {
+        ucp_listener_reject(listener, p.request);
+        continue;
+      }
+      if (p.target == this) {
+        Accept(p.request, p.who);
+        continue;
+      }
+      Rendezvous<int> taken;
+      UcxCore* target = p.target;
+      if (target->Post([target, &p, &taken] {
+            target->Accept(p.request, p.who);
+            taken.Set(1);
+          })) {
+        (void)taken.Take();  // lanes never wait on one another otherwise, and every command ends: no deadlock
+      } else {
+        Accept(p.request, p.who);  // that lane has stopped: this one serves the connection
+      }
     }
   }
   // Creates the endpoint of an accepted connection on this lane's worker (its progress thread).
@@ -1087,6 +1120,7 @@ struct UcxCore {
     param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     void* req = ucp_ep_close_nbx(ep, &param);
     if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+    closed_since_progress = true;
   }
   void ClosePeerEp(Peer* peer, bool force = true) {
     if (peer->ep == nullptr) return;
@@ -1284,14 +1318,32 @@ struct UcxCore {
       }
     }
   }
+  // ucp_worker_progress until it has nothing to do, handing accepted connections over after each call. The last
+  // thing each call does is run the async events its worker missed (events of UCX's async thread that came while
+  // this thread blocked the worker's context). A socket closed since then (an endpoint closed) may have left such an
+  // event behind in UCX 1.13, under the fd's number: it must run here before another lane's new socket can take that
+  // number and register it under its own context, or the event would run under the wrong one and abort the process
+  // (see HandOffAccepts). Hence every close is followed by a progress call before anything else waits or sleeps.
+  void Progress() {
+    for (;;) {
+      const unsigned n = ucp_worker_progress(worker);
+      closed_since_progress = false;
+      if (!pending_accepts.empty()) HandOffAccepts();
+      if (n == 0 && !closed_since_progress) break;
+    }
+  }
+  void ProgressIfClosed() {
+    if (closed_since_progress) Progress();
+  }
   // One round of everything but sleeping.
   void Turn() {
-    while (ucp_worker_progress(worker) != 0) {
-    }
+    Progress();
     FinishCompleted();
     Housekeeping();
+    ProgressIfClosed();
     FinishCompleted();
     CheckDeadlines();
+    ProgressIfClosed();
     FinishCompleted();
   }
 
@@ -1311,7 +1363,7 @@ struct UcxCore {
         std::lock_guard<std::mutex> lock(queue_mu);
         if (!queue.empty() || stop) continue;
       }
-      if (!completed.empty()) continue;
+      if (!completed.empty() || closed_since_progress) continue;
       ucs_status_t s = ucp_worker_arm(worker);
       if (s == UCS_ERR_BUSY) continue;
       pollfd fds[2] = {{worker_efd, POLLIN, 0}, {wake_fd, POLLIN, 0}};
@@ -1566,12 +1618,7 @@ struct UcxCore {
   void Shutdown() {
     shutting_down.store(true);
     if (listener != nullptr) {
-      // Connections handed to other lanes (still running) are taken before their listener goes.
-      const auto handoff_until = Clock::now() + std::chrono::seconds(5);
-      while (handoffs.load() != 0 && Clock::now() < handoff_until) {
-        Turn();
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-      }
+      // Every connection request received so far was handed over (or refused) when its progress call returned.
       ucp_listener_destroy(listener);
       listener = nullptr;
     }
@@ -1762,6 +1809,10 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
   if (s != UCS_OK) return Status::Internal("ucp_config_read: " + UcsError(s));
   s = ucp_config_modify(config, "TLS", options.transports.c_str());
   if (s == UCS_OK && !options.devices.empty()) s = ucp_config_modify(config, "NET_DEVICES", options.devices.c_str());
+  // SO_REUSEADDR on the listener (UCX_CM_REUSEADDR, the tcp and rdma connection managers' common key): a restarted
+  // daemon listens again at once, where the connections its previous run served leave the port in TIME_WAIT for a
+  // minute ("Device is busy" without it). Linux still refuses a second live listener on the same address and port.
+  if (s == UCS_OK) s = ucp_config_modify(config, "CM_REUSEADDR", "y");
   if (s != UCS_OK) {
     ucp_config_release(config);
     return Status::InvalidArgument("ucx: transports '" + options.transports + "' / devices '" + options.devices +

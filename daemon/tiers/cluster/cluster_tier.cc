@@ -1,9 +1,11 @@
 // See cluster_tier.h. About 1,000 lines in one file: the four threads below share Impl's state (members, the
 // directory sets, the peer connections, the counters); the directory sync and the pull path are the parts to move out
-// into files of their own when a second peer call or another store backend arrives. Threads: the membership thread (member list every second, joins again after a lost lease),
-// the publisher (directory updates, batched and retried), the pullers (one Prefetch each, max_pulls of them) and
-// the lookup server (peers' lookups, handed over from the transport's progress thread, which must never wait on
-// the cache's lock: the pool hooks hold that lock while they wait on the progress thread to (un)register).
+// into files of their own when a second peer call or another store backend arrives. Threads: the membership thread
+// (the transport and the join, retried with backoff while the node serves its own cache; the member list every
+// second; joins again after a lost lease), the publisher (directory updates, batched and retried), the pullers (one
+// Prefetch each, max_pulls of them) and the lookup server (peers' lookups, handed over from the transport's progress
+// thread, which must never wait on the cache's lock: the pool hooks hold that lock while they wait on the progress
+// thread to (un)register).
 #include "daemon/tiers/cluster/cluster_tier.h"
 
 #include <arpa/inet.h>
@@ -92,22 +94,33 @@ struct ClusterTier::Impl {
   ClusterTierOptions options;
   CacheSet* caches = nullptr;
   std::unique_ptr<cluster::Directory> directory;
+  // The transport, created by the membership thread (MembershipLoop: its listener may find the port taken for a
+  // while, and the node serves its own cache meanwhile) and kept until ~Impl. `transport` is written once, before
+  // `transport_up` is set (release); every other thread reads it only after seeing `transport_up`.
+  cluster::UcxOptions ucx_options;
   std::unique_ptr<cluster::UcxTransport> transport;
-  std::string endpoint;
+  std::atomic<bool> transport_up{false};
+  std::string endpoint;  // guarded by members_mu; set with the transport
 
   std::atomic<bool> stopping{false};
   std::mutex stop_mu;  // Stop runs once
   bool stopped = false;
 
-  // Registered pool grants, by base address.
+  // The pool grants, by base address: registered for peers' reads once the transport is up (until then, and when
+  // a registration failed, `registered` is empty: the grant serves locally, peers' lookups do not offer its blocks).
+  struct Grant {
+    void* base = nullptr;
+    uint64_t bytes = 0;
+    cluster::RegisteredRegion registered;
+  };
   mutable std::mutex regions_mu;
-  std::map<uintptr_t, cluster::RegisteredRegion> regions;
+  std::map<uintptr_t, Grant> regions;
 
   // Members (from the store, refreshed every second), their hosts (the transport's accept filter).
   mutable std::mutex members_mu;
   std::map<std::string, cluster::NodeInfo> members;
   std::unordered_set<std::string> member_hosts;
-  std::string join_state = "joining";
+  std::string join_state = "joining";  // "joining" until the first attempt ends, then "joined" or "retrying: ..."
   std::condition_variable members_cv;  // wakes the membership thread (a refresh asked for, or Stop)
   bool refresh_asked = false;
   int64_t last_refresh_ask_ms = 0, last_refusal_log_ms = 0;  // the accept filter's rate limits
@@ -165,7 +178,7 @@ struct ClusterTier::Impl {
       blocks_offered{0};
   mutable std::mutex error_mu;
   std::string last_error;
-  std::vector<std::string> rdma_devices;
+  std::vector<std::string> rdma_devices;  // guarded by members_mu; listed by the membership thread
 
   // The transport's progress thread runs callbacks that use the members above: it ends first (every region left
   // becomes inert).
@@ -178,13 +191,79 @@ struct ClusterTier::Impl {
 
   // --- membership ---------------------------------------------------------------------------------------------
 
-  Status JoinOnce() {
+  // The transport and its listener, once (the membership thread). A failure is retried by the caller, except a
+  // refusal of the configuration (INVALID_ARGUMENT: a transport list UCX cannot take), which stays.
+  Status StartTransport() {
+    auto made = cluster::UcxTransport::Create(ucx_options);
+    if (!made.ok()) return made.status();
+    std::unique_ptr<cluster::UcxTransport> t = std::move(*made);
+    Impl* raw = this;
+    t->set_accept_filter([raw](const sockaddr& from) { return raw->AcceptFrom(from); });
+    t->set_call_handler([raw](const std::string& peer, uint16_t method, std::string request,
+                              std::function<void(Result<std::string>)> reply) {
+      raw->OnCall(peer, method, std::move(request), std::move(reply));
+    });
+    std::vector<std::string> devices;
+    for (const cluster::RdmaPort& p : cluster::ListRdmaPorts()) {
+      devices.push_back(fmt::format("{}:{} {} {}", p.device, p.port, p.state, p.link_layer));
+    }
+    {
+      std::lock_guard<std::mutex> lock(members_mu);
+      endpoint = t->endpoint();
+      rdma_devices = std::move(devices);
+    }
+    // The grants the pools announced meanwhile are registered now; AddPoolRegion registers later ones itself
+    // (both under regions_mu, so each grant is registered once).
+    std::lock_guard<std::mutex> lock(regions_mu);
+    transport = std::move(t);
+    for (auto& [base, grant] : regions) RegisterGrant(grant);
+    transport_up.store(true, std::memory_order_release);
+    return Status::Ok();
+  }
+
+  // Under regions_mu, with the transport up.
+  void RegisterGrant(Grant& grant) {
+    auto registered = transport->Register(grant.base, grant.bytes);
+    if (!registered.ok()) {
+      log::Warning("cluster", "cannot register a pool grant of {} bytes for peers: {}", grant.bytes,
+                   registered.status().ToString());
+      return;  // the grant serves locally; peers' lookups do not offer its blocks
+    }
+    grant.registered = std::move(*registered);
+  }
+
+  // One attempt to join. A member record of this node id that a live lease still holds, with the transfer endpoint
+  // this process listens on now, is this node's previous run (killed before it could leave: its lease lives on
+  // until its ttl): no other live process can listen on that address and port, so the record is released (its
+  // lease revoked, and every entry of that run with it) and the join is tried again at once. Only until this process
+  // first joined (`may_release`): a record that appears later under our id with our endpoint is not a previous run
+  // of ours (two misconfigured hosts sharing an address and a --node-id would otherwise take it from each other in
+  // turn); it is waited out like any other holder.
+  Status JoinOnce(bool may_release) {
     cluster::NodeInfo self;
     self.node_id = options.node_id;
-    self.transfer_endpoint = endpoint;
+    {
+      std::lock_guard<std::mutex> lock(members_mu);
+      self.transfer_endpoint = endpoint;
+    }
     Status joined = directory->Join(self, options.lease_ttl);
-    std::lock_guard<std::mutex> lock(members_mu);
-    join_state = joined.ok() ? "joined" : fmt::format("joining: {}", joined.message());
+    if (may_release && joined.code() == StatusCode::kFailedPrecondition && !stopping.load(std::memory_order_acquire)) {
+      auto listed = directory->Members();
+      for (const cluster::NodeInfo& m : listed.ok() ? *listed : std::vector<cluster::NodeInfo>{}) {
+        if (m.node_id != self.node_id || m.transfer_endpoint != self.transfer_endpoint) continue;
+        log::Info("cluster",
+                  "node id '{}' is still held by this node's previous run (epoch {}, transfer endpoint {}, which this "
+                  "process listens on now): releasing it",
+                  self.node_id, m.epoch, m.transfer_endpoint);
+        const Status released = directory->ReleaseNodeId(self.node_id);
+        if (!released.ok()) {
+          joined = released.WithContext("releasing the previous run's member record");
+          break;
+        }
+        joined = directory->Join(self, options.lease_ttl);
+        break;
+      }
+    }
     return joined;
   }
 
@@ -206,26 +285,64 @@ struct ClusterTier::Impl {
     member_hosts = std::move(hosts);
   }
 
+  // The membership thread: the transport, the join (both retried with backoff while the node serves its own
+  // cache), the member list every second, and a join again after a lost lease.
   void MembershipLoop() {
-    bool was_joined = directory->joined();
-    int64_t backoff_ms = 200;
+    constexpr int64_t kFirstBackoffMs = 200, kMaxBackoffMs = 2000;
+    bool was_joined = false;
+    bool transport_refused = false;
+    int64_t backoff_ms = kFirstBackoffMs;
+    uint64_t attempts = 0;
+    std::string last_logged;
+    Clock::time_point last_log{}, first_attempt{};
     while (!stopping.load(std::memory_order_acquire)) {
-      if (!directory->joined()) {
-        const Status joined = JoinOnce();
-        if (joined.ok()) {
-          log::Info("cluster", "joined the cluster as '{}' epoch {} at {}", options.node_id, directory->epoch(),
-                    endpoint);
+      if (!directory->joined() && !transport_refused) {
+        if (++attempts == 1) first_attempt = Clock::now();
+        Status s = transport_up.load(std::memory_order_acquire) ? Status::Ok() : StartTransport();
+        if (!s.ok()) {
+          transport_refused = s.code() == StatusCode::kInvalidArgument;
+          s = s.WithContext("the transfer endpoint");
+        }
+        if (s.ok()) s = JoinOnce(/*may_release=*/!was_joined);
+        if (s.ok()) {
+          const double waited_s = std::chrono::duration<double>(Clock::now() - first_attempt).count();
+          {
+            std::lock_guard<std::mutex> lock(members_mu);
+            join_state = "joined";
+            log::Info("cluster", "joined the cluster as '{}' epoch {} at {}{}", options.node_id, directory->epoch(),
+                      endpoint,
+                      attempts > 1 ? fmt::format(" (attempt {}, {:.1f} s after the first)", attempts, waited_s)
+                                   : std::string());
+          }
           if (was_joined) rejoins.fetch_add(1, std::memory_order_relaxed);
           was_joined = true;
-          backoff_ms = 200;
+          attempts = 0;
+          backoff_ms = kFirstBackoffMs;
           RepublishAll();
         } else {
-          log::Warning("cluster", "cannot join the cluster yet: {} (retrying{})", joined.ToString(),
-                       joined.code() == StatusCode::kFailedPrecondition
-                           ? "; a live lease holds this node id: this node's previous run until its lease ends, or "
-                             "another daemon started with the same --node-id"
-                           : "");
-          backoff_ms = std::min<int64_t>(backoff_ms * 2, 2000);
+          const bool held = s.code() == StatusCode::kFailedPrecondition;
+          const std::string why = fmt::format(
+              "{}{}", s.ToString(),
+              held ? "; a live lease holds this node id: another daemon started with the same --node-id, or this "
+                     "node's previous run at another transfer endpoint until its lease ends"
+                   : "");
+          {
+            std::lock_guard<std::mutex> lock(members_mu);
+            join_state = transport_refused ? fmt::format("failed: {} (fix the configuration and restart)", why)
+                                           : fmt::format("retrying: {} (attempt {})", why, attempts);
+          }
+          NoteError(fmt::format("joining the cluster: {}", s.ToString()));
+          // Logged when the reason changes and every 30 s: a port or a store that takes a minute fills no log.
+          const auto now = Clock::now();
+          if (transport_refused) {
+            log::Error("cluster", "the cluster tier cannot start: {}; this node serves its own cache only", why);
+          } else if (why != last_logged || now - last_log >= std::chrono::seconds(30)) {
+            log::Warning("cluster", "not in the cluster yet: {} (attempt {}; retrying; this node serves its own "
+                         "cache meanwhile)", why, attempts);
+            last_logged = why;
+            last_log = now;
+          }
+          backoff_ms = std::min<int64_t>(backoff_ms * 2, kMaxBackoffMs);
         }
       }
       RefreshMembers();
@@ -234,6 +351,62 @@ struct ClusterTier::Impl {
                           [this] { return refresh_asked || stopping.load(std::memory_order_acquire); });
       refresh_asked = false;
     }
+  }
+
+  // The transport's accept filter (lane 0's progress thread): only current members' hosts get in.
+  bool AcceptFrom(const sockaddr& from) {
+    if (stopping.load(std::memory_order_acquire)) return false;
+    const std::string host = HostOf(from);
+    std::lock_guard<std::mutex> lock(members_mu);
+    if (member_hosts.count(host) > 0) return true;
+    // A node that joined a moment ago: a refresh now lets its next attempt in. A stranger knocking again and again
+    // costs at most five member reads and one log line a second.
+    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+    if (now - last_refresh_ask_ms >= 200) {
+      last_refresh_ask_ms = now;
+      refresh_asked = true;
+      members_cv.notify_all();
+    }
+    if (now - last_refusal_log_ms >= 1000) {
+      last_refusal_log_ms = now;
+      log::Warning("cluster", "refused a connection from {}: not the address of a current member", host);
+    }
+    return false;
+  }
+
+  // The transport's call handler (a lane's progress thread): peers' lookups go to the lookup server.
+  void OnCall(const std::string& peer, uint16_t method, std::string request,
+              std::function<void(Result<std::string>)> reply) {
+    if (stopping.load(std::memory_order_acquire)) {
+      reply(Status::Unavailable("the node is leaving the cluster"));
+      return;
+    }
+    if (method != kPeerLookupMethod) {
+      reply(Status::Unimplemented(fmt::format("peer call method {} is unknown; expected {}", method,
+                                              kPeerLookupMethod)));
+      return;
+    }
+    std::lock_guard<std::mutex> lock(serve_mu);
+    if (stopping.load(std::memory_order_acquire)) {
+      reply(Status::Unavailable("the node is leaving the cluster"));
+      return;
+    }
+    if (serve_jobs.size() >= 1024) {
+      reply(Status::ResourceExhausted("too many lookups waiting on this node; retry"));
+      return;
+    }
+    serve_jobs.push_back({peer, std::move(request), std::move(reply)});
+    serve_cv.notify_one();
+  }
+
+  // What status shows: "joined", "joining" (the first attempt), "retrying: <why> (attempt N)", "failed: <why>",
+  // "stopped".
+  std::string State() const {
+    if (stopping.load(std::memory_order_acquire)) return "stopped";
+    if (directory->joined()) return "joined";
+    std::lock_guard<std::mutex> lock(members_mu);
+    if (join_state == "joined") return "retrying: the lease was lost (the store was out of reach for a lease ttl)";
+    return join_state;
   }
 
   void AskRefresh() {
@@ -388,7 +561,8 @@ struct ClusterTier::Impl {
     auto it = regions.upper_bound(a);
     if (it == regions.begin()) return std::nullopt;
     --it;
-    const cluster::RegisteredRegion& r = it->second;
+    const cluster::RegisteredRegion& r = it->second.registered;
+    if (!r.valid()) return std::nullopt;
     const uint64_t off = a - it->first;
     if (off > r.bytes() || bytes > r.bytes() - off) return std::nullopt;
     return std::make_pair(r.descriptor(), off);
@@ -604,7 +778,7 @@ struct ClusterTier::Impl {
       r.source = std::move(why);
       return r;
     };
-    if (!cache.has_pool()) return r;
+    if (!cache.has_pool() || !transport_up.load(std::memory_order_acquire)) return r;
     const CacheDomain::View domain = cache.Domain();
     if (!domain.geometry || domain.geometry->is_hybrid()) return r;
     const std::string ns = domain.model_namespace;
@@ -773,7 +947,7 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
   if (!directory.ok()) return directory.status();
   impl->directory = std::move(*directory);
 
-  cluster::UcxOptions ucx;
+  cluster::UcxOptions& ucx = impl->ucx_options;
   ucx.devices = options.transfer_devices;
   ucx.transports = options.transports;
   ucx.listen_address = options.listen_address;
@@ -788,71 +962,6 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
     std::lock_guard<std::mutex> lock(raw->members_mu);
     return raw->members.count(std::string(node)) > 0;
   };
-  auto transport = cluster::UcxTransport::Create(ucx);
-  if (!transport.ok()) return transport.status();
-  impl->transport = std::move(*transport);
-  impl->endpoint = impl->transport->endpoint();
-  impl->transport->set_accept_filter([raw](const sockaddr& from) {
-    if (raw->stopping.load(std::memory_order_acquire)) return false;
-    const std::string host = HostOf(from);
-    std::lock_guard<std::mutex> lock(raw->members_mu);
-    if (raw->member_hosts.count(host) > 0) return true;
-    // A node that joined a moment ago: a refresh now lets its next attempt in. A stranger knocking again and again
-    // costs at most five member reads and one log line a second.
-    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
-    if (now - raw->last_refresh_ask_ms >= 200) {
-      raw->last_refresh_ask_ms = now;
-      raw->refresh_asked = true;
-      raw->members_cv.notify_all();
-    }
-    if (now - raw->last_refusal_log_ms >= 1000) {
-      raw->last_refusal_log_ms = now;
-      log::Warning("cluster", "refused a connection from {}: not the address of a current member", host);
-    }
-    return false;
-  });
-  impl->transport->set_call_handler([raw](const std::string& peer, uint16_t method, std::string request,
-                                          std::function<void(Result<std::string>)> reply) {
-    if (raw->stopping.load(std::memory_order_acquire)) {
-      reply(Status::Unavailable("the node is leaving the cluster"));
-      return;
-    }
-    if (method != kPeerLookupMethod) {
-      reply(Status::Unimplemented(fmt::format("peer call method {} is unknown; expected {}", method,
-                                              kPeerLookupMethod)));
-      return;
-    }
-    std::lock_guard<std::mutex> lock(raw->serve_mu);
-    if (raw->stopping.load(std::memory_order_acquire)) {
-      reply(Status::Unavailable("the node is leaving the cluster"));
-      return;
-    }
-    if (raw->serve_jobs.size() >= 1024) {
-      reply(Status::ResourceExhausted("too many lookups waiting on this node; retry"));
-      return;
-    }
-    raw->serve_jobs.push_back({peer, std::move(request), std::move(reply)});
-    raw->serve_cv.notify_one();
-  });
-  for (const cluster::RdmaPort& p : cluster::ListRdmaPorts()) {
-    impl->rdma_devices.push_back(fmt::format("{}:{} {} {}", p.device, p.port, p.state, p.link_layer));
-  }
-
-  // The first join: a store that is down, or a node id still held by our previous run's lease (kill -9: it
-  // lapses after the ttl), is retried by the membership thread; a bad value stops the start.
-  Status joined = impl->JoinOnce();
-  if (joined.code() == StatusCode::kInvalidArgument || joined.code() == StatusCode::kPermissionDenied ||
-      joined.code() == StatusCode::kUnauthenticated) {
-    return joined;
-  }
-  if (joined.ok()) {
-    log::Info("cluster", "joined the cluster as '{}' epoch {}, transfer endpoint {}", options.node_id,
-              impl->directory->epoch(), impl->endpoint);
-  } else {
-    log::Warning("cluster", "not in the cluster yet: {} (retrying; this node serves its own cache meanwhile)",
-                 joined.ToString());
-  }
-  impl->RefreshMembers();
 
   for (size_t i = 0; i < caches->max_domains(); ++i) {
     Cache* cache = &caches->cache(i);
@@ -866,15 +975,12 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
 }
 
 Status ClusterTier::AddPoolRegion(const PoolRegion& region) {
-  if (impl_->stopping.load(std::memory_order_acquire)) return Status::Ok();
-  auto registered = impl_->transport->Register(region.base, region.bytes);
-  if (!registered.ok()) {
-    log::Warning("cluster", "cannot register a pool grant of {} bytes for peers: {}", region.bytes,
-                 registered.status().ToString());
-    return Status::Ok();  // the grant serves locally; peers' lookups do not offer its blocks
-  }
-  std::lock_guard<std::mutex> lock(impl_->regions_mu);
-  impl_->regions[reinterpret_cast<uintptr_t>(region.base)] = std::move(*registered);
+  Impl& m = *impl_;
+  if (m.stopping.load(std::memory_order_acquire)) return Status::Ok();
+  std::lock_guard<std::mutex> lock(m.regions_mu);
+  Impl::Grant& grant = m.regions[reinterpret_cast<uintptr_t>(region.base)];
+  grant = Impl::Grant{region.base, region.bytes, {}};
+  if (m.transport_up.load(std::memory_order_acquire)) m.RegisterGrant(grant);  // else StartTransport registers it
   return Status::Ok();
 }
 
@@ -884,7 +990,7 @@ void ClusterTier::RemovePoolRegion(const PoolRegion& region) {
     std::lock_guard<std::mutex> lock(impl_->regions_mu);
     auto it = impl_->regions.find(reinterpret_cast<uintptr_t>(region.base));
     if (it == impl_->regions.end()) return;
-    gone = std::move(it->second);
+    gone = std::move(it->second.registered);
     impl_->regions.erase(it);
   }
   gone.Reset();  // before the grant's memory goes back
@@ -895,6 +1001,13 @@ void ClusterTier::Prefetch(Cache* cache, std::vector<BlockKey> keys, uint32_t lo
   Impl& m = *impl_;
   PrefetchResult refused;
   refused.local_blocks = local_blocks;
+  if (!m.stopping.load(std::memory_order_acquire) && !m.directory->joined()) {
+    // Not a member (joining, the store out of reach, the lease lost): the directory cannot answer, and asking it
+    // would cost every Prefetch the store's deadline. The local prefix is the answer, at once.
+    refused.source = fmt::format("not pulled: this node is not in the cluster ({})", m.State());
+    done(std::move(refused));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(m.pull_mu);
     if (m.stopping.load(std::memory_order_acquire)) {
@@ -957,15 +1070,16 @@ void ClusterTier::Stop() {
     m.serve_jobs.clear();
   }
   // Peers read nothing more from this node's pool (the caches may go before this tier does).
-  std::map<uintptr_t, cluster::RegisteredRegion> regions;
+  std::map<uintptr_t, Impl::Grant> regions;
   {
     std::lock_guard<std::mutex> lock(m.regions_mu);
     regions.swap(m.regions);
   }
   regions.clear();
+  const bool was_member = m.directory->joined();
   if (Status left_cluster = m.directory->Leave(); !left_cluster.ok()) {
     log::Warning("cluster", "leaving the cluster: {} (its entries go when the lease ends)", left_cluster.ToString());
-  } else {
+  } else if (was_member) {
     log::Info("cluster", "left the cluster: this node's directory entries are gone");
   }
 }
@@ -974,11 +1088,12 @@ ClusterTierStatus ClusterTier::GetStatus() const {
   const Impl& m = *impl_;
   ClusterTierStatus s;
   s.node_id = m.options.node_id;
-  s.endpoint = m.endpoint;
   s.epoch = m.directory->epoch();
+  s.state = m.State();
   {
     std::lock_guard<std::mutex> lock(m.members_mu);
-    s.state = m.stopping.load() ? "stopped" : m.directory->joined() ? "joined" : m.join_state;
+    s.endpoint = m.endpoint;
+    s.rdma_devices = m.rdma_devices;
     for (const auto& [id, info] : m.members) {
       s.members.push_back({id, info.epoch, info.transfer_endpoint, id == m.options.node_id});
     }
@@ -999,9 +1114,10 @@ ClusterTierStatus ClusterTier::GetStatus() const {
   s.pulls_in_flight = m.pulls_running.load();
   s.lookups_served = m.lookups_served.load();
   s.blocks_offered = m.blocks_offered.load();
-  s.transport = m.transport->stats();
-  s.transports_in_use = m.transport->transports_in_use();
-  s.rdma_devices = m.rdma_devices;
+  if (m.transport_up.load(std::memory_order_acquire)) {
+    s.transport = m.transport->stats();
+    s.transports_in_use = m.transport->transports_in_use();
+  }
   {
     std::lock_guard<std::mutex> lock(m.error_mu);
     s.last_error = m.last_error;

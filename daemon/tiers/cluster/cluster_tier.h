@@ -84,7 +84,9 @@ struct ClusterMember {
 };
 
 struct ClusterTierStatus {
-  std::string state;             // "joined", "joining: <why not yet>", "stopped"
+  // "joining" (the first attempt), "joined", "retrying: <the last attempt's error> (attempt N)" (the listener's port
+  // or the store not there yet, the lease lost), "failed: <why>" (a transport configuration UCX refuses), "stopped"
+  std::string state;
   std::string node_id, endpoint;
   uint64_t epoch = 0;
   std::vector<ClusterMember> members;
@@ -108,28 +110,33 @@ struct ClusterTierStatus {
 
 class ClusterTier {
  public:
-  // Reads the secret and credential files (PERMISSION_DENIED naming the file when it is readable by others,
-  // INVALID_ARGUMENT when the secret is shorter than 16 bytes), creates the transport (its listener bound to the
-  // configured address only; its errors as UcxTransport::Create's), and tries to join. Only a refusal that cannot pass
-  // (INVALID_ARGUMENT, PERMISSION_DENIED, UNAUTHENTICATED from the store) stops the start; a store that cannot be
-  // reached, or a node id a live lease holds (this node's previous run until its lease ends, or another daemon with
-  // the same --node-id: the log and status say so at every attempt), is retried by the membership thread while the
-  // node serves its own cache. Sets every cache's block listener (call before RecoverPools, so that restored blocks
-  // are published once verified); daemon.cc chains AddPoolRegion/RemovePoolRegion into the pool listener. Threads
-  // start here.
+  // Checks the options and reads the secret and credential files (PERMISSION_DENIED naming the file when it is
+  // readable by others, INVALID_ARGUMENT when the secret is shorter than 16 bytes): only these stop the start. It
+  // contacts nothing and never waits on the network (the local cache does not wait on the cluster tier): the
+  // membership thread creates the transport (its listener bound to the configured address only) and joins, in the
+  // background, retrying with backoff (200 ms doubling to 2 s) while the node serves its own cache; status says
+  // "joining", "joined" or "retrying: <why>". A listen port still taken, a store that cannot be reached or refuses
+  // us, and a node id that a live lease holds are retried; before its first join, a member record of this node id
+  // held by this node's previous run (killed: its lease lives until its ttl) is released at once
+  // (Directory::ReleaseNodeId), since its transfer endpoint is the address this process now listens on. A transport configuration UCX refuses
+  // (INVALID_ARGUMENT) is not retried (status: "failed: ..."). Sets every cache's block listener (call before
+  // RecoverPools, so that restored blocks are published once verified); daemon.cc chains AddPoolRegion/
+  // RemovePoolRegion into the pool listener. Threads start here.
   static Result<std::unique_ptr<ClusterTier>> Create(ClusterTierOptions options, CacheSet* caches);
   ~ClusterTier();  // Stop()
   ClusterTier(const ClusterTier&) = delete;
   ClusterTier& operator=(const ClusterTier&) = delete;
 
   // The pool listener's part (daemon.cc chains it after the DMA backends): registers / unregisters a grant for
-  // remote reads. Runs under the cache's lock.
+  // remote reads (a grant announced before the transport is up is registered when it comes up). Runs under the
+  // cache's lock.
   Status AddPoolRegion(const PoolRegion& region);
   void RemovePoolRegion(const PoolRegion& region);
 
   // Pulls keys[local_blocks, ...) from a peer into `cache` (the prefix keys[0, local_blocks) is cached here) and
   // calls `done` exactly once with what it did: on a puller thread, or inside this call when it is refused at once
-  // (the limits below, or stopped). `session` counts
+  // (the limits below, or stopped) or answered at once: while this node is not a member (joining, the store out of
+  // reach) nothing is asked of the store, the answer is the local prefix (OK, `source` says why nothing was pulled). `session` counts
   // the per-session bound; `cancelled` is asked between the network steps (the session ended: the pull stops, what
   // it already read and verified is still committed). RESOURCE_EXHAUSTED (through done) when max_pulls or the
   // session's max_session_pulls are pulling already (4 x max_pulls may wait node-wide). After Stop, done answers at
