@@ -1,5 +1,5 @@
 // UcxTransport; see ucx_transport.h. About 2,200 lines in one file: the transport's state (the UCP context and its
-// lanes), a lane (UcxCore: worker, progress thread, endpoints, the verbs get path, the tcp request/reply path, the
+// lanes), a lane (UcxCore: worker, progress thread, endpoints, the get request/reply path (every transport), the
 // handshake and Calls, sharing the lane's private state and its one lock) and the public methods that spread work
 // over the lanes. The active-message protocols (get request/reply, handshake, Calls) are the part to move into a file
 // of their own, behind a small interface to the lane; not done yet (issue 16 wired the transport into the daemon
