@@ -754,7 +754,10 @@ Result<DaemonStatus> Client::GetStatus() {
                         {"peer_read_deadlines", c.peer_read_deadlines()},
                         {"connections_accepted", c.connections_accepted()},
                         {"connections_rejected", c.connections_rejected()},
-                        {"auth_failures", c.auth_failures()}};
+                        {"auth_failures", c.auth_failures()},
+                        {"replies_dropped", c.replies_dropped()},
+                        {"requests_refused", c.requests_refused()},
+                        {"directory_unauthenticated", c.directory_unauthenticated()}};
     cluster.transports.assign(c.transports().begin(), c.transports().end());
     cluster.rdma_devices.assign(c.rdma_devices().begin(), c.rdma_devices().end());
     out.cluster = std::move(cluster);

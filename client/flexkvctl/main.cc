@@ -258,6 +258,9 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
                "accepted, {} rejected, auth failures {}\n",
                n("lookups_served"), n("blocks_offered"), n("peer_reads_ok"), n("peer_reads_failed"),
                n("peer_read_deadlines"), n("connections_accepted"), n("connections_rejected"), n("auth_failures"));
+    fmt::print("  refused: {} peer requests; dropped {} replies that answered no request of ours; ignored {} "
+               "unsigned store values\n",
+               n("requests_refused"), n("replies_dropped"), n("directory_unauthenticated"));
     fmt::print("  transports: {}\n", c.transports.empty() ? std::string("(no connection yet)") : fmt::format("{}", fmt::join(c.transports, "; ")));
     fmt::print("  rdma devices: {}\n", c.rdma_devices.empty() ? std::string("none") : fmt::format("{}", fmt::join(c.rdma_devices, "; ")));
     if (!c.last_error.empty()) fmt::print("  last error: {}\n", c.last_error);

@@ -89,6 +89,9 @@ class Directory {
   // daemon must put its own epoch next to its pool registration, and reading it back through Members would
   // cost a round trip and could fail.)
   virtual uint64_t epoch() const = 0;
+  // Values read back from the store that were not written with the cluster secret (a bad or missing signature):
+  // ignored, since construction (status and metrics show it).
+  virtual uint64_t unauthenticated_values() const = 0;
 };
 
 }  // namespace flexkv::cluster

@@ -272,6 +272,15 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
             c.transport.deadlines);
     counter("flexkv_cluster_auth_failures_total", "Peers refused: the cluster secret not proven, or not a member",
             c.transport.auth_failures);
+    counter("flexkv_cluster_replies_dropped_total",
+            "Peer replies that answered no request of this node (forged, or late): dropped, never written",
+            c.transport.replies_dropped);
+    counter("flexkv_cluster_requests_refused_total",
+            "Peers' gets and calls refused: unauthenticated endpoint, a range not registered here, malformed",
+            c.transport.requests_refused);
+    counter("flexkv_cluster_directory_unauthenticated_total",
+            "Member records and directory entries in etcd without the cluster secret's signature: ignored",
+            c.directory_unauthenticated);
   }
 
   out.push_back(Histograms("flexkv_request_wait_seconds",

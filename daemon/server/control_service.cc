@@ -206,6 +206,9 @@ void FillCluster(const ClusterTierStatus& c, v1::ClusterStatus* out) {
   out->set_connections_accepted(c.transport.connections_accepted);
   out->set_connections_rejected(c.transport.connections_rejected);
   out->set_auth_failures(c.transport.auth_failures);
+  out->set_replies_dropped(c.transport.replies_dropped);
+  out->set_directory_unauthenticated(c.directory_unauthenticated);
+  out->set_requests_refused(c.transport.requests_refused);
   for (const std::string& t : c.transports_in_use) out->add_transports(t);
   for (const std::string& d : c.rdma_devices) out->add_rdma_devices(d);
   out->set_last_error(c.last_error);

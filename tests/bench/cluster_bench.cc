@@ -605,6 +605,7 @@ int RunClusterDirWorker(int argc, char** argv) {
   flexkv::cluster::EtcdOptions eo;
   eo.endpoints = {etcd};
   eo.prefix = "/flexkv-bench-dir/";
+  eo.secret = "flexkv-bench-cluster-secret";  // values are signed (issue 29): the cost is part of what is measured
   auto pub = flexkv::cluster::ConnectEtcd(eo);
   if (!pub.ok()) return fail("ConnectEtcd", pub.status());
   auto look = flexkv::cluster::ConnectEtcd(eo);

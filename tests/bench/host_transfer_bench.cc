@@ -9,6 +9,10 @@
 //     fused           HostKv::CopyToSlot: each run copied and summed in one pass (the store path now)
 //     memcpy+verify   memcpy, then ChecksumTermSum over each slot (the scheduler's fallback second pass)
 //     verify          ChecksumTermSum over each slot alone (what the restart check and the scrub read per core)
+//     keyed           (--keyed) a keyed candidate of the fused copy (issue 29 item 4): the same NH terms with
+//                     their per-unit keys read from a 4 KiB table drawn from a secret (plus the unit's index
+//                     step, so no two units of a block share keys), and each block's sum finished with
+//                     HMAC-SHA256 under the secret: what a block MAC under the cluster secret would cost the copy
 //   GB/s = 1e9 bytes of blocks per second.
 #include "host_transfer_bench.h"
 
@@ -17,6 +21,10 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include <immintrin.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -47,16 +55,76 @@ double MedianSeconds(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The keyed candidate's key table: 256 units' four 32-bit keys, then their multipliers' steps as the public sum.
+struct KeyedTable {
+  alignas(32) uint32_t keys[256 * 4];
+};
+
+// Copies a run and sums the NH terms of its units, each unit's keys = table[unit % 256] + unit * multipliers (AVX2,
+// two units per vector, as the product's loop). `bytes` a multiple of 64.
+__attribute__((target("avx2"))) uint64_t CopyKeyedAvx2(void* dst, const void* src, size_t bytes, uint32_t first_unit,
+                                                       const KeyedTable& table) {
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  const __m256i step = _mm256_setr_epi32(static_cast<int>(2 * 0x9E3779B1u), static_cast<int>(2 * 0xC2B2AE3Du),
+                                         static_cast<int>(2 * 0x165667B1u), static_cast<int>(2 * 0xFD7046C5u),
+                                         static_cast<int>(2 * 0x9E3779B1u), static_cast<int>(2 * 0xC2B2AE3Du),
+                                         static_cast<int>(2 * 0x165667B1u), static_cast<int>(2 * 0xFD7046C5u));
+  const __m256i first = _mm256_setr_epi32(static_cast<int>(first_unit * 0x9E3779B1u),
+                                          static_cast<int>(first_unit * 0xC2B2AE3Du),
+                                          static_cast<int>(first_unit * 0x165667B1u),
+                                          static_cast<int>(first_unit * 0xFD7046C5u),
+                                          static_cast<int>((first_unit + 1) * 0x9E3779B1u),
+                                          static_cast<int>((first_unit + 1) * 0xC2B2AE3Du),
+                                          static_cast<int>((first_unit + 1) * 0x165667B1u),
+                                          static_cast<int>((first_unit + 1) * 0xFD7046C5u));
+  __m256i idx0 = first, idx1 = _mm256_add_epi32(first, step);
+  const __m256i step2 = _mm256_add_epi32(step, step);
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+  const size_t units = bytes / 16;
+  for (size_t u = 0; u + 4 <= units; u += 4) {
+    const uint32_t t = (first_unit + static_cast<uint32_t>(u)) & 255u;  // 4 units from a 4-aligned start never wrap
+    const __m256i tk0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table.keys + t * 4));
+    const __m256i tk1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table.keys + ((t + 2) & 255u) * 4));
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + u * 16));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + u * 16 + 32));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + u * 16), w0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + u * 16 + 32), w1);
+    const __m256i a0 = _mm256_add_epi32(w0, _mm256_add_epi32(tk0, idx0));
+    const __m256i a1 = _mm256_add_epi32(w1, _mm256_add_epi32(tk1, idx1));
+    acc0 = _mm256_add_epi64(acc0, _mm256_mul_epu32(a0, _mm256_srli_epi64(a0, 32)));
+    acc1 = _mm256_add_epi64(acc1, _mm256_mul_epu32(a1, _mm256_srli_epi64(a1, 32)));
+    idx0 = _mm256_add_epi32(idx0, step2);
+    idx1 = _mm256_add_epi32(idx1, step2);
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(acc0, acc1));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+// The tag of a block: HMAC-SHA256(secret, term sum | block bytes | block index), cut to 8 bytes.
+uint64_t KeyedFinish(const std::string& secret, uint64_t sum, uint64_t block_bytes, uint64_t block) {
+  uint64_t in[3] = {sum, block_bytes, block};
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), reinterpret_cast<const unsigned char*>(in),
+       sizeof in, out, &len);
+  uint64_t tag = 0;
+  std::memcpy(&tag, out, sizeof tag);
+  return tag;
+}
+
 }  // namespace
 
 int RunHostTransferBench(int argc, char** argv) {
   CLI::App app{"flexkv-bench transfer --host: host store copies with and without the content checksum"};
-  bool host = false, json = false;
+  bool host = false, json = false, keyed = false;
   uint32_t layers = 32, blocks = 256, rounds = 7;
   int cpu = -1;
   std::string layout = "blockfirst";
   app.add_flag("--host", host, "Host backend copies (this mode)");
   app.add_flag("--json", json, "One JSON line");
+  app.add_flag("--keyed", keyed, "Also time the keyed candidate (a block MAC under a secret; blockfirst only)");
   app.add_option("--layers", layers, "Layers of the Llama-3-8B-shaped geometry (32: 2 MiB blocks)")->check(CLI::Range(1, 1024));
   app.add_option("--blocks", blocks, "Blocks copied per timed run")->check(CLI::Range(1, 1 << 20));
   app.add_option("--rounds", rounds, "Timed rounds (variants interleaved; the median is reported)")->check(CLI::Range(1, 1000));
@@ -127,8 +195,20 @@ int RunHostTransferBench(int argc, char** argv) {
     }
   };
 
+  if (keyed && layout != "blockfirst") {
+    std::fprintf(stderr, "flexkv-bench: --keyed times the blockfirst layout only\n");
+    return 1;
+  }
+  const std::string secret = "flexkv-bench-cluster-secret-0123";
+  KeyedTable table{};
+  for (auto& k : table.keys) k = static_cast<uint32_t>(rng());
+  // The keyed candidate copies a block as one run (blockfirst: one run per block).
+  auto keyed_copy = [&](uint32_t b) {
+    const uint64_t sum = CopyKeyedAvx2(slot(b), base + uint64_t{b} * L * P * chunk, block_bytes, 0, table);
+    return KeyedFinish(secret, sum, block_bytes, b);
+  };
   uint64_t sink = 0;
-  std::vector<double> t_memcpy, t_fused, t_two_pass, t_verify;
+  std::vector<double> t_memcpy, t_fused, t_two_pass, t_verify, t_keyed;
   auto timed = [](auto&& fn) {
     const auto t0 = Clock::now();
     fn();
@@ -158,10 +238,16 @@ int RunHostTransferBench(int argc, char** argv) {
     t_verify.push_back(timed([&] {
       for (uint32_t b = 0; b < blocks; ++b) sink += flexkv::ChecksumTermSum(slot(b), block_bytes, 0);
     }));
+    if (keyed) {
+      t_keyed.push_back(timed([&] {
+        for (uint32_t b = 0; b < blocks; ++b) sink += keyed_copy(b);
+      }));
+    }
   }
   const double bytes = static_cast<double>(blocks) * static_cast<double>(block_bytes);
   const double gb_memcpy = bytes / MedianSeconds(t_memcpy) / 1e9, gb_fused = bytes / MedianSeconds(t_fused) / 1e9;
   const double gb_two_pass = bytes / MedianSeconds(t_two_pass) / 1e9, gb_verify = bytes / MedianSeconds(t_verify) / 1e9;
+  const double gb_keyed = keyed ? bytes / MedianSeconds(t_keyed) / 1e9 : 0;
   if (json) {
     std::fputs(DumpLine(Json{{"bench", "transfer-host"},
                   {"layout", layout},
@@ -174,6 +260,8 @@ int RunHostTransferBench(int argc, char** argv) {
                   {"memcpy_then_verify_gbps", Rounded(gb_two_pass, 2)},
                   {"verify_gbps", Rounded(gb_verify, 2)},
                   {"fused_vs_memcpy", Rounded(gb_fused / gb_memcpy, 3)},
+                  {"keyed_gbps", Rounded(gb_keyed, 2)},
+                  {"keyed_vs_fused", Rounded(keyed ? gb_keyed / gb_fused : 0, 3)},
                   {"sink", sink & 1}}).c_str(),
                stdout);
   } else {
@@ -182,6 +270,10 @@ int RunHostTransferBench(int argc, char** argv) {
     fmt::print("  fused copy + checksum     {:6.2f} GB/s  ({:.3f} of memcpy)\n", gb_fused, gb_fused / gb_memcpy);
     fmt::print("  memcpy, then second pass  {:6.2f} GB/s  ({:.3f} of memcpy)\n", gb_two_pass, gb_two_pass / gb_memcpy);
     fmt::print("  checksum pass alone       {:6.2f} GB/s  (restart check, scrub: per core)\n", gb_verify);
+    if (keyed) {
+      fmt::print("  keyed copy + block MAC    {:6.2f} GB/s  ({:.3f} of fused, {:.3f} of memcpy)\n", gb_keyed,
+                 gb_keyed / gb_fused, gb_keyed / gb_memcpy);
+    }
   }
   return 0;
 }

@@ -627,14 +627,53 @@ TEST_CASE("cluster tier: a node without the cluster secret gets nothing", "[inte
   auto c = StartNode(*net, 1, "node-c", dir_c);
   Store(*a, 61, 8);
   REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
-  REQUIRE(WaitStatus(*c, "node-a"));
+  // Member records and entries are signed with the secret (issue 29): C ignores A's (and A ignores C's), counted.
+  CHECK(WaitStatus(*c, "ignored", 5s));
+  CHECK(Status(*c).find("ignored 0 unsigned") == std::string::npos);
+  CHECK(Status(*c).find("member node-a") == std::string::npos);
+  CHECK(Status(*a).find("member node-c") == std::string::npos);
   auto [p, l] = PrefetchAndLoad(*c, 61, 8);
   CHECK(p.status == "OK");
   CHECK(p.pulled == 0);
-  CHECK(p.source.find("node-a") != std::string::npos);
   CHECK(l.hits == 0);
-  CHECK(WaitStatus(*c, "cluster secret", 5s));  // its last error says why
   CHECK(WaitStatus(*a, "served: 0 lookups", 5s));
+}
+
+// Issue 29 item 1: the accept filter trusted the hosts of unsigned member records; a forged lease-less one naming a
+// stranger's host let that host in. The stranger here is a UCX client without the secret (flexkv-ucx-peer --connect)
+// in the second namespace, named by a record an etcd writer without the secret put in the store.
+TEST_CASE("cluster tier: a forged member record in etcd does not let its host in", "[integration][cluster][netns]") {
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  // A member record as flexkvd wrote them before they were signed: 'F' 'M' version 1, epoch 1, the stranger's
+  // endpoint, no pool info; put without a lease.
+  const std::string endpoint = net->node(1).ip + ":7471";
+  std::string printf_arg = "FM\\001\\001\\000\\000\\000\\000\\000\\000\\000";
+  char len[32];
+  std::snprintf(len, sizeof len, "\\%03o\\000\\000\\000", static_cast<unsigned>(endpoint.size()));
+  printf_arg += len + endpoint + "\\000\\000\\000\\000";
+  std::vector<std::string> put = net->In(net->hub());
+  put.insert(put.end(), {"sh", "-c", "printf '" + printf_arg + "' | ETCDCTL_API=3 " + std::string(kEtcdctl) +
+                                         " --endpoints=" + net->etcd_endpoint() + " put /flexkv/members/evil"});
+  auto r = RunCommand(put, 10s);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(WaitStatus(*a, "ignored", 5s));
+  std::this_thread::sleep_for(2s);  // A's member list has been refreshed (every second) with the record in the store
+  CHECK(Status(*a).find("member evil") == std::string::npos);
+  CHECK(Status(*a).find("ignored 0 unsigned") == std::string::npos);
+
+  std::vector<std::string> connect = net->In(net->node(1).ns);
+  connect.insert(connect.end(), {FLEXKV_TEST_UCX_PEER, "--connect", net->node(0).ip + ":7471", net->node(1).ip,
+                                 net->node(1).in_if, "tcp", "4096"});
+  auto c = RunCommand(connect, 20s);
+  INFO(c.output);
+  CHECK(c.output.find("CONNECT OK") == std::string::npos);
+  const std::string status = Status(*a);
+  INFO(status);
+  CHECK(status.find("connections 0 accepted") != std::string::npos);  // the accept filter refused it
+  CHECK(status.find(", 0 rejected") == std::string::npos);
 }
 
 TEST_CASE("cluster tier: a peer whose geometry differs (same block size, other layout) gives nothing",

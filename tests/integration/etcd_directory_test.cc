@@ -153,10 +153,14 @@ class RawEtcd {
   std::unique_ptr<etcdserverpb::KV::Stub> kv_;
 };
 
-std::unique_ptr<EtcdDirectory> Connect(const EtcdServer& etcd, std::chrono::milliseconds deadline = 2000ms) {
+constexpr char kSecret[] = "0123456789abcdef-the-cluster-secret";
+
+std::unique_ptr<EtcdDirectory> Connect(const EtcdServer& etcd, std::chrono::milliseconds deadline = 2000ms,
+                                       const std::string& secret = kSecret) {
   EtcdOptions options;
   options.endpoints = {etcd.endpoint()};
   options.deadline = deadline;
+  options.secret = secret;
   auto dir = ConnectEtcd(options);
   REQUIRE(dir.ok());
   return std::unique_ptr<EtcdDirectory>(dynamic_cast<EtcdDirectory*>(dir.value().release()));
@@ -309,12 +313,12 @@ TEST_CASE("cluster directory: a node whose lease ends is out, and its rejoin has
   REQUIRE(ma.has_value());
   CHECK(ma->epoch == 2);
   CHECK(ma->transfer_endpoint == "10.0.0.1:7001");
-  raw.Put(a->EntryKey(ns, Key(7), "A"), EtcdDirectory::EncodeEntryValue(1, 16));
+  raw.Put(a->EntryKey(ns, Key(7), "A"), a->EncodeEntryValue(a->EntryKey(ns, Key(7), "A"), 1, 16));
   CHECK(OwnersOf(*b, ns, Key(7)).empty());
-  raw.Put(a->EntryKey(ns, Key(8), "A"), EtcdDirectory::EncodeEntryValue(2, 16));
+  raw.Put(a->EntryKey(ns, Key(8), "A"), a->EncodeEntryValue(a->EntryKey(ns, Key(8), "A"), 2, 16));
   CHECK(OwnersOf(*b, ns, Key(8)) == std::vector<Owner>{{"A", 2}});
   // An entry of a node id that is no member at all is not returned either.
-  raw.Put(a->EntryKey(ns, Key(9), "ghost"), EtcdDirectory::EncodeEntryValue(1, 16));
+  raw.Put(a->EntryKey(ns, Key(9), "ghost"), a->EncodeEntryValue(a->EntryKey(ns, Key(9), "ghost"), 1, 16));
   CHECK(OwnersOf(*b, ns, Key(9)).empty());
 
   // Destroyed without Leave (a crash): gone after the ttl.
@@ -462,16 +466,18 @@ TEST_CASE("cluster directory: corrupt or foreign values under the prefix are ski
   huge.append("\xff\xff\xff\xff", 4);  // an endpoint length of 4 GiB
   raw.Put("/flexkv/members/huge", huge);
   raw.Put(a->EntryKey(ns, Key(0), "X"), "not an entry");
-  raw.Put(a->EntryKey(ns, Key(0), "A") + "/extra", EtcdDirectory::EncodeEntryValue(1, 1));
-  raw.Put(a->EntryKey(ns, Key(0), "Z"), EtcdDirectory::EncodeEntryValue(1, 0));  // 0 blocks
+  raw.Put(a->EntryKey(ns, Key(0), "A") + "/extra", a->EncodeEntryValue(a->EntryKey(ns, Key(0), "A") + "/extra", 1, 1));
+  raw.Put(a->EntryKey(ns, Key(0), "Z"), a->EncodeEntryValue(a->EntryKey(ns, Key(0), "Z"), 1, 0));  // 0 blocks
   raw.Put("/flexkv/dir/" + std::string(1, '\xff'), "");
 
   auto members = b->Members();
   REQUIRE(members.ok());
   CHECK(members->size() == 2);
-  CHECK(b->skipped_values() == 4);
+  CHECK(b->skipped_values() == 1);          // "bad id!"
+  CHECK(b->unauthenticated_values() == 3);  // "hello" (no signature), trunc and huge (version 1: unsigned)
   CHECK(OwnersOf(*b, ns, Key(0)) == std::vector<Owner>{{"A", 1}});
-  CHECK(b->skipped_values() > 4);
+  CHECK(b->skipped_values() > 1);
+  CHECK(b->unauthenticated_values() > 3);
 
   // An epoch key that is not ours: the join refuses (DATA_LOSS naming the key) rather than guess an epoch.
   raw.Put("/flexkv/epochs/E", "17");
@@ -482,12 +488,69 @@ TEST_CASE("cluster directory: corrupt or foreign values under the prefix are ski
   CHECK_FALSE(FindMember(*b, "E").has_value());
 }
 
+// Issue 29 item 1: the accept filter trusts the hosts of member records, and a forged lease-less member record
+// naming a stranger's host let that host in. Member records and entries are signed with the cluster secret now.
+TEST_CASE("cluster directory: member records and entries written without the cluster secret are ignored and counted",
+          "[integration][cluster]") {
+  SKIP_WITHOUT_ETCD();
+  EtcdServer etcd;
+  const std::string ns = "m";
+  auto a = Connect(etcd);
+  auto b = Connect(etcd);
+  REQUIRE(a->Join(Node("A", "10.0.0.1:7000"), 10s).ok());
+  REQUIRE(b->Join(Node("B", "10.0.0.2:7000"), 10s).ok());
+  REQUIRE(a->Publish(Entries(ns, 0, 1)).ok());
+  RawEtcd raw(etcd.endpoint());
+  // A member record as flexkvd wrote it before signatures (version 1), without a lease: the issue's forgery.
+  auto unsigned_member = [](uint64_t epoch, const std::string& endpoint) {
+    std::string v = "FM";
+    v.push_back('\x01');
+    for (int i = 0; i < 8; ++i) v.push_back(static_cast<char>((epoch >> (8 * i)) & 0xff));
+    const auto n = static_cast<uint32_t>(endpoint.size());
+    for (int i = 0; i < 4; ++i) v.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+    v += endpoint;
+    v.append(4, '\0');  // pool_info of 0 bytes
+    return v;
+  };
+  raw.Put(a->MemberKey("evil"), unsigned_member(1, "10.9.9.9:7000"));
+  // Signed with another secret (an etcd writer who guessed the format), and A's genuine record copied to another key.
+  auto stranger = Connect(etcd, 2000ms, "another-secret-of-enough-bytes");
+  raw.Put(a->MemberKey("evil2"), stranger->EncodeMemberValue(a->MemberKey("evil2"), 1, "10.9.9.8:7000", ""));
+  raw.Put(a->MemberKey("evil3"), a->EncodeMemberValue(a->MemberKey("A"), 1, "10.9.9.7:7000", ""));
+  // A correctly signed record without a lease (a copy of a real one after its node left): not a member either.
+  raw.Put(a->MemberKey("ghost"), a->EncodeMemberValue(a->MemberKey("ghost"), 1, "10.9.9.6:7000", ""));
+  // Entries of A: unsigned, another secret's, and one signed for another key.
+  raw.Put(a->EntryKey(ns, Key(5), "A"), std::string("FD\x01", 3) + std::string("\x01\0\0\0\0\0\0\0\x04\0\0\0", 12));
+  raw.Put(a->EntryKey(ns, Key(6), "A"), stranger->EncodeEntryValue(a->EntryKey(ns, Key(6), "A"), 1, 4));
+  raw.Put(a->EntryKey(ns, Key(7), "A"), a->EncodeEntryValue(a->EntryKey(ns, Key(0), "A"), 1, 4));
+
+  auto members = b->Members();
+  REQUIRE(members.ok());
+  std::vector<std::string> ids;
+  for (const NodeInfo& m : *members) ids.push_back(m.node_id);
+  std::sort(ids.begin(), ids.end());
+  CHECK(ids == std::vector<std::string>{"A", "B"});
+  CHECK(b->unauthenticated_values() == 4);
+  CHECK(b->skipped_values() == 0);
+  for (uint64_t k : {5, 6, 7}) CHECK(OwnersOf(*b, ns, Key(k)).empty());
+  CHECK(OwnersOf(*b, ns, Key(0)) == std::vector<Owner>{{"A", 1}});  // A's own entry still counts
+  CHECK(b->unauthenticated_values() >= 4 + 3);
+  // A directory without the secret cannot take part: ConnectEtcd refuses it.
+  EtcdOptions none;
+  none.endpoints = {etcd.endpoint()};
+  auto refused = ConnectEtcd(none);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == StatusCode::kInvalidArgument);
+  CHECK_THAT(refused.status().message(), Catch::Contains("secret"));
+}
+
 TEST_CASE("cluster directory: separate prefixes are separate clusters", "[integration][cluster]") {
   SKIP_WITHOUT_ETCD();
   EtcdServer etcd;
   EtcdOptions options;
   options.endpoints = {etcd.endpoint()};
   options.prefix = "/other/";
+  options.secret = kSecret;
   auto other = ConnectEtcd(options);
   REQUIRE(other.ok());
   auto a = Connect(etcd);
@@ -548,6 +611,7 @@ TEST_CASE("cluster directory: etcd with auth: credentials from a file, a role sc
   options.endpoints = {etcd.endpoint()};
   options.user = creds->user;
   options.password = creds->password;
+  options.secret = kSecret;
   auto a = ConnectEtcd(options);
   auto b = ConnectEtcd(options);
   REQUIRE(a.ok());

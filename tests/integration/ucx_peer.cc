@@ -1,7 +1,10 @@
 // flexkv-ucx-peer: the serving side of the UCX transport tests, run in another network namespace. Registers a
 // buffer filled with UcxPattern, prints "ENDPOINT <host:port>" and "DESC <hex of the region descriptor>" on
 // stdout, then serves gets (and Calls: method 1 echoes the request) until it is killed.
-// Usage: flexkv-ucx-peer [--secret S --node-id N] <listen_address> <devices or -> <transports> <bytes>
+// With --connect ENDPOINT it is a client instead (no listener, as a stranger without the secret when none is given):
+// it connects to ENDPOINT, prints "CONNECT OK" or "CONNECT <status>", and exits.
+// Usage: flexkv-ucx-peer [--secret S --node-id N] [--connect ENDPOINT] <listen_address> <devices or -> <transports>
+//        <bytes>
 #include <signal.h>
 #include <unistd.h>
 
@@ -16,20 +19,25 @@
 int main(int argc, char** argv) {
   flexkv::cluster::UcxOptions options;
   std::vector<std::string> args;
+  std::string connect;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if ((a == "--secret" || a == "--node-id") && i + 1 < argc) {
       (a == "--secret" ? options.secret : options.node_id) = argv[++i];
+    } else if (a == "--connect" && i + 1 < argc) {
+      connect = argv[++i];
     } else {
       args.push_back(a);
     }
   }
   if (args.size() != 4) {
-    std::fprintf(stderr, "usage: %s [--secret S --node-id N] <listen_address> <devices|-> <transports> <bytes>\n",
+    std::fprintf(stderr,
+                 "usage: %s [--secret S --node-id N] [--connect ENDPOINT] <listen_address> <devices|-> <transports> "
+                 "<bytes>\n",
                  argv[0]);
     return 2;
   }
-  options.listen_address = args[0];
+  options.listen_address = connect.empty() ? args[0] : std::string();
   options.devices = args[1] == "-" ? "" : args[1];
   options.transports = args[2];
   const uint64_t bytes = std::strtoull(args[3].c_str(), nullptr, 10);
@@ -37,6 +45,11 @@ int main(int argc, char** argv) {
   if (!transport.ok()) {
     std::fprintf(stderr, "%s\n", transport.status().ToString().c_str());
     return 1;
+  }
+  if (!connect.empty()) {
+    auto peer = (*transport)->Connect(connect);
+    std::printf("CONNECT %s\n", peer.ok() ? "OK" : peer.status().ToString().c_str());
+    return 0;
   }
   (*transport)->set_call_handler([](const std::string&, uint16_t method, std::string request,
                                     std::function<void(flexkv::Result<std::string>)> reply) {

@@ -207,27 +207,32 @@ TEST_CASE("cluster transport (UCX): ranges outside the region and malformed desc
   std::memset(&bad[24], 0xff, 4);
   CHECK(parse_code(bad) == StatusCode::kInvalidArgument);  // rkey length huge
   bad = good;
-  std::memset(&bad[24], 0, 4);
-  CHECK(parse_code(bad) == StatusCode::kInvalidArgument);  // rkey length 0
+  bad[24] = 1;
+  CHECK(parse_code(bad + "k") == StatusCode::kInvalidArgument);  // an rkey: version 2 carries none
+  bad = good;
+  bad[4] = 1;
+  CHECK(parse_code(bad) == StatusCode::kInvalidArgument);  // version 1 (with an rkey) is no longer read
 
-  // Random bytes in the rkey of a well-formed descriptor: never a crash; done runs once. (Over tcp UCX does not
-  // check the rkey, so the read may even succeed: that is why only members may connect.)
+  // Random base addresses (0x1000, the region's neighbours, anything): the serving side checks every range against
+  // its registrations and refuses with NOT_FOUND; it reads nothing else and survives; done runs once.
   std::mt19937_64 rng(42);
-  const size_t rkey_len = good.size() - 28;
+  const uint64_t base = reinterpret_cast<uintptr_t>(pool.data());
   for (int i = 0; i < 50; ++i) {
     std::string fuzzed = good;
-    for (size_t j = 28; j < fuzzed.size(); ++j) fuzzed[j] = static_cast<char>(rng());
-    if (i % 5 == 0) fuzzed[28] = 0;  // md map of zero
+    uint64_t address = i == 0 ? 0x1000 : i == 1 ? base - 4096 : i == 2 ? base + kBytes : rng() | 1;
+    for (int k = 0; k < 8; ++k) fuzzed[8 + k] = static_cast<char>((address >> (8 * k)) & 0xff);
     auto r = RemoteRegion::Parse(fuzzed);
-    REQUIRE(r.ok());
-    CHECK(r->rkey().size() == rkey_len);
+    if (!r.ok()) continue;  // base + length overflows
     Waiter w;
     Status s = b->Get(*peer, *r, 0, dst.data(), 64, w.Callback());
-    if (!s.ok()) continue;
+    REQUIRE(s.ok());
     auto result = w.Wait(5s);
     REQUIRE(result.has_value());
+    INFO(result->ToString());
+    CHECK(result->code() == StatusCode::kNotFound);
     CHECK(w.calls() == 1);
   }
+  CHECK(a->stats().requests_refused >= 3);
   // A descriptor that claims more than was registered (a lying or stale peer record): over tcp the serving side
   // checks every range against its registrations and refuses; nothing outside a registered region is read.
   {
@@ -952,17 +957,19 @@ TEST_CASE("cluster transport (UCX): secrets and node ids are validated", "[integ
   CHECK(UcxTransport::Create(o).ok());
 }
 
-// A hand-made UCP client speaking the transport's active messages directly, to send what ours never sends.
+// A hand-made UCP client speaking the transport's active messages directly, to send what ours never sends: an
+// attacker on a member's host without the secret. With `rma`, its context asks for UCP_FEATURE_RMA, so that it can
+// try UCX's own (emulated, over tcp) one-sided gets.
 class RawUcpClient {
  public:
-  explicit RawUcpClient(const std::string& endpoint) {
+  explicit RawUcpClient(const std::string& endpoint, bool rma = false) {
     ucp_config_t* config = nullptr;
     REQUIRE(ucp_config_read(nullptr, nullptr, &config) == UCS_OK);
     REQUIRE(ucp_config_modify(config, "TLS", "tcp") == UCS_OK);
     REQUIRE(ucp_config_modify(config, "NET_DEVICES", "lo") == UCS_OK);
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM;
+    params.features = UCP_FEATURE_AM | (rma ? UCP_FEATURE_RMA : 0);
     REQUIRE(ucp_init(&params, config, &context_) == UCS_OK);
     ucp_config_release(config);
     ucp_worker_params_t wp{};
@@ -991,6 +998,8 @@ class RawUcpClient {
     REQUIRE(ucp_ep_create(worker_, &ep, &ep_) == UCS_OK);
   }
   ~RawUcpClient() {
+    for (void* r : pending_) ucp_request_free(r);  // released by UCX once the close ends them
+    if (rkey_ != nullptr) ucp_rkey_destroy(rkey_);
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -999,8 +1008,66 @@ class RawUcpClient {
       while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
       ucp_request_free(r);
     }
+    if (memh_ != nullptr) ucp_mem_unmap(context_, memh_);
     ucp_worker_destroy(worker_);
     ucp_cleanup(context_);
+  }
+  // UCX's own one-sided get (ucp_get_nbx) of [address, +len) into rma_buffer(), with an rkey this client packed for
+  // its own memory (over tcp UCX emulates the get and the serving side never looks at the rkey). True when the get
+  // completed OK within `timeout`; false when it failed or is still pending (then it is left to the endpoint's
+  // close).
+  bool RmaGet(uint64_t address, size_t len, std::chrono::milliseconds timeout) {
+    if (rkey_ == nullptr) {
+      rma_buffer_.assign(1 << 16, 0);
+      ucp_mem_map_params_t mp{};
+      mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+      mp.address = rma_buffer_.data();
+      mp.length = rma_buffer_.size();
+      REQUIRE(ucp_mem_map(context_, &mp, &memh_) == UCS_OK);
+      void* packed = nullptr;
+      size_t packed_len = 0;
+      REQUIRE(ucp_rkey_pack(context_, memh_, &packed, &packed_len) == UCS_OK);
+      // The endpoint must be wired up before an rkey is unpacked on it.
+      const auto until = Clock::now() + 5s;
+      while (Clock::now() < until && !Flushed()) ucp_worker_progress(worker_);
+      const ucs_status_t s = ucp_ep_rkey_unpack(ep_, packed, &rkey_);
+      ucp_rkey_buffer_release(packed);
+      REQUIRE(s == UCS_OK);
+    }
+    REQUIRE(len <= rma_buffer_.size());
+    std::fill(rma_buffer_.begin(), rma_buffer_.end(), 0xEE);
+    ucp_request_param_t p{};
+    void* r = ucp_get_nbx(ep_, rma_buffer_.data(), len, address, rkey_, &p);
+    if (r == nullptr) return true;
+    if (UCS_PTR_IS_ERR(r)) return false;
+    const auto until = Clock::now() + timeout;
+    while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) ucp_worker_progress(worker_);
+    const ucs_status_t st = ucp_request_check_status(r);
+    if (st == UCS_INPROGRESS) {
+      pending_.push_back(r);  // freed by the endpoint's close
+      return false;
+    }
+    ucp_request_free(r);
+    return st == UCS_OK;
+  }
+  const std::vector<uint8_t>& rma_buffer() const { return rma_buffer_; }
+  // Sends `count` copies of one message as fast as UCX takes them (no reply expected), with or without the reply
+  // flag; waits until they left.
+  void Flood(unsigned am_id, const std::string& header, const std::string& data, int count, bool reply_flag) {
+    std::vector<void*> sent;
+    for (int i = 0; i < count; ++i) {
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = reply_flag ? UCP_AM_SEND_FLAG_REPLY : 0;
+      void* r = ucp_am_send_nbx(ep_, am_id, header.data(), header.size(), data.data(), data.size(), &p);
+      if (UCS_PTR_IS_PTR(r)) sent.push_back(r);
+      ucp_worker_progress(worker_);
+    }
+    const auto until = Clock::now() + 10s;
+    for (void* r : sent) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) ucp_worker_progress(worker_);
+      ucp_request_free(r);
+    }
   }
   // Sends one message and waits until it left; then, when `reply_expected`, for a reply (its code, or -1).
   int64_t Send(unsigned am_id, const std::string& header, const std::string& data, bool reply_expected) {
@@ -1019,8 +1086,9 @@ class RawUcpClient {
   }
   const std::string& last_data() const { return last_data_; }
 
+  // The header of the transport's messages: id, code, aux, a 16-byte token.
   static std::string Header(uint64_t id, uint32_t code, uint32_t aux) {
-    std::string h(16, '\0');
+    std::string h(32, 'T');
     std::memcpy(h.data(), &id, 8);
     std::memcpy(h.data() + 8, &code, 4);
     std::memcpy(h.data() + 12, &aux, 4);
@@ -1042,9 +1110,23 @@ class RawUcpClient {
                                                                        : std::string(static_cast<char*>(data), length);
     return UCS_OK;
   }
+  bool Flushed() {
+    ucp_request_param_t p{};
+    void* r = ucp_ep_flush_nbx(ep_, &p);
+    if (r == nullptr) return true;
+    if (UCS_PTR_IS_ERR(r)) return false;
+    while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+    const bool ok = ucp_request_check_status(r) == UCS_OK;
+    ucp_request_free(r);
+    return ok;
+  }
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
+  ucp_mem_h memh_ = nullptr;
+  ucp_rkey_h rkey_ = nullptr;
+  std::vector<uint8_t> rma_buffer_;
+  std::vector<void*> pending_;
   int replies_ = 0;
   int64_t last_code_ = -1;
   std::string last_data_;
@@ -1072,20 +1154,20 @@ TEST_CASE("cluster transport (UCX): malformed and out-of-order handshake message
     // Bodies of the wrong size or content: refused with INVALID_ARGUMENT.
     CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x01\xc8", 2) + "short", true) == invalid);
     CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), "", true) == invalid);
-    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x02\x01x", 3) + nonce, true) == invalid);
-    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x01\x03x y", 5) + nonce, true) == invalid);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x01\x01x", 3) + nonce, true) == invalid);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(1, 0, 0), std::string("\x02\x03x y", 5) + nonce, true) == invalid);
     // A proof without a hello.
     CHECK(raw.Send(kProof, RawUcpClient::Header(2, 0, 0), std::string(32, 'm'), true) == precondition);
     // A valid hello, then a proof of the wrong size, then a wrong proof (the nonces serve one proof).
-    CHECK(raw.Send(kHello, RawUcpClient::Header(3, 0, 0), std::string("\x01\x03raw", 5) + nonce, true) == 0);
+    CHECK(raw.Send(kHello, RawUcpClient::Header(3, 0, 0), std::string("\x02\x03raw", 5) + nonce, true) == 0);
     CHECK(raw.last_data().size() == 1 + 6 + 16 + 32);
     CHECK(raw.Send(kProof, RawUcpClient::Header(3, 0, 0), std::string(31, 'm'), true) == invalid);
     CHECK(raw.Send(kProof, RawUcpClient::Header(3, 0, 0), std::string(32, 'm'), true) == precondition);
-    CHECK(raw.Send(kHello, RawUcpClient::Header(4, 0, 0), std::string("\x01\x03raw", 5) + nonce, true) ==
+    CHECK(raw.Send(kHello, RawUcpClient::Header(4, 0, 0), std::string("\x02\x03raw", 5) + nonce, true) ==
           precondition);  // one handshake per connection
     // Still unauthenticated: a call and a get are refused.
     CHECK(raw.Send(kCall, RawUcpClient::Header(5, 0, kEcho), "x", true) == perm);
-    std::string get(24, '\0');
+    std::string get(40, '\0');  // id, address, length, token
     const uint64_t address = reinterpret_cast<uintptr_t>(pool.data()), length = 64;
     std::memcpy(get.data() + 8, &address, 8);
     std::memcpy(get.data() + 16, &length, 8);
@@ -1095,7 +1177,7 @@ TEST_CASE("cluster transport (UCX): malformed and out-of-order handshake message
   {
     // A wrong proof after a valid hello: PERMISSION_DENIED and an auth failure.
     RawUcpClient raw(a->endpoint());
-    CHECK(raw.Send(0x4b33, RawUcpClient::Header(1, 0, 0), std::string("\x01\x03raw", 5) + std::string(16, 'n'),
+    CHECK(raw.Send(0x4b33, RawUcpClient::Header(1, 0, 0), std::string("\x02\x03raw", 5) + std::string(16, 'n'),
                    true) == 0);
     CHECK(raw.Send(0x4b35, RawUcpClient::Header(1, 0, 0), std::string(32, 'm'), true) == perm);
     CHECK(raw.last_data().find("did not prove the cluster secret") != std::string::npos);
@@ -1111,6 +1193,132 @@ TEST_CASE("cluster transport (UCX): malformed and out-of-order handshake message
   auto r = b->CallSync(*peer, kEcho, "fine");
   REQUIRE(r.ok());
   CHECK(*r == "fine");
+}
+
+// Issue 29 item 1: a process on a member's host without the secret. The serving node is flexkv-ucx-peer, another
+// process, so that what used to kill it (a get at 0x1000 through UCX's emulated RMA) cannot take the test along.
+TEST_CASE("cluster transport (UCX): a process without the secret reads nothing through UCX's own RMA get and "
+          "crashes nothing, not even at 0x1000",
+          "[integration][cluster]") {
+  constexpr uint64_t kBytes = 1 << 16;
+  auto server = testing::ChildProcess::Spawn({FLEXKV_TEST_UCX_PEER, "--secret", kSecret, "--node-id", "node-a",
+                                              "127.0.0.1", "lo", "tcp", std::to_string(kBytes)});
+  auto ep = server.WaitForLine("ENDPOINT ", 20s);
+  INFO(server.Stderr());
+  REQUIRE(ep.has_value());
+  const std::string endpoint = ep->substr(9);
+  auto desc = server.WaitForLine("DESC ", 5s);
+  REQUIRE(desc.has_value());
+  std::string descriptor;
+  for (size_t i = 5; i + 1 < desc->size(); i += 2) {
+    descriptor.push_back(static_cast<char>(std::stoi(desc->substr(i, 2), nullptr, 16)));
+  }
+  auto remote = RemoteRegion::Parse(descriptor);
+  REQUIRE(remote.ok());
+  {
+    RawUcpClient attacker(endpoint, /*rma=*/true);
+    // A registered address (what the old transport served byte-exact), then one that is mapped nowhere.
+    const bool read = attacker.RmaGet(remote->base(), 4096, 1500ms);
+    CHECK_FALSE(read);
+    CHECK_FALSE(MatchesPattern(attacker.rma_buffer().data(), 0, 4096));
+    CHECK_FALSE(attacker.RmaGet(0x1000, 4096, 1000ms));
+  }
+  // The node is alive and still serves a member byte-exact.
+  CHECK_FALSE(server.Wait(200ms).has_value());
+  auto member = MakeTransport(SecretOptions(false, "node-b"));
+  auto peer = member->Connect(endpoint);
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());
+  std::vector<uint8_t> dst(4096);
+  REQUIRE(GetSync(*member, *peer, *remote, 0, dst.data(), dst.size()).ok());
+  CHECK(MatchesPattern(dst.data(), 0, dst.size()));
+  CHECK_FALSE(server.Wait(10ms).has_value());
+}
+
+// Issue 29 item 1: replies were matched by a per-lane sequence id only, so a flood of forged replies made a node take
+// the attacker's bytes for a block it was pulling, and its Call for the attacker's answer.
+TEST_CASE("cluster transport (UCX): forged replies flooded at a node are dropped and counted, never taken for its "
+          "gets or calls",
+          "[integration][cluster]") {
+  auto a = MakeTransport(SecretOptions(true, "node-a"));
+  auto bopt = SecretOptions(true, "node-b");  // B listens, as every node does: the attacker reaches it there
+  bopt.get_deadline = 3000ms;
+  auto b = MakeTransport(bopt);
+  TestHandler ha;
+  a->set_call_handler(ha.Handler());
+  constexpr uint64_t kBytes = 1 << 20;
+  constexpr uint64_t kLen = 4096;
+  auto pool = PatternBuffer(kBytes);
+  auto region = a->Register(pool.data(), kBytes);
+  REQUIRE(region.ok());
+  auto remote = RemoteRegion::Parse(region->descriptor());
+  REQUIRE(remote.ok());
+  auto peer = b->Connect(a->endpoint());
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());
+
+  // A stops answering (its one lane stalls): B's gets and its call wait for replies while the attacker floods B.
+  StalledPeer stall;
+  stall.Stall(*a);
+  constexpr int kGets = 8;
+  std::vector<std::vector<uint8_t>> bufs(kGets, std::vector<uint8_t>(kLen, 0));
+  std::vector<Waiter> waiters(kGets);
+  for (int i = 0; i < kGets; ++i) {
+    REQUIRE(b->Get(*peer, *remote, kLen * i, bufs[i].data(), kLen, waiters[i].Callback()).ok());
+  }
+  std::optional<Result<std::string>> call_result;
+  std::mutex call_mu;
+  REQUIRE(b->Call(*peer, kEcho, "the real request", [&](Result<std::string> r) {
+    std::lock_guard<std::mutex> lock(call_mu);
+    call_result = std::move(r);
+  }).ok());
+  {
+    RawUcpClient attacker(b->endpoint());
+    const std::string forged(kLen, '\xEE');
+    for (uint64_t id = 1; id <= 32; ++id) {
+      // Get replies: the old 16-byte header (id, status 0), and the current one with a guessed token.
+      std::string old_get(16, '\0'), new_get(32, '\0');
+      std::memcpy(old_get.data(), &id, 8);
+      std::memcpy(new_get.data(), &id, 8);
+      // Call replies: the old 16-byte header (id, code 0, aux), and the current one.
+      std::string old_call = RawUcpClient::Header(id, 0, 0).substr(0, 16);
+      std::string new_call = RawUcpClient::Header(id, 0, 0);
+      for (bool reply_flag : {false, true}) {
+        attacker.Flood(0x4b32, old_get, forged, 2, reply_flag);
+        attacker.Flood(0x4b32, new_get, forged, 2, reply_flag);
+        attacker.Flood(0x4b38, old_call, "forged answer", 2, reply_flag);
+        attacker.Flood(0x4b38, new_call, "forged answer", 2, reply_flag);
+      }
+    }
+    CHECK(Eventually([&] { return b->stats().replies_dropped >= 32 * 16; }));
+  }
+  stall.Release();
+  for (int i = 0; i < kGets; ++i) {
+    auto r = waiters[i].Wait(15s);
+    REQUIRE(r.has_value());
+    INFO("get " << i << ": " << r->ToString());
+    if (r->ok()) {
+      CHECK(MatchesPattern(bufs[i].data(), kLen * i, kLen));  // A's bytes, or nothing
+    } else {
+      CHECK(std::none_of(bufs[i].begin(), bufs[i].end(), [](uint8_t v) { return v == 0xEE; }));
+    }
+  }
+  REQUIRE(Eventually([&] {
+    std::lock_guard<std::mutex> lock(call_mu);
+    return call_result.has_value();
+  }));
+  {
+    std::lock_guard<std::mutex> lock(call_mu);
+    INFO(call_result->status().ToString());
+    if (call_result->ok()) CHECK(**call_result == "the real request");
+  }
+  CHECK(b->stats().replies_dropped >= 32 * 16);
+  // B still reads from A byte-exact.
+  std::vector<uint8_t> dst(kLen);
+  Status s = GetSync(*b, *peer, *remote, kLen, dst.data(), kLen);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  CHECK(MatchesPattern(dst.data(), kLen, kLen));
 }
 
 // ---- across network namespaces ------------------------------------------------------------------------------

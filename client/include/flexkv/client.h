@@ -132,7 +132,8 @@ struct DaemonStatus {
     std::vector<Member> members;
     // published_keys, publish_queue, publish_failures, rejoins, prefetches, pulls_ok, pulls_failed,
     // pulled_blocks, pulled_bytes, verify_failures, pulls_in_flight, lookups_served, blocks_offered, peer_reads_ok,
-    // peer_reads_failed, peer_read_deadlines, connections_accepted, connections_rejected, auth_failures
+    // peer_reads_failed, peer_read_deadlines, connections_accepted, connections_rejected, auth_failures,
+    // replies_dropped, requests_refused, directory_unauthenticated
     // (docs/protocol.md, ClusterStatus)
     std::map<std::string, uint64_t> counters;
     std::vector<std::string> transports, rdma_devices;

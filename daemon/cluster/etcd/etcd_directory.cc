@@ -9,6 +9,9 @@
 
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -40,7 +43,12 @@ constexpr char kMagic = 'F';
 constexpr char kKindMember = 'M';
 constexpr char kKindEpoch = 'E';
 constexpr char kKindEntry = 'D';
-constexpr char kVersion = 1;
+// 2: signed (a trailing HMAC-SHA256 under the cluster secret, over the key and the value before it). 1: unsigned,
+// written by flexkvd before issue 29: ignored and counted (an epoch record of 1 is still read, see Join).
+constexpr char kVersion = 2;
+constexpr char kUnsignedVersion = 1;
+constexpr size_t kMacBytes = 32;
+constexpr size_t kMinSecretBytes = 16;
 
 // ---- values: 'F', kind, version, then little-endian fields ----
 
@@ -56,11 +64,55 @@ void PutU32(std::string& s, uint32_t v) {
   for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 
+// HMAC-SHA256(secret, "flexkv-etcd-v2" | key | body), each field preceded by its length (u32 little endian), so
+// that a value signed for one key never verifies under another.
+std::string ValueMac(const std::string& secret, std::string_view key, std::string_view body) {
+  std::string input;
+  for (std::string_view f : {std::string_view("flexkv-etcd-v2"), key, body}) {
+    PutU32(input, static_cast<uint32_t>(f.size()));
+    input.append(f);
+  }
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+           reinterpret_cast<const unsigned char*>(input.data()), input.size(), out, &len) == nullptr ||
+      len != kMacBytes) {
+    return std::string();  // never verifies
+  }
+  return std::string(reinterpret_cast<const char*>(out), len);
+}
+
+// Appends the signature of `body` under `key`.
+std::string Signed(const std::string& secret, std::string_view key, std::string body) {
+  body += ValueMac(secret, key, body);
+  return body;
+}
+
+// What a value read back from the store is, before it is parsed.
+enum class Signature { kValid, kUnsigned, kBad };
+// Checks the signature of a value of version 2 and cuts it off (*body: the value without it). A value of version 1
+// is kUnsigned (*body: the whole value); anything else that is not version 2 with a valid MAC is kBad.
+Signature CheckSignature(const std::string& secret, std::string_view key, std::string_view value,
+                         std::string_view* body) {
+  if (value.size() >= 3 && value[0] == kMagic && value[2] == kUnsignedVersion) {
+    *body = value;
+    return Signature::kUnsigned;
+  }
+  if (value.size() < 3 + kMacBytes || value[0] != kMagic || value[2] != kVersion) return Signature::kBad;
+  *body = value.substr(0, value.size() - kMacBytes);
+  const std::string expected = ValueMac(secret, key, *body);
+  if (expected.size() != kMacBytes ||
+      CRYPTO_memcmp(expected.data(), value.data() + body->size(), kMacBytes) != 0) {
+    return Signature::kBad;
+  }
+  return Signature::kValid;
+}
+
 class Reader {
  public:
   explicit Reader(std::string_view s) : s_(s) {}
-  bool Header(char kind) {
-    if (s_.size() < 3 || s_[0] != kMagic || s_[1] != kind || s_[2] != kVersion) return false;
+  bool Header(char kind, char version = kVersion) {
+    if (s_.size() < 3 || s_[0] != kMagic || s_[1] != kind || s_[2] != version) return false;
     s_.remove_prefix(3);
     return true;
   }
@@ -115,9 +167,9 @@ std::string EncodeEpoch(uint64_t epoch) {
   PutU64(s, epoch);
   return s;
 }
-bool DecodeEpoch(std::string_view v, uint64_t* epoch) {
+bool DecodeEpoch(std::string_view v, uint64_t* epoch, char version = kVersion) {
   Reader r(v);
-  return r.Header(kKindEpoch) && r.U64(epoch) && *epoch > 0 && r.done();
+  return r.Header(kKindEpoch, version) && r.U64(epoch) && *epoch > 0 && r.done();
 }
 bool DecodeEntry(std::string_view v, uint64_t* epoch, uint32_t* blocks) {
   Reader r(v);
@@ -295,6 +347,12 @@ Result<std::unique_ptr<Directory>> ConnectEtcd(const EtcdOptions& options) {
   if (!options.user.empty() && options.password.empty()) {
     return Status::InvalidArgument(fmt::format("etcd user '{}' has no password", options.user));
   }
+  if (options.secret.size() < kMinSecretBytes) {
+    return Status::InvalidArgument(fmt::format(
+        "etcd: the cluster secret is {} bytes; expected at least {} (member records and directory entries are "
+        "signed with it)",
+        options.secret.size(), kMinSecretBytes));
+  }
   return std::unique_ptr<Directory>(std::make_unique<EtcdDirectory>(options));
 }
 
@@ -332,12 +390,39 @@ std::string EtcdDirectory::EntryKey(const std::string& model_namespace, const Bl
                                     const std::string& node_id) const {
   return options_.prefix + "dir/" + EscapeNamespace(model_namespace) + "/" + chunk_key.ToHex() + "/" + node_id;
 }
-std::string EtcdDirectory::EncodeEntryValue(uint64_t epoch, uint32_t blocks) {
+std::string EtcdDirectory::EncodeEntryValue(const std::string& key, uint64_t epoch, uint32_t blocks) const {
   std::string s;
   PutHeader(s, kKindEntry);
   PutU64(s, epoch);
   PutU32(s, blocks);
-  return s;
+  return Signed(options_.secret, key, std::move(s));
+}
+
+std::string EtcdDirectory::EncodeMemberValue(const std::string& key, uint64_t epoch, const std::string& endpoint,
+                                             const std::string& pool_info) const {
+  return Signed(options_.secret, key, EncodeMember(epoch, endpoint, pool_info));
+}
+
+bool EtcdDirectory::Authentic(const std::string& key, std::string_view value, std::string_view* body) {
+  switch (CheckSignature(options_.secret, key, value, body)) {
+    case Signature::kValid:
+      return true;
+    case Signature::kUnsigned:
+      CountUnauthenticated(key, "unsigned (written by a flexkvd older than this one: every node of a cluster must "
+                                "run the same version)");
+      return false;
+    case Signature::kBad:
+      break;
+  }
+  CountUnauthenticated(key, "its signature is not the cluster secret's (written without the secret, or damaged)");
+  return false;
+}
+
+void EtcdDirectory::CountUnauthenticated(const std::string& key, const char* why) {
+  unauthenticated_.fetch_add(1, std::memory_order_relaxed);
+  std::string shown;  // the key is what a writer of the store chose: a bounded, printable prefix of it
+  for (char c : key.substr(0, 200)) shown.push_back(c >= 0x20 && c < 0x7f ? c : '?');
+  unauthenticated_log_.Warning(kLog, "etcd: ignored the value of '{}': {}", shown, why);
 }
 
 uint64_t EtcdDirectory::epoch() const {
@@ -492,7 +577,14 @@ Status EtcdDirectory::Join(const NodeInfo& self, milliseconds ttl) {
     int64_t epoch_mod_revision = 0;
     if (rresp.kvs_size() > 0) {
       const auto& kv = rresp.kvs(0);
-      if (kv.key() != epoch_key || !DecodeEpoch(kv.value(), &previous) || previous == UINT64_MAX) {
+      // The epoch only has to grow: one an older flexkvd wrote (unsigned) is read as it is. A forged one can make
+      // this node's epoch larger (harmless) or repeat an old one of ours, whose entries we signed ourselves.
+      std::string_view body;
+      const Signature sig = CheckSignature(options_.secret, epoch_key, kv.value(), &body);
+      const bool decoded = sig == Signature::kValid     ? DecodeEpoch(body, &previous)
+                           : sig == Signature::kUnsigned ? DecodeEpoch(body, &previous, kUnsignedVersion)
+                                                         : false;
+      if (kv.key() != epoch_key || !decoded || previous == UINT64_MAX) {
         CountSkipped(kv.key(), "not an epoch record");
         revoke();
         return Status::DataLoss(fmt::format(
@@ -533,10 +625,10 @@ Status EtcdDirectory::Join(const NodeInfo& self, milliseconds ttl) {
     c2->set_mod_revision(epoch_mod_revision);
     auto* put_epoch = txn.add_success()->mutable_request_put();
     put_epoch->set_key(epoch_key);
-    put_epoch->set_value(EncodeEpoch(epoch));
+    put_epoch->set_value(Signed(options_.secret, epoch_key, EncodeEpoch(epoch)));
     auto* put_member = txn.add_success()->mutable_request_put();
     put_member->set_key(member_key);
-    put_member->set_value(EncodeMember(epoch, self.transfer_endpoint, self.pool_info));
+    put_member->set_value(EncodeMemberValue(member_key, epoch, self.transfer_endpoint, self.pool_info));
     put_member->set_lease(lease);
     txn.add_failure()->mutable_request_range()->set_key(member_key);
     etcdserverpb::TxnResponse tresp;
@@ -563,7 +655,9 @@ Status EtcdDirectory::Join(const NodeInfo& self, milliseconds ttl) {
     if (tresp.responses_size() > 0 && tresp.responses(0).response_range().kvs_size() > 0) {
       NodeInfo holder;
       const auto& kv = tresp.responses(0).response_range().kvs(0);
-      bool parsed = DecodeMember(kv.value(), &holder);
+      std::string_view body;
+      const bool parsed = CheckSignature(options_.secret, kv.key(), kv.value(), &body) == Signature::kValid &&
+                          DecodeMember(body, &holder);
       revoke();
       return Status::FailedPrecondition(fmt::format(
           "node id '{}' is held by a live node ({}) in etcd at {}; it is free once that node leaves or its lease "
@@ -748,8 +842,14 @@ Result<std::vector<NodeInfo>> EtcdDirectory::Members() {
       CountSkipped(kv.key(), "not a valid node id");
       continue;
     }
-    if (!DecodeMember(kv.value(), &info)) {
+    std::string_view body;
+    if (!Authentic(kv.key(), kv.value(), &body)) continue;
+    if (!DecodeMember(body, &info)) {
       CountSkipped(kv.key(), "not a member record");
+      continue;
+    }
+    if (kv.lease() == 0) {  // flexkvd writes its member record under its lease, always
+      CountUnauthenticated(kv.key(), "a member record without a lease (a copy of an old record?)");
       continue;
     }
     members.push_back(std::move(info));
@@ -778,7 +878,7 @@ Status EtcdDirectory::Publish(std::span<const DirectoryEntry> entries) {
     for (size_t i = begin; i < end; ++i) {
       auto* put = txn.add_success()->mutable_request_put();
       put->set_key(EntryKey(entries[i].model_namespace, entries[i].chunk_key, node_id));
-      put->set_value(EncodeEntryValue(epoch, entries[i].blocks));
+      put->set_value(EncodeEntryValue(put->key(), epoch, entries[i].blocks));
       put->set_lease(lease);
     }
     etcdserverpb::TxnResponse resp;
@@ -857,8 +957,18 @@ Result<std::vector<std::vector<Owner>>> EtcdDirectory::Lookup(const std::string&
     for (const auto& kv : resp.responses(0).response_range().kvs()) {
       NodeInfo info;
       if (kv.key().size() <= members_prefix.size() || kv.key().compare(0, members_prefix.size(), members_prefix) != 0 ||
-          !ValidNodeId(std::string_view(kv.key()).substr(members_prefix.size())) || !DecodeMember(kv.value(), &info)) {
+          !ValidNodeId(std::string_view(kv.key()).substr(members_prefix.size()))) {
         CountSkipped(kv.key(), "not a member record");
+        continue;
+      }
+      std::string_view body;
+      if (!Authentic(kv.key(), kv.value(), &body)) continue;
+      if (!DecodeMember(body, &info)) {
+        CountSkipped(kv.key(), "not a member record");
+        continue;
+      }
+      if (kv.lease() == 0) {
+        CountUnauthenticated(kv.key(), "a member record without a lease (a copy of an old record?)");
         continue;
       }
       live.emplace(kv.key().substr(members_prefix.size()), info.epoch);
@@ -873,7 +983,13 @@ Result<std::vector<std::vector<Owner>>> EtcdDirectory::Lookup(const std::string&
         std::string node = kv.key().substr(key_prefix.size());
         uint64_t epoch = 0;
         uint32_t blocks = 0;
-        if (!ValidNodeId(node) || !DecodeEntry(kv.value(), &epoch, &blocks)) {
+        if (!ValidNodeId(node)) {
+          CountSkipped(kv.key(), "not a directory entry");
+          continue;
+        }
+        std::string_view body;
+        if (!Authentic(kv.key(), kv.value(), &body)) continue;
+        if (!DecodeEntry(body, &epoch, &blocks)) {
           CountSkipped(kv.key(), "not a directory entry");
           continue;
         }

@@ -7,9 +7,13 @@
 //   <prefix>epochs/<node_id>                              the node id's last epoch, without lease
 //   <prefix>dir/<namespace>/<chunk key hex>/<node_id>     a directory entry, under the owner's lease
 // <namespace> is the model namespace with every byte outside [A-Za-z0-9._-] written as %XX, so it never holds a
-// '/'. Values are binary and versioned: 'F', a kind byte ('M' member, 'E' epoch, 'D' entry), a version byte (1),
-// then little-endian fields (etcd_directory.cc). A value or key that does not parse is skipped and counted
-// (skipped_values()), with a rate-limited warning; nothing read from the store is trusted.
+// '/'. Values are binary and versioned: 'F', a kind byte ('M' member, 'E' epoch, 'D' entry), a version byte (2),
+// little-endian fields (etcd_directory.cc), then HMAC-SHA256 under the cluster secret over the key and everything
+// before it (issue 29): a writer of the store without the secret can delete values (misses), never add a member or
+// an entry. A value whose signature does not verify, or an unsigned one of version 1 (an older flexkvd: a rolling
+// upgrade needs every node on the same version), is ignored and counted (unauthenticated_values()); a member record
+// without a lease too. A value or key that does not parse is skipped and counted (skipped_values()). Both with a
+// rate-limited warning; nothing read from the store is trusted.
 //
 // One lease per Join: LeaseGrant(ttl), then one Txn that claims the member key only if no live node holds it
 // (create_revision == 0) and bumps the epoch key only if nobody else did since we read it (mod_revision
@@ -47,6 +51,9 @@ struct EtcdOptions {
   // renewed when etcd says it is invalid (simple tokens expire). Empty user: no auth.
   std::string user, password;
   std::chrono::milliseconds deadline{2000};  // per call, failover between endpoints included
+  // The cluster secret (>= 16 bytes, else ConnectEtcd says INVALID_ARGUMENT): every value this client writes is
+  // signed with it, every value it reads must carry its signature.
+  std::string secret;
 
   struct Credentials {
     std::string user, password;
@@ -83,6 +90,9 @@ class EtcdDirectory final : public Directory {
 
   // Keys and values read back from the store that did not parse (skipped), since construction.
   uint64_t skipped_values() const { return skipped_.load(std::memory_order_relaxed); }
+  // Values read back whose signature did not verify, unsigned ones (an older flexkvd's) and member records without a
+  // lease: ignored, since construction.
+  uint64_t unauthenticated_values() const override { return unauthenticated_.load(std::memory_order_relaxed); }
   // Auth tokens that etcd rejected (expired) and this client replaced.
   uint64_t token_renewals() const { return token_renewals_.load(std::memory_order_relaxed); }
   // The lease of the current join (0 when none).
@@ -94,8 +104,10 @@ class EtcdDirectory final : public Directory {
   std::string MemberKey(const std::string& node_id) const;
   std::string EpochKey(const std::string& node_id) const;
   std::string EntryKey(const std::string& model_namespace, const BlockKey& chunk_key, const std::string& node_id) const;
-  // The value a directory entry of `epoch` has (tests write stale ones raw).
-  static std::string EncodeEntryValue(uint64_t epoch, uint32_t blocks);
+  // The values this client writes at `key`, signed with its secret (tests write stale ones raw).
+  std::string EncodeEntryValue(const std::string& key, uint64_t epoch, uint32_t blocks) const;
+  std::string EncodeMemberValue(const std::string& key, uint64_t epoch, const std::string& endpoint,
+                                const std::string& pool_info) const;
 
   struct Endpoint;  // a channel and its stubs (etcd_directory.cc)
 
@@ -110,6 +122,10 @@ class EtcdDirectory final : public Directory {
                 grpc::Status* error);
   std::string EndpointList() const;
   void CountSkipped(const std::string& key, const char* why);
+  // Whether `value` read at `key` carries the cluster secret's signature (*body: the value without it); else counts
+  // and logs it.
+  bool Authentic(const std::string& key, std::string_view value, std::string_view* body);
+  void CountUnauthenticated(const std::string& key, const char* why);
 
   void KeepAliveLoop(int64_t lease, std::chrono::milliseconds ttl, std::chrono::steady_clock::time_point granted_at);
   // One keepalive: 1 renewed, 0 the lease is gone, -1 the store did not answer.
@@ -137,6 +153,8 @@ class EtcdDirectory final : public Directory {
   std::atomic<bool> joined_{false};
   std::atomic<bool> keepalive_paused_{false};
   std::atomic<uint64_t> skipped_{0};
+  std::atomic<uint64_t> unauthenticated_{0};
+  log::RateLimited unauthenticated_log_{5000};
   std::atomic<uint64_t> token_renewals_{0};
   log::RateLimited skipped_log_{5000};
 };

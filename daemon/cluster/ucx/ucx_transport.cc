@@ -1,5 +1,5 @@
 // UcxTransport; see ucx_transport.h. About 2,200 lines in one file: the transport's state (the UCP context and its
-// lanes), a lane (UcxCore: worker, progress thread, endpoints, the verbs get path, the tcp request/reply path, the
+// lanes), a lane (UcxCore: worker, progress thread, endpoints, the get request/reply path (every transport), the
 // handshake and Calls, sharing the lane's private state and its one lock) and the public methods that spread work
 // over the lanes. The active-message protocols (get request/reply, handshake, Calls) are the part to move into a file
 // of their own, behind a small interface to the lane; not done yet (issue 16 wired the transport into the daemon
@@ -15,12 +15,14 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <openssl/rand.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -44,34 +46,36 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::string_view kLog = "ucx";
 
-// Descriptor: "FKVU", version u16, reserved u16, base u64, length u64, rkey_len u32, rkey bytes (little endian).
+// Descriptor: "FKVU", version u16, reserved u16, base u64, length u64, rkey_len u32 (0), little endian. Version 2
+// carries no rkey: no transport serves one-sided reads any more (see below), so there is nothing to unlock.
 constexpr char kMagic[4] = {'F', 'K', 'V', 'U'};
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;
 constexpr size_t kHeaderBytes = 4 + 2 + 2 + 8 + 8 + 4;
-constexpr uint32_t kMaxRkeyBytes = 4096;
-// ucp_ep_rkey_unpack takes no length: the packed rkey is a md map (8 bytes), a memory type byte, then per remote
-// memory domain a size byte and that many bytes (at most 64 domains). Unpacking from a copy followed by this many
-// zero bytes keeps every read UCX can make inside our buffer, whatever the (untrusted) bytes claim.
-constexpr size_t kRkeyPadding = 8 + 1 + 64 * (1 + 255) + 1024;
-// Keep at most this many unpacked rkeys per peer (one per remote region in practice).
-constexpr size_t kMaxRkeysPerPeer = 256;
 
-// Where UCX has no native get (tcp), a get is our own request/reply over UCP active messages instead of
-// ucp_get_nbx: UCX 1.13 emulates ucp_get_nbx over tcp with a serving-side handler (rma_sw.c) that aborts the
-// whole serving process ("Fatal: unexpected error") when the requester's connection fails while the reply is
-// being sent, i.e. whenever a reader hits its deadline, is killed or is partitioned mid-get. Our handler also
-// checks the range against the regions registered here, which UCX's does not.
+// Every get is our own request/reply over UCP active messages, on every transport, and the UCP context never asks
+// for UCP_FEATURE_RMA. With that feature UCX 1.13 installs its software RMA handlers (rma_sw.c) on every transport
+// that carries active messages, verbs included: any endpoint can then get or put any address of this process
+// (a forged rkey without a matching memory domain makes the requester fall back to them), with no rkey, no
+// registration and no handshake checked; a get at an unmapped address kills the process (SIGSEGV), and its
+// serving side aborts the process when the requester's connection fails mid-reply. Our handler serves only ranges
+// inside regions registered here, only to authenticated endpoints. Over verbs a large reply still moves zero-copy:
+// UCX's rendezvous hands the requester (an authenticated member) an rkey of the registration for that transfer.
 constexpr unsigned kAmGetRequest = 0x4b31;  // "K1"
 constexpr unsigned kAmGetReply = 0x4b32;
+// Every request carries a fresh random token; its reply must echo it (with the request's id, on the endpoint the
+// request went out on): a reply nobody asked for cannot be forged by guessing sequence ids.
+constexpr size_t kTokenBytes = 16;
 struct AmRequestHeader {
   uint64_t id;
   uint64_t address;
   uint64_t length;
+  uint8_t token[kTokenBytes];
 };
 struct AmReplyHeader {
   uint64_t id;
   uint32_t status;  // 0 OK, else the range is not registered here
   uint32_t reserved;
+  uint8_t token[kTokenBytes];  // the request's
 };
 
 // Authentication and Calls, also active messages; each carries an AmHeader, its payload in the message's data.
@@ -95,10 +99,13 @@ struct AmHeader {
   uint64_t id;
   uint32_t code;  // a StatusCode in replies
   uint32_t aux;   // the method of a CALL
+  uint8_t token[kTokenBytes];  // a request's fresh token; a reply echoes its request's (HELLO's serves PROOF too)
 };
 constexpr uint32_t kGetRangeRefused = 1;      // AmReplyHeader::status: no registered region covers it
 constexpr uint32_t kGetNotAuthenticated = 2;  // AmReplyHeader::status: the endpoint has not proven the secret
-constexpr uint8_t kHandshakeVersion = 1;
+// 2: every message carries a token (v1 nodes, whose headers lack it, cannot talk to v2 nodes: a rolling upgrade
+// needs every node on the same version).
+constexpr uint8_t kHandshakeVersion = 2;
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kMacBytes = 32;
 constexpr size_t kMaxNodeIdBytes = 64;
@@ -144,6 +151,21 @@ std::string Mac(const std::string& secret, std::initializer_list<std::string_vie
 
 bool MacEqual(std::string_view a, std::string_view b) {
   return a.size() == kMacBytes && b.size() == kMacBytes && CRYPTO_memcmp(a.data(), b.data(), kMacBytes) == 0;
+}
+
+// A fresh request token (OpenSSL's DRBG; getrandom where it fails).
+void NewToken(uint8_t (&token)[kTokenBytes]) {
+  if (RAND_bytes(token, static_cast<int>(kTokenBytes)) == 1) return;
+  size_t got = 0;
+  while (got < kTokenBytes) {
+    const ssize_t r = getrandom(token + got, kTokenBytes - got, 0);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+    } else if (r < 0 && errno != EINTR) {
+      log::Error(kLog, "no random bytes for a request token (OpenSSL and getrandom: {})", std::strerror(errno));
+      std::abort();  // a node without randomness cannot tell its replies from forged ones
+    }
+  }
 }
 
 Result<std::string> RandomBytes(size_t n) {
@@ -309,13 +331,11 @@ struct UcxCore {
     bool failed = false;          // the error handler ran; close the ep in the loop
     bool closed_by_deadline = false;
     bool connected_once = false;
-    bool native_rma = false;  // a verbs lane does the gets (else: active messages)
     bool healthy = false;     // wired up since the last failure (only the first failure is logged at info)
     // Reconnecting: gets wait until the new endpoint is wired up (as Connect waits), then start.
     bool connecting = false;
     struct Waiting {
       Op* op;
-      std::string rkey;
       uint64_t address;
       void* dst;
       uint64_t len;
@@ -324,7 +344,6 @@ struct UcxCore {
     std::function<void(Status, const std::string&)> on_connected;  // Connect's wait: the outcome, the node id
     std::string node_id;                 // proven by the handshake on the current endpoint
     Clock::time_point connect_deadline;  // the wire-up and the handshake of the current endpoint
-    std::map<std::string, ucp_rkey_h> rkeys;  // packed rkey -> unpacked, valid with `ep` only
     std::unordered_set<Op*> ops;
   };
   // A Get, a Call, the flush that Connect waits on, or the handshake after it.
@@ -340,9 +359,11 @@ struct UcxCore {
     bool posted = false;
     ucs_status_t ucs = UCS_INPROGRESS;
     std::function<void(Status)> done;
-    // Active-message gets: waiting for the reply (no UCX request writes dst yet), its id, where it lands.
+    // Active-message gets, calls and handshakes: waiting for the reply (no UCX request writes dst yet), its id, the
+    // token its reply must echo, where a get's bytes land.
     bool am_waiting = false;
     uint64_t am_id = 0;
+    uint8_t token[kTokenBytes] = {};
     void* dst = nullptr;
     uint64_t len = 0;
     std::optional<Status> result;  // overrides the mapping of `ucs`
@@ -374,6 +395,7 @@ struct UcxCore {
     uint64_t serial = 0;
     ucp_ep_h ep = nullptr;
     uint64_t id = 0;
+    uint8_t token[kTokenBytes] = {};
     uint16_t method = 0;
     std::string node;
     std::string request;
@@ -450,6 +472,8 @@ struct UcxCore {
   std::set<std::string> ucx_lanes;                     // guarded by info_mu: "tl/dev" of our endpoints
   UcxTransport::Stats stats;                           // guarded by info_mu
   UcxTransport::CallHandler call_handler;              // guarded by info_mu
+  log::RateLimited dropped_log{1000};                  // replies dropped (TakeReplyOp)
+  log::RateLimited refused_log{1000};                  // gets of ranges not registered here
 
   ~UcxCore() {
     if (worker != nullptr) ucp_worker_destroy(worker);
@@ -518,11 +542,14 @@ struct UcxCore {
     reply->core = core;
     reply->header.id = req.id;
     reply->header.status = kGetRangeRefused;
+    std::memcpy(reply->header.token, req.token, kTokenBytes);
     if (!core->Authenticated(param)) {
       core->CountRefused("a get", param);
       reply->header.status = kGetNotAuthenticated;
       ucp_request_param_t rp{};
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      // With the reply flag the requester learns which of its endpoints the reply came on (UCP_AM_RECV_ATTR_FIELD_REPLY_EP).
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_AM_SEND_FLAG_REPLY;
       rp.cb.send = &UcxCore::OnReplySent;
       rp.user_data = reply;
       void* r = ucp_am_send_nbx(param->reply_ep, kAmGetReply, &reply->header, sizeof reply->header, nullptr, 0, &rp);
@@ -545,10 +572,14 @@ struct UcxCore {
       }
     }
     if (reply->header.status != 0) {
-      log::Warning(kLog, "refused a get of {} bytes at {:#x}: not in a registered region", req.length, req.address);
+      core->refused_log.Warning(kLog, "refused a get of {} bytes at {:#x} from {}: not in a registered region",
+                                req.length, req.address, core->Who(param));
+      std::lock_guard<std::mutex> lock(core->info_mu);
+      ++core->stats.requests_refused;
     }
     ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_REPLY;
     rp.cb.send = &UcxCore::OnReplySent;
     rp.user_data = reply;
     if (memh != nullptr) {
@@ -559,18 +590,19 @@ struct UcxCore {
     if (!UCS_PTR_IS_PTR(r)) OnReplySent(nullptr, UCS_PTR_STATUS(r), reply);
     return UCS_OK;
   }
-  // Reading side: the bytes (or the refusal) for one of our gets.
+  // Reading side: the bytes (or the refusal) for one of our gets; only for the get it names (by id and token), on
+  // that get's endpoint, once authenticated (TakeReplyOp): anything else is dropped and counted.
   static ucs_status_t OnAmGetReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                    const ucp_am_recv_param_t* param) {
     auto* core = static_cast<UcxCore*>(arg);
-    if (header_length != sizeof(AmReplyHeader)) return UCS_OK;
+    if (header_length != sizeof(AmReplyHeader)) {
+      core->DropReply("get reply", "a header of " + std::to_string(header_length) + " bytes", param);
+      return UCS_OK;
+    }
     AmReplyHeader rep;
     std::memcpy(&rep, header, sizeof rep);
-    auto it = core->am_ops.find(rep.id);
-    if (it == core->am_ops.end()) return UCS_OK;  // finished already (its connection was closed): dropped
-    Op* op = it->second;
-    core->am_ops.erase(it);
-    op->am_waiting = false;
+    Op* op = core->TakeReplyOp(rep.id, rep.token, Op::Kind::kGet, "get reply", param);
+    if (op == nullptr) return UCS_OK;
     if (rep.status == kGetNotAuthenticated) {
       op->ucs = UCS_ERR_REJECTED;
       op->result = Status::PermissionDenied("the peer refused the get: this connection has not proven the cluster "
@@ -619,9 +651,26 @@ struct UcxCore {
     OnOutgoingSent(nullptr, st, out);
     return st;
   }
-  void SendStatus(ucp_ep_h ep, unsigned am_id, uint64_t id, const Status& status) {
+  // The header of a reply to a request of `id` and `token`: it echoes both.
+  static AmHeader ReplyHeader(uint64_t id, const uint8_t* token, uint32_t code = 0) {
+    AmHeader h{id, code, 0, {}};
+    std::memcpy(h.token, token, kTokenBytes);
+    return h;
+  }
+  // A request's header with a fresh token (kept in `token` for its reply).
+  static AmHeader RequestHeader(uint64_t id, uint32_t aux, uint8_t (&token)[kTokenBytes]) {
+    NewToken(token);
+    AmHeader h{id, 0, aux, {}};
+    std::memcpy(h.token, token, kTokenBytes);
+    return h;
+  }
+  // Replies go with the reply flag: the requester checks that they came on the endpoint its request went out on.
+  void SendStatus(ucp_ep_h ep, unsigned am_id, uint64_t id, const uint8_t* token, const Status& status) {
     std::string message = status.message().substr(0, kMaxErrorBytes);
-    (void)SendAm(ep, am_id, AmHeader{id, static_cast<uint32_t>(status.code()), 0}, std::move(message), false);
+    (void)SendAm(ep, am_id, ReplyHeader(id, token, static_cast<uint32_t>(status.code())), std::move(message), true);
+  }
+  void SendStatus(ucp_ep_h ep, unsigned am_id, const AmHeader& request, const Status& status) {
+    SendStatus(ep, am_id, request.id, request.token, status);
   }
   Accepted* FindAccepted(const ucp_am_recv_param_t* param) {
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return nullptr;
@@ -665,18 +714,20 @@ struct UcxCore {
     AmHeader h{};
     if (core->shutting_down.load() || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
     if (!FixedHeader(header, header_length, &h)) {
-      core->CountMalformed("handshake hello (header size)", param);
+      core->CountMalformed("handshake hello (header size: from a flexkvd older than this one? every node must run "
+                           "the same version)",
+                           param);
       return UCS_OK;
     }
     ucp_ep_h ep = param->reply_ep;
     Accepted* a = core->FindAccepted(param);
     if (a == nullptr) {
       core->CountMalformed("handshake hello (not on an accepted connection)", param);
-      core->SendStatus(ep, kAmHelloReply, h.id, Status::PermissionDenied("a handshake on a connection this node made"));
+      core->SendStatus(ep, kAmHelloReply, h, Status::PermissionDenied("a handshake on a connection this node made"));
       return UCS_OK;
     }
     if (core->options.secret.empty()) {
-      core->SendStatus(ep, kAmHelloReply, h.id,
+      core->SendStatus(ep, kAmHelloReply, h,
                        Status::PermissionDenied("this node has no cluster secret configured; every node must have the "
                                                 "same --cluster-secret-file"));
       return UCS_OK;
@@ -687,19 +738,20 @@ struct UcxCore {
     const std::string node = sized ? std::string(d + 2, static_cast<uint8_t>(d[1])) : std::string();
     if (!sized || static_cast<uint8_t>(d[0]) != kHandshakeVersion || !ValidNodeId(node)) {
       core->CountMalformed("handshake hello", param);
-      core->SendStatus(ep, kAmHelloReply, h.id,
-                       Status::InvalidArgument("malformed hello: expected version 1, a node id of [A-Za-z0-9._-]{1,64} "
-                                               "and a 16-byte nonce"));
+      core->SendStatus(ep, kAmHelloReply, h,
+                       Status::InvalidArgument("malformed hello: expected version 2 (version 1 is a flexkvd older "
+                                               "than this one: every node must run the same version), a node id of "
+                                               "[A-Za-z0-9._-]{1,64} and a 16-byte nonce"));
       return UCS_OK;
     }
     if (a->authenticated || a->hello_used) {
       core->CountMalformed("second handshake hello", param);
-      core->SendStatus(ep, kAmHelloReply, h.id, Status::FailedPrecondition("a handshake already ran on this connection"));
+      core->SendStatus(ep, kAmHelloReply, h, Status::FailedPrecondition("a handshake already ran on this connection"));
       return UCS_OK;
     }
     auto nonce = RandomBytes(kNonceBytes);
     if (!nonce.ok()) {
-      core->SendStatus(ep, kAmHelloReply, h.id, nonce.status());
+      core->SendStatus(ep, kAmHelloReply, h, nonce.status());
       return UCS_OK;
     }
     a->hello_used = true;
@@ -714,7 +766,7 @@ struct UcxCore {
     out += a->server_nonce;
     out += Mac(core->options.secret,
                {"flexkv-cluster-v1 server", a->client_nonce, a->server_nonce, self, a->client_node});
-    (void)core->SendAm(ep, kAmHelloReply, AmHeader{h.id, 0, 0}, std::move(out), false);
+    (void)core->SendAm(ep, kAmHelloReply, ReplyHeader(h.id, h.token), std::move(out), true);
     return UCS_OK;
   }
   // Server: PROOF. Checks MAC_c and the membership; marks the endpoint authenticated.
@@ -731,7 +783,7 @@ struct UcxCore {
     Accepted* a = core->FindAccepted(param);
     if (a == nullptr || !a->proof_pending || a->authenticated || core->options.secret.empty()) {
       core->CountMalformed("handshake proof (no hello before it)", param);
-      core->SendStatus(ep, kAmProofReply, h.id, Status::FailedPrecondition("a proof without a hello before it"));
+      core->SendStatus(ep, kAmProofReply, h, Status::FailedPrecondition("a proof without a hello before it"));
       return UCS_OK;
     }
     a->proof_pending = false;  // the nonces serve one proof
@@ -743,7 +795,7 @@ struct UcxCore {
     }
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != kMacBytes) {
       core->CountMalformed("handshake proof (size)", param);
-      core->SendStatus(ep, kAmProofReply, h.id,
+      core->SendStatus(ep, kAmProofReply, h,
                        Status::InvalidArgument("malformed proof of " + std::to_string(length) + " bytes; expected 32"));
       return UCS_OK;
     }
@@ -752,7 +804,7 @@ struct UcxCore {
     if (!MacEqual(expected, std::string_view(static_cast<const char*>(data), length))) {
       log::Warning(kLog, "node '{}' at {} did not prove the cluster secret", a->client_node, a->who);
       core->CountAuthFailure();
-      core->SendStatus(ep, kAmProofReply, h.id,
+      core->SendStatus(ep, kAmProofReply, h,
                        Status::PermissionDenied("node '" + core->options.node_id + "' says: you did not prove the "
                                                 "cluster secret: is --cluster-secret-file the same on every node?"));
       return UCS_OK;
@@ -760,15 +812,70 @@ struct UcxCore {
     if (core->options.is_member && !core->options.is_member(a->client_node)) {
       log::Warning(kLog, "node '{}' at {} proved the cluster secret but is not a member", a->client_node, a->who);
       core->CountAuthFailure();
-      core->SendStatus(ep, kAmProofReply, h.id,
+      core->SendStatus(ep, kAmProofReply, h,
                        Status::PermissionDenied("node '" + a->client_node + "' is not a member of the cluster (says '" +
                                                 core->options.node_id + "')"));
       return UCS_OK;
     }
     a->authenticated = true;
     log::Debug(kLog, "authenticated node '{}' at {}", a->client_node, a->who);
-    (void)core->SendAm(ep, kAmProofReply, AmHeader{h.id, 0, 0}, std::string(), false);
+    (void)core->SendAm(ep, kAmProofReply, ReplyHeader(h.id, h.token), std::string(), true);
     return UCS_OK;
+  }
+  // Client: the op a reply answers, taken out of am_ops: the op waiting under `id` is of `kind` (and handshake
+  // `stage`), the reply echoes its token, it came on the endpoint the request went out on (our peers reply with
+  // UCP_AM_SEND_FLAG_REPLY, so UCX names our endpoint), and, for gets and calls with a secret, that endpoint has
+  // completed its handshake. Anything else is dropped, counted (replies_dropped) and logged (rate-limited):
+  // nullptr. The token is what makes it hold: the reply endpoint UCX reports comes from an id in the message.
+  Op* TakeReplyOp(uint64_t id, const uint8_t* token, Op::Kind kind, std::string_view what,
+                  const ucp_am_recv_param_t* param, int stage = 0) {
+    auto it = am_ops.find(id);
+    if (it == am_ops.end()) {
+      DropReply(what, "no request of this id is waiting", param);
+      return nullptr;
+    }
+    Op* op = it->second;
+    if (op->kind != kind || (stage != 0 && op->stage != stage)) {
+      DropReply(what, "the request of this id is of another kind", param);
+      return nullptr;
+    }
+    if (CRYPTO_memcmp(op->token, token, kTokenBytes) != 0) {
+      DropReply(what, "it does not carry its request's token", param);
+      return nullptr;
+    }
+    auto pit = peers.find(op->peer_id);
+    Peer* peer = pit == peers.end() ? nullptr : pit->second.get();
+    if (peer == nullptr || peer->ep == nullptr || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
+        param->reply_ep != peer->ep) {
+      DropReply(what, "it did not come on the endpoint its request went out on", param);
+      return nullptr;
+    }
+    if (kind != Op::Kind::kHandshake && !options.secret.empty() && (peer->connecting || peer->node_id.empty())) {
+      DropReply(what, "its endpoint has not completed the handshake", param);
+      return nullptr;
+    }
+    am_ops.erase(it);
+    op->am_waiting = false;
+    return op;
+  }
+  void DropReply(std::string_view what, std::string_view why, const ucp_am_recv_param_t* param) {
+    {
+      std::lock_guard<std::mutex> lock(info_mu);
+      ++stats.replies_dropped;
+    }
+    std::string from = "an endpoint that did not say";
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) {
+      if (const Accepted* a = FindAccepted(param); a != nullptr) {
+        from = "a connection from " + a->who;
+      } else {
+        from = "an unknown endpoint";
+        for (const auto& [pid, peer] : peers) {
+          if (peer->ep == param->reply_ep) from = "peer " + peer->endpoint;
+        }
+      }
+    }
+    dropped_log.Warning(kLog, "dropped a {} from {} on lane {}: {} (forged, or for a request that ended)", what,
+                        from, lane, why);
   }
   // Client: the outcome of one of our handshake or call ops, by id; nullptr when it is not (or no longer) waiting.
   Op* TakeAmOp(uint64_t id, Op::Kind kind) {
@@ -793,10 +900,12 @@ struct UcxCore {
                                      const ucp_am_recv_param_t* param) {
     auto* core = static_cast<UcxCore*>(arg);
     AmHeader h{};
-    if (!FixedHeader(header, header_length, &h)) return UCS_OK;
-    auto it = core->am_ops.find(h.id);
-    if (it == core->am_ops.end() || it->second->kind != Op::Kind::kHandshake || it->second->stage != 1) return UCS_OK;
-    Op* op = core->TakeAmOp(h.id, Op::Kind::kHandshake);
+    if (!FixedHeader(header, header_length, &h)) {
+      core->DropReply("handshake reply", "a header of " + std::to_string(header_length) + " bytes", param);
+      return UCS_OK;
+    }
+    Op* op = core->TakeReplyOp(h.id, h.token, Op::Kind::kHandshake, "handshake reply", param, 1);
+    if (op == nullptr) return UCS_OK;
     const std::string name = core->PeerName(op->peer_id);
     const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     const auto* d = static_cast<const char*>(data);
@@ -823,7 +932,7 @@ struct UcxCore {
                   mac_s)) {
       core->CountAuthFailure();
       log::Warning(kLog, "{} (node '{}') did not prove the cluster secret", name, node);
-      if (ep != nullptr) (void)core->SendAm(ep, kAmProof, AmHeader{h.id, 0, 0}, std::string(), true);
+      if (ep != nullptr) (void)core->SendAm(ep, kAmProof, ReplyHeader(h.id, op->token), std::string(), true);
       core->FailAmOp(op, Status::PermissionDenied(name + " did not prove the cluster secret: is "
                                                   "--cluster-secret-file the same on every node?"));
       return UCS_OK;
@@ -838,7 +947,7 @@ struct UcxCore {
                                                    node});
     op->am_waiting = true;
     core->am_ops[op->am_id] = op;
-    const ucs_status_t st = core->SendAm(ep, kAmProof, AmHeader{h.id, 0, 0}, std::move(mac_c), true);
+    const ucs_status_t st = core->SendAm(ep, kAmProof, ReplyHeader(h.id, op->token), std::move(mac_c), true);
     if (st != UCS_OK) {
       core->TakeAmOp(h.id, Op::Kind::kHandshake);
       core->FailAmOp(op, Status::Unavailable(name + ": sending the handshake proof: " + UcsError(st)));
@@ -850,10 +959,12 @@ struct UcxCore {
                                      const ucp_am_recv_param_t* param) {
     auto* core = static_cast<UcxCore*>(arg);
     AmHeader h{};
-    if (!FixedHeader(header, header_length, &h)) return UCS_OK;
-    auto it = core->am_ops.find(h.id);
-    if (it == core->am_ops.end() || it->second->kind != Op::Kind::kHandshake || it->second->stage != 2) return UCS_OK;
-    Op* op = core->TakeAmOp(h.id, Op::Kind::kHandshake);
+    if (!FixedHeader(header, header_length, &h)) {
+      core->DropReply("handshake proof reply", "a header of " + std::to_string(header_length) + " bytes", param);
+      return UCS_OK;
+    }
+    Op* op = core->TakeReplyOp(h.id, h.token, Op::Kind::kHandshake, "handshake proof reply", param, 2);
+    if (op == nullptr) return UCS_OK;
     if (h.code != 0) {
       core->CountAuthFailure();
       const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
@@ -880,19 +991,25 @@ struct UcxCore {
     ucp_ep_h ep = param->reply_ep;
     if (!core->Authenticated(param)) {
       core->CountRefused("a call", param);
-      core->SendStatus(ep, kAmCallReply, h.id,
+      core->SendStatus(ep, kAmCallReply, h,
                        Status::PermissionDenied("this connection has not proven the cluster secret"));
       return UCS_OK;
     }
     if (length > kMaxCallBytes) {
-      core->SendStatus(ep, kAmCallReply, h.id,
+      core->SendStatus(ep, kAmCallReply, h,
                        Status::InvalidArgument("call request of " + std::to_string(length) + " bytes; at most " +
                                                std::to_string(kMaxCallBytes)));
       return UCS_OK;
     }
     const Accepted* a = core->FindAccepted(param);
-    auto* call = new ServerCall{core, a != nullptr ? a->serial : 0, ep, h.id, static_cast<uint16_t>(h.aux),
-                                a != nullptr ? a->client_node : std::string(), std::string()};
+    auto* call = new ServerCall;
+    call->core = core;
+    call->serial = a != nullptr ? a->serial : 0;
+    call->ep = ep;
+    call->id = h.id;
+    std::memcpy(call->token, h.token, kTokenBytes);
+    call->method = static_cast<uint16_t>(h.aux);
+    call->node = a != nullptr ? a->client_node : std::string();
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
       call->request.resize(length);
       ucp_request_param_t rp{};
@@ -926,22 +1043,25 @@ struct UcxCore {
       handler = call_handler;
     }
     if (!handler) {
-      SendStatus(call->ep, kAmCallReply, call->id, Status::Unimplemented("no call handler on this node"));
+      SendStatus(call->ep, kAmCallReply, call->id, call->token, Status::Unimplemented("no call handler on this node"));
       return;
     }
     auto once = std::make_shared<std::atomic<bool>>(false);
-    auto reply = [gate = gate, once, serial = call->serial, ep = call->ep, id = call->id](Result<std::string> r) {
+    std::array<uint8_t, kTokenBytes> token;
+    std::memcpy(token.data(), call->token, kTokenBytes);
+    auto reply = [gate = gate, once, serial = call->serial, ep = call->ep, id = call->id,
+                  token](Result<std::string> r) {
       if (once->exchange(true)) return;
       std::lock_guard<std::mutex> lock(gate->mu);
       UcxCore* core = gate->core;
       if (core == nullptr) return;
-      (void)core->Post([core, serial, ep, id, r = std::move(r)]() mutable {
-        core->SendCallReply(serial, ep, id, std::move(r));
+      (void)core->Post([core, serial, ep, id, token, r = std::move(r)]() mutable {
+        core->SendCallReply(serial, ep, id, token.data(), std::move(r));
       });
     };
     handler(call->node, call->method, std::move(call->request), std::move(reply));
   }
-  void SendCallReply(uint64_t serial, ucp_ep_h ep, uint64_t id, Result<std::string> r) {
+  void SendCallReply(uint64_t serial, ucp_ep_h ep, uint64_t id, const uint8_t* token, Result<std::string> r) {
     if (shutting_down.load()) return;
     if (serial != 0) {
       auto it = accepted.find(ep);
@@ -956,13 +1076,13 @@ struct UcxCore {
       if (!found) return;
     }
     if (!r.ok()) {
-      SendStatus(ep, kAmCallReply, id, r.status());
+      SendStatus(ep, kAmCallReply, id, token, r.status());
     } else if (r->size() > kMaxCallBytes) {
-      SendStatus(ep, kAmCallReply, id,
+      SendStatus(ep, kAmCallReply, id, token,
                  Status::ResourceExhausted("the call's reply of " + std::to_string(r->size()) +
                                            " bytes exceeds the limit of " + std::to_string(kMaxCallBytes)));
     } else {
-      (void)SendAm(ep, kAmCallReply, AmHeader{id, 0, 0}, std::move(r).value(), false);
+      (void)SendAm(ep, kAmCallReply, ReplyHeader(id, token), std::move(r).value(), true);
     }
   }
   // Client: a CALL_REPLY.
@@ -970,9 +1090,12 @@ struct UcxCore {
                                     const ucp_am_recv_param_t* param) {
     auto* core = static_cast<UcxCore*>(arg);
     AmHeader h{};
-    if (!FixedHeader(header, header_length, &h)) return UCS_OK;
-    Op* op = core->TakeAmOp(h.id, Op::Kind::kCall);
-    if (op == nullptr) return UCS_OK;  // finished already: dropped
+    if (!FixedHeader(header, header_length, &h)) {
+      core->DropReply("call reply", "a header of " + std::to_string(header_length) + " bytes", param);
+      return UCS_OK;
+    }
+    Op* op = core->TakeReplyOp(h.id, h.token, Op::Kind::kCall, "call reply", param);
+    if (op == nullptr) return UCS_OK;
     const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     if (h.code != 0) {
       core->FailAmOp(op, StatusFromWire(h.code, rndv ? "(message not received)"
@@ -1124,8 +1247,6 @@ struct UcxCore {
   }
   void ClosePeerEp(Peer* peer, bool force = true) {
     if (peer->ep == nullptr) return;
-    for (auto& [bytes, rkey] : peer->rkeys) ucp_rkey_destroy(rkey);
-    peer->rkeys.clear();
     ucp_ep_h ep = peer->ep;
     peer->ep = nullptr;
     peer->failed = false;
@@ -1177,15 +1298,7 @@ struct UcxCore {
     // Lines like "#   lane[0]:  1:tcp/lo.0 md[1] ..." or "... rc_mlx5/mlx5_0:1 ...": take "tl/dev" tokens.
     static const std::regex kLane(R"(lane\[\d+\]:\s+\d+:([A-Za-z0-9_]+)/([A-Za-z0-9_.:\-]+))");
     std::lock_guard<std::mutex> lock(info_mu);
-    peer->native_rma = false;
     for (std::sregex_iterator it(info.begin(), info.end(), kLane), end; it != end; ++it) {
-      const std::string tl = (*it)[1].str();
-      const size_t eol = info.find('\n', static_cast<size_t>(it->position()));
-      const std::string line = info.substr(static_cast<size_t>(it->position()),
-                                           eol == std::string::npos ? std::string::npos : eol - it->position());
-      if ((tl.rfind("rc", 0) == 0 || tl.rfind("dc", 0) == 0) && line.find("rma") != std::string::npos) {
-        peer->native_rma = true;  // a verbs lane serves RMA: one-sided gets, the NIC checks the rkey
-      }
       std::string dev = (*it)[2].str();
       if (auto dot = dev.rfind('.'); dot != std::string::npos && dot + 1 < dev.size() &&
                                      dev.find_first_not_of("0123456789", dot + 1) == std::string::npos) {
@@ -1379,7 +1492,7 @@ struct UcxCore {
   // ---- commands (progress thread) ----
   // The op's peer, connected and (with a secret) authenticated; nullptr when the op finished or now waits for a
   // (re)connection in `peer->waiting`.
-  Peer* ReadyPeer(Op* op, std::string& rkey_bytes, uint64_t remote_address, void* dst, uint64_t len) {
+  Peer* ReadyPeer(Op* op, uint64_t remote_address, void* dst, uint64_t len) {
     auto pit = peers.find(op->peer_id);
     if (pit == peers.end()) {
       FinishWith(op, Status::Unavailable("the peer was disconnected"));
@@ -1395,14 +1508,13 @@ struct UcxCore {
       }
     }
     if (peer->connecting) {
-      peer->waiting.push_back({op, std::move(rkey_bytes), remote_address, dst, len});
+      peer->waiting.push_back({op, remote_address, dst, len});
       return nullptr;
     }
     return peer;
   }
   void StartCall(Op* op) {
-    std::string none;
-    Peer* peer = ReadyPeer(op, none, 0, nullptr, 0);
+    Peer* peer = ReadyPeer(op, 0, nullptr, 0);
     if (peer == nullptr) return;
     op->am_id = next_am_id++;
     op->am_waiting = true;
@@ -1411,7 +1523,7 @@ struct UcxCore {
     deadlines.insert({op->deadline, op});
     op->posted = true;
     const ucs_status_t st =
-        SendAm(peer->ep, kAmCallRequest, AmHeader{op->am_id, 0, op->method}, std::move(op->request), true);
+        SendAm(peer->ep, kAmCallRequest, RequestHeader(op->am_id, op->method, op->token), std::move(op->request), true);
     if (st != UCS_OK && op->am_waiting) {
       op->am_waiting = false;
       am_ops.erase(op->am_id);
@@ -1445,7 +1557,7 @@ struct UcxCore {
     hello.push_back(static_cast<char>(options.node_id.size()));
     hello += options.node_id;
     hello += op->client_nonce;
-    const ucs_status_t st = SendAm(peer->ep, kAmHello, AmHeader{op->am_id, 0, 0}, std::move(hello), true);
+    const ucs_status_t st = SendAm(peer->ep, kAmHello, RequestHeader(op->am_id, 0, op->token), std::move(hello), true);
     if (st != UCS_OK && op->am_waiting) {
       op->am_waiting = false;
       am_ops.erase(op->am_id);
@@ -1453,52 +1565,10 @@ struct UcxCore {
     }
   }
 
-  void StartGet(Op* op, std::string rkey_bytes, uint64_t remote_address, void* dst, uint64_t len) {
-    Peer* peer = ReadyPeer(op, rkey_bytes, remote_address, dst, len);
+  void StartGet(Op* op, uint64_t remote_address, void* dst, uint64_t len) {
+    Peer* peer = ReadyPeer(op, remote_address, dst, len);
     if (peer == nullptr) return;
-    if (!peer->native_rma) {
-      StartAmGet(peer, op, remote_address, dst, len);
-      return;
-    }
-    ucp_rkey_h rkey = nullptr;
-    if (auto it = peer->rkeys.find(rkey_bytes); it != peer->rkeys.end()) {
-      rkey = it->second;
-    } else {
-      if (peer->rkeys.size() >= kMaxRkeysPerPeer) {
-        for (auto& [b, k] : peer->rkeys) ucp_rkey_destroy(k);
-        peer->rkeys.clear();
-      }
-      std::vector<char> padded(rkey_bytes.size() + kRkeyPadding, 0);
-      std::memcpy(padded.data(), rkey_bytes.data(), rkey_bytes.size());
-      ucs_status_t s = ucp_ep_rkey_unpack(peer->ep, padded.data(), &rkey);
-      if (s != UCS_OK) {
-        FinishWith(op, Status::InvalidArgument("the region's rkey was refused: " + UcsError(s)));
-        return;
-      }
-      peer->rkeys.emplace(std::move(rkey_bytes), rkey);
-    }
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.send = &UcxCore::OnOpDone;
-    param.user_data = op;
-    // dst inside a region we registered: hand UCX its memory handle.
-    const auto d = reinterpret_cast<uintptr_t>(dst);
-    for (const auto& [id, region] : regions) {
-      if (d >= region.base && len <= region.bytes && d - region.base <= region.bytes - len) {
-        param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-        param.memh = region.memh;
-        break;
-      }
-    }
-    peer->ops.insert(op);
-    deadlines.insert({op->deadline, op});
-    void* req = ucp_get_nbx(peer->ep, dst, len, remote_address, rkey, &param);
-    op->posted = true;
-    if (req == nullptr) {
-      FinishNow(op, UCS_OK);
-    } else if (UCS_PTR_IS_ERR(req)) {
-      FinishNow(op, UCS_PTR_STATUS(req));
-    }
+    StartAmGet(peer, op, remote_address, dst, len);
   }
 
   void StartAmGet(Peer* peer, Op* op, uint64_t remote_address, void* dst, uint64_t len) {
@@ -1512,7 +1582,9 @@ struct UcxCore {
     // UCX 1.13 reads the header until the send completes (there is no UCP_AM_SEND_FLAG_COPY_HEADER yet): a queued
     // send must not point at this stack frame (it did, and peers got garbage requests under load). The header lives
     // on the heap until the send callback, independent of the op, which a deadline may end first.
-    auto* header = new AmRequestHeader{op->am_id, remote_address, len};
+    NewToken(op->token);
+    auto* header = new AmRequestHeader{op->am_id, remote_address, len, {}};
+    std::memcpy(header->token, op->token, kTokenBytes);
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_USER_DATA;
     param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
@@ -1577,7 +1649,7 @@ struct UcxCore {
         if (w.op->kind == Op::Kind::kCall) {
           StartCall(w.op);
         } else {
-          StartGet(w.op, std::move(w.rkey), w.address, w.dst, w.len);
+          StartGet(w.op, w.address, w.dst, w.len);
         }
       } else if (s.code() == StatusCode::kPermissionDenied) {
         FinishWith(w.op, s);
@@ -1742,15 +1814,14 @@ Result<RemoteRegion> RemoteRegion::Parse(std::string_view d) {
   if (r.length_ == 0) return Status::InvalidArgument("region descriptor: length 0");
   if (r.base_ == 0) return Status::InvalidArgument("region descriptor: base address 0");
   if (r.base_ + r.length_ < r.base_) return Status::InvalidArgument("region descriptor: base + length overflows");
-  if (rkey_len == 0 || rkey_len > kMaxRkeyBytes) {
-    return Status::InvalidArgument("region descriptor: rkey of " + std::to_string(rkey_len) + " bytes; expected 1.." +
-                                   std::to_string(kMaxRkeyBytes));
+  if (rkey_len != 0) {
+    return Status::InvalidArgument("region descriptor: rkey of " + std::to_string(rkey_len) + " bytes; expected 0 "
+                                   "(peers serve reads over active messages only)");
   }
-  if (d.size() != kHeaderBytes + rkey_len) {
-    return Status::InvalidArgument("region descriptor of " + std::to_string(d.size()) + " bytes; its rkey length " +
-                                   "says " + std::to_string(kHeaderBytes + rkey_len));
+  if (d.size() != kHeaderBytes) {
+    return Status::InvalidArgument("region descriptor of " + std::to_string(d.size()) + " bytes; expected " +
+                                   std::to_string(kHeaderBytes));
   }
-  r.rkey_.assign(d.data() + kHeaderBytes, rkey_len);
   return r;
 }
 
@@ -1820,7 +1891,7 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;  // never UCP_FEATURE_RMA: see kAmGetRequest
   params.mt_workers_shared = options.lanes > 1 ? 1 : 0;  // lanes' threads share the context (its memory maps)
   s = ucp_init(&params, config, &state->context);
   ucp_config_release(config);
@@ -1949,23 +2020,13 @@ Result<RegisteredRegion> UcxTransport::Register(void* base, uint64_t bytes) {
     ucp_mem_h memh = nullptr;
     ucs_status_t s = ucp_mem_map(state->context, &mp, &memh);
     if (s != UCS_OK) return Status::ResourceExhausted("ucp_mem_map of " + std::to_string(bytes) + " bytes: " + UcsError(s));
-    void* rkey = nullptr;
-    size_t rkey_len = 0;
-    s = ucp_rkey_pack(state->context, memh, &rkey, &rkey_len);
-    if (s != UCS_OK || rkey_len == 0 || rkey_len > kMaxRkeyBytes) {
-      if (s == UCS_OK) ucp_rkey_buffer_release(rkey);
-      ucp_mem_unmap(state->context, memh);
-      return Status::Internal("ucp_rkey_pack: " + (s != UCS_OK ? UcsError(s) : "size " + std::to_string(rkey_len)));
-    }
     RegisteredRegion region;
     region.descriptor_.assign(kMagic, 4);
     PutLe(&region.descriptor_, kVersion, 2);
     PutLe(&region.descriptor_, 0, 2);
     PutLe(&region.descriptor_, reinterpret_cast<uintptr_t>(base), 8);
     PutLe(&region.descriptor_, bytes, 8);
-    PutLe(&region.descriptor_, rkey_len, 4);
-    region.descriptor_.append(static_cast<const char*>(rkey), rkey_len);
-    ucp_rkey_buffer_release(rkey);
+    PutLe(&region.descriptor_, 0, 4);  // no rkey
     {
       MutexLock lock(&state->regions_mu);
       state->regions[id] = memh;
@@ -2087,7 +2148,7 @@ Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uin
     return Status::InvalidArgument("ucx: get of [" + std::to_string(remote_offset) + ", +" + std::to_string(len) +
                                    ") outside the peer region of " + std::to_string(remote.length()) + " bytes");
   }
-  if (remote.rkey().empty() || remote.base() == 0) return Status::InvalidArgument("ucx: empty remote region");
+  if (remote.base() == 0) return Status::InvalidArgument("ucx: empty remote region");
   if (peer.id == 0) return Status::NotFound("ucx: invalid peer handle");
   if (state_->shutting_down.load()) return Status::FailedPrecondition("ucx: shutting down");
   const uint32_t before = state_->inflight.fetch_add(1);
@@ -2104,12 +2165,12 @@ Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uin
   op->deadline = Clock::now() + state_->options.get_deadline;
   op->done = std::move(done);
   const uint64_t address = remote.base() + remote_offset;
-  const bool posted = core->Post([core, op, rkey = remote.rkey(), address, dst, len]() mutable {
+  const bool posted = core->Post([core, op, address, dst, len]() mutable {
     if (core->shutting_down.load()) {
       core->FinishWith(op, Status::Cancelled("the transport is shutting down"));
       return;
     }
-    core->StartGet(op, std::move(rkey), address, dst, len);
+    core->StartGet(op, address, dst, len);
   });
   if (!posted) {
     state_->inflight.fetch_sub(1);
@@ -2203,6 +2264,7 @@ UcxTransport::Stats UcxTransport::stats() const {
     total.requests_refused += s.requests_refused;
     total.calls_ok += s.calls_ok;
     total.calls_failed += s.calls_failed;
+    total.replies_dropped += s.replies_dropped;
   }
   return total;
 }

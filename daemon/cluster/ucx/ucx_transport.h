@@ -1,12 +1,13 @@
-// UcxTransport: the cluster tier's bytes (issue 16, DESIGN.md §8). Reads blocks from peers' registered memory:
-// UCP RMA gets (ucp_get_nbx, one-sided) where a verbs lane (rc/dc) serves RMA, and otherwise, i.e. over tcp, a
-// get is our own request/reply over UCP active messages (UCX chooses its transports within `UcxOptions::transports`).
-// Why not ucp_get_nbx over tcp: UCX 1.13 emulates it, and its serving-side handler (rma_sw.c,
-// ucp_progress_get_reply -> ucp_request_try_send) calls ucs_fatal and aborts the serving process when the
-// reader's connection fails while a reply is being sent: a reader that hits its deadline, is killed or is
-// partitioned mid-get would kill the daemon it reads from (seen in this component's deadline test). Our reply
-// handler also serves only ranges inside regions registered here. Either way the serving side must progress its
-// worker: the transport's own progress thread does that (it sleeps on the worker's event fd).
+// UcxTransport: the cluster tier's bytes (issue 16, DESIGN.md §8). Reads blocks from peers' registered memory: a get
+// is our own request/reply over UCP active messages on every transport (UCX chooses its transports within
+// `UcxOptions::transports`), served only for ranges inside regions registered here and only to authenticated
+// endpoints. The UCP context never asks for UCP_FEATURE_RMA (issue 29): with it, UCX 1.13 installs its software
+// RMA handlers (rma_sw.c) on every transport that carries active messages, verbs too, and they get or put any
+// address of the process for any endpoint, with no rkey, registration or handshake checked (a get at an unmapped
+// address killed the node with SIGSEGV; a requester that fails mid-reply made UCX abort it). So there is no
+// one-sided read, no rkey is packed or sent, and over verbs a large reply moves by UCX's rendezvous (zero-copy, an
+// rkey of the registration handed to the authenticated requester for that transfer). The serving side must progress
+// its worker: the transport's own progress thread does that (it sleeps on the worker's event fd).
 //
 // Threading: thread-safe. One UCP context and `UcxOptions::lanes` lanes: a lane is a worker
 // (UCS_THREAD_MODE_SINGLE) owned by a progress thread of its own that makes every UCP call on it; the public
@@ -18,20 +19,22 @@
 // called from one. `done` of Call and the CallHandler also run on a lane's thread; a CallHandler's `reply` may be
 // called from any thread.
 //
-// Security (docs in /work/notes/s6/cluster-feasibility.md §4.5, docs/cluster.md "UCX transport"). With
-// `UcxOptions::secret` set, Connect runs a mutual HMAC-SHA256 challenge-response over active messages (both sides
-// prove the cluster secret, the server also asks `is_member`), and the server answers our own requests (gets over
-// active messages, Calls) only on endpoints that completed it: anything else gets a PERMISSION_DENIED reply, never
-// bytes. What that does NOT cover: over tcp UCX serves its own emulated get (ucp_get_nbx over rma_sw, which a
-// hand-made UCX client can still send; we never do) without checking the rkey, the registration or our handshake,
-// so ANY peer with a UCP endpoint to this process can read any of its memory that way. The accept filter
-// (set_accept_filter, refusing every connection request from an address that is not a current member) stays the
-// mitigation for that. Over verbs the NIC checks the rkey: region descriptors must only be sent to authenticated
-// peers (in Call replies). The handshake is not bound to the connection's addresses: a node on the path that
-// relays both directions can sit in the middle of it (as with any challenge-response without channel binding); the
-// messages after it are neither encrypted nor authenticated. The listener binds only to `listen_address` (never
-// 0.0.0.0 unless that is what is configured), and shared-memory transports are refused in `transports` (UCX would
-// otherwise go around the network between network namespaces of one host).
+// Security (docs/cluster.md "UCX transport", docs/operations.md "Cluster threat model"). With `UcxOptions::secret`
+// set, Connect runs a mutual HMAC-SHA256 challenge-response over active messages (both sides prove the cluster
+// secret, the server also asks `is_member`), and the server answers our own requests (gets, Calls) only on endpoints
+// that completed it: anything else gets a PERMISSION_DENIED reply, never bytes. Every request carries a fresh
+// 16-byte random token; a reply is taken only when it names a waiting request of its kind, echoes that request's
+// token, comes on the endpoint the request went out on and (gets, Calls) that endpoint has completed the handshake;
+// anything else is dropped, counted (Stats::replies_dropped) and logged, rate-limited. So a process that can send to
+// this node but never saw the request cannot answer it, whatever sequence ids it tries. The accept filter
+// (set_accept_filter: only current members' addresses) is a second fence, not the only one. What is NOT covered:
+// the handshake is not bound to the connection's addresses, and the messages after it are neither encrypted nor
+// MACed: a node on the path that relays both directions can sit in the middle, read and change bytes (the block
+// checksum a puller verifies is no MAC: docs/operations.md). Below UCP, UCX's tcp transport accepts connections on
+// its own listening port and its PUT protocol writes where the frame says (uct tcp_ep.c, as read in UCX 1.13.1's source,
+// not tried; nothing this transport can switch off): keep the cluster network to the cluster's hosts. The listener binds only
+// to `listen_address` (never 0.0.0.0 unless that is what is configured), and shared-memory transports are refused in
+// `transports` (UCX would otherwise go around the network between network namespaces of one host).
 #pragma once
 
 #include <sys/socket.h>
@@ -103,8 +106,9 @@ class RegisteredRegion {
   bool valid() const { return id_ != 0; }
   void* base() const { return base_; }
   uint64_t bytes() const { return bytes_; }
-  // What a peer needs to read the region (base address, length, packed rkey), as bytes to send over the
-  // caller's authenticated channel; the peer parses it with RemoteRegion::Parse.
+  // What a peer needs to ask for ranges of the region (base address, length; no rkey: reads are served over active
+  // messages only), as bytes to send over the caller's authenticated channel; the peer parses it with
+  // RemoteRegion::Parse.
   const std::string& descriptor() const { return descriptor_; }
   // Unregisters now (idempotent).
   void Reset();
@@ -125,13 +129,10 @@ class RemoteRegion {
   static Result<RemoteRegion> Parse(std::string_view descriptor);
   uint64_t base() const { return base_; }
   uint64_t length() const { return length_; }
-  // The packed rkey, as received.
-  const std::string& rkey() const { return rkey_; }
 
  private:
   uint64_t base_ = 0;
   uint64_t length_ = 0;
-  std::string rkey_;
 };
 
 // A connection to a peer (client side), from Connect. Copyable; valid until Disconnect or the transport's end.
@@ -173,9 +174,8 @@ class UcxTransport {
   // afterwards.
   void Disconnect(const PeerHandle& peer);
 
-  // Reads `len` bytes at `remote_offset` of the peer region `remote` into `dst`. `dst` may be plain memory or lie
-  // in a region this transport registered (then its registration is passed to UCX: on verbs that avoids UCX
-  // registering it on the fly; over tcp it makes no difference). `dst` must stay valid until `done` ran.
+  // Reads `len` bytes at `remote_offset` of the peer region `remote` into `dst` (a request and reply over active
+  // messages, whatever the transport). `dst` must stay valid until `done` ran.
   //
   // Returns an error at once, and then never calls `done`: INVALID_ARGUMENT (len 0, null dst, the range outside
   // the descriptor, overflow), RESOURCE_EXHAUSTED (max_inflight_gets already pending), NOT_FOUND (unknown or
@@ -183,9 +183,8 @@ class UcxTransport {
   // `done` is called exactly once, on the progress thread of the lane that carried it (the lanes take Gets round
   // robin), after UCX has finished with `dst`: OK (the bytes are there), DEADLINE_EXCEEDED (no completion within
   // get_deadline: cancelled, that lane's endpoint closed, its next Get reconnects), UNAVAILABLE (peer gone, connection refused, or cancelled because another Get to the same peer hit
-  // its deadline), INVALID_ARGUMENT (UCX refused the rkey), NOT_FOUND (over active messages: no region the peer
-  // has registered covers the range, i.e. a stale or wrong descriptor), PERMISSION_DENIED (over active messages:
-  // the peer has a secret and this connection did not prove it; or the reconnect's handshake failed), CANCELLED (the
+  // its deadline), NOT_FOUND (no region the peer has registered covers the range, i.e. a stale or wrong
+  // descriptor), PERMISSION_DENIED (the peer has a secret and this connection did not prove it; or the reconnect's handshake failed), CANCELLED (the
   // transport was destroyed).
   Status Get(const PeerHandle& peer, const RemoteRegion& remote, uint64_t remote_offset, void* dst, uint64_t len,
              std::function<void(Status)> done);
@@ -232,6 +231,10 @@ class UcxTransport {
     uint64_t requests_refused = 0;  // gets/calls/handshake messages refused: unauthenticated endpoint or malformed
     uint64_t calls_ok = 0;          // client side
     uint64_t calls_failed = 0;      // client side
+    // Replies (to gets, calls, handshakes) that answered no request of ours: an unknown id, another kind, not the
+    // request's token, not on the endpoint the request went out on, or on one that has not completed the handshake.
+    // Dropped (never written anywhere) and logged, rate-limited: forged, or for a request that ended.
+    uint64_t replies_dropped = 0;
   };
   Stats stats() const;
 

@@ -937,6 +937,7 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
   cluster::EtcdOptions etcd;
   etcd.endpoints = options.etcd_endpoints;
   etcd.deadline = std::min<std::chrono::milliseconds>(options.pull_deadline, std::chrono::milliseconds(2000));
+  etcd.secret = *secret;  // member records and directory entries are signed with it
   if (!options.etcd_credentials_file.empty()) {
     auto creds = cluster::ReadCredentialsFile(options.etcd_credentials_file);
     if (!creds.ok()) return creds.status();
@@ -1114,6 +1115,7 @@ ClusterTierStatus ClusterTier::GetStatus() const {
   s.pulls_in_flight = m.pulls_running.load();
   s.lookups_served = m.lookups_served.load();
   s.blocks_offered = m.blocks_offered.load();
+  s.directory_unauthenticated = m.directory->unauthenticated_values();
   if (m.transport_up.load(std::memory_order_acquire)) {
     s.transport = m.transport->stats();
     s.transports_in_use = m.transport->transports_in_use();

@@ -103,6 +103,7 @@ struct ClusterTierStatus {
   uint64_t lookups_served = 0;          // peers' lookups answered here
   uint64_t blocks_offered = 0;          // blocks those lookups offered
   cluster::UcxTransport::Stats transport;
+  uint64_t directory_unauthenticated = 0;  // member records / entries in the store without the secret's signature
   std::vector<std::string> transports_in_use;
   std::vector<std::string> rdma_devices;  // "mlx5_0:1 PORT_ACTIVE InfiniBand"
   std::string last_error;               // the last pull or publish failure, for the operator
