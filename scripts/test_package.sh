@@ -11,16 +11,26 @@
 # here; tests/integration/systemd_verify.sh checks those settings.
 #
 #   scripts/test_package.sh [BUILD_DIR]     (default build/; root; called by scripts/test.sh)
-# Prints SKIP and exits 0 when not root, without dpkg, or when the host already has flexkvd installed or its
-# directories in use (the test would replace or delete them). Leaves the machine as it found it, on failure too:
-# the daemon is stopped, the package purged, and the user and groups it created are deleted (trap).
+# Prints SKIP and exits 0 when not root, without dpkg, or when the host already has flexkvd installed or a flexkvd
+# running on its directories (the test would replace them); under CI=true each of those is a failure that says why,
+# since CI must test the package. What an earlier run of this project's own daemon left behind (scripts/run.sh, or
+# build/flexkvd run as root: /run/flexkvd and its default pool under /dev/shm/flexkvd, no daemon on them) is moved
+# aside for the test and put back afterwards, never deleted. FLEXKV_SKIPS_FILE: a file the reason of a skip is
+# appended to (scripts/test.sh lists them at its end). Leaves the machine as it found it, on failure too: the daemon
+# is stopped, the package purged, what was moved aside put back, and the user and groups it created are deleted
+# (trap).
 set -euo pipefail  # hence no `| grep -q`: a writer killed by SIGPIPE would fail a match
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 BUILD=$(cd "${1:-build}" && pwd)
 
-skip() { echo "SKIP scripts/test_package.sh: $*" >&2; exit 0; }
 fail() { echo "FAIL scripts/test_package.sh: $*" >&2; exit 1; }
+skip() {
+  [[ ${CI:-} != true ]] || fail "cannot run in CI: $*"
+  echo "SKIP scripts/test_package.sh: $*" >&2
+  [[ -z ${FLEXKV_SKIPS_FILE:-} ]] || echo "Debian package test (scripts/test_package.sh): $*" >>"$FLEXKV_SKIPS_FILE"
+  exit 0
+}
 step() { echo "test_package: $*" >&2; }
 
 [[ $(id -u) -eq 0 ]] || skip "needs root (dpkg -i, the flexkv system user, files under /usr and /etc)"
@@ -31,8 +41,31 @@ done
 if dpkg-query -W -f='${Status}' flexkvd 2>/dev/null | grep -v '^unknown ok not-installed$' >/dev/null; then
   skip "a flexkvd package is already on this host ($(dpkg-query -W -f='${Version} ${Status}' flexkvd)); not replacing it"
 fi
-for path in /usr/bin/flexkvd /etc/flexkvd /dev/shm/flexkvd /run/flexkvd /var/cache/flexkvd; do
-  [[ ! -e $path ]] || skip "$path already exists on this host (another flexkvd install?); the test would delete it"
+for path in /usr/bin/flexkvd /etc/flexkvd /var/cache/flexkvd; do
+  [[ ! -e $path ]] || skip "$path already exists on this host (another flexkvd install?); the test would replace it"
+done
+# A process with a file under these open, mapped or as its directory (a flexkvd serving from them).
+holders() {  # <path>...: prints "pid (comm)" of each process that holds a file under one of them
+  local pid target p
+  for pid in /proc/[0-9]*; do
+    for target in "$pid"/cwd "$pid"/fd/* "$pid"/map_files/*; do
+      target=$(readlink "$target" 2>/dev/null) || continue
+      for p in "$@"; do
+        if [[ $target == "$p" || $target == "$p"/* ]]; then
+          echo "${pid#/proc/} ($(cat "$pid"/comm 2>/dev/null))"
+          continue 3
+        fi
+      done
+    done
+  done
+}
+# Left by an earlier run of the source-built daemon: moved aside on the same filesystem (a rename), put back by
+# cleanup. A daemon still running on them is another matter: the test would pull its pool from under it.
+aside=()
+for path in /run/flexkvd /dev/shm/flexkvd; do
+  [[ -e $path ]] || continue
+  held=$(holders "$path")
+  [[ -z $held ]] || skip "$path is in use by a running process: $(tr '\n' ' ' <<<"$held")(stop that flexkvd first)"
 done
 
 # What the package will create and policy keeps on purge (the user and groups): deleted at the end only if new.
@@ -64,6 +97,10 @@ cleanup() {
     dpkg --purge flexkvd >/dev/null
   fi
   rm -rf /dev/shm/flexkvd /run/flexkvd /var/cache/flexkvd
+  local entry
+  for entry in "${aside[@]}"; do
+    mv "${entry#*=}" "${entry%%=*}" && echo "test_package: put ${entry%%=*} back" >&2
+  done
   [[ $had_user == 1 ]] || ! getent passwd flexkv >/dev/null || userdel flexkv
   [[ $had_admin_group == 1 ]] || ! getent group flexkv-admin >/dev/null || groupdel flexkv-admin
   [[ $had_group == 1 ]] || ! getent group flexkv >/dev/null || groupdel flexkv
@@ -73,6 +110,13 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+for path in /run/flexkvd /dev/shm/flexkvd; do
+  [[ -e $path ]] || continue
+  moved=$(dirname "$path")/.flexkvd-aside.$$
+  mv "$path" "$moved"
+  aside+=("$path=$moved")
+  echo "test_package: moved $path (left by an earlier run of flexkvd) aside to $moved; it is put back at the end" >&2
+done
 
 # --- Build the package from the existing build ---------------------------------------------------------------------
 # The Debian layout (lib/<multiarch>) comes from a /usr prefix at configure time: reconfigure an older build/ (made
