@@ -2,7 +2,7 @@
 """Names at file scope that two sources of one target both define: an error in a unity build (CMake UNITY_BUILD,
 FLEXKV_UNITY_BUILD) when the two land in one batch, or worse, a silent overload when their parameters differ. Reads
 compile_commands.json of a configured build to know which sources make up which target; lists each name defined in
-two or more of them (functions, types, constants and aliases in a file's anonymous namespace or at file scope with
+two or more of them, for the targets built in batches (functions, types and constants in a file's anonymous namespace or at file scope with
 internal linkage). Exit 1 when any.   scripts/check_unity_names.py [BUILD_DIR]"""
 import collections, json, os, re, sys
 
@@ -12,12 +12,8 @@ with open(os.path.join(build, "compile_commands.json")) as f:
 
 target_re = re.compile(r"CMakeFiles/([^/]+)\.dir/")
 by_target = collections.defaultdict(set)
-for c in commands:
-    m = target_re.search(c["command"])
-    if not m or "/Unity/" in c["file"]:
-        continue
-    by_target[m.group(1)].add(os.path.realpath(c["file"]))
-# Unity builds list the batch files, not the sources: read the sources from the batch files.
+# The sources that share batches: read from the batch files (a source outside them, SKIP_UNITY_BUILD_INCLUSION, is a
+# translation unit of its own and cannot collide).
 for c in commands:
     m = target_re.search(c["command"])
     if m and "/Unity/" in c["file"]:
@@ -28,7 +24,6 @@ for c in commands:
 
 decl_res = [
     re.compile(r"^(?:struct|class|enum class|enum|union)\s+(\w+)\b(?!;)"),
-    re.compile(r"^using\s+(\w+)\s*="),
     re.compile(r"^(?:static\s+)?(?:inline\s+)?(?:constexpr|const)\s+[\w:<>,\s\*&]+?\s(\w+)\s*(?:\[\w*\])?\s*[={]"),
     re.compile(r"^(?:static\s+|inline\s+|\[\[nodiscard\]\]\s+)*(?!return\b|else\b|case\b|namespace\b|using\b)"
                r"[\w:<>,\*&]+(?:\s*<[^;()]*>)?[\s\*&]+(\w+)\s*\([^;]*$"),

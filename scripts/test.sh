@@ -37,6 +37,10 @@ stage() {  # <name> <command...>
 }
 
 stage "build (build/)" flexkv_build
+# The libraries and the bench compile in unity batches (CMakeLists.txt, FLEXKV_UNITY_BUILD): a name defined at file
+# scope in two of one target's sources would collide in a batch, or silently overload; this lists any.
+stage "unity batches: no file-scope name twice in one target (scripts/check_unity_names.py)" \
+  python3 scripts/check_unity_names.py build
 CTEST_DIRS+=(build)
 stage "tests (build/)" ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600 "$@"
 # The Debian package from build/ (cpack, no second build): installed, its daemon run as the unit says, reached by the
