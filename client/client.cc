@@ -711,6 +711,8 @@ Result<DaemonStatus> Client::GetStatus() {
                      {"writeback_failed_blocks", t.writeback_failed_blocks()},
                      {"evicted_written_blocks", t.evicted_written_blocks()},
                      {"evicted_unwritten_blocks", t.evicted_unwritten_blocks()},
+                     {"store_waits", t.store_waits()},
+                     {"store_wait_expired", t.store_wait_expired()},
                      {"evicted_blocks", t.evicted_blocks()},
                      {"reads_in_flight", t.reads_in_flight()},
                      {"writes_in_flight", t.writes_in_flight()},

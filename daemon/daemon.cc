@@ -203,6 +203,7 @@ int RunDaemon(const DaemonConfig& config) {
     ssd_options.store.on_mismatch = config.ssd_discard_mismatch ? SsdMismatchPolicy::kDiscard : SsdMismatchPolicy::kRefuse;
     ssd_options.write_all = config.ssd_write_all;
     ssd_options.writeback_window = config.ssd_writeback_window;
+    ssd_options.store_wait_ms = static_cast<int64_t>(config.ssd_store_wait_s * 1000.0 + 0.5);
     auto tier = SsdTier::Create(std::move(ssd_options), &caches);
     if (!tier.ok()) {
       log::Error("daemon", "cannot use the SSD tier: {}", tier.status().ToString());

@@ -194,6 +194,8 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     event_tokens_per_block_ = domain.geometry ? domain.geometry->tokens_per_block : 0;
   }
   on_next_.assign(pool_->sub_pool(0).capacity, 0);
+  touched_.assign(pool_->sub_pool(0).capacity, 0);
+  touch_queue_.clear();
   commit_queue_.clear();
   writing_ = 0;
   for (size_t c = 1; c < pool_->component_count(); ++c) {
@@ -254,6 +256,8 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
   index_.reset();
   parts_.clear();
   on_next_.clear();
+  touched_.clear();
+  touch_queue_.clear();
   commit_queue_.clear();
   writing_ = 0;
   if (pool_) {
@@ -303,7 +307,15 @@ size_t Cache::Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId
   if (!index_) return 0;
   if (!parts_.empty()) return HybridMatchLocked(keys, pin, pinned);
   ++next_tier_epoch_;  // the eviction order may change
-  return index_->Match(keys, pin, pinned);
+  if (!next_tier_) return index_->Match(keys, pin, pinned);
+  // The hits the next tier holds too are touched there (TakeTouched), so that a block DRAM always serves keeps a
+  // recent copy on SSD.
+  std::vector<SlotId> local;
+  std::vector<SlotId>* hits = pinned != nullptr ? pinned : &local;
+  const size_t before = hits->size();
+  const size_t n = index_->Match(keys, pin, hits);
+  NoteHitsLocked(std::span<const SlotId>(*hits).subspan(before));
+  return n;
 }
 
 size_t Cache::HybridMatchLocked(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned) {
@@ -470,14 +482,15 @@ void Cache::AbortHybrid(const HybridReservation& r) {
   }
 }
 
-PrefixIndex::Reservation Cache::Reserve(const BlockKey& parent, std::span<const BlockKey> keys) {
+PrefixIndex::Reservation Cache::Reserve(const BlockKey& parent, std::span<const BlockKey> keys, bool may_wait) {
   MutexLock lock(&mu_);
   if (!index_) {
     PrefixIndex::Reservation none;
     none.shortfall = StatusCode::kFailedPrecondition;
     return none;
   }
-  PrefixIndex::Reservation r = index_->Reserve(parent, keys);
+  const bool allow_dirty = !may_wait || StoreWaitMsLocked() == 0;
+  PrefixIndex::Reservation r = index_->Reserve(parent, keys, allow_dirty);
   for (SlotId s : r.slots) ForgetNextTierLocked(s, /*evicted=*/false);
   return r;
 }
@@ -598,7 +611,10 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
   for (SlotId s : passed) {
     const size_t c = ComponentOfLocked(s);
     if (c == 0) {
-      if (index_->MarkVerified(s) && (block_listener_ || event_listener_)) {
+      const bool verified = index_->MarkVerified(s);
+      // Write policy all: a restored block is written like a stored one (SSD answers "already there" for most).
+      if (verified && queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(s);
+      if (verified && (block_listener_ || event_listener_)) {
         if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) {
           ReportBlockLocked(BlockEvent::kCommitted, entry->key, index_->ChildCount(s) == 0, BlockEvent::kRestored,
                             entry->parent);

@@ -161,7 +161,10 @@ class Cache {
                     const std::vector<std::vector<uint64_t>>& checksums);
   // Returns a hybrid store's reserved slots (a copy failed, or the session ended).
   void AbortHybrid(const HybridReservation& r);
-  PrefixIndex::Reservation Reserve(const BlockKey& parent, std::span<const BlockKey> keys);
+  // A FULL store's reservation (PrefixIndex::Reserve). With `may_wait` and StoreWaitMs() > 0 it evicts only blocks
+  // the next tier holds: when it would have to evict others, the answer has `dirty_only` set and the caller waits
+  // (retries) for the write-back, up to StoreWaitMs(), before it reserves without `may_wait`.
+  PrefixIndex::Reservation Reserve(const BlockKey& parent, std::span<const BlockKey> keys, bool may_wait = false);
   // Publishes reserved slots after their bytes are complete. `parent` and `keys` are the request's (as given
   // to Reserve) and `first` the index of reservation.slots[0] in them; `content_checksums[i]` is slots[i]'s
   // BlockChecksum.
@@ -223,8 +226,21 @@ class Cache {
   };
   // From now on evictions are counted as written (the next tier had the block) or unwritten, and with
   // `queue_commits` every block Commit publishes is queued for TakeWriteBack (oldest first) as well, and one whose
-  // write failed is queued again.
-  void AttachNextTier(bool queue_commits);
+  // write failed is queued again. Blocks the next tier holds are evicted before the others (PrefixIndex::SetClean),
+  // and a store that would have to evict a block it does not hold may wait up to `store_wait_ms` for the
+  // write-back (StoreWaitMs, Reserve's `may_wait`; 0: never waits).
+  void AttachNextTier(bool queue_commits, int64_t store_wait_ms = 0);
+  // Whether the next tier's writes succeed: while they fail (a full or failing drive), no store waits for them.
+  void SetWriteBackHealthy(bool healthy);
+  // How long a store may wait for the write-back before it evicts blocks the next tier does not hold (dropping
+  // them from the node): 0 without a next tier, for a hybrid geometry, or while write-back fails.
+  int64_t StoreWaitMs() const;
+  // Counts a store that waited for the write-back (`expired`: one whose wait ran out, so that it evicted what it
+  // had to).
+  void CountStoreWait(bool expired);
+  // The keys of the blocks Match hit since the last call that the next tier holds too (each once): the next tier
+  // marks them used, so that a block DRAM always serves (a hot system prompt) keeps a recent copy there.
+  std::vector<BlockKey> TakeTouched();
   // Pins and returns up to `max_blocks` committed blocks the next tier does not hold yet, marking them "being
   // written": first those the commit queue holds (in commit order), then the cold end of the eviction order in the
   // order it will be evicted - each cold leaf, then the ancestors that become cold leaves when it goes (up to one
@@ -247,6 +263,8 @@ class Cache {
     uint64_t evicted_unwritten = 0;  // evictions of blocks it did not hold: lost from the node
     uint64_t writing = 0;            // blocks being written now
     uint64_t queued = 0;             // blocks in the commit queue
+    uint64_t store_waits = 0;        // stores that waited for the write-back before evicting
+    uint64_t store_wait_expired = 0; // of those, stores whose wait ran out (they evicted unwritten blocks)
   };
   WriteBackStats write_back_stats() const;
 
@@ -357,6 +375,17 @@ class Cache {
   int64_t last_walk_ms_ ABSL_GUARDED_BY(mu_) = 0;
   // A FULL block left its slot (evicted, dropped) or the slot was reserved again: its next-tier mark goes.
   void ForgetNextTierLocked(SlotId slot, bool evicted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets a committed slot's next-tier mark and its clean mark in the index (clean: on the next tier).
+  void SetMarkLocked(SlotId slot, uint8_t mark) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t StoreWaitMsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues Match's hits that are on the next tier for TakeTouched.
+  void NoteHitsLocked(std::span<const SlotId> slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<uint8_t> touched_ ABSL_GUARDED_BY(mu_);     // per FULL slot: queued in touch_queue_
+  std::vector<SlotId> touch_queue_ ABSL_GUARDED_BY(mu_);
+  int64_t store_wait_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  bool write_back_healthy_ ABSL_GUARDED_BY(mu_) = true;
+  uint64_t store_waits_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t store_wait_expired_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified
   bool verifying_ ABSL_GUARDED_BY(mu_) = false;                  // between TakeUnverified and EndVerification
 };

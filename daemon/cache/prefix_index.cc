@@ -53,6 +53,7 @@ struct Node {
   BlockKey key;
   SlotId parent = kNil;
   State state = State::kFree;
+  bool clean = false;     // the next tier holds the block too (SetClean): evicted before dirty nodes
   uint32_t children = 0;  // pending or committed nodes whose parent is this one
   uint32_t pins = 0;
   SlotId prev = kNil;
@@ -181,7 +182,11 @@ struct PrefixIndex::Impl {
   LargeArray<Node> nodes_;
   SlotTable by_key_;  // pending and committed nodes; sized for all slots, never rehashes
   List free_;
-  List lru_;  // exactly the evictable nodes: committed, unpinned, childless
+  // Exactly the evictable nodes (committed, unpinned, childless), on two lists by their `clean` mark: those the
+  // next tier holds too are evicted first (nothing is lost with them), the others only when no clean one is left.
+  List lru_;        // dirty
+  List clean_lru_;  // clean
+  List& Lru(SlotId s) { return nodes_[s].clean ? clean_lru_ : lru_; }
   // Slots below limit_ may be handed out (the free ones are on free_); slots at or above it are being given back
   // (a shrink in progress: free ones stay off free_). Slots at or above active_ are all free. limit_ <= active_.
   uint32_t limit_ = 0;
@@ -258,7 +263,7 @@ struct PrefixIndex::Impl {
     PREFIX_INDEX_CHECK(n.state == State::kCommitted, fmt::format("pin of slot {} that is not committed", s));
     if (n.pins++ == 0) {
       ++pinned_;
-      if (n.children == 0) Unlink(lru_, s);  // was evictable
+      if (n.children == 0) Unlink(Lru(s), s);  // was evictable
     }
   }
   void UnpinOne(SlotId s, bool cold = false) {
@@ -271,7 +276,7 @@ struct PrefixIndex::Impl {
       if (n.state == State::kDropped) {
         FreeDropped(s);
       } else if (Evictable(n)) {
-        if (cold) PushFront(lru_, s); else PushBack(lru_, s);
+        if (cold) PushFront(Lru(s), s); else PushBack(Lru(s), s);
       }
     }
   }
@@ -291,7 +296,7 @@ struct PrefixIndex::Impl {
       PREFIX_INDEX_CHECK(p.children > 0, fmt::format("slot {} loses a child it does not have", parent));
       --p.children;
       if (p.state != State::kDropped) {
-        if (p.children == 0 && Evictable(p)) PushFront(lru_, parent);
+        if (p.children == 0 && Evictable(p)) PushFront(Lru(parent), parent);
         return;
       }
       s = parent;
@@ -302,7 +307,7 @@ struct PrefixIndex::Impl {
   void AddChild(SlotId parent) {
     if (parent == kNil) return;
     Node& p = nodes_[parent];
-    if (Evictable(p)) Unlink(lru_, parent);
+    if (Evictable(p)) Unlink(Lru(parent), parent);
     ++p.children;
   }
   // A node loses a child. A parent uncovered by eviction goes to the LRU end (it was used no later than the
@@ -314,17 +319,18 @@ struct PrefixIndex::Impl {
     --p.children;
     if (p.state == State::kDropped) return FreeDropped(parent);
     if (p.children == 0 && Evictable(p)) {
-      if (lru_end) PushFront(lru_, parent); else PushBack(lru_, parent);
+      if (lru_end) PushFront(Lru(parent), parent); else PushBack(Lru(parent), parent);
     }
   }
 
   // Evicts the least recently used evictable node and returns its slot (not on the free list), or kNil.
-  SlotId EvictOne() {
-    SlotId s = lru_.head;
+  // Clean nodes first; a dirty one only with `allow_dirty`.
+  SlotId EvictOne(bool allow_dirty) {
+    SlotId s = clean_lru_.head != kNil ? clean_lru_.head : allow_dirty ? lru_.head : kNil;
     if (s == kNil) return kNil;
     Node& n = nodes_[s];
     PREFIX_INDEX_CHECK(Evictable(n), fmt::format("slot {} on the eviction list is not evictable", s));
-    Unlink(lru_, s);
+    Unlink(Lru(s), s);
     EraseKey(s);
     DropChild(n.parent, /*lru_end=*/true);
     --committed_;
@@ -342,13 +348,13 @@ struct PrefixIndex::Impl {
 
   // A free slot, else an evicted one; kNil when neither exists. The slot is unlinked and counted as used. Never
   // a slot at or above limit_ (one evicted there stays free for the shrink).
-  SlotId TakeSlot() {
+  SlotId TakeSlot(bool allow_dirty = true) {
     SlotId s = free_.head;
     if (s != kNil) {
       Unlink(free_, s);
     } else {
       do {
-        s = EvictOne();
+        s = EvictOne(allow_dirty);
         if (s == kNil) return kNil;
       } while (s >= limit_);
     }
@@ -445,7 +451,7 @@ struct PrefixIndex::Impl {
     Insert(slot, key, hash, parent_slot, state);
     if (state == State::kCommitted) {
       ++committed_;
-      PushBack(lru_, slot);  // a new node is a leaf
+      PushBack(Lru(slot), slot);  // a new node is a leaf
     } else {
       ++unverified_;
     }
@@ -472,8 +478,8 @@ size_t PrefixIndex::Match(std::span<const BlockKey> keys, bool pin, std::vector<
   });
   // Only the deepest matched node can be a leaf; every other one has the next as a child.
   if (last != kNil && Impl::Evictable(m.nodes_[last])) {
-    m.Unlink(m.lru_, last);
-    m.PushBack(m.lru_, last);
+    m.Unlink(m.Lru(last), last);
+    m.PushBack(m.Lru(last), last);
   }
   return matched;
 }
@@ -497,15 +503,18 @@ uint32_t PrefixIndex::ChildCount(SlotId slot) const {
 
 void PrefixIndex::ForEachColdLeaf(size_t n, const std::function<bool(SlotId)>& visit) const {
   const Impl& m = *impl_;
-  SlotId s = m.lru_.head;
-  for (size_t i = 0; i < n && s != kNil; ++i) {
-    const SlotId next = m.nodes_[s].next;  // read first: visit may not change the list, but be safe
-    if (!visit(s)) return;
-    s = next;
+  size_t i = 0;
+  for (const List* l : {&m.clean_lru_, &m.lru_}) {
+    for (SlotId s = l->head; i < n && s != kNil; ++i) {
+      const SlotId next = m.nodes_[s].next;  // read first: visit may not change the list, but be safe
+      if (!visit(s)) return;
+      s = next;
+    }
   }
 }
 
-PrefixIndex::Reservation PrefixIndex::Reserve(const BlockKey& parent_key, std::span<const BlockKey> keys) {
+PrefixIndex::Reservation PrefixIndex::Reserve(const BlockKey& parent_key, std::span<const BlockKey> keys,
+                                              bool allow_dirty) {
   Impl& m = *impl_;
   Reservation r;
   SlotId parent = kNil;
@@ -542,9 +551,12 @@ PrefixIndex::Reservation PrefixIndex::Reserve(const BlockKey& parent_key, std::s
       r.shortfall = StatusCode::kAborted;
       break;
     }
-    SlotId s = m.TakeSlot();
+    SlotId s = m.TakeSlot(allow_dirty);
     if (s == kNil) {
       r.shortfall = StatusCode::kResourceExhausted;
+      // Without dirty evictions, no slot means: only dirty leaves are left, or none is evictable at all (the write-back
+      // pins the cold leaves it writes): either way the next tier's writes are what frees slots.
+      r.dirty_only = !allow_dirty;
       break;
     }
     m.Insert(s, keys[i], hash, parent, State::kPending);
@@ -571,7 +583,7 @@ void PrefixIndex::Commit(std::span<const SlotId> slots) {
                        fmt::format("commit of slot {} before its parent slot {}", s, n.parent));
     n.state = State::kCommitted;
     ++m.committed_;
-    if (Impl::Evictable(n)) m.PushBack(m.lru_, s);
+    if (Impl::Evictable(n)) m.PushBack(m.Lru(s), s);
   }
 }
 
@@ -615,9 +627,24 @@ bool PrefixIndex::MarkVerified(SlotId slot) {
   n.state = State::kCommitted;
   --m.unverified_;
   ++m.committed_;
-  if (Impl::Evictable(n)) m.PushBack(m.lru_, slot);
+  if (Impl::Evictable(n)) m.PushBack(m.Lru(slot), slot);
   return true;
 }
+
+void PrefixIndex::SetClean(SlotId slot, bool clean) {
+  Impl& m = *impl_;
+  if (slot >= m.nodes_.size() || m.nodes_[slot].state != State::kCommitted || m.nodes_[slot].clean == clean) return;
+  Node& n = m.nodes_[slot];
+  const bool listed = Impl::Evictable(n);
+  if (listed) m.Unlink(m.Lru(slot), slot);
+  n.clean = clean;
+  if (!listed) return;
+  // A block found written (clean) was used no later than before; one found gone from the next tier (dirty) was
+  // at the cold end, where the write-back walk found it: it stays there.
+  if (clean) m.PushBack(m.Lru(slot), slot); else m.PushFront(m.Lru(slot), slot);
+}
+
+uint32_t PrefixIndex::clean_leaves() const { return impl_->clean_lru_.size; }
 
 bool PrefixIndex::PinSlot(SlotId slot) {
   Impl& m = *impl_;
@@ -647,7 +674,7 @@ size_t PrefixIndex::DropSubtrees(std::span<const SlotId> slots, const std::funct
     Node& n = m.nodes_[s];
     switch (n.state) {
       case State::kCommitted:
-        if (Impl::Evictable(n)) m.Unlink(m.lru_, s);
+        if (Impl::Evictable(n)) m.Unlink(m.Lru(s), s);
         --m.committed_;
         break;
       case State::kUnverified:
@@ -707,7 +734,7 @@ PrefixIndex::Shrunk PrefixIndex::Shrink(uint32_t target) {
     for (SlotId s = 0; s < cap; ++s) {
       if (verdict[s] != 1) continue;
       Node& n = m.nodes_[s];
-      if (Impl::Evictable(n)) m.Unlink(m.lru_, s);
+      if (Impl::Evictable(n)) m.Unlink(m.Lru(s), s);
       m.EraseKey(s);
       --m.committed_;
       ++m.evicted_;
@@ -745,6 +772,7 @@ uint64_t PrefixIndex::evicted_blocks() const { return impl_->evicted_; }
 
 std::vector<SlotId> PrefixIndex::EvictionOrder() const {
   std::vector<SlotId> out;
+  for (SlotId s = impl_->clean_lru_.head; s != kNil; s = impl_->nodes_[s].next) out.push_back(s);
   for (SlotId s = impl_->lru_.head; s != kNil; s = impl_->nodes_[s].next) out.push_back(s);
   return out;
 }
@@ -849,8 +877,9 @@ void PrefixIndex::CheckInvariants() const {
     PREFIX_INDEX_CHECK(s < listed_limit, fmt::format("free slot {} at or above the limit is on the free list", s));
   }
   walk(m.free_, [](const Node& n) { return n.state == State::kFree; });
-  walk(m.lru_, [](const Node& n) { return Impl::Evictable(n); });
-  PREFIX_INDEX_CHECK(m.lru_.size == evictable, "an evictable node is missing from the eviction list");
+  walk(m.lru_, [](const Node& n) { return Impl::Evictable(n) && !n.clean; });
+  walk(m.clean_lru_, [](const Node& n) { return Impl::Evictable(n) && n.clean; });
+  PREFIX_INDEX_CHECK(m.lru_.size + m.clean_lru_.size == evictable, "an evictable node is missing from the eviction lists");
 }
 
 }  // namespace flexkv

@@ -5,7 +5,7 @@
 // committed (matchable), unverified (restored from the pool file, bytes not yet checked: neither matchable nor
 // evictable), dropped (its bytes failed a check: unmatchable, its slot freed once no pin and no child holds it).
 // Eviction takes committed, unpinned leaves, least recently used first, so a cached prefix is never cut in the
-// middle.
+// middle; leaves marked clean (the next tier holds them) go before the others.
 #pragma once
 
 #include <cstdint>
@@ -50,6 +50,10 @@ class PrefixIndex {
     StatusCode shortfall = StatusCode::kOk;
     // Nothing was looked up or reserved because the parent is not committed; shortfall says why.
     bool parent_refused = false;
+    // RESOURCE_EXHAUSTED while Reserve was told not to evict dirty nodes: no clean leaf was left (only dirty ones,
+    // or pinned ones - e.g. pinned while the next tier writes them). Waiting for the next tier's writes would let the
+    // store go on without losing a block.
+    bool dirty_only = false;
   };
   // Begins a store of `keys`, keys[0] hanging under the committed node of key `parent` (kRootParent: keys[0]
   // is a prompt's first block). Finds the committed prefix of `keys` under the parent, then reserves pending
@@ -58,7 +62,14 @@ class PrefixIndex {
   // with a pending child is not evictable either: the parent and the cached prefix stay until then.
   // A parent that is not committed (evicted, never stored, or pending in a store not yet committed) refuses
   // the whole store: a block stored anywhere else could not be reached by a match from the prompt's start.
-  Reservation Reserve(const BlockKey& parent, std::span<const BlockKey> keys);
+  // Eviction takes clean nodes (SetClean) first; dirty ones only with `allow_dirty`.
+  Reservation Reserve(const BlockKey& parent, std::span<const BlockKey> keys, bool allow_dirty = true);
+
+  // Marks the committed node in `slot` as clean (the next tier holds its block too: evicting it loses nothing) or
+  // dirty (the default for every new node). Eviction takes the least recently used clean leaf before any dirty
+  // one, as a page cache reclaims clean pages before dirty ones. No-op for a slot without a committed node.
+  void SetClean(SlotId slot, bool clean);
+  uint32_t clean_leaves() const;  // evictable clean nodes
 
   // Makes pending slots committed (matchable), in the order given (parents first).
   void Commit(std::span<const SlotId> slots);
@@ -94,8 +105,8 @@ class PrefixIndex {
   SlotId ParentOf(SlotId slot) const;
   // The pending and committed nodes hanging under the node in `slot` (0 for a free slot).
   uint32_t ChildCount(SlotId slot) const;
-  // The evictable slots (committed, unpinned, childless) that will be evicted first, least recently used first, at
-  // most `n`; `visit` returns false to stop early. O(visited).
+  // The evictable slots (committed, unpinned, childless) that will be evicted first - the clean ones least recently
+  // used first, then the dirty ones likewise - at most `n`; `visit` returns false to stop early. O(visited).
   void ForEachColdLeaf(size_t n, const std::function<bool(SlotId)>& visit) const;
   // Whether `slot` holds an unverified node (not yet verified, and not dropped with a failed ancestor).
   bool IsUnverified(SlotId slot) const;
@@ -125,7 +136,8 @@ class PrefixIndex {
   uint64_t evicted_blocks() const;   // total evictions so far
 
   // Debug and test support; each is O(capacity).
-  // Evictable slots (committed, unpinned, childless), least recently used first: the eviction order.
+  // Evictable slots (committed, unpinned, childless) in eviction order: clean, then dirty, each least recently used
+  // first.
   std::vector<SlotId> EvictionOrder() const;
   // Calls fn(slot, key, parent key) for each committed node in slot order; the parent key is zero at root
   // level.

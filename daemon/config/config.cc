@@ -360,6 +360,11 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "SSD tier: the share of each DRAM pool, coldest first, kept written to SSD ahead of eviction "
                  "(default 0.25; with --ssd-write-policy all, what a restart's blocks and failed writes are "
                  "written from)");
+  app.add_option("--ssd-store-wait", cfg.ssd_store_wait_s,
+                 "SSD tier: seconds an engine's store may wait for the write-back when it could go on only by "
+                 "evicting DRAM blocks SSD does not hold yet (lost from the node; counted in "
+                 "evicted_unwritten_blocks); after that it evicts them (default 1; 0: never waits)")
+      ->check(CLI::Range(0.0, 60.0));
   std::string etcd_endpoints, cluster_listen;
   app.add_option("--etcd-endpoints", etcd_endpoints,
                  "Cluster tier: the cluster's etcd, host:port[,host:port...] (turns the tier on; docs/cluster.md)");

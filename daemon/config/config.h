@@ -78,6 +78,7 @@ struct DaemonConfig {
   bool ssd_discard_mismatch = false;   // --ssd-on-mismatch discard (default refuse)
   bool ssd_write_all = false;          // --ssd-write-policy cold (the cold end, ahead of eviction) or all
   double ssd_writeback_window = 0.25;  // --ssd-writeback-window: share of each pool kept written, coldest first
+  double ssd_store_wait_s = 1.0;       // --ssd-store-wait: seconds a store may wait for the write-back (0: never)
 };
 
 // Outcome of parsing: a config to run with, or an exit (help printed, or a usage error already reported

@@ -78,6 +78,7 @@ void DataPlane::Stop() {
   ssize_t ignored = write(wake_fd_.get(), &one, sizeof(one));
   (void)ignored;
   poller_.join();
+  handlers_.AbandonWaitingStores();  // the poller no longer retries them
   copies_.WaitIdle();  // every accepted request ends
 }
 
@@ -306,6 +307,7 @@ void DataPlane::PollerLoop() {
       if (!s->dead) work |= PollSession(s);
     }
     const int64_t now = NowNs();
+    const bool stores_waiting = handlers_.RetryWaitingStores(now);
     last_turn_ms_.store(now / 1000000, std::memory_order_relaxed);
     if (lease_ns > 0 && now >= next_lease_check_ns) {
       CheckPinLeases(active, now);
@@ -334,7 +336,7 @@ void DataPlane::PollerLoop() {
       backlog |= s->ring->HasBacklog();
     }
     int n = 0;
-    if (!pending) n = epoll_wait(epoll_fd_.get(), events, 64, backlog ? 5 : static_cast<int>(park_ms));
+    if (!pending) n = epoll_wait(epoll_fd_.get(), events, 64, stores_waiting ? 1 : backlog ? 5 : static_cast<int>(park_ms));
     last_turn_ms_.store(MonotonicMs(), std::memory_order_relaxed);
     for (int i = 0; i < n; ++i) {
       uint64_t drained;

@@ -410,15 +410,82 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
     lifecycle_->Finish();
     return Fail(s, d, taken_ns, DomainDropped());
   }
+  const int64_t wait_ms = s.cache().StoreWaitMs();
+  WaitingStore w{sp, d, taken_ns, std::move(keys), std::move(ids), taken_ns + wait_ms * 1000000};
+  // A domain's stores wait in arrival order: a later one must not take the blocks written for an earlier one.
+  const bool queued_behind = wait_ms > 0 && std::any_of(waiting_.begin(), waiting_.end(), [&](const WaitingStore& o) {
+    return &o.sp->cache() == &s.cache();
+  });
+  if (queued_behind || !ReserveAndCopy(w, /*may_wait=*/wait_ms > 0)) {
+    s.cache().CountStoreWait(false);
+    waiting_.push_back(std::move(w));
+  }
+}
+
+bool RequestHandlers::RetryWaitingStores(int64_t now_ns) {
+  if (waiting_.empty()) return false;
+  if (now_ns < next_retry_ns_) return true;
+  next_retry_ns_ = now_ns + kStoreRetryNs;
+  std::vector<const Cache*> blocked;  // domains whose oldest waiting store still waits: the later ones do too
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    RequestSession& s = *it->sp;
+    Cache* cache = &s.cache();
+    if (s.ended() || cache->generation() != s.pool_generation_) {
+      lifecycle_->Finish();
+      Fail(s, it->d, it->taken_ns, s.ended() ? Status::Cancelled("the session ended") : DomainDropped());
+      it = waiting_.erase(it);
+      continue;
+    }
+    if (std::find(blocked.begin(), blocked.end(), cache) != blocked.end()) {
+      ++it;
+      continue;
+    }
+    if (ReserveAndCopy(*it, /*may_wait=*/true)) {
+      it = waiting_.erase(it);
+      continue;
+    }
+    if (now_ns >= it->deadline_ns || cache->StoreWaitMs() == 0) {
+      // The wait ran out (or write-back stopped working): evict what the store needs, counted as unwritten.
+      cache->CountStoreWait(true);
+      (void)ReserveAndCopy(*it, /*may_wait=*/false);
+      it = waiting_.erase(it);
+      continue;
+    }
+    blocked.push_back(cache);
+    ++it;
+  }
+  return !waiting_.empty();
+}
+
+void RequestHandlers::AbandonWaitingStores() {
+  for (WaitingStore& w : waiting_) {
+    lifecycle_->Finish();
+    Fail(*w.sp, w.d, w.taken_ns, Status::Unavailable("flexkvd is stopping; the store was not done"));
+  }
+  waiting_.clear();
+}
+
+bool RequestHandlers::ReserveAndCopy(WaitingStore& w, bool may_wait) {
+  const std::shared_ptr<RequestSession>& sp = w.sp;
+  RequestSession& s = *sp;
+  const SubmitDescriptor& d = w.d;
+  const int64_t taken_ns = w.taken_ns;
   const BlockKey parent = d.parent;  // kRootParent, or the key keys[0] hangs under
-  PrefixIndex::Reservation r = s.cache().Reserve(parent, keys);
+  PrefixIndex::Reservation r = s.cache().Reserve(parent, w.keys, may_wait);
   // A drop of the domain (possible only while this session's end is processed: DropDomain waits for no request,
   // only for reserved and pinned slots) may have given the Cache to another domain just before the Reserve.
   if (s.cache().generation() != s.pool_generation_) {
     s.cache().Abort(r.slots);
     lifecycle_->Finish();
-    return Fail(s, d, taken_ns, DomainDropped());
+    Fail(s, d, taken_ns, DomainDropped());
+    return true;
   }
+  if (r.dirty_only && may_wait) {  // only blocks SSD does not hold yet are left to evict: wait for the write-back
+    s.cache().Abort(r.slots);
+    return false;
+  }
+  std::vector<BlockKey>& keys = w.keys;
+  std::vector<uint32_t>& ids = w.ids;
   const uint32_t reserved = static_cast<uint32_t>(r.slots.size());
   CompletionBuilder c(d);
   c.MatchedBlocks(static_cast<uint32_t>(r.cached)).DoneBlocks(reserved);
@@ -438,7 +505,8 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   }
   if (reserved == 0) {
     lifecycle_->Finish();
-    return Finish(s, d, taken_ns, c.descriptor());
+    Finish(s, d, taken_ns, c.descriptor());
+    return true;
   }
   const size_t first = r.cached;
   CopyRequest copy;
@@ -470,6 +538,7 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
     lifecycle_->Finish();
   };
   copies_->Submit(std::move(copy));
+  return true;
 }
 
 void RequestHandlers::SubmitJoined(std::vector<CopyRequest> parts,

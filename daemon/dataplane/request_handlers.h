@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <string>
 #include <memory>
@@ -142,6 +143,15 @@ class RequestHandlers {
   // The most blocks one session may hold pinned: max_session_share of its domain's pool slots, at least 1.
   uint64_t SessionPinCap(const RequestSession& session) const;
 
+  // Stores waiting for the SSD tier's write-back: a store that could go on only by evicting DRAM blocks SSD does
+  // not hold yet waits (Cache::StoreWaitMs, --ssd-store-wait) instead, its domain's later stores behind it, and is
+  // retried here (at most once a millisecond) until it reserves without such an eviction, its wait runs out (it
+  // then evicts them, counted as unwritten), or its session ends. Returns whether one still waits: the poller then
+  // polls again within a millisecond. Ring poller only.
+  bool RetryWaitingStores(int64_t now_ns);
+  // The poller stops: every waiting store is answered UNAVAILABLE.
+  void AbandonWaitingStores();
+
  private:
   void Match(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
              const std::vector<BlockKey>& keys);
@@ -173,6 +183,22 @@ class RequestHandlers {
   void Finish(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, const CompletionDescriptor& c);
   // The copy of a load or store ends now: its wait and transfer time.
   void RecordCopy(OpKind op, int64_t taken_ns, int64_t copy_start_ns);
+
+  // A Store, counted in flight (Lifecycle::TryBegin), that has not been answered yet.
+  struct WaitingStore {
+    std::shared_ptr<RequestSession> sp;
+    SubmitDescriptor d;
+    int64_t taken_ns = 0;
+    std::vector<BlockKey> keys;
+    std::vector<uint32_t> ids;
+    int64_t deadline_ns = 0;  // its wait for the write-back ends then
+  };
+  // The rest of a Store: reserve, copy, commit, answer. With `may_wait`, false (nothing reserved, not answered)
+  // when the reservation would evict blocks the next tier does not hold; true once the store is answered or copying.
+  bool ReserveAndCopy(WaitingStore& w, bool may_wait);
+  static constexpr int64_t kStoreRetryNs = 1000000;
+  std::deque<WaitingStore> waiting_;  // ring poller only
+  int64_t next_retry_ns_ = 0;         // ring poller only
 
   Lifecycle* const lifecycle_;
   CopyScheduler* const copies_;

@@ -233,6 +233,12 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
     counter("flexkv_ssd_evicted_unwritten_blocks_total",
             "DRAM evictions of blocks not written to SSD yet (write-back behind): lost from the node",
             t.evicted_unwritten_blocks);
+    counter("flexkv_ssd_store_waits_total",
+            "Engine stores that waited for the write-back instead of evicting blocks SSD did not hold yet",
+            t.store_waits);
+    counter("flexkv_ssd_store_wait_expired_total",
+            "Engine stores whose wait for the write-back ran out (--ssd-store-wait): they evicted unwritten blocks",
+            t.store_wait_expired);
     counter("flexkv_ssd_evicted_blocks_total", "Blocks overwritten on SSD to make room", t.store.evictions);
     counter("flexkv_ssd_read_bytes_total", "Bytes read from SSD (verified)", t.store.read_bytes);
     counter("flexkv_ssd_write_bytes_total", "Bytes written to SSD", t.store.write_bytes);

@@ -117,7 +117,11 @@ Result<Cache*> ControlService::AdmitLocked(const std::string& model_namespace, c
                                            const PeerCredentials& peer) {
   const auto in_use = [this](const std::string& name) { return ctx_.sessions->CountIn(name) != 0; };
   const bool unused = !in_use(model_namespace);
-  if (Cache* current = ctx_.caches->Find(model_namespace); current != nullptr && unused) {
+  // A namespace whose blocks the SSD tier keeps has the owner recorded with them (issue 29 item 5): after a reboot
+  // (no pool file) the first uid to attach must not become its owner. Otherwise the first uid to attach creates it.
+  const std::optional<uid_t> recorded = ctx_.ssd ? ctx_.ssd->RecordedOwner(model_namespace) : std::nullopt;
+  const uid_t creator = recorded.value_or(peer.uid);
+  if (Cache* current = ctx_.caches->Find(model_namespace); current != nullptr && unused && !recorded) {
     const CacheDomain::View view = current->Domain();
     if (view.geometry && view.creator_uid && *view.creator_uid != peer.uid &&
         ctx_.access->AclOf(model_namespace) == nullptr &&
@@ -132,7 +136,7 @@ Result<Cache*> ControlService::AdmitLocked(const std::string& model_namespace, c
   // Domains nobody uses and that hold no block are not kept for later sessions (one odd Attach must not lock every
   // engine out): CacheSet drops them when this Attach needs their room.
   std::vector<std::string> replaced;
-  Result<Cache*> admitted = ctx_.caches->Admit(model_namespace, geometry, peer.uid, in_use, &replaced);
+  Result<Cache*> admitted = ctx_.caches->Admit(model_namespace, geometry, creator, in_use, &replaced);
   for (const std::string& old : replaced) {
     log::Info("control", "cache domain '{}' had no session and no block: replaced by pid {}'s '{}'", old, peer.pid,
               model_namespace);
@@ -145,7 +149,7 @@ Result<Cache*> ControlService::AdmitLocked(const std::string& model_namespace, c
   if (!ctx_.caches->DropDomain(model_namespace, /*only_if_empty=*/true, nullptr).ok()) return admitted;
   log::Info("control", "cache domain '{}' had no session and no block: replaced by pid {}'s '{}'", model_namespace,
             peer.pid, model_namespace);
-  return ctx_.caches->Admit(model_namespace, geometry, peer.uid, in_use);
+  return ctx_.caches->Admit(model_namespace, geometry, creator, in_use);
 }
 
 uint64_t ControlService::IdleSeconds(const CacheSet::Domain& domain) const {
@@ -230,6 +234,8 @@ void FillTier(const SsdTierStatus& t, v1::TierStatus* out) {
   out->set_writeback_failed_blocks(t.writeback_failed_blocks);
   out->set_evicted_written_blocks(t.evicted_written_blocks);
   out->set_evicted_unwritten_blocks(t.evicted_unwritten_blocks);
+  out->set_store_waits(t.store_waits);
+  out->set_store_wait_expired(t.store_wait_expired);
   out->set_evicted_blocks(t.store.evictions);
   out->set_reads_in_flight(t.reads_in_flight);
   out->set_writes_in_flight(t.writes_in_flight);

@@ -11,11 +11,13 @@
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "flexkv/client.h"
@@ -336,4 +338,87 @@ TEST_CASE("the gRPC Match and Attach follow the reader rule, a reader that may n
   const std::string denied = std::to_string(static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
   CHECK(outsider.Run(input.str()) == denied + " " + denied + " 0");  // the admin's token does not make it a reader
   CHECK(reader.Run(input.str()) == "0 0 1");
+}
+
+// Issue 29 item 5: the namespace's creator uid lived only in the DRAM pool file. After a reboot (pool file gone, the
+// SSD tier's blocks kept) the first uid to attach became the owner, stored over the owner's prompt and made the
+// owner read-only. The SSD tier now keeps the owner with the blocks (DIR/flexkv-owners) and restores it at start.
+TEST_CASE("the namespace's owner survives a reboot with its SSD blocks: another uid attaching first cannot store",
+          "[integration][security][ssd_tier]") {
+  if (!CanSwitchUids()) return;
+  // A disk directory (O_DIRECT, not tmpfs) for the socket, the pool file and the SSD tier.
+  char tmpl[] = "/var/tmp/flexkv-owner-it-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  struct RemoveAll {
+    std::string p;
+    ~RemoveAll() {
+      std::error_code ec;
+      std::filesystem::remove_all(p, ec);
+    }
+  } cleanup{tmpl};
+  const std::string dir = tmpl;
+  const std::string ssd = dir + "/ssd";
+  const std::string record = ssd + "/flexkv-owners";
+  std::filesystem::permissions(dir, std::filesystem::perms(0755));
+  std::filesystem::create_directories(ssd);
+  const std::vector<std::string> args = {"--pool-size", "8MiB",  "--socket-group",       "nogroup", "--ssd-path",
+                                         ssd,           "--ssd-size", "32MiB", "--ssd-write-policy=all"};
+  const auto written_back = [](const DaemonUnderTest& d) -> uint64_t {
+    auto c = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
+    REQUIRE(c.ok());
+    auto s = (*c)->GetStatus();
+    REQUIRE(s.ok());
+    REQUIRE(s->tiers.size() == 1);
+    return s->tiers[0].counters.at("written_back_blocks");
+  };
+  {
+    DaemonUnderTest d(args, dir);
+    REQUIRE(d.WaitReady());
+    REQUIRE(Lines(ClientAs(kCreator, d, {"store:7:8"})).at(1) == "STORED 0 8 OK");
+    for (int i = 0; i < 500 && written_back(d) < 8; ++i) std::this_thread::sleep_for(20ms);
+    REQUIRE(written_back(d) == 8);
+    d.process().Signal(SIGKILL);
+    REQUIRE(d.process().Wait(20s).has_value());
+  }
+  {
+    std::ifstream in(record);
+    std::stringstream text;
+    text << in.rdbuf();
+    INFO(text.str());
+    CHECK_THAT(text.str(), Catch::StartsWith("flexkv-owners 1\n") && Catch::Contains("\nowner 65534 test-model\n"));
+  }
+  REQUIRE(std::filesystem::remove(dir + "/pool"));  // the reboot: /dev/shm is gone, the SSD is not
+  {
+    DaemonUnderTest d(args, dir);
+    REQUIRE(d.WaitReady());
+    // Another uid attaches first: it may read the owner's prompt (from SSD), not store anything.
+    auto other = Lines(ClientAs(kOther, d, {"store:7:8", "store:9:4", "load:7:8"}));
+    REQUIRE(other.size() == 4);
+    CHECK(other[1] == "STORED 0 0 PERMISSION_DENIED");
+    CHECK(other[2] == "STORED 0 0 PERMISSION_DENIED");
+    CHECK(other[3] == "LOADED 8 8 1 OK");
+    // The owner still may.
+    auto owner = Lines(ClientAs(kCreator, d, {"store:9:4", "load:7:8", "load:9:4"}));
+    REQUIRE(owner.size() == 4);
+    CHECK(owner[1] == "STORED 0 4 OK");
+    CHECK(owner[2] == "LOADED 8 8 1 OK");
+    CHECK(owner[3] == "LOADED 4 4 1 OK");
+    CHECK_THAT(d.process().Stderr(), Catch::Contains("namespace owners restored from the SSD tier: 1 namespace"));
+    d.process().Signal(SIGTERM);
+    REQUIRE(d.process().Wait(20s).has_value());
+  }
+  // A damaged record is ignored with a warning naming it, never a crash (the namespace then has no recorded owner).
+  {
+    std::fstream f(record, std::ios::in | std::ios::out | std::ios::binary);
+    REQUIRE(f.good());
+    f.seekp(22);
+    f.put('X');
+  }
+  DaemonUnderTest d(args, dir);
+  REQUIRE(d.WaitReady());
+  auto reader = Lines(ClientAs(kCreator, d, {"load:7:8"}));
+  REQUIRE(reader.size() == 2);
+  CHECK(reader[1] == "LOADED 8 8 1 OK");
+  CHECK_THAT(d.process().Stderr(),
+             Catch::Contains("namespace owners record " + record + " is ignored: its checksum does not match"));
 }

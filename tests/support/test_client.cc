@@ -16,9 +16,12 @@
 // A load checks exactly FULL [0,e), the window [e-w,e) and the state at e, and that no other buffer byte changed:
 //   LOADED <hits> <loaded> <equal 0|1> <STATUS> <untouched 0|1>
 // `--do hold` keeps the session until the process is killed.
+// `--prefix-seed P --prefix-blocks K`: every prompt (store, load, pin) starts with the K blocks of P (tokens and
+// bytes), as requests sharing a system prompt do; its blocks from K on are SEED's.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -92,6 +95,10 @@ int main(int argc, char** argv) {
   app.add_option("--state-bytes", state_bytes, "hybrid: bytes of one layer's state");
   app.add_option("--state-every", state_every, "hybrid: also store a state every this many blocks (0: at the end only)");
   app.add_option("--state-slots", state_slots, "hybrid: the engine's state slots");
+  uint64_t prefix_seed = 0;
+  uint32_t prefix_blocks = 0;
+  app.add_option("--prefix-seed", prefix_seed, "every prompt starts with this seed's first --prefix-blocks blocks");
+  app.add_option("--prefix-blocks", prefix_blocks, "blocks of --prefix-seed every prompt starts with (default 0)");
   app.add_option("--do", steps,
                  "store:SEED:N, load:SEED:N, pin:SEED:N, inflight-load:SEED:N, prefetch:SEED:N, flood:SEED:COUNT, hold");
   CLI11_PARSE(app, argc, argv);
@@ -277,7 +284,15 @@ int main(int argc, char** argv) {
       std::printf("ERROR INVALID_ARGUMENT bad step '%s'\n", step.c_str());
       return 2;
     }
-    const auto keys = flexkv::ComputeBlockKeys(ns, Tokens(seed, n, g.tokens_per_block), g.tokens_per_block);
+    std::vector<int32_t> tokens = Tokens(seed, n, g.tokens_per_block);
+    if (prefix_blocks > 0 && !g.is_hybrid()) {
+      const std::vector<int32_t> shared = Tokens(prefix_seed, std::min(prefix_blocks, n), g.tokens_per_block);
+      std::copy(shared.begin(), shared.end(), tokens.begin());
+    }
+    const auto fill = [&](uint64_t s, uint32_t i, uint8_t* dst, uint64_t bytes) {
+      FillBlock(i < prefix_blocks ? prefix_seed : s, i, dst, bytes);
+    };
+    const auto keys = flexkv::ComputeBlockKeys(ns, tokens, g.tokens_per_block);
     if (g.is_hybrid()) {
       const std::string what = op;
       if (!need_parts()) return 1;
@@ -294,7 +309,7 @@ int main(int argc, char** argv) {
     for (uint32_t i = 0; i < n; ++i) ids[i] = i;
     const std::string what = op;
     if (what == "store") {
-      for (uint32_t i = 0; i < n; ++i) FillBlock(seed, i, kv.data + uint64_t{i} * block_bytes, block_bytes);
+      for (uint32_t i = 0; i < n; ++i) fill(seed, i, kv.data + uint64_t{i} * block_bytes, block_bytes);
       auto t = c.Store(flexkv::BlockKeyChain(keys), ids);
       auto r = t.ok() ? c.Wait(*t, timeout) : flexkv::Result<flexkv::OpResult>(t.status());
       if (!r.ok()) {
@@ -343,7 +358,7 @@ int main(int argc, char** argv) {
       std::vector<uint8_t> expect(block_bytes);
       bool equal = true;
       for (uint32_t i = 0; i < l->done_blocks && equal; ++i) {
-        FillBlock(seed, i, expect.data(), block_bytes);
+        fill(seed, i, expect.data(), block_bytes);
         equal = std::memcmp(expect.data(), kv.data + uint64_t{i} * block_bytes, block_bytes) == 0;
       }
       auto rel = c.Release(m->match_handle);

@@ -102,10 +102,17 @@ enum class SlotState : uint8_t {
 struct SlotEntry {
   SsdEntry e;
   uint64_t payload_xxh3 = 0;
-  uint32_t prev = kNil;  // LRU list (committed and unpinned only)
+  uint32_t prev = kNil;  // its LRU list (committed and unpinned only)
   uint32_t next = kNil;
   uint32_t pins = 0;     // reads in flight
   SlotState state = SlotState::kFree;
+  bool interior = false; // on the interior list (a committed block hangs under it), not the leaves'
+};
+
+// The LRU lists of committed, unpinned blocks: head least recently used.
+struct LruList {
+  uint32_t head = kNil;
+  uint32_t tail = kNil;
 };
 
 enum class OpKind : uint8_t { kWrite, kRead, kInvalidate };
@@ -172,8 +179,13 @@ struct SsdStore::Impl {
   std::vector<SlotEntry> slots ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<SsdBlockId, uint32_t, IdHash> map ABSL_GUARDED_BY(mu);
   std::vector<std::vector<uint32_t>> free_slots ABSL_GUARDED_BY(mu);  // per drive, a stack
-  uint32_t lru_head ABSL_GUARDED_BY(mu) = kNil;  // least recently used
-  uint32_t lru_tail ABSL_GUARDED_BY(mu) = kNil;  // most recently used
+  // Eviction takes leaves first, as DRAM does: a block another committed block hangs under (its parent key, same
+  // domain and component) is on `interior` and is overwritten only when no leaf is left, so a prompt's prefix - a
+  // hot system prompt that DRAM always hits and SSD never reads - is not overwritten while its descendants stay,
+  // unreachable behind it. `children` counts the committed blocks under each parent id (present or not).
+  LruList leaves ABSL_GUARDED_BY(mu);
+  LruList interior ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<SsdBlockId, uint32_t, IdHash> children ABSL_GUARDED_BY(mu);
   uint64_t next_generation ABSL_GUARDED_BY(mu) = 1;
   uint32_t next_drive ABSL_GUARDED_BY(mu) = 0;
   bool closing ABSL_GUARDED_BY(mu) = false;
@@ -193,19 +205,77 @@ struct SsdStore::Impl {
   uint64_t outstanding ABSL_GUARDED_BY(idle_mu) = 0;  // accepted requests (and invalidations) not yet finished
 
   // --- index (mu held) ---
+  LruList& ListOf(uint32_t s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return slots[s].interior ? interior : leaves; }
+  // `s` must be on its list (committed, unpinned).
   void LruUnlink(uint32_t s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     SlotEntry& e = slots[s];
-    if (e.prev != kNil) slots[e.prev].next = e.next; else lru_head = e.next;
-    if (e.next != kNil) slots[e.next].prev = e.prev; else lru_tail = e.prev;
+    LruList& l = ListOf(s);
+    if (e.prev != kNil) slots[e.prev].next = e.next; else l.head = e.next;
+    if (e.next != kNil) slots[e.next].prev = e.prev; else l.tail = e.prev;
     e.prev = e.next = kNil;
   }
-  void LruPushMru(uint32_t s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  // Lists `s` (committed, unpinned, not listed) on the leaves' or the interior list, whichever it belongs to now:
+  // at the most recently used end, or with `lru_end` at the least recently used one.
+  void LruPush(uint32_t s, bool lru_end = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     SlotEntry& e = slots[s];
-    e.prev = lru_tail;
-    e.next = kNil;
-    if (lru_tail != kNil) slots[lru_tail].next = s; else lru_head = s;
-    lru_tail = s;
+    e.interior = HasChildren(e.e.id);
+    LruList& l = ListOf(s);
+    if (lru_end) {
+      e.prev = kNil;
+      e.next = l.head;
+      if (l.head != kNil) slots[l.head].prev = s; else l.tail = s;
+      l.head = s;
+    } else {
+      e.prev = l.tail;
+      e.next = kNil;
+      if (l.tail != kNil) slots[l.tail].next = s; else l.head = s;
+      l.tail = s;
+    }
   }
+  void LruPushMru(uint32_t s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { LruPush(s); }
+  bool Listed(const SlotEntry& e) const { return e.state == SlotState::kCommitted && e.pins == 0; }
+  bool HasChildren(const SsdBlockId& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = children.find(id);
+    return it != children.end() && it->second > 0;
+  }
+  // The id of the block `e` hangs under; none at a prompt's start (or for a block naming itself, which only a
+  // damaged or forged header does).
+  static std::optional<SsdBlockId> ParentId(const SsdEntry& e) {
+    if (e.parent == kRootParent || e.parent == e.id.key) return std::nullopt;
+    return SsdBlockId{e.parent, e.id.domain, e.id.component};
+  }
+  // The committed block `e` counts as a child of its parent: a listed parent moves to the interior list.
+  void AddChild(const SsdEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const std::optional<SsdBlockId> pid = ParentId(e);
+    if (!pid || ++children[*pid] != 1) return;
+    auto it = map.find(*pid);
+    if (it == map.end()) return;
+    const uint32_t p = it->second;
+    if (Listed(slots[p]) && !slots[p].interior) {
+      LruUnlink(p);
+      LruPush(p);
+    }
+  }
+  // The committed block `e` left (overwritten, dropped, erased): a parent it leaves childless becomes a leaf, at
+  // the least recently used end (it was used no later than the child that just went, as in DRAM).
+  void RemoveChild(const SsdEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const std::optional<SsdBlockId> pid = ParentId(e);
+    if (!pid) return;
+    auto c = children.find(*pid);
+    if (c == children.end()) return;
+    if (--c->second != 0) return;
+    children.erase(c);
+    auto it = map.find(*pid);
+    if (it == map.end()) return;
+    const uint32_t p = it->second;
+    if (Listed(slots[p]) && slots[p].interior) {
+      LruUnlink(p);
+      LruPush(p, /*lru_end=*/true);
+    }
+  }
+  // The block a write overwrites: the least recently used leaf, or the least recently used block when every
+  // committed block has a child (a cycle of keys in a damaged or forged file cannot make SSD unwritable).
+  uint32_t Victim() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return leaves.head != kNil ? leaves.head : interior.head; }
   uint32_t DriveOf(uint32_t s) const { return static_cast<uint32_t>(s / per_drive_slots); }
   uint64_t FileSlot(uint32_t s) const { return s % per_drive_slots; }
   void FreeSlot(uint32_t s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
@@ -474,6 +544,7 @@ void SsdStore::Impl::Finish(Drive& d, uint32_t op_index) {
       SSD_CHECK(e.state == SlotState::kWriting, "a write completes on the slot it reserved");
       if (ok) {
         e.state = SlotState::kCommitted;
+        AddChild(e.e);
         LruPushMru(r.slot);
         ReportLocked(SsdStore::BlockEventKind::kWritten, e.e);
         ++stats.writes;
@@ -516,6 +587,7 @@ void SsdStore::Impl::Finish(Drive& d, uint32_t op_index) {
         if (e.state == SlotState::kCommitted) {
           ReportLocked(SsdStore::BlockEventKind::kDropped, e.e);
           map.erase(e.e.id);
+          RemoveChild(e.e);
           e.state = SlotState::kDropped;
           --stats.blocks;
         }
@@ -758,6 +830,9 @@ Status SsdStore::Impl::Rebuild() {
   for (const auto& [id, s] : map) committed.push_back(s);
   std::sort(committed.begin(), committed.end(),
             [this](uint32_t a, uint32_t b) ABSL_NO_THREAD_SAFETY_ANALYSIS { return slots[a].e.generation < slots[b].e.generation; });
+  for (uint32_t s : committed) {
+    if (const std::optional<SsdBlockId> pid = ParentId(slots[s].e)) ++children[*pid];
+  }
   for (uint32_t s : committed) LruPushMru(s);
   report.blocks = committed.size();
   stats.blocks = committed.size();
@@ -945,8 +1020,8 @@ Status SsdStore::Write(const SsdBlockId& id, const BlockKey& parent, std::span<c
       m.free_slots[di].pop_back();
       m.next_drive = (di + 1) % n;
     }
-    if (slot == kNil && m.lru_head != kNil) {
-      const uint32_t victim = m.lru_head;
+    if (slot == kNil && m.Victim() != kNil) {
+      const uint32_t victim = m.Victim();
       if (m.drives[m.DriveOf(victim)]->accepted >= m.queue_limit) {
         queue_full = true;
       } else {
@@ -954,6 +1029,7 @@ Status SsdStore::Write(const SsdBlockId& id, const BlockKey& parent, std::span<c
         m.LruUnlink(victim);
         m.ReportLocked(SsdStore::BlockEventKind::kEvicted, m.slots[victim].e);
         m.map.erase(m.slots[victim].e.id);
+        m.RemoveChild(m.slots[victim].e);
         m.slots[victim] = SlotEntry{};
         ++m.stats.evictions;
         --m.stats.blocks;
@@ -1029,11 +1105,23 @@ std::vector<SsdEntry> SsdStore::Entries() const {
   MutexLock l(&m.mu);
   std::vector<SsdEntry> out;
   out.reserve(m.map.size());
-  for (uint32_t s = m.lru_head; s != kNil; s = m.slots[s].next) out.push_back(m.slots[s].e);
+  for (uint32_t s = m.leaves.head; s != kNil; s = m.slots[s].next) out.push_back(m.slots[s].e);
+  for (uint32_t s = m.interior.head; s != kNil; s = m.slots[s].next) out.push_back(m.slots[s].e);
   for (const auto& [id, s] : m.map) {  // pinned ones (reads in flight) are off the list
     if (m.slots[s].state == SlotState::kCommitted && m.slots[s].pins > 0) out.push_back(m.slots[s].e);
   }
   return out;
+}
+
+void SsdStore::Touch(std::span<const SsdBlockId> ids) {
+  Impl& m = *impl_;
+  MutexLock l(&m.mu);
+  for (const SsdBlockId& id : ids) {
+    auto it = m.map.find(id);
+    if (it == m.map.end() || !m.Listed(m.slots[it->second])) continue;
+    m.LruUnlink(it->second);
+    m.LruPushMru(it->second);
+  }
 }
 
 void SsdStore::SetEventListener(std::function<void(BlockEventKind, const SsdEntry&)> listener) {
@@ -1060,6 +1148,7 @@ bool SsdStore::Erase(const SsdBlockId& id) {
     const uint32_t s = it->second;
     m.ReportLocked(SsdStore::BlockEventKind::kDropped, m.slots[s].e);
     m.map.erase(it);
+    m.RemoveChild(m.slots[s].e);
     --m.stats.blocks;
     SlotEntry& e = m.slots[s];
     if (e.pins > 0) {

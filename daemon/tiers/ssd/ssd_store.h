@@ -110,7 +110,9 @@ class SsdStore {
   // block is readable from then on, and only then), or with the error (the block is not stored). Otherwise
   // returns the refusal and never calls `done`: ALREADY_EXISTS (the block is stored or being written),
   // RESOURCE_EXHAUSTED (the drive's queue is full, or every slot is being written or read: nothing waits),
-  // INVALID_ARGUMENT (size), UNAVAILABLE (closing). Makes room by overwriting the least recently used block.
+  // INVALID_ARGUMENT (size), UNAVAILABLE (closing). Makes room by overwriting the least recently used
+  // leaf: a block no other committed block hangs under (the least recently used block of all only when there is
+  // no leaf), so a prefix outlives its descendants on SSD as in DRAM.
   // The store only reads `payload`, which must stay valid and unchanged until `done` runs.
   Status Write(const SsdBlockId& id, const BlockKey& parent, std::span<const uint8_t> payload,
                uint64_t content_checksum, Done done);
@@ -125,7 +127,12 @@ class SsdStore {
 
   // The committed block `id`, or nullopt. Counts as a use for the LRU order only through Read.
   std::optional<SsdEntry> Lookup(const SsdBlockId& id) const;
-  // Every committed block, least recently used first (after Open: oldest generation first).
+  // Marks committed blocks as used now (most recently used), as a Read does: the cache calls it for the blocks
+  // DRAM hits that SSD holds too, so a hot block's SSD copy is not the next overwritten. Ids not committed (or
+  // being read) are skipped.
+  void Touch(std::span<const SsdBlockId> ids);
+  // Every committed block, in eviction order: the leaves least recently used first, then the blocks others hang
+  // under (after Open: oldest generation first).
   std::vector<SsdEntry> Entries() const;
   // Drops a committed block (its slot header is cleared on disk, so it does not come back at the next Open).
   // False when it is not committed. A read in flight still completes.

@@ -5,9 +5,12 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <set>
 
 #include "common/clock.h"
 #include "common/log.h"
@@ -59,7 +62,8 @@ uint64_t SsdFoundPayloadCapacity(const std::vector<std::string>& paths) {
   return found;
 }
 
-SsdTier::SsdTier(SsdTierOptions options, CacheSet* caches) : options_(std::move(options)), caches_(caches) {}
+SsdTier::SsdTier(SsdTierOptions options, CacheSet* caches)
+    : options_(std::move(options)), caches_(caches), owners_(options_.store.paths) {}
 
 Result<std::unique_ptr<SsdTier>> SsdTier::Create(SsdTierOptions options, CacheSet* caches) {
   if (options.store.paths.empty()) return Status::InvalidArgument("--ssd-path: at least one directory is needed");
@@ -72,6 +76,8 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(SsdTierOptions options, CacheSe
                     options.writeback_window));
   }
   std::unique_ptr<SsdTier> tier(new SsdTier(std::move(options), caches));
+  // The owners first: they must be known before the daemon admits any Attach (a damaged record is ignored, logged).
+  tier->owners_.Load();
   // The largest block of the pools re-attached at start, and what the block files were made for.
   uint64_t needed = 0;
   for (size_t i = 0; i < caches->max_domains(); ++i) {
@@ -87,6 +93,7 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(SsdTierOptions options, CacheSe
     FLEXKV_RETURN_IF_ERROR(tier->OpenStore(capacity));
     return tier;
   }
+  tier->PruneOwners();  // no block file: no block on SSD, so no owner to keep
   // The block size is not known until the first pool: check now what can be checked, so that a bad --ssd-path
   // stops the start instead of showing up later.
   const SsdStoreOptions& o = tier->options_.store;
@@ -126,14 +133,69 @@ Status SsdTier::OpenStore(uint64_t payload_capacity) {
       });
     }
   }
-  for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).AttachNextTier(options_.write_all);
+  for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).AttachNextTier(options_.write_all, options_.store_wait_ms);
   {
     std::lock_guard lock(mu_);
     state_ = "serving";
     last_sample_ms_ = MonotonicMs();
   }
   store_ready_.store(true, std::memory_order_release);
+  PruneOwners();
   return Status::Ok();
+}
+
+void SsdTier::PruneOwners() {
+  std::set<uint64_t> held;  // namespace hashes with a block on SSD
+  if (store_ready_.load(std::memory_order_acquire)) {
+    store_->SnapshotBlocks([] {}, [&held](const SsdEntry& e) { held.insert(e.id.domain.namespace_hash); });
+  }
+  const Status pruned = owners_.Retain([&held](std::string_view ns) { return held.contains(XXH3_64bits(ns.data(), ns.size())); });
+  if (!pruned.ok()) log::Warning("ssd", "{}", pruned.ToString());
+}
+
+std::optional<uid_t> SsdTier::RecordedOwner(std::string_view model_namespace) const {
+  return owners_.OwnerOf(model_namespace);
+}
+
+bool SsdTier::RecordOwner(const Cache& cache, std::vector<std::string>* notes) {
+  const uint64_t generation = cache.generation();
+  {
+    std::lock_guard lock(mu_);
+    auto it = owner_recorded_.find(&cache);
+    if (it != owner_recorded_.end() && it->second == generation) return true;
+  }
+  const CacheDomain::View v = cache.Domain();
+  if (!v.creator_uid) return true;  // not fixed yet: nothing of it to write either
+  {
+    std::lock_guard lock(mu_);
+    if (MonotonicMs() < owner_retry_ms_) {  // a failing directory is not hammered: once a second
+      notes->push_back(fmt::format("namespace '{}': its owner cannot be recorded in the SSD directory (see the log); "
+                                   "its blocks stay in DRAM", v.model_namespace));
+      return false;
+    }
+  }
+  const Result<uid_t> owner = owners_.Record(v.model_namespace, *v.creator_uid);
+  if (!owner.ok()) {
+    {
+      std::lock_guard lock(mu_);
+      owner_retry_ms_ = MonotonicMs() + 1000;
+    }
+    static log::RateLimited failed(60000);
+    failed.Warning("ssd", "namespace '{}': {}; its blocks stay in DRAM until its owner is recorded with them",
+                   v.model_namespace, owner.status().ToString());
+    notes->push_back(fmt::format("namespace '{}': its owner cannot be recorded in the SSD directory ({}); its blocks "
+                                 "stay in DRAM", v.model_namespace, owner.status().message()));
+    return false;
+  }
+  if (*owner != *v.creator_uid) {
+    log::Warning("ssd", "namespace '{}': its pool was created by uid {}, but the SSD tier records uid {} as its owner "
+                 "(with its blocks there); uid {} stays the owner for the next Attach. Remove {} in the --ssd-path "
+                 "directories to hand it over",
+                 v.model_namespace, *v.creator_uid, *owner, *owner, kSsdOwnersFileName);
+  }
+  std::lock_guard lock(mu_);
+  owner_recorded_[&cache] = generation;
+  return true;
 }
 
 SsdTier::~SsdTier() { Stop(); }
@@ -248,7 +310,14 @@ size_t SsdTier::MoveRound() {
     if (writing >= cap) continue;
     const size_t batch = std::min<size_t>(options_.writeback_batch, cap - writing);
     const uint64_t generation = c.generation();
+    if (!RecordOwner(c, &notes)) continue;
     const SsdDomain domain = DomainOf(c);
+    if (std::vector<BlockKey> touched = c.TakeTouched(); !touched.empty()) {
+      std::vector<SsdBlockId> ids;
+      ids.reserve(touched.size());
+      for (const BlockKey& k : touched) ids.push_back(SsdBlockId{k, domain, 0});
+      store_->Touch(ids);
+    }
     std::vector<Cache::WriteBackBlock> blocks = c.TakeWriteBack(
         batch, window, [this, &domain](const BlockKey& key) { return store_->Lookup(SsdBlockId{key, domain, 0}).has_value(); });
     if (blocks.empty()) continue;
@@ -292,6 +361,24 @@ size_t SsdTier::MoveRound() {
     std::lock_guard lock(mu_);
     notes_ = std::move(notes);
   }
+  // Stores wait for the write-back only while it succeeds: a write that fails turns that off until writes complete
+  // again without a new failure.
+  const uint64_t failures_now = writeback_failed_.load(std::memory_order_relaxed);
+  const uint64_t ok_now = written_back_.load(std::memory_order_relaxed);
+  bool healthy = write_back_healthy_;
+  if (failed || failures_now != failures_seen_) {
+    healthy = false;
+  } else if (ok_now != ok_seen_) {
+    healthy = true;
+  }
+  ok_seen_ = ok_now;
+  if (healthy != write_back_healthy_) {
+    write_back_healthy_ = healthy;
+    for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).SetWriteBackHealthy(healthy);
+    if (!healthy) log::Warning("ssd", "SSD writes fail: stores no longer wait for the write-back (blocks DRAM evicts "
+                                      "unwritten are lost from the node, counted in evicted_unwritten_blocks)");
+  }
+  failures_seen_ = failures_now;
   if (failed || writeback_failed_.load(std::memory_order_relaxed) > 0) {
     // A drive that fails writes (full, I/O errors) is not hammered: at most a round a second from then on.
     static thread_local uint64_t seen_failures = 0;
@@ -453,6 +540,8 @@ SsdTierStatus SsdTier::GetStatus() const {
     const Cache::WriteBackStats w = caches_->cache(i).write_back_stats();
     s.evicted_written_blocks += w.evicted_written;
     s.evicted_unwritten_blocks += w.evicted_unwritten;
+    s.store_waits += w.store_waits;
+    s.store_wait_expired += w.store_wait_expired;
   }
   return s;
 }

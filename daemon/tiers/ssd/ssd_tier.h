@@ -1,12 +1,18 @@
 // SsdTier: the SSD tier wired into the cache (DESIGN.md §7, docs/ssd.md). It owns the SsdStore and moves blocks
 // between it and the DRAM pools of the cache domains:
 //   write-back  a mover thread writes DRAM blocks to SSD ahead of their eviction, so that an eviction finds its
-//               block on SSD already and never waits: the cold end of each domain's eviction order (the coldest
+//               block on SSD already: the cold end of each domain's eviction order (the coldest
 //               `writeback_window` of its blocks, in eviction order: each cold leaf, then its ancestors; the cold
 //               policy, the default), and with write_all every block a store commits too, oldest first, as fast
 //               as the drives take them. Writes go straight from the pool's slots (pinned
-//               while written). A full SSD queue leaves the rest for the next round; a block evicted before it was
-//               written is counted (evicted_unwritten), never waited for.
+//               while written). A full SSD queue leaves the rest for the next round. DRAM evicts written (clean)
+//               blocks first; an engine's store that could only evict unwritten ones waits for the write-back, up to
+//               store_wait_ms (RequestHandlers::RetryWaitingStores); a block evicted unwritten all the same is
+//               counted (evicted_unwritten).
+//   owners      the owner of each namespace with blocks on SSD is recorded with them (SsdOwners) before its first
+//               block is written, and read back at Create: RecordedOwner survives a reboot that loses the pool file.
+//   uses        DRAM hits on blocks SSD holds are passed to the store as uses (Cache::TakeTouched, SsdStore::Touch),
+//               and SSD overwrites leaves before the blocks others hang under, so a hot prefix keeps its SSD copy.
 //   promotion   a match that ends in DRAM before its keys do continues on SSD: the consecutive blocks found there
 //               (same domain, same parent chain) get pending DRAM slots, are read into them (header and XXH3
 //               verified) and committed with their content checksums; the match is answered once they are
@@ -32,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/tiers/ssd/ssd_owners.h"
 #include "daemon/tiers/ssd/ssd_store.h"
 #include "flexkv/block_key.h"
 #include "flexkv/status.h"
@@ -51,6 +58,8 @@ struct SsdTierOptions {
   uint32_t writeback_batch = 256;  // blocks a mover round takes from one domain at most
   int mover_idle_ms = 2;           // how long the mover sleeps when a round found nothing to write (a promotion
                                    // wakes it: its reservation moved the cold end)
+  int64_t store_wait_ms = 1000;    // --ssd-store-wait: how long an engine's store may wait for the write-back
+                                   // before it evicts DRAM blocks SSD does not hold yet (0: never waits)
 };
 
 // What GetStatus and the metrics report (flexkv.v1.TierStatus).
@@ -66,6 +75,8 @@ struct SsdTierStatus {
   uint64_t writeback_failed_blocks = 0;  // writes that failed (I/O error, disk full): the block stays DRAM-only
   uint64_t evicted_written_blocks = 0;   // DRAM evictions of blocks SSD holds (all domains)
   uint64_t evicted_unwritten_blocks = 0; // DRAM evictions of blocks it did not hold: lost from the node
+  uint64_t store_waits = 0;              // stores that waited for the write-back instead of evicting unwritten blocks
+  uint64_t store_wait_expired = 0;       // of those, stores whose wait ran out: they evicted unwritten blocks
   uint64_t reads_in_flight = 0, writes_in_flight = 0;
   double read_bytes_per_s = 0, write_bytes_per_s = 0;  // over the last second the mover sampled
   SsdStoreStats store;
@@ -114,6 +125,11 @@ class SsdTier {
   SsdTierStatus GetStatus() const;
   bool open() const { return store_ready_.load(std::memory_order_acquire); }
 
+  // The uid recorded as the owner of `model_namespace` with its SSD blocks (SsdOwners), read at Create: after a
+  // reboot the DRAM pool that recorded the namespace's creator is gone, its blocks on SSD are not, and an Attach
+  // must not make another uid their owner. nullopt when none is recorded (no block of it on SSD).
+  std::optional<uid_t> RecordedOwner(std::string_view model_namespace) const;
+
  private:
   SsdTier(SsdTierOptions options, CacheSet* caches);
   Status OpenStore(uint64_t payload_capacity);
@@ -124,10 +140,16 @@ class SsdTier {
   SsdDomain DomainOf(const Cache& cache);
   // Whether `cache`'s blocks go to SSD: a pool, not hybrid, blocks no larger than the SSD slots.
   bool Eligible(const Cache& cache) const;
+  // Records `cache`'s namespace owner (its creator uid) with the SSD tier before its first block is written there;
+  // false when the record could not be written (its blocks then stay DRAM-only: see ssd_owners.h).
+  bool RecordOwner(const Cache& cache, std::vector<std::string>* notes);
+  // Forgets the recorded owners of namespaces with no block on SSD (at open).
+  void PruneOwners();
 
   const SsdTierOptions options_;
   CacheSet* const caches_;
   std::unique_ptr<SsdStore> store_;     // set once (OpenStore), before store_ready_
+  SsdOwners owners_;                    // the namespaces' owners, kept with their blocks
   std::atomic<bool> store_ready_{false};
   mutable std::mutex events_mu_;        // orders the store's opening against event snapshots
   EventListener event_listener_;        // guarded by events_mu_
@@ -137,6 +159,8 @@ class SsdTier {
   mutable std::mutex mu_;               // guards the fields below
   std::string state_ = "waiting for the first pool";
   std::map<const Cache*, std::pair<uint64_t, SsdDomain>> domains_;  // cache -> (generation, domain)
+  std::map<const Cache*, uint64_t> owner_recorded_;  // cache -> the generation whose owner is recorded
+  int64_t owner_retry_ms_ = 0;          // after a failed write of the owners record, not again before this
   std::vector<std::string> notes_;
   double read_rate_ = 0, write_rate_ = 0;
   uint64_t last_read_bytes_ = 0, last_write_bytes_ = 0;
@@ -148,6 +172,9 @@ class SsdTier {
   std::atomic<uint64_t> written_back_{0}, writeback_refused_{0}, writeback_failed_{0};
   std::atomic<uint64_t> reads_in_flight_{0}, writes_in_flight_{0};
   std::atomic<uint32_t> promoting_{0};  // Promote calls running (Stop waits for them)
+  bool write_back_healthy_ = true;      // the mover's: what the caches were last told (SetWriteBackHealthy)
+  uint64_t failures_seen_ = 0;          // the mover's: writeback_failed_ at the end of its last round
+  uint64_t ok_seen_ = 0;                // the mover's: written_back_ likewise
 };
 
 // The payload capacity (largest block) the block files in `paths` were made for, when one of them holds a valid

@@ -77,6 +77,51 @@ TEST_CASE("prefix index: pinned blocks are not evicted", "[unit][index]") {
   index.CheckInvariants();
 }
 
+// Issue 29 item 6: eviction takes blocks the next tier holds (clean) before the others, as a page cache does, and a
+// store told not to evict dirty blocks stops where only dirty ones are left (it waits for the write-back).
+TEST_CASE("prefix index: clean leaves are evicted before dirty ones; a store may refuse to evict dirty ones",
+          "[unit][index]") {
+  PrefixIndex index(4);
+  const auto a = Store(index, Chain({1}));  // least recently used
+  const auto b = Store(index, Chain({2}));
+  const auto c = Store(index, Chain({3}));
+  const auto d = Store(index, Chain({4}));
+  index.SetClean(c[0], true);
+  CHECK(index.clean_leaves() == 1);
+  CHECK(index.EvictionOrder() == std::vector<SlotId>{c[0], a[0], b[0], d[0]});
+  index.CheckInvariants();
+  // Not allowed to evict dirty blocks: the clean one goes, then the store stops, saying why.
+  auto r = index.Reserve(flexkv::kRootParent, Chain({5, 6}), /*allow_dirty=*/false);
+  CHECK(r.slots.size() == 1);
+  CHECK(r.shortfall == StatusCode::kResourceExhausted);
+  CHECK(r.dirty_only);
+  CHECK(index.Match(Chain({3}), false, nullptr) == 0);
+  CHECK(index.Match(Chain({1}), false, nullptr) == 1);
+  index.Abort(r.slots);
+  index.CheckInvariants();
+  // Allowed: the least recently used dirty leaf goes (1 was just matched: 2 is now the oldest).
+  r = index.Reserve(flexkv::kRootParent, Chain({7}));
+  REQUIRE(r.slots.size() == 1);
+  index.Commit(r.slots);
+  r = index.Reserve(flexkv::kRootParent, Chain({8}));
+  REQUIRE(r.slots.size() == 1);
+  CHECK_FALSE(r.dirty_only);
+  index.Commit(r.slots);
+  CHECK(index.Match(Chain({2}), false, nullptr) == 0);
+  // Marked dirty again (dropped from the next tier), a block goes back to the dirty list; pinned blocks keep the mark.
+  const auto e = Store(index, Chain({1, 9}));
+  index.SetClean(e[1], true);
+  std::vector<SlotId> pinned;
+  REQUIRE(index.Match(Chain({1, 9}), true, &pinned) == 2);
+  index.SetClean(e[1], false);
+  index.SetClean(e[1], true);
+  index.Unpin(pinned);
+  CHECK(index.clean_leaves() == 1);
+  index.SetClean(e[1], false);
+  CHECK(index.clean_leaves() == 0);
+  index.CheckInvariants();
+}
+
 // A store of the part of a prompt past its cached prefix names that prefix's last key as its parent.
 TEST_CASE("prefix index: a store under a parent hangs its first key there - a match from the root reaches it",
           "[unit][index]") {

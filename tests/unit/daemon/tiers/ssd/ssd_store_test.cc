@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -648,6 +649,51 @@ TEST_CASE("ssd store: when full, the least recently used block makes room", "[un
   CHECK((*store)->Lookup(Id(3)).has_value());
   CHECK((*store)->stats().evictions == 2);
   CHECK((*store)->stats().blocks == 4);
+}
+
+// Issue 29 item 6: a hot system prompt (DRAM always hits it, SSD never reads it) was the first block overwritten,
+// leaving every prompt under it unreachable after a reboot.
+TEST_CASE("ssd store: when full, leaves go before the blocks others hang under, at open too, and Touch keeps a leaf",
+          "[unit][ssd]") {
+  TempDir dir;
+  const SsdStoreOptions options = Options({dir.Sub("a")}, 4096, 4);
+  AlignedBytes src(4096);
+  const auto write = [&](SsdStore& s, uint64_t i, std::optional<uint64_t> parent) {
+    return Sync([&](SsdStore::Done d) {
+      return s.Write(Id(i), parent ? Id(*parent).key : BlockKey{}, src.span(0, 4096), 0, std::move(d));
+    });
+  };
+  {
+    auto store = SsdStore::Open(options);
+    REQUIRE(store.ok());
+    // root 0 (written first: the least recently used) <- 1 <- 2, and root 0 <- 3.
+    REQUIRE(write(**store, 0, std::nullopt).ok());
+    REQUIRE(write(**store, 1, 0).ok());
+    REQUIRE(write(**store, 2, 1).ok());
+    REQUIRE(write(**store, 3, 0).ok());
+    REQUIRE(write(**store, 10, std::nullopt).ok());  // overwrites leaf 2, the least recently used leaf
+    CHECK((*store)->Lookup(Id(0)).has_value());
+    CHECK((*store)->Lookup(Id(1)).has_value());
+    CHECK_FALSE((*store)->Lookup(Id(2)).has_value());
+    (*store)->Touch(std::vector<SsdBlockId>{Id(1)});  // 1 is a leaf now: used, it outlives 3
+    REQUIRE(write(**store, 11, std::nullopt).ok());
+    CHECK_FALSE((*store)->Lookup(Id(3)).has_value());
+    CHECK((*store)->Lookup(Id(1)).has_value());
+    CHECK((*store)->Lookup(Id(0)).has_value());  // the oldest block: others hang under it
+  }
+  // Reopened: LRU order is generation order, and the root - the oldest generation - is not overwritten before the
+  // block under it.
+  auto store = SsdStore::Open(options);
+  REQUIRE(store.ok());
+  REQUIRE((*store)->stats().blocks == 4);  // 0, 1, 10, 11
+  REQUIRE(write(**store, 12, std::nullopt).ok());
+  CHECK((*store)->Lookup(Id(0)).has_value());
+  CHECK_FALSE((*store)->Lookup(Id(1)).has_value());
+  // Its last child gone, the root is a leaf at the least recently used end (as in DRAM): the next to go.
+  REQUIRE(write(**store, 13, std::nullopt).ok());
+  CHECK_FALSE((*store)->Lookup(Id(0)).has_value());
+  CHECK((*store)->Lookup(Id(10)).has_value());
+  CHECK((*store)->Lookup(Id(11)).has_value());
 }
 
 TEST_CASE("ssd store: a second store on the same path is refused while the first is open", "[unit][ssd]") {

@@ -308,6 +308,51 @@ TEST_CASE("ssd tier: the cold end is written leaf first, then its ancestors", "[
   CHECK(w.evicted_unwritten == 4);  // chain 2, none written
 }
 
+// Issue 29 item 6: a block DRAM always hits is never read from SSD; its SSD copy must still count as used, and DRAM
+// must evict blocks SSD holds before the others; a store that could only evict the others waits (bounded).
+TEST_CASE("ssd tier: DRAM hits on written blocks are handed to SSD as uses, clean blocks are evicted first, and a "
+          "store may wait for the write-back",
+          "[ssd_tier]") {
+  flexkv::testing::TempCache tc(16 * kBlock);
+  Cache& cache = tc.cache();
+  REQUIRE(cache.RecoverPool(false).ok());
+  REQUIRE(cache.Admit("m", SmallGeometry()).ok());
+  cache.AttachNextTier(false, /*store_wait_ms=*/500);
+  CHECK(cache.StoreWaitMs() == 500);
+  REQUIRE(StoreChain(cache, 1, 4));
+  REQUIRE(StoreChain(cache, 2, 4));
+  CHECK(cache.Match(Chain(1, 4), false, nullptr) == 4);
+  CHECK(cache.TakeTouched().empty());  // nothing of it is on the next tier yet
+  // Chain 1 written: its hits are queued once each, in match order.
+  std::vector<Cache::WriteBackBlock> taken = cache.TakeWriteBack(16, 16);
+  for (const auto& b : taken) cache.EndWriteBack(b, b.key.hi == KeyOf(1, 0).hi);
+  CHECK(cache.Match(Chain(1, 4), false, nullptr) == 4);
+  CHECK(cache.Match(Chain(1, 2), false, nullptr) == 2);
+  CHECK(cache.TakeTouched() == Chain(1, 4));
+  CHECK(cache.TakeTouched().empty());
+  // A full pool (16 slots: chains 1 and 2 and 8 more): clean chain 1 goes first although it was used last.
+  REQUIRE(StoreChain(cache, 3, 8));
+  CHECK(cache.Match(Chain(2, 4), false, nullptr) == 4);
+  CHECK(cache.Match(Chain(1, 4), false, nullptr) == 4);
+  REQUIRE(StoreChain(cache, 4, 2));
+  CHECK(cache.Match(Chain(1, 4), false, nullptr) == 2);  // its two leaves went, the dirty chains stayed
+  CHECK(cache.Match(Chain(2, 4), false, nullptr) == 4);
+  // A store that may wait finds only dirty blocks beyond chain 1's last two: it is told to wait, nothing is lost.
+  flexkv::PrefixIndex::Reservation r = cache.Reserve(flexkv::kRootParent, Chain(5, 4), /*may_wait=*/true);
+  CHECK(r.dirty_only);
+  CHECK(r.slots.size() == 2);
+  cache.Abort(r.slots);
+  CHECK(cache.Match(Chain(2, 4), false, nullptr) == 4);
+  CHECK(cache.write_back_stats().evicted_unwritten == 0);
+  // While write-back fails, nobody waits.
+  cache.SetWriteBackHealthy(false);
+  CHECK(cache.StoreWaitMs() == 0);
+  r = cache.Reserve(flexkv::kRootParent, Chain(5, 4), /*may_wait=*/true);
+  CHECK_FALSE(r.dirty_only);
+  CHECK(r.slots.size() == 4);
+  cache.Abort(r.slots);
+}
+
 TEST_CASE("ssd tier: stores, matches, promotions and write-backs from several threads", "[ssd_tier]") {
   Fixture f(48, /*write_all=*/true, /*window=*/0.5, /*ssd_blocks=*/512);
   std::atomic<bool> failed{false};
