@@ -11,7 +11,7 @@ import time
 import flexkv
 from conftest import FLEXKVD
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE
-from flexkv.routing import KvEventFeed, PrefixRouter, RoutingIndex
+from flexkv.routing import KvEventFeed, PrefixRouter, RoutingIndex, choose_prefix_aware
 
 TPB = TEST_GEOMETRY.tokens_per_block
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "prefix_router.py")
@@ -267,3 +267,69 @@ def test_a_killed_or_hung_node_is_not_chosen(make_daemon):
     finally:
         for f in feeds:
             f.close()
+
+
+def _free_port() -> int:
+    import socket as so
+    with so.socket(so.AF_INET, so.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cluster_membership_marks_a_node_whose_lease_ended_not_live(make_daemon, tmp_path):
+    """Issue 29, item 8: the cluster's membership as a router reads it (Client.status().cluster, no flexkvctl): two
+    daemons joined through a real etcd on loopback; ClusterMembershipFeed names both members, and once one is killed
+    and its lease ends it is not live in the index, with no event feed for it at all."""
+    import shutil
+    etcd_bin = shutil.which("etcd") or "/usr/bin/etcd"
+    if not os.access(etcd_bin, os.X_OK):
+        import pytest
+        pytest.skip("etcd not installed (Debian etcd-server)")
+    client_port, peer_port = _free_port(), _free_port()
+    etcd = subprocess.Popen([etcd_bin, "--name", "t", "--data-dir", str(tmp_path / "etcd"),
+                             "--listen-client-urls", f"http://127.0.0.1:{client_port}",
+                             "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                             "--initial-cluster", f"t=http://127.0.0.1:{peer_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        secret = tmp_path / "secret"
+        secret.write_text("correct horse battery staple 29\n")
+        os.chmod(secret, 0o600)
+
+        def node(name: str):
+            return make_daemon(["--etcd-endpoints", f"127.0.0.1:{client_port}", "--cluster-secret-file", str(secret),
+                                "--cluster-listen", f"127.0.0.1:{_free_port()}", "--node-id", name,
+                                "--cluster-transports", "tcp", "--transfer-dev", "lo", "--cluster-lease-ttl", "2"])
+
+        a, b = node("node-a"), node("node-b")
+        index = RoutingIndex()
+        na, nb = index.add_node("node-a"), index.add_node("node-b")
+
+        def members(socket: str):
+            try:
+                with flexkv.connect(socket, timeout=1.0) as c:
+                    st = c.status()
+            except flexkv.Error:
+                return None
+            return st.cluster
+
+        assert eventually(lambda: (members(a.socket) or None) is not None and members(a.socket).state == "joined"
+                          and {m.node_id for m in members(a.socket).members} == {"node-a", "node-b"}, 30.0)
+        c = members(a.socket)
+        assert c.node_id == "node-a" and c.epoch > 0
+        assert [m.is_self for m in c.members if m.node_id == "node-a"] == [True]
+        feed = flexkv.routing.ClusterMembershipFeed(index, [b.socket, a.socket], interval_s=0.2)
+        try:
+            assert eventually(lambda: feed.members is not None and set(feed.members) == {"node-a", "node-b"}, 10.0)
+            assert index.is_live(na) and index.is_live(nb)
+            b.kill()  # its lease ends within --cluster-lease-ttl; a answers the membership from then on
+            assert eventually(lambda: not index.is_live(nb), 15.0), feed.last_error
+            assert index.is_live(na)
+            assert choose_prefix_aware(index.prefix_lengths([]), [5, 0]) == na
+        finally:
+            feed.close()
+    finally:
+        etcd.kill()
+        etcd.wait()
