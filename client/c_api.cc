@@ -61,6 +61,20 @@ void CopyText(const std::string& text, char* out, size_t len) {
   if (out != nullptr && len > 0) std::snprintf(out, len, "%s", text.c_str());
 }
 
+void FillStatus(const flexkv::DaemonStatus& s, flexkv_daemon_status* out) {
+  *out = flexkv_daemon_status{};
+  CopyText(s.state, out->state, sizeof(out->state));
+  CopyText(s.version, out->version, sizeof(out->version));
+  out->pid = s.pid;
+  out->uptime_s = s.uptime_s;
+  out->block_bytes = s.pool.block_bytes;
+  out->capacity_blocks = s.pool.capacity_blocks;
+  out->used_blocks = s.pool.used_blocks;
+  out->pinned_blocks = s.pool.pinned_blocks;
+  out->index_blocks = s.index_blocks;
+  out->sessions = s.sessions;
+}
+
 int FillResult(const flexkv::OpResult& r, flexkv_op_result* out) {
   *out = flexkv_op_result{};
   out->status_code = static_cast<int32_t>(r.status.code());
@@ -189,6 +203,9 @@ size_t flexkv_struct_size(const char* name) {
   if (n == "flexkv_ticket") return sizeof(flexkv_ticket);
   if (n == "flexkv_kv_event") return sizeof(flexkv_kv_event);
   if (n == "flexkv_kv_batch") return sizeof(flexkv_kv_batch);
+  if (n == "flexkv_kv_events_status") return sizeof(flexkv_kv_events_status);
+  if (n == "flexkv_cluster_status") return sizeof(flexkv_cluster_status);
+  if (n == "flexkv_cluster_member") return sizeof(flexkv_cluster_member);
   return 0;
 }
 
@@ -284,23 +301,50 @@ int flexkv_session_component(flexkv_client* c, uint32_t component, uint64_t* slo
   });
 }
 
+
 int flexkv_get_status(flexkv_client* c, flexkv_daemon_status* out) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if (out == nullptr) return NullArgument("out");
     auto s = c->client->GetStatus();
     if (!s.ok()) return Record(s.status());
-    *out = flexkv_daemon_status{};
-    CopyText(s->state, out->state, sizeof(out->state));
-    CopyText(s->version, out->version, sizeof(out->version));
-    out->pid = s->pid;
-    out->uptime_s = s->uptime_s;
-    out->block_bytes = s->pool.block_bytes;
-    out->capacity_blocks = s->pool.capacity_blocks;
-    out->used_blocks = s->pool.used_blocks;
-    out->pinned_blocks = s->pool.pinned_blocks;
-    out->index_blocks = s->index_blocks;
-    out->sessions = s->sessions;
+    FillStatus(*s, out);
+    return Record(flexkv::Status::Ok());
+  });
+}
+
+int flexkv_get_status_routing(flexkv_client* c, flexkv_daemon_status* status, flexkv_kv_events_status* events,
+                              flexkv_cluster_status* cluster, flexkv_cluster_member* members, size_t capacity,
+                              size_t* count) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (events == nullptr) return NullArgument("events");
+    if (cluster == nullptr) return NullArgument("cluster");
+    if (members == nullptr && capacity > 0) return NullArgument("members");
+    if (count == nullptr) return NullArgument("count");
+    auto s = c->client->GetStatus();
+    if (!s.ok()) return Record(s.status());
+    if (status != nullptr) FillStatus(*s, status);
+    const auto& ev = s->kv_events;
+    *events = flexkv_kv_events_status{ev.instance_id, ev.last_seq, ev.subscribers, 0, ev.cut_off, ev.buffer_events};
+    *cluster = flexkv_cluster_status{};
+    *count = 0;
+    if (s->cluster) {
+      cluster->present = 1;
+      cluster->epoch = s->cluster->epoch;
+      CopyText(s->cluster->state, cluster->state, sizeof(cluster->state));
+      CopyText(s->cluster->node_id, cluster->node_id, sizeof(cluster->node_id));
+      CopyText(s->cluster->endpoint, cluster->endpoint, sizeof(cluster->endpoint));
+      const auto& list = s->cluster->members;
+      *count = list.size();
+      for (size_t i = 0; i < list.size() && i < capacity; ++i) {
+        members[i] = flexkv_cluster_member{};
+        members[i].epoch = list[i].epoch;
+        members[i].self = list[i].self ? 1 : 0;
+        CopyText(list[i].node_id, members[i].node_id, sizeof(members[i].node_id));
+        CopyText(list[i].endpoint, members[i].endpoint, sizeof(members[i].endpoint));
+      }
+    }
     return Record(flexkv::Status::Ok());
   });
 }

@@ -26,6 +26,7 @@ struct RoutingIndex::State {
   std::vector<std::string> names;  // node number -> name
   std::unordered_map<BlockKey, Holders, BlockKeyHash> keys;
   std::vector<std::array<uint64_t, kCacheTierCount>> counts;  // node -> keys held per tier
+  uint64_t dead = 0;                                          // bit n: node n is not live (SetLive)
 
   Status CheckNode(uint32_t node) const {
     if (node < names.size()) return Status::Ok();
@@ -142,7 +143,10 @@ std::vector<RoutingIndex::NodePrefix> RoutingIndex::PrefixLengths(std::span<cons
   std::shared_lock lock(state_->mu);
   const uint32_t n = static_cast<uint32_t>(state_->names.size());
   std::vector<NodePrefix> out(n);
-  for (uint32_t i = 0; i < n; ++i) out[i].node = i;
+  for (uint32_t i = 0; i < n; ++i) {
+    out[i].node = i;
+    out[i].live = ((state_->dead >> i) & 1) == 0;
+  }
   // Walk the prompt while some node still holds every block so far: `alive` (any tier) and `dram` (DRAM only)
   // lose a node's bit at its first missing block, where its prefix ends.
   const uint64_t all = n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
@@ -167,6 +171,14 @@ std::vector<RoutingIndex::NodePrefix> RoutingIndex::PrefixLengths(std::span<cons
   return out;
 }
 
+Status RoutingIndex::SetLive(uint32_t node, bool live) {
+  std::unique_lock lock(state_->mu);
+  FLEXKV_RETURN_IF_ERROR(state_->CheckNode(node));
+  const uint64_t bit = uint64_t{1} << node;
+  state_->dead = live ? state_->dead & ~bit : state_->dead | bit;
+  return Status::Ok();
+}
+
 uint64_t RoutingIndex::KeyCount(uint32_t node, CacheTier tier) const {
   std::shared_lock lock(state_->mu);
   return node < state_->counts.size() ? state_->counts[node][TierIndex(tier)] : 0;
@@ -183,10 +195,21 @@ Result<uint32_t> ChoosePrefixAware(std::span<const RoutingIndex::NodePrefix> pre
     return Status::InvalidArgument("ChoosePrefixAware: " + std::to_string(prefixes.size()) + " prefixes and " +
                                    std::to_string(loads.size()) + " loads; expected one of each per node, at least one");
   }
-  const double least = *std::min_element(loads.begin(), loads.end());
+  size_t live = 0;
+  double least = 0;
+  for (size_t i = 0; i < prefixes.size(); ++i) {
+    if (!prefixes[i].live) continue;
+    least = live++ == 0 ? loads[i] : std::min(least, loads[i]);
+  }
+  if (live == 0) {
+    return Status::Unavailable("ChoosePrefixAware: none of the " + std::to_string(prefixes.size()) +
+                               " nodes is live (their event streams ended or went quiet, or they left the cluster); "
+                               "expected at least one");
+  }
   const double limit = std::max(max_load_ratio, 1.0) * (least + 1.0);
   size_t best = prefixes.size();
   for (size_t i = 0; i < prefixes.size(); ++i) {
+    if (!prefixes[i].live) continue;  // a request sent there would fail
     // Overloaded: a long prefix there would queue behind its work. The least loaded node always qualifies (also
     // for loads below -1, where the limit is below every load).
     if (loads[i] > limit && loads[i] != least) continue;
@@ -195,7 +218,7 @@ Result<uint32_t> ChoosePrefixAware(std::span<const RoutingIndex::NodePrefix> pre
       best = i;
     }
   }
-  return prefixes[best].node;  // the least loaded node always qualifies, so best was set
+  return prefixes[best].node;  // the least loaded live node always qualifies, so best was set
 }
 
 }  // namespace flexkv

@@ -5,12 +5,13 @@ It subscribes to every node's KV event stream (flexkv.routing.KvEventFeed: a sna
 removed from DRAM and SSD, resubscribing after a daemon restart), keeps one flexkv.routing.RoutingIndex of them all,
 and for each prompt computes its block keys with flexkvd's key function (the namespace and block size the engines
 use) and picks a node with choose_prefix_aware: the longest cached prefix among the nodes not overloaded, ties to
-the least loaded. Load here is the number of requests this router sent to a node among its last --window; a real
-router would use the engines' queue depths.
+the least loaded, and never a node that is not live (its event stream ended or went quiet: a request sent there
+would fail). Load here is the number of requests this router sent to a node among its last --window; a real router
+would use the engines' queue depths.
 
 Requests come as JSON lines on stdin, {"id": ..., "tokens": [int, ...]}; each decision goes to stdout as a JSON
-line {"id", "node", "cached_blocks", "prefixes": {node: [blocks, dram_blocks]}}. A real router would forward the
-request to that node's engine instead of printing.
+line {"id", "node", "cached_blocks", "prefixes": {node: [blocks, dram_blocks]}}, or {"id", "error"} when no node is
+live. A real router would forward the request to that node's engine instead of printing.
 
   python3 examples/prefix_router.py --node a=/run/flexkvd-a/flexkvd.sock --node b=/run/flexkvd-b/flexkvd.sock \\
       --namespace "llama3-8b|bf16|tp1" --tokens-per-block 16 < requests.jsonl
@@ -24,6 +25,7 @@ import json
 import sys
 from typing import Dict, List, Optional
 
+from flexkv.errors import Unavailable
 from flexkv.routing import KvEventFeed, PrefixRouter, RoutingIndex
 
 
@@ -37,7 +39,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--window", type=int, default=0, help="requests the load counts (default 8 x nodes)")
     ap.add_argument("--sync-timeout", type=float, default=10.0,
                     help="seconds to wait for every node's first snapshot before routing (a node that is not up by "
-                         "then starts empty and fills in when it comes)")
+                         "then is not chosen until its daemon is heard from)")
     return ap.parse_args(argv)
 
 
@@ -52,8 +54,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         feeds[name] = KvEventFeed(index, index.add_node(name), socket, namespace=args.namespace)
     for name, feed in feeds.items():
         if not feed.wait_synced(args.sync_timeout):
-            print(f"prefix_router: node {name} has no snapshot yet ({feed.last_error or 'no answer'}); it counts as "
-                  "empty until it has", file=sys.stderr)
+            print(f"prefix_router: node {name} has no snapshot yet ({feed.last_error or 'no answer'}); it is not "
+                  "chosen until its daemon answers", file=sys.stderr)
     router = PrefixRouter(index, args.namespace, args.tokens_per_block, args.max_load_ratio)
     names = list(feeds)
     window = args.window or 8 * len(names)
@@ -64,7 +66,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             if not line.strip():
                 continue
             req = json.loads(line)
-            node, prefixes = router.route(req["tokens"], loads)
+            try:
+                node, prefixes = router.route(req["tokens"], loads)
+            except Unavailable as err:  # no node is live: nowhere to send it
+                print(json.dumps({"id": req.get("id"), "error": str(err)}), flush=True)
+                continue
             recent.append(node)
             loads[node] += 1
             if len(recent) > window:

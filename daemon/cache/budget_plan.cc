@@ -78,6 +78,63 @@ std::vector<uint64_t> PlanShares(uint64_t budget_bytes, std::span<const DomainNe
   return shares;
 }
 
+std::vector<uint64_t> StepShares(uint64_t budget_bytes, std::span<const DomainStep> domains) {
+  const size_t n = domains.size();
+  // Signed moves: what each domain wants, within max_move and above min_move.
+  std::vector<uint64_t> grow(n, 0), shrink(n, 0);
+  uint64_t held = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const DomainStep& d = domains[i];
+    held += d.current_bytes;
+    const uint64_t want = d.target_bytes > d.current_bytes ? d.target_bytes - d.current_bytes
+                                                           : d.current_bytes - d.target_bytes;
+    const uint64_t move = std::min(want, d.max_move);
+    if (move == 0 || move < d.min_move) continue;
+    (d.target_bytes > d.current_bytes ? grow : shrink)[i] = move;
+  }
+  const uint64_t free = budget_bytes > held ? budget_bytes - held : 0;
+  // Scales `moves` down to `total` when they add up to more, in proportion, each part rounded down (they then add
+  // up to at most `total`) or up (at least `total`); a move that falls below its min_move is dropped. Returns
+  // whether one was dropped.
+  const auto scale = [&](std::vector<uint64_t>& moves, uint64_t total, bool round_up) {
+    long double all = 0;
+    for (uint64_t m : moves) all += static_cast<long double>(m);
+    if (all <= static_cast<long double>(total)) return false;
+    bool dropped = false;
+    for (size_t i = 0; i < n; ++i) {
+      if (moves[i] == 0) continue;
+      const long double part = static_cast<long double>(moves[i]) * static_cast<long double>(total) / all;
+      moves[i] = std::min<uint64_t>(moves[i], static_cast<uint64_t>(round_up ? std::ceil(part) : std::floor(part)));
+      if (moves[i] < domains[i].min_move || moves[i] == 0) {
+        moves[i] = 0;
+        dropped = true;
+      }
+    }
+    return dropped;
+  };
+  // Each round that changes anything drops a move, so this ends within 2n + 1 rounds; once no move is dropped, the
+  // grows fit in the free budget plus what the shrinks give up, and the shrinks give up no more than that needs.
+  const auto sum = [](const std::vector<uint64_t>& v) {
+    uint64_t s = 0;
+    for (uint64_t x : v) s += x;
+    return s;
+  };
+  bool settled = false;
+  for (size_t round = 0; round <= 2 * n && !settled; ++round) {
+    bool dropped = scale(grow, free + sum(shrink), /*round_up=*/false);
+    const uint64_t taken = sum(grow);
+    dropped = scale(shrink, taken > free ? taken - free : 0, /*round_up=*/true) || dropped;
+    settled = !dropped;
+  }
+  if (!settled || sum(grow) > free + sum(shrink)) {  // cannot happen (see above); never hand out what is not there
+    std::fill(grow.begin(), grow.end(), 0);
+    std::fill(shrink.begin(), shrink.end(), 0);
+  }
+  std::vector<uint64_t> sizes(n);
+  for (size_t i = 0; i < n; ++i) sizes[i] = domains[i].current_bytes + grow[i] - shrink[i];
+  return sizes;
+}
+
 void DemandMeter::Observe(uint64_t total_bytes, int64_t now_ms) {
   if (!started_) {
     started_ = true;

@@ -23,6 +23,23 @@ struct DomainNeed {
 // most max(budget, sum of floors) (the caller admits no domain whose floor does not fit).
 std::vector<uint64_t> PlanShares(uint64_t budget_bytes, std::span<const DomainNeed> domains);
 
+// One domain in a rebalance's step towards its planned share.
+struct DomainStep {
+  uint64_t current_bytes = 0;  // what it has now
+  uint64_t target_bytes = 0;   // its planned share (PlanShares)
+  uint64_t min_move = 0;       // a move smaller than this is not made (one grant of each component; hysteresis)
+  uint64_t max_move = 0;       // the most it moves in one step, either way (growing pins memory for DMA)
+};
+
+// One step from the current sizes towards the targets, symmetric so that the budget stays assigned: each domain
+// moves towards its target by at most max_move; the domains that grow take what is free of the budget and what
+// the shrinking ones give up, and a domain shrinks only by what the growing ones take at once beyond the free
+// budget (in proportion to how far each is above its target): memory is never taken from one domain before
+// another can use it. No move below its min_move is made, on either side. Returns each domain's size after the
+// step; their sum is at most max(budget, sum of current sizes) and, when something grows into given-up memory,
+// the whole budget minus less than the step's rounding.
+std::vector<uint64_t> StepShares(uint64_t budget_bytes, std::span<const DomainStep> domains);
+
 // A byte counter's rate, smoothed with a half-life: the demand PlanShares divides by. Not thread-safe.
 class DemandMeter {
  public:

@@ -103,18 +103,12 @@ uint64_t FloorOf(const Geometry& geometry, uint64_t max_bytes, const PoolSplit& 
 
 }  // namespace
 
-void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vector<uint64_t>& targets, bool grow,
-                                 bool hysteresis) {
-  // Hysteresis (Rebalance): a share moves only by at least one grant of each of the domain's components and 1/32 of
-  // the budget, so that demand noise does not evict, punch out and re-register memory back and forth.
-  const uint64_t step = hysteresis ? std::max<uint64_t>(options_.budget_bytes / 32, 1) : 0;
+void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vector<uint64_t>& targets, bool grow) {
   // Shrinks first: the memory they give back is what the grows take.
   for (size_t k = 0; k < live.size(); ++k) {
     Cache& cache = *caches_[live[k]];
     const uint64_t active = cache.active_bytes();
-    const bool held = cache.shrink_held();  // an earlier shrink waits for pins: continue it
-    const uint64_t margin = hysteresis ? std::max(cache.min_bytes(), step) : 0;
-    if (targets[k] >= active || (!held && targets[k] + margin > active)) continue;
+    if (targets[k] >= active) continue;  // an earlier shrink that waits for pins (held) is continued here too
     auto reached = cache.Resize(targets[k]);
     if (!reached.ok()) {
       log::Warning("cache", "cache domain '{}': shrinking its pool to {} failed: {}", slots_[live[k]].model_namespace,
@@ -142,7 +136,7 @@ void CacheSet::ApplySharesLocked(const std::vector<size_t>& live, const std::vec
     // At most an eighth of the budget per call: every grant grown into is pinned for DMA under the domain's lock.
     const uint64_t to = std::min({targets[k], active + free, active + std::max(options_.budget_bytes / 8,
                                                                                 cache.min_bytes())});
-    if (to < active + std::max(cache.min_bytes(), step)) continue;
+    if (to < active + cache.min_bytes()) continue;
     auto reached = cache.Resize(to);
     if (!reached.ok()) {
       log::Warning("cache", "cache domain '{}': growing its pool to {} failed: {}", slots_[live[k]].model_namespace,
@@ -190,7 +184,26 @@ void CacheSet::Rebalance(int64_t now_ms) {
     n.floor_bytes = pressure ? cache.min_bytes() : std::min(n.current_bytes, n.limit_bytes);
     needs.push_back(n);
   }
-  ApplySharesLocked(live, PlanShares(options_.budget_bytes, needs), /*grow=*/true, /*hysteresis=*/true);
+  const std::vector<uint64_t> shares = PlanShares(options_.budget_bytes, needs);
+  // One step towards the shares, as much given up as grown into (StepShares): a domain above its share loses only
+  // what the others take at once, so the budget stays assigned (cutting an idle domain to its share at once while
+  // the busy one grows an eighth of the budget a call left most of the budget to nobody, its blocks lost for
+  // nothing). Hysteresis: no move below one grant of each component and 1/32 of the budget, so that demand noise
+  // does not evict, punch out and re-register memory back and forth.
+  const uint64_t hysteresis = std::max<uint64_t>(options_.budget_bytes / 32, 1);
+  std::vector<DomainStep> steps;
+  for (size_t k = 0; k < live.size(); ++k) {
+    const Cache& cache = *caches_[live[k]];
+    DomainStep step;
+    step.current_bytes = needs[k].current_bytes;
+    step.target_bytes = shares[k];
+    // A held shrink (pinned blocks kept it above its share) is continued whatever is left of it.
+    step.min_move = cache.shrink_held() ? 0 : std::max(cache.min_bytes(), hysteresis);
+    // At most an eighth of the budget per call: every grant grown into is pinned for DMA under the domain's lock.
+    step.max_move = std::max(options_.budget_bytes / 8, cache.min_bytes());
+    steps.push_back(step);
+  }
+  ApplySharesLocked(live, StepShares(options_.budget_bytes, steps), /*grow=*/true);
 }
 
 std::optional<size_t> CacheSet::SlotOfLocked(std::string_view model_namespace) const {
@@ -384,7 +397,7 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
     for (size_t k = 0; k < live.size(); ++k) (void)caches_[live[k]]->ResizeSlots(before[k]);
   };
   // Exactly to the plan (no hysteresis): the new domain needs what the others give.
-  ApplySharesLocked(live, targets, /*grow=*/false, /*hysteresis=*/false);
+  ApplySharesLocked(live, targets, /*grow=*/false);
   const uint64_t held = HeldLocked();
   const uint64_t free = options_.budget_bytes > held ? options_.budget_bytes - held : 0;
   const uint64_t active = std::min(share, free);

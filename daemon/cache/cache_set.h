@@ -124,12 +124,14 @@ class CacheSet {
   CounterValues TotalCounters() const;
 
   // Moves memory between the domains as their demand says (PlanShares over each domain's DemandMeter of bytes
-  // stored + loaded): domains above their share shrink first (evicting their least recently used blocks beyond
-  // it; pinned ones hold a shrink back until a later call), then those below grow into what is free (at most
-  // budget / 8 a call). Memory is taken from a domain only while another is under pressure (it has traffic and its
-  // pool is nine tenths full); otherwise nothing shrinks and only free budget (a dropped domain's) moves. Acts at
-  // most every kRebalanceIntervalMs (`now_ms`: a monotonic clock; the daemon calls it from a thread of its own
-  // every second) and only on changes of at least one grant of each component and 1/32 of the budget.
+  // stored + loaded), one step a call (StepShares): domains above their share shrink first (evicting their least
+  // recently used blocks beyond it; pinned ones hold a shrink back until a later call), then those below grow into
+  // what is free; a domain grows by at most budget / 8 a call and one above its share gives up only what the
+  // growing ones take at once (beyond free budget), so the budget stays assigned while shares move. Memory is taken
+  // from a domain only while another is under pressure (it has traffic and its pool is nine tenths full);
+  // otherwise nothing shrinks and only free budget (a dropped domain's) moves. Acts at most every
+  // kRebalanceIntervalMs (`now_ms`: a monotonic clock; the daemon calls it from a thread of its own every second)
+  // and only on changes of at least one grant of each component and 1/32 of the budget.
   void Rebalance(int64_t now_ms);
   static constexpr int64_t kRebalanceIntervalMs = 5000;
   static constexpr double kDemandHalfLifeS = 60;
@@ -155,10 +157,10 @@ class CacheSet {
   std::vector<size_t> LiveLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Shrinks each live domain above its target to it (`targets` parallel to `live`; a held shrink is continued);
   // then, with `grow`, grows those below it into what the budget has free (at most budget / 8 a call), lifting a
-  // held shrink whose target came back. With `hysteresis`, changes of less than one grant of each component or
-  // 1/32 of the budget are skipped.
-  void ApplySharesLocked(const std::vector<size_t>& live, const std::vector<uint64_t>& targets, bool grow,
-                         bool hysteresis) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // held shrink whose target came back; growing by less than one grant of each component is skipped. Rebalance
+  // passes one step (StepShares), Admit the plan itself.
+  void ApplySharesLocked(const std::vector<size_t>& live, const std::vector<uint64_t>& targets, bool grow)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::optional<size_t> SlotOfLocked(std::string_view model_namespace) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::optional<size_t> FreeSlotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One line per domain: its namespace, share and blocks, for RESOURCE_EXHAUSTED and NOT_FOUND messages.

@@ -380,7 +380,8 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
   app.add_option("--cluster-transports", cfg.cluster_transports,
                  "Cluster tier: UCX transports allowed (default rc,tcp; shared-memory ones are refused)");
   app.add_option("--cluster-chunk-blocks", cfg.cluster_chunk_blocks,
-                 "Cluster tier: publish one directory entry per this many blocks on average (default 16)");
+                 "Cluster tier: publish one directory entry per this many blocks on average, besides every stored "
+                 "prompt's end (default 8)");
   app.add_option("--cluster-lease-ttl", cfg.cluster_lease_ttl_s,
                  "Cluster tier: seconds after which a dead node's entries leave the directory (default 10)");
   app.add_option("--cluster-pull-deadline", cfg.cluster_pull_deadline_s,

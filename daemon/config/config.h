@@ -63,7 +63,7 @@ struct DaemonConfig {
   std::optional<ListenAddress> cluster_listen;  // --cluster-listen HOST:PORT: the transfer endpoint peers read from
   std::string transfer_devices;             // --transfer-dev: NICs for UCX, e.g. mlx5_0:1,mlx5_1:1 (default: all)
   std::string cluster_transports = "rc,tcp";  // --cluster-transports: UCX transports allowed
-  uint32_t cluster_chunk_blocks = 16;       // --cluster-chunk-blocks: one directory entry per this many blocks
+  uint32_t cluster_chunk_blocks = 8;        // --cluster-chunk-blocks: one directory entry per this many blocks
   double cluster_lease_ttl_s = 10;          // --cluster-lease-ttl: a dead node leaves the directory after this
   double cluster_pull_deadline_s = 2;       // --cluster-pull-deadline: per network step of a pull
   uint32_t cluster_max_pulls = 8;           // --cluster-max-pulls: prefetches pulling at once

@@ -25,8 +25,9 @@
 namespace flexkv {
 struct DataPlane::Session final : RequestSession {
   Session(DataPlane* owner, uint64_t id, const Geometry& geometry, Cache* cache, const DramTier* tier,
-          uint64_t pool_generation, Status store_access)
-      : RequestSession(id, geometry, cache, tier, pool_generation, std::move(store_access)),
+          uint64_t pool_generation, Status store_access, Status prefetch_access)
+      : RequestSession(id, geometry, cache, tier, pool_generation, std::move(store_access),
+                       std::move(prefetch_access)),
         plane(owner),
         lease(owner->options_.pins.lease_ms * 1000000, NowNs()) {}
   DataPlane* const plane;
@@ -94,7 +95,7 @@ Result<std::vector<UniqueFd>> DataPlane::OpenSession(uint64_t session_id, Cache*
   // The session was admitted under its domain's current pool: a drop needs every session of it gone, this one
   // included.
   auto s = std::make_shared<Session>(this, session_id, geometry, cache, TierOf(cache), cache->generation(),
-                                     access.store);
+                                     access.store, access.prefetch);
   auto created = ring::RingConsumer::Create(
       RingGeometry{options_.submit_entries, options_.completion_entries, options_.arena_bytes},
       static_cast<uint32_t>(options_.pins.lease_ms));

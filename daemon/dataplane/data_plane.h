@@ -62,7 +62,7 @@ class DataPlane {
   // Creates a session's rings. Returns {ring memfd (sealed), doorbell eventfd} to pass to the client. The session
   // works on `cache` (its cache domain, which outlives the data plane) and only on it; it is refused once the
   // cache's generation changes (its domain was dropped). The session's Stores are refused with `access.store`
-  // unless it is OK.
+  // unless it is OK, its Prefetches that would pull from peers with `access.prefetch`.
   Result<std::vector<UniqueFd>> OpenSession(uint64_t session_id, Cache* cache, const Geometry& geometry,
                                             const SessionAccess& access);
   // Registers a session's KV buffers on the backend that declared the memory kinds they need: whole blocks once,

@@ -228,6 +228,9 @@ void RequestHandlers::Match(const std::shared_ptr<RequestSession>& sp, const Sub
 void RequestHandlers::Prefetch(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d,
                                int64_t taken_ns, std::vector<BlockKey> keys) {
   RequestSession& s = *sp;
+  // A pull commits blocks into the session's namespace: only a session that may store there may ask for one. Refused
+  // whether or not this prompt would pull, so that a read-only engine learns it at its first Prefetch.
+  if (cluster_ != nullptr && !s.prefetch_access().ok()) return Fail(s, d, taken_ns, s.prefetch_access());
   const auto local = static_cast<uint32_t>(s.cache().Match(keys, /*pin=*/false, nullptr));
   const auto answer = [this, d, taken_ns](RequestSession& session, const PrefetchResult& r) {
     if (!r.status.ok()) return Fail(session, d, taken_ns, r.status);

@@ -42,15 +42,17 @@ class RequestSession {
   // `cache`: the session's cache domain, and `tier` its DRAM pool (both outlive the session); a session sees only
   // that domain's blocks. `pool_generation`: cache->generation() when the session was admitted; requests are
   // refused once it changed (an admin dropped the domain the session attached to). `store_access`: OK when the
-  // session may store, else the error each of its Stores is answered with (decided once at Attach, NamespaceAccess).
+  // session may store, else the error each of its Stores is answered with (decided once at Attach, NamespaceAccess);
+  // `prefetch_access` the same for a Prefetch that would pull from peers (it stores what it pulls).
   RequestSession(uint64_t id, const Geometry& geometry, Cache* cache, const DramTier* tier, uint64_t pool_generation,
-                 Status store_access = Status::Ok())
+                 Status store_access = Status::Ok(), Status prefetch_access = Status::Ok())
       : id_(id),
         geometry_(geometry),
         cache_(cache),
         tier_(tier),
         pool_generation_(pool_generation),
-        store_access_(std::move(store_access)) {
+        store_access_(std::move(store_access)),
+        prefetch_access_(std::move(prefetch_access)) {
     for (size_t c = 0; c < geometry.component_count(); ++c) {
       kv_.push_back(std::make_unique<SessionKv>(id, geometry.Component(c)));
     }
@@ -67,6 +69,7 @@ class RequestSession {
   Cache& cache() const { return *cache_; }
   const DramTier* tier() const { return tier_; }
   const Status& store_access() const { return store_access_; }
+  const Status& prefetch_access() const { return prefetch_access_; }
   // The KV buffers of geometry component `component` (< geometry().component_count(); 0 for full attention).
   SessionKv& kv(size_t component = 0) { return *kv_[component]; }
   // Blocks registered per component (hybrid sessions), and the least of them; 0 with the reason in `*missing`
@@ -91,6 +94,7 @@ class RequestSession {
   const DramTier* const tier_;
   const uint64_t pool_generation_;
   const Status store_access_;
+  const Status prefetch_access_;
   std::vector<std::unique_ptr<SessionKv>> kv_;  // one per geometry component
   // Takes set `id` for the load `user_data`: NOT_FOUND when unknown, FAILED_PRECONDITION when another load uses it.
   Result<std::vector<std::shared_ptr<LayerEvents>>> TakeEventSet(uint32_t id, uint64_t user_data);
@@ -159,7 +163,8 @@ class RequestHandlers {
   void AnswerMatch(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, size_t hit, std::vector<SlotId> slots);
   void Release(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns);
   // The local prefix, then (with a cluster tier, full attention) a pull of the rest from a peer; answered when the
-  // pull ended, on a cluster thread, counted in flight meanwhile (it writes into the pool).
+  // pull ended, on a cluster thread, counted in flight meanwhile (it writes into the pool). With a cluster tier, a
+  // session that may not store is refused (prefetch_access): a pull stores into its namespace.
   void Prefetch(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
                 std::vector<BlockKey> keys);  void Load(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
             std::vector<uint32_t> ids);

@@ -44,24 +44,30 @@ Status NamespaceAccess::CheckReader(std::string_view model_namespace, const Peer
 }
 
 // The refusal reaches the client in a completion's 88-byte message: who, the namespace and where its writers come
-// from lead, the rest (the list, which may be long) follows.
+// from lead, the rest (the list, which may be long) follows. A read-only session's Prefetch is refused as well: it
+// would store the blocks it pulls from peers into the namespace.
 SessionAccess NamespaceAccess::Decide(std::string_view model_namespace, const PeerCredentials& peer, bool admin,
                                       std::optional<uid_t> creator_uid) const {
-  if (admin) return SessionAccess{Status::Ok()};
+  if (admin) return SessionAccess{Status::Ok(), Status::Ok()};
+  const auto read_only = [&](std::string writers) {
+    return SessionAccess{
+        Status::PermissionDenied(fmt::format(
+            "uid {} may not store in namespace '{}': {}; admins may too; this session may match and load only",
+            peer.uid, model_namespace, writers)),
+        Status::PermissionDenied(fmt::format(
+            "uid {} may not prefetch into namespace '{}': it lacks the store right that pulled blocks need ({}); "
+            "Match instead",
+            peer.uid, model_namespace, writers))};
+  };
   if (const NamespaceAcl* acl = AclOf(model_namespace)) {
-    if (AnyMatches(acl->writers, peer)) return SessionAccess{Status::Ok()};
-    return SessionAccess{Status::PermissionDenied(fmt::format(
-        "uid {} may not store in namespace '{}': its writers are set by {}: {}; admins may too; this session may "
-        "match and load only",
-        peer.uid, model_namespace, acl->source, ListText(acl->writers)))};
+    if (AnyMatches(acl->writers, peer)) return SessionAccess{Status::Ok(), Status::Ok()};
+    return read_only(fmt::format("its writers are set by {}: {}", acl->source, ListText(acl->writers)));
   }
-  if (creator_uid && *creator_uid == peer.uid) return SessionAccess{Status::Ok()};
-  const std::string writer = creator_uid ? fmt::format("uid {}, which created it", *creator_uid)
-                                         : std::string("unknown (no creator recorded)");
-  return SessionAccess{Status::PermissionDenied(fmt::format(
-      "uid {} may not store in namespace '{}': its writer is {}, as the config sets no ACL for it; admins may too; "
-      "this session may match and load only",
-      peer.uid, model_namespace, writer))};
+  if (creator_uid && *creator_uid == peer.uid) return SessionAccess{Status::Ok(), Status::Ok()};
+  return read_only(creator_uid ? fmt::format("its writer is uid {}, which created it, as the config sets no ACL for it",
+                                             *creator_uid)
+                               : std::string("its writer is unknown (no creator recorded), as the config sets no ACL "
+                                             "for it"));
 }
 
 }  // namespace flexkv

@@ -46,6 +46,10 @@ struct SessionAccess {
   // OK when the session may store; otherwise the error every Store of the session is answered with
   // (PERMISSION_DENIED naming the namespace, the session's uid and who its writers are).
   Status store;
+  // OK when the session may Prefetch with pulls from peers (which stores the pulled blocks in its namespace: the
+  // same right as store); otherwise the error such a Prefetch is answered with (PERMISSION_DENIED naming the
+  // namespace, the session's uid and the missing right).
+  Status prefetch;
   bool may_store() const { return store.ok(); }
 };
 

@@ -9,8 +9,8 @@
 See docs/python.md for the whole API and its contracts.
 """
 from . import _lib, _native
-from .client import (Client, ComponentPoolStatus, DaemonStatus, LayerEventSet, OpResult, Ticket, connect,
-                     export_gpu_kv)
+from .client import (Client, ClusterMember, ClusterStatus, ComponentPoolStatus, DaemonStatus, KvEventsStatus,
+                     LayerEventSet, OpResult, Ticket, connect, export_gpu_kv)
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
                      Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
@@ -26,9 +26,10 @@ runs on ctypes alone (flexkv._native.reason says why). Results and errors are th
 __version__ = _lib.version()  # libflexkv's, from CMake's project(): the version is written in one place
 
 __all__ = [
-    "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "ComponentKind",
-    "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
+    "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "ClusterMember", "ClusterStatus",
+    "ComponentKind", "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
     "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "KvEvent", "KvEventBatch", "KvEventSubscription",
+    "KvEventsStatus",
     "LayerEventSet", "Layout", "NotFound", "OpResult", "OutOfRange",
     "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
     "Unimplemented", "Unknown", "block_keys", "connect", "export_gpu_kv", "fast_path", "subscribe_kv_events",

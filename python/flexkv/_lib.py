@@ -222,6 +222,35 @@ if has_kv_events:
         _fn.argtypes = _argtypes
 
 
+class KvEventsStatusStruct(Structure):
+    _fields_ = [("instance_id", c_uint64), ("last_seq", c_uint64), ("subscribers", c_uint32), ("reserved", c_uint32),
+                ("cut_off", c_uint64), ("buffer_events", c_uint64)]
+
+
+class ClusterStatusStruct(Structure):
+    _fields_ = [("present", c_uint32), ("reserved", c_uint32), ("epoch", c_uint64), ("state", c_char * 160),
+                ("node_id", c_char * 72), ("endpoint", c_char * 72)]
+
+
+class ClusterMemberStruct(Structure):
+    _fields_ = [("epoch", c_uint64), ("self", c_uint32), ("reserved", c_uint32), ("node_id", c_char * 72),
+                ("endpoint", c_char * 72)]
+
+
+# flexkv_get_status_routing (the KV event and cluster parts of the status): added without an ABI bump, so a library
+# without it still loads the package; DaemonStatus.kv_events and .cluster are then None.
+has_status_routing = hasattr(lib, "flexkv_get_status_routing") and all(
+    int(lib.flexkv_struct_size(name)) == ctypes.sizeof(struct)
+    for name, struct in ((b"flexkv_kv_events_status", KvEventsStatusStruct),
+                         (b"flexkv_cluster_status", ClusterStatusStruct),
+                         (b"flexkv_cluster_member", ClusterMemberStruct)))
+if has_status_routing:
+    lib.flexkv_get_status_routing.restype = c_int
+    lib.flexkv_get_status_routing.argtypes = [client_p, POINTER(DaemonStatusStruct), POINTER(KvEventsStatusStruct),
+                                              POINTER(ClusterStatusStruct), POINTER(ClusterMemberStruct), c_size_t,
+                                              POINTER(c_size_t)]
+
+
 # flexkv_namespace_hash: added without an ABI bump (an older library lacks it; namespace_hash then raises).
 has_namespace_hash = hasattr(lib, "flexkv_namespace_hash")
 if has_namespace_hash:

@@ -28,7 +28,42 @@ from .errors import FailedPrecondition, InvalidArgument, StatusCode
 from .geometry import MAX_COMPONENTS, ComponentKind, Geometry, Layout
 from .keys import BlockKeys, as_block_keys
 
-__all__ = ["Client", "ComponentPoolStatus", "DaemonStatus", "OpResult", "Ticket", "connect", "export_gpu_kv"]
+__all__ = ["Client", "ClusterMember", "ClusterStatus", "ComponentPoolStatus", "DaemonStatus", "KvEventsStatus",
+           "OpResult", "Ticket", "connect", "export_gpu_kv"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KvEventsStatus:
+    """The daemon's KV event stream (docs/kv_events.md): a router compares a subscription's position with last_seq
+    (caught up?) and instance_id with its batches' (the daemon restarted?)."""
+
+    instance_id: int  # random per daemon start
+    last_seq: int  # the last event's seq (events are numbered only while someone subscribes)
+    subscribers: int
+    cut_off: int  # subscribers cut off for falling behind
+    buffer_events: int  # --kv-events-buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterMember:
+    """One member of the cluster as the daemon sees it (its lease is alive)."""
+
+    node_id: str
+    endpoint: str
+    epoch: int
+    is_self: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterStatus:
+    """The daemon's cluster tier (docs/cluster.md): its state and the current members."""
+
+    state: str  # "joined" | "joining: <why not yet>" | "stopped"
+    node_id: str
+    endpoint: str
+    epoch: int
+    members: Tuple[ClusterMember, ...]
+
 
 @dataclasses.dataclass(frozen=True)
 class DaemonStatus:
@@ -44,6 +79,10 @@ class DaemonStatus:
     pinned_blocks: int
     index_blocks: int
     sessions: int
+    # The KV event stream; None from a libflexkv without flexkv_get_status_routing.
+    kv_events: Optional[KvEventsStatus] = None
+    # The cluster tier; None without one (no --etcd-endpoints) or from a libflexkv without flexkv_get_status_routing.
+    cluster: Optional[ClusterStatus] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,12 +240,36 @@ class Client:
                 self._handle.release()
 
     def status(self) -> DaemonStatus:
-        """The daemon's status (state, pool, index, sessions)."""
+        """The daemon's status (state, pool, index, sessions, the KV event stream and the cluster tier), from one
+        GetStatus."""
         out = _lib.DaemonStatusStruct()
-        self._call(_lib.lib.flexkv_get_status, ctypes.byref(out))
+        kv_events: Optional[KvEventsStatus] = None
+        cluster: Optional[ClusterStatus] = None
+        if not _lib.has_status_routing:
+            self._call(_lib.lib.flexkv_get_status, ctypes.byref(out))
+        else:
+            events = _lib.KvEventsStatusStruct()
+            c = _lib.ClusterStatusStruct()
+            capacity = 64
+            while True:
+                members = (_lib.ClusterMemberStruct * capacity)()
+                count = ctypes.c_size_t(0)
+                self._call(_lib.lib.flexkv_get_status_routing, ctypes.byref(out), ctypes.byref(events),
+                           ctypes.byref(c), members, capacity, ctypes.byref(count))
+                if count.value <= capacity:
+                    break
+                capacity = count.value  # more members than room: ask again with room for all
+            kv_events = KvEventsStatus(int(events.instance_id), int(events.last_seq), int(events.subscribers),
+                                       int(events.cut_off), int(events.buffer_events))
+            if c.present:
+                cluster = ClusterStatus(
+                    c.state.decode("utf-8", "replace"), c.node_id.decode("utf-8", "replace"),
+                    c.endpoint.decode("utf-8", "replace"), int(c.epoch),
+                    tuple(ClusterMember(m.node_id.decode("utf-8", "replace"), m.endpoint.decode("utf-8", "replace"),
+                                        int(m.epoch), bool(m.self)) for m in members[:count.value]))
         return DaemonStatus(out.state.decode(), out.version.decode(), int(out.pid), int(out.uptime_s),
                             int(out.block_bytes), int(out.capacity_blocks), int(out.used_blocks),
-                            int(out.pinned_blocks), int(out.index_blocks), int(out.sessions))
+                            int(out.pinned_blocks), int(out.index_blocks), int(out.sessions), kv_events, cluster)
 
     def pool_components(self) -> List[ComponentPoolStatus]:
         """The sub-pools of the daemon's cache domain, component 0 first (one for a full-attention domain; none
@@ -347,8 +410,10 @@ class Client:
         (the cluster tier) and cached here once verified, bytes what was pulled, source the node they came from or
         why none were pulled ("" when no peer had them). OK even when nothing was pulled; a daemon without a cluster
         tier answers with the local hits only. The ticket ends when the pull has ended (bounded by the daemon's
-        deadline); beyond the daemon's per-session limit of prefetches in flight it raises ResourceExhausted. Pins
-        nothing: match(keys, pin=True) after it, then load(). An all-zero key raises InvalidArgument."""
+        deadline); beyond the daemon's per-session limit of prefetches in flight it raises ResourceExhausted. A
+        read-only session (its uid may not store in the namespace) on a daemon with a cluster tier ends with
+        PermissionDenied: a pull stores what it pulls. Pins nothing: match(keys, pin=True) after it, then load(). An
+        all-zero key raises InvalidArgument."""
         k = as_block_keys(keys)
         ext = _native.ext
         if ext is not None:

@@ -17,14 +17,17 @@ Needs no daemon. Thread safety: a RoutingIndex may be used from several threads 
 from __future__ import annotations
 
 import enum
+import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unimplemented
+from .errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable, Unimplemented
 from .keys import BlockKey, BlockKeys, block_keys, namespace_hash
 
-__all__ = ["Tier", "NodePrefix", "RoutingIndex", "choose_prefix_aware", "PrefixRouter", "KvEventFeed"]
+__all__ = ["Tier", "NodePrefix", "RoutingIndex", "choose_prefix_aware", "PrefixRouter", "KvEventFeed",
+           "ClusterMembershipFeed"]
 
 MAX_NODES = 64
 
@@ -38,11 +41,13 @@ class Tier(enum.IntEnum):
 
 @dataclass(frozen=True)
 class NodePrefix:
-    """How much of a prompt one node holds: leading blocks in any tier, and in DRAM alone."""
+    """How much of a prompt one node holds: leading blocks in any tier, and in DRAM alone; and whether the node is
+    live (RoutingIndex.is_live): choose_prefix_aware never chooses one that is not."""
 
     node: int
     blocks: int
     dram_blocks: int
+    live: bool = True
 
 
 KeyLike = Union[BlockKey, Tuple[int, int]]
@@ -51,6 +56,11 @@ KeyLike = Union[BlockKey, Tuple[int, int]]
 class RoutingIndex:
     """Key -> (bit mask of nodes holding it in DRAM, the same on SSD). Updates are idempotent: storing a key twice
     holds it once, removing a key not held changes nothing, so a snapshot replayed over a partial view is harmless.
+
+    Each node is also live or not: a request sent to a dead node fails (it does not cost a miss), so routers must
+    not choose one. A node is live until set_live(node, False); with a ttl (set_live(node, True, ttl_s)) only until
+    the ttl runs out unless renewed (KvEventFeed renews it with every batch of the node's event stream, and sets it
+    False when the stream ends); and, once set_members() named the cluster's members, only while it is one of them.
     """
 
     def __init__(self) -> None:
@@ -58,6 +68,8 @@ class RoutingIndex:
         self._names: List[str] = []
         self._keys: Dict[Tuple[int, int], List[int]] = {}
         self._counts: List[List[int]] = []
+        self._live_until: List[float] = []  # time.monotonic() until which the node counts as live
+        self._members: Optional[frozenset] = None  # the cluster's members by name; None: not known
 
     # ---- nodes ----
 
@@ -73,6 +85,7 @@ class RoutingIndex:
                 raise ResourceExhausted(f"routing index: {MAX_NODES} nodes at most; cannot add {name!r}")
             self._names.append(name)
             self._counts.append([0, 0])
+            self._live_until.append(math.inf)
             return len(self._names) - 1
 
     def find_node(self, name: str) -> int:
@@ -90,6 +103,42 @@ class RoutingIndex:
     def node_count(self) -> int:
         with self._lock:
             return len(self._names)
+
+    # ---- liveness ----
+
+    def set_live(self, node: int, live: bool, ttl_s: Optional[float] = None) -> None:
+        """Marks the node live (for ttl_s seconds from now, or until told otherwise when None) or dead. Its keys
+        stay: a node that comes back with the same cache is routed to at once. InvalidArgument for a node never
+        added."""
+        with self._lock:
+            self._bit(node)
+            if not live:
+                self._live_until[node] = -math.inf
+            else:
+                self._live_until[node] = math.inf if ttl_s is None else time.monotonic() + max(ttl_s, 0.0)
+
+    def set_members(self, names: Optional[Iterable[str]]) -> None:
+        """The cluster's current members by node name (a daemon's status().cluster.members): a node of this index
+        that is not among them is not live (its lease ended: it died or was cut off). None: membership is not
+        known, every node counts."""
+        with self._lock:
+            self._members = None if names is None else frozenset(names)
+
+    def is_live(self, node: int) -> bool:
+        with self._lock:
+            return self._live_locked(node, time.monotonic())
+
+    def live_nodes(self) -> List[int]:
+        with self._lock:
+            now = time.monotonic()
+            return [n for n in range(len(self._names)) if self._live_locked(n, now)]
+
+    def _live_locked(self, node: int, now: float) -> bool:
+        if not 0 <= node < len(self._names):
+            return False
+        if self._members is not None and self._names[node] not in self._members:
+            return False
+        return now < self._live_until[node]
 
     # ---- updates ----
 
@@ -160,8 +209,10 @@ class RoutingIndex:
     # ---- lookups ----
 
     def prefix_lengths(self, keys: Sequence[KeyLike]) -> List[NodePrefix]:
-        """For every node, in node order: the leading blocks of `keys` it holds (any tier, and DRAM alone)."""
+        """For every node, in node order: the leading blocks of `keys` it holds (any tier, and DRAM alone), and
+        whether it is live."""
         with self._lock:
+            now = time.monotonic()
             n = len(self._names)
             blocks = [0] * n
             dram_blocks = [0] * n
@@ -185,7 +236,8 @@ class RoutingIndex:
                     blocks[node] = whole
                 for node in _bits(dram):
                     dram_blocks[node] = whole
-            return [NodePrefix(node, blocks[node], dram_blocks[node]) for node in range(n)]
+            return [NodePrefix(node, blocks[node], dram_blocks[node], self._live_locked(node, now))
+                    for node in range(n)]
 
     def key_count(self, node: int, tier: Tier) -> int:
         with self._lock:
@@ -210,21 +262,29 @@ def _bits(mask: int) -> Iterable[int]:
 
 
 def choose_prefix_aware(prefixes: Sequence[NodePrefix], loads: Sequence[float], max_load_ratio: float = 2.0) -> int:
-    """The node with the longest cached prefix among those not overloaded (load above max_load_ratio x (least
-    load + 1)); ties to the least loaded, then the lowest number (flexkv::ChoosePrefixAware). `loads`: one value per
-    node, any measure of outstanding work the router keeps. InvalidArgument when the sizes differ or are 0."""
+    """The node with the longest cached prefix among the live ones not overloaded (load above max_load_ratio x
+    (least live load + 1)); ties to the least loaded, then the lowest number (flexkv::ChoosePrefixAware). A node
+    that is not live (NodePrefix.live) is never chosen: a request sent there fails. `loads`: one value per node, any
+    measure of outstanding work the router keeps. InvalidArgument when the sizes differ or are 0, Unavailable when
+    no node is live."""
     if not prefixes or len(prefixes) != len(loads):
         raise InvalidArgument(f"choose_prefix_aware: {len(prefixes)} prefixes and {len(loads)} loads; expected one of "
                               "each per node, at least one")
-    limit = max(max_load_ratio, 1.0) * (min(loads) + 1.0)
+    live = [i for i, p in enumerate(prefixes) if p.live]
+    if not live:
+        raise Unavailable(f"choose_prefix_aware: none of the {len(prefixes)} nodes is live (their event streams ended "
+                          "or went quiet, or they left the cluster); expected at least one")
+    least = min(loads[i] for i in live)
+    limit = max(max_load_ratio, 1.0) * (least + 1.0)
     best: Optional[int] = None
-    for i, p in enumerate(prefixes):
-        if loads[i] > limit and loads[i] != min(loads):  # the least loaded node always qualifies
+    for i in live:
+        p = prefixes[i]
+        if loads[i] > limit and loads[i] != least:  # the least loaded live node always qualifies
             continue
         if best is None or p.blocks > prefixes[best].blocks or (p.blocks == prefixes[best].blocks
                                                                 and loads[i] < loads[best]):
             best = i
-    assert best is not None  # the least loaded node is never over the limit
+    assert best is not None  # the least loaded live node is never over the limit
     return prefixes[best].node
 
 
@@ -273,12 +333,20 @@ class KvEventFeed:
     namespace's hash before the namespace is attached after a restart. A `cleared` event (an admin dropped a domain)
     makes the feed subscribe again at once: the new snapshot replaces the node's view. Thread safety: the index is
     thread-safe; the properties may be read from any thread. close() ends the thread.
+
+    Liveness: the feed also keeps the node's liveness in the index (RoutingIndex.set_live), which choose_prefix_aware
+    obeys: not live until the first batch of the stream arrives, live for stale_after_s after each batch (an idle
+    stream sends one every second), not live at once when the stream ends (the daemon was killed, stopped or
+    restarted: a request sent there would fail). A daemon that hangs (its stream goes quiet) is not live
+    stale_after_s later.
     """
 
     def __init__(self, index: RoutingIndex, node: int, socket: Optional[str], namespace: Optional[str] = None,
-                 backoff_initial_s: float = 0.2, backoff_max_s: float = 5.0) -> None:
+                 backoff_initial_s: float = 0.2, backoff_max_s: float = 5.0, stale_after_s: float = 3.0) -> None:
         self.index = index
         self.node = node
+        self.stale_after_s = stale_after_s
+        index.set_live(node, False)  # until its daemon is heard from
         self.socket = socket
         self.namespace = namespace
         self._names = () if namespace is None else _domain_names(namespace)
@@ -347,6 +415,7 @@ class KvEventFeed:
                 snapshot: Dict[int, List[Tuple[int, int]]] = {0: [], 1: []}
                 in_snapshot = True
                 for batch in sub:
+                    self.index.set_live(self.node, True, self.stale_after_s)  # heard from: live a while longer
                     if in_snapshot and batch.snapshot:
                         for e in batch.events:
                             if self._wanted(e) and e.kind == "stored":
@@ -372,6 +441,10 @@ class KvEventFeed:
                         self.position = batch.position
             except Exception as err:  # the stream's end (ResourceExhausted, Unavailable, Cancelled) or no daemon
                 self.last_error = f"{type(err).__name__}: {err}"
+                if not self._stop.is_set():
+                    # A request sent now would fail (the daemon is gone or restarting) or find nothing it was told
+                    # of (it fell behind): not live until the next subscription is heard from.
+                    self.index.set_live(self.node, False)
             finally:
                 with self._lock:
                     sub, self._sub = self._sub, None
@@ -382,3 +455,55 @@ class KvEventFeed:
             if self._stop.wait(backoff):
                 return
             backoff = min(backoff * 2, self.backoff_max_s)
+
+
+class ClusterMembershipFeed:
+    """Keeps a RoutingIndex's view of the cluster's membership (RoutingIndex.set_members) from the daemons' status,
+    in a thread of its own: every interval_s it asks the daemons at `sockets` in turn for their status, and the first
+    that is joined to the cluster names the members (each member's lease is alive in etcd; a node whose lease ended,
+    killed or cut off from the cluster, is not among them). The index's node names must be the daemons' --node-id.
+    When no daemon answers joined (etcd itself is away), membership is not known and no node is excluded for it.
+    Complements KvEventFeed, which sees a node's own daemon only. close() ends the thread.
+    """
+
+    def __init__(self, index: RoutingIndex, sockets: Sequence[Optional[str]], interval_s: float = 1.0) -> None:
+        if not sockets:
+            raise InvalidArgument("ClusterMembershipFeed: no daemon sockets; expected at least one")
+        self.index = index
+        self.sockets = list(sockets)
+        self.interval_s = interval_s
+        self.last_error = ""
+        self.members: Optional[Tuple[str, ...]] = None  # as last set
+        self._stop = threading.Event()
+        self._updated = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flexkv-cluster-members", daemon=True)
+        self._thread.start()
+
+    def wait_updated(self, timeout: float) -> bool:
+        """True once a round has set the membership (known or not)."""
+        return self._updated.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+
+    def _poll(self) -> Optional[Tuple[str, ...]]:
+        from .client import connect
+        for socket in self.sockets:
+            try:
+                with connect(socket, timeout=0.5) as client:
+                    status = client.status()
+            except Exception as err:  # that daemon is away: ask the next
+                self.last_error = f"{type(err).__name__}: {err}"
+                continue
+            if status.cluster is not None and status.cluster.state == "joined":
+                return tuple(m.node_id for m in status.cluster.members)
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.members = self._poll()
+            self.index.set_members(self.members)
+            self._updated.set()
+            if self._stop.wait(self.interval_s):
+                return

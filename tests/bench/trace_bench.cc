@@ -149,6 +149,7 @@ struct TraceOptions {
   uint32_t gap_us = 0;              // each request waits this long once it is its turn (pacing; 0: none)
   uint32_t nodes = 1;               // > 1: the three-router comparison over that many nodes (RunRouterComparison)
   double max_load_ratio = 2.0;      // the prefix-aware router's overload limit
+  uint32_t cluster_chunk_blocks = 8;  // the simulated daemons' --cluster-chunk-blocks (what they publish)
 };
 
 // The model a daemon replay stores (trace --geometry): empty preset = TraceGeometry(block_bytes) at
@@ -678,12 +679,13 @@ int RunSsdComparison(const std::string& self, const TraceOptions& o, const std::
 
 }  // namespace
 
-// trace --nodes N: the three routers of trace_router_sim.h on the trace, beside one pool of N x capacity and the
+// trace --nodes N: the routers of trace_router_sim.h on the trace, beside one pool of N x capacity and the
 // infinite-cache bound.
 int RunRouterComparison(const TraceOptions& o, const std::vector<TraceRequest>& trace,
                         const std::vector<std::vector<flexkv::BlockKey>>& keys) {
   const auto start = std::chrono::steady_clock::now();
-  auto runs = flexkv::bench::SimulateRouters(trace, keys, o.nodes, o.capacity, o.max_load_ratio);
+  auto runs =
+      flexkv::bench::SimulateRouters(trace, keys, o.nodes, o.capacity, o.max_load_ratio, o.cluster_chunk_blocks);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const HitCount one_pool = SimulatePrefixIndex(trace, keys, o.capacity * o.nodes);
   const HitCount bound = flexkv::bench::InfiniteCacheBound(trace);
@@ -697,11 +699,13 @@ int RunRouterComparison(const TraceOptions& o, const std::vector<TraceRequest>& 
     j["node_capacity_blocks"] = o.capacity;
     j["block_bytes"] = o.block_bytes;
     j["max_load_ratio"] = o.max_load_ratio;
+    j["cluster_chunk_blocks"] = o.cluster_chunk_blocks;
     for (const auto& r : runs) {
       j["routers"].push_back({{"router", r.router}, {"hit_ratio", r.hit_ratio()}, {"hits", r.hits},
                               {"local_hits", r.local_hits}, {"pulled_blocks", r.pulled_blocks},
                               {"pulled_bytes", r.pulled_blocks * o.block_bytes}, {"blocks", r.blocks},
                               {"per_node_requests", r.per_node_requests}, {"imbalance", r.imbalance()},
+                              {"directory_lookups", r.lookups}, {"directory_lookup_keys", r.lookup_keys},
                               {"index_consistent", r.index_consistent}});
     }
     j["one_pool_hit_ratio"] = one_pool.ratio();
@@ -712,15 +716,23 @@ int RunRouterComparison(const TraceOptions& o, const std::vector<TraceRequest>& 
     fmt::print("trace {} ({} requests, {} blocks): {} nodes x {} blocks, block {} bytes (simulation: the daemon's "
                "PrefixIndex per node, in-process)\n",
                o.trace, trace.size(), runs.empty() ? 0 : runs[0].blocks, o.nodes, o.capacity, o.block_bytes);
-    fmt::print("{:<26} {:>9} {:>11} {:>12} {:>14} {:>10}\n", "router", "hit ratio", "local hits", "pulled",
+    fmt::print("{:<32} {:>9} {:>11} {:>12} {:>14} {:>10}\n", "router", "hit ratio", "local hits", "pulled",
                "pulled bytes", "imbalance");
     for (const auto& r : runs) {
-      fmt::print("{:<26} {:>9.4f} {:>11} {:>12} {:>14} {:>10.2f}\n", r.router, r.hit_ratio(), r.local_hits,
+      fmt::print("{:<32} {:>9.4f} {:>11} {:>12} {:>14} {:>10.2f}\n", r.router, r.hit_ratio(), r.local_hits,
                  r.pulled_blocks, r.pulled_blocks * o.block_bytes, r.imbalance());
     }
-    fmt::print("{:<26} {:>9.4f}   (one pool of {} blocks: the most {} nodes could hold without duplicates)\n",
+    fmt::print("{:<32} {:>9.4f}   (one pool of {} blocks: the most {} nodes could hold without duplicates)\n",
                "one pool", one_pool.ratio(), uint64_t{o.capacity} * o.nodes, o.nodes);
-    fmt::print("{:<26} {:>9.4f}\n", "infinite-cache bound", bound.ratio());
+    fmt::print("{:<32} {:>9.4f}\n", "infinite-cache bound", bound.ratio());
+    if (runs.size() > 2 && runs[2].hit_ratio() > 0) {
+      fmt::print("peer pulls as the daemon publishes (--cluster-chunk-blocks {}) / every key published: {:.4f}; "
+                 "directory: {} round trips, {} keys asked ({:.1f} per request)\n",
+                 o.cluster_chunk_blocks, runs[1].hit_ratio() / runs[2].hit_ratio(), runs[1].lookups,
+                 runs[1].lookup_keys,
+                 runs[1].requests == 0 ? 0.0
+                                       : static_cast<double>(runs[1].lookup_keys) / static_cast<double>(runs[1].requests));
+    }
     fmt::print("routing index consistent with every node's blocks: {}; {:.1f} s\n", consistent ? "yes" : "NO",
                seconds);
   }
@@ -781,9 +793,14 @@ int RunTraceBench(int argc, char** argv) {
       ->check(CLI::Range(0u, 10000000u));
   app.add_option("--nodes", o.nodes,
                  "> 1: no daemon; the trace over this many nodes of --capacity-blocks each (the daemon's PrefixIndex, "
-                 "in-process) behind three routers - round-robin, round-robin with peer pulls, prefix-aware - hit "
+                 "in-process) behind four routers - round-robin, round-robin with peer pulls as the daemon publishes and "
+                 "as if every key were published, prefix-aware - hit "
                  "ratio and pulled bytes of each (default 1: the replay through flexkvd)")
       ->check(CLI::Range(1u, 64u));
+  app.add_option("--cluster-chunk-blocks", o.cluster_chunk_blocks,
+                 "With --nodes: the simulated daemons' --cluster-chunk-blocks, one published key in this many besides "
+                 "each commit's last (default 8, the daemon's)")
+      ->check(CLI::Range(1u, 1000000u));
   app.add_option("--max-load-ratio", o.max_load_ratio,
                  "With --nodes: the prefix-aware router skips nodes whose recent load exceeds this x (least + 1) "
                  "(default 2)")

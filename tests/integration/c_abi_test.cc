@@ -359,6 +359,36 @@ TEST_CASE("C ABI: flexkv_get_status_components lists the sub-pools, at most capa
   CHECK(flexkv_get_status_components(e.client, nullptr, 1, &count) == FLEXKV_INVALID_ARGUMENT);
 }
 
+TEST_CASE("C ABI: flexkv_get_status_routing gives the KV event stream's state and no cluster without one, in one call",
+          "[integration]") {
+  // Issue 29, item 8: what a router compares (docs/kv_events.md), without shelling out to flexkvctl --json.
+  CHECK(flexkv_struct_size("flexkv_kv_events_status") == sizeof(flexkv_kv_events_status));
+  CHECK(flexkv_struct_size("flexkv_cluster_status") == sizeof(flexkv_cluster_status));
+  CHECK(flexkv_struct_size("flexkv_cluster_member") == sizeof(flexkv_cluster_member));
+  DaemonUnderTest d({"--pool-size", "64MiB", "--kv-events-buffer", "4096"});
+  REQUIRE(d.WaitReady());
+  flexkv_client* c = nullptr;
+  REQUIRE(flexkv_connect(d.socket().c_str(), 5000, &c, nullptr, 0) == FLEXKV_OK);
+  flexkv_daemon_status st{};
+  flexkv_kv_events_status events{};
+  flexkv_cluster_status cluster{};
+  cluster.present = 7;  // overwritten
+  flexkv_cluster_member members[2] = {};
+  size_t count = 9;
+  REQUIRE(flexkv_get_status_routing(c, &st, &events, &cluster, members, 2, &count) == FLEXKV_OK);
+  CHECK(std::string(st.state) == "serving");
+  CHECK(events.instance_id != 0);
+  CHECK(events.buffer_events == 4096);
+  CHECK(events.subscribers == 0);
+  CHECK(cluster.present == 0);
+  CHECK(count == 0);
+  // The status is optional, the rest is not.
+  CHECK(flexkv_get_status_routing(c, nullptr, &events, &cluster, nullptr, 0, &count) == FLEXKV_OK);
+  CHECK(flexkv_get_status_routing(c, nullptr, nullptr, &cluster, nullptr, 0, &count) == FLEXKV_INVALID_ARGUMENT);
+  CHECK(flexkv_get_status_routing(c, nullptr, &events, &cluster, nullptr, 1, &count) == FLEXKV_INVALID_ARGUMENT);
+  flexkv_close(c);
+}
+
 // ---- Prefetch through the C ABI (ABI 5): flexkv_prefetch, flexkv_op_result's bytes and source ----
 
 namespace {

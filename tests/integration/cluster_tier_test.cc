@@ -18,11 +18,17 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include <random>
+
+#include "flexkv/block_key.h"
+#include "flexkv/c.h"
+#include "flexkv/geometry.h"
 #include "tests/support/process.h"
 
 using namespace std::chrono_literals;
@@ -224,9 +230,18 @@ std::unique_ptr<DaemonUnderTest> StartNode(const ClusterNet& net, int i, const s
 }
 
 // An engine (flexkv-test-client: 2 layers, 128 KiB blocks, 64 KV blocks) running `steps`; its lines after ATTACHED.
+// `as_uid`: run it as that uid (setpriv; primary group nogroup, which the daemon's --socket-group must admit).
 std::vector<std::string> Engine(const DaemonUnderTest& d, const std::vector<std::string>& steps,
-                                std::vector<std::string> shape = {"--layers", "2"}) {
-  std::vector<std::string> argv = {TestClientPath(), "--socket", d.socket(), "--name", "engine", "--kv-blocks", "64"};
+                                std::vector<std::string> shape = {"--layers", "2"},
+                                std::optional<uid_t> as_uid = std::nullopt) {
+  std::vector<std::string> argv;
+  if (as_uid) {
+    argv = {"/usr/bin/setpriv", "--reuid=" + std::to_string(*as_uid), "--regid=65534", "--clear-groups"};
+  }
+  for (const std::string& a : {TestClientPath(), std::string("--socket"), d.socket(), std::string("--name"),
+                               std::string("engine"), std::string("--kv-blocks"), std::string("64")}) {
+    argv.push_back(a);
+  }
   argv.insert(argv.end(), shape.begin(), shape.end());
   for (const auto& s : steps) {
     argv.push_back("--do");
@@ -315,6 +330,17 @@ bool WaitDirectory(const HubEtcd& etcd, const std::string& node_id, bool present
   return false;
 }
 
+// The keys of the test client's prompt SEED:n (its tokens and the key chain, as tests/support/test_client.cc makes
+// them for the geometry Engine attaches with).
+std::vector<flexkv::BlockKey> ClientKeys(uint64_t seed, uint32_t n) {
+  flexkv::Geometry g = flexkv::Llama3_8B();
+  g.num_layers = 2;
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> tokens(uint64_t{n} * g.tokens_per_block);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % 128000);
+  return flexkv::ComputeBlockKeys("test-model", tokens, g.tokens_per_block);
+}
+
 #define CLUSTER_TEST_SETUP(nodes)                                                              \
   if (::access(kEtcd, X_OK) != 0) {                                                            \
     WARN("skipped: " << kEtcd << " not found (Debian etcd-server; scripts/deps.sh installs it)"); \
@@ -337,6 +363,25 @@ TEST_CASE("cluster tier: A stores, B prefetches over the network and loads byte-
   auto a = StartNode(*net, 0, "node-a", dir_a);
   auto b = StartNode(*net, 1, "node-b", dir_b);
   REQUIRE(WaitStatus(*b, "node-a"));  // B sees A as a member
+  {  // The cluster's state and members as a router reads them (C ABI; Python Client.status().cluster).
+    flexkv_client* c = nullptr;
+    REQUIRE(flexkv_connect(b->socket().c_str(), 5000, &c, nullptr, 0) == FLEXKV_OK);
+    flexkv_kv_events_status events{};
+    flexkv_cluster_status cluster{};
+    flexkv_cluster_member members[4] = {};
+    size_t count = 0;
+    const int rc = flexkv_get_status_routing(c, nullptr, &events, &cluster, members, 4, &count);
+    flexkv_close(c);
+    REQUIRE(rc == FLEXKV_OK);
+    CHECK(cluster.present == 1);
+    CHECK(std::string(cluster.state) == "joined");
+    CHECK(std::string(cluster.node_id) == "node-b");
+    CHECK(cluster.epoch != 0);
+    REQUIRE(count == 2);
+    CHECK(std::set<std::string>{members[0].node_id, members[1].node_id} == std::set<std::string>{"node-a", "node-b"});
+    CHECK(members[0].self + members[1].self == 1);
+    CHECK(events.instance_id != 0);
+  }
 
   Store(*a, 11, 24);
   REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
@@ -701,4 +746,73 @@ TEST_CASE("cluster tier: a peer whose geometry differs (same block size, other l
     if (!refused_for_layout) std::this_thread::sleep_for(500ms);
   }
   CHECK(refused_for_layout);
+}
+
+TEST_CASE("cluster tier: regression - a read-only session's Prefetch is refused and pulls nothing into the namespace",
+          "[integration][cluster][netns][security][regression]") {
+  // Before the fix a session that may only match and load (another uid than the namespace's writer) prefetched a
+  // prompt from a peer: the pull stored 24 blocks into a namespace its uid may not write.
+  if (geteuid() != 0) {
+    WARN("skipped: not root (the reader runs as another uid)");
+    return;
+  }
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_b(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  auto b = StartNode(*net, 1, "node-b", dir_b, "8MiB", {"--socket-group", "nogroup"});
+  REQUIRE(WaitStatus(*b, "node-a"));
+  Store(*a, 11, 24);
+  Store(*b, 5, 2);  // root creates the namespace on B: uid 1 is a reader there
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+
+  constexpr uid_t kReader = 1;  // daemon
+  const auto reader = Engine(*b, {"prefetch:11:24", "load:5:2"}, {"--layers", "2"}, kReader);
+  INFO(Lines(reader));
+  REQUIRE(reader.size() == 2);
+  const Prefetched refused = ParsePrefetched(reader[0]);
+  CHECK(refused.status == "PERMISSION_DENIED");
+  CHECK(refused.pulled == 0);
+  CHECK(refused.bytes == 0);
+  CHECK_THAT(refused.source, Catch::Contains("uid 1 may not prefetch into namespace 'test-model'"));
+  CHECK(ParseLoaded(reader[1]).equal == 1);  // it still matches and loads
+  CHECK(ParseLoaded(reader[1]).hits == 2);
+  // Nothing was pulled into B: a Match (no pull) finds none of the prompt.
+  const auto root = Engine(*b, {"load:11:24"});
+  REQUIRE(root.size() == 1);
+  CHECK(ParseLoaded(root[0]).hits == 0);
+  // A session that may store still pulls it.
+  auto [p, l] = PrefetchAndLoad(*b, 11, 24);
+  CHECK(p.status == "OK");
+  CHECK(p.pulled == 24);
+  CHECK(l.equal == 1);
+}
+
+TEST_CASE("cluster tier: regression - a prompt extending a peer's earlier prompt pulls all of it: the earlier end is "
+          "asked for",
+          "[integration][cluster][netns][regression]") {
+  // A conversation's first turn (k blocks) was stored on A, its second (k + 8 blocks) comes to B. A published its
+  // sampled keys and its store's last key. Before the fix B asked the directory only for the sampled keys and its
+  // own prompt's last key: A's end was never asked for, and B pulled at most up to A's last sampled key before it.
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_b(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a);
+  auto b = StartNode(*net, 1, "node-b", dir_b);
+  REQUIRE(WaitStatus(*b, "node-a"));
+  // k: the first turn's length, chosen so that its last key is not a sampled one (--cluster-chunk-blocks 4).
+  const std::vector<flexkv::BlockKey> keys = ClientKeys(11, 40);
+  uint32_t k = 6;
+  while (k < 32 && keys[k - 1].lo % 4 == 0) ++k;
+  REQUIRE(keys[k - 1].lo % 4 != 0);
+  Store(*a, 11, k);
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+  std::this_thread::sleep_for(500ms);  // the rest of the publisher's batch
+  auto [p, l] = PrefetchAndLoad(*b, 11, k + 8);
+  INFO("first turn " << k << " blocks");
+  CHECK(p.status == "OK");
+  CHECK(p.local == 0);
+  CHECK(p.pulled == k);
+  CHECK(p.source == "node-a");
+  CHECK(l.hits == k);
+  CHECK(l.loaded == k);
+  CHECK(l.equal == 1);
 }

@@ -11,7 +11,7 @@ import time
 import flexkv
 from conftest import FLEXKVD
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE
-from flexkv.routing import KvEventFeed, RoutingIndex
+from flexkv.routing import KvEventFeed, PrefixRouter, RoutingIndex, choose_prefix_aware
 
 TPB = TEST_GEOMETRY.tokens_per_block
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "prefix_router.py")
@@ -115,9 +115,8 @@ FLEXKVCTL = os.path.join(os.path.dirname(FLEXKVD), "flexkvctl")
 
 
 def last_seq(socket: str) -> int:
-    out = subprocess.run([FLEXKVCTL, "--socket", socket, "status", "--json"], capture_output=True, text=True,
-                         timeout=30, check=True)
-    return json.loads(out.stdout)["kv_events"]["last_seq"]
+    with flexkv.connect(socket) as c:  # no need to shell out to flexkvctl --json (issue 29, item 8)
+        return c.status().kv_events.last_seq
 
 
 def test_feed_drops_only_the_dropped_domain(make_daemon):
@@ -197,3 +196,140 @@ def test_filtered_feed_holds_the_ssd_blocks_the_daemon_names_by_the_namespace_ha
             feed.close()
     finally:
         shutil.rmtree(ssd, ignore_errors=True)
+
+
+def test_status_carries_the_kv_event_fields_a_router_compares(make_daemon):
+    """Regression (issue 29, item 8): DaemonStatus had no KV-event or cluster fields, so a router had to shell out to
+    `flexkvctl --json` to compare its feed's position with the daemon's last seq (docs/kv_events.md)."""
+    d = make_daemon()
+    index = RoutingIndex()
+    node = index.add_node("a")
+    feed = KvEventFeed(index, node, d.socket, backoff_initial_s=0.05)
+    try:
+        assert feed.wait_synced(10.0), feed.last_error
+        store(d.socket, tokens(3, 4), 4)
+        with flexkv.connect(d.socket) as c:
+            st = c.status()
+        assert st.kv_events is not None
+        assert st.kv_events.instance_id == feed.instance_id != 0
+        assert st.kv_events.subscribers >= 1
+        assert st.kv_events.last_seq >= 4  # the 4 blocks stored, numbered while the feed subscribes
+        assert st.kv_events.buffer_events > 0
+        assert eventually(lambda: feed.position >= st.kv_events.last_seq), feed.last_error
+        assert st.cluster is None  # no --etcd-endpoints
+        assert st.index_blocks == 4 and st.state == "serving"
+    finally:
+        feed.close()
+
+
+def test_a_killed_or_hung_node_is_not_chosen(make_daemon):
+    """Regression (issue 29, item 8): 6 s after a kill -9 the routing index still held the dead node's keys and
+    choose_prefix_aware chose it for 27 of 400 prompts; a request sent to a dead node fails, it does not cost a
+    miss. The feed's state is the node's liveness now: a stream that ends (kill -9) makes the node not live at once,
+    one that goes quiet (SIGSTOP) after stale_after_s; it comes back when its daemon is heard from again."""
+    a, b = make_daemon(), make_daemon()
+    index = RoutingIndex()
+    na, nb = index.add_node("a"), index.add_node("b")
+    prompts = [tokens(200 + i, 3) for i in range(8)]
+    for i, p in enumerate(prompts):
+        store(a.socket if i % 2 == 0 else b.socket, p, 3)
+    feeds = [KvEventFeed(index, na, a.socket, backoff_initial_s=0.05, stale_after_s=1.0),
+             KvEventFeed(index, nb, b.socket, backoff_initial_s=0.05, stale_after_s=1.0)]
+    router = PrefixRouter(index, TEST_NAMESPACE, TPB)
+    rng = __import__("random").Random(29)
+
+    def choices(n: int):
+        return [router.route(prompts[rng.randrange(len(prompts))] + [7] * TPB,
+                             loads=[rng.randrange(4), rng.randrange(4)])[0] for _ in range(n)]
+
+    try:
+        assert all(f.wait_synced(10.0) for f in feeds), [f.last_error for f in feeds]
+        assert eventually(lambda: index.key_count(na, flexkv.routing.Tier.DRAM) == 12 and
+                          index.key_count(nb, flexkv.routing.Tier.DRAM) == 12)
+        assert choices(400).count(na) > 100  # a holds half the prompts
+        a.kill()
+        killed = time.monotonic()
+        assert eventually(lambda: not index.is_live(na), 1.0), feeds[0].last_error
+        assert time.monotonic() - killed < 1.0
+        assert na not in choices(400)
+        assert index.key_count(na, flexkv.routing.Tier.DRAM) == 12  # its view stays (it may come back with it)
+        a.restart()  # the same pool: its blocks come back once verified
+        assert eventually(lambda: index.is_live(na), 20.0), feeds[0].last_error
+        assert eventually(lambda: index.key_count(na, flexkv.routing.Tier.DRAM) == 12, 20.0)
+        assert choices(400).count(na) > 100
+        b.freeze()  # hung: its stream goes quiet, nothing ends it
+        try:
+            assert eventually(lambda: not index.is_live(nb), 5.0)
+            assert nb not in choices(400)
+        finally:
+            b.thaw()
+        assert eventually(lambda: index.is_live(nb), 5.0)
+    finally:
+        for f in feeds:
+            f.close()
+
+
+def _free_port() -> int:
+    import socket as so
+    with so.socket(so.AF_INET, so.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cluster_membership_marks_a_node_whose_lease_ended_not_live(make_daemon, tmp_path):
+    """Issue 29, item 8: the cluster's membership as a router reads it (Client.status().cluster, no flexkvctl): two
+    daemons joined through a real etcd on loopback; ClusterMembershipFeed names both members, and once one is killed
+    and its lease ends it is not live in the index, with no event feed for it at all."""
+    import shutil
+    etcd_bin = shutil.which("etcd") or "/usr/bin/etcd"
+    if not os.access(etcd_bin, os.X_OK):
+        import pytest
+        pytest.skip("etcd not installed (Debian etcd-server)")
+    client_port, peer_port = _free_port(), _free_port()
+    etcd = subprocess.Popen([etcd_bin, "--name", "t", "--data-dir", str(tmp_path / "etcd"),
+                             "--listen-client-urls", f"http://127.0.0.1:{client_port}",
+                             "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                             "--initial-cluster", f"t=http://127.0.0.1:{peer_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        secret = tmp_path / "secret"
+        secret.write_text("correct horse battery staple 29\n")
+        os.chmod(secret, 0o600)
+
+        def node(name: str):
+            return make_daemon(["--etcd-endpoints", f"127.0.0.1:{client_port}", "--cluster-secret-file", str(secret),
+                                "--cluster-listen", f"127.0.0.1:{_free_port()}", "--node-id", name,
+                                "--cluster-transports", "tcp", "--transfer-dev", "lo", "--cluster-lease-ttl", "2"])
+
+        a, b = node("node-a"), node("node-b")
+        index = RoutingIndex()
+        na, nb = index.add_node("node-a"), index.add_node("node-b")
+
+        def members(socket: str):
+            try:
+                with flexkv.connect(socket, timeout=1.0) as c:
+                    st = c.status()
+            except flexkv.Error:
+                return None
+            return st.cluster
+
+        assert eventually(lambda: (members(a.socket) or None) is not None and members(a.socket).state == "joined"
+                          and {m.node_id for m in members(a.socket).members} == {"node-a", "node-b"}, 30.0)
+        c = members(a.socket)
+        assert c.node_id == "node-a" and c.epoch > 0
+        assert [m.is_self for m in c.members if m.node_id == "node-a"] == [True]
+        feed = flexkv.routing.ClusterMembershipFeed(index, [b.socket, a.socket], interval_s=0.2)
+        try:
+            assert eventually(lambda: feed.members is not None and set(feed.members) == {"node-a", "node-b"}, 10.0)
+            assert index.is_live(na) and index.is_live(nb)
+            b.kill()  # its lease ends within --cluster-lease-ttl; a answers the membership from then on
+            assert eventually(lambda: not index.is_live(nb), 15.0), feed.last_error
+            assert index.is_live(na)
+            assert choose_prefix_aware(index.prefix_lengths([]), [5, 0]) == na
+        finally:
+            feed.close()
+    finally:
+        etcd.kill()
+        etcd.wait()

@@ -175,3 +175,46 @@ def test_a_reader_during_replace_node_never_sees_a_half_replaced_node():
     finally:
         sys.setswitchinterval(old)
     assert not torn, f"{len(torn)} of {reads[0]} reads saw a half-replaced node, e.g. {torn[0]}"
+
+
+def test_a_node_that_is_not_live_is_never_chosen():
+    """Regression (issue 29, item 8): liveness was not part of the choice, so a dead node holding the longest prefix
+    was chosen: a request sent there fails, it does not cost a miss."""
+    index = RoutingIndex()
+    a, b = index.add_node("a"), index.add_node("b")
+    keys = flexkv.block_keys(NS, prompt(5, 6), 16)
+    index.stored(a, Tier.DRAM, keys)
+    index.stored(b, Tier.DRAM, keys[:2])
+    assert choose_prefix_aware(index.prefix_lengths(keys), [0, 0]) == a
+    index.set_live(a, False)
+    p = index.prefix_lengths(keys)
+    assert p[a] == NodePrefix(a, 6, 6, live=False)  # its keys stay (it may come back with them)
+    assert choose_prefix_aware(p, [0, 0]) == b
+    # The load limit is taken over the live nodes: b, the only live one, qualifies however loaded.
+    assert choose_prefix_aware(p, [0, 100]) == b
+    index.set_live(b, False)
+    with pytest.raises(flexkv.Unavailable, match="none of the 2 nodes is live"):
+        choose_prefix_aware(index.prefix_lengths(keys), [0, 0])
+    index.set_live(a, True)
+    assert choose_prefix_aware(index.prefix_lengths(keys), [0, 0]) == a
+    assert index.live_nodes() == [a]
+
+
+def test_liveness_lapses_without_renewal_and_follows_membership():
+    import time
+
+    index = RoutingIndex()
+    a, b = index.add_node("node-a"), index.add_node("node-b")
+    assert index.is_live(a) and index.is_live(b)  # no feed, no membership: every node counts
+    index.set_live(a, True, ttl_s=0.2)
+    assert index.is_live(a)
+    time.sleep(0.3)
+    assert not index.is_live(a)  # not renewed: its daemon went quiet
+    index.set_live(a, True, ttl_s=60)
+    index.set_members(["node-b"])  # node-a's lease ended
+    assert not index.is_live(a) and index.is_live(b)
+    assert [p.live for p in index.prefix_lengths([])] == [False, True]
+    index.set_members(None)  # membership not known: no node excluded for it
+    assert index.is_live(a)
+    with pytest.raises(flexkv.InvalidArgument):
+        index.set_live(7, True)

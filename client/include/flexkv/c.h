@@ -197,6 +197,37 @@ int flexkv_get_status(flexkv_client* client, flexkv_daemon_status* out);
  * of sub-pools to *count (0 before a domain is set, or from a daemon that does not report them). */
 int flexkv_get_status_components(flexkv_client* client, flexkv_component_status* out, size_t capacity,
                                  size_t* count);
+/* What a router compares (docs/kv_events.md, docs/routing.md "Liveness"): the KV event stream's part of GetStatus and
+ * the cluster tier's (flexkv::DaemonStatus::KvEvents, ::Cluster). Added without an ABI bump (new functions and
+ * structs only). */
+typedef struct flexkv_kv_events_status {
+  uint64_t instance_id;   /* random per daemon start */
+  uint64_t last_seq;      /* the last event's seq (numbered only while someone subscribes) */
+  uint32_t subscribers;
+  uint32_t reserved;
+  uint64_t cut_off;       /* subscribers cut off for falling behind */
+  uint64_t buffer_events; /* --kv-events-buffer */
+} flexkv_kv_events_status;
+typedef struct flexkv_cluster_status {
+  uint32_t present;   /* 0: the daemon runs no cluster tier (no --etcd-endpoints); the rest is zero */
+  uint32_t reserved;
+  uint64_t epoch;     /* this node's membership epoch */
+  char state[160];    /* "joined" | "joining: <why not yet>" | "stopped", NUL-terminated, cut to fit */
+  char node_id[72];   /* --node-id, NUL-terminated */
+  char endpoint[72];  /* the transfer endpoint, NUL-terminated */
+} flexkv_cluster_status;
+typedef struct flexkv_cluster_member {
+  uint64_t epoch;
+  uint32_t self;      /* 1: this daemon */
+  uint32_t reserved;
+  char node_id[72];   /* NUL-terminated */
+  char endpoint[72];  /* NUL-terminated */
+} flexkv_cluster_member;
+/* One GetStatus: fills *status (may be NULL), *events and *cluster, writes min(count, capacity) members to `members`
+ * (the cluster's current members as this daemon sees them) and their number to *count (0 without a cluster tier). */
+int flexkv_get_status_routing(flexkv_client* client, flexkv_daemon_status* status, flexkv_kv_events_status* events,
+                              flexkv_cluster_status* cluster, flexkv_cluster_member* members, size_t capacity,
+                              size_t* count);
 /* Admin calls: *state_out (may be NULL, at least 16 bytes) receives the state after the call. */
 int flexkv_drain(flexkv_client* client, char* state_out, size_t state_len);
 int flexkv_resume(flexkv_client* client, char* state_out, size_t state_len);

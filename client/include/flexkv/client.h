@@ -317,7 +317,8 @@ class Client {
   // Asynchronous: the request ends when the pull has ended, bounded by the daemon's deadline for a pull; a session
   // has at most the daemon's per-session limit of prefetches in flight (beyond it the request ends with
   // RESOURCE_EXHAUSTED). It pins nothing: Match (with pin) after it, then Load. A daemon without a cluster tier
-  // answers with the local hits only (done_blocks 0). It ends with the session: a wait on one still in flight
+  // answers with the local hits only (done_blocks 0). A read-only session (Attach's read_only: its uid may not store
+  // in the namespace) on a daemon with a cluster tier ends with PERMISSION_DENIED: a pull stores what it pulls. It ends with the session: a wait on one still in flight
   // then answers FAILED_PRECONDITION (Detach, re-Attach) or UNAVAILABLE (the daemon went away).
   // INVALID_ARGUMENT for empty keys (nothing sent); the request ends with INVALID_ARGUMENT for an all-zero key
   // (reserved: never cached) or more keys than the daemon takes in one request.

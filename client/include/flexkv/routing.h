@@ -57,11 +57,17 @@ class RoutingIndex {
   // under the lock, so a concurrent PrefixLengths sees the node's old view or its new one, never a part of each.
   // INVALID_ARGUMENT for a node number never handed out (nothing changes). O(keys in the index + keys given).
   Status ReplaceNode(uint32_t node, std::span<const BlockKey> dram, std::span<const BlockKey> ssd);
+  // Whether the node is live: a request sent to a dead node fails (it does not cost a miss), so ChoosePrefixAware
+  // never chooses one. Nodes start live; the router sets a node dead when its event stream ends or goes quiet, or it
+  // left the cluster's membership, and live again when its daemon is heard from. Its keys stay meanwhile.
+  // INVALID_ARGUMENT for a node number never handed out.
+  Status SetLive(uint32_t node, bool live);
 
   struct NodePrefix {
     uint32_t node = 0;
     uint32_t blocks = 0;       // leading blocks of the prompt the node holds, in any tier
     uint32_t dram_blocks = 0;  // leading blocks it holds in DRAM (a load without a promotion from SSD)
+    bool live = true;          // SetLive: never chosen when false
   };
   // For every node, in node order: how many leading blocks of `keys` it holds. O(the longest prefix held).
   std::vector<NodePrefix> PrefixLengths(std::span<const BlockKey> keys) const;
@@ -80,7 +86,9 @@ class RoutingIndex {
 // overloaded, where overloaded means a load above `max_load_ratio` times the least loaded node's (plus one, so
 // that idle nodes compare sensibly); ties go to the least loaded node, then the lowest number. `loads` holds one
 // value per node in node order (queued requests or tokens: any measure of outstanding work; the router keeps it).
-// `prefixes` comes from PrefixLengths. Returns the node number; INVALID_ARGUMENT when the sizes differ or are 0.
+// `prefixes` comes from PrefixLengths. Nodes that are not live are never chosen (the least load is taken over the
+// live ones). Returns the node number; INVALID_ARGUMENT when the sizes differ or are 0, UNAVAILABLE when no node is
+// live.
 Result<uint32_t> ChoosePrefixAware(std::span<const RoutingIndex::NodePrefix> prefixes, std::span<const double> loads,
                                    double max_load_ratio = 2.0);
 

@@ -25,6 +25,7 @@
 #include "daemon/cache/cache_set.h"
 #include "daemon/cluster/etcd/etcd_directory.h"
 #include "daemon/tiers/cluster/peer_lookup.h"
+#include "daemon/tiers/cluster/publish_policy.h"
 
 namespace flexkv {
 namespace {
@@ -80,9 +81,6 @@ std::string HostOfEndpoint(const std::string& endpoint) {
   const size_t colon = endpoint.rfind(':');
   return colon == std::string::npos ? endpoint : endpoint.substr(0, colon);
 }
-
-// A published key: one in chunk_blocks on average by its value, wherever it sits in a prompt.
-bool Sampled(const BlockKey& key, uint32_t chunk_blocks) { return chunk_blocks <= 1 || key.lo % chunk_blocks == 0; }
 
 // Requests (reads and lookups) the transport takes at once, over all pulls; each pull reads with a window of its
 // share, so that a long pull neither starves the others nor hits the limit.
@@ -430,7 +428,7 @@ struct ClusterTier::Impl {
     DirectoryState& d = directory_state[cache];
     switch (e.kind) {
       case Cache::BlockEvent::kCommitted:
-        if (!Sampled(e.key, options.chunk_blocks) && !e.request_end) return;
+        if (!IsPublishedKey(e.key, e.request_end, options.chunk_blocks)) return;
         d.desired.insert(e.key);
         d.to_withdraw.erase(e.key);
         if (d.published.count(e.key) == 0) d.to_publish.insert(e.key);
@@ -785,13 +783,11 @@ struct ClusterTier::Impl {
     const std::string layout = domain.geometry->ToString();
     const uint64_t block_bytes = cache.block_bytes();
     const size_t n = job.keys.size();
-    // Candidates, deepest first: the published keys after the local prefix, and the last key.
-    std::vector<size_t> candidates;
     // A lookup names at most kMaxLookupKeys keys (the chain from the root): deeper blocks are not pulled.
     const size_t reach = std::min<size_t>(n, kMaxLookupKeys);
-    for (size_t j = reach; j-- > job.local;) {
-      if (j + 1 == reach || Sampled(job.keys[j], options.chunk_blocks)) candidates.push_back(j);
-    }
+    // Candidates, deepest first: the keys after the local prefix that a peer may have published and that are
+    // reached only by asking for them (publish_policy.h).
+    const std::vector<size_t> candidates = LookupCandidates(job.keys, job.local, reach, options.chunk_blocks);
     size_t deepest = n;
     std::vector<cluster::Owner> owners;
     for (size_t at = 0; at < candidates.size() && deepest == n; at += cluster::kLookupBatch) {
@@ -811,6 +807,21 @@ struct ClusterTier::Impl {
       }
     }
     if (deepest == n) return r;  // no peer has any of it: a plain miss
+    // Found at a sampled key: a commit end just above it (not asked yet) names a deeper owner, if there is one.
+    const std::vector<size_t> gap = LookupGapAbove(job.keys, deepest, reach, options.chunk_blocks);
+    for (size_t at = 0; at < gap.size(); at += cluster::kLookupBatch) {
+      if (cancelled()) return r;
+      std::vector<BlockKey> asked;
+      for (size_t i = at; i < std::min(gap.size(), at + cluster::kLookupBatch); ++i) asked.push_back(job.keys[gap[i]]);
+      auto found = directory->Lookup(ns, asked);
+      if (!found.ok()) break;  // the sampled key's owners answer still
+      const auto hit = std::find_if(found->begin(), found->end(), [](const auto& o) { return !o.empty(); });
+      if (hit != found->end()) {
+        deepest = gap[at + static_cast<size_t>(hit - found->begin())];
+        owners = *hit;
+        break;
+      }
+    }
     static thread_local std::minstd_rand pick(static_cast<unsigned>(std::random_device{}()));
     const cluster::Owner owner = owners[pick() % owners.size()];
     if (cancelled()) return r;
@@ -823,7 +834,9 @@ struct ClusterTier::Impl {
     request.block_bytes = block_bytes;
     request.epoch = owner.epoch;
     request.from = job.local;
-    request.keys.assign(job.keys.begin(), job.keys.begin() + static_cast<ptrdiff_t>(deepest + 1));
+    // The whole chain, not only up to the key found: the owner answers with all of it it holds (a commit end past
+    // the sampled key found, which the directory was not asked about, or blocks it holds unpublished).
+    request.keys.assign(job.keys.begin(), job.keys.begin() + static_cast<ptrdiff_t>(reach));
     auto answer = transport->CallSync(*peer, kPeerLookupMethod, EncodeLookupRequest(request));
     for (int attempt = 0; !answer.ok() && answer.status().code() == StatusCode::kResourceExhausted && attempt < 200;
          ++attempt) {

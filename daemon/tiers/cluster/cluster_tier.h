@@ -3,9 +3,10 @@
 // prefilled again. It joins three parts:
 //   membership + directory  the shared store (etcd, daemon/cluster/directory.h): this node's member record under a
 //                           lease (node id, epoch, transfer endpoint), and one directory entry per published block
-//                           key. Published: every key whose low 64 bits are 0 mod chunk_blocks (one in chunk_blocks
-//                           on average, wherever it sits in a prompt: no depth needed) and the last key of every
-//                           stored request (the end of a prompt), once committed here. Withdrawn when the block
+//                           key. Published (publish_policy.h): every key whose low 64 bits are 0 mod chunk_blocks
+//                           (one in chunk_blocks on average, wherever it sits in a prompt: no depth needed) and the
+//                           last key of every commit (a stored request's end, a pull's end), once committed here.
+//                           Withdrawn when the block
 //                           leaves (evicted, dropped). Publishing runs on a thread of its own, batched and retried,
 //                           as the difference between what the node holds and what the store has (bounded by the
 //                           blocks held, however long the store is away): a failed or slow publish never touches
@@ -15,7 +16,9 @@
 //   bytes                   UCX (daemon/cluster/ucx/ucx_transport.h): each pool grant is registered for remote
 //                           reads; peers authenticate with the cluster secret and must be current members.
 //   pulls                   Prefetch: after the local prefix, the directory names the peer holding the deepest
-//                           published key; that peer's lookup (a Call) answers which of its slots hold the keys,
+//                           published key it is asked about (LookupCandidates: the sampled keys and the keys before
+//                           the first and after the last of them); that peer's lookup (a Call) answers which of its
+//                           slots hold the prompt's keys (the whole chain: all of it the peer holds),
 //                           with each block's content checksum and its region descriptor; the blocks are read
 //                           into pending local slots, each checked against its checksum, and committed (the
 //                           verified prefix only). A peer that evicts, overwrites or dies mid-read costs a miss,
@@ -58,7 +61,7 @@ struct ClusterTierOptions {
   uint16_t listen_port = 0;
   std::string transfer_devices;              // --transfer-dev: UCX_NET_DEVICES, e.g. "mlx5_0:1,mlx5_1:1"
   std::string transports = "rc,tcp";         // --cluster-transports
-  uint32_t chunk_blocks = 16;                // --cluster-chunk-blocks: one published key in this many, on average
+  uint32_t chunk_blocks = 8;                 // --cluster-chunk-blocks: one published key in this many, on average
   std::chrono::milliseconds lease_ttl{10000};       // --cluster-lease-ttl
   std::chrono::milliseconds pull_deadline{2000};    // --cluster-pull-deadline: per network step of a pull
   uint32_t max_pulls = 8;                    // --cluster-max-pulls: prefetches pulling at once, node-wide

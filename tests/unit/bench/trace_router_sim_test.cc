@@ -1,5 +1,6 @@
-// The three-router trace simulation: one node makes the routers equal; scattered repeats show what each router
-// gains; the routing index stays exactly every node's committed keys, evictions included.
+// The router trace simulation: one node makes the routers equal; scattered repeats show what each router gains;
+// peer pulls as the daemon publishes find a conversation's earlier turn on a peer; the routing index stays exactly
+// every node's committed keys, evictions included.
 #include "tests/bench/trace_router_sim.h"
 
 #include <catch2/catch.hpp>
@@ -35,10 +36,10 @@ Trace Repeats(int prompts, int rounds, int blocks) {
 
 }  // namespace
 
-TEST_CASE("router simulation: with one node the three routers hit alike and pull nothing", "[unit][routing]") {
+TEST_CASE("router simulation: with one node the routers hit alike and pull nothing", "[unit][routing]") {
   const Trace t = Repeats(5, 6, 4);
   const auto runs = flexkv::bench::SimulateRouters(t.requests, t.keys, 1, 1000);
-  REQUIRE(runs.size() == 3);
+  REQUIRE(runs.size() == 4);
   for (const RouterRun& r : runs) {
     INFO(r.router);
     CHECK(r.hits == runs[0].hits);
@@ -57,10 +58,15 @@ TEST_CASE("router simulation: repeats scattered by round robin are hit by peer p
   const auto runs = flexkv::bench::SimulateRouters(t.requests, t.keys, 3, 1000);
   const RouterRun& rr = runs[0];
   const RouterRun& pulls = runs[1];
-  const RouterRun& aware = runs[2];
+  const RouterRun& every_key = runs[2];
+  const RouterRun& aware = runs[3];
   CHECK(rr.router == "round-robin");
   CHECK(pulls.router == "round-robin + peer pulls");
+  CHECK(every_key.router == "round-robin + pulls, every key");
   CHECK(aware.router == "prefix-aware");
+  // A whole prompt is stored at once: its last key is published, so the daemon's policy finds what every key does.
+  CHECK(every_key.hits == pulls.hits);
+  CHECK(every_key.pulled_blocks == pulls.pulled_blocks);
   // Round robin: each prompt misses once on each of the 3 nodes.
   CHECK(rr.hits == uint64_t{4} * 5 * (9 - 3));
   CHECK(rr.pulled_blocks == 0);
@@ -84,4 +90,32 @@ TEST_CASE("router simulation: the routing index follows evictions", "[unit][rout
     CHECK(r.index_consistent);
     CHECK(r.hits <= r.blocks);
   }
+}
+
+TEST_CASE("router simulation: regression - peer pulls as the daemon publishes find a conversation's earlier turn",
+          "[unit][routing][regression]") {
+  // Conversations of 3 turns, each turn the previous prompt + 3 blocks, over 3 nodes round robin: every turn lands
+  // on another node than the one before. Only the daemon's policy (sampled keys + commit ends, chunk 16: almost no
+  // key of a 10-block prompt is sampled) limits what the pulls find; before the fix the previous turn's end was
+  // never asked for, and the pulls found little of what the every-key reference did.
+  Trace t;
+  for (int c = 0; c < 20; ++c) {
+    std::vector<int32_t> tokens;
+    for (int turn = 1; turn <= 3; ++turn) {
+      for (int i = 0; i < 3 * 16; ++i) tokens.push_back(c * 100000 + static_cast<int32_t>(tokens.size()));
+      TraceRequest req;
+      req.hash_ids.assign(tokens.size() / 16, 0);
+      t.requests.push_back(req);
+      t.keys.push_back(flexkv::ComputeBlockKeys("router-sim", tokens, 16));
+    }
+  }
+  const auto runs = flexkv::bench::SimulateRouters(t.requests, t.keys, 3, 1000, 2.0, 16);
+  const RouterRun& pulls = runs[1];
+  const RouterRun& every_key = runs[2];
+  // Turn 2 pulls turn 1's 3 blocks, turn 3 turn 2's 6: 9 blocks a conversation.
+  CHECK(every_key.pulled_blocks == 20 * 9);
+  CHECK(pulls.pulled_blocks == every_key.pulled_blocks);
+  CHECK(pulls.hits == every_key.hits);
+  CHECK(pulls.lookups >= 40);  // every turn after the first asked the directory
+  for (const RouterRun& r : runs) CHECK(r.index_consistent);
 }

@@ -244,3 +244,29 @@ TEST_CASE("routing choice: the longest prefix among nodes not overloaded, ties t
         flexkv::StatusCode::kInvalidArgument);
   CHECK(flexkv::ChoosePrefixAware({}, {}).status().code() == flexkv::StatusCode::kInvalidArgument);
 }
+
+TEST_CASE("routing choice: regression - a node that is not live is never chosen, its keys stay",
+          "[unit][routing][regression]") {
+  // Issue 29, item 8: a dead node holding the longest prefix was chosen; a request sent there fails.
+  RoutingIndex index;
+  const uint32_t a = *index.AddNode("node-a");
+  const uint32_t b = *index.AddNode("node-b");
+  const auto keys = Keys(3, 6);
+  REQUIRE(index.Stored(a, CacheTier::kDram, keys).ok());
+  REQUIRE(index.Stored(b, CacheTier::kDram, Head(keys, 2)).ok());
+  const std::vector<double> idle{0, 0};
+  CHECK(*flexkv::ChoosePrefixAware(index.PrefixLengths(keys), idle) == a);
+  REQUIRE(index.SetLive(a, false).ok());
+  auto p = index.PrefixLengths(keys);
+  CHECK_FALSE(p[a].live);
+  CHECK(p[a].blocks == 6);
+  CHECK(*flexkv::ChoosePrefixAware(p, idle) == b);
+  CHECK(*flexkv::ChoosePrefixAware(p, std::vector<double>{0, 100}) == b);  // the only live node qualifies
+  REQUIRE(index.SetLive(b, false).ok());
+  auto none = flexkv::ChoosePrefixAware(index.PrefixLengths(keys), idle);
+  REQUIRE_FALSE(none.ok());
+  CHECK(none.status().code() == flexkv::StatusCode::kUnavailable);
+  REQUIRE(index.SetLive(a, true).ok());
+  CHECK(*flexkv::ChoosePrefixAware(index.PrefixLengths(keys), idle) == a);
+  CHECK(index.SetLive(9, true).code() == flexkv::StatusCode::kInvalidArgument);
+}

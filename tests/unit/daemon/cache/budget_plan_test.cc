@@ -1,4 +1,4 @@
-// PlanShares and DemandMeter: how cache domains share the budget.
+// PlanShares, StepShares and DemandMeter: how cache domains share the budget, and how shares move.
 #include "daemon/cache/budget_plan.h"
 
 #include <catch2/catch.hpp>
@@ -120,6 +120,77 @@ TEST_CASE("the demand meter reaches zero when a domain goes quiet", "[unit]") {
   int64_t now = 1000;
   for (int i = 0; i < 200 && m.rate() > 0; ++i) m.Observe(1ULL << 30, now += 60'000);
   CHECK(m.rate() == 0);
+}
+
+constexpr uint64_t kMiB = 1ULL << 20;
+
+// The issue-29 (item 9) case: a 576 MiB budget, an idle domain holding 512 MiB whose plan is its 64 MiB floor, a busy
+// one holding 64 MiB whose plan is the rest; steps of at most 72 MiB (budget / 8), moves of at least 16 MiB.
+std::vector<DomainStep> IdleAndBusy(uint64_t idle_now, uint64_t busy_now) {
+  return {{idle_now, 64 * kMiB, 16 * kMiB, 72 * kMiB}, {busy_now, 512 * kMiB, 16 * kMiB, 72 * kMiB}};
+}
+
+TEST_CASE("regression: an idle domain gives up only what the busy one grows into - the budget stays assigned",
+          "[unit][regression]") {
+  // Before the fix the idle domain was cut to its plan at once (512 -> 64 MiB, most of its hit blocks lost) while
+  // the busy one grew by an eighth of the budget a call: hundreds of MiB assigned to nobody for a minute.
+  uint64_t idle = 512 * kMiB, busy = 64 * kMiB;
+  int steps = 0;
+  while (busy < 512 * kMiB && steps < 100) {
+    const auto next = StepShares(576 * kMiB, IdleAndBusy(idle, busy));
+    REQUIRE(next.size() == 2);
+    INFO("step " << steps << ": idle " << idle / kMiB << " -> " << next[0] / kMiB << " MiB, busy " << busy / kMiB
+                 << " -> " << next[1] / kMiB << " MiB");
+    CHECK(next[0] + next[1] == 576 * kMiB);      // always fully assigned
+    CHECK(idle - next[0] == next[1] - busy);     // given up = grown into
+    CHECK(next[1] - busy <= 72 * kMiB);          // at most one step
+    REQUIRE(next[1] > busy);                     // and it moves
+    idle = next[0];
+    busy = next[1];
+    ++steps;
+  }
+  CHECK(idle == 64 * kMiB);
+  CHECK(busy == 512 * kMiB);
+  CHECK(steps == 7);  // 448 MiB in steps of 72 MiB
+}
+
+TEST_CASE("a step grows into free budget first and shrinks only for the rest", "[unit]") {
+  // 100 MiB free (a dropped domain's): the busy one grows 72 MiB into it, the idle one gives up nothing.
+  auto next = StepShares(676 * kMiB, IdleAndBusy(512 * kMiB, 64 * kMiB));
+  CHECK(next[0] == 512 * kMiB);
+  CHECK(next[1] == 136 * kMiB);
+  // 40 MiB free: the idle one gives up the 32 MiB more the step takes.
+  next = StepShares(616 * kMiB, IdleAndBusy(512 * kMiB, 64 * kMiB));
+  CHECK(next[0] == 480 * kMiB);
+  CHECK(next[1] == 136 * kMiB);
+  // 10 MiB free: the other 62 MiB are given up.
+  next = StepShares(586 * kMiB, IdleAndBusy(512 * kMiB, 64 * kMiB));
+  CHECK(next[0] == 450 * kMiB);
+  CHECK(next[1] == 136 * kMiB);
+}
+
+TEST_CASE("a step with nobody growing (at a limit, or a move below hysteresis) shrinks nobody", "[unit]") {
+  // The busy domain is at its target: the idle one keeps what it has, even though its plan is its floor.
+  auto next = StepShares(576 * kMiB, std::vector<DomainStep>{{512 * kMiB, 64 * kMiB, 16 * kMiB, 72 * kMiB},
+                                                             {64 * kMiB, 64 * kMiB, 16 * kMiB, 72 * kMiB}});
+  CHECK(next == std::vector<uint64_t>{512 * kMiB, 64 * kMiB});
+  // The grow is below the least move: nothing moves either way.
+  next = StepShares(576 * kMiB, std::vector<DomainStep>{{512 * kMiB, 64 * kMiB, 16 * kMiB, 72 * kMiB},
+                                                        {64 * kMiB, 74 * kMiB, 16 * kMiB, 72 * kMiB}});
+  CHECK(next == std::vector<uint64_t>{512 * kMiB, 64 * kMiB});
+}
+
+TEST_CASE("a step shares what is given up between the growing domains and takes it from the shrinking ones in "
+          "proportion", "[unit]") {
+  // Two idle domains above their plans (300 and 100 MiB too much), two busy ones below (60 MiB each wanted):
+  // 120 MiB move, three quarters from the first idle one.
+  const std::vector<DomainStep> d{{400 * kMiB, 100 * kMiB, 1 * kMiB, 1024 * kMiB},
+                                  {200 * kMiB, 100 * kMiB, 1 * kMiB, 1024 * kMiB},
+                                  {100 * kMiB, 160 * kMiB, 1 * kMiB, 1024 * kMiB},
+                                  {100 * kMiB, 160 * kMiB, 1 * kMiB, 1024 * kMiB}};
+  const auto next = StepShares(800 * kMiB, d);
+  CHECK(next == std::vector<uint64_t>{310 * kMiB, 170 * kMiB, 160 * kMiB, 160 * kMiB});
+  CHECK(Sum(next) == 800 * kMiB);
 }
 
 }  // namespace

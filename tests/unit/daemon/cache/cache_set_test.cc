@@ -235,6 +235,39 @@ TEST_CASE("cache set: shares follow demand, and a dropped domain's budget goes t
   CHECK(busy->active_bytes() == 256 * kBlock);
 }
 
+TEST_CASE("cache set: regression - an idle domain gives up only what the busy one grows into, the budget stays "
+          "assigned and the idle one keeps its blocks meanwhile",
+          "[unit][cache][regression]") {
+  // Before the fix the idle domain was cut to its floor at the first call (128 -> 16 blocks, 84 of its 100 blocks
+  // lost) while the busy one grew by an eighth of the budget a call: 80 of the 256 blocks assigned to nobody.
+  TempDir dir;
+  CacheSet caches(Options(dir, 256 * kBlock, 2));
+  REQUIRE(caches.RecoverPools(false).ok());
+  Cache* busy = *caches.Admit("busy", SmallGeometry(), 0, NeverInUse);
+  Cache* idle = *caches.Admit("idle", SmallGeometry(), 0, NeverInUse);
+  Store(*idle, Keys(100));
+  Store(*busy, Keys(120));
+  int64_t now = 1000;
+  caches.Rebalance(now);  // the meters start
+  uint64_t idle_was = idle->active_bytes(), busy_was = busy->active_bytes();
+  for (int i = 0; i < 10; ++i) {
+    Store(*busy, Keys(busy->capacity_slots() - busy->GetStats().used + 8, 100 + i));  // a full pool, evicting
+    busy->counters().bytes_stored += 1ULL << 30;
+    now += CacheSet::kRebalanceIntervalMs;
+    caches.Rebalance(now);
+    INFO("call " << i << ": idle " << idle_was / kBlock << " -> " << idle->active_bytes() / kBlock << " blocks, busy "
+                 << busy_was / kBlock << " -> " << busy->active_bytes() / kBlock);
+    CHECK(Held(caches) == 256 * kBlock);                                      // all of it assigned, every call
+    CHECK(idle_was - idle->active_bytes() == busy->active_bytes() - busy_was);  // given up = grown into
+    CHECK(busy->active_bytes() - busy_was <= 32 * kBlock);                    // an eighth of the budget a call
+    idle_was = idle->active_bytes();
+    busy_was = busy->active_bytes();
+    if (i == 0) CHECK(idle->Match(Keys(100), false, nullptr) >= 90);  // the first step cost it only what it gave
+  }
+  CHECK(idle->active_bytes() == 16 * kBlock);
+  CHECK(busy->active_bytes() == 240 * kBlock);
+}
+
 TEST_CASE("cache set: a new domain is refused while the others' pinned blocks hold the budget", "[unit][cache]") {
   TempDir dir;
   CacheSet caches(Options(dir, 64 * kBlock, 2));
