@@ -45,23 +45,32 @@ for path in /usr/bin/flexkvd /etc/flexkvd /var/cache/flexkvd; do
   [[ ! -e $path ]] || skip "$path already exists on this host (another flexkvd install?); the test would replace it"
 done
 # A process with a file under these open, mapped or as its directory (a flexkvd serving from them).
-holders() {  # <path>...: prints "pid (comm)" of each process that holds a file under one of them
-  local pid target p
-  for pid in /proc/[0-9]*; do
-    for target in "$pid"/cwd "$pid"/fd/* "$pid"/map_files/*; do
-      target=$(readlink "$target" 2>/dev/null) || continue
-      for p in "$@"; do
-        if [[ $target == "$p" || $target == "$p"/* ]]; then
-          echo "${pid#/proc/} ($(cat "$pid"/comm 2>/dev/null))"
-          continue 3
-        fi
-      done
-    done
-  done
+holders() {  # <path>: prints "pid (comm)" of each process that holds a file under it
+  local link pid
+  find /proc/[0-9]*/cwd /proc/[0-9]*/fd /proc/[0-9]*/map_files -maxdepth 1 \( -lname "$1" -o -lname "$1/*" \) \
+      2>/dev/null | while read -r link; do
+    pid=${link#/proc/}
+    pid=${pid%%/*}
+    echo "$pid ($(cat /proc/"$pid"/comm 2>/dev/null))"
+  done | sort -u
 }
 # Left by an earlier run of the source-built daemon: moved aside on the same filesystem (a rename), put back by
 # cleanup. A daemon still running on them is another matter: the test would pull its pool from under it.
+# A run of this test that was killed (SIGKILL: no cleanup) left what it moved aside: put it back first.
+for stale in /run/.flexkvd-aside.* /dev/shm/.flexkvd-aside.*; do
+  [[ -e $stale ]] || continue
+  original=$(dirname "$stale")/flexkvd
+  if [[ -e $original ]]; then
+    skip "$stale (moved aside by a killed run of this test) and $original both exist: keep the one you need"
+  fi
+  mv "$stale" "$original"
+  echo "test_package: put $original back (moved aside by an earlier run of this test that was killed)" >&2
+done
 aside=()
+ours=(/var/cache/flexkvd)  # absent (checked above), so whatever is there at the end is the package's
+for path in /run/flexkvd /dev/shm/flexkvd; do
+  [[ -e $path ]] || ours+=("$path")
+done
 for path in /run/flexkvd /dev/shm/flexkvd; do
   [[ -e $path ]] || continue
   held=$(holders "$path")
@@ -96,9 +105,11 @@ cleanup() {
     echo "test_package: cleanup: dpkg --purge flexkvd" >&2
     dpkg --purge flexkvd >/dev/null
   fi
-  rm -rf /dev/shm/flexkvd /run/flexkvd /var/cache/flexkvd
-  local entry
+  # Only what this test made goes: a path that was absent at the start, or whose own content is safe aside.
+  local path entry
+  for path in "${ours[@]}"; do rm -rf "$path"; done
   for entry in "${aside[@]}"; do
+    rm -rf "${entry%%=*}"
     mv "${entry#*=}" "${entry%%=*}" && echo "test_package: put ${entry%%=*} back" >&2
   done
   [[ $had_user == 1 ]] || ! getent passwd flexkv >/dev/null || userdel flexkv
@@ -113,7 +124,7 @@ trap 'exit 130' INT TERM
 for path in /run/flexkvd /dev/shm/flexkvd; do
   [[ -e $path ]] || continue
   moved=$(dirname "$path")/.flexkvd-aside.$$
-  mv "$path" "$moved"
+  mv "$path" "$moved" || fail "cannot move $path aside to $moved (left as it was)"
   aside+=("$path=$moved")
   echo "test_package: moved $path (left by an earlier run of flexkvd) aside to $moved; it is put back at the end" >&2
 done

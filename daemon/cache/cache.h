@@ -232,8 +232,12 @@ class Cache {
   void AttachNextTier(bool queue_commits, int64_t store_wait_ms = 0);
   // Whether the next tier's writes succeed: while they fail (a full or failing drive), no store waits for them.
   void SetWriteBackHealthy(bool healthy);
+  // Whether the next tier writes this domain's blocks at all: not for blocks its slots cannot hold (another model) or
+  // a namespace whose owner could not be recorded; a store would wait for a write-back that never comes.
+  void SetWriteBackServed(bool served);
   // How long a store may wait for the write-back before it evicts blocks the next tier does not hold (dropping
-  // them from the node): 0 without a next tier, for a hybrid geometry, or while write-back fails.
+  // them from the node): 0 without a next tier, for a hybrid geometry, while write-back fails, or while the next tier
+  // does not write this domain (SetWriteBackServed).
   int64_t StoreWaitMs() const;
   // Counts a store that waited for the write-back (`expired`: one whose wait ran out, so that it evicted what it
   // had to).
@@ -384,6 +388,7 @@ class Cache {
   std::vector<SlotId> touch_queue_ ABSL_GUARDED_BY(mu_);
   int64_t store_wait_ms_ ABSL_GUARDED_BY(mu_) = 0;
   bool write_back_healthy_ ABSL_GUARDED_BY(mu_) = true;
+  bool write_back_served_ ABSL_GUARDED_BY(mu_) = true;
   uint64_t store_waits_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t store_wait_expired_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified

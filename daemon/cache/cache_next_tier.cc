@@ -33,6 +33,11 @@ void Cache::SetWriteBackHealthy(bool healthy) {
   write_back_healthy_ = healthy;
 }
 
+void Cache::SetWriteBackServed(bool served) {
+  MutexLock lock(&mu_);
+  write_back_served_ = served;
+}
+
 int64_t Cache::StoreWaitMs() const {
   MutexLock lock(&mu_);
   return StoreWaitMsLocked();
@@ -40,7 +45,7 @@ int64_t Cache::StoreWaitMs() const {
 
 int64_t Cache::StoreWaitMsLocked() const {
   // Hybrid domains have no next tier; a failing drive would only make every store wait in vain.
-  if (!next_tier_ || !index_ || !parts_.empty() || !write_back_healthy_) return 0;
+  if (!next_tier_ || !index_ || !parts_.empty() || !write_back_healthy_ || !write_back_served_) return 0;
   return store_wait_ms_;
 }
 

@@ -555,8 +555,9 @@ PrefixIndex::Reservation PrefixIndex::Reserve(const BlockKey& parent_key, std::s
     if (s == kNil) {
       r.shortfall = StatusCode::kResourceExhausted;
       // Without dirty evictions, no slot means: only dirty leaves are left, or none is evictable at all (the write-back
-      // pins the cold leaves it writes): either way the next tier's writes are what frees slots.
-      r.dirty_only = !allow_dirty;
+      // pins the cold leaves it writes): either way the next tier's writes are what frees slots. Not a store that
+      // asks for more blocks than the pool holds: no write-back makes room for it, so waiting would only delay it.
+      r.dirty_only = !allow_dirty && keys.size() - r.cached <= m.limit_;
       break;
     }
     m.Insert(s, keys[i], hash, parent, State::kPending);

@@ -66,8 +66,10 @@ class Directory {
   // Revokes the lease that holds node_id's member record, and with it every entry published under it: for a node
   // that proved the record is its own previous run's (the daemon: the record's transfer endpoint is the one this
   // process listens on now, which no other live process can). OK when no record exists or its lease ended.
-  // FAILED_PRECONDITION when this client holds it (Leave instead) or the record has no lease (not flexkvd's).
-  virtual Status ReleaseNodeId(const std::string& node_id) = 0;
+  // FAILED_PRECONDITION when this client holds it (Leave instead), the record has no lease (not flexkvd's), is not
+  // signed with the cluster secret, or names another transfer endpoint than `expected_endpoint` (when not empty): the
+  // lease of a record this node cannot prove its own is never revoked.
+  virtual Status ReleaseNodeId(const std::string& node_id, std::string_view expected_endpoint = {}) = 0;
   // Every live member (this node included), with its current epoch.
   virtual Result<std::vector<NodeInfo>> Members() = 0;
 

@@ -183,7 +183,7 @@ std::string MatchThenAttach(const std::string& input) {
 
 bool CanSwitchUids() {
   if (geteuid() == 0) return true;
-  WARN("not root: clients of other uids cannot be started, the namespace access tests do nothing");
+  WARN("not root: clients of other uids cannot be started, the namespace access tests do nothing; skipped");
   return false;
 }
 

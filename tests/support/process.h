@@ -11,6 +11,21 @@
 
 namespace flexkv::testing {
 
+// How many times slower than a plain build this test binary and the daemon it starts run: a sanitizer build (ASan,
+// TSan) is several times slower, so a test's time bound (a restart served within 2 s) is scaled by this, never
+// loosened for the plain build.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr int kSlowdown = 5;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr int kSlowdown = 5;
+#else
+inline constexpr int kSlowdown = 1;
+#endif
+#else
+inline constexpr int kSlowdown = 1;
+#endif
+
 // A spawned process. stdout is a pipe the test reads lines from; stderr goes to a file.
 class ChildProcess {
  public:

@@ -778,7 +778,7 @@ Status EtcdDirectory::Leave() {
   return Status::Ok();
 }
 
-Status EtcdDirectory::ReleaseNodeId(const std::string& node_id) {
+Status EtcdDirectory::ReleaseNodeId(const std::string& node_id, std::string_view expected_endpoint) {
   if (!ValidNodeId(node_id)) {
     return Status::InvalidArgument(
         fmt::format("node id '{}' must be 1..{} characters of [A-Za-z0-9._-]", node_id, kMaxNodeIdBytes));
@@ -789,8 +789,9 @@ Status EtcdDirectory::ReleaseNodeId(const std::string& node_id) {
       return Status::FailedPrecondition(fmt::format("this client holds node id '{}'; Leave instead", node_id));
     }
   }
-  // Only the lease is read: whatever the record says, revoking its lease takes nothing but that record and the
-  // entries published under the same lease.
+  // The record must be one this node can prove its own (signed with the secret, its endpoint the caller's): a forged
+  // or another node's record keeps its lease. Revoking takes nothing but that record and the entries published under
+  // the same lease.
   const std::string member_key = MemberKey(node_id);
   etcdserverpb::RangeRequest rreq;
   rreq.set_key(member_key);
@@ -800,6 +801,17 @@ Status EtcdDirectory::ReleaseNodeId(const std::string& node_id) {
   if (!s.ok()) return s;
   if (rresp.kvs_size() == 0) return Status::Ok();
   const int64_t lease = rresp.kvs(0).lease();
+  std::string_view body;
+  NodeInfo holder;
+  if (!Authentic(member_key, rresp.kvs(0).value(), &body) || !DecodeMember(body, &holder)) {
+    return Status::FailedPrecondition(fmt::format(
+        "etcd key {} is not a member record signed with the cluster secret; its lease is left alone", member_key));
+  }
+  if (!expected_endpoint.empty() && holder.transfer_endpoint != expected_endpoint) {
+    return Status::FailedPrecondition(fmt::format(
+        "node id '{}' is held by a record of transfer endpoint {}, not {}: another node's, left alone", node_id,
+        holder.transfer_endpoint, expected_endpoint));
+  }
   if (lease == 0) {
     return Status::FailedPrecondition(fmt::format(
         "etcd key {} has no lease, so flexkvd did not write it; delete it (etcdctl del {}) only when no daemon runs "

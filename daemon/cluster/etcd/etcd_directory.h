@@ -79,7 +79,7 @@ class EtcdDirectory final : public Directory {
 
   Status Join(const NodeInfo& self, std::chrono::milliseconds ttl) override;
   Status Leave() override;
-  Status ReleaseNodeId(const std::string& node_id) override;
+  Status ReleaseNodeId(const std::string& node_id, std::string_view expected_endpoint = {}) override;
   Result<std::vector<NodeInfo>> Members() override;
   Status Publish(std::span<const DirectoryEntry> entries) override;
   Status Withdraw(std::span<const DirectoryEntry> entries) override;

@@ -253,7 +253,7 @@ struct ClusterTier::Impl {
                   "node id '{}' is still held by this node's previous run (epoch {}, transfer endpoint {}, which this "
                   "process listens on now): releasing it",
                   self.node_id, m.epoch, m.transfer_endpoint);
-        const Status released = directory->ReleaseNodeId(self.node_id);
+        const Status released = directory->ReleaseNodeId(self.node_id, self.transfer_endpoint);
         if (!released.ok()) {
           joined = released.WithContext("releasing the previous run's member record");
           break;

@@ -199,6 +199,15 @@ Result<uid_t> SsdOwners::Record(std::string_view model_namespace, uid_t uid) {
   MutexLock lock(&mu_);
   auto [it, added] = owners_.try_emplace(std::string(model_namespace), uid);
   if (!added && !dirty_) return it->second;
+  // What Decode would refuse at the next start is never written: a record it dropped whole would hand every
+  // namespace on SSD to the first uid that attaches. The namespace over the limit keeps its blocks in DRAM.
+  if (added && (owners_.size() > kMaxOwners || Encode(owners_, sequence_ + 1).size() > kMaxFileBytes)) {
+    owners_.erase(it);
+    return Status::ResourceExhausted(fmt::format(
+        "the SSD owner record is full ({} namespaces; at most {} namespaces in {} bytes): namespace '{}' is not "
+        "recorded, so its blocks stay in DRAM until namespaces without blocks on SSD are forgotten at the next start",
+        owners_.size(), kMaxOwners, kMaxFileBytes, model_namespace));
+  }
   FLEXKV_RETURN_IF_ERROR(WriteLocked());
   return it->second;
 }

@@ -301,6 +301,7 @@ size_t SsdTier::MoveRound() {
             "model); its blocks stay in DRAM. Move the files away or use --ssd-on-mismatch=discard at the next start",
             v.model_namespace, FormatByteSize(c.block_bytes()), FormatByteSize(store_->payload_capacity())));
       }
+      c.SetWriteBackServed(false);  // never written here: its stores must not wait for a write-back
       continue;
     }
     const auto window = static_cast<size_t>(std::max(1.0, options_.writeback_window * c.capacity_slots()));
@@ -310,7 +311,11 @@ size_t SsdTier::MoveRound() {
     if (writing >= cap) continue;
     const size_t batch = std::min<size_t>(options_.writeback_batch, cap - writing);
     const uint64_t generation = c.generation();
-    if (!RecordOwner(c, &notes)) continue;
+    if (!RecordOwner(c, &notes)) {
+      c.SetWriteBackServed(false);  // its blocks stay in DRAM until the owner is recorded: no store waits for them
+      continue;
+    }
+    c.SetWriteBackServed(true);
     const SsdDomain domain = DomainOf(c);
     if (std::vector<BlockKey> touched = c.TakeTouched(); !touched.empty()) {
       std::vector<SsdBlockId> ids;
