@@ -291,7 +291,9 @@ int RunDaemon(const DaemonConfig& config) {
                                         ssd.get(), cluster.get(), kv_events.get(), kv_events_zmq.get(),
                                         std::chrono::duration_cast<std::chrono::milliseconds>(
                                             std::chrono::system_clock::now().time_since_epoch()).count() -
-                                            (MonotonicMs() - started_ms)});
+                                            (MonotonicMs() - started_ms),
+                                        KvSubscriptionLimits{config.kv_events_max_subscribers_per_uid,
+                                                             config.kv_events_max_subscribers}});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);
