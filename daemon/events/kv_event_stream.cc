@@ -57,18 +57,21 @@ void KvEventStream::Append(KvEvent event) {
   }
 }
 
-bool KvEventStream::WaitForEvents(uint64_t after_seq, std::chrono::milliseconds timeout) {
+bool KvEventStream::WaitForEvents(std::optional<uint64_t> after_seq, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   MutexLock lock(&mu_);
-  while (next_seq_ - 1 <= after_seq && !woken_ && !closed()) {
+  const auto arrived = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return after_seq.has_value() && next_seq_ - 1 > *after_seq;
+  };
+  while (!arrived() && !woken_ && !closed()) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) break;
-    waiting_ = true;
+    waiting_ = after_seq.has_value();
     mu_.WaitFor(&appended_, deadline - now);
   }
   waiting_ = false;
   woken_ = false;
-  return next_seq_ - 1 > after_seq;
+  return arrived();
 }
 
 void KvEventStream::Wake() {

@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -109,11 +110,11 @@ class KvEventStream {
   void Append(KvEvent event);  // assigns event.seq
 
   // --- Waiting (the gRPC subscriptions' feeder thread) ---
-  // Blocks until an event after `after_seq` was appended, Wake() was called, the stream closed, or `timeout` passed,
-  // whichever comes first. True when events after `after_seq` exist. An Append wakes a waiter at most once per wait
-  // (a flag it reads under the ring's lock it holds anyway): appends stay O(1) while no one waits, and cost one
-  // notification per wait when someone does.
-  bool WaitForEvents(uint64_t after_seq, std::chrono::milliseconds timeout);
+  // Blocks until an event after `after_seq` was appended (nullopt: events do not end the wait), Wake() was called,
+  // the stream closed, or `timeout` passed, whichever comes first. True when events after `after_seq` exist. An Append
+  // wakes a waiter for events at most once per wait (a flag it reads under the ring's lock it holds anyway): appends
+  // stay O(1) while no one waits for events, and cost one notification per wait when someone does.
+  bool WaitForEvents(std::optional<uint64_t> after_seq, std::chrono::milliseconds timeout);
   // Ends the waits now (a new subscriber, or one with events left to send, wants the feeder to look).
   void Wake();
 
@@ -192,7 +193,7 @@ class KvEventStream {
   std::vector<KvEvent> ring_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   std::condition_variable appended_;           // WaitForEvents, with mu_
-  bool waiting_ ABSL_GUARDED_BY(mu_) = false;  // a WaitForEvents wants the next Append to notify
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;  // a WaitForEvents for events wants the next Append to notify
   bool woken_ ABSL_GUARDED_BY(mu_) = false;    // Wake() since the last wait began
   mutable Mutex domains_mu_;
   std::vector<DomainInfo> domains_ ABSL_GUARDED_BY(domains_mu_);

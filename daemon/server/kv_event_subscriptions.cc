@@ -319,13 +319,14 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
     return action;
   }
 
-  // Waits for events (the feeder looks at it); wakes the feeder when there is something to send already.
-  Action ParkLocked(int64_t now, bool has_work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Waits for events or for its batching moment: the feeder looks at it from now on, so it is woken to take it into
+  // account (to wait for the next event rather than for its next timer).
+  Action ParkLocked(int64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Action action;
     if (!parked_) {
       parked_ = true;
       parked_since_ms_ = now;
-      action.wake_feeder = has_work;
+      action.wake_feeder = true;
     }
     return action;
   }
@@ -431,9 +432,9 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
     // subscriber rather than once per event.
     const bool idle_due = now - last_write_ms_ >= kIdleBatchMs;
     const bool moved = reader_->position() != sent_position_;
-    if (n == 0 && !moved && !idle_due) return ParkLocked(now, /*has_work=*/false);
+    if (n == 0 && !moved && !idle_due) return ParkLocked(now);
     if (n < max_batch_ && !idle_due && (!feeder || now - parked_since_ms_ < kBatchingMs || !parked_)) {
-      return ParkLocked(now, /*has_work=*/true);
+      return ParkLocked(now);
     }
     HeaderLocked();
     size_t bytes = 0;
@@ -530,7 +531,7 @@ void KvEventSubscriptions::Feeder::Run() {
     if (wait_ms <= 0) continue;
     // Woken early by an event when a subscriber waits for one, by Wake() (a new subscriber, one with events left to
     // send) in any case.
-    stream->WaitForEvents(waits_for_events ? head : std::numeric_limits<uint64_t>::max(),
+    stream->WaitForEvents(waits_for_events ? std::optional<uint64_t>(head) : std::nullopt,
                           std::chrono::milliseconds(wait_ms));
   }
 }
