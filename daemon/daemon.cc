@@ -292,11 +292,17 @@ int RunDaemon(const DaemonConfig& config) {
                                         ssd.get(), cluster.get(), kv_events.get(), kv_events_zmq.get(),
                                         std::chrono::duration_cast<std::chrono::milliseconds>(
                                             std::chrono::system_clock::now().time_since_epoch()).count() -
-                                            (MonotonicMs() - started_ms)});
+                                            (MonotonicMs() - started_ms),
+                                        KvSubscriptionLimits{config.kv_events_max_subscribers_per_uid,
+                                                             config.kv_events_max_subscribers}});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(&control);
   builder.SetMaxReceiveMessageSize(16 << 20);
+  // SubscribeKvEvents runs on gRPC's callback API: its write completions are delivered by whichever thread polls the
+  // connection, which on this server are the synchronous calls' pollers; they look every 10 ms rather than every
+  // second, so that an event stream's next batch never waits for a poll timeout (measured: up to 1 s otherwise).
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 10);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(MakeParseErrorInterceptorFactory());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));

@@ -336,6 +336,14 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "ipc:///run/flexkvd/kv-events (default: off)");
   app.add_option("--kv-events-zmq-topic", cfg.kv_events_zmq_topic,
                  "KV events: the topic frame of each ZMQ message (default kv-events)");
+  app.add_option("--kv-events-max-subscribers-per-uid", cfg.kv_events_max_subscribers_per_uid,
+                 "KV events: gRPC subscriptions one uid may have open at once; more are refused with "
+                 "RESOURCE_EXHAUSTED (default 64)")
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--kv-events-max-subscribers", cfg.kv_events_max_subscribers,
+                 "KV events: gRPC subscriptions open at once in all; more are refused with RESOURCE_EXHAUSTED "
+                 "(default 1024)")
+      ->check(CLI::Range(1u, 1u << 20));
   std::string ssd_size;
   std::string ssd_on_mismatch = "refuse";
   app.add_option("--ssd-path", cfg.ssd_paths,

@@ -50,6 +50,10 @@ struct DaemonConfig {
   uint32_t kv_events_buffer = 65536;
   std::string kv_events_zmq;
   std::string kv_events_zmq_topic = "kv-events";
+  // gRPC event subscriptions open at once, per uid and in all (--kv-events-max-subscribers-per-uid,
+  // --kv-events-max-subscribers); past either a subscription is refused with RESOURCE_EXHAUSTED naming it.
+  uint32_t kv_events_max_subscribers_per_uid = 64;
+  uint32_t kv_events_max_subscribers = 1024;
   // [namespace."<name>"] tables of the --config file: who may write and read each namespace (namespace_access.h).
   std::map<std::string, NamespaceAcl, std::less<>> namespace_acls;
   size_t max_domains = 1;              // --max-domains: cache domains (namespace + geometry) served at once

@@ -51,6 +51,33 @@ void KvEventStream::Append(KvEvent event) {
   MutexLock lock(&mu_);
   event.seq = next_seq_++;
   ring_[event.seq & (capacity_ - 1)] = event;
+  if (waiting_) {
+    waiting_ = false;
+    appended_.notify_one();
+  }
+}
+
+bool KvEventStream::WaitForEvents(std::optional<uint64_t> after_seq, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  MutexLock lock(&mu_);
+  const auto arrived = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return after_seq.has_value() && next_seq_ - 1 > *after_seq;
+  };
+  while (!arrived() && !woken_ && !closed()) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) break;
+    waiting_ = after_seq.has_value();
+    mu_.WaitFor(&appended_, deadline - now);
+  }
+  waiting_ = false;
+  woken_ = false;
+  return arrived();
+}
+
+void KvEventStream::Wake() {
+  MutexLock lock(&mu_);
+  woken_ = true;
+  appended_.notify_all();
 }
 
 uint64_t KvEventStream::last_seq() const {
@@ -155,6 +182,15 @@ KvEventStream::Snapshot KvEventStream::Reader::TakeSnapshot() {
 }
 
 KvEventStream::Reader::Result KvEventStream::Reader::Read(size_t max, std::vector<KvEvent>* out, uint64_t* behind) {
+  return ReadInto(max, out, behind);
+}
+
+KvEventStream::Reader::Result KvEventStream::Reader::Read(size_t max, KvEventVector* out, uint64_t* behind) {
+  return ReadInto(max, out, behind);
+}
+
+template <typename Out>
+KvEventStream::Reader::Result KvEventStream::Reader::ReadInto(size_t max, Out* out, uint64_t* behind) {
   if (stream_->closed()) return Result::kClosed;
   // Copied out in chunks, the lock released in between: an appender (which holds its cache's lock) never waits for
   // more than one chunk's copy.

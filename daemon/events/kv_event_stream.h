@@ -9,10 +9,17 @@
 // Thread-safe.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -57,6 +64,34 @@ struct KvEvent {
   KvEventCause cause = KvEventCause::kUnknown;
 };
 
+// An allocator whose large blocks (64 KiB and more) are anonymous mappings of their own, unmapped when freed: the
+// memory a subscriber held for its snapshot and its queue goes back to the system the moment its stream ends, instead
+// of staying in malloc's heap (where a freed large vector usually stays: glibc raises its mmap threshold to the size
+// of the largest mapping freed, so that the next vectors come from the heap and are never returned).
+template <typename T>
+struct PageBackedAllocator {
+  using value_type = T;
+  PageBackedAllocator() = default;
+  template <typename U>
+  PageBackedAllocator(const PageBackedAllocator<U>& /*other*/) {}  // NOLINT: converting, as allocators are
+  static constexpr size_t kMappedBytes = 64 << 10;
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kMappedBytes) return std::allocator<T>().allocate(n);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kMappedBytes) return std::allocator<T>().deallocate(p, n);
+    munmap(p, bytes);
+  }
+  template <typename U>
+  bool operator==(const PageBackedAllocator<U>& /*other*/) const { return true; }
+};
+using KvEventVector = std::vector<KvEvent, PageBackedAllocator<KvEvent>>;
+
 class KvEventStream {
  public:
   // `capacity`: events the ring holds (rounded up to a power of two, at least 64). `instance_id`: this daemon
@@ -73,6 +108,15 @@ class KvEventStream {
   // own events (see AddSource), so that a snapshot taken under that lock is consistent with the sequence numbers.
   bool active() const { return subscribers_.load(std::memory_order_relaxed) > 0; }
   void Append(KvEvent event);  // assigns event.seq
+
+  // --- Waiting (the gRPC subscriptions' feeder thread) ---
+  // Blocks until an event after `after_seq` was appended (nullopt: events do not end the wait), Wake() was called,
+  // the stream closed, or `timeout` passed, whichever comes first. True when events after `after_seq` exist. An Append
+  // wakes a waiter for events at most once per wait (a flag it reads under the ring's lock it holds anyway): appends
+  // stay O(1) while no one waits for events, and cost one notification per wait when someone does.
+  bool WaitForEvents(std::optional<uint64_t> after_seq, std::chrono::milliseconds timeout);
+  // Ends the waits now (a new subscriber, or one with events left to send, wants the feeder to look).
+  void Wake();
 
   // Domains: an id per (namespace) seen, for the events' `domain`. Cheap after the first call per name.
   struct DomainInfo {
@@ -101,7 +145,7 @@ class KvEventStream {
   struct Snapshot {
     uint64_t seq = 0;             // the snapshot holds every event up to here; reading continues after it
     std::vector<uint64_t> marks;  // per source: the last seq its part of the snapshot holds
-    std::vector<KvEvent> blocks;  // kStored, seq 0
+    KvEventVector blocks;         // kStored, seq 0
   };
   // A subscription: counts as a subscriber while it lives (appends happen from its construction on).
   class Reader {
@@ -118,9 +162,12 @@ class KvEventStream {
     // Appends up to `max` events after the reader's position to `out` (events a snapshot already holds are skipped)
     // and moves on. kOverrun: the events after the position were overwritten; `*behind` says how many were lost.
     Result Read(size_t max, std::vector<KvEvent>* out, uint64_t* behind);
+    Result Read(size_t max, KvEventVector* out, uint64_t* behind);
     uint64_t position() const { return next_ - 1; }  // the last seq consumed (or skipped)
 
    private:
+    template <typename Out>
+    Result ReadInto(size_t max, Out* out, uint64_t* behind);
     KvEventStream* stream_;
     uint64_t next_ = 1;
     std::vector<uint64_t> marks_;
@@ -130,7 +177,10 @@ class KvEventStream {
   uint32_t subscribers() const { return subscribers_.load(std::memory_order_relaxed); }
   uint64_t cut_off() const { return cut_off_.load(std::memory_order_relaxed); }
   // Readers from now on answer kClosed (the daemon stops).
-  void Close() { closed_.store(true, std::memory_order_release); }
+  void Close() {
+    closed_.store(true, std::memory_order_release);
+    Wake();
+  }
   bool closed() const { return closed_.load(std::memory_order_acquire); }
 
  private:
@@ -142,6 +192,9 @@ class KvEventStream {
   mutable Mutex mu_;  // the ring: appends and copies out, nothing else
   std::vector<KvEvent> ring_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  std::condition_variable appended_;           // WaitForEvents, with mu_
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;  // a WaitForEvents for events wants the next Append to notify
+  bool woken_ ABSL_GUARDED_BY(mu_) = false;    // Wake() since the last wait began
   mutable Mutex domains_mu_;
   std::vector<DomainInfo> domains_ ABSL_GUARDED_BY(domains_mu_);
   std::unordered_map<uint64_t, uint16_t> by_hash_ ABSL_GUARDED_BY(domains_mu_);

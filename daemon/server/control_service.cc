@@ -1,6 +1,6 @@
 // flexkv.v1.Control handlers; see control_service.h. Over 800 lines: one handler per RPC sharing the service's
-// helpers (status translation, admin checks, domain lookups); SubscribeKvEvents (its snapshot, stream and watchdog)
-// is the part to move into a file of its own when the event stream gains another outlet.
+// helpers (status translation, admin checks, domain lookups); SubscribeKvEvents' streams are served by
+// KvEventSubscriptions (kv_event_subscriptions.cc).
 #include "daemon/server/control_service.h"
 
 #include <algorithm>
@@ -11,6 +11,9 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
+#include <string_view>
+#include <utility>
 #include <condition_variable>
 #include <future>
 #include <mutex>
@@ -28,9 +31,23 @@
 #include "daemon/tiers/ssd/ssd_tier.h"
 
 namespace flexkv {
+
+ControlService::ControlService(ControlContext ctx) : ctx_(ctx) {
+  if (ctx_.kv_events != nullptr) {
+    kv_subscriptions_ = std::make_unique<KvEventSubscriptions>(
+        ctx_.kv_events, ctx_.kv_event_limits, static_cast<uint64_t>(ctx_.started_unix_ms), ctx_.errors);
+  }
+}
+
 grpc::Status ControlService::Answer(const Status& status) {
   if (!status.ok()) ctx_.errors->Add(status.code());
   return ToGrpc(status);
+}
+
+bool ControlService::MaySee(std::string_view model_namespace, const std::optional<PeerCredentials>& peer,
+                            bool admin) const {
+  if (admin) return true;
+  return peer.has_value() && ctx_.access->MayReadDomainNamed(model_namespace, *peer, admin);
 }
 
 bool ControlService::IsAdmin(const std::optional<PeerCredentials>& peer) const {
@@ -296,8 +313,12 @@ void FillCounters(const CounterValues& c, uint64_t evicted, v1::Counters* out) {
 
 }  // namespace
 
-grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v1::GetStatusRequest* /*request*/,
+grpc::Status ControlService::GetStatus(grpc::ServerContext* context, const v1::GetStatusRequest* /*request*/,
                                        v1::GetStatusResponse* response) {
+  // A domain's name, geometry, blocks and counters are shown to its namespace's readers (and admins); the others'
+  // count in the totals only.
+  const auto peer = ctx_.peers->Find(context->peer());
+  const bool admin = IsAdmin(peer);
   response->set_state(ServingStateName(ctx_.lifecycle->state()));
   response->set_version(kVersion);
   response->set_pid(static_cast<uint32_t>(getpid()));
@@ -310,15 +331,17 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
   for (const CacheSet::Domain& d : domains) {
     const CacheDomain::View view = d.cache->Domain();
     const Cache::Stats stats = d.cache->GetStats();
-    v1::DomainStatus* out = response->add_domains();
-    out->set_model_namespace(d.model_namespace);
-    ToProto(d.geometry, out->mutable_geometry());
-    FillPool(view, stats, d.budget_bytes, out->mutable_pool());
-    out->mutable_index()->set_blocks(stats.blocks);
-    FillCounters(d.counters, stats.evicted, out->mutable_counters());
-    out->set_sessions(static_cast<uint32_t>(ctx_.sessions->CountIn(d.model_namespace)));
-    out->set_idle_s(IdleSeconds(d));
-    out->set_limit_bytes(d.limit_bytes);
+    if (MaySee(d.model_namespace, peer, admin)) {
+      v1::DomainStatus* out = response->add_domains();
+      out->set_model_namespace(d.model_namespace);
+      ToProto(d.geometry, out->mutable_geometry());
+      FillPool(view, stats, d.budget_bytes, out->mutable_pool());
+      out->mutable_index()->set_blocks(stats.blocks);
+      FillCounters(d.counters, stats.evicted, out->mutable_counters());
+      out->set_sessions(static_cast<uint32_t>(ctx_.sessions->CountIn(d.model_namespace)));
+      out->set_idle_s(IdleSeconds(d));
+      out->set_limit_bytes(d.limit_bytes);
+    }
     // The totals.
     pool->set_capacity_blocks(pool->capacity_blocks() + stats.capacity);
     pool->set_used_blocks(pool->used_blocks() + stats.used);
@@ -334,8 +357,10 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* /*context*/, const v
     // One domain: the top-level fields are its own, as before several domains existed.
     const CacheDomain::View view = domains[0].cache->Domain();
     FillPool(view, domains[0].cache->GetStats(), ctx_.caches->budget_bytes(), pool);
-    response->set_model_namespace(domains[0].model_namespace);
-    ToProto(domains[0].geometry, response->mutable_geometry());
+    if (MaySee(domains[0].model_namespace, peer, admin)) {
+      response->set_model_namespace(domains[0].model_namespace);
+      ToProto(domains[0].geometry, response->mutable_geometry());
+    }
   }
   pool->set_backing(backing);
   pool->set_budget_bytes(ctx_.caches->budget_bytes());
@@ -392,9 +417,53 @@ grpc::Status ControlService::ListSessions(grpc::ServerContext* context, const v1
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::GetMetrics(grpc::ServerContext* /*context*/, const v1::GetMetricsRequest* /*request*/,
+namespace {
+
+// The families with the samples of the namespaces `may_see` refuses folded into one sample per family and other
+// labels, whose namespace label is empty (no namespace, in Prometheus' terms): the totals, not whose they are.
+std::vector<prometheus::MetricFamily> FoldHiddenNamespaces(std::vector<prometheus::MetricFamily> families,
+                                                           const std::function<bool(const std::string&)>& may_see) {
+  for (prometheus::MetricFamily& family : families) {
+    std::vector<prometheus::ClientMetric> kept;
+    std::map<std::vector<std::pair<std::string, std::string>>, size_t> folded;  // other labels -> index in kept
+    for (prometheus::ClientMetric& m : family.metric) {
+      const auto ns = std::find_if(m.label.begin(), m.label.end(),
+                                   [](const prometheus::ClientMetric::Label& l) { return l.name == "namespace"; });
+      if (ns == m.label.end() || may_see(ns->value)) {
+        kept.push_back(std::move(m));
+        continue;
+      }
+      ns->value.clear();
+      std::vector<std::pair<std::string, std::string>> key;
+      for (const auto& l : m.label) key.emplace_back(l.name, l.value);
+      auto [it, fresh] = folded.emplace(std::move(key), kept.size());
+      if (fresh) {
+        kept.push_back(std::move(m));
+        continue;
+      }
+      prometheus::ClientMetric& total = kept[it->second];
+      total.counter.value += m.counter.value;
+      total.gauge.value += m.gauge.value;
+      total.untyped.value += m.untyped.value;
+    }
+    family.metric = std::move(kept);
+  }
+  return families;
+}
+
+}  // namespace
+
+grpc::Status ControlService::GetMetrics(grpc::ServerContext* context, const v1::GetMetricsRequest* /*request*/,
                                         v1::GetMetricsResponse* response) {
-  response->set_text(ctx_.metrics->Text());
+  // Per-namespace samples only for the namespace's readers (and admins), as GetStatus.
+  const auto peer = ctx_.peers->Find(context->peer());
+  const bool admin = IsAdmin(peer);
+  if (admin) {
+    response->set_text(ctx_.metrics->Text());
+    return grpc::Status::OK;
+  }
+  const auto may_see = [&](const std::string& model_namespace) { return MaySee(model_namespace, peer, admin); };
+  response->set_text(RenderText(FoldHiddenNamespaces(ctx_.metrics->Collect(), may_see)));
   return grpc::Status::OK;
 }
 
@@ -706,206 +775,22 @@ grpc::Status ControlService::Scrub(grpc::ServerContext* context, const v1::Scrub
 }  // namespace flexkv
 
 namespace flexkv {
-namespace {
 
-// The domains' names and block sizes, looked up once per domain per subscription (not per event).
-struct DomainCache {
-  const KvEventStream::DomainInfo& Get(const KvEventStream& stream, uint16_t id) {
-    auto it = known.find(id);
-    if (it == known.end()) it = known.emplace(id, stream.Domain(id)).first;
-    return it->second;
+grpc::ServerWriteReactor<v1::KvEventBatch>* ControlService::SubscribeKvEvents(
+    grpc::CallbackServerContext* context, const v1::SubscribeKvEventsRequest* request) {
+  if (kv_subscriptions_ == nullptr) {
+    return KvEventSubscriptions::Refuse(Answer(Status::Unavailable("this daemon serves no KV event stream")));
   }
-  std::map<uint16_t, KvEventStream::DomainInfo> known;
-};
-
-void FillKvEvent(const KvEventStream& stream, DomainCache& domains, const KvEvent& e, v1::KvEvent* out) {
-  out->set_seq(e.seq);
-  out->set_kind(static_cast<v1::KvEvent::Kind>(e.kind));
-  out->set_tier(static_cast<v1::KvEvent::Tier>(e.tier));
-  out->set_key_lo(e.key.lo);
-  out->set_key_hi(e.key.hi);
-  out->set_parent_lo(e.parent.lo);
-  out->set_parent_hi(e.parent.hi);
-  const KvEventStream::DomainInfo& d = domains.Get(stream, e.domain);
-  out->set_model_namespace(d.model_namespace);
-  out->set_tokens_per_block(d.tokens_per_block);
-  out->set_cause(static_cast<v1::KvEvent::Cause>(e.cause));
-}
-
-}  // namespace
-
-grpc::Status ControlService::SubscribeKvEvents(grpc::ServerContext* context, const v1::SubscribeKvEventsRequest* request,
-                                               grpc::ServerWriter<v1::KvEventBatch>* writer) {
-  KvEventStream* stream = ctx_.kv_events;
-  if (stream == nullptr) return Answer(Status::Unavailable("this daemon serves no KV event stream"));
-  if (request->max_batch_events() > 65536) {
-    return Answer(Status::InvalidArgument(fmt::format("max_batch_events {}: expected 0 (1024) to 65536",
-                                                      request->max_batch_events())));
-  }
-  const size_t max_batch = request->max_batch_events() == 0 ? 1024 : request->max_batch_events();
-  KvEventStream::Reader reader(stream);
-  DomainCache domains;
-  const auto batch_header = [&](v1::KvEventBatch* b) {
-    b->set_instance_id(stream->instance_id());
-    b->set_started_unix_ms(static_cast<uint64_t>(ctx_.started_unix_ms));
+  const auto peer = ctx_.peers->Find(context->peer());
+  if (!peer) return KvEventSubscriptions::Refuse(Answer(Status::Internal("cannot identify the calling process (no peer credentials)")));
+  // A subscriber sees the events of the namespaces it may read (admins: all), snapshot and live alike: the keys say
+  // which prompts are cached.
+  const bool admin = IsAdmin(peer);
+  const NamespaceAccess* access = ctx_.access;
+  auto readable = [access, who = *peer, admin](std::string_view domain_name) {
+    return access->MayReadDomainNamed(domain_name, who, admin);
   };
-  // A subscriber that stops reading for good blocks Write (flow control) and would hold this handler until it
-  // disconnects: a watchdog cancels the call once a Write has been blocked for 10 s and either the snapshot is not
-  // sent yet (the handler holds it in memory and the subscriber has no view to keep up: nothing is lost by ending it)
-  // or the stream has overwritten what it had not read (it could only be cut off then anyway). A subscriber that
-  // reads again in time is told the reason; one cancelled sees CANCELLED, and the daemon logs why.
-  constexpr int64_t kStalledWriteMs = 10000;
-  struct Watchdog {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    std::atomic<int64_t> writing_since_ms{0};  // 0: not in Write
-    std::atomic<uint64_t> position{0};         // the ring's read position
-    std::atomic<bool> in_snapshot{false};
-    std::thread thread;
-    ~Watchdog() {
-      {
-        std::lock_guard lock(mu);
-        done = true;
-      }
-      cv.notify_all();
-      if (thread.joinable()) thread.join();
-    }
-  } watchdog;
-  watchdog.thread = std::thread([&watchdog, stream, context] {
-    std::unique_lock lock(watchdog.mu);
-    while (!watchdog.cv.wait_for(lock, std::chrono::seconds(1), [&] { return watchdog.done; })) {
-      const int64_t since = watchdog.writing_since_ms.load();
-      if (since == 0 || MonotonicMs() - since < kStalledWriteMs) continue;
-      if (watchdog.in_snapshot.load()) {
-        log::Warning("events", "a KV event subscriber has not read for {} s in the middle of its snapshot: its call is "
-                     "cancelled (a subscriber must keep reading; it may subscribe again)",
-                     (MonotonicMs() - since) / 1000);
-      } else if (stream->last_seq() - watchdog.position.load() > stream->capacity()) {
-        log::Warning("events", "a KV event subscriber has not read for {} s and fell behind the event buffer: its "
-                     "call is cancelled", (MonotonicMs() - since) / 1000);
-      } else {
-        continue;
-      }
-      context->TryCancel();
-      return;
-    }
-  });
-  const auto write = [&](const v1::KvEventBatch& b) {
-    watchdog.position.store(reader.position());
-    watchdog.writing_since_ms.store(MonotonicMs());
-    const bool written = writer->Write(b);
-    watchdog.writing_since_ms.store(0);
-    return written;
-  };
-  const auto fell_behind = [&](uint64_t behind) {
-    static log::RateLimited cut_off_log(10000);
-    cut_off_log.Warning("events", "a KV event subscriber fell behind by {} events and was cut off", behind);
-    return Answer(Status::ResourceExhausted(fmt::format(
-        "KV event subscriber fell behind by {} events: the daemon keeps the last {} (--kv-events-buffer) and the "
-        "events after seq {} are gone; resubscribe (the new stream starts with a snapshot), and read faster or ask "
-        "the operator for a larger --kv-events-buffer", behind, stream->capacity(), reader.position())));
-  };
-  const auto stopping = [this] {
-    return Answer(Status::Unavailable("the daemon is stopping; subscribe again once it is back (a new instance_id)"));
-  };
-  // Events read from the ring and not yet written, oldest first from queue[head]. The handler reads everything new
-  // before each Write, so that the ring is not overrun while the subscriber takes a long snapshot or a burst: one
-  // that keeps up with the stream always finishes. What it holds is bounded: more than the snapshot's size plus the
-  // ring's capacity means the subscriber reads slower than the events come, and it is cut off as if it had fallen
-  // behind the ring.
-  std::vector<KvEvent> queue;
-  size_t head = 0;
-  size_t queue_limit = stream->capacity();
-  const auto drain = [&]() -> std::optional<grpc::Status> {
-    uint64_t behind = 0;
-    // At most one event past the limit is read, so the limit is the most the handler ever holds (plus one).
-    const size_t held = queue.size() - head;
-    const size_t room = held > queue_limit ? 0 : queue_limit - held;
-    const KvEventStream::Reader::Result r = reader.Read(room + 1, &queue, &behind);
-    if (r == KvEventStream::Reader::Result::kClosed) return stopping();
-    if (r == KvEventStream::Reader::Result::kOverrun) return fell_behind(behind + (queue.size() - head));
-    if (queue.size() - head > queue_limit) {
-      static log::RateLimited queue_log(10000);
-      queue_log.Warning("events", "a KV event subscriber fell {} events behind (more than its snapshot and the "
-                        "event buffer) and was cut off", queue.size() - head);
-      return Answer(Status::ResourceExhausted(fmt::format(
-          "KV event subscriber fell behind by {} events: the daemon holds at most the snapshot's {} blocks plus "
-          "--kv-events-buffer {} events for a subscriber; resubscribe (the new stream starts with a snapshot), and "
-          "read faster or ask the operator for a larger --kv-events-buffer",
-          queue.size() - head, queue_limit - stream->capacity(), stream->capacity())));
-    }
-    return std::nullopt;
-  };
-  uint64_t sent_position = 0;  // the position of the last batch written
-  if (request->skip_snapshot()) {
-    // No snapshot: a first empty batch says where the stream starts (nothing to replace a view with).
-    reader.StartAtHead();
-    v1::KvEventBatch b;
-    batch_header(&b);
-    b.set_head_seq(reader.position());
-    b.set_position(reader.position());
-    if (!write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
-    sent_position = reader.position();
-  } else {
-    watchdog.in_snapshot.store(true);
-    const KvEventStream::Snapshot snap = reader.TakeSnapshot();
-    queue_limit = snap.blocks.size() + stream->capacity();
-    size_t i = 0;
-    do {
-      v1::KvEventBatch b;
-      batch_header(&b);
-      b.set_snapshot(true);
-      const size_t end = std::min(snap.blocks.size(), i + max_batch);
-      for (; i < end; ++i) FillKvEvent(*stream, domains, snap.blocks[i], b.add_events());
-      b.set_snapshot_end(i == snap.blocks.size());
-      b.set_snapshot_seq(snap.seq);
-      b.set_head_seq(snap.seq);
-      b.set_position(snap.seq);
-      if (!write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
-      // The events after the snapshot wait in the queue until its last batch is written: a subscriber applies the
-      // snapshot, then them (the wire order docs/kv_events.md promises).
-      if (auto ended = drain()) return *ended;
-    } while (i < snap.blocks.size());
-    watchdog.in_snapshot.store(false);
-    sent_position = snap.seq;
-  }
-  int64_t last_write_ms = MonotonicMs();
-  std::vector<KvEvent> events;
-  while (!context->IsCancelled()) {
-    if (auto ended = drain()) return *ended;
-    const size_t n = std::min(max_batch, queue.size() - head);
-    // Every event up to the position has been written or is in the snapshot: the ring's position once the queue is
-    // empty, else the last event written (those skipped before it are in the snapshot).
-    const uint64_t position = head + n == queue.size() ? reader.position() : queue[head + n - 1].seq;
-    const int64_t now = MonotonicMs();
-    // A batch when there are events, when skipped events moved the position, and once a second when idle (the
-    // subscriber sees that the stream is alive and where the head is).
-    if (n == 0 && position == sent_position && now - last_write_ms < 1000) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      continue;
-    }
-    v1::KvEventBatch b;
-    batch_header(&b);
-    for (size_t k = head; k < head + n; ++k) FillKvEvent(*stream, domains, queue[k], b.add_events());
-    b.set_head_seq(stream->last_seq());
-    b.set_position(position);
-    if (!write(b)) return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
-    head += n;
-    if (head == queue.size()) {
-      queue.clear();
-      head = 0;
-    } else if (head >= 4096 && head * 2 >= queue.size()) {
-      queue.erase(queue.begin(), queue.begin() + static_cast<std::ptrdiff_t>(head));
-      head = 0;
-    }
-    sent_position = position;
-    last_write_ms = now;
-    // Batching: after a batch that was not full, let events gather for a moment instead of coming back for each one
-    // (every read takes the ring's lock, which the data path appends under: fewer, larger reads contend less).
-    if (n < max_batch) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  return grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away");
+  return kv_subscriptions_->Subscribe(context, *request, peer->uid, std::move(readable));
 }
 
 }  // namespace flexkv

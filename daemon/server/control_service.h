@@ -17,6 +17,7 @@
 #include "daemon/lifecycle.h"
 #include "daemon/metrics/daemon_metrics.h"
 #include "daemon/metrics/request_metrics.h"
+#include "daemon/server/kv_event_subscriptions.h"
 #include "daemon/server/peer_table.h"
 #include "daemon/sessions/namespace_access.h"
 #include "daemon/sessions/session_registry.h"
@@ -48,11 +49,14 @@ struct ControlContext {
   KvEventStream* kv_events = nullptr;   // the KV event stream (SubscribeKvEvents, GetStatus kv_events)
   const ZmqKvEventPublisher* kv_events_zmq = nullptr;  // its ZMQ publisher, when --kv-events-zmq is set
   int64_t started_unix_ms = 0;
+  KvSubscriptionLimits kv_event_limits;  // --kv-events-max-subscribers-per-uid, --kv-events-max-subscribers
 };
 
-class ControlService final : public v1::Control::Service {
+// SubscribeKvEvents uses gRPC's callback API (KvEventSubscriptions: no thread per stream); the other calls are
+// synchronous.
+class ControlService final : public v1::Control::WithCallbackMethod_SubscribeKvEvents<v1::Control::Service> {
  public:
-  explicit ControlService(ControlContext ctx) : ctx_(ctx) {}
+  explicit ControlService(ControlContext ctx);
 
   grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
                       v1::AttachResponse* response) override;
@@ -80,8 +84,8 @@ class ControlService final : public v1::Control::Service {
                           v1::DropDomainResponse* response) override;
   grpc::Status Scrub(grpc::ServerContext* context, const v1::ScrubRequest* request,
                      v1::ScrubResponse* response) override;
-  grpc::Status SubscribeKvEvents(grpc::ServerContext* context, const v1::SubscribeKvEventsRequest* request,
-                                 grpc::ServerWriter<v1::KvEventBatch>* writer) override;
+  grpc::ServerWriteReactor<v1::KvEventBatch>* SubscribeKvEvents(grpc::CallbackServerContext* context,
+                                                                const v1::SubscribeKvEventsRequest* request) override;
 
   // Requests answered with an error (the `errors` counter).
   uint64_t errors() const { return ctx_.errors->Total(); }
@@ -103,7 +107,12 @@ class ControlService final : public v1::Control::Service {
   // Seconds since the last session of the domain ended or it was created; 0 while one is attached.
   uint64_t IdleSeconds(const CacheSet::Domain& domain) const;
 
+  // Whether the caller may see the blocks, sessions and counters of `model_namespace` (a reader of it, or an admin):
+  // GetStatus and GetMetrics show the others' only in totals.
+  bool MaySee(std::string_view model_namespace, const std::optional<PeerCredentials>& peer, bool admin) const;
+
   ControlContext ctx_;
+  std::unique_ptr<KvEventSubscriptions> kv_subscriptions_;  // when the daemon serves KV events
   // Serializes an Attach's admission and session opening with DropDomain: a domain is dropped only while no
   // session of it exists, and none can appear halfway.
   Mutex domain_mu_;

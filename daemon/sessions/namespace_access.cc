@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "flexkv/block_key.h"
+
 namespace flexkv {
 namespace {
 
@@ -41,6 +43,22 @@ Status NamespaceAccess::CheckReader(std::string_view model_namespace, const Peer
       "uid {} (pid {}) may not use namespace '{}': its readers are {} and its writers {} ({}), besides admins; "
       "expected a listed user or a member of a listed group (ask the operator)",
       peer.uid, peer.pid, model_namespace, ListText(*acl->readers), ListText(acl->writers), acl->source));
+}
+
+bool NamespaceAccess::MayReadDomainNamed(std::string_view domain_name, const PeerCredentials& peer, bool admin) const {
+  if (admin) return true;
+  if (!CheckReader(domain_name, peer, admin).ok()) return false;
+  if (domain_name.size() != 17 || domain_name[0] != '#') return true;
+  uint64_t hash = 0;
+  for (const char c : domain_name.substr(1)) {
+    const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (digit < 0) return true;  // not a hash name: the name's own ACL decided
+    hash = hash << 4 | static_cast<uint64_t>(digit);
+  }
+  for (const auto& [name, acl] : acls_) {
+    if (NamespaceHash(name) == hash && !CheckReader(name, peer, admin).ok()) return false;
+  }
+  return true;
 }
 
 // The refusal reaches the client in a completion's 88-byte message: who, the namespace and where its writers come

@@ -64,6 +64,11 @@ class NamespaceAccess {
   // A writer may always read.
   Status CheckReader(std::string_view model_namespace, const PeerCredentials& peer, bool admin) const;
 
+  // Whether `peer` may read a domain named in the KV events, where a domain the daemon knows only from SSD blocks is
+  // named "#" and the 16 hex digits of its namespace's hash (docs/kv_events.md): such a name is readable only when
+  // every ACL'd namespace with that hash, and the name itself, let the peer read.
+  bool MayReadDomainNamed(std::string_view domain_name, const PeerCredentials& peer, bool admin) const;
+
   // What a session of `peer` (a reader) may do in `model_namespace`, whose domain was created by `creator_uid`
   // (nullopt: unknown, then only admins write a namespace without an ACL).
   SessionAccess Decide(std::string_view model_namespace, const PeerCredentials& peer, bool admin,

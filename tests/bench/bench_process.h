@@ -105,6 +105,7 @@ class OwnDaemon {
   ~OwnDaemon();
 
   const std::string& socket() const { return socket_; }
+  pid_t pid() const { return pid_; }
 
   // Prints the last 4000 bytes of the daemon's log on stderr: for a failed run, before destruction removes it.
   void DumpLog() const;

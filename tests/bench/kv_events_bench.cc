@@ -12,10 +12,13 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+
 #include "common/clock.h"
 #include "daemon/events/kv_event_stream.h"
 #include "flexkv/client.h"
 #include "flexkv/kv_events.h"
+#include "flexkv/v1/control.grpc.pb.h"
 #include "bench_process.h"
 
 namespace flexkv::bench {
@@ -86,6 +89,79 @@ struct Reader {
   std::string error;
 };
 
+// Threads of a process (/proc/<pid>/status), 0 when unknown.
+size_t ThreadsOf(pid_t pid) {
+  FILE* f = std::fopen(fmt::format("/proc/{}/status", pid).c_str(), "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  size_t threads = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "Threads: %zu", &threads) == 1) break;
+  }
+  std::fclose(f);
+  return threads;
+}
+
+// A hostile client (issue 29 item 4): `n` event subscriptions of this process's uid, half with a snapshot, on 8
+// connections with a small receive window, none ever read. The daemon refuses those past its per-uid limit; the rest
+// stay open, unread, while the stores run. Ended and refused calls are counted as their status comes.
+struct HostileSubscribers {
+  HostileSubscribers(const std::string& socket, int n) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    std::vector<std::unique_ptr<v1::Control::Stub>> stubs;
+    for (int i = 0; i < 8; ++i) {
+      stubs.push_back(v1::Control::NewStub(
+          grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args)));
+    }
+    for (int i = 0; i < n; ++i) {
+      auto call = std::make_unique<Call>();
+      v1::SubscribeKvEventsRequest req;
+      req.set_skip_snapshot(i % 2 == 1);
+      call->reader = stubs[static_cast<size_t>(i) % stubs.size()]->PrepareAsyncSubscribeKvEvents(&call->ctx, req, &cq);
+      call->reader->StartCall(nullptr);
+      call->reader->Finish(&call->status, call.get());
+      calls.push_back(std::move(call));
+    }
+    Poll(std::chrono::milliseconds(1000));  // the refusals come at once
+  }
+  ~HostileSubscribers() {
+    for (auto& c : calls) c->ctx.TryCancel();
+    while (ended < calls.size() && Poll(std::chrono::milliseconds(10000))) {
+    }
+    cq.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq.Next(&tag, &ok)) {
+    }
+  }
+  // Takes what came within `wait`; false when nothing did.
+  bool Poll(std::chrono::milliseconds wait) {
+    const auto until = std::chrono::system_clock::now() + wait;
+    bool any = false;
+    for (;;) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (cq.AsyncNext(&tag, &ok, until) != grpc::CompletionQueue::GOT_EVENT) return any;
+      if (tag == nullptr) continue;  // a call started
+      any = true;
+      ++ended;
+      if (static_cast<Call*>(tag)->status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++refused;
+      if (ended == calls.size()) return true;
+    }
+  }
+  struct Call {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientAsyncReader<v1::KvEventBatch>> reader;
+    grpc::Status status;
+  };
+  grpc::CompletionQueue cq;
+  std::vector<std::unique_ptr<Call>> calls;
+  size_t ended = 0, refused = 0;
+};
+
 // --append: the stream's Append alone, in this process (no daemon): ns per event with no subscriber (a relaxed load),
 // with one reader draining the ring in another thread, and with one subscribed that never reads.
 int RunAppendBench(uint64_t events) {
@@ -143,6 +219,11 @@ int RunKvEventsBench(int argc, char** argv) {
       ->check(CLI::Range(1u, 128u));
   app.add_option("--pool-size", o.pool_size, "--pool-size of the flexkvd this bench starts (default 64MiB: stores evict)");
   app.add_flag("--zmq", o.zmq, "The flexkvd this bench starts also publishes on ZMQ (--kv-events-zmq ipc://...)");
+  int hostile = 1000;
+  app.add_option("--hostile", hostile,
+                 "Unread subscriptions of the hostile variant (one uid, half with a snapshot; 0: no such variant; "
+                 "default 1000)")
+      ->check(CLI::Range(0, 100000));
   bool append_only = false;
   uint64_t append_events = 20000000;
   app.add_flag("--append", append_only, "Only the stream's Append in this process (ns per event), no daemon");
@@ -186,13 +267,33 @@ int RunKvEventsBench(int argc, char** argv) {
   }
   int seed = 0;
   (void)StoreRound(**client, o, &seed);  // warm-up: the pool fills, stores evict from now on
-  // Variants: 0 no subscriber, 1 a subscriber that reads everything, 2 one subscribed that does not read.
-  std::vector<double> p50[3], p99[3], rate[3];
+  // Variants: 0 no subscriber, 1 a subscriber that reads everything, 2 one subscribed that does not read, 3 a hostile
+  // client's `hostile` unread subscriptions (refused past the per-uid limit), with an engine's Connect and Attach timed.
+  const int variants = hostile > 0 ? 4 : 3;
+  std::vector<double> p50[4], p99[4], rate[4], attach_ms;
   uint64_t events = 0;
+  size_t hostile_refused = 0, hostile_open = 0, hostile_threads = 0;
   for (int round = 0; round < o.rounds; ++round) {
-    for (int with = 0; with < 3; ++with) {
+    for (int with = 0; with < variants; ++with) {
       std::unique_ptr<Reader> reader;
-      if (with > 0) reader = std::make_unique<Reader>(socket, with == 1);
+      std::unique_ptr<HostileSubscribers> attackers;
+      if (with == 1 || with == 2) reader = std::make_unique<Reader>(socket, with == 1);
+      if (with == 3) {
+        attackers = std::make_unique<HostileSubscribers>(socket, hostile);
+        hostile_refused = attackers->refused;
+        hostile_open = attackers->calls.size() - attackers->ended;
+        if (own) hostile_threads = ThreadsOf(own->pid());
+        const int64_t a0 = NowNs();
+        auto engine = Client::Connect({socket, std::chrono::milliseconds(5000), std::chrono::milliseconds(5000)});
+        AttachOptions a = attach;
+        a.client_name = "flexkv-bench-events-late";
+        if (!engine.ok() || !(*engine)->Attach(a).ok()) {
+          std::fprintf(stderr, "flexkv-bench: an engine could not attach beside the hostile subscribers\n");
+          attach_ms.push_back(-1);
+        } else {
+          attach_ms.push_back(static_cast<double>(NowNs() - a0) / 1e6);
+        }
+      }
       const int64_t t0 = NowNs();
       std::vector<int64_t> samples = StoreRound(**client, o, &seed);
       const double seconds = static_cast<double>(NowNs() - t0) / 1e9;
@@ -214,8 +315,10 @@ int RunKvEventsBench(int argc, char** argv) {
   fmt::print("store of {} blocks ({} KiB each), {} stores per round, {} rounds per variant (medians){}\n", o.blocks,
              (*client)->GetStatus().ok() && st.ok() ? st->pool.block_bytes / 1024 : 0, o.stores, o.rounds,
              o.zmq ? "; the daemon also publishes on ZMQ" : "");
-  const char* names[3] = {"no subscriber", "one gRPC subscriber reading", "subscribed, not reading"};
-  for (int v = 0; v < 3; ++v) {
+  const std::string hostile_name = fmt::format("{} unread streams, one uid", hostile);
+  const char* names[4] = {"no subscriber", "one gRPC subscriber reading", "subscribed, not reading",
+                          hostile_name.c_str()};
+  for (int v = 0; v < variants; ++v) {
     fmt::print("  {:<29} p50 {:8.1f} us  p99 {:8.1f} us  {:10.0f} blocks/s", names[v], median(p50[v]), median(p99[v]),
                median(rate[v]));
     if (v > 0) {
@@ -223,7 +326,14 @@ int RunKvEventsBench(int argc, char** argv) {
                  (median(rate[v]) / median(rate[0]) - 1) * 100);
     }
     if (v == 1) fmt::print("  {} events read", events);
+    if (v == 3) fmt::print("  (store rate {:.2f} of no subscriber)", median(rate[3]) / median(rate[0]));
     fmt::print("\n");
+  }
+  if (variants == 4) {
+    fmt::print("  hostile client: {} of {} subscriptions refused (RESOURCE_EXHAUSTED), {} open and unread{}; an "
+               "engine's Connect + Attach beside them {:.1f} ms (median; deadline 5000 ms)\n",
+               hostile_refused, hostile, hostile_open,
+               own ? fmt::format(", daemon threads {}", hostile_threads) : std::string(), median(attach_ms));
   }
   fmt::print("  (the reader runs in this process: on a machine with few cores its CPU competes with the store path; "
              "'not reading' is the append's cost alone)\n");

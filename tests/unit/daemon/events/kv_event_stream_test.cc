@@ -4,6 +4,8 @@
 #include "daemon/events/kv_event_stream.h"
 
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <thread>
 #include <vector>
 
 namespace flexkv {
@@ -111,6 +113,71 @@ TEST_CASE("kv event stream: domains are interned once and an unknown namespace h
   const uint16_t unknown = stream.DomainByHash(0x1234);
   CHECK(stream.Domain(unknown).model_namespace == "#0000000000001234");
   CHECK(stream.DomainByHash(0x1234) == unknown);
+}
+
+}  // namespace flexkv
+
+namespace flexkv {
+
+// The gRPC subscriptions' feeder sleeps in WaitForEvents (issue 29 item 4: no thread per stream, no 5 ms polling).
+TEST_CASE("kv event stream: WaitForEvents returns at an append, a Wake, a Close or its timeout", "[unit]") {
+  KvEventStream stream(64, 7);
+  KvEventStream::Reader reader(&stream);
+  reader.StartAtHead();
+  using namespace std::chrono_literals;
+  // Its timeout, with nothing new.
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_FALSE(stream.WaitForEvents(0, 20ms));
+  CHECK(std::chrono::steady_clock::now() - t0 >= 20ms);
+  // An event already there: at once.
+  stream.Append(Stored(1));
+  CHECK(stream.WaitForEvents(0, 10s));
+  // An append from another thread ends the wait (the test would take 10 s otherwise).
+  std::thread appender([&] {
+    std::this_thread::sleep_for(20ms);
+    stream.Append(Stored(2));
+  });
+  const auto t1 = std::chrono::steady_clock::now();
+  CHECK(stream.WaitForEvents(1, 10s));
+  CHECK(std::chrono::steady_clock::now() - t1 < 5s);
+  appender.join();
+  // A Wake ends it without an event; one that came before the wait is not lost.
+  stream.Wake();
+  CHECK_FALSE(stream.WaitForEvents(2, 10s));
+  // Waiting for a Wake only: an append does not end it.
+  std::thread late_appender([&] {
+    std::this_thread::sleep_for(5ms);
+    stream.Append(Stored(3));
+  });
+  const auto t3 = std::chrono::steady_clock::now();
+  CHECK_FALSE(stream.WaitForEvents(std::nullopt, 100ms));
+  CHECK(std::chrono::steady_clock::now() - t3 >= 100ms);
+  late_appender.join();
+  std::thread waker([&] {
+    std::this_thread::sleep_for(20ms);
+    stream.Close();
+  });
+  const auto t2 = std::chrono::steady_clock::now();
+  CHECK_FALSE(stream.WaitForEvents(3, 10s));
+  CHECK(std::chrono::steady_clock::now() - t2 < 5s);
+  waker.join();
+  CHECK_FALSE(stream.WaitForEvents(3, 10s));  // closed: at once
+}
+
+TEST_CASE("kv event stream: a reader reads into a vector whose large blocks are mappings of their own", "[unit]") {
+  KvEventStream stream(4096, 7);
+  KvEventStream::Reader reader(&stream);
+  reader.StartAtHead();
+  for (uint64_t i = 0; i < 3000; ++i) stream.Append(Stored(i));
+  KvEventVector out;  // 3000 events of 48 B: past the 64 KiB at which the allocator maps
+  uint64_t behind = 0;
+  REQUIRE(reader.Read(4096, &out, &behind) == KvEventStream::Reader::Result::kOk);
+  REQUIRE(out.size() == 3000);
+  CHECK(out.front().key.lo == 0);
+  CHECK(out.back().key.lo == 2999);
+  CHECK(out.back().seq == 3000);
+  KvEventVector().swap(out);  // unmapped here
+  CHECK(out.empty());
 }
 
 }  // namespace flexkv

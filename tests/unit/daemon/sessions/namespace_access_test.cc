@@ -3,7 +3,11 @@
 // entries match the primary gid or a supplementary group of the peer.
 #include "daemon/sessions/namespace_access.h"
 
+#include <fmt/format.h>
+
 #include <catch2/catch.hpp>
+
+#include "flexkv/block_key.h"
 
 using flexkv::AccessPrincipal;
 using flexkv::NamespaceAccess;
@@ -82,4 +86,22 @@ TEST_CASE("namespace access: an ACL's readers, its writers and admins may attach
   const NamespaceAccess admins_only = WithAcl({}, std::nullopt);
   CHECK_FALSE(admins_only.Decide("llama", Peer(1000), false, 1000).may_store());
   CHECK(admins_only.Decide("llama", Peer(0), true, 1000).may_store());
+}
+
+// The KV events name a domain the daemon knows only from SSD blocks "#<hash>" (issue 29 item 4: a subscriber sees the
+// domains it may read): such a name is readable only when the ACL'd namespace with that hash lets the peer read.
+TEST_CASE("namespace access: a domain named by its namespace's hash follows that namespace's readers",
+          "[unit][security]") {
+  const NamespaceAccess access = WithAcl({User(1000, "alice")}, std::vector<AccessPrincipal>{User(1001, "bob")});
+  const std::string hashed = fmt::format("#{:016x}", flexkv::NamespaceHash("llama"));
+  CHECK(access.MayReadDomainNamed("llama", Peer(1001), false));
+  CHECK(access.MayReadDomainNamed("llama", Peer(1000), false));  // a writer reads
+  CHECK_FALSE(access.MayReadDomainNamed("llama", Peer(1002), false));
+  CHECK(access.MayReadDomainNamed(hashed, Peer(1001), false));
+  CHECK_FALSE(access.MayReadDomainNamed(hashed, Peer(1002), false));
+  CHECK(access.MayReadDomainNamed(hashed, Peer(1002), true));  // admins read all
+  // Other namespaces, hashed or not, have no ACL: everyone reads them.
+  CHECK(access.MayReadDomainNamed("mistral", Peer(1002), false));
+  CHECK(access.MayReadDomainNamed(fmt::format("#{:016x}", flexkv::NamespaceHash("mistral")), Peer(1002), false));
+  CHECK(access.MayReadDomainNamed("#not-a-hash-name", Peer(1002), false));
 }
