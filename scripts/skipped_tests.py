@@ -12,7 +12,9 @@ path = os.path.join(build, "Testing", "Temporary", "LastTest.log")
 if not os.path.exists(path):
     sys.exit(0)
 text = open(path, errors="replace").read()
-skip_line = re.compile(r"(\bskipp(ed|ing)\b|^SKIP\b)", re.I | re.M)
+# What the tests print when they skip: Catch2 WARNs ending "; skipped", pytest's "SKIPPED [n] file:line: why",
+# "skipped: why", and the scripts' "SKIP ...". (Not any log line with the word: "skipped key ..." is a daemon log.)
+skip_line = re.compile(r"(;\s*skipped\b|^\s*SKIPPED\b|\bskipped:|^\s*SKIP\b)", re.I)
 for block in re.split(r"\n(?=\d+/\d+ Testing: )", text):
     head = re.match(r"\d+/\d+ Testing: (.+)", block)
     if not head:

@@ -79,7 +79,7 @@ TEST_CASE("prefix index: pinned blocks are not evicted", "[unit][index]") {
 
 // Issue 29 item 6: eviction takes blocks the next tier holds (clean) before the others, as a page cache does, and a
 // store told not to evict dirty blocks stops where only dirty ones are left (it waits for the write-back).
-TEST_CASE("prefix index: clean leaves are evicted before dirty ones; a store may refuse to evict dirty ones",
+TEST_CASE("prefix index: clean leaves are evicted before dirty ones, and a store may refuse to evict dirty ones",
           "[unit][index]") {
   PrefixIndex index(4);
   const auto a = Store(index, Chain({1}));  // least recently used

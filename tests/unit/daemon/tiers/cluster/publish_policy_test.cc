@@ -72,7 +72,7 @@ TEST_CASE("every published key of the prompt is asked for or reached through a s
   }
 }
 
-TEST_CASE("a prompt without a sampled key after the local prefix asks every key; a cached one asks nothing",
+TEST_CASE("a prompt without a sampled key after the local prefix asks every key, a cached one asks nothing",
           "[unit][cluster]") {
   const auto keys = Chain(6, {0});
   CHECK(LookupCandidates(keys, 1, keys.size(), 4) == std::vector<size_t>{5, 4, 3, 2, 1});
