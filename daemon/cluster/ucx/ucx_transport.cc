@@ -2112,8 +2112,12 @@ Result<PeerHandle> UcxTransport::Connect(const std::string& endpoint) {
   if (failed.code() == StatusCode::kFailedPrecondition) return failed;
   if (failed.code() == StatusCode::kPermissionDenied) return Status::PermissionDenied("ucx: " + failed.message());
   if (failed.code() == StatusCode::kDeadlineExceeded) {
-    return Status::DeadlineExceeded("ucx: connecting to " + endpoint + ": no answer within " +
-                                    std::to_string(state_->options.get_deadline.count()) + " ms");
+    // A peer of another flexkvd version drops our hello unanswered (its header has another size): say so here, the
+    // peer's log names the version it expected.
+    return Status::DeadlineExceeded(
+        "ucx: connecting to " + endpoint + ": no answer within " + std::to_string(state_->options.get_deadline.count()) +
+        " ms (the peer is down or unreachable, or runs a flexkvd of another cluster protocol version: every node must "
+        "run the same version)");
   }
   return Status::Unavailable("ucx: connecting to " + endpoint + ": " + failed.message());
 }
