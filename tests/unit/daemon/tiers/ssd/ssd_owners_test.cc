@@ -16,33 +16,12 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/temp_dir.h"
+
 using flexkv::SsdOwners;
 using flexkv::StatusCode;
 
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/flexkv-owners-unit-XXXXXX";
-    REQUIRE(mkdtemp(tmpl) != nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string Sub(const std::string& name) const {
-    std::string p = path_ + "/" + name;
-    std::filesystem::create_directories(p);
-    return p;
-  }
-
- private:
-  std::string path_;
-};
 
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -99,8 +78,9 @@ TEST_CASE("ssd owners: the record round-trips, and damage of every kind is refus
 
 TEST_CASE("ssd owners: recorded in every directory, reloaded, the first owner stays, a damaged copy is ignored",
           "[unit][ssd]") {
-  TempDir dir;
-  const std::vector<std::string> paths = {dir.Sub("a"), dir.Sub("b")};
+  flexkv::testing::TempDir dir("flexkv-owners-unit");
+  const std::vector<std::string> paths = {dir.path + "/a", dir.path + "/b"};
+  for (const std::string& p : paths) std::filesystem::create_directories(p);
   {
     SsdOwners owners(paths);
     std::vector<std::string> warnings;
