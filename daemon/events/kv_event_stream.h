@@ -176,6 +176,9 @@ class KvEventStream {
   uint64_t last_seq() const;
   uint32_t subscribers() const { return subscribers_.load(std::memory_order_relaxed); }
   uint64_t cut_off() const { return cut_off_.load(std::memory_order_relaxed); }
+  // Counts a subscriber cut off for a reason the ring does not see (it holds more than its limit); a Reader that
+  // fell behind the ring is counted by Read.
+  void CountCutOff() { cut_off_.fetch_add(1, std::memory_order_relaxed); }
   // Readers from now on answer kClosed (the daemon stops).
   void Close() {
     closed_.store(true, std::memory_order_release);

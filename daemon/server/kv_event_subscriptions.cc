@@ -360,6 +360,7 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
       static log::RateLimited queue_log(10000);
       queue_log.Warning("events", "a KV event subscriber (uid {}) fell {} events behind (more than its snapshot and "
                         "the event buffer) and was cut off", uid_, queue_.size() - head_);
+      stream_->CountCutOff();  // before the answer leaves: a subscriber that reads status after it sees the count
       return ToGrpc(Status::ResourceExhausted(fmt::format(
           "KV event subscriber fell behind by {} events: the daemon holds at most the snapshot's {} blocks plus "
           "--kv-events-buffer {} events for a subscriber; resubscribe (the new stream starts with a snapshot), and "
