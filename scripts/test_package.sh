@@ -47,8 +47,9 @@ done
 # A process with a file under these open, mapped or as its directory (a flexkvd serving from them).
 holders() {  # <path>: prints "pid (comm)" of each process that holds a file under it
   local link pid
-  find /proc/[0-9]*/cwd /proc/[0-9]*/fd /proc/[0-9]*/map_files -maxdepth 1 \( -lname "$1" -o -lname "$1/*" \) \
-      2>/dev/null | while read -r link; do
+  # find exits 1 for the processes that ended while it read /proc: only what it printed counts.
+  { find /proc/[0-9]*/cwd /proc/[0-9]*/fd /proc/[0-9]*/map_files -maxdepth 1 \( -lname "$1" -o -lname "$1/*" \) \
+      2>/dev/null || true; } | while read -r link; do
     pid=${link#/proc/}
     pid=${pid%%/*}
     echo "$pid ($(cat /proc/"$pid"/comm 2>/dev/null))"
