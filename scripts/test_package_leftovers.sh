@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The Debian package test on a host that ran the daemon before (issue 33): what `scripts/run.sh` leaves behind
-# (/run/flexkvd with its socket directory, the default pool directory /dev/shm/flexkvd) must neither turn the package
-# test off nor be lost. Puts such leftovers in place where the host has none (a marker file in each, standing for the
+# The Debian package test on a host that ran the daemon before (issue 33): what an earlier run leaves under the
+# package's paths (`scripts/run.sh` as root leaves /run/flexkvd; a daemon run with the unit's --pool-path leaves
+# /dev/shm/flexkvd) must neither turn the package test off nor be lost. Puts such leftovers in place where the host has none (a marker file in each, standing for the
 # socket and the pool), runs scripts/test_package.sh under CI=true, and checks that it tested the package (installed,
 # ran and purged it: its last step line) and that the leftovers are back, byte for byte. Removes only what it created.
 #   scripts/test_package_leftovers.sh [BUILD_DIR]     (root; scripts/test.sh runs it as its package stage)
