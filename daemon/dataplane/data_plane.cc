@@ -341,13 +341,15 @@ void DataPlane::PollerLoop() {
     last_turn_ms_.store(MonotonicMs(), std::memory_order_relaxed);
     for (int i = 0; i < n; ++i) {
       uint64_t drained;
-      if (events[i].data.u64 == 0) {
+      // epoll_event is packed on x86-64: its u64 is misaligned, so it is copied out, never bound to a reference.
+      const uint64_t tag = events[i].data.u64;
+      if (tag == 0) {
         ssize_t ignored = read(wake_fd_.get(), &drained, sizeof(drained));
         (void)ignored;
         continue;
       }
       MutexLock lock(&mu_);
-      auto it = sessions_.find(events[i].data.u64);
+      auto it = sessions_.find(tag);
       if (it != sessions_.end()) {
         it->second->ring->DrainDoorbell();
       }
