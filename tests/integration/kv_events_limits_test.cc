@@ -65,7 +65,9 @@ flexkv::AttachOptions TinyAttach(const std::string& name, const std::string& mod
 
 std::vector<BlockKey> Chain(const std::string& model_namespace, int seed) {
   std::vector<int32_t> tokens(6 * 16);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = seed * 100000 + static_cast<int32_t>(i);
+  for (size_t i = 0; i < tokens.size(); ++i) {  // distinct token ids per seed, wrapping (never overflowing) in 32 bits
+    tokens[i] = static_cast<int32_t>(static_cast<uint32_t>(seed) * 100000u + static_cast<uint32_t>(i));
+  }
   return flexkv::ComputeBlockKeys(model_namespace, tokens, 16);
 }
 
@@ -265,8 +267,13 @@ TEST_CASE("kv events: 1,000 unread streams of one uid are refused past its limit
                           << rss_open_kb << " kB with 64 unread snapshots, " << rss_after_kb << " kB once they ended");
   CHECK(rss_open_kb < rss_idle_kb + 256 * 1024);
   CHECK(rss_open_kb > rss_idle_kb + 32 * 1024);  // the snapshots were held (15 000 blocks each)
-  CHECK(rss_after_kb <= returned_kb);
-  CHECK(rss_after_kb <= rss_before_kb + 32 * 1024);
+  if (flexkv::testing::kUnderSanitizer) {
+    // ASan keeps freed memory in its quarantine (256 MiB by default): what comes back is the plain build's check.
+    WARN("sanitizer build: the memory given back after the streams ended is not checked here");
+  } else {
+    CHECK(rss_after_kb <= returned_kb);
+    CHECK(rss_after_kb <= rss_before_kb + 32 * 1024);
+  }
   // The stores go on after all of it.
   CHECK(StoreChains(*engine, "llama3-8b", 2700, 2800) == 0);
 }
