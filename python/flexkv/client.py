@@ -1,5 +1,8 @@
 """Client: one process's connection to the node's flexkvd (flexkv::Client); its requests' Tickets are in _ticket.py.
 
+Over 700 lines: the Client class mirrors libflexkv's calls one method each (attach, store, load, match, prefetch,
+status, events), each converting its arguments and errors; the Tickets, keys and status types live in their own modules.
+
 Thread safety: every method may be called from several threads at once, attach(), detach() and close() included:
 libflexkv lets them race the other calls (a call running on a session that detach() or close() ends raises
 FailedPrecondition; a ticket of an ended session raises FailedPrecondition, never another request's result).
