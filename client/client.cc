@@ -630,6 +630,11 @@ DaemonStatus::Pool PoolFromProto(const v1::PoolStatus& p) {
   out.budget_bytes = p.budget_bytes();
   out.backing = p.backing();
   out.unverified_blocks = p.unverified_blocks();
+  out.preparation = p.preparation();
+  out.active_bytes = p.active_bytes();
+  out.target_bytes = p.target_bytes();
+  out.prepare_ms = p.prepare_ms();
+  out.first_serve_ms = p.first_serve_ms();
   for (const v1::ComponentPoolStatus& c : p.components()) {
     DaemonStatus::Pool::Component pc;
     pc.kind = static_cast<ComponentKind>(c.kind());

@@ -114,6 +114,9 @@ int RunDaemon(const DaemonConfig& config) {
   cache_options.split = PoolSplit{config.swa_share, config.state_share};
   cache_options.max_domains = config.max_domains;
   cache_options.namespace_pool_bytes = config.namespace_pool_bytes;
+  // No Attach waits for a pool of tens of GiB to be allocated and pinned: a new domain's pool is prepared by a
+  // thread of its own, serving from its first grants while the rest is registered (issue 29 item 7).
+  cache_options.prepare_in_background = true;
   CacheSet caches(std::move(cache_options));
   // Each domain's pool announces itself (now when re-attached, or when its first Attach creates it): the backends
   // register it for DMA before any session can copy, so that registering GPU buffers later is quick; a dropped

@@ -55,6 +55,11 @@ Json PoolJson(const flexkv::DaemonStatus::Pool& p) {
               {"backing", p.backing},
               {"budget_bytes", p.budget_bytes},
               {"unverified_blocks", p.unverified_blocks},
+              {"preparation", p.preparation},
+              {"active_bytes", p.active_bytes},
+              {"target_bytes", p.target_bytes},
+              {"prepare_ms", p.prepare_ms},
+              {"first_serve_ms", p.first_serve_ms},
               {"components", components}};
 }
 
@@ -164,6 +169,9 @@ std::string CountersText(const std::map<std::string, uint64_t>& counters) {
   return text.empty() ? "-" : text;
 }
 
+// Bytes as GiB with one decimal ("12.5 GiB").
+std::string GiB(uint64_t bytes) { return fmt::format("{:.1f} GiB", static_cast<double>(bytes) / (1ULL << 30)); }
+
 // A pool's line (starting with `label`) and, for a hybrid domain, one line per component's sub-pool.
 void PrintPool(const flexkv::DaemonStatus::Pool& p, const char* label) {
   if (p.block_bytes == 0) {
@@ -171,6 +179,14 @@ void PrintPool(const flexkv::DaemonStatus::Pool& p, const char* label) {
   } else {
     fmt::print("{:<10}{} slots of {} bytes; {} used, {} pinned; backing {}\n", label, p.capacity_blocks, p.block_bytes,
                p.used_blocks, p.pinned_blocks, p.backing.empty() ? "-" : p.backing);
+  }
+  if (p.preparation == "preparing") {
+    fmt::print("{:<10}preparing in the background: {} of {} allocated and registered ({} ms so far; {})\n", "",
+               GiB(p.active_bytes), GiB(p.target_bytes), p.prepare_ms,
+               p.first_serve_ms != 0 ? fmt::format("serving since {} ms", p.first_serve_ms)
+                                     : std::string("stores retry until its first grants are ready"));
+  } else if (!p.preparation.empty()) {
+    fmt::print("{:<10}pool {}\n", "", p.preparation);
   }
   if (p.components.size() > 1) {
     for (size_t i = 0; i < p.components.size(); ++i) {

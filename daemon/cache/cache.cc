@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <unordered_set>
 
+#include "common/clock.h"
 #include "common/hybrid_ids.h"
 #include "common/log.h"
 #include "common/uds.h"
@@ -159,9 +160,23 @@ Status Cache::Admit(const std::string& model_namespace, const Geometry& geometry
   }
   FLEXKV_RETURN_IF_ERROR(domain_.Admit(model_namespace, geometry, creator_uid));
   MutexLock lock(&mu_);
-  if (pool_) return Status::Ok();
+  if (pool_ || preparation_.preparing) return Status::Ok();
   // The domain's creator, not this caller's uid: two first Attaches may race, and the one that fixed the domain wins.
-  return CreatePoolLocked(model_namespace, geometry, domain_.Snapshot().creator_uid.value_or(creator_uid));
+  const uid_t creator = domain_.Snapshot().creator_uid.value_or(creator_uid);
+  if (!prepare_in_background_) return CreatePoolLocked(model_namespace, geometry, creator);
+  const uint64_t target = std::min(initial_active_bytes_.load(std::memory_order_acquire), budget_bytes());
+  FLEXKV_RETURN_IF_ERROR(CheckSpaceFor(target));
+  MutexLock t(&thread_mu_);
+  if (prepare_thread_.joinable()) prepare_thread_.join();  // an earlier preparation that failed: it has ended
+  prepare_stop_.store(false, std::memory_order_release);
+  preparation_ = Preparation{};
+  preparation_.preparing = true;
+  preparation_.target_bytes = target;
+  preparation_.started_ms = MonotonicMs();
+  prepare_thread_ = std::thread([this, model_namespace, geometry, creator, target] {
+    Prepare(model_namespace, geometry, creator, target);
+  });
+  return Status::Ok();
 }
 
 Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid) {
@@ -176,7 +191,7 @@ Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometr
 }
 
 void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index,
-                            std::vector<std::unique_ptr<ComponentIndex>> parts) {
+                            std::vector<std::unique_ptr<ComponentIndex>> parts, bool prepared) {
   pool_ = std::move(pool);
   index_ = std::move(index);
   parts_ = std::move(parts);
@@ -202,15 +217,16 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     const SlotId base = pool_->sub_pool(c).base;
     Part(c).SetEvictionListener([p, base](SlotId local, const BlockKey&) { p->MarkFree(base + local); });
   }
-  generation_.fetch_add(1, std::memory_order_acq_rel);
+  if (!prepared) generation_.fetch_add(1, std::memory_order_acq_rel);
   PublishActiveLocked();
   has_pool_.store(true, std::memory_order_release);
-  for (size_t c = 0; c < pool_->component_count(); ++c) {
+  for (size_t c = 0; !prepared && c < pool_->component_count(); ++c) {
     AnnounceAllAddedLocked(c, 0, pool_->sub_pool(c).active);  // the listener keeps an error for its sessions
   }
 }
 
 Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
+  StopPreparation();  // a pool being prepared is dropped (or kept, if refused below) at the size it reached
   MutexLock lock(&mu_);
   const CacheDomain::View domain = domain_.Snapshot();
   if (!domain.geometry) return Status::NotFound("no cache domain is set; the first Attach fixes one");
@@ -265,6 +281,7 @@ Status Cache::DropDomain(bool only_if_empty, uint64_t* dropped_blocks) {
     ::unlink(pool_path_.c_str());
   }
   domain_.Reset();
+  preparation_ = Preparation{};
   generation_.fetch_add(1, std::memory_order_acq_rel);
   if (dropped_blocks != nullptr) *dropped_blocks = blocks;
   log::Warning("cache", "dropped cache domain '{}' {} and its pool {} ({} blocks lost); the next Attach fixes the domain",

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -14,6 +15,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -53,6 +55,9 @@ class Cache {
 
   // `split`: how a hybrid geometry's pool divides the budget between its components (pool.h).
   Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split = {});
+  ~Cache();  // stops a running pool preparation first
+  Cache(const Cache&) = delete;
+  Cache& operator=(const Cache&) = delete;
 
   // The budget the next pool is laid out for (its max_bytes; a CacheSet gives a domain its limit, or the whole
   // budget) and the part of it that is active at first (Pool::Create's active_bytes: at most that, rounded down to
@@ -73,8 +78,38 @@ class Cache {
   Status RecoverPool(bool discard, std::span<const uint64_t> other_budgets = {});
 
   // Validates a session's cache domain; the first one creates the pool, recording `creator_uid` (the attaching
-  // peer's uid; see CacheDomain::Admit) in the pool file so that it survives a restart.
+  // peer's uid; see CacheDomain::Admit) in the pool file so that it survives a restart. With
+  // SetPrepareInBackground(true), the first Admit only checks that the pool's filesystem has room for its initial
+  // active part (RESOURCE_EXHAUSTED as before) and returns at once: the pool is prepared in the background (below).
   Status Admit(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid = 0);
+
+  // Pool preparation (issue 29 item 7: a pool of tens of GiB took 7-10 s per 16 GiB to allocate and register for
+  // DMA, on the first Attach's path). In the background, a thread of this cache: creates the pool file with one grant
+  // of each component active, tells the pool listener each grant (DMA registration) without the cache's lock, adopts
+  // the pool (has_pool() turns true: matches and stores are served from here on), then grows it grant by grant up to
+  // its initial active part, allocating and registering each grant without the lock and publishing it under the lock
+  // (lookups never wait for a grant). A failure to create the pool is kept (preparation().error) and the next Admit
+  // tries again; a grow that fails stops the growth where it is (the domain serves at that size, logged). Resize is
+  // refused while a preparation runs; DropDomain and the destructor stop it (at the next grant) first. Off by
+  // default (Admit creates the pool itself, as the tests of this class expect); the daemon turns it on.
+  void SetPrepareInBackground(bool on);
+  struct Preparation {
+    bool preparing = false;     // a preparation runs (the pool may exist already and be growing)
+    uint64_t ready_bytes = 0;   // active bytes so far (0 until the pool exists)
+    uint64_t target_bytes = 0;  // the active part it grows to
+    Status error;               // why the last preparation could not create the pool (OK otherwise)
+    int64_t started_ms = 0;     // monotonic: when it began (0: none ran since the domain was set)
+    int64_t served_ms = 0;      // monotonic: when the pool was adopted, its first grants served (0: not yet)
+    int64_t done_ms = 0;        // monotonic: when it ended (0: not yet)
+  };
+  Preparation preparation() const;
+  // What a request that needs the pool is answered while there is none: UNAVAILABLE with the preparation's progress
+  // while it runs, the preparation's error when it failed, FAILED_PRECONDITION otherwise.
+  Status PoolNotReady() const;
+  // Waits up to `timeout` for a running preparation to end (at once when none runs); whether the pool exists.
+  bool WaitForPreparation(std::chrono::milliseconds timeout) const;
+  // The budget bytes this domain holds: its active bytes, or what a running preparation grows it to.
+  uint64_t held_bytes() const;
 
   // Drops the cache domain and its pool (the pool file is deleted, its blocks are lost) so that the next Admit
   // fixes a new one. The caller guarantees that no session is attached and none can attach meanwhile (the
@@ -179,9 +214,10 @@ class Cache {
   // when it exists already), and each grant a Resize grows into, after its memory is allocated and before any of
   // its slots is handed out. `removed` is told each grant that stops being active: after its slots were
   // released and before its memory is returned (Resize), and every active grant before a dropped pool is
-  // unmapped (DropDomain); each exactly once per `added`. Both run under the cache's lock, so that no session
-  // uses a grant before the listener is done with it (e.g. DMA registration); they must not call back into the
-  // cache. One listener; set it before RecoverPool. `added` answers whether the grant could be made reachable (e.g.
+  // unmapped (DropDomain); each exactly once per `added`. Both run under the cache's lock - except a background
+  // preparation's (SetPrepareInBackground), which tells its grants without it, before any of their slots is handed
+  // out - so that no session uses a grant before the listener is done with it (e.g. DMA registration); they must
+  // not call back into the cache. One listener; set it before RecoverPool. `added` answers whether the grant could be made reachable (e.g.
   // registered for DMA): a grant a Resize grows into is given back when it could not (the Resize answers that
   // error); the grants of a new or re-attached pool are kept either way (the listener keeps the error for the
   // sessions it concerns).
@@ -308,10 +344,20 @@ class Cache {
   Status CheckPoolSpace() const;
   Status CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Installs `pool` and its index, publishes has_pool_ and tells the listener.
+  // Installs `pool` and its index, publishes has_pool_ and tells the listener. `prepared`: a background
+  // preparation's pool, whose grants it told the listener itself, adopted for the domain its sessions attached to
+  // (the generation stays).
   void AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index,
-                       std::vector<std::unique_ptr<ComponentIndex>> parts)
+                       std::vector<std::unique_ptr<ComponentIndex>> parts, bool prepared = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The preparation thread's body (see SetPrepareInBackground) and its stop: StopPreparation asks it to end at the
+  // next grant and joins it; call it without mu_.
+  void Prepare(std::string model_namespace, Geometry geometry, uid_t creator_uid, uint64_t target_bytes);
+  // Grows the adopted pool grant by grant towards `target` active slots per component (the slow parts without mu_).
+  void GrowInBackground(const std::vector<uint32_t>& target);
+  void StopPreparation() ABSL_LOCKS_EXCLUDED(mu_);
+  // RESOURCE_EXHAUSTED (as CheckPoolSpace) when the pool's filesystem has less than `bytes` free.
+  Status CheckSpaceFor(uint64_t bytes) const;
   // Tells `listener` (when set) each grant of component c in its slots [from, to) (grant boundaries).
   void AnnounceGrantsLocked(const std::function<void(const PoolRegion&)>& listener, size_t c, uint32_t from,
                             uint32_t to) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -391,6 +437,14 @@ class Cache {
   bool write_back_served_ ABSL_GUARDED_BY(mu_) = true;
   uint64_t store_waits_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t store_wait_expired_ ABSL_GUARDED_BY(mu_) = 0;
+  // Pool preparation (SetPrepareInBackground). prepare_thread_ is started under mu_ (Admit) and joined under
+  // thread_mu_ alone (StopPreparation; the thread takes mu_); pool_ is not replaced while it runs.
+  bool prepare_in_background_ ABSL_GUARDED_BY(mu_) = false;
+  Preparation preparation_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> prepare_stop_{false};
+  mutable std::condition_variable pool_cv_;  // signalled when a preparation adopts its pool, grows or ends
+  Mutex thread_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::thread prepare_thread_ ABSL_GUARDED_BY(thread_mu_);
   std::vector<Pool::Committed> unverified_ ABSL_GUARDED_BY(mu_);  // restored by RecoverPool, for TakeUnverified
   bool verifying_ ABSL_GUARDED_BY(mu_) = false;                  // between TakeUnverified and EndVerification
 };

@@ -94,6 +94,9 @@ uint64_t Cache::min_bytes() const {
 Result<uint64_t> Cache::Resize(uint64_t active_bytes) {
   MutexLock lock(&mu_);
   if (!pool_) return Status::FailedPrecondition("there is no pool to resize yet (the first Attach creates it)");
+  if (preparation_.preparing) {
+    return Status::FailedPrecondition("the pool is still being prepared (growing to its first share); retry later");
+  }
   return ResizeLocked(pool_->ActiveSlotsFor(active_bytes));
 }
 
@@ -107,6 +110,9 @@ std::vector<uint32_t> Cache::ActiveSlots() const {
 Result<uint64_t> Cache::ResizeSlots(const std::vector<uint32_t>& target) {
   MutexLock lock(&mu_);
   if (!pool_) return Status::FailedPrecondition("there is no pool to resize yet (the first Attach creates it)");
+  if (preparation_.preparing) {
+    return Status::FailedPrecondition("the pool is still being prepared (growing to its first share); retry later");
+  }
   if (target.size() != pool_->component_count()) {
     return Status::InvalidArgument(fmt::format("{} active sizes for a pool of {} components", target.size(),
                                                pool_->component_count()));

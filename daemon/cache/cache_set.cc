@@ -43,6 +43,7 @@ CacheSet::CacheSet(CacheSetOptions options) : options_(std::move(options)) {
   for (size_t i = 0; i < n; ++i) {
     caches_.push_back(std::make_unique<Cache>(options_.budget_bytes, PoolPathOf(options_.pool_path, i),
                                               options_.split));
+    caches_.back()->SetPrepareInBackground(options_.prepare_in_background);
     verifiers_.push_back(std::make_unique<BlockVerifier>(caches_.back().get()));
   }
   MutexLock lock(&mu_);
@@ -63,7 +64,7 @@ void CacheSet::SetPoolListener(const std::function<Status(const PoolRegion&)>& l
 uint64_t CacheSet::HeldLocked() const {
   uint64_t held = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (!slots_[i].model_namespace.empty()) held += caches_[i]->active_bytes();
+    if (!slots_[i].model_namespace.empty()) held += caches_[i]->held_bytes();  // a preparing pool: its target
   }
   return held;
 }
@@ -81,7 +82,10 @@ uint64_t CacheSet::MaxForLocked(std::string_view model_namespace) const {
 std::vector<size_t> CacheSet::LiveLocked() const {
   std::vector<size_t> live;
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (!slots_[i].model_namespace.empty() && caches_[i]->has_pool()) live.push_back(i);
+    // A pool still being prepared is not resized (it holds its target of the budget until it is done).
+    if (!slots_[i].model_namespace.empty() && caches_[i]->has_pool() && !caches_[i]->preparation().preparing) {
+      live.push_back(i);
+    }
   }
   return live;
 }
@@ -419,9 +423,10 @@ Result<Cache*> CacheSet::Admit(const std::string& model_namespace, const Geometr
   slots_[*slot] = Slot{model_namespace, limit != options_.namespace_pool_bytes.end() ? limit->second : 0,
                        MonotonicMs(), next_order_++, CounterValues::Read(cache->counters())};
   slots_[*slot].demand.Seed(seed);
-  log::Info("cache", "cache domain '{}' {} created in {}: active {} of the {} budget (at most {})", model_namespace,
-            geometry.ToString(), cache->pool_path(), FormatByteSize(cache->active_bytes()),
-            FormatByteSize(options_.budget_bytes), FormatByteSize(max));
+  log::Info("cache", "cache domain '{}' {} created in {}: active {} of the {} budget (at most {}){}", model_namespace,
+            geometry.ToString(), cache->pool_path(), FormatByteSize(cache->held_bytes()),
+            FormatByteSize(options_.budget_bytes), FormatByteSize(max),
+            cache->preparation().preparing ? "; its pool is prepared in the background" : "");
   return cache;
 }
 

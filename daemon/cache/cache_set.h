@@ -40,6 +40,8 @@ struct CacheSetOptions {
   size_t max_domains = 1;              // --max-domains: 1 is a daemon of one domain at a time
   // [namespace."<name>"] pool_size: the most a namespace's domain may hold (bytes); without one, the budget.
   std::map<std::string, uint64_t, std::less<>> namespace_pool_bytes;
+  // Each new domain's pool is prepared in the background (Cache::SetPrepareInBackground): Admit returns at once.
+  bool prepare_in_background = false;
 };
 
 // The values of a domain's request counters (CacheCounters), since the domain was created.

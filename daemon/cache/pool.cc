@@ -666,7 +666,30 @@ void Pool::PunchHole(uint64_t offset, uint64_t bytes) const {
   }
 }
 
-Status Pool::SetActive(size_t component, uint32_t slots) {
+Status Pool::AllocateData(size_t component, uint32_t from, uint32_t to) const {
+  POOL_CHECK(component < sub_pools_.size() && from <= to && to <= sub_pools_[component].capacity,
+             fmt::format("AllocateData of component {} slots {}..{}", component, from, to));
+  const SubPool& p = sub_pools_[component];
+  const uint64_t offset = DataOffset(component, from), bytes = uint64_t{to - from} * p.slot_bytes;
+  if (bytes == 0) return Status::Ok();
+  const int rc = posix_fallocate(fd_.get(), static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  if (rc != 0) {
+    PunchHole(offset, bytes);  // whatever part of it was allocated
+    return Status::ResourceExhausted(fmt::format(
+        "cannot grow pool file {} by {} (component {}: slots {} -> {}): {}; free space in {} or lower the budget",
+        path_, FormatByteSize(bytes), component, from, to, ErrnoText(rc), FilesystemOf(path_, fd_.get())));
+  }
+  return Status::Ok();
+}
+
+void Pool::FreeData(size_t component, uint32_t from, uint32_t to) const {
+  POOL_CHECK(component < sub_pools_.size() && from >= sub_pools_[component].active && from <= to &&
+                 to <= sub_pools_[component].capacity,
+             fmt::format("FreeData of component {} slots {}..{}", component, from, to));
+  PunchHole(DataOffset(component, from), uint64_t{to - from} * sub_pools_[component].slot_bytes);
+}
+
+Status Pool::SetActive(size_t component, uint32_t slots, bool allocated) {
   POOL_CHECK(component < sub_pools_.size(), fmt::format("SetActive of component {} of {}", component, sub_pools_.size()));
   SubPool& p = sub_pools_[component];
   if (slots < p.grant || slots > p.capacity || (slots % p.grant != 0 && slots != p.capacity)) {
@@ -678,7 +701,7 @@ Status Pool::SetActive(size_t component, uint32_t slots) {
   if (slots == old) return Status::Ok();
   if (slots > old) {
     const uint64_t offset = DataOffset(component, old), bytes = uint64_t{slots - old} * p.slot_bytes;
-    const int rc = posix_fallocate(fd_.get(), static_cast<off_t>(offset), static_cast<off_t>(bytes));
+    const int rc = allocated ? 0 : posix_fallocate(fd_.get(), static_cast<off_t>(offset), static_cast<off_t>(bytes));
     if (rc != 0) {
       PunchHole(offset, bytes);  // whatever part of it was allocated
       return Status::ResourceExhausted(fmt::format(

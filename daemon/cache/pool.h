@@ -144,7 +144,15 @@ class Pool {
   // entry cleared (asserted: the caller's index released them), records the new capacity first, then returns
   // the slots' memory (a hole punched in the file; on hugetlbfs only whole huge pages; a failed punch is logged).
   // Not thread-safe: the caller serializes it with everything that reads active capacities.
-  Status SetActive(size_t component, uint32_t slots);
+  // `allocated`: a grow whose slots' data AllocateData has allocated already (only the record is written).
+  Status SetActive(size_t component, uint32_t slots, bool allocated = false);
+  // Allocates the data of component `component`'s slots [from, to) (beyond its active capacity) without making them
+  // active: the slow part of a grow (on tmpfs every page is zeroed), done without the caller's lock before
+  // SetActive(..., allocated = true) publishes it. RESOURCE_EXHAUSTED as SetActive, with whatever was allocated
+  // given back. Thread-safe against readers (it touches only slots no one uses); the caller runs one at a time.
+  Status AllocateData(size_t component, uint32_t from, uint32_t to) const;
+  // Gives back what AllocateData allocated (slots [from, to) beyond the active capacity; a hole punched).
+  void FreeData(size_t component, uint32_t from, uint32_t to) const;
 
   // Slot-table transitions. MarkCommitted publishes after the bytes are complete, with their content checksum
   // (FinishBlockChecksum of the bytes' term sum); MarkFree clears before the slot is reused.

@@ -80,7 +80,12 @@ void RequestHandlers::Handle(const std::shared_ptr<RequestSession>& sp, std::spa
   }
   Result<DescriptorPayload> payload = ValidateDescriptor(d, arena, limits);
   if (!payload.ok()) return Fail(s, d, taken_ns, payload.status());
-  if (!s.cache().has_pool()) return Fail(s, d, taken_ns, Status::FailedPrecondition("the pool does not exist yet"));
+  if (!s.cache().has_pool()) {
+    // A pool being prepared (its first grants are being allocated and registered) holds nothing yet: a Match is a
+    // miss; what needs the pool is told to retry, with the progress.
+    if (op == RingOp::kMatch && s.cache().preparation().preparing) return AnswerMatch(s, d, taken_ns, 0, {});
+    return Fail(s, d, taken_ns, s.cache().PoolNotReady());
+  }
   if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
   switch (op) {
     case RingOp::kMatch:

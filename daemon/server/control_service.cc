@@ -32,6 +32,11 @@
 
 namespace flexkv {
 
+namespace {
+// How long an Attach waits for a new domain's pool (prepared in the background) before it answers anyway.
+constexpr std::chrono::milliseconds kAttachPoolWait{500};
+}  // namespace
+
 ControlService::ControlService(ControlContext ctx) : ctx_(ctx) {
   if (ctx_.kv_events != nullptr) {
     kv_subscriptions_ = std::make_unique<KvEventSubscriptions>(
@@ -109,18 +114,22 @@ grpc::Status ControlService::Attach(grpc::ServerContext* context, const v1::Atta
     grant = ctx_.sessions->Open(std::move(identity), *peer, std::move(access));
   }
   if (!grant.ok()) return Answer(grant.status());
+  // A new domain's pool is prepared in the background (Cache::SetPrepareInBackground): a small one is ready within
+  // this wait, as it always was at Attach; a pool of tens of GiB is not waited for (its first grants serve within
+  // seconds, and until then stores are told to retry and matches miss; the rest grows in while it serves).
+  (void)cache->WaitForPreparation(kAttachPoolWait);
   // The domain cannot go while this session exists: its fields are the session's domain's.
   const CacheDomain::View view = cache->Domain();
   response->set_session_id(grant->session_id);
   response->set_session_token(grant->token.data(), grant->token.size());
   response->set_block_bytes(view.block_bytes);
   response->set_capacity_blocks(view.capacity_blocks);
-  for (size_t c = 0;; ++c) {
+  for (size_t c = 0; c < geometry.component_count(); ++c) {
     const std::optional<PoolRegion> sub = cache->pool_region(c);
-    if (!sub) break;
-    if (c == 0) response->set_capacity_blocks(sub->slots);  // a hybrid pool's FULL part is below the budget
-    response->add_component_slot_bytes(sub->slot_bytes);
-    response->add_component_capacity(sub->slots);
+    // While the pool is being prepared it has no active slot yet: capacity 0, slot sizes from the geometry.
+    if (c == 0) response->set_capacity_blocks(sub ? sub->slots : 0);  // a hybrid pool's FULL part is below the budget
+    response->add_component_slot_bytes(sub ? sub->slot_bytes : geometry.Component(c).host_block_bytes());
+    response->add_component_capacity(sub ? sub->slots : 0);
   }
   response->set_protocol_version(kProtocolVersion);
   response->set_submit_ring_entries(ctx_.data_plane->options().submit_entries);
@@ -279,6 +288,22 @@ void FillTier(const SsdTierStatus& t, v1::TierStatus* out) {
 }
 
 // One domain's pool, index and counters (GetStatus fills the totals by adding these up).
+void FillPreparation(const Cache::Preparation& p, v1::PoolStatus* pool) {
+  pool->set_active_bytes(p.ready_bytes);
+  if (p.preparing) {
+    pool->set_preparation("preparing");
+    pool->set_target_bytes(p.target_bytes);
+  } else if (!p.error.ok()) {
+    pool->set_preparation("failed: " + p.error.ToString());
+  }
+  if (p.started_ms != 0) {
+    pool->set_prepare_ms(
+        std::max<uint64_t>(1, static_cast<uint64_t>((p.done_ms != 0 ? p.done_ms : MonotonicMs()) - p.started_ms)));
+  }
+  // 0 means "not served yet": a pool served within the millisecond it was asked for reports 1.
+  if (p.served_ms != 0) pool->set_first_serve_ms(std::max<uint64_t>(1, static_cast<uint64_t>(p.served_ms - p.started_ms)));
+}
+
 void FillPool(const CacheDomain::View& view, const Cache::Stats& stats, uint64_t budget_bytes, v1::PoolStatus* pool) {
   pool->set_block_bytes(view.block_bytes);
   pool->set_capacity_blocks(stats.capacity);
@@ -336,6 +361,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* context, const v1::G
       out->set_model_namespace(d.model_namespace);
       ToProto(d.geometry, out->mutable_geometry());
       FillPool(view, stats, d.budget_bytes, out->mutable_pool());
+      FillPreparation(d.cache->preparation(), out->mutable_pool());
       out->mutable_index()->set_blocks(stats.blocks);
       FillCounters(d.counters, stats.evicted, out->mutable_counters());
       out->set_sessions(static_cast<uint32_t>(ctx_.sessions->CountIn(d.model_namespace)));
@@ -357,6 +383,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* context, const v1::G
     // One domain: the top-level fields are its own, as before several domains existed.
     const CacheDomain::View view = domains[0].cache->Domain();
     FillPool(view, domains[0].cache->GetStats(), ctx_.caches->budget_bytes(), pool);
+    FillPreparation(domains[0].cache->preparation(), pool);
     if (MaySee(domains[0].model_namespace, peer, admin)) {
       response->set_model_namespace(domains[0].model_namespace);
       ToProto(domains[0].geometry, response->mutable_geometry());

@@ -42,20 +42,35 @@ Result<EngineMemoryBackend*> EngineMemoryBackends::Select(std::span<const Memory
 }
 
 Status EngineMemoryBackends::RegisterPool(const PoolRegion& pool) {
-  MutexLock lock(&mu_);
+  // Registering pins every page (seconds for a grant of GiBs): not under mu_, which an engine's RegisterKv (Select)
+  // takes. The entries are fixed once the daemon started (Add), and one grant is registered by one thread at a time.
   Status first = Status::Ok();
-  for (Entry& e : entries_) {
-    if (auto it = e.pools.find(pool.base); it != e.pools.end()) {
-      if (first.ok()) first = it->second.second;
-      continue;
+  std::vector<EngineMemoryBackend*> todo;
+  {
+    MutexLock lock(&mu_);
+    for (Entry& e : entries_) {
+      if (auto it = e.pools.find(pool.base); it != e.pools.end()) {
+        if (first.ok()) first = it->second.second;
+        continue;
+      }
+      todo.push_back(e.backend.get());
     }
-    Status status = e.backend->RegisterPool(pool);
+  }
+  std::vector<Status> results;
+  for (EngineMemoryBackend* backend : todo) {
+    Status status = backend->RegisterPool(pool);
     if (!status.ok()) {
       log::Warning("transfer", "{}; the {} backend's copies of the pool region at {} ({} bytes) will be refused",
-                   status.message(), e.backend->name(), static_cast<const void*>(pool.base), pool.bytes);
-      if (first.ok()) first = status.WithContext(fmt::format("the {} backend", e.backend->name()));
+                   status.message(), backend->name(), static_cast<const void*>(pool.base), pool.bytes);
+      if (first.ok()) first = status.WithContext(fmt::format("the {} backend", backend->name()));
     }
-    e.pools.emplace(pool.base, std::make_pair(pool, std::move(status)));
+    results.push_back(std::move(status));
+  }
+  MutexLock lock(&mu_);
+  for (size_t i = 0; i < todo.size(); ++i) {
+    for (Entry& e : entries_) {
+      if (e.backend.get() == todo[i]) e.pools.emplace(pool.base, std::make_pair(pool, results[i]));
+    }
   }
   return first;
 }

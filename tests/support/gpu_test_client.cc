@@ -1,9 +1,10 @@
 // flexkv-gpu-test-client: an engine stand-in with a vLLM-shaped KV cache in GPU memory (per TP rank, one
 // tensor of [2][blocks][chunk] per layer, LAYERFIRST). Attaches, registers every rank with CUDA IPC
 // handles, then runs --do steps, printing one line each:
-//   ATTACHED <id> <block_bytes> <capacity> <gpu uuid>
+//   ATTACHED <id> <block_bytes> <capacity> <gpu uuid> attach_us=<us> register_us=<us>
 //   STORED <already_cached> <stored> <STATUS> <us>                                  (store:SEED:N)
 //   LOADED <hits> <loaded> <equal 0|1> <STATUS> <us> <layer0_us> <in_order 0|1>     (load:SEED:N, layer-wise)
+//   FIRSTSTORE <attempts> <us after Attach> <STATUS> <stored>                      (firststore:SEED:N)
 //   BENCH store_gbps=… load_gbps=… store_us=… load_us=… layer0_us=… blocks=… bytes=…  (bench:N)
 // With --tp 2 the ranks live in two worker processes (this program with --worker), as TP workers of one
 // engine: each allocates its own shard, describes it (DescribeGpuKv) and hands the description to the
@@ -331,7 +332,7 @@ int main(int argc, char** argv) {
                  "run the --do steps at this CLOCK_REALTIME time (ms since the epoch), after attaching and "
                  "registering: a start barrier for engines measured together");
   app.add_flag("--vmm", vmm, "allocate the KV cache with cuMem (VMM, shareable fds) instead of cudaMalloc");
-  app.add_option("--do", steps, "store:SEED:N, load:SEED:N, bench:N, hold");
+  app.add_option("--do", steps, "store:SEED:N, firststore:SEED:N, load:SEED:N, bench:N, hold");
   CLI11_PARSE(app, argc, argv);
   setvbuf(stdout, nullptr, _IOLBF, 0);
 
@@ -366,7 +367,9 @@ int main(int argc, char** argv) {
   }
   flexkv::Client& c = **client;
   flexkv::AttachOptions options{name, 0, 0, ns, g};
+  const auto attach_t0 = std::chrono::steady_clock::now();
   auto session = c.Attach(options);
+  const auto attached_at = std::chrono::steady_clock::now();
   if (!session.ok()) {
     std::printf("ERROR %s %s\n", flexkv::StatusCodeName(session.status().code()), session.status().message().c_str());
     return 1;
@@ -381,9 +384,12 @@ int main(int argc, char** argv) {
     }
     uuid = reg->gpu_uuid;
   }
-  std::printf("ATTACHED %llu %llu %llu %s\n", static_cast<unsigned long long>(session->session_id),
+  // attach_us: the Attach call; register_us: registering the GPU KV caches after it (both on an engine's start).
+  std::printf("ATTACHED %llu %llu %llu %s attach_us=%.0f register_us=%.0f\n",
+              static_cast<unsigned long long>(session->session_id),
               static_cast<unsigned long long>(session->block_bytes),
-              static_cast<unsigned long long>(session->capacity_blocks), uuid.c_str());
+              static_cast<unsigned long long>(session->capacity_blocks), uuid.c_str(), Us(attach_t0, attached_at),
+              Us(attached_at, std::chrono::steady_clock::now()));
 
   if (start_at_ms > 0) {
     std::this_thread::sleep_until(std::chrono::system_clock::time_point(std::chrono::milliseconds(start_at_ms)));
@@ -495,6 +501,33 @@ int main(int argc, char** argv) {
       }
       std::printf("LOADED %u %u %d %s %.0f %.0f %d\n", hits, r->done_blocks, equal ? 1 : 0,
                   flexkv::StatusCodeName(r->status.code()), us, layer0, in_order ? 1 : 0);
+    } else if (what == "firststore") {
+      // firststore:SEED:N — a store retried every 10 ms while the daemon answers UNAVAILABLE (its pool is being
+      // prepared in the background), for up to 120 s after Attach returned. Prints
+      // FIRSTSTORE <attempts> <us from Attach's return to the first stored block> <STATUS> <stored>.
+      if (!fill()) {
+        std::printf("ERROR INTERNAL filling the GPU cache failed\n");
+        return 1;
+      }
+      unsigned attempts = 0;
+      double us = 0;
+      flexkv::Result<flexkv::OpResult> r = flexkv::Status::Internal("no store ran");
+      for (;;) {
+        ++attempts;
+        r = store(&us);
+        const flexkv::StatusCode code = r.ok() ? r->status.code() : r.status().code();
+        if (code != flexkv::StatusCode::kUnavailable ||
+            Us(attached_at, std::chrono::steady_clock::now()) > 120e6) {
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (!r.ok()) {
+        std::printf("ERROR %s %s\n", flexkv::StatusCodeName(r.status().code()), r.status().message().c_str());
+        return 1;
+      }
+      std::printf("FIRSTSTORE %u %.0f %s %u\n", attempts, Us(attached_at, std::chrono::steady_clock::now()),
+                  flexkv::StatusCodeName(r->status.code()), r->done_blocks);
     } else if (what == "bench") {
       if (!fill()) return 1;
       double store_us = 0, load_us = 0, layer0 = 0;

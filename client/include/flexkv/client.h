@@ -65,6 +65,11 @@ struct DaemonStatus {
     uint64_t block_bytes = 0, capacity_blocks = 0, used_blocks = 0, pinned_blocks = 0, budget_bytes = 0;
     std::string backing;
     uint64_t unverified_blocks = 0;  // restored at start, still being verified (not served yet)
+    // A new domain's pool is allocated and registered in the background: "preparing" (active_bytes growing to
+    // target_bytes), "failed: <why>", or "" (done). prepare_ms: how long it ran or has run; first_serve_ms: until
+    // its first grants served (0: not yet).
+    std::string preparation;
+    uint64_t active_bytes = 0, target_bytes = 0, prepare_ms = 0, first_serve_ms = 0;
     // Hybrid geometries: one entry per component's sub-pool, component 0 first (the fields above are the totals);
     // empty before a domain is set or from a daemon that does not report them.
     struct Component {
