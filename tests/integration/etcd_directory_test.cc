@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,18 +35,26 @@ using flexkv::testing::ChildProcess;
 
 constexpr const char* kEtcd = "/usr/bin/etcd";
 
+// A free port on 127.0.0.1 below the kernel's ephemeral range (32768 and up): etcd is stopped and started again on
+// the same ports, and a port of the ephemeral range may be handed out meanwhile - to another test's etcd (CI once saw
+// this test's Joins refused for 30 s after a restart: most likely another test's etcd answered on its port) or as
+// the source port of any connection. Random in [20000, 32000), checked free when picked.
 int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  socklen_t len = sizeof addr;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  static std::mt19937 pick{std::random_device{}()};
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int port = 20000 + static_cast<int>(pick() % 12000);
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+    if (free) return port;
+  }
+  FAIL("no free port in 20000..31999 after 1000 tries");
+  return 0;
 }
 
 // Polls `f` every 50 ms until it is true or `limit` has passed; returns its last value.
@@ -93,6 +102,7 @@ class EtcdServer {
     // Ready once a Range answers.
     auto channel = grpc::CreateChannel(endpoint(), grpc::InsecureChannelCredentials());
     auto kv = etcdserverpb::KV::NewStub(channel);
+    uint64_t cluster_id = 0;
     bool ready = WaitFor([&] {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + 500ms);
@@ -100,9 +110,18 @@ class EtcdServer {
       etcdserverpb::RangeRequest req;
       req.set_key("/probe");
       etcdserverpb::RangeResponse resp;
-      return kv->Range(&ctx, req, &resp).ok();
+      if (!kv->Range(&ctx, req, &resp).ok()) return false;
+      cluster_id = resp.header().cluster_id();
+      return true;
     });
     if (!ready) FAIL("etcd did not answer within 30 s; its stderr:\n" << proc_->Stderr());
+    // A restart must answer as the same store: not another process that took the port while it was down.
+    if (cluster_id_ != 0 && cluster_id != cluster_id_) {
+      FAIL("after the restart, " << endpoint() << " is answered by another etcd (cluster id " << cluster_id
+                                 << ", ours " << cluster_id_ << "): the port was taken while ours was stopped; "
+                                 << "our etcd's stderr:\n" << proc_->Stderr());
+    }
+    cluster_id_ = cluster_id;
   }
   void Stop() {
     if (!proc_) return;
@@ -112,6 +131,7 @@ class EtcdServer {
   }
 
  private:
+  uint64_t cluster_id_ = 0;  // the store that answered the first Start
   int client_port_, peer_port_;
   std::vector<std::string> extra_args_;
   std::string dir_;
