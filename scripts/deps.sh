@@ -58,3 +58,33 @@ flexkv_build() {
   fi
   ninja -C "$root/build" "$@"
 }
+
+# flexkv_build, printing its progress on stderr for a person waiting on it: one line per tenth of the build steps
+# (with the step count and the seconds so far), and the compiler's output in full when a step fails.
+flexkv_build_progress() {
+  local root log rcfile rc
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  if [[ ! -f "$root/build/build.ninja" ]]; then
+    echo "flexkvd: configuring the build (cmake)" >&2
+  fi
+  log=$(mktemp)
+  rcfile=$(mktemp)
+  (NINJA_STATUS="[%f/%t] " flexkv_build "$@" 2>&1; echo $? >"$rcfile") | tee "$log" | awk -v start="$(date +%s)" '
+    match($0, /^\[[0-9]+\/[0-9]+\] /) {
+      split(substr($0, 2, RLENGTH - 3), n, "/")
+      step = int(n[1] * 10 / n[2])
+      if (step > shown) {
+        shown = step
+        "date +%s" | getline now
+        close("date +%s")
+        printf "flexkvd: build %d%% (%d of %d steps, %d s)\n", step * 10, n[1], n[2], now - start > "/dev/stderr"
+      }
+    }'
+  rc=$(cat "$rcfile")
+  if [[ "$rc" != 0 ]]; then
+    echo "flexkvd: the build failed; its output:" >&2
+    grep -v '^\[[0-9]*/[0-9]*\] ' "$log" | tail -n 60 >&2
+  fi
+  rm -f "$log" "$rcfile"
+  return "$rc"
+}
