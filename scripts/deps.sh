@@ -69,7 +69,8 @@ flexkv_build_progress() {
   fi
   log=$(mktemp)
   rcfile=$(mktemp)
-  (NINJA_STATUS="[%f/%t] " flexkv_build "$@" 2>&1; echo $? >"$rcfile") | tee "$log" | awk -v start="$(date +%s)" '
+  # (`||`: the failure is recorded even where errexit is on, as in scripts run with set -e)
+  (NINJA_STATUS="[%f/%t] " flexkv_build "$@" 2>&1 && echo 0 >"$rcfile" || echo $? >"$rcfile") | tee "$log" | awk -v start="$(date +%s)" '
     match($0, /^\[[0-9]+\/[0-9]+\] /) {
       split(substr($0, 2, RLENGTH - 3), n, "/")
       step = int(n[1] * 10 / n[2])
@@ -81,6 +82,7 @@ flexkv_build_progress() {
       }
     }'
   rc=$(cat "$rcfile")
+  rc=${rc:-1}
   if [[ "$rc" != 0 ]]; then
     echo "flexkvd: the build failed; its output:" >&2
     grep -v '^\[[0-9]*/[0-9]*\] ' "$log" | tail -n 60 >&2
