@@ -32,6 +32,26 @@ ServingState Lifecycle::Resume() {
   return state();
 }
 
+InFlight::InFlight(InFlight&& other) noexcept : lifecycle_(other.lifecycle_) { other.lifecycle_ = nullptr; }
+
+InFlight& InFlight::operator=(InFlight&& other) noexcept {
+  if (this != &other) {
+    End();
+    lifecycle_ = other.lifecycle_;
+    other.lifecycle_ = nullptr;
+  }
+  return *this;
+}
+
+void InFlight::End() {
+  if (lifecycle_ == nullptr) return;
+  Lifecycle* lifecycle = lifecycle_;
+  lifecycle_ = nullptr;
+  lifecycle->Finish();
+}
+
+InFlight Lifecycle::Admit() { return TryBegin() ? InFlight(this) : InFlight(); }
+
 bool Lifecycle::TryBegin() {
   inflight_.fetch_add(1);
   if (state() != ServingState::kServing) {

@@ -14,6 +14,31 @@ namespace flexkv {
 
 enum class ServingState { kServing, kDraining, kDrained };
 
+class Lifecycle;
+
+// One admitted data-plane request (Lifecycle::Admit), counted in flight - which a drain waits for - until it ends:
+// End() or destruction, whichever comes first, exactly once. Move-only, so that the request's last owner (an
+// answer path, a copy's completion, a waiting store) ends it and no path can forget or repeat it. An empty one (the
+// answer while draining, or moved from) counts nothing.
+class InFlight {
+ public:
+  InFlight() = default;
+  InFlight(InFlight&& other) noexcept;
+  InFlight& operator=(InFlight&& other) noexcept;
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+  ~InFlight() { End(); }
+
+  explicit operator bool() const { return lifecycle_ != nullptr; }
+  // Ends the request now (the drain may complete); nothing when it was ended or is empty.
+  void End();
+
+ private:
+  friend class Lifecycle;
+  explicit InFlight(Lifecycle* lifecycle) : lifecycle_(lifecycle) {}
+  Lifecycle* lifecycle_ = nullptr;
+};
+
 // "serving" | "draining" | "drained" (the GetStatus contract).
 const char* ServingStateName(ServingState state);
 
@@ -30,12 +55,14 @@ class Lifecycle {
   // Admits work again. Returns kServing.
   ServingState Resume();
 
-  // Admission of one data-plane request: false while draining. Every true must be paired with Finish().
-  bool TryBegin();
-  void Finish();
+  // Admission of one data-plane request: empty (false) while draining. The Lifecycle must outlive it.
+  InFlight Admit();
   uint64_t inflight() const { return inflight_.load(); }
 
  private:
+  friend class InFlight;
+  bool TryBegin();
+  void Finish();
   void Set(ServingState next) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeDrained() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -202,12 +202,14 @@ void RequestHandlers::Match(const std::shared_ptr<RequestSession>& sp, const Sub
   const bool pin = (d.flags & kMatchFlagPin) != 0;
   std::vector<SlotId> slots;
   const size_t hit = s.cache().Match(keys, pin, pin ? &slots : nullptr);
+  InFlight admitted;
   if (ssd_ != nullptr && hit < keys.size() && !s.geometry().is_hybrid() && ssd_->open() &&
-      s.cache().generation() == s.pool_generation_ && lifecycle_->TryBegin()) {
+      s.cache().generation() == s.pool_generation_ && (admitted = lifecycle_->Admit())) {
     // The match may go on in SSD: promote what it holds, then match again in DRAM. Counted in flight meanwhile
     // (the promotion writes into the pool: a drain waits for it; its pending slots keep DropDomain away).
     auto all = std::make_shared<std::vector<BlockKey>>(keys);
-    const bool promoting = ssd_->Promote(s.cache(), *all, hit, [this, sp, d, taken_ns, all, pin](size_t) {
+    auto in_flight = std::make_shared<InFlight>(std::move(admitted));
+    const bool promoting = ssd_->Promote(s.cache(), *all, hit, [this, sp, d, taken_ns, all, pin, in_flight](size_t) {
       std::vector<SlotId> again;
       const size_t now = sp->cache().Match(*all, pin, pin ? &again : nullptr);
       if (sp->cache().generation() != sp->pool_generation_) {
@@ -216,14 +218,14 @@ void RequestHandlers::Match(const std::shared_ptr<RequestSession>& sp, const Sub
       } else {
         AnswerMatch(*sp, d, taken_ns, now, std::move(again));
       }
-      lifecycle_->Finish();
+      in_flight->End();
     });
     if (promoting) {
       // The pending promoted blocks hold their parent chain in DRAM; these pins are taken again by the new match.
       if (!slots.empty()) s.cache().Unpin(slots);
       return;
     }
-    lifecycle_->Finish();
+    in_flight->End();
   }
   if (s.cache().generation() != s.pool_generation_) {  // as in Store: these pins would be another domain's
     if (!slots.empty()) s.cache().Unpin(slots);
@@ -252,10 +254,12 @@ void RequestHandlers::Prefetch(const std::shared_ptr<RequestSession>& sp, const 
     here.source = "hybrid geometries are not pulled from peers";
     return answer(s, here);
   }
-  if (!lifecycle_->TryBegin()) {
+  InFlight admitted = lifecycle_->Admit();
+  if (!admitted) {
     here.source = "the daemon is draining";
     return answer(s, here);
   }
+  auto in_flight = std::make_shared<InFlight>(std::move(admitted));
   std::weak_ptr<RequestSession> weak = sp;
   cluster_->Prefetch(
       &s.cache(), std::move(keys), local, s.id(),
@@ -263,13 +267,13 @@ void RequestHandlers::Prefetch(const std::shared_ptr<RequestSession>& sp, const 
         auto alive = weak.lock();
         return !alive || alive->ended();
       },
-      [this, sp, d, taken_ns, answer](PrefetchResult r) {
+      [this, sp, d, taken_ns, answer, in_flight](PrefetchResult r) {
         if (sp->cache().generation() != sp->pool_generation_) {
           Fail(*sp, d, taken_ns, DomainDropped());
         } else {
           answer(*sp, r);
         }
-        lifecycle_->Finish();
+        in_flight->End();
       });
 }
 
@@ -326,7 +330,8 @@ void RequestHandlers::Release(RequestSession& s, const SubmitDescriptor& d, int6
   Finish(s, d, taken_ns, CompletionBuilder(d).descriptor());
 }
 
-Result<std::vector<SlotId>> RequestHandlers::BeginLoad(RequestSession& s, const SubmitDescriptor& d) {
+Result<std::vector<SlotId>> RequestHandlers::BeginLoad(RequestSession& s, const SubmitDescriptor& d,
+                                                       InFlight* in_flight) {
   // Handle validated the descriptor and its block ids; the handle is looked up here, under the lock that also
   // takes its slots.
   MutexLock lock(&s.mu_);
@@ -338,14 +343,16 @@ Result<std::vector<SlotId>> RequestHandlers::BeginLoad(RequestSession& s, const 
         "end)",
         d.count, *held));
   }
-  if (refused.ok() && !lifecycle_->TryBegin()) refused = Status::Unavailable("flexkvd is draining; retry after Resume");
-  // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
-  if (refused.ok() && s.cache().generation() != s.pool_generation_) {
-    lifecycle_->Finish();
-    refused = DomainDropped();
+  InFlight admitted;
+  if (refused.ok() && !(admitted = lifecycle_->Admit())) {
+    refused = Status::Unavailable("flexkvd is draining; retry after Resume");
   }
-  if (!refused.ok()) return refused;
-  return s.handles_.BeginLoad(d.match_handle, d.count);
+  // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
+  if (refused.ok() && s.cache().generation() != s.pool_generation_) refused = DomainDropped();
+  if (!refused.ok()) return refused;  // `admitted` ends here
+  Result<std::vector<SlotId>> slots = s.handles_.BeginLoad(d.match_handle, d.count);
+  if (slots.ok()) *in_flight = std::move(admitted);
+  return slots;
 }
 
 void RequestHandlers::EndLoad(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
@@ -366,7 +373,6 @@ void RequestHandlers::EndLoad(const std::shared_ptr<RequestSession>& sp, const S
   }
   if (!unpin.empty()) sp->cache().Unpin(unpin);
   Finish(*sp, d, taken_ns, c.descriptor());
-  lifecycle_->Finish();
 }
 
 void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
@@ -379,7 +385,8 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
     if (!taken.ok()) return Fail(s, d, taken_ns, taken.status());
     events = std::move(*taken);
   }
-  Result<std::vector<SlotId>> slots = BeginLoad(s, d);
+  InFlight admitted;
+  Result<std::vector<SlotId>> slots = BeginLoad(s, d, &admitted);
   if (!slots.ok()) {
     if (d.event_set != 0) s.PutEventSet(d.event_set);
     return Fail(s, d, taken_ns, slots.status());
@@ -403,9 +410,11 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
     copy.layer_done = [sp, d](uint32_t layer) { sp->Post(CompletionBuilder::LayerDone(d, layer)); };
   }
   const uint64_t bytes = uint64_t{d.count} * s.cache().block_bytes();
-  copy.done = [this, sp, d, bytes, taken_ns](Status st, int64_t copy_start_ns) {
+  auto in_flight = std::make_shared<InFlight>(std::move(admitted));
+  copy.done = [this, sp, d, bytes, taken_ns, in_flight](Status st, int64_t copy_start_ns) {
     if (d.event_set != 0) sp->PutEventSet(d.event_set);  // free before the final completion: reusable once seen
     EndLoad(sp, d, taken_ns, bytes, st, copy_start_ns);
+    in_flight->End();
   };
   copies_->Submit(std::move(copy));
 }
@@ -414,14 +423,13 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
                             std::vector<BlockKey> keys, std::vector<uint32_t> ids) {
   RequestSession& s = *sp;  // Handle validated the descriptor and the block ids against the registered blocks
   if (!s.store_access().ok()) return Fail(s, d, taken_ns, s.store_access());  // a read-only session
-  if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
+  InFlight admitted = lifecycle_->Admit();
+  if (!admitted) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
-  if (s.cache().generation() != s.pool_generation_) {
-    lifecycle_->Finish();
-    return Fail(s, d, taken_ns, DomainDropped());
-  }
+  if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
   const int64_t wait_ms = s.cache().StoreWaitMs();
-  WaitingStore w{sp, d, taken_ns, std::move(keys), std::move(ids), taken_ns + wait_ms * 1000000};
+  WaitingStore w{sp, d, taken_ns, std::move(keys), std::move(ids), taken_ns + wait_ms * 1000000,
+                 std::move(admitted)};
   // A domain's stores wait in arrival order: a later one must not take the blocks written for an earlier one.
   const bool queued_behind = wait_ms > 0 && std::any_of(waiting_.begin(), waiting_.end(), [&](const WaitingStore& o) {
     return &o.sp->cache() == &s.cache();
@@ -441,9 +449,8 @@ bool RequestHandlers::RetryWaitingStores(int64_t now_ns) {
     RequestSession& s = *it->sp;
     Cache* cache = &s.cache();
     if (s.ended() || cache->generation() != s.pool_generation_) {
-      lifecycle_->Finish();
       Fail(s, it->d, it->taken_ns, s.ended() ? Status::Cancelled("the session ended") : DomainDropped());
-      it = waiting_.erase(it);
+      it = waiting_.erase(it);  // ends its request
       continue;
     }
     if (std::find(blocked.begin(), blocked.end(), cache) != blocked.end()) {
@@ -469,7 +476,7 @@ bool RequestHandlers::RetryWaitingStores(int64_t now_ns) {
 
 void RequestHandlers::AbandonWaitingStores() {
   for (WaitingStore& w : waiting_) {
-    lifecycle_->Finish();
+    w.in_flight.End();
     Fail(*w.sp, w.d, w.taken_ns, Status::Unavailable("flexkvd is stopping; the store was not done"));
   }
   waiting_.clear();
@@ -486,7 +493,7 @@ bool RequestHandlers::ReserveAndCopy(WaitingStore& w, bool may_wait) {
   // only for reserved and pinned slots) may have given the Cache to another domain just before the Reserve.
   if (s.cache().generation() != s.pool_generation_) {
     s.cache().Abort(r.slots);
-    lifecycle_->Finish();
+    w.in_flight.End();
     Fail(s, d, taken_ns, DomainDropped());
     return true;
   }
@@ -514,7 +521,7 @@ bool RequestHandlers::ReserveAndCopy(WaitingStore& w, bool may_wait) {
                                                    stopped)));
   }
   if (reserved == 0) {
-    lifecycle_->Finish();
+    w.in_flight.End();
     Finish(s, d, taken_ns, c.descriptor());
     return true;
   }
@@ -531,8 +538,9 @@ bool RequestHandlers::ReserveAndCopy(WaitingStore& w, bool may_wait) {
   auto checksums = std::make_shared<std::vector<uint64_t>>();
   copy.checksums = checksums;
   const uint64_t block_bytes = s.cache().block_bytes();
-  copy.done = [this, sp, d, c, parent, keys = std::move(keys), slots, checksums, first, block_bytes, taken_ns](
-                  Status st, int64_t copy_start_ns) mutable {
+  auto in_flight = std::make_shared<InFlight>(std::move(w.in_flight));
+  copy.done = [this, sp, d, c, parent, keys = std::move(keys), slots, checksums, first, block_bytes, taken_ns,
+               in_flight](Status st, int64_t copy_start_ns) mutable {
     RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
     // Publish after transfer; a failed copy, or a session that ended meanwhile, returns the slots.
     Cache& cache = sp->cache();
@@ -545,7 +553,7 @@ bool RequestHandlers::ReserveAndCopy(WaitingStore& w, bool may_wait) {
       cache.counters().bytes_stored.fetch_add(slots->size() * block_bytes, std::memory_order_relaxed);
     }
     Finish(*sp, d, taken_ns, c.descriptor());
-    lifecycle_->Finish();
+    in_flight->End();
   };
   copies_->Submit(std::move(copy));
   return true;
@@ -605,7 +613,8 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
                                  int64_t taken_ns, std::vector<uint32_t> ids) {
   RequestSession& s = *sp;
   const Geometry& g = s.geometry();
-  Result<std::vector<SlotId>> begun = BeginLoad(s, d);
+  InFlight admitted;
+  Result<std::vector<SlotId>> begun = BeginLoad(s, d, &admitted);
   if (!begun.ok()) return Fail(s, d, taken_ns, begun.status());
   const std::vector<SlotId>& slots = *begun;
   const HybridIdLayout layout = LayoutIds(g, false, d.count, 0);
@@ -621,8 +630,10 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
     parts.push_back(ComponentCopy(s, c, CopyDirection::kFromPool, std::move(engine), std::move(local)));
     bytes += n * g.Component(c).host_block_bytes();
   }
-  SubmitJoined(std::move(parts), [this, sp, d, bytes, taken_ns](Status st, int64_t copy_start_ns) {
+  auto in_flight = std::make_shared<InFlight>(std::move(admitted));
+  SubmitJoined(std::move(parts), [this, sp, d, bytes, taken_ns, in_flight](Status st, int64_t copy_start_ns) {
     EndLoad(sp, d, taken_ns, bytes, st, copy_start_ns);
+    in_flight->End();
   });
 }
 
@@ -632,16 +643,14 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
   RequestSession& s = *sp;
   const Geometry& g = s.geometry();
   if (!s.store_access().ok()) return Fail(s, d, taken_ns, s.store_access());
-  if (!lifecycle_->TryBegin()) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
-  if (s.cache().generation() != s.pool_generation_) {
-    lifecycle_->Finish();
-    return Fail(s, d, taken_ns, DomainDropped());
-  }
+  InFlight admitted = lifecycle_->Admit();
+  if (!admitted) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
+  if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
   const BlockKey parent = d.parent;
   auto r = std::make_shared<Cache::HybridReservation>(s.cache().ReserveHybrid(parent, keys, boundaries));
   if (s.cache().generation() != s.pool_generation_) {  // as in Store
     s.cache().AbortHybrid(*r);
-    lifecycle_->Finish();
+    admitted.End();
     return Fail(s, d, taken_ns, DomainDropped());
   }
   CompletionBuilder answer(d);
@@ -660,7 +669,7 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
                         ComponentKindName(g.component_kind(r->component)));
     }
     answer.Status(Status(r->shortfall, why));
-    lifecycle_->Finish();
+    admitted.End();
     return Finish(s, d, taken_ns, answer.descriptor());
   }
   const HybridIdLayout layout = LayoutIds(g, true, d.count, d.state_count);
@@ -691,11 +700,12 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
     parts.push_back(std::move(copy));
   }
   if (parts.empty()) {  // everything was cached already
-    lifecycle_->Finish();
+    admitted.End();
     return Finish(s, d, taken_ns, answer.descriptor());
   }
-  SubmitJoined(std::move(parts), [this, sp, d, c = answer, parent, keys = std::move(keys), r, sums, bytes, taken_ns](
-                                     Status st, int64_t copy_start_ns) mutable {
+  auto in_flight = std::make_shared<InFlight>(std::move(admitted));
+  SubmitJoined(std::move(parts), [this, sp, d, c = answer, parent, keys = std::move(keys), r, sums, bytes, taken_ns,
+                                  in_flight](Status st, int64_t copy_start_ns) mutable {
     RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
     Cache& cache = sp->cache();
     if (!st.ok() || sp->ended()) {
@@ -709,7 +719,7 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
       cache.counters().bytes_stored.fetch_add(bytes, std::memory_order_relaxed);
     }
     Finish(*sp, d, taken_ns, c.descriptor());
-    lifecycle_->Finish();
+    in_flight->End();
   });
 }
 

@@ -177,7 +177,8 @@ class RequestHandlers {
                    std::vector<BlockKey> keys, std::vector<uint32_t> ids, std::vector<uint32_t> boundaries);
   // The start of a Load: the handle checked (a hybrid match loads whole), the request counted in flight, the
   // handle's slots taken. The refusal otherwise (nothing counted).
-  Result<std::vector<SlotId>> BeginLoad(RequestSession& s, const SubmitDescriptor& d);
+  // On success `*in_flight` holds the load's admission (Lifecycle::Admit): the caller ends it when the load ends.
+  Result<std::vector<SlotId>> BeginLoad(RequestSession& s, const SubmitDescriptor& d, InFlight* in_flight);
   // The end of a Load's copy (`bytes` copied when OK): counters, the handle's slots, the completion.
   void EndLoad(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns, uint64_t bytes,
                const Status& st, int64_t copy_start_ns);
@@ -189,7 +190,7 @@ class RequestHandlers {
   // The copy of a load or store ends now: its wait and transfer time.
   void RecordCopy(OpKind op, int64_t taken_ns, int64_t copy_start_ns);
 
-  // A Store, counted in flight (Lifecycle::TryBegin), that has not been answered yet.
+  // A Store, counted in flight (its InFlight), that has not been answered yet.
   struct WaitingStore {
     std::shared_ptr<RequestSession> sp;
     SubmitDescriptor d;
@@ -197,6 +198,7 @@ class RequestHandlers {
     std::vector<BlockKey> keys;
     std::vector<uint32_t> ids;
     int64_t deadline_ns = 0;  // its wait for the write-back ends then
+    InFlight in_flight;       // moved to the copy, or ended with the answer
   };
   // The rest of a Store: reserve, copy, commit, answer. With `may_wait`, false (nothing reserved, not answered)
   // when the reservation would evict blocks the next tier does not hold; true once the store is answered or copying.

@@ -523,12 +523,13 @@ grpc::Status ControlService::Match(grpc::ServerContext* context, const v1::Match
   size_t hit = cache->Match(keys, /*pin=*/false, nullptr);
   // A match that goes on into SSD promotes those blocks (as the data plane's does) and is answered once they are in
   // DRAM: the answer says what a Load can have now.
-  if (ctx_.ssd != nullptr && hit < keys.size() && ctx_.ssd->open() && ctx_.lifecycle->TryBegin()) {
+  InFlight admitted;
+  if (ctx_.ssd != nullptr && hit < keys.size() && ctx_.ssd->open() && (admitted = ctx_.lifecycle->Admit())) {
     auto promoted = std::make_shared<std::promise<void>>();
     std::future<void> ended = promoted->get_future();
-    Lifecycle* lifecycle = ctx_.lifecycle;
-    if (ctx_.ssd->Promote(*cache, keys, hit, [promoted, lifecycle](size_t) {
-          lifecycle->Finish();  // in flight until the promotion ends, even if this call stopped waiting
+    auto in_flight = std::make_shared<InFlight>(std::move(admitted));
+    if (ctx_.ssd->Promote(*cache, keys, hit, [promoted, in_flight](size_t) {
+          in_flight->End();  // in flight until the promotion ends, even if this call stopped waiting
           promoted->set_value();
         })) {
       // A drive that hangs must not hang the control plane: after 10 s (or the call's deadline) the answer is what
@@ -537,7 +538,7 @@ grpc::Status ControlService::Match(grpc::ServerContext* context, const v1::Match
       deadline = std::min(deadline, context->deadline());
       if (ended.wait_until(deadline) == std::future_status::ready) hit = cache->Match(keys, /*pin=*/false, nullptr);
     } else {
-      lifecycle->Finish();
+      in_flight->End();
     }
   }
   auto& counters = cache->counters();
