@@ -22,11 +22,12 @@
 #include <unordered_map>
 
 #include "common/block_checksum.h"
+#include "common/invariant.h"
 #include "common/log.h"
 #include "common/mapped_region.h"
 #include "common/uds.h"
-#include "common/units.h"
 #include "common/unique_fd.h"
+#include "common/units.h"
 
 namespace flexkv {
 namespace {
@@ -97,15 +98,7 @@ static_assert(sizeof(PoolHeader) <= kActiveRecordOffset);
 static_assert(kActiveRecordOffset + sizeof(ActiveRecord) <= kComponentTableOffset);
 uint64_t ActiveChecksum(const ActiveRecord& r) { return XXH64(&r, offsetof(ActiveRecord, checksum), 2); }
 
-// Broken internal invariants crash loudly (CONVENTIONS: untrusted input is answered, invariants assert).
-#define POOL_CHECK(cond, what)                                                                                 \
-  do {                                                                                                        \
-    if (!(cond)) {                                                                                            \
-      std::fprintf(stderr, "%s:%d: Pool invariant violated: %s [%s]\n", __FILE__, __LINE__,                   \
-                   std::string(what).c_str(), #cond);                                                          \
-      std::abort();                                                                                           \
-    }                                                                                                         \
-  } while (0)
+#define POOL_CHECK(cond, what) FLEXKV_INVARIANT(cond, "Pool", what)
 
 uint32_t GrantOf(uint64_t capacity) {
   return static_cast<uint32_t>((capacity + kGrantsPerSubPool - 1) / kGrantsPerSubPool);

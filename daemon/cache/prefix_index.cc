@@ -18,18 +18,11 @@
 #include <string>
 #include <utility>
 
+#include "common/invariant.h"
 #include "daemon/cache/large_array.h"
 #include "daemon/cache/slot_list.h"
 
-// Broken internal invariants crash loudly (CONVENTIONS: untrusted input is answered, invariants assert).
-#define PREFIX_INDEX_CHECK(cond, what)                                                                  \
-  do {                                                                                                 \
-    if (!(cond)) {                                                                                     \
-      std::fprintf(stderr, "%s:%d: PrefixIndex invariant violated: %s [%s]\n", __FILE__, __LINE__,     \
-                   std::string(what).c_str(), #cond);                                                   \
-      std::abort();                                                                                    \
-    }                                                                                                  \
-  } while (0)
+#define PREFIX_INDEX_CHECK(cond, what) FLEXKV_INVARIANT(cond, "PrefixIndex", what)
 
 namespace flexkv {
 namespace {
