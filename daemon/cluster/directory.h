@@ -1,4 +1,4 @@
-// Directory: cluster membership and the block directory of the cluster tier (issue 16, DESIGN.md §8), on a
+// Directory: cluster membership and the block directory of the cluster tier (issue 16, docs/cluster.md), on a
 // shared store. The interface is store-neutral so that another backend (Redis) stays possible; the one backend
 // is etcd v3 (daemon/cluster/etcd/etcd_directory.h, ConnectEtcd).
 //

@@ -1,4 +1,4 @@
-// SsdTier: the SSD tier wired into the cache (DESIGN.md §7, docs/ssd.md). It owns the SsdStore and moves blocks
+// SsdTier: the SSD tier wired into the cache (docs/ssd.md). It owns the SsdStore and moves blocks
 // between it and the DRAM pools of the cache domains:
 //   write-back  a mover thread writes DRAM blocks to SSD ahead of their eviction, so that an eviction finds its
 //               block on SSD already: the cold end of each domain's eviction order (the coldest
