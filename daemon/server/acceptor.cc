@@ -53,8 +53,7 @@ void Acceptor::Stop() {
   ssize_t ignored = write(stop_fd_.get(), &one, sizeof(one));
   (void)ignored;
   thread_.join();
-  for (auto& [fd, p] : pending_) ::close(fd);
-  pending_.clear();
+  pending_.clear();  // closes them
 }
 
 void Acceptor::Loop() {
@@ -90,8 +89,8 @@ void Acceptor::Loop() {
 
 void Acceptor::AcceptAll() {
   for (;;) {
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
+    UniqueFd fd(accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (!fd) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EMFILE || errno == ENFILE) {
         // Out of fds: the listening socket stays readable, so back off instead of spinning.
@@ -103,30 +102,28 @@ void Acceptor::AcceptAll() {
       if (errno != EAGAIN && errno != EWOULDBLOCK) log::Warning("server", "accept: {}", ErrnoText(errno));
       return;
     }
-    auto peer = GetPeerCredentials(fd);
+    auto peer = GetPeerCredentials(fd.get());
     if (!peer.ok() || pending_.size() >= kMaxPending) {
       refused_log_.Warning("server", "refusing a connection: {}",
                    peer.ok() ? std::string("too many connections that have not sent a request yet")
                              : peer.status().ToString());
-      ::close(fd);
-      continue;
+      continue;  // closed here
     }
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
-    ev.data.fd = fd;
-    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
+    ev.data.fd = fd.get();
+    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd.get(), &ev) != 0) {
       log::Warning("server", "epoll_ctl(accepted): {}", ErrnoText(errno));
-      ::close(fd);
-      continue;
+      continue;  // closed here
     }
-    pending_[fd] = Pending{*peer, MonotonicMs() + kRouteTimeoutMs};
+    const int key = fd.get();
+    pending_[key] = Pending{std::move(fd), *peer, MonotonicMs() + kRouteTimeoutMs};
   }
 }
 
 void Acceptor::Drop(int fd) {
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
-  ::close(fd);
-  pending_.erase(fd);
+  pending_.erase(fd);  // closes it
 }
 
 void Acceptor::Route(int fd) {
@@ -142,15 +139,17 @@ void Acceptor::Route(int fd) {
   const PeerCredentials peer = it->second.peer;
   if (std::memcmp(head, "PRI ", 4) == 0) {
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
+    UniqueFd owned = std::move(it->second.fd);
     pending_.erase(it);
-    handlers_.on_grpc(fd, peer);
+    handlers_.on_grpc(owned.release(), peer);  // it owns the fd from here (gRPC takes it over)
     return;
   }
   if (std::memcmp(head, kSessionChannelMagic, 4) == 0) {
     if (static_cast<size_t>(n) < sizeof(SessionHello)) return;  // the rest of the hello is on its way
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
+    UniqueFd owned = std::move(it->second.fd);
     pending_.erase(it);
-    handlers_.on_session_channel(UniqueFd(fd), peer);
+    handlers_.on_session_channel(std::move(owned), peer);
     return;
   }
   log::Warning("server", "closing connection from pid {} uid {}: it speaks neither gRPC (HTTP/2) nor the session channel",

@@ -40,7 +40,9 @@ class Acceptor {
   int64_t last_turn_ms() const { return last_turn_ms_.load(std::memory_order_relaxed); }
 
  private:
+  // A connection that has not said yet what it speaks; it owns its fd until Route hands it on.
   struct Pending {
+    UniqueFd fd;
     PeerCredentials peer;
     int64_t deadline_ms;
   };
@@ -55,7 +57,7 @@ class Acceptor {
   UniqueFd stop_fd_;
   std::thread thread_;
   std::atomic<int64_t> last_turn_ms_{0};
-  std::unordered_map<int, Pending> pending_;  // owned by the acceptor thread
+  std::unordered_map<int, Pending> pending_;  // by fd; owned by the acceptor thread
   // Warnings a flood of connections can repeat: at most one line a second each, with the count suppressed.
   log::RateLimited out_of_fds_log_;
   log::RateLimited refused_log_;
