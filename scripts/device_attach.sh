@@ -5,7 +5,8 @@
 # registered with CUDA IPC handles) attaches (attach_us, register_us), stores 64 blocks retrying while the daemon
 # answers UNAVAILABLE (FIRSTSTORE: the time from Attach's return to the first stored block), loads them back
 # byte-checked (LOADED), and `flexkvctl status --json` is polled until the background preparation ends (the time the
-# whole pool took to be allocated and registered). Logs under $OUT; one SUMMARY line per size last.
+# whole pool took to be allocated and registered); then (RESTART=1, the default) the daemon is restarted on that pool:
+# the time until its socket answers and until the 64 blocks load again. Logs under $OUT; one SUMMARY line per run.
 # Bundle first:  ../shared/tools/device-bundle.sh .device/bundle build/flexkvd build/flexkvctl \
 #   build/tests/integration/flexkv-gpu-test-client
 set -uo pipefail
@@ -64,8 +65,29 @@ for run in $(seq 1 "$repeat"); do
   printf '%s\n' "$json" >"$out/status-$size-$run.json"
   figures=$(printf '%s' "$json" | python3 -c 'import json,sys; p=json.load(sys.stdin)["pool"]; print("pool prepared in %d ms (first grants served after %d ms), %.1f GiB active" % (p["prepare_ms"], p["first_serve_ms"], p["active_bytes"]/2**30))' 2>/dev/null)
   kill -TERM "$daemon"; wait "$daemon"
+  restart=""
+  if [ "${RESTART:-1}" = 1 ]; then
+    # A restart on the pool just prepared (its 64 blocks in it): how long until the socket answers, and until the
+    # blocks load again (restored blocks are served once their bytes are verified).
+    t0=$(date +%s%N)
+    "$bundle/bin/flexkvd" --socket "$sock" --pool-path "$pooldir/pool" --pool-size "${size}GiB" \
+      >"$out/flexkvd-$size-$run-restart.log" 2>&1 &
+    daemon=$!
+    for _ in $(seq 1 2400); do [ -S "$sock" ] && break; sleep 0.025; done
+    sock_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+    hit_ms="none within 120 s"
+    for _ in $(seq 1 240); do
+      if timeout 60 "$bundle/bin/flexkv-gpu-test-client" --socket "$sock" --layers 32 --kv-blocks 256 \
+           --name "restart-$size" --do load:7:64 2>/dev/null | grep -q '^LOADED 64 64 1 OK'; then
+        hit_ms=$(( ($(date +%s%N) - t0) / 1000000 )); break
+      fi
+      sleep 0.25
+    done
+    restart="; restart: socket after ${sock_ms} ms, the 64 blocks load again after ${hit_ms} ms"
+    kill -TERM "$daemon"; wait "$daemon"
+  fi
   rm -rf "$pooldir" "$sockdir"
-  echo "SUMMARY ${size}GiB run $run: socket after ${ready_ms} ms; $(grep -E '^(ATTACHED|ERROR)' "$out/client-$size-$run.txt" | head -1 | awk '{print $1, $6, $7}'); $(grep -E '^FIRSTSTORE' "$out/client-$size-$run.txt"); $(grep -E '^LOADED' "$out/client-$size-$run.txt"); ${figures:-no status}" | tee -a "$out/summary.txt"
+  echo "SUMMARY ${size}GiB run $run: socket after ${ready_ms} ms; $(grep -E '^(ATTACHED|ERROR)' "$out/client-$size-$run.txt" | head -1 | awk '{print $1, $6, $7}'); $(grep -E '^FIRSTSTORE' "$out/client-$size-$run.txt"); $(grep -E '^LOADED' "$out/client-$size-$run.txt"); ${figures:-no status}${restart}" | tee -a "$out/summary.txt"
 done
 done
 exit $status

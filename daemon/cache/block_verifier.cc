@@ -40,6 +40,11 @@ void BlockVerifier::StartRestartVerification() {
 }
 
 void BlockVerifier::VerifyRestored() {
+  // A re-attached pool's grants are registered for DMA in the background (Cache::SetPrepareInBackground): its
+  // blocks are served - verified - only after that, so that no load reaches a grant the copy engines cannot.
+  while (!stop_.load(std::memory_order_relaxed) && cache_->preparation().preparing) {
+    (void)cache_->WaitForPreparation(std::chrono::milliseconds(200));
+  }
   const std::vector<Pool::Committed> restored = cache_->TakeUnverified();
   if (restored.empty()) return;
   struct EndVerification {

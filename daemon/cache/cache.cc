@@ -147,7 +147,10 @@ Status Cache::RecoverPool(bool discard, std::span<const uint64_t> other_budgets)
             pool_path_, index->unverified_blocks(), dropped, corrupt, (*pool)->model_namespace(),
             (*pool)->geometry().ToString(), (*pool)->creator_uid());
   unverified_ = std::move(restored);
-  AdoptPoolLocked(std::move(*pool), std::move(index), std::move(parts));
+  // Registering a pool of tens of GiB for DMA takes seconds (about 10 s for 96 GiB on an H100 node): in the
+  // background, so that the daemon serves at once; the restored blocks are served (verified) after it.
+  AdoptPoolLocked(std::move(*pool), std::move(index), std::move(parts), /*announce=*/!prepare_in_background_);
+  if (prepare_in_background_) StartRegisteringLocked();
   return Status::Ok();
 }
 
@@ -191,7 +194,7 @@ Status Cache::CreatePoolLocked(const std::string& model_namespace, const Geometr
 }
 
 void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index,
-                            std::vector<std::unique_ptr<ComponentIndex>> parts, bool prepared) {
+                            std::vector<std::unique_ptr<ComponentIndex>> parts, bool announce, bool new_generation) {
   pool_ = std::move(pool);
   index_ = std::move(index);
   parts_ = std::move(parts);
@@ -217,10 +220,10 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     const SlotId base = pool_->sub_pool(c).base;
     Part(c).SetEvictionListener([p, base](SlotId local, const BlockKey&) { p->MarkFree(base + local); });
   }
-  if (!prepared) generation_.fetch_add(1, std::memory_order_acq_rel);
+  if (new_generation) generation_.fetch_add(1, std::memory_order_acq_rel);
   PublishActiveLocked();
   has_pool_.store(true, std::memory_order_release);
-  for (size_t c = 0; !prepared && c < pool_->component_count(); ++c) {
+  for (size_t c = 0; announce && c < pool_->component_count(); ++c) {
     AnnounceAllAddedLocked(c, 0, pool_->sub_pool(c).active);  // the listener keeps an error for its sessions
   }
 }

@@ -344,12 +344,16 @@ class Cache {
   Status CheckPoolSpace() const;
   Status CreatePoolLocked(const std::string& model_namespace, const Geometry& geometry, uid_t creator_uid)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Installs `pool` and its index, publishes has_pool_ and tells the listener. `prepared`: a background
-  // preparation's pool, whose grants it told the listener itself, adopted for the domain its sessions attached to
-  // (the generation stays).
+  // Installs `pool` and its index and publishes has_pool_; with `announce`, tells the listener every active grant
+  // (else the caller's background thread does); with `new_generation`, sessions of an earlier pool are told apart
+  // (not for a background preparation's pool: the sessions attached meanwhile are of its domain).
   void AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIndex> index,
-                       std::vector<std::unique_ptr<ComponentIndex>> parts, bool prepared = false)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                       std::vector<std::unique_ptr<ComponentIndex>> parts, bool announce = true,
+                       bool new_generation = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A re-attached pool (RecoverPool, SetPrepareInBackground on): its indexes hand out no slot until the grant holding
+  // it is registered; a thread tells the listener each active grant and lifts the limit behind it (RegisterRestored).
+  void StartRegisteringLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RegisterRestored();
   // The preparation thread's body (see SetPrepareInBackground) and its stop: StopPreparation asks it to end at the
   // next grant and joins it; call it without mu_.
   void Prepare(std::string model_namespace, Geometry geometry, uid_t creator_uid, uint64_t target_bytes);

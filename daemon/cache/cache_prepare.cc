@@ -151,7 +151,8 @@ void Cache::Prepare(std::string model_namespace, Geometry geometry, uid_t creato
     for (size_t c = 1; c < pool->component_count(); ++c) {
       parts.push_back(std::make_unique<ComponentIndex>(pool->sub_pool(c).capacity, pool->sub_pool(c).active));
     }
-    AdoptPoolLocked(std::move(pool), std::move(index), std::move(parts), /*prepared=*/true);
+    AdoptPoolLocked(std::move(pool), std::move(index), std::move(parts), /*announce=*/false,
+                    /*new_generation=*/false);
     preparation_.served_ms = MonotonicMs();
     pool_cv_.notify_all();
     log::Info("cache", "cache domain '{}': pool {} serves {} after {} ms; growing to {} in the background",
@@ -244,6 +245,65 @@ void Cache::GrowInBackground(const std::vector<uint32_t>& target) {
       grew = true;
     }
   }
+}
+
+}  // namespace flexkv
+
+namespace flexkv {
+
+void Cache::StartRegisteringLocked() {
+  index_->LimitTo(0);
+  for (size_t c = 1; c < pool_->component_count(); ++c) Part(c).LimitTo(0);
+  preparation_ = Preparation{};
+  preparation_.preparing = true;
+  preparation_.target_bytes = pool_->active_bytes();
+  preparation_.started_ms = MonotonicMs();
+  prepare_stop_.store(false, std::memory_order_release);
+  MutexLock t(&thread_mu_);
+  prepare_thread_ = std::thread([this] { RegisterRestored(); });
+}
+
+void Cache::RegisterRestored() {
+  std::function<Status(const PoolRegion&)> added;
+  Pool* pool = nullptr;
+  {
+    MutexLock lock(&mu_);
+    added = pool_listener_;
+    pool = pool_.get();  // not replaced while this runs (DropDomain stops it first)
+  }
+  // Round robin over the components, one grant each, so that a hybrid domain's stores find room in every one soon.
+  // A component's active part does not change while this runs (Resize is refused).
+  std::vector<uint32_t> next(pool->component_count(), 0);
+  for (bool any = true; any;) {
+    any = false;
+    for (size_t c = 0; c < pool->component_count(); ++c) {
+      if (prepare_stop_.load(std::memory_order_acquire)) break;
+      const SubPool& p = pool->sub_pool(c);
+      if (next[c] >= p.active) continue;
+      const uint32_t slots = std::min(p.grant, p.active - next[c]);
+      // A grant the listener refuses is kept: it keeps the error for the sessions it concerns.
+      if (added) {
+        (void)added(PoolRegion{p.data + uint64_t{next[c]} * p.slot_bytes, uint64_t{slots} * p.slot_bytes,
+                               p.slot_bytes, slots});
+      }
+      next[c] += slots;
+      any = true;
+      MutexLock lock(&mu_);
+      if (c == 0) {
+        index_->LimitTo(next[c]);
+      } else {
+        Part(c).LimitTo(next[c]);
+      }
+      if (preparation_.served_ms == 0) preparation_.served_ms = MonotonicMs();
+    }
+  }
+  MutexLock lock(&mu_);
+  // Stopped early (the domain is being dropped): the limits stay where they are; DropDomain gives everything back.
+  preparation_.preparing = false;
+  preparation_.done_ms = MonotonicMs();
+  pool_cv_.notify_all();
+  log::Info("cache", "pool {}: {} re-attached and registered in {} ms; its restored blocks are verified next",
+            pool_path_, FormatByteSize(pool_->active_bytes()), preparation_.done_ms - preparation_.started_ms);
 }
 
 }  // namespace flexkv

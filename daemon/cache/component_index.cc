@@ -433,6 +433,12 @@ PrefixIndex::Shrunk ComponentIndex::Shrink(uint32_t target) {
 uint32_t ComponentIndex::active() const { return impl_->active_; }
 uint32_t ComponentIndex::limit() const { return impl_->limit_; }
 
+void ComponentIndex::LimitTo(uint32_t limit) {
+  Impl& m = *impl_;
+  COMPONENT_INDEX_CHECK(limit <= m.active_, fmt::format("limit {} above the {} active slots", limit, m.active_));
+  m.SetLimit(limit);
+}
+
 bool ComponentIndex::IsCommitted(SlotId slot) const {
   return slot < impl_->entries_.size() && impl_->entries_[slot].state == State::kCommitted;
 }

@@ -106,6 +106,8 @@ class ComponentIndex {
   PrefixIndex::Shrunk Shrink(uint32_t target);
   uint32_t active() const;
   uint32_t limit() const;
+  // As PrefixIndex::LimitTo: no slot at or above `limit` (<= active()) is handed out, nothing is evicted.
+  void LimitTo(uint32_t limit);
 
   uint32_t capacity() const;      // slots at most (the pool's sub-pool capacity)
   uint32_t used_slots() const;    // pending + committed + unverified + dropped-but-pinned

@@ -748,6 +748,12 @@ PrefixIndex::Shrunk PrefixIndex::Shrink(uint32_t target) {
 uint32_t PrefixIndex::active() const { return impl_->active_; }
 uint32_t PrefixIndex::limit() const { return impl_->limit_; }
 
+void PrefixIndex::LimitTo(uint32_t limit) {
+  Impl& m = *impl_;
+  PREFIX_INDEX_CHECK(limit <= m.active_, fmt::format("limit {} above the {} active slots", limit, m.active_));
+  m.SetLimit(limit);
+}
+
 bool PrefixIndex::IsCommitted(SlotId slot) const {
   return slot < impl_->nodes_.size() && impl_->nodes_[slot].state == State::kCommitted;
 }

@@ -115,6 +115,9 @@ class PrefixIndex {
   // active() is free; limit() == active() except while a shrink is held up by blocks in the slots it gives back.
   // Grow: slots [limit(), active) become usable (active >= active(), <= capacity()).
   void Grow(uint32_t active);
+  // Hands out no slot at or above `limit` (<= active()) from now on and evicts nothing: a re-attached pool whose
+  // grants are still being registered for DMA (Cache). A larger LimitTo, up to active(), lifts it again.
+  void LimitTo(uint32_t limit);
   struct Shrunk {
     uint32_t active = 0;   // the active capacity reached: >= target, every slot from it up is free
     uint64_t evicted = 0;  // committed blocks evicted (the eviction listener saw each; counted in evicted_blocks)

@@ -512,6 +512,8 @@ bool RequestHandlers::ReserveAndCopy(WaitingStore& w, bool may_wait) {
                                        "store from the prompt's first uncached block"
                                      : "parent key still being stored or verified, nothing stored; "
                                        "retry once it completes"));
+  } else if (r.shortfall == StatusCode::kResourceExhausted && reserved == 0 && s.cache().preparation().preparing) {
+    c.Status(s.cache().PoolNotReady());  // its grants are still being registered: none is handed out yet
   } else if (r.shortfall != StatusCode::kOk) {
     const size_t stopped = r.cached + reserved;
     c.Status(Status(r.shortfall, r.shortfall == StatusCode::kResourceExhausted
@@ -661,6 +663,9 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
     if (r->full.parent_refused) {
       why = r->shortfall == StatusCode::kFailedPrecondition ? "parent key not cached, nothing stored"
                                                             : "parent key still being stored or verified, nothing stored";
+    } else if (r->shortfall == StatusCode::kResourceExhausted && s.cache().preparation().preparing) {
+      why = s.cache().PoolNotReady().message();
+      r->shortfall = StatusCode::kUnavailable;
     } else if (r->shortfall == StatusCode::kResourceExhausted) {
       why = fmt::format("component {} ({}) sub-pool full of pinned blocks: nothing stored", r->component,
                         ComponentKindName(g.component_kind(r->component)));

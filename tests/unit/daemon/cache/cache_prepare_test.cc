@@ -268,3 +268,52 @@ TEST_CASE("cache prepare: a pool that cannot be created is reported to the reque
   CHECK(cache.preparation().error.ok());
   CHECK(cache.capacity_slots() == kSlots);
 }
+
+TEST_CASE("cache prepare: a re-attached pool serves at once and its grants are registered in the background before "
+          "its restored blocks are served",
+          "[unit][cache]") {
+  TempDir dir;
+  const std::string pool_path = dir.path() + "/pool";
+  {  // An earlier run stores 40 blocks and stops.
+    CacheSetOptions options = Options(pool_path);
+    options.prepare_in_background = false;
+    CacheSet caches(options);
+    REQUIRE(caches.RecoverPools(false).ok());
+    auto admitted = caches.Admit("m", SmallGeometry(), 1000, NeverInUse);
+    REQUIRE(admitted.ok());
+    Store(**admitted, Keys(40, 5));
+  }
+  CacheSet caches(Options(pool_path));
+  GatedListener listener;
+  listener.Attach(caches);
+  // Not one grant registered, and RecoverPools has answered: the daemon serves.
+  REQUIRE(caches.RecoverPools(false).ok());
+  Cache* cache = caches.Find("m");
+  REQUIRE(cache != nullptr);
+  REQUIRE(listener.WaitForBlocked());
+  CHECK(cache->has_pool());
+  CHECK(cache->preparation().preparing);
+  CHECK(cache->capacity_slots() == kSlots);
+  // No slot is handed out before its grant is registered, and the restored blocks are not served yet.
+  const auto refused = cache->Reserve(flexkv::kRootParent, Keys(1, 6));
+  CHECK(refused.slots.empty());
+  CHECK(refused.shortfall == StatusCode::kResourceExhausted);
+  CHECK(cache->PoolNotReady().code() == StatusCode::kUnavailable);
+  CHECK(cache->Match(Keys(40, 5), false, nullptr) == 0);
+  // One grant registered: stores find room in it, and only in it.
+  listener.Allow(1);
+  REQUIRE(Eventually([&] { return cache->preparation().served_ms != 0; }));
+  REQUIRE(listener.WaitForBlocked());
+  const auto reserved = cache->Reserve(flexkv::kRootParent, Keys(8, 7));
+  REQUIRE(reserved.slots.size() == 8);
+  for (SlotId s : reserved.slots) CHECK(s < kGrant);
+  cache->Abort(reserved.slots);
+  CHECK(cache->Match(Keys(40, 5), false, nullptr) == 0);  // still not verified: not every grant is registered
+  // Every grant registered: the restored blocks are verified and served.
+  listener.AllowAll();
+  REQUIRE(Eventually([&] { return cache->Match(Keys(40, 5), false, nullptr) == 40; }));
+  CHECK_FALSE(cache->preparation().preparing);
+  CHECK(listener.added().size() == 16);
+  Store(*cache, Keys(600, 8));  // every grant takes stores now
+  CHECK(cache->Match(Keys(600, 8), false, nullptr) == 600);
+}
