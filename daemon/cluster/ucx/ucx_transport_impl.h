@@ -1,14 +1,14 @@
-// The private side of UcxTransport (ucx_transport.h), shared by its three source files and included by nothing else:
+// The private side of UcxTransport (ucx_transport.h), shared by its four source files and included by nothing else:
 // the wire format of the active messages, the transport's state (UcxState: the UCP context and its lanes) and a
 // lane (UcxCore). Where each part lives:
 //   ucx_transport.cc                the public methods: Create (the UCP context, the workers, the listener), the
-//                                   destructor, Connect, Disconnect, Get, Call; the handshake and Calls; the RDMA
-//                                   NIC inventory
+//                                   destructor, Connect, Disconnect, Get, Call; the RDMA NIC inventory
 //   ucx_lane.cc                     a lane: its progress thread and loop, endpoints (connecting, accepting,
 //                                   closing), the completion of ops, deadlines, reconnects, shutdown
 //   ucx_active_messages.cc          what every active-message protocol shares (sending, replies bound to their
 //                                   request by id, token and endpoint, refusals) and the get protocol, with the
 //                                   registered regions gets are checked against
+//   ucx_handshake_and_calls.cc      the HMAC handshake that authenticates peers, and Calls
 //
 // Threading: a UcxCore's state belongs to its progress thread unless a member says otherwise (the command queue
 // under queue_mu, what other threads read under info_mu, shutting_down); every UcxCore method runs on that thread
