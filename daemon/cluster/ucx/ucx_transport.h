@@ -1,4 +1,4 @@
-// UcxTransport: the cluster tier's bytes (issue 16, DESIGN.md §8). Reads blocks from peers' registered memory: a get
+// UcxTransport: the cluster tier's bytes (issue 16, docs/cluster.md). Reads blocks from peers' registered memory: a get
 // is our own request/reply over UCP active messages on every transport (UCX chooses its transports within
 // `UcxOptions::transports`), served only for ranges inside regions registered here and only to authenticated
 // endpoints. The UCP context never asks for UCP_FEATURE_RMA (issue 29): with it, UCX 1.13 installs its software

@@ -77,7 +77,7 @@ struct AmReplyHeader {
 };
 
 // Authentication and Calls, also active messages; each carries an AmHeader, its payload in the message's data.
-//   HELLO        client -> server  data: version u8 (1), node_len u8, client node id, client nonce (16)
+//   HELLO        client -> server  data: version u8 (kHandshakeVersion), node_len u8, client node id, client nonce (16)
 //   HELLO_REPLY  server -> client  code 0: node_len u8, server node id, server nonce (16), MAC_s (32);
 //                                  else code is a StatusCode and data the reason
 //   PROOF        client -> server  data: MAC_c (32); empty: "your MAC_s was wrong" (the server counts it)
