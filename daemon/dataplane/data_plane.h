@@ -19,7 +19,7 @@
 #include "common/ring_layout.h"
 #include "common/unique_fd.h"
 #include "daemon/cache/cache.h"
-#include "daemon/lifecycle.h"
+#include "daemon/lifecycle/lifecycle.h"
 #include "daemon/dataplane/copy_scheduler.h"
 #include "daemon/dataplane/request_handlers.h"
 #include "daemon/metrics/request_metrics.h"

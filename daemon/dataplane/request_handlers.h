@@ -20,7 +20,7 @@
 #include "daemon/dataplane/copy_scheduler.h"
 #include "daemon/dataplane/handle_table.h"
 #include "daemon/dataplane/session_kv.h"
-#include "daemon/lifecycle.h"
+#include "daemon/lifecycle/lifecycle.h"
 #include "daemon/metrics/request_metrics.h"
 #include "daemon/tiers/dram/dram_tier.h"
 #include "flexkv/geometry.h"

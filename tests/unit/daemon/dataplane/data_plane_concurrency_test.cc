@@ -35,7 +35,7 @@
 #include "common/unique_fd.h"
 #include "daemon/cache/cache.h"
 #include "daemon/dataplane/data_plane.h"
-#include "daemon/lifecycle.h"
+#include "daemon/lifecycle/lifecycle.h"
 #include "daemon/transfer/engine_memory_backends.h"
 #include "daemon/transfer/host/host_backend.h"
 #include "daemon/transfer/host/host_kv.h"

@@ -13,7 +13,7 @@
 
 #include "common/clock.h"
 #include "daemon/dataplane/request_handlers.h"
-#include "daemon/lifecycle.h"
+#include "daemon/lifecycle/lifecycle.h"
 #include "daemon/tiers/dram/dram_tier.h"
 #include "tests/unit/daemon/cache/temp_cache.h"
 #include "tests/unit/daemon/transfer/fake_engine_memory.h"

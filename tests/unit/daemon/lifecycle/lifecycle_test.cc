@@ -5,7 +5,7 @@
 #include <utility>
 #include <vector>
 
-#include "daemon/lifecycle.h"
+#include "daemon/lifecycle/lifecycle.h"
 
 using flexkv::InFlight;
 using flexkv::Lifecycle;

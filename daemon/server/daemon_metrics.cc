@@ -1,5 +1,5 @@
 // flexkvd's metric families; see daemon_metrics.h.
-#include "daemon/metrics/daemon_metrics.h"
+#include "daemon/server/daemon_metrics.h"
 
 #include <prometheus/text_serializer.h>
 
@@ -10,7 +10,7 @@
 #include "daemon/cache/cache.h"
 #include "daemon/cache/cache_set.h"
 #include "daemon/dataplane/data_plane.h"
-#include "daemon/lifecycle.h"
+#include "daemon/lifecycle/lifecycle.h"
 #include "daemon/sessions/session_registry.h"
 #include "daemon/tiers/cluster/cluster_tier.h"
 #include "daemon/tiers/ssd/ssd_tier.h"

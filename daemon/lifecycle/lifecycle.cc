@@ -1,5 +1,5 @@
 // See lifecycle.h.
-#include "daemon/lifecycle.h"
+#include "daemon/lifecycle/lifecycle.h"
 
 namespace flexkv {
 
