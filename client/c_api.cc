@@ -215,14 +215,24 @@ const char* flexkv_version(void) { return flexkv::kVersion; }
 int flexkv_compute_block_keys(const char* model_namespace, size_t namespace_len, const int32_t* tokens,
                               size_t n_tokens, uint32_t tokens_per_block, flexkv_block_key* out, size_t capacity,
                               size_t* count) {
+  return flexkv_compute_block_keys_extra(model_namespace, namespace_len, tokens, n_tokens, tokens_per_block, nullptr,
+                                         0, out, capacity, count);
+}
+
+int flexkv_compute_block_keys_extra(const char* model_namespace, size_t namespace_len, const int32_t* tokens,
+                                    size_t n_tokens, uint32_t tokens_per_block, const uint8_t* extras,
+                                    size_t n_extras, flexkv_block_key* out, size_t capacity, size_t* count) {
   return Guarded([&]() -> int {
     if (count == nullptr) return NullArgument("count");
     if (model_namespace == nullptr && namespace_len > 0) return NullArgument("model_namespace");
     if (tokens == nullptr && n_tokens > 0) return NullArgument("tokens");
+    if (extras == nullptr && n_extras > 0) return NullArgument("extras");
     if (out == nullptr && capacity > 0) return NullArgument("out");
     if (tokens_per_block == 0) return Record(flexkv::Status::InvalidArgument("tokens_per_block is 0; expected > 0"));
+    std::vector<flexkv::BlockExtra> per_block(n_extras);
+    if (n_extras > 0) std::memcpy(per_block.data(), extras, n_extras * sizeof(flexkv::BlockExtra));
     const auto keys = flexkv::ComputeBlockKeys(std::string_view(model_namespace == nullptr ? "" : model_namespace, namespace_len),
-                                               std::span<const int32_t>(tokens, n_tokens), tokens_per_block);
+                                               std::span<const int32_t>(tokens, n_tokens), tokens_per_block, per_block);
     *count = keys.size();
     for (size_t i = 0; i < keys.size() && i < capacity; ++i) out[i] = {keys[i].lo, keys[i].hi};
     return Record(flexkv::Status::Ok());

@@ -42,6 +42,11 @@ uint64_t NamespaceHash(std::string_view model_namespace) {
 
 std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::span<const int32_t> tokens,
                                        uint32_t tokens_per_block) {
+  return ComputeBlockKeys(model_namespace, tokens, tokens_per_block, {});
+}
+
+std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::span<const int32_t> tokens,
+                                       uint32_t tokens_per_block, std::span<const BlockExtra> extras) {
   std::vector<BlockKey> keys;
   if (tokens_per_block == 0) return keys;
   const size_t tpb = tokens_per_block;
@@ -51,9 +56,11 @@ std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::sp
 
   const XXH64_hash_t seed = NamespaceHash(model_namespace);
 
-  // One buffer for every block: [prev key lo64 LE][prev key hi64 LE][tokens as int32 LE].
-  std::vector<unsigned char> buf(16 + 4 * tpb);
+  // One buffer for every block: [prev key lo64 LE][prev key hi64 LE][tokens as int32 LE][its extra, if any].
+  const size_t plain = 16 + 4 * tpb;
+  std::vector<unsigned char> buf(plain + sizeof(BlockExtra));
   unsigned char* const data = buf.data();
+  constexpr BlockExtra kNoExtra{};
   BlockKey prev;  // key[-1] = 0
   for (size_t b = 0; b < num_blocks; ++b) {
     StoreLe64(data, prev.lo);
@@ -64,7 +71,12 @@ std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::sp
     } else {
       for (size_t t = 0; t < tpb; ++t) StoreLe32(data + 16 + 4 * t, static_cast<uint32_t>(block[t]));
     }
-    const XXH128_hash_t h = XXH3_128bits_withSeed(data, buf.size(), seed);
+    size_t bytes = plain;
+    if (b < extras.size() && extras[b] != kNoExtra) {
+      std::memcpy(data + plain, extras[b].data(), sizeof(BlockExtra));
+      bytes += sizeof(BlockExtra);
+    }
+    const XXH128_hash_t h = XXH3_128bits_withSeed(data, bytes, seed);
     prev = BlockKey{.lo = h.low64, .hi = h.high64};
     keys.push_back(prev);
   }

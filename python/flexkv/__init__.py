@@ -15,7 +15,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
                      Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, StatusCode,
                      Unauthenticated, Unavailable, Unimplemented, Unknown)
 from .geometry import ComponentKind, ComponentSpec, Geometry, Layout
-from .keys import BlockKey, BlockKeys, block_keys
+from .keys import BlockExtras, BlockKey, BlockKeys, block_keys
 from .kv_events import KvEvent, KvEventBatch, KvEventSubscription, subscribe_kv_events
 
 _native.load()
@@ -26,11 +26,10 @@ runs on ctypes alone (flexkv._native.reason says why). Results and errors are th
 __version__ = _lib.version()  # libflexkv's, from CMake's project(): the version is written in one place
 
 __all__ = [
-    "Aborted", "AlreadyExists", "BlockKey", "BlockKeys", "Cancelled", "Client", "ClusterMember", "ClusterStatus",
-    "ComponentKind", "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss", "DeadlineExceeded", "Error",
-    "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "KvEvent", "KvEventBatch", "KvEventSubscription",
-    "KvEventsStatus",
-    "LayerEventSet", "Layout", "NotFound", "OpResult", "OutOfRange",
-    "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
-    "Unimplemented", "Unknown", "block_keys", "connect", "export_gpu_kv", "fast_path", "subscribe_kv_events",
+    "Aborted", "AlreadyExists", "BlockExtras", "BlockKey", "BlockKeys", "Cancelled", "Client", "ClusterMember",
+    "ClusterStatus", "ComponentKind", "ComponentPoolStatus", "ComponentSpec", "DaemonStatus", "DataLoss",
+    "DeadlineExceeded", "Error", "FailedPrecondition", "Geometry", "Internal", "InvalidArgument", "KvEvent",
+    "KvEventBatch", "KvEventSubscription", "KvEventsStatus", "LayerEventSet", "Layout", "NotFound", "OpResult",
+    "OutOfRange", "PermissionDenied", "ResourceExhausted", "StatusCode", "Ticket", "Unauthenticated", "Unavailable",
+    "Unimplemented", "Unknown", "block_keys", "connect", "export_gpu_kv", "fast_path", "subscribe_kv_events"
 ]

@@ -135,6 +135,8 @@ gpu_kv_p = c_void_p
 _PROTOTYPES = {
     "flexkv_compute_block_keys": (c_int, [c_char_p, c_size_t, POINTER(c_int32), c_size_t, c_uint32,
                                           POINTER(BlockKeyStruct), c_size_t, POINTER(c_size_t)]),
+    "flexkv_compute_block_keys_extra": (c_int, [c_char_p, c_size_t, POINTER(c_int32), c_size_t, c_uint32, c_char_p,
+                                                c_size_t, POINTER(BlockKeyStruct), c_size_t, POINTER(c_size_t)]),
     "flexkv_connect": (c_int, [c_char_p, c_int, POINTER(client_p), c_char_p, c_size_t]),
     "flexkv_attach": (c_int, [client_p, c_char_p, c_char_p, c_uint32, c_uint32, POINTER(GeometryStruct),
                               POINTER(c_uint64)]),

@@ -6,7 +6,8 @@ construction and test vectors are in docs/protocol.md ("Block keys").
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence, Tuple, Union, overload
+import hashlib
+from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union, overload
 
 from . import _lib, _native
 from ._convert import U64_MAX, c_int_array, c_uint
@@ -126,7 +127,8 @@ def as_block_keys(keys: Union[BlockKeys, Iterable[Any]]) -> BlockKeys:
     return keys if isinstance(keys, BlockKeys) else BlockKeys(keys)
 
 
-def block_keys(namespace: Union[str, bytes], tokens: Any, tokens_per_block: int) -> BlockKeys:
+def block_keys(namespace: Union[str, bytes], tokens: Any, tokens_per_block: int,
+               extras: Optional[Sequence[bytes]] = None) -> BlockKeys:
     """The keys of the whole blocks of `tokens` under `namespace` (flexkv::ComputeBlockKeys).
 
     namespace: the model namespace (str, encoded as UTF-8, or bytes); the empty namespace is valid.
@@ -134,11 +136,17 @@ def block_keys(namespace: Union[str, bytes], tokens: Any, tokens_per_block: int)
       works, NumPy is not needed otherwise); each must fit int32.
     tokens_per_block: > 0. A trailing partial block gets no key, so len(result) == len(tokens) // tokens_per_block.
 
-    Raises InvalidArgument for tokens_per_block == 0 or a token out of int32, TypeError for non-integers.
-    Needs no daemon.
+    extras: what changes a block's KV besides its tokens, one 16-byte digest per block (block_extras() makes them;
+      16 zero bytes: none; blocks past the list have none). A block with an extra gets another key, and so does
+      every block after it (flexkv::BlockExtra).
+
+    Raises InvalidArgument for tokens_per_block == 0, a token out of int32 or an extra that is not 16 bytes,
+    TypeError for non-integers. Needs no daemon.
     """
     tokens_per_block = c_uint(tokens_per_block, "tokens_per_block")  # 0 is refused by libflexkv, naming it
     ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
+    if extras is not None and any(extras):
+        return _block_keys_extra(ns, tokens, tokens_per_block, extras)
     ext = _native.ext
     if ext is not None:  # reads a list or buffer in C; None for what only the ctypes path below reads (or refuses)
         raw = ext.block_keys(ns, tokens, tokens_per_block)
@@ -166,3 +174,103 @@ def namespace_hash(namespace: Union[str, bytes]) -> int:
         raise Unimplemented("this libflexkv has no flexkv_namespace_hash; update it")
     ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
     return int(_lib.lib.flexkv_namespace_hash(ns, len(ns)))
+
+
+_NO_EXTRA = bytes(16)
+
+
+def _block_keys_extra(ns: bytes, tokens: Any, tokens_per_block: int, extras: Sequence[bytes]) -> BlockKeys:
+    """block_keys with per-block extras (flexkv_compute_block_keys_extra)."""
+    packed = bytearray()
+    for i, extra in enumerate(extras):
+        extra = _NO_EXTRA if extra is None else bytes(extra)
+        if len(extra) != 16:
+            raise InvalidArgument(f"extras[{i}] has {len(extra)} bytes; expected a 16-byte digest (or None)")
+        packed += extra
+    toks, n = c_int_array(tokens, ctypes.c_int32, "tokens")
+    capacity = n // tokens_per_block if tokens_per_block else 0
+    out = (_lib.BlockKeyStruct * capacity)()
+    count = ctypes.c_size_t(0)
+    rc = _lib.lib.flexkv_compute_block_keys_extra(ns, len(ns), toks, n, tokens_per_block, bytes(packed),
+                                                  len(packed) // 16, out, capacity, ctypes.byref(count))
+    if rc != 0:
+        _lib.check(rc)
+    assert count.value == capacity, (count.value, capacity)
+    return BlockKeys._wrap(out)
+
+
+class BlockExtras:
+    """What changes a request's KV besides its token ids, as block_keys' per-block extras: one function for every
+    engine integration, so that two requests that differ only in it never share a block.
+
+    cache_salt: a tenant's isolation of the prefix cache (vLLM's `cache_salt`; str or bytes).
+    adapter: the LoRA adapter the request runs with (its name; str or bytes).
+    media: (identifier, offset, length) of each multimodal item: its content hash (vLLM's mm hash) and the token
+      range its placeholders cover; every block overlapping the range carries (identifier, offset within the
+      block), so that the same media at another position, or other media under the same placeholders, differ.
+    embeds: for prompt embeddings (whose token ids an engine fills with zeros), `embeds(start, end)` returns the
+      bytes of the embeddings of tokens [start, end); embeds_tokens is how many tokens have them. Each block in that
+      range carries a hash of its embeddings' bytes.
+
+    The salt and the adapter go into the first block's extra: through the chain, every later key differs too.
+    Blocks with nothing of this keep their plain keys (for_blocks answers None when no block has an extra).
+    Digests are BLAKE2b-128 over a tagged encoding; computed once per block and kept.
+    """
+
+    def __init__(self, tokens_per_block: int, *, cache_salt: Union[str, bytes, None] = None,
+                 adapter: Union[str, bytes, None] = None, media: Iterable[Tuple[Any, int, int]] = (),
+                 embeds: Optional[Any] = None, embeds_tokens: int = 0) -> None:
+        if tokens_per_block <= 0:
+            raise InvalidArgument(f"tokens_per_block is {tokens_per_block}; expected > 0")
+        self.tokens_per_block = tokens_per_block
+        self._head = b"".join(_tagged(tag, value) for tag, value in (("salt", cache_salt), ("adapter", adapter))
+                              if value is not None)
+        self._media = sorted((int(offset), int(length), _as_bytes(ident)) for ident, offset, length in media)
+        for offset, length, _ in self._media:
+            if offset < 0 or length <= 0:
+                raise InvalidArgument(f"media at offset {offset} with {length} tokens; expected offset >= 0, "
+                                      "length > 0")
+        self._embeds = embeds
+        self._embeds_tokens = int(embeds_tokens) if embeds is not None else 0
+        self._digests: List[Optional[bytes]] = []
+
+    @property
+    def empty(self) -> bool:
+        """Whether no block has an extra (plain keys)."""
+        return not self._head and not self._media and self._embeds_tokens == 0
+
+    def for_blocks(self, n: int) -> Optional[List[bytes]]:
+        """The extras of blocks [0, n) for block_keys, or None when none of them has one."""
+        if self.empty:
+            return None
+        while len(self._digests) < n:
+            self._digests.append(self._digest(len(self._digests)))
+        out = [d if d is not None else _NO_EXTRA for d in self._digests[:n]]
+        return out if any(d is not None for d in self._digests[:n]) else None
+
+    def _digest(self, block: int) -> Optional[bytes]:
+        start = block * self.tokens_per_block
+        end = start + self.tokens_per_block
+        parts = [self._head] if block == 0 and self._head else []
+        for offset, length, ident in self._media:
+            if offset < end and start < offset + length:
+                parts.append(_tagged("media", ident + (offset - start).to_bytes(8, "little", signed=True)))
+        if start < self._embeds_tokens:
+            raw = self._embeds(start, min(end, self._embeds_tokens))
+            parts.append(_tagged("embeds", hashlib.blake2b(bytes(raw), digest_size=32).digest()))
+        if not parts:
+            return None
+        return hashlib.blake2b(b"".join(parts), digest_size=16, person=b"flexkv-extra").digest()
+
+
+def _as_bytes(value: Union[str, bytes, Any]) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return str(value).encode("utf-8")
+
+
+def _tagged(tag: str, value: Union[str, bytes, Any]) -> bytes:
+    raw = _as_bytes(value)
+    return tag.encode("ascii") + b"\0" + len(raw).to_bytes(8, "little") + raw

@@ -168,3 +168,69 @@ def test_namespace_hash_is_xxh3_64_of_the_namespace():
     assert namespace_hash("") == 0x2D06800538D394C2  # XXH3-64 of no bytes (xxHash's published value)
     assert namespace_hash("llama3-8b") == namespace_hash(b"llama3-8b")
     assert namespace_hash("llama3-8b") != namespace_hash("llama3-8c")
+
+
+# ---- what changes KV besides token ids (issue 31): BlockExtras ----
+
+TOKENS = list(range(1000, 1000 + 8 * 16))  # 8 blocks of 16
+
+
+def keys_with(**kwargs):
+    extras = flexkv.BlockExtras(16, **kwargs)
+    return list(flexkv.block_keys("ns", TOKENS, 16, extras.for_blocks(8)))
+
+
+def test_no_extra_keeps_the_plain_keys():
+    plain = list(flexkv.block_keys("ns", TOKENS, 16))
+    assert keys_with() == plain
+    assert flexkv.BlockExtras(16).for_blocks(8) is None
+    assert list(flexkv.block_keys("ns", TOKENS, 16, [bytes(16)] * 8)) == plain  # all-zero extras: none
+
+
+def test_two_requests_that_differ_only_in_salt_adapter_media_or_embeddings_share_no_block():
+    plain = set(flexkv.block_keys("ns", TOKENS, 16))
+    zeros = [0] * len(TOKENS)  # what an engine puts for prompt embeddings
+    embeds_a = np.arange(len(TOKENS) * 4, dtype=np.float32).reshape(len(TOKENS), 4)
+    embeds_b = embeds_a.copy()
+    embeds_b[100, 2] += 1.0  # one value in block 6
+    variants = {
+        "salt a": keys_with(cache_salt="tenant-a"),
+        "salt b": keys_with(cache_salt="tenant-b"),
+        "adapter a": keys_with(adapter="sql-lora"),
+        "adapter b": keys_with(adapter="chat-lora"),
+        "salt a + adapter a": keys_with(cache_salt="tenant-a", adapter="sql-lora"),
+        "image x": keys_with(media=[("hash-x", 0, 40)]),
+        "image y": keys_with(media=[("hash-y", 0, 40)]),
+    }
+    for name, keys in variants.items():
+        assert not set(keys) & plain, name
+    names = list(variants)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not set(variants[a]) & set(variants[b]), (a, b)
+    # Prompt embeddings: token ids all zero; blocks differ from the first whose embeddings differ.
+    ea = list(flexkv.block_keys("ns", zeros, 16, flexkv.BlockExtras(
+        16, embeds=lambda s, e: embeds_a[s:e].tobytes(), embeds_tokens=len(TOKENS)).for_blocks(8)))
+    eb = list(flexkv.block_keys("ns", zeros, 16, flexkv.BlockExtras(
+        16, embeds=lambda s, e: embeds_b[s:e].tobytes(), embeds_tokens=len(TOKENS)).for_blocks(8)))
+    assert ea[:6] == eb[:6] and not set(ea[6:]) & set(eb[6:])
+    assert not set(ea) & set(flexkv.block_keys("ns", zeros, 16))  # never the keys of a prompt of zeros
+
+
+def test_media_changes_the_blocks_it_covers_and_every_later_one_only():
+    plain = list(flexkv.block_keys("ns", TOKENS, 16))
+    # Placeholders over tokens 40..71: blocks 2, 3 and 4; blocks 0 and 1 keep their keys (a shared text prefix).
+    keys = keys_with(media=[("img", 40, 32)])
+    assert keys[:2] == plain[:2]
+    assert all(k != p for k, p in zip(keys[2:], plain[2:]))
+    # The same image at another position is another prompt.
+    assert keys_with(media=[("img", 48, 32)])[2:] != keys[2:]
+
+
+def test_bad_extras_are_refused_with_the_reason():
+    with pytest.raises(flexkv.InvalidArgument, match="extras\\[1\\] has 3 bytes"):
+        flexkv.block_keys("ns", TOKENS, 16, [bytes(16), b"abc"])
+    with pytest.raises(flexkv.InvalidArgument, match="tokens_per_block is 0"):
+        flexkv.BlockExtras(0)
+    with pytest.raises(flexkv.InvalidArgument, match="length > 0"):
+        flexkv.BlockExtras(16, media=[("img", 10, 0)])

@@ -118,7 +118,7 @@ def test_extra_config_is_validated_and_the_namespace_separates_what_changes_kv()
     assert len(names) == 5
 
 
-def test_lora_and_multimodal_requests_are_neither_looked_up_nor_stored(daemon):
+def test_requests_that_cannot_be_keyed_are_neither_looked_up_nor_stored(daemon):
     s = SchedulerLogic(config(daemon.socket))
     p = prompt(17, 4 * BS)
     assert s.get_num_new_matched_tokens("r", p, 0, cacheable=False) == (0, False)
@@ -235,8 +235,14 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
         req2 = NS_(request_id="r2", all_token_ids=tokens, lora_request=None, mm_features=[], num_computed_tokens=0,
                    num_in_flight_tokens=0)
         assert sched.get_num_new_matched_tokens(req2, 0) == (4 * BS, True)
-        lora = NS_(request_id="r3", all_token_ids=tokens, lora_request=object(), mm_features=[])
+        # The same tokens under a LoRA adapter are other blocks (keyed by the adapter's name): looked up, missed.
+        lora = NS_(request_id="r3", all_token_ids=tokens, lora_request=NS_(lora_name="adapter-a", lora_int_id=1),
+                   mm_features=[])
         assert sched.get_num_new_matched_tokens(lora, 0) == (0, False)
+        # Media this connector cannot key (no features it knows): not cached at all.
+        unreadable = NS_(request_id="r4", all_token_ids=tokens, lora_request=None, mm_features=[],
+                         mm_inputs=[object()])
+        assert sched.get_num_new_matched_tokens(unreadable, 0) == (0, False)
         sched.update_state_after_alloc(req2, NS_(get_block_ids=lambda: ([8, 9, 10, 11, 12],)), 4 * BS)
         worker.bind_connector_metadata(sched.build_connector_meta(NS_(preempted_req_ids=set())))
         worker.start_load_kv(None)
@@ -246,7 +252,7 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
         stats = pickle.loads(pickle.dumps(worker.get_kv_connector_stats()))  # from a worker process
         assert stats.data["loaded_blocks"] == 4 and stats.data["stored_blocks"] == 4
         total = stats.aggregate(sched.get_kv_connector_stats())
-        assert total.reduce()["lookups"] == 1 and total.reduce()["skipped_requests"] == 1
+        assert total.reduce()["lookups"] == 2 and total.reduce()["skipped_requests"] == 1
         assert worker.get_kv_connector_stats() is None  # counters are per interval
     finally:
         sched.shutdown()

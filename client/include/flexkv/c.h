@@ -173,6 +173,13 @@ const char* flexkv_version(void);
 int flexkv_compute_block_keys(const char* model_namespace, size_t namespace_len, const int32_t* tokens,
                               size_t n_tokens, uint32_t tokens_per_block, flexkv_block_key* out, size_t capacity,
                               size_t* count);
+/* As flexkv_compute_block_keys, with what changes a block's KV besides its tokens (flexkv::BlockExtra): `extras`
+ * holds n_extras digests of 16 bytes, block i's at extras + 16 * i (all zero: none; blocks past n_extras have
+ * none). A block with an extra gets another key, and so does every block after it. extras may be NULL with
+ * n_extras 0. Added without an ABI bump (a new function). */
+int flexkv_compute_block_keys_extra(const char* model_namespace, size_t namespace_len, const int32_t* tokens,
+                                    size_t n_tokens, uint32_t tokens_per_block, const uint8_t* extras,
+                                    size_t n_extras, flexkv_block_key* out, size_t capacity, size_t* count);
 
 /* XXH3-64 of `model_namespace` (namespace_len bytes; NULL only with 0): the seed of its block keys, and the name a KV
  * event gives a domain the daemon knows only by this hash ("#" and 16 lowercase hex digits: an SSD block whose

@@ -2,6 +2,7 @@
 // (docs/protocol.md, "Block keys"). Computed in the client; the daemon only compares them.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -27,6 +28,16 @@ inline constexpr BlockKey kRootParent{};
 // partial block is ignored. `tokens_per_block` must be > 0 (returns no keys otherwise).
 std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::span<const int32_t> tokens,
                                        uint32_t tokens_per_block);
+
+// What changes a block's KV besides its token ids (a tenant's cache salt, a LoRA adapter, the media under
+// multimodal placeholders, prompt embeddings), as a 16-byte digest the engine integration computes per block; all
+// zero: nothing. The same key scheme, with block i's digest appended when it is not zero:
+//   key[i] = XXH3_128(seed, key[i-1] ‖ tokens of block i ‖ extras[i])
+// so a block without an extra keeps its plain key, and one with an extra changes its key and, through the chain,
+// every key after it. `extras` may be shorter than the blocks (the rest have none).
+using BlockExtra = std::array<uint8_t, 16>;
+std::vector<BlockKey> ComputeBlockKeys(std::string_view model_namespace, std::span<const int32_t> tokens,
+                                       uint32_t tokens_per_block, std::span<const BlockExtra> extras);
 
 // XXH3_64(model_namespace): the seed above, and what names a namespace where the daemon knows only the hash (a KV
 // event of an SSD block whose namespace it has not seen since it started is of domain "#<16 hex digits>").

@@ -217,18 +217,20 @@ class SchedulerLogic:
     # ---- vLLM's scheduler calls, in the order it makes them ----
 
     def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                                   cacheable: bool = True, num_preemptions: int = 0) -> Tuple[int, bool]:
+                                   cacheable: bool = True, num_preemptions: int = 0,
+                                   extras: Optional[flexkv.BlockExtras] = None) -> Tuple[int, bool]:
         """Tokens of `token_ids` beyond num_computed_tokens (vLLM's block-aligned local hit) that flexkvd holds, and
         whether they load asynchronously (always, when there are any). Side-effect free for vLLM: it may ask again
         for the same request. (0, False) when the request is not cacheable, nothing more is cached, the daemon is
         not reachable (counted in stats.lookup_errors), or a load was planned for it already since it was last
-        preempted (num_preemptions: vLLM's Request.num_preemptions)."""
+        preempted (num_preemptions: vLLM's Request.num_preemptions). extras: what changes the request's KV besides
+        its token ids (cache salt, LoRA adapter, media, prompt embeddings), part of its keys."""
         if not cacheable:
             self.stats.skipped_requests += 1
             return 0, False
         # vLLM passes a block-aligned local hit; one that is not (a finer hash block size) loads from the block
         # holding its end, rewriting that block's computed part with the same prefix's KV.
-        state = self._state(request_id, token_ids)
+        state = self._state(request_id, token_ids, extras)
         if state.load_planned == num_preemptions:
             # vLLM asks again after a load only when it loaded nothing (num_computed_tokens back to 0): one load per
             # request until it is preempted, so that a daemon refusing loads (draining, pins capped) never keeps a
@@ -286,7 +288,8 @@ class SchedulerLogic:
         return meta
 
     def request_finished(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
-                         num_computed_tokens: int, cacheable: bool = True) -> bool:
+                         num_computed_tokens: int, cacheable: bool = True,
+                         extras: Optional[flexkv.BlockExtras] = None) -> bool:
         """The request ended (finished, aborted or in error) and vLLM is about to free `block_ids` (its blocks from
         the first). num_computed_tokens: tokens whose KV is in those blocks (computed, or loaded). Returns True when
         a store of its full blocks is planned: vLLM keeps the blocks until the workers report it in
@@ -303,7 +306,8 @@ class SchedulerLogic:
         if self.link.client() is None:
             return False
         if state is None or state.keyed_tokens < full * self.block_size:
-            keys = flexkv.block_keys(self.config.namespace, token_ids[:full * self.block_size], self.block_size)
+            keys = flexkv.block_keys(self.config.namespace, token_ids[:full * self.block_size], self.block_size,
+                                     extras.for_blocks(full) if extras is not None else None)
         else:
             keys = state.keys[:full]
         self._pending_stores.append(StoreSpec(request_id, keys_to_bytes(keys), [int(b) for b in block_ids[:full]]))
@@ -337,13 +341,15 @@ class SchedulerLogic:
     def close(self) -> None:
         self.link.close()
 
-    def _state(self, request_id: str, token_ids: Sequence[int]) -> _RequestState:
+    def _state(self, request_id: str, token_ids: Sequence[int],
+               extras: Optional[flexkv.BlockExtras] = None) -> _RequestState:
         """The request's keys over its full blocks, computed once per request (and again only when it grew)."""
         state = self._requests.get(request_id)
         n = len(token_ids) // self.block_size * self.block_size
         if state is None or state.keyed_tokens != n:
             keys = flexkv.block_keys(self.config.namespace, token_ids[:n] if n != len(token_ids) else token_ids,
-                                     self.block_size)
+                                     self.block_size,
+                                     extras.for_blocks(n // self.block_size) if extras is not None else None)
             planned = -1 if state is None else state.load_planned
             state = _RequestState(keys=keys, keyed_tokens=n, load_planned=planned)
             self._requests[request_id] = state

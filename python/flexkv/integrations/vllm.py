@@ -111,9 +111,10 @@ def _build() -> Dict[str, Any]:
         # ---- scheduler side ----
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
+            extras = _block_extras(request, self._config.block_size)
             return self._scheduler.get_num_new_matched_tokens(request.request_id, request.all_token_ids,
-                                                              num_computed_tokens, _cacheable(request),
-                                                              getattr(request, "num_preemptions", 0))
+                                                              num_computed_tokens, extras is not None,
+                                                              getattr(request, "num_preemptions", 0), extras)
 
         def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
             ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
@@ -127,8 +128,9 @@ def _build() -> Dict[str, Any]:
         def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
             # KV computed = num_computed_tokens less what an in-flight step (async scheduling) has not written yet.
             computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+            extras = _block_extras(request, self._config.block_size)
             delay = self._scheduler.request_finished(request.request_id, request.all_token_ids, block_ids, computed,
-                                                     _cacheable(request))
+                                                     extras is not None, extras)
             return delay, None
 
         def update_connector_output(self, connector_output: Any) -> None:
@@ -241,14 +243,53 @@ def _layer_tensors(kv_caches: Dict[str, Any], geometry: flexkv.Geometry) -> List
     return tensors
 
 
-def _cacheable(request: Any) -> bool:
-    """Requests whose KV depends on more than their token ids are not cached: LoRA adapters, multimodal inputs."""
+def _block_extras(request: Any, block_size: int) -> Optional["flexkv.BlockExtras"]:
+    """What changes a vLLM request's KV besides its token ids, for its keys (flexkv.BlockExtras; vLLM keys its own
+    prefix cache by the same things): its cache_salt, its LoRA adapter's name, each multimodal item's hash over the
+    placeholder range it fills, its prompt embeddings (whose token ids vLLM fills with zeros). Kept on the request
+    (one hash of its embeddings per block, as vLLM keeps its own). None - not cached - for a request whose media
+    cannot be read (an engine version whose fields this does not know): refusing is safe, guessing is not."""
+    cached = getattr(request, "_flexkvd_extras", None)
+    if cached is not None:
+        return cached if cached is not _NOT_CACHEABLE else None
     lora = getattr(request, "lora_request", None)
-    return lora is None and not (getattr(request, "mm_features", None) or getattr(request, "mm_inputs", None))
+    adapter = None if lora is None else (getattr(lora, "lora_name", None) or str(getattr(lora, "lora_int_id", "")))
+    media = []
+    for feature in getattr(request, "mm_features", None) or ():
+        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        pos = getattr(feature, "mm_position", None)
+        if ident is None or pos is None:
+            media = None
+            break
+        media.append((ident, int(pos.offset), int(pos.length)))
+    if media is None or (not media and getattr(request, "mm_inputs", None)):
+        _keep(request, _NOT_CACHEABLE)
+        return None
+    embeds = getattr(request, "prompt_embeds", None)
+    extras = flexkv.BlockExtras(block_size, cache_salt=getattr(request, "cache_salt", None), adapter=adapter,
+                                media=media, embeds=None if embeds is None else _tensor_rows(embeds),
+                                embeds_tokens=0 if embeds is None else int(embeds.shape[0]))
+    _keep(request, extras)
+    return extras
 
 
-def _cuda_sync() -> None:
-    """Waits for the engine's KV writes before the daemon copies blocks out of its GPU memory."""
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()
+_NOT_CACHEABLE = object()
+
+
+def _keep(request: Any, value: Any) -> None:
+    try:
+        request._flexkvd_extras = value
+    except AttributeError:  # a request object that takes no attributes: computed again next time
+        pass
+
+
+def _tensor_rows(tensor: Any) -> Any:
+    """rows(start, end): the bytes of tensor[start:end] - a torch tensor of any dtype on any device, or a NumPy
+    array."""
+    def rows(start: int, end: int) -> bytes:
+        part = tensor[start:end]
+        if not hasattr(part, "contiguous"):  # NumPy: its bytes in C order
+            return part.tobytes()
+        import torch
+        return part.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return rows

@@ -13,6 +13,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include <xxhash.h>
+
 #include "flexkv/block_key.h"
 
 using flexkv::BlockKey;
@@ -176,4 +178,37 @@ TEST_CASE("block keys: deterministic and collision-free on a sample", "[unit][ke
   CHECK(a == b);
   std::unordered_set<BlockKey, BlockKeyHash> distinct(a.begin(), a.end());
   CHECK(distinct.size() == a.size());
+}
+
+TEST_CASE("block keys: an extra changes its block's key and every later one, and is the documented bytes",
+          "[unit][keys]") {
+  const auto tokens = Range(0, 127);  // 8 blocks of 16
+  const auto plain = ComputeBlockKeys("ns", tokens, 16);
+  std::vector<flexkv::BlockExtra> extras(8);  // all zero: none
+  CHECK(ComputeBlockKeys("ns", tokens, 16, extras) == plain);
+  CHECK(ComputeBlockKeys("ns", tokens, 16, std::span<const flexkv::BlockExtra>()) == plain);
+  extras[3][0] = 0x5a;
+  const auto with = ComputeBlockKeys("ns", tokens, 16, extras);
+  REQUIRE(with.size() == plain.size());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    INFO("block " << i);
+    CHECK((with[i] == plain[i]) == (i < 3));
+  }
+  // Block 3's key is XXH3_128(seed, key[2] ‖ its tokens ‖ its extra): the plain scheme with the 16 bytes appended.
+  std::vector<unsigned char> buf(16 + 4 * 16 + 16);
+  for (int b = 0; b < 8; ++b) {
+    buf[b] = static_cast<unsigned char>(plain[2].lo >> (8 * b));
+    buf[8 + b] = static_cast<unsigned char>(plain[2].hi >> (8 * b));
+  }
+  for (int t = 0; t < 16; ++t) {
+    for (int b = 0; b < 4; ++b) buf[16 + 4 * t + b] = static_cast<unsigned char>(tokens[48 + t] >> (8 * b));
+  }
+  std::copy(extras[3].begin(), extras[3].end(), buf.begin() + 16 + 64);
+  const XXH128_hash_t h = XXH3_128bits_withSeed(buf.data(), buf.size(), flexkv::NamespaceHash("ns"));
+  CHECK(with[3] == BlockKey{h.low64, h.high64});
+  // Fewer extras than blocks: the rest have none.
+  std::vector<flexkv::BlockExtra> first_only(1);
+  first_only[0][15] = 1;
+  const auto salted = ComputeBlockKeys("ns", tokens, 16, first_only);
+  for (size_t i = 0; i < plain.size(); ++i) CHECK(salted[i] != plain[i]);
 }
