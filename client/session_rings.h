@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <thread>
@@ -60,61 +59,68 @@ class SessionRings {
   // session's generation and checks it before it hands a ticket back here: these calls look at ticket.id only).
   Result<Ticket> Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
                         std::span<const uint32_t> ids, uint64_t match_handle, const BlockKey& parent,
-                        uint32_t state_count = 0, uint32_t event_set = 0);
+                        uint32_t state_count = 0, uint32_t event_set = 0) ABSL_LOCKS_EXCLUDED(mu_);
   // The request's result, handed out once. Errors: NOT_FOUND for an id these rings never issued or whose
   // result an earlier Wait/TryWait already took (the message says which); DEADLINE_EXCEEDED when it has not
   // ended in time (still in flight); UNAVAILABLE when the daemon closed the session; the Abandon status.
-  Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout);
+  Result<OpResult> Wait(Ticket ticket, std::chrono::microseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
   // Layers landed of a layer-wise load (all of them once it ended, also when its result was taken); errors as
   // Wait's, NOT_FOUND only for an id never issued.
-  Result<uint32_t> WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout);
+  Result<uint32_t> WaitLayers(Ticket ticket, uint32_t layers, std::chrono::microseconds timeout)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A Load naming a layer-event set: OK once the daemon reported every copy and event record enqueued
   // (kCompletionFlagLaunched), or once the request ended OK (also when its result was taken: the caller saw it);
   // the request's own error when it ended with one (its result stays for Wait); errors as WaitLayers'.
-  Status WaitLaunched(Ticket ticket, std::chrono::microseconds timeout);
+  Status WaitLaunched(Ticket ticket, std::chrono::microseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
   // Wait without waiting: the result, or nullopt while the request is in flight; errors as Wait's.
-  Result<std::optional<OpResult>> TryWait(Ticket ticket);
+  Result<std::optional<OpResult>> TryWait(Ticket ticket) ABSL_LOCKS_EXCLUDED(mu_);
   // The Client dropped this session (Detach, or re-Attach after the daemon lost it): waits running on these
   // rings, and calls made on them later, end with `why` (not OK) unless their result is already here. The pin
   // lease is no longer renewed.
-  void Abandon(Status why);
+  void Abandon(Status why) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  SessionRings() = default;
-  void ReapLocked();
-  std::optional<uint64_t> AllocLocked(uint64_t bytes);
-  void FreeLocked(uint64_t offset, uint64_t bytes);
+  // The whole arena free, nothing issued yet.
+  SessionRings(std::unique_ptr<ring::RingSubmitter> ring, UniqueFd channel);
+  // Takes the completions the daemon posted (OnCompletionLocked each).
+  void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnCompletionLocked(const CompletionDescriptor& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::optional<uint64_t> AllocLocked(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeLocked(uint64_t offset, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool DaemonGone() const;
   enum class TicketState { kInFlight, kEnded, kTaken, kNeverIssued };
-  TicketState StateLocked(uint64_t id) const;
+  TicketState StateLocked(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND naming why `id` has no result to wait for (kTaken or kNeverIssued).
-  Status NoResultLocked(uint64_t id, TicketState state) const;
+  Status NoResultLocked(uint64_t id, TicketState state) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves an ended request's result out of done_ (state kEnded).
-  OpResult TakeLocked(uint64_t id);
+  OpResult TakeLocked(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The status to end a call with once the session is abandoned or gone.
-  Status GoneStatus();
-  // Waits (the transport's policy) until `ready` (called under mu_ after a reap) returns true or the deadline
-  // passes; then OK, DEADLINE_EXCEEDED, or GoneStatus() when the daemon closed the session.
+  Status GoneStatus() ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits (the transport's policy) until `ready` (called under mu_ after a reap: a lambda annotated
+  // ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)) returns true or the deadline passes; then OK, DEADLINE_EXCEEDED, or
+  // GoneStatus() when the daemon closed the session.
   template <typename Ready>
-  Status WaitUntil(Ready&& ready, std::chrono::steady_clock::time_point deadline, uint64_t ticket);
+  Status WaitUntil(Ready&& ready, std::chrono::steady_clock::time_point deadline, uint64_t ticket)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   std::unique_ptr<ring::RingSubmitter> ring_;
   // Beats while the rings live and are not abandoned; after ring_, so it stops before the mapping goes.
   std::unique_ptr<LeaseRenewer> renewer_;
   UniqueFd channel_;  // a dup of the session channel, watched for hang-up
   std::atomic<bool> abandoned_{false};
-  Status abandon_status_;  // guarded by mu_; set once, before abandoned_
+  Status abandon_status_ ABSL_GUARDED_BY(mu_);  // set once, before abandoned_
 
-  std::mutex mu_;
-  uint64_t next_ticket_ = 1;                                         // guarded by mu_
-  std::map<uint64_t, uint64_t> free_;                                // offset → bytes; guarded by mu_
-  std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> arena_of_;  // ticket → (offset, bytes)
+  Mutex mu_;
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, uint64_t> free_ ABSL_GUARDED_BY(mu_);  // offset → bytes
+  // ticket → (offset, bytes)
+  std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> arena_of_ ABSL_GUARDED_BY(mu_);
   // Every ticket issued whose result was not taken yet: nullopt while in flight (its final completion not reaped),
-  // then its result. Guarded by mu_.
-  std::unordered_map<uint64_t, std::optional<OpResult>> done_;
-  std::unordered_map<uint64_t, uint32_t> layers_landed_;             // layer-wise loads; guarded by mu_
-  std::unordered_set<uint64_t> launched_;                            // event-set loads launched; guarded by mu_
-  size_t inflight_ = 0;                                              // guarded by mu_
+  // then its result.
+  std::unordered_map<uint64_t, std::optional<OpResult>> done_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, uint32_t> layers_landed_ ABSL_GUARDED_BY(mu_);  // layer-wise loads
+  std::unordered_set<uint64_t> launched_ ABSL_GUARDED_BY(mu_);                 // event-set loads launched
+  size_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace flexkv

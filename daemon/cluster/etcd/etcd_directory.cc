@@ -1,6 +1,6 @@
-// The Directory on etcd v3 (see etcd_directory.h for the keys, the values and the lease protocol). One file of ~850
-// lines: the value codec, the per-endpoint RPC plumbing (tokens, deadlines, failover) and the protocol share its
-// anonymous helpers; the codec moves out when a second store backend needs it.
+// The Directory on etcd v3 (see etcd_directory.h for the keys, the values and the lease protocol; the values' codec
+// and signature are etcd_value.h's). One file of ~900 lines: the per-endpoint RPC plumbing (tokens, deadlines,
+// failover) and the protocol share its anonymous helpers.
 #include "daemon/cluster/etcd/etcd_directory.h"
 
 #include <fcntl.h>
@@ -9,9 +9,6 @@
 
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -20,6 +17,7 @@
 #include <unordered_map>
 
 #include "common/unique_fd.h"
+#include "daemon/cluster/etcd/etcd_value.h"
 #include "etcd/etcd_rpc.grpc.pb.h"
 
 namespace flexkv::cluster {
@@ -39,142 +37,7 @@ namespace {
 
 constexpr const char* kLog = "cluster";
 constexpr size_t kMaxTxnOps = 128;  // etcd's default --max-txn-ops
-constexpr char kMagic = 'F';
-constexpr char kKindMember = 'M';
-constexpr char kKindEpoch = 'E';
-constexpr char kKindEntry = 'D';
-// 2: signed (a trailing HMAC-SHA256 under the cluster secret, over the key and the value before it). 1: unsigned,
-// written by flexkvd before issue 29: ignored and counted (an epoch record of 1 is still read, see Join).
-constexpr char kVersion = 2;
-constexpr char kUnsignedVersion = 1;
-constexpr size_t kMacBytes = 32;
 constexpr size_t kMinSecretBytes = 16;
-
-// ---- values: 'F', kind, version, then little-endian fields ----
-
-void PutHeader(std::string& s, char kind) {
-  s.push_back(kMagic);
-  s.push_back(kind);
-  s.push_back(kVersion);
-}
-void PutU64(std::string& s, uint64_t v) {
-  for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-void PutU32(std::string& s, uint32_t v) {
-  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-// HMAC-SHA256(secret, "flexkv-etcd-v2" | key | body), each field preceded by its length (u32 little endian), so
-// that a value signed for one key never verifies under another.
-std::string ValueMac(const std::string& secret, std::string_view key, std::string_view body) {
-  std::string input;
-  for (std::string_view f : {std::string_view("flexkv-etcd-v2"), key, body}) {
-    PutU32(input, static_cast<uint32_t>(f.size()));
-    input.append(f);
-  }
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  if (HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
-           reinterpret_cast<const unsigned char*>(input.data()), input.size(), out, &len) == nullptr ||
-      len != kMacBytes) {
-    return std::string();  // never verifies
-  }
-  return std::string(reinterpret_cast<const char*>(out), len);
-}
-
-// Appends the signature of `body` under `key`.
-std::string Signed(const std::string& secret, std::string_view key, std::string body) {
-  body += ValueMac(secret, key, body);
-  return body;
-}
-
-// What a value read back from the store is, before it is parsed.
-enum class Signature { kValid, kUnsigned, kBad };
-// Checks the signature of a value of version 2 and cuts it off (*body: the value without it). A value of version 1
-// is kUnsigned (*body: the whole value); anything else that is not version 2 with a valid MAC is kBad.
-Signature CheckSignature(const std::string& secret, std::string_view key, std::string_view value,
-                         std::string_view* body) {
-  if (value.size() >= 3 && value[0] == kMagic && value[2] == kUnsignedVersion) {
-    *body = value;
-    return Signature::kUnsigned;
-  }
-  if (value.size() < 3 + kMacBytes || value[0] != kMagic || value[2] != kVersion) return Signature::kBad;
-  *body = value.substr(0, value.size() - kMacBytes);
-  const std::string expected = ValueMac(secret, key, *body);
-  if (expected.size() != kMacBytes ||
-      CRYPTO_memcmp(expected.data(), value.data() + body->size(), kMacBytes) != 0) {
-    return Signature::kBad;
-  }
-  return Signature::kValid;
-}
-
-class Reader {
- public:
-  explicit Reader(std::string_view s) : s_(s) {}
-  bool Header(char kind, char version = kVersion) {
-    if (s_.size() < 3 || s_[0] != kMagic || s_[1] != kind || s_[2] != version) return false;
-    s_.remove_prefix(3);
-    return true;
-  }
-  bool U64(uint64_t* v) { return Fixed(8, v); }
-  bool U32(uint32_t* v) {
-    uint64_t x = 0;
-    if (!Fixed(4, &x)) return false;
-    *v = static_cast<uint32_t>(x);
-    return true;
-  }
-  // A u32 length, then that many bytes (at most `max`).
-  bool Bytes(size_t max, std::string* out) {
-    uint32_t n = 0;
-    if (!U32(&n) || n > max || n > s_.size()) return false;
-    out->assign(s_.substr(0, n));
-    s_.remove_prefix(n);
-    return true;
-  }
-  bool done() const { return s_.empty(); }
-
- private:
-  bool Fixed(size_t n, uint64_t* v) {
-    if (s_.size() < n) return false;
-    uint64_t x = 0;
-    for (size_t i = 0; i < n; ++i) x |= static_cast<uint64_t>(static_cast<unsigned char>(s_[i])) << (8 * i);
-    s_.remove_prefix(n);
-    *v = x;
-    return true;
-  }
-  std::string_view s_;
-};
-
-std::string EncodeMember(uint64_t epoch, const std::string& endpoint, const std::string& pool_info) {
-  std::string s;
-  PutHeader(s, kKindMember);
-  PutU64(s, epoch);
-  PutU32(s, static_cast<uint32_t>(endpoint.size()));
-  s += endpoint;
-  PutU32(s, static_cast<uint32_t>(pool_info.size()));
-  s += pool_info;
-  return s;
-}
-bool DecodeMember(std::string_view v, NodeInfo* info) {
-  Reader r(v);
-  return r.Header(kKindMember) && r.U64(&info->epoch) && info->epoch > 0 &&
-         r.Bytes(kMaxEndpointBytes, &info->transfer_endpoint) && !info->transfer_endpoint.empty() &&
-         r.Bytes(kMaxPoolInfoBytes, &info->pool_info) && r.done();
-}
-std::string EncodeEpoch(uint64_t epoch) {
-  std::string s;
-  PutHeader(s, kKindEpoch);
-  PutU64(s, epoch);
-  return s;
-}
-bool DecodeEpoch(std::string_view v, uint64_t* epoch, char version = kVersion) {
-  Reader r(v);
-  return r.Header(kKindEpoch, version) && r.U64(epoch) && *epoch > 0 && r.done();
-}
-bool DecodeEntry(std::string_view v, uint64_t* epoch, uint32_t* blocks) {
-  Reader r(v);
-  return r.Header(kKindEntry) && r.U64(epoch) && *epoch > 0 && r.U32(blocks) && *blocks > 0 && r.done();
-}
 
 // ---- keys ----
 
@@ -391,27 +254,23 @@ std::string EtcdDirectory::EntryKey(const std::string& model_namespace, const Bl
   return options_.prefix + "dir/" + EscapeNamespace(model_namespace) + "/" + chunk_key.ToHex() + "/" + node_id;
 }
 std::string EtcdDirectory::EncodeEntryValue(const std::string& key, uint64_t epoch, uint32_t blocks) const {
-  std::string s;
-  PutHeader(s, kKindEntry);
-  PutU64(s, epoch);
-  PutU32(s, blocks);
-  return Signed(options_.secret, key, std::move(s));
+  return etcd_value::Signed(options_.secret, key, etcd_value::EncodeEntry(epoch, blocks));
 }
 
 std::string EtcdDirectory::EncodeMemberValue(const std::string& key, uint64_t epoch, const std::string& endpoint,
                                              const std::string& pool_info) const {
-  return Signed(options_.secret, key, EncodeMember(epoch, endpoint, pool_info));
+  return etcd_value::Signed(options_.secret, key, etcd_value::EncodeMember(epoch, endpoint, pool_info));
 }
 
 bool EtcdDirectory::Authentic(const std::string& key, std::string_view value, std::string_view* body) {
-  switch (CheckSignature(options_.secret, key, value, body)) {
-    case Signature::kValid:
+  switch (etcd_value::CheckSignature(options_.secret, key, value, body)) {
+    case etcd_value::Signature::kValid:
       return true;
-    case Signature::kUnsigned:
+    case etcd_value::Signature::kUnsigned:
       CountUnauthenticated(key, "unsigned (written by a flexkvd older than this one: every node of a cluster must "
                                 "run the same version)");
       return false;
-    case Signature::kBad:
+    case etcd_value::Signature::kBad:
       break;
   }
   CountUnauthenticated(key, "its signature is not the cluster secret's (written without the secret, or damaged)");
@@ -580,10 +439,12 @@ Status EtcdDirectory::Join(const NodeInfo& self, milliseconds ttl) {
       // The epoch only has to grow: one an older flexkvd wrote (unsigned) is read as it is. A forged one can make
       // this node's epoch larger (harmless) or repeat an old one of ours, whose entries we signed ourselves.
       std::string_view body;
-      const Signature sig = CheckSignature(options_.secret, epoch_key, kv.value(), &body);
-      const bool decoded = sig == Signature::kValid     ? DecodeEpoch(body, &previous)
-                           : sig == Signature::kUnsigned ? DecodeEpoch(body, &previous, kUnsignedVersion)
-                                                         : false;
+      using etcd_value::Signature;
+      const Signature sig = etcd_value::CheckSignature(options_.secret, epoch_key, kv.value(), &body);
+      const bool decoded =
+          sig == Signature::kValid      ? etcd_value::DecodeEpoch(body, &previous)
+          : sig == Signature::kUnsigned ? etcd_value::DecodeEpoch(body, &previous, etcd_value::kUnsignedVersion)
+                                        : false;
       if (kv.key() != epoch_key || !decoded || previous == UINT64_MAX) {
         CountSkipped(kv.key(), "not an epoch record");
         revoke();
@@ -625,7 +486,7 @@ Status EtcdDirectory::Join(const NodeInfo& self, milliseconds ttl) {
     c2->set_mod_revision(epoch_mod_revision);
     auto* put_epoch = txn.add_success()->mutable_request_put();
     put_epoch->set_key(epoch_key);
-    put_epoch->set_value(Signed(options_.secret, epoch_key, EncodeEpoch(epoch)));
+    put_epoch->set_value(etcd_value::Signed(options_.secret, epoch_key, etcd_value::EncodeEpoch(epoch)));
     auto* put_member = txn.add_success()->mutable_request_put();
     put_member->set_key(member_key);
     put_member->set_value(EncodeMemberValue(member_key, epoch, self.transfer_endpoint, self.pool_info));
@@ -656,8 +517,9 @@ Status EtcdDirectory::Join(const NodeInfo& self, milliseconds ttl) {
       NodeInfo holder;
       const auto& kv = tresp.responses(0).response_range().kvs(0);
       std::string_view body;
-      const bool parsed = CheckSignature(options_.secret, kv.key(), kv.value(), &body) == Signature::kValid &&
-                          DecodeMember(body, &holder);
+      const bool parsed =
+          etcd_value::CheckSignature(options_.secret, kv.key(), kv.value(), &body) == etcd_value::Signature::kValid &&
+          etcd_value::DecodeMember(body, &holder);
       revoke();
       return Status::FailedPrecondition(fmt::format(
           "node id '{}' is held by a live node ({}) in etcd at {}; it is free once that node leaves or its lease "
@@ -803,7 +665,7 @@ Status EtcdDirectory::ReleaseNodeId(const std::string& node_id, std::string_view
   const int64_t lease = rresp.kvs(0).lease();
   std::string_view body;
   NodeInfo holder;
-  if (!Authentic(member_key, rresp.kvs(0).value(), &body) || !DecodeMember(body, &holder)) {
+  if (!Authentic(member_key, rresp.kvs(0).value(), &body) || !etcd_value::DecodeMember(body, &holder)) {
     return Status::FailedPrecondition(fmt::format(
         "etcd key {} is not a member record signed with the cluster secret; its lease is left alone", member_key));
   }
@@ -856,7 +718,7 @@ Result<std::vector<NodeInfo>> EtcdDirectory::Members() {
     }
     std::string_view body;
     if (!Authentic(kv.key(), kv.value(), &body)) continue;
-    if (!DecodeMember(body, &info)) {
+    if (!etcd_value::DecodeMember(body, &info)) {
       CountSkipped(kv.key(), "not a member record");
       continue;
     }
@@ -975,7 +837,7 @@ Result<std::vector<std::vector<Owner>>> EtcdDirectory::Lookup(const std::string&
       }
       std::string_view body;
       if (!Authentic(kv.key(), kv.value(), &body)) continue;
-      if (!DecodeMember(body, &info)) {
+      if (!etcd_value::DecodeMember(body, &info)) {
         CountSkipped(kv.key(), "not a member record");
         continue;
       }
@@ -1001,7 +863,7 @@ Result<std::vector<std::vector<Owner>>> EtcdDirectory::Lookup(const std::string&
         }
         std::string_view body;
         if (!Authentic(kv.key(), kv.value(), &body)) continue;
-        if (!DecodeEntry(body, &epoch, &blocks)) {
+        if (!etcd_value::DecodeEntry(body, &epoch, &blocks)) {
           CountSkipped(kv.key(), "not a directory entry");
           continue;
         }

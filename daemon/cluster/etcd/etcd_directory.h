@@ -8,7 +8,7 @@
 //   <prefix>dir/<namespace>/<chunk key hex>/<node_id>     a directory entry, under the owner's lease
 // <namespace> is the model namespace with every byte outside [A-Za-z0-9._-] written as %XX, so it never holds a
 // '/'. Values are binary and versioned: 'F', a kind byte ('M' member, 'E' epoch, 'D' entry), a version byte (2),
-// little-endian fields (etcd_directory.cc), then HMAC-SHA256 under the cluster secret over the key and everything
+// little-endian fields (etcd_value.h), then HMAC-SHA256 under the cluster secret over the key and everything
 // before it (issue 29): a writer of the store without the secret can delete values (misses), never add a member or
 // an entry. A value whose signature does not verify, or an unsigned one of version 1 (an older flexkvd: a rolling
 // upgrade needs every node on the same version), is ignored and counted (unauthenticated_values()); a member record
