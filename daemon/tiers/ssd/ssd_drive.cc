@@ -53,11 +53,13 @@ Result<std::unique_ptr<SsdDrive>> SsdDrive::Open(uint32_t index, std::unique_ptr
                            "unregistered buffers and payloads cannot use fixed buffers",
                            d->file_->path(), std::strerror(-r));
   }
-  MutexLock l(&d->sq_mu_);
-  d->header_fixed_ = r == 0;
-  for (uint32_t k = 0; k < queue_depth; ++k) {
-    d->ops_[k].header = d->header_area_.get() + uint64_t{k} * kSsdHeaderSector;
-    d->free_ops_.push_back(queue_depth - 1 - k);
+  {
+    MutexLock l(&d->sq_mu_);
+    d->header_fixed_ = r == 0;
+    for (uint32_t k = 0; k < queue_depth; ++k) {
+      d->ops_[k].header = d->header_area_.get() + uint64_t{k} * kSsdHeaderSector;
+      d->free_ops_.push_back(queue_depth - 1 - k);
+    }
   }
   return d;
 }

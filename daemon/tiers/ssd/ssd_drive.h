@@ -20,8 +20,9 @@
 // Whatever the order reaches the platter in, a torn slot fails its read: the header's checksum covers the header,
 // and the header carries the XXH3-64 of the payload, which is checked on every read.
 //
-// Threading: Submit may be called from any thread. Start's `finished` runs on the completion thread. ScanHeaders
-// runs before Start, on the ring alone. The fixed-buffer calls must not overlap I/O (the store waits for idle).
+// Threading: Submit may be called from any thread. Start's `finished` runs on the completion thread, which is
+// where Settle and Recycle are called. ScanHeaders runs before Start, on the ring alone. The fixed-buffer calls
+// must not overlap I/O (the store waits until idle).
 #pragma once
 
 #include <sys/uio.h>
