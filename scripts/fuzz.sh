@@ -10,7 +10,7 @@ seconds=${FLEXKV_FUZZ_SECONDS:-30}
 # The targets link the daemon library, and with it UCX: its signal handlers would take a crash before libFuzzer's
 # (no artifact saved), and its malloc hooks fight the sanitizers.
 export UCX_HANDLE_ERRORS=none UCX_MEM_EVENTS=no UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none
-targets=(pool_recovery attach_request prefix_index ring_descriptor ssd_header peer_lookup)
+targets=(pool_recovery attach_request prefix_index ring_descriptor ssd_header ssd_slot_index peer_lookup)
 build=${FLEXKV_FUZZ_BUILD:-build-fuzz}
 if [[ ! -f $build/build.ninja ]]; then
   [[ -z ${FLEXKV_FUZZ_BUILD:-} ]] || { echo "fuzz: $build is not configured (FLEXKV_FUZZ_BUILD)" >&2; exit 1; }

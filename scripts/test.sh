@@ -73,7 +73,7 @@ san_ctest() {  # <dir> <ctest selection...>
 SAN_TARGETS=(flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests flexkv_data_plane_tests
   flexkv_client_session_tests flexkv_cluster_tests flexkv_ucx_transport_tests flexkv-ucx-peer)
 FUZZ_TARGETS=(fuzz_pool_recovery fuzz_attach_request fuzz_prefix_index fuzz_ring_descriptor fuzz_ssd_header
-  fuzz_peer_lookup)
+  fuzz_ssd_slot_index fuzz_peer_lookup)
 # UCX (linked into the daemon library for the cluster tier) hooks malloc and mmap through libucm when it is loaded;
 # under TSan that interposition segfaults every thread start, under ASan it fights the allocator. The sanitizer runs
 # turn the hooks off: the daemon registers its pool explicitly (ucp_mem_map) and needs no registration-cache events.

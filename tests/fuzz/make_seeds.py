@@ -100,6 +100,19 @@ write("prefix_index", "tiny-pool", bytes([0, 3, 1, 5, 3, 2, 5, 1, 1, 5, 4, 3, 0,
 # bits 1 and 2 of data[p] // 6), drops (op 2 with the top bit of the third byte), evicting stores.
 write("prefix_index", "hybrid-window", bytes([7 + 32 * 3, 3, 1, 3, 3, 2, 5, 1, 1, 3, 18, 5, 3, 4, 3, 2, 2, 1, 0x80, 5, 1, 0,
                                               3, 4, 7, 3, 6, 9, 3, 7, 11, 1, 7, 11, 2, 3, 0x80, 0, 6, 9]) + bytes(range(1, 200)))
+# fuzz_ssd_slot_index: byte 0 the geometry (7: 2 drives of 3 slots), one byte per slot at rebuild (0 empty, 1 unusable,
+# 2-3 a block: id, generation, parent), then operations of 3 bytes (op % 9: 0-1 reserve, 2 commit/abort, 3 read,
+# 4 read end, 5 erase, 6 clear, 7 touch, 8 look up; see the target).
+write("ssd_slot_index", "fill-evict", bytes([7] + [0] * 6 + [0, 0, 6, 2, 0, 1, 0, 1, 0, 2, 0, 1, 0, 2, 1, 2, 0, 1,
+                                                         0, 3, 0, 2, 0, 1, 0, 4, 6, 2, 0, 1, 0, 5, 4, 2, 0, 1,
+                                                         0, 6, 6, 2, 0, 1, 3, 0, 0, 4, 0, 0, 7, 1, 2, 37, 8, 6,
+                                                         55, 8, 6, 8, 2, 0, 5, 3, 0, 6, 0, 0, 0, 9, 1, 2, 0, 1]))
+# Rebuilt from an id in two slots (newer, then a tie), an unusable header, a block naming itself its parent; reads
+# of a block erased under them, the slots cleared, a failed write.
+write("ssd_slot_index", "rebuilt", bytes([7, 2, 0, 0, 6, 3, 1, 0, 0, 1, 2, 1, 1, 0, 3, 0, 0, 6, 2, 7, 2, 7,
+                                          3, 0, 0, 3, 0, 0, 5, 0, 0, 4, 0, 1, 4, 0, 0, 6, 0, 0, 6, 0, 0, 6, 0, 0,
+                                          0, 9, 1, 2, 0, 0, 0, 9, 1, 2, 0, 1, 7, 1, 7, 3, 1, 0, 4, 0, 0, 1, 10, 6]))
+write("ssd_slot_index", "mixed", bytes([17]) + bytes((i * 37 + 11) % 256 for i in range(600)))
 arena = ring_arena()
 write("ring_descriptor", "match-pin", ring_input(submit(1, 4, flags=1), arena))
 write("ring_descriptor", "store", ring_input(submit(3, 4, keys_offset=0, ids_offset=256), arena))
