@@ -1,6 +1,6 @@
 // The Directory (daemon/cluster/directory.h) on etcd v3, over the gRPC we already link (proto/etcd/etcd_rpc.proto,
-// the subset of etcd's API we use). Why etcd and not Redis: /work/notes/s6/cluster-feasibility.md §5.6 (one
-// lease per daemon run takes every entry of the node with it; Txn with compares; TLS and users/roles).
+// the subset of etcd's API we use). Why etcd and not Redis: one lease per daemon run takes every entry of the node
+// with it; Txn with compares; TLS and users/roles (docs/cluster.md).
 //
 // Keys, under EtcdOptions::prefix (default "/flexkv/"):
 //   <prefix>members/<node_id>                             the member record, under the node's lease

@@ -1,4 +1,4 @@
-// ClusterTier: the cluster tier (issue 16, DESIGN.md §8, docs/cluster.md). Nodes reuse each other's cached
+// ClusterTier: the cluster tier (issue 16, docs/cluster.md). Nodes reuse each other's cached
 // prefixes: a block another daemon of the cluster holds is pulled into this node's DRAM pool instead of being
 // prefilled again. It joins three parts:
 //   membership + directory  the shared store (etcd, daemon/cluster/directory.h): this node's member record under a
