@@ -26,11 +26,14 @@ inline Geometry TinyGeometry() {
   return g;
 }
 
-// A fresh directory under /tmp named after `what`, removed with everything in it at scope exit.
+// /dev/shm where there is one (a tmpfs, as the daemon's pools), else /tmp.
+inline std::string ShmOrTmp() { return std::filesystem::is_directory("/dev/shm") ? "/dev/shm" : "/tmp"; }
+
+// A fresh directory under `base` named after `what`, removed with everything in it at scope exit.
 struct TempDir {
   std::string path;
-  explicit TempDir(const std::string& what = "flexkv-test") {
-    std::string tmpl = "/tmp/" + what + "-XXXXXX";
+  explicit TempDir(const std::string& what = "flexkv-test", const std::string& base = "/tmp") {
+    std::string tmpl = base + "/" + what + "-XXXXXX";
     REQUIRE(mkdtemp(tmpl.data()) != nullptr);
     path = tmpl;
   }

@@ -17,6 +17,7 @@
 
 #include "common/block_checksum.h"
 #include "daemon/cache/cache_set.h"
+#include "tests/support/temp_dir.h"
 #include "tests/unit/daemon/cache/temp_cache.h"
 
 using flexkv::BlockKey;
@@ -27,7 +28,10 @@ using flexkv::PoolRegion;
 using flexkv::SlotId;
 using flexkv::Status;
 using flexkv::StatusCode;
+using flexkv::testing::ShmOrTmp;
 using flexkv::testing::SmallGeometry;
+using flexkv::testing::StoreBlocks;
+using flexkv::testing::TempDir;
 using namespace std::chrono_literals;
 
 namespace {
@@ -35,24 +39,6 @@ namespace {
 constexpr uint64_t kBlock = 4096;      // SmallGeometry's host block
 constexpr uint64_t kSlots = 1024;      // the pool's slots at its budget: 16 grants of 64
 constexpr uint32_t kGrant = kSlots / 16;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl =
-        (std::filesystem::exists("/dev/shm") ? "/dev/shm" : "/tmp") + std::string("/flexkv-prepare-XXXXXX");
-    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // A pool listener that holds each grant until the test lets it through (as a slow cudaHostRegister would), and
 // records what it was told.
@@ -121,18 +107,6 @@ std::vector<BlockKey> Keys(size_t n, uint64_t chain) {
   return keys;
 }
 
-void Store(Cache& cache, const std::vector<BlockKey>& keys) {
-  flexkv::PrefixIndex::Reservation r = cache.Reserve(flexkv::kRootParent, keys);
-  REQUIRE(r.slots.size() == keys.size());
-  std::vector<uint64_t> sums;
-  for (SlotId s : r.slots) {
-    uint8_t* bytes = cache.SlotData(s);
-    for (uint64_t i = 0; i < kBlock; ++i) bytes[i] = static_cast<uint8_t>(i * 7 + s);
-    sums.push_back(flexkv::BlockChecksum(bytes, kBlock));
-  }
-  cache.Commit(flexkv::kRootParent, keys, 0, r.slots, sums);
-}
-
 template <typename F>
 bool Eventually(F f, std::chrono::seconds limit = 20s) {
   const auto end = std::chrono::steady_clock::now() + limit;
@@ -148,8 +122,8 @@ bool Eventually(F f, std::chrono::seconds limit = 20s) {
 TEST_CASE("cache prepare: Admit returns before one grant is registered and the pool serves from its first grant "
           "while it grows without holding up lookups",
           "[unit][cache]") {
-  TempDir dir;
-  CacheSet caches(Options(dir.path() + "/pool"));
+  TempDir dir("flexkv-prepare", ShmOrTmp());
+  CacheSet caches(Options(dir.path + "/pool"));
   GatedListener listener;
   listener.Attach(caches);
   REQUIRE(caches.RecoverPools(false).ok());
@@ -183,7 +157,7 @@ TEST_CASE("cache prepare: Admit returns before one grant is registered and the p
   // The second grant's registration is held now: stores and matches go on meanwhile.
   REQUIRE(listener.WaitForBlocked());
   auto stored = std::async(std::launch::async, [&] {
-    Store(cache, Keys(8, 2));
+    StoreBlocks(cache, Keys(8, 2));
     return cache.Match(Keys(8, 2), false, nullptr);
   });
   REQUIRE(stored.wait_for(10s) == std::future_status::ready);
@@ -202,7 +176,7 @@ TEST_CASE("cache prepare: Admit returns before one grant is registered and the p
   CHECK(listener.removed().empty());
   // What was stored while it grew is still there, and the grown slots take stores.
   CHECK(cache.Match(Keys(8, 2), false, nullptr) == 8);
-  Store(cache, Keys(512, 3));
+  StoreBlocks(cache, Keys(512, 3));
   CHECK(cache.Match(Keys(512, 3), false, nullptr) == 512);
   // Once prepared it is resized like any pool.
   CHECK(cache.Resize(kSlots * kBlock / 2).ok());
@@ -211,8 +185,8 @@ TEST_CASE("cache prepare: Admit returns before one grant is registered and the p
 TEST_CASE("cache prepare: dropping a domain while its pool is prepared stops the preparation and takes back every "
           "grant told",
           "[unit][cache]") {
-  TempDir dir;
-  const std::string pool_path = dir.path() + "/pool";
+  TempDir dir("flexkv-prepare", ShmOrTmp());
+  const std::string pool_path = dir.path + "/pool";
   CacheSet caches(Options(pool_path));
   GatedListener listener;
   listener.Attach(caches);
@@ -241,9 +215,9 @@ TEST_CASE("cache prepare: dropping a domain while its pool is prepared stops the
 TEST_CASE("cache prepare: a pool that cannot be created is reported to the requests and tried again by the next "
           "Attach",
           "[unit][cache]") {
-  TempDir dir;
+  TempDir dir("flexkv-prepare", ShmOrTmp());
   // The pool's directory is a regular file: creating the pool fails (after Admit has answered).
-  const std::string blocker = dir.path() + "/not-a-dir";
+  const std::string blocker = dir.path + "/not-a-dir";
   std::ofstream(blocker) << "x";
   CacheSet caches(Options(blocker + "/pool"));
   GatedListener listener;
@@ -272,8 +246,8 @@ TEST_CASE("cache prepare: a pool that cannot be created is reported to the reque
 TEST_CASE("cache prepare: a re-attached pool serves at once and its grants are registered in the background before "
           "its restored blocks are served",
           "[unit][cache]") {
-  TempDir dir;
-  const std::string pool_path = dir.path() + "/pool";
+  TempDir dir("flexkv-prepare", ShmOrTmp());
+  const std::string pool_path = dir.path + "/pool";
   {  // An earlier run stores 40 blocks and stops.
     CacheSetOptions options = Options(pool_path);
     options.prepare_in_background = false;
@@ -281,7 +255,7 @@ TEST_CASE("cache prepare: a re-attached pool serves at once and its grants are r
     REQUIRE(caches.RecoverPools(false).ok());
     auto admitted = caches.Admit("m", SmallGeometry(), 1000, NeverInUse);
     REQUIRE(admitted.ok());
-    Store(**admitted, Keys(40, 5));
+    StoreBlocks(**admitted, Keys(40, 5));
   }
   CacheSet caches(Options(pool_path));
   GatedListener listener;
@@ -314,6 +288,6 @@ TEST_CASE("cache prepare: a re-attached pool serves at once and its grants are r
   REQUIRE(Eventually([&] { return cache->Match(Keys(40, 5), false, nullptr) == 40; }));
   CHECK_FALSE(cache->preparation().preparing);
   CHECK(listener.added().size() == 16);
-  Store(*cache, Keys(600, 8));  // every grant takes stores now
+  StoreBlocks(*cache, Keys(600, 8));  // every grant takes stores now
   CHECK(cache->Match(Keys(600, 8), false, nullptr) == 600);
 }

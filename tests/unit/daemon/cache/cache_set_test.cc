@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/block_checksum.h"
+#include "tests/support/temp_dir.h"
 #include "tests/unit/daemon/cache/temp_cache.h"
 
 using flexkv::BlockKey;
@@ -21,34 +22,19 @@ using flexkv::CacheSet;
 using flexkv::CacheSetOptions;
 using flexkv::SlotId;
 using flexkv::StatusCode;
+using flexkv::testing::ShmOrTmp;
 using flexkv::testing::SmallGeometry;
+using flexkv::testing::StoreBlocks;
+using flexkv::testing::TempDir;
 
 namespace {
 
 constexpr uint64_t kBlock = 4096;  // SmallGeometry's host block
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl =
-        (std::filesystem::exists("/dev/shm") ? "/dev/shm" : "/tmp") + std::string("/flexkv-cacheset-XXXXXX");
-    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
 CacheSetOptions Options(const TempDir& dir, uint64_t budget, size_t max_domains) {
   CacheSetOptions o;
   o.budget_bytes = budget;
-  o.pool_path = dir.path() + "/pool";
+  o.pool_path = dir.path + "/pool";
   o.max_domains = max_domains;
   return o;
 }
@@ -69,26 +55,13 @@ std::vector<BlockKey> Keys(size_t n, uint64_t chain = 42) {
   return keys;
 }
 
-// Stores `keys` in `cache` as a Store does: reserve, fill, commit with the content checksums.
-void Store(Cache& cache, const std::vector<BlockKey>& keys) {
-  flexkv::PrefixIndex::Reservation r = cache.Reserve(flexkv::kRootParent, keys);
-  REQUIRE(r.slots.size() == keys.size());
-  std::vector<uint64_t> sums;
-  for (SlotId s : r.slots) {
-    uint8_t* bytes = cache.SlotData(s);
-    for (uint64_t i = 0; i < cache.block_bytes(); ++i) bytes[i] = static_cast<uint8_t>(i + s);
-    sums.push_back(flexkv::BlockChecksum(bytes, cache.block_bytes()));
-  }
-  cache.Commit(flexkv::kRootParent, keys, 0, r.slots, sums);
-}
-
 }  // namespace
 
 TEST_CASE("cache set: domain i's pool file is <pool_path> for 0 and <pool_path>.<i> after it", "[unit][cache]") {
   CHECK(CacheSet::PoolPathOf("/dev/shm/x/pool", 0) == "/dev/shm/x/pool");
   CHECK(CacheSet::PoolPathOf("/dev/shm/x/pool", 1) == "/dev/shm/x/pool.1");
   CHECK(CacheSet::PoolPathOf("/dev/shm/x/pool", 12) == "/dev/shm/x/pool.12");
-  TempDir dir;
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
   CacheSet caches(Options(dir, 64 * kBlock, 2));
   REQUIRE(caches.RecoverPools(false).ok());
   auto a = caches.Admit("llama", SmallGeometry(), 0, NeverInUse);
@@ -96,9 +69,9 @@ TEST_CASE("cache set: domain i's pool file is <pool_path> for 0 and <pool_path>.
   auto b = caches.Admit("gpt-oss", WideGeometry(), 0, NeverInUse);
   REQUIRE(b.ok());
   CHECK(*a != *b);
-  CHECK((*a)->GetStats().backing == dir.path() + "/pool");
-  CHECK((*b)->GetStats().backing == dir.path() + "/pool.1");
-  CHECK(std::filesystem::exists(dir.path() + "/pool.1"));
+  CHECK((*a)->GetStats().backing == dir.path + "/pool");
+  CHECK((*b)->GetStats().backing == dir.path + "/pool.1");
+  CHECK(std::filesystem::exists(dir.path + "/pool.1"));
   CHECK(caches.Find("llama") == *a);
   CHECK(caches.Find("gpt-oss") == *b);
   CHECK(caches.Find("qwen") == nullptr);
@@ -124,7 +97,7 @@ uint64_t Held(const CacheSet& caches) {
 
 TEST_CASE("cache set: the first domain takes the budget or its pool_size, later ones an equal share of idle ones",
           "[unit][cache]") {
-  TempDir dir;
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
   CacheSetOptions o = Options(dir, 256 * kBlock, 4);  // 1 MiB
   o.namespace_pool_bytes.emplace("big", 128 * kBlock);
   CacheSet caches(std::move(o));
@@ -137,7 +110,7 @@ TEST_CASE("cache set: the first domain takes the budget or its pool_size, later 
   CHECK((*big)->active_bytes() == 128 * kBlock);  // alone, it has all it may have
   CHECK((*big)->capacity_slots() == 128);
   const std::vector<BlockKey> keys = Keys(120);
-  Store(**big, keys);
+  StoreBlocks(**big, keys);
 
   // "a" (no pool_size, laid out for the whole budget): no domain has traffic, so equal shares: 128 blocks each.
   REQUIRE(caches.Admit("a", SmallGeometry(), 0, NeverInUse).ok());
@@ -179,14 +152,14 @@ TEST_CASE("cache set: the first domain takes the budget or its pool_size, later 
 }
 
 TEST_CASE("cache set: shares follow demand, and a dropped domain's budget goes to the others", "[unit][cache]") {
-  TempDir dir;
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
   CacheSet caches(Options(dir, 256 * kBlock, 3));
   REQUIRE(caches.RecoverPools(false).ok());
   Cache* busy = *caches.Admit("busy", SmallGeometry(), 0, NeverInUse);
   Cache* idle = *caches.Admit("idle", SmallGeometry(), 0, NeverInUse);
   CHECK(busy->active_bytes() == 128 * kBlock);
   CHECK(idle->active_bytes() == 128 * kBlock);
-  Store(*idle, Keys(100));
+  StoreBlocks(*idle, Keys(100));
 
   int64_t now = 1000;
   caches.Rebalance(now);  // the meters start; nobody has traffic: nothing moves
@@ -202,10 +175,10 @@ TEST_CASE("cache set: shares follow demand, and a dropped domain's budget goes t
 
   // Now its pool is full (its next stores would evict) and it keeps storing and loading, "idle" does nothing: idle
   // keeps one grant of its pool (16 slots), busy takes the rest - at most an eighth of the budget a call.
-  Store(*busy, Keys(120));
+  StoreBlocks(*busy, Keys(120));
   for (int i = 0; i < 10; ++i) {
     // It keeps its pool full: a new prompt of as many blocks as it got (evicting its oldest when it has to).
-    Store(*busy, Keys(busy->capacity_slots() - busy->GetStats().used + 8, 100 + i));
+    StoreBlocks(*busy, Keys(busy->capacity_slots() - busy->GetStats().used + 8, 100 + i));
     busy->counters().bytes_stored += 1ULL << 30;
     now += CacheSet::kRebalanceIntervalMs;
     caches.Rebalance(now);
@@ -240,18 +213,18 @@ TEST_CASE("cache set: regression - an idle domain gives up only what the busy on
           "[unit][cache][regression]") {
   // Before the fix the idle domain was cut to its floor at the first call (128 -> 16 blocks, 84 of its 100 blocks
   // lost) while the busy one grew by an eighth of the budget a call: 80 of the 256 blocks assigned to nobody.
-  TempDir dir;
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
   CacheSet caches(Options(dir, 256 * kBlock, 2));
   REQUIRE(caches.RecoverPools(false).ok());
   Cache* busy = *caches.Admit("busy", SmallGeometry(), 0, NeverInUse);
   Cache* idle = *caches.Admit("idle", SmallGeometry(), 0, NeverInUse);
-  Store(*idle, Keys(100));
-  Store(*busy, Keys(120));
+  StoreBlocks(*idle, Keys(100));
+  StoreBlocks(*busy, Keys(120));
   int64_t now = 1000;
   caches.Rebalance(now);  // the meters start
   uint64_t idle_was = idle->active_bytes(), busy_was = busy->active_bytes();
   for (int i = 0; i < 10; ++i) {
-    Store(*busy, Keys(busy->capacity_slots() - busy->GetStats().used + 8, 100 + i));  // a full pool, evicting
+    StoreBlocks(*busy, Keys(busy->capacity_slots() - busy->GetStats().used + 8, 100 + i));  // a full pool, evicting
     busy->counters().bytes_stored += 1ULL << 30;
     now += CacheSet::kRebalanceIntervalMs;
     caches.Rebalance(now);
@@ -269,12 +242,12 @@ TEST_CASE("cache set: regression - an idle domain gives up only what the busy on
 }
 
 TEST_CASE("cache set: a new domain is refused while the others' pinned blocks hold the budget", "[unit][cache]") {
-  TempDir dir;
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
   CacheSet caches(Options(dir, 64 * kBlock, 2));
   REQUIRE(caches.RecoverPools(false).ok());
   Cache* a = *caches.Admit("a", SmallGeometry(), 0, NeverInUse);
   const std::vector<BlockKey> keys = Keys(64);
-  Store(*a, keys);
+  StoreBlocks(*a, keys);
   std::vector<SlotId> pins;
   REQUIRE(a->Match(keys, true, &pins) == 64);
   auto refused = caches.Admit("b", SmallGeometry(), 0, NeverInUse);
@@ -295,13 +268,13 @@ TEST_CASE("cache set: a new domain is refused while the others' pinned blocks ho
 
 TEST_CASE("cache set: an unused empty domain gives way to a new one, one in use or holding blocks does not",
           "[unit][cache]") {
-  TempDir dir;
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
   CacheSet caches(Options(dir, 64 * kBlock, 2));
   REQUIRE(caches.RecoverPools(false).ok());
   REQUIRE(caches.Admit("empty", SmallGeometry(), 0, NeverInUse).ok());
   auto full = caches.Admit("full", SmallGeometry(), 0, NeverInUse);
   REQUIRE(full.ok());
-  Store(**full, Keys(2));
+  StoreBlocks(**full, Keys(2));
 
   // Both slots taken; "empty" is in use: nothing gives way.
   const auto empty_in_use = [](const std::string& name) { return name == "empty"; };
@@ -320,13 +293,13 @@ TEST_CASE("cache set: an unused empty domain gives way to a new one, one in use 
 }
 
 TEST_CASE("cache set: --max-domains 1 refuses a second namespace as a single-domain daemon did", "[unit][cache]") {
-  TempDir dir;
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
   CacheSet caches(Options(dir, 64 * kBlock, 1));
   REQUIRE(caches.RecoverPools(false).ok());
   auto first = caches.Admit("llama", SmallGeometry(), 0, NeverInUse);
   REQUIRE(first.ok());
   CHECK((*first)->budget_bytes() == 64 * kBlock);
-  Store(**first, Keys(1));
+  StoreBlocks(**first, Keys(1));
   auto refused = caches.Admit("mistral", WideGeometry(), 0, NeverInUse);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == StatusCode::kFailedPrecondition);
@@ -335,13 +308,13 @@ TEST_CASE("cache set: --max-domains 1 refuses a second namespace as a single-dom
 
 TEST_CASE("cache set: domains never see each other's blocks, and one is dropped without touching the other",
           "[unit][cache]") {
-  TempDir dir;
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
   CacheSet caches(Options(dir, 64 * kBlock, 2));
   REQUIRE(caches.RecoverPools(false).ok());
   Cache* a = *caches.Admit("a", SmallGeometry(), 0, NeverInUse);
   Cache* b = *caches.Admit("b", SmallGeometry(), 0, NeverInUse);
   const std::vector<BlockKey> keys = Keys(3);
-  Store(*a, keys);
+  StoreBlocks(*a, keys);
   CHECK(a->Match(keys, false, nullptr) == 3);
   CHECK(b->Match(keys, false, nullptr) == 0);
 
@@ -354,8 +327,8 @@ TEST_CASE("cache set: domains never see each other's blocks, and one is dropped 
   REQUIRE(caches.DropDomain("a", false, &dropped).ok());
   CHECK(dropped == 3);
   CHECK(caches.Find("a") == nullptr);
-  CHECK_FALSE(std::filesystem::exists(dir.path() + "/pool"));
-  Store(*b, keys);
+  CHECK_FALSE(std::filesystem::exists(dir.path + "/pool"));
+  StoreBlocks(*b, keys);
   CHECK(b->Match(keys, false, nullptr) == 3);
   // The freed slot (and its Cache object) serves the next domain, with a new generation.
   const uint64_t generation = a->generation();
@@ -370,15 +343,15 @@ TEST_CASE("cache set: domains never see each other's blocks, and one is dropped 
 
 TEST_CASE("cache set: a restart re-attaches every domain with its blocks and active size, a changed layout is refused",
           "[unit][cache]") {
-  TempDir dir;
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
   const std::vector<BlockKey> keys = Keys(2);
   {
     CacheSetOptions o = Options(dir, 64 * kBlock, 2);
     o.namespace_pool_bytes.emplace("fixed", 16 * kBlock);
     CacheSet caches(std::move(o));
     REQUIRE(caches.RecoverPools(false).ok());
-    Store(**caches.Admit("default", SmallGeometry(), 0, NeverInUse), keys);
-    Store(**caches.Admit("fixed", WideGeometry(), 0, NeverInUse), keys);
+    StoreBlocks(**caches.Admit("default", SmallGeometry(), 0, NeverInUse), keys);
+    StoreBlocks(**caches.Admit("fixed", WideGeometry(), 0, NeverInUse), keys);
   }
   {
     CacheSetOptions o = Options(dir, 64 * kBlock, 2);
@@ -407,7 +380,7 @@ TEST_CASE("cache set: a restart re-attaches every domain with its blocks and act
     flexkv::Status refused = caches.RecoverPools(false);
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.code() == StatusCode::kFailedPrecondition);
-    CHECK_THAT(refused.message(), Catch::Contains(dir.path() + "/pool.1") && Catch::Contains("--discard-pool"));
+    CHECK_THAT(refused.message(), Catch::Contains(dir.path + "/pool.1") && Catch::Contains("--discard-pool"));
   }
   {
     // Fewer domains: pool.1 is beyond them, kept (and logged) without --discard-pool.
@@ -415,7 +388,7 @@ TEST_CASE("cache set: a restart re-attaches every domain with its blocks and act
     REQUIRE(caches.RecoverPools(false).ok());
     CHECK(caches.Find("default") != nullptr);
     CHECK(caches.Find("fixed") == nullptr);
-    CHECK(std::filesystem::exists(dir.path() + "/pool.1"));
+    CHECK(std::filesystem::exists(dir.path + "/pool.1"));
   }
   {
     CacheSetOptions o = Options(dir, 64 * kBlock, 2);

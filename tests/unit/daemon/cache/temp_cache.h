@@ -9,7 +9,9 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "common/block_checksum.h"
 #include "daemon/cache/cache.h"
 
 namespace flexkv::testing {
@@ -52,6 +54,20 @@ inline Geometry TinyHybrid() {
   state.state_bytes_per_layer = 64;
   g.components = {swa, state};
   return g;
+}
+
+// Stores `keys` (from the root) in `cache` as a Store does: reserve, fill each slot with bytes of its own, commit with
+// the content checksums. Every key must be reserved (REQUIRE).
+inline void StoreBlocks(Cache& cache, const std::vector<BlockKey>& keys) {
+  PrefixIndex::Reservation r = cache.Reserve(kRootParent, keys);
+  REQUIRE(r.slots.size() == keys.size());
+  std::vector<uint64_t> sums;
+  for (SlotId s : r.slots) {
+    uint8_t* bytes = cache.SlotData(s);
+    for (uint64_t i = 0; i < cache.block_bytes(); ++i) bytes[i] = static_cast<uint8_t>(i + s);
+    sums.push_back(BlockChecksum(bytes, cache.block_bytes()));
+  }
+  cache.Commit(kRootParent, keys, 0, r.slots, sums);
 }
 
 class TempCache {
