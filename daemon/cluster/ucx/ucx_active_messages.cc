@@ -99,13 +99,13 @@ std::string UcxCore::Who(const ucp_am_recv_param_t* param) {
 
 void UcxCore::CountRefused(std::string_view what, const ucp_am_recv_param_t* param) {
   log::Warning(kLog, "refused {} from {}: the connection has not proven the cluster secret", what, Who(param));
-  std::lock_guard<std::mutex> lock(info_mu);
+  MutexLock lock(&info_mu);
   ++stats.requests_refused;
 }
 
 void UcxCore::CountMalformed(std::string_view what, const ucp_am_recv_param_t* param) {
   log::Warning(kLog, "refused a malformed {} from {}", what, Who(param));
-  std::lock_guard<std::mutex> lock(info_mu);
+  MutexLock lock(&info_mu);
   ++stats.requests_refused;
 }
 
@@ -143,7 +143,7 @@ UcxCore::Op* UcxCore::TakeReplyOp(uint64_t id, const uint8_t* token, Op::Kind ki
 
 void UcxCore::DropReply(std::string_view what, std::string_view why, const ucp_am_recv_param_t* param) {
   {
-    std::lock_guard<std::mutex> lock(info_mu);
+    MutexLock lock(&info_mu);
     ++stats.replies_dropped;
   }
   std::string from = "an endpoint that did not say";
@@ -225,7 +225,7 @@ ucs_status_t UcxCore::OnAmGetRequest(void* arg, const void* header, size_t heade
   if (reply->header.status != 0) {
     core->refused_log.Warning(kLog, "refused a get of {} bytes at {:#x} from {}: not in a registered region",
                               req.length, req.address, core->Who(param));
-    std::lock_guard<std::mutex> lock(core->info_mu);
+    MutexLock lock(&core->info_mu);
     ++core->stats.requests_refused;
   }
   ucp_request_param_t rp{};

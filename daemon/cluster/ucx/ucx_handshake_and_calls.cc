@@ -63,7 +63,7 @@ Status StatusFromWire(uint32_t code, std::string_view message) {
 }  // namespace
 
 void UcxCore::CountAuthFailure() {
-  std::lock_guard<std::mutex> lock(info_mu);
+  MutexLock lock(&info_mu);
   ++stats.auth_failures;
 }
 
@@ -404,7 +404,7 @@ void UcxCore::DispatchCall(ServerCall* call) {
   std::unique_ptr<ServerCall> owned(call);
   UcxTransport::CallHandler handler;
   {
-    std::lock_guard<std::mutex> lock(info_mu);
+    MutexLock lock(&info_mu);
     handler = call_handler;
   }
   if (!handler) {
@@ -417,7 +417,7 @@ void UcxCore::DispatchCall(ServerCall* call) {
   auto reply = [gate = gate, once, serial = call->serial, ep = call->ep, id = call->id,
                 token](Result<std::string> r) {
     if (once->exchange(true)) return;
-    std::lock_guard<std::mutex> lock(gate->mu);
+    MutexLock lock(&gate->mu);
     UcxCore* core = gate->core;
     if (core == nullptr) return;
     (void)core->Post([core, serial, ep, id, token, r = std::move(r)]() mutable {

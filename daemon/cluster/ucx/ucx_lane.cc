@@ -32,7 +32,7 @@ UcxCore::~UcxCore() {
 
 bool UcxCore::Post(std::function<void()> fn) {
   {
-    std::lock_guard<std::mutex> lock(queue_mu);
+    MutexLock lock(&queue_mu);
     if (stop) return false;
     queue.push_back(std::move(fn));
   }
@@ -80,7 +80,7 @@ void UcxCore::OnConnRequest(ucp_conn_request_h request, void* arg) {
     who = FormatSockaddr(attr.client_address);
     std::function<bool(const sockaddr&)> filter;
     {
-      std::lock_guard<std::mutex> lock(core->info_mu);
+      MutexLock lock(&core->info_mu);
       filter = core->accept_filter;
     }
     accept = !filter || filter(*reinterpret_cast<const sockaddr*>(&attr.client_address));
@@ -88,7 +88,7 @@ void UcxCore::OnConnRequest(ucp_conn_request_h request, void* arg) {
   if (!accept || core->shutting_down.load()) {
     log::Warning(kLog, "refused a connection request from {}", who);
     ucp_listener_reject(core->listener, request);
-    std::lock_guard<std::mutex> lock(core->info_mu);
+    MutexLock lock(&core->info_mu);
     ++core->stats.connections_rejected;
     return;
   }
@@ -159,7 +159,7 @@ void UcxCore::Accept(ucp_conn_request_h request, const std::string& who) {
   a.who = who;
   accepted.emplace(ep, std::move(a));
   log::Debug(kLog, "lane {} accepted a connection from {}", lane, who);
-  std::lock_guard<std::mutex> lock(info_mu);
+  MutexLock lock(&info_mu);
   ++stats.connections_accepted;
 }
 
@@ -207,7 +207,7 @@ Status UcxCore::CreatePeerEp(Peer* peer) {
   peer->failed = false;
   peer->closed_by_deadline = false;
   if (peer->connected_once) {
-    std::lock_guard<std::mutex> lock(info_mu);
+    MutexLock lock(&info_mu);
     ++stats.reconnects;
   }
   peer->connected_once = true;
@@ -226,7 +226,7 @@ void UcxCore::RecordLanes(Peer* peer) {
   free(text);
   // Lines like "#   lane[0]:  1:tcp/lo.0 md[1] ..." or "... rc_mlx5/mlx5_0:1 ...": take "tl/dev" tokens.
   static const std::regex kLane(R"(lane\[\d+\]:\s+\d+:([A-Za-z0-9_]+)/([A-Za-z0-9_.:\-]+))");
-  std::lock_guard<std::mutex> lock(info_mu);
+  MutexLock lock(&info_mu);
   for (std::sregex_iterator it(info.begin(), info.end(), kLane), end; it != end; ++it) {
     std::string dev = (*it)[2].str();
     if (auto dot = dev.rfind('.'); dot != std::string::npos && dot + 1 < dev.size() &&
@@ -274,7 +274,7 @@ void UcxCore::Finish(Op* op) {
 
 void UcxCore::Deliver(Op* op, Status status) {
   if (op->kind == Op::Kind::kGet || op->kind == Op::Kind::kCall) {
-    std::lock_guard<std::mutex> lock(info_mu);
+    MutexLock lock(&info_mu);
     const bool get = op->kind == Op::Kind::kGet;
     if (status.ok()) {
       ++(get ? stats.gets_ok : stats.calls_ok);
@@ -399,7 +399,7 @@ void UcxCore::Loop() {
     std::deque<std::function<void()>> work;
     bool stopping;
     {
-      std::lock_guard<std::mutex> lock(queue_mu);
+      MutexLock lock(&queue_mu);
       work.swap(queue);
       stopping = stop;
     }
@@ -407,7 +407,7 @@ void UcxCore::Loop() {
     Turn();
     if (stopping) break;
     {
-      std::lock_guard<std::mutex> lock(queue_mu);
+      MutexLock lock(&queue_mu);
       if (!queue.empty() || stop) continue;
     }
     if (!completed.empty() || closed_since_progress) continue;
@@ -499,7 +499,7 @@ void UcxCore::ConnectDone(uint64_t peer_id, Status s) {
       FinishWith(w.op, s);
     } else if (s.ok() || s.code() == StatusCode::kDeadlineExceeded) {
       {
-        std::lock_guard<std::mutex> lock(info_mu);
+        MutexLock lock(&info_mu);
         ++stats.deadlines;
       }
       FinishWith(w.op, Status::DeadlineExceeded("reconnecting to " + peer->endpoint + ": no answer within " +

@@ -213,7 +213,10 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOptions& opt
   }
 
   for (auto& core : state->lanes) {
-    core->gate->core = core.get();  // no other thread sees the gate yet
+    {
+      MutexLock gate(&core->gate->mu);  // no other thread sees the gate yet; taken for the analysis's sake
+      core->gate->core = core.get();
+    }
     core->thread = std::thread([c = core.get()] { c->Loop(); });
     core->thread_id = core->thread.get_id();
   }
@@ -235,7 +238,7 @@ UcxTransport::~UcxTransport() {
   }
   for (auto& lane : state_->lanes) {
     {
-      std::lock_guard<std::mutex> lock(lane->queue_mu);
+      MutexLock lock(&lane->queue_mu);
       lane->stop = true;
     }
     uint64_t one = 1;
@@ -244,7 +247,7 @@ UcxTransport::~UcxTransport() {
   }
   for (auto& lane : state_->lanes) {
     lane->thread.join();
-    std::lock_guard<std::mutex> lock(lane->gate->mu);
+    MutexLock lock(&lane->gate->mu);
     lane->gate->core = nullptr;  // a CallHandler's late reply is dropped from now on
   }
   // Commands posted after the shutdown (a region's Reset racing with it) ran in the last turn or are dropped. No
@@ -263,7 +266,7 @@ std::string UcxTransport::endpoint() const { return state_->lanes[0]->endpoint_t
 
 void UcxTransport::set_accept_filter(std::function<bool(const sockaddr&)> filter) {
   UcxCore* first = state_->lanes[0].get();
-  std::lock_guard<std::mutex> lock(first->info_mu);
+  MutexLock lock(&first->info_mu);
   first->accept_filter = std::move(filter);
 }
 
@@ -390,7 +393,7 @@ Status UcxTransport::Get(const PeerHandle& peer, const RemoteRegion& remote, uin
 
 void UcxTransport::set_call_handler(CallHandler handler) {
   for (auto& lane : state_->lanes) {
-    std::lock_guard<std::mutex> lock(lane->info_mu);
+    MutexLock lock(&lane->info_mu);
     lane->call_handler = handler;
   }
 }
@@ -450,7 +453,7 @@ std::vector<std::string> UcxTransport::transports_in_use() const {
                 (state_->lanes.size() > 1 ? " LANES=" + std::to_string(state_->lanes.size()) : std::string()));
   std::set<std::string> used;
   for (const auto& lane : state_->lanes) {
-    std::lock_guard<std::mutex> lock(lane->info_mu);
+    MutexLock lock(&lane->info_mu);
     used.insert(lane->ucx_lanes.begin(), lane->ucx_lanes.end());
   }
   out.insert(out.end(), used.begin(), used.end());
@@ -460,8 +463,11 @@ std::vector<std::string> UcxTransport::transports_in_use() const {
 UcxTransport::Stats UcxTransport::stats() const {
   Stats total;
   for (const auto& lane : state_->lanes) {
-    std::lock_guard<std::mutex> lock(lane->info_mu);
-    const Stats& s = lane->stats;
+    Stats s;
+    {
+      MutexLock lock(&lane->info_mu);
+      s = lane->stats;
+    }
     total.gets_ok += s.gets_ok;
     total.gets_failed += s.gets_failed;
     total.deadlines += s.deadlines;

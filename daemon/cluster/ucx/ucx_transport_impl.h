@@ -139,20 +139,20 @@ template <typename T>
 class Rendezvous {
  public:
   void Set(T v) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     value_ = std::move(v);
     cv_.notify_all();
   }
   T Take() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return value_.has_value(); });
+    MutexLock lock(&mu_);
+    while (!value_.has_value()) mu_.Wait(&cv_);
     return std::move(*value_);
   }
 
  private:
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  std::optional<T> value_;
+  std::optional<T> value_ ABSL_GUARDED_BY(mu_);
 };
 
 // "host:port" or "[v6]:port" of a socket address (numeric host).
@@ -286,8 +286,8 @@ struct UcxCore {
   };
   // What a CallHandler's `reply` reaches, from any thread: nulled (under `mu`) once the progress thread is gone.
   struct ReplyGate {
-    std::mutex mu;
-    UcxCore* core = nullptr;
+    Mutex mu;
+    UcxCore* core ABSL_GUARDED_BY(mu) = nullptr;
   };
   struct Region {
     ucp_mem_h memh = nullptr;
@@ -315,9 +315,9 @@ struct UcxCore {
   std::thread::id thread_id;
 
   // Commands for the progress thread.
-  std::mutex queue_mu;
-  std::deque<std::function<void()>> queue;
-  bool stop = false;  // guarded by queue_mu
+  Mutex queue_mu;
+  std::deque<std::function<void()>> queue ABSL_GUARDED_BY(queue_mu);
+  bool stop ABSL_GUARDED_BY(queue_mu) = false;
 
   std::atomic<bool> shutting_down{false};
 
@@ -346,11 +346,11 @@ struct UcxCore {
   bool closed_since_progress = false;
 
   // Read by other threads.
-  mutable std::mutex info_mu;
-  std::function<bool(const sockaddr&)> accept_filter;  // guarded by info_mu
-  std::set<std::string> ucx_lanes;                     // guarded by info_mu: "tl/dev" of our endpoints
-  UcxTransport::Stats stats;                           // guarded by info_mu
-  UcxTransport::CallHandler call_handler;              // guarded by info_mu
+  mutable Mutex info_mu;
+  std::function<bool(const sockaddr&)> accept_filter ABSL_GUARDED_BY(info_mu);
+  std::set<std::string> ucx_lanes ABSL_GUARDED_BY(info_mu);  // "tl/dev" of our endpoints
+  UcxTransport::Stats stats ABSL_GUARDED_BY(info_mu);
+  UcxTransport::CallHandler call_handler ABSL_GUARDED_BY(info_mu);
   log::RateLimited dropped_log{1000};                  // replies dropped (TakeReplyOp)
   log::RateLimited refused_log{1000};                  // gets of ranges not registered here
 

@@ -110,7 +110,7 @@ Status SsdTier::OpenStore(uint64_t payload_capacity) {
   o.payload_capacity = payload_capacity;
   auto store = SsdStore::Open(o);
   if (!store.ok()) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     state_ = "failed: " + store.status().ToString();
     return store.status();
   }
@@ -123,7 +123,7 @@ Status SsdTier::OpenStore(uint64_t payload_capacity) {
   }
   {
     // A snapshot taken before this saw no store; the blocks found on disk reach its subscribers as events.
-    std::lock_guard events(events_mu_);
+    MutexLock events(&events_mu_);
     store_ = std::move(*store);
     if (event_listener_) {
       EventListener listener = event_listener_;
@@ -135,7 +135,7 @@ Status SsdTier::OpenStore(uint64_t payload_capacity) {
   }
   for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).AttachNextTier(options_.write_all, options_.store_wait_ms);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     state_ = "serving";
     last_sample_ms_ = MonotonicMs();
   }
@@ -160,14 +160,14 @@ std::optional<uid_t> SsdTier::RecordedOwner(std::string_view model_namespace) co
 bool SsdTier::RecordOwner(const Cache& cache, std::vector<std::string>* notes) {
   const uint64_t generation = cache.generation();
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = owner_recorded_.find(&cache);
     if (it != owner_recorded_.end() && it->second == generation) return true;
   }
   const CacheDomain::View v = cache.Domain();
   if (!v.creator_uid) return true;  // not fixed yet: nothing of it to write either
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (MonotonicMs() < owner_retry_ms_) {  // a failing directory is not hammered: once a second
       notes->push_back(fmt::format("namespace '{}': its owner cannot be recorded in the SSD directory (see the log); "
                                    "its blocks stay in DRAM", v.model_namespace));
@@ -177,7 +177,7 @@ bool SsdTier::RecordOwner(const Cache& cache, std::vector<std::string>* notes) {
   const Result<uid_t> owner = owners_.Record(v.model_namespace, *v.creator_uid);
   if (!owner.ok()) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       owner_retry_ms_ = MonotonicMs() + 1000;
     }
     static log::RateLimited failed(60000);
@@ -193,7 +193,7 @@ bool SsdTier::RecordOwner(const Cache& cache, std::vector<std::string>* notes) {
                  "directories to hand it over",
                  v.model_namespace, *v.creator_uid, *owner, *owner, kSsdOwnersFileName);
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   owner_recorded_[&cache] = generation;
   return true;
 }
@@ -207,8 +207,7 @@ void SsdTier::Start() {
       const size_t written = MoveRound();
       SampleRates();
       if (written == 0) {
-        std::unique_lock lock(mu_);
-        idle_cv_.wait_for(lock, std::chrono::milliseconds(options_.mover_idle_ms), [this] { return stop_requested_; });
+        IdleWait(std::chrono::milliseconds(options_.mover_idle_ms));
       }
     }
   });
@@ -216,7 +215,7 @@ void SsdTier::Start() {
 
 void SsdTier::Stop() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stop_requested_ = true;
   }
   stopping_.store(true, std::memory_order_seq_cst);
@@ -229,7 +228,7 @@ void SsdTier::Stop() {
 }
 
 void SsdTier::SetEventListener(EventListener listener) {
-  std::lock_guard events(events_mu_);
+  MutexLock events(&events_mu_);
   event_listener_ = std::move(listener);
   if (store_) {  // opened at Create: its blocks are in any snapshot from now on
     EventListener l = event_listener_;
@@ -238,7 +237,7 @@ void SsdTier::SetEventListener(EventListener listener) {
 }
 
 void SsdTier::SnapshotBlocks(const std::function<void()>& mark, const std::function<void(const SsdEntry&)>& each) const {
-  std::lock_guard events(events_mu_);
+  MutexLock events(&events_mu_);
   if (!store_) {
     mark();
     return;
@@ -249,13 +248,13 @@ void SsdTier::SnapshotBlocks(const std::function<void()>& mark, const std::funct
 SsdDomain SsdTier::DomainOf(const Cache& cache) {
   const uint64_t generation = cache.generation();
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     auto it = domains_.find(&cache);
     if (it != domains_.end() && it->second.first == generation) return it->second.second;
   }
   const CacheDomain::View v = cache.Domain();
   const SsdDomain domain = v.geometry ? SsdDomain::Of(v.model_namespace, *v.geometry) : SsdDomain{};
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   domains_[&cache] = {generation, domain};
   return domain;
 }
@@ -269,7 +268,7 @@ bool SsdTier::Eligible(const Cache& cache) const {
 size_t SsdTier::MoveRound() {
   if (!store_ready_.load(std::memory_order_acquire)) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (state_.starts_with("failed")) return 0;  // logged once; the operator restarts after fixing it
     }
     uint64_t needed = 0;
@@ -363,7 +362,7 @@ size_t SsdTier::MoveRound() {
     }
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     notes_ = std::move(notes);
   }
   // Stores wait for the write-back only while it succeeds: a write that fails turns that off until writes complete
@@ -390,8 +389,7 @@ size_t SsdTier::MoveRound() {
     const uint64_t now_failures = writeback_failed_.load(std::memory_order_relaxed);
     if (failed || now_failures != seen_failures) {
       seen_failures = now_failures;
-      std::unique_lock lock(mu_);
-      idle_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_requested_; });
+      IdleWait(std::chrono::seconds(1));
     }
   }
   return written;
@@ -400,7 +398,7 @@ size_t SsdTier::MoveRound() {
 void SsdTier::SampleRates() {
   if (!store_ready_.load(std::memory_order_acquire)) return;
   const int64_t now = MonotonicMs();
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (now - last_sample_ms_ < 1000) return;
   const SsdStoreStats s = store_->stats();
   const double dt = static_cast<double>(now - last_sample_ms_) / 1000.0;
@@ -517,7 +515,7 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
 SsdTierStatus SsdTier::GetStatus() const {
   SsdTierStatus s;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     s.state = state_;
     s.notes = notes_;
     s.read_bytes_per_s = read_rate_;
@@ -549,6 +547,16 @@ SsdTierStatus SsdTier::GetStatus() const {
     s.store_wait_expired += w.store_wait_expired;
   }
   return s;
+}
+
+void SsdTier::IdleWait(std::chrono::milliseconds d) {
+  const auto end = std::chrono::steady_clock::now() + d;
+  MutexLock lock(&mu_);
+  while (!stop_requested_) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= end) break;
+    mu_.WaitFor(&idle_cv_, end - now);
+  }
 }
 
 }  // namespace flexkv

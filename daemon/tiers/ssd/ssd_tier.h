@@ -27,17 +27,19 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 #include "daemon/tiers/ssd/ssd_owners.h"
 #include "daemon/tiers/ssd/ssd_store.h"
 #include "flexkv/block_key.h"
@@ -151,22 +153,27 @@ class SsdTier {
   std::unique_ptr<SsdStore> store_;     // set once (OpenStore), before store_ready_
   SsdOwners owners_;                    // the namespaces' owners, kept with their blocks
   std::atomic<bool> store_ready_{false};
-  mutable std::mutex events_mu_;        // orders the store's opening against event snapshots
-  EventListener event_listener_;        // guarded by events_mu_
+  mutable Mutex events_mu_;             // orders the store's opening against event snapshots
+  EventListener event_listener_ ABSL_GUARDED_BY(events_mu_);
   std::atomic<bool> stopping_{false};
   std::thread mover_;
 
-  mutable std::mutex mu_;               // guards the fields below
-  std::string state_ = "waiting for the first pool";
-  std::map<const Cache*, std::pair<uint64_t, SsdDomain>> domains_;  // cache -> (generation, domain)
-  std::map<const Cache*, uint64_t> owner_recorded_;  // cache -> the generation whose owner is recorded
-  int64_t owner_retry_ms_ = 0;          // after a failed write of the owners record, not again before this
-  std::vector<std::string> notes_;
-  double read_rate_ = 0, write_rate_ = 0;
-  uint64_t last_read_bytes_ = 0, last_write_bytes_ = 0;
-  int64_t last_sample_ms_ = 0;
-  std::condition_variable idle_cv_;
-  bool stop_requested_ = false;
+  mutable Mutex mu_;
+  std::string state_ ABSL_GUARDED_BY(mu_) = "waiting for the first pool";
+  // cache -> (generation, domain)
+  std::map<const Cache*, std::pair<uint64_t, SsdDomain>> domains_ ABSL_GUARDED_BY(mu_);
+  // cache -> the generation whose owner is recorded
+  std::map<const Cache*, uint64_t> owner_recorded_ ABSL_GUARDED_BY(mu_);
+  // after a failed write of the owners record, not again before this
+  int64_t owner_retry_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> notes_ ABSL_GUARDED_BY(mu_);
+  double read_rate_ ABSL_GUARDED_BY(mu_) = 0, write_rate_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t last_read_bytes_ ABSL_GUARDED_BY(mu_) = 0, last_write_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t last_sample_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  std::condition_variable idle_cv_;  // with mu_: the mover's idle wait (IdleWait), woken by Stop and by stores
+  bool stop_requested_ ABSL_GUARDED_BY(mu_) = false;
+  // The mover waits up to `d`, or until Stop.
+  void IdleWait(std::chrono::milliseconds d) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::atomic<uint64_t> promoted_{0}, promotion_requests_{0}, promotion_refused_{0}, promotion_failed_{0};
   std::atomic<uint64_t> written_back_{0}, writeback_refused_{0}, writeback_failed_{0};
