@@ -208,8 +208,13 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
                 get_num_kv_heads=lambda p: 2, get_head_size=lambda: 64)
     vllm_config = NS_(model_config=model, cache_config=NS_(block_size=16, cache_dtype="auto"),
                       parallel_config=NS_(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
-                      kv_transfer_config=NS_(kv_connector_extra_config={"socket": daemon.socket}))
+                      kv_transfer_config=NS_(kv_connector_extra_config={"socket": daemon.socket},
+                                             kv_load_failure_policy="fail"))
     assert adapter.geometry_from_vllm(vllm_config) == TEST_GEOMETRY
+    # vLLM's default policy ends a request at a load error; flexkvd's blocks can go between lookup and load.
+    with pytest.raises(ValueError, match='needs kv_load_failure_policy "recompute" \\(it is \'fail\'\\)'):
+        adapter.FlexKVdConnector(vllm_config, role.SCHEDULER, None)
+    vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
     sched = adapter.FlexKVdConnector(vllm_config, role.SCHEDULER, None)
     worker = adapter.FlexKVdConnector(vllm_config, role.WORKER, None)
     assert sched._config.namespace == NS and sched.get_finished_count() == 1

@@ -89,6 +89,7 @@ def _build() -> Dict[str, Any]:
             if getattr(parallel, "pipeline_parallel_size", 1) != 1:
                 raise ValueError("FlexKVdConnector supports pipeline_parallel_size 1 only (each PP stage holds other "
                                  f"layers); got {parallel.pipeline_parallel_size}")
+            check_load_failure_policy(vllm_config.kv_transfer_config)
             extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
             geometry = geometry_from_vllm(vllm_config)
             model = vllm_config.model_config
@@ -241,6 +242,20 @@ def _layer_tensors(kv_caches: Dict[str, Any], geometry: flexkv.Geometry) -> List
                              f"{t.is_contiguous()}); FlexKVdConnector needs [2, num_blocks, block_size, heads, "
                              "head_dim] contiguous per layer (the FLASH_ATTN backend's layout, NHD)")
     return tensors
+
+
+def check_load_failure_policy(kv_transfer_config: Any) -> None:
+    """Refuses to start under vLLM's kv_load_failure_policy "fail" (its default): a flexkvd block can go between the
+    lookup and the load (evicted, its pins lapsed, the daemon restarted), and under "fail" every such load ends its
+    request with an error, where "recompute" prefills those tokens again. An engine that did not say (an older vLLM
+    without the option) recomputes anyway."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", None)
+    if policy is not None and str(policy) != "recompute":
+        raise ValueError(
+            f"FlexKVdConnector needs kv_load_failure_policy \"recompute\" (it is {str(policy)!r}): a block flexkvd "
+            "reported can be gone when it is loaded (evicted, the daemon restarted), and under \"fail\" vLLM ends "
+            "that request with an error instead of computing those tokens again; add "
+            "\"kv_load_failure_policy\": \"recompute\" to --kv-transfer-config")
 
 
 def _block_extras(request: Any, block_size: int) -> Optional["flexkv.BlockExtras"]:
