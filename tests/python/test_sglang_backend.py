@@ -478,3 +478,24 @@ def test_adapter_imports_without_sglang_and_says_so_when_its_class_is_requested(
     # SGLang's loader does getattr(module, class_name) and reports the ImportError it gets.
     with pytest.raises(ImportError, match="sglang.srt.mem_cache.hicache_storage"):
         getattr(sys.modules["flexkv.integrations.sglang"], "FlexKVdStorage")
+
+
+def test_storage_metrics_are_found_where_the_running_sglang_keeps_them(monkeypatch):
+    """get_stats' StorageMetrics: SGLang moved it out of sglang.srt.metrics.collector (0.5.15); the backend takes it
+    from the old module, else from the module that defines HiCacheStorage, else returns the same lists itself."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.metrics.collector", None)  # not importable
+    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.hicache_storage", None)
+    fallback = backend._storage_metrics()
+    for field in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
+        assert getattr(fallback, field) == []
+
+    class StorageMetrics:  # as the module defining HiCacheStorage would have it
+        def __init__(self):
+            self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth = [], [], [], []
+
+    moved = types.ModuleType("sglang.srt.mem_cache.hicache_storage")
+    moved.StorageMetrics = StorageMetrics
+    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.hicache_storage", moved)
+    assert isinstance(backend._storage_metrics(), StorageMetrics)

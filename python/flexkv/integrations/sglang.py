@@ -225,9 +225,7 @@ def _backend_class() -> type:
                            "attached", self.config.namespace)
 
         def get_stats(self) -> Any:
-            from sglang.srt.metrics.collector import StorageMetrics
-
-            metrics = StorageMetrics()
+            metrics = _storage_metrics()
             if self.store is not None:
                 s = self.store.take_samples()
                 metrics.prefetch_pgs.extend(s.prefetch_pgs)
@@ -241,3 +239,30 @@ def _backend_class() -> type:
                 self.store.close()
 
     return FlexKVdStorage
+
+
+class _SampledStorageMetrics:
+    """What SGLang's collector reads of a backend's get_stats (StorageMetrics' lists), for an SGLang whose
+    StorageMetrics this module cannot find."""
+
+    def __init__(self) -> None:
+        self.prefetch_pgs: List[int] = []
+        self.backup_pgs: List[int] = []
+        self.prefetch_bandwidth: List[float] = []
+        self.backup_bandwidth: List[float] = []
+
+
+def _storage_metrics() -> Any:
+    """A new SGLang StorageMetrics: from sglang.srt.metrics.collector (before 0.5.15), else from the module that
+    defines HiCacheStorage (which names it in its get_stats), else a stand-in with the same lists."""
+    try:
+        from sglang.srt.metrics.collector import StorageMetrics
+        return StorageMetrics()
+    except ImportError:
+        pass
+    import sys
+    base = sys.modules.get("sglang.srt.mem_cache.hicache_storage")
+    cls = getattr(base, "StorageMetrics", None) if base is not None else None
+    if cls is not None:
+        return cls()
+    return _SampledStorageMetrics()
