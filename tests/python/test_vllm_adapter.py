@@ -3,7 +3,9 @@ driven through a stand-in of vLLM's interface), and the GPU description a TP ran
 without a GPU goes)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
 import pickle
 import sys
 
@@ -264,3 +266,69 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
         worker.shutdown()
         engine.release()
     assert settled_status(observer).sessions == 0
+
+
+def test_a_lookup_never_blocks_the_scheduler_when_the_engine_takes_not_yet(daemon):
+    """vLLM's get_num_new_matched_tokens may answer None ("ask again later"): a daemon that is slow (here stopped)
+    must not hold up the scheduler's step; the answer comes at a later call, and a lookup that never answers is a
+    miss after op_timeout_s."""
+    import signal
+    import time as _time
+
+    s = SchedulerLogic(dataclasses.replace(config(daemon.socket), op_timeout_s=1.5), may_defer=True)
+    p = prompt(23, 4 * BS)
+    client = flexkv.connect(daemon.socket)
+    client.attach("storer", NS, TEST_GEOMETRY)
+    kv = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
+    stored = client.store(flexkv.block_keys(NS, p, BS), [0, 1, 2, 3]).wait(timeout=10)
+    assert stored.done_blocks == 4
+    warm = (None, False)
+    for _ in range(2000):  # the link is up (a loaded machine may take more than one step to answer)
+        warm = s.get_num_new_matched_tokens("warm", prompt(99, BS), 0)
+        if warm[0] is not None:
+            break
+        _time.sleep(0.005)
+    assert warm == (0, False)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        start = _time.monotonic()
+        assert s.get_num_new_matched_tokens("r", p, 0) == (None, False)
+        assert s.get_num_new_matched_tokens("r", p, 0) == (None, False)  # still in flight: the same lookup
+        assert _time.monotonic() - start < 0.5
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    answer = None
+    deadline = _time.monotonic() + 5
+    while answer is None and _time.monotonic() < deadline:
+        answer, _ = s.get_num_new_matched_tokens("r", p, 0)
+        _time.sleep(0.005)
+    assert answer == 4 * BS
+    assert s.stats.lookups == 2 and s.stats.lookup_errors == 0  # one lookup each, however many calls it took
+    # A daemon that stays stopped: a miss once op_timeout_s has passed since the lookup began.
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        q = prompt(24, 2 * BS)
+        assert s.get_num_new_matched_tokens("q", q, 0) == (None, False)
+        _time.sleep(1.6)
+        assert s.get_num_new_matched_tokens("q", q, 0) == (0, False)
+        assert s.stats.lookup_errors == 1
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    del kv
+    client.close()
+    s.close()
+
+
+def test_not_yet_is_used_only_with_an_engine_whose_interface_documents_it():
+    from flexkv.integrations.vllm import engine_takes_not_yet
+
+    class Documented:
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            """- An optional number of tokens ... If None, it means that the connector needs more time to determine
+            the number of matched tokens, and the scheduler should query for this request again later."""
+
+    class Older:
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            """- the number of tokens that can be loaded from the external KV cache beyond what is already computed."""
+
+    assert engine_takes_not_yet(Documented) and not engine_takes_not_yet(Older) and not engine_takes_not_yet(object)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import flexkv
@@ -190,6 +191,8 @@ class _RequestState:
     keyed_tokens: int
     local_tokens: int = 0     # the local hit given to get_num_new_matched_tokens
     cached_blocks: int = 0    # blocks flexkvd had at the last lookup
+    match: Any = None         # a lookup in flight (a Ticket), answered "not yet" meanwhile (may_defer)
+    match_started: float = 0.0
     hit_tokens: int = 0       # promised to vLLM
     load_planned: int = -1    # the request's num_preemptions when its last load was planned (-1: none)
 
@@ -202,8 +205,16 @@ class SchedulerLogic:
     Thread safety: none; vLLM calls the scheduler side from its one scheduler thread.
     """
 
-    def __init__(self, config: ConnectorConfig, link: Optional[DaemonLink] = None) -> None:
+    # How long a lookup may take inside one get_num_new_matched_tokens when the engine takes "not yet" (a match on
+    # the ring answers in microseconds; a daemon that is slow or stopped must not hold up the scheduler's step).
+    DEFER_AFTER_S = 0.002
+
+    def __init__(self, config: ConnectorConfig, link: Optional[DaemonLink] = None, may_defer: bool = False) -> None:
+        """may_defer: the engine takes None from get_num_new_matched_tokens as "not yet, ask again next step"
+        (vLLM's interface since it documents that): a lookup then never blocks the scheduler's thread more than
+        DEFER_AFTER_S; without it a lookup waits up to op_timeout_s, as engines that need an answer require."""
         self.config = config
+        self.may_defer = may_defer
         self.block_size = config.block_size
         self.link = link or DaemonLink(f"{config.name}-scheduler-dp{config.dp_rank}", config.namespace,
                                        config.geometry, config.link, dp_rank=config.dp_rank)
@@ -218,13 +229,15 @@ class SchedulerLogic:
 
     def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                                    cacheable: bool = True, num_preemptions: int = 0,
-                                   extras: Optional[flexkv.BlockExtras] = None) -> Tuple[int, bool]:
+                                   extras: Optional[flexkv.BlockExtras] = None) -> Tuple[Optional[int], bool]:
         """Tokens of `token_ids` beyond num_computed_tokens (vLLM's block-aligned local hit) that flexkvd holds, and
         whether they load asynchronously (always, when there are any). Side-effect free for vLLM: it may ask again
         for the same request. (0, False) when the request is not cacheable, nothing more is cached, the daemon is
         not reachable (counted in stats.lookup_errors), or a load was planned for it already since it was last
         preempted (num_preemptions: vLLM's Request.num_preemptions). extras: what changes the request's KV besides
-        its token ids (cache salt, LoRA adapter, media, prompt embeddings), part of its keys."""
+        its token ids (cache salt, LoRA adapter, media, prompt embeddings), part of its keys. With may_defer, (None,
+        False) while the lookup is in flight: the engine asks again at its next step; one that has not answered
+        within op_timeout_s of its start is a miss (counted in stats.lookup_errors)."""
         if not cacheable:
             self.stats.skipped_requests += 1
             return 0, False
@@ -238,16 +251,32 @@ class SchedulerLogic:
             return 0, False
         if len(state.keys) * self.block_size <= num_computed_tokens:
             return 0, False
-        client = self.link.client()
-        if client is None:
-            self.stats.lookup_errors += 1
-            return 0, False
-        self.stats.lookups += 1
+        if state.match is None:
+            client = self.link.client()
+            if client is None:
+                self.stats.lookup_errors += 1
+                return 0, False
+            self.stats.lookups += 1
+            try:
+                state.match = client.match(state.keys)
+            except flexkv.Error as err:
+                self._failed(err)
+                return 0, False
+            state.match_started = time.monotonic()
+        left = state.match_started + self.config.op_timeout_s - time.monotonic()
         try:
-            cached = client.match(state.keys).wait(timeout=self.config.op_timeout_s).matched_blocks
-        except flexkv.Error as err:
+            cached = state.match.wait(timeout=min(left, self.DEFER_AFTER_S) if self.may_defer else left).matched_blocks
+        except flexkv.DeadlineExceeded as err:
+            if self.may_defer and left > self.DEFER_AFTER_S:
+                return None, False  # not yet: asked again at the next step
+            state.match = None
             self._failed(err)
             return 0, False
+        except flexkv.Error as err:
+            state.match = None
+            self._failed(err)
+            return 0, False
+        state.match = None
         state.local_tokens = num_computed_tokens
         state.cached_blocks = cached
         state.hit_tokens = max(0, cached * self.block_size - num_computed_tokens)

@@ -104,7 +104,7 @@ def _build() -> Dict[str, Any]:
             self._scheduler: Optional[SchedulerLogic] = None
             self._worker: Optional[WorkerLogic] = None
             if role == KVConnectorRole.SCHEDULER:
-                self._scheduler = SchedulerLogic(self._config)
+                self._scheduler = SchedulerLogic(self._config, may_defer=engine_takes_not_yet(KVConnectorBase_V1))
             else:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
                 self._worker = WorkerLogic(self._config, tp_rank=get_tensor_model_parallel_rank())
@@ -242,6 +242,13 @@ def _layer_tensors(kv_caches: Dict[str, Any], geometry: flexkv.Geometry) -> List
                              f"{t.is_contiguous()}); FlexKVdConnector needs [2, num_blocks, block_size, heads, "
                              "head_dim] contiguous per layer (the FLASH_ATTN backend's layout, NHD)")
     return tensors
+
+
+def engine_takes_not_yet(base: Any) -> bool:
+    """Whether this vLLM's get_num_new_matched_tokens may answer None ("the connector needs more time; the scheduler
+    asks again later"), as its interface documents since it allows it: then a lookup never blocks its scheduler."""
+    doc = getattr(getattr(base, "get_num_new_matched_tokens", None), "__doc__", None) or ""
+    return "If None" in doc and "again" in doc
 
 
 def check_load_failure_policy(kv_transfer_config: Any) -> None:
