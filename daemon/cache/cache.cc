@@ -1,4 +1,7 @@
-// See cache.h.
+// See cache.h. Over 700 lines: the Cache's one lock guards the pool, the prefix index, the component indexes and
+// the next-tier marks together, and the code that keeps them consistent under it stays in one file; its elastic
+// capacity (cache_elastic.cc), next-tier write-back (cache_next_tier.cc) and background pool preparation
+// (cache_prepare.cc) are split out already.
 #include "daemon/cache/cache.h"
 
 #include <fmt/format.h>

@@ -18,6 +18,7 @@
 #include "flexkv/kv_events.h"
 #include "flexkv/v1/control.grpc.pb.h"
 #include "tests/support/process.h"
+#include "tests/support/temp_dir.h"
 
 using namespace std::chrono_literals;
 using flexkv::BlockKey;
@@ -284,17 +285,8 @@ constexpr uid_t kOutsider = 65534;  // nobody: may not read "secret"
 constexpr uid_t kReader = 1;        // daemon: a reader of "secret"
 
 // A TOML config file, removed at scope exit.
-struct ConfigFile {
-  std::string path;
-  explicit ConfigFile(const std::string& text) {
-    char tmpl[] = "/tmp/flexkvd-events-acl-XXXXXX";
-    const int fd = mkstemp(tmpl);
-    REQUIRE(fd >= 0);
-    close(fd);
-    path = tmpl;
-    std::ofstream(path) << text;
-  }
-  ~ConfigFile() { unlink(path.c_str()); }
+struct ConfigFile : flexkv::testing::TempFile {
+  explicit ConfigFile(const std::string& text) : TempFile(text, "flexkvd-events-acl") {}
 };
 
 // flexkvctl as `uid` (primary group nogroup, no supplementary groups).

@@ -22,6 +22,7 @@
 
 #include "flexkv/client.h"
 #include "tests/support/process.h"
+#include "tests/support/temp_dir.h"
 #include "tests/support/raw_protocol.h"
 
 using namespace std::chrono_literals;
@@ -66,17 +67,8 @@ std::vector<std::string> Lines(ChildProcess p) {
 }
 
 // A TOML config file, removed at scope exit.
-struct ConfigFile {
-  std::string path;
-  explicit ConfigFile(const std::string& text) {
-    char tmpl[] = "/tmp/flexkvd-acl-test-XXXXXX";
-    const int fd = mkstemp(tmpl);
-    REQUIRE(fd >= 0);
-    close(fd);
-    path = tmpl;
-    std::ofstream(path) << text;
-  }
-  ~ConfigFile() { unlink(path.c_str()); }
+struct ConfigFile : flexkv::testing::TempFile {
+  explicit ConfigFile(const std::string& text) : TempFile(text, "flexkvd-acl-test") {}
 };
 
 uint64_t IndexBlocks(const DaemonUnderTest& d) {

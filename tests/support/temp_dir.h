@@ -1,12 +1,14 @@
-// Test support for unit tests: a fresh temporary directory removed with its contents at scope exit, and the
-// smallest realistic geometry (192-byte blocks) for tests of the pool and the host KV layouts. Header-only.
+// Test support: a fresh temporary directory removed with its contents at scope exit, a temporary file with given
+// text, and the smallest realistic geometry (192-byte blocks) for tests of the pool and the host KV layouts. Header-only.
 #pragma once
 
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <catch2/catch.hpp>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "flexkv/geometry.h"
@@ -43,6 +45,22 @@ struct TempDir {
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
+};
+
+// A file under /tmp holding `text` (a TOML config, say), removed at scope exit.
+struct TempFile {
+  std::string path;
+  explicit TempFile(const std::string& text, const std::string& what = "flexkv-file") {
+    std::string tmpl = "/tmp/" + what + "-XXXXXX";
+    const int fd = mkstemp(tmpl.data());
+    REQUIRE(fd >= 0);
+    ::close(fd);
+    path = tmpl;
+    std::ofstream(path) << text;
+  }
+  ~TempFile() { ::unlink(path.c_str()); }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
 };
 
 }  // namespace flexkv::testing
