@@ -37,8 +37,8 @@
 #include "daemon/server/parse_error_interceptor.h"
 #include "daemon/server/peer_table.h"
 #include "daemon/sessions/session_registry.h"
-#include "daemon/tiers/cluster/cluster_tier.h"
-#include "daemon/tiers/ssd/ssd_tier.h"
+#include "daemon/tier_options.h"
+#include "daemon/tiers/tier_set.h"
 #include "daemon/events/kv_event_sources.h"
 #include "daemon/events/kv_event_stream.h"
 #include "daemon/events/zmq_publisher.h"
@@ -98,9 +98,13 @@ int RunDaemon(const DaemonConfig& config) {
   paths.store_copy_engine = config.store_copy_engine;
   paths.staging_bytes = static_cast<uint64_t>(config.copy_staging_mib) << 20;
   if (auto cuda = CudaEngineMemory::Create(paths)) backends.Add(std::move(cuda));
-  // The cluster tier, declared before the caches so that it outlives them (their listeners call it); created once
-  // they exist, stopped explicitly before the sessions go.
-  std::unique_ptr<ClusterTier> cluster;
+  // The tiers below DRAM (daemon/tiers/cache_tier.h), one line each below; declared before the caches so that they
+  // outlive them (the caches' observers call them), stopped explicitly before the sessions go.
+  TierSet tiers;
+  const auto add_tier = [&tiers](std::string_view what, Status added) {
+    if (!added.ok()) log::Error("daemon", "cannot start the {}: {}", what, added.ToString());
+    return added.ok();
+  };
   // The KV event stream (docs/kv_events.md), declared before the caches so that it outlives them (their listeners
   // append to it); its sources are connected once the tiers exist.
   const uint64_t instance_id = [] {
@@ -118,52 +122,23 @@ int RunDaemon(const DaemonConfig& config) {
   // thread of its own, serving from its first grants while the rest is registered (issue 29 item 7).
   cache_options.prepare_in_background = true;
   CacheSet caches(std::move(cache_options));
-  // Each domain's pool announces itself (now when re-attached, or when its first Attach creates it): the backends
-  // register it for DMA before any session can copy, so that registering GPU buffers later is quick; a dropped
-  // domain's region is unregistered, exactly that one.
-  // With a cluster tier, peers read the grants too: registered for remote reads after the DMA backends, and
-  // unregistered before them.
-  caches.SetPoolListener(
-      [&backends, &cluster](const PoolRegion& pool) {
-        Status registered = backends.RegisterPool(pool);
-        if (cluster) (void)cluster->AddPoolRegion(pool);  // a grant peers cannot read still serves here
-        return registered;
-      },
-      [&backends, &cluster](const PoolRegion& pool) {
-        if (cluster) cluster->RemovePoolRegion(pool);
-        backends.UnregisterPool(pool);
-      });
-  if (!config.etcd_endpoints.empty()) {
-    ClusterTierOptions cluster_options;
-    cluster_options.node_id = config.node_id;
-    cluster_options.etcd_endpoints = config.etcd_endpoints;
-    cluster_options.etcd_credentials_file = config.etcd_credentials_file;
-    cluster_options.secret_file = config.cluster_secret_file;
-    cluster_options.listen_address = config.cluster_listen->host;
-    cluster_options.listen_port = config.cluster_listen->port;
-    cluster_options.transfer_devices = config.transfer_devices;
-    cluster_options.transports = config.cluster_transports;
-    cluster_options.chunk_blocks = config.cluster_chunk_blocks;
-    cluster_options.lease_ttl = std::chrono::milliseconds(static_cast<int64_t>(config.cluster_lease_ttl_s * 1000));
-    cluster_options.pull_deadline =
-        std::chrono::milliseconds(static_cast<int64_t>(config.cluster_pull_deadline_s * 1000));
-    cluster_options.max_pulls = config.cluster_max_pulls;
-    cluster_options.max_session_pulls = config.cluster_max_session_pulls;
-    cluster_options.lanes = config.cluster_lanes;
-    auto tier = ClusterTier::Create(std::move(cluster_options), &caches);
-    if (!tier.ok()) {
-      log::Error("daemon", "cannot start the cluster tier: {}", tier.status().ToString());
-      return 1;
-    }
-    cluster = std::move(*tier);
+  // Each domain's pool announces itself to the caches' observers (now when re-attached, or when its first Attach
+  // creates it): the backends register it for DMA before any session can copy, so that registering GPU buffers later
+  // is quick; a dropped domain's region is unregistered, exactly that one. Tiers that read the grants themselves
+  // (peers' remote reads) add their observers after this one: told after the DMA registration, and before it goes.
+  caches.AddObserver(std::make_shared<FunctionCacheObserver>(
+      [&backends](const PoolRegion& pool) { return backends.RegisterPool(pool); },
+      [&backends](const PoolRegion& pool) { backends.UnregisterPool(pool); }));
+  // The cluster tier is created before the pools are re-attached, so that restored blocks are published once verified.
+  if (!config.etcd_endpoints.empty() &&
+      !add_tier("cluster tier", tiers.Add(ClusterTier::Create(ClusterTierOptionsFrom(config), &caches)))) {
+    return 1;
   }
-  // Whatever way this function returns, the tier's threads (which read the caches) end before the caches go.
-  struct ClusterStop {
-    ~ClusterStop() {
-      if (tier) tier->Stop();
-    }
-    ClusterTier* tier;
-  } cluster_stop{cluster.get()};
+  // Whatever way this function returns, the tiers' threads (which read the caches) end before the caches go.
+  struct TiersStop {
+    ~TiersStop() { tiers->StopAll(); }
+    TierSet* tiers;
+  } tiers_stop{&tiers};
   // Budget shares follow the domains' demand: a thread of its own (growing a share pins memory for DMA, which must
   // not hold up the signals and the watchdog here), acting every few seconds and only when shares change. Declared
   // after `caches`, so it stops before they go.
@@ -192,32 +167,15 @@ int RunDaemon(const DaemonConfig& config) {
     return 1;
   }
   Rebalancer rebalancer(&caches);
-  // The SSD tier: opened now when its block files exist or a pool was re-attached (a refusal stops the start, with
-  // the store's message), else once the first pool exists. Declared after `caches` (its writes pin their slots) and
-  // before the data plane (a promoting Match answers through it); stopped explicitly before the sessions go.
-  std::unique_ptr<SsdTier> ssd;
-  if (!config.ssd_paths.empty()) {
-    SsdTierOptions ssd_options;
-    ssd_options.store.paths = config.ssd_paths;
-    ssd_options.store.size_bytes = config.ssd_bytes;
-    ssd_options.store.queue_depth = config.ssd_queue_depth;
-    ssd_options.store.allow_buffered = config.ssd_allow_buffered;
-    ssd_options.store.sync_writes = config.ssd_sync_writes;
-    ssd_options.store.on_mismatch = config.ssd_discard_mismatch ? SsdMismatchPolicy::kDiscard : SsdMismatchPolicy::kRefuse;
-    ssd_options.write_all = config.ssd_write_all;
-    ssd_options.writeback_window = config.ssd_writeback_window;
-    ssd_options.store_wait_ms = static_cast<int64_t>(config.ssd_store_wait_s * 1000.0 + 0.5);
-    auto tier = SsdTier::Create(std::move(ssd_options), &caches);
-    if (!tier.ok()) {
-      log::Error("daemon", "cannot use the SSD tier: {}", tier.status().ToString());
-      return 1;
-    }
-    ssd = std::move(*tier);
-    if (!ssd->open()) log::Info("ssd", "SSD tier: block files are created when the first pool fixes the block size");
-    ssd->Start();
+  // The SSD tier, created once the pools are re-attached: its store opens now when block files exist or a pool was
+  // re-attached (a refusal stops the start, with the store's message), else once the first pool exists.
+  if (!config.ssd_paths.empty() &&
+      !add_tier("SSD tier", tiers.Add(SsdTier::Create(SsdTierOptionsFrom(config), &caches)))) {
+    return 1;
   }
+  tiers.StartAll();
 
-  ConnectKvEventSources(kv_events.get(), &caches, ssd.get());
+  ConnectKvEventSources(kv_events.get(), &caches, &tiers);
   std::unique_ptr<ZmqKvEventPublisher> kv_events_zmq;
   if (!config.kv_events_zmq.empty()) {
     auto publisher = ZmqKvEventPublisher::Start(kv_events.get(), config.kv_events_zmq, config.kv_events_zmq_topic);
@@ -252,8 +210,7 @@ int RunDaemon(const DaemonConfig& config) {
   dp_options.poller_cpu = config.poller_cpu;
   dp_options.pins.max_session_share = config.max_session_pin_share;
   dp_options.pins.lease_ms = static_cast<int64_t>(config.pin_lease_s * 1000);
-  dp_options.ssd = ssd.get();
-  dp_options.cluster = cluster.get();
+  dp_options.tiers = &tiers;
   DataPlane data_plane(&lifecycle, &backends, dp_options);
   SessionRegistry sessions(SessionLimits{static_cast<int64_t>(config.attach_timeout_s * 1000),
                                          config.max_pending_sessions_per_uid, config.max_pending_sessions,
@@ -284,7 +241,7 @@ int RunDaemon(const DaemonConfig& config) {
 
   ErrorCounts control_errors;
   auto metrics = std::make_shared<DaemonMetrics>(
-      MetricsSources{&caches, &data_plane, &sessions, &lifecycle, &control_errors, ssd.get(), cluster.get()});
+      MetricsSources{&caches, &data_plane, &sessions, &lifecycle, &control_errors, &tiers});
   const NamespaceAccess access(config.namespace_acls);
   for (const auto& [name, acl] : config.namespace_acls) {
     log::Info("daemon", "namespace '{}': ACL from {} ({} writers, {})", name, acl.source, acl.writers.size(),
@@ -292,7 +249,7 @@ int RunDaemon(const DaemonConfig& config) {
   }
   ControlService control(ControlContext{&caches, &data_plane, &backends, &sessions, &lifecycle, &peers,
                                         config.admin_gid, started_ms, &control_errors, metrics.get(), &access,
-                                        ssd.get(), cluster.get(), kv_events.get(), kv_events_zmq.get(),
+                                        &tiers, kv_events.get(), kv_events_zmq.get(),
                                         std::chrono::duration_cast<std::chrono::milliseconds>(
                                             std::chrono::system_clock::now().time_since_epoch()).count() -
                                             (MonotonicMs() - started_ms),
@@ -407,10 +364,9 @@ int RunDaemon(const DaemonConfig& config) {
   kv_events->Close();  // event subscriptions end now (UNAVAILABLE), not at the grace period's end
   // The data plane is drained; control calls still running get a short grace period, then are cancelled.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-  // Every SSD request ends (promotions answered, written blocks unpinned) while the sessions still exist.
-  if (ssd) ssd->Stop();
-  // Every pull ends (each Prefetch answered) and the node leaves the cluster: its directory entries go at once.
-  if (cluster) cluster->Stop();
+  // Every tier's requests end while the sessions still exist (SSD promotions answered and written blocks unpinned,
+  // pulls answered; the node leaves the cluster: its directory entries go at once).
+  tiers.StopAll();
   sessions.Stop();
   data_plane.Stop();
   if (exit_code != 0) return exit_code;

@@ -22,7 +22,7 @@ ALLOWED = {
     "daemon/cache": ["common"],
     "daemon/cluster": ["common", "daemon/cluster"],
     "daemon/transfer": ["common", "daemon/cache", "daemon/transfer"],
-    "daemon/tiers": ["common", "daemon/cache", "daemon/cluster", "daemon/tiers"],
+    "daemon/tiers": ["common", "daemon/cache", "daemon/cluster", "daemon/lifecycle", "daemon/metrics", "daemon/tiers"],
     "daemon/events": ["common", "daemon/cache", "daemon/tiers"],
     "daemon/config": ["common", "daemon/cache", "daemon/metrics", "daemon/sessions"],
     "daemon/dataplane": ["common", "daemon/cache", "daemon/lifecycle", "daemon/metrics", "daemon/sessions",

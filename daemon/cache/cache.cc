@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <unordered_set>
 
 #include "common/clock.h"
@@ -302,14 +303,61 @@ std::vector<SlotId> Cache::component_bases() const {
   return bases;
 }
 
-void Cache::SetPoolListener(std::function<Status(const PoolRegion&)> added,
-                            std::function<void(const PoolRegion&)> removed) {
+void Cache::AddObserver(std::shared_ptr<CacheObserver> observer) {
   MutexLock lock(&mu_);
-  pool_listener_ = std::move(added);
-  pool_gone_listener_ = std::move(removed);
+  CacheObserver* added = observer.get();
+  observers_.push_back(std::move(observer));
+  RebuildListenersLocked();
   for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
-    AnnounceAllAddedLocked(c, 0, pool_->sub_pool(c).active);  // the listener keeps an error for its sessions
+    // Only the new observer hears of the grants that exist; it keeps an error for its sessions.
+    AnnounceGrantsLocked([added](const PoolRegion& r) { (void)added->PoolRegionAdded(r); }, c, 0,
+                         pool_->sub_pool(c).active);
   }
+}
+
+void Cache::RemoveObserver(const CacheObserver* observer) {
+  MutexLock lock(&mu_);
+  std::erase_if(observers_, [observer](const std::shared_ptr<CacheObserver>& o) { return o.get() == observer; });
+  RebuildListenersLocked();
+}
+
+void Cache::RebuildListenersLocked() {
+  block_observers_ = std::any_of(observers_.begin(), observers_.end(),
+                                 [](const std::shared_ptr<CacheObserver>& o) { return o->wants_blocks(); });
+  if (observers_.empty()) {
+    pool_listener_ = nullptr;
+    pool_gone_listener_ = nullptr;
+    return;
+  }
+  // Copies of the list: a background preparation calls these without mu_ while observers may be added or removed.
+  // The cache tells a refused grant removed as well (so that its listener forgets it): only the observers that were
+  // told it added (up to the one that refused) hear that, each once.
+  struct Refused {
+    Mutex mu;
+    std::map<const uint8_t*, size_t> told ABSL_GUARDED_BY(mu);  // a refused grant's base -> observers told it
+  };
+  auto refused = std::make_shared<Refused>();
+  pool_listener_ = [observers = observers_, refused](const PoolRegion& region) {
+    for (size_t i = 0; i < observers.size(); ++i) {
+      Status told = observers[i]->PoolRegionAdded(region);
+      if (told.ok()) continue;
+      MutexLock lock(&refused->mu);
+      refused->told[region.base] = i + 1;
+      return told;
+    }
+    return Status::Ok();
+  };
+  pool_gone_listener_ = [observers = observers_, refused](const PoolRegion& region) {
+    size_t told = observers.size();
+    {
+      MutexLock lock(&refused->mu);
+      if (auto it = refused->told.find(region.base); it != refused->told.end()) {
+        told = std::min(told, it->second);
+        refused->told.erase(it);
+      }
+    }
+    for (size_t i = told; i-- > 0;) observers[i]->PoolRegionRemoved(region);
+  };
 }
 
 bool Cache::has_pool() const { return has_pool_.load(std::memory_order_acquire); }
@@ -541,19 +589,9 @@ std::optional<uint64_t> Cache::EntryChecksum(SlotId slot) const {
   return entry->content_checksum;
 }
 
-void Cache::SetBlockListener(std::function<void(const BlockEvent&)> listener) {
-  MutexLock lock(&mu_);
-  block_listener_ = std::move(listener);
-}
-
-void Cache::SetEventListener(std::function<void(const BlockEvent&)> listener) {
-  MutexLock lock(&mu_);
-  event_listener_ = std::move(listener);
-}
-
 void Cache::ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end, BlockEvent::Cause cause,
                               const BlockKey& parent) {
-  if ((!block_listener_ && !event_listener_) || parts_.size() > 0) return;  // hybrid geometries: not reported
+  if (!block_observers_ || parts_.size() > 0) return;  // hybrid geometries: not reported
   BlockEvent e;
   e.kind = kind;
   e.key = key;
@@ -562,8 +600,9 @@ void Cache::ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool r
   e.parent = parent;
   e.model_namespace = event_namespace_;
   e.tokens_per_block = event_tokens_per_block_;
-  if (block_listener_) block_listener_(e);
-  if (event_listener_) event_listener_(e);
+  for (const std::shared_ptr<CacheObserver>& o : observers_) {
+    if (o->wants_blocks()) o->BlockChanged(e);
+  }
 }
 
 void Cache::SnapshotBlocks(const std::function<void()>& mark,
@@ -637,7 +676,7 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
       const bool verified = index_->MarkVerified(s);
       // Write policy all: a restored block is written like a stored one (SSD answers "already there" for most).
       if (verified && queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(s);
-      if (verified && (block_listener_ || event_listener_)) {
+      if (verified && block_observers_) {
         if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) {
           ReportBlockLocked(BlockEvent::kCommitted, entry->key, index_->ChildCount(s) == 0, BlockEvent::kRestored,
                             entry->parent);

@@ -1,7 +1,8 @@
 // Cache: the cache domain, the host pool and the prefix index behind one lock, plus the request counters that
 // Status reports. Thread-safe. The pool is created when the first session fixes the geometry, or re-attached
 // at start when a pool file from an earlier run exists; either way it announces its active grants to the pool
-// listener (the engine-memory backends, which register them for DMA). Resize moves the pool's active size.
+// observers (cache_observer.h: the engine-memory backends register them for DMA, a cluster tier for remote reads).
+// Resize moves the pool's active size.
 #pragma once
 
 #include <array>
@@ -22,6 +23,7 @@
 #include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "daemon/cache/cache_domain.h"
+#include "daemon/cache/cache_observer.h"
 #include "daemon/cache/component_index.h"
 #include "daemon/cache/pool.h"
 #include "daemon/cache/pool_lock.h"
@@ -40,18 +42,8 @@ struct CacheCounters {
 
 class Cache {
  public:
-  // A block event (SetBlockListener, SetEventListener below).
-  struct BlockEvent {
-    enum Kind : uint8_t { kCommitted, kRemoved, kDomainDropped } kind = kCommitted;
-    BlockKey key;
-    bool request_end = false;
-    // For the KV event stream (SetEventListener): the block's parent (kCommitted; zero for a first block), why,
-    // and the domain (valid only during the call).
-    enum Cause : uint8_t { kStored, kPromoted, kPulled, kRestored, kEvicted, kDropped, kAdminDropped } cause = kStored;
-    BlockKey parent;
-    std::string_view model_namespace;
-    uint32_t tokens_per_block = 0;
-  };
+  // A block event (CacheObserver::BlockChanged).
+  using BlockEvent = CacheBlockEvent;
 
   // `split`: how a hybrid geometry's pool divides the budget between its components (pool.h).
   Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split = {});
@@ -85,7 +77,7 @@ class Cache {
 
   // Pool preparation (issue 29 item 7: a pool of tens of GiB took 7-10 s per 16 GiB to allocate and register for
   // DMA, on the first Attach's path). In the background, a thread of this cache: creates the pool file with one grant
-  // of each component active, tells the pool listener each grant (DMA registration) without the cache's lock, adopts
+  // of each component active, tells the observers each grant (DMA registration) without the cache's lock, adopts
   // the pool (has_pool() turns true: matches and stores are served from here on), then grows it grant by grant up to
   // its initial active part, allocating and registering each grant without the lock and publishing it under the lock
   // (lookups never wait for a grant). A failure to create the pool is kept (preparation().error) and the next Admit
@@ -143,7 +135,7 @@ class Cache {
   // at least one, at most the layout) without moving any slot: a shrinking component evicts the committed,
   // unpinned blocks in the slots it gives back (their descendants with them; counted as evictions) and gives
   // back the grants that are then free; pinned, pending or unverified blocks hold it there (a later Resize
-  // continues). A growing component's new grants are allocated, announced to the pool listener, then handed out.
+  // continues). A growing component's new grants are allocated, announced to the observers, then handed out.
   // Returns the active bytes reached (Σ active slots × slot bytes): more than asked when a shrink is held up.
   // FAILED_PRECONDITION without a pool; RESOURCE_EXHAUSTED (naming the file, the bytes and the filesystem) when a
   // grow cannot be allocated, the shrinks of this call kept.
@@ -208,21 +200,23 @@ class Cache {
               std::span<const uint64_t> content_checksums, BlockEvent::Cause cause = BlockEvent::kStored);
   void Abort(std::span<const SlotId> slots);
 
-  // The pool's memory, one region per active grant (a grant of component c: PoolRegion{its first slot's bytes,
-  // its slots × slot bytes, c's slot bytes, its slots}). `added` is told each grant that becomes active: every
-  // active grant as soon as a pool exists (created by the first Admit, or re-attached by RecoverPool; at once
-  // when it exists already), and each grant a Resize grows into, after its memory is allocated and before any of
-  // its slots is handed out. `removed` is told each grant that stops being active: after its slots were
-  // released and before its memory is returned (Resize), and every active grant before a dropped pool is
-  // unmapped (DropDomain); each exactly once per `added`. Both run under the cache's lock - except a background
-  // preparation's (SetPrepareInBackground), which tells its grants without it, before any of their slots is handed
-  // out - so that no session uses a grant before the listener is done with it (e.g. DMA registration); they must
-  // not call back into the cache. One listener; set it before RecoverPool. `added` answers whether the grant could be made reachable (e.g.
-  // registered for DMA): a grant a Resize grows into is given back when it could not (the Resize answers that
-  // error); the grants of a new or re-attached pool are kept either way (the listener keeps the error for the
-  // sessions it concerns).
-  void SetPoolListener(std::function<Status(const PoolRegion&)> added,
-                       std::function<void(const PoolRegion&)> removed = {});
+  // The observer port (cache_observer.h): the pool's memory, one region per active grant (a grant of component c:
+  // PoolRegion{its first slot's bytes, its slots x slot bytes, c's slot bytes, its slots}), and the blocks. Each
+  // observer is told PoolRegionAdded for each grant that becomes active: every active grant as soon as a pool exists
+  // (created by the first Admit, or re-attached by RecoverPool; at once, in AddObserver, when it exists already), and
+  // each grant a Resize grows into, after its memory is allocated and before any of its slots is handed out;
+  // PoolRegionRemoved for each grant that stops being active: after its slots were released and before its memory is
+  // returned (Resize), and every active grant before a dropped pool is unmapped (DropDomain); each exactly once per
+  // added. Both run under the cache's lock - except a background preparation's (SetPrepareInBackground), which tells
+  // its grants without it, before any of their slots is handed out - so that no session uses a grant before the
+  // observers are done with it (e.g. DMA registration); they must not call back into the cache. A grant a Resize
+  // grows into is given back when an observer refused it (the Resize answers that error); the grants of a new or
+  // re-attached pool are kept either way (the observer keeps the error for the sessions it concerns).
+  // BlockChanged: see CacheObserver. Add observers before RecoverPool; `observer` is kept until RemoveObserver (which
+  // returns once no call into it runs any more, except a background preparation's grant calls, which hold their own
+  // reference).
+  void AddObserver(std::shared_ptr<CacheObserver> observer);
+  void RemoveObserver(const CacheObserver* observer);
 
   // Checking block contents (block_verifier.h). The blocks RecoverPool restored unverified, parents first;
   // the first call takes them, later ones get none. A non-empty answer starts the restart verification, which
@@ -308,16 +302,6 @@ class Cache {
   };
   WriteBackStats write_back_stats() const;
 
-  // Which FULL blocks become matchable and which leave, for the cluster tier's directory (daemon/tiers/cluster/):
-  // kCommitted for each block a Commit publishes (`request_end`: the last key of its store request) and each
-  // restored block that passes verification (`request_end`: it has no child), kRemoved for each committed block that
-  // leaves the index (evicted, dropped with a failed check), kDomainDropped once when DropDomain drops the pool (every
-  // block at once). Runs under the cache's lock: it must be quick (queue the event) and must not call back into the
-  // cache. One listener; set it before RecoverPool. Hybrid geometries are not reported.
-  void SetBlockListener(std::function<void(const BlockEvent&)> listener);
-  // A second listener of the same events, for the KV event stream (daemon/events/): told under the cache's lock like
-  // the block listener, so that SnapshotBlocks is consistent with it. Set it before RecoverPool.
-  void SetEventListener(std::function<void(const BlockEvent&)> listener);
   // Under the cache's lock: calls `mark` (what the event stream records as the point the snapshot is consistent
   // with), then `each(key, parent)` for every committed (matchable) FULL block. Nothing without a pool or for a
   // hybrid geometry (not reported). `model_namespace`/`tokens_per_block` (optional) get the domain's.
@@ -406,11 +390,14 @@ class Cache {
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
   std::function<Status(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
   std::function<void(const PoolRegion&)> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
-  std::function<void(const BlockEvent&)> block_listener_ ABSL_GUARDED_BY(mu_);
-  std::function<void(const BlockEvent&)> event_listener_ ABSL_GUARDED_BY(mu_);
+  // The observers (AddObserver), and pool_listener_/pool_gone_listener_ composed of them (RebuildListenersLocked): a
+  // background preparation copies those and calls them without mu_.
+  std::vector<std::shared_ptr<CacheObserver>> observers_ ABSL_GUARDED_BY(mu_);
+  bool block_observers_ ABSL_GUARDED_BY(mu_) = false;  // some observer wants_blocks()
+  void RebuildListenersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string event_namespace_ ABSL_GUARDED_BY(mu_);  // the domain's, for the events (set when a pool is adopted)
   uint32_t event_tokens_per_block_ ABSL_GUARDED_BY(mu_) = 0;
-  // Tells block_listener_ and event_listener_ (when set and the geometry is not hybrid).
+  // Tells the observers that want blocks (when the geometry is not hybrid).
   void ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end,
                          BlockEvent::Cause cause = BlockEvent::kStored, const BlockKey& parent = BlockKey{})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -56,9 +56,8 @@ std::string CacheSet::PoolPathOf(const std::string& pool_path, size_t slot) {
   return slot == 0 ? pool_path : fmt::format("{}.{}", pool_path, slot);
 }
 
-void CacheSet::SetPoolListener(const std::function<Status(const PoolRegion&)>& listener,
-                               const std::function<void(const PoolRegion&)>& gone) {
-  for (const auto& cache : caches_) cache->SetPoolListener(listener, gone);
+void CacheSet::AddObserver(const std::shared_ptr<CacheObserver>& observer) {
+  for (const auto& cache : caches_) cache->AddObserver(observer);
 }
 
 uint64_t CacheSet::HeldLocked() const {

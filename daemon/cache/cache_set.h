@@ -74,10 +74,9 @@ class CacheSet {
   Cache& cache(size_t slot) const { return *caches_[slot]; }
   BlockVerifier& verifier(size_t slot) const { return *verifiers_[slot]; }
 
-  // Sets every slot's pool listener (Cache::SetPoolListener): `listener` is told each domain's pool region when
-  // it exists, `gone` the same region before it is unmapped. Call before RecoverPools.
-  void SetPoolListener(const std::function<Status(const PoolRegion&)>& listener,
-                       const std::function<void(const PoolRegion&)>& gone);
+  // Adds `observer` to every slot's cache (Cache::AddObserver): told each domain's pool regions and blocks. Call
+  // before RecoverPools.
+  void AddObserver(const std::shared_ptr<CacheObserver>& observer);
 
   // At start: locks every slot's pool file (PoolLock; a second daemon on the same files is refused) and
   // re-attaches each existing one (Cache::RecoverPool) with the layout the current config gives its namespace

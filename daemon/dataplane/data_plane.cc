@@ -42,8 +42,7 @@ struct DataPlane::Session final : RequestSession {
 DataPlane::DataPlane(Lifecycle* lifecycle, EngineMemoryBackends* backends, DataPlaneOptions options)
     : backends_(backends),
       options_(options),
-      handlers_(lifecycle, &copies_, &metrics_, options.max_blocks_per_request, options.pins, options.ssd,
-                options.cluster) {}
+      handlers_(lifecycle, &copies_, &metrics_, options.max_blocks_per_request, options.pins, options.tiers) {}
 
 DataPlane::~DataPlane() { Stop(); }
 

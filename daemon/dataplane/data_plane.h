@@ -31,8 +31,7 @@
 
 namespace flexkv {
 
-class SsdTier;
-class ClusterTier;
+class TierSet;
 
 struct DataPlaneOptions {
   uint32_t submit_entries = 1024;
@@ -42,8 +41,8 @@ struct DataPlaneOptions {
   int poller_cpu = -1;          // >= 0: pin the ring poller to this CPU (keep engines off it for p99)
   uint32_t max_blocks_per_request = 1u << 20;
   PinPolicy pins;               // the per-session pin cap and the pin lease
-  SsdTier* ssd = nullptr;       // the SSD tier a Match continues into (promotion); none without --ssd-path
-  ClusterTier* cluster = nullptr;  // the cluster tier a Prefetch pulls from; none without --etcd-endpoints
+  const TierSet* tiers = nullptr;  // the tiers below DRAM (a Match continues into those that promote on match, a
+                                   // Prefetch pulls from the one that pulls); none: DRAM alone
 };
 
 class DataPlane {

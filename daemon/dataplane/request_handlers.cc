@@ -10,8 +10,8 @@
 #include "common/clock.h"
 #include "common/hybrid_ids.h"
 #include "daemon/dataplane/descriptor_validation.h"
-#include "daemon/tiers/cluster/cluster_tier.h"
-#include "daemon/tiers/ssd/ssd_tier.h"
+#include "daemon/tiers/tier_lookup.h"
+#include "daemon/tiers/tier_set.h"
 
 namespace flexkv {
 
@@ -45,15 +45,13 @@ uint64_t RequestSession::pinned_blocks() const {
 }
 
 RequestHandlers::RequestHandlers(Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
-                                 uint32_t max_blocks_per_request, PinPolicy pins, SsdTier* ssd,
-                                 ClusterTier* cluster)
+                                 uint32_t max_blocks_per_request, PinPolicy pins, const TierSet* tiers)
     : lifecycle_(lifecycle),
       copies_(copies),
       metrics_(metrics),
       max_blocks_per_request_(max_blocks_per_request),
       pins_(pins),
-      ssd_(ssd),
-      cluster_(cluster) {}
+      tiers_(tiers) {}
 
 namespace {
 
@@ -198,40 +196,26 @@ uint64_t RequestHandlers::SessionPinCap(const RequestSession& s) const {
 
 void RequestHandlers::Match(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
                             const std::vector<BlockKey>& keys) {
-  RequestSession& s = *sp;
   const bool pin = (d.flags & kMatchFlagPin) != 0;
-  std::vector<SlotId> slots;
-  const size_t hit = s.cache().Match(keys, pin, pin ? &slots : nullptr);
-  InFlight admitted;
-  if (ssd_ != nullptr && hit < keys.size() && !s.geometry().is_hybrid() && ssd_->open() &&
-      s.cache().generation() == s.pool_generation_ && (admitted = lifecycle_->Admit())) {
-    // The match may go on in SSD: promote what it holds, then match again in DRAM. Counted in flight meanwhile
-    // (the promotion writes into the pool: a drain waits for it; its pending slots keep DropDomain away).
-    auto all = std::make_shared<std::vector<BlockKey>>(keys);
-    auto in_flight = std::make_shared<InFlight>(std::move(admitted));
-    const bool promoting = ssd_->Promote(s.cache(), *all, hit, [this, sp, d, taken_ns, all, pin, in_flight](size_t) {
-      std::vector<SlotId> again;
-      const size_t now = sp->cache().Match(*all, pin, pin ? &again : nullptr);
-      if (sp->cache().generation() != sp->pool_generation_) {
-        if (!again.empty()) sp->cache().Unpin(again);
-        Fail(*sp, d, taken_ns, DomainDropped());
-      } else {
-        AnswerMatch(*sp, d, taken_ns, now, std::move(again));
-      }
-      in_flight->End();
-    });
-    if (promoting) {
-      // The pending promoted blocks hold their parent chain in DRAM; these pins are taken again by the new match.
-      if (!slots.empty()) s.cache().Unpin(slots);
-      return;
+  const auto answer = [this, sp, d, taken_ns](size_t hit, std::vector<SlotId> slots) {
+    if (sp->cache().generation() != sp->pool_generation_) {  // as in Store: these pins would be another domain's
+      if (!slots.empty()) sp->cache().Unpin(slots);
+      return Fail(*sp, d, taken_ns, DomainDropped());
     }
-    in_flight->End();
+    AnswerMatch(*sp, d, taken_ns, hit, std::move(slots));
+  };
+  if (tiers_ == nullptr || tiers_->empty()) {
+    std::vector<SlotId> slots;
+    const size_t hit = sp->cache().Match(keys, pin, pin ? &slots : nullptr);
+    return answer(hit, std::move(slots));
   }
-  if (s.cache().generation() != s.pool_generation_) {  // as in Store: these pins would be another domain's
-    if (!slots.empty()) s.cache().Unpin(slots);
-    return Fail(s, d, taken_ns, DomainDropped());
-  }
-  AnswerMatch(s, d, taken_ns, hit, std::move(slots));
+  // The one lookup path (the gRPC Match's too): DRAM, then the tiers that promote on match, then DRAM again.
+  TierLookupRequest request;
+  request.cache = &sp->cache();
+  request.keys = keys;
+  request.pin = pin;
+  request.may_promote = [sp] { return sp->cache().generation() == sp->pool_generation_; };
+  MatchThroughTiers(*tiers_, *lifecycle_, std::move(request), answer);
 }
 
 void RequestHandlers::Prefetch(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d,
@@ -239,7 +223,8 @@ void RequestHandlers::Prefetch(const std::shared_ptr<RequestSession>& sp, const 
   RequestSession& s = *sp;
   // A pull commits blocks into the session's namespace: only a session that may store there may ask for one. Refused
   // whether or not this prompt would pull, so that a read-only engine learns it at its first Prefetch.
-  if (cluster_ != nullptr && !s.prefetch_access().ok()) return Fail(s, d, taken_ns, s.prefetch_access());
+  CacheTier* puller = tiers_ != nullptr ? tiers_->puller() : nullptr;
+  if (puller != nullptr && !s.prefetch_access().ok()) return Fail(s, d, taken_ns, s.prefetch_access());
   const auto local = static_cast<uint32_t>(s.cache().Match(keys, /*pin=*/false, nullptr));
   const auto answer = [this, d, taken_ns](RequestSession& session, const PrefetchResult& r) {
     if (!r.status.ok()) return Fail(session, d, taken_ns, r.status);
@@ -249,9 +234,9 @@ void RequestHandlers::Prefetch(const std::shared_ptr<RequestSession>& sp, const 
   };
   PrefetchResult here;
   here.local_blocks = local;
-  if (local == keys.size() || cluster_ == nullptr) return answer(s, here);
-  if (s.geometry().is_hybrid()) {
-    here.source = "hybrid geometries are not pulled from peers";
+  if (local == keys.size() || puller == nullptr) return answer(s, here);
+  if (s.geometry().is_hybrid() && !puller->capabilities().hybrid) {
+    here.source = fmt::format("hybrid geometries are not pulled from the {} tier", puller->name());
     return answer(s, here);
   }
   InFlight admitted = lifecycle_->Admit();
@@ -261,7 +246,7 @@ void RequestHandlers::Prefetch(const std::shared_ptr<RequestSession>& sp, const 
   }
   auto in_flight = std::make_shared<InFlight>(std::move(admitted));
   std::weak_ptr<RequestSession> weak = sp;
-  cluster_->Prefetch(
+  puller->Prefetch(
       &s.cache(), std::move(keys), local, s.id(),
       [weak] {
         auto alive = weak.lock();

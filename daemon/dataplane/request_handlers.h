@@ -27,8 +27,7 @@
 
 namespace flexkv {
 
-class SsdTier;
-class ClusterTier;
+class TierSet;
 
 // Bounds on pins (docs/protocol.md "Pins").
 struct PinPolicy {
@@ -117,13 +116,12 @@ class RequestHandlers {
  public:
   // Every pointer outlives the handlers; `metrics` is where requests' times and errors are counted. Each request
   // works on its session's cache domain (RequestSession::cache).
-  // `ssd` (optional): the SSD tier, which a Match whose DRAM prefix ends early continues into (promotion); it is
-  // then answered once the promoted blocks are in DRAM, on an SSD completion thread.
-  // `cluster` (optional): the cluster tier, which a Prefetch pulls the blocks after its local prefix from; without
-  // it a Prefetch is answered with the local prefix alone.
+  // `tiers` (optional): the tiers below DRAM. A Match whose DRAM prefix ends early continues into those that promote
+  // on match (MatchThroughTiers); it is then answered once the promoted blocks are in DRAM, on the tier's thread. A
+  // Prefetch pulls the blocks after its local prefix from the tier that pulls on prefetch; without one it is
+  // answered with the local prefix alone.
   RequestHandlers(Lifecycle* lifecycle, CopyScheduler* copies, RequestMetrics* metrics,
-                  uint32_t max_blocks_per_request, PinPolicy pins = {}, SsdTier* ssd = nullptr,
-                  ClusterTier* cluster = nullptr);
+                  uint32_t max_blocks_per_request, PinPolicy pins = {}, const TierSet* tiers = nullptr);
 
   // Answers `d` (copied off the session's submit ring at `taken_ns`, monotonic; not yet validated; its keys and
   // block ids are in `arena`, the session's payload arena, which the client may be writing). Release and a Match
@@ -162,9 +160,10 @@ class RequestHandlers {
   // Counts a match of `hit` blocks and answers it, holding `slots` (pinned with kMatchFlagPin) under a new handle.
   void AnswerMatch(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns, size_t hit, std::vector<SlotId> slots);
   void Release(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns);
-  // The local prefix, then (with a cluster tier, full attention) a pull of the rest from a peer; answered when the
-  // pull ended, on a cluster thread, counted in flight meanwhile (it writes into the pool). With a cluster tier, a
-  // session that may not store is refused (prefetch_access): a pull stores into its namespace.
+  // The local prefix, then (with a tier that pulls on prefetch; full attention unless it moves hybrid blocks) a pull of
+  // the rest; answered when the pull ended, on the tier's thread, counted in flight meanwhile (it writes into the
+  // pool). With such a tier, a session that may not store is refused (prefetch_access): a pull stores into its
+  // namespace.
   void Prefetch(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
                 std::vector<BlockKey> keys);  void Load(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
             std::vector<uint32_t> ids);
@@ -212,8 +211,7 @@ class RequestHandlers {
   RequestMetrics* const metrics_;
   const uint32_t max_blocks_per_request_;
   const PinPolicy pins_;
-  SsdTier* const ssd_;
-  ClusterTier* const cluster_;
+  const TierSet* const tiers_;  // may be null (no tier below DRAM)
 };
 
 }  // namespace flexkv

@@ -8,7 +8,8 @@
 
 #include "daemon/cache/cache.h"
 #include "daemon/cache/cache_set.h"
-#include "daemon/tiers/ssd/ssd_tier.h"
+#include "common/log.h"
+#include "daemon/tiers/tier_set.h"
 
 namespace flexkv {
 namespace {
@@ -35,7 +36,7 @@ struct DomainMemo {
 
 }  // namespace
 
-void ConnectKvEventSources(KvEventStream* stream, CacheSet* caches, SsdTier* ssd) {
+void ConnectKvEventSources(KvEventStream* stream, CacheSet* caches, const TierSet* tiers) {
   for (size_t i = 0; i < caches->max_domains(); ++i) {
     Cache* cache = &caches->cache(i);
     const uint16_t source = stream->AddSource([stream, cache](KvEventStream::SnapshotSink& sink) {
@@ -50,7 +51,7 @@ void ConnectKvEventSources(KvEventStream* stream, CacheSet* caches, SsdTier* ssd
       for (const auto& [key, parent] : blocks) sink.Add(KvTier::kDram, domain, key, parent);
     });
     auto memo = std::make_shared<DomainMemo>();
-    cache->SetEventListener([stream, source, memo](const Cache::BlockEvent& e) {
+    cache->AddObserver(std::make_shared<FunctionCacheObserver>(nullptr, nullptr, [stream, source, memo](const Cache::BlockEvent& e) {
       if (!stream->active()) return;
       if (!memo->set || memo->model_namespace != e.model_namespace) {
         memo->model_namespace = std::string(e.model_namespace);
@@ -70,42 +71,42 @@ void ConnectKvEventSources(KvEventStream* stream, CacheSet* caches, SsdTier* ssd
         case Cache::BlockEvent::kDomainDropped: ev.kind = KvEventKind::kCleared; break;
       }
       stream->Append(ev);
+    }));
+  }
+  if (tiers == nullptr) return;
+  for (CacheTier* tier : tiers->With(&TierCapabilities::reports_blocks)) {
+    // The stream names DRAM and SSD (KvTier, the proto's KvEvent.Tier, the ZMQ medium).
+    if (tier->name() != "ssd") {
+      log::Warning("kv-events", "the {} tier reports its blocks, but the KV event stream names only the DRAM and SSD "
+                   "tiers: its blocks are not in the stream", tier->name());
+      continue;
+    }
+    const KvTier kv_tier = KvTier::kSsd;
+    const uint16_t source = stream->AddSource([stream, tier, kv_tier](KvEventStream::SnapshotSink& sink) {
+      std::vector<TierBlockEvent> blocks;
+      tier->SnapshotBlocks([&sink] { sink.Mark(); }, [&blocks](const TierBlockEvent& e) {
+        if (e.component == 0) blocks.push_back(e);
+      });
+      for (const TierBlockEvent& e : blocks) sink.Add(kv_tier, stream->DomainByHash(e.namespace_hash), e.key, e.parent);
+    });
+    tier->SetBlockObserver([stream, source, kv_tier](const TierBlockEvent& e) {
+      if (!stream->active() || e.component != 0) return;
+      KvEvent ev;
+      ev.key = e.key;
+      ev.domain = stream->DomainByHash(e.namespace_hash);
+      ev.source = source;
+      ev.tier = kv_tier;
+      ev.kind = e.kind == TierBlockEvent::kStored ? KvEventKind::kStored : KvEventKind::kRemoved;
+      if (e.kind == TierBlockEvent::kStored) ev.parent = e.parent;
+      switch (e.cause) {
+        case TierBlockEvent::kWrittenBack: ev.cause = KvEventCause::kWrittenBack; break;
+        case TierBlockEvent::kRestored: ev.cause = KvEventCause::kRestored; break;
+        case TierBlockEvent::kEvicted: ev.cause = KvEventCause::kEvicted; break;
+        case TierBlockEvent::kDropped: ev.cause = KvEventCause::kDropped; break;
+      }
+      stream->Append(ev);
     });
   }
-  if (ssd == nullptr) return;
-  const uint16_t source = stream->AddSource([stream, ssd](KvEventStream::SnapshotSink& sink) {
-    std::vector<SsdEntry> entries;
-    ssd->SnapshotBlocks([&sink] { sink.Mark(); }, [&entries](const SsdEntry& e) {
-      if (e.id.component == 0) entries.push_back(e);
-    });
-    for (const SsdEntry& e : entries) {
-      sink.Add(KvTier::kSsd, stream->DomainByHash(e.id.domain.namespace_hash), e.id.key, e.parent);
-    }
-  });
-  ssd->SetEventListener([stream, source](SsdStore::BlockEventKind kind, bool restored, const SsdEntry& e) {
-    if (!stream->active() || e.id.component != 0) return;
-    KvEvent ev;
-    ev.key = e.id.key;
-    ev.domain = stream->DomainByHash(e.id.domain.namespace_hash);
-    ev.source = source;
-    ev.tier = KvTier::kSsd;
-    switch (kind) {
-      case SsdStore::BlockEventKind::kWritten:
-        ev.kind = KvEventKind::kStored;
-        ev.parent = e.parent;
-        ev.cause = restored ? KvEventCause::kRestored : KvEventCause::kWrittenBack;
-        break;
-      case SsdStore::BlockEventKind::kEvicted:
-        ev.kind = KvEventKind::kRemoved;
-        ev.cause = KvEventCause::kEvicted;
-        break;
-      case SsdStore::BlockEventKind::kDropped:
-        ev.kind = KvEventKind::kRemoved;
-        ev.cause = KvEventCause::kDropped;
-        break;
-    }
-    stream->Append(ev);
-  });
 }
 
 }  // namespace flexkv

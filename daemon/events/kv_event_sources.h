@@ -1,5 +1,6 @@
-// Connects the daemon's tiers to the KV event stream: each cache domain's DRAM blocks (Cache::SetEventListener,
-// one snapshot source per CacheSet slot) and the SSD tier's blocks (SsdTier::SetEventListener, one source).
+// Connects the daemon's tiers to the KV event stream: each cache domain's DRAM blocks (a CacheObserver, one snapshot
+// source per CacheSet slot) and the blocks of each tier that reports them (CacheTier::SetBlockObserver, one source
+// each).
 // Call once at start, after the tiers exist and before anyone can subscribe.
 #pragma once
 
@@ -8,8 +9,8 @@
 namespace flexkv {
 
 class CacheSet;
-class SsdTier;
+class TierSet;
 
-void ConnectKvEventSources(KvEventStream* stream, CacheSet* caches, SsdTier* ssd);
+void ConnectKvEventSources(KvEventStream* stream, CacheSet* caches, const TierSet* tiers);
 
 }  // namespace flexkv

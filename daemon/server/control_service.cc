@@ -25,11 +25,11 @@
 #include "common/version.h"
 #include "common/clock.h"
 #include "common/units.h"
-#include "daemon/tiers/cluster/cluster_tier.h"
 #include "daemon/events/kv_event_stream.h"
 #include "daemon/events/zmq_publisher.h"
 #include "daemon/server/status_proto.h"
-#include "daemon/tiers/ssd/ssd_tier.h"
+#include "daemon/tiers/tier_lookup.h"
+#include "daemon/tiers/tier_set.h"
 
 namespace flexkv {
 
@@ -144,9 +144,10 @@ Result<Cache*> ControlService::AdmitLocked(const std::string& model_namespace, c
                                            const PeerCredentials& peer) {
   const auto in_use = [this](const std::string& name) { return ctx_.sessions->CountIn(name) != 0; };
   const bool unused = !in_use(model_namespace);
-  // A namespace whose blocks the SSD tier keeps has the owner recorded with them (issue 29 item 5): after a reboot
-  // (no pool file) the first uid to attach must not become its owner. Otherwise the first uid to attach creates it.
-  const std::optional<uid_t> recorded = ctx_.ssd ? ctx_.ssd->RecordedOwner(model_namespace) : std::nullopt;
+  // A namespace whose blocks a tier keeps across reboots has the owner recorded with them (issue 29 item 5): after a
+  // reboot (no pool file) the first uid to attach must not become its owner. Otherwise the first uid to attach creates
+  // it.
+  const std::optional<uid_t> recorded = ctx_.tiers ? ctx_.tiers->RecordedOwner(model_namespace) : std::nullopt;
   const uid_t creator = recorded.value_or(peer.uid);
   if (Cache* current = ctx_.caches->Find(model_namespace); current != nullptr && unused && !recorded) {
     const CacheDomain::View view = current->Domain();
@@ -260,8 +261,7 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* context, const v1::G
   response->mutable_index()->set_blocks(blocks);
   response->set_sessions(static_cast<uint32_t>(ctx_.sessions->Count()));
   counters->set_errors(errors() + ctx_.data_plane->errors());
-  if (ctx_.ssd != nullptr) FillTier(ctx_.ssd->GetStatus(), response->add_tiers());
-  if (ctx_.cluster != nullptr) FillCluster(ctx_.cluster->GetStatus(), response->mutable_cluster());
+  if (ctx_.tiers != nullptr) ctx_.tiers->ReportStatus(response);
   if (ctx_.kv_events != nullptr) {
     auto* ev = response->mutable_kv_events();
     ev->set_instance_id(ctx_.kv_events->instance_id());
@@ -386,27 +386,25 @@ grpc::Status ControlService::Match(grpc::ServerContext* context, const v1::Match
   }
   std::vector<BlockKey> keys(raw.size() / sizeof(BlockKey));
   std::memcpy(keys.data(), raw.data(), raw.size());
-  size_t hit = cache->Match(keys, /*pin=*/false, nullptr);
-  // A match that goes on into SSD promotes those blocks (as the data plane's does) and is answered once they are in
-  // DRAM: the answer says what a Load can have now.
-  InFlight admitted;
-  if (ctx_.ssd != nullptr && hit < keys.size() && ctx_.ssd->open() && (admitted = ctx_.lifecycle->Admit())) {
-    auto promoted = std::make_shared<std::promise<void>>();
-    std::future<void> ended = promoted->get_future();
-    auto in_flight = std::make_shared<InFlight>(std::move(admitted));
-    if (ctx_.ssd->Promote(*cache, keys, hit, [promoted, in_flight](size_t) {
-          in_flight->End();  // in flight until the promotion ends, even if this call stopped waiting
-          promoted->set_value();
-        })) {
-      // A drive that hangs must not hang the control plane: after 10 s (or the call's deadline) the answer is what
-      // DRAM has; the promotion still ends on its own (the promise is shared with its callback).
-      auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(10);
-      deadline = std::min(deadline, context->deadline());
-      if (ended.wait_until(deadline) == std::future_status::ready) hit = cache->Match(keys, /*pin=*/false, nullptr);
-    } else {
-      in_flight->End();
-    }
-  }
+  // The ring's lookup path: DRAM, then the tiers that promote on match, then DRAM again, so that the answer says what a
+  // Load can have now. A drive that hangs must not hang the control plane: after 10 s (or the call's deadline) the
+  // answer is what DRAM has; the promotion still ends on its own (the state is shared with its callback).
+  struct Answer {
+    std::promise<size_t> hit;
+  };
+  auto answer = std::make_shared<Answer>();
+  std::future<size_t> answered = answer->hit.get_future();
+  TierLookupRequest lookup;
+  lookup.cache = cache;
+  lookup.keys = keys;
+  static const TierSet kNoTiers;
+  MatchThroughTiers(ctx_.tiers != nullptr ? *ctx_.tiers : kNoTiers, *ctx_.lifecycle, std::move(lookup),
+                    [answer](size_t hit, std::vector<SlotId>) { answer->hit.set_value(hit); });
+  auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(10);
+  deadline = std::min(deadline, context->deadline());
+  const size_t hit = answered.wait_until(deadline) == std::future_status::ready
+                         ? answered.get()
+                         : cache->Match(keys, /*pin=*/false, nullptr);
   auto& counters = cache->counters();
   counters.match_requests.fetch_add(1, std::memory_order_relaxed);
   counters.match_blocks.fetch_add(keys.size(), std::memory_order_relaxed);

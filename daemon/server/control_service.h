@@ -26,8 +26,7 @@
 
 namespace flexkv {
 
-class SsdTier;
-class ClusterTier;
+class TierSet;
 class KvEventStream;
 class ZmqKvEventPublisher;
 
@@ -44,8 +43,8 @@ struct ControlContext {
   ErrorCounts* errors;  // where the service counts its answers with an error, by code
   const DaemonMetrics* metrics;  // what GetMetrics renders
   const NamespaceAccess* access;  // who may read and write a namespace, checked at Attach and Match
-  SsdTier* ssd = nullptr;  // the SSD tier (GetStatus tiers; a gRPC Match continues into it), when configured
-  const ClusterTier* cluster = nullptr;  // the cluster tier (GetStatus cluster), when configured
+  const TierSet* tiers = nullptr;  // the tiers below DRAM: each reports its status; a gRPC Match continues into those
+                                  // that promote (the ring's lookup path); namespace owners they recorded
   KvEventStream* kv_events = nullptr;   // the KV event stream (SubscribeKvEvents, GetStatus kv_events)
   const ZmqKvEventPublisher* kv_events_zmq = nullptr;  // its ZMQ publisher, when --kv-events-zmq is set
   int64_t started_unix_ms = 0;

@@ -12,8 +12,7 @@
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/lifecycle/lifecycle.h"
 #include "daemon/sessions/session_registry.h"
-#include "daemon/tiers/cluster/cluster_tier.h"
-#include "daemon/tiers/ssd/ssd_tier.h"
+#include "daemon/tiers/tier_set.h"
 
 namespace flexkv {
 namespace {
@@ -201,93 +200,7 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                          MetricType::Gauge, std::move(unanchored)));
   }
 
-  if (sources_.ssd != nullptr) {
-    const SsdTierStatus t = sources_.ssd->GetStatus();
-    const auto counter = [&](const char* name, const char* help, uint64_t v) {
-      out.push_back(One(name, help, MetricType::Counter, v));
-    };
-    const auto gauge = [&](const char* name, const char* help, double v) {
-      out.push_back(Family(name, help, MetricType::Gauge, {Sample(v)}));
-    };
-    gauge("flexkv_ssd_up", "1 while the SSD tier serves (its store is open), else 0", t.state == "serving" ? 1 : 0);
-    gauge("flexkv_ssd_capacity_blocks", "Block slots of the SSD tier", static_cast<double>(t.capacity_blocks));
-    gauge("flexkv_ssd_capacity_bytes", "Bytes on disk of the SSD tier's block files", static_cast<double>(t.capacity_bytes));
-    gauge("flexkv_ssd_blocks", "Blocks the SSD tier holds", static_cast<double>(t.used_blocks));
-    gauge("flexkv_ssd_reads_in_flight", "SSD reads (promotions) in flight", static_cast<double>(t.reads_in_flight));
-    gauge("flexkv_ssd_writes_in_flight", "SSD writes (write-backs) in flight", static_cast<double>(t.writes_in_flight));
-    gauge("flexkv_ssd_rebuild_seconds", "How long opening the SSD tier took at start (reading every slot header)",
-          t.rebuild.seconds);
-    counter("flexkv_ssd_promoted_blocks_total", "Blocks read from SSD into DRAM for a match (SSD hits)", t.promoted_blocks);
-    counter("flexkv_ssd_promotion_refused_blocks_total",
-            "Blocks a match found on SSD but could not promote (queue full, no DRAM slot)", t.promotion_refused_blocks);
-    counter("flexkv_ssd_promotion_failed_blocks_total", "Promotions whose read failed or did not verify",
-            t.promotion_failed_blocks);
-    counter("flexkv_ssd_written_back_blocks_total", "Blocks written to SSD",
-            t.written_back_blocks);
-    counter("flexkv_ssd_writeback_refused_blocks_total", "Write-backs the SSD queue refused (retried later)",
-            t.writeback_refused_blocks);
-    counter("flexkv_ssd_writeback_failed_blocks_total", "Write-backs that failed (I/O error, disk full)",
-            t.writeback_failed_blocks);
-    counter("flexkv_ssd_evicted_written_blocks_total", "DRAM evictions of blocks the SSD tier holds",
-            t.evicted_written_blocks);
-    counter("flexkv_ssd_evicted_unwritten_blocks_total",
-            "DRAM evictions of blocks not written to SSD yet (write-back behind): lost from the node",
-            t.evicted_unwritten_blocks);
-    counter("flexkv_ssd_store_waits_total",
-            "Engine stores that waited for the write-back instead of evicting blocks SSD did not hold yet",
-            t.store_waits);
-    counter("flexkv_ssd_store_wait_expired_total",
-            "Engine stores whose wait for the write-back ran out (--ssd-store-wait): they evicted unwritten blocks",
-            t.store_wait_expired);
-    counter("flexkv_ssd_evicted_blocks_total", "Blocks overwritten on SSD to make room", t.store.evictions);
-    counter("flexkv_ssd_read_bytes_total", "Bytes read from SSD (verified)", t.store.read_bytes);
-    counter("flexkv_ssd_write_bytes_total", "Bytes written to SSD", t.store.write_bytes);
-    counter("flexkv_ssd_read_errors_total", "SSD reads the drive failed (EIO, truncated file)", t.store.read_errors);
-    counter("flexkv_ssd_write_errors_total", "SSD writes that failed", t.store.write_errors);
-    counter("flexkv_ssd_data_loss_blocks_total", "SSD blocks dropped because a read failed or did not verify",
-            t.store.data_loss_blocks);
-  }
-
-  if (sources_.cluster != nullptr) {
-    const ClusterTierStatus c = sources_.cluster->GetStatus();
-    const auto counter = [&](const char* name, const char* help, uint64_t v) {
-      out.push_back(One(name, help, MetricType::Counter, v));
-    };
-    const auto gauge = [&](const char* name, const char* help, double v) {
-      out.push_back(Family(name, help, MetricType::Gauge, {Sample(v)}));
-    };
-    gauge("flexkv_cluster_joined", "1 while this node is a member of the cluster (its lease is alive), else 0",
-          c.state == "joined" ? 1 : 0);
-    gauge("flexkv_cluster_members", "Live members of the cluster, this node included",
-          static_cast<double>(c.members.size()));
-    gauge("flexkv_cluster_published_keys", "Directory entries this node holds", static_cast<double>(c.published_keys));
-    gauge("flexkv_cluster_publish_queue", "Directory updates waiting", static_cast<double>(c.publish_queue));
-    gauge("flexkv_cluster_pulls_in_flight", "Prefetches pulling from peers now", static_cast<double>(c.pulls_in_flight));
-    counter("flexkv_cluster_publish_failures_total", "Directory store calls that failed (retried)", c.publish_failures);
-    counter("flexkv_cluster_rejoins_total", "Leases lost (store unreachable for a ttl) and joined again", c.rejoins);
-    counter("flexkv_cluster_prefetches_total", "Prefetch requests that went to the network", c.prefetches);
-    counter("flexkv_cluster_pulls_ok_total", "Prefetches that pulled at least one block from a peer", c.pulls_ok);
-    counter("flexkv_cluster_pulls_failed_total", "Prefetches that found a peer but pulled nothing", c.pulls_failed);
-    counter("flexkv_cluster_pulled_blocks_total", "Blocks pulled from peers, verified and cached here", c.pulled_blocks);
-    counter("flexkv_cluster_pulled_bytes_total", "Bytes of the blocks pulled from peers", c.pulled_bytes);
-    counter("flexkv_cluster_verify_failures_total", "Pulled blocks that did not match their checksum (never served)",
-            c.verify_failures);
-    counter("flexkv_cluster_lookups_served_total", "Peers' lookups answered by this node", c.lookups_served);
-    counter("flexkv_cluster_blocks_offered_total", "Blocks this node's lookups offered to peers", c.blocks_offered);
-    counter("flexkv_cluster_peer_read_deadlines_total", "Reads from peers that hit the pull deadline",
-            c.transport.deadlines);
-    counter("flexkv_cluster_auth_failures_total", "Peers refused: the cluster secret not proven, or not a member",
-            c.transport.auth_failures);
-    counter("flexkv_cluster_replies_dropped_total",
-            "Peer replies that answered no request of this node (forged, or late): dropped, never written",
-            c.transport.replies_dropped);
-    counter("flexkv_cluster_requests_refused_total",
-            "Peers' gets and calls refused: unauthenticated endpoint, a range not registered here, malformed",
-            c.transport.requests_refused);
-    counter("flexkv_cluster_directory_unauthenticated_total",
-            "Member records and directory entries in etcd without the cluster secret's signature: ignored",
-            c.directory_unauthenticated);
-  }
+  if (sources_.tiers != nullptr) sources_.tiers->CollectMetrics(&out);
 
   out.push_back(Histograms("flexkv_request_wait_seconds",
                            "Loads and stores: from the poller taking the request to the start of its copy",

@@ -16,9 +16,7 @@
 
 namespace flexkv {
 
-class SsdTier;
-class ClusterTier;
-
+class TierSet;
 class CacheSet;
 class DataPlane;
 class Lifecycle;
@@ -31,8 +29,7 @@ struct MetricsSources {
   const SessionRegistry* sessions;
   const Lifecycle* lifecycle;
   const ErrorCounts* control_errors;  // the control plane's answers with an error, by code
-  const SsdTier* ssd = nullptr;       // the SSD tier (flexkv_ssd_* families), when configured
-  const ClusterTier* cluster = nullptr;  // the cluster tier (flexkv_cluster_* families), when configured
+  const TierSet* tiers = nullptr;  // the tiers below DRAM: each adds its own families (flexkv_ssd_*, flexkv_cluster_*)
 };
 
 class DaemonMetrics final : public prometheus::Collectable {

@@ -141,15 +141,25 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
     return raw->members.count(std::string(node)) > 0;
   };
 
+  auto tier = std::unique_ptr<ClusterTier>(new ClusterTier(std::move(impl)));
+  ClusterTier* self = tier.get();
   for (size_t i = 0; i < caches->max_domains(); ++i) {
     Cache* cache = &caches->cache(i);
-    cache->SetBlockListener([raw, cache](const Cache::BlockEvent& e) { raw->OnBlockEvent(cache, e); });
+    auto observer = std::make_shared<FunctionCacheObserver>(
+        [self](const PoolRegion& region) {
+          (void)self->AddPoolRegion(region);  // a grant peers cannot read still serves here
+          return Status::Ok();
+        },
+        [self](const PoolRegion& region) { self->RemovePoolRegion(region); },
+        [raw, cache](const Cache::BlockEvent& e) { raw->OnBlockEvent(cache, e); });
+    cache->AddObserver(observer);
+    raw->observers.push_back(std::move(observer));
   }
-  impl->threads.emplace_back([raw] { raw->MembershipLoop(); });
-  impl->threads.emplace_back([raw] { raw->PublishLoop(); });
-  impl->threads.emplace_back([raw] { raw->ServeLoop(); });
-  for (uint32_t i = 0; i < options.max_pulls; ++i) impl->threads.emplace_back([raw] { raw->PullLoop(); });
-  return std::unique_ptr<ClusterTier>(new ClusterTier(std::move(impl)));
+  raw->threads.emplace_back([raw] { raw->MembershipLoop(); });
+  raw->threads.emplace_back([raw] { raw->PublishLoop(); });
+  raw->threads.emplace_back([raw] { raw->ServeLoop(); });
+  for (uint32_t i = 0; i < options.max_pulls; ++i) raw->threads.emplace_back([raw] { raw->PullLoop(); });
+  return tier;
 }
 
 Status ClusterTier::AddPoolRegion(const PoolRegion& region) {
@@ -218,7 +228,9 @@ void ClusterTier::Stop() {
     m.stopped = true;
   }
   m.BeginStop();
-  for (size_t i = 0; i < m.caches->max_domains(); ++i) m.caches->cache(i).SetBlockListener({});
+  for (size_t i = 0; i < m.caches->max_domains() && i < m.observers.size(); ++i) {
+    m.caches->cache(i).RemoveObserver(m.observers[i].get());
+  }
   // Pullers end the pull they are in at its next step (each Get ends by its deadline at the latest); the queued
   // ones are answered here.
   for (std::thread& t : m.threads) t.join();

@@ -45,6 +45,7 @@
 #include "daemon/cache/cache.h"
 #include "daemon/cluster/directory.h"
 #include "daemon/cluster/ucx/ucx_transport.h"
+#include "daemon/tiers/cache_tier.h"
 #include "flexkv/block_key.h"
 #include "flexkv/status.h"
 
@@ -67,15 +68,6 @@ struct ClusterTierOptions {
   uint32_t max_pulls = 8;                    // --cluster-max-pulls: prefetches pulling at once, node-wide
   uint32_t max_session_pulls = 2;            // --cluster-max-session-pulls: per session
   uint32_t lanes = 4;                        // --cluster-lanes: UCX workers, each peer connected once per lane
-};
-
-// What a Prefetch did (the ring completion: matched_blocks, done_blocks, bytes, message).
-struct PrefetchResult {
-  Status status;                 // OK unless the request itself was refused
-  uint32_t local_blocks = 0;     // leading blocks cached here before the pull
-  uint32_t pulled_blocks = 0;    // blocks pulled, verified and committed here (after local_blocks)
-  uint64_t pulled_bytes = 0;
-  std::string source;            // the node they came from, or why none were pulled (empty: no peer had them)
 };
 
 // One member as status shows it.
@@ -112,7 +104,7 @@ struct ClusterTierStatus {
   std::string last_error;               // the last pull or publish failure, for the operator
 };
 
-class ClusterTier {
+class ClusterTier final : public CacheTier {
  public:
   // Checks the options and reads the secret and credential files (PERMISSION_DENIED naming the file when it is
   // readable by others, INVALID_ARGUMENT when the secret is shorter than 16 bytes): only these stop the start. It
@@ -131,9 +123,16 @@ class ClusterTier {
   ClusterTier(const ClusterTier&) = delete;
   ClusterTier& operator=(const ClusterTier&) = delete;
 
-  // The pool listener's part (daemon.cc chains it after the DMA backends): registers / unregisters a grant for
-  // remote reads (a grant announced before the transport is up is registered when it comes up). Runs under the
-  // cache's lock.
+  std::string_view name() const override { return "peer"; }
+  TierCapabilities capabilities() const override {
+    TierCapabilities c;
+    c.pulls_on_prefetch = true;
+    return c;
+  }
+
+  // The cache observer's part: registers / unregisters a grant for remote reads (a grant announced before the
+  // transport is up is registered when it comes up); a grant peers cannot read still serves here (logged). Runs
+  // under the cache's lock.
   Status AddPoolRegion(const PoolRegion& region);
   void RemovePoolRegion(const PoolRegion& region);
 
@@ -146,13 +145,17 @@ class ClusterTier {
   // session's max_session_pulls are pulling already (4 x max_pulls may wait node-wide). After Stop, done answers at
   // once with UNAVAILABLE.
   void Prefetch(Cache* cache, std::vector<BlockKey> keys, uint32_t local_blocks, uint64_t session,
-                std::function<bool()> cancelled, std::function<void(PrefetchResult)> done);
+                std::function<bool()> cancelled, std::function<void(PrefetchResult)> done) override;
 
   // Leaves the cluster (the lease is revoked: every entry of this node goes at once), ends every pull (each
   // answered), stops the threads. Idempotent.
-  void Stop();
+  void Stop() override;
 
   ClusterTierStatus GetStatus() const;
+  // GetStatusResponse.cluster and the flexkv_cluster_* families
+  // (cluster_tier_report.cc).
+  void ReportStatus(v1::GetStatusResponse* status) const override;
+  void CollectMetrics(MetricFamilies* out) const override;
 
  private:
   struct Impl;

@@ -52,6 +52,8 @@ struct ClusterTier::Impl {
   // Set by Create before any thread starts, then only read.
   ClusterTierOptions options;
   CacheSet* caches = nullptr;
+  // This tier's observer of each cache (caches->cache(i)), removed at Stop.
+  std::vector<std::shared_ptr<CacheObserver>> observers;
   std::unique_ptr<cluster::Directory> directory;
   cluster::UcxOptions ucx_options;
 

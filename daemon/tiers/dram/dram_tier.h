@@ -1,31 +1,35 @@
-// DramTier: tier 0, the DRAM pool (daemon/cache/pool.h, owned by the Cache) as a CacheTier. Engines copy only
-// from and to this tier, through the engine-memory backends, at the slot addresses region() gives.
+// DramTier: tier 0, the DRAM pool (daemon/cache/pool.h, owned by the Cache): the slot addresses the copies use. Engines
+// copy only from and to this tier, through the engine-memory backends, at the slot addresses region() gives. (The
+// tiers below it are CacheTiers, cache_tier.h, held by the TierSet.)
 #pragma once
 
 #include <atomic>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "common/mutex.h"
 #include "daemon/cache/cache.h"
 #include "daemon/cache/pool_region.h"
-#include "daemon/tiers/cache_tier.h"
+#include "flexkv/status.h"
 
 namespace flexkv {
 
-class DramTier final : public CacheTier {
+class DramTier final {
  public:
   // `cache` owns the pool and outlives the tier.
   explicit DramTier(const Cache* cache) : cache_(cache) {}
 
-  std::string_view name() const override { return "dram"; }
   // The pool is a named file under /dev/shm (or hugetlbfs) with a slot table: a restarted daemon re-attaches
   // it (a reboot loses it).
-  bool survives_restart() const override { return true; }
-  uint32_t capacity_slots() const override;
-  uint64_t slot_bytes() const override;
-  Status ReadSlot(SlotId slot, std::span<uint8_t> bytes) const override;
-  Status WriteSlot(SlotId slot, std::span<const uint8_t> bytes) override;
+  // Slots the pool holds (active), and the bytes of one FULL block; 0 before the pool exists.
+  uint32_t capacity_slots() const;
+  uint64_t slot_bytes() const;
+  // Copy one whole FULL slot out of / into the pool. `bytes.size()` must be slot_bytes() and `slot` below
+  // capacity_slots(): otherwise INVALID_ARGUMENT / OUT_OF_RANGE naming the value and what was expected, and nothing
+  // is copied. Thread-safe for distinct slots.
+  Status ReadSlot(SlotId slot, std::span<uint8_t> bytes) const;
+  Status WriteSlot(SlotId slot, std::span<const uint8_t> bytes);
 
   // Where the slots are in this process, for the engine-memory backends; nullopt before the pool exists. The
   // region changes only when an admin drops the cache domain and a new pool is created (Cache::generation()): it

@@ -23,6 +23,30 @@ namespace flexkv {
 
 namespace {
 
+// What the KV event stream is told of a store event (`restored`: found on disk when the store opened).
+TierBlockEvent TierEventOf(SsdStore::BlockEventKind kind, bool restored, const SsdEntry& e) {
+  TierBlockEvent ev;
+  ev.key = e.id.key;
+  ev.namespace_hash = e.id.domain.namespace_hash;
+  ev.component = static_cast<uint8_t>(e.id.component);
+  switch (kind) {
+    case SsdStore::BlockEventKind::kWritten:
+      ev.kind = TierBlockEvent::kStored;
+      ev.parent = e.parent;
+      ev.cause = restored ? TierBlockEvent::kRestored : TierBlockEvent::kWrittenBack;
+      break;
+    case SsdStore::BlockEventKind::kEvicted:
+      ev.kind = TierBlockEvent::kRemoved;
+      ev.cause = TierBlockEvent::kEvicted;
+      break;
+    case SsdStore::BlockEventKind::kDropped:
+      ev.kind = TierBlockEvent::kRemoved;
+      ev.cause = TierBlockEvent::kDropped;
+      break;
+  }
+  return ev;
+}
+
 // A match's run of SSD blocks being promoted: their DRAM slots (pending) and what each read answered.
 struct Promotion {
   Cache* cache = nullptr;
@@ -125,11 +149,10 @@ Status SsdTier::OpenStore(uint64_t payload_capacity) {
     // A snapshot taken before this saw no store; the blocks found on disk reach its subscribers as events.
     MutexLock events(&events_mu_);
     store_ = std::move(*store);
-    if (event_listener_) {
-      EventListener listener = event_listener_;
-      store_->SetEventListener([listener](SsdStore::BlockEventKind kind, const SsdEntry& e) { listener(kind, false, e); });
-      store_->SnapshotBlocks([] {}, [&listener](const SsdEntry& e) {
-        listener(SsdStore::BlockEventKind::kWritten, true, e);
+    if (block_observer_) {
+      ListenToStoreLocked();
+      store_->SnapshotBlocks([] {}, [this](const SsdEntry& e) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        block_observer_(TierEventOf(SsdStore::BlockEventKind::kWritten, true, e));
       });
     }
   }
@@ -202,6 +225,7 @@ SsdTier::~SsdTier() { Stop(); }
 
 void SsdTier::Start() {
   if (mover_.joinable()) return;
+  if (!open()) log::Info("ssd", "SSD tier: block files are created when the first pool fixes the block size");
   mover_ = std::thread([this] {
     while (!stopping_.load(std::memory_order_acquire)) {
       const size_t written = MoveRound();
@@ -227,22 +251,29 @@ void SsdTier::Stop() {
   if (store_ready_.load(std::memory_order_acquire)) store_->WaitIdle();
 }
 
-void SsdTier::SetEventListener(EventListener listener) {
+void SsdTier::SetBlockObserver(BlockObserver observer) {
   MutexLock events(&events_mu_);
-  event_listener_ = std::move(listener);
-  if (store_) {  // opened at Create: its blocks are in any snapshot from now on
-    EventListener l = event_listener_;
-    store_->SetEventListener([l](SsdStore::BlockEventKind kind, const SsdEntry& e) { l(kind, false, e); });
-  }
+  block_observer_ = std::move(observer);
+  if (store_) ListenToStoreLocked();  // opened at Create: its blocks are in any snapshot from now on
 }
 
-void SsdTier::SnapshotBlocks(const std::function<void()>& mark, const std::function<void(const SsdEntry&)>& each) const {
+void SsdTier::ListenToStoreLocked() {
+  BlockObserver observer = block_observer_;
+  store_->SetEventListener([observer](SsdStore::BlockEventKind kind, const SsdEntry& e) {
+    if (observer) observer(TierEventOf(kind, false, e));
+  });
+}
+
+void SsdTier::SnapshotBlocks(const std::function<void()>& mark,
+                             const std::function<void(const TierBlockEvent&)>& each) const {
   MutexLock events(&events_mu_);
   if (!store_) {
     mark();
     return;
   }
-  store_->SnapshotBlocks(mark, each);
+  store_->SnapshotBlocks(mark, [&each](const SsdEntry& e) {
+    each(TierEventOf(SsdStore::BlockEventKind::kWritten, false, e));
+  });
 }
 
 SsdDomain SsdTier::DomainOf(const Cache& cache) {

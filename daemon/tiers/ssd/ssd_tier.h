@@ -40,6 +40,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "common/mutex.h"
+#include "daemon/tiers/cache_tier.h"
 #include "daemon/tiers/ssd/ssd_owners.h"
 #include "daemon/tiers/ssd/ssd_store.h"
 #include "flexkv/block_key.h"
@@ -87,7 +88,7 @@ struct SsdTierStatus {
   std::vector<std::string> notes;        // e.g. a domain whose blocks do not fit the SSD slots
 };
 
-class SsdTier {
+class SsdTier final : public CacheTier {
  public:
   // Validates the options (INVALID_ARGUMENT naming the flag) and opens the store now when a payload capacity is
   // known: the block files' (SsdFoundPayloadCapacity) or the largest block of the pools `caches` re-attached,
@@ -100,11 +101,18 @@ class SsdTier {
   SsdTier(const SsdTier&) = delete;
   SsdTier& operator=(const SsdTier&) = delete;
 
+  std::string_view name() const override { return "ssd"; }
+  TierCapabilities capabilities() const override {
+    TierCapabilities c;
+    c.promotes_on_match = c.takes_write_back = c.survives_restart = c.reports_blocks = c.checks_owner = true;
+    return c;
+  }
+
   // Starts the mover thread (write-back, the deferred open, the rate sampling).
-  void Start();
+  void Start() override;
   // Stops the mover and waits until every SSD request has ended (its callback ran: promotions answered, written
   // blocks unpinned). Idempotent. After it, Promote answers false.
-  void Stop();
+  void Stop() override;
 
   // Called by a Match whose DRAM prefix ended at `dram_hit` < keys.size() (hybrid domains: never). When the SSD
   // holds keys[dram_hit] of this domain under the right parent, reserves DRAM slots for the run of SSD blocks that
@@ -112,17 +120,16 @@ class SsdTier {
   // after the first `promoted` of them are committed to DRAM (and the rest given back). False when there is
   // nothing to promote or it cannot start (no SSD block there, the store not open, stopped, queue full, no DRAM
   // slot): `done` is not called, and the match is answered from DRAM alone.
-  using PromotionDone = std::function<void(size_t promoted)>;
-  bool Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done);
+  bool Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done) override;
 
-  // The KV event stream's view of the SSD tier: `listener` is told each block the store commits (written back),
-  // loses (evicted, dropped), and - `restored` - each block found on disk when the store opens after this call.
+  // The KV event stream's view of the SSD tier: `observer` is told each block the store commits (written back),
+  // loses (evicted, dropped), and - kRestored - each block found on disk when the store opens after this call.
   // Runs under the store's lock (SsdStore::SetEventListener). Set it before Start.
-  using EventListener = std::function<void(SsdStore::BlockEventKind kind, bool restored, const SsdEntry& entry)>;
-  void SetEventListener(EventListener listener);
-  // `mark()` then `each` for every block the store holds, consistent with the listener's events (nothing but the
+  void SetBlockObserver(BlockObserver observer) override;
+  // `mark()` then `each` for every block the store holds, consistent with the observer's events (nothing but the
   // mark while the store is not open).
-  void SnapshotBlocks(const std::function<void()>& mark, const std::function<void(const SsdEntry&)>& each) const;
+  void SnapshotBlocks(const std::function<void()>& mark,
+                      const std::function<void(const TierBlockEvent&)>& each) const override;
 
   SsdTierStatus GetStatus() const;
   bool open() const { return store_ready_.load(std::memory_order_acquire); }
@@ -130,7 +137,11 @@ class SsdTier {
   // The uid recorded as the owner of `model_namespace` with its SSD blocks (SsdOwners), read at Create: after a
   // reboot the DRAM pool that recorded the namespace's creator is gone, its blocks on SSD are not, and an Attach
   // must not make another uid their owner. nullopt when none is recorded (no block of it on SSD).
-  std::optional<uid_t> RecordedOwner(std::string_view model_namespace) const;
+  std::optional<uid_t> RecordedOwner(std::string_view model_namespace) const override;
+
+  // GetStatusResponse.tiers["ssd"] and the flexkv_ssd_* families (ssd_tier_report.cc).
+  void ReportStatus(v1::GetStatusResponse* status) const override;
+  void CollectMetrics(MetricFamilies* out) const override;
 
  private:
   SsdTier(SsdTierOptions options, CacheSet* caches);
@@ -154,7 +165,9 @@ class SsdTier {
   SsdOwners owners_;                    // the namespaces' owners, kept with their blocks
   std::atomic<bool> store_ready_{false};
   mutable Mutex events_mu_;             // orders the store's opening against event snapshots
-  EventListener event_listener_ ABSL_GUARDED_BY(events_mu_);
+  BlockObserver block_observer_ ABSL_GUARDED_BY(events_mu_);
+  // The store's listener that tells block_observer_ (called with events_mu_ held).
+  void ListenToStoreLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_);
   std::atomic<bool> stopping_{false};
   std::thread mover_;
 

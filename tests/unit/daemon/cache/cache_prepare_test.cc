@@ -79,8 +79,8 @@ class GatedListener {
     return removed_;
   }
   void Attach(CacheSet& caches) {
-    caches.SetPoolListener([this](const PoolRegion& r) { return Added(r); },
-                           [this](const PoolRegion& r) { Removed(r); });
+    caches.AddObserver(std::make_shared<flexkv::FunctionCacheObserver>([this](const PoolRegion& r) { return Added(r); },
+                           [this](const PoolRegion& r) { Removed(r); }));
   }
 
  private:

@@ -83,13 +83,13 @@ struct GrantLog {
   int twice = 0;
   int refuse_in = -1;  // >= 0: the grant announced after this many more is refused (as a failed DMA registration)
   void Listen(Cache& cache) {
-    cache.SetPoolListener(
+    cache.AddObserver(std::make_shared<flexkv::FunctionCacheObserver>(
         [this](const PoolRegion& r) {
           twice += live.emplace(r.base, r).second ? 0 : 1;
           if (refuse_in >= 0 && refuse_in-- == 0) return flexkv::Status::FailedPrecondition("registration refused");
           return flexkv::Status::Ok();
         },
-        [this](const PoolRegion& r) { twice += live.erase(r.base) == 1 ? 0 : 1; });
+        [this](const PoolRegion& r) { twice += live.erase(r.base) == 1 ? 0 : 1; }));
   }
 };
 

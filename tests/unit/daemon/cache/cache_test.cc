@@ -5,8 +5,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <filesystem>
+#include <algorithm>
 #include <atomic>
+#include <filesystem>
+#include <string>
 #include <span>
 #include <thread>
 #include <vector>
@@ -22,6 +24,7 @@ using flexkv::PoolRegion;
 using flexkv::SlotId;
 using flexkv::StatusCode;
 using flexkv::testing::SmallGeometry;
+using flexkv::testing::StoreBlocks;
 using flexkv::testing::TempCache;
 
 namespace {
@@ -115,10 +118,10 @@ TEST_CASE("cache: the pool announces each of its grants once to its listener, at
           "[unit][cache]") {
   TempCache t;
   std::vector<PoolRegion> heard;
-  t.cache().SetPoolListener([&](const PoolRegion& r) {
+  t.cache().AddObserver(std::make_shared<flexkv::FunctionCacheObserver>([&](const PoolRegion& r) {
     heard.push_back(r);
     return flexkv::Status::Ok();
-  });
+  }, nullptr));
   REQUIRE(t.cache().RecoverPool(false).ok());
   CHECK(heard.empty());  // no pool file yet
   REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
@@ -134,12 +137,13 @@ TEST_CASE("cache: the pool announces each of its grants once to its listener, at
 
   // A listener set after the pool exists hears of it at once.
   std::vector<PoolRegion> late;
-  t.cache().SetPoolListener([&](const PoolRegion& r) {
+  t.cache().AddObserver(std::make_shared<flexkv::FunctionCacheObserver>([&](const PoolRegion& r) {
     late.push_back(r);
     return flexkv::Status::Ok();
-  });
+  }, nullptr));
   REQUIRE(late.size() == 16);
   CHECK(late[0].base == heard[0].base);
+  CHECK(heard.size() == 16);  // only the new observer hears of the grants that exist
 }
 
 TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serves the committed blocks",
@@ -155,10 +159,10 @@ TEST_CASE("cache: a restarted cache re-attaches the pool, announces it, and serv
   }
   t.Reopen();
   int announced = 0;
-  t.cache().SetPoolListener([&](const PoolRegion&) {
+  t.cache().AddObserver(std::make_shared<flexkv::FunctionCacheObserver>([&](const PoolRegion&) {
     ++announced;
     return flexkv::Status::Ok();
-  });
+  }, nullptr));
   REQUIRE(t.cache().RecoverPool(false).ok());
   CHECK(announced == 16);  // each grant
   CHECK(t.cache().has_pool());
@@ -269,12 +273,12 @@ TEST_CASE("cache: DropDomain waits for pins and stores, tells the listener, and 
   TempCache t;
   flexkv::Cache& cache = t.cache();
   int registered = 0, unregistered = 0;
-  cache.SetPoolListener(
+  cache.AddObserver(std::make_shared<flexkv::FunctionCacheObserver>(
       [&](const PoolRegion&) {
         ++registered;
         return flexkv::Status::Ok();
       },
-      [&](const PoolRegion&) { ++unregistered; });
+      [&](const PoolRegion&) { ++unregistered; }));
   REQUIRE(cache.RecoverPool(false).ok());
   CHECK(cache.DropDomain(false, nullptr).code() == StatusCode::kNotFound);
   REQUIRE(cache.Admit("ns", SmallGeometry()).ok());
@@ -445,4 +449,69 @@ TEST_CASE("cache: a scrub stops when cancelled, and only one runs at a time", "[
   REQUIRE(paced.ok());
   CHECK(paced->checked_blocks == 8);
   CHECK(cache.counters().data_loss_blocks.load() == 0);
+}
+
+TEST_CASE("cache: observers are told each grant in the order they were added; one that refuses a grow stops the rest, "
+          "each told it added hears it removed once; a removed observer hears nothing more",
+          "[unit][cache]") {
+  TempCache t;
+  REQUIRE(t.cache().SetBudget(64 * 4096, 16 * 4096).ok());  // 4 of 16 grants active at first
+  std::vector<std::string> heard;
+  bool refuse = false;
+  auto first = std::make_shared<flexkv::FunctionCacheObserver>(
+      [&](const PoolRegion&) {
+        heard.push_back("1+");
+        return flexkv::Status::Ok();
+      },
+      [&](const PoolRegion&) { heard.push_back("1-"); },
+      [&](const flexkv::CacheBlockEvent& e) {
+        if (e.kind == flexkv::CacheBlockEvent::kCommitted) heard.push_back("1b");
+      });
+  auto second = std::make_shared<flexkv::FunctionCacheObserver>(
+      [&](const PoolRegion&) {
+        heard.push_back("2+");
+        return refuse ? flexkv::Status::ResourceExhausted("cannot register") : flexkv::Status::Ok();
+      },
+      [&](const PoolRegion&) { heard.push_back("2-"); });
+  auto third = std::make_shared<flexkv::FunctionCacheObserver>(
+      [&](const PoolRegion&) {
+        heard.push_back("3+");
+        return flexkv::Status::Ok();
+      },
+      [&](const PoolRegion&) { heard.push_back("3-"); });
+  t.cache().AddObserver(first);
+  t.cache().AddObserver(second);
+  t.cache().AddObserver(third);
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
+  REQUIRE(heard.size() == 12);  // 4 grants x 3 observers, in order
+  for (size_t i = 0; i < heard.size(); i += 3) CHECK((heard[i] == "1+" && heard[i + 1] == "2+" && heard[i + 2] == "3+"));
+
+  // The second refuses the first grant of a grow: the third never hears of it, the first two hear it removed.
+  heard.clear();
+  refuse = true;
+  const auto grown = t.cache().Resize(32 * 4096);
+  CHECK(grown.status().code() == flexkv::StatusCode::kResourceExhausted);
+  CHECK(heard == std::vector<std::string>{"1+", "2+", "2-", "1-"});
+  CHECK(t.cache().capacity_slots() == 16);
+
+  // Blocks reach the observers that want them (only the first).
+  heard.clear();
+  StoreBlocks(t.cache(), {BlockKey{1, 1}, BlockKey{2, 1}});
+  CHECK(heard == std::vector<std::string>{"1b", "1b"});
+
+  // Removed: no more calls, the others still hear.
+  heard.clear();
+  refuse = false;
+  t.cache().RemoveObserver(first.get());
+  StoreBlocks(t.cache(), {BlockKey{3, 1}});
+  REQUIRE(t.cache().Resize(20 * 4096).ok());  // one more grant
+  CHECK(heard == std::vector<std::string>{"2+", "3+"});
+  heard.clear();
+  uint64_t dropped = 0;
+  REQUIRE(t.cache().DropDomain(false, &dropped).ok());
+  CHECK(std::count(heard.begin(), heard.end(), "3-") == 5);  // every active grant, in reverse observer order
+  CHECK(std::count(heard.begin(), heard.end(), "2-") == 5);
+  CHECK(std::count(heard.begin(), heard.end(), "1-") == 0);
+  CHECK(heard.front() == "3-");
 }

@@ -126,7 +126,7 @@ class InProcessDaemon {
         cache_(pool_bytes, dir_ + "/pool"),
         backends_(HostOnly()),
         data_plane_(&lifecycle_, backends_.get(), Options()) {
-    cache_.SetPoolListener([this](const flexkv::PoolRegion& pool) { return backends_->RegisterPool(pool); });
+    cache_.AddObserver(std::make_shared<flexkv::FunctionCacheObserver>([this](const flexkv::PoolRegion& pool) { return backends_->RegisterPool(pool); }, nullptr));
     REQUIRE(cache_.RecoverPool(/*discard=*/false).ok());
     REQUIRE(cache_.Admit(kNamespace, SmallGeometry()).ok());
     REQUIRE(data_plane_.Start().ok());

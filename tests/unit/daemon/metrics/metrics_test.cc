@@ -22,6 +22,7 @@
 #include "daemon/sessions/session_registry.h"
 #include "daemon/tiers/cluster/cluster_tier.h"
 #include "daemon/tiers/ssd/ssd_tier.h"
+#include "daemon/tiers/tier_set.h"
 
 using flexkv::ErrorCounts;
 using flexkv::LatencyHistogram;
@@ -228,8 +229,9 @@ TEST_CASE("docs/operations.md lists exactly the metrics flexkvd exports, with th
   flexkv::SsdTierOptions ssd_options;
   ssd_options.store.paths = {ssd_dir};
   ssd_options.store.size_bytes = 1 << 20;
-  auto ssd = flexkv::SsdTier::Create(ssd_options, &caches);
-  REQUIRE(ssd.ok());
+  // Both through a TierSet, as daemon.cc builds them: each tier adds its own families.
+  flexkv::TierSet tiers;
+  REQUIRE(tiers.Add(flexkv::SsdTier::Create(ssd_options, &caches)).ok());
   // A cluster tier whose store is not reachable (nothing listens on 127.0.0.1:9): it keeps trying to join; its
   // families are exported all the same.
   const std::string secret = ssd_dir + "/cluster.secret";
@@ -242,11 +244,10 @@ TEST_CASE("docs/operations.md lists exactly the metrics flexkvd exports, with th
   cluster_options.listen_address = "127.0.0.1";
   cluster_options.transports = "tcp";
   cluster_options.max_pulls = 1;
-  auto cluster = flexkv::ClusterTier::Create(cluster_options, &caches);
-  INFO(cluster.status().ToString());
+  const flexkv::Status cluster = tiers.Add(flexkv::ClusterTier::Create(cluster_options, &caches));
+  INFO(cluster.ToString());
   REQUIRE(cluster.ok());
-  flexkv::DaemonMetrics metrics(
-      {&caches, &data_plane, &sessions, &lifecycle, &control_errors, ssd->get(), cluster->get()});
+  flexkv::DaemonMetrics metrics({&caches, &data_plane, &sessions, &lifecycle, &control_errors, &tiers});
 
   std::map<std::string, std::string> exported;
   for (const auto& family : metrics.Collect()) exported[family.name] = TypeName(family.type);
@@ -275,7 +276,6 @@ TEST_CASE("docs/operations.md lists exactly the metrics flexkvd exports, with th
   CHECK(HasLine(metrics.Text(), "flexkv_control_errors_total{code=\"PERMISSION_DENIED\"} 1"));
   CHECK(HasLine(text, "flexkv_ssd_up 0"));
   CHECK(HasLine(text, "flexkv_cluster_joined 0"));
-  cluster->reset();
-  ssd->reset();
+  tiers.StopAll();
   std::filesystem::remove_all(ssd_dir);
 }

@@ -11,12 +11,10 @@ using flexkv::StatusCode;
 using flexkv::testing::SmallGeometry;
 using flexkv::testing::TempCache;
 
-TEST_CASE("dram tier: names itself, survives restarts, and has no slots before the pool exists", "[unit][tiers]") {
+TEST_CASE("dram tier: has no slots before the pool exists", "[unit][tiers]") {
   TempCache t;
   REQUIRE(t.cache().RecoverPool(false).ok());
   flexkv::DramTier tier(&t.cache());
-  CHECK(tier.name() == "dram");
-  CHECK(tier.survives_restart());
   CHECK(tier.capacity_slots() == 0);
   CHECK_FALSE(tier.region().has_value());
   std::vector<uint8_t> bytes(SmallGeometry().host_block_bytes());
