@@ -793,6 +793,7 @@ int flexkv_kv_next(flexkv_kv_subscription* s, flexkv_kv_batch* batch, flexkv_kv_
       o.tokens_per_block = e.tokens_per_block;
       o.kind = static_cast<uint8_t>(e.kind);
       o.tier = static_cast<uint8_t>(e.tier);
+      o.component = static_cast<uint8_t>(e.component);
       CopyText(e.model_namespace, o.model_namespace, sizeof(o.model_namespace));
       CopyText(e.cause, o.cause, sizeof(o.cause));
     }

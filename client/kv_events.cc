@@ -113,6 +113,9 @@ Result<KvEventBatch> KvEventSubscription::Next() {
     ev.model_namespace = e.model_namespace();
     ev.tokens_per_block = e.tokens_per_block();
     ev.cause = CauseName(e.cause());
+    ev.component = e.component();
+    ev.kv_cache_spec_kind = e.kv_cache_spec_kind();
+    ev.sliding_window_tokens = e.sliding_window_tokens();
     out.events.push_back(std::move(ev));
   }
   return out;

@@ -214,6 +214,7 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     const CacheDomain::View domain = domain_.Snapshot();
     event_namespace_ = domain.model_namespace;
     event_tokens_per_block_ = domain.geometry ? domain.geometry->tokens_per_block : 0;
+    event_geometry_ = domain.geometry;
   }
   on_next_.assign(pool_->sub_pool(0).capacity, 0);
   touched_.assign(pool_->sub_pool(0).capacity, 0);
@@ -222,7 +223,14 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
   writing_ = 0;
   for (size_t c = 1; c < pool_->component_count(); ++c) {
     const SlotId base = pool_->sub_pool(c).base;
-    Part(c).SetEvictionListener([p, base](SlotId local, const BlockKey&) { p->MarkFree(base + local); });
+    Part(c).SetEvictionListener([this, p, base, c](SlotId local, const BlockKey& key) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      // An unverified entry was never reported stored: its drop is not reported either.
+      if (!Part(c).IsUnverified(local)) {
+        ReportBlockLocked(BlockEvent::kRemoved, key, false, dropping_ ? BlockEvent::kDropped : BlockEvent::kEvicted,
+                          BlockKey{}, static_cast<uint8_t>(c));
+      }
+      p->MarkFree(base + local);
+    });
   }
   if (new_generation) generation_.fetch_add(1, std::memory_order_acq_rel);
   PublishActiveLocked();
@@ -522,6 +530,8 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
     const size_t k = first + i;
     pool_->MarkCommitted(slot, keys[k], k == 0 ? parent : keys[k - 1], checksums[0][i]);
     for (const auto& part : parts_) part->Anchor(keys[k]);
+    ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == keys.size(), BlockEvent::kStored,
+                      k == 0 ? parent : keys[k - 1]);
   }
   for (size_t c = 1; c < r.slots.size(); ++c) {
     std::vector<SlotId> local;
@@ -534,7 +544,11 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
       const SlotId s = r.slots[c][i];
       if (s == ComponentIndex::kNoSlot) continue;
       const uint64_t sum = checksums[c][n++];
-      if (Part(c).IsCommitted(LocalLocked(c, s))) pool_->MarkCommitted(s, r.keys[c][i], BlockKey{}, sum);
+      if (Part(c).IsCommitted(LocalLocked(c, s))) {
+        pool_->MarkCommitted(s, r.keys[c][i], BlockKey{}, sum);
+        ReportBlockLocked(BlockEvent::kCommitted, r.keys[c][i], false, BlockEvent::kStored, BlockKey{},
+                          static_cast<uint8_t>(c));
+      }
     }
   }
   for (const BlockKey& key : gone) UnanchorLocked(key);
@@ -590,8 +604,8 @@ std::optional<uint64_t> Cache::EntryChecksum(SlotId slot) const {
 }
 
 void Cache::ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end, BlockEvent::Cause cause,
-                              const BlockKey& parent) {
-  if (!block_observers_ || parts_.size() > 0) return;  // hybrid geometries: not reported
+                              const BlockKey& parent, uint8_t component) {
+  if (!block_observers_) return;
   BlockEvent e;
   e.kind = kind;
   e.key = key;
@@ -600,23 +614,29 @@ void Cache::ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool r
   e.parent = parent;
   e.model_namespace = event_namespace_;
   e.tokens_per_block = event_tokens_per_block_;
+  e.component = component;
+  e.hybrid = !parts_.empty();
+  e.geometry = event_geometry_ ? &*event_geometry_ : nullptr;
   for (const std::shared_ptr<CacheObserver>& o : observers_) {
     if (o->wants_blocks()) o->BlockChanged(e);
   }
 }
 
 void Cache::SnapshotBlocks(const std::function<void()>& mark,
-                           const std::function<void(const BlockKey& key, const BlockKey& parent)>& each,
-                           std::string* model_namespace, uint32_t* tokens_per_block) const {
+                           const std::function<void(const BlockKey& key, const BlockKey& parent, uint8_t component)>& each,
+                           std::optional<Geometry>* geometry, std::string* model_namespace) const {
   MutexLock lock(&mu_);
   mark();
+  if (geometry != nullptr) *geometry = event_geometry_;
   if (model_namespace != nullptr) *model_namespace = event_namespace_;
-  if (tokens_per_block != nullptr) *tokens_per_block = event_tokens_per_block_;
-  if (!index_ || !pool_ || !parts_.empty()) return;
+  if (!index_ || !pool_) return;
   const SlotId end = pool_->sub_pool(0).capacity;
   for (SlotId s = 0; s < end; ++s) {
     if (!index_->IsCommitted(s)) continue;
-    if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) each(entry->key, entry->parent);
+    if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) each(entry->key, entry->parent, 0);
+  }
+  for (size_t c = 1; c < pool_->component_count(); ++c) {
+    Part(c).ForEachCommitted([&each, c](SlotId, const BlockKey& key) { each(key, BlockKey{}, static_cast<uint8_t>(c)); });
   }
 }
 
@@ -682,8 +702,11 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
                             entry->parent);
         }
       }
-    } else {
-      Part(c).MarkVerified(LocalLocked(c, s));
+    } else if (Part(c).MarkVerified(LocalLocked(c, s)) && block_observers_) {
+      if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) {
+        ReportBlockLocked(BlockEvent::kCommitted, entry->key, false, BlockEvent::kRestored, BlockKey{},
+                          static_cast<uint8_t>(c));
+      }
     }
   }
   size_t dropped = 0;
@@ -693,7 +716,9 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
       full_failed.push_back(s);
     } else {
       const SlotId local = LocalLocked(c, s);
+      dropping_ = true;  // its removal is reported as a drop
       dropped += Part(c).Drop(std::span<const SlotId>(&local, 1));  // its listener clears the slot entry
+      dropping_ = false;
     }
   }
   UnpinLocked(unpin);

@@ -303,11 +303,12 @@ class Cache {
   WriteBackStats write_back_stats() const;
 
   // Under the cache's lock: calls `mark` (what the event stream records as the point the snapshot is consistent
-  // with), then `each(key, parent)` for every committed (matchable) FULL block. Nothing without a pool or for a
-  // hybrid geometry (not reported). `model_namespace`/`tokens_per_block` (optional) get the domain's.
+  // with), then `each(key, parent, component)` for every committed (matchable) FULL block and, for a hybrid geometry,
+  // every committed window and state entry (parent zero). Nothing without a pool. `geometry` (optional) gets the
+  // domain's (nullopt without one).
   void SnapshotBlocks(const std::function<void()>& mark,
-                      const std::function<void(const BlockKey& key, const BlockKey& parent)>& each,
-                      std::string* model_namespace = nullptr, uint32_t* tokens_per_block = nullptr) const;
+                      const std::function<void(const BlockKey& key, const BlockKey& parent, uint8_t component)>& each,
+                      std::optional<Geometry>* geometry = nullptr, std::string* model_namespace = nullptr) const;
 
   // Capacities are active slots (see Resize).
   struct ComponentStats {
@@ -397,9 +398,12 @@ class Cache {
   void RebuildListenersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string event_namespace_ ABSL_GUARDED_BY(mu_);  // the domain's, for the events (set when a pool is adopted)
   uint32_t event_tokens_per_block_ ABSL_GUARDED_BY(mu_) = 0;
-  // Tells the observers that want blocks (when the geometry is not hybrid).
+  std::optional<Geometry> event_geometry_ ABSL_GUARDED_BY(mu_);
+  bool dropping_ ABSL_GUARDED_BY(mu_) = false;  // FinishChecks drops component entries: their removal is a drop
+  // Tells the observers that want blocks.
   void ReportBlockLocked(BlockEvent::Kind kind, const BlockKey& key, bool request_end,
-                         BlockEvent::Cause cause = BlockEvent::kStored, const BlockKey& parent = BlockKey{})
+                         BlockEvent::Cause cause = BlockEvent::kStored, const BlockKey& parent = BlockKey{},
+                         uint8_t component = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The next tier's marks (see AttachNextTier), one per FULL slot: kNotOnNext, kWriting, kOnNext.
   bool next_tier_ ABSL_GUARDED_BY(mu_) = false;

@@ -11,6 +11,7 @@
 
 #include "daemon/cache/pool_region.h"
 #include "flexkv/block_key.h"
+#include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
 namespace flexkv {
@@ -27,6 +28,11 @@ struct CacheBlockEvent {
   BlockKey parent;
   std::string_view model_namespace;
   uint32_t tokens_per_block = 0;
+  // The component (0: FULL; a hybrid geometry's window or state entry: its index in the geometry, docs/hybrid.md) and
+  // whether the domain is hybrid. A component entry has no parent; kDomainDropped covers every component.
+  uint8_t component = 0;
+  bool hybrid = false;
+  const Geometry* geometry = nullptr;  // the domain's (valid only during the call)
 };
 
 class CacheObserver {
@@ -44,8 +50,9 @@ class CacheObserver {
   virtual void PoolRegionRemoved(const PoolRegion& /*region*/) {}
   // kCommitted for each block a Commit publishes and each restored block that passes verification, kRemoved for each
   // committed block that leaves the index (evicted, dropped with a failed check), kDomainDropped once when DropDomain
-  // drops the pool (every block at once). Runs under the cache's lock: it must be quick (queue the event) and must not
-  // call back into the cache. Hybrid geometries are not reported.
+  // drops the pool (every block at once), for FULL blocks and for the window and state entries of a hybrid geometry
+  // (`component`). Runs under the cache's lock: it must be quick (queue the event) and must not call back into the
+  // cache.
   virtual void BlockChanged(const CacheBlockEvent& /*event*/) {}
   // Whether BlockChanged does anything (the cache skips building events when no observer wants them).
   virtual bool wants_blocks() const { return false; }

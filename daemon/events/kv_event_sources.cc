@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "daemon/cache/cache.h"
-#include "daemon/cache/cache_set.h"
 #include "common/log.h"
+#include "daemon/cache/cache_set.h"
 #include "daemon/tiers/tier_set.h"
 
 namespace flexkv {
@@ -30,9 +30,24 @@ KvEventCause CauseOf(Cache::BlockEvent::Cause cause) {
 // The domain id of the cache's current namespace, remembered between events (used under the cache's lock only).
 struct DomainMemo {
   std::string model_namespace;
+  uint64_t generation = 0;  // the cache's: a dropped domain's namespace may come back with another geometry
   uint16_t id = 0;
   bool set = false;
 };
+
+// How vLLM's KV events name each component's KV cache group (kv_cache_spec_kind, kv_cache_spec_sliding_window).
+std::vector<KvEventStream::ComponentInfo> ComponentsOf(const Geometry& g) {
+  std::vector<KvEventStream::ComponentInfo> out;
+  out.push_back({g.is_mla() ? "mla_attention" : "full_attention", 0});
+  for (const ComponentSpec& c : g.components) {
+    if (c.kind == ComponentKind::kSlidingWindow) {
+      out.push_back({"sliding_window", c.window_tokens});
+    } else {
+      out.push_back({"mamba", 0});  // a state snapshot per prefix end (Mamba, linear attention)
+    }
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -40,22 +55,33 @@ void ConnectKvEventSources(KvEventStream* stream, CacheSet* caches, const TierSe
   for (size_t i = 0; i < caches->max_domains(); ++i) {
     Cache* cache = &caches->cache(i);
     const uint16_t source = stream->AddSource([stream, cache](KvEventStream::SnapshotSink& sink) {
-      std::vector<std::pair<BlockKey, BlockKey>> blocks;
+      struct Held {
+        BlockKey key, parent;
+        uint8_t component;
+      };
+      std::vector<Held> blocks;
+      std::optional<Geometry> geometry;
       std::string ns;
-      uint32_t tokens_per_block = 0;
-      cache->SnapshotBlocks([&sink] { sink.Mark(); },
-                            [&blocks](const BlockKey& key, const BlockKey& parent) { blocks.emplace_back(key, parent); },
-                            &ns, &tokens_per_block);
-      if (ns.empty()) return;  // no domain yet (interning it now also names its SSD blocks)
-      const uint16_t domain = stream->InternDomain(ns, tokens_per_block);
-      for (const auto& [key, parent] : blocks) sink.Add(KvTier::kDram, domain, key, parent);
+      cache->SnapshotBlocks(
+          [&sink] { sink.Mark(); },
+          [&blocks](const BlockKey& key, const BlockKey& parent, uint8_t component) {
+            blocks.push_back(Held{key, parent, component});
+          },
+          &geometry, &ns);
+      if (ns.empty() || !geometry) return;  // no domain yet (interning it now also names its SSD blocks)
+      const uint16_t domain = stream->InternDomain(ns, geometry->tokens_per_block, ComponentsOf(*geometry));
+      for (const Held& b : blocks) sink.Add(KvTier::kDram, domain, b.key, b.parent, b.component);
     });
     auto memo = std::make_shared<DomainMemo>();
-    cache->AddObserver(std::make_shared<FunctionCacheObserver>(nullptr, nullptr, [stream, source, memo](const Cache::BlockEvent& e) {
+    cache->AddObserver(std::make_shared<FunctionCacheObserver>(nullptr, nullptr, [stream, source, memo, cache](const Cache::BlockEvent& e) {
       if (!stream->active()) return;
-      if (!memo->set || memo->model_namespace != e.model_namespace) {
+      const uint64_t generation = cache->generation();
+      if (!memo->set || memo->model_namespace != e.model_namespace || memo->generation != generation) {
         memo->model_namespace = std::string(e.model_namespace);
-        memo->id = stream->InternDomain(e.model_namespace, e.tokens_per_block);
+        memo->generation = generation;
+        memo->id = stream->InternDomain(e.model_namespace, e.tokens_per_block,
+                                        e.geometry != nullptr ? ComponentsOf(*e.geometry)
+                                                              : std::vector<KvEventStream::ComponentInfo>{});
         memo->set = true;
       }
       KvEvent ev;
@@ -65,6 +91,7 @@ void ConnectKvEventSources(KvEventStream* stream, CacheSet* caches, const TierSe
       ev.source = source;
       ev.tier = KvTier::kDram;
       ev.cause = CauseOf(e.cause);
+      ev.component = e.component;
       switch (e.kind) {
         case Cache::BlockEvent::kCommitted: ev.kind = KvEventKind::kStored; break;
         case Cache::BlockEvent::kRemoved: ev.kind = KvEventKind::kRemoved; ev.parent = BlockKey{}; break;
@@ -84,15 +111,16 @@ void ConnectKvEventSources(KvEventStream* stream, CacheSet* caches, const TierSe
     const KvTier kv_tier = KvTier::kSsd;
     const uint16_t source = stream->AddSource([stream, tier, kv_tier](KvEventStream::SnapshotSink& sink) {
       std::vector<TierBlockEvent> blocks;
-      tier->SnapshotBlocks([&sink] { sink.Mark(); }, [&blocks](const TierBlockEvent& e) {
-        if (e.component == 0) blocks.push_back(e);
-      });
-      for (const TierBlockEvent& e : blocks) sink.Add(kv_tier, stream->DomainByHash(e.namespace_hash), e.key, e.parent);
+      tier->SnapshotBlocks([&sink] { sink.Mark(); }, [&blocks](const TierBlockEvent& e) { blocks.push_back(e); });
+      for (const TierBlockEvent& e : blocks) {
+        sink.Add(kv_tier, stream->DomainByHash(e.namespace_hash), e.key, e.parent, e.component);
+      }
     });
     tier->SetBlockObserver([stream, source, kv_tier](const TierBlockEvent& e) {
-      if (!stream->active() || e.component != 0) return;
+      if (!stream->active()) return;
       KvEvent ev;
       ev.key = e.key;
+      ev.component = e.component;
       ev.domain = stream->DomainByHash(e.namespace_hash);
       ev.source = source;
       ev.tier = kv_tier;

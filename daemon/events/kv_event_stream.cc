@@ -85,7 +85,8 @@ uint64_t KvEventStream::last_seq() const {
   return next_seq_ - 1;
 }
 
-uint16_t KvEventStream::InternDomain(std::string_view model_namespace, uint32_t tokens_per_block) {
+uint16_t KvEventStream::InternDomain(std::string_view model_namespace, uint32_t tokens_per_block,
+                                    std::vector<ComponentInfo> components) {
   MutexLock lock(&domains_mu_);
   const uint64_t hash = NamespaceHash(model_namespace);
   auto it = by_hash_.find(hash);
@@ -93,6 +94,7 @@ uint16_t KvEventStream::InternDomain(std::string_view model_namespace, uint32_t 
     DomainInfo& d = domains_[it->second];
     if (d.model_namespace == model_namespace) {
       if (tokens_per_block != 0) d.tokens_per_block = tokens_per_block;
+      if (!components.empty()) d.components = std::move(components);
       return it->second;
     }
   }
@@ -100,7 +102,7 @@ uint16_t KvEventStream::InternDomain(std::string_view model_namespace, uint32_t 
     if (domains_[i].model_namespace == model_namespace) return static_cast<uint16_t>(i);
   }
   if (domains_.size() >= 0xffff) return 0xffff;  // never in practice: namespaces are few
-  domains_.push_back(DomainInfo{std::string(model_namespace), tokens_per_block});
+  domains_.push_back(DomainInfo{std::string(model_namespace), tokens_per_block, std::move(components)});
   const auto id = static_cast<uint16_t>(domains_.size() - 1);
   by_hash_[hash] = id;
   return id;
@@ -119,7 +121,7 @@ uint16_t KvEventStream::DomainByHash(uint64_t namespace_hash) {
     if (domains_[i].model_namespace == name) return static_cast<uint16_t>(i);
   }
   if (domains_.size() >= 0xffff) return 0xffff;
-  domains_.push_back(DomainInfo{name, 0});
+  domains_.push_back(DomainInfo{name, 0, {}});
   return static_cast<uint16_t>(domains_.size() - 1);
 }
 
@@ -154,8 +156,9 @@ KvEventStream::Snapshot KvEventStream::Reader::TakeSnapshot() {
     uint16_t source = 0;
     Snapshot* out;
     void Mark() override { out->marks[source] = stream->last_seq(); }
-    void Add(KvTier tier, uint16_t domain, const BlockKey& key, const BlockKey& parent) override {
+    void Add(KvTier tier, uint16_t domain, const BlockKey& key, const BlockKey& parent, uint8_t component) override {
       KvEvent e;
+      e.component = component;
       e.key = key;
       e.parent = parent;
       e.domain = domain;

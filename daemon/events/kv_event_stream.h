@@ -62,6 +62,9 @@ struct KvEvent {
   KvEventKind kind = KvEventKind::kStored;
   KvTier tier = KvTier::kDram;
   KvEventCause cause = KvEventCause::kUnknown;
+  // The component of a hybrid geometry (docs/hybrid.md): 0 FULL, else its window or state entry (vLLM's KV cache
+  // group index); DomainInfo::components says what kind it is.
+  uint8_t component = 0;
 };
 
 // An allocator whose large blocks (64 KiB and more) are anonymous mappings of their own, unmapped when freed: the
@@ -119,11 +122,20 @@ class KvEventStream {
   void Wake();
 
   // Domains: an id per (namespace) seen, for the events' `domain`. Cheap after the first call per name.
+  // One component of the domain's geometry, as vLLM's KV events name its KV cache group.
+  struct ComponentInfo {
+    std::string spec_kind;               // "full_attention", "mla_attention", "sliding_window", "mamba"
+    uint32_t sliding_window_tokens = 0;  // "sliding_window": its window; 0 otherwise
+  };
   struct DomainInfo {
     std::string model_namespace;
     uint32_t tokens_per_block = 0;  // 0: unknown (an SSD block of a domain not attached since the start)
+    std::vector<ComponentInfo> components;  // empty: unknown
   };
-  uint16_t InternDomain(std::string_view model_namespace, uint32_t tokens_per_block);
+  // `components` (when not empty) replaces what is known of the namespace's components (a dropped domain's namespace
+  // may come back with another geometry).
+  uint16_t InternDomain(std::string_view model_namespace, uint32_t tokens_per_block,
+                        std::vector<ComponentInfo> components = {});
   // The id of the domain whose namespace hashes (XXH3-64, SsdDomain) to `namespace_hash`; a name "#<hex>" when the
   // namespace was never seen.
   uint16_t DomainByHash(uint64_t namespace_hash);
@@ -137,7 +149,8 @@ class KvEventStream {
    public:
     virtual ~SnapshotSink() = default;
     virtual void Mark() = 0;
-    virtual void Add(KvTier tier, uint16_t domain, const BlockKey& key, const BlockKey& parent) = 0;
+    virtual void Add(KvTier tier, uint16_t domain, const BlockKey& key, const BlockKey& parent,
+                     uint8_t component = 0) = 0;
   };
   uint16_t AddSource(std::function<void(SnapshotSink&)> visit);
 

@@ -1,9 +1,12 @@
 // See zmq_publisher.h. The wire format is vLLM's (vllm/distributed/kv_events.py), written here from its published
 // description: a multipart message [topic, seq (8 bytes, big-endian, per batch from 0), payload], the payload a
 // msgpack KVEventBatch encoded array-like: [ts (float64 seconds), [event, ...]], each event a tagged array:
-//   ["BlockStored", [hash, ...], parent_hash | nil, [token ids], block_size, lora_id | nil, medium]
-//   ["BlockRemoved", [hash, ...], medium]
+//   ["BlockStored", [hash, ...], parent_hash | nil, [token ids], block_size, lora_id | nil, medium, lora_name | nil,
+//    extra_keys | nil, group_idx, kv_cache_spec_kind | nil, kv_cache_spec_sliding_window | nil]
+//   ["BlockRemoved", [hash, ...], medium, group_idx]
 //   ["AllBlocksCleared"]
+// (vLLM's array-like structs: a decoder of an older vLLM that knows fewer fields ignores the trailing ones.) group_idx
+// is the component of a hybrid geometry (0: FULL), the spec kind and window say what it is.
 // A flexkvd key is a 16-byte msgpack bin: lo then hi, each little-endian (the bytes the key chain hashes).
 #include "daemon/events/zmq_publisher.h"
 
@@ -69,6 +72,7 @@ struct EventRun {
   KvEventKind kind;
   KvTier tier;
   uint16_t domain;
+  uint8_t component;
   BlockKey parent;
   std::vector<BlockKey> keys;
 };
@@ -78,13 +82,15 @@ std::vector<EventRun> Coalesce(const std::vector<KvEvent>& events) {
   for (const KvEvent& e : events) {
     if (!runs.empty()) {
       EventRun& r = runs.back();
-      const bool same = r.kind == e.kind && r.tier == e.tier && r.domain == e.domain && e.kind != KvEventKind::kCleared;
-      if (same && (e.kind == KvEventKind::kRemoved || e.parent == r.keys.back())) {
+      const bool same = r.kind == e.kind && r.tier == e.tier && r.domain == e.domain && r.component == e.component &&
+                        e.kind != KvEventKind::kCleared;
+      // A window or state entry has no parent: consecutive ones of a component are one event.
+      if (same && (e.kind == KvEventKind::kRemoved || e.component != 0 || e.parent == r.keys.back())) {
         r.keys.push_back(e.key);
         continue;
       }
     }
-    runs.push_back(EventRun{e.kind, e.tier, e.domain, e.parent, {e.key}});
+    runs.push_back(EventRun{e.kind, e.tier, e.domain, e.component, e.parent, {e.key}});
   }
   return runs;
 }
@@ -160,7 +166,8 @@ void ZmqKvEventPublisher::Run() {
     for (const EventRun& r : runs) {
       switch (r.kind) {
         case KvEventKind::kStored: {
-          msgpack_pack_array(&pk, 7);
+          const KvEventStream::DomainInfo domain = stream_->Domain(r.domain);
+          msgpack_pack_array(&pk, 12);
           PackStr(&pk, "BlockStored");
           msgpack_pack_array(&pk, r.keys.size());
           for (const BlockKey& k : r.keys) PackKey(&pk, k);
@@ -170,17 +177,33 @@ void ZmqKvEventPublisher::Run() {
             PackKey(&pk, r.parent);
           }
           msgpack_pack_array(&pk, 0);  // token ids: flexkvd never sees tokens, only their keys
-          msgpack_pack_uint32(&pk, stream_->Domain(r.domain).tokens_per_block);
+          msgpack_pack_uint32(&pk, domain.tokens_per_block);
           msgpack_pack_nil(&pk);  // lora_id
           PackStr(&pk, MediumOf(r.tier));
+          msgpack_pack_nil(&pk);  // lora_name: the adapter is in the keys (docs/protocol.md "Block keys")
+          msgpack_pack_nil(&pk);  // extra_keys: likewise
+          msgpack_pack_uint32(&pk, r.component);  // group_idx
+          if (r.component < domain.components.size()) {
+            const KvEventStream::ComponentInfo& c = domain.components[r.component];
+            PackStr(&pk, c.spec_kind);
+            if (c.sliding_window_tokens != 0) {
+              msgpack_pack_uint32(&pk, c.sliding_window_tokens);
+            } else {
+              msgpack_pack_nil(&pk);
+            }
+          } else {  // the domain's geometry is unknown (an SSD block of a namespace not attached since the start)
+            msgpack_pack_nil(&pk);
+            msgpack_pack_nil(&pk);
+          }
           break;
         }
         case KvEventKind::kRemoved:
-          msgpack_pack_array(&pk, 3);
+          msgpack_pack_array(&pk, 4);
           PackStr(&pk, "BlockRemoved");
           msgpack_pack_array(&pk, r.keys.size());
           for (const BlockKey& k : r.keys) PackKey(&pk, k);
           PackStr(&pk, MediumOf(r.tier));
+          msgpack_pack_uint32(&pk, r.component);  // group_idx
           break;
         case KvEventKind::kCleared:  // never here: Run publishes a dropped domain as a resync
           msgpack_pack_array(&pk, 1);

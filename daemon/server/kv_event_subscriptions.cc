@@ -268,7 +268,7 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
     KvEventStream::DomainInfo info;
     bool readable = false;
   };
-  const KnownDomain& DomainLocked(uint16_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  KnownDomain& DomainLocked(uint16_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = domains_.find(id);
     if (it == domains_.end()) {
       KnownDomain d{stream_->Domain(id), false};
@@ -295,9 +295,18 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
     out->set_key_hi(e.key.hi);
     out->set_parent_lo(e.parent.lo);
     out->set_parent_hi(e.parent.hi);
-    const KvEventStream::DomainInfo& d = DomainLocked(e.domain).info;
+    KnownDomain& known = DomainLocked(e.domain);
+    if (e.component >= known.info.components.size()) {
+      known.info = stream_->Domain(e.domain);  // its geometry was not known yet when this stream first saw it
+    }
+    const KvEventStream::DomainInfo& d = known.info;
     out->set_model_namespace(d.model_namespace);
     out->set_tokens_per_block(d.tokens_per_block);
+    out->set_component(e.component);
+    if (e.component < d.components.size()) {
+      out->set_kv_cache_spec_kind(d.components[e.component].spec_kind);
+      out->set_sliding_window_tokens(d.components[e.component].sliding_window_tokens);
+    }
     out->set_cause(static_cast<v1::KvEvent::Cause>(e.cause));
     *bytes += 64 + d.model_namespace.size();
   }

@@ -195,7 +195,8 @@ for _name, (_restype, _argtypes) in _PROTOTYPES.items():
 
 class KvEventStruct(Structure):
     _fields_ = [("seq", c_uint64), ("key", BlockKeyStruct), ("parent", BlockKeyStruct), ("tokens_per_block", c_uint32),
-                ("kind", ctypes.c_uint8), ("tier", ctypes.c_uint8), ("reserved", ctypes.c_uint8 * 2),
+                ("kind", ctypes.c_uint8), ("tier", ctypes.c_uint8), ("component", ctypes.c_uint8),
+                ("reserved", ctypes.c_uint8),
                 ("model_namespace", c_char * 260), ("cause", c_char * 20)]
 
 

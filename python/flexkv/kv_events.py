@@ -33,6 +33,7 @@ class KvEvent(NamedTuple):
     model_namespace: str
     tokens_per_block: int
     cause: str
+    component: int = 0     # hybrid geometries: the entry's component (0: full attention; vLLM's group_idx)
 
 
 class KvEventBatch(NamedTuple):
@@ -76,7 +77,7 @@ class KvEventSubscription:
                                   TIERS[e.tier] if e.tier < len(TIERS) else str(e.tier),
                                   BlockKey(e.key.lo, e.key.hi), BlockKey(e.parent.lo, e.parent.hi),
                                   e.model_namespace.decode("utf-8", "replace"), e.tokens_per_block,
-                                  e.cause.decode()))
+                                  e.cause.decode(), e.component))
         return KvEventBatch(batch.instance_id, batch.started_unix_ms, bool(batch.snapshot), bool(batch.snapshot_end),
                             batch.snapshot_seq, batch.head_seq, batch.position, events)
 

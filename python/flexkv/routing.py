@@ -376,6 +376,10 @@ class KvEventFeed:
         self._thread.join(timeout=10.0)
 
     def _wanted(self, event) -> bool:
+        # The index places prompts by their full-attention blocks: a hybrid geometry's window and state entries
+        # (component > 0) are not keys of the prefix tree.
+        if getattr(event, "component", 0) != 0:
+            return False
         # An SSD block whose namespace the daemon has not seen attached since it started (it restarted on an SSD
         # directory, its DRAM pool gone) is reported under the namespace's hash, "#<16 hex digits>", until a
         # session of that namespace attaches: those blocks are this namespace's as much as the ones named.

@@ -3,8 +3,9 @@
 The decoder below uses only python3-zmq and python3-msgpack and follows vLLM's published KV-event format
 (vllm/distributed/kv_events.py): multipart [topic, seq (8 bytes, big-endian), payload]; the payload a msgpack
 KVEventBatch encoded array-like, [ts, [event, ...]], each event a tagged array whose first element is its class name:
-  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-  ["BlockRemoved", block_hashes, medium]
+  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+   group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]
+  ["BlockRemoved", block_hashes, medium, group_idx]
   ["AllBlocksCleared"]
 flexkvd's block hashes are its 128-bit keys as 16 bytes: lo then hi, little-endian (docs/kv_events.md).
 The flexkv package only drives the daemon (stores, matches) and computes the expected keys.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 
@@ -37,7 +38,8 @@ def as_hash(key) -> bytes:
 
 
 class VllmSubscriber:
-    """What a router that consumes vLLM's KV events keeps: the hashes per medium, and each stored hash's parent."""
+    """What a router that consumes vLLM's KV events keeps: the hashes per (medium, KV cache group), each stored hash's
+    parent, and each group's spec (kind, sliding window)."""
 
     def __init__(self, endpoint: str) -> None:
         self.ctx = zmq.Context()
@@ -45,7 +47,8 @@ class VllmSubscriber:
         self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self.sub.connect(endpoint)
         self.last_seq: Optional[int] = None
-        self.held: Dict[str, Set[bytes]] = {}
+        self.held: Dict[Tuple[str, int], Set[bytes]] = {}
+        self.kinds: Dict[int, Tuple[Optional[str], Optional[int]]] = {}
         self.parent: Dict[bytes, Optional[bytes]] = {}
         self.stored = 0
         self.removed = 0
@@ -80,21 +83,29 @@ class VllmSubscriber:
     def apply(self, event: List) -> None:
         tag = event[0]
         if tag == "BlockStored":
-            block_hashes, parent, token_ids, block_size, lora_id, medium = event[1:7]
-            assert lora_id is None
+            assert len(event) == 12, event
+            (block_hashes, parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, kind,
+             window) = event[1:12]
+            assert lora_id is None and lora_name is None and extra_keys is None
             assert isinstance(token_ids, list)
+            assert isinstance(group_idx, int)
             self.block_sizes.add(block_size)
-            held = self.held.setdefault(medium, set())
+            self.kinds[group_idx] = (kind, window)
+            held = self.held.setdefault((medium, group_idx), set())
             for h in block_hashes:
                 assert isinstance(h, bytes) and len(h) == 16
-                self.parent[h] = parent
+                if group_idx == 0:
+                    self.parent[h] = parent
+                    parent = h
+                else:
+                    assert parent is None, "a window or state entry has no parent"
                 held.add(h)
-                parent = h
                 self.stored += 1
         elif tag == "BlockRemoved":
-            block_hashes, medium = event[1:3]
+            assert len(event) == 4, event
+            block_hashes, medium, group_idx = event[1:4]
             for h in block_hashes:
-                self.held.setdefault(medium, set()).discard(h)
+                self.held.setdefault((medium, group_idx), set()).discard(h)
                 self.removed += 1
         elif tag == "AllBlocksCleared":
             self.held.clear()
@@ -102,10 +113,10 @@ class VllmSubscriber:
         else:
             raise AssertionError(f"unknown event tag {tag!r}")
 
-    def until_stored(self, key_hash: bytes, medium: str = "CPU") -> None:
+    def until_stored(self, key_hash: bytes, medium: str = "CPU", group: int = 0) -> None:
         """Reads until key_hash is held (the publisher is in order: everything before it has arrived)."""
         for _ in range(100000):
-            if key_hash in self.held.get(medium, set()):
+            if key_hash in self.held.get((medium, group), set()):
                 return
             self.poll(100)
         raise AssertionError("the stored block never arrived")
@@ -150,7 +161,8 @@ def test_zmq_stream_decodes_as_vllm_block_stored_and_removed_with_the_keys_and_p
             store(c, sentinel)
             sub.until_stored(as_hash(sentinel[1]))
             assert sub.block_sizes == {TPB}
-            assert set(sub.held) <= {"CPU"}  # no SSD tier here
+            assert set(sub.held) <= {("CPU", 0)}  # no SSD tier here, and a full-attention model: group 0 only
+            assert sub.kinds == {0: ("full_attention", None)}
             assert sub.removed > 0, "the load evicted, so BlockRemoved events came"
             # Every chain's blocks were stored with the right hashes and parents: the first block under no parent
             # (a prompt's start), each next under the one before.
@@ -160,7 +172,7 @@ def test_zmq_stream_decodes_as_vllm_block_stored_and_removed_with_the_keys_and_p
                     assert h in sub.parent, f"block {i} of a chain was never reported stored"
                     assert sub.parent[h] == (None if i == 0 else hashes[i - 1])
             # What the subscriber holds is exactly what the daemon matches: a chain's cached prefix, nothing else.
-            held = sub.held.get("CPU", set())
+            held = sub.held.get(("CPU", 0), set())
             total = 0
             for keys in chains + [sentinel]:
                 h = c.match_via_control(keys)
@@ -254,10 +266,71 @@ def test_dropping_one_domain_leaves_the_subscriber_the_other_domains_blocks():
             sentinel = chain(5001, 2)  # published after the drop: everything before it has arrived
             store(c, sentinel)
             sub.until_stored(as_hash(sentinel[1]))
-            held = sub.held.get("CPU", set())
+            held = sub.held.get(("CPU", 0), set())
             warm_keys = {as_hash(chain(3000 + i, 1)[0]) for i in range(warm)}
             assert held == {as_hash(k) for k in list(kept) + list(sentinel)} | warm_keys
             assert sub.cleared >= 2  # the one at the subscription, the one of the drop
+    finally:
+        sub.close()
+        d.stop()
+
+
+# gpt-oss's shape, small: FULL and a 32-token (2-block) sliding window of 2 layers x K/V x 2 heads x 64 (16 KiB
+# blocks), and a state of 2 layers x 256 bytes.
+HYBRID = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
+                         components=[flexkv.ComponentSpec.sliding_window(2, 2, 64, 32),
+                                     flexkv.ComponentSpec.state(2, 256)])
+
+
+def test_zmq_stream_carries_each_component_of_a_hybrid_model_with_vllms_group_fields():
+    tmp = tempfile.mkdtemp(prefix="flexkv-zmq-")
+    endpoint = f"ipc://{os.path.join(tmp, 'kv-events')}"
+    # Small: the stores below evict FULL blocks and windows.
+    d = start_daemon_with_zmq(endpoint, "2MiB", ["--swa-share", "0.3", "--state-share", "0.05"])
+    sub = VllmSubscriber(endpoint)
+    namespace = "zmq-hybrid"
+    try:
+        with flexkv.connect(d.socket) as c:
+            c.attach("zmq-hybrid", namespace, HYBRID)
+            for i in range(HYBRID.component_count):
+                c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8, component=i)
+            prompts = []
+
+            def store_prompt(seed: int) -> flexkv.BlockKeys:
+                keys = flexkv.block_keys(namespace, [seed * 100000 + i for i in range(4 * 16)], 16)
+                # 4 FULL blocks, the window of the last 2, the state after block 4.
+                c.store(keys, [[0, 1, 2, 3], [4, 5], [6]], state_boundaries=[4]).wait(10.0)
+                return keys
+
+            warm = 0
+            while True:
+                prompts.append(store_prompt(900 + warm))
+                warm += 1
+                if sub.poll(200):
+                    break
+            for seed in range(60):
+                prompts.append(store_prompt(seed))
+            sentinel = store_prompt(5000)
+            sub.until_stored(as_hash(sentinel[3]), group=2)  # its state: the last entry the store committed
+            assert sub.kinds == {0: ("full_attention", None), 1: ("sliding_window", 32), 2: ("mamba", None)}
+            assert sub.removed > 0, "the stores evicted"
+            st = c.status()
+            full = sub.held.get(("CPU", 0), set())
+            window = sub.held.get(("CPU", 1), set())
+            state = sub.held.get(("CPU", 2), set())
+            # The subscriber's view of each group is what each sub-pool holds (no pins: used == committed).
+            assert len(full) == st.index_blocks
+            pools = c.pool_components()
+            assert len(window) == pools[1].used and len(state) == pools[2].used
+            # A window entry is a key of the last two blocks of a stored prompt, a state entry the key of the fourth.
+            windows_stored = {as_hash(k) for keys in prompts + [sentinel] for k in keys[2:4]}
+            states_stored = {as_hash(keys[3]) for keys in prompts + [sentinel]}
+            assert window <= windows_stored and state <= states_stored
+            assert as_hash(sentinel[3]) in state and as_hash(sentinel[2]) in window
+            # Each prompt the daemon matches whole has its window and state held as the subscriber sees them.
+            for keys in prompts + [sentinel]:
+                if c.match_via_control(keys) == 4:
+                    assert {as_hash(keys[2]), as_hash(keys[3])} <= window and as_hash(keys[3]) in state
     finally:
         sub.close()
         d.stop()

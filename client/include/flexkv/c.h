@@ -339,7 +339,8 @@ typedef struct flexkv_kv_event {
   uint32_t tokens_per_block; /* the domain's (0: unknown) */
   uint8_t kind;              /* FLEXKV_KV_STORED, _REMOVED, _CLEARED */
   uint8_t tier;              /* FLEXKV_KV_TIER_DRAM, _SSD */
-  uint8_t reserved[2];
+  uint8_t component;         /* hybrid geometries: the entry's component (0: full attention; vLLM's group_idx) */
+  uint8_t reserved;
   char model_namespace[260]; /* NUL-terminated (namespaces are at most 256 bytes) */
   char cause[20];            /* "store", "promoted", ..., NUL-terminated */
 } flexkv_kv_event;

@@ -35,6 +35,12 @@ struct KvBlockEvent {
   std::string model_namespace;
   uint32_t tokens_per_block = 0;  // the domain's (0: unknown)
   std::string cause;  // "store", "promoted", "pulled", "restored", "written_back", "evicted", "dropped", "domain_dropped"
+  // Hybrid geometries (docs/hybrid.md): the component of the domain's geometry the entry belongs to (0: full attention;
+  // vLLM's KV cache group index), its kind as vLLM's events name it ("full_attention", "mla_attention",
+  // "sliding_window", "mamba"; empty: unknown) and a sliding window's tokens. A window or state entry has no parent.
+  uint32_t component = 0;
+  std::string kv_cache_spec_kind;
+  uint32_t sliding_window_tokens = 0;
 };
 
 struct KvEventBatch {

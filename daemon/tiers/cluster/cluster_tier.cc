@@ -151,7 +151,10 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
           return Status::Ok();
         },
         [self](const PoolRegion& region) { self->RemovePoolRegion(region); },
-        [raw, cache](const Cache::BlockEvent& e) { raw->OnBlockEvent(cache, e); });
+        [raw, cache](const Cache::BlockEvent& e) {
+          // Hybrid domains are neither published nor pulled (capabilities().hybrid is false).
+          if (!e.hybrid || e.kind == Cache::BlockEvent::kDomainDropped) raw->OnBlockEvent(cache, e);
+        });
     cache->AddObserver(observer);
     raw->observers.push_back(std::move(observer));
   }

@@ -3,7 +3,9 @@
 // match, reports its status and metrics, on a real CacheSet and pool file - no part of the daemon knows it.
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <future>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -145,6 +147,8 @@ TEST_CASE("tiers: a tier plugged into a TierSet takes write-backs, brings evicte
     CHECK(same);
   }
   f.cache->Unpin(looked.pinned);
+  // The promotion is counted in flight until just after its answer: it ends on the tier's thread.
+  for (int i = 0; i < 5000 && lifecycle.inflight() != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   CHECK(lifecycle.inflight() == 0);
 
   // Its status entry and its families, through the same calls GetStatus and the metrics endpoint make.
