@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, builds, runs every test this machine can run.
 # Exit 0 only if all pass. GPU tests ([gpu]) skip themselves where no GPU is visible.
+# CI=true (.ci/run sets it): what cannot run fails the run with the reason instead of skipping: a stage that cannot
+# run here, a test that skipped itself for any reason but the missing GPU (scripts/skipped_tests.py --ci), and the
+# knobs that turn checks off (FLEXKV_SANITIZERS=0, FLEXKV_THREAD_SAFETY=0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
@@ -9,23 +12,46 @@ export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ccache}
 # Paths relative to the checkout: a fresh clone elsewhere (CI) reuses what an earlier build cached.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 
+if [[ ${CI:-} == true ]]; then
+  for knob in FLEXKV_SANITIZERS FLEXKV_THREAD_SAFETY; do
+    [[ ${!knob:-1} != 0 ]] ||
+      { echo "flexkv: FAIL: $knob=0 under CI=true: CI runs every check (the knob is for quick local runs)" >&2; exit 1; }
+  done
+fi
+
 # What did not run, and why: a stage or test group that skipped itself appends its reason to FLEXKV_SKIPS_FILE, and
 # the tests that skipped themselves are read from each ctest run's log; both are listed when the script ends, so a
-# green run says what it did not test. (Under CI=true the package stage fails instead of skipping.)
+# green run says what it did not test.
 FLEXKV_SKIPS_FILE=$(mktemp /tmp/flexkv-skips.XXXXXX)
 export FLEXKV_SKIPS_FILE
-CTEST_DIRS=()
+CTEST_DIRS=()  # those whose ctest ran in this run (a log left by an earlier run says nothing about this one)
 summary() {
   local rc=$? dir
+  set +e
   {
     echo "flexkv: summary ($([[ $rc -eq 0 ]] && echo passed || echo "FAILED, exit $rc")); skipped:"
     [[ -s $FLEXKV_SKIPS_FILE ]] && sed 's/^/  /' "$FLEXKV_SKIPS_FILE"
     for dir in "${CTEST_DIRS[@]}"; do python3 scripts/skipped_tests.py "$dir"; done
     [[ ${FLEXKV_SANITIZERS:-1} != 0 ]] || echo "  the sanitizer, thread-safety and fuzz stages (FLEXKV_SANITIZERS=0)"
+    [[ ${FLEXKV_THREAD_SAFETY:-1} != 0 ]] || echo "  -Werror=thread-safety: a warning only (FLEXKV_THREAD_SAFETY=0)"
   } >&2
   rm -f "$FLEXKV_SKIPS_FILE"
+  exit "$rc"
 }
 trap summary EXIT
+
+# Runs ctest in <dir> (arguments after it go to ctest); under CI=true a test that skipped itself for any reason but the
+# missing GPU then fails the stage, each one named with its reason.
+run_ctest() {  # <dir> <ctest args...>
+  local dir=$1
+  shift
+  CTEST_DIRS+=("$dir")
+  ctest --test-dir "$dir" --output-on-failure -j "$(nproc)" --no-tests=error "$@"
+  if [[ ${CI:-} == true ]] && ! python3 scripts/skipped_tests.py --ci "$dir" >&2; then
+    echo "flexkv: FAIL: tests in $dir skipped themselves under CI=true (listed above with their reasons)" >&2
+    return 1
+  fi
+}
 
 # Runs one stage and prints how long it took, so a slow stage shows in the CI log. Exits on failure (set -e).
 stage() {  # <name> <command...>
@@ -41,21 +67,26 @@ stage "build (build/)" flexkv_build
 # scope in two of one target's sources would collide in a batch, or silently overload; this lists any.
 stage "unity batches: no file-scope name twice in one target (scripts/check_unity_names.py)" \
   python3 scripts/check_unity_names.py build
-CTEST_DIRS+=(build)
-stage "tests (build/)" ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600 "$@"
+# Without a CUDA toolkit at configure time the GPU tests are not built at all: say so (CI may lack a GPU).
+if ! ctest --test-dir build -N -L gpu | grep '^Total Tests: [1-9]' >/dev/null; then
+  cuda=$(sed -n 's/^CMAKE_CUDA_COMPILER:[A-Z]*=//p' build/CMakeCache.txt)
+  if [[ -z $cuda || $cuda == *NOTFOUND ]]; then why="no CUDA toolkit when build/ was configured"; else why="none registered in build/"; fi
+  echo "GPU tests (tests/gpu, [gpu]): not run: $why" >>"$FLEXKV_SKIPS_FILE"
+fi
+stage "tests (build/)" run_ctest build --timeout 600 "$@"
 # The Debian package from build/ (cpack, no second build): installed, its daemon run as the unit says, reached by the
-# installed flexkvctl, Python package and example engine project, purged; on a host that ran the daemon before (what
-# scripts/run.sh leaves is put in place where missing, and must come back). Root only (it skips itself otherwise,
-# and fails under CI=true).
-stage "Debian package: build, install, run, purge (scripts/test_package_leftovers.sh)" \
-  bash scripts/test_package_leftovers.sh build
+# installed flexkvctl, Python package and example engine project, purged; over what an earlier run of the daemon
+# leaves (a regression test of issue 33: it makes /run/flexkvd and /dev/shm/flexkvd with a real run where the host
+# has neither, and checks that both come back as they were). Root only (it skips itself otherwise, and fails under
+# CI=true).
+stage "Debian package over an earlier run's leftovers: build, install, run, purge (tests/scripts/test_package_over_leftovers_test.sh)" \
+  bash tests/scripts/test_package_over_leftovers_test.sh build
 
 # Sanitizers and the other clang checks, on by default (CI); FLEXKV_SANITIZERS=0 runs the normal suite only. Each
 # build has its own directory, CUDA off, and builds only what its checks run (no benches). A report anywhere fails:
 # the sanitizers halt on the first one, and the test harness fails a test whose daemon or client printed one
 # (tests/support/process.cc).
 [[ ${FLEXKV_SANITIZERS:-1} == 0 ]] && exit 0
-CTEST_DIRS+=(build-san build-tsan)
 # -O1 -g1 (line tables): what the sanitizers' manuals recommend, and half the compile time of -O2 -g under
 # instrumentation (measured: 4 of the largest files, 104 s -> 52 s of CPU; docs/performance.md "CI time"); reports
 # still name file and line.
@@ -68,7 +99,7 @@ san_configure() {  # <dir> <cmake args...>
 san_ctest() {  # <dir> <ctest selection...>
   local dir=$1
   shift
-  ctest --test-dir "$dir" --output-on-failure -j "$(nproc)" --timeout 900 --no-tests=error "$@"
+  run_ctest "$dir" --timeout 900 "$@"
 }
 SAN_TARGETS=(flexkvd flexkvctl flexkv-test-client flexkv_unit_tests flexkv_integration_tests flexkv_data_plane_tests
   flexkv_client_session_tests flexkv_cluster_tests flexkv_ucx_transport_tests flexkv-ucx-peer)

@@ -10,16 +10,17 @@
 # The unit's sandbox (ProtectSystem=, DevicePolicy=, SystemCallFilter=, ...) needs systemd itself and is not applied
 # here; tests/integration/systemd_verify.sh checks those settings.
 #
-#   scripts/test_package.sh [BUILD_DIR]     (default build/; root; called by scripts/test.sh)
+#   scripts/test_package.sh [BUILD_DIR]     (default build/; root; scripts/test.sh runs it through
+#                                            tests/scripts/test_package_over_leftovers_test.sh)
 # Prints SKIP and exits 0 when not root, without dpkg, or when the host already has flexkvd installed or a flexkvd
 # running on its directories (the test would replace them); under CI=true each of those is a failure that says why,
 # since CI must test the package. What an earlier run of this project's own daemon left behind under the package's
 # paths (scripts/run.sh, or build/flexkvd run as root, leaves /run/flexkvd; a pool made with --pool-path
 # /dev/shm/flexkvd/pool leaves that directory; no daemon on them) is moved aside for the test and put back
-# afterwards, never deleted. (run.sh's own pools, /dev/shm/flexkvd-<N>, are not the package's paths: untouched.) FLEXKV_SKIPS_FILE: a file the reason of a skip is
-# appended to (scripts/test.sh lists them at its end). Leaves the machine as it found it, on failure too: the daemon
-# is stopped, the package purged, what was moved aside put back, and the user and groups it created are deleted
-# (trap).
+# afterwards, never deleted. (run.sh's own pools, /dev/shm/flexkvd-<N>, are not the package's paths: untouched.)
+# FLEXKV_SKIPS_FILE: a file the reason of a skip is appended to (scripts/test.sh lists them at its end). Leaves the
+# machine as it found it, on failure too: the daemon is stopped, the package purged, what was moved aside put back,
+# and the user and groups it created are deleted (trap).
 set -euo pipefail  # hence no `| grep -q`: a writer killed by SIGPIPE would fail a match
 cd "$(dirname "$0")/.."
 ROOT=$PWD
