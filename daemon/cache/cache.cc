@@ -476,12 +476,22 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
     pool_->MarkCommitted(slot, keys[k], k == 0 ? parent : keys[k - 1], checksums[0][i]);
     for (const auto& part : parts_) part->Anchor(keys[k]);
   }
+  const Geometry& g = pool_->geometry();
   for (size_t c = 1; c < r.slots.size(); ++c) {
+    // A window's entries before its trailing window (a store's window_keys beyond it) go in at the cold end.
+    const size_t trailing = g.component_kind(c) == ComponentKind::kSlidingWindow
+                                ? std::min<size_t>(g.window_blocks(c), keys.size())
+                                : r.slots[c].size();
+    const size_t extra = r.slots[c].size() - std::min(trailing, r.slots[c].size());
     std::vector<SlotId> local;
-    for (SlotId s : r.slots[c]) {
-      if (s != ComponentIndex::kNoSlot) local.push_back(LocalLocked(c, s));
+    size_t cold = 0;
+    for (size_t i = 0; i < r.slots[c].size(); ++i) {
+      const SlotId s = r.slots[c][i];
+      if (s == ComponentIndex::kNoSlot) continue;
+      local.push_back(LocalLocked(c, s));
+      if (i < extra) ++cold;
     }
-    Part(c).Commit(local);
+    Part(c).Commit(local, cold);
     size_t n = 0;
     for (size_t i = 0; i < r.slots[c].size(); ++i) {
       const SlotId s = r.slots[c][i];

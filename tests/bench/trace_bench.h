@@ -223,9 +223,10 @@ class ComponentLru {
   // an entry. `keys` must not repeat a key.
   bool CanInsert(std::span<const BlockKey> keys) const { return Victims(keys).has_value(); }
   // Adds anchored entries for the keys without one, all or none: free slots first, then evicting; the keys' existing
-  // entries are marked used (before the new ones). Returns the entries added, or nullopt (nothing changed) when
-  // CanInsert is false.
-  std::optional<uint32_t> Insert(std::span<const BlockKey> keys) {
+  // entries are marked used (before the new ones). The new entries of the first `cold` keys go to the cold end
+  // (evicted first, keys[0]'s first), as ComponentIndex::Commit's. Returns the entries added, or nullopt (nothing
+  // changed) when CanInsert is false.
+  std::optional<uint32_t> Insert(std::span<const BlockKey> keys, size_t cold = 0) {
     auto victims = Victims(keys);
     if (!victims) return std::nullopt;
     for (const BlockKey& v : *victims) {
@@ -236,13 +237,20 @@ class ComponentLru {
       ++evictions_;
     }
     uint32_t added = 0;
-    for (const BlockKey& k : keys) {
-      if (Has(k)) {
-        Touch(k);  // as the daemon's store: entries it found cached count as used
-        continue;
-      }
-      anchored_.push_back(k);
-      entries_.emplace(k, Entry{true, std::prev(anchored_.end())});
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (Has(keys[i])) Touch(keys[i]);  // as the daemon's store: entries it found cached count as used
+    }
+    cold = std::min(cold, keys.size());
+    for (size_t i = cold; i < keys.size(); ++i) {
+      if (Has(keys[i])) continue;
+      anchored_.push_back(keys[i]);
+      entries_.emplace(keys[i], Entry{true, std::prev(anchored_.end())});
+      ++added;
+    }
+    for (size_t i = cold; i-- > 0;) {
+      if (Has(keys[i])) continue;
+      anchored_.push_front(keys[i]);
+      entries_.emplace(keys[i], Entry{true, anchored_.begin()});
       ++added;
     }
     return added;
@@ -412,7 +420,8 @@ class HybridPoolSim {
     }
     (*stored)[0] += res.slots.size();
     for (size_t c = 1; c < components_.size(); ++c) {
-      (*stored)[c] += parts_[c]->Insert(Stored(c, prefix, window_keys)).value_or(0);
+      const std::span<const BlockKey> keys = Stored(c, prefix, window_keys);
+      (*stored)[c] += parts_[c]->Insert(keys, keys.size() - Needed(c, prefix).size()).value_or(0);
     }
     return true;
   }
