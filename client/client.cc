@@ -1,5 +1,5 @@
 // libflexkv Client: gRPC control calls plus the session channel; see flexkv/client.h.
-// Over 600 lines: one place for every Client method's control call or ring submission; the hybrid id checks and
+// Over 700 lines: one place for every Client method's control call or ring submission; the hybrid id checks and
 // layout are in hybrid_request.cc, the rings in session_rings.cc.
 #include "flexkv/client.h"
 
@@ -42,6 +42,25 @@ Status UseComponentOverload(const char* op, const Geometry& g) {
       "{} with one span of block ids on a hybrid session ({} components); expected the per-component overload: one "
       "span per component, component 0 (full attention) first",
       op, g.component_count()));
+}
+
+// A request word that ring layout 5 added (a Load's first_block, a Store's window_keys): a layout-4 daemon refuses
+// it, so it is refused here, before anything is sent, naming both versions.
+Status CheckDaemonTakes(const AttachedSession& s, const char* word, uint32_t value) {
+  if (value == 0 || s.rings->layout_version() >= 5) return Status::Ok();
+  return Status::FailedPrecondition(fmt::format(
+      "{} {} needs ring layout 5, and the daemon speaks layout {}: upgrade flexkvd, or send {} 0", word, value,
+      s.rings->layout_version(), word));
+}
+
+// The count a Load from `first_block` with `ids` more blocks covers; INVALID_ARGUMENT past the ring's u32.
+Result<uint32_t> LoadEnd(uint32_t first_block, size_t ids) {
+  const uint64_t end = uint64_t{first_block} + ids;
+  if (end > UINT32_MAX) {
+    return Status::InvalidArgument(fmt::format("load of blocks [{}, {}); expected an end of at most {}", first_block,
+                                               end, UINT32_MAX));
+  }
+  return static_cast<uint32_t>(end);
 }
 
 Status AlreadyRegistered(const Geometry& g, uint32_t component) {
@@ -385,33 +404,37 @@ Result<Ticket> Client::Prefetch(std::span<const BlockKey> keys) {
   return Ticket{t->id, s->generation};
 }
 
-Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise) {
+Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise,
+                            uint32_t first_block) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   if (s->geometry.is_hybrid()) return UseComponentOverload("Load", s->geometry);
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
-  auto t = s->rings->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0,
-                            static_cast<uint32_t>(dst_block_ids.size()), {}, dst_block_ids, match_handle, kRootParent);
+  FLEXKV_RETURN_IF_ERROR(CheckDaemonTakes(*s, "first_block", first_block));
+  auto end = LoadEnd(first_block, dst_block_ids.size());
+  if (!end.ok()) return end.status();
+  auto t = s->rings->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0, *end, {}, dst_block_ids, match_handle,
+                            kRootParent, first_block);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
 
-Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids) {
+Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
+                            uint32_t first_block) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
-  const uint64_t count = component_ids.empty() ? 0 : component_ids[0].size();
-  if (count > UINT32_MAX) {
-    return Status::InvalidArgument(fmt::format("load of {} blocks; expected at most {}", count, UINT32_MAX));
-  }
-  auto ids = LayOutComponentIds(s->geometry, false, static_cast<uint32_t>(count), component_ids, {});
+  auto count = LoadEnd(first_block, component_ids.empty() ? 0 : component_ids[0].size());
+  if (!count.ok()) return count.status();
+  auto ids = LayOutComponentIds(s->geometry, false, *count, component_ids, {}, first_block);
   if (!ids.ok()) return ids.status();
-  auto t = s->rings->Submit(RingOp::kLoad, 0, static_cast<uint32_t>(count), {}, *ids, match_handle, kRootParent);
+  FLEXKV_RETURN_IF_ERROR(CheckDaemonTakes(*s, "first_block", first_block));
+  auto t = s->rings->Submit(RingOp::kLoad, 0, *count, {}, *ids, match_handle, kRootParent, first_block);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
 
 Result<Ticket> Client::LoadWithEvents(uint64_t match_handle, std::span<const uint32_t> dst_block_ids,
-                                      uint32_t event_set) {
+                                      uint32_t event_set, uint32_t first_block) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   if (s->geometry.is_hybrid()) {
@@ -420,8 +443,11 @@ Result<Ticket> Client::LoadWithEvents(uint64_t match_handle, std::span<const uin
   }
   if (event_set == 0) return Status::InvalidArgument("event_set is 0; expected an id RegisterLayerEvents returned");
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
-  auto t = s->rings->Submit(RingOp::kLoad, 0, static_cast<uint32_t>(dst_block_ids.size()), {}, dst_block_ids,
-                            match_handle, kRootParent, 0, event_set);
+  FLEXKV_RETURN_IF_ERROR(CheckDaemonTakes(*s, "first_block", first_block));
+  auto end = LoadEnd(first_block, dst_block_ids.size());
+  if (!end.ok()) return end.status();
+  auto t = s->rings->Submit(RingOp::kLoad, 0, *end, {}, dst_block_ids, match_handle, kRootParent, first_block,
+                            event_set);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
@@ -568,7 +594,7 @@ Result<Ticket> Client::Store(const BlockKeyChain& chain, std::span<const uint32_
 }
 
 Result<Ticket> Client::Store(const BlockKeyChain& chain, std::span<const std::span<const uint32_t>> component_ids,
-                             std::span<const uint32_t> state_boundaries) {
+                             std::span<const uint32_t> state_boundaries, uint32_t window_keys) {
   const std::span<const BlockKey> keys = chain.keys();
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
@@ -577,10 +603,11 @@ Result<Ticket> Client::Store(const BlockKeyChain& chain, std::span<const std::sp
   }
   FLEXKV_RETURN_IF_ERROR(CheckStoreKeys(keys));
   const auto count = static_cast<uint32_t>(keys.size());
-  auto ids = LayOutComponentIds(s->geometry, true, count, component_ids, state_boundaries);
+  auto ids = LayOutComponentIds(s->geometry, true, count, component_ids, state_boundaries, 0, window_keys);
   if (!ids.ok()) return ids.status();
+  FLEXKV_RETURN_IF_ERROR(CheckDaemonTakes(*s, "window_keys", window_keys));
   auto t = s->rings->Submit(RingOp::kStore, 0, count, keys, *ids, 0, chain.parent(),
-                            static_cast<uint32_t>(state_boundaries.size()));
+                            static_cast<uint32_t>(state_boundaries.size()), window_keys);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }

@@ -11,7 +11,8 @@ namespace flexkv {
 
 Result<std::vector<uint32_t>> LayOutComponentIds(const Geometry& g, bool store, uint32_t count,
                                                  std::span<const std::span<const uint32_t>> component_ids,
-                                                 std::span<const uint32_t> state_boundaries) {
+                                                 std::span<const uint32_t> state_boundaries, uint32_t first_block,
+                                                 uint32_t window_keys) {
   const char* op = store ? "store" : "load";
   if (component_ids.size() != g.component_count()) {
     return Status::InvalidArgument(fmt::format(
@@ -21,6 +22,22 @@ Result<std::vector<uint32_t>> LayOutComponentIds(const Geometry& g, bool store, 
   if (count == 0) {
     return Status::InvalidArgument(fmt::format(
         "{} of 0 blocks: component 0 (full) has no ids; expected at least one", op));
+  }
+  if (first_block > count) {
+    return Status::InvalidArgument(fmt::format("load from block {} of a prefix of {} blocks; expected at most {}",
+                                               first_block, count, count));
+  }
+  if (window_keys != 0) {
+    const uint32_t least = MinWindowKeys(g, count);
+    if (least == 0) {
+      return Status::InvalidArgument(fmt::format(
+          "window_keys {} but the geometry has no sliding-window component; expected 0", window_keys));
+    }
+    if (window_keys < least || window_keys > count) {
+      return Status::InvalidArgument(fmt::format(
+          "window_keys {} for a store of {} keys; expected 0 (each window's last min(window_blocks, n) keys) or "
+          "{}..{}", window_keys, count, least, count));
+    }
   }
   bool has_state = false;
   for (size_t i = 0; i < g.component_count(); ++i) has_state |= g.component_kind(i) == ComponentKind::kState;
@@ -46,18 +63,28 @@ Result<std::vector<uint32_t>> LayOutComponentIds(const Geometry& g, bool store, 
           "state boundary {} is {} after {}; expected strictly increasing boundaries", i, b, state_boundaries[i - 1]));
     }
   }
-  const auto state_count = static_cast<uint32_t>(state_boundaries.size());
+  IdExtent extent;
+  extent.state_count = static_cast<uint32_t>(state_boundaries.size());
+  extent.first_block = store ? 0 : first_block;
+  extent.window_keys = store ? window_keys : 0;
   for (size_t i = 0; i < g.component_count(); ++i) {
-    const uint64_t expected = ComponentIdCount(g, i, store, count, state_count);
+    const uint64_t expected = ComponentIdCount(g, i, store, count, extent);
     if (component_ids[i].size() == expected) continue;
     const ComponentKind kind = g.component_kind(i);
     std::string why;
     switch (kind) {
       case ComponentKind::kFull:
-        why = store ? "one per key" : "one per block of the prefix";
+        why = store ? "one per key" : fmt::format("one per block of the prefix from block {}", first_block);
         break;
       case ComponentKind::kSlidingWindow:
-        why = fmt::format("min(window_blocks {}, {}): the trailing window", g.window_blocks(i), count);
+        if (store && window_keys != 0) {
+          why = fmt::format("window_keys {}: the last keys", window_keys);
+        } else if (store || first_block == 0) {
+          why = fmt::format("min(window_blocks {}, {}): the trailing window", g.window_blocks(i), count);
+        } else {
+          why = fmt::format("min(window_blocks {}, {} - first_block {}): the trailing window past the engine's prefix",
+                            g.window_blocks(i), count, first_block);
+        }
         break;
       case ComponentKind::kState:
         why = store ? "one per state boundary" : "the one snapshot at the prefix end";
@@ -66,7 +93,7 @@ Result<std::vector<uint32_t>> LayOutComponentIds(const Geometry& g, bool store, 
     return Status::InvalidArgument(fmt::format("{}: component {} ({}) has {} block ids; expected {} ({})", op, i,
                                                ComponentKindName(kind), component_ids[i].size(), expected, why));
   }
-  const HybridIdLayout layout = LayoutIds(g, store, count, state_count);
+  const HybridIdLayout layout = LayoutIds(g, store, count, extent);
   std::vector<uint32_t> ids(layout.total);
   for (size_t i = 0; i < g.component_count(); ++i) {
     std::copy(component_ids[i].begin(), component_ids[i].end(), ids.begin() + static_cast<ptrdiff_t>(layout.offset[i]));

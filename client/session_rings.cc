@@ -104,7 +104,7 @@ void SessionRings::FreeLocked(uint64_t offset, uint64_t bytes) {
 
 Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
                                     std::span<const uint32_t> ids, uint64_t match_handle,
-                                    const BlockKey& parent, uint32_t state_count, uint32_t event_set) {
+                                    const BlockKey& parent, uint32_t word56, uint32_t word60) {
   const uint64_t key_bytes = keys.size() * sizeof(BlockKey);
   const uint64_t id_bytes = ids.size() * sizeof(uint32_t);
   MutexLock lock(&mu_);
@@ -136,8 +136,8 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
   d.block_ids_offset = offset + key_bytes;
   d.match_handle = match_handle;
   d.parent = parent;
-  d.state_count = state_count;
-  d.event_set = event_set;
+  d.state_count = word56;  // or first_block: one word
+  d.event_set = word60;    // or window_keys
   if (!ring_->Push(d)) {
     if (payload > 0) FreeLocked(offset, payload);
     return Status::ResourceExhausted("the submit ring is full; the daemon has not caught up yet");

@@ -53,13 +53,17 @@ class SessionRings {
   SessionRings& operator=(const SessionRings&) = delete;
 
   // Copies `payload` into the arena (keys at offset 0 of it, then ids), fills the descriptor's offsets
-  // and submits. `parent` is a Store's (kRootParent for every other opcode); `state_count` a hybrid Store's state
-  // boundaries (ids laid out by LayoutIds, common/hybrid_ids.h; 0 otherwise). RESOURCE_EXHAUSTED when the rings or
+  // and submits. `parent` is a Store's (kRootParent for every other opcode). The descriptor's last two words
+  // (common/ring_layout.h): `word56` a hybrid Store's state_count or a Load's first_block, `word60` a Load's
+  // event_set or a hybrid Store's window_keys (ids laid out by LayoutIds, common/hybrid_ids.h; 0 otherwise). RESOURCE_EXHAUSTED when the rings or
   // the arena are full. The ticket's id counts from 1 per rings; its generation is left 0 (the Client stamps its
   // session's generation and checks it before it hands a ticket back here: these calls look at ticket.id only).
   Result<Ticket> Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
                         std::span<const uint32_t> ids, uint64_t match_handle, const BlockKey& parent,
-                        uint32_t state_count = 0, uint32_t event_set = 0) ABSL_LOCKS_EXCLUDED(mu_);
+                        uint32_t word56 = 0, uint32_t word60 = 0) ABSL_LOCKS_EXCLUDED(mu_);
+  // The daemon's ring layout version (kMinRingLayoutVersion..kRingLayoutVersion): a layout-4 daemon takes no
+  // first_block and no window_keys.
+  uint32_t layout_version() const { return ring_->layout_version(); }
   // The request's result, handed out once. Errors: NOT_FOUND for an id these rings never issued or whose
   // result an earlier Wait/TryWait already took (the message says which); DEADLINE_EXCEEDED when it has not
   // ended in time (still in flight); UNAVAILABLE when the daemon closed the session; the Abandon status.

@@ -19,7 +19,15 @@ inline constexpr uint32_t kRingMagic = 0x52564B46;  // "FKVR" little-endian
 // 3: hybrid geometries (docs/hybrid.md): Load and Store carry block ids for every component; Store's state_count.
 // 4: Load names a CUDA layer-event set (SubmitDescriptor::event_set, once `reserved`); the daemon answers it with a
 //    "launched" progress completion (kCompletionFlagLaunched) once every copy and event record is enqueued.
-inline constexpr uint32_t kRingLayoutVersion = 4;
+// 5: a Load names the first block of the match it copies (SubmitDescriptor::first_block, the word a Store's
+//    state_count is in), so that an engine holding a prefix on the GPU loads only past it; a hybrid Store names how
+//    many of its last keys carry sliding-window ids (SubmitDescriptor::window_keys, the word a Load's event_set is
+//    in); a Load's completion counts the bytes it copied. A layout-4 daemon refuses both words (INVALID_ARGUMENT),
+//    and libflexkv refuses them before it sends them to one (it maps layout 4 rings too, kMinRingLayoutVersion).
+inline constexpr uint32_t kRingLayoutVersion = 5;
+// The oldest layout libflexkv maps: version 4's rings differ from version 5's only in the two words above, which
+// the library never sets non-zero for such a daemon.
+inline constexpr uint32_t kMinRingLayoutVersion = 4;
 
 enum class RingOp : uint16_t {
   kMatch = 1,    // keys → leading cached blocks; flag kPin pins them and returns a match handle
@@ -54,26 +62,39 @@ struct SubmitDescriptor {
   // Store: the key keys[0] hangs under (the block before it in the prompt); all zero when keys[0] is the
   // prompt's first block (root). Zero for every other opcode.
   BlockKey parent;
-  // Store of a hybrid geometry: how many state boundaries it carries (0..count); zero for every other request.
-  uint32_t state_count;
-  // Load only (layout 4): the CUDA layer-event set (RegisterLayerEvents) whose event[layer] the daemon records on
-  // its copy stream right after that layer's copies; 0: none. Must be 0 for every other opcode.
-  uint32_t event_set;
+  // One word, two meanings by opcode (as io_uring's SQE shares its fields); zero for every other request.
+  union {
+    // Store of a hybrid geometry: how many state boundaries it carries (0..count).
+    uint32_t state_count;
+    // Load (layout 5): the first block of the match it copies (0: from the prefix's first block). The blocks
+    // [first_block, count) move; the engine holds the ones before it.
+    uint32_t first_block;
+  };
+  union {
+    // Load (layout 4): the CUDA layer-event set (RegisterLayerEvents) whose event[layer] the daemon records on its
+    // copy stream right after that layer's copies; 0: none.
+    uint32_t event_set;
+    // Store of a hybrid geometry (layout 5): how many of its last keys carry sliding-window ids (0: min(window_blocks,
+    // count) per window, as in layout 3; else at least that for every window, and at most count).
+    uint32_t window_keys;
+  };
 };
 static_assert(sizeof(SubmitDescriptor) == 64);
 static_assert(offsetof(SubmitDescriptor, parent) == 40 && sizeof(BlockKey) == 16);
 static_assert(offsetof(SubmitDescriptor, state_count) == 56 && offsetof(SubmitDescriptor, event_set) == 60);
+static_assert(offsetof(SubmitDescriptor, first_block) == 56 && offsetof(SubmitDescriptor, window_keys) == 60);
 
 // Block ids of a hybrid geometry's Load and Store (docs/hybrid.md "Ring requests"). `count` stays the number of
 // keys (Store) or prefix blocks (Load: exactly the match handle's e), and block_ids_offset points at
-// HybridIdCount(...) u32 values, components in geometry order (component 0 = FULL):
-//   Load:  FULL: count ids (blocks [0, count)); SLIDING_WINDOW: min(window_blocks, count) ids (the blocks
-//          [count - n, count)); STATE: 1 id (the engine state slot that receives the snapshot at count).
-//   Store: FULL: count ids; SLIDING_WINDOW: min(window_blocks, count) ids for the last keys; then state_count
-//          boundaries (each in 1..count, strictly increasing; boundary b = the snapshot after keys[b - 1]); then
-//          per STATE component state_count ids (its snapshot at each boundary).
+// LayoutIds(...).total u32 values, components in geometry order (component 0 = FULL); k = first_block:
+//   Load:  FULL: count - k ids (blocks [k, count)); SLIDING_WINDOW: min(window_blocks, count - k) ids (the blocks
+//          [max(k, count - window_blocks), count)); STATE: 1 id (the engine state slot for the snapshot at count).
+//   Store: FULL: count ids; SLIDING_WINDOW: window_keys ids (0: min(window_blocks, count)) for the last keys; then
+//          state_count boundaries (each in 1..count, strictly increasing; boundary b = the snapshot after
+//          keys[b - 1]); then per STATE component state_count ids (its snapshot at each boundary).
 // FULL and SLIDING_WINDOW ids come first in component order, STATE ids last: common/hybrid_ids.h computes it.
-// A full-attention geometry's requests are unchanged (count ids, state_count 0).
+// A full-attention geometry's Load carries count - first_block ids (blocks [first_block, count)); its Store is
+// unchanged (count ids, state_count and window_keys 0).
 
 // Daemon → client. 128 bytes.
 struct CompletionDescriptor {
@@ -84,10 +105,11 @@ struct CompletionDescriptor {
   uint32_t matched_blocks;   // Match: leading blocks cached; Store: leading blocks already cached;
                              // layer progress: the layer that landed; Prefetch: leading blocks cached here
                              // before the pull
-  uint32_t done_blocks;      // Load: blocks loaded; Store: blocks newly stored; Prefetch: blocks pulled from a
-                             // peer and now cached here (they follow the matched_blocks)
+  uint32_t done_blocks;      // Load: FULL blocks copied (count - first_block); Store: blocks newly stored;
+                             // Prefetch: blocks pulled from a peer and now cached here (after the matched_blocks)
   uint64_t match_handle;     // Match with kMatchFlagPin: handle to Load/Release (0 when nothing pinned)
-  uint64_t bytes;            // Prefetch: bytes pulled from peers (done_blocks blocks); 0 for every other opcode
+  uint64_t bytes;            // Prefetch: bytes pulled from peers (done_blocks blocks); Load (layout 5): bytes
+                             // copied into the engine, every component's; 0 for every other opcode
   // NUL-terminated reason when status_code != 0. Prefetch with status OK: the source node's id when blocks were
   // pulled, else why none were ("" when no peer has them, e.g. "peer node-a: deadline exceeded").
   char message[88];

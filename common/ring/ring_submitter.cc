@@ -24,14 +24,15 @@ Result<std::unique_ptr<RingSubmitter>> RingSubmitter::Map(UniqueFd ring_memfd, U
   RingMapping mapping(static_cast<uint8_t*>(p), bytes);
   const RingHeader& h = *mapping.header();
   const RingGeometry rg{h.submit_entries, h.completion_entries, h.arena_bytes};
-  if (h.magic != kRingMagic || h.layout_version != kRingLayoutVersion || h.submit_entries == 0 ||
+  if (h.magic != kRingMagic || h.layout_version < kMinRingLayoutVersion || h.layout_version > kRingLayoutVersion ||
+      h.submit_entries == 0 ||
       (h.submit_entries & (h.submit_entries - 1)) != 0 || h.completion_entries == 0 ||
       (h.completion_entries & (h.completion_entries - 1)) != 0 || h.submit_offset != rg.submit_offset() ||
       h.completion_offset != rg.completion_offset() || h.arena_offset != rg.arena_offset() ||
       rg.total_bytes() > bytes) {
     return Status::FailedPrecondition(fmt::format(
-        "the daemon's ring layout (magic 0x{:x}, version {}) is not what this libflexkv speaks (version {})", h.magic,
-        h.layout_version, kRingLayoutVersion));
+        "the daemon's ring layout (magic 0x{:x}, version {}) is not what this libflexkv speaks (versions {}..{})",
+        h.magic, h.layout_version, kMinRingLayoutVersion, kRingLayoutVersion));
   }
   std::unique_ptr<RingSubmitter> r(new RingSubmitter(std::move(mapping), std::move(doorbell), policy));
   return r;
@@ -44,6 +45,7 @@ RingSubmitter::RingSubmitter(RingMapping mapping, UniqueFd doorbell, WaitPolicy 
   completion_entries_ = h.completion_entries;
   arena_bytes_ = h.arena_bytes;
   pin_lease_ms_ = h.pin_lease_ms;
+  layout_version_ = h.layout_version;
   submit_tail_ = h.submit_tail.value.load(std::memory_order_acquire);
   completion_head_ = h.completion_head.value.load(std::memory_order_acquire);
 }

@@ -33,7 +33,7 @@ struct WaitPolicy {
 class RingSubmitter {
  public:
   // Maps the ring memfd the daemon sent and checks its header (magic, version, geometry, size).
-  // FAILED_PRECONDITION when the layout is not the one this library speaks.
+  // FAILED_PRECONDITION when the layout is not one this library speaks (kMinRingLayoutVersion..kRingLayoutVersion).
   static Result<std::unique_ptr<RingSubmitter>> Map(UniqueFd ring_memfd, UniqueFd doorbell,
                                                     WaitPolicy policy = {});
   RingSubmitter(const RingSubmitter&) = delete;
@@ -55,6 +55,8 @@ class RingSubmitter {
   // The daemon's pin lease (0: pins never lapse), read once from the header. The client renews it with
   // Heartbeat (any thread) while the process runs: the daemon looks only at whether the value changed.
   uint32_t pin_lease_ms() const { return pin_lease_ms_; }
+  // The daemon's ring layout version, read once from the header: what its requests may carry (common/ring_layout.h).
+  uint32_t layout_version() const { return layout_version_; }
   void Heartbeat(uint64_t now_ms) { header()->client_heartbeat_ms.store(now_ms, std::memory_order_relaxed); }
 
   // Wakes every thread sleeping in Wait now, so it re-checks `ready` and `peer_gone` at once (e.g. the session
@@ -82,6 +84,7 @@ class RingSubmitter {
   uint32_t completion_entries_ = 0;
   uint64_t arena_bytes_ = 0;
   uint32_t pin_lease_ms_ = 0;
+  uint32_t layout_version_ = 0;
   uint32_t submit_tail_ = 0;         // caller-serialized
   uint32_t completion_head_ = 0;     // caller-serialized
 };

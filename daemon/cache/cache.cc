@@ -409,14 +409,14 @@ size_t Cache::HybridMatchLocked(std::span<const BlockKey> keys, bool pin, std::v
   });
   if (!pin || e == 0) return e;
   // Pin all of it, in the order of a Load's ids.
-  const HybridIdLayout layout = LayoutIds(g, false, static_cast<uint32_t>(e), 0);
+  const HybridIdLayout layout = LayoutIds(g, false, static_cast<uint32_t>(e));
   const size_t first = pinned->size();
   pinned->resize(first + layout.total);
   std::vector<SlotId> full;
   index_->Match(keys.first(e), true, &full);
   std::copy(full.begin(), full.end(), pinned->begin() + static_cast<ptrdiff_t>(first + layout.offset[0]));
   for (size_t c = 1; c < g.component_count(); ++c) {
-    const uint64_t n = ComponentIdCount(g, c, false, static_cast<uint32_t>(e), 0);
+    const uint64_t n = ComponentIdCount(g, c, false, static_cast<uint32_t>(e));
     const SlotId base = pool_->sub_pool(c).base;
     for (uint64_t i = 0; i < n; ++i) {
       const SlotId local = *Part(c).Find(keys[e - n + i]);  // present: the hit rule just saw it, under this lock
@@ -452,7 +452,7 @@ void Cache::UnanchorLocked(const BlockKey& key) {
 }
 
 Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
-                                              std::span<const uint32_t> boundaries) {
+                                              std::span<const uint32_t> boundaries, uint32_t window_keys) {
   MutexLock lock(&mu_);
   HybridReservation r;
   if (!index_) {
@@ -465,7 +465,8 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
   for (size_t c = 1; c < g.component_count(); ++c) {
     std::vector<BlockKey>& ck = r.keys[c];
     if (g.component_kind(c) == ComponentKind::kSlidingWindow) {
-      const size_t n = std::min<size_t>(g.window_blocks(c), keys.size());
+      const size_t n = window_keys != 0 ? std::min<size_t>(window_keys, keys.size())
+                                        : std::min<size_t>(g.window_blocks(c), keys.size());
       ck.assign(keys.end() - static_cast<ptrdiff_t>(n), keys.end());
     } else {
       for (uint32_t b : boundaries) ck.push_back(keys[b - 1]);
@@ -533,12 +534,22 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
     ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == keys.size(), BlockEvent::kStored,
                       k == 0 ? parent : keys[k - 1]);
   }
+  const Geometry& g = pool_->geometry();
   for (size_t c = 1; c < r.slots.size(); ++c) {
+    // A window's entries before its trailing window (a store's window_keys beyond it) go in at the cold end.
+    const size_t trailing = g.component_kind(c) == ComponentKind::kSlidingWindow
+                                ? std::min<size_t>(g.window_blocks(c), keys.size())
+                                : r.slots[c].size();
+    const size_t extra = r.slots[c].size() - std::min(trailing, r.slots[c].size());
     std::vector<SlotId> local;
-    for (SlotId s : r.slots[c]) {
-      if (s != ComponentIndex::kNoSlot) local.push_back(LocalLocked(c, s));
+    size_t cold = 0;
+    for (size_t i = 0; i < r.slots[c].size(); ++i) {
+      const SlotId s = r.slots[c][i];
+      if (s == ComponentIndex::kNoSlot) continue;
+      local.push_back(LocalLocked(c, s));
+      if (i < extra) ++cold;
     }
-    Part(c).Commit(local);
+    Part(c).Commit(local, cold);
     size_t n = 0;
     for (size_t i = 0; i < r.slots[c].size(); ++i) {
       const SlotId s = r.slots[c][i];

@@ -179,9 +179,11 @@ class Cache {
     StatusCode shortfall = StatusCode::kOk;
     size_t component = 0;
   };
-  // `boundaries` are the request's state boundaries (validated: 1..keys.size(), increasing).
+  // `boundaries` are the request's state boundaries (validated: 1..keys.size(), increasing). Each sliding window
+  // takes entries for the last `window_keys` keys, or for its last min(window_blocks, keys.size()) when it is 0
+  // (validated: 0, or at least that for every window and at most keys.size()).
   HybridReservation ReserveHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
-                                  std::span<const uint32_t> boundaries);
+                                  std::span<const uint32_t> boundaries, uint32_t window_keys = 0);
   // Publishes a hybrid store after every copy completed; `checksums[c]` has one content checksum per reserved slot
   // of component c (in r.full.slots / r.slots[c] order, kNoSlot entries skipped).
   void CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys, const HybridReservation& r,

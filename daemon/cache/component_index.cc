@@ -93,8 +93,13 @@ struct ComponentIndex::Impl {
   static bool Evictable(const Entry& e) { return e.state == State::kCommitted && e.pins == 0; }
   List& EvictionList(const Entry& e) { return e.anchored ? lru_ : unanchored_; }
   // An entry joins / leaves its eviction list (becomes evictable / stops being so).
-  void ListEvictable(SlotId s) {
-    PushBack(EvictionList(entries_[s]), s);
+  // `cold`: at the head of its list (evicted next) instead of the tail.
+  void ListEvictable(SlotId s, bool cold = false) {
+    if (cold) {
+      PushFront(EvictionList(entries_[s]), s);
+    } else {
+      PushBack(EvictionList(entries_[s]), s);
+    }
     if (s >= limit_) ++doomed_evictable_;
   }
   void UnlistEvictable(SlotId s) {
@@ -191,12 +196,12 @@ struct ComponentIndex::Impl {
   }
 
   // A live entry (pending, unverified or committed) became committed: counted, and evictable unless pinned.
-  void BecomeCommitted(SlotId s) {
+  void BecomeCommitted(SlotId s, bool cold = false) {
     Entry& e = entries_[s];
     e.state = State::kCommitted;
     ++committed_;
     if (!e.anchored) ++unanchored_committed_;
-    ListEvictable(s);
+    ListEvictable(s, cold);
   }
 
   // Moves a live entry between anchored and unanchored, and an evictable one between the eviction lists (to
@@ -305,18 +310,22 @@ ComponentIndex::Reservation ComponentIndex::Reserve(std::span<const BlockKey> ke
   return r;
 }
 
-void ComponentIndex::Commit(std::span<const SlotId> slots) {
+void ComponentIndex::Commit(std::span<const SlotId> slots, size_t cold) {
   Impl& m = *impl_;
-  for (SlotId s : slots) {
+  auto commit = [&m](SlotId s, bool at_cold_end) {
     COMPONENT_INDEX_CHECK(s < m.entries_.size(), fmt::format("commit of slot {} out of range", s));
     Entry& e = m.entries_[s];
     if (e.state == State::kPendingDropped) {  // dropped while its store copied
       m.Free(s);
-      continue;
+      return;
     }
     COMPONENT_INDEX_CHECK(e.state == State::kPending, fmt::format("commit of slot {} that is not pending", s));
-    m.BecomeCommitted(s);
-  }
+    m.BecomeCommitted(s, at_cold_end);
+  };
+  cold = std::min(cold, slots.size());
+  for (size_t i = cold; i < slots.size(); ++i) commit(slots[i], false);
+  // Each to the head of the eviction order, the last first: slots[0] ends up evicted first.
+  for (size_t i = cold; i-- > 0;) commit(slots[i], true);
 }
 
 void ComponentIndex::Abort(std::span<const SlotId> slots) {

@@ -66,8 +66,11 @@ class ComponentIndex {
   // every part of an all-or-none store before any part evicts. `found` (optional) gets each key's slot or kNoSlot.
   StatusCode Feasible(std::span<const BlockKey> keys, std::vector<SlotId>* found = nullptr) const;
   // Makes pending slots committed (findable). A slot dropped while pending (Drop) is freed instead: check
-  // IsCommitted afterwards before publishing it.
-  void Commit(std::span<const SlotId> slots);
+  // IsCommitted afterwards before publishing it. The first `cold` of `slots` join the eviction order at its cold
+  // end, evicted before every other entry of their list (slots[0] first), the rest at its most recently used end:
+  // window blocks a store carried beyond its trailing window serve only the prefix ends inside the store, which no
+  // request has asked for yet; a hit (Pin) moves them like any other entry.
+  void Commit(std::span<const SlotId> slots, size_t cold = 0);
   // Returns pending slots (dropped meanwhile or not) to the free list.
   void Abort(std::span<const SlotId> slots);
 

@@ -43,7 +43,7 @@ Status CheckHybridIds(const Geometry& g, bool store, const SubmitDescriptor& d, 
                       const DescriptorLimits& limits, DescriptorPayload* payload) {
   const std::vector<uint32_t>& ids = payload->block_ids;
   for (size_t c = 0; c < g.component_count(); ++c) {
-    const uint64_t n = ComponentIdCount(g, c, store, d.count, d.state_count);
+    const uint64_t n = ComponentIdCount(g, c, store, d.count, ExtentOf(d));
     const uint32_t registered = c < limits.component_blocks.size() ? limits.component_blocks[c] : 0;
     for (uint64_t i = 0; i < n; ++i) {
       const uint32_t id = ids[layout.offset[c] + i];
@@ -75,7 +75,10 @@ Status CheckHybridIds(const Geometry& g, bool store, const SubmitDescriptor& d, 
 Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,
                                              const DescriptorLimits& limits) {
   const auto op = static_cast<RingOp>(d.opcode);
-  if (d.event_set != 0 && op != RingOp::kLoad) {
+  const bool hybrid = limits.geometry != nullptr && limits.geometry->is_hybrid();
+  const bool hybrid_store = hybrid && op == RingOp::kStore;
+  // The word at 60: a Load's event_set, a hybrid Store's window_keys.
+  if (d.event_set != 0 && op != RingOp::kLoad && !hybrid_store) {
     return Status::InvalidArgument(fmt::format(
         "event_set is {} on opcode {}; expected 0 (only a Load names a layer-event set)", d.event_set, d.opcode));
   }
@@ -97,21 +100,27 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
         fmt::format("flags 0x{:x} are not valid for opcode {}; expected a subset of 0x{:x}", d.flags, d.opcode,
                     allowed_flags));
   }
-  const bool hybrid = limits.geometry != nullptr && limits.geometry->is_hybrid();
-  if (d.state_count != 0 && !(hybrid && op == RingOp::kStore)) {
+  // The word at 56: a Load's first_block, a hybrid Store's state_count.
+  if (d.state_count != 0 && op != RingOp::kLoad && !hybrid_store) {
     return Status::InvalidArgument(fmt::format(
         "state_count is {} on a {}; expected 0 (only a Store of a hybrid geometry carries state boundaries)",
         d.state_count, OpName(op)));
   }
+  if (op == RingOp::kLoad && d.first_block != 0 && d.first_block >= d.count && !(hybrid && d.first_block == d.count)) {
+    return Status::InvalidArgument(fmt::format(
+        "first_block {} of a Load of {} blocks; expected {}",
+        d.first_block, d.count,
+        hybrid ? fmt::format("at most {}", d.count) : fmt::format("below {}", d.count)));
+  }
   if (hybrid && op == RingOp::kLoad && (d.flags & kLoadFlagLayerwise) != 0) {
     return Status::InvalidArgument("a layer-wise Load of a hybrid geometry is not supported yet; load it whole");
   }
-  if (hybrid && d.event_set != 0) {
+  if (hybrid && op == RingOp::kLoad && d.event_set != 0) {
     return Status::InvalidArgument(fmt::format(
         "event_set {} on a Load of a hybrid geometry; expected 0 (layer events are not supported for hybrid models yet)",
         d.event_set));
   }
-  if (d.event_set != 0 && (d.flags & kLoadFlagLayerwise) != 0) {
+  if (op == RingOp::kLoad && d.event_set != 0 && (d.flags & kLoadFlagLayerwise) != 0) {
     return Status::InvalidArgument(fmt::format(
         "a Load with event_set {} has the layer-wise flag; expected one completion kind: the set's CUDA events "
         "(flags 0) or progress completions (kLoadFlagLayerwise, event_set 0)", d.event_set));
@@ -124,15 +133,29 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
   }
   const bool has_keys = op == RingOp::kMatch || op == RingOp::kStore || op == RingOp::kPrefetch;
   const bool has_ids = op == RingOp::kLoad || op == RingOp::kStore;
-  if (hybrid && d.state_count > d.count) {
+  if (hybrid_store && d.state_count > d.count) {
     return Status::InvalidArgument(
         fmt::format("state_count {} is above count {}; expected at most one state boundary per key", d.state_count,
                     d.count));
   }
-  const HybridIdLayout layout =
-      hybrid ? LayoutIds(*limits.geometry, op == RingOp::kStore, d.count, d.state_count) : HybridIdLayout{};
+  if (hybrid_store && d.window_keys != 0) {
+    const uint32_t least = MinWindowKeys(*limits.geometry, d.count);
+    if (least == 0) {
+      return Status::InvalidArgument(fmt::format(
+          "window_keys {} but the geometry has no sliding window; expected 0", d.window_keys));
+    }
+    if (d.window_keys < least || d.window_keys > d.count) {
+      return Status::InvalidArgument(fmt::format(
+          "window_keys {} of a Store of {} keys; expected 0 or {}..{}", d.window_keys, d.count, least, d.count));
+    }
+  }
+  const IdExtent extent = ExtentOf(d);
+  const HybridIdLayout layout = hybrid ? LayoutIds(*limits.geometry, op == RingOp::kStore, d.count, extent)
+                                       : HybridIdLayout{};
   const uint64_t key_bytes = uint64_t{d.count} * sizeof(BlockKey);
-  const uint64_t id_bytes = (hybrid ? layout.total : uint64_t{d.count}) * sizeof(uint32_t);
+  // A full-attention Load carries the ids of the blocks [first_block, count).
+  const uint64_t plain_ids = op == RingOp::kLoad ? uint64_t{d.count} - d.first_block : uint64_t{d.count};
+  const uint64_t id_bytes = (hybrid ? layout.total : plain_ids) * sizeof(uint32_t);
   if (has_keys) FLEXKV_RETURN_IF_ERROR(CheckArenaRange("keys", d.keys_offset, key_bytes, arena.size(), 8));
   if (has_ids) FLEXKV_RETURN_IF_ERROR(CheckArenaRange("block ids", d.block_ids_offset, id_bytes, arena.size(), 4));
   if (has_ids && limits.registered_blocks == 0) {
@@ -150,10 +173,10 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
     std::memcpy(payload.block_ids.data(), arena.data() + d.block_ids_offset, id_bytes);
     FLEXKV_RETURN_IF_ERROR(CheckHybridIds(*limits.geometry, op == RingOp::kStore, d, layout, limits, &payload));
   } else if (has_ids) {
-    payload.block_ids.resize(d.count);
+    payload.block_ids.resize(plain_ids);
     std::memcpy(payload.block_ids.data(), arena.data() + d.block_ids_offset, id_bytes);
     // The copy is checked, not the arena: the client cannot change an id after this.
-    for (uint32_t i = 0; i < d.count; ++i) {
+    for (size_t i = 0; i < payload.block_ids.size(); ++i) {
       const uint32_t id = payload.block_ids[i];
       if (id >= limits.registered_blocks) {
         return Status::OutOfRange(fmt::format("block id {} at {} is outside the {} registered blocks; expected 0..{}",
@@ -175,6 +198,17 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
     }
   }
   return payload;
+}
+
+IdExtent ExtentOf(const SubmitDescriptor& d) {
+  IdExtent e;
+  const auto op = static_cast<RingOp>(d.opcode);
+  if (op == RingOp::kLoad) e.first_block = d.first_block;
+  if (op == RingOp::kStore) {
+    e.state_count = d.state_count;
+    e.window_keys = d.window_keys;
+  }
+  return e;
 }
 
 Status ValidateHandleUse(const SubmitDescriptor& d, std::optional<size_t> handle_blocks) {

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/hybrid_ids.h"
 #include "common/ring_layout.h"
 #include "flexkv/block_key.h"
 #include "flexkv/geometry.h"
@@ -35,7 +36,8 @@ struct DescriptorLimits {
 // it is cached is state, checked where the store is reserved).
 struct DescriptorPayload {
   std::vector<BlockKey> keys;       // Match, Store: `count` keys; empty otherwise
-  std::vector<uint32_t> block_ids;  // Load, Store: `count` ids, each below registered_blocks; empty otherwise
+  // Load, Store: `count` ids (a Load's: count - first_block), each below registered_blocks; empty otherwise.
+  std::vector<uint32_t> block_ids;
   // Hybrid sessions: block_ids is the whole id array (LayoutIds: every component's ids, and a Store's
   // boundaries), and `boundaries` a copy of the Store's state boundaries.
   std::vector<uint32_t> boundaries;
@@ -54,14 +56,21 @@ struct DescriptorPayload {
 //                        the arena; a block id not below registered_blocks;
 //   FAILED_PRECONDITION  Load or Store while registered_blocks is 0;
 //   INVALID_ARGUMENT     a Store key that is all zero (reserved: the pool records it as a root block's parent).
-// Hybrid sessions also: state_count not 0 outside a Store, or above count (INVALID_ARGUMENT); a layer-wise Load
-// (INVALID_ARGUMENT: not supported for hybrid geometries yet); the id array (LayoutIds) outside the arena
-// (OUT_OF_RANGE); an id of component c not below what c registered (OUT_OF_RANGE, naming the component); boundaries
-// not strictly increasing in 1..count (INVALID_ARGUMENT). A full-attention session's state_count must be 0.
+// Layout 5: a Load's first_block (the word of a Store's state_count) not below count (INVALID_ARGUMENT; a hybrid
+// Load's may equal count: only the state moves). Hybrid sessions also: state_count not 0 outside a Store, or above
+// count (INVALID_ARGUMENT); window_keys (the word of a Load's event_set) not 0 outside a Store, or on a Store neither
+// 0 nor in MinWindowKeys..count (INVALID_ARGUMENT); a layer-wise Load (INVALID_ARGUMENT: not supported for hybrid
+// geometries yet); the id array (LayoutIds with ExtentOf(d)) outside the arena (OUT_OF_RANGE); an id of component c
+// not below what c registered (OUT_OF_RANGE, naming the component); boundaries not strictly increasing in 1..count
+// (INVALID_ARGUMENT). A full-attention session's Store carries state_count and window_keys 0.
 // The checks run in that order; the first failure is returned. Match handles are not checked here: whether the
 // session holds one is state, looked up where it is used (ValidateHandleUse).
 Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,
                                              const DescriptorLimits& limits);
+
+// What a valid descriptor's id array covers (common/hybrid_ids.h): a Load's first_block, a Store's state_count and
+// window_keys; zero for every other opcode.
+IdExtent ExtentOf(const SubmitDescriptor& d);
 
 // The match handle of a Load or Release, once looked up: `handle_blocks` is how many blocks d.match_handle
 // pins when this session holds it (and has not released it), nullopt otherwise. Returns OK, NOT_FOUND for a

@@ -345,8 +345,10 @@ void RequestHandlers::EndLoad(const std::shared_ptr<RequestSession>& sp, const S
   RecordCopy(OpKind::kLoad, taken_ns, copy_start_ns);
   CompletionBuilder c(d);
   if (st.ok()) {
-    c.DoneBlocks(d.count);
-    sp->cache().counters().load_blocks.fetch_add(d.count, std::memory_order_relaxed);
+    // Only the blocks past the engine's own prefix moved (first_block, layout 5).
+    const uint32_t moved = d.count - d.first_block;
+    c.DoneBlocks(moved).Bytes(bytes);
+    sp->cache().counters().load_blocks.fetch_add(moved, std::memory_order_relaxed);
     sp->cache().counters().bytes_loaded.fetch_add(bytes, std::memory_order_relaxed);
   } else {
     c.Status(st);
@@ -388,13 +390,14 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
     const uint32_t layers = s.geometry().num_layers;
     copy.launched = [sp, d, layers] { sp->Post(CompletionBuilder::Launched(d, layers)); };
   }
+  // The handle's first `count` slots; the engine holds the blocks before first_block, ids name [first_block, count).
   copy.engine_blocks = std::make_shared<const std::vector<uint32_t>>(std::move(ids));
-  copy.slots = std::make_shared<const std::vector<SlotId>>(std::move(*slots));
+  copy.slots = std::make_shared<const std::vector<SlotId>>(slots->begin() + d.first_block, slots->end());
   copy.num_layers = s.geometry().num_layers;
   if ((d.flags & kLoadFlagLayerwise) != 0) {
     copy.layer_done = [sp, d](uint32_t layer) { sp->Post(CompletionBuilder::LayerDone(d, layer)); };
   }
-  const uint64_t bytes = uint64_t{d.count} * s.cache().block_bytes();
+  const uint64_t bytes = uint64_t{d.count - d.first_block} * s.cache().block_bytes();
   auto in_flight = std::make_shared<InFlight>(std::move(admitted));
   copy.done = [this, sp, d, bytes, taken_ns, in_flight](Status st, int64_t copy_start_ns) {
     if (d.event_set != 0) sp->PutEventSet(d.event_set);  // free before the final completion: reusable once seen
@@ -603,19 +606,30 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
   InFlight admitted;
   Result<std::vector<SlotId>> begun = BeginLoad(s, d, &admitted);
   if (!begun.ok()) return Fail(s, d, taken_ns, begun.status());
+  // The handle pins the whole end in the layout of a Load from block 0; the request's ids name only what the
+  // engine lacks (first_block k): FULL [k, e), each window's [max(k, e - w), e) - the tail of what is pinned - and
+  // the state at e.
   const std::vector<SlotId>& slots = *begun;
-  const HybridIdLayout layout = LayoutIds(g, false, d.count, 0);
+  const HybridIdLayout pinned = LayoutIds(g, false, d.count);
+  const IdExtent extent = ExtentOf(d);
+  const HybridIdLayout layout = LayoutIds(g, false, d.count, extent);
   const std::vector<SlotId> bases = s.cache().component_bases();
   std::vector<CopyRequest> parts;
   uint64_t bytes = 0;
   for (size_t c = 0; c < g.component_count(); ++c) {
-    const uint64_t n = ComponentIdCount(g, c, false, d.count, 0);
+    const uint64_t n = ComponentIdCount(g, c, false, d.count, extent);
+    if (n == 0) continue;
     const auto at = static_cast<ptrdiff_t>(layout.offset[c]);
+    const auto from = static_cast<ptrdiff_t>(pinned.offset[c] + ComponentIdCount(g, c, false, d.count) - n);
     std::vector<uint32_t> engine(ids.begin() + at, ids.begin() + at + static_cast<ptrdiff_t>(n));
-    std::vector<SlotId> local(slots.begin() + at, slots.begin() + at + static_cast<ptrdiff_t>(n));
+    std::vector<SlotId> local(slots.begin() + from, slots.begin() + from + static_cast<ptrdiff_t>(n));
     for (SlotId& slot : local) slot -= bases[c];
     parts.push_back(ComponentCopy(s, c, CopyDirection::kFromPool, std::move(engine), std::move(local)));
     bytes += n * g.Component(c).host_block_bytes();
+  }
+  if (parts.empty()) {  // nothing past the engine's prefix (a window-only geometry loaded from its end)
+    EndLoad(sp, d, taken_ns, 0, Status::Ok(), NowNs());
+    return;  // `admitted` ends here
   }
   auto in_flight = std::make_shared<InFlight>(std::move(admitted));
   SubmitJoined(std::move(parts), [this, sp, d, bytes, taken_ns, in_flight](Status st, int64_t copy_start_ns) {
@@ -634,7 +648,7 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
   if (!admitted) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
   const BlockKey parent = d.parent;
-  auto r = std::make_shared<Cache::HybridReservation>(s.cache().ReserveHybrid(parent, keys, boundaries));
+  auto r = std::make_shared<Cache::HybridReservation>(s.cache().ReserveHybrid(parent, keys, boundaries, d.window_keys));
   if (s.cache().generation() != s.pool_generation_) {  // as in Store
     s.cache().AbortHybrid(*r);
     admitted.End();
@@ -662,7 +676,7 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
     admitted.End();
     return Finish(s, d, taken_ns, answer.descriptor());
   }
-  const HybridIdLayout layout = LayoutIds(g, true, d.count, d.state_count);
+  const HybridIdLayout layout = LayoutIds(g, true, d.count, ExtentOf(d));
   const std::vector<SlotId> bases = s.cache().component_bases();
   std::vector<CopyRequest> parts;
   std::vector<std::shared_ptr<std::vector<uint64_t>>> sums(g.component_count());

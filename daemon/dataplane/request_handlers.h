@@ -165,11 +165,14 @@ class RequestHandlers {
   // pool). With such a tier, a session that may not store is refused (prefetch_access): a pull stores into its
   // namespace.
   void Prefetch(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
-                std::vector<BlockKey> keys);  void Load(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
+                std::vector<BlockKey> keys);
+  // A Load copies the handle's blocks [first_block, count) into `ids` (the engine holds those before first_block).
+  void Load(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
             std::vector<uint32_t> ids);
   void Store(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
              std::vector<BlockKey> keys, std::vector<uint32_t> ids);
-  // Load and Store of a hybrid geometry (docs/hybrid.md): one copy per component, joined; stores all or none.
+  // Load and Store of a hybrid geometry (docs/hybrid.md): one copy per component, joined; a Load moves only what the
+  // end needs past first_block, a Store each window's ids for its last window_keys keys; stores all or none.
   void LoadHybrid(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
                   std::vector<uint32_t> ids);
   void StoreHybrid(const std::shared_ptr<RequestSession>& s, const SubmitDescriptor& d, int64_t taken_ns,
@@ -178,7 +181,8 @@ class RequestHandlers {
   // handle's slots taken. The refusal otherwise (nothing counted).
   // On success `*in_flight` holds the load's admission (Lifecycle::Admit): the caller ends it when the load ends.
   Result<std::vector<SlotId>> BeginLoad(RequestSession& s, const SubmitDescriptor& d, InFlight* in_flight);
-  // The end of a Load's copy (`bytes` copied when OK): counters, the handle's slots, the completion.
+  // The end of a Load's copy (`bytes` copied when OK): counters and the completion (count - first_block blocks and
+  // `bytes`), the handle's slots.
   void EndLoad(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns, uint64_t bytes,
                const Status& st, int64_t copy_start_ns);
   // Starts one copy per part of `parts` and runs `done` once with the first error after all ended.

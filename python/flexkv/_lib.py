@@ -254,6 +254,26 @@ if has_status_routing:
                                               POINTER(c_size_t)]
 
 
+# Loads past the engine's own prefix and stores of more window blocks (ring layout 5): added without an ABI bump, so a
+# library without them still loads the package; load(first_block > 0) and store(window_keys > 0) then raise
+# Unimplemented.
+_PARTIAL_PROTOTYPES = {
+    "flexkv_load_from": (c_int, [client_p, c_uint64, c_uint32, POINTER(c_uint32), c_size_t, c_int, c_uint32,
+                                 POINTER(TicketStruct)]),
+    "flexkv_load_components_from": (c_int, [client_p, c_uint64, c_uint32, POINTER(POINTER(c_uint32)),
+                                            POINTER(c_size_t), c_size_t, POINTER(TicketStruct)]),
+    "flexkv_store_components_windows": (c_int, [client_p, POINTER(BlockKeyStruct), POINTER(BlockKeyStruct), c_size_t,
+                                                POINTER(POINTER(c_uint32)), POINTER(c_size_t), c_size_t,
+                                                POINTER(c_uint32), c_size_t, c_uint32, POINTER(TicketStruct)]),
+}
+has_partial_loads = all(hasattr(lib, name) for name in _PARTIAL_PROTOTYPES)
+if has_partial_loads:
+    for _name, (_restype, _argtypes) in _PARTIAL_PROTOTYPES.items():
+        _fn = getattr(lib, _name)
+        _fn.restype = _restype
+        _fn.argtypes = _argtypes
+
+
 # flexkv_namespace_hash: added without an ABI bump (an older library lacks it; namespace_hash then raises).
 has_namespace_hash = hasattr(lib, "flexkv_namespace_hash")
 if has_namespace_hash:

@@ -29,11 +29,11 @@ class OpResult:
     """The end of one data-plane request (flexkv::OpResult).
 
     matched_blocks: Match: leading blocks cached. Store: leading blocks already cached (skipped).
-    done_blocks: Load: blocks copied. Store: blocks newly stored.
+    done_blocks: Load: blocks copied (past first_block). Store: blocks newly stored.
     match_handle: Match with pin: pass to Client.load / Client.release (0 when nothing matched).
     status_code / message: OK and "" for a request that was done; otherwise why (part of) it was not, as the
       daemon said (Ticket.wait raises then, with this result on the exception).
-    bytes: Prefetch: bytes pulled from peers.
+    bytes: Prefetch: bytes pulled from peers. Load: bytes copied, every component's (0 from an older flexkvd).
     source: Prefetch: the node the blocks came from, or why none were pulled ("" when no peer had them).
     """
 

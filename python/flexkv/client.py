@@ -27,7 +27,7 @@ from . import _lib, _native
 from ._convert import INT_MAX, U64_MAX, c_int_array, c_uint, device_region
 from ._handle import Handle
 from ._ticket import OpResult, Ticket
-from .errors import FailedPrecondition, InvalidArgument, StatusCode
+from .errors import FailedPrecondition, InvalidArgument, StatusCode, Unimplemented
 from .geometry import MAX_COMPONENTS, ComponentKind, Geometry, Layout
 from .keys import BlockKeys, as_block_keys
 
@@ -443,10 +443,13 @@ class Client:
         return LayerEventSet(self, events, int(set_id.value), layers)
 
     def load(self, match_handle: int, block_ids: Any, layerwise: bool = False,
-             event_set: Optional[Union["LayerEventSet", int]] = None) -> Ticket:
-        """Copies the first len(block_ids) blocks of a pinned match into these KV blocks (result.done_blocks).
-        With layerwise, Ticket.wait_layers reports each layer as it lands. block_ids: sequence or integer array,
-        each < the registered num_blocks (else the request ends with OutOfRange).
+             event_set: Optional[Union["LayerEventSet", int]] = None, first_block: int = 0) -> Ticket:
+        """Copies blocks [first_block, first_block + len(block_ids)) of a pinned match into these KV blocks
+        (result.done_blocks, result.bytes): an engine holding the prefix's first first_block blocks on its GPU
+        already loads only past them, and its blocks before are not touched. With layerwise, Ticket.wait_layers
+        reports each layer as it lands. block_ids: sequence or integer array, each < the registered num_blocks
+        (else the request ends with OutOfRange). first_block > 0 needs a flexkvd of ring layout 5 (else
+        FailedPrecondition, nothing sent) and a libflexkv with flexkv_load_from (else Unimplemented).
 
         With event_set (a LayerEventSet, or its id), the daemon records the set's event of each layer on its copy
         stream right after that layer's copies, so the engine's stream waits without the CPU: call
@@ -455,19 +458,32 @@ class Client:
         FailedPrecondition. Not together with layerwise.
 
         Hybrid models: block_ids is a list with one id sequence (or integer array) per component, component 0
-        first, for the handle's whole prefix end e (result.matched_blocks of the match): e ids of component 0,
-        min(window_blocks(i), e) ids of a sliding-window component (blocks [e - n, e)), 1 id of a state component
-        (the state slot that receives the snapshot at e). Not layer-wise. Wrong counts raise InvalidArgument naming
-        the component, its kind and the count expected (nothing is sent); a single flat id sequence on a hybrid
-        session raises InvalidArgument too."""
+        first, for the handle's prefix end e (result.matched_blocks of the match) past first_block k: e - k ids of
+        component 0 (blocks [k, e)), min(window_blocks(i), e - k) ids of a sliding-window component (blocks
+        [max(k, e - w), e)), 1 id of a state component (the state slot that receives the snapshot at e). Not
+        layer-wise. Wrong counts raise InvalidArgument naming the component, its kind and the count expected
+        (nothing is sent); a single flat id sequence on a hybrid session raises InvalidArgument too."""
         handle = c_uint(match_handle, "match_handle", U64_MAX)
+        first = c_uint(first_block, "first_block")
+        if first != 0:
+            _need_partial("load with first_block")
         if _per_component(block_ids):
             if layerwise:
                 raise InvalidArgument("a layer-wise load of a hybrid geometry's components is not supported; "
                                       "expected layerwise=False")
             ptrs, counts, n, _keep = _component_arrays(block_ids)
+            if first != 0:
+                return self._submit("load", _lib.lib.flexkv_load_components_from, handle, first, ptrs, counts, n)
             return self._submit("load", _lib.lib.flexkv_load_components, handle, ptrs, counts, n)
         ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
+        if first != 0:
+            if layerwise and event_set is not None:
+                raise InvalidArgument("load with both layerwise and event_set; expected one completion kind: the "
+                                      "set's CUDA events or layer progress")
+            set_id = 0 if event_set is None else \
+                event_set.id if isinstance(event_set, LayerEventSet) else c_uint(event_set, "event_set")
+            return self._submit("load", _lib.lib.flexkv_load_from, handle, first, ids, n, 1 if layerwise else 0,
+                                set_id)
         if event_set is not None:
             if layerwise:
                 raise InvalidArgument("load with both layerwise and event_set; expected one completion kind: the "
@@ -477,7 +493,7 @@ class Client:
         return self._submit("load", _lib.lib.flexkv_load, handle, ids, n, 1 if layerwise else 0)
 
     def store(self, keys: Union[BlockKeys, Iterable[Any]], block_ids: Any,
-              state_boundaries: Optional[Any] = None) -> Ticket:
+              state_boundaries: Optional[Any] = None, window_keys: int = 0) -> Ticket:
         """Stores block keys[i] from KV block block_ids[i], keys[0] under keys.parent: pass a slice of the prompt's
         keys (keys[20:30] hangs under keys[19]) so that a match of the prompt from its start reaches the blocks; a
         plain sequence of pairs starts a prompt. The part already cached under the parent is skipped
@@ -489,19 +505,30 @@ class Client:
         own store has not completed yet (wait for it first).
 
         Hybrid models: block_ids is a list with one id sequence per component, component 0 first: len(keys) ids of
-        component 0, min(window_blocks(i), len(keys)) ids of a sliding-window component for the last keys (stored
-        right-aligned: what the engine still holds), and for a state component one id per entry of
-        state_boundaries (each in 1..len(keys), strictly increasing; boundary b = the snapshot after keys[b - 1]).
+        component 0, the ids of a sliding-window component for the last m keys, and for a state component one id
+        per entry of state_boundaries (each in 1..len(keys), strictly increasing; boundary b = the snapshot after
+        keys[b - 1]). m is window_keys, or min(window_blocks(i), len(keys)) when it is 0 (right-aligned: the
+        trailing window); an engine that still holds more window blocks passes more (at least every window's
+        min(window_blocks, len(keys)), at most len(keys)), so that every prefix end inside the store whose window
+        (and state) is there becomes a hit (window_keys needs a flexkvd of ring layout 5, else FailedPrecondition).
         All or none: when a sub-pool cannot take its part nothing is stored (ResourceExhausted). Wrong counts or
         boundaries raise InvalidArgument naming what was wrong (nothing is sent)."""
         k = as_block_keys(keys)
         parent = None
         if k.parent is not None:
             parent = ctypes.byref(_lib.BlockKeyStruct(k.parent.lo, k.parent.hi))
+        windows = c_uint(window_keys, "window_keys")
+        if windows != 0 and not _per_component(block_ids):
+            raise InvalidArgument("window_keys given with a single block id sequence; expected one id sequence per "
+                                  "component (a hybrid geometry's store)")
         if _per_component(block_ids):
             ptrs, counts, n, _keep = _component_arrays(block_ids)
             bounds, n_bounds = c_int_array([] if state_boundaries is None else state_boundaries, ctypes.c_uint32,
                                            "state_boundaries")
+            if windows != 0:
+                _need_partial("store with window_keys")
+                return self._submit("store", _lib.lib.flexkv_store_components_windows, parent, k._array, len(k), ptrs,
+                                    counts, n, bounds, n_bounds, windows)
             return self._submit("store", _lib.lib.flexkv_store_components, parent, k._array, len(k), ptrs, counts, n,
                                 bounds, n_bounds)
         if state_boundaries is not None and len(state_boundaries) > 0:
@@ -625,6 +652,13 @@ def _per_component(block_ids: Any) -> bool:
         return False
     except TypeError:
         return True
+
+
+def _need_partial(what: str) -> None:
+    """Unimplemented when the libflexkv loaded lacks the ring layout 5 calls (flexkv_load_from and its kin)."""
+    if not _lib.has_partial_loads:
+        raise Unimplemented(f"{what}: the libflexkv loaded has no flexkv_load_from (it predates ring layout 5); "
+                            "expected a newer libflexkv")
 
 
 def _component_arrays(block_ids: Sequence[Any]) -> Tuple[Any, Any, int, list]:

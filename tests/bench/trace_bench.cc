@@ -1,7 +1,8 @@
 // flexkv-bench trace: see trace_bench.h.
 //   flexkv-bench trace --trace FILE [--capacity-blocks N] [--clients K] [--block-bytes 4KiB] [--json]
 //                      [--sweep [--capacities 1000,2000,...] [--plot docs/trace_sweep.png]]
-//                      [--geometry PRESET [--chunk-blocks C] [--split daemon|demand|w0,w1,...]]
+//                      [--geometry PRESET [--chunk-blocks C] [--split daemon|demand|w0,w1,...]
+//                       [--window-stores trailing|every|both]]
 //                      [--ssd-blocks M [--ssd-dir DIR] [--ssd-write-policy cold|all] [--ssd-writeback-window W]
 //                       [--ssd-queue-depth Q]] [--gap-us G]
 // --geometry adds the hybrid report (trace_hybrid_bench.cc): the model's pool, simulated, next to its all-FULL
@@ -140,6 +141,10 @@ struct TraceOptions {
   std::string geometry;  // a preset: also the hybrid report (trace_hybrid_bench.cc)
   uint32_t chunk_blocks = 16;
   std::string split = "daemon";
+  // With --geometry: what each store's windows carry: every window block computed since the engine's last store
+  // ("every", ring layout 5's window_keys), the trailing window ("trailing", as before: the default, so that earlier
+  // figures replay alike), or both, one after the other.
+  std::string window_stores = "trailing";
   // --ssd-blocks: the DRAM / DRAM + SSD / block-LRU(N + M) comparison (RunSsdComparison); 0: absent.
   uint32_t ssd_blocks = 0;
   std::string ssd_dir;  // empty: a new directory under /var/tmp, removed afterwards
@@ -162,6 +167,7 @@ struct DaemonModel {
   // The daemon's --ssd-* flags; not empty: the replay starts once the SSD tier serves, and the tier's status is
   // read at the end (TraceRun::ssd).
   std::vector<std::string> ssd_args;
+  bool every_window = false;  // trace-worker --window-stores every (else trailing)
 };
 
 struct TraceRun {
@@ -258,7 +264,8 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
     auto w = Spawn({self, "trace-worker", "--socket", own->socket(), "--trace", o.trace, "--index", std::to_string(i),
                     "--clients", std::to_string(o.clients), "--block-bytes", std::to_string(o.block_bytes),
                     "--order", o.order, "--geometry", model.preset, "--scale", std::to_string(model.scale),
-                    "--chunk-blocks", std::to_string(model.chunk_blocks), "--gap-us", std::to_string(o.gap_us)},
+                    "--chunk-blocks", std::to_string(model.chunk_blocks), "--gap-us", std::to_string(o.gap_us),
+                    "--window-stores", model.every_window ? "every" : "trailing"},
                    {{barrier->read_end(), 0}, {turn_fd.get(), 4}});
     if (!w) return abort_all("could not start a trace-worker");
     workers.push_back(std::move(*w));
@@ -770,6 +777,11 @@ int RunTraceBench(int argc, char** argv) {
                  "With --geometry: the budget's split between sub-pools: daemon (flexkvd's default), demand (in "
                  "proportion to what each component holds after the trace with no eviction) or one weight per "
                  "component, w0,w1,...; the flexkvd run gets it as --swa-share/--state-share");
+  app.add_option("--window-stores", o.window_stores,
+                 "With --geometry: each hybrid store carries every window block computed since the engine's last store "
+                 "(every), the trailing window only (trailing, the default: the store before ring layout 5), or both, "
+                 "reported one after the other in the same run")
+      ->check(CLI::IsMember({"every", "trailing", "both"}));
   app.add_option("--ssd-blocks", o.ssd_blocks,
                  "Also compare, in one run: flexkvd with --capacity-blocks DRAM blocks alone, the same with an SSD "
                  "tier of this many blocks, and block-LRU over both capacities")
@@ -871,17 +883,29 @@ int RunTraceBench(int argc, char** argv) {
   if (o.sweep) plotted = WritePlot(runs, o.plot, o.clients, o.order);
   Json hybrid;
   if (!o.geometry.empty()) {
-    flexkv::bench::HybridTraceOptions ho{o.trace, o.geometry, caps, o.chunk_blocks, o.split, o.json, {}};
-    ho.daemon = [&](uint32_t cap, uint64_t pool_bytes, uint64_t scale, double swa_share,
-                    double state_share) -> std::optional<HybridDaemonRun> {
-      auto r = RunOnce(self, o, cap, *trace, keys,
-                       DaemonModel{o.geometry, scale, pool_bytes, o.chunk_blocks, swa_share, state_share, {}});
-      if (!r) return std::nullopt;
-      return HybridDaemonRun{r->blocks, r->hits, r->stored, r->shortfalls, r->mismatches, r->seconds,
-                             r->component_capacity, r->component_used, r->component_unanchored, r->component_evicted};
-    };
-    const int rc = flexkv::bench::RunHybridTraceReport(ho, *trace, &hybrid);
-    if (rc != 0) return rc;
+    // --window-stores both: the trailing windows (the old store) first, then every window block, in one run.
+    std::vector<bool> modes;
+    if (o.window_stores != "every") modes.push_back(false);
+    if (o.window_stores != "trailing") modes.push_back(true);
+    Json by_mode = Json::array();
+    for (const bool every : modes) {
+      flexkv::bench::HybridTraceOptions ho{o.trace, o.geometry, caps, o.chunk_blocks, o.split, o.json, {}};
+      ho.every_window = every;
+      ho.daemon = [&](uint32_t cap, uint64_t pool_bytes, uint64_t scale, double swa_share,
+                      double state_share) -> std::optional<HybridDaemonRun> {
+        DaemonModel model{o.geometry, scale, pool_bytes, o.chunk_blocks, swa_share, state_share, {}};
+        model.every_window = every;
+        auto r = RunOnce(self, o, cap, *trace, keys, model);
+        if (!r) return std::nullopt;
+        return HybridDaemonRun{r->blocks, r->hits, r->stored, r->shortfalls, r->mismatches, r->seconds,
+                               r->component_capacity, r->component_used, r->component_unanchored, r->component_evicted};
+      };
+      Json one;
+      const int rc = flexkv::bench::RunHybridTraceReport(ho, *trace, &one);
+      if (rc != 0) return rc;
+      by_mode.push_back(std::move(one));
+    }
+    hybrid = by_mode.size() == 1 ? std::move(by_mode[0]) : std::move(by_mode);
   }
   if (o.json) {
     Json report{{"bench", "trace"}, {"trace", o.trace}, {"daemon", "spawned"}};

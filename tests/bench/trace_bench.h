@@ -223,9 +223,10 @@ class ComponentLru {
   // an entry. `keys` must not repeat a key.
   bool CanInsert(std::span<const BlockKey> keys) const { return Victims(keys).has_value(); }
   // Adds anchored entries for the keys without one, all or none: free slots first, then evicting; the keys' existing
-  // entries are marked used (before the new ones). Returns the entries added, or nullopt (nothing changed) when
-  // CanInsert is false.
-  std::optional<uint32_t> Insert(std::span<const BlockKey> keys) {
+  // entries are marked used (before the new ones). The new entries of the first `cold` keys go to the cold end
+  // (evicted first, keys[0]'s first), as ComponentIndex::Commit's. Returns the entries added, or nullopt (nothing
+  // changed) when CanInsert is false.
+  std::optional<uint32_t> Insert(std::span<const BlockKey> keys, size_t cold = 0) {
     auto victims = Victims(keys);
     if (!victims) return std::nullopt;
     for (const BlockKey& v : *victims) {
@@ -236,13 +237,20 @@ class ComponentLru {
       ++evictions_;
     }
     uint32_t added = 0;
-    for (const BlockKey& k : keys) {
-      if (Has(k)) {
-        Touch(k);  // as the daemon's store: entries it found cached count as used
-        continue;
-      }
-      anchored_.push_back(k);
-      entries_.emplace(k, Entry{true, std::prev(anchored_.end())});
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (Has(keys[i])) Touch(keys[i]);  // as the daemon's store: entries it found cached count as used
+    }
+    cold = std::min(cold, keys.size());
+    for (size_t i = cold; i < keys.size(); ++i) {
+      if (Has(keys[i])) continue;
+      anchored_.push_back(keys[i]);
+      entries_.emplace(keys[i], Entry{true, std::prev(anchored_.end())});
+      ++added;
+    }
+    for (size_t i = cold; i-- > 0;) {
+      if (Has(keys[i])) continue;
+      anchored_.push_front(keys[i]);
+      entries_.emplace(keys[i], Entry{true, anchored_.begin()});
       ++added;
     }
     return added;
@@ -318,9 +326,10 @@ class HybridPoolSim {
   // One request as an engine runs it: Match (the hit rule), Load what e needs (FULL [0, e), each window's
   // [e - W, e), the state at e; the entries used count as used for LRU), then prefill from e and Store at each
   // boundary b = e + chunk_blocks, e + 2 chunk_blocks, ... below n, and at n (chunk_blocks 0: at n only). A store
-  // at b holds FULL [0, b) (the cached part skipped), each window's [b - W, b) (right-aligned: what the engine
-  // still holds) and the state at b; all or none across components.
-  Request Replay(std::span<const BlockKey> keys, uint32_t chunk_blocks) {
+  // at b holds FULL [0, b) (the cached part skipped), each window's [b - W, b) (right-aligned: the trailing window)
+  // or, with `every_window`, every window block the engine computed since the last store as well ([start, b) with
+  // start the previous boundary, or e: the store's window_keys) and the state at b; all or none across components.
+  Request Replay(std::span<const BlockKey> keys, uint32_t chunk_blocks, bool every_window = false) {
     Request r;
     r.loaded.assign(components_.size(), 0);
     r.stored.assign(components_.size(), 0);
@@ -335,10 +344,12 @@ class HybridPoolSim {
     const size_t n = keys.size();
     if (e == n) return r;
     size_t b = chunk_blocks == 0 ? n : std::min(n, e + chunk_blocks);
+    size_t start = e;
     for (;;) {
       ++r.stores;
-      if (!Store(keys.first(b), &r.stored)) ++r.refused_stores;
+      if (!Store(keys.first(b), every_window ? b - start : 0, &r.stored)) ++r.refused_stores;
       if (b == n) break;
+      start = b;
       b = std::min(n, b + chunk_blocks);
     }
     return r;
@@ -388,9 +399,15 @@ class HybridPoolSim {
     if (components_[c].kind == ComponentKind::kState) return prefix.last(1);
     return prefix.last(std::min<size_t>(components_[c].window_blocks, prefix.size()));
   }
-  bool Store(std::span<const BlockKey> prefix, std::vector<uint64_t>* stored) {
+  // The window entries a store of `prefix` carries: the trailing window, or its last `window_keys` keys when more.
+  std::span<const BlockKey> Stored(size_t c, std::span<const BlockKey> prefix, size_t window_keys) const {
+    const std::span<const BlockKey> trailing = Needed(c, prefix);
+    if (components_[c].kind == ComponentKind::kState || window_keys <= trailing.size()) return trailing;
+    return prefix.last(std::min(window_keys, prefix.size()));
+  }
+  bool Store(std::span<const BlockKey> prefix, size_t window_keys, std::vector<uint64_t>* stored) {
     for (size_t c = 1; c < components_.size(); ++c) {
-      if (!parts_[c]->CanInsert(Needed(c, prefix))) return false;
+      if (!parts_[c]->CanInsert(Stored(c, prefix, window_keys))) return false;
     }
     PrefixIndex::Reservation res = full_.Reserve(kRootParent, prefix);
     if (res.shortfall != StatusCode::kOk) {
@@ -402,7 +419,10 @@ class HybridPoolSim {
       for (size_t c = 1; c < components_.size(); ++c) parts_[c]->Anchor(prefix[j]);
     }
     (*stored)[0] += res.slots.size();
-    for (size_t c = 1; c < components_.size(); ++c) (*stored)[c] += parts_[c]->Insert(Needed(c, prefix)).value_or(0);
+    for (size_t c = 1; c < components_.size(); ++c) {
+      const std::span<const BlockKey> keys = Stored(c, prefix, window_keys);
+      (*stored)[c] += parts_[c]->Insert(keys, keys.size() - Needed(c, prefix).size()).value_or(0);
+    }
     return true;
   }
 
@@ -549,6 +569,9 @@ struct HybridTraceOptions {
   std::function<std::optional<HybridDaemonRun>(uint32_t capacity_blocks, uint64_t pool_bytes, uint64_t scale,
                                                double swa_share, double state_share)>
       daemon;
+  // Each store carries every window block the engine computed since its last store (window_keys, ring layout 5),
+  // not only the trailing window; `daemon` is told the same (trace --window-stores).
+  bool every_window = false;
 };
 // Prints the text report, or with options.json sets *json to the report's object. 0, or the exit code after an
 // error message.

@@ -59,7 +59,7 @@ std::vector<uint64_t> SlotBytes(const Geometry& g) {
 
 // Replays every request in trace order; `prompts` are the indices of the distinct prompts (checked at the end).
 SimRun Replay(const Geometry& g, std::span<const uint32_t> capacities, std::span<const std::vector<BlockKey>> keys,
-              std::span<const size_t> prompts, uint32_t chunk_blocks) {
+              std::span<const size_t> prompts, uint32_t chunk_blocks, bool every_window) {
   SimRun run;
   run.components = SimComponentsOf(g, capacities);
   run.slot_bytes = SlotBytes(g);
@@ -68,7 +68,7 @@ SimRun Replay(const Geometry& g, std::span<const uint32_t> capacities, std::span
   run.loaded.assign(n, 0);
   HybridPoolSim sim(run.components);
   for (const std::vector<BlockKey>& k : keys) {
-    const HybridPoolSim::Request r = sim.Replay(k, chunk_blocks);
+    const HybridPoolSim::Request r = sim.Replay(k, chunk_blocks, every_window);
     run.blocks += k.size();
     run.hit_blocks += r.hit_end;
     run.stores += r.stores;
@@ -90,12 +90,13 @@ SimRun Replay(const Geometry& g, std::span<const uint32_t> capacities, std::span
 
 // The pool that never evicts: its hit ratio is the geometry's bound at this chunking, and the bytes each component
 // holds at the end are its demand (the default split is in proportion to it).
-SimRun Unbounded(const Geometry& g, std::span<const std::vector<BlockKey>> keys, uint32_t chunk_blocks) {
+SimRun Unbounded(const Geometry& g, std::span<const std::vector<BlockKey>> keys, uint32_t chunk_blocks,
+                 bool every_window) {
   uint64_t total = 0;
   for (const auto& k : keys) total += k.size();
   const std::vector<uint32_t> unbounded(g.component_count(),
                                         static_cast<uint32_t>(std::min<uint64_t>(total + 1, UINT32_MAX)));
-  return Replay(g, unbounded, keys, {}, chunk_blocks);
+  return Replay(g, unbounded, keys, {}, chunk_blocks, every_window);
 }
 
 // Each component's share of the budget, from its capacity.
@@ -184,7 +185,7 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
       if (!keys.back().empty() && seen.insert(keys.back().back()).second) prompts.push_back(i);
     }
   }
-  const SimRun unbounded = Unbounded(*model, keys, o.chunk_blocks);
+  const SimRun unbounded = Unbounded(*model, keys, o.chunk_blocks, o.every_window);
   const uint64_t ref_block = reference->host_block_bytes();
   const uint64_t scale = TraceScale(*model, 4096);
   const std::vector<uint64_t> slots = SlotBytes(*model);
@@ -218,7 +219,7 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
   for (uint32_t cap : o.capacities) {
     const uint64_t budget = uint64_t{cap} * ref_block;
     const std::vector<uint32_t> ref_cap = {cap};
-    const SimRun ref = Replay(*reference, ref_cap, keys, prompts, o.chunk_blocks);
+    const SimRun ref = Replay(*reference, ref_cap, keys, prompts, o.chunk_blocks, false);
     // The hybrid pool's sub-pools: the daemon run's, else the daemon's SplitBudget in-process.
     std::optional<HybridDaemonRun> daemon;
     if (o.daemon && model->is_hybrid()) {
@@ -238,7 +239,7 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
       }
       for (uint64_t v : *daemon_split) split.push_back(static_cast<uint32_t>(std::min<uint64_t>(v, UINT32_MAX)));
     }
-    SimRun hyb = Replay(*model, split, keys, prompts, o.chunk_blocks);
+    SimRun hyb = Replay(*model, split, keys, prompts, o.chunk_blocks, o.every_window);
     hyb.shares = SharesOf(split, slots, budget);
     if (o.json) {
       runs.push_back(Json{{"capacity_blocks", cap},
@@ -246,6 +247,7 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
                           {"reference", HybridRunJson(ref, *reference)},
                           {"hybrid", HybridRunJson(hyb, *model)},
                           {"split", o.split},
+                          {"window_stores", o.every_window ? "every" : "trailing"},
                           {"swa_share", Rounded(pool_split.swa_share, 4)},
                           {"state_share", Rounded(pool_split.state_share, 4)},
                           {"flexkvd", daemon ? DaemonJson(*daemon, *model) : Json(nullptr)},
@@ -255,8 +257,11 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
       continue;
     }
     fmt::print("{} at {} tokens a block, budget {} all-FULL blocks = {}; stores every {} blocks of prefill and at the "
-               "prompt's end; sim = in-process replay in trace order, hybrid sub-pools from {}\n",
-               o.preset, kTokensPerBlock, cap, FormatByteSize(budget), o.chunk_blocks, split_from);
+               "prompt's end, each with {}; sim = in-process replay in trace order, hybrid sub-pools from {}\n",
+               o.preset, kTokensPerBlock, cap, FormatByteSize(budget), o.chunk_blocks,
+               o.every_window ? "every window block computed since the last store (--window-stores every)"
+                              : "the trailing window (--window-stores trailing)",
+               split_from);
     fmt::print("  {:<22} {:>9} {:>14} {:>16} {:>16} {:>9}\n", "", "hit ratio", "prompts held", "FULL blocks held",
                "usable ends held", "refused");
     fmt::print("  {:<22} {:>9.4f} {:>14} {:>16} {:>16} {:>9}\n", "reference (all FULL)", ref.hit_ratio(),

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bench_process.h"
+#include "common/hybrid_ids.h"
 #include "common/mapped_region.h"
 #include "flexkv/client.h"
 #include "trace_bench.h"
@@ -69,6 +70,9 @@ struct WorkerOptions {
   uint64_t scale = 1;
   uint32_t chunk_blocks = 16;
   uint32_t gap_us = 0;  // idle time before each request's Match, once it is its turn (trace --gap-us)
+  // "every": each hybrid store carries every window block computed since the last store (window_keys); "trailing":
+  // the trailing window only (trace --window-stores).
+  std::string window_stores = "trailing";
 };
 
 int WorkerMain(const WorkerOptions& o) {
@@ -166,6 +170,7 @@ int WorkerMain(const WorkerOptions& o) {
   Emit(ready + "\n");
   AwaitBarrier(0);
 
+  const bool every_window = o.window_stores == "every";
   const auto timeout = std::chrono::seconds(60);
   auto run = [&](flexkv::Result<flexkv::Ticket> t) -> flexkv::Result<flexkv::OpResult> {
     if (!t.ok()) return t.status();
@@ -227,12 +232,24 @@ int WorkerMain(const WorkerOptions& o) {
       // A hybrid engine stores at each chunk boundary of its prefill (the window and state it holds there) and at
       // the prompt's end; a full-attention one once (HybridPoolSim::Replay).
       const uint32_t chunk = hybrid ? o.chunk_blocks : 0;
-      for (uint32_t b = chunk == 0 ? n : std::min(n, h + chunk);; b = std::min(n, b + chunk)) {
+      uint32_t chunk_start = h;  // the first block computed since the last store
+      for (uint32_t b = chunk == 0 ? n : std::min(n, h + chunk);; chunk_start = b, b = std::min(n, b + chunk)) {
         const std::span<const flexkv::BlockKey> prefix(m.keys.data(), b);
         const uint32_t boundary[1] = {b};
         const std::span<const uint32_t> boundaries(boundary, has_state ? 1 : 0);
+        // The engine has every window block it computed since its last store (a connector saves each chunk's new
+        // blocks before they slide out of the window): with --window-stores every the store carries them all,
+        // [chunk_start, b), when they are more than the trailing window (window_keys).
+        uint32_t window_keys = 0;
+        std::vector<std::span<const uint32_t>> parts = component_ids(b);
+        if (hybrid && every_window && b - chunk_start > flexkv::MinWindowKeys(geometry, b)) {
+          window_keys = b - chunk_start;
+          for (size_t comp = 0; comp < ncomp; ++comp) {
+            if (geometry.component_kind(comp) == flexkv::ComponentKind::kSlidingWindow) parts[comp] = ids(chunk_start, b);
+          }
+        }
         t0 = NowNs();
-        auto sr = run(hybrid ? c.Store(flexkv::BlockKeyChain(prefix), component_ids(b), boundaries)
+        auto sr = run(hybrid ? c.Store(flexkv::BlockKeyChain(prefix), parts, boundaries, window_keys)
                              : c.Store(flexkv::BlockKeyChain(prefix), ids(0, b)));
         lat_store.push_back(NowNs() - t0);
         if (!sr.ok()) return fail("Store", sr.status());
@@ -280,6 +297,7 @@ int RunTraceWorker(int argc, char** argv) {
   app.add_option("--scale", o.scale);
   app.add_option("--chunk-blocks", o.chunk_blocks);
   app.add_option("--gap-us", o.gap_us);
+  app.add_option("--window-stores", o.window_stores)->check(CLI::IsMember({"every", "trailing"}));
   CLI11_PARSE(app, argc, argv);
   return WorkerMain(o);
 }

@@ -41,17 +41,23 @@ void CheckAcceptedHybrid(const SubmitDescriptor& d, std::span<const uint8_t> are
                          const flexkv::DescriptorLimits& limits, const flexkv::DescriptorPayload& p) {
   const flexkv::Geometry& g = *limits.geometry;
   const auto op = static_cast<RingOp>(d.opcode);
-  Require(d.state_count == 0 || op == RingOp::kStore);
+  // The word at 56 is a Store's state_count or a Load's first_block; the word at 60 a Store's window_keys.
+  Require(d.state_count == 0 || op == RingOp::kStore || op == RingOp::kLoad);
+  Require(d.window_keys == 0 || op == RingOp::kStore);
   if (op == RingOp::kRelease || op == RingOp::kMatch || op == RingOp::kPrefetch) return;
   Require(op != RingOp::kLoad || (d.flags & flexkv::kLoadFlagLayerwise) == 0);
   const bool store = op == RingOp::kStore;
-  Require(d.state_count <= d.count);
-  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(g, store, d.count, d.state_count);
+  Require(d.state_count <= d.count);  // a Load's first_block too: at most its prefix end
+  if (store && d.window_keys != 0) {
+    Require(d.window_keys >= flexkv::MinWindowKeys(g, d.count) && d.window_keys <= d.count);
+  }
+  const flexkv::IdExtent extent = flexkv::ExtentOf(d);
+  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(g, store, d.count, extent);
   Require(p.block_ids.size() == layout.total);
   Require(InsideArena(d.block_ids_offset, static_cast<uint32_t>(layout.total), 4, 4, arena.size()));
   Require(std::memcmp(p.block_ids.data(), arena.data() + d.block_ids_offset, layout.total * 4) == 0);
   for (size_t c = 0; c < g.component_count(); ++c) {
-    const uint64_t n = flexkv::ComponentIdCount(g, c, store, d.count, d.state_count);
+    const uint64_t n = flexkv::ComponentIdCount(g, c, store, d.count, extent);
     for (uint64_t i = 0; i < n; ++i) Require(p.block_ids[layout.offset[c] + i] < limits.component_blocks[c]);
   }
   Require(p.boundaries.size() == (store ? d.state_count : 0));
@@ -65,10 +71,13 @@ void CheckAcceptedHybrid(const SubmitDescriptor& d, std::span<const uint8_t> are
 void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, const flexkv::DescriptorLimits& limits,
                    const flexkv::DescriptorPayload& p) {
   const bool hybrid = limits.geometry != nullptr;
-  if (!hybrid) Require(d.state_count == 0);
   Require(d.opcode >= 1 && d.opcode <= 5);
   const auto op = static_cast<RingOp>(d.opcode);
-  Require(d.event_set == 0 || (op == RingOp::kLoad && (d.flags & 1) == 0 && !hybrid));
+  // A full-attention session: the word at 56 only as a Load's first_block (below count), nothing at 60 but a
+  // Load's event set.
+  if (!hybrid) Require(d.state_count == 0 || (op == RingOp::kLoad && d.first_block < d.count));
+  Require(d.event_set == 0 || (op == RingOp::kLoad && (d.flags & 1) == 0 && !hybrid) ||
+          (op == RingOp::kStore && hybrid));
   Require(op != RingOp::kPrefetch || d.match_handle == 0);
   Require(op == RingOp::kStore || d.parent == flexkv::BlockKey{});
   const uint16_t allowed = op == RingOp::kMatch ? 1 : op == RingOp::kLoad ? 1 : 0;
@@ -96,9 +105,10 @@ void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, co
     if (!ids) Require(p.block_ids.empty());
   } else if (ids) {
     Require(limits.registered_blocks > 0);
-    Require(InsideArena(d.block_ids_offset, d.count, 4, 4, arena.size()));
-    Require(p.block_ids.size() == d.count);
-    Require(std::memcmp(p.block_ids.data(), arena.data() + d.block_ids_offset, size_t{d.count} * 4) == 0);
+    const uint32_t n = op == RingOp::kLoad ? d.count - d.first_block : d.count;  // a Load's: [first_block, count)
+    Require(InsideArena(d.block_ids_offset, n, 4, 4, arena.size()));
+    Require(p.block_ids.size() == n);
+    Require(std::memcmp(p.block_ids.data(), arena.data() + d.block_ids_offset, size_t{n} * 4) == 0);
     for (uint32_t id : p.block_ids) Require(id < limits.registered_blocks);
   } else {
     Require(p.block_ids.empty());

@@ -100,6 +100,37 @@ def test_store_and_load_copy_the_full_blocks_the_window_and_the_state(daemon, hy
         del kv_b
 
 
+def test_a_store_with_every_window_block_and_a_load_past_the_engines_prefix(daemon, hybrid):
+    """window_keys makes the boundary inside the store (3) a hit; first_block loads only past the engine's prefix."""
+    a, kv_a = hybrid
+    rng = np.random.default_rng(11)
+    for arr in kv_a:
+        arr[:] = rng.integers(0, 256, size=arr.shape, dtype=np.uint8)
+    keys = prompt_keys(3, 6)
+    # Window ids for all 6 keys (window blocks 0..5), states after keys 2 and 5 in state slots 3, 4.
+    r = a.store(keys, [range(6), range(6), (3, 4)], state_boundaries=[3, 6], window_keys=6).wait()
+    assert r.done_blocks == 6
+    with flexkv.connect(daemon.socket) as b:
+        b.attach("pytest-hybrid-b", NAMESPACE, SMALL)
+        kv_b = component_arrays(b, SMALL)
+        hit = b.match(keys[:3], pin=True).wait()
+        assert hit.matched_blocks == 3  # its window (keys 1, 2) and its state are there
+        # The engine holds block 0: it loads FULL blocks 1, 2, the window (1, 2) and the state at 3.
+        r = b.load(hit.match_handle, [[9, 10], [9, 10], [14]], first_block=1).wait()
+        assert r.done_blocks == 2
+        assert r.bytes == 2 * 16384 + 2 * 16384 + 512
+        assert np.array_equal(kv_b[0][9:11], kv_a[0][1:3])
+        assert np.array_equal(kv_b[1][9:11], kv_a[1][1:3])
+        assert np.array_equal(kv_b[2][14], kv_a[2][3])
+        assert not kv_b[0][:9].any() and not kv_b[0][11:].any() and not kv_b[2][:14].any()
+        b.release(hit.match_handle).wait()
+        del kv_b
+    with pytest.raises(flexkv.InvalidArgument, match="window_keys 1 for a store of 6 keys"):
+        a.store(prompt_keys(4, 6), [range(6), [5], (3,)], state_boundaries=[6], window_keys=1)
+    with pytest.raises(flexkv.InvalidArgument, match="window_keys given with a single block id sequence"):
+        a.store(keys, [0, 1, 2, 3, 4, 5], window_keys=6)
+
+
 def test_wrong_counts_are_refused_before_anything_is_sent(hybrid):
     c, _ = hybrid
     keys = prompt_keys(2, 4)

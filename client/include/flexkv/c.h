@@ -306,6 +306,25 @@ int flexkv_store_components(flexkv_client* client, const flexkv_block_key* paren
                             size_t n_keys, const uint32_t* const* component_ids, const size_t* counts,
                             size_t n_components, const uint32_t* state_boundaries, size_t n_boundaries,
                             flexkv_ticket* ticket);
+/* Added within ABI 6 (ring layout 5): loads past the engine's own prefix, and stores of more window blocks.
+ * flexkv_load_from: as flexkv_load (event_set 0) or flexkv_load_with_events (event_set not 0, layerwise 0), of the
+ * match's blocks [first_block, first_block + n_blocks): the engine holds the first first_block blocks already.
+ * flexkv_load_components_from: as flexkv_load_components, for a hybrid prefix end e = first_block + counts[0] (k =
+ * first_block, 0..e): e - k FULL ids (blocks [k, e)), min(window_blocks, e - k) ids of a sliding-window component
+ * (blocks [max(k, e - w), e)), 1 id of a state component. flexkv_store_components_windows: as
+ * flexkv_store_components, each sliding-window component giving the ids of the last window_keys keys (0: min(
+ * window_blocks, n_keys), as flexkv_store_components; else at least every window's min(window_blocks, n_keys) and at
+ * most n_keys). first_block or window_keys above 0 to a flexkvd of ring layout 4: FLEXKV_FAILED_PRECONDITION,
+ * nothing sent. The op result's bytes count a load's copied bytes. */
+int flexkv_load_from(flexkv_client* client, uint64_t match_handle, uint32_t first_block, const uint32_t* dst_block_ids,
+                     size_t n_blocks, int layerwise, uint32_t event_set, flexkv_ticket* ticket);
+int flexkv_load_components_from(flexkv_client* client, uint64_t match_handle, uint32_t first_block,
+                                const uint32_t* const* component_ids, const size_t* counts, size_t n_components,
+                                flexkv_ticket* ticket);
+int flexkv_store_components_windows(flexkv_client* client, const flexkv_block_key* parent,
+                                    const flexkv_block_key* keys, size_t n_keys, const uint32_t* const* component_ids,
+                                    const size_t* counts, size_t n_components, const uint32_t* state_boundaries,
+                                    size_t n_boundaries, uint32_t window_keys, flexkv_ticket* ticket);
 int flexkv_release(flexkv_client* client, uint64_t match_handle, flexkv_ticket* ticket);
 /* The unary gRPC match (slow path, diagnostics). */
 int flexkv_match_via_control(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, uint32_t* matched);

@@ -231,7 +231,7 @@ struct OpResult {
   uint32_t matched_blocks = 0;  // Match: leading blocks cached. Store: leading blocks already cached
   uint32_t done_blocks = 0;     // Load: blocks copied. Store: blocks newly stored
   uint64_t match_handle = 0;    // Match with pin: pass to Load / Release (0 when nothing matched)
-  uint64_t bytes = 0;           // Prefetch: bytes pulled from peers
+  uint64_t bytes = 0;           // Prefetch: bytes pulled from peers. Load: bytes copied (0 from a layout-4 flexkvd)
   std::string source;           // Prefetch: the node the blocks came from, or why none were pulled (empty: no peer
                                 // had them); empty for every other request and for one that failed
 };
@@ -328,9 +328,13 @@ class Client {
   // INVALID_ARGUMENT for empty keys (nothing sent); the request ends with INVALID_ARGUMENT for an all-zero key
   // (reserved: never cached) or more keys than the daemon takes in one request.
   Result<Ticket> Prefetch(std::span<const BlockKey> keys);
-  // Copies the first dst_block_ids.size() blocks of a pinned match into these KV blocks. With `layerwise`,
-  // WaitLayers reports each layer as it lands, so compute on layer 0 can start while later layers copy.
-  Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise = false);
+  // Copies blocks [first_block, first_block + dst_block_ids.size()) of a pinned match into these KV blocks, one
+  // id each: an engine that holds the prefix's first `first_block` blocks already loads only past them (their KV
+  // blocks are not touched). The result's done_blocks and bytes count what moved. With `layerwise`, WaitLayers
+  // reports each layer as it lands, so compute on layer 0 can start while later layers copy. first_block > 0 needs
+  // a flexkvd of ring layout 5: an older one is refused FAILED_PRECONDITION before anything is sent.
+  Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise = false,
+                      uint32_t first_block = 0);
 
   // --- Layer-wise loads completed by CUDA events (no CPU wake-up between layers; docs/protocol.md "Layer events").
   // The engine creates one interprocess event per layer on each TP rank's GPU (CudaLayerEvents, flexkv/cuda.h) and
@@ -360,7 +364,8 @@ class Client {
   // Forgets a set (the daemon closes its events once no load records them). NOT_FOUND for an unknown id.
   Status ReleaseLayerEvents(uint32_t event_set);
   // A Load (as above, never layer-wise by progress completions) whose layers are reported by the set's events.
-  Result<Ticket> LoadWithEvents(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, uint32_t event_set);
+  Result<Ticket> LoadWithEvents(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, uint32_t event_set,
+                                uint32_t first_block = 0);
   // Step 2 above: OK once the load's copies and event records are all enqueued (or it ended OK); the load's error
   // when it ended with one (its result stays for Wait); DEADLINE_EXCEEDED on timeout; the ticket errors of Wait.
   Status WaitLaunched(Ticket ticket, std::chrono::microseconds timeout);
@@ -374,18 +379,23 @@ class Client {
   // (or store both in one request).
   Result<Ticket> Store(const BlockKeyChain& keys, std::span<const uint32_t> src_block_ids);
   // Hybrid geometries (docs/hybrid.md), one span of engine block ids per component, in geometry order:
-  // Load copies everything the handle's prefix end e needs: component_ids[0] has e FULL ids (e = the Match's
-  // matched_blocks; a partial load of a hybrid match is refused), a sliding-window component min(window_blocks, e)
-  // ids for the blocks [e - n, e), a state component 1 id (the engine state slot for the snapshot at e).
-  // Not layer-wise (yet): INVALID_ARGUMENT with layerwise.
-  Result<Ticket> Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids);
-  // Store of n keys: component_ids[0] has n FULL ids, a sliding-window component min(window_blocks, n) ids for the
-  // last keys (stored right-aligned: what the engine still holds), a state component one id per entry of
-  // `state_boundaries` (each in 1..n, increasing; boundary b = the snapshot after keys[b - 1]). All or none:
-  // when a sub-pool cannot take its part, nothing is stored (RESOURCE_EXHAUSTED). INVALID_ARGUMENT (nothing sent)
-  // when a span's size does not match.
+  // Load copies what the handle's prefix end e needs past the engine's own first `first_block` blocks (k, 0..e):
+  // component_ids[0] has e - k FULL ids for the blocks [k, e) (e = the Match's matched_blocks: a hybrid match ends
+  // only at e), a sliding-window component min(window_blocks, e - k) ids for the blocks [max(k, e - w), e), a state
+  // component 1 id (the engine state slot for the snapshot at e). Not layer-wise (yet). k > 0 needs a flexkvd of
+  // ring layout 5 (FAILED_PRECONDITION before anything is sent otherwise).
+  Result<Ticket> Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
+                      uint32_t first_block = 0);
+  // Store of n keys: component_ids[0] has n FULL ids, a sliding-window component the ids of its last m keys, a
+  // state component one id per entry of `state_boundaries` (each in 1..n, increasing; boundary b = the snapshot
+  // after keys[b - 1]). m is `window_keys`, or min(window_blocks, n) when it is 0 (the trailing window); an engine
+  // that still holds more window blocks gives up to n of them (m at least every window's min(window_blocks, n)),
+  // so that every prefix end inside the store whose window (and state) is there becomes a hit. window_keys > 0
+  // needs a flexkvd of ring layout 5 (FAILED_PRECONDITION before anything is sent otherwise). All or none: when a
+  // sub-pool cannot take its part, nothing is stored (RESOURCE_EXHAUSTED). INVALID_ARGUMENT (nothing sent) when a
+  // span's size does not match.
   Result<Ticket> Store(const BlockKeyChain& keys, std::span<const std::span<const uint32_t>> component_ids,
-                       std::span<const uint32_t> state_boundaries);
+                       std::span<const uint32_t> state_boundaries, uint32_t window_keys = 0);
   // Drops the pins of a match handle.
   Result<Ticket> Release(uint64_t match_handle);
 

@@ -109,6 +109,21 @@ TEST_CASE("a window stored only at a request's end serves no shorter shared pref
   CHECK(chunked.Replay(a, 2).hit_end == 6);  // a full hit stores nothing
 }
 
+TEST_CASE("a store with every window block computed since the last store serves a shared prefix inside a chunk",
+          "[unit][bench]") {
+  const std::vector<SimComponent> comps = {{ComponentKind::kFull, 0, 100}, {ComponentKind::kSlidingWindow, 2, 100}};
+  const auto a = Keys(Range(0, 8));
+  const auto b = Keys({0, 1, 2, 90, 91});  // shares a's first 3 blocks: an end inside a's first chunk of 4
+  HybridPoolSim trailing(comps);
+  CHECK(trailing.Replay(a, 4).stored == std::vector<uint64_t>{8, 4});  // windows at 4 (2, 3) and 8 (6, 7)
+  CHECK(trailing.Replay(b, 4).hit_end == 0);
+  HybridPoolSim every(comps);
+  CHECK(every.Replay(a, 4, /*every_window=*/true).stored == std::vector<uint64_t>{8, 8});  // [0, 4), then [4, 8)
+  auto rb = every.Replay(b, 4, true);
+  CHECK(rb.hit_end == 3);
+  CHECK(rb.loaded == std::vector<uint64_t>{3, 2});
+}
+
 TEST_CASE("state snapshots serve exactly the boundaries they were taken at", "[unit][bench]") {
   HybridPoolSim sim({{ComponentKind::kFull, 0, 100}, {ComponentKind::kState, 0, 100}});
   auto r = sim.Replay(Keys(Range(0, 8)), 3);  // boundaries 3, 6, 8

@@ -335,5 +335,17 @@ TEST_CASE("ring transport: indices a client scribbles are caught", "[unit][ring]
     h.layout_version = flexkv::kRingLayoutVersion + 1;
     auto s = RingSubmitter::Map(std::move(created->memfd), std::move(created->doorbell));
     REQUIRE(s.status().code() == flexkv::StatusCode::kFailedPrecondition);
+    REQUIRE(s.status().message().find("versions 4..5") != std::string::npos);
+  }
+  SECTION("a layout older than the oldest the client speaks is refused") {
+    h.layout_version = flexkv::kMinRingLayoutVersion - 1;
+    auto s = RingSubmitter::Map(std::move(created->memfd), std::move(created->doorbell));
+    REQUIRE(s.status().code() == flexkv::StatusCode::kFailedPrecondition);
+  }
+  SECTION("a layout-4 daemon's rings are mapped, and say so: its requests carry no first_block or window_keys") {
+    h.layout_version = 4;
+    auto s = RingSubmitter::Map(std::move(created->memfd), std::move(created->doorbell));
+    REQUIRE(s.ok());
+    REQUIRE((*s)->layout_version() == 4);
   }
 }

@@ -50,8 +50,8 @@ uint64_t Fill(Cache& cache, SlotId slot, uint8_t seed) {
 
 // A hybrid store as the request handlers run it: reserve, fill every reserved slot, commit. Returns the shortfall.
 StatusCode Store(Cache& cache, std::span<const BlockKey> keys, std::vector<uint32_t> boundaries,
-                 const BlockKey& parent = flexkv::kRootParent) {
-  Cache::HybridReservation r = cache.ReserveHybrid(parent, keys, boundaries);
+                 const BlockKey& parent = flexkv::kRootParent, uint32_t window_keys = 0) {
+  Cache::HybridReservation r = cache.ReserveHybrid(parent, keys, boundaries, window_keys);
   if (r.shortfall != StatusCode::kOk) return r.shortfall;
   std::vector<std::vector<uint64_t>> sums(r.slots.size());
   for (SlotId s : r.full.slots) sums[0].push_back(Fill(cache, s, 1));
@@ -65,6 +65,26 @@ StatusCode Store(Cache& cache, std::span<const BlockKey> keys, std::vector<uint3
 }
 
 }  // namespace
+
+TEST_CASE("hybrid cache: a store with window_keys makes each boundary inside it whose window it holds a hit",
+          "[unit][cache][hybrid]") {
+  TempCache t(64 * 1024, kSplit);
+  REQUIRE(t.cache().RecoverPool(false).ok());
+  REQUIRE(t.cache().Admit("ns", TinyHybrid()).ok());
+  const std::vector<BlockKey> keys = Keys(2, 6);
+  // Windows of the last 4 keys (blocks 2..5) and states at 3 and 6: the end 3 lacks block 1 of its window [1, 3).
+  // The same store with every key's window block adds blocks 0 and 1, and the end 3 becomes a hit.
+  REQUIRE(Store(t.cache(), keys, {3, 6}, flexkv::kRootParent, 4) == StatusCode::kOk);
+  CHECK(t.cache().Match(std::span(keys).first(3), false, nullptr) == 0);
+  CHECK(t.cache().GetStats().components[1].used == 4);
+  REQUIRE(Store(t.cache(), keys, {3, 6}, flexkv::kRootParent, 6) == StatusCode::kOk);  // adds blocks 0, 1
+  CHECK(t.cache().GetStats().components[1].used == 6);
+  CHECK(t.cache().Match(std::span(keys).first(3), false, nullptr) == 3);
+  std::vector<SlotId> pinned;
+  CHECK(t.cache().Match(std::span(keys).first(4), true, &pinned) == 3);  // no state at 4
+  CHECK(pinned.size() == 3 + 2 + 1);  // FULL [0, 3), the window [1, 3), the state at 3
+  t.cache().Unpin(pinned);
+}
 
 TEST_CASE("hybrid cache: a hit needs the FULL prefix, its trailing window and its state", "[unit][cache][hybrid]") {
   TempCache t(64 * 1024, kSplit);
@@ -89,7 +109,7 @@ TEST_CASE("hybrid cache: a hit needs the FULL prefix, its trailing window and it
   // A pinned match pins exactly FULL[0,6), the window [4,6) and the state at 6, in a Load's id order.
   std::vector<SlotId> pinned;
   REQUIRE(t.cache().Match(keys, true, &pinned) == 6);
-  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(TinyHybrid(), false, 6, 0);
+  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(TinyHybrid(), false, 6);
   REQUIRE(pinned.size() == layout.total);
   REQUIRE(layout.total == 6 + 2 + 1);
   const std::vector<SlotId> bases = t.cache().component_bases();
@@ -164,7 +184,7 @@ TEST_CASE("hybrid cache: a restart restores every component, verified - a torn s
     // b's state changes after its store (as a torn write would leave it): its checksum no longer matches.
     std::vector<SlotId> pinned;
     REQUIRE(t.cache().Match(b, true, &pinned) == 5);
-    const flexkv::HybridIdLayout layout = flexkv::LayoutIds(TinyHybrid(), false, 5, 0);
+    const flexkv::HybridIdLayout layout = flexkv::LayoutIds(TinyHybrid(), false, 5);
     t.cache().SlotData(pinned[layout.offset[2]])[10] ^= 0x40;
     t.cache().Unpin(pinned);
   }

@@ -63,7 +63,7 @@ StatusCode Store(Cache& cache, std::span<const BlockKey> keys, std::vector<uint3
 void CheckServed(Cache& cache, std::span<const BlockKey> keys) {
   std::vector<SlotId> pinned;
   REQUIRE(cache.Match(keys, true, &pinned) == keys.size());
-  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(TinyHybrid(), false, static_cast<uint32_t>(keys.size()), 0);
+  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(TinyHybrid(), false, static_cast<uint32_t>(keys.size()));
   size_t wrong = 0;
   for (size_t c = 0; c < 3; ++c) {
     const size_t end = c + 1 < 3 ? layout.offset[c + 1] : layout.total;

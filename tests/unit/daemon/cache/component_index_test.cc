@@ -202,6 +202,28 @@ TEST_CASE("component index: pin marks an entry used", "[unit][cache][component]"
   CHECK(index.EvictionOrder() == std::vector<SlotId>{slots[1], slots[2], slots[0]});
 }
 
+TEST_CASE("component index: a store's cold entries go to the cold end, its first first, and a hit warms them",
+          "[unit][cache][component]") {
+  ComponentIndex index(6);
+  const auto older = Store(index, {Key(1)});
+  // A store of 4 window blocks whose first 3 lie before its trailing window: they go in ahead of the older entry.
+  auto r = index.Reserve(std::vector<BlockKey>{Key(10), Key(11), Key(12), Key(13)});
+  REQUIRE(r.shortfall == StatusCode::kOk);
+  index.Commit(r.slots, 3);
+  CHECK(index.EvictionOrder() == std::vector<SlotId>{r.slots[0], r.slots[1], r.slots[2], older[0], r.slots[3]});
+  index.Pin(r.slots[1]);
+  index.Unpin(std::vector<SlotId>{r.slots[1]});
+  CHECK(index.EvictionOrder() == std::vector<SlotId>{r.slots[0], r.slots[2], older[0], r.slots[3], r.slots[1]});
+  // The next store that needs room evicts the coldest first.
+  std::vector<BlockKey> evicted;
+  index.SetEvictionListener([&](SlotId, const BlockKey& k) { evicted.push_back(k); });
+  auto more = index.Reserve(std::vector<BlockKey>{Key(20), Key(21)});
+  REQUIRE(more.shortfall == StatusCode::kOk);
+  index.Commit(more.slots);
+  CHECK(evicted == std::vector<BlockKey>{Key(10)});  // one slot was free
+  index.CheckInvariants();
+}
+
 TEST_CASE("component index: unanchored entries are evicted before anchored ones, and Anchor takes them back", "[unit][cache][component]") {
   ComponentIndex index(4);
   std::vector<std::pair<SlotId, BlockKey>> evicted;

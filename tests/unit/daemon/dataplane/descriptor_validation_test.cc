@@ -413,3 +413,64 @@ TEST_CASE("descriptor validation: a Load names an event set alone, never with th
   store.event_set = 1;
   ExpectRefused(store, StatusCode::kInvalidArgument, "event_set is 1 on opcode 3");
 }
+
+TEST_CASE("descriptor validation: a Load from first_block carries the ids of [first_block, count) only", "[unit]") {
+  const Arena arena;
+  SubmitDescriptor load = Desc(RingOp::kLoad, 5);
+  load.first_block = 3;
+  auto r = flexkv::ValidateDescriptor(load, arena.span(), Limits());
+  REQUIRE(r.ok());
+  CHECK(r->block_ids == std::vector<uint32_t>{0, 1});  // the first two ids of the arena, for blocks 3 and 4
+  load.first_block = 5;
+  ExpectRefused(load, StatusCode::kInvalidArgument, "first_block 5 of a Load of 5 blocks; expected below 5");
+  // Its ids must still fit the arena and be registered: [kBadIdAt] is {3, kRegistered}.
+  load.first_block = 3;
+  load.block_ids_offset = kBadIdAt;
+  ExpectRefused(load, StatusCode::kOutOfRange, "block id 8 at 1");
+  SubmitDescriptor release = Desc(RingOp::kRelease, 0);
+  release.first_block = 1;
+  ExpectRefused(release, StatusCode::kInvalidArgument, "state_count is 1 on a Release");
+}
+
+TEST_CASE("descriptor validation: a hybrid Load from first_block, and window_keys only on a hybrid Store",
+          "[unit][hybrid]") {
+  const flexkv::Geometry g = HybridGeometry();  // window of 2 blocks, one state
+  Arena arena;
+  // A Load of e = 4 from block 3: FULL 1 id, window 1 id (block 3), state 1 id.
+  SubmitDescriptor load = Desc(RingOp::kLoad, 4);
+  load.first_block = 3;
+  auto r = flexkv::ValidateDescriptor(load, arena.span(), HybridLimits(g));
+  REQUIRE(r.ok());
+  CHECK(r->block_ids.size() == 3);
+  load.first_block = 4;  // only the state moves
+  r = flexkv::ValidateDescriptor(load, arena.span(), HybridLimits(g));
+  REQUIRE(r.ok());
+  CHECK(r->block_ids.size() == 1);
+  load.first_block = 5;
+  ExpectRefused(load, StatusCode::kInvalidArgument, "first_block 5 of a Load of 4 blocks; expected at most 4",
+                HybridLimits(g));
+
+  // A Store of 4 keys with window ids for all 4 and one boundary at 3: FULL 4, window 4, boundary, state 1.
+  const uint32_t ids[10] = {0, 1, 2, 3, 4, 5, 6, 7, 3, 2};
+  std::memcpy(arena.bytes + 1024, ids, sizeof(ids));
+  SubmitDescriptor store = Desc(RingOp::kStore, 4);
+  store.block_ids_offset = 1024;
+  store.state_count = 1;
+  store.window_keys = 4;
+  r = flexkv::ValidateDescriptor(store, arena.span(), HybridLimits(g));
+  REQUIRE(r.ok());
+  CHECK(r->block_ids.size() == 10);
+  CHECK(r->boundaries == std::vector<uint32_t>{3});
+  store.window_keys = 1;
+  ExpectRefused(store, StatusCode::kInvalidArgument, "window_keys 1 of a Store of 4 keys; expected 0 or 2..4",
+                HybridLimits(g));
+  store.window_keys = 5;
+  ExpectRefused(store, StatusCode::kInvalidArgument, "expected 0 or 2..4", HybridLimits(g));
+  // Not on a full-attention Store (the word is a Load's event_set there), nor without a window.
+  SubmitDescriptor plain = Desc(RingOp::kStore, 4);
+  plain.window_keys = 4;
+  ExpectRefused(plain, StatusCode::kInvalidArgument, "event_set is 4 on opcode 3");
+  const flexkv::Geometry no_window = flexkv::Qwen3Next80B();
+  store.window_keys = 4;
+  ExpectRefused(store, StatusCode::kInvalidArgument, "has no sliding window", HybridLimits(no_window, {8, 8}));
+}
