@@ -220,7 +220,7 @@ bool WindowChurnCase(const HybridTraceOptions& o, const Geometry& model, uint32_
     std::vector<double> shares;
     const std::vector<uint64_t>& active = d.active_end.size() == slots.size() ? d.active_end : d.capacity;
     for (size_t c = 0; c < slots.size() && c < active.size(); ++c) {
-      shares.push_back(static_cast<double>(active[c] * slots[c] * scale) / static_cast<double>(budget));
+      shares.push_back(static_cast<double>(active[c] * slots[c]) / static_cast<double>(budget));
     }
     return shares;
   };

@@ -196,7 +196,7 @@ TEST_CASE("Pool::Open refuses a file that is missing, not a pool, corrupt, of an
     CHECK_THAT(r.status().message(), Catch::Contains("not a flexkvd pool file"));
   }
   SECTION("another layout version: FAILED_PRECONDITION") {
-    const uint32_t version = flexkv::kHybridPoolLayoutVersion + 1;
+    const uint32_t version = flexkv::kDemandPoolLayoutVersion + 1;
     Poke(path, 8, &version, sizeof(version));
     auto r = Pool::Open(path, kBudget);
     CHECK(r.status().code() == StatusCode::kFailedPrecondition);
