@@ -265,8 +265,7 @@ void CacheSet::RebalanceSubPoolsLocked(size_t slot, int64_t now_ms) {
                  slots_[slot].model_namespace, reached.status().ToString(), sizes);
     return;
   }
-  log::Info("cache", "cache domain '{}': sub-pools by demand: {}{}", slots_[slot].model_namespace, sizes,
-            cache.shrink_held() ? "; pinned entries hold the rest of a shrink until they are released" : "");
+  log::Info("cache", "cache domain '{}': sub-pools by demand: {}", slots_[slot].model_namespace, sizes);
 }
 
 std::optional<size_t> CacheSet::SlotOfLocked(std::string_view model_namespace) const {

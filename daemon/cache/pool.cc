@@ -121,9 +121,11 @@ std::vector<uint32_t> ScaledActive(const std::vector<uint64_t>& capacity, const 
   for (size_t c = 0; c < capacity.size(); ++c) {
     // Rounded down, so that the pool's data stays within `active_bytes` (a budget share) unless one grant of
     // each component is already more.
-    const long double bytes = static_cast<long double>(active_bytes) * static_cast<long double>(weights[c]) / total;
-    const long double slots = std::min<long double>(bytes / static_cast<long double>(slot_bytes[c]),
-                                                    static_cast<long double>(capacity[c]));
+    // (Slots, then the share: with one component the share is exactly 1 and an exact quotient stays exact.)
+    const long double share = static_cast<long double>(weights[c]) / total;
+    const long double slots =
+        std::min<long double>(static_cast<long double>(active_bytes) / static_cast<long double>(slot_bytes[c]) * share,
+                              static_cast<long double>(capacity[c]));
     const auto want = static_cast<uint64_t>(std::floor(slots));
     const uint32_t grant = GrantOf(capacity[c], grants_per_sub_pool);
     const uint64_t whole = want >= capacity[c] ? capacity[c] : want / grant * grant;
