@@ -131,6 +131,36 @@ std::vector<uint32_t> ScaledActive(const std::vector<uint64_t>& capacity, const 
     const uint64_t whole = want >= capacity[c] ? capacity[c] : want / grant * grant;
     active.push_back(static_cast<uint32_t>(std::max<uint64_t>(whole, std::min<uint64_t>(grant, capacity[c]))));
   }
+  if (grants_per_sub_pool == kDemandGrantsPerSubPool) {
+    // Layout 4's grants are a 64th of the whole budget, coarse next to a small share (gpt-oss's default window is 3 %
+    // of it): what rounding down left of `active_bytes` goes, a grant at a time, to the components it shortened most.
+    uint64_t used = 0;
+    for (size_t c = 0; c < capacity.size(); ++c) used += uint64_t{active[c]} * slot_bytes[c];
+    for (bool added = true; added;) {
+      added = false;
+      std::optional<size_t> best;
+      long double best_short = 0;
+      for (size_t c = 0; c < capacity.size(); ++c) {
+        const uint32_t grant = GrantOf(capacity[c], grants_per_sub_pool);
+        const uint64_t more = std::min<uint64_t>(grant, capacity[c] - active[c]);
+        if (more == 0 || used + more * slot_bytes[c] > active_bytes) continue;
+        const long double want = static_cast<long double>(active_bytes) / static_cast<long double>(slot_bytes[c]) *
+                                 static_cast<long double>(weights[c]) / total;
+        const long double shortfall = (want - active[c]) / static_cast<long double>(grant);
+        if (shortfall > 0.5L && (!best || shortfall > best_short)) {
+          best = c;
+          best_short = shortfall;
+        }
+      }
+      if (best) {
+        const uint32_t more = std::min<uint32_t>(GrantOf(capacity[*best], grants_per_sub_pool),
+                                                 static_cast<uint32_t>(capacity[*best] - active[*best]));
+        active[*best] += more;
+        used += uint64_t{more} * slot_bytes[*best];
+        added = true;
+      }
+    }
+  }
   return active;
 }
 

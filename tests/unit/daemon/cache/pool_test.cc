@@ -360,3 +360,21 @@ TEST_CASE("a layout 3 pool made with automatic shares keeps its fixed split when
   CHECK((*pool)->sub_pool(1).capacity == (*fixed)[1]);
   CHECK((*pool)->sub_pool(1).grant == ((*fixed)[1] + 15) / 16);
 }
+
+TEST_CASE("a pool sized by demand starts near the default split although its grants are a 64th of the budget",
+          "[unit][hybrid]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  const Geometry g = flexkv::GptOss20B();  // 384 KiB slots: 682 of them per sub-pool, grants of 11
+  constexpr uint64_t kBudget = 256ull << 20;
+  auto fixed = flexkv::SplitBudget(g, kBudget, {});
+  REQUIRE(fixed.ok());
+  REQUIRE((*fixed)[1] == 20);  // the default window share: 3 % of the budget, under two grants
+  auto pool = Pool::Create(path, "ns", g, kBudget);
+  REQUIRE(pool.ok());
+  REQUIRE((*pool)->sub_pool(1).grant == 11);
+  // Rounding each part down would leave the window one grant (half its share); what it left goes to the window.
+  CHECK((*pool)->sub_pool(1).active == 22);
+  CHECK((*pool)->sub_pool(0).active == 660);
+  CHECK((*pool)->active_bytes() <= kBudget);
+}
