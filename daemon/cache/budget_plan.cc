@@ -135,6 +135,45 @@ std::vector<uint64_t> StepShares(uint64_t budget_bytes, std::span<const DomainSt
   return sizes;
 }
 
+std::vector<uint32_t> PlanSubPools(std::span<const SubPoolNeed> parts, uint64_t min_move, uint64_t max_move) {
+  std::vector<uint32_t> sizes;
+  for (const SubPoolNeed& p : parts) sizes.push_back(p.active);
+  bool pressure = false;
+  uint64_t held = 0;
+  for (const SubPoolNeed& p : parts) {
+    if (p.grant == 0 || p.slot_bytes == 0 || p.capacity == 0) return sizes;  // not a sub-pool: nothing to plan
+    pressure = pressure || (p.demand > 0 && uint64_t{p.used} * 10 >= uint64_t{p.active} * 9);
+    held += uint64_t{p.active} * p.slot_bytes;
+  }
+  if (!pressure) return sizes;
+  std::vector<DomainNeed> needs;
+  for (const SubPoolNeed& p : parts) {
+    needs.push_back(DomainNeed{p.demand, uint64_t{std::min(p.grant, p.capacity)} * p.slot_bytes,
+                               uint64_t{p.capacity} * p.slot_bytes, uint64_t{p.active} * p.slot_bytes});
+  }
+  const std::vector<uint64_t> shares = PlanShares(held, needs);
+  std::vector<DomainStep> steps;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const uint64_t grant_bytes = uint64_t{parts[i].grant} * parts[i].slot_bytes;
+    steps.push_back(DomainStep{needs[i].current_bytes, shares[i], std::max(min_move, grant_bytes),
+                               std::max(max_move, grant_bytes)});
+  }
+  const std::vector<uint64_t> stepped = StepShares(held, steps);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const SubPoolNeed& p = parts[i];
+    const uint64_t slots = std::min<uint64_t>(stepped[i] / p.slot_bytes, p.capacity);
+    if (slots == p.active) continue;
+    // Whole grants, rounded down: a shrink gives up at least what the step says, a grow takes at most that.
+    const uint64_t whole = slots / p.grant * p.grant;
+    if (slots > p.active) {
+      sizes[i] = static_cast<uint32_t>(std::max<uint64_t>(whole, p.active));
+    } else {
+      sizes[i] = static_cast<uint32_t>(std::max<uint64_t>(whole, std::min(p.grant, p.capacity)));
+    }
+  }
+  return sizes;
+}
+
 void DemandMeter::Observe(uint64_t total_bytes, int64_t now_ms) {
   if (!started_) {
     started_ = true;

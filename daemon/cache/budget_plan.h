@@ -40,6 +40,25 @@ struct DomainStep {
 // the whole budget minus less than the step's rounding.
 std::vector<uint64_t> StepShares(uint64_t budget_bytes, std::span<const DomainStep> domains);
 
+// One sub-pool (component) of a hybrid cache domain whose split follows demand (docs/hybrid.md "Pool and eviction").
+struct SubPoolNeed {
+  double demand = 0;        // bytes per second the component stores, smoothed (DemandMeter); 0: idle
+  uint64_t slot_bytes = 0;  // its slot
+  uint32_t grant = 0;       // its active size moves in grants of this many slots (>= 1)
+  uint32_t capacity = 0;    // the most slots it may have (its layout)
+  uint32_t active = 0;      // its active slots now
+  uint32_t used = 0;        // of those, holding an entry (committed or being stored)
+};
+
+// One step of a domain's sub-pools towards the split their demand says, the domain budget's rules applied to the
+// bytes the sub-pools hold together now: PlanShares (each component's floor one grant, its limit its layout), then
+// StepShares (no move below max(one grant, `min_move`), at most `max_move` either way, as much given up as grown
+// into). Each size is rounded down to whole grants (a component keeps at least one, and a grow never passes its
+// layout), so the sizes never add up to more than they held. Nothing moves unless a component with demand is under
+// pressure (nine tenths of its slots used: its next stores evict), or when none has demand. Returns each
+// component's active slots after the step.
+std::vector<uint32_t> PlanSubPools(std::span<const SubPoolNeed> parts, uint64_t min_move, uint64_t max_move);
+
 // A byte counter's rate, smoothed with a half-life: the demand PlanShares divides by. Not thread-safe.
 class DemandMeter {
  public:

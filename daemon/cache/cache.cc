@@ -219,6 +219,7 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
   on_next_.assign(pool_->sub_pool(0).capacity, 0);
   touched_.assign(pool_->sub_pool(0).capacity, 0);
   touch_queue_.clear();
+  component_bytes_stored_.assign(pool_->component_count(), 0);
   commit_queue_.clear();
   writing_ = 0;
   for (size_t c = 1; c < pool_->component_count(); ++c) {
@@ -521,6 +522,13 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
   if (!index_) return;  // DropDomain waits for copies in flight
   const size_t first = r.full.cached;
   index_->Commit(r.full.slots);
+  // Each sub-pool's demand: what this store added to it (the same bytes the copies moved).
+  component_bytes_stored_[0] += r.full.slots.size() * pool_->sub_pool(0).slot_bytes;
+  for (size_t c = 1; c < r.slots.size(); ++c) {
+    const auto added = std::count_if(r.slots[c].begin(), r.slots[c].end(),
+                                     [](SlotId s) { return s != ComponentIndex::kNoSlot; });
+    component_bytes_stored_[c] += static_cast<uint64_t>(added) * pool_->sub_pool(c).slot_bytes;
+  }
   std::vector<BlockKey> gone;  // FULL blocks of this store dropped while they copied: their windows and states serve nothing
   for (size_t i = 0; i < r.full.slots.size(); ++i) {
     const SlotId slot = r.full.slots[i];

@@ -22,6 +22,7 @@
 #include "absl/base/thread_annotations.h"
 #include "common/mutex.h"
 #include "common/unique_fd.h"
+#include "daemon/cache/budget_plan.h"
 #include "daemon/cache/cache_domain.h"
 #include "daemon/cache/cache_observer.h"
 #include "daemon/cache/component_index.h"
@@ -150,11 +151,20 @@ class Cache {
   // changes no size and lifts a held shrink.
   std::vector<uint32_t> ActiveSlots() const;
   Result<uint64_t> ResizeSlots(const std::vector<uint32_t>& target);
-  // The pool's active bytes now, with every slot active, and with one grant of each component active (the least
-  // Resize goes to); 0 without a pool.
+  // The pool's active bytes now, the most its active part may hold (every slot active; for a pool whose sub-pools
+  // are sized by demand, layout 4, the budget it was laid out for: each sub-pool could hold all of it), and one grant
+  // of each component active (the least Resize goes to); 0 without a pool.
   uint64_t active_bytes() const;
   uint64_t max_bytes() const;
   uint64_t min_bytes() const;
+  // Sub-pools sized by demand (docs/hybrid.md "Pool and eviction"). The bytes stored into each component since the
+  // pool was adopted (entries a hybrid store added; FULL blocks included), for a DemandMeter per component; empty
+  // without a pool.
+  std::vector<uint64_t> ComponentBytesStored() const;
+  // Each sub-pool as PlanSubPools needs it (demand 0: the caller's meters give it), or empty when the domain's
+  // split does not follow demand: no pool, one component, a layout fixed by the operator's shares or written before
+  // (layout 3), a preparation running, or a held shrink not yet done.
+  std::vector<SubPoolNeed> SubPoolNeeds() const;
   // The pool's components' first slot in the cache's slot numbering (what Match pins and Unpin takes), by component.
   std::vector<SlotId> component_bases() const;
   CacheDomain::View Domain() const { return domain_.Snapshot(); }
@@ -428,6 +438,7 @@ class Cache {
   // Queues Match's hits that are on the next tier for TakeTouched.
   void NoteHitsLocked(std::span<const SlotId> slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<uint8_t> touched_ ABSL_GUARDED_BY(mu_);     // per FULL slot: queued in touch_queue_
+  std::vector<uint64_t> component_bytes_stored_ ABSL_GUARDED_BY(mu_);  // per component (ComponentBytesStored)
   std::vector<SlotId> touch_queue_ ABSL_GUARDED_BY(mu_);
   int64_t store_wait_ms_ ABSL_GUARDED_BY(mu_) = 0;
   bool write_back_healthy_ ABSL_GUARDED_BY(mu_) = true;

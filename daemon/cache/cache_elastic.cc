@@ -79,7 +79,28 @@ uint64_t Cache::active_bytes() const {
 
 uint64_t Cache::max_bytes() const {
   MutexLock lock(&mu_);
-  return pool_ ? pool_->max_bytes() : 0;
+  if (!pool_) return 0;
+  return pool_->demand_sized() ? std::min(pool_->max_bytes(), budget_bytes()) : pool_->max_bytes();
+}
+
+std::vector<uint64_t> Cache::ComponentBytesStored() const {
+  MutexLock lock(&mu_);
+  return pool_ ? component_bytes_stored_ : std::vector<uint64_t>{};
+}
+
+std::vector<SubPoolNeed> Cache::SubPoolNeeds() const {
+  MutexLock lock(&mu_);
+  std::vector<SubPoolNeed> parts;
+  if (!pool_ || !pool_->demand_sized() || pool_->component_count() < 2 || preparation_.preparing) return parts;
+  for (size_t c = 0; c < pool_->component_count(); ++c) {
+    const SubPool& p = pool_->sub_pool(c);
+    const uint32_t limit = c == 0 ? index_->limit() : Part(c).limit();
+    const uint32_t active = c == 0 ? index_->active() : Part(c).active();
+    if (limit < active) return {};  // a held shrink: the domain's Rebalance continues it first
+    parts.push_back(SubPoolNeed{0, p.slot_bytes, p.grant, p.capacity, p.active,
+                                static_cast<uint32_t>(c == 0 ? index_->used_slots() : Part(c).used_slots())});
+  }
+  return parts;
 }
 
 uint64_t Cache::min_bytes() const {

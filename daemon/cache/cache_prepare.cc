@@ -162,7 +162,7 @@ void Cache::Prepare(std::string model_namespace, Geometry geometry, uid_t creato
   std::vector<uint32_t> target;
   {
     MutexLock lock(&mu_);
-    target = pool_->ActiveSlotsFor(target_bytes);
+    target = pool_->DefaultSlotsFor(target_bytes);  // a new pool: the split it starts from
   }
   GrowInBackground(target);
   MutexLock lock(&mu_);

@@ -94,12 +94,11 @@ namespace {
 // The least a new pool of `geometry` laid out for `max_bytes` can be active for: one grant of each component
 // (Cache::min_bytes of the pool it would create). 0 when the budget cannot hold its components (Admit refuses).
 uint64_t FloorOf(const Geometry& geometry, uint64_t max_bytes, const PoolSplit& split) {
-  auto capacities = SplitBudget(geometry, max_bytes, split);
-  if (!capacities.ok()) return 0;
+  auto plan = PlanPoolLayout(geometry, max_bytes, split);
+  if (!plan.ok()) return 0;
   uint64_t bytes = 0;
-  for (size_t c = 0; c < capacities->size(); ++c) {
-    const uint64_t grant = ((*capacities)[c] + kGrantsPerSubPool - 1) / kGrantsPerSubPool;
-    bytes += grant * geometry.Component(c).host_block_bytes();
+  for (size_t c = 0; c < plan->capacity.size(); ++c) {
+    bytes += uint64_t{plan->grant[c]} * geometry.Component(c).host_block_bytes();
   }
   return bytes;
 }
@@ -207,6 +206,65 @@ void CacheSet::Rebalance(int64_t now_ms) {
     steps.push_back(step);
   }
   ApplySharesLocked(live, StepShares(options_.budget_bytes, steps), /*grow=*/true);
+  for (size_t i : live) RebalanceSubPoolsLocked(i, now_ms);
+}
+
+void CacheSet::RebalanceSubPoolsLocked(size_t slot, int64_t now_ms) {
+  Cache& cache = *caches_[slot];
+  std::vector<SubPoolNeed> parts = cache.SubPoolNeeds();
+  if (parts.empty()) return;
+  // Stores only, not loads: a hit loads every FULL block of its prefix but one window and one state, so loads would
+  // take memory from the window and state sub-pools exactly while they serve hits. What each sub-pool must hold to
+  // keep its entries as long as the others keep theirs is what is stored into it.
+  const std::vector<uint64_t> stored = cache.ComponentBytesStored();
+  std::vector<DemandMeter>& meters = slots_[slot].component_demand;
+  if (stored.size() != parts.size()) return;
+  if (meters.size() != parts.size()) meters.assign(parts.size(), DemandMeter(kDemandHalfLifeS));
+  for (size_t c = 0; c < parts.size(); ++c) {
+    meters[c].Observe(stored[c], now_ms);
+    parts[c].demand = meters[c].rate();
+  }
+  uint64_t held = 0;
+  for (const SubPoolNeed& p : parts) held += uint64_t{p.active} * p.slot_bytes;
+  const std::vector<uint32_t> target = PlanSubPools(parts, held / 32, held / 8);
+  bool moves = false;
+  for (size_t c = 0; c < parts.size(); ++c) moves = moves || target[c] != parts[c].active;
+  if (!moves) return;
+  // Shrinks first; the grows take only what they freed (pinned or pending entries may hold a shrink back: it stops
+  // where it got, and the domain's share is never exceeded).
+  std::vector<uint32_t> shrunk;
+  for (size_t c = 0; c < parts.size(); ++c) shrunk.push_back(std::min(target[c], parts[c].active));
+  auto reached = cache.ResizeSlots(shrunk);
+  if (reached.ok() && cache.shrink_held()) reached = cache.ResizeSlots(cache.ActiveSlots());  // keeps what it got
+  if (reached.ok()) {
+    std::vector<uint32_t> grown = cache.ActiveSlots();
+    uint64_t free = held > *reached ? held - *reached : 0;
+    for (size_t c = 0; c < parts.size() && grown.size() == parts.size(); ++c) {
+      if (target[c] <= grown[c]) continue;
+      const SubPoolNeed& p = parts[c];
+      const uint64_t fits = free / p.slot_bytes / p.grant * p.grant;
+      const uint32_t add = static_cast<uint32_t>(std::min<uint64_t>(target[c] - grown[c], fits));
+      if (add == 0 || (grown[c] + add != p.capacity && (grown[c] + add) % p.grant != 0)) continue;
+      grown[c] += add;
+      free -= uint64_t{add} * p.slot_bytes;
+    }
+    reached = cache.ResizeSlots(grown);
+  }
+  const std::vector<uint32_t> now = cache.ActiveSlots();
+  const CacheDomain::View view = cache.Domain();
+  std::string sizes;
+  for (size_t c = 0; c < parts.size() && c < now.size(); ++c) {
+    sizes += fmt::format("{}{} {} -> {} ({:.0f} KiB/s stored)", sizes.empty() ? "" : ", ",
+                         view.geometry ? ComponentKindName(view.geometry->component_kind(c)) : "component",
+                         FormatByteSize(uint64_t{parts[c].active} * parts[c].slot_bytes),
+                         FormatByteSize(uint64_t{now[c]} * parts[c].slot_bytes), parts[c].demand / 1024);
+  }
+  if (!reached.ok()) {
+    log::Warning("cache", "cache domain '{}': moving memory between its sub-pools failed ({}): {}",
+                 slots_[slot].model_namespace, reached.status().ToString(), sizes);
+    return;
+  }
+  log::Info("cache", "cache domain '{}': sub-pools by demand: {}", slots_[slot].model_namespace, sizes);
 }
 
 std::optional<size_t> CacheSet::SlotOfLocked(std::string_view model_namespace) const {

@@ -133,6 +133,10 @@ class CacheSet {
   // otherwise nothing shrinks and only free budget (a dropped domain's) moves. Acts at most every
   // kRebalanceIntervalMs (`now_ms`: a monotonic clock; the daemon calls it from a thread of its own every second)
   // and only on changes of at least one grant of each component and 1/32 of the budget.
+  // Then, in each hybrid domain whose sub-pools are sized by demand (layout 4; Cache::SubPoolNeeds), the same rules
+  // move its share between its sub-pools (PlanSubPools over a DemandMeter per component of the bytes stored into
+  // it): only while a component with demand is nine tenths full, by at least one grant and 1/32 of the share, at
+  // most an eighth of it a call, each component keeping one grant. Logged: "cache domain 'X': sub-pools ...".
   void Rebalance(int64_t now_ms);
   static constexpr int64_t kRebalanceIntervalMs = 5000;
   static constexpr double kDemandHalfLifeS = 60;
@@ -150,7 +154,10 @@ class CacheSet {
     uint64_t order = 0;  // creation order
     CounterValues base;  // the Cache's counters when the domain was created
     DemandMeter demand{kDemandHalfLifeS};  // of the Cache's bytes stored + loaded
+    std::vector<DemandMeter> component_demand{};  // per component of a hybrid pool: bytes stored into it
   };
+  // One step of the sub-pools of the domain in `slot` towards their demand (see Rebalance).
+  void RebalanceSubPoolsLocked(size_t slot, int64_t now_ms) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The active bytes of every domain's pool together.
   uint64_t HeldLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MaxForLocked(std::string_view model_namespace) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

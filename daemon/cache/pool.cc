@@ -100,8 +100,8 @@ uint64_t ActiveChecksum(const ActiveRecord& r) { return XXH64(&r, offsetof(Activ
 
 #define POOL_CHECK(cond, what) FLEXKV_INVARIANT(cond, "Pool", what)
 
-uint32_t GrantOf(uint64_t capacity) {
-  return static_cast<uint32_t>((capacity + kGrantsPerSubPool - 1) / kGrantsPerSubPool);
+uint32_t GrantOf(uint64_t capacity, uint32_t grants_per_sub_pool) {
+  return static_cast<uint32_t>((capacity + grants_per_sub_pool - 1) / grants_per_sub_pool);
 }
 
 // `slots` of a sub-pool of `capacity` slots in grants of `grant`: rounded up to a whole number, clamped.
@@ -110,20 +110,56 @@ uint32_t RoundUpToGrants(uint64_t slots, uint32_t grant, uint32_t capacity) {
   return static_cast<uint32_t>(std::min<uint64_t>(rounded, capacity));
 }
 
-// Active slots per component for `active_bytes` of data, `capacity` and `slot_bytes` per component.
+// Active slots per component for `active_bytes` of data, `capacity` and `slot_bytes` per component, split in
+// proportion to `weights` (bytes per component; the capacities' bytes: the layout's own split).
 std::vector<uint32_t> ScaledActive(const std::vector<uint64_t>& capacity, const std::vector<uint64_t>& slot_bytes,
-                                   uint64_t active_bytes) {
-  long double max_bytes = 0;
-  for (size_t c = 0; c < capacity.size(); ++c) max_bytes += static_cast<long double>(capacity[c]) * slot_bytes[c];
-  const long double fraction = std::min<long double>(1, static_cast<long double>(active_bytes) / max_bytes);
+                                   const std::vector<uint64_t>& weights, uint64_t active_bytes,
+                                   uint32_t grants_per_sub_pool) {
+  long double total = 0;
+  for (size_t c = 0; c < capacity.size(); ++c) total += static_cast<long double>(weights[c]);
   std::vector<uint32_t> active;
   for (size_t c = 0; c < capacity.size(); ++c) {
     // Rounded down, so that the pool's data stays within `active_bytes` (a budget share) unless one grant of
     // each component is already more.
-    const auto want = static_cast<uint64_t>(std::floor(fraction * static_cast<long double>(capacity[c])));
-    const uint32_t grant = GrantOf(capacity[c]);
+    // (Slots, then the share: with one component the share is exactly 1 and an exact quotient stays exact.)
+    const long double share = static_cast<long double>(weights[c]) / total;
+    const long double slots =
+        std::min<long double>(static_cast<long double>(active_bytes) / static_cast<long double>(slot_bytes[c]) * share,
+                              static_cast<long double>(capacity[c]));
+    const auto want = static_cast<uint64_t>(std::floor(slots));
+    const uint32_t grant = GrantOf(capacity[c], grants_per_sub_pool);
     const uint64_t whole = want >= capacity[c] ? capacity[c] : want / grant * grant;
     active.push_back(static_cast<uint32_t>(std::max<uint64_t>(whole, std::min<uint64_t>(grant, capacity[c]))));
+  }
+  if (grants_per_sub_pool == kDemandGrantsPerSubPool) {
+    // Layout 4's grants are a 64th of the whole budget, coarse next to a small share (gpt-oss's default window is 3 %
+    // of it): what rounding down left of `active_bytes` goes, a grant at a time, to the components it shortened most.
+    uint64_t used = 0;
+    for (size_t c = 0; c < capacity.size(); ++c) used += uint64_t{active[c]} * slot_bytes[c];
+    for (bool added = true; added;) {
+      added = false;
+      std::optional<size_t> best;
+      long double best_short = 0;
+      for (size_t c = 0; c < capacity.size(); ++c) {
+        const uint32_t grant = GrantOf(capacity[c], grants_per_sub_pool);
+        const uint64_t more = std::min<uint64_t>(grant, capacity[c] - active[c]);
+        if (more == 0 || used + more * slot_bytes[c] > active_bytes) continue;
+        const long double want = static_cast<long double>(active_bytes) / static_cast<long double>(slot_bytes[c]) *
+                                 static_cast<long double>(weights[c]) / total;
+        const long double shortfall = (want - active[c]) / static_cast<long double>(grant);
+        if (shortfall > 0.5L && (!best || shortfall > best_short)) {
+          best = c;
+          best_short = shortfall;
+        }
+      }
+      if (best) {
+        const uint32_t more = std::min<uint32_t>(GrantOf(capacity[*best], grants_per_sub_pool),
+                                                 static_cast<uint32_t>(capacity[*best] - active[*best]));
+        active[*best] += more;
+        used += uint64_t{more} * slot_bytes[*best];
+        added = true;
+      }
+    }
   }
   return active;
 }
@@ -237,6 +273,22 @@ Result<std::vector<uint64_t>> SplitBudget(const Geometry& g, uint64_t budget_byt
   return capacity;
 }
 
+Result<PoolLayoutPlan> PlanPoolLayout(const Geometry& g, uint64_t budget_bytes, const PoolSplit& split) {
+  auto fixed = SplitBudget(g, budget_bytes, split);
+  if (!fixed.ok()) return fixed.status();
+  PoolLayoutPlan plan;
+  const bool by_demand = g.is_hybrid() && split.demand_sized();
+  plan.version = by_demand ? kDemandPoolLayoutVersion : g.is_hybrid() ? kHybridPoolLayoutVersion : kPoolLayoutVersion;
+  const uint32_t per = by_demand ? kDemandGrantsPerSubPool : kGrantsPerSubPool;
+  for (size_t c = 0; c < fixed->size(); ++c) {
+    const uint64_t slot = g.Component(c).host_block_bytes();
+    plan.capacity.push_back(by_demand ? budget_bytes / slot : (*fixed)[c]);
+    plan.grant.push_back(GrantOf(plan.capacity.back(), per));
+    plan.weights.push_back((*fixed)[c] * slot);
+  }
+  return plan;
+}
+
 struct Pool::SlotEntry {
   std::atomic<uint32_t> state;  // kSlotCommitted or 0
   uint32_t reserved;
@@ -268,8 +320,10 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   static_assert(sizeof(SlotEntry) == 64);
   static_assert(sizeof(PoolHeader) <= kComponentTableOffset);
   const uint64_t block_bytes = geometry.host_block_bytes();
-  auto capacities = SplitBudget(geometry, budget_bytes, split);
-  if (!capacities.ok()) return capacities.status();
+  auto plan = PlanPoolLayout(geometry, budget_bytes, split);
+  if (!plan.ok()) return plan.status();
+  const std::vector<uint64_t>* capacities = &plan->capacity;
+  const uint32_t grants_per = plan->version == kDemandPoolLayoutVersion ? kDemandGrantsPerSubPool : kGrantsPerSubPool;
   const FileLayout layout = LayOut(geometry, *capacities);
   const uint64_t capacity = layout.slots;
   if ((*capacities)[0] == 0 || capacity > UINT32_MAX - 1) {
@@ -296,7 +350,8 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   // (the rest is a hole until SetActive grows into it).
   std::vector<uint64_t> slot_bytes;
   for (size_t c = 0; c < capacities->size(); ++c) slot_bytes.push_back(geometry.Component(c).host_block_bytes());
-  const std::vector<uint32_t> active = ScaledActive(*capacities, slot_bytes, active_bytes);
+  const std::vector<uint32_t> active =
+      ScaledActive(*capacities, slot_bytes, plan->weights, std::min(active_bytes, budget_bytes), grants_per);
   struct statfs fs {};
   const uint64_t page_bytes = fstatfs(fd.get(), &fs) == 0 && fs.f_bsize > 0 ? static_cast<uint64_t>(fs.f_bsize) : 4096;
   // hugetlbfs sizes files in whole huge pages.
@@ -332,7 +387,9 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   pool->table_ = pool->map_.bytes() + table_offset;
   pool->data_ = pool->map_.bytes() + data_offset;
   pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
-  pool->SetSubPools(layout.base, *capacities, layout.data_offset, layout.data_end);
+  pool->SetSubPools(layout.base, *capacities, layout.data_offset, layout.data_end, grants_per);
+  pool->demand_sized_ = plan->version == kDemandPoolLayoutVersion;
+  pool->default_weights_ = plan->weights;
   for (size_t c = 0; c < active.size(); ++c) pool->sub_pools_[c].active = active[c];
   pool->page_bytes_ = page_bytes;
   pool->fd_ = std::move(fd);
@@ -343,7 +400,7 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
 
   PoolHeader h{};
   std::memcpy(h.magic, kPoolMagic, sizeof(h.magic));
-  h.version = geometry.is_hybrid() ? kHybridPoolLayoutVersion : kPoolLayoutVersion;
+  h.version = plan->version;
   const uint32_t g[7] = {geometry.tokens_per_block, geometry.num_layers,  geometry.kv_planes, geometry.kv_heads_per_rank,
                          geometry.head_dim,         geometry.dtype_bytes, geometry.tp_size};
   std::memcpy(h.geometry, g, sizeof(g));
@@ -383,9 +440,10 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     return Status::FailedPrecondition(fmt::format("rename {} -> {}: {}", tmp, path, ErrnoText(errno)));
   }
-  log::Info("pool", "created {}: {} slots of {} ({} active; {} in all, {} active), namespace '{}' created by uid {}",
+  log::Info("pool", "created {}: {} slots of {} ({} active; {} in all, {} active), namespace '{}' created by uid {}{}",
             path, (*capacities)[0], FormatByteSize(block_bytes), active[0], FormatByteSize(file_bytes),
-            FormatByteSize(pool->active_bytes()), model_namespace, creator_uid);
+            FormatByteSize(pool->active_bytes()), model_namespace, creator_uid,
+            pool->demand_sized_ ? "; the sub-pools' split follows demand (each laid out for the whole budget)" : "");
   for (size_t c = 1; c < geometry.component_count(); ++c) {
     log::Info("pool", "  component {} ({}): {} slots of {} ({} active)", c,
               ComponentKindName(geometry.component_kind(c)), (*capacities)[c],
@@ -425,18 +483,21 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   if (std::memcmp(h.magic, kPoolMagic, sizeof(h.magic)) != 0) {
     return Status::DataLoss(fmt::format("{} is not a flexkvd pool file (bad magic){}", path, fix));
   }
-  if (h.version != kPoolLayoutVersion && h.version != kHybridPoolLayoutVersion) {
+  if (h.version != kPoolLayoutVersion && h.version != kHybridPoolLayoutVersion &&
+      h.version != kDemandPoolLayoutVersion) {
     // Left untouched: the release that wrote it can still serve it (docs/operations.md, "Upgrades").
-    const bool newer = h.version > kHybridPoolLayoutVersion;
+    const bool newer = h.version > kDemandPoolLayoutVersion;
     return Status::FailedPrecondition(fmt::format(
-        "pool file {} has layout version {}, written by {} flexkvd; this flexkvd reads layout versions {} and {}. To "
-        "keep its blocks, run the flexkvd release that wrote it{}; to start with an empty cache, start with "
+        "pool file {} has layout version {}, written by {} flexkvd; this flexkvd reads layout versions {}, {} and {}. "
+        "To keep its blocks, run the flexkvd release that wrote it{}; to start with an empty cache, start with "
         "--discard-pool (its blocks are lost)",
         path, h.version, newer ? "a newer" : "an older", kPoolLayoutVersion, kHybridPoolLayoutVersion,
-        newer ? " (or a later one)" : ""));
+        kDemandPoolLayoutVersion, newer ? " (or a later one)" : ""));
   }
   if (h.checksum != HeaderChecksum(h)) return Status::DataLoss(fmt::format("pool file {} has a corrupt header{}", path, fix));
-  const bool hybrid = h.version == kHybridPoolLayoutVersion;
+  const bool by_demand = h.version == kDemandPoolLayoutVersion;
+  const bool hybrid = h.version == kHybridPoolLayoutVersion || by_demand;
+  const uint32_t grants_per = by_demand ? kDemandGrantsPerSubPool : kGrantsPerSubPool;
   if (hybrid && (t.checksum != TableChecksum(t) || t.count < 2 || t.count > Geometry::kMaxComponents)) {
     return Status::DataLoss(fmt::format("pool file {} has a corrupt sub-pool table{}", path, fix));
   }
@@ -498,11 +559,27 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
         "pool file {} is {} bytes but its header says {}: it was truncated and its blocks are lost{}", path,
         st.st_size, h.file_bytes, fix));
   }
+  if (by_demand) {
+    // Its split follows demand: it serves only while the operator sets no share, at the budget it was laid out for.
+    auto plan = PlanPoolLayout(g, budget_bytes, PoolSplit{});
+    if (!split.demand_sized()) {
+      return Status::FailedPrecondition(fmt::format(
+          "pool file {} has sub-pools sized by demand, but --swa-share {} / --state-share {} fix the split; start "
+          "without them to keep the cache{}",
+          path, split.swa_share, split.state_share, fix));
+    }
+    if (!plan.ok() || plan->capacity != capacities) {
+      return Status::FailedPrecondition(fmt::format(
+          "pool file {} holds {} slots in {} sub-pools sized by demand, laid out for another --pool-size than {}; "
+          "start with the pool size it was created with to keep the cache{}",
+          path, h.capacity, capacities.size(), FormatByteSize(budget_bytes), fix));
+    }
+  }
   auto expected = SplitBudget(g, budget_bytes, split);
   // With automatic shares, a hybrid pool keeps the split it was created with (the default rule may change between
   // releases) as long as it was made for this budget: its sub-pools leave less than one slot of each unused.
-  bool same_budget = false;
-  if (hybrid && split.swa_share == 0 && split.state_share == 0) {
+  bool same_budget = by_demand;
+  if (!by_demand && hybrid && split.swa_share == 0 && split.state_share == 0) {
     uint64_t used = 0, one_of_each = 0;
     for (size_t c = 0; c < capacities.size(); ++c) {
       used += capacities[c] * g.Component(c).host_block_bytes();
@@ -542,7 +619,7 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
                         active_record.count == capacities.size();
     for (size_t c = 0; valid_record && c < capacities.size(); ++c) {
       const uint32_t a = active_record.active[c];
-      const uint32_t grant = GrantOf(capacities[c]);
+      const uint32_t grant = GrantOf(capacities[c], grants_per);
       valid_record = a >= grant && a <= capacities[c] && (a % grant == 0 || a == capacities[c]);
       active.push_back(a);
     }
@@ -563,7 +640,12 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   pool->table_ = pool->map_.bytes() + h.table_offset;
   pool->data_ = pool->map_.bytes() + h.data_offset;
   pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
-  pool->SetSubPools(layout.base, capacities, layout.data_offset, layout.data_end);
+  pool->SetSubPools(layout.base, capacities, layout.data_offset, layout.data_end, grants_per);
+  pool->demand_sized_ = by_demand;
+  for (size_t c = 0; c < capacities.size(); ++c) {
+    pool->default_weights_.push_back(capacities[c] * g.Component(c).host_block_bytes());
+  }
+  if (by_demand) pool->default_weights_ = PlanPoolLayout(g, budget_bytes, PoolSplit{})->weights;  // checked above
   struct statfs fs {};
   pool->page_bytes_ = fstatfs(fd.get(), &fs) == 0 && fs.f_bsize > 0 ? static_cast<uint64_t>(fs.f_bsize) : 4096;
   pool->fd_ = std::move(fd);
@@ -580,13 +662,13 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
 }
 
 void Pool::SetSubPools(const std::vector<uint64_t>& base, const std::vector<uint64_t>& capacity,
-                       const std::vector<uint64_t>& data_offset, uint64_t data_end) {
+                       const std::vector<uint64_t>& data_offset, uint64_t data_end, uint32_t grants_per_sub_pool) {
   sub_pools_.clear();
   for (size_t c = 0; c < capacity.size(); ++c) {
     sub_pools_.push_back(SubPool{geometry_.component_kind(c), static_cast<SlotId>(base[c]),
                                  static_cast<uint32_t>(capacity[c]), geometry_.Component(c).host_block_bytes(),
                                  map_.bytes() + data_offset[c], static_cast<uint32_t>(capacity[c]),
-                                 GrantOf(capacity[c])});
+                                 GrantOf(capacity[c], grants_per_sub_pool)});
   }
   data_bytes_ = data_end - data_offset[0];
 }
@@ -619,12 +701,27 @@ uint64_t Pool::active_bytes() const {
 }
 
 std::vector<uint32_t> Pool::ActiveSlotsFor(uint64_t active_bytes) const {
+  std::vector<uint64_t> capacity, slot_bytes, weights;
+  for (const SubPool& p : sub_pools_) {
+    capacity.push_back(p.capacity);
+    slot_bytes.push_back(p.slot_bytes);
+    // Layout 4: the split demand gave it; otherwise the layout's own (the capacities).
+    weights.push_back((demand_sized_ ? p.active : p.capacity) * p.slot_bytes);
+  }
+  if (!demand_sized_) active_bytes = std::min(active_bytes, max_bytes());
+  return ScaledActive(capacity, slot_bytes, weights, active_bytes,
+                      demand_sized_ ? kDemandGrantsPerSubPool : kGrantsPerSubPool);
+}
+
+std::vector<uint32_t> Pool::DefaultSlotsFor(uint64_t active_bytes) const {
   std::vector<uint64_t> capacity, slot_bytes;
   for (const SubPool& p : sub_pools_) {
     capacity.push_back(p.capacity);
     slot_bytes.push_back(p.slot_bytes);
   }
-  return ScaledActive(capacity, slot_bytes, active_bytes);
+  if (!demand_sized_) active_bytes = std::min(active_bytes, max_bytes());
+  return ScaledActive(capacity, slot_bytes, default_weights_, active_bytes,
+                      demand_sized_ ? kDemandGrantsPerSubPool : kGrantsPerSubPool);
 }
 
 uint64_t Pool::DataOffset(size_t c, uint64_t local) const {

@@ -38,21 +38,33 @@ namespace flexkv {
 // 2: the header records the uid that created the namespace (who may store in it by default); slot entries hold
 //    the block's content checksum and bind the slot index.
 inline constexpr uint32_t kPoolLayoutVersion = 2;
-// 3: a hybrid geometry's pool: layout 2 plus the sub-pool table (written only for hybrid geometries).
+// 3: a hybrid geometry's pool: layout 2 plus the sub-pool table (written only for hybrid geometries), each sub-pool
+//    laid out for its fixed share of the budget (SplitBudget).
 inline constexpr uint32_t kHybridPoolLayoutVersion = 3;
+// 4: a hybrid pool whose split follows demand: layout 3's format, but each sub-pool is laid out for the whole budget
+//    and moves in finer grants (kDemandGrantsPerSubPool); only the active parts together stay within the budget.
+inline constexpr uint32_t kDemandPoolLayoutVersion = 4;
 
 // How a hybrid pool's budget is split between its components (docs/hybrid.md "Pool"): the share of the budget
 // for all sliding-window components together, and for all state components; 0 picks the default from the
 // geometry (in proportion to what 4096 tokens of cached prefix need of each when a window and a state are stored
 // at chunk boundaries that far apart: 4096 tokens of FULL blocks, one window, one snapshot). The FULL layers get the
 // rest. Ignored for a full-attention geometry.
+// With both shares automatic and `by_demand`, a hybrid pool's split follows demand (layout 4, PlanPoolLayout): the
+// default split is only where it starts. Shares the operator sets stay fixed (layout 3).
 struct PoolSplit {
   double swa_share = 0;
   double state_share = 0;
+  bool by_demand = true;  // false: automatic shares are fixed at the default split too (layout 3)
+
+  bool demand_sized() const { return by_demand && swa_share == 0 && state_share == 0; }
 };
 
-// A sub-pool's active capacity moves in grants of ceil(capacity / kGrantsPerSubPool) slots (the last may be shorter).
+// A sub-pool's active capacity moves in grants of ceil(capacity / kGrantsPerSubPool) slots (the last may be shorter);
+// in a pool whose split follows demand (layout 4), of ceil(capacity / kDemandGrantsPerSubPool): each sub-pool there is
+// laid out for the whole budget, so a sixteenth of it would be far coarser than the default window or state share.
 inline constexpr uint32_t kGrantsPerSubPool = 16;
+inline constexpr uint32_t kDemandGrantsPerSubPool = 64;
 
 // One component's part of the pool.
 struct SubPool {
@@ -62,7 +74,7 @@ struct SubPool {
   uint64_t slot_bytes = 0;  // Geometry::Component(c).host_block_bytes()
   uint8_t* data = nullptr;  // its first slot's bytes
   uint32_t active = 0;      // slots [base, base + active) have memory and may hold blocks; a whole number of grants
-  uint32_t grant = 0;       // slots per grant: ceil(capacity / kGrantsPerSubPool)
+  uint32_t grant = 0;       // slots per grant: ceil(capacity / kGrantsPerSubPool), layout 4 kDemandGrantsPerSubPool
 
   // `slots` rounded up to a whole number of grants, clamped to [grant, capacity].
   uint32_t RoundToGrants(uint64_t slots) const;
@@ -72,6 +84,19 @@ struct SubPool {
 // INVALID_ARGUMENT naming the component when its share cannot hold one slot, or a share is out of [0, 1) or the
 // shares leave nothing for the FULL layers.
 Result<std::vector<uint64_t>> SplitBudget(const Geometry& geometry, uint64_t budget_bytes, const PoolSplit& split);
+
+// How a pool for `geometry` at `budget_bytes` is laid out (Create): its layout version, each component's slots at
+// most, and its grant. A hybrid geometry with split.demand_sized() gets layout 4: every component laid out for the
+// whole budget (budget / its slot bytes, so that demand can move the budget to any of them), active at first in
+// proportion to SplitBudget's default split; otherwise SplitBudget's capacities (layout 2 or 3). INVALID_ARGUMENT
+// as SplitBudget.
+struct PoolLayoutPlan {
+  uint32_t version = kPoolLayoutVersion;
+  std::vector<uint64_t> capacity;  // per component
+  std::vector<uint32_t> grant;     // per component
+  std::vector<uint64_t> weights;   // the initial split's bytes per component (what ActiveSlotsFor scales)
+};
+Result<PoolLayoutPlan> PlanPoolLayout(const Geometry& geometry, uint64_t budget_bytes, const PoolSplit& split);
 
 class Pool {
  public:
@@ -129,14 +154,19 @@ class Pool {
   uint8_t* data_begin() const { return data_; }
   uint64_t data_bytes() const { return data_bytes_; }
 
-  // Σ capacity × slot bytes over the sub-pools: the pool fully active.
+  // Layout 4: the split between the sub-pools follows demand (each laid out for the whole budget).
+  bool demand_sized() const { return demand_sized_; }
+  // Σ capacity × slot bytes over the sub-pools: the pool fully active (layout 4: more than its budget; only the
+  // active parts together are bounded by it).
   uint64_t max_bytes() const;
   // Σ active × slot bytes over the sub-pools: what the pool's data holds now.
   uint64_t active_bytes() const;
-  // The active slots of each sub-pool for `active_bytes` of data: capacity × active_bytes / max_bytes() (the
-  // pool's own split, scaled), rounded down to whole grants (so that the data stays within active_bytes, a budget
-  // share) and clamped to [1 grant, capacity].
+  // The active slots of each sub-pool for `active_bytes` of data: the pool's own split, scaled - capacity ×
+  // active_bytes / max_bytes(), or in layout 4 the split the sub-pools' active parts have now - rounded down to whole
+  // grants (so that the data stays within active_bytes, a budget share) and clamped to [1 grant, capacity].
   std::vector<uint32_t> ActiveSlotsFor(uint64_t active_bytes) const;
+  // The same, split as the pool was at creation (layout 4: the default split it starts from; else ActiveSlotsFor).
+  std::vector<uint32_t> DefaultSlotsFor(uint64_t active_bytes) const;
   // Moves component `component`'s active capacity to `slots` (a whole number of grants, or its capacity; at
   // least one grant: INVALID_ARGUMENT otherwise). Growing allocates the new slots' data first
   // (RESOURCE_EXHAUSTED, naming the file, the bytes and the filesystem, with nothing changed when it cannot),
@@ -178,7 +208,7 @@ class Pool {
   Pool() = default;
   // Fills sub_pools_ and data_bytes_ from the file layout (map_ and geometry_ set).
   void SetSubPools(const std::vector<uint64_t>& base, const std::vector<uint64_t>& capacity,
-                   const std::vector<uint64_t>& data_offset, uint64_t data_end);
+                   const std::vector<uint64_t>& data_offset, uint64_t data_end, uint32_t grants_per_sub_pool);
   struct SlotEntry;
   SlotEntry* entry(SlotId slot) const;
   // The file offset of slot `local` of component c's data.
@@ -200,6 +230,8 @@ class Pool {
   uint8_t* table_ = nullptr;
   uint8_t* data_ = nullptr;
   UniqueFd fd_;               // the pool file, for fallocate and the active record
+  bool demand_sized_ = false;  // layout 4
+  std::vector<uint64_t> default_weights_;  // bytes per component of the split it was created with (DefaultSlotsFor)
   uint64_t page_bytes_ = 0;   // the filesystem's allocation unit (statfs f_bsize: a huge page on hugetlbfs)
   // Guards map_ against the file shrinking under it (pool_guard.h); declared after map_, so it ends first.
   std::unique_ptr<PoolFileWatch> watch_;

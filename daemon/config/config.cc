@@ -298,10 +298,12 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "of --pool-size (default 1)")
       ->check(CLI::Range(size_t{1}, kMaxDomains));
   app.add_option("--swa-share", cfg.swa_share,
-                 "Hybrid models: share of the pool for sliding-window blocks, in [0, 1) (default 0: from the geometry)")
+                 "Hybrid models: share of the pool for sliding-window blocks, in [0, 1), fixed (default 0: the sub-pools "
+                 "start at a split from the geometry and follow demand)")
       ->check(CLI::Range(0.0, 0.99));
   app.add_option("--state-share", cfg.state_share,
-                 "Hybrid models: share of the pool for state snapshots, in [0, 1) (default 0: from the geometry)")
+                 "Hybrid models: share of the pool for state snapshots, in [0, 1), fixed (default 0: the sub-pools start at "
+                 "a split from the geometry and follow demand)")
       ->check(CLI::Range(0.0, 0.99));
   app.add_flag("--discard-pool", cfg.discard_pool,
                "Replace a pool file of another geometry, version or size, or a corrupt one (its blocks are lost)");

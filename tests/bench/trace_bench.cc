@@ -145,6 +145,7 @@ struct TraceOptions {
   // ("every", ring layout 5's window_keys), the trailing window ("trailing", as before: the default, so that earlier
   // figures replay alike), or both, one after the other.
   std::string window_stores = "trailing";
+  uint32_t window_churn = 0;  // --window-churn PASSES: the window-churn case (0: off)
   // --ssd-blocks: the DRAM / DRAM + SSD / block-LRU(N + M) comparison (RunSsdComparison); 0: absent.
   uint32_t ssd_blocks = 0;
   std::string ssd_dir;  // empty: a new directory under /var/tmp, removed afterwards
@@ -174,6 +175,7 @@ struct TraceRun {
   uint32_t capacity = 0;
   uint64_t daemon_capacity = 0;
   std::vector<uint64_t> component_capacity, component_used, component_unanchored, component_evicted;
+  std::vector<uint64_t> component_active_end;
   uint64_t requests = 0, blocks = 0, hits = 0, loaded = 0, stored = 0, shortfalls = 0, mismatches = 0;
   double seconds = 0;
   HitCount reference, bound, sim;
@@ -362,6 +364,7 @@ std::optional<TraceRun> RunOnce(const std::string& self, const TraceOptions& o, 
     run.component_used = ComponentMetric(*text, "flexkv_component_used_slots", n);
     run.component_unanchored = ComponentMetric(*text, "flexkv_component_unanchored_slots", n);
     run.component_evicted = ComponentMetric(*text, "flexkv_component_evicted_total", n);
+    run.component_active_end = ComponentMetric(*text, "flexkv_component_capacity_slots", n);
   }
   if (!model.ssd_args.empty()) {  // the SSD tier's counters right after the replay
     auto client = flexkv::Client::Connect({own->socket(), std::chrono::milliseconds(5000), std::chrono::milliseconds(20000)});
@@ -782,6 +785,12 @@ int RunTraceBench(int argc, char** argv) {
                  "(every), the trailing window only (trailing, the default: the store before ring layout 5), or both, "
                  "reported one after the other in the same run")
       ->check(CLI::IsMember({"every", "trailing", "both"}));
+  app.add_option("--window-churn", o.window_churn,
+                 "With --geometry: the window-churn case - the trace repeated PASSES times (new ids each pass), a store "
+                 "at every block boundary (--chunk-blocks 1: every FULL block with its window, as an engine that "
+                 "stores every window block it holds), the window share swept in the simulation for the ideal split, "
+                 "and flexkvd with its default split fixed and with its sub-pools sized by demand")
+      ->check(CLI::Range(1u, 63u));
   app.add_option("--ssd-blocks", o.ssd_blocks,
                  "Also compare, in one run: flexkvd with --capacity-blocks DRAM blocks alone, the same with an SSD "
                  "tier of this many blocks, and block-LRU over both capacities")
@@ -858,6 +867,43 @@ int RunTraceBench(int argc, char** argv) {
   o.trace = std::filesystem::absolute(o.trace).string();
   auto trace = LoadTrace(o.trace);
   if (!trace) return 2;
+  // The window-churn trace, written for the workers into a directory removed at the end.
+  struct ChurnDir {
+    std::string path;
+    ~ChurnDir() {
+      std::error_code ec;
+      if (!path.empty()) std::filesystem::remove_all(path, ec);
+    }
+  } churn_dir;
+  if (o.window_churn > 0) {
+    if (o.geometry.empty() || o.nodes > 1) {
+      std::fprintf(stderr, "flexkv-bench: --window-churn needs --geometry (a hybrid preset) and one node\n");
+      return 2;
+    }
+    auto repeated = flexkv::bench::RepeatTrace(*trace, o.window_churn);
+    if (!repeated.ok()) {
+      std::fprintf(stderr, "flexkv-bench: %s\n", repeated.status().message().c_str());
+      return 2;
+    }
+    char tmpl[] = "/tmp/flexkv-bench-churn-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) {
+      std::fprintf(stderr, "flexkv-bench: mkdtemp %s: %s\n", tmpl, std::strerror(errno));
+      return 3;
+    }
+    churn_dir.path = tmpl;
+    o.trace = churn_dir.path + "/window_churn.jsonl";
+    std::FILE* f = std::fopen(o.trace.c_str(), "w");
+    for (size_t i = 0; f != nullptr && i < repeated->size(); ++i) {
+      const Json line{{"timestamp", (*repeated)[i].timestamp_ms}, {"hash_ids", (*repeated)[i].hash_ids}};
+      std::fprintf(f, "%s\n", line.dump().c_str());
+    }
+    if (f == nullptr || std::fclose(f) != 0) {
+      std::fprintf(stderr, "flexkv-bench: cannot write %s: %s\n", o.trace.c_str(), std::strerror(errno));
+      return 3;
+    }
+    *trace = std::move(*repeated);
+    o.chunk_blocks = 1;
+  }
   std::vector<uint32_t> caps = o.sweep ? o.capacities : std::vector<uint32_t>{o.capacity};
   for (uint32_t cap : caps) {
     if (uint64_t{cap} * o.block_bytes < (uint64_t{1} << 20)) {
@@ -889,7 +935,8 @@ int RunTraceBench(int argc, char** argv) {
     if (o.window_stores != "trailing") modes.push_back(true);
     Json by_mode = Json::array();
     for (const bool every : modes) {
-      flexkv::bench::HybridTraceOptions ho{o.trace, o.geometry, caps, o.chunk_blocks, o.split, o.json, {}};
+      flexkv::bench::HybridTraceOptions ho{o.trace, o.geometry, caps, o.chunk_blocks, o.split, o.json,
+                                           o.window_churn > 0, {}};
       ho.every_window = every;
       ho.daemon = [&](uint32_t cap, uint64_t pool_bytes, uint64_t scale, double swa_share,
                       double state_share) -> std::optional<HybridDaemonRun> {
@@ -897,8 +944,17 @@ int RunTraceBench(int argc, char** argv) {
         model.every_window = every;
         auto r = RunOnce(self, o, cap, *trace, keys, model);
         if (!r) return std::nullopt;
-        return HybridDaemonRun{r->blocks, r->hits, r->stored, r->shortfalls, r->mismatches, r->seconds,
-                               r->component_capacity, r->component_used, r->component_unanchored, r->component_evicted};
+        return HybridDaemonRun{r->blocks,
+                               r->hits,
+                               r->stored,
+                               r->shortfalls,
+                               r->mismatches,
+                               r->seconds,
+                               r->component_capacity,
+                               r->component_used,
+                               r->component_unanchored,
+                               r->component_evicted,
+                               r->component_active_end};
       };
       Json one;
       const int rc = flexkv::bench::RunHybridTraceReport(ho, *trace, &one);

@@ -519,6 +519,36 @@ inline Geometry ScaledGeometry(const Geometry& g, uint64_t scale) {
   return out;
 }
 
+// The window-churn trace (trace --window-churn): `passes` copies of `trace` one after the other, copy p with every
+// id + p x 65536 (new prompts with the same sharing), so that a run lasts long enough for flexkvd's sub-pool sizing
+// to act. INVALID_ARGUMENT when an id is 65536 or more (the copies would share ids) or passes is 0 or above 63.
+inline Result<std::vector<TraceRequest>> RepeatTrace(std::span<const TraceRequest> trace, uint32_t passes) {
+  if (passes == 0 || passes > 63) {
+    return Status::InvalidArgument(fmt::format("--window-churn {}: expected 1..63 passes", passes));
+  }
+  int64_t span_ms = 0;
+  for (const TraceRequest& r : trace) {
+    span_ms = std::max(span_ms, r.timestamp_ms + 1);
+    for (uint64_t id : r.hash_ids) {
+      if (id >= 65536) {
+        return Status::InvalidArgument(fmt::format(
+            "--window-churn: the trace has block id {}; expected ids below 65536 (each pass adds 65536)", id));
+      }
+    }
+  }
+  std::vector<TraceRequest> out;
+  out.reserve(trace.size() * passes);
+  for (uint32_t p = 0; p < passes; ++p) {
+    for (const TraceRequest& r : trace) {
+      TraceRequest copy = r;
+      copy.timestamp_ms += span_ms * p;
+      for (uint64_t& id : copy.hash_ids) id += uint64_t{p} * 65536;
+      out.push_back(std::move(copy));
+    }
+  }
+  return out;
+}
+
 // `trace --split` as one weight per component ("w0,w1,..."; each > 0). INVALID_ARGUMENT saying what was expected
 // for anything else; "daemon" and "demand" are the caller's.
 inline Result<std::vector<double>> ParseSplitWeights(std::string_view text, size_t components) {
@@ -553,6 +583,7 @@ struct HybridDaemonRun {
   uint64_t blocks = 0, hit_blocks = 0, stored_full = 0, shortfalls = 0, mismatches = 0;
   double seconds = 0;
   std::vector<uint64_t> capacity, used, unanchored, evicted;
+  std::vector<uint64_t> active_end;  // each sub-pool's active slots at the end (flexkv_component_capacity_slots)
 };
 struct HybridTraceOptions {
   std::string trace;  // absolute path
@@ -563,6 +594,10 @@ struct HybridTraceOptions {
   // component holds after the trace with no eviction) or one weight per component, "w0,w1,...".
   std::string split = "daemon";
   bool json = false;
+  // The window-churn case (trace --window-churn): per capacity, the sliding-window share swept in the simulation
+  // (the ideal: the most hit blocks), the default split fixed (simulation and flexkvd with that --swa-share) and
+  // flexkvd with its sub-pools sized by demand; flexkvd's hit blocks reported as a fraction of the ideal.
+  bool window_churn = false;
   // Replays the trace through a flexkvd holding the model's geometry scaled by `scale` (ScaledGeometry) in a pool of
   // pool_bytes, started with --swa-share / --state-share (0: its default); nullopt after printing why. Empty:
   // simulation only.

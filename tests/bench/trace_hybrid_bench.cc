@@ -163,6 +163,115 @@ void PrintComponents(const char* label, const SimRun& r, const Geometry& g) {
   }
 }
 
+// The --split shares for sweeping one kind: `share` to the sliding windows when the model has any, else to the states.
+PoolSplit SweptSplit(const Geometry& g, double share) {
+  bool window = false;
+  for (size_t c = 1; c < g.component_count(); ++c) window = window || g.component_kind(c) == ComponentKind::kSlidingWindow;
+  return window ? PoolSplit{share, 0} : PoolSplit{0, share};
+}
+
+// The window-churn case at one budget (HybridTraceOptions::window_churn): the ideal split (the swept share with the
+// most hit blocks in the simulation), the default split fixed, and flexkvd with that split fixed and sized by demand.
+// Returns false after printing why a daemon run failed.
+bool WindowChurnCase(const HybridTraceOptions& o, const Geometry& model, uint32_t cap, uint64_t budget, uint64_t scale,
+                     std::span<const std::vector<BlockKey>> keys, std::span<const size_t> prompts, Json* json) {
+  const std::vector<uint64_t> slots = SlotBytes(model);
+  const auto sim_at = [&](const PoolSplit& split) -> std::optional<SimRun> {
+    auto capacity = flexkv::SplitBudget(model, budget, split);
+    if (!capacity.ok()) return std::nullopt;
+    std::vector<uint32_t> c;
+    for (uint64_t v : *capacity) c.push_back(static_cast<uint32_t>(std::min<uint64_t>(v, UINT32_MAX)));
+    SimRun r = Replay(model, c, keys, prompts, o.chunk_blocks);
+    r.shares = SharesOf(c, slots, budget);
+    return r;
+  };
+  Json sweep = Json::array();
+  std::optional<SimRun> ideal;
+  double ideal_share = 0;
+  for (int k = 1; k <= 19; ++k) {
+    const double share = 0.05 * k;
+    std::optional<SimRun> r = sim_at(SweptSplit(model, share));
+    if (!r) continue;
+    sweep.push_back(Json{{"share", Rounded(share, 2)}, {"hit_blocks", r->hit_blocks}});
+    if (!ideal || r->hit_blocks > ideal->hit_blocks) {
+      ideal = std::move(r);
+      ideal_share = share;
+    }
+  }
+  const std::optional<SimRun> fixed = sim_at(PoolSplit{});
+  if (!ideal || !fixed) {
+    std::fprintf(stderr, "flexkv-bench: --window-churn: the budget %s cannot hold the model's sub-pools\n",
+                 FormatByteSize(budget).c_str());
+    return false;
+  }
+  double default_share = 0;
+  for (size_t c = 1; c < fixed->shares.size(); ++c) default_share += fixed->shares[c];
+  const PoolSplit default_split = SweptSplit(model, default_share);
+  // flexkvd twice: the default split fixed (given as --swa-share / --state-share: an operator's share stays fixed),
+  // and no share given (the sub-pools start at the default split and follow demand).
+  std::optional<HybridDaemonRun> daemon_fixed, daemon_demand;
+  if (o.daemon) {
+    daemon_fixed = o.daemon(cap, budget / scale, scale, default_split.swa_share, default_split.state_share);
+    if (!daemon_fixed) return false;
+    daemon_demand = o.daemon(cap, budget / scale, scale, 0, 0);
+    if (!daemon_demand) return false;
+  }
+  const auto of_ideal = [&](uint64_t hits) { return Ratio(hits, ideal->hit_blocks); };
+  const auto end_shares = [&](const HybridDaemonRun& d) {
+    std::vector<double> shares;
+    const std::vector<uint64_t>& active = d.active_end.size() == slots.size() ? d.active_end : d.capacity;
+    for (size_t c = 0; c < slots.size() && c < active.size(); ++c) {
+      shares.push_back(static_cast<double>(active[c] * slots[c]) / static_cast<double>(budget));
+    }
+    return shares;
+  };
+  if (o.json) {
+    const auto daemon_json = [&](const std::optional<HybridDaemonRun>& d) {
+      if (!d) return Json(nullptr);
+      Json j = DaemonJson(*d, model);
+      j["of_ideal"] = Rounded(of_ideal(d->hit_blocks), 4);
+      Json shares = Json::array();
+      for (double v : end_shares(*d)) shares.push_back(Rounded(v, 4));
+      j["shares_at_end"] = shares;
+      return j;
+    };
+    *json = Json{{"capacity_blocks", cap},
+                 {"budget_bytes", budget},
+                 {"blocks", ideal->blocks},
+                 {"sweep", sweep},
+                 {"ideal_share", Rounded(ideal_share, 2)},
+                 {"ideal_hit_blocks", ideal->hit_blocks},
+                 {"default_share", Rounded(default_share, 4)},
+                 {"default_fixed_sim_hit_blocks", fixed->hit_blocks},
+                 {"default_fixed_sim_of_ideal", Rounded(of_ideal(fixed->hit_blocks), 4)},
+                 {"flexkvd_default_fixed", daemon_json(daemon_fixed)},
+                 {"flexkvd_by_demand", daemon_json(daemon_demand)}};
+    return true;
+  }
+  fmt::print("{} window churn at {} tokens a block, budget {} all-FULL blocks = {}: {} requests, {} blocks, a store "
+             "every {} block(s); shares are of the budget held by the non-FULL sub-pools\n",
+             o.preset, kTokensPerBlock, cap, FormatByteSize(budget), keys.size(), ideal->blocks, o.chunk_blocks);
+  fmt::print("  {:<34} {:>8} {:>12} {:>10} {:>9}\n", "", "share", "hit blocks", "hit ratio", "of ideal");
+  fmt::print("  {:<34} {:>8.2f} {:>12} {:>10.4f} {:>9.3f}\n", "ideal (sim, best swept share)", ideal_share,
+             ideal->hit_blocks, ideal->hit_ratio(), 1.0);
+  fmt::print("  {:<34} {:>8.3f} {:>12} {:>10.4f} {:>9.3f}\n", "default split fixed (sim)", default_share,
+             fixed->hit_blocks, fixed->hit_ratio(), of_ideal(fixed->hit_blocks));
+  for (const auto& [label, d] : {std::pair{"default split fixed (flexkvd)", &daemon_fixed},
+                                 std::pair{"sized by demand (flexkvd)", &daemon_demand}}) {
+    if (!*d) continue;
+    const std::vector<double> shares = end_shares(**d);
+    double share = 0;
+    for (size_t c = 1; c < shares.size(); ++c) share += shares[c];
+    fmt::print("  {:<34} {:>8.3f} {:>12} {:>10.4f} {:>9.3f}   (share at the end; {} load mismatches, {:.1f} s)\n",
+               label, share, (*d)->hit_blocks, Ratio((*d)->hit_blocks, (*d)->blocks), of_ideal((*d)->hit_blocks),
+               (*d)->mismatches, (*d)->seconds);
+  }
+  fmt::print("  swept (share: hit blocks):");
+  for (const Json& j : sweep) fmt::print(" {:.2f}: {}", j["share"].get<double>(), j["hit_blocks"].get<uint64_t>());
+  fmt::print("\n");
+  return true;
+}
+
 }  // namespace
 
 int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceRequest> trace, Json* json) {
@@ -218,6 +327,12 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
   Json runs = Json::array();
   for (uint32_t cap : o.capacities) {
     const uint64_t budget = uint64_t{cap} * ref_block;
+    if (o.window_churn && model->is_hybrid()) {
+      Json churn;
+      if (!WindowChurnCase(o, *model, cap, budget, scale, keys, prompts, &churn)) return 1;
+      if (o.json) runs.push_back(std::move(churn));
+      continue;
+    }
     const std::vector<uint32_t> ref_cap = {cap};
     const SimRun ref = Replay(*reference, ref_cap, keys, prompts, o.chunk_blocks, false);
     // The hybrid pool's sub-pools: the daemon run's, else the daemon's SplitBudget in-process.
@@ -296,6 +411,7 @@ int RunHybridTraceReport(const HybridTraceOptions& o, std::span<const TraceReque
                  {"tokens_per_block", kTokensPerBlock},
                  {"simulation", true},
                  {"chunk_blocks", o.chunk_blocks},
+                 {"window_churn", o.window_churn},
                  {"distinct_prompts", prompts.size()},
                  {"hybrid_bound_hit_ratio", Rounded(unbounded.hit_ratio(), 4)},
                  {"reference_block_bytes", ref_block},

@@ -446,3 +446,59 @@ TEST_CASE("domains: the budget follows demand - a domain that stores gets the me
   REQUIRE(reload.size() == 1);
   CHECK_THAT(reload[0], Catch::EndsWith(" 1 OK 1"));
 }
+
+TEST_CASE("domains: a hybrid domain's window sub-pool grows under window demand and shrinks back when demand moves",
+          "[integration][domains][hybrid]") {
+  // 16 MiB: each sub-pool laid out for 1024 slots of 16 KiB (grants of 16); the default split gives the window one
+  // grant (16 slots: 4 windows of 4 blocks) and FULL the rest.
+  DaemonUnderTest d({"--pool-size", "16MiB"});
+  REQUIRE(d.WaitReady());
+  CHECK(Run(Engine(d, kGptOss, "gpt-oss-writer", {"store:1:4"})) == std::vector<std::string>{"STORED 0 4 OK"});
+  const auto window_slots = [&] {
+    const flexkv::v1::GetStatusResponse s = Status(d);
+    const flexkv::v1::DomainStatus* domain = DomainOf(s, kGptOss);
+    REQUIRE(domain != nullptr);
+    REQUIRE(domain->pool().components_size() == 2);
+    CHECK(domain->pool().components(0).capacity() * 16384 + domain->pool().components(1).capacity() * 16384 <=
+          16ULL << 20);
+    return domain->pool().components(1).capacity();
+  };
+  const uint64_t window_before = window_slots();
+  CHECK(window_before == 16);
+
+  // Window churn: every store extends a prompt by one block, so it adds one FULL block and one window entry; the
+  // window sub-pool (16 slots) is full at once while FULL has room. The daemon moves memory to it (CacheSet::Rebalance
+  // every few seconds, towards half and half).
+  uint64_t window_now = window_before, seed = 100;
+  auto deadline = std::chrono::steady_clock::now() + 90s;
+  while (std::chrono::steady_clock::now() < deadline && window_now <= window_before) {
+    std::vector<std::string> steps;
+    for (int n = 1; n <= 16; ++n) steps.push_back(fmt::format("store:{}:{}", seed, n));
+    const std::vector<std::string> out = Run(Engine(d, kGptOss, "gpt-oss-writer", steps));
+    REQUIRE(out.size() == 16);
+    for (const std::string& line : out) CHECK_THAT(line, Catch::StartsWith("STORED ") && Catch::EndsWith(" OK"));
+    ++seed;
+    window_now = window_slots();
+  }
+  INFO("window sub-pool " << window_before << " -> " << window_now << " slots");
+  CHECK(window_now > window_before);
+  uint64_t window_peak = window_now;
+
+  // Demand moves: long prompts stored whole (64 FULL blocks, one window of 4 each) fill FULL, and the window's share
+  // of what is stored falls towards a seventeenth: memory moves back to FULL. (The smoothed demand, 60 s half-life,
+  // may first keep the window growing for a step or two: it shrinks from the most it reached.)
+  deadline = std::chrono::steady_clock::now() + 150s;
+  while (std::chrono::steady_clock::now() < deadline && window_now >= window_peak) {
+    CHECK(Run(Engine(d, kGptOss, "gpt-oss-writer", {fmt::format("store:{}:64", seed++)})) ==
+          std::vector<std::string>{"STORED 0 64 OK"});
+    window_now = window_slots();
+    window_peak = std::max(window_peak, window_now);
+  }
+  INFO("window sub-pool " << window_peak << " -> " << window_now << " slots");
+  CHECK(window_now < window_peak);
+  CHECK(window_now >= 16);  // never below one grant
+  // What is still cached is served byte for byte; what was evicted is a miss, never a torn hit.
+  const std::vector<std::string> reload = Run(Engine(d, kGptOss, "gpt-oss-reader", {fmt::format("load:{}:64", seed - 1)}));
+  REQUIRE(reload.size() == 1);
+  CHECK(reload[0] == Hit(kGptOss, 64));
+}

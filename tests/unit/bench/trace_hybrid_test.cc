@@ -217,3 +217,19 @@ TEST_CASE("trace --split weights: one positive number per component", "[unit][be
     CHECK(flexkv::bench::ParseSplitWeights(bad, 2).status().code() == flexkv::StatusCode::kInvalidArgument);
   }
 }
+
+TEST_CASE("trace --window-churn repeats the trace with new ids each pass, keeping its sharing", "[unit][bench]") {
+  std::vector<flexkv::bench::TraceRequest> trace(2);
+  trace[0] = {10, {1, 2, 3}};
+  trace[1] = {20, {1, 2, 7}};
+  auto repeated = flexkv::bench::RepeatTrace(trace, 3);
+  REQUIRE(repeated.ok());
+  REQUIRE(repeated->size() == 6);
+  CHECK((*repeated)[2].hash_ids == std::vector<uint64_t>{65537, 65538, 65539});
+  CHECK((*repeated)[5].hash_ids == std::vector<uint64_t>{131073, 131074, 131079});
+  CHECK((*repeated)[3].timestamp_ms > (*repeated)[1].timestamp_ms);  // pass after pass
+  CHECK(flexkv::bench::InfiniteCacheBound(*repeated).hits == 3 * flexkv::bench::InfiniteCacheBound(trace).hits);
+  trace[1].hash_ids.push_back(65536);  // a copy would share it
+  CHECK(flexkv::bench::RepeatTrace(trace, 2).status().code() == flexkv::StatusCode::kInvalidArgument);
+  CHECK(flexkv::bench::RepeatTrace(trace, 0).status().code() == flexkv::StatusCode::kInvalidArgument);
+}

@@ -194,4 +194,73 @@ TEST_CASE("a step shares what is given up between the growing domains and takes 
 }
 
 }  // namespace
+
+// A gpt-oss-like domain: FULL and window slots of 1 MiB, each sub-pool laid out for the whole 64 MiB (64 grants of
+// one slot), the window sub-pool at its default share.
+SubPoolNeed Part(double demand, uint32_t active, uint32_t used) { return SubPoolNeed{demand, 1 << 20, 1, 64, active, used}; }
+
+uint64_t HeldMiB(const std::vector<uint32_t>& slots) { return std::accumulate(slots.begin(), slots.end(), uint64_t{0}); }
+
+TEST_CASE("sub-pools: the window grows towards its demand when it thrashes, one bounded step at a time", "[unit]") {
+  // The window stores as much as FULL (window churn) but holds 6 of 64 MiB, all used: the plan is 32 / 32.
+  const std::vector<SubPoolNeed> parts{Part(100, 58, 58), Part(100, 6, 6)};
+  const auto step = PlanSubPools(parts, 2 << 20, 8 << 20);
+  REQUIRE(step.size() == 2);
+  CHECK(step[1] == 14);  // at most 8 MiB a step
+  CHECK(step[0] == 50);  // FULL gives up exactly what the window takes
+  CHECK(HeldMiB(step) == 64);
+  std::vector<SubPoolNeed> now = parts;
+  for (int i = 0; i < 10; ++i) {
+    const auto next = PlanSubPools(now, 2 << 20, 8 << 20);
+    for (size_t c = 0; c < 2; ++c) now[c].active = now[c].used = next[c];
+  }
+  CHECK(now[0].active == 32);
+  CHECK(now[1].active == 32);
+}
+
+TEST_CASE("sub-pools: nothing moves without pressure, without demand, or by less than the hysteresis", "[unit]") {
+  // The window is under-sized for its demand but nobody's next store evicts: nothing is taken from FULL.
+  CHECK(PlanSubPools(std::vector<SubPoolNeed>{Part(100, 58, 20), Part(100, 6, 3)}, 2 << 20, 8 << 20) ==
+        std::vector<uint32_t>{58, 6});
+  // Every component idle: the sizes stay whatever they are.
+  CHECK(PlanSubPools(std::vector<SubPoolNeed>{Part(0, 58, 58), Part(0, 6, 6)}, 2 << 20, 8 << 20) ==
+        std::vector<uint32_t>{58, 6});
+  // Close to the demand's split (31 vs 32): a move below the hysteresis (4 MiB) is not made.
+  CHECK(PlanSubPools(std::vector<SubPoolNeed>{Part(100, 33, 33), Part(100, 31, 31)}, 4 << 20, 8 << 20) ==
+        std::vector<uint32_t>{33, 31});
+}
+
+TEST_CASE("sub-pools: an idle component keeps one grant, and no component passes its layout", "[unit]") {
+  // The window stopped storing (demand moved to FULL): it goes back to one grant, step by step.
+  std::vector<SubPoolNeed> now{Part(100, 32, 32), Part(0, 32, 32)};
+  for (int i = 0; i < 10; ++i) {
+    const auto next = PlanSubPools(now, 2 << 20, 8 << 20);
+    CHECK(HeldMiB(next) <= 64);
+    for (size_t c = 0; c < 2; ++c) now[c].active = now[c].used = next[c];
+  }
+  CHECK(now[0].active == 63);
+  CHECK(now[1].active == 1);
+  // A layout smaller than the demand's share (an older pool, laid out at a fixed split) bounds the grow.
+  std::vector<SubPoolNeed> fixed{SubPoolNeed{100, 1 << 20, 1, 58, 58, 58}, SubPoolNeed{900, 1 << 20, 1, 16, 6, 6}};
+  for (int i = 0; i < 10; ++i) {
+    const auto next = PlanSubPools(fixed, 1 << 20, 8 << 20);
+    for (size_t c = 0; c < 2; ++c) fixed[c].active = fixed[c].used = next[c];
+  }
+  CHECK(fixed[1].active == 16);
+  CHECK(fixed[0].active == 48);
+}
+
+TEST_CASE("sub-pools: sizes move in whole grants and never add up to more than they held", "[unit]") {
+  // Grants of 4 slots (the window's slot 3 MiB): every size a multiple of its grant, the sum within the 96 MiB held.
+  std::vector<SubPoolNeed> now{SubPoolNeed{10, 1 << 20, 4, 96, 84, 84}, SubPoolNeed{50, 3 << 20, 4, 32, 4, 4}};
+  for (int i = 0; i < 12; ++i) {
+    const auto next = PlanSubPools(now, 1 << 20, 16 << 20);
+    CHECK(next[0] % 4 == 0);
+    CHECK(next[1] % 4 == 0);
+    CHECK(uint64_t{next[0]} + 3 * uint64_t{next[1]} <= 96);
+    for (size_t c = 0; c < 2; ++c) now[c].active = now[c].used = next[c];
+  }
+  CHECK(now[1].active > 4);  // the window grew
+}
+
 }  // namespace flexkv

@@ -399,3 +399,103 @@ TEST_CASE("cache set: a restart re-attaches every domain with its blocks and act
     CHECK(caches.Find("default") != nullptr);
   }
 }
+
+namespace {
+
+// SmallGeometry plus a sliding window of the same shape, 4 blocks (a gpt-oss-like domain of 4 KiB slots).
+flexkv::Geometry WindowGeometry() {
+  flexkv::Geometry g = SmallGeometry();
+  flexkv::ComponentSpec swa;
+  swa.kind = flexkv::ComponentKind::kSlidingWindow;
+  swa.num_layers = g.num_layers;
+  swa.kv_planes = g.kv_planes;
+  swa.kv_heads_per_rank = g.kv_heads_per_rank;
+  swa.head_dim = g.head_dim;
+  swa.dtype_bytes = g.dtype_bytes;
+  swa.window_tokens = 4 * g.tokens_per_block;
+  g.components.push_back(swa);
+  return g;
+}
+
+// A hybrid store of `keys` from the root (all or none), as the data plane does it: REQUIRE it is reserved.
+void StoreHybrid(Cache& cache, std::span<const BlockKey> keys) {
+  Cache::HybridReservation r = cache.ReserveHybrid(flexkv::kRootParent, keys, {});
+  REQUIRE(r.shortfall == StatusCode::kOk);
+  std::vector<std::vector<uint64_t>> sums(r.slots.size());
+  for (SlotId s : r.full.slots) sums[0].push_back(flexkv::BlockChecksum(cache.SlotData(s), cache.SlotBytes(s)));
+  for (size_t c = 1; c < r.slots.size(); ++c) {
+    for (SlotId s : r.slots[c]) {
+      if (s != flexkv::ComponentIndex::kNoSlot) {
+        sums[c].push_back(flexkv::BlockChecksum(cache.SlotData(s), cache.SlotBytes(s)));
+      }
+    }
+  }
+  cache.CommitHybrid(flexkv::kRootParent, keys, r, sums);
+}
+
+}  // namespace
+
+TEST_CASE("cache set: a hybrid domain's sub-pools follow what is stored into each, within its share",
+          "[unit][cache][hybrid]") {
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
+  CacheSet caches(Options(dir, 256 * kBlock, 1));
+  REQUIRE(caches.RecoverPools(false).ok());
+  Cache* cache = *caches.Admit("gpt-oss", WindowGeometry(), 0, NeverInUse);
+  // Each sub-pool laid out for the whole budget (256 slots, grants of 4); the window starts at one grant.
+  REQUIRE(cache->ActiveSlots() == std::vector<uint32_t>{252, 4});
+  CHECK(cache->max_bytes() == 256 * kBlock);
+  int64_t now = 1000;
+  caches.Rebalance(now);  // the meters start
+  // Window churn: each store extends a prompt by one block (one FULL block, one window entry).
+  uint64_t chain = 1;
+  const auto churn = [&] {
+    const std::vector<BlockKey> keys = Keys(16, chain++);
+    for (size_t n = 1; n <= keys.size(); ++n) StoreHybrid(*cache, std::span<const BlockKey>(keys).first(n));
+  };
+  for (int i = 0; i < 12; ++i) {
+    churn();
+    now += CacheSet::kRebalanceIntervalMs;
+    caches.Rebalance(now);
+    CHECK(cache->active_bytes() <= 256 * kBlock);
+  }
+  // Half and half by what is stored, reached in steps of at most an eighth of the share.
+  const std::vector<uint32_t> churned = cache->ActiveSlots();
+  CHECK(churned[1] == 128);
+  CHECK(churned[0] == 128);
+  // Demand moves to FULL: long prompts stored whole (64 FULL blocks, a window of 4). Over a few minutes of that the
+  // window gives memory back (it keeps at least one grant).
+  for (int i = 0; i < 40; ++i) {
+    StoreHybrid(*cache, Keys(64, 1000 + i));
+    now += 2 * CacheSet::kRebalanceIntervalMs;
+    caches.Rebalance(now);
+    CHECK(cache->active_bytes() <= 256 * kBlock);
+  }
+  const std::vector<uint32_t> moved = cache->ActiveSlots();
+  CHECK(moved[1] < churned[1]);
+  CHECK(moved[1] >= 4);
+  CHECK(moved[0] > churned[0]);
+  // What is stored now is a hit, window included.
+  StoreHybrid(*cache, Keys(64, 2000));
+  CHECK(cache->Match(Keys(64, 2000), false, nullptr) == 64);
+}
+
+TEST_CASE("cache set: operator shares keep a hybrid domain's split fixed", "[unit][cache][hybrid]") {
+  TempDir dir("flexkv-cacheset", ShmOrTmp());
+  CacheSetOptions o = Options(dir, 256 * kBlock, 1);
+  o.split.swa_share = 0.25;
+  CacheSet caches(o);
+  REQUIRE(caches.RecoverPools(false).ok());
+  Cache* cache = *caches.Admit("gpt-oss", WindowGeometry(), 0, NeverInUse);
+  const std::vector<uint32_t> before = cache->ActiveSlots();
+  REQUIRE(before == std::vector<uint32_t>{192, 64});
+  int64_t now = 1000;
+  caches.Rebalance(now);
+  uint64_t chain = 1;
+  for (int i = 0; i < 8; ++i) {
+    const std::vector<BlockKey> keys = Keys(16, chain++);
+    for (size_t n = 1; n <= keys.size(); ++n) StoreHybrid(*cache, std::span<const BlockKey>(keys).first(n));
+    now += CacheSet::kRebalanceIntervalMs;
+    caches.Rebalance(now);
+  }
+  CHECK(cache->ActiveSlots() == before);
+}

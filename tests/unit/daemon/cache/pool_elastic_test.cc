@@ -210,7 +210,7 @@ TEST_CASE("elastic pool: a layout 3 (hybrid) file written before elastic pools o
   constexpr uint64_t kHybridBudget = 64ull << 20;
   std::vector<uint32_t> capacity;
   {
-    auto pool = Pool::Create(path, "ns", g, kHybridBudget);
+    auto pool = Pool::Create(path, "ns", g, kHybridBudget, 0, flexkv::PoolSplit{0, 0, /*by_demand=*/false});
     REQUIRE(pool.ok());
     REQUIRE((*pool)->component_count() == 2);
     for (size_t c = 0; c < 2; ++c) capacity.push_back((*pool)->sub_pool(c).capacity);

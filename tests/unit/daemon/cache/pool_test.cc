@@ -196,7 +196,7 @@ TEST_CASE("Pool::Open refuses a file that is missing, not a pool, corrupt, of an
     CHECK_THAT(r.status().message(), Catch::Contains("not a flexkvd pool file"));
   }
   SECTION("another layout version: FAILED_PRECONDITION") {
-    const uint32_t version = flexkv::kHybridPoolLayoutVersion + 1;
+    const uint32_t version = flexkv::kDemandPoolLayoutVersion + 1;
     Poke(path, 8, &version, sizeof(version));
     auto r = Pool::Open(path, kBudget);
     CHECK(r.status().code() == StatusCode::kFailedPrecondition);
@@ -296,4 +296,85 @@ TEST_CASE("a hybrid pool reopens with its own split under automatic shares, and 
   CHECK_THAT(other_split.status().message(), Catch::Contains("--swa-share"));
   auto other_budget = Pool::Open(path, 2 * kBudget);
   CHECK(other_budget.status().code() == StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("a hybrid pool with automatic shares is sized by demand: each sub-pool laid out for the whole budget (layout 4)",
+          "[unit][hybrid]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  const Geometry g = flexkv::GptOss20B();
+  constexpr uint64_t kBudget = 64ull << 20;
+  const uint64_t full_slot = g.Component(0).host_block_bytes(), window_slot = g.Component(1).host_block_bytes();
+  auto fixed = flexkv::SplitBudget(g, kBudget, {});
+  REQUIRE(fixed.ok());
+  {
+    auto pool = Pool::Create(path, "ns", g, kBudget);
+    REQUIRE(pool.ok());
+    CHECK((*pool)->demand_sized());
+    CHECK((*pool)->sub_pool(0).capacity == kBudget / full_slot);
+    CHECK((*pool)->sub_pool(1).capacity == kBudget / window_slot);
+    CHECK((*pool)->sub_pool(1).grant == ((*pool)->sub_pool(1).capacity + 63) / 64);
+    // Active at first as the default split, rounded down to grants: within the budget.
+    CHECK((*pool)->active_bytes() <= kBudget);
+    for (size_t c = 0; c < 2; ++c) {
+      const flexkv::SubPool& p = (*pool)->sub_pool(c);
+      CHECK(p.active % p.grant == 0);
+      CHECK(p.active + p.grant > (*fixed)[c]);
+      CHECK(p.active <= (*fixed)[c] + p.grant);
+    }
+    // The window grows past its default share (what a fixed layout could never give it), the FULL part shrinks.
+    REQUIRE((*pool)->sub_pool(0).grant == 3);  // 170 slots of 384 KiB each
+    REQUIRE((*pool)->SetActive(0, 3 * 30).ok());
+    REQUIRE((*pool)->SetActive(1, 3 * 26).ok());
+    CHECK((*pool)->active_bytes() <= kBudget);
+    // Resize keeps the split demand gave it: 90 : 78 slots, halved and rounded down to grants.
+    CHECK((*pool)->ActiveSlotsFor(kBudget / 2) == std::vector<uint32_t>{45, 39});
+  }
+  REQUIRE(Pool::FileLayoutVersion(path) == flexkv::kDemandPoolLayoutVersion);
+  auto reopened = Pool::Open(path, kBudget);
+  REQUIRE(reopened.ok());
+  CHECK((*reopened)->demand_sized());
+  CHECK((*reopened)->sub_pool(1).active == 3 * 26);
+  reopened->reset();
+  auto with_share = Pool::Open(path, kBudget, flexkv::PoolSplit{0.2, 0});
+  CHECK(with_share.status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(with_share.status().message(), Catch::Contains("sized by demand") && Catch::Contains("--swa-share"));
+  auto other_budget = Pool::Open(path, 2 * kBudget);
+  CHECK(other_budget.status().code() == StatusCode::kFailedPrecondition);
+  CHECK_THAT(other_budget.status().message(), Catch::Contains("--pool-size"));
+}
+
+TEST_CASE("a layout 3 pool made with automatic shares keeps its fixed split when reopened", "[unit][hybrid]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  const Geometry g = flexkv::GptOss20B();
+  constexpr uint64_t kBudget = 64ull << 20;
+  auto fixed = flexkv::SplitBudget(g, kBudget, {});
+  REQUIRE(fixed.ok());
+  { REQUIRE(Pool::Create(path, "ns", g, kBudget, 0, flexkv::PoolSplit{0, 0, /*by_demand=*/false}).ok()); }
+  REQUIRE(Pool::FileLayoutVersion(path) == flexkv::kHybridPoolLayoutVersion);
+  auto pool = Pool::Open(path, kBudget);
+  REQUIRE(pool.ok());
+  CHECK(!(*pool)->demand_sized());
+  CHECK((*pool)->sub_pool(0).capacity == (*fixed)[0]);
+  CHECK((*pool)->sub_pool(1).capacity == (*fixed)[1]);
+  CHECK((*pool)->sub_pool(1).grant == ((*fixed)[1] + 15) / 16);
+}
+
+TEST_CASE("a pool sized by demand starts near the default split although its grants are a 64th of the budget",
+          "[unit][hybrid]") {
+  TempDir dir;
+  const std::string path = dir.path + "/pool";
+  const Geometry g = flexkv::GptOss20B();  // 384 KiB slots: 682 of them per sub-pool, grants of 11
+  constexpr uint64_t kBudget = 256ull << 20;
+  auto fixed = flexkv::SplitBudget(g, kBudget, {});
+  REQUIRE(fixed.ok());
+  REQUIRE((*fixed)[1] == 20);  // the default window share: 3 % of the budget, under two grants
+  auto pool = Pool::Create(path, "ns", g, kBudget);
+  REQUIRE(pool.ok());
+  REQUIRE((*pool)->sub_pool(1).grant == 11);
+  // Rounding each part down would leave the window one grant (half its share); what it left goes to the window.
+  CHECK((*pool)->sub_pool(1).active == 22);
+  CHECK((*pool)->sub_pool(0).active == 660);
+  CHECK((*pool)->active_bytes() <= kBudget);
 }
