@@ -181,7 +181,7 @@ bool WindowChurnCase(const HybridTraceOptions& o, const Geometry& model, uint32_
     if (!capacity.ok()) return std::nullopt;
     std::vector<uint32_t> c;
     for (uint64_t v : *capacity) c.push_back(static_cast<uint32_t>(std::min<uint64_t>(v, UINT32_MAX)));
-    SimRun r = Replay(model, c, keys, prompts, o.chunk_blocks);
+    SimRun r = Replay(model, c, keys, prompts, o.chunk_blocks, o.every_window);
     r.shares = SharesOf(c, slots, budget);
     return r;
   };
