@@ -215,14 +215,17 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     event_namespace_ = domain.model_namespace;
     event_tokens_per_block_ = domain.geometry ? domain.geometry->tokens_per_block : 0;
   }
-  on_next_.assign(pool_->sub_pool(0).capacity, 0);
-  touched_.assign(pool_->sub_pool(0).capacity, 0);
+  on_next_.assign(pool_->capacity(), 0);  // every component's slots
+  touched_.assign(pool_->capacity(), 0);
   touch_queue_.clear();
   commit_queue_.clear();
   writing_ = 0;
   for (size_t c = 1; c < pool_->component_count(); ++c) {
     const SlotId base = pool_->sub_pool(c).base;
-    Part(c).SetEvictionListener([p, base](SlotId local, const BlockKey&) { p->MarkFree(base + local); });
+    Part(c).SetEvictionListener([this, p, base](SlotId local, const BlockKey&) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      p->MarkFree(base + local);
+      ForgetNextTierLocked(base + local, /*evicted=*/true);
+    });
   }
   if (new_generation) generation_.fetch_add(1, std::memory_order_acq_rel);
   PublishActiveLocked();
@@ -416,6 +419,8 @@ size_t Cache::HybridMatchLocked(std::span<const BlockKey> keys, bool pin, std::v
       (*pinned)[first + layout.offset[c] + i] = base + local;
     }
   }
+  // The pieces the next tier holds too are touched there (TakeTouched), as for FULL-only domains.
+  if (NextTierLocked()) NoteHitsLocked(std::span<const SlotId>(*pinned).subspan(first));
   return e;
 }
 
@@ -483,6 +488,7 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
     r.full.slots.clear();
     return refuse(r.full.shortfall, 0);
   }
+  for (SlotId s : r.full.slots) ForgetNextTierLocked(s, /*evicted=*/false);
   for (size_t c = 1; c < g.component_count(); ++c) {
     ComponentIndex::Reservation part = Part(c).Reserve(r.keys[c]);
     if (part.shortfall != StatusCode::kOk) {  // a repeated key (the client's): give back what was taken
@@ -499,7 +505,9 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
     }
     const SlotId base = pool_->sub_pool(c).base;
     for (SlotId& s : part.slots) {
-      if (s != ComponentIndex::kNoSlot) s += base;
+      if (s == ComponentIndex::kNoSlot) continue;
+      s += base;
+      ForgetNextTierLocked(s, /*evicted=*/false);
     }
     r.slots[c] = std::move(part.slots);
   }
@@ -522,6 +530,7 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
     const size_t k = first + i;
     pool_->MarkCommitted(slot, keys[k], k == 0 ? parent : keys[k - 1], checksums[0][i]);
     for (const auto& part : parts_) part->Anchor(keys[k]);
+    QueueCommitLocked(slot);
   }
   for (size_t c = 1; c < r.slots.size(); ++c) {
     std::vector<SlotId> local;
@@ -534,10 +543,13 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
       const SlotId s = r.slots[c][i];
       if (s == ComponentIndex::kNoSlot) continue;
       const uint64_t sum = checksums[c][n++];
-      if (Part(c).IsCommitted(LocalLocked(c, s))) pool_->MarkCommitted(s, r.keys[c][i], BlockKey{}, sum);
+      if (!Part(c).IsCommitted(LocalLocked(c, s))) continue;
+      pool_->MarkCommitted(s, r.keys[c][i], BlockKey{}, sum);
+      QueueCommitLocked(s);
     }
   }
   for (const BlockKey& key : gone) UnanchorLocked(key);
+  ++next_tier_epoch_;
 }
 
 void Cache::AbortHybrid(const HybridReservation& r) {
@@ -575,7 +587,7 @@ void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_
     if (!index_->IsCommitted(slots[i])) continue;  // dropped with a failed ancestor while it copied
     const size_t k = first + i;
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1], content_checksums[i]);
-    if (queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(slots[i]);
+    QueueCommitLocked(slots[i]);
     ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == keys.size(), cause, k == 0 ? parent : keys[k - 1]);
   }
   ++next_tier_epoch_;
@@ -675,15 +687,15 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
     if (c == 0) {
       const bool verified = index_->MarkVerified(s);
       // Write policy all: a restored block is written like a stored one (SSD answers "already there" for most).
-      if (verified && queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(s);
+      if (verified) QueueCommitLocked(s);
       if (verified && block_observers_) {
         if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) {
           ReportBlockLocked(BlockEvent::kCommitted, entry->key, index_->ChildCount(s) == 0, BlockEvent::kRestored,
                             entry->parent);
         }
       }
-    } else {
-      Part(c).MarkVerified(LocalLocked(c, s));
+    } else if (Part(c).MarkVerified(LocalLocked(c, s))) {
+      QueueCommitLocked(s);
     }
   }
   size_t dropped = 0;
