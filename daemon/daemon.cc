@@ -102,7 +102,7 @@ int RunDaemon(const DaemonConfig& config) {
   // outlive them (the caches' observers call them), stopped explicitly before the sessions go.
   TierSet tiers;
   const auto add_tier = [&tiers](std::string_view what, Status added) {
-    if (!added.ok()) log::Error("daemon", "cannot start the {}: {}", what, added.ToString());
+    if (!added.ok()) log::Error("daemon", "cannot {}: {}", what, added.ToString());
     return added.ok();
   };
   // The KV event stream (docs/kv_events.md), declared before the caches so that it outlives them (their listeners
@@ -131,7 +131,7 @@ int RunDaemon(const DaemonConfig& config) {
       [&backends](const PoolRegion& pool) { backends.UnregisterPool(pool); }));
   // The cluster tier is created before the pools are re-attached, so that restored blocks are published once verified.
   if (!config.etcd_endpoints.empty() &&
-      !add_tier("cluster tier", tiers.Add(ClusterTier::Create(ClusterTierOptionsFrom(config), &caches)))) {
+      !add_tier("start the cluster tier", tiers.Add(ClusterTier::Create(ClusterTierOptionsFrom(config), &caches)))) {
     return 1;
   }
   // Whatever way this function returns, the tiers' threads (which read the caches) end before the caches go.
@@ -170,7 +170,7 @@ int RunDaemon(const DaemonConfig& config) {
   // The SSD tier, created once the pools are re-attached: its store opens now when block files exist or a pool was
   // re-attached (a refusal stops the start, with the store's message), else once the first pool exists.
   if (!config.ssd_paths.empty() &&
-      !add_tier("SSD tier", tiers.Add(SsdTier::Create(SsdTierOptionsFrom(config), &caches)))) {
+      !add_tier("use the SSD tier", tiers.Add(SsdTier::Create(SsdTierOptionsFrom(config), &caches)))) {
     return 1;
   }
   tiers.StartAll();

@@ -1,6 +1,7 @@
 // ComponentIndex: a slot-indexed entry array, a key -> slot hash map over it, and four intrusive lists threaded
 // through the entries (free slots; evictable unanchored entries; evictable anchored entries the next tier holds, and
-// the other evictable anchored entries, each in LRU order). See component_index.h for the contract. Also the hit rule, LongestUsableEnd.
+// the other evictable anchored entries, each in LRU order). See component_index.h for the contract. Also the hit rule,
+// LongestUsableEnd.
 #include "daemon/cache/component_index.h"
 
 #include <absl/container/flat_hash_map.h>

@@ -156,7 +156,9 @@ Status SsdTier::OpenStore(uint64_t payload_capacity) {
       });
     }
   }
-  for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).AttachNextTier(options_.write_all, options_.store_wait_ms, /*hybrid=*/true);
+  for (size_t i = 0; i < caches_->max_domains(); ++i) {
+    caches_->cache(i).AttachNextTier(options_.write_all, options_.store_wait_ms, /*hybrid=*/true);
+  }
   {
     MutexLock lock(&mu_);
     state_ = "serving";
