@@ -761,3 +761,56 @@ TEST_CASE("ssd tier: the cache hands out window and state entries for write-back
   const std::vector<Cache::NextTierKey> touched = cache.TakeTouched();
   CHECK(touched.size() == 4);  // its FULL blocks (its window and state entries left their slots since)
 }
+
+TEST_CASE("ssd tier: a hybrid domain whose state does not fit the block files stays in DRAM, and status names the "
+          "component",
+          "[ssd_tier][hybrid]") {
+  Dir ssd_dir("/var/tmp");
+  SsdTierOptions t;
+  t.store.paths = {ssd_dir.path()};
+  t.store.size_bytes = flexkv::kSsdHeaderSector + 64 * flexkv::SsdSlotStride(kBlock);
+  t.mover_idle_ms = 1;
+  {  // The block files are made for 4 KiB blocks (a full-attention model ran here before).
+    Dir pool_dir(PoolRoot());
+    CacheSetOptions o;
+    o.budget_bytes = 16 * kBlock;
+    o.pool_path = pool_dir.path() + "/pool";
+    CacheSet caches(o);
+    REQUIRE(caches.RecoverPools(false).ok());
+    REQUIRE(caches.Admit("llama", SmallGeometry(), 0, NeverInUse).ok());
+    auto tier = SsdTier::Create(t, &caches);
+    REQUIRE(tier.ok());
+    REQUIRE((*tier)->open());
+  }
+  // A Qwen3-Next-like model whose state snapshot is 8 KiB: its FULL blocks fit the slots, its states do not.
+  flexkv::Geometry g = HybridGeometry(HybridShape::kQwen3NextLike);
+  g.components[0].state_bytes_per_layer = 4096;
+  REQUIRE(flexkv::LargestSlotBytes(g) == 2 * kBlock);
+  Dir pool_dir(PoolRoot());
+  CacheSetOptions o;
+  o.budget_bytes = 32 * kBlock;
+  o.pool_path = pool_dir.path() + "/pool";
+  o.split.state_share = 0.25;
+  CacheSet caches(o);
+  REQUIRE(caches.RecoverPools(false).ok());
+  auto admitted = caches.Admit("qwen", g, 0, NeverInUse);
+  REQUIRE(admitted.ok());
+  Cache& cache = **admitted;
+  auto created = SsdTier::Create(t, &caches);
+  REQUIRE(created.ok());
+  SsdTier& tier = **created;
+  REQUIRE(tier.open());  // with the files' 4 KiB slots
+  tier.Start();
+  REQUIRE(StoreHybridChain(cache, 1, 4));
+  REQUIRE(WaitFor([&] { return !tier.GetStatus().notes.empty(); }));
+  const std::string note = tier.GetStatus().notes.at(0);
+  CHECK_THAT(note, Catch::Contains("namespace 'qwen'") && Catch::Contains("component 1 (state) slots") &&
+                       Catch::Contains("do not fit the SSD slots") && Catch::Contains("its blocks stay in DRAM"));
+  CHECK(tier.GetStatus().written_back_blocks == 0);
+  CHECK(cache.StoreWaitMs() == 0);
+  // Nothing of it is on SSD, and a match is not promoted from there.
+  const std::vector<BlockKey> keys = Chain(1, 6);
+  CHECK(cache.Match(keys, false, nullptr) == 4);
+  CHECK_FALSE(tier.Promote(cache, keys, 4, [](size_t) { FAIL("no promotion was started"); }));
+  tier.Stop();
+}
