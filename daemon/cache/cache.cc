@@ -216,8 +216,8 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
     event_tokens_per_block_ = domain.geometry ? domain.geometry->tokens_per_block : 0;
     event_geometry_ = domain.geometry;
   }
-  on_next_.assign(pool_->sub_pool(0).capacity, 0);
-  touched_.assign(pool_->sub_pool(0).capacity, 0);
+  on_next_.assign(pool_->capacity(), 0);  // every component's slots
+  touched_.assign(pool_->capacity(), 0);
   touch_queue_.clear();
   component_bytes_stored_.assign(pool_->component_count(), 0);
   commit_queue_.clear();
@@ -231,6 +231,7 @@ void Cache::AdoptPoolLocked(std::unique_ptr<Pool> pool, std::unique_ptr<PrefixIn
                           BlockKey{}, static_cast<uint8_t>(c));
       }
       p->MarkFree(base + local);
+      ForgetNextTierLocked(base + local, /*evicted=*/true);
     });
   }
   if (new_generation) generation_.fetch_add(1, std::memory_order_acq_rel);
@@ -425,6 +426,8 @@ size_t Cache::HybridMatchLocked(std::span<const BlockKey> keys, bool pin, std::v
       (*pinned)[first + layout.offset[c] + i] = base + local;
     }
   }
+  // The pieces the next tier holds too are touched there (TakeTouched), as for FULL-only domains.
+  if (NextTierLocked()) NoteHitsLocked(std::span<const SlotId>(*pinned).subspan(first));
   return e;
 }
 
@@ -493,6 +496,7 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
     r.full.slots.clear();
     return refuse(r.full.shortfall, 0);
   }
+  for (SlotId s : r.full.slots) ForgetNextTierLocked(s, /*evicted=*/false);
   for (size_t c = 1; c < g.component_count(); ++c) {
     ComponentIndex::Reservation part = Part(c).Reserve(r.keys[c]);
     if (part.shortfall != StatusCode::kOk) {  // a repeated key (the client's): give back what was taken
@@ -509,7 +513,9 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
     }
     const SlotId base = pool_->sub_pool(c).base;
     for (SlotId& s : part.slots) {
-      if (s != ComponentIndex::kNoSlot) s += base;
+      if (s == ComponentIndex::kNoSlot) continue;
+      s += base;
+      ForgetNextTierLocked(s, /*evicted=*/false);
     }
     r.slots[c] = std::move(part.slots);
   }
@@ -541,6 +547,7 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
     for (const auto& part : parts_) part->Anchor(keys[k]);
     ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == keys.size(), BlockEvent::kStored,
                       k == 0 ? parent : keys[k - 1]);
+    QueueCommitLocked(slot);
   }
   const Geometry& g = pool_->geometry();
   for (size_t c = 1; c < r.slots.size(); ++c) {
@@ -563,14 +570,15 @@ void Cache::CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
       const SlotId s = r.slots[c][i];
       if (s == ComponentIndex::kNoSlot) continue;
       const uint64_t sum = checksums[c][n++];
-      if (Part(c).IsCommitted(LocalLocked(c, s))) {
-        pool_->MarkCommitted(s, r.keys[c][i], BlockKey{}, sum);
-        ReportBlockLocked(BlockEvent::kCommitted, r.keys[c][i], false, BlockEvent::kStored, BlockKey{},
-                          static_cast<uint8_t>(c));
-      }
+      if (!Part(c).IsCommitted(LocalLocked(c, s))) continue;
+      pool_->MarkCommitted(s, r.keys[c][i], BlockKey{}, sum);
+      ReportBlockLocked(BlockEvent::kCommitted, r.keys[c][i], false, BlockEvent::kStored, BlockKey{},
+                        static_cast<uint8_t>(c));
+      QueueCommitLocked(s);
     }
   }
   for (const BlockKey& key : gone) UnanchorLocked(key);
+  ++next_tier_epoch_;
 }
 
 void Cache::AbortHybrid(const HybridReservation& r) {
@@ -608,7 +616,7 @@ void Cache::Commit(const BlockKey& parent, std::span<const BlockKey> keys, size_
     if (!index_->IsCommitted(slots[i])) continue;  // dropped with a failed ancestor while it copied
     const size_t k = first + i;
     pool_->MarkCommitted(slots[i], keys[k], k == 0 ? parent : keys[k - 1], content_checksums[i]);
-    if (queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(slots[i]);
+    QueueCommitLocked(slots[i]);
     ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == keys.size(), cause, k == 0 ? parent : keys[k - 1]);
   }
   ++next_tier_epoch_;
@@ -714,17 +722,20 @@ size_t Cache::FinishChecks(std::span<const SlotId> passed, std::span<const SlotI
     if (c == 0) {
       const bool verified = index_->MarkVerified(s);
       // Write policy all: a restored block is written like a stored one (SSD answers "already there" for most).
-      if (verified && queue_commits_ && commit_queue_.size() < on_next_.size()) commit_queue_.push_back(s);
+      if (verified) QueueCommitLocked(s);
       if (verified && block_observers_) {
         if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) {
           ReportBlockLocked(BlockEvent::kCommitted, entry->key, index_->ChildCount(s) == 0, BlockEvent::kRestored,
                             entry->parent);
         }
       }
-    } else if (Part(c).MarkVerified(LocalLocked(c, s)) && block_observers_) {
-      if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) {
-        ReportBlockLocked(BlockEvent::kCommitted, entry->key, false, BlockEvent::kRestored, BlockKey{},
-                          static_cast<uint8_t>(c));
+    } else if (Part(c).MarkVerified(LocalLocked(c, s))) {
+      QueueCommitLocked(s);
+      if (block_observers_) {
+        if (const std::optional<Pool::Committed> entry = pool_->Entry(s)) {
+          ReportBlockLocked(BlockEvent::kCommitted, entry->key, false, BlockEvent::kRestored, BlockKey{},
+                            static_cast<uint8_t>(c));
+        }
       }
     }
   }

@@ -256,54 +256,99 @@ class Cache {
   // and counted in data_loss_blocks. Returns the blocks dropped, descendants included.
   size_t FinishChecks(std::span<const SlotId> passed, std::span<const SlotId> unpin, std::span<const SlotId> failed);
 
-  // The next tier (the SSD tier, daemon/tiers/ssd/ssd_tier.h): which committed FULL blocks it also holds, so that
-  // an eviction loses nothing. Each slot is "not on the next tier", "being written" or "on the next tier"; a
-  // slot's mark is cleared when its block leaves (evicted, dropped) or the slot is reserved again. Hybrid
-  // geometries have no next tier (TakeWriteBack gives nothing). Nothing here is active until AttachNextTier.
+  // The next tier (the SSD tier, daemon/tiers/ssd/ssd_tier.h): which committed blocks it also holds, so that an
+  // eviction loses nothing. The unit is (key, component): FULL blocks and, in a hybrid domain, window and state
+  // entries alike, each by its slot. Each slot is "not on the next tier", "being written" or "on the next tier"; a
+  // slot's mark is cleared when its entry leaves (evicted, dropped) or the slot is reserved again. Nothing here is
+  // active until AttachNextTier.
   struct WriteBackBlock {
     SlotId slot = 0;
-    BlockKey key, parent;          // parent: zero for a prompt's first block
+    BlockKey key, parent;          // parent: zero for a prompt's first block, and for window and state entries
     uint64_t content_checksum = 0; // the slot entry's BlockChecksum
     bool cold = false;             // from the cold end (not the commit queue): unpinned to the cold end
+    uint32_t component = 0;        // 0: FULL; else the hybrid component whose sub-pool holds the slot
   };
   // From now on evictions are counted as written (the next tier had the block) or unwritten, and with
-  // `queue_commits` every block Commit publishes is queued for TakeWriteBack (oldest first) as well, and one whose
-  // write failed is queued again. Blocks the next tier holds are evicted before the others (PrefixIndex::SetClean),
-  // and a store that would have to evict a block it does not hold may wait up to `store_wait_ms` for the
-  // write-back (StoreWaitMs, Reserve's `may_wait`; 0: never waits).
-  void AttachNextTier(bool queue_commits, int64_t store_wait_ms = 0);
+  // `queue_commits` every block Commit or CommitHybrid publishes is queued for TakeWriteBack (oldest first) as well,
+  // and one whose write failed is queued again. Blocks the next tier holds are evicted before the others
+  // (PrefixIndex::SetClean; in a hybrid domain's other sub-pools ComponentIndex::SetClean, after the unanchored
+  // entries), and a store of a FULL-only domain that would have to evict a block it does not hold may wait up to
+  // `store_wait_ms` for the write-back (StoreWaitMs, Reserve's `may_wait`; 0: never waits). With `hybrid` the next
+  // tier takes hybrid domains (TierCapabilities::hybrid); without it a hybrid domain has no next tier (TakeWriteBack
+  // hands out none of its blocks).
+  void AttachNextTier(bool queue_commits, int64_t store_wait_ms = 0, bool hybrid = false);
   // Whether the next tier's writes succeed: while they fail (a full or failing drive), no store waits for them.
   void SetWriteBackHealthy(bool healthy);
   // Whether the next tier writes this domain's blocks at all: not for blocks its slots cannot hold (another model) or
   // a namespace whose owner could not be recorded; a store would wait for a write-back that never comes.
   void SetWriteBackServed(bool served);
   // How long a store may wait for the write-back before it evicts blocks the next tier does not hold (dropping
-  // them from the node): 0 without a next tier, for a hybrid geometry, while write-back fails, or while the next tier
-  // does not write this domain (SetWriteBackServed).
+  // them from the node): 0 without a next tier, for a hybrid geometry (its stores, all or none over the sub-pools,
+  // do not wait: they evict clean entries first), while write-back fails, or while the next tier does not write this
+  // domain (SetWriteBackServed).
   int64_t StoreWaitMs() const;
   // Counts a store that waited for the write-back (`expired`: one whose wait ran out, so that it evicted what it
   // had to).
   void CountStoreWait(bool expired);
-  // The keys of the blocks Match hit since the last call that the next tier holds too (each once): the next tier
-  // marks them used, so that a block DRAM always serves (a hot system prompt) keeps a recent copy there.
-  std::vector<BlockKey> TakeTouched();
+  // A block of the next tier's unit: its key and component.
+  struct NextTierKey {
+    BlockKey key;
+    uint32_t component = 0;
+    friend bool operator==(const NextTierKey&, const NextTierKey&) = default;
+  };
+  // The blocks Match hit since the last call that the next tier holds too (each once; a hybrid domain's: the pieces
+  // of pinned matches): the next tier marks them used, so that a block DRAM always serves (a hot system prompt)
+  // keeps a recent copy there.
+  std::vector<NextTierKey> TakeTouched();
   // Pins and returns up to `max_blocks` committed blocks the next tier does not hold yet, marking them "being
-  // written": first those the commit queue holds (in commit order), then the cold end of the eviction order in the
-  // order it will be evicted - each cold leaf, then the ancestors that become cold leaves when it goes (up to one
-  // with other children) - walking at most `window` blocks, written or not (and at most 16384 per call: the walk
-  // holds the lock). A block on the next tier is reached there through the DRAM prefix above it, which eviction
-  // (leaves first) keeps longest. The caller writes each and calls EndWriteBack for each, exactly once. Empty
-  // without a pool, for a hybrid geometry, before AttachNextTier, and when nothing changed in the index since a walk
-  // found nothing (then at most one walk every 100 ms).
+  // written": first those the commit queue holds (in commit order), then the cold end of each component's eviction
+  // order in the order it will be evicted - FULL: each cold leaf, then the ancestors that become cold leaves when it
+  // goes (up to one with other children); windows and states: unanchored entries, then clean, then dirty, least
+  // recently used first - walking at most a share of `window` blocks, written or not, proportional to the component's
+  // slots (all of it for a FULL-only domain; at most 16384 per call: the walk holds the lock), and taking at most the
+  // same share of `max_blocks` from each component's cold end. A FULL block on the next tier is reached there through
+  // the DRAM prefix above it, which eviction (leaves first) keeps longest. The caller writes each and calls
+  // EndWriteBack for each, exactly once. Empty without a pool, before AttachNextTier, and when nothing changed in the
+  // index since a walk found nothing (then at most one walk every 100 ms).
   // `still_on_next` (optional) is asked, under the cache's lock, whether a cold block marked as on the next tier
   // still is (the next tier may have dropped it to make room); one that is not is taken again.
-  std::vector<WriteBackBlock> TakeWriteBack(size_t max_blocks, size_t window,
-                                            const std::function<bool(const BlockKey&)>& still_on_next = {});
+  std::vector<WriteBackBlock> TakeWriteBack(
+      size_t max_blocks, size_t window,
+      const std::function<bool(const BlockKey&, uint32_t component)>& still_on_next = {});
   // Ends a write of TakeWriteBack's: `stored` marks the block as on the next tier. Unpins it (a cold one goes back to
   // the cold end of the eviction order: it was not used).
   void EndWriteBack(const WriteBackBlock& block, bool stored);
-  // Blocks just committed from the next tier (promoted): they are on it already.
+  // Blocks just committed from the next tier (promoted): they are on it already. Slots of any component.
   void MarkOnNextTier(std::span<const SlotId> slots);
+
+  // Promotion of a hybrid domain from the next tier (docs/ssd.md, "Hybrid domains"): the hit rule holds across the
+  // tiers. ReservePromotion finds, under the cache's lock, the longest prefix end e of `keys` at which FULL [0, e),
+  // each window [e - w, e) and each state at e are each in DRAM or on the next tier (`on_next(c, j)`: whether it holds
+  // keys[j] of component c, asked under the cache's lock; for FULL it must check that the block hangs under
+  // keys[j - 1]); when e is beyond DRAM's own hit, it pins the pieces of e that DRAM holds (held) and reserves pending
+  // slots for the others (pieces): FULL keys [full_from, e) under the DRAM prefix, and the window and state entries.
+  // All or nothing: `end` is 0 (nothing reserved or pinned) when no such e exists or a sub-pool cannot take its part
+  // (`refused` then says how many pieces would have been read). The pieces are not matchable until CommitPromoted.
+  struct HybridPromotion {
+    size_t end = 0;
+    size_t full_from = 0;                     // FULL keys [full_from, end) are read: keys[0], slots[0]
+    std::vector<std::vector<BlockKey>> keys;  // [component] the pieces read (FULL: in prefix order)
+    std::vector<std::vector<size_t>> at;      // [component] each piece's index in `keys` of the request
+    std::vector<std::vector<SlotId>> slots;   // [component] their pending slots (cache numbering)
+    std::vector<SlotId> held;                 // DRAM's pieces of `end`, pinned until CommitPromoted
+    size_t refused = 0;
+    size_t pieces() const;                    // Σ slots[c].size()
+  };
+  HybridPromotion ReservePromotion(std::span<const BlockKey> keys,
+                                   const std::function<bool(size_t component, size_t j)>& on_next);
+  // Ends a ReservePromotion after the reads: `ok[c][i]` says whether piece i of component c was read and verified,
+  // `checksums[c][i]` its content checksum (what it was stored with). Commits the FULL pieces up to the first that
+  // failed (the rest cannot hang under it) and every window and state piece that verified, anchored where its FULL
+  // block is now in DRAM; gives back the other slots; marks what it committed as on the next tier (clean); unpins the
+  // held pieces. A match then finds the longest end that holds. Returns the pieces committed.
+  size_t CommitPromoted(std::span<const BlockKey> keys, const HybridPromotion& promotion,
+                        const std::vector<std::vector<uint8_t>>& ok,
+                        const std::vector<std::vector<uint64_t>>& checksums);
   struct WriteBackStats {
     uint64_t evicted_written = 0;    // evictions of blocks the next tier holds
     uint64_t evicted_unwritten = 0;  // evictions of blocks it did not hold: lost from the node
@@ -417,8 +462,13 @@ class Cache {
                          BlockEvent::Cause cause = BlockEvent::kStored, const BlockKey& parent = BlockKey{},
                          uint8_t component = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The next tier's marks (see AttachNextTier), one per FULL slot: kNotOnNext, kWriting, kOnNext.
+  // The next tier's marks (see AttachNextTier), one per slot of every component: kNotOnNext, kWriting, kOnNext.
   bool next_tier_ ABSL_GUARDED_BY(mu_) = false;
+  bool next_tier_hybrid_ ABSL_GUARDED_BY(mu_) = false;  // it takes hybrid domains too
+  // Whether this domain has a next tier (attached, and hybrid if the domain is).
+  bool NextTierLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return next_tier_ && (parts_.empty() || next_tier_hybrid_);
+  }
   bool queue_commits_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<uint8_t> on_next_ ABSL_GUARDED_BY(mu_);
   std::deque<SlotId> commit_queue_ ABSL_GUARDED_BY(mu_);
@@ -430,14 +480,19 @@ class Cache {
   uint64_t next_tier_epoch_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t idle_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t last_walk_ms_ ABSL_GUARDED_BY(mu_) = 0;
-  // A FULL block left its slot (evicted, dropped) or the slot was reserved again: its next-tier mark goes.
+  // A block left its slot (evicted, dropped) or the slot was reserved again: its next-tier mark goes.
   void ForgetNextTierLocked(SlotId slot, bool evicted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sets a committed slot's next-tier mark and its clean mark in the index (clean: on the next tier).
+  // Sets a committed slot's next-tier mark and its clean mark in its component's index (clean: on the next tier).
   void SetMarkLocked(SlotId slot, uint8_t mark) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the slot (any component) holds a committed block; pins it when it does (PinCommittedLocked).
+  bool CommittedLocked(SlotId slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool PinCommittedLocked(SlotId slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Write policy all: queues a just-committed slot (any component) for TakeWriteBack.
+  void QueueCommitLocked(SlotId slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t StoreWaitMsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queues Match's hits that are on the next tier for TakeTouched.
   void NoteHitsLocked(std::span<const SlotId> slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::vector<uint8_t> touched_ ABSL_GUARDED_BY(mu_);     // per FULL slot: queued in touch_queue_
+  std::vector<uint8_t> touched_ ABSL_GUARDED_BY(mu_);     // per slot: queued in touch_queue_
   std::vector<uint64_t> component_bytes_stored_ ABSL_GUARDED_BY(mu_);  // per component (ComponentBytesStored)
   std::vector<SlotId> touch_queue_ ABSL_GUARDED_BY(mu_);
   int64_t store_wait_ms_ ABSL_GUARDED_BY(mu_) = 0;

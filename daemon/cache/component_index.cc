@@ -1,6 +1,7 @@
-// ComponentIndex: a slot-indexed entry array, a key -> slot hash map over it, and three intrusive lists threaded
-// through the entries (free slots; evictable unanchored entries; evictable anchored entries in LRU order). See
-// component_index.h for the contract. Also the hit rule, LongestUsableEnd.
+// ComponentIndex: a slot-indexed entry array, a key -> slot hash map over it, and four intrusive lists threaded
+// through the entries (free slots; evictable unanchored entries; evictable anchored entries the next tier holds, and
+// the other evictable anchored entries, each in LRU order). See component_index.h for the contract. Also the hit rule,
+// LongestUsableEnd.
 #include "daemon/cache/component_index.h"
 
 #include <absl/container/flat_hash_map.h>
@@ -44,6 +45,8 @@ struct Entry {
   // Whether the FULL block of `key` is cached. Kept in every live state, so that an entry whose FULL block left
   // while it was pending or unverified is unanchored once it becomes committed.
   bool anchored = true;
+  // Whether the next tier holds the entry too (SetClean): evicting it loses nothing. Committed entries only.
+  bool clean = false;
 };
 static_assert(sizeof(Entry) <= 32, "ComponentIndex entries should stay small; one per sub-pool slot");
 
@@ -70,7 +73,8 @@ struct ComponentIndex::Impl {
   absl::flat_hash_map<BlockKey, SlotId, KeyHash> by_key_;  // pending, committed and unverified entries
   List free_;
   List unanchored_;  // evictable (committed, unpinned) and unanchored, in the order they became so
-  List lru_;         // evictable and anchored, least recently used first
+  List clean_;       // evictable, anchored and clean (on the next tier), least recently used first
+  List lru_;         // evictable, anchored and dirty, least recently used first
   std::function<void(SlotId, const BlockKey&)> listener_;
   uint32_t used_ = 0;
   uint32_t pinned_ = 0;
@@ -91,9 +95,8 @@ struct ComponentIndex::Impl {
   void Unlink(List& l, SlotId s) { l.Unlink(entries_, s); }
 
   static bool Evictable(const Entry& e) { return e.state == State::kCommitted && e.pins == 0; }
-  List& EvictionList(const Entry& e) { return e.anchored ? lru_ : unanchored_; }
-  // An entry joins / leaves its eviction list (becomes evictable / stops being so).
-  // `cold`: at the head of its list (evicted next) instead of the tail.
+  List& EvictionList(const Entry& e) { return !e.anchored ? unanchored_ : e.clean ? clean_ : lru_; }
+  // An entry joins / leaves its eviction list (becomes evictable / stops being so); `cold`: at the end evicted first.
   void ListEvictable(SlotId s, bool cold = false) {
     if (cold) {
       PushFront(EvictionList(entries_[s]), s);
@@ -121,7 +124,7 @@ struct ComponentIndex::Impl {
       UnlistEvictable(s);  // was evictable
     }
   }
-  void UnpinOne(SlotId s) {
+  void UnpinOne(SlotId s, bool cold = false) {
     COMPONENT_INDEX_CHECK(s < entries_.size(), fmt::format("unpin of slot {} out of range", s));
     Entry& e = entries_[s];
     COMPONENT_INDEX_CHECK((e.state == State::kCommitted || e.state == State::kDropped) && e.pins > 0,
@@ -131,7 +134,7 @@ struct ComponentIndex::Impl {
     if (e.state == State::kDropped) {
       Free(s);
     } else {
-      ListEvictable(s);  // used just now
+      ListEvictable(s, cold);  // used just now (or, `cold`, pinned only to be written to the next tier)
     }
   }
 
@@ -153,10 +156,10 @@ struct ComponentIndex::Impl {
     if (listener_) listener_(s, e.key);
   }
 
-  // Evicts the first unanchored entry, else the least recently used anchored one, and returns its slot (on no
-  // list, still counted as used), or kNil when nothing is evictable.
+  // Evicts the first unanchored entry, else the least recently used clean one, else the least recently used dirty
+  // one, and returns its slot (on no list, still counted as used), or kNil when nothing is evictable.
   SlotId EvictOne() {
-    SlotId s = unanchored_.head != kNil ? unanchored_.head : lru_.head;
+    SlotId s = unanchored_.head != kNil ? unanchored_.head : clean_.head != kNil ? clean_.head : lru_.head;
     if (s == kNil) return kNil;
     COMPONENT_INDEX_CHECK(Evictable(entries_[s]), fmt::format("slot {} on an eviction list is not evictable", s));
     Remove(s);
@@ -237,8 +240,35 @@ std::optional<SlotId> ComponentIndex::Find(const BlockKey& key) const {
 
 void ComponentIndex::Pin(SlotId slot) { impl_->Pin(slot); }
 
-void ComponentIndex::Unpin(std::span<const SlotId> slots) {
-  for (SlotId s : slots) impl_->UnpinOne(s);
+void ComponentIndex::Unpin(std::span<const SlotId> slots, bool cold) {
+  for (SlotId s : slots) impl_->UnpinOne(s, cold);
+}
+
+void ComponentIndex::SetClean(SlotId slot, bool clean) {
+  Impl& m = *impl_;
+  if (slot >= m.entries_.size() || m.entries_[slot].state != State::kCommitted || m.entries_[slot].clean == clean) {
+    return;
+  }
+  const bool listed = Impl::Evictable(m.entries_[slot]);
+  if (listed) m.UnlistEvictable(slot);
+  m.entries_[slot].clean = clean;
+  // As PrefixIndex::SetClean: one found written was used no later than before; one found gone from the next tier
+  // was at the cold end, where the write-back walk found it, and stays there.
+  if (listed) m.ListEvictable(slot, /*cold=*/!clean);
+}
+
+uint32_t ComponentIndex::clean_entries() const { return impl_->clean_.size; }
+
+void ComponentIndex::ForEachCold(size_t n, const std::function<bool(SlotId)>& visit) const {
+  const Impl& m = *impl_;
+  size_t i = 0;
+  for (const List* l : {&m.unanchored_, &m.clean_, &m.lru_}) {
+    for (SlotId s = l->head; i < n && s != kNil; ++i) {
+      const SlotId next = m.entries_[s].next;
+      if (!visit(s)) return;
+      s = next;
+    }
+  }
 }
 
 StatusCode ComponentIndex::Feasible(std::span<const BlockKey> keys, std::vector<SlotId>* found) const {
@@ -261,7 +291,8 @@ StatusCode ComponentIndex::Feasible(std::span<const BlockKey> keys, std::vector<
   }
   // A key listed twice is counted in `need` or `own_evictable` twice: the count errs on refusing. Evicting an
   // entry a shrink is giving back frees no slot for the store.
-  const size_t available = size_t{m.free_.size} + m.unanchored_.size + m.lru_.size - m.doomed_evictable_;
+  const size_t available =
+      size_t{m.free_.size} + m.unanchored_.size + m.clean_.size + m.lru_.size - m.doomed_evictable_;
   if (need > available - std::min(available, own_evictable)) return StatusCode::kResourceExhausted;
   return StatusCode::kOk;
 }
@@ -467,8 +498,9 @@ uint64_t ComponentIndex::evicted_entries() const { return impl_->evicted_; }
 std::vector<SlotId> ComponentIndex::EvictionOrder() const {
   const Impl& m = *impl_;
   std::vector<SlotId> out;
-  for (SlotId s = m.unanchored_.head; s != kNil; s = m.entries_[s].next) out.push_back(s);
-  for (SlotId s = m.lru_.head; s != kNil; s = m.entries_[s].next) out.push_back(s);
+  for (const List* l : {&m.unanchored_, &m.clean_, &m.lru_}) {
+    for (SlotId s = l->head; s != kNil; s = m.entries_[s].next) out.push_back(s);
+  }
   return out;
 }
 
@@ -483,9 +515,11 @@ void ComponentIndex::CheckInvariants() const {
   const Impl& m = *impl_;
   const auto cap = static_cast<uint32_t>(m.entries_.size());
   uint32_t used = 0, pinned = 0, committed = 0, unverified = 0, unanchored = 0, keyed = 0;
-  uint32_t evictable_anchored = 0, evictable_unanchored = 0;
+  uint32_t evictable_anchored = 0, evictable_unanchored = 0, evictable_clean = 0;
   for (SlotId s = 0; s < cap; ++s) {
     const Entry& e = m.entries_[s];
+    COMPONENT_INDEX_CHECK(!e.clean || e.state == State::kCommitted || e.state == State::kDropped,
+                          fmt::format("slot {} is marked clean but holds no committed entry", s));
     if (e.state == State::kFree) {
       COMPONENT_INDEX_CHECK(e.pins == 0, fmt::format("free slot {} is pinned", s));
       continue;
@@ -498,7 +532,7 @@ void ComponentIndex::CheckInvariants() const {
       case State::kCommitted:
         ++committed;
         if (!e.anchored) ++unanchored;
-        if (Impl::Evictable(e)) ++(e.anchored ? evictable_anchored : evictable_unanchored);
+        if (Impl::Evictable(e)) ++(!e.anchored ? evictable_unanchored : e.clean ? evictable_clean : evictable_anchored);
         [[fallthrough]];
       case State::kPending:
       case State::kUnverified:
@@ -543,9 +577,11 @@ void ComponentIndex::CheckInvariants() const {
     COMPONENT_INDEX_CHECK(l.tail == prev && count == l.size, "list tail or size is wrong");
   };
   walk(m.free_, [](const Entry& e) { return e.state == State::kFree; });
-  walk(m.lru_, [](const Entry& e) { return Impl::Evictable(e) && e.anchored; });
+  walk(m.lru_, [](const Entry& e) { return Impl::Evictable(e) && e.anchored && !e.clean; });
+  walk(m.clean_, [](const Entry& e) { return Impl::Evictable(e) && e.anchored && e.clean; });
   walk(m.unanchored_, [](const Entry& e) { return Impl::Evictable(e) && !e.anchored; });
-  COMPONENT_INDEX_CHECK(m.lru_.size == evictable_anchored && m.unanchored_.size == evictable_unanchored,
+  COMPONENT_INDEX_CHECK(m.lru_.size == evictable_anchored && m.unanchored_.size == evictable_unanchored &&
+                            m.clean_.size == evictable_clean,
                         "an evictable entry is missing from its eviction list");
 }
 

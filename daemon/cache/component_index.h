@@ -2,7 +2,8 @@
 // window's blocks, or state snapshots - by block key, one entry per sub-pool slot. Unlike FULL blocks (the
 // PrefixIndex) these are not prefix-closed: an entry is useful only while the FULL block of its key is cached.
 // The cache tells the index when that block goes (Unanchor): an unanchored entry serves no prefix end, and
-// eviction takes unanchored entries first, then the least recently used anchored ones. Not thread-safe: the
+// eviction takes unanchored entries first, then the least recently used anchored ones the next tier holds too (clean:
+// SetClean), then the least recently used others. Not thread-safe: the
 // owner (the cache) serializes calls. Slots are the component's own, 0..capacity-1.
 //
 // Entry states: free, pending (reserved by a store, bytes being copied: not findable, not evictable), committed
@@ -44,9 +45,19 @@ class ComponentIndex {
   std::optional<SlotId> Find(const BlockKey& key) const;
   // Pins the committed entry in `slot` (Find's answer) and marks it used (LRU). Unpin undoes one pin; each slot
   // given to Unpin must be pinned. A pinned entry is neither evicted nor freed; a dropped pinned entry's slot is
-  // freed with its last Unpin.
+  // freed with its last Unpin. An entry that becomes evictable goes to the most recently used end, or with `cold`
+  // to the end evicted first (an entry pinned only to be written to the next tier has not been used).
   void Pin(SlotId slot);
-  void Unpin(std::span<const SlotId> slots);
+  void Unpin(std::span<const SlotId> slots, bool cold = false);
+
+  // Marks the committed entry in `slot` clean (the next tier holds it too: evicting it loses nothing) or dirty (the
+  // default for every new entry). Anchored clean entries are evicted before anchored dirty ones. No-op for a slot
+  // without a committed entry.
+  void SetClean(SlotId slot, bool clean);
+  uint32_t clean_entries() const;  // evictable, anchored and clean
+  // The evictable entries that will be evicted first, in that order (unanchored, clean, then dirty), at most `n`;
+  // `visit` returns false to stop early, and must not change the index. O(visited).
+  void ForEachCold(size_t n, const std::function<bool(SlotId)>& visit) const;
 
   struct Reservation {
     // One per key: a pending slot, or kNoSlot where the key already has a committed entry (nothing to store).

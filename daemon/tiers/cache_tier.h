@@ -8,8 +8,9 @@
 //
 // Every tier keeps publish-after-transfer: a block becomes matchable in DRAM only once its bytes are there and
 // verified (a promotion or a pull commits through Cache::Commit with the block's content checksum), and a tier serves
-// no byte it cannot verify. The unit a tier moves is (key, component): today's SSD and cluster tiers move FULL blocks
-// of full-attention geometries (TierCapabilities::hybrid false) and leave hybrid domains in DRAM.
+// no byte it cannot verify. The unit a tier moves is (key, component): the SSD tier moves every component of hybrid
+// domains (TierCapabilities::hybrid); the cluster tier moves FULL blocks of full-attention geometries and leaves
+// hybrid domains out.
 #pragma once
 
 #include <sys/types.h>

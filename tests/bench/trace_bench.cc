@@ -836,7 +836,7 @@ int RunTraceBench(int argc, char** argv) {
   }
   if (o.ssd_blocks > 0 && (o.sweep || !o.geometry.empty())) {
     std::fprintf(stderr, "flexkv-bench: --ssd-blocks compares one --capacity-blocks; it does not combine with "
-                 "--sweep or --geometry (hybrid domains stay DRAM-only)\n");
+                 "--sweep or --geometry (the hybrid replay models DRAM only)\n");
     return 2;
   }
 

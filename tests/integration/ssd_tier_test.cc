@@ -1087,3 +1087,117 @@ TEST_CASE("ssd tier: a burst of stores, quiet, kill -9 and a restart: every prom
   CHECK(whole == prompts.size());
   CHECK(missing == dropped);  // nothing lost beyond what the counter says
 }
+
+// --- Hybrid models through the SSD tier (issue 30; docs/ssd.md, "Hybrid domains").
+
+namespace {
+
+// gpt-oss-like: 2 full-attention and 2 sliding-window layers of a 64-token (4-block) window, 2 KV heads x 64 at bf16
+// (16 KiB blocks of each). Qwen3-Next-like: 2 full-attention layers and 4 linear-attention layers of a 4 KiB state
+// (16 KiB snapshots), a state every 4 blocks (chunked prefill) and at the end.
+const std::vector<std::string> kGptOssLike = {"--layers", "2", "--heads", "2", "--head-dim", "64",
+                                              "--swa-layers", "2", "--window-tokens", "64"};
+const std::vector<std::string> kQwen3NextLike = {"--layers", "2", "--heads", "2", "--head-dim", "64",
+                                                 "--state-layers", "4", "--state-bytes", "4096", "--state-every", "4"};
+
+ChildProcess HybridEngine(const DaemonUnderTest& d, const std::string& name, const std::vector<std::string>& geometry,
+                          const std::vector<std::string>& steps) {
+  std::vector<std::string> argv = {TestClientPath(), "--socket", d.socket(), "--name", name, "--kv-blocks", "64"};
+  argv.insert(argv.end(), geometry.begin(), geometry.end());
+  for (const auto& s : steps) {
+    argv.push_back("--do");
+    argv.push_back(s);
+  }
+  return ChildProcess::Spawn(argv);
+}
+
+// Loads every seed from one process, first whole (kLen blocks: the end at 8) then its first chunk (the end at 4), and
+// checks each is a hit of all its blocks, every component's bytes equal to what was stored and no other byte of the
+// engine's buffers written.
+constexpr uint32_t kLen = 8, kChunk = 4;
+void LoadEveryPromptWhole(const DaemonUnderTest& d, const std::vector<std::string>& geometry,
+                          const std::vector<uint64_t>& seeds, const std::string& name) {
+  std::vector<std::string> steps;
+  for (uint64_t s : seeds) {
+    steps.push_back(LoadSteps(s, kLen));
+    steps.push_back(LoadSteps(s, kChunk));
+  }
+  const std::vector<std::string> lines = Run(HybridEngine(d, name, geometry, steps));
+  INFO(fmt_lines(lines));
+  REQUIRE(lines.size() == 2 * seeds.size());
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const uint32_t n = i % 2 == 0 ? kLen : kChunk;
+    INFO("seed " << seeds[i / 2] << ", " << n << " blocks: " << lines[i]);
+    CHECK(lines[i] == "LOADED " + std::to_string(n) + " " + std::to_string(n) + " 1 OK 1");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ssd tier: hybrid models - every component evicted from DRAM comes back from SSD byte exact, also after "
+          "kill -9 and after a reboot",
+          "[integration][ssd_tier][hybrid]") {
+  const bool gpt_oss = GENERATE(true, false);
+  const std::vector<std::string>& geometry = gpt_oss ? kGptOssLike : kQwen3NextLike;
+  INFO((gpt_oss ? "gpt-oss-like (FULL + SLIDING_WINDOW)" : "Qwen3-Next-like (FULL + STATE)"));
+  SsdDir dir;
+  // 2 MiB of DRAM: 128 slots of 16 KiB, a quarter for the windows or the states (32), the rest (96) for FULL blocks:
+  // 12 prompts of 8 blocks at most. 24 prompts go through it; 16 MiB of SSD (819 slots) hold them all. Write policy
+  // all: every piece is on SSD soon after its store (hybrid stores do not wait for the write-back; the cold policy
+  // writes ahead of eviction what a paced engine evicts, docs/ssd.md).
+  const std::vector<std::string> args = {"--pool-size", "2MiB", "--swa-share", "0.25", "--state-share", "0.25",
+                                         "--ssd-path", dir.ssd(), "--ssd-size", "16MiB", "--ssd-write-policy", "all"};
+  const std::vector<uint64_t> prompts = Seeds(300, 323);
+  {
+    DaemonUnderTest d(args, dir.path());
+    REQUIRE(d.WaitReady());
+    // Each prompt in two chunks, as a chunked prefill stores it: ends at 4 and 8, each with its window or state.
+    // Paced: each prompt written before the next evicts it.
+    for (uint64_t seed : prompts) {
+      const std::vector<std::string> lines = Run(
+          HybridEngine(d, "engine-store", geometry, {StoreStep(seed, kChunk), StoreStep(seed, kLen)}));
+      REQUIRE(lines.size() == 2);
+      CHECK(lines[0] == "STORED 0 4 OK");
+      CHECK(lines[1] == "STORED 4 4 OK");
+      (void)SettledStatus(d);
+    }
+    const flexkv::DaemonStatus stored = SettledStatus(d);
+    const auto& t = Ssd(stored);
+    INFO("after the stores: " << TierText(t));
+    REQUIRE(t.state == "serving");
+    CHECK(Counter(t, "evicted_unwritten_blocks") == 0);
+    CHECK(Counter(t, "evicted_written_blocks") > 0);
+    CHECK(stored.index_blocks < prompts.size() * kLen);  // DRAM could not keep them all
+    // Every prompt is a hit of all 8 blocks with its window or state, the older ones promoted from SSD.
+    LoadEveryPromptWhole(d, geometry, prompts, "engine-load");
+    const flexkv::DaemonStatus loaded = Status(d);
+    INFO("after the loads: " << TierText(Ssd(loaded)));
+    CHECK(Counter(Ssd(loaded), "promoted_blocks") > 0);
+    CHECK(Counter(Ssd(loaded), "promotion_failed_blocks") == 0);
+    (void)SettledStatus(d);
+    StopDaemon(d, SIGKILL);
+  }
+  {
+    // kill -9, the pool file kept: what DRAM kept is re-attached, the rest comes from SSD.
+    DaemonUnderTest d(args, dir.path());
+    REQUIRE(d.WaitReady());
+    const flexkv::DaemonStatus restarted = VerifiedStatus(d);
+    INFO("restarted: " << TierText(Ssd(restarted)));
+    CHECK(Ssd(restarted).state == "serving");
+    CHECK(Counter(Ssd(restarted), "rebuild_corrupt_headers") == 0);
+    LoadEveryPromptWhole(d, geometry, prompts, "engine-after-kill");
+    (void)SettledStatus(d);
+    StopDaemon(d, SIGKILL);
+  }
+  // A reboot: the pool file is gone (/dev/shm), the page cache dropped; SSD alone serves every prompt.
+  REQUIRE(std::filesystem::remove(dir.pool()));
+  DropCaches();
+  DaemonUnderTest d(args, dir.path());
+  REQUIRE(d.WaitReady());
+  LoadEveryPromptWhole(d, geometry, prompts, "engine-after-reboot");
+  const flexkv::DaemonStatus after = Status(d);
+  INFO("after the reboot: " << TierText(Ssd(after)));
+  CHECK(Counter(Ssd(after), "promoted_blocks") > 0);
+  CHECK(Counter(Ssd(after), "promotion_failed_blocks") == 0);
+  CHECK(after.counters.at("data_loss_blocks") == 0);
+}

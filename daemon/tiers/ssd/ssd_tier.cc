@@ -102,12 +102,12 @@ Result<std::unique_ptr<SsdTier>> SsdTier::Create(SsdTierOptions options, CacheSe
   std::unique_ptr<SsdTier> tier(new SsdTier(std::move(options), caches));
   // The owners first: they must be known before the daemon admits any Attach (a damaged record is ignored, logged).
   tier->owners_.Load();
-  // The largest block of the pools re-attached at start, and what the block files were made for.
+  // The largest slot of the pools re-attached at start (every component's), and what the block files were made for.
   uint64_t needed = 0;
   for (size_t i = 0; i < caches->max_domains(); ++i) {
     const Cache& c = caches->cache(i);
     const CacheDomain::View v = c.Domain();
-    if (c.has_pool() && v.geometry && !v.geometry->is_hybrid()) needed = std::max(needed, c.block_bytes());
+    if (c.has_pool() && v.geometry) needed = std::max(needed, LargestSlotBytes(*v.geometry));
   }
   // Block files there decide the slot size: a domain with larger blocks stays in DRAM (a note in status), as it
   // would while running; refusing the start over it would turn a routine restart into an outage.
@@ -156,7 +156,9 @@ Status SsdTier::OpenStore(uint64_t payload_capacity) {
       });
     }
   }
-  for (size_t i = 0; i < caches_->max_domains(); ++i) caches_->cache(i).AttachNextTier(options_.write_all, options_.store_wait_ms);
+  for (size_t i = 0; i < caches_->max_domains(); ++i) {
+    caches_->cache(i).AttachNextTier(options_.write_all, options_.store_wait_ms, /*hybrid=*/true);
+  }
   {
     MutexLock lock(&mu_);
     state_ = "serving";
@@ -293,7 +295,7 @@ SsdDomain SsdTier::DomainOf(const Cache& cache) {
 bool SsdTier::Eligible(const Cache& cache) const {
   if (!cache.has_pool() || !store_ready_.load(std::memory_order_acquire)) return false;
   const CacheDomain::View v = cache.Domain();
-  return v.geometry && !v.geometry->is_hybrid() && cache.block_bytes() <= store_->payload_capacity();
+  return v.geometry && LargestSlotBytes(*v.geometry) <= store_->payload_capacity();
 }
 
 size_t SsdTier::MoveRound() {
@@ -306,7 +308,7 @@ size_t SsdTier::MoveRound() {
     for (size_t i = 0; i < caches_->max_domains(); ++i) {
       const Cache& c = caches_->cache(i);
       const CacheDomain::View v = c.Domain();
-      if (c.has_pool() && v.geometry && !v.geometry->is_hybrid()) needed = std::max(needed, c.block_bytes());
+      if (c.has_pool() && v.geometry) needed = std::max(needed, LargestSlotBytes(*v.geometry));
     }
     if (needed == 0) return 0;
     if (Status opened = OpenStore(needed); !opened.ok()) {
@@ -323,13 +325,17 @@ size_t SsdTier::MoveRound() {
     if (!c.has_pool()) continue;
     if (!Eligible(c)) {
       const CacheDomain::View v = c.Domain();
-      if (v.geometry && v.geometry->is_hybrid()) {
-        notes.push_back(fmt::format("namespace '{}': a hybrid geometry; its blocks stay in DRAM", v.model_namespace));
-      } else if (v.geometry) {
+      if (v.geometry) {
+        size_t component = 0;
+        const uint64_t largest = LargestSlotBytes(*v.geometry, &component);
         notes.push_back(fmt::format(
-            "namespace '{}': blocks of {} do not fit the SSD slots of {} (the block files were made for another "
+            "namespace '{}': {} of {} do not fit the SSD slots of {} (the block files were made for another "
             "model); its blocks stay in DRAM. Move the files away or use --ssd-on-mismatch=discard at the next start",
-            v.model_namespace, FormatByteSize(c.block_bytes()), FormatByteSize(store_->payload_capacity())));
+            v.model_namespace,
+            component == 0 ? std::string("blocks")
+                           : fmt::format("component {} ({}) slots", component,
+                                         ComponentKindName(v.geometry->component_kind(component))),
+            FormatByteSize(largest), FormatByteSize(store_->payload_capacity())));
       }
       c.SetWriteBackServed(false);  // never written here: its stores must not wait for a write-back
       continue;
@@ -347,14 +353,16 @@ size_t SsdTier::MoveRound() {
     }
     c.SetWriteBackServed(true);
     const SsdDomain domain = DomainOf(c);
-    if (std::vector<BlockKey> touched = c.TakeTouched(); !touched.empty()) {
+    if (std::vector<Cache::NextTierKey> touched = c.TakeTouched(); !touched.empty()) {
       std::vector<SsdBlockId> ids;
       ids.reserve(touched.size());
-      for (const BlockKey& k : touched) ids.push_back(SsdBlockId{k, domain, 0});
+      for (const Cache::NextTierKey& k : touched) ids.push_back(SsdBlockId{k.key, domain, k.component});
       store_->Touch(ids);
     }
-    std::vector<Cache::WriteBackBlock> blocks = c.TakeWriteBack(
-        batch, window, [this, &domain](const BlockKey& key) { return store_->Lookup(SsdBlockId{key, domain, 0}).has_value(); });
+    std::vector<Cache::WriteBackBlock> blocks =
+        c.TakeWriteBack(batch, window, [this, &domain](const BlockKey& key, uint32_t component) {
+          return store_->Lookup(SsdBlockId{key, domain, component}).has_value();
+        });
     if (blocks.empty()) continue;
     if (c.generation() != generation) {  // dropped and replaced since DomainOf (the pins make that impossible now)
       for (const Cache::WriteBackBlock& b : blocks) c.EndWriteBack(b, false);
@@ -366,7 +374,7 @@ size_t SsdTier::MoveRound() {
       writes_in_flight_.fetch_add(1, std::memory_order_relaxed);
       Cache* cache = &c;
       const Status accepted = store_->Write(
-          SsdBlockId{b.key, domain, 0}, b.parent, payload, b.content_checksum, [this, cache, b](Status s) {
+          SsdBlockId{b.key, domain, b.component}, b.parent, payload, b.content_checksum, [this, cache, b](Status s) {
             writes_in_flight_.fetch_sub(1, std::memory_order_relaxed);
             if (s.ok()) {
               written_back_.fetch_add(1, std::memory_order_relaxed);
@@ -447,6 +455,9 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
     ~Leave() { n.fetch_sub(1, std::memory_order_seq_cst); }
   } leave{promoting_};
   if (stopping_.load(std::memory_order_seq_cst) || dram_hit >= keys.size() || !Eligible(cache)) return false;
+  if (const CacheDomain::View v = cache.Domain(); v.geometry && v.geometry->is_hybrid()) {
+    return PromoteHybrid(cache, keys, std::move(done));  // ssd_tier_hybrid.cc
+  }
   const uint64_t generation = cache.generation();
   const SsdDomain domain = DomainOf(cache);
   const uint64_t block_bytes = cache.block_bytes();

@@ -20,9 +20,10 @@
 //               there: the match gets the blocks before it, a failed block is dropped and counted.
 //   restart     the store rebuilds its index from the slot headers at open, so a restarted (or rebooted) node
 //               matches its SSD blocks again; nothing else is needed.
-// Domains of hybrid geometries (windows, states) are not written to SSD (docs/ssd.md says why); their blocks stay
-// DRAM-only. The store is opened with the largest block of the domains: at Create when block files exist or a pool
-// was re-attached, else by the mover when the first domain's pool is created.
+// The unit moved is (key, component): a hybrid domain's window and state entries are written back and promoted as its
+// FULL blocks are, and a promotion keeps the hit rule across the tiers (ssd_tier_hybrid.cc; docs/ssd.md, "Hybrid
+// domains"). The store is opened with the largest slot of the domains (every component's): at Create when block files
+// exist or a pool was re-attached, else by the mover when the first domain's pool is created.
 // Thread-safe.
 #pragma once
 
@@ -105,6 +106,7 @@ class SsdTier final : public CacheTier {
   TierCapabilities capabilities() const override {
     TierCapabilities c;
     c.promotes_on_match = c.takes_write_back = c.survives_restart = c.reports_blocks = c.checks_owner = true;
+    c.hybrid = true;
     return c;
   }
 
@@ -114,12 +116,12 @@ class SsdTier final : public CacheTier {
   // blocks unpinned). Idempotent. After it, Promote answers false.
   void Stop() override;
 
-  // Called by a Match whose DRAM prefix ended at `dram_hit` < keys.size() (hybrid domains: never). When the SSD
-  // holds keys[dram_hit] of this domain under the right parent, reserves DRAM slots for the run of SSD blocks that
-  // follows, reads them and returns true: `done(promoted)` then runs exactly once, on an SSD completion thread,
-  // after the first `promoted` of them are committed to DRAM (and the rest given back). False when there is
-  // nothing to promote or it cannot start (no SSD block there, the store not open, stopped, queue full, no DRAM
-  // slot): `done` is not called, and the match is answered from DRAM alone.
+  // Called by a Match whose DRAM prefix ended at `dram_hit` < keys.size(). When the SSD holds keys[dram_hit] of this
+  // domain under the right parent, reserves DRAM slots for the run of SSD blocks that follows, reads them and returns
+  // true: `done(promoted)` then runs exactly once, on an SSD completion thread, after the first `promoted` of them
+  // are committed to DRAM (and the rest given back). False when there is nothing to promote or it cannot start (no
+  // SSD block there, the store not open, stopped, queue full, no DRAM slot): `done` is not called, and the match is
+  // answered from DRAM alone. A hybrid domain's match (dram_hit: its DRAM hit) is PromoteHybrid's.
   bool Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done) override;
 
   // The KV event stream's view of the SSD tier: `observer` is told each block the store commits (written back),
@@ -151,8 +153,14 @@ class SsdTier final : public CacheTier {
   void SampleRates();
   // The SSD domain of `cache`'s current domain (cached per cache generation).
   SsdDomain DomainOf(const Cache& cache);
-  // Whether `cache`'s blocks go to SSD: a pool, not hybrid, blocks no larger than the SSD slots.
+  // Whether `cache`'s blocks go to SSD: a pool whose slots (every component's) are no larger than the SSD slots.
   bool Eligible(const Cache& cache) const;
+  // Promote for a hybrid domain (ssd_tier_hybrid.cc): the longest end e at which FULL [0, e), each window and the
+  // state at e are each in DRAM or on SSD (Cache::ReservePromotion), when it is beyond DRAM's hit; the pieces DRAM
+  // lacks are read into pending slots, verified (the store's XXH3, then the content checksum they were stored with)
+  // and committed (Cache::CommitPromoted); a piece that fails is dropped from SSD and counted, and the longest end
+  // that still holds is promoted next (up to `attempts` rounds in all). `done(pieces committed)` as Promote's.
+  bool PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, PromotionDone done, int attempts = 4);
   // Records `cache`'s namespace owner (its creator uid) with the SSD tier before its first block is written there;
   // false when the record could not be written (its blocks then stay DRAM-only: see ssd_owners.h).
   bool RecordOwner(const Cache& cache, std::vector<std::string>* notes);
@@ -196,6 +204,10 @@ class SsdTier final : public CacheTier {
   uint64_t failures_seen_ = 0;          // the mover's: writeback_failed_ at the end of its last round
   uint64_t ok_seen_ = 0;                // the mover's: written_back_ likewise
 };
+
+// The largest slot of `geometry`'s components (the bytes an SSD slot must hold for its blocks); `component`
+// (optional) gets the component that has it.
+uint64_t LargestSlotBytes(const Geometry& geometry, size_t* component = nullptr);
 
 // The payload capacity (largest block) the block files in `paths` were made for, when one of them holds a valid
 // file header; 0 when none does (no file yet, or files that are not block files: Open decides about those).

@@ -417,3 +417,50 @@ TEST_CASE("component index: the eviction listener hears the evicted key before i
 }
 
 }  // namespace
+
+TEST_CASE("component index: entries the next tier holds (clean) are evicted after the unanchored ones and before the "
+          "others, and an entry unpinned cold goes to the end evicted first",
+          "[unit][cache][component]") {
+  ComponentIndex index(6);
+  std::vector<BlockKey> keys;
+  for (uint64_t i = 0; i < 6; ++i) keys.push_back(Key(100 + i));
+  ComponentIndex::Reservation r = index.Reserve(keys);
+  REQUIRE(r.shortfall == StatusCode::kOk);
+  index.Commit(r.slots);  // LRU order: slots 0..5
+  index.SetClean(r.slots[3], true);
+  index.SetClean(r.slots[1], true);
+  index.Unanchor(keys[5]);
+  CHECK(index.clean_entries() == 2);
+  // Unanchored first, then clean (an entry found written goes to the used end of the clean ones: slot 3 was marked
+  // first), then dirty, least recently used first.
+  CHECK(index.EvictionOrder() == std::vector<SlotId>{r.slots[5], r.slots[3], r.slots[1], r.slots[0], r.slots[2],
+                                                     r.slots[4]});
+  std::vector<SlotId> cold;
+  index.ForEachCold(4, [&](SlotId s) {
+    cold.push_back(s);
+    return true;
+  });
+  CHECK(cold == std::vector<SlotId>{r.slots[5], r.slots[3], r.slots[1], r.slots[0]});
+  // Pinned to be written, then unpinned cold and marked clean: the coldest clean entry.
+  index.Pin(r.slots[2]);
+  index.SetClean(r.slots[2], true);  // pinned: only marked, listed at its unpin
+  index.Unpin(std::vector<SlotId>{r.slots[2]}, /*cold=*/true);
+  CHECK(index.EvictionOrder() == std::vector<SlotId>{r.slots[5], r.slots[2], r.slots[3], r.slots[1], r.slots[0],
+                                                     r.slots[4]});
+  // Found gone from the next tier: dirty again, at the cold end of the dirty ones.
+  index.SetClean(r.slots[3], false);
+  CHECK(index.EvictionOrder() == std::vector<SlotId>{r.slots[5], r.slots[2], r.slots[1], r.slots[3], r.slots[0],
+                                                     r.slots[4]});
+  index.CheckInvariants();
+  // A store of two new keys evicts the unanchored entry and the coldest clean one; the counts see clean entries as
+  // available.
+  const std::vector<BlockKey> more = {Key(200), Key(201)};
+  CHECK(index.Feasible(more) == StatusCode::kOk);
+  ComponentIndex::Reservation m = index.Reserve(more);
+  REQUIRE(m.shortfall == StatusCode::kOk);
+  CHECK(std::set<SlotId>(m.slots.begin(), m.slots.end()) == std::set<SlotId>{r.slots[5], r.slots[2]});
+  index.Commit(m.slots);
+  CHECK_FALSE(index.Find(keys[2]).has_value());
+  CHECK(index.clean_entries() == 1);  // slot 1's; a new entry starts dirty
+  index.CheckInvariants();
+}
