@@ -3,7 +3,8 @@
 // `from` = byte 1 and `keys` = byte 2 + 1, and was a hybrid domain's (version 2) when bit 1 of byte 0 is set).
 // Whatever the bytes: no crash, no read past the input; a message that decodes re-encodes to exactly the input (the
 // format has one encoding), and a reply never names more blocks than were asked for nor a region it does not carry;
-// a hybrid reply's entries are each of a component 1.. and a key below its match.
+// a hybrid reply's entries are each of a component 1.. and a key below its match, and checking them against a
+// geometry's hit rule (CheckHybridReply) answers.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -48,6 +49,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (reply->blocks.size() > (reply->matched > from ? reply->matched - from : 0)) Violated("reply block count");
   for (const auto& b : reply->blocks) {
     if (b.region >= reply->regions.size()) Violated("reply region index");
+  }
+  if (hybrid) {
+    // The puller's check of the entries against the hit rule: an answer, never a crash, whatever the reply says.
+    static const flexkv::Geometry kModels[] = {flexkv::GptOss20B(), flexkv::Qwen3Next80B()};
+    for (const flexkv::Geometry& g : kModels) {
+      const flexkv::Status checked = flexkv::CheckHybridReply(*reply, g, from);
+      if (checked.ok() && reply->blocks.size() != reply->matched - from) Violated("checked reply's FULL blocks");
+    }
   }
   if (flexkv::EncodeLookupReply(*reply) != body) Violated("reply re-encoding differs");
   return 0;

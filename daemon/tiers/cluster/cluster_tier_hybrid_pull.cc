@@ -9,7 +9,6 @@
 #include <fmt/format.h>
 
 #include "common/block_checksum.h"
-#include "common/hybrid_ids.h"
 #include "common/log.h"
 #include "daemon/tiers/cluster/cluster_tier_impl.h"
 
@@ -22,37 +21,15 @@ Result<PrefetchResult> ClusterTier::Impl::PullHybrid(const PullJob& job, const G
   Cache& cache = *job.cache;
   const uint32_t from = job.local;
   const uint32_t e = reply.matched;  // <= the keys asked (DecodeLookupReply)
-  if (e <= from || reply.blocks.empty()) {
-    return Status::NotFound(fmt::format("peer {}: holds no hybrid hit past block {} (a hit needs the window and "
-                                        "state at its end too)", node_id, from));
+  if (Status checked = CheckHybridReply(reply, geometry, from); !checked.ok()) {
+    return Status(checked.code(), fmt::format("peer {}: {}", node_id, checked.message()));
   }
-  if (reply.blocks.size() != e - from) {
-    return Status::InvalidArgument(fmt::format("peer {}: offered {} FULL blocks for its hit end {} from block {}; "
-                                               "expected {}", node_id, reply.blocks.size(), e, from, e - from));
-  }
-  // The entries the hit rule at e needs, in the reply's order (components in order, keys in order).
+  // The keys of the entries (checked: each component's in order, at positions below e).
   std::vector<std::vector<BlockKey>> entry_keys(geometry.component_count());
-  std::vector<size_t> first_entry(geometry.component_count(), 0);
-  size_t at = 0;
-  for (size_t c = 1; c < geometry.component_count(); ++c) {
-    first_entry[c] = at;
-    const uint64_t n = ComponentIdCount(geometry, c, /*store=*/false, e);
-    for (uint64_t i = 0; i < n; ++i, ++at) {
-      const auto position = static_cast<uint32_t>(e - n + i);
-      if (at >= reply.entries.size() || reply.entries[at].component != c || reply.entries[at].position != position) {
-        return Status::InvalidArgument(fmt::format(
-            "peer {}: its entries are not those the hit rule at block {} needs: entry {} should be component {} of "
-            "key {}{}", node_id, e, at, c, position,
-            at < reply.entries.size()
-                ? fmt::format(", not component {} of key {}", reply.entries[at].component, reply.entries[at].position)
-                : std::string(", which is missing")));
-      }
-      entry_keys[c].push_back(job.keys[position]);
-    }
-  }
-  if (at != reply.entries.size()) {
-    return Status::InvalidArgument(fmt::format("peer {}: offered {} entries for the hit end {}; expected {}", node_id,
-                                               reply.entries.size(), e, at));
+  std::vector<size_t> first_entry(geometry.component_count(), reply.entries.size());
+  for (size_t i = reply.entries.size(); i-- > 0;) first_entry[reply.entries[i].component] = i;
+  for (const PeerLookupReply::Entry& entry : reply.entries) {
+    entry_keys[entry.component].push_back(job.keys[entry.position]);
   }
 
   const BlockKey parent = from == 0 ? BlockKey{} : job.keys[from - 1];

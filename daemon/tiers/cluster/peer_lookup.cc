@@ -5,6 +5,8 @@
 
 #include <cstring>
 
+#include "common/hybrid_ids.h"
+
 namespace flexkv {
 namespace {
 
@@ -239,6 +241,42 @@ Result<PeerLookupReply> DecodeLookupReply(std::string_view bytes, uint32_t from,
   if (hybrid) FLEXKV_RETURN_IF_ERROR(DecodeEntries(r, regions, &a));
   FLEXKV_RETURN_IF_ERROR(r.End());
   return a;
+}
+
+Status CheckHybridReply(const PeerLookupReply& reply, const Geometry& geometry, uint32_t from) {
+  const uint32_t e = reply.matched;
+  if (e <= from || reply.blocks.empty()) {
+    return Status::NotFound(fmt::format(
+        "holds no hybrid hit past block {} (its hit ends at {}; a hit needs the window and state at its end too)", from,
+        e));
+  }
+  if (reply.blocks.size() != e - from) {
+    return Status::InvalidArgument(fmt::format("offered {} FULL blocks for its hit end {} from block {}; expected {}",
+                                               reply.blocks.size(), e, from, e - from));
+  }
+  size_t at = 0;
+  for (size_t c = 1; c < geometry.component_count(); ++c) {
+    const uint64_t n = ComponentIdCount(geometry, c, /*store=*/false, e);
+    for (uint64_t i = 0; i < n; ++i, ++at) {
+      const uint64_t position = e - n + i;
+      if (at >= reply.entries.size()) {
+        return Status::InvalidArgument(fmt::format(
+            "offered {} entries for its hit end {}; the hit rule needs component {} of key {} too", reply.entries.size(),
+            e, c, position));
+      }
+      const PeerLookupReply::Entry& got = reply.entries[at];
+      if (got.component != c || got.position != position) {
+        return Status::InvalidArgument(fmt::format(
+            "entry {} is component {} of key {}; the hit rule at {} needs component {} of key {} there", at,
+            got.component, got.position, e, c, position));
+      }
+    }
+  }
+  if (at != reply.entries.size()) {
+    return Status::InvalidArgument(fmt::format("offered {} entries for its hit end {}; the hit rule needs {}",
+                                               reply.entries.size(), e, at));
+  }
+  return Status::Ok();
 }
 
 }  // namespace flexkv

@@ -74,4 +74,11 @@ std::string EncodeLookupReply(const PeerLookupReply& reply);
 // component 1.. and a position below matched).
 Result<PeerLookupReply> DecodeLookupReply(std::string_view bytes, uint32_t from, size_t keys, bool hybrid = false);
 
+// A decoded hybrid reply against the hit rule at its end e = matched (docs/hybrid.md), for a requester of geometry
+// `geometry` whose own hit ends at `from`: FULL blocks for exactly [from, e), and entries for exactly each window's
+// blocks [max(0, e - w), e) and each state at e (key e - 1), components in order, keys in order. NOT_FOUND when the
+// peer has no hit past `from`; INVALID_ARGUMENT naming the first difference otherwise (a peer of another geometry,
+// or a hostile one).
+Status CheckHybridReply(const PeerLookupReply& reply, const Geometry& geometry, uint32_t from);
+
 }  // namespace flexkv

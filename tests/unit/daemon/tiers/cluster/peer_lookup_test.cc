@@ -247,3 +247,83 @@ TEST_CASE("peer lookup: hostile hybrid replies are refused - another version, tr
     CHECK(flexkv::DecodeLookupReply(lying, 2, 5, true).status().code() == StatusCode::kInvalidArgument);
   }
 }
+
+namespace {
+
+// FULL + a 2-block window + a state: what the hit rule at e needs is the window [e - 2, e) and the state at e.
+flexkv::Geometry WindowAndState() {
+  flexkv::Geometry g = flexkv::Llama3_8B();
+  flexkv::ComponentSpec swa;
+  swa.kind = flexkv::ComponentKind::kSlidingWindow;
+  swa.num_layers = 1;
+  swa.kv_planes = 2;
+  swa.kv_heads_per_rank = 1;
+  swa.head_dim = 8;
+  swa.dtype_bytes = 2;
+  swa.window_tokens = 2 * g.tokens_per_block;
+  flexkv::ComponentSpec state;
+  state.kind = flexkv::ComponentKind::kState;
+  state.num_layers = 1;
+  state.state_bytes_per_layer = 64;
+  g.components = {swa, state};
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("peer lookup: a hybrid reply must offer exactly what the hit rule at its end needs", "[unit][cluster][hybrid]") {
+  const flexkv::Geometry g = WindowAndState();
+  REQUIRE(g.window_blocks(1) == 2);
+  const PeerLookupReply good = SomeHybridReply();  // e = 5 from 2: FULL 2..4, window keys 3 and 4, state at 5
+  CHECK(flexkv::CheckHybridReply(good, g, 2).ok());
+
+  SECTION("no hit past the requester's: NOT_FOUND") {
+    PeerLookupReply a = good;
+    a.matched = 2;
+    a.blocks.clear();
+    a.entries.clear();
+    CHECK(flexkv::CheckHybridReply(a, g, 2).code() == StatusCode::kNotFound);
+    CHECK(flexkv::CheckHybridReply(good, g, 5).code() == StatusCode::kNotFound);
+  }
+  SECTION("FULL blocks short of the hit end") {
+    PeerLookupReply a = good;
+    a.blocks.pop_back();
+    const flexkv::Status s = flexkv::CheckHybridReply(a, g, 2);
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+    CHECK(s.message().find("offered 2 FULL blocks for its hit end 5 from block 2; expected 3") != std::string::npos);
+  }
+  SECTION("a window block missing, or one before the window") {
+    PeerLookupReply a = good;
+    a.entries.erase(a.entries.begin());
+    CHECK(flexkv::CheckHybridReply(a, g, 2).code() == StatusCode::kInvalidArgument);
+    a = good;
+    a.entries[0].position = 2;  // outside the window [3, 5)
+    const flexkv::Status s = flexkv::CheckHybridReply(a, g, 2);
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+    CHECK(s.message().find("entry 0 is component 1 of key 2") != std::string::npos);
+  }
+  SECTION("the state of another end, or of another component") {
+    PeerLookupReply a = good;
+    a.entries[2].position = 3;
+    CHECK(flexkv::CheckHybridReply(a, g, 2).code() == StatusCode::kInvalidArgument);
+    a = good;
+    a.entries[2].component = 3;  // a component this geometry does not have
+    CHECK(flexkv::CheckHybridReply(a, g, 2).code() == StatusCode::kInvalidArgument);
+  }
+  SECTION("the state missing, or an entry more") {
+    PeerLookupReply a = good;
+    a.entries.pop_back();
+    const flexkv::Status s = flexkv::CheckHybridReply(a, g, 2);
+    CHECK(s.code() == StatusCode::kInvalidArgument);
+    CHECK(s.message().find("needs component 2 of key 4 too") != std::string::npos);
+    a = good;
+    a.entries.push_back(a.entries.back());
+    CHECK(flexkv::CheckHybridReply(a, g, 2).message().find("the hit rule needs 3") != std::string::npos);
+  }
+  SECTION("a full-attention geometry's requester: entries are never expected") {
+    PeerLookupReply a = good;
+    CHECK(flexkv::CheckHybridReply(a, flexkv::Llama3_8B(), 2).code() == StatusCode::kInvalidArgument);
+    a.entries.clear();
+    CHECK(flexkv::CheckHybridReply(a, flexkv::Llama3_8B(), 2).ok());
+  }
+}
