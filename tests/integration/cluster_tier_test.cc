@@ -917,6 +917,8 @@ void HybridPull(const HybridModel& model, bool overwritten) {
     const std::string status = Status(*b);
     INFO(status);
     CHECK(status.find("verify failures 0") != std::string::npos);
+    CHECK(status.find("hybrid entries pulled " + std::to_string(model.entries_at_24) + " (" +
+                      std::to_string(model.entries_at_24 * kBlockBytes) + " bytes)") != std::string::npos);
 
     // The same prompt, longer, on A: B (holding a hit at 24) pulls only blocks 24.. and the entries of the new end.
     REQUIRE(engine(*a, {"store:61:32"})[0] == "STORED 24 8 OK");

@@ -28,6 +28,8 @@ void FillCluster(const ClusterTierStatus& c, v1::ClusterStatus* out) {
   out->set_pulls_failed(c.pulls_failed);
   out->set_pulled_blocks(c.pulled_blocks);
   out->set_pulled_bytes(c.pulled_bytes);
+  out->set_pulled_entries(c.pulled_entries);
+  out->set_pulled_entry_bytes(c.pulled_entry_bytes);
   out->set_verify_failures(c.verify_failures);
   out->set_pulls_in_flight(c.pulls_in_flight);
   out->set_lookups_served(c.lookups_served);
