@@ -158,8 +158,8 @@ class Cache {
   uint64_t max_bytes() const;
   uint64_t min_bytes() const;
   // Sub-pools sized by demand (docs/hybrid.md "Pool and eviction"). The bytes stored into each component since the
-  // pool was adopted (entries a hybrid store added; FULL blocks included), for a DemandMeter per component; empty
-  // without a pool.
+  // pool was adopted (entries a hybrid store or a pull from a peer added; FULL blocks included), for a DemandMeter per
+  // component; empty without a pool.
   std::vector<uint64_t> ComponentBytesStored() const;
   // Each sub-pool as PlanSubPools needs it (demand 0: the caller's meters give it), or empty when the domain's
   // split does not follow demand: no pool, one component, a layout fixed by the operator's shares or written before

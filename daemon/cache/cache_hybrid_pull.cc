@@ -74,6 +74,13 @@ void Cache::CommitPulledHybrid(const BlockKey& parent, std::span<const BlockKey>
   if (!index_) return;  // DropDomain waits for copies in flight
   const size_t first = r.full.cached;
   index_->Commit(r.full.slots);
+  // Each sub-pool's demand (ComponentBytesStored): a pull adds to the sub-pools as a store does.
+  component_bytes_stored_[0] += r.full.slots.size() * pool_->sub_pool(0).slot_bytes;
+  for (size_t c = 1; c < r.slots.size(); ++c) {
+    const auto added = std::count_if(r.slots[c].begin(), r.slots[c].end(),
+                                     [](SlotId s) { return s != ComponentIndex::kNoSlot; });
+    component_bytes_stored_[c] += static_cast<uint64_t>(added) * pool_->sub_pool(c).slot_bytes;
+  }
   std::vector<BlockKey> gone;  // FULL blocks dropped while they were read: their entries serve nothing
   for (size_t i = 0; i < r.full.slots.size(); ++i) {
     const SlotId slot = r.full.slots[i];

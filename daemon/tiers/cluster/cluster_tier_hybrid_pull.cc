@@ -72,7 +72,9 @@ Result<PrefetchResult> ClusterTier::Impl::PullHybrid(const PullJob& job, const G
     }
     if (!bad.ok()) {
       cache.AbortHybrid(reserved);
-      if (bad.code() == StatusCode::kDeadlineExceeded || bad.code() == StatusCode::kUnavailable) DropPeer(node_id, peer);
+      if (bad.code() == StatusCode::kDeadlineExceeded || bad.code() == StatusCode::kUnavailable) {
+        DropPeer(node_id, peer);
+      }
       return Status(bad.code(), fmt::format("peer {}: {} (component {}): {}; nothing of the hybrid prefix was kept",
                                             node_id, component_of[i] == 0 ? "a FULL block" : "an entry",
                                             component_of[i], bad.message()));

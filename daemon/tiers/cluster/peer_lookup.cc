@@ -261,8 +261,8 @@ Status CheckHybridReply(const PeerLookupReply& reply, const Geometry& geometry, 
       const uint64_t position = e - n + i;
       if (at >= reply.entries.size()) {
         return Status::InvalidArgument(fmt::format(
-            "offered {} entries for its hit end {}; the hit rule needs component {} of key {} too", reply.entries.size(),
-            e, c, position));
+            "offered {} entries for its hit end {}; the hit rule needs component {} of key {} too",
+            reply.entries.size(), e, c, position));
       }
       const PeerLookupReply::Entry& got = reply.entries[at];
       if (got.component != c || got.position != position) {

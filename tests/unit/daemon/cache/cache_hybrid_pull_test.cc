@@ -88,7 +88,12 @@ TEST_CASE("hybrid pull: a pulled set is a hit only once committed, its window re
   CHECK(t.cache().Match(std::span(keys).first(5), false, nullptr) == 4);  // pending: not matchable yet
 
   const auto sums = FillAll(t.cache(), r);
+  const std::vector<uint64_t> stored_before = t.cache().ComponentBytesStored();
   t.cache().CommitPulledHybrid(keys[3], pulled, r, sums);
+  // The pull counts in each sub-pool's demand as a store would: one FULL block, one window block, one state.
+  const std::vector<uint64_t> stored_after = t.cache().ComponentBytesStored();
+  REQUIRE(stored_after.size() == 3);
+  for (size_t c = 0; c < 3; ++c) CHECK(stored_after[c] - stored_before[c] == t.cache().pool_region(c)->slot_bytes);
   std::vector<SlotId> pinned;
   REQUIRE(t.cache().Match(std::span(keys).first(5), true, &pinned) == 5);
   CHECK(pinned.size() == 5 + 2 + 1);

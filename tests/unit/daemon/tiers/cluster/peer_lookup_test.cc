@@ -271,7 +271,8 @@ flexkv::Geometry WindowAndState() {
 
 }  // namespace
 
-TEST_CASE("peer lookup: a hybrid reply must offer exactly what the hit rule at its end needs", "[unit][cluster][hybrid]") {
+TEST_CASE("peer lookup: a hybrid reply must offer exactly what the hit rule at its end needs",
+          "[unit][cluster][hybrid]") {
   const flexkv::Geometry g = WindowAndState();
   REQUIRE(g.window_blocks(1) == 2);
   const PeerLookupReply good = SomeHybridReply();  // e = 5 from 2: FULL 2..4, window keys 3 and 4, state at 5
