@@ -99,7 +99,7 @@ struct ClusterTierStatus {
   uint64_t verify_failures = 0;         // pulled blocks whose bytes did not match their checksum (not served)
   uint64_t pulls_in_flight = 0;
   uint64_t lookups_served = 0;          // peers' lookups answered here
-  uint64_t blocks_offered = 0;          // blocks those lookups offered
+  uint64_t blocks_offered = 0;          // blocks those lookups offered (hybrid entries included)
   cluster::UcxTransport::Stats transport;
   uint64_t directory_unauthenticated = 0;  // member records / entries in the store without the secret's signature
   std::vector<std::string> transports_in_use;
