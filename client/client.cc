@@ -779,6 +779,8 @@ Result<DaemonStatus> Client::GetStatus() {
                         {"pulls_failed", c.pulls_failed()},
                         {"pulled_blocks", c.pulled_blocks()},
                         {"pulled_bytes", c.pulled_bytes()},
+                        {"pulled_entries", c.pulled_entries()},
+                        {"pulled_entry_bytes", c.pulled_entry_bytes()},
                         {"verify_failures", c.verify_failures()},
                         {"pulls_in_flight", c.pulls_in_flight()},
                         {"lookups_served", c.lookups_served()},

@@ -269,9 +269,9 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
       fmt::print("  member {} epoch {} at {}{}\n", m.node_id, m.epoch, m.endpoint, m.self ? " (this node)" : "");
     }
     fmt::print("  prefetches {}: pulls ok {}, pulls failed {}, pulled {} blocks ({} bytes), verify failures {}, {} in "
-               "flight\n",
+               "flight; hybrid entries pulled {} ({} bytes)\n",
                n("prefetches"), n("pulls_ok"), n("pulls_failed"), n("pulled_blocks"), n("pulled_bytes"),
-               n("verify_failures"), n("pulls_in_flight"));
+               n("verify_failures"), n("pulls_in_flight"), n("pulled_entries"), n("pulled_entry_bytes"));
     fmt::print("  served: {} lookups, {} blocks offered; peer reads {} ok, {} failed, {} deadlines; connections {} "
                "accepted, {} rejected, auth failures {}\n",
                n("lookups_served"), n("blocks_offered"), n("peer_reads_ok"), n("peer_reads_failed"),

@@ -158,8 +158,8 @@ class Cache {
   uint64_t max_bytes() const;
   uint64_t min_bytes() const;
   // Sub-pools sized by demand (docs/hybrid.md "Pool and eviction"). The bytes stored into each component since the
-  // pool was adopted (entries a hybrid store added; FULL blocks included), for a DemandMeter per component; empty
-  // without a pool.
+  // pool was adopted (entries a hybrid store or a pull from a peer added; FULL blocks included), for a DemandMeter per
+  // component; empty without a pool.
   std::vector<uint64_t> ComponentBytesStored() const;
   // Each sub-pool as PlanSubPools needs it (demand 0: the caller's meters give it), or empty when the domain's
   // split does not follow demand: no pool, one component, a layout fixed by the operator's shares or written before
@@ -200,6 +200,19 @@ class Cache {
                     const std::vector<std::vector<uint64_t>>& checksums);
   // Returns a hybrid store's reserved slots (a copy failed, or the session ended).
   void AbortHybrid(const HybridReservation& r);
+  // A hybrid prefix pulled from a peer (the cluster tier; cache_hybrid_pull.cc). Reserves, all or none, the FULL
+  // blocks `keys` under `parent` (as Reserve: the leading ones cached here are skipped; a FULL part cut short by the
+  // pool or by another store of the same keys, or a parent no longer committed, refuses the whole: shortfall says
+  // why, full.parent_refused the latter) and per component c >= 1 one entry per key of `entry_keys[c]` (kNoSlot where
+  // it is cached). `entry_keys` has one list per component, entry_keys[0] ignored. Unlike ReserveHybrid the caller
+  // names the entries: the peer's hit end decides them, and a window may reach back before `keys` (into the prefix
+  // held here). Nothing is matchable until CommitPulledHybrid; AbortHybrid gives it all back.
+  HybridReservation ReservePulledHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
+                                        const std::vector<std::vector<BlockKey>>& entry_keys);
+  // Publishes a pulled set after every byte of it verified (as CommitHybrid; its events' cause is kPulled, and every
+  // entry joins its component's most recently used end). `checksums[c]` as CommitHybrid's.
+  void CommitPulledHybrid(const BlockKey& parent, std::span<const BlockKey> keys, const HybridReservation& r,
+                          const std::vector<std::vector<uint64_t>>& checksums);
   // A FULL store's reservation (PrefixIndex::Reserve). With `may_wait` and StoreWaitMs() > 0 it evicts only blocks
   // the next tier holds: when it would have to evict others, the answer has `dirty_only` set and the caller waits
   // (retries) for the write-back, up to StoreWaitMs(), before it reserves without `may_wait`.

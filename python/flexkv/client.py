@@ -412,7 +412,9 @@ class Client:
         matched_blocks are the leading blocks cached here; done_blocks the blocks after them pulled from peer daemons
         (the cluster tier) and cached here once verified, bytes what was pulled, source the node they came from or
         why none were pulled ("" when no peer had them). OK even when nothing was pulled; a daemon without a cluster
-        tier answers with the local hits only. The ticket ends when the pull has ended (bounded by the daemon's
+        tier answers with the local hits only. For a hybrid geometry a pull is a whole hit (FULL blocks, windows,
+        state) or nothing: matched_blocks + done_blocks is then the hit end held here, done_blocks counts FULL
+        blocks and bytes every component's. The ticket ends when the pull has ended (bounded by the daemon's
         deadline); beyond the daemon's per-session limit of prefetches in flight it raises ResourceExhausted. A
         read-only session (its uid may not store in the namespace) on a daemon with a cluster tier ends with
         PermissionDenied: a pull stores what it pulls. Pins nothing: match(keys, pin=True) after it, then load(). An

@@ -830,3 +830,144 @@ TEST_CASE("cluster tier: regression - a prompt extending a peer's earlier prompt
   CHECK(l.loaded == k);
   CHECK(l.equal == 1);
 }
+
+namespace {
+
+// The test client's bytes of component `component` of block i of SEED (tests/support/test_client.cc FillComponent):
+// the first `n` bytes, to find that block in a pool file.
+std::string ComponentBytes(uint64_t seed, size_t component, uint32_t i, size_t n) {
+  std::mt19937_64 rng((component == 0 ? seed : seed * 31 + component) * 1000003 + i);
+  std::string out;
+  while (out.size() < n) {
+    const uint64_t v = rng();
+    out.append(reinterpret_cast<const char*>(&v), 8);
+  }
+  out.resize(n);
+  return out;
+}
+
+// Flips a byte 1000 bytes into the pool block that starts with `head` (once); false when no block does.
+bool CorruptPoolBlock(const std::string& pool_path, const std::string& head) {
+  std::fstream pool(pool_path, std::ios::in | std::ios::out | std::ios::binary);
+  if (!pool.good()) return false;
+  const std::string all((std::istreambuf_iterator<char>(pool)), std::istreambuf_iterator<char>());
+  const size_t at = all.find(head);
+  if (at == std::string::npos) return false;
+  pool.clear();
+  const auto where = static_cast<std::streamoff>(at + 1000);
+  pool.seekp(where);
+  const char c = static_cast<char>(all[at + 1000] ^ 0x5a);
+  pool.write(&c, 1);
+  return pool.good();
+}
+
+struct HybridModel {
+  std::string name;
+  std::vector<std::string> shape;   // the test client's options (FULL 2 layers of 128 KiB blocks, as Engine's)
+  std::vector<std::string> daemon;  // the sub-pool's share, so that the 32 MiB pool holds every component
+  size_t entry_component = 1;       // the component whose entry is corrupted below
+  uint32_t entry_block = 0;         // ... of block (window) or boundary - 1 (state) of a 24-block prompt
+  uint64_t entries_at_24 = 0;       // entries a hit at 24 carries (window blocks, or the state), 128 KiB each
+};
+
+std::vector<HybridModel> HybridModels() {
+  return {
+      // gpt-oss-like: FULL + SLIDING_WINDOW of 64 tokens (4 blocks); a store carries its trailing window.
+      {"gpt-oss-like", {"--layers", "2", "--swa-layers", "2", "--window-tokens", "64"}, {"--swa-share", "0.25"}, 1,
+       22, 4},
+      // Qwen3-Next-like: FULL + STATE (2 layers x 64 KiB: a 128 KiB snapshot), stored every 4 blocks.
+      {"Qwen3-Next-like",
+       {"--layers", "2", "--state-layers", "2", "--state-bytes", "65536", "--state-every", "4"},
+       {"--state-share", "0.25"}, 1, 24, 1},
+  };
+}
+
+// A stores a 24-block prompt of `model` on its node; B pulls it (or, `overwritten`, finds one of A's entries
+// overwritten before it reads it).
+void HybridPull(const HybridModel& model, bool overwritten) {
+  INFO(model.name);
+  CLUSTER_TEST_SETUP(2);
+  NodeDir dir_a(kSecret), dir_b(kSecret);
+  auto a = StartNode(*net, 0, "node-a", dir_a, "32MiB", model.daemon);
+  auto b = StartNode(*net, 1, "node-b", dir_b, "32MiB", model.daemon);
+  REQUIRE(WaitStatus(*b, "node-a"));
+  const auto engine = [&](const DaemonUnderTest& d, const std::vector<std::string>& steps) {
+    const auto out = Engine(d, steps, model.shape);
+    INFO(Lines(out));
+    REQUIRE(out.size() == steps.size());
+    return out;
+  };
+  // A stores the prompt, with its window / states at the chunk boundaries (the test client's store).
+  const auto stored = engine(*a, {"store:61:24"});
+  REQUIRE(stored[0] == "STORED 0 24 OK");
+  REQUIRE(WaitDirectory(etcd, "node-a", true, 10s));
+
+  if (!overwritten) {
+    // B prefetches, then matches and loads every component into its engine buffers, bytes equal to A's.
+    const auto out = engine(*b, {"prefetch:61:24", "load:61:24"});
+    const Prefetched p = ParsePrefetched(out[0]);
+    CHECK(p.status == "OK");
+    CHECK(p.source == "node-a");
+    CHECK(p.local == 0);
+    CHECK(p.pulled == 24);  // done_blocks: the FULL blocks
+    CHECK(p.bytes == (24 + model.entries_at_24) * kBlockBytes);
+    // "LOADED <hits> <loaded> <equal> <STATUS> <untouched>": FULL [0,24), the window before 24 and the state at 24,
+    // each compared with what A's engine wrote; no other byte of B's engine buffers changed.
+    CHECK(out[1] == "LOADED 24 24 1 OK 1");
+    const std::string status = Status(*b);
+    INFO(status);
+    CHECK(status.find("verify failures 0") != std::string::npos);
+    CHECK(status.find("hybrid entries pulled " + std::to_string(model.entries_at_24) + " (" +
+                      std::to_string(model.entries_at_24 * kBlockBytes) + " bytes)") != std::string::npos);
+
+    // The same prompt, longer, on A: B (holding a hit at 24) pulls only blocks 24.. and the entries of the new end.
+    REQUIRE(engine(*a, {"store:61:32"})[0] == "STORED 24 8 OK");
+    std::this_thread::sleep_for(1s);  // the publisher's batch
+    const auto more = engine(*b, {"prefetch:61:32", "load:61:32"});
+    const Prefetched p2 = ParsePrefetched(more[0]);
+    CHECK(p2.status == "OK");
+    CHECK(p2.local == 24);
+    CHECK(p2.pulled == 8);
+    CHECK(p2.bytes == (8 + model.entries_at_24) * kBlockBytes);
+    CHECK(more[1] == "LOADED 32 32 1 OK 1");
+    // Pulled and committed here: the next prefetch is served locally.
+    const auto again = engine(*b, {"prefetch:61:32"});
+    CHECK(ParsePrefetched(again[0]).local == 32);
+    CHECK(ParsePrefetched(again[0]).pulled == 0);
+    return;
+  }
+  // An entry of A's overwritten before B reads it (as an eviction and reuse would) costs a miss, never a wrong
+  // block: nothing of the set is kept.
+  const uint32_t block = model.entry_block;
+  REQUIRE(CorruptPoolBlock(dir_a.pool(), ComponentBytes(61, model.entry_component, block, 256)));
+  const auto out = engine(*b, {"prefetch:61:24", "load:61:24"});
+  const Prefetched p = ParsePrefetched(out[0]);
+  CHECK(p.status == "OK");
+  CHECK(p.pulled == 0);
+  CHECK(p.bytes == 0);
+  CHECK(p.source.find("checksum") != std::string::npos);
+  CHECK(out[1] == "LOADED 0 0 1 OK 1");  // no hit: neither the FULL blocks nor the other entries were kept
+  const std::string status = Status(*b);
+  INFO(status);
+  CHECK(status.find("pulled 0 blocks (0 bytes), verify failures 1") != std::string::npos);
+  // The FULL blocks and entries read and verified beside the bad entry were given back too: no sub-pool of B's
+  // holds a block.
+  CHECK(status.find(" full ") != std::string::npos);  // the per-component lines are there
+  CHECK_FALSE(std::regex_search(status, std::regex("; [1-9][0-9]* used")));
+}
+
+}  // namespace
+
+TEST_CASE("cluster tier: hybrid models - B pulls A's hybrid prefix byte-exact in every component, FULL blocks, "
+          "windows and states, or nothing",
+          "[integration][cluster][netns][hybrid]") {
+  const std::vector<HybridModel> models = HybridModels();
+  SECTION("gpt-oss-like (FULL + SLIDING_WINDOW)") {
+    SECTION("B pulls, matches and loads every component byte-exact") { HybridPull(models[0], false); }
+    SECTION("an entry overwritten on A: nothing kept") { HybridPull(models[0], true); }
+  }
+  SECTION("Qwen3-Next-like (FULL + STATE)") {
+    SECTION("B pulls, matches and loads every component byte-exact") { HybridPull(models[1], false); }
+    SECTION("an entry overwritten on A: nothing kept") { HybridPull(models[1], true); }
+  }
+}

@@ -15,6 +15,7 @@
 // state at each boundary (every --state-every blocks, and N) in state slot (boundary / state-every) % state slots.
 // A load checks exactly FULL [0,e), the window [e-w,e) and the state at e, and that no other buffer byte changed:
 //   LOADED <hits> <loaded> <equal 0|1> <STATUS> <untouched 0|1>
+// (and prefetch:SEED:N, as for full attention).
 // `--do hold` keeps the session until the process is killed.
 // `--prefix-seed P --prefix-blocks K`: every prompt (store, load, pin) starts with the K blocks of P (tokens and
 // bytes), as requests sharing a system prompt do; its blocks from K on are SEED's.
@@ -255,6 +256,18 @@ int main(int argc, char** argv) {
                 untouched ? 1 : 0);
     return true;
   };
+  auto prefetch = [&](const std::vector<flexkv::BlockKey>& keys) -> bool {
+    auto t = c.Prefetch(keys);
+    auto r = t.ok() ? c.Wait(*t, timeout) : flexkv::Result<flexkv::OpResult>(t.status());
+    if (!r.ok()) {
+      std::printf("ERROR %s %s\n", flexkv::StatusCodeName(r.status().code()), r.status().message().c_str());
+      return false;
+    }
+    std::printf("PREFETCHED %u %u %llu %s %s\n", r->matched_blocks, r->done_blocks,
+                static_cast<unsigned long long>(r->bytes), flexkv::StatusCodeName(r->status.code()),
+                r->status.ok() ? r->source.c_str() : r->status.message().c_str());
+    return true;
+  };
   for (const std::string& step : steps) {
     if (step == "hold") {
       for (;;) pause();
@@ -298,7 +311,8 @@ int main(int argc, char** argv) {
       if (!need_parts()) return 1;
       if (what == "store" && !hybrid_store(seed, n, keys)) return 1;
       if (what == "load" && !hybrid_load(seed, keys)) return 1;
-      if (what != "store" && what != "load") {
+      if (what == "prefetch" && !prefetch(keys)) return 1;
+      if (what != "store" && what != "load" && what != "prefetch") {
         std::printf("ERROR INVALID_ARGUMENT step '%s' is not supported for hybrid geometries\n", step.c_str());
         return 2;
       }
@@ -318,15 +332,7 @@ int main(int argc, char** argv) {
       }
       std::printf("STORED %u %u %s\n", r->matched_blocks, r->done_blocks, flexkv::StatusCodeName(r->status.code()));
     } else if (what == "prefetch") {
-      auto t = c.Prefetch(keys);
-      auto r = t.ok() ? c.Wait(*t, timeout) : flexkv::Result<flexkv::OpResult>(t.status());
-      if (!r.ok()) {
-        std::printf("ERROR %s %s\n", flexkv::StatusCodeName(r.status().code()), r.status().message().c_str());
-        return 1;
-      }
-      std::printf("PREFETCHED %u %u %llu %s %s\n", r->matched_blocks, r->done_blocks,
-                  static_cast<unsigned long long>(r->bytes), flexkv::StatusCodeName(r->status.code()),
-                  r->status.ok() ? r->source.c_str() : r->status.message().c_str());
+      if (!prefetch(keys)) return 1;
     } else if (what == "load" || what == "pin" || what == "inflight-load") {
       auto t = c.Match(keys, /*pin=*/true);
       auto m = t.ok() ? c.Wait(*t, timeout) : flexkv::Result<flexkv::OpResult>(t.status());

@@ -282,7 +282,8 @@ int flexkv_gpu_kv_import(const void* buf, size_t len, flexkv_gpu_kv** out);
 int flexkv_match(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, int pin, flexkv_ticket* ticket);
 /* Client::Prefetch: keys (a prompt's chain from its first block) → matched_blocks cached here, then done_blocks
  * pulled from peer daemons (cluster tier) and cached here, bytes pulled, source. Pins nothing (flexkv_match after
- * it); OK even when nothing was pulled; a daemon without a cluster tier answers with the local hits only. */
+ * it); OK even when nothing was pulled; a daemon without a cluster tier answers with the local hits only. A hybrid
+ * geometry's pull is a whole hit or nothing (done_blocks: its FULL blocks; bytes: every component's). */
 int flexkv_prefetch(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, flexkv_ticket* ticket);
 int flexkv_load(flexkv_client* client, uint64_t match_handle, const uint32_t* dst_block_ids, size_t n_blocks,
                 int layerwise, flexkv_ticket* ticket);

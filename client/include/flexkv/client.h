@@ -319,6 +319,8 @@ class Client {
   // leading blocks cached here (matched_blocks), then the blocks after them pulled from peer daemons (the cluster
   // tier, docs/cluster.md) and cached here once verified (done_blocks; bytes: what was pulled; source: the node
   // they came from, else why none were pulled, empty when no peer had them). OK even when nothing was pulled.
+  // For a hybrid geometry a pull is a whole hit (its FULL blocks, windows and state: docs/hybrid.md) or nothing:
+  // matched_blocks + done_blocks is then the hit end held here, done_blocks counts FULL blocks, bytes every component's.
   // Asynchronous: the request ends when the pull has ended, bounded by the daemon's deadline for a pull; a session
   // has at most the daemon's per-session limit of prefetches in flight (beyond it the request ends with
   // RESOURCE_EXHAUSTED). It pins nothing: Match (with pin) after it, then Load. A daemon without a cluster tier

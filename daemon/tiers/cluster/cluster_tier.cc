@@ -152,8 +152,9 @@ Result<std::unique_ptr<ClusterTier>> ClusterTier::Create(ClusterTierOptions opti
         },
         [self](const PoolRegion& region) { self->RemovePoolRegion(region); },
         [raw, cache](const Cache::BlockEvent& e) {
-          // Hybrid domains are neither published nor pulled (capabilities().hybrid is false).
-          if (!e.hybrid || e.kind == Cache::BlockEvent::kDomainDropped) raw->OnBlockEvent(cache, e);
+          // The directory names FULL blocks only, hybrid domains' too: it finds the peer, and the peer's lookup
+          // applies the hit rule to the windows and states it holds.
+          if (e.component == 0 || e.kind == Cache::BlockEvent::kDomainDropped) raw->OnBlockEvent(cache, e);
         });
     cache->AddObserver(observer);
     raw->observers.push_back(std::move(observer));
@@ -295,6 +296,8 @@ ClusterTierStatus ClusterTier::GetStatus() const {
   s.pulls_failed = m.pulls_failed.load();
   s.pulled_blocks = m.pulled_blocks.load();
   s.pulled_bytes = m.pulled_bytes.load();
+  s.pulled_entries = m.pulled_entries.load();
+  s.pulled_entry_bytes = m.pulled_entry_bytes.load();
   s.verify_failures = m.verify_failures.load();
   s.pulls_in_flight = m.pulls_running.load();
   s.lookups_served = m.lookups_served.load();

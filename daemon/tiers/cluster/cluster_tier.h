@@ -23,7 +23,9 @@
 //                           into pending local slots, each checked against its checksum, and committed (the
 //                           verified prefix only). A peer that evicts, overwrites or dies mid-read costs a miss,
 //                           never a wrong block. Match never waits on the network; only Prefetch pulls.
-// Hybrid geometries are not published or pulled (FULL attention only for now; docs/cluster.md).
+//   hybrid domains          their FULL blocks are published as above; a peer's lookup answers its hit end by the
+//                           hit rule (docs/hybrid.md) with the window and state entries it needs, and the pull
+//                           commits the whole set (FULL blocks, windows, state) only once all of it verified.
 // Thread-safe.
 #pragma once
 
@@ -92,11 +94,12 @@ struct ClusterTierStatus {
   uint64_t prefetches = 0;              // Prefetch requests that went to the network
   uint64_t pulls_ok = 0;                // ... that pulled at least one block
   uint64_t pulls_failed = 0;            // ... that found a peer but pulled nothing (deadline, peer gone, verification)
-  uint64_t pulled_blocks = 0, pulled_bytes = 0;
+  uint64_t pulled_blocks = 0, pulled_bytes = 0;  // FULL blocks; bytes of everything pulled (entries included)
+  uint64_t pulled_entries = 0, pulled_entry_bytes = 0;  // hybrid domains' window and state entries pulled
   uint64_t verify_failures = 0;         // pulled blocks whose bytes did not match their checksum (not served)
   uint64_t pulls_in_flight = 0;
   uint64_t lookups_served = 0;          // peers' lookups answered here
-  uint64_t blocks_offered = 0;          // blocks those lookups offered
+  uint64_t blocks_offered = 0;          // blocks those lookups offered (hybrid entries included)
   cluster::UcxTransport::Stats transport;
   uint64_t directory_unauthenticated = 0;  // member records / entries in the store without the secret's signature
   std::vector<std::string> transports_in_use;
@@ -127,6 +130,7 @@ class ClusterTier final : public CacheTier {
   TierCapabilities capabilities() const override {
     TierCapabilities c;
     c.pulls_on_prefetch = true;
+    c.hybrid = true;
     return c;
   }
 

@@ -7,6 +7,7 @@
 //   cluster_tier_membership.cc  the transport, the join, the member list, the accept filter, peers' calls
 //   cluster_tier_serving.cc     what this node offers: the directory publisher and the lookup server
 //   cluster_tier_pulls.cc       the pullers and the connections to peers
+//   cluster_tier_hybrid_pull.cc a hybrid domain's pull: the whole hit (FULL, windows, state) or nothing
 //   cluster_tier.cc             the public ClusterTier (Create, the pool hooks, Prefetch, Stop, GetStatus)
 // Each mutex below guards the members annotated with it (ABSL_GUARDED_BY); no function holds two of them at once.
 #pragma once
@@ -147,6 +148,8 @@ struct ClusterTier::Impl {
   std::atomic<uint64_t> publish_failures{0}, rejoins{0}, prefetches{0}, pulls_ok{0},
       pulls_failed{0}, pulled_blocks{0}, pulled_bytes{0}, verify_failures{0}, pulls_running{0}, lookups_served{0},
       blocks_offered{0};
+  // Window and state entries pulled with hybrid prefixes (pulled_bytes counts their bytes too).
+  std::atomic<uint64_t> pulled_entries{0}, pulled_entry_bytes{0};
   mutable Mutex error_mu;
   std::string last_error ABSL_GUARDED_BY(error_mu);
 
@@ -209,6 +212,9 @@ struct ClusterTier::Impl {
   void ServeLoop() ABSL_LOCKS_EXCLUDED(serve_mu, regions_mu);
   // Answers one peer's lookup (the encoded request) with the encoded reply, or why not.
   Result<std::string> ServeLookup(const std::string& peer, const std::string& bytes) ABSL_LOCKS_EXCLUDED(regions_mu);
+  // A hybrid domain's lookup (version 2; ServeLookup checked everything but the keys): the encoded reply.
+  std::string ServeHybridLookup(Cache& cache, const Geometry& geometry, const PeerLookupRequest& request)
+      ABSL_LOCKS_EXCLUDED(regions_mu);
 
   // --- pulls (cluster_tier_pulls.cc) ----------------------------------------------------------------------------
 
@@ -229,6 +235,14 @@ struct ClusterTier::Impl {
                                  std::span<const PeerLookupReply::Block> blocks, std::span<const SlotId> slots);
   // The pull itself (a puller thread). Every exit answers; a failure after a peer was found counts as failed.
   PrefetchResult Pull(const PullJob& job) ABSL_LOCKS_EXCLUDED(peers_mu, members_mu, error_mu);
+  // A hybrid domain's pull once the peer answered (cluster_tier_hybrid_pull.cc): checks the reply against the hit
+  // rule at its end, reserves the whole set (Cache::ReservePulledHybrid), reads and verifies every block and entry,
+  // and commits all of it or nothing. What it pulled (done_blocks: the FULL blocks), or why nothing (the caller
+  // counts it as failed).
+  Result<PrefetchResult> PullHybrid(const PullJob& job, const Geometry& geometry, const std::string& node_id,
+                                    const cluster::PeerHandle& peer, const PeerLookupReply& reply,
+                                    const std::vector<cluster::RemoteRegion>& peer_regions)
+      ABSL_LOCKS_EXCLUDED(peers_mu);
 };
 
 }  // namespace flexkv

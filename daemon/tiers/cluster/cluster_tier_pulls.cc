@@ -153,7 +153,8 @@ PrefetchResult ClusterTier::Impl::Pull(const PullJob& job) {
   };
   if (!cache.has_pool() || !transport_up.load(std::memory_order_acquire)) return r;
   const CacheDomain::View domain = cache.Domain();
-  if (!domain.geometry || domain.geometry->is_hybrid()) return r;
+  if (!domain.geometry) return r;
+  const bool hybrid = domain.geometry->is_hybrid();
   const std::string ns = domain.model_namespace;
   const std::string layout = domain.geometry->ToString();
   const uint64_t block_bytes = cache.block_bytes();
@@ -209,6 +210,7 @@ PrefetchResult ClusterTier::Impl::Pull(const PullJob& job) {
   request.block_bytes = block_bytes;
   request.epoch = owner.epoch;
   request.from = job.local;
+  request.hybrid = hybrid;
   // The whole chain, not only up to the key found: the owner answers with all of it it holds (a commit end past
   // the sampled key found, which the directory was not asked about, or blocks it holds unpublished).
   request.keys.assign(job.keys.begin(), job.keys.begin() + static_cast<ptrdiff_t>(reach));
@@ -224,9 +226,9 @@ PrefetchResult ClusterTier::Impl::Pull(const PullJob& job) {
     }
     return fail(fmt::format("peer {}: {}", owner.node_id, answer.status().message()));
   }
-  auto reply = DecodeLookupReply(*answer, request.from, request.keys.size());
+  auto reply = DecodeLookupReply(*answer, request.from, request.keys.size(), hybrid);
   if (!reply.ok()) return fail(fmt::format("peer {}: {}", owner.node_id, reply.status().message()));
-  if (reply->blocks.empty()) return fail(fmt::format("peer {}: no longer holds the blocks", owner.node_id));
+  if (reply->blocks.empty() && !hybrid) return fail(fmt::format("peer {}: no longer holds the blocks", owner.node_id));
   std::vector<cluster::RemoteRegion> peer_regions;
   for (const std::string& d : reply->regions) {
     auto parsed = cluster::RemoteRegion::Parse(d);
@@ -234,6 +236,14 @@ PrefetchResult ClusterTier::Impl::Pull(const PullJob& job) {
     peer_regions.push_back(*parsed);
   }
   if (cancelled()) return r;
+  if (hybrid) {
+    auto pulled = PullHybrid(job, *domain.geometry, owner.node_id, *peer, *reply, peer_regions);
+    if (!pulled.ok()) return fail(std::string(pulled.status().message()));
+    pulls_ok.fetch_add(1, std::memory_order_relaxed);
+    pulled_blocks.fetch_add(pulled->pulled_blocks, std::memory_order_relaxed);
+    pulled_bytes.fetch_add(pulled->pulled_bytes, std::memory_order_relaxed);
+    return std::move(*pulled);
+  }
 
   // Pending local slots for the blocks offered, under the local prefix.
   const BlockKey parent = job.local == 0 ? BlockKey{} : job.keys[job.local - 1];

@@ -28,6 +28,8 @@ void FillCluster(const ClusterTierStatus& c, v1::ClusterStatus* out) {
   out->set_pulls_failed(c.pulls_failed);
   out->set_pulled_blocks(c.pulled_blocks);
   out->set_pulled_bytes(c.pulled_bytes);
+  out->set_pulled_entries(c.pulled_entries);
+  out->set_pulled_entry_bytes(c.pulled_entry_bytes);
   out->set_verify_failures(c.verify_failures);
   out->set_pulls_in_flight(c.pulls_in_flight);
   out->set_lookups_served(c.lookups_served);
@@ -67,7 +69,12 @@ void ClusterTier::CollectMetrics(MetricFamilies* out) const {
   AddCounter(out, "flexkv_cluster_pulls_ok_total", "Prefetches that pulled at least one block from a peer", c.pulls_ok);
   AddCounter(out, "flexkv_cluster_pulls_failed_total", "Prefetches that found a peer but pulled nothing", c.pulls_failed);
   AddCounter(out, "flexkv_cluster_pulled_blocks_total", "Blocks pulled from peers, verified and cached here", c.pulled_blocks);
-  AddCounter(out, "flexkv_cluster_pulled_bytes_total", "Bytes of the blocks pulled from peers", c.pulled_bytes);
+  AddCounter(out, "flexkv_cluster_pulled_bytes_total", "Bytes of the blocks pulled from peers (hybrid entries included)",
+             c.pulled_bytes);
+  AddCounter(out, "flexkv_cluster_pulled_entries_total",
+             "Window and state entries of hybrid prefixes pulled from peers, verified and cached here", c.pulled_entries);
+  AddCounter(out, "flexkv_cluster_pulled_entry_bytes_total", "Bytes of the hybrid entries pulled from peers",
+             c.pulled_entry_bytes);
   AddCounter(out, "flexkv_cluster_verify_failures_total", "Pulled blocks that did not match their checksum (never served)",
           c.verify_failures);
   AddCounter(out, "flexkv_cluster_lookups_served_total", "Peers' lookups answered by this node", c.lookups_served);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "common/hybrid_ids.h"
 #include "common/log.h"
 #include "daemon/cache/cache_set.h"
 #include "daemon/tiers/cluster/cluster_tier_impl.h"
@@ -190,10 +191,12 @@ Result<std::string> ClusterTier::Impl::ServeLookup(const std::string& peer, cons
                                         request->model_namespace));
   }
   const CacheDomain::View domain = cache->Domain();
-  if (domain.geometry && domain.geometry->is_hybrid()) {
+  const bool hybrid = domain.geometry && domain.geometry->is_hybrid();
+  if (hybrid != request->hybrid) {
     return Status::FailedPrecondition(fmt::format(
-        "node '{}' serves '{}' with a hybrid geometry: its blocks are not pulled by peers", options.node_id,
-        request->model_namespace));
+        "node '{}' serves '{}' with a {} geometry; the lookup asks for a {} one (version {})", options.node_id,
+        request->model_namespace, hybrid ? "hybrid" : "full-attention", request->hybrid ? "hybrid" : "full-attention",
+        request->hybrid ? kPeerLookupHybridVersion : kPeerLookupVersion));
   }
   const std::string layout = domain.geometry ? domain.geometry->ToString() : std::string();
   if (layout != request->layout) {
@@ -206,6 +209,7 @@ Result<std::string> ClusterTier::Impl::ServeLookup(const std::string& peer, cons
         "node '{}' stores blocks of {} bytes in '{}', not {}: the geometries differ", options.node_id,
         cache->block_bytes(), request->model_namespace, request->block_bytes));
   }
+  if (hybrid) return ServeHybridLookup(*cache, *domain.geometry, *request);
   std::vector<SlotId> slots;
   const size_t matched = cache->Match(request->keys, /*pin=*/true, &slots);
   PeerLookupReply reply;
@@ -223,6 +227,56 @@ Result<std::string> ClusterTier::Impl::ServeLookup(const std::string& peer, cons
   cache->Unpin(slots);
   lookups_served.fetch_add(1, std::memory_order_relaxed);
   blocks_offered.fetch_add(reply.blocks.size(), std::memory_order_relaxed);
+  return EncodeLookupReply(reply);
+}
+
+// The hit rule on what this node holds (Cache::Match): its longest hit end e, with FULL [0, e), each window's blocks
+// before e and the state at e pinned while the answer is made. Offered: the FULL blocks from `from` and every entry
+// (the requester may hold none of them: its own hit ends at `from`). All or nothing: an entry that cannot be offered
+// (its grant not registered for peers yet, its slot entry unreadable) leaves the answer without blocks.
+std::string ClusterTier::Impl::ServeHybridLookup(Cache& cache, const Geometry& geometry,
+                                                 const PeerLookupRequest& request) {
+  std::vector<SlotId> slots;
+  const auto e = static_cast<uint32_t>(cache.Match(request.keys, /*pin=*/true, &slots));
+  PeerLookupReply reply;
+  reply.hybrid = true;
+  reply.matched = e;
+  if (e > request.from) {
+    std::map<std::string, uint32_t> region_index;
+    const auto offer = [&](SlotId slot) -> std::optional<PeerLookupReply::Block> {
+      const std::optional<uint64_t> checksum = cache.EntryChecksum(slot);
+      const auto where = Locate(cache.SlotData(slot), cache.SlotBytes(slot));
+      if (!checksum || !where) return std::nullopt;
+      auto [it, added] = region_index.emplace(where->first, static_cast<uint32_t>(reply.regions.size()));
+      if (added) reply.regions.push_back(where->first);
+      return PeerLookupReply::Block{it->second, where->second, *checksum};
+    };
+    const HybridIdLayout layout = LayoutIds(geometry, /*store=*/false, e);
+    bool whole = true;
+    for (uint32_t i = request.from; i < e && whole; ++i) {
+      const auto b = offer(slots[layout.offset[0] + i]);
+      if (b) reply.blocks.push_back(*b); else whole = false;
+    }
+    for (size_t c = 1; c < geometry.component_count() && whole; ++c) {
+      const uint64_t n = ComponentIdCount(geometry, c, /*store=*/false, e);
+      for (uint64_t i = 0; i < n && whole; ++i) {
+        const auto b = offer(slots[layout.offset[c] + i]);
+        if (b) {
+          reply.entries.push_back({static_cast<uint32_t>(c), static_cast<uint32_t>(e - n + i), *b});
+        } else {
+          whole = false;
+        }
+      }
+    }
+    if (!whole) {
+      reply.regions.clear();
+      reply.blocks.clear();
+      reply.entries.clear();
+    }
+  }
+  cache.Unpin(slots);
+  lookups_served.fetch_add(1, std::memory_order_relaxed);
+  blocks_offered.fetch_add(reply.blocks.size() + reply.entries.size(), std::memory_order_relaxed);
   return EncodeLookupReply(reply);
 }
 

@@ -5,6 +5,8 @@
 
 #include <cstring>
 
+#include "common/hybrid_ids.h"
+
 namespace flexkv {
 namespace {
 
@@ -83,11 +85,45 @@ class Reader {
   size_t pos_ = 0;
 };
 
+// A hybrid reply's entries (after its blocks): each of a component 1.., a position below `matched`, a region it
+// carries; at most (kMaxComponents - 1) x matched of them.
+Status DecodeEntries(Reader& r, uint32_t regions, PeerLookupReply* a) {
+  uint32_t count = 0;
+  FLEXKV_RETURN_IF_ERROR(r.U32(&count, "entry count"));
+  const uint64_t most = uint64_t{a->matched} * (Geometry::kMaxComponents - 1);
+  if (count > most) {
+    return Status::InvalidArgument(fmt::format(
+        "peer lookup reply: {} component entries for a match of {}; expected at most {}", count, a->matched, most));
+  }
+  FLEXKV_RETURN_IF_ERROR(r.NeedItems(count, 28, "entry count"));
+  a->entries.resize(count);
+  for (PeerLookupReply::Entry& e : a->entries) {
+    FLEXKV_RETURN_IF_ERROR(r.U32(&e.component, "entry component"));
+    if (e.component == 0 || e.component >= Geometry::kMaxComponents) {
+      return Status::InvalidArgument(fmt::format(
+          "peer lookup reply: an entry of component {}; expected 1..{}", e.component, Geometry::kMaxComponents - 1));
+    }
+    FLEXKV_RETURN_IF_ERROR(r.U32(&e.position, "entry position"));
+    if (e.position >= a->matched) {
+      return Status::InvalidArgument(fmt::format(
+          "peer lookup reply: an entry at key {} of a match of {}; expected below it", e.position, a->matched));
+    }
+    FLEXKV_RETURN_IF_ERROR(r.U32(&e.where.region, "entry region"));
+    if (e.where.region >= regions) {
+      return Status::InvalidArgument(fmt::format("peer lookup reply: entry region {} of {} regions; expected below it",
+                                                 e.where.region, regions));
+    }
+    FLEXKV_RETURN_IF_ERROR(r.U64(&e.where.offset, "entry offset"));
+    FLEXKV_RETURN_IF_ERROR(r.U64(&e.where.checksum, "entry checksum"));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::string EncodeLookupRequest(const PeerLookupRequest& request) {
   Writer w;
-  w.U32(kPeerLookupVersion);
+  w.U32(request.hybrid ? kPeerLookupHybridVersion : kPeerLookupVersion);
   w.Bytes(request.model_namespace);
   w.Bytes(request.layout);
   w.U64(request.block_bytes);
@@ -106,11 +142,12 @@ Result<PeerLookupRequest> DecodeLookupRequest(std::string_view bytes) {
   PeerLookupRequest q;
   uint32_t version = 0, count = 0;
   FLEXKV_RETURN_IF_ERROR(r.U32(&version, "version"));
-  if (version != kPeerLookupVersion) {
+  if (version != kPeerLookupVersion && version != kPeerLookupHybridVersion) {
     return Status::FailedPrecondition(fmt::format(
-        "peer lookup version {}; this daemon speaks version {} (run one flexkvd version across the cluster)", version,
-        kPeerLookupVersion));
+        "peer lookup version {}; this daemon speaks versions {} and {} (run one flexkvd version across the cluster)",
+        version, kPeerLookupVersion, kPeerLookupHybridVersion));
   }
+  q.hybrid = version == kPeerLookupHybridVersion;
   FLEXKV_RETURN_IF_ERROR(r.Bytes(&q.model_namespace, 256, "model namespace"));
   FLEXKV_RETURN_IF_ERROR(r.Bytes(&q.layout, 1024, "geometry"));
   FLEXKV_RETURN_IF_ERROR(r.U64(&q.block_bytes, "block bytes"));
@@ -137,7 +174,7 @@ Result<PeerLookupRequest> DecodeLookupRequest(std::string_view bytes) {
 
 std::string EncodeLookupReply(const PeerLookupReply& reply) {
   Writer w;
-  w.U32(kPeerLookupVersion);
+  w.U32(reply.hybrid ? kPeerLookupHybridVersion : kPeerLookupVersion);
   w.U32(reply.matched);
   w.U32(static_cast<uint32_t>(reply.regions.size()));
   for (const std::string& d : reply.regions) w.Bytes(d);
@@ -147,18 +184,30 @@ std::string EncodeLookupReply(const PeerLookupReply& reply) {
     w.U64(b.offset);
     w.U64(b.checksum);
   }
+  if (reply.hybrid) {
+    w.U32(static_cast<uint32_t>(reply.entries.size()));
+    for (const PeerLookupReply::Entry& e : reply.entries) {
+      w.U32(e.component);
+      w.U32(e.position);
+      w.U32(e.where.region);
+      w.U64(e.where.offset);
+      w.U64(e.where.checksum);
+    }
+  }
   return w.Take();
 }
 
-Result<PeerLookupReply> DecodeLookupReply(std::string_view bytes, uint32_t from, size_t keys) {
+Result<PeerLookupReply> DecodeLookupReply(std::string_view bytes, uint32_t from, size_t keys, bool hybrid) {
   Reader r(bytes, "peer lookup reply");
   PeerLookupReply a;
   uint32_t version = 0, regions = 0, blocks = 0;
   FLEXKV_RETURN_IF_ERROR(r.U32(&version, "version"));
-  if (version != kPeerLookupVersion) {
-    return Status::FailedPrecondition(
-        fmt::format("peer lookup reply version {}; expected {}", version, kPeerLookupVersion));
+  const uint32_t expected = hybrid ? kPeerLookupHybridVersion : kPeerLookupVersion;
+  if (version != expected) {
+    return Status::FailedPrecondition(fmt::format("peer lookup reply version {}; expected {} (the request's)", version,
+                                                  expected));
   }
+  a.hybrid = hybrid;
   FLEXKV_RETURN_IF_ERROR(r.U32(&a.matched, "matched"));
   if (a.matched > keys) {
     return Status::InvalidArgument(
@@ -189,8 +238,45 @@ Result<PeerLookupReply> DecodeLookupReply(std::string_view bytes, uint32_t from,
     FLEXKV_RETURN_IF_ERROR(r.U64(&b.offset, "block offset"));
     FLEXKV_RETURN_IF_ERROR(r.U64(&b.checksum, "block checksum"));
   }
+  if (hybrid) FLEXKV_RETURN_IF_ERROR(DecodeEntries(r, regions, &a));
   FLEXKV_RETURN_IF_ERROR(r.End());
   return a;
+}
+
+Status CheckHybridReply(const PeerLookupReply& reply, const Geometry& geometry, uint32_t from) {
+  const uint32_t e = reply.matched;
+  if (e <= from || reply.blocks.empty()) {
+    return Status::NotFound(fmt::format(
+        "holds no hybrid hit past block {} (its hit ends at {}; a hit needs the window and state at its end too)", from,
+        e));
+  }
+  if (reply.blocks.size() != e - from) {
+    return Status::InvalidArgument(fmt::format("offered {} FULL blocks for its hit end {} from block {}; expected {}",
+                                               reply.blocks.size(), e, from, e - from));
+  }
+  size_t at = 0;
+  for (size_t c = 1; c < geometry.component_count(); ++c) {
+    const uint64_t n = ComponentIdCount(geometry, c, /*store=*/false, e);
+    for (uint64_t i = 0; i < n; ++i, ++at) {
+      const uint64_t position = e - n + i;
+      if (at >= reply.entries.size()) {
+        return Status::InvalidArgument(fmt::format(
+            "offered {} entries for its hit end {}; the hit rule needs component {} of key {} too",
+            reply.entries.size(), e, c, position));
+      }
+      const PeerLookupReply::Entry& got = reply.entries[at];
+      if (got.component != c || got.position != position) {
+        return Status::InvalidArgument(fmt::format(
+            "entry {} is component {} of key {}; the hit rule at {} needs component {} of key {} there", at,
+            got.component, got.position, e, c, position));
+      }
+    }
+  }
+  if (at != reply.entries.size()) {
+    return Status::InvalidArgument(fmt::format("offered {} entries for its hit end {}; the hit rule needs {}",
+                                               reply.entries.size(), e, at));
+  }
+  return Status::Ok();
 }
 
 }  // namespace flexkv
