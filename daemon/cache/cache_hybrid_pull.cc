@@ -93,6 +93,7 @@ void Cache::CommitPulledHybrid(const BlockKey& parent, std::span<const BlockKey>
     pool_->MarkCommitted(slot, keys[k], up, checksums[0][i]);
     for (const auto& part : parts_) part->Anchor(keys[k]);
     ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == keys.size(), BlockEvent::kPulled, up);
+    QueueCommitLocked(slot);  // the SSD tier's write policy all: written like a stored block
   }
   for (size_t c = 1; c < r.slots.size(); ++c) {
     std::vector<SlotId> local;
@@ -109,6 +110,7 @@ void Cache::CommitPulledHybrid(const BlockKey& parent, std::span<const BlockKey>
       pool_->MarkCommitted(s, r.keys[c][i], BlockKey{}, sum);
       ReportBlockLocked(BlockEvent::kCommitted, r.keys[c][i], false, BlockEvent::kPulled, BlockKey{},
                         static_cast<uint8_t>(c));
+      QueueCommitLocked(s);
     }
   }
   for (const BlockKey& key : gone) UnanchorLocked(key);
