@@ -172,7 +172,7 @@ class Cache {
   // See PrefixIndex. Keys are the request's; slots and reservations refer to this cache's pool.
   // A hybrid geometry's Match is its hit rule (docs/hybrid.md): the longest prefix end e whose FULL blocks, windows
   // and states are all cached; with `pin` it pins all of them and appends their slots in the order of a Load's ids
-  // (common/hybrid_ids.h LayoutIds(geometry, false, e, 0)).
+  // (common/hybrid_ids.h LayoutIds(geometry, false, e)).
   size_t Match(std::span<const BlockKey> keys, bool pin, std::vector<SlotId>* pinned);
   // Unpins slots of any component (Match's, PinForCheck's).
   void Unpin(std::span<const SlotId> slots);

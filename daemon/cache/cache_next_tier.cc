@@ -283,7 +283,7 @@ Cache::HybridPromotion Cache::ReservePromotion(std::span<const BlockKey> keys,
   std::vector<SlotId> held;
   index_->Match(keys.first(p.full_from), true, &held);
   for (size_t c = 1; c < components; ++c) {
-    const uint64_t n = ComponentIdCount(g, c, false, static_cast<uint32_t>(e), 0);
+    const uint64_t n = ComponentIdCount(g, c, false, static_cast<uint32_t>(e));
     for (size_t j = e - n; j < e; ++j) {
       if (const std::optional<SlotId> local = in_dram(c, j)) {
         Part(c).Pin(*local);

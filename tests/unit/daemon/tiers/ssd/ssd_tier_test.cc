@@ -516,10 +516,10 @@ size_t MatchHybridAndCheck(Cache& cache, const flexkv::Geometry& g, uint64_t cha
   std::vector<SlotId> slots;
   const size_t e = cache.Match(keys, true, &slots);
   if (e == 0) return 0;
-  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(g, false, static_cast<uint32_t>(e), 0);
+  const flexkv::HybridIdLayout layout = flexkv::LayoutIds(g, false, static_cast<uint32_t>(e));
   REQUIRE(slots.size() == layout.total);
   for (size_t c = 0; c < g.component_count(); ++c) {
-    const uint64_t count = flexkv::ComponentIdCount(g, c, false, static_cast<uint32_t>(e), 0);
+    const uint64_t count = flexkv::ComponentIdCount(g, c, false, static_cast<uint32_t>(e));
     for (uint64_t i = 0; i < count; ++i) {
       const size_t j = e - count + i;  // FULL: count == e; window: its last blocks; state: the key before e
       const SlotId slot = slots[layout.offset[c] + i];
