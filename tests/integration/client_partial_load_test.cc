@@ -202,7 +202,7 @@ TEST_CASE("partial load: a Llama load from block k moves only blocks k.., byte-e
   REQUIRE(e.Wait(e.client->Release(handle)).status.ok());
 }
 
-TEST_CASE("partial load: a gpt-oss-like load from block k moves FULL [k, e) and the window blocks past k only",
+TEST_CASE("partial load: a gpt-oss-like load from block k moves FULL blocks k to e and the window blocks past k only",
           "[integration][hybrid]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());
@@ -255,7 +255,7 @@ TEST_CASE("partial load: a gpt-oss-like load from block k moves FULL [k, e) and 
   REQUIRE(e.Wait(e.client->Release(handle)).status.ok());
 }
 
-TEST_CASE("partial load: a Qwen3-Next-like load from block k moves FULL [k, e) and the state at e",
+TEST_CASE("partial load: a Qwen3-Next-like load from block k moves FULL blocks k to e and the state at e",
           "[integration][hybrid]") {
   DaemonUnderTest d({"--pool-size", "64MiB"});
   REQUIRE(d.WaitReady());

@@ -102,6 +102,7 @@ int StoreChains(flexkv::Client& c, const std::string& model_namespace, int first
 
 uint32_t Subscribers(flexkv::Client& c) {
   auto st = c.GetStatus();
+  INFO(st.status().ToString());
   REQUIRE(st.ok());
   return st->kv_events.subscribers;
 }

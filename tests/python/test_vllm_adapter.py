@@ -289,7 +289,19 @@ def test_a_lookup_never_blocks_the_scheduler_when_the_engine_takes_not_yet(daemo
             break
         _time.sleep(0.005)
     assert warm == (0, False)
-    os.kill(daemon.pid, signal.SIGSTOP)
+
+    def stop_daemon() -> None:
+        # SIGSTOP is delivered asynchronously: on a loaded machine the daemon may still answer a request sent right
+        # after kill(). Wait until the kernel reports it stopped (state T).
+        os.kill(daemon.pid, signal.SIGSTOP)
+        for _ in range(2000):
+            with open(f"/proc/{daemon.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            _time.sleep(0.001)
+        raise AssertionError("the daemon did not stop")
+
+    stop_daemon()
     try:
         start = _time.monotonic()
         assert s.get_num_new_matched_tokens("r", p, 0) == (None, False)
@@ -305,7 +317,7 @@ def test_a_lookup_never_blocks_the_scheduler_when_the_engine_takes_not_yet(daemo
     assert answer == 4 * BS
     assert s.stats.lookups == 2 and s.stats.lookup_errors == 0  # one lookup each, however many calls it took
     # A daemon that stays stopped: a miss once op_timeout_s has passed since the lookup began.
-    os.kill(daemon.pid, signal.SIGSTOP)
+    stop_daemon()
     try:
         q = prompt(24, 2 * BS)
         assert s.get_num_new_matched_tokens("q", q, 0) == (None, False)

@@ -34,7 +34,7 @@ IdExtent StoreOf(uint32_t state_count, uint32_t window_keys) {
 
 }  // namespace
 
-TEST_CASE("a hybrid load from block k carries FULL [k, e), the window past k and the state", "[unit]") {
+TEST_CASE("a hybrid load from block k carries FULL blocks k to e, the window past k and the state", "[unit]") {
   const Geometry g = ThreeKinds();
   REQUIRE(g.window_blocks(1) == 3);
   // e = 10: from 0 as before, then the FULL ids shrink, and the window's only once k is inside it.

@@ -451,8 +451,8 @@ TEST_CASE("cache: a scrub stops when cancelled, and only one runs at a time", "[
   CHECK(cache.counters().data_loss_blocks.load() == 0);
 }
 
-TEST_CASE("cache: observers are told each grant in the order they were added; one that refuses a grow stops the rest, "
-          "each told it added hears it removed once; a removed observer hears nothing more",
+TEST_CASE("cache: observers are told each grant in the order they were added, one that refuses a grow stops the rest, "
+          "each told it added hears it removed once, a removed observer hears nothing more",
           "[unit][cache]") {
   TempCache t;
   REQUIRE(t.cache().SetBudget(64 * 4096, 16 * 4096).ok());  // 4 of 16 grants active at first

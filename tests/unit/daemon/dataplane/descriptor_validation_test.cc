@@ -414,7 +414,7 @@ TEST_CASE("descriptor validation: a Load names an event set alone, never with th
   ExpectRefused(store, StatusCode::kInvalidArgument, "event_set is 1 on opcode 3");
 }
 
-TEST_CASE("descriptor validation: a Load from first_block carries the ids of [first_block, count) only", "[unit]") {
+TEST_CASE("descriptor validation: a Load from first_block carries the ids of blocks first_block to count only", "[unit]") {
   const Arena arena;
   SubmitDescriptor load = Desc(RingOp::kLoad, 5);
   load.first_block = 3;

@@ -148,7 +148,7 @@ TEST_CASE("peer lookup: lying counts and out-of-range values are refused, naming
   }
 }
 
-TEST_CASE("peer lookup: a hybrid lookup is version 2 and round-trips its entries; version 1 is unchanged",
+TEST_CASE("peer lookup: a hybrid lookup is version 2 and round-trips its entries, version 1 is unchanged",
           "[unit][cluster][hybrid]") {
   PeerLookupRequest q = SomeRequest();
   const std::string full = flexkv::EncodeLookupRequest(q);
