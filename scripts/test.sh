@@ -67,6 +67,8 @@ stage "build (build/)" flexkv_build
 # scope in two of one target's sources would collide in a batch, or silently overload; this lists any.
 stage "unity batches: no file-scope name twice in one target (scripts/check_unity_names.py)" \
   python3 scripts/check_unity_names.py build
+stage "test names: none that ctest cannot register alone (scripts/check_test_names.py)" \
+  python3 scripts/check_test_names.py
 # Without a CUDA toolkit at configure time the GPU tests are not built at all: say so (CI may lack a GPU).
 if ! ctest --test-dir build -N -L gpu | grep '^Total Tests: [1-9]' >/dev/null; then
   cuda=$(sed -n 's/^CMAKE_CUDA_COMPILER:[A-Z]*=//p' build/CMakeCache.txt)
