@@ -31,7 +31,7 @@ endif()
 set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "node-local KV-cache daemon for LLM inference (${flexkv_deb_build})")
 # CPack puts the summary first and indents the rest.
 set(CPACK_DEBIAN_PACKAGE_DESCRIPTION "flexkvd owns a node's host KV-cache pool, its prefix index and its transfer engine, \
-and serves every engine process on the node through libflexkv (C++ API and C ABI) and the Python package flexkv.
+and serves every engine process on the node through libflexkv (C++ API and C ABI) and the Python package flexkvd.
 This package installs the daemon, flexkvctl, flexkv-bench, libflexkv with its headers, pkg-config and CMake files, \
 the Python package, the systemd units (enabled by nobody: systemctl enable --now flexkvd.socket) and the flexkv \
 system user.")

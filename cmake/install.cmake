@@ -4,7 +4,7 @@
 # Layout (prefix /usr, the default here because flexkvd.service runs /usr/bin/flexkvd):
 #   bin/flexkvd flexkvctl flexkv-bench                  lib/<multiarch>/libflexkv.so.0 (+ .so, .pc, cmake/flexkv/)
 #   include/flexkv/*.h            the public headers only (client/include/flexkv, common/include/flexkv)
-#   lib/python3/dist-packages/flexkv                     the Python package (finds libflexkv.so.0 through ld.so)
+#   lib/python3/dist-packages/flexkvd                     the Python package (finds libflexkv.so.0 through ld.so)
 #   lib/systemd/system, lib/sysusers.d, lib/tmpfiles.d   units and snippets
 #   /etc/flexkvd/flexkvd.toml                            the example config (a conffile in the package)
 #   share/man/man8, share/doc/flexkvd (+ examples/engine_cmake)
@@ -51,8 +51,8 @@ install(FILES ${PROJECT_BINARY_DIR}/install/flexkvConfig.cmake ${PROJECT_BINARY_
 
 # --- Python package ------------------------------------------------------------------------------------------------
 # Pure Python over libflexkv.so.0, which it loads through the system loader from the library directory above (see
-# python/flexkv/_lib.py). Sources only: no __pycache__ (the package's postinst byte-compiles, its prerm cleans up).
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/python/flexkv DESTINATION ${FLEXKV_INSTALL_PYTHONDIR}
+# python/flexkvd/_lib.py). Sources only: no __pycache__ (the package's postinst byte-compiles, its prerm cleans up).
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/python/flexkvd DESTINATION ${FLEXKV_INSTALL_PYTHONDIR}
         FILES_MATCHING PATTERN "*.py" PATTERN "py.typed" PATTERN "__pycache__" EXCLUDE)
 # A compiled extension of the package, when this build has one: every MODULE library of the project outside tests/
 # is one (Python3_add_library makes MODULE libraries), installed into the package beside its .py files.
@@ -76,7 +76,7 @@ function(flexkv_python_modules dir out)
 endfunction()
 flexkv_python_modules(${PROJECT_SOURCE_DIR} FLEXKV_PYTHON_MODULES)
 if(FLEXKV_PYTHON_MODULES)
-  install(TARGETS ${FLEXKV_PYTHON_MODULES} LIBRARY DESTINATION ${FLEXKV_INSTALL_PYTHONDIR}/flexkv)
+  install(TARGETS ${FLEXKV_PYTHON_MODULES} LIBRARY DESTINATION ${FLEXKV_INSTALL_PYTHONDIR}/flexkvd)
   message(STATUS "flexkv: installs the Python extension(s) ${FLEXKV_PYTHON_MODULES}")
 endif()
 

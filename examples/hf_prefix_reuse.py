@@ -9,7 +9,7 @@ full blocks of the prompt.
 
 Two engine processes, one after the other, against one flexkvd:
   A (--role store): for each prompt length N, prefills N tokens, writes their KV into its paged blocks and stores
-    them through the vLLM connector's logic (flexkv.integrations._vllm_logic: the scheduler side's store request,
+    them through the vLLM connector's logic (flexkvd.integrations._vllm_logic: the scheduler side's store request,
     the worker side's store by block id).
   B (--role load): for each N, the prompt is A's N tokens plus a new turn (--suffix tokens). Without the hit: a full
     prefill of N + suffix tokens. With it: the connector's scheduler side matches the prompt, the worker side loads
@@ -39,7 +39,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-import flexkv
+import flexkvd
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -109,9 +109,9 @@ class Model:
         shape = (2, self.num_blocks, bs, args.kv_heads, self.head_dim)
         self.kv = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(args.layers)]
 
-    def geometry(self) -> flexkv.Geometry:
+    def geometry(self) -> flexkvd.Geometry:
         a = self.args
-        return flexkv.Geometry(tokens_per_block=a.block_size, num_layers=a.layers, kv_heads_per_rank=a.kv_heads,
+        return flexkvd.Geometry(tokens_per_block=a.block_size, num_layers=a.layers, kv_heads_per_rank=a.kv_heads,
                                head_dim=self.head_dim, dtype_bytes=self.torch.finfo(self.dtype).bits // 8)
 
     def tokens(self, n: int, salt: int) -> List[int]:
@@ -196,7 +196,7 @@ class Model:
 # ---- the connector, as vLLM would drive it ------------------------------------------------------------------
 
 class ConnectorLink:
-    """The vLLM connector's two sides (flexkv.integrations.vllm: SchedulerLogic + WorkerLogic) in one engine
+    """The vLLM connector's two sides (flexkvd.integrations.vllm: SchedulerLogic + WorkerLogic) in one engine
     process, driven with the calls vLLM makes for one request at a time (docs/integrations.md, "The logic classes
     without vLLM"). The worker registers the model's paged per-layer KV tensors; flexkvd copies blocks between them
     and its host pool.
@@ -204,7 +204,7 @@ class ConnectorLink:
 
     def __init__(self, args: argparse.Namespace, model: "Model", name: str) -> None:
         import torch
-        from flexkv.integrations.vllm import ConnectorConfig, LinkOptions, SchedulerLogic, WorkerLogic
+        from flexkvd.integrations.vllm import ConnectorConfig, LinkOptions, SchedulerLogic, WorkerLogic
         geometry = model.geometry()
         # Loads of 32k-token prompts pin 2k blocks at once: a generous timeout (vLLM's default 0.5 s is for a step).
         cfg = ConnectorConfig(namespace=f"hf-llama-random-seed{args.seed}|{args.dtype}|tp1", geometry=geometry,

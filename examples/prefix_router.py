@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A prefix-aware router over N flexkvd nodes: each request goes to the node holding the longest prefix of its prompt.
 
-It subscribes to every node's KV event stream (flexkv.routing.KvEventFeed: a snapshot, then every block stored in or
-removed from DRAM and SSD, resubscribing after a daemon restart), keeps one flexkv.routing.RoutingIndex of them all,
+It subscribes to every node's KV event stream (flexkvd.routing.KvEventFeed: a snapshot, then every block stored in or
+removed from DRAM and SSD, resubscribing after a daemon restart), keeps one flexkvd.routing.RoutingIndex of them all,
 and for each prompt computes its block keys with flexkvd's key function (the namespace and block size the engines
 use) and picks a node with choose_prefix_aware: the longest cached prefix among the nodes not overloaded, ties to
 the least loaded, and never a node that is not live (its event stream ended or went quiet: a request sent there
@@ -25,8 +25,8 @@ import json
 import sys
 from typing import Dict, List, Optional
 
-from flexkv.errors import Unavailable
-from flexkv.routing import KvEventFeed, PrefixRouter, RoutingIndex
+from flexkvd.errors import Unavailable
+from flexkvd.routing import KvEventFeed, PrefixRouter, RoutingIndex
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any, List, Optional, Tuple
 
-import flexkv
+import flexkvd
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -60,7 +60,7 @@ class KvCache:
     """The rank's paged KV cache: per layer a [2, num_blocks, block_size, heads, head_dim] bf16 tensor, seen here as
     int16 [2, num_blocks, chunk_elems] so that KV bytes can be written and compared exactly (no NaN semantics)."""
 
-    def __init__(self, args: argparse.Namespace, client: flexkv.Client, geometry: flexkv.Geometry) -> None:
+    def __init__(self, args: argparse.Namespace, client: flexkvd.Client, geometry: flexkvd.Geometry) -> None:
         self.num_blocks = args.num_blocks
         self.chunk_elems = args.block_size * args.kv_heads * args.head_dim
         shape = (2, args.num_blocks, args.block_size, args.kv_heads, args.head_dim)
@@ -77,14 +77,14 @@ class KvCache:
             self.device = torch.device("cuda", args.dp_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
             self.tensors = [torch.zeros(shape, dtype=torch.bfloat16, device=self.device) for _ in range(args.layers)]
-            self.uuid = client.register_gpu_kv(self.tensors, flexkv.Layout.LAYER_FIRST, args.num_blocks)
+            self.uuid = client.register_gpu_kv(self.tensors, flexkvd.Layout.LAYER_FIRST, args.num_blocks)
             self.layers = [t.view(torch.int16).view(2, args.num_blocks, self.chunk_elems) for t in self.tensors]
             self.where = (f"GPU {self.device} ({self.uuid}), torch {torch.__version__}, PYTORCH_CUDA_ALLOC_CONF="
                           f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
         else:
             import numpy
             self.np = numpy
-            buf = client.create_host_kv(flexkv.Layout.LAYER_FIRST, args.num_blocks)
+            buf = client.create_host_kv(flexkvd.Layout.LAYER_FIRST, args.num_blocks)
             whole = numpy.frombuffer(buf, dtype=numpy.int16).reshape((args.layers,) + shape)
             self.tensors = list(whole)  # vLLM's per-layer shape, views of the shared buffer
             self.layers = [t.reshape(2, args.num_blocks, self.chunk_elems) for t in self.tensors]
@@ -96,7 +96,7 @@ class KvCache:
             return self.torch.tensor(ids, dtype=self.torch.long, device=self.device)
         return self.np.asarray(ids, dtype=self.np.int64)
 
-    def _content(self, keys: flexkv.BlockKeys, layer: int, plane: int) -> Any:
+    def _content(self, keys: flexkvd.BlockKeys, layer: int, plane: int) -> Any:
         """KV of these blocks in one (layer, plane): int16 [len(keys), chunk_elems], a function of each key."""
         mult = [(k.hi | 1) & 0x7FFF for k in keys]
         add = [(k.lo ^ (layer * 2 + plane) * 0x9E37) & 0xFFFF for k in keys]
@@ -111,7 +111,7 @@ class KvCache:
         v = ar[None, :] * np.asarray(mult, dtype=np.int64)[:, None] + np.asarray(add, dtype=np.int64)[:, None]
         return (v % 65536 - 32768).astype(np.int16)
 
-    def prefill(self, keys: flexkv.BlockKeys, ids: List[int]) -> None:
+    def prefill(self, keys: flexkvd.BlockKeys, ids: List[int]) -> None:
         """Stands in for the model: writes the KV of these blocks."""
         if not ids:
             return
@@ -128,7 +128,7 @@ class KvCache:
             kv[:, idx] = -1
         self.sync()
 
-    def verify(self, keys: flexkv.BlockKeys, ids: List[int]) -> bool:
+    def verify(self, keys: flexkvd.BlockKeys, ids: List[int]) -> bool:
         idx = self._ids(ids)
         ok = True
         for layer, kv in enumerate(self.layers):
@@ -159,8 +159,8 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-def load_cached(client: flexkv.Client, match_handle: int, ids: List[int],
-                layerwise: bool, events: Optional[flexkv.LayerEventSet] = None,
+def load_cached(client: flexkvd.Client, match_handle: int, ids: List[int],
+                layerwise: bool, events: Optional[flexkvd.LayerEventSet] = None,
                 stream: Any = None) -> Tuple[int, float, Optional[float]]:
     """Loads the pinned blocks of a match into KV blocks `ids`, then drops the pins, also when the load fails (a pin
     left behind keeps its blocks from being evicted for the rest of the session). Returns (blocks loaded, seconds,
@@ -190,9 +190,9 @@ def load_cached(client: flexkv.Client, match_handle: int, ids: List[int],
 
 def main() -> int:
     args = parse_args()
-    geometry = flexkv.Geometry(tokens_per_block=args.block_size, num_layers=args.layers, kv_planes=2,
+    geometry = flexkvd.Geometry(tokens_per_block=args.block_size, num_layers=args.layers, kv_planes=2,
                                kv_heads_per_rank=args.kv_heads, head_dim=args.head_dim, dtype_bytes=2, tp_size=1)
-    client = flexkv.connect(args.socket)
+    client = flexkvd.connect(args.socket)
     kv = None
     try:
         client.attach(f"vllm-dp{args.dp_rank}", args.namespace, geometry, dp_rank=args.dp_rank)
@@ -207,7 +207,7 @@ def main() -> int:
         del kv
 
 
-def serve(args: argparse.Namespace, client: flexkv.Client, kv: KvCache, geometry: flexkv.Geometry) -> int:
+def serve(args: argparse.Namespace, client: flexkvd.Client, kv: KvCache, geometry: flexkvd.Geometry) -> int:
     """Runs the workload on an attached client and KV cache; prints each request and the summary."""
     print(f"rank {args.dp_rank}: KV cache {args.layers} x {tuple(kv.tensors[0].shape)} bf16 in {kv.where}; "
           f"{geometry.host_block_bytes >> 10} KiB per block", flush=True)
@@ -229,10 +229,10 @@ def serve(args: argparse.Namespace, client: flexkv.Client, kv: KvCache, geometry
             events.close()
 
 
-def _serve_requests(args: argparse.Namespace, client: flexkv.Client, kv: KvCache, geometry: flexkv.Geometry,
-                    free: List[int], totals: dict, events: Optional[flexkv.LayerEventSet], stream: Any) -> int:
+def _serve_requests(args: argparse.Namespace, client: flexkvd.Client, kv: KvCache, geometry: flexkvd.Geometry,
+                    free: List[int], totals: dict, events: Optional[flexkvd.LayerEventSet], stream: Any) -> int:
     for label, prompt in workload(args):
-        keys = flexkv.block_keys(args.namespace, prompt, args.block_size)
+        keys = flexkvd.block_keys(args.namespace, prompt, args.block_size)
         blocks_needed = -(-len(prompt) // args.block_size)  # the partial tail block too
         if blocks_needed > len(free):
             print(f"{label}: needs {blocks_needed} blocks, {len(free)} free; use a larger --num-blocks")

@@ -16,7 +16,7 @@ FLEXKV_PACKAGES=(
   libssl-dev  # the cluster handshake's HMAC-SHA256 (OpenSSL libcrypto; gRPC pulls it in, named here on purpose)
   python3 python3-grpcio python3-protobuf python3-xxhash
   python3-pytest python3-numpy  # the Python package's tests (tests/python) and examples/vllm_dp_rank.py --host
-  python3-dev  # headers for the Python package's optional compiled fast path (flexkv._fast; docs/python.md)
+  python3-dev  # headers for the Python package's optional compiled fast path (flexkvd._fast; docs/python.md)
   prometheus-cpp-dev prometheus curl  # metrics: the library; promtool (in prometheus) and curl test it
   libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack  # KV events: the vLLM-format ZMQ publisher and its Python test
   systemd util-linux procps

@@ -172,7 +172,7 @@ dpkg -L flexkvd | sort >"$TMP/files"
 files=()
 while read -r path; do [[ -d $path && ! -L $path ]] || files+=("$path"); done <"$TMP/files"
 lib=/usr/lib/$multiarch
-pydir=/usr/lib/python3/dist-packages/flexkv
+pydir=/usr/lib/python3/dist-packages/flexkvd
 expected=(/usr/bin/flexkvd /usr/bin/flexkvctl /usr/bin/flexkv-bench
   "$lib/libflexkv.so.$version" "$lib/libflexkv.so.0" "$lib/libflexkv.so" "$lib/pkgconfig/flexkv.pc"
   "$lib/cmake/flexkv/flexkvConfig.cmake" "$lib/cmake/flexkv/flexkvConfigVersion.cmake"
@@ -184,7 +184,7 @@ expected=(/usr/bin/flexkvd /usr/bin/flexkvctl /usr/bin/flexkv-bench
   /usr/share/doc/flexkvd/examples/engine_cmake/main.cc)
 if [[ -f client/flexkvctl/completion.cc ]]; then expected+=(/usr/share/bash-completion/completions/flexkvctl); fi
 for header in client/include/flexkv/*.h common/include/flexkv/*.h; do expected+=("/usr/include/flexkv/${header##*/}"); done
-for module in python/flexkv/*.py python/flexkv/py.typed; do expected+=("$pydir/${module##*/}"); done
+for module in python/flexkvd/*.py python/flexkvd/py.typed; do expected+=("$pydir/${module##*/}"); done
 for path in "${expected[@]}"; do
   grep -qxF "$path" "$TMP/files" || fail "the package lacks $path"
 done
@@ -329,28 +329,28 @@ step "flexkvctl: $(head -1 <<<"$status")"
 
 namespace=package-test
 cd "$TMP"  # nothing of the source tree on sys.path; no PYTHONPATH, no FLEXKV_LIBRARY
-# A compiled extension in the package (python/flexkv/_fast.c, when the build had python3-dev) must be the one in use.
+# A compiled extension in the package (python/flexkvd/_fast.c, when the build had python3-dev) must be the one in use.
 extension=$(grep -E "^$pydir/_[a-z_]+\.cpython-.*\.so$" "$TMP/files" | head -1 || true)
 env -i PATH=/usr/bin:/bin /usr/bin/python3 - "$socket" "$namespace" "$pydir" "$lib" "$extension" <<'EOF' ||
 import sys
-import flexkv
+import flexkvd
 socket_path, namespace, pydir, libdir, extension = sys.argv[1:]
-assert flexkv.__file__.startswith(pydir + "/"), f"flexkv imported from {flexkv.__file__}, not {pydir}"
+assert flexkvd.__file__.startswith(pydir + "/"), f"flexkv imported from {flexkvd.__file__}, not {pydir}"
 if extension:
     in_use = getattr(flexkv, "fast_path", None)
-    assert in_use == extension, f"the package ships {extension} but flexkv.fast_path is {in_use!r}"
+    assert in_use == extension, f"the package ships {extension} but flexkvd.fast_path is {in_use!r}"
 maps = open("/proc/self/maps").read()
 assert f"{libdir}/libflexkv.so.0" in maps, "the installed libflexkv.so.0 is not the one loaded"
-geometry = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=1, head_dim=64)
-with flexkv.connect(socket_path) as client:
+geometry = flexkvd.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=1, head_dim=64)
+with flexkvd.connect(socket_path) as client:
     client.attach("package-test-python", namespace, geometry)
-    kv = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, num_blocks=4)
+    kv = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, num_blocks=4)
     kv[:] = bytes(i % 251 for i in range(len(kv)))
-    keys = flexkv.block_keys(namespace, range(2000, 2064), tokens_per_block=16)
+    keys = flexkvd.block_keys(namespace, range(2000, 2064), tokens_per_block=16)
     stored = client.store(keys, range(4)).wait(timeout=10.0)
     hit = client.match(keys).wait(timeout=10.0)
     assert hit.matched_blocks == 4, f"matched {hit.matched_blocks} of 4 blocks just stored"
-    print(f"python: stored {stored.done_blocks} blocks, matched {hit.matched_blocks} of 4 ({flexkv.__file__})")
+    print(f"python: stored {stored.done_blocks} blocks, matched {hit.matched_blocks} of 4 ({flexkvd.__file__})")
     del kv
 EOF
   fail "the installed Python package could not attach, store and match (above)"

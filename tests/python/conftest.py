@@ -1,4 +1,4 @@
-"""pytest fixtures for the flexkv package: a private flexkvd per test, as tests/support/process.cc starts one.
+"""pytest fixtures for the flexkvd package: a private flexkvd per test, as tests/support/process.cc starts one.
 
 The daemon listens on a socket in a fresh temporary directory and keeps its pool in a uniquely named directory
 under /dev/shm with a small --pool-size; it is always stopped (SIGTERM, then SIGKILL) and both directories are
@@ -36,7 +36,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python")] +
                                            [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
 
-import flexkv  # noqa: E402
+import flexkvd  # noqa: E402
 
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE  # noqa: E402
 
@@ -130,7 +130,7 @@ class Daemon:
         shutil.rmtree(self.pool_dir, ignore_errors=True)
 
 
-def settled_status(observer: "flexkv.Client", timeout: float = 2.0) -> "flexkv.DaemonStatus":
+def settled_status(observer: "flexkvd.Client", timeout: float = 2.0) -> "flexkvd.DaemonStatus":
     """The daemon's status once no session is left. An engine process that exits without detaching is noticed
     by the daemon when its session channel closes: a few ms after the process is gone, not before."""
     deadline = time.monotonic() + timeout
@@ -171,15 +171,15 @@ def make_daemon() -> Iterator:
 
 
 @pytest.fixture
-def client(daemon: Daemon) -> Iterator[flexkv.Client]:
+def client(daemon: Daemon) -> Iterator[flexkvd.Client]:
     """A Client of the private daemon, attached with the small test geometry (16 KiB blocks)."""
-    with flexkv.connect(daemon.socket) as c:
+    with flexkvd.connect(daemon.socket) as c:
         c.attach("pytest", TEST_NAMESPACE, TEST_GEOMETRY)
         yield c
 
 
 @pytest.fixture
-def observer(daemon: Daemon) -> Iterator[flexkv.Client]:
+def observer(daemon: Daemon) -> Iterator[flexkvd.Client]:
     """A Client of the private daemon that never attaches: for status() while others work."""
-    with flexkv.connect(daemon.socket) as c:
+    with flexkvd.connect(daemon.socket) as c:
         yield c

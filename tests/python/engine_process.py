@@ -25,41 +25,41 @@ from typing import List
 
 import numpy as np
 
-import flexkv
+import flexkvd
 
 TEST_NAMESPACE = "pytest-model"
 # 2 layers, K/V, 2 heads of 64, bf16, 16 tokens per block: 4 KiB chunks, 16 KiB blocks.
-TEST_GEOMETRY = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
+TEST_GEOMETRY = flexkvd.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
                                 dtype_bytes=2, tp_size=1)
 
 
-def tokens(seed: int, blocks: int, geometry: flexkv.Geometry = TEST_GEOMETRY) -> List[int]:
+def tokens(seed: int, blocks: int, geometry: flexkvd.Geometry = TEST_GEOMETRY) -> List[int]:
     """The first `blocks` blocks of SEED's prompt (a prefix of any longer prompt of the same seed)."""
     rng = random.Random(seed)
     return [rng.randrange(128000) for _ in range(blocks * geometry.tokens_per_block)]
 
 
-def block_content(seed: int, i: int, geometry: flexkv.Geometry = TEST_GEOMETRY) -> np.ndarray:
+def block_content(seed: int, i: int, geometry: flexkvd.Geometry = TEST_GEOMETRY) -> np.ndarray:
     """Block i of SEED as [layer][plane][chunk] bytes."""
     rng = np.random.default_rng([seed, i])
     return rng.integers(0, 256, size=(geometry.num_layers, geometry.kv_planes, geometry.chunk_bytes_per_rank),
                         dtype=np.uint8)
 
 
-def kv_array(buf: memoryview, layout: flexkv.Layout, num_blocks: int,
-             geometry: flexkv.Geometry = TEST_GEOMETRY) -> np.ndarray:
+def kv_array(buf: memoryview, layout: flexkvd.Layout, num_blocks: int,
+             geometry: flexkvd.Geometry = TEST_GEOMETRY) -> np.ndarray:
     """The host KV buffer as a NumPy array in its layout's axis order."""
     L, P, C = geometry.num_layers, geometry.kv_planes, geometry.chunk_bytes_per_rank
-    shape = {flexkv.Layout.LAYER_FIRST: (L, P, num_blocks, C), flexkv.Layout.BLOCK_FIRST: (num_blocks, L, P, C),
-             flexkv.Layout.LAYER_BLOCK: (L, num_blocks, P, C)}[layout]
+    shape = {flexkvd.Layout.LAYER_FIRST: (L, P, num_blocks, C), flexkvd.Layout.BLOCK_FIRST: (num_blocks, L, P, C),
+             flexkvd.Layout.LAYER_BLOCK: (L, num_blocks, P, C)}[layout]
     return np.frombuffer(buf, dtype=np.uint8).reshape(shape)
 
 
-def block_view(kv: np.ndarray, layout: flexkv.Layout, b: int) -> np.ndarray:
+def block_view(kv: np.ndarray, layout: flexkvd.Layout, b: int) -> np.ndarray:
     """Block b of a KV array as a [layer][plane][chunk] view (writable)."""
-    if layout == flexkv.Layout.LAYER_FIRST:
+    if layout == flexkvd.Layout.LAYER_FIRST:
         return kv[:, :, b, :]
-    if layout == flexkv.Layout.BLOCK_FIRST:
+    if layout == flexkvd.Layout.BLOCK_FIRST:
         return kv[b]
     return kv[:, b, :, :]
 
@@ -72,17 +72,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
     ap.add_argument("--name", default="py-engine")
-    ap.add_argument("--layout", default="BLOCK_FIRST", choices=[l.name for l in flexkv.Layout])
+    ap.add_argument("--layout", default="BLOCK_FIRST", choices=[l.name for l in flexkvd.Layout])
     ap.add_argument("--kv-blocks", type=int, default=128)
     ap.add_argument("--do", action="append", default=[])
     args = ap.parse_args()
-    layout = flexkv.Layout[args.layout]
+    layout = flexkvd.Layout[args.layout]
 
     def say(*words: object) -> None:
         print(*words, flush=True)
 
     try:
-        client = flexkv.connect(args.socket)
+        client = flexkvd.connect(args.socket)
         session = client.attach(args.name, TEST_NAMESPACE, TEST_GEOMETRY)
         kv = kv_array(client.create_host_kv(layout, args.kv_blocks), layout, args.kv_blocks)
         kv[...] = 0  # fresh memfd pages are zero already; say so explicitly
@@ -95,13 +95,13 @@ def main() -> int:
                 seed, count, first = n
                 for i in range(count):
                     block_view(kv, layout, first + i)[...] = block_content(seed, i)
-                keys = flexkv.block_keys(TEST_NAMESPACE, tokens(seed, count), TEST_GEOMETRY.tokens_per_block)
+                keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(seed, count), TEST_GEOMETRY.tokens_per_block)
                 r = client.store(keys, range(first, first + count)).wait(30)
                 say("STORED", r.matched_blocks, r.done_blocks,
                     ",".join(digest(block_view(kv, layout, first + i)) for i in range(count)))
             elif op == "load":
                 seed, count, first = n
-                keys = flexkv.block_keys(TEST_NAMESPACE, tokens(seed, count), TEST_GEOMETRY.tokens_per_block)
+                keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(seed, count), TEST_GEOMETRY.tokens_per_block)
                 hit = client.match(keys, pin=True).wait(30)
                 loaded, equal, digests = 0, 1, []
                 if hit.matched_blocks:
@@ -119,14 +119,14 @@ def main() -> int:
                 say("UNTOUCHED", int(all(not block_view(kv, layout, b).any() for b in np.nonzero(mask)[0])))
             elif op == "pin":
                 seed, count = n
-                keys = flexkv.block_keys(TEST_NAMESPACE, tokens(seed, count), TEST_GEOMETRY.tokens_per_block)
+                keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(seed, count), TEST_GEOMETRY.tokens_per_block)
                 hit = client.match(keys, pin=True).wait(30)
                 kept.append(hit.match_handle)
                 say("PINNED", hit.matched_blocks, hit.match_handle)
             elif op == "inflight-store":
                 seed, count = n
                 for j in range(count):
-                    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(seed + j, 8), TEST_GEOMETRY.tokens_per_block)
+                    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(seed + j, 8), TEST_GEOMETRY.tokens_per_block)
                     kept.append(client.store(keys, range(8 * (j % (args.kv_blocks // 8)),
                                                           8 * (j % (args.kv_blocks // 8)) + 8)))
                 say("INFLIGHT", count)
@@ -139,7 +139,7 @@ def main() -> int:
         del kv
         client.close()
         return 0
-    except flexkv.Error as e:
+    except flexkvd.Error as e:
         say("ERROR", e.code.name, e.message)
         return 3
 

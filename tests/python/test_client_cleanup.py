@@ -1,4 +1,4 @@
-"""A Python engine that dies or closes (python/flexkv/client.py): the daemon reclaims its session, pins and
+"""A Python engine that dies or closes (python/flexkvd/client.py): the daemon reclaims its session, pins and
 in-flight stores; the host KV mapping outlives the views an engine still holds. A daemon that dies: attaching
 again recovers, never under live views or beside other calls on the client."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-import flexkv
-from flexkv import _lib
+import flexkvd
+from flexkvd import _lib
 from conftest import settled_status
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
 
@@ -87,13 +87,13 @@ def test_a_daemon_frozen_while_a_client_dies_reclaims_its_submissions(daemon, ob
     seed.wait(30)
     victim = start_engine(daemon, "victim", ["pin:2:32", "hold"])
     assert read_until(victim, "PINNED")[1] == "32"
-    code = ("import flexkv, sys, time\n"
+    code = ("import flexkvd, sys, time\n"
             "from engine_process import TEST_GEOMETRY as G, TEST_NAMESPACE as NS, tokens\n"
-            f"c = flexkv.connect({daemon.socket!r}); c.attach('frozen-victim', NS, G)\n"
-            "kv = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 64)\n"
+            f"c = flexkvd.connect({daemon.socket!r}); c.attach('frozen-victim', NS, G)\n"
+            "kv = c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 64)\n"
             "print('READY', flush=True); sys.stdin.readline()\n"
-            "ts = [c.store(flexkv.block_keys(NS, tokens(5000 + j, 4), 16), range(4 * j, 4 * j + 4)) for j in range(16)]\n"
-            "ts.append(c.match(flexkv.block_keys(NS, tokens(2, 32), 16), pin=True))\n"
+            "ts = [c.store(flexkvd.block_keys(NS, tokens(5000 + j, 4), 16), range(4 * j, 4 * j + 4)) for j in range(16)]\n"
+            "ts.append(c.match(flexkvd.block_keys(NS, tokens(2, 32), 16), pin=True))\n"
             "print('SUBMITTED', flush=True); time.sleep(3600)\n")
     frozen = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=__import__("os").path.dirname(ENGINE[1]))
@@ -118,10 +118,10 @@ def test_a_daemon_frozen_while_a_client_dies_reclaims_its_submissions(daemon, ob
 
 
 def test_close_ends_the_session_and_its_pins(daemon, observer):
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("closer", TEST_NAMESPACE, TEST_GEOMETRY)
-    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(3, 4), TPB)
+    buf = c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(3, 4), TPB)
     c.store(keys, range(4)).wait(5)
     c.match(keys, pin=True).wait(5)
     assert observer.status().pinned_blocks == 4
@@ -132,18 +132,18 @@ def test_close_ends_the_session_and_its_pins(daemon, observer):
 
 
 def test_detach_refuses_while_host_kv_views_are_alive(daemon, observer):
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("viewer", TEST_NAMESPACE, TEST_GEOMETRY)
-    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    buf = c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
     arr = np.frombuffer(buf, dtype=np.uint8)
     tail = buf[100:200]
     del buf
-    with pytest.raises(flexkv.FailedPrecondition, match="still referenced"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="still referenced"):
         c.detach()
     assert c.attached and observer.status().sessions == 1
     arr[:] = 1  # still mapped: writable
     del arr
-    with pytest.raises(flexkv.FailedPrecondition, match="1 views"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="1 views"):
         c.detach()
     del tail
     c.detach()
@@ -155,12 +155,12 @@ def test_detach_refuses_while_host_kv_views_are_alive(daemon, observer):
 
 
 def test_close_with_live_views_keeps_the_mapping_until_the_last_view_goes(daemon, observer):
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("lingering", TEST_NAMESPACE, TEST_GEOMETRY)
-    arr = np.frombuffer(c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16), dtype=np.uint8)
+    arr = np.frombuffer(c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16), dtype=np.uint8)
     arr[:] = 7
     c.close()
-    with pytest.raises(flexkv.FailedPrecondition, match="closed"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="closed"):
         c.status()
     assert observer.status().sessions == 1  # the session (and its mapping) lives on for `arr`
     assert int(arr.sum()) == 7 * arr.size  # reading it is safe
@@ -170,7 +170,7 @@ def test_close_with_live_views_keeps_the_mapping_until_the_last_view_goes(daemon
 
 
 def test_a_client_dropped_without_close_ends_its_session(daemon, observer):
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("dropped", TEST_NAMESPACE, TEST_GEOMETRY)
     assert observer.status().sessions == 1
     del c
@@ -187,34 +187,34 @@ def reattach(c, name):
 
 
 def test_reattach_after_the_daemon_went_away_refuses_while_old_host_kv_views_live(daemon):
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("phoenix", TEST_NAMESPACE, TEST_GEOMETRY)
-    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    buf = c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
     arr = np.frombuffer(buf, dtype=np.uint8)
     arr[:] = 5
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(7, 4), TPB)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(7, 4), TPB)
     c.store(keys, range(4)).wait(5)
     daemon.freeze()
     pending = c.match(keys)  # never read by that daemon
     daemon.restart()
-    with pytest.raises(flexkv.Unavailable, match="Attach again"):
+    with pytest.raises(flexkvd.Unavailable, match="Attach again"):
         pending.wait(5)
     # libflexkv's re-attach drops the lost session's host KV mapping: not while a view of it is alive.
-    with pytest.raises(flexkv.FailedPrecondition, match="host KV buffer is still referenced"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="host KV buffer is still referenced"):
         c.attach("phoenix", TEST_NAMESPACE, TEST_GEOMETRY)
     assert int(arr.sum()) == 5 * arr.size  # the refused attach left the mapping alone
     del arr, buf
     sid = reattach(c, "phoenix")
     assert c.session_id == sid and c.attached
-    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="which has ended"):
         pending.wait(1)
-    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="which has ended"):
         pending.done()  # an error, not False forever
-    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)  # the new session registers its own buffer
+    buf = c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)  # the new session registers its own buffer
     assert c.match(keys).wait(5).matched_blocks == 4  # the restarted daemon kept the pool
-    fresh = flexkv.block_keys(TEST_NAMESPACE, tokens(8, 2), TPB)
+    fresh = flexkvd.block_keys(TEST_NAMESPACE, tokens(8, 2), TPB)
     assert c.store(fresh, range(2)).wait(5).done_blocks == 2
-    with flexkv.connect(daemon.socket) as observer:
+    with flexkvd.connect(daemon.socket) as observer:
         assert observer.status().sessions == 1
         del buf
         c.close()
@@ -222,18 +222,18 @@ def test_reattach_after_the_daemon_went_away_refuses_while_old_host_kv_views_liv
 
 
 def test_a_failed_reattach_leaves_the_client_detached_and_its_tickets_ended(daemon):
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("orphan", TEST_NAMESPACE, TEST_GEOMETRY)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(9, 1), TPB)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(9, 1), TPB)
     daemon.freeze()
     pending = c.match(keys)
     daemon.kill()
-    with pytest.raises(flexkv.Unavailable):
+    with pytest.raises(flexkvd.Unavailable):
         c.attach("orphan", TEST_NAMESPACE, TEST_GEOMETRY)  # nobody answers; libflexkv dropped the lost session
     assert not c.attached
-    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="which has ended"):
         pending.try_wait()
-    with pytest.raises(flexkv.FailedPrecondition):
+    with pytest.raises(flexkvd.FailedPrecondition):
         pending.done()
     daemon.restart()
     reattach(c, "orphan")
@@ -246,9 +246,9 @@ def test_attach_and_detach_run_beside_a_waiting_thread(daemon):
     started on): an attach refused because the session is alive leaves a waiting thread alone, and a detach ends
     that thread's wait at once with FailedPrecondition, never with another request's result. (Before libflexkv
     shared its session state this way, attach and detach had to wait for every other call on the client.)"""
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("beside", TEST_NAMESPACE, TEST_GEOMETRY)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(10, 1), TPB)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(10, 1), TPB)
     daemon.freeze()
     try:
         ticket = c.match(keys)
@@ -257,7 +257,7 @@ def test_attach_and_detach_run_beside_a_waiting_thread(daemon):
         def waiter() -> None:
             try:
                 outcomes.append(ticket.wait(60).matched_blocks)
-            except flexkv.Error as e:
+            except flexkvd.Error as e:
                 outcomes.append(e)
 
         th = threading.Thread(target=waiter)
@@ -265,21 +265,21 @@ def test_attach_and_detach_run_beside_a_waiting_thread(daemon):
         deadline = time.monotonic() + 5
         while c._handle._users == 0 and time.monotonic() < deadline:  # until the waiter is inside libflexkv
             time.sleep(0.001)
-        with pytest.raises(flexkv.FailedPrecondition, match="already attached"):  # the session is alive
+        with pytest.raises(flexkvd.FailedPrecondition, match="already attached"):  # the session is alive
             c.attach("beside", TEST_NAMESPACE, TEST_GEOMETRY)
         assert th.is_alive() and not outcomes  # still waiting on its live session
         detacher = threading.Thread(target=c.detach)  # the frozen daemon answers Detach once thawed
         detacher.start()
         th.join(30)
         assert not th.is_alive()
-        assert len(outcomes) == 1 and isinstance(outcomes[0], flexkv.FailedPrecondition), outcomes
+        assert len(outcomes) == 1 and isinstance(outcomes[0], flexkvd.FailedPrecondition), outcomes
         # "detached while this call ran" inside libflexkv's wait, or "not attached ... has ended" between slices
         assert "detached" in outcomes[0].message or "has ended" in outcomes[0].message
     finally:
         daemon.thaw()
     detacher.join(30)
     assert not c.attached
-    with pytest.raises(flexkv.FailedPrecondition):
+    with pytest.raises(flexkvd.FailedPrecondition):
         ticket.wait(0)
     c.close()
 
@@ -288,7 +288,7 @@ def test_close_racing_create_host_kv_keeps_the_new_buffer_mapped(daemon, observe
     """close() on another thread while create_host_kv's call into libflexkv runs: close() waits for create_host_kv
     to hand out its view, sees it, and keeps the mapping until the view goes, instead of unmapping it between the
     call and the view. Forced: close() starts during the call."""
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("racer", TEST_NAMESPACE, TEST_GEOMETRY)
     closer = threading.Thread(target=c.close)
     real = _lib.lib.flexkv_create_host_kv
@@ -300,10 +300,10 @@ def test_close_racing_create_host_kv_keeps_the_new_buffer_mapped(daemon, observe
         return rc
 
     monkeypatch.setattr(_lib.lib, "flexkv_create_host_kv", then_close)
-    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
+    buf = c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
     closer.join(10)
     assert closer.ident is not None and not closer.is_alive()
-    with pytest.raises(flexkv.FailedPrecondition, match="closed"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="closed"):
         c.status()
     assert observer.status().sessions == 1  # kept for `buf`
     buf[:] = b"\x03" * len(buf)  # still mapped

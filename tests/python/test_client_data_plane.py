@@ -1,4 +1,4 @@
-"""Client data plane (python/flexkv/client.py): match / load / store / release between Python processes."""
+"""Client data plane (python/flexkvd/client.py): match / load / store / release between Python processes."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,7 @@ from typing import List
 import numpy as np
 import pytest
 
-import flexkv
+import flexkvd
 from conftest import settled_status
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, block_content, block_view, kv_array, tokens
 
@@ -48,11 +48,11 @@ def test_blocks_stored_by_one_python_process_load_byte_identical_in_another(daem
 
 
 def test_round_trip_in_one_process_and_results(client, observer):
-    kv = kv_array(client.create_host_kv(flexkv.Layout.LAYER_FIRST, 64), flexkv.Layout.LAYER_FIRST, 64)
+    kv = kv_array(client.create_host_kv(flexkvd.Layout.LAYER_FIRST, 64), flexkvd.Layout.LAYER_FIRST, 64)
     assert kv.nbytes == 64 * TEST_GEOMETRY.host_block_bytes
     for i in range(8):
-        block_view(kv, flexkv.Layout.LAYER_FIRST, i)[...] = block_content(3, i)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(3, 8), TPB)
+        block_view(kv, flexkvd.Layout.LAYER_FIRST, i)[...] = block_content(3, i)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(3, 8), TPB)
     miss = client.match(keys).wait(5)
     assert (miss.ok, miss.matched_blocks, miss.match_handle, miss.message) == (True, 0, 0, "")
     r = client.store(keys, np.arange(8, dtype=np.uint32)).wait(5)
@@ -67,16 +67,16 @@ def test_round_trip_in_one_process_and_results(client, observer):
     assert ticket.wait(5).done_blocks == 8  # the outcome is kept: wait again gives the same result
     assert ticket.try_wait() is not None and ticket.done()
     for i in range(8):
-        assert np.array_equal(block_view(kv, flexkv.Layout.LAYER_FIRST, 40 + i), block_content(3, i))
+        assert np.array_equal(block_view(kv, flexkvd.Layout.LAYER_FIRST, 40 + i), block_content(3, i))
     assert client.release(hit.match_handle).wait(5).ok
     assert observer.status().pinned_blocks == 0
     del kv
 
 
 def test_a_slice_stores_under_its_parent_and_a_missing_parent_is_refused(client, observer):
-    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 32)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(21, 30), TPB)
-    with pytest.raises(flexkv.FailedPrecondition, match="parent key not cached") as e:
+    buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 32)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(21, 30), TPB)
+    with pytest.raises(flexkvd.FailedPrecondition, match="parent key not cached") as e:
         client.store(keys[20:30], range(20, 30)).wait(5)  # keys[19] is not cached
     assert e.value.result.done_blocks == 0
     assert observer.status().index_blocks == 0
@@ -89,8 +89,8 @@ def test_a_slice_stores_under_its_parent_and_a_missing_parent_is_refused(client,
 
 
 def test_layerwise_load_reports_layers(client):
-    buf = client.create_host_kv(flexkv.Layout.LAYER_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(11, 4), TPB)
+    buf = client.create_host_kv(flexkvd.Layout.LAYER_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(11, 4), TPB)
     client.store(keys, range(4)).wait(5)
     hit = client.match(keys, pin=True).wait(5)
     t = client.load(hit.match_handle, range(8, 12), layerwise=True)
@@ -102,11 +102,11 @@ def test_layerwise_load_reports_layers(client):
 
 
 def test_many_requests_in_flight_at_once(client):
-    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 128)
-    tickets = [client.store(flexkv.block_keys(TEST_NAMESPACE, tokens(100 + j, 4), TPB), range(4 * j, 4 * j + 4))
+    buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 128)
+    tickets = [client.store(flexkvd.block_keys(TEST_NAMESPACE, tokens(100 + j, 4), TPB), range(4 * j, 4 * j + 4))
                for j in range(32)]
     assert sum(t.wait(10).done_blocks for t in tickets) == 128
-    matches = [client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(100 + j, 4), TPB)) for j in range(32)]
+    matches = [client.match(flexkvd.block_keys(TEST_NAMESPACE, tokens(100 + j, 4), TPB)) for j in range(32)]
     assert [m.wait(10).matched_blocks for m in matches] == [4] * 32
     del buf
 
@@ -114,8 +114,8 @@ def test_many_requests_in_flight_at_once(client):
 # ---- prefetch (needs the daemon side of Prefetch, ring op 5; an older flexkvd raises InvalidArgument) ----
 
 def test_prefetch_without_a_cluster_tier_answers_the_local_hits_and_pins_nothing(client, observer):
-    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(31, 12), TPB)
+    buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(31, 12), TPB)
     stored = client.store(keys[:8], range(8)).wait(5)
     assert (stored.done_blocks, stored.bytes, stored.source) == (8, 0, "")
     t = client.prefetch(keys)
@@ -126,18 +126,18 @@ def test_prefetch_without_a_cluster_tier_answers_the_local_hits_and_pins_nothing
     hit = client.match(keys, pin=True).wait(5)
     assert hit.matched_blocks == 8
     client.release(hit.match_handle).wait(5)
-    miss = client.prefetch(flexkv.block_keys(TEST_NAMESPACE, tokens(32, 6), TPB)).wait(5)
+    miss = client.prefetch(flexkvd.block_keys(TEST_NAMESPACE, tokens(32, 6), TPB)).wait(5)
     assert (miss.ok, miss.matched_blocks, miss.done_blocks, miss.bytes, miss.source) == (True, 0, 0, 0, "")
     del buf
 
 
 def test_prefetch_of_an_all_zero_key_raises_invalid_argument(client):
-    keys = list(flexkv.block_keys(TEST_NAMESPACE, tokens(33, 3), TPB))
+    keys = list(flexkvd.block_keys(TEST_NAMESPACE, tokens(33, 3), TPB))
     keys[1] = (0, 0)
-    with pytest.raises(flexkv.InvalidArgument) as e:
+    with pytest.raises(flexkvd.InvalidArgument) as e:
         client.prefetch(keys).wait(5)
     assert (e.value.result.done_blocks, e.value.result.bytes, e.value.result.source) == (0, 0, "")
-    with pytest.raises(flexkv.InvalidArgument):
+    with pytest.raises(flexkvd.InvalidArgument):
         client.prefetch([])  # nothing sent
 
 
@@ -145,17 +145,17 @@ def test_load_with_an_unknown_event_set_raises_from_wait_launched_and_holds_noth
     # Layer events (docs/python.md "Layer events") need a GPU for the set itself; what a host session can see is the
     # refusal path: an unknown set ends the load NOT_FOUND (raised by wait_launched, nothing to wait on), the
     # handle's blocks stay loadable, and the client refuses layerwise together with an event set before sending.
-    client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(5, 4), TPB)
+    client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(5, 4), TPB)
     assert client.store(keys, np.arange(4, dtype=np.uint32)).wait(5).done_blocks == 4
     m = client.match(keys, pin=True).wait(5)
     ids = np.arange(4, 8, dtype=np.uint32)
     t = client.load(m.match_handle, ids, event_set=9)
-    with pytest.raises(flexkv.NotFound, match="event_set 9 is not registered in this session"):
+    with pytest.raises(flexkvd.NotFound, match="event_set 9 is not registered in this session"):
         t.wait_launched(5)
-    with pytest.raises(flexkv.NotFound):
+    with pytest.raises(flexkvd.NotFound):
         t.wait(5)
-    with pytest.raises(flexkv.InvalidArgument, match="one completion kind"):
+    with pytest.raises(flexkvd.InvalidArgument, match="one completion kind"):
         client.load(m.match_handle, ids, layerwise=True, event_set=9)
     assert client.load(m.match_handle, ids).wait(5).done_blocks == 4
     client.release(m.match_handle).wait(5)

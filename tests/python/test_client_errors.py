@@ -1,4 +1,4 @@
-"""Client errors (python/flexkv/client.py): each failure is the flexkv.Error subclass of its code, with the
+"""Client errors (python/flexkvd/client.py): each failure is the flexkvd.Error subclass of its code, with the
 daemon's message."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import flexkv
+import flexkvd
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
 
 TPB = TEST_GEOMETRY.tokens_per_block
@@ -17,11 +17,11 @@ TPB = TEST_GEOMETRY.tokens_per_block
 def test_daemon_down_is_unavailable_naming_the_socket(tmp_path):
     path = str(tmp_path / "nobody-listens.sock")
     t0 = time.monotonic()
-    with pytest.raises(flexkv.Unavailable) as e:
-        flexkv.connect(path, timeout=0.3)
+    with pytest.raises(flexkvd.Unavailable) as e:
+        flexkvd.connect(path, timeout=0.3)
     assert time.monotonic() - t0 >= 0.25  # waited for a daemon that might be starting
     assert path in e.value.message
-    assert e.value.code == flexkv.StatusCode.UNAVAILABLE
+    assert e.value.code == flexkvd.StatusCode.UNAVAILABLE
     assert isinstance(e.value, ConnectionError)
 
 
@@ -29,8 +29,8 @@ def test_daemon_down_is_unavailable_naming_the_socket(tmp_path):
                                          ("dtype_bytes", 3), ("kv_planes", 5), ("tp_size", 0)])
 def test_bad_geometry_is_invalid_argument_naming_the_field(daemon, field, value):
     bad = dataclasses.replace(TEST_GEOMETRY, **{field: value})
-    with flexkv.connect(daemon.socket) as c:
-        with pytest.raises(flexkv.InvalidArgument) as e:
+    with flexkvd.connect(daemon.socket) as c:
+        with pytest.raises(flexkvd.InvalidArgument) as e:
             c.attach("bad", TEST_NAMESPACE, bad)
         assert f"geometry.{field} is {value}" in e.value.message
         assert not c.attached
@@ -39,37 +39,37 @@ def test_bad_geometry_is_invalid_argument_naming_the_field(daemon, field, value)
 
 
 def test_geometry_out_of_c_range_is_refused_before_the_call(daemon):
-    with flexkv.connect(daemon.socket) as c:
-        with pytest.raises(flexkv.InvalidArgument, match="geometry.num_layers is -1"):
+    with flexkvd.connect(daemon.socket) as c:
+        with pytest.raises(flexkvd.InvalidArgument, match="geometry.num_layers is -1"):
             c.attach("bad", TEST_NAMESPACE, dataclasses.replace(TEST_GEOMETRY, num_layers=-1))
 
 
 def test_other_geometry_than_the_cache_domain_is_failed_precondition(client, daemon):
-    with flexkv.connect(daemon.socket) as c:
-        with pytest.raises(flexkv.FailedPrecondition, match="geometry.num_layers is 4 but"):
+    with flexkvd.connect(daemon.socket) as c:
+        with pytest.raises(flexkvd.FailedPrecondition, match="geometry.num_layers is 4 but"):
             c.attach("other", TEST_NAMESPACE, dataclasses.replace(TEST_GEOMETRY, num_layers=4))
 
 
 def test_attach_twice_is_failed_precondition(client):
-    with pytest.raises(flexkv.FailedPrecondition):
+    with pytest.raises(flexkvd.FailedPrecondition):
         client.attach("again", TEST_NAMESPACE, TEST_GEOMETRY)
 
 
 def test_drained_daemon_refuses_new_sessions_loads_and_stores_with_unavailable(client, daemon):
-    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(1, 4), TPB)
+    buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(1, 4), TPB)
     client.store(keys, range(4)).wait(5)
     hit = client.match(keys, pin=True).wait(5)
     assert client.drain() in ("draining", "drained")
     assert client.status().state == "drained"
     assert client.health() is False
-    with flexkv.connect(daemon.socket) as other:
-        with pytest.raises(flexkv.Unavailable, match="draining"):
+    with flexkvd.connect(daemon.socket) as other:
+        with pytest.raises(flexkvd.Unavailable, match="draining"):
             other.attach("late", TEST_NAMESPACE, TEST_GEOMETRY)
-    with pytest.raises(flexkv.Unavailable, match="draining") as e:
-        client.store(flexkv.block_keys(TEST_NAMESPACE, tokens(2, 4), TPB), range(4, 8)).wait(5)
+    with pytest.raises(flexkvd.Unavailable, match="draining") as e:
+        client.store(flexkvd.block_keys(TEST_NAMESPACE, tokens(2, 4), TPB), range(4, 8)).wait(5)
     assert e.value.result is not None and e.value.result.done_blocks == 0
-    with pytest.raises(flexkv.Unavailable, match="draining"):
+    with pytest.raises(flexkvd.Unavailable, match="draining"):
         client.load(hit.match_handle, range(8, 12)).wait(5)
     assert client.match(keys).wait(5).matched_blocks == 4  # lookups still answer while drained
     assert client.resume() == "serving"
@@ -80,59 +80,59 @@ def test_drained_daemon_refuses_new_sessions_loads_and_stores_with_unavailable(c
 
 
 def test_bad_layout_is_invalid_argument(client):
-    with pytest.raises(flexkv.InvalidArgument, match="layout 7 is not valid"):
+    with pytest.raises(flexkvd.InvalidArgument, match="layout 7 is not valid"):
         client.create_host_kv(7, 16)
-    assert client.create_host_kv(flexkv.Layout.LAYER_BLOCK, 16).nbytes == 16 * TEST_GEOMETRY.host_block_bytes
+    assert client.create_host_kv(flexkvd.Layout.LAYER_BLOCK, 16).nbytes == 16 * TEST_GEOMETRY.host_block_bytes
 
 
 def test_create_host_kv_before_attach_and_twice(daemon, client):
-    with flexkv.connect(daemon.socket) as c:
-        with pytest.raises(flexkv.FailedPrecondition):
-            c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 4)
-    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 4)
-    with pytest.raises(flexkv.Error):
-        client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 4)
+    with flexkvd.connect(daemon.socket) as c:
+        with pytest.raises(flexkvd.FailedPrecondition):
+            c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 4)
+    buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 4)
+    with pytest.raises(flexkvd.Error):
+        client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 4)
     del buf
 
 
 def test_wrong_block_ids(client):
-    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(5, 4), TPB)
+    buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(5, 4), TPB)
     # A block id past the registered blocks: the daemon ends the request with OUT_OF_RANGE naming it.
-    with pytest.raises(flexkv.OutOfRange) as e:
+    with pytest.raises(flexkvd.OutOfRange) as e:
         client.store(keys, [0, 1, 2, 16]).wait(5)
     assert "16" in e.value.message and e.value.result.done_blocks == 0
     # Not representable as u32, or a count that does not match the keys: refused before submitting.
-    with pytest.raises(flexkv.InvalidArgument, match="block_ids holds -1"):
+    with pytest.raises(flexkvd.InvalidArgument, match="block_ids holds -1"):
         client.store(keys, [0, 1, 2, -1])
-    with pytest.raises(flexkv.InvalidArgument, match="4 keys and 3 source block ids"):
+    with pytest.raises(flexkvd.InvalidArgument, match="4 keys and 3 source block ids"):
         client.store(keys, [0, 1, 2])
     client.store(keys, [0, 1, 2, 3]).wait(5)
     hit = client.match(keys, pin=True).wait(5)
-    with pytest.raises(flexkv.Error) as e:  # more blocks than the handle pins
+    with pytest.raises(flexkvd.Error) as e:  # more blocks than the handle pins
         client.load(hit.match_handle, range(5)).wait(5)
-    assert e.value.code in (flexkv.StatusCode.INVALID_ARGUMENT, flexkv.StatusCode.OUT_OF_RANGE)
-    with pytest.raises(flexkv.NotFound):  # a handle this session does not hold
+    assert e.value.code in (flexkvd.StatusCode.INVALID_ARGUMENT, flexkvd.StatusCode.OUT_OF_RANGE)
+    with pytest.raises(flexkvd.NotFound):  # a handle this session does not hold
         client.load(hit.match_handle + 12345, range(4)).wait(5)
     client.release(hit.match_handle).wait(5)
     del buf
 
 
 def test_calls_after_close_are_failed_precondition(daemon):
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("short", TEST_NAMESPACE, TEST_GEOMETRY)
     c.close()
     c.close()  # idempotent
-    with pytest.raises(flexkv.FailedPrecondition, match="closed"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="closed"):
         c.status()
-    with pytest.raises(flexkv.FailedPrecondition, match="closed"):
-        c.match(flexkv.block_keys(TEST_NAMESPACE, tokens(1, 1), TPB))
+    with pytest.raises(flexkvd.FailedPrecondition, match="closed"):
+        c.match(flexkvd.block_keys(TEST_NAMESPACE, tokens(1, 1), TPB))
 
 
 def test_data_plane_before_attach_is_an_error(daemon):
-    with flexkv.connect(daemon.socket) as c:
-        with pytest.raises(flexkv.FailedPrecondition):
-            c.match(flexkv.block_keys(TEST_NAMESPACE, tokens(1, 1), TPB))
+    with flexkvd.connect(daemon.socket) as c:
+        with pytest.raises(flexkvd.FailedPrecondition):
+            c.match(flexkvd.block_keys(TEST_NAMESPACE, tokens(1, 1), TPB))
 
 
 def test_another_uid_is_permission_denied_naming_the_socket(daemon):
@@ -141,11 +141,11 @@ def test_another_uid_is_permission_denied_naming_the_socket(daemon):
         pytest.skip("needs root to act as another uid")
     import subprocess
     import sys
-    code = ("import os, time, flexkv; os.setgid(65534); os.setuid(65534)\n"
+    code = ("import os, time, flexkvd; os.setgid(65534); os.setuid(65534)\n"
             "t0 = time.monotonic()\n"
             "try:\n"
-            f"    flexkv.connect({daemon.socket!r}, timeout=5)\n"
-            "except flexkv.PermissionDenied as e:\n"
+            f"    flexkvd.connect({daemon.socket!r}, timeout=5)\n"
+            "except flexkvd.PermissionDenied as e:\n"
             "    print('DENIED', round(time.monotonic() - t0), e.message)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -153,16 +153,16 @@ def test_another_uid_is_permission_denied_naming_the_socket(daemon):
 
 
 def test_a_ticket_of_an_ended_session_is_failed_precondition(daemon):
-    with flexkv.connect(daemon.socket) as c:
+    with flexkvd.connect(daemon.socket) as c:
         c.attach("first", TEST_NAMESPACE, TEST_GEOMETRY)
-        keys = flexkv.block_keys(TEST_NAMESPACE, tokens(1, 1), TPB)
+        keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(1, 1), TPB)
         done = c.match(keys)
         done.wait(5)
         never_waited = c.match(keys)
         c.detach()
         c.attach("second", TEST_NAMESPACE, TEST_GEOMETRY)
         assert done.wait(0).matched_blocks == 0  # an ended ticket keeps its result
-        with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+        with pytest.raises(flexkvd.FailedPrecondition, match="which has ended"):
             never_waited.wait(1)
         assert c.match(keys).wait(5).matched_blocks == 0  # the new session works
 
@@ -170,34 +170,34 @@ def test_a_ticket_of_an_ended_session_is_failed_precondition(daemon):
 def test_integers_a_c_type_cannot_hold_are_refused_not_wrapped(client, daemon):
     """ctypes wraps silently (-1 as a uint32 is 4294967295, 2**32 is 0, 3e9 as a C int is negative): each integer
     that goes into a fixed-width C type is checked first, and the error names it and its range."""
-    with flexkv.connect(daemon.socket) as c:
+    with flexkvd.connect(daemon.socket) as c:
         for kwargs, message in [({"dp_rank": -1}, "dp_rank is -1; expected an integer in 0..4294967295"),
                                 ({"tp_rank": 2**32}, "tp_rank is 4294967296; expected an integer in 0..4294967295")]:
-            with pytest.raises(flexkv.InvalidArgument) as e:
+            with pytest.raises(flexkvd.InvalidArgument) as e:
                 c.attach("ranks", TEST_NAMESPACE, TEST_GEOMETRY, **kwargs)
             assert e.value.message == message
             assert not c.attached
-        with pytest.raises(flexkv.InvalidArgument, match="geometry.head_dim is 4294967296"):
+        with pytest.raises(flexkvd.InvalidArgument, match="geometry.head_dim is 4294967296"):
             c.attach("g", TEST_NAMESPACE, dataclasses.replace(TEST_GEOMETRY, head_dim=2**32))
         with pytest.raises(TypeError, match="geometry.num_layers is a float"):
             c.attach("g", TEST_NAMESPACE, dataclasses.replace(TEST_GEOMETRY, num_layers=2.0))
-        with pytest.raises(flexkv.InvalidArgument, match="NUL"):
+        with pytest.raises(flexkvd.InvalidArgument, match="NUL"):
             c.attach("g", "pytest\0model", TEST_GEOMETRY)  # C would cut the namespace at the NUL
         assert not c.attached
-    with pytest.raises(flexkv.InvalidArgument, match="layout 4294967297 is not valid"):
+    with pytest.raises(flexkvd.InvalidArgument, match="layout 4294967297 is not valid"):
         client.create_host_kv(2**32 + 1, 16)  # a C int would wrap it to LAYER_FIRST
-    with pytest.raises(flexkv.InvalidArgument, match="num_blocks is -1"):
-        client.create_host_kv(flexkv.Layout.BLOCK_FIRST, -1)
-    with pytest.raises(flexkv.InvalidArgument, match="num_blocks is 4294967296"):
-        client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2**32)
+    with pytest.raises(flexkvd.InvalidArgument, match="num_blocks is -1"):
+        client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, -1)
+    with pytest.raises(flexkvd.InvalidArgument, match="num_blocks is 4294967296"):
+        client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 2**32)
     for handle in (-1, 2**64):
-        with pytest.raises(flexkv.InvalidArgument, match=f"match_handle is {handle}"):
+        with pytest.raises(flexkvd.InvalidArgument, match=f"match_handle is {handle}"):
             client.load(handle, [0])
-        with pytest.raises(flexkv.InvalidArgument, match=f"match_handle is {handle}"):
+        with pytest.raises(flexkvd.InvalidArgument, match=f"match_handle is {handle}"):
             client.release(handle)
-    with pytest.raises(flexkv.InvalidArgument, match="block key 1: lo is -1"):
+    with pytest.raises(flexkvd.InvalidArgument, match="block key 1: lo is -1"):
         client.match([(1, 2), (-1, 0)])
-    with pytest.raises(flexkv.InvalidArgument, match="block key 0: hi is 18446744073709551616"):
+    with pytest.raises(flexkvd.InvalidArgument, match="block key 0: hi is 18446744073709551616"):
         client.store([(0, 2**64)], [0])
 
 
@@ -212,17 +212,17 @@ def test_integers_a_c_type_cannot_hold_are_refused_not_wrapped(client, daemon):
     ({"layout": 2**32 + 2}, "layout 4294967298 is not valid"),
 ])
 def test_register_gpu_kv_refuses_integers_out_of_their_c_range(client, kwargs, message):
-    args = {"regions": [0x10000], "layout": flexkv.Layout.BLOCK_FIRST, "num_blocks": 16, "tp_rank": 0,
+    args = {"regions": [0x10000], "layout": flexkvd.Layout.BLOCK_FIRST, "num_blocks": 16, "tp_rank": 0,
             "region_bytes": 65536, **kwargs}
-    with pytest.raises(flexkv.InvalidArgument, match=message):
+    with pytest.raises(flexkvd.InvalidArgument, match=message):
         client.register_gpu_kv(args.pop("regions"), args.pop("layout"), args.pop("num_blocks"), args.pop("tp_rank"),
                                **args)
 
 
 @pytest.mark.parametrize("timeout", [-1, 3e6, float("nan"), float("inf")])
 def test_connect_timeout_out_of_range(daemon, timeout):
-    with pytest.raises(flexkv.InvalidArgument, match="timeout is"):
-        flexkv.connect(daemon.socket, timeout=timeout)  # 3e6 s in ms would wrap a C int to a negative number
-    with pytest.raises(flexkv.InvalidArgument, match="NUL"):
-        flexkv.connect(daemon.socket + "\0x")
-    flexkv.connect(daemon.socket, timeout=0).close()
+    with pytest.raises(flexkvd.InvalidArgument, match="timeout is"):
+        flexkvd.connect(daemon.socket, timeout=timeout)  # 3e6 s in ms would wrap a C int to a negative number
+    with pytest.raises(flexkvd.InvalidArgument, match="NUL"):
+        flexkvd.connect(daemon.socket + "\0x")
+    flexkvd.connect(daemon.socket, timeout=0).close()

@@ -1,4 +1,4 @@
-"""Client.register_gpu_kv (python/flexkv/client.py): what it accepts and refuses before libflexkv is called, and
+"""Client.register_gpu_kv (python/flexkvd/client.py): what it accepts and refuses before libflexkv is called, and
 that it never imports torch. The GPU round trips themselves run the example engine (test_examples.py)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import flexkv
+import flexkvd
 
 LAYERS = 2
 REGION = 2 * 16 * 4096  # [2 planes][16 blocks][4 KiB chunks] of the test geometry
@@ -43,23 +43,23 @@ class FakeCudaArray:
 
 def test_refusals_name_what_is_wrong(client):
     t = FakeTensor(0x10000, REGION)
-    with pytest.raises(flexkv.InvalidArgument, match="tensor 1 is on cpu"):
-        client.register_gpu_kv([t, FakeTensor(0x20000, REGION, is_cuda=False)], flexkv.Layout.LAYER_FIRST, 16)
-    with pytest.raises(flexkv.InvalidArgument, match="tensor 0 is not contiguous"):
-        client.register_gpu_kv([FakeTensor(0x10000, REGION, contiguous=False), t], flexkv.Layout.LAYER_FIRST, 16)
-    with pytest.raises(flexkv.InvalidArgument, match="tensor 1 is not contiguous"):
+    with pytest.raises(flexkvd.InvalidArgument, match="tensor 1 is on cpu"):
+        client.register_gpu_kv([t, FakeTensor(0x20000, REGION, is_cuda=False)], flexkvd.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkvd.InvalidArgument, match="tensor 0 is not contiguous"):
+        client.register_gpu_kv([FakeTensor(0x10000, REGION, contiguous=False), t], flexkvd.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkvd.InvalidArgument, match="tensor 1 is not contiguous"):
         client.register_gpu_kv([FakeCudaArray(0x10000, (2, 16, 2048)), FakeCudaArray(0x20000, (2, 16, 2048), (2, 8192, 4))],
-                               flexkv.Layout.LAYER_FIRST, 16)
-    with pytest.raises(flexkv.InvalidArgument, match="different sizes"):
-        client.register_gpu_kv([t, FakeTensor(0x20000, REGION // 2)], flexkv.Layout.LAYER_FIRST, 16)
-    with pytest.raises(flexkv.InvalidArgument, match="expected one"):
-        client.register_gpu_kv([t, t], flexkv.Layout.BLOCK_FIRST, 16)
-    with pytest.raises(flexkv.InvalidArgument, match="region_bytes is needed"):
-        client.register_gpu_kv([0x10000, 0x20000], flexkv.Layout.LAYER_FIRST, 16)
-    with pytest.raises(flexkv.InvalidArgument, match="no KV regions"):
-        client.register_gpu_kv([], flexkv.Layout.LAYER_FIRST, 16)
+                               flexkvd.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkvd.InvalidArgument, match="different sizes"):
+        client.register_gpu_kv([t, FakeTensor(0x20000, REGION // 2)], flexkvd.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkvd.InvalidArgument, match="expected one"):
+        client.register_gpu_kv([t, t], flexkvd.Layout.BLOCK_FIRST, 16)
+    with pytest.raises(flexkvd.InvalidArgument, match="region_bytes is needed"):
+        client.register_gpu_kv([0x10000, 0x20000], flexkvd.Layout.LAYER_FIRST, 16)
+    with pytest.raises(flexkvd.InvalidArgument, match="no KV regions"):
+        client.register_gpu_kv([], flexkvd.Layout.LAYER_FIRST, 16)
     with pytest.raises(TypeError, match="KV region 0 is a str"):
-        client.register_gpu_kv(["cuda:0"], flexkv.Layout.BLOCK_FIRST, 16)
+        client.register_gpu_kv(["cuda:0"], flexkvd.Layout.BLOCK_FIRST, 16)
 
 
 @pytest.mark.parametrize("regions", [
@@ -82,29 +82,29 @@ def test_well_formed_regions_reach_libflexkv_without_importing_torch(client, reg
                 r.__cuda_array_interface__["data"] = (base + i * REGION, False)
         kwargs = {}
     torch_before = "torch" in sys.modules  # another test module of the same session may have imported it
-    with pytest.raises(flexkv.Error) as e:
-        client.register_gpu_kv(regions, flexkv.Layout.LAYER_FIRST, 16, **kwargs)
-    assert e.value.code in (flexkv.StatusCode.INVALID_ARGUMENT, flexkv.StatusCode.UNAVAILABLE,
-                            flexkv.StatusCode.UNIMPLEMENTED), e.value
+    with pytest.raises(flexkvd.Error) as e:
+        client.register_gpu_kv(regions, flexkvd.Layout.LAYER_FIRST, 16, **kwargs)
+    assert e.value.code in (flexkvd.StatusCode.INVALID_ARGUMENT, flexkvd.StatusCode.UNAVAILABLE,
+                            flexkvd.StatusCode.UNIMPLEMENTED), e.value
     assert ("torch" in sys.modules) == torch_before, "registering regions imported torch"
 
 
 def test_layer_events_need_a_gpu_or_round_trip_and_streams_are_checked(client):
     # Where no GPU is visible (or the daemon has no cuda backend) layer_events() raises the reason and leaves nothing
     # behind; on a GPU machine the set registers, closes, and closes again harmlessly.
-    from flexkv.client import _stream_handle
+    from flexkvd.client import _stream_handle
     try:
         events = client.layer_events(LAYERS)
-    except (flexkv.FailedPrecondition, flexkv.Unimplemented, flexkv.ResourceExhausted) as e:
+    except (flexkvd.FailedPrecondition, flexkvd.Unimplemented, flexkvd.ResourceExhausted) as e:
         assert str(e)
     else:
         with events:
             assert events.id > 0 and events.num_layers == LAYERS
-            with pytest.raises(flexkv.InvalidArgument, match="past the set's"):
+            with pytest.raises(flexkvd.InvalidArgument, match="past the set's"):
                 events.wait(LAYERS)
             events.wait(0)  # the legacy default stream: nothing recorded yet, does not block
         events.close()
-        with pytest.raises(flexkv.FailedPrecondition, match="closed"):
+        with pytest.raises(flexkvd.FailedPrecondition, match="closed"):
             events.wait(0)
 
     class TorchLikeStream:
@@ -115,5 +115,5 @@ def test_layer_events_need_a_gpu_or_round_trip_and_streams_are_checked(client):
     assert _stream_handle(0x1234) == 0x1234
     assert _stream_handle(TorchLikeStream()) == 0x7F00
     for bad in ("stream", -1, 1.5, True):
-        with pytest.raises(flexkv.InvalidArgument, match="expected None, a cudaStream_t"):
+        with pytest.raises(flexkvd.InvalidArgument, match="expected None, a cudaStream_t"):
             _stream_handle(bad)

@@ -12,32 +12,32 @@ from typing import List
 import numpy as np
 import pytest
 
-import flexkv
+import flexkvd
 
 NAMESPACE = "pytest-hybrid"
 # FULL: 2 layers, K/V, 2 heads of 64, bf16, 16 tokens: 16 KiB blocks; a 32-token (2-block) window of the same
 # shape; a state of 2 layers x 256 bytes (512-byte snapshots).
-SMALL = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
-                        components=[flexkv.ComponentSpec.sliding_window(2, 2, 64, 32),
-                                    flexkv.ComponentSpec.state(2, 256)])
+SMALL = flexkvd.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
+                        components=[flexkvd.ComponentSpec.sliding_window(2, 2, 64, 32),
+                                    flexkvd.ComponentSpec.state(2, 256)])
 KV_BLOCKS = 16
 
 
-def prompt_keys(seed: int, blocks: int, geometry: flexkv.Geometry = SMALL) -> flexkv.BlockKeys:
+def prompt_keys(seed: int, blocks: int, geometry: flexkvd.Geometry = SMALL) -> flexkvd.BlockKeys:
     tokens = [(seed * 100003 + i) % 128000 for i in range(blocks * geometry.tokens_per_block)]
-    return flexkv.block_keys(NAMESPACE, tokens, geometry.tokens_per_block)
+    return flexkvd.block_keys(NAMESPACE, tokens, geometry.tokens_per_block)
 
 
-def slot_bytes(geometry: flexkv.Geometry, component: int) -> int:
+def slot_bytes(geometry: flexkvd.Geometry, component: int) -> int:
     g = geometry.component(component)
     return g.num_layers * g.kv_planes * g.chunk_bytes_per_rank
 
 
-def component_arrays(client: flexkv.Client, geometry: flexkv.Geometry) -> List[np.ndarray]:
+def component_arrays(client: flexkvd.Client, geometry: flexkvd.Geometry) -> List[np.ndarray]:
     """Registers every component's host buffers (BLOCK_FIRST) and returns them as [block][bytes] arrays."""
     out = []
     for i in range(geometry.component_count):
-        buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, KV_BLOCKS, component=i)
+        buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, KV_BLOCKS, component=i)
         assert len(buf) == KV_BLOCKS * slot_bytes(geometry, i)
         out.append(np.frombuffer(buf, dtype=np.uint8).reshape(KV_BLOCKS, slot_bytes(geometry, i)))
     return out
@@ -45,7 +45,7 @@ def component_arrays(client: flexkv.Client, geometry: flexkv.Geometry) -> List[n
 
 @pytest.fixture
 def hybrid(daemon):
-    with flexkv.connect(daemon.socket) as c:
+    with flexkvd.connect(daemon.socket) as c:
         c.attach("pytest-hybrid", NAMESPACE, SMALL)
         kv = component_arrays(c, SMALL)
         yield c, kv
@@ -58,18 +58,18 @@ def test_each_component_registers_its_own_buffers_and_reports_its_sub_pool(hybri
     for i in range(3):
         slot, capacity = c.session_component(i)
         assert slot == SMALL.component(i).host_block_bytes and capacity > 0
-    with pytest.raises(flexkv.InvalidArgument, match="component 3"):
+    with pytest.raises(flexkvd.InvalidArgument, match="component 3"):
         c.session_component(3)
-    with pytest.raises(flexkv.AlreadyExists, match=r"component 1 \(sliding_window\)"):
-        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 4, component=1)
-    with pytest.raises(flexkv.InvalidArgument, match="component 3 is not in this session's geometry"):
-        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 4, component=3)
+    with pytest.raises(flexkvd.AlreadyExists, match=r"component 1 \(sliding_window\)"):
+        c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 4, component=1)
+    with pytest.raises(flexkvd.InvalidArgument, match="component 3 is not in this session's geometry"):
+        c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 4, component=3)
 
 
 def test_a_full_attention_session_has_one_component(client):
     slot, capacity = client.session_component(0)
     assert slot == client.status().block_bytes and capacity == client.status().capacity_blocks
-    with pytest.raises(flexkv.InvalidArgument):
+    with pytest.raises(flexkvd.InvalidArgument):
         client.session_component(1)
 
 
@@ -82,7 +82,7 @@ def test_store_and_load_copy_the_full_blocks_the_window_and_the_state(daemon, hy
     # Keys 0..5 from FULL blocks 0..5, the window (keys 4, 5) from window blocks 10, 11, states after keys 2 and 5.
     r = a.store(keys, [range(6), np.array([10, 11], dtype=np.int64), (3, 4)], state_boundaries=[3, 6]).wait()
     assert r.done_blocks == 6
-    with flexkv.connect(daemon.socket) as b:
+    with flexkvd.connect(daemon.socket) as b:
         b.attach("pytest-hybrid-b", NAMESPACE, SMALL)
         kv_b = component_arrays(b, SMALL)
         hit = b.match(keys, pin=True).wait()
@@ -110,7 +110,7 @@ def test_a_store_with_every_window_block_and_a_load_past_the_engines_prefix(daem
     # Window ids for all 6 keys (window blocks 0..5), states after keys 2 and 5 in state slots 3, 4.
     r = a.store(keys, [range(6), range(6), (3, 4)], state_boundaries=[3, 6], window_keys=6).wait()
     assert r.done_blocks == 6
-    with flexkv.connect(daemon.socket) as b:
+    with flexkvd.connect(daemon.socket) as b:
         b.attach("pytest-hybrid-b", NAMESPACE, SMALL)
         kv_b = component_arrays(b, SMALL)
         hit = b.match(keys[:3], pin=True).wait()
@@ -125,9 +125,9 @@ def test_a_store_with_every_window_block_and_a_load_past_the_engines_prefix(daem
         assert not kv_b[0][:9].any() and not kv_b[0][11:].any() and not kv_b[2][:14].any()
         b.release(hit.match_handle).wait()
         del kv_b
-    with pytest.raises(flexkv.InvalidArgument, match="window_keys 1 for a store of 6 keys"):
+    with pytest.raises(flexkvd.InvalidArgument, match="window_keys 1 for a store of 6 keys"):
         a.store(prompt_keys(4, 6), [range(6), [5], (3,)], state_boundaries=[6], window_keys=1)
-    with pytest.raises(flexkv.InvalidArgument, match="window_keys given with a single block id sequence"):
+    with pytest.raises(flexkvd.InvalidArgument, match="window_keys given with a single block id sequence"):
         a.store(keys, [0, 1, 2, 3, 4, 5], window_keys=6)
 
 
@@ -136,27 +136,27 @@ def test_wrong_counts_are_refused_before_anything_is_sent(hybrid):
     keys = prompt_keys(2, 4)
     first = c.match(keys)
     first.wait()
-    with pytest.raises(flexkv.InvalidArgument, match="per-component overload"):
+    with pytest.raises(flexkvd.InvalidArgument, match="per-component overload"):
         c.store(keys, [0, 1, 2, 3])
-    with pytest.raises(flexkv.InvalidArgument, match="per-component overload"):
+    with pytest.raises(flexkvd.InvalidArgument, match="per-component overload"):
         c.load(1, [0, 1, 2, 3])
-    with pytest.raises(flexkv.InvalidArgument, match=r"component 1 \(sliding_window\) has 3 block ids; expected 2"):
+    with pytest.raises(flexkvd.InvalidArgument, match=r"component 1 \(sliding_window\) has 3 block ids; expected 2"):
         c.store(keys, [[0, 1, 2, 3], [1, 2, 3], [4]], state_boundaries=[4])
-    with pytest.raises(flexkv.InvalidArgument, match=r"component 2 \(state\) has 1 block ids; expected 0"):
+    with pytest.raises(flexkvd.InvalidArgument, match=r"component 2 \(state\) has 1 block ids; expected 0"):
         c.store(keys, [[0, 1, 2, 3], [2, 3], [4]])
-    with pytest.raises(flexkv.InvalidArgument, match="state boundary 1 is 2 after 3; expected strictly increasing"):
+    with pytest.raises(flexkvd.InvalidArgument, match="state boundary 1 is 2 after 3; expected strictly increasing"):
         c.store(keys, [[0, 1, 2, 3], [2, 3], [4, 5]], state_boundaries=np.array([3, 2]))
-    with pytest.raises(flexkv.InvalidArgument, match="state boundary 0 is 5; expected 1..4"):
+    with pytest.raises(flexkvd.InvalidArgument, match="state boundary 0 is 5; expected 1..4"):
         c.store(keys, [[0, 1, 2, 3], [2, 3], [4]], state_boundaries=[5])
-    with pytest.raises(flexkv.InvalidArgument, match="2 id spans; expected one per geometry component: 3"):
+    with pytest.raises(flexkvd.InvalidArgument, match="2 id spans; expected one per geometry component: 3"):
         c.store(keys, [[0, 1, 2, 3], [2, 3]])
-    with pytest.raises(flexkv.InvalidArgument, match=r"component 2 \(state\) has 2 block ids; expected 1"):
+    with pytest.raises(flexkvd.InvalidArgument, match=r"component 2 \(state\) has 2 block ids; expected 1"):
         c.load(1, [[0, 1, 2, 3], [2, 3], [4, 5]])
-    with pytest.raises(flexkv.InvalidArgument, match="layer-wise"):
+    with pytest.raises(flexkvd.InvalidArgument, match="layer-wise"):
         c.load(1, [[0, 1, 2, 3], [2, 3], [4]], layerwise=True)
-    with pytest.raises(flexkv.InvalidArgument, match="state_boundaries given with a single block id sequence"):
+    with pytest.raises(flexkvd.InvalidArgument, match="state_boundaries given with a single block id sequence"):
         c.store(keys, [0, 1, 2, 3], state_boundaries=[4])
-    with pytest.raises(flexkv.InvalidArgument, match=r"block_ids\[1\] holds -1"):
+    with pytest.raises(flexkvd.InvalidArgument, match=r"block_ids\[1\] holds -1"):
         c.store(keys, [[0, 1, 2, 3], [-1, 3], [4]], state_boundaries=[4])
     # None of them reached the rings: the next request is the next ticket, and nothing is cached.
     after = c.match(keys)
@@ -165,11 +165,11 @@ def test_wrong_counts_are_refused_before_anything_is_sent(hybrid):
 
 
 def test_detach_waits_for_views_of_any_component_buffer(daemon):
-    with flexkv.connect(daemon.socket) as c:
+    with flexkvd.connect(daemon.socket) as c:
         c.attach("pytest-hybrid", NAMESPACE, SMALL)
-        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2, component=0)
-        state_view = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2, component=2)
-        with pytest.raises(flexkv.FailedPrecondition, match="1 views"):
+        c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 2, component=0)
+        state_view = c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 2, component=2)
+        with pytest.raises(flexkvd.FailedPrecondition, match="1 views"):
             c.detach()
         del state_view
         gc.collect()
@@ -178,10 +178,10 @@ def test_detach_waits_for_views_of_any_component_buffer(daemon):
 
 
 def test_close_keeps_a_viewed_component_buffer_mapped(daemon):
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("pytest-hybrid", NAMESPACE, SMALL)
-    c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2, component=0)
-    window = np.frombuffer(c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 2, component=1), dtype=np.uint8)
+    c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 2, component=0)
+    window = np.frombuffer(c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 2, component=1), dtype=np.uint8)
     c.close()
     window[:] = 7  # still mapped: the session ends once the view is gone
     assert int(window.sum()) == 7 * len(window)
@@ -192,15 +192,15 @@ def test_close_keeps_a_viewed_component_buffer_mapped(daemon):
 _ENGINE_B = r"""
 import hashlib, sys
 import numpy as np
-import flexkv
+import flexkvd
 socket, namespace = sys.argv[1], sys.argv[2]
-g = flexkv.Geometry.gpt_oss_20b()
-with flexkv.connect(socket) as c:
+g = flexkvd.Geometry.gpt_oss_20b()
+with flexkvd.connect(socket) as c:
     c.attach("engine-b", namespace, g)
-    bufs = [np.frombuffer(c.create_host_kv(flexkv.Layout.LAYER_FIRST, 16, component=i), dtype=np.uint8)
+    bufs = [np.frombuffer(c.create_host_kv(flexkvd.Layout.LAYER_FIRST, 16, component=i), dtype=np.uint8)
             for i in range(2)]
     tokens = [(7 * 100003 + i) % 128000 for i in range(12 * 16)]
-    keys = flexkv.block_keys(namespace, tokens, 16)
+    keys = flexkvd.block_keys(namespace, tokens, 16)
     hit = c.match(keys, pin=True).wait()
     e = hit.matched_blocks
     w = min(g.window_blocks(1), e)
@@ -213,12 +213,12 @@ with flexkv.connect(socket) as c:
 
 def test_gpt_oss_blocks_stored_by_one_engine_load_in_another_process(make_daemon):
     d = make_daemon(pool_size="256MiB")
-    g = flexkv.Geometry.gpt_oss_20b()
+    g = flexkvd.Geometry.gpt_oss_20b()
     planes, chunk = g.kv_planes, g.chunk_bytes_per_rank
-    with flexkv.connect(d.socket) as a:
+    with flexkvd.connect(d.socket) as a:
         a.attach("engine-a", NAMESPACE, g)
         # LAYER_FIRST: [layer][plane][block][chunk] per component, 16 blocks.
-        kv = [np.frombuffer(a.create_host_kv(flexkv.Layout.LAYER_FIRST, 16, component=i), dtype=np.uint8)
+        kv = [np.frombuffer(a.create_host_kv(flexkvd.Layout.LAYER_FIRST, 16, component=i), dtype=np.uint8)
               .reshape(g.component(i).num_layers, planes, 16, chunk) for i in range(2)]
         rng = np.random.default_rng(11)
         for arr in kv:
@@ -244,8 +244,8 @@ def test_gpt_oss_blocks_stored_by_one_engine_load_in_another_process(make_daemon
 def test_pool_components_report_each_sub_pool(hybrid, observer):
     c, _ = hybrid
     pools = observer.pool_components()
-    assert [p.kind for p in pools] == [flexkv.ComponentKind.FULL, flexkv.ComponentKind.SLIDING_WINDOW,
-                                       flexkv.ComponentKind.STATE]
+    assert [p.kind for p in pools] == [flexkvd.ComponentKind.FULL, flexkvd.ComponentKind.SLIDING_WINDOW,
+                                       flexkvd.ComponentKind.STATE]
     assert [p.slot_bytes for p in pools] == [16384, 16384, 512]
     assert [(p.slot_bytes, p.capacity) for p in pools] == [c.session_component(i) for i in range(3)]
     keys = prompt_keys(3, 4)

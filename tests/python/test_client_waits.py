@@ -1,4 +1,4 @@
-"""Ticket waits (python/flexkv/client.py): deadlines, try_wait, and the GIL released while blocked.
+"""Ticket waits (python/flexkvd/client.py): deadlines, try_wait, and the GIL released while blocked.
 
 A request that cannot end in time is made by stopping the daemon (Daemon.freeze: SIGSTOP, and every thread seen
 stopped): the submission lands in the ring, nobody reads it until SIGCONT.
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-import flexkv
-from flexkv import _lib, _native
+import flexkvd
+from flexkvd import _lib, _native
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
 
 TPB = TEST_GEOMETRY.tokens_per_block
@@ -23,7 +23,7 @@ CALL_PATHS = ["ctypes"] if os.environ.get("FLEXKV_NO_EXTENSION", "") not in ("",
 
 
 class _ExtensionShim:
-    """The compiled fast path (flexkv._fast) with some of its functions replaced: the fault-injection seam of the
+    """The compiled fast path (flexkvd._fast) with some of its functions replaced: the fault-injection seam of the
     extension path, as monkeypatching _lib.lib is the ctypes path's."""
 
     def __init__(self, real, **replaced):
@@ -68,8 +68,8 @@ def call_path(request, monkeypatch):
 @pytest.fixture
 def stored(client):
     """The client with 4 blocks of seed 1 stored from its host KV."""
-    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(1, 4), TPB)
+    buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(1, 4), TPB)
     client.store(keys, range(4)).wait(5)
     yield client, keys
     del buf
@@ -81,11 +81,11 @@ def test_wait_timeout_raises_deadline_exceeded_and_the_ticket_still_works(stored
     try:
         ticket = client.match(keys)
         t0 = time.monotonic()
-        with pytest.raises(flexkv.DeadlineExceeded) as e:
+        with pytest.raises(flexkvd.DeadlineExceeded) as e:
             ticket.wait(0.3)
         waited = time.monotonic() - t0
         assert 0.3 <= waited < 2.0
-        assert isinstance(e.value, TimeoutError) and isinstance(e.value, flexkv.Error)
+        assert isinstance(e.value, TimeoutError) and isinstance(e.value, flexkvd.Error)
         assert "still in flight" in e.value.message
         with pytest.raises(TimeoutError):
             ticket.wait(0)
@@ -123,7 +123,7 @@ def test_waits_release_the_gil(stored, daemon):
         t.start()
         time.sleep(0.05)
         before = progress[0]
-        with pytest.raises(flexkv.DeadlineExceeded):
+        with pytest.raises(flexkvd.DeadlineExceeded):
             ticket.wait(1.0)
         during = progress[0] - before
     finally:
@@ -157,7 +157,7 @@ def test_wait_layers_timeout(stored, daemon):
     daemon.freeze()
     try:
         t = client.load(hit.match_handle, range(8, 12), layerwise=True)
-        with pytest.raises(flexkv.DeadlineExceeded, match="layers"):
+        with pytest.raises(flexkvd.DeadlineExceeded, match="layers"):
             t.wait_layers(1, 0.2)
     finally:
         daemon.thaw()
@@ -176,7 +176,7 @@ def test_close_waits_for_a_thread_blocked_in_wait(stored, daemon):
     def waiter() -> None:
         try:
             ticket.wait()
-        except flexkv.Error as e:
+        except flexkvd.Error as e:
             errors.append(e)
 
     th = threading.Thread(target=waiter)
@@ -188,7 +188,7 @@ def test_close_waits_for_a_thread_blocked_in_wait(stored, daemon):
     finally:
         daemon.thaw()
     assert not th.is_alive()
-    assert len(errors) == 1 and isinstance(errors[0], flexkv.FailedPrecondition)
+    assert len(errors) == 1 and isinstance(errors[0], flexkvd.FailedPrecondition)
 
 
 def test_daemon_gone_is_unavailable(stored, daemon):
@@ -197,7 +197,7 @@ def test_daemon_gone_is_unavailable(stored, daemon):
     ticket = client.match(keys)
     daemon.signal(signal.SIGKILL)
     daemon.process.wait(10)
-    with pytest.raises(flexkv.Unavailable, match="Attach again"):
+    with pytest.raises(flexkvd.Unavailable, match="Attach again"):
         ticket.wait(5)
 
 
@@ -209,7 +209,7 @@ def test_a_waiter_whose_result_another_thread_took_returns_it_not_a_timeout(clie
     whole wait() inside it and then reports DEADLINE_EXCEEDED, as a call that lost the result does. On both call
     paths (ctypes, the compiled extension)."""
     replace, original = call_path
-    ticket = client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(11, 2), TPB))
+    ticket = client.match(flexkvd.block_keys(TEST_NAMESPACE, tokens(11, 2), TPB))
     c_name = {"wait": "flexkv_wait", "wait_layers": "flexkv_wait_layers", "try_wait": "flexkv_try_wait"}[method]
     real = original(c_name)
     taken = []
@@ -220,7 +220,7 @@ def test_a_waiter_whose_result_another_thread_took_returns_it_not_a_timeout(clie
         a = threading.Thread(target=lambda: taken.append(ticket.wait(5)), name="A")
         a.start()
         a.join(10)
-        return flexkv.StatusCode.DEADLINE_EXCEEDED
+        return flexkvd.StatusCode.DEADLINE_EXCEEDED
 
     replace(c_name, lose_the_result)
     if method == "wait":
@@ -238,25 +238,25 @@ def test_try_wait_on_a_client_that_is_not_attached_raises(client, monkeypatch, c
     an error naming the request, never "not ended yet", and done() raises it too instead of answering False
     forever. On both call paths."""
     replace, _ = call_path
-    ticket = client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(12, 1), TPB))
-    replace("flexkv_try_wait", lambda *args: flexkv.StatusCode.FAILED_PRECONDITION)
+    ticket = client.match(flexkvd.block_keys(TEST_NAMESPACE, tokens(12, 1), TPB))
+    replace("flexkv_try_wait", lambda *args: flexkvd.StatusCode.FAILED_PRECONDITION)
     monkeypatch.setattr(_lib.lib, "flexkv_last_error",
                         lambda: b"FAILED_PRECONDITION: not attached: call flexkv_attach first")
-    with pytest.raises(flexkv.FailedPrecondition) as e:
+    with pytest.raises(flexkvd.FailedPrecondition) as e:
         ticket.try_wait()
     assert e.value.message == f"match request (ticket {ticket.id}): not attached: call flexkv_attach first"
-    with pytest.raises(flexkv.FailedPrecondition, match="not attached"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="not attached"):
         ticket.done()
     monkeypatch.undo()
     assert ticket.wait(5).matched_blocks == 0 and ticket.done()
 
 
 def test_done_of_a_ticket_whose_session_ended_raises(client):
-    ticket = client.match(flexkv.block_keys(TEST_NAMESPACE, tokens(13, 1), TPB))
+    ticket = client.match(flexkvd.block_keys(TEST_NAMESPACE, tokens(13, 1), TPB))
     client.detach()
-    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="which has ended"):
         ticket.done()
-    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="which has ended"):
         ticket.try_wait()
 
 
@@ -265,17 +265,17 @@ def test_wait_timeouts_out_of_range(stored, daemon):
     daemon.freeze()
     try:
         ticket = client.match(keys)
-        with pytest.raises(flexkv.InvalidArgument, match="NaN"):
+        with pytest.raises(flexkvd.InvalidArgument, match="NaN"):
             ticket.wait(float("nan"))  # would never time out
-        with pytest.raises(flexkv.InvalidArgument, match="NaN"):
+        with pytest.raises(flexkvd.InvalidArgument, match="NaN"):
             ticket.wait_layers(1, float("nan"))
         with pytest.raises(TypeError):
             ticket.wait("1")
         t0 = time.monotonic()
-        with pytest.raises(flexkv.DeadlineExceeded):
+        with pytest.raises(flexkvd.DeadlineExceeded):
             ticket.wait(-5)  # negative: just look
         assert time.monotonic() - t0 < 1.0
-        with pytest.raises(flexkv.InvalidArgument, match="layers is -1"):
+        with pytest.raises(flexkvd.InvalidArgument, match="layers is -1"):
             ticket.wait_layers(-1, 0)
     finally:
         daemon.thaw()
@@ -288,21 +288,21 @@ def test_wait_timeouts_out_of_range(stored, daemon):
 def test_an_old_ticket_after_a_daemon_restart_and_reattach_is_failed_precondition(daemon):
     """The old session's first ticket and the new session's first ticket have the same id (1): the old one must
     answer FailedPrecondition (its session ended), never the new request's result."""
-    c = flexkv.connect(daemon.socket)
+    c = flexkvd.connect(daemon.socket)
     c.attach("phoenix", TEST_NAMESPACE, TEST_GEOMETRY)
     daemon.freeze()
-    old = c.match(flexkv.block_keys(TEST_NAMESPACE, tokens(21, 2), TPB))  # never read by that daemon
+    old = c.match(flexkvd.block_keys(TEST_NAMESPACE, tokens(21, 2), TPB))  # never read by that daemon
     daemon.restart()
-    with pytest.raises(flexkv.Unavailable):
+    with pytest.raises(flexkvd.Unavailable):
         old.try_wait()  # the daemon is gone: an error, not "not yet" forever
     c.attach("phoenix", TEST_NAMESPACE, TEST_GEOMETRY)
-    buf = c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(22, 3), TPB)
+    buf = c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(22, 3), TPB)
     new = c.store(keys, range(3))
     assert new.id == old.id == 1 and new.generation > old.generation
-    with pytest.raises(flexkv.FailedPrecondition, match="which has ended"):
+    with pytest.raises(flexkvd.FailedPrecondition, match="which has ended"):
         old.wait(1)
-    with pytest.raises(flexkv.FailedPrecondition):
+    with pytest.raises(flexkvd.FailedPrecondition):
         old.try_wait()
     assert new.wait(5).done_blocks == 3
     del buf
@@ -322,7 +322,7 @@ def test_try_wait_tells_not_yet_from_ended_from_session_gone(stored, daemon):
     daemon.freeze()
     pending = client.match(keys)
     daemon.kill()
-    with pytest.raises(flexkv.Unavailable, match="Attach again"):
+    with pytest.raises(flexkvd.Unavailable, match="Attach again"):
         pending.try_wait()  # daemon gone
-    with pytest.raises(flexkv.Unavailable):
+    with pytest.raises(flexkvd.Unavailable):
         pending.done()

@@ -1,4 +1,4 @@
-"""flexkv.Error and its subclasses (python/flexkv/errors.py)."""
+"""flexkvd.Error and its subclasses (python/flexkvd/errors.py)."""
 from __future__ import annotations
 
 import os
@@ -7,26 +7,26 @@ import re
 
 import pytest
 
-import flexkv
+import flexkvd
 from conftest import REPO
-from flexkv.errors import error_for
+from flexkvd.errors import error_for
 
 
 def test_status_codes_are_grpc_numbers():
-    assert flexkv.StatusCode.OK == 0
-    assert flexkv.StatusCode.INVALID_ARGUMENT == 3
-    assert flexkv.StatusCode.DEADLINE_EXCEEDED == 4
-    assert flexkv.StatusCode.FAILED_PRECONDITION == 9
-    assert flexkv.StatusCode.UNAVAILABLE == 14
-    assert flexkv.StatusCode.UNAUTHENTICATED == 16
-    assert len(flexkv.StatusCode) == 17
+    assert flexkvd.StatusCode.OK == 0
+    assert flexkvd.StatusCode.INVALID_ARGUMENT == 3
+    assert flexkvd.StatusCode.DEADLINE_EXCEEDED == 4
+    assert flexkvd.StatusCode.FAILED_PRECONDITION == 9
+    assert flexkvd.StatusCode.UNAVAILABLE == 14
+    assert flexkvd.StatusCode.UNAUTHENTICATED == 16
+    assert len(flexkvd.StatusCode) == 17
 
 
-@pytest.mark.parametrize("code", [c for c in flexkv.StatusCode if c != flexkv.StatusCode.OK])
+@pytest.mark.parametrize("code", [c for c in flexkvd.StatusCode if c != flexkvd.StatusCode.OK])
 def test_one_subclass_per_code_carries_code_and_message(code):
     e = error_for(int(code), "geometry.num_layers is 0; expected 1..1024")
-    assert isinstance(e, flexkv.Error)
-    assert type(e) is not flexkv.Error
+    assert isinstance(e, flexkvd.Error)
+    assert type(e) is not flexkvd.Error
     assert e.code == code
     assert e.message == "geometry.num_layers is 0; expected 1..1024"
     assert str(e) == f"{code.name}: geometry.num_layers is 0; expected 1..1024"
@@ -36,21 +36,21 @@ def test_one_subclass_per_code_carries_code_and_message(code):
 
 
 def test_subclasses_are_also_the_builtin_a_caller_would_catch():
-    assert issubclass(flexkv.DeadlineExceeded, TimeoutError)
-    assert issubclass(flexkv.InvalidArgument, ValueError)
-    assert issubclass(flexkv.Unavailable, ConnectionError)
-    assert issubclass(flexkv.PermissionDenied, PermissionError)
-    assert issubclass(flexkv.NotFound, LookupError)
-    assert issubclass(flexkv.OutOfRange, IndexError)
-    assert issubclass(flexkv.Unimplemented, NotImplementedError)
-    e = flexkv.DeadlineExceeded("slow")
-    assert e.code == flexkv.StatusCode.DEADLINE_EXCEEDED and str(e) == "DEADLINE_EXCEEDED: slow"
+    assert issubclass(flexkvd.DeadlineExceeded, TimeoutError)
+    assert issubclass(flexkvd.InvalidArgument, ValueError)
+    assert issubclass(flexkvd.Unavailable, ConnectionError)
+    assert issubclass(flexkvd.PermissionDenied, PermissionError)
+    assert issubclass(flexkvd.NotFound, LookupError)
+    assert issubclass(flexkvd.OutOfRange, IndexError)
+    assert issubclass(flexkvd.Unimplemented, NotImplementedError)
+    e = flexkvd.DeadlineExceeded("slow")
+    assert e.code == flexkvd.StatusCode.DEADLINE_EXCEEDED and str(e) == "DEADLINE_EXCEEDED: slow"
     assert e.errno is None  # an OSError subclass that does not pretend to carry an errno
 
 
 def test_an_unknown_code_is_still_an_error():
     e = error_for(99, "from the future")
-    assert isinstance(e, flexkv.Error) and e.code == flexkv.StatusCode.UNKNOWN and e.message == "from the future"
+    assert isinstance(e, flexkvd.Error) and e.code == flexkvd.StatusCode.UNKNOWN and e.message == "from the future"
 
 
 def test_every_code_the_c_abi_names_has_its_exception():
@@ -63,7 +63,7 @@ def test_every_code_the_c_abi_names_has_its_exception():
     named = {name: int(value) for name, value in re.findall(r"FLEXKV_([A-Z_]+)\s*=\s*(\d+)", enum)}
     assert {"OK", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "UNAVAILABLE"} <= named.keys()
     for name, value in named.items():
-        assert flexkv.StatusCode[name] == value, name
+        assert flexkvd.StatusCode[name] == value, name
         if value:
             e = error_for(value, "m")
             assert e.code == value and type(e).__name__ == name.title().replace("_", ""), name
@@ -72,6 +72,6 @@ def test_every_code_the_c_abi_names_has_its_exception():
                                   "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
                                   "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
                                   "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"]):
-        assert flexkv.StatusCode(value).name == name
+        assert flexkvd.StatusCode(value).name == name
         if value:
             assert type(error_for(value, "m")).__name__ == name.title().replace("_", "")

@@ -16,7 +16,7 @@ import weakref
 
 import pytest
 
-import flexkv
+import flexkvd
 from conftest import REPO
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
 
@@ -37,7 +37,7 @@ def expected_saved(extra_args) -> tuple:
     args = example.parse_args(extra_args)
     stored, saved0, total_full = set(), 0, 0
     for _, prompt in example.workload(args):
-        keys = flexkv.block_keys(args.namespace, prompt, args.block_size).hex()
+        keys = flexkvd.block_keys(args.namespace, prompt, args.block_size).hex()
         hit = 0
         while hit < len(keys) and keys[hit] in stored:
             hit += 1
@@ -97,15 +97,15 @@ def test_a_failed_load_still_releases_the_pins(client, observer):
     """The example's load step: the pinned match handle is released even when the load raises (here OutOfRange, a
     block id past the registered KV blocks), so the blocks do not stay pinned for the rest of the session."""
     example = load_example()
-    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(21, 4), TEST_GEOMETRY.tokens_per_block)
+    buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(21, 4), TEST_GEOMETRY.tokens_per_block)
     client.store(keys, range(4)).wait(5)
     hit = client.match(keys, pin=True).wait(5)
     assert observer.status().pinned_blocks == 4
-    with pytest.raises(flexkv.OutOfRange):
+    with pytest.raises(flexkvd.OutOfRange):
         example.load_cached(client, hit.match_handle, [4, 5, 6, 99], layerwise=False)
     assert observer.status().pinned_blocks == 0
-    with pytest.raises(flexkv.NotFound):  # released: the handle is gone
+    with pytest.raises(flexkvd.NotFound):  # released: the handle is gone
         client.load(hit.match_handle, [4]).wait(5)
     assert example.load_cached(client, client.match(keys, pin=True).wait(5).match_handle, [4, 5, 6, 7],
                                layerwise=True)[0] == 4
@@ -120,7 +120,7 @@ def test_the_example_ends_its_session_before_it_drops_its_kv_cache(daemon, monke
     example = load_example()
     caches = []
     alive_at_close = []
-    init, close = example.KvCache.__init__, flexkv.Client.close
+    init, close = example.KvCache.__init__, flexkvd.Client.close
 
     clients = []
 
@@ -135,11 +135,11 @@ def test_the_example_ends_its_session_before_it_drops_its_kv_cache(daemon, monke
         close(self)
 
     monkeypatch.setattr(example.KvCache, "__init__", tracked_init)
-    monkeypatch.setattr(flexkv.Client, "close", watched_close)
+    monkeypatch.setattr(flexkvd.Client, "close", watched_close)
     monkeypatch.setattr(sys, "argv", ["vllm_dp_rank.py", "--socket", daemon.socket, "--host"] + SMALL)
     assert example.main() == 0
     assert len(caches) == 1 and alive_at_close[0] == [True], alive_at_close
     gc.collect()
     assert caches[0]() is None  # and dropped after
-    with flexkv.connect(daemon.socket) as observer:
+    with flexkvd.connect(daemon.socket) as observer:
         assert observer.status().sessions == 0

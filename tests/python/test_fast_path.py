@@ -1,7 +1,7 @@
-"""The compiled fast path (python/flexkv/_fast.c, found by _native.py) against the ctypes path: where it is found,
+"""The compiled fast path (python/flexkvd/_fast.c, found by _native.py) against the ctypes path: where it is found,
 how it is turned off, and the same results and the same errors from both for every input the package takes.
 
-Both paths run in this process: `ctypes_path()` sets flexkv._native.ext aside for the duration, as
+Both paths run in this process: `ctypes_path()` sets flexkvd._native.ext aside for the duration, as
 FLEXKV_NO_EXTENSION=1 does for a whole process (also tested). Tests of the extension path skip where it is not
 built, unless FLEXKV_REQUIRE_EXTENSION=1 (set by tests/python/CMakeLists.txt when the build has the target): then
 a missing extension fails.
@@ -22,8 +22,8 @@ import threading
 
 import pytest
 
-import flexkv
-from flexkv import _convert, _lib, _native
+import flexkvd
+from flexkvd import _convert, _lib, _native
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE, tokens
 
 numpy = pytest.importorskip("numpy")
@@ -75,60 +75,60 @@ def run_python(code: str, env: dict, cwd: str = REPO) -> subprocess.CompletedPro
 # ---- where it is found ----
 
 def test_the_build_tree_extension_is_the_one_beside_libflexkv(extension):
-    assert flexkv.fast_path == os.path.join(os.path.dirname(os.environ["FLEXKV_LIBRARY"]), "_fast" + SUFFIX)
+    assert flexkvd.fast_path == os.path.join(os.path.dirname(os.environ["FLEXKV_LIBRARY"]), "_fast" + SUFFIX)
     assert extension.ABI_VERSION == _lib.ABI_VERSION
     assert _native.reason == ""
 
 
 def test_flexkv_no_extension_gives_the_ctypes_path_with_the_same_keys(extension):
-    code = ("import flexkv, flexkv._native as n; print(repr(flexkv.fast_path)); print(n.reason); "
-            "print(flexkv.block_keys('ns', list(range(64)), 16).hex())")
+    code = ("import flexkvd, flexkvd._native as n; print(repr(flexkvd.fast_path)); print(n.reason); "
+            "print(flexkvd.block_keys('ns', list(range(64)), 16).hex())")
     done = run_python(code, dict(os.environ, FLEXKV_NO_EXTENSION="1"))
     assert done.returncode == 0, done.stderr
     path, reason, keys = done.stdout.splitlines()
     assert path == "''" and "FLEXKV_NO_EXTENSION" in reason
-    assert keys == str(flexkv.block_keys("ns", list(range(64)), 16).hex())
+    assert keys == str(flexkvd.block_keys("ns", list(range(64)), 16).hex())
 
 
 def test_an_install_beside_the_package_is_found_without_any_variable(extension, tmp_path):
     """The installed layout: site/flexkv/ (the .py files and _fast*.so) and libflexkv.so.0 beside flexkv/."""
-    shutil.copytree(os.path.join(REPO, "python", "flexkv"), tmp_path / "flexkv")
-    shutil.copy(flexkv.fast_path, tmp_path / "flexkv")
+    shutil.copytree(os.path.join(REPO, "python", "flexkvd"), tmp_path / "flexkvd")
+    shutil.copy(flexkvd.fast_path, tmp_path / "flexkvd")
     os.symlink(os.path.realpath(os.environ["FLEXKV_LIBRARY"]), tmp_path / "libflexkv.so.0")
     env = {k: v for k, v in os.environ.items() if k not in ("FLEXKV_LIBRARY", "FLEXKV_EXTENSION")}
     env["PYTHONPATH"] = str(tmp_path)
-    done = run_python("import flexkv; print(flexkv.fast_path); print(flexkv.block_keys('ns', range(32), 16).hex())",
+    done = run_python("import flexkvd; print(flexkvd.fast_path); print(flexkvd.block_keys('ns', range(32), 16).hex())",
                       env, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr
     path, keys = done.stdout.splitlines()
-    assert path == str(tmp_path / "flexkv" / ("_fast" + SUFFIX))
-    assert keys == str(flexkv.block_keys("ns", range(32), 16).hex())
+    assert path == str(tmp_path / "flexkvd" / ("_fast" + SUFFIX))
+    assert keys == str(flexkvd.block_keys("ns", range(32), 16).hex())
 
 
 def test_without_any_extension_file_the_package_imports_on_ctypes(tmp_path):
     """No compiler, no extension: the package as copied, libflexkv beside it, and nothing else."""
-    shutil.copytree(os.path.join(REPO, "python", "flexkv"), tmp_path / "flexkv",
+    shutil.copytree(os.path.join(REPO, "python", "flexkvd"), tmp_path / "flexkvd",
                     ignore=shutil.ignore_patterns("_fast*.so"))
     os.symlink(os.path.realpath(os.environ["FLEXKV_LIBRARY"]), tmp_path / "libflexkv.so.0")
     env = {k: v for k, v in os.environ.items()
            if k not in ("FLEXKV_LIBRARY", "FLEXKV_EXTENSION", "FLEXKV_NO_EXTENSION")}
     env["PYTHONPATH"] = str(tmp_path)
-    code = ("import flexkv, flexkv._native as n; print(repr(flexkv.fast_path)); print(n.reason); "
-            "print(flexkv.block_keys('ns', list(range(32)), 16).hex())")
+    code = ("import flexkvd, flexkvd._native as n; print(repr(flexkvd.fast_path)); print(n.reason); "
+            "print(flexkvd.block_keys('ns', list(range(32)), 16).hex())")
     done = run_python(code, env, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr
     path, reason, keys = done.stdout.splitlines()
     assert path == "''" and reason.startswith("no usable extension") and "no such file" in reason
     with ctypes_path():
-        assert keys == str(flexkv.block_keys("ns", list(range(32)), 16).hex())
+        assert keys == str(flexkvd.block_keys("ns", list(range(32)), 16).hex())
 
 
 def test_a_named_extension_that_cannot_be_used_fails_the_import_saying_why(tmp_path):
     base = {k: v for k, v in os.environ.items() if k != "FLEXKV_NO_EXTENSION"}
-    done = run_python("import flexkv", dict(base, FLEXKV_EXTENSION=str(tmp_path / "missing.so")))
+    done = run_python("import flexkvd", dict(base, FLEXKV_EXTENSION=str(tmp_path / "missing.so")))
     assert done.returncode != 0 and "FLEXKV_EXTENSION" in done.stderr and "no such file" in done.stderr
     (tmp_path / "bad.so").write_bytes(b"not an ELF file")
-    done = run_python("import flexkv", dict(base, FLEXKV_EXTENSION=str(tmp_path / "bad.so")))
+    done = run_python("import flexkvd", dict(base, FLEXKV_EXTENSION=str(tmp_path / "bad.so")))
     assert done.returncode != 0 and "cannot use FLEXKV_EXTENSION" in done.stderr
 
 
@@ -158,8 +158,8 @@ def token_inputs():
 
 @pytest.mark.parametrize("kind", list(token_inputs()))
 def test_block_keys_are_the_same_from_both_paths(extension, kind):
-    fast, slow = both(lambda: flexkv.block_keys(TEST_NAMESPACE, token_inputs()[kind], TPB))
-    assert isinstance(fast, flexkv.BlockKeys) and isinstance(slow, flexkv.BlockKeys)
+    fast, slow = both(lambda: flexkvd.block_keys(TEST_NAMESPACE, token_inputs()[kind], TPB))
+    assert isinstance(fast, flexkvd.BlockKeys) and isinstance(slow, flexkvd.BlockKeys)
     assert bytes(fast._array) == bytes(slow._array) and len(fast) == len(slow)
     assert fast == slow and fast.parent is None and slow.parent is None
     if len(fast) > 2:  # a slice of the fast path's keys knows its parent as the ctypes path's does
@@ -195,7 +195,7 @@ BAD_TOKENS = {
 
 @pytest.mark.parametrize("kind", list(BAD_TOKENS))
 def test_block_keys_refuse_the_same_tokens_with_the_same_error(extension, kind):
-    fast, slow = both(lambda: flexkv.block_keys(TEST_NAMESPACE, BAD_TOKENS[kind], TPB))
+    fast, slow = both(lambda: flexkvd.block_keys(TEST_NAMESPACE, BAD_TOKENS[kind], TPB))
     assert fast == slow
     if kind != "bytes":  # bytes are a buffer of uint8: valid tokens
         assert fast[0] == "raised", fast
@@ -203,7 +203,7 @@ def test_block_keys_refuse_the_same_tokens_with_the_same_error(extension, kind):
 
 @pytest.mark.parametrize("per_block", [0, -1, 2**32, 1.5])
 def test_a_bad_tokens_per_block_is_refused_alike(extension, per_block):
-    fast, slow = both(lambda: flexkv.block_keys(TEST_NAMESPACE, [1] * 32, per_block))
+    fast, slow = both(lambda: flexkvd.block_keys(TEST_NAMESPACE, [1] * 32, per_block))
     assert fast == slow and fast[0] == "raised"
 
 
@@ -223,8 +223,8 @@ def test_int_arrays_are_the_same_from_both_paths(extension, ctype, values):
 
 @pytest.fixture
 def stored(client):
-    buf = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 16)
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(4, 4), TPB)
+    buf = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 16)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(4, 4), TPB)
     client.store(keys, list(range(4))).wait(5)
     yield client, keys
     del buf
@@ -234,13 +234,13 @@ def test_match_results_are_the_same_from_both_paths(extension, stored):
     client, keys = stored
     fast, slow = both(lambda: client.match(keys).wait(5))
     assert fast == slow and fast.matched_blocks == 4 and fast.ok
-    assert type(fast) is flexkv.OpResult and type(fast.status_code) is flexkv.StatusCode
+    assert type(fast) is flexkvd.OpResult and type(fast.status_code) is flexkvd.StatusCode
     assert dataclasses.asdict(fast) == dataclasses.asdict(slow) and repr(fast) == repr(slow)
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.matched_blocks = 1  # type: ignore[misc]
     assert hash(fast) == hash(slow)
-    miss = flexkv.block_keys(TEST_NAMESPACE, tokens(5, 2), TPB)
-    assert both(lambda: client.match(miss).wait(5)) == (flexkv.OpResult(flexkv.StatusCode.OK, 0, 0, 0),) * 2
+    miss = flexkvd.block_keys(TEST_NAMESPACE, tokens(5, 2), TPB)
+    assert both(lambda: client.match(miss).wait(5)) == (flexkvd.OpResult(flexkvd.StatusCode.OK, 0, 0, 0),) * 2
     assert both(lambda: client.prefetch(keys).wait(5))[0] == both(lambda: client.prefetch(keys).wait(5))[1]
 
 
@@ -262,19 +262,19 @@ def test_pinned_match_load_and_release_work_across_the_paths(extension, stored):
 
 def test_request_errors_are_the_same_from_both_paths(extension, stored):
     client, keys = stored
-    zero = flexkv.BlockKeys([(0, 0)])
+    zero = flexkvd.BlockKeys([(0, 0)])
     fast, slow = both(lambda: client.prefetch(zero).wait(5))
     assert fast == slow and fast[0] == "raised"
     fast, slow = both(lambda: client.load(123456789, [0]).wait(5))  # a handle never issued
     assert fast[0] == "raised" and fast[1] is slow[1] and fast[2].split("ticket")[0] == slow[2].split("ticket")[0]
     fast, slow = both(lambda: client.release(2**64).wait(5))
-    assert fast == slow and fast[1] is flexkv.InvalidArgument
+    assert fast == slow and fast[1] is flexkvd.InvalidArgument
 
 
 def test_errors_after_detach_and_close_are_the_same_from_both_paths(extension, daemon):
-    with flexkv.connect(daemon.socket) as client:
+    with flexkvd.connect(daemon.socket) as client:
         client.attach("pytest", TEST_NAMESPACE, TEST_GEOMETRY)
-        keys = flexkv.block_keys(TEST_NAMESPACE, tokens(6, 2), TPB)
+        keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(6, 2), TPB)
         tickets = [client.match(keys)]
         with ctypes_path():
             tickets.append(client.match(keys))
@@ -284,13 +284,13 @@ def test_errors_after_detach_and_close_are_the_same_from_both_paths(extension, d
             waited.append(both(lambda: t.wait(5)))
         # each ticket's first wait (extension) and second (ctypes) raise the same: its session has ended
         for fast, slow in waited:
-            assert fast[:2] == slow[:2] == ("raised", flexkv.FailedPrecondition)
+            assert fast[:2] == slow[:2] == ("raised", flexkvd.FailedPrecondition)
         assert both(lambda: client.match(keys)) == both(lambda: client.match(keys))
         fast, slow = both(lambda: client.match(keys))
-        assert fast == slow and fast[1] is flexkv.FailedPrecondition
+        assert fast == slow and fast[1] is flexkvd.FailedPrecondition
         client.close()
         fast, slow = both(lambda: client.match(keys))
-        closed = ("raised", flexkv.FailedPrecondition, "FAILED_PRECONDITION: this flexkv.Client is closed")
+        closed = ("raised", flexkvd.FailedPrecondition, "FAILED_PRECONDITION: this flexkvd.Client is closed")
         assert fast == slow == closed
 
 
@@ -304,7 +304,7 @@ def test_a_wait_on_a_frozen_daemon_times_out_alike_and_ctrl_c_reaches_it(extensi
     try:
         ticket = client.match(keys)
         fast, slow = both(lambda: ticket.wait(0.2))
-        assert fast == slow and fast[1] is flexkv.DeadlineExceeded
+        assert fast == slow and fast[1] is flexkvd.DeadlineExceeded
 
         def interrupt(signum, frame):
             raise KeyboardInterrupt

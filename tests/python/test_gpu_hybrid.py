@@ -10,18 +10,18 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible", allow_module_level=True)
 
-import flexkv  # noqa: E402
+import flexkvd  # noqa: E402
 
 NAMESPACE = "pytest-gpu-hybrid"
 # FULL and a 32-token (2-block) window: 2 layers, K/V, 2 heads of 64, bf16, 16 tokens (4 KiB chunks); a state of
 # 2 layers x 256 bytes.
-GEOMETRY = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
-                           components=[flexkv.ComponentSpec.sliding_window(2, 2, 64, 32),
-                                       flexkv.ComponentSpec.state(2, 256)])
+GEOMETRY = flexkvd.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
+                           components=[flexkvd.ComponentSpec.sliding_window(2, 2, 64, 32),
+                                       flexkvd.ComponentSpec.state(2, 256)])
 BLOCKS = 16
 
 
-def register(client: flexkv.Client, fill: bool):
+def register(client: flexkvd.Client, fill: bool):
     """Per component, LAYER_FIRST: one [planes][blocks][chunk] uint8 tensor per layer of its copy geometry."""
     kv = []
     for i in range(GEOMETRY.component_count):
@@ -31,7 +31,7 @@ def register(client: flexkv.Client, fill: bool):
         if fill:
             for t in layers:
                 t.random_(0, 256)
-        client.register_gpu_kv(layers, flexkv.Layout.LAYER_FIRST, BLOCKS, component=i)
+        client.register_gpu_kv(layers, flexkvd.Layout.LAYER_FIRST, BLOCKS, component=i)
         kv.append(layers)
     torch.cuda.synchronize()
     return kv
@@ -45,8 +45,8 @@ def blocks(kv, component: int, ids):
 def test_a_hybrid_prefix_round_trips_through_gpu_buffers(make_daemon):
     d = make_daemon(pool_size="256MiB")
     tokens = [(5 * 100003 + i) % 128000 for i in range(6 * 16)]
-    keys = flexkv.block_keys(NAMESPACE, tokens, 16)
-    with flexkv.connect(d.socket) as a, flexkv.connect(d.socket) as b:
+    keys = flexkvd.block_keys(NAMESPACE, tokens, 16)
+    with flexkvd.connect(d.socket) as a, flexkvd.connect(d.socket) as b:
         a.attach("gpu-a", NAMESPACE, GEOMETRY)
         b.attach("gpu-b", NAMESPACE, GEOMETRY)
         kv_a = register(a, fill=True)

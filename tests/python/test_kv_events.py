@@ -1,4 +1,4 @@
-"""flexkv.subscribe_kv_events (python/flexkv/kv_events.py): the snapshot, then stores and evictions, as the daemon
+"""flexkvd.subscribe_kv_events (python/flexkvd/kv_events.py): the snapshot, then stores and evictions, as the daemon
 holds them."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 
-import flexkv
+import flexkvd
 from conftest import FLEXKVD
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE
 
@@ -21,18 +21,18 @@ def last_seq(socket: str) -> int:
 TPB = TEST_GEOMETRY.tokens_per_block
 
 
-def chain(seed: int, blocks: int) -> flexkv.BlockKeys:
-    return flexkv.block_keys(TEST_NAMESPACE, [seed * 100000 + i for i in range(blocks * TPB)], TPB)
+def chain(seed: int, blocks: int) -> flexkvd.BlockKeys:
+    return flexkvd.block_keys(TEST_NAMESPACE, [seed * 100000 + i for i in range(blocks * TPB)], TPB)
 
 
 def test_a_subscription_sees_the_snapshot_then_every_store_and_eviction(make_daemon):
     d = make_daemon(pool_size="1MiB")  # 64 blocks of 16 KiB
-    with flexkv.connect(d.socket) as c:
+    with flexkvd.connect(d.socket) as c:
         c.attach("kv-events", TEST_NAMESPACE, TEST_GEOMETRY)
-        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 4)
+        c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 4)
         first = chain(1, 4)
         c.store(first, [0, 1, 2, 3]).wait(10.0)
-        with flexkv.subscribe_kv_events(d.socket, max_batch_events=3) as sub:
+        with flexkvd.subscribe_kv_events(d.socket, max_batch_events=3) as sub:
             held = set()
             instance = None
             while True:  # the snapshot: the 4 blocks, in batches of at most 3
@@ -68,7 +68,7 @@ def test_a_subscription_sees_the_snapshot_then_every_store_and_eviction(make_dae
                         held.discard(e.key)
                         assert e.cause == "evicted"
             keys = chain(39, 4)
-            assert parents[keys[1]] == keys[0] and parents[keys[0]] == flexkv.BlockKey(0, 0)
+            assert parents[keys[1]] == keys[0] and parents[keys[0]] == flexkvd.BlockKey(0, 0)
             total = sum(c.match_via_control(chain(seed, 4)) for seed in range(1, 40))
             assert total == len(held) == c.status().index_blocks
             sub.cancel()

@@ -21,7 +21,7 @@ import pytest
 zmq = pytest.importorskip("zmq", reason="python3-zmq is not installed (scripts/deps.sh installs it)")
 msgpack = pytest.importorskip("msgpack", reason="python3-msgpack is not installed (scripts/deps.sh installs it)")
 
-import flexkv  # noqa: E402
+import flexkvd  # noqa: E402
 from conftest import Daemon  # noqa: E402
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE  # noqa: E402
 
@@ -29,8 +29,8 @@ TPB = TEST_GEOMETRY.tokens_per_block
 TOPIC = b"kv-events"
 
 
-def chain(seed: int, blocks: int) -> flexkv.BlockKeys:
-    return flexkv.block_keys(TEST_NAMESPACE, [seed * 100000 + i for i in range(blocks * TPB)], TPB)
+def chain(seed: int, blocks: int) -> flexkvd.BlockKeys:
+    return flexkvd.block_keys(TEST_NAMESPACE, [seed * 100000 + i for i in range(blocks * TPB)], TPB)
 
 
 def as_hash(key) -> bytes:
@@ -134,7 +134,7 @@ def start_daemon_with_zmq(endpoint: str, pool_size: str, extra_args: Optional[Li
     return d
 
 
-def store(client: flexkv.Client, keys: flexkv.BlockKeys) -> None:
+def store(client: flexkvd.Client, keys: flexkvd.BlockKeys) -> None:
     client.store(keys, list(range(len(keys)))).wait(10.0)
 
 
@@ -144,9 +144,9 @@ def test_zmq_stream_decodes_as_vllm_block_stored_and_removed_with_the_keys_and_p
     d = start_daemon_with_zmq(endpoint, "1MiB")  # 64 blocks of 16 KiB: the load below evicts
     sub = VllmSubscriber(endpoint)
     try:
-        with flexkv.connect(d.socket) as c:
+        with flexkvd.connect(d.socket) as c:
             c.attach("zmq-test", TEST_NAMESPACE, TEST_GEOMETRY)
-            c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
+            c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 8)
             # The subscription is live once the first message (AllBlocksCleared and the snapshot) arrives.
             warm = 0
             while True:
@@ -193,9 +193,9 @@ def test_a_daemon_restart_publishes_all_blocks_cleared_then_its_restored_blocks(
     d = start_daemon_with_zmq(endpoint, "4MiB")
     sub = VllmSubscriber(endpoint)
     try:
-        with flexkv.connect(d.socket) as c:
+        with flexkvd.connect(d.socket) as c:
             c.attach("zmq-test", TEST_NAMESPACE, TEST_GEOMETRY)
-            c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
+            c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 8)
             warm = 0
             while True:
                 store(c, chain(2000 + warm, 1))
@@ -242,9 +242,9 @@ def test_dropping_one_domain_leaves_the_subscriber_the_other_domains_blocks():
     d = start_daemon_with_zmq(endpoint, "4MiB", ["--max-domains", "2"])
     sub = VllmSubscriber(endpoint)
     try:
-        with flexkv.connect(d.socket) as c:
+        with flexkvd.connect(d.socket) as c:
             c.attach("zmq-test", TEST_NAMESPACE, TEST_GEOMETRY)
-            c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
+            c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 8)
             warm = 0
             while True:
                 store(c, chain(3000 + warm, 1))
@@ -253,10 +253,10 @@ def test_dropping_one_domain_leaves_the_subscriber_the_other_domains_blocks():
                     break
             kept = chain(8, 4)
             store(c, kept)
-            with flexkv.connect(d.socket) as o:
+            with flexkvd.connect(d.socket) as o:
                 o.attach("zmq-test-other", other, TEST_GEOMETRY)
-                o.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
-                gone = flexkv.block_keys(other, [9 * 100000 + i for i in range(3 * TPB)], TPB)
+                o.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 8)
+                gone = flexkvd.block_keys(other, [9 * 100000 + i for i in range(3 * TPB)], TPB)
                 store(o, gone)
             sub.until_stored(as_hash(gone[2]))
             out = subprocess.run([os.path.join(os.path.dirname(FLEXKVD), "flexkvctl"), "--socket", d.socket,
@@ -277,9 +277,9 @@ def test_dropping_one_domain_leaves_the_subscriber_the_other_domains_blocks():
 
 # gpt-oss's shape, small: FULL and a 32-token (2-block) sliding window of 2 layers x K/V x 2 heads x 64 (16 KiB
 # blocks), and a state of 2 layers x 256 bytes.
-HYBRID = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
-                         components=[flexkv.ComponentSpec.sliding_window(2, 2, 64, 32),
-                                     flexkv.ComponentSpec.state(2, 256)])
+HYBRID = flexkvd.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
+                         components=[flexkvd.ComponentSpec.sliding_window(2, 2, 64, 32),
+                                     flexkvd.ComponentSpec.state(2, 256)])
 
 
 def test_zmq_stream_carries_each_component_of_a_hybrid_model_with_vllms_group_fields():
@@ -290,14 +290,14 @@ def test_zmq_stream_carries_each_component_of_a_hybrid_model_with_vllms_group_fi
     sub = VllmSubscriber(endpoint)
     namespace = "zmq-hybrid"
     try:
-        with flexkv.connect(d.socket) as c:
+        with flexkvd.connect(d.socket) as c:
             c.attach("zmq-hybrid", namespace, HYBRID)
             for i in range(HYBRID.component_count):
-                c.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8, component=i)
+                c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 8, component=i)
             prompts = []
 
-            def store_prompt(seed: int) -> flexkv.BlockKeys:
-                keys = flexkv.block_keys(namespace, [seed * 100000 + i for i in range(4 * 16)], 16)
+            def store_prompt(seed: int) -> flexkvd.BlockKeys:
+                keys = flexkvd.block_keys(namespace, [seed * 100000 + i for i in range(4 * 16)], 16)
                 # 4 FULL blocks, the window of the last 2, the state after block 4.
                 c.store(keys, [[0, 1, 2, 3], [4, 5], [6]], state_boundaries=[4]).wait(10.0)
                 return keys

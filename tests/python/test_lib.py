@@ -1,4 +1,4 @@
-"""Loading libflexkv (python/flexkv/_lib.py): $FLEXKV_LIBRARY first, and a clear error when it is wrong."""
+"""Loading libflexkv (python/flexkvd/_lib.py): $FLEXKV_LIBRARY first, and a clear error when it is wrong."""
 from __future__ import annotations
 
 import os
@@ -13,13 +13,13 @@ def run(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_flexkv_library_names_the_library_that_is_loaded():
     lib = os.environ["FLEXKV_LIBRARY"]
-    out = run("import flexkv._lib as l; print(l.lib._name)")
+    out = run("import flexkvd._lib as l; print(l.lib._name)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == lib
 
 
 def test_a_wrong_flexkv_library_is_an_import_error_naming_it():
-    out = run("import flexkv", FLEXKV_LIBRARY="/nonexistent/libflexkv.so.0")
+    out = run("import flexkvd", FLEXKV_LIBRARY="/nonexistent/libflexkv.so.0")
     assert out.returncode != 0
     assert "ImportError" in out.stderr
     assert "/nonexistent/libflexkv.so.0 (no such file)" in out.stderr
@@ -28,13 +28,13 @@ def test_a_wrong_flexkv_library_is_an_import_error_naming_it():
 
 def test_the_library_next_to_the_package_is_found(tmp_path):
     """Installed layout: flexkv/ with libflexkv.so.0 beside it, no FLEXKV_LIBRARY."""
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("flexkv").__file__)))
-    os.symlink(os.path.join(src, "flexkv"), tmp_path / "flexkv")
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("flexkvd").__file__)))
+    os.symlink(os.path.join(src, "flexkvd"), tmp_path / "flexkvd")
     os.symlink(os.path.realpath(os.environ["FLEXKV_LIBRARY"]), tmp_path / "libflexkv.so.0")
     env = {k: v for k, v in os.environ.items() if k not in ("FLEXKV_LIBRARY", "LD_LIBRARY_PATH")}
     env["PYTHONPATH"] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", "import flexkv, flexkv._lib as l; print(l.lib._name); "
-                          "print(flexkv.block_keys('tiny', [7], 1).hex()[0])"],
+    out = subprocess.run([sys.executable, "-c", "import flexkvd, flexkvd._lib as l; print(l.lib._name); "
+                          "print(flexkvd.block_keys('tiny', [7], 1).hex()[0])"],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split()
@@ -64,7 +64,7 @@ class OtherBuild(real_cdll):
         return super().__getattr__(name)
 ctypes.CDLL = OtherBuild
 try:
-    import flexkv
+    import flexkvd
 except ImportError as e:
     print("REFUSED", e)
     sys.exit(0)
@@ -95,18 +95,18 @@ def test_a_library_without_abi_version_is_refused_at_import():
 
 
 def test_verify_abi_accepts_the_library_it_was_built_with():
-    from flexkv import _lib
+    from flexkvd import _lib
     _lib.verify_abi(_lib.lib, _lib.lib._name)  # what the import did
     assert _lib.lib.flexkv_abi_version() == _lib.ABI_VERSION
 
 
 def test_the_version_is_the_project_version_written_once_in_cmake():
     import re
-    import flexkv
+    import flexkvd
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(repo, "CMakeLists.txt")) as f:
         project = re.search(r"project\(flexkv VERSION (\S+)", f.read()).group(1)
-    assert flexkv.__version__ == project
-    for path in ("python/flexkv/__init__.py", "common/version.h"):  # no second copy of it
+    assert flexkvd.__version__ == project
+    for path in ("python/flexkvd/__init__.py", "common/version.h"):  # no second copy of it
         with open(os.path.join(repo, path)) as f:
             assert f'"{project}"' not in f.read(), path

@@ -1,4 +1,4 @@
-"""examples/prefix_router.py and flexkv.routing.KvEventFeed against two real daemons: requests go to the node that
+"""examples/prefix_router.py and flexkvd.routing.KvEventFeed against two real daemons: requests go to the node that
 holds their prefix, the view follows stores and a daemon restart."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import subprocess
 import sys
 import time
 
-import flexkv
+import flexkvd
 from conftest import FLEXKVD
 from engine_process import TEST_GEOMETRY, TEST_NAMESPACE
-from flexkv.routing import KvEventFeed, PrefixRouter, RoutingIndex, choose_prefix_aware
+from flexkvd.routing import KvEventFeed, PrefixRouter, RoutingIndex, choose_prefix_aware
 
 TPB = TEST_GEOMETRY.tokens_per_block
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "prefix_router.py")
@@ -22,10 +22,10 @@ def tokens(seed: int, blocks: int):
 
 
 def store(socket: str, toks, blocks: int) -> None:
-    with flexkv.connect(socket) as c:
+    with flexkvd.connect(socket) as c:
         c.attach("router-test-engine", TEST_NAMESPACE, TEST_GEOMETRY)
-        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, blocks)
-        r = c.store(flexkv.block_keys(TEST_NAMESPACE, toks, TPB), list(range(blocks))).wait(10.0)
+        c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, blocks)
+        r = c.store(flexkvd.block_keys(TEST_NAMESPACE, toks, TPB), list(range(blocks))).wait(10.0)
         assert r.ok, r
 
 
@@ -42,14 +42,14 @@ def test_feed_follows_stores_and_a_restart(make_daemon):
     d = make_daemon()
     index = RoutingIndex()
     node = index.add_node("a")
-    keys = flexkv.block_keys(TEST_NAMESPACE, tokens(1, 4), TPB)
+    keys = flexkvd.block_keys(TEST_NAMESPACE, tokens(1, 4), TPB)
     store(d.socket, tokens(1, 4), 4)
     feed = KvEventFeed(index, node, d.socket, namespace=TEST_NAMESPACE, backoff_initial_s=0.05)
     try:
         assert feed.wait_synced(10.0), feed.last_error
         assert index.prefix_lengths(keys)[node].blocks == 4  # from the snapshot
         store(d.socket, tokens(2, 3), 3)
-        more = flexkv.block_keys(TEST_NAMESPACE, tokens(2, 3), TPB)
+        more = flexkvd.block_keys(TEST_NAMESPACE, tokens(2, 3), TPB)
         assert eventually(lambda: index.prefix_lengths(more)[node].blocks == 3)  # from the live events
         first = feed.instance_id
         d.kill()
@@ -57,7 +57,7 @@ def test_feed_follows_stores_and_a_restart(make_daemon):
         assert eventually(lambda: feed.snapshots >= 2 and feed.instance_id != first, 20.0), feed.last_error
         assert eventually(lambda: index.prefix_lengths(keys)[node].blocks == 4 and
                           index.prefix_lengths(more)[node].blocks == 3, 20.0)
-        assert index.key_count(node, flexkv.routing.Tier.DRAM) == 7
+        assert index.key_count(node, flexkvd.routing.Tier.DRAM) == 7
     finally:
         feed.close()
 
@@ -89,11 +89,11 @@ def test_example_routes_each_prompt_to_the_node_holding_its_prefix(make_daemon):
 OTHER_NAMESPACE = "router-test-other|bf16|tp1"
 
 
-def store_in(socket: str, namespace: str, toks, blocks: int) -> flexkv.BlockKeys:
-    with flexkv.connect(socket) as c:
+def store_in(socket: str, namespace: str, toks, blocks: int) -> flexkvd.BlockKeys:
+    with flexkvd.connect(socket) as c:
         c.attach(f"router-test-{namespace[:12]}", namespace, TEST_GEOMETRY)
-        c.create_host_kv(flexkv.Layout.BLOCK_FIRST, blocks)
-        keys = flexkv.block_keys(namespace, toks, TPB)
+        c.create_host_kv(flexkvd.Layout.BLOCK_FIRST, blocks)
+        keys = flexkvd.block_keys(namespace, toks, TPB)
         r = c.store(keys, list(range(blocks))).wait(10.0)
         assert r.ok, r
         return keys
@@ -102,7 +102,7 @@ def store_in(socket: str, namespace: str, toks, blocks: int) -> flexkv.BlockKeys
 def daemon_keys(socket: str):
     """The daemon's keys per tier now, from a fresh subscription's snapshot."""
     held = {"dram": set(), "ssd": set()}
-    with flexkv.subscribe_kv_events(socket) as sub:
+    with flexkvd.subscribe_kv_events(socket) as sub:
         while True:
             b = sub.next_batch()
             for e in b.events:
@@ -115,7 +115,7 @@ FLEXKVCTL = os.path.join(os.path.dirname(FLEXKVD), "flexkvctl")
 
 
 def last_seq(socket: str) -> int:
-    with flexkv.connect(socket) as c:  # no need to shell out to flexkvctl --json (issue 29, item 8)
+    with flexkvd.connect(socket) as c:  # no need to shell out to flexkvctl --json (issue 29, item 8)
         return c.status().kv_events.last_seq
 
 
@@ -130,7 +130,7 @@ def test_feed_drops_only_the_dropped_domain(make_daemon):
         assert feed.wait_synced(10.0), feed.last_error
         kept = store_in(d.socket, TEST_NAMESPACE, tokens(1, 5), 5)
         dropped = store_in(d.socket, OTHER_NAMESPACE, tokens(2, 4), 4)
-        assert eventually(lambda: index.key_count(node, flexkv.routing.Tier.DRAM) == 9), feed.last_error
+        assert eventually(lambda: index.key_count(node, flexkvd.routing.Tier.DRAM) == 9), feed.last_error
         out = subprocess.run([FLEXKVCTL, "--socket", d.socket, "drop-domain", OTHER_NAMESPACE, "--json"],
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -139,7 +139,7 @@ def test_feed_drops_only_the_dropped_domain(make_daemon):
         assert eventually(lambda: feed.position >= target, 20.0), feed.last_error
         truth = daemon_keys(d.socket)
         assert truth["dram"] == set(kept) and not truth["ssd"]
-        assert index.key_count(node, flexkv.routing.Tier.DRAM) == len(truth["dram"])
+        assert index.key_count(node, flexkvd.routing.Tier.DRAM) == len(truth["dram"])
         assert index.prefix_lengths(kept)[node].dram_blocks == len(kept)
         assert index.prefix_lengths(dropped)[node].blocks == 0
         assert feed.resyncs == 1
@@ -168,8 +168,8 @@ def test_filtered_feed_holds_the_ssd_blocks_the_daemon_names_by_the_namespace_ha
         d.kill()
         shutil.rmtree(d.pool_dir)  # the DRAM pool is gone (a reboot), the SSD directory stays
         d.restart()
-        hashed = f"#{flexkv.keys.namespace_hash(TEST_NAMESPACE):016x}"
-        with flexkv.subscribe_kv_events(d.socket) as sub:  # the precondition: the blocks come under the hash
+        hashed = f"#{flexkvd.keys.namespace_hash(TEST_NAMESPACE):016x}"
+        with flexkvd.subscribe_kv_events(d.socket) as sub:  # the precondition: the blocks come under the hash
             names = set()
             while True:
                 b = sub.next_batch()
@@ -188,7 +188,7 @@ def test_filtered_feed_holds_the_ssd_blocks_the_daemon_names_by_the_namespace_ha
             assert eventually(lambda: feed.position >= target, 20.0), feed.last_error
             truth = daemon_keys(d.socket)
             assert on_ssd <= truth["ssd"]
-            assert index.key_count(node, flexkv.routing.Tier.SSD) >= len(on_ssd)
+            assert index.key_count(node, flexkvd.routing.Tier.SSD) >= len(on_ssd)
             for keys in chains:
                 assert index.prefix_lengths(keys)[node].blocks == 4
             assert index.prefix_lengths(fresh)[node].dram_blocks == 2
@@ -208,7 +208,7 @@ def test_status_carries_the_kv_event_fields_a_router_compares(make_daemon):
     try:
         assert feed.wait_synced(10.0), feed.last_error
         store(d.socket, tokens(3, 4), 4)
-        with flexkv.connect(d.socket) as c:
+        with flexkvd.connect(d.socket) as c:
             st = c.status()
         assert st.kv_events is not None
         assert st.kv_events.instance_id == feed.instance_id != 0
@@ -244,18 +244,18 @@ def test_a_killed_or_hung_node_is_not_chosen(make_daemon):
 
     try:
         assert all(f.wait_synced(10.0) for f in feeds), [f.last_error for f in feeds]
-        assert eventually(lambda: index.key_count(na, flexkv.routing.Tier.DRAM) == 12 and
-                          index.key_count(nb, flexkv.routing.Tier.DRAM) == 12)
+        assert eventually(lambda: index.key_count(na, flexkvd.routing.Tier.DRAM) == 12 and
+                          index.key_count(nb, flexkvd.routing.Tier.DRAM) == 12)
         assert choices(400).count(na) > 100  # a holds half the prompts
         a.kill()
         killed = time.monotonic()
         assert eventually(lambda: not index.is_live(na), 1.0), feeds[0].last_error
         assert time.monotonic() - killed < 1.0
         assert na not in choices(400)
-        assert index.key_count(na, flexkv.routing.Tier.DRAM) == 12  # its view stays (it may come back with it)
+        assert index.key_count(na, flexkvd.routing.Tier.DRAM) == 12  # its view stays (it may come back with it)
         a.restart()  # the same pool: its blocks come back once verified
         assert eventually(lambda: index.is_live(na), 20.0), feeds[0].last_error
-        assert eventually(lambda: index.key_count(na, flexkv.routing.Tier.DRAM) == 12, 20.0)
+        assert eventually(lambda: index.key_count(na, flexkvd.routing.Tier.DRAM) == 12, 20.0)
         assert choices(400).count(na) > 100
         b.freeze()  # hung: its stream goes quiet, nothing ends it
         try:
@@ -309,9 +309,9 @@ def test_cluster_membership_marks_a_node_whose_lease_ended_not_live(make_daemon,
 
         def members(socket: str):
             try:
-                with flexkv.connect(socket, timeout=1.0) as c:
+                with flexkvd.connect(socket, timeout=1.0) as c:
                     st = c.status()
-            except flexkv.Error:
+            except flexkvd.Error:
                 return None
             return st.cluster
 
@@ -320,7 +320,7 @@ def test_cluster_membership_marks_a_node_whose_lease_ended_not_live(make_daemon,
         c = members(a.socket)
         assert c.node_id == "node-a" and c.epoch > 0
         assert [m.is_self for m in c.members if m.node_id == "node-a"] == [True]
-        feed = flexkv.routing.ClusterMembershipFeed(index, [b.socket, a.socket], interval_s=0.2)
+        feed = flexkvd.routing.ClusterMembershipFeed(index, [b.socket, a.socket], interval_s=0.2)
         try:
             assert eventually(lambda: feed.members is not None and set(feed.members) == {"node-a", "node-b"}, 10.0)
             assert index.is_live(na) and index.is_live(nb)

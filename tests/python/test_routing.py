@@ -1,11 +1,11 @@
-"""flexkv.routing: the routing index against a per-node set model, tiers, idempotent updates, the choice, and the
-router's keys agreeing with flexkv.block_keys (what engines store under)."""
+"""flexkvd.routing: the routing index against a per-node set model, tiers, idempotent updates, the choice, and the
+router's keys agreeing with flexkvd.block_keys (what engines store under)."""
 import random
 
 import pytest
 
-import flexkv
-from flexkv.routing import NodePrefix, PrefixRouter, RoutingIndex, Tier, choose_prefix_aware
+import flexkvd
+from flexkvd.routing import NodePrefix, PrefixRouter, RoutingIndex, Tier, choose_prefix_aware
 
 NS = "routing-test|bf16|tp1"
 
@@ -17,7 +17,7 @@ def prompt(i, blocks, bs=16):
 def test_prefix_per_node_and_tier():
     index = RoutingIndex()
     a, b, c = index.add_node("a"), index.add_node("b"), index.add_node("c")
-    keys = flexkv.block_keys(NS, prompt(1, 10), 16)
+    keys = flexkvd.block_keys(NS, prompt(1, 10), 16)
     index.stored(a, Tier.DRAM, keys[:6])
     index.stored(b, Tier.DRAM, keys[:4])
     index.stored(b, Tier.SSD, keys[4:8])
@@ -32,7 +32,7 @@ def test_prefix_per_node_and_tier():
 def test_idempotent_updates_and_clear():
     index = RoutingIndex()
     a, b = index.add_node("a"), index.add_node("b")
-    keys = flexkv.block_keys(NS, prompt(2, 8), 16)
+    keys = flexkvd.block_keys(NS, prompt(2, 8), 16)
     index.stored(a, Tier.DRAM, keys)
     index.stored(a, Tier.DRAM, keys)  # a snapshot replayed
     index.stored(b, Tier.DRAM, keys[:2])
@@ -51,7 +51,7 @@ def test_agrees_with_a_set_model():
     rng = random.Random(5)
     index = RoutingIndex()
     nodes = [index.add_node(f"n{i}") for i in range(5)]
-    prompts = [flexkv.block_keys(NS, prompt(10 + i, 12), 16) for i in range(10)]
+    prompts = [flexkvd.block_keys(NS, prompt(10 + i, 12), 16) for i in range(10)]
     model = [[set(), set()] for _ in nodes]
     for step in range(1500):
         node, tier = rng.choice(nodes), rng.choice([Tier.DRAM, Tier.SSD])
@@ -83,18 +83,18 @@ def test_agrees_with_a_set_model():
 
 def test_refusals_name_the_problem():
     index = RoutingIndex()
-    with pytest.raises(flexkv.InvalidArgument):
+    with pytest.raises(flexkvd.InvalidArgument):
         index.add_node("")
     index.add_node("x")
-    with pytest.raises(flexkv.AlreadyExists):
+    with pytest.raises(flexkvd.AlreadyExists):
         index.add_node("x")
-    with pytest.raises(flexkv.NotFound):
+    with pytest.raises(flexkvd.NotFound):
         index.find_node("y")
-    with pytest.raises(flexkv.InvalidArgument, match="never added"):
+    with pytest.raises(flexkvd.InvalidArgument, match="never added"):
         index.stored(3, Tier.DRAM, [(1, 2)])
     for i in range(1, 64):
         index.add_node(f"n{i}")
-    with pytest.raises(flexkv.ResourceExhausted):
+    with pytest.raises(flexkvd.ResourceExhausted):
         index.add_node("one-too-many")
     index.stored(63, Tier.SSD, [(1, 2)])
     assert index.prefix_lengths([(1, 2)])[63] == NodePrefix(63, 1, 0)
@@ -105,14 +105,14 @@ def test_choice_and_router():
     assert choose_prefix_aware(prefixes, [1, 3, 2, 0]) == 2
     assert choose_prefix_aware(prefixes, [1, 1, 5, 0]) == 1
     assert choose_prefix_aware(prefixes, [1, 7, 5, 0]) == 0
-    with pytest.raises(flexkv.InvalidArgument):
+    with pytest.raises(flexkvd.InvalidArgument):
         choose_prefix_aware(prefixes, [1, 2])
     index = RoutingIndex()
     a, b = index.add_node("a"), index.add_node("b")
     tokens = prompt(3, 6) + [7, 7, 7]  # a trailing partial block is never keyed
-    index.stored(b, Tier.DRAM, flexkv.block_keys(NS, tokens, 16)[:5])
+    index.stored(b, Tier.DRAM, flexkvd.block_keys(NS, tokens, 16)[:5])
     router = PrefixRouter(index, NS, 16)
-    assert list(router.keys(tokens)) == list(flexkv.block_keys(NS, tokens[:96], 16))
+    assert list(router.keys(tokens)) == list(flexkvd.block_keys(NS, tokens[:96], 16))
     node, prefixes = router.route(tokens, loads=[0, 0])
     assert node == b and prefixes[b].blocks == 5 and prefixes[a].blocks == 0
     node, _ = router.route(tokens, loads=[0, 10])  # b overloaded
@@ -122,7 +122,7 @@ def test_choice_and_router():
 def test_replace_node_leaves_exactly_the_keys_given():
     index = RoutingIndex()
     a, b = index.add_node("a"), index.add_node("b")
-    keys = flexkv.block_keys(NS, prompt(4, 10), 16)
+    keys = flexkvd.block_keys(NS, prompt(4, 10), 16)
     index.stored(a, Tier.DRAM, keys[:6])
     index.stored(a, Tier.SSD, keys[6:])
     index.stored(b, Tier.DRAM, keys[:3])
@@ -133,7 +133,7 @@ def test_replace_node_leaves_exactly_the_keys_given():
     assert (index.key_count(a, Tier.DRAM), index.key_count(a, Tier.SSD)) == (1, 0)
     index.replace_node(a, [])
     assert index.prefix_lengths(keys)[a] == NodePrefix(a, 0, 0) and len(index) == 3
-    with pytest.raises(flexkv.InvalidArgument, match="never added"):
+    with pytest.raises(flexkvd.InvalidArgument, match="never added"):
         index.replace_node(5, keys[:1])
     assert len(index) == 3
 
@@ -146,7 +146,7 @@ def test_a_reader_during_replace_node_never_sees_a_half_replaced_node():
 
     index = RoutingIndex()
     a = index.add_node("a")
-    keys = flexkv.block_keys(NS, prompt(5, 16), 16)
+    keys = flexkvd.block_keys(NS, prompt(5, 16), 16)
     index.replace_node(a, keys)
     done = threading.Event()
     torn, reads = [], [0]
@@ -182,7 +182,7 @@ def test_a_node_that_is_not_live_is_never_chosen():
     was chosen: a request sent there fails, it does not cost a miss."""
     index = RoutingIndex()
     a, b = index.add_node("a"), index.add_node("b")
-    keys = flexkv.block_keys(NS, prompt(5, 6), 16)
+    keys = flexkvd.block_keys(NS, prompt(5, 6), 16)
     index.stored(a, Tier.DRAM, keys)
     index.stored(b, Tier.DRAM, keys[:2])
     assert choose_prefix_aware(index.prefix_lengths(keys), [0, 0]) == a
@@ -193,7 +193,7 @@ def test_a_node_that_is_not_live_is_never_chosen():
     # The load limit is taken over the live nodes: b, the only live one, qualifies however loaded.
     assert choose_prefix_aware(p, [0, 100]) == b
     index.set_live(b, False)
-    with pytest.raises(flexkv.Unavailable, match="none of the 2 nodes is live"):
+    with pytest.raises(flexkvd.Unavailable, match="none of the 2 nodes is live"):
         choose_prefix_aware(index.prefix_lengths(keys), [0, 0])
     index.set_live(a, True)
     assert choose_prefix_aware(index.prefix_lengths(keys), [0, 0]) == a
@@ -216,5 +216,5 @@ def test_liveness_lapses_without_renewal_and_follows_membership():
     assert [p.live for p in index.prefix_lengths([])] == [False, True]
     index.set_members(None)  # membership not known: no node excluded for it
     assert index.is_live(a)
-    with pytest.raises(flexkv.InvalidArgument):
+    with pytest.raises(flexkvd.InvalidArgument):
         index.set_live(7, True)

@@ -1,4 +1,4 @@
-"""flexkv.integrations.sglang against a real flexkvd: SGLang's HiCache storage calls, made in the order SGLang's
+"""flexkvd.integrations.sglang against a real flexkvd: SGLang's HiCache storage calls, made in the order SGLang's
 HiCacheController makes them, with real bytes in SGLang-shaped host pools (NumPy stands in for the pinned torch
 tensors; SGLang and torch are not installable here).
 
@@ -24,10 +24,10 @@ from typing import List, Optional, Sequence
 import numpy as np
 import pytest
 
-import flexkv
-from flexkv.integrations import sglang as backend
-from flexkv.integrations._sglang_layout import HostPoolLayout
-from flexkv.integrations._sglang_store import PageStore
+import flexkvd
+from flexkvd.integrations import sglang as backend
+from flexkvd.integrations._sglang_layout import HostPoolLayout
+from flexkvd.integrations._sglang_store import PageStore
 
 STORAGE_BATCH_SIZE = 128  # sglang/srt/mem_cache/hicache_storage.py
 PAGE = 16                  # tokens per page
@@ -428,13 +428,13 @@ def test_generic_flat_pages_round_trip(daemon) -> None:
 
 
 def test_host_pool_layouts_are_checked() -> None:
-    with pytest.raises(flexkv.InvalidArgument, match="page_first_kv_split"):
+    with pytest.raises(flexkvd.InvalidArgument, match="page_first_kv_split"):
         HostPoolLayout(make_pool("layer_first", True, 2), "page_first_kv_split", PAGE, True, DTYPE_BYTES)
-    with pytest.raises(flexkv.InvalidArgument, match="page_head.*MLA|MLA.*page_head|expected one of"):
+    with pytest.raises(flexkvd.InvalidArgument, match="page_head.*MLA|MLA.*page_head|expected one of"):
         HostPoolLayout(make_pool("layer_first", True, 2), "page_head", PAGE, True, DTYPE_BYTES)
-    with pytest.raises(flexkv.InvalidArgument, match="power of two"):
+    with pytest.raises(flexkvd.InvalidArgument, match="power of two"):
         HostPoolLayout(np.zeros((2, 2, 24, 2, 128), np.uint8), "layer_first", 24, False, DTYPE_BYTES)
-    with pytest.raises(flexkv.InvalidArgument, match="axes"):
+    with pytest.raises(flexkvd.InvalidArgument, match="axes"):
         HostPoolLayout(np.zeros((2, 2, 32, 128), np.uint8), "layer_first", PAGE, False, DTYPE_BYTES)
     pool = HostPoolLayout(make_pool("page_head", False, 2), "page_head", PAGE, False, DTYPE_BYTES)
     g = pool.geometry()
@@ -443,28 +443,28 @@ def test_host_pool_layouts_are_checked() -> None:
     assert g.host_block_bytes == pool.page_bytes
     mla = HostPoolLayout(make_pool("page_first_direct", True, 2), "page_first_direct", PAGE, True, DTYPE_BYTES)
     assert (mla.geometry().kv_planes, mla.geometry().head_dim) == (1, MLA_DIM)
-    with pytest.raises(flexkv.InvalidArgument, match="not the start of a page"):
+    with pytest.raises(flexkvd.InvalidArgument, match="not the start of a page"):
         pool.page_of(3)
 
 
 def test_host_indices_must_be_whole_pages(daemon) -> None:
     pool = HostPoolLayout(make_pool("layer_first", False, 4), "layer_first", PAGE, False, DTYPE_BYTES)
     with open_store(daemon, pool) as store:
-        with pytest.raises(flexkv.InvalidArgument, match="host indices"):
+        with pytest.raises(flexkvd.InvalidArgument, match="host indices"):
             store.batch_set(page_keys(1, 2), np.arange(PAGE))
-        with pytest.raises(flexkv.InvalidArgument, match="not the start of a page"):
+        with pytest.raises(flexkvd.InvalidArgument, match="not the start of a page"):
             store.batch_get(page_keys(1, 1), np.arange(1, PAGE + 1))
 
 
 def test_backend_config_from_sglang_fields() -> None:
     c = backend.BackendConfig.from_fields(model_name="meta/llama", extra_config={
-        "backend_name": "flexkvd", "module_path": "flexkv.integrations.sglang", "class_name": "FlexKVdStorage",
+        "backend_name": "flexkvd", "module_path": "flexkvd.integrations.sglang", "class_name": "FlexKVdStorage",
         "interface_v1": 1, "namespace": "prod-llama", "staging_pages": 16})
     assert (c.namespace, c.staging_pages, c.zero_copy_interface) == ("prod-llama", 16, True)
     c = backend.BackendConfig.from_fields(tp_rank=1, tp_size=4, pp_rank=1, pp_size=2, model_name="m")
     assert c.namespace == "sglang/m@tp1of4@pp1of2" and not c.zero_copy_interface
     for bad in ({"staging_pages": 0}, {"op_timeout_s": "soon"}, {"socket": 3}, {"namespace": 1}):
-        with pytest.raises(flexkv.InvalidArgument, match=next(iter(bad))):
+        with pytest.raises(flexkvd.InvalidArgument, match=next(iter(bad))):
             backend.BackendConfig.from_fields(extra_config=bad)
 
 
@@ -477,7 +477,7 @@ def test_adapter_imports_without_sglang_and_says_so_when_its_class_is_requested(
         module.FlexKVdStorage
     # SGLang's loader does getattr(module, class_name) and reports the ImportError it gets.
     with pytest.raises(ImportError, match="sglang.srt.mem_cache.hicache_storage"):
-        getattr(sys.modules["flexkv.integrations.sglang"], "FlexKVdStorage")
+        getattr(sys.modules["flexkvd.integrations.sglang"], "FlexKVdStorage")
 
 
 def test_storage_metrics_are_found_where_the_running_sglang_keeps_them(monkeypatch):

@@ -1,4 +1,4 @@
-"""flexkv.integrations.vllm beyond the call sequences: its configuration, the adapter (imported without vLLM, and
+"""flexkvd.integrations.vllm beyond the call sequences: its configuration, the adapter (imported without vLLM, and
 driven through a stand-in of vLLM's interface), and the GPU description a TP rank hands rank 0 (as far as a machine
 without a GPU goes)."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-import flexkv
+import flexkvd
 from conftest import settled_status
 from engine_process import TEST_GEOMETRY
-from flexkv.integrations._vllm_logic import ConnectorConfig, SchedulerLogic, vllm_namespace
-from flexkv.integrations._vllm_worker import RankKv, WorkerLogic
+from flexkvd.integrations._vllm_logic import ConnectorConfig, SchedulerLogic, vllm_namespace
+from flexkvd.integrations._vllm_worker import RankKv, WorkerLogic
 from vllm_harness import BS, NS, HostKvEngine, config, prompt
 
 
@@ -40,7 +40,7 @@ def exported_description(tp_rank: int, layers: int, region_bytes: int, num_block
     regions = b"".join(_field(3, _field(1, bytes([7 + i]) * 64) + _field(2, 256) + _field(3, region_bytes))
                        for i in range(layers))
     cuda = _field(1, b"GPU-00000000-1111-2222-3333-444444444444") + _field(2, tp_rank) + regions
-    return _field(3, int(flexkv.Layout.LAYER_FIRST)) + _field(4, num_blocks) + _field(11, cuda)
+    return _field(3, int(flexkvd.Layout.LAYER_FIRST)) + _field(4, num_blocks) + _field(11, cuda)
 
 
 class _FakeCudaTensor:
@@ -62,26 +62,26 @@ class _FakeCudaTensor:
 
 
 def test_a_gpu_rank_above_0_travels_to_rank_0_as_an_exported_description(daemon):
-    # TP rank r's worker describes its GPU KV (flexkv.export_gpu_kv) and rank 0 registers it
+    # TP rank r's worker describes its GPU KV (flexkvd.export_gpu_kv) and rank 0 registers it
     # (Client.register_exported_gpu_kv). Without a GPU here: libflexkv refuses to describe (no CUDA), rank 0 parses
     # a description in the exported format and the daemon answers its registration.
-    g = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
+    g = flexkvd.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=2, head_dim=64,
                         dtype_bytes=2, tp_size=2)
-    with pytest.raises(flexkv.Error, match="CUDA"):  # no CUDA driver here (or a libflexkv built without CUDA)
+    with pytest.raises(flexkvd.Error, match="CUDA"):  # no CUDA driver here (or a libflexkv built without CUDA)
         WorkerLogic(config(daemon.socket, g), tp_rank=1).describe_kv(8, [_FakeCudaTensor(), _FakeCudaTensor()])
-    with flexkv.connect(daemon.socket) as c:
+    with flexkvd.connect(daemon.socket) as c:
         c.attach("rank0", "vllm|pytest-tp2|main|bfloat16|tp2", g)
-        with pytest.raises(flexkv.InvalidArgument, match="not a GPU KV description"):
+        with pytest.raises(flexkvd.InvalidArgument, match="not a GPU KV description"):
             c.register_exported_gpu_kv(b"\x01\x02junk")
-        with pytest.raises(flexkv.InvalidArgument, match="64-byte"):
+        with pytest.raises(flexkvd.InvalidArgument, match="64-byte"):
             c.register_exported_gpu_kv(_field(3, 1) + _field(4, 8) + _field(11, _field(3, _field(1, b"x"))))
-        with pytest.raises(flexkv.Error) as answered:  # parsed, sent: the daemon answers (no GPU to open it here)
+        with pytest.raises(flexkvd.Error) as answered:  # parsed, sent: the daemon answers (no GPU to open it here)
             c.register_exported_gpu_kv(exported_description(1, 2, 2 * 8 * 4096, 8))
         assert "not a GPU KV description" not in str(answered.value)
         assert "64-byte" not in str(answered.value)
     # The C ABI's import and export are inverses: what rank 0 imports is what rank r exported.
     import ctypes
-    from flexkv import _lib
+    from flexkvd import _lib
     data = exported_description(1, 2, 2 * 8 * 4096, 8)
     kv = ctypes.c_void_p(0)
     _lib.check(_lib.lib.flexkv_gpu_kv_import(data, len(data), ctypes.byref(kv)))
@@ -90,7 +90,7 @@ def test_a_gpu_rank_above_0_travels_to_rank_0_as_an_exported_description(daemon)
         _lib.check(_lib.lib.flexkv_gpu_kv_export(kv, None, 0, ctypes.byref(size)))
         small = ctypes.create_string_buffer(size.value - 1)
         assert _lib.lib.flexkv_gpu_kv_export(kv, small, size.value - 1, ctypes.byref(size)) == \
-            flexkv.StatusCode.OUT_OF_RANGE
+            flexkvd.StatusCode.OUT_OF_RANGE
         buf = ctypes.create_string_buffer(size.value)
         _lib.check(_lib.lib.flexkv_gpu_kv_export(kv, buf, size.value, ctypes.byref(size)))
         assert buf.raw[:size.value] == data
@@ -98,7 +98,7 @@ def test_a_gpu_rank_above_0_travels_to_rank_0_as_an_exported_description(daemon)
     finally:
         _lib.lib.flexkv_gpu_kv_free(kv)
     w = WorkerLogic(config(daemon.socket, g))
-    with pytest.raises(flexkv.InvalidArgument, match="neither tensors nor an exported description"):
+    with pytest.raises(flexkvd.InvalidArgument, match="neither tensors nor an exported description"):
         w.register_kv([RankKv(0, "gpu", 8, tensors=[_FakeCudaTensor()]), RankKv(1, "gpu", 8)])
     described = pickle.loads(pickle.dumps(RankKv(1, "gpu", 8, exported=exported_description(1, 2, 65536, 8))))
     assert described.exported == exported_description(1, 2, 65536, 8)
@@ -111,9 +111,9 @@ def test_extra_config_is_validated_and_the_namespace_separates_what_changes_kv()
     cfg = ConnectorConfig.from_extra_config({"socket": "/run/flexkvd/flexkvd.sock", "op_timeout_s": 1},
                                             default_namespace="ns", geometry=TEST_GEOMETRY)
     assert cfg.link.socket == "/run/flexkvd/flexkvd.sock" and cfg.op_timeout_s == 1.0 and cfg.namespace == "ns"
-    with pytest.raises(flexkv.InvalidArgument, match="unknown keys \\['sokcet'\\]"):
+    with pytest.raises(flexkvd.InvalidArgument, match="unknown keys \\['sokcet'\\]"):
         ConnectorConfig.from_extra_config({"sokcet": "x"}, default_namespace="ns", geometry=TEST_GEOMETRY)
-    with pytest.raises(flexkv.InvalidArgument, match="op_timeout_s"):
+    with pytest.raises(flexkvd.InvalidArgument, match="op_timeout_s"):
         ConnectorConfig.from_extra_config({"op_timeout_s": "1"}, default_namespace="ns", geometry=TEST_GEOMETRY)
     names = {vllm_namespace("m", "bfloat16", 1), vllm_namespace("m", "fp8", 1), vllm_namespace("m", "bfloat16", 2),
              vllm_namespace("m", "bfloat16", 1, revision="abc"), vllm_namespace("m2", "bfloat16", 1)}
@@ -131,13 +131,13 @@ def test_requests_that_cannot_be_keyed_are_neither_looked_up_nor_stored(daemon):
 
 def test_the_adapter_imports_without_vllm_and_says_vllm_is_missing_when_the_class_is_requested(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not importable, whatever this machine has
-    monkeypatch.delitem(sys.modules, "flexkv.integrations.vllm", raising=False)
-    module = importlib.import_module("flexkv.integrations.vllm")
+    monkeypatch.delitem(sys.modules, "flexkvd.integrations.vllm", raising=False)
+    module = importlib.import_module("flexkvd.integrations.vllm")
     assert module.SchedulerLogic is SchedulerLogic and module.WorkerLogic is WorkerLogic
     with pytest.raises(ImportError, match="FlexKVdConnector needs vLLM"):
         module.FlexKVdConnector
     with pytest.raises(ImportError, match="needs vLLM"):
-        exec("from flexkv.integrations.vllm import FlexKVdConnector", {})
+        exec("from flexkvd.integrations.vllm import FlexKVdConnector", {})
     with pytest.raises(AttributeError):
         module.NoSuchThing
 
@@ -191,9 +191,9 @@ def standin_vllm(monkeypatch):
         module = types.ModuleType(name)
         module.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "flexkv.integrations.vllm", raising=False)
-    yield importlib.import_module("flexkv.integrations.vllm"), role
-    sys.modules.pop("flexkv.integrations.vllm", None)
+    monkeypatch.delitem(sys.modules, "flexkvd.integrations.vllm", raising=False)
+    yield importlib.import_module("flexkvd.integrations.vllm"), role
+    sys.modules.pop("flexkvd.integrations.vllm", None)
 
 
 def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, standin_vllm, observer):
@@ -224,7 +224,7 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
     engine = HostKvEngine(worker._worker, 16)
     try:
         tokens = prompt(19, 4 * BS + 3)
-        keys = flexkv.block_keys(NS, tokens, BS)
+        keys = flexkvd.block_keys(NS, tokens, BS)
         engine.compute(keys, [0, 1, 2, 3])
         req = NS_(request_id="r", all_token_ids=tokens, lora_request=None, mm_features=[],
                   num_computed_tokens=len(tokens), num_in_flight_tokens=0)
@@ -277,10 +277,10 @@ def test_a_lookup_never_blocks_the_scheduler_when_the_engine_takes_not_yet(daemo
 
     s = SchedulerLogic(dataclasses.replace(config(daemon.socket), op_timeout_s=1.5), may_defer=True)
     p = prompt(23, 4 * BS)
-    client = flexkv.connect(daemon.socket)
+    client = flexkvd.connect(daemon.socket)
     client.attach("storer", NS, TEST_GEOMETRY)
-    kv = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
-    stored = client.store(flexkv.block_keys(NS, p, BS), [0, 1, 2, 3]).wait(timeout=10)
+    kv = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 8)
+    stored = client.store(flexkvd.block_keys(NS, p, BS), [0, 1, 2, 3]).wait(timeout=10)
     assert stored.done_blocks == 4
     warm = (None, False)
     for _ in range(2000):  # the link is up (a loaded machine may take more than one step to answer)
@@ -332,7 +332,7 @@ def test_a_lookup_never_blocks_the_scheduler_when_the_engine_takes_not_yet(daemo
 
 
 def test_not_yet_is_used_only_with_an_engine_whose_interface_documents_it():
-    from flexkv.integrations.vllm import engine_takes_not_yet
+    from flexkvd.integrations.vllm import engine_takes_not_yet
 
     class Documented:
         def get_num_new_matched_tokens(self, request, num_computed_tokens):

@@ -1,4 +1,4 @@
-"""flexkv.integrations.vllm: the connector's logic (SchedulerLogic, WorkerLogic) driven with the calls vLLM V1 makes
+"""flexkvd.integrations.vllm: the connector's logic (SchedulerLogic, WorkerLogic) driven with the calls vLLM V1 makes
 (vllm_harness.MiniVllm, written from vllm/v1/core/sched/scheduler.py and kv_connector_model_runner_mixin.py) against
 a real flexkvd, with host KV buffers and every loaded block checked byte for byte. The adapter and the configuration
 are tested in test_vllm_adapter.py."""
@@ -12,12 +12,12 @@ from typing import Iterator, List
 
 import pytest
 
-import flexkv
+import flexkvd
 from conftest import settled_status
 from engine_process import TEST_GEOMETRY
-from flexkv.integrations._vllm_link import LinkOptions
-from flexkv.integrations._vllm_logic import ConnectorConfig, ConnectorMetadata, SchedulerLogic
-from flexkv.integrations._vllm_worker import RankKv, WorkerLogic
+from flexkvd.integrations._vllm_link import LinkOptions
+from flexkvd.integrations._vllm_logic import ConnectorConfig, ConnectorMetadata, SchedulerLogic
+from flexkvd.integrations._vllm_worker import RankKv, WorkerLogic
 from vllm_harness import BS, NS, HostKvEngine, MiniVllm, config, prompt
 
 
@@ -47,9 +47,9 @@ def engines(daemon) -> Iterator:
 
 def cached_blocks(observer_socket: str, tokens: List[int]) -> int:
     """How many leading full blocks of `tokens` flexkvd holds (a fresh session's unpinned match)."""
-    with flexkv.connect(observer_socket) as c:
+    with flexkvd.connect(observer_socket) as c:
         c.attach("observer", NS, TEST_GEOMETRY)
-        return c.match(flexkv.block_keys(NS, tokens, BS)).wait(timeout=5).matched_blocks
+        return c.match(flexkvd.block_keys(NS, tokens, BS)).wait(timeout=5).matched_blocks
 
 
 # ---- prefill hits ----
@@ -215,12 +215,12 @@ def test_blocks_evicted_between_lookup_and_load_are_reported_and_recomputed(make
     def evict(meta) -> None:  # between the scheduler's lookup and the worker's pin: fill the pool with others
         if not meta.loads:
             return
-        with flexkv.connect(small.socket) as c:
+        with flexkvd.connect(small.socket) as c:
             c.attach("filler", NS, TEST_GEOMETRY)
-            c.create_host_kv(flexkv.Layout.LAYER_FIRST, 8)
+            c.create_host_kv(flexkvd.Layout.LAYER_FIRST, 8)
             capacity = c.status().capacity_blocks
             for seed in range(100, 100 + capacity // 8 + 2):
-                keys = flexkv.block_keys(NS, prompt(seed, 8 * BS), BS)
+                keys = flexkvd.block_keys(NS, prompt(seed, 8 * BS), BS)
                 c.store(keys, list(range(8))).wait(timeout=10)
 
     b.before_worker = evict
@@ -333,7 +333,7 @@ def test_a_daemon_that_is_not_there_costs_misses_not_errors():
         assert s.request_finished("r", prompt(15, 4 * BS), [0, 1, 2, 3], 4 * BS) is False
         assert s.stats.lookup_errors == 1 and s.link.failures == 1
         w = WorkerLogic(cfg)
-        with pytest.raises(flexkv.Unavailable, match="not reachable"):
+        with pytest.raises(flexkvd.Unavailable, match="not reachable"):
             w.create_host_kv(8)
         s.close()
         w.close()
@@ -347,14 +347,14 @@ def test_tp2_rank1_hands_its_description_to_rank0_which_registers_and_alone_repo
     # Host KV serves TP 2 only for MLA (its latent KV is the same on every rank): rank 1's description says so and
     # rank 0 registers for both. K/V shards of TP ranks need the CUDA backend (see the next test).
     d = make_daemon()
-    mla = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=1, kv_heads_per_rank=1, head_dim=64,
+    mla = flexkvd.Geometry(tokens_per_block=16, num_layers=2, kv_planes=1, kv_heads_per_rank=1, head_dim=64,
                           dtype_bytes=2, tp_size=2)
     cfg = config(d.socket, mla, namespace="vllm|pytest-mla|main|bfloat16|tp2")
     rank0, rank1 = WorkerLogic(cfg, tp_rank=0), WorkerLogic(cfg, tp_rank=1)
     assert rank1.link is None  # ranks > 0 open no session
     described = pickle.loads(pickle.dumps(rank1.describe_kv(32)))  # over vLLM's TP CPU group
     assert described == RankKv(1, "mla-replica", 32)
-    with pytest.raises(flexkv.InvalidArgument, match="expected 0..1"):
+    with pytest.raises(flexkvd.InvalidArgument, match="expected 0..1"):
         rank0.register_kv([rank0.describe_kv(32)])
     rank0.register_kv([rank0.describe_kv(32), described])
     engine = HostKvEngine(rank0, 32)
@@ -413,4 +413,4 @@ def test_a_local_hit_that_ends_inside_a_block_loads_from_that_block(daemon, engi
     b.worker.start(ConnectorMetadata(loads=[load]))
     assert b.worker.wait_all()
     assert b.worker.get_finished(set()) == (None, {"b"}) and not b.worker.take_load_errors()
-    assert b.engine.holds(flexkv.block_keys(NS, p, BS)[2:], [42, 43, 44, 45])
+    assert b.engine.holds(flexkvd.block_keys(NS, p, BS)[2:], [42, 43, 44, 45])

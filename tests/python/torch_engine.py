@@ -21,13 +21,13 @@ import time
 
 import torch
 
-import flexkv
+import flexkvd
 
 NAMESPACE = "torch-engine"
 
 
-def geometry(args: argparse.Namespace) -> flexkv.Geometry:
-    return flexkv.Geometry(tokens_per_block=args.block_size, num_layers=args.layers, kv_planes=2,
+def geometry(args: argparse.Namespace) -> flexkvd.Geometry:
+    return flexkvd.Geometry(tokens_per_block=args.block_size, num_layers=args.layers, kv_planes=2,
                            kv_heads_per_rank=args.heads, head_dim=args.head_dim, dtype_bytes=2, tp_size=1)
 
 
@@ -68,12 +68,12 @@ def main() -> int:
     layers = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(args.layers)]
     rng = random.Random(args.seed)
     tokens = [rng.randrange(128000) for _ in range(args.blocks * args.block_size)]
-    keys = flexkv.block_keys(NAMESPACE, tokens, args.block_size)
+    keys = flexkvd.block_keys(NAMESPACE, tokens, args.block_size)
     out = {"role": args.role, "vmm": is_vmm(layers[0].data_ptr())}
     try:
-        with flexkv.connect(args.socket) as client:
+        with flexkvd.connect(args.socket) as client:
             client.attach(f"torch-{args.role}", NAMESPACE, g)
-            out["uuid"] = client.register_gpu_kv(layers, flexkv.Layout.LAYER_FIRST, args.kv_blocks)
+            out["uuid"] = client.register_gpu_kv(layers, flexkvd.Layout.LAYER_FIRST, args.kv_blocks)
             n = args.blocks
             nbytes = n * g.host_block_bytes
             if args.role == "store":
@@ -103,7 +103,7 @@ def main() -> int:
                     untouched &= bool(torch.count_nonzero(rest.view(torch.int16)).item() == 0)
                 out.update(hits=m.matched_blocks, done=r.done_blocks, equal=equal, untouched=untouched, seconds=dt,
                            gbps=m.matched_blocks * g.host_block_bytes / dt / 1e9)
-    except flexkv.Error as e:
+    except flexkvd.Error as e:
         out["error"] = f"{e.code.name}: {e.message}"
     print(json.dumps(out), flush=True)
     return 0 if "error" not in out else 1

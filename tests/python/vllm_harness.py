@@ -1,5 +1,5 @@
 """MiniVllm: the calls vLLM V1 makes on a KV connector, in vLLM's order, around the connector's logic classes (tests
-of flexkv.integrations.vllm without vLLM). Each step follows vllm/v1/core/sched/scheduler.py and
+of flexkvd.integrations.vllm without vLLM). Each step follows vllm/v1/core/sched/scheduler.py and
 vllm/v1/worker/kv_connector_model_runner_mixin.py (main branch):
 
   Scheduler.schedule()           running requests get their next chunk; waiting ones with num_computed_tokens == 0
@@ -33,11 +33,11 @@ from typing import Callable, Dict, List, Optional, Set
 
 import numpy as np
 
-import flexkv
+import flexkvd
 from engine_process import TEST_GEOMETRY
-from flexkv.integrations._vllm_link import LinkOptions
-from flexkv.integrations._vllm_logic import ConnectorConfig, SchedulerLogic
-from flexkv.integrations._vllm_worker import WorkerLogic
+from flexkvd.integrations._vllm_link import LinkOptions
+from flexkvd.integrations._vllm_logic import ConnectorConfig, SchedulerLogic
+from flexkvd.integrations._vllm_worker import WorkerLogic
 
 
 class HostKvEngine:
@@ -64,12 +64,12 @@ class HostKvEngine:
         self._kv = None
         self._generation = -1
 
-    def content(self, key: flexkv.BlockKey) -> np.ndarray:
+    def content(self, key: flexkvd.BlockKey) -> np.ndarray:
         g = self.geometry
         rng = np.random.default_rng([key.lo, key.hi])
         return rng.integers(0, 256, size=(g.num_layers, g.kv_planes, g.chunk_bytes_per_rank), dtype=np.uint8)
 
-    def compute(self, keys: flexkv.BlockKeys, ids: List[int]) -> None:
+    def compute(self, keys: flexkvd.BlockKeys, ids: List[int]) -> None:
         """The forward pass: writes the KV of these blocks."""
         kv = self.kv
         for key, b in zip(keys, ids):
@@ -78,7 +78,7 @@ class HostKvEngine:
     def poison(self, ids: List[int]) -> None:
         self.kv[:, :, ids, :] = 0xEE
 
-    def holds(self, keys: flexkv.BlockKeys, ids: List[int]) -> bool:
+    def holds(self, keys: flexkvd.BlockKeys, ids: List[int]) -> bool:
         kv = self.kv
         return all(np.array_equal(kv[:, :, b, :], self.content(k)) for k, b in zip(keys, ids))
 
@@ -219,7 +219,7 @@ class MiniVllm:
         """Scheduler._update_waiting_for_remote_kv: the load was reported; check the bytes it brought."""
         self.finished_recving.discard(r.request_id)
         n = r.num_computed_tokens // self.bs
-        keys = flexkv.block_keys(self.scheduler.config.namespace, r.tokens, self.bs)
+        keys = flexkvd.block_keys(self.scheduler.config.namespace, r.tokens, self.bs)
         r.loaded_ok = self.engine.holds(keys[:n], r.block_ids[:n])
         if r.load_failed:
             r.load_failures += 1
@@ -235,7 +235,7 @@ class MiniVllm:
     def _forward(self, r: Request, n: int) -> None:
         """Writes the KV of the blocks this chunk completes (and of the partial tail, which is never keyed)."""
         start, end = r.num_computed_tokens, r.num_computed_tokens + n
-        keys = flexkv.block_keys(self.scheduler.config.namespace, r.tokens[:end], self.bs)
+        keys = flexkvd.block_keys(self.scheduler.config.namespace, r.tokens[:end], self.bs)
         first = start // self.bs
         self.engine.compute(keys[first:], r.block_ids[first:len(keys)])
 
@@ -310,6 +310,6 @@ def prompt(seed: int, n_tokens: int) -> List[int]:
     return [rng.randrange(128000) for _ in range(n_tokens)]
 
 
-def config(socket: str, geometry: flexkv.Geometry = TEST_GEOMETRY, namespace: str = NS) -> ConnectorConfig:
+def config(socket: str, geometry: flexkvd.Geometry = TEST_GEOMETRY, namespace: str = NS) -> ConnectorConfig:
     return ConnectorConfig(namespace=namespace, geometry=geometry,
                            link=LinkOptions(socket=socket, connect_timeout_s=1.0), op_timeout_s=2.0)

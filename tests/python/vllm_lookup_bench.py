@@ -14,11 +14,11 @@ import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 
-import flexkv  # noqa: E402
+import flexkvd  # noqa: E402
 from conftest import Daemon  # noqa: E402
 from engine_process import TEST_GEOMETRY  # noqa: E402
-from flexkv.integrations._vllm_link import LinkOptions  # noqa: E402
-from flexkv.integrations._vllm_logic import ConnectorConfig, SchedulerLogic  # noqa: E402
+from flexkvd.integrations._vllm_link import LinkOptions  # noqa: E402
+from flexkvd.integrations._vllm_logic import ConnectorConfig, SchedulerLogic  # noqa: E402
 
 
 def pct(samples: list, q: float) -> float:
@@ -37,11 +37,11 @@ def main() -> int:
               f"{'request_finished, all cached p50/p99 us':>40}")
         for n in (1024, 8192, 32768):
             tokens = [rng.randrange(128000) for _ in range(n)]
-            with flexkv.connect(daemon.socket) as c:  # the prompt is cached: every lookup is a full hit
+            with flexkvd.connect(daemon.socket) as c:  # the prompt is cached: every lookup is a full hit
                 c.attach("bench-store", "bench", TEST_GEOMETRY)
-                kv = c.create_host_kv(flexkv.Layout.LAYER_FIRST, n // 16)
+                kv = c.create_host_kv(flexkvd.Layout.LAYER_FIRST, n // 16)
                 kv[:] = b"\x01" * len(kv)
-                c.store(flexkv.block_keys("bench", tokens, 16), list(range(n // 16))).wait(timeout=60)
+                c.store(flexkvd.block_keys("bench", tokens, 16), list(range(n // 16))).wait(timeout=60)
                 del kv
             new, again, finished = [], [], []
             for i in range(200):

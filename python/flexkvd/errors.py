@@ -1,4 +1,4 @@
-"""Errors of the flexkv package: one exception class per status code of libflexkv (gRPC's numbering).
+"""Errors of the flexkvd package: one exception class per status code of libflexkv (gRPC's numbering).
 
 Every failure of a libflexkv call, and every data-plane request that ended with an error, raises a subclass of
 `Error` carrying the code and the daemon's (or the client library's) message unchanged.

@@ -3,7 +3,7 @@ running flexkvd, the engine-side copy between SGLang's host pool and the shared 
 contiguous memcpy of the same bytes measured in the same run; and batch_exists of the same pages (one single-key
 match per page, pipelined).
 
-    python3 -m flexkv.integrations._sglang_bench --socket /path/flexkvd.sock [--pages 128] [--rounds 5]
+    python3 -m flexkvd.integrations._sglang_bench --socket /path/flexkvd.sock [--pages 128] [--rounds 5]
 
 Pages are Llama-3-8B's (32 layers, 8 KV heads of 128, bf16) at 16 tokens: 2 MiB each. The daemon needs a pool of at
 least pages x 2 MiB per layout.

@@ -1,11 +1,11 @@
-"""python3 -m flexkv.bench: the Python client's costs beside the C/C++ ones, from one run against one daemon.
+"""python3 -m flexkvd.bench: the Python client's costs beside the C/C++ ones, from one run against one daemon.
 
 Measures (docs/performance.md "Python fast path (issue 17)"):
   - a match round trip, Client.match(keys).wait(), 4 keys that all hit: p50/p99, unpinned and pinned + release
     (match(pin=True).wait() then release(handle).wait()); beside it the same calls in a C loop in this process and
-    session (flexkv._fast.bench_round_trips, when the extension is there) and `flexkv-bench ring --clients 1`
+    session (flexkvd._fast.bench_round_trips, when the extension is there) and `flexkv-bench ring --clients 1`
     against the same daemon (a C++ process of its own, unpinned only);
-  - flexkv.block_keys over 1k / 8k / 32k tokens from a Python list and from a NumPy int32 array (when NumPy is
+  - flexkvd.block_keys over 1k / 8k / 32k tokens from a Python list and from a NumPy int32 array (when NumPy is
     installed): p50 and keys/s; beside it flexkv_compute_block_keys called once per iteration on a ready int32
     array (one ctypes call: ~0.5 us of it is ctypes).
 The daemon: --socket S uses a running flexkvd (the bench attaches in its own namespace "flexkv-bench-python" with
@@ -31,11 +31,11 @@ import tempfile
 import time
 from typing import Callable, List, Optional, Sequence
 
-import flexkv
-from flexkv import _lib, _native
+import flexkvd
+from flexkvd import _lib, _native
 
 NAMESPACE = "flexkv-bench-ring"  # flexkv-bench ring's cache domain (namespace and geometry): a daemon serves one
-GEOMETRY = flexkv.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=1, head_dim=64,
+GEOMETRY = flexkvd.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_heads_per_rank=1, head_dim=64,
                            dtype_bytes=2, tp_size=1)
 KEY_SIZES = (1024, 8192, 32768)
 
@@ -113,17 +113,17 @@ def _cpp_ring(bench: Optional[str], socket: str, iterations: int) -> Optional[di
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600,
                           start_new_session=True)
     if done.returncode != 0:
-        print(f"flexkv.bench: {' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}", file=sys.stderr)
+        print(f"flexkvd.bench: {' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}", file=sys.stderr)
         return None
     ring = json.loads(done.stdout)["ring"]
     return {"p50_us": round(ring["p50_us"], 2), "p99_us": round(ring["p99_us"], 2), "n": iterations}
 
 
-def _round_trips(client: "flexkv.Client", iterations: int, rounds: int, cpp: Callable[[], Optional[dict]]) -> dict:
-    kv = client.create_host_kv(flexkv.Layout.BLOCK_FIRST, 8)
+def _round_trips(client: "flexkvd.Client", iterations: int, rounds: int, cpp: Callable[[], Optional[dict]]) -> dict:
+    kv = client.create_host_kv(flexkvd.Layout.BLOCK_FIRST, 8)
     del kv  # the bytes do not matter; the session keeps the buffer
     rng = random.Random(17)
-    keys = flexkv.block_keys(NAMESPACE, [rng.randrange(128000) for _ in range(4 * 16)], 16)
+    keys = flexkvd.block_keys(NAMESPACE, [rng.randrange(128000) for _ in range(4 * 16)], 16)
     client.store(keys, [0, 1, 2, 3]).wait(timeout=10)
     hit = client.match(keys).wait(timeout=10)
     if hit.matched_blocks != len(keys):
@@ -173,10 +173,10 @@ def _keys(iterations: int) -> dict:
     for n in KEY_SIZES:
         tokens = [rng.randrange(128000) for _ in range(n)]
         its = max(20, iterations * 1024 // n // 20)
-        row = {"list": _summary(_time(lambda: flexkv.block_keys(NAMESPACE, tokens, 16), its, its // 10 + 1))}
+        row = {"list": _summary(_time(lambda: flexkvd.block_keys(NAMESPACE, tokens, 16), its, its // 10 + 1))}
         if numpy is not None:
             arr = numpy.array(tokens, dtype=numpy.int32)
-            row["numpy"] = _summary(_time(lambda: flexkv.block_keys(NAMESPACE, arr, 16), its, its // 10 + 1))
+            row["numpy"] = _summary(_time(lambda: flexkvd.block_keys(NAMESPACE, arr, 16), its, its // 10 + 1))
         raw = (ctypes.c_int32 * n)(*tokens)
         keys_out = (_lib.BlockKeyStruct * (n // 16))()
         count = ctypes.c_size_t(0)
@@ -191,7 +191,7 @@ def _keys(iterations: int) -> dict:
 
 
 def _print(report: dict) -> None:
-    print(f"flexkv.bench {report['date']} on {report['machine']}: path {report['path']}")
+    print(f"flexkvd.bench {report['date']} on {report['machine']}: path {report['path']}")
     rt = report["round_trip"]
     print(f"\nMatch round trip, 4 keys, all hit (us), {report['rounds']} rounds      p50      p99")
     rows = [("Python  match().wait()", "python_unpinned"), ("C loop  match+wait (same session)", "c_unpinned"),
@@ -210,7 +210,7 @@ def _print(report: dict) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m flexkv.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m flexkvd.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--socket", help="a running flexkvd's socket (default: start a private one)")
     parser.add_argument("--iterations", type=int, default=10000,
                         help="round trips per figure and round (default 10000)")
@@ -231,11 +231,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   "machine": f"{os.uname().nodename}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
-                  "path": f"extension {flexkv.fast_path}" if flexkv.fast_path else
+                  "path": f"extension {flexkvd.fast_path}" if flexkvd.fast_path else
                           f"ctypes ({_native.reason})",
                   "python": sys.version.split()[0], "rounds": args.rounds}
         bench = None if args.no_cpp else _beside_library("flexkv-bench", "FLEXKV_BENCH")
-        with flexkv.connect(socket) as client:
+        with flexkvd.connect(socket) as client:
             client.attach("flexkv-bench-python", NAMESPACE, GEOMETRY)
             report["round_trip"] = _round_trips(client, args.iterations, args.rounds,
                                                 lambda: _cpp_ring(bench, socket, args.iterations))

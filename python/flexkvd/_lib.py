@@ -4,7 +4,7 @@ Why ctypes over the C ABI rather than a compiled extension: the package is pure 
 CPython >= 3.10 the engine runs (no per-version build, no compiler at install time), it loads into the engine's
 own interpreter next to torch, and ctypes releases the GIL for the duration of every foreign call, so a thread
 blocked in a wait does not stop the engine's other Python threads. The per-request calls have an optional compiled
-twin (flexkv._fast, found and bound by _native.py) that calls the functions of the library loaded here.
+twin (flexkvd._fast, found and bound by _native.py) that calls the functions of the library loaded here.
 
 Where the library is looked for, first hit wins:
   1. $FLEXKV_LIBRARY (a path to libflexkv.so.0);
@@ -208,7 +208,7 @@ class KvBatchStruct(Structure):
 
 kv_subscription_p = c_void_p
 # The KV event subscription (flexkv/kv_events.h): added without an ABI bump, so a library without it still loads the
-# package; flexkv.subscribe_kv_events then raises Unimplemented.
+# package; flexkvd.subscribe_kv_events then raises Unimplemented.
 _KV_PROTOTYPES = {
     "flexkv_kv_subscribe": (c_int, [c_char_p, c_int, c_uint32, c_int, POINTER(kv_subscription_p)]),
     "flexkv_kv_next": (c_int, [kv_subscription_p, POINTER(KvBatchStruct), POINTER(KvEventStruct), c_size_t]),

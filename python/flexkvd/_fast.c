@@ -1,11 +1,11 @@
-/* flexkv._fast: the optional compiled fast path of the flexkv package (CPython C API; docs/python.md "Fast path").
+/* flexkvd._fast: the optional compiled fast path of the flexkvd package (CPython C API; docs/python.md "Fast path").
  * It calls the same libflexkv the package loaded with ctypes, through function pointers handed over by bind(), so
  * it never loads a second copy and links nothing but libpython's API.
  *
  * Contract with the Python side (_native.py, keys.py, client.py, _ticket.py):
  *  - Every function either does exactly what the ctypes path does, or returns None ("not handled here": odd input,
  *    a value out of range, a type it does not read) so that the ctypes path runs and raises its own error. It never
- *    raises a flexkv.Error itself; libflexkv failures come back as the int return code, and the caller reads
+ *    raises a flexkvd.Error itself; libflexkv failures come back as the int return code, and the caller reads
  *    flexkv_last_error() on the same thread, as after a ctypes call.
  *  - It never consumes an iterator: only lists, tuples and buffers are read.
  *  - Blocking calls (wait) and long ones (key hashing over many tokens) release the GIL.
@@ -56,7 +56,7 @@ static PyObject* bind(PyObject* self, PyObject* args) {
     return NULL;
   }
   if (abi != FLEXKV_ABI_VERSION) {
-    return PyErr_Format(PyExc_ImportError, "flexkv._fast was built for C ABI version %d; the package speaks %u",
+    return PyErr_Format(PyExc_ImportError, "flexkvd._fast was built for C ABI version %d; the package speaks %u",
                         FLEXKV_ABI_VERSION, abi);
   }
   void* fns[6];
@@ -392,7 +392,7 @@ static PyObject* try_wait(PyObject* self, PyObject* args) {
   return op_result(&r);
 }
 
-/* ---- baselines for python -m flexkv.bench: the same calls in a C loop, no Python between them ---- */
+/* ---- baselines for python -m flexkvd.bench: the same calls in a C loop, no Python between them ---- */
 
 static int64_t now_ns(void) {
   struct timespec ts;
@@ -460,7 +460,7 @@ static PyMethodDef kMethods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "flexkv._fast",
+static struct PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "flexkvd._fast",
                                      "The compiled fast path of flexkv (see _native.py).", -1, kMethods,
                                      NULL, NULL, NULL, NULL};
 

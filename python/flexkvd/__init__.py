@@ -1,9 +1,9 @@
-"""flexkv: the Python client of flexkvd, the node-local KV-cache daemon (a ctypes binding of libflexkv's C ABI).
+"""flexkvd: the Python client of flexkvd, the node-local KV-cache daemon (a ctypes binding of libflexkv's C ABI).
 
-    import flexkv
-    with flexkv.connect() as client:                          # $FLEXKV_SOCKET, else the default socket
-        client.attach("vllm-dp0", "llama3-8b", flexkv.Geometry.llama3_8b())
-        keys = flexkv.block_keys("llama3-8b", prompt_token_ids, 16)
+    import flexkvd
+    with flexkvd.connect() as client:                          # $FLEXKV_SOCKET, else the default socket
+        client.attach("vllm-dp0", "llama3-8b", flexkvd.Geometry.llama3_8b())
+        keys = flexkvd.block_keys("llama3-8b", prompt_token_ids, 16)
         hit = client.match(keys, pin=True).wait()
 
 See docs/python.md for the whole API and its contracts.
@@ -20,8 +20,8 @@ from .kv_events import KvEvent, KvEventBatch, KvEventSubscription, subscribe_kv_
 
 _native.load()
 fast_path: str = _native.path
-"""The compiled fast path in use (the path of flexkv/_fast*.so; docs/python.md "Fast path"), or "" when the package
-runs on ctypes alone (flexkv._native.reason says why). Results and errors are the same either way."""
+"""The compiled fast path in use (the path of flexkvd/_fast*.so; docs/python.md "Fast path"), or "" when the package
+runs on ctypes alone (flexkvd._native.reason says why). Results and errors are the same either way."""
 
 __version__ = _lib.version()  # libflexkv's, from CMake's project(): the version is written in one place
 

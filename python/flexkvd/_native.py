@@ -1,11 +1,11 @@
-"""Finds the optional compiled fast path (flexkv._fast, python/flexkv/_fast.c) and binds it to the libflexkv that
+"""Finds the optional compiled fast path (flexkvd._fast, python/flexkvd/_fast.c) and binds it to the libflexkv that
 _lib loaded; the rest of the package calls `ext` when it is set and its ctypes path otherwise. The package's
 __init__ calls load() once, after every module is imported (binding needs OpResult).
 
 Where the extension is looked for, first hit wins (none is an error: the package works without it):
   0. FLEXKV_NO_EXTENSION=1 in the environment: not at all (the pure ctypes path, e.g. to compare the two);
   1. $FLEXKV_EXTENSION (a path to _fast*.so; if set and unusable, ImportError says why);
-  2. beside the package: flexkv/_fast<EXT_SUFFIX> (an install next to the .py files);
+  2. beside the package: flexkvd/_fast<EXT_SUFFIX> (an install next to the .py files);
   3. beside the libflexkv that was loaded (build/_fast<EXT_SUFFIX> in a build tree).
 Only an extension built for this interpreter's ABI tag (EXT_SUFFIX) and the package's C ABI version is used.
 
@@ -51,8 +51,8 @@ def _bind(module: ModuleType) -> None:
 
 
 def _load_file(path: str) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader("flexkv._fast", path)
-    spec = importlib.util.spec_from_file_location("flexkv._fast", path, loader=loader)
+    loader = importlib.machinery.ExtensionFileLoader("flexkvd._fast", path)
+    spec = importlib.util.spec_from_file_location("flexkvd._fast", path, loader=loader)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)

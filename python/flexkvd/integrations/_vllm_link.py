@@ -9,13 +9,13 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-import flexkv
+import flexkvd
 
-log = logging.getLogger("flexkv.integrations.vllm")
+log = logging.getLogger("flexkvd.integrations.vllm")
 
 # Errors that mean "this session is gone": the daemon went away (Unavailable), or the session ended under us
 # (FailedPrecondition: detached, or lost and dropped by libflexkv). Anything else is one request's failure.
-SESSION_LOST = (flexkv.Unavailable, flexkv.FailedPrecondition)
+SESSION_LOST = (flexkvd.Unavailable, flexkvd.FailedPrecondition)
 
 
 def session_lost(err: BaseException) -> bool:
@@ -35,7 +35,7 @@ class LinkOptions:
 
 
 class DaemonLink:
-    """A reconnecting session: client() returns an attached flexkv.Client, or None while the daemon is not
+    """A reconnecting session: client() returns an attached flexkvd.Client, or None while the daemon is not
     reachable (then the caller treats every lookup as a miss). After lost(), the next client() call at or after the
     backoff deadline connects and attaches anew, and calls on_attach(client) (register KV buffers there); a failed
     attempt doubles the backoff up to backoff_max_s, a success resets it.
@@ -44,9 +44,9 @@ class DaemonLink:
     its client; close() closes it (the caller drops its KV views first, or the host KV mapping lingers until they go).
     """
 
-    def __init__(self, name: str, namespace: str, geometry: flexkv.Geometry, options: LinkOptions,
+    def __init__(self, name: str, namespace: str, geometry: flexkvd.Geometry, options: LinkOptions,
                  dp_rank: int = 0, tp_rank: int = 0,
-                 on_attach: Optional[Callable[[flexkv.Client], None]] = None,
+                 on_attach: Optional[Callable[[flexkvd.Client], None]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.namespace = namespace
@@ -57,7 +57,7 @@ class DaemonLink:
         self.on_attach = on_attach
         self._clock = clock
         self._lock = threading.Lock()
-        self._client: Optional[flexkv.Client] = None
+        self._client: Optional[flexkvd.Client] = None
         self._retry_at = 0.0
         self._stalled_until = 0.0
         self._backoff = options.backoff_initial_s
@@ -66,7 +66,7 @@ class DaemonLink:
         self.last_error = ""
         self._closed = False
 
-    def client(self, raise_errors: bool = False) -> Optional[flexkv.Client]:
+    def client(self, raise_errors: bool = False) -> Optional[flexkvd.Client]:
         """The attached client; None while the daemon is not reachable (no attempt before the backoff ends).
         raise_errors: an attempt that fails for another reason than an unreachable daemon (a geometry the daemon
         refuses, KV buffers on_attach cannot register) raises that error instead of waiting for the backoff: for a
@@ -78,15 +78,15 @@ class DaemonLink:
                 return None
             client = None
             try:
-                client = flexkv.connect(self.options.socket, timeout=self.options.connect_timeout_s)
+                client = flexkvd.connect(self.options.socket, timeout=self.options.connect_timeout_s)
                 client.attach(self.name, self.namespace, self.geometry, dp_rank=self.dp_rank, tp_rank=self.tp_rank)
                 if self.on_attach is not None:
                     self.on_attach(client)
-            except flexkv.Error as err:
+            except flexkvd.Error as err:
                 if client is not None:
                     client.close()
                 self._fail_locked(err)
-                if raise_errors and not isinstance(err, flexkv.Unavailable):
+                if raise_errors and not isinstance(err, flexkvd.Unavailable):
                     raise
                 return None
             except BaseException:  # a caller's bug in on_attach (TypeError...): no half-made session is kept
@@ -138,7 +138,7 @@ class DaemonLink:
     def attached(self) -> bool:
         return self._client is not None
 
-    def current(self) -> Optional[flexkv.Client]:
+    def current(self) -> Optional[flexkvd.Client]:
         """The attached client even while stalled (to release what an earlier request holds); no attempt."""
         return self._client
 

@@ -23,27 +23,27 @@ import logging
 import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-import flexkv
-from flexkv import _lib
+import flexkvd
+from flexkvd import _lib
 
 from ._vllm_link import DaemonLink, LinkOptions, session_lost
 
-log = logging.getLogger("flexkv.integrations.vllm")
+log = logging.getLogger("flexkvd.integrations.vllm")
 
 _KEY_BYTES = 16
 
 
-def keys_to_bytes(keys: flexkv.BlockKeys) -> bytes:
+def keys_to_bytes(keys: flexkvd.BlockKeys) -> bytes:
     """A prompt's block keys as 16 bytes each (lo, hi little-endian): what the metadata carries to the workers."""
     return bytes(keys._array)  # noqa: SLF001 - the C array of {lo, hi} pairs, as libflexkv reads it
 
 
-def keys_from_bytes(data: bytes) -> flexkv.BlockKeys:
+def keys_from_bytes(data: bytes) -> flexkvd.BlockKeys:
     """keys_to_bytes's inverse: keys that start a prompt (parent None)."""
     if len(data) % _KEY_BYTES:
-        raise flexkv.InvalidArgument(f"{len(data)} bytes of block keys; expected a multiple of {_KEY_BYTES}")
+        raise flexkvd.InvalidArgument(f"{len(data)} bytes of block keys; expected a multiple of {_KEY_BYTES}")
     n = len(data) // _KEY_BYTES
-    return flexkv.BlockKeys._wrap((_lib.BlockKeyStruct * n).from_buffer_copy(data))  # noqa: SLF001
+    return flexkvd.BlockKeys._wrap((_lib.BlockKeyStruct * n).from_buffer_copy(data))  # noqa: SLF001
 
 
 def vllm_namespace(model: str, kv_dtype: str, tp_size: int, *, revision: Optional[str] = None,
@@ -58,7 +58,7 @@ def vllm_namespace(model: str, kv_dtype: str, tp_size: int, *, revision: Optiona
         parts.append(extra)
     ns = "|".join(parts)
     if len(ns.encode()) > 256:
-        raise flexkv.InvalidArgument(f"namespace {ns[:64]!r}... is {len(ns.encode())} bytes; expected at most 256: "
+        raise flexkvd.InvalidArgument(f"namespace {ns[:64]!r}... is {len(ns.encode())} bytes; expected at most 256: "
                                      "set kv_connector_extra_config.namespace")
     return ns
 
@@ -73,7 +73,7 @@ class ConnectorConfig:
     """
 
     namespace: str
-    geometry: flexkv.Geometry
+    geometry: flexkvd.Geometry
     link: LinkOptions = dataclasses.field(default_factory=LinkOptions)
     op_timeout_s: float = 0.5
     name: str = "vllm"
@@ -87,26 +87,26 @@ class ConnectorConfig:
                   "backoff_initial_s", "backoff_max_s", "name")
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any], *, default_namespace: str, geometry: flexkv.Geometry,
+    def from_extra_config(cls, extra: Mapping[str, Any], *, default_namespace: str, geometry: flexkvd.Geometry,
                           dp_rank: int = 0) -> "ConnectorConfig":
         """Reads kv_connector_extra_config: socket, namespace (default: default_namespace), op_timeout_s,
         connect_timeout_s, backoff_initial_s, backoff_max_s, name. InvalidArgument names an unknown key or a value of
         the wrong type."""
         unknown = sorted(set(extra) - set(cls.EXTRA_KEYS))
         if unknown:
-            raise flexkv.InvalidArgument(f"kv_connector_extra_config has unknown keys {unknown}; expected some of "
+            raise flexkvd.InvalidArgument(f"kv_connector_extra_config has unknown keys {unknown}; expected some of "
                                          f"{list(cls.EXTRA_KEYS)}")
 
         def number(key: str, default: float) -> float:
             value = extra.get(key, default)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise flexkv.InvalidArgument(f"kv_connector_extra_config.{key} is {value!r}; expected seconds >= 0")
+                raise flexkvd.InvalidArgument(f"kv_connector_extra_config.{key} is {value!r}; expected seconds >= 0")
             return float(value)
 
         def text(key: str, default: Optional[str]) -> Optional[str]:
             value = extra.get(key, default)
             if value is not None and not isinstance(value, str):
-                raise flexkv.InvalidArgument(f"kv_connector_extra_config.{key} is {value!r}; expected a string")
+                raise flexkvd.InvalidArgument(f"kv_connector_extra_config.{key} is {value!r}; expected a string")
             return value
 
         link = LinkOptions(socket=text("socket", None),
@@ -187,7 +187,7 @@ class ConnectorStats:
 
 @dataclasses.dataclass
 class _RequestState:
-    keys: flexkv.BlockKeys
+    keys: flexkvd.BlockKeys
     keyed_tokens: int
     local_tokens: int = 0     # the local hit given to get_num_new_matched_tokens
     cached_blocks: int = 0    # blocks flexkvd had at the last lookup
@@ -229,7 +229,7 @@ class SchedulerLogic:
 
     def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                                    cacheable: bool = True, num_preemptions: int = 0,
-                                   extras: Optional[flexkv.BlockExtras] = None) -> Tuple[Optional[int], bool]:
+                                   extras: Optional[flexkvd.BlockExtras] = None) -> Tuple[Optional[int], bool]:
         """Tokens of `token_ids` beyond num_computed_tokens (vLLM's block-aligned local hit) that flexkvd holds, and
         whether they load asynchronously (always, when there are any). Side-effect free for vLLM: it may ask again
         for the same request. (0, False) when the request is not cacheable, nothing more is cached, the daemon is
@@ -259,20 +259,20 @@ class SchedulerLogic:
             self.stats.lookups += 1
             try:
                 state.match = client.match(state.keys)
-            except flexkv.Error as err:
+            except flexkvd.Error as err:
                 self._failed(err)
                 return 0, False
             state.match_started = time.monotonic()
         left = state.match_started + self.config.op_timeout_s - time.monotonic()
         try:
             cached = state.match.wait(timeout=min(left, self.DEFER_AFTER_S) if self.may_defer else left).matched_blocks
-        except flexkv.DeadlineExceeded as err:
+        except flexkvd.DeadlineExceeded as err:
             if self.may_defer and left > self.DEFER_AFTER_S:
                 return None, False  # not yet: asked again at the next step
             state.match = None
             self._failed(err)
             return 0, False
-        except flexkv.Error as err:
+        except flexkvd.Error as err:
             state.match = None
             self._failed(err)
             return 0, False
@@ -291,13 +291,13 @@ class SchedulerLogic:
             return
         state = self._requests.get(request_id)
         if state is None or state.hit_tokens < num_external_tokens:
-            raise flexkv.FailedPrecondition(
+            raise flexkvd.FailedPrecondition(
                 f"request {request_id!r}: {num_external_tokens} external tokens allocated, but "
                 f"{0 if state is None else state.hit_tokens} were promised by get_num_new_matched_tokens")
         first = state.local_tokens // self.block_size
         end = (state.local_tokens + num_external_tokens) // self.block_size
         if len(block_ids) < end:
-            raise flexkv.InvalidArgument(f"request {request_id!r}: {len(block_ids)} block ids for a load up to block "
+            raise flexkvd.InvalidArgument(f"request {request_id!r}: {len(block_ids)} block ids for a load up to block "
                                          f"{end}; expected at least {end}")
         self._pending_loads[request_id] = LoadSpec(request_id, keys_to_bytes(state.keys[:end]),
                                                    [int(b) for b in block_ids[:end]], first)
@@ -318,7 +318,7 @@ class SchedulerLogic:
 
     def request_finished(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
                          num_computed_tokens: int, cacheable: bool = True,
-                         extras: Optional[flexkv.BlockExtras] = None) -> bool:
+                         extras: Optional[flexkvd.BlockExtras] = None) -> bool:
         """The request ended (finished, aborted or in error) and vLLM is about to free `block_ids` (its blocks from
         the first). num_computed_tokens: tokens whose KV is in those blocks (computed, or loaded). Returns True when
         a store of its full blocks is planned: vLLM keeps the blocks until the workers report it in
@@ -335,7 +335,7 @@ class SchedulerLogic:
         if self.link.client() is None:
             return False
         if state is None or state.keyed_tokens < full * self.block_size:
-            keys = flexkv.block_keys(self.config.namespace, token_ids[:full * self.block_size], self.block_size,
+            keys = flexkvd.block_keys(self.config.namespace, token_ids[:full * self.block_size], self.block_size,
                                      extras.for_blocks(full) if extras is not None else None)
         else:
             keys = state.keys[:full]
@@ -371,12 +371,12 @@ class SchedulerLogic:
         self.link.close()
 
     def _state(self, request_id: str, token_ids: Sequence[int],
-               extras: Optional[flexkv.BlockExtras] = None) -> _RequestState:
+               extras: Optional[flexkvd.BlockExtras] = None) -> _RequestState:
         """The request's keys over its full blocks, computed once per request (and again only when it grew)."""
         state = self._requests.get(request_id)
         n = len(token_ids) // self.block_size * self.block_size
         if state is None or state.keyed_tokens != n:
-            keys = flexkv.block_keys(self.config.namespace, token_ids[:n] if n != len(token_ids) else token_ids,
+            keys = flexkvd.block_keys(self.config.namespace, token_ids[:n] if n != len(token_ids) else token_ids,
                                      self.block_size,
                                      extras.for_blocks(n // self.block_size) if extras is not None else None)
             planned = -1 if state is None else state.load_planned
@@ -384,9 +384,9 @@ class SchedulerLogic:
             self._requests[request_id] = state
         return state
 
-    def _failed(self, err: flexkv.Error) -> None:
+    def _failed(self, err: flexkvd.Error) -> None:
         self.stats.lookup_errors += 1
-        if isinstance(err, flexkv.DeadlineExceeded):
+        if isinstance(err, flexkvd.DeadlineExceeded):
             self.link.stalled(err)
         elif session_lost(err):
             self.stats.session_losses += 1

@@ -66,7 +66,7 @@ class ComponentSpec:
         try:
             kind = int(self.kind)
         except (TypeError, ValueError):
-            raise TypeError(f"{name}.kind is a {type(self.kind).__name__}; expected a flexkv.ComponentKind") from None
+            raise TypeError(f"{name}.kind is a {type(self.kind).__name__}; expected a flexkvd.ComponentKind") from None
         return _lib.ComponentStruct(
             c_uint(kind, f"{name}.kind"), c_uint(self.num_layers, f"{name}.num_layers"),
             c_uint(self.kv_planes, f"{name}.kv_planes"), c_uint(self.kv_heads_per_rank, f"{name}.kv_heads_per_rank"),

@@ -1,4 +1,4 @@
-"""Ticket: one submitted data-plane request of a flexkv.Client (flexkv::Ticket), and its OpResult.
+"""Ticket: one submitted data-plane request of a flexkvd.Client (flexkv::Ticket), and its OpResult.
 
 Split from client.py (the Client that issues tickets); a Ticket uses only its client's handle (_handle).
 """
@@ -89,7 +89,7 @@ class Ticket:
 
     def __repr__(self) -> str:
         state = "pending" if self._outcome is None else "ended"
-        return f"<flexkv.Ticket {self.op} #{self.id} of session generation {self.generation} {state}>"
+        return f"<flexkvd.Ticket {self.op} #{self.id} of session generation {self.generation} {state}>"
 
     def _settle(self, result: OpResult) -> OpResult:
         with self._lock:
@@ -121,7 +121,7 @@ class Ticket:
         """Waits until the request ends and returns its OpResult; the GIL is released while waiting.
 
         timeout: seconds (None: as long as it takes; 0 or less: just look; more than a year: a year).
-        Raises the request's error (a subclass of flexkv.Error, whose .result is the OpResult) when it ended with
+        Raises the request's error (a subclass of flexkvd.Error, whose .result is the OpResult) when it ended with
         one; DeadlineExceeded (also a TimeoutError) when it has not ended in time: it is still in flight and this
         ticket stays valid; Unavailable when the daemon went away (attach again); FailedPrecondition when its
         session has ended (detach, close, or a re-attach), also while this wait runs.

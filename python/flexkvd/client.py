@@ -679,7 +679,7 @@ def _layout(layout: Union[Layout, int]) -> int:
     try:
         value = operator.index(layout)
     except TypeError:
-        raise TypeError(f"layout is a {type(layout).__name__}; expected a flexkv.Layout") from None
+        raise TypeError(f"layout is a {type(layout).__name__}; expected a flexkvd.Layout") from None
     if value not in _LAYOUTS:
         raise InvalidArgument(f"layout {value} is not valid; expected 1 (LAYER_FIRST), 2 (BLOCK_FIRST) or 3 "
                               "(LAYER_BLOCK)")

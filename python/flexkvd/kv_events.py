@@ -1,7 +1,7 @@
 """The daemon's KV event stream (docs/kv_events.md): a snapshot of every block per tier, then every block stored in or
 removed from a tier (DRAM, SSD), numbered per daemon instance. Over libflexkv's C ABI (flexkv_kv_*).
 
-    with flexkv.subscribe_kv_events(socket) as sub:
+    with flexkvd.subscribe_kv_events(socket) as sub:
         for batch in sub:               # blocks for each batch; ends by raising the stream's end
             if batch.instance_id != last:  # the daemon restarted: rebuild the view from the snapshot
                 ...

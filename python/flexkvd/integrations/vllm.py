@@ -1,5 +1,5 @@
 """flexkvd as a vLLM V1 KV connector: FlexKVdConnector, selected with
-  --kv-transfer-config '{"kv_connector":"FlexKVdConnector","kv_connector_module_path":"flexkv.integrations.vllm",
+  --kv-transfer-config '{"kv_connector":"FlexKVdConnector","kv_connector_module_path":"flexkvd.integrations.vllm",
                          "kv_role":"kv_both","kv_connector_extra_config":{"socket":"/run/flexkvd/flexkvd.sock"}}'
 
 This module imports without vLLM: FlexKVdConnector (and FlexKVdConnectorMetadata, FlexKVdConnectorStats) are built
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-import flexkv
+import flexkvd
 
 from ._vllm_link import DaemonLink, LinkOptions
 from ._vllm_logic import (ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, SchedulerLogic, StoreSpec,
@@ -47,7 +47,7 @@ def _build() -> Dict[str, Any]:
                                                                        KVConnectorRole)
     except ImportError as err:
         raise ImportError(
-            "flexkv.integrations.vllm.FlexKVdConnector needs vLLM (its KVConnectorBase_V1), which is not importable "
+            "flexkvd.integrations.vllm.FlexKVdConnector needs vLLM (its KVConnectorBase_V1), which is not importable "
             f"here ({err}); install vLLM in this environment, or use the plain logic classes SchedulerLogic and "
             "WorkerLogic, which need no vLLM") from err
     try:
@@ -206,7 +206,7 @@ def _build() -> Dict[str, Any]:
 _DTYPE_BYTES = {"float16": 2, "half": 2, "bfloat16": 2, "float": 4, "float32": 4}
 
 
-def geometry_from_vllm(vllm_config: Any) -> flexkv.Geometry:
+def geometry_from_vllm(vllm_config: Any) -> flexkvd.Geometry:
     """The flexkv Geometry of a vLLM engine's KV cache (one rank's shard; tokens_per_block = vLLM's block_size)."""
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     kv_dtype = str(cache.cache_dtype)
@@ -217,14 +217,14 @@ def geometry_from_vllm(vllm_config: Any) -> flexkv.Geometry:
     else:
         dtype_bytes = _DTYPE_BYTES[kv_dtype]
     mla = bool(getattr(model, "use_mla", False))
-    return flexkv.Geometry(tokens_per_block=cache.block_size, num_layers=model.get_num_layers(parallel),
+    return flexkvd.Geometry(tokens_per_block=cache.block_size, num_layers=model.get_num_layers(parallel),
                            kv_planes=1 if mla else 2,
                            kv_heads_per_rank=1 if mla else model.get_num_kv_heads(parallel),
                            head_dim=model.get_head_size(), dtype_bytes=dtype_bytes,
                            tp_size=parallel.tensor_parallel_size)
 
 
-def _layer_tensors(kv_caches: Dict[str, Any], geometry: flexkv.Geometry) -> List[Any]:
+def _layer_tensors(kv_caches: Dict[str, Any], geometry: flexkvd.Geometry) -> List[Any]:
     """vLLM's per-layer KV tensors in layer order, checked against LAYER_FIRST: [2, num_blocks, block_size, heads,
     head_dim] (FlashAttention's layout) or [num_blocks, block_size, head_dim] (MLA), contiguous."""
     def layer_index(name: str) -> int:
@@ -265,8 +265,8 @@ def check_load_failure_policy(kv_transfer_config: Any) -> None:
             "\"kv_load_failure_policy\": \"recompute\" to --kv-transfer-config")
 
 
-def _block_extras(request: Any, block_size: int) -> Optional["flexkv.BlockExtras"]:
-    """What changes a vLLM request's KV besides its token ids, for its keys (flexkv.BlockExtras; vLLM keys its own
+def _block_extras(request: Any, block_size: int) -> Optional["flexkvd.BlockExtras"]:
+    """What changes a vLLM request's KV besides its token ids, for its keys (flexkvd.BlockExtras; vLLM keys its own
     prefix cache by the same things): its cache_salt, its LoRA adapter's name, each multimodal item's hash over the
     placeholder range it fills, its prompt embeddings (whose token ids vLLM fills with zeros). Kept on the request
     (one hash of its embeddings per block, as vLLM keeps its own). None - not cached - for a request whose media
@@ -288,7 +288,7 @@ def _block_extras(request: Any, block_size: int) -> Optional["flexkv.BlockExtras
         _keep(request, _NOT_CACHEABLE)
         return None
     embeds = getattr(request, "prompt_embeds", None)
-    extras = flexkv.BlockExtras(block_size, cache_salt=getattr(request, "cache_salt", None), adapter=adapter,
+    extras = flexkvd.BlockExtras(block_size, cache_salt=getattr(request, "cache_salt", None), adapter=adapter,
                                 media=media, embeds=None if embeds is None else _tensor_rows(embeds),
                                 embeds_tokens=0 if embeds is None else int(embeds.shape[0]))
     _keep(request, extras)

@@ -1,4 +1,4 @@
-"""PageStore: SGLang HiCache pages kept in flexkvd, the logic behind flexkv.integrations.sglang with plain arguments
+"""PageStore: SGLang HiCache pages kept in flexkvd, the logic behind flexkvd.integrations.sglang with plain arguments
 (string page keys, host token indices, NumPy arrays), so it runs and is tested without SGLang.
 
 Keys. SGLang names a page by a chained hash string (sha256 over the page's tokens and the previous page's hash), so

@@ -2,7 +2,7 @@
 
     python -m sglang.launch_server ... --page-size 64 --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
-        '{"backend_name": "flexkvd", "module_path": "flexkv.integrations.sglang", "class_name": "FlexKVdStorage",
+        '{"backend_name": "flexkvd", "module_path": "flexkvd.integrations.sglang", "class_name": "FlexKVdStorage",
           "interface_v1": 1, "socket": "/run/flexkvd/flexkvd.sock"}'
 
 Importing this module needs neither SGLang nor torch; asking for FlexKVdStorage imports SGLang and raises
@@ -125,7 +125,7 @@ def _backend_class() -> type:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
     except ImportError as e:
         raise ImportError(
-            "flexkv.integrations.sglang.FlexKVdStorage is an SGLang HiCache storage backend and needs SGLang "
+            "flexkvd.integrations.sglang.FlexKVdStorage is an SGLang HiCache storage backend and needs SGLang "
             f"(sglang.srt.mem_cache.hicache_storage), which could not be imported: {e}. Install SGLang in this "
             "environment; the backend's logic (BackendConfig, PageStore) works without it.") from e
     import numpy as np

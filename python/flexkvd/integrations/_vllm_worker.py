@@ -9,12 +9,12 @@ import logging
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-import flexkv
+import flexkvd
 
 from ._vllm_link import DaemonLink, session_lost
 from ._vllm_logic import ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, StoreSpec, keys_from_bytes
 
-log = logging.getLogger("flexkv.integrations.vllm")
+log = logging.getLogger("flexkvd.integrations.vllm")
 
 
 @dataclasses.dataclass
@@ -22,7 +22,7 @@ class RankKv:
     """One TP rank's KV buffers as rank 0 registers them (picklable without `tensors`: rank r sends it to rank 0).
 
     kind: "gpu": rank 0's own `tensors` (per layer [2, num_blocks, block_size, heads, head_dim], LAYER_FIRST), or a
-      rank r > 0's `exported` description (flexkv.export_gpu_kv: CUDA IPC handles as bytes; rank r keeps the memory);
+      rank r > 0's `exported` description (flexkvd.export_gpu_kv: CUDA IPC handles as bytes; rank r keeps the memory);
       "mla-replica": an MLA rank r > 0 (its latent KV equals rank 0's: nothing to register); "host": host KV in
       memory shared with the daemon, created by rank 0 (the host backend serves TP 1, and TP > 1 only for MLA).
     """
@@ -30,7 +30,7 @@ class RankKv:
     tp_rank: int
     kind: str
     num_blocks: int
-    layout: int = int(flexkv.Layout.LAYER_FIRST)
+    layout: int = int(flexkvd.Layout.LAYER_FIRST)
     tensors: Optional[List[Any]] = dataclasses.field(default=None, compare=False)
     exported: Optional[bytes] = None
 
@@ -40,20 +40,20 @@ class RankKv:
         return state
 
 
-def describe_rank_kv(tp_rank: int, geometry: flexkv.Geometry, num_blocks: int,
+def describe_rank_kv(tp_rank: int, geometry: flexkvd.Geometry, num_blocks: int,
                      tensors: Optional[Sequence[Any]] = None) -> RankKv:
     """What TP rank `tp_rank` hands rank 0 (over vLLM's TP CPU group) about its KV buffers: GPU `tensors`, or
     None for host KV. A GPU rank r > 0 exports its description (FailedPrecondition for expandable segments,
     Unimplemented without CUDA). InvalidArgument for a rank outside the geometry's tp_size."""
     if not 0 <= tp_rank < geometry.tp_size:
-        raise flexkv.InvalidArgument(f"tp_rank {tp_rank}; expected 0..{geometry.tp_size - 1} (geometry.tp_size)")
+        raise flexkvd.InvalidArgument(f"tp_rank {tp_rank}; expected 0..{geometry.tp_size - 1} (geometry.tp_size)")
     if tp_rank > 0 and geometry.is_mla:
         return RankKv(tp_rank, "mla-replica", num_blocks)
     if tensors is None:
         return RankKv(tp_rank, "host", num_blocks)
     if tp_rank > 0:
         return RankKv(tp_rank, "gpu", num_blocks,
-                      exported=flexkv.export_gpu_kv(list(tensors), flexkv.Layout.LAYER_FIRST, num_blocks, tp_rank))
+                      exported=flexkvd.export_gpu_kv(list(tensors), flexkvd.Layout.LAYER_FIRST, num_blocks, tp_rank))
     return RankKv(tp_rank, "gpu", num_blocks, tensors=list(tensors))
 
 
@@ -61,14 +61,14 @@ def describe_rank_kv(tp_rank: int, geometry: flexkv.Geometry, num_blocks: int,
 class _Load:
     spec: LoadSpec
     handle: int
-    ticket: Optional[flexkv.Ticket]
+    ticket: Optional[flexkvd.Ticket]
     usable: int  # blocks of the match that are loaded (<= len(spec.block_ids))
 
 
 @dataclasses.dataclass
 class _Store:
     spec: StoreSpec
-    ticket: Optional[flexkv.Ticket]
+    ticket: Optional[flexkvd.Ticket]
 
 
 class WorkerLogic:
@@ -107,7 +107,7 @@ class WorkerLogic:
             self.link.on_attach = self._register
         self._loads: List[_Load] = []
         self._stores: List[_Store] = []
-        self._stray: List[flexkv.Ticket] = []  # pins that timed out or releases: their results are taken later
+        self._stray: List[flexkvd.Ticket] = []  # pins that timed out or releases: their results are taken later
         self._recving: Set[str] = set()
         self._sent: Set[str] = set()  # stores that ended, reported once vLLM named the request finished
         self._finished_seen: Set[str] = set()
@@ -129,18 +129,18 @@ class WorkerLogic:
         on every attach). InvalidArgument when ranks are missing or repeated, or a GPU rank has neither tensors
         (rank 0) nor an exported description (rank > 0); what the registration raises otherwise."""
         if not self.is_reporter:
-            raise flexkv.FailedPrecondition(f"register_kv on TP rank {self.tp_rank}; only rank 0 registers (hand it "
+            raise flexkvd.FailedPrecondition(f"register_kv on TP rank {self.tp_rank}; only rank 0 registers (hand it "
                                             "describe_kv())")
         by_rank: Dict[int, RankKv] = {}
         for r in ranks:
             if r.tp_rank in by_rank:
-                raise flexkv.InvalidArgument(f"TP rank {r.tp_rank} given twice; expected one RankKv per rank")
+                raise flexkvd.InvalidArgument(f"TP rank {r.tp_rank} given twice; expected one RankKv per rank")
             by_rank[r.tp_rank] = r
         if sorted(by_rank) != list(range(self.tp_size)):
-            raise flexkv.InvalidArgument(f"RankKv of TP ranks {sorted(by_rank)}; expected 0..{self.tp_size - 1}")
+            raise flexkvd.InvalidArgument(f"RankKv of TP ranks {sorted(by_rank)}; expected 0..{self.tp_size - 1}")
         for r in by_rank.values():
             if r.kind == "gpu" and r.tensors is None and r.exported is None:
-                raise flexkv.InvalidArgument(f"TP rank {r.tp_rank}'s RankKv has neither tensors nor an exported "
+                raise flexkvd.InvalidArgument(f"TP rank {r.tp_rank}'s RankKv has neither tensors nor an exported "
                                              "description; expected describe_kv()'s")
         self._ranks = by_rank
         self.link.client(raise_errors=True)  # attach now if the daemon is there (registers through _register)
@@ -159,22 +159,22 @@ class WorkerLogic:
         self._host_num_blocks = num_blocks
         self.register_kv([describe_rank_kv(r, self.config.geometry, num_blocks) for r in range(self.tp_size)])
         if self._host_view is None:
-            raise flexkv.Unavailable(f"flexkvd not reachable to create host KV ({self.link.last_error})")
+            raise flexkvd.Unavailable(f"flexkvd not reachable to create host KV ({self.link.last_error})")
         return self._host_view
 
     def host_kv(self) -> Optional[memoryview]:
         """The current host KV buffer (see create_host_kv)."""
         return self._host_view
 
-    def _register(self, client: flexkv.Client) -> None:
+    def _register(self, client: flexkvd.Client) -> None:
         """DaemonLink's on_attach: registers every rank's KV with the new session."""
         for r in sorted(self._ranks.values(), key=lambda r: r.tp_rank):
             if r.kind == "gpu" and r.tensors is not None:
-                client.register_gpu_kv(r.tensors, flexkv.Layout(r.layout), r.num_blocks, tp_rank=r.tp_rank)
+                client.register_gpu_kv(r.tensors, flexkvd.Layout(r.layout), r.num_blocks, tp_rank=r.tp_rank)
             elif r.kind == "gpu":
                 client.register_exported_gpu_kv(r.exported)
             elif r.kind == "host" and r.tp_rank == 0:
-                view = client.create_host_kv(flexkv.Layout(r.layout), r.num_blocks)
+                view = client.create_host_kv(flexkvd.Layout(r.layout), r.num_blocks)
                 if self._host_view is not None:  # a new session after a restart: carry the engine's KV over
                     view[:] = self._host_view
                 self._host_view = view
@@ -256,7 +256,7 @@ class WorkerLogic:
     def _start_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Pins every load's prefix (the matches go out together), then loads what each pinned. The pins share one
         op_timeout_s: a daemon that does not answer costs the step that much once, and the link stalls."""
-        pins: List[Tuple[LoadSpec, Optional[flexkv.Ticket]]] = []
+        pins: List[Tuple[LoadSpec, Optional[flexkvd.Ticket]]] = []
         for spec in specs:
             self.stats.loads += 1
             client = self.link.client()  # None while the daemon is away or stalled
@@ -264,7 +264,7 @@ class WorkerLogic:
             if client is not None:
                 try:
                     ticket = client.match(keys_from_bytes(spec.keys), pin=True)
-                except flexkv.Error as err:
+                except flexkvd.Error as err:
                     self._error(err)
             pins.append((spec, ticket))
         deadline = time.monotonic() + self.config.op_timeout_s
@@ -274,19 +274,19 @@ class WorkerLogic:
                 continue
             try:
                 hit = ticket.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except flexkv.DeadlineExceeded as err:
+            except flexkvd.DeadlineExceeded as err:
                 self._stray.append(ticket)  # its pins, if it gets any, are released when it ends
                 self._end_load(_Load(spec, 0, None, 0))
                 if time.monotonic() >= deadline and self.link.client() is not None:
                     self.link.stalled(err)
                 continue
-            except flexkv.Error as err:  # pin cap (nothing pinned), or the daemon went away
+            except flexkvd.Error as err:  # pin cap (nothing pinned), or the daemon went away
                 self._error(err)
                 self._end_load(_Load(spec, 0, None, 0))
                 continue
             self._load_pinned(spec, hit)
 
-    def _load_pinned(self, spec: LoadSpec, hit: flexkv.OpResult) -> None:
+    def _load_pinned(self, spec: LoadSpec, hit: flexkvd.OpResult) -> None:
         usable = min(hit.matched_blocks, len(spec.block_ids))
         load = _Load(spec, hit.match_handle, None, usable)
         if usable <= spec.first_block:  # evicted since the scheduler looked
@@ -294,20 +294,20 @@ class WorkerLogic:
             return
         try:
             load.ticket = self.link.current().load(hit.match_handle, spec.block_ids[:usable])
-        except flexkv.Error as err:
+        except flexkvd.Error as err:
             load.usable = 0
             self._end_load(load)
             self._error(err)
             return
         self._loads.append(load)
 
-    def _start_store(self, client: Optional[flexkv.Client], spec: StoreSpec) -> None:
+    def _start_store(self, client: Optional[flexkvd.Client], spec: StoreSpec) -> None:
         self.stats.stores += 1
         ticket = None
         if client is not None:
             try:
                 ticket = client.store(keys_from_bytes(spec.keys), spec.block_ids)
-            except flexkv.Error as err:
+            except flexkvd.Error as err:
                 self._error(err)
         if ticket is None:
             self.stats.store_failures += 1
@@ -322,7 +322,7 @@ class WorkerLogic:
             for load in self._loads:
                 try:
                     r = load.ticket.try_wait()
-                except flexkv.Error as err:
+                except flexkvd.Error as err:
                     if session_lost(err):
                         raise
                     load.usable = 0
@@ -338,7 +338,7 @@ class WorkerLogic:
             for store in self._stores:
                 try:
                     r = store.ticket.try_wait()
-                except flexkv.Error as err:
+                except flexkvd.Error as err:
                     if session_lost(err):
                         raise
                     self.stats.store_failures += 1
@@ -352,13 +352,13 @@ class WorkerLogic:
             self._stores = pending
             strays, self._stray = self._stray, []  # _stray_ended may add the release of a late pin
             self._stray.extend(t for t in strays if not self._stray_ended(t))
-        except flexkv.Error as err:
+        except flexkvd.Error as err:
             self._lose(err)
 
-    def _stray_ended(self, ticket: flexkv.Ticket) -> bool:
+    def _stray_ended(self, ticket: flexkvd.Ticket) -> bool:
         try:
             r = ticket.try_wait()
-        except flexkv.Error as err:
+        except flexkvd.Error as err:
             if session_lost(err):
                 raise
             return True
@@ -382,7 +382,7 @@ class WorkerLogic:
         if load.handle and self.link.attached:
             try:
                 self._stray.append(self.link.current().release(load.handle))
-            except flexkv.Error as err:
+            except flexkvd.Error as err:
                 self._error(err)
 
     def _store_ended(self, store: _Store, done_blocks: int) -> None:
@@ -390,7 +390,7 @@ class WorkerLogic:
         self.stats.stored_bytes += done_blocks * self.config.geometry.host_block_bytes
         self._sent.add(store.spec.request_id)
 
-    def _lose(self, err: flexkv.Error) -> None:
+    def _lose(self, err: flexkvd.Error) -> None:
         """The session is gone: every load in flight fails (its blocks reported), every store is dropped, and no
         ticket of the old session is left to be polled (one would fail a later session)."""
         loads, self._loads = self._loads, []
@@ -407,7 +407,7 @@ class WorkerLogic:
             self.stats.store_failures += 1
             self._sent.add(store.spec.request_id)
 
-    def _error(self, err: flexkv.Error) -> None:
+    def _error(self, err: flexkvd.Error) -> None:
         if session_lost(err):
             self._lose(err)
         else:

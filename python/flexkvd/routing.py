@@ -3,7 +3,7 @@
 The Python twin of flexkv/routing.h (docs/routing.md). A router keeps one RoutingIndex for its cluster, feeds it
 each node's KV events (stored / removed per tier, a clear when a node restarts or its stream is rebuilt from a
 snapshot: docs/kv_events.md), and for a request computes the prompt's block keys with flexkvd's key function
-(flexkv.block_keys: the same namespace and block size the engines use) and asks prefix_lengths(); route() does
+(flexkvd.block_keys: the same namespace and block size the engines use) and asks prefix_lengths(); route() does
 both and picks a node with choose_prefix_aware().
 
     index = RoutingIndex()
@@ -322,7 +322,7 @@ def _domain_names(namespace: str) -> Tuple[str, ...]:
 
 class KvEventFeed:
     """Keeps one node's part of a RoutingIndex equal to what its daemon holds, from the daemon's KV event stream
-    (flexkv.subscribe_kv_events, docs/kv_events.md), in a thread of its own.
+    (flexkvd.subscribe_kv_events, docs/kv_events.md), in a thread of its own.
 
     Each subscription starts with a snapshot; once it is complete the node's view is replaced by it (replace_node: in
     one update), then every event is applied as it comes. When the stream ends (the daemon stopped or

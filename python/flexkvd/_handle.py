@@ -26,7 +26,7 @@ class Handle:
     def acquire(self) -> int:
         with self._lock:
             if self._closed:
-                raise FailedPrecondition("this flexkv.Client is closed")
+                raise FailedPrecondition("this flexkvd.Client is closed")
             self._users += 1
             return self.ptr  # type: ignore[return-value]
 
