@@ -24,7 +24,11 @@
 namespace flexkv {
 
 Cache::Cache(uint64_t budget_bytes, std::string pool_path, PoolSplit split)
-    : budget_bytes_(budget_bytes), pool_path_(std::move(pool_path)), split_(split), domain_(budget_bytes) {}
+    : budget_bytes_(budget_bytes), pool_path_(std::move(pool_path)), split_(split), domain_(budget_bytes) {
+  MutexLock lock(&mu_);
+  pool_listener_ = [registry = registry_](const PoolRegion& region) { return registry->Added(region); };
+  pool_gone_listener_ = [registry = registry_](const PoolRegion& region) { registry->Removed(region); };
+}
 
 Status Cache::SetBudget(uint64_t budget_bytes, uint64_t initial_active_bytes) {
   MutexLock lock(&mu_);
@@ -314,60 +318,25 @@ std::vector<SlotId> Cache::component_bases() const {
 }
 
 void Cache::AddObserver(std::shared_ptr<CacheObserver> observer) {
+  // The grants first (announced so far; waits for one in flight, without holding up the cache), then the blocks.
+  registry_->Add(observer);
   MutexLock lock(&mu_);
-  CacheObserver* added = observer.get();
   observers_.push_back(std::move(observer));
   RebuildListenersLocked();
-  for (size_t c = 0; pool_ && c < pool_->component_count(); ++c) {
-    // Only the new observer hears of the grants that exist; it keeps an error for its sessions.
-    AnnounceGrantsLocked([added](const PoolRegion& r) { (void)added->PoolRegionAdded(r); }, c, 0,
-                         pool_->sub_pool(c).active);
-  }
 }
 
 void Cache::RemoveObserver(const CacheObserver* observer) {
-  MutexLock lock(&mu_);
-  std::erase_if(observers_, [observer](const std::shared_ptr<CacheObserver>& o) { return o.get() == observer; });
-  RebuildListenersLocked();
+  {
+    MutexLock lock(&mu_);
+    std::erase_if(observers_, [observer](const std::shared_ptr<CacheObserver>& o) { return o.get() == observer; });
+    RebuildListenersLocked();
+  }
+  registry_->Remove(observer);  // waits for an announcement in flight (a background preparation's)
 }
 
 void Cache::RebuildListenersLocked() {
   block_observers_ = std::any_of(observers_.begin(), observers_.end(),
                                  [](const std::shared_ptr<CacheObserver>& o) { return o->wants_blocks(); });
-  if (observers_.empty()) {
-    pool_listener_ = nullptr;
-    pool_gone_listener_ = nullptr;
-    return;
-  }
-  // Copies of the list: a background preparation calls these without mu_ while observers may be added or removed.
-  // The cache tells a refused grant removed as well (so that its listener forgets it): only the observers that were
-  // told it added (up to the one that refused) hear that, each once.
-  struct Refused {
-    Mutex mu;
-    std::map<const uint8_t*, size_t> told ABSL_GUARDED_BY(mu);  // a refused grant's base -> observers told it
-  };
-  auto refused = std::make_shared<Refused>();
-  pool_listener_ = [observers = observers_, refused](const PoolRegion& region) {
-    for (size_t i = 0; i < observers.size(); ++i) {
-      Status told = observers[i]->PoolRegionAdded(region);
-      if (told.ok()) continue;
-      MutexLock lock(&refused->mu);
-      refused->told[region.base] = i + 1;
-      return told;
-    }
-    return Status::Ok();
-  };
-  pool_gone_listener_ = [observers = observers_, refused](const PoolRegion& region) {
-    size_t told = observers.size();
-    {
-      MutexLock lock(&refused->mu);
-      if (auto it = refused->told.find(region.base); it != refused->told.end()) {
-        told = std::min(told, it->second);
-        refused->told.erase(it);
-      }
-    }
-    for (size_t i = told; i-- > 0;) observers[i]->PoolRegionRemoved(region);
-  };
 }
 
 bool Cache::has_pool() const { return has_pool_.load(std::memory_order_acquire); }

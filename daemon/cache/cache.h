@@ -26,6 +26,7 @@
 #include "daemon/cache/cache_domain.h"
 #include "daemon/cache/cache_observer.h"
 #include "daemon/cache/component_index.h"
+#include "daemon/cache/observer_registry.h"
 #include "daemon/cache/pool.h"
 #include "daemon/cache/pool_lock.h"
 #include "daemon/cache/pool_region.h"
@@ -237,9 +238,10 @@ class Cache {
   // observers are done with it (e.g. DMA registration); they must not call back into the cache. A grant a Resize
   // grows into is given back when an observer refused it (the Resize answers that error); the grants of a new or
   // re-attached pool are kept either way (the observer keeps the error for the sessions it concerns).
-  // BlockChanged: see CacheObserver. Add observers before RecoverPool; `observer` is kept until RemoveObserver (which
-  // returns once no call into it runs any more, except a background preparation's grant calls, which hold their own
-  // reference).
+  // BlockChanged: see CacheObserver. An observer may be added or removed at any time, a background preparation
+  // running or not: one added is told every grant active or already announced (its own refusal of one is its to
+  // keep), then each new one; `observer` is kept until RemoveObserver, which returns once no call into it runs, and
+  // after which it is never called again (an announcement in flight on another thread ends first).
   void AddObserver(std::shared_ptr<CacheObserver> observer);
   void RemoveObserver(const CacheObserver* observer);
 
@@ -459,10 +461,12 @@ class Cache {
   std::atomic<uint32_t> capacity_{0};  // the pool's active slots (capacity_slots without a lock)
   std::array<std::atomic<uint32_t>, Geometry::kMaxComponents> active_slots_{};  // per component, without a lock
   PoolLock pool_lock_;  // taken by RecoverPool (at start, before any Attach), then used under mu_
+  // Every grant announcement goes through the registry (observer_registry.h), under mu_ or, in a background
+  // preparation, without it: pool_listener_/pool_gone_listener_ call it and never change after construction.
+  const std::shared_ptr<ObserverRegistry> registry_ = std::make_shared<ObserverRegistry>();
   std::function<Status(const PoolRegion&)> pool_listener_ ABSL_GUARDED_BY(mu_);
   std::function<void(const PoolRegion&)> pool_gone_listener_ ABSL_GUARDED_BY(mu_);
-  // The observers (AddObserver), and pool_listener_/pool_gone_listener_ composed of them (RebuildListenersLocked): a
-  // background preparation copies those and calls them without mu_.
+  // The observers (AddObserver), for the block events (the registry has them too, for the grants).
   std::vector<std::shared_ptr<CacheObserver>> observers_ ABSL_GUARDED_BY(mu_);
   bool block_observers_ ABSL_GUARDED_BY(mu_) = false;  // some observer wants_blocks()
   void RebuildListenersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -6,31 +6,19 @@
 #include <vector>
 
 #include "flexkv/client.h"
+#include "tests/support/daemon_checks.h"
 #include "tests/support/process.h"
 
 using namespace std::chrono_literals;
 using flexkv::ComponentKind;
 using flexkv::StatusCode;
 using flexkv::testing::DaemonUnderTest;
+using flexkv::testing::SmallHybrid;
 using flexkv::testing::FlexkvctlPath;
 using flexkv::testing::RunCommand;
 
 namespace {
 
-// gpt-oss's shape with 2 layers of each kind and a 32-token (2-block) window, plus a state of 2 x 256 bytes:
-// FULL and window blocks of 2*2*(16*8*64*2) = 64 KiB, 512-byte snapshots.
-flexkv::Geometry SmallHybrid() {
-  flexkv::Geometry g = flexkv::GptOss20B();
-  g.num_layers = 2;
-  g.components[0].num_layers = 2;
-  g.components[0].window_tokens = 32;
-  flexkv::ComponentSpec state;
-  state.kind = ComponentKind::kState;
-  state.num_layers = 2;
-  state.state_bytes_per_layer = 256;
-  g.components.push_back(state);
-  return g;
-}
 
 std::unique_ptr<flexkv::Client> Attached(const DaemonUnderTest& d, const flexkv::Geometry& g,
                                          flexkv::SessionInfo* info) {

@@ -17,6 +17,7 @@
 
 #include "flexkv/client.h"
 #include "flexkv/kv_events.h"
+#include "tests/support/daemon_checks.h"
 #include "tests/support/process.h"
 
 using namespace std::chrono_literals;
@@ -24,25 +25,14 @@ using flexkv::BlockKey;
 using flexkv::ComponentKind;
 using flexkv::KvBlockEvent;
 using flexkv::testing::DaemonUnderTest;
+using flexkv::testing::SmallHybrid;
+using flexkv::testing::SsdTierOf;
+using flexkv::testing::WaitSsdIdle;
 
 namespace {
 
 constexpr const char* kNamespace = "gpt-oss-events";
 
-// gpt-oss's shape with 2 layers of each kind and a 32-token (2-block) window, plus a 2 x 256-byte state: FULL and
-// window blocks of 64 KiB, 512-byte snapshots.
-flexkv::Geometry SmallHybrid() {
-  flexkv::Geometry g = flexkv::GptOss20B();
-  g.num_layers = 2;
-  g.components[0].num_layers = 2;
-  g.components[0].window_tokens = 32;
-  flexkv::ComponentSpec state;
-  state.kind = ComponentKind::kState;
-  state.num_layers = 2;
-  state.state_bytes_per_layer = 256;
-  g.components.push_back(state);
-  return g;
-}
 
 std::vector<BlockKey> Prompt(int seed) {
   std::vector<int32_t> tokens(4 * 16);
@@ -170,32 +160,6 @@ void CheckExact(const DaemonUnderTest& d, flexkv::Client& c, const View& view, i
   CHECK(whole > 0);
 }
 
-const flexkv::DaemonStatus::Tier* SsdTierOf(const flexkv::DaemonStatus& st) {
-  for (const auto& t : st.tiers) {
-    if (t.name == "ssd") return &t;
-  }
-  return nullptr;
-}
-
-// Until the SSD tier is idle: nothing in flight and the same blocks written and held in two looks 200 ms apart.
-void WaitSsdIdle(flexkv::Client& c) {
-  uint64_t last_written = UINT64_MAX, last_used = UINT64_MAX;
-  for (int i = 0; i < 300; ++i) {
-    auto st = c.GetStatus();
-    REQUIRE(st.ok());
-    const auto* t = SsdTierOf(*st);
-    REQUIRE(t != nullptr);
-    const uint64_t written = t->counters.at("written_back_blocks");
-    if (t->counters.at("writes_in_flight") == 0 && t->counters.at("reads_in_flight") == 0 &&
-        written == last_written && t->used_blocks == last_used && st->pool.unverified_blocks == 0) {
-      return;
-    }
-    last_written = written;
-    last_used = t->used_blocks;
-    std::this_thread::sleep_for(200ms);
-  }
-  FAIL("the SSD tier did not settle");
-}
 
 void WaitVerified(flexkv::Client& c) {
   for (int i = 0; i < 3000; ++i) {

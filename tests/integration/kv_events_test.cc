@@ -22,6 +22,7 @@
 #include "flexkv/client.h"
 #include "flexkv/kv_events.h"
 #include "flexkv/v1/control.grpc.pb.h"
+#include "tests/support/daemon_checks.h"
 #include "tests/support/process.h"
 
 using namespace std::chrono_literals;
@@ -29,6 +30,8 @@ using flexkv::BlockKey;
 using flexkv::KvBlockEvent;
 using flexkv::StatusCode;
 using flexkv::testing::DaemonUnderTest;
+using flexkv::testing::SsdTierOf;
+using flexkv::testing::WaitSsdIdle;
 
 namespace {
 
@@ -350,32 +353,6 @@ TEST_CASE("kv events: bad subscription and flag values are refused with the reas
 
 namespace {
 
-const flexkv::DaemonStatus::Tier* SsdTierOf(const flexkv::DaemonStatus& st) {
-  for (const auto& t : st.tiers) {
-    if (t.name == "ssd") return &t;
-  }
-  return nullptr;
-}
-
-// Until the SSD tier is idle: nothing in flight and the same blocks written and held in two looks 200 ms apart.
-void WaitSsdIdle(flexkv::Client& c) {
-  uint64_t last_written = UINT64_MAX, last_used = UINT64_MAX;
-  for (int i = 0; i < 300; ++i) {
-    auto st = c.GetStatus();
-    REQUIRE(st.ok());
-    const auto* t = SsdTierOf(*st);
-    REQUIRE(t != nullptr);
-    const uint64_t written = t->counters.at("written_back_blocks");
-    if (t->counters.at("writes_in_flight") == 0 && t->counters.at("reads_in_flight") == 0 &&
-        written == last_written && t->used_blocks == last_used && st->pool.unverified_blocks == 0) {
-      return;
-    }
-    last_written = written;
-    last_used = t->used_blocks;
-    std::this_thread::sleep_for(200ms);
-  }
-  FAIL("the SSD tier did not settle");
-}
 
 }  // namespace
 

@@ -291,3 +291,72 @@ TEST_CASE("cache prepare: a re-attached pool serves at once and its grants are r
   StoreBlocks(*cache, Keys(600, 8));  // every grant takes stores now
   CHECK(cache->Match(Keys(600, 8), false, nullptr) == 600);
 }
+
+TEST_CASE("cache prepare: an observer added while the pool is prepared hears every grant once, and one removed then "
+          "is never called again",
+          "[unit][cache]") {
+  TempDir dir("flexkv-prepare", ShmOrTmp());
+  CacheSet caches(Options(dir.path + "/pool"));
+  GatedListener listener;
+  listener.Attach(caches);
+  REQUIRE(caches.RecoverPools(false).ok());
+  struct Counts {
+    std::mutex mu;
+    std::multiset<const uint8_t*> added, removed;
+  };
+  const auto counting = [](Counts* c) {
+    return std::make_shared<flexkv::FunctionCacheObserver>(
+        [c](const PoolRegion& r) {
+          std::lock_guard<std::mutex> l(c->mu);
+          c->added.insert(r.base);
+          return Status::Ok();
+        },
+        [c](const PoolRegion& r) {
+          std::lock_guard<std::mutex> l(c->mu);
+          c->removed.insert(r.base);
+        });
+  };
+  Counts early, late;
+  auto leaving = counting(&early);
+  caches.AddObserver(leaving);
+
+  auto admitted = caches.Admit("m", SmallGeometry(), 1000, NeverInUse);
+  REQUIRE(admitted.ok());
+  Cache& cache = **admitted;
+  listener.Allow(3);
+  REQUIRE(Eventually([&] { return listener.added().size() == 3; }));
+  REQUIRE(listener.WaitForBlocked());  // the fourth grant is being registered on the preparation's thread
+  // Added and removed now: each waits for that grant's announcement, not for the whole preparation.
+  auto joining = counting(&late);
+  auto add = std::async(std::launch::async, [&] { cache.AddObserver(joining); });
+  auto remove = std::async(std::launch::async, [&] { cache.RemoveObserver(leaving.get()); });
+  CHECK(add.wait_for(200ms) == std::future_status::timeout);
+  CHECK(remove.wait_for(0ms) == std::future_status::timeout);
+  // The rest through (the preparation may announce more grants before the two get their turn).
+  listener.AllowAll();
+  REQUIRE(add.wait_for(10s) == std::future_status::ready);
+  REQUIRE(remove.wait_for(10s) == std::future_status::ready);
+  size_t early_added = 0;
+  {
+    std::lock_guard<std::mutex> l(early.mu);
+    early_added = early.added.size();
+  }
+  CHECK(early_added >= 4);  // the grants up to its removal, the one in flight included
+  REQUIRE(Eventually([&] { return !cache.preparation().preparing; }));
+  REQUIRE(cache.capacity_slots() == kSlots);
+  {
+    std::lock_guard<std::mutex> l(late.mu);
+    CHECK(late.added.size() == 16);  // every grant, none twice
+    CHECK(std::set<const uint8_t*>(late.added.begin(), late.added.end()).size() == 16);
+    CHECK(std::set<const uint8_t*>(late.added.begin(), late.added.end()) == listener.added());
+  }
+  {
+    std::lock_guard<std::mutex> l(early.mu);
+    CHECK(early.added.size() == early_added);  // never called after RemoveObserver returned
+    CHECK(early.removed.empty());
+  }
+  // The one added late hears every grant removed when the pool goes, each once.
+  REQUIRE(caches.DropDomain("m", false, nullptr).ok());
+  std::lock_guard<std::mutex> l(late.mu);
+  CHECK(late.removed == late.added);
+}
