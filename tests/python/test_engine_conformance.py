@@ -620,6 +620,12 @@ def test_vllm_calls_in_the_engine_order_answer_with_the_engine_shapes(built, dae
     sched = cls(*(config, standin.role.SCHEDULER, NS_(kv_cache_groups=[NS_()]))[:nargs])
     worker = cls(*(config, standin.role.WORKER, NS_(kv_cache_groups=[NS_()]))[:nargs])
     worker._worker.create_host_kv(16)  # no GPU here: the worker's KV is host KV (test_vllm_adapter.py does the same)
+    # Where the version takes None ("ask again later"), a lookup must not block the scheduler's step; where it does
+    # not, None would be read as a number.
+    takes_none = bool(call.entries["get_num_new_matched_tokens"].get("none_means_ask_again"))
+    assert sched._scheduler.may_defer == takes_none, \
+        f"the scheduler connector {'does not answer' if takes_none else 'answers'} None (not yet) against " \
+        f"{_where(spec)}, whose get_num_new_matched_tokens {'takes' if takes_none else 'does not take'} it"
     engine = HostKvEngine(worker._worker, 16)
     hma = "SupportsHMA" in standin.mixins and isinstance(sched, standin.mixins["SupportsHMA"])
     layer = "model.layers.0.self_attn.attn"
