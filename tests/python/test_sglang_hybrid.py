@@ -164,9 +164,9 @@ class MambaPoolHost:
     """pool_host/mamba.py, page_first: page_size 1 (a slot is one state), temporal_buffer (size, layers, 1, *ssm)
     and conv_buffer [(size, layers, 1, *conv)]; a flat page is the slot's temporal bytes, then its conv bytes."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, ssm_shape: Sequence[int] = SSM_SHAPE) -> None:
         self.page_size, self.layout, self.size = 1, "page_first", slots
-        self.temporal_buffer = np.zeros((slots, MAMBA_LAYERS, 1) + SSM_SHAPE, np.float32)
+        self.temporal_buffer = np.zeros((slots, MAMBA_LAYERS, 1) + tuple(ssm_shape), np.float32)
         self.conv_buffer = [np.zeros((slots, MAMBA_LAYERS, 1) + CONV_SHAPE, np.uint16)]
         self.size_per_token = self.temporal_buffer[0].nbytes + sum(c[0].nbytes for c in self.conv_buffer)
 
@@ -327,6 +327,8 @@ def test_mamba_hybrid_round_trip_is_byte_exact_and_hits_only_where_a_state_is(ma
         hit, completed, pool_hits = prefetch(b, keys, range(n, 2 * n), [mamba_at(mamba_b, 7, "placeholder")])
         assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (n, {PoolName.KV: n, PoolName.MAMBA: n})
         assert completed == n and pool_hits == {PoolName.MAMBA: 1}
+        asked = b.pools.pool("mamba").stats().exists_pages
+        assert asked == 1, "a state at the K/V prefix's end: only that page is asked for"
         for p in range(n):
             assert np.array_equal(kv_b.page(n + p), kv_a.page(p)), f"K/V page {p}"
         assert mamba_b.get_data_page(7).tobytes() == mamba_a.get_data_page(5).tobytes()
@@ -336,6 +338,7 @@ def test_mamba_hybrid_round_trip_is_byte_exact_and_hits_only_where_a_state_is(ma
         other = keys[:6] + page_keys(22, 3, prior=keys[5])
         hit, completed, pool_hits = prefetch(b, other, range(n, n + 9), [mamba_at(mamba_b, 6, "placeholder")])
         assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (4, {PoolName.KV: 6, PoolName.MAMBA: 4})
+        assert b.pools.pool("mamba").stats().exists_pages == asked + 1 + 6  # the end, then every page
         assert completed == 4 and pool_hits == {PoolName.MAMBA: 1}
         assert np.array_equal(mamba_b.temporal_buffer[6], mamba_a.temporal_buffer[2])
         # The K/V of a prompt whose only stored state is past its end: no hit at all.
@@ -415,6 +418,28 @@ def test_a_state_evicted_after_exists_reads_false_and_writes_nothing(make_daemon
         assert got == {PoolName.MAMBA: [False]}
         assert np.array_equal(mamba.get_data_page(9), before)
         assert s.batch_exists_v2(keys, [mamba_at(mamba, 1, "x")]).kv_hit_pages == 0
+    finally:
+        s.close()
+
+
+def test_large_states_get_a_staging_area_of_the_kv_areas_bytes(make_daemon) -> None:
+    # A state of 384 KiB beside 16 KiB K/V pages and 8 staging pages (128 KiB): one staging block for the state pool,
+    # through which a call of 3 states runs in parts.
+    daemon = make_daemon(["--max-domains", "2"])
+    kv, mamba = MHATokenToKVPoolHost(4), MambaPoolHost(8, ssm_shape=(32, 32, 32))
+    s = attach(daemon, [PoolEntry(PoolName.KV, kv), PoolEntry(PoolName.MAMBA, mamba)])
+    keys = page_keys(71, 3)
+    try:
+        assert s.pools.pool("mamba").staging_pages == 1
+        assert s.pools.pool("mamba").pool.page_bytes == mamba.size_per_token
+        for i in range(3):
+            mamba.fill(71, i)
+        assert s.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=np.arange(3), keys=keys)]) == \
+            {PoolName.MAMBA: [True] * 3}
+        assert s.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=np.arange(4, 7), keys=keys)]) == \
+            {PoolName.MAMBA: [True] * 3}
+        for i in range(3):
+            assert mamba.get_data_page(4 + i).tobytes() == mamba.get_data_page(i).tobytes()
     finally:
         s.close()
 

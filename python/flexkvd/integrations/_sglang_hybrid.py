@@ -152,13 +152,21 @@ class HybridStores:
         counts: Dict[str, int] = {KV_POOL: kv} if kv else {}
         if kv == 0:
             return 0, counts
+        side = [(q, self._side_pool(q.name, "batch_exists_v2")) for q in queries if q.name != KV_POOL]
         pools: List[Tuple[PoolQuery, Sequence[bool]]] = []
-        for q in queries:
-            if q.name == KV_POOL:
-                continue
-            store = self._side_pool(q.name, "batch_exists_v2")
-            pools.append((q, store.batch_present(keys[:kv]) if store is not None else [False] * kv))
+        # The common case first: every trailing pool has its pages at the K/V prefix's own end (the state and window
+        # stored there), so only those are asked for; all_pages pools are asked for every page.
+        for q, store in side:
+            first = max(0, kv - max(1, q.trailing_pages)) if q.hit_policy == TRAILING_PAGES else 0
+            found = store.batch_present(keys[first:kv]) if store is not None else [False] * (kv - first)
+            pools.append((q, [False] * first + found))
         final, boundaries = usable_prefix(kv, pools)
+        if final < kv and any(q.hit_policy == TRAILING_PAGES for q, _ in side):
+            # A shorter end may be usable: ask the trailing pools for every page.
+            pools = [(q, p if q.hit_policy != TRAILING_PAGES else
+                      (store.batch_present(keys[:kv]) if store is not None else [False] * kv))
+                     for (q, p), (_, store) in zip(pools, side)]
+            final, boundaries = usable_prefix(kv, pools)
         counts.update({name: b for name, b in boundaries.items() if b})
         return final, counts
 

@@ -33,7 +33,7 @@ __all__ = ["BackendConfig", "FlatPagePool", "HostPoolLayout", "HybridStores", "P
 
 logger = logging.getLogger(__name__)
 
-# Extra-config keys this backend reads, with their defaults (docs/integrations.md lists them).
+# Extra-config keys this backend reads, with their defaults (docs/integrations_sglang.md lists them).
 _OPTIONS: Dict[str, Any] = {
     "socket": None,               # flexkvd's socket; None: $FLEXKV_SOCKET, else the default
     "namespace": None,            # the cache domain; None: "sglang/<served model name>"
@@ -123,12 +123,12 @@ class BackendConfig:
         return f"{self.base_namespace}#{pool_name}{tag}" + (self.tp_suffix if sharded else "") + self.other_suffix
 
     def open_store(self, pool: Union[HostPoolLayout, FlatPagePool], namespace: Optional[str] = None,
-                   pool_name: Optional[str] = None) -> PageStore:
-        """The PageStore of this rank over `pool`, in `namespace` (default: the K/V namespace); connects now, and a
-        daemon that is not up is retried later."""
+                   pool_name: Optional[str] = None, staging_pages: Optional[int] = None) -> PageStore:
+        """The PageStore of this rank over `pool`, in `namespace` (default: the K/V namespace) with `staging_pages`
+        (default: the configured number); connects now, and a daemon that is not up is retried later."""
         name = self.session_name if pool_name is None else f"{self.session_name}-{pool_name}"
         return PageStore(pool, namespace or self.namespace, socket_path=self.socket,
-                         staging_pages=self.staging_pages, name=name, connect_timeout_s=self.connect_timeout_s,
+                         staging_pages=staging_pages or self.staging_pages, name=name, connect_timeout_s=self.connect_timeout_s,
                          op_timeout_s=self.op_timeout_s, backoff_initial_s=self.backoff_initial_s,
                          backoff_max_s=self.backoff_max_s)
 
@@ -310,13 +310,22 @@ def build_backend_class(base: type, ops: TensorOps, pool_transfer_result: Option
                     parent(host_pool, host_pool_name)
                 return
             view, tag = host_pool_view(host_pool, name, ops)
-            store = self.config.open_store(view, self.config.pool_namespace(name, tag), pool_name=name)
+            store = self.config.open_store(view, self.config.pool_namespace(name, tag), pool_name=name,
+                                           staging_pages=self._side_staging_pages(view))
             self.pools.add_pool(name, store)
             parent = getattr(super(), "register_mem_host_pool_v2", None)
             if parent is not None:
                 parent(host_pool, host_pool_name)
             logger.info("flexkvd HiCache backend stores host pool %r (%s, %d-byte pages) in namespace %r", name,
                         type(host_pool).__name__, view.page_bytes, store.namespace)
+
+        def _side_staging_pages(self, view: Union[HostPoolLayout, FlatPagePool]) -> int:
+            """A side pool's staging blocks: as many as fit in the K/V staging area's bytes (at least 1, at most
+            staging_pages): a Mamba state can be tens of MiB, and SGLang moves one per request."""
+            kv = self.pools.kv
+            budget = self.config.staging_pages * (kv.pool.page_bytes if kv is not None else 0)
+            block = int(np.prod(view.block_shape))
+            return max(1, min(self.config.staging_pages, budget // block))
 
         def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
             return self.store.batch_exists(keys) if self.store is not None and keys else 0
