@@ -14,11 +14,15 @@ SGLang's (python/sglang/srt/mem_cache/pool_host/mha.py and mla.py, init_kv_buffe
                  page_first_direct  (pages, layers, page_size, 1, bytes)
 
 Every layout maps to one flexkvd block per SGLang page (tokens_per_block = page_size), copied in flexkvd's own block
-order; any other layout (Ascend's page_first_kv_split, hybrid pools) is refused by name.
+order; any other layout (Ascend's page_first_kv_split) is refused by name.
+
+FlatPagePool is any other host pool (a hybrid model's Mamba state pool, an NSA indexer pool): flexkvd sees its pages
+only as the bytes SGLang's own get_data_page(index, flat=True) gives and set_from_flat_data_page takes, one page in a
+block of a byte-blob geometry (blob_geometry) padded to whole 16-byte chunks.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Callable, Tuple
 
 import numpy as np
 
@@ -160,9 +164,95 @@ class HostPoolLayout:
         }[(self.layout, self.is_mla)]
         return self._to_block_order(data.reshape(shape))
 
+    def copy_to_block(self, page: int, block: np.ndarray) -> None:
+        """Copies page `page` into a staging block (shape block_shape)."""
+        np.copyto(block, self.page_view(page))
+
+    def copy_from_block(self, block: np.ndarray, page: int) -> None:
+        """Copies a staging block into page `page`."""
+        np.copyto(self.page_view(page), block)
+
     def _to_block_order(self, part: np.ndarray) -> np.ndarray:
         """A view of one page (as the layout slices it, page axis dropped) in (layer, plane, token, head, byte)
         order; never a copy, so writes land in the pool."""
         if self.is_mla:  # (layer, 1, token, byte) after the transpose: the plane axis; add the one head
             return part.transpose(_MLA_TO_BLOCK[self.layout])[:, :, :, None, :]
         return part.transpose(_MHA_TO_BLOCK[self.layout])
+
+
+# A blob geometry's limits (the daemon's ranges for a Geometry: docs/protocol.md) and the largest host block.
+_MAX_HEAD_BYTES = 65536          # head_dim at dtype_bytes 1
+_MAX_HEADS = 1024
+_MAX_LAYERS = 1024
+_MAX_BLOCK_BYTES = 4 << 30
+
+
+def blob_geometry(nbytes: int) -> Tuple[int, Geometry]:
+    """(block bytes, Geometry) of a flexkvd block that holds `nbytes` opaque bytes: one token, one plane (as MLA,
+    so the block is not multiplied by TP shards), bytes as 1-byte elements spread over layers and heads, each chunk
+    a multiple of 16 bytes. The block is at most nbytes + 16 x layers x heads bytes (the padding, zero). InvalidArgument
+    for 0 bytes or more than a 4 GiB block."""
+    if nbytes < 1:
+        raise InvalidArgument("a host pool page of 0 bytes; expected at least 1")
+    max_chunk = _MAX_HEADS * _MAX_HEAD_BYTES
+    layers = max(1, -(-nbytes // max_chunk))
+    chunk = _round16(-(-nbytes // layers))
+    heads = -(-chunk // _MAX_HEAD_BYTES)
+    head_bytes = _round16(-(-chunk // heads))
+    block = layers * heads * head_bytes
+    if layers > _MAX_LAYERS or block > _MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"a host pool page of {nbytes} bytes; flexkvd blocks hold at most 4 GiB")
+    return block, Geometry(tokens_per_block=1, num_layers=layers, kv_planes=1, kv_heads_per_rank=heads,
+                           head_dim=head_bytes, dtype_bytes=1, tp_size=1)
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+class FlatPagePool:
+    """A host pool seen through SGLang's flat-page calls: page `index` (the host index of its first slot) is the
+    `page_bytes` bytes read_page(index) returns, and write_page(index, data) puts such bytes back.
+
+    name: the pool's name in messages. page_size: host slots per page (1 for a Mamba state pool: one state per
+    slot). num_slots: the pool's size in slots. The callbacks may be called from several threads at once for
+    different pages. Raises InvalidArgument for a page size below 1, an empty pool or a page a block cannot hold.
+    """
+
+    def __init__(self, name: str, page_size: int, num_slots: int, page_bytes: int,
+                 read_page: Callable[[int], np.ndarray], write_page: Callable[[int, np.ndarray], None]) -> None:
+        if page_size < 1:
+            raise InvalidArgument(f"host pool {name!r} has page_size {page_size}; expected at least 1")
+        if num_slots < page_size:
+            raise InvalidArgument(f"host pool {name!r} has {num_slots} slots; expected at least one page of "
+                                  f"{page_size}")
+        self.name = name
+        self.page_size = page_size
+        self.num_slots = num_slots
+        self.page_bytes = page_bytes
+        self.block_bytes, self._geometry = blob_geometry(page_bytes)
+        self.block_shape: Tuple[int, ...] = (self.block_bytes,)
+        self._read = read_page
+        self._write = write_page
+
+    def geometry(self) -> Geometry:
+        return self._geometry
+
+    def page_of(self, first_index: int) -> int:
+        """The page that starts at host index `first_index` (its own index: SGLang's flat-page calls take it);
+        InvalidArgument when it is not a page start inside the pool."""
+        if first_index % self.page_size or not 0 <= first_index < self.num_slots:
+            raise InvalidArgument(f"host index {first_index} is not the start of a page of {self.page_size} slots "
+                                  f"in host pool {self.name!r} of {self.num_slots} slots")
+        return first_index
+
+    def copy_to_block(self, page: int, block: np.ndarray) -> None:
+        data = np.asarray(self._read(page)).reshape(-1).view(np.uint8)
+        if data.size != self.page_bytes:
+            raise InvalidArgument(f"host pool {self.name!r} gave a page of {data.size} bytes for index {page}; "
+                                  f"its pages are {self.page_bytes}")
+        block[:self.page_bytes] = data
+        block[self.page_bytes:] = 0
+
+    def copy_from_block(self, block: np.ndarray, page: int) -> None:
+        self._write(page, block[:self.page_bytes])

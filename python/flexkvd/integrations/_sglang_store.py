@@ -33,7 +33,7 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -41,7 +41,10 @@ from .. import client as _client
 from ..errors import Error, InvalidArgument, StatusCode
 from ..geometry import Layout
 from ..keys import BlockKeys
-from ._sglang_layout import HostPoolLayout
+from ._sglang_layout import FlatPagePool, HostPoolLayout
+
+# Fills a staging block (a page into it) or drains one (it into a page).
+_BlockCopy = Callable[[np.ndarray], None]
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +105,13 @@ class PageStore:
     """SGLang pages in flexkvd for one engine process (one TP rank); see the module docstring.
 
     socket_path: flexkvd's socket (None: $FLEXKV_SOCKET, else the default). namespace: the cache domain (sessions
-    share pages within it). pool: the SGLang host pool the v1 calls copy from and to. staging_pages: blocks of the
+    share pages within it). pool: the SGLang host pool the v1 calls copy from and to (a K/V pool's layout, or a
+    hybrid model's side pool seen through its flat pages). staging_pages: blocks of the
     staging area (a call with more pages runs in parts). name: the session name flexkvctl shows.
     The first connection is made here (failures are logged and retried later, never raised); close() ends it.
     """
 
-    def __init__(self, pool: HostPoolLayout, namespace: str, socket_path: Optional[str] = None,
+    def __init__(self, pool: Union[HostPoolLayout, FlatPagePool], namespace: str, socket_path: Optional[str] = None,
                  staging_pages: int = 64, name: str = "sglang", connect_timeout_s: float = 1.0,
                  op_timeout_s: float = 30.0, backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -161,33 +165,46 @@ class PageStore:
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         """How many leading pages of `keys` flexkvd holds (0 while it is unreachable)."""
-        block_keys = [page_block_key(k) for k in keys]
-        hits = 0
-        try:
-            conn = self._connection()
-            tickets = [conn.client.match(BlockKeys([bk])) for bk in block_keys]
-            # Every result is taken, also after the first miss: libflexkv keeps a result until it is waited for.
-            found = [self._wait(conn, t).matched_blocks == 1 for t in tickets]
-            hits = _leading(found)
-        except _Unreachable:
-            hits = 0
+        hits = _leading(self._present(keys))
         with self._lock:
             self._stats.exists_calls += 1
             self._stats.exists_pages += len(keys)
             self._stats.exists_hits += hits
         return hits
 
+    def batch_present(self, keys: Sequence[str]) -> List[bool]:
+        """Whether flexkvd holds each page of `keys` (all False while it is unreachable); for a hybrid model's side
+        pools, whose hit rule looks at pages past a missing one."""
+        found = self._present(keys)
+        with self._lock:
+            self._stats.exists_calls += 1
+            self._stats.exists_pages += len(keys)
+            self._stats.exists_hits += sum(found)
+        return found
+
+    def _present(self, keys: Sequence[str]) -> List[bool]:
+        if not keys:
+            return []
+        try:
+            conn = self._connection()
+            tickets = [conn.client.match(BlockKeys([page_block_key(k)])) for k in keys]
+            # Every result is taken, also after the first miss: libflexkv keeps a result until it is waited for.
+            return [self._wait(conn, t).matched_blocks == 1 for t in tickets]
+        except _Unreachable:
+            return [False] * len(keys)
+
     def batch_get(self, keys: Sequence[str], host_indices: Sequence[int]) -> List[bool]:
         """Reads pages keys[i] into the pool's page starting at host token index host_indices[i * page_size].
         True for the leading pages read; False from the first page that is not cached (or not readable) on, and
         those pages' host memory is left as it was."""
         pages = self._pages(keys, host_indices)
+        sinks = [self._page_sink(p) for p in pages]
         results = [False] * len(keys)
         start = time.perf_counter()
         done = 0
         try:
             while done < len(keys):
-                n = self._get_part(keys[done:], pages[done:], results, done)
+                n = self._get_part(keys[done:], sinks[done:], results, done)
                 done += n
                 if not all(results[:done]):
                     break
@@ -206,7 +223,7 @@ class PageStore:
         done = 0
         try:
             while done < len(keys):
-                done += self._set_part(keys[done:], [self.pool.page_view(p) for p in pages[done:]], results, done)
+                done += self._set_part(keys[done:], [self._page_source(p) for p in pages[done:]], results, done)
         except _Unreachable:
             pass
         self._record_transfer("set", len(keys), sum(results), start)
@@ -215,18 +232,20 @@ class PageStore:
     def get_flat(self, keys: Sequence[str], targets: Sequence[Optional[np.ndarray]]) -> List[Optional[np.ndarray]]:
         """The generic (non-v1) read: each page as SGLang's flat data page, written into targets[i] when given (a
         flat array of one page's bytes) or a new uint8 array. None from the first page that is not cached on."""
+        if not isinstance(self.pool, HostPoolLayout):
+            raise InvalidArgument("flat pages are read only from a K/V host pool")
         out: List[Optional[np.ndarray]] = [None] * len(keys)
-        views = []
+        sinks: List[_BlockCopy] = []
         for i, target in enumerate(targets):
             arr = np.zeros(self.pool.page_bytes, np.uint8) if target is None else target
             out[i] = arr
-            views.append(self.pool.flat_page_view(arr))
+            sinks.append(_copy_into(self.pool.flat_page_view(arr)))
         results = [False] * len(keys)
         start = time.perf_counter()
         try:
             done = 0
             while done < len(keys):
-                done += self._get_part(keys[done:], None, results, done, views[done:])
+                done += self._get_part(keys[done:], sinks[done:], results, done)
                 if not all(results[:done]):
                     break
         except _Unreachable:
@@ -237,6 +256,8 @@ class PageStore:
 
     def set_flat(self, keys: Sequence[str], values: Sequence[np.ndarray]) -> List[bool]:
         """The generic (non-v1) write: values[i] is page keys[i] as SGLang's flat data page."""
+        if not isinstance(self.pool, HostPoolLayout):
+            raise InvalidArgument("flat pages are written only from a K/V host pool")
         views = [self.pool.flat_page_view(v) for v in values]
         if len(views) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys and {len(views)} values; expected one value per key")
@@ -245,7 +266,7 @@ class PageStore:
         try:
             done = 0
             while done < len(keys):
-                done += self._set_part(keys[done:], views[done:], results, done)
+                done += self._set_part(keys[done:], [_copy_from(v) for v in views[done:]], results, done)
         except _Unreachable:
             pass
         self._record_transfer("set", len(keys), sum(results), start)
@@ -269,10 +290,15 @@ class PageStore:
 
     # ---- one part of a call: at most as many pages as staging blocks can be had ----
 
-    def _get_part(self, keys: Sequence[str], pages: Optional[Sequence[int]], results: List[bool], offset: int,
-                  views: Optional[Sequence[np.ndarray]] = None) -> int:
-        """Reads the leading pages of `keys` that fit in the staging blocks it gets; returns how many it handled
-        (results[offset + i] set for each). Raises _Unreachable."""
+    def _page_source(self, page: int) -> _BlockCopy:
+        return lambda block: self.pool.copy_to_block(page, block)
+
+    def _page_sink(self, page: int) -> _BlockCopy:
+        return lambda block: self.pool.copy_from_block(block, page)
+
+    def _get_part(self, keys: Sequence[str], sinks: Sequence[_BlockCopy], results: List[bool], offset: int) -> int:
+        """Reads the leading pages of `keys` that fit in the staging blocks it gets, draining staging block i through
+        sinks[i]; returns how many it handled (results[offset + i] set for each). Raises _Unreachable."""
         conn, blocks = self._take_staging(len(keys))
         n = len(blocks)
         try:
@@ -296,8 +322,7 @@ class PageStore:
                 self._release(conn, handles)
             copy_start = time.perf_counter()
             for i in range(loaded):
-                dst = views[i] if views is not None else self.pool.page_view(pages[i])
-                np.copyto(dst, conn.staging[blocks[i]])
+                sinks[i](_staging_block(conn, blocks[i]))
                 results[offset + i] = True
             with self._lock:
                 self._stats.copy_seconds += time.perf_counter() - copy_start
@@ -306,15 +331,15 @@ class PageStore:
         finally:
             self._give_staging(conn, blocks)
 
-    def _set_part(self, keys: Sequence[str], sources: Sequence[np.ndarray], results: List[bool], offset: int) -> int:
-        """Stores the leading pages of `keys` that fit in the staging blocks it gets; returns how many it handled.
-        Raises _Unreachable."""
+    def _set_part(self, keys: Sequence[str], sources: Sequence[_BlockCopy], results: List[bool], offset: int) -> int:
+        """Stores the leading pages of `keys` that fit in the staging blocks it gets, sources[i] filling staging
+        block i; returns how many it handled. Raises _Unreachable."""
         conn, blocks = self._take_staging(len(keys))
         n = len(blocks)
         try:
             copy_start = time.perf_counter()
             for i in range(n):
-                np.copyto(conn.staging[blocks[i]], sources[i])
+                sources[i](_staging_block(conn, blocks[i]))
             with self._lock:
                 self._stats.copy_seconds += time.perf_counter() - copy_start
             stores = [conn.client.store(BlockKeys([page_block_key(keys[i])]), [blocks[i]]) for i in range(n)]
@@ -483,6 +508,19 @@ class PageStore:
             if self._conn is conn:
                 conn.free.extend(blocks)
                 self._staging_freed.notify_all()
+
+
+def _staging_block(conn: _Connection, block: int) -> np.ndarray:
+    """Staging block `block` of `conn` (a view into memory shared with flexkvd)."""
+    return conn.staging[block]
+
+
+def _copy_into(dst: np.ndarray) -> _BlockCopy:
+    return lambda block: np.copyto(dst, block)
+
+
+def _copy_from(src: np.ndarray) -> _BlockCopy:
+    return lambda block: np.copyto(block, src)
 
 
 def _leading(results: Sequence[bool]) -> int:

@@ -6,28 +6,34 @@
           "interface_v1": 1, "socket": "/run/flexkvd/flexkvd.sock"}'
 
 Importing this module needs neither SGLang nor torch; asking for FlexKVdStorage imports SGLang and raises
-ImportError saying so when it is missing. The logic is in plain classes (BackendConfig here, PageStore and
-HostPoolLayout in _sglang_store.py / _sglang_layout.py) that the thin FlexKVdStorage adapter calls; how keys,
-copies, TP ranks and failures are handled is written there and in docs/integrations.md ("## SGLang").
+ImportError saying so when it is missing. The logic is in plain classes (BackendConfig and host_pool_view here,
+PageStore, HostPoolLayout, FlatPagePool and HybridStores in _sglang_store.py, _sglang_layout.py, _sglang_hybrid.py)
+that the FlexKVdStorage adapter calls; build_backend_class makes the adapter over any base class and tensor
+conversion, so that it is tested with stand-ins of SGLang's HiCacheStorage and pools. How keys, copies, hybrid pools,
+TP ranks and failures are handled is written there and in docs/integrations_sglang.md.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+import numpy as np
 
 from ..errors import InvalidArgument
-from ._sglang_layout import HostPoolLayout
+from ._sglang_hybrid import ALL_PAGES, KV_POOL, TRAILING_PAGES, HybridStores, PoolPages, PoolQuery
+from ._sglang_layout import FlatPagePool, HostPoolLayout
 from ._sglang_store import PageStore, PageStoreStats, page_block_key
 
 # FlexKVdStorage (the SGLang class, built on first use by __getattr__) is not in __all__: `import *` must not need
 # SGLang.
-__all__ = ["BackendConfig", "HostPoolLayout", "PageStore", "PageStoreStats", "page_block_key"]
+__all__ = ["BackendConfig", "FlatPagePool", "HostPoolLayout", "HybridStores", "PageStore", "PageStoreStats",
+           "build_backend_class", "host_pool_view", "page_block_key"]
 
 logger = logging.getLogger(__name__)
 
-# Extra-config keys this backend reads, with their defaults (docs/integrations.md lists them).
+# Extra-config keys this backend reads, with their defaults (docs/integrations_sglang.md lists them).
 _OPTIONS: Dict[str, Any] = {
     "socket": None,               # flexkvd's socket; None: $FLEXKV_SOCKET, else the default
     "namespace": None,            # the cache domain; None: "sglang/<served model name>"
@@ -58,6 +64,10 @@ class BackendConfig:
 
     namespace: str
     session_name: str
+    base_namespace: str   # the namespace before the rank suffixes
+    tp_suffix: str        # "@tp<r>of<n>" with TP > 1, else ""
+    other_suffix: str     # "@pp<r>of<n>@cp<r>of<n>" as they apply
+    is_mla_model: bool
     socket: Optional[str]
     staging_pages: int
     connect_timeout_s: float
@@ -82,12 +92,11 @@ class BackendConfig:
         namespace = opts["namespace"] or f"sglang/{model_name or 'model'}"
         if not isinstance(namespace, str):
             raise InvalidArgument(f"extra config namespace is a {type(namespace).__name__}; expected a string")
-        if not is_mla_model and tp_size > 1:
-            namespace += f"@tp{tp_rank}of{tp_size}"
-        if pp_size > 1:
-            namespace += f"@pp{pp_rank}of{pp_size}"
-        if attn_cp_size > 1:
-            namespace += f"@cp{attn_cp_rank}of{attn_cp_size}"
+        base = namespace
+        tp_suffix = f"@tp{tp_rank}of{tp_size}" if tp_size > 1 else ""
+        other = (f"@pp{pp_rank}of{pp_size}" if pp_size > 1 else "") + \
+            (f"@cp{attn_cp_rank}of{attn_cp_size}" if attn_cp_size > 1 else "")
+        namespace = base + ("" if is_mla_model else tp_suffix) + other
         socket = opts["socket"] if opts["socket"] is not None else os.environ.get("FLEXKV_SOCKET")
         if socket is not None and not isinstance(socket, str):
             raise InvalidArgument(f"extra config socket is a {type(socket).__name__}; expected a path")
@@ -101,14 +110,131 @@ class BackendConfig:
                 raise InvalidArgument(f"extra config {key} is {value!r}; expected seconds > 0")
             seconds[key] = float(value)
         return cls(namespace=namespace, session_name=f"sglang-dp{dp_rank}-tp{tp_rank}-pp{pp_rank}", socket=socket,
+                   base_namespace=base, tp_suffix=tp_suffix, other_suffix=other, is_mla_model=is_mla_model,
                    staging_pages=staging, zero_copy_interface=bool(extra.get("interface_v1", 0)), **seconds)
 
-    def open_store(self, pool: HostPoolLayout) -> PageStore:
-        """The PageStore of this rank over `pool` (connects now; a daemon that is not up is retried later)."""
-        return PageStore(pool, self.namespace, socket_path=self.socket, staging_pages=self.staging_pages,
-                         name=self.session_name, connect_timeout_s=self.connect_timeout_s,
+    def pool_namespace(self, pool_name: str, tag: str = "") -> str:
+        """The cache domain of side pool `pool_name` ("<namespace>#<pool><tag>" with this rank's suffixes; `tag`
+        names a pool stored through its flat pages, whose bytes depend on its class and layout). A pool is per TP
+        rank as K/V is, except beside replicated (MLA) K/V, where SGLang writes side pools from TP rank 0 only and
+        every rank reads them - but for a Mamba state pool, which is sharded over TP ranks whatever the attention
+        (SGLang backs it up on every rank)."""
+        sharded = not self.is_mla_model or pool_name == "mamba"
+        return f"{self.base_namespace}#{pool_name}{tag}" + (self.tp_suffix if sharded else "") + self.other_suffix
+
+    def open_store(self, pool: Union[HostPoolLayout, FlatPagePool], namespace: Optional[str] = None,
+                   pool_name: Optional[str] = None, staging_pages: Optional[int] = None) -> PageStore:
+        """The PageStore of this rank over `pool`, in `namespace` (default: the K/V namespace) with `staging_pages`
+        (default: the configured number); connects now, and a daemon that is not up is retried later."""
+        name = self.session_name if pool_name is None else f"{self.session_name}-{pool_name}"
+        return PageStore(pool, namespace or self.namespace, socket_path=self.socket,
+                         staging_pages=staging_pages or self.staging_pages, name=name, connect_timeout_s=self.connect_timeout_s,
                          op_timeout_s=self.op_timeout_s, backoff_initial_s=self.backoff_initial_s,
                          backoff_max_s=self.backoff_max_s)
+
+
+class TensorOps:
+    """How the adapter turns SGLang's tensors into NumPy (torch here; the tests pass NumPy stand-ins)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+
+    def buffer_bytes(self, t: Any) -> np.ndarray:
+        """A host pool buffer as a uint8 array over its memory, the last axis in bytes."""
+        return t.view(self.torch.uint8).numpy()
+
+    def element_size(self, t: Any) -> int:
+        return int(t.element_size())
+
+    def indices(self, t: Any) -> np.ndarray:
+        return t.cpu().numpy()
+
+    def flat_bytes(self, t: Any) -> np.ndarray:
+        """A tensor's bytes as a 1-D uint8 array (a copy only where it is not contiguous on the CPU)."""
+        if isinstance(t, self.torch.Tensor):
+            return t.detach().cpu().contiguous().view(self.torch.uint8).numpy().reshape(-1)
+        return np.asarray(t).reshape(-1).view(np.uint8)
+
+    def wrap_bytes(self, arr: np.ndarray) -> Any:
+        """A uint8 tensor over `arr`'s memory (for SGLang's set_from_flat_data_page, which copies from it)."""
+        return self.torch.from_numpy(arr)
+
+    def is_flat_target(self, t: Any) -> bool:
+        return not isinstance(t, self.torch.Tensor) or (t.device.type == "cpu" and t.is_contiguous())
+
+    def page_tensor(self, page: np.ndarray, dtype: Any) -> Any:
+        return self.torch.from_numpy(page).view(dtype)
+
+
+_FLAT_PAGE_CALLS = ("get_data_page", "set_from_flat_data_page", "get_dummy_flat_data_page")
+
+
+def kv_pool_layout(pool: Any, ops: TensorOps) -> HostPoolLayout:
+    """The anchor K/V pool (register_mem_pool_host): an MHA or MLA host pool; InvalidArgument naming what it is
+    otherwise."""
+    kind = type(pool).__name__
+    if kind not in _HOST_POOLS or getattr(pool, "kv_buffer", None) is None:
+        raise InvalidArgument(f"flexkvd HiCache backend stores K/V from the host pools {', '.join(_HOST_POOLS)}; "
+                              f"SGLang registered {kind} as its K/V pool (a hybrid model's side pools - Mamba, SWA, "
+                              "indexer - come through register_mem_host_pool_v2 and are stored there)")
+    kv = pool.kv_buffer
+    return HostPoolLayout(ops.buffer_bytes(kv), pool.layout, pool.page_size, kind == "MLATokenToKVPoolHost",
+                          ops.element_size(kv))
+
+
+def host_pool_view(pool: Any, name: str, ops: TensorOps) -> "tuple[Union[HostPoolLayout, FlatPagePool], str]":
+    """How flexkvd stores side pool `name` (register_mem_host_pool_v2), with the namespace tag it needs: an MHA or
+    MLA pool in flexkvd's block order (tag ""); any other pool through SGLang's flat-page calls, one page per block
+    (tag ":<class>:<layout>", since its bytes follow the pool's layout). InvalidArgument naming the pool and what
+    flexkvd needs for a pool it cannot store: one without the flat-page calls, a compressed pool whose pages do not
+    each belong to one K/V page (slot_page_size != page_size: DeepSeek-V4's C4/C128 pools), an empty page."""
+    kind = type(pool).__name__
+    page_size = int(getattr(pool, "page_size", 0) or 0)
+    slot_page = getattr(pool, "slot_page_size", None)
+    if slot_page is not None and int(slot_page) != page_size:
+        raise InvalidArgument(
+            f"flexkvd HiCache backend cannot store SGLang host pool {name!r} ({kind}): its pages hold "
+            f"{slot_page} slots for {page_size} tokens (a compressed pool), so a page is not one K/V page's and the "
+            "page keys SGLang passes do not name its pages one to one; flexkvd needs pools whose pages each belong "
+            "to one K/V page. Run this model without --hicache-storage-backend, or with a backend that stores "
+            "compressed pools")
+    if kind in _HOST_POOLS and getattr(pool, "kv_buffer", None) is not None:
+        try:
+            return kv_pool_layout(pool, ops), ""
+        except InvalidArgument as e:
+            if not all(hasattr(pool, c) for c in _FLAT_PAGE_CALLS):
+                raise InvalidArgument(f"flexkvd HiCache backend cannot store SGLang host pool {name!r}: {e}") from e
+    missing = [c for c in _FLAT_PAGE_CALLS if not callable(getattr(pool, c, None))]
+    if missing or page_size < 1:
+        what = f"has no {', '.join(missing)}" if missing else f"has page_size {page_size}"
+        raise InvalidArgument(
+            f"flexkvd HiCache backend cannot store SGLang host pool {name!r} ({kind}): it {what}; flexkvd stores a "
+            "side pool through SGLang's flat-page calls (get_data_page(index, flat=True), set_from_flat_data_page, "
+            "get_dummy_flat_data_page) with page_size >= 1")
+    page_bytes = int(ops.flat_bytes(pool.get_dummy_flat_data_page()).size)
+    if page_bytes < 1:
+        raise InvalidArgument(f"flexkvd HiCache backend cannot store SGLang host pool {name!r} ({kind}): its flat "
+                              "pages are empty")
+
+    def read(index: int) -> np.ndarray:
+        return ops.flat_bytes(pool.get_data_page(index, flat=True))
+
+    def write(index: int, data: np.ndarray) -> None:
+        pool.set_from_flat_data_page(index, ops.wrap_bytes(data))
+
+    flat = FlatPagePool(name, page_size, int(pool.size), page_bytes, read, write)
+    return flat, f":{kind}:{getattr(pool, 'layout', '-')}"
+
+
+def _pool_name(name: Any) -> str:
+    """SGLang's PoolName (a str Enum whose str() is its value) or a plain string, as a string."""
+    value = getattr(name, "value", name)
+    return str(value)
+
+
+def _hit_policy(policy: Any) -> str:
+    value = str(getattr(policy, "value", policy) or ALL_PAGES)
+    return value if value in (ALL_PAGES, TRAILING_PAGES) else ALL_PAGES
 
 
 def __getattr__(name: str) -> Any:
@@ -122,33 +248,27 @@ def __getattr__(name: str) -> Any:
 
 def _backend_class() -> type:
     try:
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+        from sglang.srt.mem_cache import hicache_storage
     except ImportError as e:
         raise ImportError(
             "flexkvd.integrations.sglang.FlexKVdStorage is an SGLang HiCache storage backend and needs SGLang "
             f"(sglang.srt.mem_cache.hicache_storage), which could not be imported: {e}. Install SGLang in this "
             "environment; the backend's logic (BackendConfig, PageStore) works without it.") from e
-    import numpy as np
     import torch
 
-    def host_pool_layout(pool: Any) -> HostPoolLayout:
-        kind = type(pool).__name__
-        if kind not in _HOST_POOLS or getattr(pool, "kv_buffer", None) is None:
-            raise InvalidArgument(f"flexkvd HiCache backend supports the host pools {', '.join(_HOST_POOLS)}; "
-                                  f"got {kind} (hybrid, sparse and split-buffer pools are not supported)")
-        kv = pool.kv_buffer
-        kv_bytes = kv.view(torch.uint8).numpy()
-        return HostPoolLayout(kv_bytes, pool.layout, pool.page_size, kind == "MLATokenToKVPoolHost",
-                              kv.element_size())
+    return build_backend_class(hicache_storage.HiCacheStorage, TensorOps(torch),
+                               getattr(hicache_storage, "PoolTransferResult", None))
 
-    def as_bytes(t: Any) -> np.ndarray:
-        if isinstance(t, torch.Tensor):
-            return t.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
-        return np.asarray(t).reshape(-1).view(np.uint8)
 
-    class FlexKVdStorage(HiCacheStorage):
+def build_backend_class(base: type, ops: TensorOps, pool_transfer_result: Optional[Callable[..., Any]]) -> type:
+    """The FlexKVdStorage class over SGLang's HiCacheStorage `base`, converting tensors with `ops`;
+    `pool_transfer_result(kv_hit_pages, extra_pool_hit_pages)` builds batch_exists_v2's answer (SGLang's
+    PoolTransferResult; None for an SGLang without the v2 interface)."""
+
+    class FlexKVdStorage(base):  # type: ignore[misc, valid-type]
         """SGLang's HiCacheStorage over flexkvd; each call goes to a PageStore (thread-safe, never raises for an
-        unreachable daemon: misses instead)."""
+        unreachable daemon: misses instead). A hybrid model's side pools (register_mem_host_pool_v2) each get a
+        PageStore of their own and the v2 calls; see _sglang_hybrid.py."""
 
         def __init__(self, storage_config: Any, kwargs: Optional[Dict[str, Any]] = None) -> None:
             self.config = BackendConfig.from_fields(
@@ -161,13 +281,51 @@ def _backend_class() -> type:
                 logger.warning("flexkvd HiCache backend: extra config has no \"interface_v1\": 1, so SGLang uses "
                                "the generic get/set path (one more copy per page); add it for batch_get_v1 / "
                                "batch_set_v1")
-            self.store: Optional[PageStore] = None
+            self.pools = HybridStores()
+            self._kv_pool_obj: Any = None
+
+        @property
+        def store(self) -> Optional[PageStore]:
+            return self.pools.kv
 
         def register_mem_pool_host(self, mem_pool_host: Any) -> None:
             super().register_mem_pool_host(mem_pool_host)
-            if self.store is not None:
-                self.store.close()
-            self.store = self.config.open_store(host_pool_layout(mem_pool_host))
+            layout = kv_pool_layout(mem_pool_host, ops)
+            self._kv_pool_obj = mem_pool_host
+            self.pools.set_kv(self.config.open_store(layout))
+
+        def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+            """A pool of a hybrid model (SGLang registers every entry of its HostPoolGroup, the K/V anchor
+            included). Raises InvalidArgument naming the pool for one flexkvd cannot store: SGLang then fails to
+            start (or to attach the backend) with that message instead of losing the pool's pages later."""
+            name = _pool_name(host_pool_name)
+            if pool_transfer_result is None:
+                raise InvalidArgument("flexkvd HiCache backend: SGLang registers host pools for the v2 interface but "
+                                      "its hicache_storage has no PoolTransferResult to answer batch_exists_v2 with")
+            if name == KV_POOL or host_pool is self._kv_pool_obj:
+                if self.pools.kv is None:
+                    self.register_mem_pool_host(host_pool)
+                parent = getattr(super(), "register_mem_host_pool_v2", None)
+                if parent is not None:
+                    parent(host_pool, host_pool_name)
+                return
+            view, tag = host_pool_view(host_pool, name, ops)
+            store = self.config.open_store(view, self.config.pool_namespace(name, tag), pool_name=name,
+                                           staging_pages=self._side_staging_pages(view))
+            self.pools.add_pool(name, store)
+            parent = getattr(super(), "register_mem_host_pool_v2", None)
+            if parent is not None:
+                parent(host_pool, host_pool_name)
+            logger.info("flexkvd HiCache backend stores host pool %r (%s, %d-byte pages) in namespace %r", name,
+                        type(host_pool).__name__, view.page_bytes, store.namespace)
+
+        def _side_staging_pages(self, view: Union[HostPoolLayout, FlatPagePool]) -> int:
+            """A side pool's staging blocks: as many as fit in the K/V staging area's bytes (at least 1, at most
+            staging_pages): a Mamba state can be tens of MiB, and SGLang moves one per request."""
+            kv = self.pools.kv
+            budget = self.config.staging_pages * (kv.pool.page_bytes if kv is not None else 0)
+            block = int(np.prod(view.block_shape))
+            return max(1, min(self.config.staging_pages, budget // block))
 
         def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
             return self.store.batch_exists(keys) if self.store is not None and keys else 0
@@ -175,12 +333,31 @@ def _backend_class() -> type:
         def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
             if self.store is None:
                 return [False] * len(keys)
-            return self.store.batch_get(keys, host_indices.cpu().numpy())
+            return self.store.batch_get(keys, ops.indices(host_indices))
 
         def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
             if self.store is None:
                 return [False] * len(keys)
-            return self.store.batch_set(keys, host_indices.cpu().numpy())
+            return self.store.batch_set(keys, ops.indices(host_indices))
+
+        def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+            queries = [PoolQuery(_pool_name(t.name), _hit_policy(getattr(t, "hit_policy", None)),
+                                 max(1, len(t.keys or []))) for t in pool_transfers or []]
+            final, counts = self.pools.exists_v2(list(keys), queries)
+            by_name = {_pool_name(t.name): t.name for t in pool_transfers or []}
+            return pool_transfer_result(final, {by_name.get(k, k): v for k, v in counts.items()})
+
+        def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> Dict[Any, List[bool]]:
+            return self._v2(transfers, self.pools.get_v2)
+
+        def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> Dict[Any, List[bool]]:
+            return self._v2(transfers, self.pools.set_v2)
+
+        def _v2(self, transfers: Any, call: Callable[[List[PoolPages]], List[List[bool]]]) -> Dict[Any, List[bool]]:
+            pages = [PoolPages(_pool_name(t.name), list(t.keys or []),
+                               None if t.host_indices is None else ops.indices(t.host_indices))
+                     for t in transfers or []]
+            return {t.name: r for t, r in zip(transfers or [], call(pages))}
 
         def exists(self, key: str) -> bool:
             return self.batch_exists([key]) == 1
@@ -192,10 +369,9 @@ def _backend_class() -> type:
             if self.store is None:
                 return [None] * len(keys)
             targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-            if any(isinstance(t, torch.Tensor) and (t.device.type != "cpu" or not t.is_contiguous())
-                   for t in targets):
+            if not all(ops.is_flat_target(t) for t in targets):
                 raise InvalidArgument("get targets must be contiguous CPU tensors (SGLang's dummy flat pages)")
-            arrays = [None if t is None else as_bytes(t) for t in targets]
+            arrays = [None if t is None else ops.flat_bytes(t) for t in targets]
             pages = self.store.get_flat(keys, arrays)
             out: List[Any] = []
             for t, page in zip(targets, pages):
@@ -204,7 +380,7 @@ def _backend_class() -> type:
                 elif t is not None:
                     out.append(t)
                 else:
-                    out.append(torch.from_numpy(page).view(self.mem_pool_host.dtype))
+                    out.append(ops.page_tensor(page, self.mem_pool_host.dtype))
             return out
 
         def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -214,29 +390,27 @@ def _backend_class() -> type:
                       target_sizes: Any = None) -> bool:
             if self.store is None or values is None or any(v is None for v in values):
                 return False
-            return all(self.store.set_flat(keys, [as_bytes(v) for v in values]))
+            return all(self.store.set_flat(keys, [ops.flat_bytes(v) for v in values]))
 
         def clear(self) -> None:
             # A client cannot delete blocks: they belong to the cache domain, shared with every engine in it, and
             # leave by LRU eviction; an administrator drops a whole domain (flexkvctl drop-domain) once no engine
             # is attached.
-            logger.warning("flexkvd HiCache backend: clear() keeps the blocks in flexkvd (namespace %r); they are "
-                           "evicted by LRU, or dropped as a whole with `flexkvctl drop-domain` once no engine is "
-                           "attached", self.config.namespace)
+            logger.warning("flexkvd HiCache backend: clear() keeps the blocks in flexkvd (namespace %r and its "
+                           "side pools' %s); they are evicted by LRU, or dropped as a whole with `flexkvctl "
+                           "drop-domain` once no engine is attached", self.config.namespace, self.pools.pool_names())
 
         def get_stats(self) -> Any:
             metrics = _storage_metrics()
-            if self.store is not None:
-                s = self.store.take_samples()
-                metrics.prefetch_pgs.extend(s.prefetch_pgs)
-                metrics.backup_pgs.extend(s.backup_pgs)
-                metrics.prefetch_bandwidth.extend(s.prefetch_bandwidth)
-                metrics.backup_bandwidth.extend(s.backup_bandwidth)
+            s = self.pools.take_samples()
+            metrics.prefetch_pgs.extend(s.prefetch_pgs)
+            metrics.backup_pgs.extend(s.backup_pgs)
+            metrics.prefetch_bandwidth.extend(s.prefetch_bandwidth)
+            metrics.backup_bandwidth.extend(s.backup_bandwidth)
             return metrics
 
         def close(self) -> None:
-            if self.store is not None:
-                self.store.close()
+            self.pools.close()
 
     return FlexKVdStorage
 
