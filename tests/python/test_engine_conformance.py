@@ -65,12 +65,6 @@ KNOWN_GAPS = {
     ("vllm", "requires_kv_delivery", "value"):
         "issue 31: requires_kv_delivery False (a best-effort cache) is not yet owned by any of the issue's work; "
         "the base's default recomputes a request preempted while its store is pending",
-    ("sglang", "batch_exists_v2", "entry"): "issue 31: batch_exists_v2 (or a refusal of hybrid pools at "
-                                            "register_mem_host_pool_v2) lands from SGLang v2 work",
-    ("sglang", "batch_get_v2", "entry"): "issue 31: batch_get_v2 (or a refusal of hybrid pools at "
-                                         "register_mem_host_pool_v2) lands from SGLang v2 work",
-    ("sglang", "batch_set_v2", "entry"): "issue 31: batch_set_v2 (or a refusal of hybrid pools at "
-                                         "register_mem_host_pool_v2) lands from SGLang v2 work",
 }
 
 
