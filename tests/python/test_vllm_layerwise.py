@@ -93,8 +93,25 @@ def test_a_layer_wise_load_runs_in_the_step_and_each_layer_is_there_after_its_wa
     assert settled_status(observer).pinned_blocks == 0
 
 
+def test_a_prompt_cached_whole_leaves_its_last_token_to_compute_and_still_loads_its_last_block(daemon, sides):
+    p = prompt(13, 3 * BS)  # block-aligned and cached whole
+    store(sides(), "a", p, [0, 1, 2])
+    b = sides(load_mode="layerwise")
+    hit, asynchronous = b.scheduler.get_num_new_matched_tokens("b", p, 0)
+    assert (hit, asynchronous) == (3 * BS - 1, False)  # vLLM schedules at least one token
+    b.scheduler.update_state_after_alloc("b", [5, 6, 7], hit)
+    meta = b.scheduler.build_connector_meta()
+    assert meta.loads[0].block_ids == [5, 6, 7]  # the block holding the recomputed token is loaded too
+    b.engine.poison([5, 6, 7])
+    b.worker.start(meta)
+    for name in NAMES:
+        b.worker.wait_layer(name)
+    assert b.worker.get_finished(set()) == (None, None) and b.worker.take_load_errors() == set()
+    assert b.engine.holds(flexkvd.block_keys(NS, p, BS), [5, 6, 7])
+
+
 def test_a_name_that_is_not_a_registered_layer_waits_for_every_layer(daemon, sides):
-    p = prompt(8, 4 * BS)
+    p = prompt(8, 4 * BS + 1)
     store(sides(), "a", p, [0, 1, 2, 3])
     b = sides(load_mode="layerwise")
     hit, _ = b.scheduler.get_num_new_matched_tokens("b", p, 0)
@@ -102,7 +119,7 @@ def test_a_name_that_is_not_a_registered_layer_waits_for_every_layer(daemon, sid
     b.engine.poison([9, 8, 7, 6])
     b.worker.start(b.scheduler.build_connector_meta())
     b.worker.wait_layer("model.layers.2.self_attn.attn")  # EAGLE's layer after the target's two: left out
-    assert b.engine.holds(flexkvd.block_keys(NS, p, BS), [9, 8, 7, 6])
+    assert b.engine.holds(flexkvd.block_keys(NS, p, BS)[:4], [9, 8, 7, 6])
     assert b.worker.get_finished(set()) == (None, None) and b.worker.take_load_errors() == set()
 
 

@@ -299,6 +299,10 @@ class SchedulerLogic:
         state.local_tokens = num_computed_tokens
         state.cached_blocks = cached
         state.hit_tokens = max(0, cached * self.block_size - num_computed_tokens)
+        if self.config.layerwise and num_computed_tokens + state.hit_tokens >= len(token_ids):
+            # A synchronous load runs in the step that computes the rest: vLLM needs a token to compute, so the
+            # last one is computed again (its block is still loaded whole: update_state_after_alloc rounds up).
+            state.hit_tokens = max(0, len(token_ids) - 1 - num_computed_tokens)
         self.stats.lookup_hit_tokens += state.hit_tokens
         return state.hit_tokens, state.hit_tokens > 0 and not self.config.layerwise
 
@@ -314,7 +318,8 @@ class SchedulerLogic:
                 f"request {request_id!r}: {num_external_tokens} external tokens allocated, but "
                 f"{0 if state is None else state.hit_tokens} were promised by get_num_new_matched_tokens")
         first = state.local_tokens // self.block_size
-        end = (state.local_tokens + num_external_tokens) // self.block_size
+        end = -(-(state.local_tokens + num_external_tokens) // self.block_size)  # a hit ends inside a block only
+        end = min(end, len(state.keys))                                          # when its last token is recomputed
         if len(block_ids) < end:
             raise flexkvd.InvalidArgument(f"request {request_id!r}: {len(block_ids)} block ids for a load up to block "
                                          f"{end}; expected at least {end}")
