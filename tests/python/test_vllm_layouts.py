@@ -232,6 +232,11 @@ def test_a_cross_layer_tensor_with_other_layers_is_refused():
     whole = view(0x7D0000000000, (NB, 5, 2, 16, 2, 64), [1, 0, 2, 3, 4, 5])
     with pytest.raises(flexkvd.InvalidArgument, match="first dimension to be the geometry's 4 layers"):
         plan_cross_layer_kv_cache(whole, GEOM)
+    # planes outermost, then blocks, then layers: no layout of flexkvd's; the refusal says how to avoid it
+    planes_out = view(0x7D0000000000, (2, NB, 4, 16, 2, 64), [1, 2, 0, 3, 4, 5])
+    assert planes_out.shape == (4, 2, NB, 16, 2, 64)
+    with pytest.raises(flexkvd.InvalidArgument, match="<cross-layer 0>.*cross_layer_blocks to false"):
+        plan_cross_layer_kv_cache(planes_out, GEOM)
     # layers first in memory (the identity order) and blocks K/V-interleaved: LAYER_BLOCK
     layered = view(0x7D0000000000, (4, NB, 2, 16, 2, 64), [0, 1, 2, 3, 4, 5])
     assert plan_cross_layer_kv_cache(layered, GEOM).layout == flexkvd.Layout.LAYER_BLOCK

@@ -217,6 +217,9 @@ def _plan(layers: List[LayerTensor], geometry: flexkvd.Geometry, cross_layer: bo
     else:
         why = (f"its block stride is {bad.block_stride} bytes and plane stride {bad.plane_stride} bytes for "
                f"{chunk}-byte chunks, and the layers' bases {[hex(p) for p in ptrs[:4]]}... match no layout")
+        if cross_layer:
+            why += ("; set kv_connector_extra_config.cross_layer_blocks to false to have vLLM allocate the layers "
+                    "one by one")
     raise flexkvd.InvalidArgument(f"FlexKVdConnector cannot copy the KV cache of {bad.t.describe()}: {why}; "
                                   f"flexkvd accepts {ACCEPTED}")
 
