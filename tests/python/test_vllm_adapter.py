@@ -221,6 +221,7 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
     worker = adapter.FlexKVdConnector(vllm_config, role.WORKER, None)
     assert sched._config.namespace == NS and sched.get_finished_count() == 1
     assert worker.prefer_cross_layer_blocks  # one cross-layer tensor, whatever the attention backend
+    assert adapter.FlexKVdConnector.get_required_kvcache_layout(vllm_config) == "NHD"  # the chunk order flexkvd keeps
     assert adapter.FlexKVdConnector.requires_piecewise_for_cudagraph({})  # layer waits must run
     assert not adapter.FlexKVdConnector.requires_piecewise_for_cudagraph({"load_mode": "whole"})
     worker._worker.create_host_kv(16)  # no GPU here: the worker's KV is host KV, registered by the logic class

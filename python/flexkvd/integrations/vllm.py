@@ -159,6 +159,13 @@ def _build() -> Dict[str, Any]:
             return self._cross_layer
 
         @classmethod
+        def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
+            """NHD chunks (block_size, kv_heads, head_dim): every engine of a namespace must write the same bytes
+            for a block; an HND cache (VLLM_KV_CACHE_LAYOUT, or a backend that forces it) is refused at
+            registration."""
+            return "NHD"
+
+        @classmethod
         def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
             """Layer-wise loads need wait_for_layer_load to run (a full CUDA graph skips it)."""
             return (extra_config or {}).get("load_mode", "layerwise") == "layerwise"
