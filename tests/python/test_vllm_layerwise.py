@@ -157,6 +157,11 @@ def test_a_layer_wise_load_of_blocks_evicted_since_the_lookup_reports_them(daemo
     assert b.worker.get_finished(set()) == (None, None)
     assert b.worker.take_load_errors() == {45, 46}
     assert b.engine.holds(flexkvd.block_keys(NS, p, BS), ids)
+    # The scheduler learns a layer-wise load's failed blocks from its step's output (even one handed over after the
+    # next step was built, as under async scheduling): the request's store at its end covers them again.
+    b.scheduler.build_connector_meta()
+    b.scheduler.update_connector_output(None, None, {42})
+    assert b.scheduler._requests["b"].cached_blocks == 2
 
 
 class Fence:

@@ -18,6 +18,7 @@ was reported get_finished_count() times (or world_size times without it).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -242,6 +243,9 @@ class SchedulerLogic:
         self._pending_loads: Dict[str, LoadSpec] = {}
         self._pending_stores: List[StoreSpec] = []
         self._loading: Dict[str, LoadSpec] = {}  # loads sent to the workers, not reported finished yet
+        # Layer-wise loads of the last few steps (they end in their step; their load errors arrive with its output,
+        # which async scheduling hands over after the next step was built).
+        self._recent_layerwise: collections.deque = collections.deque(maxlen=4)
         self._storing: Set[str] = set()   # stores sent (or to be sent), not reported finished yet
 
     # ---- vLLM's scheduler calls, in the order it makes them ----
@@ -338,6 +342,7 @@ class SchedulerLogic:
                                  preempted=preempted)
         # A layer-wise load ends in the step it is sent with (never reported in finished_recving).
         self._loading.update((rid, s) for rid, s in self._pending_loads.items() if not s.layerwise)
+        self._recent_layerwise.append({rid: s for rid, s in self._pending_loads.items() if s.layerwise})
         self._pending_loads = {}
         self._pending_stores = []
         return meta
@@ -377,7 +382,8 @@ class SchedulerLogic:
         again at its end."""
         invalid = set(invalid_block_ids or ())
         if invalid:
-            for rid, spec in self._loading.items():
+            sent = [self._loading] + list(self._recent_layerwise)
+            for rid, spec in ((rid, spec) for loads in sent for rid, spec in loads.items()):
                 failed = [i for i, b in enumerate(spec.block_ids) if b in invalid]
                 state = self._requests.get(rid)
                 if failed and state is not None:
