@@ -220,6 +220,10 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
     sched = adapter.FlexKVdConnector(vllm_config, role.SCHEDULER, None)
     worker = adapter.FlexKVdConnector(vllm_config, role.WORKER, None)
     assert sched._config.namespace == NS and sched.get_finished_count() == 1
+    assert worker.prefer_cross_layer_blocks  # one cross-layer tensor, whatever the attention backend
+    assert adapter.FlexKVdConnector.get_required_kvcache_layout(vllm_config) == "NHD"  # the chunk order flexkvd keeps
+    assert adapter.FlexKVdConnector.requires_piecewise_for_cudagraph({})  # layer waits must run
+    assert not adapter.FlexKVdConnector.requires_piecewise_for_cudagraph({"load_mode": "whole"})
     worker._worker.create_host_kv(16)  # no GPU here: the worker's KV is host KV, registered by the logic class
     engine = HostKvEngine(worker._worker, 16)
     try:
@@ -241,7 +245,8 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
 
         req2 = NS_(request_id="r2", all_token_ids=tokens, lora_request=None, mm_features=[], num_computed_tokens=0,
                    num_in_flight_tokens=0)
-        assert sched.get_num_new_matched_tokens(req2, 0) == (4 * BS, True)
+        # The adapter loads layer by layer by default: in the step that computes the request (not async).
+        assert sched.get_num_new_matched_tokens(req2, 0) == (4 * BS, False)
         # The same tokens under a LoRA adapter are other blocks (keyed by the adapter's name): looked up, missed.
         lora = NS_(request_id="r3", all_token_ids=tokens, lora_request=NS_(lora_name="adapter-a", lora_int_id=1),
                    mm_features=[])
@@ -253,8 +258,10 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
         sched.update_state_after_alloc(req2, NS_(get_block_ids=lambda: ([8, 9, 10, 11, 12],)), 4 * BS)
         worker.bind_connector_metadata(sched.build_connector_meta(NS_(preempted_req_ids=set())))
         worker.start_load_kv(None)
-        worker._worker.wait_all()
-        assert worker.get_finished(set()) == (None, {"r2"}) and worker.get_block_ids_with_load_errors() == set()
+        for layer in range(2):  # the attention layers' wait_for_layer_load (host KV: the CPU waits for the layer)
+            worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+        assert engine.holds(keys, [8, 9, 10, 11])
+        assert worker.get_finished(set()) == (None, None) and worker.get_block_ids_with_load_errors() == set()
         assert engine.holds(keys, [8, 9, 10, 11])
         stats = pickle.loads(pickle.dumps(worker.get_kv_connector_stats()))  # from a worker process
         assert stats.data["loaded_blocks"] == 4 and stats.data["stored_blocks"] == 4

@@ -18,6 +18,7 @@ was reported get_finished_count() times (or world_size times without it).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -78,17 +79,28 @@ class ConnectorConfig:
     op_timeout_s: float = 0.5
     name: str = "vllm"
     dp_rank: int = 0
+    # "layerwise": a hit loads in the step that computes the rest of the prompt, each layer awaited just before it
+    # is computed (vLLM: a synchronous load); "whole": the request waits for its whole load between steps (an
+    # asynchronous load). Layer-wise needs one TP rank's layer events and a full-attention geometry: see layerwise.
+    load_mode: str = "whole"
 
     @property
     def block_size(self) -> int:
         return self.geometry.tokens_per_block
 
+    @property
+    def layerwise(self) -> bool:
+        """Whether loads run layer by layer: load_mode "layerwise", TP 1 (the daemon's layer events of one set are
+        one rank's), no hybrid components (their loads are whole)."""
+        return self.load_mode == "layerwise" and self.geometry.tp_size == 1 and not self.geometry.is_hybrid
+
     EXTRA_KEYS = ("socket", "namespace", "namespace_extra", "op_timeout_s", "connect_timeout_s",
-                  "backoff_initial_s", "backoff_max_s", "name")
+                  "backoff_initial_s", "backoff_max_s", "name", "load_mode", "cross_layer_blocks")
+    LOAD_MODES = ("layerwise", "whole")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *, default_namespace: str, geometry: flexkvd.Geometry,
-                          dp_rank: int = 0) -> "ConnectorConfig":
+                          dp_rank: int = 0, default_load_mode: str = "whole") -> "ConnectorConfig":
         """Reads kv_connector_extra_config: socket, namespace (default: default_namespace), op_timeout_s,
         connect_timeout_s, backoff_initial_s, backoff_max_s, name. InvalidArgument names an unknown key or a value of
         the wrong type."""
@@ -116,8 +128,15 @@ class ConnectorConfig:
         namespace = text("namespace", None) or default_namespace
         if extra.get("namespace_extra"):
             namespace = f"{namespace}|{text('namespace_extra', '')}"
+        load_mode = text("load_mode", default_load_mode)
+        if load_mode not in cls.LOAD_MODES:
+            raise flexkvd.InvalidArgument(f"kv_connector_extra_config.load_mode is {load_mode!r}; expected one of "
+                                          f"{list(cls.LOAD_MODES)}")
+        if not isinstance(extra.get("cross_layer_blocks", True), bool):
+            raise flexkvd.InvalidArgument(f"kv_connector_extra_config.cross_layer_blocks is "
+                                          f"{extra['cross_layer_blocks']!r}; expected true or false")
         return cls(namespace=namespace, geometry=geometry, link=link, op_timeout_s=number("op_timeout_s", 0.5),
-                   name=text("name", "vllm") or "vllm", dp_rank=dp_rank)
+                   name=text("name", "vllm") or "vllm", dp_rank=dp_rank, load_mode=load_mode)
 
 
 @dataclasses.dataclass
@@ -130,6 +149,7 @@ class LoadSpec:
     keys: bytes  # keys_to_bytes of the prompt's first len(block_ids) blocks
     block_ids: List[int]
     first_block: int
+    layerwise: bool = False  # loaded in the step that computes the request, layer by layer (not async)
 
 
 @dataclasses.dataclass
@@ -223,6 +243,9 @@ class SchedulerLogic:
         self._pending_loads: Dict[str, LoadSpec] = {}
         self._pending_stores: List[StoreSpec] = []
         self._loading: Dict[str, LoadSpec] = {}  # loads sent to the workers, not reported finished yet
+        # Layer-wise loads of the last few steps (they end in their step; their load errors arrive with its output,
+        # which async scheduling hands over after the next step was built).
+        self._recent_layerwise: collections.deque = collections.deque(maxlen=4)
         self._storing: Set[str] = set()   # stores sent (or to be sent), not reported finished yet
 
     # ---- vLLM's scheduler calls, in the order it makes them ----
@@ -231,13 +254,13 @@ class SchedulerLogic:
                                    cacheable: bool = True, num_preemptions: int = 0,
                                    extras: Optional[flexkvd.BlockExtras] = None) -> Tuple[Optional[int], bool]:
         """Tokens of `token_ids` beyond num_computed_tokens (vLLM's block-aligned local hit) that flexkvd holds, and
-        whether they load asynchronously (always, when there are any). Side-effect free for vLLM: it may ask again
-        for the same request. (0, False) when the request is not cacheable, nothing more is cached, the daemon is
-        not reachable (counted in stats.lookup_errors), or a load was planned for it already since it was last
-        preempted (num_preemptions: vLLM's Request.num_preemptions). extras: what changes the request's KV besides
-        its token ids (cache salt, LoRA adapter, media, prompt embeddings), part of its keys. With may_defer, (None,
-        False) while the lookup is in flight: the engine asks again at its next step; one that has not answered
-        within op_timeout_s of its start is a miss (counted in stats.lookup_errors)."""
+        whether they load asynchronously (when there are any and loads are not layer-wise). Side-effect free for vLLM:
+        it may ask again for the same request. (0, False) when the request is not cacheable, nothing more is cached, the
+        daemon is not reachable (counted in stats.lookup_errors), or a load was planned for it already since it was last
+        preempted (num_preemptions: vLLM's Request.num_preemptions). extras: what changes the request's KV besides its
+        token ids (cache salt, LoRA adapter, media, prompt embeddings), part of its keys. With may_defer, (None, False)
+        while the lookup is in flight: the engine asks again at its next step; one that has not answered within
+        op_timeout_s of its start is a miss (counted in stats.lookup_errors)."""
         if not cacheable:
             self.stats.skipped_requests += 1
             return 0, False
@@ -280,8 +303,12 @@ class SchedulerLogic:
         state.local_tokens = num_computed_tokens
         state.cached_blocks = cached
         state.hit_tokens = max(0, cached * self.block_size - num_computed_tokens)
+        if self.config.layerwise and num_computed_tokens + state.hit_tokens >= len(token_ids):
+            # A synchronous load runs in the step that computes the rest: vLLM needs a token to compute, so the
+            # last one is computed again (its block is still loaded whole: update_state_after_alloc rounds up).
+            state.hit_tokens = max(0, len(token_ids) - 1 - num_computed_tokens)
         self.stats.lookup_hit_tokens += state.hit_tokens
-        return state.hit_tokens, state.hit_tokens > 0
+        return state.hit_tokens, state.hit_tokens > 0 and not self.config.layerwise
 
     def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int,
                                  num_preemptions: int = 0) -> None:
@@ -295,12 +322,14 @@ class SchedulerLogic:
                 f"request {request_id!r}: {num_external_tokens} external tokens allocated, but "
                 f"{0 if state is None else state.hit_tokens} were promised by get_num_new_matched_tokens")
         first = state.local_tokens // self.block_size
-        end = (state.local_tokens + num_external_tokens) // self.block_size
+        end = -(-(state.local_tokens + num_external_tokens) // self.block_size)  # a hit ends inside a block only
+        end = min(end, len(state.keys))                                          # when its last token is recomputed
         if len(block_ids) < end:
             raise flexkvd.InvalidArgument(f"request {request_id!r}: {len(block_ids)} block ids for a load up to block "
                                          f"{end}; expected at least {end}")
         self._pending_loads[request_id] = LoadSpec(request_id, keys_to_bytes(state.keys[:end]),
-                                                   [int(b) for b in block_ids[:end]], first)
+                                                   [int(b) for b in block_ids[:end]], first,
+                                                   layerwise=self.config.layerwise)
         state.load_planned = num_preemptions
 
     def build_connector_meta(self, preempted_request_ids: Iterable[str] = ()) -> ConnectorMetadata:
@@ -311,7 +340,9 @@ class SchedulerLogic:
             self._requests.pop(rid, None)
         meta = ConnectorMetadata(loads=list(self._pending_loads.values()), stores=self._pending_stores,
                                  preempted=preempted)
-        self._loading.update(self._pending_loads)
+        # A layer-wise load ends in the step it is sent with (never reported in finished_recving).
+        self._loading.update((rid, s) for rid, s in self._pending_loads.items() if not s.layerwise)
+        self._recent_layerwise.append({rid: s for rid, s in self._pending_loads.items() if s.layerwise})
         self._pending_loads = {}
         self._pending_stores = []
         return meta
@@ -351,7 +382,8 @@ class SchedulerLogic:
         again at its end."""
         invalid = set(invalid_block_ids or ())
         if invalid:
-            for rid, spec in self._loading.items():
+            sent = [self._loading] + list(self._recent_layerwise)
+            for rid, spec in ((rid, spec) for loads in sent for rid, spec in loads.items()):
                 failed = [i for i, b in enumerate(spec.block_ids) if b in invalid]
                 state = self._requests.get(rid)
                 if failed and state is not None:

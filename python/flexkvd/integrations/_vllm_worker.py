@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 import flexkvd
 
+from ._vllm_layerwise import LayerwiseMixin
 from ._vllm_link import DaemonLink, session_lost
 from ._vllm_logic import ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, StoreSpec, keys_from_bytes
 
@@ -33,6 +34,7 @@ class RankKv:
     layout: int = int(flexkvd.Layout.LAYER_FIRST)
     tensors: Optional[List[Any]] = dataclasses.field(default=None, compare=False)
     exported: Optional[bytes] = None
+    region_bytes: Optional[int] = None  # when `tensors` are int device pointers (a _vllm_layouts.KvPlan's regions)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -41,10 +43,12 @@ class RankKv:
 
 
 def describe_rank_kv(tp_rank: int, geometry: flexkvd.Geometry, num_blocks: int,
-                     tensors: Optional[Sequence[Any]] = None) -> RankKv:
+                     tensors: Optional[Sequence[Any]] = None, layout: flexkvd.Layout = flexkvd.Layout.LAYER_FIRST,
+                     region_bytes: Optional[int] = None) -> RankKv:
     """What TP rank `tp_rank` hands rank 0 (over vLLM's TP CPU group) about its KV buffers: GPU `tensors`, or
     None for host KV. A GPU rank r > 0 exports its description (FailedPrecondition for expandable segments,
-    Unimplemented without CUDA). InvalidArgument for a rank outside the geometry's tp_size."""
+    Unimplemented without CUDA). InvalidArgument for a rank outside the geometry's tp_size. layout and
+    region_bytes: as register_gpu_kv takes them (a _vllm_layouts.KvPlan's; the default: per-layer tensors)."""
     if not 0 <= tp_rank < geometry.tp_size:
         raise flexkvd.InvalidArgument(f"tp_rank {tp_rank}; expected 0..{geometry.tp_size - 1} (geometry.tp_size)")
     if tp_rank > 0 and geometry.is_mla:
@@ -52,9 +56,10 @@ def describe_rank_kv(tp_rank: int, geometry: flexkvd.Geometry, num_blocks: int,
     if tensors is None:
         return RankKv(tp_rank, "host", num_blocks)
     if tp_rank > 0:
-        return RankKv(tp_rank, "gpu", num_blocks,
-                      exported=flexkvd.export_gpu_kv(list(tensors), flexkvd.Layout.LAYER_FIRST, num_blocks, tp_rank))
-    return RankKv(tp_rank, "gpu", num_blocks, tensors=list(tensors))
+        return RankKv(tp_rank, "gpu", num_blocks, int(layout),
+                      exported=flexkvd.export_gpu_kv(list(tensors), layout, num_blocks, tp_rank,
+                                                     region_bytes=region_bytes))
+    return RankKv(tp_rank, "gpu", num_blocks, int(layout), tensors=list(tensors), region_bytes=region_bytes)
 
 
 @dataclasses.dataclass
@@ -71,7 +76,7 @@ class _Store:
     ticket: Optional[flexkvd.Ticket]
 
 
-class WorkerLogic:
+class WorkerLogic(LayerwiseMixin):
     """The worker side of the connector, for one TP rank.
 
     Rank 0 (the reporter): register_kv() (or register_gpu_kv / create_host_kv for TP 1) once, then per engine step
@@ -112,6 +117,7 @@ class WorkerLogic:
         self._sent: Set[str] = set()  # stores that ended, reported once vLLM named the request finished
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
+        self._init_layerwise()
 
     # ---- registration ----
 
@@ -170,7 +176,8 @@ class WorkerLogic:
         """DaemonLink's on_attach: registers every rank's KV with the new session."""
         for r in sorted(self._ranks.values(), key=lambda r: r.tp_rank):
             if r.kind == "gpu" and r.tensors is not None:
-                client.register_gpu_kv(r.tensors, flexkvd.Layout(r.layout), r.num_blocks, tp_rank=r.tp_rank)
+                client.register_gpu_kv(r.tensors, flexkvd.Layout(r.layout), r.num_blocks, tp_rank=r.tp_rank,
+                                       region_bytes=r.region_bytes)
             elif r.kind == "gpu":
                 client.register_exported_gpu_kv(r.exported)
             elif r.kind == "host" and r.tp_rank == 0:
@@ -187,8 +194,15 @@ class WorkerLogic:
         be done is reported as load errors / counted store failures."""
         if not self.is_reporter or (not metadata.loads and not metadata.stores):
             return
-        if metadata.loads:
-            self._start_loads(metadata.loads)
+        whole = [spec for spec in metadata.loads if not getattr(spec, "layerwise", False)]
+        if whole:
+            self._start_loads(whole)
+        if len(whole) != len(metadata.loads):
+            self._start_layer_loads([spec for spec in metadata.loads if getattr(spec, "layerwise", False)])
+        if metadata.stores and self.store_fence is not None:
+            self._park_stores(metadata.stores)  # submitted once the engine's stream passed the fence
+            self._submit_fenced_stores()
+            return
         if metadata.stores and self.sync is not None:
             self.sync()
         for spec in metadata.stores:
@@ -200,8 +214,11 @@ class WorkerLogic:
         (None, None)."""
         if not self.is_reporter:
             return None, None
+        self._end_layer_loads()
+        self._submit_fenced_stores()
         self._poll()
-        storing = self._sent | {store.spec.request_id for store in self._stores}
+        storing = self._sent | {store.spec.request_id for store in self._stores} | \
+            {spec.request_id for _, spec in self._fenced}
         # Only ids with a store are kept: vLLM names its request finished in the step that carries the store.
         self._finished_seen.update(rid for rid in finished_request_ids if rid in storing)
         recving, self._recving = self._recving, set()
@@ -219,9 +236,11 @@ class WorkerLogic:
         """Waits until every load and store submitted so far has ended (results kept for get_finished); True when
         all did within `timeout`. For examples and shutdown; vLLM's steps only poll."""
         deadline = time.monotonic() + timeout
-        while self._loads or self._stores:
+        self._end_layer_loads()
+        while self._loads or self._stores or self._fenced:
+            self._submit_fenced_stores()
             self._poll()
-            if not (self._loads or self._stores):
+            if not (self._loads or self._stores or self._fenced):
                 break
             if time.monotonic() >= deadline:
                 return False
@@ -246,6 +265,7 @@ class WorkerLogic:
     def close(self) -> None:
         """Ends the session: the daemon releases its pins and finishes or cancels what was in flight. The host KV
         buffer stays mapped (and the session open) while the caller still holds views of it."""
+        self._close_layerwise()
         if self.link is not None:
             self.link.close()
         self._loads, self._stores, self._stray = [], [], []

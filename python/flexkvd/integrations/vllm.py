@@ -11,11 +11,12 @@ scheduler.py, vllm/v1/worker/kv_connector_model_runner_mixin.py); never run agai
 """
 from __future__ import annotations
 
-import re
+import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import flexkvd
 
+from ._vllm_layouts import KvPlan, plan_cross_layer_kv_cache, plan_kv_caches
 from ._vllm_link import DaemonLink, LinkOptions
 from ._vllm_logic import (ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, SchedulerLogic, StoreSpec,
                           vllm_namespace)
@@ -26,6 +27,8 @@ from ._vllm_worker import RankKv, WorkerLogic, describe_rank_kv
 __all__ = ["ConnectorConfig", "ConnectorMetadata", "ConnectorStats", "DaemonLink", "LinkOptions", "LoadSpec",
            "RankKv", "SchedulerLogic", "StoreSpec", "WorkerLogic", "describe_rank_kv", "geometry_from_vllm",
            "vllm_namespace"]
+
+log = logging.getLogger("flexkvd.integrations.vllm")
 
 _BUILT: Dict[str, Any] = {}
 _LAZY = ("FlexKVdConnector", "FlexKVdConnectorMetadata", "FlexKVdConnectorStats")
@@ -100,7 +103,10 @@ def _build() -> Dict[str, Any]:
                                         revision=getattr(model, "revision", None))
             self._config = ConnectorConfig.from_extra_config(
                 extra, default_namespace=default_ns, geometry=geometry,
-                dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0))
+                dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0), default_load_mode="layerwise")
+            self._cross_layer = bool(extra.get("cross_layer_blocks", True)) and \
+                getattr(vllm_config, "speculative_config", None) is None
+            self._plan: Optional[KvPlan] = None
             self._scheduler: Optional[SchedulerLogic] = None
             self._worker: Optional[WorkerLogic] = None
             if role == KVConnectorRole.SCHEDULER:
@@ -144,11 +150,41 @@ def _build() -> Dict[str, Any]:
 
         # ---- worker side ----
 
+        @property
+        def prefer_cross_layer_blocks(self) -> bool:
+            """vLLM then allocates a uniform model's layers as one tensor, blocks first
+            (register_cross_layers_kv_cache): flexkvd copies it whatever the backend (FLASHINFER's and TRITON_ATTN's
+            per-layer tensors in separate allocations it cannot). Not with a draft model (its layers would be in the
+            block) or cross_layer_blocks false."""
+            return self._cross_layer
+
+        @classmethod
+        def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
+            """NHD chunks (block_size, kv_heads, head_dim): every engine of a namespace must write the same bytes
+            for a block; an HND cache (VLLM_KV_CACHE_LAYOUT, or a backend that forces it) is refused at
+            registration."""
+            return "NHD"
+
+        @classmethod
+        def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+            """Layer-wise loads need wait_for_layer_load to run (a full CUDA graph skips it)."""
+            return (extra_config or {}).get("load_mode", "layerwise") == "layerwise"
+
         def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+            self._register_plan(plan_kv_caches(kv_caches, self._config.geometry))
+
+        def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any = None) -> None:
+            self._register_plan(plan_cross_layer_kv_cache(kv_cache, self._config.geometry))
+
+        def _register_plan(self, plan: KvPlan) -> None:
+            """Registers this rank's KV (rank 0 every rank's, gathered over vLLM's TP CPU group) as `plan` lays it
+            out; a layout flexkvd cannot copy was refused by the plan, before anything else."""
             from vllm.distributed.parallel_state import get_tp_group
-            tensors = _layer_tensors(kv_caches, self._config.geometry)
-            mine = self._worker.describe_kv(tensors[0].shape[1] if tensors[0].dim() >= 4 else tensors[0].shape[0],
-                                            tensors)
+            for name, why in plan.left_out.items():
+                log.info("FlexKVdConnector leaves KV layer %s out: %s", name, why)
+            self._plan = plan
+            mine = describe_rank_kv(self._worker.tp_rank, self._config.geometry, plan.num_blocks, plan.regions,
+                                    plan.layout, plan.region_bytes)
             group = get_tp_group()
             gathered: List[Any] = [None] * group.world_size
             if group.world_size > 1:
@@ -158,20 +194,41 @@ def _build() -> Dict[str, Any]:
             else:
                 gathered = [mine]
             if self._worker.is_reporter:
-                self._worker.sync = _cuda_sync  # stores copy from GPU memory the forward wrote
+                import torch
+                self._worker.store_fence = _cuda_fence  # stores read blocks the engine's stream wrote
+                self._worker.layer_stream = torch.cuda.current_stream
+                self._worker.register_layer_names({n: i for i, n in enumerate(plan.layer_names) if n is not None})
                 self._worker.register_kv(gathered)
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            if self._plan is not None and None in self._plan.layer_names:  # a cross-layer tensor: names by pointer
+                self._name_layers(forward_context)
             self._worker.start(self._get_connector_metadata())
 
+        def _name_layers(self, forward_context: Any) -> None:
+            """Learns which flexkvd layer each attention layer is from its kv_cache view's pointer."""
+            names = {}
+            for name, layer in (getattr(forward_context, "no_compile_layers", None) or {}).items():
+                cache = getattr(layer, "kv_cache", None)
+                view = cache[0] if isinstance(cache, (list, tuple)) and cache else cache
+                index = self._plan.layer_index_of_pointer(view.data_ptr()) if hasattr(view, "data_ptr") else None
+                if index is not None:
+                    names[name] = index
+            if len(names) == len(self._plan.layer_names):
+                self._plan.layer_names = [n for n, _ in sorted(names.items(), key=lambda item: item[1])]
+                self._worker.register_layer_names(names)
+
         def wait_for_layer_load(self, layer_name: str) -> None:
-            return  # loads are asynchronous: the request is scheduled only after get_finished reported it
+            # Layer-wise loads: the engine's current stream waits on this layer's CUDA events (no CPU wait).
+            self._worker.wait_layer(layer_name)
 
         def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-            return  # stores run from the blocks when the request finished
+            # Nothing to copy during the forward: stores run from a finished request's blocks, which vLLM keeps
+            # until the store is reported, behind a CUDA event recorded on the engine's stream.
+            return
 
         def wait_for_save(self) -> None:
-            return
+            return  # stores never hold the forward up (see save_kv_layer)
 
         def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
             return self._worker.get_finished(finished_req_ids)
@@ -224,24 +281,13 @@ def geometry_from_vllm(vllm_config: Any) -> flexkvd.Geometry:
                            tp_size=parallel.tensor_parallel_size)
 
 
-def _layer_tensors(kv_caches: Dict[str, Any], geometry: flexkvd.Geometry) -> List[Any]:
-    """vLLM's per-layer KV tensors in layer order, checked against LAYER_FIRST: [2, num_blocks, block_size, heads,
-    head_dim] (FlashAttention's layout) or [num_blocks, block_size, head_dim] (MLA), contiguous."""
-    def layer_index(name: str) -> int:
-        found = re.findall(r"\.(\d+)\.", f".{name}.")
-        return int(found[0]) if found else 0
-
-    names = sorted(kv_caches, key=layer_index)
-    if len(names) != geometry.num_layers:
-        raise ValueError(f"vLLM registered {len(names)} KV layers; the geometry has {geometry.num_layers}")
-    tensors = [kv_caches[n] for n in names]
-    for name, t in zip(names, tensors):
-        planes_first = geometry.kv_planes == 1 or (t.dim() == 5 and t.shape[0] == 2)
-        if not planes_first or not t.is_contiguous():
-            raise ValueError(f"KV cache of layer {name!r} has shape {tuple(t.shape)} (contiguous: "
-                             f"{t.is_contiguous()}); FlexKVdConnector needs [2, num_blocks, block_size, heads, "
-                             "head_dim] contiguous per layer (the FLASH_ATTN backend's layout, NHD)")
-    return tensors
+def _cuda_fence() -> Any:
+    """A CUDA event recorded now on the current stream (the engine's): query() is True once every kernel enqueued
+    before it ran, so a store submitted after it reads the KV those kernels wrote, and the CPU never waits."""
+    import torch
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event
 
 
 def engine_takes_not_yet(base: Any) -> bool:
