@@ -59,9 +59,6 @@ SPECS = [_load(p) for p in SPEC_FILES]
 KNOWN_GAPS = {
     ("vllm", "SupportsHMA.request_finished_all_groups", "entry"):
         "issue 31: FlexKVdConnector as SupportsHMA (request_finished_all_groups) lands from SupportsHMA work",
-    ("vllm", "requires_piecewise_for_cudagraph", "entry"):
-        "issue 31: requires_piecewise_for_cudagraph answering True while layer-wise loads and stores are on lands "
-        "from layer-wise work",
     ("vllm", "requires_kv_delivery", "value"):
         "issue 31: requires_kv_delivery False (a best-effort cache) is not yet owned by any of the issue's work; "
         "the base's default recomputes a request preempted while its store is pending",
@@ -534,7 +531,7 @@ def test_the_connector_stats_and_metadata_are_what_vllm_aggregates_and_sends(bui
 
 # ---- the calls in the engine's order, against a real flexkvd ----
 
-def _vllm_config(socket: str) -> Any:
+def _vllm_config(socket: str, load_mode: Optional[str] = None) -> Any:
     class BF16:
         itemsize = 2
 
@@ -547,7 +544,8 @@ def _vllm_config(socket: str) -> Any:
                parallel_config=NS_(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
                kv_transfer_config=NS_(kv_connector="FlexKVdConnector", kv_role="kv_both", is_kv_producer=True,
                                       kv_connector_module_path="flexkvd.integrations.vllm",
-                                      kv_connector_extra_config={"socket": socket},
+                                      kv_connector_extra_config=dict({"socket": socket}, **(
+                                          {"load_mode": load_mode} if load_mode else {})),
                                       kv_load_failure_policy="recompute"))
 
 
@@ -602,14 +600,17 @@ class _Recorder:
         assert not problems, f"{where}: " + "; ".join(problems)
 
 
+@pytest.mark.parametrize("load_mode", ["whole", "layerwise"])
 @pytest.mark.parametrize("spec", VLLM_SPECS, ids=[s["file"] for s in VLLM_SPECS])
-def test_vllm_calls_in_the_engine_order_answer_with_the_engine_shapes(built, daemon, spec):
+def test_vllm_calls_in_the_engine_order_answer_with_the_engine_shapes(built, daemon, spec, load_mode):
     """One request stored and a second loading it, driven through every call of this vLLM version in the order
     Scheduler.schedule / the model runner's KV connector step / Scheduler.update_from_output make them, each
-    answer checked against the shape the engine reads."""
+    answer checked against the shape the engine reads. A whole load is asynchronous (the request waits for
+    finished_recving); a layer-wise one runs in the step that computes the request (never reported received)."""
     cls, standin = built(spec)
     call = _Recorder(spec)
-    config = _vllm_config(daemon.socket)
+    config = _vllm_config(daemon.socket, load_mode)
+    layerwise = load_mode == "layerwise"
     nargs = spec["constructor"]["calls"][0]["positional"]
     sched = cls(*(config, standin.role.SCHEDULER, NS_(kv_cache_groups=[NS_()]))[:nargs])
     worker = cls(*(config, standin.role.WORKER, NS_(kv_cache_groups=[NS_()]))[:nargs])
@@ -708,12 +709,12 @@ def test_vllm_calls_in_the_engine_order_answer_with_the_engine_shapes(built, dae
         while hit[0] is None and time.monotonic() < deadline:
             hit = call("get_num_new_matched_tokens", sched, r2, 0)
             time.sleep(0.002 if hit[0] is None else 0)
-        assert hit == (4 * BS, True), f"the stored prefix was not found: {hit} ({_where(spec)})"
+        assert hit == (4 * BS, not layerwise), f"the stored prefix was not found: {hit} ({_where(spec)})"
         call("update_state_after_alloc", sched, r2, NS_(get_block_ids=lambda *a, **k: ([8, 9, 10, 11, 12],)),
              4 * BS)
         meta = call("build_connector_meta", sched, NS_(preempted_req_ids=set(), finished_req_ids=set(),
                                                        scheduled_new_reqs=[], num_scheduled_tokens={}))
-        assert worker_step(meta, set())[1] == {"r2"}
+        assert worker_step(meta, set())[1] == (None if layerwise else {"r2"})
         assert engine.holds(flexkvd.block_keys(NS, tokens, BS), [8, 9, 10, 11])
         call("consume_prefix_replay_checkpoint", sched, r2, 4 * BS)
         call("reset_capture_state", worker)
