@@ -409,7 +409,7 @@ def test_a_local_hit_that_ends_inside_a_block_loads_from_that_block(daemon, engi
     assert s.get_num_new_matched_tokens("b", p, 2 * BS + 5) == (4 * BS - 5, True)
     s.update_state_after_alloc("b", [40, 41, 42, 43, 44, 45], 4 * BS - 5)
     (load,) = s.build_connector_meta().loads
-    assert load.first_block == 2 and load.block_ids == [40, 41, 42, 43, 44, 45]
+    assert load.first_block == 2 and load.block_ids == [[40, 41, 42, 43, 44, 45]]
     b.worker.start(ConnectorMetadata(loads=[load]))
     assert b.worker.wait_all()
     assert b.worker.get_finished(set()) == (None, {"b"}) and not b.worker.take_load_errors()
