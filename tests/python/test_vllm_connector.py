@@ -101,8 +101,10 @@ def test_a_local_prefix_hit_is_extended_by_the_blocks_after_it(daemon, engines):
     b.step()
     assert r.external_tokens == 6 * BS  # flexkvd's 8 blocks beyond the 2 vLLM holds
     b.run()
-    assert r.loaded_ok
+    assert r.loaded_ok  # its first 2 blocks hold vLLM's own KV, untouched; blocks 2.. were loaded
     assert b.worker.stats.loaded_blocks == 6 and b.scheduler.stats.lookup_hit_tokens == 6 * BS
+    # The daemon copied only blocks 2..8 (the load's reported bytes): the local prefix is not copied again.
+    assert b.worker.stats.loaded_bytes == 6 * TEST_GEOMETRY.host_block_bytes
 
 
 def test_chunked_prefill_loads_once_then_computes_the_rest_in_chunks(daemon, engines):

@@ -146,6 +146,9 @@ class MiniVllm:
                 self.windows[slot.group] = geometry.components[slot.component - 1].window_tokens
             elif slot.kind == ComponentKind.STATE:
                 self.states.add(slot.group)
+        # False: an engine that keeps every window block and state it computed (vLLM's mamba_cache_mode "all" for
+        # states) instead of dropping those a request no longer needs.
+        self.trim = True
         self.free: List[int] = list(range(1, engine.num_blocks))[::-1]  # block 0 is the null block
         self.requests: Dict[str, Request] = {}
         self.local_hits: Dict[str, int] = {}
@@ -378,6 +381,8 @@ class MiniVllm:
                 ids.append(self.free.pop())
 
     def _skipped(self, group: int, position: int, computed: int) -> bool:
+        if not self.trim:
+            return False
         if group in self.windows:  # SlidingWindowManager: the first computed - window + 1 tokens are skipped
             return (position + 1) * self.bs <= max(0, computed - self.windows[group] + 1)
         if group in self.states:  # only the state after the last completed block is kept

@@ -174,7 +174,8 @@ class GroupMap:
             else:
                 out.append([ids[b - 1] for b in boundaries])
         sizes = {min(s.window_blocks, count) for s in self.slots if s.kind == ComponentKind.SLIDING_WINDOW}
-        trailing_only = window_keys == need and len(sizes) <= 1  # the daemon's default: each window's trailing blocks
+        # 0 is the daemon's default, each window's trailing blocks (and what a geometry without windows takes).
+        trailing_only = not sizes or (window_keys == need and len(sizes) == 1)
         return StorePlan(out, boundaries, 0 if trailing_only else window_keys)
 
 
