@@ -14,7 +14,7 @@ import flexkvd
 from conftest import settled_status
 from engine_process import TEST_GEOMETRY
 from flexkvd.geometry import ComponentKind
-from flexkvd.integrations._vllm_groups import (FULL, MAMBA, MLA, NULL_BLOCK, SLIDING_WINDOW, GroupMap, KvGroup,
+from flexkvd.integrations._vllm_groups import (FULL, MAMBA, MLA, NULL_BLOCK, SLIDING_WINDOW, KvGroup,
                                                map_kv_cache_groups)
 from flexkvd.integrations._vllm_logic import SchedulerLogic
 from flexkvd.integrations._vllm_worker import WorkerLogic
