@@ -20,8 +20,7 @@ from conftest import settled_status
 from flexkvd.integrations._vllm_events import KvEventRelay, key_bytes
 from flexkvd.integrations._vllm_groups import map_kv_cache_groups
 from test_vllm_adapter import _StandInBase
-from test_vllm_hybrid import GPT_OSS_GROUPS
-from vllm_harness import BS, HostKvEngine, prompt
+from vllm_harness import BS, GPT_OSS_GROUPS, HostKvEngine, prompt
 
 
 class _Dtype:

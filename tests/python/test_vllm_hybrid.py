@@ -18,20 +18,7 @@ from flexkvd.integrations._vllm_groups import (FULL, MAMBA, MLA, NULL_BLOCK, SLI
                                                map_kv_cache_groups)
 from flexkvd.integrations._vllm_logic import SchedulerLogic
 from flexkvd.integrations._vllm_worker import WorkerLogic
-from vllm_harness import BS, NS, HostKvEngine, MiniVllm, config, prompt
-
-WINDOW = 3 * BS  # tokens: 3 blocks
-
-GPT_OSS_GROUPS = [  # vLLM's group order need not put the full-attention group first
-    KvGroup(SLIDING_WINDOW, 2, BS, 2, 64, 2, sliding_window=WINDOW, spec="SlidingWindowSpec"),
-    KvGroup(FULL, 2, BS, 2, 64, 2, spec="FullAttentionSpec"),
-]
-QWEN3_NEXT_GROUPS = [
-    KvGroup(FULL, 2, BS, 2, 64, 2, spec="FullAttentionSpec"),
-    KvGroup(MAMBA, 2, BS, state_bytes=2048, spec="MambaSpec"),
-    KvGroup(MAMBA, 2, BS, state_bytes=1024, spec="MambaSpec"),
-]
-
+from vllm_harness import BS, GPT_OSS_GROUPS, NS, QWEN3_NEXT_GROUPS, HostKvEngine, MiniVllm, config, prompt
 
 # ---- the mapping ----
 
@@ -74,6 +61,12 @@ def test_groups_flexkvd_cannot_represent_are_refused_naming_the_group_and_its_sp
     for groups, message in cases:
         with pytest.raises(flexkvd.InvalidArgument, match=message):
             map_kv_cache_groups(groups, block_size=BS, tp_size=1)
+    with pytest.raises(flexkvd.InvalidArgument, match="block size is 24 tokens; flexkvd needs a power of two"):
+        map_kv_cache_groups([KvGroup(FULL, 2, 24, 2, 64, 2)], block_size=24, tp_size=1)
+    m = map_kv_cache_groups(GPT_OSS_GROUPS, block_size=BS, tp_size=1)
+    assert m.as_groups([]) == [[], []]  # a request preempted, then aborted, has no blocks
+    with pytest.raises(flexkvd.InvalidArgument, match="block ids of 1 KV cache groups; this engine has 2"):
+        m.as_groups([1, 2, 3])
 
 
 # ---- engines ----

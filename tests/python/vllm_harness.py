@@ -44,7 +44,7 @@ import numpy as np
 import flexkvd
 from engine_process import TEST_GEOMETRY
 from flexkvd.geometry import ComponentKind
-from flexkvd.integrations._vllm_groups import NULL_BLOCK, GroupMap
+from flexkvd.integrations._vllm_groups import FULL, MAMBA, NULL_BLOCK, SLIDING_WINDOW, GroupMap, KvGroup
 from flexkvd.integrations._vllm_link import LinkOptions
 from flexkvd.integrations._vllm_logic import ConnectorConfig, SchedulerLogic
 from flexkvd.integrations._vllm_worker import WorkerLogic
@@ -421,3 +421,15 @@ def config(socket: str, geometry: flexkvd.Geometry = TEST_GEOMETRY, namespace: s
            groups: Optional[GroupMap] = None) -> ConnectorConfig:
     return ConnectorConfig(namespace=namespace, geometry=geometry,
                            link=LinkOptions(socket=socket, connect_timeout_s=1.0), op_timeout_s=2.0, groups=groups)
+
+
+# Hybrid models' KV cache groups as vLLM lists them (KvGroup), small: 16 KiB full-attention blocks.
+GPT_OSS_GROUPS = [  # vLLM's group order need not put the full-attention group first
+    KvGroup(SLIDING_WINDOW, 2, BS, 2, 64, 2, sliding_window=3 * BS, spec="SlidingWindowSpec"),
+    KvGroup(FULL, 2, BS, 2, 64, 2, spec="FullAttentionSpec"),
+]
+QWEN3_NEXT_GROUPS = [
+    KvGroup(FULL, 2, BS, 2, 64, 2, spec="FullAttentionSpec"),
+    KvGroup(MAMBA, 2, BS, state_bytes=2048, spec="MambaSpec"),
+    KvGroup(MAMBA, 2, BS, state_bytes=1024, spec="MambaSpec"),
+]

@@ -13,6 +13,7 @@ import threading
 from typing import List, NamedTuple, Optional, Tuple
 
 import flexkvd
+from flexkvd import _lib
 from flexkvd.geometry import ComponentKind
 from flexkvd.keys import BlockKey, namespace_hash
 
@@ -54,6 +55,9 @@ class KvEventRelay:
 
     def __init__(self, socket: Optional[str], namespace: str, groups: GroupMap, max_events: int = 1 << 17,
                  retry_s: float = 1.0) -> None:
+        if not _lib.has_kv_events:
+            raise flexkvd.Unimplemented("kv_connector_extra_config.kv_events needs a libflexkv with KV event "
+                                        "subscriptions (flexkv_kv_subscribe); update libflexkv or leave kv_events off")
         self.namespace = namespace
         self._names = {namespace, f"#{namespace_hash(namespace):016x}"}  # an SSD block of a namespace not seen yet
         self._socket = socket

@@ -104,7 +104,9 @@ class GroupMap:
     def as_groups(self, block_ids: Sequence) -> List[List[int]]:
         """block_ids as one list per group: a flat sequence of ints is the one group of a single-group engine.
         InvalidArgument for another number of groups."""
-        if len(block_ids) == 0 or not isinstance(block_ids[0], (list, tuple)):
+        if len(block_ids) == 0:  # no blocks (a request preempted, then aborted)
+            return [[] for _ in self.slots]
+        if not isinstance(block_ids[0], (list, tuple)):
             groups = [[int(b) for b in block_ids]]
         else:
             groups = [[int(b) for b in g] for g in block_ids]
@@ -192,6 +194,10 @@ def map_kv_cache_groups(groups: Sequence[KvGroup], *, block_size: int, tp_size: 
     def refuse(i: int, g: KvGroup, why: str) -> flexkvd.InvalidArgument:
         return flexkvd.InvalidArgument(f"KV cache group {i} ({g.spec or g.kind}, {g.num_layers} layers): {why}")
 
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise flexkvd.InvalidArgument(f"the engine's block size is {block_size} tokens; flexkvd needs a power of two "
+                                      "(vLLM may raise a hybrid model's attention block size to match its Mamba "
+                                      "page: set a block size that is a power of two)")
     if len(groups) > MAX_COMPONENTS:
         raise flexkvd.InvalidArgument(f"the engine has {len(groups)} KV cache groups; flexkvd holds at most "
                                       f"{MAX_COMPONENTS} components (one per group)")
