@@ -160,6 +160,9 @@ def test_vllm_groups_are_described_for_the_mapping_and_what_flexkvd_cannot_copy_
     adapter = hma_vllm[0]
     groups = adapter.describe_vllm_groups(GPT_OSS_CONFIG)
     assert groups == GPT_OSS_GROUPS  # the spec classes read as the harness's gpt-oss-like groups
+    mapping = map_kv_cache_groups(groups, block_size=BS, tp_size=1)
+    assert mapping.component_layers(0) == ("model.layers.2.attn", "model.layers.3.attn")  # vLLM's group 1
+    assert mapping.component_layers(1) == ("model.layers.0.attn", "model.layers.1.attn")
     assert adapter.describe_vllm_groups(None) == []
     qwen = adapter.describe_vllm_groups(kv_cache_config(FullAttentionSpec(BS, 2, 64), MambaSpec(BS, 2048)))
     assert map_kv_cache_groups(qwen, block_size=BS, tp_size=1).geometry.components[0].state_bytes_per_layer == 2048

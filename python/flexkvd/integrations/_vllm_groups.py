@@ -30,7 +30,8 @@ class KvGroup:
     num_layers: the group's layers; block_size: its tokens per block; num_kv_heads, head_size, dtype_bytes: an
     attention group's shape; sliding_window: a window's tokens; state_bytes: a Mamba group's bytes per layer and
     block (vLLM's page_size_bytes); spec: how the engine named it (for messages); refusal: why the adapter could
-    not describe it (a spec flexkvd cannot copy), or "".
+    not describe it (a spec flexkvd cannot copy), or ""; layer_names: the group's layers as vLLM names them in
+    register_kv_caches (the layers whose tensors make up this group's component).
     """
 
     kind: str
@@ -43,16 +44,19 @@ class KvGroup:
     state_bytes: int = 0
     spec: str = ""
     refusal: str = ""
+    layer_names: Tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupSlot:
-    """Where vLLM group `group` goes: flexkvd component `component` of kind `kind` (window_blocks for a window)."""
+    """Where vLLM group `group` goes: flexkvd component `component` of kind `kind` (window_blocks for a window);
+    layer_names: the group's layers (KvGroup.layer_names)."""
 
     group: int
     component: int
     kind: ComponentKind
     window_blocks: int = 0
+    layer_names: Tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,10 @@ class GroupMap:
     @property
     def num_groups(self) -> int:
         return len(self.slots)
+
+    def component_layers(self, component: int) -> Tuple[str, ...]:
+        """The layer names of the group that is `component` (empty when the groups were not described by name)."""
+        return self._by_component[component].layer_names
 
     @property
     def full_group(self) -> int:
@@ -227,7 +235,7 @@ def map_kv_cache_groups(groups: Sequence[KvGroup], *, block_size: int, tp_size: 
     f = groups[full]
     mla = f.kind == MLA
     components: List[ComponentSpec] = []
-    slots = [GroupSlot(full, 0, ComponentKind.FULL)]
+    slots = [GroupSlot(full, 0, ComponentKind.FULL, layer_names=f.layer_names)]
     for i, g in enumerate(groups):
         if i == full:
             continue
@@ -235,10 +243,10 @@ def map_kv_cache_groups(groups: Sequence[KvGroup], *, block_size: int, tp_size: 
             components.append(ComponentSpec.sliding_window(g.num_layers, g.num_kv_heads, g.head_size,
                                                            g.sliding_window, dtype_bytes=g.dtype_bytes))
             slots.append(GroupSlot(i, len(components), ComponentKind.SLIDING_WINDOW,
-                                   -(-g.sliding_window // block_size)))
+                                   -(-g.sliding_window // block_size), g.layer_names))
         elif g.kind == MAMBA:
             components.append(ComponentSpec.state(g.num_layers, g.state_bytes))
-            slots.append(GroupSlot(i, len(components), ComponentKind.STATE))
+            slots.append(GroupSlot(i, len(components), ComponentKind.STATE, layer_names=g.layer_names))
         else:
             raise refuse(i, g, "a second full-attention group; flexkvd has one full-attention component")
     geometry = flexkvd.Geometry(tokens_per_block=block_size, num_layers=f.num_layers, kv_planes=1 if mla else 2,

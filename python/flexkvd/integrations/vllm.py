@@ -264,7 +264,8 @@ def describe_vllm_groups(kv_cache_config: Any) -> List[KvGroup]:
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
         spec = group.kv_cache_spec
         name = type(spec).__name__
-        layers = len(getattr(group, "layer_names", ()) or ())
+        names = tuple(getattr(group, "layer_names", ()) or ())
+        layers = len(names)
         block_size = int(getattr(spec, "block_size", 0))
         if name == "MambaSpec":
             mode = str(getattr(spec, "mamba_cache_mode", "none"))
@@ -274,7 +275,7 @@ def describe_vllm_groups(kv_cache_config: Any) -> List[KvGroup]:
             if getattr(spec, "num_speculative_blocks", 0):
                 refusal = "Mamba state with speculative blocks; flexkvd stores one state per block"
             out.append(KvGroup(MAMBA, layers, block_size, state_bytes=int(spec.page_size_bytes), spec=name,
-                               refusal=refusal))
+                               refusal=refusal, layer_names=names))
             continue
         kinds = {"FullAttentionSpec": FULL, "MLAAttentionSpec": MLA, "SlidingWindowSpec": SLIDING_WINDOW}
         kind = kinds.get(name, name)
@@ -293,7 +294,7 @@ def describe_vllm_groups(kv_cache_config: Any) -> List[KvGroup]:
                            int(getattr(spec, "head_size", 0)),
                            int(getattr(getattr(spec, "dtype", None), "itemsize", 2) or 2),
                            int(getattr(spec, "sliding_window", 0) or 0) if kind == SLIDING_WINDOW else 0,
-                           spec=name, refusal=refusal))
+                           spec=name, refusal=refusal, layer_names=names))
     return out
 
 
