@@ -105,11 +105,11 @@ def _build() -> Dict[str, Any]:
             extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
             groups = None
             described = describe_vllm_groups(kv_cache_config)
-            if described:
+            if len(described) > 1:  # vLLM's hybrid allocator: one component per KV cache group
                 groups = map_kv_cache_groups(described, block_size=vllm_config.cache_config.block_size,
                                              tp_size=parallel.tensor_parallel_size)
                 geometry = groups.geometry
-            else:  # no kv_cache_config (an older vLLM): the model's own shape, one group
+            else:  # one group (or an older vLLM that passes none): the model's own shape, on both sides alike
                 geometry = geometry_from_vllm(vllm_config)
             model = vllm_config.model_config
             kv_dtype = str(vllm_config.cache_config.cache_dtype)
