@@ -5,13 +5,15 @@ adapter (vllm.py) only turns vLLM's objects into the plain arguments these take.
 The protocol with vLLM V1 (vllm/v1/core/sched/scheduler.py; vllm/distributed/kv_transfer/kv_connector/v1/base.py):
   get_num_new_matched_tokens  (scheduler, new or preempted request, num_computed_tokens = its block-aligned local hit)
       an unpinned match of the prompt's full blocks; answers (hit tokens beyond the local hit, True): an async load.
-  update_state_after_alloc    (scheduler) the block ids vLLM allocated: the load [local blocks, local + hit) is planned.
+  update_state_after_alloc    (scheduler) the block ids vLLM allocated (per KV cache group): the load [local blocks,
+      local + hit) is planned, from the end of the engine's own prefix (first_block).
   build_connector_meta        (scheduler, once per step) the planned loads and stores go to the workers.
   start_load_kv / get_finished (worker TP rank 0, which holds the data session with every rank's KV registered)
       pins and loads; reports finished_recving when a load ended and its failed block ids
       (get_block_ids_with_load_errors: vLLM recomputes them); stores; reports finished_sending when a store ended.
-  request_finished            (scheduler) plans the store of the blocks whose KV was computed; True (vLLM keeps the
-      blocks) until the store ended.
+  request_finished            (scheduler; request_finished_all_groups under vLLM's hybrid allocator, with every KV
+      cache group's blocks) plans the store of the blocks whose KV was computed; True (vLLM keeps the blocks) until
+      the store ended.
   update_connector_output     (scheduler) learns which loads and stores ended.
 Only TP rank 0 reports (get_finished_count() == 1): vLLM's KVOutputAggregator counts a request finished once it
 was reported get_finished_count() times (or world_size times without it).
@@ -52,8 +54,8 @@ def vllm_namespace(model: str, kv_dtype: str, tp_size: int, *, revision: Optiona
     """The cache namespace of a vLLM engine: everything that changes the KV bytes of a token prefix. Two engines
     share blocks only when all of these agree: the model (and its revision), the KV cache dtype, the TP size (it
     changes the layout of a host block; the geometry check refuses a mismatch anyway) and `extra` (anything else the
-    deployment knows changes KV: a fine-tune's name, a RoPE scaling override). LoRA adapters and multimodal inputs
-    are not keyed: requests that carry them are not cached at all (SchedulerLogic's `cacheable`)."""
+    deployment knows changes KV: a fine-tune's name, a RoPE scaling override). What changes one request's KV (cache
+    salt, LoRA adapter, media, prompt embeddings) is in its keys instead (flexkvd.BlockExtras)."""
     parts = ["vllm", model, revision or "main", kv_dtype, f"tp{tp_size}"]
     if extra:
         parts.append(extra)
