@@ -223,9 +223,11 @@ def _build() -> Dict[str, Any]:
             return (extra_config or {}).get("load_mode", "layerwise") == "layerwise"
 
         def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+            _refuse_hybrid_gpu_kv(self._config)
             self._register_plan(plan_kv_caches(kv_caches, self._config.geometry))
 
         def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any = None) -> None:
+            _refuse_hybrid_gpu_kv(self._config)
             self._register_plan(plan_cross_layer_kv_cache(kv_cache, self._config.geometry))
 
         def _register_plan(self, plan: KvPlan) -> None:
@@ -360,6 +362,17 @@ def describe_vllm_groups(kv_cache_config: Any) -> List[KvGroup]:
                            int(getattr(spec, "sliding_window", 0) or 0) if kind == SLIDING_WINDOW else 0,
                            spec=name, refusal=refusal, layer_names=names))
     return out
+
+
+def _refuse_hybrid_gpu_kv(config: ConnectorConfig) -> None:
+    """GPU KV of a model with several KV cache groups is registered per component (each group's layers in its copy
+    geometry): until the connector does that, such an engine is refused at registration rather than have its
+    sliding-window or Mamba layers registered as full-attention ones (which would store wrong bytes)."""
+    if config.geometry.is_hybrid:
+        raise ValueError(
+            f"FlexKVdConnector cannot register GPU KV of a model with {len(config.groups.slots)} KV cache groups yet "
+            "(each group's layers must be registered as their own flexkvd component); run this model without the "
+            "connector, or with host KV")
 
 
 def engine_loads_groups(kv_cache_config: Any, num_groups: int) -> Tuple[bool, str]:
