@@ -49,11 +49,12 @@ class Cache:
             whole = torch.zeros((L, NB, 2, bs, h, d), **bf16)
             self.layers = [whole[i] for i in range(L)]
         elif form == "flashinfer_layers":  # per layer (NB, 2, bs, h, d), each its own allocation, a gap between
-            self.layers = []
+            self.layers, self.gaps = [], []
             for _ in range(L):
                 self.layers.append(torch.zeros((NB, 2, bs, h, d), **bf16))
-                self.layers.append(torch.zeros(4096, **bf16))  # keeps the next layer from following right after
-            self.layers = self.layers[::2]
+                # 2 MiB, from the caching allocator's large pool as the layers are: the next layer never follows
+                # right after this one (which would be LAYER_BLOCK)
+                self.gaps.append(torch.zeros(1 << 20, **bf16))
         elif form == "mla":           # per layer (NB, bs, 576)
             self.layers = [torch.zeros((NB, bs, d), **bf16) for _ in range(L)]
         elif form == "mla_cross":     # cross-layer MLA: physical (NB, L, bs, 576)
