@@ -183,8 +183,10 @@ def test_block_major_layers_in_separate_allocations_register_a_region_per_layer(
     # FlashInfer's per-layer tensors with a draft model's layer beside them: LAYER_BLOCK_REGIONS without the draft
     # layer; the daemon takes the registration (each layer's region checked against its blocks).
     make, d = engines
-    layers = {n: torch.zeros((NB, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda") for n in NAMES}
-    layers["model.layers.4.self_attn.attn"] = torch.zeros((NB, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+    layers, gaps = {}, []
+    for n in NAMES + ["model.layers.4.self_attn.attn"]:
+        layers[n] = torch.zeros((NB, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+        gaps.append(torch.zeros(1 << 20, dtype=torch.bfloat16, device="cuda"))  # no layer right after another
     plan = plan_kv_caches(layers, KV)
     assert plan.layout == flexkvd.Layout.LAYER_BLOCK_REGIONS
     assert plan.regions == [layers[n].data_ptr() for n in NAMES] and plan.region_bytes == layers[NAMES[0]].nbytes
