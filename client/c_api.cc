@@ -54,6 +54,10 @@ int NullArgument(const char* what) {
 
 // flexkv_block_key and flexkv::BlockKey have the same layout (two little-endian u64, lo first).
 static_assert(sizeof(flexkv_block_key) == sizeof(flexkv::BlockKey));
+static_assert(FLEXKV_LAYOUT_LAYER_FIRST == static_cast<int>(flexkv::KvLayout::kLayerFirst) &&
+              FLEXKV_LAYOUT_BLOCK_FIRST == static_cast<int>(flexkv::KvLayout::kBlockFirst) &&
+              FLEXKV_LAYOUT_LAYER_BLOCK == static_cast<int>(flexkv::KvLayout::kLayerBlock) &&
+              FLEXKV_LAYOUT_LAYER_BLOCK_REGIONS == static_cast<int>(flexkv::KvLayout::kLayerBlockRegions));
 std::span<const flexkv::BlockKey> Keys(const flexkv_block_key* keys, size_t n) {
   return {reinterpret_cast<const flexkv::BlockKey*>(keys), n};
 }
@@ -157,12 +161,13 @@ std::optional<std::vector<std::span<const uint32_t>>> ComponentSpans(const uint3
 }
 
 bool ValidLayout(int layout) {
-  return layout == FLEXKV_LAYOUT_LAYER_FIRST || layout == FLEXKV_LAYOUT_BLOCK_FIRST || layout == FLEXKV_LAYOUT_LAYER_BLOCK;
+  return layout == FLEXKV_LAYOUT_LAYER_FIRST || layout == FLEXKV_LAYOUT_BLOCK_FIRST ||
+         layout == FLEXKV_LAYOUT_LAYER_BLOCK || layout == FLEXKV_LAYOUT_LAYER_BLOCK_REGIONS;
 }
 
 int BadLayout(int layout) {
-  return Record(flexkv::Status::InvalidArgument(
-      "layout " + std::to_string(layout) + " is not valid; expected 1 (LAYER_FIRST), 2 (BLOCK_FIRST) or 3 (LAYER_BLOCK)"));
+  return Record(flexkv::Status::InvalidArgument("layout " + std::to_string(layout) + " is not valid; expected " +
+                                                flexkv::KvLayoutsAccepted()));
 }
 
 // Every entry point runs inside this: no C++ exception (e.g. std::bad_alloc for a huge key count) may cross

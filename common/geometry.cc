@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <string_view>
+
 namespace flexkv {
 namespace {
 
@@ -14,6 +16,30 @@ Status CheckRange(const char* field, uint64_t value, uint64_t lo, uint64_t hi) {
 }
 
 }  // namespace
+
+const char* KvLayoutName(KvLayout layout) {
+  switch (layout) {
+    case KvLayout::kLayerFirst:
+      return "LAYER_FIRST";
+    case KvLayout::kBlockFirst:
+      return "BLOCK_FIRST";
+    case KvLayout::kLayerBlock:
+      return "LAYER_BLOCK";
+    case KvLayout::kLayerBlockRegions:
+      return "LAYER_BLOCK_REGIONS";
+  }
+  return "unknown";
+}
+
+bool IsKnownKvLayout(KvLayout layout) { return std::string_view(KvLayoutName(layout)) != "unknown"; }
+
+bool KvLayoutHasRegionPerLayer(KvLayout layout) {
+  return layout == KvLayout::kLayerFirst || layout == KvLayout::kLayerBlockRegions;
+}
+
+const char* KvLayoutsAccepted() {
+  return "LAYER_FIRST (1), BLOCK_FIRST (2), LAYER_BLOCK (3) or LAYER_BLOCK_REGIONS (4)";
+}
 
 const char* ComponentKindName(ComponentKind kind) {
   switch (kind) {

@@ -460,10 +460,12 @@ grpc::Status ControlService::RegisterKv(grpc::ServerContext* /*context*/, const 
     case v1::KV_LAYOUT_LAYER_FIRST: layout = KvLayout::kLayerFirst; break;
     case v1::KV_LAYOUT_BLOCK_FIRST: layout = KvLayout::kBlockFirst; break;
     case v1::KV_LAYOUT_LAYER_BLOCK: layout = KvLayout::kLayerBlock; break;
+    case v1::KV_LAYOUT_LAYER_BLOCK_REGIONS: layout = KvLayout::kLayerBlockRegions; break;
     default:
-      return Answer(Status::InvalidArgument(fmt::format(
-          "layout {} is not valid; expected KV_LAYOUT_LAYER_FIRST, KV_LAYOUT_BLOCK_FIRST or KV_LAYOUT_LAYER_BLOCK",
-          static_cast<int>(request->layout()))));
+      return Answer(Status::InvalidArgument(fmt::format("layout {} is not valid; expected KV_LAYOUT_LAYER_FIRST, "
+                                                        "KV_LAYOUT_BLOCK_FIRST, KV_LAYOUT_LAYER_BLOCK or "
+                                                        "KV_LAYOUT_LAYER_BLOCK_REGIONS",
+                                                        static_cast<int>(request->layout()))));
   }
   if (request->memory_case() == v1::RegisterKvRequest::kCuda) {
     GpuKvDescription d;

@@ -47,7 +47,7 @@ struct GpuKvDescription {
   KvLayout layout = KvLayout::kLayerFirst;
   uint32_t num_blocks = 0;
   uint32_t tp_rank = 0;
-  std::vector<GpuKvRegion> regions;  // LAYER_FIRST: one per layer; otherwise one
+  std::vector<GpuKvRegion> regions;  // LAYER_FIRST, LAYER_BLOCK_REGIONS: one per layer; otherwise one
   // The fds of the VMM allocations, by tag (taken from the session's offered fds). Open imports each once;
   // they are closed when the description goes.
   std::map<uint32_t, std::shared_ptr<UniqueFd>> vmm_fds;

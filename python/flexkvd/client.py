@@ -362,9 +362,10 @@ class Client:
         """CUDA backend: registers one TP rank's KV buffers in GPU memory; returns the GPU's UUID.
 
         regions: LAYER_FIRST: one per layer (vLLM's per-layer tensors, each [2, num_blocks, block_size, heads,
-          head_dim]); BLOCK_FIRST / LAYER_BLOCK: one. Each is a CUDA tensor (anything with data_ptr(), numel() and
-          element_size(), such as torch.Tensor, or with __cuda_array_interface__), contiguous, all of equal size;
-          or an int device pointer, with region_bytes. torch is never imported here.
+          head_dim]); LAYER_BLOCK_REGIONS: one per layer, each [num_blocks, 2, block_size, heads, head_dim]
+          (FlashInfer, Triton); BLOCK_FIRST / LAYER_BLOCK: one. Each is a CUDA tensor (anything with data_ptr(),
+          numel() and element_size(), such as torch.Tensor, or with __cuda_array_interface__), contiguous, all of
+          equal size; or an int device pointer, with region_bytes. torch is never imported here.
         Memory from PyTorch's caching allocator (cudaMalloc) and from expandable segments (cuMem/VMM) both work.
         component: the geometry component these buffers hold (hybrid models register each component's buffers, in
         its copy geometry, separately).
@@ -596,10 +597,10 @@ def _describe_gpu_kv(regions: Sequence[Any], layout: Union[Layout, int], num_blo
     comp = c_uint(component, "component")
     items = list(regions)
     if not items:
-        raise InvalidArgument("no KV regions given; expected one per layer (LAYER_FIRST) or one")
-    if lay != Layout.LAYER_FIRST and len(items) != 1:
+        raise InvalidArgument("no KV regions given; expected one per layer (LAYER_FIRST, LAYER_BLOCK_REGIONS) or one")
+    if lay not in (Layout.LAYER_FIRST, Layout.LAYER_BLOCK_REGIONS) and len(items) != 1:
         raise InvalidArgument(f"{len(items)} KV regions for layout {Layout(lay).name}; expected one (only "
-                              "LAYER_FIRST takes one per layer)")
+                              "LAYER_FIRST and LAYER_BLOCK_REGIONS take one per layer)")
     described = [device_region(obj, i) for i, obj in enumerate(items)]
     sizes = {b for _, b in described if b is not None}
     if region_bytes is not None:
@@ -681,8 +682,8 @@ def _layout(layout: Union[Layout, int]) -> int:
     except TypeError:
         raise TypeError(f"layout is a {type(layout).__name__}; expected a flexkvd.Layout") from None
     if value not in _LAYOUTS:
-        raise InvalidArgument(f"layout {value} is not valid; expected 1 (LAYER_FIRST), 2 (BLOCK_FIRST) or 3 "
-                              "(LAYER_BLOCK)")
+        raise InvalidArgument(f"layout {value} is not valid; expected LAYER_FIRST (1), BLOCK_FIRST (2), "
+                              "LAYER_BLOCK (3) or LAYER_BLOCK_REGIONS (4)")
     return value
 
 

@@ -17,9 +17,10 @@ MAX_COMPONENTS = 8  # flexkv::Geometry::kMaxComponents: component 0 (the full-at
 class Layout(enum.IntEnum):
     """How an engine lays out its KV cache; a chunk is one (layer, plane, block) of one TP rank."""
 
-    LAYER_FIRST = 1  # [layer][plane][block][chunk]: vLLM-style per-layer tensors
+    LAYER_FIRST = 1  # [layer][plane][block][chunk]; GPU: a region per layer (vLLM FLASH_ATTN's tensors)
     BLOCK_FIRST = 2  # [block][layer][plane][chunk]
-    LAYER_BLOCK = 3  # [layer][block][plane][chunk]
+    LAYER_BLOCK = 3  # [layer][block][plane][chunk], the layers back to back in one region
+    LAYER_BLOCK_REGIONS = 4  # [layer][block][plane][chunk]; GPU: a region per layer (FlashInfer's, Triton's)
 
 
 class ComponentKind(enum.IntEnum):

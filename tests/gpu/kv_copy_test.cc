@@ -43,15 +43,19 @@ cudaError_t PinnedAlloc(T** p, size_t bytes) {
 constexpr uint8_t kPoolPoison = 0xA5;
 constexpr uint8_t kGpuPoison = 0x5A;
 
-enum class Layout { kLayerFirst, kBlockFirst, kLayerBlock };
+enum class Layout { kLayerFirst, kBlockFirst, kLayerBlock, kLayerBlockRegions };
 
 const char* Name(Layout l) {
   switch (l) {
     case Layout::kLayerFirst: return "LAYERFIRST";
     case Layout::kBlockFirst: return "BLOCKFIRST";
+    case Layout::kLayerBlockRegions: return "LAYERBLOCKREGIONS";
     default: return "LAYERBLOCK";
   }
 }
+
+// An allocation per layer (LAYERFIRST, LAYERBLOCKREGIONS) or one for the whole cache.
+bool PerLayer(Layout l) { return l == Layout::kLayerFirst || l == Layout::kLayerBlockRegions; }
 
 std::mt19937_64 Rng() {
   std::random_device rd;
@@ -61,20 +65,21 @@ std::mt19937_64 Rng() {
 }
 
 // One TP rank's KV cache on the GPU in `layout`, with a host mirror of every allocation. LAYERFIRST is one
-// allocation per layer ([planes][blocks][chunk], vLLM); the others are one allocation.
+// allocation per layer ([planes][blocks][chunk], vLLM FLASH_ATTN), LAYERBLOCKREGIONS too ([blocks][planes][chunk],
+// FlashInfer / Triton); the others are one allocation.
 class GpuKv {
  public:
   GpuKv(Layout layout, uint32_t layers, uint32_t planes, uint32_t blocks, uint64_t chunk)
       : layout_(layout), layers_(layers), planes_(planes), blocks_(blocks), chunk_(chunk) {
     const uint64_t per_layer = static_cast<uint64_t>(planes) * blocks * chunk;
-    const size_t allocs = layout == Layout::kLayerFirst ? layers : 1;
-    const uint64_t bytes = layout == Layout::kLayerFirst ? per_layer : per_layer * layers;
+    const size_t allocs = PerLayer(layout) ? layers : 1;
+    const uint64_t bytes = PerLayer(layout) ? per_layer : per_layer * layers;
     dev_.resize(allocs, nullptr);
     mirror_.assign(allocs, std::vector<uint8_t>(bytes));
     for (auto& d : dev_) CUDA_OK(cudaMalloc(&d, bytes));
     bases_.resize(layers);
     for (uint32_t l = 0; l < layers; ++l) {
-      auto* base = static_cast<uint8_t*>(dev_[layout == Layout::kLayerFirst ? l : 0]);
+      auto* base = static_cast<uint8_t*>(dev_[PerLayer(layout) ? l : 0]);
       if (layout == Layout::kBlockFirst) base += static_cast<uint64_t>(l) * planes * chunk;
       if (layout == Layout::kLayerBlock) base += static_cast<uint64_t>(l) * blocks * planes * chunk;
       bases_[l] = reinterpret_cast<uint64_t>(base);
@@ -95,11 +100,15 @@ class GpuKv {
     v.num_layers = layers_;
     v.num_planes = planes_;
     v.chunk_bytes = chunk_;
-    v.layers_in_one_allocation = layout_ != Layout::kLayerFirst;
+    v.layers_in_one_allocation = !PerLayer(layout_);
     switch (layout_) {
       case Layout::kLayerFirst: v.plane_stride = static_cast<uint64_t>(blocks_) * chunk_; v.block_stride = chunk_; break;
       case Layout::kBlockFirst: v.plane_stride = chunk_; v.block_stride = static_cast<uint64_t>(layers_) * planes_ * chunk_; break;
-      case Layout::kLayerBlock: v.plane_stride = chunk_; v.block_stride = static_cast<uint64_t>(planes_) * chunk_; break;
+      case Layout::kLayerBlock:
+      case Layout::kLayerBlockRegions:
+        v.plane_stride = chunk_;
+        v.block_stride = static_cast<uint64_t>(planes_) * chunk_;
+        break;
     }
     return v;
   }
@@ -108,7 +117,7 @@ class GpuKv {
   // The mirror bytes of chunk (layer, plane, block).
   uint8_t* Chunk(uint32_t l, uint32_t p, uint32_t b) {
     const kv::GpuKvView v = View();
-    const size_t a = layout_ == Layout::kLayerFirst ? l : 0;
+    const size_t a = PerLayer(layout_) ? l : 0;
     const uint64_t off = bases_[l] - reinterpret_cast<uint64_t>(dev_[a]) + p * v.plane_stride + b * v.block_stride;
     return mirror_[a].data() + off;
   }
@@ -144,7 +153,7 @@ class GpuKv {
       for (uint32_t l = lb; l < le; ++l)
         for (uint32_t p = 0; p < planes_; ++p) {
           const uint8_t* src = Chunk(l, p, b);
-          const size_t a = layout_ == Layout::kLayerFirst ? l : 0;
+          const size_t a = PerLayer(layout_) ? l : 0;
           std::memcpy(want[a].data() + (src - mirror_[a].data()), src, chunk_);
         }
     return want;
@@ -384,7 +393,7 @@ void RoundTrip(const Case& c) {
 
 TEST_CASE("kernels round-trip every GPU layout, K/V and MLA, byte for byte", "[gpu]") {
   SKIP_WITHOUT_GPU();
-  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock})
+  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock, Layout::kLayerBlockRegions})
     for (uint32_t planes : {2u, 1u})
       for (uint64_t chunk : {uint64_t{16}, uint64_t{48}, uint64_t{528}, uint64_t{4112}, uint64_t{32768}}) {
         Case c;
@@ -485,7 +494,7 @@ TEST_CASE("copy-engine batch round-trips every layout, merged runs, and the lega
   SKIP_WITHOUT_GPU();
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock})
+  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock, Layout::kLayerBlockRegions})
     for (uint32_t planes : {2u, 1u}) {
       Case c;
       c.path = Path::kCopyEngine;
@@ -644,7 +653,7 @@ TEST_CASE("checksummed gather: each slot's sum finishes to its BlockChecksum, ev
           "[gpu]") {
   SKIP_WITHOUT_GPU();
   for (Path path : {Path::kKernel, Path::kCopyEngine})
-    for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock})
+    for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock, Layout::kLayerBlockRegions})
       for (uint32_t planes : {2u, 1u})
         // 4112 B = 257 units: one unit past a full round of 32 lanes x 8 loads.
         for (uint64_t chunk : {uint64_t{16}, uint64_t{48}, uint64_t{4112}, uint64_t{32768 + 16}}) {
@@ -868,7 +877,7 @@ TEST_CASE("copy-engine batch: layers in separate allocations that sit back to ba
 TEST_CASE("staged copies round-trip every layout, K/V and MLA, odd sizes and counts, padded slots, wrapping the ring",
           "[gpu]") {
   SKIP_WITHOUT_GPU();
-  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock})
+  for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlock, Layout::kLayerBlockRegions})
     for (uint32_t planes : {2u, 1u})
       for (uint64_t chunk : {uint64_t{16}, uint64_t{528}, uint64_t{4112}, uint64_t{32768}}) {
         Case c;

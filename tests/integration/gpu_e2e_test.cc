@@ -25,12 +25,14 @@ bool HaveGpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+// layout: the test client's --layout (layer-first: FLASH_ATTN-shaped tensors; layer-block-regions: FlashInfer's).
 ChildProcess GpuClient(const DaemonUnderTest& d, const std::string& name, const std::vector<std::string>& steps,
-                       uint32_t layers = 4, uint32_t kv_blocks = 256, uint32_t tp = 1, bool vmm = false) {
+                       uint32_t layers = 4, uint32_t kv_blocks = 256, uint32_t tp = 1, bool vmm = false,
+                       const std::string& layout = "layer-first") {
   const char* env = std::getenv("FLEXKV_TEST_GPU_CLIENT");
   std::vector<std::string> argv = {env != nullptr ? env : FLEXKV_TEST_GPU_CLIENT, "--socket", d.socket(), "--name", name,
                                    "--layers", std::to_string(layers), "--kv-blocks", std::to_string(kv_blocks),
-                                   "--tp", std::to_string(tp), "--heads", std::to_string(8 / tp)};
+                                   "--tp", std::to_string(tp), "--heads", std::to_string(8 / tp), "--layout", layout};
   if (vmm) argv.push_back("--vmm");
   for (const auto& s : steps) {
     argv.push_back("--do");
@@ -87,6 +89,77 @@ TEST_CASE("GPU blocks stored by one engine load byte-exact into another engine's
   for (const auto& backend : st->backends) cuda_listed |= backend.name == "cuda" && !backend.devices.empty();
   CHECK(cuda_listed);
   CHECK(st->counters.at("load_blocks") == 200);
+}
+
+TEST_CASE("LAYER_BLOCK_REGIONS: FlashInfer-shaped per-layer GPU caches round-trip byte-exact by kernels and copy engine",
+          "[gpu]") {
+  if (!HaveGpu()) {
+    WARN("no GPU visible; skipped");
+    return;
+  }
+  for (const std::string path : {"kernel", "copy-engine"}) {
+    INFO("--load-path / --store-path " << path);
+    ShmPoolDir shm;
+    DaemonUnderTest d(GpuDaemonArgs(shm, {"--pool-size", "1GiB", "--load-path", path, "--store-path", path}));
+    REQUIRE(d.WaitReady());
+    // Per layer (blocks, 2, 16 tokens, 8 heads, 128): 32 KiB chunks, a region per layer in its own cudaMalloc.
+    ChildProcess a = GpuClient(d, "flashinfer-writer", {"store:51:150"}, 4, 192, 1, false, "layer-block-regions");
+    auto la = Lines(a);
+    INFO((la.empty() ? std::string() : la.back()) << "\n" << a.Stderr() << d.process().Stderr());
+    REQUIRE(la.size() == 2);
+    CHECK(la[1].rfind("STORED 0 150 OK", 0) == 0);
+    ChildProcess b = GpuClient(d, "flashinfer-reader", {"load:51:150"}, 4, 192, 1, false, "layer-block-regions");
+    auto lb = Lines(b);
+    REQUIRE(lb.size() == 2);
+    CHECK(lb[1].rfind("LOADED 150 150 1 OK", 0) == 0);  // every chunk of every block byte-exact in its place
+    // The same blocks into a FLASH_ATTN-shaped (LAYER_FIRST) engine: equal bytes there prove each chunk was read from
+    // (layer, plane, block)'s place, not merely put back where the same wrong address took it from.
+    ChildProcess c = GpuClient(d, "flash-attn-reader", {"load:51:150"}, 4, 192, 1, false, "layer-first");
+    auto lc = Lines(c);
+    REQUIRE(lc.size() == 2);
+    CHECK(lc[1].rfind("LOADED 150 150 1 OK", 0) == 0);
+    // And the other way: stored from LAYER_FIRST, loaded into LAYER_BLOCK_REGIONS.
+    ChildProcess e = GpuClient(d, "flash-attn-writer", {"store:52:100"}, 4, 192, 1, false, "layer-first");
+    auto le = Lines(e);
+    REQUIRE(le.size() == 2);
+    CHECK(le[1].rfind("STORED 0 100 OK", 0) == 0);
+    ChildProcess f = GpuClient(d, "flashinfer-reader-2", {"load:52:100"}, 4, 192, 1, false, "layer-block-regions");
+    auto lf = Lines(f);
+    REQUIRE(lf.size() == 2);
+    CHECK(lf[1].rfind("LOADED 100 100 1 OK", 0) == 0);
+  }
+}
+
+TEST_CASE("LAYER_BLOCK_REGIONS: a layer region smaller than its blocks need is refused naming the layer and the bytes",
+          "[gpu]") {
+  if (!HaveGpu()) {
+    WARN("no GPU visible; skipped");
+    return;
+  }
+  ShmPoolDir shm;
+  DaemonUnderTest d(GpuDaemonArgs(shm, {"--pool-size", "256MiB"}));
+  REQUIRE(d.WaitReady());
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  flexkv::Geometry g = flexkv::Llama3_8B();
+  g.num_layers = 2;
+  constexpr uint32_t kBlocks = 8;
+  const uint64_t need = uint64_t{kBlocks} * 2 * g.chunk_bytes_per_rank();
+  std::vector<void*> layers(g.num_layers, nullptr);
+  for (void*& p : layers) REQUIRE(cudaMalloc(&p, need) == cudaSuccess);
+  auto c = flexkv::Client::Connect({d.socket(), 5000ms, 10000ms});
+  REQUIRE(c.ok());
+  REQUIRE((*c)->Attach({"too-small", 0, 0, "test-model", g}).ok());
+  auto small = flexkv::DescribeGpuKv(flexkv::KvLayout::kLayerBlockRegions, layers, need - 16, kBlocks, 0);
+  REQUIRE(small.ok());
+  const flexkv::Status refused = (*c)->RegisterGpuKv(*small);
+  CHECK(refused.code() == flexkv::StatusCode::kInvalidArgument);
+  CHECK_THAT(refused.message(), Catch::Contains("region 0 (layer 0) has " + std::to_string(need - 16) + " bytes") &&
+                                    Catch::Contains("layout LAYER_BLOCK_REGIONS needs " + std::to_string(need)));
+  auto exact = flexkv::DescribeGpuKv(flexkv::KvLayout::kLayerBlockRegions, layers, need, kBlocks, 0);
+  REQUIRE(exact.ok());
+  CHECK((*c)->RegisterGpuKv(*exact).ok());
+  REQUIRE((*c)->Detach().ok());
+  for (void* p : layers) cudaFree(p);
 }
 
 TEST_CASE("TP=2: two worker processes on one GPU are the two ranks of one engine, shards round-trip", "[gpu]") {

@@ -51,7 +51,9 @@ def kv_array(buf: memoryview, layout: flexkvd.Layout, num_blocks: int,
     """The host KV buffer as a NumPy array in its layout's axis order."""
     L, P, C = geometry.num_layers, geometry.kv_planes, geometry.chunk_bytes_per_rank
     shape = {flexkvd.Layout.LAYER_FIRST: (L, P, num_blocks, C), flexkvd.Layout.BLOCK_FIRST: (num_blocks, L, P, C),
-             flexkvd.Layout.LAYER_BLOCK: (L, num_blocks, P, C)}[layout]
+             flexkvd.Layout.LAYER_BLOCK: (L, num_blocks, P, C),
+             # one memfd: the per-layer regions back to back, LAYER_BLOCK's bytes (docs/protocol.md, "KV layouts")
+             flexkvd.Layout.LAYER_BLOCK_REGIONS: (L, num_blocks, P, C)}[layout]
     return np.frombuffer(buf, dtype=np.uint8).reshape(shape)
 
 

@@ -28,7 +28,9 @@ def run_engine(daemon, name: str, steps: List[str], layout: str = "BLOCK_FIRST",
 
 
 @pytest.mark.parametrize("layout_a,layout_b", [("BLOCK_FIRST", "BLOCK_FIRST"), ("LAYER_FIRST", "BLOCK_FIRST"),
-                                               ("BLOCK_FIRST", "LAYER_BLOCK"), ("LAYER_BLOCK", "LAYER_FIRST")])
+                                               ("BLOCK_FIRST", "LAYER_BLOCK"), ("LAYER_BLOCK", "LAYER_FIRST"),
+                                               ("LAYER_BLOCK_REGIONS", "LAYER_FIRST"),
+                                               ("BLOCK_FIRST", "LAYER_BLOCK_REGIONS")])
 def test_blocks_stored_by_one_python_process_load_byte_identical_in_another(daemon, observer, layout_a, layout_b):
     # A writes SEED 7's 24 blocks into its KV blocks 10..33 and stores them.
     a = run_engine(daemon, "A", ["store:7:24:10"], layout_a)

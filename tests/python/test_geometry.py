@@ -16,7 +16,8 @@ def test_defaults_are_the_cpp_defaults():
 
 
 def test_layouts():
-    assert [(l.name, int(l)) for l in flexkvd.Layout] == [("LAYER_FIRST", 1), ("BLOCK_FIRST", 2), ("LAYER_BLOCK", 3)]
+    assert [(l.name, int(l)) for l in flexkvd.Layout] == [("LAYER_FIRST", 1), ("BLOCK_FIRST", 2), ("LAYER_BLOCK", 3),
+                                                          ("LAYER_BLOCK_REGIONS", 4)]
 
 
 def test_presets_and_sizes():

@@ -1,7 +1,7 @@
 """GPU: the vLLM connector's logic with torch KV caches in the layouts of vLLM's attention backends - FLASH_ATTN's
-per-layer tensors, FLASHINFER's and TRITON_ATTN's block-major layers (vLLM's cross-layer allocation, and layers back
-to back in one allocation), MLA's per-layer and cross-layer latent caches - planned by _vllm_layouts and registered
-with a real flexkvd's CUDA backend. Engine A writes its KV with a kernel queued behind a long-running one and stores
+per-layer tensors, FLASHINFER's and TRITON_ATTN's block-major layers (vLLM's cross-layer allocation, layers back to
+back in one allocation, and each layer its own allocation), MLA's per-layer and cross-layer latent caches -
+planned by _vllm_layouts and registered with a real flexkvd's CUDA backend. Engine A writes its KV with a kernel queued behind a long-running one and stores
 it (the store waits for a CUDA event, the CPU does not wait for the stream); engine B loads it layer by layer into
 other blocks of another layout, a kernel on its stream reading each layer right after wait_layer (vLLM's
 wait_for_layer_load), and every chunk is compared byte for byte. Skipped where torch or a CUDA GPU is missing (the
@@ -48,6 +48,13 @@ class Cache:
         elif form == "triton":        # block-major layers back to back in one allocation
             whole = torch.zeros((L, NB, 2, bs, h, d), **bf16)
             self.layers = [whole[i] for i in range(L)]
+        elif form == "flashinfer_layers":  # per layer (NB, 2, bs, h, d), each its own allocation, a gap between
+            self.layers, self.gaps = [], []
+            for _ in range(L):
+                self.layers.append(torch.zeros((NB, 2, bs, h, d), **bf16))
+                # 2 MiB, from the caching allocator's large pool as the layers are: the next layer never follows
+                # right after this one (which would be LAYER_BLOCK)
+                self.gaps.append(torch.zeros(1 << 20, **bf16))
         elif form == "mla":           # per layer (NB, bs, 576)
             self.layers = [torch.zeros((NB, bs, d), **bf16) for _ in range(L)]
         elif form == "mla_cross":     # cross-layer MLA: physical (NB, L, bs, 576)
@@ -60,7 +67,7 @@ class Cache:
         t = self.layers[layer]
         if self.form == "flash_attn":
             return t[plane, block]
-        if self.form in ("flashinfer", "triton"):
+        if self.form in ("flashinfer", "triton", "flashinfer_layers"):
             return t[block, plane]
         return t[block]
 
@@ -69,7 +76,7 @@ class Cache:
         g = torch.Generator(device="cuda")
         g.manual_seed(seed * 100 + layer)
         for b in blocks:
-            for p in range(2 if self.form in ("flash_attn", "flashinfer", "triton") else 1):
+            for p in range(2 if self.form in ("flash_attn", "flashinfer", "triton", "flashinfer_layers") else 1):
                 c = self.chunk(layer, p, b)
                 c.copy_(torch.randn(c.shape, generator=g, device="cuda", dtype=torch.float32).to(torch.bfloat16))
 
@@ -132,14 +139,17 @@ def store_behind_a_running_kernel(a: Engine, tokens, ids) -> None:
 
 @pytest.mark.parametrize("writer,reader,g", [
     ("flash_attn", "flash_attn", KV), ("flash_attn", "flashinfer", KV), ("flashinfer", "triton", KV),
-    ("triton", "flash_attn", KV), ("mla", "mla_cross", MLA), ("mla_cross", "mla", MLA)])
+    ("triton", "flash_attn", KV), ("mla", "mla_cross", MLA), ("mla_cross", "mla", MLA),
+    ("flashinfer_layers", "flash_attn", KV), ("flash_attn", "flashinfer_layers", KV),
+    ("triton", "flashinfer_layers", KV), ("flashinfer_layers", "flashinfer_layers", KV)])
 def test_layouts_round_trip_byte_exact_with_layer_wise_loads(engines, writer, reader, g):
     make, d = engines
     a = make(writer, g, load_mode="whole")
     b = make(reader, g)
     assert {"flash_attn": flexkvd.Layout.LAYER_FIRST, "mla": flexkvd.Layout.LAYER_FIRST,
             "flashinfer": flexkvd.Layout.BLOCK_FIRST, "mla_cross": flexkvd.Layout.BLOCK_FIRST,
-            "triton": flexkvd.Layout.LAYER_BLOCK}[reader] == b.cache.plan.layout
+            "triton": flexkvd.Layout.LAYER_BLOCK,
+            "flashinfer_layers": flexkvd.Layout.LAYER_BLOCK_REGIONS}[reader] == b.cache.plan.layout
     tokens = prompt(21, 12 * g.tokens_per_block + 5)
     src = list(range(3, 15))
     store_behind_a_running_kernel(a, tokens, src)
@@ -169,10 +179,25 @@ def test_layouts_round_trip_byte_exact_with_layer_wise_loads(engines, writer, re
     assert all(int(b.cache.chunk(0, 0, blk).abs().sum()) == 0 for blk in untouched[:8])
 
 
-def test_block_major_layers_in_separate_allocations_are_refused_at_registration():
-    layers = {n: torch.zeros((NB, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda") for n in NAMES}
-    with pytest.raises(flexkvd.InvalidArgument, match="model.layers.0.self_attn.attn.*cross_layer_blocks"):
-        plan_kv_caches(layers, KV)
+def test_block_major_layers_in_separate_allocations_register_a_region_per_layer(engines):
+    # FlashInfer's per-layer tensors with a draft model's layer beside them: LAYER_BLOCK_REGIONS without the draft
+    # layer; the daemon takes the registration (each layer's region checked against its blocks).
+    make, d = engines
+    layers, gaps = {}, []
+    for n in NAMES + ["model.layers.4.self_attn.attn"]:
+        layers[n] = torch.zeros((NB, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+        gaps.append(torch.zeros(1 << 20, dtype=torch.bfloat16, device="cuda"))  # no layer right after another
+    plan = plan_kv_caches(layers, KV)
+    assert plan.layout == flexkvd.Layout.LAYER_BLOCK_REGIONS
+    assert plan.regions == [layers[n].data_ptr() for n in NAMES] and plan.region_bytes == layers[NAMES[0]].nbytes
+    assert "model.layers.4.self_attn.attn" in plan.left_out
+    with flexkvd.connect(d.socket) as c:
+        c.attach("regions", "vllm|gpu-layouts-regions", KV)
+        # one block more than the regions hold: refused before anything is opened, naming the layer
+        with pytest.raises(flexkvd.InvalidArgument, match=r"region 0 \(layer 0\) has .* bytes; layout "
+                                                          r"LAYER_BLOCK_REGIONS needs"):
+            c.register_gpu_kv(plan.regions, plan.layout, plan.num_blocks + 1, region_bytes=plan.region_bytes)
+        c.register_gpu_kv(plan.regions, plan.layout, plan.num_blocks, region_bytes=plan.region_bytes)
 
 
 def test_a_store_overlapping_a_running_kernel_returns_without_waiting_for_it(engines):

@@ -67,6 +67,8 @@ def chunk_in_plan(plan, geometry, layer, plane, block):
     chunk, P, B, L = geometry.chunk_bytes_per_rank, geometry.kv_planes, plan.num_blocks, geometry.num_layers
     if plan.layout == flexkvd.Layout.LAYER_FIRST:
         return plan.regions[layer] + plane * B * chunk + block * chunk
+    if plan.layout == flexkvd.Layout.LAYER_BLOCK_REGIONS:
+        return plan.regions[layer] + (block * P + plane) * chunk
     if plan.layout == flexkvd.Layout.LAYER_BLOCK:
         return plan.regions[0] + ((layer * B + block) * P + plane) * chunk
     return plan.regions[0] + ((block * L + layer) * P + plane) * chunk
@@ -80,7 +82,8 @@ def check_every_chunk(plan, geometry, layers):
             for b in range(plan.num_blocks):
                 assert chunk_in_plan(plan, geometry, l, p, b) == chunk_in_tensor(t, geometry, p, b), (l, p, b)
                 start = chunk_in_plan(plan, geometry, l, p, b)
-                region = plan.regions[l] if plan.layout == flexkvd.Layout.LAYER_FIRST else plan.regions[0]
+                per_layer = plan.layout in (flexkvd.Layout.LAYER_FIRST, flexkvd.Layout.LAYER_BLOCK_REGIONS)
+                region = plan.regions[l] if per_layer else plan.regions[0]
                 assert region <= start and start + geometry.chunk_bytes_per_rank <= region + plan.region_bytes
 
 
@@ -114,15 +117,49 @@ def test_block_major_layers_back_to_back_in_one_allocation_register_layer_block(
     check_every_chunk(plan, GEOM, tensors)
 
 
-def test_block_major_layers_in_separate_allocations_are_refused_naming_the_layer_and_the_layouts():
+@pytest.mark.parametrize("backend", ["FLASHINFER", "TRITON_ATTN"])
+def test_block_major_layers_in_separate_allocations_register_layer_block_regions(backend):
+    # vLLM allocates each layer on its own (a draft model, a hybrid model, cross_layer_blocks off): the layers lie
+    # anywhere, in no order, with gaps; each is one region, block b's K at b * 2 * chunk and V right after it.
     shape = (NB, 2, 16, 2, 64)
-    tensors = [view(0x7F0000000000 + i * 2 * nbytes(shape), shape, [0, 1, 2, 3, 4]) for i in range(4)]
+    ptrs = [0x7F0000000000 + i * 3 * nbytes(shape) + i * 4096 for i in range(4)]
+    tensors = {n: view(p, shape, [0, 1, 2, 3, 4]) for n, p in zip(names(4), reversed(ptrs))}
+    plan = plan_kv_caches(dict(reversed(list(tensors.items()))), GEOM)
+    assert plan.layout == flexkvd.Layout.LAYER_BLOCK_REGIONS, backend
+    assert plan.regions == [tensors[n].ptr for n in names(4)]
+    assert plan.region_bytes == nbytes(shape) and plan.num_blocks == NB and plan.form == "blocks-first"
+    assert [plan.layer_index(n) for n in names(4)] == [0, 1, 2, 3]
+    assert [plan.layer_index_of_pointer(tensors[n].ptr) for n in names(4)] == [0, 1, 2, 3]
+    check_every_chunk(plan, GEOM, [tensors[n] for n in names(4)])
+    chunk = GEOM.chunk_bytes_per_rank
+    t = tensors[names(4)[2]]
+    assert chunk_in_plan(plan, GEOM, 2, 0, 5) == t.ptr + 5 * 2 * chunk            # K of block 5
+    assert chunk_in_plan(plan, GEOM, 2, 1, 5) == t.ptr + 5 * 2 * chunk + chunk    # V of block 5
+
+
+def test_block_major_layers_with_a_draft_model_register_layer_block_regions_without_the_draft_layers():
+    # EAGLE/MTP: the draft layer (numbered after the target's) has its own allocation; the target's layers are
+    # registered a region each, the draft layer left out with the reason.
+    shape = (NB, 2, 16, 2, 64)
+    layers = {n: view(0x7F0000000000 + i * 0x1000000, shape, [0, 1, 2, 3, 4]) for i, n in enumerate(names(4))}
+    layers["model.layers.4.self_attn.attn"] = view(0x7F0009000000, shape, [0, 1, 2, 3, 4])
+    plan = plan_kv_caches(layers, GEOM)
+    assert plan.layout == flexkvd.Layout.LAYER_BLOCK_REGIONS and len(plan.regions) == 4
+    assert "draft" in plan.left_out["model.layers.4.self_attn.attn"]
+    check_every_chunk(plan, GEOM, [layers[n] for n in names(4)])
+
+
+def test_block_major_layers_with_padded_blocks_are_refused_naming_the_layer_and_the_layouts():
+    # a block stride of three chunks (K, V and a gap): no layout of flexkvd's copies it
+    padded = [view(0x7F0000000000 + i * 0x1000000, (NB, 3, 16, 2, 64), [0, 1, 2, 3, 4]) for i in range(4)]
+    tensors = [FakeTensor(t.ptr, (NB, 2, 16, 2, 64), t.stride()) for t in padded]
     with pytest.raises(flexkvd.InvalidArgument) as refused:
         plan_kv_caches(dict(zip(names(4), tensors)), GEOM)
     text = str(refused.value)
     assert "model.layers.0.self_attn.attn" in text and "(6, 2, 16, 2, 64)" in text
-    assert "strides (4096, 2048, 128, 64, 1)" in text
-    assert "cross_layer_blocks" in text and "LAYER_BLOCK" in text and "BLOCK_FIRST" in text
+    assert "strides (6144, 2048, 128, 64, 1)" in text
+    assert "block stride is 12288 bytes" in text
+    assert "LAYER_BLOCK_REGIONS" in text and "LAYER_BLOCK" in text and "BLOCK_FIRST" in text
     assert "FLASH_ATTN" in text
 
 

@@ -1,5 +1,6 @@
 // flexkv-gpu-test-client: an engine stand-in with a vLLM-shaped KV cache in GPU memory (per TP rank, one
-// tensor of [2][blocks][chunk] per layer, LAYERFIRST). Attaches, registers every rank with CUDA IPC
+// tensor per layer: [2][blocks][chunk], LAYER_FIRST, as FLASH_ATTN's; with --layout layer-block-regions
+// [blocks][2][chunk], as FlashInfer's and Triton's). Attaches, registers every rank with CUDA IPC
 // handles, then runs --do steps, printing one line each:
 //   ATTACHED <id> <block_bytes> <capacity> <gpu uuid> attach_us=<us> register_us=<us>
 //   STORED <already_cached> <stored> <STATUS> <us>                                  (store:SEED:N)
@@ -76,8 +77,8 @@ class LocalRank final : public RankKv {
   // vmm: the layers live back to back in one cuMem address range backed by physical allocations of two
   // granules each (exportable as POSIX fds, like PyTorch's expandable segments), so allocations straddle
   // layers and a layer spans several allocations.
-  LocalRank(const flexkv::Geometry& g, uint32_t blocks, uint32_t rank, bool vmm)
-      : g_(g), blocks_(blocks), rank_(rank), vmm_(vmm) {
+  LocalRank(const flexkv::Geometry& g, uint32_t blocks, uint32_t rank, bool vmm, flexkv::KvLayout layout)
+      : g_(g), blocks_(blocks), rank_(rank), vmm_(vmm), layout_(layout) {
     chunk_ = g.chunk_bytes_per_rank();
     region_ = uint64_t{g.kv_planes} * blocks * chunk_;
     layers_.resize(g.num_layers, nullptr);
@@ -100,7 +101,7 @@ class LocalRank final : public RankKv {
   }
   bool ok() const { return ok_; }
   flexkv::Result<flexkv::GpuKvRegistration> Registration() override {
-    return flexkv::DescribeGpuKv(flexkv::KvLayout::kLayerFirst, layers_, region_, blocks_, rank_);
+    return flexkv::DescribeGpuKv(layout_, layers_, region_, blocks_, rank_);
   }
   bool Fill(uint64_t seed, uint32_t n) override {
     for (uint32_t l = 0; l < g_.num_layers; ++l) {
@@ -168,13 +169,17 @@ class LocalRank final : public RankKv {
     return true;
   }
 
+  // Where the engine keeps chunk (l, p, b): written here from the tensors' shapes, independently of the daemon.
   uint8_t* Chunk(uint32_t l, uint32_t p, uint32_t b) {
-    return static_cast<uint8_t*>(layers_[l]) + (uint64_t{p} * blocks_ + b) * chunk_;
+    const bool blocks_outer = layout_ == flexkv::KvLayout::kLayerBlockRegions;  // [blocks][2], else [2][blocks]
+    const uint64_t index = blocks_outer ? uint64_t{b} * g_.kv_planes + p : uint64_t{p} * blocks_ + b;
+    return static_cast<uint8_t*>(layers_[l]) + index * chunk_;
   }
   flexkv::Geometry g_;
   uint32_t blocks_, rank_;
   uint64_t chunk_ = 0, region_ = 0;
   bool vmm_ = false;
+  flexkv::KvLayout layout_;
   std::vector<void*> layers_;
   std::vector<uint8_t> host_;
   bool ok_ = true;
@@ -277,8 +282,8 @@ class WorkerRank final : public RankKv {
   FILE* from_ = nullptr;
 };
 
-int RunWorker(const flexkv::Geometry& g, uint32_t blocks, uint32_t rank) {
-  LocalRank kv(g, blocks, rank, /*vmm=*/false);  // a worker's description travels as text: IPC handles only
+int RunWorker(const flexkv::Geometry& g, uint32_t blocks, uint32_t rank, flexkv::KvLayout layout) {
+  LocalRank kv(g, blocks, rank, /*vmm=*/false, layout);  // a worker's description travels as text: IPC handles only
   auto reg = kv.ok() ? kv.Registration() : flexkv::Result<flexkv::GpuKvRegistration>(flexkv::Status::Internal("cudaMalloc"));
   if (!reg.ok()) {
     std::printf("ERROR %s\n", reg.status().ToString().c_str());
@@ -333,7 +338,14 @@ int main(int argc, char** argv) {
                  "registering: a start barrier for engines measured together");
   app.add_flag("--vmm", vmm, "allocate the KV cache with cuMem (VMM, shareable fds) instead of cudaMalloc");
   app.add_option("--do", steps, "store:SEED:N, firststore:SEED:N, load:SEED:N, bench:N, hold");
+  std::string layout_name = "layer-first";
+  app.add_option("--layout", layout_name,
+                 "layer-first: per layer [2][blocks][chunk] (FLASH_ATTN); layer-block-regions: per layer "
+                 "[blocks][2][chunk] (FlashInfer, Triton)")
+      ->check(CLI::IsMember({"layer-first", "layer-block-regions"}));
   CLI11_PARSE(app, argc, argv);
+  const flexkv::KvLayout layout =
+      layout_name == "layer-first" ? flexkv::KvLayout::kLayerFirst : flexkv::KvLayout::kLayerBlockRegions;
   setvbuf(stdout, nullptr, _IOLBF, 0);
 
   int devices = 0;
@@ -341,11 +353,11 @@ int main(int argc, char** argv) {
     std::printf("NOGPU\n");
     return 0;
   }
-  if (worker) return RunWorker(g, kv_blocks, tp_rank);
+  if (worker) return RunWorker(g, kv_blocks, tp_rank, layout);
 
   std::vector<std::unique_ptr<RankKv>> ranks;
   if (g.tp_size == 1) {
-    auto local = std::make_unique<LocalRank>(g, kv_blocks, 0, vmm);
+    auto local = std::make_unique<LocalRank>(g, kv_blocks, 0, vmm, layout);
     if (!local->ok()) {
       std::printf("ERROR INTERNAL %s of the KV cache failed\n", vmm ? "cuMem allocation" : "cudaMalloc");
       return 1;
@@ -356,7 +368,7 @@ int main(int argc, char** argv) {
       ranks.push_back(std::make_unique<WorkerRank>(std::vector<std::string>{
           "flexkv-gpu-test-client", "--worker", "--tp-rank", std::to_string(r), "--tp", std::to_string(g.tp_size),
           "--layers", std::to_string(g.num_layers), "--heads", std::to_string(g.kv_heads_per_rank), "--kv-blocks",
-          std::to_string(kv_blocks)}));
+          std::to_string(kv_blocks), "--layout", layout_name}));
     }
   }
 

@@ -58,8 +58,15 @@ enum {
   FLEXKV_UNAUTHENTICATED = 16,
 };
 
-/* KV layouts (flexkv::KvLayout). */
-enum { FLEXKV_LAYOUT_LAYER_FIRST = 1, FLEXKV_LAYOUT_BLOCK_FIRST = 2, FLEXKV_LAYOUT_LAYER_BLOCK = 3 };
+/* KV layouts (flexkv::KvLayout; docs/protocol.md "KV layouts"). LAYER_BLOCK_REGIONS (added within ABI 6; a
+ * libflexkv from before refuses it with FLEXKV_INVALID_ARGUMENT): [layer][block][plane][chunk] with one GPU region
+ * per layer, as vLLM's FlashInfer / Triton per-layer tensors (num_blocks, 2, block_size, heads, head_dim). */
+enum {
+  FLEXKV_LAYOUT_LAYER_FIRST = 1,
+  FLEXKV_LAYOUT_BLOCK_FIRST = 2,
+  FLEXKV_LAYOUT_LAYER_BLOCK = 3,
+  FLEXKV_LAYOUT_LAYER_BLOCK_REGIONS = 4
+};
 
 typedef struct flexkv_client flexkv_client;
 
@@ -254,9 +261,9 @@ int flexkv_create_host_kv_component(flexkv_client* client, uint32_t component, i
                                     void** data, uint64_t* bytes);
 
 /* CUDA backend: describes one rank's GPU KV buffers at device pointers (CUDA IPC handles for cudaMalloc
- * memory, shareable fds for cuMem/VMM memory such as PyTorch's expandable segments). LAYER_FIRST: one
- * pointer per layer; otherwise one. region_bytes: bytes of each region. On success *out must be freed with
- * flexkv_gpu_kv_free. Fails with UNIMPLEMENTED in a libflexkv built without CUDA. */
+ * memory, shareable fds for cuMem/VMM memory such as PyTorch's expandable segments). LAYER_FIRST and
+ * LAYER_BLOCK_REGIONS: one pointer per layer; otherwise one. region_bytes: bytes of each region. On success *out
+ * must be freed with flexkv_gpu_kv_free. Fails with UNIMPLEMENTED in a libflexkv built without CUDA. */
 int flexkv_describe_gpu_kv(int layout, void* const* regions, size_t n_regions, uint64_t region_bytes,
                            uint32_t num_blocks, uint32_t tp_rank, flexkv_gpu_kv** out);
 /* The GPU's UUID ("GPU-…") the description names; valid while `kv` lives. */

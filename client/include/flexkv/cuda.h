@@ -12,7 +12,8 @@ namespace flexkv {
 
 // Describes KV buffers at device pointers for RegisterGpuKv: finds the GPU's UUID, exports a CUDA IPC
 // handle of the allocation holding each region and the region's offset in it.
-//   kLayerFirst: one pointer per layer, each region [planes][num_blocks][chunk] (vLLM's per-layer tensors);
+//   kLayerFirst: one pointer per layer, each region [planes][num_blocks][chunk] (vLLM FLASH_ATTN's per-layer tensors);
+//   kLayerBlockRegions: one pointer per layer, each region [num_blocks][planes][chunk] (FlashInfer's / Triton's);
 //   kBlockFirst / kLayerBlock: one pointer to the whole cache.
 // `region_bytes`: bytes of each region. Two kinds of memory are understood:
 //   cudaMalloc (PyTorch's default caching allocator): a CUDA IPC handle of the allocation and the offset in it;

@@ -9,12 +9,23 @@
 
 namespace flexkv {
 
-// How an engine lays out its KV cache; `chunk` is one (layer, plane, block) of one TP rank.
+// How an engine lays out its KV cache; `chunk` is one (layer, plane, block) of one TP rank (docs/protocol.md,
+// "KV layouts"). GPU buffers of kLayerFirst and kLayerBlockRegions are one region per layer, the others one region;
+// host buffers are always one memfd, the layers back to back in it.
 enum class KvLayout : uint32_t {
-  kLayerFirst = 1,  // [layer][plane][block][chunk] (vLLM-style per-layer tensors, as one region)
-  kBlockFirst = 2,  // [block][layer][plane][chunk]
-  kLayerBlock = 3,  // [layer][block][plane][chunk]
+  kLayerFirst = 1,         // [layer][plane][block][chunk] (vLLM FLASH_ATTN's per-layer tensors)
+  kBlockFirst = 2,         // [block][layer][plane][chunk]
+  kLayerBlock = 3,         // [layer][block][plane][chunk], the layers back to back in one region
+  kLayerBlockRegions = 4,  // [layer][block][plane][chunk], one region per layer (FlashInfer / Triton tensors)
 };
+// "LAYER_FIRST", "BLOCK_FIRST", "LAYER_BLOCK", "LAYER_BLOCK_REGIONS"; "unknown" for any other value.
+const char* KvLayoutName(KvLayout layout);
+// Whether `layout` is one of the four above (a value off the wire may be anything).
+bool IsKnownKvLayout(KvLayout layout);
+// Whether a GPU registration in `layout` has one region per layer (kLayerFirst, kLayerBlockRegions).
+bool KvLayoutHasRegionPerLayer(KvLayout layout);
+// The layouts, as refusals list them: "LAYER_FIRST (1), BLOCK_FIRST (2), LAYER_BLOCK (3) or LAYER_BLOCK_REGIONS (4)".
+const char* KvLayoutsAccepted();
 
 // The kinds of cache a model keeps per layer group (docs/hybrid.md). A block key names a prefix end; what a
 // prefix end e (in blocks) needs of each component:

@@ -20,6 +20,7 @@
 #include "common/mutex.h"
 #include "daemon/transfer/cuda/copy_worker.h"
 #include "daemon/transfer/cuda/cuda_kv.h"
+#include "daemon/transfer/cuda/gpu_kv_layout.h"
 #include "daemon/transfer/cuda/kv_copy.h"
 
 namespace flexkv {
@@ -131,19 +132,9 @@ class CudaBackendImpl final : public CudaBackend {
       for (const auto& u : uuids_) known += (known.empty() ? "" : ", ") + u;
       return Status::NotFound(fmt::format("gpu_uuid {} is not a GPU this daemon sees ({})", d.gpu_uuid, known));
     }
-    const uint64_t chunk = g.chunk_bytes_per_rank();
-    const uint64_t L = g.num_layers, P = g.kv_planes, B = d.num_blocks;
-    const bool per_layer = d.layout == KvLayout::kLayerFirst;
-    const size_t want_regions = per_layer ? L : 1;
-    if (d.num_blocks == 0) return Status::InvalidArgument("num_blocks is 0; expected the blocks the GPU cache holds");
-    if (d.regions.size() != want_regions) {
-      return Status::InvalidArgument(fmt::format("{} regions for this layout; expected {} ({})", d.regions.size(),
-                                                 want_regions, per_layer ? "one per layer" : "one base region"));
-    }
-    if (!g.is_mla() && d.tp_rank >= g.tp_size) {
-      return Status::InvalidArgument(fmt::format("tp_rank {} is not below tp_size {}", d.tp_rank, g.tp_size));
-    }
-    const uint64_t region_need = per_layer ? P * B * chunk : L * P * B * chunk;
+    auto plan = PlanGpuKvLayout(d, g);  // layout, num_blocks, tp_rank, region count and sizes
+    if (!plan.ok()) return plan.status();
+    const uint64_t L = g.num_layers;
     auto kv = std::make_shared<GpuKv>();
     kv->device = device;
     kv->geometry = g;
@@ -157,46 +148,27 @@ class CudaBackendImpl final : public CudaBackend {
         for (const auto& [tag, h] : handles) CudaDriver::Get().mem_release(h);
       }
     } release_imported{imported};
+    std::vector<uint64_t> region_start;  // device address of each region's first byte
     for (size_t r = 0; r < d.regions.size(); ++r) {
       const GpuKvRegion& region = d.regions[r];
-      if (region.bytes < region_need) {
-        return Status::InvalidArgument(
-            fmt::format("region {} has {} bytes; {} blocks of this geometry and layout need {}", r, region.bytes, B, region_need));
-      }
       auto base = region.vmm_allocations.empty() ? OpenIpcRegion(*kv, region, r) : MapVmmRegion(*kv, d, region, r, imported);
       if (!base.ok()) return base.status();
-      const uint64_t start = *base + region.offset;
-      if (per_layer) {
-        kv->layer_base_host.push_back(start);
-      } else {
-        for (uint64_t l = 0; l < L; ++l) {
-          kv->layer_base_host.push_back(start + (d.layout == KvLayout::kBlockFirst ? l * P * chunk : l * B * P * chunk));
-        }
-      }
+      region_start.push_back(*base + region.offset);
+    }
+    for (uint64_t l = 0; l < L; ++l) {
+      kv->layer_base_host.push_back(region_start[plan->layer_region[l]] + plan->layer_offset[l]);
     }
     FLEXKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&kv->layer_base_dev), sizeof(uint64_t) * L));
     FLEXKV_CUDA_TRY(cudaMemcpy(kv->layer_base_dev, kv->layer_base_host.data(), sizeof(uint64_t) * L, cudaMemcpyHostToDevice));
     kv->view.layer_base = kv->layer_base_dev;
     kv->view.num_layers = g.num_layers;
     kv->view.num_planes = g.kv_planes;
-    kv->view.chunk_bytes = chunk;
-    kv->view.layers_in_one_allocation = !per_layer;  // LAYERFIRST: each layer's region is an allocation of its own
-    switch (d.layout) {
-      case KvLayout::kLayerFirst:
-        kv->view.plane_stride = B * chunk;
-        kv->view.block_stride = chunk;
-        break;
-      case KvLayout::kBlockFirst:
-        kv->view.plane_stride = chunk;
-        kv->view.block_stride = L * P * chunk;
-        break;
-      case KvLayout::kLayerBlock:
-        kv->view.plane_stride = chunk;
-        kv->view.block_stride = P * chunk;
-        break;
-    }
-    log::Info("cuda", "opened GPU KV of tp rank {} on {} (device {}): {} blocks, {} region(s)", d.tp_rank, d.gpu_uuid,
-              device, d.num_blocks, d.regions.size());
+    kv->view.chunk_bytes = g.chunk_bytes_per_rank();
+    kv->view.plane_stride = plan->plane_stride;
+    kv->view.block_stride = plan->block_stride;
+    kv->view.layers_in_one_allocation = plan->layers_in_one_allocation;
+    log::Info("cuda", "opened GPU KV of tp rank {} on {} (device {}): {} blocks, {}, {} region(s)", d.tp_rank,
+              d.gpu_uuid, device, d.num_blocks, KvLayoutName(d.layout), d.regions.size());
     return kv;
   }
 

@@ -3,7 +3,8 @@
 // A GPU KV cache is described per layer: chunk (layer l, plane p, block b) of one TP rank lives at
 //   layer_base[l] + p * plane_stride + b * block_stride
 // which covers LAYERFIRST with one tensor per layer (vLLM: plane_stride = num_blocks * chunk,
-// block_stride = chunk), BLOCKFIRST and LAYERBLOCK. A host pool slot holds the block as
+// block_stride = chunk), LAYERBLOCKREGIONS (a tensor per layer, plane_stride = chunk, block_stride = planes * chunk),
+// BLOCKFIRST and LAYERBLOCK (gpu_kv_layout.h computes them from a registration). A host pool slot holds the block as
 //   [layer][plane][tp shard][chunk]   (MLA: one shard)
 // and is reached through its device-visible address (the pool is cudaHostRegister'ed; UVA).
 #pragma once
@@ -24,8 +25,8 @@ struct GpuKvView {
   uint32_t num_planes;
   uint64_t chunk_bytes;        // multiple of 16
   // Every layer lies in one allocation (BLOCKFIRST, LAYERBLOCK: one region), so a copy may span a layer boundary.
-  // False for a region per layer (LAYERFIRST): separate allocations may sit back to back in the address space,
-  // yet one copy must not run from one into the next (the copy engine refuses it).
+  // False for a region per layer (LAYERFIRST, LAYERBLOCKREGIONS): separate allocations may sit back to back in the
+  // address space, yet one copy must not run from one into the next (the copy engine refuses it).
   bool layers_in_one_allocation = false;
 };
 

@@ -25,9 +25,9 @@ Result<std::shared_ptr<HostKv>> HostKv::Map(UniqueFd memfd, const Geometry& g, K
         "the host backend stores whole blocks from one process; tp_size {} with K/V planes needs per-rank shards "
         "(CUDA backend)", g.tp_size));
   }
-  if (layout != KvLayout::kLayerFirst && layout != KvLayout::kBlockFirst && layout != KvLayout::kLayerBlock) {
-    return Status::InvalidArgument(fmt::format("layout {} is unknown; expected LAYER_FIRST, BLOCK_FIRST or LAYER_BLOCK",
-                                               static_cast<uint32_t>(layout)));
+  if (!IsKnownKvLayout(layout)) {
+    return Status::InvalidArgument(
+        fmt::format("layout {} is unknown; expected {}", static_cast<uint32_t>(layout), KvLayoutsAccepted()));
   }
   if (num_blocks == 0) return Status::InvalidArgument("num_blocks is 0; expected the number of KV blocks the buffers hold");
   const int seals = fcntl(memfd.get(), F_GET_SEALS);
@@ -86,6 +86,7 @@ void ForEachRun(const Geometry& g, KvLayout layout, uint32_t num_blocks, uint32_
       fn(b * L * P * chunk, 0, L * P * chunk);
       return;
     case KvLayout::kLayerBlock:
+    case KvLayout::kLayerBlockRegions:  // one memfd: the per-layer regions back to back, which is LAYER_BLOCK
       for (uint64_t l = 0; l < L; ++l) fn((l * B + b) * P * chunk, l * P * chunk, P * chunk);
       return;
     case KvLayout::kLayerFirst:

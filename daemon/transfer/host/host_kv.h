@@ -1,6 +1,7 @@
 // HostKv: an engine's KV buffers in host memory shared with the daemon (opened by the host backend,
 // host_backend.h), and the copies between one of its blocks and a pool slot. The pool stores a block BLOCKFIRST and contiguous:
-// [layer][plane][chunk].
+// [layer][plane][chunk]. The client's buffers are one memfd in any layout: the per-layer layouts (LAYER_FIRST,
+// LAYER_BLOCK_REGIONS) have their layers' regions back to back in it (so LAYER_BLOCK_REGIONS is LAYER_BLOCK's bytes).
 #pragma once
 
 #include <cstdint>

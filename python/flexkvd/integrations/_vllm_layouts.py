@@ -14,12 +14,16 @@ carry the physical order in their strides):
 flexkvd's GPU copies (docs/python.md "GPU KV caches"; the CUDA backend's views) take a chunk - one (layer, plane,
 block) of block_size x kv_heads x head_dim elements - as one contiguous run, at
 
-  LAYER_FIRST   one region per layer:  layer base + plane * num_blocks * chunk + block * chunk
-  LAYER_BLOCK   one region:            base + ((layer * num_blocks + block) * planes + plane) * chunk
-  BLOCK_FIRST   one region:            base + ((block * layers + layer) * planes + plane) * chunk
+  LAYER_FIRST          one region per layer:  layer base + plane * num_blocks * chunk + block * chunk
+  LAYER_BLOCK_REGIONS  one region per layer:  layer base + (block * planes + plane) * chunk
+  LAYER_BLOCK          one region:            base + ((layer * num_blocks + block) * planes + plane) * chunk
+  BLOCK_FIRST          one region:            base + ((block * layers + layer) * planes + plane) * chunk
 
-plan_kv_caches / plan_cross_layer_kv_cache find which of the three the tensors are (from their pointers and
+plan_kv_caches / plan_cross_layer_kv_cache find which of the four the tensors are (from their pointers and
 strides, not from a backend's name), or refuse, naming the layer, its shape and strides, and the layouts accepted.
+Block-major layers (FLASHINFER, TRITON_ATTN) are LAYER_BLOCK when they lie back to back in one allocation (one
+region to open) and LAYER_BLOCK_REGIONS wherever they lie otherwise (vLLM's per-layer allocations: a draft model,
+hybrid models, cross_layer_blocks off).
 Layers of a draft model (EAGLE, MTP: vLLM numbers them after the target model's layers and puts them in the same
 kv_caches) are left out: the geometry (and the cache domain) is the target model's, a draft layer's KV is not
 restored by a load (the drafter proposes worse on a loaded prefix until it computed it; outputs do not change,
@@ -36,10 +40,11 @@ import flexkvd
 __all__ = ["KvPlan", "LayerTensor", "layer_tensor", "plan_cross_layer_kv_cache", "plan_kv_caches"]
 
 ACCEPTED = ("per-layer (2, num_blocks, block_size, kv_heads, head_dim) tensors with K/V planes first (FLASH_ATTN, "
-            "NHD) or MLA's per-layer (num_blocks, block_size, head_dim), each contiguous; block-major layers "
-            "(num_blocks, 2, block_size, kv_heads, head_dim) (FLASHINFER, TRITON_ATTN, NHD) when every layer lies "
-            "back to back in one allocation (LAYER_BLOCK) or interleaved per block as vLLM's cross-layer "
-            "allocation lays them out (BLOCK_FIRST); inside a chunk the NHD order (block_size, kv_heads, head_dim)")
+            "NHD; LAYER_FIRST) or MLA's per-layer (num_blocks, block_size, head_dim), each contiguous; block-major "
+            "layers (num_blocks, 2, block_size, kv_heads, head_dim) (FLASHINFER, TRITON_ATTN, NHD), each contiguous "
+            "wherever it lies (LAYER_BLOCK_REGIONS; LAYER_BLOCK when back to back in one allocation) or interleaved "
+            "per block as vLLM's cross-layer allocation lays them out (BLOCK_FIRST); inside a chunk the NHD order "
+            "(block_size, kv_heads, head_dim)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +82,8 @@ def layer_tensor(name: str, tensor: Any) -> LayerTensor:
 class KvPlan:
     """What Client.register_gpu_kv takes for one TP rank, and which vLLM layer is which flexkvd layer.
 
-    layout, regions (int device pointers: one per layer for LAYER_FIRST, else one), region_bytes, num_blocks:
+    layout, regions (int device pointers: one per layer for LAYER_FIRST and LAYER_BLOCK_REGIONS, else one),
+    region_bytes, num_blocks:
     register_gpu_kv(regions, layout, num_blocks, region_bytes=region_bytes). layer_names: the registered layers in
     flexkvd's layer order (None where a layer's name is not known: a cross-layer tensor given without names).
     layer_ptrs: each registered layer's base pointer (for layer_index_of_pointer). left_out: layer name -> why it is
@@ -207,19 +213,16 @@ def _plan(layers: List[LayerTensor], geometry: flexkvd.Geometry, cross_layer: bo
         if all(p.block_stride == L * planes * chunk for p in parsed) and \
                 ptrs == [base + i * planes * chunk for i in range(L)]:
             return KvPlan(flexkvd.Layout.BLOCK_FIRST, [base], B * L * planes * chunk, B, names, ptrs, form=form)
+    # LAYER_BLOCK_REGIONS: each layer a region [block][plane][chunk] of its own, wherever it lies.
+    if planes == 2 and all(p.plane_stride == chunk and p.block_stride == planes * chunk for p in parsed):
+        return KvPlan(flexkvd.Layout.LAYER_BLOCK_REGIONS, ptrs, planes * B * chunk, B, names, ptrs, form=form)
     bad = next((p for p in parsed if not (p.block_stride == chunk and (planes == 1 or p.plane_stride == B * chunk))),
                parsed[0])
-    if first.form == "blocks-first" and not cross_layer:
-        why = ("its blocks hold K and V together, and the layers are separate allocations (not back to back): "
-               "flexkvd copies block-major layers only from one allocation; let vLLM allocate the layers together "
-               "(kv_connector_extra_config.cross_layer_blocks, the default, where vLLM can) or use "
-               "VLLM_ATTENTION_BACKEND=FLASH_ATTN")
-    else:
-        why = (f"its block stride is {bad.block_stride} bytes and plane stride {bad.plane_stride} bytes for "
-               f"{chunk}-byte chunks, and the layers' bases {[hex(p) for p in ptrs[:4]]}... match no layout")
-        if cross_layer:
-            why += ("; set kv_connector_extra_config.cross_layer_blocks to false to have vLLM allocate the layers "
-                    "one by one")
+    why = (f"its block stride is {bad.block_stride} bytes and plane stride {bad.plane_stride} bytes for "
+           f"{chunk}-byte chunks, and the layers' bases {[hex(p) for p in ptrs[:4]]}... match no layout")
+    if cross_layer:
+        why += ("; set kv_connector_extra_config.cross_layer_blocks to false to have vLLM allocate the layers "
+                "one by one")
     raise flexkvd.InvalidArgument(f"FlexKVdConnector cannot copy the KV cache of {bad.t.describe()}: {why}; "
                                   f"flexkvd accepts {ACCEPTED}")
 

@@ -41,6 +41,8 @@ uint64_t ClientOffset(KvLayout layout, const Geometry& g, uint32_t blocks, uint6
     case KvLayout::kLayerFirst: return ((l * P + p) * B + b) * chunk;  // [layer][plane][block][chunk]
     case KvLayout::kBlockFirst: return ((b * L + l) * P + p) * chunk;  // [block][layer][plane][chunk]
     case KvLayout::kLayerBlock: return ((l * B + b) * P + p) * chunk;  // [layer][block][plane][chunk]
+    // one region per layer, [block][plane][chunk] in each, the regions back to back in the memfd
+    case KvLayout::kLayerBlockRegions: return l * B * P * chunk + (b * P + p) * chunk;
   }
   return 0;
 }
@@ -63,7 +65,8 @@ TEST_CASE("a block copies to its slot as [layer][plane][chunk] from each layout,
   constexpr uint32_t kBlocks = 5;
   const uint64_t bytes = flexkv::KvBytesRequired(g, kBlocks);
   const uint64_t chunk = g.chunk_bytes_per_rank();
-  for (KvLayout layout : {KvLayout::kLayerFirst, KvLayout::kBlockFirst, KvLayout::kLayerBlock}) {
+  for (KvLayout layout :
+       {KvLayout::kLayerFirst, KvLayout::kBlockFirst, KvLayout::kLayerBlock, KvLayout::kLayerBlockRegions}) {
     INFO("layout " << static_cast<uint32_t>(layout));
     UniqueFd fd = SealedMemfd(bytes);
     auto view = MappedRegion::Shared("the test KV memfd", fd.get(), bytes);
