@@ -31,15 +31,18 @@ Two engine processes per model, one after the other, against a fresh flexkvd:
     half of the prefix's blocks on the GPU already and loads only the rest (first_block): its logits must equal the
     whole load's, with only the missing blocks moved.
   TTFT (prompt in, first token's argmax on the host), median of --repeats: miss, and hit split into match / load /
-    gather / rest. Layer-wise loads: flexkvd refuses them for hybrid geometries today (the daemon answers
-    INVALID_ARGUMENT, and the vLLM connector loads hybrid models whole), so "TTFT layer-wise" is what a layer-wise
-    load of this geometry answers: the row says "refused: <the daemon's message>", or, once the daemon takes them,
-    the time to each layer's arrival and the whole load's.
+    gather / rest. Layer-wise loads: flexkvd refuses them for hybrid geometries today (InvalidArgument from the
+    client library and the daemon alike; the vLLM connector loads hybrid models whole), so the "layer-wise" column
+    is what a layer-wise load of this geometry answers: "refused" (the message is printed under the table), or,
+    once flexkvd takes them, the whole load's time and when its last layer landed.
 
 How the engine talks to flexkvd (--link): "connector" drives the vLLM connector's logic classes with per-group block
 ids (SchedulerLogic / WorkerLogic with GroupMap: needs a flexkvd whose connector is SupportsHMA); "client" uses the
 plain client (match with pin, load with per-component ids and first_block, store with state boundaries); "auto"
 (default) takes the connector when it has KV cache groups, else the client, and says which.
+
+The model side (configs, the HF cache as this transformers version keeps it, the paged memory, the rebuild) is
+hf_hybrid_model.py beside this file.
 
 Diagnostics: every process prints the transformers cache class it got, each layer's kind and what it holds after a
 prefill (shapes, dtypes, attributes), the geometry, and whether a multi-token prefill continues a linear-attention
