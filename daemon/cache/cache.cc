@@ -425,7 +425,8 @@ void Cache::UnanchorLocked(const BlockKey& key) {
 }
 
 Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
-                                              std::span<const uint32_t> boundaries, uint32_t window_keys) {
+                                              std::span<const uint32_t> boundaries, uint32_t window_keys,
+                                              bool may_wait) {
   MutexLock lock(&mu_);
   HybridReservation r;
   if (!index_) {
@@ -455,11 +456,27 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
   // All or none, and a refused store evicts nothing: the other components are checked first (without changing
   // them), then the FULL part is reserved (which evicts), then the other components (which cannot fail now: nothing
   // in between pinned or reserved their entries, and FULL evictions only unanchor them).
+  // With a write-back that keeps up, a store waits for it rather than lose unwritten entries or be refused by the
+  // pins of writes in flight (nothing reserved, nothing evicted).
+  const bool wait_allowed = may_wait && StoreWaitMsLocked() > 0;
+  const auto wait = [&] {
+    r.keys.clear();
+    r.slots.clear();
+    r.full = PrefixIndex::Reservation{};
+    r.wait_for_write_back = true;
+    return r;
+  };
   for (size_t c = 1; c < g.component_count(); ++c) {
     const StatusCode feasible = Part(c).Feasible(r.keys[c]);
+    if (wait_allowed && feasible == StatusCode::kResourceExhausted && writing_ > 0) return wait();
     if (feasible != StatusCode::kOk) return refuse(feasible, c);
+    if (wait_allowed && !Part(c).FitsWithoutDirty(r.keys[c])) return wait();
   }
-  r.full = index_->Reserve(parent, keys);
+  r.full = index_->Reserve(parent, keys, /*allow_dirty=*/!wait_allowed);
+  if (wait_allowed && (r.full.dirty_only || (r.full.shortfall == StatusCode::kResourceExhausted && writing_ > 0))) {
+    index_->Abort(r.full.slots);  // the clean blocks it evicted were on the next tier: nothing lost
+    return wait();
+  }
   if (r.full.shortfall != StatusCode::kOk) {
     index_->Abort(r.full.slots);
     r.full.slots.clear();

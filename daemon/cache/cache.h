@@ -189,12 +189,19 @@ class Cache {
     // Reservation::shortfall) with `component` the one that could not be reserved (0: FULL).
     StatusCode shortfall = StatusCode::kOk;
     size_t component = 0;
+    // With `may_wait`: nothing was reserved or evicted because the store would have to evict entries the next tier
+    // does not hold yet, or its sub-pools are full of entries pinned by write-backs in flight; retry after the
+    // write-back (shortfall OK).
+    bool wait_for_write_back = false;
   };
   // `boundaries` are the request's state boundaries (validated: 1..keys.size(), increasing). Each sliding window
   // takes entries for the last `window_keys` keys, or for its last min(window_blocks, keys.size()) when it is 0
-  // (validated: 0, or at least that for every window and at most keys.size()).
+  // (validated: 0, or at least that for every window and at most keys.size()). With `may_wait` and StoreWaitMs() > 0
+  // (a next tier that takes write-backs and keeps up) a store that would lose unwritten entries of any component,
+  // or that finds a sub-pool full of entries pinned by write-backs, reserves nothing and says wait_for_write_back.
   HybridReservation ReserveHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
-                                  std::span<const uint32_t> boundaries, uint32_t window_keys = 0);
+                                  std::span<const uint32_t> boundaries, uint32_t window_keys = 0,
+                                  bool may_wait = false);
   // Publishes a hybrid store after every copy completed; `checksums[c]` has one content checksum per reserved slot
   // of component c (in r.full.slots / r.slots[c] order, kNoSlot entries skipped).
   void CommitHybrid(const BlockKey& parent, std::span<const BlockKey> keys, const HybridReservation& r,

@@ -69,9 +69,10 @@ int64_t Cache::StoreWaitMs() const {
 }
 
 int64_t Cache::StoreWaitMsLocked() const {
-  // Hybrid stores do not wait (all or none over the sub-pools: their clean entries go first); a failing drive would
-  // only make every store wait in vain.
-  if (!next_tier_ || !index_ || !parts_.empty() || !write_back_healthy_ || !write_back_served_) return 0;
+  // A failing drive would only make every store wait in vain. A hybrid domain waits only when its tier takes every
+  // component (ReserveHybrid).
+  if (!next_tier_ || !index_ || !write_back_healthy_ || !write_back_served_) return 0;
+  if (!parts_.empty() && !next_tier_hybrid_) return 0;
   return store_wait_ms_;
 }
 

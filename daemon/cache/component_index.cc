@@ -297,6 +297,22 @@ StatusCode ComponentIndex::Feasible(std::span<const BlockKey> keys, std::vector<
   return StatusCode::kOk;
 }
 
+bool ComponentIndex::FitsWithoutDirty(std::span<const BlockKey> keys) const {
+  const Impl& m = *impl_;
+  size_t need = 0, own_evictable = 0;
+  for (const BlockKey& key : keys) {
+    const SlotId s = m.Find(key);
+    if (s == kNil) {
+      ++need;
+    } else if (Impl::Evictable(m.entries_[s]) && s < m.limit_) {
+      ++own_evictable;
+    }
+  }
+  const size_t lossless = size_t{m.free_.size} + m.unanchored_.size + m.clean_.size;
+  const size_t available = lossless - std::min<size_t>(lossless, size_t{m.doomed_evictable_} + own_evictable);
+  return need <= available;
+}
+
 ComponentIndex::Reservation ComponentIndex::Reserve(std::span<const BlockKey> keys) {
   Impl& m = *impl_;
   Reservation r;

@@ -415,15 +415,19 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   if (!admitted) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
   if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
-  const int64_t wait_ms = s.cache().StoreWaitMs();
-  WaitingStore w{sp, d, taken_ns, std::move(keys), std::move(ids), taken_ns + wait_ms * 1000000,
-                 std::move(admitted)};
+  StartOrQueue(WaitingStore{sp, d, taken_ns, std::move(keys), std::move(ids), 0, std::move(admitted)});
+}
+
+void RequestHandlers::StartOrQueue(WaitingStore w) {
+  Cache& cache = w.sp->cache();
+  const int64_t wait_ms = cache.StoreWaitMs();
+  w.deadline_ns = w.taken_ns + wait_ms * 1000000;
   // A domain's stores wait in arrival order: a later one must not take the blocks written for an earlier one.
   const bool queued_behind = wait_ms > 0 && std::any_of(waiting_.begin(), waiting_.end(), [&](const WaitingStore& o) {
-    return &o.sp->cache() == &s.cache();
+    return &o.sp->cache() == &cache;
   });
   if (queued_behind || !ReserveAndCopy(w, /*may_wait=*/wait_ms > 0)) {
-    s.cache().CountStoreWait(false);
+    cache.CountStoreWait(false);
     waiting_.push_back(std::move(w));
   }
 }
@@ -471,6 +475,7 @@ void RequestHandlers::AbandonWaitingStores() {
 }
 
 bool RequestHandlers::ReserveAndCopy(WaitingStore& w, bool may_wait) {
+  if (w.hybrid) return ReserveAndCopyHybrid(w, may_wait);
   const std::shared_ptr<RequestSession>& sp = w.sp;
   RequestSession& s = *sp;
   const SubmitDescriptor& d = w.d;
@@ -647,13 +652,30 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
   InFlight admitted = lifecycle_->Admit();
   if (!admitted) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
+  WaitingStore w{sp, d, taken_ns, std::move(keys), std::move(ids), 0, std::move(admitted)};
+  w.hybrid = true;
+  w.boundaries = std::move(boundaries);
+  StartOrQueue(std::move(w));
+}
+
+bool RequestHandlers::ReserveAndCopyHybrid(WaitingStore& w, bool may_wait) {
+  const std::shared_ptr<RequestSession>& sp = w.sp;
+  RequestSession& s = *sp;
+  const SubmitDescriptor& d = w.d;
+  const int64_t taken_ns = w.taken_ns;
+  const Geometry& g = s.geometry();
   const BlockKey parent = d.parent;
-  auto r = std::make_shared<Cache::HybridReservation>(s.cache().ReserveHybrid(parent, keys, boundaries, d.window_keys));
+  auto r = std::make_shared<Cache::HybridReservation>(
+      s.cache().ReserveHybrid(parent, w.keys, w.boundaries, d.window_keys, may_wait));
   if (s.cache().generation() != s.pool_generation_) {  // as in Store
     s.cache().AbortHybrid(*r);
-    admitted.End();
-    return Fail(s, d, taken_ns, DomainDropped());
+    w.in_flight.End();
+    Fail(s, d, taken_ns, DomainDropped());
+    return true;
   }
+  if (r->wait_for_write_back) return false;  // nothing reserved: retried by RetryWaitingStores
+  std::vector<BlockKey>& keys = w.keys;
+  const std::vector<uint32_t>& ids = w.ids;
   CompletionBuilder answer(d);
   answer.MatchedBlocks(static_cast<uint32_t>(r->full.cached)).DoneBlocks(static_cast<uint32_t>(r->full.slots.size()));
   if (r->shortfall != StatusCode::kOk) {
@@ -673,8 +695,9 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
                         ComponentKindName(g.component_kind(r->component)));
     }
     answer.Status(Status(r->shortfall, why));
-    admitted.End();
-    return Finish(s, d, taken_ns, answer.descriptor());
+    w.in_flight.End();
+    Finish(s, d, taken_ns, answer.descriptor());
+    return true;
   }
   const HybridIdLayout layout = LayoutIds(g, true, d.count, ExtentOf(d));
   const std::vector<SlotId> bases = s.cache().component_bases();
@@ -704,10 +727,11 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
     parts.push_back(std::move(copy));
   }
   if (parts.empty()) {  // everything was cached already
-    admitted.End();
-    return Finish(s, d, taken_ns, answer.descriptor());
+    w.in_flight.End();
+    Finish(s, d, taken_ns, answer.descriptor());
+    return true;
   }
-  auto in_flight = std::make_shared<InFlight>(std::move(admitted));
+  auto in_flight = std::make_shared<InFlight>(std::move(w.in_flight));
   SubmitJoined(std::move(parts), [this, sp, d, c = answer, parent, keys = std::move(keys), r, sums, bytes, taken_ns,
                                   in_flight](Status st, int64_t copy_start_ns) mutable {
     RecordCopy(OpKind::kStore, taken_ns, copy_start_ns);
@@ -725,6 +749,7 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
     Finish(*sp, d, taken_ns, c.descriptor());
     in_flight->End();
   });
+  return true;
 }
 
 void RequestHandlers::Finish(RequestSession& s, const SubmitDescriptor& d, int64_t taken_ns,

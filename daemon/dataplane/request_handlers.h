@@ -202,10 +202,16 @@ class RequestHandlers {
     std::vector<uint32_t> ids;
     int64_t deadline_ns = 0;  // its wait for the write-back ends then
     InFlight in_flight;       // moved to the copy, or ended with the answer
+    bool hybrid = false;      // a hybrid geometry's store (StoreHybrid), with its state boundaries
+    std::vector<uint32_t> boundaries;
   };
+  // Reserves and copies `w` now, or queues it behind its domain's waiting stores (Store and StoreHybrid).
+  void StartOrQueue(WaitingStore w);
   // The rest of a Store: reserve, copy, commit, answer. With `may_wait`, false (nothing reserved, not answered)
-  // when the reservation would evict blocks the next tier does not hold; true once the store is answered or copying.
+  // when the reservation would evict blocks the next tier does not hold (or, hybrid, a sub-pool is full of entries
+  // pinned by write-backs); true once the store is answered or copying.
   bool ReserveAndCopy(WaitingStore& w, bool may_wait);
+  bool ReserveAndCopyHybrid(WaitingStore& w, bool may_wait);
   static constexpr int64_t kStoreRetryNs = 1000000;
   std::deque<WaitingStore> waiting_;  // ring poller only
   int64_t next_retry_ns_ = 0;         // ring poller only

@@ -1143,8 +1143,8 @@ TEST_CASE("ssd tier: hybrid models - every component evicted from DRAM comes bac
   SsdDir dir;
   // 2 MiB of DRAM: 128 slots of 16 KiB, a quarter for the windows or the states (32), the rest (96) for FULL blocks:
   // 12 prompts of 8 blocks at most. 24 prompts go through it; 16 MiB of SSD (819 slots) hold them all. Write policy
-  // all: every piece is on SSD soon after its store (hybrid stores do not wait for the write-back; the cold policy
-  // writes ahead of eviction what a paced engine evicts, docs/ssd.md).
+  // all: every piece is on SSD soon after its store (the cold policy, with stores that wait for the write-back, is
+  // the next test).
   const std::vector<std::string> args = {"--pool-size", "2MiB", "--swa-share", "0.25", "--state-share", "0.25",
                                          "--ssd-path", dir.ssd(), "--ssd-size", "16MiB", "--ssd-write-policy", "all"};
   const std::vector<uint64_t> prompts = Seeds(300, 323);
@@ -1200,4 +1200,42 @@ TEST_CASE("ssd tier: hybrid models - every component evicted from DRAM comes bac
   CHECK(Counter(Ssd(after), "promoted_blocks") > 0);
   CHECK(Counter(Ssd(after), "promotion_failed_blocks") == 0);
   CHECK(after.counters.at("data_loss_blocks") == 0);
+}
+
+TEST_CASE("ssd tier: hybrid stores under the cold write policy wait for the write-back - a burst loses no piece and "
+          "every prompt comes back whole",
+          "[integration][ssd_tier][hybrid]") {
+  const bool gpt_oss = GENERATE(true, false);
+  const std::vector<std::string>& geometry = gpt_oss ? kGptOssLike : kQwen3NextLike;
+  INFO((gpt_oss ? "gpt-oss-like (FULL + SLIDING_WINDOW)" : "Qwen3-Next-like (FULL + STATE)"));
+  SsdDir dir;
+  // The sizes of the test above, the default (cold) write policy, and no pacing: the 24 prompts' stores come as one
+  // burst from one engine. A store that could go on only by evicting a FULL block, window or state SSD does not hold
+  // yet waits for the write-back (a long --ssd-store-wait, so that a slow CI disk does not run it out).
+  const std::vector<std::string> args = {"--pool-size", "2MiB", "--swa-share", "0.25", "--state-share", "0.25",
+                                         "--ssd-path", dir.ssd(), "--ssd-size", "16MiB", "--ssd-store-wait", "30"};
+  const std::vector<uint64_t> prompts = Seeds(400, 423);
+  DaemonUnderTest d(args, dir.path());
+  REQUIRE(d.WaitReady());
+  std::vector<std::string> steps;
+  for (uint64_t seed : prompts) {
+    steps.push_back(StoreStep(seed, kChunk));
+    steps.push_back(StoreStep(seed, kLen));
+  }
+  const std::vector<std::string> lines = Run(HybridEngine(d, "engine-burst", geometry, steps));
+  INFO(fmt_lines(lines));
+  REQUIRE(lines.size() == 2 * prompts.size());
+  for (size_t i = 0; i < lines.size(); ++i) CHECK(lines[i] == (i % 2 == 0 ? "STORED 0 4 OK" : "STORED 4 4 OK"));
+  const flexkv::DaemonStatus stored = SettledStatus(d);
+  const auto& t = Ssd(stored);
+  INFO("after the burst: " << TierText(t));
+  CHECK(Counter(t, "evicted_unwritten_blocks") == 0);
+  CHECK(Counter(t, "store_wait_expired") == 0);
+  CHECK(Counter(t, "evicted_written_blocks") > 0);
+  CHECK(stored.index_blocks < prompts.size() * kLen);  // DRAM could not keep them all
+  LoadEveryPromptWhole(d, geometry, prompts, "engine-load");
+  const flexkv::DaemonStatus loaded = Status(d);
+  INFO("after the loads: " << TierText(Ssd(loaded)));
+  CHECK(Counter(Ssd(loaded), "promoted_blocks") > 0);
+  CHECK(Counter(Ssd(loaded), "promotion_failed_blocks") == 0);
 }

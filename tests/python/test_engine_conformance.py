@@ -57,11 +57,6 @@ SPECS = [_load(p) for p in SPEC_FILES]
 # (engine, entry, check) -> the issue 31 work that adds it; check is "entry" (test_the_connector_has_each_entry_...)
 # or "value" (test_values_the_engine_documents_...). Each is xfail(strict=True) in every version that has the entry.
 KNOWN_GAPS = {
-    ("vllm", "SupportsHMA.request_finished_all_groups", "entry"):
-        "issue 31: FlexKVdConnector as SupportsHMA (request_finished_all_groups) lands from SupportsHMA work",
-    ("vllm", "requires_kv_delivery", "value"):
-        "issue 31: requires_kv_delivery False (a best-effort cache) is not yet owned by any of the issue's work; "
-        "the base's default recomputes a request preempted while its store is pending",
 }
 
 
@@ -549,6 +544,16 @@ def _vllm_config(socket: str, load_mode: Optional[str] = None) -> Any:
                                       kv_load_failure_policy="recompute"))
 
 
+class FullAttentionSpec:  # vLLM's spec class is told by its name (flexkvd.integrations.vllm.describe_vllm_groups)
+    block_size, num_kv_heads, head_size, dtype = BS, 2, 64, NS_(itemsize=2)
+
+
+def _one_group_kv_cache_config() -> Any:
+    """kv_cache_config of the model _vllm_config describes: one full-attention group of its 2 layers."""
+    return NS_(kv_cache_groups=[NS_(kv_cache_spec=FullAttentionSpec(),
+                                    layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(2)])])
+
+
 def _request(request_id: str, tokens: List[int]) -> Any:
     return NS_(request_id=request_id, all_token_ids=tokens, prompt_token_ids=tokens, num_tokens=len(tokens),
                num_prompt_tokens=len(tokens), lora_request=None, mm_features=[], cache_salt=None, prompt_embeds=None,
@@ -612,8 +617,8 @@ def test_vllm_calls_in_the_engine_order_answer_with_the_engine_shapes(built, dae
     config = _vllm_config(daemon.socket, load_mode)
     layerwise = load_mode == "layerwise"
     nargs = spec["constructor"]["calls"][0]["positional"]
-    sched = cls(*(config, standin.role.SCHEDULER, NS_(kv_cache_groups=[NS_()]))[:nargs])
-    worker = cls(*(config, standin.role.WORKER, NS_(kv_cache_groups=[NS_()]))[:nargs])
+    sched = cls(*(config, standin.role.SCHEDULER, _one_group_kv_cache_config())[:nargs])
+    worker = cls(*(config, standin.role.WORKER, _one_group_kv_cache_config())[:nargs])
     worker._worker.create_host_kv(16)  # no GPU here: the worker's KV is host KV (test_vllm_adapter.py does the same)
     # Where the version takes None ("ask again later"), a lookup must not block the scheduler's step; where it does
     # not, None would be read as a number.
@@ -731,7 +736,7 @@ def test_vllm_calls_in_the_engine_order_answer_with_the_engine_shapes(built, dae
 def test_values_the_engine_documents_for_a_connector_like_this_one(built, daemon, spec, entry_id, entry):
     cls, standin = built(spec)
     config = _vllm_config(daemon.socket)
-    sched = cls(config, standin.role.SCHEDULER, NS_(kv_cache_groups=[NS_()]))
+    sched = cls(config, standin.role.SCHEDULER, _one_group_kv_cache_config())
     try:
         value = getattr(sched, entry["name"])
     finally:

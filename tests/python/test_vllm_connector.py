@@ -101,8 +101,10 @@ def test_a_local_prefix_hit_is_extended_by_the_blocks_after_it(daemon, engines):
     b.step()
     assert r.external_tokens == 6 * BS  # flexkvd's 8 blocks beyond the 2 vLLM holds
     b.run()
-    assert r.loaded_ok
+    assert r.loaded_ok  # its first 2 blocks hold vLLM's own KV, untouched; blocks 2.. were loaded
     assert b.worker.stats.loaded_blocks == 6 and b.scheduler.stats.lookup_hit_tokens == 6 * BS
+    # The daemon copied only blocks 2..8 (the load's reported bytes): the local prefix is not copied again.
+    assert b.worker.stats.loaded_bytes == 6 * TEST_GEOMETRY.host_block_bytes
 
 
 def test_chunked_prefill_loads_once_then_computes_the_rest_in_chunks(daemon, engines):
@@ -409,7 +411,7 @@ def test_a_local_hit_that_ends_inside_a_block_loads_from_that_block(daemon, engi
     assert s.get_num_new_matched_tokens("b", p, 2 * BS + 5) == (4 * BS - 5, True)
     s.update_state_after_alloc("b", [40, 41, 42, 43, 44, 45], 4 * BS - 5)
     (load,) = s.build_connector_meta().loads
-    assert load.first_block == 2 and load.block_ids == [40, 41, 42, 43, 44, 45]
+    assert load.first_block == 2 and load.block_ids == [[40, 41, 42, 43, 44, 45]]
     b.worker.start(ConnectorMetadata(loads=[load]))
     assert b.worker.wait_all()
     assert b.worker.get_finished(set()) == (None, {"b"}) and not b.worker.take_load_errors()

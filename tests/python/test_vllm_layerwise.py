@@ -101,7 +101,7 @@ def test_a_prompt_cached_whole_leaves_its_last_token_to_compute_and_still_loads_
     assert (hit, asynchronous) == (3 * BS - 1, False)  # vLLM schedules at least one token
     b.scheduler.update_state_after_alloc("b", [5, 6, 7], hit)
     meta = b.scheduler.build_connector_meta()
-    assert meta.loads[0].block_ids == [5, 6, 7]  # the block holding the recomputed token is loaded too
+    assert meta.loads[0].block_ids == [[5, 6, 7]]  # the block holding the recomputed token is loaded too
     b.engine.poison([5, 6, 7])
     b.worker.start(meta)
     for name in NAMES:
@@ -150,7 +150,7 @@ def test_a_layer_wise_load_of_blocks_evicted_since_the_lookup_reports_them(daemo
     b.scheduler.update_state_after_alloc("b", ids, hit)
     meta = b.scheduler.build_connector_meta()
     # two blocks more than flexkvd holds: as if evicted since the lookup
-    meta.loads[0] = dataclasses.replace(meta.loads[0], block_ids=ids + [45, 46])
+    meta.loads[0] = dataclasses.replace(meta.loads[0], block_ids=[ids + [45, 46]])
     b.worker.start(meta)
     for name in NAMES:
         b.worker.wait_layer(name)

@@ -98,7 +98,7 @@ class LayerwiseMixin:
             self._submit_layer_load(spec, hit, deadline)
 
     def _submit_layer_load(self, spec: LoadSpec, hit: flexkvd.OpResult, deadline: float) -> None:
-        usable = min(hit.matched_blocks, len(spec.block_ids))
+        usable = min(hit.matched_blocks, len(_ids(spec)))
         first = spec.first_block if flexkvd._lib.has_partial_loads else 0  # noqa: SLF001
         load = _LayerLoad(spec, hit.match_handle, None, usable, first, None)
         if usable <= spec.first_block:  # evicted since the scheduler looked
@@ -108,11 +108,11 @@ class LayerwiseMixin:
         try:
             if self.layer_stream is not None:
                 load.events = self._event_set(client)
-                load.ticket = client.load(hit.match_handle, spec.block_ids[first:usable], event_set=load.events,
+                load.ticket = client.load(hit.match_handle, _ids(spec)[first:usable], event_set=load.events,
                                           first_block=first)
                 load.ticket.wait_launched(timeout=max(0.0, deadline - time.monotonic()))
             else:
-                load.ticket = client.load(hit.match_handle, spec.block_ids[first:usable], layerwise=True,
+                load.ticket = client.load(hit.match_handle, _ids(spec)[first:usable], layerwise=True,
                                           first_block=first)
         except flexkvd.DeadlineExceeded:  # not launched in time: its layers are not waited for, nor used
             self._give_up(load)
@@ -185,7 +185,7 @@ class LayerwiseMixin:
         spec = load.spec
         usable = load.usable if ok else spec.first_block
         loaded = max(0, usable - spec.first_block)
-        failed = spec.block_ids[max(spec.first_block, usable):]
+        failed = _ids(spec)[max(spec.first_block, usable):]
         self.stats.loaded_blocks += loaded
         self.stats.loaded_bytes += loaded * self.config.geometry.host_block_bytes
         self.stats.load_failed_blocks += len(failed)
@@ -233,3 +233,12 @@ class LayerwiseMixin:
         for s in self._free_sets:
             s.close()
         self._free_sets, self._layer_loads, self._late, self._fenced = [], [], [], []
+
+
+def _ids(spec: LoadSpec) -> List[int]:
+    """The engine's block ids of a layer-wise load: its one KV cache group's (layer-wise loads are for models of one
+    group, ConnectorConfig.layerwise)."""
+    if len(spec.block_ids) != 1:
+        raise flexkvd.InvalidArgument(f"request {spec.request_id!r}: a layer-wise load with {len(spec.block_ids)} KV "
+                                      "cache groups; layer-wise loads are for models of one group")
+    return spec.block_ids[0]

@@ -5,13 +5,15 @@ adapter (vllm.py) only turns vLLM's objects into the plain arguments these take.
 The protocol with vLLM V1 (vllm/v1/core/sched/scheduler.py; vllm/distributed/kv_transfer/kv_connector/v1/base.py):
   get_num_new_matched_tokens  (scheduler, new or preempted request, num_computed_tokens = its block-aligned local hit)
       an unpinned match of the prompt's full blocks; answers (hit tokens beyond the local hit, True): an async load.
-  update_state_after_alloc    (scheduler) the block ids vLLM allocated: the load [local blocks, local + hit) is planned.
+  update_state_after_alloc    (scheduler) the block ids vLLM allocated (per KV cache group): the load [local blocks,
+      local + hit) is planned, from the end of the engine's own prefix (first_block).
   build_connector_meta        (scheduler, once per step) the planned loads and stores go to the workers.
   start_load_kv / get_finished (worker TP rank 0, which holds the data session with every rank's KV registered)
       pins and loads; reports finished_recving when a load ended and its failed block ids
       (get_block_ids_with_load_errors: vLLM recomputes them); stores; reports finished_sending when a store ended.
-  request_finished            (scheduler) plans the store of the blocks whose KV was computed; True (vLLM keeps the
-      blocks) until the store ended.
+  request_finished            (scheduler; request_finished_all_groups under vLLM's hybrid allocator, with every KV
+      cache group's blocks) plans the store of the blocks whose KV was computed; True (vLLM keeps the blocks) until
+      the store ended.
   update_connector_output     (scheduler) learns which loads and stores ended.
 Only TP rank 0 reports (get_finished_count() == 1): vLLM's KVOutputAggregator counts a request finished once it
 was reported get_finished_count() times (or world_size times without it).
@@ -27,6 +29,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 import flexkvd
 from flexkvd import _lib
 
+from ._vllm_groups import GroupMap
 from ._vllm_link import DaemonLink, LinkOptions, session_lost
 
 log = logging.getLogger("flexkvd.integrations.vllm")
@@ -52,8 +55,8 @@ def vllm_namespace(model: str, kv_dtype: str, tp_size: int, *, revision: Optiona
     """The cache namespace of a vLLM engine: everything that changes the KV bytes of a token prefix. Two engines
     share blocks only when all of these agree: the model (and its revision), the KV cache dtype, the TP size (it
     changes the layout of a host block; the geometry check refuses a mismatch anyway) and `extra` (anything else the
-    deployment knows changes KV: a fine-tune's name, a RoPE scaling override). LoRA adapters and multimodal inputs
-    are not keyed: requests that carry them are not cached at all (SchedulerLogic's `cacheable`)."""
+    deployment knows changes KV: a fine-tune's name, a RoPE scaling override). What changes one request's KV (cache
+    salt, LoRA adapter, media, prompt embeddings) is in its keys instead (flexkvd.BlockExtras)."""
     parts = ["vllm", model, revision or "main", kv_dtype, f"tp{tp_size}"]
     if extra:
         parts.append(extra)
@@ -71,6 +74,8 @@ class ConnectorConfig:
     namespace: the cache domain (vllm_namespace()); geometry: the KV shape (tokens_per_block == vLLM's block_size).
     link: socket and reconnect backoff. op_timeout_s: how long the scheduler waits for a match and a worker for a pin
     before it treats the request as a miss (the request is never held up longer). name: the sessions' name prefix.
+    groups: how vLLM's KV cache groups map to the geometry's components (_vllm_groups.map_kv_cache_groups); None:
+    group i is component i. kv_events: hand the daemon's KV events of this namespace to vLLM (take_events).
     """
 
     namespace: str
@@ -83,6 +88,12 @@ class ConnectorConfig:
     # is computed (vLLM: a synchronous load); "whole": the request waits for its whole load between steps (an
     # asynchronous load). Layer-wise needs one TP rank's layer events and a full-attention geometry: see layerwise.
     load_mode: str = "whole"
+    groups: Optional[GroupMap] = None
+    kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.groups is None:
+            self.groups = GroupMap.single(self.geometry)
 
     @property
     def block_size(self) -> int:
@@ -95,15 +106,16 @@ class ConnectorConfig:
         return self.load_mode == "layerwise" and self.geometry.tp_size == 1 and not self.geometry.is_hybrid
 
     EXTRA_KEYS = ("socket", "namespace", "namespace_extra", "op_timeout_s", "connect_timeout_s",
-                  "backoff_initial_s", "backoff_max_s", "name", "load_mode", "cross_layer_blocks")
+                  "backoff_initial_s", "backoff_max_s", "name", "load_mode", "cross_layer_blocks", "kv_events")
     LOAD_MODES = ("layerwise", "whole")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *, default_namespace: str, geometry: flexkvd.Geometry,
-                          dp_rank: int = 0, default_load_mode: str = "whole") -> "ConnectorConfig":
+                          dp_rank: int = 0, default_load_mode: str = "whole",
+                          groups: Optional[GroupMap] = None) -> "ConnectorConfig":
         """Reads kv_connector_extra_config: socket, namespace (default: default_namespace), op_timeout_s,
-        connect_timeout_s, backoff_initial_s, backoff_max_s, name. InvalidArgument names an unknown key or a value of
-        the wrong type."""
+        connect_timeout_s, backoff_initial_s, backoff_max_s, name, kv_events (a bool). InvalidArgument names an
+        unknown key or a value of the wrong type."""
         unknown = sorted(set(extra) - set(cls.EXTRA_KEYS))
         if unknown:
             raise flexkvd.InvalidArgument(f"kv_connector_extra_config has unknown keys {unknown}; expected some of "
@@ -135,30 +147,42 @@ class ConnectorConfig:
         if not isinstance(extra.get("cross_layer_blocks", True), bool):
             raise flexkvd.InvalidArgument(f"kv_connector_extra_config.cross_layer_blocks is "
                                           f"{extra['cross_layer_blocks']!r}; expected true or false")
+        events = extra.get("kv_events", False)
+        if not isinstance(events, bool):
+            raise flexkvd.InvalidArgument(f"kv_connector_extra_config.kv_events is {events!r}; expected true or false")
         return cls(namespace=namespace, geometry=geometry, link=link, op_timeout_s=number("op_timeout_s", 0.5),
-                   name=text("name", "vllm") or "vllm", dp_rank=dp_rank, load_mode=load_mode)
+                   name=text("name", "vllm") or "vllm", dp_rank=dp_rank, load_mode=load_mode, groups=groups,
+                   kv_events=events)
 
 
 @dataclasses.dataclass
 class LoadSpec:
-    """Load the blocks [first_block, len(block_ids)) of a prompt into vLLM's blocks: block_ids[i] receives the KV of
-    key i (the ids before first_block are the request's locally cached blocks; flexkvd loads a match from its first
-    block, so they are rewritten with the same prefix's KV)."""
+    """Load the prefix end e = len(keys) of a prompt past the engine's own first `first_block` blocks (its local
+    prefix hit, never rewritten) into vLLM's blocks: block_ids holds one list per KV cache group, position i of a
+    group receiving that group's KV of block i (GroupMap.load_ids picks what each component needs)."""
 
     request_id: str
-    keys: bytes  # keys_to_bytes of the prompt's first len(block_ids) blocks
-    block_ids: List[int]
+    keys: bytes  # keys_to_bytes of the prompt's first e blocks
+    block_ids: List[List[int]]  # per group, positions [0, e)
     first_block: int
     layerwise: bool = False  # loaded in the step that computes the request, layer by layer (not async)
+
+    @property
+    def end(self) -> int:
+        return len(self.keys) // _KEY_BYTES
 
 
 @dataclasses.dataclass
 class StoreSpec:
-    """Store the prompt's blocks [0, len(block_ids)) from vLLM's blocks (flexkvd skips those already cached)."""
+    """Store the prompt's blocks [0, len(keys)) from vLLM's blocks (flexkvd skips those already cached):
+    block_ids holds one id list per flexkvd component (component 0: every block; a window: the last window_keys
+    blocks, or its trailing window when window_keys is 0; a state: one id per boundary)."""
 
     request_id: str
     keys: bytes
-    block_ids: List[int]
+    block_ids: List[List[int]]
+    boundaries: List[int] = dataclasses.field(default_factory=list)
+    window_keys: int = 0
 
 
 @dataclasses.dataclass
@@ -185,7 +209,7 @@ class ConnectorStats:
     stored_blocks: int = 0    # newly stored (already cached ones are skipped by the daemon)
     stored_bytes: int = 0
     store_failures: int = 0
-    skipped_requests: int = 0  # not cacheable (LoRA, multimodal)
+    skipped_requests: int = 0  # not cacheable (media that cannot be keyed), or a store whose windows were gone
     session_losses: int = 0
 
     def take(self) -> "ConnectorStats":
@@ -229,11 +253,15 @@ class SchedulerLogic:
     # the ring answers in microseconds; a daemon that is slow or stopped must not hold up the scheduler's step).
     DEFER_AFTER_S = 0.002
 
-    def __init__(self, config: ConnectorConfig, link: Optional[DaemonLink] = None, may_defer: bool = False) -> None:
+    def __init__(self, config: ConnectorConfig, link: Optional[DaemonLink] = None, may_defer: bool = False,
+                 loads: bool = True) -> None:
         """may_defer: the engine takes None from get_num_new_matched_tokens as "not yet, ask again next step"
         (vLLM's interface since it documents that): a lookup then never blocks the scheduler's thread more than
-        DEFER_AFTER_S; without it a lookup waits up to op_timeout_s, as engines that need an answer require."""
+        DEFER_AFTER_S; without it a lookup waits up to op_timeout_s, as engines that need an answer require.
+        loads: False answers every lookup with 0 (an engine that cannot take loads for this model; stores go on)."""
         self.config = config
+        self.groups: GroupMap = config.groups
+        self.loads = loads
         self.may_defer = may_defer
         self.block_size = config.block_size
         self.link = link or DaemonLink(f"{config.name}-scheduler-dp{config.dp_rank}", config.namespace,
@@ -263,6 +291,8 @@ class SchedulerLogic:
         op_timeout_s of its start is a miss (counted in stats.lookup_errors)."""
         if not cacheable:
             self.stats.skipped_requests += 1
+            return 0, False
+        if not self.loads:
             return 0, False
         # vLLM passes a block-aligned local hit; one that is not (a finer hash block size) loads from the block
         # holding its end, rewriting that block's computed part with the same prefix's KV.
@@ -310,10 +340,12 @@ class SchedulerLogic:
         self.stats.lookup_hit_tokens += state.hit_tokens
         return state.hit_tokens, state.hit_tokens > 0 and not self.config.layerwise
 
-    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int,
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence, num_external_tokens: int,
                                  num_preemptions: int = 0) -> None:
-        """vLLM allocated `block_ids` (the request's blocks from its first, local hits included) and will wait for
-        num_external_tokens to load. 0 (no hit, or the second call after the load) plans nothing."""
+        """vLLM allocated `block_ids` (the request's blocks from its first, local hits included: one list per KV
+        cache group, or one flat list for a single group) and will wait for num_external_tokens to load. 0 (no hit,
+        or the second call after the load) plans nothing. The load starts where the engine's own prefix ends: block
+        local // block_size (first_block), never rewriting what the engine holds."""
         if num_external_tokens <= 0:
             return
         state = self._requests.get(request_id)
@@ -324,11 +356,13 @@ class SchedulerLogic:
         first = state.local_tokens // self.block_size
         end = -(-(state.local_tokens + num_external_tokens) // self.block_size)  # a hit ends inside a block only
         end = min(end, len(state.keys))                                          # when its last token is recomputed
-        if len(block_ids) < end:
-            raise flexkvd.InvalidArgument(f"request {request_id!r}: {len(block_ids)} block ids for a load up to block "
-                                         f"{end}; expected at least {end}")
+        groups = self.groups.as_groups(block_ids)
+        full = groups[self.groups.full_group]
+        if len(full) < end:
+            raise flexkvd.InvalidArgument(f"request {request_id!r}: {len(full)} block ids of the full-attention group "
+                                          f"for a load up to block {end}; expected at least {end}")
         self._pending_loads[request_id] = LoadSpec(request_id, keys_to_bytes(state.keys[:end]),
-                                                   [int(b) for b in block_ids[:end]], first,
+                                                   [g[:end] for g in groups], first,
                                                    layerwise=self.config.layerwise)
         state.load_planned = num_preemptions
 
@@ -347,21 +381,29 @@ class SchedulerLogic:
         self._pending_stores = []
         return meta
 
-    def request_finished(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
+    def request_finished(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence,
                          num_computed_tokens: int, cacheable: bool = True,
                          extras: Optional[flexkvd.BlockExtras] = None) -> bool:
         """The request ended (finished, aborted or in error) and vLLM is about to free `block_ids` (its blocks from
-        the first). num_computed_tokens: tokens whose KV is in those blocks (computed, or loaded). Returns True when
-        a store of its full blocks is planned: vLLM keeps the blocks until the workers report it in
+        the first: one list per KV cache group, or one flat list for a single group; vLLM's
+        request_finished_all_groups). num_computed_tokens: tokens whose KV is in those blocks (computed, or loaded).
+        Returns True when a store of its full blocks is planned: vLLM keeps the blocks until the workers report it in
         finished_sending. False (free now) when there is nothing to store, the request is not cacheable, the daemon
-        is not reachable, or its load is still in flight: then vLLM itself keeps the blocks until finished_recving,
-        and the KV is not stored (never a store of blocks the load had not written)."""
+        is not reachable, its load is still in flight (then vLLM itself keeps the blocks until finished_recving,
+        and the KV is not stored: never a store of blocks the load had not written), or a hybrid engine no longer
+        holds the window blocks before the store's end (counted in stats.skipped_requests). A hybrid store carries
+        every window block the engine still holds (window_keys) and the states at every block boundary it holds."""
         state = self._requests.pop(request_id, None)
         if request_id in self._loading or request_id in self._pending_loads or not cacheable:
             return False
+        groups = self.groups.as_groups(block_ids)
         full = min(num_computed_tokens, len(token_ids)) // self.block_size
-        full = min(full, len(block_ids))
+        full = min(full, len(groups[self.groups.full_group]))
         if full == 0 or (state is not None and state.cached_blocks >= full):
+            return False
+        plan = self.groups.store_plan(groups, full)
+        if plan is None:
+            self.stats.skipped_requests += 1
             return False
         if self.link.client() is None:
             return False
@@ -370,7 +412,8 @@ class SchedulerLogic:
                                      extras.for_blocks(full) if extras is not None else None)
         else:
             keys = state.keys[:full]
-        self._pending_stores.append(StoreSpec(request_id, keys_to_bytes(keys), [int(b) for b in block_ids[:full]]))
+        self._pending_stores.append(StoreSpec(request_id, keys_to_bytes(keys), plan.component_ids, plan.boundaries,
+                                              plan.window_keys))
         self._storing.add(request_id)
         return True
 
@@ -384,10 +427,10 @@ class SchedulerLogic:
         if invalid:
             sent = [self._loading] + list(self._recent_layerwise)
             for rid, spec in ((rid, spec) for loads in sent for rid, spec in loads.items()):
-                failed = [i for i, b in enumerate(spec.block_ids) if b in invalid]
+                failed = [i for g in spec.block_ids for i, b in enumerate(g) if b in invalid]
                 state = self._requests.get(rid)
                 if failed and state is not None:
-                    state.cached_blocks = min(state.cached_blocks, failed[0])
+                    state.cached_blocks = min(state.cached_blocks, min(failed))
         self._storing.difference_update(finished_sending or ())
         for rid in finished_recving or ():
             self._loading.pop(rid, None)
@@ -406,7 +449,11 @@ class SchedulerLogic:
                extras: Optional[flexkvd.BlockExtras] = None) -> _RequestState:
         """The request's keys over its full blocks, computed once per request (and again only when it grew)."""
         state = self._requests.get(request_id)
-        n = len(token_ids) // self.block_size * self.block_size
+        # A hit that covers the whole block-aligned prompt makes vLLM recompute its last token: with a state
+        # (Mamba) component that token would be applied twice to the loaded state, so such an engine keys only the
+        # blocks before the prompt's last token.
+        usable = len(token_ids) - 1 if self.groups.has_state else len(token_ids)
+        n = max(0, usable) // self.block_size * self.block_size
         if state is None or state.keyed_tokens != n:
             keys = flexkvd.block_keys(self.config.namespace, token_ids[:n] if n != len(token_ids) else token_ids,
                                      self.block_size,

@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import flexkvd
+from flexkvd import _lib
 
 from ._vllm_layerwise import LayerwiseMixin
 from ._vllm_link import DaemonLink, session_lost
@@ -67,7 +68,9 @@ class _Load:
     spec: LoadSpec
     handle: int
     ticket: Optional[flexkvd.Ticket]
-    usable: int  # blocks of the match that are loaded (<= len(spec.block_ids))
+    usable: int  # the prefix end loaded up to (<= spec.end); blocks [first, usable) are filled
+    first: int = 0  # the first block copied: spec.first_block, or 0 with a libflexkv without partial loads
+    bytes: int = 0  # what the daemon reported copying
 
 
 @dataclasses.dataclass
@@ -101,7 +104,8 @@ class WorkerLogic(LayerwiseMixin):
         self.sync = sync
         self.stats = ConnectorStats()
         self._ranks: Dict[int, RankKv] = {}
-        self._host_view: Optional[memoryview] = None
+        self.groups = config.groups
+        self._host_views: Dict[int, memoryview] = {}  # per component
         self._host_num_blocks = 0
         self.kv_generation = 0  # bumped when the host KV buffer was replaced (after a daemon restart)
         self.link = link
@@ -158,19 +162,21 @@ class WorkerLogic(LayerwiseMixin):
         self.register_kv(ranks)
 
     def create_host_kv(self, num_blocks: int) -> memoryview:
-        """Host backend (no GPU): creates rank 0's KV in memory shared with the daemon and returns it (per layer
-        [2, num_blocks, block_size, heads, head_dim], layers back to back). After a daemon restart the buffer is
-        replaced by a new one holding the same bytes (kv_generation grows): fetch it again with host_kv().
-        Unavailable when the daemon is not reachable now (host KV needs the daemon to exist)."""
+        """Host backend (no GPU): creates rank 0's KV in memory shared with the daemon and returns component 0's
+        (per layer [2, num_blocks, block_size, heads, head_dim], layers back to back). A hybrid geometry gets every
+        component's buffer, each of num_blocks blocks of its copy geometry (one id space, as vLLM's groups share one
+        block pool): host_kv(component). After a daemon restart the buffers are replaced by new ones holding the
+        same bytes (kv_generation grows): fetch them again with host_kv(). Unavailable when the daemon is not
+        reachable now (host KV needs the daemon to exist)."""
         self._host_num_blocks = num_blocks
         self.register_kv([describe_rank_kv(r, self.config.geometry, num_blocks) for r in range(self.tp_size)])
-        if self._host_view is None:
+        if 0 not in self._host_views:
             raise flexkvd.Unavailable(f"flexkvd not reachable to create host KV ({self.link.last_error})")
-        return self._host_view
+        return self._host_views[0]
 
-    def host_kv(self) -> Optional[memoryview]:
-        """The current host KV buffer (see create_host_kv)."""
-        return self._host_view
+    def host_kv(self, component: int = 0) -> Optional[memoryview]:
+        """The current host KV buffer of a component (see create_host_kv)."""
+        return self._host_views.get(component)
 
     def _register(self, client: flexkvd.Client) -> None:
         """DaemonLink's on_attach: registers every rank's KV with the new session."""
@@ -181,10 +187,12 @@ class WorkerLogic(LayerwiseMixin):
             elif r.kind == "gpu":
                 client.register_exported_gpu_kv(r.exported)
             elif r.kind == "host" and r.tp_rank == 0:
-                view = client.create_host_kv(flexkvd.Layout(r.layout), r.num_blocks)
-                if self._host_view is not None:  # a new session after a restart: carry the engine's KV over
-                    view[:] = self._host_view
-                self._host_view = view
+                for c in range(self.config.geometry.component_count):
+                    view = client.create_host_kv(flexkvd.Layout(r.layout), r.num_blocks, component=c)
+                    old = self._host_views.get(c)
+                    if old is not None:  # a new session after a restart: carry the engine's KV over
+                        view[:] = old
+                    self._host_views[c] = view
                 self.kv_generation += 1
 
     # ---- per engine step ----
@@ -269,7 +277,7 @@ class WorkerLogic(LayerwiseMixin):
         if self.link is not None:
             self.link.close()
         self._loads, self._stores, self._stray = [], [], []
-        self._host_view = None
+        self._host_views = {}
 
     # ---- internals ----
 
@@ -307,13 +315,24 @@ class WorkerLogic(LayerwiseMixin):
             self._load_pinned(spec, hit)
 
     def _load_pinned(self, spec: LoadSpec, hit: flexkvd.OpResult) -> None:
-        usable = min(hit.matched_blocks, len(spec.block_ids))
-        load = _Load(spec, hit.match_handle, None, usable)
+        """Loads the pinned match's end e (at most the planned end; fewer when blocks left since the lookup) past the
+        engine's own first_block blocks: FULL [k, e), each window's [max(k, e - w), e), the state at e."""
+        usable = min(hit.matched_blocks, spec.end)
+        # A libflexkv without partial loads copies from block 0: the engine's own prefix is rewritten with the
+        # same prefix's KV (the only way it had).
+        first = spec.first_block if _lib.has_partial_loads else 0
+        load = _Load(spec, hit.match_handle, None, usable, first)
         if usable <= spec.first_block:  # evicted since the scheduler looked
             self._end_load(load)
             return
+        ids = self.groups.load_ids(spec.block_ids, first, usable)
+        if ids is None:  # the engine holds no block at a position the load needs: nothing loaded, all reported
+            load.usable = 0
+            self._end_load(load)
+            return
         try:
-            load.ticket = self.link.current().load(hit.match_handle, spec.block_ids[:usable])
+            load.ticket = self.link.current().load(hit.match_handle, ids if self.groups.is_hybrid else ids[0],
+                                                   first_block=first)
         except flexkvd.Error as err:
             load.usable = 0
             self._end_load(load)
@@ -326,7 +345,11 @@ class WorkerLogic(LayerwiseMixin):
         ticket = None
         if client is not None:
             try:
-                ticket = client.store(keys_from_bytes(spec.keys), spec.block_ids)
+                if self.groups.is_hybrid:
+                    ticket = client.store(keys_from_bytes(spec.keys), spec.block_ids, spec.boundaries,
+                                          window_keys=spec.window_keys)
+                else:
+                    ticket = client.store(keys_from_bytes(spec.keys), spec.block_ids[0])
             except flexkvd.Error as err:
                 self._error(err)
         if ticket is None:
@@ -351,7 +374,8 @@ class WorkerLogic(LayerwiseMixin):
                 if r is None:
                     still.append(load)
                     continue
-                load.usable = min(load.usable, r.done_blocks)
+                load.usable = min(load.usable, load.first + r.done_blocks)
+                load.bytes = r.bytes
                 self._end_load(load)
             self._loads = still
             pending: List[_Store] = []
@@ -393,10 +417,11 @@ class WorkerLogic(LayerwiseMixin):
         """Reports a load: its request as received, the blocks it did not fill as load errors; releases its pins."""
         spec = load.spec
         loaded = max(0, load.usable - spec.first_block)
-        failed = spec.block_ids[max(spec.first_block, load.usable):]
+        failed = self.groups.positions_ids(spec.block_ids, max(spec.first_block, load.usable), spec.end)
         self.stats.loaded_blocks += loaded
-        self.stats.loaded_bytes += loaded * self.config.geometry.host_block_bytes
-        self.stats.load_failed_blocks += len(failed)
+        self.stats.loaded_bytes += load.bytes if load.bytes else \
+            max(0, load.usable - load.first) * self.config.geometry.host_block_bytes if loaded else 0
+        self.stats.load_failed_blocks += max(0, spec.end - max(spec.first_block, load.usable))
         self._load_errors.update(failed)
         self._recving.add(spec.request_id)
         if load.handle and self.link.attached:

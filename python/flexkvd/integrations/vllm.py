@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import flexkvd
 
+from ._vllm_events import KvEventRelay
+from ._vllm_groups import FULL, MAMBA, MLA, SLIDING_WINDOW, GroupMap, KvGroup, map_kv_cache_groups
 from ._vllm_layouts import KvPlan, plan_cross_layer_kv_cache, plan_kv_caches
 from ._vllm_link import DaemonLink, LinkOptions
 from ._vllm_logic import (ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, SchedulerLogic, StoreSpec,
@@ -24,9 +26,11 @@ from ._vllm_worker import RankKv, WorkerLogic, describe_rank_kv
 
 # FlexKVdConnector, FlexKVdConnectorMetadata and FlexKVdConnectorStats are attributes too, made on first access
 # (__getattr__); not in __all__, so that `import *` works without vLLM.
-__all__ = ["ConnectorConfig", "ConnectorMetadata", "ConnectorStats", "DaemonLink", "LinkOptions", "LoadSpec",
-           "RankKv", "SchedulerLogic", "StoreSpec", "WorkerLogic", "describe_rank_kv", "geometry_from_vllm",
-           "vllm_namespace"]
+__all__ = ["ConnectorConfig", "ConnectorMetadata", "ConnectorStats", "DaemonLink", "GroupMap", "KvEventRelay",
+           "KvGroup", "LinkOptions", "LoadSpec", "RankKv", "SchedulerLogic", "StoreSpec", "WorkerLogic",
+           "describe_rank_kv", "describe_vllm_groups", "geometry_from_vllm", "map_kv_cache_groups", "vllm_namespace"]
+
+log = logging.getLogger("flexkvd.integrations.vllm")
 
 log = logging.getLogger("flexkvd.integrations.vllm")
 
@@ -57,6 +61,10 @@ def _build() -> Dict[str, Any]:
         from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     except ImportError:  # an older vLLM without connector stats
         KVConnectorStats = None
+    try:  # vLLM's hybrid memory allocator interface: per-group block ids, request_finished_all_groups
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    except ImportError:  # an older vLLM: it turns its hybrid allocator off with a connector (one group)
+        SupportsHMA = None
 
     class FlexKVdConnectorMetadata(KVConnectorMetadata, ConnectorMetadata):  # type: ignore[misc, valid-type]
         """One step's loads and stores (ConnectorMetadata) as vLLM's KVConnectorMetadata."""
@@ -82,9 +90,12 @@ def _build() -> Dict[str, Any]:
 
         stats_cls = FlexKVdConnectorStats
 
-    class FlexKVdConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-type]
+    bases = (KVConnectorBase_V1,) if SupportsHMA is None else (KVConnectorBase_V1, SupportsHMA)
+
+    class FlexKVdConnector(*bases):  # type: ignore[misc, valid-type]
         """flexkvd as vLLM's KV connector: prefix hits load asynchronously from the node's flexkvd; finished requests'
-        full blocks are stored there. Scheduler role: SchedulerLogic; worker role: WorkerLogic (TP rank 0 reports)."""
+        full blocks are stored there. Scheduler role: SchedulerLogic; worker role: WorkerLogic (TP rank 0 reports).
+        With vLLM's hybrid memory allocator (SupportsHMA) every KV cache group is a flexkvd component."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -94,7 +105,14 @@ def _build() -> Dict[str, Any]:
                                  f"layers); got {parallel.pipeline_parallel_size}")
             check_load_failure_policy(vllm_config.kv_transfer_config)
             extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-            geometry = geometry_from_vllm(vllm_config)
+            groups = None
+            described = describe_vllm_groups(kv_cache_config)
+            if len(described) > 1:  # vLLM's hybrid allocator: one component per KV cache group
+                groups = map_kv_cache_groups(described, block_size=vllm_config.cache_config.block_size,
+                                             tp_size=parallel.tensor_parallel_size)
+                geometry = groups.geometry
+            else:  # one group (or an older vLLM that passes none): the model's own shape, on both sides alike
+                geometry = geometry_from_vllm(vllm_config)
             model = vllm_config.model_config
             kv_dtype = str(vllm_config.cache_config.cache_dtype)
             if kv_dtype == "auto":
@@ -103,14 +121,23 @@ def _build() -> Dict[str, Any]:
                                         revision=getattr(model, "revision", None))
             self._config = ConnectorConfig.from_extra_config(
                 extra, default_namespace=default_ns, geometry=geometry,
-                dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0), default_load_mode="layerwise")
+                dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0), default_load_mode="layerwise",
+                groups=groups)
             self._cross_layer = bool(extra.get("cross_layer_blocks", True)) and \
                 getattr(vllm_config, "speculative_config", None) is None
             self._plan: Optional[KvPlan] = None
             self._scheduler: Optional[SchedulerLogic] = None
             self._worker: Optional[WorkerLogic] = None
+            self._events: Optional[KvEventRelay] = None
             if role == KVConnectorRole.SCHEDULER:
-                self._scheduler = SchedulerLogic(self._config, may_defer=engine_takes_not_yet(KVConnectorBase_V1))
+                loads, why = engine_loads_groups(kv_cache_config, len(described))
+                if not loads:
+                    log.warning("FlexKVdConnector stores to flexkvd but loads nothing on this engine: %s", why)
+                self._scheduler = SchedulerLogic(self._config, may_defer=engine_takes_not_yet(KVConnectorBase_V1),
+                                                 loads=loads)
+                if self._config.kv_events:
+                    self._events = KvEventRelay(self._config.link.socket, self._config.namespace,
+                                                self._config.groups)
             else:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
                 self._worker = WorkerLogic(self._config, tp_rank=get_tensor_model_parallel_rank())
@@ -124,7 +151,8 @@ def _build() -> Dict[str, Any]:
                                                               getattr(request, "num_preemptions", 0), extras)
 
         def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-            ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+            # Every group's block ids (KVCacheBlocks.get_block_ids: one list per KV cache group).
+            ids = blocks.get_block_ids() if num_external_tokens > 0 else []
             self._scheduler.update_state_after_alloc(request.request_id, ids, num_external_tokens,
                                                      getattr(request, "num_preemptions", 0))
 
@@ -133,12 +161,29 @@ def _build() -> Dict[str, Any]:
             return FlexKVdConnectorMetadata(loads=meta.loads, stores=meta.stores, preempted=meta.preempted)
 
         def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-            # KV computed = num_computed_tokens less what an in-flight step (async scheduling) has not written yet.
+            return self.request_finished_all_groups(request, (block_ids,))
+
+        def request_finished_all_groups(self, request: Any,
+                                        block_ids: Tuple[List[int], ...]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+            """SupportsHMA: the request's blocks of every KV cache group, once, before vLLM frees them."""
+            # KV computed = num_computed_tokens less what an in-flight step (async scheduling) has not written yet,
+            # and no more blocks than vLLM says may be published by hash (num_publishable_block_hashes).
             computed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+            publishable = getattr(request, "num_publishable_block_hashes", None)
+            if isinstance(publishable, int):
+                computed = min(computed, publishable * self._config.block_size)
             extras = _block_extras(request, self._config.block_size)
-            delay = self._scheduler.request_finished(request.request_id, request.all_token_ids, block_ids, computed,
-                                                     extras is not None, extras)
+            delay = self._scheduler.request_finished(request.request_id, request.all_token_ids,
+                                                     [list(g) for g in block_ids], computed, extras is not None,
+                                                     extras)
             return delay, None
+
+        def take_events(self) -> Any:
+            """The daemon's KV events of this namespace since the last call, as vLLM's BlockStored / BlockRemoved
+            (kv_connector_extra_config.kv_events; none without it). vLLM's scheduler publishes them with its own."""
+            if self._events is None:
+                return ()
+            return [_vllm_event(e) for e in self._events.take()]
 
         def update_connector_output(self, connector_output: Any) -> None:
             self._scheduler.update_connector_output(connector_output.finished_sending,
@@ -147,6 +192,13 @@ def _build() -> Dict[str, Any]:
 
         def get_finished_count(self) -> Optional[int]:
             return 1  # only TP rank 0 reports (WorkerLogic.get_finished)
+
+        @property
+        def requires_kv_delivery(self) -> bool:
+            """False: flexkvd is a best-effort cache. A store that does not happen is a later miss, never a wrong
+            answer, so a request preempted while its store is pending need not be computed again (vLLM's default,
+            True for a kv_both producer, would recompute it)."""
+            return False
 
         # ---- worker side ----
 
@@ -248,6 +300,8 @@ def _build() -> Dict[str, Any]:
             return None if stats_cls is None else stats_cls(data=dict(data or {}))
 
         def shutdown(self) -> None:
+            if self._events is not None:
+                self._events.close()
             for logic in (self._worker, self._scheduler):
                 if logic is not None:
                     logic.close()
@@ -261,6 +315,93 @@ def _build() -> Dict[str, Any]:
 
 
 _DTYPE_BYTES = {"float16": 2, "half": 2, "bfloat16": 2, "float": 4, "float32": 4}
+
+
+def describe_vllm_groups(kv_cache_config: Any) -> List[KvGroup]:
+    """vLLM's KV cache groups (kv_cache_config.kv_cache_groups: layer_names and a KVCacheSpec each) as KvGroup,
+    for map_kv_cache_groups; [] without a kv_cache_config. Specs are told apart by their class names
+    (vllm/v1/kv_cache_interface.py): FullAttentionSpec (with HMA off a sliding-window layer is one too: all its
+    blocks are kept), MLAAttentionSpec, SlidingWindowSpec, MambaSpec; any other class, a padded attention page,
+    another value head size, per-token-head or NVFP4 quantization and a Mamba group without a state per block are
+    described with the reason flexkvd refuses them."""
+    out: List[KvGroup] = []
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        name = type(spec).__name__
+        names = tuple(getattr(group, "layer_names", ()) or ())
+        layers = len(names)
+        block_size = int(getattr(spec, "block_size", 0))
+        if name == "MambaSpec":
+            mode = str(getattr(spec, "mamba_cache_mode", "none"))
+            refusal = "" if mode in ("align", "all") else (
+                f"mamba_cache_mode {mode!r} keeps no state per block; flexkvd needs \"align\" or \"all\" (the state "
+                "after each block), set through vLLM's mamba cache mode")
+            if getattr(spec, "num_speculative_blocks", 0):
+                refusal = "Mamba state with speculative blocks; flexkvd stores one state per block"
+            out.append(KvGroup(MAMBA, layers, block_size, state_bytes=int(spec.page_size_bytes), spec=name,
+                               refusal=refusal, layer_names=names))
+            continue
+        kinds = {"FullAttentionSpec": FULL, "MLAAttentionSpec": MLA, "SlidingWindowSpec": SLIDING_WINDOW}
+        kind = kinds.get(name, name)
+        refusal = ""
+        if kind in (FULL, MLA, SLIDING_WINDOW):
+            quant = getattr(spec, "kv_quant_mode", None)
+            if getattr(spec, "page_size_padded", None) is not None:
+                refusal = f"a padded page ({spec.page_size_padded} bytes); flexkvd copies unpadded blocks"
+            elif getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+                refusal = f"value head size {spec.head_size_v} differs from the key head size {spec.head_size}"
+            elif getattr(quant, "is_per_token_head", False) or getattr(quant, "is_nvfp4", False):
+                refusal = f"KV quantization {quant!r} keeps scales outside the blocks"
+            elif getattr(spec, "cache_dtype_str", None) == "fp8_ds_mla":
+                refusal = "fp8_ds_mla pages (656 bytes a token) are not a K/V or latent block"
+        out.append(KvGroup(kind, layers, block_size, int(getattr(spec, "num_kv_heads", 0)),
+                           int(getattr(spec, "head_size", 0)),
+                           int(getattr(getattr(spec, "dtype", None), "itemsize", 2) or 2),
+                           int(getattr(spec, "sliding_window", 0) or 0) if kind == SLIDING_WINDOW else 0,
+                           spec=name, refusal=refusal, layer_names=names))
+    return out
+
+
+def engine_loads_groups(kv_cache_config: Any, num_groups: int) -> Tuple[bool, str]:
+    """Whether this vLLM's scheduler can finish an asynchronous load for an engine of num_groups KV cache groups,
+    and why not. vLLM's main branch as read (vllm/v1/core/sched/scheduler.py) unpacks exactly one group's block ids
+    where a load ends (_update_waiting_for_remote_kv) and where a load error is handled
+    (_update_requests_with_invalid_blocks), and asserts that no external tokens reach a Mamba group in "align"
+    mode (_mamba_block_aligned_split): a load there would stop the engine. Read from the installed vLLM's source;
+    a source that cannot be read counts as not able. One group always can."""
+    if num_groups <= 1:
+        return True, ""
+    import inspect
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        sources = {name: "".join(inspect.getsource(getattr(Scheduler, name)).split())
+                   for name in ("_update_waiting_for_remote_kv", "_update_requests_with_invalid_blocks")}
+        split = getattr(Scheduler, "_mamba_block_aligned_split", None)
+        split_src = "".join(inspect.getsource(split).split()) if split is not None else ""
+    except (ImportError, AttributeError, OSError, TypeError) as err:
+        return False, f"vLLM's scheduler source could not be read to check its handling of {num_groups} KV cache " \
+                      f"groups ({err})"
+    for name, src in sources.items():
+        if "(block_ids,)=" in src or "(req_block_ids,)=" in src:
+            return False, (f"vLLM's Scheduler.{name} unpacks one KV cache group's block ids, and this model has "
+                           f"{num_groups}: an asynchronous load would stop the engine")
+    modes = {str(getattr(g.kv_cache_spec, "mamba_cache_mode", "")) for g in kv_cache_config.kv_cache_groups
+             if type(g.kv_cache_spec).__name__ == "MambaSpec"}
+    if "align" in modes and "ExternalKVconnectorisnotverified" in split_src:
+        return False, ("vLLM asserts that no external tokens reach a Mamba group under mamba_cache_mode \"align\" "
+                       "(Scheduler._mamba_block_aligned_split)")
+    return True, ""
+
+
+def _vllm_event(event: Any) -> Any:
+    """A KvEventRelay event as vLLM's KV cache event (vllm.distributed.kv_events)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    if event.kind == "stored":
+        return BlockStored(block_hashes=list(event.hashes), parent_block_hash=event.parent, token_ids=[],
+                           block_size=event.block_size, lora_id=None, medium=event.medium, lora_name=None,
+                           group_idx=event.group, kv_cache_spec_kind=event.spec_kind,
+                           kv_cache_spec_sliding_window=event.sliding_window)
+    return BlockRemoved(block_hashes=list(event.hashes), medium=event.medium, group_idx=event.group)
 
 
 def geometry_from_vllm(vllm_config: Any) -> flexkvd.Geometry:
