@@ -56,6 +56,7 @@ check failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -219,6 +220,9 @@ class ConnectorLink(_LinkBase):
         cfg = ConnectorConfig(namespace=self.namespace, geometry=geometry,
                               link=LinkOptions(socket=args.socket, connect_timeout_s=5.0), op_timeout_s=10.0,
                               name=name, groups=GroupMap(slots, geometry))
+        # What the connector does with load_mode "layerwise" for this geometry (hybrid geometries load whole).
+        self.connector_layerwise = bool(getattr(dataclasses.replace(cfg, load_mode="layerwise"), "layerwise", False)) \
+            if "load_mode" in {f.name for f in dataclasses.fields(cfg)} else None
         self.sched = SchedulerLogic(cfg)
         self.worker = WorkerLogic(cfg, sync=torch.cuda.synchronize)
         # Every component's tensors, registered at each attach (the worker's own registration covers component 0).
@@ -280,7 +284,9 @@ class ConnectorLink(_LinkBase):
         client = self.worker.link.client()
         if client is None:
             return {"ok": False, "refused": "the worker's session is not attached"}
-        return self.probe_layerwise(client, prompt, groups)
+        out = self.probe_layerwise(client, prompt, groups)
+        out["connector_load_mode_layerwise_loads_layerwise"] = self.connector_layerwise
+        return out
 
     def close(self) -> None:
         self.sched.close()
@@ -292,8 +298,6 @@ def make_link(args: argparse.Namespace, model: HybridModel, name: str) -> _LinkB
     want = args.link
     if want in ("auto", "connector"):
         try:
-            import dataclasses
-
             importlib.import_module("flexkvd.integrations._vllm_groups")  # the connector's KV cache groups
             from flexkvd.integrations.vllm import ConnectorConfig
             has_groups = "groups" in {f.name for f in dataclasses.fields(ConnectorConfig)}
