@@ -143,6 +143,19 @@ class _LinkBase:
         return tokens[:-1] if self.model.states else tokens
 
 
+def register_components(client: flexkvd.Client, model: Any) -> List[memoryview]:
+    """Registers every component's buffers with the session: the model's GPU tensors (LAYER_FIRST, one per layer),
+    or, for a model whose components have no tensors (None: no GPU, as the tests run the links), host KV in memory
+    shared with the daemon; returns those host buffers (component order), or [] for GPU tensors."""
+    views = []
+    for c, (kind, tensors, nb) in enumerate(model.components()):
+        if tensors is None:
+            views.append(client.create_host_kv(flexkvd.Layout.LAYER_FIRST, nb, component=c))
+        else:
+            client.register_gpu_kv(tensors, flexkvd.Layout.LAYER_FIRST, nb, component=c)
+    return views
+
+
 class ClientLink(_LinkBase):
     """The plain flexkvd client, as an engine without the connector would use it."""
 
@@ -152,8 +165,7 @@ class ClientLink(_LinkBase):
         self.model, self.namespace = model, model.namespace()
         self.client = flexkvd.connect(args.socket, timeout=5.0)
         self.client.attach(name, self.namespace, model.geometry())
-        for c, (kind, tensors, nb) in enumerate(model.components()):
-            self.client.register_gpu_kv(tensors, flexkvd.Layout.LAYER_FIRST, nb, component=c)
+        self.host_views = register_components(self.client, model)
         self._pins: Dict[str, Tuple[int, int]] = {}
         self.moved = {"blocks": 0, "bytes": 0}
 
@@ -206,7 +218,6 @@ class ConnectorLink(_LinkBase):
     kind = "connector"
 
     def __init__(self, args: argparse.Namespace, model: HybridModel, name: str) -> None:
-        import torch
         from flexkvd.geometry import ComponentKind
         from flexkvd.integrations._vllm_groups import GroupMap, GroupSlot
         from flexkvd.integrations.vllm import ConnectorConfig, LinkOptions, SchedulerLogic, WorkerLogic
@@ -224,15 +235,24 @@ class ConnectorLink(_LinkBase):
         self.connector_layerwise = bool(getattr(dataclasses.replace(cfg, load_mode="layerwise"), "layerwise", False)) \
             if "load_mode" in {f.name for f in dataclasses.fields(cfg)} else None
         self.sched = SchedulerLogic(cfg)
-        self.worker = WorkerLogic(cfg, sync=torch.cuda.synchronize)
-        # Every component's tensors, registered at each attach (the worker's own registration covers component 0).
-        self.worker.link.on_attach = self._register
-        self.worker.register_gpu_kv(model.full_kv, model.num_blocks)
+        sync = None
+        if model.full_kv is not None:  # GPU tensors: stores wait for the engine's writes
+            import torch
+            sync = torch.cuda.synchronize
+        self.worker = WorkerLogic(cfg, sync=sync)
+        self.host_views: List[memoryview] = []
+        if model.full_kv is None:  # no GPU (the tests): the worker's host KV, every component of num_blocks blocks
+            self.worker.create_host_kv(model.num_blocks)
+            self.host_views = [self.worker.host_kv(c) for c in range(geometry.component_count)]
+        else:
+            # Every component's tensors, registered at each attach: the worker's own GPU registration registers
+            # its tensors as component 0 only.
+            self.worker.link.on_attach = self._register
+            self.worker.register_gpu_kv(model.full_kv, model.num_blocks)
         self.moved = {"blocks": 0, "bytes": 0}
 
     def _register(self, client: flexkvd.Client) -> None:
-        for c, (kind, tensors, nb) in enumerate(self.model.components()):
-            client.register_gpu_kv(tensors, flexkvd.Layout.LAYER_FIRST, nb, component=c)
+        register_components(client, self.model)
 
     def _step(self, finished: set) -> Tuple[set, set, set]:
         self.worker.start(self.sched.build_connector_meta())
