@@ -205,9 +205,9 @@ def _build() -> Dict[str, Any]:
         @property
         def prefer_cross_layer_blocks(self) -> bool:
             """vLLM then allocates a uniform model's layers as one tensor, blocks first
-            (register_cross_layers_kv_cache): flexkvd copies it whatever the backend (FLASHINFER's and TRITON_ATTN's
-            per-layer tensors in separate allocations it cannot). Not with a draft model (its layers would be in the
-            block) or cross_layer_blocks false."""
+            (register_cross_layers_kv_cache): one region, one copy per block run, whatever the backend (per-layer
+            tensors register too: LAYER_FIRST, or LAYER_BLOCK_REGIONS for FLASHINFER's and TRITON_ATTN's). Not with
+            a draft model (its layers would be in the block) or cross_layer_blocks false."""
             return self._cross_layer
 
         @classmethod
