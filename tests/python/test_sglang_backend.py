@@ -499,3 +499,14 @@ def test_storage_metrics_are_found_where_the_running_sglang_keeps_them(monkeypat
     moved.StorageMetrics = StorageMetrics
     monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.hicache_storage", moved)
     assert isinstance(backend._storage_metrics(), StorageMetrics)
+
+
+def test_the_default_namespace_names_the_kv_dtype_and_an_operators_namespace_is_kept():
+    """bf16 and fp16 engines of one served model write other bytes for the same tokens: they must not share pages."""
+    base = backend.BackendConfig.from_fields(tp_rank=1, tp_size=2, model_name="m")
+    bf16, fp16 = base.with_kv_dtype("torch.bfloat16"), base.with_kv_dtype("torch.float16")
+    assert bf16.namespace == "sglang/m|bfloat16@tp1of2" and fp16.namespace == "sglang/m|float16@tp1of2"
+    assert bf16.pool_namespace("swa") == "sglang/m|bfloat16#swa@tp1of2"
+    assert base.with_kv_dtype("").namespace == "sglang/m@tp1of2"  # a pool that does not say: as before
+    given = backend.BackendConfig.from_fields(model_name="m", extra_config={"namespace": "mine"})
+    assert given.with_kv_dtype("torch.bfloat16").namespace == "mine"

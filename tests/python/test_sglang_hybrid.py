@@ -313,7 +313,7 @@ def test_mamba_hybrid_round_trip_is_byte_exact_and_hits_only_where_a_state_is(ma
     a = attach(daemon, [PoolEntry(PoolName.KV, kv_a), PoolEntry(PoolName.MAMBA, mamba_a)])
     try:
         assert a.config.pool_namespace("mamba", ":MambaPoolHost:page_first") == \
-            a.pools.pool("mamba").namespace == "sglang/qwen3-next#mamba:MambaPoolHost:page_first"
+            a.pools.pool("mamba").namespace == "sglang/qwen3-next|uint16#mamba:MambaPoolHost:page_first"
         # Two nodes of a chunked prefill: pages 0-3 with the state after page 3, pages 4-9 with the state after 9.
         assert backup(a, keys[:4], range(4), [mamba_at(mamba_a, 2, keys[3])]) == 4
         assert backup(a, keys[4:], range(4, n), [mamba_at(mamba_a, 5, keys[9])]) == 6
@@ -362,8 +362,8 @@ def test_swa_window_and_indexer_pools(make_daemon) -> None:
     entries = [PoolEntry(PoolName.KV, kv), PoolEntry(PoolName.SWA, swa), PoolEntry(PoolName.INDEXER, idx)]
     s = attach(daemon, entries)
     try:
-        assert s.pools.pool("swa").namespace == "sglang/qwen3-next#swa"
-        assert s.pools.pool("indexer").namespace == "sglang/qwen3-next#indexer:IndexerPoolHost:page_first"
+        assert s.pools.pool("swa").namespace == "sglang/qwen3-next|uint16#swa"
+        assert s.pools.pool("indexer").namespace == "sglang/qwen3-next|uint16#indexer:IndexerPoolHost:page_first"
 
         def side(window_pages: Sequence[int], pages: Sequence[int]) -> List[PoolTransfer]:
             return [PoolTransfer(PoolName.SWA, host_indices=kv_indices(window_pages),
@@ -493,6 +493,10 @@ def test_v2_calls_never_raise_into_sglang_threads(daemon, caplog) -> None:
             assert s.batch_get_v2([PoolTransfer(PoolName.MAMBA, keys=[keys[0]])]) == {PoolName.MAMBA: [False]}
             assert s.batch_get_v2([]) == {} and s.batch_set_v2([PoolTransfer(PoolName.MAMBA, keys=[])]) == \
                 {PoolName.MAMBA: []}
+            # The v1 zero-copy calls likewise: too few host indices, an index outside the pool.
+            assert s.batch_get_v1(keys, kv_indices([0])) == [False, False]
+            assert s.batch_set_v1(keys[:1], np.array([10 ** 6] * PAGE, dtype=np.int64)) == [False]
+            assert "batch_get_v1 of 2 keys refused" in caplog.text and "batch_set_v1 of 1 keys refused" in caplog.text
     finally:
         s.close()
 

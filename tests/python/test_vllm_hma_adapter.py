@@ -282,6 +282,26 @@ def test_kv_events_of_the_namespace_reach_take_events_with_their_groups(make_dae
             assert isinstance(vllm_event, BlockStored) and vllm_event.group_idx == 1 and vllm_event.medium == "CPU"
         finally:
             relay.close()
+    # A snapshot larger than the relay's bound: dropped, and the relay does not subscribe again (snapshot after
+    # snapshot) until the engine took events; then a pause that doubles while it keeps overflowing.
+    with flexkvd.connect(d.socket) as c:
+        c.attach("storer2", ns, mapping.geometry)
+        small = KvEventRelay(d.socket, ns, mapping, max_events=1, retry_s=0.2)
+        try:
+            deadline = time.monotonic() + 10
+            while small.dropped == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert small.dropped > 0
+            read = small.batches
+            time.sleep(1.0)  # nobody takes: no second subscription meanwhile
+            assert small.batches == read, f"{small.batches - read} batches read while no event was taken"
+            small.take()
+            deadline = time.monotonic() + 10
+            while small.batches == read and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert small.batches > read  # taken: it subscribes again
+        finally:
+            small.close()
     # The option, through the connector: off by default, on with kv_events.
     config = _vllm_config(d.socket, {"namespace": ns})
     sched = adapter.FlexKVdConnector(config, role.SCHEDULER, GPT_OSS_CONFIG)

@@ -81,6 +81,7 @@ class KvEventRelay:
         self.batches = 0
         self._sub: Optional[flexkvd.KvEventSubscription] = None
         self._stop = threading.Event()
+        self._taken = threading.Event()  # set by take(): the engine reads events again
         self._thread = threading.Thread(target=self._run, name="flexkvd-kv-events", daemon=True)
         self._thread.start()
 
@@ -88,6 +89,7 @@ class KvEventRelay:
         """The events since the last call, in the daemon's order."""
         with self._lock:
             events, self._events, self._queued = self._events, [], 0
+        self._taken.set()
         return events
 
     def close(self) -> None:
@@ -102,7 +104,16 @@ class KvEventRelay:
     # ---- the thread ----
 
     def _run(self) -> None:
+        # After an overflow the relay subscribes again only once the engine took events since, and never sooner than
+        # a pause that doubles with each overflow in a row (up to a minute): a snapshot larger than max_events, or an
+        # engine that does not call take_events, must not make it fetch snapshot after snapshot.
+        overflow_pause = 0.0
         while not self._stop.is_set():
+            if overflow_pause > 0:
+                self._taken.clear()
+                self._stop.wait(overflow_pause)
+                while not self._stop.is_set() and not self._taken.wait(0.5):
+                    pass
             try:
                 sub = flexkvd.subscribe_kv_events(self._socket)
             except flexkvd.Error as err:
@@ -117,7 +128,11 @@ class KvEventRelay:
                 for batch in sub:
                     self.batches += 1
                     if not self._add(batch.events):
-                        break  # fell behind take(): subscribe again, for a fresh snapshot
+                        # fell behind take(): subscribe again (later), for a fresh snapshot
+                        overflow_pause = min(60.0, max(self._retry_s, 2 * overflow_pause))
+                        break
+                    if batch.snapshot_end or not batch.snapshot:
+                        overflow_pause = 0.0  # a snapshot that fitted: the relay keeps up again
             except flexkvd.Error as err:
                 if not self._stop.is_set():
                     log.info("flexkvd KV event stream ended (%s); subscribing again", err)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from ..errors import Error, InvalidArgument
 from ._sglang_hybrid import ALL_PAGES, KV_POOL, TRAILING_PAGES, HybridStores, PoolPages, PoolQuery
 from ._sglang_layout import FlatPagePool, HostPoolLayout
 from ._sglang_store import PageStore, PageStoreStats, page_block_key
@@ -75,6 +75,18 @@ class BackendConfig:
     backoff_initial_s: float
     backoff_max_s: float
     zero_copy_interface: bool  # SGLang calls batch_get_v1 / batch_set_v1 (extra config "interface_v1": 1)
+    namespace_given: bool = False  # the operator named the namespace (extra config "namespace")
+
+    def with_kv_dtype(self, dtype: str) -> "BackendConfig":
+        """The default namespace names the KV dtype once the host pool is known ("sglang/<model>|<dtype>"): engines
+        of one served model name in bf16 and fp16 (or fp8 e4m3 and e5m2) write other bytes for the same tokens and
+        must not share pages (the daemon's geometry check sees only the element size). A namespace the operator
+        gave is kept as given (it must then name everything that changes KV)."""
+        if self.namespace_given or not dtype:
+            return self
+        base = f"{self.base_namespace}|{dtype.replace('torch.', '')}"
+        namespace = base + ("" if self.is_mla_model else self.tp_suffix) + self.other_suffix
+        return dataclasses.replace(self, base_namespace=base, namespace=namespace)
 
     @classmethod
     def from_fields(cls, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
@@ -111,7 +123,8 @@ class BackendConfig:
             seconds[key] = float(value)
         return cls(namespace=namespace, session_name=f"sglang-dp{dp_rank}-tp{tp_rank}-pp{pp_rank}", socket=socket,
                    base_namespace=base, tp_suffix=tp_suffix, other_suffix=other, is_mla_model=is_mla_model,
-                   staging_pages=staging, zero_copy_interface=bool(extra.get("interface_v1", 0)), **seconds)
+                   staging_pages=staging, zero_copy_interface=bool(extra.get("interface_v1", 0)),
+                   namespace_given=bool(opts["namespace"]), **seconds)
 
     def pool_namespace(self, pool_name: str, tag: str = "") -> str:
         """The cache domain of side pool `pool_name` ("<namespace>#<pool><tag>" with this rank's suffixes; `tag`
@@ -290,6 +303,7 @@ def build_backend_class(base: type, ops: TensorOps, pool_transfer_result: Option
 
         def register_mem_pool_host(self, mem_pool_host: Any) -> None:
             super().register_mem_pool_host(mem_pool_host)
+            self.config = self.config.with_kv_dtype(_dtype_name(getattr(mem_pool_host, "dtype", None)))
             layout = kv_pool_layout(mem_pool_host, ops)
             self._kv_pool_obj = mem_pool_host
             self.pools.set_kv(self.config.open_store(layout))
@@ -331,14 +345,26 @@ def build_backend_class(base: type, ops: TensorOps, pool_transfer_result: Option
             return self.store.batch_exists(keys) if self.store is not None and keys else 0
 
         def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
-            if self.store is None:
-                return [False] * len(keys)
-            return self.store.batch_get(keys, ops.indices(host_indices))
+            return self._v1("batch_get_v1", keys, host_indices)
 
         def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
-            if self.store is None:
+            return self._v1("batch_set_v1", keys, host_indices)
+
+        def _v1(self, op: str, keys: List[str], host_indices: Any) -> List[bool]:
+            """SGLang's prefetch and backup threads call these and do not expect an exception: host indices that
+            do not fit the pool (a count that is not the keys' pages, an index outside it) are SGLang's bug, logged
+            and answered all False, as the v2 calls are."""
+            if self.store is None or not keys:
                 return [False] * len(keys)
-            return self.store.batch_set(keys, ops.indices(host_indices))
+            try:
+                indices = ops.indices(host_indices)
+                if op == "batch_get_v1":
+                    return self.store.batch_get(keys, indices)
+                return self.store.batch_set(keys, indices)
+            except Error as e:
+                logger.error("flexkvd HiCache backend: %s of %d keys refused: %s; answered all False", op, len(keys),
+                             e)
+                return [False] * len(keys)
 
         def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
             queries = [PoolQuery(_pool_name(t.name), _hit_policy(getattr(t, "hit_policy", None)),
@@ -440,3 +466,12 @@ def _storage_metrics() -> Any:
     if cls is not None:
         return cls()
     return _SampledStorageMetrics()
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A KV dtype as the namespace names it: "bfloat16" for torch.bfloat16, "float8_e4m3fn", "uint16" for a NumPy
+    type; "" when the pool does not say."""
+    if dtype is None:
+        return ""
+    name = dtype.__name__ if isinstance(dtype, type) else str(dtype)
+    return name.replace("torch.", "")

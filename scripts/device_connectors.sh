@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine with python3 + torch (+ transformers for the HF part; the device tool's `run`, from the
+# repository root): what issue 31's connectors need checked on a GPU, in one call - the C++ GPU tests (copy kernels
+# and end to end, every GPU layout incl. LAYER_BLOCK_REGIONS), the Python GPU tests (PyTorch engines, hybrid
+# geometries, the vLLM connector's layouts and layer-wise loads, hybrid GPU registration where present), then
+# examples/hf_hybrid_reuse.py (scripts/device_hf_hybrid.sh; HF_ARGS passes options, SKIP_HF=1 leaves it out).
+# Logs under $OUT; a summary last; exit 1 when any part failed.
+# Bundle first:  ../shared/tools/device-bundle.sh .device/bundle build/flexkvd build/flexkvctl \
+#   build/tests/gpu/flexkv_gpu_tests build/tests/integration/flexkv_gpu_e2e_tests \
+#   build/tests/integration/flexkv-gpu-test-client build/libflexkv.so.0   (strip; carry [".device"])
+set -uo pipefail
+bundle=${BUNDLE:-.device/bundle}
+out=${OUT:-/tmp/flexkv-device-connectors}
+mkdir -p "$out"
+cxx_path="$PWD/$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source scripts/device_pylib.sh
+pylib=$(flexkv_python_libdir "$bundle")
+py_path="$pylib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export FLEXKV_TEST_FLEXKVD="$PWD/$bundle/bin/flexkvd" FLEXKV_TEST_GPU_CLIENT="$PWD/$bundle/bin/flexkv-gpu-test-client"
+export FLEXKVD="$PWD/$bundle/bin/flexkvd" FLEXKV_LIBRARY="$PWD/$bundle/lib/libflexkv.so.0"
+export PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1
+summary=()
+part() {  # part NAME TIMEOUT_S LOG COMMAND...: runs it, records ok/FAILED with its time
+  local name=$1 limit=$2 log=$3 t0 rc
+  shift 3
+  t0=$(date +%s)
+  echo "== $name"
+  timeout "$limit" "$@" >"$out/$log" 2>&1
+  rc=$?
+  summary+=("$name: $([ $rc -eq 0 ] && echo ok || echo "FAILED rc=$rc") in $(( $(date +%s) - t0 )) s")
+  tail -n 3 "$out/$log"
+  [ $rc -eq 0 ] || { grep -E "FAILED|Error|error:|assert" "$out/$log" | head -n 30; }
+  return $rc
+}
+nvidia-smi --query-gpu=name,uuid,driver_version --format=csv | tee "$out/nvidia-smi.txt"
+export LD_LIBRARY_PATH="$cxx_path"
+part "C++ GPU copy tests" 150 gpu_tests.log "$bundle/bin/flexkv_gpu_tests"
+part "C++ GPU end-to-end tests" 240 gpu_e2e_tests.log "$bundle/bin/flexkv_gpu_e2e_tests" -s
+export LD_LIBRARY_PATH="$py_path"
+python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)' | tee -a "$out/nvidia-smi.txt"
+pytests=(test_gpu_torch.py test_gpu_hybrid.py test_client_gpu.py test_vllm_gpu_layouts.py)
+[ -f tests/python/test_vllm_gpu_hybrid.py ] && pytests+=(test_vllm_gpu_hybrid.py)
+part "Python GPU tests (${pytests[*]})" 240 python_gpu_tests.log \
+  bash -c "cd tests/python && python3 -m pytest -p no:cacheprovider -q -rs ${pytests[*]}"
+grep -E "passed|failed|SKIPPED" "$out/python_gpu_tests.log" | tail -n 8
+if [ "${SKIP_HF:-0}" != 1 ]; then
+  export LD_LIBRARY_PATH="${cxx_path#"$PWD/$bundle/lib"}"; export LD_LIBRARY_PATH="${LD_LIBRARY_PATH#:}"
+  part "HF hybrid models through flexkvd (examples/hf_hybrid_reuse.py)" "${HF_TIMEOUT:-300}" hf_hybrid.log \
+    env BUNDLE="$bundle" OUT="$out/hf" HF_TIMEOUT="${HF_TIMEOUT:-300}" bash scripts/device_hf_hybrid.sh
+  grep -E "^summary:|^\|" "$out/hf_hybrid.log" | tail -n 30
+fi
+echo "== summary"
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+! grep -q FAILED "$out/summary.txt"
