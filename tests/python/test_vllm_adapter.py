@@ -247,10 +247,15 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
                    num_in_flight_tokens=0)
         # The adapter loads layer by layer by default: in the step that computes the request (not async).
         assert sched.get_num_new_matched_tokens(req2, 0) == (4 * BS, False)
-        # The same tokens under a LoRA adapter are other blocks (keyed by the adapter's name): looked up, missed.
-        lora = NS_(request_id="r3", all_token_ids=tokens, lora_request=NS_(lora_name="adapter-a", lora_int_id=1),
-                   mm_features=[])
+        # The same tokens under a LoRA adapter are other blocks (keyed by the adapter's path and name): looked up,
+        # missed.
+        lora = NS_(request_id="r3", all_token_ids=tokens, mm_features=[],
+                   lora_request=NS_(lora_name="adapter-a", lora_int_id=1, lora_path="/models/adapter-a"))
         assert sched.get_num_new_matched_tokens(lora, 0) == (0, False)
+        # An adapter known only by name and int id (unique within one engine, not across the node): not cached.
+        nameless = NS_(request_id="r3b", all_token_ids=tokens, mm_features=[],
+                       lora_request=NS_(lora_name="adapter-a", lora_int_id=1))
+        assert sched.get_num_new_matched_tokens(nameless, 0) == (0, False)
         # Media this connector cannot key (no features it knows): not cached at all.
         unreadable = NS_(request_id="r4", all_token_ids=tokens, lora_request=None, mm_features=[],
                          mm_inputs=[object()])
@@ -266,7 +271,7 @@ def test_the_adapter_translates_vllm_objects_for_the_logic_classes(daemon, stand
         stats = pickle.loads(pickle.dumps(worker.get_kv_connector_stats()))  # from a worker process
         assert stats.data["loaded_blocks"] == 4 and stats.data["stored_blocks"] == 4
         total = stats.aggregate(sched.get_kv_connector_stats())
-        assert total.reduce()["lookups"] == 2 and total.reduce()["skipped_requests"] == 1
+        assert total.reduce()["lookups"] == 2 and total.reduce()["skipped_requests"] == 2
         assert worker.get_kv_connector_stats() is None  # counters are per interval
     finally:
         sched.shutdown()
@@ -328,11 +333,21 @@ def test_a_lookup_never_blocks_the_scheduler_when_the_engine_takes_not_yet(daemo
     try:
         q = prompt(24, 2 * BS)
         assert s.get_num_new_matched_tokens("q", q, 0) == (None, False)
+        # A request aborted while its lookup is in flight: the lookup's result is taken later, not left behind.
+        assert s.get_num_new_matched_tokens("aborted", prompt(25, 2 * BS), 0) == (None, False)
+        assert s.request_finished("aborted", prompt(25, 2 * BS), [], 0) is False
+        assert s.stray_matches == 1
         _time.sleep(1.6)
         assert s.get_num_new_matched_tokens("q", q, 0) == (0, False)
         assert s.stats.lookup_errors == 1
+        assert s.stray_matches == 2  # and q's timed-out lookup
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
+    deadline = _time.monotonic() + 5
+    while s.stray_matches and _time.monotonic() < deadline:
+        s.build_connector_meta()  # each step takes the results that came
+        _time.sleep(0.01)
+    assert s.stray_matches == 0
     del kv
     client.close()
     s.close()

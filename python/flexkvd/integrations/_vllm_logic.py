@@ -268,6 +268,9 @@ class SchedulerLogic:
                                        config.geometry, config.link, dp_rank=config.dp_rank)
         self.stats = ConnectorStats()
         self._requests: Dict[str, _RequestState] = {}
+        # Lookups whose request went (aborted, preempted, re-keyed) or timed out while the match was in flight:
+        # libflexkv keeps a result until it is taken, so each is taken here later (_drain_stray_matches).
+        self._stray_matches: List[Any] = []
         self._pending_loads: Dict[str, LoadSpec] = {}
         self._pending_stores: List[StoreSpec] = []
         self._loading: Dict[str, LoadSpec] = {}  # loads sent to the workers, not reported finished yet
@@ -322,7 +325,7 @@ class SchedulerLogic:
         except flexkvd.DeadlineExceeded as err:
             if self.may_defer and left > self.DEFER_AFTER_S:
                 return None, False  # not yet: asked again at the next step
-            state.match = None
+            self._abandon_match(state)
             self._failed(err)
             return 0, False
         except flexkvd.Error as err:
@@ -371,7 +374,8 @@ class SchedulerLogic:
         request (vLLM freed its blocks) is forgotten: it is looked up again when it is scheduled again."""
         preempted = set(preempted_request_ids)
         for rid in preempted - set(self._pending_loads):  # (one preempted and already looked up again keeps it)
-            self._requests.pop(rid, None)
+            self._abandon_match(self._requests.pop(rid, None))
+        self._drain_stray_matches()
         meta = ConnectorMetadata(loads=list(self._pending_loads.values()), stores=self._pending_stores,
                                  preempted=preempted)
         # A layer-wise load ends in the step it is sent with (never reported in finished_recving).
@@ -394,6 +398,7 @@ class SchedulerLogic:
         holds the window blocks before the store's end (counted in stats.skipped_requests). A hybrid store carries
         every window block the engine still holds (window_keys) and the states at every block boundary it holds."""
         state = self._requests.pop(request_id, None)
+        self._abandon_match(state)
         if request_id in self._loading or request_id in self._pending_loads or not cacheable:
             return False
         groups = self.groups.as_groups(block_ids)
@@ -459,9 +464,39 @@ class SchedulerLogic:
                                      self.block_size,
                                      extras.for_blocks(n // self.block_size) if extras is not None else None)
             planned = -1 if state is None else state.load_planned
+            self._abandon_match(state)
             state = _RequestState(keys=keys, keyed_tokens=n, load_planned=planned)
             self._requests[request_id] = state
         return state
+
+    MAX_STRAY_MATCHES = 4096
+
+    def _abandon_match(self, state: Optional[_RequestState]) -> None:
+        """A request's lookup still in flight is no longer wanted: its result is taken later, not left in libflexkv."""
+        if state is None or state.match is None:
+            return
+        self._stray_matches.append(state.match)
+        state.match = None
+        if len(self._stray_matches) > self.MAX_STRAY_MATCHES:  # a daemon that answers nothing: the session goes
+            self._stray_matches = self._stray_matches[-self.MAX_STRAY_MATCHES:]  # with its results (bounded here)
+
+    def _drain_stray_matches(self) -> None:
+        """Takes the results of abandoned lookups that ended (once per step; never waits)."""
+        if not self._stray_matches:
+            return
+        left = []
+        for ticket in self._stray_matches:
+            try:
+                if ticket.try_wait() is None:
+                    left.append(ticket)
+            except flexkvd.Error:  # ended with an error, or its session is gone: nothing left to take
+                pass
+        self._stray_matches = left
+
+    @property
+    def stray_matches(self) -> int:
+        """Abandoned lookups whose result has not been taken yet (leak checks)."""
+        return len(self._stray_matches)
 
     def _failed(self, err: flexkvd.Error) -> None:
         self.stats.lookup_errors += 1

@@ -34,6 +34,9 @@ log = logging.getLogger("flexkvd.integrations.vllm")
 
 log = logging.getLogger("flexkvd.integrations.vllm")
 
+# The connector's load_mode when the extra config does not say (the logic classes alone default to "whole").
+ADAPTER_LOAD_MODE = "layerwise"
+
 _BUILT: Dict[str, Any] = {}
 _LAZY = ("FlexKVdConnector", "FlexKVdConnectorMetadata", "FlexKVdConnectorStats")
 
@@ -121,7 +124,7 @@ def _build() -> Dict[str, Any]:
                                         revision=getattr(model, "revision", None))
             self._config = ConnectorConfig.from_extra_config(
                 extra, default_namespace=default_ns, geometry=geometry,
-                dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0), default_load_mode="layerwise",
+                dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0), default_load_mode=ADAPTER_LOAD_MODE,
                 groups=groups)
             self._cross_layer = bool(extra.get("cross_layer_blocks", True)) and \
                 getattr(vllm_config, "speculative_config", None) is None
@@ -219,8 +222,10 @@ def _build() -> Dict[str, Any]:
 
         @classmethod
         def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
-            """Layer-wise loads need wait_for_layer_load to run (a full CUDA graph skips it)."""
-            return (extra_config or {}).get("load_mode", "layerwise") == "layerwise"
+            """Layer-wise loads need wait_for_layer_load to run (a full CUDA graph skips it). Asked before the
+            model is known: an engine that loads whole anyway (TP > 1, several KV cache groups) keeps full CUDA
+            graphs with load_mode "whole"."""
+            return (extra_config or {}).get("load_mode", ADAPTER_LOAD_MODE) == "layerwise"
 
         def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
             _refuse_hybrid_gpu_kv(self._config)
@@ -475,7 +480,16 @@ def _block_extras(request: Any, block_size: int) -> Optional["flexkvd.BlockExtra
     if cached is not None:
         return cached if cached is not _NOT_CACHEABLE else None
     lora = getattr(request, "lora_request", None)
-    adapter = None if lora is None else (getattr(lora, "lora_name", None) or str(getattr(lora, "lora_int_id", "")))
+    adapter = None
+    if lora is not None:
+        # A name or an int id is unique only within one engine, and flexkvd serves every engine of the node: the
+        # adapter is keyed by where its weights come from (its path) with its name. One that does not say is not
+        # cached (two engines could load other weights under one name).
+        path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
+        if not path:
+            _keep(request, _NOT_CACHEABLE)
+            return None
+        adapter = f"{getattr(lora, 'lora_name', None) or ''}\x00{path}"
     media = []
     for feature in getattr(request, "mm_features", None) or ():
         ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
