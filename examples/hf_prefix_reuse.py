@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
+# Over 700 lines: one self-contained file the GPU machine runs as it is (the model, the connector's calls, both
+# engine processes with the whole and the layer-wise hit, and the driver's tables); split, it would need a package.
 """A real model reuses a prefix through flexkvd: a Hugging Face Llama-architecture model on the GPU.
 
 No weights can be downloaded where this runs, so the model is built from a config with fixed-seed random weights
-(16 layers by default, hidden 2048, 16 heads, 8 KV heads of 128, bf16 and float32): every process that builds it
+(16 layers by default, hidden 2048, 16 heads, 8 KV heads of 128, bf16 or float32): every process that builds it
 gets the same weights. Its KV lives, as in vLLM, in paged per-layer tensors
 [2, num_blocks, block_size, kv_heads, head_dim] that the engine registers with flexkvd; the block keys are vLLM's
 full blocks of the prompt.
@@ -27,11 +29,14 @@ Two engine processes, one after the other, against one flexkvd:
         the load is submitted in the same step with a CUDA event per layer (WorkerLogic.start), and a forward
         pre-hook on each decoder layer calls the worker's wait_layer (vLLM's wait_for_layer_load: the current CUDA
         stream waits on that layer's event, the CPU goes on) and then gathers that layer's prefix into the HF
-        cache, so layer i computes as soon as its copies landed while later layers still copy.
+        cache, so layer i computes as soon as its copies landed while later layers still copy (layer 0's wait and
+        gather come right before the forward: HF takes the past length, hence positions and the causal mask, from
+        layer 0's cache before any layer runs). The two variants share one worker (one KV registration); each has
+        its scheduler side.
     The layer-wise hit must give the whole hit's logits bit for bit (the same bytes, the same computation), the
     full prefill's first token, and byte-exact KV. (--no-layerwise: the whole variant only.)
 Each dtype of --dtypes (bfloat16; float32 on request) runs against a fresh daemon.
-The driver (default role) starts flexkvd (or uses --socket), runs A then B, prints the table and a `summary: {json}`
+The driver (default role) starts flexkvd (or uses --socket), runs A then B, prints the tables and a `summary: {json}`
 line, and exits non-zero when any check failed.
 
   python3 examples/hf_prefix_reuse.py --flexkvd build/flexkvd --prompts 4096,8192,16384,32768
@@ -200,14 +205,14 @@ class Model:
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         if layers is None or len(layers) != self.args.layers:
             raise SystemExit(f"hf_prefix_reuse: expected model.model.layers to hold {self.args.layers} decoder layers "
-                             f"(transformers {self.versions}); found "
+                             f"({self.versions}); found "
                              f"{'none' if layers is None else len(layers)}")
         return list(layers)
 
     def install_layer_hooks(self) -> List[Any]:
         """A forward pre-hook on each decoder layer that fills its prefix while a layer-wise forward runs
         (begin_layerwise .. end_layerwise) and does nothing otherwise. Returns the handles (remove() them)."""
-        self._fill: Optional[Dict[str, Any]] = None
+        self._fill = None
         handles = []
         for i, layer in enumerate(self.decoder_layers()):
             def hook(module: Any, args: Any, i: int = i) -> None:
