@@ -227,7 +227,7 @@ class Model:
         causal mask's size) from layer 0's cache before any layer runs; the hooks fill the others."""
         t = self.torch
         self._fill = {"cache": self.new_cache(), "idx": t.tensor(block_ids, dtype=t.long, device=self.device),
-                      "tokens": len(block_ids) * self.args.block_size, "wait": wait_layer, "filled": []}
+                      "wait": wait_layer, "filled": []}
         self._fill_layer(0)
         return self._fill["cache"]
 
