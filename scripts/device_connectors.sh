@@ -3,7 +3,9 @@
 # repository root): what issue 31's connectors need checked on a GPU, in one call - the C++ GPU tests (copy kernels
 # and end to end, every GPU layout incl. LAYER_BLOCK_REGIONS), the Python GPU tests (PyTorch engines, hybrid
 # geometries, the vLLM connector's layouts and layer-wise loads, hybrid GPU registration where present), then
-# examples/hf_hybrid_reuse.py (scripts/device_hf_hybrid.sh; HF_ARGS passes options, SKIP_HF=1 leaves it out).
+# examples/hf_hybrid_reuse.py (scripts/device_hf_hybrid.sh, options in HF_HYBRID_ARGS) and examples/hf_prefix_reuse.py
+# (scripts/device_hf.sh: whole against layer-wise loads, options in HF_LLAMA_ARGS). PARTS picks them (default
+# "cxx,py,hf-hybrid,hf-llama": a device call is at most 10 minutes, so split them over two calls).
 # Logs under $OUT; a summary last; exit 1 when any part failed.
 # Bundle first:  ../shared/tools/device-bundle.sh .device/bundle build/flexkvd build/flexkvctl \
 #   build/tests/gpu/flexkv_gpu_tests build/tests/integration/flexkv_gpu_e2e_tests \
@@ -20,6 +22,7 @@ export FLEXKV_TEST_FLEXKVD="$PWD/$bundle/bin/flexkvd" FLEXKV_TEST_GPU_CLIENT="$P
 export FLEXKVD="$PWD/$bundle/bin/flexkvd" FLEXKV_LIBRARY="$PWD/$bundle/lib/libflexkv.so.0"
 export PYTHONPATH="$PWD/python" PYTHONDONTWRITEBYTECODE=1
 summary=()
+parts=",${PARTS:-cxx,py,hf-hybrid,hf-llama},"
 part() {  # part NAME TIMEOUT_S LOG COMMAND...: runs it, records ok/FAILED with its time
   local name=$1 limit=$2 log=$3 t0 rc
   shift 3
@@ -33,21 +36,33 @@ part() {  # part NAME TIMEOUT_S LOG COMMAND...: runs it, records ok/FAILED with 
   return $rc
 }
 nvidia-smi --query-gpu=name,uuid,driver_version --format=csv | tee "$out/nvidia-smi.txt"
-export LD_LIBRARY_PATH="$cxx_path"
-part "C++ GPU copy tests" 150 gpu_tests.log "$bundle/bin/flexkv_gpu_tests"
-part "C++ GPU end-to-end tests" 240 gpu_e2e_tests.log "$bundle/bin/flexkv_gpu_e2e_tests" -s
-export LD_LIBRARY_PATH="$py_path"
-python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)' | tee -a "$out/nvidia-smi.txt"
-pytests=(test_gpu_torch.py test_gpu_hybrid.py test_client_gpu.py test_vllm_gpu_layouts.py)
-[ -f tests/python/test_vllm_gpu_hybrid.py ] && pytests+=(test_vllm_gpu_hybrid.py)
-part "Python GPU tests (${pytests[*]})" 240 python_gpu_tests.log \
-  bash -c "cd tests/python && python3 -m pytest -p no:cacheprovider -q -rs ${pytests[*]}"
-grep -E "passed|failed|SKIPPED" "$out/python_gpu_tests.log" | tail -n 8
-if [ "${SKIP_HF:-0}" != 1 ]; then
-  export LD_LIBRARY_PATH="${cxx_path#"$PWD/$bundle/lib"}"; export LD_LIBRARY_PATH="${LD_LIBRARY_PATH#:}"
-  part "HF hybrid models through flexkvd (examples/hf_hybrid_reuse.py)" "${HF_TIMEOUT:-300}" hf_hybrid.log \
-    env BUNDLE="$bundle" OUT="$out/hf" HF_TIMEOUT="${HF_TIMEOUT:-300}" bash scripts/device_hf_hybrid.sh
+base_path="${LD_LIBRARY_PATH:-}"
+if [[ $parts == *,cxx,* ]]; then
+  export LD_LIBRARY_PATH="$cxx_path"
+  part "C++ GPU copy tests" 150 gpu_tests.log "$bundle/bin/flexkv_gpu_tests"
+  part "C++ GPU end-to-end tests" 240 gpu_e2e_tests.log "$bundle/bin/flexkv_gpu_e2e_tests" -s
+fi
+if [[ $parts == *,py,* ]]; then
+  export LD_LIBRARY_PATH="$py_path"
+  python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)' | tee -a "$out/nvidia-smi.txt"
+  pytests=(test_gpu_torch.py test_gpu_hybrid.py test_client_gpu.py test_vllm_gpu_layouts.py)
+  [ -f tests/python/test_vllm_gpu_hybrid.py ] && pytests+=(test_vllm_gpu_hybrid.py)
+  part "Python GPU tests (${pytests[*]})" 240 python_gpu_tests.log \
+    bash -c "cd tests/python && python3 -m pytest -p no:cacheprovider -q -rs ${pytests[*]}"
+  grep -E "passed|failed|SKIPPED" "$out/python_gpu_tests.log" | tail -n 8
+fi
+export LD_LIBRARY_PATH="$base_path"
+if [[ $parts == *,hf-hybrid,* ]]; then
+  part "HF hybrid models through flexkvd (examples/hf_hybrid_reuse.py)" "${HF_HYBRID_TIMEOUT:-300}" hf_hybrid.log \
+    env BUNDLE="$bundle" OUT="$out/hf-hybrid" HF_TIMEOUT="${HF_HYBRID_TIMEOUT:-300}" HF_ARGS="${HF_HYBRID_ARGS:-}" \
+    bash scripts/device_hf_hybrid.sh
   grep -E "^summary:|^\|" "$out/hf_hybrid.log" | tail -n 30
+fi
+if [[ $parts == *,hf-llama,* ]]; then
+  part "HF Llama, whole and layer-wise loads (examples/hf_prefix_reuse.py)" "${HF_LLAMA_TIMEOUT:-240}" hf_llama.log \
+    env BUNDLE="$bundle" OUT="$out/hf-llama" HF_TIMEOUT="${HF_LLAMA_TIMEOUT:-240}" HF_ARGS="${HF_LLAMA_ARGS:-}" \
+    bash scripts/device_hf.sh
+  grep -E "^summary:|^\|" "$out/hf_llama.log" | tail -n 30
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
