@@ -65,21 +65,28 @@ def state_views(ptr: int, page: int, states):
     return out
 
 
+def interleaved(ptr: int):
+    """An attention layer beside Mamba layers as vLLM views it: logical (2, NB, bs, h, d), K and V of a block
+    next to each other (strides (hidden, 2 * hidden, ...))."""
+    hidden = BS * 2 * 64
+    return FakeTensor(ptr, (2, NB, BS, 2, 64), (hidden, 2 * hidden, 128, 64, 1))
+
+
 CONV_A, SSM_A = ((4, 64), 2), ((2, 16, 12), 4)     # 512 + 1536 = 2048 bytes
 CONV_B, SSM_B = ((2, 64), 2), ((4, 48), 4)         # 256 + 768 = 1024 bytes
 
 
 def qwen3_next(states_b=(CONV_B, SSM_B), page_b: int = 1024):
-    """Full attention (layers 3, 7) and two Mamba groups (layers 0, 1 of 2048-byte states; layers 2, 4 of
-    page_b-byte pages); every layer its own raw buffer."""
+    """Full attention (layers 3, 7; K and V of a block interleaved) and two Mamba groups (layers 0, 1 of
+    2048-byte states; layers 2, 4 of page_b-byte pages); every layer its own raw buffer."""
     groups = [KvGroup(FULL, 2, BS, 2, 64, 2, spec="FullAttentionSpec", layer_names=(attn("3"), attn("7"))),
               KvGroup(MAMBA, 2, BS, state_bytes=2048, spec="MambaSpec", layer_names=(mamba(0), mamba(1))),
               KvGroup(MAMBA, 2, BS, state_bytes=page_b, spec="MambaSpec", layer_names=(mamba(2), mamba(4)))]
     raw = [BASE + i * (1 << 24) for i in range(6)]
-    caches = {attn("3"): view(raw[0], (2, NB, BS, 2, 64), [0, 1, 2, 3, 4]),
+    caches = {attn("3"): interleaved(raw[0]),
               mamba(1): state_views(raw[2], 2048, [CONV_A, SSM_A]),
               mamba(0): state_views(raw[1], 2048, [CONV_A, SSM_A]),
-              attn("7"): view(raw[3], (2, NB, BS, 2, 64), [0, 1, 2, 3, 4]),
+              attn("7"): interleaved(raw[3]),
               mamba(4): state_views(raw[5], page_b, list(states_b)),
               mamba(2): state_views(raw[4], page_b, list(states_b))}
     return map_kv_cache_groups(groups, block_size=BS, tp_size=1), caches
@@ -145,7 +152,7 @@ def test_a_qwen3_next_like_model_registers_each_mamba_group_as_state_pages():
     assert [p.component for p in plans] == [0, 1, 2]
     assert [g.component_kind(c) for c in range(3)] == [ComponentKind.FULL, ComponentKind.STATE, ComponentKind.STATE]
     full, a, b = plans
-    assert full.layout == flexkvd.Layout.LAYER_FIRST and full.layer_names == [attn("3"), attn("7")]
+    assert full.layout == flexkvd.Layout.LAYER_BLOCK_REGIONS and full.layer_names == [attn("3"), attn("7")]
     check_every_chunk(full, g.component(0), [caches[n] for n in full.layer_names])
     for plan, c, names, page in ((a, 1, [mamba(0), mamba(1)], 2048), (b, 2, [mamba(2), mamba(4)], 1024)):
         cg = g.component(c)
@@ -246,7 +253,7 @@ def test_every_component_of_every_rank_must_be_given_to_register_kv():
     try:
         ranks = describe_plans(0, g, plans)
         assert [(r.component, r.kind, r.layout, r.num_blocks) for r in ranks] == [
-            (0, "gpu", int(flexkvd.Layout.LAYER_FIRST), NB), (1, "gpu", int(flexkvd.Layout.LAYER_FIRST), NB),
+            (0, "gpu", int(flexkvd.Layout.LAYER_BLOCK_REGIONS), NB), (1, "gpu", int(flexkvd.Layout.LAYER_FIRST), NB),
             (2, "gpu", int(flexkvd.Layout.LAYER_FIRST), NB)]
         assert ranks[1].tensors == plans[1].regions and ranks[2].region_bytes == NB * 1024
         with pytest.raises(flexkvd.InvalidArgument, match=r"RankKv of components \[0, 2\]; expected 0..2 \(GPU KV "
