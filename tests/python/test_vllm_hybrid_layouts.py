@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +19,7 @@ from flexkvd.integrations._vllm_groups import FULL, MAMBA, SLIDING_WINDOW, KvGro
 from flexkvd.integrations._vllm_state_layouts import plan_hybrid_kv_caches, plan_state_layers
 from flexkvd.integrations._vllm_worker import RankKv, WorkerLogic
 from flexkvd.integrations.vllm import describe_plans
+from test_vllm_hma_adapter import GPT_OSS_CONFIG, _vllm_config, hma_vllm  # noqa: F401 (a fixture)
 from test_vllm_layouts import FakeTensor, check_every_chunk, nbytes, view
 from vllm_harness import config
 
@@ -270,3 +273,35 @@ def test_every_component_of_every_rank_must_be_given_to_register_kv():
             worker.register_kv([host, ranks[1]])
     finally:
         worker.close()
+
+
+def test_the_adapter_registers_each_kv_cache_group_as_its_component(hma_vllm, monkeypatch):
+    # FlexKVdConnector (vLLM stand-ins) of a gpt-oss-like engine: register_kv_caches plans each group's layers as
+    # its component and hands every component's RankKv to the worker; no cross-layer tensor is asked for.
+    adapter, role = hma_vllm[0], hma_vllm[1]
+    monkeypatch.setattr(sys.modules["vllm.distributed.parallel_state"], "get_tp_group",
+                        lambda: SimpleNamespace(world_size=1), raising=False)
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(current_stream=lambda: None)))
+    worker = adapter.FlexKVdConnector(_vllm_config("/nonexistent/flexkvd.sock"), role.WORKER, GPT_OSS_CONFIG)
+    try:
+        assert worker._config.geometry.component_count == 2 and not worker.prefer_cross_layer_blocks
+        got = []
+        monkeypatch.setattr(worker._worker, "register_kv", lambda ranks: got.append(list(ranks)))
+        shape = (2, NB, BS, 2, 64)
+        caches = {f"model.layers.{i}.attn": view(BASE + i * (1 << 24), shape, [0, 1, 2, 3, 4]) for i in range(4)}
+        with pytest.raises(ValueError, match="one cross-layer KV tensor for a model with 2 KV cache groups"):
+            worker.register_cross_layers_kv_cache(view(BASE, (4,) + shape, [0, 1, 2, 3, 4, 5]))
+        worker.register_kv_caches(caches)
+        [ranks] = got
+        # component 0: vLLM's group 1 (full attention, layers 2 and 3); component 1: the window group (0 and 1)
+        assert [(r.component, r.tp_rank, r.kind, r.layout) for r in ranks] == [
+            (0, 0, "gpu", int(flexkvd.Layout.LAYER_FIRST)), (1, 0, "gpu", int(flexkvd.Layout.LAYER_FIRST))]
+        assert ranks[0].tensors == [caches[f"model.layers.{i}.attn"].ptr for i in (2, 3)]
+        assert ranks[1].tensors == [caches[f"model.layers.{i}.attn"].ptr for i in (0, 1)]
+        del caches["model.layers.1.attn"]
+        with pytest.raises(flexkvd.InvalidArgument, match=r"no KV for layer\(s\) \['model.layers.1.attn'\] of "
+                                                          r"component 1"):
+            worker.register_kv_caches(caches)
+        assert len(got) == 1
+    finally:
+        worker.shutdown()
