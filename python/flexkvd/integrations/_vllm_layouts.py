@@ -87,7 +87,9 @@ class KvPlan:
     register_gpu_kv(regions, layout, num_blocks, region_bytes=region_bytes). layer_names: the registered layers in
     flexkvd's layer order (None where a layer's name is not known: a cross-layer tensor given without names).
     layer_ptrs: each registered layer's base pointer (for layer_index_of_pointer). left_out: layer name -> why it is
-    not registered. form: what the tensors were ("planes-first", "blocks-first", "mla", each "cross-layer" too)."""
+    not registered. form: what the tensors were ("planes-first", "blocks-first", "mla", each "cross-layer" too;
+    "mamba-state"). component: the geometry component registered (register_gpu_kv(component=...)); a hybrid
+    model's plans (_vllm_state_layouts.plan_hybrid_kv_caches) are one per component, in its copy geometry."""
 
     layout: flexkvd.Layout
     regions: List[int]
@@ -97,6 +99,7 @@ class KvPlan:
     layer_ptrs: List[int]
     left_out: Dict[str, str] = dataclasses.field(default_factory=dict)
     form: str = ""
+    component: int = 0
 
     def layer_index(self, name: str) -> Optional[int]:
         """flexkvd's layer index of a vLLM layer name; None for a layer not registered (a draft layer)."""

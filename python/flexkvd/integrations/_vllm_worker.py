@@ -27,6 +27,8 @@ class RankKv:
       rank r > 0's `exported` description (flexkvd.export_gpu_kv: CUDA IPC handles as bytes; rank r keeps the memory);
       "mla-replica": an MLA rank r > 0 (its latent KV equals rank 0's: nothing to register); "host": host KV in
       memory shared with the daemon, created by rank 0 (the host backend serves TP 1, and TP > 1 only for MLA).
+    component: the geometry component these buffers hold (a hybrid model's GPU KV: one RankKv per rank and
+      component, each in the component's copy geometry; host KV: component 0 stands for every component).
     """
 
     tp_rank: int
@@ -36,6 +38,7 @@ class RankKv:
     tensors: Optional[List[Any]] = dataclasses.field(default=None, compare=False)
     exported: Optional[bytes] = None
     region_bytes: Optional[int] = None  # when `tensors` are int device pointers (a _vllm_layouts.KvPlan's regions)
+    component: int = 0
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -45,22 +48,32 @@ class RankKv:
 
 def describe_rank_kv(tp_rank: int, geometry: flexkvd.Geometry, num_blocks: int,
                      tensors: Optional[Sequence[Any]] = None, layout: flexkvd.Layout = flexkvd.Layout.LAYER_FIRST,
-                     region_bytes: Optional[int] = None) -> RankKv:
-    """What TP rank `tp_rank` hands rank 0 (over vLLM's TP CPU group) about its KV buffers: GPU `tensors`, or
-    None for host KV. A GPU rank r > 0 exports its description (FailedPrecondition for expandable segments,
-    Unimplemented without CUDA). InvalidArgument for a rank outside the geometry's tp_size. layout and
-    region_bytes: as register_gpu_kv takes them (a _vllm_layouts.KvPlan's; the default: per-layer tensors)."""
+                     region_bytes: Optional[int] = None, component: int = 0) -> RankKv:
+    """What TP rank `tp_rank` hands rank 0 (over vLLM's TP CPU group) about its KV buffers of one geometry
+    component (a hybrid model describes each component's GPU buffers: a KvPlan per component): GPU `tensors`, or
+    None for host KV (component 0, standing for all). A GPU rank r > 0 exports its description (FailedPrecondition
+    for expandable segments, Unimplemented without CUDA). InvalidArgument for a rank outside the geometry's tp_size
+    or a component outside it, or host KV described for a component other than 0. layout and region_bytes: as
+    register_gpu_kv takes them (a _vllm_layouts.KvPlan's; the default: per-layer tensors)."""
     if not 0 <= tp_rank < geometry.tp_size:
         raise flexkvd.InvalidArgument(f"tp_rank {tp_rank}; expected 0..{geometry.tp_size - 1} (geometry.tp_size)")
-    if tp_rank > 0 and geometry.is_mla:
-        return RankKv(tp_rank, "mla-replica", num_blocks)
+    if not 0 <= component < geometry.component_count:
+        raise flexkvd.InvalidArgument(f"component {component}; expected 0..{geometry.component_count - 1} (the "
+                                      "geometry's components)")
+    if tp_rank > 0 and geometry.component(component).is_mla:
+        return RankKv(tp_rank, "mla-replica", num_blocks, component=component)
     if tensors is None:
+        if component != 0:
+            raise flexkvd.InvalidArgument(f"host KV described for component {component}; host KV is described once "
+                                          "(component 0) and created for every component")
         return RankKv(tp_rank, "host", num_blocks)
     if tp_rank > 0:
         return RankKv(tp_rank, "gpu", num_blocks, int(layout),
                       exported=flexkvd.export_gpu_kv(list(tensors), layout, num_blocks, tp_rank,
-                                                     region_bytes=region_bytes))
-    return RankKv(tp_rank, "gpu", num_blocks, int(layout), tensors=list(tensors), region_bytes=region_bytes)
+                                                     region_bytes=region_bytes, component=component),
+                      component=component)
+    return RankKv(tp_rank, "gpu", num_blocks, int(layout), tensors=list(tensors), region_bytes=region_bytes,
+                  component=component)
 
 
 @dataclasses.dataclass
@@ -103,7 +116,7 @@ class WorkerLogic(LayerwiseMixin):
         self.tp_size = config.geometry.tp_size
         self.sync = sync
         self.stats = ConnectorStats()
-        self._ranks: Dict[int, RankKv] = {}
+        self._ranks: Dict[Tuple[int, int], RankKv] = {}  # (component, tp_rank)
         self.groups = config.groups
         self._host_views: Dict[int, memoryview] = {}  # per component
         self._host_num_blocks = 0
@@ -129,30 +142,46 @@ class WorkerLogic(LayerwiseMixin):
     def is_reporter(self) -> bool:
         return self.tp_rank == 0
 
-    def describe_kv(self, num_blocks: int, tensors: Optional[Sequence[Any]] = None) -> RankKv:
-        """This rank's RankKv for rank 0 (describe_rank_kv)."""
-        return describe_rank_kv(self.tp_rank, self.config.geometry, num_blocks, tensors)
+    def describe_kv(self, num_blocks: int, tensors: Optional[Sequence[Any]] = None,
+                    component: int = 0) -> RankKv:
+        """This rank's RankKv of one component for rank 0 (describe_rank_kv)."""
+        return describe_rank_kv(self.tp_rank, self.config.geometry, num_blocks, tensors, component=component)
 
     def register_kv(self, ranks: Iterable[RankKv]) -> None:
         """Rank 0: registers every TP rank's buffers (its own included), gathered from describe_kv() on each rank,
-        and attaches. A daemon that is not reachable now is retried later (with backoff; the KV is registered again
-        on every attach). InvalidArgument when ranks are missing or repeated, or a GPU rank has neither tensors
+        and attaches. GPU KV of a hybrid geometry: one RankKv per rank and component (each rank registers each
+        component); host KV: one per rank (component 0; the host buffers of every component are created). A daemon
+        that is not reachable now is retried later (with backoff; the KV is registered again on every attach).
+        InvalidArgument when ranks or components are missing or repeated, or a GPU rank has neither tensors
         (rank 0) nor an exported description (rank > 0); what the registration raises otherwise."""
         if not self.is_reporter:
             raise flexkvd.FailedPrecondition(f"register_kv on TP rank {self.tp_rank}; only rank 0 registers (hand it "
                                             "describe_kv())")
-        by_rank: Dict[int, RankKv] = {}
+        by_key: Dict[Tuple[int, int], RankKv] = {}
         for r in ranks:
-            if r.tp_rank in by_rank:
-                raise flexkvd.InvalidArgument(f"TP rank {r.tp_rank} given twice; expected one RankKv per rank")
-            by_rank[r.tp_rank] = r
-        if sorted(by_rank) != list(range(self.tp_size)):
-            raise flexkvd.InvalidArgument(f"RankKv of TP ranks {sorted(by_rank)}; expected 0..{self.tp_size - 1}")
-        for r in by_rank.values():
+            key = (r.component, r.tp_rank)
+            if key in by_key:
+                raise flexkvd.InvalidArgument(f"TP rank {r.tp_rank} of component {r.component} given twice; expected "
+                                             "one RankKv per rank and component")
+            by_key[key] = r
+        host = any(r.kind == "host" for r in by_key.values())
+        count = 1 if host else self.config.geometry.component_count
+        components = sorted({c for c, _ in by_key})
+        if components != list(range(count)):
+            raise flexkvd.InvalidArgument(
+                f"RankKv of components {components}; expected 0..{count - 1} (" +
+                ("host KV is described once, as component 0)" if host else
+                 "GPU KV registers every component of the geometry, each rank's)"))
+        for c in components:
+            tp = sorted(rank for comp, rank in by_key if comp == c)
+            if tp != list(range(self.tp_size)):
+                raise flexkvd.InvalidArgument(f"RankKv of TP ranks {tp} for component {c}; expected "
+                                             f"0..{self.tp_size - 1}")
+        for r in by_key.values():
             if r.kind == "gpu" and r.tensors is None and r.exported is None:
                 raise flexkvd.InvalidArgument(f"TP rank {r.tp_rank}'s RankKv has neither tensors nor an exported "
                                              "description; expected describe_kv()'s")
-        self._ranks = by_rank
+        self._ranks = by_key
         self.link.client(raise_errors=True)  # attach now if the daemon is there (registers through _register)
 
     def register_gpu_kv(self, tensors: Sequence[Any], num_blocks: int) -> None:
@@ -180,10 +209,10 @@ class WorkerLogic(LayerwiseMixin):
 
     def _register(self, client: flexkvd.Client) -> None:
         """DaemonLink's on_attach: registers every rank's KV with the new session."""
-        for r in sorted(self._ranks.values(), key=lambda r: r.tp_rank):
+        for r in sorted(self._ranks.values(), key=lambda r: (r.component, r.tp_rank)):
             if r.kind == "gpu" and r.tensors is not None:
                 client.register_gpu_kv(r.tensors, flexkvd.Layout(r.layout), r.num_blocks, tp_rank=r.tp_rank,
-                                       region_bytes=r.region_bytes)
+                                       region_bytes=r.region_bytes, component=r.component)
             elif r.kind == "gpu":
                 client.register_exported_gpu_kv(r.exported)
             elif r.kind == "host" and r.tp_rank == 0:

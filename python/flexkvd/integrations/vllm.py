@@ -22,13 +22,15 @@ from ._vllm_layouts import KvPlan, plan_cross_layer_kv_cache, plan_kv_caches
 from ._vllm_link import DaemonLink, LinkOptions
 from ._vllm_logic import (ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, SchedulerLogic, StoreSpec,
                           vllm_namespace)
+from ._vllm_state_layouts import plan_hybrid_kv_caches
 from ._vllm_worker import RankKv, WorkerLogic, describe_rank_kv
 
 # FlexKVdConnector, FlexKVdConnectorMetadata and FlexKVdConnectorStats are attributes too, made on first access
 # (__getattr__); not in __all__, so that `import *` works without vLLM.
 __all__ = ["ConnectorConfig", "ConnectorMetadata", "ConnectorStats", "DaemonLink", "GroupMap", "KvEventRelay",
            "KvGroup", "LinkOptions", "LoadSpec", "RankKv", "SchedulerLogic", "StoreSpec", "WorkerLogic",
-           "describe_rank_kv", "describe_vllm_groups", "geometry_from_vllm", "map_kv_cache_groups", "vllm_namespace"]
+           "describe_plans", "describe_rank_kv", "describe_vllm_groups", "geometry_from_vllm", "map_kv_cache_groups",
+           "plan_engine_kv", "vllm_namespace"]
 
 log = logging.getLogger("flexkvd.integrations.vllm")
 
@@ -126,8 +128,10 @@ def _build() -> Dict[str, Any]:
                 extra, default_namespace=default_ns, geometry=geometry,
                 dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0), default_load_mode=ADAPTER_LOAD_MODE,
                 groups=groups)
+            # Not for a hybrid model: a vLLM that packs several groups' layers into one cross-layer tensor (by page
+            # size) mixes components in a block, which no flexkvd layout describes.
             self._cross_layer = bool(extra.get("cross_layer_blocks", True)) and \
-                getattr(vllm_config, "speculative_config", None) is None
+                getattr(vllm_config, "speculative_config", None) is None and not geometry.is_hybrid
             self._plan: Optional[KvPlan] = None
             self._scheduler: Optional[SchedulerLogic] = None
             self._worker: Optional[WorkerLogic] = None
@@ -210,7 +214,8 @@ def _build() -> Dict[str, Any]:
             """vLLM then allocates a uniform model's layers as one tensor, blocks first
             (register_cross_layers_kv_cache): one region, one copy per block run, whatever the backend (per-layer
             tensors register too: LAYER_FIRST, or LAYER_BLOCK_REGIONS for FLASHINFER's and TRITON_ATTN's). Not with
-            a draft model (its layers would be in the block) or cross_layer_blocks false."""
+            a draft model (its layers would be in the block), a hybrid model (several KV cache groups: each group's
+            layers register as their component) or cross_layer_blocks false."""
             return self._cross_layer
 
         @classmethod
@@ -228,22 +233,26 @@ def _build() -> Dict[str, Any]:
             return (extra_config or {}).get("load_mode", ADAPTER_LOAD_MODE) == "layerwise"
 
         def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-            _refuse_hybrid_gpu_kv(self._config)
-            self._register_plan(plan_kv_caches(kv_caches, self._config.geometry))
+            self._register_plans(plan_engine_kv(kv_caches, self._config))
 
         def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any = None) -> None:
-            _refuse_hybrid_gpu_kv(self._config)
-            self._register_plan(plan_cross_layer_kv_cache(kv_cache, self._config.geometry))
+            if self._config.geometry.is_hybrid:  # prefer_cross_layer_blocks is False for these: not expected
+                raise ValueError(
+                    "FlexKVdConnector got one cross-layer KV tensor for a model with "
+                    f"{self._config.geometry.component_count} KV cache groups; it registers a hybrid model's layers "
+                    "per group (register_kv_caches), and a cross-layer tensor mixing groups has no flexkvd layout")
+            self._register_plans([plan_cross_layer_kv_cache(kv_cache, self._config.geometry)])
 
-        def _register_plan(self, plan: KvPlan) -> None:
-            """Registers this rank's KV (rank 0 every rank's, gathered over vLLM's TP CPU group) as `plan` lays it
-            out; a layout flexkvd cannot copy was refused by the plan, before anything else."""
+        def _register_plans(self, plans: List[KvPlan]) -> None:
+            """Registers this rank's KV (rank 0 every rank's, gathered over vLLM's TP CPU group) as `plans` lay it
+            out, one per geometry component; a layout flexkvd cannot copy was refused by the plans, before anything
+            else."""
             from vllm.distributed.parallel_state import get_tp_group
-            for name, why in plan.left_out.items():
-                log.info("FlexKVdConnector leaves KV layer %s out: %s", name, why)
-            self._plan = plan
-            mine = describe_rank_kv(self._worker.tp_rank, self._config.geometry, plan.num_blocks, plan.regions,
-                                    plan.layout, plan.region_bytes)
+            for plan in plans:
+                for name, why in plan.left_out.items():
+                    log.info("FlexKVdConnector leaves KV layer %s out: %s", name, why)
+            self._plan = plans[0]
+            mine = describe_plans(self._worker.tp_rank, self._config.geometry, plans)
             group = get_tp_group()
             gathered: List[Any] = [None] * group.world_size
             if group.world_size > 1:
@@ -256,8 +265,10 @@ def _build() -> Dict[str, Any]:
                 import torch
                 self._worker.store_fence = _cuda_fence  # stores read blocks the engine's stream wrote
                 self._worker.layer_stream = torch.cuda.current_stream
-                self._worker.register_layer_names({n: i for i, n in enumerate(plan.layer_names) if n is not None})
-                self._worker.register_kv(gathered)
+                if not self._config.geometry.is_hybrid:  # layer-wise loads are for one KV cache group
+                    self._worker.register_layer_names({n: i for i, n in enumerate(plans[0].layer_names)
+                                                       if n is not None})
+                self._worker.register_kv([r for rank in gathered for r in rank])
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             if self._plan is not None and None in self._plan.layer_names:  # a cross-layer tensor: names by pointer
@@ -369,15 +380,21 @@ def describe_vllm_groups(kv_cache_config: Any) -> List[KvGroup]:
     return out
 
 
-def _refuse_hybrid_gpu_kv(config: ConnectorConfig) -> None:
-    """GPU KV of a model with several KV cache groups is registered per component (each group's layers in its copy
-    geometry): until the connector does that, such an engine is refused at registration rather than have its
-    sliding-window or Mamba layers registered as full-attention ones (which would store wrong bytes)."""
+def plan_engine_kv(kv_caches: Dict[str, Any], config: ConnectorConfig) -> List[KvPlan]:
+    """The registrations of vLLM's per-layer KV (register_kv_caches' {layer name: tensor, or a Mamba layer's list of
+    state tensors}): one KvPlan of the model's layers (plan_kv_caches) for a model of one KV cache group; one per
+    geometry component for a hybrid model (plan_hybrid_kv_caches: each group's layers in its component's copy
+    geometry, Mamba layers as state pages). InvalidArgument, naming the layer, for what flexkvd cannot copy."""
     if config.geometry.is_hybrid:
-        raise ValueError(
-            f"FlexKVdConnector cannot register GPU KV of a model with {len(config.groups.slots)} KV cache groups yet "
-            "(each group's layers must be registered as their own flexkvd component); run this model without the "
-            "connector, or with host KV")
+        return plan_hybrid_kv_caches(kv_caches, config.groups)
+    return [plan_kv_caches(kv_caches, config.geometry)]
+
+
+def describe_plans(tp_rank: int, geometry: flexkvd.Geometry, plans: List[KvPlan]) -> List[RankKv]:
+    """This TP rank's RankKv of each plan (one per component), for rank 0's WorkerLogic.register_kv (after the TP
+    gather: every rank's lists, flattened)."""
+    return [describe_rank_kv(tp_rank, geometry, p.num_blocks, p.regions, p.layout, p.region_bytes,
+                             component=p.component) for p in plans]
 
 
 def engine_loads_groups(kv_cache_config: Any, num_groups: int) -> Tuple[bool, str]:
