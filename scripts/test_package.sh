@@ -335,9 +335,9 @@ env -i PATH=/usr/bin:/bin /usr/bin/python3 - "$socket" "$namespace" "$pydir" "$l
 import sys
 import flexkvd
 socket_path, namespace, pydir, libdir, extension = sys.argv[1:]
-assert flexkvd.__file__.startswith(pydir + "/"), f"flexkv imported from {flexkvd.__file__}, not {pydir}"
+assert flexkvd.__file__.startswith(pydir + "/"), f"flexkvd imported from {flexkvd.__file__}, not {pydir}"
 if extension:
-    in_use = getattr(flexkv, "fast_path", None)
+    in_use = getattr(flexkvd, "fast_path", None)
     assert in_use == extension, f"the package ships {extension} but flexkvd.fast_path is {in_use!r}"
 maps = open("/proc/self/maps").read()
 assert f"{libdir}/libflexkv.so.0" in maps, "the installed libflexkv.so.0 is not the one loaded"
