@@ -619,31 +619,45 @@ int flexkv_store_components(flexkv_client* c, const flexkv_block_key* parent, co
 
 int flexkv_load_from(flexkv_client* c, uint64_t match_handle, uint32_t first_block, const uint32_t* dst_block_ids,
                      size_t n_blocks, int layerwise, uint32_t event_set, flexkv_ticket* ticket) {
-  return Guarded([&]() -> int {
-    if (c == nullptr) return NullArgument("client");
-    if (dst_block_ids == nullptr && n_blocks > 0) return NullArgument("dst_block_ids");
-    if (ticket == nullptr) return NullArgument("ticket");
-    const std::span<const uint32_t> ids(dst_block_ids, n_blocks);
-    if (event_set == 0) return Submitted(c->client->Load(match_handle, ids, layerwise != 0, first_block), ticket);
-    if (layerwise != 0) {
-      return Record(flexkv::Status::InvalidArgument(
-          "a load with event_set " + std::to_string(event_set) +
-          " and layerwise; expected one completion kind: the set's events or layer progress"));
-    }
-    return Submitted(c->client->LoadWithEvents(match_handle, ids, event_set, first_block), ticket);
-  });
+  return flexkv_load_by(c, match_handle, first_block, dst_block_ids, n_blocks, layerwise, event_set, 0, ticket);
 }
 
 int flexkv_load_components_from(flexkv_client* c, uint64_t match_handle, uint32_t first_block,
                                 const uint32_t* const* component_ids, const size_t* counts, size_t n_components,
                                 flexkv_ticket* ticket) {
+  return flexkv_load_components_by(c, match_handle, first_block, component_ids, counts, n_components, 0, ticket);
+}
+
+int flexkv_load_by(flexkv_client* c, uint64_t match_handle, uint32_t first_block, const uint32_t* dst_block_ids,
+                   size_t n_blocks, int layerwise, uint32_t event_set, int64_t launch_deadline_ns,
+                   flexkv_ticket* ticket) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (dst_block_ids == nullptr && n_blocks > 0) return NullArgument("dst_block_ids");
+    if (ticket == nullptr) return NullArgument("ticket");
+    const std::span<const uint32_t> ids(dst_block_ids, n_blocks);
+    if (event_set == 0) {
+      return Submitted(c->client->Load(match_handle, ids, layerwise != 0, first_block, launch_deadline_ns), ticket);
+    }
+    if (layerwise != 0) {
+      return Record(flexkv::Status::InvalidArgument(
+          "a load with event_set " + std::to_string(event_set) +
+          " and layerwise; expected one completion kind: the set's events or layer progress"));
+    }
+    return Submitted(c->client->LoadWithEvents(match_handle, ids, event_set, first_block, launch_deadline_ns), ticket);
+  });
+}
+
+int flexkv_load_components_by(flexkv_client* c, uint64_t match_handle, uint32_t first_block,
+                              const uint32_t* const* component_ids, const size_t* counts, size_t n_components,
+                              int64_t launch_deadline_ns, flexkv_ticket* ticket) {
   return Guarded([&]() -> int {
     if (c == nullptr) return NullArgument("client");
     if (ticket == nullptr) return NullArgument("ticket");
     int rc = 0;
     auto spans = ComponentSpans(component_ids, counts, n_components, &rc);
     if (!spans) return rc;
-    return Submitted(c->client->Load(match_handle, *spans, first_block), ticket);
+    return Submitted(c->client->Load(match_handle, *spans, first_block, launch_deadline_ns), ticket);
   });
 }
 

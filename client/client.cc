@@ -53,6 +53,16 @@ Status CheckDaemonTakes(const AttachedSession& s, const char* word, uint32_t val
       s.rings->layout_version(), word));
 }
 
+// A Load's launch deadline (ring layout 6): a daemon of layout 4 or 5 would ignore it - and might start the copies
+// after the client gave up on them - so it is refused here, before anything is sent; a negative one is refused too.
+Status CheckLaunchDeadline(const AttachedSession& s, int64_t launch_deadline_ns) {
+  if (launch_deadline_ns < 0) {
+    return Status::InvalidArgument(fmt::format(
+        "launch_deadline_ns {}; expected 0 (none) or a CLOCK_MONOTONIC time in ns", launch_deadline_ns));
+  }
+  return CheckLaunchDeadlineLayout(s.rings->layout_version(), launch_deadline_ns);
+}
+
 // The count a Load from `first_block` with `ids` more blocks covers; INVALID_ARGUMENT past the ring's u32.
 Result<uint32_t> LoadEnd(uint32_t first_block, size_t ids) {
   const uint64_t end = uint64_t{first_block} + ids;
@@ -405,22 +415,23 @@ Result<Ticket> Client::Prefetch(std::span<const BlockKey> keys) {
 }
 
 Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise,
-                            uint32_t first_block) {
+                            uint32_t first_block, int64_t launch_deadline_ns) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   if (s->geometry.is_hybrid()) return UseComponentOverload("Load", s->geometry);
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
   FLEXKV_RETURN_IF_ERROR(CheckDaemonTakes(*s, "first_block", first_block));
+  FLEXKV_RETURN_IF_ERROR(CheckLaunchDeadline(*s, launch_deadline_ns));
   auto end = LoadEnd(first_block, dst_block_ids.size());
   if (!end.ok()) return end.status();
   auto t = s->rings->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0, *end, {}, dst_block_ids, match_handle,
-                            kRootParent, first_block);
+                            kRootParent, first_block, 0, launch_deadline_ns);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
 
 Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
-                            uint32_t first_block) {
+                            uint32_t first_block, int64_t launch_deadline_ns) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   auto count = LoadEnd(first_block, component_ids.empty() ? 0 : component_ids[0].size());
@@ -428,13 +439,15 @@ Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<con
   auto ids = LayOutComponentIds(s->geometry, false, *count, component_ids, {}, first_block);
   if (!ids.ok()) return ids.status();
   FLEXKV_RETURN_IF_ERROR(CheckDaemonTakes(*s, "first_block", first_block));
-  auto t = s->rings->Submit(RingOp::kLoad, 0, *count, {}, *ids, match_handle, kRootParent, first_block);
+  FLEXKV_RETURN_IF_ERROR(CheckLaunchDeadline(*s, launch_deadline_ns));
+  auto t = s->rings->Submit(RingOp::kLoad, 0, *count, {}, *ids, match_handle, kRootParent, first_block, 0,
+                            launch_deadline_ns);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
 
 Result<Ticket> Client::LoadWithEvents(uint64_t match_handle, std::span<const uint32_t> dst_block_ids,
-                                      uint32_t event_set, uint32_t first_block) {
+                                      uint32_t event_set, uint32_t first_block, int64_t launch_deadline_ns) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   if (s->geometry.is_hybrid()) {
@@ -444,10 +457,11 @@ Result<Ticket> Client::LoadWithEvents(uint64_t match_handle, std::span<const uin
   if (event_set == 0) return Status::InvalidArgument("event_set is 0; expected an id RegisterLayerEvents returned");
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
   FLEXKV_RETURN_IF_ERROR(CheckDaemonTakes(*s, "first_block", first_block));
+  FLEXKV_RETURN_IF_ERROR(CheckLaunchDeadline(*s, launch_deadline_ns));
   auto end = LoadEnd(first_block, dst_block_ids.size());
   if (!end.ok()) return end.status();
   auto t = s->rings->Submit(RingOp::kLoad, 0, *end, {}, dst_block_ids, match_handle, kRootParent, first_block,
-                            event_set);
+                            event_set, launch_deadline_ns);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }

@@ -104,7 +104,8 @@ void SessionRings::FreeLocked(uint64_t offset, uint64_t bytes) {
 
 Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
                                     std::span<const uint32_t> ids, uint64_t match_handle,
-                                    const BlockKey& parent, uint32_t word56, uint32_t word60) {
+                                    const BlockKey& parent, uint32_t word56, uint32_t word60,
+                                    int64_t launch_deadline_ns) {
   const uint64_t key_bytes = keys.size() * sizeof(BlockKey);
   const uint64_t id_bytes = ids.size() * sizeof(uint32_t);
   MutexLock lock(&mu_);
@@ -132,7 +133,11 @@ Result<Ticket> SessionRings::Submit(RingOp op, uint16_t flags, uint32_t count, s
   d.opcode = static_cast<uint16_t>(op);
   d.flags = flags;
   d.count = count;
-  d.keys_offset = offset;
+  if (op == RingOp::kLoad) {
+    d.launch_deadline_ns = static_cast<uint64_t>(launch_deadline_ns);  // a Load has no keys: the word is its deadline
+  } else {
+    d.keys_offset = offset;
+  }
   d.block_ids_offset = offset + key_bytes;
   d.match_handle = match_handle;
   d.parent = parent;
@@ -192,6 +197,13 @@ SessionRings::TicketState SessionRings::StateLocked(uint64_t id) const {
   if (it != done_.end()) return it->second.has_value() ? TicketState::kEnded : TicketState::kInFlight;
   if (id == 0 || id >= next_ticket_) return TicketState::kNeverIssued;
   return TicketState::kTaken;
+}
+
+Status CheckLaunchDeadlineLayout(uint32_t layout_version, int64_t launch_deadline_ns) {
+  if (launch_deadline_ns == 0 || layout_version >= 6) return Status::Ok();
+  return Status::FailedPrecondition(fmt::format(
+      "a launch deadline needs ring layout 6, and the daemon speaks layout {}: upgrade flexkvd, or load without one "
+      "(and never give up on a load before it ended)", layout_version));
 }
 
 Status SessionRings::NoResultLocked(uint64_t id, TicketState state) const {

@@ -43,6 +43,11 @@ class LeaseRenewer {
   std::thread thread_ ABSL_GUARDED_BY(mu_);  // moved out by the first Stop
 };
 
+// Whether a daemon of ring layout `layout_version` takes a Load's launch deadline (layout 6 added it: an older daemon
+// ignores the word, and could start the copies after the client gave up on them). OK for a deadline of 0 or a daemon
+// of layout 6 on; else FAILED_PRECONDITION naming both layouts, for the caller to return before it sends anything.
+Status CheckLaunchDeadlineLayout(uint32_t layout_version, int64_t launch_deadline_ns);
+
 class SessionRings {
  public:
   // Maps the ring memfd the daemon sent and checks its header. `channel` is this session's channel (a dup of it:
@@ -55,14 +60,16 @@ class SessionRings {
   // Copies `payload` into the arena (keys at offset 0 of it, then ids), fills the descriptor's offsets
   // and submits. `parent` is a Store's (kRootParent for every other opcode). The descriptor's last two words
   // (common/ring_layout.h): `word56` a hybrid Store's state_count or a Load's first_block, `word60` a Load's
-  // event_set or a hybrid Store's window_keys (ids laid out by LayoutIds, common/hybrid_ids.h; 0 otherwise). RESOURCE_EXHAUSTED when the rings or
+  // event_set or a hybrid Store's window_keys (ids laid out by LayoutIds, common/hybrid_ids.h; 0 otherwise).
+  // `launch_deadline_ns`: a Load's (layout 6; 0: none), in the word a keyed request's keys_offset is in. RESOURCE_EXHAUSTED when the rings or
   // the arena are full. The ticket's id counts from 1 per rings; its generation is left 0 (the Client stamps its
   // session's generation and checks it before it hands a ticket back here: these calls look at ticket.id only).
   Result<Ticket> Submit(RingOp op, uint16_t flags, uint32_t count, std::span<const BlockKey> keys,
                         std::span<const uint32_t> ids, uint64_t match_handle, const BlockKey& parent,
-                        uint32_t word56 = 0, uint32_t word60 = 0) ABSL_LOCKS_EXCLUDED(mu_);
+                        uint32_t word56 = 0, uint32_t word60 = 0, int64_t launch_deadline_ns = 0)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The daemon's ring layout version (kMinRingLayoutVersion..kRingLayoutVersion): a layout-4 daemon takes no
-  // first_block and no window_keys.
+  // first_block and no window_keys, a layout-4 or -5 one no launch deadline.
   uint32_t layout_version() const { return ring_->layout_version(); }
   // The request's result, handed out once. Errors: NOT_FOUND for an id these rings never issued or whose
   // result an earlier Wait/TryWait already took (the message says which); DEADLINE_EXCEEDED when it has not

@@ -24,8 +24,12 @@ inline constexpr uint32_t kRingMagic = 0x52564B46;  // "FKVR" little-endian
 //    many of its last keys carry sliding-window ids (SubmitDescriptor::window_keys, the word a Load's event_set is
 //    in); a Load's completion counts the bytes it copied. A layout-4 daemon refuses both words (INVALID_ARGUMENT),
 //    and libflexkv refuses them before it sends them to one (it maps layout 4 rings too, kMinRingLayoutVersion).
-inline constexpr uint32_t kRingLayoutVersion = 5;
-// The oldest layout libflexkv maps: version 4's rings differ from version 5's only in the two words above, which
+// 6: a Load names its launch deadline (SubmitDescriptor::launch_deadline_ns, the word a Match's or Store's
+//    keys_offset is in): the daemon never starts copying it after that CLOCK_MONOTONIC time, and ends it with
+//    DEADLINE_EXCEEDED instead. A layout-5 daemon ignores the word (a Load has no keys), so libflexkv refuses a
+//    deadline before it sends one to a daemon of layout 4 or 5 (FAILED_PRECONDITION).
+inline constexpr uint32_t kRingLayoutVersion = 6;
+// The oldest layout libflexkv maps: version 4's and 5's rings differ from version 6's only in the words above, which
 // the library never sets non-zero for such a daemon.
 inline constexpr uint32_t kMinRingLayoutVersion = 4;
 
@@ -56,7 +60,12 @@ struct SubmitDescriptor {
   uint16_t opcode;            // RingOp
   uint16_t flags;
   uint32_t count;             // blocks (keys and/or block ids)
-  uint64_t keys_offset;       // arena offset of `count` 16-byte keys (Match, Store)
+  union {
+    uint64_t keys_offset;     // arena offset of `count` 16-byte keys (Match, Store, Prefetch)
+    // Load (layout 6): the latest CLOCK_MONOTONIC time (ns) at which the daemon may start copying it; 0: none. Past
+    // it the Load ends DEADLINE_EXCEEDED with nothing copied. At most INT64_MAX (else INVALID_ARGUMENT).
+    uint64_t launch_deadline_ns;
+  };
   uint64_t block_ids_offset;  // arena offset of `count` u32 block ids (Load, Store)
   uint64_t match_handle;      // Load, Release
   // Store: the key keys[0] hangs under (the block before it in the prompt); all zero when keys[0] is the
@@ -81,6 +90,7 @@ struct SubmitDescriptor {
 };
 static_assert(sizeof(SubmitDescriptor) == 64);
 static_assert(offsetof(SubmitDescriptor, parent) == 40 && sizeof(BlockKey) == 16);
+static_assert(offsetof(SubmitDescriptor, keys_offset) == 16 && offsetof(SubmitDescriptor, launch_deadline_ns) == 16);
 static_assert(offsetof(SubmitDescriptor, state_count) == 56 && offsetof(SubmitDescriptor, event_set) == 60);
 static_assert(offsetof(SubmitDescriptor, first_block) == 56 && offsetof(SubmitDescriptor, window_keys) == 60);
 

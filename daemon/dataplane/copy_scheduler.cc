@@ -118,6 +118,7 @@ void CopyScheduler::Submit(CopyRequest request) {
     job.engine_blocks = request.engine_blocks;
     job.slots = request.slots;
     job.pool = *pool;
+    job.launch_deadline = request.launch_deadline;
     if (sum_while_copying) job.term_sums = fan->term_sums[t];
     if (per_layer) {
       job.on_layer = [fan, layer_done = request.layer_done](uint32_t layer) {

@@ -38,6 +38,8 @@ struct CopyRequest {
   // when a target failed to.
   std::vector<std::shared_ptr<LayerEvents>> layer_events;
   std::function<void()> launched;
+  // Loads with a launch deadline (optional): handed to every target's job, each of which starts only before it.
+  std::shared_ptr<LaunchDeadline> launch_deadline;
   // Stores (optional): set to one content checksum per slot (BlockChecksum of the slot's bytes) before `done`
   // runs with OK.
   std::shared_ptr<std::vector<uint64_t>> checksums;

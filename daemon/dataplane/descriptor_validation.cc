@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "common/hybrid_ids.h"
@@ -111,6 +112,12 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
         "first_block {} of a Load of {} blocks; expected {}",
         d.first_block, d.count,
         hybrid ? fmt::format("at most {}", d.count) : fmt::format("below {}", d.count)));
+  }
+  // The word at 16: a Load's launch_deadline_ns (layout 6), the keys_offset of the opcodes that carry keys.
+  if (op == RingOp::kLoad && d.launch_deadline_ns > static_cast<uint64_t>(INT64_MAX)) {
+    return Status::InvalidArgument(fmt::format(
+        "launch_deadline_ns {} of a Load; expected 0 (none) or a CLOCK_MONOTONIC time in ns of at most {}",
+        d.launch_deadline_ns, INT64_MAX));
   }
   if (hybrid && op == RingOp::kLoad && (d.flags & kLoadFlagLayerwise) != 0) {
     return Status::InvalidArgument("a layer-wise Load of a hybrid geometry is not supported yet; load it whole");

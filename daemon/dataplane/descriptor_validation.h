@@ -63,6 +63,8 @@ struct DescriptorPayload {
 // geometries yet); the id array (LayoutIds with ExtentOf(d)) outside the arena (OUT_OF_RANGE); an id of component c
 // not below what c registered (OUT_OF_RANGE, naming the component); boundaries not strictly increasing in 1..count
 // (INVALID_ARGUMENT). A full-attention session's Store carries state_count and window_keys 0.
+// Layout 6: a Load's launch_deadline_ns (the word of keys_offset) above INT64_MAX (INVALID_ARGUMENT, checked right
+// after first_block). Any other value is valid here: whether it has passed is decided where the copy is launched.
 // The checks run in that order; the first failure is returned. Match handles are not checked here: whether the
 // session holds one is state, looked up where it is used (ValidateHandleUse).
 Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::span<const uint8_t> arena,

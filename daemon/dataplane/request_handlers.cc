@@ -10,6 +10,7 @@
 #include "common/clock.h"
 #include "common/hybrid_ids.h"
 #include "daemon/dataplane/descriptor_validation.h"
+#include "daemon/transfer/launch_deadline.h"
 #include "daemon/tiers/tier_lookup.h"
 #include "daemon/tiers/tier_set.h"
 
@@ -362,6 +363,17 @@ void RequestHandlers::EndLoad(const std::shared_ptr<RequestSession>& sp, const S
   Finish(*sp, d, taken_ns, c.descriptor());
 }
 
+namespace {
+
+// A Load's launch deadline (layout 6), shared by all its copies; null without one (0). ValidateDescriptor checked
+// that it fits an int64.
+std::shared_ptr<LaunchDeadline> LaunchDeadlineOf(const SubmitDescriptor& d) {
+  if (d.launch_deadline_ns == 0) return nullptr;
+  return std::make_shared<LaunchDeadline>(static_cast<int64_t>(d.launch_deadline_ns));
+}
+
+}  // namespace
+
 void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const SubmitDescriptor& d, int64_t taken_ns,
                            std::vector<uint32_t> ids) {
   RequestSession& s = *sp;
@@ -381,6 +393,7 @@ void RequestHandlers::Load(const std::shared_ptr<RequestSession>& sp, const Subm
   CopyRequest copy;
   copy.direction = CopyDirection::kFromPool;
   copy.tier = s.tier();
+  copy.launch_deadline = LaunchDeadlineOf(d);
   s.kv().FillTargets(&copy);
   if (d.event_set != 0) {
     // Each target (TP rank) records its own rank's events; a set holds every rank (RegisterLayerEvents checked).
@@ -636,6 +649,9 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
     EndLoad(sp, d, taken_ns, 0, Status::Ok(), NowNs());
     return;  // `admitted` ends here
   }
+  // One deadline for every component's copies: each starts only before it.
+  const std::shared_ptr<LaunchDeadline> deadline = LaunchDeadlineOf(d);
+  for (CopyRequest& part : parts) part.launch_deadline = deadline;
   auto in_flight = std::make_shared<InFlight>(std::move(admitted));
   SubmitJoined(std::move(parts), [this, sp, d, bytes, taken_ns, in_flight](Status st, int64_t copy_start_ns) {
     EndLoad(sp, d, taken_ns, bytes, st, copy_start_ns);

@@ -15,6 +15,7 @@
 
 #include "daemon/cache/pool_region.h"
 #include "daemon/transfer/kv_registration.h"
+#include "daemon/transfer/launch_deadline.h"
 #include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
@@ -83,6 +84,10 @@ struct CopyJob {
   // The events' device must be the registration's (else `done` runs with FAILED_PRECONDITION, nothing copied).
   std::shared_ptr<LayerEvents> layer_events;
   std::function<void()> on_launched;
+  // Loads with a launch deadline (else null): the backend calls Launch() right before this job (or each part it
+  // splits it into) moves its first byte, on the thread that then copies, and on a refusal copies nothing of it and
+  // ends with that error (`done`; `on_launched` and `on_layer` are not called for what it did not copy).
+  std::shared_ptr<LaunchDeadline> launch_deadline;
   // Runs exactly once, on a backend thread (or inline when the job is refused at once), after the bytes are in
   // place or with the error. `copy_start_ns` (monotonic): when the copy began, or was handed to the device.
   std::function<void(Status, int64_t copy_start_ns)> done;

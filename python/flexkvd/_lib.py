@@ -267,6 +267,21 @@ _PARTIAL_PROTOTYPES = {
                                                 POINTER(c_uint32), c_size_t, c_uint32, POINTER(TicketStruct)]),
 }
 has_partial_loads = all(hasattr(lib, name) for name in _PARTIAL_PROTOTYPES)
+
+# Loads with a launch deadline (ring layout 6): added without an ABI bump, so a library without them still loads the
+# package; load(launch_deadline=...) then raises Unimplemented.
+_DEADLINE_PROTOTYPES = {
+    "flexkv_load_by": (c_int, [client_p, c_uint64, c_uint32, POINTER(c_uint32), c_size_t, c_int, c_uint32, c_int64,
+                               POINTER(TicketStruct)]),
+    "flexkv_load_components_by": (c_int, [client_p, c_uint64, c_uint32, POINTER(POINTER(c_uint32)),
+                                          POINTER(c_size_t), c_size_t, c_int64, POINTER(TicketStruct)]),
+}
+has_launch_deadlines = all(hasattr(lib, name) for name in _DEADLINE_PROTOTYPES)
+if has_launch_deadlines:
+    for _name, (_restype, _argtypes) in _DEADLINE_PROTOTYPES.items():
+        _fn = getattr(lib, _name)
+        _fn.restype = _restype
+        _fn.argtypes = _argtypes
 if has_partial_loads:
     for _name, (_restype, _argtypes) in _PARTIAL_PROTOTYPES.items():
         _fn = getattr(lib, _name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import dataclasses
+import math
 import numbers
 import operator
 import os
@@ -446,7 +447,8 @@ class Client:
         return LayerEventSet(self, events, int(set_id.value), layers)
 
     def load(self, match_handle: int, block_ids: Any, layerwise: bool = False,
-             event_set: Optional[Union["LayerEventSet", int]] = None, first_block: int = 0) -> Ticket:
+             event_set: Optional[Union["LayerEventSet", int]] = None, first_block: int = 0,
+             launch_deadline: Optional[float] = None) -> Ticket:
         """Copies blocks [first_block, first_block + len(block_ids)) of a pinned match into these KV blocks
         (result.done_blocks, result.bytes): an engine holding the prefix's first first_block blocks on its GPU
         already loads only past them, and its blocks before are not touched. With layerwise, Ticket.wait_layers
@@ -465,9 +467,19 @@ class Client:
         component 0 (blocks [k, e)), min(window_blocks(i), e - k) ids of a sliding-window component (blocks
         [max(k, e - w), e)), 1 id of a state component (the state slot that receives the snapshot at e). Not
         layer-wise. Wrong counts raise InvalidArgument naming the component, its kind and the count expected
-        (nothing is sent); a single flat id sequence on a hybrid session raises InvalidArgument too."""
+        (nothing is sent); a single flat id sequence on a hybrid session raises InvalidArgument too.
+
+        launch_deadline: an absolute time.monotonic() value in seconds (CLOCK_MONOTONIC on Linux, the clock flexkvd
+        reads on this node), None for none. flexkvd starts none of the load's copies after it: the load then ends
+        with DeadlineExceeded ("not launched by its launch deadline; nothing was copied"), its pins released. So a
+        caller that gives up on the load at that time (wait_launched or wait timed out there) knows no byte of it
+        lands later in its blocks: what started before the deadline finishes promptly (wait for it), nothing starts
+        after it. Needs a flexkvd of ring layout 6 (else FailedPrecondition, nothing sent) and a libflexkv with
+        flexkv_load_by (else Unimplemented); a negative or non-finite value raises InvalidArgument."""
         handle = c_uint(match_handle, "match_handle", U64_MAX)
         first = c_uint(first_block, "first_block")
+        if launch_deadline is not None:
+            return self._load_by(handle, block_ids, layerwise, event_set, first, launch_deadline)
         if first != 0:
             _need_partial("load with first_block")
         if _per_component(block_ids):
@@ -494,6 +506,33 @@ class Client:
             set_id = event_set.id if isinstance(event_set, LayerEventSet) else c_uint(event_set, "event_set")
             return self._submit("load", _lib.lib.flexkv_load_with_events, handle, ids, n, set_id)
         return self._submit("load", _lib.lib.flexkv_load, handle, ids, n, 1 if layerwise else 0)
+
+    def _load_by(self, handle: int, block_ids: Any, layerwise: bool,
+                 event_set: Optional[Union["LayerEventSet", int]], first: int, launch_deadline: float) -> Ticket:
+        """load with a launch deadline, through flexkv_load_by / flexkv_load_components_by."""
+        if not isinstance(launch_deadline, numbers.Real) or isinstance(launch_deadline, bool) or \
+                not math.isfinite(launch_deadline) or launch_deadline <= 0:
+            raise InvalidArgument(f"launch_deadline {launch_deadline!r}; expected a time.monotonic() value in "
+                                  "seconds (above 0), or None for none")
+        if not _lib.has_launch_deadlines:
+            raise Unimplemented("load with a launch_deadline: the libflexkv loaded has no flexkv_load_by (it "
+                                "predates ring layout 6); expected a newer libflexkv")
+        deadline_ns = min(int(launch_deadline * 1e9), (1 << 63) - 1)
+        if _per_component(block_ids):
+            if layerwise:
+                raise InvalidArgument("a layer-wise load of a hybrid geometry's components is not supported; "
+                                      "expected layerwise=False")
+            ptrs, counts, n, _keep = _component_arrays(block_ids)
+            return self._submit("load", _lib.lib.flexkv_load_components_by, handle, first, ptrs, counts, n,
+                                deadline_ns)
+        if layerwise and event_set is not None:
+            raise InvalidArgument("load with both layerwise and event_set; expected one completion kind: the "
+                                  "set's CUDA events or layer progress")
+        ids, n = c_int_array(block_ids, ctypes.c_uint32, "block_ids")
+        set_id = 0 if event_set is None else \
+            event_set.id if isinstance(event_set, LayerEventSet) else c_uint(event_set, "event_set")
+        return self._submit("load", _lib.lib.flexkv_load_by, handle, first, ids, n, 1 if layerwise else 0, set_id,
+                            deadline_ns)
 
     def store(self, keys: Union[BlockKeys, Iterable[Any]], block_ids: Any,
               state_boundaries: Optional[Any] = None, window_keys: int = 0) -> Ticket:

@@ -80,6 +80,8 @@ void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, co
           (op == RingOp::kStore && hybrid));
   Require(op != RingOp::kPrefetch || d.match_handle == 0);
   Require(op == RingOp::kStore || d.parent == flexkv::BlockKey{});
+  // Layout 6: a Load's launch deadline fits the daemon's int64 clock.
+  Require(op != RingOp::kLoad || d.launch_deadline_ns <= static_cast<uint64_t>(INT64_MAX));
   const uint16_t allowed = op == RingOp::kMatch ? 1 : op == RingOp::kLoad ? 1 : 0;
   Require((d.flags | allowed) == allowed);
   if (op == RingOp::kRelease) {

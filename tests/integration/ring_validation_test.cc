@@ -57,7 +57,7 @@ TEST_CASE("malformed ring descriptors get error completions, the daemon and othe
   auto add = [&](const char* what, RingOp op, uint32_t count, StatusCode expect, const char* mentions,
                  const std::function<void(SubmitDescriptor&)>& tweak) {
     SubmitDescriptor s = Desc(next_id++, Op(op), count);
-    s.keys_offset = kKeysAt;
+    if (op != RingOp::kLoad) s.keys_offset = kKeysAt;  // a Load's word there is its launch deadline (layout 6)
     s.block_ids_offset = kIdsAt;
     if (tweak) tweak(s);
     cases.push_back({what, s, expect, mentions});
@@ -90,6 +90,10 @@ TEST_CASE("malformed ring descriptors get error completions, the daemon and othe
   });
   add("Match count 0", RingOp::kMatch, 0, SC::kInvalidArgument, "count 0", nullptr);
   add("Store count 0", RingOp::kStore, 0, SC::kInvalidArgument, "count 0", nullptr);
+  add("Load launch_deadline_ns above INT64_MAX", RingOp::kLoad, 1, SC::kInvalidArgument, "launch_deadline_ns", [&](auto& s) {
+    s.match_handle = h1.match_handle;
+    s.launch_deadline_ns = std::numeric_limits<uint64_t>::max();
+  });
   add("Load count 0", RingOp::kLoad, 0, SC::kInvalidArgument, "count 0", [&](auto& s) { s.match_handle = h1.match_handle; });
   add("Match count 2^31", RingOp::kMatch, 1u << 31, SC::kInvalidArgument, "count 2147483648", nullptr);
   add("Store count UINT32_MAX", RingOp::kStore, std::numeric_limits<uint32_t>::max(), SC::kInvalidArgument, "count",

@@ -333,6 +333,17 @@ int flexkv_store_components_windows(flexkv_client* client, const flexkv_block_ke
                                     const flexkv_block_key* keys, size_t n_keys, const uint32_t* const* component_ids,
                                     const size_t* counts, size_t n_components, const uint32_t* state_boundaries,
                                     size_t n_boundaries, uint32_t window_keys, flexkv_ticket* ticket);
+/* Added within ABI 6 (ring layout 6): loads with a launch deadline (Client::Load, "Launch deadline").
+ * flexkv_load_by / flexkv_load_components_by: as flexkv_load_from / flexkv_load_components_from, and flexkvd starts
+ * none of the load's copies after launch_deadline_ns, an absolute CLOCK_MONOTONIC time in ns (0: none): the load
+ * then ends FLEXKV_DEADLINE_EXCEEDED with nothing copied. A negative deadline: FLEXKV_INVALID_ARGUMENT; a deadline to
+ * a flexkvd of ring layout 4 or 5: FLEXKV_FAILED_PRECONDITION; nothing sent either way. */
+int flexkv_load_by(flexkv_client* client, uint64_t match_handle, uint32_t first_block, const uint32_t* dst_block_ids,
+                   size_t n_blocks, int layerwise, uint32_t event_set, int64_t launch_deadline_ns,
+                   flexkv_ticket* ticket);
+int flexkv_load_components_by(flexkv_client* client, uint64_t match_handle, uint32_t first_block,
+                              const uint32_t* const* component_ids, const size_t* counts, size_t n_components,
+                              int64_t launch_deadline_ns, flexkv_ticket* ticket);
 int flexkv_release(flexkv_client* client, uint64_t match_handle, flexkv_ticket* ticket);
 /* The unary gRPC match (slow path, diagnostics). */
 int flexkv_match_via_control(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, uint32_t* matched);

@@ -335,8 +335,18 @@ class Client {
   // blocks are not touched). The result's done_blocks and bytes count what moved. With `layerwise`, WaitLayers
   // reports each layer as it lands, so compute on layer 0 can start while later layers copy. first_block > 0 needs
   // a flexkvd of ring layout 5: an older one is refused FAILED_PRECONDITION before anything is sent.
+  //
+  // Launch deadline (every Load overload; ring layout 6): `launch_deadline_ns` > 0 is an absolute CLOCK_MONOTONIC
+  // time in ns (flexkv::NowNs(); the daemon is on this node, so it reads the same clock). flexkvd starts none of the
+  // load's copies after it: the request then ends DEADLINE_EXCEEDED ("not launched by its launch deadline; nothing
+  // was copied") with its pins released, as any failed load. So a client that gives up on a load at its deadline
+  // (WaitLaunched or Wait timed out there) may hand the target blocks to someone else: whatever started before the
+  // deadline finishes promptly (Wait for it), nothing starts after it. Only a load of several copies (TP ranks,
+  // hybrid components) that straddled the deadline ends DEADLINE_EXCEEDED with its blocks partly written. 0: no
+  // deadline. INVALID_ARGUMENT for a negative one; FAILED_PRECONDITION, nothing sent, for a flexkvd of layout 4 or 5
+  // (it would ignore the deadline).
   Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise = false,
-                      uint32_t first_block = 0);
+                      uint32_t first_block = 0, int64_t launch_deadline_ns = 0);
 
   // --- Layer-wise loads completed by CUDA events (no CPU wake-up between layers; docs/protocol.md "Layer events").
   // The engine creates one interprocess event per layer on each TP rank's GPU (CudaLayerEvents, flexkv/cuda.h) and
@@ -367,7 +377,7 @@ class Client {
   Status ReleaseLayerEvents(uint32_t event_set);
   // A Load (as above, never layer-wise by progress completions) whose layers are reported by the set's events.
   Result<Ticket> LoadWithEvents(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, uint32_t event_set,
-                                uint32_t first_block = 0);
+                                uint32_t first_block = 0, int64_t launch_deadline_ns = 0);
   // Step 2 above: OK once the load's copies and event records are all enqueued (or it ended OK); the load's error
   // when it ended with one (its result stays for Wait); DEADLINE_EXCEEDED on timeout; the ticket errors of Wait.
   Status WaitLaunched(Ticket ticket, std::chrono::microseconds timeout);
@@ -387,7 +397,7 @@ class Client {
   // component 1 id (the engine state slot for the snapshot at e). Not layer-wise (yet). k > 0 needs a flexkvd of
   // ring layout 5 (FAILED_PRECONDITION before anything is sent otherwise).
   Result<Ticket> Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
-                      uint32_t first_block = 0);
+                      uint32_t first_block = 0, int64_t launch_deadline_ns = 0);
   // Store of n keys: component_ids[0] has n FULL ids, a sliding-window component the ids of its last m keys, a
   // state component one id per entry of `state_boundaries` (each in 1..n, increasing; boundary b = the snapshot
   // after keys[b - 1]). m is `window_keys`, or min(window_blocks, n) when it is 0 (the trailing window); an engine

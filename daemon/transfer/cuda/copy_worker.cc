@@ -54,6 +54,9 @@ Status CopyWorker::Run(Job& job) {
     }
     capacity_ = capacity;
   }
+  // The last moment before this job's bytes move, on every path below (layer events, copy engine, staged, kernels):
+  // past the load's launch deadline nothing of it is enqueued.
+  if (job.launch_deadline) FLEXKV_RETURN_IF_ERROR(job.launch_deadline->Launch());
   const GpuKv& kv = *job.kv;
   const Geometry& g = kv.geometry;
   // The job's own sub-pool: components have sub-pools of their own slot sizes in one registered range.
@@ -191,7 +194,11 @@ void CopyWorker::Loop() {
       // reference to the registration (whose destructor unmaps the memory those kernels touch).
       if (stream_ != nullptr) cudaStreamSynchronize(stream_);
       if (sums_stream_ != nullptr) cudaStreamSynchronize(sums_stream_);
-      log::Error("cuda", "{} copy on device {} failed: {}", to_host_ ? "store" : "load", device_, s.message());
+      if (s.code() == StatusCode::kDeadlineExceeded) {  // refused before anything was enqueued: not a copy failure
+        log::Warning("cuda", "load on device {} refused: {}", device_, s.message());
+      } else {
+        log::Error("cuda", "{} copy on device {} failed: {}", to_host_ ? "store" : "load", device_, s.message());
+      }
     }
     job.done(s);
   }

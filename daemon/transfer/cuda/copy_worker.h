@@ -15,6 +15,7 @@
 #include "daemon/cache/pool_region.h"
 #include "daemon/transfer/cuda/cuda_kv.h"
 #include "daemon/transfer/cuda/kv_copy.h"
+#include "daemon/transfer/launch_deadline.h"
 #include "flexkv/status.h"
 
 namespace flexkv {
@@ -34,6 +35,8 @@ class CopyWorker {
     std::function<void(Status)> done;
     std::shared_ptr<GpuLayerEvents> events;  // loads recording a layer-event set; null: none
     std::function<void()> on_launched;
+    // Loads with a launch deadline (null: none): Run asks it before anything of the job is enqueued on the device.
+    std::shared_ptr<LaunchDeadline> launch_deadline;
   };
 
   // `copy_engine`: the copy-engine batch instead of the kernels; `staging_bytes`: the staging ring's size (0: none).

@@ -13,6 +13,7 @@
 
 #include "daemon/cache/pool_region.h"
 #include "daemon/transfer/kv_registration.h"
+#include "daemon/transfer/launch_deadline.h"
 #include "flexkv/geometry.h"
 #include "flexkv/status.h"
 
@@ -72,7 +73,8 @@ class CudaBackend {
   virtual void Copy(std::shared_ptr<GpuKv> kv, bool to_host, const PoolRegion& pool, std::vector<uint32_t> gpu_blocks,
                     std::vector<uint32_t> slots, std::shared_ptr<std::vector<uint64_t>> term_sums,
                     std::function<void(uint32_t layer)> on_layer, std::function<void(Status)> done,
-                    std::shared_ptr<GpuLayerEvents> events = nullptr, std::function<void()> on_launched = nullptr) = 0;
+                    std::shared_ptr<GpuLayerEvents> events = nullptr, std::function<void()> on_launched = nullptr,
+                    std::shared_ptr<LaunchDeadline> launch_deadline = nullptr) = 0;
   // Opens one TP rank's layer events from their IPC handles on the GPU the UUID names: NOT_FOUND for a GPU this
   // daemon does not see, INVALID_ARGUMENT naming the layer whose handle cudaIpcOpenEventHandle refuses (not an
   // interprocess event, or of a process that is gone). Whatever was opened is closed again on an error.

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "common/clock.h"
+#include "common/mutex.h"
 #include "daemon/transfer/host/host_kv.h"
 
 namespace flexkv {
@@ -39,12 +40,15 @@ Result<std::shared_ptr<EngineKv>> HostBackend::Open(KvRegistration registration,
 }
 
 void HostBackend::Copy(CopyJob job) {
-  // The blocks are split into one part per worker; `done` runs after the last part, with when the first began.
+  // The blocks are split into one part per worker; `done` runs after the last part, with when the first began and
+  // the first error (a part its launch deadline refused).
   struct Parts {
     CopyJob job;
     std::shared_ptr<const HostKv> kv;
     std::atomic<uint32_t> left{0};
     std::atomic<int64_t> start_ns{0};
+    Mutex mu;
+    Status error ABSL_GUARDED_BY(mu);
   };
   auto parts = std::make_shared<Parts>();
   parts->kv = std::static_pointer_cast<const HostKv>(job.kv);  // opened by Open above
@@ -63,16 +67,30 @@ void HostBackend::Copy(CopyJob job) {
         parts->start_ns.compare_exchange_strong(unset, NowNs(), std::memory_order_relaxed);
       }
       const CopyJob& j = parts->job;
-      for (uint32_t b = begin; b < end; ++b) {
-        uint8_t* slot = j.pool.SlotData((*j.slots)[b]);
-        if (j.direction == CopyDirection::kToPool) {
-          const uint64_t sum = parts->kv->CopyToSlot((*j.engine_blocks)[b], slot);
-          if (j.term_sums) (*j.term_sums)[b] += sum;  // each part owns its own range of entries
-        } else {
-          parts->kv->CopyFromSlot(slot, (*j.engine_blocks)[b]);
+      // The part's last moment before its first memcpy: refused by the load's launch deadline, it copies nothing.
+      const Status launched = j.launch_deadline ? j.launch_deadline->Launch() : Status::Ok();
+      if (launched.ok()) {
+        for (uint32_t b = begin; b < end; ++b) {
+          uint8_t* slot = j.pool.SlotData((*j.slots)[b]);
+          if (j.direction == CopyDirection::kToPool) {
+            const uint64_t sum = parts->kv->CopyToSlot((*j.engine_blocks)[b], slot);
+            if (j.term_sums) (*j.term_sums)[b] += sum;  // each part owns its own range of entries
+          } else {
+            parts->kv->CopyFromSlot(slot, (*j.engine_blocks)[b]);
+          }
         }
+      } else {
+        MutexLock lock(&parts->mu);
+        if (parts->error.ok()) parts->error = launched;
       }
-      if (parts->left.fetch_sub(1) == 1) parts->job.done(Status::Ok(), parts->start_ns.load(std::memory_order_relaxed));
+      if (parts->left.fetch_sub(1) == 1) {
+        Status result;
+        {
+          MutexLock lock(&parts->mu);
+          result = parts->error;
+        }
+        parts->job.done(std::move(result), parts->start_ns.load(std::memory_order_relaxed));
+      }
     });
   }
 }

@@ -10,6 +10,12 @@ reports its blocks in that step's get_block_ids_with_load_errors, as vLLM requir
 discards the step's output of that request and computes those tokens again); a layer-wise load is never reported
 in finished_recving (vLLM did not wait for it).
 
+Each load carries the deadline the connector waits for as its launch deadline (ring layout 6): flexkvd starts none of
+its copies after that time. So when the connector gives up on a load (not launched in time: a stalled daemon), the
+daemon either launched it before - its copies complete promptly, into blocks the request still holds - or never
+will: no byte lands later in blocks vLLM gave to another request. With a libflexkv or flexkvd older than layout 6
+the loads go without one (logged once): then a daemon that resumes after a give-up may still copy.
+
 Stores: vLLM keeps a finished request's blocks until the store is reported, so nothing has to be copied during the
 forward (save_kv_layer has nothing to do); the store must only not read the blocks before the engine's kernels that
 write them have run. With a store_fence (GPU: a CUDA event recorded on the engine's current stream), the stores of
@@ -56,6 +62,8 @@ class LayerwiseMixin:
         self._sets_session: Optional[int] = None
         self._fenced: List[Tuple[Any, StoreSpec]] = []
         self._late: List[_LayerLoad] = []       # loads whose wait gave up: their sets come back when they end
+        # Loads carry their launch deadline while libflexkv and flexkvd take one (ring layout 6).
+        self._launch_deadlines = bool(flexkvd._lib.has_launch_deadlines)  # noqa: SLF001
 
     def register_layer_names(self, names: Dict[str, int]) -> None:
         """Which flexkvd layer each vLLM layer name is (KvPlan.layer_index), for wait_layer."""
@@ -108,12 +116,12 @@ class LayerwiseMixin:
         try:
             if self.layer_stream is not None:
                 load.events = self._event_set(client)
-                load.ticket = client.load(hit.match_handle, _ids(spec)[first:usable], event_set=load.events,
-                                          first_block=first)
+                load.ticket = self._load(client, hit.match_handle, _ids(spec)[first:usable], first, deadline,
+                                         event_set=load.events)
                 load.ticket.wait_launched(timeout=max(0.0, deadline - time.monotonic()))
             else:
-                load.ticket = client.load(hit.match_handle, _ids(spec)[first:usable], layerwise=True,
-                                          first_block=first)
+                load.ticket = self._load(client, hit.match_handle, _ids(spec)[first:usable], first, deadline,
+                                         layerwise=True)
         except flexkvd.DeadlineExceeded:  # not launched in time: its layers are not waited for, nor used
             self._give_up(load)
             return
@@ -122,6 +130,21 @@ class LayerwiseMixin:
             self._end_layer_load(load, ok=False)
             return
         self._layer_loads.append(load)
+
+    def _load(self, client: flexkvd.Client, handle: int, ids: List[int], first: int, deadline: float,
+              **kind: Any) -> flexkvd.Ticket:
+        """Submits a load whose launch deadline is `deadline` (the time the connector gives up on it); without one
+        when libflexkv or flexkvd predates ring layout 6."""
+        if self._launch_deadlines:
+            try:
+                return client.load(handle, ids, first_block=first, launch_deadline=deadline, **kind)
+            except flexkvd.FailedPrecondition as err:
+                if "ring layout 6" not in str(err):
+                    raise
+                self._launch_deadlines = False
+                log.warning("flexkvd takes no launch deadline (%s): loads go without one, so a daemon that resumes "
+                            "after the connector gave up on a load may still copy it", err)
+        return client.load(handle, ids, first_block=first, **kind)
 
     def wait_layer(self, layer_name: str) -> None:
         """vLLM's wait_for_layer_load: the engine's stream waits for this layer of every layer-wise load of the

@@ -195,3 +195,39 @@ TEST_CASE("session rings: a load that ends with an error before launch answers W
   REQUIRE(r.ok());
   CHECK(r->status.code() == flexkv::StatusCode::kFailedPrecondition);
 }
+
+TEST_CASE("session rings: a Load carries its launch deadline in the keys_offset word, and 0 without one", "[unit]") {
+  Rings rings;
+  const std::vector<uint32_t> ids = {4, 5, 6};
+  const int64_t deadline = 123'456'789'012;
+  auto with = rings.client->Submit(RingOp::kLoad, 0, 3, {}, ids, 77, flexkv::kRootParent, 0, 0, deadline);
+  REQUIRE(with.ok());
+  const SubmitDescriptor d = rings.Take();
+  CHECK(d.launch_deadline_ns == static_cast<uint64_t>(deadline));
+  CHECK(d.block_ids_offset % 4 == 0);
+  // Without a deadline the word is 0, never the payload's arena offset (a layout-6 daemon would read a deadline).
+  auto second = rings.client->Submit(RingOp::kLoad, 0, 3, {}, ids, 77, flexkv::kRootParent);
+  REQUIRE(second.ok());
+  const SubmitDescriptor none = rings.Take();
+  CHECK(none.block_ids_offset != 0);  // the first load's ids still hold the arena's start
+  CHECK(none.launch_deadline_ns == 0);
+  // A Match still carries its keys' offset there.
+  const std::vector<BlockKey> keys = {BlockKey{1, 2}};
+  auto match = rings.client->Submit(RingOp::kMatch, 0, 1, keys, {}, 0, flexkv::kRootParent, 0, 0, deadline);
+  REQUIRE(match.ok());
+  const SubmitDescriptor m = rings.Take();
+  CHECK(m.keys_offset < (1u << 20));  // inside the arena, not the deadline
+  CHECK(m.keys_offset % 8 == 0);
+}
+
+TEST_CASE("session rings: a launch deadline to a flexkvd of ring layout 4 or 5 is refused FAILED_PRECONDITION",
+          "[unit]") {
+  for (const uint32_t layout : {4u, 5u}) {
+    const flexkv::Status refused = flexkv::CheckLaunchDeadlineLayout(layout, 1'000'000);
+    CHECK(refused.code() == flexkv::StatusCode::kFailedPrecondition);
+    CHECK_THAT(refused.message(), Catch::Contains("a launch deadline needs ring layout 6, and the daemon speaks layout " +
+                                                  std::to_string(layout)));
+    CHECK(flexkv::CheckLaunchDeadlineLayout(layout, 0).ok());  // no deadline: every layout takes the load
+  }
+  CHECK(flexkv::CheckLaunchDeadlineLayout(6, 1'000'000).ok());
+}

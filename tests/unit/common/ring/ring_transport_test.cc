@@ -335,7 +335,7 @@ TEST_CASE("ring transport: indices a client scribbles are caught", "[unit][ring]
     h.layout_version = flexkv::kRingLayoutVersion + 1;
     auto s = RingSubmitter::Map(std::move(created->memfd), std::move(created->doorbell));
     REQUIRE(s.status().code() == flexkv::StatusCode::kFailedPrecondition);
-    REQUIRE(s.status().message().find("versions 4..5") != std::string::npos);
+    REQUIRE(s.status().message().find("versions 4..6") != std::string::npos);
   }
   SECTION("a layout older than the oldest the client speaks is refused") {
     h.layout_version = flexkv::kMinRingLayoutVersion - 1;
@@ -347,5 +347,11 @@ TEST_CASE("ring transport: indices a client scribbles are caught", "[unit][ring]
     auto s = RingSubmitter::Map(std::move(created->memfd), std::move(created->doorbell));
     REQUIRE(s.ok());
     REQUIRE((*s)->layout_version() == 4);
+  }
+  SECTION("a layout-5 daemon's rings are mapped, and say so: its Loads carry no launch deadline") {
+    h.layout_version = 5;
+    auto s = RingSubmitter::Map(std::move(created->memfd), std::move(created->doorbell));
+    REQUIRE(s.ok());
+    REQUIRE((*s)->layout_version() == 5);
   }
 }

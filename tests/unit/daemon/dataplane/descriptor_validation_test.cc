@@ -11,6 +11,9 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "common/clock.h"
 #include "daemon/dataplane/descriptor_validation.h"
 
 namespace {
@@ -201,8 +204,30 @@ TEST_CASE("descriptor validation: arena ranges outside, overflowing or unaligned
   match.block_ids_offset = kMax;
   CHECK(flexkv::ValidateDescriptor(match, Arena().span(), Limits()).ok());
   SubmitDescriptor load = Desc(RingOp::kLoad, 1);
-  load.keys_offset = kMax;
+  load.block_ids_offset = kIdsAt;
   CHECK(flexkv::ValidateDescriptor(load, Arena().span(), Limits()).ok());
+}
+
+TEST_CASE("descriptor validation: a Load's launch deadline is 0 or a monotonic time up to INT64_MAX", "[unit]") {
+  // Layout 6: the word of keys_offset is a Load's launch_deadline_ns; whether it passed is decided at the launch.
+  for (const uint64_t deadline : {uint64_t{0}, uint64_t{1}, static_cast<uint64_t>(flexkv::NowNs()),
+                                  static_cast<uint64_t>(INT64_MAX)}) {
+    INFO(deadline);
+    SubmitDescriptor load = Desc(RingOp::kLoad, 2);
+    load.launch_deadline_ns = deadline;
+    CHECK(flexkv::ValidateDescriptor(load, Arena().span(), Limits()).ok());
+  }
+  for (const uint64_t deadline : {static_cast<uint64_t>(INT64_MAX) + 1, kMax}) {
+    SubmitDescriptor load = Desc(RingOp::kLoad, 2);
+    load.launch_deadline_ns = deadline;
+    ExpectRefused(load, StatusCode::kInvalidArgument,
+                  fmt::format("launch_deadline_ns {} of a Load; expected 0 (none) or a CLOCK_MONOTONIC time in ns of "
+                              "at most 9223372036854775807", deadline));
+  }
+  // The same word is a Match's and Store's keys_offset: checked as an arena range there, not as a deadline.
+  SubmitDescriptor match = Desc(RingOp::kMatch, 1);
+  match.keys_offset = static_cast<uint64_t>(INT64_MAX) + 1;
+  ExpectRefused(match, StatusCode::kOutOfRange, "keys [");
 }
 
 TEST_CASE("descriptor validation: block ids at or past the registered blocks are refused with OUT_OF_RANGE",

@@ -69,7 +69,7 @@ struct Harness {
     d.opcode = static_cast<uint16_t>(op);
     d.flags = flags;
     d.count = static_cast<uint32_t>(keys.empty() ? ids.size() : keys.size());
-    d.keys_offset = kKeysOffset;
+    if (op != RingOp::kLoad) d.keys_offset = kKeysOffset;  // a Load's word there is its launch deadline
     d.block_ids_offset = kIdsOffset;
     d.match_handle = handle;
     if (!keys.empty()) std::memcpy(arena.data() + kKeysOffset, keys.data(), keys.size() * sizeof(BlockKey));
