@@ -82,9 +82,10 @@ class Cache:
 
 
 class Engine:
-    def __init__(self, socket: str, form: str, g: flexkvd.Geometry, load_mode: str) -> None:
+    def __init__(self, socket: str, form: str, g: flexkvd.Geometry, load_mode: str,
+                 op_timeout_s: float = 10.0) -> None:
         cfg = dataclasses.replace(config(socket, g, f"vllm|gpu-layouts-{g.kv_planes}|main|bfloat16|tp1"),
-                                  op_timeout_s=10.0, load_mode=load_mode)
+                                  op_timeout_s=op_timeout_s, load_mode=load_mode)
         self.cache = Cache(form, g)
         self.scheduler = SchedulerLogic(cfg)
         self.worker = WorkerLogic(cfg)
@@ -105,8 +106,8 @@ def engines(make_daemon):
     d = make_daemon(pool_size="1GiB")
     made = []
 
-    def make(form: str, g: flexkvd.Geometry, load_mode: str = "layerwise") -> Engine:
-        made.append(Engine(d.socket, form, g, load_mode))
+    def make(form: str, g: flexkvd.Geometry, load_mode: str = "layerwise", op_timeout_s: float = 10.0) -> Engine:
+        made.append(Engine(d.socket, form, g, load_mode, op_timeout_s))
         return made[-1]
 
     try:
@@ -181,6 +182,45 @@ def test_layouts_round_trip_byte_exact_with_layer_wise_loads(engines, writer, re
                 assert torch.equal(got, want), (writer, reader, layer, p, s, t)
     untouched = [blk for blk in range(NB) if blk not in dst]
     assert all(int(b.cache.chunk(0, 0, blk).abs().sum()) == 0 for blk in untouched[:8])
+
+
+@pytest.mark.skipif(not flexkvd._lib.has_launch_deadlines,  # noqa: SLF001
+                    reason="the libflexkv loaded has no flexkv_load_by (ring layout 6)")
+def test_a_layer_wise_load_given_up_on_a_stopped_daemon_is_never_copied_into_the_engine(engines):
+    # The daemon stops between the pin and the load: wait_launched gives up at op_timeout_s, the blocks are reported
+    # as load errors; once it resumes, the load's launch deadline (the same time) keeps its copies off the GPU.
+    make, d = engines
+    a = make("flash_attn", KV, load_mode="whole")
+    b = make("flash_attn", KV, op_timeout_s=0.5)
+    tokens = prompt(23, 4 * KV.tokens_per_block + 1)
+    store_behind_a_running_kernel(a, tokens, [3, 4, 5, 6])
+    hit, _ = b.scheduler.get_num_new_matched_tokens("b", tokens, 0)
+    assert hit == 4 * KV.tokens_per_block
+    dst = [50, 51, 52, 53]
+    b.scheduler.update_state_after_alloc("b", dst, hit)
+    submit = b.worker._load  # noqa: SLF001
+
+    def stop_then_submit(*args, **kw):
+        d.freeze()
+        return submit(*args, **kw)
+    b.worker._load = stop_then_submit  # noqa: SLF001
+    try:
+        b.worker.start(b.scheduler.build_connector_meta())  # wait_launched gives up at the deadline
+        for name in NAMES:
+            b.worker.wait_layer(name)  # the given-up load has no events to wait on
+        assert b.worker.get_finished(set()) == (None, None)
+        assert b.worker.take_load_errors() == set(dst)
+    finally:
+        d.thaw()
+    with flexkvd.connect(d.socket) as observer:
+        until = time.monotonic() + 10
+        while observer.status().pinned_blocks != 0 and time.monotonic() < until:
+            b.worker.get_finished(set())  # retires the given-up load once it ended (DeadlineExceeded)
+            time.sleep(0.02)
+        assert observer.status().pinned_blocks == 0
+    torch.cuda.synchronize()
+    assert all(int(b.cache.chunk(layer, p, blk).abs().sum()) == 0
+               for layer in range(KV.num_layers) for p in range(2) for blk in dst)
 
 
 def test_block_major_layers_in_separate_allocations_register_a_region_per_layer(engines):
