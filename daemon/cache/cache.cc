@@ -483,6 +483,14 @@ Cache::HybridReservation Cache::ReserveHybrid(const BlockKey& parent, std::span<
     return refuse(r.full.shortfall, 0);
   }
   for (SlotId s : r.full.slots) ForgetNextTierLocked(s, /*evicted=*/false);
+  // The FULL evictions unanchored entries of the other components (they go first at eviction): checked again. The
+  // FULL blocks evicted were on the next tier, and their entries stay: aborting here loses nothing.
+  for (size_t c = 1; wait_allowed && c < g.component_count(); ++c) {
+    if (!Part(c).FitsWithoutDirty(r.keys[c])) {
+      index_->Abort(r.full.slots);
+      return wait();
+    }
+  }
   for (size_t c = 1; c < g.component_count(); ++c) {
     ComponentIndex::Reservation part = Part(c).Reserve(r.keys[c]);
     if (part.shortfall != StatusCode::kOk) {  // a repeated key (the client's): give back what was taken

@@ -5,6 +5,7 @@
 #include "daemon/cache/component_index.h"
 
 #include <absl/container/flat_hash_map.h>
+#include <absl/container/flat_hash_set.h>
 #include <absl/hash/hash.h>
 #include <fmt/format.h>
 
@@ -299,18 +300,23 @@ StatusCode ComponentIndex::Feasible(std::span<const BlockKey> keys, std::vector<
 
 bool ComponentIndex::FitsWithoutDirty(std::span<const BlockKey> keys) const {
   const Impl& m = *impl_;
-  size_t need = 0, own_evictable = 0;
-  for (const BlockKey& key : keys) {
-    const SlotId s = m.Find(key);
-    if (s == kNil) {
-      ++need;
-    } else if (Impl::Evictable(m.entries_[s]) && s < m.limit_) {
-      ++own_evictable;
+  // The evictions Reserve(keys) would make: after the free slots, the eviction order from its head (the store's own
+  // entries are pinned then, so passed by; an entry at or above the limit is evicted but frees no slot).
+  size_t need = 0;
+  for (const BlockKey& key : keys) need += m.Find(key) == kNil ? 1 : 0;
+  if (need <= m.free_.size) return true;
+  size_t evictions = need - m.free_.size;
+  const absl::flat_hash_set<BlockKey, KeyHash> own(keys.begin(), keys.end());
+  for (const List* l : {&m.unanchored_, &m.clean_, &m.lru_}) {
+    for (SlotId s = l->head; s != kNil; s = m.entries_[s].next) {
+      const Entry& e = m.entries_[s];
+      if (own.contains(e.key)) continue;
+      if (!e.clean) return false;  // it would be evicted before the next tier holds it
+      if (s >= m.limit_) continue;
+      if (--evictions == 0) return true;
     }
   }
-  const size_t lossless = size_t{m.free_.size} + m.unanchored_.size + m.clean_.size;
-  const size_t available = lossless - std::min<size_t>(lossless, size_t{m.doomed_evictable_} + own_evictable);
-  return need <= available;
+  return false;  // not enough to evict at all (Feasible says RESOURCE_EXHAUSTED)
 }
 
 ComponentIndex::Reservation ComponentIndex::Reserve(std::span<const BlockKey> keys) {

@@ -76,9 +76,8 @@ class ComponentIndex {
   // What Reserve(keys) would answer (OK, RESOURCE_EXHAUSTED or ABORTED), changing nothing: lets a caller check
   // every part of an all-or-none store before any part evicts. `found` (optional) gets each key's slot or kNoSlot.
   StatusCode Feasible(std::span<const BlockKey> keys, std::vector<SlotId>* found = nullptr) const;
-  // Whether Reserve(keys) finds its slots among free slots and entries that lose nothing when evicted - unanchored
-  // ones (their FULL block left DRAM) and clean ones (on the next tier) - without evicting a dirty anchored entry.
-  // Conservative: an own evictable entry (one of `keys`, never evicted for them) counts against it.
+  // Whether Reserve(keys) would evict only entries the next tier holds (clean), anchored or not: the evictions it
+  // would make, in eviction order after the free slots, are walked (O(evictions + entries passed by)).
   bool FitsWithoutDirty(std::span<const BlockKey> keys) const;
   // Makes pending slots committed (findable). A slot dropped while pending (Drop) is freed instead: check
   // IsCommitted afterwards before publishing it. The first `cold` of `slots` join the eviction order at its cold

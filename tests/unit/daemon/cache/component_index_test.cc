@@ -465,31 +465,41 @@ TEST_CASE("component index: entries the next tier holds (clean) are evicted afte
   index.CheckInvariants();
 }
 
-TEST_CASE("component index: a reservation fits without a dirty eviction when free, unanchored and clean entries are "
-          "enough, and not otherwise",
+TEST_CASE("component index: a reservation fits without a dirty eviction when the evictions it would make are all "
+          "of clean entries, unanchored or not",
           "[unit][cache][component]") {
   ComponentIndex index(6);
   std::vector<BlockKey> keys;
   for (uint64_t i = 0; i < 4; ++i) keys.push_back(Key(300 + i));
   ComponentIndex::Reservation r = index.Reserve(keys);
   REQUIRE(r.shortfall == StatusCode::kOk);
-  index.Commit(r.slots);  // 4 dirty anchored entries, 2 free slots
+  index.Commit(r.slots);  // 4 dirty anchored entries (LRU order 0..3), 2 free slots
   const std::vector<BlockKey> two = {Key(400), Key(401)}, three = {Key(400), Key(401), Key(402)};
-  CHECK(index.FitsWithoutDirty(two));         // the free slots
-  CHECK_FALSE(index.FitsWithoutDirty(three));  // a third would evict a dirty entry
+  CHECK(index.FitsWithoutDirty(two));               // the free slots
+  CHECK_FALSE(index.FitsWithoutDirty(three));        // a third would evict a dirty entry
   CHECK(index.Feasible(three) == StatusCode::kOk);  // which an ordinary reservation may
   index.SetClean(r.slots[0], true);
-  CHECK(index.FitsWithoutDirty(three));  // the clean one
+  CHECK(index.FitsWithoutDirty(three));  // the clean one goes first
+  // An unanchored entry is evicted before every anchored one: dirty, it is a loss (its prefix end's hit from the
+  // next tier) and blocks the store; written, it is not.
   index.Unanchor(keys[1]);
+  CHECK_FALSE(index.FitsWithoutDirty(three));
+  index.SetClean(r.slots[1], true);
+  CHECK(index.FitsWithoutDirty(three));
   const std::vector<BlockKey> four = {Key(400), Key(401), Key(402), Key(403)};
-  CHECK(index.FitsWithoutDirty(four));  // and the unanchored one
-  // An evictable entry of the store's own keys is never taken for it: it counts against the lossless ones.
-  const std::vector<BlockKey> own = {Key(400), Key(401), Key(402), Key(403), keys[0]};
+  CHECK(index.FitsWithoutDirty(four));  // the unanchored clean one, then the anchored clean one
+  // The store's own entries are never evicted for it: a clean own entry is passed by.
+  const std::vector<BlockKey> own = {Key(400), Key(401), Key(402), Key(403), keys[1]};
   CHECK_FALSE(index.FitsWithoutDirty(own));
   // Pinned entries are not evictable at all.
   index.Pin(r.slots[0]);
   CHECK_FALSE(index.FitsWithoutDirty(four));
   index.Unpin(std::vector<SlotId>{r.slots[0]});
   CHECK(index.FitsWithoutDirty(four));
+  // What it answers is what a reservation does: four new keys evict exactly the two clean entries.
+  ComponentIndex::Reservation m = index.Reserve(four);
+  REQUIRE(m.shortfall == StatusCode::kOk);
+  CHECK(index.EvictionOrder() == std::vector<SlotId>{r.slots[2], r.slots[3]});
+  index.Abort(m.slots);
   index.CheckInvariants();
 }
