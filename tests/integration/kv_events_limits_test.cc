@@ -101,7 +101,13 @@ int StoreChains(flexkv::Client& c, const std::string& model_namespace, int first
 }
 
 uint32_t Subscribers(flexkv::Client& c) {
+  // The test's own uid holds hundreds of connections here: a status call may find its channel closed under the
+  // load (UNAVAILABLE, broken pipe); gRPC reconnects on the next call, so it is asked again a few times.
   auto st = c.GetStatus();
+  for (int attempt = 0; attempt < 5 && !st.ok() && st.status().code() == flexkv::StatusCode::kUnavailable; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    st = c.GetStatus();
+  }
   INFO(st.status().ToString());
   REQUIRE(st.ok());
   return st->kv_events.subscribers;
