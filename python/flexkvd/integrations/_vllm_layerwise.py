@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import flexkvd
 
-from ._vllm_logic import LoadSpec, StoreSpec, keys_from_bytes
+from ._vllm_logic import LoadSpec, StoreSpec
 
 log = logging.getLogger("flexkvd.integrations.vllm")
 
@@ -75,18 +75,7 @@ class LayerwiseMixin:
         """Pins every load's prefix, then submits each pinned one layer-wise; returns once every load's copies are
         enqueued (GPU: wait_launched), so that wait_layer may bind the engine's stream to their events."""
         self._end_layer_loads()  # (a step whose get_finished was not called: never two steps' loads at once)
-        pins: List[Tuple[LoadSpec, Optional[flexkvd.Ticket]]] = []
-        for spec in specs:
-            self.stats.loads += 1
-            client = self.link.client()
-            ticket = None
-            if client is not None:
-                try:
-                    ticket = client.match(keys_from_bytes(spec.keys), pin=True)
-                except flexkvd.Error as err:
-                    self._error(err)
-            pins.append((spec, ticket))
-        deadline = time.monotonic() + self.config.op_timeout_s
+        pins, deadline = self._pin_all(specs)
         for spec, ticket in pins:
             if ticket is None or not self.link.attached:
                 self._end_layer_load(_LayerLoad(spec, 0, None, 0, 0, None), ok=False)

@@ -310,13 +310,14 @@ class WorkerLogic(LayerwiseMixin):
 
     # ---- internals ----
 
-    def _start_loads(self, specs: Sequence[LoadSpec]) -> None:
-        """Pins every load's prefix (the matches go out together), then loads what each pinned. The pins share one
-        op_timeout_s: a daemon that does not answer costs the step that much once, and the link stalls."""
+    def _pin_all(self, specs: Sequence[LoadSpec]) -> Tuple[List[Tuple[LoadSpec, Optional[flexkvd.Ticket]]], float]:
+        """Sends a pinning match for every load at once (one op_timeout_s for them all): each spec with its ticket,
+        or None where the daemon is away or stalled (link.client() is None) or the match was refused; and the
+        deadline they share."""
         pins: List[Tuple[LoadSpec, Optional[flexkvd.Ticket]]] = []
         for spec in specs:
             self.stats.loads += 1
-            client = self.link.client()  # None while the daemon is away or stalled
+            client = self.link.client()
             ticket = None
             if client is not None:
                 try:
@@ -324,7 +325,12 @@ class WorkerLogic(LayerwiseMixin):
                 except flexkvd.Error as err:
                     self._error(err)
             pins.append((spec, ticket))
-        deadline = time.monotonic() + self.config.op_timeout_s
+        return pins, time.monotonic() + self.config.op_timeout_s
+
+    def _start_loads(self, specs: Sequence[LoadSpec]) -> None:
+        """Pins every load's prefix (the matches go out together), then loads what each pinned. The pins share one
+        op_timeout_s: a daemon that does not answer costs the step that much once, and the link stalls."""
+        pins, deadline = self._pin_all(specs)
         for spec, ticket in pins:
             if ticket is None or not self.link.attached:
                 self._end_load(_Load(spec, 0, None, 0))
