@@ -266,7 +266,10 @@ grpc::Status ControlService::GetStatus(grpc::ServerContext* context, const v1::G
     auto* ev = response->mutable_kv_events();
     ev->set_instance_id(ctx_.kv_events->instance_id());
     ev->set_last_seq(ctx_.kv_events->last_seq());
-    ev->set_subscribers(ctx_.kv_events->subscribers());
+    // The gRPC subscriptions as their limits count them (until each call has ended, not only until its end was
+    // decided: a uid sees its count go down when it may open another), and the ZMQ publisher.
+    const size_t grpc_subscriptions = kv_subscriptions_ != nullptr ? kv_subscriptions_->open() : 0;
+    ev->set_subscribers(static_cast<uint32_t>(grpc_subscriptions + (ctx_.kv_events_zmq != nullptr ? 1 : 0)));
     ev->set_cut_off(ctx_.kv_events->cut_off());
     ev->set_buffer_events(ctx_.kv_events->capacity());
     if (ctx_.kv_events_zmq != nullptr) {

@@ -17,6 +17,7 @@
 
 #include "common/clock.h"
 #include "common/grpc_convert.h"
+#include "common/invariant.h"
 #include "common/log.h"
 #include "common/mutex.h"
 
@@ -119,6 +120,10 @@ class KvEventSubscriptions::Feeder {
 
 // One SubscribeKvEvents call. Its state is touched under mu_ only; gRPC's operations (StartWrite, Finish,
 // TryCancel) are started without it, since a reaction may run inline. It keeps itself alive until OnDone.
+// Finish goes out only once no StartWrite or TryCancel is outstanding or about to be started: a call finished while
+// another thread was between deciding a write and starting it would be freed under that StartWrite (gRPC ends the
+// call, OnDone included, as soon as Finish finds no operation in flight). An end decided meanwhile waits in
+// pending_finish_ and is sent by whichever of OnWriteDone and the issuing thread comes last.
 class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v1::KvEventBatch> {
  public:
   Subscriber(std::shared_ptr<Feeder> feeder, grpc::CallbackServerContext* context, uid_t uid, size_t max_batch,
@@ -181,9 +186,12 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
     {
       MutexLock lock(&mu_);
       writing_ = false;
-      if (finished_) return;
-      action = ok ? StepLocked(MonotonicMs(), /*feeder=*/false)
-                  : FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away"));
+      if (finished_) {
+        action = FinishIfIdleLocked();
+      } else {
+        action = ok ? StepLocked(MonotonicMs(), /*feeder=*/false)
+                    : FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber went away"));
+      }
     }
     Perform(std::move(action));
   }
@@ -215,22 +223,42 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
     bool wake_feeder = false;
   };
 
+  // Starts the gRPC operation `action` asks for. A StartWrite or TryCancel was counted in issuing_ when it was
+  // decided (the call cannot end before it is started); once started, the end of the call, if one was decided
+  // meanwhile and no write is left in flight, is sent from here.
   void Perform(Action action) {
     if (action.wake_feeder) stream_->Wake();
     switch (action.kind) {
-      case Action::kNone: break;
+      case Action::kNone: return;
+      case Action::kFinish: Finish(std::move(action.status)); return;
       case Action::kWrite: StartWrite(&batch_); break;
-      case Action::kFinish: Finish(std::move(action.status)); break;
       case Action::kCancel:
-        // A call blocked in a write can only be cancelled. finished_ is set: nothing else finishes it, so the
-        // context lives until the Finish below.
+        // A call blocked in a write can only be cancelled: its write then completes (not ok) and OnWriteDone, or
+        // the block below, sends the Finish that FinishLocked left pending.
         context_->TryCancel();
-        Finish(std::move(action.status));
         break;
     }
+    Action then;
+    {
+      MutexLock lock(&mu_);
+      --issuing_;
+      then = FinishIfIdleLocked();
+    }
+    if (then.kind == Action::kFinish) Finish(std::move(then.status));
+  }
+
+  // The pending end of the call, once nothing is in flight or about to be started (see the class comment).
+  Action FinishIfIdleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Action action;
+    if (!pending_finish_ || writing_ || issuing_ > 0) return action;
+    action.kind = Action::kFinish;
+    action.status = std::move(*pending_finish_);
+    pending_finish_.reset();
+    return action;
   }
 
   // Ends the call with `status`, freeing what it held (its snapshot, its queue, its place in the ring's readers).
+  // The Finish itself is sent now, or once the write in flight completes (FinishIfIdleLocked).
   Action FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
     if (status.error_code() != grpc::StatusCode::CANCELLED) {
@@ -240,10 +268,8 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
     KvEventVector().swap(queue_);
     head_ = 0;
     reader_.reset();
-    Action action;
-    action.kind = Action::kFinish;
-    action.status = std::move(status);
-    return action;
+    pending_finish_ = std::move(status);
+    return FinishIfIdleLocked();
   }
 
   Action WatchdogLocked(int64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -259,7 +285,9 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
       return {};
     }
     Action action = FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the subscriber stopped reading"));
+    FLEXKV_INVARIANT(action.kind == Action::kNone, "events", "a stalled write is in flight: the Finish waits for it");
     action.kind = Action::kCancel;
+    ++issuing_;
     return action;
   }
 
@@ -323,6 +351,7 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
     write_started_ms_ = now;
     last_write_ms_ = now;
     write_position_ = reader_->position();
+    ++issuing_;
     Action action;
     action.kind = Action::kWrite;
     return action;
@@ -483,7 +512,9 @@ class KvEventSubscriptions::Subscriber final : public grpc::ServerWriteReactor<v
   v1::KvEventBatch batch_ ABSL_GUARDED_BY(mu_);  // the batch in flight (unchanged until its write is done)
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;     // a write was decided and has not completed (OnWriteDone)
+  uint32_t issuing_ ABSL_GUARDED_BY(mu_) = 0;     // StartWrite / TryCancel decided, not yet started by their thread
+  std::optional<grpc::Status> pending_finish_ ABSL_GUARDED_BY(mu_);  // the end decided, not yet sent
   bool parked_ ABSL_GUARDED_BY(mu_) = false;  // waits for events or for its batching moment; the feeder looks at it
   int64_t parked_since_ms_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t write_started_ms_ ABSL_GUARDED_BY(mu_) = 0;

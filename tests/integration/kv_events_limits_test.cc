@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <atomic>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -171,6 +173,18 @@ class UnreadStreams {
     return "";
   }
   size_t open() const { return calls_.size() - ended_; }
+  // The calls that ended, per code with the first message of each: what a failed check prints.
+  std::string Endings() const {
+    std::map<int, std::pair<size_t, std::string>> by_code;
+    for (const auto& c : calls_) {
+      if (!c->ended) continue;
+      auto& [n, message] = by_code[c->status.error_code()];
+      if (n++ == 0) message = c->status.error_message();
+    }
+    std::ostringstream out;
+    for (const auto& [code, ended] : by_code) out << "code " << code << ": " << ended.first << " (" << ended.second << "); ";
+    return out.str();
+  }
   void CancelAll() {
     for (auto& c : calls_) c->ctx.TryCancel();
   }
@@ -228,6 +242,8 @@ TEST_CASE("kv events: 1,000 unread streams of one uid are refused past its limit
     CHECK_THAT(streams.MessageOf(grpc::StatusCode::RESOURCE_EXHAUSTED),
                Catch::Contains("at most 64 are allowed per uid") &&
                    Catch::Contains("--kv-events-max-subscribers-per-uid"));
+    INFO("ended: " << streams.Endings());
+    INFO("the daemon's log: " << d.process().Stderr());
     CHECK(streams.open() == 64);
     CHECK(Subscribers(*engine) == 64);
     // No thread per stream.
@@ -256,6 +272,8 @@ TEST_CASE("kv events: 1,000 unread streams of one uid are refused past its limit
     UnreadStreams streams(d.socket(), 8);
     streams.Open(64, /*skip_snapshot=*/false);
     streams.Collect(2s);
+    INFO("ended: " << streams.Endings());
+    INFO("the daemon's log: " << d.process().Stderr());
     CHECK(streams.open() == 64);
     CHECK(Subscribers(*engine) == 64);
     rss_open_kb = ProcStatus(pid, "RssAnon");
@@ -284,6 +302,45 @@ TEST_CASE("kv events: 1,000 unread streams of one uid are refused past its limit
   }
   // The stores go on after all of it.
   CHECK(StoreChains(*engine, "llama3-8b", 2700, 2800) == 0);
+}
+
+// Regression: a subscriber's next batch was decided under its lock and started after it, so a cancellation arriving
+// in between finished the call, gRPC freed it (no operation was in flight yet), and the StartWrite that followed
+// wrote into freed memory (ASan: heap-use-after-free in ServerCallbackWriterImpl::Write; the daemon aborted, every
+// stream and call ended UNAVAILABLE). Streams cancelled by their clients while their snapshot batches and live
+// events are being written, round after round: every one ends, the daemon serves on and counts none of them.
+TEST_CASE("kv events: streams cancelled while their batches are written end cleanly and the daemon serves on",
+          "[integration]") {
+  DaemonUnderTest d({"--pool-size", "64MiB"});
+  REQUIRE(d.WaitReady());
+  const pid_t pid = d.process().pid();
+  auto engine = Engine(d.socket(), "llama3-8b");
+  REQUIRE(StoreChains(*engine, "llama3-8b", 0, 400) == 0);  // 2 400 blocks: each snapshot is a few batches
+  // Live events meanwhile, from a second engine.
+  std::atomic<bool> stop{false};
+  std::atomic<int> store_failures{0};
+  auto live = Engine(d.socket(), "llama3-8b");  // attached here: Catch's checks belong to this thread
+  std::thread writer([&] {
+    for (int seed = 1000; !stop.load(); ++seed) store_failures += StoreChains(*live, "llama3-8b", seed, seed + 1);
+  });
+  for (int round = 0; round < 12; ++round) {
+    UnreadStreams streams(d.socket(), 4);
+    streams.Open(48, /*skip_snapshot=*/round % 3 == 2);
+    // Cancelled at a different moment each round: before the first batch, mid-snapshot, between live batches.
+    std::this_thread::sleep_for(std::chrono::milliseconds(7 * round));
+    streams.CancelAll();
+    streams.Collect(std::chrono::milliseconds(300));
+    INFO("round " << round << ": " << streams.Endings() << "\nthe daemon's log: " << d.process().Stderr());
+    REQUIRE(kill(pid, 0) == 0);
+    REQUIRE(streams.open() == 0);
+  }
+  stop = true;
+  writer.join();
+  INFO("the daemon's log: " << d.process().Stderr());
+  for (int i = 0; i < 100 && Subscribers(*engine) != 0; ++i) std::this_thread::sleep_for(100ms);
+  CHECK(Subscribers(*engine) == 0);
+  CHECK(store_failures.load() == 0);
+  CHECK(StoreChains(*engine, "llama3-8b", 400, 450) == 0);
 }
 
 namespace {
