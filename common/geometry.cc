@@ -5,6 +5,8 @@
 
 #include <string_view>
 
+#include "common/slot_order.h"
+
 namespace flexkv {
 namespace {
 
@@ -206,7 +208,7 @@ Status Geometry::CheckSameHostLayout(const Geometry& pool) const {
     if (tp_size != pool.tp_size) return differ("tp_size", tp_size, pool.tp_size);
     return differ("kv_heads_per_rank", kv_heads_per_rank, pool.kv_heads_per_rank);
   }
-  // A host block holds K/V as [layer][plane][tp shard][chunk of one rank]: the same heads at another TP size
+  // A host block holds K/V as [tp shard][layer][plane][chunk of one rank]: the same heads at another TP size
   // sit at other offsets, so only MLA (one latent plane, the same on every rank) may mix TP sizes.
   if (!is_mla() && tp_size != pool.tp_size) return differ("tp_size", tp_size, pool.tp_size);
   // The same for every other component: a sliding window of K/V planes and a state are sharded over TP ranks, so
@@ -260,6 +262,9 @@ std::string Geometry::ToString() const {
                        c.state_bytes_per_layer, Component(i).host_block_bytes());
     }
   }
+  // Sharded slots say their byte order (common/slot_order.h): the string names a block's bytes wherever it is
+  // compared (SSD domains, peer lookups), and the layer-major order of older releases is not these bytes.
+  if (HasShardedSlots(*this)) s += kRankMajorSlotsTag;
   return s + "}";
 }
 

@@ -54,7 +54,7 @@ void BlockVerifier::VerifyRestored() {
   const uint64_t block_bytes = cache_->block_bytes();
   const size_t per_batch = std::clamp<size_t>(kBatchBytes / std::max<uint64_t>(block_bytes, 1), 1, kMaxBatchBlocks);
   const int64_t start = NowNs();
-  uint64_t failed_total = 0, dropped_total = 0, bytes_checked = 0;
+  uint64_t failed_total = 0, dropped_total = 0, bytes_checked = 0, rewritten = 0, bytes_rewritten = 0;
   size_t done = 0;
   std::vector<SlotId> passed, failed;
   std::vector<Pool::Committed> batch;
@@ -69,6 +69,11 @@ void BlockVerifier::VerifyRestored() {
     for (const Pool::Committed& c : batch) {
       bytes_checked += cache_->SlotBytes(c.slot);  // a hybrid pool's slots differ in size by component
       if (cache_->ContentMatches(c.slot, c.content_checksum)) {
+        if (c.layer_major) {  // an older release's slot order: rewritten in today's before it can be served
+          cache_->RewriteInSlotOrder(c);
+          ++rewritten;
+          bytes_rewritten += cache_->SlotBytes(c.slot);
+        }
         passed.push_back(c.slot);
       } else {
         failed.push_back(c.slot);
@@ -82,11 +87,14 @@ void BlockVerifier::VerifyRestored() {
   }
   const std::string summary = fmt::format(
       "{} of {} restored blocks checked in {:.2f} s ({}/s): {} failed their content checksum and were dropped with "
-      "their descendants ({} blocks in all)",
+      "their descendants ({} blocks in all){}",
       done, restored.size(), Seconds(NowNs() - start),
       FormatByteSize(static_cast<uint64_t>(static_cast<double>(bytes_checked) /
                                            std::max(1e-9, Seconds(NowNs() - start)))),
-      failed_total, dropped_total);
+      failed_total, dropped_total,
+      rewritten == 0 ? std::string()
+                     : fmt::format("; {} blocks ({}) of an older release's layer-major slot order rewritten in "
+                                   "today's rank-major order", rewritten, FormatByteSize(bytes_rewritten)));
   if (failed_total > 0) {
     log::Warning("verify", "{}", summary);
   } else {

@@ -108,6 +108,9 @@ Status Cache::RecoverPool(bool discard, std::span<const uint64_t> other_budgets)
     ::unlink(pool_path_.c_str());
     return CheckPoolSpace();
   }
+  // A pool of sharded slots from a release before the rank-major order: flagged before anything is rewritten; its
+  // blocks are rewritten in today's order by the verifier as each passes its check (BlockVerifier).
+  FLEXKV_RETURN_IF_ERROR((*pool)->AdoptRankMajorSlots());
   MutexLock lock(&mu_);
   uint64_t dropped = 0, corrupt = 0;
   auto committed = (*pool)->Recover(&dropped, &corrupt);
@@ -689,6 +692,10 @@ void Cache::KeepUnverified(std::vector<Pool::Committed>* batch) const {
 bool Cache::ContentMatches(SlotId slot, uint64_t content_checksum) const {
   return pool_->ContentMatches(slot, content_checksum);
 }
+
+void Cache::RewriteInSlotOrder(const Pool::Committed& block) { pool_->RewriteInSlotOrder(block); }
+
+uint64_t Cache::RewriteReservedInSlotOrder(SlotId slot) const { return pool_->RewriteBytesInSlotOrder(slot); }
 
 std::vector<Cache::CheckTarget> Cache::PinForCheck(SlotId begin, SlotId end) {
   MutexLock lock(&mu_);

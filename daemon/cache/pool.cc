@@ -25,6 +25,7 @@
 #include "common/invariant.h"
 #include "common/log.h"
 #include "common/mapped_region.h"
+#include "common/slot_order.h"
 #include "common/uds.h"
 #include "common/unique_fd.h"
 #include "common/units.h"
@@ -161,6 +162,25 @@ std::vector<uint32_t> ScaledActive(const std::vector<uint64_t>& capacity, const 
       }
     }
   }
+  // A component whose share is under one grant still gets one: the others then give back whole grants, the largest
+  // part first, so that the data stays within `active_bytes` (a pool above its budget is refused when it is
+  // re-attached after a restart). Each keeps at least one grant; where one grant of each is more, that is the pool.
+  uint64_t used = 0;
+  for (size_t c = 0; c < capacity.size(); ++c) used += uint64_t{active[c]} * slot_bytes[c];
+  while (used > active_bytes) {
+    std::optional<size_t> largest;
+    for (size_t c = 0; c < capacity.size(); ++c) {
+      const uint32_t grant = GrantOf(capacity[c], grants_per_sub_pool);
+      if (active[c] <= grant) continue;
+      if (!largest || uint64_t{active[c]} * slot_bytes[c] > uint64_t{active[*largest]} * slot_bytes[*largest]) largest = c;
+    }
+    if (!largest) break;
+    const uint32_t grant = GrantOf(capacity[*largest], grants_per_sub_pool);
+    // A whole number of grants below (the capacity, when active is all of it, need not be one).
+    const uint32_t lower = active[*largest] % grant != 0 ? active[*largest] / grant * grant : active[*largest] - grant;
+    used -= uint64_t{active[*largest] - lower} * slot_bytes[*largest];
+    active[*largest] = lower;
+  }
   return active;
 }
 
@@ -291,10 +311,10 @@ Result<PoolLayoutPlan> PlanPoolLayout(const Geometry& g, uint64_t budget_bytes, 
 
 struct Pool::SlotEntry {
   std::atomic<uint32_t> state;  // kSlotCommitted or 0
-  uint32_t reserved;
+  uint32_t order;               // kRankMajorEntry in a pool of sharded slots; 0: layer-major (older releases)
   BlockKey key;
   BlockKey parent;
-  uint64_t checksum;            // EntryChecksum: XXH64 of the slot index, key, parent and content checksum
+  uint64_t checksum;            // EntryChecksum: XXH64 of the slot index, key, parent, content checksum and order
   uint64_t content_checksum;    // BlockChecksum of the slot's bytes
   uint64_t pad;
 };
@@ -306,13 +326,28 @@ Pool::SlotEntry* Pool::entry(SlotId slot) const {
 
 namespace {
 
-// The slot index is part of it, so an entry copied or swapped into another slot fails.
-uint64_t EntryChecksum(SlotId slot, const BlockKey& key, const BlockKey& parent, uint64_t content_checksum) {
+// An entry's `order` in a pool whose slots have more than one TP shard: the bytes are in today's rank-major order.
+constexpr uint32_t kRankMajorEntry = 1;
+
+// The slot index is part of it, so an entry copied or swapped into another slot fails; so is a nonzero `order`, so
+// an entry whose order changed fails too (its bytes would be read in the wrong order). Entries of order 0 keep the
+// checksum older releases wrote.
+uint64_t EntryChecksum(SlotId slot, const BlockKey& key, const BlockKey& parent, uint64_t content_checksum,
+                       uint32_t order) {
+  if (order != 0) {
+    const uint64_t words[7] = {slot, key.lo, key.hi, parent.lo, parent.hi, content_checksum, order};
+    return XXH64(words, sizeof(words), 0x666C65786B76ULL);
+  }
   const uint64_t words[6] = {slot, key.lo, key.hi, parent.lo, parent.hi, content_checksum};
   return XXH64(words, sizeof(words), 0x666C65786B76ULL);
 }
 
 }  // namespace
+
+bool Pool::EntryIntact(SlotId slot, const SlotEntry& e) const {
+  if (e.order != 0 && (e.order != kRankMajorEntry || !sharded_slots_)) return false;
+  return e.checksum == EntryChecksum(slot, e.key, e.parent, e.content_checksum, e.order);
+}
 
 Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::string& model_namespace,
                                            const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid,
@@ -389,6 +424,7 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
   pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
   pool->SetSubPools(layout.base, *capacities, layout.data_offset, layout.data_end, grants_per);
   pool->demand_sized_ = plan->version == kDemandPoolLayoutVersion;
+  pool->sharded_slots_ = HasShardedSlots(geometry);
   pool->default_weights_ = plan->weights;
   for (size_t c = 0; c < active.size(); ++c) pool->sub_pools_[c].active = active[c];
   pool->page_bytes_ = page_bytes;
@@ -400,7 +436,7 @@ Result<std::unique_ptr<Pool>> Pool::Create(const std::string& path, const std::s
 
   PoolHeader h{};
   std::memcpy(h.magic, kPoolMagic, sizeof(h.magic));
-  h.version = plan->version;
+  h.version = plan->version | (pool->sharded_slots_ ? kRankMajorSlotsFlag : 0);
   const uint32_t g[7] = {geometry.tokens_per_block, geometry.num_layers,  geometry.kv_planes, geometry.kv_heads_per_rank,
                          geometry.head_dim,         geometry.dtype_bytes, geometry.tp_size};
   std::memcpy(h.geometry, g, sizeof(g));
@@ -483,20 +519,22 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   if (std::memcmp(h.magic, kPoolMagic, sizeof(h.magic)) != 0) {
     return Status::DataLoss(fmt::format("{} is not a flexkvd pool file (bad magic){}", path, fix));
   }
-  if (h.version != kPoolLayoutVersion && h.version != kHybridPoolLayoutVersion &&
-      h.version != kDemandPoolLayoutVersion) {
+  const uint32_t base_version = h.version & ~kRankMajorSlotsFlag;
+  const bool rank_major_flag = (h.version & kRankMajorSlotsFlag) != 0;
+  if (base_version != kPoolLayoutVersion && base_version != kHybridPoolLayoutVersion &&
+      base_version != kDemandPoolLayoutVersion) {
     // Left untouched: the release that wrote it can still serve it (docs/operations.md, "Upgrades").
-    const bool newer = h.version > kDemandPoolLayoutVersion;
+    const bool newer = base_version > kDemandPoolLayoutVersion;
     return Status::FailedPrecondition(fmt::format(
-        "pool file {} has layout version {}, written by {} flexkvd; this flexkvd reads layout versions {}, {} and {}. "
-        "To keep its blocks, run the flexkvd release that wrote it{}; to start with an empty cache, start with "
-        "--discard-pool (its blocks are lost)",
+        "pool file {} has layout version {}, written by {} flexkvd; this flexkvd reads layout versions {}, {} and {} "
+        "(plus {:#x} where slots hold several TP shards). To keep its blocks, run the flexkvd release that wrote it{}; "
+        "to start with an empty cache, start with --discard-pool (its blocks are lost)",
         path, h.version, newer ? "a newer" : "an older", kPoolLayoutVersion, kHybridPoolLayoutVersion,
-        kDemandPoolLayoutVersion, newer ? " (or a later one)" : ""));
+        kDemandPoolLayoutVersion, kRankMajorSlotsFlag, newer ? " (or a later one)" : ""));
   }
   if (h.checksum != HeaderChecksum(h)) return Status::DataLoss(fmt::format("pool file {} has a corrupt header{}", path, fix));
-  const bool by_demand = h.version == kDemandPoolLayoutVersion;
-  const bool hybrid = h.version == kHybridPoolLayoutVersion || by_demand;
+  const bool by_demand = base_version == kDemandPoolLayoutVersion;
+  const bool hybrid = base_version == kHybridPoolLayoutVersion || by_demand;
   const uint32_t grants_per = by_demand ? kDemandGrantsPerSubPool : kGrantsPerSubPool;
   if (hybrid && (t.checksum != TableChecksum(t) || t.count < 2 || t.count > Geometry::kMaxComponents)) {
     return Status::DataLoss(fmt::format("pool file {} has a corrupt sub-pool table{}", path, fix));
@@ -531,7 +569,9 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   }
   Status valid = g.Validate();
   // The sizes must add up exactly as Create lays them out (a header that does not is not ours to trust).
-  bool consistent = valid.ok() && g.host_block_bytes() == h.block_bytes && h.table_offset == kHeaderBytes;
+  // The flag is set exactly for slots of several shards by the releases that know it (older ones never set it).
+  bool consistent = valid.ok() && g.host_block_bytes() == h.block_bytes && h.table_offset == kHeaderBytes &&
+                    (!rank_major_flag || HasShardedSlots(g));
   FileLayout layout;
   if (consistent) {
     uint64_t total = 0;
@@ -642,6 +682,8 @@ Result<std::unique_ptr<Pool>> Pool::Open(const std::string& path, uint64_t budge
   pool->watch_ = std::make_unique<PoolFileWatch>(path, fd.get(), pool->map_.bytes(), pool->map_.size());
   pool->SetSubPools(layout.base, capacities, layout.data_offset, layout.data_end, grants_per);
   pool->demand_sized_ = by_demand;
+  pool->sharded_slots_ = HasShardedSlots(g);
+  pool->layer_major_file_ = pool->sharded_slots_ && !rank_major_flag;
   for (size_t c = 0; c < capacities.size(); ++c) {
     pool->default_weights_.push_back(capacities[c] * g.Component(c).host_block_bytes());
   }
@@ -816,12 +858,48 @@ Status Pool::SetActive(size_t component, uint32_t slots, bool allocated) {
   return Status::Ok();
 }
 
+Status Pool::AdoptRankMajorSlots() {
+  if (!layer_major_file_) return Status::Ok();
+  PoolHeader h{};
+  std::memcpy(&h, map_.data(), sizeof(h));
+  h.version |= kRankMajorSlotsFlag;
+  h.checksum = HeaderChecksum(h);
+  std::memcpy(map_.data(), &h, sizeof(h));
+  // On tmpfs the mapping is the file; on a disk-backed path the header must reach it before any slot changes.
+  if (msync(map_.data(), kHeaderBytes, MS_SYNC) != 0) {
+    return Status::Internal(fmt::format("msync of pool file {}'s header: {}", path_, ErrnoText(errno)));
+  }
+  log::Warning("pool",
+               "pool file {} was written by a flexkvd before the rank-major slot order (TP {} shards interleaved in "
+               "each slot): its header now says layout version {:#x} (older releases refuse it from here on) and its "
+               "blocks are rewritten in today's order as they are verified",
+               path_, geometry_.tp_size, h.version);
+  return Status::Ok();
+}
+
+uint64_t Pool::RewriteBytesInSlotOrder(SlotId slot) const {
+  const Geometry g = geometry_.Component(ComponentOf(slot));
+  const uint64_t bytes = SlotBytes(slot);
+  uint8_t* data = SlotData(slot);
+  thread_local std::vector<uint8_t> scratch;
+  scratch.assign(data, data + bytes);
+  return FinishBlockChecksum(LayerMajorToSlotOrder(g, scratch.data(), data), bytes);
+}
+
+uint64_t Pool::RewriteInSlotOrder(const Committed& c) {
+  MarkFree(c.slot);
+  const uint64_t content_checksum = RewriteBytesInSlotOrder(c.slot);
+  MarkCommitted(c.slot, c.key, c.parent, content_checksum);
+  return content_checksum;
+}
+
 void Pool::MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& parent, uint64_t content_checksum) {
   SlotEntry* e = entry(slot);
   e->key = key;
   e->parent = parent;
   e->content_checksum = content_checksum;
-  e->checksum = EntryChecksum(slot, key, parent, content_checksum);
+  e->order = sharded_slots_ ? kRankMajorEntry : 0;
+  e->checksum = EntryChecksum(slot, key, parent, content_checksum, e->order);
   // Bytes first, then the entry's fields, then the state: a crash at any point leaves the slot either
   // absent or complete.
   e->state.store(kSlotCommitted, std::memory_order_release);
@@ -831,11 +909,9 @@ void Pool::MarkFree(SlotId slot) { entry(slot)->state.store(0, std::memory_order
 
 std::optional<Pool::Committed> Pool::Entry(SlotId slot) const {
   const SlotEntry* e = entry(slot);
-  if (e->state.load(std::memory_order_acquire) != kSlotCommitted ||
-      e->checksum != EntryChecksum(slot, e->key, e->parent, e->content_checksum)) {
-    return std::nullopt;
-  }
-  return Committed{slot, e->key, e->parent, e->content_checksum, static_cast<uint32_t>(ComponentOf(slot))};
+  if (e->state.load(std::memory_order_acquire) != kSlotCommitted || !EntryIntact(slot, *e)) return std::nullopt;
+  return Committed{slot, e->key, e->parent, e->content_checksum, static_cast<uint32_t>(ComponentOf(slot)),
+                   sharded_slots_ && e->order == 0};
 }
 
 bool Pool::ContentMatches(SlotId slot, uint64_t content_checksum) const {
@@ -865,8 +941,7 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped, uint64_t* corrupt)
     SlotEntry* e = entry(s);
     const uint32_t state = e->state.load(std::memory_order_acquire);
     if (state == 0) continue;
-    const bool intact =
-        state == kSlotCommitted && e->checksum == EntryChecksum(s, e->key, e->parent, e->content_checksum);
+    const bool intact = state == kSlotCommitted && EntryIntact(s, *e);
     if (!intact || e->key == BlockKey{} || !by_key.emplace(e->key, s).second) {
       e->state.store(0, std::memory_order_relaxed);
       ++*dropped;
@@ -906,7 +981,7 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped, uint64_t* corrupt)
       verdict[*it] = result;
       if (result == 1) {
         const SlotEntry* e = entry(*it);
-        out.push_back(Committed{*it, e->key, e->parent, e->content_checksum});
+        out.push_back(Committed{*it, e->key, e->parent, e->content_checksum, 0, sharded_slots_ && e->order == 0});
       } else {
         MarkFree(*it);
         ++*dropped;
@@ -920,15 +995,15 @@ std::vector<Pool::Committed> Pool::Recover(uint64_t* dropped, uint64_t* corrupt)
       SlotEntry* e = entry(s);
       const uint32_t state = e->state.load(std::memory_order_acquire);
       if (state == 0) continue;
-      const bool intact =
-          state == kSlotCommitted && e->checksum == EntryChecksum(s, e->key, e->parent, e->content_checksum);
+      const bool intact = state == kSlotCommitted && EntryIntact(s, *e);
       if (!intact || e->key == BlockKey{} || !seen.emplace(e->key, s).second) {
         e->state.store(0, std::memory_order_relaxed);
         ++*dropped;
         if (!intact) ++bad_entries;
         continue;
       }
-      out.push_back(Committed{s, e->key, e->parent, e->content_checksum, static_cast<uint32_t>(c)});
+      out.push_back(Committed{s, e->key, e->parent, e->content_checksum, static_cast<uint32_t>(c),
+                              sharded_slots_ && e->order == 0});
     }
   }
   if (corrupt != nullptr) *corrupt = bad_entries;

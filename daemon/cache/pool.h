@@ -44,6 +44,12 @@ inline constexpr uint32_t kHybridPoolLayoutVersion = 3;
 // 4: a hybrid pool whose split follows demand: layout 3's format, but each sub-pool is laid out for the whole budget
 //    and moves in finer grants (kDemandGrantsPerSubPool); only the active parts together stay within the budget.
 inline constexpr uint32_t kDemandPoolLayoutVersion = 4;
+// Added to the layout version (2, 3 or 4) of a pool whose slots have more than one TP shard (common/slot_order.h):
+// its slots hold [tp shard][layer][plane][chunk]. Releases before it wrote such pools without the flag, in the
+// layer-major order [layer][plane][tp shard][chunk], and refuse a flagged pool as "written by a newer flexkvd" (a
+// downgrade never serves the new order as the old). A pool of one shard per slot (TP 1, MLA) has the same bytes in
+// both orders and keeps its unflagged version, readable by either release.
+inline constexpr uint32_t kRankMajorSlotsFlag = 0x100;
 
 // How a hybrid pool's budget is split between its components (docs/hybrid.md "Pool"): the share of the budget
 // for all sliding-window components together, and for all state components; 0 picks the default from the
@@ -106,6 +112,9 @@ class Pool {
     BlockKey parent;  // zero for a first block
     uint64_t content_checksum = 0;  // BlockChecksum of the slot's bytes when they were stored
     uint32_t component = 0;         // the sub-pool the slot is in (0: FULL)
+    // A slot of more than one shard written in the layer-major order of an older release (the pool was upgraded
+    // in place: RewriteInSlotOrder turns it into today's order once its bytes are verified).
+    bool layer_major = false;
   };
 
   static constexpr uint64_t kAllActive = UINT64_MAX;
@@ -119,7 +128,8 @@ class Pool {
                                               const Geometry& geometry, uint64_t budget_bytes, uid_t creator_uid = 0,
                                               const PoolSplit& split = {}, uint64_t active_bytes = kAllActive);
 
-  // The layout version in the header of the pool file at `path`, or nullopt when there is no readable header.
+  // The layout version in the header of the pool file at `path` (kRankMajorSlotsFlag included), or nullopt when
+  // there is no readable header.
   static std::optional<uint32_t> FileLayoutVersion(const std::string& path);
 
   // Opens an existing pool file. NOT_FOUND when there is none. FAILED_PRECONDITION (naming the field)
@@ -184,8 +194,26 @@ class Pool {
   // Gives back what AllocateData allocated (slots [from, to) beyond the active capacity; a hole punched).
   void FreeData(size_t component, uint32_t from, uint32_t to) const;
 
+  // Whether this pool's slots have more than one TP shard, and whether it was written by a release before the
+  // rank-major slot order (its header then lacked kRankMajorSlotsFlag: entries it committed are layer_major).
+  bool sharded_slots() const { return sharded_slots_; }
+  bool layer_major_file() const { return layer_major_file_; }
+  // A pool opened from a release before the rank-major order (layer_major_file()): flags its header now, before
+  // any slot is rewritten or a block stored in today's order, so that the older release refuses the file from
+  // here on instead of serving today's bytes in its order. Its entries stay layer_major until rewritten. OK and
+  // nothing written otherwise.
+  Status AdoptRankMajorSlots();
+  // Rewrites the verified layer-major block `c` (an entry with layer_major set, whose bytes match its checksum)
+  // in today's slot order, with its new checksum: the entry is cleared first and committed again after, so a crash
+  // in between loses the block rather than leaving bytes that do not match their entry. The caller keeps the slot
+  // from being read or reused meanwhile (unverified). Returns the new content checksum.
+  uint64_t RewriteInSlotOrder(const Committed& c);
+  // The bytes of `slot` (no entry: a slot being filled, e.g. by a promotion of a layer-major SSD block) rewritten
+  // from the layer-major order into today's. Returns their content checksum.
+  uint64_t RewriteBytesInSlotOrder(SlotId slot) const;
+
   // Slot-table transitions. MarkCommitted publishes after the bytes are complete, with their content checksum
-  // (FinishBlockChecksum of the bytes' term sum); MarkFree clears before the slot is reused.
+  // (FinishBlockChecksum of the bytes' term sum), in today's slot order; MarkFree clears before the slot is reused.
   void MarkCommitted(SlotId slot, const BlockKey& key, const BlockKey& parent, uint64_t content_checksum);
   void MarkFree(SlotId slot);
 
@@ -211,6 +239,8 @@ class Pool {
                    const std::vector<uint64_t>& data_offset, uint64_t data_end, uint32_t grants_per_sub_pool);
   struct SlotEntry;
   SlotEntry* entry(SlotId slot) const;
+  // Whether the entry's checksum holds and its order is one this pool's slots can have.
+  bool EntryIntact(SlotId slot, const SlotEntry& e) const;
   // The file offset of slot `local` of component c's data.
   uint64_t DataOffset(size_t c, uint64_t local) const;
   // Writes the active-capacity record (the sub-pools' active, with `c` at `slots`) with one pwrite.
@@ -231,6 +261,8 @@ class Pool {
   uint8_t* data_ = nullptr;
   UniqueFd fd_;               // the pool file, for fallocate and the active record
   bool demand_sized_ = false;  // layout 4
+  bool sharded_slots_ = false;     // HasShardedSlots(geometry_): the header carries kRankMajorSlotsFlag
+  bool layer_major_file_ = false;  // opened from a release before the flag (see AdoptRankMajorSlots)
   std::vector<uint64_t> default_weights_;  // bytes per component of the split it was created with (DefaultSlotsFor)
   uint64_t page_bytes_ = 0;   // the filesystem's allocation unit (statfs f_bsize: a huge page on hugetlbfs)
   // Guards map_ against the file shrinking under it (pool_guard.h); declared after map_, so it ends first.

@@ -7,7 +7,7 @@
 //   [planes][blocks][chunk] (vLLM's per-layer KV tensors; a state component: [snapshots][state bytes] per layer,
 //   its copy geometry Geometry::Component(i)).
 //   Pool: one anonymous mapping registered for DMA holding one sub-pool per component (2 MiB aligned, as in the pool
-//   file), slots of Geometry::Component(i).host_block_bytes(); the rank's chunks land at its shard offsets.
+//   file), slots of Geometry::Component(i).host_block_bytes(); the rank's chunks land in its part of the slot.
 //   Map: GPU block i <-> slot perm[i] of the component's sub-pool, perm random.
 //   store = the checksummed gather (what the daemon runs; the plain gather is shown beside it), load = scatter;
 //   the copy-engine batch both ways (without the sums kernel the daemon runs beside a copy-engine store);
@@ -197,7 +197,7 @@ class ComponentCopies {
         uint64_t sum = 0;
         for (uint32_t l = 0; l < layers_; ++l)
           for (uint32_t p = 0; p < planes_; ++p) {
-            const uint64_t off = (uint64_t{l} * planes_ + p) * shards_ * chunk_;
+            const uint64_t off = (uint64_t{l} * planes_ + p) * chunk_;  // rank 0's part: the slot's start
             const uint8_t* src = a_host_[l].data() + (uint64_t{p} * count_ + blocks_[i]) * chunk_;
             wrong += std::memcmp(slot + off, src, chunk_) != 0;
             if (sums) sum += ChecksumTermSum(slot + off, chunk_, static_cast<uint32_t>(off / kChecksumUnitBytes));

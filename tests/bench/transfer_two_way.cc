@@ -97,6 +97,22 @@ struct Row {
   double store_ms = 0, load_ms = 0;  // both: when each direction finished
 };
 
+// SMs a path keeps busy while it copies (engines care: SGLang reports it for its own kernels), from the launches it
+// makes: the gather/scatter kernels run their direction's default grid (DefaultLaunchShape) for the whole copy, at
+// most one CTA per SM resident at a time counted as one SM each; the copy engine runs none; a staged copy runs the
+// pack (stores) or unpack (loads) kernels with the same default grid, but only while they move a batch HBM to HBM
+// (about a tenth of the copy's time at PCIe rates), so "while packing" is said. A mixed variant names both.
+std::string SmsOf(const std::string& variant, const std::string& dir, int sm_count) {
+  const auto grid = [&](bool to_host) { return std::min(kv::DefaultLaunchShape(to_host).ctas, sm_count); };
+  const bool kernel = variant.rfind("kernel", 0) == 0, staged = variant.rfind("staged", 0) == 0;
+  if (variant.find(" + ") != std::string::npos) {  // "staged store + kernel load", "kernel store + staged load"
+    return fmt::format("{} (kernel) / {} while packing", std::max(grid(true), grid(false)), grid(true));
+  }
+  if (!kernel && !staged) return "0";  // the copy engine: contiguous ceilings, 2D copies
+  const int n = dir == "store" ? grid(true) : dir == "load" ? grid(false) : grid(true) + grid(false);
+  return staged ? fmt::format("{} while packing", std::min(n, sm_count)) : std::to_string(std::min(n, sm_count));
+}
+
 class Study {
  public:
   explicit Study(const TwoWayOptions& o) : o_(o) {
@@ -519,7 +535,7 @@ int RunTwoWayStudy(int argc, char** argv) {
     Json out = Json::array();
     for (const auto& r : rows) {
       Json j{{"chunk_kib", r.chunk_kib}, {"variant", r.variant}, {"dir", r.dir}, {"gbps", Rounded(r.gbps, 2)},
-             {"ratio", Rounded(r.gbps / r.ceiling, 3)}};
+             {"ratio", Rounded(r.gbps / r.ceiling, 3)}, {"sms", SmsOf(r.variant, r.dir, prop.multiProcessorCount)}};
       if (r.dir == "both") {
         j["store_half_ms"] = Rounded(r.store_ms, 3);
         j["load_half_ms"] = Rounded(r.load_ms, 3);
@@ -547,7 +563,8 @@ int RunTwoWayStudy(int argc, char** argv) {
              prop.name, o.mib, o.layers, o.iters, o.warmup, o.staging_mib, o.large_staging_mib, study.thp_huge_kib() >> 10,
              study.pool_huge_kib() >> 10);
   for (const auto& r : rows)
-    fmt::print("{:>4}K {:<30} {:<5} {:7.1f} GB/s ({:.3f}){}\n", r.chunk_kib, r.variant, r.dir, r.gbps, r.gbps / r.ceiling,
+    fmt::print("{:>4}K {:<30} {:<5} {:7.1f} GB/s ({:.3f})  SMs {}{}\n", r.chunk_kib, r.variant, r.dir, r.gbps,
+               r.gbps / r.ceiling, SmsOf(r.variant, r.dir, prop.multiProcessorCount),
                r.dir == "both" ? fmt::format("  store done {:.1f} ms, load done {:.1f} ms", r.store_ms, r.load_ms) : "");
   return 0;
 }

@@ -264,7 +264,7 @@ std::unique_ptr<kv::StagingRing> SmallRing(const kv::GpuKvView& view) {
 
 // A staged copy on `stream` (its own stream when null: StagedCopy needs one), waited for.
 void Staged(GpuKv& gpu, const Pool& pool, const std::vector<uint32_t>& blocks, const std::vector<uint32_t>& slots,
-            bool to_host, uint64_t* sums, cudaStream_t stream) {
+            bool to_host, uint64_t* sums, cudaStream_t stream, uint32_t shards = 1, uint32_t rank = 0) {
   cudaStream_t own = nullptr;
   if (stream == nullptr) {
     CUDA_OK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
@@ -272,7 +272,7 @@ void Staged(GpuKv& gpu, const Pool& pool, const std::vector<uint32_t>& blocks, c
   }
   auto ring = SmallRing(gpu.View());
   DevicePairs dp(blocks, slots, false);
-  CUDA_OK(kv::StagedCopy(gpu.View(), pool.View(1, 0), dp.Pairs(1, 0, 1).gpu_blocks, slots.data(),
+  CUDA_OK(kv::StagedCopy(gpu.View(), pool.View(shards, rank), dp.Pairs(1, 0, 1).gpu_blocks, slots.data(),
                          static_cast<uint32_t>(blocks.size()), to_host, *ring, stream, sums));
   CUDA_OK(cudaStreamSynchronize(stream));
   CUDA_OK(cudaGetLastError());
@@ -284,8 +284,8 @@ void Store(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t ra
            cudaStream_t stream) {
   const uint32_t n = static_cast<uint32_t>(blocks.size());
   if (path == Path::kStaged) {
-    REQUIRE((shards == 1 && lb == 0 && le == gpu.View().num_layers));
-    Staged(gpu, pool, blocks, slots, true, nullptr, stream);
+    REQUIRE((lb == 0 && le == gpu.View().num_layers));
+    Staged(gpu, pool, blocks, slots, true, nullptr, stream, shards, rank);
   } else if (path == Path::kCopyEngine) {
     CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
                                 le, true, stream));
@@ -306,8 +306,8 @@ void Load(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t ran
           cudaStream_t stream) {
   const uint32_t n = static_cast<uint32_t>(blocks.size());
   if (path == Path::kStaged) {
-    REQUIRE((shards == 1 && lb == 0 && le == gpu.View().num_layers));
-    Staged(gpu, pool, blocks, slots, false, nullptr, stream);
+    REQUIRE((lb == 0 && le == gpu.View().num_layers));
+    Staged(gpu, pool, blocks, slots, false, nullptr, stream, shards, rank);
   } else if (path == Path::kCopyEngine) {
     CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
                                 le, false, stream));
@@ -447,46 +447,50 @@ TEST_CASE("kernels: every launch shape gives the same bytes", "[gpu]") {
     }
 }
 
-TEST_CASE("TP=2: both ranks store into one host block at their shard offsets and load back only their shard",
+TEST_CASE("TP ranks store into one host block, each its part contiguous, and load back only their part, every path",
           "[gpu]") {
   SKIP_WITHOUT_GPU();
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (Path path : {Path::kKernel, Path::kCopyEngine})
-    for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst}) {
-      CAPTURE(Name(layout), static_cast<int>(path));
-      auto rng = Rng();
-      const uint32_t layers = 3, planes = 2, nblocks = 24, nslots = 30, count = 11;
-      const uint64_t shard = 2048;  // per-rank chunk: half of a 4 KiB (layer, plane, block)
-      GpuKv r0(layout, layers, planes, nblocks, shard), r1(layout, layers, planes, nblocks, shard);
-      r0.Randomize(rng);
-      r1.Randomize(rng);
-      const uint64_t block_bytes = layers * planes * 2 * shard;
-      Pool pool(nslots, block_bytes);
-      pool.Poison();
-      // Each rank has its own GPU block ids for the same host blocks.
-      const auto b0 = Pick(rng, nblocks, count), b1 = Pick(rng, nblocks, count), slots = Pick(rng, nslots, count);
-      Store(path, r0, pool, 2, 0, b0, slots, 0, layers, {}, false, stream);
-      Store(path, r1, pool, 2, 1, b1, slots, 0, layers, {}, false, stream);
-      std::vector<uint8_t> want(pool.bytes(), kPoolPoison);
-      for (uint32_t i = 0; i < count; ++i)
-        for (uint32_t l = 0; l < layers; ++l)
-          for (uint32_t p = 0; p < planes; ++p) {
-            uint8_t* at = want.data() + slots[i] * block_bytes + (l * planes + p) * 2 * shard;
-            std::memcpy(at, r0.Chunk(l, p, b0[i]), shard);
-            std::memcpy(at + shard, r1.Chunk(l, p, b1[i]), shard);
-          }
-      RequireSame(pool.data(), want.data(), pool.bytes(), "pool after both ranks stored");
+  for (uint32_t tp : {2u, 4u})
+    for (Path path : {Path::kKernel, Path::kCopyEngine, Path::kStaged})
+      for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst}) {
+        CAPTURE(tp, Name(layout), static_cast<int>(path));
+        auto rng = Rng();
+        const uint32_t layers = 3, planes = 2, nblocks = 24, nslots = 30, count = 11;
+        const uint64_t shard = 2048;  // per-rank chunk
+        std::vector<std::unique_ptr<GpuKv>> ranks;
+        for (uint32_t r = 0; r < tp; ++r) {
+          ranks.push_back(std::make_unique<GpuKv>(layout, layers, planes, nblocks, shard));
+          ranks.back()->Randomize(rng);
+        }
+        const uint64_t block_bytes = layers * planes * tp * shard;
+        Pool pool(nslots, block_bytes);
+        pool.Poison();
+        // Each rank has its own GPU block ids for the same host blocks.
+        const auto slots = Pick(rng, nslots, count);
+        std::vector<std::vector<uint32_t>> blocks;
+        for (uint32_t r = 0; r < tp; ++r) blocks.push_back(Pick(rng, nblocks, count));
+        for (uint32_t r = 0; r < tp; ++r) Store(path, *ranks[r], pool, tp, r, blocks[r], slots, 0, layers, {}, false, stream);
+        // The rank-major slot order (common/slot_order.h): rank r's part is [layer][plane][chunk] at r * its size.
+        std::vector<uint8_t> want(pool.bytes(), kPoolPoison);
+        for (uint32_t i = 0; i < count; ++i)
+          for (uint32_t r = 0; r < tp; ++r)
+            for (uint32_t l = 0; l < layers; ++l)
+              for (uint32_t p = 0; p < planes; ++p) {
+                uint8_t* at = want.data() + slots[i] * block_bytes + ((uint64_t{r} * layers + l) * planes + p) * shard;
+                std::memcpy(at, ranks[r]->Chunk(l, p, blocks[r][i]), shard);
+              }
+        RequireSame(pool.data(), want.data(), pool.bytes(), "pool after every rank stored");
 
-      r0.Poison();
-      r1.Poison();
-      Load(path, r0, pool, 2, 0, b0, slots, 0, layers, {}, false, stream);
-      Load(path, r1, pool, 2, 1, b1, slots, 0, layers, {}, false, stream);
-      const auto g0 = r0.Download(), w0 = r0.ExpectedAfterLoad(b0, 0, layers);
-      const auto g1 = r1.Download(), w1 = r1.ExpectedAfterLoad(b1, 0, layers);
-      for (size_t a = 0; a < g0.size(); ++a) RequireSame(g0[a].data(), w0[a].data(), g0[a].size(), "rank 0 after load");
-      for (size_t a = 0; a < g1.size(); ++a) RequireSame(g1[a].data(), w1[a].data(), g1[a].size(), "rank 1 after load");
-    }
+        for (auto& r : ranks) r->Poison();
+        for (uint32_t r = 0; r < tp; ++r) Load(path, *ranks[r], pool, tp, r, blocks[r], slots, 0, layers, {}, false, stream);
+        for (uint32_t r = 0; r < tp; ++r) {
+          const auto got = ranks[r]->Download(), want_gpu = ranks[r]->ExpectedAfterLoad(blocks[r], 0, layers);
+          for (size_t a = 0; a < got.size(); ++a)
+            RequireSame(got[a].data(), want_gpu[a].data(), got[a].size(), "rank " + std::to_string(r) + " after load");
+        }
+      }
   CUDA_OK(cudaStreamDestroy(stream));
 }
 
@@ -584,8 +588,8 @@ void StoreSummed(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint3
   const uint32_t n = static_cast<uint32_t>(blocks.size());
   DevicePairs dp(blocks, slots, false);
   if (path == Path::kStaged) {
-    REQUIRE((shards == 1 && lb == 0 && le == gpu.View().num_layers));
-    Staged(gpu, pool, blocks, slots, true, sums.get(), stream);
+    REQUIRE((lb == 0 && le == gpu.View().num_layers));
+    Staged(gpu, pool, blocks, slots, true, sums.get(), stream, shards, rank);
     return;
   }
   if (path == Path::kCopyEngine) {
@@ -600,14 +604,14 @@ void StoreSummed(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint3
   CUDA_OK(cudaGetLastError());
 }
 
-// The term sum of the chunks (layers [lb, le), every plane, TP shard `rank` of `shards`) of one slot, from the
-// slot's bytes on the CPU.
-uint64_t ChunkTermSums(const uint8_t* slot, uint32_t planes, uint32_t shards, uint32_t rank, uint64_t chunk, uint32_t lb,
-                       uint32_t le) {
+// The term sum of the chunks (layers [lb, le) of `layers`, every plane, TP shard `rank`) of one slot, from the
+// slot's bytes on the CPU (the rank-major slot order).
+uint64_t ChunkTermSums(const uint8_t* slot, uint32_t layers, uint32_t planes, uint32_t rank, uint64_t chunk,
+                       uint32_t lb, uint32_t le) {
   uint64_t sum = 0;
   for (uint32_t l = lb; l < le; ++l)
     for (uint32_t p = 0; p < planes; ++p) {
-      const uint64_t off = ((static_cast<uint64_t>(l) * planes + p) * shards + rank) * chunk;
+      const uint64_t off = ((static_cast<uint64_t>(rank) * layers + l) * planes + p) * chunk;
       sum += flexkv::ChecksumTermSum(slot + off, chunk, static_cast<uint32_t>(off / flexkv::kChecksumUnitBytes));
     }
   return sum;
@@ -703,7 +707,7 @@ TEST_CASE("checksummed gather: layer ranges add up, padded slots sum only what w
     StoreSummed(path, gpu, pool, 1, 0, blocks, slots, 1, 4, {}, sums, nullptr);
     auto got = sums.Download();
     for (uint32_t i = 0; i < count; ++i)
-      REQUIRE(got[i] == ChunkTermSums(pool.Slot(slots[i]), planes, 1, 0, chunk, 1, 4));
+      REQUIRE(got[i] == ChunkTermSums(pool.Slot(slots[i]), layers, planes, 0, chunk, 1, 4));
     // Then [0, 1) and [4, 6) into the same entries: the sum of the whole written part of each slot.
     StoreSummed(path, gpu, pool, 1, 0, blocks, slots, 0, 1, {}, sums, nullptr);
     StoreSummed(path, gpu, pool, 1, 0, blocks, slots, 4, layers, {}, sums, nullptr);
@@ -711,7 +715,7 @@ TEST_CASE("checksummed gather: layer ranges add up, padded slots sum only what w
     for (uint32_t i = 0; i < count; ++i) {
       CAPTURE(i);
       REQUIRE(got[i] == flexkv::ChecksumTermSum(pool.Slot(slots[i]), layers * planes * chunk, 0));
-      REQUIRE(got[i] == ChunkTermSums(pool.Slot(slots[i]), planes, 1, 0, chunk, 0, layers));
+      REQUIRE(got[i] == ChunkTermSums(pool.Slot(slots[i]), layers, planes, 0, chunk, 0, layers));
     }
   }
 }
@@ -721,7 +725,7 @@ TEST_CASE("checksummed gather, TP=2: both ranks add into the same sums and finis
   SKIP_WITHOUT_GPU();
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (Path path : {Path::kKernel, Path::kCopyEngine})
+  for (Path path : {Path::kKernel, Path::kCopyEngine, Path::kStaged})
     for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst})
       for (uint64_t shard : {uint64_t{2048}, uint64_t{4112}}) {
         CAPTURE(Name(layout), static_cast<int>(path), shard);
@@ -742,15 +746,15 @@ TEST_CASE("checksummed gather, TP=2: both ranks add into the same sums and finis
         for (uint32_t i = 0; i < count; ++i)
           for (uint32_t l = 0; l < layers; ++l)
             for (uint32_t p = 0; p < planes; ++p) {
-              uint8_t* at = want.data() + slots[i] * block_bytes + (l * planes + p) * 2 * shard;
-              std::memcpy(at, r0.Chunk(l, p, b0[i]), shard);
-              std::memcpy(at + shard, r1.Chunk(l, p, b1[i]), shard);
+              uint8_t* slot = want.data() + slots[i] * block_bytes;  // rank r's part at r * layers * planes chunks
+              std::memcpy(slot + (uint64_t{l} * planes + p) * shard, r0.Chunk(l, p, b0[i]), shard);
+              std::memcpy(slot + ((uint64_t{layers} + l) * planes + p) * shard, r1.Chunk(l, p, b1[i]), shard);
             }
         RequireSame(pool.data(), want.data(), pool.bytes(), "pool after both ranks stored");
         const auto got = both.Download(), got1 = rank1.Download();
         for (uint32_t i = 0; i < count; ++i) {
           CAPTURE(i);
-          REQUIRE(got1[i] == ChunkTermSums(pool.Slot(slots[i]), planes, 2, 1, shard, 0, layers));
+          REQUIRE(got1[i] == ChunkTermSums(pool.Slot(slots[i]), layers, planes, 1, shard, 0, layers));
           REQUIRE(flexkv::FinishBlockChecksum(got[i], block_bytes) ==
                   flexkv::BlockChecksum(pool.Slot(slots[i]), block_bytes));
         }
@@ -929,12 +933,13 @@ TEST_CASE("staged copies are refused where they cannot be staged, with nothing e
   pool.Poison();
 
   CHECK(kv::CanStage(view, pool.View(1, 0), 0, 3));
-  CHECK_FALSE(kv::CanStage(view, pool.View(2, 0), 0, 3));  // TP shards interleave in the slot
-  CHECK_FALSE(kv::CanStage(view, pool.View(2, 1), 0, 3));
+  CHECK(kv::CanStage(view, pool.View(2, 0), 0, 3));  // each rank's part of a slot is one run (rank-major order)
+  CHECK(kv::CanStage(view, pool.View(2, 1), 0, 3));
+  CHECK_FALSE(kv::CanStage(view, pool.View(3, 2), 0, 3));  // slots too small for three shards
   CHECK_FALSE(kv::CanStage(view, pool.View(1, 0), 1, 3));  // a layer range
   CHECK_FALSE(kv::CanStage(view, pool.View(1, 0), 0, 2));
   const uint32_t* gpu_blocks = dp.Pairs(3, 0, 3).gpu_blocks;
-  CHECK(kv::StagedCopy(view, pool.View(2, 1), gpu_blocks, slots.data(), 3, true, *ring, stream) == cudaErrorInvalidValue);
+  CHECK(kv::StagedCopy(view, pool.View(3, 2), gpu_blocks, slots.data(), 3, true, *ring, stream) == cudaErrorInvalidValue);
   CHECK(kv::StagedCopy(view, pool.View(1, 0), gpu_blocks, slots.data(), 3, true, *ring, nullptr) ==
         cudaErrorInvalidValue);  // no stream to join the copies into
   GpuKv big(Layout::kLayerFirst, 3, 2, 8, 4096);  // slots 4x the ring's

@@ -7,6 +7,9 @@
 #include <xxhash.h>
 
 #include <cstring>
+#include <string>
+
+#include "common/slot_order.h"
 
 namespace flexkv {
 namespace {
@@ -53,6 +56,16 @@ SsdSectorKind Check(const uint8_t* p, uint64_t magic, uint32_t expected_bytes, u
 
 SsdDomain SsdDomain::Of(const std::string& model_namespace, const Geometry& geometry) {
   const std::string g = geometry.ToString();
+  return SsdDomain{XXH3_64bits(model_namespace.data(), model_namespace.size()), XXH3_64bits(g.data(), g.size())};
+}
+
+std::optional<SsdDomain> SsdDomain::OfLayerMajor(const std::string& model_namespace, const Geometry& geometry) {
+  if (!HasShardedSlots(geometry)) return std::nullopt;
+  std::string g = geometry.ToString();
+  const std::string tag = kRankMajorSlotsTag;
+  const size_t at = g.rfind(tag);
+  if (at == std::string::npos) return std::nullopt;
+  g.erase(at, tag.size());
   return SsdDomain{XXH3_64bits(model_namespace.data(), model_namespace.size()), XXH3_64bits(g.data(), g.size())};
 }
 

@@ -41,6 +41,10 @@ struct SsdDomain {
   friend bool operator==(const SsdDomain&, const SsdDomain&) = default;
   // XXH3-64 of the namespace name and of Geometry::ToString(), which names every field of the geometry.
   static SsdDomain Of(const std::string& model_namespace, const Geometry& geometry);
+  // The domain a release before the rank-major slot order (common/slot_order.h) wrote a geometry with sharded slots
+  // under: its geometry string lacked kRankMajorSlotsTag, and its blocks hold the layer-major order. nullopt for a
+  // geometry whose slots have one shard (the same bytes and the same domain in both releases).
+  static std::optional<SsdDomain> OfLayerMajor(const std::string& model_namespace, const Geometry& geometry);
   std::string ToString() const;  // "ns 0123456789abcdef geometry fedcba9876543210"
 };
 

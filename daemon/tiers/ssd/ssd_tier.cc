@@ -55,6 +55,10 @@ struct Promotion {
   size_t first = 0;                 // run index of slots[0] (Reserve's `cached`)
   std::vector<SlotId> slots;        // pending DRAM slots, one per read issued
   std::vector<uint64_t> checksums;  // their content checksums (from the SSD entries)
+  // Per run key: SSD holds it in the layer-major slot order of an older release (under that release's geometry
+  // string); its bytes are rewritten in today's order once read and checked, with the checksum in `rewritten`.
+  std::vector<uint8_t> layer_major;
+  std::unique_ptr<std::atomic<uint64_t>[]> rewritten;  // per read issued; 0: not rewritten
   std::unique_ptr<std::atomic<uint8_t>[]> ok;
   std::atomic<size_t> remaining{0};
   SsdTier::PromotionDone done;
@@ -460,6 +464,11 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
   }
   const uint64_t generation = cache.generation();
   const SsdDomain domain = DomainOf(cache);
+  // A sharded geometry's blocks an older release wrote in the layer-major order: found under its geometry string.
+  const std::optional<SsdDomain> old_order = [&] {
+    const CacheDomain::View v = cache.Domain();
+    return v.geometry ? SsdDomain::OfLayerMajor(v.model_namespace, *v.geometry) : std::nullopt;
+  }();
   const uint64_t block_bytes = cache.block_bytes();
   // The run of blocks SSD holds right after the DRAM prefix, each under the previous one.
   auto job = std::make_shared<Promotion>();
@@ -468,9 +477,15 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
   std::vector<uint64_t> sums;
   BlockKey expected_parent = job->parent;
   for (size_t i = dram_hit; i < keys.size(); ++i) {
-    const std::optional<SsdEntry> e = store_->Lookup(SsdBlockId{keys[i], domain, 0});
+    std::optional<SsdEntry> e = store_->Lookup(SsdBlockId{keys[i], domain, 0});
+    bool layer_major = false;
+    if (!e && old_order) {
+      e = store_->Lookup(SsdBlockId{keys[i], *old_order, 0});
+      layer_major = e.has_value();
+    }
     if (!e || e->parent != expected_parent || e->payload_bytes != block_bytes) break;
     job->run.push_back(keys[i]);
+    job->layer_major.push_back(layer_major ? 1 : 0);
     sums.push_back(e->content_checksum);
     expected_parent = keys[i];
   }
@@ -490,7 +505,11 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
   idle_cv_.notify_one();  // the reservation may have evicted: the mover refills the cold end
   job->first = r.cached;
   job->ok.reset(new std::atomic<uint8_t>[r.slots.size()]);
-  for (size_t i = 0; i < r.slots.size(); ++i) job->ok[i].store(0, std::memory_order_relaxed);
+  job->rewritten.reset(new std::atomic<uint64_t>[r.slots.size()]);
+  for (size_t i = 0; i < r.slots.size(); ++i) {
+    job->ok[i].store(0, std::memory_order_relaxed);
+    job->rewritten[i].store(0, std::memory_order_relaxed);
+  }
   job->done = std::move(done);
   // Every read is issued before any may complete the job: one extra count, dropped at the end of issuing.
   job->remaining.store(r.slots.size() + 1, std::memory_order_relaxed);
@@ -499,9 +518,21 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
     while (ok < p->slots.size() && p->ok[ok].load(std::memory_order_acquire) == 1) ++ok;
     const std::span<const SlotId> slots(p->slots);
     if (ok > 0) {
-      p->cache->Commit(p->parent, p->run, p->first, slots.first(ok),
-                       std::span<const uint64_t>(p->checksums).first(ok), Cache::BlockEvent::kPromoted);
-      p->cache->MarkOnNextTier(slots.first(ok));
+      // Blocks rewritten from an older release's order commit with their new checksum, and are not on SSD in
+      // today's order: they are written back like any new block (their old copies age out of the SSD).
+      std::vector<uint64_t> checksums(p->checksums.begin(), p->checksums.begin() + static_cast<ptrdiff_t>(ok));
+      std::vector<SlotId> on_ssd;
+      for (size_t i = 0; i < ok; ++i) {
+        const uint64_t rewritten = p->rewritten[i].load(std::memory_order_acquire);
+        if (rewritten != 0) {
+          checksums[i] = rewritten;
+        } else {
+          on_ssd.push_back(slots[i]);
+        }
+      }
+      p->cache->Commit(p->parent, p->run, p->first, slots.first(ok), checksums, Cache::BlockEvent::kPromoted);
+      p->cache->MarkOnNextTier(on_ssd);
+      if (on_ssd.size() < ok) rewritten_promotions_.fetch_add(ok - on_ssd.size(), std::memory_order_relaxed);
     }
     if (ok < slots.size()) p->cache->Abort(slots.subspan(ok));
     promoted_.fetch_add(ok, std::memory_order_relaxed);
@@ -515,9 +546,11 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
     job->slots.push_back(slot);
     job->checksums.push_back(sums[k]);
     reads_in_flight_.fetch_add(1, std::memory_order_relaxed);
+    const SsdDomain read_domain = job->layer_major[k] != 0 ? *old_order : domain;
     const Status accepted = store_->Read(
-        SsdBlockId{job->run[k], domain, 0}, std::span<uint8_t>(cache.SlotData(slot), cache.SlotBytes(slot)),
-        [this, job, issued, finish, domain, slot, sum = sums[k], key = job->run[k]](Status s) {
+        SsdBlockId{job->run[k], read_domain, 0}, std::span<uint8_t>(cache.SlotData(slot), cache.SlotBytes(slot)),
+        [this, job, issued, finish, domain = read_domain, slot, sum = sums[k], key = job->run[k],
+         layer_major = job->layer_major[k] != 0](Status s) {
           reads_in_flight_.fetch_sub(1, std::memory_order_relaxed);
           // The bytes passed the store's XXH3 (they are what was written); they must also be the block the DRAM
           // pool stored: a block corrupted in DRAM before its write-back must not come back through SSD.
@@ -527,6 +560,10 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
             store_->Erase(id);
             s = Status::DataLoss(fmt::format("{} read from SSD does not match the content checksum it was stored with "
                                              "(corrupted before it was written back); dropped", id.ToString()));
+          }
+          // Checked in the order it was written; served only in today's (the slot is reserved: no one reads it yet).
+          if (s.ok() && layer_major) {
+            job->rewritten[issued].store(job->cache->RewriteReservedInSlotOrder(slot), std::memory_order_release);
           }
           if (!s.ok()) {
             promotion_failed_.fetch_add(1, std::memory_order_relaxed);
@@ -576,6 +613,7 @@ SsdTierStatus SsdTier::GetStatus() const {
   s.promotion_requests = promotion_requests_.load(std::memory_order_relaxed);
   s.promotion_refused_blocks = promotion_refused_.load(std::memory_order_relaxed);
   s.promotion_failed_blocks = promotion_failed_.load(std::memory_order_relaxed);
+  s.promoted_layer_major_blocks = rewritten_promotions_.load(std::memory_order_relaxed);
   s.written_back_blocks = written_back_.load(std::memory_order_relaxed);
   s.writeback_refused_blocks = writeback_refused_.load(std::memory_order_relaxed);
   s.writeback_failed_blocks = writeback_failed_.load(std::memory_order_relaxed);

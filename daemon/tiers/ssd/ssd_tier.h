@@ -74,6 +74,8 @@ struct SsdTierStatus {
   uint64_t promotion_requests = 0;       // matches that went on to SSD
   uint64_t promotion_refused_blocks = 0; // SSD blocks a match could not promote: queue full or no DRAM slot
   uint64_t promotion_failed_blocks = 0;  // reads that failed or did not verify (the block is dropped)
+  uint64_t promoted_layer_major_blocks = 0;  // of promoted_blocks: written by an older release in the layer-major
+                                             // slot order, rewritten in today's as they were promoted
   uint64_t written_back_blocks = 0;      // written to SSD
   uint64_t writeback_refused_blocks = 0; // writes the store refused (queue full): left for a later round
   uint64_t writeback_failed_blocks = 0;  // writes that failed (I/O error, disk full): the block stays DRAM-only
@@ -197,6 +199,7 @@ class SsdTier final : public CacheTier {
   void IdleWait(std::chrono::milliseconds d) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::atomic<uint64_t> promoted_{0}, promotion_requests_{0}, promotion_refused_{0}, promotion_failed_{0};
+  std::atomic<uint64_t> rewritten_promotions_{0};  // promoted from an older release's layer-major order, rewritten
   std::atomic<uint64_t> written_back_{0}, writeback_refused_{0}, writeback_failed_{0};
   std::atomic<uint64_t> reads_in_flight_{0}, writes_in_flight_{0};
   std::atomic<uint32_t> promoting_{0};  // Promote calls running (Stop waits for them)

@@ -67,6 +67,9 @@ void SsdTier::CollectMetrics(MetricFamilies* out) const {
           "Blocks a match found on SSD but could not promote (queue full, no DRAM slot)", t.promotion_refused_blocks);
   AddCounter(out, "flexkv_ssd_promotion_failed_blocks_total", "Promotions whose read failed or did not verify",
           t.promotion_failed_blocks);
+  AddCounter(out, "flexkv_ssd_promoted_layer_major_blocks_total",
+          "Promoted blocks an older release wrote in the layer-major slot order, rewritten in today's (TP > 1 pools)",
+          t.promoted_layer_major_blocks);
   AddCounter(out, "flexkv_ssd_written_back_blocks_total", "Blocks written to SSD",
           t.written_back_blocks);
   AddCounter(out, "flexkv_ssd_writeback_refused_blocks_total", "Write-backs the SSD queue refused (retried later)",

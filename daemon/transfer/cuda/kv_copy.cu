@@ -43,8 +43,11 @@ struct CopyParams {
   uint32_t layer_begin;
   uint32_t layers;        // layer_end - layer_begin
   uint32_t planes;
-  uint32_t tp_shards;
-  uint32_t tp_rank;
+  // The rank's part of a slot starts at this chunk: tp_rank * num_layers * planes (common/slot_order.h). The
+  // checksum's unit index counts from the slot's start; the address from `host_first_chunk` (0 for a rank region,
+  // HostPoolView::rank_region, whose "slot" is the rank's part alone).
+  uint64_t rank_first_chunk;
+  uint64_t host_first_chunk;
   uint32_t chunk16;       // chunk bytes / 16
   uint32_t pieces;        // pieces per chunk, each of piece16 units (the last may be shorter); 1: whole chunks
   uint32_t piece16;
@@ -71,8 +74,11 @@ __device__ __forceinline__ void ChunkAddrs(const CopyParams& p, uint64_t item, c
   const uint64_t slot = __ldg(p.slots + pair);
   uint8_t* gpu = reinterpret_cast<uint8_t*>(__ldg(reinterpret_cast<const unsigned long long*>(p.layer_base) + layer)) +
                  plane * p.plane_stride + block * p.block_stride + static_cast<uint64_t>(skip) * 16;
-  const uint64_t chunk_in_slot = (static_cast<uint64_t>(layer) * p.planes + plane) * p.tp_shards + p.tp_rank;
-  uint8_t* host = p.pool_base + slot * p.block_bytes + chunk_in_slot * (static_cast<uint64_t>(p.chunk16) * 16) +
+  // The slot order of common/slot_order.h: [tp shard][layer][plane][chunk]. The checksum's unit index is always
+  // the chunk's place in the whole slot; a rank region (staged copies) leaves the other ranks' parts out.
+  const uint64_t in_rank = static_cast<uint64_t>(layer) * p.planes + plane;
+  const uint64_t chunk_in_slot = p.rank_first_chunk + in_rank;
+  uint8_t* host = p.pool_base + slot * p.block_bytes + (p.host_first_chunk + in_rank) * (static_cast<uint64_t>(p.chunk16) * 16) +
                   static_cast<uint64_t>(skip) * 16;
   first_unit = static_cast<uint32_t>(chunk_in_slot * p.chunk16) + skip;  // modulo 2^32, as on the host
   src = kToHost ? gpu : host;
@@ -285,7 +291,8 @@ cudaError_t Validate(const GpuKvView& gpu, const HostPoolView& pool, uint32_t la
       pool.tp_shards == 0 || pool.tp_rank >= pool.tp_shards)
     return cudaErrorInvalidValue;
   if (layer_begin > layer_end || layer_end > gpu.num_layers) return cudaErrorInvalidValue;
-  const uint64_t needed = static_cast<uint64_t>(gpu.num_layers) * gpu.num_planes * pool.tp_shards * gpu.chunk_bytes;
+  const uint64_t needed = static_cast<uint64_t>(gpu.num_layers) * gpu.num_planes * gpu.chunk_bytes *
+                          (pool.rank_region ? 1 : pool.tp_shards);
   if (pool.block_bytes < needed) return cudaErrorInvalidValue;
   return cudaSuccess;
 }
@@ -318,8 +325,8 @@ cudaError_t Launch(const GpuKvView& gpu, const HostPoolView& pool, const BlockPa
   p.layer_begin = pairs.layer_begin;
   p.layers = pairs.layer_end - pairs.layer_begin;
   p.planes = gpu.num_planes;
-  p.tp_shards = pool.tp_shards;
-  p.tp_rank = pool.tp_rank;
+  p.rank_first_chunk = static_cast<uint64_t>(pool.tp_rank) * gpu.num_layers * gpu.num_planes;
+  p.host_first_chunk = pool.rank_region ? 0 : p.rank_first_chunk;
   p.chunk16 = static_cast<uint32_t>(gpu.chunk_bytes / 16);
   p.group_threads = static_cast<uint32_t>(s.warps_per_chunk) * 32;
   p.term_sums = term_sums;
@@ -426,11 +433,11 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
   if (count == 0 || layer_begin == layer_end) return cudaSuccess;
   if (layer_base_host == nullptr || gpu_blocks_host == nullptr || slots_host == nullptr) return cudaErrorInvalidValue;
 
-  // One entry per chunk in (pair, layer, plane) order; an entry contiguous on both sides with the one before
-  // it (BLOCKFIRST GPU layouts with one TP shard) is merged into it, unless that would cross from one layer's
-  // allocation into another's (LAYERFIRST tensors that happen to be adjacent: a layer holding one block or state
-  // snapshot in a small cudaMalloc each) or from one pool slot into the next (the pool is registered for DMA grant
-  // by grant: neighbouring slots may lie in two registrations, which one copy must not span).
+  // One entry per chunk in (pair, layer, plane) order; an entry contiguous on both sides with the one before it
+  // (BLOCKFIRST GPU layouts, any TP rank: a rank's part of a slot is one run) is merged into it, unless that would
+  // cross from one layer's allocation into another's (LAYERFIRST tensors that happen to be adjacent: a layer holding
+  // one block or state snapshot in a small cudaMalloc each) or from one pool slot into the next (the pool is
+  // registered for DMA grant by grant: neighbouring slots may lie in two registrations, which one copy must not span).
   const size_t chunks = static_cast<size_t>(count) * (layer_end - layer_begin) * gpu.num_planes;
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
@@ -447,7 +454,7 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
         // The GPU address is an integer here; it is only ever handed to the copy API.
         uint8_t* g = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(layer_base_host[l] + p * gpu.plane_stride +
                                                                        gpu_blocks_host[i] * gpu.block_stride));
-        uint8_t* h = slot + ((static_cast<uint64_t>(l) * gpu.num_planes + p) * pool.tp_shards + pool.tp_rank) *
+        uint8_t* h = slot + ((static_cast<uint64_t>(pool.tp_rank) * gpu.num_layers + l) * gpu.num_planes + p) *
                                 gpu.chunk_bytes;
         uint8_t* d = to_host ? h : g;
         const uint8_t* s = to_host ? g : h;
@@ -471,8 +478,8 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
 }
 
 bool CanStage(const GpuKvView& gpu, const HostPoolView& pool, uint32_t layer_begin, uint32_t layer_end) {
-  return pool.tp_shards == 1 && pool.tp_rank == 0 && layer_begin == 0 && layer_end == gpu.num_layers &&
-         gpu.num_layers > 0 && Validate(gpu, pool, layer_begin, layer_end) == cudaSuccess;
+  return !pool.rank_region && layer_begin == 0 && layer_end == gpu.num_layers && gpu.num_layers > 0 &&
+         Validate(gpu, pool, layer_begin, layer_end) == cudaSuccess;
 }
 
 uint64_t StagedSlotBytes(const GpuKvView& gpu) {
@@ -544,7 +551,7 @@ cudaError_t StagedCopy(const GpuKvView& gpu, const HostPoolView& pool, const uin
   if (!CanStage(gpu, pool, 0, gpu.num_layers)) return cudaErrorInvalidValue;
   const uint64_t slot_bytes = StagedSlotBytes(gpu);
   const uint32_t per_buffer = ring.SlotsPerBuffer(slot_bytes);
-  if (per_buffer == 0 || pool.block_bytes < slot_bytes) return cudaErrorInvalidValue;
+  if (per_buffer == 0 || pool.block_bytes < slot_bytes * pool.tp_shards) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   if (gpu_blocks_dev == nullptr || slots_host == nullptr || stream == nullptr) return cudaErrorInvalidValue;
 
@@ -573,13 +580,16 @@ cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const 
     const uint32_t buf = ring.next_;
     ring.next_ = (ring.next_ + 1) % ring.buffers_;
     uint8_t* staging = ring.memory_ + static_cast<uint64_t>(buf) * ring.buffer_bytes_;
-    const HostPoolView stage{staging, slot_bytes, 1, 0};
+    // The staging buffer holds each pair's rank part alone; its checksum units are counted where the part lies in
+    // the pool's slot (rank_region).
+    const HostPoolView stage{staging, slot_bytes, pool.tp_shards, pool.tp_rank, /*rank_region=*/true};
+    const uint64_t part_offset = static_cast<uint64_t>(pool.tp_rank) * slot_bytes;
     const BlockPairs pairs{gpu_blocks_dev + first, ring.indices_, n, 0, gpu.num_layers};
     dsts.clear();
     srcs.clear();
     sizes.clear();
     for (uint32_t j = 0; j < n; ++j) {
-      uint8_t* slot = pool.base + static_cast<uint64_t>(slots_host[first + j]) * pool.block_bytes;
+      uint8_t* slot = pool.base + static_cast<uint64_t>(slots_host[first + j]) * pool.block_bytes + part_offset;
       uint8_t* staged = staging + static_cast<uint64_t>(j) * slot_bytes;
       dsts.push_back(to_host ? slot : staged);
       srcs.push_back(to_host ? staged : slot);

@@ -5,8 +5,9 @@
 // which covers LAYERFIRST with one tensor per layer (vLLM: plane_stride = num_blocks * chunk,
 // block_stride = chunk), LAYERBLOCKREGIONS (a tensor per layer, plane_stride = chunk, block_stride = planes * chunk),
 // BLOCKFIRST and LAYERBLOCK (gpu_kv_layout.h computes them from a registration). A host pool slot holds the block as
-//   [layer][plane][tp shard][chunk]   (MLA: one shard)
-// and is reached through its device-visible address (the pool is cudaHostRegister'ed; UVA).
+//   [tp shard][layer][plane][chunk]   (MLA: one shard; common/slot_order.h)
+// so each rank's part of a slot is one run of bytes, and is reached through its device-visible address (the pool is
+// cudaHostRegister'ed; UVA).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -35,6 +36,10 @@ struct HostPoolView {
   uint64_t block_bytes;        // bytes per slot
   uint32_t tp_shards;          // shards per (layer, plane) in a slot: tp_size for K/V, 1 for MLA
   uint32_t tp_rank;            // which shard this GPU's chunk is
+  // The staged copies' buffers: each "slot" of `base` (block_bytes apart) holds only rank tp_rank's part
+  // [layer][plane][chunk] of a pool slot. Addresses skip the other ranks; checksum unit indices are those of the
+  // pool's slot, so the sums a packing gather adds are the pool slot's.
+  bool rank_region = false;
 };
 
 // The blocks of one request: pairs (gpu_blocks[i], slots[i]) in device-visible memory (e.g. pinned host
@@ -49,7 +54,8 @@ struct BlockPairs {
 
 // All launches are asynchronous on `stream` and return the launch error (cudaErrorInvalidValue, with nothing
 // enqueued, for a view that breaks the rules above: chunk_bytes, strides and pool.base 16-byte aligned,
-// tp_rank < tp_shards, layer_end <= num_layers, block_bytes >= num_layers * num_planes * tp_shards * chunk_bytes).
+// tp_rank < tp_shards, layer_end <= num_layers, block_bytes >= num_layers * num_planes * tp_shards * chunk_bytes,
+// or without tp_shards for a rank_region view).
 // An empty request (count 0 or an empty layer range) enqueues nothing and succeeds. Block ids and slots are
 // not bounds-checked on the device: the caller validates them against the KV cache and the pool.
 //
@@ -127,10 +133,11 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
 // copy engine moves each slot as one copy (stores); or the copy engine lands each slot in a buffer and the kernels
 // unpack it (loads). Batches alternate between the ring's buffers, so packing and copying overlap.
 
-// Whether a request can be staged: every slot holds this rank's chunks alone, [layer][plane][chunk] from its start
-// (one TP shard, or MLA), and the request covers every layer (a layer-wise load needs each layer on its own).
+// Whether a request can be staged: the request covers every layer (a layer-wise load needs each layer on its own)
+// of a valid view. Any TP rank can: its part of a slot is one run of bytes (the rank-major slot order).
 bool CanStage(const GpuKvView& gpu, const HostPoolView& pool, uint32_t layer_begin, uint32_t layer_end);
-// The bytes of a slot a staged copy moves: num_layers * num_planes * chunk_bytes (a prefix of the slot).
+// The bytes of a slot a staged copy moves: num_layers * num_planes * chunk_bytes, the rank's part of the slot (at
+// tp_rank times that in it).
 uint64_t StagedSlotBytes(const GpuKvView& gpu);
 
 // GPU memory whole slots travel through: `buffers` buffers of bytes / buffers each on the current device, an event

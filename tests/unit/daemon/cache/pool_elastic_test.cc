@@ -337,3 +337,45 @@ TEST_CASE("elastic pool: a grow the filesystem cannot hold is RESOURCE_EXHAUSTED
   }
   CHECK(WEXITSTATUS(status) == 0);
 }
+
+// Regression: a demand-sized hybrid pool gives each component at least one grant (a 64th of the whole budget); a
+// window or state whose default share is less got one on top of the FULL layers' rounded-down part, and the pool
+// held more than its budget (16.2 MiB of 16 MiB): after a restart the daemon refused its own file ("holds 16.2 MiB but
+// ... leave 16 MiB of the 16 MiB budget"). The others now give whole grants back.
+TEST_CASE("elastic pool: a demand-sized hybrid pool's parts stay within its budget where a small share gets a grant",
+          "[unit][elastic]") {
+  flexkv::testing::TempDir dir("flexkv-pool-elastic");
+  Geometry g;
+  g.tokens_per_block = 16;
+  g.num_layers = 3;
+  g.kv_planes = 2;
+  g.kv_heads_per_rank = 2;
+  g.head_dim = 16;
+  g.dtype_bytes = 2;
+  g.tp_size = 2;
+  flexkv::ComponentSpec window;
+  window.kind = flexkv::ComponentKind::kSlidingWindow;
+  window.num_layers = 1;
+  window.kv_heads_per_rank = 2;
+  window.head_dim = 16;
+  window.window_tokens = 32;
+  flexkv::ComponentSpec state;
+  state.kind = flexkv::ComponentKind::kState;
+  state.num_layers = 2;
+  state.state_bytes_per_layer = 64;
+  g.components = {window, state};
+  for (uint64_t mib : {4u, 16u, 64u, 256u}) {
+    CAPTURE(mib);
+    const std::string path = dir.path + "/pool-" + std::to_string(mib);
+    auto pool = Pool::Create(path, "ns", g, mib << 20);
+    REQUIRE(pool.ok());
+    REQUIRE((*pool)->demand_sized());
+    CHECK((*pool)->active_bytes() <= (mib << 20));
+    for (size_t c = 0; c < (*pool)->component_count(); ++c) CHECK((*pool)->sub_pool(c).active >= (*pool)->sub_pool(c).grant);
+    // And every later split for its budget (ActiveSlotsFor) fits as well.
+    uint64_t bytes = 0;
+    const auto active = (*pool)->ActiveSlotsFor(mib << 20);
+    for (size_t c = 0; c < active.size(); ++c) bytes += uint64_t{active[c]} * (*pool)->sub_pool(c).slot_bytes;
+    CHECK(bytes <= (mib << 20));
+  }
+}
