@@ -68,9 +68,10 @@ void BlockVerifier::VerifyRestored() {
     cache_->KeepUnverified(&batch);
     for (const Pool::Committed& c : batch) {
       bytes_checked += cache_->SlotBytes(c.slot);  // a hybrid pool's slots differ in size by component
-      if (cache_->ContentMatches(c.slot, c.content_checksum)) {
-        if (c.layer_major) {  // an older release's slot order: rewritten in today's before it can be served
-          cache_->RewriteInSlotOrder(c);
+      // An older release's slot order: checked and rewritten in today's in one pass, before it can be served.
+      const bool matches = c.layer_major ? cache_->RewriteInSlotOrder(c) : cache_->ContentMatches(c.slot, c.content_checksum);
+      if (matches) {
+        if (c.layer_major) {
           ++rewritten;
           bytes_rewritten += cache_->SlotBytes(c.slot);
         }

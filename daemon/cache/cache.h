@@ -263,13 +263,14 @@ class Cache {
   // Whether the slot's bytes still have `content_checksum` (reads the whole block, without the lock: the
   // caller holds the slot, unverified or pinned). has_pool() must hold.
   bool ContentMatches(SlotId slot, uint64_t content_checksum) const;
-  // Rewrites in today's slot order a block restored from a layer-major pool whose bytes just passed their check and
-  // that the index still holds unverified (Pool::RewriteInSlotOrder). Only the verifier calls it, for blocks
-  // KeepUnverified kept: nothing else reads or reuses their slots meanwhile.
-  void RewriteInSlotOrder(const Pool::Committed& block);
+  // Checks a block restored from a layer-major pool, which the index still holds unverified, and rewrites it in
+  // today's slot order (Pool::RewriteInSlotOrder: false, nothing changed, when its bytes do not match). Only the
+  // verifier calls it, for blocks KeepUnverified kept: nothing else reads or reuses their slots meanwhile.
+  bool RewriteInSlotOrder(const Pool::Committed& block);
   // A slot this caller reserved and filled with a block in the layer-major order of an older release (a promotion
-  // from SSD), rewritten in today's order before it is committed. Returns the bytes' new content checksum.
-  uint64_t RewriteReservedInSlotOrder(SlotId slot) const;
+  // from SSD), checked against `layer_major_checksum` and rewritten in today's order before it is committed: the
+  // bytes' new content checksum, or nullopt when they do not match.
+  std::optional<uint64_t> RewriteReservedInSlotOrder(SlotId slot, uint64_t layer_major_checksum);
   // The content checksum the slot entry of a committed FULL block records (nullopt: no valid entry). The caller
   // pins the slot (or holds it otherwise) so that the entry cannot change while it uses the answer.
   std::optional<uint64_t> EntryChecksum(SlotId slot) const;

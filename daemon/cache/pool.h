@@ -203,14 +203,16 @@ class Pool {
   // here on instead of serving today's bytes in its order. Its entries stay layer_major until rewritten. OK and
   // nothing written otherwise.
   Status AdoptRankMajorSlots();
-  // Rewrites the verified layer-major block `c` (an entry with layer_major set, whose bytes match its checksum)
-  // in today's slot order, with its new checksum: the entry is cleared first and committed again after, so a crash
-  // in between loses the block rather than leaving bytes that do not match their entry. The caller keeps the slot
-  // from being read or reused meanwhile (unverified). Returns the new content checksum.
-  uint64_t RewriteInSlotOrder(const Committed& c);
-  // The bytes of `slot` (no entry: a slot being filled, e.g. by a promotion of a layer-major SSD block) rewritten
-  // from the layer-major order into today's. Returns their content checksum.
-  uint64_t RewriteBytesInSlotOrder(SlotId slot) const;
+  // Checks the layer-major block `c` (an entry with layer_major set) against its content checksum and rewrites it in
+  // today's slot order with its new checksum, in one pass over the bytes (what is rewritten is what was checked):
+  // the entry is cleared first and committed again after, so a crash in between loses the block rather than
+  // leaving bytes that do not match their entry. nullopt, with the bytes and the entry untouched, when the bytes do
+  // not match (the caller drops the block). The caller keeps the slot from being read or reused meanwhile
+  // (unverified). Returns the new content checksum.
+  std::optional<uint64_t> RewriteInSlotOrder(const Committed& c);
+  // The same for a slot with no entry yet (a reserved slot a promotion filled with a layer-major SSD block): its
+  // bytes checked against `layer_major_checksum` and rewritten; their new content checksum, or nullopt (untouched).
+  std::optional<uint64_t> RewriteBytesInSlotOrder(SlotId slot, uint64_t layer_major_checksum);
 
   // Slot-table transitions. MarkCommitted publishes after the bytes are complete, with their content checksum
   // (FinishBlockChecksum of the bytes' term sum), in today's slot order; MarkFree clears before the slot is reused.
@@ -241,6 +243,8 @@ class Pool {
   SlotEntry* entry(SlotId slot) const;
   // Whether the entry's checksum holds and its order is one this pool's slots can have.
   bool EntryIntact(SlotId slot, const SlotEntry& e) const;
+  // RewriteInSlotOrder (entry given) and RewriteBytesInSlotOrder (none).
+  std::optional<uint64_t> Rewrite(SlotId slot, uint64_t layer_major_checksum, const Committed* entry);
   // The file offset of slot `local` of component c's data.
   uint64_t DataOffset(size_t c, uint64_t local) const;
   // Writes the active-capacity record (the sub-pools' active, with `c` at `slots`) with one pwrite.

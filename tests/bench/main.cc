@@ -39,6 +39,7 @@
 #include "host_transfer_bench.h"
 #include "ssd_bench.h"
 #include "transfer_bench.h"
+#include "transfer_tp.h"
 #include "transfer_two_way.h"
 
 namespace {
@@ -531,6 +532,7 @@ int main(int argc, char** argv) {
     for (int i = 2; i < argc; ++i) {
       if (std::strcmp(argv[i], "--host") == 0) return RunHostTransferBench(argc - 1, argv + 1);
       if (std::strcmp(argv[i], "--two-way") == 0) return RunTwoWayStudy(argc - 1, argv + 1);
+      if (std::strcmp(argv[i], "--tp-ranks") == 0) return RunTpStudy(argc - 1, argv + 1);
     }
     return RunTransferBench(argc - 1, argv + 1);
   }

@@ -18,6 +18,7 @@
 
 #include "common/block_checksum.h"
 #include "common/mapped_region.h"
+#include "common/slot_order.h"
 #include "daemon/transfer/cuda/copy_path_policy.h"
 #include "daemon/transfer/cuda/cuda_engine_memory.h"
 #include "flexkv/geometry.h"
@@ -167,7 +168,7 @@ flexkv::CopyJob Job(std::shared_ptr<flexkv::EngineKv> kv, flexkv::CopyDirection 
 
 // Component i of `model`: each TP rank's engine A stores `count` random blocks into random slots of the
 // component's sub-pool (every byte of the pool range checked: the slots hold A's chunks at their (layer, plane,
-// shard) offsets, all else is untouched; the ranks' term sums finish to the CPU's checksum of each slot), then each
+// shard) offsets in the rank-major slot order, common/slot_order.h, all else is untouched; the ranks' term sums finish to the CPU's checksum of each slot), then each
 // rank's engine B loads those slots into other random blocks (every byte of B checked).
 void StoreAndLoadComponent(flexkv::CudaEngineMemory& backend, HybridPool& pool, const flexkv::Geometry& model,
                            size_t component, uint32_t blocks, uint32_t count, std::mt19937_64& rng,
@@ -229,7 +230,7 @@ void StoreAndLoadComponent(flexkv::CudaEngineMemory& backend, HybridPool& pool, 
     for (uint32_t l = 0; l < copy.num_layers; ++l)
       for (uint32_t p = 0; p < planes; ++p)
         for (uint32_t r = 0; r < tp; ++r) {
-          const uint64_t off = ((uint64_t{l} * planes + p) * tp + r) * chunk;
+          const uint64_t off = flexkv::SlotChunkOffset(copy, l, p, r);
           RequireSame(slot + off, a[r]->Chunk(l, p, from[i]), chunk,
                       "slot chunk (layer " + std::to_string(l) + ", plane " + std::to_string(p) + ", rank " +
                           std::to_string(r) + ")");

@@ -136,6 +136,18 @@ uint32_t Matched(flexkv::Client& c, const std::vector<flexkv::BlockKey>& keys) {
   return m->matched_blocks;
 }
 
+// The daemon's log once it holds `line` (the verifier logs its summary just after the last block is settled), or
+// as it is after 20 s.
+std::string LogWith(DaemonUnderTest& d, const std::string& line) {
+  std::string log;
+  for (int i = 0; i < 400; ++i) {
+    log = d.process().Stderr();
+    if (log.find(line) != std::string::npos) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  return log;
+}
+
 // Waits until the restored blocks are verified (and so rewritten); the status then.
 flexkv::DaemonStatus Verified(flexkv::Client& c) {
   for (int i = 0; i < 400; ++i) {
@@ -167,7 +179,7 @@ TEST_CASE("slot order upgrade: a TP 2 pool of the older release is flagged, rewr
     CHECK(Matched(*engine, Keys("fixture-tp2", 9, 4)) == 0);
     // The older release refuses the file from now on: its version names the order.
     CHECK(ReadU32(pool, kVersionOffset) == (2 | kRankMajorFlag));
-    const std::string log = d.process().Stderr();
+    const std::string log = LogWith(d, "slot order rewritten");
     INFO(log);
     CHECK(log.find("before the rank-major slot order") != std::string::npos);
     CHECK(log.find("12 blocks (144 KiB) of an older release's layer-major slot order rewritten") != std::string::npos);
@@ -182,8 +194,9 @@ TEST_CASE("slot order upgrade: a TP 2 pool of the older release is flagged, rewr
   const auto status = Verified(*engine);
   CHECK(status.index_blocks == 12);
   CHECK(Matched(*engine, Keys("fixture-tp2", 0, 8)) == 8);
-  const std::string log = d.process().Stderr();
+  const std::string log = LogWith(d, "restored blocks checked");
   INFO(log);
+  CHECK(log.find("restored blocks checked") != std::string::npos);
   CHECK(log.find("layer-major slot order rewritten") == std::string::npos);
   CHECK(log.find("before the rank-major slot order") == std::string::npos);
 }
@@ -197,7 +210,7 @@ TEST_CASE("slot order upgrade: a hybrid TP 2 pool of the older release is rewrit
   REQUIRE(c.ok());
   const auto status = Verified(**c);
   CHECK(status.index_blocks == 4);
-  const std::string log = d.process().Stderr();
+  const std::string log = LogWith(d, "slot order rewritten");
   INFO(log);
   CHECK(log.find("7 blocks (") != std::string::npos);  // 4 FULL blocks, 2 window entries, 1 state
   CHECK(log.find("of an older release's layer-major slot order rewritten") != std::string::npos);
@@ -235,4 +248,66 @@ TEST_CASE("slot order upgrade: TP 2 blocks on SSD in the older order are promote
     CHECK(Matched(*engine, Keys("fixture-tp2", 4, 6)) == 0);  // a prompt it never held
   }
   CheckBlocksInFile(dir.path + "/pool", 3, 6);
+}
+
+TEST_CASE("slot order upgrade: a hybrid model's TP 2 pieces on SSD in the older order are promoted and rewritten",
+          "[integration]") {
+  flexkv::testing::TempDir dir("flexkv-slot-order");
+  Unpack("ssd.blocks", dir.path + "/ssd/flexkv-ssd.blocks");
+  const std::vector<std::string> args = {"--pool-size", "4MiB", "--swa-share", "0.25", "--state-share", "0.05",
+                                         "--ssd-path", dir.path + "/ssd", "--ssd-size", "1036288"};
+  const auto keys = Keys("fixture-tp2-hybrid", 5, 4);
+  flexkv::Geometry g = FullTp2();
+  flexkv::ComponentSpec window;
+  window.kind = flexkv::ComponentKind::kSlidingWindow;
+  window.num_layers = 1;
+  window.kv_heads_per_rank = 2;
+  window.head_dim = 16;
+  window.window_tokens = 32;
+  flexkv::ComponentSpec state;
+  state.kind = flexkv::ComponentKind::kState;
+  state.num_layers = 2;
+  state.state_bytes_per_layer = 64;
+  g.components = {window, state};
+  const auto attach = [&](const std::string& socket) {
+    auto c = flexkv::Client::Connect({socket, 5000ms, 10000ms});
+    REQUIRE(c.ok());
+    flexkv::AttachOptions o;
+    o.client_name = "slot-order-upgrade";
+    o.model_namespace = "fixture-tp2-hybrid";
+    o.geometry = g;
+    auto attached = (*c)->Attach(o);
+    INFO(attached.status().ToString());
+    REQUIRE(attached.ok());
+    return std::move(*c);
+  };
+  {
+    DaemonUnderTest d(args, dir.path);
+    REQUIRE(d.WaitReady());
+    auto engine = attach(d.socket());
+    for (int i = 0; i < 200; ++i) {
+      auto st = engine->GetStatus();
+      REQUIRE(st.ok());
+      if (!st->tiers.empty() && st->tiers[0].state != "waiting for the first pool") break;
+      std::this_thread::sleep_for(50ms);
+    }
+    // Its FULL blocks, the window at its end and the state there, each found under the older geometry string,
+    // checked and rewritten: a whole hit of 4 blocks.
+    CHECK(Matched(*engine, keys) == 4);
+    auto metrics = engine->GetMetrics();
+    REQUIRE(metrics.ok());
+    INFO(*metrics);
+    CHECK(metrics->find("\nflexkv_ssd_promoted_layer_major_blocks_total 7\n") != std::string::npos);
+  }
+  // Restarted on the pool they were promoted into: their new checksums hold (the restart check), none is rewritten
+  // again, and they are served.
+  DaemonUnderTest d(args, dir.path);
+  REQUIRE(d.WaitReady());
+  auto engine = attach(d.socket());
+  Verified(*engine);
+  CHECK(Matched(*engine, keys) == 4);
+  const std::string log = LogWith(d, "restored blocks checked");
+  INFO(log);
+  CHECK(log.find(" 0 failed their content checksum") != std::string::npos);
+  CHECK(log.find("layer-major slot order rewritten") == std::string::npos);
 }

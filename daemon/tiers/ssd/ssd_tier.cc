@@ -555,16 +555,17 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
           // The bytes passed the store's XXH3 (they are what was written); they must also be the block the DRAM
           // pool stored: a block corrupted in DRAM before its write-back must not come back through SSD.
           // (slot, sum and key by value: the issuing thread may still be growing job's vectors.)
-          if (s.ok() && !job->cache->ContentMatches(slot, sum)) {
+          // An older release's slot order: checked in the order it was written and rewritten in today's in one pass
+          // (the slot is reserved: no one reads it yet), committed with the new checksum.
+          std::optional<uint64_t> rewritten;
+          if (s.ok() && layer_major) rewritten = job->cache->RewriteReservedInSlotOrder(slot, sum);
+          if (s.ok() && (layer_major ? !rewritten.has_value() : !job->cache->ContentMatches(slot, sum))) {
             const SsdBlockId id{key, domain, 0};
             store_->Erase(id);
             s = Status::DataLoss(fmt::format("{} read from SSD does not match the content checksum it was stored with "
                                              "(corrupted before it was written back); dropped", id.ToString()));
           }
-          // Checked in the order it was written; served only in today's (the slot is reserved: no one reads it yet).
-          if (s.ok() && layer_major) {
-            job->rewritten[issued].store(job->cache->RewriteReservedInSlotOrder(slot), std::memory_order_release);
-          }
+          if (rewritten) job->rewritten[issued].store(*rewritten, std::memory_order_release);
           if (!s.ok()) {
             promotion_failed_.fetch_add(1, std::memory_order_relaxed);
             PromotionErrorLog().Warning("ssd", "promotion: {}; the match ends before this block", s.ToString());

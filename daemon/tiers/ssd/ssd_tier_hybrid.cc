@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "common/log.h"
@@ -55,13 +56,16 @@ bool SsdTier::PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, Promot
   const CacheDomain::View view = cache.Domain();
   if (!view.geometry) return false;
   const Geometry& g = *view.geometry;
+  // A sharded geometry's pieces an older release wrote in the layer-major slot order: under its geometry string.
+  const std::optional<SsdDomain> old_order = SsdDomain::OfLayerMajor(view.model_namespace, g);
   const size_t components = g.component_count();
   std::vector<uint64_t> slot_bytes(components);
   for (size_t c = 0; c < components; ++c) slot_bytes[c] = g.Component(c).host_block_bytes();
   // Asked under the cache's lock: whether SSD holds keys[j] of component c, the right size, and (FULL) under the key
   // before it.
   const auto on_next = [&](size_t c, size_t j) {
-    const std::optional<SsdEntry> e = store_->Lookup(SsdBlockId{keys[j], domain, static_cast<uint32_t>(c)});
+    std::optional<SsdEntry> e = store_->Lookup(SsdBlockId{keys[j], domain, static_cast<uint32_t>(c)});
+    if (!e && old_order) e = store_->Lookup(SsdBlockId{keys[j], *old_order, static_cast<uint32_t>(c)});
     if (!e || e->payload_bytes != slot_bytes[c]) return false;
     return c != 0 || e->parent == (j == 0 ? kRootParent : keys[j - 1]);
   };
@@ -130,23 +134,37 @@ bool SsdTier::PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, Promot
     for (size_t i = 0; i < job->plan.slots[c].size(); ++i) {
       const size_t piece = job->offset[c] + i;
       const SlotId slot = job->plan.slots[c][i];
-      const SsdBlockId id{job->plan.keys[c][i], domain, static_cast<uint32_t>(c)};
-      const std::optional<SsdEntry> entry = store_->Lookup(id);
+      SsdBlockId id{job->plan.keys[c][i], domain, static_cast<uint32_t>(c)};
+      std::optional<SsdEntry> entry = store_->Lookup(id);
+      bool layer_major = false;
+      if (!entry && old_order) {
+        id.domain = *old_order;
+        entry = store_->Lookup(id);
+        layer_major = entry.has_value();
+      }
       Status accepted = Status::NotFound("gone from SSD since the match looked");
       if (entry) {
         job->sums[piece] = entry->content_checksum;
         reads_in_flight_.fetch_add(1, std::memory_order_relaxed);
         accepted = store_->Read(
             id, std::span<uint8_t>(cache.SlotData(slot), cache.SlotBytes(slot)),
-            [this, job, piece, finish, id, slot, sum = entry->content_checksum](Status s) {
+            [this, job, piece, finish, id, slot, sum = entry->content_checksum, layer_major](Status s) {
               reads_in_flight_.fetch_sub(1, std::memory_order_relaxed);
               // The bytes passed the store's XXH3 (they are what was written); they must also be what the DRAM pool
-              // stored: a piece corrupted in DRAM before its write-back must not come back through SSD.
-              if (s.ok() && !job->cache->ContentMatches(slot, sum)) {
+              // stored: a piece corrupted in DRAM before its write-back must not come back through SSD. One of an
+              // older release's layer-major order is checked and rewritten in today's in one pass (the slot is
+              // reserved: no one reads it yet), and committed with its new checksum.
+              std::optional<uint64_t> rewritten;
+              if (s.ok() && layer_major) rewritten = job->cache->RewriteReservedInSlotOrder(slot, sum);
+              if (s.ok() && (layer_major ? !rewritten.has_value() : !job->cache->ContentMatches(slot, sum))) {
                 store_->Erase(id);
                 s = Status::DataLoss(fmt::format("{} read from SSD does not match the content checksum it was stored "
                                                  "with (corrupted before it was written back); dropped",
                                                  id.ToString()));
+              }
+              if (rewritten) {
+                job->sums[piece] = *rewritten;  // read by the commit only once every read has ended
+                rewritten_promotions_.fetch_add(1, std::memory_order_relaxed);
               }
               if (!s.ok()) {
                 promotion_failed_.fetch_add(1, std::memory_order_relaxed);

@@ -430,6 +430,7 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
                             const uint32_t* gpu_blocks_host, const uint32_t* slots_host, uint32_t count,
                             uint32_t layer_begin, uint32_t layer_end, bool to_host, cudaStream_t stream) {
   if (cudaError_t e = Validate(gpu, pool, layer_begin, layer_end); e != cudaSuccess) return e;
+  if (pool.rank_region) return cudaErrorInvalidValue;  // the staged copies' buffers are the kernels' alone
   if (count == 0 || layer_begin == layer_end) return cudaSuccess;
   if (layer_base_host == nullptr || gpu_blocks_host == nullptr || slots_host == nullptr) return cudaErrorInvalidValue;
 

@@ -118,7 +118,7 @@ cudaError_t LaunchChecksumTerms(const GpuKvView& gpu, const HostPoolView& pool, 
 // both sides are merged, across layers only when gpu.layers_in_one_allocation). `gpu_blocks_host` / `slots_host` and `layer_base_host` must be host-readable; they are
 // read before the call returns. `to_host` selects the direction. Falls back to one cudaMemcpyAsync per chunk
 // when the driver answers cudaErrorNotSupported or `stream` is the legacy default stream (which the batch API
-// refuses).
+// refuses). A rank_region view (the staged copies' buffers) is refused with cudaErrorInvalidValue.
 cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gpu, const HostPoolView& pool,
                             const uint32_t* gpu_blocks_host, const uint32_t* slots_host, uint32_t count,
                             uint32_t layer_begin, uint32_t layer_end, bool to_host, cudaStream_t stream);
