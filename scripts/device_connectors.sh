@@ -4,12 +4,14 @@
 # and end to end, every GPU layout incl. LAYER_BLOCK_REGIONS), the Python GPU tests (PyTorch engines, hybrid
 # geometries, the vLLM connector's layouts and layer-wise loads, hybrid GPU registration where present), then
 # examples/hf_hybrid_reuse.py (scripts/device_hf_hybrid.sh, options in HF_HYBRID_ARGS) and examples/hf_prefix_reuse.py
-# (scripts/device_hf.sh: whole against layer-wise loads, options in HF_LLAMA_ARGS). PARTS picks them (default
-# "cxx,py,hf-hybrid,hf-llama": a device call is at most 10 minutes, so split them over two calls).
+# (scripts/device_hf.sh: whole against layer-wise loads, options in HF_LLAMA_ARGS), and the TP ranks' copies of
+# issue 32 (`flexkv-bench transfer --tp-ranks`, options in TP_ARGS; needs build/flexkv-bench in the bundle). PARTS
+# picks them (default "cxx,py,hf-hybrid,hf-llama"; "tp" on its own: a device call is at most 10 minutes, so split
+# them over calls).
 # Logs under $OUT; a summary last; exit 1 when any part failed.
 # Bundle first:  ../shared/tools/device-bundle.sh .device/bundle build/flexkvd build/flexkvctl \
 #   build/tests/gpu/flexkv_gpu_tests build/tests/integration/flexkv_gpu_e2e_tests \
-#   build/tests/integration/flexkv-gpu-test-client build/libflexkv.so.0   (strip; carry [".device"])
+#   build/tests/integration/flexkv-gpu-test-client build/libflexkv.so.0 build/flexkv-bench   (strip; carry [".device"])
 set -uo pipefail
 bundle=${BUNDLE:-.device/bundle}
 out=${OUT:-/tmp/flexkv-device-connectors}
@@ -63,6 +65,14 @@ if [[ $parts == *,hf-llama,* ]]; then
     env BUNDLE="$bundle" OUT="$out/hf-llama" HF_TIMEOUT="${HF_LLAMA_TIMEOUT:-240}" HF_ARGS="${HF_LLAMA_ARGS:-}" \
     bash scripts/device_hf.sh
   grep -E "^summary:|^\|" "$out/hf_llama.log" | tail -n 30
+fi
+if [[ $parts == *,tp,* ]]; then
+  export LD_LIBRARY_PATH="$cxx_path"
+  part "TP ranks on one GPU: staged and kernel copies against the ceilings (flexkv-bench transfer --tp-ranks)" \
+    "${TP_TIMEOUT:-400}" tp_ranks.log "$bundle/bin/flexkv-bench" transfer --tp-ranks \
+    ${TP_ARGS:---tp 2,4,8 --chunk-kib 8,16,32,64,128}
+  tail -n 40 "$out/tp_ranks.log"
+  export LD_LIBRARY_PATH="$base_path"
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
