@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/block_checksum.h"
+#include "common/checksum_copy.h"
 
 namespace flexkv {
 
@@ -23,8 +24,8 @@ uint64_t LayerMajorToSlotOrder(const Geometry& g, const uint8_t* from, uint8_t* 
     for (uint32_t l = 0; l < g.num_layers; ++l) {
       for (uint32_t p = 0; p < g.kv_planes; ++p) {
         const uint64_t at = SlotChunkOffset(g, l, p, s);
-        sum += CopyWithChecksum(to + at, from + LayerMajorChunkOffset(g, l, p, s), chunk,
-                                static_cast<uint32_t>(at / kChecksumUnitBytes));
+        sum += CopyRunWithChecksum(to + at, from + LayerMajorChunkOffset(g, l, p, s), chunk,
+                                   static_cast<uint32_t>(at / kChecksumUnitBytes));
       }
     }
   }

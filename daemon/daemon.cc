@@ -117,6 +117,7 @@ int RunDaemon(const DaemonConfig& config) {
   cache_options.pool_path = config.pool_path;
   cache_options.split = PoolSplit{config.swa_share, config.state_share};
   cache_options.max_domains = config.max_domains;
+  cache_options.verify_threads = config.verify_threads;
   cache_options.namespace_pool_bytes = config.namespace_pool_bytes;
   // No Attach waits for a pool of tens of GiB to be allocated and pinned: a new domain's pool is prepared by a
   // thread of its own, serving from its first grants while the rest is registered (issue 29 item 7).

@@ -4,7 +4,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "common/clock.h"
@@ -30,6 +33,10 @@ double Seconds(int64_t ns) { return static_cast<double>(ns) / 1e9; }
 
 }  // namespace
 
+BlockVerifier::BlockVerifier(Cache* cache, unsigned threads)
+    : cache_(cache),
+      threads_(threads != 0 ? threads : std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u)) {}
+
 BlockVerifier::~BlockVerifier() {
   stop_.store(true, std::memory_order_relaxed);
   if (restart_thread_.joinable()) restart_thread_.join();
@@ -54,10 +61,26 @@ void BlockVerifier::VerifyRestored() {
   const uint64_t block_bytes = cache_->block_bytes();
   const size_t per_batch = std::clamp<size_t>(kBatchBytes / std::max<uint64_t>(block_bytes, 1), 1, kMaxBatchBlocks);
   const int64_t start = NowNs();
-  uint64_t failed_total = 0, dropped_total = 0, bytes_checked = 0, rewritten = 0, bytes_rewritten = 0;
+  uint64_t failed_total = 0, dropped_total = 0, bytes_checked = 0;
   size_t done = 0;
   std::vector<SlotId> passed, failed;
   std::vector<Pool::Committed> batch;
+  std::vector<uint8_t> verdict;  // per block of the batch: 1 passed, 2 failed
+  std::atomic<uint64_t> rewritten_atomic{0}, rewritten_bytes_atomic{0};
+  // Checks batch[b, e): a block of an older release's slot order is checked and rewritten in today's in one pass,
+  // before it can be served. Blocks are in distinct slots that nothing else touches meanwhile (KeepUnverified).
+  const auto check = [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) {
+      const Pool::Committed& c = batch[i];
+      const bool matches =
+          c.layer_major ? cache_->RewriteInSlotOrder(c) : cache_->ContentMatches(c.slot, c.content_checksum);
+      verdict[i] = matches ? 1 : 2;
+      if (matches && c.layer_major) {
+        rewritten_atomic.fetch_add(1, std::memory_order_relaxed);
+        rewritten_bytes_atomic.fetch_add(cache_->SlotBytes(c.slot), std::memory_order_relaxed);
+      }
+    }
+  };
   for (size_t begin = 0; begin < restored.size() && !stop_.load(std::memory_order_relaxed); begin += per_batch) {
     const size_t end = std::min(restored.size(), begin + per_batch);
     passed.clear();
@@ -66,15 +89,29 @@ void BlockVerifier::VerifyRestored() {
     // Only this thread settles unverified blocks, so those still unverified now stay so until FinishChecks:
     // nothing matches, pins, evicts or reuses their slots, and their bytes hold still.
     cache_->KeepUnverified(&batch);
-    for (const Pool::Committed& c : batch) {
-      bytes_checked += cache_->SlotBytes(c.slot);  // a hybrid pool's slots differ in size by component
-      // An older release's slot order: checked and rewritten in today's in one pass, before it can be served.
-      const bool matches = c.layer_major ? cache_->RewriteInSlotOrder(c) : cache_->ContentMatches(c.slot, c.content_checksum);
-      if (matches) {
-        if (c.layer_major) {
-          ++rewritten;
-          bytes_rewritten += cache_->SlotBytes(c.slot);
+    verdict.assign(batch.size(), 0);
+    const size_t workers = std::min<size_t>(threads_, batch.size());
+    if (workers <= 1) {
+      check(0, batch.size());
+    } else {
+      std::vector<std::thread> helpers;
+      const size_t per = (batch.size() + workers - 1) / workers;
+      for (size_t w = 1; w < workers; ++w) {
+        const size_t b = w * per, e = std::min(batch.size(), b + per);
+        if (b >= e) continue;
+        try {
+          helpers.emplace_back(check, b, e);
+        } catch (const std::system_error&) {  // no thread to be had: this one checks that part too
+          check(b, e);
         }
+      }
+      check(0, std::min(batch.size(), per));
+      for (auto& t : helpers) t.join();
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Pool::Committed& c = batch[i];
+      bytes_checked += cache_->SlotBytes(c.slot);  // a hybrid pool's slots differ in size by component
+      if (verdict[i] == 1) {
         passed.push_back(c.slot);
       } else {
         failed.push_back(c.slot);
@@ -86,12 +123,14 @@ void BlockVerifier::VerifyRestored() {
     failed_total += failed.size();
     done = end;
   }
+  const uint64_t rewritten = rewritten_atomic.load(), bytes_rewritten = rewritten_bytes_atomic.load();
   const std::string summary = fmt::format(
-      "{} of {} restored blocks checked in {:.2f} s ({}/s): {} failed their content checksum and were dropped with "
-      "their descendants ({} blocks in all){}",
+      "{} of {} restored blocks checked in {:.2f} s ({}/s, {} thread{}): {} failed their content checksum and were "
+      "dropped with their descendants ({} blocks in all){}",
       done, restored.size(), Seconds(NowNs() - start),
       FormatByteSize(static_cast<uint64_t>(static_cast<double>(bytes_checked) /
                                            std::max(1e-9, Seconds(NowNs() - start)))),
+      threads_, threads_ == 1 ? "" : "s",
       failed_total, dropped_total,
       rewritten == 0 ? std::string()
                      : fmt::format("; {} blocks ({}) of an older release's layer-major slot order rewritten in "

@@ -29,17 +29,19 @@ struct ScrubReport {
 
 class BlockVerifier {
  public:
-  // `cache` outlives the verifier.
-  explicit BlockVerifier(Cache* cache) : cache_(cache) {}
+  // `cache` outlives the verifier. `threads`: how many check a restart's batches (each block is read by one of them;
+  // the blocks are settled in their order all the same); 0 picks half the cores, 1 to 8.
+  explicit BlockVerifier(Cache* cache, unsigned threads = 0);
   // Stops the background verification; blocks it did not reach keep their slot entries and are checked at the
   // next start.
   ~BlockVerifier();
   BlockVerifier(const BlockVerifier&) = delete;
   BlockVerifier& operator=(const BlockVerifier&) = delete;
 
-  // Starts one thread that checks the blocks Cache::RecoverPool restored, parents first and in batches: a block
-  // becomes matchable once it passes, one that fails is dropped with its descendants. Logs one summary line
-  // when done. Returns at once; call once, after RecoverPool.
+  // Starts a thread that checks the blocks Cache::RecoverPool restored, parents first and in batches (each batch's
+  // blocks read by `threads` threads): a block becomes matchable once it passes, one that fails is dropped with its
+  // descendants. A block of an older release's layer-major slot order is rewritten as it is checked. Logs one
+  // summary line when done. Returns at once; call once, after RecoverPool.
   void StartRestartVerification();
   // The same check, on the calling thread (what the background thread runs).
   void VerifyRestored();
@@ -51,6 +53,7 @@ class BlockVerifier {
 
  private:
   Cache* const cache_;
+  const unsigned threads_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> scrubbing_{false};
   std::thread restart_thread_;

@@ -44,7 +44,7 @@ CacheSet::CacheSet(CacheSetOptions options) : options_(std::move(options)) {
     caches_.push_back(std::make_unique<Cache>(options_.budget_bytes, PoolPathOf(options_.pool_path, i),
                                               options_.split));
     caches_.back()->SetPrepareInBackground(options_.prepare_in_background);
-    verifiers_.push_back(std::make_unique<BlockVerifier>(caches_.back().get()));
+    verifiers_.push_back(std::make_unique<BlockVerifier>(caches_.back().get(), options_.verify_threads));
   }
   MutexLock lock(&mu_);
   slots_.resize(n);

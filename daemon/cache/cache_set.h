@@ -42,6 +42,7 @@ struct CacheSetOptions {
   std::map<std::string, uint64_t, std::less<>> namespace_pool_bytes;
   // Each new domain's pool is prepared in the background (Cache::SetPrepareInBackground): Admit returns at once.
   bool prepare_in_background = false;
+  unsigned verify_threads = 0;  // each domain's restart check (BlockVerifier); 0: half the cores, 1 to 8
 };
 
 // The values of a domain's request counters (CacheCounters), since the domain was created.

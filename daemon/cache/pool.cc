@@ -22,6 +22,7 @@
 #include <unordered_map>
 
 #include "common/block_checksum.h"
+#include "common/checksum_copy.h"
 #include "common/invariant.h"
 #include "common/log.h"
 #include "common/mapped_region.h"
@@ -884,7 +885,7 @@ std::optional<uint64_t> Pool::Rewrite(SlotId slot, uint64_t layer_major_checksum
   // Checked in the copy the rewrite reads from, in one pass: what is rewritten is exactly what was checked.
   thread_local std::vector<uint8_t> scratch;
   scratch.resize(bytes);
-  if (FinishBlockChecksum(CopyWithChecksum(scratch.data(), data, bytes, 0), bytes) != layer_major_checksum) {
+  if (FinishBlockChecksum(CopyRunWithChecksum(scratch.data(), data, bytes, 0), bytes) != layer_major_checksum) {
     return std::nullopt;  // the bytes and the entry as they were: the caller drops the block
   }
   if (entry != nullptr) MarkFree(slot);

@@ -293,6 +293,10 @@ ParsedArgs ParseDaemonArgs(int argc, char** argv) {
                  "Seconds after which a session's pins lapse when its process stops renewing them (default 10; 0: never)")
       ->check(CLI::Range(0.0, 3600.0));
 
+  app.add_option("--verify-threads", cfg.verify_threads,
+                 "Threads that check (and, for an older release's TP > 1 pool, rewrite) a restarted pool's blocks "
+                 "before they are served; 0: half the cores, at most 8 (default 0)")
+      ->check(CLI::Range(0u, 64u));
   app.add_option("--max-domains", cfg.max_domains,
                  "Cache domains (model namespace + geometry) served at once, each with its own pool file and a share "
                  "of --pool-size (default 1)")

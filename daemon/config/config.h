@@ -57,6 +57,8 @@ struct DaemonConfig {
   // [namespace."<name>"] tables of the --config file: who may write and read each namespace (namespace_access.h).
   std::map<std::string, NamespaceAcl, std::less<>> namespace_acls;
   size_t max_domains = 1;              // --max-domains: cache domains (namespace + geometry) served at once
+  uint32_t verify_threads = 0;         // --verify-threads: threads of each domain's restart check (0: half the
+                                       // cores, 1 to 8)
   // [namespace."<name>"] pool_size: a namespace's fixed share of --pool-size (bytes); others share the rest.
   std::map<std::string, uint64_t, std::less<>> namespace_pool_bytes;
   // The cluster tier (docs/cluster.md); off without --etcd-endpoints.

@@ -11,7 +11,7 @@
 
 #include "common/block_checksum.h"
 #include "common/uds.h"
-#include "daemon/transfer/host/checksum_copy.h"
+#include "common/checksum_copy.h"
 
 namespace flexkv {
 

@@ -231,6 +231,44 @@ TEST_CASE("cache: a restored block whose bytes changed is never served - dropped
   CHECK(t.cache().counters().data_loss_blocks.load() == 0);
 }
 
+// --verify-threads: a batch's blocks are read by several threads; each block's verdict is its own, whichever thread
+// read it, and the failed ones are dropped with their descendants as with one thread.
+TEST_CASE("cache: the restart check with several threads passes and drops exactly what one thread does",
+          "[unit][cache][checksum]") {
+  for (unsigned threads : {1u, 2u, 3u, 8u}) {
+    CAPTURE(threads);
+    TempCache t;
+    std::vector<std::vector<BlockKey>> chains;
+    std::vector<std::vector<SlotId>> slots;
+    {
+      REQUIRE(t.cache().RecoverPool(false).ok());
+      REQUIRE(t.cache().Admit("ns", SmallGeometry()).ok());
+      for (uint64_t c = 0; c < 12; ++c) {
+        chains.push_back(Keys(10 + c, 4));
+        auto r = t.cache().Reserve(flexkv::kRootParent, chains.back());
+        REQUIRE(r.slots.size() == 4);
+        FillAndCommit(t.cache(), chains.back(), 0, r.slots);
+        slots.push_back(r.slots);
+      }
+      // Chain 3 changed at its second block, chain 7 at its last, chain 11 at its first.
+      t.cache().SlotData(slots[3][1])[7] ^= 0x10;
+      t.cache().SlotData(slots[7][3])[0] ^= 0x01;
+      t.cache().SlotData(slots[11][0])[99] ^= 0x80;
+    }
+    t.Reopen();
+    REQUIRE(t.cache().RecoverPool(false).ok());
+    flexkv::BlockVerifier(&t.cache(), threads).VerifyRestored();
+    for (size_t c = 0; c < chains.size(); ++c) {
+      CAPTURE(c);
+      const size_t want = c == 3 ? 1 : c == 7 ? 3 : c == 11 ? 0 : 4;
+      CHECK(t.cache().Match(chains[c], false, nullptr) == want);
+    }
+    CHECK(t.cache().counters().data_loss_blocks.load() == 3);
+    CHECK(t.cache().GetStats().unverified == 0);
+    CHECK(t.cache().GetStats().blocks == 48 - 3 - 1 - 4);  // the failed ones and their descendants
+  }
+}
+
 TEST_CASE("cache: a pool file of layout version 1 is dropped at start with one log line, not refused",
           "[unit][cache][checksum]") {
   TempCache t;

@@ -1,5 +1,6 @@
-// The host store path's copy: copies a run of a block into its pool slot and returns the run's checksum term sum
-// (common/block_checksum.h) in the same pass, at memcpy speed where the CPU has AVX2.
+// A copy of a run of a block that returns the run's checksum term sum (common/block_checksum.h) in the same pass, at
+// memcpy speed where the CPU has AVX2: the host store path's copy into pool slots, and the slot order upgrade's
+// rewrite (common/slot_order.h).
 #pragma once
 
 #include <cstddef>

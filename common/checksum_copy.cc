@@ -1,6 +1,6 @@
 // See checksum_copy.h. The AVX2 loop takes two 16-byte units per 32-byte vector: each 64-bit lane multiplies
 // its two 32-bit words (offset by their keys) as ChecksumTerm does, so the lanes' sum is the units' terms' sum.
-#include "daemon/transfer/host/checksum_copy.h"
+#include "common/checksum_copy.h"
 
 #include <immintrin.h>
 

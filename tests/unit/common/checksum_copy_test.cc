@@ -1,6 +1,6 @@
 // CopyRunWithChecksum: the host store path's fused copy gives exactly ChecksumTermSum of what it wrote, for any
 // length, alignment and first unit (the AVX2 loop, its scalar tail, and the portable loop agree).
-#include "daemon/transfer/host/checksum_copy.h"
+#include "common/checksum_copy.h"
 
 #include <catch2/catch.hpp>
 #include <cstring>
