@@ -146,7 +146,7 @@ tsan_stage() {
   san_configure build-tsan -DFLEXKV_SANITIZE=thread
   ninja -C build-tsan flexkv_unit_tests
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
-    san_ctest build-tsan -R '^unit: ?(cache prepare: |prefix index|drain |concurrent begin/finish|data plane: |ring transport: |copy scheduler: |handle table: |request handlers: |lease renewer: |cache: a scrub running beside |cache: resizes beside |ssd format: |ssd store: (many blocks|reopened|registered buffers|a payload byte|a torn write|a full queue|when full|one key in another)|ssd tier: )'
+    san_ctest build-tsan -R '^unit: ?(cache prepare: |prefix index|drain |concurrent begin/finish|data plane: |ring transport: |copy scheduler: |handle table: |request handlers: |lease renewer: |cache: a scrub running beside |cache: resizes beside |cache: the restart check with several threads |ssd format: |ssd store: (many blocks|reopened|registered buffers|a payload byte|a torn write|a full queue|when full|one key in another)|ssd tier: )'
 }
 stage "ThreadSanitizer: the index, lifecycle, data-plane and SSD store concurrency tests" tsan_stage
 
