@@ -2,11 +2,15 @@
 // its two 32-bit words (offset by their keys) as ChecksumTerm does, so the lanes' sum is the units' terms' sum.
 #include "common/checksum_copy.h"
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include "common/block_checksum.h"
 
 namespace flexkv {
+
+#if defined(__x86_64__)
 namespace {
 
 // The four keys of unit `u`, as ChecksumTerm computes them.
@@ -64,5 +68,10 @@ uint64_t CopyRunWithChecksum(void* dst, const void* src, size_t bytes, uint32_t 
   if (have_avx2) return CopyAvx2(dst, src, bytes, first_unit);
   return CopyWithChecksum(dst, src, bytes, first_unit);
 }
+#else
+uint64_t CopyRunWithChecksum(void* dst, const void* src, size_t bytes, uint32_t first_unit) {
+  return CopyWithChecksum(dst, src, bytes, first_unit);  // no AVX2 off x86-64: the portable loop
+}
+#endif
 
 }  // namespace flexkv

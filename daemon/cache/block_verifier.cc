@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -65,19 +66,27 @@ void BlockVerifier::VerifyRestored() {
   size_t done = 0;
   std::vector<SlotId> passed, failed;
   std::vector<Pool::Committed> batch;
-  std::vector<uint8_t> verdict;  // per block of the batch: 1 passed, 2 failed
+  std::vector<uint8_t> verdict;  // per block of the batch: 1 passed, 2 failed, 0 not decided (an error checking it)
   std::atomic<uint64_t> rewritten_atomic{0}, rewritten_bytes_atomic{0};
+  std::atomic<bool> check_error{false};
   // Checks batch[b, e): a block of an older release's slot order is checked and rewritten in today's in one pass,
   // before it can be served. Blocks are in distinct slots that nothing else touches meanwhile (KeepUnverified).
-  const auto check = [&](size_t b, size_t e) {
+  // A block whose check throws (no memory for a rewrite's scratch) is left undecided: unverified, never served, checked
+  // again at the next start; the run stops after its batch.
+  const auto check = [&](size_t b, size_t e) noexcept {
     for (size_t i = b; i < e; ++i) {
       const Pool::Committed& c = batch[i];
-      const bool matches =
-          c.layer_major ? cache_->RewriteInSlotOrder(c) : cache_->ContentMatches(c.slot, c.content_checksum);
-      verdict[i] = matches ? 1 : 2;
-      if (matches && c.layer_major) {
-        rewritten_atomic.fetch_add(1, std::memory_order_relaxed);
-        rewritten_bytes_atomic.fetch_add(cache_->SlotBytes(c.slot), std::memory_order_relaxed);
+      try {
+        const bool matches =
+            c.layer_major ? cache_->RewriteInSlotOrder(c) : cache_->ContentMatches(c.slot, c.content_checksum);
+        verdict[i] = matches ? 1 : 2;
+        if (matches && c.layer_major) {
+          rewritten_atomic.fetch_add(1, std::memory_order_relaxed);
+          rewritten_bytes_atomic.fetch_add(cache_->SlotBytes(c.slot), std::memory_order_relaxed);
+        }
+      } catch (const std::exception&) {
+        check_error.store(true, std::memory_order_relaxed);
+        return;
       }
     }
   };
@@ -94,22 +103,30 @@ void BlockVerifier::VerifyRestored() {
     if (workers <= 1) {
       check(0, batch.size());
     } else {
-      std::vector<std::thread> helpers;
+      struct Helpers {  // joined whatever happens below
+        std::vector<std::thread> threads;
+        ~Helpers() {
+          for (auto& t : threads) {
+            if (t.joinable()) t.join();
+          }
+        }
+      } helpers;
+      helpers.threads.reserve(workers - 1);
       const size_t per = (batch.size() + workers - 1) / workers;
       for (size_t w = 1; w < workers; ++w) {
         const size_t b = w * per, e = std::min(batch.size(), b + per);
         if (b >= e) continue;
         try {
-          helpers.emplace_back(check, b, e);
+          helpers.threads.emplace_back(check, b, e);
         } catch (const std::system_error&) {  // no thread to be had: this one checks that part too
           check(b, e);
         }
       }
       check(0, std::min(batch.size(), per));
-      for (auto& t : helpers) t.join();
     }
     for (size_t i = 0; i < batch.size(); ++i) {
       const Pool::Committed& c = batch[i];
+      if (verdict[i] == 0) continue;  // undecided: stays unverified (checked at the next start)
       bytes_checked += cache_->SlotBytes(c.slot);  // a hybrid pool's slots differ in size by component
       if (verdict[i] == 1) {
         passed.push_back(c.slot);
@@ -122,6 +139,11 @@ void BlockVerifier::VerifyRestored() {
     dropped_total += cache_->FinishChecks(passed, {}, failed);
     failed_total += failed.size();
     done = end;
+    if (check_error.load(std::memory_order_relaxed)) {
+      log::Warning("verify", "the restart check ran out of memory (a rewrite's buffer): it stops here, the blocks it did "
+                   "not decide are not served until the next start checks them");
+      break;
+    }
   }
   const uint64_t rewritten = rewritten_atomic.load(), bytes_rewritten = rewritten_bytes_atomic.load();
   const std::string summary = fmt::format(

@@ -149,10 +149,6 @@ Status Cache::RecoverPool(bool discard, std::span<const uint64_t> other_budgets)
     return admitted.WithContext(
         fmt::format("pool file {} (start with --discard-pool to replace it; its blocks are lost)", pool_path_));
   }
-  // A pool of sharded slots from a release before the rank-major order, kept: flagged now, once this start keeps it
-  // and before anything is rewritten or stored in today's order (so that a start refused above leaves the file to
-  // the release that wrote it); its blocks are rewritten by the verifier as each passes its check (BlockVerifier).
-  FLEXKV_RETURN_IF_ERROR((*pool)->AdoptRankMajorSlots());
   log::Info("cache",
             "re-attached pool {}: {} committed blocks restored (served once their bytes are verified), {} incomplete, "
             "orphaned or corrupt dropped ({} slot entries failed their checksum); domain '{}' {}, created by uid {}",
@@ -695,6 +691,11 @@ bool Cache::ContentMatches(SlotId slot, uint64_t content_checksum) const {
 }
 
 bool Cache::RewriteInSlotOrder(const Pool::Committed& block) { return pool_->RewriteInSlotOrder(block).has_value(); }
+
+Status Cache::AdoptRankMajorSlots() {
+  MutexLock lock(&mu_);
+  return pool_ ? pool_->AdoptRankMajorSlots() : Status::Ok();
+}
 
 std::optional<uint64_t> Cache::RewriteReservedInSlotOrder(SlotId slot, uint64_t layer_major_checksum) {
   return pool_->RewriteBytesInSlotOrder(slot, layer_major_checksum);

@@ -267,6 +267,11 @@ class Cache {
   // today's slot order (Pool::RewriteInSlotOrder: false, nothing changed, when its bytes do not match). Only the
   // verifier calls it, for blocks KeepUnverified kept: nothing else reads or reuses their slots meanwhile.
   bool RewriteInSlotOrder(const Pool::Committed& block);
+  // A re-attached pool of sharded slots written before the rank-major order (Pool::AdoptRankMajorSlots): its header
+  // flagged, so that the older release refuses it from here on. CacheSet::RecoverPools calls it once every domain
+  // is kept and before any block is checked, rewritten or stored (a start refused before that leaves the file to
+  // the release that wrote it). OK and nothing written for any other pool, or none.
+  Status AdoptRankMajorSlots();
   // A slot this caller reserved and filled with a block in the layer-major order of an older release (a promotion
   // from SSD), checked against `layer_major_checksum` and rewritten in today's order before it is committed: the
   // bytes' new content checksum, or nullopt when they do not match.

@@ -367,6 +367,9 @@ Status CacheSet::RecoverPools(bool discard) {
                    path, caches_.size());
     }
   }
+  // Every domain kept: pools of an older release's layer-major slot order are flagged now, before their blocks are
+  // checked and rewritten and before anything is stored in today's order.
+  for (const auto& cache : caches_) FLEXKV_RETURN_IF_ERROR(cache->AdoptRankMajorSlots());
   for (const auto& verifier : verifiers_) verifier->StartRestartVerification();
   return Status::Ok();
 }

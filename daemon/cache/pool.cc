@@ -884,6 +884,11 @@ std::optional<uint64_t> Pool::Rewrite(SlotId slot, uint64_t layer_major_checksum
   uint8_t* data = SlotData(slot);
   // Checked in the copy the rewrite reads from, in one pass: what is rewritten is exactly what was checked.
   thread_local std::vector<uint8_t> scratch;
+  struct Trim {  // a huge state slot's scratch is not kept by the thread, whatever the outcome
+    ~Trim() {
+      if (scratch.capacity() > (64ull << 20)) std::vector<uint8_t>().swap(scratch);
+    }
+  } trim;
   scratch.resize(bytes);
   if (FinishBlockChecksum(CopyRunWithChecksum(scratch.data(), data, bytes, 0), bytes) != layer_major_checksum) {
     return std::nullopt;  // the bytes and the entry as they were: the caller drops the block
@@ -891,7 +896,6 @@ std::optional<uint64_t> Pool::Rewrite(SlotId slot, uint64_t layer_major_checksum
   if (entry != nullptr) MarkFree(slot);
   const uint64_t content_checksum = FinishBlockChecksum(LayerMajorToSlotOrder(g, scratch.data(), data), bytes);
   if (entry != nullptr) MarkCommitted(slot, entry->key, entry->parent, content_checksum);
-  if (scratch.capacity() > (64ull << 20)) std::vector<uint8_t>().swap(scratch);  // a huge state slot: not kept
   return content_checksum;
 }
 
