@@ -376,11 +376,15 @@ class Cache {
   };
   HybridPromotion ReservePromotion(std::span<const BlockKey> keys,
                                    const std::function<bool(size_t component, size_t j)>& on_next);
-  // Ends a ReservePromotion after the reads: `ok[c][i]` says whether piece i of component c was read and verified,
-  // `checksums[c][i]` its content checksum (what it was stored with). Commits the FULL pieces up to the first that
-  // failed (the rest cannot hang under it) and every window and state piece that verified, anchored where its FULL
-  // block is now in DRAM; gives back the other slots; marks what it committed as on the next tier (clean); unpins the
+  // Ends a ReservePromotion after the reads: `ok[c][i]` says whether piece i of component c was read and verified
+  // (kPieceVerified, or kPieceRewritten: verified and rewritten from an older release's slot order, so the next tier
+  // does not hold it in today's order), `checksums[c][i]` its content checksum (what it was stored with, or its new
+  // one). Commits the FULL pieces up to the first that failed (the rest cannot hang under it) and every window and
+  // state piece that verified, anchored where its FULL block is now in DRAM; gives back the other slots; marks what
+  // it committed as on the next tier (clean), except the rewritten pieces (written back like new ones); unpins the
   // held pieces. A match then finds the longest end that holds. Returns the pieces committed.
+  static constexpr uint8_t kPieceVerified = 1;
+  static constexpr uint8_t kPieceRewritten = 3;
   size_t CommitPromoted(std::span<const BlockKey> keys, const HybridPromotion& promotion,
                         const std::vector<std::vector<uint8_t>>& ok,
                         const std::vector<std::vector<uint64_t>>& checksums);

@@ -349,7 +349,8 @@ size_t Cache::CommitPromoted(std::span<const BlockKey> keys, const HybridPromoti
   std::vector<SlotId> on_next;
   // FULL: the verified prefix of the pieces (a block after a failed one would hang under nothing).
   size_t full_ok = 0;
-  while (full_ok < p.slots[0].size() && ok[0][full_ok] == 1) ++full_ok;
+  const auto verified = [](uint8_t v) { return v == kPieceVerified || v == kPieceRewritten; };
+  while (full_ok < p.slots[0].size() && verified(ok[0][full_ok])) ++full_ok;
   const std::span<const SlotId> full(p.slots[0]);
   index_->Commit(full.first(full_ok));
   index_->Abort(full.subspan(full_ok));
@@ -362,7 +363,7 @@ size_t Cache::CommitPromoted(std::span<const BlockKey> keys, const HybridPromoti
     pool_->MarkCommitted(s, keys[k], parent, checksums[0][i]);
     for (const auto& part : parts_) part->Anchor(keys[k]);
     ReportBlockLocked(BlockEvent::kCommitted, keys[k], k + 1 == p.end, BlockEvent::kPromoted, parent);
-    on_next.push_back(s);
+    if (ok[0][i] != kPieceRewritten) on_next.push_back(s);
     full_end = k + 1;
     ++committed;
   }
@@ -370,16 +371,16 @@ size_t Cache::CommitPromoted(std::span<const BlockKey> keys, const HybridPromoti
   for (size_t c = 1; c < p.slots.size(); ++c) {
     std::vector<SlotId> good, bad;
     for (size_t i = 0; i < p.slots[c].size(); ++i) {
-      (ok[c][i] == 1 ? good : bad).push_back(LocalLocked(c, p.slots[c][i]));
+      (verified(ok[c][i]) ? good : bad).push_back(LocalLocked(c, p.slots[c][i]));
     }
     Part(c).Commit(good);
     Part(c).Abort(bad);
     for (size_t i = 0; i < p.slots[c].size(); ++i) {
       const SlotId s = p.slots[c][i];
-      if (ok[c][i] != 1 || !Part(c).IsCommitted(LocalLocked(c, s))) continue;
+      if (!verified(ok[c][i]) || !Part(c).IsCommitted(LocalLocked(c, s))) continue;
       pool_->MarkCommitted(s, p.keys[c][i], BlockKey{}, checksums[c][i]);
       if (p.at[c][i] >= full_end) Part(c).Unanchor(p.keys[c][i]);
-      on_next.push_back(s);
+      if (ok[c][i] != kPieceRewritten) on_next.push_back(s);
       ++committed;
     }
   }

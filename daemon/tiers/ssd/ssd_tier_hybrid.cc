@@ -4,6 +4,7 @@
 // under SsdBlockId{key, domain, component}.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <optional>
@@ -24,7 +25,9 @@ struct HybridJob {
   std::vector<BlockKey> keys;        // the match's keys (the reservation's indexes refer to them)
   Cache::HybridPromotion plan;
   std::vector<size_t> offset;        // [component] its first piece in ok / sums
-  std::unique_ptr<std::atomic<uint8_t>[]> ok;  // 0: not ended, 1: verified, 2: failed or not read
+  // 0: not ended, Cache::kPieceVerified, Cache::kPieceRewritten (from an older release's slot order), 2: failed or
+  // not read
+  std::unique_ptr<std::atomic<uint8_t>[]> ok;
   std::vector<uint64_t> sums;        // each piece's content checksum (from its SSD entry)
   std::atomic<size_t> remaining{0};  // reads not ended, plus one while they are being issued
   std::atomic<size_t> lost{0};       // pieces that failed verification (dropped from SSD)
@@ -97,6 +100,9 @@ bool SsdTier::PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, Promot
     }
     const size_t committed = p->cache->CommitPromoted(p->keys, p->plan, ok, sums);
     promoted_.fetch_add(committed, std::memory_order_relaxed);
+    size_t rewritten = 0;  // read, checked and rewritten (a FULL piece after a failed one is given back all the same)
+    for (const auto& component : ok) rewritten += std::count(component.begin(), component.end(), Cache::kPieceRewritten);
+    rewritten_promotions_.fetch_add(rewritten, std::memory_order_relaxed);
     PromotionDone d = std::move(p->done);
     // A piece that failed is gone from SSD now, so the end it was planned for does not hold: the longest end that
     // still does (a shorter one, with its own window and state) is promoted next. Each attempt drops at least one
@@ -162,17 +168,15 @@ bool SsdTier::PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, Promot
                                                  "with (corrupted before it was written back); dropped",
                                                  id.ToString()));
               }
-              if (rewritten) {
-                job->sums[piece] = *rewritten;  // read by the commit only once every read has ended
-                rewritten_promotions_.fetch_add(1, std::memory_order_relaxed);
-              }
+              if (rewritten) job->sums[piece] = *rewritten;  // read by the commit only once every read has ended
               if (!s.ok()) {
                 promotion_failed_.fetch_add(1, std::memory_order_relaxed);
                 job->lost.fetch_add(1, std::memory_order_relaxed);
                 HybridPromotionErrorLog().Warning(
                     "ssd", "promotion: {}; the match ends where this piece is needed", s.ToString());
               }
-              job->ok[piece].store(s.ok() ? 1 : 2, std::memory_order_release);
+              job->ok[piece].store(!s.ok() ? 2 : rewritten ? Cache::kPieceRewritten : Cache::kPieceVerified,
+                                   std::memory_order_release);
               if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(job);
             });
         if (!accepted.ok()) reads_in_flight_.fetch_sub(1, std::memory_order_relaxed);
