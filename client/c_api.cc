@@ -661,6 +661,52 @@ int flexkv_load_components_by(flexkv_client* c, uint64_t match_handle, uint32_t 
   });
 }
 
+int flexkv_load_components_layered(flexkv_client* c, uint64_t match_handle, uint32_t first_block,
+                                   const uint32_t* const* component_ids, const size_t* counts, size_t n_components,
+                                   int layerwise, uint32_t event_set, int64_t launch_deadline_ns,
+                                   flexkv_ticket* ticket) {
+  return Guarded([&]() -> int {
+    if (c == nullptr) return NullArgument("client");
+    if (ticket == nullptr) return NullArgument("ticket");
+    if (layerwise != 0 && event_set != 0) {
+      return Record(flexkv::Status::InvalidArgument(
+          "a load with event_set " + std::to_string(event_set) +
+          " and layerwise; expected one completion kind: the set's events or layer progress"));
+    }
+    int rc = 0;
+    auto spans = ComponentSpans(component_ids, counts, n_components, &rc);
+    if (!spans) return rc;
+    if (event_set != 0) {
+      return Submitted(c->client->LoadWithEvents(match_handle, *spans, event_set, first_block, launch_deadline_ns),
+                       ticket);
+    }
+    return Submitted(c->client->Load(match_handle, *spans, first_block, launch_deadline_ns, layerwise != 0), ticket);
+  });
+}
+
+int flexkv_layer_order(const flexkv_geometry* geometry, uint32_t* component, uint32_t* layer, size_t capacity,
+                       size_t* n) {
+  return Guarded([&]() -> int {
+    if (geometry == nullptr) return NullArgument("geometry");
+    if (n == nullptr) return NullArgument("n");
+    if (capacity > 0 && (component == nullptr || layer == nullptr)) return NullArgument("component or layer");
+    auto g = GeometryFromC(*geometry);
+    if (!g.ok()) return Record(g.status());
+    if (flexkv::Status valid = g->Validate(); !valid.ok()) return Record(valid);
+    const std::vector<flexkv::LayerStep> order = g->LayerOrder();
+    *n = order.size();
+    if (order.size() > capacity) {
+      return Record(flexkv::Status::OutOfRange("the layer order has " + std::to_string(order.size()) +
+                                               " entries; capacity is " + std::to_string(capacity)));
+    }
+    for (size_t i = 0; i < order.size(); ++i) {
+      component[i] = order[i].component;
+      layer[i] = order[i].layer;
+    }
+    return FLEXKV_OK;
+  });
+}
+
 int flexkv_store_components_windows(flexkv_client* c, const flexkv_block_key* parent, const flexkv_block_key* keys,
                                     size_t n_keys, const uint32_t* const* component_ids, const size_t* counts,
                                     size_t n_components, const uint32_t* state_boundaries, size_t n_boundaries,

@@ -431,7 +431,19 @@ Result<Ticket> Client::Load(uint64_t match_handle, std::span<const uint32_t> dst
 }
 
 Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
-                            uint32_t first_block, int64_t launch_deadline_ns) {
+                            uint32_t first_block, int64_t launch_deadline_ns, bool layerwise) {
+  return LoadComponents(match_handle, component_ids, first_block, launch_deadline_ns, layerwise, 0);
+}
+
+Result<Ticket> Client::LoadWithEvents(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
+                                      uint32_t event_set, uint32_t first_block, int64_t launch_deadline_ns) {
+  if (event_set == 0) return Status::InvalidArgument("event_set is 0; expected an id RegisterLayerEvents returned");
+  return LoadComponents(match_handle, component_ids, first_block, launch_deadline_ns, false, event_set);
+}
+
+Result<Ticket> Client::LoadComponents(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
+                                      uint32_t first_block, int64_t launch_deadline_ns, bool layerwise,
+                                      uint32_t event_set) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
   auto count = LoadEnd(first_block, component_ids.empty() ? 0 : component_ids[0].size());
@@ -440,8 +452,8 @@ Result<Ticket> Client::Load(uint64_t match_handle, std::span<const std::span<con
   if (!ids.ok()) return ids.status();
   FLEXKV_RETURN_IF_ERROR(CheckDaemonTakes(*s, "first_block", first_block));
   FLEXKV_RETURN_IF_ERROR(CheckLaunchDeadline(*s, launch_deadline_ns));
-  auto t = s->rings->Submit(RingOp::kLoad, 0, *count, {}, *ids, match_handle, kRootParent, first_block, 0,
-                            launch_deadline_ns);
+  auto t = s->rings->Submit(RingOp::kLoad, layerwise ? kLoadFlagLayerwise : 0, *count, {}, *ids, match_handle,
+                            kRootParent, first_block, event_set, launch_deadline_ns);
   if (!t.ok()) return t.status();
   return Ticket{t->id, s->generation};
 }
@@ -450,10 +462,7 @@ Result<Ticket> Client::LoadWithEvents(uint64_t match_handle, std::span<const uin
                                       uint32_t event_set, uint32_t first_block, int64_t launch_deadline_ns) {
   std::shared_ptr<AttachedSession> s = impl_->Current();
   if (s == nullptr) return NotAttached();
-  if (s->geometry.is_hybrid()) {
-    return Status::InvalidArgument("LoadWithEvents of a hybrid geometry; expected a full-attention one (hybrid loads "
-                                   "are not layer-wise yet)");
-  }
+  if (s->geometry.is_hybrid()) return UseComponentOverload("LoadWithEvents", s->geometry);
   if (event_set == 0) return Status::InvalidArgument("event_set is 0; expected an id RegisterLayerEvents returned");
   if (dst_block_ids.empty()) return Status::InvalidArgument("dst_block_ids is empty; expected at least one block");
   FLEXKV_RETURN_IF_ERROR(CheckDaemonTakes(*s, "first_block", first_block));

@@ -137,6 +137,37 @@ Status Geometry::Validate() const {
   return Status::Ok();
 }
 
+uint32_t Geometry::total_layers() const {
+  uint32_t total = num_layers;
+  for (const ComponentSpec& c : components) total += c.num_layers;
+  return total;
+}
+
+std::vector<LayerStep> Geometry::LayerOrder() const {
+  std::vector<uint32_t> counts{num_layers};
+  for (const ComponentSpec& c : components) counts.push_back(c.num_layers);
+  std::vector<uint32_t> next(counts.size(), 0);
+  std::vector<LayerStep> order;
+  order.reserve(total_layers());
+  for (size_t c = 1; c < counts.size(); ++c) {  // the states first, whole
+    if (component_kind(c) != ComponentKind::kState) continue;
+    for (; next[c] < counts[c]; ++next[c]) order.push_back({static_cast<uint32_t>(c), next[c]});
+  }
+  for (;;) {
+    // The component whose next layer is the shallowest: (next + 1) / count smallest, compared without division.
+    size_t best = counts.size();
+    for (size_t c = 0; c < counts.size(); ++c) {
+      if (next[c] >= counts[c]) continue;
+      if (best == counts.size() ||
+          uint64_t{next[c] + 1} * counts[best] < uint64_t{next[best] + 1} * counts[c]) {
+        best = c;
+      }
+    }
+    if (best == counts.size()) return order;
+    order.push_back({static_cast<uint32_t>(best), next[best]++});
+  }
+}
+
 Geometry Geometry::Component(size_t i) const {
   Geometry g = *this;
   g.components.clear();

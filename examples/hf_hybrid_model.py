@@ -144,6 +144,9 @@ class HybridModel:
                              f"{sorted(KIND_OF_LAYER_TYPE)}")
         self.kinds = [KIND_OF_LAYER_TYPE[t] for t in types]
         self.layers_of = {k: [i for i, x in enumerate(self.kinds) if x == k] for k in (FULL, WINDOW, STATE)}
+        # model layer -> (its kind, its index among that kind's layers: the layer in its flexkvd component)
+        self.component_of = {li: (k, j) for k in (FULL, WINDOW, STATE) for j, li in enumerate(self.layers_of[k])}
+        self._fill: Optional[Dict[str, Any]] = None  # a layer-wise forward in progress (begin_layerwise)
         self.takes_cache_position = "cache_position" in inspect.signature(self.model.forward).parameters
         self.kv_heads = self.config.num_key_value_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // \
@@ -436,28 +439,86 @@ class HybridModel:
         """The HF cache of the prefix [0, e) blocks from the paged memory: the template's structure (deep-copied),
         full layers from every block, sliding layers from the window's blocks (as many trailing tokens as the layer
         keeps), linear layers' states copied into the template's state tensors."""
-        n = e * self.args.block_size
         cache = copy.deepcopy(self.template)
-        for j, li in enumerate(self.layers_of[FULL]):
+        for li in sorted(self.component_of):
+            self.rebuild_layer(cache, li, e, full_ids, window_ids, slot)
+        return cache
+
+    def rebuild_layer(self, cache: Any, li: int, e: int, full_ids: List[int], window_ids: List[int],
+                      slot: int) -> None:
+        """Model layer li's part of rebuild(): its KV (full or sliding) or its state, from the paged memory."""
+        n = e * self.args.block_size
+        kind, j = self.component_of[li]
+        if kind == FULL:
             k, v = self._blocks_read(self.full_kv[j], full_ids)
             _set_layer_kv(cache, li, k, v)
             layers = getattr(cache, "layers", None)
             if layers is not None and hasattr(layers[li], "cumulative_length"):
                 _set_length(layers[li], n)
-        for j, li in enumerate(self.layers_of[WINDOW]):
+        elif kind == WINDOW:
             k, v = self._blocks_read(self.window_kv[j], window_ids)
             keep = min(self.sliding_keep, n)
             _set_layer_kv(cache, li, k[:, :, -keep:, :].contiguous(), v[:, :, -keep:, :].contiguous())
             if _set_length(cache.layers[li], n) is None:
                 raise RuntimeError(f"sliding layer {li} ({type(cache.layers[li]).__name__}) has no cumulative_length; "
                                    "expected it (the tokens the layer has seen, which places the window)")
-        for j, li in enumerate(self.layers_of[STATE]):
+        else:
             row = self.states[j][slot]
             for (part, shape, dtype, off), (_, names) in zip(self.state_layout, STATE_PARTS):
                 nbytes = self.torch.Size(shape).numel() * self.torch.empty((), dtype=dtype).element_size()
                 value = row[off:off + nbytes].view(dtype).reshape(shape)
                 _set_place(_state_place(cache, li, names), value)
-        return cache
+
+    # -- layer-wise loads: each decoder layer's prefix put in just before it runs
+    def decoder_layers(self) -> List[Any]:
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if layers is None or len(layers) != len(self.component_of):
+            raise SystemExit(f"hf_hybrid_reuse: expected model.model.layers to hold {len(self.component_of)} decoder "
+                             f"layers ({self.versions}); found {'none' if layers is None else len(layers)}")
+        return list(layers)
+
+    def install_layer_hooks(self) -> List[Any]:
+        """A forward pre-hook on each decoder layer that puts in its prefix while a layer-wise forward runs
+        (begin_layerwise .. end_layerwise) and does nothing otherwise. Returns the handles (remove() them)."""
+        self._fill = None
+        handles = []
+        for li, layer in enumerate(self.decoder_layers()):
+            def hook(module: Any, args: Any, li: int = li) -> None:
+                if self._fill is not None:
+                    self._fill_layer(li)
+            handles.append(layer.register_forward_pre_hook(hook))
+        return handles
+
+    def layer_component(self, li: int) -> Tuple[int, int]:
+        """(flexkvd component, its layer) of model layer li: components are FULL, then the window, then the state."""
+        kind, j = self.component_of[li]
+        c = 0 if kind == FULL else 1 if kind == WINDOW else (2 if self.layers_of[WINDOW] else 1)
+        return c, j
+
+    def begin_layerwise(self, e: int, full_ids: List[int], window_ids: List[int], slot: int, wait: Any) -> Any:
+        """A new HF cache for a forward on top of the prefix, loaded layer by layer: wait(li) makes the current stream
+        wait for model layer li's copies. Put in now: every state (vLLM runs linear-attention layers without a
+        per-layer wait, and they come first in flexkvd's layer order) and the first layer of each attention kind (HF
+        sizes the causal and the sliding masks from them before any layer runs); the hooks put in the others."""
+        self._fill = {"cache": copy.deepcopy(self.template), "args": (e, full_ids, window_ids, slot), "wait": wait,
+                      "filled": []}
+        first = [self.layers_of[kind][0] for kind in (FULL, WINDOW) if self.layers_of[kind]]
+        for li in list(self.layers_of[STATE]) + first:
+            self._fill_layer(li)
+        return self._fill["cache"]
+
+    def _fill_layer(self, li: int) -> None:
+        f = self._fill
+        if li in f["filled"]:
+            return
+        f["wait"](li)  # the stream waits for this layer's copies; the gathers below run after them
+        self.rebuild_layer(f["cache"], li, *f["args"])
+        f["filled"].append(li)
+
+    def end_layerwise(self) -> List[int]:
+        """Ends the layer-wise forward; the model layers put in (every layer once it ran)."""
+        f, self._fill = self._fill, None
+        return [] if f is None else sorted(f["filled"])
 
     def compare_caches(self, got: Any, want: Any) -> List[str]:
         """Differences between two HF caches of one prefix: every layer's tensors (bytes), sequence lengths."""

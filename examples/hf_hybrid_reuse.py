@@ -31,10 +31,12 @@ Two engine processes per model, one after the other, against a fresh flexkvd:
     half of the prefix's blocks on the GPU already and loads only the rest (first_block): its logits must equal the
     whole load's, with only the missing blocks moved.
   TTFT (prompt in, first token's argmax on the host), median of --repeats: miss, and hit split into match / load /
-    gather / rest. Layer-wise loads: flexkvd refuses them for hybrid geometries today (InvalidArgument from the
-    client library and the daemon alike; the vLLM connector loads hybrid models whole), so the "layer-wise" column
-    is what a layer-wise load of this geometry answers: "refused" (the message is printed under the table), or,
-    once flexkvd takes them, the whole load's time and when its last layer landed.
+    gather / rest. Layer-wise (where the link loads layer by layer: the connector with load_mode "layerwise", or
+    the client with a layer-event set): the forward starts once the load is launched, each decoder layer's
+    pre-hook makes the stream wait for that layer's copies (its index in the geometry's layer order: the states
+    first, then the attention layers by depth) and puts its prefix into the HF cache; its logits must equal the
+    whole load's exactly. Beside it, a bare layer-wise load (progress completions, nothing computed): its time and
+    when its last layer landed.
 
 How the engine talks to flexkvd (--link): "connector" drives the vLLM connector's logic classes with per-group block
 ids (SchedulerLogic / WorkerLogic with GroupMap: needs a flexkvd whose connector is SupportsHMA); "client" uses the
@@ -70,7 +72,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import flexkvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_hybrid_model import FULL, HybridModel, log  # noqa: E402
+from hf_hybrid_model import HybridModel, log  # noqa: E402
 
 MODELS = ("gpt-oss", "qwen3-next")
 
@@ -115,8 +117,8 @@ class _LinkBase:
     model: HybridModel
 
     def probe_layerwise(self, client: flexkvd.Client, prompt: List[int], groups: List[List[int]]) -> Dict[str, Any]:
-        """A layer-wise load of the prompt's hit into these blocks: the time each layer (component 0's layers) and
-        the whole load took, or the refusal."""
+        """A layer-wise load (progress completions) of the prompt's hit into these blocks, nothing computed: when
+        each layer of the geometry's layer order landed and when the load ended, or the refusal."""
         m = self.model
         keys = flexkvd.block_keys(self.namespace, self._keyed(prompt), m.args.block_size)
         hit = client.match(keys, pin=True).wait(timeout=10.0)
@@ -127,7 +129,7 @@ class _LinkBase:
             t0 = time.perf_counter()
             ticket = client.load(hit.match_handle, m.component_ids(groups, 0, e), layerwise=True)
             arrivals = []
-            for layer in range(len(m.layers_of[FULL])):
+            for layer in range(m.geometry().total_layers):
                 ticket.wait_layers(layer + 1, timeout=10.0)
                 arrivals.append((time.perf_counter() - t0) * 1e3)
             ticket.wait(timeout=10.0)
@@ -160,6 +162,7 @@ class ClientLink(_LinkBase):
     """The plain flexkvd client, as an engine without the connector would use it."""
 
     kind = "client"
+    layerwise = True  # start_layerwise / end_layerwise: loads naming a layer-event set
 
     def __init__(self, args: argparse.Namespace, model: HybridModel, name: str) -> None:
         self.model, self.namespace = model, model.namespace()
@@ -207,7 +210,38 @@ class ClientLink(_LinkBase):
     def probe(self, prompt: List[int], groups: List[List[int]]) -> Dict[str, Any]:
         return self.probe_layerwise(self.client, prompt, groups)
 
+    def start_layerwise(self, rid: str, prompt: List[int], groups: List[List[int]]) -> Optional[Any]:
+        """Match, then a load naming the session's layer-event set; once launched, returns wait(li): the current
+        stream waits for model layer li's event (its index in the geometry's layer order). None without a hit."""
+        import torch
+        m = self.model
+        keys = flexkvd.block_keys(self.namespace, self._keyed(prompt), m.args.block_size)
+        hit = self.client.match(keys, pin=True).wait(timeout=10.0)
+        if not hit.matched_blocks:
+            return None
+        if getattr(self, "events", None) is None:
+            self.events = self.client.layer_events(m.geometry().total_layers)
+        index = {step: i for i, step in enumerate(m.geometry().layer_order())}
+        self._lw = (hit.match_handle, self.client.load(hit.match_handle, m.component_ids(groups, 0,
+                                                                                        hit.matched_blocks),
+                                                       event_set=self.events))
+        self._lw[1].wait_launched(timeout=10.0)
+        return lambda li: self.events.wait(index[m.layer_component(li)], torch.cuda.current_stream())
+
+    def end_layerwise(self, rid: str, prompt: List[int], groups: List[List[int]], hit: int) -> bool:
+        handle, ticket = self._lw
+        try:
+            r = ticket.wait(timeout=60.0)
+            self.moved = {"blocks": r.done_blocks, "bytes": r.bytes}
+            return True
+        except flexkvd.Error:
+            return False
+        finally:
+            self.client.release(handle).wait(timeout=10.0)
+
     def close(self) -> None:
+        if getattr(self, "events", None) is not None:
+            self.events.close()
         self.client.close()
 
 
@@ -231,10 +265,14 @@ class ConnectorLink(_LinkBase):
         cfg = ConnectorConfig(namespace=self.namespace, geometry=geometry,
                               link=LinkOptions(socket=args.socket, connect_timeout_s=5.0), op_timeout_s=10.0,
                               name=name, groups=GroupMap(slots, geometry))
-        # What the connector does with load_mode "layerwise" for this geometry (hybrid geometries load whole).
-        self.connector_layerwise = bool(getattr(dataclasses.replace(cfg, load_mode="layerwise"), "layerwise", False)) \
+        # What the connector does with load_mode "layerwise" for this geometry: a second scheduler side with it,
+        # over the same worker (as vLLM's adapter runs it by default), when it loads layer by layer.
+        lw = dataclasses.replace(cfg, load_mode="layerwise", name=f"{name}-layerwise") \
             if "load_mode" in {f.name for f in dataclasses.fields(cfg)} else None
+        self.connector_layerwise = bool(getattr(lw, "layerwise", False)) if lw is not None else None
         self.sched = SchedulerLogic(cfg)
+        self.sched_layerwise = SchedulerLogic(lw) if self.connector_layerwise and model.full_kv is not None else None
+        self.layerwise = self.sched_layerwise is not None
         sync = None
         if model.full_kv is not None:  # GPU tensors: stores wait for the engine's writes
             import torch
@@ -249,6 +287,16 @@ class ConnectorLink(_LinkBase):
             # its tensors as component 0 only.
             self.worker.link.on_attach = self._register
             self.worker.register_gpu_kv(model.full_kv, model.num_blocks)
+        if self.sched_layerwise is not None:
+            import torch
+            from flexkvd.integrations._vllm_layerwise import layer_order_names
+            self.worker.layer_stream = torch.cuda.current_stream  # as the vLLM adapter sets it
+            # vLLM names the layers "model.layers.<i>...": every component's, in the load's layer order.
+            names: List[List[str]] = [[] for _ in range(geometry.component_count)]
+            for li in sorted(model.component_of):
+                c, _ = model.layer_component(li)
+                names[c].append(f"model.layers.{li}")
+            self.worker.register_layer_names(layer_order_names(geometry, names))
         self.moved = {"blocks": 0, "bytes": 0}
 
     def _register(self, client: flexkvd.Client) -> None:
@@ -300,6 +348,36 @@ class ConnectorLink(_LinkBase):
                       "bytes": after["loaded_bytes"] - before.get("loaded_bytes", 0)}
         return rid in recving and not errors
 
+    def start_layerwise(self, rid: str, prompt: List[int], groups: List[List[int]]) -> Optional[Any]:
+        """vLLM's calls for a layer-wise hit: the lookup answers (hit, not async), the blocks are allocated,
+        start_load_kv pins and submits the load (its states waited for before the forward); returns wait(li), the
+        worker's wait_for_layer_load of model layer li. None without a hit."""
+        for _ in range(2000):
+            hit, asynchronous = self.sched_layerwise.get_num_new_matched_tokens(rid, prompt, 0)
+            if hit is not None:
+                break
+            time.sleep(0.0005)
+        if not hit:
+            return None
+        if asynchronous:
+            raise RuntimeError(f"{rid}: load_mode 'layerwise' answered an asynchronous hit")
+        self._lw_before = dict(self.worker.stats.as_dict())
+        self.sched_layerwise.update_state_after_alloc(rid, groups, hit)
+        self.worker.start(self.sched_layerwise.build_connector_meta())
+        return lambda li: self.worker.wait_layer(f"model.layers.{li}")
+
+    def end_layerwise(self, rid: str, prompt: List[int], groups: List[List[int]], hit: int) -> bool:
+        """get_finished (the step's layer-wise loads waited for and judged), then the request ends."""
+        before = self._lw_before
+        sending, recving = self.worker.get_finished(set())
+        errors = self.worker.take_load_errors()
+        self.sched_layerwise.update_connector_output(sending, recving, errors)
+        self.sched_layerwise.request_finished(rid, prompt, groups, len(prompt))
+        after = self.worker.stats.as_dict()
+        self.moved = {"blocks": after["loaded_blocks"] - before.get("loaded_blocks", 0),
+                      "bytes": after["loaded_bytes"] - before.get("loaded_bytes", 0)}
+        return not errors
+
     def probe(self, prompt: List[int], groups: List[List[int]]) -> Dict[str, Any]:
         client = self.worker.link.client()
         if client is None:
@@ -310,6 +388,8 @@ class ConnectorLink(_LinkBase):
 
     def close(self) -> None:
         self.sched.close()
+        if self.sched_layerwise is not None:
+            self.sched_layerwise.close()
         self.worker.close()
 
 
@@ -375,6 +455,7 @@ def run_load(args: argparse.Namespace, lengths: List[int]) -> Dict[str, Any]:
     for n in (256, 1024):  # kernels' first use
         model.prefill(model.tokens(n, salt=7), model.new_cache())
     model.sync()
+    hooks = model.install_layer_hooks() if getattr(link, "layerwise", False) else []
     rows = []
     for n in lengths:
         prompt = model.tokens(n, salt=n) + model.tokens(args.suffix, salt=n + 1)
@@ -421,6 +502,28 @@ def run_load(args: argparse.Namespace, lengths: List[int]) -> Dict[str, Any]:
             del cache
         row["cached_tokens"] = cached
         row["load_bytes"] = link.moved["bytes"]
+        # Layer-wise: the forward starts once the load is launched; each decoder layer waits for its own copies
+        # (its index in the geometry's layer order) and puts its prefix in just before it runs.
+        lw_ms, lw_ok, lw_first = [], bool(hooks), -1
+        for rep in range(args.repeats if hooks else 0):
+            model.zero_paged()
+            model.sync()
+            rid = f"B-{n}-lw{rep}"
+            t0 = time.perf_counter()
+            wait = link.start_layerwise(rid, prompt, groups)
+            if wait is None:
+                raise RuntimeError(f"N={n}: no hit for the layer-wise load")
+            cache = model.begin_layerwise(e, full_ids, window_ids, slot, wait)
+            logits_lw = model.prefill(prompt[n:], cache, past=n)
+            lw_first = int(logits_lw.argmax().item())
+            lw_ms.append((time.perf_counter() - t0) * 1e3)
+            filled = model.end_layerwise()
+            loaded = link.end_layerwise(rid, prompt, groups, n)
+            lw_ok &= bool(loaded and filled == sorted(model.component_of) and t.equal(logits_lw, logits_hit))
+            del cache
+        row["ttft_layerwise_ms"] = _median(lw_ms) if lw_ms else None
+        row["layerwise_ok"] = lw_ok if hooks else None
+        row["layerwise_argmax"] = lw_first
         row["block_diffs"] = model.blocks_equal(rec, ref, e, full_ids, window_ids, slot)
         rebuilt = model.rebuild(e, full_ids, window_ids, slot)
         row["cache_diffs"] = model.compare_caches(rebuilt, ref)
@@ -453,6 +556,8 @@ def run_load(args: argparse.Namespace, lengths: List[int]) -> Dict[str, Any]:
         row["load_gbps"] = row["load_bytes"] / (row["load_ms"] / 1e3) / 1e9 if row["load_ms"] > 0 else 0.0
         rows.append(row)
         print(json.dumps(row), flush=True)
+    for h in hooks:
+        h.remove()
     link.close()
     return {"role": "load", "fingerprint": model.fingerprint, "versions": model.versions, "rows": rows,
             "gpu": t.cuda.get_device_name(0), "context_effect": getattr(model, "context_effect", None),
@@ -512,19 +617,23 @@ def row_ok(r: Dict[str, Any]) -> bool:
     """What must hold: the whole prefix hit; the loaded blocks and states byte-exact (the engine's own bytes); the
     rebuilt HF cache equal to the one the engine's own prefix prefill leaves; the hit's logits exactly the local split
     prefill's; the first token the full prefill's unless its top two are closer than the split's rounding; the
-    first_block load moving only the missing blocks and giving the same logits. A refused layer-wise load is
-    reported, not failed (flexkvd does not load hybrid geometries layer by layer yet)."""
+    first_block load moving only the missing blocks and giving the same logits; the layer-wise forward's logits
+    exactly the whole load's, every layer put in (where the link loads layer by layer)."""
     argmax_ok = r["argmax_equal"] or r["full_top2_margin"] <= r["split_logit_maxdiff"]
     return bool(r["cached_tokens"] == r["prompt"] and not r["block_diffs"] and not r["cache_diffs"]
                 and r["hit_logits_equal_local_split"] and argmax_ok and r["fb_ok"]
+                and r.get("layerwise_ok") is not False
                 and r["fb_loaded_blocks"] == r["prompt"] // r["block_size"] - r["fb_local_blocks"])
 
 
-def _layerwise_cell(lw: Dict[str, Any]) -> str:
-    if lw.get("ok"):
-        return f"{lw['load_ms']:.1f} (last layer at {lw['layer_ms'][-1]:.1f})"
-    return "refused" if "not supported" in lw.get("refused", "") or "INVALID" in lw.get("refused", "").upper() \
-        else f"failed: {lw.get('refused')}"
+def _layerwise_cell(r: Dict[str, Any]) -> str:
+    """TTFT with a layer-wise load (logits equal to the whole load's: yes/NO), and the bare layer-wise load."""
+    lw = r["layerwise"]
+    probe = f"{lw['load_ms']:.1f} (last layer at {lw['layer_ms'][-1]:.1f})" if lw.get("ok") else \
+        f"failed: {lw.get('refused')}"
+    if r.get("ttft_layerwise_ms") is None:
+        return f"- / {probe}"
+    return f"{r['ttft_layerwise_ms']:.1f} ({'same logits' if r['layerwise_ok'] else 'NO'}) / {probe}"
 
 
 def run_driver(args: argparse.Namespace, lengths: List[int]) -> int:
@@ -554,7 +663,7 @@ def run_driver(args: argparse.Namespace, lengths: List[int]) -> int:
               f"{b['link']}; prompt = N cached tokens + {args.suffix} new; medians of {args.repeats}; context "
               f"effect on the last logits {b['context_effect']}\n")
         print("| N | cached | TTFT full prefill ms | TTFT hit (whole load) ms | speedup | match / load / gather / rest "
-              "ms | load GB/s | TTFT layer-wise load ms | bytes exact | HF cache rebuilt exact | hit = local split "
+              "ms | load GB/s | TTFT hit (layer-wise load) ms / bare layer-wise load ms | bytes exact | HF cache rebuilt exact | hit = local split "
               "logits | argmax | first_block: local / loaded blocks, same logits | max logit diff vs full: hit / "
               "split (top-2 margin) | suffix steps | ok |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -565,7 +674,7 @@ def run_driver(args: argparse.Namespace, lengths: List[int]) -> int:
             print(f"| {r['prompt']} | {r['cached_tokens']} | {r['ttft_miss_ms']:.1f} | {r['ttft_hit_ms']:.1f} | "
                   f"{r['ttft_miss_ms'] / r['ttft_hit_ms']:.1f}x | {r['match_ms']:.1f} / {r['load_ms']:.1f} / "
                   f"{r['gather_ms']:.1f} / {r['rest_ms']:.1f} | {r['load_gbps']:.1f} | "
-                  f"{_layerwise_cell(r['layerwise'])} | {not r['block_diffs'] or r['block_diffs'][:3]} | "
+                  f"{_layerwise_cell(r)} | {not r['block_diffs'] or r['block_diffs'][:3]} | "
                   f"{not r['cache_diffs'] or r['cache_diffs'][:3]} | {r['hit_logits_equal_local_split']} | "
                   f"{r['argmax_equal']} | {r['fb_local_blocks']} / {r['fb_loaded_blocks']}, {r['fb_ok']} | "
                   f"{r['hit_logit_maxdiff']:.3g} / {r['split_logit_maxdiff']:.3g} ({r['full_top2_margin']:.3g}) | "

@@ -74,6 +74,14 @@ void CopyScheduler::Submit(CopyRequest request) {
     refused = Status::Internal(fmt::format("{} layer-event ranks for {} copy targets; expected one per target",
                                            request.layer_events.size(), request.targets.size()));
   }
+  uint32_t first_layer = 0, end_layer = 0;
+  if (refused.ok() && !request.layers.Resolve(request.num_layers, &first_layer, &end_layer)) {
+    refused = Status::Internal(fmt::format("layers [{}, {}) of a copy of {} layers; expected a range inside them",
+                                           request.layers.begin, request.layers.end, request.num_layers));
+  } else if (refused.ok() && !request.layers.whole() && !caps.layerwise && !caps.layer_events) {
+    refused = Status::Internal(fmt::format("a copy of layers [{}, {}) on the {} backend, which copies whole jobs only",
+                                           first_layer, end_layer, request.backend->name()));
+  }
   if (!refused.ok()) return done(refused, NowNs());
 
   const bool per_layer = request.layer_done && caps.layerwise;
@@ -91,7 +99,7 @@ void CopyScheduler::Submit(CopyRequest request) {
     }
   }
   // Without layer-wise copies from the backend, a layer-wise load reports every layer once the bytes are in place.
-  auto finish = [fan, done, layer_done = per_layer ? nullptr : request.layer_done, num_layers = request.num_layers,
+  auto finish = [fan, done, layer_done = per_layer ? nullptr : request.layer_done, first_layer, end_layer,
                  checksums = request.direction == CopyDirection::kToPool ? request.checksums : nullptr,
                  slots = request.slots, region = *pool](Status st, int64_t start_ns) {
     Status result;
@@ -105,7 +113,7 @@ void CopyScheduler::Submit(CopyRequest request) {
       start = fan->start_ns;
     }
     if (result.ok() && layer_done) {
-      for (uint32_t l = 0; l < num_layers; ++l) layer_done(l);
+      for (uint32_t l = first_layer; l < end_layer; ++l) layer_done(l);
     }
     if (result.ok() && checksums) FinishChecksums(*fan, region, *slots, checksums.get());
     done(result, start);
@@ -119,6 +127,7 @@ void CopyScheduler::Submit(CopyRequest request) {
     job.slots = request.slots;
     job.pool = *pool;
     job.launch_deadline = request.launch_deadline;
+    job.layers = request.layers;
     if (sum_while_copying) job.term_sums = fan->term_sums[t];
     if (per_layer) {
       job.on_layer = [fan, layer_done = request.layer_done](uint32_t layer) {

@@ -30,6 +30,9 @@ struct CopyRequest {
   std::shared_ptr<const std::vector<SlotId>> slots;  // same length as engine_blocks; local to the component's sub-pool
   uint32_t component = 0;  // the geometry component copied (hybrid geometries): which sub-pool the slots are in
   uint32_t num_layers = 0;
+  // Loads on a backend that declared `layerwise` or `layer_events`: the layers copied (CopyJob::layers; default
+  // all). layer_done then reports only these.
+  JobLayers layers;
   // Optional (layer-wise loads): once per layer, in any order, before `done`, only for layers every target copied.
   std::function<void(uint32_t layer)> layer_done;
   // Optional (loads naming a CUDA layer-event set): one entry per target, the events of that target's TP rank; the

@@ -154,11 +154,6 @@ Result<uint32_t> DataPlane::RegisterLayerEvents(uint64_t session_id, std::vector
   if (!found.ok()) return found.status();
   Session& s = **found;
   const Geometry& g = s.geometry();
-  if (g.is_hybrid()) {
-    return Status::InvalidArgument(fmt::format(
-        "layer events for a hybrid geometry ({} components); expected a full-attention geometry (hybrid loads are "
-        "not layer-wise yet)", g.component_count()));
-  }
   if (ranks.size() != g.tp_size) {
     return Status::InvalidArgument(fmt::format(
         "{} ranks of layer events; expected one per TP rank of the geometry: {}", ranks.size(), g.tp_size));
@@ -171,10 +166,11 @@ Result<uint32_t> DataPlane::RegisterLayerEvents(uint64_t session_id, std::vector
           "ranks[{}].tp_rank is {}; expected each rank 0..{} exactly once", i, r.tp_rank, g.tp_size - 1));
     }
     seen[r.tp_rank] = true;
-    if (r.handles.size() != g.num_layers) {
+    if (r.handles.size() != g.total_layers()) {
       return Status::InvalidArgument(fmt::format(
-          "ranks[{}] (tp rank {}) has {} event handles; expected one per layer of the geometry: {}", i, r.tp_rank,
-          r.handles.size(), g.num_layers));
+          "ranks[{}] (tp rank {}) has {} event handles; expected one per layer of the geometry: {}{}", i, r.tp_rank,
+          r.handles.size(), g.total_layers(),
+          g.is_hybrid() ? " (every component's layers, in the order of a layer-wise load: docs/hybrid.md)" : ""));
     }
     for (size_t l = 0; l < r.handles.size(); ++l) {
       if (r.handles[l].size() != kIpcEventHandleBytes) {

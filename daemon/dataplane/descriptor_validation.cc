@@ -119,14 +119,6 @@ Result<DescriptorPayload> ValidateDescriptor(const SubmitDescriptor& d, std::spa
         "launch_deadline_ns {} of a Load; expected 0 (none) or a CLOCK_MONOTONIC time in ns of at most {}",
         d.launch_deadline_ns, INT64_MAX));
   }
-  if (hybrid && op == RingOp::kLoad && (d.flags & kLoadFlagLayerwise) != 0) {
-    return Status::InvalidArgument("a layer-wise Load of a hybrid geometry is not supported yet; load it whole");
-  }
-  if (hybrid && op == RingOp::kLoad && d.event_set != 0) {
-    return Status::InvalidArgument(fmt::format(
-        "event_set {} on a Load of a hybrid geometry; expected 0 (layer events are not supported for hybrid models yet)",
-        d.event_set));
-  }
   if (op == RingOp::kLoad && d.event_set != 0 && (d.flags & kLoadFlagLayerwise) != 0) {
     return Status::InvalidArgument(fmt::format(
         "a Load with event_set {} has the layer-wise flag; expected one completion kind: the set's CUDA events "

@@ -59,8 +59,8 @@ struct DescriptorPayload {
 // Layout 5: a Load's first_block (the word of a Store's state_count) not below count (INVALID_ARGUMENT; a hybrid
 // Load's may equal count: only the state moves). Hybrid sessions also: state_count not 0 outside a Store, or above
 // count (INVALID_ARGUMENT); window_keys (the word of a Load's event_set) not 0 outside a Store, or on a Store neither
-// 0 nor in MinWindowKeys..count (INVALID_ARGUMENT); a layer-wise Load (INVALID_ARGUMENT: not supported for hybrid
-// geometries yet); the id array (LayoutIds with ExtentOf(d)) outside the arena (OUT_OF_RANGE); an id of component c
+// 0 nor in MinWindowKeys..count (INVALID_ARGUMENT; a Load's word there is its event_set, layers in
+// Geometry::LayerOrder); the id array (LayoutIds with ExtentOf(d)) outside the arena (OUT_OF_RANGE); an id of component c
 // not below what c registered (OUT_OF_RANGE, naming the component); boundaries not strictly increasing in 1..count
 // (INVALID_ARGUMENT). A full-attention session's Store carries state_count and window_keys 0.
 // Layout 6: a Load's launch_deadline_ns (the word of keys_offset) above INT64_MAX (INVALID_ARGUMENT, checked right

@@ -10,6 +10,7 @@
 #include "common/clock.h"
 #include "common/hybrid_ids.h"
 #include "daemon/dataplane/descriptor_validation.h"
+#include "daemon/dataplane/hybrid_layers.h"
 #include "daemon/transfer/launch_deadline.h"
 #include "daemon/tiers/tier_lookup.h"
 #include "daemon/tiers/tier_set.h"
@@ -621,9 +622,19 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
                                  int64_t taken_ns, std::vector<uint32_t> ids) {
   RequestSession& s = *sp;
   const Geometry& g = s.geometry();
+  // A set's events are recorded by one load at a time: taken here, given back just before the final completion.
+  std::vector<std::shared_ptr<LayerEvents>> events;
+  if (d.event_set != 0) {
+    auto taken = s.TakeEventSet(d.event_set, d.user_data);
+    if (!taken.ok()) return Fail(s, d, taken_ns, taken.status());
+    events = std::move(*taken);
+  }
   InFlight admitted;
   Result<std::vector<SlotId>> begun = BeginLoad(s, d, &admitted);
-  if (!begun.ok()) return Fail(s, d, taken_ns, begun.status());
+  if (!begun.ok()) {
+    if (d.event_set != 0) s.PutEventSet(d.event_set);
+    return Fail(s, d, taken_ns, begun.status());
+  }
   // The handle pins the whole end in the layout of a Load from block 0; the request's ids name only what the
   // engine lacks (first_block k): FULL [k, e), each window's [max(k, e - w), e) - the tail of what is pinned - and
   // the state at e.
@@ -632,7 +643,7 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
   const IdExtent extent = ExtentOf(d);
   const HybridIdLayout layout = LayoutIds(g, false, d.count, extent);
   const std::vector<SlotId> bases = s.cache().component_bases();
-  std::vector<CopyRequest> parts;
+  std::vector<std::optional<CopyRequest>> components(g.component_count());
   uint64_t bytes = 0;
   for (size_t c = 0; c < g.component_count(); ++c) {
     const uint64_t n = ComponentIdCount(g, c, false, d.count, extent);
@@ -642,10 +653,39 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
     std::vector<uint32_t> engine(ids.begin() + at, ids.begin() + at + static_cast<ptrdiff_t>(n));
     std::vector<SlotId> local(slots.begin() + from, slots.begin() + from + static_cast<ptrdiff_t>(n));
     for (SlotId& slot : local) slot -= bases[c];
-    parts.push_back(ComponentCopy(s, c, CopyDirection::kFromPool, std::move(engine), std::move(local)));
+    components[c] = ComponentCopy(s, c, CopyDirection::kFromPool, std::move(engine), std::move(local));
+    if (d.event_set != 0) {
+      // Each target (TP rank) records its own rank's events (a set holds every rank: RegisterLayerEvents checked).
+      for (const std::shared_ptr<EngineKv>& target : components[c]->targets) {
+        components[c]->layer_events.push_back(target->tp_rank() < events.size() ? events[target->tp_rank()] : nullptr);
+      }
+    }
     bytes += n * g.Component(c).host_block_bytes();
   }
+  std::vector<CopyRequest> parts;
+  if ((d.flags & kLoadFlagLayerwise) != 0 || d.event_set != 0) {
+    // Layer by layer, in Geometry::LayerOrder across the components: progress reports at each layer's index there,
+    // the set's event at that index recorded right after the layer's copies.
+    std::shared_ptr<OrderedLayerProgress> progress;
+    if ((d.flags & kLoadFlagLayerwise) != 0) {
+      progress = std::make_shared<OrderedLayerProgress>(
+          g.total_layers(), [sp, d](uint32_t index) { sp->Post(CompletionBuilder::LayerDone(d, index)); });
+    }
+    std::function<void()> launched;
+    if (d.event_set != 0) {
+      launched = [sp, d, layers = g.total_layers()] { sp->Post(CompletionBuilder::Launched(d, layers)); };
+    }
+    parts = HybridLayerCopies(g, std::move(components), progress, std::move(launched));
+  } else {
+    for (std::optional<CopyRequest>& part : components) {
+      if (part) parts.push_back(std::move(*part));
+    }
+  }
   if (parts.empty()) {  // nothing past the engine's prefix (a window-only geometry loaded from its end)
+    if (d.event_set != 0) {
+      sp->Post(CompletionBuilder::Launched(d, g.total_layers()));  // nothing to wait for: every event passes
+      s.PutEventSet(d.event_set);
+    }
     EndLoad(sp, d, taken_ns, 0, Status::Ok(), NowNs());
     return;  // `admitted` ends here
   }
@@ -654,6 +694,7 @@ void RequestHandlers::LoadHybrid(const std::shared_ptr<RequestSession>& sp, cons
   for (CopyRequest& part : parts) part.launch_deadline = deadline;
   auto in_flight = std::make_shared<InFlight>(std::move(admitted));
   SubmitJoined(std::move(parts), [this, sp, d, bytes, taken_ns, in_flight](Status st, int64_t copy_start_ns) {
+    if (d.event_set != 0) sp->PutEventSet(d.event_set);  // free before the final completion: reusable once seen
     EndLoad(sp, d, taken_ns, bytes, st, copy_start_ns);
     in_flight->End();
   });

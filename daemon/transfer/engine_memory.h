@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "daemon/cache/pool_region.h"
+#include "daemon/transfer/job_layers.h"
 #include "daemon/transfer/kv_registration.h"
 #include "daemon/transfer/launch_deadline.h"
 #include "flexkv/geometry.h"
@@ -84,6 +85,10 @@ struct CopyJob {
   // The events' device must be the registration's (else `done` runs with FAILED_PRECONDITION, nothing copied).
   std::shared_ptr<LayerEvents> layer_events;
   std::function<void()> on_launched;
+  // Loads of a backend that declared `layerwise` or `layer_events`: the layers this job copies (default: all). Its
+  // on_layer reports only these, its events only these (at layer_events' index first_event + layer - begin).
+  // Other backends get only whole jobs.
+  JobLayers layers;
   // Loads with a launch deadline (else null): the backend calls Launch() right before this job (or each part it
   // splits it into) moves its first byte, on the thread that then copies, and on a refusal copies nothing of it and
   // ends with that error (`done`; `on_launched` and `on_layer` are not called for what it did not copy).

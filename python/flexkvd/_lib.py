@@ -289,6 +289,22 @@ if has_partial_loads:
         _fn.argtypes = _argtypes
 
 
+# Layer-wise loads of hybrid geometries: added without an ABI bump (an older library lacks them; a layer-wise hybrid
+# load and Geometry.layer_order then raise Unimplemented).
+_HYBRID_LAYERWISE_PROTOTYPES = {
+    "flexkv_load_components_layered": (c_int, [client_p, c_uint64, c_uint32, POINTER(POINTER(c_uint32)),
+                                               POINTER(c_size_t), c_size_t, c_int, c_uint32, c_int64,
+                                               POINTER(TicketStruct)]),
+    "flexkv_layer_order": (c_int, [POINTER(GeometryStruct), POINTER(c_uint32), POINTER(c_uint32), c_size_t,
+                                   POINTER(c_size_t)]),
+}
+has_hybrid_layerwise = all(hasattr(lib, name) for name in _HYBRID_LAYERWISE_PROTOTYPES)
+if has_hybrid_layerwise:
+    for _name, (_restype, _argtypes) in _HYBRID_LAYERWISE_PROTOTYPES.items():
+        _fn = getattr(lib, _name)
+        _fn.restype = _restype
+        _fn.argtypes = _argtypes
+
 # flexkv_namespace_hash: added without an ABI bump (an older library lacks it; namespace_hash then raises).
 has_namespace_hash = hasattr(lib, "flexkv_namespace_hash")
 if has_namespace_hash:

@@ -433,7 +433,8 @@ class Client:
         as a set. Close it (or use it as a context manager) after the last load naming it has ended. A geometry with
         tp_size > 1 needs every rank's events in one set: use the C++ API (CudaLayerEvents, RegisterLayerEvents).
         Raises Unimplemented with a libflexkv built without CUDA, FailedPrecondition when the daemon has no CUDA
-        backend, InvalidArgument when num_layers is not the geometry's."""
+        backend, InvalidArgument when num_layers is not the geometry's (a hybrid geometry: its total_layers, every
+        component's layers in its layer_order())."""
         layers = c_uint(num_layers, "num_layers")
         events = ctypes.c_void_p(0)
         _lib.check(_lib.lib.flexkv_layer_events_create(layers, 0, ctypes.byref(events)), "layer events")
@@ -465,8 +466,11 @@ class Client:
         Hybrid models: block_ids is a list with one id sequence (or integer array) per component, component 0
         first, for the handle's prefix end e (result.matched_blocks of the match) past first_block k: e - k ids of
         component 0 (blocks [k, e)), min(window_blocks(i), e - k) ids of a sliding-window component (blocks
-        [max(k, e - w), e)), 1 id of a state component (the state slot that receives the snapshot at e). Not
-        layer-wise. Wrong counts raise InvalidArgument naming the component, its kind and the count expected
+        [max(k, e - w), e)), 1 id of a state component (the state slot that receives the snapshot at e). Layer-wise
+        (layerwise or event_set) its layers are every component's together in geometry.layer_order(): wait_layers(i
+        + 1), or the set's event i, before computing the model layer that is entry i there (a component that moves
+        nothing has landed at once; its events are not recorded, so a wait on them passes). Wrong counts raise
+        InvalidArgument naming the component, its kind and the count expected
         (nothing is sent); a single flat id sequence on a hybrid session raises InvalidArgument too.
 
         launch_deadline: an absolute time.monotonic() value in seconds (CLOCK_MONOTONIC on Linux, the clock flexkvd
@@ -483,9 +487,8 @@ class Client:
         if first != 0:
             _need_partial("load with first_block")
         if _per_component(block_ids):
-            if layerwise:
-                raise InvalidArgument("a layer-wise load of a hybrid geometry's components is not supported; "
-                                      "expected layerwise=False")
+            if layerwise or event_set is not None:
+                return self._load_layered(handle, block_ids, layerwise, event_set, first, 0)
             ptrs, counts, n, _keep = _component_arrays(block_ids)
             if first != 0:
                 return self._submit("load", _lib.lib.flexkv_load_components_from, handle, first, ptrs, counts, n)
@@ -507,6 +510,23 @@ class Client:
             return self._submit("load", _lib.lib.flexkv_load_with_events, handle, ids, n, set_id)
         return self._submit("load", _lib.lib.flexkv_load, handle, ids, n, 1 if layerwise else 0)
 
+    def _load_layered(self, handle: int, block_ids: Any, layerwise: bool,
+                      event_set: Optional[Union["LayerEventSet", int]], first: int, deadline_ns: int) -> Ticket:
+        """A hybrid geometry's layer-wise load (layer progress or the set's events), through
+        flexkv_load_components_layered."""
+        if layerwise and event_set is not None:
+            raise InvalidArgument("load with both layerwise and event_set; expected one completion kind: the "
+                                  "set's CUDA events or layer progress")
+        if not _lib.has_hybrid_layerwise:
+            raise Unimplemented("a layer-wise load of a hybrid geometry: the libflexkv loaded has no "
+                                "flexkv_load_components_layered (it predates hybrid layer-wise loads); expected a "
+                                "newer libflexkv")
+        set_id = 0 if event_set is None else \
+            event_set.id if isinstance(event_set, LayerEventSet) else c_uint(event_set, "event_set")
+        ptrs, counts, n, _keep = _component_arrays(block_ids)
+        return self._submit("load", _lib.lib.flexkv_load_components_layered, handle, first, ptrs, counts, n,
+                            1 if layerwise else 0, set_id, deadline_ns)
+
     def _load_by(self, handle: int, block_ids: Any, layerwise: bool,
                  event_set: Optional[Union["LayerEventSet", int]], first: int, launch_deadline: float) -> Ticket:
         """load with a launch deadline, through flexkv_load_by / flexkv_load_components_by."""
@@ -519,9 +539,8 @@ class Client:
                                 "predates ring layout 6); expected a newer libflexkv")
         deadline_ns = min(int(launch_deadline * 1e9), (1 << 63) - 1)
         if _per_component(block_ids):
-            if layerwise:
-                raise InvalidArgument("a layer-wise load of a hybrid geometry's components is not supported; "
-                                      "expected layerwise=False")
+            if layerwise or event_set is not None:
+                return self._load_layered(handle, block_ids, layerwise, event_set, first, deadline_ns)
             ptrs, counts, n, _keep = _component_arrays(block_ids)
             return self._submit("load", _lib.lib.flexkv_load_components_by, handle, first, ptrs, counts, n,
                                 deadline_ns)

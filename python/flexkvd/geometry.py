@@ -5,11 +5,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import enum
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from . import _lib
 from ._convert import U64_MAX, c_uint
-from .errors import InvalidArgument
+from .errors import InvalidArgument, Unimplemented
 
 MAX_COMPONENTS = 8  # flexkv::Geometry::kMaxComponents: component 0 (the full-attention layers) and 7 others
 
@@ -175,6 +175,28 @@ class Geometry:
         if kind == ComponentKind.SLIDING_WINDOW:
             return min(self.window_blocks(i), count)
         return state_count if store else 1
+
+    @property
+    def total_layers(self) -> int:
+        """Every component's layers together (num_layers for a full-attention geometry)."""
+        return self.num_layers + sum(c.num_layers for c in self.components)
+
+    def layer_order(self) -> List[Tuple[int, int]]:
+        """The order of a layer-wise load's layers: entry i = (component, layer) is the load's layer i (the index
+        Ticket.wait_layers counts and a LayerEventSet's event i), every component's layers merged by depth
+        (flexkv::Geometry::LayerOrder, docs/hybrid.md "Layer-wise loads"). Computed by libflexkv; Unimplemented
+        with a library that predates hybrid layer-wise loads, InvalidArgument for a geometry that does not
+        validate."""
+        if not _lib.has_hybrid_layerwise:
+            raise Unimplemented("the layer order of a hybrid load: the libflexkv loaded has no flexkv_layer_order "
+                                "(it predates hybrid layer-wise loads); expected a newer libflexkv")
+        n = self.total_layers
+        component = (ctypes.c_uint32 * max(n, 1))()
+        layer = (ctypes.c_uint32 * max(n, 1))()
+        got = ctypes.c_size_t(0)
+        _lib.check(_lib.lib.flexkv_layer_order(ctypes.byref(self._to_c()), component, layer, n, ctypes.byref(got)),
+                   "layer order")
+        return [(int(component[i]), int(layer[i])) for i in range(got.value)]
 
     def _check_index(self, i: int) -> None:
         if not 0 <= i < self.component_count:

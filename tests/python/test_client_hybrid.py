@@ -100,6 +100,53 @@ def test_store_and_load_copy_the_full_blocks_the_window_and_the_state(daemon, hy
         del kv_b
 
 
+def test_the_layer_order_merges_every_components_layers_by_depth():
+    assert SMALL.total_layers == 6
+    # The state's layers first (engines run them without a per-layer wait), then full and window layers by depth.
+    assert SMALL.layer_order() == [(2, 0), (2, 1), (0, 0), (1, 0), (0, 1), (1, 1)]
+    gpt_oss = flexkvd.Geometry.gpt_oss_20b()  # 12 full + 12 sliding, alternating in the model
+    assert gpt_oss.layer_order()[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    qwen3_next = flexkvd.Geometry.qwen3_next_80b()  # 12 full + 36 Gated DeltaNet states
+    order = qwen3_next.layer_order()
+    assert order[:36] == [(1, i) for i in range(36)] and order[36:] == [(0, i) for i in range(12)]
+    assert len(order) == qwen3_next.total_layers == 48
+    for c in range(qwen3_next.component_count):  # each component's layers once, in order
+        assert [layer for comp, layer in order if comp == c] == list(range(qwen3_next.component(c).num_layers))
+    llama = flexkvd.Geometry.llama3_8b()
+    assert llama.layer_order() == [(0, i) for i in range(32)]
+
+
+def test_a_layer_wise_load_reports_every_components_layers_in_the_layer_order(daemon, hybrid):
+    """Host KV: the layers land when the copies end (the host backend copies whole), reported in order; the bytes
+    are the whole load's. A load where only the state moves reports the other components' layers at once."""
+    a, kv_a = hybrid
+    rng = np.random.default_rng(5)
+    for arr in kv_a:
+        arr[:] = rng.integers(0, 256, size=arr.shape, dtype=np.uint8)
+    keys = prompt_keys(9, 4)
+    assert a.store(keys, [range(4), [6, 7], (2,)], state_boundaries=[4]).wait().done_blocks == 4
+    with flexkvd.connect(daemon.socket) as b:
+        b.attach("pytest-hybrid-b", NAMESPACE, SMALL)
+        kv_b = component_arrays(b, SMALL)
+        hit = b.match(keys, pin=True).wait()
+        assert hit.matched_blocks == 4
+        t = b.load(hit.match_handle, [[4, 5, 6, 7], [8, 9], [11]], layerwise=True)
+        assert t.wait_layers(SMALL.total_layers, timeout=10) == SMALL.total_layers
+        r = t.wait()
+        assert r.done_blocks == 4 and r.bytes == 4 * 16384 + 2 * 16384 + 512
+        assert np.array_equal(kv_b[0][4:8], kv_a[0][0:4])
+        assert np.array_equal(kv_b[1][8:10], kv_a[1][6:8])
+        assert np.array_equal(kv_b[2][11], kv_a[2][2])
+        # The engine holds all 4 blocks already (first_block = e): only the state at 4 moves, layer-wise too.
+        kv_b[2][12] = 0
+        t = b.load(hit.match_handle, [[], [], [12]], layerwise=True, first_block=4)
+        assert t.wait_layers(SMALL.total_layers, timeout=10) == SMALL.total_layers
+        r = t.wait()
+        assert r.bytes == 512 and np.array_equal(kv_b[2][12], kv_a[2][2])
+        b.release(hit.match_handle).wait()
+        del kv_b
+
+
 def test_a_store_with_every_window_block_and_a_load_past_the_engines_prefix(daemon, hybrid):
     """window_keys makes the boundary inside the store (3) a hit; first_block loads only past the engine's prefix."""
     a, kv_a = hybrid
@@ -152,8 +199,8 @@ def test_wrong_counts_are_refused_before_anything_is_sent(hybrid):
         c.store(keys, [[0, 1, 2, 3], [2, 3]])
     with pytest.raises(flexkvd.InvalidArgument, match=r"component 2 \(state\) has 2 block ids; expected 1"):
         c.load(1, [[0, 1, 2, 3], [2, 3], [4, 5]])
-    with pytest.raises(flexkvd.InvalidArgument, match="layer-wise"):
-        c.load(1, [[0, 1, 2, 3], [2, 3], [4]], layerwise=True)
+    with pytest.raises(flexkvd.InvalidArgument, match="both layerwise and event_set"):
+        c.load(1, [[0, 1, 2, 3], [2, 3], [4]], layerwise=True, event_set=1)
     with pytest.raises(flexkvd.InvalidArgument, match="state_boundaries given with a single block id sequence"):
         c.store(keys, [0, 1, 2, 3], state_boundaries=[4])
     with pytest.raises(flexkvd.InvalidArgument, match=r"block_ids\[1\] holds -1"):

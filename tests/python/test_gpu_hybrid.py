@@ -65,3 +65,48 @@ def test_a_hybrid_prefix_round_trips_through_gpu_buffers(make_daemon):
         assert int(blocks(kv_b, 0, list(range(8)) + [14, 15]).sum()) == 0
         assert int(blocks(kv_b, 1, list(range(2, 16))).sum()) == 0
         assert int(blocks(kv_b, 2, list(range(15))).sum()) == 0
+
+
+def test_hybrid_layer_wise_loads_land_each_layer_by_its_event_and_its_progress(make_daemon):
+    """Layer by layer in GEOMETRY.layer_order(): with an event set, a snapshot of each layer taken on a stream that
+    waited only for that layer's event (its index in the order) equals the stored bytes; with layer progress,
+    wait_layers(i + 1) alone makes entry i's layer readable. A second load into other blocks reuses the set."""
+    d = make_daemon(pool_size="256MiB")
+    tokens = [(7 * 100003 + i) % 128000 for i in range(6 * 16)]
+    keys = flexkvd.block_keys(NAMESPACE, tokens, 16)
+    order = GEOMETRY.layer_order()
+    assert len(order) == GEOMETRY.total_layers == 6
+    with flexkvd.connect(d.socket) as a, flexkvd.connect(d.socket) as b:
+        a.attach("gpu-a", NAMESPACE, GEOMETRY)
+        b.attach("gpu-b", NAMESPACE, GEOMETRY)
+        kv_a = register(a, fill=True)
+        kv_b = register(b, fill=False)
+        assert a.store(keys, [list(range(6)), [10, 11], [3, 4]], state_boundaries=[3, 6]).wait().done_blocks == 6
+        want = {0: list(range(6)), 1: [10, 11], 2: [4]}
+        hit = b.match(keys, pin=True).wait()
+        assert hit.matched_blocks == 6
+        stream = torch.cuda.Stream()
+        with b.layer_events(GEOMETRY.total_layers) as events:
+            for targets in ([[8, 9, 10, 11, 12, 13], [0, 1], [15]], [[1, 2, 3, 4, 5, 6], [4, 5], [14]]):
+                t = b.load(hit.match_handle, targets, event_set=events)
+                t.wait_launched(timeout=10)
+                snapshots = []
+                with torch.cuda.stream(stream):
+                    for i, (c, layer) in enumerate(order):
+                        events.wait(i, stream)
+                        snapshots.append(kv_b[c][layer][:, targets[c]].clone())
+                stream.synchronize()
+                assert t.wait().done_blocks == 6
+                for (c, layer), snap in zip(order, snapshots):
+                    assert torch.equal(snap, kv_a[c][layer][:, want[c]]), (c, layer)
+        for t in kv_b:
+            for layer in t:
+                layer.zero_()
+        torch.cuda.synchronize()
+        targets = [[2, 3, 4, 5, 6, 7], [8, 9], [13]]
+        t = b.load(hit.match_handle, targets, layerwise=True)
+        for i, (c, layer) in enumerate(order):
+            assert t.wait_layers(i + 1, timeout=10) >= i + 1
+            assert torch.equal(kv_b[c][layer][:, targets[c]], kv_a[c][layer][:, want[c]]), (c, layer)
+        assert t.wait().done_blocks == 6
+        b.release(hit.match_handle).wait()

@@ -184,7 +184,7 @@ def test_vllm_groups_are_described_for_the_mapping_and_what_flexkvd_cannot_copy_
 
 def test_the_connector_is_supports_hma_and_moves_every_group(daemon, hma_vllm, observer):
     adapter, role, SupportsHMA, set_scheduler = hma_vllm
-    config = _vllm_config(daemon.socket)
+    config = _vllm_config(daemon.socket, {"load_mode": "whole"})  # asynchronous loads (layer-wise: below)
     sched = adapter.FlexKVdConnector(config, role.SCHEDULER, GPT_OSS_CONFIG)
     worker = adapter.FlexKVdConnector(config, role.WORKER, GPT_OSS_CONFIG)
     assert isinstance(sched, SupportsHMA) and sched._config.geometry.is_hybrid
@@ -226,6 +226,53 @@ def test_the_connector_is_supports_hma_and_moves_every_group(daemon, hma_vllm, o
         req3 = NS_(request_id="r3", all_token_ids=tokens, lora_request=None, mm_features=[], num_computed_tokens=0)
         assert one.get_num_new_matched_tokens(req3, 0) == (0, False)
         one.shutdown()
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+        engine.release()
+    assert settled_status(observer).sessions == 0
+
+
+def test_the_default_layer_wise_mode_loads_every_group_in_the_step_that_computes_the_request(daemon, hma_vllm,
+                                                                                               observer):
+    """load_mode "layerwise" (the adapter's default) on a hybrid model: the hit is synchronous, start_load_kv loads
+    every group's blocks past the engine's prefix, wait_for_layer_load returns with them in place, and get_finished
+    reports nothing received and no load error (a layer-wise load is judged in its step)."""
+    adapter, role, _, _ = hma_vllm
+    config = _vllm_config(daemon.socket)
+    sched = adapter.FlexKVdConnector(config, role.SCHEDULER, GPT_OSS_CONFIG)
+    worker = adapter.FlexKVdConnector(config, role.WORKER, GPT_OSS_CONFIG)
+    assert sched._config.layerwise and sched._config.geometry.is_hybrid
+    worker._worker.create_host_kv(32)
+    engine = HostKvEngine(worker._worker, 32)
+    try:
+        tokens = prompt(52, 5 * BS + 3)
+        keys = flexkvd.block_keys(sched._config.namespace, tokens, BS)
+        full_ids, window_ids = [1, 2, 3, 4, 5, 6], [0, 0, 9, 10, 11, 12]
+        engine.compute(keys, full_ids[:5], 0)
+        engine.compute(keys[2:], window_ids[2:5], 1)
+        req = NS_(request_id="r", all_token_ids=tokens, lora_request=None, mm_features=[],
+                  num_computed_tokens=len(tokens), num_in_flight_tokens=0, num_publishable_block_hashes=5)
+        assert sched.request_finished_all_groups(req, (window_ids, full_ids)) == (True, None)
+        worker.bind_connector_metadata(sched.build_connector_meta(NS_(preempted_req_ids=set())))
+        worker.start_load_kv(None)
+        worker._worker.wait_all()
+        assert worker.get_finished({"r"}) == ({"r"}, None)
+        sched.update_connector_output(NS_(finished_sending={"r"}, finished_recving=None))
+
+        req2 = NS_(request_id="r2", all_token_ids=tokens, lora_request=None, mm_features=[], num_computed_tokens=0)
+        assert sched.get_num_new_matched_tokens(req2, 2 * BS) == (3 * BS, False)  # loaded in its step
+        blocks = NS_(get_block_ids=lambda: ([0, 0, 21, 22, 23, 24], [13, 14, 15, 16, 17, 18]))
+        sched.update_state_after_alloc(req2, blocks, 3 * BS)
+        worker.bind_connector_metadata(sched.build_connector_meta(NS_(preempted_req_ids=set())))
+        worker.start_load_kv(None)
+        for name in ("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn", "model.layers.3.attn"):
+            worker.wait_for_layer_load(name)
+        assert engine.holds(keys[2:5], [15, 16, 17], 0) and engine.holds(keys[2:5], [21, 22, 23], 1)
+        assert worker.get_finished(set()) == (None, None) and worker.get_block_ids_with_load_errors() == set()
+        g = sched._config.geometry
+        assert worker._worker.stats.loaded_bytes == 3 * g.component(0).host_block_bytes + \
+            3 * g.component(1).host_block_bytes
     finally:
         sched.shutdown()
         worker.shutdown()

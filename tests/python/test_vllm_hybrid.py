@@ -5,6 +5,7 @@ groups), loads from the engine's own prefix end, window stores, preemption, a lo
 requests that differ only in cache salt, LoRA adapter, media or prompt embeddings never sharing a block."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, List
 
 import numpy as np
@@ -14,6 +15,7 @@ import flexkvd
 from conftest import settled_status
 from engine_process import TEST_GEOMETRY
 from flexkvd.geometry import ComponentKind
+from flexkvd.integrations._vllm_layerwise import layer_order_names
 from flexkvd.integrations._vllm_groups import (FULL, MAMBA, MLA, NULL_BLOCK, SLIDING_WINDOW, KvGroup,
                                                map_kv_cache_groups)
 from flexkvd.integrations._vllm_logic import SchedulerLogic
@@ -77,9 +79,10 @@ def engines(daemon) -> Iterator:
     made: List[MiniVllm] = []
 
     def make(groups=None, namespace: str = NS, num_blocks: int = 96, chunk_tokens: int = 1 << 20,
-             socket: str = None) -> MiniVllm:
+             socket: str = None, load_mode: str = "whole") -> MiniVllm:
         mapping = map_kv_cache_groups(groups, block_size=BS, tp_size=1) if groups else None
         cfg = config(socket or daemon.socket, mapping.geometry if mapping else TEST_GEOMETRY, namespace, mapping)
+        cfg = dataclasses.replace(cfg, load_mode=load_mode)
         worker = WorkerLogic(cfg)
         worker.create_host_kv(num_blocks)
         vllm = MiniVllm(SchedulerLogic(cfg), worker, HostKvEngine(worker, num_blocks), chunk_tokens)
@@ -130,6 +133,63 @@ def test_gpt_oss_like_prefix_loads_past_the_local_hit_into_other_blocks_byte_exa
     assert r.external_tokens == BS and r.loaded_ok
     assert c.worker.stats.loaded_bytes == 3 * slot_bytes(c, 0) + 3 * slot_bytes(c, 1) + \
         slot_bytes(c, 0) + slot_bytes(c, 1)  # block 9 of FULL and of the window
+    assert settled_status(observer).pinned_blocks == 0
+
+
+@pytest.mark.parametrize("groups,namespace", [(GPT_OSS_GROUPS, GPT_NS), (QWEN3_NEXT_GROUPS, QWEN_NS)],
+                         ids=["gpt-oss-like", "qwen3-next-like"])
+def test_hybrid_layer_wise_loads_land_each_layer_before_its_wait_returns(daemon, engines, observer, groups, namespace):
+    """load_mode "layerwise" on a hybrid model: the hit loads in the step that computes the request (not async);
+    wait_for_layer_load of each layer name (every group's, in the geometry's layer order) returns once that layer's
+    loaded blocks hold the stored bytes; the states are in place before the forward (vLLM runs those layers without
+    a wait)."""
+    p = prompt(41, 10 * BS + 5)
+    a = engines(groups, namespace)
+    a.add("a", p)
+    a.run()
+    b = engines(groups, namespace, load_mode="layerwise")
+    assert b.scheduler.config.layerwise
+    b.free.reverse()
+    geometry = b.scheduler.config.geometry
+    names = [[f"component{c}.layer{j}" for j in range(geometry.component(c).num_layers)]
+             for c in range(geometry.component_count)]
+    b.worker.register_layer_names(layer_order_names(geometry, names))
+    assert sorted(b.worker.layer_names.values()) == list(range(geometry.total_layers))
+    checked = []
+    forward = b._forward
+
+    def forward_waiting(r, n):
+        if r.request_id == "b" and r.num_computed_tokens == 10 * BS:  # the step the hit loads in
+            keys = b.keys(r)
+            kinds = {s.component: s for s in b.group_map.slots}
+            for c, slot in kinds.items():  # before any wait: the states at the prefix end (position 9's slot)
+                if slot.kind == ComponentKind.STATE:
+                    assert np.array_equal(b.engine.kv_of(c)[:, :, r.groups[slot.group][9], :],
+                                          b.engine.content(keys[9], c))
+                    checked.append((c, "state"))
+            for c, j in geometry.layer_order():
+                b.worker.wait_layer(names[c][j])
+                slot = kinds[c]
+                if slot.kind == ComponentKind.STATE:
+                    continue
+                ids = r.groups[slot.group]
+                start = 10 - geometry.window_blocks(c) if slot.kind == ComponentKind.SLIDING_WINDOW else 0
+                kv = b.engine.kv_of(c)
+                for pos in range(start, 10):
+                    assert np.array_equal(kv[j, :, ids[pos], :], b.engine.content(keys[pos], c)[j]), (c, j, pos)
+                checked.append((c, j))
+        forward(r, n)
+
+    b._forward = forward_waiting
+    assert b.scheduler.get_num_new_matched_tokens("probe", p, 0) == (10 * BS, False)  # loaded in its step
+    r = b.add("b", p)
+    b.run()
+    # (a layer-wise load is never reported in finished_recving: loaded_ok stays unset, no failure is reported)
+    assert r.external_tokens == 10 * BS and not r.load_failed and r.load_failures == 0
+    want = [(c, "state") for c in range(geometry.component_count) if geometry.component_kind(c) == ComponentKind.STATE]
+    want += [(c, j) for c, j in geometry.layer_order() if geometry.component_kind(c) != ComponentKind.STATE]
+    assert checked == want
+    assert b.worker.stats.loaded_blocks == 10
     assert settled_status(observer).pinned_blocks == 0
 
 

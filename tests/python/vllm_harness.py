@@ -256,6 +256,15 @@ class MiniVllm:
                 r.num_computed_tokens += external
                 r.status = "remote"
                 continue
+            if external:  # a synchronous hit (load_mode "layerwise"): loaded in this step, counted as computed
+                n = min(self.chunk_tokens, len(r.tokens) - r.num_computed_tokens - external)
+                self._allocate(r, r.num_computed_tokens + external + n, r.num_computed_tokens + external)
+                self.scheduler.update_state_after_alloc(r.request_id, [list(g) for g in r.groups], external,
+                                                        r.num_preemptions)
+                r.num_computed_tokens += external
+                r.status = "running"
+                scheduled.append((r, n))
+                continue
             n = min(self.chunk_tokens, len(r.tokens) - r.num_computed_tokens)
             self._allocate(r, r.num_computed_tokens + n, r.num_computed_tokens)
             self.scheduler.update_state_after_alloc(r.request_id, [list(g) for g in r.groups], 0)

@@ -344,6 +344,21 @@ int flexkv_load_by(flexkv_client* client, uint64_t match_handle, uint32_t first_
 int flexkv_load_components_by(flexkv_client* client, uint64_t match_handle, uint32_t first_block,
                               const uint32_t* const* component_ids, const size_t* counts, size_t n_components,
                               int64_t launch_deadline_ns, flexkv_ticket* ticket);
+/* Added within ABI 6: layer-wise loads of a hybrid geometry (Client::Load's component overload, docs/hybrid.md
+ * "Layer-wise loads"). As flexkv_load_components_by, and with layerwise (not 0) flexkv_wait_layers counts every
+ * component's layers together in the geometry's layer order (flexkv_layer_order), or with event_set (not 0, layerwise
+ * 0) the set's event i is recorded after the copies of entry i of that order. Both: FLEXKV_INVALID_ARGUMENT. A
+ * flexkvd older than hybrid layer-wise loads ends the request FLEXKV_INVALID_ARGUMENT. */
+int flexkv_load_components_layered(flexkv_client* client, uint64_t match_handle, uint32_t first_block,
+                                   const uint32_t* const* component_ids, const size_t* counts, size_t n_components,
+                                   int layerwise, uint32_t event_set, int64_t launch_deadline_ns,
+                                   flexkv_ticket* ticket);
+/* The layer order of a layer-wise load of this geometry (flexkv::Geometry::LayerOrder): for i < *n (the geometry's
+ * layers of every component together), component[i] and layer[i] say which component's layer is the load's layer
+ * i. `capacity` entries fit in each array; FLEXKV_OUT_OF_RANGE (with *n set) when they are too few, and
+ * FLEXKV_INVALID_ARGUMENT for a geometry that does not validate. */
+int flexkv_layer_order(const flexkv_geometry* geometry, uint32_t* component, uint32_t* layer, size_t capacity,
+                       size_t* n);
 int flexkv_release(flexkv_client* client, uint64_t match_handle, flexkv_ticket* ticket);
 /* The unary gRPC match (slow path, diagnostics). */
 int flexkv_match_via_control(flexkv_client* client, const flexkv_block_key* keys, size_t n_keys, uint32_t* matched);

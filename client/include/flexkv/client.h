@@ -372,12 +372,18 @@ class Client {
   // Registers one set: `ranks` has every TP rank of the geometry once, each with one handle per layer. Returns the
   // set's id (never 0). INVALID_ARGUMENT naming the rank and count when they do not fit the geometry (or it is
   // hybrid); FAILED_PRECONDITION when the daemon has no CUDA backend; RESOURCE_EXHAUSTED beyond 16 sets a session.
+  // A hybrid geometry's set has total_layers() events per rank, event i for entry i of Geometry::LayerOrder.
   Result<uint32_t> RegisterLayerEvents(std::span<const LayerEventHandles> ranks);
   // Forgets a set (the daemon closes its events once no load records them). NOT_FOUND for an unknown id.
   Status ReleaseLayerEvents(uint32_t event_set);
   // A Load (as above, never layer-wise by progress completions) whose layers are reported by the set's events.
   Result<Ticket> LoadWithEvents(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, uint32_t event_set,
                                 uint32_t first_block = 0, int64_t launch_deadline_ns = 0);
+  // The same for a hybrid geometry (the component ids as the component Load above): the set's event i is recorded
+  // right after the copies of entry i of Geometry::LayerOrder (a component that moves nothing records none: a wait
+  // on its events passes).
+  Result<Ticket> LoadWithEvents(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
+                                uint32_t event_set, uint32_t first_block = 0, int64_t launch_deadline_ns = 0);
   // Step 2 above: OK once the load's copies and event records are all enqueued (or it ended OK); the load's error
   // when it ended with one (its result stays for Wait); DEADLINE_EXCEEDED on timeout; the ticket errors of Wait.
   Status WaitLaunched(Ticket ticket, std::chrono::microseconds timeout);
@@ -394,10 +400,13 @@ class Client {
   // Load copies what the handle's prefix end e needs past the engine's own first `first_block` blocks (k, 0..e):
   // component_ids[0] has e - k FULL ids for the blocks [k, e) (e = the Match's matched_blocks: a hybrid match ends
   // only at e), a sliding-window component min(window_blocks, e - k) ids for the blocks [max(k, e - w), e), a state
-  // component 1 id (the engine state slot for the snapshot at e). Not layer-wise (yet). k > 0 needs a flexkvd of
-  // ring layout 5 (FAILED_PRECONDITION before anything is sent otherwise).
+  // component 1 id (the engine state slot for the snapshot at e). k > 0 needs a flexkvd of ring layout 5
+  // (FAILED_PRECONDITION before anything is sent otherwise). With `layerwise`, WaitLayers counts the layers of every
+  // component together in Geometry::LayerOrder (layer i = the order's entry i; a component that moves nothing has
+  // landed at once): wait for WaitLayers(ticket, i + 1) before computing the model layer that is entry i. A daemon
+  // older than hybrid layer-wise loads refuses it (the request ends INVALID_ARGUMENT).
   Result<Ticket> Load(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
-                      uint32_t first_block = 0, int64_t launch_deadline_ns = 0);
+                      uint32_t first_block = 0, int64_t launch_deadline_ns = 0, bool layerwise = false);
   // Store of n keys: component_ids[0] has n FULL ids, a sliding-window component the ids of its last m keys, a
   // state component one id per entry of `state_boundaries` (each in 1..n, increasing; boundary b = the snapshot
   // after keys[b - 1]). m is `window_keys`, or min(window_blocks, n) when it is 0 (the trailing window); an engine
@@ -448,6 +457,9 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+  // The component Load and LoadWithEvents: layer progress or the set's events (never both).
+  Result<Ticket> LoadComponents(uint64_t match_handle, std::span<const std::span<const uint32_t>> component_ids,
+                                uint32_t first_block, int64_t launch_deadline_ns, bool layerwise, uint32_t event_set);
   std::unique_ptr<Impl> impl_;
 };
 

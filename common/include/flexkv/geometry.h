@@ -55,6 +55,13 @@ struct ComponentSpec {
   uint64_t state_bytes_per_layer = 0;
 };
 
+// One layer of a layer-wise Load of a hybrid geometry: which component, and which of its layers (Geometry::LayerOrder).
+struct LayerStep {
+  uint32_t component = 0;
+  uint32_t layer = 0;
+  bool operator==(const LayerStep&) const = default;
+};
+
 struct Geometry {
   uint32_t tokens_per_block = 16;  // power of two, 1..4096
   uint32_t num_layers = 0;         // 1..1024
@@ -97,6 +104,17 @@ struct Geometry {
   Geometry Component(size_t i) const;
   // kSlidingWindow: ceil(window_tokens / tokens_per_block); 0 for other kinds.
   uint32_t window_blocks(size_t i) const;
+  // Every component's layers together (num_layers for a full-attention geometry).
+  uint32_t total_layers() const;
+  // The order in which a layer-wise Load copies and reports a hybrid geometry's layers: its layer index i (progress
+  // completions, the i-th event of a layer-event set) is entry i. First every kState component's layers (one
+  // snapshot each: small, and engines such as vLLM run their linear-attention / Mamba layers without a per-layer
+  // wait, so they must be in place before the forward starts), then the attention components (FULL, sliding window)
+  // merged by depth - component c's layer j sits at (j + 1) / c's layer count, ties to the lower component - so in a
+  // model whose attention kinds interleave evenly (gpt-oss 1:1, Gemma 3 5:1) each layer lands within a step of its
+  // place in the forward (docs/hybrid.md, "Layer-wise loads"). Each component's layers in order. A full-attention
+  // geometry: component 0's layers 0..num_layers-1.
+  std::vector<LayerStep> LayerOrder() const;
 
   // OK when every field is in range; otherwise INVALID_ARGUMENT naming the field (components[i].field for a
   // component) and the accepted range. A hybrid geometry has component 0 (FULL) plus 1..7 components.

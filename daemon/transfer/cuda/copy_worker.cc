@@ -4,6 +4,7 @@
 #include "daemon/transfer/cuda/copy_worker.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 namespace flexkv {
@@ -30,7 +31,8 @@ void CopyWorker::Submit(Job job) {
   cv_.notify_one();
 }
 
-Status CopyWorker::Run(Job& job) {
+Status CopyWorker::Run(Job& job, bool* waited) {
+  *waited = true;
   FLEXKV_CUDA_TRY(cudaSetDevice(device_));
   if (stream_ == nullptr) FLEXKV_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   const uint32_t n = static_cast<uint32_t>(job.gpu_blocks.size());
@@ -40,6 +42,8 @@ Status CopyWorker::Run(Job& job) {
                                         job.term_sums->size()));
   }
   if (n > capacity_) {
+    // Jobs enqueued before (more_follow) may still read the pair buffer: let them finish before it goes.
+    FLEXKV_CUDA_TRY(cudaStreamSynchronize(stream_));
     if (pairs_dev_ != nullptr) cudaFree(pairs_dev_);
     if (sums_dev_ != nullptr) cudaFree(sums_dev_);
     if (sums_host_ != nullptr) cudaFreeHost(sums_host_);
@@ -59,6 +63,14 @@ Status CopyWorker::Run(Job& job) {
   if (job.launch_deadline) FLEXKV_RETURN_IF_ERROR(job.launch_deadline->Launch());
   const GpuKv& kv = *job.kv;
   const Geometry& g = kv.geometry;
+  uint32_t first = 0, last = 0;  // the layers this job copies (JobLayers)
+  const bool layered = !to_host_ && (job.events != nullptr || job.on_layer);
+  if (!job.layers.Resolve(g.num_layers, &first, &last) || (!layered && (!job.layers.whole() || job.layers.more_follow))) {
+    return Status::Internal(fmt::format(
+        "a {} job of layers [{}, {}) (more_follow {}) on a registration of {} layers; expected a range inside them, "
+        "and a partial range only on a load that reports layers or records events",
+        to_host_ ? "store" : "load", job.layers.begin, job.layers.end, job.layers.more_follow, g.num_layers));
+  }
   // The job's own sub-pool: components have sub-pools of their own slot sizes in one registered range.
   cuda::HostPoolView pool{job.pool.base, job.pool.slot_bytes, g.is_mla() ? 1u : g.tp_size,
                           g.is_mla() ? 0u : kv.description.tp_rank};
@@ -72,12 +84,14 @@ Status CopyWorker::Run(Job& job) {
   if (job.events != nullptr && !to_host_) {
     // Layer events: each layer's copies, then the engine's event for that layer, on this stream; "launched" once
     // every record is enqueued (the engine may then make its stream wait on them); done once the stream drained.
-    if (job.events->device != device_ || job.events->events.size() != g.num_layers) {
+    const size_t have = job.events->events.size();
+    const uint64_t needed = uint64_t{job.layers.first_event} + (last - first);
+    if (job.events->device != device_ || (job.layers.whole() ? have != g.num_layers : have < needed)) {
       return Status::FailedPrecondition(fmt::format(
-          "layer events of tp rank {} are on device {} with {} layers; expected device {} and {} layers",
-          job.events->tp_rank, job.events->device, job.events->events.size(), device_, g.num_layers));
+          "layer events of tp rank {} are on device {} with {} layers; expected device {} and {} layers", job.events->tp_rank,
+          job.events->device, have, device_, job.layers.whole() ? uint64_t{g.num_layers} : needed));
     }
-    for (uint32_t l = 0; l < g.num_layers; ++l) {
+    for (uint32_t l = first; l < last; ++l) {
       if (copy_engine_) {
         FLEXKV_CUDA_TRY(cuda::CopyEngineBatch(kv.layer_base_host.data(), kv.view, pool, job.gpu_blocks.data(),
                                               job.slots.data(), n, l, l + 1, false, stream_));
@@ -85,9 +99,13 @@ Status CopyWorker::Run(Job& job) {
         const cuda::BlockPairs layer_pairs{pairs_dev_, pairs_dev_ + capacity_, n, l, l + 1};
         FLEXKV_CUDA_TRY(cuda::LaunchScatter(kv.view, pool, layer_pairs, stream_));
       }
-      FLEXKV_CUDA_TRY(cudaEventRecord(job.events->events[l], stream_));
+      FLEXKV_CUDA_TRY(cudaEventRecord(job.events->events[job.layers.first_event + (l - first)], stream_));
     }
     if (job.on_launched) job.on_launched();
+    if (job.layers.more_follow) {  // the load's next job follows at once; a later wait covers this one
+      *waited = false;
+      return Status::Ok();
+    }
     FLEXKV_CUDA_TRY(cudaStreamSynchronize(stream_));
     return Status::Ok();
   }
@@ -105,11 +123,11 @@ Status CopyWorker::Run(Job& job) {
       FLEXKV_CUDA_TRY(cudaEventRecord(sums_join_, sums_stream_));
     }
     FLEXKV_CUDA_TRY(cuda::CopyEngineBatch(kv.layer_base_host.data(), kv.view, pool, job.gpu_blocks.data(),
-                                          job.slots.data(), n, 0, g.num_layers, to_host_, stream_));
+                                          job.slots.data(), n, first, last, to_host_, stream_));
     if (sums) FLEXKV_CUDA_TRY(cudaStreamWaitEvent(stream_, sums_join_, 0));
     FLEXKV_CUDA_TRY(FinishSums(job, sums));
     if (job.on_layer) {
-      for (uint32_t l = 0; l < g.num_layers; ++l) job.on_layer(l);
+      for (uint32_t l = first; l < last; ++l) job.on_layer(l);
     }
     return Status::Ok();
   }
@@ -134,12 +152,12 @@ Status CopyWorker::Run(Job& job) {
       FLEXKV_CUDA_TRY(cudaEventCreateWithFlags(&events_[i], cudaEventDisableTiming | cudaEventBlockingSync));
     }
   }
-  for (uint32_t l = 0; l < g.num_layers; ++l) {
+  for (uint32_t l = first; l < last; ++l) {
     const cuda::BlockPairs layer_pairs{pairs_dev_, pairs_dev_ + capacity_, n, l, l + 1};
     FLEXKV_CUDA_TRY(cuda::LaunchScatter(kv.view, pool, layer_pairs, stream_));
     FLEXKV_CUDA_TRY(cudaEventRecord(events_[l], stream_));
   }
-  for (uint32_t l = 0; l < g.num_layers; ++l) {
+  for (uint32_t l = first; l < last; ++l) {
     FLEXKV_CUDA_TRY(cudaEventSynchronize(events_[l]));
     job.on_layer(l);
   }
@@ -178,17 +196,44 @@ cudaError_t CopyWorker::FinishSums(Job& job, bool sums) {
   return cudaSuccess;
 }
 
+void CopyWorker::FlushDeferred(const Status& st) {
+  if (deferred_.empty()) return;
+  Status result = st;
+  if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess && result.ok()) {
+    result = Status::Internal(fmt::format("waiting for the load's copies on device {}: {}", device_,
+                                          cudaGetErrorString(e)));
+  }
+  std::vector<Job> jobs = std::move(deferred_);
+  deferred_.clear();
+  for (Job& j : jobs) j.done(result);
+}
+
 void CopyWorker::Loop() {
+  // How long a more_follow job's `done` waits for the load's next job before the worker waits for the stream on its
+  // own (the next job was refused before it reached this worker, or is slow to come).
+  constexpr auto kFollowWait = std::chrono::milliseconds(2);
   for (;;) {
     Job job;
     {
       MutexLock lock(&mu_);
-      while (!stopping_ && jobs_.empty()) mu_.Wait(&cv_);
-      if (jobs_.empty()) break;
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+      if (!deferred_.empty() && !stopping_ && jobs_.empty()) mu_.WaitFor(&cv_, kFollowWait);
+      while (!stopping_ && jobs_.empty() && deferred_.empty()) mu_.Wait(&cv_);
+      if (jobs_.empty() && deferred_.empty()) break;
+      if (!jobs_.empty()) {
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
     }
-    Status s = Run(job);
+    if (!job.done) {  // nothing came after the deferred jobs: wait for them here
+      FlushDeferred(Status::Ok());
+      continue;
+    }
+    bool waited = true;
+    Status s = Run(job, &waited);
+    if (s.ok() && !waited) {
+      deferred_.push_back(std::move(job));  // keeps the registration (and events) until its copies landed
+      continue;
+    }
     if (!s.ok()) {
       // Run may have launched work before it failed: let it finish before `job` drops what may be the last
       // reference to the registration (whose destructor unmaps the memory those kernels touch).
@@ -200,6 +245,8 @@ void CopyWorker::Loop() {
         log::Error("cuda", "{} copy on device {} failed: {}", to_host_ ? "store" : "load", device_, s.message());
       }
     }
+    // Every earlier job's copies are done (this one waited, or failed and the stream was waited for above).
+    FlushDeferred(Status::Ok());
     job.done(s);
   }
   if (pairs_dev_ != nullptr) cudaFree(pairs_dev_);

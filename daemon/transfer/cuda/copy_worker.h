@@ -15,6 +15,7 @@
 #include "daemon/cache/pool_region.h"
 #include "daemon/transfer/cuda/cuda_kv.h"
 #include "daemon/transfer/cuda/kv_copy.h"
+#include "daemon/transfer/job_layers.h"
 #include "daemon/transfer/launch_deadline.h"
 #include "flexkv/status.h"
 
@@ -37,6 +38,9 @@ class CopyWorker {
     std::function<void()> on_launched;
     // Loads with a launch deadline (null: none): Run asks it before anything of the job is enqueued on the device.
     std::shared_ptr<LaunchDeadline> launch_deadline;
+    // Loads with on_layer or events: the layers copied (default all); more_follow: Run returns once this job is
+    // enqueued, its `done` waits in deferred_ until a later wait on the stream covered it.
+    JobLayers layers;
   };
 
   // `copy_engine`: the copy-engine batch instead of the kernels; `staging_bytes`: the staging ring's size (0: none).
@@ -49,7 +53,11 @@ class CopyWorker {
   void Submit(Job job);
 
  private:
-  Status Run(Job& job);
+  // Copies `job`; sets *waited when it waited for the stream to drain (every earlier job's copies landed), false
+  // only for a more_follow job enqueued and left running.
+  Status Run(Job& job, bool* waited);
+  // Waits for the stream and runs the deferred jobs' `done` (with the wait's result where it failed).
+  void FlushDeferred(const Status& st);
   // The staging ring for a whole-slot copy of `view` into or out of `pool`, allocated at the first such copy;
   // null when the copy cannot be staged (kv_copy.h CanStage, slots larger than a ring buffer) or staging is off or
   // could not be allocated (then the kernels copy alone: slower when loads and stores run at once, never wrong).
@@ -74,6 +82,9 @@ class CopyWorker {
   cudaStream_t sums_stream_ = nullptr;
   cudaEvent_t sums_fork_ = nullptr, sums_join_ = nullptr;
   std::vector<cudaEvent_t> events_;
+  // more_follow jobs enqueued whose copies no wait covered yet, in order, holding their registrations and events
+  // until then (worker thread only).
+  std::vector<Job> deferred_;
   Mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);

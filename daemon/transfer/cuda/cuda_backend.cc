@@ -296,7 +296,7 @@ class CudaBackendImpl final : public CudaBackend {
             std::vector<uint32_t> slots, std::shared_ptr<std::vector<uint64_t>> term_sums,
             std::function<void(uint32_t)> on_layer, std::function<void(Status)> done,
             std::shared_ptr<GpuLayerEvents> events, std::function<void()> on_launched,
-            std::shared_ptr<LaunchDeadline> launch_deadline) override {
+            std::shared_ptr<LaunchDeadline> launch_deadline, JobLayers layers) override {
     CopyWorker* w = nullptr;
     Status checked = Status::Ok();
     {
@@ -317,7 +317,7 @@ class CudaBackendImpl final : public CudaBackend {
     if (!checked.ok()) return done(std::move(checked));
     w->Submit({std::move(kv), pool, std::move(gpu_blocks), std::move(slots), std::move(term_sums),
                std::move(on_layer), std::move(done), std::move(events), std::move(on_launched),
-               std::move(launch_deadline)});
+               std::move(launch_deadline), layers});
   }
 
   Result<std::shared_ptr<GpuLayerEvents>> OpenLayerEvents(const LayerEventsRank& rank) override {

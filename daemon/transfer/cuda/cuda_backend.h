@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "daemon/cache/pool_region.h"
+#include "daemon/transfer/job_layers.h"
 #include "daemon/transfer/kv_registration.h"
 #include "daemon/transfer/launch_deadline.h"
 #include "flexkv/geometry.h"
@@ -69,12 +70,14 @@ class CudaBackend {
   // kernel reading the GPU blocks at the same time as the copy.
   // `events` (optional, loads only): record events[layer] on the copy stream right after each layer's copies, then
   // call `on_launched` once every layer is enqueued and recorded (not when it failed before); `done` as above. The
-  // events must be on the registration's GPU (else FAILED_PRECONDITION at once, nothing copied).
+  // events must be on the registration's GPU (else FAILED_PRECONDITION at once, nothing copied). `layers` (loads with
+  // on_layer or events only; default all): the layers copied, events recorded at layers.first_event onwards; with
+  // layers.more_follow the worker goes on to the next job without waiting for this one (done still after it landed).
   virtual void Copy(std::shared_ptr<GpuKv> kv, bool to_host, const PoolRegion& pool, std::vector<uint32_t> gpu_blocks,
                     std::vector<uint32_t> slots, std::shared_ptr<std::vector<uint64_t>> term_sums,
                     std::function<void(uint32_t layer)> on_layer, std::function<void(Status)> done,
                     std::shared_ptr<GpuLayerEvents> events = nullptr, std::function<void()> on_launched = nullptr,
-                    std::shared_ptr<LaunchDeadline> launch_deadline = nullptr) = 0;
+                    std::shared_ptr<LaunchDeadline> launch_deadline = nullptr, JobLayers layers = {}) = 0;
   // Opens one TP rank's layer events from their IPC handles on the GPU the UUID names: NOT_FOUND for a GPU this
   // daemon does not see, INVALID_ARGUMENT naming the layer whose handle cudaIpcOpenEventHandle refuses (not an
   // interprocess event, or of a process that is gone). Whatever was opened is closed again on an error.

@@ -83,7 +83,7 @@ void CudaEngineMemory::Copy(CopyJob job) {
   if (job.layer_events != nullptr) events = static_cast<const OpenedLayerEvents&>(*job.layer_events).events();
   cuda_->Copy(kv.gpu(), store, job.pool, *job.engine_blocks, *job.slots, store ? std::move(job.term_sums) : nullptr,
               std::move(job.on_layer), [done = std::move(job.done), handed_ns](Status st) { done(st, handed_ns); },
-              std::move(events), std::move(job.on_launched), std::move(job.launch_deadline));
+              std::move(events), std::move(job.on_launched), std::move(job.launch_deadline), job.layers);
 }
 
 }  // namespace flexkv

@@ -66,7 +66,8 @@ class LayerwiseMixin:
         self._launch_deadlines = bool(flexkvd._lib.has_launch_deadlines)  # noqa: SLF001
 
     def register_layer_names(self, names: Dict[str, int]) -> None:
-        """Which flexkvd layer each vLLM layer name is (KvPlan.layer_index), for wait_layer."""
+        """Which layer of a layer-wise load each vLLM layer name is (KvPlan.layer_index; a hybrid model: its index
+        in geometry.layer_order(), layer_order_names), for wait_layer."""
         self.layer_names = dict(names)
 
     # ---- loads ----
@@ -95,22 +96,27 @@ class LayerwiseMixin:
             self._submit_layer_load(spec, hit, deadline)
 
     def _submit_layer_load(self, spec: LoadSpec, hit: flexkvd.OpResult, deadline: float) -> None:
-        usable = min(hit.matched_blocks, len(_ids(spec)))
+        usable = min(hit.matched_blocks, spec.end)
         first = spec.first_block if flexkvd._lib.has_partial_loads else 0  # noqa: SLF001
         load = _LayerLoad(spec, hit.match_handle, None, usable, first, None)
         if usable <= spec.first_block:  # evicted since the scheduler looked
             self._end_layer_load(load, ok=False)
             return
+        if self.groups.is_hybrid:  # FULL [k, e), each window's [max(k, e - w), e), the state at e
+            ids: Any = self.groups.load_ids(spec.block_ids, first, usable)
+            if ids is None:  # the engine holds no block at a position the load needs: nothing loaded
+                self._end_layer_load(load, ok=False)
+                return
+        else:
+            ids = _ids(spec)[first:usable]
         client = self.link.current()
         try:
             if self.layer_stream is not None:
                 load.events = self._event_set(client)
-                load.ticket = self._load(client, hit.match_handle, _ids(spec)[first:usable], first, deadline,
-                                         event_set=load.events)
+                load.ticket = self._load(client, hit.match_handle, ids, first, deadline, event_set=load.events)
                 load.ticket.wait_launched(timeout=max(0.0, deadline - time.monotonic()))
             else:
-                load.ticket = self._load(client, hit.match_handle, _ids(spec)[first:usable], first, deadline,
-                                         layerwise=True)
+                load.ticket = self._load(client, hit.match_handle, ids, first, deadline, layerwise=True)
         except flexkvd.DeadlineExceeded:  # not launched in time: its layers are not waited for, nor used
             self._give_up(load)
             return
@@ -119,6 +125,23 @@ class LayerwiseMixin:
             self._end_layer_load(load, ok=False)
             return
         self._layer_loads.append(load)
+        self._wait_states(load)
+
+    def _wait_states(self, load: _LayerLoad) -> None:
+        """A hybrid model's states (Mamba / linear-attention layers: vLLM runs them without wait_for_layer_load)
+        must be in place before the forward: they come first in the layer order, so the engine's stream waits for
+        the last of them now (GPU), or the CPU does (host KV)."""
+        states = sum(c.num_layers for c in self.config.geometry.components
+                     if c.kind == flexkvd.ComponentKind.STATE)
+        if states == 0:
+            return
+        try:
+            if load.events is not None:
+                load.events.wait(states - 1, self.layer_stream())
+            else:
+                load.ticket.wait_layers(states, timeout=self.config.op_timeout_s)
+        except flexkvd.Error as err:  # the load is judged when it ends (_end_layer_loads): errors reported
+            log.debug("the states of a flexkvd load: %s", err)
 
     def _load(self, client: flexkvd.Client, handle: int, ids: List[int], first: int, deadline: float,
               **kind: Any) -> flexkvd.Ticket:
@@ -142,7 +165,7 @@ class LayerwiseMixin:
         layer-wise loads: nothing to wait for."""
         if not self._layer_loads:
             return
-        layer = self.layer_names.get(layer_name, self.config.geometry.num_layers - 1)
+        layer = self.layer_names.get(layer_name, self.config.geometry.total_layers - 1)
         stream = self.layer_stream() if self.layer_stream is not None else None
         for load in self._layer_loads:
             try:
@@ -167,7 +190,7 @@ class LayerwiseMixin:
                 self._error(err)
                 self._end_layer_load(load, ok=False)
                 continue
-            self._end_layer_load(load, ok=r.done_blocks >= load.usable - load.first)
+            self._end_layer_load(load, ok=r.done_blocks >= load.usable - load.first, moved_bytes=r.bytes)
         self._retire_late()
 
     def _give_up(self, load: _LayerLoad) -> None:
@@ -193,13 +216,17 @@ class LayerwiseMixin:
                 except flexkvd.Error as err:
                     self._error(err)
 
-    def _end_layer_load(self, load: _LayerLoad, ok: bool) -> None:
+    def _end_layer_load(self, load: _LayerLoad, ok: bool, moved_bytes: int = 0) -> None:
+        """Reports a layer-wise load (moved_bytes: what the daemon copied, every component's)."""
         spec = load.spec
         usable = load.usable if ok else spec.first_block
         loaded = max(0, usable - spec.first_block)
-        failed = _ids(spec)[max(spec.first_block, usable):]
+        if self.groups.is_hybrid:  # a hybrid prefix end loads whole or not at all: every group's later positions
+            failed = self.groups.positions_ids(spec.block_ids, max(spec.first_block, usable), spec.end)
+        else:
+            failed = _ids(spec)[max(spec.first_block, usable):]
         self.stats.loaded_blocks += loaded
-        self.stats.loaded_bytes += loaded * self.config.geometry.host_block_bytes
+        self.stats.loaded_bytes += (moved_bytes or loaded * self.config.geometry.host_block_bytes) if loaded else 0
         self.stats.load_failed_blocks += len(failed)
         self._load_errors.update(failed)
         self._give_back_set(load.events)  # (None for a load given up on: its set stays with it)
@@ -217,7 +244,7 @@ class LayerwiseMixin:
             self._free_sets, self._sets_session = [], client.session_id
         if self._free_sets:
             return self._free_sets.pop()
-        return client.layer_events(self.config.geometry.num_layers)
+        return client.layer_events(self.config.geometry.total_layers)
 
     def _give_back_set(self, events: Any) -> None:
         if events is not None and self._sets_session is not None:
@@ -245,6 +272,14 @@ class LayerwiseMixin:
         for s in self._free_sets:
             s.close()
         self._free_sets, self._layer_loads, self._late, self._fenced = [], [], [], []
+
+
+def layer_order_names(geometry: flexkvd.Geometry, names: Sequence[Sequence[Optional[str]]]) -> Dict[str, int]:
+    """A hybrid model's layer names (names[c]: component c's layers, as its KvPlan lists them) to their index in a
+    layer-wise load: the position of (c, layer) in geometry.layer_order(). Unnamed layers (None) are left out."""
+    index = {step: i for i, step in enumerate(geometry.layer_order())}
+    return {name: index[(c, j)] for c, layers in enumerate(names) for j, name in enumerate(layers)
+            if name is not None and (c, j) in index}
 
 
 def _ids(spec: LoadSpec) -> List[int]:

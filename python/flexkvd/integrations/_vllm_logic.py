@@ -86,7 +86,7 @@ class ConnectorConfig:
     dp_rank: int = 0
     # "layerwise": a hit loads in the step that computes the rest of the prompt, each layer awaited just before it
     # is computed (vLLM: a synchronous load); "whole": the request waits for its whole load between steps (an
-    # asynchronous load). Layer-wise needs one TP rank's layer events and a full-attention geometry: see layerwise.
+    # asynchronous load). Layer-wise needs one TP rank's layer events: see layerwise.
     load_mode: str = "whole"
     groups: Optional[GroupMap] = None
     kv_events: bool = False
@@ -101,9 +101,10 @@ class ConnectorConfig:
 
     @property
     def layerwise(self) -> bool:
-        """Whether loads run layer by layer: load_mode "layerwise", TP 1 (the daemon's layer events of one set are
-        one rank's), no hybrid components (their loads are whole)."""
-        return self.load_mode == "layerwise" and self.geometry.tp_size == 1 and not self.geometry.is_hybrid
+        """Whether loads run layer by layer: load_mode "layerwise" and TP 1 (the layer events of a set the Python
+        client registers are one rank's). A hybrid model's layers go in geometry.layer_order(), every KV cache
+        group's together."""
+        return self.load_mode == "layerwise" and self.geometry.tp_size == 1
 
     EXTRA_KEYS = ("socket", "namespace", "namespace_extra", "op_timeout_s", "connect_timeout_s",
                   "backoff_initial_s", "backoff_max_s", "name", "load_mode", "cross_layer_blocks", "kv_events")

@@ -18,6 +18,7 @@ import flexkvd
 
 from ._vllm_events import KvEventRelay
 from ._vllm_groups import FULL, MAMBA, MLA, SLIDING_WINDOW, GroupMap, KvGroup, map_kv_cache_groups
+from ._vllm_layerwise import layer_order_names
 from ._vllm_layouts import KvPlan, plan_cross_layer_kv_cache, plan_kv_caches
 from ._vllm_link import DaemonLink, LinkOptions
 from ._vllm_logic import (ConnectorConfig, ConnectorMetadata, ConnectorStats, LoadSpec, SchedulerLogic, StoreSpec,
@@ -265,7 +266,10 @@ def _build() -> Dict[str, Any]:
                 import torch
                 self._worker.store_fence = _cuda_fence  # stores read blocks the engine's stream wrote
                 self._worker.layer_stream = torch.cuda.current_stream
-                if not self._config.geometry.is_hybrid:  # layer-wise loads are for one KV cache group
+                if self._config.geometry.is_hybrid:  # every group's layers, in the layer order of the loads
+                    self._worker.register_layer_names(
+                        layer_order_names(self._config.geometry, [plan.layer_names for plan in plans]))
+                else:
                     self._worker.register_layer_names({n: i for i, n in enumerate(plans[0].layer_names)
                                                        if n is not None})
                 self._worker.register_kv([r for rank in gathered for r in rank])

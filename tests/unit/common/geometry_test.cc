@@ -1,6 +1,8 @@
 // Geometry validation, host block sizes of the reference models, cache-domain compatibility.
 #include <catch2/catch.hpp>
 
+#include <vector>
+
 #include "flexkv/geometry.h"
 
 using flexkv::Geometry;
@@ -259,4 +261,50 @@ TEST_CASE("geometry: MLA FULL layers with a sharded window or state do not mix T
   flexkv::Geometry mla2 = flexkv::DeepSeekMla();
   mla2.tp_size = 2;
   CHECK(mla2.CheckSameHostLayout(flexkv::DeepSeekMla()).ok());
+}
+
+TEST_CASE("geometry: a layer-wise load's order merges the components by depth, each one's layers in order", "[unit]") {
+  flexkv::Geometry g;  // three components of two layers each
+  g.num_layers = 2;
+  g.kv_heads_per_rank = 1;
+  g.head_dim = 8;
+  flexkv::ComponentSpec swa;
+  swa.num_layers = 2;
+  swa.kv_heads_per_rank = 1;
+  swa.head_dim = 8;
+  swa.window_tokens = 32;
+  flexkv::ComponentSpec state;
+  state.kind = flexkv::ComponentKind::kState;
+  state.num_layers = 2;
+  state.state_bytes_per_layer = 64;
+  g.components = {swa, state};
+  REQUIRE(g.Validate().ok());
+  using flexkv::LayerStep;
+  CHECK(g.total_layers() == 6);
+  // The state's layers first, then the full and window layers alternating as the model has them.
+  CHECK(g.LayerOrder() == std::vector<LayerStep>{{2, 0}, {2, 1}, {0, 0}, {1, 0}, {0, 1}, {1, 1}});
+  // gpt-oss: 12 full and 12 sliding-window layers alternate.
+  const std::vector<LayerStep> gpt_oss = flexkv::GptOss20B().LayerOrder();
+  REQUIRE(gpt_oss.size() == 24);
+  CHECK(std::vector<LayerStep>(gpt_oss.begin(), gpt_oss.begin() + 4) ==
+        std::vector<LayerStep>{{0, 0}, {1, 0}, {0, 1}, {1, 1}});
+  // Gemma 3: 10 global and 52 local layers, five local then a global one in the model: the same here.
+  const std::vector<LayerStep> gemma = flexkv::Gemma3_27B().LayerOrder();
+  REQUIRE(gemma.size() == 62);
+  CHECK(gemma[4] == LayerStep{1, 4});
+  CHECK(gemma[5] == LayerStep{0, 0});
+  CHECK(gemma[6] == LayerStep{1, 5});
+  // Qwen3-Next: the 36 Gated DeltaNet states first, then the 12 full-attention layers.
+  const flexkv::Geometry next = flexkv::Qwen3Next80B();
+  const std::vector<LayerStep> order = next.LayerOrder();
+  REQUIRE(order.size() == 48);
+  CHECK(order[35] == LayerStep{1, 35});
+  CHECK(order[36] == LayerStep{0, 0});
+  std::vector<uint32_t> seen(next.component_count(), 0);
+  for (const LayerStep& s : order) CHECK(s.layer == seen[s.component]++);
+  CHECK(seen == std::vector<uint32_t>{12, 36});
+  // A full-attention geometry: its layers as they are.
+  const flexkv::Geometry llama = flexkv::Llama3_8B();
+  REQUIRE(llama.LayerOrder().size() == 32);
+  CHECK(llama.LayerOrder()[31] == LayerStep{0, 31});
 }

@@ -407,7 +407,7 @@ TEST_CASE("descriptor validation: a hybrid Store carries every component's ids a
   }
 }
 
-TEST_CASE("descriptor validation: state_count only on a hybrid Store, and no layer-wise hybrid Load",
+TEST_CASE("descriptor validation: state_count only on a hybrid Store, hybrid Loads layer-wise or with events",
           "[unit][hybrid]") {
   const flexkv::Geometry g = HybridGeometry();
   SubmitDescriptor store = Desc(RingOp::kStore, 4);
@@ -416,16 +416,25 @@ TEST_CASE("descriptor validation: state_count only on a hybrid Store, and no lay
   SubmitDescriptor match = Desc(RingOp::kMatch, 4);
   match.state_count = 1;
   ExpectRefused(match, StatusCode::kInvalidArgument, "state_count is 1 on a Match", HybridLimits(g));
-  ExpectRefused(Desc(RingOp::kLoad, 4, flexkv::kLoadFlagLayerwise), StatusCode::kInvalidArgument, "layer-wise",
-                HybridLimits(g));
-  // A hybrid Load of 4: FULL 4, window 2, state 1 = 7 ids, all below 8.
+  // A hybrid Load of 4: FULL 4, window 2, state 1 = 7 ids, all below 8; the same layer-wise or naming an event set
+  // (the word of a Store's window_keys), never both.
   const Arena arena;
   auto r = flexkv::ValidateDescriptor(Desc(RingOp::kLoad, 4), arena.span(), HybridLimits(g));
   REQUIRE(r.ok());
   CHECK(r->block_ids.size() == 7);
+  auto layerwise = flexkv::ValidateDescriptor(Desc(RingOp::kLoad, 4, flexkv::kLoadFlagLayerwise), arena.span(),
+                                              HybridLimits(g));
+  REQUIRE(layerwise.ok());
+  CHECK(layerwise->block_ids == r->block_ids);
+  SubmitDescriptor with_events = Desc(RingOp::kLoad, 4);
+  with_events.event_set = 2;
+  CHECK(flexkv::ValidateDescriptor(with_events, arena.span(), HybridLimits(g)).ok());
+  with_events.flags = flexkv::kLoadFlagLayerwise;
+  ExpectRefused(with_events, StatusCode::kInvalidArgument, "has the layer-wise flag; expected one completion kind",
+                HybridLimits(g));
 }
 
-TEST_CASE("descriptor validation: a Load names an event set alone, never with the layer-wise flag or on a hybrid",
+TEST_CASE("descriptor validation: a Load names an event set alone, never with the layer-wise flag",
           "[unit]") {
   const Arena arena;
   SubmitDescriptor load = Desc(RingOp::kLoad, 2);
