@@ -372,7 +372,7 @@ class ConnectorLink(_LinkBase):
         sending, recving = self.worker.get_finished(set())
         errors = self.worker.take_load_errors()
         self.sched_layerwise.update_connector_output(sending, recving, errors)
-        self.sched_layerwise.request_finished(rid, prompt, groups, len(prompt))
+        self.sched_layerwise.request_finished(rid, prompt, groups, hit)
         after = self.worker.stats.as_dict()
         self.moved = {"blocks": after["loaded_blocks"] - before.get("loaded_blocks", 0),
                       "bytes": after["loaded_bytes"] - before.get("loaded_bytes", 0)}
