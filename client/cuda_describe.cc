@@ -147,8 +147,12 @@ Result<GpuKvRegistration> DescribeGpuKv(KvLayout layout, std::span<void* const> 
 }
 
 Result<CudaLayerEvents> CudaLayerEvents::Create(uint32_t num_layers, uint32_t tp_rank) {
-  if (num_layers == 0 || num_layers > 1024) {
-    return Status::InvalidArgument(fmt::format("num_layers is {}; expected 1..1024 (the geometry's)", num_layers));
+  // A hybrid geometry's set has every component's layers: up to kMaxComponents x 1024.
+  constexpr uint32_t kMaxEvents = Geometry::kMaxComponents * 1024;
+  if (num_layers == 0 || num_layers > kMaxEvents) {
+    return Status::InvalidArgument(fmt::format(
+        "num_layers is {}; expected 1..{} (the geometry's total_layers(): every component's layers)", num_layers,
+        kMaxEvents));
   }
   CudaLayerEvents out;
   cudaError_t e = cudaGetDevice(&out.device_);

@@ -58,9 +58,8 @@ struct DescriptorPayload {
 //   INVALID_ARGUMENT     a Store key that is all zero (reserved: the pool records it as a root block's parent).
 // Layout 5: a Load's first_block (the word of a Store's state_count) not below count (INVALID_ARGUMENT; a hybrid
 // Load's may equal count: only the state moves). Hybrid sessions also: state_count not 0 outside a Store, or above
-// count (INVALID_ARGUMENT); window_keys (the word of a Load's event_set) not 0 outside a Store, or on a Store neither
-// 0 nor in MinWindowKeys..count (INVALID_ARGUMENT; a Load's word there is its event_set, layers in
-// Geometry::LayerOrder); the id array (LayoutIds with ExtentOf(d)) outside the arena (OUT_OF_RANGE); an id of component c
+// count (INVALID_ARGUMENT); on a Store, window_keys neither 0 nor in MinWindowKeys..count (INVALID_ARGUMENT; the
+// word at 60 is a Load's event_set, whose layers follow Geometry::LayerOrder, and 0 on other opcodes); the id array (LayoutIds with ExtentOf(d)) outside the arena (OUT_OF_RANGE); an id of component c
 // not below what c registered (OUT_OF_RANGE, naming the component); boundaries not strictly increasing in 1..count
 // (INVALID_ARGUMENT). A full-attention session's Store carries state_count and window_keys 0.
 // Layout 6: a Load's launch_deadline_ns (the word of keys_offset) above INT64_MAX (INVALID_ARGUMENT, checked right

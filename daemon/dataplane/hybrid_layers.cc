@@ -53,6 +53,9 @@ std::vector<CopyRequest> HybridLayerCopies(const Geometry& g, std::vector<std::o
       copy.layer_done = report(index_of[step.component]);
       copies.push_back(std::move(copy));
     }
+    // Only the load's last copy closes the chain: a rank's components share its GPU, so one chain per device. Where
+    // they do not (or the last job is refused before it reaches a worker), a worker left with a more_follow job waits
+    // for it after a short pause (CopyWorker: 2 ms) - later, never wrong.
     if (!copies.empty()) copies.back().layers.more_follow = false;
   } else {
     for (size_t c = 0; c < components.size(); ++c) {

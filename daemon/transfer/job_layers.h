@@ -12,7 +12,9 @@ struct JobLayers {
   // Loads recording layer events: the event index of layer `begin` (layer l records event first_event + l - begin).
   uint32_t first_event = 0;
   // Loads recording layer events: more jobs of the same load follow on the same device, so the backend may go on
-  // to them without waiting for this job's copies - it still runs this job's `done` only once they completed.
+  // to them without waiting for this job's copies - it still runs this job's `done` only once they completed (the
+  // CUDA worker: at the next job that waits, or after 2 ms without a next job). Jobs reporting progress (on_layer)
+  // wait for each layer anyway and ignore it.
   bool more_follow = false;
 
   bool whole() const { return end == 0; }

@@ -13,12 +13,14 @@ import time
 import types
 from types import SimpleNamespace as NS_
 
+import numpy as np
 import pytest
 
 import flexkvd
 from conftest import settled_status
 from flexkvd.integrations._vllm_events import KvEventRelay, key_bytes
 from flexkvd.integrations._vllm_groups import map_kv_cache_groups
+from flexkvd.integrations._vllm_layerwise import layer_order_names
 from test_vllm_adapter import _StandInBase
 from vllm_harness import BS, GPT_OSS_GROUPS, HostKvEngine, prompt
 
@@ -245,6 +247,13 @@ def test_the_default_layer_wise_mode_loads_every_group_in_the_step_that_computes
     assert sched._config.layerwise and sched._config.geometry.is_hybrid
     worker._worker.create_host_kv(32)
     engine = HostKvEngine(worker._worker, 32)
+    # What the adapter registers with GPU KV (register_kv_caches): each group's layer names at their index in the
+    # geometry's layer order - full 0, window 0, full 1, window 1; vLLM's group 0 is the window.
+    mapping = map_kv_cache_groups(adapter.describe_vllm_groups(GPT_OSS_CONFIG), block_size=BS, tp_size=1)
+    names = [mapping.component_layers(c) for c in range(mapping.geometry.component_count)]
+    worker._worker.register_layer_names(layer_order_names(mapping.geometry, names))
+    assert worker._worker.layer_names == {"model.layers.2.attn": 0, "model.layers.0.attn": 1,
+                                          "model.layers.3.attn": 2, "model.layers.1.attn": 3}
     try:
         tokens = prompt(52, 5 * BS + 3)
         keys = flexkvd.block_keys(sched._config.namespace, tokens, BS)
@@ -267,8 +276,12 @@ def test_the_default_layer_wise_mode_loads_every_group_in_the_step_that_computes
         worker.bind_connector_metadata(sched.build_connector_meta(NS_(preempted_req_ids=set())))
         worker.start_load_kv(None)
         for name in ("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn", "model.layers.3.attn"):
-            worker.wait_for_layer_load(name)
-        assert engine.holds(keys[2:5], [15, 16, 17], 0) and engine.holds(keys[2:5], [21, 22, 23], 1)
+            worker.wait_for_layer_load(name)  # the model's order: window 0, window 1, full 0, full 1
+            layer = int(name.split(".")[2])
+            component, j = (1, layer) if layer < 2 else (0, layer - 2)
+            blocks = [15, 16, 17] if component == 0 else [21, 22, 23]
+            for key, block in zip(keys[2:5], blocks):
+                assert np.array_equal(engine.kv_of(component)[j, :, block, :], engine.content(key, component)[j])
         assert worker.get_finished(set()) == (None, None) and worker.get_block_ids_with_load_errors() == set()
         g = sched._config.geometry
         assert worker._worker.stats.loaded_bytes == 3 * g.component(0).host_block_bytes + \

@@ -140,6 +140,30 @@ def test_a_layer_wise_load_that_fails_reports_its_blocks_in_the_same_step(daemon
     assert b.worker.stats.load_failed_blocks == 6
 
 
+def test_a_layer_whose_wait_failed_fails_its_load_even_when_the_copy_ends_ok(daemon, sides, monkeypatch):
+    """wait_for_layer_load gave up on a layer (timed out): the forward may have read it before it landed, so the load
+    is reported failed in its step (vLLM recomputes the tokens) although the daemon's copy ended OK."""
+    p = prompt(10, 5 * BS + 1)
+    store(sides(), "a", p, list(range(5)))
+    b = sides(load_mode="layerwise")
+    hit, _ = b.scheduler.get_num_new_matched_tokens("b", p, 0)
+    ids = list(range(40, 45))
+    b.scheduler.update_state_after_alloc("b", ids, hit)
+    b.worker.start(b.scheduler.build_connector_meta())
+
+    def timed_out(self, layers, timeout=None):
+        raise flexkvd.DeadlineExceeded(f"wait_layers({layers}) timed out (test)")
+
+    monkeypatch.setattr(flexkvd.Ticket, "wait_layers", timed_out)
+    b.worker.wait_layer(NAMES[0])
+    monkeypatch.undo()
+    for name in NAMES[1:]:
+        b.worker.wait_layer(name)
+    assert b.worker.get_finished(set()) == (None, None)
+    assert b.worker.take_load_errors() == set(ids)
+    assert b.worker.stats.load_failed_blocks == 5 and b.worker.stats.loaded_blocks == 0
+
+
 def test_a_layer_wise_load_of_blocks_evicted_since_the_lookup_reports_them(daemon, sides):
     p = prompt(10, 5 * BS)
     store(sides(), "a", p, list(range(5)))

@@ -342,7 +342,8 @@ class Client {
   // was copied") with its pins released, as any failed load. So a client that gives up on a load at its deadline
   // (WaitLaunched or Wait timed out there) may hand the target blocks to someone else: whatever started before the
   // deadline finishes promptly (Wait for it), nothing starts after it. Only a load of several copies (TP ranks,
-  // hybrid components) that straddled the deadline ends DEADLINE_EXCEEDED with its blocks partly written. 0: no
+  // hybrid components, each layer of a hybrid layer-wise load) that straddled the deadline ends DEADLINE_EXCEEDED
+  // with its blocks partly written. 0: no
   // deadline. INVALID_ARGUMENT for a negative one; FAILED_PRECONDITION, nothing sent, for a flexkvd of layout 4 or 5
   // (it would ignore the deadline).
   Result<Ticket> Load(uint64_t match_handle, std::span<const uint32_t> dst_block_ids, bool layerwise = false,
@@ -370,8 +371,8 @@ class Client {
   // and destroy the engine's events only after every load naming it has ended (Wait), in that order - CUDA leaves
   // a recording into an event whose exporter destroyed it undefined.
   // Registers one set: `ranks` has every TP rank of the geometry once, each with one handle per layer. Returns the
-  // set's id (never 0). INVALID_ARGUMENT naming the rank and count when they do not fit the geometry (or it is
-  // hybrid); FAILED_PRECONDITION when the daemon has no CUDA backend; RESOURCE_EXHAUSTED beyond 16 sets a session.
+  // set's id (never 0). INVALID_ARGUMENT naming the rank and count when they do not fit the geometry;
+  // FAILED_PRECONDITION when the daemon has no CUDA backend; RESOURCE_EXHAUSTED beyond 16 sets a session.
   // A hybrid geometry's set has total_layers() events per rank, event i for entry i of Geometry::LayerOrder.
   Result<uint32_t> RegisterLayerEvents(std::span<const LayerEventHandles> ranks);
   // Forgets a set (the daemon closes its events once no load records them). NOT_FOUND for an unknown id.

@@ -38,8 +38,8 @@ class CopyWorker {
     std::function<void()> on_launched;
     // Loads with a launch deadline (null: none): Run asks it before anything of the job is enqueued on the device.
     std::shared_ptr<LaunchDeadline> launch_deadline;
-    // Loads with on_layer or events: the layers copied (default all); more_follow: Run returns once this job is
-    // enqueued, its `done` waits in deferred_ until a later wait on the stream covered it.
+    // Loads with on_layer or events: the layers copied (default all). more_follow (loads with events only): Run
+    // returns once this job is enqueued, its `done` waits in deferred_ until a later wait on the stream covered it.
     JobLayers layers;
   };
 

@@ -44,6 +44,9 @@ class _LayerLoad:
     usable: int   # blocks of the match loaded (<= len(spec.block_ids))
     first: int    # the first block copied
     events: Any   # the LayerEventSet it records, None for layer progress
+    # False once a wait for one of its layers failed (timed out): the forward may have read a layer that had not
+    # landed, so the load is reported failed (recomputed) even if it ends OK.
+    waits_ok: bool = True
 
 
 class LayerwiseMixin:
@@ -140,7 +143,8 @@ class LayerwiseMixin:
                 load.events.wait(states - 1, self.layer_stream())
             else:
                 load.ticket.wait_layers(states, timeout=self.config.op_timeout_s)
-        except flexkvd.Error as err:  # the load is judged when it ends (_end_layer_loads): errors reported
+        except flexkvd.Error as err:  # judged when it ends (_end_layer_loads): failed, its blocks recomputed
+            load.waits_ok = False
             log.debug("the states of a flexkvd load: %s", err)
 
     def _load(self, client: flexkvd.Client, handle: int, ids: List[int], first: int, deadline: float,
@@ -173,7 +177,8 @@ class LayerwiseMixin:
                     load.events.wait(layer, stream)
                 else:
                     load.ticket.wait_layers(layer + 1, timeout=self.config.op_timeout_s)
-            except flexkvd.Error as err:  # the load is judged when it ends (_end_layer_loads): errors reported
+            except flexkvd.Error as err:  # judged when it ends (_end_layer_loads): failed, its blocks recomputed
+                load.waits_ok = False
                 log.debug("layer %d of a flexkvd load: %s", layer, err)
 
     def _end_layer_loads(self) -> None:
@@ -190,7 +195,8 @@ class LayerwiseMixin:
                 self._error(err)
                 self._end_layer_load(load, ok=False)
                 continue
-            self._end_layer_load(load, ok=r.done_blocks >= load.usable - load.first, moved_bytes=r.bytes)
+            self._end_layer_load(load, ok=load.waits_ok and r.done_blocks >= load.usable - load.first,
+                                 moved_bytes=r.bytes)
         self._retire_late()
 
     def _give_up(self, load: _LayerLoad) -> None:
@@ -227,7 +233,7 @@ class LayerwiseMixin:
             failed = _ids(spec)[max(spec.first_block, usable):]
         self.stats.loaded_blocks += loaded
         self.stats.loaded_bytes += (moved_bytes or loaded * self.config.geometry.host_block_bytes) if loaded else 0
-        self.stats.load_failed_blocks += len(failed)
+        self.stats.load_failed_blocks += max(0, spec.end - max(spec.first_block, usable))  # positions, as whole loads
         self._load_errors.update(failed)
         self._give_back_set(load.events)  # (None for a load given up on: its set stays with it)
         if load.handle and self.link.attached:

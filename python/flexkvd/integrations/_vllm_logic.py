@@ -103,8 +103,9 @@ class ConnectorConfig:
     def layerwise(self) -> bool:
         """Whether loads run layer by layer: load_mode "layerwise" and TP 1 (the layer events of a set the Python
         client registers are one rank's). A hybrid model's layers go in geometry.layer_order(), every KV cache
-        group's together."""
-        return self.load_mode == "layerwise" and self.geometry.tp_size == 1
+        group's together; that needs a libflexkv with hybrid layer-wise loads (else its loads are whole)."""
+        return self.load_mode == "layerwise" and self.geometry.tp_size == 1 and \
+            (not self.geometry.is_hybrid or flexkvd._lib.has_hybrid_layerwise)  # noqa: SLF001
 
     EXTRA_KEYS = ("socket", "namespace", "namespace_extra", "op_timeout_s", "connect_timeout_s",
                   "backoff_initial_s", "backoff_max_s", "name", "load_mode", "cross_layer_blocks", "kv_events")

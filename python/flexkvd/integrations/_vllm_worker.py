@@ -134,6 +134,7 @@ class WorkerLogic(LayerwiseMixin):
         self._sent: Set[str] = set()  # stores that ended, reported once vLLM named the request finished
         self._finished_seen: Set[str] = set()
         self._load_errors: Set[int] = set()
+        self._hybrid_layerwise_refused = False  # logged once (_error)
         self._init_layerwise()
 
     # ---- registration ----
@@ -490,6 +491,13 @@ class WorkerLogic(LayerwiseMixin):
     def _error(self, err: flexkvd.Error) -> None:
         if session_lost(err):
             self._lose(err)
+        elif isinstance(err, flexkvd.InvalidArgument) and "hybrid" in str(err) and \
+                ("layer-wise" in str(err) or "layer events" in str(err)):
+            if not self._hybrid_layerwise_refused:  # a daemon older than the connector: said once, loudly
+                self._hybrid_layerwise_refused = True
+                log.error("flexkvd refuses layer-wise loads of this hybrid model (%s): it predates them, so every "
+                          "hit is computed again; upgrade flexkvd to the connector's release, or set load_mode "
+                          "'whole' in kv_connector_extra_config", err)
         else:
             log.debug("flexkvd request failed: %s", err)
 

@@ -229,7 +229,7 @@ def _build() -> Dict[str, Any]:
         @classmethod
         def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
             """Layer-wise loads need wait_for_layer_load to run (a full CUDA graph skips it). Asked before the
-            model is known: an engine that loads whole anyway (TP > 1, several KV cache groups) keeps full CUDA
+            model is known: an engine that loads whole anyway (TP > 1) keeps full CUDA
             graphs with load_mode "whole"."""
             return (extra_config or {}).get("load_mode", ADAPTER_LOAD_MODE) == "layerwise"
 

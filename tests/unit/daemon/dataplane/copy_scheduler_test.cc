@@ -141,6 +141,53 @@ TEST_CASE("copy scheduler: without layer-wise copies every layer is reported whe
   CHECK(out.done_calls == 1);
 }
 
+TEST_CASE("copy scheduler: a copy of a layer range goes to the jobs and reports only its layers", "[unit][dataplane]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler;
+  // A backend that records layer events but reports no layers itself: the range's layers are reported at the end.
+  flexkv::EngineMemoryCapabilities caps = Caps({MemoryKind::kCudaIpc});
+  caps.layer_events = true;
+  FakeEngineMemory backend("fake", caps);
+  Outcome out;
+  CopyRequest r = Request(&f.tier, &backend, 2, CopyDirection::kFromPool, &out);
+  r.layers = flexkv::JobLayers{1, 2, 7, /*more_follow=*/true};
+  r.layer_done = [&out](uint32_t layer) { out.layers.push_back(layer); };
+  scheduler.Submit(std::move(r));
+  REQUIRE(backend.jobs.size() == 2);
+  for (const auto& job : backend.jobs) {
+    CHECK(job.layers.begin == 1);
+    CHECK(job.layers.end == 2);
+    CHECK(job.layers.first_event == 7);
+    CHECK(job.layers.more_follow);
+  }
+  backend.Finish(0, Status::Ok(), 1);
+  backend.Finish(1, Status::Ok(), 1);
+  CHECK(out.layers == std::vector<uint32_t>{1});
+  CHECK(out.status.ok());
+}
+
+TEST_CASE("copy scheduler: a layer range is refused where the backend copies whole jobs, or outside the layers",
+          "[unit][dataplane]") {
+  Fixture f;
+  flexkv::CopyScheduler scheduler;
+  FakeEngineMemory whole("fake", Caps({MemoryKind::kHostMemfd}));
+  Outcome out;
+  CopyRequest r = Request(&f.tier, &whole, 1, CopyDirection::kFromPool, &out);
+  r.layers = flexkv::JobLayers{0, 1};
+  scheduler.Submit(std::move(r));
+  CHECK(whole.jobs.empty());
+  CHECK(out.status.code() == StatusCode::kInternal);
+  CHECK(out.status.message().find("copies whole jobs only") != std::string::npos);
+  FakeEngineMemory layered("fake", Caps({MemoryKind::kCudaIpc}, /*layerwise=*/true));
+  Outcome beyond;
+  CopyRequest past = Request(&f.tier, &layered, 1, CopyDirection::kFromPool, &beyond);
+  past.layers = flexkv::JobLayers{1, 3};  // the copy has 2 layers
+  scheduler.Submit(std::move(past));
+  CHECK(layered.jobs.empty());
+  CHECK(beyond.status.code() == StatusCode::kInternal);
+  CHECK(beyond.status.message().find("layers [1, 3) of a copy of 2 layers") != std::string::npos);
+}
+
 TEST_CASE("copy scheduler: a failed copy reports no emulated layers", "[unit][dataplane]") {
   Fixture f;
   flexkv::CopyScheduler scheduler;
