@@ -41,11 +41,12 @@ void CheckAcceptedHybrid(const SubmitDescriptor& d, std::span<const uint8_t> are
                          const flexkv::DescriptorLimits& limits, const flexkv::DescriptorPayload& p) {
   const flexkv::Geometry& g = *limits.geometry;
   const auto op = static_cast<RingOp>(d.opcode);
-  // The word at 56 is a Store's state_count or a Load's first_block; the word at 60 a Store's window_keys.
+  // The word at 56 is a Store's state_count or a Load's first_block; the word at 60 a Store's window_keys or a
+  // Load's event set (then never with the layer-wise flag: one completion kind).
   Require(d.state_count == 0 || op == RingOp::kStore || op == RingOp::kLoad);
-  Require(d.window_keys == 0 || op == RingOp::kStore);
+  Require(d.window_keys == 0 || op == RingOp::kStore ||
+          (op == RingOp::kLoad && (d.flags & flexkv::kLoadFlagLayerwise) == 0));
   if (op == RingOp::kRelease || op == RingOp::kMatch || op == RingOp::kPrefetch) return;
-  Require(op != RingOp::kLoad || (d.flags & flexkv::kLoadFlagLayerwise) == 0);
   const bool store = op == RingOp::kStore;
   Require(d.state_count <= d.count);  // a Load's first_block too: at most its prefix end
   if (store && d.window_keys != 0) {
@@ -76,8 +77,7 @@ void CheckAccepted(const SubmitDescriptor& d, std::span<const uint8_t> arena, co
   // A full-attention session: the word at 56 only as a Load's first_block (below count), nothing at 60 but a
   // Load's event set.
   if (!hybrid) Require(d.state_count == 0 || (op == RingOp::kLoad && d.first_block < d.count));
-  Require(d.event_set == 0 || (op == RingOp::kLoad && (d.flags & 1) == 0 && !hybrid) ||
-          (op == RingOp::kStore && hybrid));
+  Require(d.event_set == 0 || (op == RingOp::kLoad && (d.flags & 1) == 0) || (op == RingOp::kStore && hybrid));
   Require(op != RingOp::kPrefetch || d.match_handle == 0);
   Require(op == RingOp::kStore || d.parent == flexkv::BlockKey{});
   // Layout 6: a Load's launch deadline fits the daemon's int64 clock.
