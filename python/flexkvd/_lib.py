@@ -254,6 +254,18 @@ if has_status_routing:
                                               POINTER(c_size_t)]
 
 
+def _bind_optional(prototypes: dict) -> bool:
+    """Functions added without an ABI bump: sets their prototypes when the library has every one of them (then
+    True); an older library lacks them and the package still loads (the callers raise Unimplemented)."""
+    if not all(hasattr(lib, name) for name in prototypes):
+        return False
+    for name, (restype, argtypes) in prototypes.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return True
+
+
 # Loads past the engine's own prefix and stores of more window blocks (ring layout 5): added without an ABI bump, so a
 # library without them still loads the package; load(first_block > 0) and store(window_keys > 0) then raise
 # Unimplemented.
@@ -266,7 +278,7 @@ _PARTIAL_PROTOTYPES = {
                                                 POINTER(POINTER(c_uint32)), POINTER(c_size_t), c_size_t,
                                                 POINTER(c_uint32), c_size_t, c_uint32, POINTER(TicketStruct)]),
 }
-has_partial_loads = all(hasattr(lib, name) for name in _PARTIAL_PROTOTYPES)
+has_partial_loads = _bind_optional(_PARTIAL_PROTOTYPES)
 
 # Loads with a launch deadline (ring layout 6): added without an ABI bump, so a library without them still loads the
 # package; load(launch_deadline=...) then raises Unimplemented.
@@ -276,17 +288,7 @@ _DEADLINE_PROTOTYPES = {
     "flexkv_load_components_by": (c_int, [client_p, c_uint64, c_uint32, POINTER(POINTER(c_uint32)),
                                           POINTER(c_size_t), c_size_t, c_int64, POINTER(TicketStruct)]),
 }
-has_launch_deadlines = all(hasattr(lib, name) for name in _DEADLINE_PROTOTYPES)
-if has_launch_deadlines:
-    for _name, (_restype, _argtypes) in _DEADLINE_PROTOTYPES.items():
-        _fn = getattr(lib, _name)
-        _fn.restype = _restype
-        _fn.argtypes = _argtypes
-if has_partial_loads:
-    for _name, (_restype, _argtypes) in _PARTIAL_PROTOTYPES.items():
-        _fn = getattr(lib, _name)
-        _fn.restype = _restype
-        _fn.argtypes = _argtypes
+has_launch_deadlines = _bind_optional(_DEADLINE_PROTOTYPES)
 
 
 # Layer-wise loads of hybrid geometries: added without an ABI bump (an older library lacks them; a layer-wise hybrid
@@ -298,12 +300,7 @@ _HYBRID_LAYERWISE_PROTOTYPES = {
     "flexkv_layer_order": (c_int, [POINTER(GeometryStruct), POINTER(c_uint32), POINTER(c_uint32), c_size_t,
                                    POINTER(c_size_t)]),
 }
-has_hybrid_layerwise = all(hasattr(lib, name) for name in _HYBRID_LAYERWISE_PROTOTYPES)
-if has_hybrid_layerwise:
-    for _name, (_restype, _argtypes) in _HYBRID_LAYERWISE_PROTOTYPES.items():
-        _fn = getattr(lib, _name)
-        _fn.restype = _restype
-        _fn.argtypes = _argtypes
+has_hybrid_layerwise = _bind_optional(_HYBRID_LAYERWISE_PROTOTYPES)
 
 # flexkv_namespace_hash: added without an ABI bump (an older library lacks it; namespace_hash then raises).
 has_namespace_hash = hasattr(lib, "flexkv_namespace_hash")

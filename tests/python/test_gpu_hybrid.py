@@ -21,17 +21,19 @@ GEOMETRY = flexkvd.Geometry(tokens_per_block=16, num_layers=2, kv_planes=2, kv_h
 BLOCKS = 16
 
 
-def register(client: flexkvd.Client, fill: bool):
-    """Per component, LAYER_FIRST: one [planes][blocks][chunk] uint8 tensor per layer of its copy geometry."""
+def register(client: flexkvd.Client, fill: bool, geometry: flexkvd.Geometry = GEOMETRY, blocks=None):
+    """Per component, LAYER_FIRST: one [planes][blocks][chunk] uint8 tensor per layer of its copy geometry;
+    blocks[i]: component i's block count (default BLOCKS each)."""
     kv = []
-    for i in range(GEOMETRY.component_count):
-        g = GEOMETRY.component(i)
-        layers = [torch.zeros((g.kv_planes, BLOCKS, g.chunk_bytes_per_rank), dtype=torch.uint8, device="cuda")
+    for i in range(geometry.component_count):
+        g = geometry.component(i)
+        n = BLOCKS if blocks is None else blocks[i]
+        layers = [torch.zeros((g.kv_planes, n, g.chunk_bytes_per_rank), dtype=torch.uint8, device="cuda")
                   for _ in range(g.num_layers)]
         if fill:
             for t in layers:
                 t.random_(0, 256)
-        client.register_gpu_kv(layers, flexkvd.Layout.LAYER_FIRST, BLOCKS, component=i)
+        client.register_gpu_kv(layers, flexkvd.Layout.LAYER_FIRST, n, component=i)
         kv.append(layers)
     torch.cuda.synchronize()
     return kv
@@ -72,23 +74,7 @@ def test_a_hybrid_prefix_round_trips_through_gpu_buffers(make_daemon):
 BIG = flexkvd.Geometry(tokens_per_block=16, num_layers=8, kv_planes=2, kv_heads_per_rank=8, head_dim=128,
                       components=[flexkvd.ComponentSpec.sliding_window(8, 8, 128, 64),
                                   flexkvd.ComponentSpec.state(4, 1 << 20)])
-BIG_BLOCKS = 160
-
-
-def register_big(client: flexkvd.Client, fill: bool):
-    kv = []
-    for i in range(BIG.component_count):
-        g = BIG.component(i)
-        blocks = BIG_BLOCKS if i < 2 else 4
-        layers = [torch.zeros((g.kv_planes, blocks, g.chunk_bytes_per_rank), dtype=torch.uint8, device="cuda")
-                  for _ in range(g.num_layers)]
-        if fill:
-            for t in layers:
-                t.random_(0, 256)
-        client.register_gpu_kv(layers, flexkvd.Layout.LAYER_FIRST, blocks, component=i)
-        kv.append(layers)
-    torch.cuda.synchronize()
-    return kv
+BIG_BLOCKS = [160, 160, 4]  # full, window, state slots
 
 
 def test_hybrid_layer_wise_loads_land_each_layer_by_its_event_and_its_progress(make_daemon):
@@ -105,8 +91,8 @@ def test_hybrid_layer_wise_loads_land_each_layer_by_its_event_and_its_progress(m
     with flexkvd.connect(d.socket) as a, flexkvd.connect(d.socket) as b:
         a.attach("gpu-a", NAMESPACE, BIG)
         b.attach("gpu-b", NAMESPACE, BIG)
-        kv_a = register_big(a, fill=True)
-        kv_b = register_big(b, fill=False)
+        kv_a = register(a, True, BIG, BIG_BLOCKS)
+        kv_b = register(b, False, BIG, BIG_BLOCKS)
         assert a.store(keys, [list(range(n)), [0, 1, 2, 3], [1]], state_boundaries=[n]).wait().done_blocks == n
         want = {0: list(range(n)), 1: [0, 1, 2, 3], 2: [1]}
         hit = b.match(keys, pin=True).wait()
