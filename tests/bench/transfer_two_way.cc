@@ -39,6 +39,7 @@ struct TwoWayOptions {
   int warmup = 1;
   uint32_t staging_mib = 64;        // the daemon's --copy-staging-mib default: 2 buffers of 32 MiB
   uint32_t large_staging_mib = 192;  // a second ring, 3 buffers
+  uint32_t slot_run = 16;  // the slot-run rows: the map in shuffled runs of this many consecutive slots (1: none)
   bool ncu_kernels = false;  // one launch of each kernel and stop (for a profiler)
   bool json = false;
 };
@@ -168,6 +169,18 @@ class Study {
     std::mt19937_64 rng(20261204 + chunk_kib);
     std::shuffle(perm_.begin(), perm_.end(), rng);
     CK(cudaMemcpy(perm_dev_, perm_.data(), blocks_ * sizeof(uint32_t), cudaMemcpyHostToDevice));
+    // The slot-run map: runs of o_.slot_run consecutive slots in random order, and its marks (kv_copy.h slot runs:
+    // the whole pool is one registration).
+    std::vector<std::vector<uint32_t>> runs;
+    for (uint32_t s = 0; s < blocks_; s += o_.slot_run) {
+      runs.emplace_back(std::min(o_.slot_run, blocks_ - s));
+      std::iota(runs.back().begin(), runs.back().end(), s);
+    }
+    std::shuffle(runs.begin(), runs.end(), rng);
+    runs_.clear();
+    for (const auto& run : runs) runs_.insert(runs_.end(), run.begin(), run.end());
+    follows_.assign(blocks_, 0);
+    for (uint32_t i = 1; i < blocks_; ++i) follows_[i] = runs_[i] == runs_[i - 1] + 1;
   }
 
   kv::GpuKvView View() const {
@@ -283,11 +296,13 @@ class Study {
 
   // Staged copies of pairs [b, e) (GPU block i <-> slot perm[i]) by the daemon's StagedCopy (kv_copy.h): stores on
   // k1 through store_ring, loads on k2 through load_ring (each ring's copy stream joined back into them).
+  // On the slot-run map instead (`runs`): with its marks when `merged`.
   void Staged(const HostRegion& pool, bool to_host, uint32_t b, uint32_t e, bool large = false,
-              unsigned flags = cudaMemcpyFlagDefault) {
+              unsigned flags = cudaMemcpyFlagDefault, bool runs = false, bool merged = false) {
     kv::StagingRing& ring = to_host ? (large ? *store_large_ : *store_ring_) : (large ? *load_large_ : *load_ring_);
-    CK(kv::StagedCopy(View(), PoolView(pool), iota_dev_ + b, perm_.data() + b, e - b, to_host, ring, to_host ? k1_ : k2_,
-                      nullptr, flags));
+    const std::vector<uint32_t>& map = runs ? runs_ : perm_;
+    CK(kv::StagedCopy(View(), PoolView(pool), iota_dev_ + b, map.data() + b, e - b, to_host, ring, to_host ? k1_ : k2_,
+                      nullptr, flags, runs && merged ? follows_.data() + b : nullptr));
   }
 
   // ---- correctness of what the timed variants read and write ----------------------------------------------
@@ -301,15 +316,16 @@ class Study {
       CK(cudaMemcpy(layers_[l], pool_->base() + l * layer_bytes_, layer_bytes_, cudaMemcpyHostToDevice));
     CK(cudaDeviceSynchronize());
   }
-  // Every pool slot perm[i] holds GPU block i's chunks in [layer][plane] order.
-  uint64_t WrongPoolWords(uint64_t seed) const {
+  // Every pool slot map[i] (perm_ unless given) holds GPU block i's chunks in [layer][plane] order.
+  uint64_t WrongPoolWords(uint64_t seed, const std::vector<uint32_t>* map = nullptr) const {
+    const std::vector<uint32_t>& slots = map != nullptr ? *map : perm_;
     const uint64_t* words = reinterpret_cast<const uint64_t*>(pool_->base());
     const uint64_t cw = chunk_ / 8;
     std::atomic<uint64_t> bad{0};
     ParallelFor(blocks_, [&](uint64_t b, uint64_t e) {
       uint64_t wrong = 0;
       for (uint64_t i = b; i < e; ++i) {
-        const uint64_t* slot = words + perm_[i] * (block_bytes_ / 8);
+        const uint64_t* slot = words + slots[i] * (block_bytes_ / 8);
         for (uint32_t l = 0; l < o_.layers; ++l)
           for (uint32_t p = 0; p < 2; ++p) {
             const uint64_t* got = slot + (l * 2ull + p) * cw;
@@ -464,6 +480,31 @@ class Study {
     Sync();
     if (uint64_t bad = WrongPoolWords(seed) + WrongGpuWords(seed))
       Die(fmt::format("after the timed copies: {} words wrong at {} KiB", bad, chunk_kib));
+    if (o_.slot_run > 1) {
+      // Slot runs (an allocator handing out consecutive slots): the same staged copies on a map of shuffled runs,
+      // each slot its own copy, then runs merged into one copy by the marks; checked byte for byte first and after.
+      PoisonPool();
+      Staged(*pool_, true, 0, n, false, cudaMemcpyFlagDefault, true, true);
+      Sync();
+      if (uint64_t bad = WrongPoolWords(seed, &runs_)) Die(fmt::format("slot-run store: {} pool words wrong", bad));
+      PoisonGpu();
+      Staged(*pool_, false, 0, n, false, cudaMemcpyFlagDefault, true, true);
+      Sync();
+      if (uint64_t bad = WrongGpuWords(seed)) Die(fmt::format("slot-run load: {} GPU words wrong", bad));
+      for (bool merged : {false, true}) {
+        const std::string name = fmt::format("staged, runs of {} slots{}", o_.slot_run, merged ? " merged" : "");
+        const unsigned f = cudaMemcpyFlagDefault;
+        add(Time(name, "store", bytes, cs, [&] { Staged(*pool_, true, 0, n, false, f, true, merged); }));
+        add(Time(name, "load", bytes, cl, [&] { Staged(*pool_, false, 0, n, false, f, true, merged); }));
+        add(Time(name, "both", bytes, cb, [&] {
+          Staged(*pool_, true, 0, h, false, f, true, merged);
+          Staged(*pool_, false, h, n, false, f, true, merged);
+        }));
+      }
+      Sync();
+      if (uint64_t bad = WrongPoolWords(seed, &runs_) + WrongGpuWords(seed))
+        Die(fmt::format("after the slot-run copies: {} words wrong at {} KiB", bad, chunk_kib));
+    }
     add(Time("ceiling again", "store", bytes, cs, [&] { Contiguous(true, false, pool); }));
     add(Time("ceiling again", "load", bytes, cl, [&] { Contiguous(false, true, pool); }));
     add(Time("ceiling again", "both", bytes, cb, [&] { Contiguous(true, true, pool); }));
@@ -496,6 +537,8 @@ class Study {
   uint32_t* iota_dev_ = nullptr;
   uint32_t* perm_dev_ = nullptr;
   std::vector<uint32_t> perm_;
+  std::vector<uint32_t> runs_;   // the slot-run map
+  std::vector<uint8_t> follows_;  // its marks
 };
 
 }  // namespace
@@ -512,6 +555,8 @@ int RunTwoWayStudy(int argc, char** argv) {
   app.add_option("--iters", o.iters)->check(CLI::Range(1, 1000));
   app.add_option("--warmup", o.warmup)->check(CLI::Range(0, 1000));
   app.add_option("--staging-mib", o.staging_mib, "Staged: the first ring's bytes (2 buffers)")->check(CLI::Range(1u, 65536u));
+  app.add_option("--slot-run", o.slot_run, "Slot-run rows: runs of this many consecutive slots (1: no such rows)")
+      ->check(CLI::Range(1u, 4096u));
   app.add_option("--large-staging-mib", o.large_staging_mib, "Staged: the second ring's bytes (3 buffers)")
       ->check(CLI::Range(1u, 65536u));
   app.add_flag("--ncu-kernels", o.ncu_kernels, "One launch of each kernel, then exit (run under ncu)");

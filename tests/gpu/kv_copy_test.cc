@@ -264,7 +264,8 @@ std::unique_ptr<kv::StagingRing> SmallRing(const kv::GpuKvView& view) {
 
 // A staged copy on `stream` (its own stream when null: StagedCopy needs one), waited for.
 void Staged(GpuKv& gpu, const Pool& pool, const std::vector<uint32_t>& blocks, const std::vector<uint32_t>& slots,
-            bool to_host, uint64_t* sums, cudaStream_t stream, uint32_t shards = 1, uint32_t rank = 0) {
+            bool to_host, uint64_t* sums, cudaStream_t stream, uint32_t shards = 1, uint32_t rank = 0,
+            const uint8_t* follows = nullptr) {
   cudaStream_t own = nullptr;
   if (stream == nullptr) {
     CUDA_OK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
@@ -273,7 +274,7 @@ void Staged(GpuKv& gpu, const Pool& pool, const std::vector<uint32_t>& blocks, c
   auto ring = SmallRing(gpu.View());
   DevicePairs dp(blocks, slots, false);
   CUDA_OK(kv::StagedCopy(gpu.View(), pool.View(shards, rank), dp.Pairs(1, 0, 1).gpu_blocks, slots.data(),
-                         static_cast<uint32_t>(blocks.size()), to_host, *ring, stream, sums));
+                         static_cast<uint32_t>(blocks.size()), to_host, *ring, stream, sums, 0, follows));
   CUDA_OK(cudaStreamSynchronize(stream));
   CUDA_OK(cudaGetLastError());
   if (own != nullptr) CUDA_OK(cudaStreamDestroy(own));
@@ -281,14 +282,15 @@ void Staged(GpuKv& gpu, const Pool& pool, const std::vector<uint32_t>& blocks, c
 
 void Store(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t rank, const std::vector<uint32_t>& blocks,
            const std::vector<uint32_t>& slots, uint32_t lb, uint32_t le, const kv::LaunchShape& shape, bool pinned_pairs,
-           cudaStream_t stream) {
+           cudaStream_t stream,
+           const uint8_t* follows = nullptr) {
   const uint32_t n = static_cast<uint32_t>(blocks.size());
   if (path == Path::kStaged) {
     REQUIRE((lb == 0 && le == gpu.View().num_layers));
-    Staged(gpu, pool, blocks, slots, true, nullptr, stream, shards, rank);
+    Staged(gpu, pool, blocks, slots, true, nullptr, stream, shards, rank, follows);
   } else if (path == Path::kCopyEngine) {
     CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
-                                le, true, stream));
+                                le, true, stream, follows));
   } else {
     DevicePairs dp(blocks, slots, pinned_pairs);
     if (shape.ctas == 0 && shape.threads == 0)
@@ -303,14 +305,15 @@ void Store(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t ra
 
 void Load(Path path, GpuKv& gpu, const Pool& pool, uint32_t shards, uint32_t rank, const std::vector<uint32_t>& blocks,
           const std::vector<uint32_t>& slots, uint32_t lb, uint32_t le, const kv::LaunchShape& shape, bool pinned_pairs,
-          cudaStream_t stream) {
+          cudaStream_t stream,
+          const uint8_t* follows = nullptr) {
   const uint32_t n = static_cast<uint32_t>(blocks.size());
   if (path == Path::kStaged) {
     REQUIRE((lb == 0 && le == gpu.View().num_layers));
-    Staged(gpu, pool, blocks, slots, false, nullptr, stream, shards, rank);
+    Staged(gpu, pool, blocks, slots, false, nullptr, stream, shards, rank, follows);
   } else if (path == Path::kCopyEngine) {
     CUDA_OK(kv::CopyEngineBatch(gpu.HostBases(), gpu.View(), pool.View(shards, rank), blocks.data(), slots.data(), n, lb,
-                                le, false, stream));
+                                le, false, stream, follows));
   } else {
     DevicePairs dp(blocks, slots, pinned_pairs);
     if (shape.ctas == 0 && shape.threads == 0)
@@ -344,6 +347,9 @@ struct Case {
   kv::LaunchShape shape{};
   bool pinned_pairs = false;
   bool sequential = false;  // blocks i..i+count -> slots j..j+count (copy-engine merges)
+  // Slots in runs of consecutive slots (shuffled runs of 1..8), blocks in a row, and the slot-run marks (kv_copy.h)
+  // handed to the copies - with one wrong mark (a jump marked as following) and one missing.
+  bool slot_runs = false;
   cudaStream_t stream = nullptr;
 };
 
@@ -351,7 +357,8 @@ struct Case {
 // check every GPU byte.
 void RoundTrip(const Case& c) {
   CAPTURE(Name(c.layout), c.layers, c.planes, c.chunk, c.count, c.lb, c.le, static_cast<int>(c.path), c.shape.ctas,
-          c.shape.threads, c.shape.unroll, c.shape.warps_per_chunk, c.pinned_pairs, c.sequential);
+          c.shape.threads, c.shape.unroll, c.shape.warps_per_chunk, c.pinned_pairs, c.sequential, c.slot_runs,
+          c.slot_padding);
   auto rng = Rng();
   const uint32_t le = c.le ? c.le : c.layers;
   GpuKv gpu(c.layout, c.layers, c.planes, c.gpu_blocks, c.chunk);
@@ -366,12 +373,46 @@ void RoundTrip(const Case& c) {
     slots.resize(c.count);
     std::iota(blocks.begin(), blocks.end(), c.gpu_blocks - c.count);
     std::iota(slots.begin(), slots.end(), 1u);
+  } else if (c.slot_runs) {
+    blocks.resize(c.count);
+    std::iota(blocks.begin(), blocks.end(), c.gpu_blocks - c.count);
+    std::vector<std::vector<uint32_t>> runs;
+    for (uint32_t s = 0; s < c.slots;) {
+      const uint32_t len = std::min<uint32_t>(c.slots - s, 1 + static_cast<uint32_t>(rng() % 8));
+      runs.emplace_back(len);
+      std::iota(runs.back().begin(), runs.back().end(), s);
+      s += len;
+    }
+    std::shuffle(runs.begin(), runs.end(), rng);
+    for (const auto& run : runs) slots.insert(slots.end(), run.begin(), run.end());
+    slots.resize(c.count);
   } else {
     blocks = Pick(rng, c.gpu_blocks, c.count);
     slots = Pick(rng, c.slots, c.count);
   }
+  std::vector<uint8_t> follows;
+  if (c.slot_runs) {
+    follows.assign(c.count, 0);
+    uint32_t marked = 0;
+    for (uint32_t i = 1; i < c.count; ++i) {
+      follows[i] = slots[i] == slots[i - 1] + 1;
+      marked += follows[i];
+    }
+    REQUIRE(marked >= 4);  // runs to merge (count 33 over runs of at most 8)
+    for (uint32_t i = 1; i < c.count; ++i)
+      if (!follows[i]) {
+        follows[i] = 1;  // wrong: the copies must check the slots themselves
+        break;
+      }
+    for (uint32_t i = c.count - 1; i > 0; --i)
+      if (follows[i] && slots[i] == slots[i - 1] + 1) {
+        follows[i] = 0;  // missing: those two go as two copies
+        break;
+      }
+  }
+  const uint8_t* marks = follows.empty() ? nullptr : follows.data();
   cudaStream_t stream = c.stream;
-  Store(c.path, gpu, pool, 1, 0, blocks, slots, c.lb, le, c.shape, c.pinned_pairs, stream);
+  Store(c.path, gpu, pool, 1, 0, blocks, slots, c.lb, le, c.shape, c.pinned_pairs, stream, marks);
 
   std::vector<uint8_t> want(pool.bytes(), kPoolPoison);
   for (uint32_t i = 0; i < c.count; ++i)
@@ -382,7 +423,7 @@ void RoundTrip(const Case& c) {
   RequireSame(pool.data(), want.data(), pool.bytes(), "pool after store");
 
   gpu.Poison();
-  Load(c.path, gpu, pool, 1, 0, blocks, slots, c.lb, le, c.shape, c.pinned_pairs, stream);
+  Load(c.path, gpu, pool, 1, 0, blocks, slots, c.lb, le, c.shape, c.pinned_pairs, stream, marks);
   const auto got = gpu.Download();
   const auto want_gpu = gpu.ExpectedAfterLoad(blocks, c.lb, le);
   for (size_t a = 0; a < got.size(); ++a)
@@ -904,6 +945,23 @@ TEST_CASE("staged copies round-trip every layout, K/V and MLA, odd sizes and cou
   padded.slot_padding = 4096 + 16;  // only the slot's prefix of chunks moves; the padding stays poisoned
   padded.layout = Layout::kBlockFirst;
   RoundTrip(padded);
+}
+
+TEST_CASE("slot runs: staged and copy-engine copies of consecutive slots stay byte-exact, wrong marks ignored",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  for (Path path : {Path::kStaged, Path::kCopyEngine})
+    for (Layout layout : {Layout::kLayerFirst, Layout::kBlockFirst, Layout::kLayerBlockRegions})
+      for (uint64_t padding : {uint64_t{0}, uint64_t{4096 + 16}}) {  // padded slots are never contiguous
+        Case c;
+        c.path = path;
+        c.layout = layout;
+        c.slot_runs = true;
+        c.slot_padding = padding;
+        c.chunk = 1040;
+        c.gpu_blocks = 64;
+        RoundTrip(c);
+      }
 }
 
 TEST_CASE("staged stores sum what they pack: each slot's sum finishes to its BlockChecksum", "[gpu]") {

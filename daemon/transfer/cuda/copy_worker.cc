@@ -75,6 +75,8 @@ Status CopyWorker::Run(Job& job, bool* waited) {
   cuda::HostPoolView pool{job.pool.base, job.pool.slot_bytes, g.is_mla() ? 1u : g.tp_size,
                           g.is_mla() ? 0u : kv.description.tp_rank};
   const cuda::BlockPairs pairs{pairs_dev_, pairs_dev_ + capacity_, n, 0, g.num_layers};
+  // Slot runs (kv_copy.h): whole copies of consecutive slots in one registration move as one copy where they can.
+  const uint8_t* follows = job.follows.size() == n ? job.follows.data() : nullptr;
   if (!copy_engine_ || sums) {  // the kernels read the pairs from device memory
     FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_, job.gpu_blocks.data(), sizeof(uint32_t) * n, cudaMemcpyHostToDevice, stream_));
     FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_ + capacity_, job.slots.data(), sizeof(uint32_t) * n,
@@ -123,7 +125,7 @@ Status CopyWorker::Run(Job& job, bool* waited) {
       FLEXKV_CUDA_TRY(cudaEventRecord(sums_join_, sums_stream_));
     }
     FLEXKV_CUDA_TRY(cuda::CopyEngineBatch(kv.layer_base_host.data(), kv.view, pool, job.gpu_blocks.data(),
-                                          job.slots.data(), n, first, last, to_host_, stream_));
+                                          job.slots.data(), n, first, last, to_host_, stream_, follows));
     if (sums) FLEXKV_CUDA_TRY(cudaStreamWaitEvent(stream_, sums_join_, 0));
     FLEXKV_CUDA_TRY(FinishSums(job, sums));
     if (job.on_layer) {
@@ -134,7 +136,7 @@ Status CopyWorker::Run(Job& job, bool* waited) {
   if (!job.on_layer || to_host_) {
     if (cuda::StagingRing* ring = Staging(kv.view, pool)) {
       FLEXKV_CUDA_TRY(cuda::StagedCopy(kv.view, pool, pairs_dev_, job.slots.data(), n, to_host_, *ring, stream_,
-                                       sums ? sums_dev_ : nullptr));
+                                       sums ? sums_dev_ : nullptr, /*copy_flags=*/0, follows));
     } else if (sums) {
       FLEXKV_CUDA_TRY(cuda::LaunchGatherChecksummed(kv.view, pool, pairs, sums_dev_, stream_));
     } else {

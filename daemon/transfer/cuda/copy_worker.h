@@ -31,6 +31,9 @@ class CopyWorker {
     std::shared_ptr<GpuKv> kv;
     PoolRegion pool;  // the sub-pool the slots index, checked against the registered range by Copy
     std::vector<uint32_t> gpu_blocks, slots;
+    // Per entry: 1 where its slot lies right after the previous entry's in memory, in the same DMA registration
+    // (kv_copy.h "slot runs"; CudaBackend's check computes it); empty: none does.
+    std::vector<uint8_t> follows;
     std::shared_ptr<std::vector<uint64_t>> term_sums;  // stores: added to before done; null or empty: none
     std::function<void(uint32_t)> on_layer;
     std::function<void(Status)> done;

@@ -80,7 +80,7 @@ class CudaBackendImpl final : public CudaBackend {
     // Chunks of at most 64 GiB, a whole number of slots each, so that no slot straddles two registrations.
     const uint64_t align = std::max<uint64_t>(slot_bytes, 1);
     const uint64_t max_chunk = std::max<uint64_t>((64ULL << 30) / align, 1) * align;
-    RegisteredPool pool{bytes, {}};
+    RegisteredPool pool{bytes, max_chunk, {}};
     Status failed = Status::Ok();
     for (uint64_t off = 0; off < bytes; off += max_chunk) {
       const uint64_t n = std::min(max_chunk, bytes - off);
@@ -299,12 +299,13 @@ class CudaBackendImpl final : public CudaBackend {
             std::shared_ptr<LaunchDeadline> launch_deadline, JobLayers layers) override {
     CopyWorker* w = nullptr;
     Status checked = Status::Ok();
+    std::vector<uint8_t> follows;
     {
       MutexLock lock(&mu_);
       if (pools_.empty()) {
         checked = Status::FailedPrecondition("the pool is not registered for DMA");
       } else {
-        checked = CheckJob(*kv, pool, gpu_blocks, slots);
+        checked = CheckJob(*kv, pool, gpu_blocks, slots, &follows);
         w = (to_host ? stores_ : loads_)[static_cast<size_t>(kv->device)].get();
       }
     }
@@ -315,7 +316,7 @@ class CudaBackendImpl final : public CudaBackend {
           events->tp_rank, uuids_[static_cast<size_t>(events->device)], kv->description.gpu_uuid));
     }
     if (!checked.ok()) return done(std::move(checked));
-    w->Submit({std::move(kv), pool, std::move(gpu_blocks), std::move(slots), std::move(term_sums),
+    w->Submit({std::move(kv), pool, std::move(gpu_blocks), std::move(slots), std::move(follows), std::move(term_sums),
                std::move(on_layer), std::move(done), std::move(events), std::move(on_launched),
                std::move(launch_deadline), layers});
   }
@@ -353,22 +354,30 @@ class CudaBackendImpl final : public CudaBackend {
     return opened;
   }
 
-  // Whether [at, at + bytes) lies inside one registered region.
-  bool Registered(const uint8_t* at, uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // The cudaHostRegister chunk that holds all of [at, at + bytes) - an identity for "one DMA registration" - or
+  // null when no registered region holds it.
+  const uint8_t* RegisteredChunk(const uint8_t* at, uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = pools_.upper_bound(at);  // the region at or below `at` is the only one that can hold it
-    if (at == nullptr || it == pools_.begin()) return false;
+    if (at == nullptr || it == pools_.begin()) return nullptr;
     --it;
     const auto offset = static_cast<uint64_t>(at - it->first);
-    return offset <= it->second.bytes && bytes <= it->second.bytes - offset;
+    if (offset > it->second.bytes || bytes > it->second.bytes - offset) return nullptr;
+    // Chunks are whole slots of the region's sub-pool, so a slot of it lies in one; the last byte's chunk decides
+    // for anything else (a copy never spans two: such a range is not merged with its neighbours either).
+    const uint64_t chunk = it->second.chunk_bytes;
+    const uint64_t first = offset / chunk, last = (offset + std::max<uint64_t>(bytes, 1) - 1) / chunk;
+    return first == last ? it->first + first * chunk : nullptr;
   }
 
   // Every slot the job copies lies inside a region registered for DMA (a pool is registered grant by grant, so
   // one sub-pool may span several regions, and a slot beyond the active grants is in none), its slots hold a block
   // of the registration's geometry, its slot ids are below the sub-pool's slots and its block ids below the
   // registration's blocks. Nothing outside the registered pool and the registration's buffers is ever handed to
-  // the device.
+  // the device. `follows` receives kv_copy.h's slot-run marks: entry i is 1 where slots[i] is slots[i - 1] + 1 in the
+  // same cudaHostRegister chunk (one copy may move both), else 0.
   Status CheckJob(const GpuKv& kv, const PoolRegion& pool, const std::vector<uint32_t>& gpu_blocks,
-                  const std::vector<uint32_t>& slots) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                  const std::vector<uint32_t>& slots, std::vector<uint8_t>* follows) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const uint64_t need = kv.geometry.host_block_bytes();
     const auto begin = reinterpret_cast<uintptr_t>(pool.base);
     if (pool.slot_bytes < need || pool.slot_bytes % 16 != 0 || begin % 16 != 0) {
@@ -381,17 +390,22 @@ class CudaBackendImpl final : public CudaBackend {
       return Status::InvalidArgument(
           fmt::format("{} GPU blocks and {} slots; expected one slot per block", gpu_blocks.size(), slots.size()));
     }
+    follows->assign(slots.size(), 0);
+    const uint8_t* last_chunk = nullptr;
     for (size_t i = 0; i < slots.size(); ++i) {
       if (slots[i] >= pool.slots) {
         return Status::FailedPrecondition(
             fmt::format("slot {} (entry {}) is not below the sub-pool's {} slots", slots[i], i, pool.slots));
       }
-      if (!Registered(pool.SlotData(slots[i]), pool.slot_bytes)) {
+      const uint8_t* chunk = RegisteredChunk(pool.SlotData(slots[i]), pool.slot_bytes);
+      if (chunk == nullptr) {
         return Status::FailedPrecondition(fmt::format(
             "slot {} (entry {}) of the sub-pool at {} ({} bytes each) is not inside a region registered for DMA ({} "
             "registered)",
             slots[i], i, static_cast<const void*>(pool.base), pool.slot_bytes, pools_.size()));
       }
+      (*follows)[i] = i > 0 && slots[i] == slots[i - 1] + 1 && chunk == last_chunk;
+      last_chunk = chunk;
       if (gpu_blocks[i] >= kv.description.num_blocks) {
         return Status::InvalidArgument(fmt::format("GPU block {} (entry {}) is not below the registration's {} blocks",
                                                    gpu_blocks[i], i, kv.description.num_blocks));
@@ -416,6 +430,7 @@ class CudaBackendImpl final : public CudaBackend {
   // A region RegisterPool registered: its size and the chunks cudaHostRegister took (what UnregisterPool undoes).
   struct RegisteredPool {
     uint64_t bytes = 0;
+    uint64_t chunk_bytes = 0;  // each chunk's size (the last may be shorter), from the region's base
     std::vector<uint8_t*> chunks;
   };
   // By base; every job's sub-pool lies inside one of them.

@@ -428,7 +428,8 @@ cudaError_t LaunchChecksumTerms(const GpuKvView& gpu, const HostPoolView& pool, 
 
 cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gpu, const HostPoolView& pool,
                             const uint32_t* gpu_blocks_host, const uint32_t* slots_host, uint32_t count,
-                            uint32_t layer_begin, uint32_t layer_end, bool to_host, cudaStream_t stream) {
+                            uint32_t layer_begin, uint32_t layer_end, bool to_host, cudaStream_t stream,
+                            const uint8_t* follows_host) {
   if (cudaError_t e = Validate(gpu, pool, layer_begin, layer_end); e != cudaSuccess) return e;
   if (pool.rank_region) return cudaErrorInvalidValue;  // the staged copies' buffers are the kernels' alone
   if (count == 0 || layer_begin == layer_end) return cudaSuccess;
@@ -438,7 +439,8 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
   // (BLOCKFIRST GPU layouts, any TP rank: a rank's part of a slot is one run) is merged into it, unless that would
   // cross from one layer's allocation into another's (LAYERFIRST tensors that happen to be adjacent: a layer holding
   // one block or state snapshot in a small cudaMalloc each) or from one pool slot into the next (the pool is
-  // registered for DMA grant by grant: neighbouring slots may lie in two registrations, which one copy must not span).
+  // registered for DMA grant by grant: neighbouring slots may lie in two registrations, which one copy must not span)
+  // - except where the caller marked the slot as following the last one in the same registration (slot runs).
   const size_t chunks = static_cast<size_t>(count) * (layer_end - layer_begin) * gpu.num_planes;
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
@@ -460,7 +462,9 @@ cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gp
         uint8_t* d = to_host ? h : g;
         const uint8_t* s = to_host ? g : h;
         const bool same_allocation = gpu.layers_in_one_allocation || last_layer == l;
-        if (same_allocation && last_pair == i && !sizes.empty() &&
+        const bool same_run = last_pair == i || (i > 0 && last_pair + 1 == i && follows_host != nullptr && follows_host[i] != 0 &&
+                                                 slots_host[i] == slots_host[i - 1] + 1);
+        if (same_allocation && same_run && !sizes.empty() &&
             static_cast<uint8_t*>(dsts.back()) + sizes.back() == d &&
             static_cast<const uint8_t*>(srcs.back()) + sizes.back() == s) {
           sizes.back() += gpu.chunk_bytes;
@@ -544,11 +548,11 @@ uint32_t StagingRing::SlotsPerBuffer(uint64_t slot_bytes) const {
 cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const uint32_t* gpu_blocks_dev,
                           const uint32_t* slots_host, uint32_t count, bool to_host, StagingRing& ring,
                           cudaStream_t stream, uint64_t* term_sums, unsigned copy_flags, uint64_t slot_bytes,
-                          uint32_t per_buffer);
+                          uint32_t per_buffer, const uint8_t* follows_host);
 
 cudaError_t StagedCopy(const GpuKvView& gpu, const HostPoolView& pool, const uint32_t* gpu_blocks_dev,
                        const uint32_t* slots_host, uint32_t count, bool to_host, StagingRing& ring, cudaStream_t stream,
-                       uint64_t* term_sums, unsigned copy_flags) {
+                       uint64_t* term_sums, unsigned copy_flags, const uint8_t* follows_host) {
   if (!CanStage(gpu, pool, 0, gpu.num_layers)) return cudaErrorInvalidValue;
   const uint64_t slot_bytes = StagedSlotBytes(gpu);
   const uint32_t per_buffer = ring.SlotsPerBuffer(slot_bytes);
@@ -557,7 +561,7 @@ cudaError_t StagedCopy(const GpuKvView& gpu, const HostPoolView& pool, const uin
   if (gpu_blocks_dev == nullptr || slots_host == nullptr || stream == nullptr) return cudaErrorInvalidValue;
 
   const cudaError_t e = EnqueueStaged(gpu, pool, gpu_blocks_dev, slots_host, count, to_host, ring, stream, term_sums,
-                                      copy_flags, slot_bytes, per_buffer);
+                                      copy_flags, slot_bytes, per_buffer, follows_host);
   // On an error part of the copies may be in flight on the ring's stream, which the caller does not wait for: they
   // must end before the caller hands the slots or the GPU blocks to anyone else.
   if (e != cudaSuccess) cudaStreamSynchronize(ring.copy_stream_);
@@ -568,7 +572,9 @@ cudaError_t StagedCopy(const GpuKvView& gpu, const HostPoolView& pool, const uin
 cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const uint32_t* gpu_blocks_dev,
                           const uint32_t* slots_host, uint32_t count, bool to_host, StagingRing& ring,
                           cudaStream_t stream, uint64_t* term_sums, unsigned copy_flags, uint64_t slot_bytes,
-                          uint32_t per_buffer) {
+                          uint32_t per_buffer, const uint8_t* follows_host) {
+  // Slot runs travel as one copy where a rank's part is the whole slot (else other ranks' parts lie between).
+  const bool runs = follows_host != nullptr && pool.block_bytes == slot_bytes;
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
@@ -592,6 +598,10 @@ cudaError_t EnqueueStaged(const GpuKvView& gpu, const HostPoolView& pool, const 
     for (uint32_t j = 0; j < n; ++j) {
       uint8_t* slot = pool.base + static_cast<uint64_t>(slots_host[first + j]) * pool.block_bytes + part_offset;
       uint8_t* staged = staging + static_cast<uint64_t>(j) * slot_bytes;
+      if (runs && j > 0 && follows_host[first + j] != 0 && slots_host[first + j] == slots_host[first + j - 1] + 1) {
+        sizes.back() += slot_bytes;  // both sides go on where the last copy ends
+        continue;
+      }
       dsts.push_back(to_host ? slot : staged);
       srcs.push_back(to_host ? staged : slot);
       sizes.push_back(slot_bytes);

@@ -119,9 +119,18 @@ cudaError_t LaunchChecksumTerms(const GpuKvView& gpu, const HostPoolView& pool, 
 // read before the call returns. `to_host` selects the direction. Falls back to one cudaMemcpyAsync per chunk
 // when the driver answers cudaErrorNotSupported or `stream` is the legacy default stream (which the batch API
 // refuses). A rank_region view (the staged copies' buffers) is refused with cudaErrorInvalidValue.
+// `follows_host` (optional, host-readable, `count` entries: slot runs, below) lets one copy go on from a pair's
+// last chunk into the next pair's first where both sides are contiguous (BLOCKFIRST blocks in a row).
 cudaError_t CopyEngineBatch(const uint64_t* layer_base_host, const GpuKvView& gpu, const HostPoolView& pool,
                             const uint32_t* gpu_blocks_host, const uint32_t* slots_host, uint32_t count,
-                            uint32_t layer_begin, uint32_t layer_end, bool to_host, cudaStream_t stream);
+                            uint32_t layer_begin, uint32_t layer_end, bool to_host, cudaStream_t stream,
+                            const uint8_t* follows_host = nullptr);
+
+// Slot runs: an allocator hands out consecutive slots (a fresh pool's, a prefix evicted together), and one copy of
+// a run moves small slots at the rate of large ones. `follows[i]` != 0 says that slot slots[i] directly follows
+// slots[i - 1] (slots[i] == slots[i - 1] + 1) inside one DMA registration (one cudaHostRegister call: a copy must
+// not span two). Only the caller knows the registrations (CudaBackend computes the marks as it checks a job), so
+// null - never merge across slots - is always correct. The copies still check the addresses on both sides.
 
 // ---- Whole slots staged through GPU memory -----------------------------------------------------------------
 // SM-issued PCIe traffic (the kernels above) moves ~0.95 (stores) / ~0.92 (loads) of a contiguous copy one way,
@@ -159,9 +168,10 @@ class StagingRing {
  private:
   StagingRing() = default;
   friend cudaError_t StagedCopy(const GpuKvView&, const HostPoolView&, const uint32_t*, const uint32_t*, uint32_t,
-                                bool, StagingRing&, cudaStream_t, uint64_t*, unsigned);
+                                bool, StagingRing&, cudaStream_t, uint64_t*, unsigned, const uint8_t*);
   friend cudaError_t EnqueueStaged(const GpuKvView&, const HostPoolView&, const uint32_t*, const uint32_t*, uint32_t,
-                                   bool, StagingRing&, cudaStream_t, uint64_t*, unsigned, uint64_t, uint32_t);
+                                   bool, StagingRing&, cudaStream_t, uint64_t*, unsigned, uint64_t, uint32_t,
+                                   const uint8_t*);
   uint8_t* memory_ = nullptr;
   uint64_t buffer_bytes_ = 0;
   uint32_t buffers_ = 0;
@@ -182,8 +192,10 @@ class StagingRing {
 // caller. Stores with `term_sums` (device memory, one entry per pair, as LaunchGatherChecksummed) add each slot's
 // checksum terms as they pack: the packed bytes are the bytes the pool receives. cudaErrorInvalidValue, nothing
 // enqueued, when !CanStage(gpu, pool, 0, gpu.num_layers) or the ring holds no slot of this size.
+// `follows_host` (optional, slot runs above, read before the call returns): where a rank's part is its whole slot
+// (TP 1, MLA; slots of exactly the staged bytes), consecutive slots of one batch travel as one copy.
 cudaError_t StagedCopy(const GpuKvView& gpu, const HostPoolView& pool, const uint32_t* gpu_blocks_dev,
                        const uint32_t* slots_host, uint32_t count, bool to_host, StagingRing& ring, cudaStream_t stream,
-                       uint64_t* term_sums = nullptr, unsigned copy_flags = 0);
+                       uint64_t* term_sums = nullptr, unsigned copy_flags = 0, const uint8_t* follows_host = nullptr);
 
 }  // namespace flexkv::cuda
