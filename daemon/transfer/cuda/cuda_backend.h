@@ -30,8 +30,8 @@ struct CudaCopyPaths {
   bool load_copy_engine = false;   // loads by cudaMemcpyBatchAsync over chunks instead of the kernels
   bool store_copy_engine = false;  // stores likewise
   // The kernel paths stage whole-slot copies through this much GPU memory per GPU and direction (kv_copy.h
-  // StagedCopy: the kernels pack or unpack, the copy engine moves one copy per slot), allocated at the first copy
-  // that can use it; requests that cannot be staged (TP-sharded slots, layer-wise loads, slots larger than half
+  // StagedCopy: the kernels pack or unpack, the copy engine moves one copy per slot or slot run), allocated at the first copy
+  // that can use it; requests that cannot be staged (layer-wise loads, rank parts of slots larger than half
   // of it) and every copy when it is 0 or cannot be allocated take the kernels alone.
   uint64_t staging_bytes = 64ull << 20;
 };
