@@ -302,3 +302,69 @@ def test_pool_components_report_each_sub_pool(hybrid, observer):
 
 def test_a_daemon_without_a_domain_has_no_sub_pools(observer):
     assert observer.pool_components() == []
+
+
+_LAYERWISE_VICTIM = """
+import sys, time
+import flexkvd
+sys.path.insert(0, sys.argv[3])
+from test_client_hybrid import SMALL, component_arrays, prompt_keys
+c = flexkvd.connect(sys.argv[1])
+c.attach("victim", sys.argv[2], SMALL)
+kv = component_arrays(c, SMALL)
+hit = c.match(prompt_keys(21, 4), pin=True).wait()
+assert hit.matched_blocks == 4, hit
+# Layer-wise loads nobody waits for, a second pin, then kill -9 with all of it in flight or done and unread.
+tickets = [c.load(hit.match_handle, [[4, 5, 6, 7], [8, 9], [11]], layerwise=True) for _ in range(32)]
+again = c.match(prompt_keys(21, 4), pin=True).wait()
+print("SUBMITTED", len(tickets), again.matched_blocks, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_client_killed_mid_hybrid_layer_wise_loads_leaves_nothing_held(daemon, hybrid, observer):
+    """kill -9 of an engine with hybrid layer-wise loads unread and pins held: its session, pins and loads end, and
+    the blocks it was loading still load byte-exact, layer-wise, into another engine."""
+    import os
+    import signal
+    import time
+    a, kv_a = hybrid
+    rng = np.random.default_rng(21)
+    for arr in kv_a:
+        arr[:] = rng.integers(0, 256, size=arr.shape, dtype=np.uint8)
+    keys = prompt_keys(21, 4)
+    assert a.store(keys, [range(4), [6, 7], (2,)], state_boundaries=[4]).wait().done_blocks == 4
+    here = os.path.dirname(__file__)
+    victim = subprocess.Popen([sys.executable, "-c", _LAYERWISE_VICTIM, daemon.socket, NAMESPACE, here],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=here)
+    try:
+        line = victim.stdout.readline()
+        assert line.split() == ["SUBMITTED", "32", "4"], victim.stderr.read() if not line else line
+        held = observer.status()
+        assert held.sessions == 2 and held.pinned_blocks >= 4, held
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+    finally:
+        victim.kill()
+        victim.stdout.close()
+        victim.stderr.close()
+    deadline = time.monotonic() + 5
+    s = observer.status()
+    while time.monotonic() < deadline and (s.sessions != 1 or s.pinned_blocks != 0):
+        time.sleep(0.01)
+        s = observer.status()
+    assert (s.sessions, s.pinned_blocks) == (1, 0), s
+    with flexkvd.connect(daemon.socket) as b:
+        b.attach("pytest-hybrid-b", NAMESPACE, SMALL)
+        kv_b = component_arrays(b, SMALL)
+        hit = b.match(keys, pin=True).wait()
+        assert hit.matched_blocks == 4
+        t = b.load(hit.match_handle, [[4, 5, 6, 7], [8, 9], [11]], layerwise=True)
+        assert t.wait_layers(SMALL.total_layers, timeout=10) == SMALL.total_layers
+        assert t.wait().done_blocks == 4
+        assert np.array_equal(kv_b[0][4:8], kv_a[0][0:4])
+        assert np.array_equal(kv_b[1][8:10], kv_a[1][6:8])
+        assert np.array_equal(kv_b[2][11], kv_a[2][2])
+        b.release(hit.match_handle).wait()
+        del kv_b
+    assert observer.status().pinned_blocks == 0
