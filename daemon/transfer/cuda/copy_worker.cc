@@ -50,6 +50,8 @@ Status CopyWorker::Run(Job& job, bool* waited) {
     pairs_dev_ = nullptr;
     sums_dev_ = sums_host_ = nullptr;
     capacity_ = 0;
+    uploaded_blocks_.clear();
+    uploaded_slots_.clear();
     const uint32_t capacity = std::max<uint32_t>(n, 4096);
     FLEXKV_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&pairs_dev_), sizeof(uint32_t) * 2 * capacity));
     if (to_host_) {
@@ -77,10 +79,16 @@ Status CopyWorker::Run(Job& job, bool* waited) {
   const cuda::BlockPairs pairs{pairs_dev_, pairs_dev_ + capacity_, n, 0, g.num_layers};
   // Slot runs (kv_copy.h): whole copies of consecutive slots in one registration move as one copy where they can.
   const uint8_t* follows = job.follows.size() == n ? job.follows.data() : nullptr;
-  if (!copy_engine_ || sums) {  // the kernels read the pairs from device memory
+  // The kernels read the pairs from device memory: uploaded unless the last upload was the same pairs (stream
+  // order makes the earlier upload land before these kernels, and no later one overwrote it).
+  if ((!copy_engine_ || sums) && (job.gpu_blocks != uploaded_blocks_ || job.slots != uploaded_slots_)) {
+    uploaded_blocks_.clear();
+    uploaded_slots_.clear();
     FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_, job.gpu_blocks.data(), sizeof(uint32_t) * n, cudaMemcpyHostToDevice, stream_));
     FLEXKV_CUDA_TRY(cudaMemcpyAsync(pairs_dev_ + capacity_, job.slots.data(), sizeof(uint32_t) * n,
                                     cudaMemcpyHostToDevice, stream_));
+    uploaded_blocks_ = job.gpu_blocks;
+    uploaded_slots_ = job.slots;
   }
   if (sums) FLEXKV_CUDA_TRY(cudaMemsetAsync(sums_dev_, 0, sizeof(uint64_t) * n, stream_));
   if (job.events != nullptr && !to_host_) {

@@ -78,6 +78,9 @@ class CopyWorker {
   cudaStream_t stream_ = nullptr;
   uint32_t* pairs_dev_ = nullptr;
   uint32_t capacity_ = 0;  // pairs (and, stores, sums) the buffers hold
+  // What pairs_dev_ holds once stream_ reaches the last upload (host copies): a job with the same pairs (the
+  // per-layer jobs of a hybrid layer-wise load) uploads nothing. Cleared when the buffers go.
+  std::vector<uint32_t> uploaded_blocks_, uploaded_slots_;
   // Stores: per-pair checksum term sums on the device and their pinned copy; copy-engine stores sum on a
   // second stream, forked from and joined to stream_ by the two events.
   uint64_t* sums_dev_ = nullptr;
