@@ -283,10 +283,10 @@ class ConnectorLink(_LinkBase):
             self.worker.create_host_kv(model.num_blocks)
             self.host_views = [self.worker.host_kv(c) for c in range(geometry.component_count)]
         else:
-            # Every component's tensors, registered at each attach: the worker's own GPU registration registers
-            # its tensors as component 0 only.
-            self.worker.link.on_attach = self._register
-            self.worker.register_gpu_kv(model.full_kv, model.num_blocks)
+            # Every component's tensors (rank 0 of TP 1), registered by the worker at each attach, as the vLLM
+            # adapter's register_kv_caches registers each KV cache group's.
+            self.worker.register_kv([self.worker.describe_kv(nb, tensors, component=c)
+                                     for c, (_, tensors, nb) in enumerate(model.components())])
         if self.sched_layerwise is not None:
             import torch
             from flexkvd.integrations._vllm_layerwise import layer_order_names
@@ -298,9 +298,6 @@ class ConnectorLink(_LinkBase):
                 names[c].append(f"model.layers.{li}")
             self.worker.register_layer_names(layer_order_names(geometry, names))
         self.moved = {"blocks": 0, "bytes": 0}
-
-    def _register(self, client: flexkvd.Client) -> None:
-        register_components(client, self.model)
 
     def _step(self, finished: set) -> Tuple[set, set, set]:
         self.worker.start(self.sched.build_connector_meta())
