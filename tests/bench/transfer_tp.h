@@ -4,7 +4,8 @@
 // are stored, loaded, and half stored while the other half loads, one rank's job after another on one stream per
 // direction (as the daemon's copy workers serve every rank of a GPU), by the staged copies (kv_copy.h StagedCopy)
 // and by the kernels; each against the same run's contiguous copy of the same bytes (store, load, half each way at
-// once). Every path's bytes are checked (a poisoned pool and poisoned GPU tensors, every chunk compared) before it is
+// once), timed in turns with it (a slow stretch of a shared link lands on both; the ratio is the median of each
+// turn's own). Every path's bytes are checked (a poisoned pool and poisoned GPU tensors, every chunk compared) before it is
 // timed. The SMs column is what each path keeps busy (transfer_two_way.cc SmsOf). The ranks are one process's
 // allocations: the daemon copies between the engines' memory it mapped and its pool in one process, so where the
 // ranks' processes run does not change these copies (the e2e test "TP=2: two worker processes on one GPU..." runs
