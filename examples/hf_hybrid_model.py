@@ -398,17 +398,28 @@ class HybridModel:
         return (f"hf-{self.name}-random-seed{self.args.seed}-{hashlib.sha256(desc.encode()).hexdigest()[:12]}"
                 f"|{self.args.dtype}|tp1")
 
+    def _index(self, ids: List[int]) -> Any:
+        """The block ids as a GPU index tensor, made once per list: making one copies from pageable host memory,
+        which blocks the CPU until the stream has run everything queued before it - inside a layer-wise forward
+        that would wait out each layer's copies and compute, so begin_layerwise makes them before any wait."""
+        key = tuple(ids)
+        cache = self.__dict__.setdefault("_indices", {})
+        if key not in cache:
+            if len(cache) >= 64:
+                cache.clear()
+            cache[key] = self.torch.tensor(ids, dtype=self.torch.long, device=self.device)
+        return cache[key]
+
     def _blocks_write(self, paged: Any, ids: List[int], k: Any, v: Any, start: int) -> None:
-        t, bs = self.torch, self.args.block_size
-        idx = t.tensor(ids, dtype=t.long, device=self.device)
+        bs = self.args.block_size
+        idx = self._index(ids)
         n = len(ids) * bs
         for plane, src in enumerate((k, v)):
             part = src[0, :, start:start + n, :].transpose(0, 1)
             paged[plane, idx] = part.reshape(len(ids), bs, self.kv_heads, self.head_dim)
 
     def _blocks_read(self, paged: Any, ids: List[int]) -> Tuple[Any, Any]:
-        t = self.torch
-        idx = t.tensor(ids, dtype=t.long, device=self.device)
+        idx = self._index(ids)
         n = len(ids) * self.args.block_size
         return tuple(paged[p, idx].reshape(n, self.kv_heads, self.head_dim).transpose(0, 1).unsqueeze(0).contiguous()
                      for p in range(2))
@@ -500,6 +511,9 @@ class HybridModel:
         wait for model layer li's copies. Put in now: every state (vLLM runs linear-attention layers without a
         per-layer wait, and they come first in flexkvd's layer order) and the first layer of each attention kind (HF
         sizes the causal and the sliding masks from them before any layer runs); the hooks put in the others."""
+        for ids in (full_ids, window_ids):  # no index made inside the forward (see _index)
+            if ids:
+                self._index(ids)
         self._fill = {"cache": copy.deepcopy(self.template), "args": (e, full_ids, window_ids, slot), "wait": wait,
                       "filled": []}
         first = [self.layers_of[kind][0] for kind in (FULL, WINDOW) if self.layers_of[kind]]

@@ -233,7 +233,7 @@ class ClientLink(_LinkBase):
         try:
             r = ticket.wait(timeout=60.0)
             self.moved = {"blocks": r.done_blocks, "bytes": r.bytes}
-            return True
+            return r.done_blocks == hit // self.model.args.block_size  # every block of the hit came
         except flexkvd.Error:
             return False
         finally:
