@@ -43,6 +43,19 @@ def component_arrays(client: flexkvd.Client, geometry: flexkvd.Geometry) -> List
     return out
 
 
+def load_four_layer_wise(b: flexkvd.Client, hit, kv_a: List[np.ndarray], kv_b: List[np.ndarray]):
+    """Loads the 4-block hit stored from FULL blocks 0..3, window blocks 6, 7 and the state in slot 2 into FULL 4..7,
+    window 8, 9 and state 11 layer-wise; every layer reported, the bytes A's. Returns the load's result."""
+    t = b.load(hit.match_handle, [[4, 5, 6, 7], [8, 9], [11]], layerwise=True)
+    assert t.wait_layers(SMALL.total_layers, timeout=10) == SMALL.total_layers
+    r = t.wait()
+    assert r.done_blocks == 4
+    assert np.array_equal(kv_b[0][4:8], kv_a[0][0:4])
+    assert np.array_equal(kv_b[1][8:10], kv_a[1][6:8])
+    assert np.array_equal(kv_b[2][11], kv_a[2][2])
+    return r
+
+
 @pytest.fixture
 def hybrid(daemon):
     with flexkvd.connect(daemon.socket) as c:
@@ -130,13 +143,8 @@ def test_a_layer_wise_load_reports_every_components_layers_in_the_layer_order(da
         kv_b = component_arrays(b, SMALL)
         hit = b.match(keys, pin=True).wait()
         assert hit.matched_blocks == 4
-        t = b.load(hit.match_handle, [[4, 5, 6, 7], [8, 9], [11]], layerwise=True)
-        assert t.wait_layers(SMALL.total_layers, timeout=10) == SMALL.total_layers
-        r = t.wait()
-        assert r.done_blocks == 4 and r.bytes == 4 * 16384 + 2 * 16384 + 512
-        assert np.array_equal(kv_b[0][4:8], kv_a[0][0:4])
-        assert np.array_equal(kv_b[1][8:10], kv_a[1][6:8])
-        assert np.array_equal(kv_b[2][11], kv_a[2][2])
+        r = load_four_layer_wise(b, hit, kv_a, kv_b)
+        assert r.bytes == 4 * 16384 + 2 * 16384 + 512
         # The engine holds all 4 blocks already (first_block = e): only the state at 4 moves, layer-wise too.
         kv_b[2][12] = 0
         t = b.load(hit.match_handle, [[], [], [12]], layerwise=True, first_block=4)
@@ -359,12 +367,7 @@ def test_a_client_killed_mid_hybrid_layer_wise_loads_leaves_nothing_held(daemon,
         kv_b = component_arrays(b, SMALL)
         hit = b.match(keys, pin=True).wait()
         assert hit.matched_blocks == 4
-        t = b.load(hit.match_handle, [[4, 5, 6, 7], [8, 9], [11]], layerwise=True)
-        assert t.wait_layers(SMALL.total_layers, timeout=10) == SMALL.total_layers
-        assert t.wait().done_blocks == 4
-        assert np.array_equal(kv_b[0][4:8], kv_a[0][0:4])
-        assert np.array_equal(kv_b[1][8:10], kv_a[1][6:8])
-        assert np.array_equal(kv_b[2][11], kv_a[2][2])
+        load_four_layer_wise(b, hit, kv_a, kv_b)
         b.release(hit.match_handle).wait()
         del kv_b
     assert observer.status().pinned_blocks == 0
