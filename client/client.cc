@@ -768,6 +768,8 @@ Result<DaemonStatus> Client::GetStatus() {
                      {"evicted_unwritten_blocks", t.evicted_unwritten_blocks()},
                      {"store_waits", t.store_waits()},
                      {"store_wait_expired", t.store_wait_expired()},
+                     {"promotion_waits", t.promotion_waits()},
+                     {"promotion_wait_expired", t.promotion_wait_expired()},
                      {"evicted_blocks", t.evicted_blocks()},
                      {"reads_in_flight", t.reads_in_flight()},
                      {"writes_in_flight", t.writes_in_flight()},

@@ -240,10 +240,10 @@ void PrintStatus(const flexkv::DaemonStatus& s) {
                c("writeback_refused_blocks"), c("writeback_failed_blocks"), t.read_bytes_per_s / 1e6,
                t.write_bytes_per_s / 1e6, c("reads_in_flight"), c("writes_in_flight"));
     fmt::print("  evictions from DRAM: {} kept on {}, {} lost (not written yet); stores that waited for the "
-               "write-back: {} ({} ran out of time); {} overwritten on {}; checksum/read "
+               "write-back: {} ({} ran out of time), promotions: {} ({}); {} overwritten on {}; checksum/read "
                "failures {} ({} read errors); opened in {:.2f} s with {} blocks ({} corrupt headers, {} truncated)\n",
                c("evicted_written_blocks"), t.name, c("evicted_unwritten_blocks"), c("store_waits"),
-               c("store_wait_expired"), c("evicted_blocks"), t.name,
+               c("store_wait_expired"), c("promotion_waits"), c("promotion_wait_expired"), c("evicted_blocks"), t.name,
                c("data_loss_blocks"), c("read_errors"), t.rebuild_s, c("rebuilt_blocks"), c("rebuild_corrupt_headers"),
                c("rebuild_truncated"));
     for (const auto& f : t.files) {

@@ -364,6 +364,10 @@ class Cache {
   // slots for the others (pieces): FULL keys [full_from, e) under the DRAM prefix, and the window and state entries.
   // All or nothing: `end` is 0 (nothing reserved or pinned) when no such e exists or a sub-pool cannot take its part
   // (`refused` then says how many pieces would have been read). The pieces are not matchable until CommitPromoted.
+  // While the next tier's write-back serves (StoreWaitMs() > 0) a promotion evicts only what the next tier holds:
+  // one that could go on only by evicting a block or entry it does not hold yet (or finds a sub-pool full of
+  // entries pinned by write-backs in flight) reserves nothing, evicts nothing and says wait_for_write_back (the
+  // caller retries once the write-back moved on, or answers from DRAM): a read never costs a block the node accepted.
   struct HybridPromotion {
     size_t end = 0;
     size_t full_from = 0;                     // FULL keys [full_from, end) are read: keys[0], slots[0]
@@ -372,6 +376,7 @@ class Cache {
     std::vector<std::vector<SlotId>> slots;   // [component] their pending slots (cache numbering)
     std::vector<SlotId> held;                 // DRAM's pieces of `end`, pinned until CommitPromoted
     size_t refused = 0;
+    bool wait_for_write_back = false;         // end 0: it would have evicted what the next tier does not hold
     size_t pieces() const;                    // Σ slots[c].size()
   };
   HybridPromotion ReservePromotion(std::span<const BlockKey> keys,

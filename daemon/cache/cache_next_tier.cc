@@ -301,19 +301,42 @@ Cache::HybridPromotion Cache::ReservePromotion(std::span<const BlockKey> keys,
     for (const auto& k : r.keys) none.refused += k.size();
     return none;
   };
+  // While the write-back serves, evictions take only what the next tier holds (as a store's that waits): a promotion
+  // that would lose an unwritten block or entry waits for the write-back instead (nothing pinned or reserved).
+  const bool clean_only = StoreWaitMsLocked() > 0;
+  const auto wait = [&] ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    UnpinLocked(held);
+    HybridPromotion w;
+    w.wait_for_write_back = true;
+    return w;
+  };
   // All or none, evicting nothing before every part is known to fit (as ReserveHybrid).
   for (size_t c = 1; c < components; ++c) {
-    if (Part(c).Feasible(p.keys[c]) != StatusCode::kOk) return refuse(p);
+    const StatusCode feasible = Part(c).Feasible(p.keys[c]);
+    if (clean_only && feasible == StatusCode::kResourceExhausted && writing_ > 0) return wait();
+    if (feasible != StatusCode::kOk) return refuse(p);
+    if (clean_only && !Part(c).FitsWithoutDirty(p.keys[c])) return wait();
   }
   if (!p.keys[0].empty()) {
     const BlockKey parent = p.full_from == 0 ? kRootParent : keys[p.full_from - 1];
-    PrefixIndex::Reservation r = index_->Reserve(parent, p.keys[0]);  // promotions do not wait for write-backs
+    PrefixIndex::Reservation r = index_->Reserve(parent, p.keys[0], /*allow_dirty=*/!clean_only);
+    if (clean_only && (r.dirty_only || (r.shortfall == StatusCode::kResourceExhausted && writing_ > 0))) {
+      index_->Abort(r.slots);  // the blocks it evicted were on the next tier: nothing lost
+      return wait();
+    }
     if (r.cached != 0 || r.slots.size() != p.keys[0].size()) {
       index_->Abort(r.slots);
       return refuse(p);
     }
     for (SlotId s : r.slots) ForgetNextTierLocked(s, /*evicted=*/false);
     p.slots[0] = std::move(r.slots);
+    // The FULL evictions unanchored entries (they go first at eviction): checked again.
+    for (size_t c = 1; clean_only && c < components; ++c) {
+      if (!Part(c).FitsWithoutDirty(p.keys[c])) {
+        index_->Abort(p.slots[0]);
+        return wait();
+      }
+    }
   }
   for (size_t c = 1; c < components; ++c) {
     ComponentIndex::Reservation r = Part(c).Reserve(p.keys[c]);

@@ -112,7 +112,7 @@ struct DaemonStatus {
     double rebuild_s = 0;                                // opening the tier at start (reading every slot header)
     // promoted_blocks, promotion_requests, promotion_refused_blocks, promotion_failed_blocks, written_back_blocks,
     // writeback_refused_blocks, writeback_failed_blocks, evicted_written_blocks, evicted_unwritten_blocks,
-    // store_waits, store_wait_expired,
+    // store_waits, store_wait_expired, promotion_waits, promotion_wait_expired,
     // evicted_blocks, reads_in_flight, writes_in_flight, read_bytes, write_bytes, read_errors, write_errors,
     // data_loss_blocks, refused, rebuilt_blocks, rebuild_corrupt_headers, rebuild_truncated (docs/protocol.md)
     std::map<std::string, uint64_t> counters;

@@ -248,7 +248,9 @@ PrefetchResult ClusterTier::Impl::Pull(const PullJob& job) {
   // Pending local slots for the blocks offered, under the local prefix.
   const BlockKey parent = job.local == 0 ? BlockKey{} : job.keys[job.local - 1];
   const std::span<const BlockKey> wanted(job.keys.data() + job.local, reply->blocks.size());
-  PrefixIndex::Reservation reserved = cache.Reserve(parent, wanted);
+  // While an SSD tier's write-back serves, a pull evicts only blocks SSD holds (it pulls what fits then): a read never
+  // costs a block the node accepted.
+  PrefixIndex::Reservation reserved = cache.Reserve(parent, wanted, /*may_wait=*/true);
   if (reserved.parent_refused) return fail("the local prefix was evicted during the pull");
   const size_t first = reserved.cached;  // stored here meanwhile: not pulled again
   const size_t count = reserved.slots.size();

@@ -235,6 +235,7 @@ void SsdTier::Start() {
   mover_ = std::thread([this] {
     while (!stopping_.load(std::memory_order_acquire)) {
       const size_t written = MoveRound();
+      RetryWaitingPromotions();
       SampleRates();
       if (written == 0) {
         IdleWait(std::chrono::milliseconds(options_.mover_idle_ms));
@@ -251,6 +252,8 @@ void SsdTier::Stop() {
   stopping_.store(true, std::memory_order_seq_cst);
   idle_cv_.notify_all();
   if (mover_.joinable()) mover_.join();
+  // Promotions waiting for the write-back are answered from DRAM (none is queued after stop_requested_).
+  RetryWaitingPromotions();
   // A Promote that saw stopping_ false may still be issuing reads: wait for it to return (its reads are then
   // accepted, and WaitIdle waits for them).
   while (promoting_.load(std::memory_order_seq_cst) > 0) std::this_thread::yield();
@@ -459,8 +462,60 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
     ~Leave() { n.fetch_sub(1, std::memory_order_seq_cst); }
   } leave{promoting_};
   if (stopping_.load(std::memory_order_seq_cst) || dram_hit >= keys.size() || !Eligible(cache)) return false;
+  bool wait = false;
+  if (StartPromotion(cache, keys, dram_hit, done, /*partial=*/false, &wait)) return true;
+  if (!wait) return false;
+  // It could go on only by evicting what SSD does not hold yet: it waits for the write-back, as a store does
+  // (the mover retries it after each round: RetryWaitingPromotions), and is answered from DRAM if the wait runs out.
+  const int64_t wait_ms = cache.StoreWaitMs();
+  MutexLock lock(&mu_);
+  if (stop_requested_ || wait_ms <= 0) return false;
+  waiting_promotions_.push_back(WaitingPromotion{&cache, cache.generation(), std::vector<BlockKey>(keys.begin(), keys.end()),
+                                                 std::move(done), MonotonicMs() + wait_ms});
+  promotion_waits_.fetch_add(1, std::memory_order_relaxed);
+  idle_cv_.notify_one();
+  return true;
+}
+
+void SsdTier::RetryWaitingPromotions() {
+  std::vector<WaitingPromotion> waiting;
+  {
+    MutexLock lock(&mu_);
+    if (waiting_promotions_.empty()) return;
+    waiting.swap(waiting_promotions_);
+  }
+  const int64_t now = MonotonicMs();
+  std::vector<WaitingPromotion> still;
+  for (WaitingPromotion& w : waiting) {
+    const bool stopping = stopping_.load(std::memory_order_acquire);
+    const bool expired = now >= w.deadline_ms;
+    bool wait = false;
+    size_t dram_hit = w.keys.size();
+    if (!stopping && w.cache->generation() == w.generation && Eligible(*w.cache)) {
+      dram_hit = w.cache->Match(w.keys, /*pin=*/false, nullptr);
+    }
+    // Past its deadline a FULL promotion takes the part that fits without an unwritten eviction; a hybrid one (all
+    // or none) is answered from DRAM. Either way no block SSD does not hold is evicted for a read.
+    if (dram_hit < w.keys.size() && StartPromotion(*w.cache, w.keys, dram_hit, w.done, /*partial=*/expired, &wait)) {
+      if (expired) promotion_wait_expired_.fetch_add(1, std::memory_order_relaxed);
+      continue;  // reads in flight: w.done's copy runs when they end
+    }
+    if (wait && !expired && !stopping) {
+      still.push_back(std::move(w));
+      continue;
+    }
+    if (wait) promotion_wait_expired_.fetch_add(1, std::memory_order_relaxed);
+    w.done(0);  // nothing promoted: the match goes on from DRAM
+  }
+  if (still.empty()) return;
+  MutexLock lock(&mu_);
+  for (WaitingPromotion& w : still) waiting_promotions_.push_back(std::move(w));
+}
+
+bool SsdTier::StartPromotion(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done,
+                             bool partial, bool* wait) {
   if (const CacheDomain::View v = cache.Domain(); v.geometry && v.geometry->is_hybrid()) {
-    return PromoteHybrid(cache, keys, std::move(done));  // ssd_tier_hybrid.cc
+    return PromoteHybrid(cache, keys, std::move(done), wait);  // ssd_tier_hybrid.cc
   }
   const uint64_t generation = cache.generation();
   const SsdDomain domain = DomainOf(cache);
@@ -490,9 +545,15 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
     expected_parent = keys[i];
   }
   if (job->run.empty()) return false;
-  promotion_requests_.fetch_add(1, std::memory_order_relaxed);
-  const PrefixIndex::Reservation r = cache.Reserve(job->parent, job->run);
+  // While the write-back serves, only blocks SSD holds are evicted for a promotion (Cache::Reserve's may_wait).
+  const PrefixIndex::Reservation r = cache.Reserve(job->parent, job->run, /*may_wait=*/true);
   const size_t wanted = job->run.size() - std::min(r.cached, job->run.size());
+  if (r.dirty_only && (!partial || r.slots.empty())) {
+    cache.Abort(r.slots);  // what it evicted was on SSD: nothing lost
+    *wait = true;
+    return false;
+  }
+  promotion_requests_.fetch_add(1, std::memory_order_relaxed);
   if (r.slots.empty()) {
     // The parent left DRAM meanwhile, or no slot is free or evictable, or another store got there first.
     promotion_refused_.fetch_add(wanted, std::memory_order_relaxed);
@@ -613,6 +674,8 @@ SsdTierStatus SsdTier::GetStatus() const {
   s.promoted_blocks = promoted_.load(std::memory_order_relaxed);
   s.promotion_requests = promotion_requests_.load(std::memory_order_relaxed);
   s.promotion_refused_blocks = promotion_refused_.load(std::memory_order_relaxed);
+  s.promotion_waits = promotion_waits_.load(std::memory_order_relaxed);
+  s.promotion_wait_expired = promotion_wait_expired_.load(std::memory_order_relaxed);
   s.promotion_failed_blocks = promotion_failed_.load(std::memory_order_relaxed);
   s.promoted_layer_major_blocks = rewritten_promotions_.load(std::memory_order_relaxed);
   s.written_back_blocks = written_back_.load(std::memory_order_relaxed);

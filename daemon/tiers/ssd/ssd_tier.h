@@ -83,6 +83,10 @@ struct SsdTierStatus {
   uint64_t evicted_unwritten_blocks = 0; // DRAM evictions of blocks it did not hold: lost from the node
   uint64_t store_waits = 0;              // stores that waited for the write-back instead of evicting unwritten blocks
   uint64_t store_wait_expired = 0;       // of those, stores whose wait ran out: they evicted unwritten blocks
+  uint64_t promotion_waits = 0;          // promotions that waited for the write-back instead of evicting unwritten
+                                         // blocks (a read never costs a block the node accepted)
+  uint64_t promotion_wait_expired = 0;   // of those, promotions whose wait ran out: the part that fits (FULL) or
+                                         // nothing (hybrid) was promoted; nothing unwritten was evicted
   uint64_t reads_in_flight = 0, writes_in_flight = 0;
   double read_bytes_per_s = 0, write_bytes_per_s = 0;  // over the last second the mover sampled
   SsdStoreStats store;
@@ -162,7 +166,26 @@ class SsdTier final : public CacheTier {
   // lacks are read into pending slots, verified (the store's XXH3, then the content checksum they were stored with)
   // and committed (Cache::CommitPromoted); a piece that fails is dropped from SSD and counted, and the longest end
   // that still holds is promoted next (up to `attempts` rounds in all). `done(pieces committed)` as Promote's.
-  bool PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, PromotionDone done, int attempts = 4);
+  // `*wait` as StartPromotion's.
+  bool PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, PromotionDone done, bool* wait, int attempts = 4);
+  // Promote's work once it is known to be due: true when reads are in flight (`done` runs when they end). False when
+  // nothing was started (`done` is not called); `*wait` is then set when the promotion could go on only by evicting
+  // DRAM blocks or entries SSD does not hold yet (nothing reserved or evicted: it waits for the write-back). With
+  // `partial` a FULL promotion takes the blocks that fit without such evictions instead of waiting.
+  bool StartPromotion(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done, bool partial,
+                      bool* wait);
+  // The mover's retry of the promotions that wait for the write-back: each is started when it no longer needs an
+  // unwritten eviction, answered with nothing promoted once it is not due any more (the prefix is in DRAM, the
+  // domain was dropped, the tier stops), and, past its deadline (--ssd-store-wait), started with what fits (FULL) or
+  // answered from DRAM (hybrid).
+  void RetryWaitingPromotions();
+  struct WaitingPromotion {
+    Cache* cache;
+    uint64_t generation;  // the domain it was asked for
+    std::vector<BlockKey> keys;
+    PromotionDone done;
+    int64_t deadline_ms;  // MonotonicMs
+  };
   // Records `cache`'s namespace owner (its creator uid) with the SSD tier before its first block is written there;
   // false when the record could not be written (its blocks then stay DRAM-only: see ssd_owners.h).
   bool RecordOwner(const Cache& cache, std::vector<std::string>* notes);
@@ -195,6 +218,7 @@ class SsdTier final : public CacheTier {
   int64_t last_sample_ms_ ABSL_GUARDED_BY(mu_) = 0;
   std::condition_variable idle_cv_;  // with mu_: the mover's idle wait (IdleWait), woken by Stop and by stores
   bool stop_requested_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<WaitingPromotion> waiting_promotions_ ABSL_GUARDED_BY(mu_);
   // The mover waits up to `d`, or until Stop.
   void IdleWait(std::chrono::milliseconds d) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -203,6 +227,7 @@ class SsdTier final : public CacheTier {
   std::atomic<uint64_t> written_back_{0}, writeback_refused_{0}, writeback_failed_{0};
   std::atomic<uint64_t> reads_in_flight_{0}, writes_in_flight_{0};
   std::atomic<uint32_t> promoting_{0};  // Promote calls running (Stop waits for them)
+  std::atomic<uint64_t> promotion_waits_{0}, promotion_wait_expired_{0};
   bool write_back_healthy_ = true;      // the mover's: what the caches were last told (SetWriteBackHealthy)
   uint64_t failures_seen_ = 0;          // the mover's: writeback_failed_ at the end of its last round
   uint64_t ok_seen_ = 0;                // the mover's: written_back_ likewise

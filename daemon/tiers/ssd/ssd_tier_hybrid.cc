@@ -53,7 +53,8 @@ uint64_t LargestSlotBytes(const Geometry& geometry, size_t* component) {
   return largest;
 }
 
-bool SsdTier::PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, PromotionDone done, int attempts) {
+bool SsdTier::PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, PromotionDone done, bool* wait,
+                            int attempts) {
   const uint64_t generation = cache.generation();
   const SsdDomain domain = DomainOf(cache);
   const CacheDomain::View view = cache.Domain();
@@ -76,6 +77,10 @@ bool SsdTier::PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, Promot
   job->plan = cache.ReservePromotion(keys, on_next);
   const size_t pieces = job->plan.pieces();
   if (job->plan.end == 0) {
+    if (job->plan.wait_for_write_back) {
+      *wait = true;
+      return false;
+    }
     if (job->plan.refused > 0) {
       promotion_requests_.fetch_add(1, std::memory_order_relaxed);
       promotion_refused_.fetch_add(job->plan.refused, std::memory_order_relaxed);
@@ -109,7 +114,8 @@ bool SsdTier::PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, Promot
     // entry from SSD; the attempts are bounded all the same.
     if (p->lost.load(std::memory_order_acquire) > 0 && attempts > 1 && !stopping_.load(std::memory_order_acquire)) {
       auto again = std::make_shared<PromotionDone>(d);
-      if (PromoteHybrid(*p->cache, p->keys, [again, committed](size_t more) { (*again)(committed + more); },
+      bool wait = false;  // a shorter end that would evict unwritten pieces is not promoted: the match ends here
+      if (PromoteHybrid(*p->cache, p->keys, [again, committed](size_t more) { (*again)(committed + more); }, &wait,
                         attempts - 1)) {
         return;
       }

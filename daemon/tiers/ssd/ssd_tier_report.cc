@@ -26,6 +26,8 @@ void SsdTier::ReportStatus(v1::GetStatusResponse* status) const {
   out->set_evicted_unwritten_blocks(t.evicted_unwritten_blocks);
   out->set_store_waits(t.store_waits);
   out->set_store_wait_expired(t.store_wait_expired);
+  out->set_promotion_waits(t.promotion_waits);
+  out->set_promotion_wait_expired(t.promotion_wait_expired);
   out->set_evicted_blocks(t.store.evictions);
   out->set_reads_in_flight(t.reads_in_flight);
   out->set_writes_in_flight(t.writes_in_flight);
@@ -87,6 +89,12 @@ void SsdTier::CollectMetrics(MetricFamilies* out) const {
   AddCounter(out, "flexkv_ssd_store_wait_expired_total",
           "Engine stores whose wait for the write-back ran out (--ssd-store-wait): they evicted unwritten blocks",
           t.store_wait_expired);
+  AddCounter(out, "flexkv_ssd_promotion_waits_total",
+          "Promotions that waited for the write-back instead of evicting blocks SSD did not hold yet",
+          t.promotion_waits);
+  AddCounter(out, "flexkv_ssd_promotion_wait_expired_total",
+          "Promotions whose wait for the write-back ran out (--ssd-store-wait): what fitted, or nothing, was promoted",
+          t.promotion_wait_expired);
   AddCounter(out, "flexkv_ssd_evicted_blocks_total", "Blocks overwritten on SSD to make room", t.store.evictions);
   AddCounter(out, "flexkv_ssd_read_bytes_total", "Bytes read from SSD (verified)", t.store.read_bytes);
   AddCounter(out, "flexkv_ssd_write_bytes_total", "Bytes written to SSD", t.store.write_bytes);

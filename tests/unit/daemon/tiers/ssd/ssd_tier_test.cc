@@ -129,8 +129,9 @@ bool WaitFor(Ready&& ready) {
 }
 
 struct Fixture {
+  // `ssd_path`: another SSD directory (one that outlives this fixture) instead of its own.
   explicit Fixture(uint64_t pool_blocks, bool write_all = false, double window = 1.0, uint64_t ssd_blocks = 256,
-                   bool start = true)
+                   bool start = true, const std::string& ssd_path = "", int64_t store_wait_ms = 1000)
       : pool_dir(PoolRoot()), ssd_dir("/var/tmp") {
     CacheSetOptions o;
     o.budget_bytes = pool_blocks * kBlock;
@@ -141,7 +142,8 @@ struct Fixture {
     REQUIRE(admitted.ok());
     cache = *admitted;
     SsdTierOptions t;
-    t.store.paths = {ssd_dir.path()};
+    t.store.paths = {ssd_path.empty() ? ssd_dir.path() : ssd_path};
+    t.store_wait_ms = store_wait_ms;
     t.store.size_bytes = flexkv::kSsdHeaderSector + ssd_blocks * flexkv::SsdSlotStride(kBlock);
     t.write_all = write_all;
     t.writeback_window = window;
@@ -385,6 +387,68 @@ TEST_CASE("ssd tier: stores, matches, promotions and write-backs from several th
   f.tier->Stop();
   CHECK(f.cache->write_back_stats().writing == 0);
   CHECK(f.tier->GetStatus().store.data_loss_blocks == 0);
+}
+
+TEST_CASE("ssd tier: a promotion never evicts a block SSD does not hold - it waits for the write-back, then takes "
+          "what fits, and a stop answers it",
+          "[ssd_tier]") {
+  Dir shared("/var/tmp");
+  {
+    // Chain 2 on SSD only: written by a node whose DRAM pool is gone.
+    Fixture a(16, /*write_all=*/true, 1.0, 256, true, shared.path());
+    REQUIRE(StoreChain(*a.cache, 2, 8));
+    REQUIRE(a.Settled(8));
+  }
+  {
+    // A full pool of 16 blocks, only its cold end written: chain 2's 8 blocks fit by evicting written blocks only;
+    // where too few are written yet the promotion waits for the mover.
+    Fixture f(16, false, 0.25, 256, true, shared.path(), /*store_wait_ms=*/60000);
+    REQUIRE(StoreChain(*f.cache, 1, 16));
+    REQUIRE(f.Settled(4));
+    CHECK(PromoteAndWait(*f.tier, *f.cache, 2, 8) == 8);
+    const flexkv::SsdTierStatus s = f.tier->GetStatus();
+    INFO("waits " << s.promotion_waits);
+    CHECK(s.promotion_wait_expired == 0);
+    CHECK(s.evicted_unwritten_blocks == 0);
+    CHECK(s.evicted_written_blocks == 8);
+    CHECK(MatchAndCheck(*f.cache, 2, 8) == 8);
+    CHECK(MatchAndCheck(*f.cache, 1, 16) == 8);
+  }
+  {
+    // Chain 3's first 12 blocks pinned (an engine's load): only the 4 written leaves can go. The promotion waits
+    // (0.3 s here) for more, then takes the 4 that fit; nothing SSD does not hold is evicted.
+    Fixture f(16, false, 0.25, 256, true, shared.path(), /*store_wait_ms=*/300);
+    REQUIRE(StoreChain(*f.cache, 3, 16));
+    REQUIRE(f.Settled(4));
+    std::vector<SlotId> pinned;
+    const std::vector<BlockKey> three = Chain(3, 12);
+    REQUIRE(f.cache->Match(three, true, &pinned) == 12);
+    CHECK(PromoteAndWait(*f.tier, *f.cache, 2, 8) == 4);
+    f.cache->Unpin(pinned);
+    const flexkv::SsdTierStatus s = f.tier->GetStatus();
+    CHECK(s.promotion_waits == 1);
+    CHECK(s.promotion_wait_expired == 1);
+    CHECK(s.evicted_unwritten_blocks == 0);
+    CHECK(MatchAndCheck(*f.cache, 2, 8) == 4);
+    CHECK(MatchAndCheck(*f.cache, 3, 16) == 12);
+  }
+  // A promotion waiting when the tier stops is answered with nothing promoted (its match goes on from DRAM).
+  Fixture g(16, false, 0.25, 256, true, shared.path(), /*store_wait_ms=*/600000);
+  REQUIRE(StoreChain(*g.cache, 4, 16));
+  REQUIRE(g.Settled(4));
+  std::vector<SlotId> pinned;
+  REQUIRE(g.cache->Match(Chain(4, 16), true, &pinned) == 16);
+  auto done = std::make_shared<std::promise<size_t>>();
+  std::future<size_t> promoted = done->get_future();
+  REQUIRE(g.tier->Promote(*g.cache, Chain(2, 8), 0, [done](size_t p) { done->set_value(p); }));
+  CHECK(promoted.wait_for(std::chrono::milliseconds(200)) == std::future_status::timeout);  // waiting
+  CHECK(g.tier->GetStatus().promotion_waits == 1);
+  g.tier->Stop();
+  REQUIRE(promoted.wait_for(std::chrono::seconds(5)) == std::future_status::ready);
+  CHECK(promoted.get() == 0);
+  g.cache->Unpin(pinned);
+  CHECK(g.tier->GetStatus().evicted_unwritten_blocks == 0);
+  CHECK(MatchAndCheck(*g.cache, 4, 16) == 16);
 }
 
 TEST_CASE("ssd tier: a block corrupted in DRAM before its write-back is not served back from SSD", "[ssd_tier]") {
