@@ -478,13 +478,21 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
 }
 
 void SsdTier::RetryWaitingPromotions() {
+  const int64_t now = MonotonicMs();
   std::vector<WaitingPromotion> waiting;
   {
     MutexLock lock(&mu_);
     if (waiting_promotions_.empty()) return;
+    // Room comes mostly from writes that completed; a pin let go (an engine's load ended) is found within 10 ms.
+    const uint64_t written = written_back_.load(std::memory_order_relaxed);
+    const bool due = stop_requested_ || written != written_at_retry_ || now >= next_retry_ms_ ||
+                     std::any_of(waiting_promotions_.begin(), waiting_promotions_.end(),
+                                 [now](const WaitingPromotion& w) { return now >= w.deadline_ms; });
+    if (!due) return;
+    written_at_retry_ = written;
+    next_retry_ms_ = now + 10;
     waiting.swap(waiting_promotions_);
   }
-  const int64_t now = MonotonicMs();
   std::vector<WaitingPromotion> still;
   for (WaitingPromotion& w : waiting) {
     const bool stopping = stopping_.load(std::memory_order_acquire);

@@ -219,6 +219,8 @@ class SsdTier final : public CacheTier {
   std::condition_variable idle_cv_;  // with mu_: the mover's idle wait (IdleWait), woken by Stop and by stores
   bool stop_requested_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<WaitingPromotion> waiting_promotions_ ABSL_GUARDED_BY(mu_);
+  uint64_t written_at_retry_ ABSL_GUARDED_BY(mu_) = 0;  // written_back_ at the last retry of waiting promotions
+  int64_t next_retry_ms_ ABSL_GUARDED_BY(mu_) = 0;      // retried by then even if nothing was written
   // The mover waits up to `d`, or until Stop.
   void IdleWait(std::chrono::milliseconds d) ABSL_LOCKS_EXCLUDED(mu_);
 
