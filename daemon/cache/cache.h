@@ -214,7 +214,9 @@ class Cache {
   // why, full.parent_refused the latter) and per component c >= 1 one entry per key of `entry_keys[c]` (kNoSlot where
   // it is cached). `entry_keys` has one list per component, entry_keys[0] ignored. Unlike ReserveHybrid the caller
   // names the entries: the peer's hit end decides them, and a window may reach back before `keys` (into the prefix
-  // held here). Nothing is matchable until CommitPulledHybrid; AbortHybrid gives it all back.
+  // held here). Nothing is matchable until CommitPulledHybrid; AbortHybrid gives it all back. While a next tier's
+  // write-back serves (StoreWaitMs() > 0) it evicts only what that tier holds: a pull that would evict anything else
+  // is refused (RESOURCE_EXHAUSTED), evicting nothing.
   HybridReservation ReservePulledHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
                                         const std::vector<std::vector<BlockKey>>& entry_keys);
   // Publishes a pulled set after every byte of it verified (as CommitHybrid; its events' cause is kPulled, and every
@@ -322,6 +324,10 @@ class Cache {
   // do not wait: they evict clean entries first), while write-back fails, or while the next tier does not write this
   // domain (SetWriteBackServed).
   int64_t StoreWaitMs() const;
+  // Whether waiting for the write-back can make room without losing a block: a write is in flight, or a block or
+  // entry the next tier does not hold yet is evictable (its write makes it clean). False when what stands in the way
+  // is only pins (engines' loads): a promotion then does not wait (SsdTier).
+  bool WriteBackMayMakeRoom() const;
   // Counts a store that waited for the write-back (`expired`: one whose wait ran out, so that it evicted what it
   // had to).
   void CountStoreWait(bool expired);
@@ -536,6 +542,7 @@ class Cache {
   // Write policy all: queues a just-committed slot (any component) for TakeWriteBack.
   void QueueCommitLocked(SlotId slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t StoreWaitMsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool WriteBackMayMakeRoomLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queues Match's hits that are on the next tier for TakeTouched.
   void NoteHitsLocked(std::span<const SlotId> slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<uint8_t> touched_ ABSL_GUARDED_BY(mu_);     // per slot: queued in touch_queue_

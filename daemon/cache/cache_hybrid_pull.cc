@@ -29,11 +29,15 @@ Cache::HybridReservation Cache::ReservePulledHybrid(const BlockKey& parent, std:
   // All or none, and a refused pull evicts nothing: the components are checked first (changing nothing), then the
   // FULL part is reserved (which may evict), then the components (which cannot fail now: FULL evictions only
   // unanchor their entries).
+  // While a next tier's write-back serves, a pull evicts only what that tier holds (as a promotion): a read never
+  // costs a block or entry the node accepted; one that would is refused (RESOURCE_EXHAUSTED), evicting nothing.
+  const bool clean_only = StoreWaitMsLocked() > 0;
   for (size_t c = 1; c < r.keys.size(); ++c) {
     const StatusCode feasible = Part(c).Feasible(r.keys[c]);
     if (feasible != StatusCode::kOk) return refuse(feasible, c);
+    if (clean_only && !Part(c).FitsWithoutDirty(r.keys[c])) return refuse(StatusCode::kResourceExhausted, c);
   }
-  r.full = index_->Reserve(parent, keys);
+  r.full = index_->Reserve(parent, keys, /*allow_dirty=*/!clean_only);
   if (r.full.parent_refused || r.full.shortfall != StatusCode::kOk) {
     // The prefix held here went, or the pool (or another store of these keys) cut the FULL part short: a part of a
     // hybrid prefix serves no hit.
@@ -46,6 +50,13 @@ Cache::HybridReservation Cache::ReservePulledHybrid(const BlockKey& parent, std:
     return r;
   }
   for (SlotId s : r.full.slots) ForgetNextTierLocked(s, /*evicted=*/false);
+  // The FULL evictions unanchored entries (they go first at eviction): checked again.
+  for (size_t c = 1; clean_only && c < r.keys.size(); ++c) {
+    if (!Part(c).FitsWithoutDirty(r.keys[c])) {
+      index_->Abort(r.full.slots);
+      return refuse(StatusCode::kResourceExhausted, c);
+    }
+  }
   for (size_t c = 1; c < r.keys.size(); ++c) {
     ComponentIndex::Reservation part = Part(c).Reserve(r.keys[c]);
     if (part.shortfall != StatusCode::kOk) {  // a repeated key: give back what was taken

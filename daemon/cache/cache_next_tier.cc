@@ -76,6 +76,20 @@ int64_t Cache::StoreWaitMsLocked() const {
   return store_wait_ms_;
 }
 
+bool Cache::WriteBackMayMakeRoom() const {
+  MutexLock lock(&mu_);
+  return WriteBackMayMakeRoomLocked();
+}
+
+bool Cache::WriteBackMayMakeRoomLocked() const {
+  if (!index_) return false;
+  if (writing_ > 0 || index_->HasDirtyLeaf()) return true;
+  for (const auto& part : parts_) {
+    if (part->MayHaveDirtyEvictable()) return true;
+  }
+  return false;
+}
+
 void Cache::CountStoreWait(bool expired) {
   MutexLock lock(&mu_);
   if (expired) ++store_wait_expired_; else ++store_waits_;
@@ -304,7 +318,10 @@ Cache::HybridPromotion Cache::ReservePromotion(std::span<const BlockKey> keys,
   // While the write-back serves, evictions take only what the next tier holds (as a store's that waits): a promotion
   // that would lose an unwritten block or entry waits for the write-back instead (nothing pinned or reserved).
   const bool clean_only = StoreWaitMsLocked() > 0;
-  const auto wait = [&] ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  // Waiting helps only where a write in flight or an evictable unwritten piece can become room; where pins alone
+  // stand in the way (engines' loads) the promotion is refused now, as it always was.
+  const auto wait = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (!WriteBackMayMakeRoomLocked()) return refuse(p);
     UnpinLocked(held);
     HybridPromotion w;
     w.wait_for_write_back = true;

@@ -298,6 +298,8 @@ StatusCode ComponentIndex::Feasible(std::span<const BlockKey> keys, std::vector<
   return StatusCode::kOk;
 }
 
+bool ComponentIndex::MayHaveDirtyEvictable() const { return impl_->lru_.size > 0 || impl_->unanchored_.size > 0; }
+
 bool ComponentIndex::FitsWithoutDirty(std::span<const BlockKey> keys) const {
   const Impl& m = *impl_;
   // The evictions Reserve(keys) would make: after the free slots, the eviction order from its head (the store's own

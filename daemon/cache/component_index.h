@@ -79,6 +79,9 @@ class ComponentIndex {
   // Whether Reserve(keys) would evict only entries the next tier holds (clean), anchored or not: the evictions it
   // would make, in eviction order after the free slots, are walked (O(evictions + entries passed by)).
   bool FitsWithoutDirty(std::span<const BlockKey> keys) const;
+  // Whether an evictable entry may be dirty (an anchored dirty one, or any unanchored one): the next tier's writes
+  // could then make room without losing an entry.
+  bool MayHaveDirtyEvictable() const;
   // Makes pending slots committed (findable). A slot dropped while pending (Drop) is freed instead: check
   // IsCommitted afterwards before publishing it. The first `cold` of `slots` join the eviction order at its cold
   // end, evicted before every other entry of their list (slots[0] first), the rest at its most recently used end:

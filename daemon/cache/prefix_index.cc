@@ -769,6 +769,7 @@ uint32_t PrefixIndex::used_slots() const { return impl_->used_; }
 uint32_t PrefixIndex::pinned_slots() const { return impl_->pinned_; }
 uint32_t PrefixIndex::committed_blocks() const { return impl_->committed_; }
 uint64_t PrefixIndex::evicted_blocks() const { return impl_->evicted_; }
+bool PrefixIndex::HasDirtyLeaf() const { return impl_->lru_.head != kNil; }
 
 std::vector<SlotId> PrefixIndex::EvictionOrder() const {
   std::vector<SlotId> out;

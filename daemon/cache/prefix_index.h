@@ -137,6 +137,9 @@ class PrefixIndex {
   uint32_t committed_blocks() const;
   uint32_t unverified_blocks() const;
   uint64_t evicted_blocks() const;   // total evictions so far
+  // Whether a dirty node (not on the next tier) is evictable now: the next tier's write of it would make room
+  // without losing it (Reserve's dirty_only says only that no clean one was left).
+  bool HasDirtyLeaf() const;
 
   // Debug and test support; each is O(capacity).
   // Evictable slots (committed, unpinned, childless) in eviction order: clean, then dirty, each least recently used

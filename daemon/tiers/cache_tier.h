@@ -81,10 +81,12 @@ class CacheTier {
   // --- promotes_on_match. Called by a match whose DRAM prefix ended at `dram_hit` < keys.size(). When the tier holds
   // keys[dram_hit] of this domain under the right parent, it reserves DRAM slots for the run it holds, reads them in,
   // and returns true: `done(promoted)` then runs exactly once, after the first `promoted` of them are committed to
-  // DRAM (verified; the rest given back) - on a thread of the tier, or inside this call, before it returns true, when
-  // every read ended while the reads were still being issued (so the caller must not hold, around Promote, a lock that
-  // `done` takes). False when there is nothing to promote or it cannot start: `done` is not called and the match is
-  // answered from DRAM alone. The caller keeps the request in flight (Lifecycle) until `done`.
+  // DRAM (verified; the rest given back) - on a thread of the tier (its I/O completions, its mover, or the one that
+  // calls Stop), or inside this call, before it returns true, when every read ended while the reads were still being
+  // issued (so the caller must not hold, around Promote, a lock that `done` takes). `promoted` may be 0 (a promotion
+  // that waited, then found nothing it could do). False when there is nothing to promote or it cannot start: `done`
+  // is not called and the match is answered from DRAM alone. The caller keeps the request in flight (Lifecycle) until
+  // `done`.
   using PromotionDone = std::function<void(size_t promoted)>;
   virtual bool Promote(Cache& /*cache*/, std::span<const BlockKey> /*keys*/, size_t /*dram_hit*/,
                        PromotionDone /*done*/) {

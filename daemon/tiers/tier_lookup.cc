@@ -31,14 +31,17 @@ void Continue(std::shared_ptr<Lookup> lookup, size_t next) {
     if (!admitted) break;  // draining: the DRAM answer
     auto in_flight = std::make_shared<InFlight>(std::move(admitted));
     CacheTier* tier = lookup->promoters[i];
-    if (tier->Promote(cache, keys, hit, [lookup, i, in_flight](size_t) {
+    // The DRAM prefix stays pinned until the promotion ends (a promotion may wait for the write-back with nothing
+    // reserved under it); the next match pins it again before these pins go.
+    auto held = std::make_shared<std::vector<SlotId>>(std::move(pinned));
+    if (tier->Promote(cache, keys, hit, [lookup, i, in_flight, held](size_t) {
           Continue(lookup, i + 1);  // the promoted run is in DRAM now: match again, ask the tiers after this one
+          if (!held->empty()) lookup->request.cache->Unpin(*held);
           in_flight->End();
         })) {
-      // The pending promoted blocks hold their parent chain in DRAM; the pins are taken again by the next match.
-      if (!pinned.empty()) cache.Unpin(pinned);
       return;
     }
+    pinned = std::move(*held);
   }
   lookup->done(hit, std::move(pinned));
 }

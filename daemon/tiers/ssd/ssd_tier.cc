@@ -466,7 +466,8 @@ bool SsdTier::Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_
   if (StartPromotion(cache, keys, dram_hit, done, /*partial=*/false, &wait)) return true;
   if (!wait) return false;
   // It could go on only by evicting what SSD does not hold yet: it waits for the write-back, as a store does
-  // (the mover retries it after each round: RetryWaitingPromotions), and is answered from DRAM if the wait runs out.
+  // (the mover retries it when a write completed, or every 10 ms: RetryWaitingPromotions); past the wait it takes
+  // what fits (FULL) or nothing (hybrid).
   const int64_t wait_ms = cache.StoreWaitMs();
   MutexLock lock(&mu_);
   if (stop_requested_ || wait_ms <= 0) return false;
@@ -556,7 +557,9 @@ bool SsdTier::StartPromotion(Cache& cache, std::span<const BlockKey> keys, size_
   // While the write-back serves, only blocks SSD holds are evicted for a promotion (Cache::Reserve's may_wait).
   const PrefixIndex::Reservation r = cache.Reserve(job->parent, job->run, /*may_wait=*/true);
   const size_t wanted = job->run.size() - std::min(r.cached, job->run.size());
-  if (r.dirty_only && (!partial || r.slots.empty())) {
+  // Short of room with only unwritten blocks (or blocks being written) left to evict: wait for the write-back, unless
+  // past the wait or nothing the write-back does can help (pins alone stand in the way): then what fits is promoted.
+  if (r.dirty_only && !partial && cache.WriteBackMayMakeRoom()) {
     cache.Abort(r.slots);  // what it evicted was on SSD: nothing lost
     *wait = true;
     return false;

@@ -128,6 +128,10 @@ class SsdTier final : public CacheTier {
   // are committed to DRAM (and the rest given back). False when there is nothing to promote or it cannot start (no
   // SSD block there, the store not open, stopped, queue full, no DRAM slot): `done` is not called, and the match is
   // answered from DRAM alone. A hybrid domain's match (dram_hit: its DRAM hit) is PromoteHybrid's.
+  // While the write-back serves, a promotion evicts only DRAM blocks SSD holds: one that needs more room, where the
+  // write-back can make it (writes in flight, unwritten blocks evictable), waits for it - queued, true returned, retried
+  // by the mover when a write completed (or every 10 ms), `done` then run on the mover's thread (or Stop's, with 0);
+  // past --ssd-store-wait a FULL promotion takes what fits, a hybrid one nothing (`done(0)`).
   bool Promote(Cache& cache, std::span<const BlockKey> keys, size_t dram_hit, PromotionDone done) override;
 
   // The KV event stream's view of the SSD tier: `observer` is told each block the store commits (written back),
