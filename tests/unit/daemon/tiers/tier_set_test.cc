@@ -115,7 +115,74 @@ class NamedTier final : public CacheTier {
   std::vector<std::string>* stops_;
 };
 
+// A promoter that answers later, promoting nothing (as a promotion that waited for the write-back in vain).
+class DeferringTier final : public CacheTier {
+ public:
+  std::string_view name() const override { return "deferring"; }
+  TierCapabilities capabilities() const override {
+    TierCapabilities c;
+    c.promotes_on_match = true;
+    return c;
+  }
+  void Stop() override {}
+  void ReportStatus(flexkv::v1::GetStatusResponse*) const override {}
+  void CollectMetrics(flexkv::MetricFamilies*) const override {}
+  bool Promote(Cache&, std::span<const BlockKey>, size_t, PromotionDone done) override {
+    pending_.push_back(std::move(done));
+    return true;
+  }
+  // Runs every deferred `done` with nothing promoted.
+  void AnswerAll() {
+    std::vector<PromotionDone> pending;
+    pending.swap(pending_);
+    for (PromotionDone& d : pending) d(0);
+  }
+  size_t pending() const { return pending_.size(); }
+
+ private:
+  std::vector<PromotionDone> pending_;
+};
+
 }  // namespace
+
+TEST_CASE("tiers: a match's DRAM prefix stays pinned while a tier's promotion is under way, and its answer holds "
+          "exactly the pins of its hit",
+          "[unit][tiers]") {
+  Fixture f;
+  TierSet tiers;
+  auto owned = std::make_unique<DeferringTier>();
+  DeferringTier* tier = owned.get();
+  REQUIRE(tiers.Add(std::move(owned)).ok());
+  Lifecycle lifecycle;
+  StoreChain(*f.cache, 1, 6);
+  auto answered = std::make_shared<std::promise<Looked>>();
+  std::future<Looked> answer = answered->get_future();
+  flexkv::TierLookupRequest request;
+  request.cache = f.cache;
+  request.keys = Chain(1, 10);  // 6 in DRAM, 4 asked of the tier
+  request.pin = true;
+  flexkv::MatchThroughTiers(tiers, lifecycle, std::move(request), [answered](size_t hit, std::vector<SlotId> pinned) {
+    answered->set_value(Looked{hit, std::move(pinned)});
+  });
+  REQUIRE(tier->pending() == 1);
+  CHECK(answer.wait_for(std::chrono::seconds(0)) == std::future_status::timeout);
+  // Under way: the 6 DRAM blocks are pinned - a store of a whole pool's worth meanwhile gets the other 10 slots only.
+  CHECK(f.cache->GetStats().pinned == 6);
+  CHECK(lifecycle.inflight() == 1);
+  flexkv::PrefixIndex::Reservation r = f.cache->Reserve(flexkv::kRootParent, Chain(2, 16));
+  CHECK(r.slots.size() == 10);
+  f.cache->Abort(r.slots);
+  CHECK(f.cache->Match(Chain(1, 6), false, nullptr) == 6);
+  tier->AnswerAll();
+  REQUIRE(answer.wait_for(std::chrono::seconds(5)) == std::future_status::ready);
+  Looked looked = answer.get();
+  CHECK(looked.hit == 6);
+  CHECK(looked.pinned.size() == 6);
+  CHECK(f.cache->GetStats().pinned == 6);  // the answer's pins only: the lookup's own went
+  f.cache->Unpin(looked.pinned);
+  CHECK(f.cache->GetStats().pinned == 0);
+  CHECK(lifecycle.inflight() == 0);
+}
 
 TEST_CASE("tiers: a tier plugged into a TierSet takes write-backs, brings evicted blocks back byte-exact through the "
           "lookup path, and reports its own status and metrics",
