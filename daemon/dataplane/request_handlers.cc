@@ -429,7 +429,8 @@ void RequestHandlers::Store(const std::shared_ptr<RequestSession>& sp, const Sub
   if (!admitted) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   // Counted in flight from here on, so no DropDomain can start: check once more that the pool is the session's.
   if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
-  StartOrQueue(WaitingStore{sp, d, taken_ns, std::move(keys), std::move(ids), 0, std::move(admitted)});
+  StartOrQueue(WaitingStore{sp, d, taken_ns, std::move(keys), std::move(ids), 0, std::move(admitted),
+                            /*hybrid=*/false, {}});
 }
 
 void RequestHandlers::StartOrQueue(WaitingStore w) {
@@ -704,15 +705,12 @@ void RequestHandlers::StoreHybrid(const std::shared_ptr<RequestSession>& sp, con
                                   int64_t taken_ns, std::vector<BlockKey> keys, std::vector<uint32_t> ids,
                                   std::vector<uint32_t> boundaries) {
   RequestSession& s = *sp;
-  const Geometry& g = s.geometry();
   if (!s.store_access().ok()) return Fail(s, d, taken_ns, s.store_access());
   InFlight admitted = lifecycle_->Admit();
   if (!admitted) return Fail(s, d, taken_ns, Status::Unavailable("flexkvd is draining; retry after Resume"));
   if (s.cache().generation() != s.pool_generation_) return Fail(s, d, taken_ns, DomainDropped());
-  WaitingStore w{sp, d, taken_ns, std::move(keys), std::move(ids), 0, std::move(admitted)};
-  w.hybrid = true;
-  w.boundaries = std::move(boundaries);
-  StartOrQueue(std::move(w));
+  StartOrQueue(WaitingStore{sp, d, taken_ns, std::move(keys), std::move(ids), 0, std::move(admitted),
+                            /*hybrid=*/true, std::move(boundaries)});
 }
 
 bool RequestHandlers::ReserveAndCopyHybrid(WaitingStore& w, bool may_wait) {

@@ -114,8 +114,8 @@ bool SsdTier::PromoteHybrid(Cache& cache, std::span<const BlockKey> keys, Promot
     // entry from SSD; the attempts are bounded all the same.
     if (p->lost.load(std::memory_order_acquire) > 0 && attempts > 1 && !stopping_.load(std::memory_order_acquire)) {
       auto again = std::make_shared<PromotionDone>(d);
-      bool wait = false;  // a shorter end that would evict unwritten pieces is not promoted: the match ends here
-      if (PromoteHybrid(*p->cache, p->keys, [again, committed](size_t more) { (*again)(committed + more); }, &wait,
+      bool waits = false;  // a shorter end that would evict unwritten pieces is not promoted: the match ends here
+      if (PromoteHybrid(*p->cache, p->keys, [again, committed](size_t more) { (*again)(committed + more); }, &waits,
                         attempts - 1)) {
         return;
       }
