@@ -216,7 +216,7 @@ class Cache {
   // names the entries: the peer's hit end decides them, and a window may reach back before `keys` (into the prefix
   // held here). Nothing is matchable until CommitPulledHybrid; AbortHybrid gives it all back. While a next tier's
   // write-back serves (StoreWaitMs() > 0) it evicts only what that tier holds: a pull that would evict anything else
-  // is refused (RESOURCE_EXHAUSTED), evicting nothing.
+  // is refused (RESOURCE_EXHAUSTED), nothing else evicted.
   HybridReservation ReservePulledHybrid(const BlockKey& parent, std::span<const BlockKey> keys,
                                         const std::vector<std::vector<BlockKey>>& entry_keys);
   // Publishes a pulled set after every byte of it verified (as CommitHybrid; its events' cause is kPulled, and every

@@ -30,7 +30,8 @@ Cache::HybridReservation Cache::ReservePulledHybrid(const BlockKey& parent, std:
   // FULL part is reserved (which may evict), then the components (which cannot fail now: FULL evictions only
   // unanchor their entries).
   // While a next tier's write-back serves, a pull evicts only what that tier holds (as a promotion): a read never
-  // costs a block or entry the node accepted; one that would is refused (RESOURCE_EXHAUSTED), evicting nothing.
+  // costs a block or entry the node accepted; one that would is refused (RESOURCE_EXHAUSTED), having evicted at most
+  // blocks that tier holds.
   const bool clean_only = StoreWaitMsLocked() > 0;
   for (size_t c = 1; c < r.keys.size(); ++c) {
     const StatusCode feasible = Part(c).Feasible(r.keys[c]);

@@ -320,8 +320,10 @@ Cache::HybridPromotion Cache::ReservePromotion(std::span<const BlockKey> keys,
   const bool clean_only = StoreWaitMsLocked() > 0;
   // Waiting helps only where a write in flight or an evictable unwritten piece can become room; where pins alone
   // stand in the way (engines' loads) the promotion is refused now, as it always was.
-  const auto wait = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (!WriteBackMayMakeRoomLocked()) return refuse(p);
+  // `short_of`: the component that lacks room (0: FULL).
+  const auto wait = [&](size_t short_of) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    const bool helps = writing_ > 0 || (short_of == 0 ? index_->HasDirtyLeaf() : Part(short_of).MayHaveDirtyEvictable());
+    if (!helps) return refuse(p);
     UnpinLocked(held);
     HybridPromotion w;
     w.wait_for_write_back = true;
@@ -330,16 +332,16 @@ Cache::HybridPromotion Cache::ReservePromotion(std::span<const BlockKey> keys,
   // All or none, evicting nothing before every part is known to fit (as ReserveHybrid).
   for (size_t c = 1; c < components; ++c) {
     const StatusCode feasible = Part(c).Feasible(p.keys[c]);
-    if (clean_only && feasible == StatusCode::kResourceExhausted && writing_ > 0) return wait();
+    if (clean_only && feasible == StatusCode::kResourceExhausted && writing_ > 0) return wait(c);
     if (feasible != StatusCode::kOk) return refuse(p);
-    if (clean_only && !Part(c).FitsWithoutDirty(p.keys[c])) return wait();
+    if (clean_only && !Part(c).FitsWithoutDirty(p.keys[c])) return wait(c);
   }
   if (!p.keys[0].empty()) {
     const BlockKey parent = p.full_from == 0 ? kRootParent : keys[p.full_from - 1];
     PrefixIndex::Reservation r = index_->Reserve(parent, p.keys[0], /*allow_dirty=*/!clean_only);
     if (clean_only && (r.dirty_only || (r.shortfall == StatusCode::kResourceExhausted && writing_ > 0))) {
       index_->Abort(r.slots);  // the blocks it evicted were on the next tier: nothing lost
-      return wait();
+      return wait(0);
     }
     if (r.cached != 0 || r.slots.size() != p.keys[0].size()) {
       index_->Abort(r.slots);
@@ -351,7 +353,7 @@ Cache::HybridPromotion Cache::ReservePromotion(std::span<const BlockKey> keys,
     for (size_t c = 1; clean_only && c < components; ++c) {
       if (!Part(c).FitsWithoutDirty(p.keys[c])) {
         index_->Abort(p.slots[0]);
-        return wait();
+        return wait(c);
       }
     }
   }

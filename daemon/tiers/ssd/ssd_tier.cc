@@ -513,7 +513,8 @@ void SsdTier::RetryWaitingPromotions() {
       still.push_back(std::move(w));
       continue;
     }
-    if (wait) promotion_wait_expired_.fetch_add(1, std::memory_order_relaxed);
+    // Counted where the wait ran out with the promotion still due (not: the prefix came to DRAM, the domain went).
+    if ((wait || expired) && dram_hit < w.keys.size()) promotion_wait_expired_.fetch_add(1, std::memory_order_relaxed);
     w.done(0);  // nothing promoted: the match goes on from DRAM
   }
   if (still.empty()) return;
