@@ -1,4 +1,6 @@
-// See ssd_tier.h.
+// See ssd_tier.h. Over 700 lines: the mover (write-back, the deferred open, rates), FULL promotion and the
+// promotions waiting for the write-back share the tier's lock, counters and stop protocol kept here; the hybrid
+// promotion (ssd_tier_hybrid.cc) and the status and metrics (ssd_tier_report.cc) are split out already.
 #include "daemon/tiers/ssd/ssd_tier.h"
 
 #include <fcntl.h>
